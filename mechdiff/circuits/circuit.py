@@ -1,0 +1,98 @@
+"""The Circuit: named groups of heads, each read at a named dataset position; JSON round-trip.
+
+Positions are names of the dataset's position records (``last``, ``query_label``,
+``query_label_context``), never token offsets, so one circuit file scores on any
+model of the same shape and any prompt length.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..components import Head, check_heads, parse_heads
+
+GROUP_NAMES = {"A": "value fetcher", "B": "position transmitter", "C": "position detector", "D": "structure reader"}
+POSITION_NAMES = ("last", "query_label", "query_label_context")
+_PAPER_POSITIONS = {
+    "last token": "last",
+    "query box label (last - 2)": "query_label",
+    "earlier occurrence of the query box label in the context": "query_label_context",
+}
+
+
+@dataclass
+class Circuit:
+    """Groups of heads (``{"A": [Head, ...]}``) with the dataset position each group acts at."""
+
+    model: str
+    task: str
+    groups: dict[str, list[Head]]
+    positions: dict[str, str]
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=lambda: dict(GROUP_NAMES))
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = set(self.groups) - set(self.positions)
+        if missing:
+            raise ValueError(f"groups {sorted(missing)} have no position; give positions for every group")
+        bad = {g: p for g, p in self.positions.items() if p not in POSITION_NAMES}
+        if bad:
+            raise ValueError(f"unknown positions {bad}; valid position names: {POSITION_NAMES}")
+
+    def pairs(self) -> list[tuple[Head, str]]:
+        """Every distinct (head, position) pair of the circuit, in group order."""
+        seen: dict[tuple[Head, str], None] = {}
+        for g, heads in self.groups.items():
+            for h in heads:
+                seen.setdefault((h, self.positions[g]), None)
+        return list(seen)
+
+    def heads(self) -> list[Head]:
+        """Every distinct head of the circuit, sorted."""
+        return sorted({h for hs in self.groups.values() for h in hs})
+
+    def sizes(self) -> dict[str, int]:
+        return {g: len(hs) for g, hs in self.groups.items()}
+
+    def __iter__(self) -> Iterator[tuple[str, list[Head]]]:
+        return iter(self.groups.items())
+
+    def validate(self, n_layers: int, n_heads: int) -> None:
+        """Raise if a head does not exist in a model of this shape."""
+        for heads in self.groups.values():
+            check_heads(heads, n_layers, n_heads)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "task": self.task,
+            "groups": {g: [h.name for h in hs] for g, hs in self.groups.items()},
+            "positions": dict(self.positions), "names": dict(self.names),
+            "scores": self.scores, "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Circuit":
+        """Load the mechdiff format (``"L14H7"`` names) or the paper's (``[layer, head]`` pairs)."""
+        positions = {g: _PAPER_POSITIONS.get(p, p) for g, p in data["positions"].items()}
+        return cls(
+            model=data.get("model", ""), task=data.get("task", ""),
+            groups={g: parse_heads(hs) for g, hs in data["groups"].items()},
+            positions=positions, scores=data.get("scores", {}),
+            names=data.get("names", dict(GROUP_NAMES)), meta=data.get("meta", {}),
+        )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Circuit":
+        return cls.from_dict(json.loads(Path(path).read_text()))

