@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never wait on the network in tests
+
 import pytest
 import torch
 

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -20,6 +21,11 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` is set (read at call time): hub ids resolve from the local cache only."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
 def resolve_spec(model: str | ModelSpec, base: Optional[str] = None, revision: Optional[str] = None) -> ModelSpec:
@@ -71,7 +77,7 @@ def load_config(spec: ModelSpec, cache_dir: Optional[str] = None) -> Any:
     src = resolve_source(spec.source)
     kwargs = {"gguf_file": spec.gguf_file} if spec.kind == "gguf" else {}
     if spec.kind == "hub":
-        kwargs.update(revision=spec.revision, cache_dir=cache_dir)
+        kwargs.update(revision=spec.revision, cache_dir=cache_dir, local_files_only=offline())
     return AutoConfig.from_pretrained(src, **kwargs)
 
 
@@ -86,7 +92,7 @@ def load_tokenizer(spec: ModelSpec, cache_dir: Optional[str] = None) -> Any:
         return AutoTokenizer.from_pretrained(src)
     kwargs = {"gguf_file": spec.gguf_file} if spec.kind == "gguf" else {}
     if spec.kind == "hub":
-        kwargs.update(revision=spec.revision, cache_dir=cache_dir)
+        kwargs.update(revision=spec.revision, cache_dir=cache_dir, local_files_only=offline())
     return AutoTokenizer.from_pretrained(src, **kwargs)
 
 
@@ -188,12 +194,17 @@ def _load_weights(spec: ModelSpec, dtype: torch.dtype, device_map: Any, cache_di
         adapter_cfg = peft_model.peft_config["default"].to_dict()
         merged = peft_model.merge_and_unload()
         return merged, {"kind": "lora", "adapter": spec.source, "merged": True, "base": base_prov,
-                        "lora": {k: adapter_cfg.get(k) for k in ("r", "lora_alpha", "target_modules")}}
+                        "lora": {k: _jsonable(adapter_cfg.get(k)) for k in ("r", "lora_alpha", "target_modules")}}
     if spec.kind == "gguf":
         m = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file, **common)
         return m, {"kind": "gguf", "path": str(Path(src) / spec.gguf_file)}
     if spec.kind == "hub":
-        m = AutoModelForCausalLM.from_pretrained(src, revision=spec.revision, cache_dir=cache_dir, **common)
+        m = AutoModelForCausalLM.from_pretrained(src, revision=spec.revision, cache_dir=cache_dir,
+                                                 local_files_only=offline(), **common)
         return m, {"kind": "hub", "repo": src, "revision": spec.revision}
     m = AutoModelForCausalLM.from_pretrained(src, **common)
     return m, {"kind": "local", "path": src}
+
+
+def _jsonable(value: Any) -> Any:
+    return sorted(value) if isinstance(value, (set, frozenset)) else value

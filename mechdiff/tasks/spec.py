@@ -1,0 +1,155 @@
+"""Task specs (``tasks/*.toml``): parsed into dataclasses, unknown keys rejected with their line."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+
+class SpecError(ValueError):
+    """A task file that cannot be run; the message names the line and the valid keys."""
+
+
+@dataclass
+class TaskSection:
+    name: str = "entity-tracking"
+    n_boxes: int = 7
+    seed: int = 0
+
+
+@dataclass
+class ModelsSection:
+    base: str = "smollm2-et-early"
+    finetunes: list[str] = field(default_factory=lambda: ["smollm2-et", "smollm2-et-math"])
+    dtype: str = "float32"
+    device_map: Optional[str] = None
+
+
+@dataclass
+class EvalSection:
+    n: int = 500
+    batch_size: int = 50
+
+
+@dataclass
+class DiscoverySection:
+    n: int = 40
+    top_k: dict[str, int] = field(default_factory=lambda: {"A": 10, "B": 6, "C": 8, "D": 5})
+    screen: bool = True
+    screen_multiple: int = 3
+    batch_size: int = 40
+
+
+@dataclass
+class ScoringSection:
+    n: int = 100
+    random_draws: int = 5
+    completeness_draws: int = 5
+    prune_threshold: float = 0.01
+    prune: bool = True
+
+
+@dataclass
+class DcmSection:
+    desiderata: list[str] = field(default_factory=lambda: ["positional", "object_value", "label_value"])
+    n_train: int = 64
+    n_val: int = 32
+    n_test: int = 64
+    epochs: int = 5
+    lam: float = 0.01
+    lr: float = 0.1
+
+
+@dataclass
+class CmapSection:
+    n: int = 100
+    parts: list[str] = field(default_factory=lambda: ["z", "q", "k", "v", "qk", "qkv"])
+
+
+@dataclass
+class OutputSection:
+    dir: str = "results/entity-tracking-smollm2"
+    store: str = "cache/activations.h5"
+
+
+SECTIONS = {
+    "task": TaskSection, "models": ModelsSection, "eval": EvalSection, "discovery": DiscoverySection,
+    "scoring": ScoringSection, "dcm": DcmSection, "cmap": CmapSection, "output": OutputSection,
+}
+REQUIRED = {"task": ("name",), "models": ("base",)}
+
+
+@dataclass
+class RunSpec:
+    """A whole study: every section of a task file, defaults filled in."""
+
+    task: TaskSection
+    models: ModelsSection
+    eval: EvalSection
+    discovery: DiscoverySection
+    scoring: ScoringSection
+    dcm: DcmSection
+    cmap: CmapSection
+    output: OutputSection
+    source: str = "<defaults>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: asdict(getattr(self, name)) for name in SECTIONS}
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.models.base, *self.models.finetunes]
+
+
+def default_spec() -> RunSpec:
+    """The embedded default study: smollm2-et-early against smollm2-et and smollm2-et-math."""
+    return RunSpec(**{name: cls() for name, cls in SECTIONS.items()})
+
+
+def load_spec(path: str | Path) -> RunSpec:
+    """Parse and check a task file before anything loads."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"task file {path} does not exist")
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError(f"{path}: not valid TOML: {err}") from None
+    for section in data:
+        if section not in SECTIONS:
+            raise SpecError(f"{path}:{_line(text, None, section)}: unknown section [{section}]; "
+                            f"valid sections: {', '.join(SECTIONS)}")
+    for section, keys in REQUIRED.items():
+        for key in keys:
+            if key not in data.get(section, {}):
+                raise SpecError(f"{path}: [{section}] is missing the required field {key!r}")
+    built = {}
+    for name, cls in SECTIONS.items():
+        values = data.get(name, {})
+        valid = [f.name for f in fields(cls)]
+        for key in values:
+            if key not in valid:
+                raise SpecError(f"{path}:{_line(text, name, key)}: unknown key {key!r} in [{name}]; "
+                                f"valid keys: {', '.join(valid)}")
+        built[name] = cls(**values)
+    if built["task"].name != "entity-tracking":
+        raise SpecError(f"{path}: task {built['task'].name!r} is not supported; supported: entity-tracking")
+    return RunSpec(**built, source=str(path))
+
+
+def _line(text: str, section: Optional[str], key: str) -> int:
+    """1-based line where ``key`` (or ``[section]`` when section is None) appears."""
+    current = None
+    for i, line in enumerate(text.splitlines(), 1):
+        header = re.match(r"\s*\[([^\]]+)\]", line)
+        if header:
+            current = header[1].strip()
+            if section is None and current == key:
+                return i
+        elif section is not None and current == section and re.match(rf"\s*{re.escape(key)}\s*=", line):
+            return i
+    return 0

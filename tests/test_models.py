@@ -1,0 +1,136 @@
+"""Loader paths, registry, ModelSet checks and fingerprints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mechdiff.models import IncompatibleModels, ModelSet, get_spec, load_model, resolve_spec
+from mechdiff.models.architectures import ModelShape
+
+from conftest import make_tiny
+
+
+def _save(lm, path, tokenizer):
+    lm.model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _logits(lm, ids):
+    with torch.no_grad():
+        return lm.model(ids).logits
+
+
+def test_unknown_name_lists_registry():
+    with pytest.raises(KeyError) as err:
+        resolve_spec("no-such-model")
+    for name in ("smollm2-135m", "llama-7b", "goat-7b", "smollm2-et"):
+        assert name in str(err.value)
+
+
+def test_registry_paper_models():
+    assert get_spec("goat-7b").kind == "lora" and get_spec("goat-7b").base == "llama-7b"
+    assert get_spec("vicuna-7b").source == "AlekseyKorshuk/vicuna-7b"
+    assert get_spec("vicuna-7b-v1.3").source == "lmsys/vicuna-7b-v1.3"
+    assert get_spec("float-7b").source == "nikhil07prakash/float-7b"
+
+
+def test_local_directory_roundtrip(tmp_path, smollm2_tokenizer):
+    tiny = make_tiny("llama", smollm2_tokenizer)
+    _save(tiny, tmp_path / "m", smollm2_tokenizer)
+    lm = load_model(str(tmp_path / "m"))
+    assert lm.provenance["kind"] == "local"
+    ids = torch.randint(0, 1000, (2, 9))
+    assert torch.equal(_logits(lm, ids), _logits(tiny, ids))
+    assert lm.fingerprint == tiny.fingerprint
+    assert lm.shape == ModelShape(3, 4, 2, 8, 32, 49152)
+
+
+def test_hub_id_against_local_mirror(tmp_path, smollm2_tokenizer, monkeypatch):
+    """The hub code path, served from a cache laid out as the hub's (no network)."""
+    tiny = make_tiny("llama", smollm2_tokenizer)
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--mechdiff-test--tiny-llama"
+    _save(tiny, repo / "snapshots" / rev, smollm2_tokenizer)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lm = load_model("hub:mechdiff-test/tiny-llama@main", cache_dir=str(tmp_path / "hub"))
+    assert lm.provenance == {"kind": "hub", "repo": "mechdiff-test/tiny-llama", "revision": "main",
+                             "dtype": "float32", "device_map": None}
+    ids = torch.randint(0, 1000, (2, 9))
+    assert torch.equal(_logits(lm, ids), _logits(tiny, ids))
+    assert resolve_spec("mechdiff-test/tiny-llama").kind == "hub"
+
+
+def test_lora_adapter_merged(tmp_path, smollm2_tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    tiny = make_tiny("llama", smollm2_tokenizer)
+    base_dir = _save(tiny, tmp_path / "base", smollm2_tokenizer)
+    peft_model = get_peft_model(make_tiny("llama", smollm2_tokenizer).model,
+                                LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    lm = load_model(str(tmp_path / "adapter"), base=str(base_dir))
+    assert lm.provenance["merged"] is True and lm.provenance["lora"]["r"] == 4
+    ids = torch.randint(0, 1000, (2, 9))
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+    assert torch.allclose(_logits(lm, ids), expected, atol=1e-5)
+    assert lm.fingerprint != tiny.fingerprint
+    json.dumps(lm.provenance)  # recorded merge is serialisable
+
+
+def test_adapter_without_base_is_refused(tmp_path, smollm2_tokenizer):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="--base"):
+        resolve_spec(str(tmp_path / "a"))
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="dtype"):
+        load_model("smollm2-135m", dtype="int3")
+
+
+def test_modelset_rejects_shape_mismatch(tmp_path, smollm2_tokenizer):
+    a = _save(make_tiny("llama", smollm2_tokenizer), tmp_path / "a", smollm2_tokenizer)
+    b = _save(make_tiny("llama", smollm2_tokenizer, n_layers=2), tmp_path / "b", smollm2_tokenizer)
+    with pytest.raises(IncompatibleModels, match="n_layers differs"):
+        ModelSet([str(a), str(b)])
+
+
+def test_modelset_rejects_vocabulary_mismatch(tmp_path, smollm2_tokenizer):
+    from transformers import GPT2TokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    a = _save(make_tiny("llama", smollm2_tokenizer), tmp_path / "a", smollm2_tokenizer)
+    vocab = {f"t{i}": i for i in range(49152)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    other = GPT2TokenizerFast(tokenizer_object=raw)
+    b = _save(make_tiny("llama", smollm2_tokenizer), tmp_path / "b", other)
+    with pytest.raises(IncompatibleModels, match="vocabularies differ"):
+        ModelSet([str(a), str(b)])
+
+
+def test_modelset_loads_lazily(tmp_path, smollm2_tokenizer):
+    a = _save(make_tiny("llama", smollm2_tokenizer, seed=0), tmp_path / "a", smollm2_tokenizer)
+    b = _save(make_tiny("llama", smollm2_tokenizer, seed=1), tmp_path / "b", smollm2_tokenizer)
+    ms = ModelSet([str(a), str(b)])
+    assert ms._loaded == {}
+    assert ms[str(a)].fingerprint != ms[str(b)].fingerprint
+    assert [m.name for m in ms] == [str(a), str(b)]
+
+
+@pytest.mark.slow
+def test_gguf_smollm2(smollm2):
+    assert smollm2.provenance["kind"] == "gguf"
+    assert smollm2.shape == ModelShape(30, 9, 3, 64, 576, 49152)
+    ids = smollm2.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        top = smollm2.model(ids).logits[0, -1].argmax().item()
+    assert smollm2.tokenizer.decode(top).strip() == "Paris"
