@@ -208,3 +208,21 @@ def _load_weights(spec: ModelSpec, dtype: torch.dtype, device_map: Any, cache_di
 
 def _jsonable(value: Any) -> Any:
     return sorted(value) if isinstance(value, (set, frozenset)) else value
+
+
+def spec_digest(spec: ModelSpec) -> str:
+    """A cheap digest of where a checkpoint comes from, without loading it (keys stage caches).
+
+    Files are hashed when small (adapters, configs); large weight files by name, size and mtime.
+    """
+    h = hashlib.sha256(json.dumps([spec.kind, spec.source, spec.revision, spec.gguf_file]).encode())
+    src = Path(resolve_source(spec.source))
+    if src.is_dir():
+        for f in sorted(src.iterdir()):
+            if f.is_file():
+                stat = f.stat()
+                h.update(f.name.encode())
+                h.update(f.read_bytes() if stat.st_size < 64 << 20 else f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+    if spec.kind == "lora":
+        h.update(spec_digest(resolve_spec(spec.base)).encode())
+    return h.hexdigest()[:16]

@@ -18,16 +18,23 @@ import torch
 from ..components import Head
 from ..models.loading import LoadedModel
 
-SITE_ORDER = {"q": 0, "k": 1, "v": 2, "z": 3, "pattern": 4}
+SITE_ORDER = {"emb": -1, "q": 0, "k": 1, "v": 2, "z": 3, "pattern": 4}
+EMB_LAYER = -1  # the ("emb", -1) site: the token embedding output "batch pos d_model", before every layer
 
 
 @dataclass
 class Patch:
     """Write ``value`` into ``columns`` of site ``(kind, layer)``.
 
-    ``positions``: LongTensor ``[batch]`` (one position per example; value ``"batch d"``)
-    or ``None`` (every position; value ``"batch pos d"``). ``columns=None`` means all columns.
+    ``positions``: LongTensor ``[batch]`` (one position per example; value ``"batch d"``),
+    a ``slice`` of positions (value ``"batch sliced_pos d"``) or ``None`` (every position;
+    value ``"batch pos d"``). ``columns=None`` means all columns.
     ``value`` may have batch 1 to broadcast over the batch.
+
+    ``mask`` (optional) MIXES instead of overwriting: ``site <- site * mask + value * (1 - mask)``,
+    with ``mask`` broadcastable to the patched slice (``"batch pos cols"``, or ``"batch cols"``
+    with ``positions``). It may require grad: under ``run(..., grad=True)`` the mix stays in the
+    autograd graph, so gradients reach the mask (DCM, learned circuit masks).
     """
 
     kind: str
@@ -35,15 +42,28 @@ class Patch:
     value: torch.Tensor
     positions: Optional[torch.Tensor] = None
     columns: Optional[slice] = None
+    mask: Optional[torch.Tensor] = None
 
     def apply(self, site: torch.Tensor) -> None:
         cols = self.columns if self.columns is not None else slice(None)
-        value = self.value.to(site.dtype)
+        value = self.value.to(device=site.device, dtype=site.dtype)
         if self.positions is None:
-            site[:, :, cols] = value
+            site[:, :, cols] = self._mix(site[:, :, cols], value)
+        elif isinstance(self.positions, slice):
+            site[:, self.positions, cols] = self._mix(site[:, self.positions, cols], value)
         else:
             rows = torch.arange(site.shape[0], device=site.device)
-            site[rows, self.positions.to(site.device), cols] = value.expand(site.shape[0], -1) if value.shape[0] == 1 else value
+            positions = self.positions.to(site.device)
+            value = value.expand(site.shape[0], -1) if value.shape[0] == 1 else value
+            site[rows, positions, cols] = self._mix(site[rows, positions, cols], value)
+
+    def _mix(self, current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.mask is None:
+            return value
+        mask = self.mask.to(device=current.device, dtype=current.dtype)
+        # ``current`` may be a view of the site, which is written in place next: clone it so that
+        # autograd keeps the pre-write values it needs for the mask's gradient.
+        return current.clone() * mask + value * (1 - mask)
 
 
 @dataclass
@@ -68,12 +88,14 @@ def run(
     readout: Optional[torch.Tensor] = None,
     attention_mask: Optional[torch.Tensor] = None,
     grad: bool = False,
+    stop: bool = False,
 ) -> Run:
     """One forward pass of ``model`` on ``input_ids`` with ``patches`` written and ``capture`` saved.
 
     ``readout``: LongTensor ``[batch]`` of positions whose logits are returned (default: last).
     Captured tensors are cloned after this run's patches at that site. With ``grad=True``
     the captured tensors stay in the autograd graph (see the attribution screen).
+    ``stop=True`` halts the model after the last patched/captured site (``logits`` is then ``None``).
     """
     by_site: dict[tuple[str, int], list[Patch]] = defaultdict(list)
     for p in patches:
@@ -89,7 +111,8 @@ def run(
         kwargs["logits_to_keep"] = 1
     captured: dict = {}
     with torch.set_grad_enabled(grad):
-        with nn.trace(**kwargs):
+        out = None
+        with nn.trace(**kwargs) as tracer:
             fused_seen: dict[int, torch.Tensor] = {}
             for kind, layer in sites:
                 site = _site(arch, nn, kind, layer, fused_seen)
@@ -97,6 +120,9 @@ def run(
                     p.apply(site)
                 if (kind, layer) in capture:
                     captured[(kind, layer)] = site if grad else site.clone()
+            if stop:
+                captured = captured.save() if hasattr(captured, "save") else captured
+                tracer.stop()
             logits = nn.output.logits
             if readout is None:
                 out = logits[:, -1]
@@ -108,7 +134,11 @@ def run(
 
 
 def _site(arch, nn, kind: str, layer: int, fused_seen: dict) -> torch.Tensor:
-    """A site's tensor; fused Q/K/V projections are fetched once per layer."""
+    """A site's tensor; fused Q/K/V projections are fetched once per layer; ``emb`` is the embedding output."""
+    if kind == "emb":
+        from ..models.architectures import _get
+
+        return _get(nn, arch.embed).output
     if kind in ("q", "k", "v") and arch.qkv_layout != "separate":
         if layer not in fused_seen:
             fused_seen[layer] = arch.site(nn, kind, layer)

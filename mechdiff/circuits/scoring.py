@@ -1,0 +1,401 @@
+"""Circuit scoring by mean ablation: faithfulness, completeness (Wang et al. 2022) and minimality.
+
+A circuit is a set of (head, position-name) pairs. Evaluating a circuit replaces every head's
+output ``z`` by its position-wise mean over a reference set, EXCEPT the circuit's pairs: a
+circuit head keeps the value it computes *in the ablated run* at its group's position (and is
+mean-ablated at every other position). MLPs and embeddings are untouched. Per layer this is one
+mixing patch on ``z``: ``z <- z * mask + mean * (1 - mask)`` with ``mask`` 1 at the kept
+(head columns, position) cells (:class:`mechdiff.patching.core.Patch` with ``mask``).
+
+The metric ``F`` is task accuracy (per prompt: is the answer the top-1 token) or the answer
+probability; faithfulness is ``F(C) / F(M)``. The position :data:`EVERY_POSITION` (``"*"``)
+keeps or ablates a head at every position (the "all heads at all positions" circuit).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Literal, Optional, Sequence
+
+import numpy as np
+import torch
+from einops import reduce, repeat
+from tqdm.auto import tqdm
+
+from ..components import Head, all_heads
+from ..evaluate import EvalResult, batches, evaluate
+from ..models.loading import LoadedModel
+from ..patching.core import Patch, run
+from ..stats import Estimate, bootstrap, bootstrap_ratio
+from ..tasks.entity_tracking import EntityTrackingExample, batch_tensors, generate, path_patching_pairs
+from .circuit import Circuit
+
+log = logging.getLogger(__name__)
+
+EVERY_POSITION = "*"
+Pair = tuple[Head, str]
+Metric = Literal["accuracy", "prob"]
+ReferenceKind = Literal["path_patching", "fresh"]
+
+
+# --------------------------------------------------------------------------------------
+# Reference set and position-wise means
+# --------------------------------------------------------------------------------------
+
+
+def reference_records(tokenizer, n: int, n_boxes: int, seed: int,
+                      kind: ReferenceKind = "path_patching") -> list[EntityTrackingExample]:
+    """Prompts whose mean activations replace ablated heads: one per context, ``n_boxes`` boxes.
+
+    ``path_patching``: the sources of :func:`path_patching_pairs` (disjoint objects, a query
+    label absent from the context, as the paper's ablation set); ``fresh``: :func:`generate`.
+    """
+    if kind == "path_patching":
+        return [p.source for p in path_patching_pairs(tokenizer, n, n_boxes=n_boxes, seed=seed)]
+    if kind == "fresh":
+        return generate(tokenizer, n, n_boxes=n_boxes, seed=seed)
+    raise ValueError(f"unknown reference kind {kind!r}; use 'path_patching' or 'fresh'")
+
+
+def position_means(model: LoadedModel, records: Sequence[EntityTrackingExample], batch_size: int = 32,
+                   progress: bool = True, store: Optional[str | Path] = None) -> torch.Tensor:
+    """Mean over ``records`` of every layer's ``z`` at each position: ``"layer pos (head d_head)"`` (float32).
+
+    The one place the activation cache plugs in: with ``store`` (an HDF5 path) the means are
+    read from / written to :class:`mechdiff.store.ActivationStore`, keyed by the model's
+    fingerprint and the reference set's hash; without it they are computed here.
+    """
+    if not records:
+        raise ValueError("no reference records to average; give at least one")
+    if store is not None:
+        from ..store import ActivationStore
+
+        return ActivationStore(store).means(model, records, "z", batch_size, progress)
+    sites = [("z", layer) for layer in range(model.shape.n_layers)]
+    total: Optional[torch.Tensor] = None
+    for rows in tqdm(batches(len(records), batch_size), desc=f"means {model.name}", disable=not progress, leave=False):
+        batch = batch_tensors(records[rows])
+        with torch.no_grad():
+            captured = run(model, batch["input_ids"], capture=sites).captured
+        z = torch.stack([captured[s].float() for s in sites])  # layer batch pos cols
+        part = reduce(z, "layer batch pos cols -> layer pos cols", "sum")
+        total = part if total is None else total + part
+    return total / len(records)
+
+
+# --------------------------------------------------------------------------------------
+# Ablation patches
+# --------------------------------------------------------------------------------------
+
+
+def _pairs_by_layer(pairs: Iterable[Pair]) -> dict[int, list[Pair]]:
+    out: dict[int, list[Pair]] = {}
+    for head, pos in pairs:
+        out.setdefault(head.layer, []).append((head, pos))
+    return out
+
+
+def _head_mask(layer_pairs: Sequence[Pair], batch: dict, n_pos: int, n_heads: int, fill: float) -> torch.Tensor:
+    """``"batch pos head"``: ``1 - fill`` everywhere, ``fill`` at each pair's (position, head)."""
+    n = batch["input_ids"].shape[0]
+    mask = torch.full((n, n_pos, n_heads), 1.0 - fill)
+    rows = torch.arange(n)
+    for head, pos in layer_pairs:
+        if pos == EVERY_POSITION:
+            mask[:, :, head.head] = fill
+            continue
+        if pos not in batch["positions"]:
+            raise ValueError(f"unknown position {pos!r}; valid: {sorted(batch['positions'])} or {EVERY_POSITION!r}")
+        where = batch["positions"][pos]
+        if where.ndim != 1 or (where < 0).any():
+            raise ValueError(f"position {pos!r} is missing in some prompts; score on prompts that contain it")
+        mask[rows, where, head.head] = fill
+    return mask
+
+
+def ablation_patches(model: LoadedModel, means: torch.Tensor, batch: dict, pairs: Iterable[Pair],
+                     keep: bool = True) -> list[Patch]:
+    """The ``z`` patches of a mean ablation for one batch.
+
+    ``keep=True``: every head is mean-ablated except ``pairs`` (the circuit, evaluated as F(C)).
+    ``keep=False``: only ``pairs`` are mean-ablated, everything else runs clean (F(M \\ K)).
+    """
+    shape = model.shape
+    n_pos = batch["input_ids"].shape[1]
+    if means.shape[:2] != (shape.n_layers, n_pos):
+        raise ValueError(f"means have shape {tuple(means.shape)} but the model has {shape.n_layers} layers and the "
+                         f"prompts {n_pos} tokens; compute the means on prompts with the same n_boxes")
+    by_layer = _pairs_by_layer(pairs)
+    patches = []
+    for layer in range(shape.n_layers):
+        layer_pairs = by_layer.get(layer, [])
+        if not keep and not layer_pairs:
+            continue  # nothing ablated in this layer
+        mask = None
+        if layer_pairs:
+            heads = _head_mask(layer_pairs, batch, n_pos, shape.n_heads, fill=1.0 if keep else 0.0)
+            if keep and bool(heads.all()):
+                continue  # every head kept everywhere: the clean value, exactly
+            mask = repeat(heads, "batch pos head -> batch pos (head d)", d=shape.d_head)
+        patches.append(Patch("z", layer, means[layer][None], mask=mask))
+    return patches
+
+
+# --------------------------------------------------------------------------------------
+# The scorer: cached evaluations of one model on one prompt set
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Scorer:
+    """Evaluates one model under mean ablations on fixed prompts, caching every result by pair set."""
+
+    model: LoadedModel
+    records: Sequence[EntityTrackingExample]
+    means: torch.Tensor
+    batch_size: int = 32
+    progress: bool = True
+    cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, model: LoadedModel, records: Sequence[EntityTrackingExample],
+              reference: Sequence[EntityTrackingExample], batch_size: int = 32, progress: bool = True,
+              store: Optional[str | Path] = None) -> "Scorer":
+        """Compute (or read from ``store``) the position-wise means on ``reference``; a scorer for ``records``."""
+        means = position_means(model, reference, batch_size, progress, store)
+        return cls(model, records, means, batch_size, progress)
+
+    def full(self) -> EvalResult:
+        """F(M): the unablated model."""
+        return self._eval("full", frozenset(), lambda batch, rows: ())
+
+    def keep(self, pairs: Iterable[Pair]) -> EvalResult:
+        """F(C): every head mean-ablated except ``pairs``."""
+        key = frozenset(pairs)
+        return self._eval("keep", key, lambda batch, rows: ablation_patches(self.model, self.means, batch, key, True))
+
+    def ablate(self, pairs: Iterable[Pair]) -> EvalResult:
+        """F(M \\ K): only ``pairs`` mean-ablated."""
+        key = frozenset(pairs)
+        if not key:
+            return self.full()
+        return self._eval("ablate", key, lambda batch, rows: ablation_patches(self.model, self.means, batch, key, False))
+
+    def _eval(self, mode: str, key: frozenset, patches) -> EvalResult:
+        if (mode, key) not in self.cache:
+            self.cache[(mode, key)] = evaluate(self.model, self.records, self.batch_size, patches=patches,
+                                               desc=f"{mode} {len(key)} pairs", progress=self.progress)
+        return self.cache[(mode, key)]
+
+
+def per_prompt(result: EvalResult, metric: Metric = "accuracy") -> np.ndarray:
+    """Per-prompt values of ``metric``: correctness (0/1) or answer probability."""
+    if metric == "accuracy":
+        return result.correct.astype(float)
+    if metric == "prob":
+        return result.prob.astype(float)
+    raise ValueError(f"unknown metric {metric!r}; use 'accuracy' or 'prob'")
+
+
+# --------------------------------------------------------------------------------------
+# Faithfulness and the random baseline
+# --------------------------------------------------------------------------------------
+
+
+def random_circuit(circuit: Circuit, n_layers: int, n_heads: int, rng: random.Random) -> Circuit:
+    """A circuit with the same per-group sizes and positions, heads drawn from all heads of the model."""
+    pool = all_heads(n_layers, n_heads)
+    groups = {g: sorted(rng.sample(pool, len(hs))) for g, hs in circuit.groups.items()}
+    return Circuit(circuit.model, circuit.task, groups, dict(circuit.positions), names=dict(circuit.names),
+                   meta={"random_baseline_of": circuit.model})
+
+
+def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "entity-tracking") -> Circuit:
+    """The whole model as a circuit: every head at every position (:data:`EVERY_POSITION`), one group
+    per layer (``"L0"``, ``"L1"``...). Its faithfulness is exactly 1 and its completeness exactly 0.
+    It scores in memory; :meth:`Circuit.load` rejects the ``"*"`` position."""
+    groups = {f"L{layer}": [Head(layer, h) for h in range(n_heads)] for layer in range(n_layers)}
+    circuit = Circuit(model, task, groups, dict.fromkeys(groups, "last"), names={g: "" for g in groups})
+    circuit.positions = dict.fromkeys(groups, EVERY_POSITION)
+    return circuit
+
+
+def faithfulness(scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int = 0) -> dict:
+    """F(M), F(C), faithfulness F(C)/F(M) for accuracy and answer probability, with bootstrap CIs.
+
+    With ``n_random > 0`` also the mean over ``n_random`` random circuits of the same group sizes
+    (seeded): per prompt, each metric is averaged over the draws before bootstrapping.
+    """
+    shape = scorer.model.shape
+    circuit.validate(shape.n_layers, shape.n_heads)
+    full, circ = scorer.full(), scorer.keep(circuit.pairs())
+    out = {"full": _figures(full, full), "circuit": _figures(circ, full), "n_prompts": len(scorer.records)}
+    if n_random > 0:
+        rng = random.Random(seed)
+        draws = [scorer.keep(random_circuit(circuit, shape.n_layers, shape.n_heads, rng).pairs())
+                 for _ in tqdm(range(n_random), desc="random circuits", disable=not scorer.progress, leave=False)]
+        mean = EvalResult(np.mean([d.correct for d in draws], 0), np.mean([d.prob for d in draws], 0))
+        out["random"] = {**_figures(mean, full), "n_draws": n_random, "seed": seed}
+    return out
+
+
+def _figures(result: EvalResult, full: EvalResult) -> dict:
+    acc, prob = per_prompt(result, "accuracy"), per_prompt(result, "prob")
+    return {
+        "accuracy": bootstrap(acc).to_dict(),
+        "answer_prob": bootstrap(prob).to_dict(),
+        "faithfulness": bootstrap_ratio(acc, per_prompt(full, "accuracy")).to_dict(),
+        "faithfulness_prob": bootstrap_ratio(prob, per_prompt(full, "prob")).to_dict(),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Completeness
+# --------------------------------------------------------------------------------------
+
+
+def group_pairs(circuit: Circuit, group: str) -> list[Pair]:
+    """The (head, position) pairs of one group."""
+    return [(h, circuit.positions[group]) for h in circuit.groups[group]]
+
+
+def completeness(scorer: Scorer, circuit: Circuit, n_draws: int = 5, p: float = 0.5, seed: int = 0,
+                 metric: Metric = "accuracy") -> dict:
+    """|F(C \\ K) - F(M \\ K)| for random K (each pair kept in K with probability ``p``) and each whole group.
+
+    Random K: mean, std and the per-draw values, with a bootstrap CI over the draws. Per group:
+    the signed difference with a bootstrap CI over prompts, and its absolute value.
+    """
+    pairs = circuit.pairs()
+    rng = random.Random(seed)
+    diffs = []
+    for _ in tqdm(range(n_draws), desc="completeness draws", disable=not scorer.progress, leave=False):
+        k = [pr for pr in pairs if rng.random() < p]
+        diffs.append(abs(float(_difference(scorer, pairs, k, metric).mean())))
+    out: dict = {"metric": metric, "p": p, "seed": seed, "n_prompts": len(scorer.records)}
+    if diffs:
+        out["random"] = {"mean": float(np.mean(diffs)), "std": float(np.std(diffs)), "draws": diffs,
+                         "ci": bootstrap(diffs).to_dict()}
+    out["groups"] = {}
+    for g in circuit.groups:
+        signed = bootstrap(_difference(scorer, pairs, group_pairs(circuit, g), metric))
+        out["groups"][g] = {"completeness": abs(signed.value), "difference": signed.to_dict(),
+                            "size": len(circuit.groups[g])}
+    return out
+
+
+def _difference(scorer: Scorer, pairs: Sequence[Pair], k: Sequence[Pair], metric: Metric) -> np.ndarray:
+    """Per prompt, F(C \\ K) - F(M \\ K)."""
+    without = [pr for pr in pairs if pr not in set(k)]
+    return per_prompt(scorer.keep(without), metric) - per_prompt(scorer.ablate(k), metric)
+
+
+# --------------------------------------------------------------------------------------
+# Minimality and pruning
+# --------------------------------------------------------------------------------------
+
+
+def pair_name(pair: Pair) -> str:
+    """``"L14H7@last"``."""
+    return f"{pair[0].name}@{pair[1]}"
+
+
+def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidates: Optional[int] = 4,
+               seed: int = 0, metric: Metric = "accuracy") -> dict:
+    """Per pair v, the contribution max_K |F(C \\ (K + v)) - F(C \\ K)| with K grown greedily.
+
+    Greedy, as Wang et al. and Prakash et al.: start from K = {}; each step tries adding one
+    other circuit pair (``n_candidates`` drawn at random, or all with ``None``) and keeps the one
+    that raises v's contribution most; stop after ``max_steps`` steps or when none raises it.
+    ``relative`` is the contribution divided by F(M). Results are cached across heads.
+    """
+    pairs = circuit.pairs()
+    f_full = float(per_prompt(scorer.full(), metric).mean())
+    rng = random.Random(seed)
+
+    def f(removed: frozenset) -> float:
+        return float(per_prompt(scorer.keep([pr for pr in pairs if pr not in removed]), metric).mean())
+
+    def contribution(v: Pair, k: frozenset) -> float:
+        return abs(f(k | {v}) - f(k))
+
+    out = {}
+    for v in tqdm(pairs, desc="minimality", disable=not scorer.progress):
+        k: frozenset = frozenset()
+        best = contribution(v, k)
+        for _ in range(max_steps):
+            others = [u for u in pairs if u != v and u not in k]
+            if n_candidates is not None and len(others) > n_candidates:
+                others = rng.sample(others, n_candidates)
+            scored = [(contribution(v, k | {u}), u) for u in others]
+            if not scored or max(scored, key=lambda t: t[0])[0] <= best:
+                break
+            value, u = max(scored, key=lambda t: t[0])
+            best, k = value, k | {u}
+        out[pair_name(v)] = {"contribution": best, "relative": best / f_full if f_full else float("nan"),
+                             "K": sorted(pair_name(u) for u in k)}
+    return {"metric": metric, "full": f_full, "max_steps": max_steps, "n_candidates": n_candidates,
+            "seed": seed, "n_prompts": len(scorer.records), "pairs": out}
+
+
+def prune(circuit: Circuit, result: dict, threshold: float = 0.01) -> Circuit:
+    """The circuit without the pairs whose relative contribution is at most ``threshold``; the
+    threshold and the minimality settings are recorded in the pruned circuit's ``meta``."""
+    contributions = result["pairs"]
+    groups, removed = {}, []
+    for g, heads in circuit.groups.items():
+        groups[g] = []
+        for h in heads:
+            name = pair_name((h, circuit.positions[g]))
+            if name not in contributions:
+                raise ValueError(f"no minimality score for {name}; score the same circuit before pruning")
+            if contributions[name]["relative"] > threshold:
+                groups[g].append(h)
+            else:
+                removed.append(name)
+    meta = {**circuit.meta, "pruned": {
+        "threshold": threshold, "relative_to": "F(M)", "metric": result["metric"],
+        "max_steps": result["max_steps"], "n_candidates": result["n_candidates"], "seed": result["seed"],
+        "n_prompts": result["n_prompts"], "removed": sorted(set(removed)),
+        "sizes_before": circuit.sizes()}}
+    scores = {**circuit.scores, "minimality": {n: r["relative"] for n, r in contributions.items()}}
+    return Circuit(circuit.model, circuit.task, groups, dict(circuit.positions), scores=scores,
+                   names=dict(circuit.names), meta=meta)
+
+
+def estimate(d: dict) -> Estimate:
+    """An :class:`Estimate` back from its ``to_dict``."""
+    return Estimate(d["value"], d["low"], d["high"], d["n"])
+
+
+# --------------------------------------------------------------------------------------
+# Across models
+# --------------------------------------------------------------------------------------
+
+
+def matrix_rows(model_name: str, circuits: dict[str, Circuit], scorer: Scorer, n_random: int = 0,
+                seed: int = 0) -> list[dict]:
+    """One row per circuit for one model: full and circuit accuracy, faithfulness (and the random
+    baseline), each as ``x``, ``x_low``, ``x_high`` columns (see :mod:`mechdiff.report.tables`)."""
+    rows = []
+    for label, circuit in circuits.items():
+        res = faithfulness(scorer, circuit, n_random=n_random, seed=seed)
+        row = {"circuit": label, "model": model_name, "n_heads": len(circuit.heads()), "n_prompts": res["n_prompts"]}
+        row.update(_cols("full_accuracy", res["full"]["accuracy"]))
+        row.update(_cols("accuracy", res["circuit"]["accuracy"]))
+        row.update(_cols("faithfulness", res["circuit"]["faithfulness"]))
+        row.update(_cols("answer_prob", res["circuit"]["answer_prob"]))
+        row.update(_cols("faithfulness_prob", res["circuit"]["faithfulness_prob"]))
+        if "random" in res:
+            row.update(_cols("random_accuracy", res["random"]["accuracy"]))
+            row.update(_cols("random_faithfulness", res["random"]["faithfulness"]))
+            row.update(_cols("random_faithfulness_prob", res["random"]["faithfulness_prob"]))
+        rows.append(row)
+    return rows
+
+
+def _cols(name: str, d: dict) -> dict:
+    return {name: d["value"], f"{name}_low": d["low"], f"{name}_high": d["high"]}

@@ -1,0 +1,43 @@
+"""Options and set-up shared by ``score``, ``prune`` and ``compare``: prompts, reference set, scorer."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..circuits.circuit import Circuit
+from ..circuits.scoring import Scorer, reference_records
+from ..models.loading import LoadedModel
+from ..tasks.entity_tracking import generate
+
+
+def add_scoring_options(parser: argparse.ArgumentParser) -> None:
+    """The mean-ablation reference set and the activation store."""
+    parser.add_argument("--reference", default="path_patching", choices=["path_patching", "fresh"],
+                        help="prompts whose position-wise means replace ablated heads")
+    parser.add_argument("--n-reference", type=int, default=None, help="reference prompts (default: --n)")
+    parser.add_argument("--reference-seed", type=int, default=None, help="default: --seed + 1")
+    parser.add_argument("--store", default=None, help="HDF5 activation store caching the means (optional)")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def load_circuit(path: str, model: LoadedModel) -> Circuit:
+    """Load a circuit file and check it fits the model."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"circuit file {path} does not exist")
+    circuit = Circuit.load(path)
+    circuit.validate(model.shape.n_layers, model.shape.n_heads)
+    return circuit
+
+
+def build_scorer(model: LoadedModel, args: argparse.Namespace) -> Scorer:
+    """The scorer for ``args.n`` prompts (seed ``args.seed``) and the reference set of ``args``."""
+    records = generate(model.tokenizer, args.n, n_boxes=args.n_boxes, seed=args.seed)
+    ref_seed = args.seed + 1 if args.reference_seed is None else args.reference_seed
+    reference = reference_records(model.tokenizer, args.n_reference or args.n, args.n_boxes, ref_seed, args.reference)
+    return Scorer.build(model, records, reference, args.batch_size, progress=not args.no_progress, store=args.store)
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The run's settings, for the JSON output."""
+    return {k: v for k, v in vars(args).items() if k != "func"}

@@ -1,0 +1,135 @@
+"""``mechdiff dcm``: what each circuit group encodes (DCM masks per desideratum), and semantic patching."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..circuits.circuit import Circuit
+from ..dcm import DCMConfig, DCMResult, desideratum_pairs, dcm_circuit, semantic_patching, split_pairs
+from ..models.modelset import ModelSet
+from ..report.bars import grouped_bars
+from ..report.tables import estimate_columns, to_markdown, write_table
+from ..stats import Estimate
+from ..tasks.entity_tracking import CounterfactualPair, read_jsonl
+from ._options import add_model_options, write_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("dcm", help="desiderata-based component masking of a circuit's groups (+ semantic patching)")
+    p.add_argument("--model", default="smollm2-135m", help="registry name or path")
+    p.add_argument("--circuit", required=True, help="circuit JSON file")
+    p.add_argument("--desiderata", default="positional,object,label",
+                   help="comma-separated: positional, object, label, or .jsonl files of counterfactual pairs")
+    p.add_argument("--groups", default=None, help="comma-separated groups (default: all)")
+    p.add_argument("--n", type=int, default=200, help="pairs per built-in desideratum (split train/val/test)")
+    p.add_argument("--n-boxes", type=int, default=7, help="boxes per prompt (2-10)")
+    p.add_argument("--seed", type=int, default=0, help="dataset, split and training seed")
+    p.add_argument("--parameterisation", default="continuous", choices=["continuous", "hard_concrete"])
+    p.add_argument("--lam", type=float, default=0.01, help="sparsity weight (penalises patched heads)")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16, help="pairs per optimiser step")
+    p.add_argument("--micro-batch", type=int, default=16, help="pairs per forward/backward pass (memory)")
+    p.add_argument("--eval-every", type=int, default=5, help="optimiser steps between validation passes")
+    p.add_argument("--n-random", type=int, default=5, help="random head sets for the baseline")
+    p.add_argument("--random-pool", default="group", choices=["group", "all"])
+    p.add_argument("--semantic", default=None,
+                   help="comma-separated models to semantic-patch the selected heads into (the DCM model is included)")
+    p.add_argument("--out", default="results/dcm", help="output directory")
+    add_model_options(p)
+    p.set_defaults(func=main)
+
+
+def load_desiderata(spec: str, tokenizer, n: int, n_boxes: int, seed: int) -> dict[str, list[CounterfactualPair]]:
+    """Built-in names generate pairs; ``.jsonl`` paths are user-defined desiderata (named by file stem)."""
+    out: dict[str, list[CounterfactualPair]] = {}
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        if item.endswith(".jsonl"):
+            records = read_jsonl(item)
+            if not records or not all(isinstance(r, CounterfactualPair) for r in records):
+                raise ValueError(f"{item} must hold counterfactual pairs (write them with write_jsonl)")
+            out[Path(item).stem] = records  # type: ignore[assignment]
+        else:
+            out[item] = desideratum_pairs(item, tokenizer, n, n_boxes=n_boxes, seed=seed)
+    if not out:
+        raise ValueError("no desiderata given; e.g. --desiderata positional,object,label")
+    return out
+
+
+def dcm_rows(results: list[DCMResult]) -> list[dict]:
+    rows = []
+    for r in results:
+        row = {"group": r.group, "position": r.position, "desideratum": r.desideratum, "n_heads": len(r.heads),
+               "n_selected": len(r.selected), "selected": " ".join(h.name for h in r.selected) or "-"}
+        row.update(estimate_columns("test_accuracy", r.test_accuracy))
+        row.update(estimate_columns("floor", r.floor))
+        row.update(estimate_columns("full_group", r.full_group))
+        row.update(estimate_columns("random", r.random) if r.random else {"random": None})
+        rows.append(row)
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    others = [m for m in (args.semantic or "").split(",") if m and m != args.model]
+    models = ModelSet([args.model, *others], cache_dir=args.cache_dir, dtype=args.dtype, device_map=args.device_map)
+    model = models[models.names[0]]
+    circuit = Circuit.load(args.circuit)
+    circuit.validate(model.shape.n_layers, model.shape.n_heads)
+    config = DCMConfig(parameterisation=args.parameterisation, lam=args.lam, lr=args.lr, epochs=args.epochs,
+                       batch_size=args.batch_size, micro_batch=args.micro_batch, eval_every=args.eval_every,
+                       n_random=args.n_random, random_pool=args.random_pool, seed=args.seed)
+    desiderata = load_desiderata(args.desiderata, model.tokenizer, args.n, args.n_boxes, args.seed)
+    groups = args.groups.split(",") if args.groups else None
+    results = dcm_circuit(model, circuit, desiderata, config, groups)
+    out = Path(args.out)
+    rows = dcm_rows(results)
+    caption = (f"DCM on {model.name} ({config.parameterisation} masks, lambda={config.lam}): heads whose z at the "
+               "group's position, patched from the source, makes the desideratum's target win; test accuracy vs the "
+               "no-intervention floor, the whole group, and random head sets of the selected size.")
+    write_table(rows, out / "dcm", caption=caption)
+    print(to_markdown(rows))
+    grouped_bars(out / "dcm.png", [f"{r.group}/{r.desideratum}" for r in results],
+                 {"selected heads": [r.test_accuracy for r in results], "floor (m=1)": [r.floor for r in results],
+                  "whole group": [r.full_group for r in results], "random": [r.random for r in results]},
+                 title=f"DCM on {model.name}", ylabel="target accuracy (test)")
+    summary = {"model": model.name, "fingerprint": model.fingerprint, "circuit": args.circuit,
+               "n_boxes": args.n_boxes, "results": [r.to_dict() for r in results]}
+    if others:
+        summary["semantic"] = _semantic(models, results, desiderata, config, args.micro_batch, out)
+    write_json(out / "dcm.json", summary)
+    return 0
+
+
+def _semantic(models: ModelSet, results: list[DCMResult], desiderata: dict, config: DCMConfig, batch_size: int,
+              out: Path) -> list[dict]:
+    """Patch each selection into every model of the set, on that desideratum's test pairs."""
+    rows, records = [], []
+    for r in results:
+        if not r.selected:
+            continue
+        test = split_pairs(list(desiderata[r.desideratum]), config.split, config.seed)[2]
+        for sem in semantic_patching((models[n] for n in models.names), r.selected, r.position, test, batch_size):
+            rows.append({"group": r.group, "desideratum": r.desideratum, "model": sem.model,
+                         "heads": " ".join(h.name for h in r.selected),
+                         **estimate_columns("accuracy", sem.accuracy), **estimate_columns("floor", sem.floor)})
+            records.append({"group": r.group, "desideratum": r.desideratum, **sem.to_dict()})
+    if not rows:
+        print("semantic patching skipped: no DCM mask selected any head")
+        return records
+    write_table(rows, out / "semantic", caption="Semantic patching: the DCM-selected heads patched source -> base "
+                "within each model; target accuracy per model (with the unpatched floor).")
+    print()
+    print(to_markdown(rows))
+    cats = list(dict.fromkeys(f"{r['group']}/{r['desideratum']}" for r in rows))
+    series = {}
+    for name in models.names:
+        by_cat = {f"{x['group']}/{x['desideratum']}": x for x in records if x["model"] == name}
+        series[name] = [_est(by_cat[c]["accuracy"]) if c in by_cat else None for c in cats]
+    grouped_bars(out / "semantic.png", cats, series, title="Semantic patching of DCM heads across models",
+                 ylabel="target accuracy")
+    return records
+
+
+def _est(d: dict) -> Estimate:
+    return Estimate(d["value"], d["low"], d["high"], d["n"])

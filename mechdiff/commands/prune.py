@@ -1,0 +1,48 @@
+"""``mechdiff prune``: drop the circuit pairs whose minimality contribution is below a threshold."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..circuits.scoring import minimality, prune
+from ..report.tables import to_markdown, write_table
+from ._options import add_dataset_options, add_model_options, load_from_args
+from ._scoring import add_scoring_options, build_scorer, load_circuit, settings
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prune", help="minimality of each circuit head (greedy) and the pruned circuit")
+    p.add_argument("--model", default="smollm2-135m", help="registry name or path")
+    p.add_argument("--circuit", required=True, help="circuit JSON file")
+    p.add_argument("--out", required=True, help="where to write the pruned circuit JSON")
+    p.add_argument("--threshold", type=float, default=0.01,
+                   help="keep a pair if its contribution / F(M) exceeds this (recorded in the circuit's meta)")
+    p.add_argument("--max-steps", type=int, default=1, help="greedy steps growing K per head")
+    p.add_argument("--candidates", type=int, default=4, help="pairs tried per greedy step (0: all)")
+    p.add_argument("--metric", default="accuracy", choices=["accuracy", "prob"])
+    add_dataset_options(p, n=32)
+    add_scoring_options(p)
+    add_model_options(p)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    model = load_from_args(args.model, args)
+    circuit = load_circuit(args.circuit, model)
+    scorer = build_scorer(model, args)
+    result = minimality(scorer, circuit, max_steps=args.max_steps, n_candidates=args.candidates or None,
+                        seed=args.seed, metric=args.metric)
+    pruned = prune(circuit, result, threshold=args.threshold)
+    pruned.meta["pruned"].update(model=model.name, fingerprint=model.fingerprint, source=args.circuit,
+                                 settings=settings(args))
+    out = Path(args.out)
+    pruned.save(out)
+    rows = [{"pair": name, "contribution": r["contribution"], "relative": r["relative"],
+             "kept": r["relative"] > args.threshold, "K": " ".join(r["K"])} for name, r in result["pairs"].items()]
+    stem = out.with_name(out.stem + ".minimality")
+    write_table(rows, stem, caption=f"Minimality ({args.metric}, threshold {args.threshold}) on {model.name}")
+    print(to_markdown(rows))
+    print(f"\nkept {len(pruned.pairs())} of {len(circuit.pairs())} pairs; sizes {circuit.sizes()} -> {pruned.sizes()}")
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,28 @@
+"""``mechdiff run [TASK.toml]``: the whole study, from task spec to report."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..tasks.spec import default_spec, load_spec
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run the whole study of a task file (default: the embedded SmolLM2 study)")
+    p.add_argument("task_file", nargs="?", default=None,
+                   help="a task spec (tasks/*.toml); without one, the embedded default study")
+    p.add_argument("--out", default=None, help="results directory (default: the spec's [output] dir)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    spec = load_spec(args.task_file) if args.task_file else default_spec()  # checked before anything loads
+    from ..study import Study
+
+    study = Study(spec, progress=not args.no_progress, out_dir=args.out)
+    report = study.run()
+    print(f"report: {report}")
+    for name, rec in study.cache.records.items():
+        print(f"  {name:32s} {'cached' if rec.cached else f'{rec.seconds:7.1f} s'}")
+    return 0

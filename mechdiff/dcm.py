@@ -1,0 +1,406 @@
+"""Desiderata-based component masking (DCM; Davies et al. 2023, as used by Prakash et al. 2024, Sec. 4).
+
+For a group of heads acting at one dataset position and a *desideratum* (a list of
+:class:`~mechdiff.tasks.entity_tracking.CounterfactualPair` whose ``target`` is the answer the
+base run should give if the heads encode the property the source differs in), learn one mask
+value ``m`` per head. At the group's position (read per example from ``pair.base.positions``
+and ``pair.source.positions`` under the same name), each head's output is mixed::
+
+    z_head <- m * z_base + (1 - m) * z_source
+
+and the mask minimises ``-logit(target) + lambda * sum(1 - m)``: the target should win while
+as FEW heads as possible are patched (``m = 0``). The model is frozen; gradients reach only
+the mask (through :func:`mechdiff.patching.core.run` with ``grad=True`` and a mixing
+:class:`~mechdiff.patching.core.Patch`).
+
+Two parameterisations:
+
+- ``"continuous"`` (the paper's): ``m`` in [0, 1], clamped after every Adam step (lr 0.1),
+  rounded for evaluation; the step with the best validation accuracy is kept.
+- ``"hard_concrete"`` (L0, Louizos et al. 2018): a stochastic gate ``g = 1 - m`` per head
+  ("patch this head") with learned ``log_alpha``; the penalty is the expected number of open
+  gates; evaluation uses the deterministic gate, rounded.
+
+Semantic patching (:func:`semantic_patching`) patches the heads a mask selected into each
+model of a set and reports the target accuracy per model with bootstrap intervals.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+from einops import rearrange, repeat
+from tqdm.auto import tqdm
+
+from .circuits.circuit import Circuit
+from .components import Head
+from .evaluate import batches
+from .models.loading import LoadedModel
+from .patching.core import Patch, run
+from .stats import Estimate, bootstrap
+from .tasks.entity_tracking import (
+    CounterfactualPair,
+    label_value_pairs,
+    object_value_pairs,
+    pair_batch_tensors,
+    positional_pairs,
+)
+
+log = logging.getLogger(__name__)
+
+#: Built-in desiderata: name -> pair generator ``(tokenizer, n, n_boxes=, seed=) -> pairs``.
+DESIDERATA: dict[str, Callable[..., list[CounterfactualPair]]] = {
+    "positional": positional_pairs,
+    "object": object_value_pairs,
+    "label": label_value_pairs,
+}
+_ALIASES = {"object_value": "object", "label_value": "label", "position": "positional"}
+PARAMETERISATIONS = ("continuous", "hard_concrete")
+
+# Hard-concrete constants (Louizos et al. 2018).
+_BETA, _GAMMA, _ZETA = 2.0 / 3.0, -0.1, 1.1
+
+
+def desideratum_pairs(name: str, tokenizer, n: int, n_boxes: int = 7, seed: int = 0) -> list[CounterfactualPair]:
+    """Pairs of a built-in desideratum (``positional``, ``object``, ``label``)."""
+    key = _ALIASES.get(name, name)
+    if key not in DESIDERATA:
+        raise ValueError(f"unknown desideratum {name!r}; built-in: {sorted(DESIDERATA)} "
+                         "(or pass your own list of CounterfactualPair)")
+    return DESIDERATA[key](tokenizer, n, n_boxes=n_boxes, seed=seed)
+
+
+@dataclass
+class DCMConfig:
+    """Training settings; the defaults follow the paper (Adam, lr 0.1, clamp, round, best validation step)."""
+
+    parameterisation: str = "continuous"
+    lam: float = 0.01  # weight of the sparsity term sum(1 - m) (or the expected L0 of the gates)
+    lr: float = 0.1
+    epochs: int = 2
+    batch_size: int = 16  # pairs per optimiser step (gradient accumulated over micro-batches)
+    micro_batch: int = 16  # pairs per forward/backward pass (bounds memory)
+    eval_every: int = 5  # optimiser steps between validation passes
+    split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # train / validation / test fractions
+    init: float = 1.0  # initial mask value (1 = nothing patched); hard-concrete gates start at least half open
+    n_random: int = 5  # random head sets of the selected size for the baseline
+    random_pool: str = "group"  # draw random heads from the "group" or from "all" heads of the model
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.parameterisation not in PARAMETERISATIONS:
+            raise ValueError(f"parameterisation must be one of {PARAMETERISATIONS}, got {self.parameterisation!r}")
+        if self.random_pool not in ("group", "all"):
+            raise ValueError(f"random_pool must be 'group' or 'all', got {self.random_pool!r}")
+        if len(self.split) != 3 or min(self.split) <= 0 or abs(sum(self.split) - 1) > 1e-6:
+            raise ValueError(f"split must be three positive fractions summing to 1, got {self.split}")
+        if self.micro_batch < 1 or self.batch_size < 1:
+            raise ValueError("batch_size and micro_batch must be at least 1")
+
+
+@dataclass
+class DCMResult:
+    """What DCM learned for one group of heads and one desideratum."""
+
+    desideratum: str
+    position: str
+    heads: list[Head]  # the candidate heads (the group)
+    mask: list[float]  # m per head at the best validation step (1 = keep base, 0 = patch)
+    selected: list[Head]  # heads with rounded m = 0: they carry the desideratum's property
+    test_accuracy: Estimate  # target accuracy with the selected heads patched
+    floor: Estimate  # target accuracy with nothing patched (m = 1)
+    full_group: Estimate  # target accuracy with every head of the group patched
+    random: Optional[Estimate]  # random head sets of the selected size (pooled over draws)
+    n_split: tuple[int, int, int]
+    best_step: int
+    history: list[dict] = field(default_factory=list)
+    group: str = ""
+    config: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "group": self.group, "desideratum": self.desideratum, "position": self.position,
+            "heads": [h.name for h in self.heads], "mask": self.mask,
+            "selected": [h.name for h in self.selected],
+            "test_accuracy": self.test_accuracy.to_dict(), "floor": self.floor.to_dict(),
+            "full_group": self.full_group.to_dict(),
+            "random": None if self.random is None else self.random.to_dict(),
+            "n_train": self.n_split[0], "n_val": self.n_split[1], "n_test": self.n_split[2],
+            "best_step": self.best_step, "history": self.history, "config": self.config,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Patching heads' z under a mask
+# ---------------------------------------------------------------------------------------------
+
+
+def split_pairs(pairs: Sequence[CounterfactualPair], fractions: Sequence[float], seed: int
+                ) -> tuple[list, list, list]:
+    """Seeded shuffle of ``pairs`` into train / validation / test (each non-empty)."""
+    if len(pairs) < 3:
+        raise ValueError(f"DCM needs at least 3 pairs (train/validation/test), got {len(pairs)}")
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    n_train = max(1, int(round(fractions[0] * len(pairs))))
+    n_val = max(1, int(round(fractions[1] * len(pairs))))
+    n_train = min(n_train, len(pairs) - 2)
+    n_val = min(n_val, len(pairs) - n_train - 1)
+    idx = [order[:n_train], order[n_train:n_train + n_val], order[n_train + n_val:]]
+    return tuple([pairs[i] for i in part] for part in idx)  # type: ignore[return-value]
+
+
+def _positions(batch: dict, name: str, which: str) -> torch.Tensor:
+    pos = batch[which]["positions"][name]
+    if (pos < 0).any():
+        raise ValueError(f"position {name!r} is absent from some {which} prompts (e.g. path-patching sources); "
+                         "DCM needs the group's position in both prompts of every pair")
+    return pos
+
+
+def source_z(model: LoadedModel, batch: dict, layers: Sequence[int], position: str) -> dict[int, torch.Tensor]:
+    """The source run's z (``"batch (head d_head)"``) at ``position``, per layer."""
+    pos = _positions(batch, position, "source")
+    with torch.no_grad():
+        out = run(model, batch["source"]["input_ids"], capture=[("z", layer) for layer in layers])
+    rows = torch.arange(pos.shape[0])
+    return {layer: out.captured[("z", layer)][rows, pos.to(out.captured[("z", layer)].device)].detach()
+            for layer in layers}
+
+
+def masked_z_patches(model: LoadedModel, heads: Sequence[Head], mask: torch.Tensor,
+                     values: dict[int, torch.Tensor], positions: torch.Tensor) -> list[Patch]:
+    """One mixing patch per layer: ``z <- m * z + (1 - m) * value`` for ``heads`` (mask ``[len(heads)]``),
+    other heads of the layer untouched (m = 1). Differentiable in ``mask``."""
+    shape = model.shape
+    index = torch.tensor([h.layer * shape.n_heads + h.head for h in heads], device=mask.device)
+    full = torch.ones(shape.n_layers * shape.n_heads, dtype=mask.dtype, device=mask.device)
+    full = full.index_put((index,), mask)  # out of place: keeps the graph to ``mask``
+    per_layer = rearrange(full, "(layer head) -> layer head", head=shape.n_heads)
+    return [Patch("z", layer, values[layer], positions,
+                  mask=repeat(per_layer[layer], "head -> (head d)", d=shape.d_head))
+            for layer in sorted({h.layer for h in heads})]
+
+
+def target_accuracy(model: LoadedModel, pairs: Sequence[CounterfactualPair], patched: Sequence[Head],
+                    position: str, batch_size: int = 32, progress: bool = False) -> np.ndarray:
+    """Per-pair correctness (top-1 == target) with ``patched`` heads' z taken from the source at ``position``."""
+    correct = []
+    patched = list(patched)
+    layers = sorted({h.layer for h in patched})
+    for rows in tqdm(batches(len(pairs), batch_size), desc="dcm eval", disable=not progress, leave=False):
+        batch = pair_batch_tensors(pairs[rows])
+        patches: list[Patch] = []
+        if patched:
+            values = source_z(model, batch, layers, position)
+            mask = torch.zeros(len(patched), device=model.device)
+            patches = masked_z_patches(model, patched, mask, values, _positions(batch, position, "base"))
+        with torch.no_grad():
+            out = run(model, batch["base"]["input_ids"], patches)
+        correct.append((out.logits.argmax(-1).cpu() == batch["target_ids"]).numpy())
+    return np.concatenate(correct)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask parameterisations
+# ---------------------------------------------------------------------------------------------
+
+
+class _Mask:
+    """Learnable per-head mask ``m`` (1 = keep base, 0 = patch from source)."""
+
+    def __init__(self, n: int, config: DCMConfig, device: torch.device):
+        self.kind = config.parameterisation
+        if self.kind == "continuous":
+            self.param = torch.full((n,), float(config.init), device=device, requires_grad=True)
+        else:  # log_alpha of the gate g = 1 - m; at least half open (log_alpha >= 0): a mostly closed
+            # hard-concrete gate samples exactly 0 and gets no gradient
+            g0 = min(max(1.0 - config.init, 0.5), 0.95)
+            s0 = (g0 - _GAMMA) / (_ZETA - _GAMMA)
+            self.param = torch.full((n,), math.log(s0 / (1 - s0)), device=device, requires_grad=True)
+
+    def sample(self) -> torch.Tensor:
+        """The mask used in a training step (hard-concrete: a stochastic gate sample)."""
+        if self.kind == "continuous":
+            return self.param
+        u = torch.rand_like(self.param).clamp(1e-6, 1 - 1e-6)
+        s = torch.sigmoid((torch.log(u) - torch.log(1 - u) + self.param) / _BETA)
+        return 1 - (s * (_ZETA - _GAMMA) + _GAMMA).clamp(0, 1)
+
+    def penalty(self) -> torch.Tensor:
+        """sum(1 - m), or the expected number of open gates (patched heads) for hard-concrete."""
+        if self.kind == "continuous":
+            return (1 - self.param).sum()
+        return torch.sigmoid(self.param - _BETA * math.log(-_GAMMA / _ZETA)).sum()
+
+    def values(self) -> torch.Tensor:
+        """The deterministic mask in [0, 1]."""
+        with torch.no_grad():
+            if self.kind == "continuous":
+                return self.param.detach().clone()
+            return 1 - (torch.sigmoid(self.param) * (_ZETA - _GAMMA) + _GAMMA).clamp(0, 1)
+
+    def after_step(self) -> None:
+        if self.kind == "continuous":
+            with torch.no_grad():
+                self.param.clamp_(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+
+def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, train: Sequence[CounterfactualPair],
+               val: Sequence[CounterfactualPair], config: DCMConfig, progress: bool = True
+               ) -> tuple[torch.Tensor, int, list[dict]]:
+    """Learn the mask; returns (mask at the best validation step, that step, history)."""
+    torch.manual_seed(config.seed)
+    heads = list(heads)
+    layers = sorted({h.layer for h in heads})
+    mask = _Mask(len(heads), config, model.device)
+    optimiser = torch.optim.Adam([mask.param], lr=config.lr)
+    rng = random.Random(config.seed)
+    steps_per_epoch = math.ceil(len(train) / config.batch_size)
+    best = (-1.0, 0, 0, mask.values())  # (val accuracy, -n patched, step, mask)
+    history: list[dict] = []
+
+    def validate(step: int, loss: float) -> None:
+        nonlocal best
+        values = mask.values()
+        chosen = [h for h, m in zip(heads, values.round().tolist()) if m == 0]
+        acc = float(target_accuracy(model, val, chosen, position, config.micro_batch).mean())
+        history.append({"step": step, "loss": loss, "val_accuracy": acc, "n_selected": len(chosen)})
+        if (acc, -len(chosen)) > best[:2]:
+            best = (acc, -len(chosen), step, values)
+
+    validate(0, float("nan"))
+    bar = tqdm(total=config.epochs * steps_per_epoch, desc=f"dcm {position}", disable=not progress, leave=False)
+    step = 0
+    for _ in range(config.epochs):
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        for chunk in batches(len(order), config.batch_size):
+            loss = _step(model, heads, layers, position, [train[i] for i in order[chunk]], mask, optimiser, config)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            if step % config.eval_every == 0 or step == config.epochs * steps_per_epoch:
+                validate(step, loss)
+    bar.close()
+    return best[3], best[2], history
+
+
+def _step(model: LoadedModel, heads: list[Head], layers: list[int], position: str,
+          pairs: list[CounterfactualPair], mask: _Mask, optimiser: torch.optim.Optimizer, config: DCMConfig) -> float:
+    """One optimiser step over ``pairs``, accumulating gradients over micro-batches."""
+    optimiser.zero_grad()
+    total = 0.0
+    for rows in batches(len(pairs), config.micro_batch):
+        batch = pair_batch_tensors(pairs[rows])
+        values = source_z(model, batch, layers, position)
+        m = mask.sample()
+        patches = masked_z_patches(model, heads, m, values, _positions(batch, position, "base"))
+        out = run(model, batch["base"]["input_ids"], patches, grad=True)
+        target = batch["target_ids"].to(out.logits.device)
+        logit = out.logits.float().gather(1, target[:, None])[:, 0]
+        loss = -logit.sum() / len(pairs)
+        loss.backward()
+        total += loss.item()
+    penalty = config.lam * mask.penalty()
+    penalty.backward()
+    optimiser.step()
+    mask.after_step()
+    return total + penalty.item()
+
+
+def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Sequence[CounterfactualPair],
+            config: Optional[DCMConfig] = None, desideratum: str = "custom", group: str = "",
+            progress: bool = True) -> DCMResult:
+    """Learn a DCM mask over ``heads`` at ``position`` for a desideratum's ``pairs`` and evaluate it on a
+    held-out test split against the no-intervention floor, the whole group and random head sets."""
+    config = config or DCMConfig()
+    heads = list(heads)
+    if not heads:
+        raise ValueError("DCM needs at least one head")
+    train, val, test = split_pairs(list(pairs), config.split, config.seed)
+    values, best_step, history = train_mask(model, heads, position, train, val, config, progress)
+    selected = [h for h, m in zip(heads, values.round().tolist()) if m == 0]
+    bs = config.micro_batch
+    acc = target_accuracy(model, test, selected, position, bs)
+    floor = target_accuracy(model, test, [], position, bs)
+    full = target_accuracy(model, test, heads, position, bs)
+    random_est = _random_baseline(model, test, heads, len(selected), position, config)
+    return DCMResult(desideratum, position, heads, [round(float(v), 4) for v in values.tolist()], selected,
+                     bootstrap(acc), bootstrap(floor), bootstrap(full), random_est,
+                     (len(train), len(val), len(test)), best_step, history, group, asdict(config))
+
+
+def _random_baseline(model: LoadedModel, test: Sequence[CounterfactualPair], heads: list[Head], k: int,
+                     position: str, config: DCMConfig) -> Optional[Estimate]:
+    """Target accuracy of random head sets of size ``k`` (pooled over ``n_random`` draws)."""
+    if k == 0 or config.n_random < 1:
+        return None
+    if config.random_pool == "group":
+        pool = heads
+    else:
+        shape = model.shape
+        pool = [Head(l, h) for l in range(shape.n_layers) for h in range(shape.n_heads)]
+    rng = random.Random(config.seed + 1)
+    draws = [target_accuracy(model, test, rng.sample(pool, k), position, config.micro_batch)
+             for _ in range(config.n_random)]
+    return bootstrap(np.concatenate(draws))
+
+
+def dcm_circuit(model: LoadedModel, circuit: Circuit, desiderata: dict[str, Sequence[CounterfactualPair]],
+                config: Optional[DCMConfig] = None, groups: Optional[Iterable[str]] = None,
+                progress: bool = True) -> list[DCMResult]:
+    """DCM for every (group, desideratum) of a circuit; each group at its own position."""
+    results = []
+    wanted = list(groups) if groups is not None else list(circuit.groups)
+    for g in wanted:
+        if g not in circuit.groups:
+            raise ValueError(f"group {g!r} is not in the circuit (groups: {sorted(circuit.groups)})")
+    for g in wanted:
+        for name, pairs in desiderata.items():
+            log.info("DCM group %s (%d heads at %s), desideratum %s", g, len(circuit.groups[g]),
+                     circuit.positions[g], name)
+            results.append(run_dcm(model, circuit.groups[g], circuit.positions[g], pairs, config, name, g, progress))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Semantic patching across models
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SemanticResult:
+    """Target accuracy of one model with the selected heads patched (source -> base), and its floor."""
+
+    model: str
+    accuracy: Estimate
+    floor: Estimate
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "accuracy": self.accuracy.to_dict(), "floor": self.floor.to_dict()}
+
+
+def semantic_patching(models: Iterable[LoadedModel], heads: Sequence[Head], position: str,
+                      pairs: Sequence[CounterfactualPair], batch_size: int = 32) -> list[SemanticResult]:
+    """Patch ``heads`` (e.g. a DCM selection) from each pair's source into its base, within each model,
+    and report the desideratum's target accuracy per model (with the unpatched floor)."""
+    if not heads:
+        raise ValueError("semantic patching needs at least one head (the DCM selection was empty)")
+    out = []
+    for model in models:
+        acc = target_accuracy(model, pairs, heads, position, batch_size, progress=True)
+        floor = target_accuracy(model, pairs, [], position, batch_size)
+        out.append(SemanticResult(model.name, bootstrap(acc), bootstrap(floor)))
+    return out

@@ -1,0 +1,294 @@
+"""The main job: one command from a task spec to a comparison report.
+
+Stages (each runnable alone from the CLI too): accuracy of every model, circuit discovery in
+every model, pruning, the circuit x model matrix, overlap tables, DCM labels per group,
+semantic patching, CMAP per group and per Q/K/V. Each stage's result is written to
+``<run>/stages/<stage>.json`` under a key that hashes everything it depends on (its config
+section, the task section, the digests of its models, the keys of the stages it reads), so
+a rerun recomputes only what a changed option touches and a killed run resumes at the first
+unfinished stage. Position-wise means live in the HDF5 activation store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .circuits.circuit import Circuit
+from .models.loading import LoadedModel, resolve_spec, spec_digest
+from .models.modelset import ModelSet
+from .tasks.spec import RunSpec
+
+log = logging.getLogger(__name__)
+PACKAGES = ("mechdiff", "torch", "transformers", "nnsight", "peft", "h5py", "scipy", "numpy")
+
+
+def label(name: str) -> str:
+    """A file-name-safe label for a model name or path (``/data/ckpt-7/`` -> ``ckpt-7``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name.rstrip("/")).name or name) or "model"
+
+
+def _hash(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _atomic_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
+
+
+@dataclass
+class StageRecord:
+    """One stage's outcome: its key, result, wall time and whether it came from the cache."""
+
+    name: str
+    key: str
+    result: Any
+    seconds: float
+    cached: bool
+
+
+@dataclass
+class StageCache:
+    """``<run>/stages/<name>.json``: a stage is reused only when its key matches."""
+
+    root: Path
+    records: dict[str, StageRecord] = field(default_factory=dict)
+
+    def run(self, name: str, inputs: dict, compute: Callable[[], Any]) -> StageRecord:
+        key = _hash(inputs)
+        kind, _, model = name.partition(":")
+        path = self.root / "stages" / (f"{kind}__{label(model)}.json" if model else f"{kind}.json")
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                log.info("stage %s: cached (key %s)", name, key)
+                rec = StageRecord(name, key, saved["result"], saved["seconds"], True)
+                self.records[name] = rec
+                return rec
+            log.info("stage %s: inputs changed, recomputing", name)
+        t0 = time.perf_counter()
+        result = compute()
+        seconds = time.perf_counter() - t0
+        _atomic_json(path, {"name": name, "key": key, "inputs": inputs, "seconds": seconds, "result": result})
+        rec = StageRecord(name, key, result, seconds, False)
+        self.records[name] = rec
+        return rec
+
+
+class Study:
+    """Runs the stages of one :class:`RunSpec` into ``spec.output.dir``."""
+
+    def __init__(self, spec: RunSpec, progress: bool = True, out_dir: Optional[str] = None):
+        self.spec = spec
+        self.progress = progress
+        self.dir = Path(out_dir or spec.output.dir)
+        self.store = str(Path(spec.output.store))
+        self.cache = StageCache(self.dir)
+        # Check the set before any weights load: shapes, vocabularies, names.
+        self.models = ModelSet(spec.model_names, dtype=spec.models.dtype, device_map=spec.models.device_map)
+        self.digests = {name: spec_digest(resolve_spec(name)) for name in spec.model_names}
+        self.tokenizer = _tokenizer(spec.models.base)
+        self.started = time.time()
+
+    # -- data ---------------------------------------------------------------------------
+    def _task(self) -> dict:
+        return asdict(self.spec.task)
+
+    def eval_records(self) -> list:
+        from .tasks.entity_tracking import generate
+        from .tasks.splits import eval_objects
+
+        t = self.spec.task
+        return generate(self.tokenizer, self.spec.eval.n, t.n_boxes, t.seed + 1, vocabulary=eval_objects())
+
+    def model(self, name: str) -> LoadedModel:
+        return self.models[name]
+
+    # -- stages -------------------------------------------------------------------------
+    def accuracy(self, name: str) -> StageRecord:
+        from .evaluate import evaluate
+
+        def compute() -> dict:
+            lm = self.model(name)
+            res = evaluate(lm, self.eval_records(), self.spec.eval.batch_size, desc=f"accuracy {name}",
+                           progress=self.progress)
+            return {**res.to_dict(), "fingerprint": lm.fingerprint, "provenance": lm.provenance}
+
+        return self.cache.run(f"accuracy:{name}", {"model": self.digests[name], "task": self._task(),
+                                                    "eval": asdict(self.spec.eval), "split": "eval"}, compute)
+
+    def circuit(self, name: str) -> StageRecord:
+        from .circuits.discovery import DiscoverySettings, discover
+        from .report.figures import head_heatmap
+        from .tasks.entity_tracking import path_patching_pairs
+        from .tasks.splits import eval_objects
+
+        d, t = self.spec.discovery, self.spec.task
+
+        def compute() -> dict:
+            lm = self.model(name)
+            settings = DiscoverySettings(k=dict(d.top_k), screen=d.screen, screen_multiple=d.screen_multiple,
+                                         n_prompts=d.n, n_boxes=t.n_boxes, seed=t.seed)
+            pairs = path_patching_pairs(self.tokenizer, d.n, t.n_boxes, t.seed, vocabulary=eval_objects())
+            circuit, steps = discover(lm, pairs, settings, progress=self.progress)
+            figures = {}
+            for step, res in steps.items():
+                path = self.dir / "figures" / f"path_patching_{label(name)}_{step}.png"
+                head_heatmap(res.exact, lm.shape.n_layers, lm.shape.n_heads, path,
+                             title=f"{name}: step {step} ({circuit.names.get(step, '')}), senders at "
+                                   f"{res.sender_position}", selected=res.selected, label="(p_patched - p_clean)/p_clean")
+                figures[step] = str(path.relative_to(self.dir))
+            circuit.save(self.dir / "circuits" / f"{label(name)}.json")
+            return {"circuit": circuit.to_dict(), "figures": figures,
+                    "exact": {s: {h.name: v for h, v in r.exact.items()} for s, r in steps.items()}}
+
+        return self.cache.run(f"circuit:{name}", {"model": self.digests[name], "task": self._task(),
+                                                   "discovery": asdict(d)}, compute)
+
+    def scorer(self, name: str):
+        from .circuits.scoring import Scorer, reference_records
+        from .tasks.entity_tracking import generate
+        from .tasks.splits import eval_objects
+
+        s, t = self.spec.scoring, self.spec.task
+        records = generate(self.tokenizer, s.n, t.n_boxes, t.seed + 2, vocabulary=eval_objects())
+        reference = reference_records(self.tokenizer, s.n, t.n_boxes, t.seed + 3)
+        return Scorer.build(self.model(name), records, reference, self.spec.eval.batch_size, self.progress,
+                            store=self.store)
+
+    def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
+        from .circuits.scoring import minimality, prune
+
+        s = self.spec.scoring
+
+        def compute() -> dict:
+            circuit = Circuit.from_dict(circuit_rec.result["circuit"])
+            result = minimality(self.scorer(name), circuit, max_steps=0, n_candidates=None, seed=self.spec.task.seed)
+            pruned = prune(circuit, result, s.prune_threshold)
+            pruned.save(self.dir / "circuits" / f"{label(name)}.pruned.json")
+            return {"circuit": pruned.to_dict(), "minimality": result}
+
+        return self.cache.run(f"prune:{name}", {"model": self.digests[name], "circuit": circuit_rec.key,
+                                                 "scoring": asdict(s), "task": self._task()}, compute)
+
+    def matrix(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
+        from .circuits.scoring import completeness, matrix_rows
+
+        s = self.spec.scoring
+
+        def compute() -> dict:
+            scorer = self.scorer(name)
+            loaded = {label: Circuit.from_dict(rec.result["circuit"]) for label, rec in circuits.items()}
+            rows = matrix_rows(name, loaded, scorer, n_random=s.random_draws, seed=self.spec.task.seed)
+            own = loaded.get(name)
+            comp = (completeness(scorer, own, n_draws=s.completeness_draws, seed=self.spec.task.seed)
+                    if own is not None and s.completeness_draws > 0 else None)
+            return {"rows": rows, "completeness": comp}
+
+        return self.cache.run(f"matrix:{name}", {"model": self.digests[name], "task": self._task(),
+                                                  "circuits": {k: r.key for k, r in circuits.items()},
+                                                  "scoring": asdict(s)}, compute)
+
+    def dcm(self, circuit_rec: StageRecord) -> StageRecord:
+        from .dcm import DCMConfig, dcm_circuit, desideratum_pairs, semantic_patching
+
+        c, t = self.spec.dcm, self.spec.task
+        base = self.spec.models.base
+
+        def compute() -> dict:
+            circuit = Circuit.from_dict(circuit_rec.result["circuit"])
+            n = c.n_train + c.n_val + c.n_test
+            split = (c.n_train / n, c.n_val / n, c.n_test / n)
+            config = DCMConfig(lam=c.lam, lr=c.lr, epochs=c.epochs, split=split, seed=t.seed)
+            desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, t.seed + 4) for d in c.desiderata}
+            groups = [g for g, heads in circuit.groups.items() if heads]
+            results = dcm_circuit(self.model(base), circuit, desiderata, config, groups, self.progress)
+            semantic = []
+            for r in results:
+                if not r.selected:
+                    continue
+                from .dcm import split_pairs
+
+                test = split_pairs(desiderata[r.desideratum], config.split, config.seed)[2]
+                for sem in semantic_patching(self.models, r.selected, r.position, test, self.spec.eval.batch_size):
+                    semantic.append({"group": r.group, "desideratum": r.desideratum,
+                                     "heads": [h.name for h in r.selected], **sem.to_dict()})
+            return {"dcm": [r.to_dict() for r in results], "semantic": semantic}
+
+        return self.cache.run("dcm", {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c),
+                                      "task": self._task()}, compute)
+
+    def cmap(self, finetune: str, circuit_rec: StageRecord) -> StageRecord:
+        from .cmap import run_cmap
+        from .tasks.entity_tracking import generate
+        from .tasks.splits import eval_objects
+
+        c, t = self.spec.cmap, self.spec.task
+        base = self.spec.models.base
+
+        def compute() -> dict:
+            circuit = Circuit.from_dict(circuit_rec.result["circuit"])
+            records = generate(self.tokenizer, c.n, t.n_boxes, t.seed + 5, vocabulary=eval_objects())
+            res = run_cmap(self.model(base), self.model(finetune), circuit, records, c.parts,
+                           self.spec.eval.batch_size, progress=self.progress)
+            return res.to_dict()
+
+        return self.cache.run(f"cmap:{finetune}", {"base": self.digests[base], "finetune": self.digests[finetune],
+                                                    "circuit": circuit_rec.key, "cmap": asdict(c),
+                                                    "task": self._task()}, compute)
+
+    # -- the whole study ----------------------------------------------------------------
+    def run(self) -> Path:
+        from .report.study_report import write_report
+
+        names = self.spec.model_names
+        base = self.spec.models.base
+        accuracy = {n: self.accuracy(n) for n in names}
+        found = {n: self.circuit(n) for n in names}
+        circuits = {n: (self.pruned(n, found[n]) if self.spec.scoring.prune else found[n]) for n in names}
+        matrix = {n: self.matrix(n, circuits) for n in names}
+        dcm = self.dcm(circuits[base])
+        cmap = {ft: self.cmap(ft, circuits[base]) for ft in self.spec.models.finetunes}
+        report = write_report(self, accuracy, found, circuits, matrix, dcm, cmap)
+        _atomic_json(self.dir / "run.json", self.manifest())
+        return report
+
+    def manifest(self) -> dict:
+        """What was run: config, versions, fingerprints, seeds, stage timings."""
+        loaded = {n: {"fingerprint": m.fingerprint, "provenance": m.provenance} for n, m in self.models._loaded.items()}
+        return {
+            "spec": self.spec.to_dict(), "source": self.spec.source, "versions": versions(),
+            "python": platform.python_version(), "machine": platform.machine(),
+            "model_digests": self.digests, "loaded_models": loaded,
+            "stages": {n: {"key": r.key, "seconds": r.seconds, "cached": r.cached}
+                       for n, r in self.cache.records.items()},
+            "wall_seconds": time.time() - self.started,
+        }
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of the packages a result depends on."""
+    out = {}
+    for pkg in PACKAGES:
+        try:
+            out[pkg] = version(pkg)
+        except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
+            out[pkg] = "not installed"
+    return out
+
+
+def _tokenizer(name: str):
+    from .models.loading import load_tokenizer
+
+    return load_tokenizer(resolve_spec(name))

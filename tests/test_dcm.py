@@ -1,0 +1,198 @@
+"""DCM on tiny models: the mixing mask's identities, gradients that reach the mask (against finite
+differences), and a planted head that DCM must find."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from mechdiff.circuits.circuit import Circuit
+from mechdiff.cli import main as cli_main
+from mechdiff.components import Head, all_heads
+from mechdiff.dcm import (DCMConfig, dcm_circuit, masked_z_patches, run_dcm, semantic_patching, source_z,
+                          split_pairs, target_accuracy)
+from mechdiff.patching.core import Patch, head_patch, run
+from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors, write_jsonl
+
+PLANTED = Head(2, 1)
+
+
+@pytest.fixture(scope="module")
+def pairs(smollm2_tokenizer):
+    return object_value_pairs(smollm2_tokenizer, 72, n_boxes=3, seed=0)
+
+
+def _every_head(model):
+    return all_heads(model.shape.n_layers, model.shape.n_heads)
+
+
+def test_all_ones_mask_is_identity(tiny_model, pairs):
+    batch = pair_batch_tensors(pairs[:6])
+    heads = _every_head(tiny_model)
+    values = source_z(tiny_model, batch, range(tiny_model.shape.n_layers), "last")
+    patches = masked_z_patches(tiny_model, heads, torch.ones(len(heads)), values, batch["base"]["positions"]["last"])
+    ids = batch["base"]["input_ids"]
+    assert torch.equal(run(tiny_model, ids, patches).logits, run(tiny_model, ids).logits)
+
+
+def test_all_zeros_mask_equals_patching(tiny_model, pairs):
+    """Mask 0 over every head at every position == overwriting z; a subset == head patches."""
+    batch = pair_batch_tensors(pairs[:6])
+    ids, src = batch["base"]["input_ids"], batch["source"]["input_ids"]
+    layers = range(tiny_model.shape.n_layers)
+    cap = run(tiny_model, src, capture=[("z", l) for l in layers]).captured
+    mixed = [Patch("z", l, cap[("z", l)], mask=torch.zeros(1)) for l in layers]
+    plain = [Patch("z", l, cap[("z", l)]) for l in layers]
+    assert torch.equal(run(tiny_model, ids, mixed).logits, run(tiny_model, ids, plain).logits)
+    torch.testing.assert_close(run(tiny_model, ids, mixed).logits, run(tiny_model, src).logits)
+    heads = [Head(0, 2), Head(2, 1)]
+    pos_b, pos_s = batch["base"]["positions"]["last"], batch["source"]["positions"]["last"]
+    values = source_z(tiny_model, batch, layers, "last")
+    masked = masked_z_patches(tiny_model, heads, torch.zeros(2), values, pos_b)
+    rows = torch.arange(ids.shape[0])
+    direct = [head_patch(tiny_model, "z", h, cap[("z", h.layer)][rows, pos_s][:, h.head * 8:(h.head + 1) * 8], pos_b)
+              for h in heads]
+    torch.testing.assert_close(run(tiny_model, ids, masked).logits, run(tiny_model, ids, direct).logits,
+                               rtol=0, atol=0)
+
+
+def _check_gradient(objective, mask: torch.Tensor, eps: float = 1e-3) -> None:
+    """Autograd's gradient of ``objective`` in ``mask`` against central finite differences (float64 model;
+    eager attention may take its softmax in float32, hence the loose step and tolerance)."""
+    objective(mask, True).backward()
+    assert mask.grad is not None and mask.grad.abs().sum() > 0
+    for i in range(mask.numel()):
+        up, down = mask.detach().clone(), mask.detach().clone()
+        up.view(-1)[i] += eps
+        down.view(-1)[i] -= eps
+        with torch.no_grad():
+            numeric = (objective(up, False) - objective(down, False)) / (2 * eps)
+        assert mask.grad.view(-1)[i].item() == pytest.approx(numeric.item(), rel=3e-2, abs=1e-6)
+
+
+def test_gradient_reaches_mask_and_matches_finite_differences(tiny_model, pairs):
+    tiny_model.model.double()
+    batch = pair_batch_tensors(pairs[:4])
+    heads = [Head(0, 1), Head(1, 3), Head(2, 0)]
+    values = source_z(tiny_model, batch, [0, 1, 2], "last")
+    pos = batch["base"]["positions"]["last"]
+    ids, target = batch["base"]["input_ids"], batch["target_ids"]
+
+    def objective(mask: torch.Tensor, grad: bool) -> torch.Tensor:
+        out = run(tiny_model, ids, masked_z_patches(tiny_model, heads, mask, values, pos), grad=grad)
+        return out.logits.gather(1, target[:, None]).sum()
+
+    _check_gradient(objective, torch.tensor([0.3, 0.6, 0.8], dtype=torch.float64, requires_grad=True))
+    assert not any(p.requires_grad for p in tiny_model.model.parameters())
+
+
+def test_gradient_through_mask_at_every_position(tiny_model, pairs):
+    """A mask over whole ``"batch pos cols"`` slices (a view of the site, written in place) keeps its graph."""
+    tiny_model.model.double()
+    batch = pair_batch_tensors(pairs[:3])
+    ids, src = batch["base"]["input_ids"], batch["source"]["input_ids"]
+    cap = run(tiny_model, src, capture=[("z", 1)]).captured[("z", 1)]
+
+    def objective(mask: torch.Tensor, grad: bool) -> torch.Tensor:
+        patch = Patch("z", 1, cap[:, :, 8:16], columns=slice(8, 16), mask=mask[None, :, None])
+        return run(tiny_model, ids, [patch], grad=grad).logits[:, :50].sum()
+
+    mask = torch.linspace(0.1, 0.9, ids.shape[1], dtype=torch.float64)[-4:]
+    full = torch.ones(ids.shape[1], dtype=torch.float64)
+
+    def padded(m: torch.Tensor, grad: bool) -> torch.Tensor:  # only the last 4 positions are free
+        return objective(torch.cat([full[:-4], m]), grad)
+
+    _check_gradient(padded, mask.clone().requires_grad_(True))
+
+
+@pytest.fixture(scope="module")
+def planted(smollm2_tokenizer, pairs):
+    """(model, pairs) of :func:`planted_case`, built once for the module (tests do not modify the model)."""
+    return planted_case(smollm2_tokenizer, pairs)
+
+
+def planted_case(tokenizer, pairs):
+    """A tiny llama whose head ``PLANTED`` dominates the last layer, and pairs whose target is the
+    answer the model gives when exactly that head's z at ``last`` comes from the source."""
+    model = make_tiny("llama", tokenizer, seed=3)
+    o_proj = model.arch.module(model.model, "z", PLANTED.layer)
+    d = model.shape.d_head
+    o_proj.weight[:, PLANTED.head * d:(PLANTED.head + 1) * d] *= 40
+    patched = []
+    for chunk in range(0, len(pairs), 16):
+        part = pairs[chunk:chunk + 16]
+        batch = pair_batch_tensors(part)
+        values = source_z(model, batch, [PLANTED.layer], "last")
+        patches = masked_z_patches(model, [PLANTED], torch.zeros(1), values, batch["base"]["positions"]["last"])
+        with torch.no_grad():
+            new = run(model, batch["base"]["input_ids"], patches).logits.argmax(-1)
+            old = run(model, batch["base"]["input_ids"]).logits.argmax(-1)
+        patched += [dataclasses.replace(p, target_id=int(t), kind="planted")
+                    for p, t, o in zip(part, new.tolist(), old.tolist()) if t != o]
+    return model, patched
+
+
+@pytest.mark.parametrize("parameterisation", ["continuous", "hard_concrete"])
+def test_dcm_finds_planted_head(planted, parameterisation):
+    model, planted = planted
+    assert len(planted) >= 30, len(planted)
+    candidates = [Head(2, h) for h in range(4)] + [Head(1, 0), Head(1, 2)]
+    config = DCMConfig(parameterisation=parameterisation, epochs=3, batch_size=8, eval_every=3, n_random=2, seed=0)
+    res = run_dcm(model, candidates, "last", planted, config, desideratum="planted", progress=False)
+    assert PLANTED in res.selected
+    assert res.test_accuracy.value >= 0.8
+    assert res.floor.value == 0.0  # by construction the unpatched model never says the target
+    assert res.test_accuracy.value > res.random.value
+    assert sum(res.n_split) == len(planted)
+    assert res.history[0]["step"] == 0 and res.best_step >= 0
+
+
+def test_split_is_seeded_and_disjoint(pairs):
+    a = split_pairs(pairs, (0.6, 0.2, 0.2), seed=1)
+    b = split_pairs(pairs, (0.6, 0.2, 0.2), seed=1)
+    c = split_pairs(pairs, (0.6, 0.2, 0.2), seed=2)
+    assert a == b and a != c
+    ids = [id(p) for part in a for p in part]
+    assert len(ids) == len(set(ids)) == len(pairs)
+    with pytest.raises(ValueError, match="split"):
+        DCMConfig(split=(0.5, 0.5, 0.5))
+
+
+def test_semantic_patching_per_model(planted):
+    model, planted = planted
+    planted = planted[:16]
+    other = dataclasses.replace(model, name="other", model=copy.deepcopy(model.model))  # a fresh nnsight wrapper
+    other.arch.module(other.model, "z", PLANTED.layer).weight.mul_(0.0)  # the planted head's output is gone
+    res = semantic_patching([model, other], [PLANTED], "last", planted, batch_size=8)
+    assert [r.model for r in res] == [model.name, "other"]
+    assert res[0].accuracy.value == 1.0 and res[0].floor.value == 0.0
+    assert res[1].accuracy.value < 1.0
+    expected = target_accuracy(other, planted, [PLANTED], "last", 8).mean()
+    assert res[1].accuracy.value == pytest.approx(expected)
+
+
+def test_cli_dcm_with_user_desideratum(tmp_path, smollm2_tokenizer, pairs):
+    model, planted = planted_case(smollm2_tokenizer, pairs[:32])
+    model.model.save_pretrained(tmp_path / "m")
+    smollm2_tokenizer.save_pretrained(tmp_path / "m")
+    write_jsonl(planted, tmp_path / "planted.jsonl")
+    circuit = Circuit("tiny", "entity-tracking", {"A": [PLANTED, Head(2, 0)]}, {"A": "last"})
+    circuit.save(tmp_path / "c.json")
+    out = tmp_path / "out"
+    rc = cli_main(["dcm", "--model", str(tmp_path / "m"), "--circuit", str(tmp_path / "c.json"),
+                   "--desiderata", str(tmp_path / "planted.jsonl"), "--epochs", "1", "--batch-size", "8",
+                   "--n-random", "1", "--out", str(out)])
+    assert rc == 0
+    for name in ("dcm.md", "dcm.csv", "dcm.json", "dcm.png"):
+        assert (out / name).is_file(), name
+
+
+def test_dcm_circuit_rejects_unknown_group(tiny_llama, pairs):
+    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0)]}, {"A": "last"})
+    with pytest.raises(ValueError, match="not in the circuit"):
+        dcm_circuit(tiny_llama, circuit, {"object": pairs}, groups=["B"])

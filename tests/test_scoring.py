@@ -1,0 +1,239 @@
+"""Mean-ablation scoring on tiny models: constructed circuits with known answers."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mechdiff.circuits.circuit import Circuit
+from mechdiff.circuits.scoring import (EVERY_POSITION, Scorer, ablation_patches, completeness, faithfulness,
+                                       full_circuit, matrix_rows, minimality, pair_name, position_means, prune,
+                                       random_circuit, reference_records)
+from mechdiff.components import Head
+from mechdiff.evaluate import evaluate
+from mechdiff.patching.core import Patch, run
+from mechdiff.tasks.entity_tracking import batch_tensors, generate
+
+N_BOXES = 3
+
+
+@pytest.fixture
+def records(smollm2_tokenizer):
+    return generate(smollm2_tokenizer, 6, n_boxes=N_BOXES, seed=0)
+
+
+@pytest.fixture
+def scorer(tiny_model, records, smollm2_tokenizer) -> Scorer:
+    reference = reference_records(smollm2_tokenizer, 6, N_BOXES, seed=1)
+    return Scorer.build(tiny_model, records, reference, batch_size=6, progress=False)
+
+
+def plain_mean_patches(model, means):
+    return [Patch("z", layer, means[layer][None]) for layer in range(model.shape.n_layers)]
+
+
+def test_reference_sets_differ_from_prompts(smollm2_tokenizer, records):
+    for kind in ("path_patching", "fresh"):
+        ref = reference_records(smollm2_tokenizer, 6, N_BOXES, seed=1, kind=kind)
+        assert len(ref) == 6 and len(ref[0].input_ids) == len(records[0].input_ids)
+        assert not {r.prompt for r in ref} & {r.prompt for r in records}
+    with pytest.raises(ValueError, match="unknown reference kind"):
+        reference_records(smollm2_tokenizer, 2, N_BOXES, 1, kind="zero")
+
+
+def test_means_of_one_prompt_leave_it_unchanged(tiny_model, records):
+    one = records[:1]
+    means = position_means(tiny_model, one, progress=False)
+    batch = batch_tensors(one)
+    clean = run(tiny_model, batch["input_ids"]).logits
+    ablated = run(tiny_model, batch["input_ids"], ablation_patches(tiny_model, means, batch, [], keep=True)).logits
+    assert torch.equal(clean, ablated)
+    other = position_means(tiny_model, records[1:2], progress=False)  # another prompt's means do change it
+    assert not torch.equal(clean, run(tiny_model, batch["input_ids"], plain_mean_patches(tiny_model, other)).logits)
+
+
+def test_full_circuit_is_faithful_and_complete(scorer):
+    shape = scorer.model.shape
+    everything = full_circuit(shape.n_layers, shape.n_heads)
+    res = faithfulness(scorer, everything)
+    assert np.array_equal(scorer.keep(everything.pairs()).prob, scorer.full().prob)
+    assert res["circuit"]["faithfulness_prob"]["value"] == 1.0
+    assert res["circuit"]["faithfulness_prob"]["low"] == res["circuit"]["faithfulness_prob"]["high"] == 1.0
+    comp = completeness(scorer, everything, n_draws=1, metric="prob")
+    assert comp["random"]["mean"] == 0.0 and comp["random"]["std"] == 0.0
+    assert all(g["completeness"] == 0.0 for g in comp["groups"].values())
+    assert set(comp["groups"]) == {f"L{layer}" for layer in range(shape.n_layers)}
+
+
+def test_empty_circuit_scores_as_full_mean_ablation(scorer, records):
+    empty = Circuit("tiny", "entity-tracking", {"A": []}, {"A": "last"})
+    plain = evaluate(scorer.model, records, 6, patches=lambda b, r: plain_mean_patches(scorer.model, scorer.means),
+                     progress=False)
+    circ = scorer.keep(empty.pairs())
+    assert np.array_equal(circ.prob, plain.prob) and np.array_equal(circ.correct, plain.correct)
+    assert not np.array_equal(circ.prob, scorer.full().prob)
+    res = faithfulness(scorer, empty)
+    assert res["circuit"]["answer_prob"]["value"] == pytest.approx(float(plain.prob.mean()))
+
+
+def test_kept_head_uses_its_value_in_the_ablated_run(tiny_llama, smollm2_tokenizer, records):
+    model, batch = tiny_llama, batch_tensors(records[:4])
+    means = position_means(model, reference_records(smollm2_tokenizer, 4, N_BOXES, 1), progress=False)
+    head, d, last = Head(2, 1), model.shape.d_head, batch["positions"]["last"]
+    cols = slice(head.head * d, (head.head + 1) * d)
+    ids = batch["input_ids"]
+    kept = run(model, ids, ablation_patches(model, means, batch, [(head, "last")]), capture=[("z", 2)]).captured[("z", 2)]
+    upstream_ablated = run(model, ids, plain_mean_patches(model, means)[:2], capture=[("z", 2)]).captured[("z", 2)]
+    clean = run(model, ids, capture=[("z", 2)]).captured[("z", 2)]
+    rows = torch.arange(4)
+    assert torch.allclose(kept[rows, last, cols], upstream_ablated[rows, last, cols])
+    assert not torch.allclose(kept[rows, last, cols], clean[rows, last, cols])
+    expected = means[2].expand_as(kept).clone()
+    expected[rows, last, cols] = kept[rows, last, cols]
+    assert torch.equal(kept, expected)  # every other cell of the layer (this head elsewhere too) is the mean
+
+
+def test_per_example_positions_and_ablate_mode(tiny_llama, smollm2_tokenizer, records):
+    model, batch = tiny_llama, batch_tensors(records[:3])
+    assert len(set(batch["positions"]["query_label_context"].tolist())) == 3  # differs per prompt
+    means = position_means(model, reference_records(smollm2_tokenizer, 3, N_BOXES, 1), progress=False)
+    head, d = Head(0, 2), model.shape.d_head
+    cols, pos, rows = slice(2 * d, 3 * d), batch["positions"]["query_label_context"], torch.arange(3)
+    clean = run(model, batch["input_ids"], capture=[("z", 0)]).captured[("z", 0)]
+    kept = run(model, batch["input_ids"], ablation_patches(model, means, batch, [(head, "query_label_context")]),
+               capture=[("z", 0)]).captured[("z", 0)]
+    assert torch.equal(kept[rows, pos, cols], clean[rows, pos, cols])  # layer 0: nothing upstream ablated
+    assert int((kept != means[0]).any(-1).sum()) == 3
+    patches = ablation_patches(model, means, batch, [(head, "query_label_context")], keep=False)
+    assert [p.layer for p in patches] == [0]  # only the layer holding K is patched
+    ablated = run(model, batch["input_ids"], patches, capture=[("z", 0)]).captured[("z", 0)]
+    expected = clean.clone()
+    expected[rows, pos, cols] = means[0][pos, cols]
+    assert torch.equal(ablated, expected)
+
+
+def test_ablation_errors(tiny_llama, records):
+    batch = batch_tensors(records[:2])
+    with pytest.raises(ValueError, match="same n_boxes"):
+        ablation_patches(tiny_llama, torch.zeros(3, 5, 32), batch, [])
+    means = torch.zeros(3, batch["input_ids"].shape[1], 32)
+    with pytest.raises(ValueError, match="unknown position"):
+        ablation_patches(tiny_llama, means, batch, [(Head(0, 0), "first")])
+    with pytest.raises(ValueError, match="no reference records"):
+        position_means(tiny_llama, [])
+
+
+def test_random_circuits_keep_sizes_and_baseline_is_seeded(tiny_llama, records, smollm2_tokenizer):
+    circuit = Circuit("tiny", "et", {"A": [Head(2, 0), Head(2, 1)], "C": [Head(0, 3)]}, {"A": "last", "C": "query_label"})
+    rnd = random_circuit(circuit, 3, 4, random.Random(0))
+    assert rnd.sizes() == circuit.sizes() and rnd.positions == circuit.positions
+    assert rnd.groups == random_circuit(circuit, 3, 4, random.Random(0)).groups
+    scorer = Scorer.build(tiny_llama, records, reference_records(smollm2_tokenizer, 6, N_BOXES, 1), 6, False)
+    a = faithfulness(scorer, circuit, n_random=2, seed=3)
+    assert json.dumps(a) == json.dumps(faithfulness(scorer, circuit, n_random=2, seed=3))  # NaN-safe
+    assert a["random"]["n_draws"] == 2 and 0 <= a["random"]["accuracy"]["value"] <= 1
+    row = matrix_rows("tiny", {"c": circuit}, scorer, n_random=2, seed=3)[0]
+    assert row["faithfulness_prob"] == a["circuit"]["faithfulness_prob"]["value"]
+    assert row["random_faithfulness_prob_low"] <= row["random_faithfulness_prob_high"]
+
+
+def test_minimality_prunes_heads_that_cannot_matter(tiny_llama, records, smollm2_tokenizer):
+    model = tiny_llama
+    d = model.shape.d_head
+    model.model.model.layers[1].self_attn.o_proj.weight[:, 3 * d:4 * d] = 0  # L1H3 writes nothing
+    circuit = Circuit("tiny", "et", {"A": [Head(2, 0), Head(1, 0), Head(1, 3)], "C": [Head(2, 2)]},
+                      {"A": "last", "C": "query_label"})  # L2H2 at a non-final position of the last layer
+    scorer = Scorer.build(model, records, reference_records(smollm2_tokenizer, 6, N_BOXES, 1), 6, False)
+    res = minimality(scorer, circuit, max_steps=1, n_candidates=None, metric="prob")
+    scores = res["pairs"]
+    assert scores["L1H3@last"]["contribution"] == 0.0
+    assert scores["L2H2@query_label"]["contribution"] == 0.0
+    assert scores["L2H0@last"]["contribution"] > 0 and scores["L1H0@last"]["contribution"] > 0
+    assert all(len(s["K"]) <= 1 for s in scores.values())
+    pruned = prune(circuit, res, threshold=0.0)
+    assert pruned.groups == {"A": [Head(2, 0), Head(1, 0)], "C": []}
+    meta = pruned.meta["pruned"]
+    assert meta["threshold"] == 0.0 and meta["metric"] == "prob" and meta["removed"] == ["L1H3@last", "L2H2@query_label"]
+    assert Circuit.from_dict(json.loads(json.dumps(pruned.to_dict()))).meta["pruned"]["threshold"] == 0.0
+    with pytest.raises(ValueError, match="no minimality score"):
+        prune(Circuit("t", "et", {"B": [Head(0, 0)]}, {"B": "last"}), res)
+
+
+def test_completeness_of_a_partial_circuit(tiny_llama, records, smollm2_tokenizer):
+    scorer = Scorer.build(tiny_llama, records, reference_records(smollm2_tokenizer, 6, N_BOXES, 1), 6, False)
+    circuit = Circuit("tiny", "et", {"A": [Head(2, 0), Head(1, 1)], "C": [Head(0, 3)]}, {"A": "last", "C": "query_label"})
+    comp = completeness(scorer, circuit, n_draws=3, metric="prob", seed=0)
+    assert len(comp["random"]["draws"]) == 3 and comp["random"]["std"] >= 0
+    g = comp["groups"]["A"]
+    diff = scorer.keep([(Head(0, 3), "query_label")]).prob.mean() - scorer.ablate(
+        [(Head(2, 0), "last"), (Head(1, 1), "last")]).prob.mean()
+    assert g["completeness"] == pytest.approx(abs(float(diff)), rel=1e-5)
+    assert pair_name((Head(2, 0), EVERY_POSITION)) == "L2H0@*"
+
+
+# --------------------------------------------------------------------------------------
+# The commands, end to end on two tiny checkpoints saved to disk
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory, smollm2_tokenizer):
+    from conftest import make_tiny
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    dirs = []
+    for seed in (0, 1):
+        path = root / f"tiny-{seed}"
+        make_tiny("llama", smollm2_tokenizer, seed=seed).model.save_pretrained(path)
+        smollm2_tokenizer.save_pretrained(path)
+        dirs.append(str(path))
+    first = Circuit("tiny-0", "entity-tracking", {"A": [Head(2, 0), Head(1, 1)], "C": [Head(0, 3)]},
+                    {"A": "last", "C": "query_label"}).save(root / "first.json")
+    second = Circuit("tiny-1", "entity-tracking", {"A": [Head(2, 0), Head(2, 3)], "C": [Head(0, 1)]},
+                     {"A": "last", "C": "query_label"}).save(root / "second.json")
+    return dirs, str(first), str(second)
+
+
+DATA = ["--n", "6", "--n-boxes", str(N_BOXES), "--batch-size", "6", "--no-progress"]
+
+
+def test_score_and_prune_commands(tiny_dirs, tmp_path):
+    from mechdiff.cli import main
+
+    (model, _), first, _ = tiny_dirs
+    out = tmp_path / "score"
+    assert main(["score", "--model", model, "--circuit", first, "--n-random", "1", "--completeness-draws", "2",
+                 "--out", str(out), *DATA]) == 0
+    result = json.loads((out / "score.json").read_text())
+    assert set(result["faithfulness"]) >= {"full", "circuit", "random"}
+    assert set(result["completeness"]["groups"]) == {"A", "C"}
+    for stem in ("faithfulness", "completeness"):
+        assert all((out / f"{stem}.{ext}").is_file() for ext in ("md", "csv", "tex", "json"))
+    assert "faithfulness [95% CI]" in (out / "faithfulness.md").read_text()
+    pruned_path = tmp_path / "pruned.json"
+    assert main(["prune", "--model", model, "--circuit", first, "--out", str(pruned_path), "--threshold", "0.5",
+                 "--metric", "prob", *DATA]) == 0
+    pruned = Circuit.load(pruned_path)
+    assert pruned.meta["pruned"]["threshold"] == 0.5 and pruned.meta["pruned"]["source"] == first
+    assert sum(pruned.sizes().values()) < 3  # no head of a random tiny model carries half its answer probability
+    assert (tmp_path / "pruned.minimality.csv").is_file()
+
+
+def test_compare_command(tiny_dirs, tmp_path):
+    from mechdiff.cli import main
+
+    dirs, first, second = tiny_dirs
+    out = tmp_path / "compare"
+    assert main(["compare", "--models", ",".join(dirs), "--circuits", f"{first},{second}", "--out", str(out),
+                 *DATA]) == 0
+    result = json.loads((out / "compare.json").read_text())
+    assert {(r["circuit"], r["model"]) for r in result["matrix"]} == {(c, m) for c in ("first", "second") for m in dirs}
+    assert all(r["accuracy_low"] <= r["accuracy"] <= r["accuracy_high"] for r in result["matrix"])
+    a = next(r for r in result["overlap"] if r["group"] == "A")
+    assert (a["intersection"], a["frac_first"], a["jaccard"]) == (1, 0.5, 1 / 3)
+    assert (out / "membership.png").is_file() and (out / "overlap.tex").is_file()
+    assert main(["compare", "--models", dirs[0], "--circuits", f"{first},{first}", "--out", str(out), *DATA]) == 2

@@ -1,0 +1,82 @@
+"""The whole study on tiny saved models: report written, reruns cached, one changed option recomputes
+only what depends on it, a killed run resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mechdiff.study import Study
+from mechdiff.tasks.spec import default_spec
+
+from conftest import make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_family(tmp_path_factory, smollm2_tokenizer):
+    root = tmp_path_factory.mktemp("family")
+    names = []
+    for seed in (0, 1):
+        lm = make_tiny("llama", smollm2_tokenizer, seed=seed, n_layers=2)
+        lm.model.save_pretrained(root / f"m{seed}")
+        smollm2_tokenizer.save_pretrained(root / f"m{seed}")
+        names.append(str(root / f"m{seed}"))
+    return names
+
+
+def tiny_spec(names, out):
+    spec = default_spec()
+    spec.models.base, spec.models.finetunes = names[0], names[1:]
+    spec.task.n_boxes = 3
+    spec.eval.n, spec.eval.batch_size = 12, 12
+    spec.discovery.n, spec.discovery.top_k, spec.discovery.screen_multiple = 6, {"A": 2, "B": 1, "C": 1, "D": 1}, 2
+    spec.scoring.n, spec.scoring.random_draws, spec.scoring.completeness_draws = 8, 1, 1
+    spec.dcm.n_train, spec.dcm.n_val, spec.dcm.n_test, spec.dcm.epochs = 6, 3, 3, 1
+    spec.dcm.desiderata = ["positional"]
+    spec.cmap.n, spec.cmap.parts = 8, ["z", "qk"]
+    spec.output.dir, spec.output.store = str(out / "run"), str(out / "store.h5")
+    return spec
+
+
+def test_study_end_to_end_and_caching(tiny_family, tmp_path):
+    spec = tiny_spec(tiny_family, tmp_path)
+    report = Study(spec, progress=False).run()
+    text = report.read_text()
+    for section in ("## Findings", "## Accuracy", "## Circuits", "## Circuit x model", "## Overlap",
+                    "## What the heads encode (DCM)", "## Cross-model activation patching (CMAP)", "## What was run"):
+        assert section in text
+    run_dir = tmp_path / "run"
+    assert (run_dir / "figures" / "membership.png").is_file()
+    assert (run_dir / "tables" / "accuracy.csv").is_file() and (run_dir / "tables" / "accuracy.tex").is_file()
+    assert (run_dir / "circuits").is_dir()
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["versions"]["torch"] and all(not s["cached"] for s in manifest["stages"].values())
+
+    again = Study(spec, progress=False)
+    again.run()
+    assert all(r.cached for r in again.cache.records.values())
+    assert again.models._loaded == {}  # nothing recomputed, so no weights loaded
+
+    spec.cmap.parts = ["z", "v"]  # one changed option: only the CMAP stages recompute
+    changed = Study(spec, progress=False)
+    changed.run()
+    fresh = {n for n, r in changed.cache.records.items() if not r.cached}
+    assert fresh == {f"cmap:{n}" for n in spec.models.finetunes}
+
+
+def test_killed_run_resumes(tiny_family, tmp_path, monkeypatch):
+    spec = tiny_spec(tiny_family, tmp_path)
+    study = Study(spec, progress=False)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Study, "dcm", killed)
+    with pytest.raises(KeyboardInterrupt):
+        study.run()
+    monkeypatch.undo()
+    resumed = Study(spec, progress=False)
+    resumed.run()
+    recomputed = {n for n, r in resumed.cache.records.items() if not r.cached}
+    assert recomputed == {"dcm", *(f"cmap:{n}" for n in spec.models.finetunes)}
