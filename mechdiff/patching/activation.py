@@ -1,0 +1,121 @@
+"""Activation patching (clean <- counterfactual) of any set of heads and the embeddings, and metrics.
+
+Components are :class:`~mechdiff.components.Head` (its ``z`` slice, the input of the
+output projection) or ``"EMB"`` (the token-embedding output). Positions are a LongTensor
+``[batch]`` (one position per example, from the dataset's position records) or ``None``
+(every position).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from ..components import Component, Head
+from ..models.loading import LoadedModel
+from .core import EMB_LAYER, Patch, run
+
+
+def _sites(components: Iterable[Component]) -> list[tuple[str, int]]:
+    sites = set()
+    for c in components:
+        if isinstance(c, Head):
+            sites.add(("z", c.layer))
+        elif c == "EMB":
+            sites.add(("emb", EMB_LAYER))
+        else:
+            raise ValueError(f"cannot patch {c!r}: activation patching supports heads (L<l>H<h>) and EMB")
+    return sorted(sites, key=lambda s: s[1])
+
+
+def patches_from(model: LoadedModel, components: Iterable[Component], source: dict,
+                 positions: Optional[torch.Tensor] = None) -> list[Patch]:
+    """Patches writing ``source`` (captured ``{(kind, layer): "batch pos cols"}``) into ``components``.
+
+    Heads of one layer are merged into one patch per layer (one write per site).
+    """
+    by_layer: dict[int, list[Head]] = defaultdict(list)
+    patches = []
+    for c in components:
+        if isinstance(c, Head):
+            by_layer[c.layer].append(c)
+        elif c == "EMB":
+            patches.append(_patch(source[("emb", EMB_LAYER)], "emb", EMB_LAYER, None, positions))
+    d = model.shape.d_head
+    for layer, heads in by_layer.items():
+        value = source[("z", layer)]
+        mask = torch.zeros(value.shape[-1], dtype=torch.bool)
+        for h in heads:
+            mask[h.head * d:(h.head + 1) * d] = True
+        patches.append(_patch(value, "z", layer, mask, positions))
+    return patches
+
+
+def _patch(value: torch.Tensor, kind: str, layer: int, mask: Optional[torch.Tensor],
+           positions: Optional[torch.Tensor]) -> Patch:
+    """One patch of the columns in ``mask`` (all if ``None``): untouched columns keep their clean value."""
+    if positions is not None:
+        value = value[torch.arange(value.shape[0]), positions.to(value.device)]
+    if mask is None:
+        return Patch(kind, layer, value, positions)
+    cols = mask.nonzero()[:, 0]
+    if (cols.diff() == 1).all():  # contiguous: a plain column slice
+        return Patch(kind, layer, value[..., cols[0]:cols[-1] + 1], positions, slice(int(cols[0]), int(cols[-1]) + 1))
+    # non-contiguous heads: write the whole site, clean values restored by the mask
+    return Patch(kind, layer, value, positions, mask=(~mask).float())
+
+
+def activation_patch(
+    model: LoadedModel, clean_ids: torch.Tensor, source_ids: torch.Tensor,
+    components: Sequence[Component], positions: Optional[torch.Tensor] = None,
+    source: Optional[dict] = None,
+) -> torch.Tensor:
+    """Last-token logits (``"batch vocab"``) of the clean run with ``components`` patched from the source run.
+
+    ``source``: the source run's captured sites, if already computed (``capture_sources``).
+    """
+    if source is None:
+        source = capture_sources(model, source_ids, components)
+    with torch.no_grad():
+        return run(model, clean_ids, patches_from(model, components, source, positions)).logits
+
+
+def capture_sources(model: LoadedModel, input_ids: torch.Tensor, components: Sequence[Component]) -> dict:
+    """The sites that ``components`` live in, captured from an unpatched run on ``input_ids``."""
+    with torch.no_grad():
+        return run(model, input_ids, capture=_sites(components)).captured
+
+
+# ---------------------------------------------------------------------------------- metrics
+def answer_prob(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
+    """Probability of each example's answer token: ``"batch"``."""
+    return logits.float().softmax(-1).gather(-1, answer_ids.to(logits.device)[:, None])[:, 0]
+
+
+def logit_diff(logits: torch.Tensor, answer_ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
+    """Logit of the answer minus logit of the alternative: ``"batch"``."""
+    logits = logits.float()
+    return (logits.gather(-1, answer_ids.to(logits.device)[:, None])
+            - logits.gather(-1, other_ids.to(logits.device)[:, None]))[:, 0]
+
+
+def accuracy(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
+    """1.0 where the top-1 token is the answer: ``"batch"``."""
+    return (logits.argmax(-1) == answer_ids.to(logits.device)).float()
+
+
+def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || patched) over the vocabulary: ``"batch"``."""
+    ref = reference_logits.float().log_softmax(-1)
+    new = logits.float().log_softmax(-1)
+    return (ref.exp() * (ref - new)).sum(-1)
+
+
+def relative_change(patched: torch.Tensor, clean: torch.Tensor) -> float:
+    """``(mean patched - mean clean) / mean clean``: the path-patching score of a batch."""
+    return float((patched.mean() - clean.mean()) / clean.mean())
+
+
+METRICS = {"answer_prob": answer_prob, "accuracy": accuracy}

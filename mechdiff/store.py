@@ -1,0 +1,267 @@
+"""HDF5 activation store: cached activations and position-wise means, keyed by model and dataset.
+
+One file holds many entries. An entry is addressed by a :class:`StoreKey`
+``(model_fingerprint, dataset_hash, kind, positions)``: ``kind`` is a site kind
+(``z``, ``q``, ``k``, ``v``) or ``z_mean`` etc. for position-wise means, ``positions``
+is ``"all"`` or the name of a dataset position record (``last``, ``query_label``...).
+
+Layout: group ``/<kind>/<positions>/<fingerprint[:16]>-<dataset[:16]>`` with one chunked,
+gzip-compressed dataset per layer (``L0``, ``L1``...), a ``done`` mask of completed
+batches, and attributes (full fingerprint, dataset hash, mechdiff version, shapes,
+``complete``). Reads check the attributes against the asking model and dataset and
+refuse a mismatch (:class:`StoreMismatchError`); nothing is ever silently reused.
+
+Writes are atomic and resumable: a write goes to ``<path>.partial`` (a copy of the
+current file plus the new entry), every finished batch is flushed and marked in
+``done``, and only a complete entry is renamed over ``<path>``. A crash leaves
+``<path>`` as it was; the next run reopens ``<path>.partial`` and computes only the
+batches not marked done (a partial file HDF5 cannot open is discarded, with a log line).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import h5py
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import __version__
+from .evaluate import batches
+from .models.loading import LoadedModel
+from .tasks.entity_tracking import batch_tensors, dataset_hash
+
+log = logging.getLogger(__name__)
+
+# compute_fn(model, batch_records) -> {layer: tensor "batch ... cols"} for one batch
+ComputeFn = Callable[[LoadedModel, Sequence], dict[int, torch.Tensor]]
+
+
+class StoreMismatchError(ValueError):
+    """An entry was written for another model, dataset or shape than the one asking."""
+
+
+@dataclass(frozen=True)
+class StoreKey:
+    """What an entry holds: whose activations (model, dataset), which site kind, which positions."""
+
+    model_fingerprint: str
+    dataset_hash: str
+    kind: str
+    positions: str = "all"
+
+    @property
+    def group(self) -> str:
+        return f"{self.kind}/{self.positions}/{self.model_fingerprint[:16]}-{self.dataset_hash[:16]}"
+
+    def attrs(self) -> dict[str, str]:
+        return {"model_fingerprint": self.model_fingerprint, "dataset_hash": self.dataset_hash,
+                "kind": self.kind, "positions": self.positions}
+
+
+class Entry:
+    """A read-only view of one complete entry; every read opens the file and streams a slice."""
+
+    def __init__(self, path: Path, key: StoreKey) -> None:
+        self.path, self.key = path, key
+        with h5py.File(path, "r") as f:
+            g = f[key.group]
+            self.layers: list[int] = sorted(int(name[1:]) for name in g if name.startswith("L"))
+            self.shape: tuple[int, ...] = tuple(g[f"L{self.layers[0]}"].shape)
+            self.attrs = dict(g.attrs)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read(self, layer: int, rows: slice | Sequence[int] = slice(None)) -> torch.Tensor:
+        """Rows of one layer (``"row ... cols"``), read without loading the rest of the file."""
+        with h5py.File(self.path, "r") as f:
+            return torch.from_numpy(np.asarray(f[self.key.group][f"L{layer}"][rows]))
+
+    def stack(self, rows: slice | Sequence[int] = slice(None)) -> torch.Tensor:
+        """Every layer: ``"layer row ... cols"``."""
+        return torch.stack([self.read(layer, rows) for layer in self.layers])
+
+
+class ActivationStore:
+    """Cached activations in one HDF5 file (see the module docstring for layout and guarantees)."""
+
+    def __init__(self, path: str | Path, compression: str = "gzip", compression_opts: int = 4) -> None:
+        self.path = Path(path)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.compression, self.compression_opts = compression, compression_opts
+
+    # ----------------------------------------------------------------------------- reading
+    def keys(self) -> list[StoreKey]:
+        """Complete entries in the committed file."""
+        if not self.path.exists():
+            return []
+        found: list[StoreKey] = []
+        with h5py.File(self.path, "r") as f:
+            def visit(name: str, obj) -> None:
+                if isinstance(obj, h5py.Group) and "model_fingerprint" in obj.attrs and obj.attrs.get("complete"):
+                    a = obj.attrs
+                    found.append(StoreKey(a["model_fingerprint"], a["dataset_hash"], a["kind"], a["positions"]))
+            f.visititems(visit)
+        return found
+
+    def get(self, key: StoreKey) -> Entry:
+        """The complete entry for ``key``; raises :class:`StoreMismatchError` or ``KeyError`` otherwise."""
+        if not self.path.exists():
+            raise KeyError(f"{self.path} does not exist; compute the activations with get_or_compute first")
+        with h5py.File(self.path, "r") as f:
+            if key.group in f:
+                _check_attrs(f[key.group].attrs, key, self.path)
+                if not f[key.group].attrs.get("complete"):
+                    raise KeyError(f"entry {key.group} in {self.path} is incomplete; rerun get_or_compute to finish it")
+                return Entry(self.path, key)
+        others = [k for k in self.keys() if (k.kind, k.positions) == (key.kind, key.positions)]
+        if others:
+            raise StoreMismatchError(
+                f"{self.path} holds {key.kind}/{key.positions} only for "
+                + ", ".join(f"model {k.model_fingerprint[:12]} dataset {k.dataset_hash[:12]}" for k in others)
+                + f", not for model {key.model_fingerprint[:12]} dataset {key.dataset_hash[:12]}; "
+                "compute them for this model and dataset (get_or_compute) or use another store"
+            )
+        raise KeyError(f"{self.path} has no entry {key.group}; compute it with get_or_compute")
+
+    def read(self, model: LoadedModel, records: Sequence, kind: str, positions: str = "all") -> Entry:
+        """The entry for this model and dataset, refusing entries written for others."""
+        return self.get(StoreKey(model.fingerprint, dataset_hash(records), kind, positions))
+
+    # ----------------------------------------------------------------------------- writing
+    def get_or_compute(
+        self, model: LoadedModel, records: Sequence, kind: str, positions: str = "all",
+        compute_fn: Optional[ComputeFn] = None, batch_size: int = 32, progress: bool = True,
+    ) -> Entry:
+        """The cached entry, computing (or resuming) the missing batches first.
+
+        ``compute_fn(model, batch_records)`` returns ``{layer: "batch ... cols"}``; by default
+        the site ``kind`` of every layer at ``positions`` (see :func:`capture_sites`).
+        """
+        key = StoreKey(model.fingerprint, dataset_hash(records), kind, positions)
+        try:
+            return self.get(key)
+        except StoreMismatchError:
+            pass  # other models' entries are fine to keep beside this one
+        except KeyError:
+            pass
+        fn = compute_fn or (lambda m, recs: capture_sites(m, recs, kind, positions))
+        rows = batches(len(records), batch_size)
+        self._fill(key, len(records), rows, lambda r: fn(model, records[r]), progress)
+        return self.get(key)
+
+    def means(self, model: LoadedModel, records: Sequence, kind: str = "z", batch_size: int = 32,
+              progress: bool = True) -> torch.Tensor:
+        """Position-wise means of a site over ``records``: ``"layer pos cols"`` (for z: ``"layer pos (head d_head)"``).
+
+        Stored as per-batch sums (entry kind ``<kind>_mean``) so an interrupted run resumes.
+        """
+        key = StoreKey(model.fingerprint, dataset_hash(records), f"{kind}_mean", "all")
+        try:
+            entry = self.get(key)
+        except (KeyError, StoreMismatchError):  # no entry for this model and dataset yet: add it
+            rows = batches(len(records), batch_size)
+
+            def unit(unit_rows: slice) -> dict[int, torch.Tensor]:  # unit i = batch i
+                acts = capture_sites(model, records[rows[unit_rows.start]], kind, "all")
+                return {layer: t.double().sum(0, keepdim=True) for layer, t in acts.items()}
+
+            self._fill(key, len(rows), [slice(i, i + 1) for i in range(len(rows))], unit, progress)
+            entry = self.get(key)
+        return entry.stack().sum(1).div(len(records)).float()
+
+    def _fill(self, key: StoreKey, n_rows: int, units: list[slice],
+              unit_fn: Callable[[slice], dict[int, torch.Tensor]], progress: bool) -> None:
+        """Compute the units not yet marked done into ``<path>.partial``, then commit it."""
+        f = self._open_partial()
+        try:
+            g = f.require_group(key.group)
+            if "done" in g:
+                _check_attrs(g.attrs, key, self.partial)
+                if len(g["done"]) != len(units):
+                    raise StoreMismatchError(f"{self.partial}: {key.group} was started with another batch size; "
+                                             f"delete {self.partial} or use the same batch size")
+            else:
+                g.attrs.update(key.attrs())
+                g.attrs.update(mechdiff_version=__version__, complete=False, n_rows=n_rows)
+                g.create_dataset("done", data=np.zeros(len(units), dtype=bool))
+            todo = [i for i in range(len(units)) if not g["done"][i]]
+            if len(todo) < len(units):
+                log.info("resuming %s: %d of %d batches already written", key.group, len(units) - len(todo), len(units))
+            for i in tqdm(todo, desc=f"store {key.kind}/{key.positions}", disable=not progress, leave=False):
+                out = unit_fn(units[i])
+                for layer, t in out.items():
+                    ds = self._dataset(g, layer, n_rows, t)
+                    ds[units[i]] = t.detach().float().cpu().numpy() if t.dtype != torch.float64 else t.cpu().numpy()
+                g["done"][i] = True
+                f.flush()
+            g.attrs["complete"] = True
+            g.attrs["shape"] = list(g[next(n for n in g if n.startswith("L"))].shape)
+        finally:
+            f.close()
+        self.partial.replace(self.path)
+
+    def _dataset(self, g: h5py.Group, layer: int, n_rows: int, t: torch.Tensor) -> h5py.Dataset:
+        name = f"L{layer}"
+        shape = (n_rows, *t.shape[1:])
+        if name in g:
+            if g[name].shape != shape:
+                raise StoreMismatchError(f"{g.name}/{name} has shape {g[name].shape}, the model produced {shape}")
+            return g[name]
+        dtype = np.float64 if t.dtype == torch.float64 else np.float32
+        chunks = (min(n_rows, max(1, t.shape[0])), *t.shape[1:])
+        return g.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks,
+                                compression=self.compression, compression_opts=self.compression_opts)
+
+    def _open_partial(self) -> h5py.File:
+        """Open ``<path>.partial`` (resume), else start it from a copy of ``<path>`` (or empty)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.partial.exists():
+            try:
+                return h5py.File(self.partial, "a")
+            except OSError as err:
+                log.warning("discarding unreadable %s (%s); starting the entry again", self.partial, err)
+                self.partial.unlink()
+        if self.path.exists():
+            shutil.copyfile(self.path, self.partial)
+            return h5py.File(self.partial, "a")
+        return h5py.File(self.partial, "w")
+
+
+def _check_attrs(attrs, key: StoreKey, path: Path) -> None:
+    for name, want in key.attrs().items():
+        got = attrs.get(name)
+        if got != want:
+            raise StoreMismatchError(
+                f"{path}: entry {key.group} has {name}={got!r} but the request is for {want!r}; "
+                "it was written by another model or dataset and will not be used. Use another store path "
+                "or delete the entry."
+            )
+
+
+def capture_sites(model: LoadedModel, records: Sequence, kind: str, positions: str = "all",
+                  layers: Optional[Sequence[int]] = None) -> dict[int, torch.Tensor]:
+    """Site ``kind`` of every layer for one batch: ``"batch pos cols"`` (``positions="all"``)
+    or ``"batch cols"`` at the named position record."""
+    from .patching.core import run
+
+    layers = range(model.shape.n_layers) if layers is None else layers
+    batch = batch_tensors(list(records))
+    with torch.no_grad():
+        out = run(model, batch["input_ids"], capture=[(kind, layer) for layer in layers])
+    acts = {layer: out.captured[(kind, layer)] for layer in layers}
+    if positions == "all":
+        return acts
+    if positions not in batch["positions"]:
+        raise ValueError(f"unknown position {positions!r}; records have {sorted(batch['positions'])}")
+    pos = batch["positions"][positions]
+    if (pos < 0).any():
+        raise ValueError(f"some records have no {positions!r} position (-1); select records that have it")
+    rows = torch.arange(len(pos))
+    return {layer: t[rows, pos.to(t.device)] for layer, t in acts.items()}

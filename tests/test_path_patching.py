@@ -1,0 +1,150 @@
+"""Path patching against an independent computation (plain torch hooks, written only here),
+the attribution screen against exact path patching, and the discovery driver."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mechdiff.circuits.discovery import DiscoverySettings, discover
+from mechdiff.components import Head
+from mechdiff.patching.attribution import attribution_scores
+from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
+from mechdiff.tasks.entity_tracking import path_patching_pairs
+
+
+@pytest.fixture
+def pairs(smollm2_tokenizer):
+    return path_patching_pairs(smollm2_tokenizer, 5, n_boxes=3, seed=3)
+
+
+def _hooked_prob(lm, ids, answers, pre_hooks=(), hooks=()):
+    """Answer probability of a plain HF forward with torch hooks (the independent reference)."""
+    handles = [m.register_forward_pre_hook(f) for m, f in pre_hooks] + [m.register_forward_hook(f) for m, f in hooks]
+    try:
+        with torch.no_grad():
+            logits = lm.model(input_ids=ids, use_cache=False).logits[:, -1]
+    finally:
+        for h in handles:
+            h.remove()
+    return logits.softmax(-1)[torch.arange(len(answers)), answers]
+
+
+def _freeze_hooks(lm, clean_z, source_z, sender, pos, layers):
+    """o_proj pre-hooks: every head's z = clean, except the sender's slice at ``pos`` = source."""
+    d = lm.shape.d_head
+
+    def make(layer):
+        def hook(module, args):
+            z = clean_z[layer].clone()
+            if layer == sender.layer:
+                rows = torch.arange(z.shape[0])
+                z[rows, pos, sender.head * d:(sender.head + 1) * d] = source_z[layer][rows, pos, sender.head * d:(sender.head + 1) * d]
+            return (z,)
+        return hook
+
+    return [(lm.arch.module(lm.model, "z", layer), make(layer)) for layer in layers]
+
+
+def _reference_z(lm, ids):
+    zs = {}
+    hooks = [(lm.arch.module(lm.model, "z", l), (lambda l: lambda m, a: zs.__setitem__(l, a[0].clone()))(l))
+             for l in range(lm.shape.n_layers)]
+    _hooked_prob(lm, ids, torch.zeros(len(ids), dtype=torch.long), pre_hooks=hooks)
+    return zs
+
+
+def test_sender_nothing_changes_nothing(tiny_llama, pairs):
+    batch = prepare(tiny_llama, pairs)
+    assert path_patch(tiny_llama, batch, [], "last", None, progress=False) == {}
+    same = batch.source_z
+    batch.source_z = batch.clean_z  # a sender whose counterfactual equals its clean value
+    try:
+        for receivers in (None, Receivers((Head(2, 1),), "q", "last"), Receivers((Head(2, 3),), "v", "query_label")):
+            scores = path_patch(tiny_llama, batch, eligible_senders(tiny_llama, receivers)[:6], "query_label",
+                                receivers, senders_per_pass=3, progress=False)
+            assert max(abs(s) for s in scores.values()) < 1e-5
+    finally:
+        batch.source_z = same
+
+
+def test_step_a_equals_hooked_reference(tiny_model, pairs):
+    batch = prepare(tiny_model, pairs)
+    senders = [Head(0, 1), Head(1, 2), Head(2, 3)]
+    scores = path_patch(tiny_model, batch, senders, "last", None, senders_per_pass=2, progress=False)
+    clean_z, source_z = _reference_z(tiny_model, batch.clean_ids), _reference_z(tiny_model, batch.source_ids)
+    pos = batch.positions["last"]
+    p0 = _hooked_prob(tiny_model, batch.clean_ids, batch.answer_ids)
+    for s in senders:
+        hooks = _freeze_hooks(tiny_model, clean_z, source_z, s, pos, range(tiny_model.shape.n_layers))
+        p = _hooked_prob(tiny_model, batch.clean_ids, batch.answer_ids, pre_hooks=hooks)
+        expected = float((p.mean() - p0.mean()) / p0.mean())
+        assert scores[s] == pytest.approx(expected, rel=1e-3, abs=1e-7)
+    assert any(abs(v) > 1e-6 for v in scores.values())
+
+
+def test_step_b_equals_hooked_reference(tiny_llama, pairs):
+    """Senders at query_label -> receiver L2H1's Q at last, computed with hooks on q_proj."""
+    lm = tiny_llama
+    batch = prepare(lm, pairs)
+    receivers = Receivers((Head(2, 1),), "q", "last")
+    senders = [Head(0, 0), Head(1, 3)]
+    scores = path_patch(lm, batch, senders, "query_label", receivers, progress=False)
+    clean_z, source_z = _reference_z(lm, batch.clean_ids), _reference_z(lm, batch.source_ids)
+    spos, rpos = batch.positions["query_label"], batch.positions["last"]
+    rows, cols = torch.arange(len(batch)), slice(8, 16)
+    q_proj = lm.model.model.layers[2].self_attn.q_proj
+    p0 = _hooked_prob(lm, batch.clean_ids, batch.answer_ids)
+    for s in senders:
+        got = {}
+        capture = (q_proj, lambda m, a, out: got.__setitem__("q", out[rows, rpos, cols].clone()))
+        _hooked_prob(lm, batch.clean_ids, batch.answer_ids,
+                     pre_hooks=_freeze_hooks(lm, clean_z, source_z, s, spos, range(2)), hooks=[capture])
+
+        def write(m, a, out):
+            out = out.clone()
+            out[rows, rpos, cols] = got["q"]
+            return out
+
+        p = _hooked_prob(lm, batch.clean_ids, batch.answer_ids, hooks=[(q_proj, write)])
+        assert scores[s] == pytest.approx(float((p.mean() - p0.mean()) / p0.mean()), rel=1e-3, abs=1e-8)
+
+
+def test_senders_must_precede_receivers(tiny_llama, pairs):
+    batch = prepare(tiny_llama, pairs)
+    receivers = Receivers((Head(1, 0),), "v", "query_label")
+    assert {h.layer for h in eligible_senders(tiny_llama, receivers)} == {0}
+    with pytest.raises(ValueError, match="below the deepest receiver"):
+        path_patch(tiny_llama, batch, [Head(1, 2)], "query_label", receivers, progress=False)
+
+
+@pytest.mark.parametrize("step", ["A", "B", "C", "D"])
+def test_attribution_tracks_exact_scores(tiny_llama, pairs, step):
+    batch = prepare(tiny_llama, pairs)
+    position, receivers = {
+        "A": ("last", None), "B": ("last", Receivers((Head(2, 1), Head(2, 2)), "q", "last")),
+        "C": ("query_label", Receivers((Head(2, 0), Head(1, 3)), "v", "query_label")),
+        "D": ("query_label_context", Receivers((Head(2, 1),), "v", "query_label_context")),
+    }[step]
+    senders = eligible_senders(tiny_llama, receivers)
+    exact = path_patch(tiny_llama, batch, senders, position, receivers, senders_per_pass=6, progress=False)
+    approx = attribution_scores(tiny_llama, batch, position, receivers)
+    e, a = np.array([exact[h] for h in senders]), np.array([approx[h] for h in senders])
+    assert np.corrcoef(e, a)[0, 1] > 0.95
+
+
+def test_discover_writes_a_circuit(tiny_llama, pairs, tmp_path):
+    settings = DiscoverySettings(k={"A": 3, "B": 2, "C": 2, "D": 1}, screen=True, screen_multiple=2, n_prompts=5,
+                                 n_boxes=3)
+    circuit, results = discover(tiny_llama, pairs, settings, progress=False)
+    assert circuit.sizes()["A"] == 3 and circuit.positions["C"] == "query_label"
+    assert len(results["A"].exact) == 6 and len(results["A"].attribution) == 12
+    for step, heads in circuit.groups.items():  # selected = most negative exact scores among those tested
+        worst = sorted(results[step].exact.values())[:len(heads)]
+        assert sorted(circuit.scores[step].values()) == pytest.approx(worst)
+    b_receivers = results["B"].receivers
+    assert set(b_receivers.heads) == set(circuit.groups["A"]) and b_receivers.kind == "q"
+    assert max(h.layer for h in results["B"].exact) < b_receivers.max_layer
+    loaded = circuit.load(circuit.save(tmp_path / "c.json"))
+    assert loaded.groups == circuit.groups and loaded.meta["settings"]["screen_multiple"] == 2
