@@ -30,24 +30,23 @@ class ModelsSection:
 
 @dataclass
 class EvalSection:
-    n: int = 500
+    n: int = 300
     batch_size: int = 50
 
 
 @dataclass
 class DiscoverySection:
-    n: int = 40
-    top_k: dict[str, int] = field(default_factory=lambda: {"A": 10, "B": 6, "C": 8, "D": 5})
+    n: int = 16
+    top_k: dict[str, int] = field(default_factory=lambda: {"A": 8, "B": 3, "C": 5, "D": 3})
     screen: bool = True
-    screen_multiple: int = 3
-    batch_size: int = 40
+    screen_multiple: float = 2.0
 
 
 @dataclass
 class ScoringSection:
-    n: int = 100
-    random_draws: int = 5
-    completeness_draws: int = 5
+    n: int = 40
+    random_draws: int = 2
+    completeness_draws: int = 2
     prune_threshold: float = 0.01
     prune: bool = True
 
@@ -55,17 +54,17 @@ class ScoringSection:
 @dataclass
 class DcmSection:
     desiderata: list[str] = field(default_factory=lambda: ["positional", "object_value", "label_value"])
-    n_train: int = 64
-    n_val: int = 32
-    n_test: int = 64
-    epochs: int = 5
+    n_train: int = 32
+    n_val: int = 12
+    n_test: int = 40
+    epochs: int = 2
     lam: float = 0.01
     lr: float = 0.1
 
 
 @dataclass
 class CmapSection:
-    n: int = 100
+    n: int = 40
     parts: list[str] = field(default_factory=lambda: ["z", "q", "k", "v", "qk", "qkv"])
 
 
