@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Rebuild the embedded SmolLM2 checkpoint family in mechdiff/zoo/ and its evaluation table.
+# CPU, float32, one torch thread (the thread count is part of bit-for-bit reproducibility; the
+# recipes record it with the torch/transformers/peft versions). Takes well under an hour on 2 free cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MECHDIFF=${MECHDIFF:-mechdiff}
+EARLY_STEP=${EARLY_STEP:-15}
+LATE_STEP=${LATE_STEP:-100}
+
+# 1. One entity-tracking run on smollm2-135m (train-split objects, 2-7 boxes); two checkpoints.
+$MECHDIFF finetune --base smollm2-135m --task entity-tracking --out mechdiff/zoo \
+  --save "smollm2-et-early=${EARLY_STEP},smollm2-et=${LATE_STEP}" --steps "${LATE_STEP}" \
+  --rank 8 --alpha 16 --lr 1e-3 --batch 16 --seed 0 --data-seed 0 \
+  --eval-every 10 --eval-steps 5,15,25,35 --eval-n 100 --threads 1
+rm -f mechdiff/zoo/history.json
+
+# 2. smollm2-et-early (merged) + a new LoRA trained on arithmetic only.
+$MECHDIFF finetune --base smollm2-et-early --task arithmetic --out /tmp/mechdiff-zoo-math \
+  --save smollm2-et-math=60 --steps 60 \
+  --rank 8 --alpha 16 --lr 1e-3 --batch 16 --seed 0 --data-seed 1 \
+  --eval-every 25 --eval-n 100 --threads 1
+rm -rf mechdiff/zoo/smollm2-et-math && mv /tmp/mechdiff-zoo-math/smollm2-et-math mechdiff/zoo/
+
+# 3. The held-out table (eval-split objects, 7 boxes, seed 0, 500 prompts); per-prompt results included.
+$MECHDIFF eval --model smollm2-135m,smollm2-et-early,smollm2-et,smollm2-et-math --split eval \
+  --n 500 --n-boxes 7 --seed 0 --out results/zoo/eval-500.json
