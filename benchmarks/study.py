@@ -1,0 +1,92 @@
+"""Benchmark the embedded default study: wall time and peak memory of each stage, and the
+patching overhead ratio, all measured in this one process.
+
+    python benchmarks/study.py                   # the default study into a fresh directory
+    python benchmarks/study.py --task tasks/entity_tracking.toml --out /tmp/bench-study
+
+Stages are timed by the study itself (``StageRecord.seconds``); peak resident memory is read
+after every stage (``ru_maxrss``: the process peak so far, so a stage's own peak is the first
+row where the figure rises). The overhead ratio is one path-patching pass (step A: the sender
+patched and every other head frozen) over a plain forward pass on the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import tempfile
+import time
+
+import torch
+from tabulate import tabulate
+
+from mechdiff.components import Head
+from mechdiff.patching.core import run
+from mechdiff.patching.path import path_patch, prepare
+from mechdiff.study import StageCache, Study
+from mechdiff.tasks.entity_tracking import path_patching_pairs
+from mechdiff.tasks.spec import default_spec, load_spec
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def overhead(study: Study, n: int, repeats: int = 3) -> dict:
+    """Median time of one step-A path-patching pass over a plain forward on the same prompts."""
+    model = study.model(study.spec.models.base)
+    pairs = path_patching_pairs(study.tokenizer, n, study.spec.task.n_boxes, seed=0)
+    batch = prepare(model, pairs)
+    sender = [Head(model.shape.n_layers - 2, 0)]
+
+    def plain() -> None:
+        with torch.no_grad():
+            run(model, batch.clean_ids)
+
+    def patched() -> None:
+        path_patch(model, batch, sender, "last", None, 1, progress=False)
+
+    times = {}
+    for name, fn in (("plain forward", plain), ("path-patching pass", patched)):
+        fn()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        times[name] = sorted(samples)[len(samples) // 2]
+    return {**times, "ratio": times["path-patching pass"] / times["plain forward"], "n": n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", default=None, help="task file (default: the embedded default study)")
+    ap.add_argument("--out", default=None, help="results directory (default: a fresh temporary one)")
+    ap.add_argument("--overhead-n", type=int, default=16, help="prompts for the overhead ratio")
+    args = ap.parse_args()
+    spec = load_spec(args.task) if args.task else default_spec()
+    out = args.out or tempfile.mkdtemp(prefix="mechdiff-bench-")
+    spec.output.store = f"{out}/activations.h5"
+    rows = []
+    original = StageCache.run
+
+    def timed_run(self, name, inputs, compute):
+        rec = original(self, name, inputs, compute)
+        rows.append([name, "cached" if rec.cached else f"{rec.seconds:.1f}", f"{peak_mib():.0f}"])
+        return rec
+
+    StageCache.run = timed_run
+    t0 = time.perf_counter()
+    study = Study(spec, progress=False, out_dir=out)
+    study.run()
+    total = time.perf_counter() - t0
+    StageCache.run = original
+    print(tabulate(rows, headers=["stage", "wall s", "peak RSS MiB so far"]))
+    print(f"\nwhole study: {total:.0f} s; report: {out}/report.md")
+    o = overhead(study, args.overhead_n)
+    print(f"\npatching overhead on {o['n']} prompts: plain forward {o['plain forward']:.2f} s, "
+          f"path-patching pass {o['path-patching pass']:.2f} s, ratio {o['ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
