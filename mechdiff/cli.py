@@ -14,7 +14,8 @@ from . import commands
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mechdiff", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="mechdiff", description="Compare the mechanisms inside checkpoints of one language model.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what each stage does and skips")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
