@@ -67,13 +67,14 @@ PARAMETERISATIONS = ("continuous", "hard_concrete")
 _BETA, _GAMMA, _ZETA = 2.0 / 3.0, -0.1, 1.1
 
 
-def desideratum_pairs(name: str, tokenizer, n: int, n_boxes: int = 7, seed: int = 0) -> list[CounterfactualPair]:
-    """Pairs of a built-in desideratum (``positional``, ``object``, ``label``)."""
+def desideratum_pairs(name: str, tokenizer, n: int, n_boxes: int = 7, seed: int = 0,
+                      vocabulary: Optional[Sequence[str]] = None) -> list[CounterfactualPair]:
+    """Pairs of a built-in desideratum (``positional``, ``object``, ``label``), objects from ``vocabulary``."""
     key = _ALIASES.get(name, name)
     if key not in DESIDERATA:
         raise ValueError(f"unknown desideratum {name!r}; built-in: {sorted(DESIDERATA)} "
                          "(or pass your own list of CounterfactualPair)")
-    return DESIDERATA[key](tokenizer, n, n_boxes=n_boxes, seed=seed)
+    return DESIDERATA[key](tokenizer, n, n_boxes=n_boxes, seed=seed, vocabulary=vocabulary)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class DCMResult:
     position: str
     heads: list[Head]  # the candidate heads (the group)
     mask: list[float]  # m per head at the best validation step (1 = keep base, 0 = patch)
-    selected: list[Head]  # heads with rounded m = 0: they carry the desideratum's property
+    selected: list[Head]  # heads with m < 0.5 (rounded to 0): they carry the desideratum's property
     test_accuracy: Estimate  # target accuracy with the selected heads patched
     floor: Estimate  # target accuracy with nothing patched (m = 1)
     full_group: Estimate  # target accuracy with every head of the group patched
@@ -274,7 +275,7 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, train: 
     def validate(step: int, loss: float) -> None:
         nonlocal best
         values = mask.values()
-        chosen = [h for h, m in zip(heads, values.round().tolist()) if m == 0]
+        chosen = [h for h, m in zip(heads, values.tolist()) if m < 0.5]
         acc = float(target_accuracy(model, val, chosen, position, config.micro_batch).mean())
         history.append({"step": step, "loss": loss, "val_accuracy": acc, "n_selected": len(chosen)})
         if (acc, -len(chosen)) > best[:2]:
@@ -331,7 +332,7 @@ def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Seq
         raise ValueError("DCM needs at least one head")
     train, val, test = split_pairs(list(pairs), config.split, config.seed)
     values, best_step, history = train_mask(model, heads, position, train, val, config, progress)
-    selected = [h for h, m in zip(heads, values.round().tolist()) if m == 0]
+    selected = [h for h, m in zip(heads, values.tolist()) if m < 0.5]
     bs = config.micro_batch
     acc = target_accuracy(model, test, selected, position, bs)
     floor = target_accuracy(model, test, [], position, bs)

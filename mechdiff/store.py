@@ -20,11 +20,13 @@ batches not marked done (a partial file HDF5 cannot open is discarded, with a lo
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import h5py
 import numpy as np
@@ -162,7 +164,8 @@ class ActivationStore:
 
         Stored as per-batch sums (entry kind ``<kind>_mean``) so an interrupted run resumes.
         """
-        key = StoreKey(model.fingerprint, dataset_hash(records), f"{kind}_mean", "all")
+        # Per-batch sums: the batch size is part of the key, so a resume never mixes batchings.
+        key = StoreKey(model.fingerprint, dataset_hash(records), f"{kind}_mean", f"all-batch{batch_size}")
         try:
             entry = self.get(key)
         except (KeyError, StoreMismatchError):  # no entry for this model and dataset yet: add it
@@ -179,11 +182,31 @@ class ActivationStore:
     def _fill(self, key: StoreKey, n_rows: int, units: list[slice],
               unit_fn: Callable[[slice], dict[int, torch.Tensor]], progress: bool) -> None:
         """Compute the units not yet marked done into ``<path>.partial``, then commit it."""
+        with self._lock():
+            self._fill_locked(key, n_rows, units, unit_fn, progress)
+
+    @contextmanager
+    def _lock(self) -> Iterator[None]:
+        """An exclusive lock on ``<path>.lock``: one writer at a time; others wait."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _fill_locked(self, key: StoreKey, n_rows: int, units: list[slice],
+                     unit_fn: Callable[[slice], dict[int, torch.Tensor]], progress: bool) -> None:
+        units_attr = np.array([[u.start, u.stop] for u in units], dtype=np.int64)
         f = self._open_partial()
         try:
             g = f.require_group(key.group)
             if "done" in g:
                 _check_attrs(g.attrs, key, self.partial)
+                if "units" in g and not np.array_equal(g["units"][()], units_attr):
+                    raise StoreMismatchError(f"{self.partial}: {key.group} was started with other batches; "
+                                             f"delete {self.partial} or use the same batch size")
                 if len(g["done"]) != len(units):
                     raise StoreMismatchError(f"{self.partial}: {key.group} was started with another batch size; "
                                              f"delete {self.partial} or use the same batch size")
@@ -191,6 +214,7 @@ class ActivationStore:
                 g.attrs.update(key.attrs())
                 g.attrs.update(mechdiff_version=__version__, complete=False, n_rows=n_rows)
                 g.create_dataset("done", data=np.zeros(len(units), dtype=bool))
+                g.create_dataset("units", data=units_attr)
             todo = [i for i in range(len(units)) if not g["done"][i]]
             if len(todo) < len(units):
                 log.info("resuming %s: %d of %d batches already written", key.group, len(units) - len(todo), len(units))

@@ -103,7 +103,14 @@ class Study:
 
     # -- data ---------------------------------------------------------------------------
     def _task(self) -> dict:
-        return asdict(self.spec.task)
+        """What every stage depends on besides its own section: the task, how models load, the
+        held-out vocabulary, the tokenizer (the base's) and the code version."""
+        from . import __version__
+        from .tasks.splits import eval_objects
+
+        return {"task": asdict(self.spec.task), "dtype": self.spec.models.dtype,
+                "device_map": self.spec.models.device_map, "vocabulary": _hash(eval_objects()),
+                "tokenizer": self.digests[self.spec.models.base], "mechdiff": __version__}
 
     def eval_records(self) -> list:
         from .tasks.entity_tracking import generate
@@ -156,13 +163,13 @@ class Study:
         return self.cache.run(f"circuit:{name}", {"model": self.digests[name], "task": self._task(),
                                                    "discovery": asdict(d)}, compute)
 
-    def scorer(self, name: str):
+    def scorer(self, name: str, offset: int = 2):
         from .circuits.scoring import Scorer, reference_records
         from .tasks.entity_tracking import generate
         from .tasks.splits import eval_objects
 
         s, t = self.spec.scoring, self.spec.task
-        records = generate(self.tokenizer, s.n, t.n_boxes, t.seed + 2, vocabulary=eval_objects())
+        records = generate(self.tokenizer, s.n, t.n_boxes, t.seed + offset, vocabulary=eval_objects())
         reference = reference_records(self.tokenizer, s.n, t.n_boxes, t.seed + 3)
         return Scorer.build(self.model(name), records, reference, self.spec.eval.batch_size, self.progress,
                             store=self.store)
@@ -174,7 +181,9 @@ class Study:
 
         def compute() -> dict:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
-            result = minimality(self.scorer(name), circuit, max_steps=0, n_candidates=None, seed=self.spec.task.seed)
+            # Pruning decides on its own prompts (seed+6), never on those the matrix reports.
+            result = minimality(self.scorer(name, offset=6), circuit, max_steps=s.prune_steps, n_candidates=4,
+                                seed=self.spec.task.seed, metric=s.prune_metric)
             pruned = prune(circuit, result, s.prune_threshold)
             pruned.save(self.dir / "circuits" / f"{label(name)}.pruned.json")
             return {"circuit": pruned.to_dict(), "minimality": result}
@@ -201,7 +210,8 @@ class Study:
                                                   "scoring": asdict(s)}, compute)
 
     def dcm(self, circuit_rec: StageRecord) -> StageRecord:
-        from .dcm import DCMConfig, dcm_circuit, desideratum_pairs, semantic_patching
+        from .dcm import DCMConfig, dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
+        from .tasks.splits import eval_objects
 
         c, t = self.spec.dcm, self.spec.task
         base = self.spec.models.base
@@ -211,15 +221,14 @@ class Study:
             n = c.n_train + c.n_val + c.n_test
             split = (c.n_train / n, c.n_val / n, c.n_test / n)
             config = DCMConfig(lam=c.lam, lr=c.lr, epochs=c.epochs, split=split, seed=t.seed)
-            desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, t.seed + 4) for d in c.desiderata}
+            desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, t.seed + 4, vocabulary=eval_objects())
+                          for d in c.desiderata}
             groups = [g for g, heads in circuit.groups.items() if heads]
             results = dcm_circuit(self.model(base), circuit, desiderata, config, groups, self.progress)
             semantic = []
             for r in results:
                 if not r.selected:
                     continue
-                from .dcm import split_pairs
-
                 test = split_pairs(desiderata[r.desideratum], config.split, config.seed)[2]
                 for sem in semantic_patching(self.models, r.selected, r.position, test, self.spec.eval.batch_size):
                     semantic.append({"group": r.group, "desideratum": r.desideratum,

@@ -210,8 +210,9 @@ def write_report(study: "Study", accuracy: dict, found: dict, circuits: dict, ma
         "## Circuits (path patching)\n",
         f"Discovery on {spec.discovery.n} clean/counterfactual pairs per model; top-k per step "
         f"{spec.discovery.top_k}; attribution screen: {spec.discovery.screen} "
-        f"(shortlist {spec.discovery.screen_multiple} x k); pruning threshold {spec.scoring.prune_threshold} "
-        "(relative contribution to F(M), K = {} in the minimality search).\n",
+        f"(shortlist {spec.discovery.screen_multiple} x k); pruning: a head stays if removing it lowers the "
+        f"{spec.scoring.prune_metric} metric by more than {spec.scoring.prune_threshold} of F(M) "
+        f"({spec.scoring.prune_steps} greedy steps growing K in the minimality search).\n",
         circuit_section(study, found, circuits),
         "## Circuit x model\n", mat_text,
         "## Overlap\n", ov_text,
@@ -220,7 +221,8 @@ def write_report(study: "Study", accuracy: dict, found: dict, circuits: dict, ma
         "## What was run\n",
         to_markdown(model_rows), "",
         f"Seeds: task seed {spec.task.seed} (eval prompts seed+1, scoring seed+2, ablation reference seed+3, "
-        f"DCM pairs seed+4, CMAP prompts seed+5). Versions: "
+        f"DCM pairs seed+4, CMAP prompts seed+5, pruning prompts seed+6). All prompts use only the held-out "
+        f"objects (`eval_objects()`), disjoint from the fine-tuning objects. Versions: "
         + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())
         + f". Python {manifest['python']} on {manifest['machine']}.\n",
         to_markdown(stage_rows), "",

@@ -48,6 +48,8 @@ class ScoringSection:
     random_draws: int = 2
     completeness_draws: int = 2
     prune_threshold: float = 0.01
+    prune_metric: str = "prob"  # "prob" (answer probability) or "accuracy"; prob resolves small prompt sets
+    prune_steps: int = 0  # greedy steps growing K in the minimality search (0: K = {})
     prune: bool = True
 
 
