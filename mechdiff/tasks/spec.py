@@ -59,7 +59,8 @@ class DcmSection:
     n_train: int = 32
     n_val: int = 12
     n_test: int = 40
-    epochs: int = 2
+    epochs: int = 4
+    batch_size: int = 8  # pairs per optimiser step: 32 training pairs x 4 epochs = 16 mask updates
     lam: float = 0.01
     lr: float = 0.1
 

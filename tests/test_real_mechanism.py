@@ -1,0 +1,31 @@
+"""Real mechanisms on the real weights (slow): the circuit path patching found in smollm2-et keeps
+a measurable part of smollm2-et's answer probability when every other head is mean-ablated, and
+far more than random heads of the same group sizes (measured: 0.093 against 0.004)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mechdiff.circuits.circuit import Circuit
+from mechdiff.circuits.scoring import Scorer, faithfulness, reference_records
+from mechdiff.models import load_model
+from mechdiff.tasks.entity_tracking import generate
+from mechdiff.tasks.splits import eval_objects
+
+CIRCUIT = Path(__file__).parents[1] / "results" / "entity-tracking-smollm2" / "circuits" / "smollm2-et.json"
+
+
+@pytest.mark.slow
+def test_found_circuit_is_faithful_on_the_finetune():
+    circuit = Circuit.load(CIRCUIT)
+    model = load_model("smollm2-et")
+    records = generate(model.tokenizer, 40, 7, seed=101, vocabulary=eval_objects())  # prompts no stage used
+    reference = reference_records(model.tokenizer, 40, 7, seed=102)
+    scorer = Scorer.build(model, records, reference, batch_size=40, progress=False)
+    res = faithfulness(scorer, circuit, n_random=1, seed=0)
+    ours, rand = res["circuit"]["faithfulness_prob"], res["random"]["faithfulness_prob"]
+    print(f"faithfulness (answer prob): circuit {ours['value']:.3f}, random {rand['value']:.3f}")
+    assert ours["value"] > 0.05
+    assert ours["low"] > 5 * rand["high"]
