@@ -20,6 +20,8 @@ import time
 import torch
 from tabulate import tabulate
 
+from patching import timed  # benchmarks/patching.py: median of repeated calls after a warm-up
+
 from mechdiff.components import Head
 from mechdiff.patching.core import run
 from mechdiff.patching.path import path_patch, prepare
@@ -46,15 +48,7 @@ def overhead(study: Study, n: int, repeats: int = 3) -> dict:
     def patched() -> None:
         path_patch(model, batch, sender, "last", None, 1, progress=False)
 
-    times = {}
-    for name, fn in (("plain forward", plain), ("path-patching pass", patched)):
-        fn()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        times[name] = sorted(samples)[len(samples) // 2]
+    times = {name: timed(fn, repeats) for name, fn in (("plain forward", plain), ("path-patching pass", patched))}
     return {**times, "ratio": times["path-patching pass"] / times["plain forward"], "n": n}
 
 

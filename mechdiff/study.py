@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .circuits.circuit import Circuit
+from .io import write_json
 from .models.loading import LoadedModel, resolve_spec, spec_digest
 from .models.modelset import ModelSet
 from .tasks.spec import RunSpec
@@ -40,11 +41,7 @@ def _hash(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _atomic_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    tmp.replace(path)
+_atomic_json = write_json
 
 
 @dataclass

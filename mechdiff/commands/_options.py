@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
-from typing import Any
 
+from ..io import write_json  # noqa: F401  (re-exported for the commands)
 from ..models.loading import LoadedModel, load_model
 
 
@@ -27,12 +25,3 @@ def add_dataset_options(parser: argparse.ArgumentParser, n: int = 500) -> None:
 def load_from_args(name: str, args: argparse.Namespace) -> LoadedModel:
     return load_model(name, dtype=args.dtype, device_map=args.device_map, cache_dir=args.cache_dir)
 
-
-def write_json(path: str | Path, data: Any) -> Path:
-    """Write JSON atomically (temporary file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    tmp.replace(path)
-    return path

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..io import save_figure
 from ..stats import Estimate  # noqa: E402
 
 
@@ -54,10 +55,4 @@ def grouped_bars(path: str | Path, categories: Sequence[str], series: Mapping[st
     return _save(fig, Path(path))
 
 
-def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=150, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+_save = save_figure

@@ -11,18 +11,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..io import save_figure
 from ..components import Head  # noqa: E402
 
 
-def _save(fig, path: str | Path) -> Path:
-    """Save atomically (temporary file, then rename) and close the figure."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=150, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+_save = save_figure
 
 
 def scores_grid(scores: Mapping[Head, float], n_layers: int, n_heads: int) -> np.ndarray:

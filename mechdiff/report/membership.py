@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch as LegendPatch  # noqa: E402
 
+from ..io import save_figure
 from ..circuits.circuit import Circuit  # noqa: E402
 
 _MULTI = "several"
@@ -56,10 +57,4 @@ def membership_heatmap(circuits: Mapping[str, Circuit], n_layers: int, n_heads: 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path, dpi=120)

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from tabulate import tabulate
 
+from ..io import write_text
 from ..stats import Estimate
 
 FORMATS = ("md", "csv", "tex", "json")
@@ -87,12 +88,7 @@ def to_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def _atomic_write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+_atomic_write = write_text
 
 
 def write_table(rows: Sequence[Mapping[str, Any]], stem: str | Path, formats: Iterable[str] = FORMATS,
