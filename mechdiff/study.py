@@ -41,9 +41,6 @@ def _hash(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-_atomic_json = write_json
-
-
 @dataclass
 class StageRecord:
     """One stage's outcome: its key, result, wall time and whether it came from the cache."""
@@ -77,7 +74,7 @@ class StageCache:
         t0 = time.perf_counter()
         result = compute()
         seconds = time.perf_counter() - t0
-        _atomic_json(path, {"name": name, "key": key, "inputs": inputs, "seconds": seconds, "result": result})
+        write_json(path, {"name": name, "key": key, "inputs": inputs, "seconds": seconds, "result": result})
         rec = StageRecord(name, key, result, seconds, False)
         self.records[name] = rec
         return rec
@@ -268,7 +265,7 @@ class Study:
         dcm = self.dcm(circuits[base])
         cmap = {ft: self.cmap(ft, circuits[base]) for ft in self.spec.models.finetunes}
         report = write_report(self, accuracy, found, circuits, matrix, dcm, cmap)
-        _atomic_json(self.dir / "run.json", self.manifest())
+        write_json(self.dir / "run.json", self.manifest())
         return report
 
     def manifest(self) -> dict:

@@ -52,7 +52,4 @@ def grouped_bars(path: str | Path, categories: Sequence[str], series: Mapping[st
     if caption:
         fig.text(0.01, 0.01, caption, fontsize=6, wrap=True, va="bottom")
         fig.subplots_adjust(bottom=0.3)
-    return _save(fig, Path(path))
-
-
-_save = save_figure
+    return save_figure(fig, Path(path))

@@ -15,9 +15,6 @@ from ..io import save_figure
 from ..components import Head  # noqa: E402
 
 
-_save = save_figure
-
-
 def scores_grid(scores: Mapping[Head, float], n_layers: int, n_heads: int) -> np.ndarray:
     """``"layer head"`` array of scores, NaN where a head was not scored."""
     grid = np.full((n_layers, n_heads), np.nan)
@@ -43,7 +40,7 @@ def head_heatmap(scores: Mapping[Head, float], n_layers: int, n_heads: int, path
     ax.set_xticks(range(n_heads))
     ax.set_title(title + ("\n(grey: not tested)" if np.isnan(grid).any() else ""), fontsize=9)
     fig.colorbar(im, ax=ax, label=label)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def attention_pattern(pattern: np.ndarray, tokens: Sequence[str], path: str | Path, title: str = "",
@@ -60,4 +57,4 @@ def attention_pattern(pattern: np.ndarray, tokens: Sequence[str], path: str | Pa
     ax.set_yticklabels([tokens[r] for r in rows], fontsize=7)
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="attention")
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -88,9 +88,6 @@ def to_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     return buf.getvalue()
 
 
-_atomic_write = write_text
-
-
 def write_table(rows: Sequence[Mapping[str, Any]], stem: str | Path, formats: Iterable[str] = FORMATS,
                 caption: str | None = None, floatfmt: str = ".3f") -> dict[str, Path]:
     """Write ``rows`` to ``stem.md``, ``stem.csv``, ``stem.tex`` and ``stem.json`` (atomically; a dot in
@@ -108,7 +105,7 @@ def write_table(rows: Sequence[Mapping[str, Any]], stem: str | Path, formats: It
     unknown = set(formats) - set(render)
     if unknown:
         raise ValueError(f"unknown table formats {sorted(unknown)}; choose from {FORMATS}")
-    return {fmt: _atomic_write(stem.with_name(f"{stem.name}.{fmt}"), render[fmt]()) for fmt in formats}
+    return {fmt: write_text(stem.with_name(f"{stem.name}.{fmt}"), render[fmt]()) for fmt in formats}
 
 
 def _parse(cell: str) -> Any:
