@@ -1,0 +1,179 @@
+"""HeadMap: masking, batched layer-conditioned locating, the HeadMap module and its training (tiny models),
+and the multiple-choice task (real tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from mechdiff.components import Head
+from mechdiff.finetune import last_logits
+from mechdiff.headmap import (HeadMap, TrainConfig, example_losses, heads_by_layer, layer_losses, locate,
+                              lora_params, random_heads, select_samples, train)
+from mechdiff.tasks import multiple_choice as mc
+
+
+def _batch(model, n=12, length=10, seed=0):
+    """Random prompts whose answers are the model's own predictions (so the losses are low-ish)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.shape.vocab_size, (n, length), generator=g)
+    with torch.no_grad():
+        answers = last_logits(model.model, ids).argmax(-1)
+    return {"input_ids": ids, "answer_ids": answers}
+
+
+def _plain_losses(model, batch):
+    with torch.no_grad():
+        logits = last_logits(model.model, batch["input_ids"])
+    return torch.nn.functional.cross_entropy(logits, batch["answer_ids"], reduction="none")
+
+
+def test_masking_no_heads_leaves_loss_unchanged(tiny_llama):
+    batch = _batch(tiny_llama)
+    plain = _plain_losses(tiny_llama, batch)
+    torch.testing.assert_close(example_losses(tiny_llama, batch, masked=()), plain, rtol=0, atol=1e-6)
+    # the "nothing more" variant of a layer pass is the same loss
+    means, _ = layer_losses(tiny_llama, batch, 0, fixed=())
+    torch.testing.assert_close(means[-1], plain.mean(), rtol=0, atol=1e-6)
+    # masking a head does change it
+    assert not torch.allclose(example_losses(tiny_llama, batch, masked=[Head(1, 0)]), plain)
+
+
+def test_zero_mask_equals_zeroed_o_proj_columns(tiny_llama):
+    """Masking head h zeroes exactly its slice of the o_proj input: same as zeroing its o_proj weight columns."""
+    batch = _batch(tiny_llama)
+    masked = example_losses(tiny_llama, batch, masked=[Head(2, 1), Head(0, 3)])
+    d = tiny_llama.shape.d_head
+    with torch.no_grad():
+        for layer, head in ((2, 1), (0, 3)):
+            tiny_llama.model.model.layers[layer].self_attn.o_proj.weight[:, head * d:(head + 1) * d] = 0
+    torch.testing.assert_close(masked, _plain_losses(tiny_llama, batch), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [5, 64])
+def test_batched_locating_equals_per_head_loop(tiny_llama, batch_size):
+    samples = _batch(tiny_llama, n=6)
+    res = locate(tiny_llama, samples, k=2, batch_size=batch_size, progress=False)
+    selected: list[Head] = []
+    for layer in range(tiny_llama.shape.n_layers):
+        losses = {}
+        for h in range(tiny_llama.shape.n_heads):
+            losses[h] = float(example_losses(tiny_llama, samples, masked=selected + [Head(layer, h)]).mean())
+            assert res.candidate_loss[Head(layer, h)] == pytest.approx(losses[h], abs=1e-5)
+        assert res.curve[layer] == pytest.approx(float(example_losses(tiny_llama, samples, selected).mean()), abs=1e-5)
+        selected += sorted(Head(layer, h) for h in sorted(losses, key=lambda h: -losses[h])[:2])
+    assert res.heads == selected
+    assert res.curve[-1] == pytest.approx(float(example_losses(tiny_llama, samples, selected).mean()), abs=1e-5)
+    L, H, n = tiny_llama.shape.n_layers, tiny_llama.shape.n_heads, 6
+    assert res.forward_passes == L * -(-(H + 1) * n // batch_size) + -(-n // batch_size)
+
+
+def test_locating_finds_a_planted_head(smollm2_tokenizer):
+    model = make_tiny("llama", smollm2_tokenizer, seed=3)
+    d, planted = model.shape.d_head, Head(1, 2)
+    with torch.no_grad():  # head L1H2 writes 30x louder than the rest and the read-out is sharp:
+        model.model.model.layers[1].self_attn.o_proj.weight[:, 2 * d:3 * d] *= 30.0  # the answers depend on it
+        model.model.lm_head.weight *= 100.0
+    samples = _batch(model, n=8)
+    res = locate(model, samples, k=1, progress=False)
+    assert planted in res.heads
+    layer1 = {h: v for h, v in res.candidate_loss.items() if h.layer == 1}
+    assert max(layer1, key=layer1.get) == planted
+    assert layer1[planted] > res.curve[1] + 1.0  # masking it raises the loss a lot
+
+
+def test_select_samples_keeps_lowest_losses(tiny_llama):
+    pool = _batch(tiny_llama, n=10)
+    pool["answer_ids"][::2] = 7  # half the answers are arbitrary: high loss
+    samples, losses = select_samples(tiny_llama, pool, 4)
+    kept = example_losses(tiny_llama, samples)
+    assert len(kept) == 4 and kept.max() <= torch.sort(losses).values[3] + 1e-6
+
+
+def test_headmap_at_init_leaves_logits_unchanged_and_only_maps_train(tiny_llama):
+    ids = _batch(tiny_llama)["input_ids"]
+    with torch.no_grad():
+        before = tiny_llama.model(input_ids=ids).logits
+    heads = {0: [1, 3], 2: [0]}
+    s = tiny_llama.shape
+    hm = HeadMap(heads, s.d_head, s.d_model, rank=3).attach(tiny_llama)
+    with torch.no_grad():
+        after = tiny_llama.model(input_ids=ids).logits
+    assert torch.equal(before, after)
+    assert hm.n_params() == HeadMap.n_params_for(heads, s.d_head, s.d_model, 3) == 3 * (2 * 8 + 32) + 3 * (8 + 32)
+    assert not any(p.requires_grad for p in tiny_llama.model.parameters())
+    assert all(p.requires_grad for p in hm.parameters())
+    hm.detach()
+
+
+def test_headmap_training_lowers_the_loss_on_a_fixed_batch(tiny_llama):
+    batch = _batch(tiny_llama, n=8)
+    batch["answer_ids"] = torch.arange(8) + 100  # targets the random model does not predict
+    s = tiny_llama.shape
+    hm = HeadMap({1: [0, 2], 2: [3]}, s.d_head, s.d_model, rank=4, seed=0).attach(tiny_llama)
+    opt = torch.optim.AdamW(hm.parameters(), lr=5e-2)
+    losses = []
+    for _ in range(15):
+        loss = torch.nn.functional.cross_entropy(last_logits(tiny_llama.model, batch["input_ids"]), batch["answer_ids"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    hm.detach()
+    assert losses[-1] < losses[0] - 0.3
+    with torch.no_grad():  # detached: the model is the plain model again
+        torch.testing.assert_close(_plain_losses(tiny_llama, batch),
+                                   torch.nn.functional.cross_entropy(
+                                       last_logits(tiny_llama.model, batch["input_ids"]), batch["answer_ids"],
+                                       reduction="none"))
+
+
+def test_train_counts_parameters_and_leaves_the_base_untouched(tiny_llama):
+    s = tiny_llama.shape
+    heads = {0: [1], 2: [0, 3]}
+    before = [p.clone() for p in tiny_llama.model.parameters()]
+    cfg = TrainConfig(task="entity-tracking", steps=2, batch_size=2, rank=2, lr=1e-2)
+    hm = train(tiny_llama, cfg, heads, progress=False)
+    assert hm["trainable"] == HeadMap.n_params_for(heads, s.d_head, s.d_model, 2) == hm["headmap_params"]
+    lora = train(tiny_llama, TrainConfig(steps=1, batch_size=2, lora_rank=2), None, progress=False)
+    assert lora["trainable"] == lora_params(s, 2)
+    both = train(tiny_llama, TrainConfig(steps=1, batch_size=2, rank=2, lora_rank=2), heads, progress=False)
+    assert both["trainable"] == lora_params(s, 2) + hm["trainable"]
+    assert all(torch.equal(a, b) for a, b in zip(before, tiny_llama.model.parameters()))
+
+
+def test_random_heads_respect_exclusion():
+    class S:
+        n_heads = 4
+    located = [Head(0, 0), Head(0, 1), Head(1, 3)]
+    out = random_heads(S, {0: 2, 1: 2}, seed=0, exclude=located)
+    assert out[0] == [2, 3] and 3 not in out[1] and len(out[1]) == 2
+    assert heads_by_layer(located) == {0: [0, 1], 1: [3]}
+    with pytest.raises(ValueError, match="outside the excluded set"):
+        random_heads(S, {0: 3}, exclude=located)
+
+
+def test_multiple_choice_task(smollm2_tokenizer):
+    records = mc.generate(smollm2_tokenizer, 40, seed=0, split="train")
+    assert len({len(r.input_ids) for r in records}) == 1
+    assert [r.correct for r in records[:8]] == [0, 1, 2, 3, 0, 1, 2, 3]
+    for r in records:
+        assert r.prompt.endswith("Answer:") and r.answer == " " + mc.LETTERS[r.correct]
+        line = r.prompt.splitlines()[1 + r.correct]
+        a, op, b = _parse(r.prompt.splitlines()[0])
+        assert line == f"{mc.LETTERS[r.correct]}. {a + b if op == '+' else a - b}"
+        assert len(set(r.choices)) == 4 and all(10 <= c <= 99 for c in r.choices)
+        assert smollm2_tokenizer.decode([r.answer_id]) == r.answer
+    train_names, _ = mc.vocabulary(smollm2_tokenizer, "train")
+    eval_names, _ = mc.vocabulary(smollm2_tokenizer, "eval")
+    assert not set(train_names) & set(eval_names)
+    assert mc.batch_tensors(records)["input_ids"].shape[0] == 40
+
+
+def _parse(sentence: str) -> tuple[int, str, int]:
+    words = sentence.split()
+    a = int(words[2])
+    if "gets" in words:
+        return a, "+", int(words[words.index("gets") + 1])
+    return a, "-", int(words[words.index("away") + 1].rstrip("."))
