@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .models.loading import LoadedModel
+from .models.remote import keep
 from .patching.core import Patch, run
 from .stats import Estimate, bootstrap
 from .tasks.entity_tracking import EntityTrackingExample, batch_tensors
@@ -59,13 +60,24 @@ def evaluate(
     """
     if not records:
         raise ValueError("no records to evaluate")
-    correct, prob = [], []
+    bar = progress and not model.remote
+    with model.session():  # remote: every batch in one request
+        results = keep(_eval_batches(model, records, batch_size, patches, targets, desc, bar))
+    return EvalResult(np.concatenate([c for c, _ in results]), np.concatenate([p for _, p in results]))
+
+
+def _eval_batches(model: LoadedModel, records: Sequence[EntityTrackingExample], batch_size: int,
+                  patches: Optional[PatchFn], targets: Optional[Sequence[int]], desc: str,
+                  progress: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(correct, prob)`` of every batch, on the model's side."""
+    out = []
     for rows in tqdm(batches(len(records), batch_size), desc=desc, disable=not progress, leave=False):
         batch = batch_tensors(records[rows])
         answer = batch["answer_ids"] if targets is None else torch.as_tensor(targets[rows])
         with torch.no_grad():
-            out = run(model, batch["input_ids"], patches(batch, rows) if patches else ())
-        logits = out.logits.float()
-        correct.append((logits.argmax(-1).cpu() == answer).numpy())
-        prob.append(logits.softmax(-1).gather(1, answer.to(logits.device)[:, None])[:, 0].cpu().numpy())
-    return EvalResult(np.concatenate(correct), np.concatenate(prob))
+            run_out = run(model, batch["input_ids"], patches(batch, rows) if patches else ())
+        logits = run_out.logits.float()
+        correct = (logits.argmax(-1).cpu() == answer).numpy()
+        prob = logits.softmax(-1).gather(1, answer.to(logits.device)[:, None])[:, 0].cpu().numpy()
+        out.append((correct, prob))
+    return out

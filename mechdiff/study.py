@@ -89,8 +89,14 @@ class Study:
         self.dir = Path(out_dir or spec.output.dir)
         self.store = str(Path(spec.output.store))
         self.cache = StageCache(self.dir)
-        # Check the set before any weights load: shapes, vocabularies, names.
-        self.models = ModelSet(spec.model_names, dtype=spec.models.dtype, device_map=spec.models.device_map)
+        # Check the set before any weights load: weights present (or --remote set up), shapes, vocabularies, names.
+        from .models.remote import check_remote
+        from .reproduce import check_weights
+
+        check_remote(spec.models.remote, [resolve_spec(n) for n in spec.model_names])
+        check_weights(spec.model_names, remote=spec.models.remote)
+        self.models = ModelSet(spec.model_names, dtype=spec.models.dtype, device_map=spec.models.device_map,
+                               device=spec.models.device, remote=spec.models.remote)
         self.digests = {name: spec_digest(resolve_spec(name)) for name in spec.model_names}
         self.tokenizer = _tokenizer(spec.models.base)
         self.started = time.time()
@@ -104,7 +110,8 @@ class Study:
 
         return {"task": asdict(self.spec.task), "dtype": self.spec.models.dtype,
                 "device_map": self.spec.models.device_map, "vocabulary": _hash(eval_objects()),
-                "tokenizer": self.digests[self.spec.models.base], "mechdiff": __version__}
+                "tokenizer": self.digests[self.spec.models.base], "mechdiff": __version__,
+                **({"remote": True} if self.spec.models.remote else {})}
 
     def eval_records(self) -> list:
         from .tasks.entity_tracking import generate
@@ -256,6 +263,13 @@ class Study:
     def run(self) -> Path:
         from .report.study_report import write_report
 
+        if self.spec.reproduce.circuit:  # the released circuit on every model, beside the published figures
+            from .reproduce import reproduction_stage
+
+            reproduction_stage(self)
+            if self.spec.reproduce.only:
+                write_json(self.dir / "run.json", self.manifest())
+                return self.dir / "reproduction.md"
         names = self.spec.model_names
         base = self.spec.models.base
         accuracy = {n: self.accuracy(n) for n in names}

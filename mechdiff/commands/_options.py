@@ -6,12 +6,20 @@ import argparse
 
 from ..io import write_json  # noqa: F401  (re-exported for the commands)
 from ..models.loading import LoadedModel, load_model
+from ..models.memory import auto_batch_size
+from ..models.remote import check_remote
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """--dtype, --device-map and --cache-dir, identical on every stage."""
+    """--dtype, --device, --device-map, --remote and --cache-dir, identical on every stage."""
     parser.add_argument("--dtype", default="float32", help="float32 (as the paper), bfloat16 or float16")
-    parser.add_argument("--device-map", default=None, help="e.g. cpu, cuda:0 or auto (accelerate sharding)")
+    parser.add_argument("--device", default=None,
+                        help="one device for the whole model: cpu (default), cuda, cuda:1")
+    parser.add_argument("--device-map", default=None,
+                        help="auto (accelerate: shard the model over this machine's GPUs), balanced, or a device")
+    parser.add_argument("--remote", action="store_true",
+                        help="run every forward pass on NDIF through nnsight (API key from $NDIF_API_KEY; "
+                             "hub models NDIF hosts only)")
     parser.add_argument("--cache-dir", default=None, help="Hugging Face cache directory for hub ids")
 
 
@@ -19,9 +27,41 @@ def add_dataset_options(parser: argparse.ArgumentParser, n: int = 500) -> None:
     parser.add_argument("--n-boxes", type=int, default=7, help="boxes per prompt (2-10)")
     parser.add_argument("--n", type=int, default=n, help="number of prompts")
     parser.add_argument("--seed", type=int, default=0, help="dataset seed")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=batch_size_arg, default=32,
+                        help="prompts per forward pass, or auto (from free GPU memory; 32 on CPU)")
+
+
+def batch_size_arg(text: str) -> int | str:
+    """``--batch-size``: a positive integer or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch-size must be a positive integer or auto, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("--batch-size must be at least 1")
+    return value
+
+
+def model_kwargs(args: argparse.Namespace) -> dict:
+    """How every model of a command loads: the keyword arguments of ``load_model`` / ``ModelSet``.
+
+    Checks ``--remote`` (API key set) before anything loads.
+    """
+    remote = getattr(args, "remote", False)
+    check_remote(remote)
+    return {"dtype": args.dtype, "device_map": args.device_map, "device": getattr(args, "device", None),
+            "remote": remote, "cache_dir": args.cache_dir}
 
 
 def load_from_args(name: str, args: argparse.Namespace) -> LoadedModel:
-    return load_model(name, dtype=args.dtype, device_map=args.device_map, cache_dir=args.cache_dir)
+    model = load_model(name, **model_kwargs(args))
+    resolve_batch_size(args, model)
+    return model
 
+
+def resolve_batch_size(args: argparse.Namespace, model: LoadedModel) -> None:
+    """Replace ``--batch-size auto`` by a size chosen from the model's free memory (once a model is loaded)."""
+    if getattr(args, "batch_size", None) == "auto":
+        args.batch_size = auto_batch_size(model)

@@ -11,7 +11,7 @@ from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
 from ..report.tables import estimate_columns, to_markdown, write_table
 from ..tasks.entity_tracking import generate
-from ._options import add_dataset_options, add_model_options, write_json
+from ._options import add_dataset_options, add_model_options, model_kwargs, resolve_batch_size, write_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,9 +61,9 @@ def write_outputs(result: CMAPResult, out: Path) -> list[dict]:
 
 def main(args: argparse.Namespace) -> int:
     kinds = parse_kinds(args.kinds)
-    models = ModelSet([args.base, args.finetune], cache_dir=args.cache_dir, dtype=args.dtype,
-                      device_map=args.device_map)
+    models = ModelSet([args.base, args.finetune], **model_kwargs(args))
     base, finetune = models[models.names[0]], models[models.names[1]]
+    resolve_batch_size(args, base)
     circuit = Circuit.load(args.circuit)
     circuit.validate(base.shape.n_layers, base.shape.n_heads)
     records = generate(base.tokenizer, n=args.n, n_boxes=args.n_boxes, seed=args.seed)

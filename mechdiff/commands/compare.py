@@ -12,7 +12,7 @@ from ..circuits.scoring import matrix_rows
 from ..models.modelset import ModelSet
 from ..report.membership import membership_heatmap
 from ..report.tables import to_markdown, write_table
-from ._options import add_dataset_options, add_model_options, write_json
+from ._options import add_dataset_options, add_model_options, model_kwargs, resolve_batch_size, write_json
 from ._scoring import add_scoring_options, build_scorer, settings
 
 
@@ -49,7 +49,7 @@ def overlap_rows(circuits: dict[str, Circuit], n_layers: int, n_heads: int) -> l
 
 
 def main(args: argparse.Namespace) -> int:
-    models = ModelSet(args.models.split(","), cache_dir=args.cache_dir, dtype=args.dtype, device_map=args.device_map)
+    models = ModelSet(args.models.split(","), **model_kwargs(args))
     circuits = load_circuits(args.circuits.split(","), args.labels.split(",") if args.labels else None)
     shape = models.shape
     for c in circuits.values():
@@ -57,6 +57,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     rows, fingerprints = [], {}
     for lm in models:
+        resolve_batch_size(args, lm)
         scorer = build_scorer(lm, args)
         rows += matrix_rows(lm.name, circuits, scorer, n_random=args.n_random, seed=args.seed)
         fingerprints[lm.name] = lm.fingerprint

@@ -12,7 +12,7 @@ from ..report.bars import grouped_bars
 from ..report.tables import estimate_columns, to_markdown, write_table
 from ..stats import Estimate
 from ..tasks.entity_tracking import CounterfactualPair, read_jsonl
-from ._options import add_model_options, write_json
+from ._options import add_model_options, model_kwargs, write_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -71,8 +71,11 @@ def dcm_rows(results: list[DCMResult]) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.remote:
+        raise SystemExit("DCM trains masks through backward passes on this machine; it does not run on NDIF yet "
+                         "(--remote). Run it with --device cuda / --device-map auto.")
     others = [m for m in (args.semantic or "").split(",") if m and m != args.model]
-    models = ModelSet([args.model, *others], cache_dir=args.cache_dir, dtype=args.dtype, device_map=args.device_map)
+    models = ModelSet([args.model, *others], **model_kwargs(args))
     model = models[models.names[0]]
     circuit = Circuit.load(args.circuit)
     circuit.validate(model.shape.n_layers, model.shape.n_heads)

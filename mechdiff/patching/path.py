@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..components import Head
 from ..models.loading import LoadedModel
+from ..models.remote import keep
 from ..tasks.entity_tracking import CounterfactualPair, pair_batch_tensors
 from .activation import answer_prob
 from .core import Patch, run
@@ -61,15 +62,18 @@ class PairBatch:
 def prepare(model: LoadedModel, pairs: Sequence[CounterfactualPair]) -> PairBatch:
     """Run clean and counterfactual once, capturing every layer's ``z``."""
     tensors = pair_batch_tensors(pairs)
-    sites = [("z", layer) for layer in range(model.shape.n_layers)]
+    layers = range(model.shape.n_layers)
+    sites = [("z", layer) for layer in layers]
+    clean_ids, source_ids = tensors["base"]["input_ids"], tensors["source"]["input_ids"]
     with torch.no_grad():
-        clean = run(model, tensors["base"]["input_ids"], capture=sites)
-        source = run(model, tensors["source"]["input_ids"], capture=sites)
-    return PairBatch(
-        tensors["base"]["input_ids"], tensors["source"]["input_ids"], tensors["target_ids"],
-        tensors["base"]["positions"], {l: clean.captured[("z", l)] for l in range(model.shape.n_layers)},
-        {l: source.captured[("z", l)] for l in range(model.shape.n_layers)}, clean.logits,
-    )
+        with model.session():  # remote: both runs in one request
+            clean = run(model, clean_ids, capture=sites)
+            source = run(model, source_ids, capture=sites)
+            clean_z = keep({l: clean.captured[("z", l)] for l in layers})
+            source_z = keep({l: source.captured[("z", l)] for l in layers})
+            clean_logits = keep(clean.logits)
+    return PairBatch(clean_ids, source_ids, tensors["target_ids"], tensors["base"]["positions"], clean_z, source_z,
+                     clean_logits)
 
 
 @dataclass(frozen=True)
@@ -118,11 +122,20 @@ def path_patch(
     out: dict[Head, float] = {}
     chunks = [list(senders[i:i + senders_per_pass]) for i in range(0, len(senders), senders_per_pass)]
     p_clean = batch.p_clean
-    for chunk in tqdm(chunks, desc=f"path patching {sender_position}", disable=not progress, leave=False):
-        p = _patched_prob(model, batch, chunk, sender_position, receivers)  # "sender batch"
+    bar = progress and not model.remote  # remote: the step is one request, there is nothing to show per chunk
+    with model.session():  # remote: the whole step (every chunk's frozen and receiver runs) in one request
+        probs = keep(_chunk_probs(model, batch, chunks, sender_position, receivers, bar))
+    for chunk, p in zip(chunks, probs):  # p: "sender batch"
         for head, ps in zip(chunk, p):
             out[head] = float((ps.mean() - p_clean.mean()) / p_clean.mean())
     return out
+
+
+def _chunk_probs(model: LoadedModel, batch: PairBatch, chunks: list[list[Head]], sender_position: str,
+                 receivers: Optional[Receivers], progress: bool) -> list[torch.Tensor]:
+    """:func:`_patched_prob` of every chunk of senders (``"sender batch"`` each), on the model's side."""
+    return [_patched_prob(model, batch, chunk, sender_position, receivers)
+            for chunk in tqdm(chunks, desc=f"path patching {sender_position}", disable=not progress, leave=False)]
 
 
 def _patched_prob(model: LoadedModel, batch: PairBatch, senders: list[Head], sender_position: str,

@@ -26,6 +26,8 @@ class ModelsSection:
     finetunes: list[str] = field(default_factory=lambda: ["smollm2-et", "smollm2-et-math"])
     dtype: str = "float32"
     device_map: Optional[str] = None
+    device: Optional[str] = None  # one device for every model: cpu, cuda, cuda:1 (device_map: auto shards)
+    remote: bool = False  # every forward pass on NDIF (nnsight; API key from $NDIF_API_KEY)
 
 
 @dataclass
@@ -72,6 +74,16 @@ class CmapSection:
 
 
 @dataclass
+class ReproduceSection:
+    """Score a released circuit on every model, beside the published figures (empty circuit: off)."""
+
+    circuit: str = ""  # e.g. tasks/circuits/llama-7b-entity-tracking.json
+    published: str = ""  # the paper's figures (default: the copy shipped in mechdiff/data)
+    n: int = 500  # prompts (the paper: 500)
+    only: bool = False  # true: the reproduction table only, not the rest of the study
+
+
+@dataclass
 class OutputSection:
     dir: str = "results/entity-tracking-smollm2"
     store: str = "cache/activations.h5"
@@ -80,6 +92,7 @@ class OutputSection:
 SECTIONS = {
     "task": TaskSection, "models": ModelsSection, "eval": EvalSection, "discovery": DiscoverySection,
     "scoring": ScoringSection, "dcm": DcmSection, "cmap": CmapSection, "output": OutputSection,
+    "reproduce": ReproduceSection,
 }
 REQUIRED = {"task": ("name",), "models": ("base",)}
 
@@ -96,6 +109,7 @@ class RunSpec:
     dcm: DcmSection
     cmap: CmapSection
     output: OutputSection
+    reproduce: ReproduceSection = field(default_factory=ReproduceSection)
     source: str = "<defaults>"
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,169 @@
+"""The paper's reproduction table: the released LLaMA-7B circuit scored on each model, beside the
+published figures (Prakash et al., ICLR 2024, Table 1: accuracy of the full model and of the
+LLaMA-7B circuit with every other head mean-ablated, on LLaMA-7B, Vicuna-7B, Goat-7B, FLoAT-7B).
+
+    mechdiff run tasks/entity_tracking_llama7b.toml
+
+Weights are checked before anything loads (:func:`check_weights`): a missing checkpoint is named
+with the ways to provide it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from importlib.resources import files
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+from .models.loading import offline, resolve_source, resolve_spec
+from .models.registry import ModelSpec
+
+if TYPE_CHECKING:
+    from .study import StageRecord, Study
+
+log = logging.getLogger(__name__)
+
+PUBLISHED = "llama-7b-entity-tracking-circuit.json"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+class WeightsMissingError(FileNotFoundError):
+    """A model's weights are neither on disk nor reachable; the message says how to provide them."""
+
+
+def published_figures(path: str | Path = "") -> dict:
+    """The paper's reported figures: ``path``, else the copy shipped in ``mechdiff/data/published``."""
+    if path:
+        return json.loads(Path(path).read_text())
+    return json.loads(files("mechdiff").joinpath("data", "published", PUBLISHED).read_text())
+
+
+def _hub_cached(repo: str, revision: Optional[str], cache_dir: Optional[str]) -> tuple[bool, bool]:
+    """(config cached, weights cached) for a hub repo in the Hugging Face cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(name: str) -> bool:
+        found = try_to_load_from_cache(repo, name, cache_dir=cache_dir, revision=revision)
+        return isinstance(found, str)
+
+    config = cached("config.json") or cached("adapter_config.json")
+    return config, any(cached(f) for f in WEIGHT_FILES)
+
+
+def missing_weights(spec: ModelSpec, cache_dir: Optional[str] = None) -> list[str]:
+    """What is missing to load ``spec`` here (empty: loadable). A hub id not in the cache counts as
+    missing only offline (``HF_HUB_OFFLINE=1``); online it downloads on first use."""
+    if spec.kind == "hub":
+        return _missing_hub(spec.name, spec.source, spec.revision, cache_dir)
+    if spec.kind == "lora":
+        src = spec.source
+        if src.startswith("package:") or os.path.exists(os.path.expanduser(src)):
+            own = _missing_path(spec)
+        else:  # an adapter named by its hub id
+            own = _missing_hub(spec.name, src, spec.revision, cache_dir)
+        return own + missing_weights(resolve_spec(spec.base), cache_dir)
+    return _missing_path(spec)
+
+
+def _missing_path(spec: ModelSpec) -> list[str]:
+    try:
+        path = Path(resolve_source(spec.source)).expanduser()
+    except ModuleNotFoundError as err:
+        return [f"{spec.name}: {err}"]
+    target = path / spec.gguf_file if spec.kind == "gguf" and spec.gguf_file else path
+    return [] if target.exists() else [f"{spec.name}: {target} does not exist"]
+
+
+def _missing_hub(name: str, repo: str, revision: Optional[str], cache_dir: Optional[str]) -> list[str]:
+    config, weights = _hub_cached(repo, revision, cache_dir)
+    if config and weights:
+        return []
+    if not offline():
+        log.info("%s: %s is not in the Hugging Face cache; it will be downloaded", name, repo)
+        return []
+    what = "config and weights" if not config else "weights"
+    return [f"{name}: the {what} of hub:{repo} are not in the Hugging Face cache and HF_HUB_OFFLINE is set"]
+
+
+def check_weights(names: Iterable[str], cache_dir: Optional[str] = None, remote: bool = False) -> None:
+    """Raise :class:`WeightsMissingError` naming every model whose weights cannot be loaded here,
+    before anything expensive. On NDIF (``remote``) only the config and tokenizer are needed."""
+    missing: list[str] = []
+    for name in names:
+        spec = resolve_spec(name)
+        if remote and spec.kind == "hub":
+            continue
+        missing += missing_weights(spec, cache_dir)
+    if missing:
+        raise WeightsMissingError(
+            "weights missing:\n  " + "\n  ".join(missing) + "\nProvide them in one of these ways: download them "
+            "into the Hugging Face cache (`huggingface-cli download <repo>` with network, then HF_HUB_OFFLINE=1 "
+            "works), unset HF_HUB_OFFLINE to download on first use, give a local directory holding config.json "
+            "and the weights instead of the registry name in [models] (e.g. base = \"/data/llama-7b\"), or run "
+            "on NDIF with `remote = true` / --remote for the hub models it hosts.")
+
+
+# ------------------------------------------------------------------------------------- the table
+
+
+def reproduction_rows(study: "Study", circuit_path: str, published: dict, n: int) -> list[dict]:
+    """One row per model: full-model and circuit accuracy (95% CIs) and faithfulness, measured here,
+    beside the published accuracies (NaN where the paper has no figure for the model)."""
+    from .circuits.circuit import Circuit
+    from .circuits.scoring import Scorer, faithfulness, reference_records
+    from .report.tables import estimate_columns
+    from .tasks.entity_tracking import generate
+
+    circuit = Circuit.load(circuit_path)
+    reported = published.get("reported", {})
+    full_pub, circ_pub = reported.get("accuracy_full", {}), reported.get("accuracy_llama_circuit", {})
+    t = study.spec.task
+    rows = []
+    for name in study.spec.model_names:
+        lm = study.model(name)
+        circuit.validate(lm.shape.n_layers, lm.shape.n_heads)
+        records = generate(study.tokenizer, n, t.n_boxes, t.seed + 7)
+        reference = reference_records(study.tokenizer, n, t.n_boxes, t.seed + 8)
+        scorer = Scorer.build(lm, records, reference, study.spec.eval.batch_size, study.progress, store=study.store)
+        res = faithfulness(scorer, circuit)
+        row = {"model": name, "n_prompts": res["n_prompts"]}
+        row.update(estimate_columns("full_accuracy", res["full"]["accuracy"]))
+        row["published_full_accuracy"] = full_pub.get(name, float("nan"))
+        row.update(estimate_columns("circuit_accuracy", res["circuit"]["accuracy"]))
+        row["published_circuit_accuracy"] = circ_pub.get(name, float("nan"))
+        row.update(estimate_columns("faithfulness", res["circuit"]["faithfulness"]))
+        pub_full, pub_circ = full_pub.get(name), circ_pub.get(name)
+        row["published_faithfulness"] = pub_circ / pub_full if pub_full and pub_circ is not None else float("nan")
+        rows.append(row)
+    return rows
+
+
+CAPTION = ("The released LLaMA-7B entity-tracking circuit (Prakash et al. 2024, 72 heads in groups A-D) scored "
+           "on each model: accuracy of the full model and of the circuit (every other head mean-ablated), "
+           "measured here with 95% bootstrap CIs, beside the published figures (Table 1).")
+
+
+def reproduction_stage(study: "Study") -> "StageRecord":
+    """The reproduction as a cached study stage; writes ``reproduction.{md,csv,tex,json}`` and prints it."""
+    from dataclasses import asdict
+
+    from .report.tables import to_markdown, write_table
+
+    r = study.spec.reproduce
+    published = published_figures(r.published)
+    circuit_text = Path(r.circuit).read_text()
+
+    def compute() -> dict:
+        rows = reproduction_rows(study, r.circuit, published, r.n)
+        write_table(rows, study.dir / "reproduction", caption=CAPTION)
+        return {"rows": rows, "published_source": published.get("source", "")}
+
+    inputs = {"models": study.digests, "task": study._task(), "reproduce": asdict(r),
+              "circuit": circuit_text, "published": published.get("reported", {})}
+    rec = study.cache.run("reproduction", inputs, compute)
+    print(to_markdown(rec.result["rows"]))
+    print(f"\n{CAPTION}\npublished: {rec.result['published_source']}")
+    return rec
