@@ -352,7 +352,8 @@ class TrainConfig:
     task: str = "entity-tracking"
     steps: int = 30
     batch_size: int = 16
-    lr: float = 1e-3
+    lr: float = 1e-3  # LoRA learning rate
+    headmap_lr: float = 5e-3  # HeadMap maps' learning rate
     seed: int = 0
     data_seed: int = 0
     rank: int = 4  # HeadMap map rank
@@ -388,10 +389,13 @@ def train(base: LoadedModel, cfg: TrainConfig, heads: Optional[Mapping[int, Sequ
     hm = None
     if heads:
         hm = HeadMap(heads, base.shape.d_head, base.shape.d_model, cfg.rank, seed=cfg.seed).attach(loaded, hf)
-    params = [p for p in model.parameters() if p.requires_grad] + (list(hm.parameters()) if hm else [])
+    lora = [p for p in model.parameters() if p.requires_grad]
+    maps = list(hm.parameters()) if hm else []
+    params = lora + maps
     if not params:
         raise ValueError("nothing to train: give heads, a LoRA rank, or both")
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    groups = [g for g in ({"params": lora, "lr": cfg.lr}, {"params": maps, "lr": cfg.headmap_lr}) if g["params"]]
+    opt = torch.optim.AdamW(groups, weight_decay=0.0)
     losses = []
     t0 = time.time()
     model.train()

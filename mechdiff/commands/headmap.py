@@ -16,6 +16,7 @@ from typing import Any, Callable
 from ._options import add_model_options, load_from_args, write_json
 
 log = logging.getLogger(__name__)
+RUNS = ("base", "located", "random", "lora-large", "lora-small", "outside", "headmap+lora", "transfer")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -35,7 +36,8 @@ def _locate_options(p: argparse.ArgumentParser) -> None:
 def _train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=16, help="prompts per step")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
+    p.add_argument("--headmap-lr", type=float, default=5e-3, help="HeadMap maps' learning rate")
     p.add_argument("--rank", type=int, default=4, help="HeadMap map rank r")
     p.add_argument("--eval-n", type=int, default=200, help="held-out evaluation prompts")
     p.add_argument("--train-seed", type=int, default=0, help="initialisation seed")
@@ -74,6 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmp_.add_argument("--lora-small", type=int, default=1, help="rank of the LoRA near HeadMap's parameter count")
     cmp_.add_argument("--lora-large", type=int, default=8, help="rank of the larger LoRA")
     cmp_.add_argument("--transfer-n", type=int, default=None, help="samples for locating on the transfer task")
+    cmp_.add_argument("--runs", default=",".join(RUNS), help=f"training runs, in order (of {','.join(RUNS)})")
     _locate_options(cmp_)
     _train_options(cmp_)
     cmp_.set_defaults(func=main_compare)
@@ -150,7 +153,8 @@ def main_locate(args: argparse.Namespace) -> int:
 def _train_config(args: argparse.Namespace, task: str, lora_rank: int = 0):
     from ..headmap import TrainConfig
 
-    return TrainConfig(task=task, steps=args.steps, batch_size=args.batch, lr=args.lr, seed=args.train_seed,
+    return TrainConfig(task=task, steps=args.steps, batch_size=args.batch, lr=args.lr,
+                       headmap_lr=args.headmap_lr, seed=args.train_seed,
                        data_seed=args.data_seed, rank=args.rank, lora_rank=lora_rank, eval_n=args.eval_n)
 
 
@@ -209,20 +213,65 @@ def main_compare(args: argparse.Namespace) -> int:
     s = model.shape
     loc_key = {"model": args.model, "pool": args.pool, "k": args.k, "batch_size": args.batch_size, "seed": args.seed}
 
-    # 1. locating on entity tracking and on the transfer task
+    # 1. locating on entity tracking (the transfer task's circuit is located when its run comes)
     located = {}
-    for task, n in (("entity-tracking", args.n), (args.transfer_task, args.transfer_n or args.n)):
-        sub = out / "circuits" / task
-        located[task] = Circuit.from_dict(_stage(out, f"locate-{task}", loc_key | {"task": task, "n": n},
-                                                 lambda: _locate_and_write(model, task, args, sub, n)))
-    et_c, tr_c = located["entity-tracking"], located[args.transfer_task]
+
+    def locate_on(task: str, n: int) -> Circuit:
+        if task not in located:
+            sub = out / "circuits" / task
+            located[task] = Circuit.from_dict(_stage(out, f"locate-{task}", loc_key | {"task": task, "n": n},
+                                                     lambda: _locate_and_write(model, task, args, sub, n)))
+        return located[task]
+
+    et_c = locate_on("entity-tracking", args.n)
+    n_total = s.n_layers * s.n_heads
+
+    # 2. training runs on entity tracking
+    et_heads = heads_by_layer(et_c.heads())
+    per_layer = {layer: len(hs) for layer, hs in et_heads.items()}
+    runs: dict[str, tuple[str, Callable[[], Any], int]] = {
+        "base": ("base (no training)", lambda: None, 0),
+        "located": ("HeadMap (located)", lambda: et_heads, 0),
+        "random": ("HeadMap, random heads per layer", lambda: random_heads(s, per_layer, seed=1), 0),
+        "lora-large": (f"LoRA r={args.lora_large} (q,k,v,o)", lambda: None, args.lora_large),
+        "lora-small": (f"LoRA r={args.lora_small} (q,k,v,o)", lambda: None, args.lora_small),
+        "outside": ("HeadMap, heads outside the located set",
+                    lambda: random_heads(s, per_layer, seed=2, exclude=et_c.heads()), 0),
+        "headmap+lora": (f"HeadMap + LoRA r={args.lora_small}", lambda: et_heads, args.lora_small),
+        "transfer": (f"HeadMap, circuit located on {args.transfer_task}",
+                     lambda: heads_by_layer(locate_on(args.transfer_task, args.transfer_n or args.n).heads()), 0),
+    }
+    chosen = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = set(chosen) - set(runs)
+    if unknown:
+        raise ValueError(f"unknown runs {sorted(unknown)}; choose from {', '.join(RUNS)}")
+    task = get_task("entity-tracking")
+    cfg0 = _train_config(args, "entity-tracking")
+    ev = {"entity-tracking": task.evaluate(model.tokenizer, cfg0.eval_n, cfg0.eval_seed)}
+    results = {}
+    for run_id in chosen:
+        name, heads_fn, lora_rank = runs[run_id]
+        heads = heads_fn()
+        cfg = _train_config(args, "entity-tracking", lora_rank)
+        key = {"model": args.model, "config": vars(cfg) | {"lora_targets": list(cfg.lora_targets)},
+               "heads": {str(k): v for k, v in (heads or {}).items()}}
+        if heads is None and not lora_rank:
+            def fn():
+                from ..headmap import correct
+                return {"trainable": 0, "correct": {"entity-tracking": correct(model.model, ev["entity-tracking"]).tolist()},
+                        "losses": [], "train_seconds": 0.0, "heads": {}}
+        else:
+            def fn(heads=heads, cfg=cfg):
+                return train(model, cfg, heads, ev)
+        if run_id == "base":
+            key = {"model": args.model, "eval_n": cfg.eval_n, "eval_seed": cfg.eval_seed}
+        results[name] = _stage(out, f"train-{run_id}", key, fn)
+
+    # 3. figures of the located circuits, overlap with path-patching circuits
     curve_figure({t: c.meta for t, c in located.items()}, out / "figures" / "loss_curve.png")
     for t, c in located.items():
         heatmap_figure(c.scores["headmap"], c.heads(), s, out / "figures" / f"heads_{t}.png",
                        f"{args.model} on {t}: k={args.k} per layer, n={c.meta['n_samples']}")
-
-    # 2. overlap with path-patching circuits
-    n_total = s.n_layers * s.n_heads
     overlap_rows = []
     for path in filter(None, args.path_patching.split(",")):
         pp = Circuit.load(path)
@@ -232,39 +281,6 @@ def main_compare(args: argparse.Namespace) -> int:
                     continue
                 row = overlap_row(g, heads, c.heads(), n_total, pp.names.get(g, "all heads"))
                 overlap_rows.append({"path_patching": f"{pp.model} ({Path(path).name})", "located_on": name, **row})
-
-    # 3. training runs on entity tracking
-    et_heads = heads_by_layer(et_c.heads())
-    per_layer = {layer: len(hs) for layer, hs in et_heads.items()}
-    runs: dict[str, dict] = {
-        "base (no training)": {"heads": None, "lora": 0},
-        "HeadMap (located)": {"heads": et_heads, "lora": 0},
-        "HeadMap, random heads per layer": {"heads": random_heads(s, per_layer, seed=1), "lora": 0},
-        "HeadMap, heads outside the located set": {"heads": random_heads(s, per_layer, seed=2,
-                                                                          exclude=et_c.heads()), "lora": 0},
-        f"HeadMap, circuit located on {args.transfer_task}": {"heads": heads_by_layer(tr_c.heads()), "lora": 0},
-        f"LoRA r={args.lora_small} (q,k,v,o)": {"heads": None, "lora": args.lora_small},
-        f"LoRA r={args.lora_large} (q,k,v,o)": {"heads": None, "lora": args.lora_large},
-        f"HeadMap + LoRA r={args.lora_small}": {"heads": et_heads, "lora": args.lora_small},
-    }
-    task = get_task("entity-tracking")
-    cfg0 = _train_config(args, "entity-tracking")
-    ev = {"entity-tracking": task.evaluate(model.tokenizer, cfg0.eval_n, cfg0.eval_seed)}
-    results = {}
-    for name, spec in runs.items():
-        cfg = _train_config(args, "entity-tracking", spec["lora"])
-        key = {"model": args.model, "config": vars(cfg) | {"lora_targets": list(cfg.lora_targets)},
-               "heads": {str(k): v for k, v in (spec["heads"] or {}).items()}}
-        if spec["heads"] is None and not spec["lora"]:
-            def fn():
-                from ..headmap import correct
-                return {"trainable": 0, "correct": {"entity-tracking": correct(model.model, ev["entity-tracking"]).tolist()},
-                        "losses": [], "train_seconds": 0.0, "heads": {}}
-        else:
-            def fn(spec=spec, cfg=cfg):
-                return train(model, cfg, spec["heads"], ev)
-        slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
-        results[name] = _stage(out, f"train-{slug}", key, fn)
 
     lora_ref = lora_params(s, args.lora_large)
     hm_formula = HeadMap.n_params_for(et_heads, s.d_head, s.d_model, args.rank)
@@ -292,7 +308,8 @@ def main_compare(args: argparse.Namespace) -> int:
     _loss_figure(results, out / "figures" / "train_loss.png")
 
     # 4. report
-    shared = sorted(set(et_c.heads()) & set(tr_c.heads()))
+    tr_c = located.get(args.transfer_task)
+    shared = sorted(set(et_c.heads()) & set(tr_c.heads())) if tr_c else []
     text = _report(args, model, located, rows, overlap_rows, loc_rows, estimates, lora_ref, hm_formula, shared,
                    to_markdown, time.time() - t_start)
     write_text(out / "report.md", text)
@@ -327,7 +344,8 @@ def _report(args, model, located, rows, overlap_rows, loc_rows, estimates, lora_
         f"# HeadMap on {args.model}",
         "",
         f"Made by `mechdiff headmap compare --model {args.model} --out {args.out} --n {args.n} --pool {args.pool} "
-        f"--k {args.k} --rank {args.rank} --steps {args.steps} --batch {args.batch} --lr {args.lr} "
+        f"--k {args.k} --batch-size {args.batch_size} --rank {args.rank} --steps {args.steps} --batch {args.batch} "
+        f"--lr {args.lr} --headmap-lr {args.headmap_lr} "
         f"--eval-n {args.eval_n}` in {seconds / 60:.1f} min (stages cached under `stages/`).",
         "",
         "## Locating (layer-conditioned, zero masks)",
@@ -342,12 +360,13 @@ def _report(args, model, located, rows, overlap_rows, loc_rows, estimates, lora_
         "",
         f"![entity-tracking heads](figures/heads_entity-tracking.png)",
         "",
-        f"Heads located on both tasks: {len(shared)} of {len(et_c.heads())} "
-        f"({', '.join(h.name for h in shared) or 'none'}).",
+        (f"Heads located on both tasks: {len(shared)} of {len(et_c.heads())} "
+         f"({', '.join(h.name for h in shared) or 'none'})." if len(located) > 1 else ""),
         "",
         "## HeadMap vs LoRA on entity tracking",
         "",
-        f"Training: {args.steps} steps of {args.batch} prompts (2-7 boxes, training objects), AdamW lr {args.lr}; "
+        f"Training: {args.steps} steps of {args.batch} prompts (2-7 boxes, training objects), AdamW, lr {args.lr} "
+        f"for LoRA and {args.headmap_lr} for the HeadMap maps; "
         f"evaluation: {args.eval_n} held-out 7-box prompts (objects never seen in training), 95% bootstrap CI. "
         f"HeadMap rank r = {args.rank}; its parameter count by the formula sum_l r (k_l d_head + d_model) = "
         f"{hm_formula}. LoRA: alpha = 2r on q, k, v, o; LoRA r={args.lora_large} has {lora_ref} parameters.",
