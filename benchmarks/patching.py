@@ -30,11 +30,14 @@ from mechdiff.tasks.entity_tracking import path_patching_pairs
 
 def timed(fn, repeats: int) -> float:
     """Median wall time of ``fn()`` over ``repeats`` calls (after one warm-up call)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # GPU work is asynchronous
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -50,9 +53,14 @@ def main() -> None:
     ap.add_argument("--screen-multiple", type=float, default=2.0)
     ap.add_argument("--skip-exact-all", action="store_true", help="only the overhead figures")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1")
+    ap.add_argument("--device-map", default=None, help="auto: shard over the GPUs (accelerate)")
+    ap.add_argument("--dtype", default="float32", help="float32 (as the paper), bfloat16, float16")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model = load_model(args.model)
+    t0 = time.perf_counter()
+    model = load_model(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map)
+    print(f"loaded {args.model} on {model.device} ({args.dtype}) in {time.perf_counter() - t0:.1f} s")
     pairs = path_patching_pairs(model.tokenizer, args.n, seed=0)
     batch = prepare(model, pairs)
     s = args.senders_per_pass
@@ -65,7 +73,8 @@ def main() -> None:
         plain = timed(lambda: run(model, ids), args.repeats)
         pass_a = timed(lambda: _patched_prob(model, batch, senders, "last", None), args.repeats)
         pass_b = timed(lambda: _patched_prob(model, batch, b_senders, "last", receivers), args.repeats)
-    fig = {"model": args.model, "n_prompts": args.n, "senders_per_pass": s, "batch": int(ids.shape[0]),
+    fig = {"model": args.model, "device": str(model.device), "dtype": args.dtype,
+           "n_prompts": args.n, "senders_per_pass": s, "batch": int(ids.shape[0]),
            "threads": torch.get_num_threads(), "plain_forward_s": plain,
            "overhead_step_A": pass_a / plain, "overhead_step_B_two_runs": pass_b / plain}
     print(f"plain forward ({ids.shape[0]} x {ids.shape[1]} tokens): {plain:.2f} s")

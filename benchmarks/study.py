@@ -34,6 +34,13 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def peak_gpu_mib() -> str:
+    """Peak CUDA memory allocated so far (all GPUs), or "-" without CUDA."""
+    if not torch.cuda.is_available():
+        return "-"
+    return f"{sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 2**20:.0f}"
+
+
 def overhead(study: Study, n: int, repeats: int = 3) -> dict:
     """Median time of one step-A path-patching pass over a plain forward on the same prompts."""
     model = study.model(study.spec.models.base)
@@ -57,8 +64,14 @@ def main() -> None:
     ap.add_argument("--task", default=None, help="task file (default: the embedded default study)")
     ap.add_argument("--out", default=None, help="results directory (default: a fresh temporary one)")
     ap.add_argument("--overhead-n", type=int, default=16, help="prompts for the overhead ratio")
+    ap.add_argument("--device", default=None, help="override [models] device: cpu, cuda")
+    ap.add_argument("--device-map", default=None, help="override [models] device_map: auto shards over the GPUs")
+    ap.add_argument("--dtype", default=None, help="override [models] dtype: float32, bfloat16, float16")
     args = ap.parse_args()
     spec = load_spec(args.task) if args.task else default_spec()
+    for key in ("device", "device_map", "dtype"):
+        if getattr(args, key) is not None:
+            setattr(spec.models, key, getattr(args, key))
     out = args.out or tempfile.mkdtemp(prefix="mechdiff-bench-")
     spec.output.store = f"{out}/activations.h5"
     rows = []
@@ -66,7 +79,7 @@ def main() -> None:
 
     def timed_run(self, name, inputs, compute):
         rec = original(self, name, inputs, compute)
-        rows.append([name, "cached" if rec.cached else f"{rec.seconds:.1f}", f"{peak_mib():.0f}"])
+        rows.append([name, "cached" if rec.cached else f"{rec.seconds:.1f}", f"{peak_mib():.0f}", peak_gpu_mib()])
         return rec
 
     StageCache.run = timed_run
@@ -75,7 +88,7 @@ def main() -> None:
     study.run()
     total = time.perf_counter() - t0
     StageCache.run = original
-    print(tabulate(rows, headers=["stage", "wall s", "peak RSS MiB so far"]))
+    print(tabulate(rows, headers=["stage", "wall s", "peak RSS MiB so far", "peak GPU MiB so far"]))
     print(f"\nwhole study: {total:.0f} s; report: {out}/report.md")
     o = overhead(study, args.overhead_n)
     print(f"\npatching overhead on {o['n']} prompts: plain forward {o['plain forward']:.2f} s, "

@@ -304,3 +304,49 @@ def test_reproduction_rows_sit_beside_the_published_figures(tiny_llama, smollm2_
     assert json.loads(json.dumps(row, default=str))  # a plain row for the tables
     missing = reproduction_rows(study, str(tmp_path / "c.json"), {}, n=4)[0]
     assert math.isnan(missing["published_full_accuracy"])
+
+
+def test_mechdiff_run_prints_the_reproduction_table(tiny_dir, tmp_path, smollm2_tokenizer, capsys):
+    """The command path of tasks/entity_tracking_llama7b.toml, on two tiny local checkpoints."""
+    import shutil
+
+    from mechdiff.circuits.circuit import Circuit
+    from mechdiff.reproduce import published_figures
+
+    other = tmp_path / "tiny-ft"
+    shutil.copytree(tiny_dir, other)
+    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0)], "B": [Head(1, 1)]}, {"A": "last", "B": "last"})
+    circuit.save(tmp_path / "circuit.json")
+    published = published_figures()
+    published["reported"]["accuracy_full"][str(other)] = 0.5
+    (tmp_path / "published.json").write_text(json.dumps(published))
+    (tmp_path / "task.toml").write_text(f"""
+[task]
+name = "entity-tracking"
+n_boxes = 3
+[models]
+base = "{tiny_dir}"
+finetunes = ["{other}"]
+device = "cpu"
+[eval]
+batch_size = 4
+[reproduce]
+circuit = "{tmp_path / 'circuit.json'}"
+published = "{tmp_path / 'published.json'}"
+n = 4
+only = true
+[output]
+dir = "{tmp_path / 'out'}"
+store = "{tmp_path / 'activations.h5'}"
+""")
+    assert cli_main(["run", str(tmp_path / "task.toml"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "published_full_accuracy" in out and "0.500" in out and "reproduction" in out
+    rows = json.loads((tmp_path / "out" / "reproduction.json").read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    assert [r["model"] for r in rows] == [str(tiny_dir), str(other)]
+    manifest = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert manifest["spec"]["reproduce"]["only"] is True and "reproduction" in manifest["stages"]
+    # a rerun reuses the stage
+    assert cli_main(["run", str(tmp_path / "task.toml"), "--no-progress"]) == 0
+    assert "cached" in capsys.readouterr().out
