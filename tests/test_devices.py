@@ -219,6 +219,12 @@ def test_remote_scoring_matches_and_batches_share_a_request(pair, monkeypatch, s
     assert (got.correct == want.correct).all() and (got.prob == want.prob).all()
 
 
+def test_remote_forward_with_grad_outside_a_session_is_refused(pair):
+    _, remote = pair
+    with pytest.raises(RemoteSetupError, match="session"):
+        run(remote, torch.zeros(1, 4, dtype=torch.long), grad=True)
+
+
 def test_remote_without_api_key_fails_before_loading(monkeypatch):
     import mechdiff.models.loading as loading
     from nnsight import CONFIG

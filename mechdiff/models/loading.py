@@ -153,6 +153,13 @@ class LoadedModel:
         from .remote import in_trace, register_mechdiff
 
         if self.remote and not in_trace():
+            if torch.is_grad_enabled():  # run() sets it to its grad argument
+                from .remote import RemoteSetupError
+
+                raise RemoteSetupError(
+                    "a backward pass through a remote forward needs the gradient computed on the server: run it "
+                    "inside model.session() (the attribution screen does). DCM mask training does not run on "
+                    "NDIF yet; run it locally (--device cuda, --device-map auto).")
             register_mechdiff()
             return self.nn.trace(remote=self.remote, **kwargs)
         return self.nn.trace(**kwargs)
