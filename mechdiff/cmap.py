@@ -30,6 +30,7 @@ from .components import Head
 from .evaluate import batches
 from .models.loading import LoadedModel
 from .models.modelset import check_shapes
+from .models.remote import keep
 from .patching.core import Patch, run
 from .stats import Estimate, bootstrap
 from .tasks.entity_tracking import EntityTrackingExample, batch_tensors
@@ -165,12 +166,24 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
             donor = run(finetune, ids, capture=sites)
             captured = {key: t.to(base.device) for key, t in donor.captured.items()}
             _append(scores["finetune"], _score(donor.logits, answer))
-            _append(scores["base"], _score(run(base, ids).logits, answer))
-            for scope, pairs in all_scopes.items():
-                for kind in kinds:
-                    patches = cmap_patches(base, pairs, kind, captured, batch["positions"], ids.shape[1])
-                    _append(scores[(scope, kind)], _score(run(base, ids, patches).logits, answer))
+        with base.session():  # remote: the base's plain and patched runs of this batch in one request
+            scored = keep(_base_scores(base, ids, answer, captured, all_scopes, kinds, batch["positions"]))
+        for key, value in scored.items():
+            _append(scores[key], value)
     return _result(base, finetune, circuit, scores, all_scopes, kinds)
+
+
+def _base_scores(base: LoadedModel, ids: torch.Tensor, answer: torch.Tensor, captured: dict, all_scopes: dict,
+                 kinds: list[str], positions: dict) -> dict:
+    """``(correct, prob)`` of the base, plain and with each (scope, kind) patched from the donor's ``captured``."""
+    out = {}
+    with torch.no_grad():
+        out["base"] = _score(run(base, ids).logits, answer)
+        for scope, pairs in all_scopes.items():
+            for kind in kinds:
+                patches = cmap_patches(base, pairs, kind, captured, positions, ids.shape[1])
+                out[(scope, kind)] = _score(run(base, ids, patches).logits, answer)
+    return out
 
 
 def _append(store: tuple[list, list], scored: tuple[np.ndarray, np.ndarray]) -> None:

@@ -356,3 +356,23 @@ store = "{tmp_path / 'activations.h5'}"
     # a rerun reuses the stage
     assert cli_main(["run", str(tmp_path / "task.toml"), "--no-progress"]) == 0
     assert "cached" in capsys.readouterr().out
+
+
+def test_remote_cmap_matches_with_one_request_per_model_and_batch(monkeypatch, smollm2_tokenizer):
+    from mechdiff.circuits.circuit import Circuit
+    from mechdiff.cmap import run_cmap
+    from mechdiff.tasks.entity_tracking import generate
+
+    base, ft = make_tiny("llama", smollm2_tokenizer, seed=1), make_tiny("llama", smollm2_tokenizer, seed=2)
+    rbase, rft = make_tiny("llama", smollm2_tokenizer, seed=1), make_tiny("llama", smollm2_tokenizer, seed=2)
+    rbase.remote = rft.remote = "local"
+    records = generate(smollm2_tokenizer, 6, n_boxes=3, seed=0)
+    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0)], "B": [Head(1, 1)]}, {"A": "last", "B": "last"})
+    want = run_cmap(base, ft, circuit, records, ["z", "v"], batch_size=3, progress=False)
+    requests = Requests(monkeypatch)
+    got = run_cmap(rbase, rft, circuit, records, ["z", "v"], batch_size=3, progress=False)
+    # per batch: the donor's run (fine-tune) and one session of the base's 1 + 3 scopes x 2 kinds runs
+    assert requests.take() == ["trace", "session"] * 2
+    assert [r.accuracy.value for r in got.rows] == [r.accuracy.value for r in want.rows]
+    assert [r.answer_prob.value for r in got.rows] == [r.answer_prob.value for r in want.rows]
+    assert got.base_accuracy.value == want.base_accuracy.value
