@@ -376,3 +376,40 @@ def test_remote_cmap_matches_with_one_request_per_model_and_batch(monkeypatch, s
     assert [r.accuracy.value for r in got.rows] == [r.accuracy.value for r in want.rows]
     assert [r.answer_prob.value for r in got.rows] == [r.answer_prob.value for r in want.rows]
     assert got.base_accuracy.value == want.base_accuracy.value
+
+
+def test_remote_true_loads_no_weights_and_ships_small_requests(tiny_dir, monkeypatch):
+    """``remote=True`` as for NDIF, with the server replaced by a backend that only serialises the request."""
+    from nnsight.modeling.mixins.remotable import Remotable
+    from nnsight.schema.request import RequestModel
+
+    from mechdiff.models.registry import ModelSpec
+    from mechdiff.patching.path import prepare
+    from mechdiff.tasks.entity_tracking import path_patching_pairs
+
+    monkeypatch.setenv("NDIF_API_KEY", "test-key")
+    sent: list[int] = []
+
+    class Shipped(Exception):
+        pass
+
+    def backend(self, remote, blocking, job_id, verbose):
+        def ship(tracer):
+            sent.append(len(RequestModel.serialize(tracer)))
+            raise Shipped
+
+        return ship
+
+    monkeypatch.setattr(Remotable, "_remote_backend", backend)
+    spec = ModelSpec("tiny-on-ndif", "hub", str(tiny_dir))  # a "hub id" the config and tokenizer load from
+    lm = load_model(spec, remote=True)
+    assert lm.remote is True and lm.provenance["kind"] == "remote"
+    assert {p.device.type for p in lm.model.parameters()} == {"meta"}  # no weights here
+    assert lm.fingerprint.startswith("remote-") and lm.device.type == "cpu" and lm.shape.n_layers == 3
+    weights = sum(p.numel() * 4 for p in load_model(str(tiny_dir)).model.parameters())
+    with pytest.raises(Shipped):
+        run(lm, torch.zeros(2, 8, dtype=torch.long), [Patch("z", 1, torch.zeros(2, 8, 32))])
+    with pytest.raises(Shipped):
+        prepare(lm, path_patching_pairs(lm.tokenizer, 2, n_boxes=3, seed=0))  # a session
+    print("request bytes", sent, "weight bytes", weights)
+    assert len(sent) == 2 and max(sent) < weights / 4, (sent, weights)
