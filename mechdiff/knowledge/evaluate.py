@@ -49,7 +49,7 @@ def evaluate(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], mas
             logits = edge_forward(model, graph, b.ids, mask, ablation).logits.float()
             ans = b.answers.to(logits.device)
             target = logits[torch.arange(len(b)), ans]
-            rank = (logits > target[:, None]).sum(-1)
+            rank = (logits >= target[:, None]).sum(-1) - 1  # ties count against the answer
             ranks.append(rank.cpu().numpy())
             hits.append((rank < k).cpu().numpy())
             lps.append(answer_logprob(logits, ans).cpu().numpy())
