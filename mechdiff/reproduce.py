@@ -109,7 +109,8 @@ def check_weights(names: Iterable[str], cache_dir: Optional[str] = None, remote:
 # ------------------------------------------------------------------------------------- the table
 
 
-def reproduction_rows(study: "Study", circuit_path: str, published: dict, n: int) -> list[dict]:
+def reproduction_rows(study: "Study", circuit_path: str, published: dict, n: int,
+                      names: Optional[Sequence[str]] = None) -> list[dict]:
     """One row per model: full-model and circuit accuracy (95% CIs) and faithfulness, measured here,
     beside the published accuracies (NaN where the paper has no figure for the model)."""
     from .circuits.circuit import Circuit
@@ -122,7 +123,7 @@ def reproduction_rows(study: "Study", circuit_path: str, published: dict, n: int
     full_pub, circ_pub = reported.get("accuracy_full", {}), reported.get("accuracy_llama_circuit", {})
     t = study.spec.task
     rows = []
-    for name in study.spec.model_names:
+    for name in names if names is not None else study.spec.model_names:
         lm = study.model(name)
         circuit.validate(lm.shape.n_layers, lm.shape.n_heads)
         records = generate(study.tokenizer, n, t.n_boxes, t.seed + 7)
@@ -141,13 +142,24 @@ def reproduction_rows(study: "Study", circuit_path: str, published: dict, n: int
     return rows
 
 
+def _release(study: "Study", name: str) -> None:
+    """Drop a scored model so the next one fits (four 7B models in float32 do not fit one 80 GB GPU)."""
+    import torch
+
+    lm = study.models._loaded.pop(name, None)
+    if lm is not None and lm.device.type == "cuda":
+        del lm
+        torch.cuda.empty_cache()
+
+
 CAPTION = ("The released LLaMA-7B entity-tracking circuit (Prakash et al. 2024, 72 heads in groups A-D) scored "
            "on each model: accuracy of the full model and of the circuit (every other head mean-ablated), "
            "measured here with 95% bootstrap CIs, beside the published figures (Table 1).")
 
 
-def reproduction_stage(study: "Study") -> "StageRecord":
-    """The reproduction as a cached study stage; writes ``reproduction.{md,csv,tex,json}`` and prints it."""
+def reproduction_stage(study: "Study") -> list["StageRecord"]:
+    """The reproduction as cached study stages, one per model (``reproduction:<model>``, so a stage's time
+    is one model's load and scoring); writes ``reproduction.{md,csv,tex,json}`` and prints the table."""
     from dataclasses import asdict
 
     from .report.tables import to_markdown, write_table
@@ -155,15 +167,18 @@ def reproduction_stage(study: "Study") -> "StageRecord":
     r = study.spec.reproduce
     published = published_figures(r.published)
     circuit_text = Path(r.circuit).read_text()
+    records = []
+    for name in study.spec.model_names:
+        def compute(name: str = name) -> dict:
+            row = reproduction_rows(study, r.circuit, published, r.n, [name])[0]
+            _release(study, name)
+            return {"row": row}
 
-    def compute() -> dict:
-        rows = reproduction_rows(study, r.circuit, published, r.n)
-        write_table(rows, study.dir / "reproduction", caption=CAPTION)
-        return {"rows": rows, "published_source": published.get("source", "")}
-
-    inputs = {"models": study.digests, "task": study._task(), "reproduce": asdict(r),
-              "circuit": circuit_text, "published": published.get("reported", {})}
-    rec = study.cache.run("reproduction", inputs, compute)
-    print(to_markdown(rec.result["rows"]))
-    print(f"\n{CAPTION}\npublished: {rec.result['published_source']}")
-    return rec
+        inputs = {"model": study.digests[name], "task": study._task(), "reproduce": asdict(r),
+                  "circuit": circuit_text, "published": published.get("reported", {})}
+        records.append(study.cache.run(f"reproduction:{name}", inputs, compute))
+    rows = [rec.result["row"] for rec in records]
+    write_table(rows, study.dir / "reproduction", caption=CAPTION)
+    print(to_markdown(rows))
+    print(f"\n{CAPTION}\npublished: {published.get('source', '')}")
+    return records

@@ -352,7 +352,8 @@ store = "{tmp_path / 'activations.h5'}"
     rows = rows["rows"] if isinstance(rows, dict) else rows
     assert [r["model"] for r in rows] == [str(tiny_dir), str(other)]
     manifest = json.loads((tmp_path / "out" / "run.json").read_text())
-    assert manifest["spec"]["reproduce"]["only"] is True and "reproduction" in manifest["stages"]
+    assert manifest["spec"]["reproduce"]["only"] is True
+    assert sorted(manifest["stages"]) == sorted(f"reproduction:{m}" for m in (tiny_dir, other))  # one stage per model
     # a rerun reuses the stage
     assert cli_main(["run", str(tmp_path / "task.toml"), "--no-progress"]) == 0
     assert "cached" in capsys.readouterr().out
@@ -411,5 +412,4 @@ def test_remote_true_loads_no_weights_and_ships_small_requests(tiny_dir, monkeyp
         run(lm, torch.zeros(2, 8, dtype=torch.long), [Patch("z", 1, torch.zeros(2, 8, 32))])
     with pytest.raises(Shipped):
         prepare(lm, path_patching_pairs(lm.tokenizer, 2, n_boxes=3, seed=0))  # a session
-    print("request bytes", sent, "weight bytes", weights)
     assert len(sent) == 2 and max(sent) < weights / 4, (sent, weights)
