@@ -31,7 +31,7 @@ from .evaluate import batches
 from .models.loading import LoadedModel
 from .models.modelset import check_shapes
 from .models.remote import keep
-from .patching.core import Patch, run
+from .patching.core import Patch, Resume, run
 from .stats import Estimate, bootstrap
 from .tasks.entity_tracking import EntityTrackingExample, batch_tensors
 
@@ -56,8 +56,8 @@ def parse_kinds(kinds: str | Iterable[str]) -> list[str]:
 
 
 def scopes(circuit: Circuit) -> dict[str, Scope]:
-    """One scope per group (its heads at its position) and the whole circuit (every group at its own)."""
-    out = {g: [(h, circuit.positions[g]) for h in hs] for g, hs in circuit.groups.items()}
+    """One scope per non-empty group (its heads at its position) and the whole circuit (every group at its own)."""
+    out = {g: [(h, circuit.positions[g]) for h in hs] for g, hs in circuit.groups.items() if hs}
     out[CIRCUIT_SCOPE] = circuit.pairs()
     return out
 
@@ -150,12 +150,14 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
     check_shapes({base.name: base.shape, finetune.name: finetune.shape})
     circuit.validate(base.shape.n_layers, base.shape.n_heads)
     kinds = parse_kinds(kinds)
+    if not circuit.heads():
+        raise ValueError("the circuit has no heads; nothing to patch")
     all_scopes = scopes(circuit)
     if groups is not None:
         wanted = list(groups)
         missing = [g for g in wanted if g not in all_scopes]
         if missing:
-            raise ValueError(f"groups {missing} are not in the circuit (groups: {sorted(circuit.groups)})")
+            raise ValueError(f"groups {missing} are not in the circuit or empty (groups: {sorted(circuit.groups)})")
         all_scopes = {g: all_scopes[g] for g in wanted}
     sites = capture_sites(circuit.heads())
     scores: dict = {key: ([], []) for key in ["base", "finetune", *((s, k) for s in all_scopes for k in kinds)]}
@@ -177,12 +179,17 @@ def _base_scores(base: LoadedModel, ids: torch.Tensor, answer: torch.Tensor, cap
                  kinds: list[str], positions: dict) -> dict:
     """``(correct, prob)`` of the base, plain and with each (scope, kind) patched from the donor's ``captured``."""
     out = {}
+    # Patched runs resume at their scope's first layer from the plain run's residual (exact: nothing
+    # earlier is patched), skipping the blocks before it.
+    first = {scope: min(h.layer for h, _ in pairs) for scope, pairs in all_scopes.items()}
     with torch.no_grad():
-        out["base"] = _score(run(base, ids).logits, answer)
+        plain = run(base, ids, capture=[("resid", layer - 1) for layer in sorted(set(first.values()) - {0})])
+        out["base"] = _score(plain.logits, answer)
         for scope, pairs in all_scopes.items():
+            resume = Resume(first[scope], plain.captured[("resid", first[scope] - 1)]) if first[scope] else None
             for kind in kinds:
                 patches = cmap_patches(base, pairs, kind, captured, positions, ids.shape[1])
-                out[(scope, kind)] = _score(run(base, ids, patches).logits, answer)
+                out[(scope, kind)] = _score(run(base, ids, patches, resume=resume).logits, answer)
     return out
 
 

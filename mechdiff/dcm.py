@@ -42,7 +42,7 @@ from .circuits.circuit import Circuit
 from .components import Head
 from .evaluate import batches
 from .models.loading import LoadedModel
-from .patching.core import Patch, run
+from .patching.core import Patch, Resume, run
 from .stats import Estimate, bootstrap
 from .tasks.entity_tracking import (
     CounterfactualPair,
@@ -87,6 +87,7 @@ class DCMConfig:
     epochs: int = 2
     batch_size: int = 16  # pairs per optimiser step (gradient accumulated over micro-batches)
     micro_batch: int = 16  # pairs per forward/backward pass (bounds memory)
+    eval_batch: int = 32  # pairs per forward pass when evaluating (no gradients)
     eval_every: int = 5  # optimiser steps between validation passes
     split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # train / validation / test fractions
     init: float = 1.0  # initial mask value (1 = nothing patched); hard-concrete gates start at least half open
@@ -101,8 +102,8 @@ class DCMConfig:
             raise ValueError(f"random_pool must be 'group' or 'all', got {self.random_pool!r}")
         if len(self.split) != 3 or min(self.split) <= 0 or abs(sum(self.split) - 1) > 1e-6:
             raise ValueError(f"split must be three positive fractions summing to 1, got {self.split}")
-        if self.micro_batch < 1 or self.batch_size < 1:
-            raise ValueError("batch_size and micro_batch must be at least 1")
+        if min(self.micro_batch, self.batch_size, self.eval_batch) < 1:
+            raise ValueError("batch_size, micro_batch and eval_batch must be at least 1")
 
 
 @dataclass
@@ -142,19 +143,24 @@ class DCMResult:
 # ---------------------------------------------------------------------------------------------
 
 
+def split_indices(n: int, fractions: Sequence[float], seed: int) -> tuple[list[int], list[int], list[int]]:
+    """Seeded shuffle of ``range(n)`` into train / validation / test indices (each non-empty)."""
+    if n < 3:
+        raise ValueError(f"DCM needs at least 3 pairs (train/validation/test), got {n}")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_train = max(1, int(round(fractions[0] * n)))
+    n_val = max(1, int(round(fractions[1] * n)))
+    n_train = min(n_train, n - 2)
+    n_val = min(n_val, n - n_train - 1)
+    return order[:n_train], order[n_train:n_train + n_val], order[n_train + n_val:]
+
+
 def split_pairs(pairs: Sequence[CounterfactualPair], fractions: Sequence[float], seed: int
                 ) -> tuple[list, list, list]:
     """Seeded shuffle of ``pairs`` into train / validation / test (each non-empty)."""
-    if len(pairs) < 3:
-        raise ValueError(f"DCM needs at least 3 pairs (train/validation/test), got {len(pairs)}")
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    n_train = max(1, int(round(fractions[0] * len(pairs))))
-    n_val = max(1, int(round(fractions[1] * len(pairs))))
-    n_train = min(n_train, len(pairs) - 2)
-    n_val = min(n_val, len(pairs) - n_train - 1)
-    idx = [order[:n_train], order[n_train:n_train + n_val], order[n_train + n_val:]]
-    return tuple([pairs[i] for i in part] for part in idx)  # type: ignore[return-value]
+    parts = split_indices(len(pairs), fractions, seed)
+    return tuple([pairs[i] for i in part] for part in parts)  # type: ignore[return-value]
 
 
 def _positions(batch: dict, name: str, which: str) -> torch.Tensor:
@@ -189,23 +195,80 @@ def masked_z_patches(model: LoadedModel, heads: Sequence[Head], mask: torch.Tens
             for layer in sorted({h.layer for h in heads})]
 
 
+@dataclass
+class PairCache:
+    """What every DCM run on one list of pairs shares, computed in one pass over them.
+
+    Per pair: the source run's z at each ``(layer, position)`` a group patches; the base run's
+    residual stream entering each group's first layer, so that patched runs resume there and
+    skip the blocks before (:class:`~mechdiff.patching.core.Resume`; exact, since nothing
+    before that layer is patched); and whether the unpatched base already gives the target
+    (the floor). Training, validation, test and the random baseline all read from it.
+    """
+
+    pairs: list[CounterfactualPair]
+    source: dict[tuple[int, str], torch.Tensor]  # (layer, position) -> "pair (head d_head)"
+    prefix: dict[int, torch.Tensor]  # layer -> "pair pos d_model": the residual entering that layer
+    floor: np.ndarray  # bool per pair: target is the unpatched base's top-1
+
+    @classmethod
+    def build(cls, model: LoadedModel, pairs: Sequence[CounterfactualPair],
+              groups: Iterable[tuple[Sequence[Head], str]], batch_size: int = 32,
+              progress: bool = False) -> "PairCache":
+        """Two forward passes per pair (source and base) for every ``(heads, position)`` in ``groups``."""
+        pairs = list(pairs)
+        sites = sorted({(h.layer, pos) for heads, pos in groups for h in heads})
+        starts = sorted({min(h.layer for h in heads) for heads, _ in groups if heads} - {0})
+        source: dict = {site: [] for site in sites}
+        prefix: dict = {layer: [] for layer in starts}
+        floor = []
+        for rows in tqdm(batches(len(pairs), batch_size), desc="dcm cache", disable=not progress, leave=False):
+            batch = pair_batch_tensors(pairs[rows])
+            for position in sorted({pos for _, pos in sites}):
+                layers = [layer for layer, pos in sites if pos == position]
+                for layer, z in source_z(model, batch, layers, position).items():
+                    source[(layer, position)].append(z.cpu())
+            with torch.no_grad():
+                out = run(model, batch["base"]["input_ids"], capture=[("resid", layer - 1) for layer in starts])
+            for layer in starts:
+                prefix[layer].append(out.captured[("resid", layer - 1)].detach().cpu())
+            floor.append((out.logits.argmax(-1).cpu() == batch["target_ids"]).numpy())
+        return cls(pairs, {k: torch.cat(v) for k, v in source.items()}, {k: torch.cat(v) for k, v in prefix.items()},
+                   np.concatenate(floor) if floor else np.zeros(0, dtype=bool))
+
+    def logits(self, model: LoadedModel, rows: Sequence[int], heads: Sequence[Head], mask: torch.Tensor,
+               position: str, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits at the last token, target ids) of pairs ``rows`` with ``heads`` mixed under ``mask``."""
+        batch = pair_batch_tensors([self.pairs[i] for i in rows])
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        values = {h.layer: self.source[(h.layer, position)][index] for h in heads}
+        patches = masked_z_patches(model, heads, mask, values, _positions(batch, position, "base"))
+        first = min(h.layer for h in heads)
+        start = max((layer for layer in self.prefix if layer <= first), default=0)
+        resume = Resume(start, self.prefix[start][index]) if start else None
+        out = run(model, batch["base"]["input_ids"], patches, grad=grad, resume=resume)
+        return out.logits, batch["target_ids"].to(out.logits.device)
+
+    def accuracy(self, model: LoadedModel, rows: Sequence[int], patched: Sequence[Head], position: str,
+                 batch_size: int = 32, progress: bool = False) -> np.ndarray:
+        """Per-pair correctness (top-1 == target) of pairs ``rows`` with ``patched`` heads' z from the source."""
+        rows, patched = list(rows), list(patched)
+        if not patched:
+            return self.floor[rows]
+        mask = torch.zeros(len(patched), device=model.device)
+        correct = []
+        for chunk in tqdm(batches(len(rows), batch_size), desc="dcm eval", disable=not progress, leave=False):
+            with torch.no_grad():
+                logits, target = self.logits(model, rows[chunk], patched, mask, position)
+            correct.append((logits.argmax(-1) == target).cpu().numpy())
+        return np.concatenate(correct)
+
+
 def target_accuracy(model: LoadedModel, pairs: Sequence[CounterfactualPair], patched: Sequence[Head],
                     position: str, batch_size: int = 32, progress: bool = False) -> np.ndarray:
     """Per-pair correctness (top-1 == target) with ``patched`` heads' z taken from the source at ``position``."""
-    correct = []
-    patched = list(patched)
-    layers = sorted({h.layer for h in patched})
-    for rows in tqdm(batches(len(pairs), batch_size), desc="dcm eval", disable=not progress, leave=False):
-        batch = pair_batch_tensors(pairs[rows])
-        patches: list[Patch] = []
-        if patched:
-            values = source_z(model, batch, layers, position)
-            mask = torch.zeros(len(patched), device=model.device)
-            patches = masked_z_patches(model, patched, mask, values, _positions(batch, position, "base"))
-        with torch.no_grad():
-            out = run(model, batch["base"]["input_ids"], patches)
-        correct.append((out.logits.argmax(-1).cpu() == batch["target_ids"]).numpy())
-    return np.concatenate(correct)
+    cache = PairCache.build(model, pairs, [(list(patched), position)], batch_size, progress)
+    return cache.accuracy(model, range(len(pairs)), patched, position, batch_size, progress)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,13 +321,13 @@ class _Mask:
 # ---------------------------------------------------------------------------------------------
 
 
-def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, train: Sequence[CounterfactualPair],
-               val: Sequence[CounterfactualPair], config: DCMConfig, progress: bool = True
+def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, cache: PairCache,
+               train: Sequence[int], val: Sequence[int], config: DCMConfig, progress: bool = True
                ) -> tuple[torch.Tensor, int, list[dict]]:
-    """Learn the mask; returns (mask at the best validation step, that step, history)."""
+    """Learn the mask on pairs ``train`` of ``cache``, validating on ``val``; returns (mask at the best
+    validation step, that step, history)."""
     torch.manual_seed(config.seed)
     heads = list(heads)
-    layers = sorted({h.layer for h in heads})
     mask = _Mask(len(heads), config, model.device)
     optimiser = torch.optim.Adam([mask.param], lr=config.lr)
     rng = random.Random(config.seed)
@@ -276,7 +339,7 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, train: 
         nonlocal best
         values = mask.values()
         chosen = [h for h, m in zip(heads, values.tolist()) if m < 0.5]
-        acc = float(target_accuracy(model, val, chosen, position, config.micro_batch).mean())
+        acc = float(cache.accuracy(model, val, chosen, position, config.eval_batch).mean())
         history.append({"step": step, "loss": loss, "val_accuracy": acc, "n_selected": len(chosen)})
         if (acc, -len(chosen)) > best[:2]:
             best = (acc, -len(chosen), step, values)
@@ -285,10 +348,10 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, train: 
     bar = tqdm(total=config.epochs * steps_per_epoch, desc=f"dcm {position}", disable=not progress, leave=False)
     step = 0
     for _ in range(config.epochs):
-        order = list(range(len(train)))
+        order = list(train)
         rng.shuffle(order)
         for chunk in batches(len(order), config.batch_size):
-            loss = _step(model, heads, layers, position, [train[i] for i in order[chunk]], mask, optimiser, config)
+            loss = _step(model, heads, position, cache, order[chunk], mask, optimiser, config)
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
@@ -298,20 +361,14 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, train: 
     return best[3], best[2], history
 
 
-def _step(model: LoadedModel, heads: list[Head], layers: list[int], position: str,
-          pairs: list[CounterfactualPair], mask: _Mask, optimiser: torch.optim.Optimizer, config: DCMConfig) -> float:
-    """One optimiser step over ``pairs``, accumulating gradients over micro-batches."""
+def _step(model: LoadedModel, heads: list[Head], position: str, cache: PairCache, rows: list[int],
+          mask: _Mask, optimiser: torch.optim.Optimizer, config: DCMConfig) -> float:
+    """One optimiser step over pairs ``rows``, accumulating gradients over micro-batches."""
     optimiser.zero_grad()
     total = 0.0
-    for rows in batches(len(pairs), config.micro_batch):
-        batch = pair_batch_tensors(pairs[rows])
-        values = source_z(model, batch, layers, position)
-        m = mask.sample()
-        patches = masked_z_patches(model, heads, m, values, _positions(batch, position, "base"))
-        out = run(model, batch["base"]["input_ids"], patches, grad=True)
-        target = batch["target_ids"].to(out.logits.device)
-        logit = out.logits.float().gather(1, target[:, None])[:, 0]
-        loss = -logit.sum() / len(pairs)
+    for chunk in batches(len(rows), config.micro_batch):
+        logits, target = cache.logits(model, rows[chunk], heads, mask.sample(), position, grad=True)
+        loss = -logits.float().gather(1, target[:, None])[:, 0].sum() / len(rows)
         loss.backward()
         total += loss.item()
     penalty = config.lam * mask.penalty()
@@ -323,27 +380,29 @@ def _step(model: LoadedModel, heads: list[Head], layers: list[int], position: st
 
 def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Sequence[CounterfactualPair],
             config: Optional[DCMConfig] = None, desideratum: str = "custom", group: str = "",
-            progress: bool = True) -> DCMResult:
+            progress: bool = True, cache: Optional[PairCache] = None) -> DCMResult:
     """Learn a DCM mask over ``heads`` at ``position`` for a desideratum's ``pairs`` and evaluate it on a
-    held-out test split against the no-intervention floor, the whole group and random head sets."""
+    held-out test split against the no-intervention floor, the whole group and random head sets.
+    ``cache``: a :class:`PairCache` of ``pairs`` covering these heads (built here if absent)."""
     config = config or DCMConfig()
     heads = list(heads)
     if not heads:
         raise ValueError("DCM needs at least one head")
-    train, val, test = split_pairs(list(pairs), config.split, config.seed)
-    values, best_step, history = train_mask(model, heads, position, train, val, config, progress)
+    if cache is None:
+        cache = PairCache.build(model, pairs, [(heads, position)], config.eval_batch, progress)
+    train, val, test = split_indices(len(cache.pairs), config.split, config.seed)
+    values, best_step, history = train_mask(model, heads, position, cache, train, val, config, progress)
     selected = [h for h, m in zip(heads, values.tolist()) if m < 0.5]
-    bs = config.micro_batch
-    acc = target_accuracy(model, test, selected, position, bs)
-    floor = target_accuracy(model, test, [], position, bs)
-    full = target_accuracy(model, test, heads, position, bs)
-    random_est = _random_baseline(model, test, heads, len(selected), position, config)
+    bs = config.eval_batch
+    acc = cache.accuracy(model, test, selected, position, bs)
+    full = cache.accuracy(model, test, heads, position, bs)
+    random_est = _random_baseline(model, cache, test, heads, len(selected), position, config)
     return DCMResult(desideratum, position, heads, [round(float(v), 4) for v in values.tolist()], selected,
-                     bootstrap(acc), bootstrap(floor), bootstrap(full), random_est,
+                     bootstrap(acc), bootstrap(cache.floor[test]), bootstrap(full), random_est,
                      (len(train), len(val), len(test)), best_step, history, group, asdict(config))
 
 
-def _random_baseline(model: LoadedModel, test: Sequence[CounterfactualPair], heads: list[Head], k: int,
+def _random_baseline(model: LoadedModel, cache: PairCache, test: Sequence[int], heads: list[Head], k: int,
                      position: str, config: DCMConfig) -> Optional[Estimate]:
     """Target accuracy of random head sets of size ``k`` (pooled over ``n_random`` draws)."""
     if k == 0 or config.n_random < 1:
@@ -354,7 +413,7 @@ def _random_baseline(model: LoadedModel, test: Sequence[CounterfactualPair], hea
         shape = model.shape
         pool = [Head(l, h) for l in range(shape.n_layers) for h in range(shape.n_heads)]
     rng = random.Random(config.seed + 1)
-    draws = [target_accuracy(model, test, rng.sample(pool, k), position, config.micro_batch)
+    draws = [cache.accuracy(model, test, rng.sample(pool, k), position, config.eval_batch)
              for _ in range(config.n_random)]
     return bootstrap(np.concatenate(draws))
 
@@ -362,18 +421,25 @@ def _random_baseline(model: LoadedModel, test: Sequence[CounterfactualPair], hea
 def dcm_circuit(model: LoadedModel, circuit: Circuit, desiderata: dict[str, Sequence[CounterfactualPair]],
                 config: Optional[DCMConfig] = None, groups: Optional[Iterable[str]] = None,
                 progress: bool = True) -> list[DCMResult]:
-    """DCM for every (group, desideratum) of a circuit; each group at its own position."""
+    """DCM for every (group, desideratum) of a circuit; each group at its own position. One
+    :class:`PairCache` per desideratum serves every group."""
+    config = config or DCMConfig()
     results = []
     wanted = list(groups) if groups is not None else list(circuit.groups)
     for g in wanted:
         if g not in circuit.groups:
             raise ValueError(f"group {g!r} is not in the circuit (groups: {sorted(circuit.groups)})")
-    for g in wanted:
-        for name, pairs in desiderata.items():
+    wanted = [g for g in wanted if circuit.groups[g]]
+    for name, pairs in desiderata.items():
+        cache = PairCache.build(model, pairs, [(circuit.groups[g], circuit.positions[g]) for g in wanted],
+                                config.eval_batch, progress)
+        for g in wanted:
             log.info("DCM group %s (%d heads at %s), desideratum %s", g, len(circuit.groups[g]),
                      circuit.positions[g], name)
-            results.append(run_dcm(model, circuit.groups[g], circuit.positions[g], pairs, config, name, g, progress))
-    return results
+            results.append(run_dcm(model, circuit.groups[g], circuit.positions[g], pairs, config, name, g,
+                                   progress, cache))
+    order = {g: i for i, g in enumerate(wanted)}
+    return sorted(results, key=lambda r: order[r.group])  # grouped as before: per group, each desideratum
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,7 +467,7 @@ def semantic_patching(models: Iterable[LoadedModel], heads: Sequence[Head], posi
         raise ValueError("semantic patching needs at least one head (the DCM selection was empty)")
     out = []
     for model in models:
-        acc = target_accuracy(model, pairs, heads, position, batch_size, progress=True)
-        floor = target_accuracy(model, pairs, [], position, batch_size)
-        out.append(SemanticResult(model.name, bootstrap(acc), bootstrap(floor)))
+        cache = PairCache.build(model, pairs, [(list(heads), position)], batch_size)
+        acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress=True)
+        out.append(SemanticResult(model.name, bootstrap(acc), bootstrap(cache.floor)))
     return out

@@ -196,3 +196,24 @@ def test_dcm_circuit_rejects_unknown_group(tiny_llama, pairs):
     circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0)]}, {"A": "last"})
     with pytest.raises(ValueError, match="not in the circuit"):
         dcm_circuit(tiny_llama, circuit, {"object": pairs}, groups=["B"])
+
+
+def test_pair_cache_matches_uncached_patching(tiny_llama, pairs):
+    """The cache's resumed, precomputed-source evaluation equals patching the heads in a plain run,
+    and its floor is the unpatched base's accuracy."""
+    from mechdiff.dcm import PairCache
+
+    subset = pairs[:10]
+    heads = [Head(1, 0), Head(2, 3)]
+    cache = PairCache.build(tiny_llama, subset, [(heads, "last")], batch_size=4)
+    assert set(cache.prefix) == {1}
+    batch = pair_batch_tensors(subset)
+    values = source_z(tiny_llama, batch, [1, 2], "last")
+    plain = run(tiny_llama, batch["base"]["input_ids"],
+                masked_z_patches(tiny_llama, heads, torch.zeros(2), values, batch["base"]["positions"]["last"]))
+    logits, target = cache.logits(tiny_llama, range(10), heads, torch.zeros(2), "last")
+    torch.testing.assert_close(logits, plain.logits, rtol=1e-5, atol=1e-6)
+    assert (cache.accuracy(tiny_llama, range(10), heads, "last", 3) ==
+            (plain.logits.argmax(-1) == batch["target_ids"]).numpy()).all()
+    unpatched = run(tiny_llama, batch["base"]["input_ids"]).logits.argmax(-1) == batch["target_ids"]
+    assert (cache.floor == unpatched.numpy()).all()

@@ -74,3 +74,24 @@ def test_metrics():
     assert accuracy(logits, answers).tolist() == [1.0, 0.0]
     assert kl_divergence(logits, logits).abs().max() < 1e-6
     assert (kl_divergence(logits, logits.flip(-1)) > 0).all()
+
+
+def test_resume_skips_early_blocks_exactly(tiny_model, pair_batch):
+    """Resuming at block 2 from the captured residual after block 1 gives the same patched logits,
+    gradients still reach a mask, and a site before the resumed block is refused."""
+    from mechdiff.patching.core import Patch, Resume
+
+    ids = pair_batch["base"]["input_ids"]
+    src = run(tiny_model, pair_batch["source"]["input_ids"], capture=[("z", 2)]).captured[("z", 2)]
+    patch = [Patch("z", 2, src)]
+    hidden = run(tiny_model, ids, capture=[("resid", 1)]).captured[("resid", 1)]
+    full = run(tiny_model, ids, patch).logits
+    resumed = run(tiny_model, ids, patch, resume=Resume(2, hidden)).logits
+    torch.testing.assert_close(resumed, full, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(full, run(tiny_model, ids).logits)  # the patch matters
+    mask = torch.full((1,), 0.5, requires_grad=True)
+    out = run(tiny_model, ids, [Patch("z", 2, src, mask=mask)], grad=True, resume=Resume(2, hidden))
+    out.logits.sum().backward()
+    assert mask.grad is not None and mask.grad.abs().item() > 0
+    with pytest.raises(ValueError, match="before the resumed layer"):
+        run(tiny_model, ids, [Patch("z", 1, src)], resume=Resume(2, hidden))

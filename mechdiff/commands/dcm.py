@@ -31,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16, help="pairs per optimiser step")
     p.add_argument("--micro-batch", type=int, default=16, help="pairs per forward/backward pass (memory)")
+    p.add_argument("--eval-batch", type=int, default=32, help="pairs per forward pass when evaluating")
     p.add_argument("--eval-every", type=int, default=5, help="optimiser steps between validation passes")
     p.add_argument("--n-random", type=int, default=5, help="random head sets for the baseline")
     p.add_argument("--random-pool", default="group", choices=["group", "all"])
@@ -81,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
     circuit.validate(model.shape.n_layers, model.shape.n_heads)
     config = DCMConfig(parameterisation=args.parameterisation, lam=args.lam, lr=args.lr, epochs=args.epochs,
                        batch_size=args.batch_size, micro_batch=args.micro_batch, eval_every=args.eval_every,
+                       eval_batch=args.eval_batch,
                        n_random=args.n_random, random_pool=args.random_pool, seed=args.seed)
     desiderata = load_desiderata(args.desiderata, model.tokenizer, args.n, args.n_boxes, args.seed)
     groups = args.groups.split(",") if args.groups else None
@@ -99,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
     summary = {"model": model.name, "fingerprint": model.fingerprint, "circuit": args.circuit,
                "n_boxes": args.n_boxes, "results": [r.to_dict() for r in results]}
     if others:
-        summary["semantic"] = _semantic(models, results, desiderata, config, args.micro_batch, out)
+        summary["semantic"] = _semantic(models, results, desiderata, config, args.eval_batch, out)
     write_json(out / "dcm.json", summary)
     return 0
 

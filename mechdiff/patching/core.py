@@ -18,8 +18,9 @@ import torch
 from ..components import Head
 from ..models.loading import LoadedModel
 
-SITE_ORDER = {"emb": -1, "q": 0, "k": 1, "v": 2, "z": 3, "pattern": 4}
+SITE_ORDER = {"emb": -1, "q": 0, "k": 1, "v": 2, "z": 3, "pattern": 4, "resid": 5}
 EMB_LAYER = -1  # the ("emb", -1) site: the token embedding output "batch pos d_model", before every layer
+# ("resid", L): the residual stream after block L ("batch pos d_model"), what :class:`Resume` starts from.
 
 
 @dataclass
@@ -67,6 +68,17 @@ class Patch:
 
 
 @dataclass
+class Resume:
+    """Start a run at block ``layer``: blocks ``0 .. layer-1`` are skipped (nnsight ``skip``) and the
+    residual stream entering ``layer`` is ``hidden`` (``"batch pos d_model"``, e.g. a captured
+    ``("resid", layer - 1)`` of the same prompts). Exact when nothing before ``layer`` is patched;
+    it saves the cost of the skipped blocks (DCM and CMAP patch only late layers, many times)."""
+
+    layer: int
+    hidden: torch.Tensor
+
+
+@dataclass
 class Run:
     """What one patched forward pass returned: logits at the read-out positions and captured sites."""
 
@@ -89,6 +101,7 @@ def run(
     attention_mask: Optional[torch.Tensor] = None,
     grad: bool = False,
     stop: bool = False,
+    resume: Optional[Resume] = None,
 ) -> Run:
     """One forward pass of ``model`` on ``input_ids`` with ``patches`` written and ``capture`` saved.
 
@@ -96,11 +109,15 @@ def run(
     Captured tensors are cloned after this run's patches at that site. With ``grad=True``
     the captured tensors stay in the autograd graph (see the attribution screen).
     ``stop=True`` halts the model after the last patched/captured site (``logits`` is then ``None``).
+    ``resume`` skips the blocks before ``resume.layer`` (see :class:`Resume`).
     """
     by_site: dict[tuple[str, int], list[Patch]] = defaultdict(list)
     for p in patches:
         by_site[(p.kind, p.layer)].append(p)
     sites = sorted(set(by_site) | set(capture), key=lambda s: (s[1], SITE_ORDER[s[0]]))
+    if resume is not None and sites and sites[0][1] < resume.layer:
+        raise ValueError(f"site {sites[0]} lies before the resumed layer {resume.layer}; resume at or before "
+                         "the first patched or captured layer")
     arch, nn = model.arch, model.nn
     device = model.device
     input_ids = input_ids.to(device)
@@ -114,6 +131,10 @@ def run(
         out = None
         with model.trace(**kwargs) as tracer:  # on NDIF when the model is remote (see models.remote)
             fused_seen: dict[int, torch.Tensor] = {}
+            if resume is not None:
+                hidden = resume.hidden.to(device)
+                for layer in range(resume.layer):
+                    arch.block(nn, layer).skip(hidden)
             for kind, layer in sites:
                 site = _site(arch, nn, kind, layer, fused_seen)
                 for p in by_site.get((kind, layer), ()):
@@ -139,6 +160,8 @@ def _site(arch, nn, kind: str, layer: int, fused_seen: dict) -> torch.Tensor:
         from ..models.architectures import _get
 
         return _get(nn, arch.embed).output
+    if kind == "resid":
+        return arch.block(nn, layer).output
     if kind in ("q", "k", "v") and arch.qkv_layout != "separate":
         if layer not in fused_seen:
             fused_seen[layer] = arch.site(nn, kind, layer)
