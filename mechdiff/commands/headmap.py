@@ -76,6 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmp_.add_argument("--lora-small", type=int, default=1, help="rank of the LoRA near HeadMap's parameter count")
     cmp_.add_argument("--lora-large", type=int, default=8, help="rank of the larger LoRA")
     cmp_.add_argument("--transfer-n", type=int, default=None, help="samples for locating on the transfer task")
+    cmp_.add_argument("--train-only", action="store_true", help="stop after the training runs (no report)")
     cmp_.add_argument("--runs", default=",".join(RUNS), help=f"training runs, in order (of {','.join(RUNS)})")
     _locate_options(cmp_)
     _train_options(cmp_)
@@ -223,21 +224,21 @@ def main_compare(args: argparse.Namespace) -> int:
                                                      lambda: _locate_and_write(model, task, args, sub, n)))
         return located[task]
 
-    et_c = locate_on("entity-tracking", args.n)
     n_total = s.n_layers * s.n_heads
+    et_circuit = lambda: locate_on("entity-tracking", args.n)  # noqa: E731
+    et_heads = lambda: heads_by_layer(et_circuit().heads())  # noqa: E731
 
-    # 2. training runs on entity tracking
-    et_heads = heads_by_layer(et_c.heads())
-    per_layer = {layer: len(hs) for layer, hs in et_heads.items()}
+    # 2. training runs on entity tracking (layer-conditioned locating keeps k heads in every layer)
+    per_layer = {layer: args.k for layer in range(s.n_layers)}
     runs: dict[str, tuple[str, Callable[[], Any], int]] = {
         "base": ("base (no training)", lambda: None, 0),
-        "located": ("HeadMap (located)", lambda: et_heads, 0),
+        "located": ("HeadMap (located)", et_heads, 0),
         "random": ("HeadMap, random heads per layer", lambda: random_heads(s, per_layer, seed=1), 0),
         "lora-large": (f"LoRA r={args.lora_large} (q,k,v,o)", lambda: None, args.lora_large),
         "lora-small": (f"LoRA r={args.lora_small} (q,k,v,o)", lambda: None, args.lora_small),
         "outside": ("HeadMap, heads outside the located set",
-                    lambda: random_heads(s, per_layer, seed=2, exclude=et_c.heads()), 0),
-        "headmap+lora": (f"HeadMap + LoRA r={args.lora_small}", lambda: et_heads, args.lora_small),
+                    lambda: random_heads(s, per_layer, seed=2, exclude=et_circuit().heads()), 0),
+        "headmap+lora": (f"HeadMap + LoRA r={args.lora_small}", et_heads, args.lora_small),
         "transfer": (f"HeadMap, circuit located on {args.transfer_task}",
                      lambda: heads_by_layer(locate_on(args.transfer_task, args.transfer_n or args.n).heads()), 0),
     }
@@ -266,6 +267,11 @@ def main_compare(args: argparse.Namespace) -> int:
         if run_id == "base":
             key = {"model": args.model, "eval_n": cfg.eval_n, "eval_seed": cfg.eval_seed}
         results[name] = _stage(out, f"train-{run_id}", key, fn)
+
+    if args.train_only:
+        return 0
+    et_c = et_circuit()
+    et_heads = heads_by_layer(et_c.heads())
 
     # 3. figures of the located circuits, overlap with path-patching circuits
     curve_figure({t: c.meta for t, c in located.items()}, out / "figures" / "loss_curve.png")
