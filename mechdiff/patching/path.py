@@ -13,7 +13,10 @@ batch (a ratio of means: stable where one prompt's clean probability is tiny). W
 receivers (step A: senders -> logits) the frozen run's own logits are read.
 
 Freezing is applied from the earliest sender position on: positions before it cannot see
-the sender (causal attention), so they equal the clean run already. Senders are copies of the
+the sender (causal attention), so they equal the clean run already. Likewise the blocks below
+the lowest sender (frozen run) or receiver (receiver run) equal the clean run: both runs resume
+there from the clean residual stream (:class:`~mechdiff.patching.core.Resume`) instead of
+recomputing them. Senders are copies of the
 batch stacked along the batch dimension (``senders_per_pass`` at a time). Under grouped-query
 attention V (and K) belongs to a KV group: patching a receiver's V patches its whole group
 (all query heads that share it); :func:`receiver_sites` merges receivers of one group.
@@ -34,7 +37,7 @@ from ..models.loading import LoadedModel
 from ..models.remote import keep
 from ..tasks.entity_tracking import CounterfactualPair, pair_batch_tensors
 from .activation import answer_prob
-from .core import Patch, run
+from .core import Patch, Resume, run
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class PairBatch:
     clean_z: dict[int, torch.Tensor]  # layer -> "batch pos (head d_head)"
     source_z: dict[int, torch.Tensor]
     clean_logits: torch.Tensor  # "batch vocab" at the last token
+    clean_resid: Optional[dict[int, torch.Tensor]] = None  # layer -> "batch pos d_model" after that block (for Resume)
 
     @property
     def p_clean(self) -> torch.Tensor:
@@ -60,20 +64,22 @@ class PairBatch:
 
 
 def prepare(model: LoadedModel, pairs: Sequence[CounterfactualPair]) -> PairBatch:
-    """Run clean and counterfactual once, capturing every layer's ``z``."""
+    """Run clean and counterfactual once, capturing every layer's ``z`` (and the clean residual stream)."""
     tensors = pair_batch_tensors(pairs)
     layers = range(model.shape.n_layers)
     sites = [("z", layer) for layer in layers]
+    resid = [("resid", layer) for layer in range(model.shape.n_layers - 1)]
     clean_ids, source_ids = tensors["base"]["input_ids"], tensors["source"]["input_ids"]
     with torch.no_grad():
         with model.session():  # remote: both runs in one request
-            clean = run(model, clean_ids, capture=sites)
+            clean = run(model, clean_ids, capture=sites + resid)
             source = run(model, source_ids, capture=sites)
             clean_z = keep({l: clean.captured[("z", l)] for l in layers})
             source_z = keep({l: source.captured[("z", l)] for l in layers})
             clean_logits = keep(clean.logits)
+            clean_resid = keep({l: clean.captured[("resid", l)] for _, l in resid})
     return PairBatch(clean_ids, source_ids, tensors["target_ids"], tensors["base"]["positions"], clean_z, source_z,
-                     clean_logits)
+                     clean_logits, clean_resid)
 
 
 @dataclass(frozen=True)
@@ -147,21 +153,30 @@ def _patched_prob(model: LoadedModel, batch: PairBatch, senders: list[Head], sen
         raise ValueError(f"senders must lie below the deepest receiver layer {receivers.max_layer}")
     top = model.shape.n_layers if receivers is None else receivers.max_layer
     start = int(spos.min())
-    patches = [_frozen_patch(model, batch, senders, spos, layer, start) for layer in range(top)]
+    # The frozen run starts at the lowest sender, or lower where it must capture a receiver there.
+    first = min([h.layer for h in senders] + ([h.layer for h in receivers.heads] if receivers else []))
+    patches = [_frozen_patch(model, batch, senders, spos, layer, start) for layer in range(first, top)]
     ids = repeat(batch.clean_ids, "b p -> (s b) p", s=s)
     with torch.no_grad():
         if receivers is None:
-            logits = run(model, ids, patches).logits
+            logits = run(model, ids, patches, resume=_resume(batch, first, s)).logits
         else:
             sites = receiver_sites(model, receivers)
             rpos = repeat(_position(batch, receivers.position), "b -> (s b)", s=s)
             frozen = run(model, ids, patches, capture=[(receivers.kind, l) for l in sorted({l for l, _ in sites})],
-                         stop=True)
+                         stop=True, resume=_resume(batch, first, s))
             rows = torch.arange(n * s)
             writes = [Patch(receivers.kind, layer, frozen.captured[(receivers.kind, layer)][rows, rpos, cols],
                             rpos, cols) for layer, cols in sites]
-            logits = run(model, ids, writes).logits
+            logits = run(model, ids, writes, resume=_resume(batch, min(l for l, _ in sites), s)).logits
     return answer_prob(logits, repeat(batch.answer_ids, "b -> (s b)", s=s)).reshape(s, n)
+
+
+def _resume(batch: PairBatch, layer: int, copies: int) -> Optional[Resume]:
+    """Start at ``layer`` from the clean residual stream, repeated for ``copies`` stacked copies of the batch."""
+    if layer == 0 or not batch.clean_resid:
+        return None
+    return Resume(layer, repeat(batch.clean_resid[layer - 1], "b p d -> (s b) p d", s=copies))
 
 
 def _frozen_patch(model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor,
