@@ -304,10 +304,19 @@ def _jsonable(value: Any) -> Any:
     return sorted(value) if isinstance(value, (set, frozenset)) else value
 
 
+def _ends(path: Path, size: int, chunk: int = 8 << 20) -> bytes:
+    """A large file's size and its first and last ``chunk`` bytes (headers and tensors at both ends)."""
+    with open(path, "rb") as fh:
+        head = fh.read(chunk)
+        fh.seek(max(size - chunk, 0))
+        return f"{size}:".encode() + hashlib.sha256(head + fh.read(chunk)).digest()
+
+
 def spec_digest(spec: ModelSpec) -> str:
     """A cheap digest of where a checkpoint comes from, without loading it (keys stage caches).
 
-    Files are hashed when small (adapters, configs); large weight files by name, size and mtime.
+    Files are hashed when small (adapters, configs); large weight files by name, size and their
+    first and last 8 MiB, so that the digest is the same wherever the file is installed.
     """
     h = hashlib.sha256(json.dumps([spec.kind, spec.source, spec.revision, spec.gguf_file]).encode())
     src = Path(resolve_source(spec.source))
@@ -316,7 +325,7 @@ def spec_digest(spec: ModelSpec) -> str:
             if f.is_file():
                 stat = f.stat()
                 h.update(f.name.encode())
-                h.update(f.read_bytes() if stat.st_size < 64 << 20 else f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+                h.update(f.read_bytes() if stat.st_size < 64 << 20 else _ends(f, stat.st_size))
     if spec.kind == "lora":
         h.update(spec_digest(resolve_spec(spec.base)).encode())
     return h.hexdigest()[:16]
