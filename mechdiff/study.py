@@ -223,7 +223,7 @@ class Study:
             split = (c.n_train / n, c.n_val / n, c.n_test / n)
             config = DCMConfig(lam=c.lam, lr=c.lr, epochs=c.epochs, batch_size=c.batch_size, micro_batch=c.batch_size,
                                eval_batch=self.spec.eval.batch_size,
-                               eval_every=4, split=split, seed=t.seed)
+                               eval_every=4, split=split, seed=t.seed, random_pool=c.random_pool)
             desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, t.seed + 4, vocabulary=eval_objects())
                           for d in c.desiderata}
             groups = [g for g, heads in circuit.groups.items() if heads]

@@ -56,3 +56,13 @@ def test_spec_missing_field_and_unknown_section(tmp_path):
     p.write_text('[task]\nname = "entity-tracking"\n[models]\nbase = "a"\n[plots]\nx = 1\n')
     with pytest.raises(SpecError, match=":5: unknown section"):
         load_spec(p)
+
+
+def test_spec_bad_value_names_line_and_valid_values(tmp_path):
+    p = tmp_path / "t.toml"
+    p.write_text('[task]\nname = "entity-tracking"\n[models]\nbase = "a"\n[cmap]\nparts = ["z", "o"]\n')
+    with pytest.raises(SpecError, match=r":6: parts = \['z', 'o'\] in \[cmap\]; valid values: z, q, k, v, qk, qkv"):
+        load_spec(p)
+    p.write_text('[task]\nname = "entity-tracking"\n[models]\nbase = "a"\n[dcm]\nrandom_pool = "model"\n')
+    with pytest.raises(SpecError, match=":6: random_pool"):
+        load_spec(p)

@@ -65,6 +65,7 @@ class DcmSection:
     batch_size: int = 8  # pairs per optimiser step: 32 training pairs x 4 epochs = 16 mask updates
     lam: float = 0.01
     lr: float = 0.1
+    random_pool: str = "all"  # random baseline: heads of the selected count from "all" heads or the "group"
 
 
 @dataclass
@@ -95,6 +96,13 @@ SECTIONS = {
     "reproduce": ReproduceSection,
 }
 REQUIRED = {"task": ("name",), "models": ("base",)}
+#: Fields with a fixed set of values (lists: every item), checked with the line before anything loads.
+CHOICES = {
+    ("scoring", "prune_metric"): ("prob", "accuracy"),
+    ("dcm", "random_pool"): ("all", "group"),
+    ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value"),
+    ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
+}
 
 
 @dataclass
@@ -151,6 +159,11 @@ def load_spec(path: str | Path) -> RunSpec:
             if key not in valid:
                 raise SpecError(f"{path}:{_line(text, name, key)}: unknown key {key!r} in [{name}]; "
                                 f"valid keys: {', '.join(valid)}")
+            allowed = CHOICES.get((name, key))
+            items = values[key] if isinstance(values[key], list) else [values[key]]
+            if allowed and any(item not in allowed for item in items):
+                raise SpecError(f"{path}:{_line(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
+                                f"valid values: {', '.join(allowed)}")
         built[name] = cls(**values)
     if built["task"].name != "entity-tracking":
         raise SpecError(f"{path}: task {built['task'].name!r} is not supported; supported: entity-tracking")
