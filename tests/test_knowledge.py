@@ -198,3 +198,46 @@ def test_random_mask_and_evaluate(tiny, ids):
     curve = faithfulness_curve(tiny, g, [b], np.random.default_rng(0).normal(size=g.n_edges), sizes=(0.5, 1.0),
                                progress=False)
     assert curve["rows"][-1]["faithfulness"] == pytest.approx(1.0)
+
+
+def test_keep_first_position_is_never_ablated(tiny, ids):
+    g = Graph.from_shape(tiny.shape)
+    abl = Ablation("zero", keep_first=True)
+    answers = torch.tensor([5, 17, 300])
+
+    def metric(logits):
+        return answer_logprob(logits, answers).sum()
+
+    with torch.no_grad():
+        clean = edge_forward(tiny, g, ids, None, keep_outputs=True).outputs
+        empty = edge_forward(tiny, g, ids, np.zeros(g.n_edges, dtype=bool), abl, keep_outputs=True).outputs
+        full = edge_forward(tiny, g, ids, None, abl).logits
+    torch.testing.assert_close(empty[:, :, 0], clean[:, :, 0], atol=1e-5, rtol=1e-5)  # position 0 untouched
+    assert not torch.allclose(empty[:, :, 1:], clean[:, :, 1:])
+    torch.testing.assert_close(full, tiny.model(ids).logits[:, -1], atol=1e-5, rtol=1e-5)
+    scores = edge_gradients(tiny, g, ids, metric, ablation=abl)
+    with torch.no_grad():
+        base = float(metric(edge_forward(tiny, g, ids, None, abl).logits))
+        e = int(np.argmax(np.abs(scores)))
+        m = np.ones(g.n_edges, dtype=np.float32)
+        m[e] = 0.99
+        fd = (base - float(metric(edge_forward(tiny, g, ids, m, abl).logits))) / 0.01
+    assert fd == pytest.approx(scores[e], rel=0.05, abs=1e-3)
+
+
+def test_greedy_selection_grows_from_the_logits():
+    from mechdiff.knowledge.discovery import greedy_edges
+
+    g = Graph(2, 4, 2)
+    rng = np.random.default_rng(0)
+    scores = rng.normal(size=g.n_edges)
+    scores[g.edge_index["L0H2->L1H0.q"]] = 100.0  # strong, but L1H0 does not reach the logits yet
+    mask = greedy_edges(g, scores, 10, prune=False)
+    assert mask.sum() == 10
+    # every chosen edge's receiver feeds LOGITS or a node that an earlier chosen edge pulled in
+    kept = [g.edges[i] for i in np.flatnonzero(mask)]
+    senders = {e.split("->")[0] for e in kept}
+    for e in kept:
+        r = e.split("->")[1]
+        assert r == "LOGITS" or any(n in senders for n in g.receiver_node(r))
+    assert prune_dangling(g, mask).sum() <= 10

@@ -31,6 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "hours on 2 CPU cores: use it on small models)")
     p.add_argument("--ig-steps", type=int, default=None, help="EAP-IG interpolation steps (5)")
     p.add_argument("--ablation", default=None, choices=["zero", "mean"], help="what a removed edge carries (zero)")
+    p.add_argument("--keep-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="never ablate position 0, the attention sink (every edge kept there)")
+    p.add_argument("--selection", default=None, choices=["greedy", "topk"],
+                   help="greedy: grow the circuit from the logits by score (default); topk: highest scores")
+    p.add_argument("--signed", action=argparse.BooleanOptionalAction, default=None,
+                   help="rank edges by score (positive first) instead of |score|")
     p.add_argument("--tau", type=float, default=None, help="ACDC threshold on MatchNLL (paper: 0.02, 0.01, 0.005)")
     p.add_argument("--k", type=int, default=None, help="Hit@k (10)")
     p.add_argument("--target", type=float, default=None, help="circuit Hit@k >= target x full model's (0.7)")
@@ -58,6 +64,7 @@ def settings_from(args: argparse.Namespace) -> KnowledgeSettings:
                              f"{sorted(KnowledgeSettings.__dataclass_fields__)} and models")
     flags = {"relation": args.relation if args.relation != "country_language" or "relation" not in values else None,
              "template": args.template, "method": args.method, "ig_steps": args.ig_steps, "ablation": args.ablation,
+             "keep_first": args.keep_first, "selection": args.selection, "signed": args.signed,
              "tau": args.tau, "k": args.k, "target": args.target, "n_random": args.n_random,
              "max_facts": args.max_facts, "batch_size": args.batch_size, "seed": args.seed,
              "sizes": _fractions(args.sizes) if args.sizes else None}

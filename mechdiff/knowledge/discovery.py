@@ -64,6 +64,49 @@ def top_edges(graph: Graph, scores: np.ndarray, k: int, prune: bool = True, sign
     return prune_dangling(graph, mask) if prune else mask
 
 
+def greedy_edges(graph: Graph, scores: np.ndarray, k: int, signed: bool = False, prune: bool = True) -> np.ndarray:
+    """Grow a connected circuit from ``LOGITS`` backwards: repeatedly add the best-scoring edge whose
+    receiver feeds a node already in the circuit (Hanna et al. 2024's greedy selection, as in MIB).
+
+    Every edge then leads to the logits; edges from senders that end up without inputs are pruned
+    (``prune``).
+    """
+    import heapq
+
+    key = scores if signed else np.abs(scores)
+    recv_of_node: dict[str, list[int]] = {}
+    for ri, r in enumerate(graph.receivers):
+        for n in graph.receiver_node(r):
+            recv_of_node.setdefault(n, []).append(ri)
+    blocks = []  # receiver index -> (offset, n_senders)
+    for _, _, off, r, s in graph.blocks:
+        blocks += [(off + i * s, s) for i in range(r)]
+    heap: list = []
+    opened: set[int] = set()
+
+    def open_node(node: str) -> None:
+        for ri in recv_of_node.get(node, ()):
+            if ri not in opened:
+                opened.add(ri)
+                off, s = blocks[ri]
+                for e in range(off, off + s):
+                    heapq.heappush(heap, (-key[e], e))
+
+    mask = np.zeros(graph.n_edges, dtype=bool)
+    in_circuit = {"LOGITS"}
+    open_node("LOGITS")
+    n = 0
+    while heap and n < k:
+        _, e = heapq.heappop(heap)
+        mask[e] = True
+        n += 1
+        sender = graph.senders[graph.edge_sender[e]]
+        if sender not in in_circuit and sender != "EMB":
+            in_circuit.add(sender)
+            open_node(sender)
+    return prune_dangling(graph, mask) if prune else mask
+
+
 def match_nll(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], mask: np.ndarray,
               ablation: Ablation) -> float:
     """Mean negative log-probability of the answers with only ``mask``'s edges (MatchNLL)."""

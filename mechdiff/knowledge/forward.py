@@ -69,6 +69,7 @@ class Ablation:
 
     kind: str = "zero"
     means: Optional[torch.Tensor] = None  # "sender 2 d_model"
+    keep_first: bool = False  # position 0 (the attention sink) is never ablated: every edge kept there
 
     def values(self, n_pos: int) -> Optional[torch.Tensor]:
         """``"sender 1 pos d_model"`` ablated values for prompts of ``n_pos`` tokens (None for zero)."""
@@ -166,6 +167,8 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
         if abl is not None:  # + sum_s abl_s - sum_s m_rs abl_s
             fix = abl_cum[n_send - 1].view(1, -1) - block @ abl[:n_send].view(n_send, -1)
             x = x + fix.view(n_recv, 1, *buf.shape[2:])
+        if ablation.keep_first:  # position 0 reads the whole residual stream (it only sees itself: clean)
+            x[:, :, 0] = buf[:n_send, :, 0].sum(0)
         return x
 
     def add_sender(a: torch.Tensor) -> None:
@@ -174,10 +177,15 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
         if not grad_mode:
             buf[s] = a
         if grad_mode:
-            ab = abl[s] if abl is not None else None
-            delta = a - ab if ab is not None else a
-            _deltas.append(delta.detach())
-            contrib = _grad_alpha * a + ((1 - _grad_alpha) * ab if ab is not None else 0)
+            ab = abl[s] if abl is not None else torch.zeros_like(a[:1])
+            w = torch.full((1, n_pos, 1), _grad_alpha, device=a.device, dtype=a.dtype)
+            if ablation.keep_first:  # masks do not act at position 0
+                w[:, 0] = 1.0
+            live = torch.ones((1, n_pos, 1), device=a.device, dtype=a.dtype)
+            if ablation.keep_first:
+                live[:, 0] = 0.0
+            _deltas.append(((a - ab) * live).detach())
+            contrib = w * a + (1 - w) * ab
             acc[0] = contrib if acc[0] is None else acc[0] + contrib
 
     acc: list = [None]

@@ -1,8 +1,9 @@
 """The knowledge-circuit study of one relation on one or more checkpoints.
 
 For each model: keep the facts it gets right by Hit@k (the paper's sampling); score every edge
-(EAP-IG by default, or run ACDC); choose the circuit as the smallest top-|score| circuit (dangling
-edges pruned) among ``sizes`` whose Hit@k reaches ``target`` x the full model's; compare with
+(EAP-IG by default, or run ACDC); choose the circuit as the smallest circuit among ``sizes``
+(greedy growth from the logits by score, or top scores; dangling edges pruned) whose Hit@k
+reaches ``target`` x the full model's; compare with
 random circuits of the same edge count; the MIB-style faithfulness curve with CPR and CMD;
 logit lens and head roles; figures and tables. With two or more models the facts are those every
 model gets right, and the circuits are compared (edge and node overlap, persisting heads).
@@ -26,7 +27,7 @@ from ..stats import bootstrap
 from . import figures
 from .analysis import attention_mass, head_roles, logit_lens
 from .data import Fact, Relation, batches, build_facts
-from .discovery import acdc, attribution_scores, top_edges
+from .discovery import acdc, attribution_scores, greedy_edges, top_edges
 from .evaluate import SIZES, evaluate, faithfulness_curve, random_mask
 from .forward import Ablation, check_supported, mean_ablation
 from .graph import EdgeCircuit, Graph
@@ -41,6 +42,7 @@ class KnowledgeSettings:
     method: str = "eap-ig"  # eap | eap-ig | acdc
     ig_steps: int = 5
     ablation: str = "zero"  # zero | mean
+    keep_first: bool = False  # never ablate position 0 (the attention sink)
     k: int = 10  # Hit@k
     target: float = 0.7  # circuit Hit@k >= target * full model's
     sizes: tuple = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)  # candidate circuit sizes (fraction of edges)
@@ -51,6 +53,7 @@ class KnowledgeSettings:
     max_facts: int = 0  # 0: every fact of the relation
     batch_size: int = 32
     signed: bool = False  # rank edges by score instead of |score|
+    selection: str = "greedy"  # greedy (grow from the logits) | topk (top edges, dangling ones pruned)
     seed: int = 0
     max_graph_edges: int = 200  # edges drawn in the circuit figure
 
@@ -77,6 +80,7 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
     timings: dict[str, float] = {}
     t = time.time()
     ablation = mean_ablation(model, graph, bs) if settings.ablation == "mean" else Ablation()
+    ablation.keep_first = settings.keep_first
     timings["ablation"] = time.time() - t
 
     t = time.time()
@@ -99,8 +103,8 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
         sweep = []
         chosen = None
         for frac in settings.sizes:
-            mask = top_edges(graph, scores, max(1, int(round(frac * graph.n_edges))), prune=True,
-                             signed=settings.signed)
+            select = greedy_edges if settings.selection == "greedy" else top_edges
+            mask = select(graph, scores, max(1, int(round(frac * graph.n_edges))), prune=True, signed=settings.signed)
             if not mask.any():
                 log.info("size %s: no edge left after pruning dangling edges", frac)
                 continue
