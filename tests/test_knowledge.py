@@ -241,3 +241,32 @@ def test_greedy_selection_grows_from_the_logits():
         r = e.split("->")[1]
         assert r == "LOGITS" or any(n in senders for n in g.receiver_node(r))
     assert prune_dangling(g, mask).sum() <= 10
+
+
+def test_gradient_at_a_partial_circuit_and_iterative_pruning(tiny, ids):
+    from mechdiff.knowledge.discovery import iterative_pruning
+
+    g = Graph.from_shape(tiny.shape)
+    answers = torch.tensor([5, 17, 300])
+
+    def metric(logits):
+        return answer_logprob(logits, answers).sum()
+
+    mask = random_mask(g, g.n_edges // 2, seed=0)
+    scores = edge_gradients(tiny, g, ids, metric, mask=mask)
+    with torch.no_grad():
+        base = float(metric(edge_forward(tiny, g, ids, mask).logits))
+        # kept edges (an edge at 0 can feed a receiver whose input is near 0, where RMSNorm is very curved)
+        kept = np.flatnonzero(mask)
+        for e in kept[np.argsort(-np.abs(scores[kept]))[:3]]:
+            hi, lo = mask.astype(np.float32), mask.astype(np.float32)
+            hi[e] += 0.01
+            lo[e] -= 0.01
+            fd = (float(metric(edge_forward(tiny, g, ids, hi).logits))
+                  - float(metric(edge_forward(tiny, g, ids, lo).logits))) / 0.02
+            assert fd == pytest.approx(scores[e], rel=0.05, abs=1e-3)
+    b = type("B", (), {"ids": ids, "answers": answers, "__len__": lambda self: 3})()
+    masks, _ = iterative_pruning(tiny, g, [b], (0.2, 0.05), progress=False)
+    assert set(masks) == {0.2, 0.05}
+    assert masks[0.05].sum() <= round(0.05 * g.n_edges) <= masks[0.2].sum()
+    assert not (masks[0.05] & ~masks[0.2]).any()  # nested

@@ -145,30 +145,38 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
     if abl is not None:
         abl = abl.to(device=device, dtype=dtype)
         abl_cum = torch.cumsum(abl, 0)  # "sender 1 pos d": sum of the first s+1 ablated values
-    grad_mode = _grad_alpha is not None
-    if not grad_mode:
+    grad_mode = _grad_inputs is not None  # gradients w.r.t. every receiver's input
+    uniform = _grad_alpha is not None  # every mask equal to alpha (EAP / EAP-IG)
+    if not uniform:
         if mask is None:
             mask = np.ones(graph.n_edges, dtype=np.float32)
         m = torch.as_tensor(np.asarray(mask, dtype=np.float32), device=device, dtype=dtype)
     H, G = graph.n_heads, graph.n_kv_heads
     result: dict = {}
     outs: list[torch.Tensor] = []  # sender outputs in this run
+    live = torch.ones((1, n_pos, 1), device=device, dtype=dtype)  # positions where masks act
+    if ablation.keep_first:
+        live[:, 0] = 0.0
 
     def inputs(offset: int, n_recv: int, n_send: int) -> torch.Tensor:
         """``"receiver batch pos d"`` inputs of one block of receivers."""
-        if grad_mode:
+        if uniform:
             # a zero leaf per receiver: its gradient is d metric / d x_r, and x_r stays connected upstream
             eps = torch.zeros(n_recv, *acc[0].shape, device=acc[0].device, dtype=acc[0].dtype, requires_grad=True)
             _grad_inputs.append(eps)
             return acc[0].unsqueeze(0) + eps
         block = m[offset:offset + n_recv * n_send].view(n_recv, n_send)
-        A = buf[:n_send].view(n_send, -1)  # "sender (batch pos d)", no copy
-        x = (block @ A).view(n_recv, *buf.shape[1:])
+        stacked = torch.stack(outs[:n_send]) if grad_mode else buf[:n_send]  # "sender batch pos d"
+        x = (block @ stacked.reshape(n_send, -1)).view(n_recv, *stacked.shape[1:])
         if abl is not None:  # + sum_s abl_s - sum_s m_rs abl_s
             fix = abl_cum[n_send - 1].view(1, -1) - block @ abl[:n_send].view(n_send, -1)
-            x = x + fix.view(n_recv, 1, *buf.shape[2:])
+            x = x + fix.view(n_recv, 1, *stacked.shape[2:])
         if ablation.keep_first:  # position 0 reads the whole residual stream (it only sees itself: clean)
-            x[:, :, 0] = buf[:n_send, :, 0].sum(0)
+            x[:, :, 0] = stacked[:, :, 0].sum(0)
+        if grad_mode:
+            eps = torch.zeros_like(x, requires_grad=True)
+            _grad_inputs.append(eps)
+            x = x + eps
         return x
 
     def add_sender(a: torch.Tensor) -> None:
@@ -176,15 +184,13 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
         outs.append(a)
         if not grad_mode:
             buf[s] = a
-        if grad_mode:
-            ab = abl[s] if abl is not None else torch.zeros_like(a[:1])
+            return
+        ab = abl[s] if abl is not None else torch.zeros_like(a[:1])
+        _deltas.append(((a - ab) * live).detach())
+        if uniform:
             w = torch.full((1, n_pos, 1), _grad_alpha, device=a.device, dtype=a.dtype)
             if ablation.keep_first:  # masks do not act at position 0
                 w[:, 0] = 1.0
-            live = torch.ones((1, n_pos, 1), device=a.device, dtype=a.dtype)
-            if ablation.keep_first:
-                live[:, 0] = 0.0
-            _deltas.append(((a - ab) * live).detach())
             contrib = w * a + (1 - w) * ab
             acc[0] = contrib if acc[0] is None else acc[0] + contrib
 
@@ -226,12 +232,15 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
 
 def edge_gradients(model: LoadedModel, graph: Graph, ids: torch.Tensor,
                    metric: Callable[[torch.Tensor], torch.Tensor], alpha: float = 1.0,
-                   ablation: Ablation = Ablation()) -> np.ndarray:
-    """``d metric / d m_e`` for every edge ``e`` with all masks at ``alpha`` (one forward + backward)."""
+                   ablation: Ablation = Ablation(), mask: Optional[np.ndarray] = None) -> np.ndarray:
+    """``d metric / d m_e`` for every edge ``e`` (one forward + backward).
+
+    At every mask equal to ``alpha``, or (``mask`` given) at that mask: the gradient of a partial
+    circuit, for iterative pruning."""
     grad_inputs: list[torch.Tensor] = []
     deltas: list[torch.Tensor] = []
-    run = edge_forward(model, graph, ids, None, ablation, _grad_alpha=alpha, _grad_inputs=grad_inputs,
-                       _deltas=deltas)
+    run = edge_forward(model, graph, ids, mask, ablation, _grad_alpha=None if mask is not None else alpha,
+                       _grad_inputs=grad_inputs, _deltas=deltas)
     value = metric(run.logits.float())
     grads = torch.autograd.grad(value, grad_inputs)
     out = np.empty(graph.n_edges, dtype=np.float64)
