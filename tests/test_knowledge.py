@@ -168,12 +168,13 @@ def test_relations_and_facts(smollm2_tokenizer):
     assert f2.subject_span[0] == 0 and f2.prompt.startswith("Paris")
 
 
-def test_pipeline_on_a_tiny_model(tmp_path, smollm2_tokenizer):
+@pytest.mark.parametrize("method", ["eap", "iterative"])
+def test_pipeline_on_a_tiny_model(tmp_path, smollm2_tokenizer, method):
     from mechdiff.knowledge.pipeline import KnowledgeSettings, compare, run_model
 
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
     facts = build_facts(smollm2_tokenizer, Relation.load("country_language"))[:4]
-    settings = KnowledgeSettings(method="eap", k=10, target=0.0, sizes=(0.001, 0.3, 0.5), curve_sizes=(0.1, 1.0),
+    settings = KnowledgeSettings(method=method, k=10, target=0.0, sizes=(0.001, 0.3, 0.5), curve_sizes=(0.1, 1.0),
                                  n_random=1)
     res = run_model(model, facts, settings, tmp_path / "a")
     for name in ("circuit.json", "results.json", "report.md", "hit.md", "logit_lens.png", "circuit.png",

@@ -25,12 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--models", default=None, help="comma-separated models: one circuit each on the facts all get "
                                                   "right, then edge/node overlap (default: smollm2-135m)")
     p.add_argument("--template", type=int, default=None, help="index of the relation's prompt template (0)")
-    p.add_argument("--method", default=None, choices=["eap-ig", "eap", "acdc"],
-                   help="eap-ig (default): integrated gradients over edge masks, ig-steps passes; eap: one pass; "
+    p.add_argument("--method", default=None, choices=["eap-ig", "eap", "iterative", "acdc"],
+                   help="iterative (default): EAP recomputed at the current circuit while pruning (a pass per "
+                        "size); eap-ig: integrated gradients over edge masks, ig-steps passes; eap: one pass; "
                         "acdc: exact pruning, one forward per edge (about 70 651 forwards on SmolLM2-135M, "
                         "hours on 2 CPU cores: use it on small models)")
     p.add_argument("--ig-steps", type=int, default=None, help="EAP-IG interpolation steps (5)")
-    p.add_argument("--ablation", default=None, choices=["zero", "mean"], help="what a removed edge carries (zero)")
+    p.add_argument("--ablation", default=None, choices=["zero", "mean"], help="what a removed edge carries (mean: the sender's mean output over the facts; "
+                        "zero: nothing, as in the paper)")
     p.add_argument("--keep-first", action=argparse.BooleanOptionalAction, default=None,
                    help="never ablate position 0, the attention sink (every edge kept there)")
     p.add_argument("--selection", default=None, choices=["greedy", "topk"],
@@ -63,7 +65,8 @@ def settings_from(args: argparse.Namespace) -> KnowledgeSettings:
             raise ValueError(f"{args.task}: unknown [knowledge] keys {sorted(unknown)}; valid: "
                              f"{sorted(KnowledgeSettings.__dataclass_fields__)} and models")
     flags = {"relation": args.relation if args.relation != "country_language" or "relation" not in values else None,
-             "template": args.template, "method": args.method, "ig_steps": args.ig_steps, "ablation": args.ablation,
+             "template": args.template, "method": args.method, "ig_steps": args.ig_steps,
+             "ablation": args.ablation,
              "keep_first": args.keep_first, "selection": args.selection, "signed": args.signed,
              "tau": args.tau, "k": args.k, "target": args.target, "n_random": args.n_random,
              "max_facts": args.max_facts, "batch_size": args.batch_size, "seed": args.seed,

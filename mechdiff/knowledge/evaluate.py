@@ -67,16 +67,22 @@ def random_mask(graph: Graph, n_edges: int, seed: int) -> np.ndarray:
 def faithfulness_curve(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], scores: np.ndarray,
                        ablation: Ablation = Ablation(), sizes: Sequence[float] = SIZES, k: int = 10,
                        full: Optional[CircuitEval] = None, empty: Optional[CircuitEval] = None,
-                       progress: bool = True) -> dict:
-    """The faithfulness curve over circuit sizes, with CPR and CMD."""
+                       progress: bool = True, masks: Optional[dict] = None) -> dict:
+    """The faithfulness curve over circuit sizes, with CPR and CMD.
+
+    The circuit at each size is the top-|score| edges, or ``masks[size]`` where given (iterative pruning)."""
     full = full or evaluate(model, graph, batches, None, ablation, k)
     empty = empty or evaluate(model, graph, batches, np.zeros(graph.n_edges, dtype=bool), ablation, k)
     m_full, m_empty = float(full.logprob.mean()), float(empty.logprob.mean())
     rows = []
     for frac in tqdm(sizes, desc="faithfulness curve", disable=not progress, leave=False):
         n = max(1, int(round(frac * graph.n_edges)))
-        ev = full if n >= graph.n_edges else evaluate(model, graph, batches, top_edges(graph, scores, n, prune=False),
-                                                      ablation, k)
+        if masks is not None and frac in masks:
+            mask = masks[frac]
+            n = int(mask.sum())
+        else:
+            mask = top_edges(graph, scores, n, prune=False)
+        ev = full if n >= graph.n_edges else evaluate(model, graph, batches, mask, ablation, k)
         f = (float(ev.logprob.mean()) - m_empty) / (m_full - m_empty) if m_full != m_empty else float("nan")
         rows.append({"fraction": frac, "n_edges": n, "faithfulness": f, f"hit@{k}": float(ev.hit.mean()),
                      "logprob": float(ev.logprob.mean())})

@@ -27,7 +27,7 @@ from ..stats import bootstrap
 from . import figures
 from .analysis import attention_mass, head_roles, logit_lens
 from .data import Fact, Relation, batches, build_facts
-from .discovery import acdc, attribution_scores, greedy_edges, top_edges
+from .discovery import acdc, attribution_scores, greedy_edges, iterative_pruning, top_edges
 from .evaluate import SIZES, evaluate, faithfulness_curve, random_mask
 from .forward import Ablation, check_supported, mean_ablation
 from .graph import EdgeCircuit, Graph
@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 class KnowledgeSettings:
     relation: str = "country_language"
     template: int = 0
-    method: str = "eap-ig"  # eap | eap-ig | acdc
+    method: str = "iterative"  # iterative | eap-ig | eap | acdc
     ig_steps: int = 5
-    ablation: str = "zero"  # zero | mean
+    shrink: float = 0.25  # iterative: at most this fraction of the edges kept per round
+    ablation: str = "mean"  # mean | zero
     keep_first: bool = False  # never ablate position 0 (the attention sink)
     k: int = 10  # Hit@k
     target: float = 0.7  # circuit Hit@k >= target * full model's
@@ -90,10 +91,14 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
     timings["full_and_empty"] = time.time() - t
 
     t = time.time()
+    pruned: Optional[dict] = None
     if settings.method == "acdc":
         mask, effect = acdc(model, graph, bs, settings.tau, ablation, progress)
         scores = np.nan_to_num(effect, nan=0.0)
         sweep, chosen = [], {"fraction": float(mask.mean()), "n_edges": int(mask.sum())}
+    elif settings.method == "iterative":
+        wanted = sorted({*settings.sizes, *(settings.curve_sizes if settings.curve else ())} - {1.0})
+        pruned, scores = iterative_pruning(model, graph, bs, wanted, ablation, settings.shrink, progress)
     else:
         scores = attribution_scores(model, graph, bs, settings.method, settings.ig_steps, ablation, progress)
     timings["discovery"] = time.time() - t
@@ -103,8 +108,12 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
         sweep = []
         chosen = None
         for frac in settings.sizes:
-            select = greedy_edges if settings.selection == "greedy" else top_edges
-            mask = select(graph, scores, max(1, int(round(frac * graph.n_edges))), prune=True, signed=settings.signed)
+            if pruned is not None:
+                mask = pruned[frac]
+            else:
+                select = greedy_edges if settings.selection == "greedy" else top_edges
+                mask = select(graph, scores, max(1, int(round(frac * graph.n_edges))), prune=True,
+                              signed=settings.signed)
             if not mask.any():
                 log.info("size %s: no edge left after pruning dangling edges", frac)
                 continue
@@ -136,7 +145,7 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
 
     t = time.time()
     curve = (faithfulness_curve(model, graph, bs, scores, ablation, settings.curve_sizes, settings.k, full, empty,
-                                progress) if settings.curve and settings.method != "acdc" else None)
+                                progress, masks=pruned) if settings.curve and settings.method != "acdc" else None)
     timings["curve"] = time.time() - t
 
     circuit = EdgeCircuit.from_mask(model.name, f"knowledge/{settings.relation}", graph, mask, scores,
