@@ -16,7 +16,7 @@ from typing import Any, Callable
 from ._options import add_model_options, load_from_args, write_json
 
 log = logging.getLogger(__name__)
-RUNS = ("base", "located", "random", "lora-large", "lora-small", "outside", "headmap+lora", "transfer")
+RUNS = ("base", "located", "random", "lora-large", "lora-small", "outside", "headmap+lora", "transfer", "lora-zoo")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -76,6 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmp_.add_argument("--lora-small", type=int, default=1, help="rank of the LoRA near HeadMap's parameter count")
     cmp_.add_argument("--lora-large", type=int, default=8, help="rank of the larger LoRA")
     cmp_.add_argument("--transfer-n", type=int, default=None, help="samples for locating on the transfer task")
+    cmp_.add_argument("--lora-zoo", default="smollm2-et-early",
+                      help="a saved LoRA of the same recipe to evaluate instead of training one (run lora-zoo)")
     cmp_.add_argument("--train-only", action="store_true", help="stop after the training runs (no report)")
     cmp_.add_argument("--runs", default=",".join(RUNS), help=f"training runs, in order (of {','.join(RUNS)})")
     _locate_options(cmp_)
@@ -239,6 +241,7 @@ def main_compare(args: argparse.Namespace) -> int:
         "outside": ("HeadMap, heads outside the located set",
                     lambda: random_heads(s, per_layer, seed=2, exclude=et_circuit().heads()), 0),
         "headmap+lora": (f"HeadMap + LoRA r={args.lora_small}", et_heads, args.lora_small),
+        "lora-zoo": (f"LoRA r={args.lora_large} (q,k,v,o), 15 steps: zoo {args.lora_zoo}", lambda: None, 0),
         "transfer": (f"HeadMap, circuit located on {args.transfer_task}",
                      lambda: heads_by_layer(locate_on(args.transfer_task, args.transfer_n or args.n).heads()), 0),
     }
@@ -266,6 +269,16 @@ def main_compare(args: argparse.Namespace) -> int:
                 return train(model, cfg, heads, ev)
         if run_id == "base":
             key = {"model": args.model, "eval_n": cfg.eval_n, "eval_seed": cfg.eval_seed}
+        if run_id == "lora-zoo":
+            key = {"model": args.lora_zoo, "eval_n": cfg.eval_n, "eval_seed": cfg.eval_seed}
+
+            def fn():
+                from ..headmap import correct
+                zoo = load_from_args(args.lora_zoo, args)
+                recipe = zoo.provenance
+                return {"trainable": lora_params(s, args.lora_large), "losses": [], "train_seconds": float("nan"),
+                        "heads": {}, "provenance": recipe,
+                        "correct": {"entity-tracking": correct(zoo.model, ev["entity-tracking"]).tolist()}}
         results[name] = _stage(out, f"train-{run_id}", key, fn)
 
     if args.train_only:
