@@ -141,6 +141,8 @@ def test_prune_dangling_and_json_round_trip(tmp_path):
     kept = {g.edges[i] for i in np.flatnonzero(pruned)}
     # L1H2 has no input edge; L0H0 has no input edge; L1H3 does not reach the logits
     assert kept == {"EMB->L0H1.q", "L0H1->MLP1", "MLP1->LOGITS"}
+    backward_only = {g.edges[i] for i in np.flatnonzero(prune_dangling(g, mask, forward=False))}
+    assert backward_only == kept | {"L1H2->LOGITS"}  # L1H2 has no inputs but still reaches the logits
     c = EdgeCircuit.from_mask("m", "knowledge/x", g, pruned, np.arange(g.n_edges, dtype=float), {"a": 1})
     c.save(tmp_path / "c.json")
     back = EdgeCircuit.load(tmp_path / "c.json")

@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="greedy: grow the circuit from the logits by score (default); topk: highest scores")
     p.add_argument("--signed", action=argparse.BooleanOptionalAction, default=None,
                    help="rank edges by score (positive first) instead of |score|")
+    p.add_argument("--prune-unreached", action=argparse.BooleanOptionalAction, default=None,
+                   help="drop edges from senders with no input edge (default; exact under zero ablation only)")
     p.add_argument("--tau", type=float, default=None, help="ACDC threshold on MatchNLL (paper: 0.02, 0.01, 0.005)")
     p.add_argument("--k", type=int, default=None, help="Hit@k (10)")
     p.add_argument("--target", type=float, default=None, help="circuit Hit@k >= target x full model's (0.7)")
@@ -68,6 +70,7 @@ def settings_from(args: argparse.Namespace) -> KnowledgeSettings:
              "template": args.template, "method": args.method, "ig_steps": args.ig_steps,
              "ablation": args.ablation,
              "keep_first": args.keep_first, "selection": args.selection, "signed": args.signed,
+             "prune_unreached": args.prune_unreached,
              "tau": args.tau, "k": args.k, "target": args.target, "n_random": args.n_random,
              "max_facts": args.max_facts, "batch_size": args.batch_size, "seed": args.seed,
              "sizes": _fractions(args.sizes) if args.sizes else None}

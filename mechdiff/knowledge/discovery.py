@@ -55,16 +55,18 @@ def attribution_scores(model: LoadedModel, graph: Graph, batches: Sequence[FactB
     return total / max(n, 1)
 
 
-def top_edges(graph: Graph, scores: np.ndarray, k: int, prune: bool = True, signed: bool = False) -> np.ndarray:
+def top_edges(graph: Graph, scores: np.ndarray, k: int, prune: bool = True, signed: bool = False,
+              forward: bool = True) -> np.ndarray:
     """Mask of the ``k`` edges of highest |score| (highest score with ``signed``), dangling edges pruned."""
     key = scores if signed else np.abs(scores)
     mask = np.zeros(graph.n_edges, dtype=bool)
     if k > 0:
         mask[np.argsort(-key, kind="stable")[:k]] = True
-    return prune_dangling(graph, mask) if prune else mask
+    return prune_dangling(graph, mask, forward) if prune else mask
 
 
-def greedy_edges(graph: Graph, scores: np.ndarray, k: int, signed: bool = False, prune: bool = True) -> np.ndarray:
+def greedy_edges(graph: Graph, scores: np.ndarray, k: int, signed: bool = False, prune: bool = True,
+                 forward: bool = True) -> np.ndarray:
     """Grow a connected circuit from ``LOGITS`` backwards: repeatedly add the best-scoring edge whose
     receiver feeds a node already in the circuit (Hanna et al. 2024's greedy selection, as in MIB).
 
@@ -104,12 +106,12 @@ def greedy_edges(graph: Graph, scores: np.ndarray, k: int, signed: bool = False,
         if sender not in in_circuit and sender != "EMB":
             in_circuit.add(sender)
             open_node(sender)
-    return prune_dangling(graph, mask) if prune else mask
+    return prune_dangling(graph, mask, forward) if prune else mask
 
 
 def iterative_pruning(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], sizes: Sequence[float],
                       ablation: Ablation = Ablation(), shrink: float = 0.5,
-                      progress: bool = True) -> tuple[dict[float, np.ndarray], np.ndarray]:
+                      progress: bool = True, forward: bool = True) -> tuple[dict[float, np.ndarray], np.ndarray]:
     """Prune by attribution recomputed at the current circuit ("iterative EAP").
 
     From the full graph, repeatedly: the gradient of the answer log-probability with respect to
@@ -142,7 +144,7 @@ def iterative_pruning(model: LoadedModel, graph: Graph, batches: Sequence[FactBa
         best = kept[np.argsort(-scores[kept], kind="stable")[:k]]
         mask = np.zeros(graph.n_edges, dtype=bool)
         mask[best] = True
-        mask = prune_dangling(graph, mask)
+        mask = prune_dangling(graph, mask, forward)
         if frac in targets:
             out[frac] = mask.copy()
         log.info("iterative pruning: %.4f -> %d edges", frac, int(mask.sum()))

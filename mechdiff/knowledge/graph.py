@@ -187,13 +187,15 @@ def expected_edge_count(n_layers: int, n_heads: int, n_kv_heads: int) -> int:
     return total + 1 + n_layers * (n_heads + 1)
 
 
-def prune_dangling(graph: Graph, mask: np.ndarray) -> np.ndarray:
+def prune_dangling(graph: Graph, mask: np.ndarray, forward: bool = True) -> np.ndarray:
     """Drop edges whose sender is not reached from ``EMB`` or whose receiver's node cannot reach ``LOGITS``.
 
     A node is *reached* when it is ``EMB`` or one of its receivers has an edge from a reached node;
     it *reaches logits* when it is ``LOGITS`` or it sends an edge to a receiver whose node reaches logits.
-    Repeats until nothing changes. Under zero ablation a dropped edge carried nothing (its sender's
-    inputs were all zero, so its output was zero): the circuit's output is unchanged.
+    Repeats until nothing changes. Dropping edges into nodes that do not reach the logits never
+    changes the circuit's output. Dropping edges from unreached senders (``forward``) is exact under
+    zero ablation only (the sender's inputs are all zero, so is its output); under mean ablation such
+    a sender still outputs something: ``forward=False`` keeps its edges.
     """
     mask = mask.copy()
     node_of_recv = [graph.receiver_node(r) for r in graph.receivers]
@@ -214,7 +216,7 @@ def prune_dangling(graph: Graph, mask: np.ndarray) -> np.ndarray:
             nodes = node_of_recv[graph.edge_receiver[e]]
             if any(n == "LOGITS" or (n in sender_pos and alive[sender_pos[n]]) for n in nodes):
                 alive[graph.edge_sender[e]] = True
-        keep = reached[graph.edge_sender[idx]]
+        keep = reached[graph.edge_sender[idx]] if forward else np.ones(len(idx), dtype=bool)
         recv_alive = np.array([any(n == "LOGITS" or (n in sender_pos and alive[sender_pos[n]])
                                    for n in node_of_recv[graph.edge_receiver[e]]) for e in idx], dtype=bool)
         keep &= recv_alive if len(idx) else keep

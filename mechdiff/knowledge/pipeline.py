@@ -54,6 +54,7 @@ class KnowledgeSettings:
     max_facts: int = 0  # 0: every fact of the relation
     batch_size: int = 32
     signed: bool = False  # rank edges by score instead of |score|
+    prune_unreached: bool = True  # also drop edges from senders without inputs (exact under zero ablation only)
     selection: str = "greedy"  # greedy (grow from the logits) | topk (top edges, dangling ones pruned)
     seed: int = 0
     max_graph_edges: int = 200  # edges drawn in the circuit figure
@@ -98,7 +99,8 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
         sweep, chosen = [], {"fraction": float(mask.mean()), "n_edges": int(mask.sum())}
     elif settings.method == "iterative":
         wanted = sorted({*settings.sizes, *(settings.curve_sizes if settings.curve else ())} - {1.0})
-        pruned, scores = iterative_pruning(model, graph, bs, wanted, ablation, settings.shrink, progress)
+        pruned, scores = iterative_pruning(model, graph, bs, wanted, ablation, settings.shrink, progress,
+                                           settings.prune_unreached)
     else:
         scores = attribution_scores(model, graph, bs, settings.method, settings.ig_steps, ablation, progress)
     timings["discovery"] = time.time() - t
@@ -113,7 +115,7 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
             else:
                 select = greedy_edges if settings.selection == "greedy" else top_edges
                 mask = select(graph, scores, max(1, int(round(frac * graph.n_edges))), prune=True,
-                              signed=settings.signed)
+                              signed=settings.signed, forward=settings.prune_unreached)
             if not mask.any():
                 log.info("size %s: no edge left after pruning dangling edges", frac)
                 continue
