@@ -117,13 +117,17 @@ def curve_figure(curves: dict[str, dict], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def heatmap_figure(meta_scores: dict[str, float], heads: list, shape: Any, path: Path, title: str) -> Path:
+def heatmap_figure(meta_scores: dict[str, float], heads: list, shape: Any, path: Path, title: str,
+                   curve: Any = None) -> Path:
+    """Per head: the loss with it masked (and earlier selections) minus the layer's loss with only the earlier
+    selections masked (``curve[layer]``), so every layer's candidates are comparable; selected heads boxed."""
     from ..components import parse_heads
     from ..report.figures import head_heatmap
 
-    scores = dict(zip(parse_heads(list(meta_scores)), meta_scores.values()))
+    scores = {h: v - (curve[h.layer] if curve else 0.0)
+              for h, v in zip(parse_heads(list(meta_scores)), meta_scores.values())}
     return head_heatmap(scores, shape.n_layers, shape.n_heads, path, title=title, selected=heads,
-                        label="mean loss, head masked with earlier selections")
+                        label="loss increase from masking the head (given earlier selections)")
 
 
 # --------------------------------------------------------------------------------------
@@ -138,7 +142,7 @@ def _locate_and_write(model: Any, task: str, args: argparse.Namespace, out: Path
     circuit = res.circuit(model.name, task)
     circuit.save(out / "circuit.json")
     heatmap_figure(circuit.scores["headmap"], circuit.heads(), model.shape, out / "heads.png",
-                   f"{model.name} on {task}: k={args.k} per layer, n={n}")
+                   f"{model.name} on {task}: k={args.k} per layer, n={n}", circuit.meta["curve"])
     curve_figure({task: circuit.meta}, out / "curve.png")
     print(f"located {len(res.heads)} heads in {res.seconds:.0f} s, {res.forward_passes} forward passes "
           f"({res.rows} prompt rows); loss {res.base_loss:.3f} -> {res.curve[-1]:.3f} "
@@ -290,7 +294,7 @@ def main_compare(args: argparse.Namespace) -> int:
     curve_figure({t: c.meta for t, c in located.items()}, out / "figures" / "loss_curve.png")
     for t, c in located.items():
         heatmap_figure(c.scores["headmap"], c.heads(), s, out / "figures" / f"heads_{t}.png",
-                       f"{args.model} on {t}: k={args.k} per layer, n={c.meta['n_samples']}")
+                       f"{args.model} on {t}: k={args.k} per layer, n={c.meta['n_samples']}", c.meta["curve"])
     overlap_rows = []
     for path in filter(None, args.path_patching.split(",")):
         pp = Circuit.load(path)
