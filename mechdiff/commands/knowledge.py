@@ -26,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                   "right, then edge/node overlap (default: smollm2-135m)")
     p.add_argument("--template", type=int, default=None, help="index of the relation's prompt template (0)")
     p.add_argument("--method", default=None, choices=["eap-ig", "eap", "iterative", "acdc"],
-                   help="iterative (default): EAP recomputed at the current circuit while pruning (a pass per "
-                        "size); eap-ig: integrated gradients over edge masks, ig-steps passes; eap: one pass; "
+                   help="eap (default): one forward+backward per batch; iterative: EAP recomputed at the current "
+                        "circuit while pruning (a pass per size); eap-ig: integrated gradients over edge masks; "
                         "acdc: exact pruning, one forward per edge (about 70 651 forwards on SmolLM2-135M, "
                         "hours on 2 CPU cores: use it on small models)")
     p.add_argument("--ig-steps", type=int, default=None, help="EAP-IG interpolation steps (5)")

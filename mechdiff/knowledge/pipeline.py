@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class KnowledgeSettings:
     relation: str = "country_language"
     template: int = 0
-    method: str = "iterative"  # iterative | eap-ig | eap | acdc
+    method: str = "eap"  # eap | iterative | eap-ig | acdc
     ig_steps: int = 5
     shrink: float = 0.25  # iterative: at most this fraction of the edges kept per round
     ablation: str = "mean"  # mean | zero
