@@ -251,6 +251,8 @@ class Study:
 
         def compute() -> dict:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
+            if not circuit.heads():
+                return {"skipped": f"the circuit of {base} has no heads left after pruning; there is nothing to patch"}
             records = generate(self.tokenizer, c.n, t.n_boxes, t.seed + 5, vocabulary=eval_objects())
             res = run_cmap(self.model(base), self.model(finetune), circuit, records, c.parts,
                            self.spec.eval.batch_size, progress=self.progress)

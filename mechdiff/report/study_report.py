@@ -137,6 +137,9 @@ def cmap_section(study: "Study", cmap: dict) -> str:
     text = []
     for ft, rec in cmap.items():
         r = rec.result
+        if "skipped" in r:
+            text.append(f"_CMAP {ft}: skipped, {r['skipped']}._\n")
+            continue
         rows = [{"scope": row["scope"], "kind": row["kind"], **estimate_columns("accuracy", row["accuracy"]),
                  "recovered": row["recovered"]} for row in r["rows"]]
         base_acc, ft_acc = _est(r["base_accuracy"]), _est(r["finetune_accuracy"])
@@ -176,6 +179,7 @@ def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], over
                          f"{everything['size_first']} heads ({everything['frac_first']:.2f}; hypergeometric "
                          f"p = {everything['p_value']:.2g}).")
         r = cmap.get(ft)
+        r = None if r is None or "skipped" in r.result else r
         gap = r and _est(r.result["finetune_accuracy"]).low > _est(r.result["base_accuracy"]).high
         if r and not gap:
             lines.append(f"  On the CMAP prompts {ft} ({_fmt(r.result['finetune_accuracy'])}) is not above {base} "
