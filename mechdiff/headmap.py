@@ -9,7 +9,10 @@ Three parts:
    the ``k`` heads whose masking raises the mean answer loss on the selected samples most are
    kept. One layer is one batch of ``(n_heads + 1) * n`` rows (the extra block masks only the
    earlier layers' heads, giving the loss curve), so it costs ``ceil((n_heads + 1) * n / batch)``
-   forward passes through :func:`mechdiff.patching.core.run` (per-row masks on site ``z``).
+   forward passes through :func:`mechdiff.patching.core.run` (per-row masks on site ``z``). These
+   passes resume at the layer from the residual entering it (earlier selections zeroed), which is
+   carried forward one block at a time: over the whole model locating costs about half the blocks
+   that full passes would.
 3. **HeadMap fine-tuning** (:class:`HeadMap`): for each layer with located heads, their
    concatenated outputs ``"batch pos (k d_head)"`` go through ``Linear(k*d_head -> r)`` and
    ``Linear(r -> d_model)`` (the second zero-initialised) and are added to the attention output
@@ -39,7 +42,7 @@ from .circuits.circuit import Circuit
 from .components import Head
 from .finetune import FinetuneConfig, add_lora, answer_loss, last_logits, step_seed
 from .models.loading import LoadedModel
-from .patching.core import Patch, run
+from .patching.core import Patch, Resume, run
 from .tasks import entity_tracking as et
 from .tasks import multiple_choice as mc
 from .tasks.splits import eval_objects, train_objects
@@ -182,23 +185,50 @@ class LocateResult:
         )
 
 
+def entry_residual(model: LoadedModel, samples: Batch, layer: int, masked: Sequence[Head],
+                   start: Optional[tuple[int, torch.Tensor]] = None, batch_size: int = 64) -> tuple[torch.Tensor, int]:
+    """The residual stream entering ``layer`` (``"sample pos d_model"``) with ``masked`` heads zeroed, and
+    the passes it took. ``start = (a, hidden)`` resumes at block ``a`` from ``hidden`` (the residual entering
+    ``a`` with the masked heads of layers ``< a`` already zeroed), so only blocks ``a .. layer-1`` run."""
+    if layer == 0:
+        raise ValueError("nothing precedes layer 0: its entry is the embedding")
+    first = 0 if start is None else start[0]
+    patches = mask_patches(model, [h for h in masked if first <= h.layer < layer])
+    ids = samples["input_ids"]
+    out, passes = [], 0
+    for i in range(0, len(ids), batch_size):
+        resume = Resume(first, start[1][i:i + batch_size]) if start is not None else None
+        r = run(model, ids[i:i + batch_size], patches, capture=[("resid", layer - 1)], stop=True, resume=resume)
+        out.append(r.captured[("resid", layer - 1)])
+        passes += 1
+    return torch.cat(out), passes
+
+
 def layer_losses(model: LoadedModel, samples: Batch, layer: int, fixed: Sequence[Head],
-                 batch_size: int = 64) -> tuple[torch.Tensor, int]:
+                 batch_size: int = 64, entry: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
     """Mean loss on ``samples`` for each variant of ``layer``: ``[n_heads + 1]``, entry ``h`` with head ``h``
     of ``layer`` zeroed and entry ``n_heads`` with nothing more, all with ``fixed`` heads zeroed; and the
-    number of forward passes used. Rows are ``"(variant sample)"``; each chunk carries its per-row mask."""
+    number of forward passes used. Rows are ``"(variant sample)"``; each chunk carries its per-row mask.
+
+    ``entry``: the residual entering ``layer`` with ``fixed`` heads (all in earlier layers) zeroed, from
+    :func:`entry_residual`; the variants then resume at ``layer`` (exact, and the blocks before it are
+    not run again). Without it every variant runs the whole model."""
     s = model.shape
     n = len(samples["input_ids"])
     n_var = s.n_heads + 1
+    if entry is not None and any(h.layer >= layer for h in fixed):
+        raise ValueError("resuming from an entry residual needs every fixed head before the layer")
     variant_mask = torch.cat([head_mask(model, [h]) for h in range(s.n_heads)] + [head_mask(model, [])])
     ids = samples["input_ids"].repeat(n_var, 1)  # "(variant sample) pos"
     answers = samples["answer_ids"].repeat(n_var)
     row_mask = variant_mask.repeat_interleave(n, dim=0)  # "(variant sample) 1 cols"
-    fixed_patches = mask_patches(model, fixed)
+    hidden = entry.repeat(n_var, 1, 1) if entry is not None else None  # "(variant sample) pos d_model"
+    fixed_patches = [] if entry is not None else mask_patches(model, fixed)
     losses, passes = [], 0
     for i in range(0, len(ids), batch_size):
         patches = fixed_patches + [Patch("z", layer, torch.zeros(1), mask=row_mask[i:i + batch_size])]
-        logits = run(model, ids[i:i + batch_size], patches).logits.float().cpu()
+        resume = Resume(layer, hidden[i:i + batch_size]) if hidden is not None else None
+        logits = run(model, ids[i:i + batch_size], patches, resume=resume).logits.float().cpu()
         losses.append(torch.nn.functional.cross_entropy(logits, answers[i:i + batch_size], reduction="none"))
         passes += 1
     per_row = rearrange(torch.cat(losses), "(variant sample) -> variant sample", variant=n_var)
@@ -207,19 +237,26 @@ def layer_losses(model: LoadedModel, samples: Batch, layer: int, fixed: Sequence
 
 def locate(model: LoadedModel, samples: Batch, k: int = 8, batch_size: int = 64, pool_loss: float = float("nan"),
            layers: Optional[Sequence[int]] = None, progress: bool = True) -> LocateResult:
-    """Layer-conditioned locating of ``k`` heads per layer on ``samples`` (see the module docstring)."""
+    """Layer-conditioned locating of ``k`` heads per layer on ``samples`` (see the module docstring).
+
+    Each layer's variants resume from the residual entering it (earlier selections zeroed), carried
+    forward one layer at a time, so layer ``l`` costs the blocks from ``l`` on, not the whole model."""
     s = model.shape
     if not 1 <= k <= s.n_heads:
         raise ValueError(f"k={k} heads per layer must lie in 1..{s.n_heads} (the model's heads per layer)")
-    layers = list(range(s.n_layers)) if layers is None else list(layers)
+    layers = sorted(range(s.n_layers) if layers is None else set(layers))
     t0 = time.time()
     selected: list[Head] = []
     candidate: dict[Head, float] = {}
     curve: list[float] = []
     passes = 0
+    start: Optional[tuple[int, torch.Tensor]] = None  # (layer, residual entering it), selections so far zeroed
     bar = tqdm(layers, desc="locate", disable=not progress)
     for layer in bar:
-        means, p = layer_losses(model, samples, layer, selected, batch_size)
+        if layer > 0:
+            entry, p = entry_residual(model, samples, layer, selected, start, batch_size)
+            start, passes = (layer, entry), passes + p
+        means, p = layer_losses(model, samples, layer, selected, batch_size, start[1] if start else None)
         passes += p
         curve.append(float(means[-1]))
         for h in range(s.n_heads):

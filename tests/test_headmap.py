@@ -66,7 +66,20 @@ def test_batched_locating_equals_per_head_loop(tiny_llama, batch_size):
     assert res.heads == selected
     assert res.curve[-1] == pytest.approx(float(example_losses(tiny_llama, samples, selected).mean()), abs=1e-5)
     L, H, n = tiny_llama.shape.n_layers, tiny_llama.shape.n_heads, 6
-    assert res.forward_passes == L * -(-(H + 1) * n // batch_size) + -(-n // batch_size)
+    # per layer: the variants, and (after layer 0) one block-wise pass carrying the entry residual forward
+    assert res.forward_passes == L * -(-(H + 1) * n // batch_size) + L * -(-n // batch_size)
+
+
+def test_locating_a_subset_of_layers_resumes_exactly(tiny_llama):
+    """Skipped layers carry no selection; the entry residual of a later layer still has the earlier ones zeroed."""
+    samples = _batch(tiny_llama, n=5)
+    last = tiny_llama.shape.n_layers - 1
+    res = locate(tiny_llama, samples, k=1, batch_size=4, layers=[last, 0], progress=False)
+    assert [h.layer for h in res.heads] == [0, last]
+    first = res.heads[0]
+    for h in range(tiny_llama.shape.n_heads):
+        want = float(example_losses(tiny_llama, samples, masked=[first, Head(last, h)]).mean())
+        assert res.candidate_loss[Head(last, h)] == pytest.approx(want, abs=1e-5)
 
 
 def test_locating_finds_a_planted_head(smollm2_tokenizer):
