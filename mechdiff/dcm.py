@@ -389,7 +389,8 @@ def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Seq
     if not heads:
         raise ValueError("DCM needs at least one head")
     if cache is None:
-        cache = PairCache.build(model, pairs, [(heads, position)], config.eval_batch, progress)
+        cache = PairCache.build(model, pairs, [(heads, position), (random_pool(model, heads, config), position)],
+                                config.eval_batch, progress)
     train, val, test = split_indices(len(cache.pairs), config.split, config.seed)
     values, best_step, history = train_mask(model, heads, position, cache, train, val, config, progress)
     selected = [h for h, m in zip(heads, values.tolist()) if m < 0.5]
@@ -402,16 +403,19 @@ def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Seq
                      (len(train), len(val), len(test)), best_step, history, group, asdict(config))
 
 
+def random_pool(model: LoadedModel, heads: Sequence[Head], config: DCMConfig) -> list[Head]:
+    """The heads random baselines draw from: the group's own (``"group"``) or every head of the model."""
+    if config.random_pool == "group" or config.n_random < 1:
+        return list(heads)
+    return [Head(l, h) for l in range(model.shape.n_layers) for h in range(model.shape.n_heads)]
+
+
 def _random_baseline(model: LoadedModel, cache: PairCache, test: Sequence[int], heads: list[Head], k: int,
                      position: str, config: DCMConfig) -> Optional[Estimate]:
     """Target accuracy of random head sets of size ``k`` (pooled over ``n_random`` draws)."""
     if k == 0 or config.n_random < 1:
         return None
-    if config.random_pool == "group":
-        pool = heads
-    else:
-        shape = model.shape
-        pool = [Head(l, h) for l in range(shape.n_layers) for h in range(shape.n_heads)]
+    pool = random_pool(model, heads, config)
     rng = random.Random(config.seed + 1)
     draws = [cache.accuracy(model, test, rng.sample(pool, k), position, config.eval_batch)
              for _ in range(config.n_random)]
@@ -431,8 +435,9 @@ def dcm_circuit(model: LoadedModel, circuit: Circuit, desiderata: dict[str, Sequ
             raise ValueError(f"group {g!r} is not in the circuit (groups: {sorted(circuit.groups)})")
     wanted = [g for g in wanted if circuit.groups[g]]
     for name, pairs in desiderata.items():
-        cache = PairCache.build(model, pairs, [(circuit.groups[g], circuit.positions[g]) for g in wanted],
-                                config.eval_batch, progress)
+        sites = [(heads, circuit.positions[g]) for g in wanted
+                 for heads in (circuit.groups[g], random_pool(model, circuit.groups[g], config))]
+        cache = PairCache.build(model, pairs, sites, config.eval_batch, progress)
         for g in wanted:
             log.info("DCM group %s (%d heads at %s), desideratum %s", g, len(circuit.groups[g]),
                      circuit.positions[g], name)

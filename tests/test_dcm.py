@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,6 +151,28 @@ def test_dcm_finds_planted_head(planted, parameterisation):
     assert res.test_accuracy.value > res.random.value
     assert sum(res.n_split) == len(planted)
     assert res.history[0]["step"] == 0 and res.best_step >= 0
+
+
+def test_random_baseline_from_all_heads_equals_direct_patching(planted):
+    """With ``random_pool="all"`` the baseline draws heads from every layer (not only the group's) and
+    scores them as a plain patched run would; one group of a circuit is enough to need the whole cache."""
+    import random as stdlib_random
+
+    from mechdiff.dcm import split_indices, target_accuracy
+
+    model, planted = planted
+    pairs = planted
+    config = DCMConfig(epochs=3, batch_size=8, eval_every=3, n_random=2, random_pool="all", seed=0)
+    circuit = Circuit("tiny", "entity-tracking", {"A": [PLANTED]}, {"A": "last"})
+    (res,) = dcm_circuit(model, circuit, {"planted": pairs}, config, progress=False)
+    assert res.selected == [PLANTED]
+    test = split_indices(len(pairs), config.split, config.seed)[2]
+    every = [Head(l, h) for l in range(model.shape.n_layers) for h in range(model.shape.n_heads)]
+    rng = stdlib_random.Random(config.seed + 1)
+    draws = [rng.sample(every, 1) for _ in range(config.n_random)]
+    assert any(d[0].layer != PLANTED.layer for d in draws)  # heads outside the group's layer are drawn
+    direct = np.concatenate([target_accuracy(model, [pairs[i] for i in test], d, "last") for d in draws])
+    assert res.random.value == pytest.approx(direct.mean())
 
 
 def test_split_is_seeded_and_disjoint(pairs):
