@@ -84,6 +84,7 @@ class Study:
     """Runs the stages of one :class:`RunSpec` into ``spec.output.dir``."""
 
     def __init__(self, spec: RunSpec, progress: bool = True, out_dir: Optional[str] = None):
+        self.started = time.time()
         self.spec = spec
         self.progress = progress
         self.dir = Path(out_dir or spec.output.dir)
@@ -99,7 +100,6 @@ class Study:
                                device=spec.models.device, remote=spec.models.remote)
         self.digests = {name: spec_digest(resolve_spec(name)) for name in spec.model_names}
         self.tokenizer = _tokenizer(spec.models.base)
-        self.started = time.time()
 
     # -- data ---------------------------------------------------------------------------
     def _task(self) -> dict:

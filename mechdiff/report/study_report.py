@@ -24,6 +24,11 @@ def _est(d: dict) -> Estimate:
     return Estimate(d["value"], d["low"], d["high"], d["n"])
 
 
+def _has_gap(cmap_result: dict) -> bool:
+    """Whether the fine-tune is above the base on the CMAP prompts beyond both CIs."""
+    return _est(cmap_result["finetune_accuracy"]).low > _est(cmap_result["base_accuracy"]).high
+
+
 def _fmt(d: dict) -> str:
     return str(_est(d))
 
@@ -140,11 +145,13 @@ def cmap_section(study: "Study", cmap: dict) -> str:
         if "skipped" in r:
             text.append(f"_CMAP {ft}: skipped, {r['skipped']}._\n")
             continue
-        rows = [{"scope": row["scope"], "kind": row["kind"], **estimate_columns("accuracy", row["accuracy"]),
-                 "recovered": row["recovered"]} for row in r["rows"]]
         base_acc, ft_acc = _est(r["base_accuracy"]), _est(r["finetune_accuracy"])
-        caption = (f"CMAP {ft} -> {r['base']}: base accuracy {base_acc}, fine-tune {ft_acc}; "
-                   f"recovered = (patched - base)/(fine-tune - base). {r['caption']}")
+        gap = _has_gap(r)  # a share of the gap means nothing when there is no gap
+        rows = [{"scope": row["scope"], "kind": row["kind"], **estimate_columns("accuracy", row["accuracy"]),
+                 **({"recovered": row["recovered"]} if gap else {})} for row in r["rows"]]
+        share = ("recovered = (patched - base)/(fine-tune - base)" if gap else
+                 "no recovered share: the fine-tune is not above the base beyond their CIs")
+        caption = f"CMAP {ft} -> {r['base']}: base accuracy {base_acc}, fine-tune {ft_acc}; {share}. {r['caption']}"
         text.append(_table(study, rows, f"cmap_{label(ft)}", caption))
         scopes = list(dict.fromkeys(row["scope"] for row in r["rows"]))
         kinds = list(dict.fromkeys(row["kind"] for row in r["rows"]))
@@ -155,6 +162,16 @@ def cmap_section(study: "Study", cmap: dict) -> str:
                      references={r["base"]: base_acc, ft: ft_acc})
         text.append(f"![CMAP {ft}](figures/cmap_{label(ft)}.png)\n")
     return "\n".join(text)
+
+
+def _cost(manifest: dict) -> str:
+    """What the stages cost when computed, and what this invocation reused."""
+    stages = manifest["stages"].values()
+    total = sum(s["seconds"] for s in stages)
+    reused = sum(bool(s["cached"]) for s in stages)
+    return (f"Computing the {len(stages)} stages took {total / 60:.1f} min in all (the seconds above, from the "
+            f"runs that computed them); this invocation reused {reused} of them from the cache and took "
+            f"{manifest['wall_seconds']:.0f} s up to writing this report.")
 
 
 def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], overlaps: dict, cmap: dict) -> str:
@@ -180,7 +197,7 @@ def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], over
                          f"p = {everything['p_value']:.2g}).")
         r = cmap.get(ft)
         r = None if r is None or "skipped" in r.result else r
-        gap = r and _est(r.result["finetune_accuracy"]).low > _est(r.result["base_accuracy"]).high
+        gap = r and _has_gap(r.result)
         if r and not gap:
             lines.append(f"  On the CMAP prompts {ft} ({_fmt(r.result['finetune_accuracy'])}) is not above {base} "
                          f"({_fmt(r.result['base_accuracy'])}): there is no gain for CMAP to localise.")
@@ -254,6 +271,6 @@ def write_report(study: "Study", accuracy: dict, found: dict, circuits: dict, ma
         + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())
         + f". Python {manifest['python']} on {manifest['machine']}.\n",
         to_markdown(stage_rows), "",
-        f"Configuration: `run.json` (the full spec). Wall time of this invocation: {manifest['wall_seconds']:.0f} s.\n",
+        f"Configuration: `run.json` (the full spec). {_cost(manifest)}\n",
     ]
     return write_text(study.dir / "report.md", "\n".join(parts))
