@@ -7,7 +7,8 @@ patching overhead ratio, all measured in this one process.
 Stages are timed by the study itself (``StageRecord.seconds``); peak resident memory is read
 after every stage (``ru_maxrss``: the process peak so far, so a stage's own peak is the first
 row where the figure rises). The overhead ratio is one path-patching pass (step A: the sender
-patched and every other head frozen) over a plain forward pass on the same batch.
+patched and every other head frozen) over a plain forward pass on the same batch, for a sender in
+the first layer and one in the second-to-last (that pass resumes at the sender's layer).
 """
 
 from __future__ import annotations
@@ -41,22 +42,26 @@ def peak_gpu_mib() -> str:
     return f"{sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 2**20:.0f}"
 
 
-def overhead(study: Study, n: int, repeats: int = 3) -> dict:
-    """Median time of one step-A path-patching pass over a plain forward on the same prompts."""
+def overhead(study: Study, n: int, repeats: int = 3) -> list[dict]:
+    """Median time of one step-A path-patching pass over a plain forward on the same prompts, for a
+    sender in the first layer (the whole model runs) and one in the second-to-last layer (the
+    pass resumes there from the clean residual and skips the blocks before it)."""
     model = study.model(study.spec.models.base)
     pairs = path_patching_pairs(study.tokenizer, n, study.spec.task.n_boxes, seed=0)
     batch = prepare(model, pairs)
-    sender = [Head(model.shape.n_layers - 2, 0)]
 
     def plain() -> None:
         with torch.no_grad():
             run(model, batch.clean_ids)
 
-    def patched() -> None:
-        path_patch(model, batch, sender, "last", None, 1, progress=False)
-
-    times = {name: timed(fn, repeats) for name, fn in (("plain forward", plain), ("path-patching pass", patched))}
-    return {**times, "ratio": times["path-patching pass"] / times["plain forward"], "n": n}
+    base = timed(plain, repeats)
+    out = []
+    for layer in (0, model.shape.n_layers - 2):
+        sender = [Head(layer, 0)]
+        t = timed(lambda: path_patch(model, batch, sender, "last", None, 1, progress=False), repeats)
+        out.append({"sender": sender[0].name, "plain forward": base, "path-patching pass": t,
+                    "ratio": t / base, "n": n})
+    return out
 
 
 def main() -> None:
@@ -90,9 +95,10 @@ def main() -> None:
     StageCache.run = original
     print(tabulate(rows, headers=["stage", "wall s", "peak RSS MiB so far", "peak GPU MiB so far"]))
     print(f"\nwhole study: {total:.0f} s; report: {out}/report.md")
-    o = overhead(study, args.overhead_n)
-    print(f"\npatching overhead on {o['n']} prompts: plain forward {o['plain forward']:.2f} s, "
-          f"path-patching pass {o['path-patching pass']:.2f} s, ratio {o['ratio']:.2f}")
+    print()
+    for o in overhead(study, args.overhead_n):
+        print(f"patching overhead on {o['n']} prompts, sender {o['sender']}: plain forward "
+              f"{o['plain forward']:.2f} s, path-patching pass {o['path-patching pass']:.2f} s, ratio {o['ratio']:.2f}")
 
 
 if __name__ == "__main__":
