@@ -92,7 +92,7 @@ class DCMConfig:
     split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # train / validation / test fractions
     init: float = 1.0  # initial mask value (1 = nothing patched); hard-concrete gates start at least half open
     n_random: int = 5  # random head sets of the selected size for the baseline
-    random_pool: str = "group"  # draw random heads from the "group" or from "all" heads of the model
+    random_pool: str = "all"  # draw random heads from "all" heads of the model or from the "group" only
     seed: int = 0
 
     def __post_init__(self) -> None:

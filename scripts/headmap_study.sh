@@ -8,5 +8,5 @@ export HF_HUB_OFFLINE=1
 PP=results/entity-tracking-smollm2/circuits
 nice -n 10 mechdiff headmap compare --model smollm2-135m --out results/headmap-smollm2 \
   --n 8 --pool 64 --k 2 --batch-size 40 --rank 4 --steps 20 --batch 16 --lr 1e-3 --headmap-lr 5e-3 \
-  --eval-n 150 --lora-small 1 --lora-large 8 --threads 2 --runs base,located,random,outside,lora-zoo \
+  --eval-n 150 --lora-small 1 --lora-large 8 --threads 2 --runs base,located,random,outside,lora-zoo,lora-small,headmap+lora,transfer \
   --path-patching "$PP/smollm2-et-early.pruned.json,$PP/smollm2-et-early.json" "$@"

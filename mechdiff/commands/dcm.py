@@ -34,7 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-batch", type=int, default=32, help="pairs per forward pass when evaluating")
     p.add_argument("--eval-every", type=int, default=5, help="optimiser steps between validation passes")
     p.add_argument("--n-random", type=int, default=5, help="random head sets for the baseline")
-    p.add_argument("--random-pool", default="group", choices=["group", "all"])
+    p.add_argument("--random-pool", default="all", choices=["group", "all"],
+                   help="random baseline heads from all heads of the model (default) or only the group's "
+                        "(degenerate when DCM selects the whole group)")
     p.add_argument("--semantic", default=None,
                    help="comma-separated models to semantic-patch the selected heads into (the DCM model is included)")
     p.add_argument("--out", default="results/dcm", help="output directory")

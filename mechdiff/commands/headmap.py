@@ -369,7 +369,9 @@ def _report(args, model, located, rows, overlap_rows, loc_rows, estimates, lora_
         f"Made by `mechdiff headmap compare --model {args.model} --out {args.out} --n {args.n} --pool {args.pool} "
         f"--k {args.k} --batch-size {args.batch_size} --rank {args.rank} --steps {args.steps} --batch {args.batch} "
         f"--lr {args.lr} --headmap-lr {args.headmap_lr} "
-        f"--eval-n {args.eval_n}` in {seconds / 60:.1f} min (stages cached under `stages/`).",
+        f"--eval-n {args.eval_n} --lora-small {args.lora_small} --lora-large {args.lora_large} "
+        f"--transfer-task {args.transfer_task} --runs {args.runs}` in {seconds / 60:.1f} min "
+        "(stages cached under `stages/`; each stage's seconds are those of the run that computed it).",
         "",
         "## Locating (layer-conditioned, zero masks)",
         "",
