@@ -39,7 +39,7 @@ from einops import rearrange, repeat
 from tqdm.auto import tqdm
 
 from .circuits.circuit import Circuit
-from .components import Head
+from .components import Head, all_heads
 from .evaluate import batches
 from .models.loading import LoadedModel
 from .patching.core import Patch, Resume, run
@@ -407,7 +407,7 @@ def random_pool(model: LoadedModel, heads: Sequence[Head], config: DCMConfig) ->
     """The heads random baselines draw from: the group's own (``"group"``) or every head of the model."""
     if config.random_pool == "group" or config.n_random < 1:
         return list(heads)
-    return [Head(l, h) for l in range(model.shape.n_layers) for h in range(model.shape.n_heads)]
+    return all_heads(model.shape.n_layers, model.shape.n_heads)
 
 
 def _random_baseline(model: LoadedModel, cache: PairCache, test: Sequence[int], heads: list[Head], k: int,

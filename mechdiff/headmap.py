@@ -222,12 +222,12 @@ def layer_losses(model: LoadedModel, samples: Batch, layer: int, fixed: Sequence
     ids = samples["input_ids"].repeat(n_var, 1)  # "(variant sample) pos"
     answers = samples["answer_ids"].repeat(n_var)
     row_mask = variant_mask.repeat_interleave(n, dim=0)  # "(variant sample) 1 cols"
-    hidden = entry.repeat(n_var, 1, 1) if entry is not None else None  # "(variant sample) pos d_model"
     fixed_patches = [] if entry is not None else mask_patches(model, fixed)
     losses, passes = [], 0
     for i in range(0, len(ids), batch_size):
         patches = fixed_patches + [Patch("z", layer, torch.zeros(1), mask=row_mask[i:i + batch_size])]
-        resume = Resume(layer, hidden[i:i + batch_size]) if hidden is not None else None
+        rows = torch.arange(i, min(i + batch_size, len(ids))) % n  # row "(variant sample)" -> its sample
+        resume = Resume(layer, entry[rows]) if entry is not None else None
         logits = run(model, ids[i:i + batch_size], patches, resume=resume).logits.float().cpu()
         losses.append(torch.nn.functional.cross_entropy(logits, answers[i:i + batch_size], reduction="none"))
         passes += 1

@@ -160,14 +160,13 @@ def test_random_baseline_from_all_heads_equals_direct_patching(planted):
 
     from mechdiff.dcm import split_indices, target_accuracy
 
-    model, planted = planted
-    pairs = planted
+    model, pairs = planted
     config = DCMConfig(epochs=3, batch_size=8, eval_every=3, n_random=2, random_pool="all", seed=0)
     circuit = Circuit("tiny", "entity-tracking", {"A": [PLANTED]}, {"A": "last"})
     (res,) = dcm_circuit(model, circuit, {"planted": pairs}, config, progress=False)
     assert res.selected == [PLANTED]
     test = split_indices(len(pairs), config.split, config.seed)[2]
-    every = [Head(l, h) for l in range(model.shape.n_layers) for h in range(model.shape.n_heads)]
+    every = all_heads(model.shape.n_layers, model.shape.n_heads)
     rng = stdlib_random.Random(config.seed + 1)
     draws = [rng.sample(every, 1) for _ in range(config.n_random)]
     assert any(d[0].layer != PLANTED.layer for d in draws)  # heads outside the group's layer are drawn
