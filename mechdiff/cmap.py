@@ -32,7 +32,7 @@ from .models.loading import LoadedModel
 from .models.modelset import check_shapes
 from .models.remote import keep
 from .patching.core import Patch, Resume, run
-from .stats import Estimate, bootstrap
+from .stats import Estimate, bootstrap, proportion
 from .tasks.entity_tracking import EntityTrackingExample, batch_tensors
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
@@ -200,7 +200,7 @@ def _append(store: tuple[list, list], scored: tuple[np.ndarray, np.ndarray]) -> 
 
 def _result(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, scores: dict, all_scopes: dict,
             kinds: list[str]) -> CMAPResult:
-    acc = {key: bootstrap(np.concatenate(c).astype(float)) for key, (c, _) in scores.items()}
+    acc = {key: proportion(np.concatenate(c).astype(float)) for key, (c, _) in scores.items()}
     prob = {key: bootstrap(np.concatenate(p)) for key, (_, p) in scores.items()}
     b, f = acc["base"].value, acc["finetune"].value
     rows = [CMAPRow(s, k, acc[(s, k)], prob[(s, k)], (acc[(s, k)].value - b) / (f - b) if f != b else float("nan"))

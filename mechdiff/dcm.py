@@ -22,7 +22,7 @@ Two parameterisations:
   gates; evaluation uses the deterministic gate, rounded.
 
 Semantic patching (:func:`semantic_patching`) patches the heads a mask selected into each
-model of a set and reports the target accuracy per model with bootstrap intervals.
+model of a set and reports the target accuracy per model with exact binomial intervals.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from .components import Head, all_heads
 from .evaluate import batches
 from .models.loading import LoadedModel
 from .patching.core import Patch, Resume, run
-from .stats import Estimate, bootstrap
+from .stats import Estimate, bootstrap, pooled_proportion, proportion
 from .tasks.entity_tracking import (
     CounterfactualPair,
     label_value_pairs,
@@ -83,6 +83,9 @@ class DCMConfig:
 
     parameterisation: str = "continuous"
     lam: float = 0.01  # weight of the sparsity term sum(1 - m) (or the expected L0 of the gates)
+    # "loss": lam is relative to the unpatched model's loss |mean logit(target)| on the first training
+    # batch, so the sparsity term has the same weight on any model's logit scale; "absolute": lam as is.
+    lam_scale: str = "loss"
     lr: float = 0.1
     epochs: int = 2
     batch_size: int = 16  # pairs per optimiser step (gradient accumulated over micro-batches)
@@ -98,6 +101,8 @@ class DCMConfig:
     def __post_init__(self) -> None:
         if self.parameterisation not in PARAMETERISATIONS:
             raise ValueError(f"parameterisation must be one of {PARAMETERISATIONS}, got {self.parameterisation!r}")
+        if self.lam_scale not in ("loss", "absolute"):
+            raise ValueError(f"lam_scale must be 'loss' or 'absolute', got {self.lam_scale!r}")
         if self.random_pool not in ("group", "all"):
             raise ValueError(f"random_pool must be 'group' or 'all', got {self.random_pool!r}")
         if len(self.split) != 3 or min(self.split) <= 0 or abs(sum(self.split) - 1) > 1e-6:
@@ -332,7 +337,8 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, cache: 
     optimiser = torch.optim.Adam([mask.param], lr=config.lr)
     rng = random.Random(config.seed)
     steps_per_epoch = math.ceil(len(train) / config.batch_size)
-    best = (-1.0, 0, 0, mask.values())  # (val accuracy, -n patched, step, mask)
+    best = (-1.0, 0, 0, mask.values())  # (val accuracy, n patched, step, mask)
+    scale = loss_scale(model, heads, position, cache, train, config)
     history: list[dict] = []
 
     def validate(step: int, loss: float) -> None:
@@ -341,8 +347,9 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, cache: 
         chosen = [h for h, m in zip(heads, values.tolist()) if m < 0.5]
         acc = float(cache.accuracy(model, val, chosen, position, config.eval_batch).mean())
         history.append({"step": step, "loss": loss, "val_accuracy": acc, "n_selected": len(chosen)})
-        if (acc, -len(chosen)) > best[:2]:
-            best = (acc, -len(chosen), step, values)
+        # Ties on validation accuracy go to the mask that patches MORE heads (Prakash et al.'s rule).
+        if (acc, len(chosen)) > best[:2]:
+            best = (acc, len(chosen), step, values)
 
     validate(0, float("nan"))
     bar = tqdm(total=config.epochs * steps_per_epoch, desc=f"dcm {position}", disable=not progress, leave=False)
@@ -351,7 +358,7 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, cache: 
         order = list(train)
         rng.shuffle(order)
         for chunk in batches(len(order), config.batch_size):
-            loss = _step(model, heads, position, cache, order[chunk], mask, optimiser, config)
+            loss = _step(model, heads, position, cache, order[chunk], mask, optimiser, config, scale)
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
@@ -361,8 +368,21 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, cache: 
     return best[3], best[2], history
 
 
+def loss_scale(model: LoadedModel, heads: Sequence[Head], position: str, cache: PairCache,
+               train: Sequence[int], config: DCMConfig) -> float:
+    """The factor on ``lam``: 1 (``lam_scale="absolute"``) or |mean logit(target)| of the unpatched
+    model on the first training micro-batch (``"loss"``), so the sparsity weight is relative to the loss."""
+    if config.lam_scale == "absolute" or not train:
+        return 1.0
+    rows = list(train)[: config.micro_batch]
+    with torch.no_grad():
+        logits, target = cache.logits(model, rows, list(heads), torch.ones(len(heads), device=model.device),
+                                      position)
+    return max(float(logits.float().gather(1, target[:, None]).abs().mean()), 1e-6)
+
+
 def _step(model: LoadedModel, heads: list[Head], position: str, cache: PairCache, rows: list[int],
-          mask: _Mask, optimiser: torch.optim.Optimizer, config: DCMConfig) -> float:
+          mask: _Mask, optimiser: torch.optim.Optimizer, config: DCMConfig, scale: float = 1.0) -> float:
     """One optimiser step over pairs ``rows``, accumulating gradients over micro-batches."""
     optimiser.zero_grad()
     total = 0.0
@@ -371,7 +391,7 @@ def _step(model: LoadedModel, heads: list[Head], position: str, cache: PairCache
         loss = -logits.float().gather(1, target[:, None])[:, 0].sum() / len(rows)
         loss.backward()
         total += loss.item()
-    penalty = config.lam * mask.penalty()
+    penalty = config.lam * scale * mask.penalty()
     penalty.backward()
     optimiser.step()
     mask.after_step()
@@ -399,7 +419,7 @@ def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Seq
     full = cache.accuracy(model, test, heads, position, bs)
     random_est = _random_baseline(model, cache, test, heads, len(selected), position, config)
     return DCMResult(desideratum, position, heads, [round(float(v), 4) for v in values.tolist()], selected,
-                     bootstrap(acc), bootstrap(cache.floor[test]), bootstrap(full), random_est,
+                     proportion(acc), proportion(cache.floor[test]), proportion(full), random_est,
                      (len(train), len(val), len(test)), best_step, history, group, asdict(config))
 
 
@@ -412,14 +432,15 @@ def random_pool(model: LoadedModel, heads: Sequence[Head], config: DCMConfig) ->
 
 def _random_baseline(model: LoadedModel, cache: PairCache, test: Sequence[int], heads: list[Head], k: int,
                      position: str, config: DCMConfig) -> Optional[Estimate]:
-    """Target accuracy of random head sets of size ``k`` (pooled over ``n_random`` draws)."""
+    """Target accuracy of random head sets of size ``k``: the mean over ``n_random`` draws, with an
+    interval that resamples draws and prompts (the spread between draws counts)."""
     if k == 0 or config.n_random < 1:
         return None
     pool = random_pool(model, heads, config)
     rng = random.Random(config.seed + 1)
     draws = [cache.accuracy(model, test, rng.sample(pool, k), position, config.eval_batch)
              for _ in range(config.n_random)]
-    return bootstrap(np.concatenate(draws))
+    return pooled_proportion(draws)
 
 
 def dcm_circuit(model: LoadedModel, circuit: Circuit, desiderata: dict[str, Sequence[CounterfactualPair]],
@@ -474,5 +495,5 @@ def semantic_patching(models: Iterable[LoadedModel], heads: Sequence[Head], posi
     for model in models:
         cache = PairCache.build(model, pairs, [(list(heads), position)], batch_size)
         acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress=True)
-        out.append(SemanticResult(model.name, bootstrap(acc), bootstrap(cache.floor)))
+        out.append(SemanticResult(model.name, proportion(acc), proportion(cache.floor)))
     return out

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from .models.loading import LoadedModel
 from .models.remote import keep
 from .patching.core import Patch, run
-from .stats import Estimate, bootstrap
+from .stats import Estimate, bootstrap, proportion
 from .tasks.entity_tracking import EntityTrackingExample, batch_tensors
 
 PatchFn = Callable[[dict, slice], Iterable[Patch]]
@@ -20,14 +20,14 @@ PatchFn = Callable[[dict, slice], Iterable[Patch]]
 
 @dataclass
 class EvalResult:
-    """Per-prompt correctness and answer probability, with bootstrap intervals."""
+    """Per-prompt correctness (exact binomial interval) and answer probability (bootstrap interval)."""
 
     correct: np.ndarray  # bool [n]
     prob: np.ndarray  # probability of the answer token [n]
 
     @property
     def accuracy(self) -> Estimate:
-        return bootstrap(self.correct.astype(float))
+        return proportion(self.correct.astype(float))
 
     @property
     def answer_prob(self) -> Estimate:

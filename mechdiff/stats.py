@@ -50,3 +50,44 @@ def bootstrap_ratio(num: Sequence[float], den: Sequence[float], confidence: floa
     alpha = (1 - confidence) / 2
     low, high = (np.quantile(ratios, [alpha, 1 - alpha]) if ratios.size else (value, value))
     return Estimate(value, float(low), float(high), int(a.size))
+
+
+def proportion(successes: Sequence[float] | np.ndarray, confidence: float = 0.95) -> Estimate:
+    """Exact (Clopper-Pearson) CI of a proportion from per-example 0/1 outcomes.
+
+    Unlike a bootstrap it does not collapse to a point when every outcome is equal: 0 of 40 has
+    an upper bound near 0.09."""
+    arr = np.asarray(successes, dtype=float)
+    if arr.size == 0:
+        raise ValueError("a proportion needs at least one outcome")
+    if not np.all((arr == 0) | (arr == 1)):
+        raise ValueError("proportion() takes 0/1 outcomes; use bootstrap() for other values")
+    k, n = int(arr.sum()), int(arr.size)
+    ci = stats.binomtest(k, n).proportion_ci(confidence_level=confidence, method="exact")
+    return Estimate(k / n, float(ci.low), float(ci.high), n)
+
+
+def pooled_proportion(draws: Sequence[Sequence[float]], confidence: float = 0.95) -> Estimate:
+    """Mean outcome over several random draws on the same prompts, with a CI that resamples prompts
+    and draws (two-stage percentile bootstrap), so the spread between draws is not ignored."""
+    arr = np.asarray(draws, dtype=float)  # "draw prompt"
+    if arr.ndim != 2 or arr.size == 0:
+        raise ValueError("pooled_proportion() takes a draws x prompts array")
+    rng = np.random.default_rng(0)
+    n_d, n_p = arr.shape
+    means = [arr[rng.integers(0, n_d, n_d)][:, rng.integers(0, n_p, n_p)].mean() for _ in range(1000)]
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(means, [alpha, 1 - alpha])
+    return Estimate(float(arr.mean()), float(low), float(high), int(n_p))
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95,
+                      n_resamples: int = 1000, seed: int = 0) -> Estimate:
+    """CI of mean(a - b) for two interventions scored on the same prompts (paired bootstrap)."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError(f"paired values need the same prompts; got {x.shape} and {y.shape}")
+    d = x - y
+    if d.size < 2 or np.all(d == d[0]):
+        return Estimate(float(d.mean()), float(d.mean()), float(d.mean()), int(d.size))
+    return bootstrap(d, confidence=confidence, n_resamples=n_resamples, seed=seed)

@@ -29,7 +29,7 @@ from ..components import Head, all_heads
 from ..evaluate import EvalResult, batches, evaluate
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, run
-from ..stats import Estimate, bootstrap, bootstrap_ratio
+from ..stats import Estimate, bootstrap, bootstrap_ratio, pooled_proportion, proportion
 from ..tasks.entity_tracking import EntityTrackingExample, batch_tensors, generate, path_patching_pairs
 from .circuit import Circuit
 
@@ -205,12 +205,31 @@ def per_prompt(result: EvalResult, metric: Metric = "accuracy") -> np.ndarray:
 # --------------------------------------------------------------------------------------
 
 
-def random_circuit(circuit: Circuit, n_layers: int, n_heads: int, rng: random.Random) -> Circuit:
-    """A circuit with the same per-group sizes and positions, heads drawn from all heads of the model."""
-    pool = all_heads(n_layers, n_heads)
-    groups = {g: sorted(rng.sample(pool, len(hs))) for g, hs in circuit.groups.items()}
+RANDOM_MATCH = ("layer", "all")  # the first is the default
+
+
+def random_circuit(circuit: Circuit, n_layers: int, n_heads: int, rng: random.Random,
+                   match: str = RANDOM_MATCH[0]) -> Circuit:
+    """A circuit with the same per-group sizes and positions. ``match="layer"``: each head is replaced
+    by a head of the same layer (same position), so the draw keeps the circuit's depth profile;
+    ``"all"``: heads drawn from all heads of the model."""
+    if match not in RANDOM_MATCH:
+        raise ValueError(f"match must be one of {RANDOM_MATCH}, got {match!r}")
+    if match == "all":
+        pool = all_heads(n_layers, n_heads)
+        groups = {g: sorted(rng.sample(pool, len(hs))) for g, hs in circuit.groups.items()}
+    else:
+        groups = {g: _layer_matched(hs, n_heads, rng) for g, hs in circuit.groups.items()}
     return Circuit(circuit.model, circuit.task, groups, dict(circuit.positions), names=dict(circuit.names),
                    meta={"random_baseline_of": circuit.model})
+
+
+def _layer_matched(heads: Sequence[Head], n_heads: int, rng: random.Random) -> list[Head]:
+    """As many heads per layer as ``heads`` has there, drawn uniformly from that layer."""
+    per_layer: dict[int, int] = {}
+    for h in heads:
+        per_layer[h.layer] = per_layer.get(h.layer, 0) + 1
+    return sorted(Head(layer, i) for layer, k in per_layer.items() for i in rng.sample(range(n_heads), k))
 
 
 def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "entity-tracking") -> Circuit:
@@ -223,11 +242,15 @@ def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "enti
     return circuit
 
 
-def faithfulness(scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int = 0) -> dict:
-    """F(M), F(C), faithfulness F(C)/F(M) for accuracy and answer probability, with bootstrap CIs.
+def faithfulness(scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int = 0,
+                 match: str = RANDOM_MATCH[0]) -> dict:
+    """F(M), F(C), faithfulness F(C)/F(M) for accuracy and answer probability, with CIs (exact
+    binomial for accuracy, bootstrap for probability and the ratios).
 
     With ``n_random > 0`` also the mean over ``n_random`` random circuits of the same group sizes
-    (seeded): per prompt, each metric is averaged over the draws before bootstrapping.
+    (seeded, layer-matched by default): per prompt, each metric is averaged over the draws before
+    bootstrapping; ``random.accuracy`` resamples draws and prompts, and ``random.draws`` lists each
+    draw's accuracy so the spread is visible.
     """
     shape = scorer.model.shape
     circuit.validate(shape.n_layers, shape.n_heads)
@@ -235,17 +258,20 @@ def faithfulness(scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int 
     out = {"full": _figures(full, full), "circuit": _figures(circ, full), "n_prompts": len(scorer.records)}
     if n_random > 0:
         rng = random.Random(seed)
-        draws = [scorer.keep(random_circuit(circuit, shape.n_layers, shape.n_heads, rng).pairs())
+        draws = [scorer.keep(random_circuit(circuit, shape.n_layers, shape.n_heads, rng, match).pairs())
                  for _ in tqdm(range(n_random), desc="random circuits", disable=not scorer.progress, leave=False)]
         mean = EvalResult(np.mean([d.correct for d in draws], 0), np.mean([d.prob for d in draws], 0))
-        out["random"] = {**_figures(mean, full), "n_draws": n_random, "seed": seed}
+        figures = _figures(mean, full)
+        figures["accuracy"] = pooled_proportion([d.correct.astype(float) for d in draws]).to_dict()
+        out["random"] = {**figures, "n_draws": n_random, "seed": seed, "match": match,
+                         "draws": [float(d.correct.mean()) for d in draws]}
     return out
 
 
 def _figures(result: EvalResult, full: EvalResult) -> dict:
     acc, prob = per_prompt(result, "accuracy"), per_prompt(result, "prob")
     return {
-        "accuracy": bootstrap(acc).to_dict(),
+        "accuracy": (proportion(acc) if np.all((acc == 0) | (acc == 1)) else bootstrap(acc)).to_dict(),
         "answer_prob": bootstrap(prob).to_dict(),
         "faithfulness": bootstrap_ratio(acc, per_prompt(full, "accuracy")).to_dict(),
         "faithfulness_prob": bootstrap_ratio(prob, per_prompt(full, "prob")).to_dict(),
@@ -281,6 +307,10 @@ def completeness(scorer: Scorer, circuit: Circuit, n_draws: int = 5, p: float = 
                          "ci": bootstrap(diffs).to_dict()}
     out["groups"] = {}
     for g in circuit.groups:
+        if not circuit.groups[g]:  # K empty: F(C) - F(M) says nothing about the group
+            out["groups"][g] = {"completeness": None, "difference": None, "size": 0,
+                                "note": "n/a: the group is empty"}
+            continue
         signed = bootstrap(_difference(scorer, pairs, group_pairs(circuit, g), metric))
         out["groups"][g] = {"completeness": abs(signed.value), "difference": signed.to_dict(),
                             "size": len(circuit.groups[g])}
@@ -310,10 +340,13 @@ def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidate
     Greedy, as Wang et al. and Prakash et al.: start from K = {}; each step tries adding one
     other circuit pair (``n_candidates`` drawn at random, or all with ``None``) and keeps the one
     that raises v's contribution most; stop after ``max_steps`` steps or when none raises it.
-    ``relative`` is the contribution divided by F(M). Results are cached across heads.
+    ``relative`` is the contribution divided by the circuit's own performance F(C) (the paper's
+    rule: a head stays if it moves the metric by more than a fraction of F(C)); ``relative_full``
+    divides by F(M). Results are cached across heads.
     """
     pairs = circuit.pairs()
     f_full = float(per_prompt(scorer.full(), metric).mean())
+    f_circuit = float(per_prompt(scorer.keep(pairs), metric).mean())
     rng = random.Random(seed)
 
     def f(removed: frozenset) -> float:
@@ -335,9 +368,11 @@ def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidate
                 break
             value, u = max(scored, key=lambda t: t[0])
             best, k = value, k | {u}
-        out[pair_name(v)] = {"contribution": best, "relative": best / f_full if f_full else float("nan"),
+        out[pair_name(v)] = {"contribution": best, "relative": best / f_circuit if f_circuit else float("inf"),
+                             "relative_full": best / f_full if f_full else float("nan"),
                              "K": sorted(pair_name(u) for u in k)}
-    return {"metric": metric, "full": f_full, "max_steps": max_steps, "n_candidates": n_candidates,
+    return {"metric": metric, "full": f_full, "circuit": f_circuit, "relative_to": "F(C)",
+            "max_steps": max_steps, "n_candidates": n_candidates,
             "seed": seed, "n_prompts": len(scorer.records), "pairs": out}
 
 
@@ -357,7 +392,7 @@ def prune(circuit: Circuit, result: dict, threshold: float = 0.01) -> Circuit:
             else:
                 removed.append(name)
     meta = {**circuit.meta, "pruned": {
-        "threshold": threshold, "relative_to": "F(M)", "metric": result["metric"],
+        "threshold": threshold, "relative_to": result.get("relative_to", "F(M)"), "metric": result["metric"],
         "max_steps": result["max_steps"], "n_candidates": result["n_candidates"], "seed": result["seed"],
         "n_prompts": result["n_prompts"], "removed": sorted(set(removed)),
         "sizes_before": circuit.sizes()}}

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--circuit", required=True, help="circuit JSON file")
     p.add_argument("--out", required=True, help="where to write the pruned circuit JSON")
     p.add_argument("--threshold", type=float, default=0.01,
-                   help="keep a pair if its contribution / F(M) exceeds this (recorded in the circuit's meta)")
+                   help="keep a pair if its contribution / F(C) (the circuit's own performance, as the paper) exceeds this (recorded in the circuit's meta)")
     p.add_argument("--max-steps", type=int, default=1, help="greedy steps growing K per head")
     p.add_argument("--candidates", type=int, default=4, help="pairs tried per greedy step (0: all)")
     p.add_argument("--metric", default="accuracy", choices=["accuracy", "prob"])

@@ -47,6 +47,9 @@ def completeness_rows(res: dict) -> list[dict]:
                      **estimate_columns("completeness", {**r["ci"], "value": r["mean"]}), "std": r["std"]})
     for g, r in res["groups"].items():
         d = r["difference"]
+        if d is None:  # an empty group: completeness is undefined
+            rows.append({"K": f"group {g}", "size": 0, "completeness": "n/a", "std": None})
+            continue
         lo, hi = sorted((abs(d["low"]), abs(d["high"])))
         if d["low"] <= 0 <= d["high"]:
             lo = 0.0

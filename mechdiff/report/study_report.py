@@ -93,7 +93,8 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
         if not comp:
             continue
         row = {"model": name, "random K mean": comp["random"]["mean"], "random K std": comp["random"]["std"]}
-        row.update({f"group {g}": v["completeness"] for g, v in comp["groups"].items()})
+        row.update({f"group {g}": "n/a" if v["completeness"] is None else v["completeness"]
+                    for g, v in comp["groups"].items()})
         comp_rows.append(row)
     if comp_rows:
         text += "\n" + _table(study, comp_rows, "completeness",
@@ -256,7 +257,7 @@ def write_report(study: "Study", accuracy: dict, found: dict, circuits: dict, ma
         f"Discovery on {spec.discovery.n} clean/counterfactual pairs per model; top-k per step "
         f"{spec.discovery.top_k}; attribution screen: {spec.discovery.screen} "
         f"(shortlist {spec.discovery.screen_multiple} x k); pruning: a head stays if removing it lowers the "
-        f"{spec.scoring.prune_metric} metric by more than {spec.scoring.prune_threshold} of F(M) "
+        f"{spec.scoring.prune_metric} metric by more than {spec.scoring.prune_threshold} of the circuit's own F(C) "
         f"({spec.scoring.prune_steps} greedy steps growing K in the minimality search).\n",
         circuit_section(study, found, circuits),
         "## Circuit x model\n", mat_text,
