@@ -157,3 +157,37 @@ def test_validation_ties_go_to_the_larger_head_set(pair_cache, monkeypatch):
     chosen = next(h for h in history if h["step"] == best_step)
     assert chosen["n_selected"] == most
     assert int((values < 0.5).sum()) == most
+
+
+def test_position_classes_partition_every_prompt(smollm2_tokenizer):
+    from mechdiff.tasks.entity_tracking_positions import CLASSES, position_classes
+
+    records = generate(smollm2_tokenizer, 8, n_boxes=4, seed=2)
+    masks = position_classes(records, len(records[0].input_ids))
+    assert set(masks) == set(CLASSES)
+    assert torch.equal(sum(m.int() for m in masks.values()), torch.ones(8, len(records[0].input_ids), dtype=torch.int))
+    for row, r in enumerate(records):
+        assert masks["query_object"][row].nonzero()[:, 0].tolist() == [r.positions["objects"][r.query_index]]
+        assert masks["query_label_context"][row].nonzero()[:, 0].tolist() == [r.positions["query_label_context"]]
+        assert masks["last"][row].nonzero()[:, 0].tolist() == [r.positions["last"]]
+
+
+def test_position_scan_ends_at_the_full_model_and_classes_equal_named_positions(scorer):
+    from mechdiff.circuits.positions import every_head_at, position_scan
+    from mechdiff.tasks.entity_tracking_positions import CLASSES
+
+    shape = scorer.model.shape
+    # a class holding one named position is that position
+    by_class = per_prompt(scorer.keep(every_head_at(shape.n_layers, shape.n_heads, ["last", "query_label"])), "prob")
+    from mechdiff.components import all_heads
+    named = [(h, p) for p in ("last", "query_label") for h in all_heads(shape.n_layers, shape.n_heads)]
+    assert np.array_equal(by_class, per_prompt(scorer.keep(named), "prob"))
+    res = position_scan(scorer, CLASSES, metric="prob")
+    last = res["steps"][-1]
+    assert sorted(last["classes"]) == sorted(CLASSES)
+    assert last["faithfulness_prob"]["value"] == pytest.approx(1.0)  # every class kept: the model itself
+    values = [s["candidates"][s["added"]] for s in res["steps"]]
+    assert all(s["candidates"][s["added"]] == max(s["candidates"].values()) for s in res["steps"])
+    assert len(values) == len(CLASSES)
+    short = position_scan(scorer, CLASSES, metric="prob", max_steps=2)
+    assert [s["added"] for s in short["steps"]] == [s["added"] for s in res["steps"][:2]]

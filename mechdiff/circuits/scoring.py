@@ -107,8 +107,14 @@ def _head_mask(layer_pairs: Sequence[Pair], batch: dict, n_pos: int, n_heads: in
         if pos == EVERY_POSITION:
             mask[:, :, head.head] = fill
             continue
+        classes = batch.get("position_classes", {})
+        if pos in classes:  # a position class: a boolean "batch pos" mask
+            column = mask[:, :, head.head]
+            column[classes[pos]] = fill
+            continue
         if pos not in batch["positions"]:
-            raise ValueError(f"unknown position {pos!r}; valid: {sorted(batch['positions'])} or {EVERY_POSITION!r}")
+            raise ValueError(f"unknown position {pos!r}; valid: {sorted(batch['positions'])}, the classes "
+                             f"{sorted(classes)} or {EVERY_POSITION!r}")
         where = batch["positions"][pos]
         if where.ndim != 1 or (where < 0).any():
             raise ValueError(f"position {pos!r} is missing in some prompts; score on prompts that contain it")

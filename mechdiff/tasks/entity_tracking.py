@@ -805,11 +805,14 @@ def batch_tensors(records: Sequence[EntityTrackingExample]) -> dict[str, Any]:
     positions = {name: pos(name) for name in SCALAR_POSITIONS}
     positions["objects"] = torch.tensor([r.positions["objects"] for r in records], dtype=torch.long)
     positions["labels"] = torch.tensor([r.positions["labels"] for r in records], dtype=torch.long)
+    from .entity_tracking_positions import position_classes
+
     return {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
         "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long),
         "positions": positions,
+        "position_classes": position_classes(records, input_ids.shape[1]),
     }
 
 
