@@ -122,7 +122,7 @@ def test_ablation_errors(tiny_llama, records):
         ablation_patches(tiny_llama, torch.zeros(3, 5, 32), batch, [])
     means = torch.zeros(3, batch["input_ids"].shape[1], 32)
     with pytest.raises(ValueError, match="unknown position"):
-        ablation_patches(tiny_llama, means, batch, [(Head(0, 0), "first")])
+        ablation_patches(tiny_llama, means, batch, [(Head(0, 0), "nowhere")])
     with pytest.raises(ValueError, match="no reference records"):
         position_means(tiny_llama, [])
 
