@@ -12,8 +12,16 @@ fine-tune's run are written into the base's run, per circuit group at the group'
   head of that group reads.
 - ``qk``, ``qkv``: combinations, to separate gains of the QK circuit from the OV circuit.
 
-:func:`run_cmap` reports accuracy of the patched base per group and for the whole circuit,
-beside the base's and the fine-tune's accuracies.
+Isolation (``isolate=True``, the default, as the paper): for Q/K/V kinds every head's output at
+positions other than the scope's positions and the read-out is restored to the base's own value
+in every layer from the first patched one, so the patched K/V change only what the circuit heads
+read at their positions. Under grouped-query attention the other query heads of a patched KV group
+are restored too, at every position: the K/V patch then acts per query head, and "V of group A"
+patches exactly the heads of group A, like "Q of group A".
+
+:func:`run_cmap` reports accuracy of the patched base per group and for the whole circuit, beside
+the base's and the fine-tune's accuracies, a layer-matched random-head control per kind, and keeps
+each prompt's outcome so two kinds can be compared on the same prompts (:meth:`CMAPResult.paired`).
 """
 
 from __future__ import annotations
@@ -26,13 +34,15 @@ import torch
 from tqdm.auto import tqdm
 
 from .circuits.circuit import Circuit
+import random
+
 from .components import Head
 from .evaluate import batches
 from .models.loading import LoadedModel
 from .models.modelset import check_shapes
 from .models.remote import keep
 from .patching.core import Patch, Resume, run
-from .stats import Estimate, bootstrap, proportion
+from .stats import Estimate, bootstrap, paired_difference, proportion
 from .tasks.entity_tracking import EntityTrackingExample, batch_tensors
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
@@ -40,8 +50,11 @@ CIRCUIT_SCOPE = "circuit"
 CAPTION = ("CMAP: activations captured in the fine-tune's run are patched into the base's run on the same prompts, "
            "per group at the group's position. z = head outputs (o_proj input), projected by the BASE model's o_proj; "
            "q = the head's query at its position; k/v = keys/values at every position up to and including it. "
-           "Under grouped-query attention K and V belong to a KV group: patching a head's K or V patches its whole "
-           "KV group.")
+           "For q/k/v every head's output at positions other than the group's and the last is restored to the "
+           "base's, and other query heads of a patched KV group are restored everywhere, so only the group's heads "
+           "read the patched Q/K/V (per query head under grouped-query attention).")
+CAPTION_UNISOLATED = ("CMAP without isolation: q/k/v patches write the KV group's keys/values at every position up to "
+                      "the group's, and every head reading them (the whole KV group, at every position) responds.")
 
 Scope = list[tuple[Head, str]]  # (head, position name) pairs
 
@@ -98,6 +111,48 @@ def cmap_patches(model: LoadedModel, scope: Scope, kind: str, captured: dict, po
     return patches
 
 
+def isolation_patches(model: LoadedModel, scope: Scope, kind: str, base_z: dict, positions: dict[str, torch.Tensor],
+                      seq_len: int) -> list[Patch]:
+    """z patches that restore the base's own head outputs, so a Q/K/V patch of ``scope`` changes only
+    what the scope's heads read at their positions (see the module docstring); none for ``z``.
+
+    From the scope's first layer on, every head's output is restored except at the scope's positions
+    and the read-out; in a layer whose K/V are patched, the heads of the patched KV groups are restored
+    everywhere except each scope head at its own position. ``base_z``: layer -> the base's plain ``z``."""
+    if kind == "z":
+        return []
+    shape = model.shape
+    n = positions["last"].shape[0]
+    rows = torch.arange(n)
+    free = torch.zeros(n, seq_len, dtype=torch.bool)  # positions whose outputs may change
+    free[rows, positions["last"]] = True
+    for _, pos_name in scope:
+        free[rows, positions[pos_name]] = True
+    kv_layers = {h.layer for h, _ in scope} if set(kind) & {"k", "v"} else set()
+    patches = []
+    for layer in range(min(h.layer for h, _ in scope), shape.n_layers):
+        keep = free[:, :, None].expand(n, seq_len, shape.n_heads).clone()  # "batch pos head", True = keep patched
+        if layer in kv_layers:
+            ours = [(h.head, pos) for h, pos in scope if h.layer == layer]
+            groups = {h // shape.group_size for h, _ in ours}
+            for head in range(shape.n_heads):
+                if head // shape.group_size in groups:
+                    keep[:, :, head] = False
+            for head, pos in ours:
+                keep[rows, positions[pos], head] = True
+        mask = keep.repeat_interleave(shape.d_head, dim=2).float()
+        patches.append(Patch("z", layer, base_z[layer], None, None, mask=mask))
+    return patches
+
+
+def random_scope(scope: Scope, n_heads: int, rng: random.Random) -> Scope:
+    """The scope's layers and positions with random heads: as many per (layer, position) as it has."""
+    counts: dict[tuple[int, str], int] = {}
+    for h, pos in scope:
+        counts[(h.layer, pos)] = counts.get((h.layer, pos), 0) + 1
+    return [(Head(layer, i), pos) for (layer, pos), k in counts.items() for i in rng.sample(range(n_heads), k)]
+
+
 @dataclass
 class CMAPRow:
     """Accuracy of the base with one scope's activations of one kind patched in from the fine-tune."""
@@ -126,13 +181,26 @@ class CMAPResult:
     finetune_answer_prob: Optional[Estimate] = None
     positions: dict[str, str] = field(default_factory=dict)
     caption: str = CAPTION
+    random_rows: list[CMAPRow] = field(default_factory=list)  # layer-matched random heads, pooled over draws
+    outcomes: dict[str, list[int]] = field(default_factory=dict)  # "scope/kind" (or "base") -> per-prompt 0/1
+    settings: dict = field(default_factory=dict)
+
+    def paired(self, a: str, b: str) -> Estimate:
+        """Accuracy of ``a`` minus ``b`` ("scope/kind" keys, or "base"/"finetune") on the same prompts,
+        with a paired bootstrap CI: call one part larger than another only where it excludes 0."""
+        missing = [k for k in (a, b) if k not in self.outcomes]
+        if missing:
+            raise KeyError(f"no outcomes for {missing}; known: {sorted(self.outcomes)}")
+        return paired_difference(self.outcomes[a], self.outcomes[b])
 
     def to_dict(self) -> dict:
         probs = {k: v.to_dict() for k, v in (("base_answer_prob", self.base_answer_prob),
                                               ("finetune_answer_prob", self.finetune_answer_prob)) if v is not None}
         return {"base": self.base, "finetune": self.finetune, "caption": self.caption,
                 "base_accuracy": self.base_accuracy.to_dict(), "finetune_accuracy": self.finetune_accuracy.to_dict(),
-                **probs, "positions": self.positions, "rows": [r.to_dict() for r in self.rows]}
+                **probs, "positions": self.positions, "rows": [r.to_dict() for r in self.rows],
+                "random_rows": [r.to_dict() for r in self.random_rows], "outcomes": self.outcomes,
+                "settings": self.settings}
 
 
 def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -145,8 +213,11 @@ def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[np.ndarray, np.n
 
 def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records: Sequence[EntityTrackingExample],
              kinds: Sequence[str] = CMAP_KINDS, batch_size: int = 32, groups: Optional[Iterable[str]] = None,
-             progress: bool = True) -> CMAPResult:
-    """CMAP from ``finetune`` into ``base`` for each group of ``circuit`` and the whole circuit."""
+             progress: bool = True, isolate: bool = True, n_random: int = 0, seed: int = 0) -> CMAPResult:
+    """CMAP from ``finetune`` into ``base`` for each group of ``circuit`` and the whole circuit.
+
+    ``isolate``: restore the base's other head outputs for Q/K/V kinds (see the module docstring).
+    ``n_random``: draws of layer-matched random heads per group (the control), each patched in every kind."""
     check_shapes({base.name: base.shape, finetune.name: finetune.shape})
     circuit.validate(base.shape.n_layers, base.shape.n_heads)
     kinds = parse_kinds(kinds)
@@ -160,7 +231,11 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
             raise ValueError(f"groups {missing} are not in the circuit or empty (groups: {sorted(circuit.groups)})")
         all_scopes = {g: all_scopes[g] for g in wanted}
     sites = capture_sites(circuit.heads())
-    scores: dict = {key: ([], []) for key in ["base", "finetune", *((s, k) for s in all_scopes for k in kinds)]}
+    rng = random.Random(seed)
+    randoms = {f"random:{g}": [random_scope(sc, base.shape.n_heads, rng) for _ in range(n_random)]
+               for g, sc in all_scopes.items() if g != CIRCUIT_SCOPE} if n_random > 0 else {}
+    scores: dict = {key: ([], []) for key in ["base", "finetune", *((s, k) for s in [*all_scopes, *randoms]
+                                                                     for k in kinds)]}
     for rows in tqdm(batches(len(records), batch_size), desc="cmap", disable=not progress):
         batch = batch_tensors(records[rows])
         ids, answer = batch["input_ids"], batch["answer_ids"]
@@ -169,27 +244,48 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
             captured = {key: t.to(base.device) for key, t in donor.captured.items()}
             _append(scores["finetune"], _score(donor.logits, answer))
         with base.session():  # remote: the base's plain and patched runs of this batch in one request
-            scored = keep(_base_scores(base, ids, answer, captured, all_scopes, kinds, batch["positions"]))
+            scored = keep(_base_scores(base, ids, answer, captured, all_scopes, kinds, batch["positions"],
+                                       isolate, randoms))
         for key, value in scored.items():
             _append(scores[key], value)
-    return _result(base, finetune, circuit, scores, all_scopes, kinds)
+    result = _result(base, finetune, circuit, scores, all_scopes, kinds)
+    result.caption = CAPTION if isolate else CAPTION_UNISOLATED
+    result.settings = {"isolate": isolate, "n_random": n_random, "seed": seed, "n_prompts": len(records)}
+    return result
 
 
 def _base_scores(base: LoadedModel, ids: torch.Tensor, answer: torch.Tensor, captured: dict, all_scopes: dict,
-                 kinds: list[str], positions: dict) -> dict:
-    """``(correct, prob)`` of the base, plain and with each (scope, kind) patched from the donor's ``captured``."""
+                 kinds: list[str], positions: dict, isolate: bool = True, randoms: Optional[dict] = None) -> dict:
+    """``(correct, prob)`` of the base, plain and with each (scope, kind) patched from the donor's ``captured``;
+    for each random scope key, the outcomes of its draws averaged per prompt."""
     out = {}
+    randoms = randoms or {}
     # Patched runs resume at their scope's first layer from the plain run's residual (exact: nothing
     # earlier is patched), skipping the blocks before it.
     first = {scope: min(h.layer for h, _ in pairs) for scope, pairs in all_scopes.items()}
+    start = min(first.values())
+    z_sites = [("z", layer) for layer in range(start, base.shape.n_layers)] if isolate else []
     with torch.no_grad():
-        plain = run(base, ids, capture=[("resid", layer - 1) for layer in sorted(set(first.values()) - {0})])
+        plain = run(base, ids, capture=[("resid", layer - 1) for layer in sorted(set(first.values()) - {0})]
+                    + z_sites)
+        base_z = {layer: plain.captured[("z", layer)] for _, layer in z_sites}
         out["base"] = _score(plain.logits, answer)
+
+        def patched(pairs: Scope, kind: str) -> tuple[np.ndarray, np.ndarray]:
+            layer = min(h.layer for h, _ in pairs)
+            resume = Resume(layer, plain.captured[("resid", layer - 1)]) if layer else None
+            patches = cmap_patches(base, pairs, kind, captured, positions, ids.shape[1])
+            if isolate:
+                patches += isolation_patches(base, pairs, kind, base_z, positions, ids.shape[1])
+            return _score(run(base, ids, patches, resume=resume).logits, answer)
+
         for scope, pairs in all_scopes.items():
-            resume = Resume(first[scope], plain.captured[("resid", first[scope] - 1)]) if first[scope] else None
             for kind in kinds:
-                patches = cmap_patches(base, pairs, kind, captured, positions, ids.shape[1])
-                out[(scope, kind)] = _score(run(base, ids, patches, resume=resume).logits, answer)
+                out[(scope, kind)] = patched(pairs, kind)
+        for key, draws in randoms.items():
+            for kind in kinds:
+                runs = [patched(pairs, kind) for pairs in draws]
+                out[(key, kind)] = (np.mean([r[0] for r in runs], 0), np.mean([r[1] for r in runs], 0))
     return out
 
 
@@ -200,11 +296,24 @@ def _append(store: tuple[list, list], scored: tuple[np.ndarray, np.ndarray]) -> 
 
 def _result(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, scores: dict, all_scopes: dict,
             kinds: list[str]) -> CMAPResult:
-    acc = {key: proportion(np.concatenate(c).astype(float)) for key, (c, _) in scores.items()}
+    correct = {key: np.concatenate(c).astype(float) for key, (c, _) in scores.items()}
+    acc = {key: _accuracy(v) for key, v in correct.items()}
     prob = {key: bootstrap(np.concatenate(p)) for key, (_, p) in scores.items()}
     b, f = acc["base"].value, acc["finetune"].value
-    rows = [CMAPRow(s, k, acc[(s, k)], prob[(s, k)], (acc[(s, k)].value - b) / (f - b) if f != b else float("nan"))
-            for s in all_scopes for k in kinds]
+
+    def row(s: str, k: str) -> CMAPRow:
+        return CMAPRow(s, k, acc[(s, k)], prob[(s, k)], (acc[(s, k)].value - b) / (f - b) if f != b else float("nan"))
+
+    rows = [row(s, k) for s in all_scopes for k in kinds]
+    random_rows = [row(s, k) for s, k in dict.fromkeys(key for key in scores if isinstance(key, tuple)
+                                                         and key[0].startswith("random:"))]
     positions = {g: circuit.positions[g] for g in circuit.groups}
+    outcomes = {("/".join(k) if isinstance(k, tuple) else k): v.tolist() for k, v in correct.items()
+                if not (isinstance(k, tuple) and k[0].startswith("random:"))}
     return CMAPResult(base.name, finetune.name, acc["base"], acc["finetune"], rows, prob["base"], prob["finetune"],
-                      positions)
+                      positions, random_rows=random_rows, outcomes={k: [int(x) for x in v] for k, v in outcomes.items()})
+
+
+def _accuracy(values: np.ndarray) -> Estimate:
+    """Exact binomial CI for 0/1 outcomes; a bootstrap for per-prompt means over random draws."""
+    return proportion(values) if np.all((values == 0) | (values == 1)) else bootstrap(values)

@@ -255,7 +255,8 @@ class Study:
                 return {"skipped": f"the circuit of {base} has no heads left after pruning; there is nothing to patch"}
             records = generate(self.tokenizer, c.n, t.n_boxes, t.seed + 5, vocabulary=eval_objects())
             res = run_cmap(self.model(base), self.model(finetune), circuit, records, c.parts,
-                           self.spec.eval.batch_size, progress=self.progress)
+                           self.spec.eval.batch_size, progress=self.progress, isolate=c.isolate,
+                           n_random=c.n_random, seed=t.seed + 5)
             return res.to_dict()
 
         return self.cache.run(f"cmap:{finetune}", {"base": self.digests[base], "finetune": self.digests[finetune],

@@ -151,3 +151,80 @@ def test_cli_cmap_writes_tables_and_figure(tmp_path, smollm2_tokenizer):
     data = json.loads((out / "cmap.json").read_text())
     assert "o_proj" in data["caption"] and "KV group" in data["caption"]
     assert len(data["rows"]) == 3 * 2
+
+
+def _isolated_logits(base, donor, scope, kind, ids, positions):
+    from mechdiff.cmap import isolation_patches
+
+    shape = base.shape
+    sites = [(k, l) for l in range(shape.n_layers) for k in ("q", "k", "v", "z")]
+    cap = run(donor, ids, capture=sites).captured
+    base_z = {l: t for (k, l), t in run(base, ids, capture=sites).captured.items() if k == "z"}
+    patches = cmap_patches(base, scope, kind, cap, positions, ids.shape[1])
+    patches += isolation_patches(base, scope, kind, base_z, positions, ids.shape[1])
+    return run(base, ids, patches).logits, cap
+
+
+@pytest.mark.parametrize("kind", ["q", "k", "v", "qkv"])
+def test_isolated_qkv_changes_only_the_heads_own_reading(tiny_llama, prompts, kind):
+    """Isolated CMAP of one GQA head at ``last`` equals writing, into the plain base, only that head's z at
+    ``last`` as computed with the donor's Q/K/V (run unisolated): its KV-group partner reads nothing new."""
+    donor = make_tiny("llama", seed=5)
+    ids, positions = prompts["input_ids"], prompts["positions"]
+    head = Head(LAYER, 3)  # KV group 1 = heads 2 and 3
+    scope = [(head, "last")]
+    got, cap = _isolated_logits(tiny_llama, donor, scope, kind, ids, positions)
+    loose = run(tiny_llama, ids, cmap_patches(tiny_llama, scope, kind, cap, positions, ids.shape[1]),
+                capture=[("z", LAYER)]).captured[("z", LAYER)]
+    cols = tiny_llama.arch.columns("z", head.head, tiny_llama.shape)
+    rows = torch.arange(ids.shape[0])
+    value = loose[rows, positions["last"], cols]
+    want = run(tiny_llama, ids, [Patch("z", LAYER, value, positions["last"], cols)]).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if kind in ("k", "v", "qkv"):  # unisolated, head 2 reads the patched K/V too: a different result
+        unisolated = run(tiny_llama, ids, cmap_patches(tiny_llama, scope, kind, cap, positions, ids.shape[1])).logits
+        assert not torch.allclose(unisolated, got, atol=1e-4)
+
+
+def test_isolated_cmap_leaves_other_positions_at_the_base(tiny_llama, prompts):
+    """A K/V patch of a head at ``query_label``: every position other than it and ``last`` keeps the base's
+    residual stream in every layer."""
+    donor = make_tiny("llama", seed=5)
+    ids, positions = prompts["input_ids"], prompts["positions"]
+    from mechdiff.cmap import isolation_patches
+
+    shape = tiny_llama.shape
+    scope = [(Head(LAYER, 1), "query_label")]
+    sites = [(k, l) for l in range(shape.n_layers) for k in ("q", "k", "v", "z")]
+    cap = run(donor, ids, capture=sites).captured
+    plain = run(tiny_llama, ids, capture=sites + [("resid", l) for l in range(shape.n_layers)]).captured
+    base_z = {l: plain[("z", l)] for l in range(shape.n_layers)}
+    patches = cmap_patches(tiny_llama, scope, "qkv", cap, positions, ids.shape[1])
+    patches += isolation_patches(tiny_llama, scope, "qkv", base_z, positions, ids.shape[1])
+    got = run(tiny_llama, ids, patches, capture=[("resid", l) for l in range(shape.n_layers)]).captured
+    rows = torch.arange(ids.shape[0])
+    other = torch.ones(ids.shape, dtype=torch.bool)
+    other[rows, positions["last"]] = False
+    other[rows, positions["query_label"]] = False
+    changed = False
+    for l in range(shape.n_layers):
+        torch.testing.assert_close(got[("resid", l)][other], plain[("resid", l)][other], rtol=0, atol=1e-6)
+        changed |= not torch.allclose(got[("resid", l)][~other], plain[("resid", l)][~other], atol=1e-5)
+    assert changed  # the patch did reach the free positions
+
+
+def test_cmap_random_control_and_paired_differences(tiny_llama, smollm2_tokenizer):
+    records = generate(smollm2_tokenizer, 6, n_boxes=3, seed=1)
+    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "C": [Head(0, 1)]},
+                      {"A": "last", "C": "query_label"})
+    donor = perturb_qkv(tiny_llama)
+    res = run_cmap(tiny_llama, donor, circuit, records, kinds=("z", "v"), batch_size=3, progress=False,
+                   n_random=2, seed=0)
+    assert {r.scope for r in res.random_rows} == {"random:A", "random:C"}
+    assert len(res.outcomes["A/z"]) == 6 and set(res.outcomes) >= {"base", "finetune", "A/v", "circuit/z"}
+    d = res.paired("A/z", "base")
+    assert d.value == pytest.approx(sum(res.outcomes["A/z"]) / 6 - sum(res.outcomes["base"]) / 6)
+    assert d.low <= d.value <= d.high
+    with pytest.raises(KeyError, match="no outcomes"):
+        res.paired("A/qk", "base")
+    assert res.settings["isolate"] is True and res.to_dict()["random_rows"]

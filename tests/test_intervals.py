@@ -191,3 +191,14 @@ def test_position_scan_ends_at_the_full_model_and_classes_equal_named_positions(
     assert len(values) == len(CLASSES)
     short = position_scan(scorer, CLASSES, metric="prob", max_steps=2)
     assert [s["added"] for s in short["steps"]] == [s["added"] for s in res["steps"][:2]]
+
+
+def test_report_states_an_ordering_only_when_the_paired_interval_excludes_zero():
+    from mechdiff.report.study_report import _ordering
+
+    clear = {"outcomes": {"circuit/v": [1] * 30 + [0] * 10, "circuit/qk": [1] * 20 + [0] * 20}}
+    assert "the first is larger" in _ordering(clear, "circuit/v", "circuit/qk")
+    assert "the second is larger" in _ordering(clear, "circuit/qk", "circuit/v")
+    close = {"outcomes": {"circuit/v": [1] * 21 + [0] * 19, "circuit/qk": [1] * 20 + [0] * 20}}
+    assert "neither is shown to be larger" in _ordering(close, "circuit/v", "circuit/qk")
+    assert _ordering({}, "circuit/v", "circuit/qk") == ""

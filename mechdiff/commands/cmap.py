@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..circuits.circuit import Circuit
-from ..cmap import CAPTION, CMAP_KINDS, CMAPResult, parse_kinds, run_cmap
+from ..cmap import CMAP_KINDS, CMAPResult, parse_kinds, run_cmap
 from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
 from ..report.tables import estimate_columns, to_markdown, write_table
@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--circuit", required=True, help="circuit JSON file")
     p.add_argument("--kinds", default=",".join(CMAP_KINDS), help=f"comma-separated, from {', '.join(CMAP_KINDS)}")
     p.add_argument("--groups", default=None, help="comma-separated groups (default: all, plus the whole circuit)")
+    p.add_argument("--no-isolate", action="store_true",
+                   help="do not restore the base's other head outputs for Q/K/V (patch whole KV groups, every reader)")
+    p.add_argument("--n-random", type=int, default=0, help="draws of layer-matched random heads per group (control)")
     p.add_argument("--out", default="results/cmap", help="output directory")
     add_dataset_options(p, n=200)
     add_model_options(p)
@@ -35,10 +38,15 @@ def cmap_rows(result: CMAPResult) -> list[dict]:
             {"scope": result.finetune, "position": "-", "kind": "fine-tune",
              **estimate_columns("accuracy", result.finetune_accuracy),
              **estimate_columns("answer_prob", result.finetune_answer_prob), "recovered": 1.0}]
-    for r in result.rows:
-        rows.append({"scope": r.scope, "position": result.positions.get(r.scope, "per group"), "kind": r.kind,
-                     **estimate_columns("accuracy", r.accuracy), **estimate_columns("answer_prob", r.answer_prob),
-                     "recovered": r.recovered})
+    for r in [*result.rows, *result.random_rows]:
+        scope = r.scope.removeprefix("random:")
+        row = {"scope": r.scope, "position": result.positions.get(scope, "per group"), "kind": r.kind,
+               **estimate_columns("accuracy", r.accuracy), **estimate_columns("answer_prob", r.answer_prob),
+               "recovered": r.recovered}
+        key = f"{r.scope}/{r.kind}"
+        if key in result.outcomes:  # paired against the unpatched base on the same prompts
+            row.update(estimate_columns("gain_vs_base", result.paired(key, "base")))
+        rows.append(row)
     return rows
 
 
@@ -52,7 +60,8 @@ def write_outputs(result: CMAPResult, out: Path) -> list[dict]:
     by = {(r.scope, r.kind): r.accuracy for r in result.rows}
     grouped_bars(out / "cmap.png", scopes, {k: [by[(s, k)] for s in scopes] for k in kinds},
                  title=f"CMAP: {result.finetune} -> {result.base} (z projected by the base's o_proj; "
-                       "K/V patch whole KV groups)",
+                       + ("Q/K/V isolated per head)" if result.settings.get("isolate", True)
+                          else "K/V patch whole KV groups)"),
                  references={f"base {result.base}": result.base_accuracy,
                              f"fine-tune {result.finetune}": result.finetune_accuracy})
     write_json(out / "cmap.json", result.to_dict())
@@ -68,8 +77,9 @@ def main(args: argparse.Namespace) -> int:
     circuit.validate(base.shape.n_layers, base.shape.n_heads)
     records = generate(base.tokenizer, n=args.n, n_boxes=args.n_boxes, seed=args.seed)
     groups = args.groups.split(",") if args.groups else None
-    result = run_cmap(base, finetune, circuit, records, kinds, args.batch_size, groups)
+    result = run_cmap(base, finetune, circuit, records, kinds, args.batch_size, groups,
+                      isolate=not args.no_isolate, n_random=args.n_random, seed=args.seed)
     rows = write_outputs(result, Path(args.out))
     print(to_markdown(rows))
-    print(f"\n{CAPTION}")
+    print(f"\n{result.caption}")
     return 0

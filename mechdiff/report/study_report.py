@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ..circuits.circuit import Circuit
 from ..circuits.overlap import overlap_table
 from ..io import write_text
-from ..stats import Estimate
+from ..stats import Estimate, paired_difference
 from .bars import grouped_bars
 from .membership import membership_heatmap
 from .tables import estimate_columns, to_markdown, write_table
@@ -212,8 +212,20 @@ def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], over
             qk = {x["kind"]: x for x in r.result["rows"] if x["scope"] == "circuit"}
             if "qk" in qk and "v" in qk:
                 lines.append(f"  Whole circuit: QK patching gives {_fmt(qk['qk']['accuracy'])}, V patching "
-                             f"{_fmt(qk['v']['accuracy'])}.")
+                             f"{_fmt(qk['v']['accuracy'])}. {_ordering(r.result, 'circuit/v', 'circuit/qk')}")
     return "\n".join(lines)
+
+
+def _ordering(result: dict, a: str, b: str) -> str:
+    """A sentence on ``a`` against ``b`` from their paired difference on the same prompts: an ordering is
+    stated only where the paired 95% interval excludes 0."""
+    outcomes = result.get("outcomes", {})
+    if a not in outcomes or b not in outcomes:
+        return ""
+    d = paired_difference(outcomes[a], outcomes[b])
+    verdict = ("so the first is larger" if d.low > 0 else "so the second is larger" if d.high < 0
+               else "which includes 0: neither is shown to be larger")
+    return f"Paired difference {a} - {b} on the same prompts: {d}, {verdict}."
 
 
 def dcm_findings(dcm: "StageRecord") -> str:

@@ -72,6 +72,8 @@ class DcmSection:
 class CmapSection:
     n: int = 40
     parts: list[str] = field(default_factory=lambda: ["z", "q", "k", "v", "qk", "qkv"])
+    isolate: bool = True  # restore the base's other head outputs for Q/K/V (the paper; see mechdiff.cmap)
+    n_random: int = 0  # draws of layer-matched random heads per group (the control)
 
 
 @dataclass
