@@ -18,7 +18,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Literal, Optional, Sequence
+from typing import Iterable, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 import torch
@@ -189,6 +189,11 @@ class Scorer:
         if not key:
             return self.full()
         return self._eval("ablate", key, lambda batch, rows: ablation_patches(self.model, self.means, batch, key, False))
+
+    def batches(self) -> Iterator[tuple[slice, dict]]:
+        """``(rows, batch tensors)`` over the scorer's prompts, ``batch_size`` at a time."""
+        for rows in batches(len(self.records), self.batch_size):
+            yield rows, batch_tensors(self.records[rows])
 
     def _eval(self, mode: str, key: frozenset, patches) -> EvalResult:
         if (mode, key) not in self.cache:

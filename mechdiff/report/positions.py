@@ -31,3 +31,27 @@ def position_scan_figure(scan: dict, path: str | Path, title: str = "") -> Path:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return save_figure(fig, path, dpi=120)
+
+
+def curve_figure(curve: dict, path: str | Path, title: str = "") -> Path:
+    """Faithfulness F(C)/F(M) (accuracy, 95% CIs) and MIB-normalised probability faithfulness against the
+    fraction of (head, position) pairs kept; the full model and the target drawn as lines."""
+    rows = curve["rows"]
+    x = [r["fraction"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    v = [r["faithfulness"]["value"] for r in rows]
+    err = [[r["faithfulness"]["value"] - r["faithfulness"]["low"] for r in rows],
+           [r["faithfulness"]["high"] - r["faithfulness"]["value"] for r in rows]]
+    ax.errorbar(x, v, yerr=err, marker="o", capsize=3, label="F(C)/F(M), accuracy")
+    if all(r["normalised_prob"] is not None for r in rows):
+        ax.plot(x, [r["normalised_prob"] for r in rows], marker="s", label="normalised, answer probability")
+    ax.axhline(1.0, color="grey", ls="--", lw=1, label="full model")
+    ax.axhline(curve["target"], color="tab:red", ls=":", lw=1, label=f"target {curve['target']}")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"fraction of the {curve['n_pairs_total']} (head, position class) pairs kept")
+    ax.set_ylabel("faithfulness")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path, dpi=120)

@@ -1,0 +1,106 @@
+"""The (head, position class) attribution ranking against an independent torch-hook gradient, and the
+faithfulness curve's end points."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mechdiff.circuits.curve import ablation_attribution, all_pairs, faithfulness_curve, ranking
+from mechdiff.circuits.scoring import Scorer, per_prompt, reference_records
+from mechdiff.tasks.entity_tracking import batch_tensors, generate
+from mechdiff.tasks.entity_tracking_positions import CLASSES
+
+N_BOXES = 3
+
+
+@pytest.fixture
+def scorer(tiny_llama, smollm2_tokenizer) -> Scorer:
+    records = generate(smollm2_tokenizer, 6, n_boxes=N_BOXES, seed=0)
+    return Scorer.build(tiny_llama, records, reference_records(smollm2_tokenizer, 6, N_BOXES, 1), 3, False)
+
+
+def hook_attribution(scorer: Scorer, classes) -> dict:
+    """The same quantity with plain torch hooks on each o_proj input (no nnsight)."""
+    model, shape = scorer.model, scorer.model.shape
+    batch = batch_tensors(scorer.records)
+    inputs = {}
+
+    def keep(layer):
+        def hook(module, args):
+            args[0].retain_grad()
+            inputs[layer] = args[0]
+        return hook
+
+    handles = [model.model.model.layers[l].self_attn.o_proj.register_forward_pre_hook(keep(l))
+               for l in range(shape.n_layers)]
+    handles.append(model.model.model.embed_tokens.register_forward_hook(
+        lambda module, args, output: output.detach().requires_grad_()))
+    try:
+        logits = model.model(batch["input_ids"]).logits[:, -1].float()
+        logits.log_softmax(-1).gather(1, batch["answer_ids"][:, None]).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    d = shape.d_head
+    for l in range(shape.n_layers):
+        z, g = inputs[l].detach(), inputs[l].grad
+        delta = scorer.means[l][None] - z
+        for c in classes:
+            m = batch["position_classes"][c].float()[..., None]
+            for h in range(shape.n_heads):
+                cols = slice(h * d, (h + 1) * d)
+                out[(l, h, c)] = float((delta[..., cols] * g[..., cols] * m).sum() / len(scorer.records))
+    return out
+
+
+def test_attribution_equals_an_independent_hook_gradient(scorer):
+    got = ablation_attribution(scorer, CLASSES)
+    want = hook_attribution(scorer, CLASSES)
+    assert len(got) == len(CLASSES) * scorer.model.shape.n_layers * scorer.model.shape.n_heads
+    for (head, c), v in got.items():
+        assert v == pytest.approx(want[(head.layer, head.head, c)], rel=1e-4, abs=1e-6)
+    assert max(abs(v) for v in got.values()) > 0
+
+
+def test_curve_ends_at_the_full_model_and_picks_the_smallest_size(scorer):
+    shape = scorer.model.shape
+    scores = ablation_attribution(scorer, CLASSES)
+    ranked = ranking(scores)
+    assert len(ranked) == len(all_pairs(shape.n_layers, shape.n_heads, CLASSES))
+    assert [abs(scores[p]) for p in ranked] == sorted((abs(v) for v in scores.values()), reverse=True)
+    curve = faithfulness_curve(scorer, ranked, sizes=(0.05, 0.5, 1.0), target=0.5)
+    last = curve["rows"][-1]
+    assert last["n_pairs"] == len(ranked)
+    assert last["faithfulness_prob"]["value"] == pytest.approx(1.0)  # every pair kept: the model itself
+    assert curve["full_prob"] == pytest.approx(float(per_prompt(scorer.full(), "prob").mean()))
+    if last["normalised_prob"] is not None:
+        assert last["normalised_prob"] == pytest.approx(1.0)
+    reached = [r for r in curve["rows"] if r["faithfulness"]["value"] >= 0.5]
+    assert curve["chosen"] == (reached[0] if reached else None)
+    x = np.array([0.0, 0.05, 0.5, 1.0])
+    y = np.array([0.0] + [r["normalised_prob"] for r in curve["rows"]])
+    assert curve["cpr_prob"] == pytest.approx(float(np.trapezoid(y, x)))
+    with pytest.raises(ValueError, match="no pairs"):
+        faithfulness_curve(scorer, [])
+
+
+def test_cli_curve_and_positions_write_tables_and_figures(tmp_path, tiny_llama, smollm2_tokenizer):
+    import json
+
+    from mechdiff.cli import main as cli_main
+
+    tiny_llama.model.save_pretrained(tmp_path / "m")
+    smollm2_tokenizer.save_pretrained(tmp_path / "m")
+    common = ["--model", str(tmp_path / "m"), "--n", "6", "--n-boxes", "3", "--batch-size", "3", "--no-progress"]
+    assert cli_main(["curve", *common, "--sizes", "0.1,1.0", "--out", str(tmp_path / "c")]) == 0
+    data = json.loads((tmp_path / "c" / "curve.json").read_text())
+    assert data["curve"]["rows"][-1]["n_pairs"] == len(data["ranking"]) == 13 * 3 * 4
+    assert (tmp_path / "c" / "curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert cli_main(["positions", *common, "--max-steps", "2", "--leave-one-out", "--out", str(tmp_path / "p")]) == 0
+    scan = json.loads((tmp_path / "p" / "positions.json").read_text())
+    assert len(scan["scan"]["steps"]) == 2 and len(scan["leave_one_out"]["classes"]) == 13
+    assert (tmp_path / "p" / "position_scan.png").is_file() and (tmp_path / "p" / "leave_one_out.md").is_file()
+    assert cli_main(["curve", *common, "--sizes", "0,2", "--out", str(tmp_path / "bad")]) == 2
