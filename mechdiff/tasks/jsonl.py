@@ -185,7 +185,7 @@ def import_pairs(path: str | os.PathLike, tokenizer: Any, out: str | os.PathLike
     ``pairs.jsonl``, the plan if given) atomically: into a temporary directory, then renamed."""
     out = Path(out)
     if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; choose another --out or pass --force to replace it")
+        raise ValueError(f"{out} exists; choose another --out or pass --force to replace it")
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     if metric == "logit_diff" and not _has_counterfactual_answers(path):
