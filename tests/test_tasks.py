@@ -201,3 +201,18 @@ def test_ioi_positions_answers_and_abc_corruptions(smollm2_tokenizer):
         src_names = {dec(s.input_ids[s.positions[k]]).strip() for k in ("IO", "S1", "S2")}
         assert len(src_names) == 3 and not src_names & {io, subj} and p.target_id == b.answer_id
     assert {p.base.positions["IO"] < p.base.positions["S1"] for p in pairs} == {True, False}
+
+
+def test_the_engine_imports_no_concrete_task():
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "mechdiff"
+    engine = [*root.glob("models/*.py"), *root.glob("patching/*.py"), *root.glob("circuits/*.py"),
+              root / "store.py", root / "dcm.py", root / "cmap.py", root / "evaluate.py"]
+    offenders = []
+    for path in engine:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [f"{node.module or ''}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [(path.name, n) for n in names if "tasks" in n and not n.split("tasks")[1].startswith(".base")]
+    assert offenders == []
