@@ -43,7 +43,7 @@ from .models.modelset import check_shapes
 from .models.remote import keep
 from .patching.core import Patch, Resume, run
 from .stats import Estimate, bootstrap, paired_difference, proportion
-from .tasks.entity_tracking import EntityTrackingExample, batch_tensors
+from .tasks.base import Record, batch_tensors
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
 CIRCUIT_SCOPE = "circuit"
@@ -211,7 +211,7 @@ def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[np.ndarray, np.n
     return correct, prob
 
 
-def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records: Sequence[EntityTrackingExample],
+def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records: Sequence[Record],
              kinds: Sequence[str] = CMAP_KINDS, batch_size: int = 32, groups: Optional[Iterable[str]] = None,
              progress: bool = True, isolate: bool = True, n_random: int = 0, seed: int = 0) -> CMAPResult:
     """CMAP from ``finetune`` into ``base`` for each group of ``circuit`` and the whole circuit.

@@ -1,7 +1,7 @@
 """Desiderata-based component masking (DCM; Davies et al. 2023, as used by Prakash et al. 2024, Sec. 4).
 
-For a group of heads acting at one dataset position and a *desideratum* (a list of
-:class:`~mechdiff.tasks.entity_tracking.CounterfactualPair` whose ``target`` is the answer the
+For a group of heads acting at one dataset position and a *desideratum* (a list of the
+task's counterfactual pairs (:class:`~mechdiff.tasks.base.PairRecord`) whose ``target`` is the answer the
 base run should give if the heads encode the property the source differs in), learn one mask
 value ``m`` per head. At the group's position (read per example from ``pair.base.positions``
 and ``pair.source.positions`` under the same name), each head's output is mixed::
@@ -31,7 +31,7 @@ import logging
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -44,22 +44,10 @@ from .evaluate import batches
 from .models.loading import LoadedModel
 from .patching.core import Patch, Resume, run
 from .stats import Estimate, bootstrap, pooled_proportion, proportion
-from .tasks.entity_tracking import (
-    CounterfactualPair,
-    label_value_pairs,
-    object_value_pairs,
-    pair_batch_tensors,
-    positional_pairs,
-)
+from .tasks.base import PairRecord, get_task, pair_batch_tensors
 
 log = logging.getLogger(__name__)
 
-#: Built-in desiderata: name -> pair generator ``(tokenizer, n, n_boxes=, seed=) -> pairs``.
-DESIDERATA: dict[str, Callable[..., list[CounterfactualPair]]] = {
-    "positional": positional_pairs,
-    "object": object_value_pairs,
-    "label": label_value_pairs,
-}
 _ALIASES = {"object_value": "object", "label_value": "label", "position": "positional"}
 PARAMETERISATIONS = ("continuous", "hard_concrete")
 
@@ -68,13 +56,15 @@ _BETA, _GAMMA, _ZETA = 2.0 / 3.0, -0.1, 1.1
 
 
 def desideratum_pairs(name: str, tokenizer, n: int, n_boxes: int = 7, seed: int = 0,
-                      vocabulary: Optional[Sequence[str]] = None) -> list[CounterfactualPair]:
-    """Pairs of a built-in desideratum (``positional``, ``object``, ``label``), objects from ``vocabulary``."""
+                      vocabulary: Optional[Sequence[str]] = None, task: str = "entity-tracking") -> list[PairRecord]:
+    """Pairs of a desideratum the task defines (entity tracking: ``positional``, ``object``, ``label``);
+    ``n_boxes`` and ``vocabulary`` go to tasks that take them."""
+    t = get_task(task)
     key = _ALIASES.get(name, name)
-    if key not in DESIDERATA:
-        raise ValueError(f"unknown desideratum {name!r}; built-in: {sorted(DESIDERATA)} "
-                         "(or pass your own list of CounterfactualPair)")
-    return DESIDERATA[key](tokenizer, n, n_boxes=n_boxes, seed=seed, vocabulary=vocabulary)
+    if key not in t.desiderata:
+        raise ValueError(f"unknown desideratum {name!r}; task {t.name} defines {sorted(t.desiderata) or 'none'} "
+                         "(or pass your own list of counterfactual pairs)")
+    return t.desideratum(key, tokenizer, n, seed=seed, n_boxes=n_boxes, vocabulary=vocabulary)
 
 
 @dataclass
@@ -161,7 +151,7 @@ def split_indices(n: int, fractions: Sequence[float], seed: int) -> tuple[list[i
     return order[:n_train], order[n_train:n_train + n_val], order[n_train + n_val:]
 
 
-def split_pairs(pairs: Sequence[CounterfactualPair], fractions: Sequence[float], seed: int
+def split_pairs(pairs: Sequence[PairRecord], fractions: Sequence[float], seed: int
                 ) -> tuple[list, list, list]:
     """Seeded shuffle of ``pairs`` into train / validation / test (each non-empty)."""
     parts = split_indices(len(pairs), fractions, seed)
@@ -211,13 +201,13 @@ class PairCache:
     (the floor). Training, validation, test and the random baseline all read from it.
     """
 
-    pairs: list[CounterfactualPair]
+    pairs: list[PairRecord]
     source: dict[tuple[int, str], torch.Tensor]  # (layer, position) -> "pair (head d_head)"
     prefix: dict[int, torch.Tensor]  # layer -> "pair pos d_model": the residual entering that layer
     floor: np.ndarray  # bool per pair: target is the unpatched base's top-1
 
     @classmethod
-    def build(cls, model: LoadedModel, pairs: Sequence[CounterfactualPair],
+    def build(cls, model: LoadedModel, pairs: Sequence[PairRecord],
               groups: Iterable[tuple[Sequence[Head], str]], batch_size: int = 32,
               progress: bool = False) -> "PairCache":
         """Two forward passes per pair (source and base) for every ``(heads, position)`` in ``groups``."""
@@ -269,7 +259,7 @@ class PairCache:
         return np.concatenate(correct)
 
 
-def target_accuracy(model: LoadedModel, pairs: Sequence[CounterfactualPair], patched: Sequence[Head],
+def target_accuracy(model: LoadedModel, pairs: Sequence[PairRecord], patched: Sequence[Head],
                     position: str, batch_size: int = 32, progress: bool = False) -> np.ndarray:
     """Per-pair correctness (top-1 == target) with ``patched`` heads' z taken from the source at ``position``."""
     cache = PairCache.build(model, pairs, [(list(patched), position)], batch_size, progress)
@@ -398,7 +388,7 @@ def _step(model: LoadedModel, heads: list[Head], position: str, cache: PairCache
     return total + penalty.item()
 
 
-def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Sequence[CounterfactualPair],
+def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Sequence[PairRecord],
             config: Optional[DCMConfig] = None, desideratum: str = "custom", group: str = "",
             progress: bool = True, cache: Optional[PairCache] = None) -> DCMResult:
     """Learn a DCM mask over ``heads`` at ``position`` for a desideratum's ``pairs`` and evaluate it on a
@@ -443,7 +433,7 @@ def _random_baseline(model: LoadedModel, cache: PairCache, test: Sequence[int], 
     return pooled_proportion(draws)
 
 
-def dcm_circuit(model: LoadedModel, circuit: Circuit, desiderata: dict[str, Sequence[CounterfactualPair]],
+def dcm_circuit(model: LoadedModel, circuit: Circuit, desiderata: dict[str, Sequence[PairRecord]],
                 config: Optional[DCMConfig] = None, groups: Optional[Iterable[str]] = None,
                 progress: bool = True) -> list[DCMResult]:
     """DCM for every (group, desideratum) of a circuit; each group at its own position. One
@@ -486,7 +476,7 @@ class SemanticResult:
 
 
 def semantic_patching(models: Iterable[LoadedModel], heads: Sequence[Head], position: str,
-                      pairs: Sequence[CounterfactualPair], batch_size: int = 32) -> list[SemanticResult]:
+                      pairs: Sequence[PairRecord], batch_size: int = 32) -> list[SemanticResult]:
     """Patch ``heads`` (e.g. a DCM selection) from each pair's source into its base, within each model,
     and report the desideratum's target accuracy per model (with the unpatched floor)."""
     if not heads:

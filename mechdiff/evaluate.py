@@ -1,4 +1,5 @@
-"""Task accuracy and answer probability of a model, with or without patches."""
+"""Task accuracy, answer probability and (for records with alternative answers) the logit difference
+answer - mean(alternatives) of a model, with or without patches."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .models.loading import LoadedModel
 from .models.remote import keep
 from .patching.core import Patch, run
 from .stats import Estimate, bootstrap, proportion
-from .tasks.entity_tracking import EntityTrackingExample, batch_tensors
+from .tasks.base import Record, batch_tensors, metric_values
 
 PatchFn = Callable[[dict, slice], Iterable[Patch]]
 
@@ -24,6 +25,7 @@ class EvalResult:
 
     correct: np.ndarray  # bool [n]
     prob: np.ndarray  # probability of the answer token [n]
+    logit_diff: Optional[np.ndarray] = None  # answer logit - mean alternative logit [n], where records have them
 
     @property
     def accuracy(self) -> Estimate:
@@ -33,8 +35,17 @@ class EvalResult:
     def answer_prob(self) -> Estimate:
         return bootstrap(self.prob)
 
+    @property
+    def mean_logit_diff(self) -> Estimate:
+        if self.logit_diff is None:
+            raise ValueError("these records have no alternative answers, so no logit difference")
+        return bootstrap(self.logit_diff)
+
     def to_dict(self) -> dict:
-        return {"accuracy": self.accuracy.to_dict(), "answer_prob": self.answer_prob.to_dict()}
+        out = {"accuracy": self.accuracy.to_dict(), "answer_prob": self.answer_prob.to_dict()}
+        if self.logit_diff is not None:
+            out["logit_diff"] = self.mean_logit_diff.to_dict()
+        return out
 
 
 def batches(n: int, batch_size: int) -> list[slice]:
@@ -46,7 +57,7 @@ def batches(n: int, batch_size: int) -> list[slice]:
 
 def evaluate(
     model: LoadedModel,
-    records: Sequence[EntityTrackingExample],
+    records: Sequence[Record],
     batch_size: int = 32,
     patches: Optional[PatchFn] = None,
     targets: Optional[Sequence[int]] = None,
@@ -63,13 +74,15 @@ def evaluate(
     bar = progress and not model.remote
     with model.session():  # remote: every batch in one request
         results = keep(_eval_batches(model, records, batch_size, patches, targets, desc, bar))
-    return EvalResult(np.concatenate([c for c, _ in results]), np.concatenate([p for _, p in results]))
+    diffs = [d for _, _, d in results]
+    return EvalResult(np.concatenate([c for c, _, _ in results]), np.concatenate([p for _, p, _ in results]),
+                      None if any(d is None for d in diffs) else np.concatenate(diffs))
 
 
-def _eval_batches(model: LoadedModel, records: Sequence[EntityTrackingExample], batch_size: int,
+def _eval_batches(model: LoadedModel, records: Sequence[Record], batch_size: int,
                   patches: Optional[PatchFn], targets: Optional[Sequence[int]], desc: str,
-                  progress: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``(correct, prob)`` of every batch, on the model's side."""
+                  progress: bool) -> list[tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]:
+    """``(correct, prob, logit_diff or None)`` of every batch, on the model's side."""
     out = []
     for rows in tqdm(batches(len(records), batch_size), desc=desc, disable=not progress, leave=False):
         batch = batch_tensors(records[rows])
@@ -78,6 +91,7 @@ def _eval_batches(model: LoadedModel, records: Sequence[EntityTrackingExample], 
             run_out = run(model, batch["input_ids"], patches(batch, rows) if patches else ())
         logits = run_out.logits.float()
         correct = (logits.argmax(-1).cpu() == answer).numpy()
-        prob = logits.softmax(-1).gather(1, answer.to(logits.device)[:, None])[:, 0].cpu().numpy()
-        out.append((correct, prob))
+        prob = metric_values(logits, batch, "prob", answer).cpu().numpy()
+        diff = metric_values(logits, batch, "logit_diff", answer).cpu().numpy() if "alternative_ids" in batch else None
+        out.append((correct, prob, diff))
     return out

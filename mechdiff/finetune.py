@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import platform
-import random
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,11 +32,11 @@ from tqdm.auto import tqdm
 from .models.loading import LoadedModel
 from .tasks import arithmetic
 from .tasks import entity_tracking as et
+from .tasks.base import get_task, step_seed, trainable_tasks  # noqa: F401 (step_seed: re-exported)
 from .tasks.splits import HOLDOUT_EVERY, train_objects
 
 log = logging.getLogger(__name__)
 
-TASKS = ("entity-tracking", "arithmetic")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 Batch = dict[str, torch.Tensor]
 
@@ -72,8 +71,9 @@ class FinetuneConfig:
     def __post_init__(self) -> None:
         self.target_modules = tuple(self.target_modules)
         self.eval_steps = tuple(sorted(int(s) for s in self.eval_steps))
-        if self.task not in TASKS:
-            raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        if get_task(self.task).train_batch is None:
+            raise ValueError(f"task {self.task!r} has no training batches; fine-tune on one of "
+                             f"{', '.join(trainable_tasks())}")
         if not et.MIN_BOXES <= self.min_boxes <= self.max_boxes <= et.MAX_BOXES:
             raise ValueError(f"need {et.MIN_BOXES} <= min_boxes <= max_boxes <= {et.MAX_BOXES}")
         if self.steps < 0 or self.batch_size < 1 or self.rank < 1 or self.eval_every < 1:
@@ -99,11 +99,6 @@ class FinetuneResult:
 # --------------------------------------------------------------------------------------
 
 
-def step_seed(data_seed: int, step: int) -> int:
-    """The data seed of training step ``step`` (distinct from every validation seed)."""
-    return data_seed * 1_000_003 + step
-
-
 def et_batch(tokenizer: Any, n: int, n_boxes: int, seed: int, vocabulary: Sequence[str]) -> Batch:
     """A batch of entity-tracking prompts: ``input_ids`` [batch, pos] and ``answer_ids`` [batch]."""
     records = et.generate(tokenizer, n=n, n_boxes=n_boxes, seed=seed, vocabulary=vocabulary)
@@ -112,13 +107,10 @@ def et_batch(tokenizer: Any, n: int, n_boxes: int, seed: int, vocabulary: Sequen
 
 
 def training_batch(cfg: FinetuneConfig, tokenizer: Any, step: int, vocabulary: Sequence[str]) -> Batch:
-    """The training batch of ``step``: one box count (or arithmetic form) per step, seeded by the step."""
-    seed = step_seed(cfg.data_seed, step)
-    rng = random.Random(seed)
-    if cfg.task == "arithmetic":
-        form = rng.choice(list(arithmetic.FORMS))
-        return arithmetic.batch_tensors(arithmetic.generate(tokenizer, cfg.batch_size, seed=seed, form=form))
-    return et_batch(tokenizer, cfg.batch_size, rng.randint(cfg.min_boxes, cfg.max_boxes), seed, vocabulary)
+    """The task's training batch of ``step`` (entity tracking: one box count per step; arithmetic: one
+    form per step), seeded by the step."""
+    return get_task(cfg.task).train_batch(tokenizer, cfg.batch_size, cfg.data_seed, step, min_boxes=cfg.min_boxes,
+                                          max_boxes=cfg.max_boxes, vocabulary=vocabulary)
 
 
 def validation_sets(cfg: FinetuneConfig, tokenizer: Any, vocabulary: Sequence[str]) -> dict[str, list[Batch]]:

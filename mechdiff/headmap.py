@@ -18,9 +18,9 @@ Three parts:
    ``Linear(r -> d_model)`` (the second zero-initialised) and are added to the attention output
    (a forward hook on the output projection). Only the maps train.
 
-Tasks (:data:`TASKS`): ``entity-tracking`` (7-box prompts for locating and evaluation, 2-7 boxes
-for training, as :mod:`mechdiff.finetune`; evaluation on held-out objects) and ``arithmetic-mc``
-(:mod:`mechdiff.tasks.multiple_choice`; evaluation on held-out names).
+Tasks (the registry :data:`mechdiff.tasks.base.TASKS`, those with training batches): ``entity-tracking`` (7-box prompts for locating and evaluation, 2-7 boxes
+for training, as :mod:`mechdiff.finetune`; evaluation on held-out objects) and ``multiple-choice`` (alias ``arithmetic-mc``;
+:mod:`mechdiff.tasks.multiple_choice`; evaluation on held-out names).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -40,12 +40,11 @@ from tqdm.auto import tqdm
 
 from .circuits.circuit import Circuit
 from .components import Head
-from .finetune import FinetuneConfig, add_lora, answer_loss, last_logits, step_seed
+from .finetune import FinetuneConfig, add_lora, answer_loss, last_logits
 from .models.loading import LoadedModel
 from .patching.core import Patch, Resume, run
-from .tasks import entity_tracking as et
-from .tasks import multiple_choice as mc
-from .tasks.splits import eval_objects, train_objects
+from .tasks.base import Task, trainable_tasks
+from .tasks.base import get_task as base_task
 
 log = logging.getLogger(__name__)
 
@@ -58,50 +57,12 @@ GROUP = "headmap"
 # --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Task:
-    """A task as HeadMap needs it: a pool to locate on, training batches, an evaluation set."""
-
-    name: str
-    pool: Callable[[Any, int, int], Batch]  # (tokenizer, n, seed) -> batch of the locating distribution
-    train: Callable[[Any, int, int, int], Batch]  # (tokenizer, batch_size, data_seed, step) -> batch
-    evaluate: Callable[[Any, int, int], Batch]  # (tokenizer, n, seed) -> held-out batch
-
-
-def _et(tokenizer: Any, n: int, n_boxes: int, seed: int, objects: Sequence[str]) -> Batch:
-    t = et.batch_tensors(et.generate(tokenizer, n=n, n_boxes=n_boxes, seed=seed, vocabulary=objects))
-    return {"input_ids": t["input_ids"], "answer_ids": t["answer_ids"]}
-
-
-def _et_train(tokenizer: Any, batch_size: int, data_seed: int, step: int) -> Batch:
-    seed = step_seed(data_seed, step)
-    return _et(tokenizer, batch_size, random.Random(seed).randint(2, 7), seed, train_objects())
-
-
-def _mc_train(tokenizer: Any, batch_size: int, data_seed: int, step: int) -> Batch:
-    return mc.batch_tensors(mc.generate(tokenizer, batch_size, seed=step_seed(data_seed, step), split="train"))
-
-
-TASKS: dict[str, Task] = {
-    "entity-tracking": Task(
-        "entity-tracking",
-        pool=lambda tok, n, seed: _et(tok, n, 7, seed, train_objects()),
-        train=_et_train,
-        evaluate=lambda tok, n, seed: _et(tok, n, 7, seed, eval_objects()),
-    ),
-    "arithmetic-mc": Task(
-        "arithmetic-mc",
-        pool=lambda tok, n, seed: mc.batch_tensors(mc.generate(tok, n, seed=seed, split="train")),
-        train=_mc_train,
-        evaluate=lambda tok, n, seed: mc.batch_tensors(mc.generate(tok, n, seed=seed, split="eval")),
-    ),
-}
-
-
 def get_task(name: str) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"unknown HeadMap task {name!r}; choose one of {', '.join(TASKS)}")
-    return TASKS[name]
+    """A registered task (:data:`mechdiff.tasks.base.TASKS`) with a locating pool, training and held-out batches."""
+    task = base_task(name)
+    if task.pool_batch is None or task.train_batch is None or task.eval_batch is None:
+        raise ValueError(f"task {name!r} has no training batches for HeadMap; choose one of {', '.join(trainable_tasks())}")
+    return task
 
 
 # --------------------------------------------------------------------------------------
@@ -276,7 +237,7 @@ def locate(model: LoadedModel, samples: Batch, k: int = 8, batch_size: int = 64,
 def locate_task(model: LoadedModel, task: str, n: int = 64, pool: int = 256, k: int = 8, batch_size: int = 64,
                 seed: int = 0, progress: bool = True) -> LocateResult:
     """Sample selection on a pool of ``task`` prompts (seeded), then :func:`locate`."""
-    pool_batch = get_task(task).pool(model.tokenizer, pool, seed)
+    pool_batch = get_task(task).pool_batch(model.tokenizer, pool, seed)
     t0 = time.time()
     samples, losses = select_samples(model, pool_batch, n, batch_size)
     select_s = time.time() - t0
@@ -438,7 +399,7 @@ def train(base: LoadedModel, cfg: TrainConfig, heads: Optional[Mapping[int, Sequ
     model.train()
     bar = tqdm(range(cfg.steps), desc=f"train {cfg.task}", disable=not progress, leave=False)
     for step in bar:
-        loss = answer_loss(model, task.train(base.tokenizer, cfg.batch_size, cfg.data_seed, step))
+        loss = answer_loss(model, task.train_batch(base.tokenizer, cfg.batch_size, cfg.data_seed, step))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

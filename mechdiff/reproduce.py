@@ -114,9 +114,9 @@ def reproduction_rows(study: "Study", circuit_path: str, published: dict, n: int
     """One row per model: full-model and circuit accuracy (95% CIs) and faithfulness, measured here,
     beside the published accuracies (NaN where the paper has no figure for the model)."""
     from .circuits.circuit import Circuit
-    from .circuits.scoring import Scorer, faithfulness, reference_records
+    from .circuits.scoring import Scorer, faithfulness
     from .report.tables import estimate_columns
-    from .tasks.entity_tracking import generate
+    from .tasks.entity_tracking import generate, reference_records
 
     circuit = Circuit.load(circuit_path)
     reported = published.get("reported", {})

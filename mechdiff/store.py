@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from . import __version__
 from .evaluate import batches
 from .models.loading import LoadedModel
-from .tasks.entity_tracking import batch_tensors, dataset_hash
+from .tasks.base import batch_tensors, dataset_hash
 
 log = logging.getLogger(__name__)
 

@@ -165,8 +165,8 @@ class Study:
                                                    "discovery": asdict(d)}, compute)
 
     def scorer(self, name: str, offset: int = 2):
-        from .circuits.scoring import Scorer, reference_records
-        from .tasks.entity_tracking import generate
+        from .circuits.scoring import Scorer
+        from .tasks.entity_tracking import generate, reference_records
         from .tasks.splits import eval_objects
 
         s, t = self.spec.scoring, self.spec.task

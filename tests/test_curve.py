@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mechdiff.circuits.curve import ablation_attribution, all_pairs, faithfulness_curve, ranking
-from mechdiff.circuits.scoring import Scorer, per_prompt, reference_records
-from mechdiff.tasks.entity_tracking import batch_tensors, generate
-from mechdiff.tasks.entity_tracking_positions import CLASSES
+from mechdiff.circuits.scoring import Scorer, per_prompt
+from mechdiff.tasks.entity_tracking import batch_tensors, generate, reference_records
+from mechdiff.tasks.entity_tracking.positions import CLASSES
 
 N_BOXES = 3
 

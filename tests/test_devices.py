@@ -203,7 +203,8 @@ def test_remote_path_patching_step_is_one_request_with_the_local_scores(pair, mo
 
 def test_remote_scoring_matches_and_batches_share_a_request(pair, monkeypatch, smollm2_tokenizer):
     from mechdiff.circuits.circuit import Circuit
-    from mechdiff.circuits.scoring import Scorer, reference_records
+    from mechdiff.circuits.scoring import Scorer
+    from mechdiff.tasks.entity_tracking import reference_records
     from mechdiff.tasks.entity_tracking import generate
 
     local, remote = pair

@@ -12,12 +12,12 @@ from scipy import stats as sps
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.scoring import (Scorer, completeness, faithfulness, minimality, per_prompt, prune,
-                                       random_circuit, reference_records)
+                                       random_circuit)
 from mechdiff.components import Head
 from mechdiff.dcm import DCMConfig, PairCache, loss_scale, train_mask
 from mechdiff.patching.core import run
 from mechdiff.stats import paired_difference, pooled_proportion, proportion
-from mechdiff.tasks.entity_tracking import generate, object_value_pairs, pair_batch_tensors
+from mechdiff.tasks.entity_tracking import generate, object_value_pairs, pair_batch_tensors, reference_records
 
 N_BOXES = 3
 
@@ -160,7 +160,7 @@ def test_validation_ties_go_to_the_larger_head_set(pair_cache, monkeypatch):
 
 
 def test_position_classes_partition_every_prompt(smollm2_tokenizer):
-    from mechdiff.tasks.entity_tracking_positions import CLASSES, position_classes
+    from mechdiff.tasks.entity_tracking.positions import CLASSES, position_classes
 
     records = generate(smollm2_tokenizer, 8, n_boxes=4, seed=2)
     masks = position_classes(records, len(records[0].input_ids))
@@ -174,7 +174,7 @@ def test_position_classes_partition_every_prompt(smollm2_tokenizer):
 
 def test_position_scan_ends_at_the_full_model_and_classes_equal_named_positions(scorer):
     from mechdiff.circuits.positions import every_head_at, position_scan
-    from mechdiff.tasks.entity_tracking_positions import CLASSES
+    from mechdiff.tasks.entity_tracking.positions import CLASSES
 
     shape = scorer.model.shape
     # a class holding one named position is that position

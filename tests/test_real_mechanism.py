@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.circuits.scoring import Scorer, faithfulness, reference_records
+from mechdiff.circuits.scoring import Scorer, faithfulness
+from mechdiff.tasks.entity_tracking import reference_records
 from mechdiff.models import load_model
 from mechdiff.tasks.entity_tracking import generate
 from mechdiff.tasks.splits import eval_objects

@@ -1,8 +1,9 @@
 """The Circuit: named groups of heads, each read at a named dataset position; JSON round-trip.
 
-Positions are names of the dataset's position records (``last``, ``query_label``,
-``query_label_context``), never token offsets, so one circuit file scores on any
-model of the same shape and any prompt length.
+Positions are names of the task's position records (entity tracking: ``last``, ``query_label``,
+``query_label_context``; IOI: ``END``, ``S2``...), never token offsets, so one circuit file scores
+on any model of the same shape and any prompt length. Whether a name exists is checked against
+the records a circuit is scored on.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from typing import Any, Iterator
 from ..io import write_json
 from ..components import Head, check_heads, parse_heads
 
+# Files written before circuits recorded their group names are entity-tracking circuits: their names.
 GROUP_NAMES = {"A": "value fetcher", "B": "position transmitter", "C": "position detector", "D": "structure reader"}
+# The entity-tracking position names (the names old circuit files use).
 POSITION_NAMES = ("last", "query_label", "query_label_context")
+_LEGACY_TASKS = ("", "entity-tracking")
 _PAPER_POSITIONS = {
     "last token": "last",
     "query box label (last - 2)": "query_label",
@@ -33,16 +37,16 @@ class Circuit:
     groups: dict[str, list[Head]]
     positions: dict[str, str]
     scores: dict[str, dict[str, float]] = field(default_factory=dict)
-    names: dict[str, str] = field(default_factory=lambda: dict(GROUP_NAMES))
+    names: dict[str, str] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = set(self.groups) - set(self.positions)
         if missing:
             raise ValueError(f"groups {sorted(missing)} have no position; give positions for every group")
-        bad = {g: p for g, p in self.positions.items() if p not in POSITION_NAMES}
+        bad = {g: p for g, p in self.positions.items() if not isinstance(p, str) or not p.strip() or p == "*"}
         if bad:
-            raise ValueError(f"unknown positions {bad}; valid position names: {POSITION_NAMES}")
+            raise ValueError(f"positions {bad} are not names; give each group the name of a position the task records")
 
     def pairs(self) -> list[tuple[Head, str]]:
         """Every distinct (head, position) pair of the circuit, in group order."""
@@ -83,7 +87,8 @@ class Circuit:
             model=data.get("model", ""), task=data.get("task", ""),
             groups={g: parse_heads(hs) for g, hs in data["groups"].items()},
             positions=positions, scores=data.get("scores", {}),
-            names=data.get("names", dict(GROUP_NAMES)), meta=data.get("meta", {}),
+            names=data.get("names", dict(GROUP_NAMES) if data.get("task", "entity-tracking") in _LEGACY_TASKS else {}),
+            meta=data.get("meta", {}),
         )
 
     def save(self, path: str | Path) -> Path:

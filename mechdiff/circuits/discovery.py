@@ -1,5 +1,6 @@
-"""Four-step circuit discovery (Prakash et al. 2024): A value fetcher, B position transmitter,
-C position detector, D structure reader, by path patching with an optional attribution screen.
+"""Circuit discovery by path patching, step by step as a plan says (:mod:`mechdiff.circuits.plan`),
+with an optional attribution screen. The default plan is entity tracking's four steps (Prakash et
+al. 2024): A value fetcher, B position transmitter, C position detector, D structure reader.
 
 | step | senders at            | receivers                          |
 |------|-----------------------|------------------------------------|
@@ -8,7 +9,7 @@ C position detector, D structure reader, by path patching with an optional attri
 | C    | query_label           | B's V at query_label               |
 | D    | query_label_context   | C's V at query_label_context       |
 
-Positions are the dataset's position records. Only heads in layers below the deepest
+Positions are the dataset's position records; a task's own plan names its own steps and positions. Only heads in layers below the deepest
 receiver are tested. A head is selected by the largest *drop* in answer probability
 (most negative score), top ``k`` per step; a head may be selected in several steps.
 With ``screen=True`` every eligible sender is first ranked by attribution
@@ -30,29 +31,26 @@ from ..components import Head
 from ..models.loading import LoadedModel
 from ..patching.attribution import attribution_scores
 from ..patching.path import PairBatch, Receivers, eligible_senders, path_patch, prepare
-from ..tasks.entity_tracking import CounterfactualPair
-from .circuit import GROUP_NAMES, Circuit
+from ..tasks.base import PairRecord
+from .circuit import Circuit
+from .plan import Plan, PlanStep, default_plan
 
 log = logging.getLogger(__name__)
 
-# step -> (sender position, receiver kind, receiver step); A has no receivers
+# The default plan's steps: step -> (sender position, receiver kind, receiver step); A has no receivers.
+# Its k are the paper's 40/7/20/5 of LLaMA-7B's 1024 heads, scaled to SmolLM2's 270 (about 10/2/5/1.3),
+# rounded up where a step would otherwise keep one or two heads. With n_prompts=16 and screen_multiple=2
+# a run is 60 exact sender passes plus 7 forward+backward passes: minutes on 2 CPU cores.
 STEPS: dict[str, tuple[str, Optional[str], Optional[str]]] = {
-    "A": ("last", None, None),
-    "B": ("last", "q", "A"),
-    "C": ("query_label", "v", "B"),
-    "D": ("query_label_context", "v", "C"),
-}
-# The paper's 40/7/20/5 of LLaMA-7B's 1024 heads, scaled to SmolLM2's 270 (about 10/2/5/1.3), rounded up
-# where a step would otherwise keep one or two heads. With n_prompts=16 and screen_multiple=2 a run
-# is 60 exact sender passes plus 7 forward+backward passes: minutes on 2 CPU cores.
-DEFAULT_K = {"A": 8, "B": 3, "C": 5, "D": 3}
+    s.name: (s.sender, s.site, s.receiver) for s in default_plan().steps}
+DEFAULT_K = default_plan().k
 
 
 @dataclass
 class DiscoverySettings:
     """Everything that decides a discovery run; recorded in the circuit's meta."""
 
-    k: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_K))
+    k: dict[str, int] = field(default_factory=dict)  # step -> heads kept, overriding the plan's k
     screen: bool = True
     screen_multiple: float = 2.0
     senders_per_pass: int = 8
@@ -80,9 +78,9 @@ def select(scores: dict[Head, float], k: int) -> list[Head]:
 
 
 def run_step(model: LoadedModel, batch: PairBatch, step: str, k: int, receivers: Optional[Receivers],
-             settings: DiscoverySettings, progress: bool = True) -> StepResult:
+             settings: DiscoverySettings, progress: bool = True, sender_position: Optional[str] = None) -> StepResult:
     """Screen (optionally) and path patch the senders of one step, then select its top ``k``."""
-    sender_position = STEPS[step][0]
+    sender_position = sender_position or STEPS[step][0]
     senders = eligible_senders(model, receivers)
     seconds: dict[str, float] = {}
     attribution: dict[Head, float] = {}
@@ -102,16 +100,20 @@ def run_step(model: LoadedModel, batch: PairBatch, step: str, k: int, receivers:
     return StepResult(step, sender_position, receivers, exact, attribution, chosen, seconds)
 
 
-def discover(model: LoadedModel, pairs: Sequence[CounterfactualPair], settings: DiscoverySettings,
+def discover(model: LoadedModel, pairs: Sequence[PairRecord], settings: DiscoverySettings,
              task: str = "entity-tracking", progress: bool = True,
-             on_step: Optional[Callable[[StepResult], None]] = None) -> tuple[Circuit, dict[str, StepResult]]:
-    """Run steps A-D and return the :class:`Circuit` plus each step's full result."""
+             on_step: Optional[Callable[[StepResult], None]] = None,
+             plan: Optional[Plan] = None) -> tuple[Circuit, dict[str, StepResult]]:
+    """Run the plan's steps (default: entity tracking's A-D) and return the :class:`Circuit` plus
+    each step's full result. ``settings.k`` overrides the plan's ``k`` of the steps it names."""
+    plan = (plan or default_plan()).with_k(settings.k)
+    steps: dict[str, PlanStep] = {s.name: s for s in plan.steps}
     t_start = time.perf_counter()
     batch = prepare(model, pairs)
     t_prepare = time.perf_counter() - t_start
     results: dict[str, StepResult] = {}
-    for step, (sender_position, kind, receiver_step) in STEPS.items():
-        k = settings.k.get(step, 0)
+    for step, spec in steps.items():
+        sender_position, kind, receiver_step, k = spec.sender, spec.site, spec.receiver, spec.k
         if k <= 0:
             log.info("step %s skipped: k=0", step)
             continue
@@ -120,14 +122,14 @@ def discover(model: LoadedModel, pairs: Sequence[CounterfactualPair], settings: 
             if receiver_step not in results or not results[receiver_step].selected:
                 log.warning("step %s skipped: step %s selected no receivers", step, receiver_step)
                 continue
-            receivers = Receivers(tuple(results[receiver_step].selected), kind, sender_position)
+            receivers = Receivers(tuple(results[receiver_step].selected), kind, spec.receiver_position)
             if kind in ("k", "v") and model.shape.n_kv_heads < model.shape.n_heads:
                 log.info("step %s: GQA (%d KV groups for %d heads): patching a receiver's V patches its whole KV group",
                          step, model.shape.n_kv_heads, model.shape.n_heads)
             if receivers.max_layer == 0:
                 log.warning("step %s skipped: every receiver is in layer 0, no head can send to it", step)
                 continue
-        results[step] = run_step(model, batch, step, k, receivers, settings, progress)
+        results[step] = run_step(model, batch, step, k, receivers, settings, progress, sender_position)
         if on_step is not None:
             on_step(results[step])
     circuit = Circuit(
@@ -135,10 +137,10 @@ def discover(model: LoadedModel, pairs: Sequence[CounterfactualPair], settings: 
         groups={s: r.selected for s, r in results.items()},
         positions={s: r.sender_position for s, r in results.items()},
         scores={s: {h.name: r.exact[h] for h in r.selected} for s, r in results.items()},
-        names={s: GROUP_NAMES[s] for s in results},
+        names={s: steps[s].group for s in results},
         meta={
             "method": "path patching" + (" after an attribution screen" if settings.screen else " (exact, all senders)"),
-            "settings": asdict(settings), "fingerprint": model.fingerprint,
+            "settings": asdict(settings), "plan": plan.to_dict(), "fingerprint": model.fingerprint,
             "n_prompts": len(pairs), "p_clean": float(batch.p_clean.mean()),
             "timings_s": {"prepare": t_prepare, **{s: r.seconds for s, r in results.items()},
                           "total": time.perf_counter() - t_start},

@@ -30,7 +30,7 @@ from ..evaluate import EvalResult, batches, evaluate
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, run
 from ..stats import Estimate, bootstrap, bootstrap_ratio, pooled_proportion, proportion
-from ..tasks.entity_tracking import EntityTrackingExample, batch_tensors, generate, path_patching_pairs
+from ..tasks.base import Record, batch_tensors
 from .circuit import Circuit
 
 log = logging.getLogger(__name__)
@@ -38,29 +38,14 @@ log = logging.getLogger(__name__)
 EVERY_POSITION = "*"
 Pair = tuple[Head, str]
 Metric = Literal["accuracy", "prob"]
-ReferenceKind = Literal["path_patching", "fresh"]
 
 
 # --------------------------------------------------------------------------------------
-# Reference set and position-wise means
+# Position-wise means (the reference set comes from the task: Task.reference_records)
 # --------------------------------------------------------------------------------------
 
 
-def reference_records(tokenizer, n: int, n_boxes: int, seed: int,
-                      kind: ReferenceKind = "path_patching") -> list[EntityTrackingExample]:
-    """Prompts whose mean activations replace ablated heads: one per context, ``n_boxes`` boxes.
-
-    ``path_patching``: the sources of :func:`path_patching_pairs` (disjoint objects, a query
-    label absent from the context, as the paper's ablation set); ``fresh``: :func:`generate`.
-    """
-    if kind == "path_patching":
-        return [p.source for p in path_patching_pairs(tokenizer, n, n_boxes=n_boxes, seed=seed)]
-    if kind == "fresh":
-        return generate(tokenizer, n, n_boxes=n_boxes, seed=seed)
-    raise ValueError(f"unknown reference kind {kind!r}; use 'path_patching' or 'fresh'")
-
-
-def position_means(model: LoadedModel, records: Sequence[EntityTrackingExample], batch_size: int = 32,
+def position_means(model: LoadedModel, records: Sequence[Record], batch_size: int = 32,
                    progress: bool = True, store: Optional[str | Path] = None) -> torch.Tensor:
     """Mean over ``records`` of every layer's ``z`` at each position: ``"layer pos (head d_head)"`` (float32).
 
@@ -116,7 +101,12 @@ def _head_mask(layer_pairs: Sequence[Pair], batch: dict, n_pos: int, n_heads: in
             raise ValueError(f"unknown position {pos!r}; valid: {sorted(batch['positions'])}, the classes "
                              f"{sorted(classes)} or {EVERY_POSITION!r}")
         where = batch["positions"][pos]
-        if where.ndim != 1 or (where < 0).any():
+        if where.ndim == 2:  # a position class "[batch, k]": every index of it
+            if (where < 0).any():
+                raise ValueError(f"position class {pos!r} has missing indices in some prompts")
+            mask[rows[:, None], where, head.head] = fill
+            continue
+        if (where < 0).any():
             raise ValueError(f"position {pos!r} is missing in some prompts; score on prompts that contain it")
         mask[rows, where, head.head] = fill
     return mask
@@ -160,15 +150,15 @@ class Scorer:
     """Evaluates one model under mean ablations on fixed prompts, caching every result by pair set."""
 
     model: LoadedModel
-    records: Sequence[EntityTrackingExample]
+    records: Sequence[Record]
     means: torch.Tensor
     batch_size: int = 32
     progress: bool = True
     cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, model: LoadedModel, records: Sequence[EntityTrackingExample],
-              reference: Sequence[EntityTrackingExample], batch_size: int = 32, progress: bool = True,
+    def build(cls, model: LoadedModel, records: Sequence[Record],
+              reference: Sequence[Record], batch_size: int = 32, progress: bool = True,
               store: Optional[str | Path] = None) -> "Scorer":
         """Compute (or read from ``store``) the position-wise means on ``reference``; a scorer for ``records``."""
         means = position_means(model, reference, batch_size, progress, store)
@@ -243,7 +233,7 @@ def _layer_matched(heads: Sequence[Head], n_heads: int, rng: random.Random) -> l
     return sorted(Head(layer, i) for layer, k in per_layer.items() for i in rng.sample(range(n_heads), k))
 
 
-def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "entity-tracking") -> Circuit:
+def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "") -> Circuit:
     """The whole model as a circuit: every head at every position (:data:`EVERY_POSITION`), one group
     per layer (``"L0"``, ``"L1"``...). Its faithfulness is exactly 1 and its completeness exactly 0.
     It scores in memory; :meth:`Circuit.load` rejects the ``"*"`` position."""

@@ -8,6 +8,7 @@ from ..io import write_json  # noqa: F401  (re-exported for the commands)
 from ..models.loading import LoadedModel, load_model
 from ..models.memory import auto_batch_size
 from ..models.remote import check_remote
+from ..tasks.base import Task, get_task, task_names
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,25 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="Hugging Face cache directory for hub ids")
 
 
+def add_task_option(parser: argparse.ArgumentParser) -> None:
+    """--task: a registered task or a directory written by `mechdiff dataset import`."""
+    parser.add_argument("--task", default="entity-tracking",
+                        help=f"a registered task ({', '.join(task_names())}) or a directory written by "
+                             "`mechdiff dataset import`")
+
+
+def task_from_args(args: argparse.Namespace) -> Task:
+    """The task ``--task`` names (checked before any model loads)."""
+    return get_task(getattr(args, "task", "entity-tracking"))
+
+
+def task_options(args: argparse.Namespace) -> dict:
+    """The generator options a command's arguments carry (entity tracking: ``n_boxes``)."""
+    return {"n_boxes": getattr(args, "n_boxes", None)}
+
+
 def add_dataset_options(parser: argparse.ArgumentParser, n: int = 500) -> None:
+    add_task_option(parser)
     parser.add_argument("--n-boxes", type=int, default=7, help="boxes per prompt (2-10)")
     parser.add_argument("--n", type=int, default=n, help="number of prompts")
     parser.add_argument("--seed", type=int, default=0, help="dataset seed")

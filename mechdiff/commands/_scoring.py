@@ -6,9 +6,9 @@ import argparse
 from pathlib import Path
 
 from ..circuits.circuit import Circuit
-from ..circuits.scoring import Scorer, reference_records
+from ..circuits.scoring import Scorer
 from ..models.loading import LoadedModel
-from ..tasks.entity_tracking import generate
+from ._options import task_from_args, task_options
 
 
 def add_scoring_options(parser: argparse.ArgumentParser) -> None:
@@ -31,10 +31,15 @@ def load_circuit(path: str, model: LoadedModel) -> Circuit:
 
 
 def build_scorer(model: LoadedModel, args: argparse.Namespace) -> Scorer:
-    """The scorer for ``args.n`` prompts (seed ``args.seed``) and the reference set of ``args``."""
-    records = generate(model.tokenizer, args.n, n_boxes=args.n_boxes, seed=args.seed)
+    """The scorer for ``args.n`` prompts (seed ``args.seed``) of ``args.task`` and the reference set of ``args``:
+    ``path_patching`` the task's reference prompts (entity tracking: the path-patching sources), ``fresh``
+    new prompts of the task."""
+    task, options = task_from_args(args), task_options(args)
+    records = task.records(model.tokenizer, args.n, args.seed, **options)
     ref_seed = args.seed + 1 if args.reference_seed is None else args.reference_seed
-    reference = reference_records(model.tokenizer, args.n_reference or args.n, args.n_boxes, ref_seed, args.reference)
+    n_ref = args.n_reference or args.n
+    reference = (task.reference_records(model.tokenizer, n_ref, ref_seed, **options) if args.reference == "path_patching"
+                 else task.records(model.tokenizer, n_ref, ref_seed, **options))
     return Scorer.build(model, records, reference, args.batch_size, progress=not args.no_progress, store=args.store)
 
 

@@ -1,4 +1,5 @@
-"""``mechdiff circuit``: find the entity-tracking circuit (groups A-D) of one model by path patching."""
+"""``mechdiff circuit``: find a task's circuit of one model by path patching, step by step as its plan says
+(entity tracking: groups A-D)."""
 
 from __future__ import annotations
 
@@ -10,34 +11,47 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from ..circuits.discovery import DEFAULT_K, STEPS, DiscoverySettings, StepResult, discover
+from ..circuits.discovery import DiscoverySettings, StepResult, discover
+from ..circuits.plan import Plan, default_plan, load_plan
 from ..report.figures import head_heatmap
-from ..tasks.entity_tracking import path_patching_pairs
-from ._options import add_model_options, load_from_args, write_json
+from ..tasks.base import Task
+from ._options import add_model_options, add_task_option, load_from_args, task_from_args, task_options, write_json
 
 log = logging.getLogger("mechdiff.circuit")
 
 
-def parse_k(text: str) -> dict[str, int]:
-    """``"A=10,B=4,C=6,D=3"`` -> ``{"A": 10, ...}`` (unnamed steps keep their defaults)."""
-    k = dict(DEFAULT_K)
-    for part in filter(None, (p.strip() for p in text.split(","))):
+def parse_k(text: str, plan: Plan | None = None) -> dict[str, int]:
+    """``"A=10,B=4,C=6,D=3"`` -> ``{"A": 10, ...}`` (unnamed steps keep the plan's k)."""
+    steps = list((plan or default_plan()).k)
+    k: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
         step, _, value = part.partition("=")
-        if step not in STEPS or not value.isdigit():
-            raise ValueError(f"bad --top-k item {part!r}; expected STEP=INT with STEP in {list(STEPS)}, e.g. A=10,B=4")
+        if step not in steps or not value.isdigit():
+            raise ValueError(f"bad --top-k item {part!r}; expected STEP=INT with STEP in {steps}, e.g. "
+                             f"{steps[0]}=10")
         k[step] = int(value)
     return k
 
 
+def task_plan(task: Task, path: str | None) -> Plan:
+    """``--plan FILE``, else the task's plan; a task without one needs ``--plan``."""
+    if path is not None:
+        return load_plan(path)
+    if task.plan is None:
+        raise ValueError(f"task {task.name} has no discovery plan; write one (see mechdiff/tasks/plans/) "
+                         "and pass --plan FILE")
+    return load_plan(task.plan)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("circuit", help="discover the entity-tracking circuit (A-D) by path patching")
+    p = sub.add_parser("circuit", help="discover a task's circuit by path patching, as its plan says")
     p.add_argument("--model", default="smollm2-135m", help="registry name or path")
-    p.add_argument("--task", default="entity-tracking", choices=["entity-tracking"])
+    add_task_option(p)
+    p.add_argument("--plan", default=None, help="discovery plan TOML (default: the task's plan)")
     p.add_argument("--n", type=int, default=DiscoverySettings.n_prompts, help="number of path-patching pairs")
-    p.add_argument("--n-boxes", type=int, default=7)
+    p.add_argument("--n-boxes", type=int, default=7, help="entity tracking: boxes per prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--top-k", default=",".join(f"{s}={k}" for s, k in DEFAULT_K.items()),
-                   help="heads kept per step, e.g. A=10,B=4,C=6,D=3")
+    p.add_argument("--top-k", default="", help="heads kept per step, overriding the plan's k, e.g. A=10,B=4,C=6,D=3")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--screen", dest="screen", action="store_true", default=True,
                       help="attribution screen, then exact path patching of the shortlist (default)")
@@ -52,7 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = DiscoverySettings(k=parse_k(args.top_k), screen=args.screen, screen_multiple=args.screen_multiple,
+    task = task_from_args(args)
+    plan = task_plan(task, args.plan)
+    settings = DiscoverySettings(k=parse_k(args.top_k, plan), screen=args.screen, screen_multiple=args.screen_multiple,
                                  senders_per_pass=args.senders_per_pass, n_prompts=args.n, n_boxes=args.n_boxes,
                                  seed=args.seed)
     out = Path(args.out or f"results/circuits/{Path(args.model).name}")
@@ -64,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
     previous = root.level
     root.setLevel(logging.INFO)
     try:
-        return _run(args, settings, out)
+        return _run(args, settings, out, task, plan)
     finally:
         root.removeHandler(handler)
         root.setLevel(previous)
@@ -85,14 +101,16 @@ class _LogFile(logging.Handler):
         tmp.replace(self.path)
 
 
-def _run(args: argparse.Namespace, settings: DiscoverySettings, out: Path) -> int:
+def _run(args: argparse.Namespace, settings: DiscoverySettings, out: Path, task: Task, plan: Plan) -> int:
     t0 = time.perf_counter()
-    log.info("mechdiff circuit: model=%s settings=%s threads=%d", args.model, settings, torch.get_num_threads())
+    log.info("mechdiff circuit: model=%s task=%s plan=%s settings=%s threads=%d", args.model, task.name, plan.name,
+             settings, torch.get_num_threads())
     model = load_from_args(args.model, args)
     shape = model.shape
     log.info("loaded %s (%d layers x %d heads, %d KV heads) in %.1f s; fingerprint %s", model.name, shape.n_layers,
              shape.n_heads, shape.n_kv_heads, time.perf_counter() - t0, model.fingerprint)
-    pairs = path_patching_pairs(model.tokenizer, settings.n_prompts, n_boxes=settings.n_boxes, seed=settings.seed)
+    pairs = task.discovery_pairs(model.tokenizer, settings.n_prompts, settings.seed, **task_options(args))
+    _check_positions(plan, pairs)
 
     def figure(r: StepResult) -> None:
         for name, scores in (("exact", r.exact), ("attribution", r.attribution)):
@@ -102,7 +120,7 @@ def _run(args: argparse.Namespace, settings: DiscoverySettings, out: Path) -> in
                                     selected=r.selected, label="(p_patched - p_clean) / p_clean")
                 log.info("wrote %s", path)
 
-    circuit, results = discover(model, pairs, settings, task=args.task, on_step=figure)
+    circuit, results = discover(model, pairs, settings, task=task.name, on_step=figure, plan=plan)
     circuit.meta["load_s"] = round(time.perf_counter() - t0 - circuit.meta["timings_s"]["total"], 2)
     circuit.meta["dtype"] = args.dtype
     circuit.save(out / "circuit.json")
@@ -115,3 +133,12 @@ def _run(args: argparse.Namespace, settings: DiscoverySettings, out: Path) -> in
     print(f"p_clean={circuit.meta['p_clean']:.3f}  total {time.perf_counter() - t0:.0f} s  -> {out}/circuit.json")
     log.info("done in %.1f s: sizes %s", time.perf_counter() - t0, circuit.sizes())
     return 0
+
+
+def _check_positions(plan: Plan, pairs: list) -> None:
+    """Every position the plan reads must be one the task's records name (before any patching)."""
+    named = set(pairs[0].base.positions)
+    missing = sorted(plan.positions() - named)
+    if missing:
+        raise ValueError(f"plan {plan.source or plan.name} reads positions {missing} that the task's records do not "
+                         f"name (they name {sorted(named)})")

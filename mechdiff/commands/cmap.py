@@ -10,8 +10,8 @@ from ..cmap import CMAP_KINDS, CMAPResult, parse_kinds, run_cmap
 from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
 from ..report.tables import estimate_columns, to_markdown, write_table
-from ..tasks.entity_tracking import generate
-from ._options import add_dataset_options, add_model_options, model_kwargs, resolve_batch_size, write_json
+from ._options import (add_dataset_options, add_model_options, model_kwargs, resolve_batch_size, task_from_args,
+                       task_options, write_json)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
     resolve_batch_size(args, base)
     circuit = Circuit.load(args.circuit)
     circuit.validate(base.shape.n_layers, base.shape.n_heads)
-    records = generate(base.tokenizer, n=args.n, n_boxes=args.n_boxes, seed=args.seed)
+    records = task_from_args(args).records(base.tokenizer, args.n, args.seed, **task_options(args))
     groups = args.groups.split(",") if args.groups else None
     result = run_cmap(base, finetune, circuit, records, kinds, args.batch_size, groups,
                       isolate=not args.no_isolate, n_random=args.n_random, seed=args.seed)

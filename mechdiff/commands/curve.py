@@ -9,7 +9,7 @@ from ..circuits.curve import SIZES, TARGET, ablation_attribution, faithfulness_c
 from ..circuits.scoring import pair_name
 from ..report.positions import curve_figure
 from ..report.tables import estimate_columns, to_markdown, write_table
-from ..tasks.entity_tracking_positions import CLASSES
+from ..tasks.entity_tracking.positions import CLASSES
 from ._options import add_dataset_options, add_model_options, load_from_args, write_json
 from ._scoring import add_scoring_options, build_scorer, settings
 

@@ -1,4 +1,5 @@
-"""``mechdiff dataset``: generate entity-tracking prompts and their counterfactual pairs."""
+"""``mechdiff dataset``: generate entity-tracking prompts and their counterfactual pairs, or import a user's
+pairs from a JSONL file into a task directory (:mod:`mechdiff.tasks.jsonl`)."""
 
 from __future__ import annotations
 
@@ -6,22 +7,50 @@ import argparse
 from pathlib import Path
 
 from ..models.loading import load_tokenizer, resolve_spec
+from ..tasks.base import METRICS
+from ..tasks.jsonl import import_pairs, load_task_meta
 from ..tasks.entity_tracking import (PAIR_KINDS, counterfactual_pairs, dataset_hash, generate, to_hf_dataset,
                                      vocabulary_report, write_jsonl)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("dataset", help="generate a task dataset (JSONL, and a datasets.Dataset on disk)")
-    p.add_argument("task", choices=["entity-tracking"])
-    p.add_argument("--model", default="smollm2-135m", help="whose tokenizer decides single-token words and positions")
-    p.add_argument("--n-boxes", type=int, default=7)
-    p.add_argument("--n", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pairs", default="", help=f"comma-separated counterfactual kinds: {','.join(PAIR_KINDS)}")
-    p.add_argument("--vocabulary", default=None, help="a file of objects, one per line (default: packaged list)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--hf", action="store_true", help="also save datasets.Dataset folders (save_to_disk)")
-    p.set_defaults(func=main)
+    p = sub.add_parser("dataset", help="generate a task dataset, or import your own counterfactual pairs")
+    kinds = p.add_subparsers(dest="dataset", required=True, metavar="{entity-tracking,import}")
+    et = kinds.add_parser("entity-tracking", help="entity-tracking prompts (JSONL, and a datasets.Dataset on disk)")
+    et.add_argument("--model", default="smollm2-135m", help="whose tokenizer decides single-token words and positions")
+    et.add_argument("--n-boxes", type=int, default=7)
+    et.add_argument("--n", type=int, default=1000)
+    et.add_argument("--seed", type=int, default=0)
+    et.add_argument("--pairs", default="", help=f"comma-separated counterfactual kinds: {','.join(PAIR_KINDS)}")
+    et.add_argument("--vocabulary", default=None, help="a file of objects, one per line (default: packaged list)")
+    et.add_argument("--out", required=True, help="output directory")
+    et.add_argument("--hf", action="store_true", help="also save datasets.Dataset folders (save_to_disk)")
+    et.set_defaults(func=main)
+    imp = kinds.add_parser("import", help="check a JSONL file of counterfactual pairs against a model's tokenizer and "
+                                          "write a task directory for --task DIR")
+    imp.add_argument("pairs", help='one JSON object a line: {"clean", "counterfactual", "answer", '
+                                   '"counterfactual_answer" (optional), "positions": {name: [start, end]}, '
+                                   '"counterfactual_positions" (optional)}; character offsets into the prompt')
+    imp.add_argument("--model", required=True, help="whose tokenizer the positions and answers are checked against")
+    imp.add_argument("--out", required=True, help="the task directory to write (refused if it exists, see --force)")
+    imp.add_argument("--name", default=None, help="the task's name (default: the directory's name)")
+    imp.add_argument("--plan", default=None, help="a discovery plan TOML to ship with the task")
+    imp.add_argument("--metric", default="prob", choices=list(METRICS),
+                     help="prob (answer probability) or logit_diff (answer - counterfactual answer)")
+    imp.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    imp.set_defaults(func=main_import)
+
+
+def main_import(args: argparse.Namespace) -> int:
+    if not Path(args.pairs).is_file():
+        raise FileNotFoundError(f"pairs file {args.pairs} does not exist")
+    tokenizer = load_tokenizer(resolve_spec(args.model))
+    out = import_pairs(args.pairs, tokenizer, args.out, model=args.model, name=args.name, plan=args.plan,
+                       metric=args.metric, force=args.force)
+    meta = load_task_meta(out)
+    print(f"imported {meta['n_pairs']} pairs ({', '.join(map(str, meta['n_tokens']))} tokens; positions "
+          f"{', '.join(meta['positions'])}) -> {out}; use it with --task {out}")
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:

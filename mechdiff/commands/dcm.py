@@ -11,16 +11,20 @@ from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
 from ..report.tables import estimate_columns, to_markdown, write_table
 from ..stats import Estimate
+from ..tasks.base import PairRecord
 from ..tasks.entity_tracking import CounterfactualPair, read_jsonl
-from ._options import add_model_options, model_kwargs, write_json
+from ._options import add_model_options, add_task_option, model_kwargs, task_from_args, write_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dcm", help="desiderata-based component masking of a circuit's groups (+ semantic patching)")
     p.add_argument("--model", default="smollm2-135m", help="registry name or path")
     p.add_argument("--circuit", required=True, help="circuit JSON file")
-    p.add_argument("--desiderata", default="positional,object,label",
-                   help="comma-separated: positional, object, label, or .jsonl files of counterfactual pairs")
+    add_task_option(p)
+    p.add_argument("--desiderata", default=None,
+                   help="comma-separated names of the task's desiderata (entity tracking: positional, object, "
+                        "label; an imported task: counterfactual) or .jsonl files of entity-tracking pairs "
+                        "(default: every desideratum of the task)")
     p.add_argument("--groups", default=None, help="comma-separated groups (default: all)")
     p.add_argument("--n", type=int, default=200, help="pairs per built-in desideratum (split train/val/test)")
     p.add_argument("--n-boxes", type=int, default=7, help="boxes per prompt (2-10)")
@@ -44,9 +48,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def load_desiderata(spec: str, tokenizer, n: int, n_boxes: int, seed: int) -> dict[str, list[CounterfactualPair]]:
-    """Built-in names generate pairs; ``.jsonl`` paths are user-defined desiderata (named by file stem)."""
-    out: dict[str, list[CounterfactualPair]] = {}
+def load_desiderata(spec: str, tokenizer, n: int, n_boxes: int, seed: int,
+                    task: str = "entity-tracking") -> dict[str, list[PairRecord]]:
+    """The task's desiderata by name generate pairs; ``.jsonl`` paths are user-defined entity-tracking
+    desiderata (named by file stem)."""
+    out: dict[str, list[PairRecord]] = {}
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         if item.endswith(".jsonl"):
             records = read_jsonl(item)
@@ -54,7 +60,7 @@ def load_desiderata(spec: str, tokenizer, n: int, n_boxes: int, seed: int) -> di
                 raise ValueError(f"{item} must hold counterfactual pairs (write them with write_jsonl)")
             out[Path(item).stem] = records  # type: ignore[assignment]
         else:
-            out[item] = desideratum_pairs(item, tokenizer, n, n_boxes=n_boxes, seed=seed)
+            out[item] = desideratum_pairs(item, tokenizer, n, n_boxes=n_boxes, seed=seed, task=task)
     if not out:
         raise ValueError("no desiderata given; e.g. --desiderata positional,object,label")
     return out
@@ -77,6 +83,7 @@ def main(args: argparse.Namespace) -> int:
     if args.remote:
         raise SystemExit("DCM trains masks through backward passes on this machine; it does not run on NDIF yet "
                          "(--remote). Run it with --device cuda / --device-map auto.")
+    task = task_from_args(args)
     others = [m for m in (args.semantic or "").split(",") if m and m != args.model]
     models = ModelSet([args.model, *others], **model_kwargs(args))
     model = models[models.names[0]]
@@ -86,7 +93,8 @@ def main(args: argparse.Namespace) -> int:
                        batch_size=args.batch_size, micro_batch=args.micro_batch, eval_every=args.eval_every,
                        eval_batch=args.eval_batch,
                        n_random=args.n_random, random_pool=args.random_pool, seed=args.seed)
-    desiderata = load_desiderata(args.desiderata, model.tokenizer, args.n, args.n_boxes, args.seed)
+    spec = args.desiderata or ",".join(task.desiderata)
+    desiderata = load_desiderata(spec, model.tokenizer, args.n, args.n_boxes, args.seed, args.task)
     groups = args.groups.split(",") if args.groups else None
     results = dcm_circuit(model, circuit, desiderata, config, groups)
     out = Path(args.out)
@@ -100,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
                  {"selected heads": [r.test_accuracy for r in results], "floor (m=1)": [r.floor for r in results],
                   "whole group": [r.full_group for r in results], "random": [r.random for r in results]},
                  title=f"DCM on {model.name}", ylabel="target accuracy (test)")
-    summary = {"model": model.name, "fingerprint": model.fingerprint, "circuit": args.circuit,
+    summary = {"model": model.name, "task": task.name, "fingerprint": model.fingerprint, "circuit": args.circuit,
                "n_boxes": args.n_boxes, "results": [r.to_dict() for r in results]}
     if others:
         summary["semantic"] = _semantic(models, results, desiderata, config, args.eval_batch, out)

@@ -7,7 +7,8 @@ import logging
 
 from tabulate import tabulate
 
-from ..finetune import DEFAULT_TARGETS, TASKS, FinetuneConfig, finetune
+from ..finetune import DEFAULT_TARGETS, FinetuneConfig, finetune
+from ..tasks.base import trainable_tasks
 from ._options import add_model_options, load_from_args, write_json
 
 
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("finetune", help="LoRA fine-tuning (peft) on generated prompts; saves adapters + recipe")
     p.add_argument("--base", default=d.base, help="registry name or path of the model to fine-tune "
                    "(a LoRA adapter is merged first, so a new LoRA can be trained on top)")
-    p.add_argument("--task", default=d.task, choices=TASKS)
+    p.add_argument("--task", default=d.task, choices=trainable_tasks())
     p.add_argument("--out", required=True, help="directory; each adapter goes to OUT/NAME")
     p.add_argument("--save", type=_save_spec, default={}, help="adapters to save: NAME=STEP[,NAME=STEP...]")
     p.add_argument("--save-every", type=int, default=0, help="also save OUT/step-NNNN every N steps (0: off)")

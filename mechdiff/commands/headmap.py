@@ -45,21 +45,21 @@ def _train_options(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..headmap import TASKS
+    from ..tasks.base import trainable_tasks
 
     p = sub.add_parser("headmap", help="HeadMap: layer-conditioned locating of task heads and HeadMap fine-tuning")
     hs = p.add_subparsers(dest="headmap_command", required=True, metavar="ACTION")
 
     loc = hs.add_parser("locate", help="select the lowest-loss samples and locate k heads per layer")
     _common(loc)
-    loc.add_argument("--task", default="entity-tracking", choices=list(TASKS))
+    loc.add_argument("--task", default="entity-tracking", choices=trainable_tasks())
     loc.add_argument("--out", required=True, help="directory: circuit.json, locate.json, figures")
     _locate_options(loc)
     loc.set_defaults(func=main_locate)
 
     ft = hs.add_parser("finetune", help="train HeadMap maps on located heads (optionally with a LoRA)")
     _common(ft)
-    ft.add_argument("--task", default="entity-tracking", choices=list(TASKS))
+    ft.add_argument("--task", default="entity-tracking", choices=trainable_tasks())
     ft.add_argument("--circuit", required=True, help="circuit.json from `mechdiff headmap locate`")
     ft.add_argument("--lora-rank", type=int, default=0, help="also train a LoRA of this rank (HeadMap+LoRA)")
     ft.add_argument("--out", required=True, help="directory: result.json")
@@ -69,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmp_ = hs.add_parser("compare", help="the study: locate on two tasks, HeadMap vs LoRA and ablations, report.md")
     _common(cmp_)
     cmp_.add_argument("--out", default="results/headmap-smollm2")
-    cmp_.add_argument("--transfer-task", default="arithmetic-mc", choices=list(TASKS),
+    cmp_.add_argument("--transfer-task", default="arithmetic-mc", choices=trainable_tasks(),
                       help="task whose located circuit is transferred to entity tracking")
     cmp_.add_argument("--path-patching", default="results/entity-tracking-smollm2/circuits/smollm2-et-early.json",
                       help="comma-separated path-patching circuit files to compare the located heads with")
@@ -174,7 +174,7 @@ def main_finetune(args: argparse.Namespace) -> int:
     model = load_from_args(args.model, args)
     circuit = Circuit.load(args.circuit)
     cfg = _train_config(args, args.task, args.lora_rank)
-    ev = get_task(args.task).evaluate(model.tokenizer, cfg.eval_n, cfg.eval_seed)
+    ev = get_task(args.task).eval_batch(model.tokenizer, cfg.eval_n, cfg.eval_seed)
     res = train(model, cfg, heads_by_layer(circuit.heads()), {args.task: ev})
     est = bootstrap(res["correct"][args.task])
     print(f"trainable parameters {res['trainable']}; {args.task} accuracy {est}")
@@ -255,7 +255,7 @@ def main_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown runs {sorted(unknown)}; choose from {', '.join(RUNS)}")
     task = get_task("entity-tracking")
     cfg0 = _train_config(args, "entity-tracking")
-    ev = {"entity-tracking": task.evaluate(model.tokenizer, cfg0.eval_n, cfg0.eval_seed)}
+    ev = {"entity-tracking": task.eval_batch(model.tokenizer, cfg0.eval_n, cfg0.eval_seed)}
     results = {}
     for run_id in chosen:
         name, heads_fn, lora_rank = runs[run_id]

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..circuits.positions import leave_one_out, position_scan
 from ..report.positions import position_scan_figure
 from ..report.tables import estimate_columns, to_markdown, write_table
-from ..tasks.entity_tracking_positions import CLASSES
+from ..tasks.entity_tracking.positions import CLASSES
 from ._options import add_dataset_options, add_model_options, load_from_args, write_json
 from ._scoring import add_scoring_options, build_scorer, settings
 

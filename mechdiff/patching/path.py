@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from ..components import Head
 from ..models.loading import LoadedModel
 from ..models.remote import keep
-from ..tasks.entity_tracking import CounterfactualPair, pair_batch_tensors
+from ..tasks.base import PairRecord, pair_batch_tensors
 from .activation import answer_prob
 from .core import Patch, Resume, run
 
@@ -63,7 +63,7 @@ class PairBatch:
         return self.clean_ids.shape[0]
 
 
-def prepare(model: LoadedModel, pairs: Sequence[CounterfactualPair]) -> PairBatch:
+def prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> PairBatch:
     """Run clean and counterfactual once, capturing every layer's ``z`` (and the clean residual stream)."""
     tensors = pair_batch_tensors(pairs)
     layers = range(model.shape.n_layers)

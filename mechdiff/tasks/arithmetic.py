@@ -18,8 +18,10 @@ the same token length, so a batch of one form needs no padding.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Sequence
+
+from .base import Task, step_seed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,6 +43,15 @@ class ArithmeticExample:
     a: int
     b: int
     op: str
+
+    @property
+    def positions(self) -> dict[str, int]:
+        """The task protocol's named positions: the last token."""
+        return {"last": len(self.input_ids) - 1}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def _operands(rng: random.Random, form: tuple[str, int, int]) -> tuple[int, int]:
@@ -98,3 +109,16 @@ def batch_tensors(records: Sequence[ArithmeticExample]) -> dict[str, Any]:
 
     return {"input_ids": torch.tensor([r.input_ids for r in records], dtype=torch.long),
             "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long)}
+
+
+
+def train_batch(tokenizer: "PreTrainedTokenizerBase", batch_size: int, data_seed: int, step: int,
+                **_: Any) -> dict[str, Any]:
+    """Training batch of ``step``: one form per step, drawn by the step's seed."""
+    seed = step_seed(data_seed, step)
+    form = random.Random(seed).choice(list(FORMS))
+    return batch_tensors(generate(tokenizer, batch_size, seed=seed, form=form))
+
+TASK = Task(name="arithmetic", description="one-digit sums and differences (Goat's recipe in miniature)",
+            examples=lambda tokenizer, n, seed=0: generate(tokenizer, n, seed=seed), positions=("last",),
+            train_batch=train_batch)

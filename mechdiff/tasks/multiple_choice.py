@@ -22,8 +22,10 @@ entity-tracking objects: ``split="train"`` and ``split="eval"`` use disjoint nam
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Sequence
+
+from .base import Task, step_seed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,6 +52,15 @@ class ChoiceExample:
     input_ids: tuple[int, ...]
     choices: tuple[int, ...]
     correct: int  # index into choices / LETTERS
+
+    @property
+    def positions(self) -> dict[str, int]:
+        """The task protocol's named positions: the last token."""
+        return {"last": len(self.input_ids) - 1}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def _single(tokenizer: "PreTrainedTokenizerBase", text: str) -> bool:
@@ -129,3 +140,12 @@ def batch_tensors(records: Sequence[ChoiceExample]) -> dict[str, Any]:
 
     return {"input_ids": torch.tensor([r.input_ids for r in records], dtype=torch.long),
             "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long)}
+
+
+TASK = Task(name="multiple-choice", description="multiple-choice arithmetic word problems (the answer letter)",
+            examples=lambda tokenizer, n, seed=0, split="all": generate(tokenizer, n, seed=seed, split=split),
+            positions=("last",), options=("split",),
+            train_batch=lambda tokenizer, batch_size, data_seed, step, **_: batch_tensors(
+                generate(tokenizer, batch_size, seed=step_seed(data_seed, step), split="train")),
+            pool_batch=lambda tokenizer, n, seed: batch_tensors(generate(tokenizer, n, seed=seed, split="train")),
+            eval_batch=lambda tokenizer, n, seed: batch_tensors(generate(tokenizer, n, seed=seed, split="eval")))

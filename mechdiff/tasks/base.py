@@ -1,0 +1,366 @@
+"""The task protocol: what the engine reads from any task's records, and the one task registry.
+
+A *record* is one prompt: its token ids, the answer token, optional alternative answer tokens
+(``alternative_ids``, e.g. the subject name in IOI) and named token positions. A position is a
+single token index (``int``; ``None`` where absent, batched as ``-1``) or a *position class*,
+several indices (a tuple, batched as ``[batch, k]``). Entity tracking's
+:class:`~mechdiff.tasks.entity_tracking.EntityTrackingExample` is such a record;
+:class:`Example` is the generic one (IOI, tasks imported from JSONL files).
+
+A *pair* is a clean record (``base``), a counterfactual record (``source``) of the same token
+length and the answer the patched clean run should give (``target`` / ``target_id``).
+:func:`check_pair` refuses a pair whose two prompts differ in length, naming both lengths.
+
+The engine (patching, discovery, scoring, DCM, CMAP, the store) touches records only through
+:func:`batch_tensors`, :func:`pair_batch_tensors` and :func:`dataset_hash`, and tasks only through
+:class:`Task` objects found in :data:`TASKS` by name (or a directory written by
+``mechdiff dataset import``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+Position = Union[int, tuple[int, ...], None]
+METRICS = ("prob", "logit_diff")
+
+
+@runtime_checkable
+class Record(Protocol):
+    """What the engine reads from one prompt."""
+
+    input_ids: tuple[int, ...]
+    answer_id: int
+    positions: Mapping[str, Position]
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class PairRecord(Protocol):
+    """What the engine reads from one counterfactual pair."""
+
+    base: Record
+    source: Record
+    target_id: int
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+# --------------------------------------------------------------------------------------
+# Generic records
+# --------------------------------------------------------------------------------------
+
+
+def _position_from_json(value: Any) -> Position:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return int(value)
+
+
+def _position_to_json(value: Position) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt of any task: ``positions`` name -> token index, ``None`` or a tuple (a position class)."""
+
+    prompt: str
+    input_ids: tuple[int, ...]
+    answer: str
+    answer_id: int
+    positions: dict[str, Position] = field(default_factory=dict)
+    alternatives: tuple[str, ...] = ()
+    alternative_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        for name, pos in self.positions.items():
+            for p in pos if isinstance(pos, tuple) else (() if pos is None else (pos,)):
+                if not 0 <= p < n:
+                    raise ValueError(f"position {name!r} = {p} lies outside the prompt's {n} tokens: {self.prompt!r}")
+
+    def __hash__(self) -> int:
+        return hash((self.prompt, self.input_ids, self.answer_id, self.alternative_ids))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists)."""
+        return {"prompt": self.prompt, "input_ids": list(self.input_ids), "answer": self.answer,
+                "answer_id": self.answer_id, "alternatives": list(self.alternatives),
+                "alternative_ids": list(self.alternative_ids),
+                "positions": {k: _position_to_json(v) for k, v in self.positions.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Example":
+        """Inverse of :meth:`to_dict`."""
+        return cls(d["prompt"], tuple(int(i) for i in d["input_ids"]), d["answer"], int(d["answer_id"]),
+                   {k: _position_from_json(v) for k, v in d.get("positions", {}).items()},
+                   tuple(d.get("alternatives", ())), tuple(int(i) for i in d.get("alternative_ids", ())))
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A clean prompt (``base``), its counterfactual (``source``, same token length) and the target answer."""
+
+    base: Example
+    source: Example
+    target: str
+    target_id: int
+    kind: str = "counterfactual"
+
+    def __post_init__(self) -> None:
+        check_pair(self.base, self.source)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"base": self.base.to_dict(), "source": self.source.to_dict(), "target": self.target,
+                "target_id": self.target_id, "kind": self.kind}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Pair":
+        return cls(Example.from_dict(d["base"]), Example.from_dict(d["source"]), d["target"], int(d["target_id"]),
+                   d.get("kind", "counterfactual"))
+
+
+def check_pair(base: Record, source: Record, where: str = "") -> None:
+    """Refuse a pair whose prompts differ in token length (patching writes position by position)."""
+    if len(base.input_ids) != len(source.input_ids):
+        raise ValueError(f"{where}clean and counterfactual prompts differ in token length: "
+                         f"{len(base.input_ids)} vs {len(source.input_ids)} tokens; a counterfactual pair needs "
+                         "prompts of equal length (reword one, or pad with a token both share)")
+
+
+# --------------------------------------------------------------------------------------
+# Batching and hashing (what the engine calls)
+# --------------------------------------------------------------------------------------
+
+
+def is_pair(record: Any) -> bool:
+    """True for a counterfactual pair (it has ``base`` and ``source``)."""
+    return hasattr(record, "base") and hasattr(record, "source")
+
+
+def batch_tensors(records: Sequence[Record]) -> dict[str, Any]:
+    """Tensors for records of one token length (no padding).
+
+    ``input_ids`` and ``attention_mask`` ``[batch, pos]``, ``answer_ids`` ``[batch]``,
+    ``alternative_ids`` ``[batch, n_alt]`` when every record has the same number (> 0) of them,
+    and ``positions``: name -> ``[batch]`` (``-1`` where absent) or ``[batch, k]`` (a position class);
+    ``position_classes``: name -> boolean ``[batch, pos]`` where the record type defines ``position_masks``.
+    """
+    import torch
+
+    records = list(records)
+    if not records:
+        raise ValueError("no records to batch")
+    if any(is_pair(r) for r in records):
+        raise TypeError("batch_tensors takes single records; for counterfactual pairs use pair_batch_tensors")
+    lengths = {len(r.input_ids) for r in records}
+    if len(lengths) != 1:
+        raise ValueError(f"records have different token lengths {sorted(lengths)}; batch prompts of one length")
+    names = list(records[0].positions)
+    for r in records:
+        if set(r.positions) != set(names):
+            raise ValueError(f"records name different positions: {sorted(names)} vs {sorted(r.positions)}")
+    input_ids = torch.tensor([r.input_ids for r in records], dtype=torch.long)
+    out = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+           "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long),
+           "positions": {name: _position_tensor(records, name) for name in names}}
+    alternatives = [tuple(getattr(r, "alternative_ids", ())) for r in records]
+    if alternatives[0] and len({len(a) for a in alternatives}) == 1:
+        out["alternative_ids"] = torch.tensor(alternatives, dtype=torch.long)
+    masks = getattr(type(records[0]), "position_masks", None)
+    if masks is not None:  # a task may define position classes of any size per prompt as "batch pos" masks
+        out["position_classes"] = masks(records, input_ids.shape[1])
+    return out
+
+
+def _position_tensor(records: Sequence[Record], name: str) -> "torch.Tensor":
+    import torch
+
+    values = [r.positions[name] for r in records]
+    if any(isinstance(v, (tuple, list)) for v in values):
+        sizes = {len(v) for v in values if v is not None}
+        if len(sizes) != 1 or any(v is None for v in values):
+            raise ValueError(f"position class {name!r} has different sizes {sorted(sizes)} across records; "
+                             "batch records whose classes have one size")
+        return torch.tensor([list(v) for v in values], dtype=torch.long)
+    return torch.tensor([-1 if v is None else v for v in values], dtype=torch.long)
+
+
+def pair_batch_tensors(pairs: Sequence[PairRecord]) -> dict[str, Any]:
+    """``{"base": batch_tensors(bases), "source": batch_tensors(sources), "target_ids": [batch]}``."""
+    import torch
+
+    pairs = list(pairs)
+    for i, p in enumerate(pairs):
+        check_pair(p.base, p.source, f"pair {i}: ")
+    base = batch_tensors([p.base for p in pairs])
+    source = batch_tensors([p.source for p in pairs])
+    return {"base": base, "source": source, "target_ids": torch.tensor([p.target_id for p in pairs], dtype=torch.long)}
+
+
+def record_dict(record: Any) -> dict[str, Any]:
+    """``{"type": "example" | "pair", **record.to_dict()}``: the canonical form hashed and written."""
+    return {"type": "pair" if is_pair(record) else "example", **record.to_dict()}
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def dataset_hash(records: Sequence[Any]) -> str:
+    """sha256 of a canonical JSON of the records (order matters; token ids included)."""
+    return hashlib.sha256(canonical_json([record_dict(r) for r in records]).encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------
+
+
+def metric_values(logits: "torch.Tensor", batch: Mapping[str, Any], metric: str = "prob",
+                  answer: Optional["torch.Tensor"] = None) -> "torch.Tensor":
+    """Per prompt: the answer's probability (``prob``) or its logit minus the mean logit of the
+    alternatives (``logit_diff``, e.g. IO - S in IOI). ``logits``: ``"batch vocab"`` at the last token."""
+    logits = logits.float()
+    answer = (batch["answer_ids"] if answer is None else answer).to(logits.device)
+    if metric == "prob":
+        return logits.softmax(-1).gather(1, answer[:, None])[:, 0]
+    if metric == "logit_diff":
+        if "alternative_ids" not in batch:
+            raise ValueError("metric logit_diff needs records with alternative answers (alternative_ids)")
+        alt = batch["alternative_ids"].to(logits.device)
+        return logits.gather(1, answer[:, None])[:, 0] - logits.gather(1, alt).mean(-1)
+    raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+
+
+# --------------------------------------------------------------------------------------
+# Tasks and the registry
+# --------------------------------------------------------------------------------------
+
+def step_seed(data_seed: int, step: int) -> int:
+    """The data seed of training step ``step`` (distinct from every validation seed)."""
+    return data_seed * 1_000_003 + step
+
+
+def answer_batch(records: Sequence[Record]) -> "Batch":
+    """``{"input_ids": [batch, pos], "answer_ids": [batch]}``: what fine-tuning and HeadMap train on."""
+    t = batch_tensors(records)
+    return {"input_ids": t["input_ids"], "answer_ids": t["answer_ids"]}
+
+
+Generator = Callable[..., list]  # (tokenizer, n, seed=...) -> records or pairs
+Batch = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task as every command sees it.
+
+    ``examples(tokenizer, n, seed)``: evaluation records. ``pairs(tokenizer, n, seed)``: the
+    counterfactual pairs discovery patches from. ``reference(tokenizer, n, seed)``: the prompts
+    whose mean activations replace ablated heads. ``desiderata``: name -> pair generator (DCM).
+    ``plan``: the discovery plan file (:mod:`mechdiff.circuits.plan`). ``metric``: ``prob`` or
+    ``logit_diff``. ``train_batch(tokenizer, batch_size, data_seed, step, **options)``,
+    ``eval_batch(tokenizer, n, seed)`` (held out) and ``pool_batch(tokenizer, n, seed)`` (HeadMap's
+    locating pool): ``{"input_ids", "answer_ids"}`` batches for fine-tuning and HeadMap (tasks
+    without them cannot be trained on). ``options``: extra keyword arguments the generators accept
+    (entity tracking: ``n_boxes``, ``vocabulary``, ``letters``).
+    """
+
+    name: str
+    description: str
+    examples: Generator
+    pairs: Optional[Generator] = None
+    reference: Optional[Generator] = None
+    desiderata: Mapping[str, Generator] = field(default_factory=dict)
+    plan: Optional[Path] = None
+    metric: str = "prob"
+    positions: tuple[str, ...] = ()
+    group_names: Mapping[str, str] = field(default_factory=dict)
+    train_batch: Optional[Callable[..., Batch]] = None
+    eval_batch: Optional[Callable[..., Batch]] = None
+    pool_batch: Optional[Callable[..., Batch]] = None
+    options: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise ValueError(f"task {self.name}: unknown metric {self.metric!r}; choose one of {', '.join(METRICS)}")
+
+    def kwargs(self, **given: Any) -> dict[str, Any]:
+        """The options among ``given`` this task's generators accept (``None`` values dropped)."""
+        return {k: v for k, v in given.items() if k in self.options and v is not None}
+
+    def discovery_pairs(self, tokenizer: Any, n: int, seed: int = 0, **options: Any) -> list:
+        if self.pairs is None:
+            raise ValueError(f"task {self.name} has no counterfactual pairs; discovery needs them")
+        return self.pairs(tokenizer, n, seed=seed, **self.kwargs(**options))
+
+    def records(self, tokenizer: Any, n: int, seed: int = 0, **options: Any) -> list:
+        return self.examples(tokenizer, n, seed=seed, **self.kwargs(**options))
+
+    def reference_records(self, tokenizer: Any, n: int, seed: int = 0, **options: Any) -> list:
+        """The ablation reference set (default: the counterfactual prompts of the discovery pairs)."""
+        if self.reference is not None:
+            return self.reference(tokenizer, n, seed=seed, **self.kwargs(**options))
+        return [p.source for p in self.discovery_pairs(tokenizer, n, seed, **options)]
+
+    def desideratum(self, name: str, tokenizer: Any, n: int, seed: int = 0, **options: Any) -> list:
+        if name not in self.desiderata:
+            raise ValueError(f"task {self.name} has no desideratum {name!r}; it has {sorted(self.desiderata) or 'none'}")
+        return self.desiderata[name](tokenizer, n, seed=seed, **self.kwargs(**options))
+
+
+#: name -> "module:attribute" of a :class:`Task`; imported on first use, so this module imports no task.
+TASKS: dict[str, str] = {
+    "entity-tracking": "mechdiff.tasks.entity_tracking:TASK",
+    "ioi": "mechdiff.tasks.ioi:TASK",
+    "arithmetic": "mechdiff.tasks.arithmetic:TASK",
+    "multiple-choice": "mechdiff.tasks.multiple_choice:TASK",
+}
+#: Old names kept working.
+ALIASES: dict[str, str] = {"arithmetic-mc": "multiple-choice", "entity_tracking": "entity-tracking"}
+
+
+def task_names(include_aliases: bool = True) -> list[str]:
+    """Every registered task name (and the aliases)."""
+    return [*TASKS, *(ALIASES if include_aliases else ())]
+
+
+def trainable_tasks() -> list[str]:
+    """Registered tasks with training batches (fine-tuning, HeadMap), and their aliases."""
+    names = [n for n in TASKS if get_task(n).train_batch is not None]
+    return names + [a for a, n in ALIASES.items() if n in names]
+
+
+def canonical_name(name: str) -> str:
+    """The registry name of ``name`` (aliases resolved); raises on an unknown name."""
+    key = ALIASES.get(name, name)
+    if key not in TASKS:
+        raise ValueError(f"unknown task {name!r}; registered: {', '.join(task_names())}, "
+                         "or a directory written by `mechdiff dataset import`")
+    return key
+
+
+def get_task(name: str | os.PathLike) -> Task:
+    """The task registered as ``name`` (or an alias), or the task in a directory written by
+    ``mechdiff dataset import``."""
+    if isinstance(name, os.PathLike) or (isinstance(name, str) and name not in TASKS and name not in ALIASES
+                                         and Path(name).is_dir()):
+        from .jsonl import load_task
+
+        return load_task(name)
+    module, attr = TASKS[canonical_name(str(name))].split(":")
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,182 @@
+"""Entity-tracking counterfactual pairs: path patching and the DCM desiderata."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from .building import _check_n, _check_same_length, _sample_base, build_example
+from .records import DEFAULT_N_BOXES, PAIR_KINDS, CounterfactualPair, EntityTrackingExample, Vocabulary
+from .vocabulary import VocabularyReport, _prepare
+
+if TYPE_CHECKING:  # heavy imports only for type checkers
+    from transformers import PreTrainedTokenizerBase
+
+
+# --------------------------------------------------------------------------------------
+# Counterfactual pairs
+# --------------------------------------------------------------------------------------
+
+
+def _pairs(
+    kind: str,
+    make_source: Callable[[random.Random, EntityTrackingExample, VocabularyReport], tuple[EntityTrackingExample, str]],
+    tokenizer: "PreTrainedTokenizerBase",
+    n: int,
+    n_boxes: int,
+    seed: int,
+    vocabulary: Vocabulary,
+    letters: Sequence[str] | None,
+    labels_needed: int,
+) -> list[CounterfactualPair]:
+    """Shared driver: the bases are exactly ``generate(tokenizer, n, n_boxes, seed, ...)``; the
+    sources come from a second generator seeded with ``f"{seed}:{kind}"``."""
+    _check_n(n)
+    # The sources' objects are disjoint from their base's, so twice the objects are needed.
+    report = _prepare(tokenizer, n_boxes, vocabulary, letters, 2 * n_boxes, labels_needed)
+    base_rng = random.Random(seed)
+    src_rng = random.Random(f"{seed}:{kind}")
+    out: list[CounterfactualPair] = []
+    for i in range(n):
+        base = _sample_base(base_rng, report, n_boxes, i % n_boxes, tokenizer)
+        source, target_obj = make_source(src_rng, base, report)
+        out.append(CounterfactualPair(base, source, " " + target_obj, report.token_ids[target_obj], kind))
+    _check_same_length([e for p in out for e in (p.base, p.source)], n_boxes)
+    return out
+
+
+def _other_objects(rng: random.Random, base: EntityTrackingExample, report: VocabularyReport) -> list[str]:
+    pool = [o for o in report.kept if o not in base.objects]
+    return rng.sample(pool, base.n_boxes)
+
+
+def path_patching_pairs(
+    tokenizer: "PreTrainedTokenizerBase",
+    n: int,
+    n_boxes: int = DEFAULT_N_BOXES,
+    seed: int = 0,
+    vocabulary: Vocabulary = None,
+    letters: Sequence[str] | None = None,
+) -> list[CounterfactualPair]:
+    """Pairs for path patching. The source is a different context (objects disjoint from the
+    base's, fresh random labels) whose query segment index differs from the base's and whose
+    final query label is a letter ABSENT from the source context and different from the
+    base's query label; so ``source.positions["query_label_context"]`` is ``None``.
+    ``source.query_index`` is the segment that would have been queried and ``source.answer``
+    its object (meaningless for the model). ``target`` is the base answer (metric: the
+    probability of the base answer)."""
+
+    def make(rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport) -> tuple[EntityTrackingExample, str]:
+        objects = _other_objects(rng, base, rep)
+        labels = rng.sample(rep.labels_kept, base.n_boxes)
+        q = rng.choice([k for k in range(base.n_boxes) if k != base.query_index])
+        absent = rng.choice([L for L in rep.labels_kept if L not in labels and L != base.query_label])
+        source = build_example(tokenizer, objects, labels, q, query_label=absent, token_ids=rep.token_ids)
+        return source, base.answer[1:]
+
+    # n_boxes letters in the source, plus one absent from it that also differs from the base query label.
+    return _pairs("path_patching", make, tokenizer, n, n_boxes, seed, vocabulary, letters, n_boxes + 2)
+
+
+def positional_pairs(
+    tokenizer: "PreTrainedTokenizerBase",
+    n: int,
+    n_boxes: int = DEFAULT_N_BOXES,
+    seed: int = 0,
+    vocabulary: Vocabulary = None,
+    letters: Sequence[str] | None = None,
+) -> list[CounterfactualPair]:
+    """DCM positional desideratum. The source has objects disjoint from the base's, queries
+    segment ``j != base.query_index``, and its query label does not occur in the base context
+    (so the label reading predicts nothing and the object reading predicts an object not in
+    the base). ``target = base.objects[j]``: the source's query position applied to the
+    base's context."""
+
+    def make(rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport) -> tuple[EntityTrackingExample, str]:
+        n_b = base.n_boxes
+        objects = _other_objects(rng, base, rep)
+        j = rng.choice([k for k in range(n_b) if k != base.query_index])
+        q_label = rng.choice([L for L in rep.labels_kept if L not in base.labels])
+        labels = rng.sample([L for L in rep.labels_kept if L != q_label], n_b - 1)
+        labels.insert(j, q_label)
+        source = build_example(tokenizer, objects, labels, j, token_ids=rep.token_ids)
+        return source, base.objects[j]
+
+    return _pairs("positional", make, tokenizer, n, n_boxes, seed, vocabulary, letters, n_boxes + 1)
+
+
+def object_value_pairs(
+    tokenizer: "PreTrainedTokenizerBase",
+    n: int,
+    n_boxes: int = DEFAULT_N_BOXES,
+    seed: int = 0,
+    vocabulary: Vocabulary = None,
+    letters: Sequence[str] | None = None,
+) -> list[CounterfactualPair]:
+    """DCM object-value desideratum. The source is a different context (objects disjoint
+    from the base's, fresh random labels, random query segment); ``target`` is the source's
+    answer, the value fetched in the source run, which never occurs in the base context."""
+
+    def make(rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport) -> tuple[EntityTrackingExample, str]:
+        objects = _other_objects(rng, base, rep)
+        labels = rng.sample(rep.labels_kept, base.n_boxes)
+        q = rng.randrange(base.n_boxes)
+        source = build_example(tokenizer, objects, labels, q, token_ids=rep.token_ids)
+        return source, source.answer[1:]
+
+    return _pairs("object_value", make, tokenizer, n, n_boxes, seed, vocabulary, letters, n_boxes)
+
+
+def label_value_pairs(
+    tokenizer: "PreTrainedTokenizerBase",
+    n: int,
+    n_boxes: int = DEFAULT_N_BOXES,
+    seed: int = 0,
+    vocabulary: Vocabulary = None,
+    letters: Sequence[str] | None = None,
+) -> list[CounterfactualPair]:
+    """DCM box-label-value desideratum. The source (objects disjoint from the base's) queries
+    segment ``j`` with label ``L = base.labels[k]`` where ``k != base.query_index`` and
+    ``k != j``; ``target = base.objects[k]`` (the base's object in the box labelled with the
+    source's query label), which is never the base answer. With 2 boxes ``j`` equals the
+    base's query index (no third segment exists); otherwise ``j`` is uniform."""
+
+    def make(rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport) -> tuple[EntityTrackingExample, str]:
+        n_b = base.n_boxes
+        i = base.query_index
+        j = i if n_b == 2 else rng.randrange(n_b)
+        k = rng.choice([s for s in range(n_b) if s not in (i, j)])
+        q_label = base.labels[k]
+        objects = _other_objects(rng, base, rep)
+        labels = rng.sample([L for L in rep.labels_kept if L != q_label], n_b - 1)
+        labels.insert(j, q_label)
+        source = build_example(tokenizer, objects, labels, j, token_ids=rep.token_ids)
+        target = base.objects[base.labels.index(source.query_label)]
+        return source, target
+
+    return _pairs("label_value", make, tokenizer, n, n_boxes, seed, vocabulary, letters, n_boxes)
+
+
+PAIR_GENERATORS: dict[str, Callable[..., list[CounterfactualPair]]] = {
+    "path_patching": path_patching_pairs,
+    "positional": positional_pairs,
+    "object_value": object_value_pairs,
+    "label_value": label_value_pairs,
+}
+
+
+def counterfactual_pairs(
+    kind: str,
+    tokenizer: "PreTrainedTokenizerBase",
+    n: int,
+    n_boxes: int = DEFAULT_N_BOXES,
+    seed: int = 0,
+    vocabulary: Vocabulary = None,
+    letters: Sequence[str] | None = None,
+) -> list[CounterfactualPair]:
+    """Dispatch on ``kind`` (one of :data:`PAIR_KINDS`)."""
+    if kind not in PAIR_GENERATORS:
+        raise ValueError(f"unknown counterfactual kind {kind!r}; choose one of {', '.join(PAIR_KINDS)}")
+    return PAIR_GENERATORS[kind](tokenizer, n, n_boxes=n_boxes, seed=seed, vocabulary=vocabulary, letters=letters)
+
+

@@ -1,0 +1,158 @@
+"""Indirect-object identification (IOI; Wang et al. 2022, "Interpretability in the Wild").
+
+A prompt names two people, then repeats one of them (the subject S) as the giver; the answer is
+the other (the indirect object IO)::
+
+    When Mary and John went to the store, John gave a drink to      ->  " Mary"
+
+Positions: ``IO`` and ``S1`` (the two names in the first clause), ``S2`` (the repeated subject),
+``END`` (the last token, also named ``last``). The metric is the logit difference IO - S
+(``alternative_ids`` holds S). Half the prompts put IO first (``ABBA``), half S first (``BABA``).
+
+Counterfactual pairs are ABC corruptions: the same template, place and object with three new
+names (none of the clean prompt's), so no name repeats and nothing points to the clean IO; the
+target is the clean IO. Every name, place and object is one token after a space, so all prompts of
+one template have one token length; templates are kept only where their length equals the first
+template's, and every position is located from the tokenizer's offsets (never by search).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .base import Example, Pair, Task
+
+PLAN = Path(__file__).resolve().parent / "plans" / "ioi.toml"
+GROUP_NAMES = {"NM": "name mover", "SI": "S-inhibition", "IND": "induction / duplicate token"}
+TEMPLATES = (
+    "When {A} and {B} went to the {place}, {S} gave a {obj} to",
+    "After {A} and {B} went to the {place}, {S} gave a {obj} to",
+    "While {A} and {B} were at the {place}, {S} gave a {obj} to",
+    "Then {A} and {B} went to the {place}, and {S} gave a {obj} to",
+    "When {A} and {B} got to the {place}, {S} handed a {obj} to",
+)
+NAMES = ("Mary", "John", "Tom", "James", "Anna", "Paul", "Sarah", "Mark", "Lisa", "David", "Emma", "Peter",
+         "Kate", "Michael", "Laura", "Robert", "Alice", "Daniel", "Jane", "Steven", "Susan", "Kevin", "Rachel",
+         "Brian", "Linda", "George", "Amy", "Richard", "Helen", "Jack", "Karen", "Adam", "Claire", "Simon")
+PLACES = ("store", "park", "school", "office", "garden", "restaurant", "hospital", "station", "beach", "market")
+OBJECTS = ("drink", "book", "ball", "key", "gift", "letter", "ring", "flower", "bag", "phone")
+
+
+def _single(tokenizer: Any, word: str) -> Optional[int]:
+    ids = tokenizer(" " + word, add_special_tokens=False)["input_ids"]
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def vocabulary(tokenizer: Any) -> tuple[list[str], list[str], list[str]]:
+    """Names, places and objects that are one token after a space for ``tokenizer``."""
+    names, places, objs = ([w for w in ws if _single(tokenizer, w) is not None] for ws in (NAMES, PLACES, OBJECTS))
+    if len(names) < 5 or not places or not objs:
+        raise ValueError(f"only {len(names)} names, {len(places)} places and {len(objs)} objects are single tokens "
+                         "for this tokenizer; IOI needs at least 5 names and one place and object")
+    return names, places, objs
+
+
+def build(tokenizer: Any, template: str, io: str, s: str, place: str, obj: str, io_first: bool,
+          giver: Optional[str] = None) -> Example:
+    """One prompt: ``io`` and ``s`` in the first clause (``io`` first when ``io_first``), ``giver``
+    (default ``s``) in the second; positions from the tokenizer's offsets."""
+    a, b = (io, s) if io_first else (s, io)
+    giver = s if giver is None else giver
+    spans: dict[str, tuple[int, int]] = {}
+    text, rest = "", template
+    for key, word in (("A", a), ("B", b), ("place", place), ("S", giver), ("obj", obj)):
+        head, rest = rest.split("{" + key + "}", 1)
+        text += head
+        spans[key] = (len(text), len(text) + len(word))
+        text += word
+    text += rest
+    enc = tokenizer(text, return_offsets_mapping=True)
+    ids, offsets = [int(i) for i in enc["input_ids"]], [tuple(o) for o in enc["offset_mapping"]]
+
+    def token(key: str) -> int:
+        start, end = spans[key]
+        hits = [t for t, (x, y) in enumerate(offsets) if y > x and x < end and y > start]
+        if len(hits) != 1:
+            raise ValueError(f"{text[start:end]!r} in {text!r} is {len(hits)} tokens, expected one")
+        return hits[0]
+
+    io_key, s_key = ("A", "B") if io_first else ("B", "A")
+    answer, alt = " " + io, " " + s
+    positions = {"IO": token(io_key), "S1": token(s_key), "S2": token("S"), "END": len(ids) - 1,
+                 "last": len(ids) - 1}
+    return Example(text, tuple(ids), answer, _single(tokenizer, io), positions, (alt,), (_single(tokenizer, s),))
+
+
+def _templates(tokenizer: Any, names: Sequence[str], places: Sequence[str], objs: Sequence[str]) -> list[str]:
+    """The templates whose prompts have the first template's token length."""
+    def length(t: str) -> int:
+        return len(build(tokenizer, t, names[0], names[1], places[0], objs[0], True).input_ids)
+
+    first = length(TEMPLATES[0])
+    return [t for t in TEMPLATES if length(t) == first]
+
+
+def _draws(tokenizer: Any, n: int, seed: int) -> list[tuple[str, str, str, str, str, bool]]:
+    """``(template, io, s, place, obj, io_first)`` of each of ``n`` prompts: templates cycled, IO first in
+    even prompts, names, place and object drawn with ``random.Random(seed)``."""
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    names, places, objs = vocabulary(tokenizer)
+    templates = _templates(tokenizer, names, places, objs)
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        io, s = rng.sample(names, 2)
+        io_first = (i + i // len(templates)) % 2 == 0  # both orders under every template
+        out.append((templates[i % len(templates)], io, s, rng.choice(places), rng.choice(objs), io_first))
+    return out
+
+
+def generate(tokenizer: Any, n: int, seed: int = 0) -> list[Example]:
+    """``n`` IOI prompts, deterministic in ``seed``."""
+    return [build(tokenizer, *d) for d in _draws(tokenizer, n, seed)]
+
+
+def _pairs(tokenizer: Any, n: int, seed: int, kind: str) -> list[Pair]:
+    names, _, _ = vocabulary(tokenizer)
+    rng = random.Random(f"{seed}:{kind}")
+    out = []
+    for template, io, s, place, obj, io_first in _draws(tokenizer, n, seed):
+        base = build(tokenizer, template, io, s, place, obj, io_first)
+        pool = [x for x in names if x not in (io, s)]
+        if kind == "abc":
+            a, b, c = rng.sample(pool, 3)
+            source = build(tokenizer, template, a, b, place, obj, io_first, giver=c)
+            out.append(Pair(base, source, base.answer, base.answer_id, kind))
+        else:
+            new_io, new_s = rng.sample(pool, 2)
+            source = build(tokenizer, template, new_io, new_s, place, obj, io_first)
+            out.append(Pair(base, source, source.answer, source.answer_id, kind))
+    return out
+
+
+def abc_pairs(tokenizer: Any, n: int, seed: int = 0) -> list[Pair]:
+    """Clean prompts (:func:`generate` with ``seed``) and their ABC corruptions: three new names (the
+    giver is a third person), the same template, place and object; target the clean IO."""
+    return _pairs(tokenizer, n, seed, "abc")
+
+
+def io_name_pairs(tokenizer: Any, n: int, seed: int = 0) -> list[Pair]:
+    """DCM desideratum: the source is the same prompt with two new names; target the source's IO
+    (heads that carry the name to be copied move the answer to it)."""
+    return _pairs(tokenizer, n, seed, "io_name")
+
+
+TASK = Task(
+    name="ioi",
+    description="indirect-object identification (Wang et al. 2022): who receives?",
+    examples=generate,
+    pairs=abc_pairs,
+    desiderata={"io_name": io_name_pairs},
+    plan=PLAN,
+    metric="logit_diff",
+    positions=("IO", "S1", "S2", "END", "last"),
+    group_names=GROUP_NAMES,
+)

@@ -1,0 +1,290 @@
+"""Tasks from files: counterfactual pairs written by hand, imported once against a tokenizer.
+
+One JSON object a line::
+
+    {"clean": "When Mary and John went to the store, John gave a drink to",
+     "counterfactual": "When Mary and John went to the store, Anna gave a drink to",
+     "answer": " Mary", "counterfactual_answer": " John",
+     "positions": {"IO": [5, 9], "S2": [38, 42]},
+     "counterfactual_positions": {"IO": [5, 9], "S2": [38, 42]}}
+
+``positions`` are character offsets ``[start, end)`` into ``clean``; a position is the token
+holding the span's last character. The same names are located in ``counterfactual`` by the same
+rule when the row carries ``counterfactual_positions``, else at the same token index. Every
+record also gets ``last`` (the final token) unless a row names it. ``counterfactual_answer``
+(optional) is the answer the counterfactual prompt calls for: it becomes the clean record's
+alternative answer (``logit_diff`` = answer - counterfactual answer) and the target of the
+``counterfactual`` DCM desideratum.
+
+:func:`import_pairs` checks every row against the tokenizer before anything is written: answers
+are one token appended to their prompt, clean and counterfactual have equal token lengths, spans
+start and end on token boundaries, and every row names the same positions. Every bad row is
+reported with its line number; the task directory is written to a temporary directory and
+renamed into place, so a failed import leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from .base import METRICS, Example, Pair, Task, canonical_json, record_dict
+
+log = logging.getLogger(__name__)
+
+KEYS = {"clean", "counterfactual", "answer", "counterfactual_answer", "positions", "counterfactual_positions"}
+REQUIRED = ("clean", "counterfactual", "answer", "positions")
+LAST = "last"
+TASK_FILE, PAIRS_FILE = "task.json", "pairs.jsonl"
+FORMAT = "mechdiff-task/1"
+
+
+class ImportErrors(ValueError):
+    """Every bad row of a pairs file, one line each (``FILE:LINE: what is wrong``)."""
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizer checks
+# --------------------------------------------------------------------------------------
+
+
+def answer_id(tokenizer: Any, prompt: str, answer: str) -> int:
+    """The answer's token id, where ``tokenizer(prompt + answer)`` is ``tokenizer(prompt)`` plus exactly one token."""
+    ids = list(tokenizer(prompt)["input_ids"])
+    full = list(tokenizer(prompt + answer)["input_ids"])
+    if len(full) != len(ids) + 1 or full[: len(ids)] != ids:
+        raise ValueError(f"answer {answer!r} is {len(full) - len(ids)} tokens after its prompt (or merges with the "
+                         "prompt's last token), not one; pick an answer that is one token there (mind the leading space)")
+    return int(full[-1])
+
+
+def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("importing a task needs a fast tokenizer (offset mapping); load it with use_fast=True")
+    enc = tokenizer(text, return_offsets_mapping=True)
+    return [int(i) for i in enc["input_ids"]], [tuple(o) for o in enc["offset_mapping"]]
+
+
+def locate(text: str, offsets: Sequence[tuple[int, int]], span: Sequence[int], name: str) -> int:
+    """The token holding the last character of ``text[start:end]``; the span (without surrounding
+    whitespace) must start at a token's first character and end at a token's last one."""
+    if (not isinstance(span, (list, tuple)) or len(span) != 2 or not all(isinstance(v, int) for v in span)
+            or not 0 <= span[0] < span[1] <= len(text)):
+        raise ValueError(f"position {name!r}: {span!r} is not [start, end) with 0 <= start < end <= {len(text)}")
+    start, end = span
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    if start == end:
+        raise ValueError(f"position {name!r}: span {list(span)} holds only whitespace")
+    real = [(t, a, b) for t, (a, b) in enumerate(offsets) if b > a]
+    holding = [t for t, a, b in real if a <= end - 1 < b]
+    starts = {a for _, a, _ in real} | {a + 1 for _, a, _ in real if text[a].isspace()}
+    if not holding or start not in starts or end not in {b for _, _, b in real}:
+        pieces = [text[a:b] for _, a, b in real if a < end and b > start]
+        raise ValueError(f"position {name!r}: {text[span[0]:span[1]]!r} at {list(span)} is not on token boundaries "
+                         f"(the tokens there are {pieces}); move the span to whole tokens")
+    return holding[0]
+
+
+# --------------------------------------------------------------------------------------
+# Rows -> pairs
+# --------------------------------------------------------------------------------------
+
+
+def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
+    """One checked pair from one row (raises ValueError naming what is wrong)."""
+    unknown = set(row) - KEYS
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)}; valid keys: {sorted(KEYS)}")
+    missing = [k for k in REQUIRED if k not in row]
+    if missing:
+        raise ValueError(f"missing keys {missing}")
+    clean, cf = row["clean"], row["counterfactual"]
+    if not isinstance(row["positions"], dict):
+        raise ValueError("positions must be an object {name: [start, end]}")
+    ids, offsets = _encode(tokenizer, clean)
+    cf_ids, cf_offsets = _encode(tokenizer, cf)
+    if len(ids) != len(cf_ids):
+        raise ValueError(f"clean and counterfactual differ in token length: {len(ids)} vs {len(cf_ids)} tokens")
+    positions = {n: locate(clean, offsets, s, n) for n, s in row["positions"].items()}
+    cf_spans = row.get("counterfactual_positions")
+    if cf_spans is not None:
+        if not isinstance(cf_spans, dict) or set(cf_spans) != set(positions):
+            raise ValueError(f"counterfactual_positions must name the same positions as positions "
+                             f"({sorted(positions)}), got {sorted(cf_spans) if isinstance(cf_spans, dict) else cf_spans!r}")
+        cf_positions = {n: locate(cf, cf_offsets, s, f"counterfactual {n}") for n, s in cf_spans.items()}
+    else:
+        cf_positions = dict(positions)
+    positions.setdefault(LAST, len(ids) - 1)
+    cf_positions.setdefault(LAST, len(ids) - 1)
+    answer = row["answer"]
+    a_id = answer_id(tokenizer, clean, answer)
+    alt, alt_ids, cf_answer, cf_id = (), (), answer, a_id
+    if row.get("counterfactual_answer") is not None:
+        cf_answer = row["counterfactual_answer"]
+        cf_id = answer_id(tokenizer, cf, cf_answer)
+        alt, alt_ids = (cf_answer,), (cf_id,)
+    base = Example(clean, tuple(ids), answer, a_id, positions, alt, alt_ids)
+    source = Example(cf, tuple(cf_ids), cf_answer, cf_id, cf_positions, (answer,) if alt else (),
+                     (a_id,) if alt else ())
+    return Pair(base, source, answer, a_id, "counterfactual")
+
+
+def read_pairs(path: str | os.PathLike, tokenizer: Any) -> list[Pair]:
+    """Every row of a pairs file as a checked :class:`~mechdiff.tasks.base.Pair`; raises
+    :class:`ImportErrors` listing every bad row (``FILE:LINE: ...``) if any is bad."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"pairs file {path} does not exist")
+    pairs: list[Pair] = []
+    errors: list[str] = []
+    names: Optional[tuple[set, int]] = None
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("a line must be one JSON object")
+            pair = _row_pair(tokenizer, row)
+            row_names = set(row["positions"])
+            if names is None:
+                names = (row_names, line_no)
+            elif row_names != names[0]:
+                raise ValueError(f"positions {sorted(row_names)} differ from line {names[1]}'s {sorted(names[0])}; "
+                                 "every row must name the same positions")
+            pairs.append(pair)
+        except (ValueError, TypeError, KeyError) as e:  # json.JSONDecodeError is a ValueError
+            errors.append(f"{path}:{line_no}: {e}")
+    if errors:
+        raise ImportErrors(f"{len(errors)} bad row(s) in {path}; nothing was written:\n" + "\n".join(errors))
+    if not pairs:
+        raise ImportErrors(f"{path} holds no rows")
+    return pairs
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """A digest of the tokenizer's vocabulary (which ids the records hold)."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(canonical_json(vocab).encode("utf-8")).hexdigest()
+
+
+def import_pairs(path: str | os.PathLike, tokenizer: Any, out: str | os.PathLike, model: str = "",
+                 name: Optional[str] = None, plan: Optional[str | os.PathLike] = None, metric: str = "prob",
+                 force: bool = False) -> Path:
+    """Check ``path`` against ``tokenizer`` and write the task directory ``out`` (``task.json``,
+    ``pairs.jsonl``, the plan if given) atomically: into a temporary directory, then renamed."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise ValueError(f"{out} exists; choose another --out or pass --force to replace it")
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    if metric == "logit_diff" and not _has_counterfactual_answers(path):
+        raise ValueError(f"metric logit_diff needs a counterfactual_answer in every row of {path}")
+    plan_text = None
+    if plan is not None:
+        from ..circuits.plan import load_plan
+
+        load_plan(plan)  # checked before anything is written
+        plan_text = Path(plan).read_text(encoding="utf-8")
+    pairs = read_pairs(path, tokenizer)
+    meta = {"format": FORMAT, "name": name or out.name, "source": str(path), "model": model,
+            "source_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "n_pairs": len(pairs),
+            "positions": sorted(pairs[0].base.positions), "metric": metric,
+            "tokenizer": tokenizer_digest(tokenizer), "n_tokens": sorted({len(p.base.input_ids) for p in pairs}),
+            "plan": "plan.toml" if plan_text else None}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / PAIRS_FILE).write_text("".join(canonical_json(record_dict(p)) + "\n" for p in pairs), encoding="utf-8")
+        if plan_text:
+            (tmp / "plan.toml").write_text(plan_text, encoding="utf-8")
+        (tmp / TASK_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _has_counterfactual_answers(path: str | os.PathLike) -> bool:
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return all(isinstance(r, dict) and r.get("counterfactual_answer") is not None for r in rows)
+
+
+# --------------------------------------------------------------------------------------
+# A task directory as a Task
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ImportedTask:
+    """The pairs of a task directory, handed out in file order after checking the asking tokenizer."""
+
+    directory: Path
+    meta: dict
+    pairs: list[Pair]
+
+    def _check(self, tokenizer: Any) -> None:
+        if tokenizer is not None and tokenizer_digest(tokenizer) != self.meta["tokenizer"]:
+            raise ValueError(f"task {self.directory} was imported for another tokenizer (model "
+                             f"{self.meta.get('model') or '?'}); import it again with --model for this model")
+
+    def take(self, tokenizer: Any, n: int) -> list[Pair]:
+        self._check(tokenizer)
+        if n < 1:
+            raise ValueError("n must be at least 1")
+        if n > len(self.pairs):
+            log.info("task %s holds %d pairs; using all of them (asked for %d)", self.directory, len(self.pairs), n)
+        return self.pairs[:n]
+
+    def task(self) -> Task:
+        desiderata = {}
+        if all(p.base.alternative_ids for p in self.pairs):
+            desiderata["counterfactual"] = lambda tok, n, seed=0: [
+                Pair(p.base, p.source, p.source.answer, p.source.answer_id, "counterfactual")
+                for p in self.take(tok, n)]
+        plan = self.directory / self.meta["plan"] if self.meta.get("plan") else None
+        return Task(
+            name=self.meta["name"], description=f"imported from {self.meta['source']}",
+            examples=lambda tok, n, seed=0: [p.base for p in self.take(tok, n)],
+            pairs=lambda tok, n, seed=0: self.take(tok, n),
+            reference=lambda tok, n, seed=0: [p.source for p in self.take(tok, n)],
+            desiderata=desiderata, plan=plan, metric=self.meta["metric"], positions=tuple(self.meta["positions"]),
+        )
+
+
+def load_task_meta(directory: str | os.PathLike) -> dict:
+    """``task.json`` of a task directory (checked)."""
+    meta_path = Path(directory) / TASK_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{directory} is not a task directory (no {TASK_FILE}); "
+                                "write one with `mechdiff dataset import PAIRS.jsonl --model M --out DIR`")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}; import the pairs again")
+    return meta
+
+
+def load_task(directory: str | os.PathLike) -> Task:
+    """The :class:`~mechdiff.tasks.base.Task` of a directory written by :func:`import_pairs`."""
+    directory = Path(directory)
+    meta = load_task_meta(directory)
+    lines = (directory / PAIRS_FILE).read_text(encoding="utf-8").splitlines()
+    pairs = []
+    for line in lines:
+        d = json.loads(line)
+        d.pop("type", None)
+        pairs.append(Pair.from_dict(d))
+    return ImportedTask(directory, meta, pairs).task()
