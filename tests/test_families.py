@@ -47,12 +47,14 @@ FAMILIES: dict[str, tuple[dict, bool, int]] = {
 }
 
 
-def build_family(model_type: str, seed: int = 0) -> LoadedModel:
-    """A tiny random model of ``model_type`` (eager attention) wrapped as a LoadedModel."""
+def build_family(model_type: str, seed: int = 0, tokenizer=None) -> LoadedModel:
+    """A tiny random model of ``model_type`` (eager attention) wrapped as a LoadedModel (with a
+    ``tokenizer``: its vocabulary size)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs, whole, _ = FAMILIES[model_type]
-    cfg = AutoConfig.for_model(model_type, **(kwargs if whole else {**_LLAMA_LIKE, **kwargs}))
+    kwargs = {**(kwargs if whole else {**_LLAMA_LIKE, **kwargs}), **({"vocab_size": len(tokenizer)} if tokenizer else {})}
+    cfg = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():  # norms start at weight 1, bias 0: randomise them so that a wrong norm shows
@@ -61,7 +63,7 @@ def build_family(model_type: str, seed: int = 0) -> LoadedModel:
                 p.add_(0.1 * torch.randn_like(p))
     model.requires_grad_(False)
     name = f"tiny-{model_type}-{seed}"
-    return LoadedModel(name, ModelSpec(name, "local", "<memory>"), model, None, {"kind": "memory", "seed": seed})
+    return LoadedModel(name, ModelSpec(name, "local", "<memory>"), model, tokenizer, {"kind": "memory", "seed": seed})
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -181,6 +183,90 @@ def test_q_k_columns_are_the_heads(family, kind):
         else:
             assert torch.equal(zeroed[:, h], clean[:, h]), h
     assert not torch.allclose(clean[:, 1], CAUSAL_UNIFORM.expand(2, 7, 7), atol=1e-3)
+
+
+# ---- the knowledge edge forward on every family (mechdiff.knowledge.forward) ---------------------------------
+
+NOT_EDGE_DECOMPOSABLE = {"granite": "residual multiplier", "opt": "MLP is not one module"}
+
+
+def test_edge_forward_full_and_empty_circuits(family):
+    """Every edge kept: the model's logits. No edge (zero ablation): every receiver reads 0, so the logits
+    are the unembedding of the final norm of 0."""
+    import numpy as np
+
+    from mechdiff.knowledge.forward import check_supported, edge_forward
+    from mechdiff.knowledge.graph import Graph
+
+    if family.arch.name in NOT_EDGE_DECOMPOSABLE:
+        with pytest.raises(ValueError, match="knowledge circuits on"):
+            check_supported(family)
+        return
+    g = Graph.for_model(family)
+    with torch.no_grad():
+        full = edge_forward(family, g, IDS, None).logits
+        empty = edge_forward(family, g, IDS, np.zeros(g.n_edges, dtype=bool)).logits
+        clean = family.model(input_ids=IDS, use_cache=False).logits[:, -1]
+        zero = torch.zeros(1, 1, family.shape.d_model)
+        final = family.arch.final_norm_module(family.model)
+        empty_expected = family.model.lm_head(final(zero))[0, -1]
+    torch.testing.assert_close(full, clean, atol=1e-5, rtol=1e-4)
+    if family.arch.name not in ("gemma2", "gemma3_text", "cohere", "granite"):  # logit soft-capping / scaling
+        torch.testing.assert_close(empty, empty_expected.expand_as(empty), atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(empty, clean, atol=1e-3)
+
+
+def test_removing_one_edge_changes_only_its_receiver(family):
+    """Cutting ``EMB`` from the V input of L1H1's KV group changes that group's heads and nothing of layer 0;
+    the other heads of layer 1 stay the same (with an attention post-norm: up to its common scale)."""
+    from mechdiff.knowledge.forward import edge_forward
+    from mechdiff.knowledge.graph import Graph
+
+    if family.arch.name in NOT_EDGE_DECOMPOSABLE:
+        return
+    g = Graph.for_model(family)
+    group = 1 // g.group_size
+    edge = f"EMB->{g.kv_name(1, group)}.v"
+    with torch.no_grad():
+        clean = edge_forward(family, g, IDS, None, keep_outputs=True).outputs
+        cut = edge_forward(family, g, IDS, ~g.mask([edge]), keep_outputs=True).outputs
+    changed = set(g.receiver_node(f"{g.kv_name(1, group)}.v"))
+    for i, name in enumerate(g.senders):
+        if name in changed:
+            assert not torch.allclose(cut[i], clean[i], atol=1e-4), name
+        elif name.startswith("L1H") and family.arch.attn_post_norm:
+            scale = (cut[i] * clean[i]).sum(-1, keepdim=True) / (clean[i] * clean[i]).sum(-1, keepdim=True)
+            torch.testing.assert_close(cut[i], scale * clean[i], atol=1e-6, rtol=1e-4)
+        elif name != "MLP1":
+            assert torch.allclose(cut[i], clean[i], atol=1e-6), name
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "phi3", "gemma3_text", "olmo2", "cohere"])
+def test_edge_gradients_match_finite_differences(model_type):
+    """``d metric / d m_e`` at a partial float mask equals the central difference of the edge forward, on
+    fused, interleaved, post-norm and parallel blocks (the three edges of largest gradient)."""
+    import numpy as np
+
+    from mechdiff.knowledge.forward import edge_forward, edge_gradients
+    from mechdiff.knowledge.graph import Graph
+
+    lm = build_family(model_type)
+    g = Graph.for_model(lm)
+    mask = np.random.default_rng(0).uniform(0.3, 0.9, g.n_edges).astype(np.float32)
+
+    def metric(logits):
+        return torch.log_softmax(logits.double(), -1)[:, 5].sum()
+
+    grads = edge_gradients(lm, g, IDS, metric, mask=mask)
+    h = 0.05
+    for e in np.argsort(-np.abs(grads))[:3]:
+        up, down = mask.copy(), mask.copy()
+        up[e] += h
+        down[e] -= h
+        with torch.no_grad():
+            fd = (float(metric(edge_forward(lm, g, IDS, up).logits)) -
+                  float(metric(edge_forward(lm, g, IDS, down).logits))) / (2 * h)
+        assert grads[e] == pytest.approx(fd, rel=0.05, abs=1e-4), g.edges[e]
 
 
 def test_a_model_without_the_pattern_is_refused_with_what_was_found():
