@@ -269,6 +269,23 @@ def test_edge_gradients_match_finite_differences(model_type):
         assert grads[e] == pytest.approx(fd, rel=0.05, abs=1e-4), g.edges[e]
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gpt_neox", "gemma3_text", "olmo2", "cohere", "phi3"])
+def test_a_meta_built_model_resolves_the_same_adapter(model_type):
+    """A model without weights (built on the meta device, as for NDIF) gets the same adapter, norms included;
+    only the residual check (it needs values) is left open."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs, whole, _ = FAMILIES[model_type]
+    cfg = AutoConfig.for_model(model_type, **(kwargs if whole else {**_LLAMA_LIKE, **kwargs}))
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    resolved = architecture_for(meta)
+    assert resolved.additive is None
+    assert replace(resolved, additive=True) == build_family(model_type).arch
+
+
 def test_a_model_without_the_pattern_is_refused_with_what_was_found():
     lm = build_family("llama")
     for layer in lm.model.model.layers:

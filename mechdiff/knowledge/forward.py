@@ -65,6 +65,9 @@ def check_supported(model: LoadedModel) -> None:
     if arch.mlp is None:
         raise ValueError(f"knowledge circuits on {name}: its MLP is not one module of the block (MLP{{l}} is a "
                          "node of the graph)")
+    if arch.additive is None:
+        raise ValueError(f"knowledge circuits on {name}: whether a block's output is the sum of its input, attention "
+                         "and MLP outputs could not be checked (no weights here); run it locally")
     if not arch.additive:
         raise ValueError(f"knowledge circuits on {name}: a block's output is not its input plus its attention and "
                          "MLP outputs (a residual multiplier?), so the residual stream is not a sum of senders")
