@@ -31,7 +31,11 @@ FAMILIES: dict[str, tuple[dict, bool, int]] = {
     "qwen2": ({}, False, 2), "qwen3": ({}, False, 2), "qwen2_moe": (dict(_MOE, num_experts=4,
                                                                      shared_expert_intermediate_size=16), False, 2),
     "qwen3_moe": (dict(_MOE, num_experts=4), False, 2), "gemma": ({}, False, 2), "gemma2": ({}, False, 2),
-    "gemma3_text": ({}, False, 2), "phi3": ({}, False, 2), "phi": ({}, False, 2), "olmo": ({}, False, 2),
+    "gemma3_text": ({}, False, 2),
+    "gemma3": (dict(text_config=_LLAMA_LIKE, vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                                num_attention_heads=2, image_size=28, patch_size=14),
+                    mm_tokens_per_image=4), True, 2),  # the multimodal checkpoint: its language model
+    "phi3": ({}, False, 2), "phi": ({}, False, 2), "olmo": ({}, False, 2),
     "olmo2": ({}, False, 2), "olmo3": ({}, False, 2),
     "granite": (dict(residual_multiplier=0.5, embedding_multiplier=2.0), False, 2), "stablelm": ({}, False, 2),
     "cohere": ({}, False, 2), "smollm3": ({}, False, 2), "starcoder2": ({}, False, 2), "nemotron": ({}, False, 2),
@@ -71,6 +75,10 @@ def family(request) -> LoadedModel:
     return build_family(request.param)
 
 
+def _family_name(lm: LoadedModel) -> str:
+    return lm.name.split("-")[1]
+
+
 IDS = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
 OTHER = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
 CAUSAL_UNIFORM = torch.tril(torch.ones(7, 7)) / torch.arange(1, 8)[:, None]
@@ -102,7 +110,7 @@ def _raw(lm: LoadedModel, ids: torch.Tensor, layer: int, z_write=None) -> dict:
 
 
 def test_resolved_shape(family):
-    _, _, n_kv = FAMILIES[family.arch.name]
+    _, _, n_kv = FAMILIES[_family_name(family)]
     shape = family.shape
     assert (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.d_head, shape.d_model) == (LAYERS, HEADS, n_kv,
                                                                                               D_HEAD, 32)
