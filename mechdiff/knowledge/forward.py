@@ -42,6 +42,7 @@ multiplier, Granite), an MLP that is not one module (OPT), a post-norm that is n
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -100,6 +101,14 @@ def _rms_gain(norm: torch.nn.Module, d_model: int, what: str) -> torch.Tensor:
     return gain
 
 
+def _rows(t: torch.Tensor, cols: list[slice]) -> torch.Tensor:
+    """``t``'s rows in ``cols``: a view when they are one contiguous range (separate and ``q | k | v``
+    layouts: weights changed in place stay visible), a copy for an interleaved layout."""
+    if all(a.stop == b.start for a, b in zip(cols, cols[1:])):
+        return t[cols[0].start:cols[-1].stop]
+    return torch.cat([t[c] for c in cols])
+
+
 class _Weights:
     """The per-layer modules and weights the receivers need, reshaped per head / KV group."""
 
@@ -113,8 +122,8 @@ class _Weights:
             for kind, units in (("q", range(H)), ("k", range(0, H, r)), ("v", range(0, H, r))):
                 weight, bias = _linear(arch.projection(hf, kind, layer))
                 cols = [arch.columns(kind, h, shape) for h in units]
-                w["w" + kind] = torch.stack([weight[c] for c in cols])  # "unit e d"
-                w["b" + kind] = None if bias is None else torch.cat([bias[c] for c in cols])
+                w["w" + kind] = _rows(weight, cols).unflatten(0, (len(cols), shape.d_head))  # "unit e d"
+                w["b" + kind] = None if bias is None else _rows(bias, cols)
             wo, bo = _linear(arch.projection(hf, "o", layer))
             norm = lambda path: _get(block, path) if path else None  # noqa: E731
             self.layers.append(dict(
@@ -126,12 +135,14 @@ class _Weights:
         self.final_norm = arch.final_norm_module(hf)
 
 
+_WEIGHTS: "weakref.WeakKeyDictionary[torch.nn.Module, _Weights]" = weakref.WeakKeyDictionary()
+
+
 def _weights(model: LoadedModel) -> _Weights:
-    cached = getattr(model, "_knowledge_weights", None)
-    if cached is None:
-        cached = _Weights(model)
-        object.__setattr__(model, "_knowledge_weights", cached)
-    return cached
+    """The receivers' weights of ``model``, built once per loaded torch model (dropped with it)."""
+    if model.model not in _WEIGHTS:
+        _WEIGHTS[model.model] = _Weights(model)
+    return _WEIGHTS[model.model]
 
 
 def _project(normed: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
