@@ -32,9 +32,9 @@ FAMILIES: dict[str, tuple[dict, bool, int]] = {
                                                                      shared_expert_intermediate_size=16), False, 2),
     "qwen3_moe": (dict(_MOE, num_experts=4), False, 2), "gemma": ({}, False, 2), "gemma2": ({}, False, 2),
     "gemma3_text": ({}, False, 2),
-    "gemma3": (dict(text_config=_LLAMA_LIKE, vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                                num_attention_heads=2, image_size=28, patch_size=14),
-                    mm_tokens_per_image=4), True, 2),  # the multimodal checkpoint: its language model
+    "gemma3": (dict(text_config=_LLAMA_LIKE, mm_tokens_per_image=4,  # the multimodal checkpoint: its language model
+                    vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       image_size=28, patch_size=14)), True, 2),
     "phi3": ({}, False, 2), "phi": ({}, False, 2), "olmo": ({}, False, 2),
     "olmo2": ({}, False, 2), "olmo3": ({}, False, 2),
     "granite": (dict(residual_multiplier=0.5, embedding_multiplier=2.0), False, 2), "stablelm": ({}, False, 2),
@@ -57,7 +57,8 @@ def build_family(model_type: str, seed: int = 0, tokenizer=None) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs, whole, _ = FAMILIES[model_type]
-    kwargs = {**(kwargs if whole else {**_LLAMA_LIKE, **kwargs}), **({"vocab_size": len(tokenizer)} if tokenizer else {})}
+    kwargs = {**(kwargs if whole else {**_LLAMA_LIKE, **kwargs}),
+              **({"vocab_size": len(tokenizer)} if tokenizer else {})}
     cfg = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()

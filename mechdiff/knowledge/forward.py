@@ -114,7 +114,7 @@ class _Weights:
 
     def __init__(self, model: LoadedModel):
         hf, arch, shape = model.model, model.arch, model.shape
-        H, G, r = shape.n_heads, shape.n_kv_heads, shape.group_size
+        H, r = shape.n_heads, shape.group_size
         self.layers = []
         for layer in range(shape.n_layers):
             block = arch.block(hf, layer)
@@ -129,8 +129,8 @@ class _Weights:
             self.layers.append(dict(
                 w, wo=rearrange(wo, "d (h e) -> h e d", h=H), bo=None if bo is None else bo / H,
                 ln1=norm(arch.attn_norm), ln2=norm(arch.mlp_norm),
-                post_gain=(None if arch.attn_post_norm is None else
-                           _rms_gain(norm(arch.attn_post_norm), shape.d_model, f"attention post-norm of layer {layer}")),
+                post_gain=None if arch.attn_post_norm is None else _rms_gain(
+                    norm(arch.attn_post_norm), shape.d_model, f"attention post-norm of layer {layer}"),
             ))
         self.final_norm = arch.final_norm_module(hf)
 

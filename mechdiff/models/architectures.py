@@ -418,14 +418,17 @@ def _probe_flow(model: Any, arch: Architecture) -> Architecture:
 
     handles = [m.register_forward_hook(hook(k), with_kwargs=True) for k, m in {**mods, **{
         "norm:" + n: c for n, c in norms.items()}}.items()]
+    training = model.training
     try:
         device = next(model.parameters()).device
         with torch.no_grad():
+            model.eval()  # no dropout: a module's output is what the next one reads
             model(input_ids=torch.tensor([[1, 2, 3]], device=device))  # use_cache=False fails on meta
     except Exception as exc:  # noqa: BLE001 - a model that cannot run here keeps flow=False
         log.info("probe forward of %s failed (%s); norms and parallel blocks left unresolved", arch.name, exc)
         return arch
     finally:
+        model.train(training)
         for h in handles:
             h.remove()
     if not {"block", "attn"} <= set(seen):
@@ -452,7 +455,8 @@ def _read_flow(arch: Architecture, seen: dict, norms: list[str]) -> Architecture
         for same in (lambda a, b: a is b, _same):
             for n in norms:
                 nin, nout = seen.get("norm:" + n, (None, None))
-                if (tensor_out is not None and same(nout, tensor_out)) or (tensor_in is not None and same(nin, tensor_in)):
+                if ((tensor_out is not None and same(nout, tensor_out))
+                        or (tensor_in is not None and same(nin, tensor_in))):
                     return n
         return None
 
