@@ -257,7 +257,7 @@ def shape_of(model: Any, arch: Optional[Architecture] = None) -> ModelShape:
     its projections (the config's values where it names them differently, e.g. multi-query)."""
     arch = arch or architecture_for(model)
     config = _text_config(model.config)
-    d_model = int(arch.embed_module(model).weight.shape[1])
+    d_model = _weight_dims(arch.projection(model, "o", 0))[1]  # the residual width (OPT embeds narrower)
     return ModelShape(n_layers=len(_get(model, arch.layers)), n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
                       d_head=arch.d_head, d_model=d_model, vocab_size=int(config.vocab_size))
 
