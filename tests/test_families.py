@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mechdiff.components import Head
-from mechdiff.models.architectures import UnsupportedModel, architecture_for
+from mechdiff.models.architectures import ModelShape, UnsupportedModel, architecture_for
 from mechdiff.models.loading import LoadedModel
 from mechdiff.models.registry import ModelSpec
 from mechdiff.patching.core import Patch, head_patch, run
@@ -116,6 +116,7 @@ def test_resolved_shape(family):
     assert (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.d_head, shape.d_model) == (LAYERS, HEADS, n_kv,
                                                                                               D_HEAD, 32)
     assert family.arch.flow  # the probe forward ran
+    assert ModelShape.from_config(family.model.config) == shape  # what ModelSet checks before loading
 
 
 def test_unpatched_run_is_the_model(family):
