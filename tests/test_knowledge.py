@@ -191,6 +191,23 @@ def test_pipeline_on_a_tiny_model(tmp_path, smollm2_tokenizer, method):
     assert cmp["overlap"][0]["jaccard"] == 1.0
 
 
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gemma3_text"])
+def test_pipeline_on_other_families(tmp_path, smollm2_tokenizer, family):
+    """The knowledge pipeline on a fused-QKV (GPT-2), interleaved parallel (NeoX) and post-norm (Gemma 3) model."""
+    from mechdiff.knowledge.pipeline import KnowledgeSettings, run_model
+    from test_families import build_family
+
+    model = build_family(family, seed=3, tokenizer=smollm2_tokenizer)
+    facts = build_facts(smollm2_tokenizer, Relation.load("country_language"))[:4]
+    settings = KnowledgeSettings(method="eap-ig", k=10, target=0.0, sizes=(0.01, 0.3), curve_sizes=(0.1, 1.0),
+                                 n_random=1)
+    res = run_model(model, facts, settings, tmp_path / family)
+    assert res["curve"]["rows"][-1]["faithfulness"] == pytest.approx(1.0)
+    c = EdgeCircuit.load(tmp_path / family / "circuit.json")
+    assert c.graph == Graph.for_model(model) and c.graph.parallel == (family == "gpt_neox")
+    assert 0 < len(c.edges) <= round(0.3 * c.graph.n_edges)
+
+
 def test_random_mask_and_evaluate(tiny, ids):
     g = Graph.from_shape(tiny.shape)
     m = random_mask(g, 17, seed=0)

@@ -21,7 +21,7 @@ import torch
 from ..models.loading import LoadedModel
 from ..patching.core import run
 from .data import FactBatch
-from .forward import _rms, _weights, edge_forward
+from .forward import _weights, apply_norm, edge_forward
 from .graph import Graph
 
 
@@ -32,7 +32,7 @@ def _ranks(model: LoadedModel, x: torch.Tensor, answers: torch.Tensor) -> np.nda
     out = []
     with torch.no_grad():
         for i in range(0, len(x), 256):
-            logits = unembed(_rms(x[i:i + 256], W.final_norm)).float()
+            logits = unembed(apply_norm(W.final_norm, x[i:i + 256])).float()
             a = answers[i:i + 256].to(logits.device)
             target = logits[torch.arange(len(a)), a]
             out.append(((logits >= target[:, None]).sum(-1) - 1).cpu().numpy())  # ties count against

@@ -1,22 +1,34 @@
-"""The edge-patching forward pass: every receiver reads its own residual stream, on nnsight.
+"""The edge-patching forward pass: every receiver reads its own residual stream, on the adapter's sites.
 
-The residual stream entering a layer is the sum of its senders' outputs (``EMB``, each head's
-output after ``o_proj``, each MLP's output). Receiver ``r`` of a circuit reads
+The residual stream entering a layer is the sum of its senders' outputs (``EMB``: the input of
+block 0; each head's output after the output projection; each MLP's output). Receiver ``r`` of a
+circuit reads
 
     x_r = sum_s ( m_rs * a_s + (1 - m_rs) * abl_s )  =  sum_s abl_s + sum_s m_rs * (a_s - abl_s)
 
 where ``a_s`` is sender ``s``'s output *in this run* (computed from its own patched inputs),
 ``abl_s`` its ablated value (zero, or its mean over the relation's facts) and ``m_rs`` the
-edge's mask (1: in the circuit). The receivers' inputs are written where the model reads them:
+edge's mask (1: in the circuit). The receivers' inputs are written where the model reads them,
+through the one driver (:func:`mechdiff.patching.core.trace_sites`) on the architecture adapter's
+sites, so every family the adapters resolve is served:
 
-- Q of head ``h``: ``q_proj.output[..., h]`` <- ``input_layernorm(x_r) @ W_q[h].T`` (before RoPE),
-- K / V of KV group ``g``: the group's ``k_proj`` / ``v_proj`` columns (no ungrouping),
-- ``MLP{l}``: ``post_attention_layernorm.output`` <- ``post_attention_layernorm(x_r)``,
-- ``LOGITS``: the final norm's output <- ``norm(x_r)``.
+- Q of head ``h``: its columns of the Q projection output <- ``attn_norm(x_r) @ W_q[h].T + b_q[h]``
+  (before any Q norm and rotary embedding; fused and interleaved projections included),
+- K / V of KV group ``g``: the group's K / V columns (no ungrouping),
+- ``MLP{l}``: the MLP's input <- ``mlp_norm(x_r)``,
+- ``LOGITS``: the final norm's output <- ``final_norm(x_r)``.
+
+The norms are the model's own modules (their class ``forward`` applied to ``x_r``). A head's output
+is ``z_h @ W_o[h].T`` plus its share ``b_o / n_heads`` of the output bias. Where the attention output
+passes a post-norm before the residual add (Gemma 2/3, OLMo 2), that RMS norm is linear given its
+per-position scale: ``post(o) = F * o`` with ``F`` read from this run, and head ``h`` contributes
+``F * head_h``; an MLP post-norm's output is the MLP's contribution. In a parallel block (GPT-J,
+GPT-NeoX, Phi, Cohere) the MLP reads the block input, so the graph has no edge from a layer's heads
+into its MLP (:meth:`Graph.for_model`).
 
 The residual stream itself is left alone; only what each receiver reads changes. With every
 mask 1 the pass reproduces the model (up to float rounding); with every mask 0 under zero
-ablation every receiver reads 0 and the logits are ``lm_head(norm(0)) = 0``.
+ablation every receiver reads 0.
 
 Attribution (:func:`edge_gradients`): with every mask equal to ``alpha`` all receivers of a layer
 read the same ``x``; each gets its own copy so autograd gives ``g_r = d metric / d x_r`` per
@@ -24,14 +36,15 @@ receiver, and ``d metric / d m_rs = g_r . (a_s - abl_s)`` for every edge at once
 ``alpha = 1`` (Syed et al. 2023), and integrated gradients over the edge masks when averaged over
 ``alpha`` between 0 (empty circuit) and 1 (full model): EAP-IG.
 
-Supported families: llama, mistral, qwen2 (pre-norm blocks with RMSNorm and separate Q/K/V
-projections); others raise a clear error.
+Refused, with the reason: a block whose output is not input + attention + MLP (a residual
+multiplier, Granite), an MLP that is not one module (OPT), a post-norm that is not an RMS norm.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -39,24 +52,118 @@ from einops import rearrange
 
 from ..models.architectures import _get
 from ..models.loading import LoadedModel
+from ..patching.core import trace_sites
 from .graph import Graph
-
-SUPPORTED = ("llama", "mistral", "qwen2")
 
 
 def check_supported(model: LoadedModel) -> None:
-    mt = getattr(model.model.config, "model_type", None)
-    if mt not in SUPPORTED:
-        raise ValueError(f"knowledge circuits support model families {SUPPORTED}, not {mt!r}: the edge-patching "
-                         "forward recomputes RMSNorm and the Q/K/V projections per receiver")
+    """Refuse, before any work, a model whose blocks the edge forward cannot decompose into senders."""
+    arch = model.arch
+    name = f"{model.name} ({arch.name})"
+    if not arch.flow:
+        raise ValueError(f"knowledge circuits on {name}: the block's data flow could not be probed (a model whose "
+                         "weights are not here, e.g. on NDIF); run it locally")
+    if arch.mlp is None:
+        raise ValueError(f"knowledge circuits on {name}: its MLP is not one module of the block (MLP{{l}} is a "
+                         "node of the graph)")
+    if arch.additive is None:
+        raise ValueError(f"knowledge circuits on {name}: whether a block's output is the sum of its input, attention "
+                         "and MLP outputs could not be checked (no weights here); run it locally")
+    if not arch.additive:
+        raise ValueError(f"knowledge circuits on {name}: a block's output is not its input plus its attention and "
+                         "MLP outputs (a residual multiplier?), so the residual stream is not a sum of senders")
+    _weights(model)  # checks the post-norms
 
 
-def _rms(x: torch.Tensor, norm) -> torch.Tensor:
-    """Llama RMSNorm of ``x`` with the weights of ``norm`` (the torch module)."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return norm.weight * out.to(x.dtype)
+def apply_norm(norm: Optional[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` with the model's own norm module (its class ``forward``: no hook of the trace fires);
+    ``x`` itself where the block has no norm there."""
+    return x if norm is None else type(norm).forward(norm, x)
+
+
+def _linear(module: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(weight "out in", bias)`` of an ``nn.Linear`` or a GPT-2 ``Conv1D``."""
+    w = module.weight.t() if type(module).__name__ == "Conv1D" else module.weight
+    return w, getattr(module, "bias", None)
+
+
+def _rms_gain(norm: torch.nn.Module, d_model: int, what: str) -> torch.Tensor:
+    """The gain ``g`` of an RMS norm (``norm(x) = s(x) * g * x``, ``s`` a scalar per position), checked."""
+    p = next(norm.parameters(), None)
+    kw = dict(device=p.device if p is not None else None, dtype=p.dtype if p is not None else torch.float32)
+    gain = apply_norm(norm, torch.ones(d_model, **kw))
+    x = torch.randn(4, d_model, generator=torch.Generator().manual_seed(0)).to(**kw)
+    y, gx = apply_norm(norm, x), gain * x
+    s = (y * gx).sum(-1, keepdim=True) / (gx * gx).sum(-1, keepdim=True)
+    if not torch.allclose(y, s * gx, rtol=1e-3, atol=1e-5 * float(y.abs().max())):
+        raise ValueError(f"knowledge circuits: the {what} ({type(norm).__name__}) is not an RMS norm, so a head's "
+                         "share of its output is not defined; only RMS post-norms are supported")
+    return gain
+
+
+def _rows(t: torch.Tensor, cols: list[slice]) -> torch.Tensor:
+    """``t``'s rows in ``cols``: a view when they are one contiguous range (separate and ``q | k | v``
+    layouts: weights changed in place stay visible), a copy for an interleaved layout."""
+    if all(a.stop == b.start for a, b in zip(cols, cols[1:])):
+        return t[cols[0].start:cols[-1].stop]
+    return torch.cat([t[c] for c in cols])
+
+
+class _Weights:
+    """The per-layer modules and weights the receivers need, reshaped per head / KV group."""
+
+    def __init__(self, model: LoadedModel):
+        hf, arch, shape = model.model, model.arch, model.shape
+        H, r = shape.n_heads, shape.group_size
+        self.layers = []
+        for layer in range(shape.n_layers):
+            block = arch.block(hf, layer)
+            w = {}
+            for kind, units in (("q", range(H)), ("k", range(0, H, r)), ("v", range(0, H, r))):
+                weight, bias = _linear(arch.projection(hf, kind, layer))
+                cols = [arch.columns(kind, h, shape) for h in units]
+                w["w" + kind] = _rows(weight, cols).unflatten(0, (len(cols), shape.d_head))  # "unit e d"
+                w["b" + kind] = None if bias is None else _rows(bias, cols)
+            wo, bo = _linear(arch.projection(hf, "o", layer))
+            norm = lambda path: _get(block, path) if path else None  # noqa: E731
+            self.layers.append(dict(
+                w, wo=rearrange(wo, "d (h e) -> h e d", h=H), bo=None if bo is None else bo / H,
+                ln1=norm(arch.attn_norm), ln2=norm(arch.mlp_norm),
+                post_gain=None if arch.attn_post_norm is None else _rms_gain(
+                    norm(arch.attn_post_norm), shape.d_model, f"attention post-norm of layer {layer}"),
+            ))
+        self.final_norm = arch.final_norm_module(hf)
+
+
+_WEIGHTS: "weakref.WeakKeyDictionary[torch.nn.Module, _Weights]" = weakref.WeakKeyDictionary()
+
+
+def _weights(model: LoadedModel) -> _Weights:
+    """The receivers' weights of ``model``, built once per loaded torch model (dropped with it)."""
+    if model.model not in _WEIGHTS:
+        _WEIGHTS[model.model] = _Weights(model)
+    return _WEIGHTS[model.model]
+
+
+def _project(normed: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """``"unit batch pos d"`` inputs through each unit's rows of a projection -> ``"batch pos (unit e)"``."""
+    out = torch.einsum("ubpd,ued->bpue", normed, w)
+    if b is not None:
+        out = out + rearrange(b, "(u e) -> u e", u=w.shape[0])
+    return rearrange(out, "b p u e -> b p (u e)")
+
+
+def _head_outputs(z: torch.Tensor, w: dict, H: int, post: Optional[tuple]) -> torch.Tensor:
+    """``"head batch pos d_model"``: each head's contribution to the residual stream."""
+    heads = torch.einsum("bphe,hed->hbpd", rearrange(z, "b p (h e) -> b p h e", h=H), w["wo"])
+    if w["bo"] is not None:
+        heads = heads + w["bo"]
+    if post is not None:  # post(o) = F * o, F = s * gain with s fitted per position (exact for an RMS norm)
+        o, p = post
+        go = o * w["post_gain"]
+        s = (p * go).sum(-1, keepdim=True) / (go * go).sum(-1, keepdim=True).clamp_min(torch.finfo(o.dtype).tiny)
+        heads = heads * (s * w["post_gain"])
+    return heads
 
 
 @dataclass
@@ -82,43 +189,6 @@ class Ablation:
         return self.means[:, idx].unsqueeze(1)
 
 
-class _Weights:
-    """The per-layer weights the receivers need, reshaped per head / KV group."""
-
-    def __init__(self, model: LoadedModel):
-        hf, arch, shape = model.model, model.arch, model.shape
-        self.layers = []
-        for layer in range(shape.n_layers):
-            block = arch.block(hf, layer)
-            attn = _get(block, arch.attn)
-            q, k, v, o = (_get(attn, p) for p in (arch.q_proj, arch.k_proj, arch.v_proj, arch.out_proj))
-            self.layers.append(dict(
-                ln1=block.input_layernorm, ln2=block.post_attention_layernorm,
-                wq=rearrange(q.weight, "(h e) d -> h e d", h=shape.n_heads),
-                wk=rearrange(k.weight, "(g e) d -> g e d", g=shape.n_kv_heads),
-                wv=rearrange(v.weight, "(g e) d -> g e d", g=shape.n_kv_heads),
-                bq=q.bias, bk=k.bias, bv=v.bias,
-                wo=rearrange(o.weight, "d (h e) -> h e d", h=shape.n_heads),
-            ))
-        self.final_norm = arch.final_norm_module(hf)
-
-
-def _weights(model: LoadedModel) -> _Weights:
-    cached = getattr(model, "_knowledge_weights", None)
-    if cached is None:
-        cached = _Weights(model)
-        object.__setattr__(model, "_knowledge_weights", cached)
-    return cached
-
-
-def _project(normed: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    """``"unit batch pos d"`` inputs through each unit's rows of a projection -> ``"batch pos (unit e)"``."""
-    out = torch.einsum("ubpd,ued->bpue", normed, w)
-    if b is not None:
-        out = out + rearrange(b, "(u e) -> u e", u=w.shape[0])
-    return rearrange(out, "b p u e -> b p (u e)")
-
-
 @dataclass
 class EdgeRun:
     logits: torch.Tensor  # "batch vocab" at the last position
@@ -136,7 +206,10 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
     """
     check_supported(model)
     W = _weights(model)
-    arch, nn = model.arch, model.nn
+    arch = model.arch
+    if graph.parallel != arch.parallel:
+        raise ValueError(f"the graph {'has' if graph.parallel else 'lacks'} parallel blocks but {model.name} "
+                         f"({arch.name}) {'has' if arch.parallel else 'has not'}; build it with Graph.for_model(model)")
     dtype = next(model.model.parameters()).dtype
     device = model.device
     ids = ids.to(device)
@@ -198,35 +271,30 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
     buf = None if grad_mode else torch.empty(graph.n_senders, ids.shape[0], n_pos, model.shape.d_model,
                                              device=device, dtype=dtype)
     blocks = {(k, l): (off, r, s) for k, l, off, r, s in graph.blocks}
-    kwargs = dict(input_ids=ids, use_cache=False, logits_to_keep=1)
-    with torch.set_grad_enabled(grad_mode), nn.trace(**kwargs):
-        add_sender(_get(nn, arch.embed).output.clone())
+    post = arch.attn_post_norm is not None
+
+    def body(sites) -> None:
+        add_sender(sites.resid_in(0).clone())
         for layer in range(graph.n_layers):
             w = W.layers[layer]
-            attn = arch.attention(nn, layer)
-            block = arch.block(nn, layer)
             x = inputs(*blocks[("attn", layer)])
-            normed = _rms(x, w["ln1"])
-            q_site = _get(attn, arch.q_proj).output
-            q_site[:] = _project(normed[:H], w["wq"], w["bq"])
-            k_site = _get(attn, arch.k_proj).output
-            k_site[:] = _project(normed[H:H + G], w["wk"], w["bk"])
-            v_site = _get(attn, arch.v_proj).output
-            v_site[:] = _project(normed[H + G:], w["wv"], w["bv"])
-            z = _get(attn, arch.out_proj).input
-            heads = torch.einsum("bphe,hed->hbpd", rearrange(z, "b p (h e) -> b p h e", h=H), w["wo"])
+            normed = apply_norm(w["ln1"], x)
+            sites.write_qkv(layer, _project(normed[:H], w["wq"], w["bq"]), _project(normed[H:H + G], w["wk"], w["bk"]),
+                            _project(normed[H + G:], w["wv"], w["bv"]))
+            z = sites.z(layer)
+            heads = _head_outputs(z, w, H, sites.attn_post_norm(layer) if post else None)
             for h in range(H):
                 add_sender(heads[h])  # a view of ``heads``: copied into the buffer, no new memory
             x = inputs(*blocks[("mlp", layer)])
-            ln2 = block.post_attention_layernorm.output
-            ln2[:] = _rms(x[0], w["ln2"])
-            add_sender(_get(block, arch.mlp).output.clone())
+            sites.write_mlp_in(layer, apply_norm(w["ln2"], x[0]))
+            add_sender(sites.mlp_out(layer).clone())
         x = inputs(*blocks[("logits", -1)])
-        fn = arch.final_norm_module(nn).output
-        fn[:] = _rms(x[0], W.final_norm)
-        result["logits"] = nn.output.logits[:, -1]
+        sites.write_final_norm(apply_norm(W.final_norm, x[0]))
+        result["logits"] = sites.logits()
         if keep_outputs:
             result["outputs"] = buf.clone() if buf is not None else torch.stack([o.detach() for o in outs])
+
+    trace_sites(model, ids, body, grad=grad_mode)
     return EdgeRun(result["logits"], result.get("outputs"))
 
 

@@ -12,8 +12,9 @@ changes the keys of every query head of that group (as patching K does everywher
 mechdiff).
 
 Edges run from every sender to every later receiver: into layer ``l``'s attention from
-``EMB`` and all nodes of layers ``< l``; into ``MLP{l}`` also from the heads of layer ``l``;
-into ``LOGITS`` from every node. An edge is named ``"L3H5->L7H2.q"``.
+``EMB`` and all nodes of layers ``< l``; into ``MLP{l}`` also from the heads of layer ``l``
+(not in a model with parallel blocks, whose MLP reads the block input: GPT-J, GPT-NeoX, Phi,
+Cohere); into ``LOGITS`` from every node. An edge is named ``"L3H5->L7H2.q"``.
 
 The edge order (receiver-major, senders in topological order) makes every receiver's
 incoming edges one contiguous block, so a mask over all edges reshapes per layer into
@@ -36,15 +37,22 @@ from ..models.architectures import ModelShape
 
 @dataclass(frozen=True)
 class Graph:
-    """The computational graph of a model of ``n_layers`` layers, ``n_heads`` query heads and ``n_kv_heads`` KV groups."""
+    """The computational graph of a model of ``n_layers`` layers, ``n_heads`` query heads and ``n_kv_heads`` KV
+    groups; ``parallel``: each block's MLP reads the block input, not the input plus the attention output."""
 
     n_layers: int
     n_heads: int
     n_kv_heads: int
+    parallel: bool = False
 
     @classmethod
-    def from_shape(cls, shape: ModelShape) -> "Graph":
-        return cls(shape.n_layers, shape.n_heads, shape.n_kv_heads)
+    def from_shape(cls, shape: ModelShape, parallel: bool = False) -> "Graph":
+        return cls(shape.n_layers, shape.n_heads, shape.n_kv_heads, parallel)
+
+    @classmethod
+    def for_model(cls, model: Any) -> "Graph":
+        """The graph of a loaded model (its shape and, from its adapter, whether its blocks are parallel)."""
+        return cls.from_shape(model.shape, model.arch.parallel)
 
     # ---- senders -------------------------------------------------------------------------------------------
     @property
@@ -74,7 +82,7 @@ class Graph:
         return 1 + layer * self.per_layer
 
     def senders_before_mlp(self, layer: int) -> int:
-        return self.senders_before_attn(layer) + self.n_heads
+        return self.senders_before_attn(layer) + (0 if self.parallel else self.n_heads)
 
     # ---- receivers -----------------------------------------------------------------------------------------
     @property
@@ -174,16 +182,18 @@ class Graph:
         return m
 
     def to_dict(self) -> dict:
-        return {"n_layers": self.n_layers, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
-                "n_edges": self.n_edges}
+        out = {"n_layers": self.n_layers, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+               "n_edges": self.n_edges}
+        return {**out, "parallel": True} if self.parallel else out
 
 
-def expected_edge_count(n_layers: int, n_heads: int, n_kv_heads: int) -> int:
-    """Closed form of the edge count: ``sum_l [(H + 2G)(1 + l(H+1)) + (1 + l(H+1) + H)] + 1 + L(H+1)``."""
+def expected_edge_count(n_layers: int, n_heads: int, n_kv_heads: int, parallel: bool = False) -> int:
+    """Closed form of the edge count: ``sum_l [(H + 2G)(1 + l(H+1)) + (1 + l(H+1) + H)] + 1 + L(H+1)``
+    (without the ``+ H`` into each MLP for parallel blocks)."""
     total = 0
     for l in range(n_layers):
         before = 1 + l * (n_heads + 1)
-        total += (n_heads + 2 * n_kv_heads) * before + before + n_heads
+        total += (n_heads + 2 * n_kv_heads) * before + before + (0 if parallel else n_heads)
     return total + 1 + n_layers * (n_heads + 1)
 
 
@@ -276,7 +286,7 @@ class EdgeCircuit:
             raise ValueError("not an edge circuit (its JSON has no \"kind\": \"edges\"); head circuits load with "
                              "mechdiff.circuits.Circuit")
         g = data["graph"]
-        graph = Graph(int(g["n_layers"]), int(g["n_heads"]), int(g["n_kv_heads"]))
+        graph = Graph(int(g["n_layers"]), int(g["n_heads"]), int(g["n_kv_heads"]), bool(g.get("parallel", False)))
         graph.mask(data["edges"])  # validates every edge name
         return cls(data["model"], data["task"], graph, list(data["edges"]), dict(data.get("scores", {})),
                    dict(data.get("meta", {})))

@@ -61,7 +61,7 @@ class KnowledgeSettings:
 
 
 def full_model_hits(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSettings) -> np.ndarray:
-    graph = Graph.from_shape(model.shape)
+    graph = Graph.for_model(model)
     return evaluate(model, graph, batches(facts, settings.batch_size), None, Ablation(), settings.k).hit
 
 
@@ -77,7 +77,7 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
     """The circuit of ``facts`` (already filtered) on ``model``; writes ``out`` and returns the results."""
     check_supported(model)
     out.mkdir(parents=True, exist_ok=True)
-    graph = Graph.from_shape(model.shape)
+    graph = Graph.for_model(model)
     bs = batches(facts, settings.batch_size)
     timings: dict[str, float] = {}
     t = time.time()

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from .architectures import Architecture, ModelShape, architecture_for
+from .architectures import Architecture, ModelShape, architecture_for, shape_of
 from .registry import REGISTRY, ModelSpec, get_spec
 
 log = logging.getLogger(__name__)
@@ -119,11 +119,11 @@ class LoadedModel:
 
     @cached_property
     def shape(self) -> ModelShape:
-        return ModelShape.from_config(self.model.config)
+        return shape_of(self.model, self.arch)
 
     @cached_property
     def arch(self) -> Architecture:
-        return architecture_for(self.model.config)
+        return architecture_for(self.model)
 
     @cached_property
     def nn(self) -> Any:
@@ -262,7 +262,7 @@ def load_model(
     if remote:
         provenance.update(remote=remote)
     loaded = LoadedModel(spec.name, spec, hf_model, tokenizer, provenance, remote=remote)
-    architecture_for(hf_model.config)  # fail early for unsupported families
+    loaded.arch  # fail early for a model no adapter pattern fits (resolved from its modules)
     log.info("loaded %s (%s)", spec.name, provenance)
     return loaded
 

@@ -98,7 +98,7 @@ def load_remote(spec: ModelSpec, dtype: str = "float32", cache_dir: Optional[str
     if adapter:
         kwargs["peft"] = adapter
     nn = TransformersModel(repo, **kwargs)  # meta build: config only
-    architecture_for(nn._module.config)
+    architecture_for(nn._module)  # resolved from the meta-built modules; fails early
     provenance = {"kind": "remote", "repo": repo, "revision": revision, "adapter": adapter,
                   "dtype": f"as deployed on NDIF (asked {dtype})", "remote": True}
     loaded = LoadedModel(spec.name, spec, nn._module, tokenizer, provenance, remote=True)

@@ -167,3 +167,85 @@ def _site(arch, nn, kind: str, layer: int, fused_seen: dict) -> torch.Tensor:
             fused_seen[layer] = arch.site(nn, kind, layer)
         return fused_seen[layer]
     return arch.site(nn, kind, layer)
+
+
+# ---- a forward whose body reads and writes the adapter's sites (the knowledge edge forward) ----------------
+
+
+class Sites:
+    """The sites of one traced forward, handed to a :func:`trace_sites` body; read and write them in
+    execution order (per layer: Q/K/V, z, the attention's residual contribution, the MLP input, the
+    MLP's contribution; then the final norm and the logits). Tensors are ``"batch pos columns"``."""
+
+    def __init__(self, model: LoadedModel, nn) -> None:
+        self.arch, self.nn, self.shape = model.arch, nn, model.shape
+
+    def resid_in(self, layer: int) -> torch.Tensor:
+        """The residual stream entering block ``layer`` (block 0: embeddings, position embeddings included)."""
+        return self.arch.block(self.nn, layer).input
+
+    def write_qkv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite the Q/K/V projection outputs of ``layer`` (before any Q/K norm or rotary embedding) with
+        ``q`` ``"batch pos (head d_head)"`` and ``k``, ``v`` ``"batch pos (group d_head)"``."""
+        arch = self.arch
+        if arch.qkv_layout == "separate":
+            for kind, value in (("q", q), ("k", k), ("v", v)):
+                arch.projection(self.nn, kind, layer).output[:] = value
+            return
+        fused = torch.cat([q, k, v], -1)[..., fused_order(arch, self.shape).to(q.device)]
+        arch.projection(self.nn, "q", layer).output[:] = fused
+
+    def z(self, layer: int) -> torch.Tensor:
+        """The input of the attention output projection, ``"batch pos (head d_head)"``."""
+        return self.arch.site(self.nn, "z", layer)
+
+    def attn_post_norm(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input and output of the norm applied to the attention output (Gemma 2/3, OLMo 2)."""
+        norm = _path(self.arch.block(self.nn, layer), self.arch.attn_post_norm)
+        return norm.input, norm.output
+
+    def write_mlp_in(self, layer: int, value: torch.Tensor) -> None:
+        """Replace what the MLP of ``layer`` reads (the output of the norm before it)."""
+        _path(self.arch.block(self.nn, layer), self.arch.mlp).input = value
+
+    def mlp_out(self, layer: int) -> torch.Tensor:
+        """The MLP's contribution to the residual stream (after its post-norm, if the block has one)."""
+        block = self.arch.block(self.nn, layer)
+        out = _path(block, self.arch.mlp_post_norm or self.arch.mlp).output
+        return out[0] if isinstance(out, tuple) else out
+
+    def write_final_norm(self, value: torch.Tensor) -> None:
+        self.arch.final_norm_module(self.nn).output[:] = value
+
+    def logits(self) -> torch.Tensor:
+        """``"batch vocab"`` at the last position."""
+        return self.nn.output.logits[:, -1]
+
+
+def _path(root, path: str):
+    from ..models.architectures import _get
+
+    return _get(root, path)
+
+
+def fused_order(arch, shape) -> torch.Tensor:
+    """Column ``c`` of a fused Q/K/V output is column ``order[c]`` of ``cat([q "(head d)", k "(group d)",
+    v "(group d)"])`` (the identity for the ``fused`` layout, a permutation for ``interleaved``)."""
+    d, H, G = shape.d_head, shape.n_heads, shape.n_kv_heads
+    order = torch.empty((H + 2 * G) * d, dtype=torch.long)
+    for kind, base, units in (("q", 0, range(H)), ("k", H * d, range(0, H, H // G)), ("v", (H + G) * d,
+                                                                                     range(0, H, H // G))):
+        for i, head in enumerate(units):
+            cols = arch.columns(kind, head, shape)
+            order[cols] = torch.arange(base + i * d, base + (i + 1) * d)
+    return order
+
+
+def trace_sites(model: LoadedModel, input_ids: torch.Tensor, body, grad: bool = False):
+    """Run ``model`` on ``input_ids`` (logits at the last position only) with ``body(Sites)`` reading and
+    writing sites inside the trace; returns what ``body`` returns. ``grad``: keep the autograd graph."""
+    kwargs = {"input_ids": input_ids.to(model.device), "use_cache": False, "logits_to_keep": 1}
+    box: dict = {}
+    with torch.set_grad_enabled(grad), model.trace(**kwargs):
+        box["out"] = body(Sites(model, model.nn))
+    return box["out"]
