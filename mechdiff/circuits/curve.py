@@ -65,7 +65,11 @@ def _class_mask(batch: dict, name: str) -> torch.Tensor:
         raise ValueError(f"unknown position {name!r}; valid: {sorted(batch['positions'])} or classes {sorted(classes)}")
     where = batch["positions"][name]
     mask = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-    mask[torch.arange(len(where)), where] = 1.0
+    rows = torch.arange(len(where))
+    if where.ndim == 2:  # a position class "[batch, k]"
+        mask[rows[:, None], where] = 1.0
+    else:
+        mask[rows[where >= 0], where[where >= 0]] = 1.0
     return mask
 
 

@@ -19,6 +19,13 @@ from ..stats import bootstrap_ratio, proportion
 from .scoring import Metric, Pair, Scorer, per_prompt
 
 
+def task_classes(scorer: Scorer) -> list[str]:
+    """The position classes the scorer's prompts carry: the task's ``position_classes`` masks (which
+    partition each prompt) where it defines them, else its named positions."""
+    _, batch = next(iter(scorer.batches()))
+    return list(batch.get("position_classes") or batch["positions"])
+
+
 def every_head_at(n_layers: int, n_heads: int, classes: Sequence[str]) -> list[Pair]:
     """Every head of the model at each of ``classes``."""
     heads: list[Head] = all_heads(n_layers, n_heads)

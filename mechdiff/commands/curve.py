@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..circuits.positions import task_classes
 from ..circuits.curve import SIZES, TARGET, ablation_attribution, faithfulness_curve, ranking
-from ..circuits.scoring import pair_name
+from ..circuits.scoring import Scorer, pair_name
 from ..report.positions import curve_figure
 from ..report.tables import estimate_columns, to_markdown, write_table
-from ..tasks.entity_tracking.positions import CLASSES
-from ._options import add_dataset_options, add_model_options, load_from_args, write_json
+from ._options import add_dataset_options, add_model_options, load_from_args, task_from_args, task_options, write_json
 from ._scoring import add_scoring_options, build_scorer, settings
 
 
@@ -19,6 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or path")
     p.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="fractions of all (head, class) pairs")
     p.add_argument("--target", type=float, default=TARGET, help="pick the smallest circuit reaching this faithfulness")
+    p.add_argument("--rank-n", type=int, default=80,
+                   help="prompts that rank the pairs (seed --seed + 2: disjoint from the scored prompts)")
     p.add_argument("--out", default="results/curve", help="output directory")
     add_dataset_options(p, n=80)
     add_scoring_options(p)
@@ -41,7 +43,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--sizes must be fractions in (0, 1], got {args.sizes!r}")
     model = load_from_args(args.model, args)
     scorer = build_scorer(model, args)
-    scores = ablation_attribution(scorer, CLASSES)
+    classes = task_classes(scorer)
+    # rank on other prompts than those scored, so the curve measures the circuits on fresh prompts
+    ranking_records = task_from_args(args).records(model.tokenizer, args.rank_n, args.seed + 2, **task_options(args))
+    scores = ablation_attribution(Scorer(model, ranking_records, scorer.means, scorer.batch_size, scorer.progress),
+                                  classes)
     ranked = ranking(scores)
     curve = faithfulness_curve(scorer, ranked, sizes, args.target)
     out = Path(args.out)
@@ -55,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
           + (f"{n} pairs ({chosen['fraction']:.0%} of {len(ranked)})" if chosen else "none of the sizes scored"))
     curve_figure(curve, out / "curve.png", title=f"{model.name}: faithfulness vs circuit size")
     write_json(out / "curve.json", {"model": model.name, "fingerprint": model.fingerprint, "settings": settings(args),
-                                    "curve": curve, "classes": list(CLASSES),
+                                    "curve": curve, "classes": list(classes),
                                     "ranking": [[pair_name(p), scores[p]] for p in ranked],
                                     "circuit": [pair_name(p) for p in ranked[:n]]})
     return 0

@@ -1,14 +1,13 @@
-"""``mechdiff positions``: where a model computes entity tracking, by a greedy scan over position classes."""
+"""``mechdiff positions``: where a model computes a task, by a greedy scan over its position classes."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from ..circuits.positions import leave_one_out, position_scan
+from ..circuits.positions import leave_one_out, position_scan, task_classes
 from ..report.positions import position_scan_figure
 from ..report.tables import estimate_columns, to_markdown, write_table
-from ..tasks.entity_tracking.positions import CLASSES
 from ._options import add_dataset_options, add_model_options, load_from_args, write_json
 from ._scoring import add_scoring_options, build_scorer, settings
 
@@ -37,15 +36,16 @@ def scan_rows(res: dict) -> list[dict]:
 def main(args: argparse.Namespace) -> int:
     model = load_from_args(args.model, args)
     scorer = build_scorer(model, args)
+    classes = task_classes(scorer)
     out = Path(args.out)
-    scan = position_scan(scorer, CLASSES, args.metric, stop_at=args.stop_at, max_steps=args.max_steps)
+    scan = position_scan(scorer, classes, args.metric, stop_at=args.stop_at, max_steps=args.max_steps)
     result = {"model": model.name, "fingerprint": model.fingerprint, "settings": settings(args), "scan": scan}
     rows = scan_rows(scan)
     write_table(rows, out / "position_scan", caption=f"Greedy position scan on {model.name} "
                 f"(every head kept at the classes so far, every other (head, position) mean-ablated)")
     print(to_markdown(rows))
     if args.leave_one_out:
-        result["leave_one_out"] = leave_one_out(scorer, CLASSES, args.metric)
+        result["leave_one_out"] = leave_one_out(scorer, classes, args.metric)
         loo = [{"left out": c, **estimate_columns("accuracy", r["accuracy"]),
                 **estimate_columns("faithfulness", r["faithfulness"])}
                for c, r in result["leave_one_out"]["classes"].items()]
