@@ -192,3 +192,204 @@ def test_prune_keeps_pairs_above_the_threshold_and_records_it():
     assert pruned.meta["pruned"]["sizes_before"] == {"A": 2, "B": 1}
     assert pruned.scores["minimality"]["L0H2@query_label"] == -0.3
     assert prune(c, result, threshold=-1.0).groups == c.groups
+
+
+def test_hard_concrete_mask_lives_on_the_asked_device():
+    for kind in ("continuous", "hard_concrete"):
+        mask = _Mask(2, DCMConfig(parameterisation=kind), torch.device("meta"))
+        assert mask.param.device.type == "meta" and mask.param.requires_grad
+
+
+@pytest.mark.parametrize("log_alpha,expected", [(-6.0, 1.0), (6.0, 0.0)])
+def test_hard_concrete_values_are_clipped_to_the_unit_interval(log_alpha, expected):
+    """A nearly closed gate gives mask 1 exactly, a nearly open one 0: the stretched sigmoid is clipped."""
+    assert torch.equal(_hard_concrete(3, log_alpha).values(), torch.full((3,), expected))
+
+
+# ----------------------------------------------------------------------------------- scoring on a fake scorer
+class FakeScorer:
+    """A scorer whose metric is a known function of which (head, position) pairs stay unablated:
+    prompt i is correct when ``rule(kept)`` holds and ``i`` is not in ``always_wrong``; its answer
+    probability is ``base[i] + 0.1 * (number of kept pairs among the circuit's)``."""
+
+    def __init__(self, every: list, rule, n: int = 12, progress: bool = False):
+        self.model = type("M", (), {"shape": type("S", (), {"n_layers": 3, "n_heads": 4})()})()
+        self.records = list(range(n))
+        self.progress, self.every, self.rule = progress, frozenset(every), rule
+        self.base = np.linspace(0.05, 0.5, n)
+        self.calls: list[tuple[str, frozenset]] = []
+
+    def _result(self, kept: frozenset) -> EvalResult:
+        ok = self.rule(kept)
+        correct = np.array([ok and i % 5 != 0 for i in self.records])
+        return EvalResult(correct, self.base + 0.1 * len(kept & self.every))
+
+    def full(self) -> EvalResult:
+        self.calls.append(("full", frozenset()))
+        return self._result(self.every)
+
+    def keep(self, pairs) -> EvalResult:
+        pairs = frozenset(pairs)
+        self.calls.append(("keep", pairs))
+        return self._result(pairs)
+
+    def ablate(self, pairs) -> EvalResult:
+        pairs = frozenset(pairs)
+        self.calls.append(("ablate", pairs))
+        return self._result(self.every - pairs)
+
+
+def _or_circuit():
+    """Group A = {a, b}: the task works while either is kept (redundant heads), group B = {c}: not needed."""
+    a, b, c = (Head(2, 0), "last"), (Head(2, 1), "last"), (Head(0, 3), "query_label")
+    circuit = Circuit("m", "t", {"A": [a[0], b[0]], "B": [c[0]]}, {"A": "last", "B": "query_label"})
+    scorer = FakeScorer([a, b, c], lambda kept: a in kept or b in kept)
+    return circuit, scorer, (a, b, c)
+
+
+def test_minimality_grows_k_to_expose_redundant_heads():
+    from mechdiff.circuits.scoring import minimality
+
+    circuit, scorer, (a, b, c) = _or_circuit()
+    acc_full = float(np.mean([i % 5 != 0 for i in range(12)]))
+    res = minimality(scorer, circuit, max_steps=1, n_candidates=None, seed=3, metric="accuracy")
+    assert res["full"] == pytest.approx(acc_full) and res["metric"] == "accuracy" and res["n_prompts"] == 12
+    assert (res["max_steps"], res["n_candidates"], res["seed"]) == (1, None, 3)
+    # alone, removing a changes nothing (b covers it); with K = {b} removing a breaks the task
+    assert res["pairs"]["L2H0@last"] == {"contribution": pytest.approx(acc_full), "relative": pytest.approx(1.0),
+                                         "K": ["L2H1@last"]}
+    assert res["pairs"]["L2H1@last"]["K"] == ["L2H0@last"]
+    assert res["pairs"]["L0H3@query_label"]["contribution"] == 0.0  # c never matters: K stays empty
+    assert res["pairs"]["L0H3@query_label"]["K"] == []
+    none = minimality(scorer, circuit, max_steps=0, metric="accuracy")
+    assert none["pairs"]["L2H0@last"]["contribution"] == 0.0 and none["pairs"]["L2H0@last"]["K"] == []
+
+
+def test_minimality_prob_metric_and_candidates():
+    from mechdiff.circuits.scoring import minimality
+
+    circuit, scorer, _ = _or_circuit()
+    res = minimality(scorer, circuit, max_steps=2, n_candidates=1, seed=0, metric="prob")
+    full = float(np.mean(scorer.base + 0.3))
+    assert res["full"] == pytest.approx(full)
+    for name, r in res["pairs"].items():  # removing one more pair lowers every prompt's probability by 0.1
+        assert r["contribution"] == pytest.approx(0.1) and r["relative"] == pytest.approx(0.1 / full)
+        assert r["K"] == []  # no K raises a contribution that is the same for every K
+
+
+def test_faithfulness_against_direct_means():
+    from mechdiff.circuits.scoring import faithfulness, random_circuit
+
+    circuit, scorer, (a, b, c) = _or_circuit()
+    only_c = Circuit("m", "t", {"B": [c[0]]}, {"B": "query_label"})
+    full_acc = np.array([i % 5 != 0 for i in range(12)], dtype=float)
+    res = faithfulness(scorer, only_c, n_random=3, seed=7)
+    assert res["n_prompts"] == 12
+    assert res["full"]["accuracy"]["value"] == pytest.approx(full_acc.mean())
+    assert res["full"]["faithfulness"]["value"] == pytest.approx(1.0)
+    assert res["circuit"]["accuracy"]["value"] == 0.0 and res["circuit"]["faithfulness"]["value"] == 0.0
+    prob_c, prob_full = scorer.base + 0.1, scorer.base + 0.3
+    assert res["circuit"]["answer_prob"]["value"] == pytest.approx(prob_c.mean())
+    assert res["circuit"]["faithfulness_prob"]["value"] == pytest.approx(prob_c.mean() / prob_full.mean())
+    rng = random.Random(7)
+    draws = [scorer._result(frozenset(random_circuit(only_c, 3, 4, rng).pairs())) for _ in range(3)]
+    acc = np.mean([d.correct for d in draws], 0)
+    assert res["random"]["accuracy"]["value"] == pytest.approx(acc.mean())
+    assert res["random"]["answer_prob"]["value"] == pytest.approx(np.mean([d.prob for d in draws]))
+    assert (res["random"]["n_draws"], res["random"]["seed"]) == (3, 7)
+    assert "random" not in faithfulness(scorer, only_c)
+    bad = Circuit("m", "t", {"A": [Head(5, 0)]}, {"A": "last"})
+    with pytest.raises(ValueError, match="do not exist"):
+        faithfulness(scorer, bad)
+
+
+def test_completeness_against_direct_differences():
+    from mechdiff.circuits.scoring import completeness
+
+    circuit, scorer, (a, b, c) = _or_circuit()
+    pairs = circuit.pairs()
+    res = completeness(scorer, circuit, n_draws=4, p=0.5, seed=11, metric="prob")
+    rng = random.Random(11)
+    expected = []
+    for _ in range(4):
+        k = [pr for pr in pairs if rng.random() < 0.5]
+        kept = frozenset(pr for pr in pairs if pr not in k)
+        expected.append(abs(float((scorer._result(kept).prob - scorer._result(scorer.every - frozenset(k)).prob).mean())))
+    assert res["random"]["draws"] == pytest.approx(expected)
+    assert res["random"]["mean"] == pytest.approx(np.mean(expected))
+    assert res["random"]["std"] == pytest.approx(np.std(expected))
+    assert (res["metric"], res["p"], res["seed"], res["n_prompts"]) == ("prob", 0.5, 11, 12)
+    # group A removed: the circuit keeps c only, the model keeps c too (the rest of it is "every" here)
+    diff_a = scorer._result(frozenset([c])).prob - scorer._result(frozenset([c])).prob
+    assert res["groups"]["A"]["completeness"] == pytest.approx(abs(diff_a.mean())) and res["groups"]["A"]["size"] == 2
+    acc = completeness(scorer, circuit, n_draws=0, metric="accuracy")
+    assert "random" not in acc and set(acc["groups"]) == {"A", "B"}
+    assert acc["groups"]["B"]["completeness"] == 0.0 and acc["groups"]["B"]["size"] == 1
+    always = completeness(scorer, circuit, n_draws=2, p=1.0, seed=0, metric="prob")
+    assert always["random"]["draws"] == [0.0, 0.0]  # K = C: nothing kept in either run
+
+
+def test_matrix_rows_columns_from_faithfulness():
+    from mechdiff.circuits.scoring import faithfulness, matrix_rows
+
+    circuit, scorer, _ = _or_circuit()
+    rows = matrix_rows("model-x", {"or": circuit}, scorer, n_random=2, seed=1)
+    res = faithfulness(scorer, circuit, n_random=2, seed=1)
+    (row,) = rows
+    assert row["circuit"] == "or" and row["model"] == "model-x" and row["n_heads"] == 3 and row["n_prompts"] == 12
+    for col, (part, metric) in {"full_accuracy": ("full", "accuracy"), "accuracy": ("circuit", "accuracy"),
+                                "faithfulness": ("circuit", "faithfulness"), "answer_prob": ("circuit", "answer_prob"),
+                                "faithfulness_prob": ("circuit", "faithfulness_prob"),
+                                "random_accuracy": ("random", "accuracy"),
+                                "random_faithfulness": ("random", "faithfulness"),
+                                "random_faithfulness_prob": ("random", "faithfulness_prob")}.items():
+        d = res[part][metric]
+        assert (row[col], row[f"{col}_low"], row[f"{col}_high"]) == (d["value"], d["low"], d["high"])
+    assert "random_accuracy" not in matrix_rows("m", {"or": circuit}, scorer)[0]
+
+
+def test_estimate_round_trip_and_pair_name():
+    from mechdiff.circuits.scoring import estimate, pair_name
+    from mechdiff.stats import Estimate
+
+    e = Estimate(0.4, 0.1, 0.7, 30)
+    assert estimate(e.to_dict()) == e
+    assert pair_name((Head(14, 7), "query_label")) == "L14H7@query_label"
+
+
+def test_head_mask_marks_each_pairs_position():
+    from mechdiff.circuits.scoring import EVERY_POSITION, _head_mask, _pairs_by_layer
+
+    batch = {"input_ids": torch.zeros(3, 6, dtype=torch.long),
+             "positions": {"last": torch.tensor([5, 4, 5]), "query_label": torch.tensor([2, 1, 3]),
+                           "gone": torch.tensor([1, -1, 2])}}
+    layers = _pairs_by_layer([(Head(1, 2), "last"), (Head(0, 1), "query_label"), (Head(1, 0), EVERY_POSITION)])
+    assert {k: [(h.name, p) for h, p in v] for k, v in layers.items()} == {
+        1: [("L1H2", "last"), ("L1H0", EVERY_POSITION)], 0: [("L0H1", "query_label")]}
+    mask = _head_mask(layers[1], batch, 6, 4, fill=0.0)
+    expected = torch.ones(3, 6, 4)
+    expected[[0, 1, 2], [5, 4, 5], 2] = 0.0
+    expected[:, :, 0] = 0.0
+    assert torch.equal(mask, expected)
+    keep = _head_mask(layers[0], batch, 6, 4, fill=1.0)
+    expected = torch.zeros(3, 6, 4)
+    expected[[0, 1, 2], [2, 1, 3], 1] = 1.0
+    assert torch.equal(keep, expected)
+    with pytest.raises(ValueError, match="unknown position 'nowhere'"):
+        _head_mask([(Head(0, 0), "nowhere")], batch, 6, 4, 0.0)
+    with pytest.raises(ValueError, match="missing in some prompts"):
+        _head_mask([(Head(0, 0), "gone")], batch, 6, 4, 0.0)
+
+
+def test_per_prompt_rejects_unknown_metric():
+    from mechdiff.circuits.scoring import per_prompt
+
+    with pytest.raises(ValueError, match="unknown metric 'f1'"):
+        per_prompt(_result([True], [0.5]), "f1")
+
+
+def test_group_pairs():
+    from mechdiff.circuits.scoring import group_pairs
+
+    circuit, _, (a, b, c) = _or_circuit()
+    assert group_pairs(circuit, "A") == [a, b] and group_pairs(circuit, "B") == [c]
