@@ -161,8 +161,12 @@ def test_random_circuit_keeps_group_sizes_and_positions():
     c = Circuit("m", "t", {"A": parse_heads(["L1H0", "L1H1", "L2H3"]), "B": parse_heads(["L0H2"])},
                 {"A": "last", "B": "query_label"})
     draws = [random_circuit(c, 3, 4, random.Random(s)) for s in range(20)]
+    c.names = {"A": "fetchers", "B": "movers"}
+    draws = [random_circuit(c, 3, 4, random.Random(s)) for s in range(20)]
     for r in draws:
         assert r.sizes() == c.sizes() and r.positions == c.positions
+        assert (r.model, r.task, r.names, r.meta) == ("m", "t", c.names, {"random_baseline_of": "m"})
+        assert r.names is not c.names and r.positions is not c.positions
         assert len(set(r.groups["A"])) == 3
         assert all(0 <= h.layer < 3 and 0 <= h.head < 4 for h in r.heads())
     assert len({tuple(r.groups["A"]) for r in draws}) > 10  # drawn, not fixed
@@ -175,6 +179,8 @@ def test_full_circuit_has_every_head_at_every_position():
     assert sorted(c.heads()) == [Head(l, h) for l in range(3) for h in range(4)]
     assert c.groups["L1"] == [Head(1, h) for h in range(4)]
     assert set(c.positions.values()) == {EVERY_POSITION} and c.model == "m"
+    assert c.task == "entity-tracking" and full_circuit(1, 2, task="ioi").task == "ioi"
+    assert c.names == {"L0": "", "L1": "", "L2": ""}
 
 
 def test_prune_keeps_pairs_above_the_threshold_and_records_it():
@@ -261,6 +267,8 @@ def test_minimality_grows_k_to_expose_redundant_heads():
     assert res["pairs"]["L2H1@last"]["K"] == ["L2H0@last"]
     assert res["pairs"]["L0H3@query_label"]["contribution"] == 0.0  # c never matters: K stays empty
     assert res["pairs"]["L0H3@query_label"]["K"] == []
+    default = minimality(scorer, circuit, max_steps=1, n_candidates=None)  # accuracy, seed 0 by default
+    assert (default["metric"], default["seed"]) == ("accuracy", 0) and default["pairs"] == res["pairs"]
     none = minimality(scorer, circuit, max_steps=0, metric="accuracy")
     assert none["pairs"]["L2H0@last"]["contribution"] == 0.0 and none["pairs"]["L2H0@last"]["K"] == []
 
@@ -393,3 +401,31 @@ def test_group_pairs():
 
     circuit, _, (a, b, c) = _or_circuit()
     assert group_pairs(circuit, "A") == [a, b] and group_pairs(circuit, "B") == [c]
+
+
+def test_minimality_draws_candidates_with_its_seed():
+    """With fewer candidates than other pairs, the candidates are a seeded draw: K comes from that draw."""
+    from mechdiff.circuits.scoring import minimality
+
+    pairs = [(Head(2, h), "last") for h in range(4)]
+    circuit = Circuit("m", "t", {"A": [p[0] for p in pairs]}, {"A": "last"})
+    # the task works while any of the four is kept: removing v matters only once the other three are in K
+    scorer = FakeScorer(pairs, lambda kept: bool(kept & frozenset(pairs)))
+    exhaustive = minimality(scorer, circuit, max_steps=3, n_candidates=None, metric="accuracy")
+    for name, r in exhaustive["pairs"].items():
+        assert r["contribution"] == 0.0 and r["K"] == []  # no single step raises it: greedy stops at once
+    two = FakeScorer(pairs[:2], lambda kept: bool(kept & frozenset(pairs[:2])))
+    c2 = Circuit("m", "t", {"A": [pairs[0][0], pairs[1][0]]}, {"A": "last"})
+    for n_candidates in (1, 2, None):  # one other pair: every candidate count finds it
+        r = minimality(two, c2, max_steps=1, n_candidates=n_candidates, metric="accuracy")
+        assert r["pairs"]["L2H0@last"]["K"] == ["L2H1@last"] and r["pairs"]["L2H0@last"]["contribution"] > 0
+    chain = FakeScorer(pairs, lambda kept: pairs[0] in kept and (pairs[1] in kept or pairs[2] in kept))
+    seen = set()
+    for seed in range(12):
+        r = minimality(chain, circuit, max_steps=1, n_candidates=1, seed=seed, metric="accuracy")
+        k = r["pairs"]["L2H1@last"]["K"]
+        assert k in ([], ["L2H2@last"])  # only H2 raises H1's contribution; a draw of H0 or H3 does not
+        seen.add(tuple(k))
+        again = minimality(chain, circuit, max_steps=1, n_candidates=1, seed=seed, metric="accuracy")
+        assert again["pairs"] == r["pairs"]  # seeded
+    assert seen == {(), ("L2H2@last",)}  # the draw depends on the seed
