@@ -429,3 +429,95 @@ def test_minimality_draws_candidates_with_its_seed():
         again = minimality(chain, circuit, max_steps=1, n_candidates=1, seed=seed, metric="accuracy")
         assert again["pairs"] == r["pairs"]  # seeded
     assert seen == {(), ("L2H2@last",)}  # the draw depends on the seed
+
+
+def _four():
+    pairs = [(Head(2, h), "last") for h in range(4)]
+    return pairs, Circuit("m", "t", {"A": [p[0] for p in pairs]}, {"A": "last"})
+
+
+def test_minimality_takes_the_first_best_candidate_and_its_value():
+    """H1 matters only once H2 or H3 (a tie) is removed with it: greedy K is the first of the tied
+    candidates in circuit order, and the stop test compares the best candidate's value, not the last pair's."""
+    from mechdiff.circuits.scoring import minimality
+
+    pairs, circuit = _four()
+    h0, h1, h2, h3 = pairs
+    tie = FakeScorer(pairs, lambda kept: h1 in kept and not (h2 in kept and h3 in kept))
+    for seed in range(8):  # three candidates for three other pairs: no draw, the same K for every seed
+        r = minimality(tie, circuit, max_steps=1, n_candidates=3, seed=seed, metric="accuracy")
+        assert r["pairs"]["L2H1@last"]["K"] == ["L2H2@last"], seed
+    only_h2 = FakeScorer(pairs, lambda kept: h0 in kept and (h1 in kept or h2 in kept))
+    r = minimality(only_h2, circuit, max_steps=1, n_candidates=None, metric="accuracy")
+    assert r["pairs"]["L2H1@last"]["K"] == ["L2H2@last"]  # the last pair (H3) raises nothing
+
+
+def test_minimality_defaults_and_a_model_that_is_never_right():
+    from mechdiff.circuits.scoring import minimality
+
+    pairs, circuit = _four()
+    never = FakeScorer(pairs, lambda kept: False)
+    r = minimality(never, circuit, metric="accuracy")
+    assert (r["max_steps"], r["n_candidates"], r["seed"], r["full"]) == (1, 4, 0, 0.0)
+    assert all(math.isnan(p["relative"]) and p["contribution"] == 0.0 for p in r["pairs"].values())
+
+
+def _completeness_scorer():
+    """Circuit {a, b, c} inside a model that also has d: d and a together add 0.2 to the probability."""
+    a, b, c, d = (Head(1, 0), "last"), (Head(1, 1), "last"), (Head(2, 2), "last"), (Head(0, 0), "last")
+    circuit = Circuit("m", "t", {"A": [a[0], b[0]], "B": [c[0]]}, {"A": "last", "B": "last"})
+    scorer = FakeScorer([a, b, c, d], lambda kept: d in kept or (a in kept and b in kept))
+    plain = scorer._result
+
+    def result(kept: frozenset) -> EvalResult:
+        r = plain(kept)
+        return EvalResult(r.correct, r.prob + 0.2 * (a in kept and d in kept))
+
+    scorer._result = result
+    return circuit, scorer, (a, b, c, d)
+
+
+def test_completeness_draws_k_with_its_seed():
+    from mechdiff.circuits.scoring import completeness
+
+    circuit, scorer, (a, b, c, d) = _completeness_scorer()
+    pairs = circuit.pairs()
+    res = completeness(scorer, circuit, n_draws=8, p=0.5, seed=4, metric="prob")
+    rng, expected = random.Random(4), []
+    for _ in range(8):
+        k = frozenset(pr for pr in pairs if rng.random() < 0.5)
+        with_c = scorer._result(frozenset(pairs) - k).prob
+        with_m = scorer._result(frozenset([a, b, c, d]) - k).prob
+        expected.append(abs(float((with_c - with_m).mean())))
+    assert len(set(expected)) > 1  # the draws differ, so the seed shows
+    assert res["random"]["draws"] == pytest.approx(expected)
+    assert completeness(scorer, circuit, n_draws=8, p=0.5, seed=4, metric="prob")["random"] == res["random"]
+    default = completeness(scorer, circuit)
+    assert (default["metric"], default["p"], default["seed"], len(default["random"]["draws"])) == ("accuracy", 0.5, 0, 5)
+    # group A removed: C keeps c only (wrong), M keeps c and d (right on 4 prompts of 5)
+    acc_m = np.array([i % 5 != 0 for i in range(12)], dtype=float)
+    assert default["groups"]["A"]["completeness"] == pytest.approx(acc_m.mean())
+    assert default["groups"]["A"]["difference"]["value"] == pytest.approx(-acc_m.mean())
+
+
+def test_prune_records_every_setting_and_keeps_the_circuit_identity():
+    from mechdiff.circuits.scoring import prune
+
+    c = Circuit("m", "t", {"A": parse_heads(["L1H0", "L1H1"])}, {"A": "last"}, names={"A": "fetchers"},
+                meta={"source": "x"})
+    result = {"metric": "prob", "max_steps": 2, "n_candidates": 3, "seed": 5, "n_prompts": 8, "full": 0.5,
+              "pairs": {"L1H0@last": {"relative": 0.011}, "L1H1@last": {"relative": 0.009}}}
+    pruned = prune(c, result)  # threshold 0.01 by default
+    assert pruned.groups == {"A": [Head(1, 0)]}
+    assert (pruned.model, pruned.task, pruned.names, pruned.positions) == ("m", "t", {"A": "fetchers"}, {"A": "last"})
+    assert pruned.meta == {"source": "x", "pruned": {
+        "threshold": 0.01, "relative_to": "F(M)", "metric": "prob", "max_steps": 2, "n_candidates": 3, "seed": 5,
+        "n_prompts": 8, "removed": ["L1H1@last"], "sizes_before": {"A": 2}}}
+    with pytest.raises(ValueError, match="no minimality score for L1H1@last"):
+        prune(c, {**result, "pairs": {"L1H0@last": {"relative": 1.0}}})
+
+
+def test_full_circuit_default_model_name():
+    from mechdiff.circuits.scoring import full_circuit
+
+    assert full_circuit(1, 2).model == ""
