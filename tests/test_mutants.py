@@ -383,6 +383,8 @@ def test_head_mask_marks_each_pairs_position():
     expected = torch.zeros(3, 6, 4)
     expected[[0, 1, 2], [2, 1, 3], 1] = 1.0
     assert torch.equal(keep, expected)
+    first = {"input_ids": batch["input_ids"], "positions": {"bos": torch.tensor([0, 0, 0])}}
+    assert torch.equal(_head_mask([(Head(0, 2), "bos")], first, 6, 4, 1.0)[:, 0, 2], torch.ones(3))  # 0 is valid
     with pytest.raises(ValueError, match="unknown position 'nowhere'"):
         _head_mask([(Head(0, 0), "nowhere")], batch, 6, 4, 0.0)
     with pytest.raises(ValueError, match="missing in some prompts"):
@@ -479,6 +481,7 @@ def _completeness_scorer():
 
 def test_completeness_draws_k_with_its_seed():
     from mechdiff.circuits.scoring import completeness
+    from mechdiff.stats import bootstrap
 
     circuit, scorer, (a, b, c, d) = _completeness_scorer()
     pairs = circuit.pairs()
@@ -491,6 +494,7 @@ def test_completeness_draws_k_with_its_seed():
         expected.append(abs(float((with_c - with_m).mean())))
     assert len(set(expected)) > 1  # the draws differ, so the seed shows
     assert res["random"]["draws"] == pytest.approx(expected)
+    assert res["random"]["ci"] == bootstrap(res["random"]["draws"]).to_dict()
     assert completeness(scorer, circuit, n_draws=8, p=0.5, seed=4, metric="prob")["random"] == res["random"]
     default = completeness(scorer, circuit)
     assert (default["metric"], default["p"], default["seed"], len(default["random"]["draws"])) == ("accuracy", 0.5, 0, 5)
@@ -521,3 +525,19 @@ def test_full_circuit_default_model_name():
     from mechdiff.circuits.scoring import full_circuit
 
     assert full_circuit(1, 2).model == ""
+
+
+def test_random_baseline_averages_draws_per_prompt():
+    """The random baseline is averaged over draws for each prompt, then bootstrapped over the prompts."""
+    from mechdiff.circuits.scoring import faithfulness, random_circuit
+    from mechdiff.stats import bootstrap
+
+    circuit, scorer, (a, b, c) = _or_circuit()
+    res = faithfulness(scorer, circuit, n_random=3)  # seed 0 by default
+    assert res["random"]["seed"] == 0 and res == faithfulness(scorer, circuit, n_random=3, seed=0)
+    rng = random.Random(0)
+    draws = [scorer._result(frozenset(random_circuit(circuit, 3, 4, rng).pairs())) for _ in range(3)]
+    acc = np.mean([d.correct for d in draws], 0)  # one value per prompt
+    prob = np.mean([d.prob for d in draws], 0)
+    assert res["random"]["accuracy"] == bootstrap(acc).to_dict() and res["random"]["accuracy"]["n"] == 12
+    assert res["random"]["answer_prob"] == bootstrap(prob).to_dict() and res["random"]["answer_prob"]["n"] == 12
