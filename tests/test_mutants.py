@@ -541,3 +541,15 @@ def test_random_baseline_averages_draws_per_prompt():
     prob = np.mean([d.prob for d in draws], 0)
     assert res["random"]["accuracy"] == bootstrap(acc).to_dict() and res["random"]["accuracy"]["n"] == 12
     assert res["random"]["answer_prob"] == bootstrap(prob).to_dict() and res["random"]["answer_prob"]["n"] == 12
+
+
+def test_quiet_scoring_prints_nothing(capsys):
+    """``progress=False`` means no progress bar on stderr from any scoring loop."""
+    from mechdiff.circuits.scoring import completeness, faithfulness, minimality, per_prompt
+
+    circuit, scorer, _ = _or_circuit()
+    faithfulness(scorer, circuit, n_random=2)
+    completeness(scorer, circuit, n_draws=2)
+    minimality(scorer, circuit)
+    assert capsys.readouterr().err == ""
+    assert per_prompt(_result([True, False], [0.7, 0.2])).tolist() == [1.0, 0.0]  # accuracy by default
