@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..circuits.circuit import Circuit, load_circuit_file
 from ..circuits.scoring import Scorer, reference_records
