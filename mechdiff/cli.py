@@ -7,7 +7,9 @@ import argparse
 import importlib
 import logging
 import pkgutil
+import signal
 import sys
+import threading
 from typing import Optional, Sequence
 
 from . import commands
@@ -24,17 +26,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is so that every ``finally`` runs (locks, temporary files)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(f"signal {signum}")
+
+
+def _on_sigterm(handler: object) -> object:
+    """Install a SIGTERM handler (main thread only; elsewhere nothing changes); returns the previous one."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .io import RunLockedError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    previous = _on_sigterm(_terminate)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, KeyError, FileNotFoundError) as err:
+    except (ValueError, KeyError, OSError, RunLockedError) as err:
         if args.verbose:
             raise
         print(f"mechdiff {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:
+        print(f"mechdiff {args.command}: interrupted — every finished stage is kept; "
+              "run the same command again to resume", file=sys.stderr)
+        return 143 if isinstance(err, Terminated) else 130
+    finally:
+        _on_sigterm(previous)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,12 @@ Writes are atomic and resumable: a write goes to ``<path>.partial`` (a copy of t
 current file plus the new entry), every finished batch is flushed and marked in
 ``done``, and only a complete entry is renamed over ``<path>``. A crash leaves
 ``<path>`` as it was; the next run reopens ``<path>.partial`` and computes only the
-batches not marked done (a partial file HDF5 cannot open is discarded, with a log line).
+batches not marked done.
+
+The store is a cache, so it heals: a file HDF5 cannot open (truncated, garbled), an entry whose
+arrays are shorter than its recorded shape, or a chunk whose checksum fails on read is moved
+aside under a timestamped name (``<path>.unreadable-<time>``) with a warning, and the entry is
+computed again (:func:`mechdiff.io.set_aside`). An unreadable ``.partial`` is set aside the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .evaluate import batches
+from .io import atomic_open, set_aside
 from .models.loading import LoadedModel
 from .tasks.base import batch_tensors, dataset_hash
 
@@ -46,6 +52,10 @@ ComputeFn = Callable[[LoadedModel, Sequence], dict[int, torch.Tensor]]
 
 class StoreMismatchError(ValueError):
     """An entry was written for another model, dataset or shape than the one asking."""
+
+
+class StoreCorruptError(OSError):
+    """The store file or one of its entries cannot be read back as written."""
 
 
 @dataclass(frozen=True)
@@ -81,9 +91,14 @@ class Entry:
         return self.shape[0]
 
     def read(self, layer: int, rows: slice | Sequence[int] = slice(None)) -> torch.Tensor:
-        """Rows of one layer (``"row ... cols"``), read without loading the rest of the file."""
-        with h5py.File(self.path, "r") as f:
-            return torch.from_numpy(np.asarray(f[self.key.group][f"L{layer}"][rows]))
+        """Rows of one layer (``"row ... cols"``), read without loading the rest of the file.
+        Raises :class:`StoreCorruptError` naming the file when the data cannot be read back."""
+        try:
+            with h5py.File(self.path, "r") as f:
+                return torch.from_numpy(np.asarray(f[self.key.group][f"L{layer}"][rows]))
+        except (OSError, KeyError) as err:
+            raise StoreCorruptError(f"{self.path}: entry {self.key.group} layer {layer} cannot be read ({err}) — "
+                                    "delete the file (it is a cache) and it will be recomputed") from err
 
     def stack(self, rows: slice | Sequence[int] = slice(None)) -> torch.Tensor:
         """Every layer: ``"layer row ... cols"``."""
@@ -99,8 +114,36 @@ class ActivationStore:
         self.compression, self.compression_opts = compression, compression_opts
 
     # ----------------------------------------------------------------------------- reading
+    def _heal(self) -> None:
+        """Set the committed file aside if HDF5 cannot open it (truncated, garbled)."""
+        if not self.path.exists():
+            return
+        try:
+            with h5py.File(self.path, "r") as f:
+                f.visit(lambda name: None)  # walks every group header
+        except (OSError, RuntimeError, KeyError) as err:
+            set_aside(self.path, "activation store", err)
+
+    def _short_arrays(self, g: h5py.Group) -> Optional[str]:
+        """Why a complete-looking entry is not what was recorded (arrays shorter than ``n_rows`` or
+        than the recorded shape, a batch not marked done), or ``None``."""
+        n_rows, shape = g.attrs.get("n_rows"), g.attrs.get("shape")
+        layers = [name for name in g if name.startswith("L")]
+        if not layers:
+            return "no layer arrays"
+        for name in layers:
+            got = g[name].shape
+            if n_rows is not None and got[0] != n_rows:
+                return f"{name} has {got[0]} rows, {n_rows} recorded"
+            if shape is not None and tuple(got) != tuple(int(x) for x in shape):
+                return f"{name} has shape {tuple(got)}, {tuple(int(x) for x in shape)} recorded"
+        if "done" in g and not np.all(g["done"][()]):
+            return "some batches are not marked done"
+        return None
+
     def keys(self) -> list[StoreKey]:
         """Complete entries in the committed file."""
+        self._heal()
         if not self.path.exists():
             return []
         found: list[StoreKey] = []
@@ -114,14 +157,21 @@ class ActivationStore:
 
     def get(self, key: StoreKey) -> Entry:
         """The complete entry for ``key``; raises :class:`StoreMismatchError` or ``KeyError`` otherwise."""
+        self._heal()
         if not self.path.exists():
             raise KeyError(f"{self.path} does not exist; compute the activations with get_or_compute first")
+        short: Optional[str] = None
         with h5py.File(self.path, "r") as f:
             if key.group in f:
                 _check_attrs(f[key.group].attrs, key, self.path)
                 if not f[key.group].attrs.get("complete"):
                     raise KeyError(f"entry {key.group} in {self.path} is incomplete; rerun get_or_compute to finish it")
-                return Entry(self.path, key)
+                short = self._short_arrays(f[key.group])
+                if short is None:
+                    return Entry(self.path, key)
+        if short is not None:  # moved only once the file is closed
+            set_aside(self.path, "activation store", f"entry {key.group}: {short}")
+            raise KeyError(f"{self.path} had a damaged entry {key.group}; compute it with get_or_compute")
         others = [k for k in self.keys() if (k.kind, k.positions) == (key.kind, key.positions)]
         if others:
             raise StoreMismatchError(
@@ -147,16 +197,9 @@ class ActivationStore:
         the site ``kind`` of every layer at ``positions`` (see :func:`capture_sites`).
         """
         key = StoreKey(model.fingerprint, dataset_hash(records), kind, positions)
-        try:
-            return self.get(key)
-        except StoreMismatchError:
-            pass  # other models' entries are fine to keep beside this one
-        except KeyError:
-            pass
         fn = compute_fn or (lambda m, recs: capture_sites(m, recs, kind, positions))
         rows = batches(len(records), batch_size)
-        self._fill(key, len(records), rows, lambda r: fn(model, records[r]), progress)
-        return self.get(key)
+        return self._ensure(key, len(records), rows, lambda r: fn(model, records[r]), progress)
 
     def means(self, model: LoadedModel, records: Sequence, kind: str = "z", batch_size: int = 32,
               progress: bool = True) -> torch.Tensor:
@@ -166,18 +209,28 @@ class ActivationStore:
         """
         # Per-batch sums: the batch size is part of the key, so a resume never mixes batchings.
         key = StoreKey(model.fingerprint, dataset_hash(records), f"{kind}_mean", f"all-batch{batch_size}")
+        rows = batches(len(records), batch_size)
+
+        def unit(unit_rows: slice) -> dict[int, torch.Tensor]:  # unit i = batch i
+            acts = capture_sites(model, records[rows[unit_rows.start]], kind, "all")
+            return {layer: t.double().sum(0, keepdim=True) for layer, t in acts.items()}
+
+        units = [slice(i, i + 1) for i in range(len(rows))]
         try:
-            entry = self.get(key)
-        except (KeyError, StoreMismatchError):  # no entry for this model and dataset yet: add it
-            rows = batches(len(records), batch_size)
+            sums = self._ensure(key, len(rows), units, unit, progress).stack()
+        except StoreCorruptError as err:  # a chunk failed its checksum: set the file aside, compute again
+            set_aside(self.path, "activation store", err.__cause__ or err)
+            sums = self._ensure(key, len(rows), units, unit, progress).stack()
+        return sums.sum(1).div(len(records)).float()
 
-            def unit(unit_rows: slice) -> dict[int, torch.Tensor]:  # unit i = batch i
-                acts = capture_sites(model, records[rows[unit_rows.start]], kind, "all")
-                return {layer: t.double().sum(0, keepdim=True) for layer, t in acts.items()}
-
-            self._fill(key, len(rows), [slice(i, i + 1) for i in range(len(rows))], unit, progress)
-            entry = self.get(key)
-        return entry.stack().sum(1).div(len(records)).float()
+    def _ensure(self, key: StoreKey, n_rows: int, units: list[slice],
+                unit_fn: Callable[[slice], dict[int, torch.Tensor]], progress: bool) -> Entry:
+        """The entry for ``key``, filled first if it is missing (other models' entries are kept)."""
+        try:
+            return self.get(key)
+        except (KeyError, StoreMismatchError):
+            self._fill(key, n_rows, units, unit_fn, progress)
+            return self.get(key)
 
     def _fill(self, key: StoreKey, n_rows: int, units: list[slice],
               unit_fn: Callable[[slice], dict[int, torch.Tensor]], progress: bool) -> None:
@@ -204,13 +257,12 @@ class ActivationStore:
             g = f.require_group(key.group)
             if "done" in g:
                 _check_attrs(g.attrs, key, self.partial)
-                if "units" in g and not np.array_equal(g["units"][()], units_attr):
-                    raise StoreMismatchError(f"{self.partial}: {key.group} was started with other batches; "
-                                             f"delete {self.partial} or use the same batch size")
-                if len(g["done"]) != len(units):
-                    raise StoreMismatchError(f"{self.partial}: {key.group} was started with another batch size; "
-                                             f"delete {self.partial} or use the same batch size")
-            else:
+                same = len(g["done"]) == len(units) and ("units" not in g or np.array_equal(g["units"][()], units_attr))
+                if not same:  # started with other batches: this entry starts again, the rest stays
+                    log.warning("%s: %s was started with another batch size; computing it again", self.partial, key.group)
+                    del f[key.group]
+                    g = f.require_group(key.group)
+            if "done" not in g:
                 g.attrs.update(key.attrs())
                 g.attrs.update(mechdiff_version=__version__, complete=False, n_rows=n_rows)
                 g.create_dataset("done", data=np.zeros(len(units), dtype=bool))
@@ -240,20 +292,22 @@ class ActivationStore:
             return g[name]
         dtype = np.float64 if t.dtype == torch.float64 else np.float32
         chunks = (min(n_rows, max(1, t.shape[0])), *t.shape[1:])
-        return g.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks,
+        return g.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks, fletcher32=True,
                                 compression=self.compression, compression_opts=self.compression_opts)
 
     def _open_partial(self) -> h5py.File:
-        """Open ``<path>.partial`` (resume), else start it from a copy of ``<path>`` (or empty)."""
+        """Open ``<path>.partial`` (resume), else start it from a copy of ``<path>`` (or empty).
+        The copy is itself atomic, so an interrupted copy never passes for a partial file."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.partial.exists():
             try:
                 return h5py.File(self.partial, "a")
             except OSError as err:
-                log.warning("discarding unreadable %s (%s); starting the entry again", self.partial, err)
-                self.partial.unlink()
+                set_aside(self.partial, "unfinished activation store", err)
+        self._heal()
         if self.path.exists():
-            shutil.copyfile(self.path, self.partial)
+            with open(self.path, "rb") as src, atomic_open(self.partial, "wb") as dst:
+                shutil.copyfileobj(src, dst)
             return h5py.File(self.partial, "a")
         return h5py.File(self.partial, "w")
 

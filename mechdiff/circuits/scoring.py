@@ -369,7 +369,7 @@ def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidate
                 break
             value, u = max(scored, key=lambda t: t[0])
             best, k = value, k | {u}
-        out[pair_name(v)] = {"contribution": best, "relative": best / f_circuit if f_circuit else float("inf"),
+        out[pair_name(v)] = {"contribution": best, "relative": best / f_circuit if f_circuit else float("nan"),
                              "relative_full": best / f_full if f_full else float("nan"),
                              "K": sorted(pair_name(u) for u in k)}
     return {"metric": metric, "full": f_full, "circuit": f_circuit, "relative_to": "F(C)",

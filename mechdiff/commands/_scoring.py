@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ..circuits.circuit import Circuit
+from ..circuits.circuit import Circuit, load_circuit_file
 from ..circuits.scoring import Scorer
-from ..models.loading import LoadedModel
+from ..models.architectures import ModelShape
+from ..models.loading import LoadedModel, load_config, resolve_spec
 from ._options import task_from_args, task_options
 
 
@@ -21,13 +21,14 @@ def add_scoring_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
-def load_circuit(path: str, model: LoadedModel) -> Circuit:
-    """Load a circuit file and check it fits the model."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"circuit file {path} does not exist")
-    circuit = Circuit.load(path)
-    circuit.validate(model.shape.n_layers, model.shape.n_heads)
-    return circuit
+def model_shape(name: str, args: argparse.Namespace) -> ModelShape:
+    """A model's shape from its config alone: read before any weights load."""
+    return ModelShape.from_config(load_config(resolve_spec(name), getattr(args, "cache_dir", None)))
+
+
+def load_circuit(path: str, shape: ModelShape) -> Circuit:
+    """Load a circuit file and check it fits a model of ``shape`` (errors name the file and the fix)."""
+    return load_circuit_file(path, shape.n_layers, shape.n_heads)
 
 
 def build_scorer(model: LoadedModel, args: argparse.Namespace) -> Scorer:

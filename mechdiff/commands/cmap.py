@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..circuits.circuit import Circuit
+from ..circuits.circuit import load_circuit_file
 from ..cmap import CMAP_KINDS, CMAPResult, parse_kinds, run_cmap
+from ..io import check_writable
 from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
 from ..report.tables import estimate_columns, to_markdown, write_table
@@ -70,11 +71,11 @@ def write_outputs(result: CMAPResult, out: Path) -> list[dict]:
 
 def main(args: argparse.Namespace) -> int:
     kinds = parse_kinds(args.kinds)
-    models = ModelSet([args.base, args.finetune], **model_kwargs(args))
+    check_writable(args.out)
+    models = ModelSet([args.base, args.finetune], **model_kwargs(args))  # configs only: no weights yet
+    circuit = load_circuit_file(args.circuit, models.shape.n_layers, models.shape.n_heads)
     base, finetune = models[models.names[0]], models[models.names[1]]
     resolve_batch_size(args, base)
-    circuit = Circuit.load(args.circuit)
-    circuit.validate(base.shape.n_layers, base.shape.n_heads)
     records = task_from_args(args).records(base.tokenizer, args.n, args.seed, **task_options(args))
     groups = args.groups.split(",") if args.groups else None
     result = run_cmap(base, finetune, circuit, records, kinds, args.batch_size, groups,

@@ -6,7 +6,9 @@ import argparse
 from itertools import combinations
 from pathlib import Path
 
-from ..circuits.circuit import Circuit
+from ..circuits.circuit import Circuit, load_circuit_file
+from ..io import check_writable
+from ..models.architectures import ModelShape
 from ..circuits.overlap import overlap_table
 from ..circuits.scoring import matrix_rows
 from ..models.modelset import ModelSet
@@ -29,15 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def load_circuits(paths: list[str], labels: list[str] | None) -> dict[str, Circuit]:
-    """Circuits by label, checking the labels are unique."""
-    for path in paths:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"circuit file {path} does not exist")
+def load_circuits(paths: list[str], labels: list[str] | None, shape: ModelShape | None = None) -> dict[str, Circuit]:
+    """Circuits by label, checking the labels are unique and (given ``shape``) that every head exists."""
     labels = labels or [Path(p).stem for p in paths]
     if len(labels) != len(paths) or len(set(labels)) != len(labels):
         raise ValueError(f"need one unique label per circuit; got {labels} for {paths} (use --labels)")
-    return {label: Circuit.load(path) for label, path in zip(labels, paths)}
+    n_layers, n_heads = (shape.n_layers, shape.n_heads) if shape else (None, None)
+    return {label: load_circuit_file(path, n_layers, n_heads) for label, path in zip(labels, paths)}
 
 
 def overlap_rows(circuits: dict[str, Circuit], n_layers: int, n_heads: int) -> list[dict]:
@@ -49,12 +49,10 @@ def overlap_rows(circuits: dict[str, Circuit], n_layers: int, n_heads: int) -> l
 
 
 def main(args: argparse.Namespace) -> int:
-    models = ModelSet(args.models.split(","), **model_kwargs(args))
-    circuits = load_circuits(args.circuits.split(","), args.labels.split(",") if args.labels else None)
+    out = check_writable(args.out)
+    models = ModelSet(args.models.split(","), **model_kwargs(args))  # configs only: no weights yet
     shape = models.shape
-    for c in circuits.values():
-        c.validate(shape.n_layers, shape.n_heads)
-    out = Path(args.out)
+    circuits = load_circuits(args.circuits.split(","), args.labels.split(",") if args.labels else None, shape)
     rows, fingerprints = [], {}
     for lm in models:
         resolve_batch_size(args, lm)

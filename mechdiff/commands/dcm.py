@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..circuits.circuit import Circuit
+from ..circuits.circuit import load_circuit_file
+from ..io import check_writable
 from ..dcm import DCMConfig, DCMResult, desideratum_pairs, dcm_circuit, semantic_patching, split_pairs
 from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
@@ -85,10 +86,10 @@ def main(args: argparse.Namespace) -> int:
                          "(--remote). Run it with --device cuda / --device-map auto.")
     task = task_from_args(args)
     others = [m for m in (args.semantic or "").split(",") if m and m != args.model]
-    models = ModelSet([args.model, *others], **model_kwargs(args))
+    check_writable(args.out)
+    models = ModelSet([args.model, *others], **model_kwargs(args))  # configs only: no weights yet
+    circuit = load_circuit_file(args.circuit, models.shape.n_layers, models.shape.n_heads)
     model = models[models.names[0]]
-    circuit = Circuit.load(args.circuit)
-    circuit.validate(model.shape.n_layers, model.shape.n_heads)
     config = DCMConfig(parameterisation=args.parameterisation, lam=args.lam, lr=args.lr, epochs=args.epochs,
                        batch_size=args.batch_size, micro_batch=args.micro_batch, eval_every=args.eval_every,
                        eval_batch=args.eval_batch,

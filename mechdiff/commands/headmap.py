@@ -7,12 +7,12 @@ training run) is stored in ``OUT/stages/<name>.json`` and reused on a rerun with
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..io import check_writable, read_record
 from ._options import add_model_options, load_from_args, write_json
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,7 @@ def _locate_and_write(model: Any, task: str, args: argparse.Namespace, out: Path
 
 def main_locate(args: argparse.Namespace) -> int:
     _setup(args)
+    check_writable(args.out)
     model = load_from_args(args.model, args)
     _locate_and_write(model, args.task, args, Path(args.out), args.n)
     return 0
@@ -166,13 +167,14 @@ def _train_config(args: argparse.Namespace, task: str, lora_rank: int = 0):
 
 
 def main_finetune(args: argparse.Namespace) -> int:
-    from ..circuits.circuit import Circuit
     from ..headmap import get_task, heads_by_layer, train
+    from ._scoring import load_circuit, model_shape
     from ..stats import bootstrap
 
     _setup(args)
+    check_writable(args.out)
+    circuit = load_circuit(args.circuit, model_shape(args.model, args))  # checked before the weights load
     model = load_from_args(args.model, args)
-    circuit = Circuit.load(args.circuit)
     cfg = _train_config(args, args.task, args.lora_rank)
     ev = get_task(args.task).eval_batch(model.tokenizer, cfg.eval_n, cfg.eval_seed)
     res = train(model, cfg, heads_by_layer(circuit.heads()), {args.task: ev})
@@ -190,11 +192,10 @@ def main_finetune(args: argparse.Namespace) -> int:
 def _stage(out: Path, name: str, key: dict, fn: Callable[[], dict]) -> dict:
     """Reuse ``out/stages/name.json`` if it was made with the same ``key``."""
     path = out / "stages" / f"{name}.json"
-    if path.is_file():
-        data = json.loads(path.read_text())
-        if data.get("key") == key:
-            log.info("stage %s: reused %s", name, path)
-            return data["value"]
+    data = read_record(path, f"HeadMap stage record {name}", ("key", "value"))
+    if data is not None and data["key"] == key:
+        log.info("stage %s: reused %s", name, path)
+        return data["value"]
     t0 = time.time()
     value = fn()
     write_json(path, {"key": key, "value": value, "seconds": round(time.time() - t0, 1)})
@@ -215,7 +216,9 @@ def main_compare(args: argparse.Namespace) -> int:
 
     _setup(args)
     t_start = time.time()
-    out = Path(args.out)
+    out = check_writable(args.out)
+    for path in filter(None, args.path_patching.split(",")):  # read now, not after hours of training
+        Circuit.load(path)
     model = load_from_args(args.model, args)
     s = model.shape
     loc_key = {"model": args.model, "pool": args.pool, "k": args.k, "batch_size": args.batch_size, "seed": args.seed}

@@ -8,7 +8,8 @@ from pathlib import Path
 from ..circuits.scoring import minimality, prune
 from ..report.tables import to_markdown, write_table
 from ._options import add_dataset_options, add_model_options, load_from_args
-from ._scoring import add_scoring_options, build_scorer, load_circuit, settings
+from ..io import check_writable
+from ._scoring import add_scoring_options, build_scorer, load_circuit, model_shape, settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_writable(Path(args.out).parent)  # inputs and output are checked before the weights load
+    circuit = load_circuit(args.circuit, model_shape(args.model, args))
     model = load_from_args(args.model, args)
-    circuit = load_circuit(args.circuit, model)
     scorer = build_scorer(model, args)
     result = minimality(scorer, circuit, max_steps=args.max_steps, n_candidates=args.candidates or None,
                         seed=args.seed, metric=args.metric)

@@ -8,7 +8,8 @@ from pathlib import Path
 from ..circuits.scoring import completeness, faithfulness
 from ..report.tables import estimate_columns, to_markdown, write_table
 from ._options import add_dataset_options, add_model_options, load_from_args, write_json
-from ._scoring import add_scoring_options, build_scorer, load_circuit, settings
+from ..io import check_writable
+from ._scoring import add_scoring_options, build_scorer, load_circuit, model_shape, settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,8 +61,9 @@ def completeness_rows(res: dict) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_writable(args.out)  # inputs and output are checked before the weights load
+    circuit = load_circuit(args.circuit, model_shape(args.model, args))
     model = load_from_args(args.model, args)
-    circuit = load_circuit(args.circuit, model)
     scorer = build_scorer(model, args)
     out = Path(args.out)
     result = {"model": model.name, "fingerprint": model.fingerprint, "circuit": args.circuit,

@@ -140,11 +140,14 @@ def load_spec(path: str | Path) -> RunSpec:
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"task file {path} does not exist")
-    text = path.read_text()
     try:
+        text = path.read_text()
         data = tomllib.loads(text)
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{path}: not a text file ({err}) — give a TOML task file (tasks/*.toml)") from None
     except tomllib.TOMLDecodeError as err:
-        raise SpecError(f"{path}: not valid TOML: {err}") from None
+        raise SpecError(f"{path}: not valid TOML ({err}) — fix the syntax there "
+                        "(tasks/entity_tracking.toml is a complete example)") from None
     for section in data:
         if section not in SECTIONS:
             raise SpecError(f"{path}:{_line(text, None, section)}: unknown section [{section}]; "
@@ -161,6 +164,7 @@ def load_spec(path: str | Path) -> RunSpec:
             if key not in valid:
                 raise SpecError(f"{path}:{_line(text, name, key)}: unknown key {key!r} in [{name}]; "
                                 f"valid keys: {', '.join(valid)}")
+            _check_type(path, text, name, key, values[key], getattr(cls(), key))
             allowed = CHOICES.get((name, key))
             items = values[key] if isinstance(values[key], list) else [values[key]]
             if allowed and any(item not in allowed for item in items):
@@ -170,6 +174,18 @@ def load_spec(path: str | Path) -> RunSpec:
     if built["task"].name != "entity-tracking":
         raise SpecError(f"{path}: task {built['task'].name!r} is not supported; supported: entity-tracking")
     return RunSpec(**built, source=str(path))
+
+
+def _check_type(path: Path, text: str, section: str, key: str, value: Any, default: Any) -> None:
+    """Refuse a value whose type differs from the field's default (``n_boxes = "seven"``) with its line."""
+    if default is None:
+        return
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), dict: (dict,)}
+    want = kinds.get(type(default))
+    ok = want is None or (isinstance(value, want) and not (isinstance(value, bool) and bool not in want))
+    if not ok:
+        raise SpecError(f"{path}:{_line(text, section, key)}: {key} = {value!r} in [{section}] — "
+                        f"give a {type(default).__name__} (the default is {default!r})")
 
 
 def _line(text: str, section: Optional[str], key: str) -> int:

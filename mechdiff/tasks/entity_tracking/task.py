@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 from ..base import Batch, Task, answer_batch, step_seed
 from .building import generate
 from .pairs import label_value_pairs, object_value_pairs, path_patching_pairs, positional_pairs
+from .positions import CLASSES
 from .records import DEFAULT_N_BOXES, EntityTrackingExample
 
 PLAN = Path(__file__).resolve().parent.parent / "plans" / "entity_tracking.toml"
@@ -57,7 +58,7 @@ TASK = Task(
     desiderata={"positional": positional_pairs, "object": object_value_pairs, "label": label_value_pairs},
     plan=PLAN,
     metric="prob",
-    positions=("last", "query_label", "query_label_context", "objects", "labels"),
+    positions=("last", "query_label", "query_label_context", "objects", "labels", *CLASSES),
     group_names=GROUP_NAMES,
     options=("n_boxes", "vocabulary", "letters"),
     train_batch=train_batch,
