@@ -175,3 +175,20 @@ def test_resumed_suffix_runs_equal_full_runs(tiny_model, pairs, position, kind):
                     assert got[s] == pytest.approx(plain[s], rel=1e-4, abs=1e-6)
         moved = max(moved, *map(abs, plain.values()))
     assert moved > 3e-5  # not vacuous: well above the tolerance
+
+
+def test_discovery_is_exact_by_default(tiny_llama, pairs):
+    """Without options every eligible sender is path patched exactly (no attribution screen), in the
+    library, the command and the study's task file."""
+    from mechdiff.cli import build_parser
+    from mechdiff.tasks.spec import default_spec, load_spec
+
+    assert DiscoverySettings().screen is False
+    assert build_parser().parse_args(["circuit"]).screen is False
+    assert build_parser().parse_args(["circuit", "--screen"]).screen is True
+    assert default_spec().discovery.screen is False and load_spec("tasks/entity_tracking.toml").discovery.screen is False
+    circuit, results = discover(tiny_llama, pairs, DiscoverySettings(k={"A": 2, "B": 1, "C": 0, "D": 0}, n_prompts=5,
+                                                                     n_boxes=3), progress=False)
+    assert set(results["A"].exact) == set(eligible_senders(tiny_llama, None)) and not results["A"].attribution
+    assert set(results["B"].exact) == set(eligible_senders(tiny_llama, results["B"].receivers))
+    assert "exact, all senders" in circuit.meta["method"]

@@ -11,9 +11,10 @@ C position detector, D structure reader, by path patching with an optional attri
 Positions are the dataset's position records. Only heads in layers below the deepest
 receiver are tested. A head is selected by the largest *drop* in answer probability
 (most negative score), top ``k`` per step; a head may be selected in several steps.
-With ``screen=True`` every eligible sender is first ranked by attribution
-(:mod:`mechdiff.patching.attribution`) and only the ``screen_multiple * k`` most negative
-are path patched exactly.
+By default every eligible sender is path patched exactly (suffix runs over the clean key/value
+cache make each a small fraction of a forward pass). With ``screen=True`` (for large models)
+every eligible sender is first ranked by attribution (:mod:`mechdiff.patching.attribution`)
+and only the ``screen_multiple * k`` most negative are path patched exactly.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ STEPS: dict[str, tuple[str, Optional[str], Optional[str]]] = {
     "D": ("query_label_context", "v", "C"),
 }
 # The paper's 40/7/20/5 of LLaMA-7B's 1024 heads, scaled to SmolLM2's 270 (about 10/2/5/1.3), rounded up
-# where a step would otherwise keep one or two heads. With n_prompts=16 and screen_multiple=2 a run
-# is 60 exact sender passes plus 7 forward+backward passes: minutes on 2 CPU cores.
+# where a step would otherwise keep one or two heads.
 DEFAULT_K = {"A": 8, "B": 3, "C": 5, "D": 3}
 
 
@@ -53,7 +53,7 @@ class DiscoverySettings:
     """Everything that decides a discovery run; recorded in the circuit's meta."""
 
     k: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_K))
-    screen: bool = True
+    screen: bool = False  # True: attribution screen, then exact path patching of the shortlist
     screen_multiple: float = 2.0
     senders_per_pass: int = 8
     n_prompts: int = 16

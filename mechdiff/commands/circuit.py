@@ -30,7 +30,7 @@ def parse_k(text: str) -> dict[str, int]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("circuit", help="discover the entity-tracking circuit (A-D) by path patching")
+    p = sub.add_parser("circuit", help="discover the entity-tracking circuit (A-D) by exact path patching")
     p.add_argument("--model", default="smollm2-135m", help="registry name or path")
     p.add_argument("--task", default="entity-tracking", choices=["entity-tracking"])
     p.add_argument("--n", type=int, default=DiscoverySettings.n_prompts, help="number of path-patching pairs")
@@ -39,9 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", default=",".join(f"{s}={k}" for s, k in DEFAULT_K.items()),
                    help="heads kept per step, e.g. A=10,B=4,C=6,D=3")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--screen", dest="screen", action="store_true", default=True,
-                      help="attribution screen, then exact path patching of the shortlist (default)")
-    mode.add_argument("--exact", dest="screen", action="store_false", help="exact path patching of every sender")
+    mode.add_argument("--exact", dest="screen", action="store_false", default=False,
+                      help="exact path patching of every sender (default)")
+    mode.add_argument("--screen", dest="screen", action="store_true",
+                      help="attribution screen, then exact path patching of the shortlist (for large models)")
     p.add_argument("--screen-multiple", type=float, default=DiscoverySettings.screen_multiple,
                    help="path patch this many times k of the best-screened senders")
     p.add_argument("--senders-per-pass", type=int, default=DiscoverySettings.senders_per_pass,
