@@ -13,6 +13,10 @@ On one batch of clean/counterfactual pairs it prints:
 5. the attribution screen's top-k recall against exact path patching, per step;
 6. peak resident memory above the loaded model during each measurement (sampled every 5 ms).
 
+The plain forward is timed again just before and after each measurement and the ratio uses the mean
+of the two medians, so that a machine shared with other work (load drifting) biases ratios less.
+The hook loops cost one full forward per head; ``--hook-every K`` runs them on every K-th head.
+
     python benchmarks/patching.py --model smollm2-135m --n 8
 """
 
@@ -71,23 +75,26 @@ class Peak:
         return self.peak / 2**20
 
 
-def timed(fn):
-    """``(result, seconds, peak MB)`` of one call."""
+def plain_forward(model, ids, repeats: int = 3) -> float:
+    """Median seconds of a plain forward of ``ids`` (after a warm-up)."""
+    with torch.no_grad():
+        run(model, ids)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(model, ids)
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def timed(fn, model, ids):
+    """``(result, seconds, plain forward seconds around it, peak MB)`` of one call."""
+    before = plain_forward(model, ids)
     with Peak() as peak:
         t0 = time.perf_counter()
         out = fn()
         seconds = time.perf_counter() - t0
-    return out, seconds, peak.mb
-
-
-def plain_forward(model, ids, repeats: int = 5) -> float:
-    run(model, ids)  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run(model, ids)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return out, seconds, (before + plain_forward(model, ids)) / 2, peak.mb
 
 
 # ------------------------------------------------------------------ the independent torch-hook loops
@@ -134,21 +141,20 @@ def hooks_step_a(lm, batch, senders):
     return out
 
 
-def hooks_z_scan(lm, clean, source, answers):
+def hooks_z_scan(lm, clean, source, answers, heads):
     """Activation patching of one head's z at the last position per forward: ``"layer head"`` change in p."""
     source_z = hooked_z(lm, source)
     d, shape = lm.shape.d_head, lm.shape
     p0 = prob(hooked_logits(lm, clean), answers).mean()
-    grid = torch.zeros(shape.n_layers, shape.n_heads)
-    for layer in range(shape.n_layers):
-        for head in range(shape.n_heads):
-            cols = slice(head * d, (head + 1) * d)
+    grid = torch.full((shape.n_layers, shape.n_heads), float("nan"))
+    for h in heads:
+        cols = slice(h.head * d, (h.head + 1) * d)
 
-            def hook(m, a):
-                z = a[0].clone()
-                z[:, -1, cols] = source_z[layer][:, -1, cols]
-                return (z,)
-            grid[layer, head] = prob(hooked_logits(lm, clean, [(lm.arch.module(lm.model, "z", layer), hook)]),
+        def hook(m, a):
+            z = a[0].clone()
+            z[:, -1, cols] = source_z[h.layer][:, -1, cols]
+            return (z,)
+        grid[h.layer, h.head] = prob(hooked_logits(lm, clean, [(lm.arch.module(lm.model, "z", h.layer), hook)]),
                                      answers).mean() - p0
     return grid
 
@@ -160,6 +166,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="clean/counterfactual pairs")
     ap.add_argument("--senders-per-pass", type=int, default=32)
     ap.add_argument("--no-hooks", action="store_true", help="skip the torch-hook reference loops")
+    ap.add_argument("--hook-every", type=int, default=1, help="hook loops on every K-th head only")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="float32")
@@ -169,8 +176,8 @@ def main() -> None:
     pairs = path_patching_pairs(model.tokenizer, args.n, seed=0)
     batch = prepare(model, pairs)
     shape, spp = model.shape, args.senders_per_pass
-    with torch.no_grad():
-        plain = plain_forward(model, batch.clean_ids)
+    ids = batch.clean_ids
+    plain = plain_forward(model, ids)
     fig: dict = {"model": args.model, "device": str(model.device), "dtype": args.dtype, "n_pairs": args.n,
                  "tokens": int(batch.clean_ids.shape[1]), "threads": torch.get_num_threads(),
                  "senders_per_pass": spp, "plain_forward_s": plain}
@@ -184,10 +191,12 @@ def main() -> None:
     receivers, exact = None, {}
     for step, (position, kind, _) in STEPS.items():
         senders = eligible_senders(model, receivers)
-        scores, secs, mb = timed(lambda: path_patch(model, batch, senders, position, receivers, spp, progress=False))
+        scores, secs, plain, mb = timed(
+            lambda: path_patch(model, batch, senders, position, receivers, spp, progress=False), model, ids)
         exact[step] = scores
         ratio = secs / len(senders) / plain
-        fig[f"step_{step}"] = {"senders": len(senders), "seconds": secs, "per_sender": ratio, "peak_mb": mb,
+        fig[f"step_{step}"] = {"senders": len(senders), "seconds": secs, "plain_s": plain, "per_sender": ratio,
+                               "peak_mb": mb,
                                "receivers": None if receivers is None else [h.name for h in receivers.heads]}
         line(f"exact path patching step {step} ({len(senders)} senders at {position})", ratio, mb)
         attr = attribution_scores(model, batch, position, receivers, senders)
@@ -201,26 +210,31 @@ def main() -> None:
             receivers = Receivers(tuple(chosen), nxt_kind, nxt_position)
     full = dataclasses.replace(batch, clean_kv=None)
     senders_a = eligible_senders(model, None)
-    old, secs, mb = timed(lambda: path_patch(model, full, senders_a, "last", None, 8, progress=False))
-    fig["step_A_full_runs"] = {"per_sender": secs / len(senders_a) / plain, "peak_mb": mb,
+    old, secs, plain, mb = timed(lambda: path_patch(model, full, senders_a, "last", None, 8, progress=False), model, ids)
+    fig["step_A_full_runs"] = {"per_sender": secs / len(senders_a) / plain, "plain_s": plain, "peak_mb": mb,
                                "max_abs_diff_to_suffix": max(abs(old[h] - exact["A"][h]) for h in senders_a)}
     line("step A with full-length runs (resume only, 8 per pass)", secs / len(senders_a) / plain, mb,
          f"max |diff| to suffix runs {fig['step_A_full_runs']['max_abs_diff_to_suffix']:.1e}")
-    result, secs, mb = timed(lambda: scan(model, batch.clean_ids, batch.source_ids, batch.answer_ids, "z", "last",
-                                          per_pass=spp))
+    result, secs, plain, mb = timed(lambda: scan(model, batch.clean_ids, batch.source_ids, batch.answer_ids, "z",
+                                                 "last", per_pass=spp), model, ids)
     n_heads = shape.n_layers * shape.n_heads
-    fig["z_scan_last"] = {"heads": n_heads, "seconds": secs, "per_head": secs / n_heads / plain, "peak_mb": mb}
+    fig["z_scan_last"] = {"heads": n_heads, "seconds": secs, "plain_s": plain, "per_head": secs / n_heads / plain,
+                          "peak_mb": mb}
     line(f"z scan at last ({n_heads} heads)", secs / n_heads / plain, mb)
     if not args.no_hooks:
-        ref, secs, mb = timed(lambda: hooks_step_a(model, batch, senders_a))
-        diff = max(abs(ref[h] - exact["A"][h]) for h in senders_a)
-        fig["hooks_step_A"] = {"per_sender": secs / len(senders_a) / plain, "peak_mb": mb, "max_abs_diff": diff}
-        line("torch hooks, step A, one sender per forward", secs / len(senders_a) / plain, mb,
+        sample = senders_a[::args.hook_every]
+        ref, secs, plain, mb = timed(lambda: hooks_step_a(model, batch, sample), model, ids)
+        diff = max(abs(ref[h] - exact["A"][h]) for h in sample)
+        fig["hooks_step_A"] = {"senders": len(sample), "per_sender": secs / len(sample) / plain, "peak_mb": mb,
+                               "max_abs_diff": diff}
+        line(f"torch hooks, step A, one sender per forward ({len(sample)})", secs / len(sample) / plain, mb,
              f"max |diff| to mechdiff {diff:.1e}")
-        grid, secs, mb = timed(lambda: hooks_z_scan(model, batch.clean_ids, batch.source_ids, batch.answer_ids))
-        diff = float((grid - result.effects).abs().max())
-        fig["hooks_z_scan_last"] = {"per_head": secs / n_heads / plain, "peak_mb": mb, "max_abs_diff": diff}
-        line("torch hooks, z scan at last, one head per forward", secs / n_heads / plain, mb,
+        grid, secs, plain, mb = timed(lambda: hooks_z_scan(model, batch.clean_ids, batch.source_ids,
+                                                           batch.answer_ids, sample), model, ids)
+        diff = max(abs(float(grid[h.layer, h.head] - result.effects[h.layer, h.head])) for h in sample)
+        fig["hooks_z_scan_last"] = {"heads": len(sample), "per_head": secs / len(sample) / plain, "peak_mb": mb,
+                                    "max_abs_diff": diff}
+        line(f"torch hooks, z scan at last, one head per forward ({len(sample)})", secs / len(sample) / plain, mb,
              f"max |diff| to mechdiff {diff:.1e}")
     print("DCM epoch: not measured (DCM does not run on suffix runs yet)")
     if args.out:

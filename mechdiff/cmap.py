@@ -180,16 +180,18 @@ def _base_scores(base: LoadedModel, ids: torch.Tensor, answer: torch.Tensor, cap
     """``(correct, prob)`` of the base, plain and with each (scope, kind) patched from the donor's ``captured``."""
     out = {}
     # Patched runs resume at their scope's first layer from the plain run's residual (exact: nothing
-    # earlier is patched), skipping the blocks before it.
+    # earlier is patched), skipping the blocks before it, and compute only the positions from the first
+    # patched one on, reading earlier keys and values from the plain run (suffix runs).
     first = {scope: min(h.layer for h, _ in pairs) for scope, pairs in all_scopes.items()}
     with torch.no_grad():
-        plain = run(base, ids, capture=[("resid", layer - 1) for layer in sorted(set(first.values()) - {0})])
+        plain = run(base, ids, capture=[("resid", layer - 1) for layer in sorted(set(first.values()) - {0})],
+                    keep_kv=True)
         out["base"] = _score(plain.logits, answer)
         for scope, pairs in all_scopes.items():
             resume = Resume(first[scope], plain.captured[("resid", first[scope] - 1)]) if first[scope] else None
             for kind in kinds:
                 patches = cmap_patches(base, pairs, kind, captured, positions, ids.shape[1])
-                out[(scope, kind)] = _score(run(base, ids, patches, resume=resume).logits, answer)
+                out[(scope, kind)] = _score(run(base, ids, patches, resume=resume, prefix=plain.kv).logits, answer)
     return out
 
 

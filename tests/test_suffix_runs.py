@@ -177,3 +177,31 @@ def test_remote_path_suffix_runs_match_local(smollm2_tokenizer, prompts):
 def test_suffix_runs_on_smollm2(smollm2, prompts):
     """The real model (30 layers, GQA 9/3): z/q/k/v at every position kind, with and without resume."""
     assert _check_every_site(smollm2, prompts) <= TOL
+
+
+def test_cmap_base_scores_on_suffix_runs_equal_full_runs(smollm2_tokenizer):
+    """CMAP's patched runs (resumed, suffix from the first patched position) give the answer probabilities
+    of full runs with the same patches, for every scope and kind."""
+    import numpy as np
+
+    from mechdiff.circuits.circuit import Circuit
+    from mechdiff.cmap import CMAP_KINDS, _base_scores, capture_sites, cmap_patches, scopes
+    from mechdiff.components import Head
+    from mechdiff.tasks.entity_tracking import batch_tensors, generate
+
+    base, ft = make_tiny("llama", smollm2_tokenizer, seed=1), make_tiny("llama", smollm2_tokenizer, seed=2)
+    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "B": [Head(1, 1)]},
+                      {"A": "last", "B": "query_label"})
+    batch = batch_tensors(generate(smollm2_tokenizer, 4, n_boxes=3, seed=0))
+    ids, answer = batch["input_ids"], batch["answer_ids"]
+    captured = run(ft, ids, capture=capture_sites(circuit.heads())).captured
+    kinds = list(CMAP_KINDS)
+    got = _base_scores(base, ids, answer, captured, scopes(circuit), kinds, batch["positions"])
+    moved = 0.0
+    for scope, pairs in scopes(circuit).items():
+        for kind in kinds:
+            logits = run(base, ids, cmap_patches(base, pairs, kind, captured, batch["positions"], ids.shape[1])).logits
+            prob = logits.softmax(-1)[torch.arange(len(ids)), answer].numpy()
+            np.testing.assert_allclose(got[(scope, kind)][1], prob, rtol=1e-4, atol=0)
+            moved = max(moved, float(np.abs(prob / got["base"][1] - 1).max()))
+    assert moved > 1e-2  # the patches change the probabilities (relative: a tiny random model's are small)
