@@ -11,7 +11,10 @@ On one batch of clean/counterfactual pairs it prints:
 4. the same step A and z scan by an independent one-head-per-pass torch-hook loop (plain HF
    forwards), its cost, and the agreement (max |diff|);
 5. the attribution screen's top-k recall against exact path patching, per step;
-6. peak resident memory above the loaded model during each measurement (sampled every 5 ms).
+6. a DCM training epoch (forward and backward over the pair cache) on suffix runs against the same
+   epoch on full-length runs (layer resume only, the previous implementation), for masks at the
+   last and at the query-label position (``--sections dcm``);
+7. peak resident memory above the loaded model during each measurement (sampled every 5 ms).
 
 The plain forward is timed again just before and after each measurement and the ratio uses the mean
 of the two medians, so that a machine shared with other work (load drifting) biases ratios less.
@@ -170,6 +173,8 @@ def main() -> None:
     ap.add_argument("--sender-every", type=int, default=1,
                     help="path patch every K-th eligible sender of each step only (a busy machine)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--sections", default="steps,scan,hooks,dcm", help="comma-separated: steps, scan, hooks, dcm")
+    ap.add_argument("--dcm-pairs", type=int, default=32, help="training pairs of the DCM epoch")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="float32")
@@ -193,6 +198,12 @@ def main() -> None:
     def line(name, ratio, mb, extra=""):
         print(f"{name:<58}{ratio:>22.4f}{mb:>10.0f}  {extra}")
 
+    sections = set(args.sections.split(","))
+    if "dcm" in sections:
+        fig["dcm"] = dcm_epochs(model, args.dcm_pairs, line)
+    if not sections & {"steps", "scan", "hooks"}:
+        _write(args.out, fig)
+        return
     receivers, exact = None, {}
     for step, (position, kind, _) in STEPS.items():
         senders = eligible_senders(model, receivers)[::args.sender_every]
@@ -242,10 +253,36 @@ def main() -> None:
                                     "max_abs_diff": diff}
         line(f"torch hooks, z scan at last, one head per forward ({len(sample)})", secs / len(sample) / plain, mb,
              f"max |diff| to mechdiff {diff:.1e}")
-    print("DCM epoch: not measured (DCM does not run on suffix runs yet)")
-    if args.out:
-        with open(args.out, "w") as f:
+    _write(args.out, fig)
+
+
+def _write(path, fig: dict) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(fig, f, indent=2)
+
+
+def dcm_epochs(model, n_pairs: int, line) -> dict:
+    """One DCM training epoch (DCMConfig defaults, validation included) on suffix runs vs full-length runs."""
+    from mechdiff.dcm import DCMConfig, PairCache, train_mask
+
+    pairs = path_patching_pairs(model.tokenizer, n_pairs + 8, seed=1)
+    shape = model.shape
+    out = {}
+    for position, heads in (("last", [Head(shape.n_layers - 7 + i % 6, i % shape.n_heads) for i in range(6)]),
+                            ("query_label", [Head(shape.n_layers // 2 + i, i % shape.n_heads) for i in range(4)])):
+        cache = PairCache.build(model, pairs, [(heads, position)], batch_size=16)
+        full = dataclasses.replace(cache, kv=None)
+        config = DCMConfig(epochs=1)
+        times = {}
+        for name, c in (("suffix", cache), ("full", full)):
+            t0 = time.perf_counter()
+            train_mask(model, heads, position, c, range(n_pairs), range(n_pairs, n_pairs + 8), config, progress=False)
+            times[name] = time.perf_counter() - t0
+        out[position] = {**times, "ratio": times["suffix"] / times["full"], "heads": [h.name for h in heads]}
+        line(f"DCM epoch at {position} ({len(heads)} heads), suffix / full-length runs", times["suffix"] / times["full"],
+             0, f"{times['suffix']:.1f} s vs {times['full']:.1f} s")
+    return out
 
 
 if __name__ == "__main__":
