@@ -141,6 +141,7 @@ def run(
     prefix: Optional[Prefix] = None,
     start: Optional[int] = None,
     keep_kv: bool = False,
+    position_ids: Optional[torch.Tensor] = None,
 ) -> Run:
     """One forward pass of ``model`` on ``input_ids`` with ``patches`` written and ``capture`` saved.
 
@@ -156,7 +157,8 @@ def run(
     (:func:`suffix_start`; an earlier ``start`` is allowed, a later one refused; without ``prefix``
     every position is computed and ``start`` is ignored). Positions in patches and ``readout`` stay absolute; captured tensors
     cover positions ``start ..`` (``Run.start``). ``keep_kv=True`` returns this run's keys and
-    values as ``Run.kv`` (a full run: no prefix, resume or stop).
+    values as ``Run.kv`` (a full run: no prefix, resume or stop). ``position_ids`` (``"batch pos"``,
+    without ``prefix``) places the tokens at other positions, e.g. one token per example at its own.
     With ``attention_mask`` (``"batch pos"`` over every position) a padded row counts its positions
     from its first real token, in full and suffix runs alike.
     """
@@ -182,7 +184,11 @@ def run(
                          "the first patched or captured layer")
     arch, nn = model.arch, model.nn
     device = model.device
+    if position_ids is not None and prefix is not None:
+        raise ValueError("position_ids are derived in a suffix run; give either position_ids or prefix")
     kwargs = _inputs(input_ids.to(device), attention_mask, prefix, start, device)
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids.to(device)
     if keep_kv:  # full-attention cache layers: a sliding-window layer would keep only its window
         kwargs.update(use_cache=True, cache=Cache(layers=[DynamicLayer() for _ in range(model.shape.n_layers)]))
     if readout is None:

@@ -161,19 +161,31 @@ def _patched_prob(model: LoadedModel, batch: PairBatch, senders: list[Head], sen
     # receiver before it) and at the lowest sender layer (or receiver layer, likewise).
     start = int(spos.min()) if rpos is None else min(int(spos.min()), int(rpos.min()))
     first = min([h.layer for h in senders] + ([h.layer for h in receivers.heads] if receivers else []))
-    patches = _frozen_patches(model, batch, senders, spos, range(first, top), start)
     ids = repeat(batch.clean_ids, "b p -> (s b) p", s=s)
     suffix = {"prefix": batch.clean_kv} if batch.clean_kv is not None else {}
+    read_at = spos.new_full(spos.shape, batch.clean_ids.shape[1] - 1) if rpos is None else rpos
+    point = batch.clean_kv is not None and torch.equal(spos, read_at)
     with torch.no_grad():
         if receivers is None:
-            logits = run(model, ids, patches, resume=_resume(batch, first), start=start, **suffix).logits
+            if point:
+                logits = _frozen_point_run(model, batch, senders, spos, range(first, top), first).logits
+            else:
+                patches = _frozen_patches(model, batch, senders, spos, range(first, top), start)
+                logits = run(model, ids, patches, resume=_resume(batch, first), start=start, **suffix).logits
         else:
             sites = receiver_sites(model, receivers)
-            rpos = repeat(rpos, "b -> (s b)", s=s)
-            frozen = run(model, ids, patches, capture=[(receivers.kind, l) for l in sorted({l for l, _ in sites})],
-                         stop=True, resume=_resume(batch, first), start=start, **suffix)
+            capture = [(receivers.kind, l) for l in sorted({l for l, _ in sites})]
+            if point:
+                frozen = _frozen_point_run(model, batch, senders, spos, range(first, top), first, capture)
+                at = torch.zeros(n * s, dtype=torch.long)
+            else:
+                patches = _frozen_patches(model, batch, senders, spos, range(first, top), start)
+                frozen = run(model, ids, patches, capture=capture, stop=True, resume=_resume(batch, first),
+                             start=start, **suffix)
+                at = repeat(rpos, "b -> (s b)", s=s) - frozen.start
             rows = torch.arange(n * s)
-            writes = [Patch(receivers.kind, layer, frozen.captured[(receivers.kind, layer)][rows, rpos - frozen.start, cols],
+            rpos = repeat(rpos, "b -> (s b)", s=s)
+            writes = [Patch(receivers.kind, layer, frozen.captured[(receivers.kind, layer)][rows, at, cols],
                             rpos, cols) for layer, cols in sites]
             logits = run(model, ids, writes, resume=_resume(batch, min(l for l, _ in sites)), **suffix).logits
     return answer_prob(logits, repeat(batch.answer_ids, "b -> (s b)", s=s)).reshape(s, n)
@@ -184,6 +196,30 @@ def _resume(batch: PairBatch, layer: int) -> Optional[Resume]:
     if layer == 0 or not batch.clean_resid:
         return None
     return Resume(layer, batch.clean_resid[layer - 1])
+
+
+def _frozen_point_run(model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor, layers: range,
+                      first: int, capture: Sequence[tuple[str, int]] = ()):
+    """The frozen run at the sender position alone, one token per example: with every head's z frozen to
+    the clean run's, the residual stream differs from the clean one only at the sender position, so
+    that position (read out, or holding the receivers) is all that must be computed. Exact; attention
+    there is overwritten, so no key/value prefix is read."""
+    n, s, h = len(batch), len(senders), model.shape.n_heads
+    rows = torch.arange(n)
+    patches = []
+    for layer in layers:
+        value = repeat(batch.clean_z[layer][rows, spos], "b c -> (s b) 1 c", s=s).clone()
+        copies = torch.tensor([i for i, x in enumerate(senders) if x.layer == layer], dtype=torch.long)
+        if len(copies):
+            heads = torch.tensor([senders[i].head for i in copies.tolist()], dtype=torch.long)
+            view = rearrange(value, "(s b) 1 (h d) -> s b h d", s=s, h=h)
+            source = rearrange(batch.source_z[layer][rows, spos], "b (h d) -> b h d", h=h)
+            view[copies[:, None], rows[None], heads[:, None]] = source[:, heads].transpose(0, 1)
+        patches.append(Patch("z", layer, value))
+    ids = repeat(batch.clean_ids[rows, spos], "b -> (s b) 1", s=s)
+    resume = None if first == 0 else Resume(first, batch.clean_resid[first - 1][rows, spos][:, None])
+    return run(model, ids, patches, capture=capture, stop=bool(capture), resume=resume,
+               position_ids=repeat(spos, "b -> (s b) 1", s=s))
 
 
 def _frozen_patches(model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor,
