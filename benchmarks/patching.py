@@ -173,7 +173,8 @@ def main() -> None:
     ap.add_argument("--sender-every", type=int, default=1,
                     help="path patch every K-th eligible sender of each step only (a busy machine)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--sections", default="steps,scan,hooks,dcm", help="comma-separated: steps, scan, hooks, dcm")
+    ap.add_argument("--sections", default="steps,baseline,scan,hooks,dcm",
+                    help="comma-separated: steps, baseline (step A on full-length runs), scan, hooks, dcm")
     ap.add_argument("--dcm-pairs", type=int, default=32, help="training pairs of the DCM epoch")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     ap.add_argument("--device", default=None)
@@ -201,7 +202,7 @@ def main() -> None:
     sections = set(args.sections.split(","))
     if "dcm" in sections:
         fig["dcm"] = dcm_epochs(model, args.dcm_pairs, line)
-    if not sections & {"steps", "scan", "hooks"}:
+    if not sections & {"steps", "baseline", "scan", "hooks"}:
         _write(args.out, fig)
         return
     receivers, exact = None, {}
@@ -225,20 +226,24 @@ def main() -> None:
         if step != "D":
             nxt_position, nxt_kind, _ = STEPS[chr(ord(step) + 1)]
             receivers = Receivers(tuple(chosen), nxt_kind, nxt_position)
-    full = dataclasses.replace(batch, clean_kv=None)
     senders_a = eligible_senders(model, None)[::args.sender_every]
-    old, secs, plain, mb = timed(lambda: path_patch(model, full, senders_a, "last", None, 8, progress=False), model, ids)
-    fig["step_A_full_runs"] = {"per_sender": secs / len(senders_a) / plain, "plain_s": plain, "peak_mb": mb,
-                               "max_abs_diff_to_suffix": max(abs(old[h] - exact["A"][h]) for h in senders_a)}
-    line("step A with full-length runs (resume only, 8 per pass)", secs / len(senders_a) / plain, mb,
-         f"max |diff| to suffix runs {fig['step_A_full_runs']['max_abs_diff_to_suffix']:.1e}")
-    result, secs, plain, mb = timed(lambda: scan(model, batch.clean_ids, batch.source_ids, batch.answer_ids, "z",
-                                                 "last", per_pass=spp), model, ids)
-    n_heads = shape.n_layers * shape.n_heads
-    fig["z_scan_last"] = {"heads": n_heads, "seconds": secs, "plain_s": plain, "per_head": secs / n_heads / plain,
-                          "peak_mb": mb}
-    line(f"z scan at last ({n_heads} heads)", secs / n_heads / plain, mb)
-    if not args.no_hooks:
+    if "baseline" in sections:
+        full = dataclasses.replace(batch, clean_kv=None)
+        old, secs, plain, mb = timed(lambda: path_patch(model, full, senders_a, "last", None, 8, progress=False),
+                                     model, ids)
+        diff = max(abs(old[h] - exact["A"][h]) for h in senders_a)
+        fig["step_A_full_runs"] = {"per_sender": secs / len(senders_a) / plain, "plain_s": plain, "peak_mb": mb,
+                                   "max_abs_diff_to_suffix": diff}
+        line("step A with full-length runs (resume only, 8 per pass)", secs / len(senders_a) / plain, mb,
+             f"max |diff| to suffix runs {diff:.1e}")
+    if sections & {"scan", "hooks"}:
+        result, secs, plain, mb = timed(lambda: scan(model, batch.clean_ids, batch.source_ids, batch.answer_ids, "z",
+                                                     "last", per_pass=spp), model, ids)
+        n_heads = shape.n_layers * shape.n_heads
+        fig["z_scan_last"] = {"heads": n_heads, "seconds": secs, "plain_s": plain, "per_head": secs / n_heads / plain,
+                              "peak_mb": mb}
+        line(f"z scan at last ({n_heads} heads)", secs / n_heads / plain, mb)
+    if "hooks" in sections and not args.no_hooks:
         sample = senders_a[::args.hook_every]
         ref, secs, plain, mb = timed(lambda: hooks_step_a(model, batch, sample), model, ids)
         diff = max(abs(ref[h] - exact["A"][h]) for h in sample)
