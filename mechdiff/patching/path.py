@@ -14,10 +14,13 @@ receivers (step A: senders -> logits) the frozen run's own logits are read.
 
 Freezing is applied from the earliest sender position on: positions before it cannot see
 the sender (causal attention), so they equal the clean run already. Both runs compute only what
-the patch can change: positions from the earliest sender (frozen run) or receiver (receiver run)
-position on, reading earlier positions' keys and values from the clean run's cache (a suffix
-run, :class:`~mechdiff.patching.core.Prefix`), and blocks from the lowest sender or receiver
-layer on, resumed from the clean residual stream (:class:`~mechdiff.patching.core.Resume`).
+the patch can change, from the lowest sender or receiver layer on (resumed from the clean residual
+stream, :class:`~mechdiff.patching.core.Resume`). With every head's z frozen, the frozen run's
+residual stream differs from the clean one only at the sender position, so where the receivers
+sit there (or the logits are read there) the frozen run computes that one position per example;
+otherwise positions from the earliest sender on. The receiver run computes the positions from
+the earliest receiver position on. Earlier positions' keys and values come from the clean run's
+cache (a suffix run, :class:`~mechdiff.patching.core.Prefix`).
 Senders are copies of the batch stacked along the batch dimension (``senders_per_pass`` at a
 time), each copy's sender written by one indexed assignment (no per-head loop). Under grouped-query
 attention V (and K) belongs to a KV group: patching a receiver's V patches its whole group
