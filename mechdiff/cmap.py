@@ -261,13 +261,14 @@ def _base_scores(base: LoadedModel, ids: torch.Tensor, answer: torch.Tensor, cap
     out = {}
     randoms = randoms or {}
     # Patched runs resume at their scope's first layer from the plain run's residual (exact: nothing
-    # earlier is patched), skipping the blocks before it.
+    # earlier is patched), skipping the blocks before it, and compute only the positions from the first
+    # patched one on, reading earlier keys and values from the plain run (suffix runs).
     first = {scope: min(h.layer for h, _ in pairs) for scope, pairs in all_scopes.items()}
     start = min(first.values())
     z_sites = [("z", layer) for layer in range(start, base.shape.n_layers)] if isolate else []
     with torch.no_grad():
         plain = run(base, ids, capture=[("resid", layer - 1) for layer in sorted(set(first.values()) - {0})]
-                    + z_sites)
+                    + z_sites, keep_kv=True)
         base_z = {layer: plain.captured[("z", layer)] for _, layer in z_sites}
         out["base"] = _score(plain.logits, answer)
 
@@ -277,7 +278,7 @@ def _base_scores(base: LoadedModel, ids: torch.Tensor, answer: torch.Tensor, cap
             patches = cmap_patches(base, pairs, kind, captured, positions, ids.shape[1])
             if isolate:
                 patches += isolation_patches(base, pairs, kind, base_z, positions, ids.shape[1])
-            return _score(run(base, ids, patches, resume=resume).logits, answer)
+            return _score(run(base, ids, patches, resume=resume, prefix=plain.kv).logits, answer)
 
         for scope, pairs in all_scopes.items():
             for kind in kinds:

@@ -42,7 +42,7 @@ from .circuits.circuit import Circuit
 from .components import Head, all_heads
 from .evaluate import batches
 from .models.loading import LoadedModel
-from .patching.core import Patch, Resume, run
+from .patching.core import Patch, Prefix, Resume, run
 from .stats import Estimate, bootstrap, pooled_proportion, proportion
 from .tasks.base import PairRecord, get_task, pair_batch_tensors
 
@@ -197,14 +197,17 @@ class PairCache:
     Per pair: the source run's z at each ``(layer, position)`` a group patches; the base run's
     residual stream entering each group's first layer, so that patched runs resume there and
     skip the blocks before (:class:`~mechdiff.patching.core.Resume`; exact, since nothing
-    before that layer is patched); and whether the unpatched base already gives the target
-    (the floor). Training, validation, test and the random baseline all read from it.
+    before that layer is patched); the base run's keys and values, so that patched runs (and DCM's
+    backward passes) compute only the positions from the patched one on (suffix runs); and whether
+    the unpatched base already gives the target (the floor). Training, validation, test and the
+    random baseline all read from it.
     """
 
     pairs: list[PairRecord]
     source: dict[tuple[int, str], torch.Tensor]  # (layer, position) -> "pair (head d_head)"
     prefix: dict[int, torch.Tensor]  # layer -> "pair pos d_model": the residual entering that layer
     floor: np.ndarray  # bool per pair: target is the unpatched base's top-1
+    kv: Optional[Prefix] = None  # the base run's keys and values ("pair kv_head pos d_head" per layer): suffix runs
 
     @classmethod
     def build(cls, model: LoadedModel, pairs: Sequence[PairRecord],
@@ -216,7 +219,7 @@ class PairCache:
         starts = sorted({min(h.layer for h in heads) for heads, _ in groups if heads} - {0})
         source: dict = {site: [] for site in sites}
         prefix: dict = {layer: [] for layer in starts}
-        floor = []
+        floor, keys, values = [], [], []
         for rows in tqdm(batches(len(pairs), batch_size), desc="dcm cache", disable=not progress, leave=False):
             batch = pair_batch_tensors(pairs[rows])
             for position in sorted({pos for _, pos in sites}):
@@ -224,12 +227,16 @@ class PairCache:
                 for layer, z in source_z(model, batch, layers, position).items():
                     source[(layer, position)].append(z.cpu())
             with torch.no_grad():
-                out = run(model, batch["base"]["input_ids"], capture=[("resid", layer - 1) for layer in starts])
+                out = run(model, batch["base"]["input_ids"], capture=[("resid", layer - 1) for layer in starts],
+                          keep_kv=True)
             for layer in starts:
                 prefix[layer].append(out.captured[("resid", layer - 1)].detach().cpu())
             floor.append((out.logits.argmax(-1).cpu() == batch["target_ids"]).numpy())
+            keys.append([k.cpu() for k in out.kv.keys])
+            values.append([v.cpu() for v in out.kv.values])
+        kv = Prefix([torch.cat(ks) for ks in zip(*keys)], [torch.cat(vs) for vs in zip(*values)]) if keys else None
         return cls(pairs, {k: torch.cat(v) for k, v in source.items()}, {k: torch.cat(v) for k, v in prefix.items()},
-                   np.concatenate(floor) if floor else np.zeros(0, dtype=bool))
+                   np.concatenate(floor) if floor else np.zeros(0, dtype=bool), kv)
 
     def logits(self, model: LoadedModel, rows: Sequence[int], heads: Sequence[Head], mask: torch.Tensor,
                position: str, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +248,8 @@ class PairCache:
         first = min(h.layer for h in heads)
         start = max((layer for layer in self.prefix if layer <= first), default=0)
         resume = Resume(start, self.prefix[start][index]) if start else None
-        out = run(model, batch["base"]["input_ids"], patches, grad=grad, resume=resume)
+        kv = None if self.kv is None else Prefix([k[index] for k in self.kv.keys], [v[index] for v in self.kv.values])
+        out = run(model, batch["base"]["input_ids"], patches, grad=grad, resume=resume, prefix=kv)
         return out.logits, batch["target_ids"].to(out.logits.device)
 
     def accuracy(self, model: LoadedModel, rows: Sequence[int], patched: Sequence[Head], position: str,

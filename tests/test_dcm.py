@@ -239,3 +239,29 @@ def test_pair_cache_matches_uncached_patching(tiny_llama, pairs):
             (plain.logits.argmax(-1) == batch["target_ids"]).numpy()).all()
     unpatched = run(tiny_llama, batch["base"]["input_ids"]).logits.argmax(-1) == batch["target_ids"]
     assert (cache.floor == unpatched.numpy()).all()
+
+
+def test_pair_cache_suffix_gradients_equal_full_runs(tiny_llama, pairs):
+    """DCM's training pass on the cache (resumed, only the positions from the patched one on, over the base
+    run's keys/values) gives the full run's logits and the same gradient on the mask."""
+    from mechdiff.dcm import PairCache
+
+    subset, heads = pairs[:6], [Head(1, 0), Head(2, 3)]
+    cache = PairCache.build(tiny_llama, subset, [(heads, "query_label")], batch_size=3)
+    assert cache.kv is not None and cache.kv.batch == 6
+    batch = pair_batch_tensors(subset)
+    values = source_z(tiny_llama, batch, [1, 2], "query_label")
+    weights = torch.randn(6, tiny_llama.shape.vocab_size, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for full in (False, True):
+        mask = torch.full((2,), 0.3, requires_grad=True)
+        if full:
+            out = run(tiny_llama, batch["base"]["input_ids"], masked_z_patches(
+                tiny_llama, heads, mask, values, batch["base"]["positions"]["query_label"]), grad=True).logits
+        else:
+            out, _ = cache.logits(tiny_llama, range(6), heads, mask, "query_label", grad=True)
+        (out * weights).sum().backward()
+        grads.append((out.detach(), mask.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-6)
+    assert grads[1][1][0].abs() > 1e-4  # L1H0 reaches the last position through layer 2

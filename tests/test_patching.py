@@ -95,3 +95,16 @@ def test_resume_skips_early_blocks_exactly(tiny_model, pair_batch):
     assert mask.grad is not None and mask.grad.abs().item() > 0
     with pytest.raises(ValueError, match="before the resumed layer"):
         run(tiny_model, ids, [Patch("z", 1, src)], resume=Resume(2, hidden))
+
+
+def test_suffix_activation_patch_equals_full(tiny_model, pair_batch):
+    """With the clean run's key/value prefix, patching at one position per example computes only the
+    positions from it on and gives the full run's logits."""
+    clean, source = pair_batch["base"]["input_ids"], pair_batch["source"]["input_ids"]
+    pos = pair_batch["base"]["positions"]["query_label"]
+    heads = [Head(1, 1), Head(1, 3), Head(2, 0), "EMB"]
+    prefix = run(tiny_model, clean, keep_kv=True).kv
+    full = activation_patch(tiny_model, clean, source, heads, pos)
+    suffix = activation_patch(tiny_model, clean, source, heads, pos, prefix=prefix)
+    assert (suffix - full).abs().max() <= 1e-4
+    assert (full - _logits(tiny_model, clean)).abs().max() > 1e-3

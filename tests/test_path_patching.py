@@ -150,18 +150,45 @@ def test_discover_writes_a_circuit(tiny_llama, pairs, tmp_path):
     assert loaded.groups == circuit.groups and loaded.meta["settings"]["screen_multiple"] == 2
 
 
-def test_resumed_runs_equal_full_runs(tiny_llama, pairs):
-    """Resuming at the lowest sender/receiver layer gives the scores of full runs, also where a
-    sender sits above one receiver (the frozen run then starts at that receiver)."""
+@pytest.mark.parametrize("position,kind", [("last", "q"), ("query_label", "v"), ("query_label_context", "v")])
+def test_resumed_suffix_runs_equal_full_runs(tiny_model, pairs, position, kind):
+    """Resuming at the lowest sender/receiver layer and running only the positions from the earliest
+    sender/receiver on (suffix runs over the clean key/value cache) gives the scores of full runs, also
+    where a sender sits above one receiver (the frozen run then starts at that receiver)."""
     import dataclasses
 
-    batch = prepare(tiny_llama, pairs)
-    full = dataclasses.replace(batch, clean_resid=None)
-    receivers = Receivers((Head(1, 0), Head(2, 1)), "q", "last")
-    senders = [Head(0, 2), Head(1, 3)]
-    for recv in (receivers, None):
-        resumed = path_patch(tiny_llama, batch, senders, "last", recv, progress=False)
-        plain = path_patch(tiny_llama, full, senders, "last", recv, progress=False)
-        for s in senders:
-            assert resumed[s] == pytest.approx(plain[s], rel=1e-4, abs=1e-7)
-        assert any(abs(v) > 1e-6 for v in plain.values())  # not vacuous
+    batch = prepare(tiny_model, pairs)
+    assert batch.clean_kv is not None and batch.clean_resid
+    g = torch.Generator().manual_seed(0)  # a source far from clean at every position: large scores
+    batch.source_z = {l: z + torch.randn(z.shape, generator=g) for l, z in batch.source_z.items()}
+    only_resume = dataclasses.replace(batch, clean_kv=None)
+    full = dataclasses.replace(batch, clean_resid=None, clean_kv=None)
+    receivers = Receivers((Head(1, 0), Head(2, 1)), kind, position)
+    senders = [Head(0, 2), Head(1, 3), Head(0, 0)]
+    moved = 0.0
+    for recv in (receivers, None) if position == "last" else (receivers,):  # step A reads the last position
+        plain = path_patch(tiny_model, full, senders, position, recv, senders_per_pass=2, progress=False)
+        for fast in (batch, only_resume):
+            got = path_patch(tiny_model, fast, senders, position, recv, senders_per_pass=2, progress=False)
+            for s in senders:
+                if recv is None or s.layer < recv.max_layer:
+                    assert got[s] == pytest.approx(plain[s], rel=1e-4, abs=1e-6)
+        moved = max(moved, *map(abs, plain.values()))
+    assert moved > 3e-5  # not vacuous: well above the tolerance
+
+
+def test_discovery_is_exact_by_default(tiny_llama, pairs):
+    """Without options every eligible sender is path patched exactly (no attribution screen), in the
+    library, the command and the study's task file."""
+    from mechdiff.cli import build_parser
+    from mechdiff.tasks.spec import default_spec, load_spec
+
+    assert DiscoverySettings().screen is False
+    assert build_parser().parse_args(["circuit"]).screen is False
+    assert build_parser().parse_args(["circuit", "--screen"]).screen is True
+    assert default_spec().discovery.screen is False and load_spec("tasks/entity_tracking.toml").discovery.screen is False
+    circuit, results = discover(tiny_llama, pairs, DiscoverySettings(k={"A": 2, "B": 1, "C": 0, "D": 0}, n_prompts=5,
+                                                                     n_boxes=3), progress=False)
+    assert set(results["A"].exact) == set(eligible_senders(tiny_llama, None)) and not results["A"].attribution
+    assert set(results["B"].exact) == set(eligible_senders(tiny_llama, results["B"].receivers))
+    assert "exact, all senders" in circuit.meta["method"]

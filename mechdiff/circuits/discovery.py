@@ -12,9 +12,10 @@ al. 2024): A value fetcher, B position transmitter, C position detector, D struc
 Positions are the dataset's position records; a task's own plan names its own steps and positions. Only heads in layers below the deepest
 receiver are tested. A head is selected by the largest *drop* in answer probability
 (most negative score), top ``k`` per step; a head may be selected in several steps.
-With ``screen=True`` every eligible sender is first ranked by attribution
-(:mod:`mechdiff.patching.attribution`) and only the ``screen_multiple * k`` most negative
-are path patched exactly.
+By default every eligible sender is path patched exactly (suffix runs over the clean key/value
+cache make each a small fraction of a forward pass). With ``screen=True`` (for large models)
+every eligible sender is first ranked by attribution (:mod:`mechdiff.patching.attribution`)
+and only the ``screen_multiple * k`` most negative are path patched exactly.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class DiscoverySettings:
     """Everything that decides a discovery run; recorded in the circuit's meta."""
 
     k: dict[str, int] = field(default_factory=dict)  # step -> heads kept, overriding the plan's k
-    screen: bool = True
+    screen: bool = False  # True: attribution screen, then exact path patching of the shortlist
     screen_multiple: float = 2.0
     senders_per_pass: int = 8
     n_prompts: int = 16

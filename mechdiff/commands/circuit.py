@@ -44,7 +44,7 @@ def task_plan(task: Task, path: str | None) -> Plan:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("circuit", help="discover a task's circuit by path patching, as its plan says")
+    p = sub.add_parser("circuit", help="discover a task's circuit by exact path patching, as its plan says")
     p.add_argument("--model", default="smollm2-135m", help="registry name or path")
     add_task_option(p)
     p.add_argument("--plan", default=None, help="discovery plan TOML (default: the task's plan)")
@@ -53,9 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-k", default="", help="heads kept per step, overriding the plan's k, e.g. A=10,B=4,C=6,D=3")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--screen", dest="screen", action="store_true", default=True,
-                      help="attribution screen, then exact path patching of the shortlist (default)")
-    mode.add_argument("--exact", dest="screen", action="store_false", help="exact path patching of every sender")
+    mode.add_argument("--exact", dest="screen", action="store_false", default=False,
+                      help="exact path patching of every sender (default)")
+    mode.add_argument("--screen", dest="screen", action="store_true",
+                      help="attribution screen, then exact path patching of the shortlist (for large models)")
     p.add_argument("--screen-multiple", type=float, default=DiscoverySettings.screen_multiple,
                    help="path patch this many times k of the best-screened senders")
     p.add_argument("--senders-per-pass", type=int, default=DiscoverySettings.senders_per_pass,

@@ -1,5 +1,5 @@
-"""Interventions on nnsight: activation patching, path patching, attribution screening."""
+"""Interventions on nnsight: activation patching, path patching, patching scans, attribution screening."""
 
-from .core import Patch, Run, head_patch, run
+from .core import Patch, Prefix, Resume, Run, head_patch, run
 
-__all__ = ["Patch", "Run", "head_patch", "run"]
+__all__ = ["Patch", "Prefix", "Resume", "Run", "head_patch", "run"]

@@ -16,7 +16,7 @@ import torch
 from ..components import Component, Head
 from ..models.loading import LoadedModel
 from ..models.remote import keep
-from .core import EMB_LAYER, Patch, run
+from .core import EMB_LAYER, Patch, Prefix, run
 
 
 def _sites(components: Iterable[Component]) -> list[tuple[str, int]]:
@@ -71,17 +71,20 @@ def _patch(value: torch.Tensor, kind: str, layer: int, mask: Optional[torch.Tens
 def activation_patch(
     model: LoadedModel, clean_ids: torch.Tensor, source_ids: torch.Tensor,
     components: Sequence[Component], positions: Optional[torch.Tensor] = None,
-    source: Optional[dict] = None,
+    source: Optional[dict] = None, prefix: Optional[Prefix] = None,
 ) -> torch.Tensor:
     """Last-token logits (``"batch vocab"``) of the clean run with ``components`` patched from the source run.
 
     ``source``: the source run's captured sites, if already computed (``capture_sources``).
+    ``prefix``: the clean run's keys and values (``run(model, clean_ids, keep_kv=True).kv``): with
+    ``positions``, only the positions from the earliest patched one on are computed (a suffix run).
     """
     with model.session():  # remote: the source run and the patched run in one request
         if source is None:
             source = capture_sources(model, source_ids, components)
         with torch.no_grad():
-            logits = keep(run(model, clean_ids, patches_from(model, components, source, positions)).logits)
+            patches = patches_from(model, components, source, positions)
+            logits = keep(run(model, clean_ids, patches, prefix=prefix).logits)
     return logits
 
 

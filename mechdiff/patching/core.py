@@ -5,15 +5,27 @@ Sites are ``(kind, layer)`` with kind ``z``/``q``/``k``/``v`` (see
 A :class:`Patch` overwrites some columns of one site, at one position per example
 or at every position. Patches and captures are visited in execution order
 (per layer: q, k, v, then z), as nnsight requires.
+
+Two ways to compute only what an intervention changes, combinable:
+
+- :class:`Resume` skips the blocks below the first patched layer (their residual stream is
+  the clean run's);
+- a *suffix run* (``prefix=``) computes only positions ``>= start``: causal attention leaves
+  every earlier position as in the clean run, so their keys and values are read from the
+  clean run's cache (:class:`Prefix`, kept by ``run(..., keep_kv=True)``). ``start`` is derived
+  from the patches and the read-out positions. Senders stacked along the batch (``"(copy b)"``)
+  share one prefix of batch ``b``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Sequence
 
+import nnsight
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 from ..components import Head
 from ..models.loading import LoadedModel
@@ -79,11 +91,35 @@ class Resume:
 
 
 @dataclass
+class Prefix:
+    """The keys and values of every layer from a clean run (``run(..., keep_kv=True)``), each
+    ``"batch kv_head pos d_head"`` as the attention reads them (after rotary embedding).
+
+    A suffix run (``run(..., prefix=...)``) reads positions ``< start`` from here. The prefix is
+    never written: each run builds a fresh read-only cache over these tensors (:func:`prefix_cache`),
+    so one prefix serves any number of runs, from any start, for any number of stacked copies.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def batch(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[-2]
+
+
+@dataclass
 class Run:
     """What one patched forward pass returned: logits at the read-out positions and captured sites."""
 
     logits: torch.Tensor  # "batch vocab" at each example's read-out position
-    captured: dict = field(default_factory=dict)  # (kind, layer) -> "batch pos columns"
+    captured: dict = field(default_factory=dict)  # (kind, layer) -> "batch pos columns" (positions start..)
+    start: int = 0  # first position computed: captured tensors cover positions start .. end
+    kv: Optional[Prefix] = None  # with keep_kv=True: this run's keys and values
 
 
 def head_patch(model: LoadedModel, kind: str, head: Head, value: torch.Tensor,
@@ -102,6 +138,10 @@ def run(
     grad: bool = False,
     stop: bool = False,
     resume: Optional[Resume] = None,
+    prefix: Optional[Prefix] = None,
+    start: Optional[int] = None,
+    keep_kv: bool = False,
+    position_ids: Optional[torch.Tensor] = None,
 ) -> Run:
     """One forward pass of ``model`` on ``input_ids`` with ``patches`` written and ``capture`` saved.
 
@@ -109,30 +149,59 @@ def run(
     Captured tensors are cloned after this run's patches at that site. With ``grad=True``
     the captured tensors stay in the autograd graph (see the attribution screen).
     ``stop=True`` halts the model after the last patched/captured site (``logits`` is then ``None``).
-    ``resume`` skips the blocks before ``resume.layer`` (see :class:`Resume`).
+    ``resume`` skips the blocks before ``resume.layer`` (see :class:`Resume`); its ``hidden`` may
+    cover every position or only the suffix, and batch ``b`` or the stacked ``copies * b``.
+    ``prefix``: the clean run's keys and values (:class:`Prefix`) of the same prompts (batch ``b``;
+    ``input_ids`` may stack copies of them, ``"(copy b) pos"``): only positions ``>= start`` are
+    computed, ``start`` defaulting to the first position any patch writes or the read-out reads
+    (:func:`suffix_start`; an earlier ``start`` is allowed, a later one refused; without ``prefix``
+    every position is computed and ``start`` is ignored). Positions in patches and ``readout`` stay absolute; captured tensors
+    cover positions ``start ..`` (``Run.start``). ``keep_kv=True`` returns this run's keys and
+    values as ``Run.kv`` (a full run: no prefix, resume or stop). ``position_ids`` (``"batch pos"``,
+    without ``prefix``) places the tokens at other positions, e.g. one token per example at its own.
+    With ``attention_mask`` (``"batch pos"`` over every position) a padded row counts its positions
+    from its first real token, in full and suffix runs alike.
     """
+    patches = list(patches)
+    if keep_kv and (prefix is not None or resume is not None or stop):
+        raise ValueError("keep_kv needs a full run: no prefix, resume or stop")
+    length = input_ids.shape[1]
+    if prefix is not None:
+        first = suffix_start(patches, readout, length)
+        start = first if start is None else start
+        if not 0 <= start <= first:
+            raise ValueError(f"start {start} lies after the first patched or read-out position {first}")
+        if prefix.length < start:
+            raise ValueError(f"the prefix holds {prefix.length} positions, fewer than start {start}")
+    else:
+        start = 0
     by_site: dict[tuple[str, int], list[Patch]] = defaultdict(list)
     for p in patches:
-        by_site[(p.kind, p.layer)].append(p)
+        by_site[(p.kind, p.layer)].append(_shifted(p, start))
     sites = sorted(set(by_site) | set(capture), key=lambda s: (s[1], SITE_ORDER[s[0]]))
     if resume is not None and sites and sites[0][1] < resume.layer:
         raise ValueError(f"site {sites[0]} lies before the resumed layer {resume.layer}; resume at or before "
                          "the first patched or captured layer")
     arch, nn = model.arch, model.nn
     device = model.device
-    input_ids = input_ids.to(device)
-    kwargs = {"input_ids": input_ids, "use_cache": False}
-    if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask.to(device)
+    if position_ids is not None and prefix is not None:
+        raise ValueError("position_ids are derived in a suffix run; give either position_ids or prefix")
+    kwargs = _inputs(input_ids.to(device), attention_mask, prefix, start, device)
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids.to(device)
+    if keep_kv:  # full-attention cache layers: a sliding-window layer would keep only its window
+        kwargs.update(use_cache=True, cache=Cache(layers=[DynamicLayer() for _ in range(model.shape.n_layers)]))
     if readout is None:
         kwargs["logits_to_keep"] = 1
+    else:
+        readout = readout - start
     captured: dict = {}
     with torch.set_grad_enabled(grad):
         out = None
         with model.trace(**kwargs) as tracer:  # on NDIF when the model is remote (see models.remote)
             fused_seen: dict[int, torch.Tensor] = {}
             if resume is not None:
-                hidden = resume.hidden.to(device)
+                hidden = _suffix_hidden(resume.hidden, input_ids.shape[0], length, start).to(device)
                 for layer in range(resume.layer):
                     arch.block(nn, layer).skip(hidden)
             for kind, layer in sites:
@@ -151,7 +220,109 @@ def run(
                 out = logits[torch.arange(logits.shape[0], device=logits.device), readout.to(logits.device)]
             out = out.save()
             captured = captured.save() if hasattr(captured, "save") else captured
-    return Run(out, captured)
+            if keep_kv:
+                keys, values = _kept_kv(nn.output)
+    return Run(out, captured, start, Prefix(keys, values) if keep_kv else None)
+
+
+def suffix_start(patches: Sequence[Patch], readout: Optional[torch.Tensor], length: int) -> int:
+    """The first position a run must compute: the earliest position a patch writes or ``readout`` reads
+    (the last position when ``readout`` is ``None``); 0 if a patch writes every position."""
+    first = length - 1 if readout is None else int(readout.min())
+    for p in patches:
+        if p.positions is None:
+            return 0
+        at = (p.positions.start or 0) if isinstance(p.positions, slice) else int(p.positions.min())
+        first = min(first, at if at >= 0 else at + length)
+    return first
+
+
+def _shifted(patch: Patch, start: int) -> Patch:
+    """``patch`` with its positions counted from ``start`` (the first position of a suffix run)."""
+    if start == 0:
+        return patch
+    pos = patch.positions
+    if pos is None:
+        raise ValueError(f"a patch of every position ({patch.kind}, {patch.layer}) needs start=0")
+    if isinstance(pos, slice):
+        if pos.step not in (None, 1) or (pos.start or 0) < start:
+            raise ValueError(f"patch slice {pos} of ({patch.kind}, {patch.layer}) starts before position {start}")
+        return replace(patch, positions=slice(pos.start - start, None if pos.stop is None else pos.stop - start))
+    return replace(patch, positions=pos - start)
+
+
+def _inputs(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], prefix: Optional[Prefix], start: int,
+            device: torch.device) -> dict:
+    """The model's keyword arguments: a full run, or a suffix run from ``start`` over ``prefix``."""
+    kwargs: dict = {"input_ids": input_ids[:, start:], "use_cache": start > 0}
+    position_ids = None
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+        kwargs["attention_mask"] = attention_mask
+        if not bool(attention_mask.all()):  # padded rows count from their first real token
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if start > 0:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=device)[None]
+        kwargs["cache"] = prefix_cache(prefix, start)
+        # A mask over prefix and suffix: nnsight's remote wrapper would otherwise make one of the suffix's width.
+        kwargs.setdefault("attention_mask", torch.ones_like(input_ids))
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids[:, start:]
+    return kwargs
+
+
+def _suffix_hidden(hidden: torch.Tensor, batch: int, length: int, start: int) -> torch.Tensor:
+    """A resumed residual stream cut to the suffix and stacked to ``batch`` rows."""
+    if hidden.shape[1] == length and start > 0:
+        hidden = hidden[:, start:]
+    elif hidden.shape[1] != length - start:
+        raise ValueError(f"resume.hidden covers {hidden.shape[1]} positions; expected {length} or the suffix's "
+                         f"{length - start}")
+    if hidden.shape[0] != batch:
+        if batch % hidden.shape[0]:
+            raise ValueError(f"resume.hidden has batch {hidden.shape[0]}, which does not divide {batch}")
+        hidden = hidden.repeat(batch // hidden.shape[0], 1, 1)
+    return hidden
+
+
+def _kept_kv(output) -> tuple[list, list]:
+    """Keys and values of every layer from a model output's cache (``cache``, or ``past_key_values``)."""
+    cache = getattr(output, "cache", None)
+    if cache is None:
+        cache = output.past_key_values
+    keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    return nnsight.save(keys), nnsight.save(values)
+
+
+def prefix_cache(prefix: Prefix, start: int):
+    """A transformers ``Cache`` over ``prefix``'s positions ``< start`` that is read, never written: each
+    layer's ``update`` returns prefix + new keys/values (the prefix repeated over stacked copies)."""
+    return Cache(layers=[_PrefixLayer(k[..., :start, :], v[..., :start, :])
+                         for k, v in zip(prefix.keys, prefix.values)])
+
+
+class _PrefixLayer(DynamicLayer):
+    """A cache layer holding a fixed prefix: ``update`` joins it to the new keys/values and stores nothing."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return _join(self.keys, key_states), _join(self.values, value_states)
+
+
+def _join(prefix: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``"b h p d"`` prefix + ``"(copy b) h q d"`` new -> ``"(copy b) h (p+q) d"``, one allocation."""
+    n, p = prefix.shape[0], prefix.shape[-2]
+    b, h, q, d = new.shape
+    if b % n:
+        raise ValueError(f"a suffix run of batch {b} cannot stack a prefix of batch {n}")
+    out = new.new_empty(b, h, p + q, d)
+    out.view(b // n, n, h, p + q, d)[..., :p, :] = prefix.to(new.dtype)
+    out[..., p:, :] = new
+    return out
 
 
 def _site(arch, nn, kind: str, layer: int, fused_seen: dict) -> torch.Tensor:

@@ -13,11 +13,16 @@ batch (a ratio of means: stable where one prompt's clean probability is tiny). W
 receivers (step A: senders -> logits) the frozen run's own logits are read.
 
 Freezing is applied from the earliest sender position on: positions before it cannot see
-the sender (causal attention), so they equal the clean run already. Likewise the blocks below
-the lowest sender (frozen run) or receiver (receiver run) equal the clean run: both runs resume
-there from the clean residual stream (:class:`~mechdiff.patching.core.Resume`) instead of
-recomputing them. Senders are copies of the
-batch stacked along the batch dimension (``senders_per_pass`` at a time). Under grouped-query
+the sender (causal attention), so they equal the clean run already. Both runs compute only what
+the patch can change, from the lowest sender or receiver layer on (resumed from the clean residual
+stream, :class:`~mechdiff.patching.core.Resume`). With every head's z frozen, the frozen run's
+residual stream differs from the clean one only at the sender position, so where the receivers
+sit there (or the logits are read there) the frozen run computes that one position per example;
+otherwise positions from the earliest sender on. The receiver run computes the positions from
+the earliest receiver position on. Earlier positions' keys and values come from the clean run's
+cache (a suffix run, :class:`~mechdiff.patching.core.Prefix`).
+Senders are copies of the batch stacked along the batch dimension (``senders_per_pass`` at a
+time), each copy's sender written by one indexed assignment (no per-head loop). Under grouped-query
 attention V (and K) belongs to a KV group: patching a receiver's V patches its whole group
 (all query heads that share it); :func:`receiver_sites` merges receivers of one group.
 """
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-from einops import repeat
+from einops import rearrange, repeat
 from tqdm.auto import tqdm
 
 from ..components import Head
@@ -37,7 +42,7 @@ from ..models.loading import LoadedModel
 from ..models.remote import keep
 from ..tasks.base import PairRecord, pair_batch_tensors
 from .activation import answer_prob
-from .core import Patch, Resume, run
+from .core import Patch, Prefix, Resume, run
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class PairBatch:
     source_z: dict[int, torch.Tensor]
     clean_logits: torch.Tensor  # "batch vocab" at the last token
     clean_resid: Optional[dict[int, torch.Tensor]] = None  # layer -> "batch pos d_model" after that block (for Resume)
+    clean_kv: Optional[Prefix] = None  # the clean run's keys and values (for suffix runs); None: full runs
 
     @property
     def p_clean(self) -> torch.Tensor:
@@ -72,14 +78,15 @@ def prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> PairBatch:
     clean_ids, source_ids = tensors["base"]["input_ids"], tensors["source"]["input_ids"]
     with torch.no_grad():
         with model.session():  # remote: both runs in one request
-            clean = run(model, clean_ids, capture=sites + resid)
+            clean = run(model, clean_ids, capture=sites + resid, keep_kv=True)
             source = run(model, source_ids, capture=sites)
             clean_z = keep({l: clean.captured[("z", l)] for l in layers})
             source_z = keep({l: source.captured[("z", l)] for l in layers})
             clean_logits = keep(clean.logits)
             clean_resid = keep({l: clean.captured[("resid", l)] for _, l in resid})
+            keys, values = keep(clean.kv.keys), keep(clean.kv.values)
     return PairBatch(clean_ids, source_ids, tensors["target_ids"], tensors["base"]["positions"], clean_z, source_z,
-                     clean_logits, clean_resid)
+                     clean_logits, clean_resid, Prefix(list(keys), list(values)))
 
 
 @dataclass(frozen=True)
@@ -152,44 +159,88 @@ def _patched_prob(model: LoadedModel, batch: PairBatch, senders: list[Head], sen
     if receivers is not None and any(h.layer >= receivers.max_layer for h in senders):
         raise ValueError(f"senders must lie below the deepest receiver layer {receivers.max_layer}")
     top = model.shape.n_layers if receivers is None else receivers.max_layer
-    start = int(spos.min())
-    # The frozen run starts at the lowest sender, or lower where it must capture a receiver there.
+    rpos = None if receivers is None else _position(batch, receivers.position)
+    # The frozen run starts at the earliest sender position (or receiver position, where it must capture a
+    # receiver before it) and at the lowest sender layer (or receiver layer, likewise).
+    start = int(spos.min()) if rpos is None else min(int(spos.min()), int(rpos.min()))
     first = min([h.layer for h in senders] + ([h.layer for h in receivers.heads] if receivers else []))
-    patches = [_frozen_patch(model, batch, senders, spos, layer, start) for layer in range(first, top)]
     ids = repeat(batch.clean_ids, "b p -> (s b) p", s=s)
+    suffix = {"prefix": batch.clean_kv} if batch.clean_kv is not None else {}
+    read_at = spos.new_full(spos.shape, batch.clean_ids.shape[1] - 1) if rpos is None else rpos
+    point = batch.clean_kv is not None and torch.equal(spos, read_at)
     with torch.no_grad():
         if receivers is None:
-            logits = run(model, ids, patches, resume=_resume(batch, first, s)).logits
+            if point:
+                logits = _frozen_point_run(model, batch, senders, spos, range(first, top), first).logits
+            else:
+                patches = _frozen_patches(model, batch, senders, spos, range(first, top), start)
+                logits = run(model, ids, patches, resume=_resume(batch, first), start=start, **suffix).logits
         else:
             sites = receiver_sites(model, receivers)
-            rpos = repeat(_position(batch, receivers.position), "b -> (s b)", s=s)
-            frozen = run(model, ids, patches, capture=[(receivers.kind, l) for l in sorted({l for l, _ in sites})],
-                         stop=True, resume=_resume(batch, first, s))
+            capture = [(receivers.kind, l) for l in sorted({l for l, _ in sites})]
+            if point:
+                frozen = _frozen_point_run(model, batch, senders, spos, range(first, top), first, capture)
+                at = torch.zeros(n * s, dtype=torch.long)
+            else:
+                patches = _frozen_patches(model, batch, senders, spos, range(first, top), start)
+                frozen = run(model, ids, patches, capture=capture, stop=True, resume=_resume(batch, first),
+                             start=start, **suffix)
+                at = repeat(rpos, "b -> (s b)", s=s) - frozen.start
             rows = torch.arange(n * s)
-            writes = [Patch(receivers.kind, layer, frozen.captured[(receivers.kind, layer)][rows, rpos, cols],
+            rpos = repeat(rpos, "b -> (s b)", s=s)
+            writes = [Patch(receivers.kind, layer, frozen.captured[(receivers.kind, layer)][rows, at, cols],
                             rpos, cols) for layer, cols in sites]
-            logits = run(model, ids, writes, resume=_resume(batch, min(l for l, _ in sites), s)).logits
+            logits = run(model, ids, writes, resume=_resume(batch, min(l for l, _ in sites)), **suffix).logits
     return answer_prob(logits, repeat(batch.answer_ids, "b -> (s b)", s=s)).reshape(s, n)
 
 
-def _resume(batch: PairBatch, layer: int, copies: int) -> Optional[Resume]:
-    """Start at ``layer`` from the clean residual stream, repeated for ``copies`` stacked copies of the batch."""
+def _resume(batch: PairBatch, layer: int) -> Optional[Resume]:
+    """Start at ``layer`` from the clean residual stream (the driver cuts it to the suffix and stacks the copies)."""
     if layer == 0 or not batch.clean_resid:
         return None
-    return Resume(layer, repeat(batch.clean_resid[layer - 1], "b p d -> (s b) p d", s=copies))
+    return Resume(layer, batch.clean_resid[layer - 1])
 
 
-def _frozen_patch(model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor,
-                  layer: int, start: int) -> Patch:
-    """Layer ``layer``'s z for every sender copy: clean from ``start`` on, the copy's sender from the source."""
-    n, d = len(batch), model.shape.d_head
-    value = repeat(batch.clean_z[layer][:, start:], "b p c -> (s b) p c", s=len(senders)).clone()
+def _frozen_point_run(model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor, layers: range,
+                      first: int, capture: Sequence[tuple[str, int]] = ()):
+    """The frozen run at the sender position alone, one token per example: with every head's z frozen to
+    the clean run's, the residual stream differs from the clean one only at the sender position, so
+    that position (read out, or holding the receivers) is all that must be computed. Exact; attention
+    there is overwritten, so no key/value prefix is read."""
+    n, s, h = len(batch), len(senders), model.shape.n_heads
     rows = torch.arange(n)
-    for i, h in enumerate(senders):
-        if h.layer == layer:
-            cols = slice(h.head * d, (h.head + 1) * d)
-            value[i * n + rows, spos - start, cols] = batch.source_z[layer][rows, spos, cols]
-    return Patch("z", layer, value, slice(start, None))
+    patches = []
+    for layer in layers:
+        value = repeat(batch.clean_z[layer][rows, spos], "b c -> (s b) 1 c", s=s).clone()
+        copies = torch.tensor([i for i, x in enumerate(senders) if x.layer == layer], dtype=torch.long)
+        if len(copies):
+            heads = torch.tensor([senders[i].head for i in copies.tolist()], dtype=torch.long)
+            view = rearrange(value, "(s b) 1 (h d) -> s b h d", s=s, h=h)
+            source = rearrange(batch.source_z[layer][rows, spos], "b (h d) -> b h d", h=h)
+            view[copies[:, None], rows[None], heads[:, None]] = source[:, heads].transpose(0, 1)
+        patches.append(Patch("z", layer, value))
+    ids = repeat(batch.clean_ids[rows, spos], "b -> (s b) 1", s=s)
+    resume = None if first == 0 else Resume(first, batch.clean_resid[first - 1][rows, spos][:, None])
+    return run(model, ids, patches, capture=capture, stop=bool(capture), resume=resume,
+               position_ids=repeat(spos, "b -> (s b) 1", s=s))
+
+
+def _frozen_patches(model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor,
+                    layers: range, start: int) -> list[Patch]:
+    """Each layer's z for every sender copy: clean from ``start`` on, the copy's sender slice from the source."""
+    n, h = len(batch), model.shape.n_heads
+    rows = torch.arange(n)
+    patches = []
+    for layer in layers:
+        value = repeat(batch.clean_z[layer][:, start:], "b p c -> (s b) p c", s=len(senders)).clone()
+        copies = torch.tensor([i for i, x in enumerate(senders) if x.layer == layer], dtype=torch.long)
+        if len(copies):
+            heads = torch.tensor([senders[i].head for i in copies.tolist()], dtype=torch.long)
+            view = rearrange(value, "(s b) p (h d) -> s b p h d", s=len(senders), h=h)  # a view: writes land in value
+            source = rearrange(batch.source_z[layer][rows, spos], "b (h d) -> b h d", h=h)
+            view[copies[:, None], rows[None], (spos - start)[None], heads[:, None]] = source[:, heads].transpose(0, 1)
+        patches.append(Patch("z", layer, value, slice(start, None)))
+    return patches
 
 
 def _position(batch: PairBatch, name: str) -> torch.Tensor:

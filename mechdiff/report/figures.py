@@ -58,3 +58,18 @@ def attention_pattern(pattern: np.ndarray, tokens: Sequence[str], path: str | Pa
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="attention")
     return save_figure(fig, path)
+
+
+def grid_heatmap(grid: np.ndarray, path: str | Path, title: str = "", xlabel: str = "position",
+                 ylabel: str = "layer", label: str = "effect") -> Path:
+    """A ``"row column"`` grid of effects (diverging, centred on 0), e.g. a [layer, position] patching scan."""
+    grid = np.asarray(grid, dtype=float)
+    vmax = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
+    fig, ax = plt.subplots(figsize=(max(3.0, 0.2 * grid.shape[1] + 2), max(3.0, 0.22 * grid.shape[0] + 1)))
+    im = ax.imshow(grid, cmap="RdBu", vmin=-vmax or -1, vmax=vmax or 1, aspect="auto", origin="lower",
+                   interpolation="nearest")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label=label)
+    return save_figure(fig, path)

@@ -40,7 +40,7 @@ class EvalSection:
 class DiscoverySection:
     n: int = 16
     top_k: dict[str, int] = field(default_factory=lambda: {"A": 8, "B": 3, "C": 5, "D": 3})
-    screen: bool = True
+    screen: bool = False  # exact path patching of every sender (suffix runs make it cheap)
     screen_multiple: float = 2.0
 
 

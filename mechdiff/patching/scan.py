@@ -1,0 +1,208 @@
+"""Activation-patching scans: the effect of patching each component alone, as a [layer, head] or
+[layer, position] grid (TransformerLens's patching helpers, on suffix runs).
+
+``scan(model, clean, source, answer_ids, site=..., positions=...)`` patches, one component at a
+time, the source run's activation into the clean run and measures a named metric at the last
+position. Sites:
+
+- ``z`` / ``q``: one query head's slice, at one position per example (``positions``: ``"last"``,
+  an int or a LongTensor ``[batch]``) or at every position (``positions=None``) -> ``[layer, head]``.
+- ``k`` / ``v``: one KV group's slice (grouped-query attention: every head of the group reads it);
+  each head's cell holds its group's effect -> ``[layer, head]``.
+- ``resid``: the residual stream entering block ``layer`` (the embedding output at layer 0) at one
+  position, every position in turn (or the ints in ``positions``) -> ``[layer, position]``.
+
+Components are stacked along the batch (``per_pass`` copies of the prompts per forward pass); each
+pass resumes at its lowest layer from the clean residual stream and runs only the positions from
+its earliest patched one on, over the clean run's key/value cache. No per-component Python loop
+runs inside a pass: each copy's component is selected by a 0/1 mask (exact: ``x*1 + y*0 = x``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from einops import repeat
+
+from ..models.loading import LoadedModel
+from ..models.remote import keep
+from .activation import answer_prob
+from .core import EMB_LAYER, Patch, Prefix, Resume, run
+
+HEAD_SITES = ("z", "q", "k", "v")
+SITES = (*HEAD_SITES, "resid")
+DEFAULT_PER_PASS = 32
+
+
+def _answer_logit(logits: torch.Tensor, answer_ids: torch.Tensor, other_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    return logits.float().gather(-1, answer_ids.to(logits.device)[:, None])[:, 0]
+
+
+def _logit_diff(logits: torch.Tensor, answer_ids: torch.Tensor, other_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    if other_ids is None:
+        raise ValueError("metric logit_diff needs other_ids (the alternative answer of each prompt)")
+    return _answer_logit(logits, answer_ids, None) - _answer_logit(logits, other_ids, None)
+
+
+# metric name -> (per-example function of (logits, answer_ids, other_ids), what it measures)
+METRICS: dict[str, tuple[Callable, str]] = {
+    "answer_prob": (lambda logits, a, o: answer_prob(logits, a), "probability of the answer"),
+    "answer_logit": (_answer_logit, "logit of the answer"),
+    "logit_diff": (_logit_diff, "logit of the answer minus logit of the alternative"),
+}
+
+Positions = Union[str, int, torch.Tensor, Sequence[int], None]
+
+
+@dataclass
+class ScanResult:
+    """Effects of patching each component alone: ``metric(patched) - metric(clean)``, batch means."""
+
+    effects: torch.Tensor  # "layer head" or "layer position"
+    site: str
+    metric: str
+    axes: tuple[str, str]
+    clean: float  # the metric of the clean run
+    source: float  # the metric of the source run
+    positions: list = field(default_factory=list)  # the position axis (resid) or each example's position
+
+    @property
+    def label(self) -> str:
+        return f"change in {METRICS[self.metric][1]} ({self.metric})"
+
+    def to_dict(self) -> dict:
+        return {"site": self.site, "metric": self.metric, "label": self.label, "axes": list(self.axes),
+                "clean": self.clean, "source": self.source, "positions": self.positions,
+                "effects": self.effects.tolist()}
+
+
+def scan(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, answer_ids: torch.Tensor,
+         site: str = "z", positions: Positions = "last", metric: str = "answer_prob",
+         other_ids: Optional[torch.Tensor] = None, per_pass: int = DEFAULT_PER_PASS) -> ScanResult:
+    """Patch each component of ``site`` from ``source`` into ``clean`` alone; effects on ``metric`` (module doc)."""
+    if site not in SITES:
+        raise ValueError(f"unknown scan site {site!r}; expected one of {SITES}")
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; expected one of {sorted(METRICS)}")
+    if clean.shape != source.shape:
+        raise ValueError(f"clean and source token ids differ in shape: {tuple(clean.shape)} vs {tuple(source.shape)}")
+    if per_pass < 1:
+        raise ValueError("per_pass must be at least 1")
+    fn = METRICS[metric][0]
+    score = lambda logits, copies: fn(logits, _stack(answer_ids, copies), _stack(other_ids, copies))  # noqa: E731
+    n_layers = model.shape.n_layers
+    with model.session(), torch.no_grad():  # remote: every pass in one request
+        if site == "resid":
+            pos_axis = _resid_positions(positions, clean.shape[1])
+            effects, base, src = _scan_resid(model, clean, source, pos_axis, score, per_pass)
+            axes, pos_list = ("layer", "position"), pos_axis
+        else:
+            pos = _head_positions(positions, clean.shape)
+            effects, base, src = _scan_heads(model, clean, source, site, pos, score, per_pass)
+            axes, pos_list = ("layer", "head"), ([] if pos is None else pos.tolist())
+        effects, base, src = keep(effects), keep(base), keep(src)
+    assert effects.shape[0] == n_layers
+    return ScanResult(effects, site, metric, axes, float(base), float(src), pos_list)
+
+
+def _stack(t: Optional[torch.Tensor], copies: int) -> Optional[torch.Tensor]:
+    return None if t is None else repeat(t, "b ... -> (s b) ...", s=copies)
+
+
+def _head_positions(positions: Positions, shape: torch.Size) -> Optional[torch.Tensor]:
+    if positions is None:
+        return None
+    if isinstance(positions, str):
+        if positions != "last":
+            raise ValueError(f"positions must be 'last', an int, a LongTensor [batch] or None, not {positions!r}")
+        return torch.full((shape[0],), shape[1] - 1, dtype=torch.long)
+    pos = torch.as_tensor(positions, dtype=torch.long)
+    pos = pos.expand(shape[0]) if pos.ndim == 0 else pos
+    if pos.shape != (shape[0],) or (pos < 0).any() or (pos >= shape[1]).any():
+        raise ValueError(f"positions must give one position in [0, {shape[1]}) per example")
+    return pos.clone()
+
+
+def _resid_positions(positions: Positions, length: int) -> list[int]:
+    if positions is None or positions == "all":
+        return list(range(length))
+    if positions == "last":
+        return [length - 1]
+    out = [int(p) for p in (positions if isinstance(positions, (list, tuple, range)) else torch.as_tensor(positions).flatten())]
+    if any(not 0 <= p < length for p in out):
+        raise ValueError(f"resid scan positions must lie in [0, {length})")
+    return out
+
+
+def _clean_and_source(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, sites: list, score):
+    """The clean run (keys/values, residual stream, metric) and the source run's sites."""
+    resid = [("resid", l) for l in range(model.shape.n_layers - 1)]
+    c = run(model, clean, capture=resid + [("emb", EMB_LAYER)], keep_kv=True)
+    s = run(model, source, capture=sites)
+    return c, s, score(c.logits, 1).mean(), score(s.logits, 1).mean()
+
+
+def _scan_heads(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, site: str,
+                pos: Optional[torch.Tensor], score, per_pass: int):
+    shape, arch = model.shape, model.arch
+    n = clean.shape[0]
+    units = shape.n_heads if site in ("z", "q") else shape.n_kv_heads
+    rep = shape.n_heads if site in ("z", "q") else shape.group_size  # a query head that reads each unit
+    layers = range(shape.n_layers)
+    c, s, base, src = _clean_and_source(model, clean, source, [(site, l) for l in layers], score)
+    comps = [(l, u) for l in layers for u in range(units)]
+    grid = torch.zeros(shape.n_layers, units)
+    for i in range(0, len(comps), per_pass):
+        chunk = comps[i:i + per_pass]
+        k = len(chunk)
+        first = chunk[0][0]
+        patches = []
+        for layer in sorted({l for l, _ in chunk}):
+            value = s.captured[(site, layer)]
+            value = value if pos is None else value[torch.arange(n), pos]  # "b (pos) cols"
+            mask = torch.ones((k * n,) + ((1,) if pos is None else ()) + (value.shape[-1],))
+            for j, (l, u) in enumerate(chunk):  # building the masks: one row block per copy, outside the pass
+                if l == layer:
+                    cols = arch.columns(site, u * rep if site in ("k", "v") else u, shape)
+                    mask[j * n:(j + 1) * n, ..., cols] = 0
+            patches.append(Patch(site, layer, _stack(value, k), None if pos is None else _stack(pos, k), mask=mask))
+        resume = Resume(first, c.captured[("resid", first - 1)]) if first > 0 else None
+        prefix = c.kv if pos is not None else None
+        out = run(model, _stack(clean, k), patches, resume=resume, prefix=prefix)
+        effect = score(out.logits, k).reshape(k, n).mean(1) - base
+        for j, (l, u) in enumerate(chunk):
+            grid[l, u] = effect[j]
+    if units != shape.n_heads:  # each head's cell holds its KV group's effect
+        grid = repeat(grid, "l g -> l (g r)", r=shape.group_size)
+    return grid, base, src
+
+
+def _scan_resid(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, pos_axis: list[int], score,
+                per_pass: int):
+    """Residual stream entering each block, at each position: layer 0 patches the embedding output;
+    layer ``l > 0`` resumes at ``l`` from the clean stream with the copy's position taken from the source."""
+    n_layers = model.shape.n_layers
+    sites = [("resid", l) for l in range(n_layers - 1)] + [("emb", EMB_LAYER)]
+    c, s, base, src = _clean_and_source(model, clean, source, sites, score)
+    n = clean.shape[0]
+    rows = torch.arange(n)
+    grid = torch.zeros(n_layers, len(pos_axis))
+    for layer in range(n_layers):
+        for i in range(0, len(pos_axis), per_pass):
+            chunk = pos_axis[i:i + per_pass]
+            k = len(chunk)
+            at = torch.tensor(chunk, dtype=torch.long).repeat_interleave(n)  # "(copy b)": each copy's position
+            start = min(chunk)
+            if layer == 0:
+                value = s.captured[("emb", EMB_LAYER)][rows.repeat(k), at]
+                out = run(model, _stack(clean, k), [Patch("emb", EMB_LAYER, value, at)], prefix=c.kv)
+            else:
+                key = ("resid", layer - 1)
+                hidden = _stack(c.captured[key][:, start:], k).clone()
+                hidden[torch.arange(k * n), at - start] = s.captured[key][rows.repeat(k), at]
+                out = run(model, _stack(clean, k), resume=Resume(layer, hidden), prefix=c.kv, start=start)
+            effect = score(out.logits, k).reshape(k, n).mean(1) - base
+            grid[layer, i:i + k] = effect
+    return grid, base, src
