@@ -31,12 +31,12 @@ def load_circuit(path: str, shape: ModelShape) -> Circuit:
     return load_circuit_file(path, shape.n_layers, shape.n_heads)
 
 
-def build_scorer(model: LoadedModel, args: argparse.Namespace) -> Scorer:
+def build_scorer(model: LoadedModel, args: argparse.Namespace, **record_options) -> Scorer:
     """The scorer for ``args.n`` prompts (seed ``args.seed``) of ``args.task`` and the reference set of ``args``:
     ``path_patching`` the task's reference prompts (entity tracking: the path-patching sources), ``fresh``
-    new prompts of the task."""
+    new prompts of the task. ``record_options`` go to the scored prompts only (e.g. held-out objects)."""
     task, options = task_from_args(args), task_options(args)
-    records = task.records(model.tokenizer, args.n, args.seed, **options)
+    records = task.records(model.tokenizer, args.n, args.seed, **options, **record_options)
     ref_seed = args.seed + 1 if args.reference_seed is None else args.reference_seed
     n_ref = args.n_reference or args.n
     reference = (task.reference_records(model.tokenizer, n_ref, ref_seed, **options) if args.reference == "path_patching"

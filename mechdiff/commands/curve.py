@@ -9,6 +9,7 @@ from ..circuits.positions import task_classes
 from ..circuits.curve import SIZES, TARGET, ablation_attribution, faithfulness_curve, ranking
 from ..circuits.scoring import Scorer, pair_name
 from ..report.positions import curve_figure
+from ..tasks.splits import SPLITS, split_objects
 from ..report.tables import estimate_columns, to_markdown, write_table
 from ._options import add_dataset_options, add_model_options, load_from_args, task_from_args, task_options, write_json
 from ._scoring import add_scoring_options, build_scorer, settings
@@ -21,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", type=float, default=TARGET, help="pick the smallest circuit reaching this faithfulness")
     p.add_argument("--rank-n", type=int, default=80,
                    help="prompts that rank the pairs (seed --seed + 2: disjoint from the scored prompts)")
+    p.add_argument("--split", default="eval", choices=SPLITS,
+                   help="entity tracking: objects of the scored and ranking prompts (eval: held out from fine-tuning)")
     p.add_argument("--out", default="results/curve", help="output directory")
     add_dataset_options(p, n=80)
     add_scoring_options(p)
@@ -42,10 +45,12 @@ def main(args: argparse.Namespace) -> int:
     if not sizes or min(sizes) <= 0 or max(sizes) > 1:
         raise ValueError(f"--sizes must be fractions in (0, 1], got {args.sizes!r}")
     model = load_from_args(args.model, args)
-    scorer = build_scorer(model, args)
+    held_out = {"vocabulary": split_objects(args.split)} if task_from_args(args).name == "entity-tracking" else {}
+    scorer = build_scorer(model, args, **held_out)
     classes = task_classes(scorer)
     # rank on other prompts than those scored, so the curve measures the circuits on fresh prompts
-    ranking_records = task_from_args(args).records(model.tokenizer, args.rank_n, args.seed + 2, **task_options(args))
+    ranking_records = task_from_args(args).records(model.tokenizer, args.rank_n, args.seed + 2, **task_options(args),
+                                                   **held_out)
     scores = ablation_attribution(Scorer(model, ranking_records, scorer.means, scorer.batch_size, scorer.progress),
                                   classes)
     ranked = ranking(scores)
