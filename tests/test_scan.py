@@ -179,3 +179,21 @@ def test_scan_command_writes_tensor_and_heatmap(tmp_path, monkeypatch, smollm2_t
     meta = json.loads((out / "scan_z_last.json").read_text())
     assert saved["effects"].shape == (3, 4) and meta["metric"] == "answer_prob" and meta["axes"] == ["layer", "head"]
     assert (out / "scan_z_last.png").stat().st_size > 0
+
+
+def test_scan_command_on_another_task(tmp_path, monkeypatch, smollm2_tokenizer):
+    """`--task ioi` scans IOI's pairs at one of its positions; an unknown position is refused before loading."""
+    from conftest import make_tiny
+    from mechdiff.cli import main
+    from mechdiff.commands import scan as command
+
+    tiny = make_tiny("llama", smollm2_tokenizer)
+    loads = []
+    monkeypatch.setattr(command, "load_from_args", lambda name, args: loads.append(name) or tiny)
+    out = tmp_path / "ioi"
+    assert main(["scan", "--task", "ioi", "--model", "tiny", "--site", "z", "--position", "S2", "--n", "3",
+                 "--out", str(out)]) == 0
+    meta = json.loads((out / "scan_z_S2.json").read_text())
+    assert meta["task"] == "ioi" and len(meta["effects"]) == 3 and loads == ["tiny"]
+    assert main(["scan", "--task", "ioi", "--model", "tiny", "--position", "query_label", "--out", str(out)]) == 2
+    assert loads == ["tiny"]  # refused before the model loads

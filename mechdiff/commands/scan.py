@@ -10,42 +10,53 @@ import torch
 from ..components import Head
 from ..patching.scan import DEFAULT_PER_PASS, METRICS, SITES, scan
 from ..report.figures import grid_heatmap, head_heatmap
-from ..tasks.entity_tracking import pair_batch_tensors, path_patching_pairs
-from ._options import add_model_options, load_from_args, write_json
+from ..tasks.base import pair_batch_tensors
+from ._options import add_model_options, add_task_option, load_from_args, task_from_args, task_options, write_json
 
-POSITIONS = ("last", "query_label", "query_label_context", "all")
+EVERY = "all"  # patch every position at once
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("scan", help="activation-patching scan: effect of each head (or residual position) alone")
     p.add_argument("--model", default="smollm2-135m", help="registry name or path")
     p.add_argument("--site", default="z", choices=SITES, help="z/q/k/v: [layer, head]; resid: [layer, position]")
-    p.add_argument("--position", default="last", choices=POSITIONS,
-                   help="where heads are patched (all: every position at once; resid scans every position)")
+    p.add_argument("--position", default="last",
+                   help="where heads are patched: a position the task records (entity tracking: last, query_label, "
+                        "query_label_context; IOI: END, S2, ...) or all (every position at once; resid scans every "
+                        "position)")
     p.add_argument("--metric", default="answer_prob", choices=sorted(METRICS))
     p.add_argument("--n", type=int, default=16, help="number of clean/counterfactual pairs")
-    p.add_argument("--n-boxes", type=int, default=7)
+    p.add_argument("--n-boxes", type=int, default=7, help="entity tracking: boxes per prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-pass", type=int, default=DEFAULT_PER_PASS, help="components stacked in one forward pass")
     p.add_argument("--out", default=None, help="output directory (default results/scan/<model>/)")
+    add_task_option(p)
     add_model_options(p)
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out or f"results/scan/{Path(args.model).name}")
+    task = task_from_args(args)
+    known = (*task.positions, EVERY)
+    if args.position not in known:  # checked before the model loads
+        raise ValueError(f"--position {args.position!r} is not a position of task {task.name}; choose one of "
+                         f"{', '.join(known)}")
     model = load_from_args(args.model, args)
-    tensors = pair_batch_tensors(path_patching_pairs(model.tokenizer, args.n, n_boxes=args.n_boxes, seed=args.seed))
+    tensors = pair_batch_tensors(task.discovery_pairs(model.tokenizer, args.n, args.seed, **task_options(args)))
+    if args.position != EVERY and (args.position not in tensors["base"]["positions"]
+                                   or tensors["base"]["positions"][args.position].ndim != 1):
+        raise ValueError(f"--position {args.position!r} is not a single position of each prompt of task {task.name}")
     clean, source = tensors["base"]["input_ids"], tensors["source"]["input_ids"]
     if args.site == "resid":
-        positions = None if args.position == "all" else tensors["base"]["positions"][args.position].unique().tolist()
+        positions = None if args.position == EVERY else tensors["base"]["positions"][args.position].unique().tolist()
     else:
-        positions = None if args.position == "all" else tensors["base"]["positions"][args.position]
+        positions = None if args.position == EVERY else tensors["base"]["positions"][args.position]
     result = scan(model, clean, source, tensors["target_ids"], site=args.site, positions=positions,
                   metric=args.metric, per_pass=args.per_pass)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"scan_{args.site}_{args.position}"
-    meta = {**{k: v for k, v in result.to_dict().items() if k != "effects"}, "model": model.name,
+    meta = {**{k: v for k, v in result.to_dict().items() if k != "effects"}, "model": model.name, "task": task.name,
             "n_pairs": args.n, "n_boxes": args.n_boxes, "seed": args.seed, "position": args.position}
     torch.save({"effects": result.effects, **meta}, stem.with_suffix(".pt"))
     write_json(stem.with_suffix(".json"), {**meta, "effects": result.effects.tolist()})
