@@ -216,3 +216,17 @@ def test_the_engine_imports_no_concrete_task():
                      else [f"{node.module or ''}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else [])
             offenders += [(path.name, n) for n in names if "tasks" in n and not n.split("tasks")[1].startswith(".base")]
     assert offenders == []
+
+
+def test_scan_command_on_an_imported_task(tiny_llama, smollm2_tokenizer, pairs_file, tmp_path, monkeypatch):
+    """A user's JSONL task scans at its own positions with `--task DIR`, no code change."""
+    from mechdiff.cli import main
+    from mechdiff.commands import scan as command
+
+    out = import_pairs(pairs_file, smollm2_tokenizer, tmp_path / "task")
+    monkeypatch.setattr(command, "load_from_args", lambda name, args: tiny_llama)
+    assert main(["scan", "--task", str(out), "--model", "tiny", "--position", "S2", "--n", "4",
+                 "--out", str(tmp_path / "scan")]) == 0
+    meta = json.loads((tmp_path / "scan" / "scan_z_S2.json").read_text())
+    assert len(meta["effects"]) == tiny_llama.shape.n_layers and len(meta["effects"][0]) == tiny_llama.shape.n_heads
+    assert meta["n_pairs"] == 4
