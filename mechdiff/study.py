@@ -26,6 +26,7 @@ from .circuits.circuit import Circuit
 from .io import check_writable, read_record, run_lock, write_json
 from .models.loading import LoadedModel, resolve_spec, spec_digest
 from .models.modelset import ModelSet
+from .tasks.base import Task, get_task
 from .tasks.spec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -120,12 +121,24 @@ class Study:
                 "tokenizer": self.digests[self.spec.models.base], "mechdiff": __version__,
                 **({"remote": True} if self.spec.models.remote else {})}
 
-    def eval_records(self) -> list:
-        from .tasks.entity_tracking import generate
+    @property
+    def task(self) -> Task:
+        """The task the task file's ``[task]`` section names (registered, or an imported task directory)."""
+        return get_task(self.spec.task.name)
+
+    def options(self, held_out: bool = True) -> dict:
+        """Generator options: ``n_boxes``, and the objects held out from fine-tuning where the task takes a
+        vocabulary (the task keeps only the options it accepts)."""
         from .tasks.splits import eval_objects
 
+        opts: dict = {"n_boxes": self.spec.task.n_boxes}
+        if held_out and "vocabulary" in self.task.options:
+            opts["vocabulary"] = eval_objects()
+        return opts
+
+    def eval_records(self) -> list:
         t = self.spec.task
-        return generate(self.tokenizer, self.spec.eval.n, t.n_boxes, t.seed + 1, vocabulary=eval_objects())
+        return self.task.records(self.tokenizer, self.spec.eval.n, t.seed + 1, **self.options())
 
     def model(self, name: str) -> LoadedModel:
         return self.models[name]
@@ -145,18 +158,20 @@ class Study:
 
     def circuit(self, name: str) -> StageRecord:
         from .circuits.discovery import DiscoverySettings, discover
+        from .circuits.plan import default_plan, load_plan
         from .report.figures import head_heatmap
-        from .tasks.entity_tracking import path_patching_pairs
-        from .tasks.splits import eval_objects
 
         d, t = self.spec.discovery, self.spec.task
 
         def compute() -> dict:
             lm = self.model(name)
-            settings = DiscoverySettings(k=dict(d.top_k), screen=d.screen, screen_multiple=d.screen_multiple,
-                                         n_prompts=d.n, n_boxes=t.n_boxes, seed=t.seed)
-            pairs = path_patching_pairs(self.tokenizer, d.n, t.n_boxes, t.seed, vocabulary=eval_objects())
-            circuit, steps = discover(lm, pairs, settings, progress=self.progress)
+            plan = load_plan(self.task.plan) if self.task.plan else default_plan()
+            steps_of_plan = {step.name for step in plan.steps}
+            settings = DiscoverySettings(k={s: k for s, k in d.top_k.items() if s in steps_of_plan}, screen=d.screen,
+                                         screen_multiple=d.screen_multiple, n_prompts=d.n, n_boxes=t.n_boxes,
+                                         seed=t.seed)
+            pairs = self.task.discovery_pairs(self.tokenizer, d.n, t.seed, **self.options())
+            circuit, steps = discover(lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan)
             figures = {}
             for step, res in steps.items():
                 path = self.dir / "figures" / f"path_patching_{label(name)}_{step}.png"
@@ -173,12 +188,10 @@ class Study:
 
     def scorer(self, name: str, offset: int = 2):
         from .circuits.scoring import Scorer
-        from .tasks.entity_tracking import generate, reference_records
-        from .tasks.splits import eval_objects
 
         s, t = self.spec.scoring, self.spec.task
-        records = generate(self.tokenizer, s.n, t.n_boxes, t.seed + offset, vocabulary=eval_objects())
-        reference = reference_records(self.tokenizer, s.n, t.n_boxes, t.seed + 3)
+        records = self.task.records(self.tokenizer, s.n, t.seed + offset, **self.options())
+        reference = self.task.reference_records(self.tokenizer, s.n, t.seed + 3, **self.options(held_out=False))
         return Scorer.build(self.model(name), records, reference, self.spec.eval.batch_size, self.progress,
                             store=self.store)
 
@@ -219,7 +232,6 @@ class Study:
 
     def dcm(self, circuit_rec: StageRecord) -> StageRecord:
         from .dcm import DCMConfig, dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
-        from .tasks.splits import eval_objects
 
         c, t = self.spec.dcm, self.spec.task
         base = self.spec.models.base
@@ -231,7 +243,9 @@ class Study:
             config = DCMConfig(lam=c.lam, lr=c.lr, epochs=c.epochs, batch_size=c.batch_size, micro_batch=c.batch_size,
                                eval_batch=self.spec.eval.batch_size,
                                eval_every=4, split=split, seed=t.seed, random_pool=c.random_pool)
-            desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, t.seed + 4, vocabulary=eval_objects())
+            opts = self.options()
+            desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, t.seed + 4,
+                                               vocabulary=opts.get("vocabulary"), task=self.task.name)
                           for d in c.desiderata}
             groups = [g for g, heads in circuit.groups.items() if heads]
             results = dcm_circuit(self.model(base), circuit, desiderata, config, groups, self.progress)
@@ -250,8 +264,6 @@ class Study:
 
     def cmap(self, finetune: str, circuit_rec: StageRecord) -> StageRecord:
         from .cmap import run_cmap
-        from .tasks.entity_tracking import generate
-        from .tasks.splits import eval_objects
 
         c, t = self.spec.cmap, self.spec.task
         base = self.spec.models.base
@@ -260,7 +272,7 @@ class Study:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
             if not circuit.heads():
                 return {"skipped": f"the circuit of {base} has no heads left after pruning; there is nothing to patch"}
-            records = generate(self.tokenizer, c.n, t.n_boxes, t.seed + 5, vocabulary=eval_objects())
+            records = self.task.records(self.tokenizer, c.n, t.seed + 5, **self.options())
             res = run_cmap(self.model(base), self.model(finetune), circuit, records, c.parts,
                            self.spec.eval.batch_size, progress=self.progress, isolate=c.isolate,
                            n_random=c.n_random, seed=t.seed + 5)

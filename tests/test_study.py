@@ -80,3 +80,23 @@ def test_killed_run_resumes(tiny_family, tmp_path, monkeypatch):
     resumed.run()
     recomputed = {n for n, r in resumed.cache.records.items() if not r.cached}
     assert recomputed == {"dcm", *(f"cmap:{n}" for n in spec.models.finetunes)}
+
+
+def test_study_on_another_task(tiny_family, tmp_path):
+    """`[task] name = "ioi"`: the same pipeline on IOI's prompts, plan and desideratum; an unknown task name
+    is refused at load with the line and the way to import one."""
+    from mechdiff.tasks.spec import SpecError, load_spec
+
+    spec = tiny_spec(tiny_family, tmp_path)
+    spec.task.name = "ioi"
+    spec.dcm.desiderata = ["io_name"]
+    study = Study(spec, progress=False)
+    assert study.task.name == "ioi" and "vocabulary" not in study.options()
+    report = study.run().read_text()
+    assert "## Circuits" in report and "## What the heads encode (DCM)" in report
+    circuit = json.loads((tmp_path / "run" / "circuits" / f"{tiny_family[0].rsplit('/', 1)[-1]}.json").read_text())
+    assert set(circuit["positions"].values()) <= {"IO", "S1", "S2", "END", "last"}
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[models]\nbase = "smollm2-135m"\n\n[task]\nname = "no-such-task"\n')
+    with pytest.raises(SpecError, match=r"bad.toml:5: task 'no-such-task' is neither.*dataset import"):
+        load_spec(bad)

@@ -171,8 +171,7 @@ def load_spec(path: str | Path) -> RunSpec:
                 raise SpecError(f"{path}:{_line(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
                                 f"valid values: {', '.join(allowed)}")
         built[name] = cls(**values)
-    if built["task"].name != "entity-tracking":
-        raise SpecError(f"{path}: task {built['task'].name!r} is not supported; supported: entity-tracking")
+    _check_task(path, text, built["task"].name)
     return RunSpec(**built, source=str(path))
 
 
@@ -200,3 +199,15 @@ def _line(text: str, section: Optional[str], key: str) -> int:
         elif section is not None and current == section and re.match(rf"\s*{re.escape(key)}\s*=", line):
             return i
     return 0
+
+
+def _check_task(path: Path, text: str, name: str) -> None:
+    """The ``[task]`` name must be a registered task or a directory written by ``mechdiff dataset import``
+    (relative to the working directory); checked before any model loads."""
+    from .base import ALIASES, TASKS
+
+    if name in TASKS or name in ALIASES or Path(name).is_dir():
+        return
+    raise SpecError(f"{path}:{_line(text, 'task', 'name')}: task {name!r} is neither a registered task "
+                    f"({', '.join(sorted(TASKS))}) nor a task directory; import your pairs with "
+                    "`mechdiff dataset import PAIRS.jsonl --model M --out DIR` and name DIR")
