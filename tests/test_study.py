@@ -100,3 +100,10 @@ def test_study_on_another_task(tiny_family, tmp_path):
     bad.write_text('[models]\nbase = "smollm2-135m"\n\n[task]\nname = "no-such-task"\n')
     with pytest.raises(SpecError, match=r"bad.toml:5: task 'no-such-task' is neither.*dataset import"):
         load_spec(bad)
+
+
+def test_run_command_refuses_an_unknown_task_before_loading(capsys):
+    from mechdiff.cli import main
+
+    assert main(["run", "--task", "no-such-task"]) == 2
+    assert "neither a registered task" in capsys.readouterr().err

@@ -12,6 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("task_file", nargs="?", default=None,
                    help="a task spec (tasks/*.toml); without one, the embedded default study")
     p.add_argument("--out", default=None, help="results directory (default: the spec's [output] dir)")
+    p.add_argument("--task", default=None,
+                   help="override [task] name: a registered task (ioi, ...) or a directory from `mechdiff dataset import`")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     # Placement overrides of the task file's [models] section (unset: the file's values).
     p.add_argument("--dtype", default=None, help="override [models] dtype: float32 (as the paper), bfloat16, float16")
@@ -24,6 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     spec = load_spec(args.task_file) if args.task_file else default_spec()  # checked before anything loads
+    if args.task is not None:
+        from ..tasks.spec import check_task
+
+        check_task(args.task)  # before anything loads
+        spec.task.name = args.task
     for key in ("dtype", "device", "device_map", "remote"):
         if getattr(args, key, None) is not None:
             setattr(spec.models, key, getattr(args, key))

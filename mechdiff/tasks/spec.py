@@ -204,10 +204,15 @@ def _line(text: str, section: Optional[str], key: str) -> int:
 def _check_task(path: Path, text: str, name: str) -> None:
     """The ``[task]`` name must be a registered task or a directory written by ``mechdiff dataset import``
     (relative to the working directory); checked before any model loads."""
+    check_task(name, f"{path}:{_line(text, 'task', 'name')}: ")
+
+
+def check_task(name: str, where: str = "") -> None:
+    """Refuse a task name that is neither registered nor a task directory, saying how to make one."""
     from .base import ALIASES, TASKS
 
     if name in TASKS or name in ALIASES or Path(name).is_dir():
         return
-    raise SpecError(f"{path}:{_line(text, 'task', 'name')}: task {name!r} is neither a registered task "
-                    f"({', '.join(sorted(TASKS))}) nor a task directory; import your pairs with "
-                    "`mechdiff dataset import PAIRS.jsonl --model M --out DIR` and name DIR")
+    raise SpecError(f"{where}task {name!r} is neither a registered task ({', '.join(sorted(TASKS))}) nor a task "
+                    "directory; import your pairs with `mechdiff dataset import PAIRS.jsonl --model M --out DIR` "
+                    "and name DIR")
