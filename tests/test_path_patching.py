@@ -154,7 +154,8 @@ def test_discover_writes_a_circuit(tiny_llama, pairs, tmp_path):
 def test_resumed_suffix_runs_equal_full_runs(tiny_model, pairs, position, kind):
     """Resuming at the lowest sender/receiver layer and running only the positions from the earliest
     sender/receiver on (suffix runs over the clean key/value cache) gives the scores of full runs, also
-    where a sender sits above one receiver (the frozen run then starts at that receiver)."""
+    where a sender sits above one receiver (the frozen run then starts at that receiver; the receiver run
+skips it) and where examples' receivers sit at different positions (one suffix run per position)."""
     import dataclasses
 
     batch = prepare(tiny_model, pairs)
@@ -163,6 +164,8 @@ def test_resumed_suffix_runs_equal_full_runs(tiny_model, pairs, position, kind):
     batch.source_z = {l: z + torch.randn(z.shape, generator=g) for l, z in batch.source_z.items()}
     only_resume = dataclasses.replace(batch, clean_kv=None)
     full = dataclasses.replace(batch, clean_resid=None, clean_kv=None)
+    if position == "query_label_context":  # receivers at mixed positions: one suffix run per position
+        assert len(torch.unique(batch.positions[position])) > 1
     receivers = Receivers((Head(1, 0), Head(2, 1)), kind, position)
     senders = [Head(0, 2), Head(1, 3), Head(0, 0)]
     moved = 0.0
