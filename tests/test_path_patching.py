@@ -195,3 +195,28 @@ def test_discovery_is_exact_by_default(tiny_llama, pairs):
     assert set(results["A"].exact) == set(eligible_senders(tiny_llama, None)) and not results["A"].attribution
     assert set(results["B"].exact) == set(eligible_senders(tiny_llama, results["B"].receivers))
     assert "exact, all senders" in circuit.meta["method"]
+
+
+def test_senders_per_pass_sized_by_memory(tiny_llama, pairs, monkeypatch):
+    """``auto``: as many sender copies as prompts fit in the free GPU memory (``--batch-size auto``'s
+    estimate at the batch's length) over the batch's prompts; 8 on CPU. The discovery default and the
+    command use it."""
+    from mechdiff.cli import build_parser
+    from mechdiff.models import memory
+    from mechdiff.patching.path import SENDERS_PER_PASS, auto_senders_per_pass
+
+    batch = prepare(tiny_llama, pairs)
+    n, length = len(batch), batch.clean_ids.shape[1]
+    assert auto_senders_per_pass(tiny_llama, batch) == SENDERS_PER_PASS == 8  # CPU
+    per_prompt = memory.example_bytes(tiny_llama.shape, length)
+    free = 37 * n * per_prompt / 0.6 + 1  # room for 37 copies of the batch
+    monkeypatch.setattr(memory, "cuda_devices", lambda model: [torch.device("cuda:0")])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free), int(2 * free)))
+    assert auto_senders_per_pass(tiny_llama, batch) == 37
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (per_prompt, per_prompt))
+    assert auto_senders_per_pass(tiny_llama, batch) == 1  # less than one copy fits: one sender per pass
+    assert DiscoverySettings().senders_per_pass == "auto"
+    assert build_parser().parse_args(["circuit"]).senders_per_pass == "auto"
+    assert build_parser().parse_args(["circuit", "--senders-per-pass", "3"]).senders_per_pass == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["circuit", "--senders-per-pass", "0"])

@@ -39,12 +39,15 @@ from tqdm.auto import tqdm
 
 from ..components import Head
 from ..models.loading import LoadedModel
+from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
 from ..tasks.base import PairRecord, pair_batch_tensors
 from .activation import answer_prob
 from .core import Patch, Prefix, Resume, run
 
 log = logging.getLogger(__name__)
+
+SENDERS_PER_PASS = 8  # sender copies stacked in one pass on CPU and remote models (and path_patch's default)
 
 
 @dataclass
@@ -129,7 +132,7 @@ def eligible_senders(model: LoadedModel, receivers: Optional[Receivers]) -> list
 
 def path_patch(
     model: LoadedModel, batch: PairBatch, senders: Sequence[Head], sender_position: str,
-    receivers: Optional[Receivers] = None, senders_per_pass: int = 8, progress: bool = True,
+    receivers: Optional[Receivers] = None, senders_per_pass: int = SENDERS_PER_PASS, progress: bool = True,
 ) -> dict[Head, float]:
     """The path-patching score of each sender (see the module docstring)."""
     out: dict[Head, float] = {}
@@ -142,6 +145,16 @@ def path_patch(
         for head, ps in zip(chunk, p):
             out[head] = float((ps.mean() - p_clean.mean()) / p_clean.mean())
     return out
+
+
+def auto_senders_per_pass(model: LoadedModel, batch: PairBatch) -> int:
+    """Sender copies per pass sized by free GPU memory, as ``--batch-size auto`` sizes prompts per pass:
+    the prompts that fit (:func:`~mechdiff.models.memory.auto_batch_size` at this batch's length) over
+    the batch's prompts, at least 1; :data:`SENDERS_PER_PASS` on CPU and for remote models."""
+    n = len(batch)
+    rows = auto_batch_size(model, seq_len=batch.clean_ids.shape[1], default=n * SENDERS_PER_PASS,
+                           cap=max(MAX_BATCH, n * SENDERS_PER_PASS))
+    return max(1, rows // n)
 
 
 def _chunk_probs(model: LoadedModel, batch: PairBatch, chunks: list[list[Head]], sender_position: str,
