@@ -154,7 +154,8 @@ def test_discover_writes_a_circuit(tiny_llama, pairs, tmp_path):
 def test_resumed_suffix_runs_equal_full_runs(tiny_model, pairs, position, kind):
     """Resuming at the lowest sender/receiver layer and running only the positions from the earliest
     sender/receiver on (suffix runs over the clean key/value cache) gives the scores of full runs, also
-    where a sender sits above one receiver (the frozen run then starts at that receiver)."""
+    where a sender sits above one receiver (the frozen run then starts at that receiver; the receiver run
+skips it) and where examples' receivers sit at different positions (one suffix run per position)."""
     import dataclasses
 
     batch = prepare(tiny_model, pairs)
@@ -163,6 +164,8 @@ def test_resumed_suffix_runs_equal_full_runs(tiny_model, pairs, position, kind):
     batch.source_z = {l: z + torch.randn(z.shape, generator=g) for l, z in batch.source_z.items()}
     only_resume = dataclasses.replace(batch, clean_kv=None)
     full = dataclasses.replace(batch, clean_resid=None, clean_kv=None)
+    if position == "query_label_context":  # receivers at mixed positions: one suffix run per position
+        assert len(torch.unique(batch.positions[position])) > 1
     receivers = Receivers((Head(1, 0), Head(2, 1)), kind, position)
     senders = [Head(0, 2), Head(1, 3), Head(0, 0)]
     moved = 0.0
@@ -192,3 +195,28 @@ def test_discovery_is_exact_by_default(tiny_llama, pairs):
     assert set(results["A"].exact) == set(eligible_senders(tiny_llama, None)) and not results["A"].attribution
     assert set(results["B"].exact) == set(eligible_senders(tiny_llama, results["B"].receivers))
     assert "exact, all senders" in circuit.meta["method"]
+
+
+def test_senders_per_pass_sized_by_memory(tiny_llama, pairs, monkeypatch):
+    """``auto``: as many sender copies as prompts fit in the free GPU memory (``--batch-size auto``'s
+    estimate at the batch's length) over the batch's prompts; 8 on CPU. The discovery default and the
+    command use it."""
+    from mechdiff.cli import build_parser
+    from mechdiff.models import memory
+    from mechdiff.patching.path import SENDERS_PER_PASS, auto_senders_per_pass
+
+    batch = prepare(tiny_llama, pairs)
+    n, length = len(batch), batch.clean_ids.shape[1]
+    assert auto_senders_per_pass(tiny_llama, batch) == SENDERS_PER_PASS == 8  # CPU
+    per_prompt = memory.example_bytes(tiny_llama.shape, length)
+    free = 37 * n * per_prompt / 0.6 + 1  # room for 37 copies of the batch
+    monkeypatch.setattr(memory, "cuda_devices", lambda model: [torch.device("cuda:0")])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free), int(2 * free)))
+    assert auto_senders_per_pass(tiny_llama, batch) == 37
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (per_prompt, per_prompt))
+    assert auto_senders_per_pass(tiny_llama, batch) == 1  # less than one copy fits: one sender per pass
+    assert DiscoverySettings().senders_per_pass == "auto"
+    assert build_parser().parse_args(["circuit"]).senders_per_pass == "auto"
+    assert build_parser().parse_args(["circuit", "--senders-per-pass", "3"]).senders_per_pass == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["circuit", "--senders-per-pass", "0"])

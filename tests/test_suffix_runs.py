@@ -212,3 +212,46 @@ def test_cmap_base_scores_on_suffix_runs_equal_full_runs(smollm2_tokenizer):
                 np.testing.assert_allclose(got[(scope, kind)][1], prob, rtol=1e-4, atol=0)
                 moved = max(moved, float(np.abs(prob / got["base"][1] - 1).max()))
     assert moved > 1e-2  # the patches change the probabilities (relative: a tiny random model's are small)
+
+
+def _families():
+    from test_families import FAMILIES
+
+    return list(FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", _families())
+def test_suffix_run_is_exact_on_every_architecture_family(model_type):
+    """A z patch late in the prompt by a suffix run equals the full run (max |d logit| <= 1e-4) on the tiny
+    model of each of the families of tests/test_families.py (one forward pair per family)."""
+    from test_families import LAYERS, VOCAB, build_family
+
+    lm = build_family(model_type)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=g)
+    pos, rows, layer = torch.tensor([9, 10]), torch.arange(2), LAYERS - 2  # a later layer reads the patch
+    cols = lm.arch.columns("z", 1, lm.shape)
+    value = 20 * torch.randn(2, cols.stop - cols.start, generator=g)  # far from clean: the patch moves the logits
+    patch = Patch("z", layer, value, pos, cols)
+    clean = run(lm, ids, keep_kv=True)
+    full = run(lm, ids, [patch]).logits
+    suffix = run(lm, ids, [patch], prefix=clean.kv)
+    err, moved = (suffix.logits - full).abs().max(), (full - clean.logits).abs().max()
+    assert suffix.start == 9 and err <= TOL
+    assert moved > max(100 * err, 1e-5)  # not vacuous: a run that dropped the patch would miss by ``moved``
+
+
+def test_suffix_runs_refused_where_not_exact(tiny_llama, prompts, monkeypatch):
+    """A model with non-attention layers (e.g. linear attention, state-space) or a recurrent state is refused
+    a prefix, with its family named and full-length runs suggested, before any forward."""
+    clean_ids = prompts[0]
+    clean = run(tiny_llama, clean_ids, keep_kv=True)
+    config = tiny_llama.model.config
+    monkeypatch.setattr(config, "layer_types", ["full_attention", "linear_attention"], raising=False)
+    with pytest.raises(ValueError, match=r"\(llama\).*linear_attention.*run without a prefix"):
+        run(tiny_llama, clean_ids, prefix=clean.kv)
+    monkeypatch.setattr(config, "layer_types", ["full_attention", "sliding_attention"], raising=False)
+    run(tiny_llama, clean_ids, prefix=clean.kv)  # attention layers only: allowed
+    monkeypatch.setattr(tiny_llama.model, "_is_stateful", True, raising=False)
+    with pytest.raises(ValueError, match=r"\(llama\).*recurrent state.*run without a prefix"):
+        run(tiny_llama, clean_ids, prefix=clean.kv)

@@ -31,7 +31,7 @@ import torch
 from ..components import Head
 from ..models.loading import LoadedModel
 from ..patching.attribution import attribution_scores
-from ..patching.path import PairBatch, Receivers, eligible_senders, path_patch, prepare
+from ..patching.path import PairBatch, Receivers, auto_senders_per_pass, eligible_senders, path_patch, prepare
 from ..tasks.base import PairRecord
 from .circuit import Circuit
 from .plan import Plan, PlanStep, default_plan
@@ -54,7 +54,7 @@ class DiscoverySettings:
     k: dict[str, int] = field(default_factory=dict)  # step -> heads kept, overriding the plan's k
     screen: bool = False  # True: attribution screen, then exact path patching of the shortlist
     screen_multiple: float = 2.0
-    senders_per_pass: int = 8
+    senders_per_pass: int | str = "auto"  # sender copies per pass; "auto": sized by free GPU memory (8 on CPU)
     n_prompts: int = 16
     n_boxes: int = 7
     seed: int = 0
@@ -93,7 +93,11 @@ def run_step(model: LoadedModel, batch: PairBatch, step: str, k: int, receivers:
         senders = select(attribution, n_keep)
         log.info("step %s: attribution screen kept %d of %d eligible senders", step, n_keep, len(attribution))
     t0 = time.perf_counter()
-    exact = path_patch(model, batch, senders, sender_position, receivers, settings.senders_per_pass, progress)
+    per_pass = settings.senders_per_pass
+    if per_pass == "auto":
+        per_pass = auto_senders_per_pass(model, batch)
+        log.info("step %s: %d senders per pass (auto, from free memory)", step, per_pass)
+    exact = path_patch(model, batch, senders, sender_position, receivers, per_pass, progress)
     seconds["path_patching"] = time.perf_counter() - t0
     chosen = select(exact, k)
     log.info("step %s: path patched %d senders in %.1f s; selected %s", step, len(senders),

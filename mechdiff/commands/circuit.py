@@ -59,11 +59,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="attribution screen, then exact path patching of the shortlist (for large models)")
     p.add_argument("--screen-multiple", type=float, default=DiscoverySettings.screen_multiple,
                    help="path patch this many times k of the best-screened senders")
-    p.add_argument("--senders-per-pass", type=int, default=DiscoverySettings.senders_per_pass,
-                   help="sender copies stacked in one forward pass")
+    p.add_argument("--senders-per-pass", type=senders_arg, default=DiscoverySettings.senders_per_pass,
+                   help="sender copies stacked in one forward pass, or auto (from free GPU memory, as "
+                        "--batch-size auto; 8 on CPU)")
     p.add_argument("--out", default=None, help="output directory (default results/circuits/<model>/)")
     add_model_options(p)
     p.set_defaults(func=main)
+
+
+def senders_arg(text: str) -> int | str:
+    """``--senders-per-pass``: a positive integer or ``auto``."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--senders-per-pass must be a positive integer or auto, not {text!r}")
+    return int(text)
 
 
 def main(args: argparse.Namespace) -> int:

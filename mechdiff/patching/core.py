@@ -167,6 +167,7 @@ def run(
         raise ValueError("keep_kv needs a full run: no prefix, resume or stop")
     length = input_ids.shape[1]
     if prefix is not None:
+        check_suffix_support(model)
         first = suffix_start(patches, readout, length)
         start = first if start is None else start
         if not 0 <= start <= first:
@@ -223,6 +224,23 @@ def run(
             if keep_kv:
                 keys, values = _kept_kv(nn.output)
     return Run(out, captured, start, Prefix(keys, values) if keep_kv else None)
+
+
+SUFFIX_LAYER_TYPES = {"full_attention", "sliding_attention"}  # attention layers a suffix run is tested exact on
+
+
+def check_suffix_support(model: LoadedModel) -> None:
+    """Refuse a suffix run on a model whose layers are not all (full or sliding-window) attention, or whose
+    forward carries a recurrent state: earlier positions would not be read from the keys and values alone."""
+    hf = model.model
+    config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    family = getattr(config, "model_type", type(hf).__name__)
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - SUFFIX_LAYER_TYPES)
+    reason = (f"its layers include {other}" if other else
+              "it carries a recurrent state" if getattr(hf, "_is_stateful", False) else None)
+    if reason:
+        raise ValueError(f"{model.name} ({family}): suffix runs (prefix=) are exact only over attention layers' keys "
+                         f"and values, and {reason}; run without a prefix (full-length runs)")
 
 
 def suffix_start(patches: Sequence[Patch], readout: Optional[torch.Tensor], length: int) -> int:

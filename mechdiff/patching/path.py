@@ -39,12 +39,15 @@ from tqdm.auto import tqdm
 
 from ..components import Head
 from ..models.loading import LoadedModel
+from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
 from ..tasks.base import PairRecord, pair_batch_tensors
 from .activation import answer_prob
 from .core import Patch, Prefix, Resume, run
 
 log = logging.getLogger(__name__)
+
+SENDERS_PER_PASS = 8  # sender copies stacked in one pass on CPU and remote models (and path_patch's default)
 
 
 @dataclass
@@ -129,7 +132,7 @@ def eligible_senders(model: LoadedModel, receivers: Optional[Receivers]) -> list
 
 def path_patch(
     model: LoadedModel, batch: PairBatch, senders: Sequence[Head], sender_position: str,
-    receivers: Optional[Receivers] = None, senders_per_pass: int = 8, progress: bool = True,
+    receivers: Optional[Receivers] = None, senders_per_pass: int = SENDERS_PER_PASS, progress: bool = True,
 ) -> dict[Head, float]:
     """The path-patching score of each sender (see the module docstring)."""
     out: dict[Head, float] = {}
@@ -142,6 +145,16 @@ def path_patch(
         for head, ps in zip(chunk, p):
             out[head] = float((ps.mean() - p_clean.mean()) / p_clean.mean())
     return out
+
+
+def auto_senders_per_pass(model: LoadedModel, batch: PairBatch) -> int:
+    """Sender copies per pass sized by free GPU memory, as ``--batch-size auto`` sizes prompts per pass:
+    the prompts that fit (:func:`~mechdiff.models.memory.auto_batch_size` at this batch's length) over
+    the batch's prompts, at least 1; :data:`SENDERS_PER_PASS` on CPU and for remote models."""
+    n = len(batch)
+    rows = auto_batch_size(model, seq_len=batch.clean_ids.shape[1], default=n * SENDERS_PER_PASS,
+                           cap=max(MAX_BATCH, n * SENDERS_PER_PASS))
+    return max(1, rows // n)
 
 
 def _chunk_probs(model: LoadedModel, batch: PairBatch, chunks: list[list[Head]], sender_position: str,
@@ -187,11 +200,48 @@ def _patched_prob(model: LoadedModel, batch: PairBatch, senders: list[Head], sen
                              start=start, **suffix)
                 at = repeat(rpos, "b -> (s b)", s=s) - frozen.start
             rows = torch.arange(n * s)
-            rpos = repeat(rpos, "b -> (s b)", s=s)
-            writes = [Patch(receivers.kind, layer, frozen.captured[(receivers.kind, layer)][rows, at, cols],
-                            rpos, cols) for layer, cols in sites]
-            logits = run(model, ids, writes, resume=_resume(batch, min(l for l, _ in sites)), **suffix).logits
+            values = {(layer, cols.start): frozen.captured[(receivers.kind, layer)][rows, at, cols]
+                      for layer, cols in sites}
+            # A receiver at or below every sender's layer reads its clean value: left unwritten, the run
+            # resumes at the lowest receiver some sender lies below.
+            sites = [(layer, cols) for layer, cols in sites if layer > min(h.layer for h in senders)]
+            logits = _receiver_logits(model, batch, s, receivers.kind, sites, values, rpos)
     return answer_prob(logits, repeat(batch.answer_ids, "b -> (s b)", s=s)).reshape(s, n)
+
+
+def _receiver_logits(model: LoadedModel, batch: PairBatch, s: int, kind: str, sites: list[tuple[int, slice]],
+                     values: dict[tuple[int, int], torch.Tensor], rpos: torch.Tensor) -> torch.Tensor:
+    """The receiver runs of ``s`` stacked sender copies: read-out logits ``"(s b) vocab"``.
+
+    Examples are grouped by receiver position, each group a suffix run from its own position (its rows'
+    keys and values as prefix), so no example recomputes positions before its receivers."""
+    n = len(batch)
+    if batch.clean_kv is None:  # full-length runs: one run of every example
+        groups = [torch.arange(n)]
+    else:
+        groups = [torch.nonzero(rpos == p).flatten() for p in torch.unique(rpos)]
+    outs, order = [], []
+    for g in groups:
+        stacked = (torch.arange(s)[:, None] * n + g[None]).flatten()  # rows of group g in every copy, "(s g)"
+        at = repeat(rpos[g], "g -> (s g)", s=s)
+        writes = [Patch(kind, layer, values[(layer, cols.start)][stacked], at, cols) for layer, cols in sites]
+        ids = repeat(batch.clean_ids[g], "g p -> (s g) p", s=s)
+        prefix = None if batch.clean_kv is None else _rows_prefix(batch.clean_kv, g, len(groups) == 1)
+        resume = _resume(batch, min(layer for layer, _ in sites)) if sites else None
+        if resume is not None:
+            resume = Resume(resume.layer, resume.hidden[g])
+        outs.append(run(model, ids, writes, resume=resume, prefix=prefix).logits)
+        order.append(stacked)
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat(outs)[torch.argsort(torch.cat(order))]
+
+
+def _rows_prefix(prefix: Prefix, rows: torch.Tensor, every: bool) -> Prefix:
+    """The prefix of some examples (``every``: all of them, unchanged)."""
+    if every:
+        return prefix
+    return Prefix([k[rows] for k in prefix.keys], [v[rows] for v in prefix.values])
 
 
 def _resume(batch: PairBatch, layer: int) -> Optional[Resume]:
