@@ -1,0 +1,59 @@
+"""Tests added from mutmut's survivors in ``mechdiff/patching/core.py`` (see benchmarks/mutation.md):
+the knowledge forward's site writes on fused and interleaved Q/K/V layouts, checked against the
+patching driver's column patches, and ``trace_sites``' gradient default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from mechdiff.patching.core import Patch, run, trace_sites
+
+
+def _qkv_of(model, nn, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From a fused projection: Q ``"b p (head d)"`` and K, V ``"b p (group d)"`` read through ``arch.columns`` (not ``fused_order``)."""
+    arch, shape = model.arch, model.shape
+    step = shape.n_heads // shape.n_kv_heads
+    parts = []
+    for kind, heads in (("q", range(shape.n_heads)), ("k", range(0, shape.n_heads, step)),
+                        ("v", range(0, shape.n_heads, step))):
+        site = arch.projection(nn, "q", layer).output  # fused layouts: one projection
+        parts.append(torch.cat([site[..., arch.columns(kind, h, shape)] for h in heads], -1).clone())
+    return parts[0], parts[1], parts[2]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])  # separate: the sink tests in test_mutants.py
+def test_write_qkv_matches_column_patches(family):
+    """Writing back the layer's own Q/K/V is the clean run; writing V with KV group 0 zeroed equals the
+    driver's column patch of that group; on the fused (GPT-2) and interleaved (NeoX) layouts."""
+    model = make_tiny(family, None, seed=2)
+    ids = torch.randint(0, 500, (2, 6), generator=torch.Generator().manual_seed(1))
+    layer, d = 1, model.shape.d_head
+    with torch.no_grad():
+        clean = model.model(ids).logits[:, -1]
+
+    def body(sites, zero_group: bool):
+        q, k, v = _qkv_of(model, sites.nn, layer)
+        if zero_group:
+            v = v.clone()
+            v[..., :d] = 0
+        sites.write_qkv(layer, q, k, v)
+        return sites.logits().clone()
+
+    same = trace_sites(model, ids, lambda s: body(s, False))
+    torch.testing.assert_close(same, clean, atol=1e-5, rtol=1e-5)
+    zeroed = trace_sites(model, ids, lambda s: body(s, True))
+    cols = model.arch.columns("v", 0, model.shape)
+    expected = run(model, ids, [Patch("v", layer, torch.zeros(1, 1, d), columns=cols)]).logits
+    torch.testing.assert_close(zeroed, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(zeroed, clean, atol=1e-4)  # the write took effect
+
+
+def test_trace_sites_keeps_no_graph_unless_asked():
+    """``grad`` defaults to False: the returned logits carry no autograd graph; ``grad=True`` keeps it."""
+    model = make_tiny("llama", None, seed=2)
+    ids = torch.randint(0, 500, (1, 5), generator=torch.Generator().manual_seed(1))
+    w = torch.ones((), requires_grad=True)  # the model's own weights are frozen
+    assert not trace_sites(model, ids, lambda s: s.logits() * w).requires_grad
+    assert trace_sites(model, ids, lambda s: s.logits() * w, grad=True).requires_grad
