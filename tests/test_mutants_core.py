@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from mechdiff.patching.core import Patch, run, trace_sites
+from mechdiff.patching.core import Patch, _suffix_hidden, run, suffix_start, trace_sites
 
 
 def _qkv_of(model, nn, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,3 +57,29 @@ def test_trace_sites_keeps_no_graph_unless_asked():
     w = torch.ones((), requires_grad=True)  # the model's own weights are frozen
     assert not trace_sites(model, ids, lambda s: s.logits() * w).requires_grad
     assert trace_sites(model, ids, lambda s: s.logits() * w, grad=True).requires_grad
+
+
+def test_suffix_start_is_the_earliest_written_or_read_position():
+    """The minimum over the read-out positions and each patch's first position (negative ones counted from
+    the end); 0 as soon as a patch writes every position; the last position with neither."""
+    v = torch.zeros(1, 1)
+    assert suffix_start([], None, 6) == 5
+    assert suffix_start([], torch.tensor([4, 2]), 6) == 2
+    assert suffix_start([Patch("z", 0, v, positions=slice(3, None))], torch.tensor([5, 5]), 6) == 3
+    assert suffix_start([Patch("z", 0, v, positions=torch.tensor([-2, -1]))], None, 6) == 4
+    assert suffix_start([Patch("z", 0, v, positions=slice(4, None)), Patch("z", 1, v)], None, 6) == 0
+
+
+def test_suffix_hidden_cuts_stacks_and_names_bad_shapes():
+    """A full-length stream is cut at ``start``, a suffix-length one kept; a batch of ``b`` is repeated to the
+    stacked ``copies * b`` rows; a wrong length or a batch that does not divide is refused with both sizes."""
+    hidden = torch.arange(2 * 6 * 3, dtype=torch.float).reshape(2, 6, 3)
+    assert torch.equal(_suffix_hidden(hidden, 2, 6, 0), hidden)
+    assert torch.equal(_suffix_hidden(hidden, 2, 6, 2), hidden[:, 2:])
+    suffix = hidden[:, :4]
+    assert torch.equal(_suffix_hidden(suffix, 2, 6, 2), suffix)  # already the suffix: not cut again
+    assert torch.equal(_suffix_hidden(hidden, 6, 6, 2), hidden[:, 2:].repeat(3, 1, 1))
+    with pytest.raises(ValueError, match=r"covers 3 positions; expected 6 or the suffix's 4"):
+        _suffix_hidden(hidden[:, :3], 2, 6, 2)
+    with pytest.raises(ValueError, match=r"has batch 2, which does not divide 3"):
+        _suffix_hidden(hidden, 3, 6, 2)
