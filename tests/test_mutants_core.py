@@ -67,6 +67,8 @@ def test_suffix_start_is_the_earliest_written_or_read_position():
     assert suffix_start([], torch.tensor([4, 2]), 6) == 2
     assert suffix_start([Patch("z", 0, v, positions=slice(3, None))], torch.tensor([5, 5]), 6) == 3
     assert suffix_start([Patch("z", 0, v, positions=torch.tensor([-2, -1]))], None, 6) == 4
+    assert suffix_start([Patch("z", 0, v, positions=torch.tensor([0, 3]))], None, 6) == 0
+    assert suffix_start([Patch("z", 0, v, positions=slice(None, 3))], None, 6) == 0
     assert suffix_start([Patch("z", 0, v, positions=slice(4, None)), Patch("z", 1, v)], None, 6) == 0
 
 
