@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from mechdiff.patching.core import Patch, _suffix_hidden, run, suffix_start, trace_sites
+from mechdiff.patching.core import Patch, _join, _shifted, _suffix_hidden, run, suffix_start, trace_sites
 
 
 def _qkv_of(model, nn, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,3 +85,27 @@ def test_suffix_hidden_cuts_stacks_and_names_bad_shapes():
         _suffix_hidden(hidden[:, :3], 2, 6, 2)
     with pytest.raises(ValueError, match=r"has batch 2, which does not divide 3"):
         _suffix_hidden(hidden, 3, 6, 2)
+
+
+def test_masked_patch_of_a_slice_mixes_with_the_site():
+    """``site <- site * mask + value * (1 - mask)`` on the sliced positions and columns only."""
+    site = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+    before = site.clone()
+    value, mask = torch.full((2, 2, 2), 3.0), torch.tensor([0.25, 1.0])
+    Patch("z", 0, value, positions=slice(2, 4), columns=slice(1, 3), mask=mask).apply(site)
+    expected = before.clone()
+    expected[:, 2:4, 1:3] = before[:, 2:4, 1:3] * mask + 3.0 * (1 - mask)
+    torch.testing.assert_close(site, expected)
+
+
+def test_shifted_and_join_refuse_what_a_suffix_run_cannot_do():
+    """A patch of every position, or a slice starting before ``start``, cannot be shifted; a batch that is not
+    a multiple of the prefix's cannot stack it; each refusal names the offending patch or sizes."""
+    v = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match=r"every position \(z, 1\) needs start=0"):
+        _shifted(Patch("z", 1, v), 2)
+    with pytest.raises(ValueError, match=r"slice\(1, None, None\) of \(z, 1\) starts before position 2"):
+        _shifted(Patch("z", 1, v, positions=slice(1, None)), 2)
+    assert _shifted(Patch("z", 1, v, positions=slice(3, 5)), 2).positions == slice(1, 3)
+    with pytest.raises(ValueError, match=r"batch 3 cannot stack a prefix of batch 2"):
+        _join(torch.zeros(2, 1, 4, 2), torch.zeros(3, 1, 1, 2))
