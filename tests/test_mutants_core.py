@@ -106,6 +106,11 @@ def test_shifted_and_join_refuse_what_a_suffix_run_cannot_do():
         _shifted(Patch("z", 1, v), 2)
     with pytest.raises(ValueError, match=r"slice\(1, None, None\) of \(z, 1\) starts before position 2"):
         _shifted(Patch("z", 1, v, positions=slice(1, None)), 2)
+    with pytest.raises(ValueError, match=r"starts before position 2"):
+        _shifted(Patch("z", 1, v, positions=slice(3, None, 2)), 2)  # a step: not one run of positions
+    with pytest.raises(ValueError, match=r"starts before position 1"):
+        _shifted(Patch("z", 1, v, positions=slice(None, 3)), 1)
     assert _shifted(Patch("z", 1, v, positions=slice(3, 5)), 2).positions == slice(1, 3)
+    assert _shifted(Patch("z", 1, v, positions=slice(3, None)), 2).positions == slice(1, None)
     with pytest.raises(ValueError, match=r"batch 3 cannot stack a prefix of batch 2"):
         _join(torch.zeros(2, 1, 4, 2), torch.zeros(3, 1, 1, 2))
