@@ -75,12 +75,13 @@ def test_suffix_start_is_the_earliest_written_or_read_position():
 def test_suffix_hidden_cuts_stacks_and_names_bad_shapes():
     """A full-length stream is cut at ``start``, a suffix-length one kept; a batch of ``b`` is repeated to the
     stacked ``copies * b`` rows; a wrong length or a batch that does not divide is refused with both sizes."""
-    hidden = torch.arange(2 * 6 * 3, dtype=torch.float).reshape(2, 6, 3)
+    hidden = torch.arange(2 * 6 * 5, dtype=torch.float).reshape(2, 6, 5)
     assert torch.equal(_suffix_hidden(hidden, 2, 6, 0), hidden)
     assert torch.equal(_suffix_hidden(hidden, 2, 6, 2), hidden[:, 2:])
     suffix = hidden[:, :4]
     assert torch.equal(_suffix_hidden(suffix, 2, 6, 2), suffix)  # already the suffix: not cut again
     assert torch.equal(_suffix_hidden(hidden, 6, 6, 2), hidden[:, 2:].repeat(3, 1, 1))
+    assert torch.equal(_suffix_hidden(hidden[:1, 2:], 4, 6, 2), hidden[:1, 2:].repeat(4, 1, 1))  # 4 positions too
     with pytest.raises(ValueError, match=r"covers 3 positions; expected 6 or the suffix's 4"):
         _suffix_hidden(hidden[:, :3], 2, 6, 2)
     with pytest.raises(ValueError, match=r"has batch 2, which does not divide 3"):
