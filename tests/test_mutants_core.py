@@ -1,0 +1,117 @@
+"""Tests added from mutmut's survivors in ``mechdiff/patching/core.py`` (see benchmarks/mutation.md):
+the knowledge forward's site writes on fused and interleaved Q/K/V layouts, checked against the
+patching driver's column patches, and ``trace_sites``' gradient default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from mechdiff.patching.core import Patch, _join, _shifted, _suffix_hidden, run, suffix_start, trace_sites
+
+
+def _qkv_of(model, nn, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From a fused projection: Q ``"b p (head d)"`` and K, V ``"b p (group d)"`` read through ``arch.columns`` (not ``fused_order``)."""
+    arch, shape = model.arch, model.shape
+    step = shape.n_heads // shape.n_kv_heads
+    parts = []
+    for kind, heads in (("q", range(shape.n_heads)), ("k", range(0, shape.n_heads, step)),
+                        ("v", range(0, shape.n_heads, step))):
+        site = arch.projection(nn, "q", layer).output  # fused layouts: one projection
+        parts.append(torch.cat([site[..., arch.columns(kind, h, shape)] for h in heads], -1).clone())
+    return parts[0], parts[1], parts[2]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])  # separate: the sink tests in test_mutants.py
+def test_write_qkv_matches_column_patches(family):
+    """Writing back the layer's own Q/K/V is the clean run; writing V with KV group 0 zeroed equals the
+    driver's column patch of that group; on the fused (GPT-2) and interleaved (NeoX) layouts."""
+    model = make_tiny(family, None, seed=2)
+    ids = torch.randint(0, 500, (2, 6), generator=torch.Generator().manual_seed(1))
+    layer, d = 1, model.shape.d_head
+    with torch.no_grad():
+        clean = model.model(ids).logits[:, -1]
+
+    def body(sites, zero_group: bool):
+        q, k, v = _qkv_of(model, sites.nn, layer)
+        if zero_group:
+            v = v.clone()
+            v[..., :d] = 0
+        sites.write_qkv(layer, q, k, v)
+        return sites.logits().clone()
+
+    same = trace_sites(model, ids, lambda s: body(s, False))
+    torch.testing.assert_close(same, clean, atol=1e-5, rtol=1e-5)
+    zeroed = trace_sites(model, ids, lambda s: body(s, True))
+    cols = model.arch.columns("v", 0, model.shape)
+    expected = run(model, ids, [Patch("v", layer, torch.zeros(1, 1, d), columns=cols)]).logits
+    torch.testing.assert_close(zeroed, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(zeroed, clean, atol=1e-4)  # the write took effect
+
+
+def test_trace_sites_keeps_no_graph_unless_asked():
+    """``grad`` defaults to False: the returned logits carry no autograd graph; ``grad=True`` keeps it."""
+    model = make_tiny("llama", None, seed=2)
+    ids = torch.randint(0, 500, (1, 5), generator=torch.Generator().manual_seed(1))
+    w = torch.ones((), requires_grad=True)  # the model's own weights are frozen
+    assert not trace_sites(model, ids, lambda s: s.logits() * w).requires_grad
+    assert trace_sites(model, ids, lambda s: s.logits() * w, grad=True).requires_grad
+
+
+def test_suffix_start_is_the_earliest_written_or_read_position():
+    """The minimum over the read-out positions and each patch's first position (negative ones counted from
+    the end); 0 as soon as a patch writes every position; the last position with neither."""
+    v = torch.zeros(1, 1)
+    assert suffix_start([], None, 6) == 5
+    assert suffix_start([], torch.tensor([4, 2]), 6) == 2
+    assert suffix_start([Patch("z", 0, v, positions=slice(3, None))], torch.tensor([5, 5]), 6) == 3
+    assert suffix_start([Patch("z", 0, v, positions=torch.tensor([-2, -1]))], None, 6) == 4
+    assert suffix_start([Patch("z", 0, v, positions=torch.tensor([0, 3]))], None, 6) == 0
+    assert suffix_start([Patch("z", 0, v, positions=slice(None, 3))], None, 6) == 0
+    assert suffix_start([Patch("z", 0, v, positions=slice(4, None)), Patch("z", 1, v)], None, 6) == 0
+
+
+def test_suffix_hidden_cuts_stacks_and_names_bad_shapes():
+    """A full-length stream is cut at ``start``, a suffix-length one kept; a batch of ``b`` is repeated to the
+    stacked ``copies * b`` rows; a wrong length or a batch that does not divide is refused with both sizes."""
+    hidden = torch.arange(2 * 6 * 5, dtype=torch.float).reshape(2, 6, 5)
+    assert torch.equal(_suffix_hidden(hidden, 2, 6, 0), hidden)
+    assert torch.equal(_suffix_hidden(hidden, 2, 6, 2), hidden[:, 2:])
+    suffix = hidden[:, :4]
+    assert torch.equal(_suffix_hidden(suffix, 2, 6, 2), suffix)  # already the suffix: not cut again
+    assert torch.equal(_suffix_hidden(hidden, 6, 6, 2), hidden[:, 2:].repeat(3, 1, 1))
+    assert torch.equal(_suffix_hidden(hidden[:1, 2:], 4, 6, 2), hidden[:1, 2:].repeat(4, 1, 1))  # 4 positions too
+    with pytest.raises(ValueError, match=r"covers 3 positions; expected 6 or the suffix's 4"):
+        _suffix_hidden(hidden[:, :3], 2, 6, 2)
+    with pytest.raises(ValueError, match=r"has batch 2, which does not divide 3"):
+        _suffix_hidden(hidden, 3, 6, 2)
+
+
+def test_masked_patch_of_a_slice_mixes_with_the_site():
+    """``site <- site * mask + value * (1 - mask)`` on the sliced positions and columns only."""
+    site = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+    before = site.clone()
+    value, mask = torch.full((2, 2, 2), 3.0), torch.tensor([0.25, 1.0])
+    Patch("z", 0, value, positions=slice(2, 4), columns=slice(1, 3), mask=mask).apply(site)
+    expected = before.clone()
+    expected[:, 2:4, 1:3] = before[:, 2:4, 1:3] * mask + 3.0 * (1 - mask)
+    torch.testing.assert_close(site, expected)
+
+
+def test_shifted_and_join_refuse_what_a_suffix_run_cannot_do():
+    """A patch of every position, or a slice starting before ``start``, cannot be shifted; a batch that is not
+    a multiple of the prefix's cannot stack it; each refusal names the offending patch or sizes."""
+    v = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match=r"every position \(z, 1\) needs start=0"):
+        _shifted(Patch("z", 1, v), 2)
+    with pytest.raises(ValueError, match=r"slice\(1, None, None\) of \(z, 1\) starts before position 2"):
+        _shifted(Patch("z", 1, v, positions=slice(1, None)), 2)
+    with pytest.raises(ValueError, match=r"starts before position 2"):
+        _shifted(Patch("z", 1, v, positions=slice(3, None, 2)), 2)  # a step: not one run of positions
+    with pytest.raises(ValueError, match=r"starts before position 1"):
+        _shifted(Patch("z", 1, v, positions=slice(None, 3)), 1)
+    assert _shifted(Patch("z", 1, v, positions=slice(3, 5)), 2).positions == slice(1, 3)
+    assert _shifted(Patch("z", 1, v, positions=slice(3, None)), 2).positions == slice(1, None)
+    with pytest.raises(ValueError, match=r"batch 3 cannot stack a prefix of batch 2"):
+        _join(torch.zeros(2, 1, 4, 2), torch.zeros(3, 1, 1, 2))
