@@ -36,13 +36,13 @@ from tqdm.auto import tqdm
 from .circuits.circuit import Circuit
 import random
 
-from .components import Head
+from .components import Head, layer_matched
 from .evaluate import batches
 from .models.loading import LoadedModel
 from .models.modelset import check_shapes
 from .models.remote import keep
 from .patching.core import Patch, Resume, run
-from .stats import Estimate, bootstrap, paired_difference, proportion
+from .stats import Estimate, bootstrap, mean_estimate, paired_difference
 from .tasks.base import Record, batch_tensors
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
@@ -147,10 +147,10 @@ def isolation_patches(model: LoadedModel, scope: Scope, kind: str, base_z: dict,
 
 def random_scope(scope: Scope, n_heads: int, rng: random.Random) -> Scope:
     """The scope's layers and positions with random heads: as many per (layer, position) as it has."""
-    counts: dict[tuple[int, str], int] = {}
+    by_position: dict[str, list[Head]] = {}
     for h, pos in scope:
-        counts[(h.layer, pos)] = counts.get((h.layer, pos), 0) + 1
-    return [(Head(layer, i), pos) for (layer, pos), k in counts.items() for i in rng.sample(range(n_heads), k)]
+        by_position.setdefault(pos, []).append(h)
+    return [(h, pos) for pos, heads in by_position.items() for h in layer_matched(heads, n_heads, rng)]
 
 
 @dataclass
@@ -298,7 +298,7 @@ def _append(store: tuple[list, list], scored: tuple[np.ndarray, np.ndarray]) -> 
 def _result(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, scores: dict, all_scopes: dict,
             kinds: list[str]) -> CMAPResult:
     correct = {key: np.concatenate(c).astype(float) for key, (c, _) in scores.items()}
-    acc = {key: _accuracy(v) for key, v in correct.items()}
+    acc = {key: mean_estimate(v) for key, v in correct.items()}
     prob = {key: bootstrap(np.concatenate(p)) for key, (_, p) in scores.items()}
     b, f = acc["base"].value, acc["finetune"].value
 
@@ -313,8 +313,3 @@ def _result(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, scores: 
                 if not (isinstance(k, tuple) and k[0].startswith("random:"))}
     return CMAPResult(base.name, finetune.name, acc["base"], acc["finetune"], rows, prob["base"], prob["finetune"],
                       positions, random_rows=random_rows, outcomes={k: [int(x) for x in v] for k, v in outcomes.items()})
-
-
-def _accuracy(values: np.ndarray) -> Estimate:
-    """Exact binomial CI for 0/1 outcomes; a bootstrap for per-prompt means over random draws."""
-    return proportion(values) if np.all((values == 0) | (values == 1)) else bootstrap(values)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Union
+from typing import TYPE_CHECKING, Iterable, Union
+
+if TYPE_CHECKING:
+    import random
 
 _HEAD = re.compile(r"^L(\d+)H(\d+)$")
 _MLP = re.compile(r"^MLP(\d+)$")
@@ -88,6 +91,15 @@ def parse_heads(names: Iterable[str | list | tuple | Head]) -> list[Head]:
 def all_heads(n_layers: int, n_heads: int) -> list[Head]:
     """Every head of a model, in layer-major order."""
     return [Head(l, h) for l in range(n_layers) for h in range(n_heads)]
+
+
+def layer_matched(heads: Iterable[Head], n_heads: int, rng: "random.Random") -> list[Head]:
+    """Random heads with the same depth profile: as many per layer as ``heads`` has there, drawn uniformly
+    (without replacement) from that layer's ``n_heads``; sorted."""
+    per_layer: dict[int, int] = {}
+    for h in heads:
+        per_layer[h.layer] = per_layer.get(h.layer, 0) + 1
+    return sorted(Head(layer, i) for layer, k in per_layer.items() for i in rng.sample(range(n_heads), k))
 
 
 def check_heads(heads: Iterable[Head], n_layers: int, n_heads: int) -> None:

@@ -87,7 +87,11 @@ def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float 
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if x.shape != y.shape:
         raise ValueError(f"paired values need the same prompts; got {x.shape} and {y.shape}")
-    d = x - y
-    if d.size < 2 or np.all(d == d[0]):
-        return Estimate(float(d.mean()), float(d.mean()), float(d.mean()), int(d.size))
-    return bootstrap(d, confidence=confidence, n_resamples=n_resamples, seed=seed)
+    return bootstrap(x - y, confidence=confidence, n_resamples=n_resamples, seed=seed)
+
+
+def mean_estimate(values: Sequence[float] | np.ndarray) -> Estimate:
+    """The mean with the interval fit for it: exact binomial for 0/1 outcomes, bootstrap otherwise
+    (e.g. per-prompt means over random draws)."""
+    arr = np.asarray(values, dtype=float)
+    return proportion(arr) if np.all((arr == 0) | (arr == 1)) else bootstrap(arr)

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..components import Head, all_heads
 from ..patching.core import EMB_LAYER, Patch, run
 from ..stats import bootstrap_ratio, proportion
-from .scoring import Pair, Scorer, per_prompt
+from .scoring import Pair, Scorer, per_prompt, position_mask
 
 SIZES: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
 TARGET = 0.8  # the study's default: the smallest circuit whose accuracy faithfulness reaches this
@@ -49,28 +49,11 @@ def ablation_attribution(scorer: Scorer, classes: Sequence[str]) -> dict[Pair, f
             delta = scorer.means[layer][None].to(z.device) - z.detach().float()  # "batch pos cols"
             prod = rearrange(delta * g.float(), "b p (head d) -> b p head d", head=shape.n_heads).sum(-1)
             for i, c in enumerate(classes):
-                where = _class_mask(batch, c).to(prod.device)  # "batch pos"
+                where = position_mask(batch, c).to(prod.device, prod.dtype)  # "batch pos"
                 total[i, layer] += (prod * where[..., None]).sum((0, 1)).double().cpu()
     total /= len(scorer.records)
     return {(Head(layer, h), c): float(total[i, layer, h])
             for i, c in enumerate(classes) for layer in range(shape.n_layers) for h in range(shape.n_heads)}
-
-
-def _class_mask(batch: dict, name: str) -> torch.Tensor:
-    """A boolean ``"batch pos"`` mask of a position class or a named single position."""
-    classes = batch.get("position_classes", {})
-    if name in classes:
-        return classes[name].float()
-    if name not in batch["positions"]:
-        raise ValueError(f"unknown position {name!r}; valid: {sorted(batch['positions'])} or classes {sorted(classes)}")
-    where = batch["positions"][name]
-    mask = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-    rows = torch.arange(len(where))
-    if where.ndim == 2:  # a position class "[batch, k]"
-        mask[rows[:, None], where] = 1.0
-    else:
-        mask[rows[where >= 0], where[where >= 0]] = 1.0
-    return mask
 
 
 def ranking(scores: dict[Pair, float]) -> list[Pair]:

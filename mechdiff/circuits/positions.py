@@ -56,7 +56,6 @@ def position_scan(scorer: Scorer, classes: Sequence[str], metric: Metric = "accu
         chosen.append(best)
         remaining.remove(best)
         kept = scorer.keep(every_head_at(shape.n_layers, shape.n_heads, chosen))
-        faith = bootstrap_ratio(per_prompt(kept, metric), f_full)
         steps.append({
             "added": best, "classes": list(chosen), "candidates": values,
             "accuracy": proportion(per_prompt(kept, "accuracy")).to_dict(),
@@ -64,7 +63,7 @@ def position_scan(scorer: Scorer, classes: Sequence[str], metric: Metric = "accu
             "faithfulness_prob": bootstrap_ratio(per_prompt(kept, "prob"), per_prompt(full, "prob")).to_dict(),
         })
         bar.update(1)
-        if stop_at is not None and faith.value >= stop_at:
+        if stop_at is not None and f_full.mean() and values[best] / f_full.mean() >= stop_at:
             break
     bar.close()
     return {"metric": metric, "classes": list(classes), "n_prompts": len(scorer.records),

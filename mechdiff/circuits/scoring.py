@@ -25,11 +25,11 @@ import torch
 from einops import reduce, repeat
 from tqdm.auto import tqdm
 
-from ..components import Head, all_heads
+from ..components import Head, all_heads, layer_matched
 from ..evaluate import EvalResult, batches, evaluate
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, run
-from ..stats import Estimate, bootstrap, bootstrap_ratio, pooled_proportion, proportion
+from ..stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
 from ..tasks.base import Record, batch_tensors
 from .circuit import Circuit
 
@@ -83,32 +83,36 @@ def _pairs_by_layer(pairs: Iterable[Pair]) -> dict[int, list[Pair]]:
     return out
 
 
+def position_mask(batch: dict, name: str) -> torch.Tensor:
+    """Boolean ``"batch pos"``: where position ``name`` lies in each prompt. ``name`` is a position class
+    the task defines as a mask (``batch["position_classes"]``), a class of indices ``[batch, k]`` or one
+    index per prompt (``batch["positions"]``)."""
+    classes = batch.get("position_classes", {})
+    if name in classes:
+        return classes[name]
+    if name not in batch["positions"]:
+        raise ValueError(f"unknown position {name!r}; valid: {sorted(batch['positions'])}, the classes "
+                         f"{sorted(classes)} or {EVERY_POSITION!r}")
+    where = batch["positions"][name]
+    if (where < 0).any():
+        kind = "position class" if where.ndim == 2 else "position"
+        raise ValueError(f"{kind} {name!r} is missing in some prompts; score on prompts that contain it")
+    mask = torch.zeros(batch["input_ids"].shape, dtype=torch.bool)
+    rows = torch.arange(len(where))
+    mask[rows[:, None] if where.ndim == 2 else rows, where] = True
+    return mask
+
+
 def _head_mask(layer_pairs: Sequence[Pair], batch: dict, n_pos: int, n_heads: int, fill: float) -> torch.Tensor:
     """``"batch pos head"``: ``1 - fill`` everywhere, ``fill`` at each pair's (position, head)."""
     n = batch["input_ids"].shape[0]
     mask = torch.full((n, n_pos, n_heads), 1.0 - fill)
-    rows = torch.arange(n)
     for head, pos in layer_pairs:
+        column = mask[:, :, head.head]  # a view: writing it writes the mask
         if pos == EVERY_POSITION:
-            mask[:, :, head.head] = fill
-            continue
-        classes = batch.get("position_classes", {})
-        if pos in classes:  # a position class: a boolean "batch pos" mask
-            column = mask[:, :, head.head]
-            column[classes[pos]] = fill
-            continue
-        if pos not in batch["positions"]:
-            raise ValueError(f"unknown position {pos!r}; valid: {sorted(batch['positions'])}, the classes "
-                             f"{sorted(classes)} or {EVERY_POSITION!r}")
-        where = batch["positions"][pos]
-        if where.ndim == 2:  # a position class "[batch, k]": every index of it
-            if (where < 0).any():
-                raise ValueError(f"position class {pos!r} has missing indices in some prompts")
-            mask[rows[:, None], where, head.head] = fill
-            continue
-        if (where < 0).any():
-            raise ValueError(f"position {pos!r} is missing in some prompts; score on prompts that contain it")
-        mask[rows, where, head.head] = fill
+            column.fill_(fill)
+        else:
+            column[position_mask(batch, pos)] = fill
     return mask
 
 
@@ -220,17 +224,9 @@ def random_circuit(circuit: Circuit, n_layers: int, n_heads: int, rng: random.Ra
         pool = all_heads(n_layers, n_heads)
         groups = {g: sorted(rng.sample(pool, len(hs))) for g, hs in circuit.groups.items()}
     else:
-        groups = {g: _layer_matched(hs, n_heads, rng) for g, hs in circuit.groups.items()}
+        groups = {g: layer_matched(hs, n_heads, rng) for g, hs in circuit.groups.items()}
     return Circuit(circuit.model, circuit.task, groups, dict(circuit.positions), names=dict(circuit.names),
                    meta={"random_baseline_of": circuit.model})
-
-
-def _layer_matched(heads: Sequence[Head], n_heads: int, rng: random.Random) -> list[Head]:
-    """As many heads per layer as ``heads`` has there, drawn uniformly from that layer."""
-    per_layer: dict[int, int] = {}
-    for h in heads:
-        per_layer[h.layer] = per_layer.get(h.layer, 0) + 1
-    return sorted(Head(layer, i) for layer, k in per_layer.items() for i in rng.sample(range(n_heads), k))
 
 
 def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "") -> Circuit:
@@ -272,7 +268,7 @@ def faithfulness(scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int 
 def _figures(result: EvalResult, full: EvalResult) -> dict:
     acc, prob = per_prompt(result, "accuracy"), per_prompt(result, "prob")
     return {
-        "accuracy": (proportion(acc) if np.all((acc == 0) | (acc == 1)) else bootstrap(acc)).to_dict(),
+        "accuracy": mean_estimate(acc).to_dict(),
         "answer_prob": bootstrap(prob).to_dict(),
         "faithfulness": bootstrap_ratio(acc, per_prompt(full, "accuracy")).to_dict(),
         "faithfulness_prob": bootstrap_ratio(prob, per_prompt(full, "prob")).to_dict(),
