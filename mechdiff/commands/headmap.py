@@ -12,6 +12,7 @@ import logging
 from dataclasses import fields, replace
 from pathlib import Path
 
+from ..headmap import TrainConfig
 from ..studies.headmap import RUNS, HeadMapSettings
 from ._options import add_model_options, load_from_args, write_json
 
@@ -61,7 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(ft)
     ft.add_argument("--task", default="entity-tracking", choices=trainable_tasks())
     ft.add_argument("--circuit", required=True, help="circuit.json from `mechdiff headmap locate`")
-    ft.add_argument("--lora-rank", type=int, default=0, help="also train a LoRA of this rank (HeadMap+LoRA)")
+    ft.add_argument("--lora-rank", type=int, default=TrainConfig.lora_rank,
+                    help="also train a LoRA of this rank (HeadMap+LoRA; 0: none)")
     ft.add_argument("--out", required=True, help="directory: result.json")
     _train_options(ft)
     ft.set_defaults(func=main_finetune)

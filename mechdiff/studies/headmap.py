@@ -13,6 +13,7 @@ section, ``tasks/headmap.toml``; the command's flags override it).
 from __future__ import annotations
 
 import logging
+import shlex
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -340,7 +341,7 @@ def command_line(st: HeadMapSettings, out: str) -> str:
         value = getattr(st, f.name)
         if value != getattr(default, f.name):
             text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
-            flags.append(f"--{f.name.replace('_', '-')} {text}")
+            flags.append(f"--{f.name.replace('_', '-')} {shlex.quote(text)}")
     return " ".join(["mechdiff headmap compare", f"--out {out}", *flags])
 
 
