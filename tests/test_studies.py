@@ -195,3 +195,33 @@ def test_headmap_task_file_and_committed_records(tmp_path, smollm2_tokenizer):
     bad.write_text('[headmap]\nn = 8\nruns = ["base", "lorra"]\n')
     with pytest.raises(SpecError, match=r"bad.toml:3: runs = .*valid values: base, located"):
         hm.load_settings(bad)
+    bad.write_text('[headmap]\n\ntransfer_task = "nonesuch"\n')
+    with pytest.raises(SpecError, match=r"bad.toml:3: transfer_task = 'nonesuch'.*entity-tracking"):
+        hm.load_settings(bad)
+
+
+def _parse(*argv):
+    import argparse
+
+    from mechdiff.commands import headmap as hm_cmd, knowledge as k_cmd
+
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    hm_cmd.register(sub)
+    k_cmd.register(sub)
+    return p.parse_args(list(argv))
+
+
+def test_commands_read_the_task_file_and_flags_override_it():
+    from mechdiff.commands import headmap as hm_cmd, knowledge as k_cmd
+
+    args = _parse("headmap", "compare", "--task", "tasks/headmap.toml", "--k", "3", "--runs", "base,located")
+    s = hm_cmd.settings_from(args, task_file=True)
+    assert (s.k, s.runs, s.n, s.eval_n) == (3, ("base", "located"), 8, 150)  # flags over the file over defaults
+    assert hm_cmd.settings_from(_parse("headmap", "locate", "--out", "x")) == hm.HeadMapSettings()
+    with pytest.raises(ValueError, match="unknown runs"):
+        hm_cmd.settings_from(_parse("headmap", "compare", "--runs", "base,lorra"), task_file=True)
+    args = _parse("knowledge", "--task", "tasks/knowledge.toml", "--models", "m1", "--sizes", "1,10", "--no-curve")
+    s = k_cmd.settings_from(args)
+    assert (s.models, s.sizes, s.curve, s.relation) == (("m1",), (0.01, 0.1), False, "country_language")
+    assert k_cmd.settings_from(_parse("knowledge")) == kp.KnowledgeSettings()

@@ -103,7 +103,7 @@ def settings_from(args: argparse.Namespace, task_file: bool = False) -> HeadMapS
         if name in flags:
             flags[name] = tuple(x.strip() for x in flags[name].split(",") if x.strip())
     settings = replace(settings, **flags)
-    check_runs(settings.runs)
+    check_runs(settings)
     return settings
 
 

@@ -73,19 +73,22 @@ class HeadMapSettings:
                            eval_n=self.eval_n)
 
 
-CHOICES = {("headmap", "runs"): RUNS}
-
-
 def load_settings(path: str | Path) -> HeadMapSettings:
-    """The ``[headmap]`` section of the task file ``path`` (unknown keys and runs refused with their line)."""
-    return load_sections(path, {"headmap": HeadMapSettings}, choices=CHOICES,
+    """The ``[headmap]`` section of the task file ``path`` (unknown keys, runs and tasks refused with their line)."""
+    from ..tasks.base import trainable_tasks
+
+    choices = {("headmap", "runs"): RUNS, ("headmap", "transfer_task"): tuple(trainable_tasks())}
+    return load_sections(path, {"headmap": HeadMapSettings}, choices=choices,
                          example="tasks/headmap.toml")[0]["headmap"]
 
 
-def check_runs(runs: tuple) -> None:
-    unknown = sorted(set(runs) - set(RUNS))
+def check_runs(settings: HeadMapSettings) -> None:
+    """Refuse unknown runs, and a transfer task without training batches, before anything loads."""
+    unknown = sorted(set(settings.runs) - set(RUNS))
     if unknown:
         raise ValueError(f"unknown runs {unknown}; choose from {', '.join(RUNS)}")
+    if "transfer" in settings.runs:
+        get_task(settings.transfer_task)
 
 
 # --------------------------------------------------------------------------------------
@@ -177,7 +180,7 @@ class HeadMapStudy:
 
     def __init__(self, settings: HeadMapSettings, out: str | Path, load: Callable[[str], LoadedModel],
                  progress: bool = True):
-        check_runs(settings.runs)
+        check_runs(settings)
         self.settings, self.load, self.progress = settings, load, progress
         self.out = check_writable(out)
         for path in settings.path_patching:  # read now, not after hours of training
