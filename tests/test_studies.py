@@ -225,3 +225,18 @@ def test_commands_read_the_task_file_and_flags_override_it():
     s = k_cmd.settings_from(args)
     assert (s.models, s.sizes, s.curve, s.relation) == (("m1",), (0.01, 0.1), False, "country_language")
     assert k_cmd.settings_from(_parse("knowledge")) == kp.KnowledgeSettings()
+
+
+def test_studies_hold_their_directory_lock(knowledge_run, headmap_setup):
+    from mechdiff.io import RunLockedError, run_lock
+
+    model, settings, out = knowledge_run
+    with run_lock(out):
+        with pytest.raises(RunLockedError, match="another mechdiff run"):
+            kp.run_study([model], settings, out)
+    hm_settings, hm_out, load, _ = headmap_setup
+    study = hm.HeadMapStudy(hm_settings, hm_out, load, progress=False)
+    with run_lock(hm_out):
+        with pytest.raises(RunLockedError, match="another mechdiff run"):
+            study.run()
+    assert not (out / "stages").exists() and not (hm_out / "stages").exists()  # refused before computing

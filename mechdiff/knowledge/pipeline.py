@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..circuits.overlap import hypergeom_p
-from ..io import write_json, write_text
+from ..io import run_lock, write_json, write_text
 from ..models.loading import LoadedModel
 from ..report.tables import to_markdown, write_table
 from ..studies.seeds import derive
@@ -475,12 +475,16 @@ def facts_stage(models: Sequence[LoadedModel], facts: Sequence[Fact], settings: 
 
 def run_study(models: Sequence[LoadedModel], settings: KnowledgeSettings, out: Path, progress: bool = True) -> dict:
     """Facts every model gets right; one circuit per model; the comparison when there are two or more.
-    Every stage is cached in ``out/stages/`` (see :func:`run_model`)."""
+    Every stage is cached in ``out/stages/`` (see :func:`run_model`); the run holds ``out``'s lock."""
+    with run_lock(out):
+        return _run_study(models, settings, out, progress)
+
+
+def _run_study(models: Sequence[LoadedModel], settings: KnowledgeSettings, out: Path, progress: bool) -> dict:
     for m in models:
         if m.tokenizer.get_vocab() != models[0].tokenizer.get_vocab():
             raise ValueError(f"{m.name} and {models[0].name} have different tokenizers; compare checkpoints of one model")
     facts = load_facts(models[0], settings)
-    out.mkdir(parents=True, exist_ok=True)
     cache = StageCache(out)
     data = facts_stage(models, facts, settings, cache)
     kept = [facts[i] for i in data.result["kept"]]

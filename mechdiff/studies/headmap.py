@@ -24,7 +24,7 @@ import numpy as np
 from ..circuits.circuit import Circuit
 from ..headmap import (HeadMap, LocateConfig, TrainConfig, correct, get_task, heads_by_layer, locate_task,
                        lora_params, random_heads, train)
-from ..io import check_writable, save_figure, write_json, write_text
+from ..io import check_writable, run_lock, save_figure, write_json, write_text
 from ..models.loading import LoadedModel
 from ..stats import bootstrap
 from ..tasks.spec import load_sections
@@ -260,7 +260,12 @@ class HeadMapStudy:
 
     # -- the whole study ----------------------------------------------------------------
     def run(self, train_only: bool = False) -> Optional[Path]:
-        """Every chosen run, then (unless ``train_only``) tables, figures and ``report.md``; returns its path."""
+        """Every chosen run, then (unless ``train_only``) tables, figures and ``report.md``; returns its path.
+        Under the output directory's lock: a second run on it is refused with the holder's PID."""
+        with run_lock(self.out):
+            return self._run(train_only)
+
+    def _run(self, train_only: bool) -> Optional[Path]:
         t_start = time.time()
         st = self.settings
         cfg = st.train_config()
