@@ -142,10 +142,13 @@ class _Run:
                                                      self.evaluate(np.zeros(self.graph.n_edges, dtype=bool))))
 
     def inputs(self) -> dict:
-        """What every stage of this model depends on: weights, facts, how removed edges are ablated."""
+        """What every stage of this model depends on: weights, facts, how removed edges are ablated, the code
+        version."""
+        from .. import __version__
+
         s = self.settings
         return {"model": self.model.fingerprint, "facts": facts_key(self.facts), "ablation": s.ablation,
-                "keep_first": s.keep_first, "batch_size": s.batch_size}
+                "keep_first": s.keep_first, "batch_size": s.batch_size, "mechdiff": __version__}
 
 
 def _wanted_sizes(s: KnowledgeSettings) -> list[float]:
