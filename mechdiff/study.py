@@ -11,21 +11,20 @@ unfinished stage. Position-wise means live in the HDF5 activation store.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import platform
-import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 from .circuits.circuit import Circuit
-from .io import check_writable, read_record, run_lock, write_json
+from .io import check_writable, run_lock, write_json
 from .models.loading import LoadedModel, resolve_spec, spec_digest
 from .models.modelset import ModelSet
+from .studies.stages import StageCache, StageRecord, label
+from .studies.stages import key_hash as _hash
 from .tasks.base import Task, get_task
 from .tasks.spec import RunSpec
 
@@ -34,58 +33,6 @@ PACKAGES = ("mechdiff", "torch", "transformers", "nnsight", "peft", "h5py", "sci
 #: Each prompt set of the study, by name: its seed is the task seed plus this offset, so no two sets share prompts.
 SEED_OFFSETS = {"discovery": 0, "eval": 1, "matrix": 2, "reference": 3, "dcm": 4, "cmap": 5, "prune": 6,
                 "positions": 7, "ranking": 8, "curve": 9}
-
-
-def label(name: str) -> str:
-    """A file-name-safe label for a model name or path (``/data/ckpt-7/`` -> ``ckpt-7``)."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name.rstrip("/")).name or name) or "model"
-
-
-def _hash(data: Any) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-@dataclass
-class StageRecord:
-    """One stage's outcome: its key, result, wall time and whether it came from the cache."""
-
-    name: str
-    key: str
-    result: Any
-    seconds: float
-    cached: bool
-
-
-@dataclass
-class StageCache:
-    """``<run>/stages/<name>.json``: a stage is reused only when its key matches."""
-
-    root: Path
-    records: dict[str, StageRecord] = field(default_factory=dict)
-
-    def path(self, name: str) -> Path:
-        """The record file of stage ``name`` (``"kind"`` or ``"kind:model"``)."""
-        kind, _, model = name.partition(":")
-        return self.root / "stages" / (f"{kind}__{label(model)}.json" if model else f"{kind}.json")
-
-    def run(self, name: str, inputs: dict, compute: Callable[[], Any]) -> StageRecord:
-        key = _hash(inputs)
-        path = self.path(name)
-        saved = read_record(path, f"stage record of {name}", ("key", "result", "seconds"))
-        if saved is not None:
-            if saved["key"] == key:
-                log.info("stage %s: cached (key %s)", name, key)
-                rec = StageRecord(name, key, saved["result"], saved["seconds"], True)
-                self.records[name] = rec
-                return rec
-            log.info("stage %s: inputs changed, recomputing", name)
-        t0 = time.perf_counter()
-        result = compute()
-        seconds = time.perf_counter() - t0
-        write_json(path, {"name": name, "key": key, "inputs": inputs, "seconds": seconds, "result": result})
-        rec = StageRecord(name, key, result, seconds, False)
-        self.records[name] = rec
-        return rec
 
 
 class Study:

@@ -166,6 +166,18 @@ def default_spec() -> RunSpec:
 
 def load_spec(path: str | Path) -> RunSpec:
     """Parse and check a task file before anything loads."""
+    built, text = load_sections(path, SECTIONS, REQUIRED, CHOICES)
+    _check_task(Path(path), text, built["task"].name)
+    return RunSpec(**built, source=str(path))
+
+
+def load_sections(path: str | Path, sections: dict[str, type], required: Optional[dict[str, tuple]] = None,
+                  choices: Optional[dict[tuple[str, str], tuple]] = None,
+                  example: str = "tasks/entity_tracking.toml") -> tuple[dict[str, Any], str]:
+    """The one task-file loader: every ``[section]`` of the TOML file ``path`` built into its dataclass in
+    ``sections`` (absent sections: defaults), and the file's text. Unknown sections and keys, values of
+    the wrong type (lists where the default is a tuple become tuples) and values outside ``choices`` are
+    refused with the file and line; ``required`` names fields a file must give."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"task file {path} does not exist")
@@ -176,39 +188,42 @@ def load_spec(path: str | Path) -> RunSpec:
         raise SpecError(f"{path}: not a text file ({err}) — give a TOML task file (tasks/*.toml)") from None
     except tomllib.TOMLDecodeError as err:
         raise SpecError(f"{path}: not valid TOML ({err}) — fix the syntax there "
-                        "(tasks/entity_tracking.toml is a complete example)") from None
+                        f"({example} is a complete example)") from None
     for section in data:
-        if section not in SECTIONS:
+        if section not in sections:
             raise SpecError(f"{path}:{_line(text, None, section)}: unknown section [{section}]; "
-                            f"valid sections: {', '.join(SECTIONS)}")
-    for section, keys in REQUIRED.items():
+                            f"valid sections: {', '.join(sections)}")
+    for section, keys in (required or {}).items():
         for key in keys:
             if key not in data.get(section, {}):
                 raise SpecError(f"{path}: [{section}] is missing the required field {key!r}")
-    built = {}
-    for name, cls in SECTIONS.items():
-        values = data.get(name, {})
-        valid = [f.name for f in fields(cls)]
-        for key in values:
-            if key not in valid:
-                raise SpecError(f"{path}:{_line(text, name, key)}: unknown key {key!r} in [{name}]; "
-                                f"valid keys: {', '.join(valid)}")
-            _check_type(path, text, name, key, values[key], getattr(cls(), key))
-            allowed = CHOICES.get((name, key))
-            items = values[key] if isinstance(values[key], list) else [values[key]]
-            if allowed and any(item not in allowed for item in items):
-                raise SpecError(f"{path}:{_line(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
-                                f"valid values: {', '.join(allowed)}")
-        built[name] = cls(**values)
-    _check_task(path, text, built["task"].name)
-    return RunSpec(**built, source=str(path))
+    return {name: _section(path, text, name, cls, data.get(name, {}), choices or {})
+            for name, cls in sections.items()}, text
+
+
+def _section(path: Path, text: str, name: str, cls: type, values: dict, choices: dict) -> Any:
+    """One section's dataclass from its values, each checked (key, type, choices) with its line."""
+    valid = [f.name for f in fields(cls)]
+    defaults = cls()
+    for key in values:
+        if key not in valid:
+            raise SpecError(f"{path}:{_line(text, name, key)}: unknown key {key!r} in [{name}]; "
+                            f"valid keys: {', '.join(valid)}")
+        _check_type(path, text, name, key, values[key], getattr(defaults, key))
+        allowed = choices.get((name, key))
+        items = values[key] if isinstance(values[key], list) else [values[key]]
+        if allowed and any(item not in allowed for item in items):
+            raise SpecError(f"{path}:{_line(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
+                            f"valid values: {', '.join(map(str, allowed))}")
+    return cls(**{k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in values.items()})
 
 
 def _check_type(path: Path, text: str, section: str, key: str, value: Any, default: Any) -> None:
     """Refuse a value whose type differs from the field's default (``n_boxes = "seven"``) with its line."""
     if default is None:
         return
-    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), dict: (dict,)}
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), tuple: (list,),
+             dict: (dict,)}
     want = kinds.get(type(default))
     ok = want is None or (isinstance(value, want) and not (isinstance(value, bool) and bool not in want))
     if not ok:
