@@ -49,7 +49,7 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
                      **estimate_columns("answer_prob", r["answer_prob"]), "fingerprint": r["fingerprint"]})
     n = study.spec.eval.n
     text = _table(study, rows, "accuracy", f"Accuracy on {n} held-out {study.spec.task.n_boxes}-box prompts "
-                                           "(objects disjoint from fine-tuning objects; 95% bootstrap CI)")
+                                           "(objects disjoint from fine-tuning objects; exact binomial CI for accuracy, bootstrap for probability)")
     return text, rows
 
 
@@ -261,11 +261,11 @@ def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict]) -
         own = next((r for r in matrix_rows if r["model"] == name and r["circuit"] == name), None)
         if own is None:
             continue
-        verdict = ("reaches the target" if own["faithfulness"] >= target and own["faithfulness_low"] >= target - 0.1
-                   else "falls short of the target")
+        met = own["faithfulness"] >= target and own["faithfulness_low"] >= target - 0.1
         sentence = (f"  Its own circuit ({own['n_pairs']} (head, position) pairs) keeps faithfulness "
                     f"{_interval(own, 'faithfulness')} (accuracy {_interval(own, 'accuracy')}) on {own['n_prompts']} "
-                    f"fresh prompts: it {verdict} {target} (lower bound at least {target - 0.1:.1f} asked).")
+                    f"fresh prompts: the target (at least {target}, lower bound at least {target - 0.1:.1f}) is "
+                    + ("met." if met else "not met."))
         if "random_faithfulness" in own:
             sentence += (f" Random layer- and position-matched circuits of its size: "
                          f"{_interval(own, 'random_faithfulness')}.")
