@@ -28,8 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", default=None, choices=["eap-ig", "eap", "iterative", "acdc"],
                    help="eap (default): one forward+backward per batch; iterative: EAP recomputed at the current "
                         "circuit while pruning (a pass per size); eap-ig: integrated gradients over edge masks; "
-                        "acdc: exact pruning, one forward per edge (about 70 651 forwards on SmolLM2-135M, "
-                        "hours on 2 CPU cores: use it on small models)")
+                        "acdc: exact pruning edge by edge (incremental, batched; see --acdc-prefilter for "
+                        "SmolLM2-135M's 70 651 edges: benchmarks/acdc.py measures the cost)")
     p.add_argument("--ig-steps", type=int, default=None, help="EAP-IG interpolation steps (5)")
     p.add_argument("--ablation", default=None, choices=["zero", "mean"], help="what a removed edge carries (mean: the sender's mean output over the facts; "
                         "zero: nothing, as in the paper)")
@@ -41,7 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="rank edges by score (positive first) instead of |score|")
     p.add_argument("--prune-unreached", action=argparse.BooleanOptionalAction, default=None,
                    help="drop edges from senders with no input edge (default; exact under zero ablation only)")
-    p.add_argument("--tau", type=float, default=None, help="ACDC threshold on MatchNLL (paper: 0.02, 0.01, 0.005)")
+    p.add_argument("--tau", type=float, default=None, help="ACDC threshold on its metric (paper: 0.02, 0.01, 0.005)")
+    p.add_argument("--acdc-metric", default=None, choices=["match_nll", "nll", "kl"],
+                   help="ACDC metric (match_nll, the paper's: answer NLL over facts the full model gets top-1)")
+    p.add_argument("--acdc-prefilter", type=float, default=None,
+                   help="run ACDC only on the top this %% of edges by |EAP| (the rest removed; default: all)")
+    p.add_argument("--acdc-batch", type=int, default=None, help="ACDC candidate edges per forward (0: by memory)")
     p.add_argument("--k", type=int, default=None, help="Hit@k (10)")
     p.add_argument("--target", type=float, default=None, help="circuit Hit@k >= target x full model's (0.7)")
     p.add_argument("--sizes", default=None, help="candidate circuit sizes in %% of edges (0.1,0.2,0.5,1,2,5,10)")
@@ -71,7 +76,8 @@ def settings_from(args: argparse.Namespace) -> KnowledgeSettings:
              "ablation": args.ablation,
              "keep_first": args.keep_first, "selection": args.selection, "signed": args.signed,
              "prune_unreached": args.prune_unreached,
-             "tau": args.tau, "k": args.k, "target": args.target, "n_random": args.n_random,
+             "tau": args.tau, "acdc_metric": args.acdc_metric, "acdc_batch": args.acdc_batch,
+             "acdc_prefilter": None if args.acdc_prefilter is None else args.acdc_prefilter / 100, "k": args.k, "target": args.target, "n_random": args.n_random,
              "max_facts": args.max_facts, "batch_size": args.batch_size, "seed": args.seed,
              "sizes": _fractions(args.sizes) if args.sizes else None}
     values.update({k: v for k, v in flags.items() if v is not None})
