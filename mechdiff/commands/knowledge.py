@@ -47,6 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--acdc-prefilter", type=float, default=None,
                    help="run ACDC only on the top this %% of edges by |EAP| (the rest removed; default: all)")
     p.add_argument("--acdc-batch", type=int, default=None, help="ACDC candidate edges per forward (0: by memory)")
+    p.add_argument("--acdc-facts", type=int, default=None,
+                   help="ACDC on at most this many facts the model gets top-1, of one token length (0: all)")
     p.add_argument("--k", type=int, default=None, help="Hit@k (10)")
     p.add_argument("--target", type=float, default=None, help="circuit Hit@k >= target x full model's (0.7)")
     p.add_argument("--sizes", default=None, help="candidate circuit sizes in %% of edges (0.1,0.2,0.5,1,2,5,10)")
@@ -77,7 +79,9 @@ def settings_from(args: argparse.Namespace) -> KnowledgeSettings:
              "keep_first": args.keep_first, "selection": args.selection, "signed": args.signed,
              "prune_unreached": args.prune_unreached,
              "tau": args.tau, "acdc_metric": args.acdc_metric, "acdc_batch": args.acdc_batch,
-             "acdc_prefilter": None if args.acdc_prefilter is None else args.acdc_prefilter / 100, "k": args.k, "target": args.target, "n_random": args.n_random,
+             "acdc_facts": args.acdc_facts,
+             "acdc_prefilter": None if args.acdc_prefilter is None else args.acdc_prefilter / 100,
+             "k": args.k, "target": args.target, "n_random": args.n_random,
              "max_facts": args.max_facts, "batch_size": args.batch_size, "seed": args.seed,
              "sizes": _fractions(args.sizes) if args.sizes else None}
     values.update({k: v for k, v in flags.items() if v is not None})

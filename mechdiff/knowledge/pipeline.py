@@ -27,7 +27,7 @@ from ..stats import bootstrap
 from . import figures
 from .analysis import attention_mass, head_roles, logit_lens
 from .data import Fact, Relation, batches, build_facts
-from .acdc import acdc
+from .acdc import acdc, discovery_batch
 from .discovery import attribution_scores, greedy_edges, iterative_pruning, top_edges
 from .evaluate import SIZES, evaluate, faithfulness_curve, random_mask
 from .forward import Ablation, check_supported, mean_ablation
@@ -54,6 +54,7 @@ class KnowledgeSettings:
     acdc_metric: str = "match_nll"  # match_nll (the paper's) | nll | kl: see knowledge/acdc.py
     acdc_prefilter: float = 0.0  # ACDC only on this top fraction of edges by |EAP| (0: every edge)
     acdc_batch: int = 0  # candidate edges per forward (0: sized by memory)
+    acdc_facts: int = 0  # ACDC on at most this many top-1 facts of one length (0: every fact)
     n_random: int = 3
     max_facts: int = 0  # 0: every fact of the relation
     batch_size: int = 32
@@ -99,9 +100,11 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
     pruned: Optional[dict] = None
     acdc_run: Optional[dict] = None
     if settings.method == "acdc":
-        found = acdc(model, graph, bs, settings.tau, ablation, settings.acdc_metric, batch=settings.acdc_batch,
+        found_on = [discovery_batch(bs, full.rank == 0, settings.acdc_facts)] if settings.acdc_facts else bs
+        found = acdc(model, graph, found_on, settings.tau, ablation, settings.acdc_metric, batch=settings.acdc_batch,
                      prefilter=settings.acdc_prefilter or None, progress=progress)
         mask, scores, acdc_run = found.mask, np.nan_to_num(found.effect, nan=0.0), found.summary()
+        acdc_run["facts"] = [f.prompt for b in found_on for f in b.facts]
         sweep, chosen = [], {"fraction": float(mask.mean()), "n_edges": int(mask.sum())}
     elif settings.method == "iterative":
         wanted = sorted({*settings.sizes, *(settings.curve_sizes if settings.curve else ())} - {1.0})
