@@ -47,19 +47,24 @@ def _plain(model, g, bs, tau, ablation=Ablation(), metric="match_nll"):
     return acdc(model, g, bs, tau, ablation, metric, incremental=False, batch=1, skip_dead=False, progress=False)
 
 
-def test_stacked_resumed_forward_equals_one_circuit_at_a_time(setup):
+@pytest.mark.parametrize("ablation", ["zero", "mean-keep-first"])
+def test_stacked_resumed_forward_equals_one_circuit_at_a_time(setup, ablation):
     model, g, bs = setup
     b = bs[0]
+    abl = Ablation()
+    if ablation != "zero":
+        abl = mean_ablation(model, g, bs)
+        abl.keep_first = True
     with torch.no_grad():
-        start = edge_forward(model, g, b.ids, None, keep_outputs=True)
+        start = edge_forward(model, g, b.ids, None, abl, keep_outputs=True)
         off = next(o for k, l, o, r, s in g.blocks if k == "attn" and l == 1)
         masks = np.ones((3, g.n_edges), dtype=bool)
         rng = np.random.default_rng(0)
         for c in range(3):
             masks[c, off + rng.choice(g.n_edges - off, 30, replace=False)] = False
-        stacked = edge_forward(model, g, b.ids, masks, resume=EdgeResume(1, start.outputs)).logits
+        stacked = edge_forward(model, g, b.ids, masks, abl, resume=EdgeResume(1, start.outputs)).logits
         for c in range(3):
-            alone = edge_forward(model, g, b.ids, masks[c]).logits
+            alone = edge_forward(model, g, b.ids, masks[c], abl).logits
             assert not torch.allclose(alone, start.logits, atol=1e-3)  # the removals matter
             torch.testing.assert_close(stacked[3 * c:3 * c + 3], alone, atol=1e-5, rtol=1e-5)
 

@@ -279,16 +279,21 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
         """``"receiver (copy batch) pos d"`` inputs of one block of receivers."""
         if grad_mode:
             return grad_inputs(offset, n_recv, n_send)
-        C = n_copies
+        C, s0 = n_copies, min(n_send, n_cached)
         block = m[:, offset:offset + n_recv * n_send].view(C, n_recv, n_send)
-        senders = buf[:, :n_send]  # "copy sender batch pos d"
-        x = torch.bmm(block, senders.reshape(C, n_send, -1)).view(C, n_recv, *senders.shape[2:])
+        x = torch.zeros(C, n_recv, B * n_pos * d_model, device=device, dtype=dtype)
+        if s0:  # the resumed senders are the same in every copy: one product, no copy per copy
+            x += (block[:, :, :s0].reshape(C * n_recv, s0) @ cached.reshape(n_cached, -1)[:s0]).view(C, n_recv, -1)
+        if n_send > s0:
+            x.baddbmm_(block[:, :, s0:], buf[:, s0:n_send].reshape(C, n_send - s0, -1))
+        x = x.view(C, n_recv, B, n_pos, d_model)
         if abl is not None:  # + sum_s abl_s - sum_s m_rs abl_s
             fix = abl_cum[n_send - 1].reshape(1, 1, -1) - block @ abl[:n_send].reshape(n_send, -1)
-            x = x + fix.view(C, n_recv, 1, *senders.shape[3:])
+            x = x + fix.view(C, n_recv, 1, n_pos, d_model)
         if ablation.keep_first:  # position 0 reads the whole residual stream (it only sees itself: clean)
-            x[:, :, :, 0] = senders[:, :, :, 0].sum(1).unsqueeze(1)
-        return x.transpose(0, 1).reshape(n_recv, C * B, *senders.shape[3:])
+            first_pos = buf[:, s0:n_send, :, 0].sum(1) + (cached[:s0, :, 0].sum(0) if s0 else 0)
+            x[:, :, :, 0] = first_pos.unsqueeze(1)
+        return x.transpose(0, 1).reshape(n_recv, C * B, n_pos, d_model)
 
     def add_sender(a: torch.Tensor) -> None:
         s = n_out[0]
@@ -311,7 +316,8 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
                                              device=device, dtype=dtype)  # "copy sender batch pos d"
     blocks = {(k, l): (off, r, s) for k, l, off, r, s in graph.blocks}
     post = arch.attn_post_norm is not None
-    first, skip = 0, None
+    first, skip, n_cached, cached = 0, None, 0, None
+    d_model = model.shape.d_model
     if resume is not None:
         first = resume.layer
         n_before = graph.senders_before_attn(first)
@@ -319,8 +325,7 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
             raise ValueError(f"resume at layer {first} needs the outputs of the first {n_before} senders for batch "
                              f"{B}; got {tuple(resume.outputs.shape)}")
         cached = resume.outputs[:n_before].to(device=device, dtype=dtype)
-        buf[:, :n_before] = cached.unsqueeze(0)
-        n_out[0] = n_before
+        n_cached = n_out[0] = n_before
         skip = Resume(first, cached.sum(0).repeat(n_copies, 1, 1))  # the residual stream entering ``first``
 
     def body(sites) -> None:
@@ -343,6 +348,8 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
         sites.write_final_norm(apply_norm(W.final_norm, x[0]))
         result["logits"] = sites.logits()
         if keep_outputs:
+            if n_cached:
+                buf[:, :n_cached] = cached.unsqueeze(0)
             result["outputs"] = (buf.transpose(0, 1).reshape(graph.n_senders, n_copies * B, *buf.shape[3:]).clone()
                                  if buf is not None else torch.stack([o.detach() for o in outs]))
 
