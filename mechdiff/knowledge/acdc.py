@@ -86,7 +86,8 @@ class AcdcResult:
     forwards: int = 0  # traced forward passes over all facts
     copies: int = 0  # circuits evaluated (stacked copies summed over forwards, tries that were redone included)
     cost: float = 0.0  # forward-pass equivalents over all facts: copies x (blocks computed + 1) / (layers + 1)
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall clock
+    cpu_seconds: float = 0.0  # this process's CPU time (what one core would take on an idle machine)
     settings: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -233,7 +234,7 @@ def acdc(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], tau: fl
         raise ValueError(f"ACDC threshold tau must be positive (the paper's: {TAUS}); got {tau}")
     if prefilter is not None and not 0 < prefilter <= 1:
         raise ValueError(f"the pre-filter is a fraction of edges in (0, 1]; got {prefilter}")
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     candidate = np.ones(graph.n_edges, dtype=bool)
     if prefilter is not None:
         if scores is None:
@@ -293,5 +294,6 @@ def acdc(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], tau: fl
         current = float(evaluate(mask[None], 0)[0])
     return AcdcResult(mask, effect, metric, tau, evaluate.start_value, current, prefilter, int(candidate.sum()),
                       trials, skipped, evaluate.forwards, evaluate.copies, evaluate.cost, time.time() - t0,
+                      time.process_time() - c0,
                       {"incremental": incremental, "batch": batch, "skip_dead": skip_dead,
                        "ablation": ablation.kind, "n_facts": sum(len(b) for b in batches)})
