@@ -98,7 +98,7 @@ def main() -> None:
     variants = [("plain (full forward per edge)", dict(incremental=False, batch=1, skip_dead=False)),
                 ("incremental", dict(incremental=True, batch=1, skip_dead=False)),
                 (f"incremental + batched ({args.batch})", dict(incremental=True, batch=args.batch, skip_dead=False)),
-                (f"incremental + batched + dead nodes", dict(incremental=True, batch=args.batch, skip_dead=True))]
+                ("incremental + batched + dead nodes", dict(incremental=True, batch=args.batch, skip_dead=True))]
     rows, ref = [], None
     for name, kw in variants:
         r = acdc(model, graph, [b], args.tau, scores=scores, prefilter=fraction, progress=False, **kw)
