@@ -11,7 +11,8 @@ import torch
 
 from conftest import make_tiny
 from mechdiff.knowledge.data import Relation, available_relations, batches, build_facts
-from mechdiff.knowledge.discovery import acdc, answer_logprob, attribution_scores, top_edges
+from mechdiff.knowledge.acdc import acdc
+from mechdiff.knowledge.discovery import answer_logprob, attribution_scores, top_edges
 from mechdiff.knowledge.evaluate import evaluate, faithfulness_curve, random_mask
 from mechdiff.knowledge.forward import Ablation, edge_forward, edge_gradients, mean_ablation
 from mechdiff.knowledge.graph import EdgeCircuit, Graph, expected_edge_count, prune_dangling
@@ -127,11 +128,11 @@ def test_acdc_keeps_a_planted_path():
     with torch.no_grad():
         answers = model.model(ids).logits[:, -1].argmax(-1)
     b = type("B", (), {"ids": ids, "answers": answers, "__len__": lambda self: 4})()
-    mask, effect = acdc(model, g, [b], tau=0.05, progress=False)
-    kept = {g.edges[i] for i in np.flatnonzero(mask)}
+    found = acdc(model, g, [b], tau=0.05, metric="nll", progress=False)
+    kept = {g.edges[i] for i in np.flatnonzero(found.mask)}
     assert {"MLP0->LOGITS", "EMB->MLP0"} <= kept
     assert len(kept) < g.n_edges
-    assert np.isfinite(effect).all()
+    assert np.isfinite(found.effect).all()
 
 
 def test_prune_dangling_and_json_round_trip(tmp_path):

@@ -11,6 +11,7 @@ import json
 from dataclasses import fields, replace
 from pathlib import Path
 
+from ..knowledge.acdc import METRICS
 from ..knowledge.data import available_relations
 from ..knowledge.pipeline import ABLATIONS, METHODS, SELECTIONS, KnowledgeSettings, load_settings, run_study
 from ._options import add_model_options, load_from_args
@@ -40,8 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", default=None, choices=METHODS,
                    help=f"eap ({D.method} by default): one forward+backward per batch; iterative: EAP recomputed at "
                         "the current circuit while pruning (a pass per size); eap-ig: integrated gradients over edge "
-                        "masks; acdc: exact pruning, one forward per edge (about 70 651 forwards on SmolLM2-135M, "
-                        "hours on 2 CPU cores: use it on small models)")
+                        "masks; acdc: exact pruning edge by edge (incremental, batched; --acdc-prefilter for "
+                        "SmolLM2-135M's 70 651 edges: benchmarks/acdc.py measures the cost)")
     p.add_argument("--ig-steps", type=int, default=None, help=f"EAP-IG interpolation steps ({D.ig_steps})")
     p.add_argument("--ablation", default=None, choices=ABLATIONS,
                    help="what a removed edge carries (mean: the sender's mean output over the facts; "
@@ -54,8 +55,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="rank edges by score (positive first) instead of |score|")
     p.add_argument("--prune-unreached", action=argparse.BooleanOptionalAction, default=None,
                    help="drop edges from senders with no input edge (default; exact under zero ablation only)")
-    p.add_argument("--tau", type=float, default=None, help=f"ACDC threshold on MatchNLL ({D.tau}; paper: 0.02, 0.01, "
-                                                           "0.005)")
+    p.add_argument("--tau", type=float, default=None, help=f"ACDC threshold on its metric ({D.tau}; paper: 0.02, "
+                                                           "0.01, 0.005)")
+    p.add_argument("--acdc-metric", default=None, choices=METRICS,
+                   help=f"ACDC metric ({D.acdc_metric}; match_nll, the paper's: the answer's NLL over the facts the "
+                        "full model gets top-1)")
+    p.add_argument("--acdc-prefilter", type=float, default=None,
+                   help="ACDC tries only the top this %% of edges by |EAP|, removing the others untried (default: all)")
+    p.add_argument("--acdc-batch", type=int, default=None,
+                   help=f"ACDC candidate edges per forward ({D.acdc_batch}; 0: sized by memory)")
+    p.add_argument("--acdc-facts", type=int, default=None,
+                   help="ACDC on at most this many facts the model gets top-1, of one token length (0: all)")
     p.add_argument("--k", type=int, default=None, help=f"Hit@k ({D.k})")
     p.add_argument("--target", type=float, default=None, help=f"circuit Hit@k >= target x full model's ({D.target})")
     p.add_argument("--sizes", default=None, help=f"candidate circuit sizes in %% of edges ({_percent(D.sizes)})")
@@ -75,6 +85,7 @@ def settings_from(args: argparse.Namespace) -> KnowledgeSettings:
     settings = load_settings(args.task) if args.task else KnowledgeSettings()
     flags = {f.name: getattr(args, f.name) for f in fields(KnowledgeSettings) if hasattr(args, f.name)}
     flags["sizes"] = _fractions(args.sizes) if args.sizes else None
+    flags["acdc_prefilter"] = None if args.acdc_prefilter is None else args.acdc_prefilter / 100
     flags["models"] = tuple(n for n in args.models.split(",") if n) if args.models else None
     flags["curve"] = False if args.no_curve else None
     return replace(settings, **{k: v for k, v in flags.items() if v is not None})

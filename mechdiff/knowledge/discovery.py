@@ -8,18 +8,14 @@
   full model), times the path length 1; ``steps`` forward + backward passes per batch. The scores
   of all edges then sum to about ``metric(full) - metric(empty)``.
   Removing edge ``e`` changes the metric by about ``-score_e``.
-- :func:`acdc`: Conmy et al.'s pruning in reverse topological order over receivers, each receiver's
-  incoming edges from the latest sender back: remove the edge if the MatchNLL (mean negative
-  log-probability of the answer) rises by less than ``tau``. One exact edge-patching forward per
-  edge: fine on small graphs, far too slow on SmolLM2-135M's 70 651 edges (see the command's
-  ``--method acdc`` help).
+- ACDC (exact pruning, edge by edge) lives in :mod:`.acdc`.
 - :func:`top_edges`: the circuit of the ``k`` highest-|score| edges, optionally without dangling edges.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -27,7 +23,7 @@ from tqdm.auto import tqdm
 
 from ..models.loading import LoadedModel
 from .data import FactBatch
-from .forward import Ablation, edge_forward, edge_gradients
+from .forward import Ablation, edge_gradients
 from .graph import Graph, prune_dangling
 
 log = logging.getLogger(__name__)
@@ -149,42 +145,3 @@ def iterative_pruning(model: LoadedModel, graph: Graph, batches: Sequence[FactBa
             out[frac] = mask.copy()
         log.info("iterative pruning: %.4f -> %d edges", frac, int(mask.sum()))
     return out, scores
-
-
-def match_nll(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], mask: np.ndarray,
-              ablation: Ablation) -> float:
-    """Mean negative log-probability of the answers with only ``mask``'s edges (MatchNLL)."""
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for b in batches:
-            lp = answer_logprob(edge_forward(model, graph, b.ids, mask, ablation).logits, b.answers)
-            total -= float(lp.sum())
-            n += len(b)
-    return total / max(n, 1)
-
-
-def acdc(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], tau: float = 0.02,
-         ablation: Ablation = Ablation(), progress: bool = True,
-         max_edges: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
-    """ACDC pruning; returns the kept-edge mask and each edge's MatchNLL change when it was tried.
-
-    ``max_edges`` stops after that many trials (the rest stay in), for timing estimates.
-    """
-    mask = np.ones(graph.n_edges, dtype=bool)
-    effect = np.full(graph.n_edges, np.nan)
-    current = match_nll(model, graph, batches, mask, ablation)
-    order = []
-    for _, _, off, r, s in reversed(graph.blocks):
-        for ri in reversed(range(r)):
-            order += [off + ri * s + si for si in reversed(range(s))]
-    if max_edges is not None:
-        order = order[:max_edges]
-    for e in tqdm(order, desc=f"acdc tau={tau}", disable=not progress, leave=False):
-        mask[e] = False
-        new = match_nll(model, graph, batches, mask, ablation)
-        effect[e] = new - current
-        if new - current < tau:
-            current = new
-        else:
-            mask[e] = True
-    return mask, effect

@@ -52,7 +52,7 @@ from einops import rearrange
 
 from ..models.architectures import _get
 from ..models.loading import LoadedModel
-from ..patching.core import trace_sites
+from ..patching.core import Resume, trace_sites
 from .graph import Graph
 
 
@@ -191,18 +191,32 @@ class Ablation:
 
 @dataclass
 class EdgeRun:
-    logits: torch.Tensor  # "batch vocab" at the last position
-    outputs: Optional[torch.Tensor] = None  # "sender batch pos d_model" (with keep_outputs)
+    logits: torch.Tensor  # "(copy batch) vocab" at the last position
+    outputs: Optional[torch.Tensor] = None  # "sender (copy batch) pos d_model" (with keep_outputs)
+
+
+@dataclass
+class EdgeResume:
+    """Start an edge forward at block ``layer``: the senders before it (``EMB`` and every node of layers
+    ``< layer``) output ``outputs[:graph.senders_before_attn(layer)]`` (``"sender batch pos d_model"``, e.g.
+    ``keep_outputs`` of an earlier run of the same prompts) and their blocks are skipped. Exact when no mask
+    entry of an edge into a receiver below ``layer`` differs from that earlier run's: an edge into layer ``l``
+    changes nothing before ``l``, so trying it recomputes only layers ``l ..`` (ACDC, :mod:`.acdc`)."""
+
+    layer: int
+    outputs: torch.Tensor
 
 
 def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Optional[np.ndarray | torch.Tensor],
-                 ablation: Ablation = Ablation(), keep_outputs: bool = False,
+                 ablation: Ablation = Ablation(), keep_outputs: bool = False, resume: Optional[EdgeResume] = None,
                  _grad_alpha: Optional[float] = None, _grad_inputs: Optional[list] = None,
                  _deltas: Optional[list] = None) -> EdgeRun:
     """Logits at the last position with every edge not in ``mask`` ablated (``mask=None``: every edge kept).
 
-    ``mask``: a vector over ``graph.edges`` (bool or float in [0, 1]).
+    ``mask``: a vector over ``graph.edges`` (bool or float in [0, 1]), or ``"copy edge"``: one circuit per
+    copy of the prompts, all in one forward (the batch is ``"(copy batch)"``, copy-major).
     ``keep_outputs``: also return every sender's output in this run.
+    ``resume``: reuse the senders' outputs below ``resume.layer`` and compute only from there.
     """
     check_supported(model)
     W = _weights(model)
@@ -220,44 +234,74 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
         abl_cum = torch.cumsum(abl, 0)  # "sender 1 pos d": sum of the first s+1 ablated values
     grad_mode = _grad_inputs is not None  # gradients w.r.t. every receiver's input
     uniform = _grad_alpha is not None  # every mask equal to alpha (EAP / EAP-IG)
+    n_copies = 1
     if not uniform:
         if mask is None:
             mask = np.ones(graph.n_edges, dtype=np.float32)
         m = torch.as_tensor(np.asarray(mask, dtype=np.float32), device=device, dtype=dtype)
+        if m.dim() == 2:
+            if grad_mode:
+                raise ValueError("gradients are taken for one circuit at a time: give a mask vector, not a stack")
+            n_copies = m.shape[0]
+        m = m.reshape(n_copies, graph.n_edges)
+    if (resume is not None or n_copies > 1) and grad_mode:
+        raise ValueError("resume and stacked masks are for forward passes only, not gradients")
+    B = ids.shape[0]
+    run_ids = ids.repeat(n_copies, 1) if n_copies > 1 else ids
     H, G = graph.n_heads, graph.n_kv_heads
     result: dict = {}
-    outs: list[torch.Tensor] = []  # sender outputs in this run
+    outs: list[torch.Tensor] = []  # sender outputs in this run (gradient mode)
+    n_out = [0]  # senders written so far
     live = torch.ones((1, n_pos, 1), device=device, dtype=dtype)  # positions where masks act
     if ablation.keep_first:
         live[:, 0] = 0.0
 
-    def inputs(offset: int, n_recv: int, n_send: int) -> torch.Tensor:
-        """``"receiver batch pos d"`` inputs of one block of receivers."""
+    def grad_inputs(offset: int, n_recv: int, n_send: int) -> torch.Tensor:
+        """``"receiver batch pos d"`` inputs of one block of receivers, in the autograd graph."""
         if uniform:
             # a zero leaf per receiver: its gradient is d metric / d x_r, and x_r stays connected upstream
             eps = torch.zeros(n_recv, *acc[0].shape, device=acc[0].device, dtype=acc[0].dtype, requires_grad=True)
             _grad_inputs.append(eps)
             return acc[0].unsqueeze(0) + eps
-        block = m[offset:offset + n_recv * n_send].view(n_recv, n_send)
-        stacked = torch.stack(outs[:n_send]) if grad_mode else buf[:n_send]  # "sender batch pos d"
+        block = m[0, offset:offset + n_recv * n_send].view(n_recv, n_send)
+        stacked = torch.stack(outs[:n_send])  # "sender batch pos d"
         x = (block @ stacked.reshape(n_send, -1)).view(n_recv, *stacked.shape[1:])
         if abl is not None:  # + sum_s abl_s - sum_s m_rs abl_s
             fix = abl_cum[n_send - 1].view(1, -1) - block @ abl[:n_send].view(n_send, -1)
             x = x + fix.view(n_recv, 1, *stacked.shape[2:])
         if ablation.keep_first:  # position 0 reads the whole residual stream (it only sees itself: clean)
             x[:, :, 0] = stacked[:, :, 0].sum(0)
+        eps = torch.zeros_like(x, requires_grad=True)
+        _grad_inputs.append(eps)
+        return x + eps
+
+    def inputs(offset: int, n_recv: int, n_send: int) -> torch.Tensor:
+        """``"receiver (copy batch) pos d"`` inputs of one block of receivers."""
         if grad_mode:
-            eps = torch.zeros_like(x, requires_grad=True)
-            _grad_inputs.append(eps)
-            x = x + eps
-        return x
+            return grad_inputs(offset, n_recv, n_send)
+        C, s0 = n_copies, min(n_send, n_cached)
+        block = m[:, offset:offset + n_recv * n_send].view(C, n_recv, n_send)
+        x = torch.zeros(C, n_recv, B * n_pos * d_model, device=device, dtype=dtype)
+        if s0:  # the resumed senders are the same in every copy: one product, no copy per copy
+            x += (block[:, :, :s0].reshape(C * n_recv, s0) @ cached.reshape(n_cached, -1)[:s0]).view(C, n_recv, -1)
+        if n_send > s0:
+            x.baddbmm_(block[:, :, s0:], buf[:, s0:n_send].reshape(C, n_send - s0, -1))
+        x = x.view(C, n_recv, B, n_pos, d_model)
+        if abl is not None:  # + sum_s abl_s - sum_s m_rs abl_s
+            fix = abl_cum[n_send - 1].reshape(1, 1, -1) - block @ abl[:n_send].reshape(n_send, -1)
+            x = x + fix.view(C, n_recv, 1, n_pos, d_model)
+        if ablation.keep_first:  # position 0 reads the whole residual stream (it only sees itself: clean)
+            first_pos = buf[:, s0:n_send, :, 0].sum(1) + (cached[:s0, :, 0].sum(0) if s0 else 0)
+            x[:, :, :, 0] = first_pos.unsqueeze(1)
+        return x.transpose(0, 1).reshape(n_recv, C * B, n_pos, d_model)
 
     def add_sender(a: torch.Tensor) -> None:
-        s = len(outs)
-        outs.append(a)
+        s = n_out[0]
+        n_out[0] += 1
         if not grad_mode:
-            buf[s] = a
+            buf[:, s] = a.view(n_copies, B, *a.shape[1:])
             return
+        outs.append(a)
         ab = abl[s] if abl is not None else torch.zeros_like(a[:1])
         _deltas.append(((a - ab) * live).detach())
         if uniform:
@@ -268,14 +312,26 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
             acc[0] = contrib if acc[0] is None else acc[0] + contrib
 
     acc: list = [None]
-    buf = None if grad_mode else torch.empty(graph.n_senders, ids.shape[0], n_pos, model.shape.d_model,
-                                             device=device, dtype=dtype)
+    buf = None if grad_mode else torch.empty(n_copies, graph.n_senders, B, n_pos, model.shape.d_model,
+                                             device=device, dtype=dtype)  # "copy sender batch pos d"
     blocks = {(k, l): (off, r, s) for k, l, off, r, s in graph.blocks}
     post = arch.attn_post_norm is not None
+    first, skip, n_cached, cached = 0, None, 0, None
+    d_model = model.shape.d_model
+    if resume is not None:
+        first = resume.layer
+        n_before = graph.senders_before_attn(first)
+        if not 0 < first <= graph.n_layers or resume.outputs.shape[0] < n_before or resume.outputs.shape[1] != B:
+            raise ValueError(f"resume at layer {first} needs the outputs of the first {n_before} senders for batch "
+                             f"{B}; got {tuple(resume.outputs.shape)}")
+        cached = resume.outputs[:n_before].to(device=device, dtype=dtype)
+        n_cached = n_out[0] = n_before
+        skip = Resume(first, cached.sum(0).repeat(n_copies, 1, 1))  # the residual stream entering ``first``
 
     def body(sites) -> None:
-        add_sender(sites.resid_in(0).clone())
-        for layer in range(graph.n_layers):
+        if resume is None:
+            add_sender(sites.resid_in(0).clone())
+        for layer in range(first, graph.n_layers):
             w = W.layers[layer]
             x = inputs(*blocks[("attn", layer)])
             normed = apply_norm(w["ln1"], x)
@@ -292,9 +348,12 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
         sites.write_final_norm(apply_norm(W.final_norm, x[0]))
         result["logits"] = sites.logits()
         if keep_outputs:
-            result["outputs"] = buf.clone() if buf is not None else torch.stack([o.detach() for o in outs])
+            if n_cached:
+                buf[:, :n_cached] = cached.unsqueeze(0)
+            result["outputs"] = (buf.transpose(0, 1).reshape(graph.n_senders, n_copies * B, *buf.shape[3:]).clone()
+                                 if buf is not None else torch.stack([o.detach() for o in outs]))
 
-    trace_sites(model, ids, body, grad=grad_mode)
+    trace_sites(model, run_ids, body, grad=grad_mode, resume=skip)
     return EdgeRun(result["logits"], result.get("outputs"))
 
 

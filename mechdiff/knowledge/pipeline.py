@@ -37,7 +37,8 @@ from ..tasks.spec import load_sections
 from . import figures
 from .analysis import attention_mass, head_roles, logit_lens
 from .data import Fact, Relation, batches, build_facts
-from .discovery import acdc, attribution_scores, greedy_edges, iterative_pruning, top_edges
+from .acdc import METRICS, acdc, discovery_batch
+from .discovery import attribution_scores, greedy_edges, iterative_pruning, top_edges
 from .evaluate import SIZES, CircuitEval, evaluate, faithfulness_curve, random_mask
 from .forward import Ablation, check_supported, mean_ablation
 from .graph import EdgeCircuit, Graph
@@ -66,7 +67,11 @@ class KnowledgeSettings:
     sizes: tuple = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)  # candidate circuit sizes (fraction of edges)
     curve_sizes: tuple = SIZES
     curve: bool = True
-    tau: float = 0.02  # ACDC threshold on MatchNLL
+    tau: float = 0.02  # ACDC threshold on its metric (paper: 0.02, 0.01, 0.005)
+    acdc_metric: str = "match_nll"  # one of acdc.METRICS (match_nll: the paper's); see knowledge/acdc.py
+    acdc_prefilter: float = 0.0  # ACDC tries only this top fraction of edges by |EAP| (0: every edge)
+    acdc_batch: int = 0  # ACDC candidate edges per forward (0: sized by memory)
+    acdc_facts: int = 0  # ACDC on at most this many top-1 facts of one length (0: every fact)
     n_random: int = 3
     max_facts: int = 0  # 0: every fact of the relation
     batch_size: int = 32
@@ -78,7 +83,7 @@ class KnowledgeSettings:
 
 
 CHOICES = {("knowledge", "method"): METHODS, ("knowledge", "ablation"): ABLATIONS,
-           ("knowledge", "selection"): SELECTIONS}
+           ("knowledge", "selection"): SELECTIONS, ("knowledge", "acdc_metric"): METRICS}
 
 
 def load_settings(path: str | Path) -> KnowledgeSettings:
@@ -157,7 +162,8 @@ def _wanted_sizes(s: KnowledgeSettings) -> list[float]:
 
 def discovery_inputs(s: KnowledgeSettings) -> dict:
     """The options edge scoring reads, per method."""
-    per_method = {"eap-ig": {"ig_steps": s.ig_steps}, "acdc": {"tau": s.tau},
+    acdc_options = {"tau": s.tau, "metric": s.acdc_metric, "prefilter": s.acdc_prefilter, "acdc_facts": s.acdc_facts}
+    per_method = {"eap-ig": {"ig_steps": s.ig_steps}, "acdc": acdc_options,
                   "iterative": {"shrink": s.shrink, "sizes": _wanted_sizes(s), "prune_unreached": s.prune_unreached}}
     return {"method": s.method, **per_method.get(s.method, {})}
 
@@ -176,11 +182,15 @@ def discovery_stage(run: _Run) -> dict:
     """Edge scores (and ACDC's circuit, or iterative pruning's circuit per size)."""
     s, g = run.settings, run.graph
     t = time.time()
-    out: dict[str, Any] = {"pruned": None, "acdc_edges": None}
+    out: dict[str, Any] = {"pruned": None, "acdc_edges": None, "acdc": None}
     if s.method == "acdc":
-        mask, effect = acdc(run.model, g, run.batches, s.tau, run.ablation, run.progress)
-        scores = np.nan_to_num(effect, nan=0.0)
-        out["acdc_edges"] = _indices(mask)
+        on = ([discovery_batch(run.batches, run.full_and_empty[0].rank == 0, s.acdc_facts)] if s.acdc_facts
+              else run.batches)
+        found = acdc(run.model, g, on, s.tau, run.ablation, s.acdc_metric, batch=s.acdc_batch,
+                     prefilter=s.acdc_prefilter or None, progress=run.progress)
+        scores = np.nan_to_num(found.effect, nan=0.0)
+        out["acdc_edges"] = _indices(found.mask)
+        out["acdc"] = found.summary() | {"facts": [f.prompt for b in on for f in b.facts]}
     elif s.method == "iterative":
         pruned, scores = iterative_pruning(run.model, g, run.batches, _wanted_sizes(s), run.ablation, s.shrink,
                                            run.progress, s.prune_unreached)
@@ -316,7 +326,7 @@ def _finish(run: _Run, circuit: EdgeCircuit, disc: StageRecord, scored: StageRec
         "circuit_heads": sum(n.startswith("L") for n in nodes),
         "ratio_to_full": hit / full_hit if full_hit else float("nan"),
         "random": {hit_key: random_hits, "mean": float(np.mean(random_hits)) if random_hits else float("nan")},
-        "sweep": sc["sweep"], "curve": sc["curve"], "roles": roles,
+        "sweep": sc["sweep"], "curve": sc["curve"], "roles": roles, "acdc": disc.result.get("acdc"),
         "role_counts": {r: sum(v["role"] == r for v in roles.values()) for r in ("mover", "relation", "mixed", "other")},
         "logit_lens": {"layers": lens["layers"],
                        "last_median_rank": np.median(lens["last"], 1).tolist(),
@@ -395,6 +405,13 @@ def _report(summary: dict, settings: KnowledgeSettings, curve: Optional[dict], r
              f"- Random circuits of the same edge count: Hit@{k} "
              + ", ".join(f"{v:.3f}" for v in summary["random"][hk]) + ".",
              ]
+    if summary.get("acdc"):
+        a = summary["acdc"]
+        pre = "every edge" if a["prefilter"] is None else f"the top {100 * a['prefilter']:.2f}% of edges by |EAP|"
+        lines.append(f"- ACDC: metric {a['metric']}, tau {a['tau']}, trying {pre} ({a['n_candidates']} edges) on "
+                     f"{a['settings']['n_facts']} facts; {a['trials']} edges tried in {a['forwards']} forwards "
+                     f"({a['cost']:.0f} forward-pass equivalents), {a['skipped']} removed as edges into dead nodes; "
+                     f"metric {a['metric_full']:.3f} (full model) -> {a['metric_final']:.3f}; {a['seconds']:.0f} s.")
     if curve:
         lines.append(f"- Faithfulness curve (mean answer log-probability): CPR {curve['cpr']:.3f}, CMD {curve['cmd']:.3f} "
                      f"({curve['area']}).")

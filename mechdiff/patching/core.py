@@ -430,11 +430,17 @@ def fused_order(arch, shape) -> torch.Tensor:
     return order
 
 
-def trace_sites(model: LoadedModel, input_ids: torch.Tensor, body, grad: bool = False):
+def trace_sites(model: LoadedModel, input_ids: torch.Tensor, body, grad: bool = False,
+                resume: Optional[Resume] = None):
     """Run ``model`` on ``input_ids`` (logits at the last position only) with ``body(Sites)`` reading and
-    writing sites inside the trace; returns what ``body`` returns. ``grad``: keep the autograd graph."""
+    writing sites inside the trace; returns what ``body`` returns. ``grad``: keep the autograd graph.
+    ``resume``: skip the blocks before ``resume.layer`` (``body`` then touches only later sites)."""
     kwargs = {"input_ids": input_ids.to(model.device), "use_cache": False, "logits_to_keep": 1}
     box: dict = {}
     with torch.set_grad_enabled(grad), model.trace(**kwargs):
+        if resume is not None:
+            hidden = resume.hidden.to(model.device)
+            for layer in range(resume.layer):
+                model.arch.block(model.nn, layer).skip(hidden)
         box["out"] = body(Sites(model, model.nn))
     return box["out"]
