@@ -69,10 +69,14 @@ def proportion(successes: Sequence[float] | np.ndarray, confidence: float = 0.95
 
 def pooled_proportion(draws: Sequence[Sequence[float]], confidence: float = 0.95) -> Estimate:
     """Mean outcome over several random draws on the same prompts, with a CI that resamples prompts
-    and draws (two-stage percentile bootstrap), so the spread between draws is not ignored."""
+    and draws (two-stage percentile bootstrap), so the spread between draws is not ignored. When every
+    outcome is the same 0 or 1 the bootstrap would collapse to a point: the exact interval of one draw's
+    prompts is returned instead (0 of 200 prompts: upper bound 0.018)."""
     arr = np.asarray(draws, dtype=float)  # "draw prompt"
     if arr.ndim != 2 or arr.size == 0:
         raise ValueError("pooled_proportion() takes a draws x prompts array")
+    if np.all(arr == arr.flat[0]) and arr.flat[0] in (0.0, 1.0):
+        return proportion(arr[0], confidence)
     rng = np.random.default_rng(0)
     n_d, n_p = arr.shape
     means = [arr[rng.integers(0, n_d, n_d)][:, rng.integers(0, n_p, n_p)].mean() for _ in range(1000)]

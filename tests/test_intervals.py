@@ -202,3 +202,11 @@ def test_report_states_an_ordering_only_when_the_paired_interval_excludes_zero()
     close = {"outcomes": {"circuit/v": [1] * 21 + [0] * 19, "circuit/qk": [1] * 20 + [0] * 20}}
     assert "neither is shown to be larger" in _ordering(close, "circuit/v", "circuit/qk")
     assert _ordering({}, "circuit/v", "circuit/qk") == ""
+
+
+def test_pooled_proportion_of_all_zeros_keeps_an_exact_upper_bound():
+    zeros = pooled_proportion([[0.0] * 200] * 5)
+    assert (zeros.value, zeros.low, zeros.n) == (0.0, 0.0, 200)
+    assert zeros.high == pytest.approx(proportion([0.0] * 200).high) and 0.017 < zeros.high < 0.019
+    ones = pooled_proportion([[1.0] * 40] * 3)
+    assert ones.high == 1.0 and ones.low == pytest.approx(proportion([1.0] * 40).low) and ones.low < 0.92

@@ -336,7 +336,8 @@ def _ordering(result: dict, a: str, b: str) -> str:
 
 
 def dcm_findings(dcm: "StageRecord") -> str:
-    """One sentence per (group, desideratum) whose mask selected heads, and the semantic-patching spread."""
+    """One sentence per (group, desideratum) whose mask selected heads: "encodes" only where the target
+    accuracy's interval lies above both the no-intervention floor's and the random heads'."""
     res = dcm.result["dcm"]
     chosen = [r for r in res if r["selected"]]
     if not chosen:
@@ -344,11 +345,14 @@ def dcm_findings(dcm: "StageRecord") -> str:
                 "did not move the target beyond the no-intervention floor within the training budget.")
     lines = []
     for r in chosen:
-        lines.append(f"- DCM: group {r['group']} encodes **{r['desideratum']}** in {', '.join(r['selected'])}: "
+        above = _est(r["test_accuracy"]).low > max(_est(r["floor"]).high,
+                                                    _est(r["random"]).high if r.get("random") else 0.0)
+        verb = "encodes" if above else "is not shown to encode (its interval overlaps the floor or the random heads)"
+        lines.append(f"- DCM: group {r['group']} {verb} **{r['desideratum']}** with {', '.join(r['selected'])}: "
                      f"target accuracy {_fmt(r['test_accuracy'])} against the floor {_fmt(r['floor'])}"
                      + (f" and random heads {_fmt(r['random'])}" if r.get("random") else "") + ".")
         sem = [x for x in dcm.result["semantic"] if x["group"] == r["group"] and x["desideratum"] == r["desideratum"]]
-        if sem:
+        if sem and above:
             lines.append("  The same heads patched in each model: "
                          + "; ".join(f"{x['model']} {_fmt(x['accuracy'])}" for x in sem) + ".")
     return "\n".join(lines)
