@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from .circuits.circuit import Circuit
 from .components import Head
 from .finetune import FinetuneConfig, add_lora, answer_loss, last_logits
+from .metrics import answer_is_top1
 from .models.loading import LoadedModel
 from .patching.core import Patch, Resume, run
 from .tasks.base import Task, trainable_tasks
@@ -366,8 +367,8 @@ def correct(model: Any, batch: Batch, batch_size: int = 50) -> np.ndarray:
     """Per-example top-1 correctness (0/1) of the answer token."""
     out = []
     for i in range(0, len(batch["input_ids"]), batch_size):
-        pred = last_logits(model, batch["input_ids"][i:i + batch_size]).argmax(-1).cpu()
-        out.append((pred == batch["answer_ids"][i:i + batch_size]).numpy())
+        logits = last_logits(model, batch["input_ids"][i:i + batch_size])
+        out.append(answer_is_top1(logits, batch["answer_ids"][i:i + batch_size]).cpu().numpy())
     return np.concatenate(out).astype(float)
 
 

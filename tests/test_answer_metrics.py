@@ -159,3 +159,25 @@ def test_knowledge_evaluation_hits_ranks_and_logprob(smollm2_tokenizer):
     np.testing.assert_array_equal(ev.rank, [0, 3, 12, 1, 40])
     np.testing.assert_array_equal(ev.hit, [True, True, False, True, False])
     np.testing.assert_allclose(ev.logprob, _take(_log_softmax(x), answers), rtol=1e-4, atol=1e-5)
+
+
+def test_metrics_module_against_numpy():
+    from mechdiff import metrics as M
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5], [2.0, -1.0, 0.0, 4.0]])
+    x = logits.double().numpy()
+    answer = torch.tensor([2, 0])
+    np.testing.assert_array_equal(M.answer_rank(logits, answer).numpy(), [1, 1])  # a tie counts against the answer
+    np.testing.assert_array_equal(M.answer_is_top1(logits, answer).numpy(), [False, False])
+    np.testing.assert_array_equal(M.accuracy(logits, torch.tensor([1, 3])).numpy(), [1.0, 1.0])
+    np.testing.assert_allclose(M.answer_logprob(logits, answer).numpy(), _take(_log_softmax(x), answer), rtol=1e-6)
+    np.testing.assert_allclose(M.answer_logit(logits, answer).numpy(), [3.0, 2.0])
+    one = M.logit_diff(logits, answer, torch.tensor([0, 3]))
+    np.testing.assert_allclose(one.numpy(), [2.0, -2.0])
+    np.testing.assert_allclose(M.logit_diff(logits, answer, torch.tensor([[0], [3]])).numpy(), one.numpy())
+    np.testing.assert_allclose(M.task_metric(logits, answer, "logit_diff", torch.tensor([[0, 3], [1, 2]])).numpy(),
+                               [3.0 - 0.75, 2.0 + 0.5])
+    # half-precision logits are scored in float32
+    assert M.answer_prob(logits.bfloat16(), answer).dtype == torch.float32
+    with pytest.raises(ValueError, match="alternative_ids"):
+        M.task_metric(logits, answer, "logit_diff")

@@ -21,6 +21,7 @@ from einops import rearrange
 from tqdm.auto import tqdm
 
 from ..components import Head, all_heads
+from ..metrics import answer_logprob
 from ..patching.core import EMB_LAYER, Patch, run
 from ..stats import bootstrap_ratio, proportion
 from .scoring import Pair, Scorer, per_prompt, position_mask
@@ -40,7 +41,7 @@ def ablation_attribution(scorer: Scorer, classes: Sequence[str]) -> dict[Pair, f
         # the embedding output as the leaf: every later activation is in the graph (weights may be frozen)
         leaf = emb.detach().clone().requires_grad_()
         out = run(model, batch["input_ids"], [Patch("emb", EMB_LAYER, leaf)], capture=sites, grad=True)
-        logp = out.logits.float().log_softmax(-1).gather(1, batch["answer_ids"].to(out.logits.device)[:, None])
+        logp = answer_logprob(out.logits, batch["answer_ids"])
         zs = [out.captured[s] for s in sites]
         grads = torch.autograd.grad(logp.sum(), zs, allow_unused=True)
         for layer, (z, g) in enumerate(zip(zs, grads)):
