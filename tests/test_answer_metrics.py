@@ -117,6 +117,11 @@ def test_headmap_and_finetune_accuracy(tiny, records):
     np.testing.assert_array_equal(correct(tiny.model, batch, batch_size=4), want)
     halves = [{k: v[:4] for k, v in batch.items()}, {k: v[4:] for k, v in batch.items()}]
     assert accuracy(tiny.model, halves) == want.mean()
+    from mechdiff.headmap import example_losses
+
+    x = _last(tiny, batch["input_ids"])
+    np.testing.assert_allclose(example_losses(tiny, batch, batch_size=4).numpy(),
+                               -_take(_log_softmax(x), batch["answer_ids"]), rtol=1e-5)
 
 
 def test_dcm_floor_and_target_logit(tiny, smollm2_tokenizer):
