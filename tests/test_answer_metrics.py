@@ -9,7 +9,8 @@ import torch
 
 from conftest import make_tiny
 from mechdiff.tasks import ioi
-from mechdiff.tasks.base import answer_batch, batch_tensors, metric_values
+from mechdiff.metrics import task_metric
+from mechdiff.tasks.base import answer_batch, batch_tensors
 from mechdiff.tasks.entity_tracking import generate, object_value_pairs, pair_batch_tensors
 
 
@@ -53,11 +54,10 @@ def test_pure_metrics_match_numpy():
     logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
     answer, alt = torch.tensor([0, 3, 3, 10, 7]), torch.tensor([[1, 2], [3, 4], [0, 0], [5, 6], [9, 8]])
     x = logits.double().numpy()
-    batch = {"answer_ids": answer, "alternative_ids": alt}
-    np.testing.assert_allclose(metric_values(logits, batch, "prob").numpy(),
+    np.testing.assert_allclose(task_metric(logits, answer, "prob").numpy(),
                                np.exp(_take(_log_softmax(x), answer)), rtol=1e-6)
     want = _take(x, answer) - (_take(x, alt[:, 0]) + _take(x, alt[:, 1])) / 2
-    np.testing.assert_allclose(metric_values(logits, batch, "logit_diff").numpy(), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(task_metric(logits, answer, "logit_diff", alt).numpy(), want, rtol=1e-5, atol=1e-6)
     from mechdiff.patching.scan import METRICS as SCAN
 
     other = alt[:, 0]
@@ -75,9 +75,9 @@ def test_pure_metrics_match_numpy():
 
     np.testing.assert_allclose(answer_logprob(logits, answer).numpy(), _take(_log_softmax(x), answer), rtol=1e-6)
     with pytest.raises(ValueError, match="alternative"):
-        metric_values(logits, {"answer_ids": answer}, "logit_diff")
+        task_metric(logits, answer, "logit_diff")
     with pytest.raises(ValueError, match="unknown metric"):
-        metric_values(logits, batch, "rank")
+        task_metric(logits, answer, "rank", alt)
 
 
 def test_evaluate_reports_the_models_own_metrics(tiny, ioi_records):

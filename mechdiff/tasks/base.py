@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
 
-from ..metrics import TASK_METRICS, task_metric
+from ..metrics import TASK_METRICS
 
 if TYPE_CHECKING:
     import torch
@@ -224,18 +224,6 @@ def canonical_json(obj: Any) -> str:
 def dataset_hash(records: Sequence[Any]) -> str:
     """sha256 of a canonical JSON of the records (order matters; token ids included)."""
     return hashlib.sha256(canonical_json([record_dict(r) for r in records]).encode("utf-8")).hexdigest()
-
-
-# --------------------------------------------------------------------------------------
-# Metrics
-# --------------------------------------------------------------------------------------
-
-
-def metric_values(logits: "torch.Tensor", batch: Mapping[str, Any], metric: str = "prob",
-                  answer: Optional["torch.Tensor"] = None) -> "torch.Tensor":
-    """Per prompt: the task metric ``metric`` (:func:`mechdiff.metrics.task_metric`) of a batch's answers
-    (or ``answer``) and alternatives. ``logits``: ``"batch vocab"`` at the last token."""
-    return task_metric(logits, batch["answer_ids"] if answer is None else answer, metric, batch.get("alternative_ids"))
 
 
 # --------------------------------------------------------------------------------------
