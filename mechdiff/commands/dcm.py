@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size, help="pairs per optimiser step")
     p.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch,
                    help="pairs per forward/backward pass (memory)")
-    p.add_argument("--eval-batch", type=int, default=DEFAULTS.eval_batch, help="pairs per forward pass when evaluating")
+    p.add_argument("--eval-batch", type=int, default=DEFAULTS.eval_batch,
+                   help="pairs per forward pass when evaluating")
     p.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every,
                    help="optimiser steps between validation passes")
     p.add_argument("--n-random", type=int, default=DEFAULTS.n_random, help="random head sets for the baseline")
@@ -83,7 +84,6 @@ def dcm_rows(results: list[DCMResult]) -> list[dict]:
         row.update(estimate_columns("random", r.random) if r.random else {"random": None})
         rows.append(row)
     return rows
-
 
 
 def config_from_args(args: argparse.Namespace) -> DCMConfig:

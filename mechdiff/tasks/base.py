@@ -277,7 +277,8 @@ class Task:
 
     def __post_init__(self) -> None:
         if self.metric not in TASK_METRICS:
-            raise ValueError(f"task {self.name}: unknown metric {self.metric!r}; choose one of {', '.join(TASK_METRICS)}")
+            raise ValueError(f"task {self.name}: unknown metric {self.metric!r}; "
+                             f"choose one of {', '.join(TASK_METRICS)}")
 
     def kwargs(self, **given: Any) -> dict[str, Any]:
         """The options among ``given`` this task's generators accept (``None`` values dropped)."""
