@@ -4,7 +4,8 @@ definitions can use them without loading the intervention layer.
 
 Every function takes ``logits`` ``"batch vocab"`` (any dtype, any device; computed in float32) and
 answer ids ``"batch"`` (moved to the logits' device) and returns one value per example, ``"batch"``,
-on the logits' device.
+on the logits' device. Training losses (fine-tuning's and HeadMap's mean answer cross-entropy) stay
+torch's fused ``cross_entropy``; per-example losses are ``-answer_logprob``.
 """
 
 from __future__ import annotations
