@@ -183,7 +183,7 @@ class CMAPResult:
     positions: dict[str, str] = field(default_factory=dict)
     caption: str = CAPTION
     random_rows: list[CMAPRow] = field(default_factory=list)  # layer-matched random heads, pooled over draws
-    outcomes: dict[str, list[int]] = field(default_factory=dict)  # "scope/kind" (or "base") -> per-prompt 0/1
+    outcomes: dict[str, list[float]] = field(default_factory=dict)  # "scope/kind" (or "base") -> per prompt
     settings: dict = field(default_factory=dict)
 
     def paired(self, a: str, b: str) -> Estimate:
@@ -307,7 +307,9 @@ def _result(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, scores: 
     random_rows = [row(s, k) for s, k in dict.fromkeys(key for key in scores if isinstance(key, tuple)
                                                          and key[0].startswith("random:"))]
     positions = {g: circuit.positions[g] for g in circuit.groups}
-    outcomes = {("/".join(k) if isinstance(k, tuple) else k): v.tolist() for k, v in correct.items()
-                if not (isinstance(k, tuple) and k[0].startswith("random:"))}
+    # per prompt: 0/1, or for a random scope the share of its draws that were right (paired with the group's)
+    outcomes = {("/".join(k) if isinstance(k, tuple) else k): [x if k[0].startswith("random:") else int(x)
+                                                              for x in v.tolist()]
+                if isinstance(k, tuple) else [int(x) for x in v.tolist()] for k, v in correct.items()}
     return CMAPResult(base.name, finetune.name, acc["base"], acc["finetune"], rows, prob["base"], prob["finetune"],
-                      positions, random_rows=random_rows, outcomes={k: [int(x) for x in v] for k, v in outcomes.items()})
+                      positions, random_rows=random_rows, outcomes=outcomes)

@@ -53,6 +53,18 @@ Batch = dict[str, torch.Tensor]
 GROUP = "headmap"
 
 
+@dataclass
+class LocateConfig:
+    """Locating on a task: the ``n`` lowest-loss samples of a pool of ``pool`` prompts (seeded), ``k`` heads
+    kept per layer, ``batch_size`` rows per forward pass."""
+
+    n: int = 64
+    pool: int = 256
+    k: int = 8
+    batch_size: int = 64
+    seed: int = 0
+
+
 # --------------------------------------------------------------------------------------
 # Tasks
 # --------------------------------------------------------------------------------------
@@ -89,8 +101,8 @@ def mask_patches(model: LoadedModel, heads: Iterable[Head]) -> list[Patch]:
     return [Patch("z", layer, zero, mask=head_mask(model, hs)) for layer, hs in sorted(by_layer.items())]
 
 
-def example_losses(model: LoadedModel, batch: Batch, masked: Iterable[Head] = (), batch_size: int = 64,
-                   progress: bool = False) -> torch.Tensor:
+def example_losses(model: LoadedModel, batch: Batch, masked: Iterable[Head] = (),
+                   batch_size: int = LocateConfig.batch_size, progress: bool = False) -> torch.Tensor:
     """Answer cross-entropy ``[n]`` of every example with ``masked`` heads zeroed (no heads: the plain model)."""
     patches = mask_patches(model, masked)
     ids, answers = batch["input_ids"], batch["answer_ids"]
@@ -101,7 +113,8 @@ def example_losses(model: LoadedModel, batch: Batch, masked: Iterable[Head] = ()
     return torch.cat(out)
 
 
-def select_samples(model: LoadedModel, pool: Batch, n: int, batch_size: int = 64) -> tuple[Batch, torch.Tensor]:
+def select_samples(model: LoadedModel, pool: Batch, n: int, batch_size: int = LocateConfig.batch_size
+                   ) -> tuple[Batch, torch.Tensor]:
     """The ``n`` lowest-loss examples of ``pool`` (ties: lower index first) and every pool loss."""
     losses = example_losses(model, pool, batch_size=batch_size)
     if n > len(losses):
@@ -148,7 +161,8 @@ class LocateResult:
 
 
 def entry_residual(model: LoadedModel, samples: Batch, layer: int, masked: Sequence[Head],
-                   start: Optional[tuple[int, torch.Tensor]] = None, batch_size: int = 64) -> tuple[torch.Tensor, int]:
+                   start: Optional[tuple[int, torch.Tensor]] = None,
+                   batch_size: int = LocateConfig.batch_size) -> tuple[torch.Tensor, int]:
     """The residual stream entering ``layer`` (``"sample pos d_model"``) with ``masked`` heads zeroed, and
     the passes it took. ``start = (a, hidden)`` resumes at block ``a`` from ``hidden`` (the residual entering
     ``a`` with the masked heads of layers ``< a`` already zeroed), so only blocks ``a .. layer-1`` run."""
@@ -167,7 +181,8 @@ def entry_residual(model: LoadedModel, samples: Batch, layer: int, masked: Seque
 
 
 def layer_losses(model: LoadedModel, samples: Batch, layer: int, fixed: Sequence[Head],
-                 batch_size: int = 64, entry: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
+                 batch_size: int = LocateConfig.batch_size,
+                 entry: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
     """Mean loss on ``samples`` for each variant of ``layer``: ``[n_heads + 1]``, entry ``h`` with head ``h``
     of ``layer`` zeroed and entry ``n_heads`` with nothing more, all with ``fixed`` heads zeroed; and the
     number of forward passes used. Rows are ``"(variant sample)"``; each chunk carries its per-row mask.
@@ -197,7 +212,8 @@ def layer_losses(model: LoadedModel, samples: Batch, layer: int, fixed: Sequence
     return per_row.mean(-1), passes
 
 
-def locate(model: LoadedModel, samples: Batch, k: int = 8, batch_size: int = 64, pool_loss: float = float("nan"),
+def locate(model: LoadedModel, samples: Batch, k: int = LocateConfig.k, batch_size: int = LocateConfig.batch_size,
+           pool_loss: float = float("nan"),
            layers: Optional[Sequence[int]] = None, progress: bool = True) -> LocateResult:
     """Layer-conditioned locating of ``k`` heads per layer on ``samples`` (see the module docstring).
 
@@ -235,16 +251,16 @@ def locate(model: LoadedModel, samples: Batch, k: int = 8, batch_size: int = 64,
                         len(layers) * (s.n_heads + 1) * n + n, time.time() - t0, settings)
 
 
-def locate_task(model: LoadedModel, task: str, n: int = 64, pool: int = 256, k: int = 8, batch_size: int = 64,
-                seed: int = 0, progress: bool = True) -> LocateResult:
+def locate_task(model: LoadedModel, task: str, cfg: LocateConfig = LocateConfig(),
+                progress: bool = True) -> LocateResult:
     """Sample selection on a pool of ``task`` prompts (seeded), then :func:`locate`."""
-    pool_batch = get_task(task).pool_batch(model.tokenizer, pool, seed)
+    pool_batch = get_task(task).pool_batch(model.tokenizer, cfg.pool, cfg.seed)
     t0 = time.time()
-    samples, losses = select_samples(model, pool_batch, n, batch_size)
+    samples, losses = select_samples(model, pool_batch, cfg.n, cfg.batch_size)
     select_s = time.time() - t0
-    res = locate(model, samples, k, batch_size, float(losses.mean()), progress=progress)
-    res.settings.update(task=task, pool=pool, seed=seed, selection_seconds=round(select_s, 1),
-                        selection_passes=math.ceil(pool / batch_size))
+    res = locate(model, samples, cfg.k, cfg.batch_size, float(losses.mean()), progress=progress)
+    res.settings.update(task=task, pool=cfg.pool, seed=cfg.seed, selection_seconds=round(select_s, 1),
+                        selection_passes=math.ceil(cfg.pool / cfg.batch_size))
     return res
 
 
@@ -260,7 +276,7 @@ class HeadMap(torch.nn.Module):
     then ``Linear(rank -> d_model)`` (zero-initialised, no biases), added to that layer's attention
     output. Trainable parameters: ``sum_l rank * (k_l * d_head + d_model)`` (:meth:`n_params`)."""
 
-    def __init__(self, heads_by_layer: Mapping[int, Sequence[int]], d_head: int, d_model: int, rank: int = 8,
+    def __init__(self, heads_by_layer: Mapping[int, Sequence[int]], d_head: int, d_model: int, rank: int,
                  seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)

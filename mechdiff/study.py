@@ -11,74 +11,28 @@ unfinished stage. Position-wise means live in the HDF5 activation store.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import platform
-import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 from .circuits.circuit import Circuit
-from .io import check_writable, read_record, run_lock, write_json
+from .io import check_writable, run_lock, write_json
 from .models.loading import LoadedModel, resolve_spec, spec_digest
 from .models.modelset import ModelSet
+from .studies.stages import StageCache, StageRecord, label
+from .studies.stages import key_hash as _hash
 from .tasks.base import Task, get_task
 from .tasks.spec import RunSpec
 
 log = logging.getLogger(__name__)
 PACKAGES = ("mechdiff", "torch", "transformers", "nnsight", "peft", "h5py", "scipy", "numpy")
-
-
-def label(name: str) -> str:
-    """A file-name-safe label for a model name or path (``/data/ckpt-7/`` -> ``ckpt-7``)."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name.rstrip("/")).name or name) or "model"
-
-
-def _hash(data: Any) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-@dataclass
-class StageRecord:
-    """One stage's outcome: its key, result, wall time and whether it came from the cache."""
-
-    name: str
-    key: str
-    result: Any
-    seconds: float
-    cached: bool
-
-
-@dataclass
-class StageCache:
-    """``<run>/stages/<name>.json``: a stage is reused only when its key matches."""
-
-    root: Path
-    records: dict[str, StageRecord] = field(default_factory=dict)
-
-    def run(self, name: str, inputs: dict, compute: Callable[[], Any]) -> StageRecord:
-        key = _hash(inputs)
-        kind, _, model = name.partition(":")
-        path = self.root / "stages" / (f"{kind}__{label(model)}.json" if model else f"{kind}.json")
-        saved = read_record(path, f"stage record of {name}", ("key", "result", "seconds"))
-        if saved is not None:
-            if saved["key"] == key:
-                log.info("stage %s: cached (key %s)", name, key)
-                rec = StageRecord(name, key, saved["result"], saved["seconds"], True)
-                self.records[name] = rec
-                return rec
-            log.info("stage %s: inputs changed, recomputing", name)
-        t0 = time.perf_counter()
-        result = compute()
-        seconds = time.perf_counter() - t0
-        write_json(path, {"name": name, "key": key, "inputs": inputs, "seconds": seconds, "result": result})
-        rec = StageRecord(name, key, result, seconds, False)
-        self.records[name] = rec
-        return rec
+#: Each prompt set of the study, by name: its seed is the task seed plus this offset, so no two sets share prompts.
+SEED_OFFSETS = {"discovery": 0, "eval": 1, "matrix": 2, "reference": 3, "dcm": 4, "cmap": 5, "prune": 6,
+                "positions": 7, "ranking": 8, "curve": 9}
 
 
 class Study:
@@ -136,9 +90,12 @@ class Study:
             opts["vocabulary"] = eval_objects()
         return opts
 
+    def seed(self, prompts: str) -> int:
+        """The seed of one of the study's prompt sets (:data:`SEED_OFFSETS`)."""
+        return self.spec.task.seed + SEED_OFFSETS[prompts]
+
     def eval_records(self) -> list:
-        t = self.spec.task
-        return self.task.records(self.tokenizer, self.spec.eval.n, t.seed + 1, **self.options())
+        return self.task.records(self.tokenizer, self.spec.eval.n, self.seed("eval"), **self.options())
 
     def model(self, name: str) -> LoadedModel:
         return self.models[name]
@@ -156,42 +113,110 @@ class Study:
         return self.cache.run(f"accuracy:{name}", {"model": self.digests[name], "task": self._task(),
                                                     "eval": asdict(self.spec.eval), "split": "eval"}, compute)
 
+    def positions(self, name: str) -> Optional[StageRecord]:
+        """The position scan of ``name``: which position classes must keep every head (None: ``n = 0``)."""
+        from .circuits.positions import position_scan, task_classes
+        from .report.positions import position_scan_figure
+
+        p = self.spec.positions
+        if p.n < 1:
+            return None
+
+        def compute() -> dict:
+            scorer = self.scorer(name, "positions", p.n)
+            scan = position_scan(scorer, task_classes(scorer), stop_at=p.stop_at, max_steps=p.max_steps)
+            path = self.dir / "figures" / f"positions_{label(name)}.png"
+            position_scan_figure(scan, path, title=f"{name}: every head kept at the classes chosen so far")
+            return {"scan": scan, "figure": str(path.relative_to(self.dir))}
+
+        return self.cache.run(f"positions:{name}", {"model": self.digests[name], "task": self._task(),
+                                                     "positions": asdict(p), "scoring": self._reference()}, compute)
+
     def circuit(self, name: str) -> StageRecord:
+        """The circuit of ``name`` by the configured method (``[discovery] method``)."""
+        d = self.spec.discovery
+        compute = self._curve_circuit if d.method == "curve" else self._path_circuit
+        inputs = {"model": self.digests[name], "task": self._task(), "discovery": asdict(d)}
+        if d.method == "curve":
+            inputs["scoring"] = self._reference()
+        return self.cache.run(f"circuit:{name}", inputs, lambda: compute(name))
+
+    def _curve_circuit(self, name: str) -> dict:
+        """Rank every (head, position class) pair by attribution, score nested circuits, keep the smallest
+        reaching the target; the ranking's stability over bootstrap resamples of its prompts."""
+        from .circuits.curve import (faithfulness_curve, pair_scores, prompt_attribution, ranked_circuit, ranking,
+                                     selection_stability)
+        from .circuits.positions import task_classes
+        from .circuits.scoring import pair_name
+        from .report.positions import curve_figure, stability_figure
+
+        d = self.spec.discovery
+        lm = self.model(name)
+        ranker = self.scorer(name, "ranking", d.n)
+        classes = task_classes(ranker)
+        per_prompt = prompt_attribution(ranker, classes)
+        scores = pair_scores(per_prompt.mean(0), classes)
+        ranked = ranking(scores)
+        curve = faithfulness_curve(self.scorer(name, "curve", d.curve_n), ranked, d.sizes, d.target)
+        chosen = curve["chosen"] or curve["rows"][-1]  # none reached the target: the largest size scored
+        n = chosen["n_pairs"]
+        stability = selection_stability(per_prompt, classes, n, d.stability_draws, self.seed("ranking"))
+        circuit = ranked_circuit(ranked, n, name, self.task.name, meta={
+            "method": "curve", "fraction": chosen["fraction"], "n_pairs": n, "n_pairs_total": len(ranked),
+            "reached_target": curve["chosen"] is not None, "target": d.target})
+        circuit.save(self.dir / "circuits" / f"{label(name)}.json")
+        figures = {"curve": self.dir / "figures" / f"curve_{label(name)}.png",
+                   "stability": self.dir / "figures" / f"stability_{label(name)}.png"}
+        curve_figure(curve, figures["curve"], title=f"{name}: faithfulness vs circuit size")
+        kept = {pair_name(p): stability[p] for p in ranked[:n]}
+        stability_figure(kept, n / len(ranked), figures["stability"],
+                         title=f"{name}: selection frequency over {d.stability_draws} resamples of {d.n} prompts")
+        return {"circuit": circuit.to_dict(), "curve": curve, "classes": classes,
+                "stability": {"draws": d.stability_draws, "chance": n / len(ranked), "selected": kept,
+                              "others": {pair_name(p): f for p, f in stability.items() if f > 0 and p not in
+                                         set(ranked[:n])}},
+                "ranking": [[pair_name(p), scores[p]] for p in ranked[: 2 * n]],
+                "figures": {k: str(v.relative_to(self.dir)) for k, v in figures.items()}}
+
+    def _path_circuit(self, name: str) -> dict:
+        """The paper's path patching: each step of the task's plan keeps its top-k heads."""
         from .circuits.discovery import DiscoverySettings, discover
         from .circuits.plan import default_plan, load_plan
         from .report.figures import head_heatmap
 
         d, t = self.spec.discovery, self.spec.task
+        lm = self.model(name)
+        plan = load_plan(self.task.plan) if self.task.plan else default_plan()
+        steps_of_plan = {step.name for step in plan.steps}
+        settings = DiscoverySettings(k={s: k for s, k in d.top_k.items() if s in steps_of_plan}, screen=d.screen,
+                                     screen_multiple=d.screen_multiple, n_prompts=d.n, n_boxes=t.n_boxes,
+                                     seed=self.seed("discovery"))
+        pairs = self.task.discovery_pairs(self.tokenizer, d.n, self.seed("discovery"), **self.options())
+        circuit, steps = discover(lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan)
+        figures = {}
+        for step, res in steps.items():
+            path = self.dir / "figures" / f"path_patching_{label(name)}_{step}.png"
+            head_heatmap(res.exact, lm.shape.n_layers, lm.shape.n_heads, path,
+                         title=f"{name}: step {step} ({circuit.names.get(step, '')}), senders at "
+                               f"{res.sender_position}", selected=res.selected, label="(p_patched - p_clean)/p_clean")
+            figures[step] = str(path.relative_to(self.dir))
+        circuit.save(self.dir / "circuits" / f"{label(name)}.json")
+        return {"circuit": circuit.to_dict(), "figures": figures,
+                "exact": {s: {h.name: v for h, v in r.exact.items()} for s, r in steps.items()}}
 
-        def compute() -> dict:
-            lm = self.model(name)
-            plan = load_plan(self.task.plan) if self.task.plan else default_plan()
-            steps_of_plan = {step.name for step in plan.steps}
-            settings = DiscoverySettings(k={s: k for s, k in d.top_k.items() if s in steps_of_plan}, screen=d.screen,
-                                         screen_multiple=d.screen_multiple, n_prompts=d.n, n_boxes=t.n_boxes,
-                                         seed=t.seed)
-            pairs = self.task.discovery_pairs(self.tokenizer, d.n, t.seed, **self.options())
-            circuit, steps = discover(lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan)
-            figures = {}
-            for step, res in steps.items():
-                path = self.dir / "figures" / f"path_patching_{label(name)}_{step}.png"
-                head_heatmap(res.exact, lm.shape.n_layers, lm.shape.n_heads, path,
-                             title=f"{name}: step {step} ({circuit.names.get(step, '')}), senders at "
-                                   f"{res.sender_position}", selected=res.selected, label="(p_patched - p_clean)/p_clean")
-                figures[step] = str(path.relative_to(self.dir))
-            circuit.save(self.dir / "circuits" / f"{label(name)}.json")
-            return {"circuit": circuit.to_dict(), "figures": figures,
-                    "exact": {s: {h.name: v for h, v in r.exact.items()} for s, r in steps.items()}}
+    def _reference(self) -> dict:
+        """What a scorer's ablation means depend on besides the task and model."""
+        return {"reference_n": self.spec.scoring.reference_n, "batch_size": self.spec.eval.batch_size}
 
-        return self.cache.run(f"circuit:{name}", {"model": self.digests[name], "task": self._task(),
-                                                   "discovery": asdict(d)}, compute)
-
-    def scorer(self, name: str, offset: int = 2):
+    def scorer(self, name: str, prompts: str = "matrix", n: Optional[int] = None):
+        """A scorer of ``name`` on ``n`` prompts of the named set; every scorer ablates with the means of the
+        same ``reference_n`` reference prompts (held-out objects, like every other prompt set)."""
         from .circuits.scoring import Scorer
 
-        s, t = self.spec.scoring, self.spec.task
-        records = self.task.records(self.tokenizer, s.n, t.seed + offset, **self.options())
-        reference = self.task.reference_records(self.tokenizer, s.n, t.seed + 3, **self.options(held_out=False))
+        s = self.spec.scoring
+        records = self.task.records(self.tokenizer, n or s.n, self.seed(prompts), **self.options())
+        reference = self.task.reference_records(self.tokenizer, s.reference_n, self.seed("reference"),
+                                                **self.options())
         return Scorer.build(self.model(name), records, reference, self.spec.eval.batch_size, self.progress,
                             store=self.store)
 
@@ -202,9 +227,10 @@ class Study:
 
         def compute() -> dict:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
-            # Pruning decides on its own prompts (seed+6), never on those the matrix reports.
-            result = minimality(self.scorer(name, offset=6), circuit, max_steps=s.prune_steps, n_candidates=4,
-                                seed=self.spec.task.seed, metric=s.prune_metric)
+            # Pruning decides on its own prompts, never on those the matrix reports.
+            result = minimality(self.scorer(name, "prune", s.prune_n), circuit, max_steps=s.prune_steps,
+                                n_candidates=s.prune_candidates, seed=self.seed("prune"), metric=s.prune_metric,
+                                threshold=s.prune_threshold)
             pruned = prune(circuit, result, s.prune_threshold)
             pruned.save(self.dir / "circuits" / f"{label(name)}.pruned.json")
             return {"circuit": pruned.to_dict(), "minimality": result}
@@ -213,22 +239,36 @@ class Study:
                                                  "scoring": asdict(s), "task": self._task()}, compute)
 
     def matrix(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
+        """Every circuit of ``circuits`` scored on ``name``; random circuits and completeness for its own."""
         from .circuits.scoring import completeness, matrix_rows
 
         s = self.spec.scoring
 
         def compute() -> dict:
-            scorer = self.scorer(name)
-            loaded = {label: Circuit.from_dict(rec.result["circuit"]) for label, rec in circuits.items()}
-            rows = matrix_rows(name, loaded, scorer, n_random=s.random_draws, seed=self.spec.task.seed)
+            scorer = self.scorer(name, "matrix")
+            loaded = {key: Circuit.from_dict(rec.result["circuit"]) for key, rec in circuits.items()}
+            rows = matrix_rows(name, loaded, scorer, n_random=s.random_draws, seed=self.seed("matrix"),
+                               random_for=[name])
             own = loaded.get(name)
-            comp = (completeness(scorer, own, n_draws=s.completeness_draws, seed=self.spec.task.seed)
+            comp = (completeness(scorer, own, n_draws=s.completeness_draws, seed=self.seed("matrix"),
+                                 groups=self.analysis_groups(own, s.completeness_groups or self.spec.dcm.groups))
                     if own is not None and s.completeness_draws > 0 else None)
             return {"rows": rows, "completeness": comp}
 
         return self.cache.run(f"matrix:{name}", {"model": self.digests[name], "task": self._task(),
                                                   "circuits": {k: r.key for k, r in circuits.items()},
                                                   "scoring": asdict(s)}, compute)
+
+    def analysis_groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
+        """The groups DCM, CMAP and completeness look at: ``wanted`` where given (those of the circuit that
+        have heads), else every non-empty group whose position is one token of every prompt."""
+        if wanted:
+            return [g for g in wanted if circuit.groups.get(g)]
+        from .tasks.base import batch_tensors
+
+        positions = batch_tensors(self.eval_records()[:4])["positions"]
+        return [g for g, heads in circuit.groups.items() if heads and circuit.positions[g] in positions
+                and positions[circuit.positions[g]].dim() == 1 and bool((positions[circuit.positions[g]] >= 0).all())]
 
     def dcm(self, circuit_rec: StageRecord) -> StageRecord:
         from .dcm import DCMConfig, dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
@@ -244,10 +284,10 @@ class Study:
                                eval_batch=self.spec.eval.batch_size,
                                eval_every=4, split=split, seed=t.seed, random_pool=c.random_pool)
             opts = self.options()
-            desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, t.seed + 4,
+            desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, self.seed("dcm"),
                                                vocabulary=opts.get("vocabulary"), task=self.task.name)
                           for d in c.desiderata}
-            groups = [g for g, heads in circuit.groups.items() if heads]
+            groups = self.analysis_groups(circuit, c.groups)
             results = dcm_circuit(self.model(base), circuit, desiderata, config, groups, self.progress)
             semantic = []
             for r in results:
@@ -272,10 +312,16 @@ class Study:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
             if not circuit.heads():
                 return {"skipped": f"the circuit of {base} has no heads left after pruning; there is nothing to patch"}
-            records = self.task.records(self.tokenizer, c.n, t.seed + 5, **self.options())
+            records = self.task.records(self.tokenizer, c.n, self.seed("cmap"), **self.options())
+            groups = self.analysis_groups(circuit, c.groups)
+            if not groups:
+                return {"skipped": f"no group of the circuit of {base} sits at a single-token position"}
+            # the "circuit" scope: the union of these groups
+            circuit = Circuit(circuit.model, circuit.task, {g: circuit.groups[g] for g in groups},
+                              {g: circuit.positions[g] for g in groups}, names=dict(circuit.names))
             res = run_cmap(self.model(base), self.model(finetune), circuit, records, c.parts,
-                           self.spec.eval.batch_size, progress=self.progress, isolate=c.isolate,
-                           n_random=c.n_random, seed=t.seed + 5)
+                           self.spec.eval.batch_size, progress=self.progress,
+                           isolate=c.isolate, n_random=c.n_random, seed=self.seed("cmap"))
             return res.to_dict()
 
         return self.cache.run(f"cmap:{finetune}", {"base": self.digests[base], "finetune": self.digests[finetune],
@@ -290,6 +336,39 @@ class Study:
         with run_lock(self.dir):
             return self._run()
 
+    def run_model(self, name: str, poll: float = 20.0) -> None:
+        """The stages of one model, so that one process per model can share the cores: its accuracy, position
+        scan, circuit and pruning; then, once every model's circuit is in the cache (written by the other
+        processes), its row of the circuit x model matrix, and DCM (the base) or CMAP (a fine-tune). Each
+        process writes its own activation store (``<store>-<model>.h5``); stage records are written atomically
+        into the shared run directory, so ``mechdiff run`` afterwards finds every stage cached and writes
+        the report."""
+        if name not in self.spec.model_names:
+            raise ValueError(f"{name!r} is not a model of this study ({', '.join(self.spec.model_names)})")
+        store = Path(self.store)
+        self.store = str(store.with_name(f"{store.stem}-{label(name)}{store.suffix}"))
+        with run_lock(self.dir / "stages" / "locks" / label(name)):
+            self.accuracy(name)
+            self.positions(name)
+            found = {name: self.circuit(name)}
+            pruned = {name: self.pruned(name, found[name])} if self.spec.scoring.prune else {}
+            last = "prune" if self.spec.scoring.prune else "circuit"
+            waiting = [n for n in self.spec.model_names if n != name]
+            while waiting:
+                waiting = [n for n in waiting if not self.cache.path(f"{last}:{n}").is_file()]
+                if waiting:
+                    log.info("%s: waiting for the circuits of %s", name, ", ".join(waiting))
+                    time.sleep(poll)
+            found = {n: self.circuit(n) for n in self.spec.model_names}  # cached now
+            if self.spec.scoring.prune:
+                pruned = {n: self.pruned(n, found[n]) for n in self.spec.model_names}
+            self.matrix(name, {**found, **{f"{n} pruned": rec for n, rec in pruned.items()}})
+            base = self.spec.models.base
+            if name == base:
+                self.dcm(found[base])
+            else:
+                self.cmap(name, found[base])
+
     def _run(self) -> Path:
         from .report.study_report import write_report
 
@@ -303,12 +382,14 @@ class Study:
         names = self.spec.model_names
         base = self.spec.models.base
         accuracy = {n: self.accuracy(n) for n in names}
+        positions = {n: self.positions(n) for n in names}
         found = {n: self.circuit(n) for n in names}
-        circuits = {n: (self.pruned(n, found[n]) if self.spec.scoring.prune else found[n]) for n in names}
-        matrix = {n: self.matrix(n, circuits) for n in names}
-        dcm = self.dcm(circuits[base])
-        cmap = {ft: self.cmap(ft, circuits[base]) for ft in self.spec.models.finetunes}
-        report = write_report(self, accuracy, found, circuits, matrix, dcm, cmap)
+        pruned = {n: self.pruned(n, found[n]) for n in names} if self.spec.scoring.prune else {}
+        scored = {**found, **{f"{n} pruned": rec for n, rec in pruned.items()}}
+        matrix = {n: self.matrix(n, scored) for n in names}
+        dcm = self.dcm(found[base])
+        cmap = {ft: self.cmap(ft, found[base]) for ft in self.spec.models.finetunes}
+        report = write_report(self, accuracy, positions, found, pruned, matrix, dcm, cmap)
         write_json(self.dir / "run.json", self.manifest())
         return report
 

@@ -36,7 +36,7 @@ def test_unknown_model_error_lists_registry(capsys):
 def test_spec_defaults_and_shipped_file():
     spec = load_spec("tasks/entity_tracking.toml")
     assert spec.models.base == "smollm2-et-early"
-    assert spec.model_names == ["smollm2-et-early", "smollm2-et", "smollm2-et-math"]
+    assert spec.model_names == ["smollm2-et-early", "smollm2-et"]
     assert default_spec().to_dict() == {**spec.to_dict()}
 
 

@@ -104,3 +104,49 @@ def test_cli_curve_and_positions_write_tables_and_figures(tmp_path, tiny_llama, 
     assert len(scan["scan"]["steps"]) == 2 and len(scan["leave_one_out"]["classes"]) == 13
     assert (tmp_path / "p" / "position_scan.png").is_file() and (tmp_path / "p" / "leave_one_out.md").is_file()
     assert cli_main(["curve", *common, "--sizes", "0,2", "--out", str(tmp_path / "bad")]) == 2
+
+
+def test_prompt_attribution_rows_are_each_prompts_own(scorer):
+    """Row i of the per-prompt attribution is the attribution of a scorer holding prompt i alone (the same
+    means), and the rows average to the ranking's scores."""
+    from mechdiff.circuits.curve import pair_scores, prompt_attribution
+
+    per = prompt_attribution(scorer, CLASSES)
+    shape = scorer.model.shape
+    assert per.shape == (len(scorer.records), len(CLASSES), shape.n_layers, shape.n_heads)
+    alone = Scorer(scorer.model, scorer.records[2:3], scorer.means, 1, False)
+    want = hook_attribution(alone, CLASSES)
+    for (head, c), v in pair_scores(per[2], CLASSES).items():
+        assert v == pytest.approx(want[(head.layer, head.head, c)], rel=1e-4, abs=1e-6)
+    mean = ablation_attribution(scorer, CLASSES)
+    assert all(v == pytest.approx(mean[p], abs=1e-9) for p, v in pair_scores(per.mean(0), CLASSES).items())
+
+
+def test_selection_stability_counts_top_n_over_resamples():
+    from mechdiff.circuits.curve import selection_stability
+    from mechdiff.components import Head
+
+    gen = torch.Generator().manual_seed(0)
+    scores = 0.01 * torch.randn(40, 2, 3, 2, generator=gen, dtype=torch.float64)  # "prompt class layer head"
+    scores[:, 0, 1, 1] += 5.0  # always first
+    scores[:, 1, 2, 0] = 0.0  # never above the noise
+    freq = selection_stability(scores, ["a", "b"], n_selected=3, draws=50, seed=4)
+    assert len(freq) == 12 and sum(freq.values()) == pytest.approx(3.0)  # each draw selects exactly 3
+    assert freq[(Head(1, 1), "a")] == 1.0 and freq[(Head(2, 0), "b")] == 0.0
+    assert selection_stability(scores, ["a", "b"], 3, 50, seed=4) == freq  # seeded
+    with pytest.raises(ValueError, match="n_selected"):
+        selection_stability(scores, ["a", "b"], 0)
+
+
+def test_ranked_circuit_keeps_exactly_the_top_pairs(scorer):
+    from mechdiff.circuits.circuit import Circuit
+    from mechdiff.circuits.curve import ranked_circuit
+
+    ranked = ranking(ablation_attribution(scorer, CLASSES))
+    circuit = ranked_circuit(ranked, 17, "m", "entity-tracking", meta={"fraction": 0.1})
+    assert set(circuit.pairs()) == set(ranked[:17]) and len(circuit.pairs()) == 17
+    assert all(circuit.positions[g] == g for g in circuit.groups) and circuit.meta == {"fraction": 0.1}
+    again = Circuit.from_dict(circuit.to_dict())
+    assert set(again.pairs()) == set(ranked[:17])
+    kept = scorer.keep(circuit.pairs())
+    assert np.array_equal(kept.prob, scorer.keep(ranked[:17]).prob)

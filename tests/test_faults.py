@@ -114,15 +114,17 @@ def test_damaged_stage_record_is_set_aside_and_recomputed(finished, family, tmp_
 
 
 def test_damaged_headmap_stage_is_set_aside_and_recomputed(tmp_path, caplog):
-    from mechdiff.commands.headmap import _stage
+    """HeadMap's stages go through the one stage cache: a damaged record is set aside and recomputed."""
+    from mechdiff.studies.stages import StageCache
 
     calls = []
-    value = _stage(tmp_path, "locate-x", {"k": 1}, lambda: calls.append(1) or {"heads": ["L0H1"]})
+    stage = lambda fn: StageCache(tmp_path).run("locate-x", {"k": 1}, fn).result  # noqa: E731
+    value = stage(lambda: calls.append(1) or {"heads": ["L0H1"]})
     path = tmp_path / "stages" / "locate-x.json"
-    assert _stage(tmp_path, "locate-x", {"k": 1}, lambda: calls.append(1)) == value and calls == [1]  # reused
+    assert stage(lambda: calls.append(1)) == value and calls == [1]  # reused
     path.write_text(path.read_text()[:20])
     with caplog.at_level(logging.WARNING):
-        again = _stage(tmp_path, "locate-x", {"k": 1}, lambda: calls.append(1) or {"heads": ["L0H1"]})
+        again = stage(lambda: calls.append(1) or {"heads": ["L0H1"]})
     assert again == value and calls == [1, 1]
     assert set_aside_warnings(caplog, path) and len(list(path.parent.glob("locate-x.json.unreadable-*"))) == 1
 

@@ -263,7 +263,7 @@ def test_minimality_grows_k_to_expose_redundant_heads():
     assert (res["max_steps"], res["n_candidates"], res["seed"]) == (1, None, 3)
     # alone, removing a changes nothing (b covers it); with K = {b} removing a breaks the task
     assert res["pairs"]["L2H0@last"] == {"contribution": pytest.approx(acc_full), "relative": pytest.approx(1.0),
-                                         "relative_full": pytest.approx(1.0), "K": ["L2H1@last"]}
+                                         "relative_full": pytest.approx(1.0), "K": ["L2H1@last"], "searched": True}
     assert res["pairs"]["L2H1@last"]["K"] == ["L2H0@last"]
     assert res["pairs"]["L0H3@query_label"]["contribution"] == 0.0  # c never matters: K stays empty
     assert res["pairs"]["L0H3@query_label"]["K"] == []
@@ -271,6 +271,26 @@ def test_minimality_grows_k_to_expose_redundant_heads():
     assert (default["metric"], default["seed"]) == ("accuracy", 0) and default["pairs"] == res["pairs"]
     none = minimality(scorer, circuit, max_steps=0, metric="accuracy")
     assert none["pairs"]["L2H0@last"]["contribution"] == 0.0 and none["pairs"]["L2H0@last"]["K"] == []
+
+
+def test_minimality_threshold_skips_only_searches_that_cannot_change_pruning():
+    """A pair already above the threshold at K = {} keeps its place whatever K adds, so skipping its search
+    prunes the same circuit with fewer evaluations; the searched pairs get the same K as without skipping."""
+    from mechdiff.circuits.scoring import minimality, prune
+
+    a, b, c = (Head(2, 0), "last"), (Head(2, 1), "last"), (Head(0, 3), "query_label")
+    circuit = Circuit("m", "t", {"A": [a[0], b[0]], "B": [c[0]]}, {"A": "last", "B": "query_label"})
+    rule = lambda kept: b in kept and (a in kept or c in kept)  # noqa: E731 - b needed, a and c redundant
+    full_search, skipping = FakeScorer([a, b, c], rule), FakeScorer([a, b, c], rule)
+    want = minimality(full_search, circuit, max_steps=1, n_candidates=None, seed=1)
+    got = minimality(skipping, circuit, max_steps=1, n_candidates=None, seed=1, threshold=0.01)
+    assert got["threshold"] == 0.01 and want["threshold"] is None
+    assert got["pairs"]["L2H1@last"]["searched"] is False and got["pairs"]["L2H1@last"]["K"] == []
+    assert got["pairs"]["L2H1@last"]["relative"] > 0.01
+    for name in ("L2H0@last", "L0H3@query_label"):  # below the threshold alone: searched, as without skipping
+        assert got["pairs"][name] == want["pairs"][name] and got["pairs"][name]["K"]
+    assert prune(circuit, got, 0.01).to_dict()["groups"] == prune(circuit, want, 0.01).to_dict()["groups"]
+    assert len(skipping.calls) < len(full_search.calls)  # the skipped search evaluated nothing
 
 
 def test_minimality_prob_metric_and_candidates():

@@ -31,7 +31,11 @@ def tiny_spec(names, out):
     spec.task.n_boxes = 3
     spec.eval.n, spec.eval.batch_size = 12, 12
     spec.discovery.n, spec.discovery.top_k, spec.discovery.screen_multiple = 6, {"A": 2, "B": 1, "C": 1, "D": 1}, 2
-    spec.scoring.n, spec.scoring.random_draws, spec.scoring.completeness_draws = 8, 1, 1
+    spec.discovery.curve_n, spec.discovery.sizes, spec.discovery.stability_draws = 8, [0.1, 0.5, 1.0], 20
+    spec.positions.n, spec.positions.max_steps = 6, 2
+    spec.scoring.n, spec.scoring.random_draws, spec.scoring.completeness_draws = 8, 2, 1
+    spec.scoring.reference_n, spec.scoring.prune_n = 12, 6
+    spec.cmap.n_random = 1
     spec.dcm.n_train, spec.dcm.n_val, spec.dcm.n_test, spec.dcm.epochs = 6, 3, 3, 1
     spec.dcm.desiderata = ["positional"]
     spec.cmap.n, spec.cmap.parts = 8, ["z", "qk"]
@@ -107,3 +111,38 @@ def test_run_command_refuses_an_unknown_task_before_loading(capsys):
 
     assert main(["run", "--task", "no-such-task"]) == 2
     assert "neither a registered task" in capsys.readouterr().err
+
+
+def test_one_process_per_model_computes_the_same_study(tiny_family, tmp_path):
+    """`mechdiff run --model NAME` for every model at once (here: threads), then a plain run: every stage is
+    found in the cache, and the results equal those of a plain sequential run."""
+    import threading
+
+    spec = tiny_spec(tiny_family, tmp_path / "parallel")
+    errors = []
+
+    def one(name):
+        try:
+            Study(spec, progress=False).run_model(name, poll=0.2)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in spec.model_names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assembled = Study(spec, progress=False)
+    assembled.run()
+    assert all(r.cached for r in assembled.cache.records.values()) and assembled.models._loaded == {}
+    plain_spec = tiny_spec(tiny_family, tmp_path / "plain")
+    plain = Study(plain_spec, progress=False)
+    plain.run()
+    for name, rec in plain.cache.records.items():
+        assert assembled.cache.records[name].key == rec.key
+        if name.startswith(("circuit", "prune", "matrix")):
+            assert json.dumps(assembled.cache.records[name].result, sort_keys=True, default=str) == \
+                json.dumps(rec.result, sort_keys=True, default=str), name
+    with pytest.raises(ValueError, match="not a model of this study"):
+        Study(spec, progress=False).run_model("other")

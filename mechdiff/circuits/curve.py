@@ -24,25 +24,32 @@ from ..components import Head, all_heads
 from ..metrics import answer_logprob
 from ..patching.core import EMB_LAYER, Patch, run
 from ..stats import bootstrap_ratio, proportion
+from .circuit import Circuit
 from .scoring import Pair, Scorer, per_prompt, position_mask
 
-SIZES: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
+SIZES: tuple[float, ...] = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.2, 0.5, 1.0)
 TARGET = 0.8  # the study's default: the smallest circuit whose accuracy faithfulness reaches this
 
 
 def ablation_attribution(scorer: Scorer, classes: Sequence[str]) -> dict[Pair, float]:
     """Per (head, class): the mean over prompts of ``sum_pos (mean z - z) . grad log p(answer)``."""
+    return pair_scores(prompt_attribution(scorer, classes).mean(0), classes)
+
+
+def prompt_attribution(scorer: Scorer, classes: Sequence[str]) -> torch.Tensor:
+    """Per prompt, the attribution of every (class, layer, head): ``"prompt class layer head"`` (float64).
+    Kept per prompt so that the ranking can be bootstrapped over prompts (:func:`selection_stability`)."""
     model, shape = scorer.model, scorer.model.shape
     sites = [("z", layer) for layer in range(shape.n_layers)]
-    total = torch.zeros(len(classes), shape.n_layers, shape.n_heads, dtype=torch.float64)
+    out = torch.zeros(len(scorer.records), len(classes), shape.n_layers, shape.n_heads, dtype=torch.float64)
     for rows, batch in tqdm(list(scorer.batches()), desc="attribution", disable=not scorer.progress, leave=False):
         with torch.no_grad():
             emb = run(model, batch["input_ids"], capture=[("emb", EMB_LAYER)], stop=True).captured[("emb", EMB_LAYER)]
         # the embedding output as the leaf: every later activation is in the graph (weights may be frozen)
         leaf = emb.detach().clone().requires_grad_()
-        out = run(model, batch["input_ids"], [Patch("emb", EMB_LAYER, leaf)], capture=sites, grad=True)
-        logp = answer_logprob(out.logits, batch["answer_ids"])
-        zs = [out.captured[s] for s in sites]
+        res = run(model, batch["input_ids"], [Patch("emb", EMB_LAYER, leaf)], capture=sites, grad=True)
+        logp = answer_logprob(res.logits, batch["answer_ids"])
+        zs = [res.captured[s] for s in sites]
         grads = torch.autograd.grad(logp.sum(), zs, allow_unused=True)
         for layer, (z, g) in enumerate(zip(zs, grads)):
             if g is None:
@@ -51,10 +58,44 @@ def ablation_attribution(scorer: Scorer, classes: Sequence[str]) -> dict[Pair, f
             prod = rearrange(delta * g.float(), "b p (head d) -> b p head d", head=shape.n_heads).sum(-1)
             for i, c in enumerate(classes):
                 where = position_mask(batch, c).to(prod.device, prod.dtype)  # "batch pos"
-                total[i, layer] += (prod * where[..., None]).sum((0, 1)).double().cpu()
-    total /= len(scorer.records)
-    return {(Head(layer, h), c): float(total[i, layer, h])
-            for i, c in enumerate(classes) for layer in range(shape.n_layers) for h in range(shape.n_heads)}
+                out[rows, i, layer] = (prod * where[..., None]).sum(1).double().cpu()
+    return out
+
+
+def pair_scores(scores: torch.Tensor, classes: Sequence[str]) -> dict[Pair, float]:
+    """``"class layer head"`` scores as ``{(head, class): score}``."""
+    _, n_layers, n_heads = scores.shape
+    return {(Head(layer, h), c): float(scores[i, layer, h])
+            for i, c in enumerate(classes) for layer in range(n_layers) for h in range(n_heads)}
+
+
+def selection_stability(scores: torch.Tensor, classes: Sequence[str], n_selected: int, draws: int = 200,
+                        seed: int = 0) -> dict[Pair, float]:
+    """How often each (head, class) pair is among the top ``n_selected`` of the ranking when the ranking
+    prompts are resampled with replacement ``draws`` times (``scores``: :func:`prompt_attribution`).
+    1.0: selected whatever the prompts; near ``n_selected / n_pairs``: selected by chance."""
+    if n_selected < 1 or draws < 1:
+        raise ValueError(f"n_selected and draws must be >= 1, got {n_selected} and {draws}")
+    n = scores.shape[0]
+    flat = scores.reshape(n, -1)
+    rng = np.random.default_rng(seed)
+    counts = torch.zeros(flat.shape[1], dtype=torch.float64)
+    for _ in range(draws):
+        mean = flat[torch.from_numpy(rng.integers(0, n, n))].mean(0)
+        counts[mean.abs().topk(n_selected).indices] += 1
+    return pair_scores((counts / draws).reshape(scores.shape[1:]), classes)
+
+
+def ranked_circuit(ranked: Sequence[Pair], n: int, model: str = "", task: str = "",
+                   meta: Optional[dict] = None) -> Circuit:
+    """The top ``n`` pairs of ``ranked`` as a :class:`Circuit` with one group per position class (the group's
+    name is the class), so every circuit tool (scoring, pruning, CMAP, DCM) reads it."""
+    groups: dict[str, list[Head]] = {}
+    for head, c in ranked[:n]:
+        groups.setdefault(c, []).append(head)
+    groups = {c: sorted(hs) for c, hs in groups.items()}
+    return Circuit(model, task, groups, {c: c for c in groups}, names={c: f"heads at {c}" for c in groups},
+                   meta=dict(meta or {}))
 
 
 def ranking(scores: dict[Pair, float]) -> list[Pair]:

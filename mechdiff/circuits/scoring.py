@@ -280,8 +280,9 @@ def group_pairs(circuit: Circuit, group: str) -> list[Pair]:
 
 
 def completeness(scorer: Scorer, circuit: Circuit, n_draws: int = 5, p: float = 0.5, seed: int = 0,
-                 metric: Metric = "accuracy") -> dict:
-    """|F(C \\ K) - F(M \\ K)| for random K (each pair kept in K with probability ``p``) and each whole group.
+                 metric: Metric = "accuracy", groups: Optional[Sequence[str]] = None) -> dict:
+    """|F(C \\ K) - F(M \\ K)| for random K (each pair kept in K with probability ``p``) and each whole group
+    (``groups``: those groups only; default every group).
 
     Random K: mean, std and the per-draw values, with a bootstrap CI over the draws. Per group:
     the signed difference with a bootstrap CI over prompts, and its absolute value.
@@ -297,7 +298,7 @@ def completeness(scorer: Scorer, circuit: Circuit, n_draws: int = 5, p: float = 
         out["random"] = {"mean": float(np.mean(diffs)), "std": float(np.std(diffs)), "draws": diffs,
                          "ci": bootstrap(diffs).to_dict()}
     out["groups"] = {}
-    for g in circuit.groups:
+    for g in (circuit.groups if groups is None else groups):
         if not circuit.groups[g]:  # K empty: F(C) - F(M) says nothing about the group
             out["groups"][g] = {"completeness": None, "difference": None, "size": 0,
                                 "note": "n/a: the group is empty"}
@@ -325,7 +326,7 @@ def pair_name(pair: Pair) -> str:
 
 
 def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidates: Optional[int] = 4,
-               seed: int = 0, metric: Metric = "accuracy") -> dict:
+               seed: int = 0, metric: Metric = "accuracy", threshold: Optional[float] = None) -> dict:
     """Per pair v, the contribution max_K |F(C \\ (K + v)) - F(C \\ K)| with K grown greedily.
 
     Greedy, as Wang et al. and Prakash et al.: start from K = {}; each step tries adding one
@@ -334,11 +335,14 @@ def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidate
     ``relative`` is the contribution divided by the circuit's own performance F(C) (the paper's
     rule: a head stays if it moves the metric by more than a fraction of F(C)); ``relative_full``
     divides by F(M). Results are cached across heads.
+
+    ``threshold``: skip the greedy search for a pair whose relative contribution at K = {} already exceeds
+    it. The search only ever raises a contribution, so pruning at that threshold decides the same; the
+    skipped pairs' contributions are then lower bounds (``"searched": false``).
     """
     pairs = circuit.pairs()
     f_full = float(per_prompt(scorer.full(), metric).mean())
     f_circuit = float(per_prompt(scorer.keep(pairs), metric).mean())
-    rng = random.Random(seed)
 
     def f(removed: frozenset) -> float:
         return float(per_prompt(scorer.keep([pr for pr in pairs if pr not in removed]), metric).mean())
@@ -350,7 +354,9 @@ def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidate
     for v in tqdm(pairs, desc="minimality", disable=not scorer.progress):
         k: frozenset = frozenset()
         best = contribution(v, k)
-        for _ in range(max_steps):
+        settled = bool(threshold is not None and f_circuit and best / f_circuit > threshold)
+        rng = random.Random(f"{seed}:{pair_name(v)}")  # per pair: skipping one search changes no other
+        for _ in range(0 if settled else max_steps):
             others = [u for u in pairs if u != v and u not in k]
             if n_candidates is not None and len(others) > n_candidates:
                 others = rng.sample(others, n_candidates)
@@ -361,8 +367,8 @@ def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidate
             best, k = value, k | {u}
         out[pair_name(v)] = {"contribution": best, "relative": best / f_circuit if f_circuit else float("nan"),
                              "relative_full": best / f_full if f_full else float("nan"),
-                             "K": sorted(pair_name(u) for u in k)}
-    return {"metric": metric, "full": f_full, "circuit": f_circuit, "relative_to": "F(C)",
+                             "K": sorted(pair_name(u) for u in k), "searched": not settled}
+    return {"metric": metric, "full": f_full, "circuit": f_circuit, "relative_to": "F(C)", "threshold": threshold,
             "max_steps": max_steps, "n_candidates": n_candidates,
             "seed": seed, "n_prompts": len(scorer.records), "pairs": out}
 
@@ -403,13 +409,16 @@ def estimate(d: dict) -> Estimate:
 
 
 def matrix_rows(model_name: str, circuits: dict[str, Circuit], scorer: Scorer, n_random: int = 0,
-                seed: int = 0) -> list[dict]:
+                seed: int = 0, random_for: Optional[Sequence[str]] = None) -> list[dict]:
     """One row per circuit for one model: full and circuit accuracy, faithfulness (and the random
-    baseline), each as ``x``, ``x_low``, ``x_high`` columns (see :mod:`mechdiff.report.tables`)."""
+    baseline, for the circuits named in ``random_for``, default all), each as ``x``, ``x_low``, ``x_high``
+    columns (see :mod:`mechdiff.report.tables`); ``draws``: each random draw's accuracy."""
     rows = []
     for label, circuit in circuits.items():
-        res = faithfulness(scorer, circuit, n_random=n_random, seed=seed)
-        row = {"circuit": label, "model": model_name, "n_heads": len(circuit.heads()), "n_prompts": res["n_prompts"]}
+        draws = n_random if random_for is None or label in random_for else 0
+        res = faithfulness(scorer, circuit, n_random=draws, seed=seed)
+        row = {"circuit": label, "model": model_name, "n_heads": len(circuit.heads()),
+               "n_pairs": len(circuit.pairs()), "n_prompts": res["n_prompts"]}
         row.update(_cols("full_accuracy", res["full"]["accuracy"]))
         row.update(_cols("accuracy", res["circuit"]["accuracy"]))
         row.update(_cols("faithfulness", res["circuit"]["faithfulness"]))
@@ -419,6 +428,7 @@ def matrix_rows(model_name: str, circuits: dict[str, Circuit], scorer: Scorer, n
             row.update(_cols("random_accuracy", res["random"]["accuracy"]))
             row.update(_cols("random_faithfulness", res["random"]["faithfulness"]))
             row.update(_cols("random_faithfulness_prob", res["random"]["faithfulness_prob"]))
+            row["random_draws"] = res["random"]["draws"]
         rows.append(row)
     return rows
 

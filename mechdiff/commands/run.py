@@ -15,6 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", default=None,
                    help="override [task] name: a registered task (ioi, ...) or a directory from `mechdiff dataset import`")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--model", default=None,
+                   help="only this model's stages (one process per model shares the cores; a plain `mechdiff run` "
+                        "afterwards writes the report from the cache)")
     # Placement overrides of the task file's [models] section (unset: the file's values).
     p.add_argument("--dtype", default=None, help="override [models] dtype: float32 (as the paper), bfloat16, float16")
     p.add_argument("--device", default=None, help="override [models] device: cpu, cuda, cuda:1")
@@ -37,6 +40,10 @@ def main(args: argparse.Namespace) -> int:
     from ..study import Study
 
     study = Study(spec, progress=not args.no_progress, out_dir=args.out)
+    if args.model:
+        study.run_model(args.model)
+        print(f"stages of {args.model} done in {study.dir}; run without --model for the report")
+        return 0
     report = study.run()
     print(f"report: {report}")
     for name, rec in study.cache.records.items():

@@ -7,39 +7,56 @@ reaches ``target`` x the full model's; compare with
 random circuits of the same edge count; the MIB-style faithfulness curve with CPR and CMD;
 logit lens and head roles; figures and tables. With two or more models the facts are those every
 model gets right, and the circuits are compared (edge and node overlap, persisting heads).
+
+Stages, each cached in ``<out>/stages/`` by :class:`mechdiff.studies.stages.StageCache` under a key of
+what it reads: ``facts`` (which facts every model gets right), and per model ``discovery`` (edge
+scores), ``scoring`` (the circuit, random circuits, the curve) and ``analysis`` (logit lens, head
+roles). A rerun recomputes only the stages a changed option reaches; tables, figures and reports are
+rewritten from the records every time. Random circuits draw their seeds by name
+(:func:`mechdiff.studies.seeds.derive`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ..circuits.overlap import hypergeom_p
-from ..io import write_json, write_text
+from ..io import run_lock, write_json, write_text
 from ..models.loading import LoadedModel
 from ..report.tables import to_markdown, write_table
-from ..stats import bootstrap
+from ..studies.seeds import derive
+from ..studies.stages import StageCache, StageRecord, key_hash
+from ..tasks.spec import load_sections
 from . import figures
 from .analysis import attention_mass, head_roles, logit_lens
 from .data import Fact, Relation, batches, build_facts
 from .discovery import acdc, attribution_scores, greedy_edges, iterative_pruning, top_edges
-from .evaluate import SIZES, evaluate, faithfulness_curve, random_mask
+from .evaluate import SIZES, CircuitEval, evaluate, faithfulness_curve, random_mask
 from .forward import Ablation, check_supported, mean_ablation
 from .graph import EdgeCircuit, Graph
 
 log = logging.getLogger(__name__)
 
+METHODS = ("eap", "iterative", "eap-ig", "acdc")
+ABLATIONS = ("mean", "zero")
+SELECTIONS = ("greedy", "topk")
+
 
 @dataclass
 class KnowledgeSettings:
+    """The ``[knowledge]`` section of a task file (``tasks/knowledge.toml``); the command's flags override it."""
+
     relation: str = "country_language"
+    models: tuple = ("smollm2-135m",)  # one circuit each on the facts all get right, then their overlap
     template: int = 0
-    method: str = "eap"  # eap | iterative | eap-ig | acdc
+    method: str = "eap"  # one of METHODS
     ig_steps: int = 5
     shrink: float = 0.25  # iterative: at most this fraction of the edges kept per round
     ablation: str = "mean"  # mean | zero
@@ -60,6 +77,16 @@ class KnowledgeSettings:
     max_graph_edges: int = 200  # edges drawn in the circuit figure
 
 
+CHOICES = {("knowledge", "method"): METHODS, ("knowledge", "ablation"): ABLATIONS,
+           ("knowledge", "selection"): SELECTIONS}
+
+
+def load_settings(path: str | Path) -> KnowledgeSettings:
+    """The ``[knowledge]`` section of the task file ``path`` (unknown keys refused with their line)."""
+    return load_sections(path, {"knowledge": KnowledgeSettings}, choices=CHOICES,
+                         example="tasks/knowledge.toml")[0]["knowledge"]
+
+
 def full_model_hits(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSettings) -> np.ndarray:
     graph = Graph.for_model(model)
     return evaluate(model, graph, batches(facts, settings.batch_size), None, Ablation(), settings.k).hit
@@ -72,104 +99,224 @@ def load_facts(model: LoadedModel, settings: KnowledgeSettings) -> list[Fact]:
     return facts
 
 
-def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSettings, out: Path,
-              progress: bool = True) -> dict:
-    """The circuit of ``facts`` (already filtered) on ``model``; writes ``out`` and returns the results."""
-    check_supported(model)
-    out.mkdir(parents=True, exist_ok=True)
-    graph = Graph.for_model(model)
-    bs = batches(facts, settings.batch_size)
-    timings: dict[str, float] = {}
-    t = time.time()
-    ablation = mean_ablation(model, graph, bs) if settings.ablation == "mean" else Ablation()
-    ablation.keep_first = settings.keep_first
-    timings["ablation"] = time.time() - t
+def facts_key(facts: Sequence[Fact]) -> str:
+    """What a stage reads of the facts: their tokens and answer tokens."""
+    return key_hash([[f.ids, f.answer_id] for f in facts])
 
-    t = time.time()
-    full = evaluate(model, graph, bs, None, ablation, settings.k)
-    empty = evaluate(model, graph, bs, np.zeros(graph.n_edges, dtype=bool), ablation, settings.k)
-    full_hit = float(full.hit.mean())
-    timings["full_and_empty"] = time.time() - t
 
+# --------------------------------------------------------------------------------------
+# Stages of one model: discovery (edge scores), scoring (the circuit and its controls), analysis
+# --------------------------------------------------------------------------------------
+
+
+class _Run:
+    """One model on one fact set: the graph, batches, and (computed on first use, only when a stage that
+    needs them is not cached) the ablation and the full and empty circuits' evaluations."""
+
+    def __init__(self, model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSettings, progress: bool):
+        self.model, self.facts, self.settings, self.progress = model, facts, settings, progress
+        self.graph = Graph.for_model(model)
+        self.batches = batches(facts, settings.batch_size)
+        self.timings: dict[str, float] = {}
+
+    def timed(self, name: str, fn):
+        t = time.time()
+        value = fn()
+        self.timings[name] = time.time() - t
+        return value
+
+    @cached_property
+    def ablation(self) -> Ablation:
+        def make() -> Ablation:
+            a = mean_ablation(self.model, self.graph, self.batches) if self.settings.ablation == "mean" else Ablation()
+            a.keep_first = self.settings.keep_first
+            return a
+        return self.timed("ablation", make)
+
+    def evaluate(self, mask: Optional[np.ndarray]) -> CircuitEval:
+        return evaluate(self.model, self.graph, self.batches, mask, self.ablation, self.settings.k)
+
+    @cached_property
+    def full_and_empty(self) -> tuple[CircuitEval, CircuitEval]:
+        return self.timed("full_and_empty", lambda: (self.evaluate(None),
+                                                     self.evaluate(np.zeros(self.graph.n_edges, dtype=bool))))
+
+    def inputs(self) -> dict:
+        """What every stage of this model depends on: weights, facts, how removed edges are ablated, the code
+        version."""
+        from .. import __version__
+
+        s = self.settings
+        return {"model": self.model.fingerprint, "facts": facts_key(self.facts), "ablation": s.ablation,
+                "keep_first": s.keep_first, "batch_size": s.batch_size, "mechdiff": __version__}
+
+
+def _wanted_sizes(s: KnowledgeSettings) -> list[float]:
+    return sorted({*s.sizes, *(s.curve_sizes if s.curve else ())} - {1.0})
+
+
+def discovery_inputs(s: KnowledgeSettings) -> dict:
+    """The options edge scoring reads, per method."""
+    per_method = {"eap-ig": {"ig_steps": s.ig_steps}, "acdc": {"tau": s.tau},
+                  "iterative": {"shrink": s.shrink, "sizes": _wanted_sizes(s), "prune_unreached": s.prune_unreached}}
+    return {"method": s.method, **per_method.get(s.method, {})}
+
+
+def _indices(mask: np.ndarray) -> list[int]:
+    return np.flatnonzero(mask).tolist()
+
+
+def _mask(graph: Graph, indices: Sequence[int]) -> np.ndarray:
+    mask = np.zeros(graph.n_edges, dtype=bool)
+    mask[list(indices)] = True
+    return mask
+
+
+def discovery_stage(run: _Run) -> dict:
+    """Edge scores (and ACDC's circuit, or iterative pruning's circuit per size)."""
+    s, g = run.settings, run.graph
     t = time.time()
-    pruned: Optional[dict] = None
-    if settings.method == "acdc":
-        mask, effect = acdc(model, graph, bs, settings.tau, ablation, progress)
+    out: dict[str, Any] = {"pruned": None, "acdc_edges": None}
+    if s.method == "acdc":
+        mask, effect = acdc(run.model, g, run.batches, s.tau, run.ablation, run.progress)
         scores = np.nan_to_num(effect, nan=0.0)
-        sweep, chosen = [], {"fraction": float(mask.mean()), "n_edges": int(mask.sum())}
-    elif settings.method == "iterative":
-        wanted = sorted({*settings.sizes, *(settings.curve_sizes if settings.curve else ())} - {1.0})
-        pruned, scores = iterative_pruning(model, graph, bs, wanted, ablation, settings.shrink, progress,
-                                           settings.prune_unreached)
+        out["acdc_edges"] = _indices(mask)
+    elif s.method == "iterative":
+        pruned, scores = iterative_pruning(run.model, g, run.batches, _wanted_sizes(s), run.ablation, s.shrink,
+                                           run.progress, s.prune_unreached)
+        out["pruned"] = {repr(frac): _indices(m) for frac, m in pruned.items()}
     else:
-        scores = attribution_scores(model, graph, bs, settings.method, settings.ig_steps, ablation, progress)
-    timings["discovery"] = time.time() - t
+        scores = attribution_scores(run.model, g, run.batches, s.method, s.ig_steps, run.ablation, run.progress)
+    run.timings["discovery"] = time.time() - t
+    return {**out, "scores": np.asarray(scores, dtype=float).tolist(), "timings": dict(run.timings)}
 
+
+def _pruned(graph: Graph, disc: dict) -> Optional[dict[float, np.ndarray]]:
+    return None if disc["pruned"] is None else {float(f): _mask(graph, ix) for f, ix in disc["pruned"].items()}
+
+
+def scoring_inputs(s: KnowledgeSettings) -> dict:
+    """The options choosing and scoring the circuit (given the edge scores)."""
+    return {"k": s.k, "target": s.target, "sizes": list(s.sizes), "selection": s.selection, "signed": s.signed,
+            "prune_unreached": s.prune_unreached, "n_random": s.n_random, "seed": s.seed, "curve": s.curve,
+            "curve_sizes": list(s.curve_sizes)}
+
+
+def _select(run: _Run, scores: np.ndarray, pruned: Optional[dict], full_hit: float) -> tuple[np.ndarray, list]:
+    """The smallest size of ``settings.sizes`` whose Hit@k reaches target x the full model's (else the last)."""
+    s, g = run.settings, run.graph
+    sweep, mask = [], None
+    for frac in s.sizes:
+        if pruned is not None:
+            mask = pruned[frac]
+        else:
+            select = greedy_edges if s.selection == "greedy" else top_edges
+            mask = select(g, scores, max(1, int(round(frac * g.n_edges))), prune=True, signed=s.signed,
+                          forward=s.prune_unreached)
+        if not mask.any():
+            log.info("size %s: no edge left after pruning dangling edges", frac)
+            continue
+        ev = run.evaluate(mask)
+        hit = float(ev.hit.mean())
+        row = {"fraction_requested": frac, "n_edges": int(mask.sum()), "fraction": float(mask.mean()),
+               f"hit@{s.k}": hit, "ratio_to_full": hit / full_hit if full_hit else float("nan"),
+               "logprob": float(ev.logprob.mean())}
+        sweep.append(row)
+        log.info("size %s: %s", frac, row)
+        if hit >= s.target * full_hit:
+            return mask, sweep
+    log.warning("no size up to %s reached %s x the full model's Hit@%s", s.sizes[-1], s.target, s.k)
+    return mask, sweep
+
+
+def scoring_stage(run: _Run, disc: dict) -> dict:
+    """The circuit (chosen size), its Hit@k against the full and empty models and random circuits, and the
+    faithfulness curve."""
+    s, g = run.settings, run.graph
+    run.timings.clear()
+    full, empty = run.full_and_empty
+    full_hit = float(full.hit.mean())
+    scores, pruned = np.asarray(disc["scores"]), _pruned(g, disc)
     t = time.time()
-    if settings.method != "acdc":
-        sweep = []
-        chosen = None
-        for frac in settings.sizes:
-            if pruned is not None:
-                mask = pruned[frac]
-            else:
-                select = greedy_edges if settings.selection == "greedy" else top_edges
-                mask = select(graph, scores, max(1, int(round(frac * graph.n_edges))), prune=True,
-                              signed=settings.signed, forward=settings.prune_unreached)
-            if not mask.any():
-                log.info("size %s: no edge left after pruning dangling edges", frac)
-                continue
-            ev = evaluate(model, graph, bs, mask, ablation, settings.k)
-            row = {"fraction_requested": frac, "n_edges": int(mask.sum()), "fraction": float(mask.mean()),
-                   f"hit@{settings.k}": float(ev.hit.mean()),
-                   "ratio_to_full": float(ev.hit.mean()) / full_hit if full_hit else float("nan"),
-                   "logprob": float(ev.logprob.mean())}
-            sweep.append(row)
-            log.info("size %s: %s", frac, row)
-            if chosen is None and row[f"hit@{settings.k}"] >= settings.target * full_hit:
-                chosen = dict(row, mask=mask, eval=ev)
-                break
-        if chosen is None:
-            chosen = dict(sweep[-1], mask=mask, eval=ev)
-            log.warning("no size up to %s reached %s x the full model's Hit@%s", settings.sizes[-1], settings.target,
-                        settings.k)
-        mask = chosen.pop("mask")
-        circuit_eval = chosen.pop("eval")
+    if disc["acdc_edges"] is not None:
+        mask, sweep = _mask(g, disc["acdc_edges"]), []
     else:
-        circuit_eval = evaluate(model, graph, bs, mask, ablation, settings.k)
-    timings["selection"] = time.time() - t
-
-    t = time.time()
+        mask, sweep = _select(run, scores, pruned, full_hit)
+    circuit_eval = run.evaluate(mask)
+    run.timings["selection"] = time.time() - t
     n_edges = int(mask.sum())
-    random_hits = [float(evaluate(model, graph, bs, random_mask(graph, n_edges, settings.seed + i), ablation,
-                                  settings.k).hit.mean()) for i in range(settings.n_random)]
-    timings["random"] = time.time() - t
+    # Each random circuit's seed is derived from the study's seed and the draw's name.
+    random_hits = run.timed("random", lambda: [
+        float(run.evaluate(random_mask(g, n_edges, derive(s.seed, f"random-circuit-{i}"))).hit.mean())
+        for i in range(s.n_random)])
+    curve = run.timed("curve", lambda: (
+        faithfulness_curve(run.model, g, run.batches, scores, run.ablation, s.curve_sizes, s.k, full, empty,
+                           run.progress, masks=pruned) if s.curve and s.method != "acdc" else None))
+    return {"edges": _indices(mask), "sweep": sweep, "full": full.summary(s.k), "empty": empty.summary(s.k),
+            "circuit": circuit_eval.summary(s.k), "full_hit": full_hit, "circuit_hit": float(circuit_eval.hit.mean()),
+            "random_hits": random_hits, "curve": curve, "timings": dict(run.timings)}
 
-    t = time.time()
-    curve = (faithfulness_curve(model, graph, bs, scores, ablation, settings.curve_sizes, settings.k, full, empty,
-                                progress, masks=pruned) if settings.curve and settings.method != "acdc" else None)
-    timings["curve"] = time.time() - t
 
-    circuit = EdgeCircuit.from_mask(model.name, f"knowledge/{settings.relation}", graph, mask, scores,
-                                    meta={"settings": asdict(settings), "fingerprint": model.fingerprint})
+def analysis_stage(run: _Run, circuit: EdgeCircuit) -> dict:
+    """Logit lens of the residual stream and of the circuit's nodes, attention mass and head roles."""
     t = time.time()
     nodes = [n for n in circuit.nodes() if n != "LOGITS"]
-    heads = [n for n in nodes if n.startswith("L")]
-    lens = logit_lens(model, graph, bs, nodes)
-    attn = attention_mass(model, bs, heads)
+    lens = logit_lens(run.model, run.graph, run.batches, nodes)
+    attn = attention_mass(run.model, run.batches, [n for n in nodes if n.startswith("L")])
     roles = head_roles(attn, lens["nodes"])
-    timings["analysis"] = time.time() - t
+    lens_json = {"layers": list(lens["layers"]), "last": np.asarray(lens["last"]).tolist(),
+                 "last_subject": np.asarray(lens["last_subject"]).tolist(),
+                 "nodes": {n: np.asarray(r).tolist() for n, r in lens["nodes"].items()}}
+    return {"lens": lens_json, "roles": roles, "timings": {"analysis": time.time() - t}}
 
+
+def _lens(saved: dict) -> dict:
+    return {"layers": saved["layers"], "last": np.asarray(saved["last"]),
+            "last_subject": np.asarray(saved["last_subject"]),
+            "nodes": {n: np.asarray(r) for n, r in saved["nodes"].items()}}
+
+
+def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSettings, out: Path,
+              progress: bool = True, cache: Optional[StageCache] = None) -> dict:
+    """The circuit of ``facts`` (already filtered) on ``model``; writes ``out`` and returns the results.
+
+    Three stages cached in ``cache`` (default: ``out/stages/``), each keyed by what it reads: discovery
+    (edge scores: the method's options), scoring (the circuit, random circuits, curve: the selection
+    options and the discovery key), analysis (logit lens, head roles: the circuit's edges)."""
+    check_supported(model)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = cache or StageCache(out)
+    run = _Run(model, facts, settings, progress)
+    base = run.inputs()
+    disc = cache.run(f"discovery:{model.name}", base | discovery_inputs(settings), lambda: discovery_stage(run))
+    scored = cache.run(f"scoring:{model.name}", base | {"discovery": disc.key} | scoring_inputs(settings),
+                       lambda: scoring_stage(run, disc.result))
+    circuit = EdgeCircuit.from_mask(model.name, f"knowledge/{settings.relation}", run.graph,
+                                    _mask(run.graph, scored.result["edges"]), np.asarray(disc.result["scores"]),
+                                    meta={"settings": asdict(settings), "fingerprint": model.fingerprint})
+    analysed = cache.run(f"analysis:{model.name}", base | {"edges": key_hash(scored.result["edges"])},
+                         lambda: analysis_stage(run, circuit))
+    return _finish(run, circuit, disc, scored, analysed, out)
+
+
+def _finish(run: _Run, circuit: EdgeCircuit, disc: StageRecord, scored: StageRecord, analysed: StageRecord,
+            out: Path) -> dict:
+    """The summary of one model (``results.json``), its circuit, tables, figures and report."""
+    settings, graph, sc = run.settings, run.graph, scored.result
+    lens, roles = _lens(analysed.result["lens"]), analysed.result["roles"]
+    n_edges, full_hit, hit = len(sc["edges"]), sc["full_hit"], sc["circuit_hit"]
+    nodes = [n for n in circuit.nodes() if n != "LOGITS"]
     hit_key = f"hit@{settings.k}"
+    random_hits = sc["random_hits"]
     summary = {
-        "model": model.name, "fingerprint": model.fingerprint, "relation": settings.relation,
-        "n_facts": len(facts), "n_edges_graph": graph.n_edges,
-        "full": full.summary(settings.k), "empty": empty.summary(settings.k), "circuit": circuit_eval.summary(settings.k),
+        "model": run.model.name, "fingerprint": run.model.fingerprint, "relation": settings.relation,
+        "n_facts": len(run.facts), "n_edges_graph": graph.n_edges,
+        "full": sc["full"], "empty": sc["empty"], "circuit": sc["circuit"],
         "circuit_edges": n_edges, "circuit_fraction": n_edges / graph.n_edges, "circuit_nodes": len(nodes),
-        "circuit_heads": len(heads),
-        "ratio_to_full": float(circuit_eval.hit.mean()) / full_hit if full_hit else float("nan"),
+        "circuit_heads": sum(n.startswith("L") for n in nodes),
+        "ratio_to_full": hit / full_hit if full_hit else float("nan"),
         "random": {hit_key: random_hits, "mean": float(np.mean(random_hits)) if random_hits else float("nan")},
-        "sweep": sweep, "curve": curve, "roles": roles,
+        "sweep": sc["sweep"], "curve": sc["curve"], "roles": roles,
         "role_counts": {r: sum(v["role"] == r for v in roles.values()) for r in ("mover", "relation", "mixed", "other")},
         "logit_lens": {"layers": lens["layers"],
                        "last_median_rank": np.median(lens["last"], 1).tolist(),
@@ -177,16 +324,18 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
                        "first_layer_top10_last": _first_layer(lens["last"], settings.k, lens["layers"]),
                        "first_layer_top10_subject": _first_layer(lens["last_subject"], settings.k, lens["layers"]),
                        "nodes_median_rank": {n: float(np.median(r)) for n, r in lens["nodes"].items()}},
-        "done_when": {"hit_ratio_at_least_0.7": bool(float(circuit_eval.hit.mean()) >= 0.7 * full_hit),
+        "done_when": {"hit_ratio_at_least_0.7": bool(hit >= 0.7 * full_hit),
                       "under_10pct_edges": n_edges / graph.n_edges < 0.10,
-                      "beats_random": bool(float(circuit_eval.hit.mean()) > max(random_hits, default=0.0))},
-        "timings_s": timings, "settings": asdict(settings),
-        "facts": [f.to_dict() for f in facts],
+                      "beats_random": bool(hit > max(random_hits, default=0.0))},
+        "timings_s": {**disc.result["timings"], **sc["timings"], **analysed.result["timings"]},
+        "stages": {r.name: {"key": r.key, "seconds": r.seconds, "cached": r.cached} for r in (disc, scored, analysed)},
+        "settings": asdict(settings),
+        "facts": [f.to_dict() for f in run.facts],
     }
-    circuit.meta.update({"hit": float(circuit_eval.hit.mean()), "full_hit": full_hit})
+    circuit.meta.update({"hit": hit, "full_hit": full_hit})
     circuit.save(out / "circuit.json")
     write_json(out / "results.json", summary)
-    _write_tables_and_figures(summary, circuit, lens, roles, curve, out, settings, full_hit)
+    _write_tables_and_figures(summary, circuit, lens, roles, sc["curve"], out, settings, full_hit)
     return summary
 
 
@@ -310,32 +459,52 @@ def compare_report(cmp: dict, results: dict[str, dict], settings: KnowledgeSetti
     return "\n".join(lines)
 
 
+def facts_stage(models: Sequence[LoadedModel], facts: Sequence[Fact], settings: KnowledgeSettings,
+                cache: StageCache) -> StageRecord:
+    """Which facts every model gets right (Hit@k of the full model), and each model's Hit@k on all facts."""
+    def compute() -> dict:
+        keep = np.ones(len(facts), dtype=bool)
+        full_hits = {}
+        for m in models:
+            hits = full_model_hits(m, facts, settings)
+            full_hits[m.name] = float(hits.mean())
+            keep &= hits
+        return {"kept": np.flatnonzero(keep).tolist(), "full_hits": full_hits}
+
+    inputs = {"models": {m.name: m.fingerprint for m in models}, "facts": facts_key(facts), "k": settings.k,
+              "batch_size": settings.batch_size}
+    return cache.run("facts", inputs, compute)
+
+
 def run_study(models: Sequence[LoadedModel], settings: KnowledgeSettings, out: Path, progress: bool = True) -> dict:
-    """Facts every model gets right; one circuit per model; the comparison when there are two or more."""
-    facts = load_facts(models[0], settings)
-    keep = np.ones(len(facts), dtype=bool)
-    full_hits = {}
+    """Facts every model gets right; one circuit per model; the comparison when there are two or more.
+    Every stage is cached in ``out/stages/`` (see :func:`run_model`); the run holds ``out``'s lock."""
+    with run_lock(out):
+        return _run_study(models, settings, out, progress)
+
+
+def _run_study(models: Sequence[LoadedModel], settings: KnowledgeSettings, out: Path, progress: bool) -> dict:
     for m in models:
         if m.tokenizer.get_vocab() != models[0].tokenizer.get_vocab():
             raise ValueError(f"{m.name} and {models[0].name} have different tokenizers; compare checkpoints of one model")
-        hits = full_model_hits(m, facts, settings)
-        full_hits[m.name] = float(hits.mean())
-        keep &= hits
-    kept = [f for f, k_ in zip(facts, keep) if k_]
+    facts = load_facts(models[0], settings)
+    cache = StageCache(out)
+    data = facts_stage(models, facts, settings, cache)
+    kept = [facts[i] for i in data.result["kept"]]
+    full_hits = data.result["full_hits"]
     if not kept:
         raise ValueError(f"no fact of {settings.relation} is right (Hit@{settings.k}) in every model")
     log.info("keeping %d of %d facts", len(kept), len(facts))
-    out.mkdir(parents=True, exist_ok=True)
     results, circuits = {}, {}
     single = len(models) == 1
     for m in models:
         sub = out if single else out / m.name
-        results[m.name] = run_model(m, kept, settings, sub, progress)
+        results[m.name] = run_model(m, kept, settings, sub, progress, cache)
         results[m.name]["all_facts_hit"] = full_hits[m.name]
         results[m.name]["n_facts_relation"] = len(facts)
         circuits[m.name] = EdgeCircuit.load(sub / "circuit.json")
     study = {"relation": settings.relation, "models": [m.name for m in models], "n_facts_relation": len(facts),
-             "n_facts_kept": len(kept), "full_hit_all_facts": full_hits}
+             "n_facts_kept": len(kept), "full_hit_all_facts": full_hits, "stages": cache.summary()}
     if not single:
         cmp = compare(results, circuits)
         study["comparison"] = cmp

@@ -55,3 +55,23 @@ def curve_figure(curve: dict, path: str | Path, title: str = "") -> Path:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return save_figure(fig, path, dpi=120)
+
+
+def stability_figure(frequencies: dict[str, float], chance: float, path: str | Path, title: str = "") -> Path:
+    """Each selected (head, position) pair's selection frequency over bootstrap resamples, sorted, with the
+    frequency a pair drawn at random would have (the circuit's share of all pairs)."""
+    items = sorted(frequencies.items(), key=lambda kv: (-kv[1], kv[0]))
+    fig, ax = plt.subplots(figsize=(max(5.5, min(14.0, 0.12 * len(items) + 3)), 3.6))
+    ax.bar(range(len(items)), [v for _, v in items], width=0.85)
+    ax.axhline(chance, color="tab:red", ls=":", lw=1, label=f"chance ({chance:.2f})")
+    if len(items) <= 40:
+        ax.set_xticks(range(len(items)), [k for k, _ in items], rotation=70, ha="right", fontsize=7)
+    else:
+        ax.set_xlabel(f"the circuit's {len(items)} (head, position class) pairs, most stable first")
+    ax.set_ylim(0, 1.02)
+    ax.set_ylabel("selection frequency")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path, dpi=120)

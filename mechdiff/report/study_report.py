@@ -53,40 +53,107 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
     return text, rows
 
 
-def circuit_section(study: "Study", found: dict, circuits: dict) -> str:
+def positions_section(study: "Study", positions: dict) -> str:
+    """The position scan per model: classes chosen greedily, faithfulness after each."""
+    rows, figs = [], []
+    for name, rec in positions.items():
+        if rec is None:
+            continue
+        scan = rec.result["scan"]
+        for i, step in enumerate(scan["steps"], 1):
+            rows.append({"model": name, "step": i, "added": step["added"],
+                         **estimate_columns("accuracy", step["accuracy"]),
+                         **estimate_columns("faithfulness", step["faithfulness"]),
+                         **estimate_columns("faithfulness_prob", step["faithfulness_prob"])})
+        figs.append(f"![position scan {name}]({rec.result['figure']})")
+    if not rows:
+        return "_No position scan ([positions] n = 0)._\n"
+    n = study.spec.positions.n
+    text = _table(study, rows, "position_scan", f"Position scan on {n} prompts per model: every head kept at the "
+                  "classes chosen so far, every head mean-ablated at every other position; greedy by accuracy, "
+                  f"stopping at faithfulness {study.spec.positions.stop_at}")
+    return "\n".join([text, *figs, ""])
+
+
+def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
+    """Each model's circuit: how it was found, its size, the curve and stability (curve method) or the path-
+    patching scores (path method), and what pruning kept."""
     shape = study.models.shape
     rows, figs = [], []
-    for name in found:
-        raw = Circuit.from_dict(found[name].result["circuit"])
-        final = Circuit.from_dict(circuits[name].result["circuit"])
-        row = {"model": name}
-        for g in raw.groups:
-            row[f"{g} found"] = len(raw.groups[g])
-            row[f"{g} kept"] = len(final.groups.get(g, []))
+    for name, rec in found.items():
+        raw = Circuit.from_dict(rec.result["circuit"])
+        row = {"model": name, "pairs": len(raw.pairs()), "heads": len(raw.heads())}
+        if "curve" in rec.result:
+            meta, stab = raw.meta, rec.result["stability"]
+            sel = list(stab["selected"].values())
+            row.update({"fraction": meta["fraction"], "reached_target": meta["reached_target"],
+                        "stable_share": sum(f >= 0.5 for f in sel) / len(sel) if sel else 0.0})
+            figs += [f"![curve {name}]({rec.result['figures']['curve']})",
+                     f"![stability {name}]({rec.result['figures']['stability']})"]
+        else:
+            figs += [f"![{name} step {s}]({p})" for s, p in rec.result["figures"].items()]
+        if name in pruned:
+            kept = Circuit.from_dict(pruned[name].result["circuit"])
+            row.update({"pairs_after_pruning": len(kept.pairs()), "heads_after_pruning": len(kept.heads())})
         rows.append(row)
-        figs += [f"![{name} step {s}]({p})" for s, p in found[name].result["figures"].items()]
-    loaded = {n: Circuit.from_dict(circuits[n].result["circuit"]) for n in circuits}
+    loaded = {n: Circuit.from_dict(found[n].result["circuit"]) for n in found}
     membership_heatmap(loaded, shape.n_layers, shape.n_heads, study.dir / "figures" / "membership.png",
                        title="circuit membership per model")
-    text = _table(study, rows, "circuit_sizes", "Circuit sizes per group: found by path patching, kept after pruning")
-    lines = [text, "Heads per group of each model's circuit (after pruning):\n"]
+    text = _table(study, rows, "circuit_sizes", "Circuit sizes: (head, position) pairs and distinct heads; for the "
+                  "curve method the fraction of all pairs, whether the target was reached, and the share of the "
+                  "circuit's pairs selected in at least half of the bootstrap resamples; after pruning")
+    lines = [text, "Pairs per position class of each model's circuit:\n"]
     for n, c in loaded.items():
-        lines.append(f"- **{n}**: " + "; ".join(f"{g} ({c.names.get(g, '')}, at `{c.positions[g]}`): "
-                                                + (", ".join(h.name for h in hs) or "none")
-                                                for g, hs in c.groups.items()))
-    lines += ["", "![circuit membership](figures/membership.png)", "", "Path-patching scores "
-              "(boxed: selected heads):", "", *figs, ""]
+        lines.append(f"- **{n}**: " + "; ".join(f"`{c.positions[g]}` {len(hs)}" for g, hs in c.groups.items()))
+    lines += ["", "![circuit membership](figures/membership.png)", "", *figs, ""]
+    curves = [{"model": n, **{k: r[k] for k in ("fraction", "n_pairs")},
+               **estimate_columns("accuracy", r["accuracy"]), **estimate_columns("faithfulness", r["faithfulness"]),
+               **estimate_columns("faithfulness_prob", r["faithfulness_prob"])}
+              for n, rec in found.items() if "curve" in rec.result for r in rec.result["curve"]["rows"]]
+    if curves:
+        lines.append(_table(study, curves, "curve", f"Faithfulness of nested circuits (the top fraction of the "
+                            f"attribution ranking) on {study.spec.discovery.curve_n} prompts per model, disjoint "
+                            "from the ranking prompts and from those of the circuit x model matrix"))
+        areas = [{"model": n, **{k: rec.result["curve"][k] for k in ("cpr_prob", "cmd_prob", "cpr_accuracy",
+                                                                     "cmd_accuracy")}}
+                 for n, rec in found.items() if "curve" in rec.result]
+        lines.append(_table(study, areas, "cpr_cmd", "CPR and CMD (MIB): areas under the normalised faithfulness "
+                            "(m(C) - m(empty)) / (m(M) - m(empty)) and under |1 - it|, over the fraction of pairs"))
     return "\n".join(lines)
+
+
+def pruning_section(study: "Study", pruned: dict) -> str:
+    """What the paper's pruning removed, per model."""
+    if not pruned:
+        return "_Pruning off ([scoring] prune = false)._\n"
+    s = study.spec.scoring
+    rows = []
+    for name, rec in pruned.items():
+        m = rec.result["minimality"]
+        searched = sum(v["searched"] for v in m["pairs"].values() if "searched" in v)
+        rows.append({"model": name, "pairs_before": len(m["pairs"]),
+                     "pairs_after": len(Circuit.from_dict(rec.result["circuit"]).pairs()),
+                     "F(C) on pruning prompts": m["circuit"], "F(M)": m["full"], "K searched for": searched})
+    return _table(study, rows, "pruning", f"Pruning (the paper's rule): a pair stays if removing it moves the "
+                  f"{s.prune_metric} metric by more than {s.prune_threshold} of the circuit's own F(C), with K grown "
+                  f"greedily ({s.prune_steps} steps, {s.prune_candidates} candidates each; the search skipped for "
+                  f"pairs already above the threshold at K = {{}}) on {s.prune_n} prompts of their own")
 
 
 def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
     rows = [r for rec in matrix.values() for r in rec.result["rows"]]
-    keep = ("circuit", "model", "n_heads", "full_accuracy", "accuracy", "faithfulness", "random_accuracy",
+    keep = ("circuit", "model", "n_pairs", "full_accuracy", "accuracy", "faithfulness", "random_accuracy",
             "random_faithfulness")
     shown = [{k: v for k, v in r.items() if k.split("_low")[0].split("_high")[0] in keep} for r in rows]
+    for r, row in zip(rows, shown):
+        if r.get("random_draws"):
+            row["random_draws_min_max"] = f"{min(r['random_draws']):.3f}-{max(r['random_draws']):.3f}"
+    s = study.spec.scoring
     text = _table(study, shown, "circuit_x_model",
-                  "Circuit x model: accuracy with every other head mean-ablated, faithfulness F(C)/F(M), "
-                  "and random circuits of the same group sizes")
+                  f"Circuit x model on {s.n} fresh held-out prompts per model: accuracy with every other (head, "
+                  "position) mean-ablated (exact binomial CI), faithfulness F(C)/F(M) (bootstrap CI), and "
+                  f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit "
+                  "(pooled accuracy; the range of the draws' accuracies)")
     comp_rows = []
     for name, rec in matrix.items():
         comp = rec.result.get("completeness")
@@ -98,7 +165,8 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
         comp_rows.append(row)
     if comp_rows:
         text += "\n" + _table(study, comp_rows, "completeness",
-                              "Completeness |F(C\\K) - F(M\\K)| of each model's own circuit (accuracy)")
+                              "Completeness |F(C\\K) - F(M\\K)| of each model's own circuit (accuracy): random K "
+                              f"({s.completeness_draws} draws, each pair in K with probability 0.5) and K = one group")
     return text, rows
 
 
@@ -175,21 +243,54 @@ def _cost(manifest: dict) -> str:
             f"{manifest['wall_seconds']:.0f} s up to writing this report.")
 
 
+def _interval(row: dict, key: str) -> str:
+    return f"{row[key]:.2f} [{row[f'{key}_low']:.2f}, {row[f'{key}_high']:.2f}]"
+
+
+def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict]) -> str:
+    """Per model: where the computation sits (position scan), and what its own circuit keeps on fresh prompts."""
+    target = study.spec.discovery.target
+    lines = []
+    for name in study.spec.model_names:
+        rec = positions.get(name)
+        if rec is not None and rec.result["scan"]["steps"]:
+            last = rec.result["scan"]["steps"][-1]
+            lines.append(f"- **{name}**: every head kept at {', '.join(f'`{c}`' for c in last['classes'])} (every "
+                         f"other position mean-ablated) keeps faithfulness {_fmt(last['faithfulness'])} "
+                         f"({rec.result['scan']['n_prompts']} prompts).")
+        own = next((r for r in matrix_rows if r["model"] == name and r["circuit"] == name), None)
+        if own is None:
+            continue
+        verdict = ("reaches the target" if own["faithfulness"] >= target and own["faithfulness_low"] >= target - 0.1
+                   else "falls short of the target")
+        sentence = (f"  Its own circuit ({own['n_pairs']} (head, position) pairs) keeps faithfulness "
+                    f"{_interval(own, 'faithfulness')} (accuracy {_interval(own, 'accuracy')}) on {own['n_prompts']} "
+                    f"fresh prompts: it {verdict} {target} (lower bound at least {target - 0.1:.1f} asked).")
+        if "random_faithfulness" in own:
+            sentence += (f" Random layer- and position-matched circuits of its size: "
+                         f"{_interval(own, 'random_faithfulness')}.")
+        lines.append(sentence)
+        after = next((r for r in matrix_rows if r["model"] == name and r["circuit"] == f"{name} pruned"), None)
+        if after is not None:
+            lines.append(f"  After pruning ({after['n_pairs']} pairs): faithfulness {_interval(after, 'faithfulness')}.")
+    return "\n".join(lines)
+
+
 def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], overlaps: dict, cmap: dict) -> str:
-    """Plain sentences read off the tables (every figure here is in a table above)."""
+    """Plain sentences read off the tables (every figure here is in a table above); an ordering is stated
+    only where the intervals carry it."""
     base = study.spec.models.base
     acc = {r["model"]: r for r in acc_rows}
     lines = []
     for ft in study.spec.models.finetunes:
-        a_b, a_f = acc[base]["accuracy"], acc[ft]["accuracy"]
-        lines.append(f"- **{ft}** reaches accuracy {a_f:.2f} against {a_b:.2f} for {base}.")
+        a_b, a_f = acc[base], acc[ft]
+        order = ("above" if a_f["accuracy_low"] > a_b["accuracy_high"] else
+                 "below" if a_f["accuracy_high"] < a_b["accuracy_low"] else "not separated from")
+        lines.append(f"- **{ft}** accuracy {_interval(a_f, 'accuracy')}, {order} {base} "
+                     f"{_interval(a_b, 'accuracy')}.")
         m = next((r for r in matrix_rows if r["model"] == ft and r["circuit"] == base), None)
         if m:
-            lines.append(f"  The base circuit alone (every other head mean-ablated) gives {ft} accuracy "
-                         f"{m['accuracy']:.2f} [{m['accuracy_low']:.2f}, {m['accuracy_high']:.2f}], faithfulness "
-                         f"{m['faithfulness']:.2f} [{m['faithfulness_low']:.2f}, {m['faithfulness_high']:.2f}]"
-                         + (f" (random circuits of the same sizes: {m['random_faithfulness']:.2f})"
-                            if "random_faithfulness" in m else "") + ".")
+            lines.append(f"  The {base} circuit alone gives {ft} faithfulness {_interval(m, 'faithfulness')}.")
         rows = overlaps.get(ft, [])
         everything = next((r for r in rows if r["group"] == "all"), None)
         if everything:
@@ -203,12 +304,18 @@ def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], over
             lines.append(f"  On the CMAP prompts {ft} ({_fmt(r.result['finetune_accuracy'])}) is not above {base} "
                          f"({_fmt(r.result['base_accuracy'])}): there is no gain for CMAP to localise.")
         if r and gap:
-            rows = [x for x in r.result["rows"] if x["scope"] != "circuit" and x["kind"] == "z"
-                    and not math.isnan(x["recovered"])]
-            if rows:
-                best = max(rows, key=lambda x: x["recovered"])
-                lines.append(f"  CMAP of head outputs from {ft} into {base}: group {best['scope']} recovers the most "
-                             f"of the gap ({best['recovered']:.2f}; accuracy {_fmt(best['accuracy'])}).")
+            lines.append(f"  CMAP ({ft} into {base}; base {_fmt(r.result['base_accuracy'])}, fine-tune "
+                         f"{_fmt(r.result['finetune_accuracy'])}):")
+            for x in r.result["rows"]:
+                if x["kind"] != "z" or x["scope"].startswith("random"):
+                    continue
+                control = next((y for y in r.result.get("random_rows", []) if y["scope"] == f"random:{x['scope']}"
+                                and y["kind"] == "z"), None)
+                lines.append(f"  - head outputs of `{x['scope']}`: accuracy {_fmt(x['accuracy'])}. "
+                             f"{_ordering(r.result, x['scope'] + '/z', 'base')}"
+                             + (f" Random heads of the same layers: {_fmt(control['accuracy'])}; "
+                                f"{_ordering(r.result, x['scope'] + '/z', 'random:' + x['scope'] + '/z')}"
+                                if control else ""))
             qk = {x["kind"]: x for x in r.result["rows"] if x["scope"] == "circuit"}
             if "qk" in qk and "v" in qk:
                 lines.append(f"  Whole circuit: QK patching gives {_fmt(qk['qk']['accuracy'])}, V patching "
@@ -247,12 +354,42 @@ def dcm_findings(dcm: "StageRecord") -> str:
     return "\n".join(lines)
 
 
-def write_report(study: "Study", accuracy: dict, found: dict, circuits: dict, matrix: dict, dcm: "StageRecord",
-                 cmap: dict) -> Path:
+def _method(study: "Study") -> str:
+    d, sc = study.spec.discovery, study.spec.scoring
+    if d.method == "curve":
+        return (f"Each model's circuit: every (head, position class) pair ranked by mean-ablation attribution "
+                f"(`(mean z - z) . d log p(answer) / d z`, the answer's log-probability, which does not saturate) "
+                f"on {d.n} prompts; nested circuits of the top {', '.join(f'{x:g}' for x in d.sizes)} of the "
+                f"ranking scored on {d.curve_n} other prompts; the circuit is the smallest reaching accuracy "
+                f"faithfulness {d.target} (the largest scored where none does). Selection stability: the same "
+                f"ranking on {d.stability_draws} bootstrap resamples of the ranking prompts. Ablation: position-wise "
+                f"means of {sc.reference_n} reference prompts with held-out objects.\n")
+    return (f"Each model's circuit by the paper's path patching on {d.n} clean/counterfactual pairs; top-k per step "
+            f"{d.top_k}; attribution screen: {d.screen} (shortlist {d.screen_multiple} x k).\n")
+
+
+LIMITATIONS = """- Departures from Prakash et al.: circuits are drawn over (head, position class) pairs ranked by a
+  first-order attribution, not path-patched head groups A-D (the paper's form explains little of SmolLM2's
+  behaviour: see the position scan); DCM and CMAP run on the groups of the base's circuit that sit at one
+  token (its groups are position classes, not the paper's functional groups). `method = "path"` in the task
+  file gives the paper's form.
+- Pruning uses answer probability on its own small prompt set and a bounded greedy search for K; pairs
+  whose removal alone already exceeds the threshold skip the search (it could only raise them).
+- CMAP's random control uses a few draws per group (the `[cmap] n_random` setting), fewer than the circuit
+  baseline's; its interval is over prompts, with the draws averaged per prompt.
+- Every prompt comes from one template family with 7 boxes; nothing here says how the circuits transfer to
+  other phrasings.
+"""
+
+
+def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, pruned: dict, matrix: dict,
+                 dcm: "StageRecord", cmap: dict) -> Path:
     """Write ``report.md`` (and every table and figure it cites) into the study directory."""
+    from ..study import SEED_OFFSETS
+
     acc_text, acc_rows = accuracy_section(study, accuracy)
     mat_text, mat_rows = matrix_section(study, matrix)
-    ov_text, overlaps = overlap_section(study, circuits)
+    ov_text, overlaps = overlap_section(study, found)
     manifest = study.manifest()
     spec = study.spec
     stage_rows = [{"stage": n, "seconds": s["seconds"], "cached": s["cached"]} for n, s in manifest["stages"].items()]
@@ -260,28 +397,27 @@ def write_report(study: "Study", accuracy: dict, found: dict, circuits: dict, ma
                    "source": str(accuracy[n].result["provenance"].get("adapter") or accuracy[n].result["provenance"].get("path", ""))}
                   for n, d in manifest["model_digests"].items()]
     parts = [
-        f"# Entity tracking: {spec.models.base} against {', '.join(spec.models.finetunes)}\n",
+        f"# {study.task.name}: {spec.models.base} against {', '.join(spec.models.finetunes)}\n",
         "Generated by `mechdiff run` from "
-        f"`{spec.source}`. Every figure carries a 95% bootstrap confidence interval over prompts.\n",
-        "## Findings\n", findings(study, acc_rows, mat_rows, overlaps, cmap), dcm_findings(dcm), "",
+        f"`{spec.source}`. Intervals are 95%: exact binomial (Clopper-Pearson) for accuracies, bootstrap over "
+        "prompts for ratios and probabilities, paired bootstrap for differences on the same prompts.\n",
+        "## Findings\n", circuit_findings(study, positions, mat_rows),
+        findings(study, acc_rows, mat_rows, overlaps, cmap), dcm_findings(dcm), "",
+        "## Limitations\n", LIMITATIONS,
         "## Accuracy\n", acc_text,
-        "## Circuits (path patching)\n",
-        f"Discovery on {spec.discovery.n} clean/counterfactual pairs per model; top-k per step "
-        f"{spec.discovery.top_k}; attribution screen: {spec.discovery.screen} "
-        f"(shortlist {spec.discovery.screen_multiple} x k); pruning: a head stays if removing it lowers the "
-        f"{spec.scoring.prune_metric} metric by more than {spec.scoring.prune_threshold} of the circuit's own F(C) "
-        f"({spec.scoring.prune_steps} greedy steps growing K in the minimality search).\n",
-        circuit_section(study, found, circuits),
+        "## Where the computation sits (position scan)\n", positions_section(study, positions),
+        "## Circuits\n", _method(study), circuit_section(study, found, pruned),
+        "## Pruning\n", pruning_section(study, pruned),
         "## Circuit x model\n", mat_text,
         "## Overlap\n", ov_text,
         "## What the heads encode (DCM)\n", dcm_section(study, dcm),
         "## Cross-model activation patching (CMAP)\n", cmap_section(study, cmap),
         "## What was run\n",
         to_markdown(model_rows), "",
-        f"Seeds: task seed {spec.task.seed} (eval prompts seed+1, scoring seed+2, ablation reference seed+3, "
-        f"DCM pairs seed+4, CMAP prompts seed+5, pruning prompts seed+6). All prompts use only the held-out "
-        f"objects (`eval_objects()`), disjoint from the fine-tuning objects. Versions: "
-        + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())
+        f"Seeds: task seed {spec.task.seed}; each prompt set's seed is it plus "
+        + ", ".join(f"{k} +{v}" for k, v in SEED_OFFSETS.items())
+        + ". All prompts use only the held-out objects (`eval_objects()`), disjoint from the fine-tuning objects. "
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())
         + f". Python {manifest['python']} on {manifest['machine']}.\n",
         to_markdown(stage_rows), "",
         f"Configuration: `run.json` (the full spec). {_cost(manifest)}\n",

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from ..circuits.curve import SIZES, TARGET
+
 
 class SpecError(ValueError):
     """A task file that cannot be run; the message names the line and the valid keys."""
@@ -23,7 +25,7 @@ class TaskSection:
 @dataclass
 class ModelsSection:
     base: str = "smollm2-et-early"
-    finetunes: list[str] = field(default_factory=lambda: ["smollm2-et", "smollm2-et-math"])
+    finetunes: list[str] = field(default_factory=lambda: ["smollm2-et"])
     dtype: str = "float32"
     device_map: Optional[str] = None
     device: Optional[str] = None  # one device for every model: cpu, cuda, cuda:1 (device_map: auto shards)
@@ -37,21 +39,42 @@ class EvalSection:
 
 
 @dataclass
+class PositionsSection:
+    """The position scan: greedy over the task's position classes, every head kept at the chosen ones."""
+
+    n: int = 40  # prompts (0: no scan)
+    stop_at: float = 0.95  # stop once the chosen classes keep this faithfulness (accuracy)
+    max_steps: int = 5
+
+
+@dataclass
 class DiscoverySection:
-    n: int = 16
+    # "curve": every (head, position class) pair ranked by mean-ablation attribution on n prompts, nested
+    # circuits scored on curve_n others, the smallest reaching `target` faithfulness is the circuit.
+    # "path": the paper's path patching (steps of the task's plan, top_k heads each) on n pairs.
+    method: str = "curve"
+    n: int = 160
+    sizes: list[float] = field(default_factory=lambda: list(SIZES))  # fractions of all (head, class) pairs
+    target: float = TARGET
+    curve_n: int = 200  # prompts scoring the nested circuits (disjoint from those ranking and reporting)
+    stability_draws: int = 200  # bootstrap resamples of the ranking prompts (selection frequency)
     top_k: dict[str, int] = field(default_factory=lambda: {"A": 8, "B": 3, "C": 5, "D": 3})
-    screen: bool = False  # exact path patching of every sender (suffix runs make it cheap)
+    screen: bool = False  # path: exact path patching of every sender (suffix runs make it cheap)
     screen_multiple: float = 2.0
 
 
 @dataclass
 class ScoringSection:
-    n: int = 40
-    random_draws: int = 2
+    n: int = 200  # fresh held-out prompts per cell of the circuit x model matrix
+    reference_n: int = 500  # held-out-object prompts whose position-wise means ablate
+    random_draws: int = 20  # layer- and position-matched random circuits of each model's own circuit
     completeness_draws: int = 2
-    prune_threshold: float = 0.01
+    completeness_groups: list[str] = field(default_factory=list)  # groups removed whole (empty: as [dcm] groups)
+    prune_n: int = 16  # prompts the pruning decides on (disjoint from those reported)
+    prune_threshold: float = 0.01  # relative to the circuit's own F(C), the paper's rule
     prune_metric: str = "prob"  # "prob" (answer probability) or "accuracy"; prob resolves small prompt sets
-    prune_steps: int = 0  # greedy steps growing K in the minimality search (0: K = {})
+    prune_steps: int = 1  # greedy steps growing K in the minimality search (0: K = {})
+    prune_candidates: int = 1  # pairs tried per greedy step (drawn at random)
     prune: bool = True
 
 
@@ -60,7 +83,9 @@ class DcmSection:
     desiderata: list[str] = field(default_factory=lambda: ["positional", "object_value", "label_value"])
     n_train: int = 32
     n_val: int = 12
-    n_test: int = 40
+    n_test: int = 200
+    # circuit groups to train masks for (those the circuit has; empty: every group at a one-token position)
+    groups: list[str] = field(default_factory=lambda: ["last", "query_label"])
     epochs: int = 4
     batch_size: int = 8  # pairs per optimiser step: 32 training pairs x 4 epochs = 16 mask updates
     lam: float = 0.01
@@ -70,10 +95,11 @@ class DcmSection:
 
 @dataclass
 class CmapSection:
-    n: int = 40
-    parts: list[str] = field(default_factory=lambda: ["z", "q", "k", "v", "qk", "qkv"])
+    n: int = 200
+    parts: list[str] = field(default_factory=lambda: ["z", "q", "k", "v", "qk"])
+    groups: list[str] = field(default_factory=lambda: ["last", "query_label"])  # as [dcm] groups
     isolate: bool = True  # restore the base's other head outputs for Q/K/V (the paper; see mechdiff.cmap)
-    n_random: int = 0  # draws of layer-matched random heads per group (the control)
+    n_random: int = 3  # draws of layer-matched random heads per group and part (the control)
 
 
 @dataclass
@@ -93,13 +119,15 @@ class OutputSection:
 
 
 SECTIONS = {
-    "task": TaskSection, "models": ModelsSection, "eval": EvalSection, "discovery": DiscoverySection,
+    "task": TaskSection, "models": ModelsSection, "eval": EvalSection, "positions": PositionsSection,
+    "discovery": DiscoverySection,
     "scoring": ScoringSection, "dcm": DcmSection, "cmap": CmapSection, "output": OutputSection,
     "reproduce": ReproduceSection,
 }
 REQUIRED = {"task": ("name",), "models": ("base",)}
 #: Fields with a fixed set of values (lists: every item), checked with the line before anything loads.
 CHOICES = {
+    ("discovery", "method"): ("curve", "path"),
     ("scoring", "prune_metric"): ("prob", "accuracy"),
     ("dcm", "random_pool"): ("all", "group"),
     ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value"),
@@ -120,6 +148,7 @@ class RunSpec:
     cmap: CmapSection
     output: OutputSection
     reproduce: ReproduceSection = field(default_factory=ReproduceSection)
+    positions: PositionsSection = field(default_factory=PositionsSection)
     source: str = "<defaults>"
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,12 +160,24 @@ class RunSpec:
 
 
 def default_spec() -> RunSpec:
-    """The embedded default study: smollm2-et-early against smollm2-et and smollm2-et-math."""
+    """The embedded default study (tasks/entity_tracking.toml): smollm2-et-early against smollm2-et."""
     return RunSpec(**{name: cls() for name, cls in SECTIONS.items()})
 
 
 def load_spec(path: str | Path) -> RunSpec:
     """Parse and check a task file before anything loads."""
+    built, text = load_sections(path, SECTIONS, REQUIRED, CHOICES)
+    _check_task(Path(path), text, built["task"].name)
+    return RunSpec(**built, source=str(path))
+
+
+def load_sections(path: str | Path, sections: dict[str, type], required: Optional[dict[str, tuple]] = None,
+                  choices: Optional[dict[tuple[str, str], tuple]] = None,
+                  example: str = "tasks/entity_tracking.toml") -> tuple[dict[str, Any], str]:
+    """The one task-file loader: every ``[section]`` of the TOML file ``path`` built into its dataclass in
+    ``sections`` (absent sections: defaults), and the file's text. Unknown sections and keys, values of
+    the wrong type (lists where the default is a tuple become tuples) and values outside ``choices`` are
+    refused with the file and line; ``required`` names fields a file must give."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"task file {path} does not exist")
@@ -147,39 +188,42 @@ def load_spec(path: str | Path) -> RunSpec:
         raise SpecError(f"{path}: not a text file ({err}) — give a TOML task file (tasks/*.toml)") from None
     except tomllib.TOMLDecodeError as err:
         raise SpecError(f"{path}: not valid TOML ({err}) — fix the syntax there "
-                        "(tasks/entity_tracking.toml is a complete example)") from None
+                        f"({example} is a complete example)") from None
     for section in data:
-        if section not in SECTIONS:
+        if section not in sections:
             raise SpecError(f"{path}:{_line(text, None, section)}: unknown section [{section}]; "
-                            f"valid sections: {', '.join(SECTIONS)}")
-    for section, keys in REQUIRED.items():
+                            f"valid sections: {', '.join(sections)}")
+    for section, keys in (required or {}).items():
         for key in keys:
             if key not in data.get(section, {}):
                 raise SpecError(f"{path}: [{section}] is missing the required field {key!r}")
-    built = {}
-    for name, cls in SECTIONS.items():
-        values = data.get(name, {})
-        valid = [f.name for f in fields(cls)]
-        for key in values:
-            if key not in valid:
-                raise SpecError(f"{path}:{_line(text, name, key)}: unknown key {key!r} in [{name}]; "
-                                f"valid keys: {', '.join(valid)}")
-            _check_type(path, text, name, key, values[key], getattr(cls(), key))
-            allowed = CHOICES.get((name, key))
-            items = values[key] if isinstance(values[key], list) else [values[key]]
-            if allowed and any(item not in allowed for item in items):
-                raise SpecError(f"{path}:{_line(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
-                                f"valid values: {', '.join(allowed)}")
-        built[name] = cls(**values)
-    _check_task(path, text, built["task"].name)
-    return RunSpec(**built, source=str(path))
+    return {name: _section(path, text, name, cls, data.get(name, {}), choices or {})
+            for name, cls in sections.items()}, text
+
+
+def _section(path: Path, text: str, name: str, cls: type, values: dict, choices: dict) -> Any:
+    """One section's dataclass from its values, each checked (key, type, choices) with its line."""
+    valid = [f.name for f in fields(cls)]
+    defaults = cls()
+    for key in values:
+        if key not in valid:
+            raise SpecError(f"{path}:{_line(text, name, key)}: unknown key {key!r} in [{name}]; "
+                            f"valid keys: {', '.join(valid)}")
+        _check_type(path, text, name, key, values[key], getattr(defaults, key))
+        allowed = choices.get((name, key))
+        items = values[key] if isinstance(values[key], list) else [values[key]]
+        if allowed and any(item not in allowed for item in items):
+            raise SpecError(f"{path}:{_line(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
+                            f"valid values: {', '.join(map(str, allowed))}")
+    return cls(**{k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in values.items()})
 
 
 def _check_type(path: Path, text: str, section: str, key: str, value: Any, default: Any) -> None:
     """Refuse a value whose type differs from the field's default (``n_boxes = "seven"``) with its line."""
     if default is None:
         return
-    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), dict: (dict,)}
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), tuple: (list,),
+             dict: (dict,)}
     want = kinds.get(type(default))
     ok = want is None or (isinstance(value, want) and not (isinstance(value, bool) and bool not in want))
     if not ok:

@@ -10,7 +10,7 @@ import random
 from typing import Optional, Sequence
 
 from ..base import Batch, Task, answer_batch, step_seed
-from .building import generate
+from .building import Vocabulary, generate
 from .pairs import label_value_pairs, object_value_pairs, path_patching_pairs, positional_pairs
 from .positions import CLASSES
 from .records import DEFAULT_N_BOXES, EntityTrackingExample
@@ -21,16 +21,16 @@ GROUP_NAMES = {"A": "value fetcher", "B": "position transmitter", "C": "position
 
 
 def reference_records(tokenizer: Any, n: int, n_boxes: int = DEFAULT_N_BOXES, seed: int = 0,
-                      kind: ReferenceKind = "path_patching") -> list[EntityTrackingExample]:
+                      kind: ReferenceKind = "path_patching", vocabulary: Vocabulary = None) -> list[EntityTrackingExample]:
     """Prompts whose mean activations replace ablated heads: one per context, ``n_boxes`` boxes.
 
     ``path_patching``: the sources of :func:`path_patching_pairs` (disjoint objects, a query
     label absent from the context, as the paper's ablation set); ``fresh``: :func:`generate`.
     """
     if kind == "path_patching":
-        return [p.source for p in path_patching_pairs(tokenizer, n, n_boxes=n_boxes, seed=seed)]
+        return [p.source for p in path_patching_pairs(tokenizer, n, n_boxes=n_boxes, seed=seed, vocabulary=vocabulary)]
     if kind == "fresh":
-        return generate(tokenizer, n, n_boxes=n_boxes, seed=seed)
+        return generate(tokenizer, n, n_boxes=n_boxes, seed=seed, vocabulary=vocabulary)
     raise ValueError(f"unknown reference kind {kind!r}; use 'path_patching' or 'fresh'")
 
 
@@ -54,7 +54,8 @@ TASK = Task(
     description="Which object is in the queried box? (Prakash et al. 2024)",
     examples=generate,
     pairs=path_patching_pairs,
-    reference=lambda tokenizer, n, seed=0, n_boxes=DEFAULT_N_BOXES: reference_records(tokenizer, n, n_boxes, seed),
+    reference=lambda tokenizer, n, seed=0, n_boxes=DEFAULT_N_BOXES, vocabulary=None: reference_records(
+        tokenizer, n, n_boxes, seed, vocabulary=vocabulary),
     desiderata={"positional": positional_pairs, "object": object_value_pairs, "label": label_value_pairs},
     plan=PLAN,
     metric="prob",

@@ -1,0 +1,61 @@
+"""The one stage cache (mechdiff.studies.stages) and seeds derived by name (mechdiff.studies.seeds)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from mechdiff.studies.seeds import derive
+from mechdiff.studies.stages import StageCache, key_hash
+
+
+def test_derive_is_the_documented_hash_and_separates_names():
+    digest = hashlib.sha256(b"7\x00random-heads").digest()
+    assert derive(7, "random-heads") == int.from_bytes(digest[:8], "big") % 2**31
+    seeds = {derive(s, n) for s in range(3) for n in ("random-heads", "outside-heads", "random-0", "random-1")}
+    assert len(seeds) == 12  # distinct for every (seed, name): no offset collides with another study seed
+    assert derive(0, "a") == derive(0, "a") and 0 <= derive(123, "x") < 2**31
+    with pytest.raises(ValueError):
+        derive(0, "")
+    with pytest.raises(TypeError):
+        derive(1.5, "x")
+
+
+def test_stage_cache_reuses_only_matching_keys(tmp_path):
+    calls = []
+    cache = StageCache(tmp_path)
+    compute = lambda v: lambda: calls.append(v) or {"v": v}  # noqa: E731
+    first = cache.run("score:org/model-a", {"x": 1}, compute(1))
+    assert not first.cached and (tmp_path / "stages" / "score__model-a.json").is_file()
+    again = StageCache(tmp_path).run("score:org/model-a", {"x": 1}, compute(2))
+    assert again.cached and again.result == {"v": 1} and again.key == key_hash({"x": 1})
+    changed = StageCache(tmp_path).run("score:org/model-a", {"x": 2}, compute(3))
+    assert not changed.cached and changed.result == {"v": 3} and calls == [1, 3]
+
+
+def test_key_hash_is_canonical_json():
+    assert key_hash({"b": 1, "a": [1, 2]}) == key_hash({"a": [1, 2], "b": 1})
+    want = hashlib.sha256(json.dumps({"a": 1}, sort_keys=True).encode()).hexdigest()[:16]
+    assert key_hash({"a": 1}) == want
+
+
+def test_first_headmap_records_are_read(tmp_path):
+    """A record of the first HeadMap study ({"key": inputs, "value": result}) is reused for the same inputs."""
+    inputs = {"model": "m", "n": 8}
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "train-base.json").write_text(json.dumps({"key": inputs, "value": [1, 2], "seconds": 3}))
+    rec = StageCache(tmp_path).run("train-base", inputs, lambda: pytest.fail("recomputed a cached stage"))
+    assert rec.cached and rec.result == [1, 2] and rec.seconds == 3
+    other = StageCache(tmp_path).run("train-base", {**inputs, "n": 9}, lambda: [3])
+    assert not other.cached and other.result == [3]
+
+
+def test_a_record_without_result_is_set_aside(tmp_path):
+    (tmp_path / "stages").mkdir()
+    path = tmp_path / "stages" / "s.json"
+    path.write_text(json.dumps({"key": key_hash({}), "seconds": 1}))
+    rec = StageCache(tmp_path).run("s", {}, lambda: 5)
+    assert not rec.cached and rec.result == 5
+    assert list((tmp_path / "stages").glob("s.json.unreadable-*"))

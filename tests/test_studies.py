@@ -1,0 +1,242 @@
+"""The knowledge and HeadMap studies on the one stage cache and the one task-file loader (tiny models):
+a rerun recomputes nothing, a changed option recomputes only the stages that read it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from conftest import make_tiny
+from mechdiff.knowledge import pipeline as kp
+from mechdiff.tasks.spec import SpecError
+
+
+def _forbid(monkeypatch, module, *names):
+    """Make each of ``names`` in ``module`` fail if called: a cached stage must not compute."""
+    for name in names:
+        def fail(*a, _name=name, **k):
+            raise AssertionError(f"{_name} ran in a cached rerun")
+        monkeypatch.setattr(module, name, fail)
+
+
+@pytest.fixture
+def knowledge_run(tmp_path, smollm2_tokenizer):
+    model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
+    # A random model ranks few answers in its top 10: a wide k keeps facts in the study.
+    settings = kp.KnowledgeSettings(method="eap", k=30000, target=0.0, sizes=(0.01, 0.3), curve_sizes=(0.1, 1.0),
+                                    n_random=1, max_facts=8, relation="country_language")
+    return model, settings, tmp_path / "k"
+
+
+def _cached(res: dict) -> dict[str, bool]:
+    return {n: s["cached"] for n, s in res["study"]["stages"].items()}
+
+
+def test_knowledge_rerun_recomputes_nothing(knowledge_run, monkeypatch):
+    model, settings, out = knowledge_run
+    first = kp.run_study([model], settings, out)
+    name = model.name
+    assert _cached(first) == {"facts": False, f"discovery:{name}": False, f"scoring:{name}": False,
+                              f"analysis:{name}": False}
+    before = json.loads((out / "results.json").read_text())
+    with monkeypatch.context() as m:
+        _forbid(m, kp, "evaluate", "attribution_scores", "mean_ablation", "logit_lens", "attention_mass",
+                "faithfulness_curve", "full_model_hits")
+        second = kp.run_study([model], settings, out)
+    assert all(_cached(second).values())
+    after = json.loads((out / "results.json").read_text())
+    for key in ("circuit_edges", "full", "circuit", "random", "sweep", "curve", "roles", "logit_lens"):
+        assert after[key] == before[key], key
+    # The circuit file rewritten from the records is the same circuit.
+    assert len(kp.EdgeCircuit.load(out / "circuit.json").edges) == before["circuit_edges"]
+
+
+def test_knowledge_changed_option_recomputes_only_its_stages(knowledge_run, monkeypatch):
+    model, settings, out = knowledge_run
+    first = kp.run_study([model], settings, out)
+    name = model.name
+    # More random circuits: scoring only; the circuit (hence the analysis) and the edge scores are unchanged.
+    more = kp.run_study([model], replace(settings, n_random=2), out)
+    assert _cached(more) == {"facts": True, f"discovery:{name}": True, f"scoring:{name}": False,
+                             f"analysis:{name}": True}
+    r0, r1 = first["results"][name], more["results"][name]
+    hk = f"hit@{settings.k}"
+    assert r1["random"][hk][0] == r0["random"][hk][0]  # draw 0 keeps its derived seed
+    assert len(r1["random"][hk]) == 2 and r1["circuit_edges"] == r0["circuit_edges"]
+    # Another discovery method: discovery and what reads it; the facts stay.
+    other = kp.run_study([model], replace(settings, n_random=2, method="eap-ig", ig_steps=2), out)
+    c = _cached(other)
+    assert c["facts"] and not c[f"discovery:{name}"] and not c[f"scoring:{name}"]
+
+
+def test_knowledge_task_file_through_the_one_loader(tmp_path):
+    good = tmp_path / "k.toml"
+    good.write_text('[knowledge]\nrelation = "antonym"\nmodels = ["a", "b"]\nsizes = [0.1, 0.2]\nk = 5\n')
+    s = kp.load_settings(good)
+    assert (s.relation, s.models, s.sizes, s.k) == ("antonym", ("a", "b"), (0.1, 0.2), 5)
+    assert s.tau == kp.KnowledgeSettings().tau  # the rest: the dataclass defaults
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[knowledge]\nk = 5\n\nmethod = "eap-xx"\n')
+    with pytest.raises(SpecError, match=r"bad.toml:4: method = 'eap-xx'.*valid values: eap, iterative"):
+        kp.load_settings(bad)
+    bad.write_text('[knowledge]\nk = 5\ntemplates = 1\n')
+    with pytest.raises(SpecError, match=r"bad.toml:3: unknown key 'templates' in \[knowledge\]"):
+        kp.load_settings(bad)
+    bad.write_text('[knowledge]\nk = "ten"\n')
+    with pytest.raises(SpecError, match=r"bad.toml:2: k = 'ten'"):
+        kp.load_settings(bad)
+    bad.write_text('[task]\nname = "ioi"\n')
+    with pytest.raises(SpecError, match=r"bad.toml:1: unknown section \[task\]; valid sections: knowledge"):
+        kp.load_settings(bad)
+
+
+def test_the_committed_knowledge_task_file_loads():
+    s = kp.load_settings("tasks/knowledge.toml")
+    assert s.models == ("smollm2-135m", "smollm2-et") and s.sizes[0] == 0.001 and isinstance(s.sizes, tuple)
+
+
+# --------------------------------------------------------------------------------------
+# HeadMap
+# --------------------------------------------------------------------------------------
+
+import mechdiff.studies.headmap as hm  # noqa: E402
+
+
+@pytest.fixture
+def headmap_setup(tmp_path, smollm2_tokenizer):
+    models = {"tiny-base": make_tiny("llama", smollm2_tokenizer, seed=1, n_layers=2),
+              "tiny-zoo": make_tiny("llama", smollm2_tokenizer, seed=2, n_layers=2)}
+    loaded = []
+
+    def load(name):
+        loaded.append(name)
+        return models[name]
+
+    settings = hm.HeadMapSettings(model="tiny-base", lora_zoo="tiny-zoo", path_patching=(), n=4, pool=8, k=1,
+                                  batch_size=16, steps=2, batch=4, eval_n=8, lora_small=1, lora_large=2,
+                                  runs=("base", "located", "random", "outside", "lora-small", "transfer",
+                                        "lora-zoo"))
+    return settings, tmp_path / "hm", load, loaded
+
+
+def test_headmap_rerun_recomputes_nothing(headmap_setup, monkeypatch):
+    settings, out, load, loaded = headmap_setup
+    study = hm.HeadMapStudy(settings, out, load, progress=False)
+    report = study.run()
+    first = study.cache.summary()
+    assert set(first) == {"locate-entity-tracking", "locate-arithmetic-mc", "train-base", "train-located",
+                          "train-random", "train-outside", "train-lora-small", "train-transfer", "train-lora-zoo"}
+    assert not any(r["cached"] for r in first.values())
+    text = report.read_text()
+    with monkeypatch.context() as m:
+        _forbid(m, hm, "train", "locate_task", "correct")
+        again = hm.HeadMapStudy(settings, out, load, progress=False)
+        again.run()
+    assert all(r["cached"] for r in again.cache.summary().values())
+    assert loaded.count("tiny-zoo") == 1  # the zoo's model loads only when its stage computes
+    # The report rebuilt from the records carries the same numbers (only the wall time may differ).
+    strip = lambda t: [line for line in t.splitlines() if not line.startswith("Made by")]  # noqa: E731
+    assert strip((out / "report.md").read_text()) == strip(text)
+    methods = json.loads((out / "tables" / "methods.json").read_text())
+    rows = methods["rows"] if isinstance(methods, dict) else methods
+    base = next(r for r in rows if r["method"] == "base (no training)")
+    want = float(np.mean(hm.correct(study.model.model, hm.get_task("entity-tracking").eval_batch(
+        study.model.tokenizer, settings.eval_n, settings.train_config().eval_seed))))
+    assert base["accuracy"] == pytest.approx(want)
+
+
+def test_headmap_changed_option_recomputes_only_dependent_stages(headmap_setup):
+    settings, out, load, _ = headmap_setup
+    hm.HeadMapStudy(settings, out, load, progress=False).run(train_only=True)
+    # Another LoRA rank: only the LoRA run; another training seed: the runs it seeds, not locating or evaluation.
+    study = hm.HeadMapStudy(replace(settings, lora_small=2), out, load, progress=False)
+    study.run(train_only=True)
+    changed = {n for n, r in study.cache.summary().items() if not r["cached"]}
+    assert changed == {"train-lora-small"}
+    study = hm.HeadMapStudy(replace(settings, lora_small=2, train_seed=1), out, load, progress=False)
+    study.run(train_only=True)
+    changed = {n for n, r in study.cache.summary().items() if not r["cached"]}
+    assert changed == {"train-located", "train-random", "train-outside", "train-lora-small", "train-transfer"}
+
+
+def test_random_head_sets_draw_seeds_by_name(headmap_setup):
+    settings, out, load, _ = headmap_setup
+    study = hm.HeadMapStudy(replace(settings, k=1), out, load, progress=False)
+    shape = study.model.shape
+    per_layer = {layer: 1 for layer in range(shape.n_layers)}
+    from mechdiff.studies.seeds import derive
+    assert study.heads("random") == hm.random_heads(shape, per_layer, seed=derive(0, "random-heads"))
+    outside = study.heads("outside")
+    located = {h for h in study.locate("entity-tracking", settings.n).heads()}
+    assert all((layer, h) not in {(x.layer, x.head) for x in located} for layer, hs in outside.items() for h in hs)
+
+
+def test_headmap_task_file_and_committed_records(tmp_path, smollm2_tokenizer):
+    """tasks/headmap.toml is the committed study's settings: its locating and evaluation records (the first
+    HeadMap study's format) are reused as they are."""
+    import shutil
+
+    settings = hm.load_settings("tasks/headmap.toml")
+    assert (settings.n, settings.pool, settings.k, settings.batch_size, settings.steps, settings.eval_n) == \
+        (8, 64, 2, 40, 20, 150)
+    shutil.copytree("results/headmap-smollm2/stages", tmp_path / "stages")
+    tiny = make_tiny("llama", smollm2_tokenizer, n_layers=2)
+    study = hm.HeadMapStudy(settings, tmp_path, lambda name: tiny, progress=False)
+    fail = lambda: pytest.fail("recomputed a committed stage")  # noqa: E731
+    study.cache.run = (lambda run: lambda name, inputs, compute: run(name, inputs, fail))(study.cache.run)
+    circuit = study.locate("entity-tracking", settings.n)
+    assert len(circuit.heads()) == 30 * settings.k
+    for run_id in ("base", "located", "lora-zoo"):
+        assert len(study.train_run(run_id, {})["correct"]["entity-tracking"]) == settings.eval_n
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[headmap]\nn = 8\nruns = ["base", "lorra"]\n')
+    with pytest.raises(SpecError, match=r"bad.toml:3: runs = .*valid values: base, located"):
+        hm.load_settings(bad)
+    bad.write_text('[headmap]\n\ntransfer_task = "nonesuch"\n')
+    with pytest.raises(SpecError, match=r"bad.toml:3: transfer_task = 'nonesuch'.*entity-tracking"):
+        hm.load_settings(bad)
+
+
+def _parse(*argv):
+    import argparse
+
+    from mechdiff.commands import headmap as hm_cmd, knowledge as k_cmd
+
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    hm_cmd.register(sub)
+    k_cmd.register(sub)
+    return p.parse_args(list(argv))
+
+
+def test_commands_read_the_task_file_and_flags_override_it():
+    from mechdiff.commands import headmap as hm_cmd, knowledge as k_cmd
+
+    args = _parse("headmap", "compare", "--task", "tasks/headmap.toml", "--k", "3", "--runs", "base,located")
+    s = hm_cmd.settings_from(args, task_file=True)
+    assert (s.k, s.runs, s.n, s.eval_n) == (3, ("base", "located"), 8, 150)  # flags over the file over defaults
+    assert hm_cmd.settings_from(_parse("headmap", "locate", "--out", "x")) == hm.HeadMapSettings()
+    with pytest.raises(ValueError, match="unknown runs"):
+        hm_cmd.settings_from(_parse("headmap", "compare", "--runs", "base,lorra"), task_file=True)
+    args = _parse("knowledge", "--task", "tasks/knowledge.toml", "--models", "m1", "--sizes", "1,10", "--no-curve")
+    s = k_cmd.settings_from(args)
+    assert (s.models, s.sizes, s.curve, s.relation) == (("m1",), (0.01, 0.1), False, "country_language")
+    assert k_cmd.settings_from(_parse("knowledge")) == kp.KnowledgeSettings()
+
+
+def test_studies_hold_their_directory_lock(knowledge_run, headmap_setup):
+    from mechdiff.io import RunLockedError, run_lock
+
+    model, settings, out = knowledge_run
+    with run_lock(out):
+        with pytest.raises(RunLockedError, match="another mechdiff run"):
+            kp.run_study([model], settings, out)
+    hm_settings, hm_out, load, _ = headmap_setup
+    study = hm.HeadMapStudy(hm_settings, hm_out, load, progress=False)
+    with run_lock(hm_out):
+        with pytest.raises(RunLockedError, match="another mechdiff run"):
+            study.run()
+    assert not (out / "stages").exists() and not (hm_out / "stages").exists()  # refused before computing
