@@ -9,7 +9,6 @@ import torch
 
 from mechdiff.circuits.scoring import position_means
 from mechdiff.patching.core import run
-from mechdiff.store import ActivationStore
 from mechdiff.tasks.base import batch_tensors
 from mechdiff.tasks.entity_tracking import generate
 
