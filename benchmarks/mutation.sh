@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing of the core modules with mutmut (pip install -e ".[mutation]"); not part of CI.
 # Mutates only [tool.mutmut] only_mutate in pyproject.toml (circuits/scoring.py, dcm.py, patching/core.py)
-# and runs, per mutant, only the fast tests that cover the mutated function (tests/test_mutants*.py,
+# and runs, per mutant, only the fast tests that cover the mutated function (tests/unit/test_mutants*.py,
 # test_scoring.py, test_dcm.py, test_patching.py, test_suffix_runs.py; -m "not slow").
 #   bash benchmarks/mutation.sh                      # every mutant of those modules (hours on 2 cores)
 #   bash benchmarks/mutation.sh 'mechdiff.dcm.*'     # a subset: mutmut's mutant-name globs

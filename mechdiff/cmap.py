@@ -38,6 +38,7 @@ import random
 
 from .components import Head, layer_matched
 from .evaluate import batches
+from .metrics import answer_is_top1, answer_prob
 from .models.loading import LoadedModel
 from .models.modelset import check_shapes
 from .models.remote import keep
@@ -204,11 +205,8 @@ class CMAPResult:
 
 
 def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    logits = logits.float()
-    answer = answer.to(logits.device)
-    correct = (logits.argmax(-1) == answer).cpu().numpy()
-    prob = logits.softmax(-1).gather(1, answer[:, None])[:, 0].cpu().numpy()
-    return correct, prob
+    """Per-prompt (correct, answer probability) as numpy."""
+    return answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy()
 
 
 def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records: Sequence[Record],

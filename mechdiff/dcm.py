@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from .circuits.circuit import Circuit
 from .components import Head, all_heads
 from .evaluate import batches
+from .metrics import answer_is_top1, answer_logit
 from .models.loading import LoadedModel
 from .patching.core import Patch, Prefix, Resume, run
 from .stats import Estimate, bootstrap, pooled_proportion, proportion
@@ -231,7 +232,7 @@ class PairCache:
                           keep_kv=True)
             for layer in starts:
                 prefix[layer].append(out.captured[("resid", layer - 1)].detach().cpu())
-            floor.append((out.logits.argmax(-1).cpu() == batch["target_ids"]).numpy())
+            floor.append(answer_is_top1(out.logits, batch["target_ids"]).cpu().numpy())
             keys.append([k.cpu() for k in out.kv.keys])
             values.append([v.cpu() for v in out.kv.values])
         kv = Prefix([torch.cat(ks) for ks in zip(*keys)], [torch.cat(vs) for vs in zip(*values)]) if keys else None
@@ -263,7 +264,7 @@ class PairCache:
         for chunk in tqdm(batches(len(rows), batch_size), desc="dcm eval", disable=not progress, leave=False):
             with torch.no_grad():
                 logits, target = self.logits(model, rows[chunk], patched, mask, position)
-            correct.append((logits.argmax(-1) == target).cpu().numpy())
+            correct.append(answer_is_top1(logits, target).cpu().numpy())
         return np.concatenate(correct)
 
 
@@ -376,7 +377,7 @@ def loss_scale(model: LoadedModel, heads: Sequence[Head], position: str, cache: 
     with torch.no_grad():
         logits, target = cache.logits(model, rows, list(heads), torch.ones(len(heads), device=model.device),
                                       position)
-    return max(float(logits.float().gather(1, target[:, None]).abs().mean()), 1e-6)
+    return max(float(answer_logit(logits, target).abs().mean()), 1e-6)
 
 
 def _step(model: LoadedModel, heads: list[Head], position: str, cache: PairCache, rows: list[int],
@@ -386,7 +387,7 @@ def _step(model: LoadedModel, heads: list[Head], position: str, cache: PairCache
     total = 0.0
     for chunk in batches(len(rows), config.micro_batch):
         logits, target = cache.logits(model, rows[chunk], heads, mask.sample(), position, grad=True)
-        loss = -logits.float().gather(1, target[:, None])[:, 0].sum() / len(rows)
+        loss = -answer_logit(logits, target).sum() / len(rows)
         loss.backward()
         total += loss.item()
     penalty = config.lam * scale * mask.penalty()

@@ -10,11 +10,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .metrics import answer_is_top1, answer_prob, logit_diff
 from .models.loading import LoadedModel
 from .models.remote import keep
 from .patching.core import Patch, run
 from .stats import Estimate, bootstrap, proportion
-from .tasks.base import Record, batch_tensors, metric_values
+from .tasks.base import Record, batch_tensors
 
 PatchFn = Callable[[dict, slice], Iterable[Patch]]
 
@@ -89,9 +90,8 @@ def _eval_batches(model: LoadedModel, records: Sequence[Record], batch_size: int
         answer = batch["answer_ids"] if targets is None else torch.as_tensor(targets[rows])
         with torch.no_grad():
             run_out = run(model, batch["input_ids"], patches(batch, rows) if patches else ())
-        logits = run_out.logits.float()
-        correct = (logits.argmax(-1).cpu() == answer).numpy()
-        prob = metric_values(logits, batch, "prob", answer).cpu().numpy()
-        diff = metric_values(logits, batch, "logit_diff", answer).cpu().numpy() if "alternative_ids" in batch else None
-        out.append((correct, prob, diff))
+        logits = run_out.logits
+        alternatives = batch.get("alternative_ids")
+        diff = None if alternatives is None else logit_diff(logits, answer, alternatives).cpu().numpy()
+        out.append((answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(), diff))
     return out

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .metrics import answer_is_top1
 from .models.loading import LoadedModel
 from .tasks import arithmetic
 from .tasks import entity_tracking as et
@@ -156,9 +157,9 @@ def accuracy(model: Any, batches: Iterable[Batch]) -> float:
     """Top-1 accuracy of the answer token over ``batches``."""
     hits = total = 0
     for b in batches:
-        pred = last_logits(model, b["input_ids"]).argmax(-1).cpu()
-        hits += int((pred == b["answer_ids"]).sum())
-        total += len(pred)
+        top1 = answer_is_top1(last_logits(model, b["input_ids"]), b["answer_ids"])
+        hits += int(top1.sum())
+        total += len(top1)
     return hits / total
 
 

@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from .circuits.circuit import Circuit
 from .components import Head
 from .finetune import FinetuneConfig, add_lora, answer_loss, last_logits
+from .metrics import answer_is_top1, answer_logprob
 from .models.loading import LoadedModel
 from .patching.core import Patch, Resume, run
 from .tasks.base import Task, trainable_tasks
@@ -108,7 +109,7 @@ def example_losses(model: LoadedModel, batch: Batch, masked: Iterable[Head] = ()
     out = []
     for i in tqdm(range(0, len(ids), batch_size), desc="losses", disable=not progress, leave=False):
         logits = run(model, ids[i:i + batch_size], patches).logits.float().cpu()
-        out.append(torch.nn.functional.cross_entropy(logits, answers[i:i + batch_size], reduction="none"))
+        out.append(-answer_logprob(logits, answers[i:i + batch_size]))  # the answer cross-entropy
     return torch.cat(out)
 
 
@@ -205,7 +206,7 @@ def layer_losses(model: LoadedModel, samples: Batch, layer: int, fixed: Sequence
         rows = torch.arange(i, min(i + batch_size, len(ids))) % n  # row "(variant sample)" -> its sample
         resume = Resume(layer, entry[rows]) if entry is not None else None
         logits = run(model, ids[i:i + batch_size], patches, resume=resume).logits.float().cpu()
-        losses.append(torch.nn.functional.cross_entropy(logits, answers[i:i + batch_size], reduction="none"))
+        losses.append(-answer_logprob(logits, answers[i:i + batch_size]))
         passes += 1
     per_row = rearrange(torch.cat(losses), "(variant sample) -> variant sample", variant=n_var)
     return per_row.mean(-1), passes
@@ -382,8 +383,8 @@ def correct(model: Any, batch: Batch, batch_size: int = 50) -> np.ndarray:
     """Per-example top-1 correctness (0/1) of the answer token."""
     out = []
     for i in range(0, len(batch["input_ids"]), batch_size):
-        pred = last_logits(model, batch["input_ids"][i:i + batch_size]).argmax(-1).cpu()
-        out.append((pred == batch["answer_ids"][i:i + batch_size]).numpy())
+        logits = last_logits(model, batch["input_ids"][i:i + batch_size])
+        out.append(answer_is_top1(logits, batch["answer_ids"][i:i + batch_size]).cpu().numpy())
     return np.concatenate(out).astype(float)
 
 

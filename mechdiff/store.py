@@ -211,9 +211,11 @@ class ActivationStore:
         key = StoreKey(model.fingerprint, dataset_hash(records), f"{kind}_mean", f"all-batch{batch_size}")
         rows = batches(len(records), batch_size)
 
-        def unit(unit_rows: slice) -> dict[int, torch.Tensor]:  # unit i = batch i
+        from .patching.ablation import every_position, position_sums
+
+        def unit(unit_rows: slice) -> dict[int, torch.Tensor]:  # unit i = batch i: its float64 sums
             acts = capture_sites(model, records[rows[unit_rows.start]], kind, "all")
-            return {layer: t.double().sum(0, keepdim=True) for layer, t in acts.items()}
+            return {layer: position_sums(t, every_position(t.shape[1]), t.shape[1])[None] for layer, t in acts.items()}
 
         units = [slice(i, i + 1) for i in range(len(rows))]
         try:

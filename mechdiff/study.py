@@ -336,7 +336,7 @@ class Study:
         with run_lock(self.dir):
             return self._run()
 
-    def run_model(self, name: str, poll: float = 20.0) -> None:
+    def run_model(self, name: str, poll: float = 5.0) -> None:
         """The stages of one model, so that one process per model can share the cores: its accuracy, position
         scan, circuit and pruning; then, once every model's circuit is in the cache (written by the other
         processes), its row of the circuit x model matrix, and DCM (the base) or CMAP (a fine-tune). Each

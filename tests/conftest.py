@@ -1,9 +1,11 @@
-"""Shared fixtures: the real SmolLM2 tokenizer and weights, and tiny random models of each family."""
+"""Shared fixtures for every test folder: the real SmolLM2 tokenizer and weights, and tiny random models
+of each family. Tests under ``tests/slow`` are marked ``slow`` here (``-m "not slow"`` skips them)."""
 
 from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never wait on the network in tests
 
@@ -12,6 +14,17 @@ import torch
 
 from mechdiff.models.loading import LoadedModel, load_model, load_tokenizer
 from mechdiff.models.registry import ModelSpec, get_spec
+
+
+SLOW = Path(__file__).resolve().parent / "slow"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test under ``tests/slow`` carries the ``slow`` marker."""
+    for item in items:
+        if SLOW in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from einops import rearrange
 from tqdm.auto import tqdm
 
 from ..components import Head, all_heads
+from ..metrics import answer_logprob
 from ..patching.core import EMB_LAYER, Patch, run
 from ..stats import bootstrap_ratio, proportion
 from .circuit import Circuit
@@ -47,7 +48,7 @@ def prompt_attribution(scorer: Scorer, classes: Sequence[str]) -> torch.Tensor:
         # the embedding output as the leaf: every later activation is in the graph (weights may be frozen)
         leaf = emb.detach().clone().requires_grad_()
         res = run(model, batch["input_ids"], [Patch("emb", EMB_LAYER, leaf)], capture=sites, grad=True)
-        logp = res.logits.float().log_softmax(-1).gather(1, batch["answer_ids"].to(res.logits.device)[:, None])
+        logp = answer_logprob(res.logits, batch["answer_ids"])
         zs = [res.captured[s] for s in sites]
         grads = torch.autograd.grad(logp.sum(), zs, allow_unused=True)
         for layer, (z, g) in enumerate(zip(zs, grads)):

@@ -22,13 +22,14 @@ from typing import Iterable, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 import torch
-from einops import reduce, repeat
+from einops import repeat
 from tqdm.auto import tqdm
 
 from ..components import Head, all_heads, layer_matched
 from ..evaluate import EvalResult, batches, evaluate
 from ..models.loading import LoadedModel
-from ..patching.core import Patch, run
+from ..patching.ablation import site_means
+from ..patching.core import Patch
 from ..stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
 from ..tasks.base import Record, batch_tensors
 from .circuit import Circuit
@@ -51,7 +52,8 @@ def position_means(model: LoadedModel, records: Sequence[Record], batch_size: in
 
     The one place the activation cache plugs in: with ``store`` (an HDF5 path) the means are
     read from / written to :class:`mechdiff.store.ActivationStore`, keyed by the model's
-    fingerprint and the reference set's hash; without it they are computed here.
+    fingerprint and the reference set's hash; without it they are computed in memory. Both sum in
+    float64 through :mod:`mechdiff.patching.ablation`.
     """
     if not records:
         raise ValueError("no reference records to average; give at least one")
@@ -59,16 +61,8 @@ def position_means(model: LoadedModel, records: Sequence[Record], batch_size: in
         from ..store import ActivationStore
 
         return ActivationStore(store).means(model, records, "z", batch_size, progress)
-    sites = [("z", layer) for layer in range(model.shape.n_layers)]
-    total: Optional[torch.Tensor] = None
-    for rows in tqdm(batches(len(records), batch_size), desc=f"means {model.name}", disable=not progress, leave=False):
-        batch = batch_tensors(records[rows])
-        with torch.no_grad():
-            captured = run(model, batch["input_ids"], capture=sites).captured
-        z = torch.stack([captured[s].float() for s in sites])  # layer batch pos cols
-        part = reduce(z, "layer batch pos cols -> layer pos cols", "sum")
-        total = part if total is None else total + part
-    return total / len(records)
+    ids = (batch_tensors(records[rows])["input_ids"] for rows in batches(len(records), batch_size))
+    return site_means(model, ids, "z", progress, desc=f"means {model.name}")
 
 
 # --------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
 from ..io import check_writable
-from ..dcm import DCMConfig, DCMResult, desideratum_pairs, dcm_circuit, semantic_patching, split_pairs
+from ..dcm import (PARAMETERISATIONS, DCMConfig, DCMResult, desideratum_pairs, dcm_circuit, semantic_patching,
+                   split_pairs)
 from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
 from ..report.tables import estimate_columns, to_markdown, write_table
@@ -15,6 +16,8 @@ from ..stats import Estimate
 from ..tasks.base import PairRecord
 from ..tasks.entity_tracking import CounterfactualPair, read_jsonl
 from ._options import add_model_options, add_task_option, model_kwargs, task_from_args, write_json
+
+DEFAULTS = DCMConfig()  # every training default is DCMConfig's
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,17 +32,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--groups", default=None, help="comma-separated groups (default: all)")
     p.add_argument("--n", type=int, default=200, help="pairs per built-in desideratum (split train/val/test)")
     p.add_argument("--n-boxes", type=int, default=7, help="boxes per prompt (2-10)")
-    p.add_argument("--seed", type=int, default=0, help="dataset, split and training seed")
-    p.add_argument("--parameterisation", default="continuous", choices=["continuous", "hard_concrete"])
-    p.add_argument("--lam", type=float, default=0.01, help="sparsity weight (penalises patched heads)")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=16, help="pairs per optimiser step")
-    p.add_argument("--micro-batch", type=int, default=16, help="pairs per forward/backward pass (memory)")
-    p.add_argument("--eval-batch", type=int, default=32, help="pairs per forward pass when evaluating")
-    p.add_argument("--eval-every", type=int, default=5, help="optimiser steps between validation passes")
-    p.add_argument("--n-random", type=int, default=5, help="random head sets for the baseline")
-    p.add_argument("--random-pool", default="all", choices=["group", "all"],
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="dataset, split and training seed")
+    p.add_argument("--parameterisation", default=DEFAULTS.parameterisation, choices=list(PARAMETERISATIONS))
+    p.add_argument("--lam", type=float, default=DEFAULTS.lam, help="sparsity weight (penalises patched heads)")
+    p.add_argument("--lr", type=float, default=DEFAULTS.lr)
+    p.add_argument("--epochs", type=int, default=DEFAULTS.epochs)
+    p.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size, help="pairs per optimiser step")
+    p.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch,
+                   help="pairs per forward/backward pass (memory)")
+    p.add_argument("--eval-batch", type=int, default=DEFAULTS.eval_batch,
+                   help="pairs per forward pass when evaluating")
+    p.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every,
+                   help="optimiser steps between validation passes")
+    p.add_argument("--n-random", type=int, default=DEFAULTS.n_random, help="random head sets for the baseline")
+    p.add_argument("--random-pool", default=DEFAULTS.random_pool, choices=["group", "all"],
                    help="random baseline heads from all heads of the model (default) or only the group's "
                         "(degenerate when DCM selects the whole group)")
     p.add_argument("--semantic", default=None,
@@ -80,6 +86,14 @@ def dcm_rows(results: list[DCMResult]) -> list[dict]:
     return rows
 
 
+def config_from_args(args: argparse.Namespace) -> DCMConfig:
+    """The training settings the command line chose (every default is :data:`DEFAULTS`)."""
+    return DCMConfig(parameterisation=args.parameterisation, lam=args.lam, lr=args.lr, epochs=args.epochs,
+                     batch_size=args.batch_size, micro_batch=args.micro_batch, eval_every=args.eval_every,
+                     eval_batch=args.eval_batch, n_random=args.n_random, random_pool=args.random_pool,
+                     seed=args.seed)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.remote:
         raise SystemExit("DCM trains masks through backward passes on this machine; it does not run on NDIF yet "
@@ -90,10 +104,7 @@ def main(args: argparse.Namespace) -> int:
     models = ModelSet([args.model, *others], **model_kwargs(args))  # configs only: no weights yet
     circuit = load_circuit_file(args.circuit, models.shape.n_layers, models.shape.n_heads)
     model = models[models.names[0]]
-    config = DCMConfig(parameterisation=args.parameterisation, lam=args.lam, lr=args.lr, epochs=args.epochs,
-                       batch_size=args.batch_size, micro_batch=args.micro_batch, eval_every=args.eval_every,
-                       eval_batch=args.eval_batch,
-                       n_random=args.n_random, random_pool=args.random_pool, seed=args.seed)
+    config = config_from_args(args)
     spec = args.desiderata or ",".join(task.desiderata)
     desiderata = load_desiderata(spec, model.tokenizer, args.n, args.n_boxes, args.seed, args.task)
     groups = args.groups.split(",") if args.groups else None

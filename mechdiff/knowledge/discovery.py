@@ -21,17 +21,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..metrics import answer_logprob
 from ..models.loading import LoadedModel
 from .data import FactBatch
 from .forward import Ablation, edge_gradients
 from .graph import Graph, prune_dangling
 
 log = logging.getLogger(__name__)
-
-
-def answer_logprob(logits: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
-    """``"batch"`` log-probability of each answer token."""
-    return torch.log_softmax(logits.float(), -1)[torch.arange(len(answers)), answers.to(logits.device)]
 
 
 def attribution_scores(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], method: str = "eap-ig",

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..metrics import answer_logprob, answer_rank
 from ..models.loading import LoadedModel
 from ..stats import bootstrap
 from .data import FactBatch
-from .discovery import answer_logprob, top_edges
+from .discovery import top_edges
 from .forward import Ablation, edge_forward
 from .graph import Graph
 
@@ -47,12 +48,10 @@ def evaluate(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], mas
     with torch.no_grad():
         for b in batches:
             logits = edge_forward(model, graph, b.ids, mask, ablation).logits.float()
-            ans = b.answers.to(logits.device)
-            target = logits[torch.arange(len(b)), ans]
-            rank = (logits >= target[:, None]).sum(-1) - 1  # ties count against the answer
+            rank = answer_rank(logits, b.answers)
             ranks.append(rank.cpu().numpy())
             hits.append((rank < k).cpu().numpy())
-            lps.append(answer_logprob(logits, ans).cpu().numpy())
+            lps.append(answer_logprob(logits, b.answers).cpu().numpy())
     return CircuitEval(np.concatenate(hits), np.concatenate(lps), np.concatenate(ranks))
 
 

@@ -52,6 +52,7 @@ from einops import rearrange
 
 from ..models.architectures import _get
 from ..models.loading import LoadedModel
+from ..patching.ablation import PositionMeans, sink_apart
 from ..patching.core import Resume, trace_sites
 from .graph import Graph
 
@@ -184,9 +185,7 @@ class Ablation:
             return None
         if self.means is None:
             raise ValueError("mean ablation needs means; build it with mean_ablation(model, graph, batches)")
-        idx = torch.ones(n_pos, dtype=torch.long)
-        idx[0] = 0
-        return self.means[:, idx].unsqueeze(1)
+        return self.means[:, sink_apart(n_pos)].unsqueeze(1)
 
 
 @dataclass
@@ -380,17 +379,12 @@ def edge_gradients(model: LoadedModel, graph: Graph, ids: torch.Tensor,
 
 
 def mean_ablation(model: LoadedModel, graph: Graph, batches) -> Ablation:
-    """Mean ablation from the clean outputs of every sender over ``batches`` (position 0 kept apart)."""
-    total = None
-    n0 = nrest = 0
+    """Mean ablation from the clean outputs of every sender over ``batches`` (position 0 kept apart).
+
+    The means are :mod:`mechdiff.patching.ablation`'s, as circuit scoring's; they are applied per edge
+    (a removed edge carries its sender's mean into one receiver), not as a patch of the sender."""
+    means = PositionMeans(sink_apart, n_buckets=2)
     with torch.no_grad():
         for b in batches:
-            outs = edge_forward(model, graph, b.ids, None, keep_outputs=True).outputs.float()  # s b p d
-            first = outs[:, :, 0].sum(1)
-            rest = outs[:, :, 1:].sum((1, 2))
-            cur = torch.stack([first, rest], 1)
-            total = cur if total is None else total + cur
-            n0 += outs.shape[1]
-            nrest += outs.shape[1] * (outs.shape[2] - 1)
-    means = total / torch.tensor([n0, max(nrest, 1)], dtype=total.dtype).view(1, 2, 1)
-    return Ablation("mean", means)
+            means.add(edge_forward(model, graph, b.ids, None, keep_outputs=True).outputs)  # s b p d
+    return Ablation("mean", means.mean())

@@ -1,4 +1,5 @@
-"""Interventions on nnsight: activation patching, path patching, patching scans, attribution screening."""
+"""Interventions on nnsight: activation patching, path patching, patching scans, attribution screening,
+and the position-wise means of mean ablation (ablation.py)."""
 
 from .core import Patch, Prefix, Resume, Run, head_patch, run
 

@@ -1,4 +1,4 @@
-"""Activation patching (clean <- counterfactual) of any set of heads and the embeddings, and metrics.
+"""Activation patching (clean <- counterfactual) of any set of heads and the embeddings.
 
 Components are :class:`~mechdiff.components.Head` (its ``z`` slice, the input of the
 output projection) or ``"EMB"`` (the token-embedding output). Positions are a LongTensor
@@ -93,35 +93,3 @@ def capture_sources(model: LoadedModel, input_ids: torch.Tensor, components: Seq
     with torch.no_grad():
         return run(model, input_ids, capture=_sites(components)).captured
 
-
-# ---------------------------------------------------------------------------------- metrics
-def answer_prob(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
-    """Probability of each example's answer token: ``"batch"``."""
-    return logits.float().softmax(-1).gather(-1, answer_ids.to(logits.device)[:, None])[:, 0]
-
-
-def logit_diff(logits: torch.Tensor, answer_ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
-    """Logit of the answer minus logit of the alternative: ``"batch"``."""
-    logits = logits.float()
-    return (logits.gather(-1, answer_ids.to(logits.device)[:, None])
-            - logits.gather(-1, other_ids.to(logits.device)[:, None]))[:, 0]
-
-
-def accuracy(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
-    """1.0 where the top-1 token is the answer: ``"batch"``."""
-    return (logits.argmax(-1) == answer_ids.to(logits.device)).float()
-
-
-def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """KL(reference || patched) over the vocabulary: ``"batch"``."""
-    ref = reference_logits.float().log_softmax(-1)
-    new = logits.float().log_softmax(-1)
-    return (ref.exp() * (ref - new)).sum(-1)
-
-
-def relative_change(patched: torch.Tensor, clean: torch.Tensor) -> float:
-    """``(mean patched - mean clean) / mean clean``: the path-patching score of a batch."""
-    return float((patched.mean() - clean.mean()) / clean.mean())
-
-
-METRICS = {"answer_prob": answer_prob, "accuracy": accuracy}

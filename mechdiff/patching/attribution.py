@@ -23,9 +23,9 @@ import torch
 from einops import rearrange
 
 from ..components import Head
+from ..metrics import answer_prob
 from ..models.loading import LoadedModel
 from ..models.remote import keep
-from .activation import answer_prob
 from .core import Patch, run
 from .path import PairBatch, Receivers, _position, eligible_senders, receiver_sites
 

@@ -38,11 +38,11 @@ from einops import rearrange, repeat
 from tqdm.auto import tqdm
 
 from ..components import Head
+from ..metrics import answer_prob
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
 from ..tasks.base import PairRecord, pair_batch_tensors
-from .activation import answer_prob
 from .core import Patch, Prefix, Resume, run
 
 log = logging.getLogger(__name__)

@@ -26,9 +26,9 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from einops import repeat
 
+from ..metrics import answer_logit, answer_prob, logit_diff
 from ..models.loading import LoadedModel
 from ..models.remote import keep
-from .activation import answer_prob
 from .core import EMB_LAYER, Patch, Prefix, Resume, run
 
 HEAD_SITES = ("z", "q", "k", "v")
@@ -36,20 +36,16 @@ SITES = (*HEAD_SITES, "resid")
 DEFAULT_PER_PASS = 32
 
 
-def _answer_logit(logits: torch.Tensor, answer_ids: torch.Tensor, other_ids: Optional[torch.Tensor]) -> torch.Tensor:
-    return logits.float().gather(-1, answer_ids.to(logits.device)[:, None])[:, 0]
-
-
 def _logit_diff(logits: torch.Tensor, answer_ids: torch.Tensor, other_ids: Optional[torch.Tensor]) -> torch.Tensor:
     if other_ids is None:
         raise ValueError("metric logit_diff needs other_ids (the alternative answer of each prompt)")
-    return _answer_logit(logits, answer_ids, None) - _answer_logit(logits, other_ids, None)
+    return logit_diff(logits, answer_ids, other_ids)
 
 
 # metric name -> (per-example function of (logits, answer_ids, other_ids), what it measures)
 METRICS: dict[str, tuple[Callable, str]] = {
     "answer_prob": (lambda logits, a, o: answer_prob(logits, a), "probability of the answer"),
-    "answer_logit": (_answer_logit, "logit of the answer"),
+    "answer_logit": (lambda logits, a, o: answer_logit(logits, a), "logit of the answer"),
     "logit_diff": (_logit_diff, "logit of the answer minus logit of the alternative"),
 }
 

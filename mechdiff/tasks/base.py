@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
 
+from ..metrics import TASK_METRICS
+
 if TYPE_CHECKING:
     import torch
 
 Position = Union[int, tuple[int, ...], None]
-METRICS = ("prob", "logit_diff")
 
 
 @runtime_checkable
@@ -226,27 +227,6 @@ def dataset_hash(records: Sequence[Any]) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# Metrics
-# --------------------------------------------------------------------------------------
-
-
-def metric_values(logits: "torch.Tensor", batch: Mapping[str, Any], metric: str = "prob",
-                  answer: Optional["torch.Tensor"] = None) -> "torch.Tensor":
-    """Per prompt: the answer's probability (``prob``) or its logit minus the mean logit of the
-    alternatives (``logit_diff``, e.g. IO - S in IOI). ``logits``: ``"batch vocab"`` at the last token."""
-    logits = logits.float()
-    answer = (batch["answer_ids"] if answer is None else answer).to(logits.device)
-    if metric == "prob":
-        return logits.softmax(-1).gather(1, answer[:, None])[:, 0]
-    if metric == "logit_diff":
-        if "alternative_ids" not in batch:
-            raise ValueError("metric logit_diff needs records with alternative answers (alternative_ids)")
-        alt = batch["alternative_ids"].to(logits.device)
-        return logits.gather(1, answer[:, None])[:, 0] - logits.gather(1, alt).mean(-1)
-    raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
-
-
-# --------------------------------------------------------------------------------------
 # Tasks and the registry
 # --------------------------------------------------------------------------------------
 
@@ -296,8 +276,9 @@ class Task:
     options: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.metric not in METRICS:
-            raise ValueError(f"task {self.name}: unknown metric {self.metric!r}; choose one of {', '.join(METRICS)}")
+        if self.metric not in TASK_METRICS:
+            raise ValueError(f"task {self.name}: unknown metric {self.metric!r}; "
+                             f"choose one of {', '.join(TASK_METRICS)}")
 
     def kwargs(self, **given: Any) -> dict[str, Any]:
         """The options among ``given`` this task's generators accept (``None`` values dropped)."""

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from .base import METRICS, Example, Pair, Task, canonical_json, record_dict
+from ..metrics import TASK_METRICS
+from .base import Example, Pair, Task, canonical_json, record_dict
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +187,8 @@ def import_pairs(path: str | os.PathLike, tokenizer: Any, out: str | os.PathLike
     out = Path(out)
     if out.exists() and not force:
         raise ValueError(f"{out} exists; choose another --out or pass --force to replace it")
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    if metric not in TASK_METRICS:
+        raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(TASK_METRICS)}")
     if metric == "logit_diff" and not _has_counterfactual_answers(path):
         raise ValueError(f"metric logit_diff needs a counterfactual_answer in every row of {path}")
     plan_text = None

@@ -114,30 +114,31 @@ def test_run_command_refuses_an_unknown_task_before_loading(capsys):
 
 
 def test_one_process_per_model_computes_the_same_study(tiny_family, tmp_path):
-    """`mechdiff run --model NAME` for every model at once (here: threads), then a plain run: every stage is
-    found in the cache, and the results equal those of a plain sequential run."""
-    import threading
+    """`mechdiff run TASK --model NAME` for every model at once (real processes), then a plain run: every stage
+    is found in the cache, and the results equal those of a plain sequential run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
+    from test_faults import _task_file
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "parallel").mkdir()
+    task = _task_file(tiny_family, tmp_path / "parallel")
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "mechdiff.cli", "run", str(task), "--model", name,
+                               "--no-progress"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in tiny_family]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
     spec = tiny_spec(tiny_family, tmp_path / "parallel")
-    errors = []
-
-    def one(name):
-        try:
-            Study(spec, progress=False).run_model(name, poll=0.2)
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=one, args=(n,)) for n in spec.model_names]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert not errors and not any(t.is_alive() for t in threads)
     assembled = Study(spec, progress=False)
     assembled.run()
     assert all(r.cached for r in assembled.cache.records.values()) and assembled.models._loaded == {}
-    plain_spec = tiny_spec(tiny_family, tmp_path / "plain")
-    plain = Study(plain_spec, progress=False)
+    plain = Study(tiny_spec(tiny_family, tmp_path / "plain"), progress=False)
     plain.run()
     for name, rec in plain.cache.records.items():
         assert assembled.cache.records[name].key == rec.key

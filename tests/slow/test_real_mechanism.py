@@ -15,7 +15,7 @@ from mechdiff.models import load_model
 from mechdiff.tasks.entity_tracking import generate
 from mechdiff.tasks.splits import eval_objects
 
-CIRCUIT = Path(__file__).parents[1] / "results" / "entity-tracking-smollm2" / "circuits" / "smollm2-et.json"
+CIRCUIT = Path(__file__).parents[2] / "results" / "entity-tracking-smollm2" / "circuits" / "smollm2-et.json"
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.discovery import DiscoverySettings, discover
 from mechdiff.circuits.plan import default_plan, load_plan
 from mechdiff.components import Head
+from mechdiff.metrics import task_metric
 from mechdiff.patching.path import path_patch, prepare
 from mechdiff.tasks import base, ioi
 from mechdiff.tasks.jsonl import ImportErrors, import_pairs, load_task
@@ -63,7 +64,7 @@ def test_batch_tensors_single_positions_and_position_classes():
     assert t["alternative_ids"].tolist() == [[4], [6]]
     logits = torch.zeros(2, 10)
     logits[0, 3], logits[0, 4], logits[1, 8], logits[1, 6] = 2.0, -1.0, 0.5, 1.5
-    assert base.metric_values(logits, t, "logit_diff").tolist() == [3.0, -1.0]
+    assert task_metric(logits, t["answer_ids"], "logit_diff", t["alternative_ids"]).tolist() == [3.0, -1.0]
     with pytest.raises(ValueError, match="different token lengths"):
         base.batch_tensors(recs + [base.Example("r", (1, 2), " a", 3, {"END": 1, "names": (0, 1), "gone": None})])
 
@@ -206,7 +207,7 @@ def test_ioi_positions_answers_and_abc_corruptions(smollm2_tokenizer):
 def test_the_engine_imports_no_concrete_task():
     import ast
 
-    root = Path(__file__).resolve().parent.parent / "mechdiff"
+    root = Path(__file__).resolve().parents[2] / "mechdiff"
     engine = [*root.glob("models/*.py"), *root.glob("patching/*.py"), *root.glob("circuits/*.py"),
               root / "store.py", root / "dcm.py", root / "cmap.py", root / "evaluate.py"]
     offenders = []

@@ -265,3 +265,13 @@ def test_pair_cache_suffix_gradients_equal_full_runs(tiny_llama, pairs):
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-6)
     assert grads[1][1][0].abs() > 1e-4  # L1H0 reaches the last position through layer 2
+
+
+def test_command_defaults_are_the_configs():
+    from mechdiff.cli import build_parser
+    from mechdiff.commands.dcm import config_from_args
+
+    args = build_parser().parse_args(["dcm", "--circuit", "c.json"])
+    assert config_from_args(args) == DCMConfig()
+    args = build_parser().parse_args(["dcm", "--circuit", "c.json", "--epochs", "7", "--lam", "0.5"])
+    assert config_from_args(args) == dataclasses.replace(DCMConfig(), epochs=7, lam=0.5)

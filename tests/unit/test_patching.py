@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mechdiff.components import Head, all_heads
-from mechdiff.patching.activation import (accuracy, activation_patch, answer_prob, capture_sources, kl_divergence,
-                                          logit_diff, patches_from)
+from mechdiff.metrics import accuracy, answer_prob, kl_divergence, logit_diff
+from mechdiff.patching.activation import activation_patch, capture_sources, patches_from
 from mechdiff.patching.core import run
 from mechdiff.tasks.entity_tracking import pair_batch_tensors, path_patching_pairs
 

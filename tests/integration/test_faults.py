@@ -26,7 +26,7 @@ from mechdiff.study import StageCache, Study
 from mechdiff.tasks.entity_tracking import generate
 from test_study import tiny_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------------- fixtures

@@ -223,7 +223,7 @@ def _families():
 @pytest.mark.parametrize("model_type", _families())
 def test_suffix_run_is_exact_on_every_architecture_family(model_type):
     """A z patch late in the prompt by a suffix run equals the full run (max |d logit| <= 1e-4) on the tiny
-    model of each of the families of tests/test_families.py (one forward pair per family)."""
+    model of each of the families of tests/unit/test_families.py (one forward pair per family)."""
     from test_families import LAYERS, VOCAB, build_family
 
     lm = build_family(model_type)

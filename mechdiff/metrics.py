@@ -1,0 +1,84 @@
+"""Answer metrics on last-token logits, written once: every evaluation, scan, patching score, DCM,
+HeadMap, fine-tuning and knowledge-circuit metric calls these. Torch only (no nnsight), so task
+definitions can use them without loading the intervention layer.
+
+Every function takes ``logits`` ``"batch vocab"`` (any dtype, any device; computed in float32) and
+answer ids ``"batch"`` (moved to the logits' device) and returns one value per example, ``"batch"``,
+on the logits' device. Training losses (fine-tuning's and HeadMap's mean answer cross-entropy) stay
+torch's fused ``cross_entropy``; per-example losses are ``-answer_logprob``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+TASK_METRICS = ("prob", "logit_diff")
+"""The per-prompt metrics a task can name (``Task.metric``, ``dataset import --metric``)."""
+
+
+def _ids(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(ids).to(logits.device)
+
+
+def answer_logit(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
+    """The logit of each example's answer token."""
+    return logits.float().gather(-1, _ids(logits, answer_ids)[:, None])[:, 0]
+
+
+def answer_prob(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
+    """The probability (softmax over the whole vocabulary) of each example's answer token."""
+    return logits.float().softmax(-1).gather(-1, _ids(logits, answer_ids)[:, None])[:, 0]
+
+
+def answer_logprob(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each example's answer token."""
+    return logits.float().log_softmax(-1).gather(-1, _ids(logits, answer_ids)[:, None])[:, 0]
+
+
+def answer_is_top1(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
+    """Bool: the top-1 token over the whole vocabulary is the answer (ties: the first maximum)."""
+    return logits.argmax(-1) == _ids(logits, answer_ids)
+
+
+def accuracy(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
+    """1.0 where the top-1 token is the answer, else 0.0 (:func:`answer_is_top1` as floats)."""
+    return answer_is_top1(logits, answer_ids).float()
+
+
+def answer_rank(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
+    """The answer's rank, 0 for the top token; tokens tied with the answer count against it."""
+    logits = logits.float()
+    return (logits >= answer_logit(logits, answer_ids)[:, None]).sum(-1) - 1
+
+
+def logit_diff(logits: torch.Tensor, answer_ids: torch.Tensor, alternative_ids: torch.Tensor) -> torch.Tensor:
+    """The answer's logit minus the mean logit of its alternatives (e.g. IO - S in IOI).
+
+    ``alternative_ids``: ``"batch"`` (one alternative each) or ``"batch k"``."""
+    alt = _ids(logits, alternative_ids)
+    alt = alt[:, None] if alt.ndim == 1 else alt
+    logits = logits.float()
+    return answer_logit(logits, answer_ids) - logits.gather(-1, alt).mean(-1)
+
+
+def task_metric(logits: torch.Tensor, answer_ids: torch.Tensor, metric: str = "prob",
+                alternative_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A task's per-prompt metric by name: ``prob`` (:func:`answer_prob`) or ``logit_diff``
+    (:func:`logit_diff` against ``alternative_ids``)."""
+    if metric == "prob":
+        return answer_prob(logits, answer_ids)
+    if metric == "logit_diff":
+        if alternative_ids is None:
+            raise ValueError("metric logit_diff needs records with alternative answers (alternative_ids)")
+        return logit_diff(logits, answer_ids, alternative_ids)
+    raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(TASK_METRICS)}")
+
+
+def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) over the vocabulary."""
+    ref = reference_logits.float().log_softmax(-1)
+    new = logits.float().log_softmax(-1)
+    return (ref.exp() * (ref - new)).sum(-1)
+
