@@ -13,6 +13,7 @@ import threading
 from typing import Optional, Sequence
 
 from . import commands
+from .io import Terminated  # noqa: F401 - raised by the SIGTERM handler (mechdiff.io.terminate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,12 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the process is so that every ``finally`` runs (locks, temporary files)."""
+def _quiet_terminated(hook: object):
+    """An unraisable hook that drops a :class:`Terminated` raised inside ``__del__`` (the run stops at the next
+    stage boundary instead, :func:`~mechdiff.io.check_terminated`) and passes anything else on."""
+    from .io import Terminated
 
-
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated(f"signal {signum}")
+    def unraisable(info: object) -> None:
+        if not isinstance(getattr(info, "exc_value", None), Terminated):
+            hook(info)  # type: ignore[operator]
+    return unraisable
 
 
 def _on_sigterm(handler: object) -> object:
@@ -42,14 +46,18 @@ def _on_sigterm(handler: object) -> object:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .io import RunLockedError
+    from .io import RunLockedError, Terminated, check_terminated, clear_terminated, terminate
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    previous = _on_sigterm(_terminate)
+    clear_terminated()
+    previous, hook = _on_sigterm(terminate), sys.unraisablehook
+    sys.unraisablehook = _quiet_terminated(hook)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        check_terminated()  # a signal swallowed after the last stage boundary still ends as a termination
+        return code
     except (ValueError, KeyError, OSError, RunLockedError) as err:
         if args.verbose:
             raise
@@ -61,6 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 143 if isinstance(err, Terminated) else 130
     finally:
         _on_sigterm(previous)
+        sys.unraisablehook = hook
 
 
 if __name__ == "__main__":

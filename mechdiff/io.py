@@ -26,6 +26,30 @@ class OutputError(OSError):
     """An output directory that cannot be written; the message names it and the fix."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is so that every ``finally`` runs (locks, temporary files)."""
+
+
+_SIGNALLED: list[int] = []  # the signal numbers received; a handler's exception can be swallowed (in __del__)
+
+
+def terminate(signum: int, frame: object) -> None:
+    """SIGTERM handler: remember the signal, then raise :class:`Terminated` where the process is."""
+    _SIGNALLED.append(signum)
+    raise Terminated(f"signal {signum}")
+
+
+def check_terminated() -> None:
+    """Raise :class:`Terminated` if a signal arrived whose exception was swallowed (Python ignores exceptions
+    raised inside ``__del__``); called at stage boundaries, so such a run still stops at the next one."""
+    if _SIGNALLED:
+        raise Terminated(f"signal {_SIGNALLED[-1]}")
+
+
+def clear_terminated() -> None:
+    _SIGNALLED.clear()
+
+
 class RunLockedError(RuntimeError):
     """Another live process holds the run directory; the message names its PID and the lock file."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..io import read_record, set_aside, write_json
+from ..io import check_terminated, read_record, set_aside, write_json
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class StageCache:
 
     def run(self, name: str, inputs: dict, compute: Callable[[], Any]) -> StageRecord:
         """The saved result of ``name`` if its key is ``key_hash(inputs)``; else ``compute()``, saved atomically."""
+        check_terminated()  # a SIGTERM whose exception was swallowed stops the run here
         key = key_hash(inputs)
         path = self.path(name)
         saved = _saved(path, name)

@@ -462,3 +462,38 @@ def test_figure_save_failure_leaves_no_file(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         save_figure(fig, tmp_path / "fig.png")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sigterm_swallowed_in_a_destructor_still_stops_the_run(family, tmp_path, capsys, monkeypatch):
+    """Python ignores an exception raised inside ``__del__``: a SIGTERM landing there must still end the run,
+    at the next stage boundary, with the finished stages kept and no traceback printed."""
+    import gc
+
+    from mechdiff import io as mio
+    from mechdiff.cli import main
+    from mechdiff.study import Study as RealStudy
+
+    task = _task_file(family, tmp_path)
+    seen = []
+
+    class Swallowing:
+        def __del__(self):
+            mio.terminate(signal.SIGTERM, None)  # the handler, run where Python swallows its exception
+
+    def accuracy(self, name):
+        rec = real(self, name)
+        if not seen:
+            seen.append(name)
+            Swallowing()
+            gc.collect()
+        return rec
+
+    real = RealStudy.accuracy
+    monkeypatch.setattr(RealStudy, "accuracy", accuracy)
+    assert main(["run", str(task), "--no-progress"]) == 143
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
+    finished = stage_files(tmp_path / "run")
+    assert list(finished) == [f"accuracy__{Path(family[0]).name}.json"]  # stopped at the next boundary
+    assert not leftovers(tmp_path / "run")
+    mio.clear_terminated()
