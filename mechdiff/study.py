@@ -151,7 +151,6 @@ class Study:
         from .report.positions import curve_figure, stability_figure
 
         d = self.spec.discovery
-        lm = self.model(name)
         ranker = self.scorer(name, "ranking", d.n)
         classes = task_classes(ranker)
         per_prompt = prompt_attribution(ranker, classes)
@@ -169,12 +168,13 @@ class Study:
                    "stability": self.dir / "figures" / f"stability_{label(name)}.png"}
         curve_figure(curve, figures["curve"], title=f"{name}: faithfulness vs circuit size")
         kept = {pair_name(p): stability[p] for p in ranked[:n]}
+        in_circuit = set(ranked[:n])
         stability_figure(kept, n / len(ranked), figures["stability"],
                          title=f"{name}: selection frequency over {d.stability_draws} resamples of {d.n} prompts")
         return {"circuit": circuit.to_dict(), "curve": curve, "classes": classes,
                 "stability": {"draws": d.stability_draws, "chance": n / len(ranked), "selected": kept,
-                              "others": {pair_name(p): f for p, f in stability.items() if f > 0 and p not in
-                                         set(ranked[:n])}},
+                              "others": {pair_name(p): f for p, f in stability.items()
+                                         if f > 0 and p not in in_circuit}},
                 "ranking": [[pair_name(p), scores[p]] for p in ranked[: 2 * n]],
                 "figures": {k: str(v.relative_to(self.dir)) for k, v in figures.items()}}
 
@@ -266,7 +266,8 @@ class Study:
             return [g for g in wanted if circuit.groups.get(g)]
         from .tasks.base import batch_tensors
 
-        positions = batch_tensors(self.eval_records()[:4])["positions"]
+        # which positions are single tokens is a property of the task's prompts: a few show it
+        positions = batch_tensors(self.task.records(self.tokenizer, 4, self.seed("eval"), **self.options()))["positions"]
         return [g for g, heads in circuit.groups.items() if heads and circuit.positions[g] in positions
                 and positions[circuit.positions[g]].dim() == 1 and bool((positions[circuit.positions[g]] >= 0).all())]
 
@@ -400,8 +401,7 @@ class Study:
             "spec": self.spec.to_dict(), "source": self.spec.source, "versions": versions(),
             "python": platform.python_version(), "machine": platform.machine(),
             "model_digests": self.digests, "loaded_models": loaded,
-            "stages": {n: {"key": r.key, "seconds": r.seconds, "cached": r.cached}
-                       for n, r in self.cache.records.items()},
+            "stages": self.cache.summary(),
             "wall_seconds": time.time() - self.started,
         }
 

@@ -18,28 +18,21 @@ import h5py
 import pytest
 import torch
 
-from conftest import make_tiny
 from mechdiff.cli import main
 from mechdiff.io import LOCK_NAME, OutputError, RunLockedError, atomic_open, run_lock, write_json
 from mechdiff.store import ActivationStore, capture_sites
 from mechdiff.study import StageCache, Study
 from mechdiff.tasks.entity_tracking import generate
-from test_study import tiny_spec
+from test_study import tiny_family, tiny_spec  # noqa: F401 - tiny_family is a fixture used here
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def family(tmp_path_factory, smollm2_tokenizer) -> list[str]:
-    root = tmp_path_factory.mktemp("family")
-    names = []
-    for seed in (0, 1):
-        lm = make_tiny("llama", smollm2_tokenizer, seed=seed, n_layers=2)
-        lm.model.save_pretrained(root / f"m{seed}")
-        smollm2_tokenizer.save_pretrained(root / f"m{seed}")
-        names.append(str(root / f"m{seed}"))
-    return names
+def family(tiny_family) -> list[str]:
+    """The two tiny saved models of the study tests (``test_study.tiny_family``)."""
+    return tiny_family
 
 
 @pytest.fixture(scope="module")
