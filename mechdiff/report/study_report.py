@@ -217,11 +217,14 @@ def cmap_section(study: "Study", cmap: dict) -> str:
         base_acc, ft_acc = _est(r["base_accuracy"]), _est(r["finetune_accuracy"])
         gap = _has_gap(r)  # a share of the gap means nothing when there is no gap
         rows = [{"scope": row["scope"], "kind": row["kind"], **estimate_columns("accuracy", row["accuracy"]),
-                 **({"recovered": row["recovered"]} if gap else {})} for row in r["rows"]]
+                 **({"recovered": row["recovered"]} if gap else {})} for row in r["rows"] + r.get("random_rows", [])]
         share = ("recovered = (patched - base)/(fine-tune - base)" if gap else
                  "no recovered share: the fine-tune is not above the base beyond their CIs")
         caption = f"CMAP {ft} -> {r['base']}: base accuracy {base_acc}, fine-tune {ft_acc}; {share}. {r['caption']}"
         text.append(_table(study, rows, f"cmap_{label(ft)}", caption))
+        text.append(_table(study, _paired_rows(r), f"cmap_paired_{label(ft)}",
+                           f"CMAP {ft} -> {r['base']}: paired differences of accuracy on the same prompts (paired "
+                           "bootstrap CI); a part is larger than another only where the interval excludes 0"))
         scopes = list(dict.fromkeys(row["scope"] for row in r["rows"]))
         kinds = list(dict.fromkeys(row["kind"] for row in r["rows"]))
         series = {k: [next((_est(x["accuracy"]) for x in r["rows"] if x["scope"] == s and x["kind"] == k), None)
@@ -231,6 +234,25 @@ def cmap_section(study: "Study", cmap: dict) -> str:
                      references={r["base"]: base_acc, ft: ft_acc})
         text.append(f"![CMAP {ft}](figures/cmap_{label(ft)}.png)\n")
     return "\n".join(text)
+
+
+def _paired_rows(result: dict) -> list[dict]:
+    """Each (scope, kind) against the plain base and against its random control; V - QK and Q - K per scope."""
+    outcomes, rows = result.get("outcomes", {}), []
+
+    def add(a: str, b: str) -> None:
+        if a in outcomes and b in outcomes:
+            rows.append({"first": a, "second": b,
+                         **estimate_columns("difference", paired_difference(outcomes[a], outcomes[b]))})
+
+    for row in result["rows"]:
+        key = f"{row['scope']}/{row['kind']}"
+        add(key, "base")
+        add(key, f"random:{key}")
+    for scope in dict.fromkeys(row["scope"] for row in result["rows"]):
+        add(f"{scope}/v", f"{scope}/qk")
+        add(f"{scope}/q", f"{scope}/k")
+    return rows
 
 
 def _cost(manifest: dict) -> str:
