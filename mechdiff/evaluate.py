@@ -18,6 +18,7 @@ from .stats import Estimate, bootstrap, proportion
 from .tasks.base import Record, batch_tensors
 
 PatchFn = Callable[[dict, slice], Iterable[Patch]]
+ForwardFn = Callable[[dict, slice], torch.Tensor]  # (batch, rows) -> the read-out logits "batch vocab"
 
 
 @dataclass
@@ -64,24 +65,30 @@ def evaluate(
     targets: Optional[Sequence[int]] = None,
     desc: str = "eval",
     progress: bool = True,
+    forward: Optional[ForwardFn] = None,
 ) -> EvalResult:
     """Accuracy (top-1 over the whole vocabulary) and probability of the answer at the last token.
 
     ``patches(batch, rows)`` returns the patches for one batch (``rows`` indexes ``records``);
-    ``targets`` overrides the answer ids (e.g. a DCM desideratum's target).
+    ``targets`` overrides the answer ids (e.g. a DCM desideratum's target). ``forward(batch, rows)``
+    replaces the patched run: it returns the batch's read-out logits itself (e.g. an incremental run
+    that resumes from a cached one).
     """
     if not records:
         raise ValueError("no records to evaluate")
     bar = progress and not model.remote
     with model.session():  # remote: every batch in one request
-        results = keep(_eval_batches(model, records, batch_size, patches, targets, desc, bar))
+        if forward is None:
+            def forward(batch: dict, rows: slice) -> torch.Tensor:
+                return run(model, batch["input_ids"], patches(batch, rows) if patches else ()).logits
+        results = keep(_eval_batches(records, batch_size, forward, targets, desc, bar))
     diffs = [d for _, _, d in results]
     return EvalResult(np.concatenate([c for c, _, _ in results]), np.concatenate([p for _, p, _ in results]),
                       None if any(d is None for d in diffs) else np.concatenate(diffs))
 
 
-def _eval_batches(model: LoadedModel, records: Sequence[Record], batch_size: int,
-                  patches: Optional[PatchFn], targets: Optional[Sequence[int]], desc: str,
+def _eval_batches(records: Sequence[Record], batch_size: int, forward: ForwardFn,
+                  targets: Optional[Sequence[int]], desc: str,
                   progress: bool) -> list[tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]:
     """``(correct, prob, logit_diff or None)`` of every batch, on the model's side."""
     out = []
@@ -89,8 +96,7 @@ def _eval_batches(model: LoadedModel, records: Sequence[Record], batch_size: int
         batch = batch_tensors(records[rows])
         answer = batch["answer_ids"] if targets is None else torch.as_tensor(targets[rows])
         with torch.no_grad():
-            run_out = run(model, batch["input_ids"], patches(batch, rows) if patches else ())
-        logits = run_out.logits
+            logits = forward(batch, rows)
         alternatives = batch.get("alternative_ids")
         diff = None if alternatives is None else logit_diff(logits, answer, alternatives).cpu().numpy()
         out.append((answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(), diff))

@@ -156,13 +156,13 @@ class Study:
         per_prompt = prompt_attribution(ranker, classes)
         scores = pair_scores(per_prompt.mean(0), classes)
         ranked = ranking(scores)
-        curve = faithfulness_curve(self.scorer(name, "curve", d.curve_n), ranked, d.sizes, d.target)
+        curve = faithfulness_curve(self.scorer(name, "curve", d.curve_n), ranked, d.sizes, d.target, d.select)
         chosen = curve["chosen"] or curve["rows"][-1]  # none reached the target: the largest size scored
         n = chosen["n_pairs"]
         stability = selection_stability(per_prompt, classes, n, d.stability_draws, self.seed("ranking"))
         circuit = ranked_circuit(ranked, n, name, self.task.name, meta={
             "method": "curve", "fraction": chosen["fraction"], "n_pairs": n, "n_pairs_total": len(ranked),
-            "reached_target": curve["chosen"] is not None, "target": d.target})
+            "reached_target": curve["chosen"] is not None, "target": d.target, "select": d.select})
         circuit.save(self.dir / "circuits" / f"{label(name)}.json")
         figures = {"curve": self.dir / "figures" / f"curve_{label(name)}.png",
                    "stability": self.dir / "figures" / f"stability_{label(name)}.png"}

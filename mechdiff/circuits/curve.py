@@ -27,8 +27,12 @@ from ..stats import bootstrap_ratio, proportion
 from .circuit import Circuit
 from .scoring import Pair, Scorer, per_prompt, position_mask
 
-SIZES: tuple[float, ...] = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.2, 0.5, 1.0)
+SIZES: tuple[float, ...] = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 TARGET = 0.8  # the study's default: the smallest circuit whose accuracy faithfulness reaches this
+# How a size "reaches" the target on the curve's prompts: "low", its faithfulness interval's lower bound (the
+# default: the point estimate of the size picked among many is biased up, so a pick on the value sits on the
+# target on fresh prompts, not above it); "value", the point estimate.
+SELECT = ("low", "value")
 
 
 def ablation_attribution(scorer: Scorer, classes: Sequence[str]) -> dict[Pair, float]:
@@ -104,11 +108,14 @@ def ranking(scores: dict[Pair, float]) -> list[Pair]:
 
 
 def faithfulness_curve(scorer: Scorer, ranked: Sequence[Pair], sizes: Sequence[float] = SIZES,
-                       target: float = TARGET) -> dict:
+                       target: float = TARGET, select: str = SELECT[0]) -> dict:
     """Score the nested circuits of the top ``fraction`` of ``ranked`` at each size (see the module
-    docstring); ``chosen`` is the smallest size whose accuracy faithfulness reaches ``target``."""
+    docstring); ``chosen`` is the smallest size whose accuracy faithfulness reaches ``target``: its
+    interval's lower bound (``select="low"``) or its point estimate (``"value"``)."""
     if not ranked:
         raise ValueError("no pairs to rank")
+    if select not in SELECT:
+        raise ValueError(f"select must be one of {SELECT}, got {select!r}")
     full, empty = scorer.full(), scorer.keep([])
     acc_m, acc_0 = float(per_prompt(full).mean()), float(per_prompt(empty).mean())
     prob_m, prob_0 = float(per_prompt(full, "prob").mean()), float(per_prompt(empty, "prob").mean())
@@ -124,8 +131,8 @@ def faithfulness_curve(scorer: Scorer, ranked: Sequence[Pair], sizes: Sequence[f
             "normalised_accuracy": _normalised(float(acc.mean()), acc_0, acc_m),
             "normalised_prob": _normalised(float(prob.mean()), prob_0, prob_m),
         })
-    chosen = next((r for r in rows if r["faithfulness"]["value"] >= target), None)
-    return {"rows": rows, "n_pairs_total": len(ranked), "target": target,
+    chosen = next((r for r in rows if r["faithfulness"][select] >= target), None)
+    return {"rows": rows, "n_pairs_total": len(ranked), "target": target, "select": select,
             "chosen": chosen, "full_accuracy": proportion(per_prompt(full)).to_dict(),
             "empty_accuracy": acc_0, "empty_prob": prob_0, "full_prob": prob_m,
             **_areas(rows, "normalised_prob", "prob"), **_areas(rows, "normalised_accuracy", "accuracy"),

@@ -29,7 +29,7 @@ from ..components import Head, all_heads, layer_matched
 from ..evaluate import EvalResult, batches, evaluate
 from ..models.loading import LoadedModel
 from ..patching.ablation import site_means
-from ..patching.core import Patch
+from ..patching.core import Patch, Resume, run, suffix_supported
 from ..stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
 from ..tasks.base import Record, batch_tensors
 from .circuit import Circuit
@@ -153,6 +153,7 @@ class Scorer:
     batch_size: int = 32
     progress: bool = True
     cache: dict = field(default_factory=dict, repr=False)
+    runs: dict = field(default_factory=dict, repr=False)  # (circuit, batch start) -> its run's residuals and keys
 
     @classmethod
     def build(cls, model: LoadedModel, records: Sequence[Record],
@@ -170,6 +171,50 @@ class Scorer:
         """F(C): every head mean-ablated except ``pairs``."""
         key = frozenset(pairs)
         return self._eval("keep", key, lambda batch, rows: ablation_patches(self.model, self.means, batch, key, True))
+
+    def keep_without(self, pairs: Iterable[Pair], removed: Iterable[Pair]) -> EvalResult:
+        """F(C \\ removed), computed only where it differs from F(C) (``C = pairs``).
+
+        Removing pairs changes nothing below the lowest removed layer nor before the first position of the
+        removed pairs' classes, so each batch resumes from F(C)'s own run (its residual stream entering that
+        layer, its keys and values before that position; :class:`~mechdiff.patching.core.Resume`, a suffix
+        run) and recomputes only the rest. Equal to ``keep(C - removed)`` up to float rounding; cached
+        under the same key, so either call serves the other."""
+        base, removed = frozenset(pairs), frozenset(removed)
+        key = base - removed
+        if not removed or ("keep", key) in self.cache or self.model.remote:
+            return self.keep(key)
+        layer = min(head.layer for head, _ in removed)
+        self.cache[("keep", key)] = evaluate(
+            self.model, self.records, self.batch_size, desc=f"keep {len(key)} pairs (from layer {layer})",
+            progress=self.progress,
+            forward=lambda batch, rows: self._resumed(base, key, removed, layer, batch, rows))
+        return self.cache[("keep", key)]
+
+    def _resumed(self, base: frozenset, key: frozenset, removed: frozenset, layer: int, batch: dict,
+                 rows: slice) -> torch.Tensor:
+        """The read-out logits of F(key) on one batch, resumed from F(base)'s run at ``layer``."""
+        resid, kv = self._base_run(base, batch, rows)
+        start = 0
+        if suffix_supported(self.model) and EVERY_POSITION not in {pos for _, pos in removed}:
+            where = torch.stack([position_mask(batch, pos) for pos in {pos for _, pos in removed}]).any(0).any(0)
+            start = int(where.nonzero()[0]) if bool(where.any()) else batch["input_ids"].shape[1] - 1
+        patches = [Patch(p.kind, p.layer, p.value[:, start:], slice(start, None),
+                         mask=None if p.mask is None else p.mask[:, start:])
+                   for p in ablation_patches(self.model, self.means, batch, key, True) if p.layer >= layer]
+        resume = Resume(layer, resid[layer - 1]) if layer > 0 else None
+        return run(self.model, batch["input_ids"], patches, resume=resume, prefix=kv if start > 0 else None,
+                   start=start if start > 0 else None).logits
+
+    def _base_run(self, base: frozenset, batch: dict, rows: slice) -> tuple[list[torch.Tensor], object]:
+        """F(base)'s residual stream after every block and its keys and values on one batch (cached)."""
+        if (base, rows.start) not in self.runs:
+            layers = range(self.model.shape.n_layers)
+            with torch.no_grad():
+                out = run(self.model, batch["input_ids"], ablation_patches(self.model, self.means, batch, base, True),
+                          capture=[("resid", layer) for layer in layers], keep_kv=True)
+            self.runs[(base, rows.start)] = ([out.captured[("resid", layer)] for layer in layers], out.kv)
+        return self.runs[(base, rows.start)]
 
     def ablate(self, pairs: Iterable[Pair]) -> EvalResult:
         """F(M \\ K): only ``pairs`` mean-ablated."""
@@ -325,6 +370,9 @@ def pair_name(pair: Pair) -> str:
     return f"{pair[0].name}@{pair[1]}"
 
 
+ROUNDING = 1e-6  # a relative change this small is float rounding (an incremental run against a full one)
+
+
 def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidates: Optional[int] = 4,
                seed: int = 0, metric: Metric = "accuracy", threshold: Optional[float] = None) -> dict:
     """Per pair v, the contribution max_K |F(C \\ (K + v)) - F(C \\ K)| with K grown greedily.
@@ -339,16 +387,20 @@ def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidate
     ``threshold``: skip the greedy search for a pair whose relative contribution at K = {} already exceeds
     it. The search only ever raises a contribution, so pruning at that threshold decides the same; the
     skipped pairs' contributions are then lower bounds (``"searched": false``).
+
+    Each F(C \\ K) is computed incrementally from F(C)'s run (:meth:`Scorer.keep_without`); a change of at
+    most :data:`ROUNDING` counts as none.
     """
     pairs = circuit.pairs()
     f_full = float(per_prompt(scorer.full(), metric).mean())
     f_circuit = float(per_prompt(scorer.keep(pairs), metric).mean())
 
-    def f(removed: frozenset) -> float:
-        return float(per_prompt(scorer.keep([pr for pr in pairs if pr not in removed]), metric).mean())
+    def f(removed: frozenset) -> float:  # incremental: only layers and positions from the removed pairs on
+        return float(per_prompt(scorer.keep_without(pairs, removed), metric).mean())
 
     def contribution(v: Pair, k: frozenset) -> float:
-        return abs(f(k | {v}) - f(k))
+        a, b = f(k | {v}), f(k)
+        return abs(a - b) if abs(a - b) > ROUNDING * max(abs(a), abs(b)) else 0.0
 
     out = {}
     for v in tqdm(pairs, desc="minimality", disable=not scorer.progress):

@@ -229,6 +229,15 @@ def run(
 SUFFIX_LAYER_TYPES = {"full_attention", "sliding_attention"}  # attention layers a suffix run is tested exact on
 
 
+def suffix_supported(model: LoadedModel) -> bool:
+    """Whether suffix runs are exact on ``model`` (:func:`check_suffix_support` would pass)."""
+    try:
+        check_suffix_support(model)
+    except ValueError:
+        return False
+    return True
+
+
 def check_suffix_support(model: LoadedModel) -> None:
     """Refuse a suffix run on a model whose layers are not all (full or sliding-window) attention, or whose
     forward carries a recurrent state: earlier positions would not be read from the keys and values alone."""

@@ -386,8 +386,9 @@ def _method(study: "Study") -> str:
         return (f"Each model's circuit: every (head, position class) pair ranked by mean-ablation attribution "
                 f"(`(mean z - z) . d log p(answer) / d z`, the answer's log-probability, which does not saturate) "
                 f"on {d.n} prompts; nested circuits of the top {', '.join(f'{x:g}' for x in d.sizes)} of the "
-                f"ranking scored on {d.curve_n} other prompts; the circuit is the smallest reaching accuracy "
-                f"faithfulness {d.target} (the largest scored where none does). Selection stability: the same "
+                f"ranking scored on {d.curve_n} other prompts; the circuit is the smallest whose accuracy "
+                f"faithfulness {'interval lower bound' if d.select == 'low' else 'point estimate'} reaches "
+                f"{d.target} on those prompts (the largest scored where none does). Selection stability: the same "
                 f"ranking on {d.stability_draws} bootstrap resamples of the ranking prompts. Ablation: position-wise "
                 f"means of {sc.reference_n} reference prompts with held-out objects.\n")
     return (f"Each model's circuit by the paper's path patching on {d.n} clean/counterfactual pairs; top-k per step "

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from ..circuits.curve import SIZES, TARGET
+from ..circuits.curve import SELECT, SIZES, TARGET
 
 
 class SpecError(ValueError):
@@ -50,12 +50,14 @@ class PositionsSection:
 @dataclass
 class DiscoverySection:
     # "curve": every (head, position class) pair ranked by mean-ablation attribution on n prompts, nested
-    # circuits scored on curve_n others, the smallest reaching `target` faithfulness is the circuit.
+    # circuits scored on curve_n others, the smallest reaching `target` faithfulness is the circuit: its interval's
+    # lower bound reaching it (select = "low") or its point estimate ("value").
     # "path": the paper's path patching (steps of the task's plan, top_k heads each) on n pairs.
     method: str = "curve"
     n: int = 160
     sizes: list[float] = field(default_factory=lambda: list(SIZES))  # fractions of all (head, class) pairs
     target: float = TARGET
+    select: str = SELECT[0]
     curve_n: int = 200  # prompts scoring the nested circuits (disjoint from those ranking and reporting)
     stability_draws: int = 200  # bootstrap resamples of the ranking prompts (selection frequency)
     top_k: dict[str, int] = field(default_factory=lambda: {"A": 8, "B": 3, "C": 5, "D": 3})
@@ -128,6 +130,7 @@ REQUIRED = {"task": ("name",), "models": ("base",)}
 #: Fields with a fixed set of values (lists: every item), checked with the line before anything loads.
 CHOICES = {
     ("discovery", "method"): ("curve", "path"),
+    ("discovery", "select"): SELECT,
     ("scoring", "prune_metric"): ("prob", "accuracy"),
     ("dcm", "random_pool"): ("all", "group"),
     ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value"),

@@ -9,6 +9,8 @@ import torch
 
 from mechdiff.circuits.curve import ablation_attribution, all_pairs, faithfulness_curve, ranking
 from mechdiff.circuits.scoring import Scorer, per_prompt
+from mechdiff.components import Head
+from mechdiff.evaluate import EvalResult
 from mechdiff.tasks.entity_tracking import batch_tensors, generate, reference_records
 from mechdiff.tasks.entity_tracking.positions import CLASSES
 
@@ -78,13 +80,42 @@ def test_curve_ends_at_the_full_model_and_picks_the_smallest_size(scorer):
     assert curve["full_prob"] == pytest.approx(float(per_prompt(scorer.full(), "prob").mean()))
     if last["normalised_prob"] is not None:
         assert last["normalised_prob"] == pytest.approx(1.0)
-    reached = [r for r in curve["rows"] if r["faithfulness"]["value"] >= 0.5]
-    assert curve["chosen"] == (reached[0] if reached else None)
+    reached = [r for r in curve["rows"] if r["faithfulness"]["low"] >= 0.5]
+    assert curve["chosen"] == (reached[0] if reached else None) and curve["select"] == "low"
     x = np.array([0.0, 0.05, 0.5, 1.0])
     y = np.array([0.0] + [r["normalised_prob"] for r in curve["rows"]])
     assert curve["cpr_prob"] == pytest.approx(float(np.trapezoid(y, x)))
     with pytest.raises(ValueError, match="no pairs"):
         faithfulness_curve(scorer, [])
+
+
+class _KeepsPrompts:
+    """A scorer whose circuit of n of ``total`` pairs answers the first ``2 n / total`` of 200 prompts."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.records, self.progress = total, [None] * 200, False
+
+    def full(self) -> EvalResult:
+        return EvalResult(np.ones(200, bool), np.ones(200))
+
+    def keep(self, pairs) -> EvalResult:
+        right = min(200, round(400 * len(pairs) / self.total))
+        correct = np.arange(200) < right
+        return EvalResult(correct, correct.astype(float))
+
+
+def test_curve_picks_on_the_lower_bound_or_the_value():
+    ranked = [(Head(0, h), "last") for h in range(100)]
+    sizes = (0.3, 0.4, 0.45, 1.0)  # faithfulness 0.6, 0.8, 0.9, 1.0 on 200 prompts
+    low = faithfulness_curve(_KeepsPrompts(100), ranked, sizes, target=0.8)
+    value = faithfulness_curve(_KeepsPrompts(100), ranked, sizes, target=0.8, select="value")
+    assert [r["faithfulness"]["value"] for r in low["rows"]] == pytest.approx([0.6, 0.8, 0.9, 1.0])
+    assert low["rows"][1]["faithfulness"]["low"] < 0.8 <= low["rows"][2]["faithfulness"]["low"]
+    assert low["chosen"]["fraction"] == 0.45 and low["select"] == "low"  # 0.8 is not carried by its interval
+    assert value["chosen"]["fraction"] == 0.4 and value["select"] == "value"
+    assert faithfulness_curve(_KeepsPrompts(100), ranked, sizes, target=1.01)["chosen"] is None
+    with pytest.raises(ValueError, match="select must be one of"):
+        faithfulness_curve(_KeepsPrompts(100), ranked, sizes, select="high")
 
 
 def test_cli_curve_and_positions_write_tables_and_figures(tmp_path, tiny_llama, smollm2_tokenizer):

@@ -239,6 +239,9 @@ class FakeScorer:
         self.calls.append(("keep", pairs))
         return self._result(pairs)
 
+    def keep_without(self, pairs, removed) -> EvalResult:
+        return self.keep(frozenset(pairs) - frozenset(removed))
+
     def ablate(self, pairs) -> EvalResult:
         pairs = frozenset(pairs)
         self.calls.append(("ablate", pairs))

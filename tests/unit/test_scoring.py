@@ -240,3 +240,24 @@ def test_compare_command(tiny_dirs, tmp_path):
     assert (a["intersection"], a["frac_first"], a["jaccard"]) == (1, 0.5, 1 / 3)
     assert (out / "membership.png").is_file() and (out / "overlap.tex").is_file()
     assert main(["compare", "--models", dirs[0], "--circuits", f"{first},{first}", "--out", str(out), *DATA]) == 2
+
+
+@pytest.mark.parametrize("removed", [
+    [(Head(1, 0), "last")],  # a late position: a suffix run from the last token
+    [(Head(2, 2), "query_label"), (Head(1, 3), "last")],  # from layer 1, from the query label on
+    [(Head(0, 3), "query_label")],  # from layer 0: no resumed blocks
+])
+def test_keep_without_equals_the_full_ablated_run(scorer, removed):
+    """F(C minus some pairs), resumed from F(C)'s run at the removed pairs' first layer and position, equals
+    the full mean-ablated run of the smaller circuit."""
+    circuit = [(Head(2, 0), "last"), (Head(1, 0), "last"), (Head(1, 3), "last"), (Head(2, 2), "query_label"),
+               (Head(0, 3), "query_label"), (Head(1, 1), "query_label")]
+    fresh = Scorer(scorer.model, scorer.records, scorer.means, scorer.batch_size, progress=False)
+    full = fresh.keep(set(circuit) - set(removed))
+    fast = scorer.keep_without(circuit, removed)
+    assert (base := next(iter(scorer.runs))) and base[0] == frozenset(circuit)  # it resumed from F(C)'s run
+    error = np.abs(fast.prob / full.prob - 1).max()
+    change = np.abs(fresh.keep(circuit).prob / full.prob - 1).max()  # what removing the pairs does
+    assert error < 1e-5 and change > 100 * error
+    np.testing.assert_array_equal(fast.correct, full.correct)
+    assert scorer.keep(set(circuit) - set(removed)) is fast  # one cache for both calls
