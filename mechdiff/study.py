@@ -134,12 +134,15 @@ class Study:
 
     def circuit(self, name: str) -> StageRecord:
         """The circuit of ``name`` by the configured method (``[discovery] method``)."""
+        compute = self._curve_circuit if self.spec.discovery.method == "curve" else self._path_circuit
+        return self.cache.run(f"circuit:{name}", self._circuit_inputs(name), lambda: compute(name))
+
+    def _circuit_inputs(self, name: str) -> dict:
         d = self.spec.discovery
-        compute = self._curve_circuit if d.method == "curve" else self._path_circuit
         inputs = {"model": self.digests[name], "task": self._task(), "discovery": asdict(d)}
         if d.method == "curve":
             inputs["scoring"] = self._reference()
-        return self.cache.run(f"circuit:{name}", inputs, lambda: compute(name))
+        return inputs
 
     def _curve_circuit(self, name: str) -> dict:
         """Rank every (head, position class) pair by attribution, score nested circuits, keep the smallest
@@ -235,8 +238,11 @@ class Study:
             pruned.save(self.dir / "circuits" / f"{label(name)}.pruned.json")
             return {"circuit": pruned.to_dict(), "minimality": result}
 
-        return self.cache.run(f"prune:{name}", {"model": self.digests[name], "circuit": circuit_rec.key,
-                                                 "scoring": asdict(s), "task": self._task()}, compute)
+        return self.cache.run(f"prune:{name}", self._prune_inputs(name, circuit_rec.key), compute)
+
+    def _prune_inputs(self, name: str, circuit_key: str) -> dict:
+        return {"model": self.digests[name], "circuit": circuit_key, "scoring": asdict(self.spec.scoring),
+                "task": self._task()}
 
     def matrix(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
         """Every circuit of ``circuits`` scored on ``name``; random circuits and completeness for its own."""
@@ -339,8 +345,9 @@ class Study:
 
     def run_model(self, name: str, poll: float = 5.0) -> None:
         """The stages of one model, so that one process per model can share the cores: its accuracy, position
-        scan, circuit and pruning; then, once every model's circuit is in the cache (written by the other
-        processes), its row of the circuit x model matrix, and DCM (the base) or CMAP (a fine-tune). Each
+        scan, circuit and pruning; DCM (the base) or, once the base's circuit is in the cache (written by the
+        base's process), its CMAP (a fine-tune); then, once every model's circuit is in the cache, its row of
+        the circuit x model matrix. Each
         process writes its own activation store (``<store>-<model>.h5``); stage records are written atomically
         into the shared run directory, so ``mechdiff run`` afterwards finds every stage cached and writes
         the report."""
@@ -348,27 +355,40 @@ class Study:
             raise ValueError(f"{name!r} is not a model of this study ({', '.join(self.spec.model_names)})")
         store = Path(self.store)
         self.store = str(store.with_name(f"{store.stem}-{label(name)}{store.suffix}"))
+        base = self.spec.models.base
         with run_lock(self.dir / "stages" / "locks" / label(name)):
             self.accuracy(name)
             self.positions(name)
             found = {name: self.circuit(name)}
-            pruned = {name: self.pruned(name, found[name])} if self.spec.scoring.prune else {}
-            last = "prune" if self.spec.scoring.prune else "circuit"
-            waiting = [n for n in self.spec.model_names if n != name]
-            while waiting:
-                waiting = [n for n in waiting if not self.cache.path(f"{last}:{n}").is_file()]
-                if waiting:
-                    log.info("%s: waiting for the circuits of %s", name, ", ".join(waiting))
-                    time.sleep(poll)
-            found = {n: self.circuit(n) for n in self.spec.model_names}  # cached now
             if self.spec.scoring.prune:
-                pruned = {n: self.pruned(n, found[n]) for n in self.spec.model_names}
-            self.matrix(name, {**found, **{f"{n} pruned": rec for n, rec in pruned.items()}})
-            base = self.spec.models.base
+                self.pruned(name, found[name])
+            # first what needs only the base's circuit, then the matrix, which needs every model's
             if name == base:
                 self.dcm(found[base])
             else:
-                self.cmap(name, found[base])
+                self._wait([base], "circuit", name, poll)
+                self.cmap(name, self.circuit(base))
+            last = "prune" if self.spec.scoring.prune else "circuit"
+            self._wait(self.spec.model_names, last, name, poll)
+            found = {n: self.circuit(n) for n in self.spec.model_names}  # cached now
+            pruned = {n: self.pruned(n, found[n]) for n in self.spec.model_names} if self.spec.scoring.prune else {}
+            self.matrix(name, {**found, **{f"{n} pruned": rec for n, rec in pruned.items()}})
+
+    def _wait(self, names: list[str], stage: str, waiter: str, poll: float) -> None:
+        """Until the ``stage`` ("circuit" or "prune") records of ``names`` are in the cache under this study's
+        inputs (written by the other processes; a record of other inputs does not count)."""
+        def ready(n: str) -> bool:
+            inputs = self._circuit_inputs(n)
+            if not self.cache.ready(f"circuit:{n}", inputs):
+                return False
+            return stage == "circuit" or self.cache.ready(f"prune:{n}", self._prune_inputs(n, _hash(inputs)))
+
+        waiting = list(names)
+        while waiting:
+            waiting = [n for n in waiting if not ready(n)]
+            if waiting:
+                log.info("%s: waiting for the %s of %s", waiter, stage, ", ".join(waiting))
+                time.sleep(poll)
 
     def _run(self) -> Path:
         from .report.study_report import write_report

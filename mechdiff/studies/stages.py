@@ -76,6 +76,12 @@ class StageCache:
         write_json(path, {"name": name, "key": key, "inputs": inputs, "seconds": seconds, "result": result})
         return self._keep(StageRecord(name, key, result, seconds, False))
 
+    def ready(self, name: str, inputs: dict) -> bool:
+        """Whether stage ``name`` is saved under the key of ``inputs`` (e.g. by another process); a record
+        saved under other inputs is not."""
+        saved = _saved(self.path(name), name)
+        return saved is not None and saved["key"] == key_hash(inputs)
+
     def _keep(self, rec: StageRecord) -> StageRecord:
         self.records[rec.name] = rec
         return rec

@@ -152,6 +152,39 @@ def test_one_process_per_model_computes_the_same_study(tiny_family, tmp_path):
         Study(spec, progress=False).run_model("other")
 
 
+def test_a_process_waits_for_records_of_this_study_not_stale_ones(tiny_family, tmp_path, monkeypatch):
+    """run_model waits for the other models' circuits and prunings: a record saved under other inputs (an
+    earlier run's, with other settings) does not count, one under this study's inputs does."""
+    import mechdiff.study as study_module
+    from mechdiff.io import write_json
+    from mechdiff.studies.stages import key_hash
+
+    class Waited(Exception):
+        pass
+
+    def sleep(_):
+        raise Waited
+
+    monkeypatch.setattr(study_module.time, "sleep", sleep)
+    study = Study(tiny_spec(tiny_family, tmp_path), progress=False)
+    other = tiny_family[1]
+
+    def save(stage: str, inputs: dict) -> None:
+        write_json(study.cache.path(f"{stage}:{other}"), {"name": stage, "key": key_hash(inputs), "inputs": inputs,
+                                                           "seconds": 0.0, "result": {}})
+
+    with pytest.raises(Waited):
+        study._wait([other], "circuit", "me", poll=0)  # nothing saved yet
+    circuit = study._circuit_inputs(other)
+    save("circuit", circuit)
+    study._wait([other], "circuit", "me", poll=0)
+    save("prune", study._prune_inputs(other, "an earlier circuit's key"))
+    with pytest.raises(Waited):
+        study._wait([other], "prune", "me", poll=0)  # a stale pruning: the old code took it as ready
+    save("prune", study._prune_inputs(other, key_hash(circuit)))
+    study._wait([other], "prune", "me", poll=0)
+
+
 def _assert_close(a, b, where: str) -> None:
     """Equal structure and values; floats to a relative 1e-5 (another process may sum in another order)."""
     if isinstance(a, dict):
