@@ -242,6 +242,7 @@ class HeadMapStudy:
         self.cache = StageCache(self.out)
         self.model = load(settings.model)
         self.located: dict[str, Circuit] = {}
+        self._sweep: Optional[dict[str, dict[float, dict]]] = None
         self._chosen: Optional[tuple[float, float]] = None
 
     # -- stages -------------------------------------------------------------------------
@@ -321,15 +322,15 @@ class HeadMapStudy:
         """The learning-rate sweep on the first seed: ``{"headmap": {lr: record}, "lora": {lr: record}}``, HeadMap
         on the located heads and the small LoRA, each method only when a chosen run trains it; ``{}`` without
         ``lrs``."""
-        st = self.settings
-        out: dict[str, dict[float, dict]] = {}
-        if not st.lrs:
-            return out
-        if set(st.runs) & set(MAP_RUNS):
-            out["headmap"] = {lr: self.train_run("located", ev, st.seeds[0], st.lr, lr) for lr in st.lrs}
-        if set(st.runs) & set(LORA_RUNS):
-            out["lora"] = {lr: self.train_run("lora-small", ev, st.seeds[0], lr, st.headmap_lr) for lr in st.lrs}
-        return out
+        if self._sweep is None:
+            st = self.settings
+            out: dict[str, dict[float, dict]] = {}
+            if st.lrs and set(st.runs) & set(MAP_RUNS):
+                out["headmap"] = {lr: self.train_run("located", ev, st.seeds[0], st.lr, lr) for lr in st.lrs}
+            if st.lrs and set(st.runs) & set(LORA_RUNS):
+                out["lora"] = {lr: self.train_run("lora-small", ev, st.seeds[0], lr, st.headmap_lr) for lr in st.lrs}
+            self._sweep = out
+        return self._sweep
 
     def chosen_lrs(self, ev: dict) -> tuple[float, float]:
         """(LoRA's, HeadMap's) learning rate: each the sweep's best on the validation prompts (only those are
