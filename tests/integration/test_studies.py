@@ -243,7 +243,10 @@ def test_commands_read_the_task_file_and_flags_override_it():
 
     args = _parse("headmap", "compare", "--task", "tasks/headmap.toml", "--k", "3", "--runs", "base,located")
     s = hm_cmd.settings_from(args, task_file=True)
-    assert (s.k, s.runs, s.n, s.eval_n) == (3, ("base", "located"), 8, 150)  # flags over the file over defaults
+    assert (s.k, s.runs, s.n, s.eval_n) == (3, ("base", "located"), 64, 150)  # flags over the file over defaults
+    args = _parse("headmap", "compare", "--task", "tasks/headmap.toml", "--seeds", "0,5", "--lrs", "0.002,0.02")
+    s = hm_cmd.settings_from(args, task_file=True)
+    assert (s.seeds, s.lrs, s.val_n) == ((0, 5), (0.002, 0.02), 100)
     assert hm_cmd.settings_from(_parse("headmap", "locate", "--out", "x")) == hm.HeadMapSettings()
     with pytest.raises(ValueError, match="unknown runs"):
         hm_cmd.settings_from(_parse("headmap", "compare", "--runs", "base,lorra"), task_file=True)
