@@ -60,6 +60,7 @@ class HeadMapSettings:
     transfer_n: int = 0  # samples for locating on the transfer task (0: n)
     lora_zoo: str = "smollm2-et-early"  # a saved LoRA of the same recipe, evaluated instead of trained
     runs: tuple = RUNS
+    notes: str = ""  # how the stages were computed (machine load, processes), printed under the report's first line
     # locating
     n: int = LocateConfig.n
     pool: int = LocateConfig.pool
@@ -556,7 +557,7 @@ def command_line(st: HeadMapSettings, out: str) -> str:
     flags = []
     for f in fields(HeadMapSettings):
         value = getattr(st, f.name)
-        if value != getattr(default, f.name):
+        if f.name != "notes" and value != getattr(default, f.name):
             text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
             flags.append(f"--{f.name.replace('_', '-')} {shlex.quote(text)}")
     return " ".join(["mechdiff headmap compare", f"--out {out}", *flags])
@@ -608,6 +609,7 @@ def report_text(st: HeadMapSettings, out: str, shape: Any, located: dict[str, Ci
         f"took {cold_seconds / 60:.1f} min in all (the sum of the stages' own seconds, each measured by the run that "
         "computed it, on 2 shared CPU cores; stages cached under `stages/`).",
         "",
+        *([st.notes, ""] if st.notes else []),
         "## Locating (layer-conditioned, zero masks)",
         "",
         f"Samples: the {st.n} lowest-loss prompts of a pool of {st.pool}; k = {st.k} heads kept per layer. "
