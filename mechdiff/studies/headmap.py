@@ -584,6 +584,17 @@ def settings_rows(st: HeadMapSettings) -> list[dict]:
     ]
 
 
+def edge_notes(lrs: tuple, chosen: dict[str, float]) -> list[str]:
+    """A warning line (and a blank) for each method whose chosen rate lies at an end of the swept grid."""
+    out = []
+    for method, lr in chosen.items():
+        if lrs and lr in (min(lrs), max(lrs)) and len(lrs) > 1:
+            side = "largest" if lr == max(lrs) else "smallest"
+            out += [f"{method}'s chosen rate {lr:g} is the {side} swept: rates beyond it were not tried, so "
+                    f"{method} may be under-tuned.", ""]
+    return out
+
+
 def report_text(st: HeadMapSettings, out: str, shape: Any, located: dict[str, Circuit], rows: list[dict],
                 overlap_rows: list[dict], loc_rows: list[dict], seconds: float, seed_table: list[dict],
                 paired: list[dict], sweep_table: list[dict], lrs: Optional[tuple[float, float]],
@@ -651,6 +662,7 @@ def report_text(st: HeadMapSettings, out: str, shape: Any, located: dict[str, Ci
             "",
             to_markdown(sweep_table),
             "",
+            *edge_notes(st.lrs, {"LoRA": lora_lr, "HeadMap": headmap_lr}),
         ]
     else:
         lines += [f"No sweep: LoRA at {lora_lr:g}, HeadMap at {headmap_lr:g}.", ""]

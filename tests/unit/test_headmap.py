@@ -327,3 +327,12 @@ def test_paired_rows_difference_per_seed_and_pooled_and_the_verdict():
     assert "cannot tell the two apart" in verdict(rows, "L - O")
     flipped = paired_rows({"located": worse, "random": better}, names, (0, 1, 2))
     assert "the second beats the first" in verdict(flipped, "L - R")
+
+
+def test_edge_notes_warn_only_for_rates_at_an_end_of_the_grid():
+    from mechdiff.studies.headmap import edge_notes
+
+    notes = edge_notes((1e-3, 3e-3, 1e-2), {"LoRA": 1e-2, "HeadMap": 3e-3, "Other": 1e-3})
+    text = " ".join(notes)
+    assert "LoRA's chosen rate 0.01 is the largest" in text and "Other's chosen rate 0.001 is the smallest" in text
+    assert "HeadMap" not in text and edge_notes((), {"LoRA": 1e-2}) == [] and edge_notes((1e-2,), {"L": 1e-2}) == []
