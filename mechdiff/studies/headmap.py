@@ -616,7 +616,7 @@ def report_text(st: HeadMapSettings, out: str, shape: Any, located: dict[str, Ci
         f"# HeadMap on {st.model}",
         "",
         f"Made by `{command_line(st, out)}` (the settings of `tasks/headmap.toml`: `mechdiff headmap compare "
-        f"--task tasks/headmap.toml`). This invocation took {seconds / 60:.1f} min; computing every stage it read "
+        f"--task tasks/headmap.toml`). This invocation took {seconds:.0f} s; computing every stage it read "
         f"took {cold_seconds / 60:.1f} min in all (the sum of the stages' own seconds, each measured by the run that "
         "computed it, on 2 shared CPU cores; stages cached under `stages/`).",
         "",
