@@ -203,7 +203,7 @@ def test_headmap_task_file_and_committed_records(tmp_path, smollm2_tokenizer):
     settings = hm.load_settings("tasks/headmap.toml")
     assert (settings.n, settings.pool, settings.k, settings.batch_size, settings.steps, settings.eval_n) == \
         (64, 256, 2, 64, 20, 150)
-    assert settings.seeds == (0, 1, 2) and settings.lrs == (1e-3, 3e-3, 1e-2)
+    assert settings.seeds == (0, 1, 2) and settings.lrs == (1e-3, 3e-3, 1e-2, 3e-2)
     shutil.copytree("results/headmap-smollm2/stages", tmp_path / "stages")
     tiny = make_tiny("llama", smollm2_tokenizer, n_layers=2)
     study = hm.HeadMapStudy(settings, tmp_path, lambda name: tiny, progress=False)
