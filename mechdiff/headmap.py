@@ -378,6 +378,19 @@ class TrainConfig:
     eval_seed: int = 1_000_000
 
 
+def validation_batch(task: str, tokenizer: Any, n: int, seed: int) -> Batch:
+    """Validation prompts for choosing training settings: the task's locating-pool prompts (training objects,
+    never the held-out evaluation objects) drawn with their own ``seed``."""
+    return get_task(task).pool_batch(tokenizer, n, seed)
+
+
+def choose_lr(validation_accuracy: Mapping[float, float]) -> float:
+    """The learning rate with the highest validation accuracy; ties go to the smallest rate."""
+    if not validation_accuracy:
+        raise ValueError("no learning rates to choose from")
+    return min(validation_accuracy, key=lambda lr: (-validation_accuracy[lr], lr))
+
+
 @torch.no_grad()
 def correct(model: Any, batch: Batch, batch_size: int = 50) -> np.ndarray:
     """Per-example top-1 correctness (0/1) of the answer token."""

@@ -67,9 +67,26 @@ def proportion(successes: Sequence[float] | np.ndarray, confidence: float = 0.95
     return Estimate(k / n, float(ci.low), float(ci.high), n)
 
 
+def pooled_mean(draws: Sequence[Sequence[float]], confidence: float = 0.95, n_resamples: int = 1000,
+                seed: int = 0) -> Estimate:
+    """Mean over several draws (seeds) scored on the same prompts, ``"draw prompt"``, with a two-stage
+    percentile bootstrap CI: each resample draws the draws, then the prompts, with replacement, so the
+    spread between draws is not ignored. A difference of two interventions on the same draws and prompts
+    (``a - b``) gives the paired pooled comparison."""
+    arr = np.asarray(draws, dtype=float)  # "draw prompt"
+    if arr.ndim != 2 or arr.size == 0:
+        raise ValueError("pooled_mean() takes a draws x prompts array")
+    rng = np.random.default_rng(seed)
+    n_d, n_p = arr.shape
+    means = [arr[rng.integers(0, n_d, n_d)][:, rng.integers(0, n_p, n_p)].mean() for _ in range(n_resamples)]
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(means, [alpha, 1 - alpha])
+    return Estimate(float(arr.mean()), float(low), float(high), int(n_p))
+
+
 def pooled_proportion(draws: Sequence[Sequence[float]], confidence: float = 0.95) -> Estimate:
     """Mean outcome over several random draws on the same prompts, with a CI that resamples prompts
-    and draws (two-stage percentile bootstrap), so the spread between draws is not ignored. When every
+    and draws (:func:`pooled_mean`), so the spread between draws is not ignored. When every
     outcome is the same 0 or 1 the bootstrap would collapse to a point: the exact interval of one draw's
     prompts is returned instead (0 of 200 prompts: upper bound 0.018)."""
     arr = np.asarray(draws, dtype=float)  # "draw prompt"
@@ -77,12 +94,7 @@ def pooled_proportion(draws: Sequence[Sequence[float]], confidence: float = 0.95
         raise ValueError("pooled_proportion() takes a draws x prompts array")
     if np.all(arr == arr.flat[0]) and arr.flat[0] in (0.0, 1.0):
         return proportion(arr[0], confidence)
-    rng = np.random.default_rng(0)
-    n_d, n_p = arr.shape
-    means = [arr[rng.integers(0, n_d, n_d)][:, rng.integers(0, n_p, n_p)].mean() for _ in range(1000)]
-    alpha = (1 - confidence) / 2
-    low, high = np.quantile(means, [alpha, 1 - alpha])
-    return Estimate(float(arr.mean()), float(low), float(high), int(n_p))
+    return pooled_mean(arr, confidence)
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95,

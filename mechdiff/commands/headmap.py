@@ -36,13 +36,16 @@ def _locate_options(p: argparse.ArgumentParser) -> None:
 def _train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help=f"training steps ({D.steps})")
     p.add_argument("--batch", type=int, default=None, help=f"prompts per step ({D.batch})")
-    p.add_argument("--lr", type=float, default=None, help=f"LoRA learning rate ({D.lr})")
-    p.add_argument("--headmap-lr", type=float, default=None, help=f"HeadMap maps' learning rate ({D.headmap_lr})")
+    p.add_argument("--lr", type=float, default=None, help=f"LoRA learning rate without a sweep ({D.lr})")
+    p.add_argument("--headmap-lr", type=float, default=None,
+                   help=f"HeadMap maps' learning rate without a sweep ({D.headmap_lr})")
     p.add_argument("--rank", type=int, default=None, help=f"HeadMap map rank r ({D.rank})")
     p.add_argument("--eval-n", type=int, default=None, help=f"held-out evaluation prompts ({D.eval_n})")
-    p.add_argument("--train-seed", type=int, default=None,
-                   help=f"initialisation seed; the random head sets' seeds derive from it ({D.train_seed})")
-    p.add_argument("--data-seed", type=int, default=None, help=f"training batches' seed ({D.data_seed})")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated training seeds; seed s initialises from s, trains on data seed "
+                        f"data_seed + s and draws the random head sets from derive(s, ...) "
+                        f"({','.join(map(str, D.seeds))}; locate and finetune use the first)")
+    p.add_argument("--data-seed", type=int, default=None, help=f"training batches' seed offset ({D.data_seed})")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -86,6 +89,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmp_.add_argument("--lora-zoo", default=None,
                       help=f"a saved LoRA of the same recipe to evaluate instead of training one (run lora-zoo; "
                            f"{D.lora_zoo})")
+    cmp_.add_argument("--lrs", default=None,
+                      help="comma-separated learning rates swept for HeadMap and LoRA alike on the first seed, "
+                           "each method then training at its best on the validation prompts (empty: --lr and "
+                           "--headmap-lr)")
+    cmp_.add_argument("--val-n", type=int, default=None,
+                      help=f"validation prompts of training objects the rate is chosen on ({D.val_n})")
+    cmp_.add_argument("--val-seed", type=int, default=None, help=f"validation prompts' seed ({D.val_seed})")
     cmp_.add_argument("--train-only", action="store_true", help="stop after the training runs (no report)")
     cmp_.add_argument("--runs", default=None, help=f"training runs, in order (of {','.join(RUNS)}; default all)")
     _locate_options(cmp_)
@@ -99,9 +109,9 @@ def settings_from(args: argparse.Namespace, task_file: bool = False) -> HeadMapS
 
     settings = load_settings(args.task) if task_file and args.task else HeadMapSettings()
     flags = {f.name: getattr(args, f.name) for f in fields(HeadMapSettings) if getattr(args, f.name, None) is not None}
-    for name in ("path_patching", "runs"):  # comma-separated lists
+    for name, kind in (("path_patching", str), ("runs", str), ("seeds", int), ("lrs", float)):  # comma lists
         if name in flags:
-            flags[name] = tuple(x.strip() for x in flags[name].split(",") if x.strip())
+            flags[name] = tuple(kind(x.strip()) for x in flags[name].split(",") if x.strip())
     settings = replace(settings, **flags)
     check_runs(settings)
     return settings

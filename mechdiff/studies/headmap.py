@@ -2,10 +2,17 @@
 
 Stages, each cached in ``<out>/stages/`` by :class:`mechdiff.studies.stages.StageCache`:
 ``locate-<task>`` (the located circuit of a task, with its figures under ``circuits/<task>/``) and
-``train-<run>`` for each run of :data:`RUNS` chosen (a training run, or an evaluation for ``base`` and
-``lora-zoo``). Each key holds what the stage reads (the model's name, the locating or training options,
-the heads trained); a rerun recomputes only the stages whose inputs changed, and the tables, figures and
-``report.md`` are rewritten from the records every time. The random head sets draw their seeds by name
+``train-<run>-seed<s>[-lr<lr>][-hlr<lr>]`` for each run of :data:`RUNS` chosen and each training seed
+(``train-base`` and ``train-lora-zoo``: one evaluation). Each key holds what the stage reads (the model's
+name, the locating or training options, the heads trained, the evaluation and validation prompts); a rerun
+recomputes only the stages whose inputs changed, and the tables, figures and ``report.md`` are rewritten
+from the records every time.
+
+Learning rates: with ``lrs`` set, HeadMap (on the located heads) and the small LoRA are each trained at
+every rate on the first seed and each method then trains at the rate with the best accuracy on validation
+prompts of *training* objects (:func:`mechdiff.headmap.choose_lr`); the held-out evaluation prompts are
+never read for the choice. Seeds: run ``r`` at seed ``s`` initialises from ``s``, trains on the batches of
+data seed ``data_seed + s`` and (random, outside) draws its head set from ``derive(s, ...)``
 (:func:`mechdiff.studies.seeds.derive`). Settings: :class:`HeadMapSettings` (a task file's ``[headmap]``
 section, ``tasks/headmap.toml``; the command's flags override it).
 """
@@ -22,11 +29,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..circuits.circuit import Circuit
-from ..headmap import (HeadMap, LocateConfig, TrainConfig, correct, get_task, heads_by_layer, locate_task,
-                       lora_params, random_heads, train)
+from ..headmap import (HeadMap, LocateConfig, TrainConfig, choose_lr, correct, get_task, heads_by_layer,
+                       locate_task, lora_params, random_heads, train, validation_batch)
 from ..io import check_writable, run_lock, save_figure, write_json, write_text
 from ..models.loading import LoadedModel
-from ..stats import bootstrap
+from ..stats import bootstrap, paired_difference, pooled_mean, pooled_proportion
 from ..tasks.spec import load_sections
 from .seeds import derive
 from .stages import StageCache
@@ -34,6 +41,11 @@ from .stages import StageCache
 log = logging.getLogger(__name__)
 TASK = "entity-tracking"  # the task HeadMap and LoRA train on
 RUNS = ("base", "located", "random", "lora-large", "lora-small", "outside", "headmap+lora", "transfer", "lora-zoo")
+UNSEEDED = ("base", "lora-zoo")  # evaluations of fixed models: one record, not one per seed
+VAL = "validation"  # key of the validation prompts' outcomes in a training record
+#: Paired comparisons of the report (first minus second), where both runs are chosen.
+COMPARISONS = (("located", "random"), ("located", "outside"), ("located", "transfer"), ("located", "lora-small"),
+               ("headmap+lora", "lora-small"))
 
 
 @dataclass
@@ -48,6 +60,7 @@ class HeadMapSettings:
     transfer_n: int = 0  # samples for locating on the transfer task (0: n)
     lora_zoo: str = "smollm2-et-early"  # a saved LoRA of the same recipe, evaluated instead of trained
     runs: tuple = RUNS
+    notes: str = ""  # how the stages were computed (machine load, processes), printed under the report's first line
     # locating
     n: int = LocateConfig.n
     pool: int = LocateConfig.pool
@@ -57,19 +70,27 @@ class HeadMapSettings:
     # training
     steps: int = TrainConfig.steps
     batch: int = TrainConfig.batch_size
-    lr: float = TrainConfig.lr
-    headmap_lr: float = TrainConfig.headmap_lr
+    lr: float = TrainConfig.lr  # LoRA's rate when lrs is empty
+    headmap_lr: float = TrainConfig.headmap_lr  # HeadMap's rate when lrs is empty
+    lrs: tuple = ()  # learning-rate sweep for HeadMap and LoRA alike (first seed; chosen on validation prompts)
+    val_n: int = 100  # validation prompts (training objects) the learning rate is chosen on
+    val_seed: int = 2_000_000
     rank: int = TrainConfig.rank
     eval_n: int = TrainConfig.eval_n
-    train_seed: int = TrainConfig.seed
-    data_seed: int = TrainConfig.data_seed
+    seeds: tuple = (TrainConfig.seed,)  # training seeds: each trained run once per seed
+    data_seed: int = TrainConfig.data_seed  # seed s trains on the batches of data seed data_seed + s
 
     def locate_config(self, n: Optional[int] = None) -> LocateConfig:
         return LocateConfig(n=n or self.n, pool=self.pool, k=self.k, batch_size=self.batch_size, seed=self.seed)
 
-    def train_config(self, task: str = TASK, lora_rank: int = 0) -> TrainConfig:
-        return TrainConfig(task=task, steps=self.steps, batch_size=self.batch, lr=self.lr, headmap_lr=self.headmap_lr,
-                           seed=self.train_seed, data_seed=self.data_seed, rank=self.rank, lora_rank=lora_rank,
+    def train_config(self, task: str = TASK, lora_rank: int = 0, seed: Optional[int] = None,
+                     lr: Optional[float] = None, headmap_lr: Optional[float] = None) -> TrainConfig:
+        """One run's training: seed ``s`` (default the first) initialises from ``s`` and trains on data seed
+        ``data_seed + s``; ``lr``/``headmap_lr`` default to the settings' rates."""
+        seed = self.seeds[0] if seed is None else seed
+        return TrainConfig(task=task, steps=self.steps, batch_size=self.batch, lr=self.lr if lr is None else lr,
+                           headmap_lr=self.headmap_lr if headmap_lr is None else headmap_lr,
+                           seed=seed, data_seed=self.data_seed + seed, rank=self.rank, lora_rank=lora_rank,
                            eval_n=self.eval_n)
 
 
@@ -87,6 +108,10 @@ def check_runs(settings: HeadMapSettings) -> None:
     unknown = sorted(set(settings.runs) - set(RUNS))
     if unknown:
         raise ValueError(f"unknown runs {unknown}; choose from {', '.join(RUNS)}")
+    if not settings.seeds or len(set(settings.seeds)) != len(settings.seeds):
+        raise ValueError(f"seeds must be distinct and at least one; got {settings.seeds}")
+    if any(lr <= 0 for lr in settings.lrs) or len(set(settings.lrs)) != len(settings.lrs):
+        raise ValueError(f"learning rates must be distinct and positive; got {settings.lrs}")
     if "transfer" in settings.runs:
         get_task(settings.transfer_task)
 
@@ -126,14 +151,16 @@ def heatmap_figure(meta_scores: dict[str, float], heads: list, shape: Any, path:
                         label="loss increase from masking the head (given earlier selections)")
 
 
-def loss_figure(results: dict, path: Path) -> Path:
-    """Training loss per step of every run that trained."""
+def loss_figure(results: dict[str, list[dict]], path: Path) -> Path:
+    """Training loss per step of every run that trained (mean over its seeds)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, r in results.items():
-        if r["losses"]:
-            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name, linewidth=1)
+    for name, records in results.items():
+        losses = [r["losses"] for r in records if r["losses"]]
+        if losses:
+            ax.plot(range(1, len(losses[0]) + 1), np.mean(losses, axis=0), linewidth=1,
+                    label=f"{name} (mean of {len(losses)} seeds)")
     ax.set_xlabel("step")
     ax.set_ylabel("training answer loss")
     ax.set_yscale("log")
@@ -172,8 +199,36 @@ def finetune(model: LoadedModel, circuit: Circuit, cfg: TrainConfig, progress: b
 # --------------------------------------------------------------------------------------
 
 
+MAP_RUNS = ("located", "random", "outside", "transfer", "headmap+lora")  # runs that train HeadMap maps
+LORA_RUNS = ("lora-small", "lora-large", "headmap+lora")  # runs that train a LoRA
+
+
+def train_inputs(model: str, cfg: TrainConfig, heads: Optional[dict[int, list[int]]], val_n: int,
+                 val_seed: int) -> dict:
+    """A training stage's key: the model, the options the run reads (a rate it does not use is left out, so the
+    sweep's run at the chosen rate is the main run of that seed), the heads and the validation prompts."""
+    config = asdict(cfg) | {"lora_targets": list(cfg.lora_targets)}
+    if not cfg.lora_rank:
+        del config["lr"], config["lora_targets"]
+    if not heads:
+        del config["headmap_lr"], config["rank"]
+    return {"model": model, "config": config, "heads": {str(k): v for k, v in (heads or {}).items()},
+            "validation": {"n": val_n, "seed": val_seed}}
+
+
+def stage_name(run_id: str, cfg: TrainConfig, heads: Optional[dict[int, list[int]]]) -> str:
+    """``train-<run>-seed<s>``, then ``-lr<LoRA rate>`` and ``-hlr<HeadMap rate>`` for the parts it trains."""
+    name = f"train-{run_id}-seed{cfg.seed}"
+    if cfg.lora_rank:
+        name += f"-lr{cfg.lr:g}"
+    if heads:
+        name += f"-hlr{cfg.headmap_lr:g}"
+    return name
+
+
 class HeadMapStudy:
-    """Locating on entity tracking (and the transfer task), the training runs, the tables, figures and report.
+    """Locating on entity tracking (and the transfer task), the learning-rate sweep, the training runs on every
+    seed, the tables, figures and report.
 
     ``load`` loads a model by name (the command's ``load_from_args``; a test's tiny models); the study's model
     is loaded at once, the zoo's LoRA only when its stage is computed."""
@@ -188,6 +243,8 @@ class HeadMapStudy:
         self.cache = StageCache(self.out)
         self.model = load(settings.model)
         self.located: dict[str, Circuit] = {}
+        self._sweep: Optional[dict[str, dict[float, dict]]] = None
+        self._chosen: Optional[tuple[float, float]] = None
 
     # -- stages -------------------------------------------------------------------------
     def locate(self, task: str, n: int) -> Circuit:
@@ -201,16 +258,17 @@ class HeadMapStudy:
             self.located[task] = Circuit.from_dict(rec.result)
         return self.located[task]
 
-    def heads(self, run_id: str) -> Optional[dict[int, list[int]]]:
-        """The heads a run trains HeadMap maps on (None: no maps)."""
+    def heads(self, run_id: str, seed: Optional[int] = None) -> Optional[dict[int, list[int]]]:
+        """The heads a run trains HeadMap maps on at training seed ``seed`` (default the first; None: no maps)."""
         st, s = self.settings, self.model.shape
+        seed = st.seeds[0] if seed is None else seed
         per_layer = {layer: st.k for layer in range(s.n_layers)}  # locating keeps k heads in every layer
         located = lambda: self.locate(TASK, st.n)  # noqa: E731
         return {
             "located": lambda: heads_by_layer(located().heads()),
             "headmap+lora": lambda: heads_by_layer(located().heads()),
-            "random": lambda: random_heads(s, per_layer, seed=derive(st.train_seed, "random-heads")),
-            "outside": lambda: random_heads(s, per_layer, seed=derive(st.train_seed, "outside-heads"),
+            "random": lambda: random_heads(s, per_layer, seed=derive(seed, "random-heads")),
+            "outside": lambda: random_heads(s, per_layer, seed=derive(seed, "outside-heads"),
                                             exclude=located().heads()),
             "transfer": lambda: heads_by_layer(self.locate(st.transfer_task, st.transfer_n or st.n).heads()),
         }.get(run_id, lambda: None)()
@@ -232,21 +290,57 @@ class HeadMapStudy:
             "transfer": f"HeadMap, circuit located on {st.transfer_task}",
         }
 
-    def train_run(self, run_id: str, ev: dict) -> dict:
-        """Stage ``train-<run>``: a training run (or the evaluation of the base or the zoo's LoRA)."""
+    def prompts(self) -> dict[str, dict]:
+        """The held-out evaluation prompts (key :data:`TASK`, objects never seen in training) and the validation
+        prompts (key :data:`VAL`, training objects) every training run is scored on."""
+        st, tok = self.settings, self.model.tokenizer
+        cfg = st.train_config()
+        return {TASK: get_task(TASK).eval_batch(tok, cfg.eval_n, cfg.eval_seed),
+                VAL: validation_batch(TASK, tok, st.val_n, st.val_seed)}
+
+    def train_run(self, run_id: str, ev: dict, seed: Optional[int] = None, lr: Optional[float] = None,
+                  headmap_lr: Optional[float] = None) -> dict:
+        """A training stage at ``seed`` (default the first) and the given rates (default: the chosen ones,
+        :meth:`chosen_lrs`); ``base`` and ``lora-zoo`` are evaluations (stages ``train-base``, ``train-lora-zoo``)."""
         st = self.settings
-        cfg = st.train_config(TASK, self.lora_rank(run_id))
-        evaluation = {"eval_n": cfg.eval_n, "eval_seed": cfg.eval_seed}
+        evaluation = {"eval_n": st.eval_n, "eval_seed": st.train_config().eval_seed}
         if run_id == "base":
             return self.cache.run("train-base", {"model": st.model, **evaluation},
                                   lambda: self._evaluate(self.model, ev)).result
         if run_id == "lora-zoo":
             return self.cache.run("train-lora-zoo", {"model": st.lora_zoo, **evaluation}, lambda: self._zoo(ev)).result
-        heads = self.heads(run_id)
-        inputs = {"model": st.model, "config": asdict(cfg) | {"lora_targets": list(cfg.lora_targets)},
-                  "heads": {str(k): v for k, v in (heads or {}).items()}}
-        return self.cache.run(f"train-{run_id}", inputs,
+        if lr is None or headmap_lr is None:
+            chosen_lr, chosen_hlr = self.chosen_lrs(ev)
+            lr = chosen_lr if lr is None else lr
+            headmap_lr = chosen_hlr if headmap_lr is None else headmap_lr
+        cfg = st.train_config(TASK, self.lora_rank(run_id), seed, lr, headmap_lr)
+        heads = self.heads(run_id, cfg.seed)
+        inputs = train_inputs(st.model, cfg, heads, st.val_n, st.val_seed)
+        return self.cache.run(stage_name(run_id, cfg, heads), inputs,
                               lambda: train(self.model, cfg, heads, ev, progress=self.progress)).result
+
+    def sweep(self, ev: dict) -> dict[str, dict[float, dict]]:
+        """The learning-rate sweep on the first seed: ``{"headmap": {lr: record}, "lora": {lr: record}}``, HeadMap
+        on the located heads and the small LoRA, each method only when a chosen run trains it; ``{}`` without
+        ``lrs``."""
+        if self._sweep is None:
+            st = self.settings
+            out: dict[str, dict[float, dict]] = {}
+            if st.lrs and set(st.runs) & set(MAP_RUNS):
+                out["headmap"] = {lr: self.train_run("located", ev, st.seeds[0], st.lr, lr) for lr in st.lrs}
+            if st.lrs and set(st.runs) & set(LORA_RUNS):
+                out["lora"] = {lr: self.train_run("lora-small", ev, st.seeds[0], lr, st.headmap_lr) for lr in st.lrs}
+            self._sweep = out
+        return self._sweep
+
+    def chosen_lrs(self, ev: dict) -> tuple[float, float]:
+        """(LoRA's, HeadMap's) learning rate: each the sweep's best on the validation prompts (only those are
+        read), or the settings' ``lr`` and ``headmap_lr`` without a sweep."""
+        if self._chosen is None:
+            st, sw = self.settings, self.sweep(ev)
+            self._chosen = (choose_lr(validation_accuracy(sw["lora"])) if "lora" in sw else st.lr,
+                            choose_lr(validation_accuracy(sw["headmap"])) if "headmap" in sw else st.headmap_lr)
+        return self._chosen
 
     @staticmethod
     def _evaluate(model: LoadedModel, ev: dict) -> dict:
@@ -265,43 +359,68 @@ class HeadMapStudy:
         with run_lock(self.out):
             return self._run(train_only)
 
+    def results(self, ev: dict) -> dict[str, list[dict]]:
+        """Run id -> its records, one per seed (one for ``base`` and ``lora-zoo``): the evaluations first, then
+        the sweep, then every seed's runs (seed by seed, so an interrupted study has whole seeds)."""
+        st = self.settings
+        out: dict[str, list[dict]] = {r: [] for r in st.runs}
+        for r in st.runs:
+            if r in UNSEEDED:
+                out[r].append(self.train_run(r, ev))
+        self.chosen_lrs(ev)
+        for seed in st.seeds:
+            for r in st.runs:
+                if r not in UNSEEDED:
+                    out[r].append(self.train_run(r, ev, seed))
+        return out
+
     def _run(self, train_only: bool) -> Optional[Path]:
         t_start = time.time()
         st = self.settings
-        cfg = st.train_config()
-        ev = {TASK: get_task(TASK).eval_batch(self.model.tokenizer, cfg.eval_n, cfg.eval_seed)}
-        names = self.names()
-        results = {names[r]: self.train_run(r, ev) for r in st.runs}
+        ev = self.prompts()
+        results = self.results(ev)
         if train_only:
             return None
         self.locate(TASK, st.n)
-        report = self.write(results, time.time() - t_start)
+        report = self.write(results, self.sweep(ev), time.time() - t_start)
         write_json(self.out / "run.json", {"settings": asdict(st), "stages": self.cache.summary(),
                                            "seconds": round(time.time() - t_start, 1)})
         return report
 
-    def write(self, results: dict[str, dict], seconds: float) -> Path:
+    def write(self, results: dict[str, list[dict]], sweep: dict[str, dict[float, dict]], seconds: float) -> Path:
         """Figures of the located circuits, the overlap with path-patching circuits, tables and the report."""
         from ..report.bars import grouped_bars
         from ..report.tables import write_table
 
         st, s, out = self.settings, self.model.shape, self.out
+        names = self.names()
         curve_figure({t: c.meta for t, c in self.located.items()}, out / "figures" / "loss_curve.png")
         for t, c in self.located.items():
             heatmap_figure(c.scores["headmap"], c.heads(), s, out / "figures" / f"heads_{t}.png",
                            f"{st.model} on {t}: k={st.k} per layer, n={c.meta['n_samples']}", c.meta["curve"])
         overlap_rows = self.overlap_rows()
-        rows, estimates = method_rows(results, lora_params(s, st.lora_large), st.lora_large)
-        write_table(rows, out / "tables" / "methods", caption="HeadMap vs LoRA on entity tracking")
+        rows, estimates = method_rows(results, names, lora_params(s, st.lora_large), st.lora_large)
+        write_table(rows, out / "tables" / "methods", caption="HeadMap vs LoRA on entity tracking (seeds pooled)")
+        seed_table = seed_rows(results, names, st.seeds)
+        write_table(seed_table, out / "tables" / "seeds", caption="Every run, seed by seed")
+        paired = paired_rows(results, names, st.seeds)
+        if paired:
+            write_table(paired, out / "tables" / "paired", caption="Paired differences on the same held-out prompts")
+        lrs = self._chosen if sweep else None
+        sweep_table = sweep_rows(sweep, names, lrs) if sweep else []
+        if sweep_table:
+            write_table(sweep_table, out / "tables" / "lr_sweep", caption="Learning-rate sweep (validation prompts)")
         if overlap_rows:
             write_table(overlap_rows, out / "tables" / "overlap", caption="Located heads vs path-patching circuits")
         loc_rows = locating_rows(self.located)
         write_table(loc_rows, out / "tables" / "locating", caption="Locating cost and losses")
         grouped_bars(out / "figures" / "accuracy.png", ["entity tracking (held-out objects)"],
-                     {name: [est] for name, est in estimates.items()},
-                     title=f"{st.model}: {st.steps} steps of batch {st.batch}, lr {st.lr}")
-        loss_figure(results, out / "figures" / "train_loss.png")
-        text = report_text(st, str(out), s, self.located, rows, overlap_rows, loc_rows, seconds)
+                     {names[r]: [est] for r, est in estimates.items()},
+                     title=f"{st.model}: {st.steps} steps of batch {st.batch}, {len(st.seeds)} seeds pooled")
+        loss_figure({names[r]: recs for r, recs in results.items()}, out / "figures" / "train_loss.png")
+        cold = sum(r.seconds for r in self.cache.records.values())
+        text = report_text(st, str(out), s, self.located, rows, overlap_rows, loc_rows, seconds,
+                           seed_table, paired, sweep_table, lrs, cold)
         return write_text(out / "report.md", text)
 
     def overlap_rows(self) -> list[dict]:
@@ -319,18 +438,109 @@ class HeadMapStudy:
         return rows
 
 
-def method_rows(results: dict[str, dict], lora_ref: int, lora_large: int) -> tuple[list[dict], dict]:
-    """One row per run: parameters (and their ratio to the large LoRA's), accuracy with its interval, loss, time."""
+# --------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------
+
+
+def validation_accuracy(records: dict[float, dict]) -> dict[float, float]:
+    """Learning rate -> accuracy on the validation prompts (the only outcomes a rate is chosen on)."""
+    return {lr: float(np.mean(r["correct"][VAL])) for lr, r in records.items()}
+
+
+def _accuracies(records: list[dict]) -> np.ndarray:
+    """``"seed prompt"`` 0/1 outcomes on the held-out prompts."""
+    return np.asarray([r["correct"][TASK] for r in records], dtype=float)
+
+
+def method_rows(results: dict[str, list[dict]], names: dict[str, str], lora_ref: int,
+                lora_large: int) -> tuple[list[dict], dict]:
+    """One row per run: parameters (and their ratio to the large LoRA's), every seed's accuracy, their mean,
+    standard deviation and range, the mean's interval (two-stage bootstrap over seeds and prompts), the mean
+    final training loss and seconds. Runs without records (an interrupted study) are left out."""
     rows, estimates = [], {}
-    for name, r in results.items():
-        est = bootstrap(r["correct"][TASK])
-        estimates[name] = est
-        rows.append({"method": name, "trainable_params": r["trainable"],
-                     f"ratio_to_lora_r{lora_large}": r["trainable"] / lora_ref,
-                     "accuracy": est.value, "ci_low": est.low, "ci_high": est.high,
-                     "final_train_loss": float(np.mean(r["losses"][-5:])) if r["losses"] else float("nan"),
-                     "train_seconds": r["train_seconds"]})
+    for run_id, records in results.items():
+        if not records:
+            continue
+        acc = _accuracies(records)
+        per_seed = acc.mean(axis=1)
+        est = pooled_proportion(acc)
+        estimates[run_id] = est
+        losses = [float(np.mean(r["losses"][-5:])) for r in records if r["losses"]]
+        rows.append({"method": names[run_id], "trainable_params": records[0]["trainable"],
+                     f"ratio_to_lora_r{lora_large}": records[0]["trainable"] / lora_ref,
+                     "seeds": len(records), "per_seed": " / ".join(f"{a:.3f}" for a in per_seed),
+                     "accuracy": est.value, "sd": float(np.std(per_seed, ddof=1)) if len(records) > 1 else float("nan"),
+                     "min": float(per_seed.min()), "max": float(per_seed.max()),
+                     "ci_low": est.low, "ci_high": est.high,
+                     "final_train_loss": float(np.mean(losses)) if losses else float("nan"),
+                     "train_seconds": float(np.mean([r["train_seconds"] for r in records]))})
     return rows, estimates
+
+
+def seed_rows(results: dict[str, list[dict]], names: dict[str, str], seeds: tuple) -> list[dict]:
+    """One row per run and seed: held-out accuracy with its bootstrap interval over prompts, validation accuracy."""
+    rows = []
+    for run_id, records in results.items():
+        for seed, r in zip(seeds if run_id not in UNSEEDED else ("-",), records):
+            est = bootstrap(r["correct"][TASK])
+            val, cfg = r["correct"].get(VAL), r.get("config", {})
+            rows.append({"method": names[run_id], "seed": seed, "accuracy": est.value, "ci_low": est.low,
+                         "ci_high": est.high, "val_accuracy": float(np.mean(val)) if val else float("nan"),
+                         "lr": cfg["lr"] if cfg.get("lora_rank") else float("nan"),
+                         "headmap_lr": cfg["headmap_lr"] if r.get("heads") else float("nan")})
+    return rows
+
+
+def paired_rows(results: dict[str, list[dict]], names: dict[str, str], seeds: tuple) -> list[dict]:
+    """For each comparison of :data:`COMPARISONS` with both runs present: the accuracy difference on the same
+    held-out prompts seed by seed (paired bootstrap over prompts) and pooled over seeds x prompts (two-stage
+    bootstrap of the per-prompt differences, resampling seeds then prompts)."""
+    rows = []
+    for a, b in COMPARISONS:
+        if not results.get(a) or not results.get(b):
+            continue
+        m = min(len(results[a]), len(results[b]))  # seeds both runs finished
+        x, y = _accuracies(results[a][:m]), _accuracies(results[b][:m])
+        label = f"{names[a]} - {names[b]}"
+        for seed, xs, ys in zip(seeds, x, y):
+            d = paired_difference(xs, ys)
+            rows.append({"comparison": label, "seed": str(seed), "difference": d.value, "ci_low": d.low,
+                         "ci_high": d.high})
+        d = pooled_mean(x - y)
+        rows.append({"comparison": label, "seed": f"pooled ({m} seeds x {x.shape[1]} prompts)",
+                     "difference": d.value, "ci_low": d.low, "ci_high": d.high})
+    return rows
+
+
+def sweep_rows(sweep: dict[str, dict[float, dict]], names: dict[str, str], chosen: tuple[float, float]) -> list[dict]:
+    """One row per method and learning rate: validation accuracy (bootstrap interval over the prompts), the
+    final training loss, and which rate was chosen."""
+    label = {"headmap": names["located"], "lora": names["lora-small"]}
+    pick = {"lora": chosen[0], "headmap": chosen[1]}
+    rows = []
+    for method, records in sweep.items():
+        for lr, r in records.items():
+            est = bootstrap(r["correct"][VAL])
+            rows.append({"method": label[method], "lr": lr, "val_accuracy": est.value, "ci_low": est.low,
+                         "ci_high": est.high, "final_train_loss": float(np.mean(r["losses"][-5:])),
+                         "chosen": "yes" if lr == pick[method] else ""})
+    return rows
+
+
+def verdict(rows: list[dict], label: str) -> str:
+    """What the pooled interval of comparison ``label`` carries, in one sentence."""
+    pooled = [r for r in rows if r["comparison"] == label and r["seed"].startswith("pooled")]
+    if not pooled:
+        return ""
+    r = pooled[0]
+    interval = f"{r['difference']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
+    if r["ci_low"] > 0:
+        return f"{label}: {interval}; the interval lies above 0, so the first beats the second here."
+    if r["ci_high"] < 0:
+        return f"{label}: {interval}; the interval lies below 0, so the second beats the first here."
+    return (f"{label}: {interval}; the interval includes 0, so this study cannot tell the two apart "
+            "(it does not show that the first beats the second).")
 
 
 def locating_rows(located: dict[str, Circuit]) -> list[dict]:
@@ -347,16 +557,51 @@ def command_line(st: HeadMapSettings, out: str) -> str:
     flags = []
     for f in fields(HeadMapSettings):
         value = getattr(st, f.name)
-        if value != getattr(default, f.name):
+        if f.name != "notes" and value != getattr(default, f.name):
             text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
             flags.append(f"--{f.name.replace('_', '-')} {shlex.quote(text)}")
     return " ".join(["mechdiff headmap compare", f"--out {out}", *flags])
 
 
+def settings_rows(st: HeadMapSettings) -> list[dict]:
+    """The paper's setting beside this study's, one row per setting (where they differ, the row says so)."""
+    lrs = f"swept over {', '.join(f'{x:g}' for x in st.lrs)} for each method" if st.lrs else \
+        f"{st.lr:g} (LoRA), {st.headmap_lr:g} (HeadMap)"
+    return [
+        {"setting": "locating samples", "paper": "the 64 lowest-loss samples of the task",
+         "here": f"the {st.n} lowest-loss of a pool of {st.pool}", "same": "yes" if st.n == 64 else "no"},
+        {"setting": "models", "paper": "LLaMA-family 7-8B models (e.g. Llama3-8B)", "here": st.model, "same": "no"},
+        {"setting": "tasks", "paper": "commonsense reasoning datasets (e.g. SIQA, HellaSwag)",
+         "here": f"{TASK} (7-box prompts; transfer from {st.transfer_task})", "same": "no"},
+        {"setting": "heads kept per layer", "paper": "not known here", "here": str(st.k), "same": "?"},
+        {"setting": "map rank", "paper": "not known here", "here": str(st.rank), "same": "?"},
+        {"setting": "learning rate", "paper": "not known here", "here": lrs, "same": "?"},
+        {"setting": "training", "paper": "not known here",
+         "here": f"{st.steps} steps of {st.batch} prompts, {len(st.seeds)} seeds", "same": "?"},
+        {"setting": "baselines", "paper": "LoRA; random head selection; other locating strategies",
+         "here": "LoRA r=1 and the zoo's r=8; random heads; heads outside the located set; a transferred circuit",
+         "same": "partly"},
+    ]
+
+
+def edge_notes(lrs: tuple, chosen: dict[str, float]) -> list[str]:
+    """A warning line (and a blank) for each method whose chosen rate lies at an end of the swept grid."""
+    out = []
+    for method, lr in chosen.items():
+        if lrs and lr in (min(lrs), max(lrs)) and len(lrs) > 1:
+            side = "largest" if lr == max(lrs) else "smallest"
+            out += [f"{method}'s chosen rate {lr:g} is the {side} swept: rates beyond it were not tried, so "
+                    f"{method} may be under-tuned.", ""]
+    return out
+
+
 def report_text(st: HeadMapSettings, out: str, shape: Any, located: dict[str, Circuit], rows: list[dict],
-                overlap_rows: list[dict], loc_rows: list[dict], seconds: float) -> str:
+                overlap_rows: list[dict], loc_rows: list[dict], seconds: float, seed_table: list[dict],
+                paired: list[dict], sweep_table: list[dict], lrs: Optional[tuple[float, float]],
+                cold_seconds: float) -> str:
     from ..report.tables import to_markdown
 
+    names = {"located": "HeadMap (located)", "random": "HeadMap, random heads per layer"}
     et_c = located[TASK]
     tr_c = located.get(st.transfer_task)
     shared = sorted(set(et_c.heads()) & set(tr_c.heads())) if tr_c else []
@@ -364,12 +609,18 @@ def report_text(st: HeadMapSettings, out: str, shape: Any, located: dict[str, Ci
     hm_formula = HeadMap.n_params_for(heads_by_layer(et_c.heads()), shape.d_head, shape.d_model, st.rank)
     pick = lambda rs, keys: [{k: r[k] for k in keys if k in r} for r in rs]  # noqa: E731
     ratio_col = f"ratio_to_lora_r{st.lora_large}"
+    lora_lr, headmap_lr = lrs if lrs else (st.lr, st.headmap_lr)
+    main = verdict(paired, f"{names['located']} - {names['random']}")
+    et_meta = et_c.meta
     lines = [
         f"# HeadMap on {st.model}",
         "",
-        f"Made by `{command_line(st, out)}` in {seconds / 60:.1f} min "
-        "(stages cached under `stages/`; each stage's seconds are those of the run that computed it).",
+        f"Made by `{command_line(st, out)}` (the settings of `tasks/headmap.toml`: `mechdiff headmap compare "
+        f"--task tasks/headmap.toml`). This invocation took {seconds:.0f} s; computing every stage it read "
+        f"took {cold_seconds / 60:.1f} min in all (the sum of the stages' own seconds, each measured by the run that "
+        "computed it, on 2 shared CPU cores; stages cached under `stages/`).",
         "",
+        *([st.notes, ""] if st.notes else []),
         "## Locating (layer-conditioned, zero masks)",
         "",
         f"Samples: the {st.n} lowest-loss prompts of a pool of {st.pool}; k = {st.k} heads kept per layer. "
@@ -387,26 +638,90 @@ def report_text(st: HeadMapSettings, out: str, shape: Any, located: dict[str, Ci
         "",
         "## HeadMap vs LoRA on entity tracking",
         "",
-        f"Training: {st.steps} steps of {st.batch} prompts (2-7 boxes, training objects), AdamW, lr {st.lr} "
-        f"for LoRA and {st.headmap_lr} for the HeadMap maps; "
-        f"evaluation: {st.eval_n} held-out 7-box prompts (objects never seen in training), 95% bootstrap CI. "
+        f"Training: {st.steps} steps of {st.batch} prompts (2-7 boxes, training objects), AdamW; "
+        f"{len(st.seeds)} seeds ({', '.join(map(str, st.seeds))}): seed s initialises the maps / LoRA from s, "
+        f"trains on the batches of data seed {st.data_seed} + s, and draws the random and outside head sets from "
+        "`derive(s, \"random-heads\")` and `derive(s, \"outside-heads\")`. "
+        f"Evaluation: {st.eval_n} held-out 7-box prompts (objects never seen in training), the same prompts for "
+        "every run and seed. "
         f"HeadMap rank r = {st.rank}; its parameter count by the formula sum_l r (k_l d_head + d_model) = "
-        f"{hm_formula}. LoRA: alpha = 2r on q, k, v, o; LoRA r={st.lora_large} has {lora_ref} parameters. "
-        "The random head sets' seeds are derived by name from the training seed "
-        "(`derive(train_seed, \"random-heads\")`, `derive(train_seed, \"outside-heads\")`).",
+        f"{hm_formula}. LoRA: alpha = 2r on q, k, v, o; LoRA r={st.lora_large} has {lora_ref} parameters.",
         "",
-        to_markdown(pick(rows, ["method", "trainable_params", ratio_col, "accuracy", "ci_low", "ci_high",
-                                "final_train_loss", "train_seconds"])),
+        "### Learning rates",
         "",
-        (f"The `lora-zoo` row is not retrained here: `{st.lora_zoo}` is step 15 of the zoo's LoRA run with exactly "
-         "this LoRA recipe and these training batches (r=8, alpha 16, q/k/v/o, lr 1e-3, batch 16, data seed 0; "
-         "`mechdiff/zoo/smollm2-et/recipe.json`), evaluated on the same held-out prompts. That run's own validation "
-         "accuracy (100 prompts of training objects) was 0.63 at step 15 and 0.75 at step 20, so at HeadMap's 20 "
-         "steps the large LoRA would stand somewhat higher than this row." if "lora-zoo" in st.runs else ""),
+    ]
+    if sweep_table:
+        lines += [
+            f"Both methods are swept over the same rates ({', '.join(f'{x:g}' for x in st.lrs)}) on seed "
+            f"{st.seeds[0]}: HeadMap on the located heads, LoRA at r={st.lora_small}. Each rate is scored on "
+            f"{st.val_n} validation prompts of *training* objects (7 boxes, seed {st.val_seed}; never the held-out "
+            "evaluation prompts), and each method then trains at its own best rate (ties: the smaller rate): "
+            f"LoRA at {lora_lr:g}, HeadMap at {headmap_lr:g}; the random, outside and transferred head sets train "
+            "at HeadMap's rate (chosen on the located heads, which can only favour the located row), "
+            "HeadMap + LoRA at both.",
+            "",
+            to_markdown(sweep_table),
+            "",
+            *edge_notes(st.lrs, {"LoRA": lora_lr, "HeadMap": headmap_lr}),
+        ]
+    else:
+        lines += [f"No sweep: LoRA at {lora_lr:g}, HeadMap at {headmap_lr:g}.", ""]
+    lines += [
+        "### Accuracy (seeds pooled)",
+        "",
+        "accuracy: mean over seeds and prompts; per_seed: each seed's accuracy in seed order; sd, min, max: over "
+        "the seeds; ci: 95% two-stage bootstrap (seeds, then prompts, resampled), an interval for the mean. "
+        "`base` and the zoo's LoRA are fixed models, evaluated once.",
+        "",
+        to_markdown(pick(rows, ["method", "trainable_params", ratio_col, "seeds", "per_seed", "accuracy", "sd",
+                                "min", "max", "ci_low", "ci_high", "final_train_loss", "train_seconds"])),
+        "",
+        (f"The `lora-zoo` row is not retrained here: `{st.lora_zoo}` is step 15 of the zoo's LoRA run (r=8, "
+         "alpha 16, q/k/v/o, lr 1e-3, batch 16, data seed 0; `mechdiff/zoo/smollm2-et/recipe.json`), evaluated on "
+         "the same held-out prompts; its rate was not swept and it has one seed. That run's own validation "
+         "accuracy (100 prompts of training objects) was 0.63 at step 15 and 0.75 at step 20."
+         if "lora-zoo" in st.runs else ""),
         "",
         "![accuracy](figures/accuracy.png)",
         "",
         "![training loss](figures/train_loss.png)",
+        "",
+        "Every run seed by seed (held-out accuracy with its 95% bootstrap interval over prompts, validation "
+        "accuracy, the rates it trained at):",
+        "",
+        to_markdown(pick(seed_table, ["method", "seed", "accuracy", "ci_low", "ci_high", "val_accuracy", "lr",
+                                      "headmap_lr"])),
+        "",
+    ]
+    if paired:
+        lines += [
+            "### Paired comparisons",
+            "",
+            "Accuracy difference (first minus second) on the same held-out prompts: per seed a paired bootstrap "
+            "over prompts; pooled, a two-stage bootstrap of the per-prompt differences (seeds, then prompts). "
+            "Seed s of both runs shares its training batches.",
+            "",
+            to_markdown(paired),
+            "",
+            f"**Do located heads beat random ones here?** {main or 'not measured (no located and random runs).'}",
+            "",
+        ]
+    lines += [
+        "## Beside the paper (Wang et al., HeadMap, ICLR 2025)",
+        "",
+        "No paper figure is set beside a measured one: the references this study could read hold the paper's "
+        "abstract, its repository's README and its OpenReview reviews, not its tables; and its models and tasks "
+        "differ from these, so its accuracies would not be comparable anyway. What the paper states "
+        "qualitatively, beside what is measured here:",
+        "",
+        f"- Masking a small portion of the located heads significantly reduces correct predictions (abstract). "
+        f"Here: with all {len(et_c.heads())} located heads zero-masked, the selected samples' answer loss rises "
+        f"from {et_meta['base_loss']:.2f} to {et_meta['curve'][-1]:.2f} nats (pool mean unmasked "
+        f"{et_meta['pool_loss']:.2f}).",
+        "- HeadMap on located heads outperforms random head selection (the paper's ablation, as its reviewers "
+        f"summarise it). Here: {main or 'not measured.'}",
+        "",
+        to_markdown(settings_rows(st)),
         "",
     ]
     if overlap_rows:

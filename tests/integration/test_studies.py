@@ -116,7 +116,8 @@ def headmap_setup(tmp_path, smollm2_tokenizer):
         return models[name]
 
     settings = hm.HeadMapSettings(model="tiny-base", lora_zoo="tiny-zoo", path_patching=(), n=4, pool=8, k=1,
-                                  batch_size=16, steps=2, batch=4, eval_n=8, lora_small=1, lora_large=2,
+                                  batch_size=16, steps=2, batch=4, eval_n=8, val_n=6, lora_small=1, lora_large=2,
+                                  seeds=(0, 1), lrs=(1e-3, 1e-2),
                                   runs=("base", "located", "random", "outside", "lora-small", "transfer",
                                         "lora-zoo"))
     return settings, tmp_path / "hm", load, loaded
@@ -127,9 +128,15 @@ def test_headmap_rerun_recomputes_nothing(headmap_setup, monkeypatch):
     study = hm.HeadMapStudy(settings, out, load, progress=False)
     report = study.run()
     first = study.cache.summary()
-    assert set(first) == {"locate-entity-tracking", "locate-arithmetic-mc", "train-base", "train-located",
-                          "train-random", "train-outside", "train-lora-small", "train-transfer", "train-lora-zoo"}
-    assert not any(r["cached"] for r in first.values())
+    lora_lr, hm_lr = study.chosen_lrs({})  # chosen by the run above
+    sweep = {f"train-located-seed0-hlr{lr:g}" for lr in settings.lrs} | \
+        {f"train-lora-small-seed0-lr{lr:g}" for lr in settings.lrs}
+    seeded = {f"train-{r}-seed{s}-hlr{hm_lr:g}" for r in ("located", "random", "outside", "transfer") for s in (0, 1)}
+    seeded |= {f"train-lora-small-seed{s}-lr{lora_lr:g}" for s in (0, 1)}
+    assert set(first) == {"locate-entity-tracking", "locate-arithmetic-mc", "train-base", "train-lora-zoo"} | \
+        sweep | seeded  # the sweep's seed-0 runs at the chosen rates are the seed-0 runs: trained once
+    reused = {n for n, r in first.items() if r["cached"]}  # in the first run, from the sweep
+    assert reused == {f"train-located-seed0-hlr{hm_lr:g}", f"train-lora-small-seed0-lr{lora_lr:g}"}
     text = report.read_text()
     with monkeypatch.context() as m:
         _forbid(m, hm, "train", "locate_task", "correct")
@@ -146,20 +153,30 @@ def test_headmap_rerun_recomputes_nothing(headmap_setup, monkeypatch):
     want = float(np.mean(hm.correct(study.model.model, hm.get_task("entity-tracking").eval_batch(
         study.model.tokenizer, settings.eval_n, settings.train_config().eval_seed))))
     assert base["accuracy"] == pytest.approx(want)
+    located = next(r for r in rows if r["method"] == "HeadMap (located)")
+    per_seed = [np.mean(json.loads((out / "stages" / f"train-located-seed{s}-hlr{hm_lr:g}.json").read_text())
+                        ["result"]["correct"]["entity-tracking"]) for s in (0, 1)]
+    assert located["seeds"] == 2 and located["accuracy"] == pytest.approx(np.mean(per_seed))
+    assert located["per_seed"] == " / ".join(f"{a:.3f}" for a in per_seed)
+    assert "Do located heads beat random ones here?" in text
+    assert (out / "tables" / "lr_sweep.json").exists() and (out / "tables" / "paired.json").exists()
 
 
 def test_headmap_changed_option_recomputes_only_dependent_stages(headmap_setup):
     settings, out, load, _ = headmap_setup
     hm.HeadMapStudy(settings, out, load, progress=False).run(train_only=True)
-    # Another LoRA rank: only the LoRA run; another training seed: the runs it seeds, not locating or evaluation.
+    # Another LoRA rank: only the LoRA runs (its sweep and seeds); a third seed: only that seed's runs, not
+    # locating, the sweep or the evaluations.
     study = hm.HeadMapStudy(replace(settings, lora_small=2), out, load, progress=False)
     study.run(train_only=True)
     changed = {n for n, r in study.cache.summary().items() if not r["cached"]}
-    assert changed == {"train-lora-small"}
-    study = hm.HeadMapStudy(replace(settings, lora_small=2, train_seed=1), out, load, progress=False)
+    assert changed and all(n.startswith("train-lora-small-") for n in changed)
+    study = hm.HeadMapStudy(replace(settings, lora_small=2, seeds=(0, 1, 2)), out, load, progress=False)
     study.run(train_only=True)
     changed = {n for n, r in study.cache.summary().items() if not r["cached"]}
-    assert changed == {"train-located", "train-random", "train-outside", "train-lora-small", "train-transfer"}
+    assert {n.split("-seed")[0] for n in changed} == {"train-located", "train-random", "train-outside",
+                                                      "train-lora-small", "train-transfer"}
+    assert all("-seed2-" in n for n in changed)
 
 
 def test_random_head_sets_draw_seeds_by_name(headmap_setup):
@@ -168,27 +185,36 @@ def test_random_head_sets_draw_seeds_by_name(headmap_setup):
     shape = study.model.shape
     per_layer = {layer: 1 for layer in range(shape.n_layers)}
     from mechdiff.studies.seeds import derive
-    assert study.heads("random") == hm.random_heads(shape, per_layer, seed=derive(0, "random-heads"))
-    outside = study.heads("outside")
-    located = {h for h in study.locate("entity-tracking", settings.n).heads()}
-    assert all((layer, h) not in {(x.layer, x.head) for x in located} for layer, hs in outside.items() for h in hs)
+    located = study.locate("entity-tracking", settings.n).heads()
+    for seed in (0, 1):  # every seed draws its own sets
+        assert study.heads("random", seed) == hm.random_heads(shape, per_layer, seed=derive(seed, "random-heads"))
+        outside = study.heads("outside", seed)
+        assert outside == hm.random_heads(shape, per_layer, seed=derive(seed, "outside-heads"), exclude=located)
+        assert all((layer, h) not in {(x.layer, x.head) for x in located} for layer, hs in outside.items()
+                   for h in hs)
+    assert study.heads("random") == study.heads("random", 0)
 
 
 def test_headmap_task_file_and_committed_records(tmp_path, smollm2_tokenizer):
-    """tasks/headmap.toml is the committed study's settings: its locating and evaluation records (the first
-    HeadMap study's format) are reused as they are."""
+    """tasks/headmap.toml is the committed study's settings: its locating, evaluation and learning-rate sweep
+    records are reused as they are (the rates chosen from the committed validation outcomes)."""
     import shutil
 
     settings = hm.load_settings("tasks/headmap.toml")
     assert (settings.n, settings.pool, settings.k, settings.batch_size, settings.steps, settings.eval_n) == \
-        (8, 64, 2, 40, 20, 150)
+        (64, 256, 2, 64, 20, 150)
+    assert settings.seeds == (0, 1, 2) and settings.lrs == (1e-3, 3e-3, 1e-2, 3e-2)
     shutil.copytree("results/headmap-smollm2/stages", tmp_path / "stages")
     tiny = make_tiny("llama", smollm2_tokenizer, n_layers=2)
     study = hm.HeadMapStudy(settings, tmp_path, lambda name: tiny, progress=False)
     fail = lambda: pytest.fail("recomputed a committed stage")  # noqa: E731
     study.cache.run = (lambda run: lambda name, inputs, compute: run(name, inputs, fail))(study.cache.run)
     circuit = study.locate("entity-tracking", settings.n)
-    assert len(circuit.heads()) == 30 * settings.k
+    assert len(circuit.heads()) == 30 * settings.k and circuit.meta["n_samples"] == 64
+    lora_lr, hm_lr = study.chosen_lrs({})
+    sweep = study.sweep({})
+    assert hm_lr == hm.choose_lr(hm.validation_accuracy(sweep["headmap"]))
+    assert lora_lr == hm.choose_lr(hm.validation_accuracy(sweep["lora"]))
     for run_id in ("base", "located", "lora-zoo"):
         assert len(study.train_run(run_id, {})["correct"]["entity-tracking"]) == settings.eval_n
     bad = tmp_path / "bad.toml"
@@ -217,7 +243,10 @@ def test_commands_read_the_task_file_and_flags_override_it():
 
     args = _parse("headmap", "compare", "--task", "tasks/headmap.toml", "--k", "3", "--runs", "base,located")
     s = hm_cmd.settings_from(args, task_file=True)
-    assert (s.k, s.runs, s.n, s.eval_n) == (3, ("base", "located"), 8, 150)  # flags over the file over defaults
+    assert (s.k, s.runs, s.n, s.eval_n) == (3, ("base", "located"), 64, 150)  # flags over the file over defaults
+    args = _parse("headmap", "compare", "--task", "tasks/headmap.toml", "--seeds", "0,5", "--lrs", "0.002,0.02")
+    s = hm_cmd.settings_from(args, task_file=True)
+    assert (s.seeds, s.lrs, s.val_n) == ((0, 5), (0.002, 0.02), 100)
     assert hm_cmd.settings_from(_parse("headmap", "locate", "--out", "x")) == hm.HeadMapSettings()
     with pytest.raises(ValueError, match="unknown runs"):
         hm_cmd.settings_from(_parse("headmap", "compare", "--runs", "base,lorra"), task_file=True)

@@ -3,6 +3,8 @@ and the multiple-choice task (real tokenizer)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -190,3 +192,147 @@ def _parse(sentence: str) -> tuple[int, str, int]:
     if "gets" in words:
         return a, "+", int(words[words.index("gets") + 1])
     return a, "-", int(words[words.index("away") + 1].rstrip("."))
+
+
+# --------------------------------------------------------------------------------------
+# The study's new logic: 64-sample locating, the learning-rate choice, seed aggregation
+# --------------------------------------------------------------------------------------
+
+
+def test_locating_uses_the_64_lowest_loss_samples_of_the_pool(tiny_llama):
+    """locate_task on a pool of 256: the samples are the 64 lowest-loss prompts (losses computed here with a
+    plain forward pass, not the patching path), so the located run's unmasked loss is their mean."""
+    from mechdiff.headmap import LocateConfig, get_task, locate_task
+
+    cfg = LocateConfig(n=64, pool=256, k=1, batch_size=128, seed=3)
+    res = locate_task(tiny_llama, "entity-tracking", cfg, progress=False)
+    pool = get_task("entity-tracking").pool_batch(tiny_llama.tokenizer, 256, 3)
+    losses = _plain_losses(tiny_llama, pool)
+    lowest = torch.sort(losses).values[:64]
+    assert res.settings["n_samples"] == 64 and res.settings["pool"] == 256
+    assert res.base_loss == pytest.approx(float(lowest.mean()), rel=1e-4)
+    assert res.pool_loss == pytest.approx(float(losses.mean()), rel=1e-4)
+    assert res.base_loss < float(torch.sort(losses).values[64:].mean())  # the rest of the pool is harder
+    assert res.rows == 3 * (4 + 1) * 64 + 64  # layers x (heads + 1) x n, plus the final all-masked pass
+
+
+def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ties():
+    from mechdiff.headmap import choose_lr
+
+    assert choose_lr({1e-3: 0.5, 3e-3: 0.7, 1e-2: 0.6}) == 3e-3
+    assert choose_lr({1e-2: 0.7, 1e-3: 0.7, 3e-3: 0.2}) == 1e-3
+    with pytest.raises(ValueError, match="no learning rates"):
+        choose_lr({})
+
+
+def test_validation_prompts_hold_training_objects_and_none_of_the_eval_prompts(smollm2_tokenizer):
+    from mechdiff.headmap import get_task, validation_batch
+    from mechdiff.tasks.splits import eval_objects, train_objects
+
+    val = validation_batch("entity-tracking", smollm2_tokenizer, 40, 2_000_000)
+    ev = get_task("entity-tracking").eval_batch(smollm2_tokenizer, 40, 1_000_000)
+    token = lambda words: {smollm2_tokenizer.encode(" " + w)[0] for w in words}  # noqa: E731
+    assert set(val["answer_ids"].tolist()) <= token(train_objects())
+    assert not set(val["answer_ids"].tolist()) & token(eval_objects())
+    assert not {tuple(r) for r in val["input_ids"].tolist()} & {tuple(r) for r in ev["input_ids"].tolist()}
+
+
+def test_the_study_chooses_each_rate_on_validation_prompts_only(tiny_llama, tmp_path, monkeypatch):
+    """A fake trainer whose validation outcomes favour one rate and held-out outcomes another: each method
+    trains its seeds at the rate the validation prompts favour, HeadMap and LoRA each by their own sweep."""
+    import numpy as np
+
+    import mechdiff.studies.headmap as study_mod
+
+    best_val = {0: 3e-3, 4: 1e-2}  # lora rank -> the rate its validation outcomes favour
+    calls = []
+
+    def fake_train(model, cfg, heads, ev, progress=True):
+        lr = cfg.lr if cfg.lora_rank else cfg.headmap_lr
+        calls.append((cfg.lora_rank, lr, cfg.seed))
+        val = [1.0 if lr == best_val[cfg.lora_rank] else 0.0] * len(ev[study_mod.VAL]["answer_ids"])
+        held_out = [1.0 if lr == 1e-3 else 0.0] * len(ev[study_mod.TASK]["answer_ids"])  # favours another rate
+        return {"config": {"lr": cfg.lr, "headmap_lr": cfg.headmap_lr, "lora_rank": cfg.lora_rank},
+                "heads": {str(k): v for k, v in (heads or {}).items()}, "trainable": 1, "headmap_params": 0,
+                "losses": [1.0], "train_seconds": 0.0,
+                "correct": {study_mod.TASK: held_out, study_mod.VAL: val}}
+
+    monkeypatch.setattr(study_mod, "train", fake_train)
+    settings = study_mod.HeadMapSettings(model="tiny", path_patching=(), n=4, pool=8, k=1, batch_size=16, eval_n=6,
+                                         val_n=5, lora_small=4, seeds=(0, 1), lrs=(1e-3, 3e-3, 1e-2),
+                                         runs=("located", "random", "lora-small"))
+    study = study_mod.HeadMapStudy(settings, tmp_path, lambda name: tiny_llama, progress=False)
+    results = study.results(study.prompts())
+    assert study.chosen_lrs({}) == (1e-2, 3e-3)  # (LoRA, HeadMap)
+    # the sweep: every rate, seed 0, each method once; then seed 1 at the chosen rates (seed 0 reused)
+    assert sorted(calls) == sorted([(0, lr, 0) for lr in settings.lrs] + [(4, lr, 0) for lr in settings.lrs]
+                                   + [(0, 3e-3, 1), (0, 3e-3, 0), (0, 3e-3, 1), (4, 1e-2, 1)])
+    assert [r["config"]["headmap_lr"] for r in results["located"] + results["random"]] == [3e-3] * 4
+    assert [r["config"]["lr"] for r in results["lora-small"]] == [1e-2] * 2
+    rows = study_mod.sweep_rows(study.sweep({}), study.names(), study.chosen_lrs({}))
+    chosen = {r["method"]: r["lr"] for r in rows if r["chosen"]}
+    assert chosen == {"HeadMap (located)": 3e-3, "LoRA r=4 (q,k,v,o)": 1e-2}
+    assert all(r["val_accuracy"] == (1.0 if r["chosen"] else 0.0) for r in rows)
+    assert np.mean(results["located"][0]["correct"][study_mod.TASK]) == 0.0  # the held-out outcomes were not used
+
+
+def _records(acc_by_seed, n=200, seed=0):
+    """Training records whose held-out outcomes have exactly the given per-seed accuracies."""
+    out = []
+    for i, acc in enumerate(acc_by_seed):
+        k = round(acc * n)
+        outcome = [1.0] * k + [0.0] * (n - k)
+        random.Random(seed + i).shuffle(outcome)
+        out.append({"correct": {"entity-tracking": outcome}, "trainable": 10, "losses": [2.0, 1.0],
+                    "train_seconds": 1.0, "heads": {}, "config": {}})
+    return out
+
+
+def test_seed_aggregation_reports_each_seed_their_spread_and_an_interval_for_the_mean():
+    import numpy as np
+
+    from mechdiff.studies.headmap import method_rows
+
+    names = {"located": "L", "random": "R"}
+    results = {"located": _records([0.5, 0.6, 0.7]), "random": _records([0.6, 0.6, 0.6])}
+    rows, est = method_rows(results, names, lora_ref=100, lora_large=8)
+    loc, rnd = rows
+    assert loc["per_seed"] == "0.500 / 0.600 / 0.700" and loc["seeds"] == 3
+    assert loc["accuracy"] == pytest.approx(0.6) and loc["sd"] == pytest.approx(np.std([0.5, 0.6, 0.7], ddof=1))
+    assert (loc["min"], loc["max"]) == (pytest.approx(0.5), pytest.approx(0.7))
+    assert loc["ci_low"] < 0.6 < loc["ci_high"] and rnd["sd"] == pytest.approx(0.0)
+    # same mean, but seeds that disagree widen the interval for the mean (the seeds are resampled too)
+    assert loc["ci_high"] - loc["ci_low"] > rnd["ci_high"] - rnd["ci_low"]
+    assert loc["ratio_to_lora_r8"] == pytest.approx(0.1) and set(est) == {"located", "random"}
+
+
+def test_paired_rows_difference_per_seed_and_pooled_and_the_verdict():
+    import numpy as np
+
+    from mechdiff.studies.headmap import paired_rows, verdict
+
+    names = {"located": "L", "random": "R", "outside": "O"}
+    better = _records([0.9, 0.8, 0.85])
+    worse = _records([0.3, 0.35, 0.4])
+    rows = paired_rows({"located": better, "random": worse, "outside": better}, names, (0, 1, 2))
+    lr = [r for r in rows if r["comparison"] == "L - R"]
+    assert [r["seed"] for r in lr][:3] == ["0", "1", "2"] and lr[3]["seed"].startswith("pooled (3 seeds")
+    for r, a, b in zip(lr, better, worse):
+        assert r["difference"] == pytest.approx(np.mean(a["correct"]["entity-tracking"])
+                                                - np.mean(b["correct"]["entity-tracking"]))
+    assert lr[3]["difference"] == pytest.approx(np.mean([0.9, 0.8, 0.85]) - np.mean([0.3, 0.35, 0.4]))
+    assert lr[3]["ci_low"] > 0 and "the first beats the second" in verdict(rows, "L - R")
+    same = [r for r in rows if r["comparison"] == "L - O"][3]
+    assert same["difference"] == same["ci_low"] == same["ci_high"] == 0.0  # identical outcomes: no difference
+    assert "cannot tell the two apart" in verdict(rows, "L - O")
+    flipped = paired_rows({"located": worse, "random": better}, names, (0, 1, 2))
+    assert "the second beats the first" in verdict(flipped, "L - R")
+
+
+def test_edge_notes_warn_only_for_rates_at_an_end_of_the_grid():
+    from mechdiff.studies.headmap import edge_notes
+
+    notes = edge_notes((1e-3, 3e-3, 1e-2), {"LoRA": 1e-2, "HeadMap": 3e-3, "Other": 1e-3})
+    text = " ".join(notes)
+    assert "LoRA's chosen rate 0.01 is the largest" in text and "Other's chosen rate 0.001 is the smallest" in text
+    assert "HeadMap" not in text and edge_notes((), {"LoRA": 1e-2}) == [] and edge_notes((1e-2,), {"L": 1e-2}) == []
