@@ -29,10 +29,15 @@ FAST = ["-m", "not slow", "-p", "no:anyio", "-p", "no:warnings", "-p", "no:cache
 FAMILIES_EDGE = ["tests/unit/test_families.py::test_edge_forward_full_and_empty_circuits",
                  "tests/unit/test_families.py::test_removing_one_edge_changes_only_its_receiver",
                  "tests/unit/test_families.py::test_edge_gradients_match_finite_differences"]
-TESTS = {  # module -> the fast tests that exercise it, quickest and most specific first
-    "mechdiff.cmap": ["tests/unit/test_mutants_cmap.py", "tests/unit/test_cmap.py"],
-    "mechdiff.knowledge.forward": ["tests/unit/test_mutants_forward.py", "tests/unit/test_mutants.py",
-                                   "tests/unit/test_knowledge.py", *FAMILIES_EDGE, "tests/unit/test_knowledge_acdc.py"],
+POST_NORM = [f"tests/unit/test_families.py::{t}[{f}]" for f in ("gemma2", "gemma3_text", "gemma3", "olmo2", "olmo3")
+             for t in ("test_edge_forward_full_and_empty_circuits", "test_removing_one_edge_changes_only_its_receiver")]
+TESTS = {  # mutant-name prefix -> the fast tests that exercise it, quickest and most specific first (longest prefix wins)
+    "mechdiff.cmap.": ["tests/unit/test_mutants_cmap.py", "tests/unit/test_cmap.py"],
+    "mechdiff.knowledge.forward.": ["tests/unit/test_mutants_forward.py", "tests/unit/test_mutants.py",
+                                    "tests/unit/test_knowledge.py", *FAMILIES_EDGE, "tests/unit/test_knowledge_acdc.py"],
+    # the RMS post-norm gain: only models with an attention post-norm reach it
+    "mechdiff.knowledge.forward.x__rms_gain__": ["tests/unit/test_mutants_forward.py", *POST_NORM,
+                                                 "tests/unit/test_knowledge.py::test_pipeline_on_other_families"],
 }
 TIMEOUT_S = 600
 
@@ -49,7 +54,7 @@ def generate(path: str) -> list[str]:
 
 
 def _module(name: str) -> str:
-    return next(m for m in sorted(TESTS, key=len, reverse=True) if name.startswith(m + "."))
+    return next(m for m in sorted(TESTS, key=len, reverse=True) if name.startswith(m))
 
 
 def run(names: list[str]) -> dict[str, int]:
