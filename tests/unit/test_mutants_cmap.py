@@ -271,6 +271,8 @@ def test_run_cmap_against_full_patched_runs(tiny_llama, smollm2_tokenizer, monke
     assert loose.settings == {"isolate": False, "n_random": 0, "seed": 0, "n_prompts": 6}
     assert [c[2] for c in calls if c[0] == base.name and not c[1]] == [{"capture": [("resid", 0)], "keep_kv": True}]
     assert [c[2]["resume"] is None for c in calls if c[1]] == [False, True, True]  # A at layer 1; C, circuit at 0
+    one = run_cmap(base, donor, circuit, records, kinds=("z",), batch_size=6, groups=["C"], progress=False, n_random=1)
+    assert [(r.scope, r.kind) for r in one.random_rows] == [("random:C", "z")]  # a single draw is a control too
     assert capsys.readouterr().err == ""
 
 
