@@ -131,3 +131,21 @@ def test_mean_ablation_from_prompts_of_different_lengths():
     sink = torch.cat([a[:, :, 0], b[:, :, 0]], 1).mean(1)
     torch.testing.assert_close(abl.means[:, 0].double(), sink, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(abl.means[:, 1].double(), b[:, :, 1:].mean((1, 2)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(flow=False), "the block's data flow could not be probed (a model whose weights are not here, e.g. on NDIF); "
+                       "run it locally"),
+    (dict(mlp=None), "its MLP is not one module of the block (MLP{l} is a node of the graph)"),
+    (dict(additive=None), "whether a block's output is the sum of its input, attention and MLP outputs could not be "
+                          "checked (no weights here); run it locally"),
+    (dict(additive=False), "a block's output is not its input plus its attention and MLP outputs (a residual "
+                           "multiplier?), so the residual stream is not a sum of senders"),
+], ids=["no-flow", "mlp", "additive-unknown", "not-additive"])
+def test_check_supported_refuses_with_the_model_and_the_reason(change, reason):
+    model = make_tiny("llama", None, seed=8)
+    check_supported(model)  # the model itself is supported
+    model.__dict__["arch"] = dataclasses.replace(model.arch, **change)  # as an adapter would describe another model
+    with pytest.raises(ValueError) as err:
+        check_supported(model)
+    assert str(err.value) == f"knowledge circuits on tiny-llama-8 (llama): {reason}"
