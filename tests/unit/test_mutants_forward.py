@@ -149,3 +149,12 @@ def test_check_supported_refuses_with_the_model_and_the_reason(change, reason):
     with pytest.raises(ValueError) as err:
         check_supported(model)
     assert str(err.value) == f"knowledge circuits on tiny-llama-8 (llama): {reason}"
+
+
+def test_mean_ablation_without_means_says_how_to_build_them():
+    from mechdiff.knowledge.forward import Ablation
+
+    assert Ablation("zero").values(3) is None
+    with pytest.raises(ValueError) as err:
+        Ablation("mean").values(3)
+    assert str(err.value) == "mean ablation needs means; build it with mean_ablation(model, graph, batches)"
