@@ -127,7 +127,7 @@ def test_mean_ablation_from_prompts_of_different_lengths():
     with torch.no_grad():
         a = edge_forward(model, graph, one, None, keep_outputs=True).outputs.double()
         b = edge_forward(model, graph, four, None, keep_outputs=True).outputs.double()
-    assert abl.means.shape == (graph.n_senders, 2, model.shape.d_model)
+    assert abl.kind == "mean" and abl.means.shape == (graph.n_senders, 2, model.shape.d_model)  # ACDC records the kind
     sink = torch.cat([a[:, :, 0], b[:, :, 0]], 1).mean(1)
     torch.testing.assert_close(abl.means[:, 0].double(), sink, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(abl.means[:, 1].double(), b[:, :, 1:].mean((1, 2)), atol=1e-5, rtol=1e-5)
