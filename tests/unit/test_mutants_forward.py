@@ -158,3 +158,26 @@ def test_mean_ablation_without_means_says_how_to_build_them():
     with pytest.raises(ValueError) as err:
         Ablation("mean").values(3)
     assert str(err.value) == "mean ablation needs means; build it with mean_ablation(model, graph, batches)"
+
+
+def test_edge_forward_refusals_say_what_is_wrong():
+    from mechdiff.knowledge.forward import EdgeResume
+
+    model = make_tiny("llama", None, seed=9)
+    graph = Graph.from_shape(model.shape)
+    ids = torch.randint(0, 2000, (2, 4), generator=torch.Generator().manual_seed(6))
+    with pytest.raises(ValueError) as err:
+        edge_forward(model, Graph.from_shape(model.shape, parallel=True), ids, None)
+    assert str(err.value) == ("the graph has parallel blocks but tiny-llama-9 (llama) has not; build it with "
+                              "Graph.for_model(model)")
+    outs = torch.zeros(5, 2, 4, model.shape.d_model)  # layer 1 needs EMB, 4 heads and MLP0: 6 senders
+    with pytest.raises(ValueError) as err:
+        edge_forward(model, graph, ids, None, resume=EdgeResume(1, outs))
+    assert str(err.value) == "resume at layer 1 needs the outputs of the first 6 senders for batch 2; got (5, 2, 4, 32)"
+    with pytest.raises(ValueError) as err:
+        edge_gradients(model, graph, ids, lambda logits: logits.sum(), mask=np.ones((2, graph.n_edges)))
+    assert str(err.value) == "gradients are taken for one circuit at a time: give a mask vector, not a stack"
+    with pytest.raises(ValueError) as err:
+        edge_forward(model, graph, ids, None, resume=EdgeResume(1, torch.zeros(6, 2, 4, 32)), _grad_alpha=1.0,
+                     _grad_inputs=[], _deltas=[])
+    assert str(err.value) == "resume and stacked masks are for forward passes only, not gradients"
