@@ -181,3 +181,25 @@ def test_edge_forward_refusals_say_what_is_wrong():
         edge_forward(model, graph, ids, None, resume=EdgeResume(1, torch.zeros(6, 2, 4, 32)), _grad_alpha=1.0,
                      _grad_inputs=[], _deltas=[])
     assert str(err.value) == "resume and stacked masks are for forward passes only, not gradients"
+
+
+@pytest.mark.parametrize("keep_first", [False, True])
+def test_eap_ig_point_equals_the_gradient_at_that_mask(keep_first):
+    """At every mask equal to ``alpha`` (the EAP-IG path, one shared input per layer) the gradients equal those
+    taken at the explicit mask ``alpha * 1`` (per-receiver inputs), under mean ablation, with or without the
+    sink position kept."""
+    from mechdiff.knowledge.forward import Ablation
+
+    model = make_tiny("llama", None, seed=10)
+    graph = Graph.from_shape(model.shape)
+    ids = torch.randint(0, 2000, (2, 5), generator=torch.Generator().manual_seed(7))
+    means = mean_ablation(model, graph, [type("B", (), {"ids": ids})()]).means
+    abl = Ablation("mean", means, keep_first=keep_first)
+    answers = torch.tensor([5, 17])
+
+    def metric(logits):
+        return torch.log_softmax(logits, -1)[torch.arange(2), answers].sum()
+
+    path = edge_gradients(model, graph, ids, metric, alpha=0.4, ablation=abl)
+    point = edge_gradients(model, graph, ids, metric, ablation=abl, mask=np.full(graph.n_edges, 0.4, dtype=np.float32))
+    np.testing.assert_allclose(path, point, rtol=1e-4, atol=1e-6)
