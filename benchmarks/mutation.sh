@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Mutation testing of the core modules with mutmut (pip install -e ".[mutation]"); not part of CI.
-# Mutates only [tool.mutmut] only_mutate in pyproject.toml (circuits/scoring.py, dcm.py, patching/core.py)
-# and runs, per mutant, only the fast tests that cover the mutated function (tests/unit/test_mutants*.py,
-# test_scoring.py, test_dcm.py, test_patching.py, test_suffix_runs.py; -m "not slow").
+# Mutates only [tool.mutmut] only_mutate in pyproject.toml (circuits/scoring.py, dcm.py, patching/core.py, cmap.py,
+# knowledge/forward.py) and runs, per mutant, only the fast tests of its test selection that cover the mutated
+# function (-m "not slow"). Changing that selection resets every result (mutmut reruns its stats pass); to rerun
+# chosen mutants without it: python benchmarks/mutation_rerun.py NAME ... (see benchmarks/mutation.md).
 #   bash benchmarks/mutation.sh                      # every mutant of those modules (hours on 2 cores)
 #   bash benchmarks/mutation.sh 'mechdiff.dcm.*'     # a subset: mutmut's mutant-name globs
 # Results: `mutmut results` (survivors), `mutmut show NAME` (a mutant's diff), mutants/ (scratch, ignored).
