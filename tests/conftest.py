@@ -57,6 +57,18 @@ def tiny_config(family: str, vocab_size: int = 49152, n_layers: int = 3):
     return cfg
 
 
+def hooked_last_logits(lm, ids, pre_hooks=(), hooks=()):
+    """Last-position logits of a plain HF forward with torch forward pre-hooks and hooks, each ``(module, fn)``,
+    removed afterwards: the independent reference the patching tests compare against."""
+    handles = [m.register_forward_pre_hook(f) for m, f in pre_hooks] + [m.register_forward_hook(f) for m, f in hooks]
+    try:
+        with torch.no_grad():
+            return lm.model(input_ids=ids, use_cache=False).logits[:, -1]
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def make_tiny(family: str, tokenizer=None, seed: int = 0, n_layers: int = 3) -> LoadedModel:
     """A tiny randomly initialised model of ``family`` wrapped as a LoadedModel (eager attention)."""
     from transformers import AutoModelForCausalLM

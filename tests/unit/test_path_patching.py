@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import hooked_last_logits
 from mechdiff.circuits.discovery import DiscoverySettings, discover
 from mechdiff.components import Head
 from mechdiff.patching.attribution import attribution_scores
@@ -21,13 +22,7 @@ def pairs(smollm2_tokenizer):
 
 def _hooked_prob(lm, ids, answers, pre_hooks=(), hooks=()):
     """Answer probability of a plain HF forward with torch hooks (the independent reference)."""
-    handles = [m.register_forward_pre_hook(f) for m, f in pre_hooks] + [m.register_forward_hook(f) for m, f in hooks]
-    try:
-        with torch.no_grad():
-            logits = lm.model(input_ids=ids, use_cache=False).logits[:, -1]
-    finally:
-        for h in handles:
-            h.remove()
+    logits = hooked_last_logits(lm, ids, pre_hooks, hooks)
     return logits.softmax(-1)[torch.arange(len(answers)), answers]
 
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from conftest import hooked_last_logits
 from mechdiff.patching.scan import scan
 from mechdiff.tasks.entity_tracking import pair_batch_tensors, path_patching_pairs
 
@@ -33,13 +34,8 @@ def prompts(smollm2_tokenizer):
 
 def _prob(lm, ids, answers, hooks=()):
     """The answer logit at the last position of a plain HF forward with torch hooks."""
-    handles = [m.register_forward_hook(f) if kind == "out" else m.register_forward_pre_hook(f) for m, kind, f in hooks]
-    try:
-        with torch.no_grad():
-            logits = lm.model(input_ids=ids, use_cache=False).logits[:, -1]
-    finally:
-        for h in handles:
-            h.remove()
+    logits = hooked_last_logits(lm, ids, pre_hooks=[(m, f) for m, kind, f in hooks if kind != "out"],
+                                hooks=[(m, f) for m, kind, f in hooks if kind == "out"])
     return logits[torch.arange(len(answers)), answers]  # the answer's logit (metric answer_logit)
 
 
