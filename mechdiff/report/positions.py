@@ -12,25 +12,33 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ..io import save_figure  # noqa: E402
 
 
+def _errorbar(ax, x: list, estimates: list[dict], **kwargs) -> None:
+    """Estimates (``value``, ``low``, ``high``) against ``x`` with their intervals as error bars."""
+    v = [e["value"] for e in estimates]
+    ax.errorbar(x, v, yerr=[[e["value"] - e["low"] for e in estimates], [e["high"] - e["value"] for e in estimates]],
+                marker="o", capsize=3, **kwargs)
+
+
+def _finish(fig, ax, title: str, path: str | Path) -> Path:
+    """Title and legend; the figure saved as PNG (atomically, its directory created) and closed."""
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
+
+
 def position_scan_figure(scan: dict, path: str | Path, title: str = "") -> Path:
     """Accuracy and probability faithfulness per greedy step (95% CIs), the full model at 1."""
     steps = scan["steps"]
     x = range(1, len(steps) + 1)
     fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(steps) + 2), 3.6))
     for key, label in (("faithfulness", "accuracy"), ("faithfulness_prob", "answer probability")):
-        v = [s[key]["value"] for s in steps]
-        lo = [s[key]["value"] - s[key]["low"] for s in steps]
-        hi = [s[key]["high"] - s[key]["value"] for s in steps]
-        ax.errorbar(x, v, yerr=[lo, hi], marker="o", capsize=3, label=f"faithfulness ({label})")
+        _errorbar(ax, list(x), [s[key] for s in steps], label=f"faithfulness ({label})")
     ax.axhline(1.0, color="grey", ls="--", lw=1, label="full model")
     ax.set_xticks(list(x), [s["added"] for s in steps], rotation=50, ha="right", fontsize=8)
     ax.set_xlabel("position class added (every head kept there)")
     ax.set_ylabel("F(kept) / F(M)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path, dpi=120)
+    return _finish(fig, ax, title, path)
 
 
 def curve_figure(curve: dict, path: str | Path, title: str = "") -> Path:
@@ -39,10 +47,7 @@ def curve_figure(curve: dict, path: str | Path, title: str = "") -> Path:
     rows = curve["rows"]
     x = [r["fraction"] for r in rows]
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    v = [r["faithfulness"]["value"] for r in rows]
-    err = [[r["faithfulness"]["value"] - r["faithfulness"]["low"] for r in rows],
-           [r["faithfulness"]["high"] - r["faithfulness"]["value"] for r in rows]]
-    ax.errorbar(x, v, yerr=err, marker="o", capsize=3, label="F(C)/F(M), accuracy")
+    _errorbar(ax, x, [r["faithfulness"] for r in rows], label="F(C)/F(M), accuracy")
     if all(r["normalised_prob"] is not None for r in rows):
         ax.plot(x, [r["normalised_prob"] for r in rows], marker="s", label="normalised, answer probability")
     ax.axhline(1.0, color="grey", ls="--", lw=1, label="full model")
@@ -50,11 +55,7 @@ def curve_figure(curve: dict, path: str | Path, title: str = "") -> Path:
     ax.set_xscale("log")
     ax.set_xlabel(f"fraction of the {curve['n_pairs_total']} (head, position class) pairs kept")
     ax.set_ylabel("faithfulness")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path, dpi=120)
+    return _finish(fig, ax, title, path)
 
 
 def stability_figure(frequencies: dict[str, float], chance: float, path: str | Path, title: str = "") -> Path:
@@ -70,8 +71,4 @@ def stability_figure(frequencies: dict[str, float], chance: float, path: str | P
         ax.set_xlabel(f"the circuit's {len(items)} (head, position class) pairs, most stable first")
     ax.set_ylim(0, 1.02)
     ax.set_ylabel("selection frequency")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path, dpi=120)
+    return _finish(fig, ax, title, path)
