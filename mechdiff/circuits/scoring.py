@@ -195,9 +195,9 @@ class Scorer:
                  rows: slice) -> torch.Tensor:
         """The read-out logits of F(key) on one batch, resumed from F(base)'s run at ``layer``."""
         resid, kv = self._base_run(base, batch, rows)
-        start = 0
-        if suffix_supported(self.model) and EVERY_POSITION not in {pos for _, pos in removed}:
-            where = torch.stack([position_mask(batch, pos) for pos in {pos for _, pos in removed}]).any(0).any(0)
+        start, classes = 0, {pos for _, pos in removed}
+        if suffix_supported(self.model) and EVERY_POSITION not in classes:
+            where = torch.stack([position_mask(batch, pos) for pos in classes]).any(0).any(0)
             start = int(where.nonzero()[0]) if bool(where.any()) else batch["input_ids"].shape[1] - 1
         patches = [Patch(p.kind, p.layer, p.value[:, start:], slice(start, None),
                          mask=None if p.mask is None else p.mask[:, start:])
