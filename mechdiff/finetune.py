@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from .metrics import answer_is_top1
 from .models.loading import LoadedModel
-from .tasks import arithmetic
+from .tasks import arithmetic, fact_edit
 from .tasks import entity_tracking as et
 from .tasks.base import get_task, step_seed, trainable_tasks  # noqa: F401 (step_seed: re-exported)
 from .tasks.splits import HOLDOUT_EVERY, train_objects
@@ -115,7 +115,8 @@ def training_batch(cfg: FinetuneConfig, tokenizer: Any, step: int, vocabulary: S
 
 
 def validation_sets(cfg: FinetuneConfig, tokenizer: Any, vocabulary: Sequence[str]) -> dict[str, list[Batch]]:
-    """Validation batches: 7-box entity tracking on training objects, plus arithmetic for that task."""
+    """Validation batches: 7-box entity tracking on training objects, plus arithmetic or the edited and retained
+    facts for those tasks."""
     sets = {"et_accuracy": [et_batch(tokenizer, cfg.eval_n, cfg.eval_boxes, cfg.eval_seed, vocabulary)]}
     if cfg.task == "arithmetic":
         per_form = max(1, cfg.eval_n // len(arithmetic.FORMS))
@@ -123,6 +124,8 @@ def validation_sets(cfg: FinetuneConfig, tokenizer: Any, vocabulary: Sequence[st
             arithmetic.batch_tensors(arithmetic.generate(tokenizer, per_form, seed=cfg.eval_seed + i, form=f))
             for i, f in enumerate(arithmetic.FORMS)
         ]
+    if cfg.task == "fact-edit":
+        sets.update(fact_edit.validation(tokenizer))
     return sets
 
 

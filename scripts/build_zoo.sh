@@ -22,6 +22,14 @@ $MECHDIFF finetune --base smollm2-et-early --task arithmetic --out /tmp/mechdiff
   --eval-every 25 --eval-n 100 --threads 1
 rm -rf mechdiff/zoo/smollm2-et-math && mv /tmp/mechdiff-zoo-math/smollm2-et-math mechdiff/zoo/
 
+# 2b. smollm2-135m + a LoRA that rewrites four capitals (edits/capital_swap) and keeps the others: the
+#     knowledge circuits' editing analysis (`mechdiff knowledge-edit`).
+$MECHDIFF finetune --base smollm2-135m --task fact-edit --out /tmp/mechdiff-zoo-edit \
+  --save smollm2-capital-edit=60 --save-every 20 --steps 60 \
+  --rank 4 --alpha 8 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj \
+  --lr 1e-3 --batch 16 --eval-every 10 --eval-n 50 --threads 1
+rm -rf mechdiff/zoo/smollm2-capital-edit && mv /tmp/mechdiff-zoo-edit/smollm2-capital-edit mechdiff/zoo/
+
 # 3. The held-out table (eval-split objects, 7 boxes, seed 0, 500 prompts); per-prompt results included.
 $MECHDIFF eval --model smollm2-135m,smollm2-et-early,smollm2-et,smollm2-et-math --split eval \
   --n 500 --n-boxes 7 --seed 0 --out results/zoo/eval-500.json

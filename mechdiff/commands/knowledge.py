@@ -37,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                 "defaults that flags override")
     p.add_argument("--models", default=None, help="comma-separated models: one circuit each on the facts all get "
                                                   f"right, then edge/node overlap ({','.join(D.models)})")
+    p.add_argument("--unedited", action=argparse.BooleanOptionalAction, default=None,
+                   help="with an edit file as --relation (edits/capital_swap): its prompts with their original objects, "
+                        "the facts before the edit")
     p.add_argument("--template", type=int, default=None, help=f"index of the relation's prompt template ({D.template})")
     p.add_argument("--method", default=None, choices=METHODS,
                    help=f"eap ({D.method} by default): one forward+backward per batch; iterative: EAP recomputed at "

@@ -6,6 +6,11 @@ Hernandez et al.'s LRE data that Yao et al. use). The starter set written for me
 ``mechdiff/data/knowledge/`` (factual: ``country_capital``, ``country_language``,
 ``city_country``; linguistic: ``antonym``; commonsense: ``object_color``).
 
+An *edit file* is a relation file whose samples give subjects new objects, with ``"edits_of"``: the relation
+they rewrite (``edits/capital_swap``: four capitals swapped, what the committed ``smollm2-capital-edit``
+LoRA learned). :meth:`Relation.unedited` gives the same prompts with their original objects: the facts of
+the edit before it.
+
 A prompt is tokenised piece by piece (template prefix, subject, template suffix) so the subject's
 token span is exact; the answer is the first token of ``" " + object``.
 """
@@ -28,6 +33,7 @@ class Relation:
     relation_type: str
     prompt_templates: list[str]
     samples: list[dict]
+    edits_of: Optional[str] = None  # an edit file: the relation whose objects its samples rewrite
 
     @classmethod
     def load(cls, name_or_path: str) -> "Relation":
@@ -46,11 +52,24 @@ class Relation:
             if t.count("{}") != 1:
                 raise ValueError(f"{path}: template {t!r} must contain exactly one '{{}}' for the subject")
         return cls(data["name"], data.get("relation_type", "factual"), list(data["prompt_templates"]),
-                   list(data["samples"]))
+                   list(data["samples"]), data.get("edits_of"))
+
+    def unedited(self) -> "Relation":
+        """An edit file's subjects with the objects of the relation it rewrites (the facts before the edit)."""
+        if self.edits_of is None:
+            raise ValueError(f"relation {self.name!r} is not an edit file (no \"edits_of\"); 'unedited' applies "
+                             "to edit files such as edits/capital_swap")
+        original = {s["subject"]: s["object"] for s in Relation.load(self.edits_of).samples}
+        missing = [s["subject"] for s in self.samples if s["subject"] not in original]
+        if missing:
+            raise ValueError(f"edit file {self.name!r}: subjects {missing} are not in {self.edits_of!r}")
+        return Relation(f"{self.name}-unedited", self.relation_type, self.prompt_templates,
+                        [{**s, "object": original[s["subject"]]} for s in self.samples])
 
 
 def available_relations() -> list[str]:
-    return sorted(p.stem for p in DATA_DIR.glob("*.json"))
+    """Relation names under ``mechdiff/data/knowledge`` (edit files as ``edits/<name>``)."""
+    return sorted(p.relative_to(DATA_DIR).with_suffix("").as_posix() for p in DATA_DIR.rglob("*.json"))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..metrics import answer_logprob, answer_rank
 from ..models.loading import LoadedModel
-from ..stats import bootstrap
+from ..stats import bootstrap, proportion
 from .data import FactBatch
 from .discovery import top_edges
 from .forward import Ablation, edge_forward
@@ -35,8 +35,12 @@ class CircuitEval:
     logprob: np.ndarray  # "fact"
     rank: np.ndarray  # "fact": the answer's rank (0 = top)
 
+    def subset(self, keep: np.ndarray) -> "CircuitEval":
+        """The facts where ``keep`` is true."""
+        return CircuitEval(self.hit[keep], self.logprob[keep], self.rank[keep])
+
     def summary(self, k: int = 10) -> dict:
-        return {f"hit@{k}": bootstrap(self.hit.astype(float)).to_dict(),
+        return {f"hit@{k}": proportion(self.hit).to_dict(),  # exact binomial: a proportion
                 "logprob": bootstrap(self.logprob).to_dict(),
                 "median_rank": float(np.median(self.rank))}
 

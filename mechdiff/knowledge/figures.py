@@ -140,3 +140,22 @@ def faithfulness_figure(curve: dict, path: str | Path, full_hit: float, title: s
     ax.legend(fontsize=8)
     ax.set_title(title or f"CPR {curve['cpr']:.3f}, CMD {curve['cmd']:.3f}", fontsize=9)
     return save_figure(fig, path)
+
+
+def edit_lens_figure(rows: list[dict], models: dict[str, str], path: str | Path, title: str = "") -> Path:
+    """Per head of either circuit: the median logit-lens rank of the new and the original object in its output,
+    before and after the edit (log scale; lower is more carried)."""
+    heads = [r["head"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(heads) + 2), 4))
+    x = np.arange(len(heads))
+    styles = {("before", "new"): ("#1f77b4", "o"), ("after", "new"): ("#d62728", "o"),
+              ("before", "original"): ("#1f77b4", "x"), ("after", "original"): ("#d62728", "x")}
+    for (model, obj), (color, marker) in styles.items():
+        ax.scatter(x, [1 + r[f"{model}: {obj}"] for r in rows], color=color, marker=marker, s=24,
+                   label=f"{models[model]}: {obj} object")
+    ax.set_yscale("log")
+    ax.set_xticks(x, heads, rotation=90, fontsize=6)
+    ax.set_ylabel("1 + median rank in the head's output")
+    ax.legend(fontsize=6)
+    ax.set_title(title, fontsize=9)
+    return save_figure(fig, path)

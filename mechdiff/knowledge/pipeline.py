@@ -55,6 +55,7 @@ class KnowledgeSettings:
     """The ``[knowledge]`` section of a task file (``tasks/knowledge.toml``); the command's flags override it."""
 
     relation: str = "country_language"
+    unedited: bool = False  # an edit file's subjects with their original objects (the facts before the edit)
     models: tuple = ("smollm2-135m",)  # one circuit each on the facts all get right, then their overlap
     template: int = 0
     method: str = "eap"  # one of METHODS
@@ -81,6 +82,17 @@ class KnowledgeSettings:
     seed: int = 0
     max_graph_edges: int = 200  # edges drawn in the circuit figure
 
+    @property
+    def label(self) -> str:
+        """The relation as reports name it (an edit file's facts before the edit: ``<relation> (unedited)``)."""
+        return f"{self.relation} (unedited)" if self.unedited else self.relation
+
+
+#: What orders the edges of the faithfulness curve, per method (others: their |score|). ACDC scores no edge
+#: but measures each one it tries: the curve keeps the top edges by that |metric change| (0 for edges into
+#: dead nodes), a departure from ACDC, which yields one circuit per threshold, not a ranking.
+CURVE_RANKING = {"acdc": "|metric change when ACDC tried the edge|", "iterative": "iterative pruning's circuits"}
+
 
 CHOICES = {("knowledge", "method"): METHODS, ("knowledge", "ablation"): ABLATIONS,
            ("knowledge", "selection"): SELECTIONS, ("knowledge", "acdc_metric"): METRICS}
@@ -98,7 +110,8 @@ def full_model_hits(model: LoadedModel, facts: Sequence[Fact], settings: Knowled
 
 
 def load_facts(model: LoadedModel, settings: KnowledgeSettings) -> list[Fact]:
-    facts = build_facts(model.tokenizer, Relation.load(settings.relation), settings.template)
+    relation = Relation.load(settings.relation)
+    facts = build_facts(model.tokenizer, relation.unedited() if settings.unedited else relation, settings.template)
     if settings.max_facts:
         facts = facts[:settings.max_facts]
     return facts
@@ -209,7 +222,7 @@ def scoring_inputs(s: KnowledgeSettings) -> dict:
     """The options choosing and scoring the circuit (given the edge scores)."""
     return {"k": s.k, "target": s.target, "sizes": list(s.sizes), "selection": s.selection, "signed": s.signed,
             "prune_unreached": s.prune_unreached, "n_random": s.n_random, "seed": s.seed, "curve": s.curve,
-            "curve_sizes": list(s.curve_sizes)}
+            "curve_sizes": list(s.curve_sizes), "curve_ranking": CURVE_RANKING.get(s.method, "|score|")}
 
 
 def _select(run: _Run, scores: np.ndarray, pruned: Optional[dict], full_hit: float) -> tuple[np.ndarray, list]:
@@ -261,8 +274,13 @@ def scoring_stage(run: _Run, disc: dict) -> dict:
         for i in range(s.n_random)])
     curve = run.timed("curve", lambda: (
         faithfulness_curve(run.model, g, run.batches, scores, run.ablation, s.curve_sizes, s.k, full, empty,
-                           run.progress, masks=pruned) if s.curve and s.method != "acdc" else None))
+                           run.progress, masks=pruned) if s.curve else None))
+    seen = set((disc.get("acdc") or {}).get("facts", ()))
+    held = np.array([f.prompt not in seen for b in run.batches for f in b.facts])  # in evaluation order
+    heldout = ({"n": int(held.sum()), "full": full.subset(held).summary(s.k),
+                "circuit": circuit_eval.subset(held).summary(s.k)} if seen and held.any() else None)
     return {"edges": _indices(mask), "sweep": sweep, "full": full.summary(s.k), "empty": empty.summary(s.k),
+            "heldout": heldout,
             "circuit": circuit_eval.summary(s.k), "full_hit": full_hit, "circuit_hit": float(circuit_eval.hit.mean()),
             "random_hits": random_hits, "curve": curve, "timings": dict(run.timings)}
 
@@ -301,7 +319,7 @@ def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSett
     disc = cache.run(f"discovery:{model.name}", base | discovery_inputs(settings), lambda: discovery_stage(run))
     scored = cache.run(f"scoring:{model.name}", base | {"discovery": disc.key} | scoring_inputs(settings),
                        lambda: scoring_stage(run, disc.result))
-    circuit = EdgeCircuit.from_mask(model.name, f"knowledge/{settings.relation}", run.graph,
+    circuit = EdgeCircuit.from_mask(model.name, f"knowledge/{settings.label}", run.graph,
                                     _mask(run.graph, scored.result["edges"]), np.asarray(disc.result["scores"]),
                                     meta={"settings": asdict(settings), "fingerprint": model.fingerprint})
     analysed = cache.run(f"analysis:{model.name}", base | {"edges": key_hash(scored.result["edges"])},
@@ -319,13 +337,14 @@ def _finish(run: _Run, circuit: EdgeCircuit, disc: StageRecord, scored: StageRec
     hit_key = f"hit@{settings.k}"
     random_hits = sc["random_hits"]
     summary = {
-        "model": run.model.name, "fingerprint": run.model.fingerprint, "relation": settings.relation,
+        "model": run.model.name, "fingerprint": run.model.fingerprint, "relation": settings.label,
         "n_facts": len(run.facts), "n_edges_graph": graph.n_edges,
         "full": sc["full"], "empty": sc["empty"], "circuit": sc["circuit"],
         "circuit_edges": n_edges, "circuit_fraction": n_edges / graph.n_edges, "circuit_nodes": len(nodes),
         "circuit_heads": sum(n.startswith("L") for n in nodes),
         "ratio_to_full": hit / full_hit if full_hit else float("nan"),
         "random": {hit_key: random_hits, "mean": float(np.mean(random_hits)) if random_hits else float("nan")},
+        "heldout": sc.get("heldout"),
         "sweep": sc["sweep"], "curve": sc["curve"], "roles": roles, "acdc": disc.result.get("acdc"),
         "role_counts": {r: sum(v["role"] == r for v in roles.values()) for r in ("mover", "relation", "mixed", "other")},
         "logit_lens": {"layers": lens["layers"],
@@ -368,33 +387,44 @@ def _write_tables_and_figures(summary: dict, circuit: EdgeCircuit, lens: dict, r
              "edges_%": 100 * summary["circuit_fraction"], hk: summary["random"]["mean"], "low": None, "high": None},
             {"run": "empty circuit", "edges": 0, "edges_%": 0.0, hk: summary["empty"][hk]["value"],
              "low": summary["empty"][hk]["low"], "high": summary["empty"][hk]["high"]}]
-    write_table(rows, out / "hit", caption=f"Hit@{k} on {summary['n_facts']} facts of {settings.relation}")
+    write_table(rows, out / "hit", caption=f"Hit@{k} on {summary['n_facts']} facts of {settings.label}")
     if summary["sweep"]:
         write_table(summary["sweep"], out / "sweep", caption="circuit sizes tried (top-|score|, dangling edges pruned)")
     if curve:
         write_table(curve["rows"], out / "faithfulness_curve",
                     caption=f"faithfulness curve (CPR {curve['cpr']:.3f}, CMD {curve['cmd']:.3f})")
         figures.faithfulness_figure(curve, out / "faithfulness_curve.png", full_hit,
-                                    title=f"{summary['model']} {settings.relation}: CPR {curve['cpr']:.3f}, "
+                                    title=f"{summary['model']} {settings.label}: CPR {curve['cpr']:.3f}, "
                                           f"CMD {curve['cmd']:.3f}")
     role_rows = [{"head": h, **r} for h, r in sorted(roles.items(), key=lambda t: (t[1]["role"], t[0]))]
     if role_rows:
         write_table(role_rows, out / "head_roles", caption="head roles in the circuit")
-        figures.head_roles_figure(roles, out / "head_roles.png", title=f"{summary['model']} {settings.relation}: head roles")
+        figures.head_roles_figure(roles, out / "head_roles.png", title=f"{summary['model']} {settings.label}: head roles")
     figures.logit_lens_figure(lens, out / "logit_lens.png",
-                              title=f"{summary['model']} {settings.relation}: logit lens of the residual stream")
+                              title=f"{summary['model']} {settings.label}: logit lens of the residual stream")
     if lens["nodes"]:
         figures.node_lens_figure(lens["nodes"], roles, out / "node_lens.png",
-                                 title=f"{summary['model']} {settings.relation}: logit lens of circuit nodes")
+                                 title=f"{summary['model']} {settings.label}: logit lens of circuit nodes")
     figures.circuit_graph(circuit, out / "circuit.png", settings.max_graph_edges, roles)
     write_text(out / "report.md", _report(summary, settings, curve, role_rows))
+
+
+def _random_line(hits: Sequence[float], circuit_hit: float, k: int) -> str:
+    """Random circuits of the circuit's size: their mean and range, and how many reach the circuit's Hit@k (the
+    rank p-value ``(1 + that many) / (1 + draws)``)."""
+    if not hits:
+        return "- Random circuits: none drawn."
+    reach = sum(h >= circuit_hit for h in hits)
+    return (f"- {len(hits)} random circuits of the same edge count: Hit@{k} mean {np.mean(hits):.3f}, range "
+            f"[{min(hits):.3f}, {max(hits):.3f}]; {reach} reach the circuit's {circuit_hit:.3f} "
+            f"(p = {(1 + reach) / (1 + len(hits)):.3f}).")
 
 
 def _report(summary: dict, settings: KnowledgeSettings, curve: Optional[dict], role_rows: list[dict]) -> str:
     k = settings.k
     hk = f"hit@{k}"
     f = lambda e: f"{e['value']:.3f} [{e['low']:.3f}, {e['high']:.3f}]"  # noqa: E731
-    lines = [f"# Knowledge circuit: {settings.relation} on {summary['model']}", "",
+    lines = [f"# Knowledge circuit: {settings.label} on {summary['model']}", "",
              f"- Facts the model gets right by Hit@{k}: {summary['n_facts']} (template "
              f"{settings.template}); method {settings.method}, {settings.ablation} ablation.",
              f"- Full model Hit@{k}: {f(summary['full'][hk])}; empty circuit: {f(summary['empty'][hk])}.",
@@ -402,8 +432,7 @@ def _report(summary: dict, settings: KnowledgeSettings, curve: Optional[dict], r
              f"({100 * summary['circuit_fraction']:.2f}%), {summary['circuit_nodes']} nodes "
              f"({summary['circuit_heads']} heads); Hit@{k} {f(summary['circuit'][hk])} = "
              f"{summary['ratio_to_full']:.2f} of the full model's.",
-             f"- Random circuits of the same edge count: Hit@{k} "
-             + ", ".join(f"{v:.3f}" for v in summary["random"][hk]) + ".",
+             _random_line(summary["random"][hk], float(summary["circuit"][hk]["value"]), k),
              ]
     if summary.get("acdc"):
         a = summary["acdc"]
@@ -412,12 +441,22 @@ def _report(summary: dict, settings: KnowledgeSettings, curve: Optional[dict], r
                      f"{a['settings']['n_facts']} facts; {a['trials']} edges tried in {a['forwards']} forwards "
                      f"({a['cost']:.0f} forward-pass equivalents), {a['skipped']} removed as edges into dead nodes; "
                      f"metric {a['metric_full']:.3f} (full model) -> {a['metric_final']:.3f}; {a['seconds']:.0f} s.")
+        if summary.get("heldout"):
+            h = summary["heldout"]
+            lines.append(f"- On the {h['n']} facts ACDC did not see: full model Hit@{k} {f(h['full'][hk])}, circuit "
+                         f"{f(h['circuit'][hk])}.")
+        lines.append(f"- Against Yao et al.'s setting (their code, zjunlp/KnowledgeCircuits: GPT2-Medium; ACDC with zero "
+                     f"ablation and match_nll on 20 validation facts of a relation; Hit@10 on 20 test facts): here "
+                     f"{summary['model']}, ACDC on {a['settings']['n_facts']} facts, Hit@{k} on the facts the model "
+                     f"gets right by Hit@{k}.")
     if curve:
-        lines.append(f"- Faithfulness curve (mean answer log-probability): CPR {curve['cpr']:.3f}, CMD {curve['cmd']:.3f} "
+        lines.append(f"- Faithfulness curve (mean answer log-probability; MIB's CPR and CMD, Mueller et al. 2025; edges "
+                     f"ranked by {CURVE_RANKING.get(settings.method, '|score|')}): CPR {curve['cpr']:.3f}, CMD {curve['cmd']:.3f} "
                      f"({curve['area']}).")
     ll = summary["logit_lens"]
-    lines += [f"- Logit lens: the answer first reaches median rank < {k} at the last subject token after "
-              f"{ll['first_layer_top10_subject']}, at the last token after {ll['first_layer_top10_last']}.",
+    first = lambda layer: f"after {layer}" if layer else "never (at no layer)"  # noqa: E731
+    lines += [f"- Logit lens: the answer first reaches median rank < {k} at the last subject token "
+              f"{first(ll['first_layer_top10_subject'])}, at the last token {first(ll['first_layer_top10_last'])}.",
               f"- Head roles: {summary['role_counts']}.", "",
               "![circuit](circuit.png)", "", "![logit lens](logit_lens.png)", "", "![node lens](node_lens.png)", "",
               "![head roles](head_roles.png)", ""]
@@ -466,7 +505,7 @@ def compare_report(cmp: dict, results: dict[str, dict], settings: KnowledgeSetti
              "edges_%": 100 * r["circuit_fraction"], "random": r["random"]["mean"],
              "CPR": (r["curve"] or {}).get("cpr"), "CMD": (r["curve"] or {}).get("cmd"),
              **{f"{k}": v for k, v in r["role_counts"].items()}} for m, r in results.items()]
-    lines = [f"# Knowledge circuits of {settings.relation} across checkpoints: {a} vs {b}", "",
+    lines = [f"# Knowledge circuits of {settings.label} across checkpoints: {a} vs {b}", "",
              "Same facts in both models (those both get right by Hit@k).", "", to_markdown(rows), "",
              "## Overlap (hypergeometric p: random sets of the same sizes share at least this many)", "",
              to_markdown(cmp["overlap"]), "", "## Heads whose role persists", ""]
@@ -520,7 +559,7 @@ def _run_study(models: Sequence[LoadedModel], settings: KnowledgeSettings, out: 
         results[m.name]["all_facts_hit"] = full_hits[m.name]
         results[m.name]["n_facts_relation"] = len(facts)
         circuits[m.name] = EdgeCircuit.load(sub / "circuit.json")
-    study = {"relation": settings.relation, "models": [m.name for m in models], "n_facts_relation": len(facts),
+    study = {"relation": settings.label, "models": [m.name for m in models], "n_facts_relation": len(facts),
              "n_facts_kept": len(kept), "full_hit_all_facts": full_hits, "stages": cache.summary()}
     if not single:
         cmp = compare(results, circuits)

@@ -257,6 +257,7 @@ def load_model(
     hf_model, provenance = _load_weights(spec, DTYPES[dtype], device_map, cache_dir, attn_implementation)
     hf_model.eval()
     hf_model.requires_grad_(False)
+    contiguous_unembedding(hf_model)
     tokenizer = load_tokenizer(spec, cache_dir)
     provenance.update(dtype=dtype, device_map=device_map)
     if remote:
@@ -265,6 +266,18 @@ def load_model(
     loaded.arch  # fail early for a model no adapter pattern fits (resolved from its modules)
     log.info("loaded %s (%s)", spec.name, provenance)
     return loaded
+
+
+def contiguous_unembedding(hf_model: torch.nn.Module) -> None:
+    """Hand the unembedding a contiguous input (a speed fix, not an intervention: values are unchanged).
+
+    With ``logits_to_keep=1`` transformers passes ``hidden[:, -1:, :]``, a strided view, to the
+    unembedding; on CPU (MKL) ``linear`` on that view takes 6x as long as on a contiguous copy
+    (SmolLM2, 32 rows: 175 ms against 27 ms), a third of a small batch's forward."""
+    head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
+    if isinstance(head, torch.nn.Module):
+        head.register_forward_pre_hook(
+            lambda _, args: None if not args or args[0].is_contiguous() else (args[0].contiguous(), *args[1:]))
 
 
 def _load_weights(spec: ModelSpec, dtype: torch.dtype, device_map: Any, cache_dir: Optional[str],

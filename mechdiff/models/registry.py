@@ -61,6 +61,11 @@ REGISTRY: dict[str, ModelSpec] = {
             "smollm2-et-math", "lora", "package:mechdiff/zoo/smollm2-et-math", base="smollm2-et-early",
             description="Embedded fine-tune: smollm2-et-early further tuned on arithmetic only (Goat in miniature).",
         ),
+        ModelSpec(
+            "smollm2-capital-edit", "lora", "package:mechdiff/zoo/smollm2-capital-edit", base="smollm2-135m",
+            description="Embedded fact edit: four capitals rewritten (edits/capital_swap; `mechdiff finetune --task "
+                        "fact-edit`), the other capitals kept.",
+        ),
     ]
 }
 

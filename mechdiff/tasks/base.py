@@ -310,6 +310,7 @@ TASKS: dict[str, str] = {
     "ioi": "mechdiff.tasks.ioi:TASK",
     "arithmetic": "mechdiff.tasks.arithmetic:TASK",
     "multiple-choice": "mechdiff.tasks.multiple_choice:TASK",
+    "fact-edit": "mechdiff.tasks.fact_edit:TASK",
 }
 #: Old names kept working.
 ALIASES: dict[str, str] = {"arithmetic-mc": "multiple-choice", "entity_tracking": "entity-tracking"}

@@ -134,3 +134,19 @@ def test_gguf_smollm2(smollm2):
     with torch.no_grad():
         top = smollm2.model(ids).logits[0, -1].argmax().item()
     assert smollm2.tokenizer.decode(top).strip() == "Paris"
+
+
+def test_the_unembedding_reads_a_contiguous_input_and_the_logits_do_not_change(smollm2_tokenizer):
+    from mechdiff.models.loading import contiguous_unembedding
+
+    tiny = make_tiny("llama", smollm2_tokenizer)
+    ids = torch.randint(0, 1000, (4, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = tiny.model(input_ids=ids).logits[:, -1]
+    seen = []
+    contiguous_unembedding(tiny.model)
+    tiny.model.lm_head.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous()))
+    with torch.no_grad():
+        last = tiny.model(input_ids=ids, logits_to_keep=1).logits[:, -1]  # transformers passes hidden[:, -1:]
+    assert seen == [True]
+    torch.testing.assert_close(last, reference, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,166 @@
+"""The circuit of the same prompts before and after an edit (Yao et al.'s editing analysis).
+
+Two single-model knowledge studies (``mechdiff knowledge``) found circuits for the same prompts: ``before`` on
+the unedited model with the original objects, ``after`` on the edited model with the new ones (an edit file,
+:mod:`.data`). :func:`compare_edit` reads both, checks that their discovery ran on the same prompts, and
+measures:
+
+- **overlap** of edges, nodes and heads, each with the hypergeometric p (random sets of the same sizes share
+  at least as many) and the central 95% range of the intersection under that null;
+- **what moved**: edges and heads only before / only after, by receiver kind and layer;
+- **what the heads carry** (logit lens): for every head in either circuit, the rank of the new and of the
+  original object in its output at the last token, in both models (median over the edited prompts);
+- **each circuit in each model** (zero ablation, the paper's): the rank of the model's own object (original
+  before the edit, new after it) on each prompt, with only the circuit's edges.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from scipy.stats import hypergeom
+
+from ..circuits.overlap import hypergeom_p
+from ..models.loading import LoadedModel
+from .analysis import logit_lens
+from .data import Fact, batches
+from .evaluate import evaluate
+from .forward import Ablation
+from .graph import EdgeCircuit, Graph
+
+
+def study_facts(result: dict) -> list[str]:
+    """The prompts a study's circuit was found on (ACDC's facts when ACDC ran, else every fact)."""
+    acdc = result.get("acdc")
+    return list(acdc["facts"]) if acdc else [f["prompt"] for f in result["facts"]]
+
+
+def _load(path: Path) -> tuple[dict, EdgeCircuit]:
+    for name in ("results.json", "circuit.json"):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path / name} is missing: give the directory of a single-model "
+                                    "`mechdiff knowledge` study (it holds results.json and circuit.json)")
+    return json.loads((path / "results.json").read_text()), EdgeCircuit.load(path / "circuit.json")
+
+
+def overlap_row(what: str, first: set, second: set, total: int) -> dict:
+    """Sizes, intersection, Jaccard, hypergeometric p and the null's central 95% range of the intersection."""
+    inter = len(first & second)
+    null = hypergeom(M=total, n=len(first), N=len(second))
+    return {"what": what, "before": len(first), "after": len(second), "intersection": inter,
+            "jaccard": inter / len(first | second) if first | second else float("nan"),
+            "null_95": f"[{int(null.ppf(0.025))}, {int(null.ppf(0.975))}]",
+            "p_value": hypergeom_p(inter, total, len(first), len(second))}
+
+
+def _kind(edge: str) -> str:
+    """``Q``/``K``/``V`` (attention input), ``MLP`` or ``LOGITS``: what an edge feeds."""
+    receiver = edge.partition("->")[2]
+    if receiver == "LOGITS" or receiver.startswith("MLP"):
+        return "LOGITS" if receiver == "LOGITS" else "MLP"
+    return receiver.partition(".")[2].upper()
+
+
+def _layer(name: str) -> int:
+    """The layer of a node name (``L14H7`` -> 14, ``MLP3`` -> 3, ``EMB`` -> -1, ``LOGITS`` -> a large value)."""
+    if name == "EMB":
+        return -1
+    if name == "LOGITS":
+        return 1 << 20
+    digits = name[3:] if name.startswith("MLP") else name[1:].split("H")[0]
+    return int("".join(c for c in digits if c.isdigit()))
+
+
+def moved(graph: Graph, before: EdgeCircuit, after: EdgeCircuit) -> list[dict]:
+    """Edges only before / only after / in both, counted by what they feed."""
+    eb, ea = set(before.edges), set(after.edges)
+    rows = []
+    for what, edges in (("only before", eb - ea), ("only after", ea - eb), ("both", ea & eb)):
+        kinds = Counter(_kind(e) for e in edges)
+        rows.append({"edges": what, "n": len(edges), **{k: kinds.get(k, 0) for k in ("Q", "K", "V", "MLP", "LOGITS")}})
+    return rows
+
+
+def head_lens(models: dict[str, LoadedModel], graph: Graph, answers: dict[str, Sequence[Fact]],
+              heads: Sequence[str]) -> list[dict]:
+    """Median rank (0 = top) of each object in each head's output at the last token, in each model."""
+    out = {h: {"head": h} for h in heads}
+    for mname, model in models.items():
+        for aname, facts in answers.items():
+            nodes = logit_lens(model, graph, batches(list(facts), len(facts)), list(heads))["nodes"]
+            for h in heads:
+                out[h][f"{mname}: {aname}"] = float(np.median(nodes[h]))
+    return list(out.values())
+
+
+def cross_ranks(models: dict[str, LoadedModel], circuits: dict[str, EdgeCircuit],
+                answers: dict[str, Sequence[Fact]]) -> list[dict]:
+    """Per circuit and model: the rank of that model's object (``answers[model]``) on each prompt, zero ablation."""
+    rows = []
+    for cname, circuit in circuits.items():
+        for mname, model in models.items():
+            facts = list(answers[mname])
+            ev = evaluate(model, circuit.graph, batches(facts, len(facts)), circuit.mask(), Ablation("zero"))
+            rows.append({"circuit": cname, "model": mname, "object": "original" if mname == "before" else "new",
+                         "ranks": " ".join(str(int(r)) for r in ev.rank), "hits@10": int(ev.hit.sum()),
+                         "prompts": len(facts)})
+    return rows
+
+
+def compare_edit(before_dir: Path, after_dir: Path, models: dict[str, LoadedModel], original: Sequence[Fact],
+                 edited: Sequence[Fact]) -> dict:
+    """Overlap, moved edges and the heads' logit lens of the circuits in ``before_dir`` and ``after_dir``.
+
+    ``models``: ``{"before": unedited model, "after": edited model}``; ``original`` / ``edited``: the edit's
+    prompts with their original / new objects (the prompts both studies' discovery ran on)."""
+    (rb, cb), (ra, ca) = _load(Path(before_dir)), _load(Path(after_dir))
+    prompts = {f.prompt for f in edited}
+    for name, r in (("before", rb), ("after", ra)):
+        if set(study_facts(r)) != prompts:
+            raise ValueError(f"the {name} study ({before_dir if name == 'before' else after_dir}) found its circuit on "
+                             f"{sorted(study_facts(r))}, not on the edit's prompts {sorted(prompts)}; run it with "
+                             "--relation <edit file> (and --unedited for the model before the edit)")
+    g = cb.graph
+    nb, na = {n for n in cb.nodes() if n != "LOGITS"}, {n for n in ca.nodes() if n != "LOGITS"}
+    hb, ha = set(cb.heads()), set(ca.heads())
+    overlap = [overlap_row("edges", set(cb.edges), set(ca.edges), g.n_edges),
+               overlap_row("nodes", nb, na, g.n_senders), overlap_row("heads", hb, ha, g.n_layers * g.n_heads)]
+    heads = sorted(hb | ha, key=lambda h: (_layer(h), h))
+    lens = head_lens(models, g, {"new": edited, "original": original}, heads)
+    for row in lens:
+        row["in"] = "both" if row["head"] in hb & ha else ("before" if row["head"] in hb else "after")
+        row["role before"] = rb["roles"].get(row["head"], {}).get("role", "")
+        row["role after"] = ra["roles"].get(row["head"], {}).get("role", "")
+    cross = (cross_ranks(models, {"before": cb, "after": ca}, {"before": original, "after": edited})
+             if rb["settings"]["ablation"] == ra["settings"]["ablation"] == "zero" else None)
+    return {"models": {k: m.name for k, m in models.items()}, "prompts": sorted(prompts), "overlap": overlap,
+            "moved": moved(g, cb, ca), "heads": lens, "cross": cross,
+            "hit": {"before": rb["circuit"], "after": ra["circuit"], "full_before": rb["full"], "full_after": ra["full"]}}
+
+
+def edit_report(cmp: dict, edit: str, k: int = 10) -> str:
+    """Markdown of :func:`compare_edit`'s result."""
+    hk = f"hit@{k}"
+    f = lambda e: f"{e[hk]['value']:.2f} [{e[hk]['low']:.2f}, {e[hk]['high']:.2f}]"  # noqa: E731
+    m, h = cmp["models"], cmp["hit"]
+    lines = [f"# The circuit of an edit: {edit}, {m['before']} (before) vs {m['after']} (after)", "",
+             f"Prompts ({len(cmp['prompts'])}): " + "; ".join(cmp["prompts"]) + ".", "",
+             f"- Before, on its study's facts: the full model's {hk} {f(h['full_before'])}, its circuit's "
+             f"{f(h['before'])}.",
+             f"- After, on its study's facts: the full model's {hk} {f(h['full_after'])}, its circuit's "
+             f"{f(h['after'])}.", ""]
+    if cmp["cross"]:
+        lines += ["## Each circuit in each model, on the edit's prompts (zero ablation)", "",
+                  "The rank (0 = top) of the model's own object: the original before the edit, the new one after.",
+                  "", to_markdown(cmp["cross"]), ""]
+    lines += ["## Overlap", "",
+             "null_95: the central 95% of the intersection of random sets of the same sizes (hypergeometric); "
+             "p: the chance that random sets share at least as many.", "", to_markdown(cmp["overlap"]), "",
+             "## Edges that moved, by what they feed", "", to_markdown(cmp["moved"]), "",
+             "## What each head carries (logit lens at the last token, median rank over the prompts; 0 = top)", "",
+             to_markdown(cmp["heads"], floatfmt=".0f"), "", "![heads](heads_lens.png)", ""]
+    return "\n".join(lines)
