@@ -26,6 +26,7 @@ from scipy.stats import hypergeom
 
 from ..circuits.overlap import hypergeom_p
 from ..models.loading import LoadedModel
+from ..report.tables import to_markdown
 from .analysis import logit_lens
 from .data import Fact, batches
 from .evaluate import evaluate

@@ -12,7 +12,7 @@ from scipy.stats import hypergeom
 
 from conftest import make_tiny
 from mechdiff.knowledge.data import Relation, available_relations, batches, build_facts
-from mechdiff.knowledge.editing import compare_edit
+from mechdiff.knowledge.editing import compare_edit, edit_report
 from mechdiff.knowledge.evaluate import evaluate
 from mechdiff.knowledge.forward import Ablation, edge_forward
 from mechdiff.knowledge.graph import EdgeCircuit, Graph
@@ -129,3 +129,6 @@ def test_circuits_before_and_after_an_edit(tmp_path, smollm2_tokenizer):
                  for f in facts]
         assert row["ranks"] == " ".join(map(str, ranks))
     assert np.isfinite([v for r in cmp["heads"] for k, v in r.items() if ":" in k]).all()
+    report = edit_report(cmp, EDIT)
+    assert "## Overlap" in report and "## Each circuit in each model" in report
+    assert all(row["ranks"] in report for row in cmp["cross"]) and all(r["head"] in report for r in cmp["heads"])
