@@ -14,7 +14,7 @@ from pathlib import Path
 from ..io import write_json, write_text
 from ..knowledge import figures
 from ..knowledge.data import Relation, build_facts
-from ..knowledge.editing import compare_edit, edit_report
+from ..knowledge.editing import compare_edit, edit_report, load_study
 from ..report.tables import write_table
 from ._options import add_model_options, load_from_args
 
@@ -29,18 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def _settings(path: str) -> dict:
-    results = Path(path) / "results.json"
-    if not results.is_file():
-        raise SystemExit(f"error: {results} is missing; give a single-model `mechdiff knowledge` study directory")
-    return json.loads(results.read_text())
-
-
 def main(args: argparse.Namespace) -> int:
     relation = Relation.load(args.edit)
     if relation.edits_of is None:
         raise SystemExit(f"error: {args.edit} is not an edit file (no \"edits_of\"); give e.g. edits/capital_swap")
-    before, after = _settings(args.before), _settings(args.after)
+    (before, _), (after, _) = load_study(Path(args.before)), load_study(Path(args.after))  # before loading models
     k, template = after["settings"]["k"], after["settings"]["template"]
     models = {"before": load_from_args(before["model"], args), "after": load_from_args(after["model"], args)}
     tok = models["after"].tokenizer

@@ -40,7 +40,8 @@ def study_facts(result: dict) -> list[str]:
     return list(acdc["facts"]) if acdc else [f["prompt"] for f in result["facts"]]
 
 
-def _load(path: Path) -> tuple[dict, EdgeCircuit]:
+def load_study(path: Path) -> tuple[dict, EdgeCircuit]:
+    """``results.json`` and the circuit of a single-model study directory (an error naming what is missing)."""
     for name in ("results.json", "circuit.json"):
         if not (path / name).is_file():
             raise FileNotFoundError(f"{path / name} is missing: give the directory of a single-model "
@@ -64,16 +65,6 @@ def _kind(edge: str) -> str:
     if receiver == "LOGITS" or receiver.startswith("MLP"):
         return "LOGITS" if receiver == "LOGITS" else "MLP"
     return receiver.partition(".")[2].upper()
-
-
-def _layer(name: str) -> int:
-    """The layer of a node name (``L14H7`` -> 14, ``MLP3`` -> 3, ``EMB`` -> -1, ``LOGITS`` -> a large value)."""
-    if name == "EMB":
-        return -1
-    if name == "LOGITS":
-        return 1 << 20
-    digits = name[3:] if name.startswith("MLP") else name[1:].split("H")[0]
-    return int("".join(c for c in digits if c.isdigit()))
 
 
 def moved(graph: Graph, before: EdgeCircuit, after: EdgeCircuit) -> list[dict]:
@@ -118,7 +109,7 @@ def compare_edit(before_dir: Path, after_dir: Path, models: dict[str, LoadedMode
 
     ``models``: ``{"before": unedited model, "after": edited model}``; ``original`` / ``edited``: the edit's
     prompts with their original / new objects (the prompts both studies' discovery ran on)."""
-    (rb, cb), (ra, ca) = _load(Path(before_dir)), _load(Path(after_dir))
+    (rb, cb), (ra, ca) = load_study(Path(before_dir)), load_study(Path(after_dir))
     prompts = {f.prompt for f in edited}
     for name, r in (("before", rb), ("after", ra)):
         if set(study_facts(r)) != prompts:
@@ -130,7 +121,7 @@ def compare_edit(before_dir: Path, after_dir: Path, models: dict[str, LoadedMode
     hb, ha = set(cb.heads()), set(ca.heads())
     overlap = [overlap_row("edges", set(cb.edges), set(ca.edges), g.n_edges),
                overlap_row("nodes", nb, na, g.n_senders), overlap_row("heads", hb, ha, g.n_layers * g.n_heads)]
-    heads = sorted(hb | ha, key=lambda h: (_layer(h), h))
+    heads = sorted(hb | ha, key=g.senders.index)  # layer order
     lens = head_lens(models, g, {"new": edited, "original": original}, heads)
     for row in lens:
         row["in"] = "both" if row["head"] in hb & ha else ("before" if row["head"] in hb else "after")
