@@ -9,6 +9,8 @@ tests this file lists for its module. Exit code 0: survived; 1: killed; -24: tim
 
     python benchmarks/mutation_rerun.py --generate mechdiff/knowledge/forward.py   # (re)write its mutants
     python benchmarks/mutation_rerun.py NAME ... | @FILE   # results go to mutants/rerun-results.json
+    python benchmarks/mutation_rerun.py --seed 0 --jobs 2 @FILE   # seeded order: any prefix is a random sample
+    python benchmarks/mutation_rerun.py --summary [--by-function] @FILE   # counts and exact 95% intervals
 
 Run from the repository root with mutmut importable (``PYTHONPATH=/path/to/mutmut``).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -31,6 +34,7 @@ FAMILIES_EDGE = ["tests/unit/test_families.py::test_edge_forward_full_and_empty_
                  "tests/unit/test_families.py::test_edge_gradients_match_finite_differences"]
 POST_NORM = [f"tests/unit/test_families.py::{t}[{f}]" for f in ("gemma2", "gemma3_text", "gemma3", "olmo2", "olmo3")
              for t in ("test_edge_forward_full_and_empty_circuits", "test_removing_one_edge_changes_only_its_receiver")]
+U = "tests/unit/"
 TESTS = {  # mutant-name prefix -> the fast tests that exercise it, quickest and most specific first (longest prefix wins)
     "mechdiff.cmap.": ["tests/unit/test_mutants_cmap.py", "tests/unit/test_cmap.py"],
     "mechdiff.knowledge.forward.": ["tests/unit/test_mutants_forward.py", "tests/unit/test_mutants.py",
@@ -38,8 +42,23 @@ TESTS = {  # mutant-name prefix -> the fast tests that exercise it, quickest and
     # the RMS post-norm gain: only models with an attention post-norm reach it
     "mechdiff.knowledge.forward.x__rms_gain__": ["tests/unit/test_mutants_forward.py", *POST_NORM,
                                                  "tests/unit/test_knowledge.py::test_pipeline_on_other_families"],
+    "mechdiff.patching.core.": [U + "test_mutants_core.py", U + "test_patching.py", U + "test_suffix_runs.py",
+                                U + "test_mutants_forward.py", *POST_NORM[:2], U + "test_path_patching.py"],
+    "mechdiff.patching.path.": [U + "test_mutants_patching.py", U + "test_path_patching.py", U + "test_patching.py",
+                                U + "test_suffix_runs.py"],
+    "mechdiff.patching.scan.": [U + "test_mutants_patching.py", U + "test_scan.py", U + "test_curve.py",
+                                U + "test_answer_metrics.py"],
+    "mechdiff.patching.ablation.": [U + "test_ablation.py", U + "test_mutants.py", U + "test_mutants_forward.py",
+                                    U + "test_scoring.py", U + "test_curve.py"],
+    "mechdiff.patching.activation.": [U + "test_mutants_patching.py", U + "test_patching.py", U + "test_ablation.py",
+                                      U + "test_store.py"],
+    "mechdiff.patching.attribution.": [U + "test_mutants_patching.py", U + "test_path_patching.py",
+                                       U + "test_curve.py"],
+    "mechdiff.dcm.": [U + "test_mutants.py", U + "test_mutants_dcm.py", U + "test_dcm.py", U + "test_answer_metrics.py"],
+    "mechdiff.circuits.scoring.": [U + "test_mutants.py", U + "test_mutants_scoring.py", U + "test_scoring.py",
+                                   U + "test_ablation.py", U + "test_curve.py", U + "test_intervals.py"],
 }
-TIMEOUT_S = 600
+TIMEOUT_S = 180  # the slowest clean selection takes about 15 s; a mutant past this is counted as timed out (-24)
 
 
 def generate(path: str) -> list[str]:
@@ -57,7 +76,41 @@ def _module(name: str) -> str:
     return next(m for m in sorted(TESTS, key=len, reverse=True) if name.startswith(m))
 
 
-def run(names: list[str]) -> dict[str, int]:
+def _tests(module: str) -> list[str]:
+    """The module's tests that exist (a test file not written yet would make pytest exit 4, read as killed)."""
+    return [t for t in TESTS[module] if (MUTANTS / t.split("::")[0]).exists()]
+
+
+def order(names: list[str], seed: int) -> list[str]:
+    """Each module's mutants in a seeded random order, the modules interleaved in proportion to their sizes.
+
+    Any prefix of the result is then a uniform random sample of each module's mutants, whenever a run stops.
+    """
+    rng = random.Random(seed)
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(n.split(".x", 1)[0], []).append(n)
+    for g in groups.values():
+        rng.shuffle(g)
+    keyed = [((i + 0.5) / len(g), n) for g in groups.values() for i, n in enumerate(g)]
+    return [n for _, n in sorted(keyed)]
+
+
+def _child(name: str, tests: list[str]) -> int:
+    """Fork a pytest run of ``tests`` with ``name`` as the mutant under test ("" for none); return its pid."""
+    from mutmut.mutation.trampoline import set_mutant_under_test
+    import pytest
+
+    pid = os.fork()
+    if pid == 0:
+        set_mutant_under_test(name)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1), os.dup2(devnull, 2)
+        os._exit(int(pytest.main([*FAST, *tests])))
+    return pid
+
+
+def run(names: list[str], jobs: int = 1) -> dict[str, int]:
     os.chdir(MUTANTS)
     sys.path[:0] = [str(MUTANTS), str(MUTANTS / "tests")]
     os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", MPLBACKEND="Agg", OMP_NUM_THREADS="1")
@@ -66,44 +119,78 @@ def run(names: list[str]) -> dict[str, int]:
     import transformers  # noqa: F401
 
     import conftest  # the tests' conftest, as pytest imports it: its tokenizer cache is then shared by every fork
-    from mutmut.mutation.trampoline import set_mutant_under_test
 
     conftest._smollm2_tokenizer()
     modules = {_module(n) for n in names}
     sys.path.insert(0, str(MUTANTS / "tests" / "unit"))
-    for test in {t.split("::")[0] for m in modules for t in TESTS[m]}:  # as pytest imports them (prepend mode)
+    for test in {t.split("::")[0] for m in modules for t in _tests(m)}:  # as pytest imports them (prepend mode)
         __import__(Path(test).stem)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     names = [n for n in names if n not in results]  # already run: kept
-    clean = list(dict.fromkeys(t for m in sorted(modules) for t in TESTS[m]))
-    for name in ["", *names]:  # "": the clean run, which must pass
-        start = time.time()
-        pid = os.fork()
-        if pid == 0:
-            set_mutant_under_test(name)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1), os.dup2(devnull, 2)
-            code = pytest.main([*FAST, *(TESTS[_module(name)] if name else clean)])
-            os._exit(int(code))
-        while True:
+    clean = list(dict.fromkeys(t for m in sorted(modules) for t in _tests(m)))
+    pid = _child("", clean)
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        raise SystemExit("the clean tests failed")
+    running: dict[int, tuple[str, float]] = {}
+    queue = list(names)
+    while queue or running:
+        while queue and len(running) < jobs:
+            name = queue.pop(0)
+            running[_child(name, _tests(_module(name)))] = (name, time.time())
+        time.sleep(0.05)
+        for pid, (name, start) in list(running.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
+            if not done and time.time() - start <= TIMEOUT_S:
+                continue
             if done:
                 code = os.waitstatus_to_exitcode(status)
-                break
-            if time.time() - start > TIMEOUT_S:
+            else:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 code = -24
-                break
-            time.sleep(0.2)
-        if not name:
-            if code != 0:
-                raise SystemExit(f"the clean tests failed (exit {code})")
-            continue
-        results[name] = code
-        RESULTS.write_text(json.dumps(results, indent=0))
-        print(f"{name}\t{code}\t{time.time() - start:.1f}s", flush=True)
+            del running[pid]
+            results[name] = code
+            RESULTS.write_text(json.dumps(results, indent=0))
+            print(f"{name}\t{code}\t{time.time() - start:.1f}s", flush=True)
     return results
+
+
+def show(name: str) -> str:
+    """A mutant's diff against the original function, from the generated file under ``mutants/``."""
+    import ast
+    import difflib
+
+    module, function = name.split(".x", 1)
+    function = "x" + function
+    tree = ast.parse((MUTANTS / (module.replace(".", "/") + ".py")).read_text())
+    bodies = {n.name: ast.unparse(n).splitlines() for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    short = function
+    original = bodies[short.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"]
+    mutant = bodies[short]
+    return "\n".join(difflib.unified_diff(original, mutant, name, name, n=1, lineterm=""))
+
+
+def summary(names: list[str]) -> None:
+    """Per module (and per function with --by-function): run, killed, survived, and the score's exact 95% interval."""
+    from scipy.stats import binomtest
+
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    by_function = "--by-function" in sys.argv
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        key = n.rsplit("__mutmut_", 1)[0] if by_function else n.split(".x", 1)[0]
+        groups.setdefault(key, []).append(n)
+    print("| scope | mutants | run | killed | survived | timed out | score [exact 95%] |\n|---|---|---|---|---|---|---|")
+    for key, group in groups.items():
+        codes = [results[n] for n in group if n in results]
+        killed = sum(c not in (0, -24) for c in codes)
+        survived, timeouts = codes.count(0), codes.count(-24)
+        run_ = len(codes)
+        score = "" if not run_ else f"{killed / run_:.3f}"
+        if run_:
+            ci = binomtest(killed, run_).proportion_ci(method="exact")
+            score += f" [{ci.low:.3f}, {ci.high:.3f}]"
+        print(f"| `{key}` | {len(group)} | {run_} | {killed} | {survived} | {timeouts} | {score} |")
 
 
 if __name__ == "__main__":
@@ -111,6 +198,22 @@ if __name__ == "__main__":
     if args[:1] == ["--generate"]:
         for p in args[1:]:
             print("\n".join(generate(p)))
+        raise SystemExit
+    options = {"--jobs": "1", "--seed": ""}
+    for key in options:
+        if key in args:
+            i = args.index(key)
+            options[key] = args[i + 1]
+            del args[i:i + 2]
+    report = [a for a in args if a.startswith("--")]
+    args = [a for a in args if not a.startswith("--")]
+    names = [n for a in args for n in (Path(a[1:]).read_text().split() if a.startswith("@") else [a])]
+    if "--show" in report:
+        print("\n\n".join(show(n) for n in names))
+        raise SystemExit
+    if options["--seed"]:
+        names = order(names, int(options["--seed"]))
+    if "--summary" in report:
+        summary(names)
     else:
-        names = [n for a in args for n in (Path(a[1:]).read_text().split() if a.startswith("@") else [a])]
-        run(names)
+        run(names, int(options["--jobs"]))

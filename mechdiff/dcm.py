@@ -74,7 +74,7 @@ class DCMConfig:
 
     parameterisation: str = "continuous"
     lam: float = 0.01  # weight of the sparsity term sum(1 - m) (or the expected L0 of the gates)
-    # "loss": lam is relative to the unpatched model's loss |mean logit(target)| on the first training
+    # "loss": lam is relative to the unpatched model's loss mean |logit(target)| on the first training
     # batch, so the sparsity term has the same weight on any model's logit scale; "absolute": lam as is.
     lam_scale: str = "loss"
     lr: float = 0.1
@@ -369,7 +369,7 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, cache: 
 
 def loss_scale(model: LoadedModel, heads: Sequence[Head], position: str, cache: PairCache,
                train: Sequence[int], config: DCMConfig) -> float:
-    """The factor on ``lam``: 1 (``lam_scale="absolute"``) or |mean logit(target)| of the unpatched
+    """The factor on ``lam``: 1 (``lam_scale="absolute"``) or mean |logit(target)| of the unpatched
     model on the first training micro-batch (``"loss"``), so the sparsity weight is relative to the loss."""
     if config.lam_scale == "absolute" or not train:
         return 1.0
