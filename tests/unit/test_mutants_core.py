@@ -1,14 +1,16 @@
 """Tests added from mutmut's survivors in ``mechdiff/patching/core.py`` (see benchmarks/mutation.md):
 the knowledge forward's site writes on fused and interleaved Q/K/V layouts, checked against the
-patching driver's column patches, and ``trace_sites``' gradient default."""
+patching driver's column patches, ``trace_sites``' gradient default and resumed runs, suffix-run refusals."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 from conftest import make_tiny
-from mechdiff.patching.core import Patch, _join, _shifted, _suffix_hidden, run, suffix_start, trace_sites
+from mechdiff.patching.core import Patch, Resume, _join, _shifted, _suffix_hidden, run, suffix_start, trace_sites
 
 
 def _qkv_of(model, nn, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,3 +117,44 @@ def test_shifted_and_join_refuse_what_a_suffix_run_cannot_do():
     assert _shifted(Patch("z", 1, v, positions=slice(3, None)), 2).positions == slice(1, None)
     with pytest.raises(ValueError, match=r"batch 3 cannot stack a prefix of batch 2"):
         _join(torch.zeros(2, 1, 4, 2), torch.zeros(3, 1, 1, 2))
+
+
+def test_trace_sites_resumed_from_the_clean_stream_is_the_clean_run():
+    """``resume``: blocks below ``resume.layer`` are skipped, each from the given stream; resumed from the
+    clean stream the logits are the clean run's, and from a changed stream they change."""
+    model = make_tiny("llama", None, seed=2)
+    ids = torch.randint(0, 500, (2, 5), generator=torch.Generator().manual_seed(1))
+    clean = run(model, ids, capture=[("resid", 1)])
+    hidden = clean.captured[("resid", 1)]
+    resumed = trace_sites(model, ids, lambda s: s.logits().clone(), resume=Resume(2, hidden))
+    torch.testing.assert_close(resumed, clean.logits, atol=1e-5, rtol=1e-5)
+    other = trace_sites(model, ids, lambda s: s.logits().clone(), resume=Resume(2, hidden * 1.5))
+    assert not torch.allclose(other, clean.logits, atol=1e-3)
+
+
+def test_suffix_support_reads_the_text_config_and_names_the_reason():
+    """A multimodal model's layer types live in its text config; a recurrent state is refused too; the
+    refusal names the model, its family, the reason and the way out."""
+    from types import SimpleNamespace
+
+    from mechdiff.patching.core import check_suffix_support, suffix_supported
+
+    text = SimpleNamespace(model_type="hybrid", layer_types=["full_attention", "linear_attention", "sliding_attention"])
+    multimodal = SimpleNamespace(name="mm", model=SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text)))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "mm (hybrid): suffix runs (prefix=) are exact only over attention layers' keys and values, and its "
+            "layers include ['linear_attention']; run without a prefix (full-length runs)") + "$"):
+        check_suffix_support(multimodal)
+    assert not suffix_supported(multimodal)
+
+    class Recurrent:
+        config = SimpleNamespace(layer_types=None)
+        _is_stateful = True
+
+    with pytest.raises(ValueError, match=re.escape("rnn (Recurrent): suffix runs") + ".*and it carries a recurrent "
+                       "state; run without"):
+        check_suffix_support(SimpleNamespace(name="rnn", model=Recurrent()))
+    plain = SimpleNamespace(name="p", model=SimpleNamespace(config=SimpleNamespace(
+        model_type="llama", layer_types=["full_attention", "sliding_attention"])))
+    check_suffix_support(plain)
+    assert suffix_supported(plain)

@@ -7,6 +7,7 @@ Written from the survivors of mutation testing (benchmarks/mutation.md); each te
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import re
 
@@ -217,7 +218,7 @@ def test_patched_runs_resume_at_the_group_and_read_the_base_keys_and_values(mode
     assert kwargs["grad"] is False
 
 
-def test_a_circuit_builds_one_cache_per_desideratum(model, pairs, monkeypatch):
+def test_a_circuit_builds_one_cache_per_desideratum(model, pairs, monkeypatch, caplog):
     built = []
     original = PairCache.build
 
@@ -229,8 +230,10 @@ def test_a_circuit_builds_one_cache_per_desideratum(model, pairs, monkeypatch):
     circuit = Circuit("tiny", "entity-tracking", {"A": [Head(1, 0)], "B": [Head(2, 1)], "C": []},
                       {"A": "last", "B": "last", "C": "last"})
     config = DCMConfig(epochs=1, batch_size=8, eval_every=1, n_random=1)
-    results = dcm_circuit(model, circuit, {"one": pairs[:8], "two": pairs[8:16]}, config, progress=False)
+    with caplog.at_level(logging.INFO, logger="mechdiff.dcm"):
+        results = dcm_circuit(model, circuit, {"one": pairs[:8], "two": pairs[8:16]}, config, progress=False)
     assert len(built) == 2
+    assert "DCM group B (1 heads at last), desideratum two" in caplog.messages
     assert [(r.group, r.desideratum) for r in results] == [("A", "one"), ("A", "two"), ("B", "one"), ("B", "two")]
     with pytest.raises(ValueError, match=_exactly("group 'D' is not in the circuit (groups: ['A', 'B', 'C'])")):
         dcm_circuit(model, circuit, {"one": pairs[:8]}, config, groups=["D"], progress=False)
