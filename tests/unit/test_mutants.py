@@ -368,6 +368,7 @@ def test_matrix_rows_columns_from_faithfulness():
     res = faithfulness(scorer, circuit, n_random=2, seed=1)
     (row,) = rows
     assert row["circuit"] == "or" and row["model"] == "model-x" and row["n_heads"] == 3 and row["n_prompts"] == 12
+    assert row["n_pairs"] == len(circuit.pairs())
     for col, (part, metric) in {"full_accuracy": ("full", "accuracy"), "accuracy": ("circuit", "accuracy"),
                                 "faithfulness": ("circuit", "faithfulness"), "answer_prob": ("circuit", "answer_prob"),
                                 "faithfulness_prob": ("circuit", "faithfulness_prob"),

@@ -158,3 +158,18 @@ def test_suffix_support_reads_the_text_config_and_names_the_reason():
         model_type="llama", layer_types=["full_attention", "sliding_attention"])))
     check_suffix_support(plain)
     assert suffix_supported(plain)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_q_k_v_of_one_layer_captured_together_are_each_its_own(family):
+    """Separate projections (llama) are three sites; a fused one (GPT-2) is one site, read once per layer
+    (each kind's columns are taken from it later): capturing Q, K and V of one layer in one run gives what
+    each capture alone gives."""
+    model = make_tiny(family, None, seed=2)
+    ids = torch.randint(0, 500, (2, 5), generator=torch.Generator().manual_seed(1))
+    together = run(model, ids, capture=[("q", 1), ("k", 1), ("v", 1)]).captured
+    for kind in ("q", "k", "v"):
+        alone = run(model, ids, capture=[(kind, 1)]).captured[(kind, 1)]
+        torch.testing.assert_close(together[(kind, 1)], alone, rtol=0, atol=0)
+    if model.arch.qkv_layout == "separate":
+        assert not torch.equal(together[("q", 1)][..., :8], together[("k", 1)][..., :8])

@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import pytest
 import torch
 
@@ -27,3 +30,32 @@ def test_senders_after_the_receivers_position_change_nothing(tiny_llama, pairs):
     assert max(abs(v) for v in late.values()) < 1e-5
     early = path_patch(tiny_llama, batch, senders, "query_label", receivers, progress=False)
     assert max(abs(v) for v in early.values()) > 1e-4
+
+
+def test_step_a_from_an_earlier_sender_position_resumes_above_layer_0(tiny_llama, pairs):
+    """Senders at the query label, read at the last token (the frozen run is not a one-position run), all
+    above layer 0 (the run resumes from the clean stream). With every other head frozen nothing carries the
+    change to the last token, so each score is 0, as in full-length runs without resuming."""
+    batch = prepare(tiny_llama, pairs)
+    g = torch.Generator().manual_seed(1)
+    batch.source_z = {l: z + torch.randn(z.shape, generator=g) for l, z in batch.source_z.items()}
+    senders = [Head(1, 0), Head(1, 3), Head(2, 2)]
+    full = dataclasses.replace(batch, clean_resid=None, clean_kv=None)
+    plain = path_patch(tiny_llama, full, senders, "query_label", None, senders_per_pass=2, progress=False)
+    got = path_patch(tiny_llama, batch, senders, "query_label", None, senders_per_pass=2, progress=False)
+    for s in senders:
+        assert got[s] == pytest.approx(plain[s], rel=1e-4, abs=1e-6)
+    assert max(map(abs, got.values())) < 1e-6
+    assert max(map(abs, path_patch(tiny_llama, batch, senders, "last", None, progress=False).values())) > 1e-4
+
+
+def test_receivers_sharing_a_kv_group_are_one_site_and_logged(tiny_llama, caplog):
+    """GQA (2 query heads per KV group): V receivers of one group are one site, said in the log."""
+    from mechdiff.patching.path import receiver_sites
+
+    with caplog.at_level(logging.INFO, logger="mechdiff.patching.path"):
+        sites = receiver_sites(tiny_llama, Receivers((Head(2, 0), Head(2, 1), Head(1, 2)), "v", "last"))
+    d = tiny_llama.shape.d_head
+    assert sites == [(2, slice(0, d)), (1, slice(d, 2 * d))]
+    assert caplog.messages == ["GQA: 1 receiver heads share KV groups; patching V patches whole groups (2 sites)"]
+    assert len(receiver_sites(tiny_llama, Receivers((Head(2, 0), Head(2, 1)), "q", "last"))) == 2
