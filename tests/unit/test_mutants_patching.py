@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 import pytest
 import torch
@@ -59,3 +60,35 @@ def test_receivers_sharing_a_kv_group_are_one_site_and_logged(tiny_llama, caplog
     assert sites == [(2, slice(0, d)), (1, slice(d, 2 * d))]
     assert caplog.messages == ["GQA: 1 receiver heads share KV groups; patching V patches whole groups (2 sites)"]
     assert len(receiver_sites(tiny_llama, Receivers((Head(2, 0), Head(2, 1)), "q", "last"))) == 2
+
+
+def test_scan_positions_as_an_int_a_name_or_a_tensor_and_the_record(tiny_llama, smollm2_tokenizer):
+    """One int is that position in every example (the same scan as the tensor of it); ``"last"`` is the last
+    position; the result records each example's position, the clean and source metrics and its fields."""
+    from mechdiff.metrics import answer_prob
+    from mechdiff.patching.scan import scan
+    from mechdiff.tasks.entity_tracking import pair_batch_tensors
+
+    t = pair_batch_tensors(path_patching_pairs(smollm2_tokenizer, 2, n_boxes=3, seed=7))
+    clean, answers = t["base"]["input_ids"], t["target_ids"]
+    source = torch.randint(0, 5000, clean.shape, generator=torch.Generator().manual_seed(0))
+    n, length = clean.shape
+    at = scan(tiny_llama, clean, source, answers, site="z", positions=length - 3, per_pass=5)
+    same = scan(tiny_llama, clean, source, answers, site="z", positions=torch.full((n,), length - 3), per_pass=5)
+    torch.testing.assert_close(at.effects, same.effects, rtol=0, atol=0)
+    assert at.positions == [length - 3] * n
+    last = scan(tiny_llama, clean, source, answers, site="z", positions="last", per_pass=5)
+    assert last.positions == [length - 1] * n
+    assert scan(tiny_llama, clean, source, answers, site="z", positions=None, per_pass=12).positions == []
+    with torch.no_grad():
+        p_source = answer_prob(tiny_llama.model(source).logits[:, -1], answers).mean()
+    assert last.source == pytest.approx(float(p_source), abs=1e-6)
+    assert last.to_dict() == {"site": "z", "metric": "answer_prob", "axes": ["layer", "head"],
+                              "label": "change in probability of the answer (answer_prob)",
+                              "clean": last.clean, "source": last.source, "positions": [length - 1] * n,
+                              "effects": last.effects.tolist()}
+    for bad, message in (("first", "positions must be 'last', an int, a LongTensor [batch] or None, not 'first'"),
+                         (length, f"positions must give one position in [0, {length}) per example"),
+                         (torch.tensor([1]), f"positions must give one position in [0, {length}) per example")):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            scan(tiny_llama, clean, source, answers, site="z", positions=bad)
