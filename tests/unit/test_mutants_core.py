@@ -173,3 +173,26 @@ def test_q_k_v_of_one_layer_captured_together_are_each_its_own(family):
         torch.testing.assert_close(together[(kind, 1)], alone, rtol=0, atol=0)
     if model.arch.qkv_layout == "separate":
         assert not torch.equal(together[("q", 1)][..., :8], together[("k", 1)][..., :8])
+
+
+def test_run_refuses_what_it_cannot_do_and_says_so():
+    from mechdiff.patching.core import Prefix
+
+    model = make_tiny("llama", None, seed=2)
+    ids = torch.randint(0, 500, (2, 6), generator=torch.Generator().manual_seed(1))
+    kv = run(model, ids, keep_kv=True).kv
+    short = run(model, ids[:, :3], keep_kv=True).kv
+    z = torch.zeros(2, 1, 32)
+    cases = [
+        (dict(prefix=kv, keep_kv=True), "keep_kv needs a full run: no prefix, resume or stop"),
+        (dict(patches=[Patch("z", 1, z, torch.tensor([2, 2]))], prefix=kv, start=4),
+         "start 4 lies after the first patched or read-out position 2"),
+        (dict(prefix=Prefix(short.keys, short.values), start=4), "the prefix holds 3 positions, fewer than start 4"),
+        (dict(capture=[("z", 0)], resume=Resume(1, torch.zeros(2, 6, 64))),
+         "site ('z', 0) lies before the resumed layer 1; resume at or before the first patched or captured layer"),
+        (dict(prefix=kv, position_ids=torch.arange(6)[None]),
+         "position_ids are derived in a suffix run; give either position_ids or prefix"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            run(model, ids, **kwargs)
