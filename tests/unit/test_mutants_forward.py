@@ -170,6 +170,11 @@ def test_edge_forward_refusals_say_what_is_wrong():
         edge_forward(model, Graph.from_shape(model.shape, parallel=True), ids, None)
     assert str(err.value) == ("the graph has parallel blocks but tiny-llama-9 (llama) has not; build it with "
                               "Graph.for_model(model)")
+    neox = make_tiny("gpt_neox", None, seed=9)  # parallel attention and MLP
+    with pytest.raises(ValueError) as err:
+        edge_forward(neox, Graph.from_shape(neox.shape), ids, None)
+    assert str(err.value) == ("the graph lacks parallel blocks but tiny-gpt_neox-9 (gpt_neox) has; build it with "
+                              "Graph.for_model(model)")
     outs = torch.zeros(5, 2, 4, model.shape.d_model)  # layer 1 needs EMB, 4 heads and MLP0: 6 senders
     with pytest.raises(ValueError) as err:
         edge_forward(model, graph, ids, None, resume=EdgeResume(1, outs))
