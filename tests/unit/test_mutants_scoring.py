@@ -1,0 +1,27 @@
+"""Mean-ablation scoring's edge cases against direct runs. Written from the survivors of mutation testing
+(benchmarks/mutation.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from mechdiff.circuits.scoring import Scorer, ablation_patches
+from mechdiff.components import Head
+from mechdiff.patching.core import run
+from mechdiff.tasks.entity_tracking import batch_tensors, generate, reference_records
+
+
+def test_removing_pairs_of_a_class_absent_from_the_batch_changes_nothing(tiny_llama, smollm2_tokenizer):
+    """A removed pair whose position class holds no position in these prompts: the resumed run reads the
+    last position only, and its logits are F(C)'s."""
+    records = generate(smollm2_tokenizer, 4, n_boxes=3, seed=0)
+    reference = reference_records(smollm2_tokenizer, 4, 3, seed=1)
+    scorer = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False)
+    batch = batch_tensors(records)
+    batch["position_classes"] = {"nowhere": torch.zeros(batch["input_ids"].shape, dtype=torch.bool)}
+    base = frozenset({(Head(1, 0), "last"), (Head(2, 1), "nowhere"), (Head(0, 2), "query_label")})
+    removed = frozenset({(Head(2, 1), "nowhere")})
+    got = scorer._resumed(base, base - removed, removed, 2, batch, slice(0, 4))
+    with torch.no_grad():
+        want = run(tiny_llama, batch["input_ids"], ablation_patches(tiny_llama, scorer.means, batch, base)).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
