@@ -246,3 +246,13 @@ def test_semantic_patching_refuses_an_empty_selection(model, pairs):
     (res,) = semantic_patching([model], [Head(2, 1)], "last", pairs[:6], batch_size=4)
     assert res.accuracy.value == pytest.approx(target_accuracy(model, pairs[:6], [Head(2, 1)], "last").mean())
     assert res.floor.value == pytest.approx(np.mean([_mean_target_logit_top1(model, p) for p in pairs[:6]]))
+
+
+def test_a_mask_at_one_half_selects_nothing(model, pairs):
+    """Selected heads are those with m < 0.5: a mask that never leaves 0.5 (learning rate 0) selects none, so
+    the test accuracy is the floor and there is no random baseline of size 0."""
+    config = DCMConfig(lr=0.0, init=0.5, epochs=1, batch_size=12, eval_every=1, n_random=2)
+    res = run_dcm(model, HEADS, "last", pairs, config, progress=False)
+    assert res.mask == [0.5, 0.5, 0.5] and res.selected == [] and res.random is None
+    assert res.test_accuracy == res.floor
+    assert [h["n_selected"] for h in res.history] == [0, 0]
