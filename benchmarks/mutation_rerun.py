@@ -7,7 +7,8 @@ This driver uses mutmut's own mutants (the files under ``mutants/`` with their t
 once, then each mutant runs in a forked child with ``MUTANT_UNDER_TEST`` set, under ``pytest -x`` on the
 tests this file lists for its module. Exit code 0: survived; 1: killed; -24: timed out.
 
-    python benchmarks/mutation_rerun.py --generate mechdiff/knowledge/forward.py   # (re)write its mutants
+    python benchmarks/mutation_rerun.py --fresh > all.txt   # mutants/ rebuilt from this checkout; every mutant's name
+    python benchmarks/mutation_rerun.py --generate mechdiff/knowledge/forward.py   # (re)write one module's mutants
     python benchmarks/mutation_rerun.py NAME ... | @FILE   # results go to mutants/rerun-results.json
     python benchmarks/mutation_rerun.py --seed 0 --jobs 2 @FILE   # seeded order: any prefix is a random sample
     python benchmarks/mutation_rerun.py --summary [--by-function] @FILE   # counts and exact 95% intervals
@@ -70,6 +71,20 @@ def generate(path: str) -> list[str]:
     (MUTANTS / path).write_text(mutated.code)
     module = path.removesuffix(".py").replace("/", ".")
     return [f"{module}.{name}" for name in mutated.mutant_names]
+
+
+def fresh() -> list[str]:
+    """Rebuild ``mutants/`` from this checkout (the package, tests and task files, with every module of
+    ``[tool.mutmut] only_mutate`` mutated); return every mutant's name, module by module."""
+    import shutil
+    import tomllib
+
+    shutil.rmtree(MUTANTS, ignore_errors=True)
+    for part in ("mechdiff", "tests", "tasks"):
+        shutil.copytree(ROOT / part, MUTANTS / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", MUTANTS / "pyproject.toml")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    return [name for path in config["only_mutate"] for name in generate(path)]
 
 
 def _module(name: str) -> str:
@@ -195,6 +210,9 @@ def summary(names: list[str]) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if args[:1] == ["--fresh"]:
+        print("\n".join(fresh()))
+        raise SystemExit
     if args[:1] == ["--generate"]:
         for p in args[1:]:
             print("\n".join(generate(p)))
