@@ -25,3 +25,26 @@ def test_removing_pairs_of_a_class_absent_from_the_batch_changes_nothing(tiny_ll
     with torch.no_grad():
         want = run(tiny_llama, batch["input_ids"], ablation_patches(tiny_llama, scorer.means, batch, base)).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(tiny_llama, smollm2_tokenizer, tmp_path,
+                                                                       monkeypatch):
+    """``store``: the means are written to the HDF5 store on the first build and read from it on the next
+    (no forward pass), equal to the means computed in memory."""
+    import mechdiff.circuits.scoring as scoring
+    import mechdiff.store
+
+    records = generate(smollm2_tokenizer, 2, n_boxes=3, seed=0)
+    reference = reference_records(smollm2_tokenizer, 4, 3, seed=1)
+    store = tmp_path / "activations.h5"
+    first = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False, store=store)
+    assert store.is_file()
+    memory = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False)
+    torch.testing.assert_close(first.means, memory.means, rtol=0, atol=0)
+    def recomputed(*args, **kwargs):
+        raise AssertionError("the means were computed again")
+
+    monkeypatch.setattr(scoring, "site_means", recomputed)
+    monkeypatch.setattr(mechdiff.store, "capture_sites", recomputed)
+    again = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False, store=store)
+    torch.testing.assert_close(again.means, memory.means, rtol=0, atol=0)
