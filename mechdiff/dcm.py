@@ -56,10 +56,10 @@ PARAMETERISATIONS = ("continuous", "hard_concrete")
 _BETA, _GAMMA, _ZETA = 2.0 / 3.0, -0.1, 1.1
 
 
-def desideratum_pairs(name: str, tokenizer, n: int, n_boxes: int = 7, seed: int = 0,
+def desideratum_pairs(name: str, tokenizer, n: int, n_boxes: Optional[int] = None, seed: int = 0,
                       vocabulary: Optional[Sequence[str]] = None, task: str = "entity-tracking") -> list[PairRecord]:
     """Pairs of a desideratum the task defines (entity tracking: ``positional``, ``object``, ``label``);
-    ``n_boxes`` and ``vocabulary`` go to tasks that take them."""
+    ``n_boxes`` and ``vocabulary`` go to tasks that take them (``None``: the task's own default)."""
     t = get_task(task)
     key = _ALIASES.get(name, name)
     if key not in t.desiderata:

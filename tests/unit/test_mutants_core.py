@@ -196,3 +196,17 @@ def test_run_refuses_what_it_cannot_do_and_says_so():
     for kwargs, message in cases:
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             run(model, ids, **kwargs)
+
+
+def test_head_patch_writes_the_heads_columns():
+    """``head_patch``: a patch of one head's columns of a site (a query head's Q; its KV group's K and V)."""
+    from mechdiff.components import Head
+    from mechdiff.patching.core import head_patch
+
+    model = make_tiny("llama", None, seed=2)  # 4 query heads of 8, 2 KV groups
+    value, at = torch.ones(2, 8), torch.tensor([3, 4])
+    for kind, head, cols in (("z", 2, slice(16, 24)), ("q", 3, slice(24, 32)), ("k", 3, slice(8, 16)),
+                             ("v", 0, slice(0, 8))):
+        patch = head_patch(model, kind, Head(1, head), value, at)
+        assert (patch.kind, patch.layer, patch.columns) == (kind, 1, cols)
+        assert patch.value is value and patch.positions is at

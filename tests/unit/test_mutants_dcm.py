@@ -72,6 +72,7 @@ def test_desideratum_pairs_pass_boxes_seed_and_vocabulary(smollm2_tokenizer):
     assert got != desideratum_pairs("object", smollm2_tokenizer, 4, n_boxes=3, seed=3, vocabulary=VOCABULARY)
     assert desideratum_pairs("position", smollm2_tokenizer, 2, n_boxes=3) == \
         task.desideratum("positional", smollm2_tokenizer, 2, n_boxes=3)
+    assert desideratum_pairs("label", smollm2_tokenizer, 2) == task.desideratum("label", smollm2_tokenizer, 2)
     with pytest.raises(ValueError, match=_exactly(
             "unknown desideratum 'colour'; task entity-tracking defines ['label', 'object', 'positional'] "
             "(or pass your own list of counterfactual pairs)")):
@@ -169,6 +170,7 @@ def test_run_dcm_reports_the_accuracies_of_what_it_selected(model, pairs):
     train, val, test = split_indices(len(pairs), config.split, config.seed)
     tested = [pairs[i] for i in test]
     assert res.n_split == (len(train), len(val), len(test)) == (12, 4, 4)
+    assert [h["step"] for h in res.history] == [0, 2, 4, 6]  # every eval_every steps (3 steps an epoch)
     assert res.selected == [h for h, m in zip(HEADS, res.mask) if m < 0.5] and res.selected
     assert res.mask == [round(m, 4) for m in res.mask]
     assert res.test_accuracy.value == pytest.approx(target_accuracy(model, tested, res.selected, "last").mean())

@@ -92,3 +92,16 @@ def test_scan_positions_as_an_int_a_name_or_a_tensor_and_the_record(tiny_llama, 
                          (torch.tensor([1]), f"positions must give one position in [0, {length}) per example")):
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             scan(tiny_llama, clean, source, answers, site="z", positions=bad)
+
+
+def test_an_unknown_or_missing_position_is_refused_with_the_known_ones(tiny_llama, pairs):
+    from mechdiff.patching.path import _position
+
+    batch = prepare(tiny_llama, pairs)
+    known = sorted(batch.positions)
+    with pytest.raises(ValueError, match="^" + re.escape(f"unknown position 'box'; the dataset records {known}") + "$"):
+        path_patch(tiny_llama, batch, [Head(0, 0)], "box", None, progress=False)
+    batch.positions = {**batch.positions, "gone": torch.full((len(batch),), -1)}
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "position 'gone' is missing (-1) or not one per example in some clean prompts") + "$"):
+        _position(batch, "gone")
