@@ -210,3 +210,20 @@ def test_head_patch_writes_the_heads_columns():
         patch = head_patch(model, kind, Head(1, head), value, at)
         assert (patch.kind, patch.layer, patch.columns) == (kind, 1, cols)
         assert patch.value is value and patch.positions is at
+
+
+def test_a_suffix_run_starts_no_later_than_its_readout():
+    """``readout`` before every patched position: the suffix run starts at the readout, whose logits are the
+    full run's."""
+    from mechdiff.components import Head
+    from mechdiff.patching.core import head_patch
+
+    model = make_tiny("llama", None, seed=2)
+    ids = torch.randint(0, 500, (2, 7), generator=torch.Generator().manual_seed(1))
+    kv = run(model, ids, keep_kv=True).kv
+    patch = head_patch(model, "z", Head(1, 2), torch.ones(2, 8), torch.tensor([5, 6]))
+    readout = torch.tensor([2, 3])
+    full = run(model, ids, [patch], readout=readout).logits
+    suffix = run(model, ids, [patch], readout=readout, prefix=kv)
+    assert suffix.start == 2
+    torch.testing.assert_close(suffix.logits, full, rtol=1e-5, atol=1e-5)

@@ -128,18 +128,22 @@ def test_loss_scale_is_the_unpatched_mean_absolute_target_logit_of_the_first_mic
     assert loss_scale(model, HEADS, "last", cache, [], config) == 1.0
 
 
-def test_one_step_reports_its_loss_and_history_its_validation(model, pairs):
+@pytest.mark.parametrize("lam_scale", ["absolute", "loss"])
+def test_one_step_reports_its_loss_and_history_its_validation(model, pairs, lam_scale):
     """One optimiser step on every training pair: the history's loss is -(mean target logit) + lam * scale *
     sum(1 - m) at the initial mask, computed here from full-length runs; each validation's accuracy and
     selection are those of the mask it validated; the mask moves by Adam's first step, lr * sign(gradient)."""
     cache = PairCache.build(model, pairs, [(HEADS, "last")])
     train, val = list(range(8)), list(range(8, 14))
-    config = DCMConfig(lam=0.5, lam_scale="absolute", lr=0.3, epochs=1, batch_size=8, micro_batch=3,
+    config = DCMConfig(lam=0.5, lam_scale=lam_scale, lr=0.3, epochs=1, batch_size=8, micro_batch=3,
                        eval_every=1, init=0.8)
     init = torch.full((3,), 0.8)
-    expected_loss = -_mean_target_logit(model, [pairs[i] for i in train], HEADS, init) + 0.5 * float((1 - init).sum())
+    scale = 1.0 if lam_scale == "absolute" else _mean_target_logit(model, [pairs[i] for i in train[:3]], HEADS,
+                                                                   torch.ones(3), absolute=True)
+    lam = 0.5 * scale
+    expected_loss = -_mean_target_logit(model, [pairs[i] for i in train], HEADS, init) + lam * float((1 - init).sum())
     mask = init.clone().requires_grad_()
-    objective = -_mean_target_logit_grad(model, [pairs[i] for i in train], HEADS, mask) + 0.5 * (1 - mask).sum()
+    objective = -_mean_target_logit_grad(model, [pairs[i] for i in train], HEADS, mask) + lam * (1 - mask).sum()
     (grad,) = torch.autograd.grad(objective, mask)
     values, best_step, history = train_mask(model, HEADS, "last", cache, train, val, config, progress=False)
     assert [h["step"] for h in history] == [0, 1]
@@ -164,13 +168,13 @@ def _mean_target_logit_grad(model, pairs, heads, mask) -> torch.Tensor:
 
 
 def test_run_dcm_reports_the_accuracies_of_what_it_selected(model, pairs):
-    config = DCMConfig(lam=0.0, lr=0.5, epochs=2, batch_size=4, eval_every=2, init=0.4, n_random=2,
+    config = DCMConfig(lam=0.0, lr=0.5, epochs=2, batch_size=4, eval_every=4, init=0.4, n_random=2,
                        random_pool="group", seed=3)
     res = run_dcm(model, HEADS, "last", pairs, config, desideratum="object", group="B", progress=False)
     train, val, test = split_indices(len(pairs), config.split, config.seed)
     tested = [pairs[i] for i in test]
     assert res.n_split == (len(train), len(val), len(test)) == (12, 4, 4)
-    assert [h["step"] for h in res.history] == [0, 2, 4, 6]  # every eval_every steps (3 steps an epoch)
+    assert [h["step"] for h in res.history] == [0, 4, 6]  # every eval_every steps, and the last (3 an epoch)
     assert res.selected == [h for h, m in zip(HEADS, res.mask) if m < 0.5] and res.selected
     assert res.mask == [round(m, 4) for m in res.mask]
     assert res.test_accuracy.value == pytest.approx(target_accuracy(model, tested, res.selected, "last").mean())
@@ -258,3 +262,12 @@ def test_a_mask_at_one_half_selects_nothing(model, pairs):
     assert res.mask == [0.5, 0.5, 0.5] and res.selected == [] and res.random is None
     assert res.test_accuracy == res.floor
     assert [h["n_selected"] for h in res.history] == [0, 0]
+
+
+def test_a_position_absent_from_a_source_prompt_is_refused(model, pairs):
+    batch = pair_batch_tensors(pairs[:2])
+    batch["source"]["positions"]["last"] = torch.tensor([5, -1])
+    with pytest.raises(ValueError, match=_exactly(
+            "position 'last' is absent from some source prompts (e.g. path-patching sources); DCM needs the "
+            "group's position in both prompts of every pair")):
+        source_z(model, batch, [1], "last")

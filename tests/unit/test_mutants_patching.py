@@ -87,6 +87,8 @@ def test_scan_positions_as_an_int_a_name_or_a_tensor_and_the_record(tiny_llama, 
                               "label": "change in probability of the answer (answer_prob)",
                               "clean": last.clean, "source": last.source, "positions": [length - 1] * n,
                               "effects": last.effects.tolist()}
+    with pytest.raises(ValueError, match="^per_pass must be at least 1$"):
+        scan(tiny_llama, clean, source, answers, per_pass=0)
     for bad, message in (("first", "positions must be 'last', an int, a LongTensor [batch] or None, not 'first'"),
                          (length, f"positions must give one position in [0, {length}) per example"),
                          (torch.tensor([1]), f"positions must give one position in [0, {length}) per example")):

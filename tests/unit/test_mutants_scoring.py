@@ -47,4 +47,5 @@ def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(tiny_llama,
     monkeypatch.setattr(scoring, "site_means", recomputed)
     monkeypatch.setattr(mechdiff.store, "capture_sites", recomputed)
     again = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False, store=store)
+    assert (again.batch_size, again.progress) == (4, False)
     torch.testing.assert_close(again.means, memory.means, rtol=0, atol=0)
