@@ -12,6 +12,7 @@ tests this file lists for its module. Exit code 0: survived; 1: killed; -24: tim
     python benchmarks/mutation_rerun.py NAME ... | @FILE   # results go to mutants/rerun-results.json
     python benchmarks/mutation_rerun.py --seed 0 --jobs 2 @FILE   # seeded order: any prefix is a random sample
     python benchmarks/mutation_rerun.py --summary [--by-function] @FILE   # counts and exact 95% intervals
+    python benchmarks/mutation_rerun.py --survivors @FILE   # the survivors, grouped by what their mutation touches
 
 Run from the repository root with mutmut importable (``PYTHONPATH=/path/to/mutmut``).
 """
@@ -185,6 +186,33 @@ def show(name: str) -> str:
     return "\n".join(difflib.unified_diff(original, mutant, name, name, n=1, lineterm=""))
 
 
+# survivor kinds, by the mutated line (the first rule that matches); each is then checked by reading the diff
+KINDS = [
+    ("display", r"tqdm|desc=|leave=|disable=|progress|bar\b"),
+    ("device", r"device"),
+    ("dtype default", r"dtype="),
+    ("message", r"raise ValueError"),
+]
+
+
+def survivors(names: list[str]) -> None:
+    """The survivors among ``names``, grouped by kind (:data:`KINDS`; "other" is read one by one), each with
+    its mutated line."""
+    import re
+
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        if results.get(name) not in (0, -24):
+            continue
+        lines = [l[1:].strip() for l in show(name).splitlines() if l.startswith("+") and not l.startswith("+++")]
+        line = next((l for l in lines if not l.startswith("def ")), lines[0] if lines else "")
+        kind = next((k for k, rule in KINDS if re.search(rule, line)), "other")
+        groups.setdefault(kind, []).append(f"- `{name.removeprefix('mechdiff.')}`: `{line[:160]}`")
+    for kind, rows in groups.items():
+        print(f"\n### {kind} ({len(rows)})\n" + "\n".join(rows))
+
+
 def summary(names: list[str]) -> None:
     """Per module (and per function with --by-function): run, killed, survived, and the score's exact 95% interval."""
     from scipy.stats import binomtest
@@ -231,7 +259,9 @@ if __name__ == "__main__":
         raise SystemExit
     if options["--seed"]:
         names = order(names, int(options["--seed"]))
-    if "--summary" in report:
+    if "--survivors" in report:
+        survivors(names)
+    elif "--summary" in report:
         summary(names)
     else:
         run(names, int(options["--jobs"]))
