@@ -294,6 +294,9 @@ def test_minimality_threshold_skips_only_searches_that_cannot_change_pruning():
         assert got["pairs"][name] == want["pairs"][name] and got["pairs"][name]["K"]
     assert prune(circuit, got, 0.01).to_dict()["groups"] == prune(circuit, want, 0.01).to_dict()["groups"]
     assert len(skipping.calls) < len(full_search.calls)  # the skipped search evaluated nothing
+    # the threshold is relative to F(C) = 0.75: L2H1's contribution 0.75 is 1.0 of it, above 0.8
+    high = minimality(FakeScorer([a, b, c], rule), circuit, max_steps=1, n_candidates=None, seed=1, threshold=0.8)
+    assert high["circuit"] == 0.75 and high["pairs"]["L2H1@last"]["searched"] is False
 
 
 def test_minimality_prob_metric_and_candidates():

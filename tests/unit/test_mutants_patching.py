@@ -107,3 +107,67 @@ def test_an_unknown_or_missing_position_is_refused_with_the_known_ones(tiny_llam
     with pytest.raises(ValueError, match="^" + re.escape(
             "position 'gone' is missing (-1) or not one per example in some clean prompts") + "$"):
         _position(batch, "gone")
+
+
+def _scan_prompts(tokenizer, n: int = 2):
+    from mechdiff.tasks.entity_tracking import pair_batch_tensors
+
+    t = pair_batch_tensors(path_patching_pairs(tokenizer, n, n_boxes=3, seed=7))
+    clean = t["base"]["input_ids"]
+    return clean, torch.randint(0, 5000, clean.shape, generator=torch.Generator().manual_seed(0)), t["target_ids"]
+
+
+def test_scan_logit_difference_is_the_difference_of_the_answer_logit_scans(tiny_llama, smollm2_tokenizer):
+    """The effect on logit(a) - logit(o) is the effect on logit(a) minus the effect on logit(o): the
+    alternative answers are stacked with the copies like the answers."""
+    from mechdiff.patching.scan import scan
+
+    clean, source, answers = _scan_prompts(smollm2_tokenizer)
+    other = answers.roll(1) + 7
+    diff = scan(tiny_llama, clean, source, answers, site="z", metric="logit_diff", other_ids=other, per_pass=5)
+    a = scan(tiny_llama, clean, source, answers, site="z", metric="answer_logit", per_pass=5)
+    o = scan(tiny_llama, clean, source, other, site="z", metric="answer_logit", per_pass=5)
+    torch.testing.assert_close(diff.effects, a.effects - o.effects, rtol=1e-4, atol=1e-5)
+    assert float(diff.effects.abs().max()) > 1e-3
+
+
+def test_resid_scan_does_not_depend_on_how_positions_are_grouped(tiny_llama, smollm2_tokenizer):
+    """Positions scanned two per pass (three passes, the last one short) or all in one pass: the same grid."""
+    from mechdiff.patching.scan import scan
+
+    clean, source, answers = _scan_prompts(smollm2_tokenizer)
+    positions = [0, 3, 6, 9, clean.shape[1] - 1]
+    two = scan(tiny_llama, clean, source, answers, site="resid", positions=positions, per_pass=2)
+    one = scan(tiny_llama, clean, source, answers, site="resid", positions=positions, per_pass=8)
+    torch.testing.assert_close(two.effects, one.effects, rtol=1e-4, atol=1e-6)
+    assert bool((one.effects[:, -1] != 0).all())  # the last position moves the answer at every layer
+
+
+def test_receivers_refuse_a_bad_kind_or_no_heads():
+    with pytest.raises(ValueError, match="^" + re.escape("receiver kind must be q, k or v, not 'z'") + "$"):
+        Receivers((Head(1, 0),), "z", "last")
+    with pytest.raises(ValueError, match="^no receiver heads: path patching to receivers needs at least one$"):
+        Receivers((), "q", "last")
+
+
+def test_activation_patch_of_heads_apart_in_one_layer_is_their_column_patches(tiny_llama, pairs):
+    """Two heads of one layer that are not neighbours (one patch with the other columns restored by a mask)
+    and the embedding: what separate column patches of each give."""
+    from mechdiff.patching.activation import activation_patch, capture_sources
+    from mechdiff.patching.core import EMB_LAYER, Patch, head_patch, run
+    from mechdiff.tasks.entity_tracking import pair_batch_tensors
+
+    t = pair_batch_tensors(pairs)
+    clean, source = t["base"]["input_ids"], t["source"]["input_ids"]
+    heads = [Head(1, 0), Head(1, 2), Head(2, 3)]
+    at = t["base"]["positions"]["query_label"]
+    got = activation_patch(tiny_llama, clean, source, [*heads, "EMB"], positions=at)
+    captured = capture_sources(tiny_llama, source, [*heads, "EMB"])
+    rows = torch.arange(len(at))
+    d = tiny_llama.shape.d_head
+    patches = [head_patch(tiny_llama, "z", h, captured[("z", h.layer)][rows, at, h.head * d:(h.head + 1) * d], at)
+               for h in heads]
+    patches.append(Patch("emb", EMB_LAYER, captured[("emb", EMB_LAYER)][rows, at], at))
+    want = run(tiny_llama, clean, patches).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, run(tiny_llama, clean).logits, atol=1e-4)
