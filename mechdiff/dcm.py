@@ -485,14 +485,15 @@ class SemanticResult:
 
 
 def semantic_patching(models: Iterable[LoadedModel], heads: Sequence[Head], position: str,
-                      pairs: Sequence[PairRecord], batch_size: int = 32) -> list[SemanticResult]:
+                      pairs: Sequence[PairRecord], batch_size: int = 32, progress: bool = True
+                      ) -> list[SemanticResult]:
     """Patch ``heads`` (e.g. a DCM selection) from each pair's source into its base, within each model,
     and report the desideratum's target accuracy per model (with the unpatched floor)."""
     if not heads:
         raise ValueError("semantic patching needs at least one head (the DCM selection was empty)")
     out = []
     for model in models:
-        cache = PairCache.build(model, pairs, [(list(heads), position)], batch_size)
-        acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress=True)
+        cache = PairCache.build(model, pairs, [(list(heads), position)], batch_size, progress)
+        acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress)
         out.append(SemanticResult(model.name, proportion(acc), proportion(cache.floor)))
     return out

@@ -381,6 +381,8 @@ def test_matrix_rows_columns_from_faithfulness():
         d = res[part][metric]
         assert (row[col], row[f"{col}_low"], row[f"{col}_high"]) == (d["value"], d["low"], d["high"])
     assert "random_accuracy" not in matrix_rows("m", {"or": circuit}, scorer)[0]
+    only = matrix_rows("m", {"or": circuit, "same": circuit}, scorer, n_random=2, seed=1, random_for=["same"])
+    assert "random_accuracy" not in only[0] and only[1]["random_accuracy"] == row["random_accuracy"]
 
 
 def test_estimate_round_trip_and_pair_name():

@@ -271,3 +271,14 @@ def test_a_position_absent_from_a_source_prompt_is_refused(model, pairs):
             "position 'last' is absent from some source prompts (e.g. path-patching sources); DCM needs the "
             "group's position in both prompts of every pair")):
         source_z(model, batch, [1], "last")
+
+
+def test_a_quiet_dcm_prints_nothing(model, pairs, capsys):
+    """``progress=False``: no bar from the cache, training, validation or evaluation."""
+    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(1, 0), Head(2, 1)]}, {"A": "last"})
+    dcm_circuit(model, circuit, {"one": pairs[:9]}, DCMConfig(epochs=1, batch_size=3, eval_every=1, n_random=1),
+                progress=False)
+    semantic_patching([model], [Head(2, 1)], "last", pairs[:3], progress=False)
+    assert capsys.readouterr().err == ""
+    semantic_patching([model], [Head(2, 1)], "last", pairs[:3])  # the default shows its bars
+    assert "dcm cache" in capsys.readouterr().err
