@@ -47,6 +47,8 @@ def test_step_a_from_an_earlier_sender_position_resumes_above_layer_0(tiny_llama
     for s in senders:
         assert got[s] == pytest.approx(plain[s], rel=1e-4, abs=1e-6)
     assert max(map(abs, got.values())) < 1e-6
+    batch.positions = {**batch.positions, "penultimate": torch.full((len(batch),), batch.clean_ids.shape[1] - 2)}
+    assert max(map(abs, path_patch(tiny_llama, batch, senders, "penultimate", None, progress=False).values())) < 1e-6
     assert max(map(abs, path_patch(tiny_llama, batch, senders, "last", None, progress=False).values())) > 1e-4
 
 
@@ -132,7 +134,8 @@ def test_scan_logit_difference_is_the_difference_of_the_answer_logit_scans(tiny_
 
 
 def test_resid_scan_does_not_depend_on_how_positions_are_grouped(tiny_llama, smollm2_tokenizer):
-    """Positions scanned two per pass (three passes, the last one short) or all in one pass: the same grid."""
+    """Positions scanned two per pass (three passes, the last one short) or all in one pass, given as a list
+    or a tensor: the same grid."""
     from mechdiff.patching.scan import scan
 
     clean, source, answers = _scan_prompts(smollm2_tokenizer)
@@ -140,6 +143,9 @@ def test_resid_scan_does_not_depend_on_how_positions_are_grouped(tiny_llama, smo
     two = scan(tiny_llama, clean, source, answers, site="resid", positions=positions, per_pass=2)
     one = scan(tiny_llama, clean, source, answers, site="resid", positions=positions, per_pass=8)
     torch.testing.assert_close(two.effects, one.effects, rtol=1e-4, atol=1e-6)
+    as_tensor = scan(tiny_llama, clean, source, answers, site="resid", positions=torch.tensor(positions), per_pass=8)
+    assert as_tensor.positions == positions
+    torch.testing.assert_close(as_tensor.effects, one.effects, rtol=0, atol=0)
     assert bool((one.effects[:, -1] != 0).all())  # the last position moves the answer at every layer
 
 
