@@ -49,3 +49,26 @@ def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(tiny_llama,
     again = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False, store=store)
     assert (again.batch_size, again.progress) == (4, False)
     torch.testing.assert_close(again.means, memory.means, rtol=0, atol=0)
+
+
+def test_position_mask_refuses_unknown_and_missing_positions_by_kind():
+    import pytest
+
+    from mechdiff.circuits.scoring import position_mask
+
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    batch = {"input_ids": ids, "positions": {"last": torch.tensor([4, 4]), "gone": torch.tensor([3, -1]),
+                                             "objects": torch.tensor([[0, 2], [1, -1]])},
+             "position_classes": {"context": torch.ones(2, 5, dtype=torch.bool)}}
+    assert position_mask(batch, "context") is batch["position_classes"]["context"]
+    assert position_mask(batch, "last").nonzero().tolist() == [[0, 4], [1, 4]]
+    for name, message in (("gone", "position 'gone' is missing in some prompts; score on prompts that contain it"),
+                          ("objects", "position class 'objects' is missing in some prompts; score on prompts that "
+                                      "contain it"),
+                          ("box", "unknown position 'box'; valid: ['gone', 'last', 'objects'], the classes "
+                                  "['context'] or '*'")):
+        with pytest.raises(ValueError) as err:
+            position_mask(batch, name)
+        assert str(err.value) == message
+    batch["positions"]["objects"] = torch.tensor([[0, 2], [1, 3]])
+    assert position_mask(batch, "objects").nonzero().tolist() == [[0, 0], [0, 2], [1, 1], [1, 3]]
