@@ -177,3 +177,17 @@ def test_activation_patch_of_heads_apart_in_one_layer_is_their_column_patches(ti
     want = run(tiny_llama, clean, patches).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(want, run(tiny_llama, clean).logits, atol=1e-4)
+
+
+def test_site_means_default_to_every_layers_z_quietly(tiny_llama, capsys):
+    """Without ``kind`` the means are of ``z``, over every prompt of every batch, and no bar is shown."""
+    from mechdiff.patching.ablation import site_means
+    from mechdiff.patching.core import run
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 500, (2, 5), generator=g), torch.randint(0, 500, (3, 5), generator=g)]
+    got = site_means(tiny_llama, batches)
+    layers = range(tiny_llama.shape.n_layers)
+    z = [torch.cat([run(tiny_llama, ids, capture=[("z", l)]).captured[("z", l)] for ids in batches]) for l in layers]
+    torch.testing.assert_close(got, torch.stack([t.mean(0) for t in z]), rtol=1e-5, atol=1e-6)
+    assert capsys.readouterr().err == ""
