@@ -191,3 +191,64 @@ def test_site_means_default_to_every_layers_z_quietly(tiny_llama, capsys):
     z = [torch.cat([run(tiny_llama, ids, capture=[("z", l)]).captured[("z", l)] for ids in batches]) for l in layers]
     torch.testing.assert_close(got, torch.stack([t.mean(0) for t in z]), rtol=1e-5, atol=1e-6)
     assert capsys.readouterr().err == ""
+
+
+def _spy(module, monkeypatch) -> list[tuple[tuple, dict]]:
+    """Record every ``run`` call ``module`` makes (arguments and keywords), still running it."""
+    calls, original = [], module.run
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "run", recorded)
+    return calls
+
+
+def test_path_patching_runs_compute_only_what_a_sender_changes(tiny_llama, pairs, monkeypatch):
+    """Cost, not values (the values are checked against full runs above and in test_path_patching.py): the
+    frozen and receiver runs resume above the layers no sender or receiver sits in and read the clean keys and
+    values before the first position they write; step A at the last token computes that one token."""
+    import mechdiff.patching.path as path
+
+    batch = prepare(tiny_llama, pairs)
+    calls = _spy(path, monkeypatch)
+    senders = [Head(1, 0), Head(1, 1)]
+    spos = batch.positions["query_label"]
+    path_patch(tiny_llama, batch, senders, "query_label", Receivers((Head(2, 1),), "v", "last"), progress=False)
+    (_, frozen), (_, receiver) = calls
+    assert frozen["resume"].layer == 1 and frozen["prefix"] is batch.clean_kv and frozen["start"] == int(spos.min())
+    assert receiver["resume"].layer == 2 and receiver["prefix"] is batch.clean_kv
+    calls.clear()
+    path_patch(tiny_llama, batch, senders, "query_label", None, progress=False)
+    ((_, frozen),) = calls
+    assert frozen["resume"].layer == 1 and frozen["prefix"] is batch.clean_kv and frozen["start"] == int(spos.min())
+    calls.clear()
+    path_patch(tiny_llama, batch, senders, "last", None, progress=False)
+    ((args, point),) = calls
+    assert args[1].shape == (2 * len(batch), 1) and point["resume"].layer == 1
+
+
+def test_scans_and_activation_patches_are_suffix_runs(tiny_llama, pairs, monkeypatch):
+    """Cost, not values: head scans at one position, resid scans and activation patches with a prefix read
+    the clean keys and values; head scans resume at each pass's first layer."""
+    import mechdiff.patching.activation as activation
+    import mechdiff.patching.scan as scan_module
+    from mechdiff.tasks.entity_tracking import pair_batch_tensors
+
+    t = pair_batch_tensors(pairs)
+    clean, source, answers = t["base"]["input_ids"], t["source"]["input_ids"], t["target_ids"]
+    calls = _spy(scan_module, monkeypatch)
+    scan_module.scan(tiny_llama, clean, source, answers, site="z", positions="last", per_pass=4)
+    patched = calls[2:]  # after the clean and the source runs
+    assert len(patched) == 3 and all(k["prefix"] is not None for _, k in patched)
+    assert [None if k["resume"] is None else k["resume"].layer for _, k in patched] == [None, 1, 2]
+    calls.clear()
+    scan_module.scan(tiny_llama, clean, source, answers, site="resid", positions=[3, 5], per_pass=4)
+    assert all(k["prefix"] is not None for _, k in calls[2:]) and len(calls) == 2 + 3
+    calls = _spy(activation, monkeypatch)
+    kv = activation.run(tiny_llama, clean, keep_kv=True).kv
+    calls.clear()
+    activation.activation_patch(tiny_llama, clean, source, [Head(1, 2)], t["base"]["positions"]["query_label"],
+                                prefix=kv)
+    assert calls[-1][1]["prefix"] is kv

@@ -25,6 +25,10 @@ def test_removing_pairs_of_a_class_absent_from_the_batch_changes_nothing(tiny_ll
     with torch.no_grad():
         want = run(tiny_llama, batch["input_ids"], ablation_patches(tiny_llama, scorer.means, batch, base)).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    key = frozenset({(Head(1, 0), "last")})
+    cached, runs = scorer.keep(key), len(scorer.runs)
+    assert scorer.keep_without(key | removed, removed) is cached  # served by the cache: nothing run again
+    assert len(scorer.runs) == runs
 
 
 def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(tiny_llama, smollm2_tokenizer, tmp_path,
