@@ -146,6 +146,11 @@ def test_resid_scan_does_not_depend_on_how_positions_are_grouped(tiny_llama, smo
     as_tensor = scan(tiny_llama, clean, source, answers, site="resid", positions=torch.tensor(positions), per_pass=8)
     assert as_tensor.positions == positions
     torch.testing.assert_close(as_tensor.effects, one.effects, rtol=0, atol=0)
+    every = scan(tiny_llama, clean, source, answers, site="resid", positions=None, per_pass=32)
+    assert every.positions == list(range(clean.shape[1]))
+    torch.testing.assert_close(every.effects[:, positions], one.effects, rtol=1e-4, atol=1e-6)
+    assert scan(tiny_llama, clean, source, answers, site="resid", positions="all", per_pass=32).positions == \
+        every.positions
     with pytest.raises(ValueError, match="^" + re.escape(f"resid scan positions must lie in [0, {clean.shape[1]})") + "$"):
         scan(tiny_llama, clean, source, answers, site="resid", positions=[0, clean.shape[1]])
     assert bool((one.effects[:, -1] != 0).all())  # the last position moves the answer at every layer

@@ -76,3 +76,13 @@ def test_position_mask_refuses_unknown_and_missing_positions_by_kind():
         assert str(err.value) == message
     batch["positions"]["objects"] = torch.tensor([[0, 2], [1, 3]])
     assert position_mask(batch, "objects").nonzero().tolist() == [[0, 0], [0, 2], [1, 1], [1, 3]]
+
+
+def test_means_of_no_records_are_refused(tiny_llama):
+    import pytest
+
+    from mechdiff.circuits.scoring import position_means
+
+    with pytest.raises(ValueError) as err:
+        position_means(tiny_llama, [])
+    assert str(err.value) == "no reference records to average; give at least one"
