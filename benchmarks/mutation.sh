@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation testing of the core modules with mutmut (pip install -e ".[mutation]"); not part of CI.
-# Mutates only [tool.mutmut] only_mutate in pyproject.toml (circuits/scoring.py, dcm.py, patching/core.py, cmap.py,
+# Mutates only [tool.mutmut] only_mutate in pyproject.toml (patching/, circuits/scoring.py, dcm.py, cmap.py,
 # knowledge/forward.py) and runs, per mutant, only the fast tests of its test selection that cover the mutated
 # function (-m "not slow"). Changing that selection resets every result (mutmut reruns its stats pass); to rerun
 # chosen mutants without it: python benchmarks/mutation_rerun.py NAME ... (see benchmarks/mutation.md).
