@@ -259,3 +259,14 @@ def test_scans_and_activation_patches_are_suffix_runs(tiny_llama, pairs, monkeyp
     activation.activation_patch(tiny_llama, clean, source, [Head(1, 2)], t["base"]["positions"]["query_label"],
                                 prefix=kv)
     assert calls[-1][1]["prefix"] is kv
+
+
+def test_empty_means_and_unpatchable_components_are_refused(tiny_llama):
+    from mechdiff.patching.ablation import PositionMeans
+    from mechdiff.patching.activation import capture_sources
+
+    with pytest.raises(ValueError, match="^no activations to average; add at least one batch$"):
+        PositionMeans().mean()
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "cannot patch 'MLP1': activation patching supports heads (L<l>H<h>) and EMB") + "$"):
+        capture_sources(tiny_llama, torch.zeros(1, 3, dtype=torch.long), ["MLP1"])
