@@ -270,3 +270,24 @@ def test_empty_means_and_unpatchable_components_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="^" + re.escape(
             "cannot patch 'MLP1': activation patching supports heads (L<l>H<h>) and EMB") + "$"):
         capture_sources(tiny_llama, torch.zeros(1, 3, dtype=torch.long), ["MLP1"])
+
+
+def test_attribution_is_the_first_order_path_patching_score(tiny_llama, pairs):
+    """For a source a small step from clean, the exact path-patching score is linear in the step, so the
+    attribution estimate equals it (scale included); scores cover exactly the senders asked for, or by
+    default every head below the deepest receiver."""
+    from mechdiff.patching.attribution import attribution_scores
+    from mechdiff.patching.path import eligible_senders
+
+    batch = prepare(tiny_llama, pairs)
+    g = torch.Generator().manual_seed(2)
+    batch.source_z = {l: z + 1e-3 * torch.randn(z.shape, generator=g) for l, z in batch.clean_z.items()}
+    senders = [Head(0, 1), Head(1, 2), Head(2, 0)]
+    exact = path_patch(tiny_llama, batch, senders, "last", None, progress=False)
+    estimate = attribution_scores(tiny_llama, batch, "last", None, senders)
+    assert list(estimate) == senders
+    for s in senders:
+        assert estimate[s] == pytest.approx(exact[s], rel=0.05, abs=1e-9)
+    assert max(abs(v) for v in exact.values()) > 1e-7
+    receivers = Receivers((Head(2, 1),), "q", "last")
+    assert list(attribution_scores(tiny_llama, batch, "last", receivers)) == eligible_senders(tiny_llama, receivers)
