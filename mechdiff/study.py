@@ -391,6 +391,7 @@ class Study:
                 time.sleep(poll)
 
     def _run(self) -> Path:
+        from .report.html import write_html
         from .report.study_report import write_report
 
         if self.spec.reproduce.circuit:  # the released circuit on every model, beside the published figures
@@ -412,6 +413,7 @@ class Study:
         cmap = {ft: self.cmap(ft, found[base]) for ft in self.spec.models.finetunes}
         report = write_report(self, accuracy, positions, found, pruned, matrix, dcm, cmap)
         write_json(self.dir / "run.json", self.manifest())
+        write_html(self.dir)  # report.html: read from what was just written (as `mechdiff view` does)
         return report
 
     def manifest(self) -> dict:

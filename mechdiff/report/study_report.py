@@ -11,6 +11,7 @@ from ..circuits.overlap import overlap_table
 from ..io import write_text
 from ..stats import Estimate, paired_difference
 from .bars import grouped_bars
+from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
 from .tables import estimate_columns, to_markdown, write_table
 
@@ -105,6 +106,12 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
     lines = [text, "Pairs per position class of each model's circuit:\n"]
     for n, c in loaded.items():
         lines.append(f"- **{n}**: " + "; ".join(f"`{c.positions[g]}` {len(hs)}" for g, hs in c.groups.items()))
+    heads = head_rows({n: rec.result for n, rec in found.items()}, {n: rec.result for n, rec in pruned.items()})
+    if heads:
+        write_heads_table(heads, study.dir / "tables")
+        lines.append(f"\nEvery scored (model, head, position class) pair: its attribution and rank, selection "
+                     f"frequency, membership before and after pruning (`tables/heads.csv`, {len(heads)} rows; the "
+                     "grid of `report.html` shows them on hover).")
     lines += ["", "![circuit membership](figures/membership.png)", "", *figs, ""]
     curves = [{"model": n, **{k: r[k] for k in ("fraction", "n_pairs")},
                **estimate_columns("accuracy", r["accuracy"]), **estimate_columns("faithfulness", r["faithfulness"]),

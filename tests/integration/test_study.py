@@ -57,6 +57,7 @@ def test_study_end_to_end_and_caching(tiny_family, tmp_path):
     assert (run_dir / "circuits").is_dir()
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["versions"]["torch"] and all(not s["cached"] for s in manifest["stages"].values())
+    _check_heads_table_and_page(spec, run_dir, text, tmp_path)
 
     again = Study(spec, progress=False)
     again.run()
@@ -199,3 +200,35 @@ def _assert_close(a, b, where: str) -> None:
         assert a == pytest.approx(b, rel=1e-5, abs=1e-9, nan_ok=True), where
     else:
         assert a == b, where
+
+
+def _check_heads_table_and_page(spec, run_dir, report_md, tmp_path):
+    """tables/heads.json holds each circuit stage record's scores; report.html is written, and `mechdiff view`
+    rebuilds it from the committed files alone (no stage records) with the report's own findings."""
+    import shutil
+
+    from mechdiff.cli import main
+    from mechdiff.studies.stages import label
+
+    heads = json.loads((run_dir / "tables" / "heads.json").read_text())
+    for name in spec.model_names:
+        rec = json.loads((run_dir / "stages" / f"circuit__{label(name)}.json").read_text())["result"]
+        mine = {f"{r['head']}@{r['position']}": r for r in heads if r["model"] == name}
+        members = {f"{h}@{rec['circuit']['positions'][g]}" for g, hs in rec["circuit"]["groups"].items() for h in hs}
+        assert {p for p, r in mine.items() if r["in_circuit"]} == members
+        for rank, (pair, score) in enumerate(rec["ranking"], 1):
+            assert mine[pair]["attribution"] == score and mine[pair]["rank"] == rank
+        for part in ("selected", "others"):
+            for pair, freq in rec["stability"][part].items():
+                assert mine[pair]["selection_frequency"] == freq
+    page = (run_dir / "report.html").read_text()
+    assert page.count("* plotly.js v") == 1 and "<script src=" not in page  # inlined once, nothing fetched
+    committed = tmp_path / "committed"
+    shutil.copytree(run_dir, committed, ignore=shutil.ignore_patterns("stages", "report.html"))
+    assert main(["view", str(committed)]) == 0
+    again = (committed / "report.html").read_text()
+    findings = report_md.split("## Findings", 1)[1].split("## Limitations", 1)[0]
+    bullets = [line[2:].split("**")[-1].strip(" .") for line in findings.splitlines() if line.startswith("- ")]
+    assert bullets and all(b.replace("`", "")[:40] in again.replace("<code>", "").replace("</code>", "")
+                           for b in bullets if b)
+    assert "from <code>tables/heads.json</code>" in again and '"views"' in again

@@ -1,0 +1,707 @@
+"""``report.html``: one self-contained page per run directory, built from what a committed run holds.
+
+A study run (``run.json`` with a ``spec``) gives: the findings and limitations (the sentences of ``report.md``,
+which the study wrote from its tables' rows), the accuracy table, a layer x head grid per model whose hover shows
+every score the run holds for each (head, position class) pair (``tables/heads.json``, or the circuit stage
+records where present; the circuits; DCM; CMAP), a model toggle and the difference between two models, the
+position scan, curve, selection stability and CMAP as plots with their intervals, every table (sortable) and the
+stage table. Any other results directory (a HeadMap, IOI or knowledge run) gets its summary, every table and a
+grid per circuit file it holds. Charts are Plotly figures; plotly.js is inlined once, so the file opens from disk
+with no network.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from ..io import write_text
+from .heads import HEADS_TABLE, head_rows
+from .tables import _fmt
+
+#: JSON files larger than this are not read as tables or circuits of a generic results directory.
+MAX_JSON = 400_000
+HEAD = re.compile(r"^L(\d+)H(\d+)$")
+
+
+# -- reading a run directory -----------------------------------------------------------------------
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _is_table(data: Any) -> bool:
+    scalar = (str, int, float, bool, type(None))
+    return (isinstance(data, list) and bool(data) and all(isinstance(r, dict) for r in data)
+            and all(isinstance(v, scalar) for r in data for v in r.values()))
+
+
+def _circuit_pairs(data: Any) -> Optional[dict[str, set[str]]]:
+    """``{head: {position classes}}`` of a circuit file (groups of heads at positions, or an edge circuit's
+    nodes), else None."""
+    if not isinstance(data, dict):
+        return None
+    if isinstance(data.get("groups"), dict) and isinstance(data.get("positions"), dict):
+        out: dict[str, set[str]] = {}
+        for g, heads in data["groups"].items():
+            for h in heads:
+                if isinstance(h, str) and HEAD.match(h):
+                    out.setdefault(h, set()).add(data["positions"].get(g, g))
+        return out
+    if isinstance(data.get("nodes"), list):
+        return {n: {"node"} for n in data["nodes"] if isinstance(n, str) and HEAD.match(n)}
+    return None
+
+
+def _caption(path: Path) -> str:
+    """The bold first line of the table's Markdown twin, if any."""
+    md = path.with_suffix(".md")
+    if md.exists():
+        first = md.read_text().lstrip().split("\n", 1)[0]
+        if first.startswith("**") and first.endswith("**"):
+            return first.strip("*")
+    return ""
+
+
+def _sections(text: str) -> dict[str, str]:
+    """``{"": lead, heading: body}`` of a Markdown report's ``##`` sections."""
+    out, name, buf = {}, "", []
+    for line in text.splitlines():
+        if line.startswith("## "):
+            out[name], name, buf = "\n".join(buf).strip(), line[3:].strip(), []
+        elif not line.startswith("# "):
+            buf.append(line)
+    out[name] = "\n".join(buf).strip()
+    return out
+
+
+# -- Markdown (the report's own sentences) ---------------------------------------------------------
+def _inline(text: str) -> str:
+    text = html.escape(text, quote=False)
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+    return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", text)
+
+
+def markdown_html(text: str) -> str:
+    """The Markdown the reports write: paragraphs, nested ``-`` lists with continuation lines, bold, code.
+    Tables and images are left out (the page has its own)."""
+    out, depth, para = [], [], []
+
+    def close_para() -> None:
+        if para:
+            out.append(f"<p>{_inline(' '.join(para))}</p>")
+            para.clear()
+
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith(("|", "![")):
+            close_para()
+            continue
+        m = re.match(r"^( *)- (.*)$", line)
+        if m:
+            close_para()
+            indent = len(m.group(1))
+            while depth and depth[-1] > indent:
+                out.append("</li></ul>")
+                depth.pop()
+            if depth and depth[-1] == indent:
+                out.append("</li><li>")
+            else:
+                out.append("<ul><li>")
+                depth.append(indent)
+            out.append(_inline(m.group(2)))
+        elif depth:
+            out.append(("<br>" if line.startswith("  ") and not line.startswith("   ") else " ")
+                       + _inline(line.strip()))
+        else:
+            para.append(line.strip())
+    close_para()
+    out += ["</li></ul>"] * len(depth)
+    return "".join(out)
+
+
+# -- tables -----------------------------------------------------------------------------------------
+def table_html(rows: list[dict], caption: str = "", name: str = "") -> str:
+    """A sortable table (click a header): ``x``/``x_low``/``x_high`` shown as ``x [low, high]``, sorted by ``x``."""
+    cols: dict[str, None] = {}
+    for r in rows:
+        cols.update(dict.fromkeys(r))
+    merged = {c for c in cols if f"{c}_low" in cols and f"{c}_high" in cols}
+    shown = [c for c in cols if not any(c in (f"{m}_low", f"{m}_high") for m in merged)]
+    head = "".join(f"<th>{html.escape(c)}{' [95% CI]' if c in merged else ''}</th>" for c in shown)
+    body = []
+    for r in rows:
+        cells = []
+        for c in shown:
+            v = r.get(c)
+            text = _fmt(v, ".3f")
+            if c in merged and v is not None:
+                text += f" [{_fmt(r.get(c + '_low'), '.3f')}, {_fmt(r.get(c + '_high'), '.3f')}]"
+            key = v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+            attr = f' data-v="{key!r}"' if key is not None else ""
+            cells.append(f"<td{attr}>{html.escape(text)}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    cap = f"<caption>{_inline(caption)}{f' (<code>{name}</code>)' if name else ''}</caption>" if caption or name else ""
+    return (f'<table class="sortable">{cap}<thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table>')
+
+
+# -- figures ----------------------------------------------------------------------------------------
+class Figures:
+    """Plotly figures as HTML divs; the first carries plotly.js (inlined once), the rest reference it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def div(self, fig: Any, div_id: str, post_script: Optional[str] = None) -> str:
+        import plotly.io as pio
+
+        fig.update_layout(template="plotly_white", margin=dict(l=60, r=20, t=50, b=50))
+        out = pio.to_html(fig, full_html=False, include_plotlyjs=self.count == 0, div_id=div_id,
+                          post_script=post_script, config={"displaylogo": False, "responsive": True})
+        self.count += 1
+        return out
+
+
+def _errors(rows: list[dict], key: str) -> dict:
+    return dict(type="data", symmetric=False, array=[r[f"{key}_high"] - r[key] for r in rows],
+                arrayminus=[r[key] - r[f"{key}_low"] for r in rows])
+
+
+def interval_plot(series: dict[str, list[dict]], x: str, keys: Iterable[str], title: str, xtitle: str,
+                  ytitle: str, text: Optional[str] = None, log_x: bool = False) -> Any:
+    """One line per (series, key) with its 95% interval as error bars."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for name, rows in series.items():
+        for key in keys:
+            fig.add_trace(go.Scatter(
+                x=[r[x] for r in rows], y=[r[key] for r in rows], error_y=_errors(rows, key),
+                mode="lines+markers", name=f"{name}: {key}",
+                text=[r.get(text, "") for r in rows] if text else None,
+                hovertemplate=f"{name}<br>{x} %{{x}}<br>{key} %{{y:.3f}}"
+                              + (" (+%{text})" if text else "") + "<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle, height=420)
+    if log_x:
+        fig.update_xaxes(type="log")
+    return fig
+
+
+# -- the head grid ----------------------------------------------------------------------------------
+def _hkey(name: str) -> tuple[int, int]:
+    m = HEAD.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else (1 << 30, 0)
+
+
+def _num(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def _est(row: dict, key: str) -> str:
+    return f"{row[key]:.3f} [{row[key + '_low']:.3f}, {row[key + '_high']:.3f}]"
+
+
+class Grid:
+    """The layer x head grid: one heatmap per model or circuit (cell: how many position classes of the head its
+    circuit holds), one per pair (the difference), a button per view. The hover text is built in the page from
+    one compact data block (every score once), so the file stays small; the tooltip is Plotly's own."""
+
+    def __init__(self, n_layers: int, n_heads: int) -> None:
+        self.n_layers, self.n_heads = n_layers, n_heads
+        self.classes: list[str] = []
+        self.members: dict[str, list[list[int]]] = {}
+        self.views: list[dict] = []
+
+    def _class(self, c: str) -> int:
+        if c not in self.classes:
+            self.classes.append(c)
+        return self.classes.index(c)
+
+    def circuit(self, name: str, pairs: dict[str, set[str]]) -> None:
+        """A circuit whose membership every hover line of a pair lists."""
+        self.members[name] = [[*_hkey(h), self._class(c)] for h, cs in pairs.items() for c in sorted(cs)]
+
+    def add(self, name: str, circuit: Optional[str], scores: list[dict], notes: dict[str, list[str]]) -> None:
+        """A view of one model: cells count the classes of ``circuit``; hover: per class of a head, the ``scores``
+        rows (``head``, ``position``, attribution, rank, selection frequency, path patching) and the circuits
+        holding the pair, then the head's ``notes``."""
+        rows = [[*_hkey(r["head"]), self._class(r["position"]),
+                 *(_round(r.get(k)) for k in ("attribution", "rank", "selection_frequency", "path_patching"))]
+                for r in scores]
+        self.views.append({"name": name, "circuit": circuit, "pairs": rows, "notes": notes})
+
+    def difference(self, a: str, b: str) -> None:
+        """``b`` minus ``a`` in classes per head (both circuits must have been added)."""
+        self.views.append({"name": f"{b} - {a}", "a": a, "b": b})
+
+    def data(self) -> dict:
+        return {"layers": self.n_layers, "heads": self.n_heads, "classes": self.classes, "members": self.members,
+                "views": self.views}
+
+    def figure(self, title: str) -> Any:
+        """Heatmaps with empty hover text (filled in the page by :data:`GRID_JS`)."""
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        for i, view in enumerate(self.views):
+            diff = "a" in view
+            z = [[0] * self.n_layers for _ in range(self.n_heads)]
+            if diff:
+                for sign, key in ((-1, "a"), (1, "b")):
+                    for layer, h, _ in self.members[view[key]]:
+                        z[h][layer] += sign
+            elif view["circuit"]:
+                for layer, h, _ in self.members[view["circuit"]]:
+                    z[h][layer] += 1
+            top = max((abs(v) for row in z for v in row), default=1) or 1
+            fig.add_trace(go.Heatmap(
+                z=z, hovertemplate="%{text}<extra></extra>", name=view["name"], visible=i == 0,
+                colorscale="RdBu" if diff else "Viridis", zmid=0 if diff else None, zmin=-top if diff else 0,
+                zmax=top, xgap=1, ygap=1, colorbar=dict(title="classes")))
+        buttons = [dict(label=v["name"], method="update",
+                        args=[{"visible": [j == i for j in range(len(self.views))]}, {"title.text": f"{title}: {v['name']}"}])
+                   for i, v in enumerate(self.views)]
+        fig.update_layout(
+            title=f"{title}: {self.views[0]['name']}" if self.views else title, height=440,
+            xaxis=dict(title="layer", dtick=1), yaxis=dict(title="head", dtick=1),
+            hoverlabel=dict(align="left", font=dict(family="monospace", size=11)),
+            updatemenus=[dict(type="buttons", direction="right", buttons=buttons, x=0, y=1.2, xanchor="left",
+                              showactive=True)] if len(self.views) > 1 else [])
+        return fig
+
+    def html(self, figs: "Figures", title: str, div_id: str = "grid") -> str:
+        data = json.dumps(self.data(), separators=(",", ":")).replace("</", "<\\/")
+        fill = ("var t = gridText(GRID_DATA); Plotly.restyle('{plot_id}', {text: t}, "
+                "t.map(function (_, i) { return i; }));")
+        return f"<script>var GRID_DATA = {data};</script>" + figs.div(self.figure(title), div_id, post_script=fill)
+
+
+def _round(v: Any) -> Any:
+    """Four significant digits for the page (the tables keep every digit)."""
+    return float(f"{v:.4g}") if isinstance(v, float) else v
+
+
+#: Fills each grid view's hover text from GRID_DATA before the figure is drawn.
+GRID_JS = """
+function gridText(D) {
+  function name(l, h) { return "L" + l + "H" + h; }
+  function num(v) { return v === null ? "-" : Number(v).toPrecision(3); }
+  var inC = {};
+  Object.keys(D.members).forEach(function (c) {
+    D.members[c].forEach(function (p) { var k = p.join(","); (inC[k] = inC[k] || []).push(c); });
+  });
+  function classes(c, l, h) {
+    return D.members[c].filter(function (p) { return p[0] === l && p[1] === h; })
+      .map(function (p) { return D.classes[p[2]]; });
+  }
+  var out = [];
+  D.views.forEach(function (v) {
+    var text = [];
+    for (var h = 0; h < D.heads; h++) {
+      var row = [];
+      for (var l = 0; l < D.layers; l++) {
+        var lines;
+        if (v.a !== undefined) {
+          var a = classes(v.a, l, h), b = classes(v.b, l, h);
+          lines = ["<b>" + name(l, h) + "</b>: " + v.name, v.a + ": " + (a.join(", ") || "-"),
+                   v.b + ": " + (b.join(", ") || "-"),
+                   "shared: " + (a.filter(function (x) { return b.indexOf(x) >= 0; }).join(", ") || "-")];
+        } else {
+          lines = ["<b>" + name(l, h) + "</b> in " + v.name];
+          var seen = {};
+          v.pairs.forEach(function (p) {
+            if (p[0] !== l || p[1] !== h) return;
+            var parts = [], k = p.slice(0, 3).join(",");
+            seen[p[2]] = 1;
+            if (p[3] !== null) parts.push("attribution " + num(p[3]) + " (rank " + p[4] + ")");
+            if (p[5] !== null) parts.push("selected " + num(p[5]));
+            if (p[6] !== null) parts.push("path patching " + num(p[6]));
+            parts.push("in " + ((inC[k] || []).join(", ") || "no circuit"));
+            lines.push(D.classes[p[2]] + ": " + parts.join("; "));
+          });
+          Object.keys(D.members).forEach(function (c) {
+            D.members[c].forEach(function (p) {
+              if (p[0] === l && p[1] === h && !seen[p[2]]) {
+                seen[p[2]] = 1;
+                lines.push(D.classes[p[2]] + ": in " + inC[p.join(",")].join(", "));
+              }
+            });
+          });
+          (v.notes[name(l, h)] || []).forEach(function (n) { lines.push(n); });
+          if (lines.length === 1) lines.push("no score in this run");
+        }
+        row.push(lines.join("<br>"));
+      }
+      text.push(row);
+    }
+    out.push(text);
+  });
+  return out;
+}
+"""
+
+
+def _shape(heads: Iterable[str], spec_shape: Optional[tuple[int, int]] = None) -> tuple[int, int]:
+    layers, per = 0, 0
+    for h in heads:
+        m = HEAD.match(h)
+        if m:
+            layers, per = max(layers, int(m.group(1)) + 1), max(per, int(m.group(2)) + 1)
+    if spec_shape:
+        layers, per = max(layers, spec_shape[0]), max(per, spec_shape[1])
+    return layers, per
+
+
+def _difference(grid: Grid, names: list[str], members: dict[str, dict[str, set[str]]], a: str, b: str) -> None:
+    """``b`` minus ``a``: classes of each head in ``b``'s circuit less those in ``a``'s; hover lists both."""
+    values, hover = {}, {}
+    for head in set(members[a]) | set(members[b]):
+        ca, cb = members[a].get(head, set()), members[b].get(head, set())
+        values[head] = len(cb) - len(ca)
+        hover[head] = (f"<b>{head}</b>: {b} minus {a}<br>{a}: {', '.join(sorted(ca)) or '-'}<br>"
+                       f"{b}: {', '.join(sorted(cb)) or '-'}<br>shared: {', '.join(sorted(ca & cb)) or '-'}")
+    grid.add(f"{b} - {a}", values, hover, diverging=True)
+
+
+# -- a study run ------------------------------------------------------------------------------------
+class StudyRun:
+    """What the page shows of a ``mechdiff run`` directory, read from its committed files (and its stage
+    records where present)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from ..studies.stages import label
+
+        self.dir = run_dir
+        self.manifest = _json(run_dir / "run.json")
+        spec = self.manifest["spec"]
+        self.base, self.finetunes = spec["models"]["base"], list(spec["models"]["finetunes"])
+        self.models = [self.base, *self.finetunes]
+        self.label = label
+        self.tables = {p.stem: _json(p) for p in sorted((run_dir / "tables").glob("*.json"))}
+        self.circuits: dict[str, dict[str, set[str]]] = {}
+        for m in self.models:
+            for suffix, name in (("", m), (".pruned", f"{m} pruned")):
+                path = run_dir / "circuits" / f"{label(m)}{suffix}.json"
+                if path.exists():
+                    self.circuits[name] = _circuit_pairs(_json(path)) or {}
+        self.heads, self.heads_source = self._heads()
+
+    def _heads(self) -> tuple[list[dict], str]:
+        """The per-pair rows: ``tables/heads.json``, else rebuilt from the circuit stage records."""
+        if HEADS_TABLE in self.tables:
+            return self.tables.pop(HEADS_TABLE), f"tables/{HEADS_TABLE}.json"
+        stages = self.dir / "stages"
+        found, pruned = {}, {}
+        for m in self.models:
+            rec = stages / f"circuit__{self.label(m)}.json"
+            if rec.exists():
+                found[m] = _json(rec)["result"]
+            rec = stages / f"prune__{self.label(m)}.json"
+            if rec.exists():
+                pruned[m] = _json(rec)["result"]
+        if found:
+            return head_rows(found, pruned), "the circuit stage records (stages/)"
+        return [], ""
+
+    def dcm_lines(self, model: str) -> dict[str, list[str]]:
+        """Per head of the base circuit's DCM groups: what DCM selected it for (with intervals), and the same
+        heads patched in ``model`` (semantic patching)."""
+        out: dict[str, list[str]] = {}
+        sem = {(s["group"], s["desideratum"], s["model"]): s for s in self.tables.get("semantic_patching", [])}
+        rows = self.tables.get("dcm", [])
+        base = self.circuits.get(self.base, {})
+        for r in rows:
+            chosen = set(r["selected"].split()) if r["selected"] != "-" else set()
+            for head in chosen:
+                line = (f"DCM {r['group']}/{r['desideratum']}: selected; target {_est(r, 'accuracy')}, floor "
+                        f"{_est(r, 'floor')}" + (f", random {_est(r, 'random')}" if "random" in r else ""))
+                s = sem.get((r["group"], r["desideratum"], model))
+                out.setdefault(head, []).append(line + (f"; patched in {model}: {_est(s, 'accuracy')}" if s else ""))
+        for group in dict.fromkeys(r["group"] for r in rows):
+            position = next(r["position"] for r in rows if r["group"] == group)
+            tried = [r for r in rows if r["group"] == group]
+            for head, cs in base.items():
+                if position in cs:
+                    missed = [r["desideratum"] for r in tried if head not in r["selected"].split()]
+                    if missed:
+                        out.setdefault(head, []).append(f"DCM {group}: not selected for {', '.join(missed)}")
+        return out
+
+    def cmap_lines(self) -> dict[str, list[str]]:
+        """Per head of a CMAP group of the base circuit: the group's CMAP accuracies (the heads are patched
+        together; CMAP has no per-head effect)."""
+        out: dict[str, list[str]] = {}
+        base = self.circuits.get(self.base, {})
+        for ft in self.finetunes:
+            rows = self.tables.get(f"cmap_{self.label(ft)}", [])
+            for scope in dict.fromkeys(r["scope"] for r in rows):
+                kinds = [r for r in rows if r["scope"] == scope]
+                text = ", ".join(f"{r['kind']} {_est(r, 'accuracy')}" for r in kinds)
+                for head, cs in base.items():
+                    if scope in cs:
+                        out.setdefault(head, []).append(f"CMAP {ft} into {self.base}, group {scope} together: {text}")
+        return out
+
+    def grid(self) -> Grid:
+        shape = _shape([*(h for c in self.circuits.values() for h in c), *(r["head"] for r in self.heads)])
+        grid = Grid(*shape)
+        for name, pairs in self.circuits.items():
+            grid.circuit(name, pairs)
+        cmap = self.cmap_lines()
+        for m in self.models:
+            dcm = self.dcm_lines(m)
+            notes = {h: dcm.get(h, []) + (cmap.get(h, []) if m == self.base else []) for h in set(dcm) | set(cmap)}
+            grid.add(m, m if m in self.circuits else None, [r for r in self.heads if r["model"] == m],
+                     {h: n for h, n in notes.items() if n})
+        for ft in self.finetunes:
+            if self.base in self.circuits and ft in self.circuits:
+                grid.difference(self.base, ft)
+        return grid
+
+    def stability(self) -> Optional[Any]:
+        """Selection frequency of each circuit pair over the bootstrap resamples of the ranking prompts, with the
+        exact binomial interval over the resamples (Monte Carlo error of the frequency)."""
+        import plotly.graph_objects as go
+
+        from ..stats import proportion
+
+        draws = self.manifest["spec"]["discovery"].get("stability_draws", 0)
+        rows = [r for r in self.heads if r.get("in_circuit") and "selection_frequency" in r]
+        if not rows or not draws:
+            return None
+        fig = go.Figure()
+        for m in self.models:
+            mine = sorted((r for r in rows if r["model"] == m), key=lambda r: -r["selection_frequency"])
+            if not mine:
+                continue
+            ests = [proportion([1.0] * round(r["selection_frequency"] * draws)
+                               + [0.0] * (draws - round(r["selection_frequency"] * draws))) for r in mine]
+            fig.add_trace(go.Scatter(
+                x=list(range(1, len(mine) + 1)), y=[e.value for e in ests], mode="markers", name=m,
+                error_y=dict(type="data", symmetric=False, array=[e.high - e.value for e in ests],
+                             arrayminus=[e.value - e.low for e in ests], thickness=0.5),
+                text=[f"{r['head']}@{r['position']}" for r in mine],
+                hovertemplate=f"{m}<br>%{{text}}<br>selected in %{{y:.3f}} of {draws} resamples<extra></extra>"))
+        fig.update_layout(title=f"Selection stability: each circuit pair's frequency in the top n over {draws} "
+                                "bootstrap resamples of the ranking prompts",
+                          xaxis_title="pair (by frequency)", yaxis_title="selection frequency", height=420)
+        return fig
+
+    def cmap_figures(self) -> list[tuple[str, Any]]:
+        import plotly.graph_objects as go
+
+        out = []
+        for ft in self.finetunes:
+            rows = self.tables.get(f"cmap_{self.label(ft)}", [])
+            if not rows:
+                continue
+            fig = go.Figure()
+            for kind in dict.fromkeys(r["kind"] for r in rows):
+                mine = [r for r in rows if r["kind"] == kind]
+                fig.add_trace(go.Bar(x=[r["scope"] for r in mine], y=[r["accuracy"] for r in mine], name=kind,
+                                     error_y=_errors(mine, "accuracy"),
+                                     hovertemplate=f"%{{x}} {kind}: accuracy %{{y:.3f}}<extra></extra>"))
+            fig.update_layout(barmode="group", title=f"CMAP {ft} into {self.base}: accuracy with each part patched",
+                              yaxis_title="accuracy", height=420)
+            out.append((f"cmap_{self.label(ft)}", fig))
+        return out
+
+
+def _ordered_tables(tables: dict[str, Any], report: str) -> list[str]:
+    """Table stems in the order ``report.md`` cites them, the rest after."""
+    cited = [m for m in re.findall(r"`tables/([^`]+)\.csv`", report) if m in tables]
+    return list(dict.fromkeys(cited + sorted(tables)))
+
+
+def _stage_rows(manifest: dict) -> list[dict]:
+    stages = manifest.get("stages", {})
+    if isinstance(stages, dict):
+        return [{"stage": n, "seconds": s.get("seconds"), "cached": s.get("cached"), "key": s.get("key")}
+                for n, s in stages.items() if isinstance(s, dict)]
+    return []
+
+
+def _summary(report: str) -> str:
+    parts = _sections(report)
+    out = []
+    for name in ("Findings", "Limitations"):
+        if name in parts:
+            out.append(f"<h2>{name}</h2>{markdown_html(parts[name])}")
+    if not out and parts.get(""):
+        out.append(f"<h2>Summary</h2>{markdown_html(parts[''])}")
+    return "".join(out)
+
+
+def study_page(run_dir: Path) -> tuple[str, str]:
+    """Title and body of the page of a study run."""
+    run = StudyRun(run_dir)
+    report = (run_dir / "report.md").read_text() if (run_dir / "report.md").exists() else ""
+    figs = Figures()
+    spec = run.manifest["spec"]
+    title = f"{spec['task']['name']}: {run.base} against {', '.join(run.finetunes)}"
+    body = [f"<p class=lead>{_inline(_sections(report).get('', ''))}</p>" if report else "", _summary(report)]
+    if "accuracy" in run.tables:
+        body += ["<h2>Accuracy</h2>", table_html(run.tables["accuracy"], _caption(run_dir / "tables/accuracy.json"))]
+    body.append("<h2>Heads</h2>")
+    body.append(run.grid().html(figs, "circuit pairs per head (cell: position classes in the circuit)"))
+    source = (f"Scores per (head, position class) from <code>{run.heads_source}</code>."
+              if run.heads_source else
+              "This run predates <code>tables/heads.json</code> and has no stage records here: the hover shows "
+              "circuit membership, DCM and CMAP only (attribution and selection frequency were in the stage "
+              "records, which are not committed).")
+    body.append(f"<p class=note>Hover a cell for every score the run holds for that head: per position class "
+                f"its attribution and rank in the model's ranking, its selection frequency over the bootstrap "
+                f"resamples, the circuits holding the pair; DCM labels with their intervals; CMAP of its group. "
+                f"The buttons switch model, or show the difference (second minus first, in classes). {source}</p>")
+    scan = run.tables.get("position_scan")
+    if scan:
+        series = {m: [r for r in scan if r["model"] == m] for m in run.models}
+        body += ["<h2>Position scan</h2>", figs.div(interval_plot(
+            series, "step", ("faithfulness",), "Position scan: faithfulness with every head kept at the classes "
+            "chosen so far", "step", "faithfulness", text="added"), "position_scan")]
+    curve = run.tables.get("curve")
+    if curve:
+        series = {m: [r for r in curve if r["model"] == m] for m in run.models}
+        body += ["<h2>Faithfulness curve</h2>", figs.div(interval_plot(
+            series, "fraction", ("faithfulness", "faithfulness_prob"), "Faithfulness of nested circuits (top "
+            "fraction of the attribution ranking)", "fraction of pairs", "faithfulness", log_x=True), "curve")]
+    stab = run.stability()
+    body.append("<h2>Selection stability</h2>")
+    body.append(figs.div(stab, "stability") if stab is not None else
+                "<p class=note>No selection frequencies in this run's committed files (older runs kept them only "
+                "in the stage records).</p>")
+    cm = run.cmap_figures()
+    if cm:
+        body.append("<h2>CMAP</h2>")
+        body += [figs.div(fig, div_id) for div_id, fig in cm]
+    body.append("<h2>Tables</h2><p class=note>Click a column header to sort.</p>")
+    for stem in _ordered_tables(run.tables, report):
+        if _is_table(run.tables[stem]):
+            body.append(table_html(run.tables[stem], _caption(run_dir / "tables" / f"{stem}.json"),
+                                   f"tables/{stem}.csv"))
+    stages = _stage_rows(run.manifest)
+    if stages:
+        body += ["<h2>Stages</h2>", table_html(stages, "What ran: seconds when computed, and whether this "
+                                                       "invocation reused the cached record", "run.json")]
+    return title, "".join(body)
+
+
+# -- any other results directory ---------------------------------------------------------------------
+def generic_page(run_dir: Path) -> tuple[str, str]:
+    """Title and body for a results directory without a study's ``run.json``: its summary, a grid per circuit
+    file (hover: the circuit's groups and scores, and the rows of any table beside it with a ``head`` column),
+    every table."""
+    files = [p for p in sorted(run_dir.rglob("*.json")) if "stages" not in p.relative_to(run_dir).parts
+             and p.stat().st_size <= MAX_JSON]
+    loaded = {}
+    for p in files:
+        try:
+            loaded[p] = _json(p)
+        except ValueError:
+            continue
+    report = next((p.read_text() for p in (run_dir / "report.md", run_dir / "README.md") if p.exists()), "")
+    title = next((line[2:] for line in report.splitlines() if line.startswith("# ")), run_dir.name)
+    figs, body = Figures(), [_summary(report)]
+    circuits = {p: _circuit_pairs(d) for p, d in loaded.items()}
+    circuits = {p: c for p, c in circuits.items() if c}
+    if circuits:
+        grid = Grid(*_shape(h for c in circuits.values() for h in c))
+        names = [str(p.relative_to(run_dir).with_suffix("")) for p in circuits]
+        for name, pairs in zip(names, circuits.values()):
+            grid.circuit(name, pairs)
+        for name, p in zip(names, circuits):
+            grid.add(name, name, [], _generic_notes(loaded[p], _head_rows_beside(p, loaded)))
+        if len(names) > 1:
+            grid.difference(names[0], names[1])
+        body += ["<h2>Heads</h2>", grid.html(figs, "heads per circuit file"),
+                 "<p class=note>Hover a cell for the head's groups and scores in that circuit file and the rows of "
+                 "the tables beside it that name the head; the buttons switch circuit file, or show the difference "
+                 "of the first two.</p>"]
+    tables = [(p, d) for p, d in loaded.items() if _is_table(d)]
+    if tables:
+        body.append("<h2>Tables</h2><p class=note>Click a column header to sort.</p>")
+        body += [table_html(d, _caption(p), str(p.relative_to(run_dir))) for p, d in tables]
+    if (run_dir / "run.json").exists():
+        stages = _stage_rows(_json(run_dir / "run.json"))
+        if stages:
+            body += ["<h2>Stages</h2>", table_html(stages, "What ran", "run.json")]
+    return title, "".join(body)
+
+
+def _generic_notes(data: dict, beside: dict[str, list[dict]]) -> dict[str, list[str]]:
+    """Per head: its groups in a circuit file (with the file's score), then the rows naming it beside the file."""
+    out: dict[str, list[str]] = {}
+    for g, heads in (data.get("groups") or {}).items():
+        for head in heads:
+            score = ((data.get("scores") or {}).get(g) or {}).get(head)
+            out.setdefault(head, []).append(
+                f"group {g} ({(data.get('names') or {}).get(g, '')}) at {data['positions'].get(g, g)}"
+                + (f": score {_num(score)}" if score is not None else ""))
+    for head, rows in beside.items():
+        out.setdefault(head, []).extend(", ".join(f"{k} {_fmt(v, '.3g')}" for k, v in r.items() if k != "head")
+                                        for r in rows)
+    return out
+
+
+def _head_rows_beside(path: Path, loaded: dict[Path, Any]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for p, d in loaded.items():
+        if p.parent == path.parent and _is_table(d) and "head" in d[0]:
+            for r in d:
+                out.setdefault(str(r.get("head")), []).append(r)
+    return out
+
+
+# -- the page ---------------------------------------------------------------------------------------
+STYLE = """
+body{font-family:system-ui,sans-serif;max-width:1200px;margin:1em auto;padding:0 1em;color:#222}
+h1{font-size:1.5em}h2{border-bottom:1px solid #ddd;margin-top:1.6em}
+.note,.lead{color:#555;font-size:.9em}code{background:#f3f3f3;padding:0 .2em}
+table{border-collapse:collapse;margin:1em 0;font-size:.85em;display:block;overflow-x:auto}
+caption{text-align:left;font-size:.9em;color:#444;padding:.3em 0}
+th,td{border:1px solid #ddd;padding:.2em .5em;white-space:nowrap}
+th{background:#f6f6f6;cursor:pointer;position:sticky;top:0}th.asc:after{content:" \\25B2"}
+th.desc:after{content:" \\25BC"}
+"""
+
+SORT = """
+document.querySelectorAll("table.sortable th").forEach(function (th, col) {
+  th.addEventListener("click", function () {
+    var table = th.closest("table"), body = table.tBodies[0], rows = Array.from(body.rows);
+    var index = Array.prototype.indexOf.call(th.parentNode.children, th);
+    var asc = !th.classList.contains("asc");
+    th.parentNode.querySelectorAll("th").forEach(function (h) { h.classList.remove("asc", "desc"); });
+    th.classList.add(asc ? "asc" : "desc");
+    function key(row) {
+      var cell = row.cells[index], v = cell.getAttribute("data-v");
+      return v === null ? cell.textContent : parseFloat(v);
+    }
+    rows.sort(function (a, b) {
+      var x = key(a), y = key(b);
+      var c = (typeof x === "number" && typeof y === "number") ? x - y : String(x).localeCompare(String(y));
+      return asc ? c : -c;
+    });
+    rows.forEach(function (r) { body.appendChild(r); });
+  });
+});
+"""
+
+
+def page(run_dir: str | Path) -> str:
+    """The whole page of ``run_dir``."""
+    run_dir = Path(run_dir)
+    is_study = (run_dir / "run.json").exists() and "spec" in _json(run_dir / "run.json")
+    title, body = study_page(run_dir) if is_study else generic_page(run_dir)
+    return (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style><script>{GRID_JS}</script></head><body><h1>{html.escape(title)}</h1>{body}"
+            f"<script>{SORT}</script></body></html>\n")
+
+
+def write_html(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
+    """Write ``report.html`` (or ``out``) for the run directory ``run_dir``."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"{run_dir} is not a directory: give a results directory (e.g. results/entity-tracking-smollm2)")
+    return write_text(Path(out) if out else run_dir / "report.html", page(run_dir))

@@ -1,0 +1,154 @@
+"""``report.html`` in a real browser: Debian's headless Chromium driven by selenium through Debian's chromedriver
+(nothing downloaded at run time). Opens the default study's committed page from disk, reads the grid against
+the committed circuits, hovers a known head and reads its scores against the committed tables, takes a
+screenshot, and checks that the page asks for nothing over the network."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "results" / "entity-tracking-smollm2"
+PAGE = RUN / "report.html"
+CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+pytestmark = pytest.mark.skipif(
+    not (Path(CHROMIUM).exists() and Path(DRIVER).exists()),
+    reason="needs Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver; .ci/run "
+           "installs them)")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1000", "--allow-file-access-from-files"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def _open(browser) -> None:
+    browser.get(PAGE.as_uri())
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    # drawn, and the hover text filled in (gridText runs after the grid's newPlot)
+    WebDriverWait(browser, 60).until(lambda d: d.execute_script(
+        "var g = document.getElementById('grid'); return !!(g && g.data && g.data[0].text);"))
+
+
+def _pairs(path: Path) -> dict[str, set[str]]:
+    data = json.loads(path.read_text())
+    out: dict[str, set[str]] = {}
+    for g, heads in data["groups"].items():
+        for h in heads:
+            out.setdefault(h, set()).add(data["positions"][g])
+    return out
+
+
+def test_page_opens_with_no_console_error_and_the_grid_holds_each_circuit(browser, tmp_path) -> None:
+    assert PAGE.exists(), "write it with: mechdiff view results/entity-tracking-smollm2"
+    assert PAGE.stat().st_size <= 5 * 1024 * 1024
+    _open(browser)
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+    names = browser.execute_script("return document.getElementById('grid').data.map(function (t) { return t.name; });")
+    run = json.loads((RUN / "run.json").read_text())["spec"]["models"]
+    for i, model in enumerate([run["base"], *run["finetunes"]]):
+        assert names[i] == model
+        z = browser.execute_script(f"return document.getElementById('grid').data[{i}].z;")
+        pairs = _pairs(RUN / "circuits" / f"{model}.json")
+        # every head of the circuit shows the number of its position classes, every other head 0
+        assert sum(v > 0 for row in z for v in row) == len(pairs)
+        for head, classes in pairs.items():
+            layer, h = map(int, re.match(r"L(\d+)H(\d+)", head).groups())
+            assert z[h][layer] == len(classes), head
+    shot = tmp_path / "report.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+
+
+def _hover(browser, layer: int, head: int) -> str:
+    """Move the mouse over the grid cell (layer, head) and return the tooltip's text."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    browser.execute_script("document.getElementById('grid').scrollIntoView();")
+    x, y, w, h = browser.execute_script(
+        "var gd = document.getElementById('grid'), L = gd._fullLayout, r = gd.getBoundingClientRect();"
+        f"return [L.xaxis._offset + L.xaxis.l2p({layer}), L.yaxis._offset + L.yaxis.l2p({head}), r.width, r.height];")
+    grid = browser.find_element(By.ID, "grid")
+    ActionChains(browser).move_to_element_with_offset(grid, int(x - w / 2), int(y - h / 2)).perform()
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, 10).until(lambda d: d.execute_script(
+        "return document.querySelectorAll('#grid .hoverlayer .hovertext').length > 0;"))
+    return browser.execute_script(
+        "return Array.from(document.querySelectorAll('#grid .hoverlayer .hovertext text tspan.line'))"
+        ".map(function (t) { return t.textContent; }).join('\\n');")
+
+
+def test_hover_shows_the_heads_scores_from_the_committed_tables(browser) -> None:
+    _open(browser)
+    head, layer, h = "L17H0", 17, 0  # in both circuits at query_label, chosen by DCM for positional there
+    text = _hover(browser, layer, h)
+    assert text.startswith(f"{head} in smollm2-et-early"), text
+    lines = text.split("\n")
+    for model in ("smollm2-et-early",):
+        circuits = {name: _pairs(RUN / "circuits" / f"{file}.json") for name, file in
+                    (("smollm2-et-early", "smollm2-et-early"), ("smollm2-et-early pruned", "smollm2-et-early.pruned"),
+                     ("smollm2-et", "smollm2-et"), ("smollm2-et pruned", "smollm2-et.pruned"))}
+        for c in sorted(set().union(*(p.get(head, set()) for p in circuits.values()))):
+            line = next(x for x in lines if x.startswith(f"{c}: "))
+            holding = [n for n, p in circuits.items() if c in p.get(head, set())]
+            assert line.endswith("in " + ", ".join(holding)), line
+        heads_table = RUN / "tables" / "heads.json"
+        if heads_table.exists():
+            rows = [r for r in json.loads(heads_table.read_text()) if r["model"] == model and r["head"] == head]
+            assert rows
+            for r in rows:
+                line = next(x for x in lines if x.startswith(f"{r['position']}: "))
+                if "attribution" in r:
+                    shown = float(re.search(r"attribution (\S+) \(rank (\d+)\)", line).group(1))
+                    assert shown == pytest.approx(r["attribution"], rel=5e-3, abs=0), line
+                    assert f"(rank {r['rank']})" in line
+                if "selection_frequency" in r:
+                    shown = float(re.search(r"selected (\S+)", line).group(1))
+                    assert shown == pytest.approx(r["selection_frequency"], rel=5e-3, abs=0), line
+    dcm = [r for r in json.loads((RUN / "tables" / "dcm.json").read_text()) if head in r["selected"].split()]
+    assert dcm
+    for r in dcm:
+        line = next(x for x in lines if x.startswith(f"DCM {r['group']}/{r['desideratum']}: selected"))
+        assert f"target {r['accuracy']:.3f} [{r['accuracy_low']:.3f}, {r['accuracy_high']:.3f}]" in line
+        assert f"floor {r['floor']:.3f} [{r['floor_low']:.3f}, {r['floor_high']:.3f}]" in line
+    cmap = [r for r in json.loads((RUN / "tables" / "cmap_smollm2-et.json").read_text())
+            if r["scope"] == "query_label"]
+    line = next(x for x in lines if x.startswith("CMAP smollm2-et into smollm2-et-early, group query_label"))
+    for r in cmap:
+        assert f"{r['kind']} {r['accuracy']:.3f} [{r['accuracy_low']:.3f}, {r['accuracy_high']:.3f}]" in line
+
+
+def test_the_page_makes_no_network_request(browser) -> None:
+    browser.get_log("performance")  # drop what earlier tests logged
+    _open(browser)
+    _hover(browser, 17, 0)
+    urls = []
+    for entry in browser.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            urls.append(msg["params"]["request"]["url"])
+    assert urls, "the page itself is a request: the log must show it"
+    assert all(u.startswith(("file://", "data:", "about:")) for u in urls), [u for u in urls if u[:5] != "file:"]
+    assert PAGE.as_uri() in urls
