@@ -157,7 +157,8 @@ class Figures:
     def div(self, fig: Any, div_id: str, post_script: Optional[str] = None) -> str:
         import plotly.io as pio
 
-        fig.update_layout(template="plotly_white", margin=dict(l=60, r=20, t=50, b=50))
+        fig.update_layout(template="plotly_white", margin=dict(l=60, r=20, t=110 if fig.layout.updatemenus else 50,
+                                                               b=50))
         out = pio.to_html(fig, full_html=False, include_plotlyjs=self.count == 0, div_id=div_id,
                           post_script=post_script, config={"displaylogo": False, "responsive": True})
         self.count += 1
@@ -179,13 +180,16 @@ def interval_plot(series: dict[str, list[dict]], x: str, keys: Iterable[str], ti
         for key in keys:
             fig.add_trace(go.Scatter(
                 x=[r[x] for r in rows], y=[r[key] for r in rows], error_y=_errors(rows, key),
-                mode="lines+markers", name=f"{name}: {key}",
+                mode="lines+markers+text" if text else "lines+markers", name=f"{name}: {key}",
+                textposition="top left", textfont=dict(size=10),
                 text=[r.get(text, "") for r in rows] if text else None,
                 hovertemplate=f"{name}<br>{x} %{{x}}<br>{key} %{{y:.3f}}"
                               + (" (+%{text})" if text else "") + "<extra></extra>"))
     fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle, height=420)
     if log_x:
         fig.update_xaxes(type="log")
+    elif all(isinstance(r[x], int) for rows in series.values() for r in rows):
+        fig.update_xaxes(dtick=1)
     return fig
 
 
@@ -264,11 +268,11 @@ class Grid:
                         args=[{"visible": [j == i for j in range(len(self.views))]}, {"title.text": f"{title}: {v['name']}"}])
                    for i, v in enumerate(self.views)]
         fig.update_layout(
-            title=f"{title}: {self.views[0]['name']}" if self.views else title, height=440,
+            title=f"{title}: {self.views[0]['name']}" if self.views else title, height=480,
             xaxis=dict(title="layer", dtick=1), yaxis=dict(title="head", dtick=1),
             hoverlabel=dict(align="left", font=dict(family="monospace", size=11)),
-            updatemenus=[dict(type="buttons", direction="right", buttons=buttons, x=0, y=1.2, xanchor="left",
-                              showactive=True)] if len(self.views) > 1 else [])
+            updatemenus=[dict(type="buttons", direction="right", buttons=buttons, x=0, y=1.02, xanchor="left",
+                              yanchor="bottom", showactive=True)] if len(self.views) > 1 else [])
         return fig
 
     def html(self, figs: "Figures", title: str, div_id: str = "grid") -> str:
@@ -415,10 +419,12 @@ class StudyRun:
         for r in rows:
             chosen = set(r["selected"].split()) if r["selected"] != "-" else set()
             for head in chosen:
-                line = (f"DCM {r['group']}/{r['desideratum']}: selected; target {_est(r, 'accuracy')}, floor "
-                        f"{_est(r, 'floor')}" + (f", random {_est(r, 'random')}" if "random" in r else ""))
+                lines = [f"DCM {r['group']}/{r['desideratum']}: selected; target {_est(r, 'accuracy')}",
+                         f"  floor {_est(r, 'floor')}" + (f", random {_est(r, 'random')}" if "random" in r else "")]
                 s = sem.get((r["group"], r["desideratum"], model))
-                out.setdefault(head, []).append(line + (f"; patched in {model}: {_est(s, 'accuracy')}" if s else ""))
+                if s:
+                    lines.append(f"  the same heads patched in {model}: {_est(s, 'accuracy')}")
+                out.setdefault(head, []).extend(lines)
         for group in dict.fromkeys(r["group"] for r in rows):
             position = next(r["position"] for r in rows if r["group"] == group)
             tried = [r for r in rows if r["group"] == group]
@@ -438,10 +444,12 @@ class StudyRun:
             rows = self.tables.get(f"cmap_{self.label(ft)}", [])
             for scope in dict.fromkeys(r["scope"] for r in rows):
                 kinds = [r for r in rows if r["scope"] == scope]
-                text = ", ".join(f"{r['kind']} {_est(r, 'accuracy')}" for r in kinds)
+                parts = [f"{r['kind']} {_est(r, 'accuracy')}" for r in kinds]
+                text = [f"CMAP {ft} into {self.base}, group {scope} patched together:"]
+                text += ["  " + ", ".join(parts[i:i + 3]) for i in range(0, len(parts), 3)]
                 for head, cs in base.items():
                     if scope in cs:
-                        out.setdefault(head, []).append(f"CMAP {ft} into {self.base}, group {scope} together: {text}")
+                        out.setdefault(head, []).extend(text)
         return out
 
     def grid(self) -> Grid:
