@@ -1,0 +1,84 @@
+"""report.html without a browser: the page of every committed results kind holds its report's sentences, a grid
+view per model or circuit file whose members are the committed circuits' pairs, sortable tables with raw values,
+and loads nothing from outside."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from mechdiff.report.html import markdown_html, page, table_html, write_html
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
+
+
+def _grid_data(html: str) -> dict:
+    return json.loads(re.search(r"var GRID_DATA = (\{.*?\});</script>", html).group(1))
+
+
+def _members(data: dict, name: str) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for layer, head, c in data["members"][name]:
+        out.setdefault(f"L{layer}H{head}", set()).add(data["classes"][c])
+    return out
+
+
+def _circuit(path: Path) -> dict[str, set[str]]:
+    d = json.loads(path.read_text())
+    out: dict[str, set[str]] = {}
+    for g, heads in d["groups"].items():
+        for h in heads:
+            out.setdefault(h, set()).add(d["positions"][g])
+    return out
+
+
+def test_study_page_has_the_reports_findings_and_each_models_circuit() -> None:
+    run = RESULTS / "entity-tracking-smollm2"
+    html = page(run)
+    report = (run / "report.md").read_text()
+    findings = report.split("## Findings", 1)[1].split("## Limitations", 1)[0]
+    text = re.sub(r"<[^>]+>", "", html)
+    for line in findings.splitlines():
+        sentence = line.strip().lstrip("- ").replace("**", "").replace("`", "")
+        assert sentence[:60] in text, sentence  # the same sentences, not re-derived ones
+    data = _grid_data(html)
+    assert [v["name"] for v in data["views"]] == ["smollm2-et-early", "smollm2-et", "smollm2-et - smollm2-et-early"]
+    for name, file in (("smollm2-et", "smollm2-et"), ("smollm2-et-early pruned", "smollm2-et-early.pruned")):
+        assert _members(data, name) == _circuit(run / "circuits" / f"{file}.json")
+    assert html.count("* plotly.js v") == 1 and not re.search(r"<(script|link|img)[^>]+(src|href)=\"?https?:", html)
+
+
+@pytest.mark.parametrize("run, circuits", [
+    ("headmap-smollm2", ["circuits/entity-tracking/circuit", "path-patching/smollm2-et-early"]),
+    ("ioi-smollm2", ["circuit-base/circuit"]),
+])
+def test_other_results_kinds_degrade_to_summary_tables_and_a_grid_per_circuit(run: str, circuits: list[str]) -> None:
+    html = page(RESULTS / run)
+    data = _grid_data(html)
+    for name in circuits:
+        assert _members(data, name) == _circuit(RESULTS / run / f"{name}.json")
+    assert "<h2>Tables</h2>" in html and 'class="sortable"' in html
+
+
+def test_edge_circuit_grid_holds_its_head_nodes_and_the_head_roles_beside_it() -> None:
+    run = RESULTS / "knowledge-smollm2" / "country_language"
+    html = page(run)
+    data = _grid_data(html)
+    nodes = json.loads((run / "circuit.json").read_text())["nodes"]
+    assert set(_members(data, "circuit")) == {n for n in nodes if re.fullmatch(r"L\d+H\d+", n)}
+    roles = json.loads((run / "head_roles.json").read_text())
+    notes = data["views"][0]["notes"]
+    assert notes[roles[0]["head"]][-1].startswith(f"role {roles[0]['role']}")
+
+
+def test_markdown_lists_and_tables_sort_on_raw_values(tmp_path: Path) -> None:
+    out = markdown_html("- **a** `x` 1 < 2\n  next line\n  - inner\n- b")
+    assert out == ("<ul><li><b>a</b> <code>x</code> 1 &lt; 2<br>next line<ul><li>inner</li></ul></li><li>b"
+                   "</li></ul>")
+    t = table_html([{"m": "a", "acc": 0.5, "acc_low": 0.25, "acc_high": 0.75}], "cap")
+    assert '<td data-v="0.5">0.500 [0.250, 0.750]</td>' in t and "acc [95% CI]" in t
+    with pytest.raises(ValueError, match="not a directory"):
+        write_html(tmp_path / "missing")
