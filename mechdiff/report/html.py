@@ -231,9 +231,13 @@ class Grid:
         """A view of one model: cells count the classes of ``circuit``; hover: per class of a head, the ``scores``
         rows (``head``, ``position``, attribution, rank, selection frequency, path patching) and the circuits
         holding the pair, then the head's ``notes``."""
-        rows = [[*_hkey(r["head"]), self._class(r["position"]),
-                 *(_round(r.get(k)) for k in ("attribution", "rank", "selection_frequency", "path_patching"))]
-                for r in scores]
+        rows = []
+        for r in scores:
+            row = [*_hkey(r["head"]), self._class(r["position"]),
+                   *(_round(r.get(k)) for k in ("attribution", "rank", "selection_frequency", "path_patching"))]
+            while row[-1] is None:  # the page reads a missing score as none
+                row.pop()
+            rows.append(row)
         self.views.append({"name": name, "circuit": circuit, "pairs": rows, "notes": notes})
 
     def difference(self, a: str, b: str) -> None:
@@ -319,9 +323,9 @@ function gridText(D) {
             if (p[0] !== l || p[1] !== h) return;
             var parts = [], k = p.slice(0, 3).join(",");
             seen[p[2]] = 1;
-            if (p[3] !== null) parts.push("attribution " + num(p[3]) + " (rank " + p[4] + ")");
-            if (p[5] !== null) parts.push("selected " + num(p[5]));
-            if (p[6] !== null) parts.push("path patching " + num(p[6]));
+            if (p[3] != null) parts.push("attribution " + num(p[3]) + " (rank " + p[4] + ")");
+            if (p[5] != null) parts.push("selected " + num(p[5]));
+            if (p[6] != null) parts.push("path patching " + num(p[6]));
             parts.push("in " + ((inC[k] || []).join(", ") || "no circuit"));
             lines.push(D.classes[p[2]] + ": " + parts.join("; "));
           });
@@ -347,26 +351,14 @@ function gridText(D) {
 """
 
 
-def _shape(heads: Iterable[str], spec_shape: Optional[tuple[int, int]] = None) -> tuple[int, int]:
+def _shape(heads: Iterable[str]) -> tuple[int, int]:
+    """Layers and heads per layer of the grid: the largest seen (the files hold no model shape)."""
     layers, per = 0, 0
     for h in heads:
         m = HEAD.match(h)
         if m:
             layers, per = max(layers, int(m.group(1)) + 1), max(per, int(m.group(2)) + 1)
-    if spec_shape:
-        layers, per = max(layers, spec_shape[0]), max(per, spec_shape[1])
     return layers, per
-
-
-def _difference(grid: Grid, names: list[str], members: dict[str, dict[str, set[str]]], a: str, b: str) -> None:
-    """``b`` minus ``a``: classes of each head in ``b``'s circuit less those in ``a``'s; hover lists both."""
-    values, hover = {}, {}
-    for head in set(members[a]) | set(members[b]):
-        ca, cb = members[a].get(head, set()), members[b].get(head, set())
-        values[head] = len(cb) - len(ca)
-        hover[head] = (f"<b>{head}</b>: {b} minus {a}<br>{a}: {', '.join(sorted(ca)) or '-'}<br>"
-                       f"{b}: {', '.join(sorted(cb)) or '-'}<br>shared: {', '.join(sorted(ca & cb)) or '-'}")
-    grid.add(f"{b} - {a}", values, hover, diverging=True)
 
 
 # -- a study run ------------------------------------------------------------------------------------
@@ -453,6 +445,7 @@ class StudyRun:
         return out
 
     def grid(self) -> Grid:
+        """A view per model (its circuit, its scores, DCM; CMAP on the base's), the difference per fine-tune."""
         shape = _shape([*(h for c in self.circuits.values() for h in c), *(r["head"] for r in self.heads)])
         grid = Grid(*shape)
         for name, pairs in self.circuits.items():
@@ -487,9 +480,9 @@ class StudyRun:
             ests = [proportion([1.0] * round(r["selection_frequency"] * draws)
                                + [0.0] * (draws - round(r["selection_frequency"] * draws))) for r in mine]
             fig.add_trace(go.Scatter(
-                x=list(range(1, len(mine) + 1)), y=[e.value for e in ests], mode="markers", name=m,
-                error_y=dict(type="data", symmetric=False, array=[e.high - e.value for e in ests],
-                             arrayminus=[e.value - e.low for e in ests], thickness=0.5),
+                x=list(range(1, len(mine) + 1)), y=[round(e.value, 4) for e in ests], mode="markers", name=m,
+                error_y=dict(type="data", symmetric=False, array=[round(e.high - e.value, 4) for e in ests],
+                             arrayminus=[round(e.value - e.low, 4) for e in ests], thickness=0.5),
                 text=[f"{r['head']}@{r['position']}" for r in mine],
                 hovertemplate=f"{m}<br>%{{text}}<br>selected in %{{y:.3f}} of {draws} resamples<extra></extra>"))
         fig.update_layout(title=f"Selection stability: each circuit pair's frequency in the top n over {draws} "

@@ -232,3 +232,11 @@ def _check_heads_table_and_page(spec, run_dir, report_md, tmp_path):
     assert bullets and all(b.replace("`", "")[:40] in again.replace("<code>", "").replace("</code>", "")
                            for b in bullets if b)
     assert "from <code>tables/heads.json</code>" in again and '"views"' in again
+    # a run without the table (written before it existed) falls back on its stage records, with the same rows
+    older = tmp_path / "older"
+    shutil.copytree(run_dir, older, ignore=shutil.ignore_patterns("heads.*", "report.html"))
+    assert main(["view", str(older)]) == 0
+    fallback = (older / "report.html").read_text()
+    assert "from <code>the circuit stage records (stages/)</code>" in fallback
+    grid = lambda html: html.split("var GRID_DATA = ", 1)[1].split(";</script>", 1)[0]  # noqa: E731
+    assert grid(fallback) == grid(again)
