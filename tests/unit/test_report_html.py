@@ -82,3 +82,26 @@ def test_markdown_lists_and_tables_sort_on_raw_values(tmp_path: Path) -> None:
     assert '<td data-v="0.5">0.500 [0.250, 0.750]</td>' in t and "acc [95% CI]" in t
     with pytest.raises(ValueError, match="not a directory"):
         write_html(tmp_path / "missing")
+
+
+def test_head_rows_carry_each_stage_score_to_its_pair() -> None:
+    from mechdiff.report.heads import head_rows
+
+    circuit = {"model": "m", "task": "t", "groups": {"last": ["L1H0"], "q": ["L0H1"]},
+               "positions": {"last": "last", "q": "query"}, "names": {}, "scores": {}, "meta": {}}
+    pruned = {**circuit, "groups": {"last": ["L1H0"]}, "positions": {"last": "last"}}
+    curve = {"circuit": circuit, "ranking": [["L1H0@last", -0.5], ["L0H1@query", 0.25], ["L0H0@last", 0.125]],
+             "stability": {"selected": {"L1H0@last": 1.0, "L0H1@query": 0.5}, "others": {"L0H0@last": 0.25}}}
+    rows = head_rows({"m": curve}, {"m": {"circuit": pruned}})
+    assert rows == [
+        {"model": "m", "head": "L1H0", "position": "last", "in_circuit": True, "kept_after_pruning": True,
+         "selection_frequency": 1.0, "attribution": -0.5, "rank": 1},
+        {"model": "m", "head": "L0H1", "position": "query", "in_circuit": True, "kept_after_pruning": False,
+         "selection_frequency": 0.5, "attribution": 0.25, "rank": 2},
+        {"model": "m", "head": "L0H0", "position": "last", "in_circuit": False, "kept_after_pruning": False,
+         "selection_frequency": 0.25, "attribution": 0.125, "rank": 3}]
+    path = {"circuit": circuit, "exact": {"last": {"L1H0": -0.75, "L2H2": 0.5}}}
+    assert head_rows({"m": path}) == [
+        {"model": "m", "head": "L0H1", "position": "query", "in_circuit": True},
+        {"model": "m", "head": "L1H0", "position": "last", "in_circuit": True, "path_patching": -0.75},
+        {"model": "m", "head": "L2H2", "position": "last", "in_circuit": False, "path_patching": 0.5}]
