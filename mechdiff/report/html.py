@@ -157,8 +157,11 @@ class Figures:
     def div(self, fig: Any, div_id: str, post_script: Optional[str] = None) -> str:
         import plotly.io as pio
 
-        fig.update_layout(template="plotly_white", margin=dict(l=60, r=20, t=110 if fig.layout.updatemenus else 50,
-                                                               b=50))
+        # no template: a template is written into every figure (some 7 kB each); a few axis settings instead
+        fig.update_layout(template="none", font=dict(family="system-ui, sans-serif", size=12),
+                          margin=dict(l=60, r=20, t=110 if fig.layout.updatemenus else 60, b=50))
+        fig.update_xaxes(showgrid=True, gridcolor="#eee", zeroline=False, showline=True, linecolor="#999")
+        fig.update_yaxes(showgrid=True, gridcolor="#eee", zeroline=False, showline=True, linecolor="#999")
         out = pio.to_html(fig, full_html=False, include_plotlyjs=self.count == 0, div_id=div_id,
                           post_script=post_script, config={"displaylogo": False, "responsive": True})
         self.count += 1
@@ -166,8 +169,8 @@ class Figures:
 
 
 def _errors(rows: list[dict], key: str) -> dict:
-    return dict(type="data", symmetric=False, array=[r[f"{key}_high"] - r[key] for r in rows],
-                arrayminus=[r[key] - r[f"{key}_low"] for r in rows])
+    return dict(type="data", symmetric=False, array=[round(r[f"{key}_high"] - r[key], 4) for r in rows],
+                arrayminus=[round(r[key] - r[f"{key}_low"], 4) for r in rows])
 
 
 def interval_plot(series: dict[str, list[dict]], x: str, keys: Iterable[str], title: str, xtitle: str,
@@ -179,7 +182,7 @@ def interval_plot(series: dict[str, list[dict]], x: str, keys: Iterable[str], ti
     for name, rows in series.items():
         for key in keys:
             fig.add_trace(go.Scatter(
-                x=[r[x] for r in rows], y=[r[key] for r in rows], error_y=_errors(rows, key),
+                x=[r[x] for r in rows], y=[round(r[key], 4) for r in rows], error_y=_errors(rows, key),
                 mode="lines+markers+text" if text else "lines+markers", name=f"{name}: {key}",
                 textposition="top left", textfont=dict(size=10),
                 text=[r.get(text, "") for r in rows] if text else None,
@@ -215,6 +218,7 @@ class Grid:
     def __init__(self, n_layers: int, n_heads: int) -> None:
         self.n_layers, self.n_heads = n_layers, n_heads
         self.classes: list[str] = []
+        self._notes: dict[str, int] = {}
         self.members: dict[str, list[list[int]]] = {}
         self.views: list[dict] = []
 
@@ -238,7 +242,14 @@ class Grid:
             while row[-1] is None:  # the page reads a missing score as none
                 row.pop()
             rows.append(row)
-        self.views.append({"name": name, "circuit": circuit, "pairs": rows, "notes": notes})
+        self.views.append({"name": name, "circuit": circuit, "pairs": rows,
+                           "notes": {h: [self._note(n) for n in ns] for h, ns in notes.items()}})
+
+    def _note(self, text: str) -> int:
+        """Index of a note line in the shared list (a group's CMAP or DCM lines repeat for each of its heads)."""
+        if text not in self._notes:
+            self._notes[text] = len(self._notes)
+        return self._notes[text]
 
     def difference(self, a: str, b: str) -> None:
         """``b`` minus ``a`` in classes per head (both circuits must have been added)."""
@@ -246,7 +257,7 @@ class Grid:
 
     def data(self) -> dict:
         return {"layers": self.n_layers, "heads": self.n_heads, "classes": self.classes, "members": self.members,
-                "views": self.views}
+                "views": self.views, "notes": list(self._notes)}
 
     def figure(self, title: str) -> Any:
         """Heatmaps with empty hover text (filled in the page by :data:`GRID_JS`)."""
@@ -287,8 +298,8 @@ class Grid:
 
 
 def _round(v: Any) -> Any:
-    """Four significant digits for the page (the tables keep every digit)."""
-    return float(f"{v:.4g}") if isinstance(v, float) else v
+    """Three significant digits, as the hover shows them (the tables keep every digit)."""
+    return float(f"{v:.3g}") if isinstance(v, float) else v
 
 
 #: Fills each grid view's hover text from GRID_DATA before the figure is drawn.
@@ -337,7 +348,7 @@ function gridText(D) {
               }
             });
           });
-          (v.notes[name(l, h)] || []).forEach(function (n) { lines.push(n); });
+          (v.notes[name(l, h)] || []).forEach(function (n) { lines.push(D.notes[n]); });
           if (lines.length === 1) lines.push("no score in this run");
         }
         row.push(lines.join("<br>"));
@@ -480,13 +491,14 @@ class StudyRun:
             ests = [proportion([1.0] * round(r["selection_frequency"] * draws)
                                + [0.0] * (draws - round(r["selection_frequency"] * draws))) for r in mine]
             fig.add_trace(go.Scatter(
-                x=list(range(1, len(mine) + 1)), y=[round(e.value, 4) for e in ests], mode="markers", name=m,
-                error_y=dict(type="data", symmetric=False, array=[round(e.high - e.value, 4) for e in ests],
-                             arrayminus=[round(e.value - e.low, 4) for e in ests], thickness=0.5),
-                text=[f"{r['head']}@{r['position']}" for r in mine],
-                hovertemplate=f"{m}<br>%{{text}}<br>selected in %{{y:.3f}} of {draws} resamples<extra></extra>"))
+                x0=1, dx=1, y=[round(e.value, 3) for e in ests], mode="markers", name=m,
+                error_y=dict(type="data", symmetric=False, array=[round(e.high - e.value, 3) for e in ests],
+                             arrayminus=[round(e.value - e.low, 3) for e in ests], thickness=0.5),
+                hovertemplate=f"{m}<br>pair %{{x}} of {len(mine)}: selected in %{{y:.3f}} of {draws} resamples"
+                              "<extra></extra>"))
         fig.update_layout(title=f"Selection stability: each circuit pair's frequency in the top n over {draws} "
-                                "bootstrap resamples of the ranking prompts",
+                                "bootstrap resamples of the ranking prompts<br><sup>(which pair: the grid's hover; "
+                                "interval: exact binomial over the resamples)</sup>",
                           xaxis_title="pair (by frequency)", yaxis_title="selection frequency", height=420)
         return fig
 
@@ -501,7 +513,7 @@ class StudyRun:
             fig = go.Figure()
             for kind in dict.fromkeys(r["kind"] for r in rows):
                 mine = [r for r in rows if r["kind"] == kind]
-                fig.add_trace(go.Bar(x=[r["scope"] for r in mine], y=[r["accuracy"] for r in mine], name=kind,
+                fig.add_trace(go.Bar(x=[r["scope"] for r in mine], y=[round(r["accuracy"], 4) for r in mine], name=kind,
                                      error_y=_errors(mine, "accuracy"),
                                      hovertemplate=f"%{{x}} {kind}: accuracy %{{y:.3f}}<extra></extra>"))
             fig.update_layout(barmode="group", title=f"CMAP {ft} into {self.base}: accuracy with each part patched",

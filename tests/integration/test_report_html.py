@@ -62,7 +62,7 @@ def _pairs(path: Path) -> dict[str, set[str]]:
 
 def test_page_opens_with_no_console_error_and_the_grid_holds_each_circuit(browser, tmp_path) -> None:
     assert PAGE.exists(), "write it with: mechdiff view results/entity-tracking-smollm2"
-    assert PAGE.stat().st_size <= 5 * 1024 * 1024
+    assert PAGE.stat().st_size <= 5_000_000  # the issue's 5 MB, almost all of it plotly.js
     _open(browser)
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
@@ -102,8 +102,8 @@ def _hover(browser, layer: int, head: int) -> str:
 
 
 def _third_digit(v: float) -> float:
-    """How far a value shown to three significant digits (kept to four in the page) may be from the table's."""
-    return 0.0 if v == 0 else 0.55 * 10 ** (math.floor(math.log10(abs(v))) - 2)
+    """How far a value shown to three significant digits may be from the table's: half a unit of the third."""
+    return 0.0 if v == 0 else 0.5 * 10 ** (math.floor(math.log10(abs(v))) - 2) * (1 + 1e-9)
 
 
 def test_hover_shows_the_heads_scores_from_the_committed_tables(browser) -> None:
@@ -131,7 +131,7 @@ def test_hover_shows_the_heads_scores_from_the_committed_tables(browser) -> None
                     assert shown == pytest.approx(r["attribution"], rel=0, abs=_third_digit(r["attribution"])), line
                     assert f"(rank {r['rank']})" in line
                 if "selection_frequency" in r:
-                    shown = float(re.search(r"selected (\S+)", line).group(1))
+                    shown = float(re.search(r"selected ([-+.\de]+)", line).group(1))
                     assert shown == pytest.approx(r["selection_frequency"], rel=0,
                                                   abs=_third_digit(r["selection_frequency"])), line
     dcm = [r for r in json.loads((RUN / "tables" / "dcm.json").read_text()) if head in r["selected"].split()]

@@ -71,7 +71,7 @@ def test_edge_circuit_grid_holds_its_head_nodes_and_the_head_roles_beside_it() -
     assert set(_members(data, "circuit")) == {n for n in nodes if re.fullmatch(r"L\d+H\d+", n)}
     roles = json.loads((run / "head_roles.json").read_text())
     notes = data["views"][0]["notes"]
-    assert notes[roles[0]["head"]][-1].startswith(f"role {roles[0]['role']}")
+    assert data["notes"][notes[roles[0]["head"]][-1]].startswith(f"role {roles[0]['role']}")
 
 
 def test_markdown_lists_and_tables_sort_on_raw_values(tmp_path: Path) -> None:
