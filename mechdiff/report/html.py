@@ -243,7 +243,7 @@ class Grid:
                 row.pop()
             rows.append(row)
         self.views.append({"name": name, "circuit": circuit, "pairs": rows,
-                           "notes": {h: [self._note(n) for n in ns] for h, ns in notes.items()}})
+                           "notes": {h: [self._note(n) for n in notes[h]] for h in sorted(notes, key=_hkey)}})
 
     def _note(self, text: str) -> int:
         """Index of a note line in the shared list (a group's CMAP or DCM lines repeat for each of its heads)."""

@@ -105,3 +105,18 @@ def test_head_rows_carry_each_stage_score_to_its_pair() -> None:
         {"model": "m", "head": "L0H1", "position": "query", "in_circuit": True},
         {"model": "m", "head": "L1H0", "position": "last", "in_circuit": True, "path_patching": -0.75},
         {"model": "m", "head": "L2H2", "position": "last", "in_circuit": False, "path_patching": 0.5}]
+
+
+def test_the_page_is_the_same_bytes_whatever_the_hash_seed(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    pages = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"{seed}.html"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-m", "mechdiff.cli", "view", str(RESULTS / "entity-tracking-smollm2"),
+                        "--out", str(out)], check=True, env=env, capture_output=True)
+        pages.append(out.read_bytes())
+    assert pages[0] == pages[1]
