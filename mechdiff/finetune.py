@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from .metrics import answer_is_top1
 from .models.loading import LoadedModel
+from .models.registry import step_dirname
 from .tasks import arithmetic, fact_edit
 from .tasks import entity_tracking as et
 from .tasks.base import get_task, step_seed, trainable_tasks  # noqa: F401 (step_seed: re-exported)
@@ -260,7 +261,7 @@ def finetune(
     for name, s in cfg.save_steps.items():
         by_step.setdefault(s, []).append(name)
     for s in range(0, cfg.steps + 1, cfg.save_every) if cfg.save_every > 0 else ():
-        by_step.setdefault(s, []).append(f"step-{s:04d}")
+        by_step.setdefault(s, []).append(step_dirname(s))
     last_save = max(cfg.save_steps.values(), default=0)
     step = 0
     bar = tqdm(total=cfg.steps, desc=f"finetune {cfg.task}", disable=not progress)
