@@ -177,7 +177,8 @@ def _device(model: Any) -> torch.device:
 
 
 def versions() -> dict[str, str]:
-    """Versions of everything that changes the numbers."""
+    """Versions of everything that changes the numbers (the CPU kernel path too: the same torch build rounds
+    differently with AVX2 and AVX-512 kernels, so a rerun elsewhere is not bit for bit)."""
     import peft
     import transformers
 
@@ -185,7 +186,8 @@ def versions() -> dict[str, str]:
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
             "mechdiff": mechdiff_version, "python": platform.python_version(),
-            "torch_threads": str(torch.get_num_threads())}
+            "torch_threads": str(torch.get_num_threads()), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine()}
 
 
 def save_adapter(peft_model: Any, out_dir: str | Path, base_name: str, recipe: dict) -> Path:
