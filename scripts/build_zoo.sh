@@ -43,3 +43,6 @@ rm -rf mechdiff/zoo/smollm2-capital-edit && mv /tmp/mechdiff-zoo-edit/smollm2-ca
 # 3. The held-out table (eval-split objects, 7 boxes, seed 0, 500 prompts); per-prompt results included.
 $MECHDIFF eval --model smollm2-135m,smollm2-et-early,smollm2-et,smollm2-et-math --split eval \
   --n 500 --n-boxes 7 --seed 0 --out results/zoo/eval-500.json
+# 3b. The trajectory's steps 15 and 100 on the same prompts (the reproduction check in results/zoo/README.md).
+$MECHDIFF eval --model smollm2-et@15,smollm2-et@100 --split eval \
+  --n 500 --n-boxes 7 --seed 0 --out results/zoo/eval-500-trajectory.json
