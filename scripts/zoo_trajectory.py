@@ -43,6 +43,7 @@ def compare(run_step: Path, committed: Path) -> dict:
     same_keys = a.keys() == b.keys()
     diffs = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a if k in b}
     relative = {k: diffs[k] / b[k].float().abs().max().item() for k in diffs if b[k].any()}
+    steps_b = {h["step"] for h in rb["history"]}
     losses = [abs(x - y) for x, y in zip(ra["train_loss"], rb["train_loss"])]
     delta = {}  # per module: ||B A - B' A'||_F / ||B' A'||_F, the change each adapter makes to a weight
     for k in (k for k in a if ".lora_A." in k):
@@ -59,8 +60,8 @@ def compare(run_step: Path, committed: Path) -> dict:
             == sha256(committed / "adapter_model.safetensors"),
             "same_train_loss": ra["train_loss"] == rb["train_loss"], "max_train_loss_diff": max(losses),
             "first_train_loss": [ra["train_loss"][0], rb["train_loss"][0]],
-            "same_validation_accuracy": [h["et_accuracy"] for h in ra["history"] if h["step"] in
-                                         {g["step"] for g in rb["history"]}] == [h["et_accuracy"] for h in rb["history"]]}
+            "same_validation_accuracy": [h["et_accuracy"] for h in ra["history"] if h["step"] in steps_b]
+            == [h["et_accuracy"] for h in rb["history"]]}
 
 
 def main() -> int:
@@ -77,7 +78,8 @@ def main() -> int:
               "step_0_lora_B_all_zero": all(not v.any() for k, v in zero.items() if "lora_B" in k),
               "reproduction": {}, "steps": {}}
     for step, alias in REPRODUCES.items():
-        report["reproduction"][step] = compare(args.run / step_dirname(step), Path(resolve_source(REGISTRY[alias].source)))
+        committed = Path(resolve_source(REGISTRY[alias].source))
+        report["reproduction"][step] = compare(args.run / step_dirname(step), committed)
     dest = Path(resolve_source(traj.source))
     for step in traj.steps:
         if step:
