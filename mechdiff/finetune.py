@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from .metrics import answer_is_top1
 from .models.loading import LoadedModel
+from .models.registry import step_dirname
 from .tasks import arithmetic, fact_edit
 from .tasks import entity_tracking as et
 from .tasks.base import get_task, step_seed, trainable_tasks  # noqa: F401 (step_seed: re-exported)
@@ -176,7 +177,8 @@ def _device(model: Any) -> torch.device:
 
 
 def versions() -> dict[str, str]:
-    """Versions of everything that changes the numbers."""
+    """Versions of everything that changes the numbers (the CPU kernel path too: the same torch build rounds
+    differently with AVX2 and AVX-512 kernels, so a rerun elsewhere is not bit for bit)."""
     import peft
     import transformers
 
@@ -184,7 +186,8 @@ def versions() -> dict[str, str]:
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
             "mechdiff": mechdiff_version, "python": platform.python_version(),
-            "torch_threads": str(torch.get_num_threads())}
+            "torch_threads": str(torch.get_num_threads()), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine()}
 
 
 def save_adapter(peft_model: Any, out_dir: str | Path, base_name: str, recipe: dict) -> Path:
@@ -260,7 +263,7 @@ def finetune(
     for name, s in cfg.save_steps.items():
         by_step.setdefault(s, []).append(name)
     for s in range(0, cfg.steps + 1, cfg.save_every) if cfg.save_every > 0 else ():
-        by_step.setdefault(s, []).append(f"step-{s:04d}")
+        by_step.setdefault(s, []).append(step_dirname(s))
     last_save = max(cfg.save_steps.values(), default=0)
     step = 0
     bar = tqdm(total=cfg.steps, desc=f"finetune {cfg.task}", disable=not progress)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rebuild the embedded SmolLM2 checkpoint family in mechdiff/zoo/ and its evaluation table.
 # CPU, float32, one torch thread (the thread count is part of bit-for-bit reproducibility; the
-# recipes record it with the torch/transformers/peft versions). Takes well under an hour on 2 free cores.
+# recipes record it with the torch/transformers/peft versions). Takes about an hour and a half on 2 free cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MECHDIFF=${MECHDIFF:-mechdiff}
@@ -14,6 +14,16 @@ $MECHDIFF finetune --base smollm2-135m --task entity-tracking --out mechdiff/zoo
   --rank 8 --alpha 16 --lr 1e-3 --batch 16 --seed 0 --data-seed 0 \
   --eval-every 10 --eval-steps 5,15,25,35 --eval-n 100 --threads 1
 rm -f mechdiff/zoo/history.json
+
+# 1b. The trajectory smollm2-et@STEP: the same recipe rerun, saving ten steps (OUT/step-NNNN). The check compares
+#     steps 15 and 100 with the adapters of step 1 (results/zoo/trajectory.json), then installs steps 5-100 in
+#     mechdiff/zoo/smollm2-et-trajectory/ (step 0 is the base: a fresh LoRA's B is zero).
+rm -rf /tmp/mechdiff-zoo-trajectory
+$MECHDIFF finetune --base smollm2-135m --task entity-tracking --out /tmp/mechdiff-zoo-trajectory \
+  --save 0,5,10,15,20,30,45,60,80,100 --steps 100 \
+  --rank 8 --alpha 16 --lr 1e-3 --batch 16 --seed 0 --data-seed 0 \
+  --eval-every 10 --eval-steps 5,15,25,35 --eval-n 100 --stop-accuracy 0.96 --threads 1
+python scripts/zoo_trajectory.py /tmp/mechdiff-zoo-trajectory --out results/zoo/trajectory.json
 
 # 2. smollm2-et-early (merged) + a new LoRA trained on arithmetic only.
 $MECHDIFF finetune --base smollm2-et-early --task arithmetic --out /tmp/mechdiff-zoo-math \
@@ -33,3 +43,6 @@ rm -rf mechdiff/zoo/smollm2-capital-edit && mv /tmp/mechdiff-zoo-edit/smollm2-ca
 # 3. The held-out table (eval-split objects, 7 boxes, seed 0, 500 prompts); per-prompt results included.
 $MECHDIFF eval --model smollm2-135m,smollm2-et-early,smollm2-et,smollm2-et-math --split eval \
   --n 500 --n-boxes 7 --seed 0 --out results/zoo/eval-500.json
+# 3b. The trajectory's steps 15 and 100 on the same prompts (the reproduction check in results/zoo/README.md).
+$MECHDIFF eval --model smollm2-et@15,smollm2-et@100 --split eval \
+  --n 500 --n-boxes 7 --seed 0 --out results/zoo/eval-500-trajectory.json

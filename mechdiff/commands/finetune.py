@@ -8,17 +8,20 @@ import logging
 from tabulate import tabulate
 
 from ..finetune import DEFAULT_TARGETS, FinetuneConfig, finetune
+from ..models.registry import step_dirname
 from ..tasks.base import trainable_tasks
 from ._options import add_model_options, load_from_args, write_json
 
 
 def _save_spec(text: str) -> dict[str, int]:
-    """Parse ``name=step,name=step`` into a dict."""
+    """Parse ``name=step,step,...`` into a dict; a bare step is saved as ``step-NNNN`` (read as ``OUT@STEP``)."""
     out = {}
     for item in filter(None, text.split(",")):
         name, sep, step = item.partition("=")
-        if not sep or not step.strip().isdigit():
-            raise argparse.ArgumentTypeError(f"--save expects NAME=STEP[,NAME=STEP...], got {item!r}")
+        if not sep:
+            name, step = (step_dirname(int(item)) if item.strip().isdigit() else ""), item
+        if not name.strip() or not step.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"--save expects NAME=STEP or STEP, comma-separated; got {item!r}")
         out[name.strip()] = int(step)
     return out
 
@@ -30,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(a LoRA adapter is merged first, so a new LoRA can be trained on top)")
     p.add_argument("--task", default=d.task, choices=trainable_tasks())
     p.add_argument("--out", required=True, help="directory; each adapter goes to OUT/NAME")
-    p.add_argument("--save", type=_save_spec, default={}, help="adapters to save: NAME=STEP[,NAME=STEP...]")
+    p.add_argument("--save", type=_save_spec, default={}, help="adapters to save: NAME=STEP or STEP (saved as "
+                   "OUT/step-NNNN, loadable as OUT@STEP), comma-separated")
     p.add_argument("--save-every", type=int, default=0, help="also save OUT/step-NNNN every N steps (0: off)")
     p.add_argument("--rank", type=int, default=d.rank)
     p.add_argument("--alpha", type=float, default=d.alpha)

@@ -7,7 +7,8 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
@@ -15,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .architectures import Architecture, ModelShape, architecture_for, shape_of
-from .registry import REGISTRY, ModelSpec, get_spec
+from .registry import REGISTRY, TRAJECTORIES, ModelSpec, get_spec, get_trajectory, step_dirname
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ def offline() -> bool:
 
 
 def resolve_spec(model: str | ModelSpec, base: Optional[str] = None, revision: Optional[str] = None) -> ModelSpec:
-    """Turn a registry name, path or ``hub:org/name[@rev]`` string into a spec."""
+    """Turn a registry name, path, ``NAME@STEP`` / ``DIR@STEP`` checkpoint or ``hub:org/name[@rev]`` string
+    into a spec."""
     if isinstance(model, ModelSpec):
         return model
     if model in REGISTRY:
@@ -38,6 +40,8 @@ def resolve_spec(model: str | ModelSpec, base: Optional[str] = None, revision: O
         repo, _, rev = model[4:].partition("@")
         return ModelSpec(model, "hub", repo, revision=rev or revision)
     path = Path(model).expanduser()
+    if "@" in model and not path.exists():
+        return checkpoint_spec(model, base)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
@@ -55,6 +59,40 @@ def resolve_spec(model: str | ModelSpec, base: Optional[str] = None, revision: O
         return ModelSpec(model, "hub", model, revision=revision)
     get_spec(model)  # raises with the registry's names
     raise AssertionError("unreachable")
+
+
+def checkpoint_spec(model: str, base: Optional[str] = None) -> ModelSpec:
+    """``NAME@STEP``: step ``STEP`` of the registered trajectory ``NAME`` (``smollm2-et@45``), or of the local
+    run directory ``NAME`` (its ``step-NNNN`` adapters, as ``mechdiff finetune`` saves them)."""
+    name, _, step_text = model.rpartition("@")
+    if not step_text.isdigit():
+        raise ValueError(f"{model!r}: expected NAME@STEP with a whole step number (e.g. smollm2-et@45)")
+    step = int(step_text)
+    if name in TRAJECTORIES:
+        return TRAJECTORIES[name].spec(step)
+    run = Path(name).expanduser()
+    if not run.is_dir():
+        get_trajectory(name)  # raises with the registered trajectories
+    steps = trajectory_steps(name)
+    if step not in steps:
+        raise KeyError(f"{model}: step {step} is not saved in {run}; saved steps: {', '.join(map(str, steps))}")
+    return replace(resolve_spec(str(run / step_dirname(step)), base=base), name=model,
+                   extra={"trajectory": name, "step": step})
+
+
+def trajectory_steps(name: str) -> tuple[int, ...]:
+    """The saved steps of a registered trajectory or of a run directory holding ``step-NNNN`` adapters."""
+    if name in TRAJECTORIES:
+        return TRAJECTORIES[name].steps
+    run = Path(name).expanduser()
+    if not run.is_dir():
+        get_trajectory(name)
+    steps = sorted(int(m.group(1)) for d in run.iterdir()
+                   if (m := re.fullmatch(r"step-(\d+)", d.name)) and (d / "adapter_config.json").is_file())
+    if not steps:
+        raise ValueError(f"{run} holds no step-NNNN adapter directories; save "
+                         "some with `mechdiff finetune --save STEP,STEP` or `--save-every N`")
+    return tuple(steps)
 
 
 def resolve_source(source: str) -> str:

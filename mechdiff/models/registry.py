@@ -1,8 +1,8 @@
-"""Named checkpoints: the paper's LLaMA-7B family and the embedded SmolLM2 family."""
+"""Named checkpoints: the paper's LLaMA-7B family, the embedded SmolLM2 family and its trajectory."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 SourceKind = Literal["hub", "local", "gguf", "lora"]
@@ -79,3 +79,59 @@ def get_spec(name: str) -> ModelSpec:
             f"unknown model {name!r}. Registered names: {', '.join(sorted(REGISTRY))}. "
             "Or give a local directory, a .gguf file, a LoRA adapter directory, or hub:<org>/<name>[@revision]."
         ) from None
+
+
+def step_dirname(step: int) -> str:
+    """The directory of a run's checkpoint at ``step`` (``step-0045``): what ``mechdiff finetune`` saves and
+    ``NAME@STEP`` reads."""
+    return f"step-{step:04d}"
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """Saved checkpoints of one LoRA run over ``base``, addressed as ``NAME@STEP``.
+
+    Step ``s`` is the adapter ``source/step-NNNN`` merged onto ``base``. Step 0 is ``base`` itself, with no
+    adapter file: a fresh LoRA's B matrices are zero, so its merge adds exact zeros to every weight.
+    """
+
+    name: str
+    base: str
+    source: str
+    steps: tuple[int, ...]
+    description: str = ""
+
+    def spec(self, step: int) -> ModelSpec:
+        """The spec of the checkpoint at ``step``, or an error listing the saved steps."""
+        if step not in self.steps:
+            raise KeyError(f"{self.name}@{step}: step {step} is not saved; saved steps of {self.name}: "
+                           f"{', '.join(map(str, self.steps))}")
+        name, extra = f"{self.name}@{step}", {"trajectory": self.name, "step": step}
+        if step == 0:
+            return replace(REGISTRY[self.base], name=name, extra=extra,
+                           description=f"{self.description} Step 0: the base itself.")
+        return ModelSpec(name, "lora", f"{self.source}/{step_dirname(step)}", base=self.base, extra=extra,
+                         description=f"{self.description} Step {step}.")
+
+
+TRAJECTORIES: dict[str, Trajectory] = {
+    t.name: t
+    for t in [
+        Trajectory(
+            "smollm2-et", "smollm2-135m", "package:mechdiff/zoo/smollm2-et-trajectory",
+            steps=(0, 5, 10, 15, 20, 30, 45, 60, 80, 100),
+            description="A rerun of smollm2-et's entity-tracking LoRA recipe (scripts/build_zoo.sh; results/zoo/"
+                        "README.md: equal to smollm2-et-early and smollm2-et up to float rounding, not bitwise).",
+        ),
+    ]
+}
+
+
+def get_trajectory(name: str) -> Trajectory:
+    """The registered trajectory ``name``, or an error listing every registered trajectory."""
+    try:
+        return TRAJECTORIES[name]
+    except KeyError:
+        raise KeyError(f"no trajectory {name!r}. Registered trajectories: {', '.join(sorted(TRAJECTORIES))}; or "
+                       f"give DIR@STEP for a directory of step-NNNN adapters "
+                       "(`mechdiff finetune --save-every`)") from None

@@ -118,7 +118,8 @@ def test_run_is_deterministic_and_recipe_has_every_option(smollm2_tokenizer, tmp
     assert recipe["step"] == 2 and [h["step"] for h in recipe["history"]] == [0, 2]
     assert all(0 <= h["et_accuracy"] <= 1 for h in recipe["history"])
     assert len(recipe["train_loss"]) == 2 and recipe["base"]["fingerprint"]
-    assert {"torch", "transformers", "peft"} <= set(recipe["versions"])
+    assert {"torch", "transformers", "peft", "torch_threads", "cpu_capability"} <= set(recipe["versions"])
+    assert recipe["versions"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert recipe["data"]["validation_seed"] == cfg.eval_seed
 
 
