@@ -224,16 +224,20 @@ class Study:
                             store=self.store)
 
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
-        from .circuits.scoring import minimality, prune
+        from .circuits.scoring import minimality, pairwise_minimality, prune
 
         s = self.spec.scoring
 
         def compute() -> dict:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
             # Pruning decides on its own prompts, never on those the matrix reports.
-            result = minimality(self.scorer(name, "prune", s.prune_n), circuit, max_steps=s.prune_steps,
-                                n_candidates=s.prune_candidates, seed=self.seed("prune"), metric=s.prune_metric,
-                                threshold=s.prune_threshold)
+            scorer = self.scorer(name, "prune", s.prune_n)
+            if s.prune_rule == "paper":
+                result = pairwise_minimality(scorer, circuit, metric=s.prune_metric, share=s.prune_share,
+                                             threshold=s.prune_threshold)
+            else:
+                result = minimality(scorer, circuit, max_steps=s.prune_steps, n_candidates=s.prune_candidates,
+                                    seed=self.seed("prune"), metric=s.prune_metric, threshold=s.prune_threshold)
             pruned = prune(circuit, result, s.prune_threshold)
             pruned.save(self.dir / "circuits" / f"{label(name)}.pruned.json")
             return {"circuit": pruned.to_dict(), "minimality": result}

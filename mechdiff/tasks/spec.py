@@ -52,7 +52,7 @@ class DiscoverySection:
     # "curve": every (head, position class) pair ranked by mean-ablation attribution on n prompts, nested
     # circuits scored on curve_n others, the smallest reaching `target` faithfulness is the circuit: its interval's
     # lower bound reaching it (select = "low") or its point estimate ("value").
-    # "path": the paper's path patching (steps of the task's plan, top_k heads each) on n pairs.
+    # "path": path patching as the paper (steps of the task's plan, top_k heads each) on n pairs.
     method: str = "curve"
     n: int = 160
     sizes: list[float] = field(default_factory=lambda: list(SIZES))  # fractions of all (head, class) pairs
@@ -73,10 +73,14 @@ class ScoringSection:
     completeness_draws: int = 2
     completeness_groups: list[str] = field(default_factory=list)  # groups removed whole (empty: as [dcm] groups)
     prune_n: int = 16  # prompts the pruning decides on (disjoint from those reported)
-    prune_threshold: float = 0.01  # relative to the circuit's own F(C), the paper's rule
-    prune_metric: str = "prob"  # "prob" (answer probability) or "accuracy"; prob resolves small prompt sets
-    prune_steps: int = 1  # greedy steps growing K in the minimality search (0: K = {})
-    prune_candidates: int = 1  # pairs tried per greedy step (drawn at random)
+    # "greedy" (mechdiff): a pair stays if |F(C\(K+v)) - F(C\K)| / F(C) > prune_threshold, K grown greedily over
+    # the whole circuit; "paper": per group, K from pairwise removals, v stays iff F(C\K)/F(C\(K+v)) - 1 >= threshold
+    prune_rule: str = "greedy"
+    prune_threshold: float = 0.01
+    prune_metric: str = "prob"  # "prob" (answer probability) or "accuracy" (the paper's); prob resolves small sets
+    prune_steps: int = 1  # greedy: steps growing K in the minimality search (0: K = {})
+    prune_candidates: int = 1  # greedy: pairs tried per step (drawn at random)
+    prune_share: float = 0.3  # paper: K is at most ceil(prune_share |group|) heads
     prune: bool = True
 
 
@@ -132,6 +136,7 @@ CHOICES = {
     ("discovery", "method"): ("curve", "path"),
     ("discovery", "select"): SELECT,
     ("scoring", "prune_metric"): ("prob", "accuracy"),
+    ("scoring", "prune_rule"): ("greedy", "paper"),
     ("dcm", "random_pool"): ("all", "group"),
     ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value"),
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
