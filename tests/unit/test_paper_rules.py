@@ -370,7 +370,7 @@ def test_paper_cmap_runs_qkv_only_for_last_token_groups(tiny_llama, smollm2_toke
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["entity_tracking_llama7b.toml"])
+@pytest.mark.parametrize("name", ["entity_tracking_llama7b.toml", "entity_tracking_paper_form.toml"])
 def test_task_file_resolves_to_the_paper_rules(name):
     from mechdiff.circuits.plan import default_plan
     from mechdiff.dcm import PAPER_DCM
@@ -381,7 +381,11 @@ def test_task_file_resolves_to_the_paper_rules(name):
     steps = [s.name for s in default_plan().steps]
     d, s, c, m = spec.discovery, spec.scoring, spec.dcm, spec.cmap
     # discovery: path patching of A-D with the paper's k (experiment_1/minimality.py: 58/10/25/5)
-    assert d.method == "path" and d.n == 100 and d.top_k == {"A": 58, "B": 10, "C": 25, "D": 5}
+    # (on SmolLM2: scaled by 270 / 1024 heads and rounded up)
+    k = {"A": 58, "B": 10, "C": 25, "D": 5}
+    if "llama7b" not in name:
+        k = {g: math.ceil(v * 270 / 1024) for g, v in k.items()}
+    assert d.method == "path" and d.n == 100 and d.top_k == k
     assert list(d.top_k) == steps
     # pruning: the paper's pairwise rule on accuracy over 100 prompts
     assert (s.prune, s.prune_rule, s.prune_metric, s.prune_n, s.prune_threshold, s.prune_share) == \
@@ -396,8 +400,11 @@ def test_task_file_resolves_to_the_paper_rules(name):
     assert m.scope == "paper" and m.groups == steps and m.isolate
     assert m.selection == {"A": "object_value", "B": "positional", "C": "positional"}
     assert set(m.selection.values()) <= set(c.desiderata) and set(m.parts) >= {"z", "q", "k", "v"}
-    # only = true (the default of this file) runs the reproduction table; only = false runs the stages above
-    assert spec.reproduce.only and spec.reproduce.circuit
+    if "llama7b" in name:  # only = true runs the reproduction table; only = false the stages above
+        assert spec.reproduce.only and spec.reproduce.circuit
+    else:  # the same study on the embedded family, every stage
+        assert (spec.models.base, spec.models.finetunes) == ("smollm2-et-early", ["smollm2-et"])
+        assert not spec.reproduce.circuit
 
 
 def test_task_file_paper_stages_need_pruning(tmp_path):
@@ -426,3 +433,31 @@ def test_dcm_cut_keeps_each_groups_selected_heads():
     assert cut.groups == {"A": [Head(1, 0)], "B": [], "D": [Head(0, 2), Head(0, 3)]}
     with pytest.raises(ValueError, match="no DCM result"):
         dcm_cut(circuit, dcm, {"D": "positional"})
+
+
+def test_cli_cmap_and_prune_with_the_paper_rules(tmp_path, smollm2_tokenizer):
+    import json
+
+    from conftest import make_tiny
+    from mechdiff.cli import main as cli_main
+
+    for seed, d in ((0, "base"), (5, "ft")):
+        m = make_tiny("llama", smollm2_tokenizer, seed=seed)
+        m.model.save_pretrained(tmp_path / d)
+        smollm2_tokenizer.save_pretrained(tmp_path / d)
+    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 2)], "C": [Head(1, 1)]},
+                      {"A": "last", "C": "query_label"}).save(tmp_path / "circuit.json")
+    out = tmp_path / "cmap"
+    assert cli_main(["cmap", "--base", str(tmp_path / "base"), "--finetune", str(tmp_path / "ft"),
+                     "--circuit", str(circuit), "--n", "6", "--n-boxes", "3", "--batch-size", "3",
+                     "--kinds", "z,k", "--rule", "paper", "--out", str(out)]) in (0, None)
+    data = json.loads((out / "cmap.json").read_text())
+    assert {(r["scope"], r["kind"]) for r in data["rows"]} == {("A", "z"), ("A", "k"), ("C", "z"), ("circuit", "z")}
+    assert (out / "cmap.png").is_file() and data["settings"]["rule"] == "paper"
+    pruned = tmp_path / "pruned.json"
+    assert cli_main(["prune", "--model", str(tmp_path / "base"), "--circuit", str(circuit), "--out", str(pruned),
+                     "--rule", "paper", "--metric", "prob", "--n", "6", "--n-boxes", "3"]) in (0, None)
+    meta = json.loads(pruned.read_text())["meta"]["pruned"]
+    assert meta["rule"] == "paper" and meta["share"] == 0.3 and meta["metric"] == "prob"
+    table = (tmp_path / "pruned.minimality.md").read_text()
+    assert "F(C\\K)" in table and "score" in table
