@@ -7,17 +7,25 @@ fine-tune's run are written into the base's run, per circuit group at the group'
   output projection then projects them (the receiving model's ``o_proj``).
 - ``q``: the head's query at the group's position.
 - ``k`` / ``v``: keys / values at every position up to and including the group's position
-  (the paper patches K/V at all previous positions). Under grouped-query attention K and V
-  belong to a KV group: patching a head's K or V patches its whole KV group, which every query
-  head of that group reads.
+  (rule ``"base"``, mechdiff's extension) or strictly before it (rule ``"paper"``). Under grouped-query
+  attention K and V belong to a KV group: patching a head's K or V patches its whole KV group, which
+  every query head of that group reads.
 - ``qk``, ``qkv``: combinations, to separate gains of the QK circuit from the OV circuit.
 
-Isolation (``isolate=True``, the default, as the paper): for Q/K/V kinds every head's output at
-positions other than the scope's positions and the read-out is restored to the base's own value
-in every layer from the first patched one, so the patched K/V change only what the circuit heads
-read at their positions. Under grouped-query attention the other query heads of a patched KV group
-are restored too, at every position: the K/V patch then acts per query head, and "V of group A"
-patches exactly the heads of group A, like "Q of group A".
+Two rules (``rule``):
+
+- ``"base"`` (mechdiff's default): isolation (``isolate=True``) restores, for Q/K/V kinds, every head's
+  output at positions other than the scope's positions and the read-out to the base's own value in every
+  layer from the first patched one, so the patched K/V change only what the circuit heads read at their
+  positions; the group's own position stays free, so Q/K/V rows exist for groups at any position (an
+  extension of the paper). Under grouped-query attention the other query heads of a patched KV group are
+  restored too, at every position: "V of group A" then patches exactly the heads of group A.
+- ``"paper"`` (Prakash et al. 2024, ``Nix07/finetuning`` ``experiment_3/cmap_utils.py``: ``cmap_in``): K/V
+  strictly before the group's position, Q at it, and for Q/K/V every head's output at every position except
+  the last reset to the base's clean run, so only last-token groups have Q/K/V rows (:func:`run_cmap` runs
+  only ``z`` for the others). Under grouped-query attention (absent from the paper's LLaMA-7B) the other
+  query heads of a patched KV group are restored at the last position as well. The study patches, under this
+  rule, the fine-tune's pruned circuit cut per group to the heads its DCM selected (:func:`dcm_cut`).
 
 :func:`run_cmap` reports accuracy of the patched base per group and for the whole circuit, beside
 the base's and the fine-tune's accuracies, a layer-matched random-head control per kind, and keeps
@@ -47,6 +55,8 @@ from .stats import Estimate, bootstrap, mean_estimate, paired_difference
 from .tasks.base import Record, batch_tensors
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
+CMAP_RULES: tuple[str, ...] = ("base", "paper")
+LAST = "last"  # the read-out position
 CIRCUIT_SCOPE = "circuit"
 CAPTION = ("CMAP: activations captured in the fine-tune's run are patched into the base's run on the same prompts, "
            "per group at the group's position. z = head outputs (o_proj input), projected by the BASE model's o_proj; "
@@ -54,6 +64,11 @@ CAPTION = ("CMAP: activations captured in the fine-tune's run are patched into t
            "For q/k/v every head's output at positions other than the group's and the last is restored to the "
            "base's, and other query heads of a patched KV group are restored everywhere, so only the group's heads "
            "read the patched Q/K/V (per query head under grouped-query attention).")
+CAPTION_PAPER = ("CMAP as the paper: activations captured in the fine-tune's run are patched into the base's run on "
+                 "the same prompts. z = head outputs at the group's position, projected by the BASE model's o_proj; "
+                 "q = the head's query at its position; k/v = keys/values at every position strictly before it. For "
+                 "q/k/v every head's output at every position except the last is reset to the base's clean run, so "
+                 "q/k/v are reported for last-token groups only.")
 CAPTION_UNISOLATED = ("CMAP without isolation: q/k/v patches write the KV group's keys/values at every position up to "
                       "the group's, and every head reading them (the whole KV group, at every position) responds.")
 
@@ -83,11 +98,12 @@ def capture_sites(heads: Iterable[Head]) -> list[tuple[str, int]]:
 
 
 def cmap_patches(model: LoadedModel, scope: Scope, kind: str, captured: dict, positions: dict[str, torch.Tensor],
-                 seq_len: int) -> list[Patch]:
+                 seq_len: int, strict: bool = False) -> list[Patch]:
     """Patches that write the captured (fine-tune) activations of ``scope`` into the receiving model.
 
     ``captured``: ``(site kind, layer) -> "batch pos cols"`` from the donor's run on the same prompts;
     ``positions``: position name -> LongTensor ``[batch]``. ``kind`` is one of :data:`CMAP_KINDS`.
+    ``strict``: K/V at positions strictly before the group's (the paper's), else up to and including it.
     """
     patches: list[Patch] = []
     done: set = set()
@@ -107,7 +123,8 @@ def cmap_patches(model: LoadedModel, scope: Scope, kind: str, captured: dict, po
             if key in done:
                 continue
             done.add(key)
-            keep = (torch.arange(seq_len)[None, :] > pos[:, None]).float()[..., None]  # 1 after the position
+            after = torch.arange(seq_len)[None, :] >= pos[:, None] if strict else torch.arange(seq_len)[None, :] > pos[:, None]
+            keep = after.float()[..., None]  # 1 where the base keeps its own K/V
             patches.append(Patch(component, head.layer, site[:, :, cols], None, cols, mask=keep))
     return patches
 
@@ -144,6 +161,62 @@ def isolation_patches(model: LoadedModel, scope: Scope, kind: str, base_z: dict,
         mask = keep.repeat_interleave(shape.d_head, dim=2).float()
         patches.append(Patch("z", layer, base_z[layer], None, None, mask=mask))
     return patches
+
+
+def paper_isolation_patches(model: LoadedModel, scope: Scope, kind: str, base_z: dict,
+                            positions: dict[str, torch.Tensor], seq_len: int) -> list[Patch]:
+    """The paper's isolation for Q/K/V kinds (none for ``z``): from the scope's first layer on, every head's output
+    at every position except the last is reset to the base's clean run (``cmap_in``'s ``o_proj`` branch).
+    Under grouped-query attention, in a layer whose K/V are patched, the other query heads of the patched KV
+    groups are reset at the last position too. ``base_z``: layer -> the base's plain ``z``."""
+    if kind == "z":
+        return []
+    shape = model.shape
+    n = positions[LAST].shape[0]
+    rows = torch.arange(n)
+    free = torch.zeros(n, seq_len, dtype=torch.bool)
+    free[rows, positions[LAST]] = True
+    kv_layers = {h.layer for h, _ in scope} if set(kind) & {"k", "v"} else set()
+    patches = []
+    for layer in range(min(h.layer for h, _ in scope), shape.n_layers):
+        keep = free[:, :, None].expand(n, seq_len, shape.n_heads).clone()  # "batch pos head", True = keep patched
+        if layer in kv_layers and shape.group_size > 1:
+            ours = {h.head for h, _ in scope if h.layer == layer}
+            groups = {h // shape.group_size for h in ours}
+            for head in range(shape.n_heads):
+                if head // shape.group_size in groups and head not in ours:
+                    keep[:, :, head] = False
+        mask = keep.repeat_interleave(shape.d_head, dim=2).float()
+        patches.append(Patch("z", layer, base_z[layer], None, None, mask=mask))
+    return patches
+
+
+def paper_kinds(scope: Scope, kinds: Sequence[str]) -> list[str]:
+    """The kinds the paper's rule runs for a scope: every kind if all its pairs sit at the last position, else ``z``."""
+    return list(kinds) if all(pos == LAST for _, pos in scope) else [k for k in kinds if k == "z"]
+
+
+def dcm_cut(circuit: Circuit, dcm: Sequence[dict], selection: dict[str, str]) -> Circuit:
+    """``circuit`` with each group named in ``selection`` cut to the heads DCM selected for it under the named
+    desideratum (``dcm``: :meth:`mechdiff.dcm.DCMResult.to_dict` records); other groups keep every head."""
+    from .components import parse_heads
+    from .dcm import _ALIASES
+
+    def same(a: str, b: str) -> bool:
+        return _ALIASES.get(a, a) == _ALIASES.get(b, b)
+
+    groups = {}
+    for g, heads in circuit.groups.items():
+        if g not in selection or not heads:
+            groups[g] = list(heads)
+            continue
+        found = [r for r in dcm if r["group"] == g and same(r["desideratum"], selection[g])]
+        if not found:
+            raise ValueError(f"no DCM result for group {g!r} under desideratum {selection[g]!r}; run DCM on this "
+                             f"circuit with that desideratum (results: {sorted({(r['group'], r['desideratum']) for r in dcm})})")
+        groups[g] = parse_heads(found[0]["selected"])
+    meta = {**circuit.meta, "dcm_cut": dict(selection)}
+    return Circuit(circuit.model, circuit.task, groups, dict(circuit.positions), names=dict(circuit.names), meta=meta)
 
 
 def random_scope(scope: Scope, n_heads: int, rng: random.Random) -> Scope:
@@ -211,11 +284,18 @@ def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[np.ndarray, np.n
 
 def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records: Sequence[Record],
              kinds: Sequence[str] = CMAP_KINDS, batch_size: int = 32, groups: Optional[Iterable[str]] = None,
-             progress: bool = True, isolate: bool = True, n_random: int = 0, seed: int = 0) -> CMAPResult:
+             progress: bool = True, isolate: bool = True, n_random: int = 0, seed: int = 0,
+             rule: str = "base") -> CMAPResult:
     """CMAP from ``finetune`` into ``base`` for each group of ``circuit`` and the whole circuit.
 
-    ``isolate``: restore the base's other head outputs for Q/K/V kinds (see the module docstring).
+    ``rule``: ``"base"`` or ``"paper"`` (see the module docstring); ``isolate`` (rule ``"base"`` only): restore
+    the base's other head outputs for Q/K/V kinds (the paper's rule always isolates).
     ``n_random``: draws of layer-matched random heads per group (the control), each patched in every kind."""
+    if rule not in CMAP_RULES:
+        raise ValueError(f"rule must be one of {CMAP_RULES}, got {rule!r}")
+    if rule == "paper" and not isolate:
+        raise ValueError("the paper's CMAP always resets the other positions to the base (isolate); use rule 'base' "
+                         "for runs without isolation")
     check_shapes({base.name: base.shape, finetune.name: finetune.shape})
     circuit.validate(base.shape.n_layers, base.shape.n_heads)
     kinds = parse_kinds(kinds)
@@ -232,8 +312,10 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
     rng = random.Random(seed)
     randoms = {f"random:{g}": [random_scope(sc, base.shape.n_heads, rng) for _ in range(n_random)]
                for g, sc in all_scopes.items() if g != CIRCUIT_SCOPE} if n_random > 0 else {}
+    plan = {s: paper_kinds(sc, kinds) if rule == "paper" else list(kinds) for s, sc in all_scopes.items()}
+    plan.update({r: plan[r.split(":", 1)[1]] for r in randoms})
     scores: dict = {key: ([], []) for key in ["base", "finetune", *((s, k) for s in [*all_scopes, *randoms]
-                                                                     for k in kinds)]}
+                                                                     for k in plan[s])]}
     for rows in tqdm(batches(len(records), batch_size), desc="cmap", disable=not progress):
         batch = batch_tensors(records[rows])
         ids, answer = batch["input_ids"], batch["answer_ids"]
@@ -243,17 +325,20 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
             _append(scores["finetune"], _score(donor.logits, answer))
         with base.session():  # remote: the base's plain and patched runs of this batch in one request
             scored = keep(_base_scores(base, ids, answer, captured, all_scopes, kinds, batch["positions"],
-                                       isolate, randoms))
+                                       isolate, randoms, rule, plan))
         for key, value in scored.items():
             _append(scores[key], value)
-    result = _result(base, finetune, circuit, scores, all_scopes, kinds)
-    result.caption = CAPTION if isolate else CAPTION_UNISOLATED
+    result = _result(base, finetune, circuit, scores, all_scopes, kinds, plan)
+    result.caption = CAPTION_PAPER if rule == "paper" else CAPTION if isolate else CAPTION_UNISOLATED
     result.settings = {"isolate": isolate, "n_random": n_random, "seed": seed, "n_prompts": len(records)}
+    if rule == "paper":
+        result.settings.update(rule=rule, kinds={s: plan[s] for s in all_scopes})
     return result
 
 
 def _base_scores(base: LoadedModel, ids: torch.Tensor, answer: torch.Tensor, captured: dict, all_scopes: dict,
-                 kinds: list[str], positions: dict, isolate: bool = True, randoms: Optional[dict] = None) -> dict:
+                 kinds: list[str], positions: dict, isolate: bool = True, randoms: Optional[dict] = None,
+                 rule: str = "base", plan: Optional[dict] = None) -> dict:
     """``(correct, prob)`` of the base, plain and with each (scope, kind) patched from the donor's ``captured``;
     for each random scope key, the outcomes of its draws averaged per prompt."""
     out = {}
@@ -273,16 +358,19 @@ def _base_scores(base: LoadedModel, ids: torch.Tensor, answer: torch.Tensor, cap
         def patched(pairs: Scope, kind: str) -> tuple[np.ndarray, np.ndarray]:
             layer = min(h.layer for h, _ in pairs)
             resume = Resume(layer, plain.captured[("resid", layer - 1)]) if layer else None
-            patches = cmap_patches(base, pairs, kind, captured, positions, ids.shape[1])
-            if isolate:
+            patches = cmap_patches(base, pairs, kind, captured, positions, ids.shape[1], strict=rule == "paper")
+            if rule == "paper":
+                patches += paper_isolation_patches(base, pairs, kind, base_z, positions, ids.shape[1])
+            elif isolate:
                 patches += isolation_patches(base, pairs, kind, base_z, positions, ids.shape[1])
             return _score(run(base, ids, patches, resume=resume, prefix=plain.kv).logits, answer)
 
+        plan = plan or {}
         for scope, pairs in all_scopes.items():
-            for kind in kinds:
+            for kind in plan.get(scope, kinds):
                 out[(scope, kind)] = patched(pairs, kind)
         for key, draws in randoms.items():
-            for kind in kinds:
+            for kind in plan.get(key, kinds):
                 runs = [patched(pairs, kind) for pairs in draws]
                 out[(key, kind)] = (np.mean([r[0] for r in runs], 0), np.mean([r[1] for r in runs], 0))
     return out
@@ -294,7 +382,7 @@ def _append(store: tuple[list, list], scored: tuple[np.ndarray, np.ndarray]) -> 
 
 
 def _result(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, scores: dict, all_scopes: dict,
-            kinds: list[str]) -> CMAPResult:
+            kinds: list[str], plan: Optional[dict] = None) -> CMAPResult:
     correct = {key: np.concatenate(c).astype(float) for key, (c, _) in scores.items()}
     acc = {key: mean_estimate(v) for key, v in correct.items()}
     prob = {key: bootstrap(np.concatenate(p)) for key, (_, p) in scores.items()}
@@ -303,7 +391,7 @@ def _result(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, scores: 
     def row(s: str, k: str) -> CMAPRow:
         return CMAPRow(s, k, acc[(s, k)], prob[(s, k)], (acc[(s, k)].value - b) / (f - b) if f != b else float("nan"))
 
-    rows = [row(s, k) for s in all_scopes for k in kinds]
+    rows = [row(s, k) for s in all_scopes for k in (plan or {}).get(s, kinds)]
     random_rows = [row(s, k) for s, k in dict.fromkeys(key for key in scores if isinstance(key, tuple)
                                                          and key[0].startswith("random:"))]
     positions = {g: circuit.positions[g] for g in circuit.groups}

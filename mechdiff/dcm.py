@@ -17,6 +17,10 @@ Two parameterisations:
 
 - ``"continuous"`` (the paper's): ``m`` in [0, 1], clamped after every Adam step (lr 0.1),
   rounded for evaluation; the step with the best validation accuracy is kept.
+
+The paper's training (``Nix07/finetuning`` ``experiment_2/DCM.py``) is :meth:`DCMConfig.paper`: an absolute
+lambda = 0.01, 32 pairs per step, 2 epochs over the training pairs in order, validation after every 4th batch
+of each epoch (batches 0, 4, 8, ...), a 50/25/25 split. mechdiff's defaults differ (see :class:`DCMConfig`).
 - ``"hard_concrete"`` (L0, Louizos et al. 2018): a stochastic gate ``g = 1 - m`` per head
   ("patch this head") with learned ``log_alpha``; the penalty is the expected number of open
   gates; evaluation uses the deterministic gate, rounded.
@@ -68,21 +72,32 @@ def desideratum_pairs(name: str, tokenizer, n: int, n_boxes: Optional[int] = Non
     return t.desideratum(key, tokenizer, n, seed=seed, n_boxes=n_boxes, vocabulary=vocabulary)
 
 
+LAM_SCALES = ("loss", "absolute")
+#: When validation runs: "steps" (mechdiff: before training, every ``eval_every`` optimiser steps and after the
+#: last) or "epoch_batches" (the paper: after batch b of each epoch whenever b % eval_every == 0, b from 0).
+SCHEDULES = ("steps", "epoch_batches")
+
+
 @dataclass
 class DCMConfig:
-    """Training settings; the defaults follow the paper (Adam, lr 0.1, clamp, round, best validation step)."""
+    """Training settings. The mask, the loss form, Adam with lr 0.1, clamping, rounding, the best validation
+    step and its tie-break are the paper's; the defaults of ``lam_scale``, the batch, the split and the
+    validation schedule are mechdiff's (small prompt sets on CPU). :meth:`paper` gives the paper's."""
 
     parameterisation: str = "continuous"
     lam: float = 0.01  # weight of the sparsity term sum(1 - m) (or the expected L0 of the gates)
-    # "loss": lam is relative to the unpatched model's loss mean |logit(target)| on the first training
-    # batch, so the sparsity term has the same weight on any model's logit scale; "absolute": lam as is.
+    # "loss" (mechdiff): lam is relative to the unpatched model's loss mean |logit(target)| on the first training
+    # batch, so the sparsity term has the same weight on any model's logit scale (a several-fold stronger penalty
+    # than the paper's on LLaMA's logits); "absolute" (the paper's): lam as is.
     lam_scale: str = "loss"
     lr: float = 0.1
     epochs: int = 2
     batch_size: int = 16  # pairs per optimiser step (gradient accumulated over micro-batches)
     micro_batch: int = 16  # pairs per forward/backward pass (bounds memory)
     eval_batch: int = 32  # pairs per forward pass when evaluating (no gradients)
-    eval_every: int = 5  # optimiser steps between validation passes
+    eval_every: int = 5  # optimiser steps (schedule "steps") or batches of an epoch ("epoch_batches") between validations
+    schedule: str = "steps"
+    shuffle: bool = True  # shuffle the training pairs each epoch (the paper: in order)
     split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # train / validation / test fractions
     init: float = 1.0  # initial mask value (1 = nothing patched); hard-concrete gates start at least half open
     n_random: int = 5  # random head sets of the selected size for the baseline
@@ -92,14 +107,33 @@ class DCMConfig:
     def __post_init__(self) -> None:
         if self.parameterisation not in PARAMETERISATIONS:
             raise ValueError(f"parameterisation must be one of {PARAMETERISATIONS}, got {self.parameterisation!r}")
-        if self.lam_scale not in ("loss", "absolute"):
+        if self.lam_scale not in LAM_SCALES:
             raise ValueError(f"lam_scale must be 'loss' or 'absolute', got {self.lam_scale!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.eval_every < 1:
+            raise ValueError("eval_every must be at least 1")
         if self.random_pool not in ("group", "all"):
             raise ValueError(f"random_pool must be 'group' or 'all', got {self.random_pool!r}")
         if len(self.split) != 3 or min(self.split) <= 0 or abs(sum(self.split) - 1) > 1e-6:
             raise ValueError(f"split must be three positive fractions summing to 1, got {self.split}")
         if min(self.micro_batch, self.batch_size, self.eval_batch) < 1:
             raise ValueError("batch_size, micro_batch and eval_batch must be at least 1")
+
+
+    @classmethod
+    def paper(cls, **overrides) -> "DCMConfig":
+        """The paper's training (``experiment_2/DCM.py``): loss -logit(target) + 0.01 sum(1 - m) with an absolute
+        lambda, Adam lr 0.1, 32 pairs per step, 2 epochs in order, validation after batches 0, 4, 8, ... of each
+        epoch, split 50/25/25 (of 2000 pairs). ``overrides``: memory and bookkeeping settings (``micro_batch``,
+        ``eval_batch``, ``seed``, ``n_random``, ``random_pool``)."""
+        return cls(**{**PAPER_DCM, **overrides})
+
+
+#: The settings :meth:`DCMConfig.paper` fixes.
+PAPER_DCM = {"parameterisation": "continuous", "lam": 0.01, "lam_scale": "absolute", "lr": 0.1, "epochs": 2,
+             "batch_size": 32, "eval_every": 4, "schedule": "epoch_batches", "shuffle": False,
+             "split": (0.5, 0.25, 0.25), "init": 1.0}
 
 
 @dataclass
@@ -350,21 +384,30 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, cache: 
         if (acc, len(chosen)) > best[:2]:
             best = (acc, len(chosen), step, values)
 
-    validate(0, float("nan"))
+    if config.schedule == "steps":
+        validate(0, float("nan"))
     bar = tqdm(total=config.epochs * steps_per_epoch, desc=f"dcm {position}", disable=not progress, leave=False)
     step = 0
     for _ in range(config.epochs):
         order = list(train)
-        rng.shuffle(order)
-        for chunk in batches(len(order), config.batch_size):
+        if config.shuffle:
+            rng.shuffle(order)
+        for b, chunk in enumerate(batches(len(order), config.batch_size)):
             loss = _step(model, heads, position, cache, order[chunk], mask, optimiser, config, scale)
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
-            if step % config.eval_every == 0 or step == config.epochs * steps_per_epoch:
+            if validates(config, step, b, config.epochs * steps_per_epoch):
                 validate(step, loss)
     bar.close()
     return best[3], best[2], history
+
+
+def validates(config: DCMConfig, step: int, batch: int, total: int) -> bool:
+    """Whether validation runs after optimiser step ``step`` (1-based), batch ``batch`` (0-based) of its epoch."""
+    if config.schedule == "epoch_batches":
+        return batch % config.eval_every == 0
+    return step % config.eval_every == 0 or step == total
 
 
 def loss_scale(model: LoadedModel, heads: Sequence[Head], position: str, cache: PairCache,

@@ -224,16 +224,20 @@ class Study:
                             store=self.store)
 
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
-        from .circuits.scoring import minimality, prune
+        from .circuits.scoring import minimality, pairwise_minimality, prune
 
         s = self.spec.scoring
 
         def compute() -> dict:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
             # Pruning decides on its own prompts, never on those the matrix reports.
-            result = minimality(self.scorer(name, "prune", s.prune_n), circuit, max_steps=s.prune_steps,
-                                n_candidates=s.prune_candidates, seed=self.seed("prune"), metric=s.prune_metric,
-                                threshold=s.prune_threshold)
+            scorer = self.scorer(name, "prune", s.prune_n)
+            if s.prune_rule == "paper":
+                result = pairwise_minimality(scorer, circuit, metric=s.prune_metric, share=s.prune_share,
+                                             threshold=s.prune_threshold)
+            else:
+                result = minimality(scorer, circuit, max_steps=s.prune_steps, n_candidates=s.prune_candidates,
+                                    seed=self.seed("prune"), metric=s.prune_metric, threshold=s.prune_threshold)
             pruned = prune(circuit, result, s.prune_threshold)
             pruned.save(self.dir / "circuits" / f"{label(name)}.pruned.json")
             return {"circuit": pruned.to_dict(), "minimality": result}
@@ -277,63 +281,81 @@ class Study:
         return [g for g, heads in circuit.groups.items() if heads and circuit.positions[g] in positions
                 and positions[circuit.positions[g]].dim() == 1 and bool((positions[circuit.positions[g]] >= 0).all())]
 
-    def dcm(self, circuit_rec: StageRecord) -> StageRecord:
-        from .dcm import DCMConfig, dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
+    def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
+        """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
+        patching of the selections into every model for the base's."""
+        from .dcm import dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
 
         c, t = self.spec.dcm, self.spec.task
         base = self.spec.models.base
+        name = name or base
 
         def compute() -> dict:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
-            n = c.n_train + c.n_val + c.n_test
-            split = (c.n_train / n, c.n_val / n, c.n_test / n)
-            config = DCMConfig(lam=c.lam, lr=c.lr, epochs=c.epochs, batch_size=c.batch_size, micro_batch=c.batch_size,
-                               eval_batch=self.spec.eval.batch_size,
-                               eval_every=4, split=split, seed=t.seed, random_pool=c.random_pool)
+            config = dcm_config(self.spec)
             opts = self.options()
+            n = c.n_train + c.n_val + c.n_test
             desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, self.seed("dcm"),
                                                vocabulary=opts.get("vocabulary"), task=self.task.name)
                           for d in c.desiderata}
             groups = self.analysis_groups(circuit, c.groups)
-            results = dcm_circuit(self.model(base), circuit, desiderata, config, groups, self.progress)
+            results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress)
             semantic = []
-            for r in results:
+            for r in results if name == base else ():
                 if not r.selected:
                     continue
                 test = split_pairs(desiderata[r.desideratum], config.split, config.seed)[2]
                 for sem in semantic_patching(self.models, r.selected, r.position, test, self.spec.eval.batch_size):
                     semantic.append({"group": r.group, "desideratum": r.desideratum,
                                      "heads": [h.name for h in r.selected], **sem.to_dict()})
-            return {"dcm": [r.to_dict() for r in results], "semantic": semantic}
+            return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic}
 
-        return self.cache.run("dcm", {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c),
-                                      "task": self._task()}, compute)
+        inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self._task()}
+        return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
 
-    def cmap(self, finetune: str, circuit_rec: StageRecord) -> StageRecord:
-        from .cmap import run_cmap
+    def dcm_circuit(self, found: dict[str, StageRecord], pruned: dict[str, StageRecord], name: str) -> StageRecord:
+        """The circuit record DCM masks for ``name``: its pruned circuit under ``[dcm] circuit = "pruned"``."""
+        return pruned[name] if self.spec.dcm.circuit == "pruned" else found[name]
+
+    def cmap_of(self, finetune: str, found: dict[str, StageRecord], pruned: dict[str, StageRecord]) -> StageRecord:
+        """CMAP of ``finetune`` by the configured scope: the base's found circuit (``"base"``) or, as the paper,
+        the fine-tune's pruned circuit cut to its own DCM selections (``"paper"``)."""
+        if self.spec.cmap.scope != "paper":
+            return self.cmap(finetune, found[self.spec.models.base])
+        own = pruned[finetune]
+        return self.cmap(finetune, own, self.dcm(own, finetune))
+
+    def cmap(self, finetune: str, circuit_rec: StageRecord, dcm_rec: Optional[StageRecord] = None) -> StageRecord:
+        from .cmap import dcm_cut, run_cmap
 
         c, t = self.spec.cmap, self.spec.task
         base = self.spec.models.base
+        owner = finetune if c.scope == "paper" else base
 
         def compute() -> dict:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
+            if dcm_rec is not None:
+                circuit = dcm_cut(circuit, dcm_rec.result["dcm"], c.selection)
             if not circuit.heads():
-                return {"skipped": f"the circuit of {base} has no heads left after pruning; there is nothing to patch"}
+                return {"skipped": f"the circuit of {owner} has no heads left after pruning; there is nothing to patch"}
             records = self.task.records(self.tokenizer, c.n, self.seed("cmap"), **self.options())
             groups = self.analysis_groups(circuit, c.groups)
             if not groups:
-                return {"skipped": f"no group of the circuit of {base} sits at a single-token position"}
+                return {"skipped": f"no group of the circuit of {owner} sits at a single-token position"}
             # the "circuit" scope: the union of these groups
             circuit = Circuit(circuit.model, circuit.task, {g: circuit.groups[g] for g in groups},
                               {g: circuit.positions[g] for g in groups}, names=dict(circuit.names))
             res = run_cmap(self.model(base), self.model(finetune), circuit, records, c.parts,
                            self.spec.eval.batch_size, progress=self.progress,
-                           isolate=c.isolate, n_random=c.n_random, seed=self.seed("cmap"))
-            return res.to_dict()
+                           isolate=c.isolate, n_random=c.n_random, seed=self.seed("cmap"),
+                           rule="paper" if c.scope == "paper" else "base")
+            return {**res.to_dict(), "circuit": circuit.to_dict()} if c.scope == "paper" else res.to_dict()
 
-        return self.cache.run(f"cmap:{finetune}", {"base": self.digests[base], "finetune": self.digests[finetune],
-                                                    "circuit": circuit_rec.key, "cmap": asdict(c),
-                                                    "task": self._task()}, compute)
+        inputs = {"base": self.digests[base], "finetune": self.digests[finetune], "circuit": circuit_rec.key,
+                  "cmap": asdict(c), "task": self._task()}
+        if dcm_rec is not None:
+            inputs["dcm"] = dcm_rec.key
+        return self.cache.run(f"cmap:{finetune}", inputs, compute)
 
     # -- the whole study ----------------------------------------------------------------
     def run(self) -> Path:
@@ -360,11 +382,13 @@ class Study:
             self.accuracy(name)
             self.positions(name)
             found = {name: self.circuit(name)}
-            if self.spec.scoring.prune:
-                self.pruned(name, found[name])
-            # first what needs only the base's circuit, then the matrix, which needs every model's
+            own = {name: self.pruned(name, found[name])} if self.spec.scoring.prune else {}
+            # first what needs only the base's circuit (or, for CMAP as the paper, the fine-tune's own), then the
+            # matrix, which needs every model's
             if name == base:
-                self.dcm(found[base])
+                self.dcm(self.dcm_circuit(found, own, base))
+            elif self.spec.cmap.scope == "paper":
+                self.cmap_of(name, found, own)
             else:
                 self._wait([base], "circuit", name, poll)
                 self.cmap(name, self.circuit(base))
@@ -409,8 +433,8 @@ class Study:
         pruned = {n: self.pruned(n, found[n]) for n in names} if self.spec.scoring.prune else {}
         scored = {**found, **{f"{n} pruned": rec for n, rec in pruned.items()}}
         matrix = {n: self.matrix(n, scored) for n in names}
-        dcm = self.dcm(found[base])
-        cmap = {ft: self.cmap(ft, found[base]) for ft in self.spec.models.finetunes}
+        dcm = self.dcm(self.dcm_circuit(found, pruned, base))
+        cmap = {ft: self.cmap_of(ft, found, pruned) for ft in self.spec.models.finetunes}
         report = write_report(self, accuracy, positions, found, pruned, matrix, dcm, cmap)
         write_json(self.dir / "run.json", self.manifest())
         write_html(self.dir)  # report.html: read from what was just written (as `mechdiff view` does)
@@ -426,6 +450,18 @@ class Study:
             "stages": self.cache.summary(),
             "wall_seconds": time.time() - self.started,
         }
+
+
+def dcm_config(spec: RunSpec):
+    """The :class:`~mechdiff.dcm.DCMConfig` a study's ``[dcm]`` section gives (split: its pair counts)."""
+    from .dcm import DCMConfig
+
+    c = spec.dcm
+    n = c.n_train + c.n_val + c.n_test
+    return DCMConfig(lam=c.lam, lam_scale=c.lam_scale, lr=c.lr, epochs=c.epochs, batch_size=c.batch_size,
+                     micro_batch=c.batch_size, eval_batch=spec.eval.batch_size, eval_every=c.eval_every,
+                     schedule=c.schedule, shuffle=c.shuffle, split=(c.n_train / n, c.n_val / n, c.n_test / n),
+                     seed=spec.task.seed, random_pool=c.random_pool)
 
 
 def versions() -> dict[str, str]:

@@ -39,7 +39,8 @@ from .plan import Plan, PlanStep, default_plan
 log = logging.getLogger(__name__)
 
 # The default plan's steps: step -> (sender position, receiver kind, receiver step); A has no receivers.
-# Its k are the paper's 40/7/20/5 of LLaMA-7B's 1024 heads, scaled to SmolLM2's 270 (about 10/2/5/1.3),
+# Its k are the paper's pruned LLaMA-7B group sizes 40/7/20/5 of 1024 heads (its path-patching k were 58/10/25/5),
+# scaled to SmolLM2's 270 (about 10/2/5/1.3),
 # rounded up where a step would otherwise keep one or two heads. With n_prompts=16 and screen_multiple=2
 # a run is 60 exact sender passes plus 7 forward+backward passes: minutes on 2 CPU cores.
 STEPS: dict[str, tuple[str, Optional[str], Optional[str]]] = {

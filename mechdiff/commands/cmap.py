@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
-from ..cmap import CMAP_KINDS, CMAPResult, parse_kinds, run_cmap
+from ..cmap import CMAP_KINDS, CMAP_RULES, CMAPResult, parse_kinds, run_cmap
 from ..io import check_writable
 from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
@@ -24,6 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--groups", default=None, help="comma-separated groups (default: all, plus the whole circuit)")
     p.add_argument("--no-isolate", action="store_true",
                    help="do not restore the base's other head outputs for Q/K/V (patch whole KV groups, every reader)")
+    p.add_argument("--rule", default=CMAP_RULES[0], choices=list(CMAP_RULES),
+                   help="base: K/V up to and including each group's position, that position left free "
+                        "(mechdiff's); paper: K/V strictly before it, every position but the last reset to the base, "
+                        "q/k/v for last-token groups only")
     p.add_argument("--n-random", type=int, default=0, help="draws of layer-matched random heads per group (control)")
     p.add_argument("--out", default="results/cmap", help="output directory")
     add_dataset_options(p, n=200)
@@ -59,9 +63,10 @@ def write_outputs(result: CMAPResult, out: Path) -> list[dict]:
     scopes = list(dict.fromkeys(r.scope for r in result.rows))
     kinds = list(dict.fromkeys(r.kind for r in result.rows))
     by = {(r.scope, r.kind): r.accuracy for r in result.rows}
-    grouped_bars(out / "cmap.png", scopes, {k: [by[(s, k)] for s in scopes] for k in kinds},
+    grouped_bars(out / "cmap.png", scopes, {k: [by.get((s, k)) for s in scopes] for k in kinds},
                  title=f"CMAP: {result.finetune} -> {result.base} (z projected by the base's o_proj; "
-                       + ("Q/K/V isolated per head)" if result.settings.get("isolate", True)
+                       + ("the paper's rule)" if result.settings.get("rule") == "paper"
+                          else "Q/K/V isolated per head)" if result.settings.get("isolate", True)
                           else "K/V patch whole KV groups)"),
                  references={f"base {result.base}": result.base_accuracy,
                              f"fine-tune {result.finetune}": result.finetune_accuracy})
@@ -79,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
     records = task_from_args(args).records(base.tokenizer, args.n, args.seed, **task_options(args))
     groups = args.groups.split(",") if args.groups else None
     result = run_cmap(base, finetune, circuit, records, kinds, args.batch_size, groups,
-                      isolate=not args.no_isolate, n_random=args.n_random, seed=args.seed)
+                      isolate=not args.no_isolate, n_random=args.n_random, seed=args.seed, rule=args.rule)
     rows = write_outputs(result, Path(args.out))
     print(to_markdown(rows))
     print(f"\n{result.caption}")

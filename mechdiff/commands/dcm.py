@@ -7,8 +7,8 @@ from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
 from ..io import check_writable
-from ..dcm import (PARAMETERISATIONS, DCMConfig, DCMResult, desideratum_pairs, dcm_circuit, semantic_patching,
-                   split_pairs)
+from ..dcm import (LAM_SCALES, PARAMETERISATIONS, DCMConfig, DCMResult, desideratum_pairs, dcm_circuit,
+                   semantic_patching, split_pairs)
 from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
 from ..report.tables import estimate_columns, to_markdown, write_table
@@ -44,6 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="pairs per forward pass when evaluating")
     p.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every,
                    help="optimiser steps between validation passes")
+    p.add_argument("--lam-scale", default=DEFAULTS.lam_scale, choices=list(LAM_SCALES),
+                   help="loss: lam times the unpatched mean |logit(target)| (mechdiff's); absolute: lam as is (the paper's)")
+    p.add_argument("--preset", default="", choices=["", "paper"],
+                   help="paper: the paper's training (absolute lam 0.01, lr 0.1, 32 pairs per step, 2 epochs in order, "
+                        "validation after batches 0, 4, 8... of each epoch, split 50/25/25); the training options "
+                        "above must then stay at their defaults")
     p.add_argument("--n-random", type=int, default=DEFAULTS.n_random, help="random head sets for the baseline")
     p.add_argument("--random-pool", default=DEFAULTS.random_pool, choices=["group", "all"],
                    help="random baseline heads from all heads of the model (default) or only the group's "
@@ -86,12 +92,21 @@ def dcm_rows(results: list[DCMResult]) -> list[dict]:
     return rows
 
 
+TRAINING = ("parameterisation", "lam", "lam_scale", "lr", "epochs", "batch_size", "eval_every")
+
+
 def config_from_args(args: argparse.Namespace) -> DCMConfig:
-    """The training settings the command line chose (every default is :data:`DEFAULTS`)."""
-    return DCMConfig(parameterisation=args.parameterisation, lam=args.lam, lr=args.lr, epochs=args.epochs,
-                     batch_size=args.batch_size, micro_batch=args.micro_batch, eval_every=args.eval_every,
-                     eval_batch=args.eval_batch, n_random=args.n_random, random_pool=args.random_pool,
-                     seed=args.seed)
+    """The training settings the command line chose (every default is :data:`DEFAULTS`; ``--preset paper``:
+    :meth:`DCMConfig.paper`, refused beside a changed training option)."""
+    bookkeeping = {"micro_batch": args.micro_batch, "eval_batch": args.eval_batch, "n_random": args.n_random,
+                   "random_pool": args.random_pool, "seed": args.seed}
+    if getattr(args, "preset", "") == "paper":
+        changed = [f"--{k.replace('_', '-')}" for k in TRAINING if getattr(args, k) != getattr(DEFAULTS, k)]
+        if changed:
+            raise SystemExit(f"--preset paper fixes the training settings; drop {', '.join(changed)} "
+                             "(or drop --preset to set them yourself)")
+        return DCMConfig.paper(**bookkeeping)
+    return DCMConfig(**{k: getattr(args, k) for k in TRAINING}, **bookkeeping)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..circuits.scoring import minimality, prune
+from ..circuits.scoring import PAPER_SHARE, PRUNE_RULES, minimality, pair_name, pairwise_minimality, prune
 from ..report.tables import to_markdown, write_table
 from ._options import add_dataset_options, add_model_options, load_from_args
 from ..io import check_writable
@@ -13,12 +13,16 @@ from ._scoring import add_scoring_options, build_scorer, load_circuit, model_sha
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prune", help="minimality of each circuit head (greedy) and the pruned circuit")
+    p = sub.add_parser("prune", help="minimality of each circuit head (greedy or the paper's pairwise rule) and the "
+                                     "pruned circuit")
     p.add_argument("--model", default="smollm2-135m", help="registry name or path")
     p.add_argument("--circuit", required=True, help="circuit JSON file")
     p.add_argument("--out", required=True, help="where to write the pruned circuit JSON")
-    p.add_argument("--threshold", type=float, default=0.01,
-                   help="keep a pair if its contribution / F(C) (the circuit's own performance, as the paper) exceeds this (recorded in the circuit's meta)")
+    p.add_argument("--rule", default=PRUNE_RULES[0], choices=list(PRUNE_RULES),
+                   help="greedy: keep a pair if its contribution / F(C) exceeds the threshold (mechdiff's); paper: per "
+                        "group, keep v iff F(C\\K) / F(C\\(K+v)) - 1 >= the threshold, K from pairwise removals")
+    p.add_argument("--threshold", type=float, default=0.01, help="the rule's threshold (recorded in the circuit's meta)")
+    p.add_argument("--share", type=float, default=PAPER_SHARE, help="paper rule: K is at most ceil(share |group|) heads")
     p.add_argument("--max-steps", type=int, default=1, help="greedy steps growing K per head")
     p.add_argument("--candidates", type=int, default=4, help="pairs tried per greedy step (0: all)")
     p.add_argument("--metric", default="accuracy", choices=["accuracy", "prob"])
@@ -33,17 +37,22 @@ def main(args: argparse.Namespace) -> int:
     circuit = load_circuit(args.circuit, model_shape(args.model, args))
     model = load_from_args(args.model, args)
     scorer = build_scorer(model, args)
-    result = minimality(scorer, circuit, max_steps=args.max_steps, n_candidates=args.candidates or None,
-                        seed=args.seed, metric=args.metric)
+    if args.rule == "paper":
+        result = pairwise_minimality(scorer, circuit, metric=args.metric, share=args.share, threshold=args.threshold)
+    else:
+        result = minimality(scorer, circuit, max_steps=args.max_steps, n_candidates=args.candidates or None,
+                            seed=args.seed, metric=args.metric)
     pruned = prune(circuit, result, threshold=args.threshold)
     pruned.meta["pruned"].update(model=model.name, fingerprint=model.fingerprint, source=args.circuit,
                                  settings=settings(args))
     out = Path(args.out)
     pruned.save(out)
-    rows = [{"pair": name, "contribution": r["contribution"], "relative": r["relative"],
-             "kept": r["relative"] > args.threshold, "K": " ".join(r["K"])} for name, r in result["pairs"].items()]
+    kept = {n for g in pruned.groups for n in (pair_name((h, pruned.positions[g])) for h in pruned.groups[g])}
+    rows = [{"pair": name, **({"F(C\\K)": r["before"], "F(C\\(K+v))": r["after"], "score": r["score"]}
+                              if args.rule == "paper" else {"contribution": r["contribution"], "relative": r["relative"]}),
+             "kept": name in kept, "K": " ".join(r["K"])} for name, r in result["pairs"].items()]
     stem = out.with_name(out.stem + ".minimality")
-    write_table(rows, stem, caption=f"Minimality ({args.metric}, threshold {args.threshold}) on {model.name}")
+    write_table(rows, stem, caption=f"Minimality ({args.rule} rule, {args.metric}, threshold {args.threshold}) on {model.name}")
     print(to_markdown(rows))
     print(f"\nkept {len(pruned.pairs())} of {len(circuit.pairs())} pairs; sizes {circuit.sizes()} -> {pruned.sizes()}")
     print(f"wrote {out}")

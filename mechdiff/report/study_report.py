@@ -130,7 +130,7 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
 
 
 def pruning_section(study: "Study", pruned: dict) -> str:
-    """What the paper's pruning removed, per model."""
+    """What pruning removed, per model, and by which rule."""
     if not pruned:
         return "_Pruning off ([scoring] prune = false)._\n"
     s = study.spec.scoring
@@ -140,11 +140,18 @@ def pruning_section(study: "Study", pruned: dict) -> str:
         searched = sum(v["searched"] for v in m["pairs"].values() if "searched" in v)
         rows.append({"model": name, "pairs_before": len(m["pairs"]),
                      "pairs_after": len(Circuit.from_dict(rec.result["circuit"]).pairs()),
-                     "F(C) on pruning prompts": m["circuit"], "F(M)": m["full"], "K searched for": searched})
-    return _table(study, rows, "pruning", f"Pruning (the paper's rule): a pair stays if removing it moves the "
-                  f"{s.prune_metric} metric by more than {s.prune_threshold} of the circuit's own F(C), with K grown "
-                  f"greedily ({s.prune_steps} steps, {s.prune_candidates} candidates each; the search skipped for "
-                  f"pairs already above the threshold at K = {{}}) on {s.prune_n} prompts of their own")
+                     "F(C) on pruning prompts": m["circuit"], "F(M)": m["full"],
+                     **({} if s.prune_rule == "paper" else {"K searched for": searched})})
+    if s.prune_rule == "paper":
+        caption = (f"Pruning (the paper's rule, per group): K = the heads among the top ceil({s.prune_share} |group|) "
+                   "by F(C\\{u}) - F(C\\{u,v}) with a positive score; v stays iff F(C\\K) / F(C\\(K+v)) - 1 >= "
+                   f"{s.prune_threshold}, on the {s.prune_metric} metric over {s.prune_n} prompts of their own")
+    else:
+        caption = (f"Pruning (mechdiff's greedy rule, not the paper's): a pair stays if removing it moves the "
+                   f"{s.prune_metric} metric by more than {s.prune_threshold} of the circuit's own F(C), with K grown "
+                   f"greedily ({s.prune_steps} steps, {s.prune_candidates} candidates each; the search skipped for "
+                   f"pairs already above the threshold at K = {{}}) on {s.prune_n} prompts of their own")
+    return _table(study, rows, "pruning", caption)
 
 
 def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:

@@ -52,7 +52,7 @@ class DiscoverySection:
     # "curve": every (head, position class) pair ranked by mean-ablation attribution on n prompts, nested
     # circuits scored on curve_n others, the smallest reaching `target` faithfulness is the circuit: its interval's
     # lower bound reaching it (select = "low") or its point estimate ("value").
-    # "path": the paper's path patching (steps of the task's plan, top_k heads each) on n pairs.
+    # "path": path patching as the paper (steps of the task's plan, top_k heads each) on n pairs.
     method: str = "curve"
     n: int = 160
     sizes: list[float] = field(default_factory=lambda: list(SIZES))  # fractions of all (head, class) pairs
@@ -73,10 +73,14 @@ class ScoringSection:
     completeness_draws: int = 2
     completeness_groups: list[str] = field(default_factory=list)  # groups removed whole (empty: as [dcm] groups)
     prune_n: int = 16  # prompts the pruning decides on (disjoint from those reported)
-    prune_threshold: float = 0.01  # relative to the circuit's own F(C), the paper's rule
-    prune_metric: str = "prob"  # "prob" (answer probability) or "accuracy"; prob resolves small prompt sets
-    prune_steps: int = 1  # greedy steps growing K in the minimality search (0: K = {})
-    prune_candidates: int = 1  # pairs tried per greedy step (drawn at random)
+    # "greedy" (mechdiff): a pair stays if |F(C\(K+v)) - F(C\K)| / F(C) > prune_threshold, K grown greedily over
+    # the whole circuit; "paper": per group, K from pairwise removals, v stays iff F(C\K)/F(C\(K+v)) - 1 >= threshold
+    prune_rule: str = "greedy"
+    prune_threshold: float = 0.01
+    prune_metric: str = "prob"  # "prob" (answer probability) or "accuracy" (the paper's); prob resolves small sets
+    prune_steps: int = 1  # greedy: steps growing K in the minimality search (0: K = {})
+    prune_candidates: int = 1  # greedy: pairs tried per step (drawn at random)
+    prune_share: float = 0.3  # paper: K is at most ceil(prune_share |group|) heads
     prune: bool = True
 
 
@@ -91,8 +95,13 @@ class DcmSection:
     epochs: int = 4
     batch_size: int = 8  # pairs per optimiser step: 32 training pairs x 4 epochs = 16 mask updates
     lam: float = 0.01
+    lam_scale: str = "loss"  # "loss": lam x the unpatched mean |logit(target)| (mechdiff); "absolute": the paper's
     lr: float = 0.1
+    eval_every: int = 4  # steps ("steps") or batches of an epoch ("epoch_batches") between validations
+    schedule: str = "steps"  # "steps" (mechdiff: also before training and after the last step) or "epoch_batches"
+    shuffle: bool = True  # shuffle the training pairs every epoch (the paper: in order)
     random_pool: str = "all"  # random baseline: heads of the selected count from "all" heads or the "group"
+    circuit: str = "found"  # the circuit whose groups DCM masks: "found" (as discovered) or "pruned" (the paper)
 
 
 @dataclass
@@ -100,7 +109,14 @@ class CmapSection:
     n: int = 200
     parts: list[str] = field(default_factory=lambda: ["z", "q", "k", "v", "qk"])
     groups: list[str] = field(default_factory=lambda: ["last", "query_label"])  # as [dcm] groups
-    isolate: bool = True  # restore the base's other head outputs for Q/K/V (the paper; see mechdiff.cmap)
+    isolate: bool = True  # scope "base": restore the base's other head outputs for Q/K/V (see mechdiff.cmap)
+    # "base" (mechdiff): the base's found circuit, K/V up to and including each group's position;
+    # "paper": the fine-tune's pruned circuit cut per group to the heads its DCM selected (`selection`), K/V strictly
+    # before the position, every head's output at every position but the last reset to the base's (Q/K/V: last-token
+    # groups only)
+    scope: str = "base"
+    selection: dict[str, str] = field(default_factory=dict)  # scope "paper": group -> desideratum whose DCM selection
+    # cuts it (a group not named keeps every head)
     n_random: int = 3  # draws of layer-matched random heads per group and part (the control)
 
 
@@ -132,7 +148,12 @@ CHOICES = {
     ("discovery", "method"): ("curve", "path"),
     ("discovery", "select"): SELECT,
     ("scoring", "prune_metric"): ("prob", "accuracy"),
+    ("scoring", "prune_rule"): ("greedy", "paper"),
     ("dcm", "random_pool"): ("all", "group"),
+    ("dcm", "lam_scale"): ("loss", "absolute"),
+    ("dcm", "schedule"): ("steps", "epoch_batches"),
+    ("dcm", "circuit"): ("found", "pruned"),
+    ("cmap", "scope"): ("base", "paper"),
     ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value"),
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
 }
@@ -171,7 +192,25 @@ def load_spec(path: str | Path) -> RunSpec:
     """Parse and check a task file before anything loads."""
     built, text = load_sections(path, SECTIONS, REQUIRED, CHOICES)
     _check_task(Path(path), text, built["task"].name)
+    _check_paper_stages(Path(path), text, built)
     return RunSpec(**built, source=str(path))
+
+
+def _check_paper_stages(path: Path, text: str, built: dict[str, Any]) -> None:
+    """Stages that read the pruned circuit need pruning on; CMAP's DCM cut names desiderata DCM trains."""
+    scoring, dcm, cmap = built["scoring"], built["dcm"], built["cmap"]
+    if not scoring.prune and (dcm.circuit == "pruned" or cmap.scope == "paper"):
+        key, section = ("circuit", "dcm") if dcm.circuit == "pruned" else ("scope", "cmap")
+        raise SpecError(f"{path}:{_line(text, section, key)}: [{section}] {key} reads the pruned circuit but "
+                        "[scoring] prune = false; set prune = true")
+    wanted = {_DESIDERATUM.get(d, d) for d in dcm.desiderata}
+    unknown = {g: d for g, d in cmap.selection.items() if _DESIDERATUM.get(d, d) not in wanted}
+    if unknown:
+        raise SpecError(f"{path}:{_line(text, 'cmap', 'selection')}: [cmap] selection names desiderata DCM does not "
+                        f"train ({unknown}); add them to [dcm] desiderata ({', '.join(dcm.desiderata)})")
+
+
+_DESIDERATUM = {"object_value": "object", "label_value": "label", "position": "positional"}
 
 
 def load_sections(path: str | Path, sections: dict[str, type], required: Optional[dict[str, tuple]] = None,

@@ -544,7 +544,7 @@ def test_prune_records_every_setting_and_keeps_the_circuit_identity():
     assert pruned.groups == {"A": [Head(1, 0)]}
     assert (pruned.model, pruned.task, pruned.names, pruned.positions) == ("m", "t", {"A": "fetchers"}, {"A": "last"})
     assert pruned.meta == {"source": "x", "pruned": {
-        "threshold": 0.01, "relative_to": "F(M)", "metric": "prob", "max_steps": 2, "n_candidates": 3, "seed": 5,
+        "rule": "greedy", "threshold": 0.01, "relative_to": "F(M)", "metric": "prob", "max_steps": 2, "n_candidates": 3, "seed": 5,
         "n_prompts": 8, "removed": ["L1H1@last"], "sizes_before": {"A": 2}}}
     with pytest.raises(ValueError, match="no minimality score for L1H1@last"):
         prune(c, {**result, "pairs": {"L1H0@last": {"relative": 1.0}}})

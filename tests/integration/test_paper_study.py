@@ -1,0 +1,78 @@
+"""The paper's study form (path patching, pairwise pruning, DCM on the pruned groups with the paper's training,
+CMAP of each fine-tune's own pruned circuit cut to its DCM selections) end to end on tiny saved models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import make_tiny
+from mechdiff.circuits.circuit import Circuit
+from mechdiff.cmap import dcm_cut
+from mechdiff.study import Study
+from mechdiff.tasks.spec import default_spec
+
+
+@pytest.fixture(scope="module")
+def tiny_family(tmp_path_factory, smollm2_tokenizer):
+    root = tmp_path_factory.mktemp("family")
+    names = []
+    for seed in (0, 1):
+        lm = make_tiny("llama", smollm2_tokenizer, seed=seed, n_layers=2)
+        lm.model.save_pretrained(root / f"m{seed}")
+        smollm2_tokenizer.save_pretrained(root / f"m{seed}")
+        names.append(str(root / f"m{seed}"))
+    return names
+
+
+def paper_spec(names, out):
+    spec = default_spec()
+    spec.models.base, spec.models.finetunes = names[0], names[1:]
+    spec.task.n_boxes = 3
+    spec.eval.n, spec.eval.batch_size = 12, 12
+    spec.positions.n = 0
+    d, s, c, m = spec.discovery, spec.scoring, spec.dcm, spec.cmap
+    d.method, d.n, d.top_k, d.screen_multiple = "path", 6, {"A": 3, "B": 2, "C": 2, "D": 1}, 2
+    s.n, s.random_draws, s.completeness_draws, s.reference_n = 8, 1, 0, 12
+    s.prune_rule, s.prune_metric, s.prune_n = "paper", "prob", 6
+    s.prune_threshold = -1.0  # every score F(C\K)/F(C\(K+v)) - 1 is >= -1: keep every head (tiny random models)
+    c.circuit, c.groups, c.desiderata = "pruned", ["A", "B"], ["positional", "object_value"]
+    c.n_train, c.n_val, c.n_test = 8, 4, 4
+    c.lam_scale, c.epochs, c.batch_size, c.schedule, c.eval_every, c.shuffle = "absolute", 2, 4, "epoch_batches", 4, False
+    m.scope, m.groups, m.selection, m.parts, m.n, m.n_random = "paper", ["A", "B", "C"], \
+        {"A": "object_value", "B": "positional"}, ["z", "k"], 8, 0
+    spec.output.dir, spec.output.store = str(out / "run"), str(out / "store.h5")
+    return spec
+
+
+def test_paper_study_form_end_to_end(tiny_family, tmp_path):
+    spec = paper_spec(tiny_family, tmp_path)
+    study = Study(spec, progress=False)
+    report = study.run().read_text()
+    assert "the paper's rule, per group" in report
+    base, ft = spec.models.base, spec.models.finetunes[0]
+    records = study.cache.records
+    assert {"dcm", f"dcm:{ft}", f"prune:{ft}", f"cmap:{ft}"} <= set(records)
+    # pruning by the paper's rule, per pair its K, F(C\K) and F(C\(K+v))
+    pruned = records[f"prune:{ft}"].result
+    assert pruned["minimality"]["rule"] == "paper"
+    assert all({"K", "before", "after", "score"} <= set(v) for v in pruned["minimality"]["pairs"].values())
+    # DCM of the base on its pruned groups, and of the fine-tune on its own
+    assert records["dcm"].result["model"] == base and records[f"dcm:{ft}"].result["model"] == ft
+    assert {r["config"]["lam_scale"] for r in records[f"dcm:{ft}"].result["dcm"]} == {"absolute"}
+    own = Circuit.from_dict(pruned["circuit"])
+    assert {r["group"] for r in records[f"dcm:{ft}"].result["dcm"]} == {g for g in ("A", "B") if own.groups[g]}
+    # CMAP: the fine-tune's pruned circuit cut to its DCM selections; q/k/v only for last-token groups
+    cmap = records[f"cmap:{ft}"].result
+    if "skipped" in cmap:
+        return
+    cut = dcm_cut(own, records[f"dcm:{ft}"].result["dcm"], spec.cmap.selection)
+    patched = Circuit.from_dict(cmap["circuit"])
+    assert all(patched.groups[g] == cut.groups[g] for g in patched.groups)
+    assert cmap["settings"]["rule"] == "paper"
+    for row in cmap["rows"]:
+        scope_positions = {patched.positions[g] for g in patched.groups} if row["scope"] == "circuit" else \
+            {patched.positions[row["scope"]]}
+        assert row["kind"] == "z" or scope_positions == {"last"}
+    json.dumps(cmap)
