@@ -84,7 +84,7 @@ def test_qkv_patch_touches_only_its_head_or_kv_group(tiny_model, prompts, kind):
     got = run(tiny_model, ids, patches, capture=sites).captured
     want = _expected(tiny_model, kind, head, pos, base_cap[(kind, LAYER)], donor_cap[(kind, LAYER)])
     assert not torch.equal(want, base_cap[(kind, LAYER)])
-    torch.testing.assert_close(got[(kind, LAYER)], want, rtol=0, atol=0)
+    torch.testing.assert_close(got[(kind, LAYER)], want, rtol=0, atol=0)  # exact: a copy of the donor's columns
     if tiny_model.arch.qkv_layout == "separate":  # the other projections are untouched
         for other in {"q", "k", "v"} - {kind}:
             assert torch.equal(got[(other, LAYER)], base_cap[(other, LAYER)])
