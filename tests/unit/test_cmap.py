@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import make_tiny
+from tolerances import tol32
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
 from mechdiff.cmap import cmap_patches, parse_kinds, run_cmap
@@ -117,7 +118,8 @@ def test_cmap_identical_models_changes_nothing(tiny_llama, smollm2_tokenizer):
     assert {r.kind for r in res.rows} == {"z", "q", "qkv"}
     for r in res.rows:
         assert r.accuracy == res.base_accuracy
-        assert r.answer_prob.value == pytest.approx(res.base_answer_prob.value, rel=1e-6)
+        # a probability's relative rounding is its logits' absolute rounding (the tiny model's logits: < 1)
+        assert r.answer_prob.value == pytest.approx(res.base_answer_prob.value, rel=tol32(1))
 
 
 def test_parse_kinds_rejects_unknown():
