@@ -20,7 +20,7 @@ kernel paths, and of 1 against 2 threads, differ by at most a few ``EPS32 * max|
 
 Exact equality (``==``, ``rtol=0, atol=0``, ``torch.equal``) only where the two sides are exact by
 construction: a copy or a value read back, the same kernel on the same input in the same process,
-``x * 1 + y * 0``, a count. Each such comparison says why in a comment. A bound that is measured rather
+``x * 1 + y * 0``, a count; where that is not evident, a comment says why. A bound that is measured rather
 than derived (finite differences against a gradient, a Monte-Carlo mean) states what it was measured on.
 No float32 result is compared to an absolute tolerance under 1e-6 unless a comment says why it is exact.
 """
