@@ -3,6 +3,7 @@ of each family. Tests under ``tests/slow`` are marked ``slow`` here (``-m "not s
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from pathlib import Path
@@ -93,7 +94,37 @@ def tiny_llama(smollm2_tokenizer) -> LoadedModel:
     return make_tiny("llama", smollm2_tokenizer)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_dequantized_once():
+    """A GGUF checkpoint is dequantized once per test run (transformers takes 10-30 s for SmolLM2's); every
+    ``load_model`` of it, or of a LoRA over it (``smollm2-et``, ``smollm2-capital-edit``), gets its own deep
+    copy, so a merge or an in-place change never reaches another test. Other kinds load as they are."""
+    from mechdiff.models import loading
+
+    original, cache = loading._load_weights, {}
+
+    def load(spec, dtype, device_map, cache_dir, attn_implementation):
+        if spec.kind != "gguf" or device_map is not None:
+            return original(spec, dtype, device_map, cache_dir, attn_implementation)
+        key = (spec.source, spec.gguf_file, dtype, attn_implementation)
+        if key not in cache:
+            cache[key] = original(spec, dtype, device_map, cache_dir, attn_implementation)
+        model, provenance = cache[key]
+        return copy.deepcopy(model), copy.deepcopy(provenance)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(loading, "_load_weights", load)
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The real SmolLM2-135M-Instruct weights (about 5-30 s to load)."""
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_et() -> LoadedModel:
+    """The committed entity-tracking LoRA over SmolLM2 (``smollm2-et``), loaded once; tests only read it."""
+    return load_model("smollm2-et")

@@ -11,7 +11,6 @@ import pytest
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.scoring import Scorer, faithfulness
 from mechdiff.tasks.entity_tracking import reference_records
-from mechdiff.models import load_model
 from mechdiff.tasks.entity_tracking import generate
 from mechdiff.tasks.splits import eval_objects
 
@@ -19,9 +18,9 @@ CIRCUIT = Path(__file__).parents[2] / "results" / "entity-tracking-smollm2" / "c
 
 
 @pytest.mark.slow
-def test_found_circuit_is_faithful_on_the_finetune():
+def test_found_circuit_is_faithful_on_the_finetune(smollm2_et):
     circuit = Circuit.load(CIRCUIT)
-    model = load_model("smollm2-et")
+    model = smollm2_et
     records = generate(model.tokenizer, 40, 7, seed=101, vocabulary=eval_objects())  # prompts no stage used
     reference = reference_records(model.tokenizer, 40, 7, seed=102)
     scorer = Scorer.build(model, records, reference, batch_size=40, progress=False)

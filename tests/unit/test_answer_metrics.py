@@ -176,6 +176,7 @@ def test_metrics_module_against_numpy():
     np.testing.assert_array_equal(M.answer_is_top1(logits, answer).numpy(), [False, False])
     np.testing.assert_array_equal(M.accuracy(logits, torch.tensor([1, 3])).numpy(), [1.0, 1.0])
     np.testing.assert_allclose(M.answer_logprob(logits, answer).numpy(), _take(_log_softmax(x), answer), rtol=1e-6)
+    # exact (numpy's default rtol=1e-7): picks of small integers and their differences and halves, all representable
     np.testing.assert_allclose(M.answer_logit(logits, answer).numpy(), [3.0, 2.0])
     one = M.logit_diff(logits, answer, torch.tensor([0, 3]))
     np.testing.assert_allclose(one.numpy(), [2.0, -2.0])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import make_tiny
+from tolerances import tol32
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
 from mechdiff.cmap import cmap_patches, parse_kinds, run_cmap
@@ -84,7 +85,7 @@ def test_qkv_patch_touches_only_its_head_or_kv_group(tiny_model, prompts, kind):
     got = run(tiny_model, ids, patches, capture=sites).captured
     want = _expected(tiny_model, kind, head, pos, base_cap[(kind, LAYER)], donor_cap[(kind, LAYER)])
     assert not torch.equal(want, base_cap[(kind, LAYER)])
-    torch.testing.assert_close(got[(kind, LAYER)], want, rtol=0, atol=0)
+    torch.testing.assert_close(got[(kind, LAYER)], want, rtol=0, atol=0)  # exact: a copy of the donor's columns
     if tiny_model.arch.qkv_layout == "separate":  # the other projections are untouched
         for other in {"q", "k", "v"} - {kind}:
             assert torch.equal(got[(other, LAYER)], base_cap[(other, LAYER)])
@@ -117,7 +118,8 @@ def test_cmap_identical_models_changes_nothing(tiny_llama, smollm2_tokenizer):
     assert {r.kind for r in res.rows} == {"z", "q", "qkv"}
     for r in res.rows:
         assert r.accuracy == res.base_accuracy
-        assert r.answer_prob.value == pytest.approx(res.base_answer_prob.value, rel=1e-6)
+        # a probability's relative rounding is its logits' absolute rounding (the tiny model's logits: < 1)
+        assert r.answer_prob.value == pytest.approx(res.base_answer_prob.value, rel=tol32(1))
 
 
 def test_parse_kinds_rejects_unknown():

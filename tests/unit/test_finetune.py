@@ -169,14 +169,14 @@ def test_object_splits_are_disjoint_and_cover_vocabulary(smollm2_tokenizer):
 
 
 @pytest.mark.slow
-def test_zoo_checkpoint_loads_by_name_and_reproduces_accuracy():
+def test_zoo_checkpoint_loads_by_name_and_reproduces_accuracy(smollm2_et):
     """smollm2-et loads offline by registry name and scores as recorded on the first 100 held-out prompts."""
     from mechdiff.evaluate import evaluate
 
     if not ZOO_RESULTS.is_file():
         pytest.fail(f"{ZOO_RESULTS} is missing; run scripts/build_zoo.sh")
     recorded = json.loads(ZOO_RESULTS.read_text())["smollm2-et"]
-    lm = load_model("smollm2-et")
+    lm = smollm2_et  # load_model("smollm2-et"), shared with tests/slow
     assert lm.provenance["kind"] == "lora" and lm.provenance["base"]["kind"] == "gguf"
     assert lm.fingerprint == recorded["fingerprint"]
     n = 100  # generate() is sequential in its seed: these are the first 100 of the recorded 500

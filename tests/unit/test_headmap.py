@@ -14,6 +14,7 @@ from mechdiff.finetune import last_logits
 from mechdiff.headmap import (HeadMap, TrainConfig, example_losses, heads_by_layer, layer_losses, locate,
                               lora_params, random_heads, select_samples, train)
 from mechdiff.tasks import multiple_choice as mc
+from tolerances import assert_close32
 
 
 def _batch(model, n=12, length=10, seed=0):
@@ -34,10 +35,11 @@ def _plain_losses(model, batch):
 def test_masking_no_heads_leaves_loss_unchanged(tiny_llama):
     batch = _batch(tiny_llama)
     plain = _plain_losses(tiny_llama, batch)
-    torch.testing.assert_close(example_losses(tiny_llama, batch, masked=()), plain, rtol=0, atol=1e-6)
+    # losses of ~ln(vocab) = 10.8: rounding scales with them (the tiny model's logits are far smaller)
+    assert_close32(example_losses(tiny_llama, batch, masked=()), plain)
     # the "nothing more" variant of a layer pass is the same loss
     means, _ = layer_losses(tiny_llama, batch, 0, fixed=())
-    torch.testing.assert_close(means[-1], plain.mean(), rtol=0, atol=1e-6)
+    assert_close32(means[-1], plain.mean())
     # masking a head does change it
     assert not torch.allclose(example_losses(tiny_llama, batch, masked=[Head(1, 0)]), plain)
 

@@ -35,6 +35,7 @@ def test_proportion_is_clopper_pearson(k, n):
     est = proportion([1.0] * k + [0.0] * (n - k))
     low, high = clopper_pearson(k, n)
     assert est.value == k / n and est.n == n
+    # float64 on both sides (scipy's beta quantiles), not a float32 result
     assert est.low == pytest.approx(low, abs=1e-9) and est.high == pytest.approx(high, abs=1e-9)
 
 

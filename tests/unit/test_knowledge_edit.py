@@ -62,6 +62,7 @@ def test_fact_edit_batches_mix_edits_and_kept_facts(smollm2_tokenizer):
     assert kept == len(capitals) - len(new)
 
 
+@pytest.mark.slow  # two real models: SmolLM2 and its committed edit
 def test_the_committed_edit_rewrites_four_capitals_and_keeps_the_others(smollm2):
     from mechdiff.models import load_model
 

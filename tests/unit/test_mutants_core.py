@@ -170,7 +170,7 @@ def test_q_k_v_of_one_layer_captured_together_are_each_its_own(family):
     together = run(model, ids, capture=[("q", 1), ("k", 1), ("v", 1)]).captured
     for kind in ("q", "k", "v"):
         alone = run(model, ids, capture=[(kind, 1)]).captured[(kind, 1)]
-        torch.testing.assert_close(together[(kind, 1)], alone, rtol=0, atol=0)
+        torch.testing.assert_close(together[(kind, 1)], alone, rtol=0, atol=0)  # exact: one forward, read twice
     if model.arch.qkv_layout == "separate":
         assert not torch.equal(together[("q", 1)][..., :8], together[("k", 1)][..., :8])
 

@@ -77,7 +77,7 @@ def test_scan_positions_as_an_int_a_name_or_a_tensor_and_the_record(tiny_llama, 
     n, length = clean.shape
     at = scan(tiny_llama, clean, source, answers, site="z", positions=length - 3, per_pass=5)
     same = scan(tiny_llama, clean, source, answers, site="z", positions=torch.full((n,), length - 3), per_pass=5)
-    torch.testing.assert_close(at.effects, same.effects, rtol=0, atol=0)
+    torch.testing.assert_close(at.effects, same.effects, rtol=0, atol=0)  # exact: one position given two ways
     assert at.positions == [length - 3] * n
     last = scan(tiny_llama, clean, source, answers, site="z", positions="last", per_pass=5)
     assert last.positions == [length - 1] * n
@@ -145,7 +145,7 @@ def test_resid_scan_does_not_depend_on_how_positions_are_grouped(tiny_llama, smo
     torch.testing.assert_close(two.effects, one.effects, rtol=1e-4, atol=1e-6)
     as_tensor = scan(tiny_llama, clean, source, answers, site="resid", positions=torch.tensor(positions), per_pass=8)
     assert as_tensor.positions == positions
-    torch.testing.assert_close(as_tensor.effects, one.effects, rtol=0, atol=0)
+    torch.testing.assert_close(as_tensor.effects, one.effects, rtol=0, atol=0)  # exact: the same positions
     every = scan(tiny_llama, clean, source, answers, site="resid", positions=None, per_pass=32)
     assert every.positions == list(range(clean.shape[1]))
     torch.testing.assert_close(every.effects[:, positions], one.effects, rtol=1e-4, atol=1e-6)
@@ -286,8 +286,9 @@ def test_attribution_is_the_first_order_path_patching_score(tiny_llama, pairs):
     exact = path_patch(tiny_llama, batch, senders, "last", None, progress=False)
     estimate = attribution_scores(tiny_llama, batch, "last", None, senders)
     assert list(estimate) == senders
-    for s in senders:
-        assert estimate[s] == pytest.approx(exact[s], rel=0.05, abs=1e-9)
-    assert max(abs(v) for v in exact.values()) > 1e-7
+    largest = max(abs(v) for v in exact.values())
+    for s in senders:  # the second-order term: under 5% of the score (or 1% of the largest score near zero)
+        assert estimate[s] == pytest.approx(exact[s], rel=0.05, abs=0.01 * largest)
+    assert largest > 1e-7
     receivers = Receivers((Head(2, 1),), "q", "last")
     assert list(attribution_scores(tiny_llama, batch, "last", receivers)) == eligible_senders(tiny_llama, receivers)

@@ -44,6 +44,7 @@ def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(tiny_llama,
     first = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False, store=store)
     assert store.is_file()
     memory = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False)
+    # exact: the same activations summed by the same code in this process (the store only holds a copy)
     torch.testing.assert_close(first.means, memory.means, rtol=0, atol=0)
     def recomputed(*args, **kwargs):
         raise AssertionError("the means were computed again")
@@ -52,7 +53,7 @@ def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(tiny_llama,
     monkeypatch.setattr(mechdiff.store, "capture_sites", recomputed)
     again = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False, store=store)
     assert (again.batch_size, again.progress) == (4, False)
-    torch.testing.assert_close(again.means, memory.means, rtol=0, atol=0)
+    torch.testing.assert_close(again.means, memory.means, rtol=0, atol=0)  # exact: read back, not recomputed
 
 
 def test_position_mask_refuses_unknown_and_missing_positions_by_kind():
