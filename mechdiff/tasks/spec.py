@@ -133,7 +133,8 @@ CHOICES = {
     ("discovery", "select"): SELECT,
     ("scoring", "prune_metric"): ("prob", "accuracy"),
     ("dcm", "random_pool"): ("all", "group"),
-    ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value"),
+    ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value", "io_name",
+                            "counterfactual"),
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
 }
 
