@@ -322,7 +322,8 @@ class Study:
             opts = self.options()
             # the configured desiderata the task defines; none of them: the task's own (an imported task's
             # counterfactual: the patched run should give the counterfactual prompt's answer)
-            names = [d for d in c.desiderata if d in self.task.desiderata or _DCM_ALIASES.get(d) in self.task.desiderata]
+            own = self.task.desiderata
+            names = [d for d in c.desiderata if d in own or _DCM_ALIASES.get(d) in own]
             names = names or list(self.task.desiderata)
             if not names:
                 return {"dcm": [], "semantic": [], "skipped": f"task {self.task.name} defines no desideratum (an "

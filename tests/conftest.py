@@ -116,7 +116,8 @@ def capitals_rows(n: int, templates: tuple = tuple(CAPITAL_TEMPLATES), classes: 
     rows = []
     for i in range(n):
         name = templates[i % len(templates)]
-        (c, a), (c2, a2) = CAPITALS[(i // len(templates)) % len(CAPITALS)], CAPITALS[(i // len(templates) + 5) % len(CAPITALS)]
+        k = i // len(templates)
+        (c, a), (c2, a2) = CAPITALS[k % len(CAPITALS)], CAPITALS[(k + 5) % len(CAPITALS)]
         text = CAPITAL_TEMPLATES[name]
         clean, cf = text.format(c=c), text.format(c=c2)
         cap, country = clean.index("capital"), clean.index(c)

@@ -21,8 +21,8 @@ the classes a record names itself (``Example.classes``), or else a partition der
 positions (:func:`derived_classes`).
 
 The engine (patching, discovery, scoring, DCM, CMAP, the store) touches records only through
-:func:`grouped_batches`, :func:`batch_tensors`, :func:`pair_batch_tensors` and :func:`dataset_hash`, and tasks only through
-:class:`Task` objects found in :data:`TASKS` by name (or a directory written by
+:func:`grouped_batches`, :func:`batch_tensors`, :func:`pair_batch_tensors` and :func:`dataset_hash`, and tasks
+only through :class:`Task` objects found in :data:`TASKS` by name (or a directory written by
 ``mechdiff dataset import``).
 """
 
