@@ -14,7 +14,10 @@ On one batch of clean/counterfactual pairs it prints:
 6. a DCM training epoch (forward and backward over the pair cache) on suffix runs against the same
    epoch on full-length runs (layer resume only, the previous implementation), for masks at the
    last and at the query-label position (``--sections dcm``);
-7. peak resident memory above the loaded model during each measurement (sampled every 5 ms).
+7. peak resident memory above the loaded model during each measurement (sampled every 5 ms);
+8. mixed lengths (``--sections mixed``): a z scan at the last position over pairs of three token lengths
+   (entity tracking with 3, 5 and 7 boxes, ``--n`` pairs each) against the sum of the three single-length
+   scans: the cost of grouping (target: at most 1.2x).
 
 The plain forward is timed again just before and after each measurement and the ratio uses the mean
 of the two medians, so that a machine shared with other work (load drifting) biases ratios less.
@@ -40,7 +43,7 @@ from mechdiff.models.loading import load_model
 from mechdiff.patching.attribution import attribution_scores
 from mechdiff.patching.core import run
 from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
-from mechdiff.patching.scan import scan
+from mechdiff.patching.scan import scan, scan_pairs
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -173,8 +176,8 @@ def main() -> None:
     ap.add_argument("--sender-every", type=int, default=1,
                     help="path patch every K-th eligible sender of each step only (a busy machine)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--sections", default="steps,baseline,scan,hooks,dcm",
-                    help="comma-separated: steps, baseline (step A on full-length runs), scan, hooks, dcm")
+    ap.add_argument("--sections", default="steps,baseline,scan,hooks,dcm,mixed",
+                    help="comma-separated: steps, baseline (step A on full-length runs), scan, hooks, dcm, mixed")
     ap.add_argument("--dcm-pairs", type=int, default=32, help="training pairs of the DCM epoch")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     ap.add_argument("--device", default=None)
@@ -200,6 +203,8 @@ def main() -> None:
         print(f"{name:<58}{ratio:>22.4f}{mb:>10.0f}  {extra}")
 
     sections = set(args.sections.split(","))
+    if "mixed" in sections:
+        fig["mixed_lengths"] = mixed_scan(model, args.n, spp, line)
     if "dcm" in sections:
         fig["dcm"] = dcm_epochs(model, args.dcm_pairs, line)
     if not sections & {"steps", "baseline", "scan", "hooks"}:
@@ -265,6 +270,33 @@ def _write(path, fig: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(fig, f, indent=2)
+
+
+def mixed_scan(model, n: int, per_pass: int, line, repeats: int = 3) -> dict:
+    """A z scan at the last position over ``3 n`` pairs of three token lengths (one call, grouped inside)
+    against the sum of the three single-length scans. Each round times the three single scans and the mixed
+    one back to back (so load drifting on a shared machine hits both alike); the fastest of ``repeats``
+    rounds is kept for each."""
+    groups = {k: path_patching_pairs(model.tokenizer, n, n_boxes=k, seed=0) for k in (3, 5, 7)}
+    mixed = [p for i in range(n) for k in groups for p in (groups[k][i],)]  # interleaved: grouping must sort them
+    jobs = {**{str(k): ps for k, ps in groups.items()}, "mixed": mixed}
+    times: dict = {name: [] for name in jobs}
+    results: dict = {}
+    for _ in range(repeats):
+        for name, ps in jobs.items():
+            t0 = time.perf_counter()
+            results[name] = scan_pairs(model, ps, "z", "last", per_pass=per_pass)
+            times[name].append(time.perf_counter() - t0)
+    best = {name: min(t) for name, t in times.items()}
+    total = sum(best[str(k)] for k in groups)
+    want = sum(results[str(k)].effects.double() for k in groups) / len(groups)
+    diff = float((results["mixed"].effects.double() - want).abs().max())
+    lengths = sorted({len(p.base.input_ids) for p in mixed})
+    line(f"z scan over {len(mixed)} pairs of {lengths} tokens / sum of the 3 scans", best["mixed"] / total, 0,
+         f"{best['mixed']:.2f} s vs {total:.2f} s, max |diff| {diff:.1e}")
+    return {"lengths": lengths, "n_per_length": n, "repeats": repeats, "mixed_s": best["mixed"],
+            "single_s": {str(k): best[str(k)] for k in groups}, "ratio": best["mixed"] / total,
+            "max_abs_diff": diff, "all_s": times}
 
 
 def dcm_epochs(model, n_pairs: int, line) -> dict:

@@ -45,14 +45,13 @@ from .circuits.circuit import Circuit
 import random
 
 from .components import Head, layer_matched
-from .evaluate import batches
 from .metrics import answer_is_top1, answer_prob
 from .models.loading import LoadedModel
 from .models.modelset import check_shapes
 from .models.remote import keep
 from .patching.core import Patch, Resume, run
 from .stats import Estimate, bootstrap, mean_estimate, paired_difference
-from .tasks.base import Record, batch_tensors
+from .tasks.base import Record, batch_tensors, grouped_batches, take
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
 CMAP_RULES: tuple[str, ...] = ("base", "paper")
@@ -316,8 +315,10 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
     plan.update({r: plan[r.split(":", 1)[1]] for r in randoms})
     scores: dict = {key: ([], []) for key in ["base", "finetune", *((s, k) for s in [*all_scopes, *randoms]
                                                                      for k in plan[s])]}
-    for rows in tqdm(batches(len(records), batch_size), desc="cmap", disable=not progress):
-        batch = batch_tensors(records[rows])
+    order: list[int] = []
+    for rows in tqdm(grouped_batches(records, batch_size), desc="cmap", disable=not progress):
+        batch = batch_tensors(take(records, rows))  # one template and length: any length per batch
+        order += rows
         ids, answer = batch["input_ids"], batch["answer_ids"]
         with torch.no_grad():
             donor = run(finetune, ids, capture=sites)
@@ -328,6 +329,8 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
                                        isolate, randoms, rule, plan))
         for key, value in scored.items():
             _append(scores[key], value)
+    perm = np.argsort(order, kind="stable")  # per-prompt outcomes back in the records' order
+    scores = {key: ([np.concatenate(c)[perm]], [np.concatenate(p)[perm]]) for key, (c, p) in scores.items()}
     result = _result(base, finetune, circuit, scores, all_scopes, kinds, plan)
     result.caption = CAPTION_PAPER if rule == "paper" else CAPTION if isolate else CAPTION_UNISOLATED
     result.settings = {"isolate": isolate, "n_random": n_random, "seed": seed, "n_prompts": len(records)}

@@ -49,7 +49,7 @@ from .metrics import answer_is_top1, answer_logit
 from .models.loading import LoadedModel
 from .patching.core import Patch, Prefix, Resume, run
 from .stats import Estimate, bootstrap, pooled_proportion, proportion
-from .tasks.base import PairRecord, get_task, pair_batch_tensors
+from .tasks.base import PairRecord, get_task, group_key, grouped_batches, pair_batch_tensors, take
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +236,11 @@ class PairCache:
     backward passes) compute only the positions from the patched one on (suffix runs); and whether
     the unpatched base already gives the target (the floor). Training, validation, test and the
     random baseline all read from it.
+
+    Pairs of several token lengths and templates are run group by group
+    (:func:`~mechdiff.tasks.base.grouped_batches`); the residual streams and keys/values of shorter pairs
+    are stored zero-filled to the longest pair's length and cut back to their own length when read, so
+    no padding ever enters a run. Every per-pair result is in the pairs' order.
     """
 
     pairs: list[PairRecord]
@@ -254,9 +259,11 @@ class PairCache:
         starts = sorted({min(h.layer for h in heads) for heads, _ in groups if heads} - {0})
         source: dict = {site: [] for site in sites}
         prefix: dict = {layer: [] for layer in starts}
-        floor, keys, values = [], [], []
-        for rows in tqdm(batches(len(pairs), batch_size), desc="dcm cache", disable=not progress, leave=False):
-            batch = pair_batch_tensors(pairs[rows])
+        floor, keys, values, order = [], [], [], []
+        length = max((len(p.base.input_ids) for p in pairs), default=0)
+        for rows in tqdm(grouped_batches(pairs, batch_size), desc="dcm cache", disable=not progress, leave=False):
+            batch = pair_batch_tensors(take(pairs, rows))
+            order += rows
             for position in sorted({pos for _, pos in sites}):
                 layers = [layer for layer, pos in sites if pos == position]
                 for layer, z in source_z(model, batch, layers, position).items():
@@ -265,25 +272,43 @@ class PairCache:
                 out = run(model, batch["base"]["input_ids"], capture=[("resid", layer - 1) for layer in starts],
                           keep_kv=True)
             for layer in starts:
-                prefix[layer].append(out.captured[("resid", layer - 1)].detach().cpu())
+                prefix[layer].append(_pad(out.captured[("resid", layer - 1)].detach().cpu(), -2, length))
             floor.append(answer_is_top1(out.logits, batch["target_ids"]).cpu().numpy())
-            keys.append([k.cpu() for k in out.kv.keys])
-            values.append([v.cpu() for v in out.kv.values])
-        kv = Prefix([torch.cat(ks) for ks in zip(*keys)], [torch.cat(vs) for vs in zip(*values)]) if keys else None
-        return cls(pairs, {k: torch.cat(v) for k, v in source.items()}, {k: torch.cat(v) for k, v in prefix.items()},
-                   np.concatenate(floor) if floor else np.zeros(0, dtype=bool), kv)
+            keys.append([_pad(k.cpu(), -2, length) for k in out.kv.keys])
+            values.append([_pad(v.cpu(), -2, length) for v in out.kv.values])
+        perm = torch.as_tensor(np.argsort(order, kind="stable"), dtype=torch.long)  # back to the pairs' order
+        kv = (Prefix([torch.cat(ks)[perm] for ks in zip(*keys)], [torch.cat(vs)[perm] for vs in zip(*values)])
+              if keys else None)
+        return cls(pairs, {k: torch.cat(v)[perm] for k, v in source.items()},
+                   {k: torch.cat(v)[perm] for k, v in prefix.items()},
+                   np.concatenate(floor)[perm.numpy()] if floor else np.zeros(0, dtype=bool), kv)
 
     def logits(self, model: LoadedModel, rows: Sequence[int], heads: Sequence[Head], mask: torch.Tensor,
                position: str, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits at the last token, target ids) of pairs ``rows`` with ``heads`` mixed under ``mask``."""
+        """(logits at the last token, target ids) of pairs ``rows`` with ``heads`` mixed under ``mask``, in
+        the order of ``rows`` (pairs of several lengths run group by group)."""
+        rows = list(rows)
+        groups = grouped_batches(take(self.pairs, rows), max(len(rows), 1))
+        if len(groups) == 1:
+            return self._logits(model, rows, heads, mask, position, grad)
+        outs = [self._logits(model, take(rows, g), heads, mask, position, grad) for g in groups]
+        back = torch.as_tensor(np.argsort([i for g in groups for i in g], kind="stable"), dtype=torch.long)
+        logits, target = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        return logits[back.to(logits.device)], target[back.to(target.device)]
+
+    def _logits(self, model: LoadedModel, rows: Sequence[int], heads: Sequence[Head], mask: torch.Tensor,
+                position: str, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`logits` of pairs of one length."""
         batch = pair_batch_tensors([self.pairs[i] for i in rows])
+        n = batch["base"]["input_ids"].shape[1]
         index = torch.as_tensor(list(rows), dtype=torch.long)
         values = {h.layer: self.source[(h.layer, position)][index] for h in heads}
         patches = masked_z_patches(model, heads, mask, values, _positions(batch, position, "base"))
         first = min(h.layer for h in heads)
         start = max((layer for layer in self.prefix if layer <= first), default=0)
-        resume = Resume(start, self.prefix[start][index]) if start else None
-        kv = None if self.kv is None else Prefix([k[index] for k in self.kv.keys], [v[index] for v in self.kv.values])
+        resume = Resume(start, self.prefix[start][index][:, :n]) if start else None
+        kv = None if self.kv is None else Prefix([k[index][..., :n, :] for k in self.kv.keys],
+                                                 [v[index][..., :n, :] for v in self.kv.values])
         out = run(model, batch["base"]["input_ids"], patches, grad=grad, resume=resume, prefix=kv)
         return out.logits, batch["target_ids"].to(out.logits.device)
 
@@ -300,6 +325,16 @@ class PairCache:
                 logits, target = self.logits(model, rows[chunk], patched, mask, position)
             correct.append(answer_is_top1(logits, target).cpu().numpy())
         return np.concatenate(correct)
+
+
+def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``t`` zero-filled along ``dim`` to ``length`` (a shorter pair's stored run; cut back when read)."""
+    missing = length - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def target_accuracy(model: LoadedModel, pairs: Sequence[PairRecord], patched: Sequence[Head],

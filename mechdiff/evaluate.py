@@ -15,10 +15,11 @@ from .models.loading import LoadedModel
 from .models.remote import keep
 from .patching.core import Patch, run
 from .stats import Estimate, bootstrap, proportion
-from .tasks.base import Record, batch_tensors
+from .tasks.base import Record, batch_tensors, grouped_batches, take
 
-PatchFn = Callable[[dict, slice], Iterable[Patch]]
-ForwardFn = Callable[[dict, slice], torch.Tensor]  # (batch, rows) -> the read-out logits "batch vocab"
+Rows = Sequence[int]  # the records of one batch (grouped_batches)
+PatchFn = Callable[[dict, Rows], Iterable[Patch]]
+ForwardFn = Callable[[dict, Rows], torch.Tensor]  # (batch, rows) -> the read-out logits "batch vocab"
 
 
 @dataclass
@@ -69,7 +70,9 @@ def evaluate(
 ) -> EvalResult:
     """Accuracy (top-1 over the whole vocabulary) and probability of the answer at the last token.
 
-    ``patches(batch, rows)`` returns the patches for one batch (``rows`` indexes ``records``);
+    Records of any token length and template: batched by :func:`~mechdiff.tasks.base.grouped_batches`,
+    per-prompt outcomes returned in the records' order. ``patches(batch, rows)`` returns the patches for
+    one batch (``rows``: the indices of its records);
     ``targets`` overrides the answer ids (e.g. a DCM desideratum's target). ``forward(batch, rows)``
     replaces the patched run: it returns the batch's read-out logits itself (e.g. an incremental run
     that resumes from a cached one).
@@ -82,22 +85,25 @@ def evaluate(
             def forward(batch: dict, rows: slice) -> torch.Tensor:
                 return run(model, batch["input_ids"], patches(batch, rows) if patches else ()).logits
         results = keep(_eval_batches(records, batch_size, forward, targets, desc, bar))
-    diffs = [d for _, _, d in results]
-    return EvalResult(np.concatenate([c for c, _, _ in results]), np.concatenate([p for _, p, _ in results]),
-                      None if any(d is None for d in diffs) else np.concatenate(diffs))
+    order = np.argsort(np.concatenate([rows for rows, _ in results]), kind="stable")  # back to the records' order
+    diffs = [d for _, (_, _, d) in results]
+    return EvalResult(np.concatenate([c for _, (c, _, _) in results])[order],
+                      np.concatenate([p for _, (_, p, _) in results])[order],
+                      None if any(d is None for d in diffs) else np.concatenate(diffs)[order])
 
 
 def _eval_batches(records: Sequence[Record], batch_size: int, forward: ForwardFn,
                   targets: Optional[Sequence[int]], desc: str,
-                  progress: bool) -> list[tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]:
-    """``(correct, prob, logit_diff or None)`` of every batch, on the model's side."""
+                  progress: bool) -> list[tuple[list[int], tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]]:
+    """``(rows, (correct, prob, logit_diff or None))`` of every batch, on the model's side."""
     out = []
-    for rows in tqdm(batches(len(records), batch_size), desc=desc, disable=not progress, leave=False):
-        batch = batch_tensors(records[rows])
-        answer = batch["answer_ids"] if targets is None else torch.as_tensor(targets[rows])
+    for rows in tqdm(grouped_batches(records, batch_size), desc=desc, disable=not progress, leave=False):
+        batch = batch_tensors(take(records, rows))
+        answer = batch["answer_ids"] if targets is None else torch.as_tensor(take(targets, rows))
         with torch.no_grad():
             logits = forward(batch, rows)
         alternatives = batch.get("alternative_ids")
         diff = None if alternatives is None else logit_diff(logits, answer, alternatives).cpu().numpy()
-        out.append((answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(), diff))
+        out.append((rows, (answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(),
+                           diff)))
     return out

@@ -42,7 +42,7 @@ from . import __version__
 from .evaluate import batches
 from .io import atomic_open, set_aside
 from .models.loading import LoadedModel
-from .tasks.base import batch_tensors, dataset_hash
+from .tasks.base import batch_tensors, dataset_hash, group_key, group_name, grouped_batches, take
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +197,13 @@ class ActivationStore:
         the site ``kind`` of every layer at ``positions`` (see :func:`capture_sites`).
         """
         key = StoreKey(model.fingerprint, dataset_hash(records), kind, positions)
+        if positions == "all" and len({len(r.input_ids) for r in records}) > 1:
+            raise ValueError(f"records of token lengths {sorted({len(r.input_ids) for r in records})} cannot share "
+                             "one array of every position; store each length apart, or a named position")
         fn = compute_fn or (lambda m, recs: capture_sites(m, recs, kind, positions))
-        rows = batches(len(records), batch_size)
-        return self._ensure(key, len(records), rows, lambda r: fn(model, records[r]), progress)
+        # batches of one template and length each (any length per batch), written back at their rows
+        units = [_unit(rows) for rows in grouped_batches(records, batch_size)]
+        return self._ensure(key, len(records), units, lambda u: fn(model, take(records, _rows(u))), progress)
 
     def means(self, model: LoadedModel, records: Sequence, kind: str = "z", batch_size: int = 32,
               progress: bool = True) -> torch.Tensor:
@@ -207,6 +211,11 @@ class ActivationStore:
 
         Stored as per-batch sums (entry kind ``<kind>_mean``) so an interrupted run resumes.
         """
+        # Means are of one group (template, token length): position_means takes each group's apart.
+        groups = list(dict.fromkeys(group_key(r) for r in records))
+        if len(groups) > 1:
+            raise ValueError(f"position-wise means of one group (template, length) at a time; these records are of "
+                             f"{'; '.join(group_name(g) for g in groups)}")
         # Per-batch sums: the batch size is part of the key, so a resume never mixes batchings.
         key = StoreKey(model.fingerprint, dataset_hash(records), f"{kind}_mean", f"all-batch{batch_size}")
         rows = batches(len(records), batch_size)
@@ -225,8 +234,8 @@ class ActivationStore:
             sums = self._ensure(key, len(rows), units, unit, progress).stack()
         return sums.sum(1).div(len(records)).float()
 
-    def _ensure(self, key: StoreKey, n_rows: int, units: list[slice],
-                unit_fn: Callable[[slice], dict[int, torch.Tensor]], progress: bool) -> Entry:
+    def _ensure(self, key: StoreKey, n_rows: int, units: list[Unit],
+                unit_fn: Callable[[Unit], dict[int, torch.Tensor]], progress: bool) -> Entry:
         """The entry for ``key``, filled first if it is missing (other models' entries are kept)."""
         try:
             return self.get(key)
@@ -234,8 +243,8 @@ class ActivationStore:
             self._fill(key, n_rows, units, unit_fn, progress)
             return self.get(key)
 
-    def _fill(self, key: StoreKey, n_rows: int, units: list[slice],
-              unit_fn: Callable[[slice], dict[int, torch.Tensor]], progress: bool) -> None:
+    def _fill(self, key: StoreKey, n_rows: int, units: list[Unit],
+              unit_fn: Callable[[Unit], dict[int, torch.Tensor]], progress: bool) -> None:
         """Compute the units not yet marked done into ``<path>.partial``, then commit it."""
         with self._lock():
             self._fill_locked(key, n_rows, units, unit_fn, progress)
@@ -251,9 +260,9 @@ class ActivationStore:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-    def _fill_locked(self, key: StoreKey, n_rows: int, units: list[slice],
-                     unit_fn: Callable[[slice], dict[int, torch.Tensor]], progress: bool) -> None:
-        units_attr = np.array([[u.start, u.stop] for u in units], dtype=np.int64)
+    def _fill_locked(self, key: StoreKey, n_rows: int, units: list[Unit],
+                     unit_fn: Callable[[Unit], dict[int, torch.Tensor]], progress: bool) -> None:
+        units_attr = _units_attr(units, n_rows)
         f = self._open_partial()
         try:
             g = f.require_group(key.group)
@@ -312,6 +321,30 @@ class ActivationStore:
                 shutil.copyfileobj(src, dst)
             return h5py.File(self.partial, "a")
         return h5py.File(self.partial, "w")
+
+
+Unit = slice | list[int]
+"""The rows of an entry one batch writes: a range, or the (increasing) rows of one group's batch."""
+
+
+def _unit(rows: list[int]) -> Unit:
+    """A batch's rows as a slice where they are consecutive (every batch of records of one group)."""
+    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else list(rows)
+
+
+def _rows(unit: Unit) -> list[int]:
+    return list(range(unit.start, unit.stop)) if isinstance(unit, slice) else list(unit)
+
+
+def _units_attr(units: list[Unit], n_rows: int) -> np.ndarray:
+    """How the entry is batched, recorded so a resume never mixes batchings: ``[[start, stop], ...]`` for
+    ranges; otherwise each row's batch number."""
+    if all(isinstance(u, slice) for u in units):
+        return np.array([[u.start, u.stop] for u in units], dtype=np.int64)
+    out = np.full(n_rows, -1, dtype=np.int64)
+    for i, u in enumerate(units):
+        out[_rows(u)] = i
+    return out
 
 
 def _check_attrs(attrs, key: StoreKey, path: Path) -> None:

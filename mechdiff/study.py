@@ -211,6 +211,29 @@ class Study:
         """What a scorer's ablation means depend on besides the task and model."""
         return {"reference_n": self.spec.scoring.reference_n, "batch_size": self.spec.eval.batch_size}
 
+    def scored_sets(self) -> dict[str, int]:
+        """The prompt sets scored under mean ablation (name -> number of prompts), as the stages ask for them."""
+        d, s, p = self.spec.discovery, self.spec.scoring, self.spec.positions
+        out = {"matrix": s.n}
+        if p.n > 0:
+            out["positions"] = p.n
+        if d.method == "curve":
+            out.update(ranking=d.n, curve=d.curve_n)
+        if s.prune:
+            out["prune"] = s.prune_n
+        return out
+
+    def check_prompts(self) -> None:
+        """Before any weights load: every scored prompt's group (template, token length) has reference prompts
+        (mean ablation never averages across templates or lengths), and the task's rows are readable."""
+        from .tasks.base import check_reference
+
+        s = self.spec.scoring
+        reference = self.task.reference_records(self.tokenizer, s.reference_n, self.seed("reference"), **self.options())
+        for prompts, n in self.scored_sets().items():
+            records = self.task.records(self.tokenizer, n, self.seed(prompts), **self.options())
+            check_reference(records, reference, f"{prompts} prompts")
+
     def scorer(self, name: str, prompts: str = "matrix", n: Optional[int] = None):
         """A scorer of ``name`` on ``n`` prompts of the named set; every scorer ablates with the means of the
         same ``reference_n`` reference prompts (held-out objects, like every other prompt set)."""
@@ -271,19 +294,25 @@ class Study:
 
     def analysis_groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
         """The groups DCM, CMAP and completeness look at: ``wanted`` where given (those of the circuit that
-        have heads), else every non-empty group whose position is one token of every prompt."""
-        if wanted:
+        have heads), else (or where ``wanted`` names none of this task's positions: another task's defaults)
+        every non-empty group whose position is one token of every prompt."""
+        if wanted and set(wanted) & {*self.task.positions, *circuit.groups}:
             return [g for g in wanted if circuit.groups.get(g)]
-        from .tasks.base import batch_tensors
+        from .tasks.base import batch_tensors, grouped_batches, take
 
-        # which positions are single tokens is a property of the task's prompts: a few show it
-        positions = batch_tensors(self.task.records(self.tokenizer, 4, self.seed("eval"), **self.options()))["positions"]
-        return [g for g, heads in circuit.groups.items() if heads and circuit.positions[g] in positions
-                and positions[circuit.positions[g]].dim() == 1 and bool((positions[circuit.positions[g]] >= 0).all())]
+        # which positions are single tokens is a property of the task's prompts: a few of each group show it
+        records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options())
+        batches = [batch_tensors(take(records, rows))["positions"] for rows in grouped_batches(records, 4)]
+
+        def single(name: str) -> bool:
+            return all(name in pos and pos[name].dim() == 1 and bool((pos[name] >= 0).all()) for pos in batches)
+
+        return [g for g, heads in circuit.groups.items() if heads and single(circuit.positions[g])]
 
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
         patching of the selections into every model for the base's."""
+        from .dcm import _ALIASES as _DCM_ALIASES
         from .dcm import dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
 
         c, t = self.spec.dcm, self.spec.task
@@ -295,9 +324,17 @@ class Study:
             config = dcm_config(self.spec)
             opts = self.options()
             n = c.n_train + c.n_val + c.n_test
+            # the configured desiderata the task defines; none of them: the task's own (an imported task's
+            # counterfactual: the patched run should give the counterfactual prompt's answer)
+            own = self.task.desiderata
+            names = [d for d in c.desiderata if d in own or _DCM_ALIASES.get(d) in own]
+            names = names or list(self.task.desiderata)
+            if not names:
+                return {"dcm": [], "semantic": [], "skipped": f"task {self.task.name} defines no desideratum (an "
+                        "imported task has one where every row gives a counterfactual_answer)"}
             desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, self.seed("dcm"),
-                                               vocabulary=opts.get("vocabulary"), task=self.task.name)
-                          for d in c.desiderata}
+                                               vocabulary=opts.get("vocabulary"), task=self.spec.task.name)
+                          for d in names}
             groups = self.analysis_groups(circuit, c.groups)
             results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress)
             semantic = []
@@ -378,6 +415,7 @@ class Study:
         store = Path(self.store)
         self.store = str(store.with_name(f"{store.stem}-{label(name)}{store.suffix}"))
         base = self.spec.models.base
+        self.check_prompts()
         with run_lock(self.dir / "stages" / "locks" / label(name)):
             self.accuracy(name)
             self.positions(name)
@@ -418,6 +456,7 @@ class Study:
         from .report.html import write_html
         from .report.study_report import write_report
 
+        self.check_prompts()
         if self.spec.reproduce.circuit:  # the released circuit on every model, beside the published figures
             from .reproduce import reproduction_stage
 

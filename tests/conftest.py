@@ -128,3 +128,42 @@ def smollm2() -> LoadedModel:
 def smollm2_et() -> LoadedModel:
     """The committed entity-tracking LoRA over SmolLM2 (``smollm2-et``), loaded once; tests only read it."""
     return load_model("smollm2-et")
+
+
+#: Three phrasings of "the capital of X is", two of them 8 tokens long (so template, not length, must keep
+#: their means apart) and one of 5 and one of 14 tokens (SmolLM2 tokenizer).
+CAPITAL_TEMPLATES = {"short": "The capital of {c} is", "known": "The capital city of {c} is known as",
+                     "say": "People say that the capital of {c} is",
+                     "qa": "Q: Which city is the capital of {c}? A: It is"}
+CAPITALS = [("France", " Paris"), ("Germany", " Berlin"), ("Italy", " Rome"), ("Spain", " Madrid"),
+            ("Japan", " Tokyo"), ("China", " Beijing"), ("Egypt", " Cairo"), ("Peru", " Lima"),
+            ("Canada", " Ottawa"), ("Norway", " Oslo"), ("Greece", " Athens"), ("Chile", " Santiago")]
+
+
+def capitals_rows(n: int, templates: tuple = tuple(CAPITAL_TEMPLATES), classes: bool = False) -> list[dict]:
+    """``n`` JSONL rows of a country -> capital task, templates cycled, with ``template`` named, ``country`` and
+    ``capital`` positions (character spans) and the counterfactual's answer; ``classes``: also a class of the
+    row's own (``words``: every token from "capital" to the country, both included)."""
+    rows = []
+    for i in range(n):
+        name = templates[i % len(templates)]
+        k = i // len(templates)
+        (c, a), (c2, a2) = CAPITALS[k % len(CAPITALS)], CAPITALS[(k + 5) % len(CAPITALS)]
+        text = CAPITAL_TEMPLATES[name]
+        clean, cf = text.format(c=c), text.format(c=c2)
+        cap, country = clean.index("capital"), clean.index(c)
+        row = {"clean": clean, "counterfactual": cf, "answer": a, "counterfactual_answer": a2, "template": name,
+               "positions": {"capital": [cap, cap + len("capital")], "country": [country, country + len(c)]},
+               "counterfactual_positions": {"capital": [cap, cap + len("capital")],
+                                            "country": [country, country + len(c2)]}}
+        if classes:
+            row["classes"] = {"words": [[cap, country + len(c)]]}
+        rows.append(row)
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path

@@ -25,7 +25,7 @@ from ..metrics import answer_logprob
 from ..patching.core import EMB_LAYER, Patch, run
 from ..stats import bootstrap_ratio, proportion
 from .circuit import Circuit
-from .scoring import Pair, Scorer, per_prompt, position_mask
+from .scoring import Pair, Scorer, means_for, per_prompt, position_mask
 
 SIZES: tuple[float, ...] = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 TARGET = 0.8  # the study's default: the smallest circuit whose accuracy faithfulness reaches this
@@ -58,7 +58,7 @@ def prompt_attribution(scorer: Scorer, classes: Sequence[str]) -> torch.Tensor:
         for layer, (z, g) in enumerate(zip(zs, grads)):
             if g is None:
                 continue
-            delta = scorer.means[layer][None].to(z.device) - z.detach().float()  # "batch pos cols"
+            delta = means_for(scorer.means, batch)[layer][None].to(z.device) - z.detach().float()  # "batch pos cols"
             prod = rearrange(delta * g.float(), "b p (head d) -> b p head d", head=shape.n_heads).sum(-1)
             for i, c in enumerate(classes):
                 where = position_mask(batch, c).to(prod.device, prod.dtype)  # "batch pos"

@@ -7,6 +7,12 @@ mean-ablated at every other position). MLPs and embeddings are untouched. Per la
 mixing patch on ``z``: ``z <- z * mask + mean * (1 - mask)`` with ``mask`` 1 at the kept
 (head columns, position) cells (:class:`mechdiff.patching.core.Patch` with ``mask``).
 
+Template-consistent means: a prompt's position-wise mean is taken over the reference prompts of its own
+template and token length (its :func:`~mechdiff.tasks.base.group_key`), never across templates or
+lengths; a prompt whose group has no reference prompt is refused (:func:`~mechdiff.tasks.base.check_reference`).
+Where records name no template their group is their token length. (Prakash et al. average over one
+template's prompts; this keeps their rule for tasks of several templates.)
+
 The metric ``F`` is task accuracy (per prompt: is the answer the top-1 token) or the answer
 probability; faithfulness is ``F(C) / F(M)``. The position :data:`EVERY_POSITION` (``"*"``)
 keeps or ablates a head at every position (the "all heads at all positions" circuit).
@@ -27,12 +33,12 @@ from einops import repeat
 from tqdm.auto import tqdm
 
 from ..components import Head, all_heads, layer_matched
-from ..evaluate import EvalResult, batches, evaluate
+from ..evaluate import EvalResult, evaluate
 from ..models.loading import LoadedModel
 from ..patching.ablation import site_means
 from ..patching.core import Patch, Resume, run, suffix_supported
 from ..stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
-from ..tasks.base import Record, batch_tensors
+from ..tasks.base import GroupKey, Record, batch_tensors, check_reference, group_key, group_name, grouped_batches, take
 from .circuit import Circuit
 
 log = logging.getLogger(__name__)
@@ -40,6 +46,7 @@ log = logging.getLogger(__name__)
 EVERY_POSITION = "*"
 Pair = tuple[Head, str]
 Metric = Literal["accuracy", "prob"]
+Means = dict[GroupKey, torch.Tensor]  # (template, length) -> "layer pos (head d_head)"
 
 
 # --------------------------------------------------------------------------------------
@@ -49,7 +56,8 @@ Metric = Literal["accuracy", "prob"]
 
 def position_means(model: LoadedModel, records: Sequence[Record], batch_size: int = 32,
                    progress: bool = True, store: Optional[str | Path] = None) -> torch.Tensor:
-    """Mean over ``records`` of every layer's ``z`` at each position: ``"layer pos (head d_head)"`` (float32).
+    """Mean over ``records`` (of one template and token length) of every layer's ``z`` at each position:
+    ``"layer pos (head d_head)"`` (float32); :func:`group_means` takes records of several groups.
 
     The one place the activation cache plugs in: with ``store`` (an HDF5 path) the means are
     read from / written to :class:`mechdiff.store.ActivationStore`, keyed by the model's
@@ -58,12 +66,40 @@ def position_means(model: LoadedModel, records: Sequence[Record], batch_size: in
     """
     if not records:
         raise ValueError("no reference records to average; give at least one")
+    groups = list(dict.fromkeys(group_key(r) for r in records))
+    if len(groups) > 1:
+        raise ValueError(f"position-wise means never mix templates or lengths; these records are of "
+                         f"{'; '.join(group_name(g) for g in groups)} (group_means takes each apart)")
     if store is not None:
         from ..store import ActivationStore
 
         return ActivationStore(store).means(model, records, "z", batch_size, progress)
-    ids = (batch_tensors(records[rows])["input_ids"] for rows in batches(len(records), batch_size))
+    ids = (batch_tensors(take(records, rows))["input_ids"] for rows in grouped_batches(records, batch_size))
     return site_means(model, ids, "z", progress, desc=f"means {model.name}")
+
+
+def group_means(model: LoadedModel, records: Sequence[Record], batch_size: int = 32,
+                progress: bool = True, store: Optional[str | Path] = None) -> Means:
+    """:func:`position_means` of each group (template, token length) of ``records``: ``{group: means}``."""
+    if not records:
+        raise ValueError("no reference records to average; give at least one")
+    groups: dict[GroupKey, list] = {}
+    for r in records:
+        groups.setdefault(group_key(r), []).append(r)
+    return {k: position_means(model, rs, batch_size, progress, store) for k, rs in groups.items()}
+
+
+def means_for(means: Means | torch.Tensor, batch: dict) -> torch.Tensor:
+    """The means of one batch's group (``means`` a single tensor: those, for prompts of one group)."""
+    if isinstance(means, torch.Tensor):
+        return means
+    key = batch.get("group")
+    if key is None and len(means) == 1:
+        return next(iter(means.values()))
+    if key not in means:
+        raise ValueError(f"no reference means for the prompts of {group_name(key) if key else 'mixed templates'}; "
+                         f"means exist for {'; '.join(group_name(k) for k in means)}")
+    return means[key]
 
 
 # --------------------------------------------------------------------------------------
@@ -120,6 +156,7 @@ def ablation_patches(model: LoadedModel, means: torch.Tensor, batch: dict, pairs
     """
     shape = model.shape
     n_pos = batch["input_ids"].shape[1]
+    means = means_for(means, batch)
     if means.shape[:2] != (shape.n_layers, n_pos):
         raise ValueError(f"means have shape {tuple(means.shape)} but the model has {shape.n_layers} layers and the "
                          f"prompts {n_pos} tokens; compute the means on prompts with the same n_boxes")
@@ -150,7 +187,7 @@ class Scorer:
 
     model: LoadedModel
     records: Sequence[Record]
-    means: torch.Tensor
+    means: Means | torch.Tensor  # per group (template, length), or one tensor for prompts of one group
     batch_size: int = 32
     progress: bool = True
     cache: dict = field(default_factory=dict, repr=False)
@@ -160,9 +197,12 @@ class Scorer:
     def build(cls, model: LoadedModel, records: Sequence[Record],
               reference: Sequence[Record], batch_size: int = 32, progress: bool = True,
               store: Optional[str | Path] = None) -> "Scorer":
-        """Compute (or read from ``store``) the position-wise means on ``reference``; a scorer for ``records``."""
-        means = position_means(model, reference, batch_size, progress, store)
-        return cls(model, records, means, batch_size, progress)
+        """Compute (or read from ``store``) the position-wise means on ``reference``, per group; a scorer for
+        ``records`` (refused, before any forward pass, where a group of ``records`` has no reference prompt)."""
+        check_reference(records, reference)
+        means = group_means(model, reference, batch_size, progress, store)
+        only = next(iter(means.values())) if len(means) == 1 else None  # prompts of one group: its tensor
+        return cls(model, records, means if only is None else only, batch_size, progress)
 
     def full(self) -> EvalResult:
         """F(M): the unablated model."""
@@ -193,7 +233,7 @@ class Scorer:
         return self.cache[("keep", key)]
 
     def _resumed(self, base: frozenset, key: frozenset, removed: frozenset, layer: int, batch: dict,
-                 rows: slice) -> torch.Tensor:
+                 rows: Sequence[int]) -> torch.Tensor:
         """The read-out logits of F(key) on one batch, resumed from F(base)'s run at ``layer``."""
         resid, kv = self._base_run(base, batch, rows)
         start, classes = 0, {pos for _, pos in removed}
@@ -207,15 +247,15 @@ class Scorer:
         return run(self.model, batch["input_ids"], patches, resume=resume, prefix=kv if start > 0 else None,
                    start=start if start > 0 else None).logits
 
-    def _base_run(self, base: frozenset, batch: dict, rows: slice) -> tuple[list[torch.Tensor], object]:
+    def _base_run(self, base: frozenset, batch: dict, rows: Sequence[int]) -> tuple[list[torch.Tensor], object]:
         """F(base)'s residual stream after every block and its keys and values on one batch (cached)."""
-        if (base, rows.start) not in self.runs:
+        if (base, rows[0]) not in self.runs:
             layers = range(self.model.shape.n_layers)
             with torch.no_grad():
                 out = run(self.model, batch["input_ids"], ablation_patches(self.model, self.means, batch, base, True),
                           capture=[("resid", layer) for layer in layers], keep_kv=True)
-            self.runs[(base, rows.start)] = ([out.captured[("resid", layer)] for layer in layers], out.kv)
-        return self.runs[(base, rows.start)]
+            self.runs[(base, rows[0])] = ([out.captured[("resid", layer)] for layer in layers], out.kv)
+        return self.runs[(base, rows[0])]
 
     def ablate(self, pairs: Iterable[Pair]) -> EvalResult:
         """F(M \\ K): only ``pairs`` mean-ablated."""
@@ -224,10 +264,11 @@ class Scorer:
             return self.full()
         return self._eval("ablate", key, lambda batch, rows: ablation_patches(self.model, self.means, batch, key, False))
 
-    def batches(self) -> Iterator[tuple[slice, dict]]:
-        """``(rows, batch tensors)`` over the scorer's prompts, ``batch_size`` at a time."""
-        for rows in batches(len(self.records), self.batch_size):
-            yield rows, batch_tensors(self.records[rows])
+    def batches(self) -> Iterator[tuple[list[int], dict]]:
+        """``(rows, batch tensors)`` over the scorer's prompts, ``batch_size`` at a time, each batch of one
+        group (:func:`~mechdiff.tasks.base.grouped_batches`; ``rows`` index ``records``)."""
+        for rows in grouped_batches(self.records, self.batch_size):
+            yield rows, batch_tensors(take(self.records, rows))
 
     def _eval(self, mode: str, key: frozenset, patches) -> EvalResult:
         if (mode, key) not in self.cache:

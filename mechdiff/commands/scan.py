@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..components import Head
-from ..patching.scan import DEFAULT_PER_PASS, METRICS, SITES, scan
+from ..patching.scan import DEFAULT_PER_PASS, METRICS, SITES, scan_pairs
 from ..report.figures import grid_heatmap, head_heatmap
 from ..tasks.base import pair_batch_tensors
 from ._options import add_model_options, add_task_option, load_from_args, task_from_args, task_options, write_json
@@ -43,17 +43,14 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--position {args.position!r} is not a position of task {task.name}; choose one of "
                          f"{', '.join(known)}")
     model = load_from_args(args.model, args)
-    tensors = pair_batch_tensors(task.discovery_pairs(model.tokenizer, args.n, args.seed, **task_options(args)))
+    pairs = task.discovery_pairs(model.tokenizer, args.n, args.seed, **task_options(args))
+    tensors = pair_batch_tensors(pairs[:1])  # which positions are single tokens: one prompt shows it
     if args.position != EVERY and (args.position not in tensors["base"]["positions"]
                                    or tensors["base"]["positions"][args.position].ndim != 1):
         raise ValueError(f"--position {args.position!r} is not a single position of each prompt of task {task.name}")
-    clean, source = tensors["base"]["input_ids"], tensors["source"]["input_ids"]
-    if args.site == "resid":
-        positions = None if args.position == EVERY else tensors["base"]["positions"][args.position].unique().tolist()
-    else:
-        positions = None if args.position == EVERY else tensors["base"]["positions"][args.position]
-    result = scan(model, clean, source, tensors["target_ids"], site=args.site, positions=positions,
-                  metric=args.metric, per_pass=args.per_pass)
+    # prompts of several lengths and templates: each group scanned alone, effects averaged over every prompt
+    result = scan_pairs(model, pairs, site=args.site, position=None if args.position == EVERY else args.position,
+                        metric=args.metric, per_pass=args.per_pass)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"scan_{args.site}_{args.position}"
     meta = {**{k: v for k, v in result.to_dict().items() if k != "effects"}, "model": model.name, "task": task.name,

@@ -27,14 +27,21 @@ from ..metrics import answer_prob
 from ..models.loading import LoadedModel
 from ..models.remote import keep
 from .core import Patch, run
-from .path import PairBatch, Receivers, _position, eligible_senders, receiver_sites
+from .path import PairBatch, PairBatches, Receivers, _position, eligible_senders, parts, receiver_sites
 
 
-def attribution_scores(model: LoadedModel, batch: PairBatch, sender_position: str,
+def attribution_scores(model: LoadedModel, batch: PairBatch | PairBatches, sender_position: str,
                        receivers: Optional[Receivers] = None,
                        senders: Optional[Sequence[Head]] = None) -> dict[Head, float]:
-    """Estimated path-patching score of each sender (default: every eligible sender)."""
+    """Estimated path-patching score of each sender (default: every eligible sender). Over several groups
+    (:class:`~mechdiff.patching.path.PairBatches`) each group's sum is taken alone and the sums are
+    normalised by every prompt's clean probability, as path patching's ratio of means."""
     senders = list(senders) if senders is not None else eligible_senders(model, receivers)
+    if isinstance(batch, PairBatches):
+        totals = [(attribution_scores(model, part, sender_position, receivers, senders),
+                   len(part) * float(part.p_clean.mean())) for part in parts(batch)]
+        denom = sum(d for _, d in totals)
+        return {h: sum(scores[h] * d for scores, d in totals) / denom for h in senders}
     spos = _position(batch, sender_position)
     start = int(spos.min())
     top = model.shape.n_layers if receivers is None else receivers.max_layer

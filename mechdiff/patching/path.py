@@ -25,13 +25,17 @@ Senders are copies of the batch stacked along the batch dimension (``senders_per
 time), each copy's sender written by one indexed assignment (no per-head loop). Under grouped-query
 attention V (and K) belongs to a KV group: patching a receiver's V patches its whole group
 (all query heads that share it); :func:`receiver_sites` merges receivers of one group.
+
+Pairs of several token lengths or templates are prepared group by group
+(:func:`~mechdiff.tasks.base.grouped_batches`, one :class:`PairBatch` each, held by :class:`PairBatches`);
+each group is patched on its own and the score is the same ratio of means over every prompt.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from einops import rearrange, repeat
@@ -42,7 +46,7 @@ from ..metrics import answer_prob
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
-from ..tasks.base import PairRecord, pair_batch_tensors
+from ..tasks.base import PairRecord, grouped_batches, pair_batch_tensors, take
 from .core import Patch, Prefix, Resume, run
 
 log = logging.getLogger(__name__)
@@ -72,8 +76,35 @@ class PairBatch:
         return self.clean_ids.shape[0]
 
 
-def prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> PairBatch:
-    """Run clean and counterfactual once, capturing every layer's ``z`` (and the clean residual stream)."""
+@dataclass
+class PairBatches:
+    """The :class:`PairBatch` of each group (template, token length) of a pair set, in group order."""
+
+    parts: list[PairBatch]
+
+    @property
+    def p_clean(self) -> torch.Tensor:
+        return torch.cat([p.p_clean for p in self.parts])
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+
+def parts(batch: Union[PairBatch, PairBatches]) -> list[PairBatch]:
+    """The one-length batches of ``batch``."""
+    return batch.parts if isinstance(batch, PairBatches) else [batch]
+
+
+def prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> Union[PairBatch, PairBatches]:
+    """Run clean and counterfactual once, capturing every layer's ``z`` (and the clean residual stream): one
+    :class:`PairBatch` where every pair has one template and length, else :class:`PairBatches` (one per group)."""
+    groups = grouped_batches(pairs, max(len(pairs), 1))
+    if len(groups) > 1:
+        return PairBatches([_prepare(model, take(pairs, rows)) for rows in groups])
+    return _prepare(model, pairs)
+
+
+def _prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> PairBatch:
     tensors = pair_batch_tensors(pairs)
     layers = range(model.shape.n_layers)
     sites = [("z", layer) for layer in layers]
@@ -139,20 +170,24 @@ def path_patch(
     chunks = [list(senders[i:i + senders_per_pass]) for i in range(0, len(senders), senders_per_pass)]
     p_clean = batch.p_clean
     bar = progress and not model.remote  # remote: the step is one request, there is nothing to show per chunk
-    with model.session():  # remote: the whole step (every chunk's frozen and receiver runs) in one request
-        probs = keep(_chunk_probs(model, batch, chunks, sender_position, receivers, bar))
+    per_group = []
+    for part in parts(batch):  # each group (length) patched alone; the ratio of means is over every prompt
+        with model.session():  # remote: the whole step (every chunk's frozen and receiver runs) in one request
+            per_group.append(keep(_chunk_probs(model, part, chunks, sender_position, receivers, bar)))
+    probs = [torch.cat(ps, dim=1) for ps in zip(*per_group)]
     for chunk, p in zip(chunks, probs):  # p: "sender batch"
         for head, ps in zip(chunk, p):
             out[head] = float((ps.mean() - p_clean.mean()) / p_clean.mean())
     return out
 
 
-def auto_senders_per_pass(model: LoadedModel, batch: PairBatch) -> int:
+def auto_senders_per_pass(model: LoadedModel, batch: Union[PairBatch, PairBatches]) -> int:
     """Sender copies per pass sized by free GPU memory, as ``--batch-size auto`` sizes prompts per pass:
     the prompts that fit (:func:`~mechdiff.models.memory.auto_batch_size` at this batch's length) over
     the batch's prompts, at least 1; :data:`SENDERS_PER_PASS` on CPU and for remote models."""
-    n = len(batch)
-    rows = auto_batch_size(model, seq_len=batch.clean_ids.shape[1], default=n * SENDERS_PER_PASS,
+    biggest = max(parts(batch), key=lambda p: p.clean_ids.numel())
+    n = len(biggest)
+    rows = auto_batch_size(model, seq_len=biggest.clean_ids.shape[1], default=n * SENDERS_PER_PASS,
                            cap=max(MAX_BATCH, n * SENDERS_PER_PASS))
     return max(1, rows // n)
 

@@ -103,6 +103,39 @@ def scan(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, answer_i
     return ScanResult(effects, site, metric, axes, float(base), float(src), pos_list)
 
 
+def scan_pairs(model: LoadedModel, pairs: Sequence, site: str = "z", position: Optional[str] = "last",
+               metric: str = "answer_prob", per_pass: int = DEFAULT_PER_PASS) -> ScanResult:
+    """:func:`scan` over counterfactual pairs of any token lengths and templates: each group
+    (:func:`~mechdiff.tasks.base.grouped_batches`) is scanned alone at its prompts' named ``position``
+    (``None``: every position) and the effects are averaged over every prompt (each group weighted by its
+    size), as one scan of all the prompts would. A residual-stream scan's axis is token positions, so it
+    needs prompts of one length."""
+    from ..tasks.base import grouped_batches, pair_batch_tensors, take
+
+    groups = [pair_batch_tensors(take(pairs, rows)) for rows in grouped_batches(pairs, max(len(pairs), 1))]
+    if site == "resid" and len({t["base"]["input_ids"].shape[1] for t in groups}) > 1:
+        lengths = sorted({t["base"]["input_ids"].shape[1] for t in groups})
+        raise ValueError(f"a resid scan's axis is token positions, and these prompts have lengths {lengths}; "
+                         "scan heads (site z/q/k/v), or give prompts of one length")
+    results, sizes = [], []
+    for t in groups:
+        where = None if position is None else t["base"]["positions"][position]
+        if site == "resid" and where is not None:
+            where = where.unique().tolist()
+        other = t["base"].get("alternative_ids")
+        results.append(scan(model, t["base"]["input_ids"], t["source"]["input_ids"], t["target_ids"], site=site,
+                            positions=where, metric=metric, per_pass=per_pass,
+                            other_ids=other))
+        sizes.append(t["base"]["input_ids"].shape[0])
+    if len(results) == 1:
+        return results[0]
+    w = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
+    effects = sum(r.effects.double() * wi for r, wi in zip(results, w)).to(results[0].effects.dtype)
+    return ScanResult(effects, site, metric, results[0].axes, float(sum(r.clean * wi for r, wi in zip(results, w))),
+                      float(sum(r.source * wi for r, wi in zip(results, w))),
+                      [p for r in results for p in r.positions])
+
+
 def _stack(t: Optional[torch.Tensor], copies: int) -> Optional[torch.Tensor]:
     return None if t is None else repeat(t, "b ... -> (s b) ...", s=copies)
 

@@ -404,9 +404,14 @@ def _method(study: "Study") -> str:
                 f"faithfulness {'interval lower bound' if d.select == 'low' else 'point estimate'} reaches "
                 f"{d.target} on those prompts (the largest scored where none does). Selection stability: the same "
                 f"ranking on {d.stability_draws} bootstrap resamples of the ranking prompts. Ablation: position-wise "
-                f"means of {sc.reference_n} reference prompts with held-out objects.\n")
+                f"means of {sc.reference_n} reference prompts with held-out objects. {MEANS_RULE}\n")
     return (f"Each model's circuit by the paper's path patching on {d.n} clean/counterfactual pairs; top-k per step "
-            f"{d.top_k}; attribution screen: {d.screen} (shortlist {d.screen_multiple} x k).\n")
+            f"{d.top_k}; attribution screen: {d.screen} (shortlist {d.screen_multiple} x k). {MEANS_RULE}\n")
+
+
+MEANS_RULE = ("Mean ablation respects templates: a prompt's position-wise means are taken over the reference prompts "
+              "of its own template and token length, never across templates or lengths (prompts are batched by "
+              "template and length, without padding).")
 
 
 LIMITATIONS = """- Departures from Prakash et al.: circuits are drawn over (head, position class) pairs ranked by a

@@ -16,6 +16,14 @@ record also gets ``last`` (the final token) unless a row names it. ``counterfact
 alternative answer (``logit_diff`` = answer - counterfactual answer) and the target of the
 ``counterfactual`` DCM desideratum.
 
+Optional too: ``template`` (a name for the phrasing the row was written from: mean ablation averages
+over reference prompts of the same template and token length, never across templates) and
+``classes`` (position classes of the row's own, ``{"name": [[start, end], ...]}`` character spans on
+token boundaries, each class every token its spans cover; the same token indices in the counterfactual).
+Rows without ``classes`` get classes derived from their named positions
+(:func:`~mechdiff.tasks.base.derived_classes`). Rows may have any token length; clean and counterfactual
+of one row must have the same.
+
 :func:`import_pairs` checks every row against the tokenizer before anything is written: answers
 are one token appended to their prompt, clean and counterfactual have equal token lengths, spans
 start and end on token boundaries, and every row names the same positions. Every bad row is
@@ -40,7 +48,8 @@ from .base import Example, Pair, Task, canonical_json, record_dict
 
 log = logging.getLogger(__name__)
 
-KEYS = {"clean", "counterfactual", "answer", "counterfactual_answer", "positions", "counterfactual_positions"}
+KEYS = {"clean", "counterfactual", "answer", "counterfactual_answer", "positions", "counterfactual_positions",
+        "template", "classes"}
 REQUIRED = ("clean", "counterfactual", "answer", "positions")
 LAST = "last"
 TASK_FILE, PAIRS_FILE = "task.json", "pairs.jsonl"
@@ -96,6 +105,20 @@ def locate(text: str, offsets: Sequence[tuple[int, int]], span: Sequence[int], n
     return holding[0]
 
 
+def span_tokens(text: str, offsets: Sequence[tuple[int, int]], spans: Any, name: str) -> tuple[int, ...]:
+    """The tokens covered by ``spans`` (``[[start, end], ...]``, each on token boundaries, as :func:`locate`)."""
+    if not isinstance(spans, list) or not spans or not all(isinstance(sp, list) for sp in spans):
+        raise ValueError(f"class {name!r}: {spans!r} is not a non-empty list of [start, end] spans")
+    out: set[int] = set()
+    for span in spans:
+        last = locate(text, offsets, span, f"class {name}")
+        start = span[0]
+        while start < span[1] and text[start].isspace():
+            start += 1
+        out.update(t for t, (a, b) in enumerate(offsets) if b > a and b > start and t <= last)
+    return tuple(sorted(out))
+
+
 # --------------------------------------------------------------------------------------
 # Rows -> pairs
 # --------------------------------------------------------------------------------------
@@ -127,6 +150,13 @@ def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
         cf_positions = dict(positions)
     positions.setdefault(LAST, len(ids) - 1)
     cf_positions.setdefault(LAST, len(ids) - 1)
+    template = row.get("template", "")
+    if not isinstance(template, str):
+        raise ValueError(f"template must be a string naming the row's phrasing, got {template!r}")
+    classes_spans = row.get("classes", {})
+    if not isinstance(classes_spans, dict):
+        raise ValueError('classes must be an object {"name": [[start, end], ...]}')
+    classes = {n: span_tokens(clean, offsets, sp, n) for n, sp in classes_spans.items()}
     answer = row["answer"]
     a_id = answer_id(tokenizer, clean, answer)
     alt, alt_ids, cf_answer, cf_id = (), (), answer, a_id
@@ -134,9 +164,9 @@ def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
         cf_answer = row["counterfactual_answer"]
         cf_id = answer_id(tokenizer, cf, cf_answer)
         alt, alt_ids = (cf_answer,), (cf_id,)
-    base = Example(clean, tuple(ids), answer, a_id, positions, alt, alt_ids)
+    base = Example(clean, tuple(ids), answer, a_id, positions, alt, alt_ids, template, classes)
     source = Example(cf, tuple(cf_ids), cf_answer, cf_id, cf_positions, (answer,) if alt else (),
-                     (a_id,) if alt else ())
+                     (a_id,) if alt else (), template, classes)
     return Pair(base, source, answer, a_id, "counterfactual")
 
 
@@ -157,12 +187,14 @@ def read_pairs(path: str | os.PathLike, tokenizer: Any) -> list[Pair]:
             if not isinstance(row, dict):
                 raise ValueError("a line must be one JSON object")
             pair = _row_pair(tokenizer, row)
-            row_names = set(row["positions"])
+            row_names = (set(row["positions"]), set(row.get("classes", {})))
             if names is None:
                 names = (row_names, line_no)
             elif row_names != names[0]:
-                raise ValueError(f"positions {sorted(row_names)} differ from line {names[1]}'s {sorted(names[0])}; "
-                                 "every row must name the same positions")
+                which = "positions" if row_names[0] != names[0][0] else "classes"
+                i = 0 if which == "positions" else 1
+                raise ValueError(f"{which} {sorted(row_names[i])} differ from line {names[1]}'s {sorted(names[0][i])}; "
+                                 f"every row must name the same {which}")
             pairs.append(pair)
         except (ValueError, TypeError, KeyError) as e:  # json.JSONDecodeError is a ValueError
             errors.append(f"{path}:{line_no}: {e}")
@@ -199,6 +231,8 @@ def import_pairs(path: str | os.PathLike, tokenizer: Any, out: str | os.PathLike
         plan_text = Path(plan).read_text(encoding="utf-8")
     pairs = read_pairs(path, tokenizer)
     meta = {"format": FORMAT, "name": name or out.name, "source": str(path), "model": model,
+            "templates": sorted({p.base.template for p in pairs if p.base.template}),
+            "classes": sorted(pairs[0].base.classes),
             "source_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "n_pairs": len(pairs),
             "positions": sorted(pairs[0].base.positions), "metric": metric,
             "tokenizer": tokenizer_digest(tokenizer), "n_tokens": sorted({len(p.base.input_ids) for p in pairs}),

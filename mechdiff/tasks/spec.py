@@ -154,7 +154,8 @@ CHOICES = {
     ("dcm", "schedule"): ("steps", "epoch_batches"),
     ("dcm", "circuit"): ("found", "pruned"),
     ("cmap", "scope"): ("base", "paper"),
-    ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value"),
+    ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value", "io_name",
+                            "counterfactual"),
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
 }
 

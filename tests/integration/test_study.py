@@ -101,11 +101,57 @@ def test_study_on_another_task(tiny_family, tmp_path):
     report = study.run().read_text()
     assert "## Circuits" in report and "## What the heads encode (DCM)" in report
     circuit = json.loads((tmp_path / "run" / "circuits" / f"{tiny_family[0].rsplit('/', 1)[-1]}.json").read_text())
-    assert set(circuit["positions"].values()) <= {"IO", "S1", "S2", "END", "last"}
+    # IOI's classes: derived from its named positions (each, the tokens after each, those before, the last)
+    from mechdiff.tasks.base import derived_class_names
+
+    assert set(circuit["positions"].values()) <= set(derived_class_names(["IO", "S1", "S2", "END", "last"]))
     bad = tmp_path / "bad.toml"
     bad.write_text('[models]\nbase = "smollm2-135m"\n\n[task]\nname = "no-such-task"\n')
     with pytest.raises(SpecError, match=r"bad.toml:5: task 'no-such-task' is neither.*dataset import"):
         load_spec(bad)
+
+
+def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_family, tmp_path, smollm2_tokenizer):
+    """A JSONL task written outside the project (four templates; 5, 8 and 14 tokens) imported, then `mechdiff run`
+    with `[task] name = DIR`: accuracy, position scan over its derived classes, curve circuit, pruning, matrix,
+    CMAP and DCM (the task's own counterfactual as desideratum) and the report. A reference set missing a group
+    is refused, naming it, before any weights load."""
+    from mechdiff.cli import main
+
+    from conftest import capitals_rows, write_rows
+
+    rows = write_rows(tmp_path / "capitals.jsonl", capitals_rows(24))
+    assert main(["dataset", "import", str(rows), "--model", tiny_family[0], "--out", str(tmp_path / "capitals")]) == 0
+    assert main(["eval", "--task", str(tmp_path / "capitals"), "--models", tiny_family[0], "--n", "24",
+                 "--out", str(tmp_path / "eval.json")]) == 0
+    assert "accuracy" in (tmp_path / "eval.json").read_text()
+    spec = tiny_spec(tiny_family, tmp_path)
+    spec.task.name = str(tmp_path / "capitals")
+    spec.dcm.desiderata = ["positional"]  # entity tracking's: not this task's, so its own counterfactual is used
+    spec.dcm.groups = spec.cmap.groups = []  # every group at a one-token position
+    spec.scoring.reference_n = 3  # covers 3 of the 4 templates
+    study = Study(spec, progress=False)
+    with pytest.raises(ValueError, match="no reference prompts for the matrix prompts of template 'qa', 14 tokens"):
+        study.run()
+    assert study.models._loaded == {}
+    spec.scoring.reference_n = 12
+    study = Study(spec, progress=False)
+    report = study.run().read_text()
+    for section in ("## Accuracy", "## Circuits", "## Circuit x model", "## What the heads encode (DCM)",
+                    "## Cross-model activation patching (CMAP)", "never across templates"):
+        assert section in report
+    stages = tmp_path / "run" / "stages"
+    base = tiny_family[0].rsplit("/", 1)[-1]
+    positions = json.loads((stages / f"positions__{base}.json").read_text())["result"]["scan"]
+    assert positions["classes"] == ["before", "capital", "after_capital", "country", "after_country", "last"]
+    assert positions["n_prompts"] == spec.positions.n
+    accuracy = json.loads((stages / f"accuracy__{base}.json").read_text())["result"]
+    assert accuracy["accuracy"]["n"] == spec.eval.n
+    dcm = json.loads((stages / "dcm.json").read_text())["result"]
+    assert dcm["dcm"] and {r["desideratum"] for r in dcm["dcm"]} == {"counterfactual"}
+    cmap = json.loads((stages / f"cmap__{tiny_family[1].rsplit('/', 1)[-1]}.json").read_text())["result"]
+    assert cmap.get("skipped") or cmap["settings"]["n_prompts"] == spec.cmap.n
+    assert (tmp_path / "run" / "run.json").is_file()
 
 
 def test_run_command_refuses_an_unknown_task_before_loading(capsys):
