@@ -51,7 +51,7 @@ from .models.modelset import check_shapes
 from .models.remote import keep
 from .patching.core import Patch, Resume, run
 from .stats import Estimate, bootstrap, mean_estimate, paired_difference
-from .tasks.base import Record, batch_tensors, grouped_batches, take
+from .tasks.base import Record, batch_tensors, grouped_batches, record_order, take
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
 CMAP_RULES: tuple[str, ...] = ("base", "paper")
@@ -315,10 +315,9 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
     plan.update({r: plan[r.split(":", 1)[1]] for r in randoms})
     scores: dict = {key: ([], []) for key in ["base", "finetune", *((s, k) for s in [*all_scopes, *randoms]
                                                                      for k in plan[s])]}
-    order: list[int] = []
-    for rows in tqdm(grouped_batches(records, batch_size), desc="cmap", disable=not progress):
+    batches = grouped_batches(records, batch_size)
+    for rows in tqdm(batches, desc="cmap", disable=not progress):
         batch = batch_tensors(take(records, rows))  # one template and length: any length per batch
-        order += rows
         ids, answer = batch["input_ids"], batch["answer_ids"]
         with torch.no_grad():
             donor = run(finetune, ids, capture=sites)
@@ -329,7 +328,7 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
                                        isolate, randoms, rule, plan))
         for key, value in scored.items():
             _append(scores[key], value)
-    perm = np.argsort(order, kind="stable")  # per-prompt outcomes back in the records' order
+    perm = record_order(batches)  # per-prompt outcomes back in the records' order
     scores = {key: ([np.concatenate(c)[perm]], [np.concatenate(p)[perm]]) for key, (c, p) in scores.items()}
     result = _result(base, finetune, circuit, scores, all_scopes, kinds, plan)
     result.caption = CAPTION_PAPER if rule == "paper" else CAPTION if isolate else CAPTION_UNISOLATED

@@ -49,7 +49,8 @@ from .metrics import answer_is_top1, answer_logit
 from .models.loading import LoadedModel
 from .patching.core import Patch, Prefix, Resume, run
 from .stats import Estimate, bootstrap, pooled_proportion, proportion
-from .tasks.base import PairRecord, get_task, group_key, grouped_batches, pair_batch_tensors, take
+from .tasks.base import (PairRecord, get_task, group_batches, grouped_batches, pair_batch_tensors, record_order,
+                         take)
 
 log = logging.getLogger(__name__)
 
@@ -259,11 +260,11 @@ class PairCache:
         starts = sorted({min(h.layer for h in heads) for heads, _ in groups if heads} - {0})
         source: dict = {site: [] for site in sites}
         prefix: dict = {layer: [] for layer in starts}
-        floor, keys, values, order = [], [], [], []
+        floor, keys, values = [], [], []
         length = max((len(p.base.input_ids) for p in pairs), default=0)
-        for rows in tqdm(grouped_batches(pairs, batch_size), desc="dcm cache", disable=not progress, leave=False):
+        batches = grouped_batches(pairs, batch_size)
+        for rows in tqdm(batches, desc="dcm cache", disable=not progress, leave=False):
             batch = pair_batch_tensors(take(pairs, rows))
-            order += rows
             for position in sorted({pos for _, pos in sites}):
                 layers = [layer for layer, pos in sites if pos == position]
                 for layer, z in source_z(model, batch, layers, position).items():
@@ -276,7 +277,7 @@ class PairCache:
             floor.append(answer_is_top1(out.logits, batch["target_ids"]).cpu().numpy())
             keys.append([_pad(k.cpu(), -2, length) for k in out.kv.keys])
             values.append([_pad(v.cpu(), -2, length) for v in out.kv.values])
-        perm = torch.as_tensor(np.argsort(order, kind="stable"), dtype=torch.long)  # back to the pairs' order
+        perm = torch.as_tensor(record_order(batches), dtype=torch.long)  # the pairs' order
         kv = (Prefix([torch.cat(ks)[perm] for ks in zip(*keys)], [torch.cat(vs)[perm] for vs in zip(*values)])
               if keys else None)
         return cls(pairs, {k: torch.cat(v)[perm] for k, v in source.items()},
@@ -288,11 +289,11 @@ class PairCache:
         """(logits at the last token, target ids) of pairs ``rows`` with ``heads`` mixed under ``mask``, in
         the order of ``rows`` (pairs of several lengths run group by group)."""
         rows = list(rows)
-        groups = grouped_batches(take(self.pairs, rows), max(len(rows), 1))
+        groups = group_batches(take(self.pairs, rows))
         if len(groups) == 1:
             return self._logits(model, rows, heads, mask, position, grad)
         outs = [self._logits(model, take(rows, g), heads, mask, position, grad) for g in groups]
-        back = torch.as_tensor(np.argsort([i for g in groups for i in g], kind="stable"), dtype=torch.long)
+        back = torch.as_tensor(record_order(groups), dtype=torch.long)
         logits, target = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
         return logits[back.to(logits.device)], target[back.to(target.device)]
 

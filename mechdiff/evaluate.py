@@ -15,7 +15,7 @@ from .models.loading import LoadedModel
 from .models.remote import keep
 from .patching.core import Patch, run
 from .stats import Estimate, bootstrap, proportion
-from .tasks.base import Record, batch_tensors, grouped_batches, take
+from .tasks.base import Record, batch_tensors, grouped_batches, record_order, take
 
 Rows = Sequence[int]  # the records of one batch (grouped_batches)
 PatchFn = Callable[[dict, Rows], Iterable[Patch]]
@@ -85,7 +85,7 @@ def evaluate(
             def forward(batch: dict, rows: slice) -> torch.Tensor:
                 return run(model, batch["input_ids"], patches(batch, rows) if patches else ()).logits
         results = keep(_eval_batches(records, batch_size, forward, targets, desc, bar))
-    order = np.argsort(np.concatenate([rows for rows, _ in results]), kind="stable")  # back to the records' order
+    order = record_order([rows for rows, _ in results])
     diffs = [d for _, (_, _, d) in results]
     return EvalResult(np.concatenate([c for _, (c, _, _) in results])[order],
                       np.concatenate([p for _, (_, p, _) in results])[order],

@@ -46,7 +46,7 @@ from ..metrics import answer_prob
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
-from ..tasks.base import PairRecord, grouped_batches, pair_batch_tensors, take
+from ..tasks.base import PairRecord, group_batches, pair_batch_tensors, take
 from .core import Patch, Prefix, Resume, run
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def parts(batch: Union[PairBatch, PairBatches]) -> list[PairBatch]:
 def prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> Union[PairBatch, PairBatches]:
     """Run clean and counterfactual once, capturing every layer's ``z`` (and the clean residual stream): one
     :class:`PairBatch` where every pair has one template and length, else :class:`PairBatches` (one per group)."""
-    groups = grouped_batches(pairs, max(len(pairs), 1))
+    groups = group_batches(pairs)
     if len(groups) > 1:
         return PairBatches([_prepare(model, take(pairs, rows)) for rows in groups])
     return _prepare(model, pairs)

@@ -110,9 +110,9 @@ def scan_pairs(model: LoadedModel, pairs: Sequence, site: str = "z", position: O
     (``None``: every position) and the effects are averaged over every prompt (each group weighted by its
     size), as one scan of all the prompts would. A residual-stream scan's axis is token positions, so it
     needs prompts of one length."""
-    from ..tasks.base import grouped_batches, pair_batch_tensors, take
+    from ..tasks.base import group_batches, pair_batch_tensors, take
 
-    groups = [pair_batch_tensors(take(pairs, rows)) for rows in grouped_batches(pairs, max(len(pairs), 1))]
+    groups = [pair_batch_tensors(take(pairs, rows)) for rows in group_batches(pairs)]
     if site == "resid" and len({t["base"]["input_ids"].shape[1] for t in groups}) > 1:
         lengths = sorted({t["base"]["input_ids"].shape[1] for t in groups})
         raise ValueError(f"a resid scan's axis is token positions, and these prompts have lengths {lengths}; "

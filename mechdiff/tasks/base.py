@@ -212,6 +212,20 @@ def grouped_batches(records: Sequence[Any], batch_size: int) -> list[list[int]]:
     return [rows[i:i + batch_size] for rows in groups.values() for i in range(0, len(rows), batch_size)]
 
 
+def group_batches(records: Sequence[Any]) -> list[list[int]]:
+    """:func:`grouped_batches` with one batch per group (every record of a group in one batch)."""
+    return grouped_batches(records, max(len(records), 1))
+
+
+def record_order(batches: Sequence[Sequence[int]]) -> "np.ndarray":
+    """The permutation that puts outcomes concatenated batch by batch (``batches``: indices into the
+    records, as :func:`grouped_batches` gives them) back in the records' order."""
+    import numpy as np
+
+    rows = [np.asarray(r, dtype=np.int64) for r in batches]
+    return np.argsort(np.concatenate(rows), kind="stable") if rows else np.zeros(0, dtype=np.int64)
+
+
 def take(records: Sequence[Any], rows: Sequence[int]) -> list:
     """``records`` at ``rows``."""
     return [records[i] for i in rows]
