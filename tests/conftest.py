@@ -167,3 +167,28 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_family(tmp_path_factory, smollm2_tokenizer) -> list[str]:
+    """Two tiny llama models (seeds 0 and 1) saved with the SmolLM2 tokenizer: a base and a fine-tune by path."""
+    root = tmp_path_factory.mktemp("family")
+    names = []
+    for seed in (0, 1):
+        lm = make_tiny("llama", smollm2_tokenizer, seed=seed, n_layers=2)
+        lm.model.save_pretrained(root / f"m{seed}")
+        smollm2_tokenizer.save_pretrained(root / f"m{seed}")
+        names.append(str(root / f"m{seed}"))
+    return names
+
+
+def circuit_pairs(path: Path) -> dict[str, set[str]]:
+    """A circuit file's (head, position) pairs: head name -> the positions of the groups holding it."""
+    import json
+
+    data = json.loads(path.read_text())
+    out: dict[str, set[str]] = {}
+    for g, heads in data["groups"].items():
+        for h in heads:
+            out.setdefault(h, set()).add(data["positions"][g])
+    return out

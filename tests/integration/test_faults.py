@@ -23,7 +23,7 @@ from mechdiff.io import LOCK_NAME, OutputError, RunLockedError, atomic_open, run
 from mechdiff.store import ActivationStore, capture_sites
 from mechdiff.study import StageCache, Study
 from mechdiff.tasks.entity_tracking import generate
-from test_study import tiny_family, tiny_spec  # noqa: F401 - tiny_family is a fixture used here
+from test_study import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,25 +5,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from conftest import make_tiny
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cmap import dcm_cut
 from mechdiff.study import Study
 from mechdiff.tasks.spec import default_spec
-
-
-@pytest.fixture(scope="module")
-def tiny_family(tmp_path_factory, smollm2_tokenizer):
-    root = tmp_path_factory.mktemp("family")
-    names = []
-    for seed in (0, 1):
-        lm = make_tiny("llama", smollm2_tokenizer, seed=seed, n_layers=2)
-        lm.model.save_pretrained(root / f"m{seed}")
-        smollm2_tokenizer.save_pretrained(root / f"m{seed}")
-        names.append(str(root / f"m{seed}"))
-    return names
 
 
 def paper_spec(names, out):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import circuit_pairs
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "results" / "entity-tracking-smollm2"
 PAGE = RUN / "report.html"
@@ -51,15 +53,6 @@ def _open(browser) -> None:
         "var g = document.getElementById('grid'); return !!(g && g.data && g.data[0].text);"))
 
 
-def _pairs(path: Path) -> dict[str, set[str]]:
-    data = json.loads(path.read_text())
-    out: dict[str, set[str]] = {}
-    for g, heads in data["groups"].items():
-        for h in heads:
-            out.setdefault(h, set()).add(data["positions"][g])
-    return out
-
-
 def test_page_opens_with_no_console_error_and_the_grid_holds_each_circuit(browser, tmp_path) -> None:
     assert PAGE.exists(), "write it with: mechdiff view results/entity-tracking-smollm2"
     assert PAGE.stat().st_size <= 5_000_000  # the 5 MB, almost all of it plotly.js
@@ -71,7 +64,7 @@ def test_page_opens_with_no_console_error_and_the_grid_holds_each_circuit(browse
     for i, model in enumerate([run["base"], *run["finetunes"]]):
         assert names[i] == model
         z = browser.execute_script(f"return document.getElementById('grid').data[{i}].z;")
-        pairs = _pairs(RUN / "circuits" / f"{model}.json")
+        pairs = circuit_pairs(RUN / "circuits" / f"{model}.json")
         # every head of the circuit shows the number of its position classes, every other head 0
         assert sum(v > 0 for row in z for v in row) == len(pairs)
         for head, classes in pairs.items():
@@ -113,7 +106,7 @@ def test_hover_shows_the_heads_scores_from_the_committed_tables(browser) -> None
     assert text.startswith(f"{head} in smollm2-et-early"), text
     lines = text.split("\n")
     for model in ("smollm2-et-early",):
-        circuits = {name: _pairs(RUN / "circuits" / f"{file}.json") for name, file in
+        circuits = {name: circuit_pairs(RUN / "circuits" / f"{file}.json") for name, file in
                     (("smollm2-et-early", "smollm2-et-early"), ("smollm2-et-early pruned", "smollm2-et-early.pruned"),
                      ("smollm2-et", "smollm2-et"), ("smollm2-et pruned", "smollm2-et.pruned"))}
         for c in sorted(set().union(*(p.get(head, set()) for p in circuits.values()))):

@@ -11,20 +11,6 @@ import torch
 from mechdiff.study import Study
 from mechdiff.tasks.spec import default_spec
 
-from conftest import make_tiny
-
-
-@pytest.fixture(scope="module")
-def tiny_family(tmp_path_factory, smollm2_tokenizer):
-    root = tmp_path_factory.mktemp("family")
-    names = []
-    for seed in (0, 1):
-        lm = make_tiny("llama", smollm2_tokenizer, seed=seed, n_layers=2)
-        lm.model.save_pretrained(root / f"m{seed}")
-        smollm2_tokenizer.save_pretrained(root / f"m{seed}")
-        names.append(str(root / f"m{seed}"))
-    return names
-
 
 def tiny_spec(names, out):
     spec = default_spec()

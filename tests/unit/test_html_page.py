@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import circuit_pairs
 from mechdiff.report.html import markdown_html, page, table_html, write_html
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
@@ -26,16 +27,7 @@ def _members(data: dict, name: str) -> dict[str, set[str]]:
     return out
 
 
-def _circuit(path: Path) -> dict[str, set[str]]:
-    d = json.loads(path.read_text())
-    out: dict[str, set[str]] = {}
-    for g, heads in d["groups"].items():
-        for h in heads:
-            out.setdefault(h, set()).add(d["positions"][g])
-    return out
-
-
-def test_study_page_has_the_reports_findings_and_each_models_circuit() -> None:
+def test_study_page_has_the_reports_findings_and_each_modelscircuit_pairs() -> None:
     run = RESULTS / "entity-tracking-smollm2"
     html = page(run)
     report = (run / "report.md").read_text()
@@ -47,7 +39,7 @@ def test_study_page_has_the_reports_findings_and_each_models_circuit() -> None:
     data = _grid_data(html)
     assert [v["name"] for v in data["views"]] == ["smollm2-et-early", "smollm2-et", "smollm2-et - smollm2-et-early"]
     for name, file in (("smollm2-et", "smollm2-et"), ("smollm2-et-early pruned", "smollm2-et-early.pruned")):
-        assert _members(data, name) == _circuit(run / "circuits" / f"{file}.json")
+        assert _members(data, name) == circuit_pairs(run / "circuits" / f"{file}.json")
     assert html.count("* plotly.js v") == 1 and not re.search(r"<(script|link|img)[^>]+(src|href)=\"?https?:", html)
 
 
@@ -55,11 +47,11 @@ def test_study_page_has_the_reports_findings_and_each_models_circuit() -> None:
     ("headmap-smollm2", ["circuits/entity-tracking/circuit", "path-patching/smollm2-et-early"]),
     ("ioi-smollm2", ["circuit-base/circuit"]),
 ])
-def test_other_results_kinds_degrade_to_summary_tables_and_a_grid_per_circuit(run: str, circuits: list[str]) -> None:
+def test_other_results_kinds_degrade_to_summary_tables_and_a_grid_percircuit_pairs(run: str, circuits: list[str]) -> None:
     html = page(RESULTS / run)
     data = _grid_data(html)
     for name in circuits:
-        assert _members(data, name) == _circuit(RESULTS / run / f"{name}.json")
+        assert _members(data, name) == circuit_pairs(RESULTS / run / f"{name}.json")
     assert "<h2>Tables</h2>" in html and 'class="sortable"' in html
 
 
