@@ -14,7 +14,7 @@ import argparse
 from mechdiff.circuits.curve import ranked_circuit
 from mechdiff.circuits.scoring import faithfulness
 from mechdiff.components import parse
-from mechdiff.study import Study
+from mechdiff.studies.circuits import CircuitsStudy as Study
 from mechdiff.tasks.spec import load_spec
 
 

@@ -26,7 +26,8 @@ from patching import timed  # benchmarks/patching.py: median of repeated calls a
 from mechdiff.components import Head
 from mechdiff.patching.core import run
 from mechdiff.patching.path import path_patch, prepare
-from mechdiff.study import StageCache, Study
+from mechdiff.studies.circuits import CircuitsStudy as Study
+from mechdiff.studies.stages import StageCache
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 from mechdiff.tasks.spec import default_spec, load_spec
 

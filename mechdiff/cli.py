@@ -15,6 +15,21 @@ from typing import Optional, Sequence
 from . import commands
 from .io import Terminated  # noqa: F401 - raised by the SIGTERM handler (mechdiff.io.terminate)
 
+#: Library warnings a mechdiff user cannot act on (they name calls inside the libraries), each silenced by its
+#: message, category and warning module only: (message regex, category, module regex).
+QUIET_WARNINGS = (
+    # peft asks transformers' deprecated alias when it wraps a model for a LoRA (transformers 5)
+    (r"`is_gradient_checkpointing` is deprecated", FutureWarning, r"transformers\.modeling_utils"),
+)
+
+
+def quiet_library_warnings() -> None:
+    """Filter :data:`QUIET_WARNINGS` (every other warning still reaches the terminal)."""
+    import warnings
+
+    for message, category, module in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -49,6 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .io import RunLockedError, Terminated, check_terminated, clear_terminated, terminate
 
     args = build_parser().parse_args(argv)
+    quiet_library_warnings()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     clear_terminated()

@@ -92,11 +92,13 @@ class DCMConfig:
     # than the paper's on LLaMA's logits); "absolute" (the paper's): lam as is.
     lam_scale: str = "loss"
     lr: float = 0.1
-    epochs: int = 2
-    batch_size: int = 16  # pairs per optimiser step (gradient accumulated over micro-batches)
-    micro_batch: int = 16  # pairs per forward/backward pass (bounds memory)
+    # the one default of each training setting (a study's [dcm] section takes these too): 4 epochs of 8 pairs per
+    # step, validation every 4 steps (32 training pairs: 16 mask updates)
+    epochs: int = 4
+    batch_size: int = 8  # pairs per optimiser step (gradient accumulated over micro-batches)
+    micro_batch: int = 8  # pairs per forward/backward pass (bounds memory)
     eval_batch: int = 32  # pairs per forward pass when evaluating (no gradients)
-    eval_every: int = 5  # optimiser steps (schedule "steps") or batches of an epoch ("epoch_batches") between validations
+    eval_every: int = 4  # optimiser steps (schedule "steps") or batches of an epoch ("epoch_batches") between validations
     schedule: str = "steps"
     shuffle: bool = True  # shuffle the training pairs each epoch (the paper: in order)
     split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # train / validation / test fractions

@@ -16,6 +16,14 @@ import torch
 
 TASK_METRICS = ("prob", "logit_diff")
 """The per-prompt metrics a task can name (``Task.metric``, ``dataset import --metric``)."""
+#: The one vocabulary of metric names: ``prob`` is the answer's probability wherever a metric is chosen (task
+#: files, every command's ``--metric``, the API). Other names once used for it are read as it.
+METRIC_ALIASES = {"answer_prob": "prob"}
+
+
+def metric_name(name: str) -> str:
+    """The one name of metric ``name`` (``answer_prob`` -> ``prob``; others as they are)."""
+    return METRIC_ALIASES.get(name, name)
 
 
 def _ids(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -67,6 +75,7 @@ def task_metric(logits: torch.Tensor, answer_ids: torch.Tensor, metric: str = "p
                 alternative_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A task's per-prompt metric by name: ``prob`` (:func:`answer_prob`) or ``logit_diff``
     (:func:`logit_diff` against ``alternative_ids``)."""
+    metric = metric_name(metric)
     if metric == "prob":
         return answer_prob(logits, answer_ids)
     if metric == "logit_diff":

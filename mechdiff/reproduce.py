@@ -15,13 +15,16 @@ import logging
 import os
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from .models.loading import offline, resolve_source, resolve_spec
 from .models.registry import ModelSpec
+from .studies.seeds import prompt_seed
+from .studies.stages import StageRecord
 
-if TYPE_CHECKING:
-    from .study import StageRecord, Study
+#: The circuits study these functions read (:class:`mechdiff.studies.circuits.CircuitsStudy`: its spec, models,
+#: tokenizer, cache, digests and run directory); typed loosely so that this module imports no study.
+Study = Any
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +112,7 @@ def check_weights(names: Iterable[str], cache_dir: Optional[str] = None, remote:
 # ------------------------------------------------------------------------------------- the table
 
 
-def reproduction_rows(study: "Study", circuit_path: str, published: dict, n: int,
+def reproduction_rows(study: Study, circuit_path: str, published: dict, n: int,
                       names: Optional[Sequence[str]] = None) -> list[dict]:
     """One row per model: full-model and circuit accuracy (95% CIs) and faithfulness, measured here,
     beside the published accuracies (NaN where the paper has no figure for the model)."""
@@ -126,8 +129,8 @@ def reproduction_rows(study: "Study", circuit_path: str, published: dict, n: int
     for name in names if names is not None else study.spec.model_names:
         lm = study.model(name)
         circuit.validate(lm.shape.n_layers, lm.shape.n_heads)
-        records = generate(study.tokenizer, n, t.n_boxes, t.seed + 7)
-        reference = reference_records(study.tokenizer, n, t.n_boxes, t.seed + 8)
+        records = generate(study.tokenizer, n, t.n_boxes, prompt_seed(t.seed, "reproduction"))
+        reference = reference_records(study.tokenizer, n, t.n_boxes, prompt_seed(t.seed, "reproduction-reference"))
         scorer = Scorer.build(lm, records, reference, study.spec.eval.batch_size, study.progress, store=study.store)
         res = faithfulness(scorer, circuit)
         row = {"model": name, "n_prompts": res["n_prompts"]}
@@ -142,7 +145,7 @@ def reproduction_rows(study: "Study", circuit_path: str, published: dict, n: int
     return rows
 
 
-def _release(study: "Study", name: str) -> None:
+def _release(study: Study, name: str) -> None:
     """Drop a scored model so the next one fits (four 7B models in float32 do not fit one 80 GB GPU)."""
     import torch
 
@@ -157,12 +160,10 @@ CAPTION = ("The released LLaMA-7B entity-tracking circuit (Prakash et al. 2024, 
            "measured here with 95% bootstrap CIs, beside the published figures (Table 1).")
 
 
-def reproduction_stage(study: "Study") -> list["StageRecord"]:
+def reproduction_records(study: Study) -> list[StageRecord]:
     """The reproduction as cached study stages, one per model (``reproduction:<model>``, so a stage's time
-    is one model's load and scoring); writes ``reproduction.{md,csv,tex,json}`` and prints the table."""
+    is one model's load and scoring)."""
     from dataclasses import asdict
-
-    from .report.tables import to_markdown, write_table
 
     r = study.spec.reproduce
     published = published_figures(r.published)
@@ -177,8 +178,16 @@ def reproduction_stage(study: "Study") -> list["StageRecord"]:
         inputs = {"model": study.digests[name], "task": study._task(), "reproduce": asdict(r),
                   "circuit": circuit_text, "published": published.get("reported", {})}
         records.append(study.cache.run(f"reproduction:{name}", inputs, compute))
+    return records
+
+
+def write_reproduction(study: Study, records: list[StageRecord]) -> Path:
+    """``reproduction.{md,csv,tex,json}`` from the stage records; prints the table."""
+    from .report.tables import to_markdown, write_table
+
+    published = published_figures(study.spec.reproduce.published)
     rows = [rec.result["row"] for rec in records]
     write_table(rows, study.dir / "reproduction", caption=CAPTION)
     print(to_markdown(rows))
     print(f"\n{CAPTION}\npublished: {published.get('source', '')}")
-    return records
+    return study.dir / "reproduction.md"

@@ -25,7 +25,8 @@ def main() -> int:
     from mechdiff.circuits.positions import task_classes
     from mechdiff.circuits.scoring import pair_name
     from mechdiff.report.heads import head_rows, write_heads_table
-    from mechdiff.study import Study, label
+    from mechdiff.studies.circuits import CircuitsStudy as Study
+    from mechdiff.studies.stages import label
     from mechdiff.tasks.spec import RunSpec, SECTIONS
 
     manifest = json.loads((run / "run.json").read_text())

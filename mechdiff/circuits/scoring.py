@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from ..components import Head, all_heads, layer_matched
 from ..evaluate import EvalResult, evaluate
+from ..metrics import metric_name
 from ..models.loading import LoadedModel
 from ..patching.ablation import site_means
 from ..patching.core import Patch, Resume, run, suffix_supported
@@ -278,7 +279,8 @@ class Scorer:
 
 
 def per_prompt(result: EvalResult, metric: Metric = "accuracy") -> np.ndarray:
-    """Per-prompt values of ``metric``: correctness (0/1) or answer probability."""
+    """Per-prompt values of ``metric``: correctness (0/1) or answer probability (``prob``)."""
+    metric = metric_name(metric)  # type: ignore[assignment]
     if metric == "accuracy":
         return result.correct.astype(float)
     if metric == "prob":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..metrics import TASK_METRICS
+from ..metrics import TASK_METRICS, metric_name
 from ..models.loading import load_tokenizer, resolve_spec
 from ..tasks.jsonl import import_pairs, load_task_meta
 from ..tasks.entity_tracking import (PAIR_KINDS, counterfactual_pairs, dataset_hash, generate, to_hf_dataset,
@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     imp.add_argument("--out", required=True, help="the task directory to write (refused if it exists, see --force)")
     imp.add_argument("--name", default=None, help="the task's name (default: the directory's name)")
     imp.add_argument("--plan", default=None, help="a discovery plan TOML to ship with the task")
-    imp.add_argument("--metric", default="prob", choices=list(TASK_METRICS),
+    imp.add_argument("--metric", default="prob", type=metric_name, choices=list(TASK_METRICS),
                      help="prob (answer probability) or logit_diff (answer - counterfactual answer)")
     imp.add_argument("--force", action="store_true", help="replace an existing --out directory")
     imp.set_defaults(func=main_import)

@@ -1,7 +1,8 @@
 """``mechdiff knowledge``: knowledge circuits (Yao et al. 2024) of one relation, on one or more checkpoints.
 
-Argument parsing only: the settings are :class:`mechdiff.knowledge.pipeline.KnowledgeSettings` (a task
-file's ``[knowledge]`` section, then the flags given), the study is :func:`mechdiff.knowledge.pipeline.run_study`.
+Argument parsing only: the settings are :class:`mechdiff.studies.knowledge.KnowledgeSettings` (a task
+file's ``[knowledge]`` section, then the flags given), the study is :class:`mechdiff.studies.knowledge.KnowledgeStudy`
+(the kind ``mechdiff run`` runs for a task file with ``[study] kind = "knowledge"``), here on the one relation given.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from ..knowledge.acdc import METRICS
 from ..knowledge.data import available_relations
-from ..knowledge.pipeline import ABLATIONS, METHODS, SELECTIONS, KnowledgeSettings, load_settings, run_study
+from ..studies.knowledge import ABLATIONS, METHODS, SELECTIONS, KnowledgeSettings, KnowledgeStudy, load_settings
 from ._options import add_model_options, load_from_args
 
 D = KnowledgeSettings()
@@ -95,10 +96,14 @@ def settings_from(args: argparse.Namespace) -> KnowledgeSettings:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
-    models = [load_from_args(n, args) for n in settings.models]
+    from ..studies.base import format_plan
+
+    settings = replace(settings_from(args), relations=())  # the one relation of --relation (or the file's)
     out = Path(args.out or f"results/knowledge-{settings.models[0]}/{settings.relation}")
-    res = run_study(models, settings, out)
+    study = KnowledgeStudy(settings, out, lambda name: load_from_args(name, args))
+    print(format_plan(study.plan()), flush=True)
+    study.run()
+    res = study.outcome[settings.relation]
     hk = f"hit@{settings.k}"
     for name, r in res["results"].items():
         print(f"{name}: {r['n_facts']} facts; full {hk} {r['full'][hk]['value']:.3f}, circuit "

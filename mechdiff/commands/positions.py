@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..metrics import metric_name
 from ..circuits.positions import leave_one_out, position_scan, task_classes
 from ..report.positions import position_scan_figure
 from ..report.tables import estimate_columns, to_markdown, write_table
@@ -15,7 +16,7 @@ from ._scoring import add_scoring_options, build_scorer, settings
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("positions", help="greedy scan of the position classes a model needs (every head kept there)")
     p.add_argument("--model", default="smollm2-135m", help="registry name or path")
-    p.add_argument("--metric", default="accuracy", choices=["accuracy", "prob"], help="what the greedy step maximises")
+    p.add_argument("--metric", default="accuracy", type=metric_name, choices=["accuracy", "prob"], help="what the greedy step maximises")
     p.add_argument("--stop-at", type=float, default=None, help="stop once faithfulness reaches this (default: scan all)")
     p.add_argument("--max-steps", type=int, default=None, help="at most this many classes")
     p.add_argument("--leave-one-out", action="store_true", help="also: every class kept but one, for each class")

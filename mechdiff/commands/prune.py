@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..metrics import metric_name
 from ..circuits.scoring import PAPER_SHARE, PRUNE_RULES, minimality, pair_name, pairwise_minimality, prune
 from ..report.tables import to_markdown, write_table
 from ._options import add_dataset_options, add_model_options, load_from_args
@@ -25,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--share", type=float, default=PAPER_SHARE, help="paper rule: K is at most ceil(share |group|) heads")
     p.add_argument("--max-steps", type=int, default=1, help="greedy steps growing K per head")
     p.add_argument("--candidates", type=int, default=4, help="pairs tried per greedy step (0: all)")
-    p.add_argument("--metric", default="accuracy", choices=["accuracy", "prob"])
+    p.add_argument("--metric", default="accuracy", type=metric_name, choices=["accuracy", "prob"])
     add_dataset_options(p, n=32)
     add_scoring_options(p)
     add_model_options(p)

@@ -1,24 +1,31 @@
-"""``mechdiff run [TASK.toml]``: the whole study, from task spec to report."""
+"""``mechdiff run [TASK.toml]``: the whole study of a task file, of any kind, from task spec to report.
+
+Argument parsing only: the study is :func:`mechdiff.studies.base.load_study` (the file's ``[study] kind``).
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from ..tasks.spec import default_spec, load_spec
-
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run the whole study of a task file (default: the embedded SmolLM2 study)")
+    p = sub.add_parser("run", help="run the whole study of a task file, of any kind (default: the embedded "
+                                   "SmolLM2 circuits study); prints its stage plan first")
     p.add_argument("task_file", nargs="?", default=None,
-                   help="a task spec (tasks/*.toml); without one, the embedded default study")
-    p.add_argument("--out", default=None, help="results directory (default: the spec's [output] dir)")
+                   help="a task file (tasks/*.toml; its [study] kind: circuits (default), knowledge, headmap); "
+                        "without one, the embedded default study")
+    p.add_argument("--out", default=None, help="results directory (default: the file's [output] dir)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the stage plan (each stage: cached or not, its cost in the committed run.json) "
+                        "and stop")
     p.add_argument("--task", default=None,
-                   help="override [task] name: a registered task (ioi, ...) or a directory from `mechdiff dataset import`")
+                   help="circuits kind: override [task] name: a registered task (ioi, ...) or a directory from "
+                        "`mechdiff dataset import`")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--model", default=None,
-                   help="only this model's stages (one process per model shares the cores; a plain `mechdiff run` "
-                        "afterwards writes the report from the cache)")
-    # Placement overrides of the task file's [models] section (unset: the file's values).
+                   help="circuits kind: only this model's stages (one process per model shares the cores; a plain "
+                        "`mechdiff run` afterwards writes the report from the cache)")
+    # Placement overrides of how models load (unset: the file's values or the defaults).
     p.add_argument("--dtype", default=None, help="override [models] dtype: float32 (as the paper), bfloat16, float16")
     p.add_argument("--device", default=None, help="override [models] device: cpu, cuda, cuda:1")
     p.add_argument("--device-map", default=None, help="override [models] device_map: auto shards over the GPUs")
@@ -28,24 +35,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    spec = load_spec(args.task_file) if args.task_file else default_spec()  # checked before anything loads
-    if args.task is not None:
-        from ..tasks.spec import check_task
+    from ..studies.base import format_plan, load_study
 
-        check_task(args.task)  # before anything loads
-        spec.task.name = args.task
-    for key in ("dtype", "device", "device_map", "remote"):
-        if getattr(args, key, None) is not None:
-            setattr(spec.models, key, getattr(args, key))
-    from ..study import Study
-
-    study = Study(spec, progress=not args.no_progress, out_dir=args.out)
+    models = {key: getattr(args, key) for key in ("dtype", "device", "device_map", "remote")}
+    study = load_study(args.task_file, out=args.out, progress=not args.no_progress,
+                       models={k: v for k, v in models.items() if v is not None}, task=args.task)
     if args.model:
+        if study.kind != "circuits":
+            raise ValueError(f"--model runs one model's stages of a circuits study; this is a {study.kind} study")
         study.run_model(args.model)
         print(f"stages of {args.model} done in {study.dir}; run without --model for the report")
         return 0
+    print(f"{study.kind} study into {study.dir}:")
+    print(format_plan(study.plan()), flush=True)
+    if args.plan:
+        return 0
     report = study.run()
     print(f"report: {report}")
-    for name, rec in study.cache.records.items():
-        print(f"  {name:32s} {'cached' if rec.cached else f'{rec.seconds:7.1f} s'}")
+    for cache in study.caches():
+        for name, rec in cache.records.items():
+            print(f"  {name:32s} {'cached' if rec.cached else f'{rec.seconds:7.1f} s'}")
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..components import Head
+from ..metrics import metric_name
 from ..patching.scan import DEFAULT_PER_PASS, METRICS, SITES, scan_pairs
 from ..report.figures import grid_heatmap, head_heatmap
 from ..tasks.base import pair_batch_tensors
@@ -24,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where heads are patched: a position the task records (entity tracking: last, query_label, "
                         "query_label_context; IOI: END, S2, ...) or all (every position at once; resid scans every "
                         "position)")
-    p.add_argument("--metric", default="answer_prob", choices=sorted(METRICS))
+    p.add_argument("--metric", default="prob", type=metric_name, choices=sorted(METRICS),
+                   help="what a patch's effect is measured on (prob: the answer's probability; answer_prob is read "
+                        "as prob)")
     p.add_argument("--n", type=int, default=16, help="number of clean/counterfactual pairs")
     p.add_argument("--n-boxes", type=int, default=7, help="entity tracking: boxes per prompt")
     p.add_argument("--seed", type=int, default=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..metrics import metric_name
 from ..circuits.scoring import completeness, faithfulness
 from ..report.tables import estimate_columns, to_markdown, write_table
 from ._options import add_dataset_options, add_model_options, load_from_args, write_json
@@ -19,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-random", type=int, default=3, help="random circuits of the same group sizes (baseline)")
     p.add_argument("--completeness-draws", type=int, default=5, help="random subsets K (0: groups only)")
     p.add_argument("--no-completeness", action="store_true", help="skip completeness")
-    p.add_argument("--metric", default="accuracy", choices=["accuracy", "prob"], help="completeness metric")
+    p.add_argument("--metric", default="accuracy", type=metric_name, choices=["accuracy", "prob"], help="completeness metric")
     p.add_argument("--out", default="results/score", help="output directory")
     add_dataset_options(p, n=100)
     add_scoring_options(p)

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from einops import repeat
 
-from ..metrics import answer_logit, answer_prob, logit_diff
+from ..metrics import answer_logit, answer_prob, logit_diff, metric_name
 from ..models.loading import LoadedModel
 from ..models.remote import keep
 from .core import EMB_LAYER, Patch, Prefix, Resume, run
@@ -44,7 +44,7 @@ def _logit_diff(logits: torch.Tensor, answer_ids: torch.Tensor, other_ids: Optio
 
 # metric name -> (per-example function of (logits, answer_ids, other_ids), what it measures)
 METRICS: dict[str, tuple[Callable, str]] = {
-    "answer_prob": (lambda logits, a, o: answer_prob(logits, a), "probability of the answer"),
+    "prob": (lambda logits, a, o: answer_prob(logits, a), "probability of the answer"),
     "answer_logit": (lambda logits, a, o: answer_logit(logits, a), "logit of the answer"),
     "logit_diff": (_logit_diff, "logit of the answer minus logit of the alternative"),
 }
@@ -75,9 +75,10 @@ class ScanResult:
 
 
 def scan(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, answer_ids: torch.Tensor,
-         site: str = "z", positions: Positions = "last", metric: str = "answer_prob",
+         site: str = "z", positions: Positions = "last", metric: str = "prob",
          other_ids: Optional[torch.Tensor] = None, per_pass: int = DEFAULT_PER_PASS) -> ScanResult:
     """Patch each component of ``site`` from ``source`` into ``clean`` alone; effects on ``metric`` (module doc)."""
+    metric = metric_name(metric)
     if site not in SITES:
         raise ValueError(f"unknown scan site {site!r}; expected one of {SITES}")
     if metric not in METRICS:
@@ -104,7 +105,7 @@ def scan(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, answer_i
 
 
 def scan_pairs(model: LoadedModel, pairs: Sequence, site: str = "z", position: Optional[str] = "last",
-               metric: str = "answer_prob", per_pass: int = DEFAULT_PER_PASS) -> ScanResult:
+               metric: str = "prob", per_pass: int = DEFAULT_PER_PASS) -> ScanResult:
     """:func:`scan` over counterfactual pairs of any token lengths and templates: each group
     (:func:`~mechdiff.tasks.base.grouped_batches`) is scanned alone at its prompts' named ``position``
     (``None``: every position) and the effects are averaged over every prompt (each group weighted by its

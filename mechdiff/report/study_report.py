@@ -1,10 +1,13 @@
-"""``report.md`` of a study: what was run, the tables and figures, and what they show."""
+"""``report.md`` of a circuits study: what was run, the tables and figures, and what they show.
+
+The writer reads the study's stage records and its settings (``study.spec``, ``study.dir``, ``study.manifest()``,
+``study.models.shape``, ``study.task``); it imports no study."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..circuits.circuit import Circuit
 from ..circuits.overlap import overlap_table
@@ -13,12 +16,12 @@ from ..stats import Estimate, paired_difference
 from .bars import grouped_bars
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
+from ..studies.seeds import PROMPT_OFFSETS
+from ..studies.stages import StageRecord, label
 from .tables import estimate_columns, to_markdown, write_table
 
-from ..study import label
-
-if TYPE_CHECKING:
-    from ..study import StageRecord, Study
+#: The circuits study whose records are written (:class:`mechdiff.studies.circuits.CircuitsStudy`).
+Study = Any
 
 
 def _est(d: dict) -> Estimate:
@@ -431,8 +434,6 @@ LIMITATIONS = """- Departures from Prakash et al.: circuits are drawn over (head
 def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, pruned: dict, matrix: dict,
                  dcm: "StageRecord", cmap: dict) -> Path:
     """Write ``report.md`` (and every table and figure it cites) into the study directory."""
-    from ..study import SEED_OFFSETS
-
     acc_text, acc_rows = accuracy_section(study, accuracy)
     mat_text, mat_rows = matrix_section(study, matrix)
     ov_text, overlaps = overlap_section(study, found)
@@ -461,7 +462,7 @@ def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, p
         "## What was run\n",
         to_markdown(model_rows), "",
         f"Seeds: task seed {spec.task.seed}; each prompt set's seed is it plus "
-        + ", ".join(f"{k} +{v}" for k, v in SEED_OFFSETS.items())
+        + ", ".join(f"{k} +{v}" for k, v in PROMPT_OFFSETS.items() if not k.startswith("reproduction"))
         + ". All prompts use only the held-out objects (`eval_objects()`), disjoint from the fine-tuning objects. "
         "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())
         + f". Python {manifest['python']} on {manifest['machine']}.\n",

@@ -1,4 +1,5 @@
-"""What every study shares: the hash-keyed stage cache (:mod:`.stages`), the task-file loader
-(:mod:`.config`), seeds derived by name (:mod:`.seeds`); and the studies built on them
-(:mod:`.headmap`; the knowledge-circuit study is :mod:`mechdiff.knowledge.pipeline`, the
-entity-tracking/IOI study :mod:`mechdiff.study`)."""
+"""Every study, one system: a study is a task file whose ``[study] kind`` picks a class of
+:data:`mechdiff.studies.base.KINDS` (:mod:`.circuits`, the default, for any task; :mod:`.knowledge`;
+:mod:`.headmap`). What they share: :mod:`.base` (run directory, lock, manifest, plan, model loading),
+:mod:`.stages` (the one hash-keyed stage cache) and :mod:`.seeds` (seeds by name). ``mechdiff run TASKFILE``
+runs any kind; the methods they call live in the libraries (``circuits/``, ``knowledge/``, ``headmap.py``)."""

@@ -31,12 +31,13 @@ import numpy as np
 from ..circuits.circuit import Circuit
 from ..headmap import (HeadMap, LocateConfig, TrainConfig, choose_lr, correct, get_task, heads_by_layer,
                        locate_task, lora_params, random_heads, train, validation_batch)
-from ..io import check_writable, run_lock, save_figure, write_json, write_text
+from ..io import run_lock, save_figure, write_text
 from ..models.loading import LoadedModel
 from ..stats import bootstrap, paired_difference, pooled_mean, pooled_proportion
-from ..tasks.spec import load_sections
+from ..tasks.spec import StudySection, load_sections
+from .base import OutputDir, Study, model_loader
 from .seeds import derive
-from .stages import StageCache
+from .stages import Pending, _Unknown
 
 log = logging.getLogger(__name__)
 TASK = "entity-tracking"  # the task HeadMap and LoRA train on
@@ -96,11 +97,17 @@ class HeadMapSettings:
 
 def load_settings(path: str | Path) -> HeadMapSettings:
     """The ``[headmap]`` section of the task file ``path`` (unknown keys, runs and tasks refused with their line)."""
+    return load_file(path)[0]
+
+
+def load_file(path: str | Path) -> tuple[HeadMapSettings, str]:
+    """The ``[headmap]`` settings and the ``[output] dir`` of the task file ``path`` (checked with their line)."""
     from ..tasks.base import trainable_tasks
 
     choices = {("headmap", "runs"): RUNS, ("headmap", "transfer_task"): tuple(trainable_tasks())}
-    return load_sections(path, {"headmap": HeadMapSettings}, choices=choices,
-                         example="tasks/headmap.toml")[0]["headmap"]
+    built = load_sections(path, {"headmap": HeadMapSettings, "study": StudySection, "output": OutputDir},
+                          choices=choices, example="tasks/headmap.toml")[0]
+    return built["headmap"], built["output"].dir
 
 
 def check_runs(settings: HeadMapSettings) -> None:
@@ -226,25 +233,46 @@ def stage_name(run_id: str, cfg: TrainConfig, heads: Optional[dict[int, list[int
     return name
 
 
-class HeadMapStudy:
+class HeadMapStudy(Study):
     """Locating on entity tracking (and the transfer task), the learning-rate sweep, the training runs on every
-    seed, the tables, figures and report.
+    seed, the tables, figures and report (kind ``headmap``).
 
-    ``load`` loads a model by name (the command's ``load_from_args``; a test's tiny models); the study's model
-    is loaded at once, the zoo's LoRA only when its stage is computed."""
+    ``load`` loads a model by name (:func:`~mechdiff.studies.base.model_loader`; a test's tiny models); the
+    study's model is loaded at once, the zoo's LoRA only when its stage is computed."""
+
+    kind = "headmap"
 
     def __init__(self, settings: HeadMapSettings, out: str | Path, load: Callable[[str], LoadedModel],
                  progress: bool = True):
         check_runs(settings)
-        self.settings, self.load, self.progress = settings, load, progress
-        self.out = check_writable(out)
+        super().__init__(out, progress)
+        self.settings, self.load = settings, load
+        self.out = self.dir
         for path in settings.path_patching:  # read now, not after hours of training
             Circuit.load(path)
-        self.cache = StageCache(self.out)
         self.model = load(settings.model)
+        self.forget()
+
+    @classmethod
+    def from_file(cls, path: Optional[str | Path], out: Optional[str] = None, progress: bool = True,
+                  models: Optional[dict] = None, task: Optional[str] = None) -> "HeadMapStudy":
+        """The study of a task file with ``[study] kind = "headmap"``; ``models``: how models load (dtype, ...)."""
+        if path is None or task is not None:
+            raise ValueError("a HeadMap study is a task file's [headmap] section (tasks/headmap.toml); it has no "
+                             "[task] to override")
+        settings, directory = load_file(path)
+        if not (out or directory):
+            raise ValueError(f"{path}: give [output] dir (where the results go) or --out")
+        return cls(settings, out or directory, model_loader(**(models or {})), progress)
+
+    def forget(self) -> None:
+        """Drop what was read from stage records (after a plan, whose records may be still to compute)."""
         self.located: dict[str, Circuit] = {}
         self._sweep: Optional[dict[str, dict[float, dict]]] = None
         self._chosen: Optional[tuple[float, float]] = None
+
+    def settings_record(self) -> dict:
+        return asdict(self.settings)
 
     # -- stages -------------------------------------------------------------------------
     def locate(self, task: str, n: int) -> Circuit:
@@ -327,9 +355,9 @@ class HeadMapStudy:
             st = self.settings
             out: dict[str, dict[float, dict]] = {}
             if st.lrs and set(st.runs) & set(MAP_RUNS):
-                out["headmap"] = {lr: self.train_run("located", ev, st.seeds[0], st.lr, lr) for lr in st.lrs}
+                out["headmap"] = {lr: self._train("located", ev, st.seeds[0], st.lr, lr) for lr in st.lrs}
             if st.lrs and set(st.runs) & set(LORA_RUNS):
-                out["lora"] = {lr: self.train_run("lora-small", ev, st.seeds[0], lr, st.headmap_lr) for lr in st.lrs}
+                out["lora"] = {lr: self._train("lora-small", ev, st.seeds[0], lr, st.headmap_lr) for lr in st.lrs}
             self._sweep = out
         return self._sweep
 
@@ -354,10 +382,37 @@ class HeadMapStudy:
 
     # -- the whole study ----------------------------------------------------------------
     def run(self, train_only: bool = False) -> Optional[Path]:
-        """Every chosen run, then (unless ``train_only``) tables, figures and ``report.md``; returns its path.
-        Under the output directory's lock: a second run on it is refused with the holder's PID."""
+        """Every chosen run, then (unless ``train_only``) ``run.json``, tables, figures and ``report.md``; returns
+        its path. Under the output directory's lock: a second run on it is refused with the holder's PID."""
+        if not train_only:
+            return super().run()
         with run_lock(self.out):
-            return self._run(train_only)
+            self.results(self.prompts())
+        return None
+
+    def _train(self, run_id: str, ev: dict, seed: Optional[int] = None, lr: Optional[float] = None,
+               headmap_lr: Optional[float] = None) -> dict:
+        """:meth:`train_run`; in a plan, a run whose heads or rates read a stage still to compute is noted as
+        pending and its record reads as still to compute."""
+        try:
+            return self.train_run(run_id, ev, seed, lr, headmap_lr)
+        except Pending as pending:
+            if not self.cache.planning:
+                raise
+            self.cache.pending(self._planned_name(run_id, seed, lr, headmap_lr), pending.stage)
+            return _Unknown(pending.stage)  # type: ignore[return-value]
+
+    def _planned_name(self, run_id: str, seed: Optional[int], lr: Optional[float], headmap_lr: Optional[float]) -> str:
+        """The stage name of a training run in a plan (its rates unknown while the sweep is to compute)."""
+        st = self.settings
+        seed = st.seeds[0] if seed is None else seed
+        if self._chosen is not None:
+            lr = self._chosen[0] if lr is None else lr
+            headmap_lr = self._chosen[1] if headmap_lr is None else headmap_lr
+        if lr is None or headmap_lr is None:
+            return f"train-{run_id}-seed{seed} (at the rates the sweep chooses)"
+        cfg = st.train_config(TASK, self.lora_rank(run_id), seed, lr, headmap_lr)
+        return stage_name(run_id, cfg, {0: [0]} if run_id in MAP_RUNS else None)
 
     def results(self, ev: dict) -> dict[str, list[dict]]:
         """Run id -> its records, one per seed (one for ``base`` and ``lora-zoo``): the evaluations first, then
@@ -366,28 +421,32 @@ class HeadMapStudy:
         out: dict[str, list[dict]] = {r: [] for r in st.runs}
         for r in st.runs:
             if r in UNSEEDED:
-                out[r].append(self.train_run(r, ev))
-        self.chosen_lrs(ev)
+                out[r].append(self._train(r, ev))
+        try:
+            self.chosen_lrs(ev)
+        except Pending:
+            if not self.cache.planning:
+                raise
         for seed in st.seeds:
             for r in st.runs:
                 if r not in UNSEEDED:
-                    out[r].append(self.train_run(r, ev, seed))
+                    out[r].append(self._train(r, ev, seed))
         return out
 
-    def _run(self, train_only: bool) -> Optional[Path]:
-        t_start = time.time()
-        st = self.settings
+    def stages(self) -> tuple[dict[str, list[dict]], dict[str, dict[float, dict]]]:
+        """The evaluations, the sweep, every seed's runs and the located circuits; (results, sweep)."""
         ev = self.prompts()
         results = self.results(ev)
-        if train_only:
-            return None
-        self.locate(TASK, st.n)
-        report = self.write(results, self.sweep(ev), time.time() - t_start)
-        write_json(self.out / "run.json", {"settings": asdict(st), "stages": self.cache.summary(),
-                                           "seconds": round(time.time() - t_start, 1)})
-        return report
+        self.locate(TASK, self.settings.n)
+        return results, self.sweep(ev)
 
-    def write(self, results: dict[str, list[dict]], sweep: dict[str, dict[float, dict]], seconds: float) -> Path:
+    def write(self, outcome: tuple[dict[str, list[dict]], dict[str, dict[float, dict]]]) -> Path:  # type: ignore[override]
+        """Figures of the located circuits, the overlap with path-patching circuits, tables and the report."""
+        results, sweep = outcome
+        return self.write_report(results, sweep, time.time() - self.started)
+
+    def write_report(self, results: dict[str, list[dict]], sweep: dict[str, dict[float, dict]],
+                     seconds: float) -> Path:
         """Figures of the located circuits, the overlap with path-patching circuits, tables and the report."""
         from ..report.bars import grouped_bars
         from ..report.tables import write_table

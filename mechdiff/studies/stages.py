@@ -6,6 +6,10 @@ what a changed option touches and a killed run resumes at the first unfinished s
 read through :func:`mechdiff.io.read_record`, which sets an unreadable file aside. Records of the
 first HeadMap study (``{"key": {...inputs...}, "value": ...}``) are read as well: their key is the
 inputs themselves, hashed the same way.
+
+A cache made with ``planning=True`` computes nothing: :meth:`StageCache.run` notes each stage as cached or to
+compute (:class:`PlannedStage`) and hands a stage still to compute a result that raises :class:`Pending` when
+read, so a study walks its stages once to say what a run would do (:meth:`mechdiff.studies.base.Study.plan`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ..io import check_terminated, read_record, set_aside, write_json
 
@@ -45,6 +49,50 @@ class StageRecord:
     cached: bool
 
 
+class Pending(Exception):
+    """In a plan: a stage's inputs read the result of ``stage``, which is still to compute."""
+
+    def __init__(self, stage: str):
+        super().__init__(f"its inputs read the result of {stage}, still to compute")
+        self.stage = stage
+
+
+class _Unknown:
+    """The result of a planned stage still to compute: reading it raises :class:`Pending`."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+
+    def __getitem__(self, key: Any) -> Any:
+        raise Pending(self.stage)
+
+    def get(self, *args: Any) -> Any:
+        raise Pending(self.stage)
+
+    def __iter__(self):
+        raise Pending(self.stage)
+
+
+@dataclass
+class PlannedStage:
+    """One stage of a plan: its key (None while its inputs read a stage still to compute, named in ``after``),
+    whether its record is saved under that key, and what it cost when the committed results were made."""
+
+    name: str
+    key: Optional[str]
+    cached: bool
+    after: str = ""
+    committed_seconds: Optional[float] = None
+    committed_key: Optional[str] = None
+
+    @property
+    def same_as_committed(self) -> Optional[bool]:
+        """Whether the committed results' record of this stage had the same key (None: unknown)."""
+        if self.key is None or self.committed_key is None:
+            return None
+        return self.key == self.committed_key
+
+
 @dataclass
 class StageCache:
     """``<run>/stages/<name>.json``: a stage is reused only when its key matches.
@@ -53,6 +101,8 @@ class StageCache:
 
     root: Path
     records: dict[str, StageRecord] = field(default_factory=dict)
+    planning: bool = False  # note each stage as cached or to compute; compute nothing
+    planned: list[PlannedStage] = field(default_factory=list)
 
     def path(self, name: str) -> Path:
         """The record file of stage ``name``."""
@@ -65,6 +115,11 @@ class StageCache:
         key = key_hash(inputs)
         path = self.path(name)
         saved = _saved(path, name)
+        if self.planning:
+            hit = saved is not None and saved["key"] == key
+            self._note(PlannedStage(name, key, hit))
+            return (StageRecord(name, key, saved["result"], saved["seconds"], True) if hit
+                    else StageRecord(name, key, _Unknown(name), float("nan"), False))
         if saved is not None:
             if saved["key"] == key:
                 log.info("stage %s: cached (key %s)", name, key)
@@ -81,6 +136,14 @@ class StageCache:
         saved under other inputs is not."""
         saved = _saved(self.path(name), name)
         return saved is not None and saved["key"] == key_hash(inputs)
+
+    def pending(self, name: str, after: str) -> None:
+        """Plan stage ``name``, whose inputs read the result of ``after`` (still to compute): key unknown."""
+        self._note(PlannedStage(name, None, False, after))
+
+    def _note(self, planned: PlannedStage) -> None:
+        if all(p.name != planned.name for p in self.planned):
+            self.planned.append(planned)
 
     def _keep(self, rec: StageRecord) -> StageRecord:
         self.records[rec.name] = rec

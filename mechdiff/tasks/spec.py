@@ -9,10 +9,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..circuits.curve import SELECT, SIZES, TARGET
+from ..dcm import DCMConfig
+from ..metrics import METRIC_ALIASES, metric_name
 
 
 class SpecError(ValueError):
     """A task file that cannot be run; the message names the line and the valid keys."""
+
+
+@dataclass
+class StudySection:
+    """A task file's ``[study]`` section: which kind of study the file is (``mechdiff.studies.base.KINDS``)."""
+
+    kind: str = "circuits"
 
 
 @dataclass
@@ -92,15 +101,16 @@ class DcmSection:
     n_test: int = 200
     # circuit groups to train masks for (those the circuit has; empty: every group at a one-token position)
     groups: list[str] = field(default_factory=lambda: ["last", "query_label"])
-    epochs: int = 4
-    batch_size: int = 8  # pairs per optimiser step: 32 training pairs x 4 epochs = 16 mask updates
-    lam: float = 0.01
-    lam_scale: str = "loss"  # "loss": lam x the unpatched mean |logit(target)| (mechdiff); "absolute": the paper's
-    lr: float = 0.1
-    eval_every: int = 4  # steps ("steps") or batches of an epoch ("epoch_batches") between validations
-    schedule: str = "steps"  # "steps" (mechdiff: also before training and after the last step) or "epoch_batches"
-    shuffle: bool = True  # shuffle the training pairs every epoch (the paper: in order)
-    random_pool: str = "all"  # random baseline: heads of the selected count from "all" heads or the "group"
+    # training: each default is DCMConfig's (defined once, in mechdiff.dcm)
+    epochs: int = DCMConfig.epochs
+    batch_size: int = DCMConfig.batch_size  # pairs per optimiser step: 32 training pairs x 4 epochs = 16 mask updates
+    lam: float = DCMConfig.lam
+    lam_scale: str = DCMConfig.lam_scale  # "loss": lam x the unpatched mean |logit(target)|; "absolute": the paper's
+    lr: float = DCMConfig.lr
+    eval_every: int = DCMConfig.eval_every  # steps ("steps") or batches of an epoch ("epoch_batches") between validations
+    schedule: str = DCMConfig.schedule  # "steps" (also before training and after the last step) or "epoch_batches"
+    shuffle: bool = DCMConfig.shuffle  # shuffle the training pairs every epoch (the paper: in order)
+    random_pool: str = DCMConfig.random_pool  # random baseline: heads of the selected count from "all" heads or the "group"
     circuit: str = "found"  # the circuit whose groups DCM masks: "found" (as discovered) or "pruned" (the paper)
 
 
@@ -140,14 +150,14 @@ SECTIONS = {
     "task": TaskSection, "models": ModelsSection, "eval": EvalSection, "positions": PositionsSection,
     "discovery": DiscoverySection,
     "scoring": ScoringSection, "dcm": DcmSection, "cmap": CmapSection, "output": OutputSection,
-    "reproduce": ReproduceSection,
+    "reproduce": ReproduceSection, "study": StudySection,
 }
 REQUIRED = {"task": ("name",), "models": ("base",)}
 #: Fields with a fixed set of values (lists: every item), checked with the line before anything loads.
 CHOICES = {
     ("discovery", "method"): ("curve", "path"),
     ("discovery", "select"): SELECT,
-    ("scoring", "prune_metric"): ("prob", "accuracy"),
+    ("scoring", "prune_metric"): ("prob", "accuracy", *METRIC_ALIASES),  # answer_prob: read as prob
     ("scoring", "prune_rule"): ("greedy", "paper"),
     ("dcm", "random_pool"): ("all", "group"),
     ("dcm", "lam_scale"): ("loss", "absolute"),
@@ -174,6 +184,7 @@ class RunSpec:
     output: OutputSection
     reproduce: ReproduceSection = field(default_factory=ReproduceSection)
     positions: PositionsSection = field(default_factory=PositionsSection)
+    study: StudySection = field(default_factory=StudySection)
     source: str = "<defaults>"
 
     def to_dict(self) -> dict[str, Any]:
@@ -192,6 +203,7 @@ def default_spec() -> RunSpec:
 def load_spec(path: str | Path) -> RunSpec:
     """Parse and check a task file before anything loads."""
     built, text = load_sections(path, SECTIONS, REQUIRED, CHOICES)
+    built["scoring"].prune_metric = metric_name(built["scoring"].prune_metric)  # one vocabulary: prob
     _check_task(Path(path), text, built["task"].name)
     _check_paper_stages(Path(path), text, built)
     return RunSpec(**built, source=str(path))

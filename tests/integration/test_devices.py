@@ -267,7 +267,7 @@ def test_remote_names_hub_checkpoints_and_refuses_local_ones(monkeypatch):
 
 def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_path):
     from mechdiff.reproduce import WeightsMissingError
-    from mechdiff.study import Study
+    from mechdiff.studies.circuits import CircuitsStudy as Study
     from mechdiff.tasks.spec import load_spec
 
     spec = load_spec("tasks/entity_tracking_llama7b.toml")

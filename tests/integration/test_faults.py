@@ -21,7 +21,8 @@ import torch
 from mechdiff.cli import main
 from mechdiff.io import LOCK_NAME, OutputError, RunLockedError, atomic_open, run_lock, write_json
 from mechdiff.store import ActivationStore, capture_sites
-from mechdiff.study import StageCache, Study
+from mechdiff.studies.circuits import CircuitsStudy as Study
+from mechdiff.studies.stages import StageCache
 from mechdiff.tasks.entity_tracking import generate
 from test_study import tiny_spec
 
@@ -464,7 +465,7 @@ def test_a_sigterm_swallowed_in_a_destructor_still_stops_the_run(family, tmp_pat
 
     from mechdiff import io as mio
     from mechdiff.cli import main
-    from mechdiff.study import Study as RealStudy
+    from mechdiff.studies.circuits import CircuitsStudy as RealStudy
 
     task = _task_file(family, tmp_path)
     seen = []

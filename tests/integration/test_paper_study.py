@@ -7,7 +7,7 @@ import json
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cmap import dcm_cut
-from mechdiff.study import Study
+from mechdiff.studies.circuits import CircuitsStudy as Study
 from mechdiff.tasks.spec import default_spec
 
 

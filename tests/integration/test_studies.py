@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import make_tiny
-from mechdiff.knowledge import pipeline as kp
+from mechdiff.studies import knowledge as kp
 from mechdiff.tasks.spec import SpecError
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from mechdiff.study import Study
+from mechdiff.studies.circuits import CircuitsStudy as Study
 from mechdiff.tasks.spec import default_spec
 
 
@@ -188,7 +188,7 @@ def test_one_process_per_model_computes_the_same_study(tiny_family, tmp_path):
 def test_a_process_waits_for_records_of_this_study_not_stale_ones(tiny_family, tmp_path, monkeypatch):
     """run_model waits for the other models' circuits and prunings: a record saved under other inputs (an
     earlier run's, with other settings) does not count, one under this study's inputs does."""
-    import mechdiff.study as study_module
+    import mechdiff.studies.circuits as study_module
     from mechdiff.io import write_json
     from mechdiff.studies.stages import key_hash
 

@@ -141,7 +141,7 @@ def test_metrics_against_the_model():
 
 def test_pipeline_runs_prefiltered_acdc(tmp_path, smollm2_tokenizer):
     from mechdiff.knowledge.data import Relation, batches, build_facts
-    from mechdiff.knowledge.pipeline import KnowledgeSettings, run_model
+    from mechdiff.studies.knowledge import KnowledgeSettings, run_model
 
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
     facts = build_facts(smollm2_tokenizer, Relation.load("country_language"))[:4]

@@ -93,7 +93,7 @@ def _top1_facts(model, facts):
 
 
 def test_circuits_before_and_after_an_edit(tmp_path, smollm2_tokenizer):
-    from mechdiff.knowledge.pipeline import KnowledgeSettings, run_model
+    from mechdiff.studies.knowledge import KnowledgeSettings, run_model
 
     tok = smollm2_tokenizer
     models = {"before": make_tiny("llama", tok, seed=3, n_layers=2), "after": make_tiny("llama", tok, seed=4, n_layers=2)}

@@ -374,7 +374,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 def test_task_file_resolves_to_the_paper_rules(name):
     from mechdiff.circuits.plan import default_plan
     from mechdiff.dcm import PAPER_DCM
-    from mechdiff.study import dcm_config
+    from mechdiff.studies.circuits import dcm_config
     from mechdiff.tasks.spec import load_spec
 
     spec = load_spec(ROOT / "tasks" / name)

@@ -1,4 +1,5 @@
-"""The main job: one command from a task spec to a comparison report.
+"""The circuits study (kind ``circuits``, the default): one command from a task spec to a comparison report,
+for any task (entity tracking, IOI, an imported task directory).
 
 Stages (each runnable alone from the CLI too): accuracy of every model, circuit discovery in
 every model, pruning, the circuit x model matrix, overlap tables, DCM labels per group,
@@ -6,7 +7,8 @@ semantic patching, CMAP per group and per Q/K/V. Each stage's result is written 
 ``<run>/stages/<stage>.json`` under a key that hashes everything it depends on (its config
 section, the task section, the digests of its models, the keys of the stages it reads), so
 a rerun recomputes only what a changed option touches and a killed run resumes at the first
-unfinished stage. Position-wise means live in the HDF5 activation store.
+unfinished stage. Position-wise means live in the HDF5 activation store. Every prompt set is seeded
+by name (:func:`mechdiff.studies.seeds.prompt_seed`).
 """
 
 from __future__ import annotations
@@ -15,60 +17,75 @@ import logging
 import platform
 import time
 from dataclasses import asdict
-from importlib.metadata import version
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from .circuits.circuit import Circuit
-from .io import check_writable, run_lock, write_json
-from .models.loading import LoadedModel, resolve_spec, spec_digest
-from .models.modelset import ModelSet
-from .studies.stages import StageCache, StageRecord, label
-from .studies.stages import key_hash as _hash
-from .tasks.base import Task, get_task
-from .tasks.spec import RunSpec
+from ..circuits.circuit import Circuit
+from ..io import check_writable, run_lock
+from ..models.loading import LoadedModel, resolve_spec, spec_digest
+from ..models.modelset import ModelSet
+from ..tasks.base import Task, get_task
+from ..tasks.spec import RunSpec
+from .base import Study, versions
+from .seeds import prompt_seed
+from .stages import StageRecord, label
+from .stages import key_hash as _hash
 
 log = logging.getLogger(__name__)
-PACKAGES = ("mechdiff", "torch", "transformers", "nnsight", "peft", "h5py", "scipy", "numpy")
-#: Each prompt set of the study, by name: its seed is the task seed plus this offset, so no two sets share prompts.
-SEED_OFFSETS = {"discovery": 0, "eval": 1, "matrix": 2, "reference": 3, "dcm": 4, "cmap": 5, "prune": 6,
-                "positions": 7, "ranking": 8, "curve": 9}
 
 
-class Study:
+class CircuitsStudy(Study):
     """Runs the stages of one :class:`RunSpec` into ``spec.output.dir``."""
 
+    kind = "circuits"
+
     def __init__(self, spec: RunSpec, progress: bool = True, out_dir: Optional[str] = None):
-        self.started = time.time()
+        super().__init__(out_dir or spec.output.dir, progress)  # writable before anything loads or computes
         self.spec = spec
-        self.progress = progress
-        self.dir = Path(out_dir or spec.output.dir)
         self.store = str(Path(spec.output.store))
-        self.cache = StageCache(self.dir)
-        # Where results go must be writable before anything loads or computes.
-        check_writable(self.dir, "run directory")
         check_writable(Path(self.store).parent, "activation store directory")
         # Check the set before any weights load: weights present (or --remote set up), shapes, vocabularies, names.
-        from .models.remote import check_remote
-        from .reproduce import check_weights
+        from ..models.remote import check_remote
+        from ..reproduce import check_weights
 
         check_remote(spec.models.remote, [resolve_spec(n) for n in spec.model_names])
         check_weights(spec.model_names, remote=spec.models.remote)
         self.models = ModelSet(spec.model_names, dtype=spec.models.dtype, device_map=spec.models.device_map,
                                device=spec.models.device, remote=spec.models.remote)
         if spec.reproduce.circuit:  # the released circuit is read and checked against the models' shape now
-            from .circuits.circuit import load_circuit_file
+            from ..circuits.circuit import load_circuit_file
 
             load_circuit_file(spec.reproduce.circuit, self.models.shape.n_layers, self.models.shape.n_heads)
         self.digests = {name: spec_digest(resolve_spec(name)) for name in spec.model_names}
         self.tokenizer = _tokenizer(spec.models.base)
 
+    @classmethod
+    def from_file(cls, path: Optional[str | Path], out: Optional[str] = None, progress: bool = True,
+                  models: Optional[dict] = None, task: Optional[str] = None) -> "CircuitsStudy":
+        """The study of a task file (None: the embedded default study, ``tasks/entity_tracking.toml``); ``task``
+        replaces its ``[task] name``, ``models`` its ``[models]`` dtype, device, device_map and remote."""
+        from ..tasks.spec import check_task, default_spec, load_spec
+
+        spec = load_spec(path) if path is not None else default_spec()  # checked before anything loads
+        if task is not None:
+            check_task(task)
+            spec.task.name = task
+        for key, value in (models or {}).items():
+            if key not in ("dtype", "device", "device_map", "remote"):
+                raise ValueError(f"the circuits study sets {key} per model in [models], not as an option")
+            if value is not None:
+                setattr(spec.models, key, value)
+        return cls(spec, progress=progress, out_dir=out)
+
+    def settings_record(self) -> dict:
+        return self.spec.to_dict()
+
     # -- data ---------------------------------------------------------------------------
     def _task(self) -> dict:
         """What every stage depends on besides its own section: the task, how models load, the
         held-out vocabulary, the tokenizer (the base's) and the code version."""
-        from . import __version__
-        from .tasks.splits import eval_objects
+        from .. import __version__
+        from ..tasks.splits import eval_objects
 
         return {"task": asdict(self.spec.task), "dtype": self.spec.models.dtype,
                 "device_map": self.spec.models.device_map, "vocabulary": _hash(eval_objects()),
@@ -83,7 +100,7 @@ class Study:
     def options(self, held_out: bool = True) -> dict:
         """Generator options: ``n_boxes``, and the objects held out from fine-tuning where the task takes a
         vocabulary (the task keeps only the options it accepts)."""
-        from .tasks.splits import eval_objects
+        from ..tasks.splits import eval_objects
 
         opts: dict = {"n_boxes": self.spec.task.n_boxes}
         if held_out and "vocabulary" in self.task.options:
@@ -91,8 +108,8 @@ class Study:
         return opts
 
     def seed(self, prompts: str) -> int:
-        """The seed of one of the study's prompt sets (:data:`SEED_OFFSETS`)."""
-        return self.spec.task.seed + SEED_OFFSETS[prompts]
+        """The seed of one of the study's prompt sets (:func:`~mechdiff.studies.seeds.prompt_seed`)."""
+        return prompt_seed(self.spec.task.seed, prompts)
 
     def eval_records(self) -> list:
         return self.task.records(self.tokenizer, self.spec.eval.n, self.seed("eval"), **self.options())
@@ -102,7 +119,7 @@ class Study:
 
     # -- stages -------------------------------------------------------------------------
     def accuracy(self, name: str) -> StageRecord:
-        from .evaluate import evaluate
+        from ..evaluate import evaluate
 
         def compute() -> dict:
             lm = self.model(name)
@@ -115,8 +132,8 @@ class Study:
 
     def positions(self, name: str) -> Optional[StageRecord]:
         """The position scan of ``name``: which position classes must keep every head (None: ``n = 0``)."""
-        from .circuits.positions import position_scan, task_classes
-        from .report.positions import position_scan_figure
+        from ..circuits.positions import position_scan, task_classes
+        from ..report.positions import position_scan_figure
 
         p = self.spec.positions
         if p.n < 1:
@@ -147,11 +164,11 @@ class Study:
     def _curve_circuit(self, name: str) -> dict:
         """Rank every (head, position class) pair by attribution, score nested circuits, keep the smallest
         reaching the target; the ranking's stability over bootstrap resamples of its prompts."""
-        from .circuits.curve import (faithfulness_curve, pair_scores, prompt_attribution, ranked_circuit, ranking,
+        from ..circuits.curve import (faithfulness_curve, pair_scores, prompt_attribution, ranked_circuit, ranking,
                                      selection_stability)
-        from .circuits.positions import task_classes
-        from .circuits.scoring import pair_name
-        from .report.positions import curve_figure, stability_figure
+        from ..circuits.positions import task_classes
+        from ..circuits.scoring import pair_name
+        from ..report.positions import curve_figure, stability_figure
 
         d = self.spec.discovery
         ranker = self.scorer(name, "ranking", d.n)
@@ -183,9 +200,9 @@ class Study:
 
     def _path_circuit(self, name: str) -> dict:
         """The paper's path patching: each step of the task's plan keeps its top-k heads."""
-        from .circuits.discovery import DiscoverySettings, discover
-        from .circuits.plan import default_plan, load_plan
-        from .report.figures import head_heatmap
+        from ..circuits.discovery import DiscoverySettings, discover
+        from ..circuits.plan import default_plan, load_plan
+        from ..report.figures import head_heatmap
 
         d, t = self.spec.discovery, self.spec.task
         lm = self.model(name)
@@ -226,7 +243,7 @@ class Study:
     def check_prompts(self) -> None:
         """Before any weights load: every scored prompt's group (template, token length) has reference prompts
         (mean ablation never averages across templates or lengths), and the task's rows are readable."""
-        from .tasks.base import check_reference
+        from ..tasks.base import check_reference
 
         s = self.spec.scoring
         reference = self.task.reference_records(self.tokenizer, s.reference_n, self.seed("reference"), **self.options())
@@ -237,7 +254,7 @@ class Study:
     def scorer(self, name: str, prompts: str = "matrix", n: Optional[int] = None):
         """A scorer of ``name`` on ``n`` prompts of the named set; every scorer ablates with the means of the
         same ``reference_n`` reference prompts (held-out objects, like every other prompt set)."""
-        from .circuits.scoring import Scorer
+        from ..circuits.scoring import Scorer
 
         s = self.spec.scoring
         records = self.task.records(self.tokenizer, n or s.n, self.seed(prompts), **self.options())
@@ -247,7 +264,7 @@ class Study:
                             store=self.store)
 
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
-        from .circuits.scoring import minimality, pairwise_minimality, prune
+        from ..circuits.scoring import minimality, pairwise_minimality, prune
 
         s = self.spec.scoring
 
@@ -273,7 +290,7 @@ class Study:
 
     def matrix(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
         """Every circuit of ``circuits`` scored on ``name``; random circuits and completeness for its own."""
-        from .circuits.scoring import completeness, matrix_rows
+        from ..circuits.scoring import completeness, matrix_rows
 
         s = self.spec.scoring
 
@@ -298,7 +315,7 @@ class Study:
         every non-empty group whose position is one token of every prompt."""
         if wanted and set(wanted) & {*self.task.positions, *circuit.groups}:
             return [g for g in wanted if circuit.groups.get(g)]
-        from .tasks.base import batch_tensors, grouped_batches, take
+        from ..tasks.base import batch_tensors, grouped_batches, take
 
         # which positions are single tokens is a property of the task's prompts: a few of each group show it
         records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options())
@@ -312,8 +329,8 @@ class Study:
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
         patching of the selections into every model for the base's."""
-        from .dcm import _ALIASES as _DCM_ALIASES
-        from .dcm import dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
+        from ..dcm import _ALIASES as _DCM_ALIASES
+        from ..dcm import dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
 
         c, t = self.spec.dcm, self.spec.task
         base = self.spec.models.base
@@ -363,7 +380,7 @@ class Study:
         return self.cmap(finetune, own, self.dcm(own, finetune))
 
     def cmap(self, finetune: str, circuit_rec: StageRecord, dcm_rec: Optional[StageRecord] = None) -> StageRecord:
-        from .cmap import dcm_cut, run_cmap
+        from ..cmap import dcm_cut, run_cmap
 
         c, t = self.spec.cmap, self.spec.task
         base = self.spec.models.base
@@ -395,13 +412,6 @@ class Study:
         return self.cache.run(f"cmap:{finetune}", inputs, compute)
 
     # -- the whole study ----------------------------------------------------------------
-    def run(self) -> Path:
-        """Every stage, under the run directory's lock (a second run on it is refused with the holder's PID).
-        Each stage's record is written atomically when it finishes, so an interrupted run loses only the
-        stage in progress and resumes there."""
-        with run_lock(self.dir):
-            return self._run()
-
     def run_model(self, name: str, poll: float = 5.0) -> None:
         """The stages of one model, so that one process per model can share the cores: its accuracy, position
         scan, circuit and pruning; DCM (the base) or, once the base's circuit is in the cache (written by the
@@ -452,30 +462,43 @@ class Study:
                 log.info("%s: waiting for the %s of %s", waiter, stage, ", ".join(waiting))
                 time.sleep(poll)
 
-    def _run(self) -> Path:
-        from .report.html import write_html
-        from .report.study_report import write_report
-
+    def stages(self) -> dict[str, Any]:
+        """Every stage, in order (the reproduction first where ``[reproduce] circuit`` is set); their records."""
         self.check_prompts()
+        out: dict[str, Any] = {}
         if self.spec.reproduce.circuit:  # the released circuit on every model, beside the published figures
-            from .reproduce import reproduction_stage
+            from ..reproduce import reproduction_records
 
-            reproduction_stage(self)
+            out["reproduction"] = reproduction_records(self)
             if self.spec.reproduce.only:
-                write_json(self.dir / "run.json", self.manifest())
-                return self.dir / "reproduction.md"
+                return out
         names = self.spec.model_names
         base = self.spec.models.base
-        accuracy = {n: self.accuracy(n) for n in names}
-        positions = {n: self.positions(n) for n in names}
-        found = {n: self.circuit(n) for n in names}
-        pruned = {n: self.pruned(n, found[n]) for n in names} if self.spec.scoring.prune else {}
+        out["accuracy"] = {n: self.accuracy(n) for n in names}
+        out["positions"] = {n: self.positions(n) for n in names}
+        found = out["found"] = {n: self.circuit(n) for n in names}
+        pruned = out["pruned"] = {n: self.pruned(n, found[n]) for n in names} if self.spec.scoring.prune else {}
         scored = {**found, **{f"{n} pruned": rec for n, rec in pruned.items()}}
-        matrix = {n: self.matrix(n, scored) for n in names}
-        dcm = self.dcm(self.dcm_circuit(found, pruned, base))
-        cmap = {ft: self.cmap_of(ft, found, pruned) for ft in self.spec.models.finetunes}
-        report = write_report(self, accuracy, positions, found, pruned, matrix, dcm, cmap)
-        write_json(self.dir / "run.json", self.manifest())
+        out["matrix"] = {n: self.matrix(n, scored) for n in names}
+        out["dcm"] = self.dcm(self.dcm_circuit(found, pruned, base))
+        out["cmap"] = {ft: self.cmap_of(ft, found, pruned) for ft in self.spec.models.finetunes}
+        return out
+
+    def write(self, results: dict[str, Any]) -> Path:
+        """``reproduction.md`` (with ``[reproduce] circuit``), ``report.md`` with its tables and figures and
+        ``report.html`` from the stage records (``run.json`` is written before)."""
+        from ..report.html import write_html
+        from ..report.study_report import write_report
+
+        if "reproduction" in results:
+            from ..reproduce import write_reproduction
+
+            write_reproduction(self, results["reproduction"])
+            if self.spec.reproduce.only:
+                return self.dir / "reproduction.md"
+        r = results
+        report = write_report(self, r["accuracy"], r["positions"], r["found"], r["pruned"], r["matrix"], r["dcm"],
+                              r["cmap"])
         write_html(self.dir)  # report.html: read from what was just written (as `mechdiff view` does)
         return report
 
@@ -483,7 +506,7 @@ class Study:
         """What was run: config, versions, fingerprints, seeds, stage timings."""
         loaded = {n: {"fingerprint": m.fingerprint, "provenance": m.provenance} for n, m in self.models._loaded.items()}
         return {
-            "spec": self.spec.to_dict(), "source": self.spec.source, "versions": versions(),
+            "kind": self.kind, "spec": self.spec.to_dict(), "source": self.spec.source, "versions": versions(),
             "python": platform.python_version(), "machine": platform.machine(),
             "model_digests": self.digests, "loaded_models": loaded,
             "stages": self.cache.summary(),
@@ -493,7 +516,7 @@ class Study:
 
 def dcm_config(spec: RunSpec):
     """The :class:`~mechdiff.dcm.DCMConfig` a study's ``[dcm]`` section gives (split: its pair counts)."""
-    from .dcm import DCMConfig
+    from ..dcm import DCMConfig
 
     c = spec.dcm
     n = c.n_train + c.n_val + c.n_test
@@ -503,18 +526,7 @@ def dcm_config(spec: RunSpec):
                      seed=spec.task.seed, random_pool=c.random_pool)
 
 
-def versions() -> dict[str, str]:
-    """Installed versions of the packages a result depends on."""
-    out = {}
-    for pkg in PACKAGES:
-        try:
-            out[pkg] = version(pkg)
-        except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
-            out[pkg] = "not installed"
-    return out
-
-
 def _tokenizer(name: str):
-    from .models.loading import load_tokenizer
+    from ..models.loading import load_tokenizer
 
     return load_tokenizer(resolve_spec(name))

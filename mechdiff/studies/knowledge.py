@@ -1,4 +1,4 @@
-"""The knowledge-circuit study of one relation on one or more checkpoints.
+"""The knowledge-circuit study (kind ``knowledge``) of one or more relations on one or more checkpoints.
 
 For each model: keep the facts it gets right by Hit@k (the paper's sampling); score every edge
 (EAP-IG by default, or run ACDC); choose the circuit as the smallest circuit among ``sizes``
@@ -13,35 +13,37 @@ what it reads: ``facts`` (which facts every model gets right), and per model ``d
 scores), ``scoring`` (the circuit, random circuits, the curve) and ``analysis`` (logit lens, head
 roles). A rerun recomputes only the stages a changed option reaches; tables, figures and reports are
 rewritten from the records every time. Random circuits draw their seeds by name
-(:func:`mechdiff.studies.seeds.derive`).
+(:func:`mechdiff.studies.seeds.derive`). The methods (edge graph, EAP/ACDC, evaluation, logit lens) are the
+library :mod:`mechdiff.knowledge`; this module runs them as stages (:class:`KnowledgeStudy`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from ..circuits.overlap import hypergeom_p
 from ..io import run_lock, write_json, write_text
+from ..knowledge import figures
+from ..knowledge.acdc import METRICS, acdc, discovery_batch
+from ..knowledge.analysis import attention_mass, head_roles, logit_lens
+from ..knowledge.data import Fact, Relation, batches, build_facts
+from ..knowledge.discovery import attribution_scores, greedy_edges, iterative_pruning, top_edges
+from ..knowledge.evaluate import SIZES, CircuitEval, evaluate, faithfulness_curve, random_mask
+from ..knowledge.forward import Ablation, check_supported, mean_ablation
+from ..knowledge.graph import EdgeCircuit, Graph
 from ..models.loading import LoadedModel
 from ..report.tables import to_markdown, write_table
-from ..studies.seeds import derive
-from ..studies.stages import StageCache, StageRecord, key_hash
-from ..tasks.spec import load_sections
-from . import figures
-from .analysis import attention_mass, head_roles, logit_lens
-from .data import Fact, Relation, batches, build_facts
-from .acdc import METRICS, acdc, discovery_batch
-from .discovery import attribution_scores, greedy_edges, iterative_pruning, top_edges
-from .evaluate import SIZES, CircuitEval, evaluate, faithfulness_curve, random_mask
-from .forward import Ablation, check_supported, mean_ablation
-from .graph import EdgeCircuit, Graph
+from ..tasks.spec import StudySection, load_sections
+from .base import OutputDir, Study, model_loader
+from .seeds import derive
+from .stages import Pending, StageCache, StageRecord, key_hash
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,9 @@ class KnowledgeSettings:
     selection: str = "greedy"  # greedy (grow from the logits) | topk (top edges, dangling ones pruned)
     seed: int = 0
     max_graph_edges: int = 200  # edges drawn in the circuit figure
+    # the study (`mechdiff run`): these relations, each into <[output] dir>/<relation> (empty: `relation` into dir)
+    relations: tuple = ()
+    templates: dict = field(default_factory=dict)  # relation -> its template, where not `template`
 
     @property
     def label(self) -> str:
@@ -98,10 +103,19 @@ CHOICES = {("knowledge", "method"): METHODS, ("knowledge", "ablation"): ABLATION
            ("knowledge", "selection"): SELECTIONS, ("knowledge", "acdc_metric"): METRICS}
 
 
+#: The sections of a knowledge study's task file.
+SECTIONS = {"knowledge": KnowledgeSettings, "study": StudySection, "output": OutputDir}
+
+
 def load_settings(path: str | Path) -> KnowledgeSettings:
     """The ``[knowledge]`` section of the task file ``path`` (unknown keys refused with their line)."""
-    return load_sections(path, {"knowledge": KnowledgeSettings}, choices=CHOICES,
-                         example="tasks/knowledge.toml")[0]["knowledge"]
+    return load_file(path)[0]
+
+
+def load_file(path: str | Path) -> tuple[KnowledgeSettings, str]:
+    """The ``[knowledge]`` settings and the ``[output] dir`` of the task file ``path`` (checked with their line)."""
+    built = load_sections(path, SECTIONS, choices=CHOICES, example="tasks/knowledge.toml")[0]
+    return built["knowledge"], built["output"].dir
 
 
 def full_model_hits(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSettings) -> np.ndarray:
@@ -306,30 +320,40 @@ def _lens(saved: dict) -> dict:
 
 def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSettings, out: Path,
               progress: bool = True, cache: Optional[StageCache] = None) -> dict:
-    """The circuit of ``facts`` (already filtered) on ``model``; writes ``out`` and returns the results.
-
-    Three stages cached in ``cache`` (default: ``out/stages/``), each keyed by what it reads: discovery
-    (edge scores: the method's options), scoring (the circuit, random circuits, curve: the selection
-    options and the discovery key), analysis (logit lens, head roles: the circuit's edges)."""
-    check_supported(model)
+    """The circuit of ``facts`` (already filtered) on ``model``; writes ``out`` and returns the results
+    (:func:`model_stages`, then the tables, figures and report)."""
     out.mkdir(parents=True, exist_ok=True)
-    cache = cache or StageCache(out)
     run = _Run(model, facts, settings, progress)
+    return _finish(run, *model_stages(run, cache or StageCache(out)), out)
+
+
+def model_stages(run: _Run, cache: StageCache) -> tuple[EdgeCircuit, StageRecord, StageRecord, StageRecord]:
+    """Three stages of one model, cached in ``cache``, each keyed by what it reads: discovery (edge scores: the
+    method's options), scoring (the circuit, random circuits, curve: the selection options and the discovery
+    key), analysis (logit lens, head roles: the circuit's edges). Returns the circuit and the three records."""
+    model, settings = run.model, run.settings
+    check_supported(model)
     base = run.inputs()
     disc = cache.run(f"discovery:{model.name}", base | discovery_inputs(settings), lambda: discovery_stage(run))
     scored = cache.run(f"scoring:{model.name}", base | {"discovery": disc.key} | scoring_inputs(settings),
                        lambda: scoring_stage(run, disc.result))
-    circuit = EdgeCircuit.from_mask(model.name, f"knowledge/{settings.label}", run.graph,
-                                    _mask(run.graph, scored.result["edges"]), np.asarray(disc.result["scores"]),
+    try:
+        edges = scored.result["edges"]
+    except Pending as pending:  # a plan: the analysis reads the circuit still to choose
+        cache.pending(f"analysis:{model.name}", pending.stage)
+        raise
+    circuit = EdgeCircuit.from_mask(model.name, f"knowledge/{settings.label}", run.graph, _mask(run.graph, edges),
+                                    np.asarray(disc.result["scores"]),
                                     meta={"settings": asdict(settings), "fingerprint": model.fingerprint})
-    analysed = cache.run(f"analysis:{model.name}", base | {"edges": key_hash(scored.result["edges"])},
+    analysed = cache.run(f"analysis:{model.name}", base | {"edges": key_hash(edges)},
                          lambda: analysis_stage(run, circuit))
-    return _finish(run, circuit, disc, scored, analysed, out)
+    return circuit, disc, scored, analysed
 
 
 def _finish(run: _Run, circuit: EdgeCircuit, disc: StageRecord, scored: StageRecord, analysed: StageRecord,
             out: Path) -> dict:
     """The summary of one model (``results.json``), its circuit, tables, figures and report."""
+    out.mkdir(parents=True, exist_ok=True)
     settings, graph, sc = run.settings, run.graph, scored.result
     lens, roles = _lens(analysed.result["lens"]), analysed.result["roles"]
     n_edges, full_hit, hit = len(sc["edges"]), sc["full_hit"], sc["circuit_hit"]
@@ -534,33 +558,120 @@ def facts_stage(models: Sequence[LoadedModel], facts: Sequence[Fact], settings: 
 
 def run_study(models: Sequence[LoadedModel], settings: KnowledgeSettings, out: Path, progress: bool = True) -> dict:
     """Facts every model gets right; one circuit per model; the comparison when there are two or more.
-    Every stage is cached in ``out/stages/`` (see :func:`run_model`); the run holds ``out``'s lock."""
-    with run_lock(out):
-        return _run_study(models, settings, out, progress)
+    Every stage is cached in ``out/stages/``; the run holds ``out``'s lock. ``models``: loaded already."""
+    loaded = {m.name: m for m in models}
+    study = KnowledgeStudy(replace(settings, models=tuple(loaded), relations=()), out, loaded.__getitem__, progress)
+    study.run()
+    return study.outcome[settings.relation]
 
 
-def _run_study(models: Sequence[LoadedModel], settings: KnowledgeSettings, out: Path, progress: bool) -> dict:
-    for m in models:
-        if m.tokenizer.get_vocab() != models[0].tokenizer.get_vocab():
-            raise ValueError(f"{m.name} and {models[0].name} have different tokenizers; compare checkpoints of one model")
-    facts = load_facts(models[0], settings)
-    cache = StageCache(out)
-    data = facts_stage(models, facts, settings, cache)
-    kept = [facts[i] for i in data.result["kept"]]
-    full_hits = data.result["full_hits"]
-    if not kept:
-        raise ValueError(f"no fact of {settings.relation} is right (Hit@{settings.k}) in every model")
-    log.info("keeping %d of %d facts", len(kept), len(facts))
+class KnowledgeStudy(Study):
+    """The knowledge circuits of each relation (``relations``, else ``relation``) on ``settings.models``: per
+    relation, the facts every model gets right, one circuit per model, their comparison. One relation: into
+    ``out``; several: each into ``out/<relation>`` with its own stage cache (as the committed studies are laid out).
+    ``load`` loads a model by name (:func:`~mechdiff.studies.base.model_loader`; a test's tiny models)."""
+
+    kind = "knowledge"
+
+    def __init__(self, settings: KnowledgeSettings, out: str | Path, load: Callable[[str], LoadedModel],
+                 progress: bool = True):
+        super().__init__(out, progress)
+        self.settings, self.load = settings, load
+        for name in self.relations():
+            Relation.load(name)  # an unknown relation is refused before any weights load
+        self._models: dict[str, LoadedModel] = {}
+        self._caches = {r: self.cache if len(self.relations()) == 1 else StageCache(self.dir / r)
+                        for r in self.relations()}
+        self.outcome: dict[str, dict] = {}
+
+    @classmethod
+    def from_file(cls, path: Optional[str | Path], out: Optional[str] = None, progress: bool = True,
+                  models: Optional[dict] = None, task: Optional[str] = None) -> "KnowledgeStudy":
+        """The study of a task file with ``[study] kind = "knowledge"``; ``models``: how models load (dtype, ...)."""
+        if path is None or task is not None:
+            raise ValueError("a knowledge study is a task file's [knowledge] section (tasks/knowledge_acdc.toml); "
+                             "it has no [task] to override")
+        settings, directory = load_file(path)
+        if not (out or directory):
+            raise ValueError(f"{path}: give [output] dir (where the results go) or --out")
+        return cls(settings, out or directory, model_loader(**(models or {})), progress)
+
+    def relations(self) -> tuple[str, ...]:
+        return tuple(self.settings.relations) or (self.settings.relation,)
+
+    def relation_settings(self, relation: str) -> KnowledgeSettings:
+        """The settings of one relation: its template where ``templates`` names one."""
+        s = self.settings
+        return replace(s, relation=relation, template=s.templates.get(relation, s.template))
+
+    def caches(self) -> list[StageCache]:
+        return list(self._caches.values())
+
+    def settings_record(self) -> dict:
+        return asdict(self.settings)
+
+    def model(self, name: str) -> LoadedModel:
+        if name not in self._models:
+            self._models[name] = self.load(name)
+        return self._models[name]
+
+    def stages(self) -> dict[str, dict]:
+        """Per relation: the facts stage, then each model's discovery, scoring and analysis."""
+        return {r: self._relation_stages(r) for r in self.relations()}
+
+    def _relation_stages(self, relation: str) -> dict:
+        settings, cache = self.relation_settings(relation), self._caches[relation]
+        models = [self.model(n) for n in settings.models]
+        for m in models:
+            if m.tokenizer.get_vocab() != models[0].tokenizer.get_vocab():
+                raise ValueError(f"{m.name} and {models[0].name} have different tokenizers; compare checkpoints of "
+                                 "one model")
+        facts = load_facts(models[0], settings)
+        data = facts_stage(models, facts, settings, cache)
+        try:
+            kept = [facts[i] for i in data.result["kept"]]
+        except Pending as pending:  # a plan: which facts every model gets right is still to compute
+            for m in models:
+                for stage in ("discovery", "scoring", "analysis"):
+                    cache.pending(f"{stage}:{m.name}", pending.stage)
+            return {}
+        if not kept:
+            raise ValueError(f"no fact of {settings.relation} is right (Hit@{settings.k}) in every model")
+        log.info("%s: keeping %d of %d facts", relation, len(kept), len(facts))
+        per_model = {}
+        for m in models:
+            run = _Run(m, kept, settings, self.progress)
+            try:
+                per_model[m.name] = (run, *model_stages(run, cache))
+            except Pending:
+                continue
+        return {"facts": facts, "data": data, "kept": kept, "models": per_model}
+
+    def write(self, results: dict[str, dict]) -> Path:
+        """Per relation: each model's results, tables, figures and report, the comparison and ``study.json``."""
+        reports = []
+        for relation, res in results.items():
+            out = self._caches[relation].root
+            self.outcome[relation] = _write_relation(self.relation_settings(relation), res, out,
+                                                     self._caches[relation])
+            reports.append(out / ("comparison.md" if len(res["models"]) > 1 else "report.md"))
+        return reports[0] if len(reports) == 1 else self.dir
+
+
+def _write_relation(settings: KnowledgeSettings, res: dict, out: Path, cache: StageCache) -> dict:
+    """The results of one relation from its stage records: per model (one model: into ``out``, several: into
+    ``out/<model>``), the comparison and ``study.json``; returns ``{"study", "results"}``."""
+    facts, full_hits = res["facts"], res["data"].result["full_hits"]
     results, circuits = {}, {}
-    single = len(models) == 1
-    for m in models:
-        sub = out if single else out / m.name
-        results[m.name] = run_model(m, kept, settings, sub, progress, cache)
-        results[m.name]["all_facts_hit"] = full_hits[m.name]
-        results[m.name]["n_facts_relation"] = len(facts)
-        circuits[m.name] = EdgeCircuit.load(sub / "circuit.json")
-    study = {"relation": settings.label, "models": [m.name for m in models], "n_facts_relation": len(facts),
-             "n_facts_kept": len(kept), "full_hit_all_facts": full_hits, "stages": cache.summary()}
+    single = len(res["models"]) == 1
+    for name, (run, circuit, disc, scored, analysed) in res["models"].items():
+        sub = out if single else out / name
+        results[name] = _finish(run, circuit, disc, scored, analysed, sub)
+        results[name]["all_facts_hit"] = full_hits[name]
+        results[name]["n_facts_relation"] = len(facts)
+        circuits[name] = EdgeCircuit.load(sub / "circuit.json")
+    study = {"relation": settings.label, "models": list(res["models"]), "n_facts_relation": len(facts),
+             "n_facts_kept": len(res["kept"]), "full_hit_all_facts": full_hits, "stages": cache.summary()}
     if not single:
         cmp = compare(results, circuits)
         study["comparison"] = cmp

@@ -1,0 +1,220 @@
+"""What every study shares, whatever its kind: a task file, a run directory, the one stage cache
+(:class:`~mechdiff.studies.stages.StageCache`), the run lock, the manifest (``run.json``), how models load,
+and the plan a run prints before it starts.
+
+A study kind is a subclass of :class:`Study` registered in :data:`KINDS` under the name a task file gives as
+``[study] kind`` (default ``"circuits"``). It says how its task file is read (:meth:`Study.from_file`), runs
+its stages through ``self.cache`` (:meth:`Study.stages`) and writes its report from their records
+(:meth:`Study.write`). :meth:`Study.plan` walks the same stages with the cache in planning mode, so the plan
+names exactly the stages, keys and cache hits a run would have; ``mechdiff run TASKFILE`` prints it first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import platform
+import time
+import tomllib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional
+
+from ..io import check_writable, run_lock, write_json
+from ..tasks.spec import SpecError, StudySection, _line
+from .stages import Pending, PlannedStage, StageCache
+
+#: Study kinds by the name a task file's ``[study] kind`` gives: the class, as ``module:Class`` (imported when
+#: asked for, so this module imports no kind).
+KINDS = {
+    "circuits": "mechdiff.studies.circuits:CircuitsStudy",
+    "knowledge": "mechdiff.studies.knowledge:KnowledgeStudy",
+    "headmap": "mechdiff.studies.headmap:HeadMapStudy",
+}
+DEFAULT_KIND = StudySection.kind
+#: Packages whose versions a manifest records.
+PACKAGES = ("mechdiff", "torch", "transformers", "nnsight", "peft", "h5py", "scipy", "numpy")
+
+
+@dataclass
+class OutputDir:
+    """The ``[output]`` section of the knowledge and HeadMap kinds: where the results go."""
+
+    dir: str = ""
+
+
+def study_kind(path: str | Path) -> str:
+    """The ``[study] kind`` of the task file ``path`` (default ``circuits``), refused with its line when unknown."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"task file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise SpecError(f"{path}: not a TOML task file ({err}); tasks/entity_tracking.toml is a complete "
+                        "example") from None
+    section = data.get("study", {})
+    kind = section.get("kind", DEFAULT_KIND) if isinstance(section, dict) else None
+    if kind not in KINDS:
+        raise SpecError(f"{path}:{_line(path.read_text(), 'study', 'kind')}: kind = {kind!r} in [study]; "
+                        f"valid values: {', '.join(KINDS)}")
+    return kind
+
+
+def study_class(kind: str) -> type["Study"]:
+    """The class of study kind ``kind`` (:data:`KINDS`)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown study kind {kind!r}; the kinds are {', '.join(KINDS)}")
+    module, _, name = KINDS[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_study(path: Optional[str | Path], **options: Any) -> "Study":
+    """The study of the task file ``path`` (None: the embedded default circuits study), by its kind; checked
+    before any weights load. ``options``: those of :meth:`Study.from_file`."""
+    kind = study_kind(path) if path is not None else DEFAULT_KIND
+    return study_class(kind).from_file(path, **options)
+
+
+def model_loader(**kwargs: Any) -> Callable[[str], Any]:
+    """How a study loads a model by name: :func:`mechdiff.models.loading.load_model` with ``kwargs`` (dtype,
+    device, device_map, remote, cache_dir)."""
+    from ..models.loading import load_model
+
+    return lambda name: load_model(name, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of the packages a result depends on."""
+    out = {}
+    for pkg in PACKAGES:
+        try:
+            out[pkg] = version(pkg)
+        except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
+            out[pkg] = "not installed"
+    return out
+
+
+class Study(ABC):
+    """One study of one kind: its stages run into ``self.dir`` through ``self.cache``."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, out: str | Path, progress: bool = True):
+        self.started = time.time()
+        self.progress = progress
+        self.dir = check_writable(Path(out), "run directory")  # writable before anything loads or computes
+        self.cache = StageCache(self.dir)
+
+    # -- what a kind defines ------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def from_file(cls, path: Optional[str | Path], out: Optional[str] = None, progress: bool = True,
+                  models: Optional[dict] = None, task: Optional[str] = None) -> "Study":
+        """The study of a task file; ``out`` overrides its results directory, ``models`` how models load
+        (dtype, device, device_map, remote), ``task`` its task (kinds that have one)."""
+
+    @abstractmethod
+    def stages(self) -> Any:
+        """Run every stage through ``self.cache`` (or :meth:`caches`) and return what :meth:`write` reads. Writes
+        nothing but stage records (stage computations may write their own files), so :meth:`plan` can walk it."""
+
+    @abstractmethod
+    def write(self, results: Any) -> Path:
+        """Tables, figures and the report from the stage results; returns the report's path."""
+
+    def settings_record(self) -> dict:
+        """The study's settings as the manifest records them."""
+        return {}
+
+    def forget(self) -> None:
+        """Drop whatever the study memoised from stage records (called after a plan, whose records may be still
+        to compute)."""
+
+    def caches(self) -> list[StageCache]:
+        """Every stage cache the study writes (one, but for kinds that keep one per sub-study)."""
+        return [self.cache]
+
+    # -- shared ---------------------------------------------------------------------------
+    def run(self) -> Path:
+        """Every stage, then ``run.json`` and the report, under the run directory's lock (a second run on it is
+        refused with the holder's PID). Each record is written atomically when its stage ends, so an
+        interrupted run resumes at the stage in progress."""
+        with run_lock(self.dir):
+            results = self.stages()
+            write_json(self.dir / "run.json", self.manifest())
+            return self.write(results)
+
+    def plan(self) -> list[PlannedStage]:
+        """The stages a run would go through, in order: each with its key, whether it is cached, and what it
+        cost (and its key) in the committed ``run.json``. Computes nothing."""
+        caches = self.caches()
+        for cache in caches:
+            cache.planning, cache.planned = True, []
+        try:
+            self.stages()
+        except Pending:  # a stage whose name needs a result still to compute: the plan ends there
+            pass
+        finally:
+            for cache in caches:
+                cache.planning = False
+            self.forget()
+        out = []
+        for cache in caches:
+            committed = committed_stages(cache.root)
+            where = "" if cache.root == self.dir else f"{cache.root.relative_to(self.dir)}/"
+            for p in cache.planned:
+                saved = committed.get(p.name, {})
+                out.append(PlannedStage(where + p.name, p.key, p.cached, p.after, saved.get("seconds"),
+                                        saved.get("key")))
+        return out
+
+    def manifest(self) -> dict:
+        """What was run: kind, settings, versions, stage keys and timings."""
+        stages = {}
+        for cache in self.caches():
+            where = "" if cache.root == self.dir else f"{cache.root.relative_to(self.dir)}/"
+            stages.update({where + n: s for n, s in cache.summary().items()})
+        return {"kind": self.kind, "settings": self.settings_record(), "versions": versions(),
+                "python": platform.python_version(), "machine": platform.machine(), "stages": stages,
+                "wall_seconds": time.time() - self.started}
+
+
+def committed_stages(run_dir: Path) -> dict[str, dict]:
+    """Stage name -> ``{key, seconds}`` of the results committed in ``run_dir``: its ``run.json`` (or, for
+    knowledge studies made before ``run.json``, ``study.json``); empty when there is none."""
+    for name in ("run.json", "study.json"):
+        path = run_dir / name
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        stages = saved.get("stages") if isinstance(saved, dict) else None
+        if isinstance(stages, dict):
+            return stages
+    return {}
+
+
+def format_plan(plan: list[PlannedStage]) -> str:
+    """The plan as a table: stage, cached or not, and the committed results' cost of it."""
+    if not plan:
+        return "no stage to run"
+    width = max(len(p.name) for p in plan)
+    lines = [f"{'stage':{width}s}  {'now':9s}  committed run"]
+    todo = 0.0
+    for p in plan:
+        state = "cached" if p.cached else "compute"
+        if p.committed_seconds is None:
+            cost = "not in the committed run.json"
+        else:
+            same = {True: "same inputs", False: "other inputs", None: "inputs not known yet"}[p.same_as_committed]
+            cost = f"{p.committed_seconds:9.1f} s ({same})"
+            todo += 0.0 if p.cached else float(p.committed_seconds)
+        after = f" after {p.after}" if p.after else ""
+        lines.append(f"{p.name:{width}s}  {state:9s}  {cost}{after}")
+    n = sum(not p.cached for p in plan)
+    lines.append(f"{n} of {len(plan)} stages to compute" +
+                 (f"; they took {todo:.0f} s when the committed results were made" if todo else ""))
+    return "\n".join(lines)

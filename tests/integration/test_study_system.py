@@ -1,0 +1,224 @@
+"""One study system: every kind (circuits, knowledge, HeadMap) is a task file run by `mechdiff run`, prints its
+stage plan first, runs end to end on tiny models, and a second run finds every stage cached and runs no forward
+pass. The committed studies' task files resolve to the stages, settings and seeds of their committed results."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from mechdiff.studies import headmap as hm
+from mechdiff.studies import knowledge as kn
+from mechdiff.studies.base import KINDS, format_plan, load_study, study_class, study_kind
+from mechdiff.studies.seeds import PROMPT_OFFSETS, prompt_seed
+from mechdiff.tasks.spec import SpecError
+
+#: study.SEED_OFFSETS before the one study system (copied from it), and reproduce.py's ``seed + 7`` and ``+ 8``:
+#: the seeds every committed result was drawn with.
+OLD_OFFSETS = {"discovery": 0, "eval": 1, "matrix": 2, "reference": 3, "dcm": 4, "cmap": 5, "prune": 6,
+               "positions": 7, "ranking": 8, "curve": 9}
+OLD_REPRODUCTION = {"reproduction": 7, "reproduction-reference": 8}
+
+
+@contextmanager
+def count_forwards():
+    """Every module forward anywhere while inside (torch's global forward pre-hook)."""
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: calls.append(module))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def test_prompt_seeds_are_those_of_the_committed_results():
+    for seed in (0, 3, 1000):
+        for name, offset in {**OLD_OFFSETS, **OLD_REPRODUCTION}.items():
+            assert prompt_seed(seed, name) == seed + offset, name
+    assert set(PROMPT_OFFSETS) == set(OLD_OFFSETS) | set(OLD_REPRODUCTION)
+    with pytest.raises(KeyError, match="no prompt set 'evaluation'"):
+        prompt_seed(0, "evaluation")
+
+
+def test_kinds_and_the_committed_task_files(tmp_path):
+    assert {k: study_class(k).kind for k in KINDS} == {k: k for k in KINDS}
+    kinds = {p.name: study_kind(p) for p in Path("tasks").glob("*.toml")}
+    assert kinds["headmap.toml"] == "headmap" and kinds["knowledge_acdc.toml"] == "knowledge"
+    assert kinds["entity_tracking.toml"] == "circuits" and kinds["knowledge.toml"] == "knowledge"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[study]\n\nkind = "trajectory"\n')
+    with pytest.raises(SpecError, match=r"bad.toml:3: kind = 'trajectory' in \[study\]; valid values: circuits"):
+        study_kind(bad)
+    bad.write_text('[study]\nkind = "knowledge"\n\n[knowledge]\nrelations = ["nonesuch"]\n[output]\ndir = "x"\n')
+    with pytest.raises((ValueError, FileNotFoundError), match="nonesuch"):  # before any weights load
+        load_study(bad)
+    bad.write_text('[study]\nkind = "headmap"\n\n[headmap]\nk = 2\n')
+    with pytest.raises(ValueError, match=r"give \[output\] dir"):
+        load_study(bad)
+
+
+def _states(plan) -> dict[str, str]:
+    return {p.name: "cached" if p.cached else f"after {p.after}" if p.after else "compute" for p in plan}
+
+
+# --------------------------------------------------------------------------------------
+# circuits
+# --------------------------------------------------------------------------------------
+
+
+def test_circuits_study_plan_run_and_rerun(tiny_family, tmp_path, monkeypatch):
+    from test_study import tiny_spec
+
+    from mechdiff.models.modelset import ModelSet
+    from mechdiff.studies.circuits import CircuitsStudy
+
+    spec = tiny_spec(tiny_family, tmp_path)
+    spec.positions.n, spec.scoring.completeness_draws, spec.scoring.random_draws = 0, 0, 1
+    spec.discovery.stability_draws, spec.cmap.parts = 2, ["z"]
+    study = CircuitsStudy(spec, progress=False)
+    plan = study.plan()
+    assert study.models._loaded == {}  # planning loads no weights
+    names = [p.name for p in plan]
+    m0, m1 = spec.model_names
+    assert names[:2] == [f"accuracy:{m0}", f"accuracy:{m1}"] and names[-2:] == ["dcm", f"cmap:{m1}"]
+    assert not any(p.cached for p in plan) and all(p.key for p in plan)
+    study.run()
+    ran = {n: r.key for n, r in study.cache.records.items()}
+    assert {p.name: p.key for p in plan} == ran  # the plan named every stage the run ran, with its key
+    again = CircuitsStudy(spec, progress=False)
+    replan = again.plan()
+    assert all(p.cached for p in replan) and {p.name: p.key for p in replan} == ran
+    # the committed run.json now holds what each stage cost
+    committed = json.loads((Path(spec.output.dir) / "run.json").read_text())["stages"]
+    assert {p.name: p.committed_seconds for p in replan} == {n: s["seconds"] for n, s in committed.items()}
+    assert all(p.same_as_committed for p in replan)
+    monkeypatch.setattr(ModelSet, "__getitem__", lambda *a: pytest.fail("a cached rerun loaded weights"))
+    with count_forwards() as calls:
+        again.run()
+    assert calls == [] and all(r.cached for r in again.cache.records.values())
+
+
+# --------------------------------------------------------------------------------------
+# knowledge
+# --------------------------------------------------------------------------------------
+
+
+def test_knowledge_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
+    model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
+    settings = kn.KnowledgeSettings(method="eap", k=30000, target=0.0, sizes=(0.3,), curve=False, n_random=1,
+                                    max_facts=4, models=(model.name,), relations=("country_language", "antonym"))
+    loads = []
+
+    def load(name):
+        loads.append(name)
+        return model
+
+    study = kn.KnowledgeStudy(settings, tmp_path / "k", load, progress=False)
+    n = model.name
+    per_relation = {"facts": "compute", f"discovery:{n}": "after facts", f"scoring:{n}": "after facts",
+                    f"analysis:{n}": "after facts"}
+    want = {f"{r}/{s}": v for r in settings.relations for s, v in per_relation.items()}
+    assert _states(study.plan()) == want
+    report = study.run()
+    assert report == tmp_path / "k"
+    for r in settings.relations:  # each relation in its own directory, with its own stage records
+        saved = json.loads((tmp_path / "k" / r / "study.json").read_text())
+        assert saved["relation"] == r and set(saved["stages"]) == set(per_relation)
+        assert (tmp_path / "k" / r / "report.md").is_file()
+    manifest = json.loads((tmp_path / "k" / "run.json").read_text())
+    assert manifest["kind"] == "knowledge" and set(manifest["stages"]) == set(want)
+    again = kn.KnowledgeStudy(settings, tmp_path / "k", load, progress=False)
+    replan = again.plan()
+    assert all(p.cached for p in replan) and {p.name: p.key for p in replan} == \
+        {n: s["key"] for n, s in manifest["stages"].items()}
+    with count_forwards() as calls:
+        again.run()
+    assert calls == []
+    assert all(r.cached for c in again.caches() for r in c.records.values())
+    # one changed option: the plan says which stages recompute, before anything does
+    changed = kn.KnowledgeStudy(replace(settings, n_random=2), tmp_path / "k", load, progress=False)
+    assert {name: state for name, state in _states(changed.plan()).items() if state != "cached"} == \
+        {**{f"{r}/scoring:{n}": "compute" for r in settings.relations},
+         **{f"{r}/analysis:{n}": f"after scoring:{n}" for r in settings.relations}}  # its circuit is chosen anew
+
+
+# --------------------------------------------------------------------------------------
+# HeadMap
+# --------------------------------------------------------------------------------------
+
+
+def test_headmap_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
+    tiny = make_tiny("llama", smollm2_tokenizer, seed=1, n_layers=2)
+    settings = hm.HeadMapSettings(model="tiny-base", path_patching=(), n=4, pool=8, k=1, batch_size=16, steps=1,
+                                  batch=4, eval_n=6, val_n=4, seeds=(0,), runs=("base", "located", "random"))
+    study = hm.HeadMapStudy(settings, tmp_path / "hm", lambda name: tiny, progress=False)
+    hlr = f"{settings.headmap_lr:g}"
+    assert _states(study.plan()) == {"train-base": "compute", "locate-entity-tracking": "compute",
+                                     f"train-located-seed0-hlr{hlr}": "after locate-entity-tracking",
+                                     f"train-random-seed0-hlr{hlr}": "compute"}
+    study.run()
+    ran = {n: r.key for n, r in study.cache.records.items()}
+    again = hm.HeadMapStudy(settings, tmp_path / "hm", lambda name: tiny, progress=False)
+    replan = again.plan()
+    assert all(p.cached for p in replan) and {p.name: p.key for p in replan} == ran
+    assert "0 of 4 stages to compute" in format_plan(replan)
+    with count_forwards() as calls:
+        again.run()
+    assert calls == [] and all(r.cached for r in again.cache.records.values())
+
+
+def test_committed_headmap_study_resolves_to_its_committed_stages(smollm2, tmp_path):
+    """`mechdiff run tasks/headmap.toml` plans exactly the committed study: every stage of its run.json, under the
+    same key, and every one cached (its records are committed), so the run recomputes nothing."""
+    import shutil
+
+    committed = json.loads(Path("results/headmap-smollm2/run.json").read_text())
+    shutil.copytree("results/headmap-smollm2/stages", tmp_path / "stages")
+    settings, directory = hm.load_file("tasks/headmap.toml")
+    assert directory == "results/headmap-smollm2"
+    assert {k: v for k, v in json.loads(json.dumps(settings.__dict__)).items() if k != "notes"} == \
+        {k: v for k, v in committed["settings"].items() if k != "notes"}
+    study = hm.HeadMapStudy(settings, tmp_path, lambda name: smollm2, progress=False)
+    plan = study.plan()
+    assert {p.name: p.key for p in plan} == {n: s["key"] for n, s in committed["stages"].items()}
+    assert all(p.cached for p in plan)
+
+
+def test_committed_knowledge_study_resolves_to_its_committed_facts(smollm2, tmp_path):
+    """`mechdiff run tasks/knowledge_acdc.toml` plans the three committed relations with their settings; the first
+    stage of each (which facts the model gets right) has the committed key, so the same facts are read."""
+    settings, directory = kn.load_file("tasks/knowledge_acdc.toml")
+    assert directory == "results/knowledge-smollm2/acdc"
+    study = kn.KnowledgeStudy(settings, tmp_path, lambda name: smollm2, progress=False)
+    plan = {p.name: p for p in study.plan()}
+    for relation in settings.relations:
+        root = Path(directory) / relation
+        saved = json.loads((root / "results.json").read_text())["settings"]
+        mine = vars(study.relation_settings(relation))
+        assert {k: mine[k] for k in saved if k in mine and k != "relations"} == \
+            {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in mine and k != "relations"}
+        committed = json.loads((root / "study.json").read_text())["stages"]
+        assert plan[f"{relation}/facts"].key == committed["facts"]["key"]
+
+
+def test_library_warnings_a_user_cannot_act_on_are_filtered_precisely():
+    import warnings
+
+    from mechdiff.cli import quiet_library_warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_library_warnings()
+        peft_alias = "`is_gradient_checkpointing` is deprecated and will be removed in v6."
+        warnings.warn_explicit(peft_alias, FutureWarning, "modeling_utils.py", 1, module="transformers.modeling_utils")
+        warnings.warn_explicit("another deprecation", FutureWarning, "modeling_utils.py", 2,
+                               module="transformers.modeling_utils")
+        warnings.warn_explicit(peft_alias, FutureWarning, "mine.py", 3, module="mechdiff.mine")
+        warnings.warn_explicit(peft_alias, UserWarning, "modeling_utils.py", 4, module="transformers.modeling_utils")
+    assert [(str(w.message), w.lineno) for w in seen] == [("another deprecation", 2), (peft_alias, 3), (peft_alias, 4)]
