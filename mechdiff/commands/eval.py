@@ -8,7 +8,7 @@ from tabulate import tabulate
 
 from ..evaluate import evaluate
 from ..models.modelset import ModelSet
-from ..tasks.splits import SPLITS, split_objects
+from ..tasks.entity_tracking.splits import SPLITS, split_objects
 from ._options import (add_dataset_options, add_model_options, model_kwargs, resolve_batch_size, task_from_args,
                        task_options, write_json)
 
