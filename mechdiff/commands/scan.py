@@ -57,7 +57,8 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"scan_{args.site}_{args.position}"
     meta = {**{k: v for k, v in result.to_dict().items() if k != "effects"}, "model": model.name, "task": task.name,
-            "n_pairs": args.n, "n_boxes": args.n_boxes, "seed": args.seed, "position": args.position}
+            "n_pairs": len(pairs), **task.kwargs(n_boxes=args.n_boxes), "seed": args.seed,
+            "position": args.position}
     torch.save({"effects": result.effects, **meta}, stem.with_suffix(".pt"))
     write_json(stem.with_suffix(".json"), {**meta, "effects": result.effects.tolist()})
     title = f"{model.name}: {args.site} patched at {args.position}"

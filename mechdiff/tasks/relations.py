@@ -15,8 +15,10 @@ prompts are, and the answer the first token the model should write after it (the
 - ``last``: the last token (the read-out).
 
 Position classes are derived from them (:func:`~mechdiff.tasks.records.derived_classes`: ``before``,
-``subject``, ``after_subject``, ``relation``, ``after_relation``, ``last``). A record's ``template`` is its
-template text, so records are batched, and mean-ablated, within one (template, token length) group.
+``subject``, ``after_subject``, ``relation``, ``after_relation``, ``last``): a partition of every prompt by
+its named tokens, so a multi-token subject's earlier tokens fall in ``before`` (templates that open with
+the subject) or in ``after_relation`` (templates that name the relation first). A record's ``template`` is
+its template text, so records are batched, and mean-ablated, within one (template, token length) group.
 
 Counterfactual pairs (discovery, scans, DCM) put each fact beside another subject of the same relation,
 the same template and the same token length whose answer token differs; discovery's target is the clean

@@ -148,11 +148,12 @@ def test_cli_eval_scan_circuit_on_a_relation(tiny_family, tmp_path):
     with torch.no_grad():  # independent: each prompt alone, argmax of the last logits
         correct = [int(lm.model(torch.tensor([r.input_ids])).logits[0, -1].argmax() == r.answer_id) for r in records]
     assert result["task"] == "country_capital" and result["n"] == 24 and result["correct"] == correct
+    assert "n_boxes" not in result and "split" not in result  # entity tracking's options, not a relation's
 
     assert main(["scan", "--task", "country_capital", "--model", model, "--position", "subject", "--n", "6",
                  "--out", str(tmp_path / "scan")]) == 0
     meta = json.loads((tmp_path / "scan" / "scan_z_subject.json").read_text())
-    assert meta["task"] == "country_capital" and torch.tensor(meta["effects"]).shape == (2, 4)
+    assert meta["task"] == "country_capital" and meta["n_pairs"] == 6 and torch.tensor(meta["effects"]).shape == (2, 4)
 
     assert main(["circuit", "--task", "country_capital", "--model", model, "--n", "6", "--top-k", "EXT=2,QRY=1,ENR=1",
                  "--out", str(tmp_path / "circuit")]) == 0
