@@ -76,9 +76,11 @@ def answer_id(tokenizer: Any, prompt: str, answer: str) -> int:
     return int(full[-1])
 
 
-def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+def encode_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """``text``'s token ids and each token's character span (a fast tokenizer's offset mapping)."""
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("importing a task needs a fast tokenizer (offset mapping); load it with use_fast=True")
+        raise ValueError("locating positions by character needs a fast tokenizer (offset mapping); load it with "
+                         "use_fast=True")
     enc = tokenizer(text, return_offsets_mapping=True)
     return [int(i) for i in enc["input_ids"]], [tuple(o) for o in enc["offset_mapping"]]
 
@@ -136,8 +138,8 @@ def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
     clean, cf = row["clean"], row["counterfactual"]
     if not isinstance(row["positions"], dict):
         raise ValueError("positions must be an object {name: [start, end]}")
-    ids, offsets = _encode(tokenizer, clean)
-    cf_ids, cf_offsets = _encode(tokenizer, cf)
+    ids, offsets = encode_offsets(tokenizer, clean)
+    cf_ids, cf_offsets = encode_offsets(tokenizer, cf)
     if len(ids) != len(cf_ids):
         raise ValueError(f"clean and counterfactual differ in token length: {len(ids)} vs {len(cf_ids)} tokens")
     positions = {n: locate(clean, offsets, s, n) for n, s in row["positions"].items()}

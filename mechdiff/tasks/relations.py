@@ -41,7 +41,7 @@ from typing import Any
 
 from ..knowledge.data import Relation
 from .base import Task
-from .jsonl import _encode, locate
+from .jsonl import encode_offsets, locate
 from .records import Example, Pair, derived_class_names, group_key, group_name
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def fact_record(tokenizer: Any, template: str, subject: str, obj: str) -> Exampl
     """The record of one fact under one template (raises ValueError where the subject does not sit on token
     boundaries, the template holds no relation token but the last, or the answer merges with the prompt)."""
     prompt = template.format(subject)
-    ids, offsets = _encode(tokenizer, prompt)
+    ids, offsets = encode_offsets(tokenizer, prompt)
     start = template.index("{}")
     subject_last = locate(prompt, offsets, [start, start + len(subject)], "subject")
     subject_tokens = {t for t, (a, b) in enumerate(offsets) if b > a and a < start + len(subject) and b > start}
