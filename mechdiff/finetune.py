@@ -35,7 +35,7 @@ from .models.registry import step_dirname
 from .tasks import arithmetic, fact_edit
 from .tasks import entity_tracking as et
 from .tasks.base import get_task, step_seed, trainable_tasks  # noqa: F401 (step_seed: re-exported)
-from .tasks.splits import HOLDOUT_EVERY, train_objects
+from .tasks.entity_tracking.splits import HOLDOUT_EVERY, train_objects
 
 log = logging.getLogger(__name__)
 

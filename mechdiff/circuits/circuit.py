@@ -146,9 +146,9 @@ def load_circuit_file(path: str | Path, n_layers: Optional[int] = None, n_heads:
 def _task_positions(task: str) -> Optional[tuple[str, ...]]:
     """The positions the registered task ``task`` records (entity tracking's for ``""``); ``None`` when
     the task is not registered (a user's task directory), so that its names are checked at scoring."""
-    from ..tasks.base import ALIASES, TASKS, get_task
+    from ..tasks.base import get_task, is_registered
 
     name = task or "entity-tracking"
-    if name not in TASKS and name not in ALIASES:
+    if not is_registered(name):
         return None
     return tuple(get_task(name).positions) or None

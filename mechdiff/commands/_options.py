@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ..io import write_json  # noqa: F401  (re-exported for the commands)
-from ..models.loading import LoadedModel, load_model
+from ..models.loading import LoadedModel, load_model, load_tokenizer
 from ..models.memory import auto_batch_size
 from ..models.remote import check_remote
+from ..models.resolve import resolve_spec
+from ..knowledge.data import available_relations
 from ..tasks.base import Task, get_task, task_names
 
 
@@ -27,8 +30,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 def add_task_option(parser: argparse.ArgumentParser) -> None:
     """--task: a registered task or a directory written by `mechdiff dataset import`."""
     parser.add_argument("--task", default="entity-tracking",
-                        help=f"a registered task ({', '.join(task_names())}) or a directory written by "
-                             "`mechdiff dataset import`")
+                        help=f"a registered task ({', '.join(task_names(include_relations=False))}), a knowledge "
+                             f"relation ({', '.join(available_relations())}) or its JSON file, or a directory "
+                             "written by `mechdiff dataset import`")
 
 
 def task_from_args(args: argparse.Namespace) -> Task:
@@ -74,8 +78,16 @@ def model_kwargs(args: argparse.Namespace) -> dict:
             "remote": remote, "cache_dir": args.cache_dir}
 
 
-def load_from_args(name: str, args: argparse.Namespace) -> LoadedModel:
-    model = load_model(name, **model_kwargs(args))
+def tokenizer_from_args(name: str, args: argparse.Namespace) -> Any:
+    """The tokenizer of model ``name`` alone, no weights: a command builds (and so checks) its prompts with it
+    before the weights load, then hands it to :func:`load_from_args`."""
+    model_kwargs(args)  # --remote checked first
+    return load_tokenizer(resolve_spec(name), getattr(args, "cache_dir", None))
+
+
+def load_from_args(name: str, args: argparse.Namespace, tokenizer: Any = None) -> LoadedModel:
+    """Model ``name`` as the arguments say (``tokenizer``: its tokenizer, already loaded)."""
+    model = load_model(name, tokenizer=tokenizer, **model_kwargs(args))
     resolve_batch_size(args, model)
     return model
 

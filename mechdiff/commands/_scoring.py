@@ -7,7 +7,8 @@ import argparse
 from ..circuits.circuit import Circuit, load_circuit_file
 from ..circuits.scoring import Scorer
 from ..models.architectures import ModelShape
-from ..models.loading import LoadedModel, load_config, resolve_spec
+from ..models.loading import LoadedModel, load_config
+from ..models.resolve import resolve_spec
 from ._options import task_from_args, task_options
 
 

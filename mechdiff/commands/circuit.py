@@ -15,7 +15,8 @@ from ..circuits.discovery import DiscoverySettings, StepResult, discover
 from ..circuits.plan import Plan, default_plan, load_plan
 from ..report.figures import head_heatmap
 from ..tasks.base import Task
-from ._options import add_model_options, add_task_option, load_from_args, task_from_args, task_options, write_json
+from ._options import (add_model_options, add_task_option, load_from_args, task_from_args, task_options,
+                       tokenizer_from_args, write_json)
 
 log = logging.getLogger("mechdiff.circuit")
 
@@ -116,12 +117,13 @@ def _run(args: argparse.Namespace, settings: DiscoverySettings, out: Path, task:
     t0 = time.perf_counter()
     log.info("mechdiff circuit: model=%s task=%s plan=%s settings=%s threads=%d", args.model, task.name, plan.name,
              settings, torch.get_num_threads())
-    model = load_from_args(args.model, args)
+    tokenizer = tokenizer_from_args(args.model, args)
+    pairs = task.discovery_pairs(tokenizer, settings.n_prompts, settings.seed, **task_options(args))
+    _check_positions(plan, pairs)  # the pairs and the plan's positions checked before the weights load
+    model = load_from_args(args.model, args, tokenizer)
     shape = model.shape
     log.info("loaded %s (%d layers x %d heads, %d KV heads) in %.1f s; fingerprint %s", model.name, shape.n_layers,
              shape.n_heads, shape.n_kv_heads, time.perf_counter() - t0, model.fingerprint)
-    pairs = task.discovery_pairs(model.tokenizer, settings.n_prompts, settings.seed, **task_options(args))
-    _check_positions(plan, pairs)
 
     def figure(r: StepResult) -> None:
         for name, scores in (("exact", r.exact), ("attribution", r.attribution)):

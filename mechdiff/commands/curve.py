@@ -9,7 +9,7 @@ from ..circuits.positions import task_classes
 from ..circuits.curve import SIZES, TARGET, ablation_attribution, faithfulness_curve, ranking
 from ..circuits.scoring import Scorer, pair_name
 from ..report.positions import curve_figure
-from ..tasks.splits import SPLITS, split_objects
+from ..tasks.entity_tracking.splits import SPLITS, split_objects
 from ..report.tables import estimate_columns, to_markdown, write_table
 from ._options import add_dataset_options, add_model_options, load_from_args, task_from_args, task_options, write_json
 from ._scoring import add_scoring_options, build_scorer, settings

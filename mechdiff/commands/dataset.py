@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 
 from ..metrics import TASK_METRICS, metric_name
-from ..models.loading import load_tokenizer, resolve_spec
+from ..models.loading import load_tokenizer
+from ..models.resolve import resolve_spec
 from ..tasks.jsonl import import_pairs, load_task_meta
 from ..tasks.entity_tracking import (PAIR_KINDS, counterfactual_pairs, dataset_hash, generate, to_hf_dataset,
                                      vocabulary_report, write_jsonl)

@@ -8,7 +8,7 @@ from tabulate import tabulate
 
 from ..evaluate import evaluate
 from ..models.modelset import ModelSet
-from ..tasks.splits import SPLITS, split_objects
+from ..tasks.entity_tracking.splits import SPLITS, split_objects
 from ._options import (add_dataset_options, add_model_options, model_kwargs, resolve_batch_size, task_from_args,
                        task_options, write_json)
 
@@ -35,7 +35,8 @@ def main(args: argparse.Namespace) -> int:
                                vocabulary=split_objects(args.split))
         res = evaluate(lm, records, batch_size=args.batch_size, desc=f"eval {lm.name}")
         results[lm.name] = {**res.to_dict(), "task": task.name, "fingerprint": lm.fingerprint,
-                            "n_boxes": args.n_boxes, "n": len(records), "seed": args.seed, "split": args.split,
+                            **task.kwargs(n_boxes=args.n_boxes), "n": len(records), "seed": args.seed,
+                            **({"split": args.split} if "vocabulary" in task.options else {}),
                             "correct": res.correct.astype(int).tolist()}
         diff = [str(res.mean_logit_diff)] if res.logit_diff is not None else []
         rows.append([lm.name, str(res.accuracy), str(res.answer_prob), *diff, lm.fingerprint])

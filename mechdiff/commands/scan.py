@@ -12,7 +12,8 @@ from ..metrics import metric_name
 from ..patching.scan import DEFAULT_PER_PASS, METRICS, SITES, scan_pairs
 from ..report.figures import grid_heatmap, head_heatmap
 from ..tasks.base import pair_batch_tensors
-from ._options import add_model_options, add_task_option, load_from_args, task_from_args, task_options, write_json
+from ._options import (add_model_options, add_task_option, load_from_args, task_from_args, task_options,
+                       tokenizer_from_args, write_json)
 
 EVERY = "all"  # patch every position at once
 
@@ -45,19 +46,22 @@ def main(args: argparse.Namespace) -> int:
     if args.position not in known:  # checked before the model loads
         raise ValueError(f"--position {args.position!r} is not a position of task {task.name}; choose one of "
                          f"{', '.join(known)}")
-    model = load_from_args(args.model, args)
-    pairs = task.discovery_pairs(model.tokenizer, args.n, args.seed, **task_options(args))
-    tensors = pair_batch_tensors(pairs[:1])  # which positions are single tokens: one prompt shows it
+    tokenizer = tokenizer_from_args(args.model, args)
+    # the pairs (and which positions are single tokens: one prompt shows it) are checked before the weights load
+    pairs = task.discovery_pairs(tokenizer, args.n, args.seed, **task_options(args))
+    tensors = pair_batch_tensors(pairs[:1])
     if args.position != EVERY and (args.position not in tensors["base"]["positions"]
                                    or tensors["base"]["positions"][args.position].ndim != 1):
         raise ValueError(f"--position {args.position!r} is not a single position of each prompt of task {task.name}")
+    model = load_from_args(args.model, args, tokenizer)
     # prompts of several lengths and templates: each group scanned alone, effects averaged over every prompt
     result = scan_pairs(model, pairs, site=args.site, position=None if args.position == EVERY else args.position,
                         metric=args.metric, per_pass=args.per_pass)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"scan_{args.site}_{args.position}"
     meta = {**{k: v for k, v in result.to_dict().items() if k != "effects"}, "model": model.name, "task": task.name,
-            "n_pairs": args.n, "n_boxes": args.n_boxes, "seed": args.seed, "position": args.position}
+            "n_pairs": len(pairs), **task.kwargs(n_boxes=args.n_boxes), "seed": args.seed,
+            "position": args.position}
     torch.save({"effects": result.effects, **meta}, stem.with_suffix(".pt"))
     write_json(stem.with_suffix(".json"), {**meta, "effects": result.effects.tolist()})
     title = f"{model.name}: {args.site} patched at {args.position}"

@@ -1,7 +1,8 @@
 """Loading checkpoints, the named registry, model sets and architecture adapters."""
 
 from .architectures import EXCEPTIONS, Architecture, ModelShape, UnsupportedModel, architecture_for, shape_of
-from .loading import LoadedModel, load_config, load_model, load_tokenizer, model_fingerprint, resolve_spec
+from .loading import LoadedModel, load_config, load_model, load_tokenizer, model_fingerprint
+from .resolve import resolve_spec
 from .modelset import IncompatibleModels, ModelPair, ModelSet
 from .registry import REGISTRY, ModelSpec, get_spec
 

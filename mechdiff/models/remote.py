@@ -1,9 +1,9 @@
 """Remote execution on NDIF through nnsight: the same code path as a local run, requests grouped.
 
-A model loaded with ``remote=True`` keeps only its config and tokenizer here; every trace
-of the one driver (:func:`mechdiff.patching.core.run`) is shipped to NDIF
-(``model.trace(..., remote=True)``), and a :meth:`LoadedModel.session` groups every trace
-inside it into one request (``model.session(remote=True)``): its body runs on the server,
+A model loaded with ``remote=True`` (:func:`mechdiff.models.loading.load_remote`) keeps only its config
+and tokenizer here; every trace of the one driver (:func:`mechdiff.patching.core.run`) is shipped to NDIF
+(``model.trace(..., remote=True)``), and a :meth:`LoadedModel.session` groups every trace inside it into one
+request (``model.session(remote=True)``): its body runs on the server,
 values flow between its traces there, and only what the body keeps comes back. Path
 patching runs a whole step (every chunk of senders, the frozen and the receiver runs) in one
 session; :func:`mechdiff.patching.path.prepare` its clean and counterfactual runs in one.
@@ -22,12 +22,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from .registry import ModelSpec
-
-if TYPE_CHECKING:
-    from .loading import LoadedModel
+from .resolve import resolve_spec
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +67,6 @@ def check_remote(remote: bool | str, specs: Optional[list[ModelSpec]] = None) ->
 
 def hub_repo(spec: ModelSpec) -> tuple[str, Optional[str], Optional[str]]:
     """``(repo id, revision, peft adapter repo or None)`` naming ``spec`` on NDIF."""
-    from .loading import resolve_spec
-
     if spec.kind == "hub":
         return spec.source, spec.revision, None
     if spec.kind == "lora" and not spec.source.startswith("package:") and not os.path.exists(spec.source):
@@ -81,30 +77,6 @@ def hub_repo(spec: ModelSpec) -> tuple[str, Optional[str], Optional[str]]:
         f"--remote: {spec.name} is a {spec.kind} checkpoint ({spec.source}); NDIF runs only models it hosts, "
         "named by their hub id (a registry name of kind hub, hub:org/name, or a hub LoRA adapter over a hub "
         "base). Run it locally instead (--device cuda, --device-map auto).")
-
-
-def load_remote(spec: ModelSpec, dtype: str = "float32", cache_dir: Optional[str] = None) -> "LoadedModel":
-    """A model on NDIF: config and tokenizer here, the architecture on the meta device, no weights."""
-    from nnsight import TransformersModel
-
-    from .architectures import architecture_for
-    from .loading import LoadedModel, load_tokenizer
-
-    check_remote(True, [spec])
-    repo, revision, adapter = hub_repo(spec)
-    register_mechdiff()
-    tokenizer = load_tokenizer(spec, cache_dir)
-    kwargs: dict[str, Any] = {"revision": revision, "task": "text-generation", "tokenizer": tokenizer}
-    if adapter:
-        kwargs["peft"] = adapter
-    nn = TransformersModel(repo, **kwargs)  # meta build: config only
-    architecture_for(nn._module)  # resolved from the meta-built modules; fails early
-    provenance = {"kind": "remote", "repo": repo, "revision": revision, "adapter": adapter,
-                  "dtype": f"as deployed on NDIF (asked {dtype})", "remote": True}
-    loaded = LoadedModel(spec.name, spec, nn._module, tokenizer, provenance, remote=True)
-    loaded.__dict__["nn"] = nn
-    log.info("remote model %s: %s (weights on NDIF)", spec.name, repo)
-    return loaded
 
 
 class ModelView:
@@ -147,8 +119,9 @@ def in_trace() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-def session(model: "LoadedModel") -> Any:
-    """One remote request for every trace inside the ``with`` block; a no-op for a local model.
+def session(model: Any) -> Any:
+    """One remote request of ``model`` (a :class:`~mechdiff.models.loading.LoadedModel`) for every trace
+    inside the ``with`` block; a no-op for a local model.
 
     The returned object must be entered directly by a ``with`` statement (nnsight captures the
     block's source from that frame). The body must :func:`keep` what it returns.

@@ -1,410 +1,44 @@
-"""The task protocol: what the engine reads from any task's records, and the one task registry.
+"""The task protocol: what the engine reads from any task's records, the :class:`Task` every command sees,
+and the one task registry.
 
-A *record* is one prompt: its token ids, the answer token, optional alternative answer tokens
-(``alternative_ids``, e.g. the subject name in IOI) and named token positions. A position is a
-single token index (``int``; ``None`` where absent, batched as ``-1``) or a *position class*,
-several indices (a tuple, batched as ``[batch, k]``). Entity tracking's
-:class:`~mechdiff.tasks.entity_tracking.EntityTrackingExample` is such a record;
-:class:`Example` is the generic one (IOI, tasks imported from JSONL files).
-
-A *pair* is a clean record (``base``), a counterfactual record (``source``) of the same token
-length and the answer the patched clean run should give (``target`` / ``target_id``).
-:func:`check_pair` refuses a pair whose two prompts differ in length, naming both lengths.
-
-Records of a task may differ in token length and template. The engine batches them through one helper,
-:func:`grouped_batches`: records are grouped by (template, token length) (:func:`group_key`; a record's
-template is its ``template`` field where it has one, else its length alone names the group), each group is
-cut into batches without padding, and every stage puts per-prompt outcomes back in the records' order.
-
-Every batch carries ``position_classes``: the record type's own (``position_masks``, entity tracking),
-the classes a record names itself (``Example.classes``), or else a partition derived from its named
-positions (:func:`derived_classes`).
+Records, pairs, batching and hashing are defined in :mod:`mechdiff.tasks.records` and re-exported here:
+import them from this module. A *record* is one prompt with its answer token and named token positions
+(a single index, or a tuple: a position class); a *pair* is a clean record, a counterfactual record of the
+same token length and the target answer. Records of several lengths and templates are batched by
+:func:`grouped_batches` (one batch per template and length, no padding); every batch carries position
+classes (the record type's own, the record's ``classes``, else :func:`derived_classes`).
 
 The engine (patching, discovery, scoring, DCM, CMAP, the store) touches records only through
 :func:`grouped_batches`, :func:`batch_tensors`, :func:`pair_batch_tensors` and :func:`dataset_hash`, and tasks
-only through :class:`Task` objects found in :data:`TASKS` by name (or a directory written by
-``mechdiff dataset import``).
+only through :class:`Task` objects found by :func:`get_task`: a registered name (:data:`TASKS`), a knowledge
+relation (``country_capital``, :mod:`mechdiff.tasks.relations`) or a directory written by
+``mechdiff dataset import`` (:mod:`mechdiff.tasks.jsonl`).
 """
 
 from __future__ import annotations
 
-import hashlib
+import difflib
 import importlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Mapping, Optional
 
+from ..knowledge.data import available_relations
 from ..metrics import TASK_METRICS
+from .jsonl import read_task_directory
+from .records import (AFTER, BEFORE, LAST, Batch, Example, GroupKey, Pair, PairRecord, Position, Record,  # noqa: F401
+                      answer_batch, batch_tensors, canonical_json, check_pair, check_reference, dataset_hash,
+                      derived_class_names, derived_classes, group_batches, group_key, group_name, grouped_batches,
+                      is_pair, own_classes, pair_batch_tensors, record_dict, record_order, take, template_of)
 
-if TYPE_CHECKING:
-    import torch
-
-Position = Union[int, tuple[int, ...], None]
-
-
-@runtime_checkable
-class Record(Protocol):
-    """What the engine reads from one prompt."""
-
-    input_ids: tuple[int, ...]
-    answer_id: int
-    positions: Mapping[str, Position]
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-@runtime_checkable
-class PairRecord(Protocol):
-    """What the engine reads from one counterfactual pair."""
-
-    base: Record
-    source: Record
-    target_id: int
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-# --------------------------------------------------------------------------------------
-# Generic records
-# --------------------------------------------------------------------------------------
-
-
-def _position_from_json(value: Any) -> Position:
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return int(value)
-
-
-def _position_to_json(value: Position) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
-@dataclass(frozen=True)
-class Example:
-    """One prompt of any task: ``positions`` name -> token index, ``None`` or a tuple (a position class).
-
-    ``template``: the phrasing the prompt was written from (its mean-ablation group, with its length);
-    ``classes``: position classes the prompt names itself, name -> token indices (else they are derived
-    from ``positions``, :func:`derived_classes`)."""
-
-    prompt: str
-    input_ids: tuple[int, ...]
-    answer: str
-    answer_id: int
-    positions: dict[str, Position] = field(default_factory=dict)
-    alternatives: tuple[str, ...] = ()
-    alternative_ids: tuple[int, ...] = ()
-    template: str = ""
-    classes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        n = len(self.input_ids)
-        for name, pos in [*self.positions.items(), *self.classes.items()]:
-            for p in pos if isinstance(pos, tuple) else (() if pos is None else (pos,)):
-                if not 0 <= p < n:
-                    raise ValueError(f"position {name!r} = {p} lies outside the prompt's {n} tokens: {self.prompt!r}")
-
-    def __hash__(self) -> int:
-        return hash((self.prompt, self.input_ids, self.answer_id, self.alternative_ids))
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (tuples become lists; ``template`` and ``classes`` only where given, so the
-        hash of a record without them is what it always was)."""
-        out = {"prompt": self.prompt, "input_ids": list(self.input_ids), "answer": self.answer,
-               "answer_id": self.answer_id, "alternatives": list(self.alternatives),
-               "alternative_ids": list(self.alternative_ids),
-               "positions": {k: _position_to_json(v) for k, v in self.positions.items()}}
-        if self.template:
-            out["template"] = self.template
-        if self.classes:
-            out["classes"] = {k: list(v) for k, v in self.classes.items()}
-        return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Example":
-        """Inverse of :meth:`to_dict`."""
-        return cls(d["prompt"], tuple(int(i) for i in d["input_ids"]), d["answer"], int(d["answer_id"]),
-                   {k: _position_from_json(v) for k, v in d.get("positions", {}).items()},
-                   tuple(d.get("alternatives", ())), tuple(int(i) for i in d.get("alternative_ids", ())),
-                   d.get("template", ""), {k: tuple(int(i) for i in v) for k, v in d.get("classes", {}).items()})
-
-
-@dataclass(frozen=True)
-class Pair:
-    """A clean prompt (``base``), its counterfactual (``source``, same token length) and the target answer."""
-
-    base: Example
-    source: Example
-    target: str
-    target_id: int
-    kind: str = "counterfactual"
-
-    def __post_init__(self) -> None:
-        check_pair(self.base, self.source)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"base": self.base.to_dict(), "source": self.source.to_dict(), "target": self.target,
-                "target_id": self.target_id, "kind": self.kind}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Pair":
-        return cls(Example.from_dict(d["base"]), Example.from_dict(d["source"]), d["target"], int(d["target_id"]),
-                   d.get("kind", "counterfactual"))
-
-
-def check_pair(base: Record, source: Record, where: str = "") -> None:
-    """Refuse a pair whose prompts differ in token length (patching writes position by position)."""
-    if len(base.input_ids) != len(source.input_ids):
-        raise ValueError(f"{where}clean and counterfactual prompts differ in token length: "
-                         f"{len(base.input_ids)} vs {len(source.input_ids)} tokens; a counterfactual pair needs "
-                         "prompts of equal length (reword one, or pad with a token both share)")
-
-
-# --------------------------------------------------------------------------------------
-# Batching and hashing (what the engine calls)
-# --------------------------------------------------------------------------------------
-
-
-def is_pair(record: Any) -> bool:
-    """True for a counterfactual pair (it has ``base`` and ``source``)."""
-    return hasattr(record, "base") and hasattr(record, "source")
-
-
-GroupKey = tuple[str, int]
-"""A batching group: ``(template, token length)``; the template is ``""`` where records name none."""
-
-
-def template_of(record: Any) -> str:
-    """A record's template (a pair's: its clean prompt's): its ``template`` field where it is a non-empty
-    string, else ``""`` (the group is then its token length alone)."""
-    record = record.base if is_pair(record) else record
-    template = getattr(record, "template", "")
-    return template if isinstance(template, str) else ""
-
-
-def group_key(record: Any) -> GroupKey:
-    """``(template, token length)`` of a record or pair (a pair's prompts share one length, :func:`check_pair`)."""
-    base = record.base if is_pair(record) else record
-    return template_of(record), len(base.input_ids)
-
-
-def group_name(key: GroupKey) -> str:
-    """``"template 'A', 12 tokens"`` or ``"12 tokens"`` (no template)."""
-    template, n = key
-    return f"template {template!r}, {n} tokens" if template else f"{n} tokens"
-
-
-def grouped_batches(records: Sequence[Any], batch_size: int) -> list[list[int]]:
-    """The one batching of every stage: indices into ``records`` (records or pairs), grouped by
-    :func:`group_key` in order of each group's first record, each group cut into consecutive batches
-    of at most ``batch_size``. Every batch is of one token length and one template, so it is batched
-    without padding; a stage writes each batch's per-prompt outcomes back at these indices. Records of
-    one group (entity tracking, IOI) give exactly the slices ``[0, b), [b, 2b), ...``."""
-    if batch_size < 1:
-        raise ValueError("batch_size must be at least 1")
-    groups: dict[GroupKey, list[int]] = {}
-    for i, r in enumerate(records):
-        groups.setdefault(group_key(r), []).append(i)
-    return [rows[i:i + batch_size] for rows in groups.values() for i in range(0, len(rows), batch_size)]
-
-
-def group_batches(records: Sequence[Any]) -> list[list[int]]:
-    """:func:`grouped_batches` with one batch per group (every record of a group in one batch)."""
-    return grouped_batches(records, max(len(records), 1))
-
-
-def record_order(batches: Sequence[Sequence[int]]) -> "np.ndarray":
-    """The permutation that puts outcomes concatenated batch by batch (``batches``: indices into the
-    records, as :func:`grouped_batches` gives them) back in the records' order."""
-    import numpy as np
-
-    rows = [np.asarray(r, dtype=np.int64) for r in batches]
-    return np.argsort(np.concatenate(rows), kind="stable") if rows else np.zeros(0, dtype=np.int64)
-
-
-def take(records: Sequence[Any], rows: Sequence[int]) -> list:
-    """``records`` at ``rows``."""
-    return [records[i] for i in rows]
-
-
-def check_reference(records: Sequence[Any], reference: Sequence[Any], what: str = "prompts") -> None:
-    """Refuse ``records`` with a group (template, length) that no reference record shares: mean ablation
-    takes each position's mean over reference prompts of the record's own template and length."""
-    have = {group_key(r) for r in reference}
-    missing = list(dict.fromkeys(group_key(r) for r in records if group_key(r) not in have))
-    if missing:
-        raise ValueError(f"no reference prompts for the {what} of {'; '.join(group_name(k) for k in missing)}: "
-                         "mean ablation averages over reference prompts of the same template and length; add "
-                         f"reference prompts of those groups (reference groups: "
-                         f"{'; '.join(group_name(k) for k in sorted(have)) or 'none'})")
-
-
-def batch_tensors(records: Sequence[Record]) -> dict[str, Any]:
-    """Tensors for records of one token length (no padding; :func:`grouped_batches` forms such batches).
-
-    ``input_ids`` and ``attention_mask`` ``[batch, pos]``, ``answer_ids`` ``[batch]``,
-    ``alternative_ids`` ``[batch, n_alt]`` when every record has the same number (> 0) of them,
-    ``positions``: name -> ``[batch]`` (``-1`` where absent) or ``[batch, k]`` (a position class);
-    ``position_classes``: name -> boolean ``[batch, pos]`` (the record type's ``position_masks``, the
-    records' own ``classes``, else :func:`derived_classes`); ``group``: the records' :func:`group_key`
-    (``None`` where they mix templates).
-    """
-    import torch
-
-    records = list(records)
-    if not records:
-        raise ValueError("no records to batch")
-    if any(is_pair(r) for r in records):
-        raise TypeError("batch_tensors takes single records; for counterfactual pairs use pair_batch_tensors")
-    lengths = {len(r.input_ids) for r in records}
-    if len(lengths) != 1:
-        raise ValueError(f"records have different token lengths {sorted(lengths)}; batch prompts of one length "
-                         "(grouped_batches groups records by template and length)")
-    names = list(records[0].positions)
-    for r in records:
-        if set(r.positions) != set(names):
-            raise ValueError(f"records name different positions: {sorted(names)} vs {sorted(r.positions)}")
-    input_ids = torch.tensor([r.input_ids for r in records], dtype=torch.long)
-    keys = {group_key(r) for r in records}
-    out = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-           "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long),
-           "positions": {name: _position_tensor(records, name) for name in names},
-           "group": next(iter(keys)) if len(keys) == 1 else None}
-    alternatives = [tuple(getattr(r, "alternative_ids", ())) for r in records]
-    if alternatives[0] and len({len(a) for a in alternatives}) == 1:
-        out["alternative_ids"] = torch.tensor(alternatives, dtype=torch.long)
-    masks = getattr(type(records[0]), "position_masks", None)
-    if masks is not None:  # a task may define position classes of any size per prompt as "batch pos" masks
-        out["position_classes"] = masks(records, input_ids.shape[1])
-    elif any(getattr(r, "classes", None) for r in records):
-        out["position_classes"] = own_classes(records, input_ids.shape[1])
-    else:
-        out["position_classes"] = derived_classes(records, input_ids.shape[1])
-    return out
-
-
-BEFORE, LAST, AFTER = "before", "last", "after_"
-
-
-def derived_class_names(names: Sequence[str]) -> list[str]:
-    """The classes :func:`derived_classes` gives records naming ``names``: ``before``, each name, ``after_<name>``
-    for each, and ``last``."""
-    out = [BEFORE]
-    for n in names:
-        out += [n] if n == LAST else [n, AFTER + n]
-    return list(dict.fromkeys(out + [LAST]))
-
-
-def derived_classes(records: Sequence[Record], n_pos: int) -> dict[str, "torch.Tensor"]:
-    """Position classes from named positions, for record types without their own: a partition of every
-    prompt's tokens (boolean ``"batch pos"`` each).
-
-    - ``<name>``: the token(s) of each named position;
-    - ``after_<name>``: the tokens after each of them up to the next named position (where a binding, e.g.
-      entity tracking's separator after a label, sits);
-    - ``before``: the tokens before the first named position;
-    - ``last``: the last token (the read-out), whether or not a position is named ``last``.
-    A token named twice belongs to the first name in the records' order (the other class is empty there).
-    """
-    import torch
-
-    names = list(records[0].positions)
-    classes = derived_class_names(names)
-    clash = [n for n in names if n == BEFORE or n.startswith(AFTER)]
-    if clash:
-        raise ValueError(f"positions {clash} clash with derived class names ({BEFORE!r}, {AFTER!r}...); rename them")
-    masks = {c: torch.zeros(len(records), n_pos, dtype=torch.bool) for c in classes}
-    for row, r in enumerate(records):
-        owner: dict[int, str] = {n_pos - 1: LAST}
-        for name in names:
-            pos = r.positions[name]
-            for p in pos if isinstance(pos, tuple) else (() if pos is None else (pos,)):
-                owner.setdefault(p, name)
-        named = sorted(owner)
-        masks[BEFORE][row, :named[0]] = True
-        for i, p in enumerate(named):
-            masks[owner[p]][row, p] = True
-            end = named[i + 1] if i + 1 < len(named) else n_pos
-            if owner[p] != LAST:
-                masks[AFTER + owner[p]][row, p + 1:end] = True
-    return masks
-
-
-def own_classes(records: Sequence[Record], n_pos: int) -> dict[str, "torch.Tensor"]:
-    """The classes records name themselves (``classes``: name -> token indices), as ``"batch pos"`` masks;
-    every record must name the same classes."""
-    import torch
-
-    names = list(records[0].classes)
-    masks = {c: torch.zeros(len(records), n_pos, dtype=torch.bool) for c in names}
-    for row, r in enumerate(records):
-        if set(r.classes) != set(names):
-            raise ValueError(f"records name different position classes: {sorted(names)} vs {sorted(r.classes)}")
-        for c, where in r.classes.items():
-            masks[c][row, list(where)] = True
-    return masks
-
-
-def _position_tensor(records: Sequence[Record], name: str) -> "torch.Tensor":
-    import torch
-
-    values = [r.positions[name] for r in records]
-    if any(isinstance(v, (tuple, list)) for v in values):
-        sizes = {len(v) for v in values if v is not None}
-        if len(sizes) != 1 or any(v is None for v in values):
-            raise ValueError(f"position class {name!r} has different sizes {sorted(sizes)} across records; "
-                             "batch records whose classes have one size")
-        return torch.tensor([list(v) for v in values], dtype=torch.long)
-    return torch.tensor([-1 if v is None else v for v in values], dtype=torch.long)
-
-
-def pair_batch_tensors(pairs: Sequence[PairRecord]) -> dict[str, Any]:
-    """``{"base": batch_tensors(bases), "source": batch_tensors(sources), "target_ids": [batch]}``."""
-    import torch
-
-    pairs = list(pairs)
-    for i, p in enumerate(pairs):
-        check_pair(p.base, p.source, f"pair {i}: ")
-    base = batch_tensors([p.base for p in pairs])
-    source = batch_tensors([p.source for p in pairs])
-    return {"base": base, "source": source, "target_ids": torch.tensor([p.target_id for p in pairs], dtype=torch.long)}
-
-
-def record_dict(record: Any) -> dict[str, Any]:
-    """``{"type": "example" | "pair", **record.to_dict()}``: the canonical form hashed and written."""
-    return {"type": "pair" if is_pair(record) else "example", **record.to_dict()}
-
-
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
-def dataset_hash(records: Sequence[Any]) -> str:
-    """sha256 of a canonical JSON of the records (order matters; token ids included)."""
-    return hashlib.sha256(canonical_json([record_dict(r) for r in records]).encode("utf-8")).hexdigest()
-
-
-# --------------------------------------------------------------------------------------
-# Tasks and the registry
-# --------------------------------------------------------------------------------------
 
 def step_seed(data_seed: int, step: int) -> int:
     """The data seed of training step ``step`` (distinct from every validation seed)."""
     return data_seed * 1_000_003 + step
 
 
-def answer_batch(records: Sequence[Record]) -> "Batch":
-    """``{"input_ids": [batch, pos], "answer_ids": [batch]}``: what fine-tuning and HeadMap train on."""
-    t = batch_tensors(records)
-    return {"input_ids": t["input_ids"], "answer_ids": t["answer_ids"]}
-
-
 Generator = Callable[..., list]  # (tokenizer, n, seed=...) -> records or pairs
-Batch = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -476,11 +110,19 @@ TASKS: dict[str, str] = {
 }
 #: Old names kept working.
 ALIASES: dict[str, str] = {"arithmetic-mc": "multiple-choice", "entity_tracking": "entity-tracking"}
+#: Every knowledge relation (:func:`~mechdiff.knowledge.data.available_relations`, e.g. ``country_capital``) is a
+#: task by its name, built on first use by this "module:function" from the relation's name.
+RELATION_TASK = "mechdiff.tasks.relations:relation_task"
 
 
-def task_names(include_aliases: bool = True) -> list[str]:
-    """Every registered task name (and the aliases)."""
-    return [*TASKS, *(ALIASES if include_aliases else ())]
+def task_names(include_aliases: bool = True, include_relations: bool = True) -> list[str]:
+    """Every registered task name (and the aliases, and the knowledge relations)."""
+    return [*TASKS, *(ALIASES if include_aliases else ()), *(available_relations() if include_relations else ())]
+
+
+def is_registered(name: str) -> bool:
+    """True for a registered task, an alias or a knowledge relation (not a task directory)."""
+    return name in TASKS or name in ALIASES or name in available_relations()
 
 
 def trainable_tasks() -> list[str]:
@@ -489,22 +131,53 @@ def trainable_tasks() -> list[str]:
     return names + [a for a, n in ALIASES.items() if n in names]
 
 
+def known_tasks(name: str) -> str:
+    """The names a task name may take (the registered tasks, the knowledge relations), nearest to ``name`` first."""
+    near = difflib.get_close_matches(name, task_names(), n=1)
+    return (f"{f'did you mean {near[0]}? ' if near else ''}registered tasks: "
+            f"{', '.join(task_names(include_relations=False))}; knowledge relations: "
+            f"{', '.join(available_relations())}; a relation JSON file; or a directory written by `mechdiff dataset import`")
+
+
 def canonical_name(name: str) -> str:
     """The registry name of ``name`` (aliases resolved); raises on an unknown name."""
     key = ALIASES.get(name, name)
-    if key not in TASKS:
-        raise ValueError(f"unknown task {name!r}; registered: {', '.join(task_names())}, "
-                         "or a directory written by `mechdiff dataset import`")
+    if not is_registered(key):
+        raise ValueError(f"unknown task {name!r}; {known_tasks(name)}")
     return key
 
 
 def get_task(name: str | os.PathLike) -> Task:
-    """The task registered as ``name`` (or an alias), or the task in a directory written by
-    ``mechdiff dataset import``."""
-    if isinstance(name, os.PathLike) or (isinstance(name, str) and name not in TASKS and name not in ALIASES
-                                         and Path(name).is_dir()):
-        from .jsonl import load_task
+    """The task registered as ``name`` (or an alias), the knowledge relation ``name`` (or a relation JSON file),
+    or the task in a directory written by ``mechdiff dataset import``. An unknown name is refused, naming the
+    known ones, before anything loads."""
+    if is_relation_file(name):
+        return _relation(str(name))
+    if isinstance(name, os.PathLike) or (isinstance(name, str) and not is_registered(name) and Path(name).is_dir()):
+        return directory_task(name)
+    key = canonical_name(str(name))
+    if key in TASKS:
+        module, attr = TASKS[key].split(":")
+        return getattr(importlib.import_module(module), attr)
+    return _relation(key)
 
-        return load_task(name)
-    module, attr = TASKS[canonical_name(str(name))].split(":")
-    return getattr(importlib.import_module(module), attr)
+
+def is_relation_file(name: str | os.PathLike) -> bool:
+    """True for a path to a relation JSON file in the LRE format (:mod:`mechdiff.knowledge.data`)."""
+    return str(name).endswith(".json") and Path(name).is_file()
+
+
+def _relation(name: str) -> Task:
+    module, attr = RELATION_TASK.split(":")
+    return getattr(importlib.import_module(module), attr)(name)
+
+
+def directory_task(directory: str | os.PathLike) -> Task:
+    """The :class:`Task` of a directory written by ``mechdiff dataset import``: its pairs in file order (checked
+    against the asking tokenizer); the ``counterfactual`` desideratum where every row gave a counterfactual answer."""
+    imported = read_task_directory(directory)
+    meta = imported.meta
+    desiderata = {"counterfactual": imported.counterfactual_pairs} if imported.has_counterfactual_answers else {}
+    return Task(name=meta["name"], description=f"imported from {meta['source']}", examples=imported.examples,
+                pairs=imported.discovery_pairs, reference=imported.reference, desiderata=desiderata,
+                plan=imported.plan, metric=meta["metric"], positions=tuple(meta["positions"]))

@@ -21,14 +21,15 @@ over reference prompts of the same template and token length, never across templ
 ``classes`` (position classes of the row's own, ``{"name": [[start, end], ...]}`` character spans on
 token boundaries, each class every token its spans cover; the same token indices in the counterfactual).
 Rows without ``classes`` get classes derived from their named positions
-(:func:`~mechdiff.tasks.base.derived_classes`). Rows may have any token length; clean and counterfactual
+(:func:`~mechdiff.tasks.records.derived_classes`). Rows may have any token length; clean and counterfactual
 of one row must have the same.
 
 :func:`import_pairs` checks every row against the tokenizer before anything is written: answers
 are one token appended to their prompt, clean and counterfactual have equal token lengths, spans
 start and end on token boundaries, and every row names the same positions. Every bad row is
 reported with its line number; the task directory is written to a temporary directory and
-renamed into place, so a failed import leaves nothing behind.
+renamed into place, so a failed import leaves nothing behind. :func:`read_task_directory` reads it back;
+:func:`mechdiff.tasks.base.get_task` makes it a :class:`~mechdiff.tasks.base.Task`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from ..metrics import TASK_METRICS
-from .base import Example, Pair, Task, canonical_json, record_dict
+from .records import Example, Pair, canonical_json, record_dict
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,11 @@ def answer_id(tokenizer: Any, prompt: str, answer: str) -> int:
     return int(full[-1])
 
 
-def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+def encode_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """``text``'s token ids and each token's character span (a fast tokenizer's offset mapping)."""
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("importing a task needs a fast tokenizer (offset mapping); load it with use_fast=True")
+        raise ValueError("locating positions by character needs a fast tokenizer (offset mapping); load it with "
+                         "use_fast=True")
     enc = tokenizer(text, return_offsets_mapping=True)
     return [int(i) for i in enc["input_ids"]], [tuple(o) for o in enc["offset_mapping"]]
 
@@ -135,8 +138,8 @@ def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
     clean, cf = row["clean"], row["counterfactual"]
     if not isinstance(row["positions"], dict):
         raise ValueError("positions must be an object {name: [start, end]}")
-    ids, offsets = _encode(tokenizer, clean)
-    cf_ids, cf_offsets = _encode(tokenizer, cf)
+    ids, offsets = encode_offsets(tokenizer, clean)
+    cf_ids, cf_offsets = encode_offsets(tokenizer, cf)
     if len(ids) != len(cf_ids):
         raise ValueError(f"clean and counterfactual differ in token length: {len(ids)} vs {len(cf_ids)} tokens")
     positions = {n: locate(clean, offsets, s, n) for n, s in row["positions"].items()}
@@ -171,7 +174,7 @@ def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
 
 
 def read_pairs(path: str | os.PathLike, tokenizer: Any) -> list[Pair]:
-    """Every row of a pairs file as a checked :class:`~mechdiff.tasks.base.Pair`; raises
+    """Every row of a pairs file as a checked :class:`~mechdiff.tasks.records.Pair`; raises
     :class:`ImportErrors` listing every bad row (``FILE:LINE: ...``) if any is bad."""
     path = Path(path)
     if not path.is_file():
@@ -259,7 +262,7 @@ def _has_counterfactual_answers(path: str | os.PathLike) -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# A task directory as a Task
+# A task directory's pairs (:func:`mechdiff.tasks.base.directory_task` makes it a Task)
 # --------------------------------------------------------------------------------------
 
 
@@ -284,20 +287,32 @@ class ImportedTask:
             log.info("task %s holds %d pairs; using all of them (asked for %d)", self.directory, len(self.pairs), n)
         return self.pairs[:n]
 
-    def task(self) -> Task:
-        desiderata = {}
-        if all(p.base.alternative_ids for p in self.pairs):
-            desiderata["counterfactual"] = lambda tok, n, seed=0: [
-                Pair(p.base, p.source, p.source.answer, p.source.answer_id, "counterfactual")
-                for p in self.take(tok, n)]
-        plan = self.directory / self.meta["plan"] if self.meta.get("plan") else None
-        return Task(
-            name=self.meta["name"], description=f"imported from {self.meta['source']}",
-            examples=lambda tok, n, seed=0: [p.base for p in self.take(tok, n)],
-            pairs=lambda tok, n, seed=0: self.take(tok, n),
-            reference=lambda tok, n, seed=0: [p.source for p in self.take(tok, n)],
-            desiderata=desiderata, plan=plan, metric=self.meta["metric"], positions=tuple(self.meta["positions"]),
-        )
+    @property
+    def plan(self) -> Optional[Path]:
+        """The plan imported with the pairs, if any."""
+        return self.directory / self.meta["plan"] if self.meta.get("plan") else None
+
+    @property
+    def has_counterfactual_answers(self) -> bool:
+        """Every row gave a ``counterfactual_answer`` (the ``counterfactual`` DCM desideratum exists)."""
+        return all(p.base.alternative_ids for p in self.pairs)
+
+    def examples(self, tokenizer: Any, n: int, seed: int = 0) -> list[Example]:
+        """The first ``n`` clean prompts (``seed`` is unused: the file fixes the order)."""
+        return [p.base for p in self.take(tokenizer, n)]
+
+    def discovery_pairs(self, tokenizer: Any, n: int, seed: int = 0) -> list[Pair]:
+        """The first ``n`` pairs, target the clean answer."""
+        return self.take(tokenizer, n)
+
+    def reference(self, tokenizer: Any, n: int, seed: int = 0) -> list[Example]:
+        """The first ``n`` counterfactual prompts (the mean-ablation reference)."""
+        return [p.source for p in self.take(tokenizer, n)]
+
+    def counterfactual_pairs(self, tokenizer: Any, n: int, seed: int = 0) -> list[Pair]:
+        """The first ``n`` pairs with the counterfactual's answer as target (the DCM desideratum)."""
+        return [Pair(p.base, p.source, p.source.answer, p.source.answer_id, "counterfactual")
+                for p in self.take(tokenizer, n)]
 
 
 def load_task_meta(directory: str | os.PathLike) -> dict:
@@ -312,8 +327,8 @@ def load_task_meta(directory: str | os.PathLike) -> dict:
     return meta
 
 
-def load_task(directory: str | os.PathLike) -> Task:
-    """The :class:`~mechdiff.tasks.base.Task` of a directory written by :func:`import_pairs`."""
+def read_task_directory(directory: str | os.PathLike) -> ImportedTask:
+    """The pairs of a directory written by :func:`import_pairs`."""
     directory = Path(directory)
     meta = load_task_meta(directory)
     lines = (directory / PAIRS_FILE).read_text(encoding="utf-8").splitlines()
@@ -322,4 +337,4 @@ def load_task(directory: str | os.PathLike) -> Task:
         d = json.loads(line)
         d.pop("type", None)
         pairs.append(Pair.from_dict(d))
-    return ImportedTask(directory, meta, pairs).task()
+    return ImportedTask(directory, meta, pairs)

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from ..circuits.curve import SELECT, SIZES, TARGET
 from ..dcm import DCMConfig
 from ..metrics import METRIC_ALIASES, metric_name
+from .base import is_registered, is_relation_file, known_tasks
 
 
 class SpecError(ValueError):
@@ -165,7 +166,7 @@ CHOICES = {
     ("dcm", "circuit"): ("found", "pruned"),
     ("cmap", "scope"): ("base", "paper"),
     ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value", "io_name",
-                            "counterfactual"),
+                            "counterfactual", "subject"),
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
 }
 
@@ -307,11 +308,9 @@ def _check_task(path: Path, text: str, name: str) -> None:
 
 
 def check_task(name: str, where: str = "") -> None:
-    """Refuse a task name that is neither registered nor a task directory, saying how to make one."""
-    from .base import ALIASES, TASKS
-
-    if name in TASKS or name in ALIASES or Path(name).is_dir():
+    """Refuse a task name that is neither registered (a task, an alias, a knowledge relation) nor a task
+    directory, naming the known ones and saying how to make a directory."""
+    if is_registered(name) or Path(name).is_dir() or is_relation_file(name):
         return
-    raise SpecError(f"{where}task {name!r} is neither a registered task ({', '.join(sorted(TASKS))}) nor a task "
-                    "directory; import your pairs with `mechdiff dataset import PAIRS.jsonl --model M --out DIR` "
-                    "and name DIR")
+    raise SpecError(f"{where}task {name!r} is neither a registered task nor a task directory; {known_tasks(name)} "
+                    "(import your pairs with `mechdiff dataset import PAIRS.jsonl --model M --out DIR` and name DIR)")

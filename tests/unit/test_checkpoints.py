@@ -12,7 +12,8 @@ import torch
 
 from mechdiff.commands.finetune import _save_spec
 from mechdiff.finetune import FinetuneConfig, finetune
-from mechdiff.models.loading import load_model, resolve_source, resolve_spec, spec_digest, trajectory_steps
+from mechdiff.models.loading import load_model, spec_digest
+from mechdiff.models.resolve import resolve_source, resolve_spec, trajectory_steps
 from mechdiff.models.registry import REGISTRY, TRAJECTORIES, step_dirname
 
 ET = TRAJECTORIES["smollm2-et"]
@@ -140,7 +141,7 @@ def test_committed_trajectory_is_one_run_of_the_smollm2_et_recipe():
 def test_committed_checkpoint_loads_with_its_recorded_fingerprint_and_accuracy():
     """smollm2-et@45 (real weights) merges to the recorded fingerprint and scores its run's validation accuracy."""
     from mechdiff.finetune import accuracy, validation_sets
-    from mechdiff.tasks.splits import train_objects
+    from mechdiff.tasks.entity_tracking.splits import train_objects
 
     lm = load_model("smollm2-et@45")
     assert lm.fingerprint == json.loads(TRAJECTORY_RECORD.read_text())["steps"]["45"]["fingerprint"]

@@ -15,7 +15,7 @@ from mechdiff.finetune import (FinetuneConfig, add_lora, answer_loss, finetune, 
 from mechdiff.models.loading import load_model
 from mechdiff.tasks import arithmetic
 from mechdiff.tasks.entity_tracking import generate, load_vocabulary, vocabulary_report
-from mechdiff.tasks.splits import eval_objects, split_objects, train_objects
+from mechdiff.tasks.entity_tracking.splits import eval_objects, split_objects, train_objects
 
 ZOO_RESULTS = Path(__file__).resolve().parents[2] / "results" / "zoo" / "eval-500.json"
 

@@ -229,7 +229,7 @@ def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ti
 
 def test_validation_prompts_hold_training_objects_and_none_of_the_eval_prompts(smollm2_tokenizer):
     from mechdiff.headmap import get_task, validation_batch
-    from mechdiff.tasks.splits import eval_objects, train_objects
+    from mechdiff.tasks.entity_tracking.splits import eval_objects, train_objects
 
     val = validation_batch("entity-tracking", smollm2_tokenizer, 40, 2_000_000)
     ev = get_task("entity-tracking").eval_batch(smollm2_tokenizer, 40, 1_000_000)

@@ -19,9 +19,9 @@ from mechdiff.evaluate import evaluate
 from mechdiff.metrics import answer_prob
 from mechdiff.patching.ablation import site_means
 from mechdiff.patching.core import run
-from mechdiff.tasks.base import (Example, batch_tensors, check_reference, derived_classes, group_key,
+from mechdiff.tasks.base import (Example, batch_tensors, check_reference, derived_classes, get_task, group_key,
                                  grouped_batches, pair_batch_tensors, take)
-from mechdiff.tasks.jsonl import ImportErrors, import_pairs, load_task
+from mechdiff.tasks.jsonl import ImportErrors, import_pairs
 
 from conftest import capitals_rows, make_tiny, write_rows
 
@@ -35,7 +35,7 @@ def close(a, b) -> None:
 
 @pytest.fixture
 def task(smollm2_tokenizer, tmp_path):
-    return load_task(import_pairs(write_rows(tmp_path / "capitals.jsonl", capitals_rows(N)), smollm2_tokenizer,
+    return get_task(import_pairs(write_rows(tmp_path / "capitals.jsonl", capitals_rows(N)), smollm2_tokenizer,
                                   tmp_path / "capitals"))
 
 
@@ -236,7 +236,7 @@ def test_records_with_only_named_positions_get_a_partition_of_classes():
 
 
 def test_jsonl_classes_of_a_row_are_the_batch_classes(smollm2_tokenizer, tmp_path):
-    task = load_task(import_pairs(write_rows(tmp_path / "c.jsonl", capitals_rows(4, classes=True)),
+    task = get_task(import_pairs(write_rows(tmp_path / "c.jsonl", capitals_rows(4, classes=True)),
                                   smollm2_tokenizer, tmp_path / "task"))
     records = task.records(smollm2_tokenizer, 4)
     for r in records:

@@ -172,7 +172,8 @@ def test_scan_command_writes_tensor_and_heatmap(tmp_path, monkeypatch, smollm2_t
     from mechdiff.commands import scan as command
 
     tiny = make_tiny("llama", smollm2_tokenizer)
-    monkeypatch.setattr(command, "load_from_args", lambda name, args: tiny)
+    monkeypatch.setattr(command, "load_from_args", lambda name, args, tokenizer=None: tiny)
+    monkeypatch.setattr(command, "tokenizer_from_args", lambda name, args: smollm2_tokenizer)
     out = tmp_path / "scan"
     assert main(["scan", "--model", "tiny", "--site", "z", "--position", "last", "--n", "3", "--n-boxes", "3",
                  "--out", str(out)]) == 0
@@ -190,7 +191,8 @@ def test_scan_command_on_another_task(tmp_path, monkeypatch, smollm2_tokenizer):
 
     tiny = make_tiny("llama", smollm2_tokenizer)
     loads = []
-    monkeypatch.setattr(command, "load_from_args", lambda name, args: loads.append(name) or tiny)
+    monkeypatch.setattr(command, "load_from_args", lambda name, args, tokenizer=None: loads.append(name) or tiny)
+    monkeypatch.setattr(command, "tokenizer_from_args", lambda name, args: smollm2_tokenizer)
     out = tmp_path / "ioi"
     assert main(["scan", "--task", "ioi", "--model", "tiny", "--site", "z", "--position", "S2", "--n", "3",
                  "--out", str(out)]) == 0

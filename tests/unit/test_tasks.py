@@ -16,7 +16,8 @@ from mechdiff.components import Head
 from mechdiff.metrics import task_metric
 from mechdiff.patching.path import path_patch, prepare
 from mechdiff.tasks import base, ioi
-from mechdiff.tasks.jsonl import ImportErrors, import_pairs, load_task
+from mechdiff.tasks.base import get_task
+from mechdiff.tasks.jsonl import ImportErrors, import_pairs
 
 NAMES = ("Mary", "John", "Anna", "Tom", "Kate", "Paul", "Emma", "Mark")
 
@@ -101,7 +102,7 @@ def test_circuit_takes_any_position_name(tmp_path):
 
 def test_import_locates_every_position_on_the_token_holding_the_span(smollm2_tokenizer, pairs_file, tmp_path):
     out = import_pairs(pairs_file, smollm2_tokenizer, tmp_path / "task", model="smollm2-135m", metric="logit_diff")
-    task = load_task(out)
+    task = get_task(out)
     pairs = task.discovery_pairs(smollm2_tokenizer, 8)
     assert len(pairs) == 8 and task.metric == "logit_diff"
     rows = [json.loads(line) for line in pairs_file.read_text().splitlines()]
@@ -143,7 +144,7 @@ def test_import_command_and_tokenizer_check(smollm2_tokenizer, pairs_file, tmp_p
     meta["tokenizer"] = "0" * 64
     (out / "task.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="another tokenizer"):
-        load_task(out).records(smollm2_tokenizer, 2)
+        get_task(out).records(smollm2_tokenizer, 2)
 
 
 # --------------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def test_user_plan_discovers_on_an_imported_task(tiny_llama, smollm2_tokenizer, 
     plan_path.write_text('[plan]\nname = "movers"\n[steps.M]\ngroup = "mover"\nsender = "last"\nk = 3\n'
                          '[steps.Q]\nsender = "S2"\nreceiver = "M"\nsite = "v"\nk = 2\n')
     out = import_pairs(pairs_file, smollm2_tokenizer, tmp_path / "task", plan=plan_path)
-    task = load_task(out)
+    task = get_task(out)
     pairs = task.discovery_pairs(smollm2_tokenizer, 6)
     plan = load_plan(task.plan)
     circuit, steps = discover(tiny_llama, pairs, DiscoverySettings(screen=False), task=task.name, progress=False,
@@ -225,7 +226,8 @@ def test_scan_command_on_an_imported_task(tiny_llama, smollm2_tokenizer, pairs_f
     from mechdiff.commands import scan as command
 
     out = import_pairs(pairs_file, smollm2_tokenizer, tmp_path / "task")
-    monkeypatch.setattr(command, "load_from_args", lambda name, args: tiny_llama)
+    monkeypatch.setattr(command, "load_from_args", lambda name, args, tokenizer=None: tiny_llama)
+    monkeypatch.setattr(command, "tokenizer_from_args", lambda name, args: smollm2_tokenizer)
     assert main(["scan", "--task", str(out), "--model", "tiny", "--position", "S2", "--n", "4",
                  "--out", str(tmp_path / "scan")]) == 0
     meta = json.loads((tmp_path / "scan" / "scan_z_S2.json").read_text())

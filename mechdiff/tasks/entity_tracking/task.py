@@ -14,6 +14,7 @@ from .building import Vocabulary, generate
 from .pairs import label_value_pairs, object_value_pairs, path_patching_pairs, positional_pairs
 from .positions import CLASSES
 from .records import DEFAULT_N_BOXES, EntityTrackingExample
+from .splits import eval_objects, train_objects
 
 PLAN = Path(__file__).resolve().parent.parent / "plans" / "entity_tracking.toml"
 ReferenceKind = Literal["path_patching", "fresh"]
@@ -35,8 +36,6 @@ def reference_records(tokenizer: Any, n: int, n_boxes: int = DEFAULT_N_BOXES, se
 
 
 def _objects(split: str) -> tuple[str, ...]:
-    from ..splits import eval_objects, train_objects  # splits reads this package's vocabulary
-
     return train_objects() if split == "train" else eval_objects()
 
 
