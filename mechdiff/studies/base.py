@@ -15,7 +15,6 @@ import importlib
 import json
 import platform
 import time
-import tomllib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 from ..io import check_writable, run_lock, write_json
-from ..tasks.spec import SpecError, StudySection, _line
+from ..tasks.spec import SpecError, StudySection, _line, read_task_file
 from .stages import Pending, PlannedStage, StageCache
 
 #: Study kinds by the name a task file's ``[study] kind`` gives: the class, as ``module:Class`` (imported when
@@ -48,17 +47,11 @@ class OutputDir:
 def study_kind(path: str | Path) -> str:
     """The ``[study] kind`` of the task file ``path`` (default ``circuits``), refused with its line when unknown."""
     path = Path(path)
-    if not path.is_file():
-        raise SpecError(f"task file {path} does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-        raise SpecError(f"{path}: not a TOML task file ({err}); tasks/entity_tracking.toml is a complete "
-                        "example") from None
+    text, data = read_task_file(path)
     section = data.get("study", {})
     kind = section.get("kind", DEFAULT_KIND) if isinstance(section, dict) else None
     if kind not in KINDS:
-        raise SpecError(f"{path}:{_line(path.read_text(), 'study', 'kind')}: kind = {kind!r} in [study]; "
+        raise SpecError(f"{path}:{_line(text, 'study', 'kind')}: kind = {kind!r} in [study]; "
                         f"valid values: {', '.join(KINDS)}")
     return kind
 

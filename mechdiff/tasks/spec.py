@@ -227,6 +227,22 @@ def _check_paper_stages(path: Path, text: str, built: dict[str, Any]) -> None:
 _DESIDERATUM = {"object_value": "object", "label_value": "label", "position": "positional"}
 
 
+def read_task_file(path: str | Path, example: str = "tasks/entity_tracking.toml") -> tuple[str, dict[str, Any]]:
+    """The text and parsed TOML of the task file ``path``; a missing, binary or malformed file is refused
+    naming the file and what to do."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"task file {path} does not exist")
+    try:
+        text = path.read_text()
+        return text, tomllib.loads(text)
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{path}: not a text file ({err}) — give a TOML task file (tasks/*.toml)") from None
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError(f"{path}: not valid TOML ({err}) — fix the syntax there "
+                        f"({example} is a complete example)") from None
+
+
 def load_sections(path: str | Path, sections: dict[str, type], required: Optional[dict[str, tuple]] = None,
                   choices: Optional[dict[tuple[str, str], tuple]] = None,
                   example: str = "tasks/entity_tracking.toml") -> tuple[dict[str, Any], str]:
@@ -235,16 +251,7 @@ def load_sections(path: str | Path, sections: dict[str, type], required: Optiona
     the wrong type (lists where the default is a tuple become tuples) and values outside ``choices`` are
     refused with the file and line; ``required`` names fields a file must give."""
     path = Path(path)
-    if not path.is_file():
-        raise SpecError(f"task file {path} does not exist")
-    try:
-        text = path.read_text()
-        data = tomllib.loads(text)
-    except UnicodeDecodeError as err:
-        raise SpecError(f"{path}: not a text file ({err}) — give a TOML task file (tasks/*.toml)") from None
-    except tomllib.TOMLDecodeError as err:
-        raise SpecError(f"{path}: not valid TOML ({err}) — fix the syntax there "
-                        f"({example} is a complete example)") from None
+    text, data = read_task_file(path, example)
     for section in data:
         if section not in sections:
             raise SpecError(f"{path}:{_line(text, None, section)}: unknown section [{section}]; "
