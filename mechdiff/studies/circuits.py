@@ -85,7 +85,7 @@ class CircuitsStudy(Study):
         """What every stage depends on besides its own section: the task, how models load, the
         held-out vocabulary, the tokenizer (the base's) and the code version."""
         from .. import __version__
-        from ..tasks.splits import eval_objects
+        from ..tasks.entity_tracking.splits import eval_objects
 
         return {"task": asdict(self.spec.task), "dtype": self.spec.models.dtype,
                 "device_map": self.spec.models.device_map, "vocabulary": _hash(eval_objects()),
@@ -100,7 +100,7 @@ class CircuitsStudy(Study):
     def options(self, held_out: bool = True) -> dict:
         """Generator options: ``n_boxes``, and the objects held out from fine-tuning where the task takes a
         vocabulary (the task keeps only the options it accepts)."""
-        from ..tasks.splits import eval_objects
+        from ..tasks.entity_tracking.splits import eval_objects
 
         opts: dict = {"n_boxes": self.spec.task.n_boxes}
         if held_out and "vocabulary" in self.task.options:
