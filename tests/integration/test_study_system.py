@@ -176,3 +176,16 @@ def test_library_warnings_a_user_cannot_act_on_are_filtered_precisely():
         warnings.warn_explicit(peft_alias, FutureWarning, "mine.py", 3, module="mechdiff.mine")
         warnings.warn_explicit(peft_alias, UserWarning, "modeling_utils.py", 4, module="transformers.modeling_utils")
     assert [(str(w.message), w.lineno) for w in seen] == [("another deprecation", 2), (peft_alias, 3), (peft_alias, 4)]
+
+
+def test_mechdiff_run_prints_the_plan_and_plan_stops_there(tiny_family, tmp_path, capsys):
+    from mechdiff.cli import main
+
+    task = tmp_path / "k.toml"
+    task.write_text(f'[study]\nkind = "knowledge"\n\n[output]\ndir = "{tmp_path / "out"}"\n\n[knowledge]\n'
+                    f'relation = "antonym"\nmodels = ["{tiny_family[0]}"]\nmax_facts = 4\nk = 30000\n')
+    assert main(["run", str(task), "--plan", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"knowledge study into {tmp_path / 'out'}:\n")
+    assert "facts " in out and f"discovery:{tiny_family[0]}" in out and "4 of 4 stages to compute" in out
+    assert not (tmp_path / "out" / "stages").exists() and not (tmp_path / "out" / "run.json").exists()
