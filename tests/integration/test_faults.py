@@ -476,7 +476,7 @@ def test_a_sigterm_swallowed_in_a_destructor_still_stops_the_run(family, tmp_pat
 
     def accuracy(self, name):
         rec = real(self, name)
-        if not seen:
+        if not seen and not self.cache.planning:  # in the run, not in the plan printed before it
             seen.append(name)
             Swallowing()
             gc.collect()
