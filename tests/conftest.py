@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never wait on the network in tests
@@ -68,6 +69,17 @@ def hooked_last_logits(lm, ids, pre_hooks=(), hooks=()):
     finally:
         for h in handles:
             h.remove()
+
+
+@contextmanager
+def count_forwards():
+    """Every module forward anywhere while inside (torch's global forward pre-hook): a cached rerun runs none."""
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: calls.append(module))
+    try:
+        yield calls
+    finally:
+        handle.remove()
 
 
 def make_tiny(family: str, tokenizer=None, seed: int = 0, n_layers: int = 3) -> LoadedModel:

@@ -94,3 +94,9 @@ def faithfulness_curve(model: LoadedModel, graph: Graph, batches: Sequence[FactB
     return {"rows": rows, "cpr": float(np.trapezoid(f, x)), "cmd": float(np.trapezoid(np.abs(1 - f), x)),
             "m_full": m_full, "m_empty": m_empty, "metric": "mean answer log-probability",
             "area": "trapezoid over the fraction of edges, linear axis, (0, 0) included"}
+
+
+#: What orders the edges of the faithfulness curve, per method (others: their |score|). ACDC scores no edge
+#: but measures each one it tries: the curve keeps the top edges by that |metric change| (0 for edges into
+#: dead nodes), a departure from ACDC, which yields one circuit per threshold, not a ranking.
+CURVE_RANKING = {"acdc": "|metric change when ACDC tried the edge|", "iterative": "iterative pruning's circuits"}

@@ -435,6 +435,7 @@ class HeadMapStudy(Study):
 
     def stages(self) -> tuple[dict[str, list[dict]], dict[str, dict[float, dict]]]:
         """The evaluations, the sweep, every seed's runs and the located circuits; (results, sweep)."""
+        self.stages_started = time.time()
         ev = self.prompts()
         results = self.results(ev)
         self.locate(TASK, self.settings.n)
@@ -443,7 +444,7 @@ class HeadMapStudy(Study):
     def write(self, outcome: tuple[dict[str, list[dict]], dict[str, dict[float, dict]]]) -> Path:  # type: ignore[override]
         """Figures of the located circuits, the overlap with path-patching circuits, tables and the report."""
         results, sweep = outcome
-        return self.write_report(results, sweep, time.time() - self.started)
+        return self.write_report(results, sweep, time.time() - self.stages_started)
 
     def write_report(self, results: dict[str, list[dict]], sweep: dict[str, dict[float, dict]],
                      seconds: float) -> Path:
@@ -674,8 +675,8 @@ def report_text(st: HeadMapSettings, out: str, shape: Any, located: dict[str, Ci
     lines = [
         f"# HeadMap on {st.model}",
         "",
-        f"Made by `{command_line(st, out)}` (the settings of `tasks/headmap.toml`: `mechdiff headmap compare "
-        f"--task tasks/headmap.toml`). This invocation took {seconds:.0f} s; computing every stage it read "
+        f"Made by `{command_line(st, out)}` (the settings of `tasks/headmap.toml`: `mechdiff run "
+        f"tasks/headmap.toml`). This invocation took {seconds:.0f} s; computing every stage it read "
         f"took {cold_seconds / 60:.1f} min in all (the sum of the stages' own seconds, each measured by the run that "
         "computed it, on 2 shared CPU cores; stages cached under `stages/`).",
         "",

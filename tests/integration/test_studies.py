@@ -82,8 +82,8 @@ def test_knowledge_task_file_through_the_one_loader(tmp_path):
     bad.write_text('[knowledge]\nk = 5\n\nmethod = "eap-xx"\n')
     with pytest.raises(SpecError, match=r"bad.toml:4: method = 'eap-xx'.*valid values: eap, iterative"):
         kp.load_settings(bad)
-    bad.write_text('[knowledge]\nk = 5\ntemplates = 1\n')
-    with pytest.raises(SpecError, match=r"bad.toml:3: unknown key 'templates' in \[knowledge\]"):
+    bad.write_text('[knowledge]\nk = 5\ntemplatez = 1\n')
+    with pytest.raises(SpecError, match=r"bad.toml:3: unknown key 'templatez' in \[knowledge\]"):
         kp.load_settings(bad)
     bad.write_text('[knowledge]\nk = "ten"\n')
     with pytest.raises(SpecError, match=r"bad.toml:2: k = 'ten'"):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mechdiff.studies.circuits import CircuitsStudy as Study
+from conftest import count_forwards
 from mechdiff.tasks.spec import default_spec
 
 
@@ -32,7 +33,11 @@ def tiny_spec(names, out):
 
 def test_study_end_to_end_and_caching(tiny_family, tmp_path):
     spec = tiny_spec(tiny_family, tmp_path)
-    report = Study(spec, progress=False).run()
+    first = Study(spec, progress=False)
+    plan = first.plan()  # what the run will do: every stage to compute, each with its key
+    assert first.models._loaded == {} and not any(p.cached for p in plan) and all(p.key for p in plan)
+    report = first.run()
+    assert {p.name: p.key for p in plan} == {n: r.key for n, r in first.cache.records.items()}
     text = report.read_text()
     for section in ("## Findings", "## Accuracy", "## Circuits", "## Circuit x model", "## Overlap",
                     "## What the heads encode (DCM)", "## Cross-model activation patching (CMAP)", "## What was run"):
@@ -46,8 +51,12 @@ def test_study_end_to_end_and_caching(tiny_family, tmp_path):
     _check_heads_table_and_page(spec, run_dir, text, tmp_path)
 
     again = Study(spec, progress=False)
-    again.run()
-    assert all(r.cached for r in again.cache.records.values())
+    replan = again.plan()  # every stage cached, under the keys the first run wrote, with their cost then
+    assert all(p.cached and p.same_as_committed for p in replan)
+    assert {p.name: p.committed_seconds for p in replan} == {n: s["seconds"] for n, s in manifest["stages"].items()}
+    with count_forwards() as calls:
+        again.run()
+    assert calls == [] and all(r.cached for r in again.cache.records.values())
     assert again.models._loaded == {}  # nothing recomputed, so no weights loaded
 
     spec.cmap.parts = ["z", "v"]  # one changed option: only the CMAP stages recompute

@@ -5,14 +5,12 @@ pass. The committed studies' task files resolve to the stages, settings and seed
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import make_tiny
+from conftest import count_forwards, make_tiny
 from mechdiff.studies import headmap as hm
 from mechdiff.studies import knowledge as kn
 from mechdiff.studies.base import KINDS, format_plan, load_study, study_class, study_kind
@@ -24,17 +22,6 @@ from mechdiff.tasks.spec import SpecError
 OLD_OFFSETS = {"discovery": 0, "eval": 1, "matrix": 2, "reference": 3, "dcm": 4, "cmap": 5, "prune": 6,
                "positions": 7, "ranking": 8, "curve": 9}
 OLD_REPRODUCTION = {"reproduction": 7, "reproduction-reference": 8}
-
-
-@contextmanager
-def count_forwards():
-    """Every module forward anywhere while inside (torch's global forward pre-hook)."""
-    calls = []
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: calls.append(module))
-    try:
-        yield calls
-    finally:
-        handle.remove()
 
 
 def test_prompt_seeds_are_those_of_the_committed_results():
@@ -67,41 +54,8 @@ def _states(plan) -> dict[str, str]:
     return {p.name: "cached" if p.cached else f"after {p.after}" if p.after else "compute" for p in plan}
 
 
-# --------------------------------------------------------------------------------------
-# circuits
-# --------------------------------------------------------------------------------------
-
-
-def test_circuits_study_plan_run_and_rerun(tiny_family, tmp_path, monkeypatch):
-    from test_study import tiny_spec
-
-    from mechdiff.models.modelset import ModelSet
-    from mechdiff.studies.circuits import CircuitsStudy
-
-    spec = tiny_spec(tiny_family, tmp_path)
-    spec.positions.n, spec.scoring.completeness_draws, spec.scoring.random_draws = 0, 0, 1
-    spec.discovery.stability_draws, spec.cmap.parts = 2, ["z"]
-    study = CircuitsStudy(spec, progress=False)
-    plan = study.plan()
-    assert study.models._loaded == {}  # planning loads no weights
-    names = [p.name for p in plan]
-    m0, m1 = spec.model_names
-    assert names[:2] == [f"accuracy:{m0}", f"accuracy:{m1}"] and names[-2:] == ["dcm", f"cmap:{m1}"]
-    assert not any(p.cached for p in plan) and all(p.key for p in plan)
-    study.run()
-    ran = {n: r.key for n, r in study.cache.records.items()}
-    assert {p.name: p.key for p in plan} == ran  # the plan named every stage the run ran, with its key
-    again = CircuitsStudy(spec, progress=False)
-    replan = again.plan()
-    assert all(p.cached for p in replan) and {p.name: p.key for p in replan} == ran
-    # the committed run.json now holds what each stage cost
-    committed = json.loads((Path(spec.output.dir) / "run.json").read_text())["stages"]
-    assert {p.name: p.committed_seconds for p in replan} == {n: s["seconds"] for n, s in committed.items()}
-    assert all(p.same_as_committed for p in replan)
-    monkeypatch.setattr(ModelSet, "__getitem__", lambda *a: pytest.fail("a cached rerun loaded weights"))
-    with count_forwards() as calls:
-        again.run()
-    assert calls == [] and all(r.cached for r in again.cache.records.values())
+# circuits: the plan, the run and the cached rerun without a forward pass are checked in
+# test_study.py::test_study_end_to_end_and_caching (one tiny circuits study serves both).
 
 
 # --------------------------------------------------------------------------------------
@@ -222,3 +176,16 @@ def test_library_warnings_a_user_cannot_act_on_are_filtered_precisely():
         warnings.warn_explicit(peft_alias, FutureWarning, "mine.py", 3, module="mechdiff.mine")
         warnings.warn_explicit(peft_alias, UserWarning, "modeling_utils.py", 4, module="transformers.modeling_utils")
     assert [(str(w.message), w.lineno) for w in seen] == [("another deprecation", 2), (peft_alias, 3), (peft_alias, 4)]
+
+
+def test_mechdiff_run_prints_the_plan_and_plan_stops_there(tiny_family, tmp_path, capsys):
+    from mechdiff.cli import main
+
+    task = tmp_path / "k.toml"
+    task.write_text(f'[study]\nkind = "knowledge"\n\n[output]\ndir = "{tmp_path / "out"}"\n\n[knowledge]\n'
+                    f'relation = "antonym"\nmodels = ["{tiny_family[0]}"]\nmax_facts = 4\nk = 30000\n')
+    assert main(["run", str(task), "--plan", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"knowledge study into {tmp_path / 'out'}:\n")
+    assert "facts " in out and f"discovery:{tiny_family[0]}" in out and "4 of 4 stages to compute" in out
+    assert not (tmp_path / "out" / "stages").exists() and not (tmp_path / "out" / "run.json").exists()

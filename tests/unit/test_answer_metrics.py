@@ -64,8 +64,14 @@ def test_pure_metrics_match_numpy():
     np.testing.assert_allclose(SCAN["logit_diff"][0](logits, answer, other).numpy(),
                                _take(x, answer) - _take(x, other), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(SCAN["answer_logit"][0](logits, answer, None).numpy(), _take(x, answer), rtol=1e-6)
-    np.testing.assert_allclose(SCAN["answer_prob"][0](logits, answer, None).numpy(),
+    np.testing.assert_allclose(SCAN["prob"][0](logits, answer, None).numpy(),
                                np.exp(_take(_log_softmax(x), answer)), rtol=1e-6)
+    # one vocabulary: the answer's probability is "prob" everywhere; the scan's earlier "answer_prob" is read as it
+    from mechdiff.metrics import metric_name
+
+    assert metric_name("answer_prob") == "prob" and metric_name("logit_diff") == "logit_diff"
+    np.testing.assert_array_equal(task_metric(logits, answer, "answer_prob").numpy(),
+                                  task_metric(logits, answer, "prob").numpy())
     from mechdiff.cmap import _score
 
     correct, prob = _score(logits, answer)

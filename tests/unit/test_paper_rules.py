@@ -212,7 +212,7 @@ def test_dcm_paper_preset_and_validation_schedule(tiny_llama, smollm2_tokenizer)
     _, _, history = train_mask(tiny_llama, heads, "last", cache, list(range(10)), [10, 11], config, progress=False)
     assert [h["step"] for h in history] == [1, 5, 9, 11, 15, 19]
     _, _, history = train_mask(tiny_llama, heads, "last", cache, list(range(10)), [10, 11],
-                               DCMConfig(batch_size=1, eval_every=4), progress=False)
+                               DCMConfig(batch_size=1, eval_every=4, epochs=2), progress=False)
     assert [h["step"] for h in history] == [0, 4, 8, 12, 16, 20]
 
 

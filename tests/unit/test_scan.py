@@ -176,10 +176,10 @@ def test_scan_command_writes_tensor_and_heatmap(tmp_path, monkeypatch, smollm2_t
     monkeypatch.setattr(command, "tokenizer_from_args", lambda name, args: smollm2_tokenizer)
     out = tmp_path / "scan"
     assert main(["scan", "--model", "tiny", "--site", "z", "--position", "last", "--n", "3", "--n-boxes", "3",
-                 "--out", str(out)]) == 0
+                 "--metric", "answer_prob", "--out", str(out)]) == 0  # the earlier name, read as prob
     saved = torch.load(out / "scan_z_last.pt")
     meta = json.loads((out / "scan_z_last.json").read_text())
-    assert saved["effects"].shape == (3, 4) and meta["metric"] == "answer_prob" and meta["axes"] == ["layer", "head"]
+    assert saved["effects"].shape == (3, 4) and meta["metric"] == "prob" and meta["axes"] == ["layer", "head"]
     assert (out / "scan_z_last.png").stat().st_size > 0
 
 
