@@ -156,7 +156,7 @@ def test_shipped_plans_and_bad_plans(tmp_path):
     assert [(s.name, s.sender, s.site, s.receiver) for s in plan.steps] == [
         ("A", "last", None, None), ("B", "last", "q", "A"), ("C", "query_label", "v", "B"),
         ("D", "query_label_context", "v", "C")]
-    assert load_plan(ioi.PLAN).positions() == {"END", "S2"}
+    assert load_plan(ioi.PLAN).positions() == {"last", "S2"}
     bad = tmp_path / "bad.toml"
     bad.write_text('[steps.X]\nsender = "END"\nreceiver = "Y"\nsite = "q"\nk = 2\n')
     with pytest.raises(ValueError, match="receiver 'Y' is not an earlier step"):
