@@ -10,8 +10,8 @@ Positions: ``IO`` and ``S1`` (the two names in the first clause), ``S2`` (the re
 (``alternative_ids`` holds S). Every template is used both ways: IO first (ABBA) and S first (BABA).
 
 Templates: Wang et al.'s BABA/ABBA templates (their ``ioi_dataset.py``), cut before the final IO, so
-prompts of different templates have different token lengths (:data:`TEMPLATES`; lengths 13 to 20 in
-SmolLM2's tokenizer). A record's ``template`` field is its template's text: mean ablation and batching
+prompts of different templates have different token lengths (:data:`TEMPLATES`: 14, 15, 17 and 20
+tokens in SmolLM2's tokenizer). A record's ``template`` field is its template's text: mean ablation and batching
 group records by (template, token length), so a position-wise mean never mixes templates. ABBA and BABA
 prompts of one template share a group (their reference prompts, ABC corruptions, are the same
 distribution: three distinct names).
@@ -35,8 +35,8 @@ from .base import Example, Pair, Task
 PLAN = Path(__file__).resolve().parent / "plans" / "ioi.toml"
 GROUP_NAMES = {"NM": "name mover", "SI": "S-inhibition", "IND": "induction / duplicate token"}
 #: ``{A}`` and ``{B}``: the two names of the first clause (IO and S in either order); ``{S}``: the giver.
-#: Wang et al.'s templates, ending before the answer; the first four are those of mechdiff's earlier IOI.
-TEMPLATES = (
+#: Wang et al.'s templates, ending before the answer (the first is mechdiff's earlier IOI template).
+ALL_TEMPLATES = (
     "When {A} and {B} went to the {place}, {S} gave a {obj} to",
     "After {A} and {B} went to the {place}, {S} gave a {obj} to",
     "Then, {A} and {B} went to the {place}. {S} gave a {obj} to",
@@ -46,6 +46,10 @@ TEMPLATES = (
     "When {A} and {B} got a {obj} at the {place}, {S} decided to give it to",
     "Then, {A} and {B} were thinking about going to the {place}. {S} wanted to give a {obj} to",
 )
+#: The default set: four of them, each of its own token length in SmolLM2's tokenizer (14, 15, 17 and 20
+#: tokens). Every (template, length) group is its own batch and its own mean-ablation group, so scoring
+#: costs grow with the number of templates; pass ``templates=ALL_TEMPLATES`` for all eight.
+TEMPLATES = (ALL_TEMPLATES[0], ALL_TEMPLATES[3], ALL_TEMPLATES[6], ALL_TEMPLATES[7])
 FIELDS = ("A", "B", "S", "place", "obj")
 NAMES = ("Mary", "John", "Tom", "James", "Anna", "Paul", "Sarah", "Mark", "Lisa", "David", "Emma", "Peter",
          "Kate", "Michael", "Laura", "Robert", "Alice", "Daniel", "Jane", "Steven", "Susan", "Kevin", "Rachel",

@@ -17,12 +17,13 @@ from tolerances import assert_close32
 
 def test_templates_have_several_token_lengths(smollm2_tokenizer):
     lengths = ioi.template_lengths(smollm2_tokenizer)
-    assert set(lengths) == set(ioi.TEMPLATES) and len(set(lengths.values())) >= 4
+    assert set(lengths) == set(ioi.TEMPLATES) and len(set(lengths.values())) == len(ioi.TEMPLATES) == 4
+    assert len(set(ioi.template_lengths(smollm2_tokenizer, ioi.ALL_TEMPLATES).values())) == 5
     for t, n in lengths.items():  # one length a template, whatever the names, place and object drawn
         assert {len(r.input_ids) for r in ioi.generate(smollm2_tokenizer, 6, seed=1, templates=[t])} == {n}
 
 
-@pytest.mark.parametrize("template", ioi.TEMPLATES)
+@pytest.mark.parametrize("template", ioi.ALL_TEMPLATES)
 def test_named_positions_match_a_direct_tokenization(smollm2_tokenizer, template):
     """IO, S1, S2 and last against the tokens of the prompt's prefix up to each name, tokenized on its own."""
     tok = smollm2_tokenizer
@@ -67,7 +68,7 @@ def test_pairs_stay_equal_length_within_a_pair(smollm2_tokenizer, pairs):
 
 
 def test_a_multi_length_eval_equals_the_per_template_evals_pooled(tiny_llama, smollm2_tokenizer):
-    records = ioi.generate(smollm2_tokenizer, 24, seed=3)  # 3 prompts of each of 8 templates, interleaved
+    records = ioi.generate(smollm2_tokenizer, 24, seed=3)  # 6 prompts of each of 4 templates, interleaved
     pooled = evaluate(tiny_llama, records, batch_size=4, progress=False)
     seen = []
     for template in ioi.TEMPLATES:
