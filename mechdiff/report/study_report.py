@@ -434,6 +434,17 @@ PHRASINGS = {True: """- Every prompt comes from one template family with 7 boxes
 """}
 
 
+def _source(name: str, provenance: dict) -> str:
+    """Where a model came from as its spec names it (``package:...``, a hub id), never this machine's resolved
+    path: the adapter for a LoRA, else the spec's source (and GGUF file)."""
+    from ..models.loading import resolve_spec
+
+    if provenance.get("adapter"):
+        return str(provenance["adapter"])
+    spec = resolve_spec(name)
+    return spec.source + (f"/{spec.gguf_file}" if spec.gguf_file else "")
+
+
 def _held_out(study: "Study") -> bool:
     """Whether the task's prompts draw on the vocabulary held out from fine-tuning (entity tracking)."""
     return "vocabulary" in study.task.options
@@ -451,7 +462,7 @@ def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, p
     spec = study.spec
     stage_rows = [{"stage": n, "seconds": s["seconds"], "cached": s["cached"]} for n, s in manifest["stages"].items()]
     model_rows = [{"model": n, "digest": d, "fingerprint": accuracy[n].result["fingerprint"],
-                   "source": str(accuracy[n].result["provenance"].get("adapter") or accuracy[n].result["provenance"].get("path", ""))}
+                   "source": _source(n, accuracy[n].result["provenance"])}
                   for n, d in manifest["model_digests"].items()]
     parts = [
         f"# {study.task.name}: {spec.models.base} against {', '.join(spec.models.finetunes)}\n",

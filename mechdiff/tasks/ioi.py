@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .base import Example, Pair, Task
+from .base import Example, Pair, Task, derived_class_names
 
 PLAN = Path(__file__).resolve().parent / "plans" / "ioi.toml"
 GROUP_NAMES = {"NM": "name mover", "SI": "S-inhibition", "IND": "induction / duplicate token"}
@@ -51,6 +51,7 @@ ALL_TEMPLATES = (
 #: costs grow with the number of templates; pass ``templates=ALL_TEMPLATES`` for all eight.
 TEMPLATES = (ALL_TEMPLATES[0], ALL_TEMPLATES[3], ALL_TEMPLATES[6], ALL_TEMPLATES[7])
 FIELDS = ("A", "B", "S", "place", "obj")
+NAMED = ("IO", "S1", "S2", "last")  # every record's named positions
 NAMES = ("Mary", "John", "Tom", "James", "Anna", "Paul", "Sarah", "Mark", "Lisa", "David", "Emma", "Peter",
          "Kate", "Michael", "Laura", "Robert", "Alice", "Daniel", "Jane", "Steven", "Susan", "Kevin", "Rachel",
          "Brian", "Linda", "George", "Amy", "Richard", "Helen", "Jack", "Karen", "Adam", "Claire", "Simon")
@@ -179,6 +180,6 @@ TASK = Task(
     desiderata={"io_name": io_name_pairs},
     plan=PLAN,
     metric="logit_diff",
-    positions=("IO", "S1", "S2", "last"),
+    positions=tuple(derived_class_names(NAMED)),  # the named positions and the classes derived from them
     group_names=GROUP_NAMES,
 )

@@ -46,6 +46,25 @@ def test_named_positions_match_a_direct_tokenization(smollm2_tokenizer, template
         assert r.alternative_ids == (tok(" " + s, add_special_tokens=False)["input_ids"][0],)
 
 
+def test_the_committed_study_circuits_load_with_the_tasks_classes(tmp_path):
+    """A circuit of (head, derived class) pairs is a valid IOI circuit file; a position IOI lacks is refused."""
+    import json
+    from pathlib import Path
+
+    from mechdiff.circuits.circuit import CircuitFileError, load_circuit_file
+
+    assert ioi.TASK.positions == ("before", "IO", "after_IO", "S1", "after_S1", "S2", "after_S2", "last")
+    run = Path(__file__).resolve().parents[2] / "results" / "ioi-smollm2" / "circuits"
+    paths = sorted(run.glob("*.json"))
+    assert [p.stem for p in paths] == ["smollm2-135m", "smollm2-et"]
+    for path in paths:
+        assert set(load_circuit_file(path, 30, 9).positions.values()) <= set(ioi.TASK.positions)
+    stale = tmp_path / "stale.json"  # the old layout's END position
+    stale.write_text(json.dumps({"task": "ioi", "groups": {"NM": ["L29H1"]}, "positions": {"NM": "END"}}))
+    with pytest.raises(CircuitFileError, match="not positions of the task"):
+        load_circuit_file(stale, 30, 9)
+
+
 def test_derived_classes_partition_every_template(smollm2_tokenizer):
     records = ioi.generate(smollm2_tokenizer, 16, seed=2)
     for r in records:

@@ -87,9 +87,9 @@ def test_registry_aliases_and_unknown_names():
 
 
 def test_circuit_takes_any_position_name(tmp_path):
-    c = Circuit("m", "ioi", {"NM": [Head(9, 1)], "IND": [Head(3, 0)]}, {"NM": "END", "IND": "S2"})
+    c = Circuit("m", "ioi", {"NM": [Head(9, 1)], "IND": [Head(3, 0)]}, {"NM": "last", "IND": "after_S2"})
     back = Circuit.load(c.save(tmp_path / "c.json"))
-    assert back.positions == {"NM": "END", "IND": "S2"} and back.names == {}
+    assert back.positions == {"NM": "last", "IND": "after_S2"} and back.names == {}
     with pytest.raises(ValueError, match="not names"):
         Circuit("m", "t", {"A": []}, {"A": ""})
 
