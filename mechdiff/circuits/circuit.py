@@ -1,7 +1,7 @@
 """The Circuit: named groups of heads, each read at a named dataset position; JSON round-trip.
 
 Positions are names of the task's position records (entity tracking: ``last``, ``query_label``,
-``query_label_context``; IOI: ``END``, ``S2``...), never token offsets, so one circuit file scores
+``query_label_context``; IOI: ``last``, ``S2``...), never token offsets, so one circuit file scores
 on any model of the same shape and any prompt length. Whether a name exists is checked against
 the records a circuit is scored on.
 """

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--site", default="z", choices=SITES, help="z/q/k/v: [layer, head]; resid: [layer, position]")
     p.add_argument("--position", default="last",
                    help="where heads are patched: a position the task records (entity tracking: last, query_label, "
-                        "query_label_context; IOI: END, S2, ...) or all (every position at once; resid scans every "
+                        "query_label_context; IOI: last, S2, ...) or all (every position at once; resid scans every "
                         "position)")
     p.add_argument("--metric", default="prob", type=metric_name, choices=sorted(METRICS),
                    help="what a patch's effect is measured on (prob: the answer's probability; answer_prob is read "

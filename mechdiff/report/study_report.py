@@ -52,8 +52,9 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
         rows.append({"model": name, **estimate_columns("accuracy", r["accuracy"]),
                      **estimate_columns("answer_prob", r["answer_prob"]), "fingerprint": r["fingerprint"]})
     n = study.spec.eval.n
-    text = _table(study, rows, "accuracy", f"Accuracy on {n} held-out {study.spec.task.n_boxes}-box prompts "
-                                           "(objects disjoint from fine-tuning objects; exact binomial CI for accuracy, bootstrap for probability)")
+    what = (f"{n} held-out {study.spec.task.n_boxes}-box prompts (objects disjoint from fine-tuning objects; "
+            if _held_out(study) else f"{n} held-out {study.task.name} prompts (")
+    text = _table(study, rows, "accuracy", f"Accuracy on {what}exact binomial CI for accuracy, bootstrap for probability)")
     return text, rows
 
 
@@ -407,7 +408,8 @@ def _method(study: "Study") -> str:
                 f"faithfulness {'interval lower bound' if d.select == 'low' else 'point estimate'} reaches "
                 f"{d.target} on those prompts (the largest scored where none does). Selection stability: the same "
                 f"ranking on {d.stability_draws} bootstrap resamples of the ranking prompts. Ablation: position-wise "
-                f"means of {sc.reference_n} reference prompts with held-out objects. {MEANS_RULE}\n")
+                f"means of {sc.reference_n} reference prompts{' with held-out objects' if _held_out(study) else ''}. "
+                f"{MEANS_RULE}\n")
     return (f"Each model's circuit by the paper's path patching on {d.n} clean/counterfactual pairs; top-k per step "
             f"{d.top_k}; attribution screen: {d.screen} (shortlist {d.screen_multiple} x k). {MEANS_RULE}\n")
 
@@ -426,9 +428,29 @@ LIMITATIONS = """- Departures from Prakash et al.: circuits are drawn over (head
   whose removal alone already exceeds the threshold skip the search (it could only raise them).
 - CMAP's random control uses a few draws per group (the `[cmap] n_random` setting), fewer than the circuit
   baseline's; its interval is over prompts, with the draws averaged per prompt.
-- Every prompt comes from one template family with 7 boxes; nothing here says how the circuits transfer to
-  other phrasings.
 """
+#: The last limitation: entity tracking's one template family, or any other task's own templates.
+PHRASINGS = {True: """- Every prompt comes from one template family with 7 boxes; nothing here says how the circuits transfer to
+  other phrasings.
+""", False: """- Every prompt comes from the task's own templates; nothing here says how the circuits transfer to other
+  phrasings.
+"""}
+
+
+def _source(name: str, provenance: dict) -> str:
+    """Where a model came from as its spec names it (``package:...``, a hub id), never this machine's resolved
+    path: the adapter for a LoRA, else the spec's source (and GGUF file)."""
+    from ..models.loading import resolve_spec
+
+    if provenance.get("adapter"):
+        return str(provenance["adapter"])
+    spec = resolve_spec(name)
+    return spec.source + (f"/{spec.gguf_file}" if spec.gguf_file else "")
+
+
+def _held_out(study: "Study") -> bool:
+    """Whether the task's prompts draw on the vocabulary held out from fine-tuning (entity tracking)."""
+    return "vocabulary" in study.task.options
 
 
 def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, pruned: dict, matrix: dict,
@@ -441,7 +463,7 @@ def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, p
     spec = study.spec
     stage_rows = [{"stage": n, "seconds": s["seconds"], "cached": s["cached"]} for n, s in manifest["stages"].items()]
     model_rows = [{"model": n, "digest": d, "fingerprint": accuracy[n].result["fingerprint"],
-                   "source": str(accuracy[n].result["provenance"].get("adapter") or accuracy[n].result["provenance"].get("path", ""))}
+                   "source": _source(n, accuracy[n].result["provenance"])}
                   for n, d in manifest["model_digests"].items()]
     parts = [
         f"# {study.task.name}: {spec.models.base} against {', '.join(spec.models.finetunes)}\n",
@@ -450,7 +472,7 @@ def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, p
         "prompts for ratios and probabilities, paired bootstrap for differences on the same prompts.\n",
         "## Findings\n", circuit_findings(study, positions, mat_rows),
         findings(study, acc_rows, mat_rows, overlaps, cmap), dcm_findings(dcm), "",
-        "## Limitations\n", LIMITATIONS,
+        "## Limitations\n", LIMITATIONS + PHRASINGS[_held_out(study)],
         "## Accuracy\n", acc_text,
         "## Where the computation sits (position scan)\n", positions_section(study, positions),
         "## Circuits\n", _method(study), circuit_section(study, found, pruned),
@@ -463,8 +485,9 @@ def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, p
         to_markdown(model_rows), "",
         f"Seeds: task seed {spec.task.seed}; each prompt set's seed is it plus "
         + ", ".join(f"{k} +{v}" for k, v in PROMPT_OFFSETS.items() if not k.startswith("reproduction"))
-        + ". All prompts use only the held-out objects (`eval_objects()`), disjoint from the fine-tuning objects. "
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())
+        + (". All prompts use only the held-out objects (`eval_objects()`), disjoint from the fine-tuning objects. "
+           if _held_out(study) else ". ")
+        + "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())
         + f". Python {manifest['python']} on {manifest['machine']}.\n",
         to_markdown(stage_rows), "",
         f"Configuration: `run.json` (the full spec). {_cost(manifest)}\n",

@@ -5,34 +5,53 @@ the other (the indirect object IO)::
 
     When Mary and John went to the store, John gave a drink to      ->  " Mary"
 
-Positions: ``IO`` and ``S1`` (the two names in the first clause), ``S2`` (the repeated subject),
-``END`` (the last token, also named ``last``). The metric is the logit difference IO - S
-(``alternative_ids`` holds S). Half the prompts put IO first (``ABBA``), half S first (``BABA``).
+Positions: ``IO`` and ``S1`` (the two names in the first clause), ``S2`` (the repeated subject) and
+``last`` (the final token, Wang et al.'s END). The metric is the logit difference IO - S
+(``alternative_ids`` holds S). Every template is used both ways: IO first (ABBA) and S first (BABA).
+
+Templates: Wang et al.'s BABA/ABBA templates (their ``ioi_dataset.py``), cut before the final IO, so
+prompts of different templates have different token lengths (:data:`TEMPLATES`: 14, 15, 17 and 20
+tokens in SmolLM2's tokenizer). A record's ``template`` field is its template's text: mean ablation and batching
+group records by (template, token length), so a position-wise mean never mixes templates. ABBA and BABA
+prompts of one template share a group (their reference prompts, ABC corruptions, are the same
+distribution: three distinct names).
 
 Counterfactual pairs are ABC corruptions: the same template, place and object with three new
 names (none of the clean prompt's), so no name repeats and nothing points to the clean IO; the
 target is the clean IO. Every name, place and object is one token after a space, so all prompts of
-one template have one token length; templates are kept only where their length equals the first
-template's, and every position is located from the tokenizer's offsets (never by search).
+one template have one token length and a pair's two prompts are equal in length. Every position is
+located from the tokenizer's offsets (never by search).
 """
 
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .base import Example, Pair, Task
+from .base import Example, Pair, Task, derived_class_names
 
 PLAN = Path(__file__).resolve().parent / "plans" / "ioi.toml"
 GROUP_NAMES = {"NM": "name mover", "SI": "S-inhibition", "IND": "induction / duplicate token"}
-TEMPLATES = (
+#: ``{A}`` and ``{B}``: the two names of the first clause (IO and S in either order); ``{S}``: the giver.
+#: Wang et al.'s templates, ending before the answer (the first is mechdiff's earlier IOI template).
+ALL_TEMPLATES = (
     "When {A} and {B} went to the {place}, {S} gave a {obj} to",
     "After {A} and {B} went to the {place}, {S} gave a {obj} to",
-    "While {A} and {B} were at the {place}, {S} gave a {obj} to",
-    "Then {A} and {B} went to the {place}, and {S} gave a {obj} to",
-    "When {A} and {B} got to the {place}, {S} handed a {obj} to",
+    "Then, {A} and {B} went to the {place}. {S} gave a {obj} to",
+    "Then, {A} and {B} had a long argument, and afterwards {S} said to",
+    "While {A} and {B} were working at the {place}, {S} gave a {obj} to",
+    "Then, {A} and {B} were working at the {place}. {S} decided to give a {obj} to",
+    "When {A} and {B} got a {obj} at the {place}, {S} decided to give it to",
+    "Then, {A} and {B} were thinking about going to the {place}. {S} wanted to give a {obj} to",
 )
+#: The default set: four of them, each of its own token length in SmolLM2's tokenizer (14, 15, 17 and 20
+#: tokens). Every (template, length) group is its own batch and its own mean-ablation group, so scoring
+#: costs grow with the number of templates; pass ``templates=ALL_TEMPLATES`` for all eight.
+TEMPLATES = (ALL_TEMPLATES[0], ALL_TEMPLATES[3], ALL_TEMPLATES[6], ALL_TEMPLATES[7])
+FIELDS = ("A", "B", "S", "place", "obj")
+NAMED = ("IO", "S1", "S2", "last")  # every record's named positions
 NAMES = ("Mary", "John", "Tom", "James", "Anna", "Paul", "Sarah", "Mark", "Lisa", "David", "Emma", "Peter",
          "Kate", "Michael", "Laura", "Robert", "Alice", "Daniel", "Jane", "Steven", "Susan", "Kevin", "Rachel",
          "Brian", "Linda", "George", "Amy", "Richard", "Helen", "Jack", "Karen", "Adam", "Claire", "Simon")
@@ -54,20 +73,30 @@ def vocabulary(tokenizer: Any) -> tuple[list[str], list[str], list[str]]:
     return names, places, objs
 
 
+def _fill(template: str, values: dict[str, str]) -> tuple[str, dict[str, tuple[int, int]]]:
+    """``template`` filled with ``values``, and the character span of each of ``A``, ``B`` and ``S``."""
+    text, spans, at = "", {}, 0
+    for m in re.finditer(r"\{(\w+)\}", template):
+        key = m.group(1)
+        if key not in FIELDS:
+            raise ValueError(f"template {template!r} has an unknown field {{{key}}}; fields: {', '.join(FIELDS)}")
+        text += template[at:m.start()]
+        if key in ("A", "B", "S"):
+            spans[key] = (len(text), len(text) + len(values[key]))
+        text += values[key]
+        at = m.end()
+    missing = {"A", "B", "S"} - set(spans)
+    if missing:
+        raise ValueError(f"template {template!r} lacks {sorted(missing)}; an IOI template names {{A}}, {{B}} and {{S}}")
+    return text + template[at:], spans
+
+
 def build(tokenizer: Any, template: str, io: str, s: str, place: str, obj: str, io_first: bool,
           giver: Optional[str] = None) -> Example:
     """One prompt: ``io`` and ``s`` in the first clause (``io`` first when ``io_first``), ``giver``
-    (default ``s``) in the second; positions from the tokenizer's offsets."""
+    (default ``s``) in the second; positions from the tokenizer's offsets; ``template`` recorded."""
     a, b = (io, s) if io_first else (s, io)
-    giver = s if giver is None else giver
-    spans: dict[str, tuple[int, int]] = {}
-    text, rest = "", template
-    for key, word in (("A", a), ("B", b), ("place", place), ("S", giver), ("obj", obj)):
-        head, rest = rest.split("{" + key + "}", 1)
-        text += head
-        spans[key] = (len(text), len(text) + len(word))
-        text += word
-    text += rest
+    text, spans = _fill(template, {"A": a, "B": b, "S": s if giver is None else giver, "place": place, "obj": obj})
     enc = tokenizer(text, return_offsets_mapping=True)
     ids, offsets = [int(i) for i in enc["input_ids"]], [tuple(o) for o in enc["offset_mapping"]]
 
@@ -79,47 +108,45 @@ def build(tokenizer: Any, template: str, io: str, s: str, place: str, obj: str, 
         return hits[0]
 
     io_key, s_key = ("A", "B") if io_first else ("B", "A")
-    answer, alt = " " + io, " " + s
-    positions = {"IO": token(io_key), "S1": token(s_key), "S2": token("S"), "END": len(ids) - 1,
-                 "last": len(ids) - 1}
-    return Example(text, tuple(ids), answer, _single(tokenizer, io), positions, (alt,), (_single(tokenizer, s),))
+    positions = {"IO": token(io_key), "S1": token(s_key), "S2": token("S"), "last": len(ids) - 1}
+    return Example(text, tuple(ids), " " + io, _single(tokenizer, io), positions, (" " + s,), (_single(tokenizer, s),),
+                   template=template)
 
 
-def _templates(tokenizer: Any, names: Sequence[str], places: Sequence[str], objs: Sequence[str]) -> list[str]:
-    """The templates whose prompts have the first template's token length."""
-    def length(t: str) -> int:
-        return len(build(tokenizer, t, names[0], names[1], places[0], objs[0], True).input_ids)
-
-    first = length(TEMPLATES[0])
-    return [t for t in TEMPLATES if length(t) == first]
+def template_lengths(tokenizer: Any, templates: Sequence[str] = TEMPLATES) -> dict[str, int]:
+    """Each template's prompt length in tokens (one length per template: every filler is one token)."""
+    names, places, objs = vocabulary(tokenizer)
+    return {t: len(build(tokenizer, t, names[0], names[1], places[0], objs[0], True).input_ids) for t in templates}
 
 
-def _draws(tokenizer: Any, n: int, seed: int) -> list[tuple[str, str, str, str, str, bool]]:
-    """``(template, io, s, place, obj, io_first)`` of each of ``n`` prompts: templates cycled, IO first in
-    even prompts, names, place and object drawn with ``random.Random(seed)``."""
+def _draws(tokenizer: Any, n: int, seed: int,
+           templates: Sequence[str] = TEMPLATES) -> list[tuple[str, str, str, str, str, bool]]:
+    """``(template, io, s, place, obj, io_first)`` of each of ``n`` prompts: templates cycled, each in both
+    orders (IO first in half), names, place and object drawn with ``random.Random(seed)``."""
     if n < 1:
         raise ValueError("n must be at least 1")
+    if not templates:
+        raise ValueError("give at least one template")
     names, places, objs = vocabulary(tokenizer)
-    templates = _templates(tokenizer, names, places, objs)
     rng = random.Random(seed)
     out = []
     for i in range(n):
         io, s = rng.sample(names, 2)
-        io_first = (i + i // len(templates)) % 2 == 0  # both orders under every template
+        io_first = (i // len(templates) + i % len(templates)) % 2 == 0  # each template's orders alternate
         out.append((templates[i % len(templates)], io, s, rng.choice(places), rng.choice(objs), io_first))
     return out
 
 
-def generate(tokenizer: Any, n: int, seed: int = 0) -> list[Example]:
-    """``n`` IOI prompts, deterministic in ``seed``."""
-    return [build(tokenizer, *d) for d in _draws(tokenizer, n, seed)]
+def generate(tokenizer: Any, n: int, seed: int = 0, templates: Sequence[str] = TEMPLATES) -> list[Example]:
+    """``n`` IOI prompts over ``templates`` (cycled), deterministic in ``seed``."""
+    return [build(tokenizer, *d) for d in _draws(tokenizer, n, seed, templates)]
 
 
-def _pairs(tokenizer: Any, n: int, seed: int, kind: str) -> list[Pair]:
+def _pairs(tokenizer: Any, n: int, seed: int, kind: str, templates: Sequence[str] = TEMPLATES) -> list[Pair]:
     names, _, _ = vocabulary(tokenizer)
     rng = random.Random(f"{seed}:{kind}")
     out = []
-    for template, io, s, place, obj, io_first in _draws(tokenizer, n, seed):
+    for template, io, s, place, obj, io_first in _draws(tokenizer, n, seed, templates):
         base = build(tokenizer, template, io, s, place, obj, io_first)
         pool = [x for x in names if x not in (io, s)]
         if kind == "abc":
@@ -133,16 +160,16 @@ def _pairs(tokenizer: Any, n: int, seed: int, kind: str) -> list[Pair]:
     return out
 
 
-def abc_pairs(tokenizer: Any, n: int, seed: int = 0) -> list[Pair]:
+def abc_pairs(tokenizer: Any, n: int, seed: int = 0, templates: Sequence[str] = TEMPLATES) -> list[Pair]:
     """Clean prompts (:func:`generate` with ``seed``) and their ABC corruptions: three new names (the
     giver is a third person), the same template, place and object; target the clean IO."""
-    return _pairs(tokenizer, n, seed, "abc")
+    return _pairs(tokenizer, n, seed, "abc", templates)
 
 
-def io_name_pairs(tokenizer: Any, n: int, seed: int = 0) -> list[Pair]:
+def io_name_pairs(tokenizer: Any, n: int, seed: int = 0, templates: Sequence[str] = TEMPLATES) -> list[Pair]:
     """DCM desideratum: the source is the same prompt with two new names; target the source's IO
     (heads that carry the name to be copied move the answer to it)."""
-    return _pairs(tokenizer, n, seed, "io_name")
+    return _pairs(tokenizer, n, seed, "io_name", templates)
 
 
 TASK = Task(
@@ -153,6 +180,6 @@ TASK = Task(
     desiderata={"io_name": io_name_pairs},
     plan=PLAN,
     metric="logit_diff",
-    positions=("IO", "S1", "S2", "END", "last"),
+    positions=tuple(derived_class_names(NAMED)),  # the named positions and the classes derived from them
     group_names=GROUP_NAMES,
 )

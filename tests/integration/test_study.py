@@ -99,7 +99,7 @@ def test_study_on_another_task(tiny_family, tmp_path):
     # IOI's classes: derived from its named positions (each, the tokens after each, those before, the last)
     from mechdiff.tasks.base import derived_class_names
 
-    assert set(circuit["positions"].values()) <= set(derived_class_names(["IO", "S1", "S2", "END", "last"]))
+    assert set(circuit["positions"].values()) <= set(derived_class_names(["IO", "S1", "S2", "last"]))
     bad = tmp_path / "bad.toml"
     bad.write_text('[models]\nbase = "smollm2-135m"\n\n[task]\nname = "no-such-task"\n')
     with pytest.raises(SpecError, match=r"bad.toml:5: task 'no-such-task' is neither.*dataset import"):

@@ -41,7 +41,7 @@ def records(smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def ioi_records(smollm2_tokenizer):
-    return ioi.generate(smollm2_tokenizer, 5, seed=0)
+    return ioi.generate(smollm2_tokenizer, 5, seed=0, templates=ioi.TEMPLATES[:1])  # one length: one batch
 
 
 def _planted_answers(model, records) -> list[int]:

@@ -45,7 +45,6 @@ def test_study_page_has_the_reports_findings_and_each_modelscircuit_pairs() -> N
 
 @pytest.mark.parametrize("run, circuits", [
     ("headmap-smollm2", ["circuits/entity-tracking/circuit", "path-patching/smollm2-et-early"]),
-    ("ioi-smollm2", ["circuit-base/circuit"]),
 ])
 def test_other_results_kinds_degrade_to_summary_tables_and_a_grid_percircuit_pairs(run: str, circuits: list[str]) -> None:
     html = page(RESULTS / run)
@@ -53,6 +52,15 @@ def test_other_results_kinds_degrade_to_summary_tables_and_a_grid_percircuit_pai
     for name in circuits:
         assert _members(data, name) == circuit_pairs(RESULTS / run / f"{name}.json")
     assert "<h2>Tables</h2>" in html and 'class="sortable"' in html
+
+
+def test_ioi_study_page_holds_each_models_circuit_pairs() -> None:
+    """IOI through the whole study (tasks/ioi.toml): the page's grid is each model's circuit, pair for pair."""
+    run = RESULTS / "ioi-smollm2"
+    data = _grid_data(page(run))
+    assert [v["name"] for v in data["views"]][:2] == ["smollm2-135m", "smollm2-et"]
+    for name in ("smollm2-135m", "smollm2-et"):
+        assert _members(data, name) == circuit_pairs(run / "circuits" / f"{name}.json")
 
 
 def test_edge_circuit_grid_holds_its_head_nodes_and_the_head_roles_beside_it() -> None:

@@ -88,9 +88,9 @@ def test_registry_aliases_and_unknown_names():
 
 
 def test_circuit_takes_any_position_name(tmp_path):
-    c = Circuit("m", "ioi", {"NM": [Head(9, 1)], "IND": [Head(3, 0)]}, {"NM": "END", "IND": "S2"})
+    c = Circuit("m", "ioi", {"NM": [Head(9, 1)], "IND": [Head(3, 0)]}, {"NM": "last", "IND": "after_S2"})
     back = Circuit.load(c.save(tmp_path / "c.json"))
-    assert back.positions == {"NM": "END", "IND": "S2"} and back.names == {}
+    assert back.positions == {"NM": "last", "IND": "after_S2"} and back.names == {}
     with pytest.raises(ValueError, match="not names"):
         Circuit("m", "t", {"A": []}, {"A": ""})
 
@@ -157,7 +157,7 @@ def test_shipped_plans_and_bad_plans(tmp_path):
     assert [(s.name, s.sender, s.site, s.receiver) for s in plan.steps] == [
         ("A", "last", None, None), ("B", "last", "q", "A"), ("C", "query_label", "v", "B"),
         ("D", "query_label_context", "v", "C")]
-    assert load_plan(ioi.PLAN).positions() == {"END", "S2"}
+    assert load_plan(ioi.PLAN).positions() == {"last", "S2"}
     bad = tmp_path / "bad.toml"
     bad.write_text('[steps.X]\nsender = "END"\nreceiver = "Y"\nsite = "q"\nk = 2\n')
     with pytest.raises(ValueError, match="receiver 'Y' is not an earlier step"):
