@@ -38,6 +38,7 @@ import base64
 import copy
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -114,6 +115,13 @@ class _Swapped(LoadedModel):
     def trace(self, **kwargs: Any) -> Any:
         self.owner.require_active(self.name)
         return super().trace(**kwargs)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """:func:`load_model`'s fingerprint of this checkpoint (the swapped weights seen as the merged model;
+        forgotten at every swap)."""
+        self.owner.require_active(self.name)
+        return model_fingerprint(_Merged(self.model))
 
 
 class Checkpoints:
@@ -203,8 +211,7 @@ class Checkpoints:
 
     def fingerprint(self, name: str) -> str:
         """The fingerprint :func:`load_model` gives checkpoint ``name`` (computed on the swapped weights)."""
-        lm = self.model(name)
-        return model_fingerprint(_Merged(lm.model)) if isinstance(lm, _Swapped) else lm.fingerprint
+        return self.model(name).fingerprint
 
 
 # --------------------------------------------------------------------------------------
@@ -263,18 +270,25 @@ def cmap_gain(first: LoadedModel, checkpoint: LoadedModel, circuit: Circuit, rec
 
 def semantic(lm: LoadedModel, labels: Sequence[dict], tests: dict[str, Sequence], batch_size: int = 32,
              progress: bool = True) -> list[dict]:
-    """Semantic patching in ``lm`` of each DCM selection of ``labels`` (:meth:`DCMResult.to_dict` records) on its
-    desideratum's test pairs: target accuracy (exact binomial), the unpatched floor and each pair's outcome."""
-    from .dcm import semantic_patching
+    """Semantic patching in ``lm`` of each non-empty DCM selection of ``labels`` (:meth:`DCMResult.to_dict`
+    records: group, desideratum, position, selected) on its desideratum's test pairs: the target accuracy with the
+    selected heads patched from source to base (exact binomial), the unpatched floor and each pair's outcome, as
+    :func:`~mechdiff.dcm.semantic_patching` gives them; one :class:`~mechdiff.dcm.PairCache` per desideratum
+    serves all its selections (two forward passes a pair, then one suffix run a pair per selection)."""
+    from .dcm import PairCache
+    from .stats import proportion
 
+    chosen = [lab for lab in labels if lab["selected"]]
     out = []
-    for lab in labels:
-        if not lab["selected"]:
-            continue
-        heads = parse_heads(lab["selected"])
-        res = semantic_patching([lm], heads, lab["position"], tests[lab["desideratum"]], batch_size, progress)[0]
-        out.append({"group": lab["group"], "desideratum": lab["desideratum"], "heads": lab["selected"],
-                    **res.to_dict(), "outcomes": res.outcomes})
+    for desideratum in dict.fromkeys(lab["desideratum"] for lab in chosen):
+        mine = [(lab, parse_heads(lab["selected"])) for lab in chosen if lab["desideratum"] == desideratum]
+        pairs = tests[desideratum]
+        cache = PairCache.build(lm, pairs, [(heads, lab["position"]) for lab, heads in mine], batch_size, progress)
+        for lab, heads in mine:
+            acc = cache.accuracy(lm, range(len(pairs)), heads, lab["position"], batch_size, progress)
+            out.append({"group": lab["group"], "desideratum": desideratum, "position": lab["position"],
+                        "heads": lab["selected"], "model": lm.name, "accuracy": proportion(acc).to_dict(),
+                        "floor": proportion(cache.floor).to_dict(), "outcomes": np.asarray(acc).astype(int).tolist()})
     return out
 
 
@@ -450,8 +464,8 @@ def membership(circuits: Sequence[Circuit]) -> dict[tuple[str, int], list[int]]:
 
 
 def membership_figure(steps: Sequence[int], circuits: Sequence[Circuit], path: str | Path, title: str = "") -> Path:
-    """Rows (position class, layer), columns the steps: how many of the layer's heads at that class each
-    checkpoint's own circuit keeps."""
+    """One panel per step: position classes (rows) by layers (columns), how many of the layer's heads at that class
+    the checkpoint's own circuit keeps (:func:`membership`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -460,14 +474,21 @@ def membership_figure(steps: Sequence[int], circuits: Sequence[Circuit], path: s
     from .io import save_figure
 
     cells = membership(circuits)
-    grid = np.array(list(cells.values()), dtype=float).reshape(len(cells), len(steps))
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * len(steps) + 3), max(3.0, 0.16 * len(cells) + 1.2)))
-    im = ax.imshow(grid, cmap="Greens", aspect="auto", interpolation="nearest", vmin=0)
-    ax.set_xticks(range(len(steps)))
-    ax.set_xticklabels([str(s) for s in steps], fontsize=7)
-    ax.set_yticks(range(len(cells)))
-    ax.set_yticklabels([f"{pos} L{layer}" for pos, layer in cells], fontsize=5)
-    ax.set_xlabel("training step")
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, label="heads in the circuit")
+    classes = list(dict.fromkeys(pos for pos, _ in cells))
+    n_layers = 1 + max((layer for _, layer in cells), default=0)
+    vmax = max((max(v) for v in cells.values()), default=1)
+    fig, axes = plt.subplots(1, len(steps), figsize=(1.6 * len(steps) + 2.5, 0.25 * len(classes) + 1.6),
+                             sharey=True, squeeze=False)
+    for i, (step, ax) in enumerate(zip(steps, axes[0])):
+        grid = np.zeros((len(classes), n_layers))
+        for (pos, layer), counts in cells.items():
+            grid[classes.index(pos), layer] = counts[i]
+        im = ax.imshow(grid, cmap="Greens", aspect="auto", interpolation="nearest", vmin=0, vmax=vmax)
+        ax.set_title(f"step {step}: {int(grid.sum())} pairs", fontsize=7)
+        ax.set_xlabel("layer", fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.set_yticks(range(len(classes)))
+        ax.set_yticklabels(classes, fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.colorbar(im, ax=list(axes[0]), label="heads in the circuit")
     return save_figure(fig, path)

@@ -145,17 +145,23 @@ def test_cmap_gain_is_the_paired_difference_of_patched_and_first(trajectory, pro
 
 
 def test_semantic_patching_matches_the_loaded_checkpoint(trajectory, smollm2_tokenizer):
+    """Two selections of one desideratum share one pair cache; each gives what semantic_patching gives on the
+    checkpoint loaded by itself."""
     names, cp = trajectory
     pairs = desideratum_pairs("positional", smollm2_tokenizer, 16, n_boxes=3, seed=4)
     labels = [{"group": "last", "desideratum": "positional", "position": "last", "selected": ["L2H1", "L1H0"]},
-              {"group": "last", "desideratum": "object_value", "position": "last", "selected": []}]
+              {"group": "last", "desideratum": "object_value", "position": "last", "selected": []},
+              {"group": "query_label", "desideratum": "positional", "position": "query_label",
+               "selected": ["L0H2", "L1H3"]}]
     for name in names:
         got = semantic(cp.model(name), labels, {"positional": pairs}, batch_size=8, progress=False)
-        assert len(got) == 1  # an empty selection is not patched
-        want = semantic_patching([direct(name)], parse_heads(["L2H1", "L1H0"]), "last", pairs, 8, False)[0]
-        assert got[0]["outcomes"] == want.outcomes and len(want.outcomes) == 16
-        assert got[0]["accuracy"] == want.accuracy.to_dict()
-        assert got[0]["accuracy"]["value"] == np.mean(want.outcomes)
+        assert [g["group"] for g in got] == ["last", "query_label"]  # an empty selection is not patched
+        for g, lab in zip(got, (labels[0], labels[2])):
+            want = semantic_patching([direct(name)], parse_heads(lab["selected"]), lab["position"], pairs, 8,
+                                     False)[0]
+            assert g["outcomes"] == want.outcomes and len(want.outcomes) == 16
+            assert g["accuracy"] == want.accuracy.to_dict() and g["floor"] == want.floor.to_dict()
+            assert g["accuracy"]["value"] == np.mean(want.outcomes)
 
 
 def test_within_checkpoint_null_on_the_tiny_trajectory_is_the_overlap_of_two_disjoint_discoveries(trajectory,
