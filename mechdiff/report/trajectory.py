@@ -206,12 +206,24 @@ class _Report:
                     "pairs_entered": len(c["entered"]), "pairs_left": len(c["left"])}
                    for i, c in enumerate(st["consecutive"])]
         stages = self.s.cache.summary()
-        cost = [{"stage": k, "seconds": round(v["seconds"], 1), "cached": v["cached"]} for k, v in stages.items()]
+        cost = [{"stage": k, "seconds": round(v["seconds"], 1)} for k, v in stages.items()]
+        st = self.s.st
+        settings = [{"what": w, "setting": v} for w, v in (
+            ("checkpoints (step: name)", ", ".join(f"{s}: {n}" for s, n in zip(self.steps, self.names))),
+            ("accuracy prompts", st.eval.n), ("ranking prompts (halved for the null)", st.discovery.n),
+            ("curve prompts; sizes", f"{st.discovery.curve_n}; {st.discovery.sizes}"),
+            ("target faithfulness; select", f"{st.discovery.target}; {st.discovery.select}"),
+            ("scoring prompts; reference prompts", f"{st.scoring.n}; {st.scoring.reference_n}"),
+            ("CMAP prompts; parts; groups", f"{st.cmap.n}; {' '.join(st.cmap.parts)}; {' '.join(st.cmap.groups)}"),
+            ("DCM labels; semantic test pairs", f"{st.dcm.labels or 'trained on the final circuit'}; {st.dcm.n_test}"),
+            ("structure resamples; stable frequency", f"{st.structure.draws}; {st.structure.stable}"))]
         text = (f"# {self.dir.name}\n\nWritten by `mechdiff run {self.s.st.source}`; the full report is "
                 "[report.md](report.md). Every finding is a row carried by its interval.\n\n"
                 "## Findings: when each component forms (in order)\n\n" + to_markdown(formation) + "\n\n"
                 "## Findings: structure beyond the within-checkpoint null\n\n" + to_markdown(changed) + "\n\n"
-                "## Stage costs (this run)\n\n" + to_markdown(cost) + "\n")
+                "## Settings\n\n" + to_markdown(settings) + "\n\n"
+                "## Stage costs\n\nSeconds each stage took when it was computed (from `run.json`; "
+                f"{sum(v['seconds'] for v in stages.values()):.0f} s in all).\n\n" + to_markdown(cost) + "\n")
         write_text(self.dir / "README.md", text)
 
 

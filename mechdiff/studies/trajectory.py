@@ -33,16 +33,16 @@ from typing import Any, Optional
 
 from ..circuits.circuit import Circuit
 from ..circuits.curve import SELECT, SIZES, TARGET
-from ..io import check_writable, run_lock, write_json
+from ..io import check_writable, run_lock
 from ..models.loading import load_tokenizer, spec_digest
-from ..tasks.spec import DcmSection, EvalSection, OutputSection, SpecError, TaskSection, _line, load_sections
+from ..tasks.spec import (DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, _line,
+                          load_sections)
 from ..trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
-from .stages import StageCache, StageRecord, key_hash, label
+from .base import Study
+from .seeds import prompt_seed
+from .stages import StageRecord, key_hash, label
 
 log = logging.getLogger(__name__)
-
-#: Prompt sets of the study by name: the task seed plus this offset (as the circuits study's sets).
-PROMPT_OFFSETS = {"eval": 1, "matrix": 2, "reference": 3, "dcm": 4, "cmap": 5, "ranking": 8, "curve": 9}
 
 
 @dataclass
@@ -96,12 +96,7 @@ class TrajectoryOutput(OutputSection):
     store: str = "cache/activations-trajectory.h5"
 
 
-@dataclass
-class StudyKind:
-    kind: str = "trajectory"
-
-
-SECTIONS = {"study": StudyKind, "task": TaskSection, "models": CheckpointsSection, "eval": EvalSection,
+SECTIONS = {"study": StudySection, "task": TaskSection, "models": CheckpointsSection, "eval": EvalSection,
             "discovery": TrajectoryDiscovery, "scoring": TrajectoryScoring, "structure": StructureSection,
             "dcm": TrajectoryDcm, "cmap": TrajectoryCmap, "output": TrajectoryOutput}
 CHOICES = {("discovery", "select"): SELECT, ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
@@ -110,7 +105,7 @@ CHOICES = {("discovery", "select"): SELECT, ("cmap", "parts"): ("z", "q", "k", "
 
 @dataclass
 class TrajectorySettings:
-    study: StudyKind
+    study: StudySection
     task: TaskSection
     models: CheckpointsSection
     eval: EvalSection
@@ -166,7 +161,7 @@ def read_labels(path: str | Path) -> list[dict]:
     return out
 
 
-class TrajectoryStudy:
+class TrajectoryStudy(Study):
     """The stages of one trajectory task file into ``out`` (see the module docstring)."""
 
     kind = "trajectory"
@@ -174,12 +169,10 @@ class TrajectoryStudy:
     def __init__(self, settings: TrajectorySettings, out: Optional[str | Path] = None, progress: bool = True):
         from ..tasks.base import get_task
 
-        self.started = time.time()
-        self.st, self.progress = settings, progress
-        self.dir = check_writable(Path(out or settings.output.dir), "run directory")
+        super().__init__(out or settings.output.dir, progress)
+        self.st = settings
         self.store = str(Path(settings.output.store))
         check_writable(Path(self.store).parent, "activation store directory")
-        self.cache = StageCache(self.dir)
         self.names = list(settings.models.checkpoints)
         self.base_spec, specs = trajectory_specs(self.names)
         self.digests = {n: spec_digest(s) for n, s in zip(self.names, specs)}
@@ -218,7 +211,8 @@ class TrajectoryStudy:
         return self._checkpoints
 
     def seed(self, prompts: str) -> int:
-        return self.st.task.seed + PROMPT_OFFSETS[prompts]
+        """The seed of one of the study's prompt sets (:func:`~mechdiff.studies.seeds.prompt_seed`)."""
+        return prompt_seed(self.st.task.seed, prompts)
 
     def options(self) -> dict:
         from ..tasks.splits import eval_objects
@@ -282,8 +276,11 @@ class TrajectoryStudy:
             Circuit.from_dict(res["circuit"]).save(self.dir / "circuits" / f"{label(name)}.json")
             return res
 
-        return self.cache.run(f"circuit:{name}", {"model": self.digests[name], "task": self._task(),
-                                                   "discovery": asdict(d), "scoring": self._reference()}, compute)
+        return self.cache.run(f"circuit:{name}", self._circuit_inputs(name), compute)
+
+    def _circuit_inputs(self, name: str) -> dict:
+        return {"model": self.digests[name], "task": self._task(), "discovery": asdict(self.st.discovery),
+                "scoring": self._reference()}
 
     def structure(self, circuits: dict[str, StageRecord]) -> StageRecord:
         from ..trajectory import decode_array, structure
@@ -360,9 +357,9 @@ class TrajectoryStudy:
                 for k, v in self.desiderata(d.n_train + d.n_val + d.n_test).items()}
 
     def dcm_config(self):
-        from .. import study
+        from .circuits import dcm_config
 
-        return study.dcm_config(SimpleNamespace(dcm=self.st.dcm, eval=self.st.eval, task=self.st.task))
+        return dcm_config(SimpleNamespace(dcm=self.st.dcm, eval=self.st.eval, task=self.st.task))
 
     def dcm(self, final: StageRecord) -> StageRecord:
         from ..dcm import dcm_circuit
@@ -379,9 +376,13 @@ class TrajectoryStudy:
                                   self.progress)
             return {"source": f"DCM on the circuit of {self.final}", "dcm": [r.to_dict() for r in results]}
 
+        return self.cache.run("dcm", self._dcm_inputs(final), compute)
+
+    def _dcm_inputs(self, final: StageRecord) -> dict:
+        d = self.st.dcm
         inputs = ({"labels": d.labels, "table": key_hash(Path(d.labels).read_text())} if d.labels else
                   {"model": self.digests[self.final], "circuit": final.key})
-        return self.cache.run("dcm", {**inputs, "dcm": asdict(d), "task": self._task()}, compute)
+        return {**inputs, "dcm": asdict(d), "task": self._task()}
 
     def semantic(self, name: str, dcm: StageRecord) -> StageRecord:
         from ..trajectory import semantic
@@ -406,24 +407,52 @@ class TrajectoryStudy:
         return {"accuracy": accuracy, "circuits": circuits, "structure": structure, "scores": scores, "cmap": cmap,
                 "dcm": dcm, "semantic": semantic}
 
+    def run_checkpoints(self, names: list[str], poll: float = 10.0) -> None:
+        """The stages of ``names`` only, so that several processes can share the cores (each with its own
+        activation store): their accuracy and own circuit; once the final and first trained checkpoints'
+        circuits are in the cache (written by whichever process has them), their scores, CMAP and semantic
+        patching (and, in the process given the final checkpoint, the structure and DCM stages once every
+        circuit is cached). A plain run afterwards finds every stage cached and writes the report."""
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise ValueError(f"{unknown} are not checkpoints of this study ({', '.join(self.names)})")
+        store = Path(self.store)
+        self.store = str(store.with_name(f"{store.stem}-{'-'.join(label(n) for n in names)}{store.suffix}"))
+        with run_lock(self.dir / "stages" / "locks" / "-".join(label(n) for n in names)):
+            for n in names:
+                self.accuracy(n)
+                self.circuit(n)
+            self._wait([self.final, self.first_trained])
+            circuits = {n: self.circuit(n) for n in {self.final, self.first_trained, *names}}
+            for n in names:
+                self.score(n, circuits)
+                if n != self.names[0]:
+                    self.cmap(n, circuits[self.final])
+            dcm = self.dcm(circuits[self.final]) if self.final in names else None
+            if dcm is None:
+                self._wait_for("dcm", lambda: self.cache.ready("dcm", self._dcm_inputs(circuits[self.final])))
+                dcm = self.dcm(circuits[self.final])
+            for n in names:
+                self.semantic(n, dcm)
+            if self.final in names:
+                self._wait(self.names)
+                self.structure({n: self.circuit(n) for n in self.names})
+
+    def _wait(self, names: list[str], poll: float = 10.0) -> None:
+        for n in names:
+            self._wait_for(f"circuit:{n}", lambda: self.cache.ready(f"circuit:{n}", self._circuit_inputs(n)), poll)
+
+    @staticmethod
+    def _wait_for(what: str, ready: Any, poll: float = 10.0) -> None:
+        while not ready():
+            log.info("waiting for %s (another process computes it)", what)
+            time.sleep(poll)
+
     def write(self, results: dict[str, Any]) -> Path:
         from ..report.trajectory import write_trajectory_report
 
         return write_trajectory_report(self, results)
 
-    def settings(self) -> dict:
-        return {k: asdict(getattr(self.st, k)) for k in SECTIONS} | {"source": self.st.source}
-
-    def run(self) -> Path:
-        """Every stage, ``run.json`` and the report, under the run directory's lock."""
-        with run_lock(self.dir):
-            results = self.stages()
-            write_json(self.dir / "run.json", self.manifest())
-            return self.write(results)
-
-    def manifest(self) -> dict:
-        from ..study import versions
-
-        return {"kind": self.kind, "settings": self.settings(), "versions": versions(),
-                "model_digests": self.digests, "stages": self.cache.summary(),
-                "wall_seconds": time.time() - self.started}
+    def settings_record(self) -> dict:
+        return {**{k: asdict(getattr(self.st, k)) for k in SECTIONS}, "source": self.st.source,
+                "model_digests": self.digests}

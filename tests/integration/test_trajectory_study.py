@@ -4,10 +4,15 @@ report, tables and figures; a second run finds every stage cached and loads no m
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from mechdiff.studies.base import load_study
 from mechdiff.studies.trajectory import TrajectoryStudy, load_settings, read_labels
 from mechdiff.tasks.spec import SpecError
 from mechdiff.trajectory import against_first, formed_at
@@ -65,8 +70,14 @@ store = "{out}/activations.h5"
     return str(path)
 
 
+PART = ("import sys\nfrom mechdiff.studies.trajectory import TrajectoryStudy\n"
+        "TrajectoryStudy.from_file(sys.argv[1], progress=False).run_checkpoints(sys.argv[2].split(','))\n")
+
+
 def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
-    """With DCM labels read from a table (a tiny model's own DCM may select nothing); DCM trained on the final
+    """Every stage, computed by two processes sharing the checkpoints (``run_checkpoints``, each waiting for the
+    circuits the other computes), then a plain run that finds every stage cached, loads nothing and writes the
+    report. DCM labels are read from a table (a tiny model's own DCM may select nothing); DCM trained on the final
     checkpoint's circuit is checked after."""
     _, run = tiny_run
     out = tmp_path / "out"
@@ -74,17 +85,30 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     labels.write_text(json.dumps([{"group": "last", "desideratum": "positional", "position": "last",
                                    "selected": "L2H1 L1H0"}]))
     path = task_file(tmp_path / "t.toml", run, out, extra=f'labels = "{labels}"\n')
-    study = TrajectoryStudy.from_file(path, progress=False)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    names = [f"{run}@{s}" for s in (0, 2, 4)]
+    parts = [subprocess.Popen([sys.executable, "-c", PART, path, ",".join(p)], env=env, cwd=root)
+             for p in (names[:2], names[2:])]
+    assert [p.wait(timeout=1200) for p in parts] == [0, 0]
+    study = load_study(path, progress=False)  # by the file's [study] kind
+    assert isinstance(study, TrajectoryStudy)
+    plan = study.plan()
+    assert plan and all(p.cached for p in plan) and study._checkpoints is None
     report = study.run()
+    assert study._checkpoints is None  # nothing loaded: the two processes computed every stage
     assert report.is_file() and (out / "README.md").is_file() and (out / "run.json").is_file()
-    names = study.names
+    assert study.names == names
     for fig in ("accuracy", "circuits_faithfulness", "cmap_gain", "semantic", "structure", "membership"):
         assert (out / "figures" / f"{fig}.png").stat().st_size > 0, fig
     manifest = json.loads((out / "run.json").read_text())
     stages = set(manifest["stages"])
+    assert manifest["kind"] == "trajectory" and {p.name for p in plan} == stages
     assert {f"{k}:{n}" for k in ("accuracy", "circuit", "score", "semantic") for n in names} <= stages
     assert {f"cmap:{n}" for n in names[1:]} | {"structure", "dcm"} <= stages
-    assert not any(v["cached"] for v in manifest["stages"].values())
+    assert all(v["cached"] for v in manifest["stages"].values())
+    computed = [json.loads(p.read_text()) for p in (out / "stages").glob("*.json")]
+    assert len(computed) == len(stages) and all(r["seconds"] > 0 for r in computed)
 
     # the report's tables are the stage records: the accuracy and the formed-at rule recomputed from them
     acc = json.loads((out / "tables" / "accuracy.json").read_text())
@@ -110,9 +134,8 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
         assert r["accuracy"] == np.mean(outcomes) and len(outcomes) == 8
 
     again = TrajectoryStudy.from_file(path, progress=False)
-    again.run()
-    assert again._checkpoints is None  # nothing loaded: every stage came from the cache
-    assert all(rec.cached for rec in again.cache.records.values()) and set(again.cache.records) == stages
+    with pytest.raises(ValueError, match="not checkpoints of this study"):
+        again.run_checkpoints(["nope@1"])
 
     # DCM trained on the final checkpoint's own circuit, its groups in [dcm] groups (the tiny model's masks)
     again.st.dcm.labels = ""
