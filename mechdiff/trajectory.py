@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import logging
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -55,7 +54,6 @@ from .models.loading import LoadedModel, load_model, model_fingerprint, resolve_
 from .models.registry import ModelSpec
 from .stats import Estimate, paired_difference
 
-log = logging.getLogger(__name__)
 
 #: A pair is robustly in a checkpoint's top-n where its bootstrap selection frequency is at least this, robustly
 #: out where it is at most ``1 - STABLE``; only a move from one to the other is a change of the pair.

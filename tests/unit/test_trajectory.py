@@ -12,7 +12,7 @@ from scipy import stats
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.curve import prompt_attribution
 from mechdiff.circuits.positions import task_classes
-from mechdiff.circuits.scoring import Scorer, pair_name
+from mechdiff.circuits.scoring import Scorer
 from mechdiff.components import Head, parse_heads
 from mechdiff.dcm import desideratum_pairs, semantic_patching
 from mechdiff.evaluate import evaluate
