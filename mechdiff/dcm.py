@@ -560,6 +560,7 @@ class SemanticResult:
     model: str
     accuracy: Estimate
     floor: Estimate
+    outcomes: list[int] = field(default_factory=list)  # per pair: 1 where the patched run gives the target
 
     def to_dict(self) -> dict:
         return {"model": self.model, "accuracy": self.accuracy.to_dict(), "floor": self.floor.to_dict()}
@@ -576,5 +577,6 @@ def semantic_patching(models: Iterable[LoadedModel], heads: Sequence[Head], posi
     for model in models:
         cache = PairCache.build(model, pairs, [(list(heads), position)], batch_size, progress)
         acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress)
-        out.append(SemanticResult(model.name, proportion(acc), proportion(cache.floor)))
+        out.append(SemanticResult(model.name, proportion(acc), proportion(cache.floor),
+                                  np.asarray(acc).astype(int).tolist()))
     return out

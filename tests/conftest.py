@@ -194,6 +194,25 @@ def tiny_family(tmp_path_factory, smollm2_tokenizer) -> list[str]:
     return names
 
 
+@pytest.fixture(scope="module")
+def tiny_run(smollm2_tokenizer, tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny llama saved as a base directory, and a 4-step entity-tracking LoRA run over it saving steps 0, 2 and 4
+    (a trajectory of three checkpoints, ``f"{run}@{step}"``)."""
+    from mechdiff.commands.finetune import _save_spec
+    from mechdiff.finetune import FinetuneConfig, finetune
+
+    tmp_path = tmp_path_factory.mktemp("trajectory")
+    lm, base = make_tiny("llama", smollm2_tokenizer), tmp_path / "base"
+    lm.model.save_pretrained(base)
+    lm.tokenizer.save_pretrained(base)
+    with torch.no_grad():
+        lm.model.lm_head.weight.mul_(30)  # a learnable head, so the adapter moves (the base on disk is unscaled)
+    cfg = FinetuneConfig(base=str(base), rank=4, alpha=8, lr=1e-2, steps=4, batch_size=4, eval_n=8, eval_every=2,
+                         min_boxes=2, max_boxes=3, save_steps=_save_spec("0,2,4"))
+    finetune(lm, cfg, tmp_path / "run", progress=False)
+    return base, tmp_path / "run"
+
+
 def circuit_pairs(path: Path) -> dict[str, set[str]]:
     """A circuit file's (head, position) pairs: head name -> the positions of the groups holding it."""
     import json

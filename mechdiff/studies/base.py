@@ -31,6 +31,7 @@ KINDS = {
     "circuits": "mechdiff.studies.circuits:CircuitsStudy",
     "knowledge": "mechdiff.studies.knowledge:KnowledgeStudy",
     "headmap": "mechdiff.studies.headmap:HeadMapStudy",
+    "trajectory": "mechdiff.studies.trajectory:TrajectoryStudy",
 }
 DEFAULT_KIND = StudySection.kind
 #: Packages whose versions a manifest records.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mechdiff.commands.finetune import _save_spec
-from mechdiff.finetune import FinetuneConfig, finetune
+from mechdiff.finetune import FinetuneConfig
 from mechdiff.models.loading import load_model, spec_digest
 from mechdiff.models.resolve import resolve_source, resolve_spec, trajectory_steps
 from mechdiff.models.registry import REGISTRY, TRAJECTORIES, step_dirname
@@ -19,23 +19,6 @@ from mechdiff.models.registry import REGISTRY, TRAJECTORIES, step_dirname
 ET = TRAJECTORIES["smollm2-et"]
 EPS32 = torch.finfo(torch.float32).eps
 TRAJECTORY_RECORD = Path(__file__).resolve().parents[2] / "results" / "zoo" / "trajectory.json"
-
-
-@pytest.fixture(scope="module")
-def tiny_run(smollm2_tokenizer, tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny llama saved as a base directory, and a 4-step LoRA run over it saving steps 0, 2 and 4."""
-    from conftest import make_tiny
-
-    tmp_path = tmp_path_factory.mktemp("trajectory")
-    lm, base = make_tiny("llama", smollm2_tokenizer), tmp_path / "base"
-    lm.model.save_pretrained(base)
-    lm.tokenizer.save_pretrained(base)
-    with torch.no_grad():
-        lm.model.lm_head.weight.mul_(30)  # a learnable head, so the adapter moves (the base on disk is unscaled)
-    cfg = FinetuneConfig(base=str(base), rank=4, alpha=8, lr=1e-2, steps=4, batch_size=4, eval_n=8, eval_every=2,
-                         min_boxes=2, max_boxes=3, save_steps=_save_spec("0,2,4"))
-    finetune(lm, cfg, tmp_path / "run", progress=False)
-    return base, tmp_path / "run"
 
 
 def merged_by_hand(base_sd: dict[str, torch.Tensor], adapter_dir: Path, scaling: float) -> dict[str, torch.Tensor]:

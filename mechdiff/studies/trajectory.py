@@ -1,0 +1,458 @@
+"""The trajectory study: an ordered list of checkpoints of one run (``[models] checkpoints``), measured at every
+checkpoint by function and by structure (:mod:`mechdiff.trajectory`).
+
+Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its inputs:
+
+- ``accuracy:<ckpt>``: held-out accuracy (exact binomial) with each prompt's outcome;
+- ``circuit:<ckpt>``: the checkpoint's own circuit at the target (attribution ranking, faithfulness curve) with
+  its size, per-prompt attribution and selection frequencies;
+- ``structure``: the within-checkpoint null (two discoveries on disjoint halves of the ranking prompts) and the
+  structural change between consecutive checkpoints beyond it;
+- ``score:<ckpt>``: the final checkpoint's circuit, the first trained checkpoint's (the second in the list) and
+  the checkpoint's own, scored in the checkpoint (faithfulness with bootstrap intervals);
+- ``cmap:<ckpt>``: CMAP of the final circuit's groups (``[cmap] groups``, ``parts``) from the checkpoint into the
+  first;
+- ``dcm``: DCM labels of the final circuit's groups in the final checkpoint (or read from ``[dcm] labels``, a DCM
+  table another study wrote);
+- ``semantic:<ckpt>``: semantic patching of each DCM selection in the checkpoint.
+
+The base loads once; the adapters are swapped (:class:`~mechdiff.trajectory.Checkpoints`), and nothing loads
+when every stage is cached. The report gives each quantity per step with its interval, its paired difference
+against the first checkpoint, the step at which each component forms (in order) and the structural changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from ..circuits.circuit import Circuit
+from ..circuits.curve import SELECT, SIZES, TARGET
+from ..io import check_writable, run_lock
+from ..models.loading import load_tokenizer, spec_digest
+from ..tasks.spec import (DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, _line,
+                          load_sections)
+from ..trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
+from .base import Study
+from .seeds import prompt_seed
+from .stages import StageRecord, key_hash, label
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointsSection:
+    checkpoints: list[str] = field(default_factory=list)  # in training order; the first is the reference
+    dtype: str = "float32"
+    device: Optional[str] = None
+
+
+@dataclass
+class TrajectoryDiscovery:
+    """Each checkpoint's own circuit: (head, position class) pairs ranked by attribution on ``n`` prompts, nested
+    circuits scored on ``curve_n`` others, the smallest reaching ``target`` (as the circuits study's curve)."""
+
+    n: int = 40  # ranking prompts (halved for the within-checkpoint null)
+    sizes: list[float] = field(default_factory=lambda: list(SIZES))
+    target: float = TARGET
+    select: str = SELECT[0]
+    curve_n: int = 60
+    stability_draws: int = 200
+
+
+@dataclass
+class TrajectoryScoring:
+    n: int = 100  # prompts scoring the circuits in every checkpoint
+    reference_n: int = 200  # prompts whose position-wise means ablate
+
+
+@dataclass
+class StructureSection:
+    draws: int = STRUCTURE_DRAWS  # bootstrap resamples of the halves and of the ranking prompts
+    stable: float = STABLE  # selection frequency that makes a pair robustly in (1 - stable: robustly out)
+    n_pairs: int = 0  # pairs each discovery keeps (0: the final checkpoint's circuit size)
+
+
+@dataclass
+class TrajectoryDcm(DcmSection):
+    labels: str = ""  # a DCM table (JSON rows: group, desideratum, position, selected) to use instead of training
+
+
+@dataclass
+class TrajectoryCmap:
+    n: int = 100
+    parts: list[str] = field(default_factory=lambda: ["z"])
+    groups: list[str] = field(default_factory=lambda: ["last", "query_label"])
+
+
+@dataclass
+class TrajectoryOutput(OutputSection):
+    dir: str = "results/trajectory"
+    store: str = "cache/activations-trajectory.h5"
+
+
+SECTIONS = {"study": StudySection, "task": TaskSection, "models": CheckpointsSection, "eval": EvalSection,
+            "discovery": TrajectoryDiscovery, "scoring": TrajectoryScoring, "structure": StructureSection,
+            "dcm": TrajectoryDcm, "cmap": TrajectoryCmap, "output": TrajectoryOutput}
+CHOICES = {("discovery", "select"): SELECT, ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
+           ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value")}
+
+
+@dataclass
+class TrajectorySettings:
+    study: StudySection
+    task: TaskSection
+    models: CheckpointsSection
+    eval: EvalSection
+    discovery: TrajectoryDiscovery
+    scoring: TrajectoryScoring
+    structure: StructureSection
+    dcm: TrajectoryDcm
+    cmap: TrajectoryCmap
+    output: TrajectoryOutput
+    source: str = "<defaults>"
+
+
+def load_settings(path: str | Path) -> TrajectorySettings:
+    """A trajectory task file, checked (keys, types, choices, the checkpoints as one trajectory, the DCM labels
+    file) before anything loads."""
+    from ..tasks.spec import check_task
+
+    built, text = load_sections(path, SECTIONS, {"models": ("checkpoints",)}, CHOICES,
+                                example="tasks/entity_tracking_trajectory.toml")
+    if built["study"].kind != "trajectory":
+        raise SpecError(f"{path}:{_line(text, 'study', 'kind')}: this loader reads [study] kind = \"trajectory\"")
+    check_task(built["task"].name, f"{path}:{_line(text, 'task', 'name')}: ")
+    try:
+        trajectory_specs(built["models"].checkpoints)
+    except (ValueError, KeyError) as err:
+        raise SpecError(f"{path}:{_line(text, 'models', 'checkpoints')}: {err}") from None
+    labels = built["dcm"].labels
+    if labels and not Path(labels).is_file():
+        raise SpecError(f"{path}:{_line(text, 'dcm', 'labels')}: no DCM table {labels}; give the tables/dcm.json "
+                        "of a circuits study, or leave labels empty to train DCM on the final checkpoint")
+    return TrajectorySettings(**built, source=str(path))
+
+
+def step_of(name: str, index: int) -> int:
+    """The training step of a checkpoint named ``NAME@STEP``; its index in the list otherwise."""
+    _, at, step = name.rpartition("@")
+    return int(step) if at and step.isdigit() else index
+
+
+def read_labels(path: str | Path) -> list[dict]:
+    """DCM selections from a DCM table (a circuits study's ``tables/dcm.json``: ``selected`` a space-separated
+    string, ``-`` for none) or a list of :meth:`DCMResult.to_dict` records. A row whose table gives the test
+    accuracy and the floor is kept only where the accuracy's interval lies above the floor's (DCM found the
+    property there); the others are listed under ``dropped``."""
+    rows = json.loads(Path(path).read_text())
+    out = []
+    for r in rows:
+        sel = r["selected"]
+        heads = [h for h in (sel.split() if isinstance(sel, str) else sel) if h != "-"]
+        above = r.get("accuracy_low") is None or r.get("floor_high") is None or r["accuracy_low"] > r["floor_high"]
+        out.append({"group": r["group"], "desideratum": r["desideratum"], "position": r["position"],
+                    "selected": heads if above else [], **({} if above else {"dropped": heads})})
+    return out
+
+
+class TrajectoryStudy(Study):
+    """The stages of one trajectory task file into ``out`` (see the module docstring)."""
+
+    kind = "trajectory"
+
+    def __init__(self, settings: TrajectorySettings, out: Optional[str | Path] = None, progress: bool = True):
+        from ..tasks.base import get_task
+
+        super().__init__(out or settings.output.dir, progress)
+        self.st = settings
+        self.store = str(Path(settings.output.store))
+        check_writable(Path(self.store).parent, "activation store directory")
+        self.names = list(settings.models.checkpoints)
+        self.base_spec, specs = trajectory_specs(self.names)
+        self.digests = {n: spec_digest(s) for n, s in zip(self.names, specs)}
+        self.steps = [step_of(n, i) for i, n in enumerate(self.names)]
+        self.task = get_task(settings.task.name)
+        self.tokenizer = load_tokenizer(self.base_spec)
+        self._checkpoints: Optional[Checkpoints] = None
+        self.check_prompts()  # before any weights load
+
+    @classmethod
+    def from_file(cls, path: str | Path, out: Optional[str] = None, progress: bool = True,
+                  models: Optional[dict] = None, task: Optional[str] = None) -> "TrajectoryStudy":
+        settings = load_settings(path)
+        for key, value in (models or {}).items():
+            if key in ("dtype", "device") and value is not None:
+                setattr(settings.models, key, value)
+        if task:
+            settings.task.name = task
+        return cls(settings, out, progress)
+
+    # -- data ---------------------------------------------------------------------------
+    @property
+    def final(self) -> str:
+        return self.names[-1]
+
+    @property
+    def first_trained(self) -> str:
+        """The first checkpoint after the reference (the first in the list)."""
+        return self.names[1]
+
+    def checkpoints(self) -> Checkpoints:
+        """The checkpoints, loaded when a stage first computes (the base once, the adapters swapped)."""
+        if self._checkpoints is None:
+            m = self.st.models
+            self._checkpoints = Checkpoints(self.names, dtype=m.dtype, device=m.device)
+        return self._checkpoints
+
+    def seed(self, prompts: str) -> int:
+        """The seed of one of the study's prompt sets (:func:`~mechdiff.studies.seeds.prompt_seed`)."""
+        return prompt_seed(self.st.task.seed, prompts)
+
+    def options(self) -> dict:
+        from ..tasks.splits import eval_objects
+
+        opts: dict = {"n_boxes": self.st.task.n_boxes}
+        if "vocabulary" in self.task.options:
+            opts["vocabulary"] = eval_objects()
+        return opts
+
+    def records(self, prompts: str, n: int) -> list:
+        return self.task.records(self.tokenizer, n, self.seed(prompts), **self.options())
+
+    def scorer(self, name: str, prompts: str, n: int):
+        from ..circuits.scoring import Scorer
+
+        reference = self.task.reference_records(self.tokenizer, self.st.scoring.reference_n, self.seed("reference"),
+                                                **self.options())
+        return Scorer.build(self.checkpoints().model(name), self.records(prompts, n), reference,
+                            self.st.eval.batch_size, self.progress, store=self.store)
+
+    def _task(self) -> dict:
+        from .. import __version__
+        from ..tasks.splits import eval_objects
+
+        return {"task": asdict(self.st.task), "dtype": self.st.models.dtype, "vocabulary": key_hash(eval_objects()),
+                "tokenizer": spec_digest(self.base_spec), "mechdiff": __version__}
+
+    def _reference(self) -> dict:
+        return {"reference_n": self.st.scoring.reference_n, "batch_size": self.st.eval.batch_size}
+
+    def check_prompts(self) -> None:
+        """Before any weights load: every scored prompt's group (template, token length) has reference prompts."""
+        from ..tasks.base import check_reference
+
+        reference = self.task.reference_records(self.tokenizer, self.st.scoring.reference_n, self.seed("reference"),
+                                                **self.options())
+        d = self.st.discovery
+        for prompts, n in (("ranking", d.n), ("curve", d.curve_n), ("matrix", self.st.scoring.n)):
+            check_reference(self.records(prompts, n), reference, f"{prompts} prompts")
+
+    # -- stages -------------------------------------------------------------------------
+    def accuracy(self, name: str) -> StageRecord:
+        from ..trajectory import checkpoint_accuracy
+
+        e = self.st.eval
+        return self.cache.run(f"accuracy:{name}", {"model": self.digests[name], "task": self._task(),
+                                                    "eval": asdict(e)},
+                              lambda: checkpoint_accuracy(self.checkpoints().model(name), self.records("eval", e.n),
+                                                          e.batch_size, self.progress))
+
+    def circuit(self, name: str) -> StageRecord:
+        from ..circuits.positions import task_classes
+        from ..trajectory import own_circuit
+
+        d = self.st.discovery
+
+        def compute() -> dict:
+            ranker = self.scorer(name, "ranking", d.n)
+            res = own_circuit(ranker, self.scorer(name, "curve", d.curve_n), task_classes(ranker), d.sizes, d.target,
+                              d.select, d.stability_draws, self.seed("ranking"), self.task.name)
+            Circuit.from_dict(res["circuit"]).save(self.dir / "circuits" / f"{label(name)}.json")
+            return res
+
+        return self.cache.run(f"circuit:{name}", self._circuit_inputs(name), compute)
+
+    def _circuit_inputs(self, name: str) -> dict:
+        return {"model": self.digests[name], "task": self._task(), "discovery": asdict(self.st.discovery),
+                "scoring": self._reference()}
+
+    def structure(self, circuits: dict[str, StageRecord]) -> StageRecord:
+        from ..trajectory import decode_array, structure
+
+        s = self.st.structure
+
+        def compute() -> dict:
+            n = s.n_pairs or circuits[self.final].result["n_pairs"]
+            attribution = {c: decode_array(rec.result["attribution"]) for c, rec in circuits.items()}
+            return structure(attribution, circuits[self.final].result["classes"], n, s.draws,
+                             self.seed("ranking"), s.stable)
+
+        return self.cache.run("structure", {"circuits": {c: r.key for c, r in circuits.items()},
+                                            "structure": asdict(s)}, compute)
+
+    def score(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
+        from ..trajectory import circuits_scored
+
+        scored = {"final": circuits[self.final], "first trained": circuits[self.first_trained],
+                  "own": circuits[name]}
+
+        def compute() -> dict:
+            loaded = {k: Circuit.from_dict(rec.result["circuit"]) for k, rec in scored.items()}
+            return circuits_scored(self.scorer(name, "matrix", self.st.scoring.n), loaded)
+
+        return self.cache.run(f"score:{name}", {"model": self.digests[name], "task": self._task(),
+                                                 "scoring": asdict(self.st.scoring),
+                                                 "circuits": {k: r.key for k, r in scored.items()}}, compute)
+
+    def cmap_circuit(self, final: StageRecord) -> Optional[Circuit]:
+        """The final circuit cut to the ``[cmap] groups`` it has heads in (None: none)."""
+        c = Circuit.from_dict(final.result["circuit"])
+        groups = [g for g in self.st.cmap.groups if c.groups.get(g)]
+        if not groups:
+            return None
+        return Circuit(c.model, c.task, {g: c.groups[g] for g in groups}, {g: c.positions[g] for g in groups},
+                       names=dict(c.names))
+
+    def cmap(self, name: str, final: StageRecord) -> StageRecord:
+        from ..trajectory import cmap_gain
+
+        c = self.st.cmap
+
+        def compute() -> dict:
+            circuit = self.cmap_circuit(final)
+            if circuit is None:
+                return {"skipped": f"the final circuit has no heads in the groups {c.groups}"}
+            cp = self.checkpoints()
+            first = cp.first()
+            return cmap_gain(first, cp.model(name), circuit, self.records("cmap", c.n), c.parts,
+                             self.st.eval.batch_size, self.progress)
+
+        return self.cache.run(f"cmap:{name}", {"first": self.digests[self.names[0]], "model": self.digests[name],
+                                                "circuit": final.key, "cmap": asdict(c), "task": self._task()},
+                              compute)
+
+    def desiderata(self, n: int) -> dict[str, list]:
+        from ..dcm import desideratum_pairs
+
+        opts = self.options()
+        return {d: desideratum_pairs(d, self.tokenizer, n, opts.get("n_boxes"), self.seed("dcm"),
+                                     vocabulary=opts.get("vocabulary"), task=self.task.name)
+                for d in self.st.dcm.desiderata}
+
+    def tests(self) -> dict[str, list]:
+        """The test pairs of every desideratum: those DCM held out, or ``n_test`` pairs for labels read."""
+        from ..dcm import split_pairs
+
+        d = self.st.dcm
+        if d.labels:
+            return self.desiderata(d.n_test)
+        config = self.dcm_config()
+        return {k: split_pairs(v, config.split, config.seed)[2]
+                for k, v in self.desiderata(d.n_train + d.n_val + d.n_test).items()}
+
+    def dcm_config(self):
+        from .circuits import dcm_config
+
+        return dcm_config(SimpleNamespace(dcm=self.st.dcm, eval=self.st.eval, task=self.st.task))
+
+    def dcm(self, final: StageRecord) -> StageRecord:
+        from ..dcm import dcm_circuit
+
+        d = self.st.dcm
+
+        def compute() -> dict:
+            if d.labels:
+                return {"source": d.labels, "dcm": read_labels(d.labels)}
+            circuit = Circuit.from_dict(final.result["circuit"])
+            groups = [g for g in d.groups if circuit.groups.get(g)]
+            results = dcm_circuit(self.checkpoints().model(self.final), circuit,
+                                  self.desiderata(d.n_train + d.n_val + d.n_test), self.dcm_config(), groups,
+                                  self.progress)
+            return {"source": f"DCM on the circuit of {self.final}", "dcm": [r.to_dict() for r in results]}
+
+        return self.cache.run("dcm", self._dcm_inputs(final), compute)
+
+    def _dcm_inputs(self, final: StageRecord) -> dict:
+        d = self.st.dcm
+        inputs = ({"labels": d.labels, "table": key_hash(Path(d.labels).read_text())} if d.labels else
+                  {"model": self.digests[self.final], "circuit": final.key})
+        return {**inputs, "dcm": asdict(d), "task": self._task()}
+
+    def semantic(self, name: str, dcm: StageRecord) -> StageRecord:
+        from ..trajectory import semantic
+
+        return self.cache.run(f"semantic:{name}", {"model": self.digests[name], "dcm": dcm.key,
+                                                    "dcm_settings": asdict(self.st.dcm), "task": self._task(),
+                                                    "batch_size": self.st.eval.batch_size},
+                              lambda: {"rows": semantic(self.checkpoints().model(name), dcm.result["dcm"],
+                                                        self.tests(), self.st.eval.batch_size, self.progress)})
+
+    # -- the whole study ----------------------------------------------------------------
+    def stages(self) -> dict[str, Any]:
+        """Every stage in order: one checkpoint at a time where a stage needs one model (fewest swaps)."""
+        accuracy = {n: self.accuracy(n) for n in self.names}
+        circuits = {n: self.circuit(n) for n in [self.final, *self.names[:-1]]}
+        circuits = {n: circuits[n] for n in self.names}
+        structure = self.structure(circuits)
+        scores = {n: self.score(n, circuits) for n in self.names}
+        cmap = {n: self.cmap(n, circuits[self.final]) for n in self.names[1:]}
+        dcm = self.dcm(circuits[self.final])
+        semantic = {n: self.semantic(n, dcm) for n in self.names}
+        return {"accuracy": accuracy, "circuits": circuits, "structure": structure, "scores": scores, "cmap": cmap,
+                "dcm": dcm, "semantic": semantic}
+
+    def run_checkpoints(self, names: list[str], poll: float = 10.0) -> None:
+        """The stages of ``names`` only, so that several processes can share the cores (each with its own
+        activation store): their accuracy and own circuit; once the final and first trained checkpoints'
+        circuits are in the cache (written by whichever process has them), their scores, CMAP and semantic
+        patching (and, in the process given the final checkpoint, the structure and DCM stages once every
+        circuit is cached). A plain run afterwards finds every stage cached and writes the report."""
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise ValueError(f"{unknown} are not checkpoints of this study ({', '.join(self.names)})")
+        store = Path(self.store)
+        self.store = str(store.with_name(f"{store.stem}-{'-'.join(label(n) for n in names)}{store.suffix}"))
+        with run_lock(self.dir / "stages" / "locks" / "-".join(label(n) for n in names)):
+            for n in names:
+                self.accuracy(n)
+                self.circuit(n)
+            self._wait([self.final, self.first_trained])
+            circuits = {n: self.circuit(n) for n in {self.final, self.first_trained, *names}}
+            for n in names:
+                self.score(n, circuits)
+                if n != self.names[0]:
+                    self.cmap(n, circuits[self.final])
+            dcm = self.dcm(circuits[self.final]) if self.final in names else None
+            if dcm is None:
+                self._wait_for("dcm", lambda: self.cache.ready("dcm", self._dcm_inputs(circuits[self.final])))
+                dcm = self.dcm(circuits[self.final])
+            for n in names:
+                self.semantic(n, dcm)
+            if self.final in names:
+                self._wait(self.names)
+                self.structure({n: self.circuit(n) for n in self.names})
+
+    def _wait(self, names: list[str], poll: float = 10.0) -> None:
+        for n in names:
+            self._wait_for(f"circuit:{n}", lambda: self.cache.ready(f"circuit:{n}", self._circuit_inputs(n)), poll)
+
+    @staticmethod
+    def _wait_for(what: str, ready: Any, poll: float = 10.0) -> None:
+        while not ready():
+            log.info("waiting for %s (another process computes it)", what)
+            time.sleep(poll)
+
+    def write(self, results: dict[str, Any]) -> Path:
+        from ..report.trajectory import write_trajectory_report
+
+        return write_trajectory_report(self, results)
+
+    def settings_record(self) -> dict:
+        return {**{k: asdict(getattr(self.st, k)) for k in SECTIONS}, "source": self.st.source,
+                "model_digests": self.digests}

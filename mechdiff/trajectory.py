@@ -1,0 +1,493 @@
+"""Checkpoint trajectories: when a mechanism forms along one training run, by function and by structure.
+
+The checkpoints are LoRA adapters over one base (``smollm2-et@0`` ... ``smollm2-et@100``). :class:`Checkpoints`
+loads the base once, loads every adapter into one peft model (``load_adapter``) and swaps them
+(``set_adapter`` + ``merge_adapter`` over the base's own weights, restored before each swap), so each checkpoint's
+weights are bit for bit those :func:`~mechdiff.models.loading.load_model` merges, at the cost of a restore and a
+merge instead of a load.
+
+Per checkpoint, each measure keeps its per-prompt outcomes so that it can be compared with the first checkpoint
+on the same prompts (a paired interval):
+
+- :func:`checkpoint_accuracy`: accuracy (exact binomial interval);
+- :func:`own_circuit`: the checkpoint's own circuit at the target (the (head, position class) ranking and
+  faithfulness curve of :mod:`~mechdiff.circuits.curve`) with its size, its per-prompt attribution and the
+  bootstrap selection frequency of its pairs;
+- :func:`circuits_scored`: given circuits (the final checkpoint's, the first trained one's, its own) scored
+  in the checkpoint (:func:`~mechdiff.circuits.scoring.matrix_rows`: faithfulness with bootstrap intervals);
+- :func:`cmap_gain`: CMAP of each position-class group from the checkpoint into the first
+  (:func:`~mechdiff.cmap.run_cmap`), the gain as a paired difference against the first's own run;
+- :func:`semantic`: semantic patching of DCM-labelled heads (:func:`~mechdiff.dcm.semantic_patching`).
+
+Structure against function. Two discoveries on one model differ too, so a structural change counts only beyond
+the within-checkpoint spread (:func:`structure`): the ranking prompts are split into two disjoint halves; the
+top-``n`` pairs of each half are two discoveries of one model on disjoint prompts, and their overlap (Jaccard)
+is the within-checkpoint null. Between two checkpoints the cross overlap is taken on the same halves (one
+checkpoint's half A against the other's half B, both ways), and the spread-corrected difference
+``(null_s + null_t) / 2 - cross`` gets a paired bootstrap interval (the halves resampled, the same draw for
+every checkpoint): the circuits "changed" only where its lower bound is above 0. A pair "changed" only where
+its bootstrap selection frequency (:func:`~mechdiff.circuits.curve.selection_stability`, same resamples in every
+checkpoint) puts it robustly in (>= ``stable``) at one checkpoint and robustly out (<= ``1 - stable``) at the
+other. A component "formed at step s" (:func:`formed_at`) only where its paired interval against the first
+checkpoint excludes 0, on one side, at s and at every later checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .circuits.circuit import Circuit
+from .circuits.curve import (faithfulness_curve, pair_scores, prompt_attribution, ranked_circuit, ranking,
+                             selection_stability)
+from .circuits.scoring import Scorer, matrix_rows, pair_name, per_prompt
+from .components import parse_heads
+from .evaluate import evaluate
+from .models.loading import LoadedModel, load_model, model_fingerprint, spec_digest
+from .models.resolve import resolve_source, resolve_spec
+from .models.registry import ModelSpec
+from .stats import Estimate, paired_difference
+
+
+#: A pair is robustly in a checkpoint's top-n where its bootstrap selection frequency is at least this, robustly
+#: out where it is at most ``1 - STABLE``; only a move from one to the other is a change of the pair.
+STABLE = 0.95
+#: Bootstrap resamples of the structural comparison (the halves' overlaps and the selection frequencies).
+STRUCTURE_DRAWS = 200
+
+
+class TrajectoryError(ValueError):
+    """A list of checkpoints that is not one trajectory over one base."""
+
+
+# --------------------------------------------------------------------------------------
+# One base, swapped adapters
+# --------------------------------------------------------------------------------------
+
+
+def trajectory_specs(names: Sequence[str]) -> tuple[ModelSpec, list[ModelSpec]]:
+    """The base and each checkpoint's spec, checked before any weights load: at least two distinct checkpoints,
+    each a LoRA adapter over one base or that base itself."""
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise TrajectoryError(f"a trajectory needs at least two distinct checkpoints in order, got {list(names)}")
+    specs = [resolve_spec(n) for n in names]
+    adapters = [s for s in specs if s.kind == "lora"]
+    if not adapters:
+        raise TrajectoryError(f"no checkpoint of {list(names)} is a LoRA adapter; a trajectory swaps adapters over "
+                              "one base (e.g. smollm2-et@0,smollm2-et@5,...)")
+    bases = {s.base for s in adapters}
+    base = resolve_spec(adapters[0].base)
+    digest = spec_digest(base)
+    if len(bases) > 1 and len({spec_digest(resolve_spec(b)) for b in bases}) > 1:
+        raise TrajectoryError(f"the adapters sit on different bases ({', '.join(sorted(bases))}); a trajectory "
+                              "is one run over one base")
+    plain = [s.name for s in specs if s.kind != "lora" and spec_digest(s) != digest]
+    if plain:
+        raise TrajectoryError(f"{', '.join(plain)} is neither a LoRA adapter nor the adapters' base {base.name}")
+    return base, specs
+
+
+class _Merged:
+    """The peft-wrapped model seen as the plain merged model (``.base_layer`` folded, adapters dropped), so
+    :func:`~mechdiff.models.loading.model_fingerprint` gives the fingerprint :func:`load_model` gives."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.config = model.config
+        self._model = model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k.replace(".base_layer.", "."): v for k, v in self._model.state_dict().items() if ".lora_" not in k}
+
+
+class _Swapped(LoadedModel):
+    """A checkpoint served by :class:`Checkpoints`' shared peft model; refuses to trace unless it is active."""
+
+    owner: Any = None
+
+    def trace(self, **kwargs: Any) -> Any:
+        self.owner.require_active(self.name)
+        return super().trace(**kwargs)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """:func:`load_model`'s fingerprint of this checkpoint (the swapped weights seen as the merged model;
+        forgotten at every swap)."""
+        self.owner.require_active(self.name)
+        return model_fingerprint(_Merged(self.model))
+
+
+class Checkpoints:
+    """The checkpoints of one trajectory: the base loaded once, the adapters swapped in one peft model.
+
+    ``first()`` (the first checkpoint) is a model of its own, so that it and any other checkpoint can run side by
+    side (CMAP); every other adapter is merged into the shared model by ``model(name)`` when asked for, and the
+    model returned refuses to run once another adapter is swapped in."""
+
+    def __init__(self, names: Sequence[str], dtype: str = "float32", device: Optional[str] = None):
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
+
+        self.names = list(names)
+        self.base_spec, specs = trajectory_specs(self.names)
+        self.specs = dict(zip(self.names, specs))
+        self.base = load_model(self.base_spec, dtype=dtype, device=device)  # the one load of the base
+        self._keys = {n: f"ckpt{i}" for i, n in enumerate(self.names) if self.specs[n].kind == "lora"}
+        self._first = self._merged_copy(self.names[0]) if self.names[0] in self._keys else None
+        peft_model = None
+        for name, key in self._keys.items():
+            src = resolve_source(self.specs[name].source)
+            if peft_model is None:
+                peft_model = PeftModel.from_pretrained(copy.deepcopy(self.base.model), src, adapter_name=key)
+            else:
+                peft_model.load_adapter(src, adapter_name=key)
+        peft_model.requires_grad_(False)
+        self._peft = peft_model
+        self._inner = peft_model.base_model.model  # the transformers model, its projections LoRA layers
+        self._layers = [m for m in self._inner.modules() if isinstance(m, LoraLayer)]
+        self._w0 = [m.get_base_layer().weight.detach().clone() for m in self._layers]
+        self._active: Optional[str] = None
+        self._views: dict[str, _Swapped] = {}
+
+    def _merged_copy(self, name: str) -> LoadedModel:
+        """``name`` merged into a copy of the base, as :func:`load_model` merges it."""
+        from peft import PeftModel
+
+        spec = self.specs[name]
+        merged = PeftModel.from_pretrained(copy.deepcopy(self.base.model), resolve_source(spec.source))
+        merged = merged.merge_and_unload()
+        return LoadedModel(name, spec, merged, self.base.tokenizer, self._provenance(name))
+
+    def _provenance(self, name: str) -> dict:
+        return {"kind": "lora", "adapter": self.specs[name].source, "merged": True, "base": self.base.provenance,
+                "swapped": name != self.names[0]}
+
+    def first(self) -> LoadedModel:
+        """The first checkpoint, a model of its own (the base itself where the first is the base)."""
+        return self._first or self.base
+
+    def model(self, name: str) -> LoadedModel:
+        """Checkpoint ``name``; an adapter other than the first's is merged into the shared model now."""
+        if name not in self.specs:
+            raise KeyError(f"{name!r} is not a checkpoint of this trajectory ({', '.join(self.names)})")
+        if name == self.names[0]:
+            return self.first()
+        if name not in self._keys:
+            return self.base
+        if self._active != name:
+            self._swap(name)
+        if name not in self._views:
+            view = _Swapped(name, self.specs[name], self._inner, self.base.tokenizer, self._provenance(name))
+            view.owner = self
+            self._views[name] = view
+        return self._views[name]
+
+    def _swap(self, name: str) -> None:
+        if self._active is not None:
+            self._peft.unmerge_adapter()
+        with torch.no_grad():  # the base's own weights back, so no rounding of earlier merges accumulates
+            for layer, w in zip(self._layers, self._w0):
+                layer.get_base_layer().weight.copy_(w)
+        self._peft.set_adapter(self._keys[name])
+        self._peft.merge_adapter()
+        self._peft.requires_grad_(False)
+        self._active = name
+        view = self._views.get(name)
+        if view is not None:
+            view.__dict__.pop("fingerprint", None)
+
+    def require_active(self, name: str) -> None:
+        """Raise unless ``name``'s adapter is the one merged in the shared model."""
+        if self._active != name:
+            raise RuntimeError(f"{name} is not the active checkpoint ({self._active} is); ask Checkpoints.model("
+                               f"{name!r}) again before running it")
+
+    def fingerprint(self, name: str) -> str:
+        """The fingerprint :func:`load_model` gives checkpoint ``name`` (computed on the swapped weights)."""
+        return self.model(name).fingerprint
+
+
+# --------------------------------------------------------------------------------------
+# Per-checkpoint measures
+# --------------------------------------------------------------------------------------
+
+
+def checkpoint_accuracy(lm: LoadedModel, records: Sequence, batch_size: int = 32, progress: bool = True) -> dict:
+    """Accuracy (exact binomial interval) and answer probability, with each prompt's outcome."""
+    res = evaluate(lm, records, batch_size, desc=f"accuracy {lm.name}", progress=progress)
+    return {**res.to_dict(), "correct": res.correct.astype(int).tolist()}
+
+
+def own_circuit(ranker: Scorer, curve_scorer: Scorer, classes: Sequence[str], sizes: Sequence[float],
+                target: float, select: str, draws: int, seed: int, task: str = "") -> dict:
+    """The checkpoint's circuit at ``target`` (smallest size of the faithfulness curve reaching it; the largest
+    size scored where none does), its size, the curve, its pairs' bootstrap selection frequency and the
+    per-prompt attribution (``"prompt class layer head"``, float32, :func:`encode_array`) for :func:`structure`."""
+    name = ranker.model.name
+    attribution = prompt_attribution(ranker, classes)
+    ranked = ranking(pair_scores(attribution.mean(0), classes))
+    curve = faithfulness_curve(curve_scorer, ranked, sizes, target, select)
+    chosen = curve["chosen"] or curve["rows"][-1]
+    n = chosen["n_pairs"]
+    stability = selection_stability(attribution, classes, n, draws, seed)
+    circuit = ranked_circuit(ranked, n, name, task, meta={
+        "method": "curve", "fraction": chosen["fraction"], "n_pairs": n, "n_pairs_total": len(ranked),
+        "reached_target": curve["chosen"] is not None, "target": target, "select": select})
+    return {"circuit": circuit.to_dict(), "n_pairs": n, "n_heads": len(circuit.heads()),
+            "reached_target": curve["chosen"] is not None, "faithfulness": chosen["faithfulness"],
+            "curve": curve, "classes": list(classes),
+            "stability": {pair_name(p): stability[p] for p in ranked[:n]},
+            "attribution": encode_array(attribution.float().numpy())}
+
+
+def circuits_scored(scorer: Scorer, circuits: dict[str, Circuit]) -> dict:
+    """Each circuit scored in the scorer's model (:func:`matrix_rows`: accuracy, faithfulness F(C)/F(M) with
+    bootstrap intervals), with each prompt's outcome with the circuit alone kept and with the whole model."""
+    rows = matrix_rows(scorer.model.name, circuits, scorer)
+    outcomes = {label: per_prompt(scorer.keep(c.pairs())).astype(int).tolist() for label, c in circuits.items()}
+    return {"rows": {r["circuit"]: r for r in rows}, "outcomes": outcomes,
+            "full": per_prompt(scorer.full()).astype(int).tolist()}
+
+
+def cmap_gain(first: LoadedModel, checkpoint: LoadedModel, circuit: Circuit, records: Sequence,
+              kinds: Sequence[str] = ("z",), batch_size: int = 32, progress: bool = True) -> dict:
+    """CMAP from ``checkpoint`` into ``first`` for each group of ``circuit`` and the whole circuit (rule
+    ``"base"``), and each (group, kind)'s gain: accuracy of the patched first checkpoint minus its own, paired
+    over prompts."""
+    from .cmap import run_cmap
+
+    res = run_cmap(first, checkpoint, circuit, records, kinds, batch_size, progress=progress)
+    gains = {f"{r.scope}/{r.kind}": res.paired(f"{r.scope}/{r.kind}", "base").to_dict() for r in res.rows}
+    return {**res.to_dict(), "gain": gains}
+
+
+def semantic(lm: LoadedModel, labels: Sequence[dict], tests: dict[str, Sequence], batch_size: int = 32,
+             progress: bool = True) -> list[dict]:
+    """Semantic patching in ``lm`` of each non-empty DCM selection of ``labels`` (:meth:`DCMResult.to_dict`
+    records: group, desideratum, position, selected) on its desideratum's test pairs: the target accuracy with the
+    selected heads patched from source to base (exact binomial), the unpatched floor and each pair's outcome, as
+    :func:`~mechdiff.dcm.semantic_patching` gives them; one :class:`~mechdiff.dcm.PairCache` per desideratum
+    serves all its selections (two forward passes a pair, then one suffix run a pair per selection)."""
+    from .dcm import PairCache
+    from .stats import proportion
+
+    chosen = [lab for lab in labels if lab["selected"]]
+    out = []
+    for desideratum in dict.fromkeys(lab["desideratum"] for lab in chosen):
+        mine = [(lab, parse_heads(lab["selected"])) for lab in chosen if lab["desideratum"] == desideratum]
+        pairs = tests[desideratum]
+        cache = PairCache.build(lm, pairs, [(heads, lab["position"]) for lab, heads in mine], batch_size, progress)
+        for lab, heads in mine:
+            acc = cache.accuracy(lm, range(len(pairs)), heads, lab["position"], batch_size, progress)
+            out.append({"group": lab["group"], "desideratum": desideratum, "position": lab["position"],
+                        "heads": lab["selected"], "model": lm.name, "accuracy": proportion(acc).to_dict(),
+                        "floor": proportion(cache.floor).to_dict(), "outcomes": np.asarray(acc).astype(int).tolist()})
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Against the first checkpoint, and the structural null
+# --------------------------------------------------------------------------------------
+
+
+def against_first(outcomes: Sequence[Optional[Sequence[float]]]) -> list[Optional[dict]]:
+    """Per checkpoint, the paired difference (bootstrap interval) of its per-prompt outcomes minus the first's
+    on the same prompts; None for the first itself and where a checkpoint has no outcomes."""
+    first = outcomes[0]
+    return [None if i == 0 or o is None or first is None else paired_difference(o, first).to_dict()
+            for i, o in enumerate(outcomes)]
+
+
+def formed_at(steps: Sequence[int], intervals: Sequence[Optional[dict | Estimate]]) -> Optional[dict]:
+    """The first step from which every interval (paired, against the first checkpoint) excludes 0 on one side,
+    to the last checkpoint: ``{"step", "sign"}`` (+1 above 0, -1 below), or None. A checkpoint without an
+    interval (None: the first itself) never counts as excluding 0."""
+    if len(steps) != len(intervals):
+        raise ValueError(f"{len(steps)} steps but {len(intervals)} intervals")
+
+    def side(iv: Optional[dict | Estimate]) -> int:
+        if iv is None:
+            return 0
+        low, high = (iv["low"], iv["high"]) if isinstance(iv, dict) else (iv.low, iv.high)
+        return 1 if low > 0 else -1 if high < 0 else 0
+
+    sides = [side(iv) for iv in intervals]
+    if not sides or sides[-1] == 0:
+        return None
+    i = len(sides) - 1
+    while i > 0 and sides[i - 1] == sides[-1]:
+        i -= 1
+    return {"step": steps[i], "sign": sides[-1]}
+
+
+def encode_array(a: np.ndarray) -> dict:
+    """A float32 array as JSON: shape and base64 bytes (exact, 4 bytes a value)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return {"shape": list(a.shape), "float32": base64.b64encode(a.tobytes()).decode()}
+
+
+def decode_array(d: dict) -> np.ndarray:
+    """The array :func:`encode_array` wrote."""
+    return np.frombuffer(base64.b64decode(d["float32"]), dtype=np.float32).reshape(d["shape"]).copy()
+
+
+def halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two disjoint halves of ``range(n)`` (a seeded permutation), sizes ``n // 2`` and ``n - n // 2``."""
+    if n < 4:
+        raise ValueError(f"the within-checkpoint null needs at least 4 ranking prompts, got {n}")
+    perm = np.random.default_rng(seed).permutation(n)
+    return np.sort(perm[: n // 2]), np.sort(perm[n // 2:])
+
+
+def top_pairs(attribution: np.ndarray, rows: np.ndarray, n: int) -> frozenset[int]:
+    """The ``n`` pairs (flat ``class layer head`` indices) of largest |mean attribution| over ``rows``
+    (as :func:`selection_stability` selects)."""
+    mean = torch.from_numpy(attribution.reshape(attribution.shape[0], -1)[rows].astype(np.float64)).mean(0)
+    return frozenset(mean.abs().topk(n).indices.tolist())
+
+
+def jaccard(a: frozenset, b: frozenset) -> float:
+    return len(a & b) / len(a | b) if a | b else 1.0
+
+
+@dataclass
+class _Halves:
+    """Top-n pair sets of every checkpoint on each half, for the point estimate and each resample."""
+
+    a: list[dict[str, frozenset]]  # per draw (0: the halves themselves), checkpoint -> top-n on half A
+    b: list[dict[str, frozenset]]
+
+
+def _half_tops(attribution: dict[str, np.ndarray], n: int, draws: int, seed: int) -> _Halves:
+    n_prompts = {a.shape[0] for a in attribution.values()}
+    if len(n_prompts) != 1:
+        raise ValueError(f"every checkpoint must be ranked on the same prompts; got prompt counts {n_prompts}")
+    half_a, half_b = halves(n_prompts.pop(), seed)
+    rng = np.random.default_rng(seed + 1)
+    rows = [(half_a, half_b)] + [(rng.choice(half_a, half_a.size), rng.choice(half_b, half_b.size))
+                                 for _ in range(draws)]
+    return _Halves([{c: top_pairs(a, ra, n) for c, a in attribution.items()} for ra, _ in rows],
+                   [{c: top_pairs(a, rb, n) for c, a in attribution.items()} for _, rb in rows])
+
+
+def _interval(point: float, draws: Sequence[float], confidence: float = 0.95) -> dict:
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(np.asarray(draws, dtype=float), [alpha, 1 - alpha]) if len(draws) else (point, point)
+    return {"value": point, "low": float(low), "high": float(high), "n": len(draws)}
+
+
+def structure(attribution: dict[str, np.ndarray], classes: Sequence[str], n: int, draws: int = STRUCTURE_DRAWS,
+              seed: int = 0, stable: float = STABLE) -> dict:
+    """The within-checkpoint null and the structural changes between consecutive checkpoints (module docstring).
+
+    ``attribution``: checkpoint (in order) -> per-prompt attribution ``"prompt class layer head"`` on the same
+    ranking prompts; ``n``: the number of pairs each discovery keeps. Returns per checkpoint the null overlap
+    (Jaccard of the halves' top-n, percentile interval over resampled halves) and the selection frequency of every
+    pair ever robustly in; per consecutive pair of checkpoints the cross overlap, the spread-corrected difference
+    with its paired interval and ``changed``, and the pairs that changed (robustly in at one, out at the other)."""
+    names = list(attribution)
+    tops = _half_tops(attribution, n, draws, seed)
+
+    def null(c: str, d: int) -> float:
+        return jaccard(tops.a[d][c], tops.b[d][c])
+
+    def cross(s: str, t: str, d: int) -> float:
+        return (jaccard(tops.a[d][s], tops.b[d][t]) + jaccard(tops.a[d][t], tops.b[d][s])) / 2
+
+    nulls = {c: _interval(null(c, 0), [null(c, d) for d in range(1, draws + 1)]) for c in names}
+    freq = {c: selection_stability(torch.from_numpy(a.astype(np.float64)), classes, n, draws, seed)
+            for c, a in attribution.items()}
+    steps = []
+    for s, t in zip(names, names[1:]):
+        diff = [(null(s, d) + null(t, d)) / 2 - cross(s, t, d) for d in range(draws + 1)]
+        spread = _interval(diff[0], diff[1:])
+        entered = sorted(pair_name(p) for p, f in freq[t].items() if f >= stable and freq[s][p] <= 1 - stable)
+        left = sorted(pair_name(p) for p, f in freq[s].items() if f >= stable and freq[t][p] <= 1 - stable)
+        steps.append({"from": s, "to": t, "cross": _interval(cross(s, t, 0), [cross(s, t, d) for d in
+                                                                                 range(1, draws + 1)]),
+                      "null_minus_cross": spread, "changed": spread["low"] > 0, "entered": entered, "left": left})
+    robust = sorted({p for f in freq.values() for p, v in f.items() if v >= stable},
+                    key=lambda p: (p[1], p[0].layer, p[0].head))
+    return {"n_pairs": n, "draws": draws, "seed": seed, "stable": stable, "null": nulls, "consecutive": steps,
+            "frequency": {c: {pair_name(p): freq[c][p] for p in robust} for c in names}}
+
+
+# --------------------------------------------------------------------------------------
+# Figures
+# --------------------------------------------------------------------------------------
+
+
+def band_figure(steps: Sequence[int], series: dict[str, Sequence[Optional[dict]]], path: str | Path,
+                title: str = "", ylabel: str = "", zero: bool = False) -> Path:
+    """Each series (``{"value", "low", "high"}`` per step, None where absent) against the step, its interval as
+    a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .io import save_figure
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for label, points in series.items():
+        xs = [s for s, p in zip(steps, points) if p is not None]
+        got = [p for p in points if p is not None]
+        if not got:
+            continue
+        line, = ax.plot(xs, [p["value"] for p in got], marker="o", ms=3, label=label)
+        ax.fill_between(xs, [p["low"] for p in got], [p["high"] for p in got], color=line.get_color(), alpha=0.2)
+    if zero:
+        ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    if series:
+        ax.legend(fontsize=7, loc="best")
+    return save_figure(fig, path)
+
+
+def membership(circuits: Sequence[Circuit]) -> dict[tuple[str, int], list[int]]:
+    """``(position class, layer) -> [number of the circuit's heads there, per checkpoint]`` for every
+    (class, layer) holding a head in some checkpoint's circuit."""
+    cells: dict[tuple[str, int], list[int]] = {}
+    for i, c in enumerate(circuits):
+        for head, pos in c.pairs():
+            cells.setdefault((pos, head.layer), [0] * len(circuits))[i] += 1
+    return dict(sorted(cells.items()))
+
+
+def membership_figure(steps: Sequence[int], circuits: Sequence[Circuit], path: str | Path, title: str = "") -> Path:
+    """One panel per step: position classes (rows) by layers (columns), how many of the layer's heads at that class
+    the checkpoint's own circuit keeps (:func:`membership`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .io import save_figure
+
+    cells = membership(circuits)
+    classes = list(dict.fromkeys(pos for pos, _ in cells))
+    n_layers = 1 + max((layer for _, layer in cells), default=0)
+    vmax = max((max(v) for v in cells.values()), default=1)
+    fig, axes = plt.subplots(1, len(steps), figsize=(1.6 * len(steps) + 2.5, 0.25 * len(classes) + 1.6),
+                             sharey=True, squeeze=False)
+    for i, (step, ax) in enumerate(zip(steps, axes[0])):
+        grid = np.zeros((len(classes), n_layers))
+        for (pos, layer), counts in cells.items():
+            grid[classes.index(pos), layer] = counts[i]
+        im = ax.imshow(grid, cmap="Greens", aspect="auto", interpolation="nearest", vmin=0, vmax=vmax)
+        ax.set_title(f"step {step}: {int(grid.sum())} pairs", fontsize=7)
+        ax.set_xlabel("layer", fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.set_yticks(range(len(classes)))
+        ax.set_yticklabels(classes, fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.colorbar(im, ax=list(axes[0]), label="heads in the circuit")
+    return save_figure(fig, path)

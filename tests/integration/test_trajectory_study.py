@@ -1,0 +1,178 @@
+"""The trajectory study end to end on a tiny trajectory (three checkpoints trained in the test): every stage, the
+report, tables and figures; a second run finds every stage cached and loads no model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mechdiff.studies.base import load_study
+from mechdiff.studies.trajectory import TrajectoryStudy, load_settings, read_labels
+from mechdiff.tasks.spec import SpecError
+from mechdiff.trajectory import against_first, formed_at
+
+
+def task_file(path, run, out, extra: str = "") -> str:
+    text = f"""
+[study]
+kind = "trajectory"
+
+[task]
+name = "entity-tracking"
+n_boxes = 3
+seed = 0
+
+[models]
+checkpoints = ["{run}@0", "{run}@2", "{run}@4"]
+
+[eval]
+n = 16
+batch_size = 8
+
+[discovery]
+n = 12
+sizes = [0.05, 0.2, 1.0]
+curve_n = 12
+stability_draws = 20
+
+[scoring]
+n = 12
+reference_n = 16
+
+[structure]
+draws = 20
+
+[dcm]
+desiderata = ["positional"]
+groups = ["last"]
+n_train = 8
+n_val = 4
+n_test = 8
+epochs = 1
+batch_size = 4
+{extra}
+[cmap]
+n = 12
+parts = ["z"]
+groups = ["last", "query_label"]
+
+[output]
+dir = "{out}"
+store = "{out}/activations.h5"
+"""
+    path.write_text(text)
+    return str(path)
+
+
+PART = ("import sys\nfrom mechdiff.studies.trajectory import TrajectoryStudy\n"
+        "TrajectoryStudy.from_file(sys.argv[1], progress=False).run_checkpoints(sys.argv[2].split(','))\n")
+
+
+def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
+    """Every stage, computed by two processes sharing the checkpoints (``run_checkpoints``, each waiting for the
+    circuits the other computes), then a plain run that finds every stage cached, loads nothing and writes the
+    report. DCM labels are read from a table (a tiny model's own DCM may select nothing); DCM trained on the final
+    checkpoint's circuit is checked after."""
+    _, run = tiny_run
+    out = tmp_path / "out"
+    labels = tmp_path / "dcm.json"
+    labels.write_text(json.dumps([{"group": "last", "desideratum": "positional", "position": "last",
+                                   "selected": "L2H1 L1H0"}]))
+    path = task_file(tmp_path / "t.toml", run, out, extra=f'labels = "{labels}"\n')
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    names = [f"{run}@{s}" for s in (0, 2, 4)]
+    parts = [subprocess.Popen([sys.executable, "-c", PART, path, ",".join(p)], env=env, cwd=root)
+             for p in (names[:2], names[2:])]
+    assert [p.wait(timeout=1200) for p in parts] == [0, 0]
+    study = load_study(path, progress=False)  # by the file's [study] kind
+    assert isinstance(study, TrajectoryStudy)
+    plan = study.plan()
+    assert plan and all(p.cached for p in plan) and study._checkpoints is None
+    report = study.run()
+    assert study._checkpoints is None  # nothing loaded: the two processes computed every stage
+    assert report.is_file() and (out / "README.md").is_file() and (out / "run.json").is_file()
+    assert study.names == names
+    for fig in ("accuracy", "circuits_faithfulness", "cmap_gain", "semantic", "structure", "membership"):
+        assert (out / "figures" / f"{fig}.png").stat().st_size > 0, fig
+    manifest = json.loads((out / "run.json").read_text())
+    stages = set(manifest["stages"])
+    assert manifest["kind"] == "trajectory" and {p.name for p in plan} == stages
+    assert {f"{k}:{n}" for k in ("accuracy", "circuit", "score", "semantic") for n in names} <= stages
+    assert {f"cmap:{n}" for n in names[1:]} | {"structure", "dcm"} <= stages
+    assert all(v["cached"] for v in manifest["stages"].values())
+    computed = [json.loads(p.read_text()) for p in (out / "stages").glob("*.json")]
+    assert len(computed) == len(stages) and all(r["seconds"] > 0 for r in computed)
+
+    # the report's tables are the stage records: the accuracy and the formed-at rule recomputed from them
+    acc = json.loads((out / "tables" / "accuracy.json").read_text())
+    records = {n: json.loads(study.cache.path(f"accuracy:{n}").read_text())["result"] for n in names}
+    assert [r["accuracy"] for r in acc] == [np.mean(records[n]["correct"]) for n in names]
+    diffs = against_first([records[n]["correct"] for n in names])
+    assert [r["minus_first"] for r in acc] == [None] + [d["value"] for d in diffs[1:]]
+    formation = {r["component"]: r for r in json.loads((out / "tables" / "formation.json").read_text())}
+    want = formed_at(study.steps, diffs)
+    assert formation["the model"]["formed_at_step"] == (want["step"] if want else None)
+    # the circuits scored in every checkpoint: the final circuit is the final checkpoint's own
+    scored = {n: json.loads(study.cache.path(f"score:{n}").read_text())["result"]["outcomes"] for n in names}
+    assert scored[names[-1]]["final"] == scored[names[-1]]["own"]
+    assert scored[names[1]]["first trained"] == scored[names[1]]["own"]
+    circ = json.loads((out / "tables" / "circuits.json").read_text())
+    assert [r["n_pairs"] for r in circ] == [
+        json.loads(study.cache.path(f"circuit:{n}").read_text())["result"]["n_pairs"] for n in names]
+
+    sem = json.loads((out / "tables" / "semantic.json").read_text())
+    assert [r["step"] for r in sem] == list(study.steps)
+    for r, n in zip(sem, names):
+        outcomes = json.loads(study.cache.path(f"semantic:{n}").read_text())["result"]["rows"][0]["outcomes"]
+        assert r["accuracy"] == np.mean(outcomes) and len(outcomes) == 8
+
+    again = TrajectoryStudy.from_file(path, progress=False)
+    with pytest.raises(ValueError, match="not checkpoints of this study"):
+        again.run_checkpoints(["nope@1"])
+
+    # DCM trained on the final checkpoint's own circuit, its groups in [dcm] groups (the tiny model's masks)
+    again.st.dcm.labels = ""
+    final = again.circuit(names[-1])
+    trained = again.dcm(final).result
+    assert trained["source"] == f"DCM on the circuit of {names[-1]}"
+    own = final.result["circuit"]
+    assert [(r["group"], r["desideratum"]) for r in trained["dcm"]] == \
+        ([("last", "positional")] if own["groups"].get("last") else [])
+    for r in trained["dcm"]:
+        assert set(r["selected"]) <= set(r["heads"]) == set(own["groups"]["last"]) and r["n_test"] == 8
+
+
+def test_task_file_errors_name_the_line_before_loading(tiny_run, tmp_path):
+    _, run = tiny_run
+    out = tmp_path / "out"
+    bad = task_file(tmp_path / "bad.toml", run, out, extra='labels = "no/such/dcm.json"\n')
+    with pytest.raises(SpecError, match=r"bad.toml:\d+: no DCM table no/such/dcm.json"):
+        load_settings(bad)
+    one = tmp_path / "one.toml"
+    one.write_text(f'[study]\nkind = "trajectory"\n[task]\nname = "entity-tracking"\n[models]\n'
+                   f'checkpoints = ["{run}@2"]\n')
+    with pytest.raises(SpecError, match=r"one.toml:6: a trajectory needs at least two distinct checkpoints"):
+        load_settings(one)
+
+
+def test_dcm_labels_read_from_a_circuits_study_table(tmp_path):
+    table = tmp_path / "dcm.json"
+    table.write_text(json.dumps([
+        {"group": "last", "desideratum": "positional", "position": "last", "selected": "L19H1 L19H4"},
+        {"group": "query_label", "desideratum": "label_value", "position": "query_label", "selected": "-"},
+        {"group": "last", "desideratum": "label_value", "position": "last", "selected": "L29H1",
+         "accuracy_low": 0.046, "floor_high": 0.12},
+        {"group": "last", "desideratum": "object_value", "position": "last", "selected": "L22H6",
+         "accuracy_low": 0.54, "floor_high": 0.018}]))
+    assert read_labels(table) == [
+        {"group": "last", "desideratum": "positional", "position": "last", "selected": ["L19H1", "L19H4"]},
+        {"group": "query_label", "desideratum": "label_value", "position": "query_label", "selected": []},
+        {"group": "last", "desideratum": "label_value", "position": "last", "selected": [], "dropped": ["L29H1"]},
+        {"group": "last", "desideratum": "object_value", "position": "last", "selected": ["L22H6"]}]
