@@ -28,6 +28,30 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+#: Whether the caller chose the thread count (``OMP_NUM_THREADS=2 python -m pytest`` tests two threads).
+THREADS_GIVEN = "OMP_NUM_THREADS" in os.environ
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Tests not marked ``slow`` (tiny models) run on one thread, and so do the processes they start, unless
+    ``OMP_NUM_THREADS`` is set. A tiny model's matmuls take microseconds: splitting them costs more than it
+    saves, and far more on a loaded machine, where each parallel region waits until both threads are scheduled
+    (the tiny study of tests/integration/test_study.py: 31 s on one thread, about 600 s on two, with 16 other
+    processes on 2 cores). The real-weight tests (``slow``) keep torch's default."""
+    if THREADS_GIVEN or item.get_closest_marker("slow"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+        torch.set_num_threads(before)
+
+
 @functools.cache
 def _smollm2_tokenizer():
     # cached per process, not per session: mutation testing (benchmarks/mutation.sh) runs many sessions in one
@@ -169,9 +193,10 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory, smollm2_tokenizer) -> list[str]:
-    """Two tiny llama models (seeds 0 and 1) saved with the SmolLM2 tokenizer: a base and a fine-tune by path."""
+    """Two tiny llama models (seeds 0 and 1) saved with the SmolLM2 tokenizer: a base and a fine-tune by path.
+    Shared by the whole run: tests only read them."""
     root = tmp_path_factory.mktemp("family")
     names = []
     for seed in (0, 1):
@@ -192,3 +217,36 @@ def circuit_pairs(path: Path) -> dict[str, set[str]]:
         for h in heads:
             out.setdefault(h, set()).add(data["positions"][g])
     return out
+
+
+def tiny_spec(names: list[str], out: Path):
+    """The default study shrunk to seconds on the tiny saved models ``names`` (base first), writing into ``out``."""
+    from mechdiff.tasks.spec import default_spec
+
+    spec = default_spec()
+    spec.models.base, spec.models.finetunes = names[0], names[1:]
+    spec.task.n_boxes = 3
+    spec.eval.n, spec.eval.batch_size = 12, 12
+    spec.discovery.n, spec.discovery.top_k, spec.discovery.screen_multiple = 6, {"A": 2, "B": 1, "C": 1, "D": 1}, 2
+    spec.discovery.curve_n, spec.discovery.sizes, spec.discovery.stability_draws = 8, [0.1, 0.5, 1.0], 20
+    spec.positions.n, spec.positions.max_steps = 6, 2
+    spec.scoring.n, spec.scoring.random_draws, spec.scoring.completeness_draws = 8, 2, 1
+    spec.scoring.reference_n, spec.scoring.prune_n = 12, 6
+    spec.cmap.n_random = 1
+    spec.dcm.n_train, spec.dcm.n_val, spec.dcm.n_test, spec.dcm.epochs = 6, 3, 3, 1
+    spec.dcm.desiderata = ["positional"]
+    spec.cmap.n, spec.cmap.parts = 8, ["z", "qk"]
+    spec.output.dir, spec.output.store = str(out / "run"), str(out / "store.h5")
+    return spec
+
+
+@pytest.fixture(scope="session")
+def tiny_study(tiny_family, tmp_path_factory) -> Path:
+    """The whole ``tiny_spec`` study run once, uninterrupted, from an empty directory: ``<root>/run`` and
+    ``<root>/store.h5``. The reference run of every test that needs a finished study or its results (its stage
+    records, report and manifest are those of that one run); tests copy it before changing anything."""
+    from mechdiff.study import Study
+
+    root = tmp_path_factory.mktemp("tiny-study")
+    Study(tiny_spec(tiny_family, root), progress=False).run()
+    return root

@@ -8,43 +8,30 @@ import json
 import pytest
 import torch
 
+from conftest import tiny_spec  # noqa: F401  (also imported from here by test_faults)
 from mechdiff.study import Study
-from mechdiff.tasks.spec import default_spec
 
 
-def tiny_spec(names, out):
-    spec = default_spec()
-    spec.models.base, spec.models.finetunes = names[0], names[1:]
-    spec.task.n_boxes = 3
-    spec.eval.n, spec.eval.batch_size = 12, 12
-    spec.discovery.n, spec.discovery.top_k, spec.discovery.screen_multiple = 6, {"A": 2, "B": 1, "C": 1, "D": 1}, 2
-    spec.discovery.curve_n, spec.discovery.sizes, spec.discovery.stability_draws = 8, [0.1, 0.5, 1.0], 20
-    spec.positions.n, spec.positions.max_steps = 6, 2
-    spec.scoring.n, spec.scoring.random_draws, spec.scoring.completeness_draws = 8, 2, 1
-    spec.scoring.reference_n, spec.scoring.prune_n = 12, 6
-    spec.cmap.n_random = 1
-    spec.dcm.n_train, spec.dcm.n_val, spec.dcm.n_test, spec.dcm.epochs = 6, 3, 3, 1
-    spec.dcm.desiderata = ["positional"]
-    spec.cmap.n, spec.cmap.parts = 8, ["z", "qk"]
-    spec.output.dir, spec.output.store = str(out / "run"), str(out / "store.h5")
-    return spec
+def test_study_end_to_end_and_caching(tiny_family, tiny_study, tmp_path):
+    """The whole study from an empty directory (the shared ``tiny_study`` run): report, figures, tables and
+    manifest written, every stage computed; on a copy, a rerun recomputes nothing and loads no weights, and one
+    changed option recomputes only the stages that depend on it."""
+    import shutil
 
-
-def test_study_end_to_end_and_caching(tiny_family, tmp_path):
-    spec = tiny_spec(tiny_family, tmp_path)
-    report = Study(spec, progress=False).run()
-    text = report.read_text()
+    run_dir = tiny_study / "run"
+    text = (run_dir / "report.md").read_text()
     for section in ("## Findings", "## Accuracy", "## Circuits", "## Circuit x model", "## Overlap",
                     "## What the heads encode (DCM)", "## Cross-model activation patching (CMAP)", "## What was run"):
         assert section in text
-    run_dir = tmp_path / "run"
     assert (run_dir / "figures" / "membership.png").is_file()
     assert (run_dir / "tables" / "accuracy.csv").is_file() and (run_dir / "tables" / "accuracy.tex").is_file()
     assert (run_dir / "circuits").is_dir()
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["versions"]["torch"] and all(not s["cached"] for s in manifest["stages"].values())
+    spec = tiny_spec(tiny_family, tmp_path)
     _check_heads_table_and_page(spec, run_dir, text, tmp_path)
 
+    shutil.copytree(tiny_study, tmp_path, dirs_exist_ok=True)
     again = Study(spec, progress=False)
     again.run()
     assert all(r.cached for r in again.cache.records.values())
@@ -57,21 +44,8 @@ def test_study_end_to_end_and_caching(tiny_family, tmp_path):
     assert fresh == {f"cmap:{n}" for n in spec.models.finetunes}
 
 
-def test_killed_run_resumes(tiny_family, tmp_path, monkeypatch):
-    spec = tiny_spec(tiny_family, tmp_path)
-    study = Study(spec, progress=False)
-
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Study, "dcm", killed)
-    with pytest.raises(KeyboardInterrupt):
-        study.run()
-    monkeypatch.undo()
-    resumed = Study(spec, progress=False)
-    resumed.run()
-    recomputed = {n for n, r in resumed.cache.records.items() if not r.cached}
-    assert recomputed == {"dcm", *(f"cmap:{n}" for n in spec.models.finetunes)}
+# A run killed between stages keeps every finished stage and resumes with the rest:
+# test_faults.test_killed_at_every_stage_boundary_keeps_finished_stages (it kills before DCM, among others).
 
 
 def test_study_on_another_task(tiny_family, tmp_path):
@@ -147,7 +121,7 @@ def test_run_command_refuses_an_unknown_task_before_loading(capsys):
     assert "neither a registered task" in capsys.readouterr().err
 
 
-def test_one_process_per_model_computes_the_same_study(tiny_family, tmp_path):
+def test_one_process_per_model_computes_the_same_study(tiny_family, tiny_study, tmp_path):
     """`mechdiff run TASK --model NAME` for every model at once (real processes), then a plain run: every stage
     is found in the cache, and the results equal those of a plain sequential run."""
     import os
@@ -172,15 +146,17 @@ def test_one_process_per_model_computes_the_same_study(tiny_family, tmp_path):
     assembled = Study(spec, progress=False)
     assembled.run()
     assert all(r.cached for r in assembled.cache.records.values()) and assembled.models._loaded == {}
-    plain = Study(tiny_spec(tiny_family, tmp_path / "plain"), progress=False)
-    plain.run()
-    for name, rec in plain.cache.records.items():
-        assert assembled.cache.records[name].key == rec.key
+    # the plain sequential run: the shared tiny study's records (same spec, same inputs)
+    reference = {n: json.loads((tiny_study / "run" / "stages" / assembled.cache.path(n).name).read_text())
+                 for n in assembled.cache.records}
+    assert len(reference) == len(list((tiny_study / "run" / "stages").glob("*.json")))
+    for name, rec in reference.items():
+        assert assembled.cache.records[name].key == rec["key"]
         got = assembled.cache.records[name].result
         if name.startswith(("circuit", "prune")):
-            assert got["circuit"]["groups"] == rec.result["circuit"]["groups"], name
+            assert got["circuit"]["groups"] == rec["result"]["circuit"]["groups"], name
         if name.startswith(("circuit", "prune", "matrix")):
-            _assert_close(got, rec.result, name)
+            _assert_close(got, rec["result"], name)
     with pytest.raises(ValueError, match="not a model of this study"):
         Study(spec, progress=False).run_model("other")
 
