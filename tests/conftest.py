@@ -37,8 +37,8 @@ def pytest_runtest_protocol(item, nextitem):
     """Tests not marked ``slow`` (tiny models) run on one thread, and so do the processes they start, unless
     ``OMP_NUM_THREADS`` is set. A tiny model's matmuls take microseconds: splitting them costs more than it
     saves, and far more on a loaded machine, where each parallel region waits until both threads are scheduled
-    (the tiny study of tests/integration/test_study.py: 31 s on one thread, about 600 s on two, with 16 other
-    processes on 2 cores). The real-weight tests (``slow``) keep torch's default."""
+    (the tiny study of tests/integration/test_study.py, profiled at a load average of 12 to 18 on 2 cores: 31 s on
+    one thread, 595 s on two). The real-weight tests (``slow``) keep torch's default."""
     if THREADS_GIVEN or item.get_closest_marker("slow"):
         yield
         return
@@ -48,7 +48,7 @@ def pytest_runtest_protocol(item, nextitem):
     try:
         yield
     finally:
-        del os.environ["OMP_NUM_THREADS"]
+        os.environ.pop("OMP_NUM_THREADS", None)
         torch.set_num_threads(before)
 
 
@@ -219,33 +219,12 @@ def circuit_pairs(path: Path) -> dict[str, set[str]]:
     return out
 
 
-def tiny_spec(names: list[str], out: Path):
-    """The default study shrunk to seconds on the tiny saved models ``names`` (base first), writing into ``out``."""
-    from mechdiff.tasks.spec import default_spec
-
-    spec = default_spec()
-    spec.models.base, spec.models.finetunes = names[0], names[1:]
-    spec.task.n_boxes = 3
-    spec.eval.n, spec.eval.batch_size = 12, 12
-    spec.discovery.n, spec.discovery.top_k, spec.discovery.screen_multiple = 6, {"A": 2, "B": 1, "C": 1, "D": 1}, 2
-    spec.discovery.curve_n, spec.discovery.sizes, spec.discovery.stability_draws = 8, [0.1, 0.5, 1.0], 20
-    spec.positions.n, spec.positions.max_steps = 6, 2
-    spec.scoring.n, spec.scoring.random_draws, spec.scoring.completeness_draws = 8, 2, 1
-    spec.scoring.reference_n, spec.scoring.prune_n = 12, 6
-    spec.cmap.n_random = 1
-    spec.dcm.n_train, spec.dcm.n_val, spec.dcm.n_test, spec.dcm.epochs = 6, 3, 3, 1
-    spec.dcm.desiderata = ["positional"]
-    spec.cmap.n, spec.cmap.parts = 8, ["z", "qk"]
-    spec.output.dir, spec.output.store = str(out / "run"), str(out / "store.h5")
-    return spec
-
-
 @pytest.fixture(scope="session")
 def tiny_study(tiny_family, tmp_path_factory) -> Path:
     """The whole ``tiny_spec`` study run once, uninterrupted, from an empty directory: ``<root>/run`` and
     ``<root>/store.h5``. The reference run of every test that needs a finished study or its results (its stage
     records, report and manifest are those of that one run); tests copy it before changing anything."""
-    from mechdiff.study import Study
+    from test_study import Study, tiny_spec  # tests/integration: only tests there ask for this fixture
 
     root = tmp_path_factory.mktemp("tiny-study")
     Study(tiny_spec(tiny_family, root), progress=False).run()

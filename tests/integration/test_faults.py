@@ -23,7 +23,7 @@ from mechdiff.io import LOCK_NAME, OutputError, RunLockedError, atomic_open, run
 from mechdiff.store import ActivationStore, capture_sites
 from mechdiff.study import StageCache, Study
 from mechdiff.tasks.entity_tracking import generate
-from conftest import tiny_spec
+from test_study import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,30 +8,43 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_spec  # noqa: F401  (also imported from here by test_faults)
 from mechdiff.study import Study
+from mechdiff.tasks.spec import default_spec
 
 
-def test_study_end_to_end_and_caching(tiny_family, tiny_study, tmp_path):
-    """The whole study from an empty directory (the shared ``tiny_study`` run): report, figures, tables and
-    manifest written, every stage computed; on a copy, a rerun recomputes nothing and loads no weights, and one
-    changed option recomputes only the stages that depend on it."""
-    import shutil
+def tiny_spec(names, out):
+    spec = default_spec()
+    spec.models.base, spec.models.finetunes = names[0], names[1:]
+    spec.task.n_boxes = 3
+    spec.eval.n, spec.eval.batch_size = 12, 12
+    spec.discovery.n, spec.discovery.top_k, spec.discovery.screen_multiple = 6, {"A": 2, "B": 1, "C": 1, "D": 1}, 2
+    spec.discovery.curve_n, spec.discovery.sizes, spec.discovery.stability_draws = 8, [0.1, 0.5, 1.0], 20
+    spec.positions.n, spec.positions.max_steps = 6, 2
+    spec.scoring.n, spec.scoring.random_draws, spec.scoring.completeness_draws = 8, 2, 1
+    spec.scoring.reference_n, spec.scoring.prune_n = 12, 6
+    spec.cmap.n_random = 1
+    spec.dcm.n_train, spec.dcm.n_val, spec.dcm.n_test, spec.dcm.epochs = 6, 3, 3, 1
+    spec.dcm.desiderata = ["positional"]
+    spec.cmap.n, spec.cmap.parts = 8, ["z", "qk"]
+    spec.output.dir, spec.output.store = str(out / "run"), str(out / "store.h5")
+    return spec
 
-    run_dir = tiny_study / "run"
-    text = (run_dir / "report.md").read_text()
+
+def test_study_end_to_end_and_caching(tiny_family, tmp_path):
+    spec = tiny_spec(tiny_family, tmp_path)
+    report = Study(spec, progress=False).run()
+    text = report.read_text()
     for section in ("## Findings", "## Accuracy", "## Circuits", "## Circuit x model", "## Overlap",
                     "## What the heads encode (DCM)", "## Cross-model activation patching (CMAP)", "## What was run"):
         assert section in text
+    run_dir = tmp_path / "run"
     assert (run_dir / "figures" / "membership.png").is_file()
     assert (run_dir / "tables" / "accuracy.csv").is_file() and (run_dir / "tables" / "accuracy.tex").is_file()
     assert (run_dir / "circuits").is_dir()
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["versions"]["torch"] and all(not s["cached"] for s in manifest["stages"].values())
-    spec = tiny_spec(tiny_family, tmp_path)
     _check_heads_table_and_page(spec, run_dir, text, tmp_path)
 
-    shutil.copytree(tiny_study, tmp_path, dirs_exist_ok=True)
     again = Study(spec, progress=False)
     again.run()
     assert all(r.cached for r in again.cache.records.values())
@@ -121,6 +134,13 @@ def test_run_command_refuses_an_unknown_task_before_loading(capsys):
     assert "neither a registered task" in capsys.readouterr().err
 
 
+#: `mechdiff run` (python -m mechdiff.cli) with run_model polling the cache for the other process's records every
+#: 1 s instead of 5 s: the processes wait on each other's work, not on the poll.
+POLLING_CLI = (f"import functools, sys; from {Study.__module__} import {Study.__name__} as S; "
+               "S.run_model = functools.partialmethod(S.run_model, poll=1.0); "
+               "from mechdiff.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
 def test_one_process_per_model_computes_the_same_study(tiny_family, tiny_study, tmp_path):
     """`mechdiff run TASK --model NAME` for every model at once (real processes), then a plain run: every stage
     is found in the cache, and the results equal those of a plain sequential run."""
@@ -136,8 +156,8 @@ def test_one_process_per_model_computes_the_same_study(tiny_family, tiny_study, 
     task = _task_file(tiny_family, tmp_path / "parallel")
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "MPLBACKEND": "Agg", "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same kernels as here
-    procs = [subprocess.Popen([sys.executable, "-m", "mechdiff.cli", "run", str(task), "--model", name,
-                               "--no-progress"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", POLLING_CLI, "run", str(task), "--model", name, "--no-progress"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name in tiny_family]
     for proc in procs:
         _, err = proc.communicate(timeout=600)
