@@ -29,6 +29,30 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+#: Whether the caller chose the thread count (``OMP_NUM_THREADS=2 python -m pytest`` tests two threads).
+THREADS_GIVEN = "OMP_NUM_THREADS" in os.environ
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Tests not marked ``slow`` (tiny models) run on one thread, and so do the processes they start, unless
+    ``OMP_NUM_THREADS`` is set. A tiny model's matmuls take microseconds: splitting them costs more than it
+    saves, and far more on a loaded machine, where each parallel region waits until both threads are scheduled
+    (the tiny study of tests/integration/test_study.py, profiled at a load average of 12 to 18 on 2 cores: 31 s on
+    one thread, 595 s on two). The real-weight tests (``slow``) keep torch's default."""
+    if THREADS_GIVEN or item.get_closest_marker("slow"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+        torch.set_num_threads(before)
+
+
 @functools.cache
 def _smollm2_tokenizer():
     # cached per process, not per session: mutation testing (benchmarks/mutation.sh) runs many sessions in one
@@ -181,9 +205,10 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory, smollm2_tokenizer) -> list[str]:
-    """Two tiny llama models (seeds 0 and 1) saved with the SmolLM2 tokenizer: a base and a fine-tune by path."""
+    """Two tiny llama models (seeds 0 and 1) saved with the SmolLM2 tokenizer: a base and a fine-tune by path.
+    Shared by the whole run: tests only read them."""
     root = tmp_path_factory.mktemp("family")
     names = []
     for seed in (0, 1):
@@ -223,3 +248,15 @@ def circuit_pairs(path: Path) -> dict[str, set[str]]:
         for h in heads:
             out.setdefault(h, set()).add(data["positions"][g])
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_study(tiny_family, tmp_path_factory) -> Path:
+    """The whole ``tiny_spec`` study run once, uninterrupted, from an empty directory: ``<root>/run`` and
+    ``<root>/store.h5``. The reference run of every test that needs a finished study or its results (its stage
+    records, report and manifest are those of that one run); tests copy it before changing anything."""
+    from test_study import Study, tiny_spec  # tests/integration: only tests there ask for this fixture
+
+    root = tmp_path_factory.mktemp("tiny-study")
+    Study(tiny_spec(tiny_family, root), progress=False).run()
+    return root

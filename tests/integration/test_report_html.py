@@ -53,11 +53,21 @@ def _open(browser) -> None:
         "var g = document.getElementById('grid'); return !!(g && g.data && g.data[0].text);"))
 
 
-def test_page_opens_with_no_console_error_and_the_grid_holds_each_circuit(browser, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def page(browser):
+    """The page loaded once (5 MB: each load costs seconds), with what the browser logged while loading it: the
+    console's messages and the network log."""
     assert PAGE.exists(), "write it with: mechdiff view results/entity-tracking-smollm2"
-    assert PAGE.stat().st_size <= 5_000_000  # the issue's 5 MB, almost all of it plotly.js
+    browser.get_log("browser")
+    browser.get_log("performance")  # nothing from before the load
     _open(browser)
-    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    return browser, browser.get_log("browser"), browser.get_log("performance")
+
+
+def test_page_opens_with_no_console_error_and_the_grid_holds_each_circuit(page, tmp_path) -> None:
+    assert PAGE.stat().st_size <= 5_000_000  # the issue's 5 MB, almost all of it plotly.js
+    browser, console, _ = page
+    errors = [e for e in console if e["level"] == "SEVERE"]
     assert not errors, errors
     names = browser.execute_script("return document.getElementById('grid').data.map(function (t) { return t.name; });")
     run = json.loads((RUN / "run.json").read_text())["spec"]["models"]
@@ -99,8 +109,8 @@ def _third_digit(v: float) -> float:
     return 0.0 if v == 0 else 0.5 * 10 ** (math.floor(math.log10(abs(v))) - 2) * (1 + 1e-9)
 
 
-def test_hover_shows_the_heads_scores_from_the_committed_tables(browser) -> None:
-    _open(browser)
+def test_hover_shows_the_heads_scores_from_the_committed_tables(page) -> None:
+    browser = page[0]
     head, layer, h = "L17H0", 17, 0  # in both circuits at query_label, chosen by DCM for positional there
     text = _hover(browser, layer, h)
     assert text.startswith(f"{head} in smollm2-et-early"), text
@@ -141,12 +151,11 @@ def test_hover_shows_the_heads_scores_from_the_committed_tables(browser) -> None
         assert f"{r['kind']} {r['accuracy']:.3f} [{r['accuracy_low']:.3f}, {r['accuracy_high']:.3f}]" in line
 
 
-def test_the_page_makes_no_network_request(browser) -> None:
-    browser.get_log("performance")  # drop what earlier tests logged
-    _open(browser)
+def test_the_page_makes_no_network_request(page) -> None:
+    browser, _, loading = page
     _hover(browser, 17, 0)
     urls = []
-    for entry in browser.get_log("performance"):
+    for entry in loading + browser.get_log("performance"):  # while loading, then since (hovers included)
         msg = json.loads(entry["message"])["message"]
         if msg["method"] == "Network.requestWillBeSent":
             urls.append(msg["params"]["request"]["url"])

@@ -22,25 +22,39 @@ def _forbid(monkeypatch, module, *names):
         monkeypatch.setattr(module, name, fail)
 
 
-@pytest.fixture
-def knowledge_run(tmp_path, smollm2_tokenizer):
-    model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
+def _knowledge_setup(tmp_path, tokenizer):
+    model = make_tiny("llama", tokenizer, seed=3, n_layers=2)
     # A random model ranks few answers in its top 10: a wide k keeps facts in the study.
     settings = kp.KnowledgeSettings(method="eap", k=30000, target=0.0, sizes=(0.01, 0.3), curve_sizes=(0.1, 1.0),
                                     n_random=1, max_facts=8, relation="country_language")
     return model, settings, tmp_path / "k"
 
 
+@pytest.fixture
+def knowledge_run(tmp_path, smollm2_tokenizer):
+    return _knowledge_setup(tmp_path, smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def knowledge_first(tmp_path_factory, smollm2_tokenizer):
+    """The knowledge study run once from an empty directory: (model, settings, its directory, its result). The
+    tests that rerun it work on their own copy of the directory."""
+    model, settings, out = _knowledge_setup(tmp_path_factory.mktemp("knowledge"), smollm2_tokenizer)
+    return model, settings, out, kp.run_study([model], settings, out)
+
+
 def _cached(res: dict) -> dict[str, bool]:
     return {n: s["cached"] for n, s in res["study"]["stages"].items()}
 
 
-def test_knowledge_rerun_recomputes_nothing(knowledge_run, monkeypatch):
-    model, settings, out = knowledge_run
-    first = kp.run_study([model], settings, out)
+def test_knowledge_rerun_recomputes_nothing(knowledge_first, tmp_path, monkeypatch):
+    import shutil
+
+    model, settings, shared, first = knowledge_first
     name = model.name
     assert _cached(first) == {"facts": False, f"discovery:{name}": False, f"scoring:{name}": False,
                               f"analysis:{name}": False}
+    out = shutil.copytree(shared, tmp_path / "k")
     before = json.loads((out / "results.json").read_text())
     with monkeypatch.context() as m:
         _forbid(m, kp, "evaluate", "attribution_scores", "mean_ablation", "logit_lens", "attention_mass",
@@ -54,9 +68,11 @@ def test_knowledge_rerun_recomputes_nothing(knowledge_run, monkeypatch):
     assert len(kp.EdgeCircuit.load(out / "circuit.json").edges) == before["circuit_edges"]
 
 
-def test_knowledge_changed_option_recomputes_only_its_stages(knowledge_run, monkeypatch):
-    model, settings, out = knowledge_run
-    first = kp.run_study([model], settings, out)
+def test_knowledge_changed_option_recomputes_only_its_stages(knowledge_first, tmp_path):
+    import shutil
+
+    model, settings, shared, first = knowledge_first
+    out = shutil.copytree(shared, tmp_path / "k")
     name = model.name
     # More random circuits: scoring only; the circuit (hence the analysis) and the edge scores are unchanged.
     more = kp.run_study([model], replace(settings, n_random=2), out)
@@ -105,10 +121,9 @@ def test_the_committed_knowledge_task_file_loads():
 import mechdiff.studies.headmap as hm  # noqa: E402
 
 
-@pytest.fixture
-def headmap_setup(tmp_path, smollm2_tokenizer):
-    models = {"tiny-base": make_tiny("llama", smollm2_tokenizer, seed=1, n_layers=2),
-              "tiny-zoo": make_tiny("llama", smollm2_tokenizer, seed=2, n_layers=2)}
+def _headmap_setup(tmp_path, tokenizer):
+    models = {"tiny-base": make_tiny("llama", tokenizer, seed=1, n_layers=2),
+              "tiny-zoo": make_tiny("llama", tokenizer, seed=2, n_layers=2)}
     loaded = []
 
     def load(name):
@@ -123,10 +138,26 @@ def headmap_setup(tmp_path, smollm2_tokenizer):
     return settings, tmp_path / "hm", load, loaded
 
 
-def test_headmap_rerun_recomputes_nothing(headmap_setup, monkeypatch):
-    settings, out, load, loaded = headmap_setup
+@pytest.fixture
+def headmap_setup(tmp_path, smollm2_tokenizer):
+    return _headmap_setup(tmp_path, smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def headmap_first(tmp_path_factory, smollm2_tokenizer):
+    """The whole HeadMap study run once from an empty directory: (its study, report text, the models it loaded,
+    settings, its directory). The tests that rerun it work on their own copy of the directory."""
+    settings, out, load, loaded = _headmap_setup(tmp_path_factory.mktemp("headmap"), smollm2_tokenizer)
     study = hm.HeadMapStudy(settings, out, load, progress=False)
-    report = study.run()
+    text = study.run().read_text()
+    return study, text, list(loaded), settings, out
+
+
+def test_headmap_rerun_recomputes_nothing(headmap_first, headmap_setup, monkeypatch):
+    import shutil
+
+    study, text, loaded_first, settings, shared = headmap_first
+    _, out, load, loaded = headmap_setup
     first = study.cache.summary()
     lora_lr, hm_lr = study.chosen_lrs({})  # chosen by the run above
     sweep = {f"train-located-seed0-hlr{lr:g}" for lr in settings.lrs} | \
@@ -137,13 +168,14 @@ def test_headmap_rerun_recomputes_nothing(headmap_setup, monkeypatch):
         sweep | seeded  # the sweep's seed-0 runs at the chosen rates are the seed-0 runs: trained once
     reused = {n for n, r in first.items() if r["cached"]}  # in the first run, from the sweep
     assert reused == {f"train-located-seed0-hlr{hm_lr:g}", f"train-lora-small-seed0-lr{lora_lr:g}"}
-    text = report.read_text()
+    assert loaded_first.count("tiny-zoo") == 1  # the zoo's model loaded once, for its stage
+    shutil.copytree(shared, out)
     with monkeypatch.context() as m:
         _forbid(m, hm, "train", "locate_task", "correct")
         again = hm.HeadMapStudy(settings, out, load, progress=False)
         again.run()
     assert all(r["cached"] for r in again.cache.summary().values())
-    assert loaded.count("tiny-zoo") == 1  # the zoo's model loads only when its stage computes
+    assert "tiny-zoo" not in loaded  # the zoo's model loads only when its stage computes
     # The report rebuilt from the records carries the same numbers (only the wall time may differ).
     strip = lambda t: [line for line in t.splitlines() if not line.startswith("Made by")]  # noqa: E731
     assert strip((out / "report.md").read_text()) == strip(text)
@@ -162,9 +194,12 @@ def test_headmap_rerun_recomputes_nothing(headmap_setup, monkeypatch):
     assert (out / "tables" / "lr_sweep.json").exists() and (out / "tables" / "paired.json").exists()
 
 
-def test_headmap_changed_option_recomputes_only_dependent_stages(headmap_setup):
-    settings, out, load, _ = headmap_setup
-    hm.HeadMapStudy(settings, out, load, progress=False).run(train_only=True)
+def test_headmap_changed_option_recomputes_only_dependent_stages(headmap_first, headmap_setup):
+    import shutil
+
+    _, out, load, _ = headmap_setup  # models made afresh, as the shared run's were before it ran
+    settings, shared = headmap_first[3], headmap_first[4]
+    shutil.copytree(shared, out)  # every training run of ``settings`` cached
     # Another LoRA rank: only the LoRA runs (its sweep and seeds); a third seed: only that seed's runs, not
     # locating, the sweep or the evaluations.
     study = hm.HeadMapStudy(replace(settings, lora_small=2), out, load, progress=False)

@@ -66,21 +66,8 @@ def test_study_end_to_end_and_caching(tiny_family, tmp_path):
     assert fresh == {f"cmap:{n}" for n in spec.models.finetunes}
 
 
-def test_killed_run_resumes(tiny_family, tmp_path, monkeypatch):
-    spec = tiny_spec(tiny_family, tmp_path)
-    study = Study(spec, progress=False)
-
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Study, "dcm", killed)
-    with pytest.raises(KeyboardInterrupt):
-        study.run()
-    monkeypatch.undo()
-    resumed = Study(spec, progress=False)
-    resumed.run()
-    recomputed = {n for n, r in resumed.cache.records.items() if not r.cached}
-    assert recomputed == {"dcm", *(f"cmap:{n}" for n in spec.models.finetunes)}
+# A run killed between stages keeps every finished stage and resumes with the rest:
+# test_faults.test_killed_at_every_stage_boundary_keeps_finished_stages (it kills before DCM, among others).
 
 
 def test_study_on_another_task(tiny_family, tmp_path):
@@ -156,7 +143,14 @@ def test_run_command_refuses_an_unknown_task_before_loading(capsys):
     assert "neither a registered task" in capsys.readouterr().err
 
 
-def test_one_process_per_model_computes_the_same_study(tiny_family, tmp_path):
+#: `mechdiff run` (python -m mechdiff.cli) with run_model polling the cache for the other process's records every
+#: 1 s instead of 5 s: the processes wait on each other's work, not on the poll.
+POLLING_CLI = (f"import functools, sys; from {Study.__module__} import {Study.__name__} as S; "
+               "S.run_model = functools.partialmethod(S.run_model, poll=1.0); "
+               "from mechdiff.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_one_process_per_model_computes_the_same_study(tiny_family, tiny_study, tmp_path):
     """`mechdiff run TASK --model NAME` for every model at once (real processes), then a plain run: every stage
     is found in the cache, and the results equal those of a plain sequential run."""
     import os
@@ -171,8 +165,8 @@ def test_one_process_per_model_computes_the_same_study(tiny_family, tmp_path):
     task = _task_file(tiny_family, tmp_path / "parallel")
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "MPLBACKEND": "Agg", "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same kernels as here
-    procs = [subprocess.Popen([sys.executable, "-m", "mechdiff.cli", "run", str(task), "--model", name,
-                               "--no-progress"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", POLLING_CLI, "run", str(task), "--model", name, "--no-progress"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name in tiny_family]
     for proc in procs:
         _, err = proc.communicate(timeout=600)
@@ -181,15 +175,17 @@ def test_one_process_per_model_computes_the_same_study(tiny_family, tmp_path):
     assembled = Study(spec, progress=False)
     assembled.run()
     assert all(r.cached for r in assembled.cache.records.values()) and assembled.models._loaded == {}
-    plain = Study(tiny_spec(tiny_family, tmp_path / "plain"), progress=False)
-    plain.run()
-    for name, rec in plain.cache.records.items():
-        assert assembled.cache.records[name].key == rec.key
+    # the plain sequential run: the shared tiny study's records (same spec, same inputs)
+    reference = {n: json.loads((tiny_study / "run" / "stages" / assembled.cache.path(n).name).read_text())
+                 for n in assembled.cache.records}
+    assert len(reference) == len(list((tiny_study / "run" / "stages").glob("*.json")))
+    for name, rec in reference.items():
+        assert assembled.cache.records[name].key == rec["key"]
         got = assembled.cache.records[name].result
         if name.startswith(("circuit", "prune")):
-            assert got["circuit"]["groups"] == rec.result["circuit"]["groups"], name
+            assert got["circuit"]["groups"] == rec["result"]["circuit"]["groups"], name
         if name.startswith(("circuit", "prune", "matrix")):
-            _assert_close(got, rec.result, name)
+            _assert_close(got, rec["result"], name)
     with pytest.raises(ValueError, match="not a model of this study"):
         Study(spec, progress=False).run_model("other")
 
