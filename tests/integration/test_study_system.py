@@ -39,8 +39,8 @@ def test_kinds_and_the_committed_task_files(tmp_path):
     assert kinds["headmap.toml"] == "headmap" and kinds["knowledge_acdc.toml"] == "knowledge"
     assert kinds["entity_tracking.toml"] == "circuits" and kinds["knowledge.toml"] == "knowledge"
     bad = tmp_path / "bad.toml"
-    bad.write_text('[study]\n\nkind = "trajectory"\n')
-    with pytest.raises(SpecError, match=r"bad.toml:3: kind = 'trajectory' in \[study\]; valid values: circuits"):
+    bad.write_text('[study]\n\nkind = "nonesuch"\n')
+    with pytest.raises(SpecError, match=r"bad.toml:3: kind = 'nonesuch' in \[study\]; valid values: circuits"):
         study_kind(bad)
     bad.write_text('[study]\nkind = "knowledge"\n\n[knowledge]\nrelations = ["nonesuch"]\n[output]\ndir = "x"\n')
     with pytest.raises((ValueError, FileNotFoundError), match="nonesuch"):  # before any weights load

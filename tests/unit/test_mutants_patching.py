@@ -85,8 +85,8 @@ def test_scan_positions_as_an_int_a_name_or_a_tensor_and_the_record(tiny_llama, 
     with torch.no_grad():
         p_source = answer_prob(tiny_llama.model(source).logits[:, -1], answers).mean()
     assert last.source == pytest.approx(float(p_source), abs=1e-6)
-    assert last.to_dict() == {"site": "z", "metric": "answer_prob", "axes": ["layer", "head"],
-                              "label": "change in probability of the answer (answer_prob)",
+    assert last.to_dict() == {"site": "z", "metric": "prob", "axes": ["layer", "head"],
+                              "label": "change in probability of the answer (prob)",
                               "clean": last.clean, "source": last.source, "positions": [length - 1] * n,
                               "effects": last.effects.tolist()}
     with pytest.raises(ValueError, match="^per_pass must be at least 1$"):
