@@ -80,6 +80,20 @@ def model_loader(**kwargs: Any) -> Callable[[str], Any]:
     return lambda name: load_model(name, **{k: v for k, v in kwargs.items() if v is not None})
 
 
+def section_study(cls: type["Study"], path: Optional[str | Path], out: Optional[str], progress: bool,
+                  models: Optional[dict], task: Optional[str], load_file: Callable[[str | Path], tuple[Any, str]],
+                  title: str, example: str) -> "Study":
+    """A study of a kind whose task file is one settings section plus ``[output]`` (no ``[task]``):
+    ``load_file(path)`` gives the settings and the output dir; ``cls(settings, out, load, progress)``."""
+    if path is None or task is not None:
+        raise ValueError(f"a {title} study is a task file's [{cls.kind}] section ({example}); it has no [task] "
+                         "to override")
+    settings, directory = load_file(path)
+    if not (out or directory):
+        raise ValueError(f"{path}: give [output] dir (where the results go) or --out")
+    return cls(settings, out or directory, model_loader(**(models or {})), progress)
+
+
 def versions() -> dict[str, str]:
     """Installed versions of the packages a result depends on."""
     out = {}

@@ -35,7 +35,7 @@ from ..io import run_lock, save_figure, write_text
 from ..models.loading import LoadedModel
 from ..stats import bootstrap, paired_difference, pooled_mean, pooled_proportion
 from ..tasks.spec import StudySection, load_sections
-from .base import OutputDir, Study, model_loader
+from .base import OutputDir, Study, section_study
 from .seeds import derive
 from .stages import Pending, _Unknown
 
@@ -257,13 +257,7 @@ class HeadMapStudy(Study):
     def from_file(cls, path: Optional[str | Path], out: Optional[str] = None, progress: bool = True,
                   models: Optional[dict] = None, task: Optional[str] = None) -> "HeadMapStudy":
         """The study of a task file with ``[study] kind = "headmap"``; ``models``: how models load (dtype, ...)."""
-        if path is None or task is not None:
-            raise ValueError("a HeadMap study is a task file's [headmap] section (tasks/headmap.toml); it has no "
-                             "[task] to override")
-        settings, directory = load_file(path)
-        if not (out or directory):
-            raise ValueError(f"{path}: give [output] dir (where the results go) or --out")
-        return cls(settings, out or directory, model_loader(**(models or {})), progress)
+        return section_study(cls, path, out, progress, models, task, load_file, "HeadMap", "tasks/headmap.toml")
 
     def forget(self) -> None:
         """Drop what was read from stage records (after a plan, whose records may be still to compute)."""

@@ -41,7 +41,7 @@ from ..models.loading import LoadedModel
 from ..report.knowledge import compare_report, write_model_report
 from ..report.tables import write_table
 from ..tasks.spec import StudySection, load_sections
-from .base import OutputDir, Study, model_loader
+from .base import OutputDir, Study, section_study
 from .seeds import derive
 from .stages import Pending, StageCache, StageRecord, key_hash
 
@@ -468,13 +468,8 @@ class KnowledgeStudy(Study):
     def from_file(cls, path: Optional[str | Path], out: Optional[str] = None, progress: bool = True,
                   models: Optional[dict] = None, task: Optional[str] = None) -> "KnowledgeStudy":
         """The study of a task file with ``[study] kind = "knowledge"``; ``models``: how models load (dtype, ...)."""
-        if path is None or task is not None:
-            raise ValueError("a knowledge study is a task file's [knowledge] section (tasks/knowledge_acdc.toml); "
-                             "it has no [task] to override")
-        settings, directory = load_file(path)
-        if not (out or directory):
-            raise ValueError(f"{path}: give [output] dir (where the results go) or --out")
-        return cls(settings, out or directory, model_loader(**(models or {})), progress)
+        return section_study(cls, path, out, progress, models, task, load_file, "knowledge",
+                             "tasks/knowledge_acdc.toml")
 
     def relations(self) -> tuple[str, ...]:
         return tuple(self.settings.relations) or (self.settings.relation,)
