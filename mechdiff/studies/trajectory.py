@@ -39,7 +39,7 @@ from ..tasks.spec import (DcmSection, EvalSection, OutputSection, SpecError, Stu
                           load_sections)
 from ..trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
 from .base import Study
-from .seeds import prompt_seed
+from .seeds import derive, prompt_seed
 from .stages import StageRecord, key_hash, label
 
 log = logging.getLogger(__name__)
@@ -337,21 +337,25 @@ class TrajectoryStudy(Study):
                                                 "circuit": final.key, "cmap": asdict(c), "task": self._task()},
                               compute)
 
-    def desiderata(self, n: int) -> dict[str, list]:
+    def desiderata(self, n: int, seed: Optional[int] = None) -> dict[str, list]:
+        """``n`` pairs of every desideratum, drawn with ``seed`` (default: the DCM prompt set's)."""
         from ..dcm import desideratum_pairs
 
         opts = self.options()
-        return {d: desideratum_pairs(d, self.tokenizer, n, opts.get("n_boxes"), self.seed("dcm"),
+        seed = self.seed("dcm") if seed is None else seed
+        return {d: desideratum_pairs(d, self.tokenizer, n, opts.get("n_boxes"), seed,
                                      vocabulary=opts.get("vocabulary"), task=self.task.name)
                 for d in self.st.dcm.desiderata}
 
     def tests(self) -> dict[str, list]:
-        """The test pairs of every desideratum: those DCM held out, or ``n_test`` pairs for labels read."""
+        """The test pairs of every desideratum: those DCM held out, or ``n_test`` pairs for labels read. Labels
+        read were trained on a circuits study's DCM pairs (its ``dcm`` prompt set, whose first pairs any shorter
+        draw of that set repeats), so their test pairs are a draw of their own."""
         from ..dcm import split_pairs
 
         d = self.st.dcm
         if d.labels:
-            return self.desiderata(d.n_test)
+            return self.desiderata(d.n_test, derive(self.st.task.seed, "semantic-test-pairs"))
         config = self.dcm_config()
         return {k: split_pairs(v, config.split, config.seed)[2]
                 for k, v in self.desiderata(d.n_train + d.n_val + d.n_test).items()}

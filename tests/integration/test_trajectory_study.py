@@ -134,6 +134,11 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
         assert r["accuracy"] == np.mean(outcomes) and len(outcomes) == 8
 
     again = TrajectoryStudy.from_file(path, progress=False)
+    # labels read were trained on the DCM prompt set, whose shorter draws repeat its first pairs: the test pairs of
+    # semantic patching are a draw of their own, none of them among that set's
+    dcm_set = again.desiderata(again.st.dcm.n_test)
+    for d, pairs in again.tests().items():
+        assert len(pairs) == again.st.dcm.n_test and not {repr(p) for p in pairs} & {repr(p) for p in dcm_set[d]}
     with pytest.raises(ValueError, match="not checkpoints of this study"):
         again.run_checkpoints(["nope@1"])
 
