@@ -17,7 +17,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from .models.loading import offline, resolve_source, resolve_spec
+from .models.loading import offline
+from .models.resolve import resolve_source, resolve_spec
 from .models.registry import ModelSpec
 from .studies.seeds import prompt_seed
 from .studies.stages import StageRecord

@@ -12,6 +12,7 @@ from typing import Any
 from ..circuits.circuit import Circuit
 from ..circuits.overlap import overlap_table
 from ..io import write_text
+from ..models.resolve import resolve_spec
 from ..stats import Estimate, paired_difference
 from .bars import grouped_bars
 from .heads import head_rows, write_heads_table
@@ -440,8 +441,6 @@ PHRASINGS = {True: """- Every prompt comes from one template family with 7 boxes
 def _source(name: str, provenance: dict) -> str:
     """Where a model came from as its spec names it (``package:...``, a hub id), never this machine's resolved
     path: the adapter for a LoRA, else the spec's source (and GGUF file)."""
-    from ..models.loading import resolve_spec
-
     if provenance.get("adapter"):
         return str(provenance["adapter"])
     spec = resolve_spec(name)

@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 from ..circuits.circuit import Circuit
 from ..io import check_writable, run_lock
-from ..models.loading import LoadedModel, resolve_spec, spec_digest
+from ..models.loading import LoadedModel, spec_digest
+from ..models.resolve import resolve_spec
 from ..models.modelset import ModelSet
 from ..tasks.base import Task, get_task
 from ..tasks.spec import RunSpec

@@ -544,7 +544,7 @@ def _write_relation(settings: KnowledgeSettings, res: dict, out: Path, cache: St
         results[name] = _finish(run, circuit, disc, scored, analysed, sub)
         results[name]["all_facts_hit"] = full_hits[name]
         results[name]["n_facts_relation"] = len(facts)
-        circuits[name] = EdgeCircuit.load(sub / "circuit.json")
+        circuits[name] = circuit  # as _finish saved it
     study = {"relation": settings.label, "models": list(res["models"]), "n_facts_relation": len(facts),
              "n_facts_kept": len(res["kept"]), "full_hit_all_facts": full_hits, "stages": cache.summary()}
     if not single:
