@@ -302,8 +302,9 @@ def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict]) -
         own = next((r for r in matrix_rows if r["model"] == name and r["circuit"] == name), None)
         if own is None:
             continue
+        scanned = bool(lines) and lines[-1].startswith(f"- **{name}**")
         met = own["faithfulness"] >= target and own["faithfulness_low"] >= target - 0.1
-        sentence = (f"  Its own circuit ({own['n_pairs']} (head, position) pairs) keeps faithfulness "
+        sentence = (("  Its" if scanned else f"- **{name}**: its") + f" own circuit ({own['n_pairs']} (head, position) pairs) keeps faithfulness "
                     f"{_interval(own, 'faithfulness')} (accuracy {_interval(own, 'accuracy')}) on {own['n_prompts']} "
                     f"fresh prompts: the target (at least {target}, lower bound at least {target - 0.1:.1f}) is "
                     + ("met." if met else "not met."))
@@ -420,16 +421,32 @@ MEANS_RULE = ("Mean ablation respects templates: a prompt's position-wise means 
               "template and length, without padding).")
 
 
-LIMITATIONS = """- Departures from Prakash et al.: circuits are drawn over (head, position class) pairs ranked by a
-  first-order attribution, not path-patched head groups A-D (the paper's form explains little of SmolLM2's
-  behaviour: see the position scan); DCM and CMAP run on the groups of the base's circuit that sit at one
-  token (its groups are position classes, not the paper's functional groups). `method = "path"` in the task
-  file gives the paper's form.
-- Pruning uses answer probability on its own small prompt set and a bounded greedy search for K; pairs
-  whose removal alone already exceeds the threshold skip the search (it could only raise them).
-- CMAP's random control uses a few draws per group (the `[cmap] n_random` setting), fewer than the circuit
-  baseline's; its interval is over prompts, with the draws averaged per prompt.
-"""
+def limitations(study: "Study", positions: dict) -> str:
+    """The departures and cuts of this run, each stated only where the run made it."""
+    d, sc, cm = study.spec.discovery, study.spec.scoring, study.spec.cmap
+    scanned = any(rec is not None and rec.result["scan"]["steps"] for rec in positions.values())
+    lines = []
+    if d.method == "curve":
+        lines.append("- Departures from Prakash et al.: circuits are drawn over (head, position class) pairs ranked by a\n"
+                     "  first-order attribution, not path-patched head groups A-D"
+                     + (" (how much the paper's form, every head kept at the named positions, explains is in the\n"
+                        "  position scan)" if scanned else "")
+                     + "; DCM and CMAP run on the groups of the base's circuit that sit at one\n"
+                     "  token (its groups are position classes, not the paper's functional groups). `method = \"path\"` in the\n"
+                     "  task file gives the paper's form.")
+    else:
+        lines.append("- Circuits by path patching of head groups as Prakash et al.; pruning, DCM and CMAP follow the rules the\n"
+                     f"  task file names (pruning `{sc.prune_rule}`, DCM `lam_scale = {study.spec.dcm.lam_scale}`, CMAP "
+                     f"`scope = {cm.scope}`); the README's departures table says which are the paper's.")
+    if sc.prune and sc.prune_rule == "greedy":
+        lines.append("- Pruning uses answer probability on its own small prompt set and a bounded greedy search for K; pairs\n"
+                     "  whose removal alone already exceeds the threshold skip the search (it could only raise them).")
+    if cm.n_random:
+        lines.append("- CMAP's random control uses a few draws per group (the `[cmap] n_random` setting), fewer than the\n"
+                     "  circuit baseline's; its interval is over prompts, with the draws averaged per prompt.")
+    return "\n".join(lines) + "\n"
+
+
 #: The last limitation: entity tracking's one template family, or any other task's own templates.
 PHRASINGS = {True: """- Every prompt comes from one template family with 7 boxes; nothing here says how the circuits transfer to
   other phrasings.
@@ -471,7 +488,7 @@ def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, p
         "prompts for ratios and probabilities, paired bootstrap for differences on the same prompts.\n",
         "## Findings\n", circuit_findings(study, positions, mat_rows),
         findings(study, acc_rows, mat_rows, overlaps, cmap), dcm_findings(dcm), "",
-        "## Limitations\n", LIMITATIONS + PHRASINGS[_held_out(study)],
+        "## Limitations\n", limitations(study, positions) + PHRASINGS[_held_out(study)],
         "## Accuracy\n", acc_text,
         "## Where the computation sits (position scan)\n", positions_section(study, positions),
         "## Circuits\n", _method(study), circuit_section(study, found, pruned),
