@@ -31,6 +31,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 #: Whether the caller chose the thread count (``OMP_NUM_THREADS=2 python -m pytest`` tests two threads).
 THREADS_GIVEN = "OMP_NUM_THREADS" in os.environ
+#: Threads for a ``slow`` test: torch's default, or this process's share of the cores where pytest-xdist runs
+#: several workers (``-n auto``), so that two real-weight tests side by side do not run four threads on 2 cores.
+SLOW_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -39,13 +42,15 @@ def pytest_runtest_protocol(item, nextitem):
     ``OMP_NUM_THREADS`` is set. A tiny model's matmuls take microseconds: splitting them costs more than it
     saves, and far more on a loaded machine, where each parallel region waits until both threads are scheduled
     (the tiny study of tests/integration/test_study.py, profiled at a load average of 12 to 18 on 2 cores: 31 s on
-    one thread, 595 s on two). The real-weight tests (``slow``) keep torch's default."""
-    if THREADS_GIVEN or item.get_closest_marker("slow"):
+    one thread, 595 s on two). The real-weight tests (``slow``) keep torch's default, or their worker's share of
+    the cores under pytest-xdist."""
+    if THREADS_GIVEN:
         yield
         return
+    threads = min(SLOW_THREADS, torch.get_num_threads()) if item.get_closest_marker("slow") else 1
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
         yield
     finally:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from .architectures import Architecture, ModelShape, architecture_for, shape_of
+from .gguf_cache import converted
 from .registry import ModelSpec
 from .remote import (ModelView, RemoteSetupError, check_remote, hub_repo, in_trace, register_mechdiff,
                      session)
@@ -37,11 +38,17 @@ def load_config(spec: ModelSpec, cache_dir: Optional[str] = None) -> Any:
 
     if spec.kind == "lora":
         return load_config(resolve_spec(spec.base), cache_dir)
-    src = resolve_source(spec.source)
-    kwargs = {"gguf_file": spec.gguf_file} if spec.kind == "gguf" else {}
+    src, kwargs = _source(spec)
     if spec.kind == "hub":
         kwargs.update(revision=spec.revision, cache_dir=cache_dir, local_files_only=offline())
     return AutoConfig.from_pretrained(src, **kwargs)
+
+
+def _source(spec: ModelSpec) -> tuple[str, dict]:
+    """Where transformers reads a non-LoRA spec from, with the keyword that names a GGUF file (a GGUF file is
+    read from its one-time conversion, :mod:`.gguf_cache`, unless that cache is off)."""
+    src = resolve_source(spec.source)
+    return converted(src, spec.gguf_file) if spec.kind == "gguf" else (src, {})
 
 
 def load_tokenizer(spec: ModelSpec, cache_dir: Optional[str] = None) -> Any:
@@ -53,7 +60,7 @@ def load_tokenizer(spec: ModelSpec, cache_dir: Optional[str] = None) -> Any:
         if not (Path(src) / "tokenizer_config.json").is_file():
             return load_tokenizer(resolve_spec(spec.base), cache_dir)
         return AutoTokenizer.from_pretrained(src)
-    kwargs = {"gguf_file": spec.gguf_file} if spec.kind == "gguf" else {}
+    src, kwargs = _source(spec)
     if spec.kind == "hub":
         kwargs.update(revision=spec.revision, cache_dir=cache_dir, local_files_only=offline())
     return AutoTokenizer.from_pretrained(src, **kwargs)
@@ -278,7 +285,8 @@ def _load_weights(spec: ModelSpec, dtype: torch.dtype, device_map: Any, cache_di
         return merged, {"kind": "lora", "adapter": spec.source, "merged": True, "base": base_prov,
                         "lora": {k: _jsonable(adapter_cfg.get(k)) for k in ("r", "lora_alpha", "target_modules")}}
     if spec.kind == "gguf":
-        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file, **common)
+        where, kwargs = converted(src, spec.gguf_file)
+        m = AutoModelForCausalLM.from_pretrained(where, **kwargs, **common)
         return m, {"kind": "gguf", "path": str(Path(src) / spec.gguf_file)}
     if spec.kind == "hub":
         m = AutoModelForCausalLM.from_pretrained(src, revision=spec.revision, cache_dir=cache_dir,
