@@ -45,8 +45,7 @@ import numpy as np
 import torch
 
 from .circuits.circuit import Circuit
-from .circuits.curve import (faithfulness_curve, pair_scores, prompt_attribution, ranked_circuit, ranking,
-                             selection_stability)
+from .circuits.curve import curve_circuit, selection_stability
 from .circuits.scoring import Scorer, matrix_rows, pair_name, per_prompt
 from .components import parse_heads
 from .evaluate import evaluate
@@ -226,24 +225,17 @@ def checkpoint_accuracy(lm: LoadedModel, records: Sequence, batch_size: int = 32
 
 def own_circuit(ranker: Scorer, curve_scorer: Scorer, classes: Sequence[str], sizes: Sequence[float],
                 target: float, select: str, draws: int, seed: int, task: str = "") -> dict:
-    """The checkpoint's circuit at ``target`` (smallest size of the faithfulness curve reaching it; the largest
-    size scored where none does), its size, the curve, its pairs' bootstrap selection frequency and the
-    per-prompt attribution (``"prompt class layer head"``, float32, :func:`encode_array`) for :func:`structure`."""
-    name = ranker.model.name
-    attribution = prompt_attribution(ranker, classes)
-    ranked = ranking(pair_scores(attribution.mean(0), classes))
-    curve = faithfulness_curve(curve_scorer, ranked, sizes, target, select)
-    chosen = curve["chosen"] or curve["rows"][-1]
-    n = chosen["n_pairs"]
-    stability = selection_stability(attribution, classes, n, draws, seed)
-    circuit = ranked_circuit(ranked, n, name, task, meta={
-        "method": "curve", "fraction": chosen["fraction"], "n_pairs": n, "n_pairs_total": len(ranked),
-        "reached_target": curve["chosen"] is not None, "target": target, "select": select})
-    return {"circuit": circuit.to_dict(), "n_pairs": n, "n_heads": len(circuit.heads()),
-            "reached_target": curve["chosen"] is not None, "faithfulness": chosen["faithfulness"],
-            "curve": curve, "classes": list(classes),
-            "stability": {pair_name(p): stability[p] for p in ranked[:n]},
-            "attribution": encode_array(attribution.float().numpy())}
+    """The checkpoint's circuit at ``target`` (:func:`~mechdiff.circuits.curve.curve_circuit`, as the circuits
+    study finds it), its size, the curve, its pairs' bootstrap selection frequency and the per-prompt
+    attribution (``"prompt class layer head"``, float32, :func:`encode_array`) for :func:`structure`."""
+    found = curve_circuit(ranker, curve_scorer, classes, sizes, target, select, draws, seed, ranker.model.name,
+                          task)
+    chosen = found.curve["chosen"] or found.curve["rows"][-1]
+    return {"circuit": found.circuit.to_dict(), "n_pairs": found.n, "n_heads": len(found.circuit.heads()),
+            "reached_target": found.reached_target, "faithfulness": chosen["faithfulness"],
+            "curve": found.curve, "classes": list(classes),
+            "stability": {pair_name(p): found.stability[p] for p in found.ranked[:found.n]},
+            "attribution": encode_array(found.attribution.float().numpy())}
 
 
 def circuits_scored(scorer: Scorer, circuits: dict[str, Circuit]) -> dict:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -137,6 +138,42 @@ def faithfulness_curve(scorer: Scorer, ranked: Sequence[Pair], sizes: Sequence[f
             "empty_accuracy": acc_0, "empty_prob": prob_0, "full_prob": prob_m,
             **_areas(rows, "normalised_prob", "prob"), **_areas(rows, "normalised_accuracy", "accuracy"),
             "area": "trapezoid over the fraction of (head, position) pairs, (0, 0) included"}
+
+
+@dataclass
+class CurveCircuit:
+    """A circuit found by the curve: the per-prompt attribution, the ranking, the curve, the chosen size, the
+    selection frequency of every pair over resamples of the ranking prompts, and the circuit itself."""
+
+    attribution: torch.Tensor
+    scores: dict[Pair, float]
+    ranked: list[Pair]
+    curve: dict
+    n: int
+    stability: dict[Pair, float]
+    circuit: Circuit
+
+    @property
+    def reached_target(self) -> bool:
+        return self.curve["chosen"] is not None
+
+
+def curve_circuit(ranker: Scorer, curve_scorer: Scorer, classes: Sequence[str], sizes: Sequence[float],
+                  target: float, select: str, draws: int, seed: int, model: str, task: str = "") -> CurveCircuit:
+    """Rank every (head, position class) pair by attribution on ``ranker``'s prompts, score nested circuits on
+    ``curve_scorer``'s, keep the smallest reaching ``target`` (the largest size scored where none does), and
+    resample the ranking prompts ``draws`` times for each pair's selection frequency."""
+    attribution = prompt_attribution(ranker, classes)
+    scores = pair_scores(attribution.mean(0), classes)
+    ranked = ranking(scores)
+    curve = faithfulness_curve(curve_scorer, ranked, sizes, target, select)
+    chosen = curve["chosen"] or curve["rows"][-1]
+    n = chosen["n_pairs"]
+    stability = selection_stability(attribution, classes, n, draws, seed)
+    circuit = ranked_circuit(ranked, n, model, task, meta={
+        "method": "curve", "fraction": chosen["fraction"], "n_pairs": n, "n_pairs_total": len(ranked),
+        "reached_target": curve["chosen"] is not None, "target": target, "select": select})
+    return CurveCircuit(attribution, scores, ranked, curve, n, stability, circuit)
 
 
 def _normalised(value: float, empty: float, full: float) -> Optional[float]:

@@ -165,8 +165,7 @@ class CircuitsStudy(Study):
     def _curve_circuit(self, name: str) -> dict:
         """Rank every (head, position class) pair by attribution, score nested circuits, keep the smallest
         reaching the target; the ranking's stability over bootstrap resamples of its prompts."""
-        from ..circuits.curve import (faithfulness_curve, pair_scores, prompt_attribution, ranked_circuit, ranking,
-                                     selection_stability)
+        from ..circuits.curve import curve_circuit
         from ..circuits.positions import task_classes
         from ..circuits.scoring import pair_name
         from ..report.positions import curve_figure, stability_figure
@@ -174,16 +173,10 @@ class CircuitsStudy(Study):
         d = self.spec.discovery
         ranker = self.scorer(name, "ranking", d.n)
         classes = task_classes(ranker)
-        per_prompt = prompt_attribution(ranker, classes)
-        scores = pair_scores(per_prompt.mean(0), classes)
-        ranked = ranking(scores)
-        curve = faithfulness_curve(self.scorer(name, "curve", d.curve_n), ranked, d.sizes, d.target, d.select)
-        chosen = curve["chosen"] or curve["rows"][-1]  # none reached the target: the largest size scored
-        n = chosen["n_pairs"]
-        stability = selection_stability(per_prompt, classes, n, d.stability_draws, self.seed("ranking"))
-        circuit = ranked_circuit(ranked, n, name, self.task.name, meta={
-            "method": "curve", "fraction": chosen["fraction"], "n_pairs": n, "n_pairs_total": len(ranked),
-            "reached_target": curve["chosen"] is not None, "target": d.target, "select": d.select})
+        found = curve_circuit(ranker, self.scorer(name, "curve", d.curve_n), classes, d.sizes, d.target, d.select,
+                              d.stability_draws, self.seed("ranking"), name, self.task.name)
+        circuit, curve, ranked, n, stability, scores = (found.circuit, found.curve, found.ranked, found.n,
+                                                        found.stability, found.scores)
         circuit.save(self.dir / "circuits" / f"{label(name)}.json")
         figures = {"curve": self.dir / "figures" / f"curve_{label(name)}.png",
                    "stability": self.dir / "figures" / f"stability_{label(name)}.png"}
