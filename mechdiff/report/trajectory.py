@@ -175,6 +175,22 @@ class _Report:
                          "spread-corrected difference (paired 95% CI) and the pairs that changed beyond the spread")
             + "\n" + self.figure(fig, "structural null and cross overlap against the step"))
 
+    def order(self, formation: list[dict]) -> str:
+        """What the formation table orders: components forming at one step are not ordered among themselves
+        (the checkpoints between are not measured); own circuits that missed the target are named."""
+        steps = sorted({c["formed_at_step"] for c in formation if c["formed_at_step"] is not None})
+        parts = [f"{len([c for c in formation if c['formed_at_step'] == st])} at step {st}" for st in steps]
+        never = len([c for c in formation if c["formed_at_step"] is None])
+        text = (f"Of {len(formation)} components, {', '.join(parts) or 'none'} form"
+                + (f"; {never} never form" if never else "") + f". Checkpoints are at steps "
+                f"{', '.join(map(str, self.steps))}: components that form at the same step are not ordered among "
+                "themselves by this run.")
+        missed = [st for st, n in zip(self.steps, self.names) if not self.r["circuits"][n].result["reached_target"]]
+        if missed:
+            text += (f" The own circuit of step{'s' if len(missed) > 1 else ''} {', '.join(map(str, missed))} did not "
+                     "reach the target at any size scored (the largest size stands in; `tables/circuits.md`).")
+        return text
+
     def formation(self) -> list[dict]:
         order = sorted(self.components, key=lambda c: (c["formed_at_step"] is None, c["formed_at_step"] or 0))
         return order
@@ -220,6 +236,7 @@ class _Report:
         text = (f"# {self.dir.name}\n\nWritten by `mechdiff run {self.s.st.source}`; the full report is "
                 "[report.md](report.md). Every finding is a row carried by its interval.\n\n"
                 "## Findings: when each component forms (in order)\n\n" + to_markdown(formation) + "\n\n"
+                + self.order(formation) + "\n\n"
                 "## Findings: structure beyond the within-checkpoint null\n\n" + to_markdown(changed) + "\n\n"
                 "## Settings\n\n" + to_markdown(settings) + "\n\n"
                 "## Stage costs\n\nSeconds each stage took when it was computed (from `run.json`; "
