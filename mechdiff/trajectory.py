@@ -38,7 +38,6 @@ import base64
 import copy
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -410,40 +409,6 @@ def structure(attribution: dict[str, np.ndarray], classes: Sequence[str], n: int
             "frequency": {c: {pair_name(p): freq[c][p] for p in robust} for c in names}}
 
 
-# --------------------------------------------------------------------------------------
-# Figures
-# --------------------------------------------------------------------------------------
-
-
-def band_figure(steps: Sequence[int], series: dict[str, Sequence[Optional[dict]]], path: str | Path,
-                title: str = "", ylabel: str = "", zero: bool = False) -> Path:
-    """Each series (``{"value", "low", "high"}`` per step, None where absent) against the step, its interval as
-    a band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .io import save_figure
-
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for label, points in series.items():
-        xs = [s for s, p in zip(steps, points) if p is not None]
-        got = [p for p in points if p is not None]
-        if not got:
-            continue
-        line, = ax.plot(xs, [p["value"] for p in got], marker="o", ms=3, label=label)
-        ax.fill_between(xs, [p["low"] for p in got], [p["high"] for p in got], color=line.get_color(), alpha=0.2)
-    if zero:
-        ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel("training step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    if series:
-        ax.legend(fontsize=7, loc="best")
-    return save_figure(fig, path)
-
-
 def membership(circuits: Sequence[Circuit]) -> dict[tuple[str, int], list[int]]:
     """``(position class, layer) -> [number of the circuit's heads there, per checkpoint]`` for every
     (class, layer) holding a head in some checkpoint's circuit."""
@@ -452,34 +417,3 @@ def membership(circuits: Sequence[Circuit]) -> dict[tuple[str, int], list[int]]:
         for head, pos in c.pairs():
             cells.setdefault((pos, head.layer), [0] * len(circuits))[i] += 1
     return dict(sorted(cells.items()))
-
-
-def membership_figure(steps: Sequence[int], circuits: Sequence[Circuit], path: str | Path, title: str = "") -> Path:
-    """One panel per step: position classes (rows) by layers (columns), how many of the layer's heads at that class
-    the checkpoint's own circuit keeps (:func:`membership`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .io import save_figure
-
-    cells = membership(circuits)
-    classes = list(dict.fromkeys(pos for pos, _ in cells))
-    n_layers = 1 + max((layer for _, layer in cells), default=0)
-    vmax = max((max(v) for v in cells.values()), default=1)
-    fig, axes = plt.subplots(1, len(steps), figsize=(1.6 * len(steps) + 2.5, 0.25 * len(classes) + 1.6),
-                             sharey=True, squeeze=False)
-    for i, (step, ax) in enumerate(zip(steps, axes[0])):
-        grid = np.zeros((len(classes), n_layers))
-        for (pos, layer), counts in cells.items():
-            grid[classes.index(pos), layer] = counts[i]
-        im = ax.imshow(grid, cmap="Greens", aspect="auto", interpolation="nearest", vmin=0, vmax=vmax)
-        ax.set_title(f"step {step}: {int(grid.sum())} pairs", fontsize=7)
-        ax.set_xlabel("layer", fontsize=7)
-        ax.tick_params(labelsize=6)
-        ax.set_yticks(range(len(classes)))
-        ax.set_yticklabels(classes, fontsize=6)
-    fig.suptitle(title, fontsize=9)
-    fig.colorbar(im, ax=list(axes[0]), label="heads in the circuit")
-    return save_figure(fig, path)

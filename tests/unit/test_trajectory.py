@@ -19,9 +19,10 @@ from mechdiff.evaluate import evaluate
 from mechdiff.models.loading import load_model
 from mechdiff.stats import paired_difference
 from mechdiff.tasks.base import get_task
-from mechdiff.trajectory import (Checkpoints, TrajectoryError, against_first, band_figure, checkpoint_accuracy,
-                                 circuits_scored, cmap_gain, decode_array, formed_at, halves, jaccard, membership,
-                                 membership_figure, own_circuit, semantic, structure, trajectory_specs)
+from mechdiff.report.trajectory import band_figure, membership_figure
+from mechdiff.trajectory import (Checkpoints, TrajectoryError, against_first, checkpoint_accuracy, circuits_scored,
+                                 cmap_gain, decode_array, formed_at, halves, jaccard, membership, own_circuit, semantic,
+                                 structure, trajectory_specs)
 
 STEPS = (0, 2, 4)
 TASK = get_task("entity-tracking")
