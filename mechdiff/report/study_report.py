@@ -429,11 +429,11 @@ def limitations(study: "Study", positions: dict) -> str:
     if d.method == "curve":
         lines.append("- Departures from Prakash et al.: circuits are drawn over (head, position class) pairs ranked by a\n"
                      "  first-order attribution, not path-patched head groups A-D"
-                     + (" (how much the paper's form, every head kept at the named positions, explains is in the\n"
-                        "  position scan)" if scanned else "")
-                     + "; DCM and CMAP run on the groups of the base's circuit that sit at one\n"
-                     "  token (its groups are position classes, not the paper's functional groups). `method = \"path\"` in the\n"
-                     "  task file gives the paper's form.")
+                     + (" (the position scan shows how much the paper's\n  form, every head kept at the named "
+                        "positions, explains)" if scanned else "")
+                     + "; DCM and CMAP run on the groups of the base's circuit that sit\n"
+                     "  at one token (its groups are position classes, not the paper's functional groups). `method =\n"
+                     "  \"path\"` in the task file gives the paper's form.")
     else:
         lines.append("- Circuits by path patching of head groups as Prakash et al.; pruning, DCM and CMAP follow the rules the\n"
                      f"  task file names (pruning `{sc.prune_rule}`, DCM `lam_scale = {study.spec.dcm.lam_scale}`, CMAP "
