@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 from ..io import check_writable, run_lock, write_json
-from ..tasks.spec import SpecError, StudySection, _line, read_task_file
+from ..tasks.spec import SpecError, StudySection, _line, load_sections, read_task_file
 from .stages import Pending, PlannedStage, StageCache
 
 #: Study kinds by the name a task file's ``[study] kind`` gives: the class, as ``module:Class`` (imported when
@@ -109,6 +109,8 @@ class Study(ABC):
     """One study of one kind: its stages run into ``self.dir`` through ``self.cache``."""
 
     kind: ClassVar[str]
+    #: The manifest's key for :meth:`settings_record`.
+    settings_key: ClassVar[str] = "settings"
 
     def __init__(self, out: str | Path, progress: bool = True):
         self.started = time.time()
@@ -185,7 +187,7 @@ class Study(ABC):
         for cache in self.caches():
             where = "" if cache.root == self.dir else f"{cache.root.relative_to(self.dir)}/"
             stages.update({where + n: s for n, s in cache.summary().items()})
-        return {"kind": self.kind, "settings": self.settings_record(), "versions": versions(),
+        return {"kind": self.kind, self.settings_key: self.settings_record(), "versions": versions(),
                 "python": platform.python_version(), "machine": platform.machine(), "stages": stages,
                 "wall_seconds": time.time() - self.started}
 

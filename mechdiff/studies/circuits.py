@@ -14,7 +14,6 @@ by name (:func:`mechdiff.studies.seeds.prompt_seed`).
 from __future__ import annotations
 
 import logging
-import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -27,7 +26,7 @@ from ..models.resolve import resolve_spec
 from ..models.modelset import ModelSet
 from ..tasks.base import Task, get_task
 from ..tasks.spec import RunSpec
-from .base import Study, versions
+from .base import Study
 from .seeds import prompt_seed
 from .stages import StageRecord, label
 from .stages import key_hash as _hash
@@ -39,6 +38,7 @@ class CircuitsStudy(Study):
     """Runs the stages of one :class:`RunSpec` into ``spec.output.dir``."""
 
     kind = "circuits"
+    settings_key = "spec"  # the reports and `mechdiff view` tell a circuits run.json by it
 
     def __init__(self, spec: RunSpec, progress: bool = True, out_dir: Optional[str] = None):
         super().__init__(out_dir or spec.output.dir, progress)  # writable before anything loads or computes
@@ -497,15 +497,10 @@ class CircuitsStudy(Study):
         return report
 
     def manifest(self) -> dict:
-        """What was run: config, versions, fingerprints, seeds, stage timings."""
+        """The base manifest (the spec under ``spec``), with the spec's source and the models' digests,
+        fingerprints and provenance."""
         loaded = {n: {"fingerprint": m.fingerprint, "provenance": m.provenance} for n, m in self.models._loaded.items()}
-        return {
-            "kind": self.kind, "spec": self.spec.to_dict(), "source": self.spec.source, "versions": versions(),
-            "python": platform.python_version(), "machine": platform.machine(),
-            "model_digests": self.digests, "loaded_models": loaded,
-            "stages": self.cache.summary(),
-            "wall_seconds": time.time() - self.started,
-        }
+        return {**super().manifest(), "source": self.spec.source, "model_digests": self.digests, "loaded_models": loaded}
 
 
 def dcm_config(spec: RunSpec):

@@ -48,6 +48,9 @@ def test_study_end_to_end_and_caching(tiny_family, tmp_path):
     assert (run_dir / "circuits").is_dir()
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["versions"]["torch"] and all(not s["cached"] for s in manifest["stages"].values())
+    assert manifest["kind"] == "circuits" and manifest["spec"] == json.loads(json.dumps(spec.to_dict()))
+    assert "settings" not in manifest and set(manifest["model_digests"]) == set(tiny_family)
+    assert set(manifest["loaded_models"]) == set(tiny_family) and manifest["source"] == spec.source
     _check_heads_table_and_page(spec, run_dir, text, tmp_path)
 
     again = Study(spec, progress=False)
