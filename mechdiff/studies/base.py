@@ -80,6 +80,15 @@ def model_loader(**kwargs: Any) -> Callable[[str], Any]:
     return lambda name: load_model(name, **{k: v for k, v in kwargs.items() if v is not None})
 
 
+def load_section_file(path: str | Path, section: str, settings: type, choices: dict, example: str) -> tuple[Any, str]:
+    """The ``[section]`` settings (a ``settings`` instance) and the ``[output] dir`` of the task file ``path`` of a
+    kind whose file is one settings section plus ``[study]`` and ``[output]``; unknown keys, and values outside
+    ``choices`` (``(section, key)`` -> allowed values), refused with their line and ``example``."""
+    built = load_sections(path, {section: settings, "study": StudySection, "output": OutputDir}, choices=choices,
+                          example=example)[0]
+    return built[section], built["output"].dir
+
+
 def section_study(cls: type["Study"], path: Optional[str | Path], out: Optional[str], progress: bool,
                   models: Optional[dict], task: Optional[str], load_file: Callable[[str | Path], tuple[Any, str]],
                   title: str, example: str) -> "Study":

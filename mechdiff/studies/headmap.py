@@ -34,8 +34,7 @@ from ..headmap import (HeadMap, LocateConfig, TrainConfig, choose_lr, correct, g
 from ..io import run_lock, save_figure, write_text
 from ..models.loading import LoadedModel
 from ..stats import bootstrap, paired_difference, pooled_mean, pooled_proportion
-from ..tasks.spec import StudySection, load_sections
-from .base import OutputDir, Study, section_study
+from .base import Study, load_section_file, section_study
 from .seeds import derive
 from .stages import Pending, _Unknown
 
@@ -105,9 +104,7 @@ def load_file(path: str | Path) -> tuple[HeadMapSettings, str]:
     from ..tasks.base import trainable_tasks
 
     choices = {("headmap", "runs"): RUNS, ("headmap", "transfer_task"): tuple(trainable_tasks())}
-    built = load_sections(path, {"headmap": HeadMapSettings, "study": StudySection, "output": OutputDir},
-                          choices=choices, example="tasks/headmap.toml")[0]
-    return built["headmap"], built["output"].dir
+    return load_section_file(path, "headmap", HeadMapSettings, choices, "tasks/headmap.toml")
 
 
 def check_runs(settings: HeadMapSettings) -> None:

@@ -40,8 +40,7 @@ from ..knowledge.graph import EdgeCircuit, Graph
 from ..models.loading import LoadedModel
 from ..report.knowledge import compare_report, write_model_report
 from ..report.tables import write_table
-from ..tasks.spec import StudySection, load_sections
-from .base import OutputDir, Study, section_study
+from .base import Study, load_section_file, section_study
 from .seeds import derive
 from .stages import Pending, StageCache, StageRecord, key_hash
 
@@ -97,10 +96,6 @@ CHOICES = {("knowledge", "method"): METHODS, ("knowledge", "ablation"): ABLATION
            ("knowledge", "selection"): SELECTIONS, ("knowledge", "acdc_metric"): METRICS}
 
 
-#: The sections of a knowledge study's task file.
-SECTIONS = {"knowledge": KnowledgeSettings, "study": StudySection, "output": OutputDir}
-
-
 def load_settings(path: str | Path) -> KnowledgeSettings:
     """The ``[knowledge]`` section of the task file ``path`` (unknown keys refused with their line)."""
     return load_file(path)[0]
@@ -108,8 +103,7 @@ def load_settings(path: str | Path) -> KnowledgeSettings:
 
 def load_file(path: str | Path) -> tuple[KnowledgeSettings, str]:
     """The ``[knowledge]`` settings and the ``[output] dir`` of the task file ``path`` (checked with their line)."""
-    built = load_sections(path, SECTIONS, choices=CHOICES, example="tasks/knowledge.toml")[0]
-    return built["knowledge"], built["output"].dir
+    return load_section_file(path, "knowledge", KnowledgeSettings, CHOICES, "tasks/knowledge.toml")
 
 
 def full_model_hits(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSettings) -> np.ndarray:
