@@ -244,7 +244,6 @@ class HeadMapStudy(Study):
         check_runs(settings)
         super().__init__(out, progress)
         self.settings, self.load = settings, load
-        self.out = self.dir
         for path in settings.path_patching:  # read now, not after hours of training
             Circuit.load(path)
         self.model = load(settings.model)
@@ -273,7 +272,7 @@ class HeadMapStudy(Study):
             inputs = {"model": st.model, "pool": st.pool, "k": st.k, "batch_size": st.batch_size, "seed": st.seed,
                       "task": task, "n": n}
             rec = self.cache.run(f"locate-{task}", inputs, lambda: locate_and_write(
-                self.model, task, st.locate_config(n), self.out / "circuits" / task, self.progress))
+                self.model, task, st.locate_config(n), self.dir / "circuits" / task, self.progress))
             self.located[task] = Circuit.from_dict(rec.result)
         return self.located[task]
 
@@ -377,7 +376,7 @@ class HeadMapStudy(Study):
         its path. Under the output directory's lock: a second run on it is refused with the holder's PID."""
         if not train_only:
             return super().run()
-        with run_lock(self.out):
+        with run_lock(self.dir):
             self.results(self.prompts())
         return None
 
@@ -443,7 +442,7 @@ class HeadMapStudy(Study):
         from ..report.bars import grouped_bars
         from ..report.tables import write_table
 
-        st, s, out = self.settings, self.model.shape, self.out
+        st, s, out = self.settings, self.model.shape, self.dir
         names = self.names()
         curve_figure({t: c.meta for t, c in self.located.items()}, out / "figures" / "loss_curve.png")
         for t, c in self.located.items():
