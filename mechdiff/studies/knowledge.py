@@ -38,6 +38,7 @@ from ..knowledge.evaluate import CURVE_RANKING, SIZES, CircuitEval, evaluate, fa
 from ..knowledge.forward import Ablation, check_supported, mean_ablation
 from ..knowledge.graph import EdgeCircuit, Graph
 from ..models.loading import LoadedModel
+from ..models.modelset import check_vocabularies
 from ..report.knowledge import compare_report, write_model_report
 from ..report.tables import write_table
 from .base import Study, load_section_file, section_study
@@ -491,10 +492,7 @@ class KnowledgeStudy(Study):
     def _relation_stages(self, relation: str) -> dict:
         settings, cache = self.relation_settings(relation), self._caches[relation]
         models = [self.model(n) for n in settings.models]
-        for m in models:
-            if m.tokenizer.get_vocab() != models[0].tokenizer.get_vocab():
-                raise ValueError(f"{m.name} and {models[0].name} have different tokenizers; compare checkpoints of "
-                                 "one model")
+        check_vocabularies({m.name: m.tokenizer for m in models})
         facts = load_facts(models[0], settings)
         data = facts_stage(models, facts, settings, cache)
         try:

@@ -88,6 +88,20 @@ def test_knowledge_changed_option_recomputes_only_its_stages(knowledge_first, tm
     assert c["facts"] and not c[f"discovery:{name}"] and not c[f"scoring:{name}"]
 
 
+def test_knowledge_study_refuses_models_of_different_vocabularies_before_any_stage(tmp_path):
+    from types import SimpleNamespace
+
+    from mechdiff.models.modelset import IncompatibleModels
+
+    vocabs = {"a": {"x": 0, "y": 1}, "b": {"x": 0, "y": 2}}
+    models = {n: SimpleNamespace(name=n, tokenizer=SimpleNamespace(get_vocab=v.copy)) for n, v in vocabs.items()}
+    study = kp.KnowledgeStudy(kp.KnowledgeSettings(models=("a", "b")), tmp_path / "k", models.__getitem__,
+                              progress=False)
+    with pytest.raises(IncompatibleModels, match=r"vocabularies differ \(a: 2 tokens, b: 2 tokens, 2 differing"):
+        study.stages()
+    assert not (tmp_path / "k" / "stages").exists()
+
+
 def test_knowledge_task_file_through_the_one_loader(tmp_path):
     good = tmp_path / "k.toml"
     good.write_text('[knowledge]\nrelation = "antonym"\nmodels = ["a", "b"]\nsizes = [0.1, 0.2]\nk = 5\n')
