@@ -431,15 +431,6 @@ def facts_stage(models: Sequence[LoadedModel], facts: Sequence[Fact], settings: 
     return cache.run("facts", inputs, compute)
 
 
-def run_study(models: Sequence[LoadedModel], settings: KnowledgeSettings, out: Path, progress: bool = True) -> dict:
-    """Facts every model gets right; one circuit per model; the comparison when there are two or more.
-    Every stage is cached in ``out/stages/``; the run holds ``out``'s lock. ``models``: loaded already."""
-    loaded = {m.name: m for m in models}
-    study = KnowledgeStudy(replace(settings, models=tuple(loaded), relations=()), out, loaded.__getitem__, progress)
-    study.run()
-    return study.outcome[settings.relation]
-
-
 class KnowledgeStudy(Study):
     """The knowledge circuits of each relation (``relations``, else ``relation``) on ``settings.models``: per
     relation, the facts every model gets right, one circuit per model, their comparison. One relation: into

@@ -30,6 +30,19 @@ def _knowledge_setup(tmp_path, tokenizer):
     return model, settings, tmp_path / "k"
 
 
+def _knowledge_study(model, settings, out) -> "kp.KnowledgeStudy":
+    """The knowledge study of ``settings`` on the loaded ``model`` (a test's tiny one), by its class."""
+    return kp.KnowledgeStudy(replace(settings, models=(model.name,)), out, {model.name: model}.__getitem__,
+                             progress=False)
+
+
+def _run_knowledge(model, settings, out) -> dict:
+    """Run the study (:func:`_knowledge_study`); its outcome on its one relation."""
+    study = _knowledge_study(model, settings, out)
+    study.run()
+    return study.outcome[settings.relation]
+
+
 @pytest.fixture
 def knowledge_run(tmp_path, smollm2_tokenizer):
     return _knowledge_setup(tmp_path, smollm2_tokenizer)
@@ -40,7 +53,7 @@ def knowledge_first(tmp_path_factory, smollm2_tokenizer):
     """The knowledge study run once from an empty directory: (model, settings, its directory, its result). The
     tests that rerun it work on their own copy of the directory."""
     model, settings, out = _knowledge_setup(tmp_path_factory.mktemp("knowledge"), smollm2_tokenizer)
-    return model, settings, out, kp.run_study([model], settings, out)
+    return model, settings, out, _run_knowledge(model, settings, out)
 
 
 def _cached(res: dict) -> dict[str, bool]:
@@ -59,7 +72,7 @@ def test_knowledge_rerun_recomputes_nothing(knowledge_first, tmp_path, monkeypat
     with monkeypatch.context() as m:
         _forbid(m, kp, "evaluate", "attribution_scores", "mean_ablation", "logit_lens", "attention_mass",
                 "faithfulness_curve", "full_model_hits")
-        second = kp.run_study([model], settings, out)
+        second = _run_knowledge(model, settings, out)
     assert all(_cached(second).values())
     after = json.loads((out / "results.json").read_text())
     for key in ("circuit_edges", "full", "circuit", "random", "sweep", "curve", "roles", "logit_lens"):
@@ -75,7 +88,7 @@ def test_knowledge_changed_option_recomputes_only_its_stages(knowledge_first, tm
     out = shutil.copytree(shared, tmp_path / "k")
     name = model.name
     # More random circuits: scoring only; the circuit (hence the analysis) and the edge scores are unchanged.
-    more = kp.run_study([model], replace(settings, n_random=2), out)
+    more = _run_knowledge(model, replace(settings, n_random=2), out)
     assert _cached(more) == {"facts": True, f"discovery:{name}": True, f"scoring:{name}": False,
                              f"analysis:{name}": True}
     r0, r1 = first["results"][name], more["results"][name]
@@ -83,7 +96,7 @@ def test_knowledge_changed_option_recomputes_only_its_stages(knowledge_first, tm
     assert r1["random"][hk][0] == r0["random"][hk][0]  # draw 0 keeps its derived seed
     assert len(r1["random"][hk]) == 2 and r1["circuit_edges"] == r0["circuit_edges"]
     # Another discovery method: discovery and what reads it; the facts stay.
-    other = kp.run_study([model], replace(settings, n_random=2, method="eap-ig", ig_steps=2), out)
+    other = _run_knowledge(model, replace(settings, n_random=2, method="eap-ig", ig_steps=2), out)
     c = _cached(other)
     assert c["facts"] and not c[f"discovery:{name}"] and not c[f"scoring:{name}"]
 
@@ -311,7 +324,7 @@ def test_studies_hold_their_directory_lock(knowledge_run, headmap_setup):
     model, settings, out = knowledge_run
     with run_lock(out):
         with pytest.raises(RunLockedError, match="another mechdiff run"):
-            kp.run_study([model], settings, out)
+            _knowledge_study(model, settings, out).run()
     hm_settings, hm_out, load, _ = headmap_setup
     study = hm.HeadMapStudy(hm_settings, hm_out, load, progress=False)
     with run_lock(hm_out):
