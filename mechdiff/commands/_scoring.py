@@ -9,6 +9,7 @@ from ..circuits.scoring import Scorer
 from ..models.architectures import ModelShape
 from ..models.loading import LoadedModel, load_config
 from ..models.resolve import resolve_spec
+from ..studies.seeds import prompt_seed
 from ._options import task_from_args, task_options
 
 
@@ -17,7 +18,8 @@ def add_scoring_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", default="path_patching", choices=["path_patching", "fresh"],
                         help="prompts whose position-wise means replace ablated heads")
     parser.add_argument("--n-reference", type=int, default=None, help="reference prompts (default: --n)")
-    parser.add_argument("--reference-seed", type=int, default=None, help="default: --seed + 1")
+    parser.add_argument("--reference-seed", type=int, default=None,
+                        help="default: the prompt set command-reference of --seed (mechdiff.studies.seeds: --seed + 1)")
     parser.add_argument("--store", default=None, help="HDF5 activation store caching the means (optional)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -33,12 +35,13 @@ def load_circuit(path: str, shape: ModelShape) -> Circuit:
 
 
 def build_scorer(model: LoadedModel, args: argparse.Namespace, **record_options) -> Scorer:
-    """The scorer for ``args.n`` prompts (seed ``args.seed``) of ``args.task`` and the reference set of ``args``:
+    """The scorer for ``args.n`` prompts (prompt set ``command-scoring`` of ``args.seed``) of ``args.task`` and the reference set of ``args``:
     ``path_patching`` the task's reference prompts (entity tracking: the path-patching sources), ``fresh``
     new prompts of the task. ``record_options`` go to the scored prompts only (e.g. held-out objects)."""
     task, options = task_from_args(args), task_options(args)
-    records = task.records(model.tokenizer, args.n, args.seed, **options, **record_options)
-    ref_seed = args.seed + 1 if args.reference_seed is None else args.reference_seed
+    records = task.records(model.tokenizer, args.n, prompt_seed(args.seed, "command-scoring"), **options,
+                           **record_options)
+    ref_seed = prompt_seed(args.seed, "command-reference") if args.reference_seed is None else args.reference_seed
     n_ref = args.n_reference or args.n
     reference = (task.reference_records(model.tokenizer, n_ref, ref_seed, **options) if args.reference == "path_patching"
                  else task.records(model.tokenizer, n_ref, ref_seed, **options))

@@ -11,6 +11,7 @@ from ..circuits.scoring import Scorer, pair_name
 from ..report.positions import curve_figure
 from ..tasks.entity_tracking.splits import SPLITS, split_objects
 from ..report.tables import estimate_columns, to_markdown, write_table
+from ..studies.seeds import prompt_seed
 from ._options import add_dataset_options, add_model_options, load_from_args, task_from_args, task_options, write_json
 from ._scoring import add_scoring_options, build_scorer, settings
 
@@ -21,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="fractions of all (head, class) pairs")
     p.add_argument("--target", type=float, default=TARGET, help="pick the smallest circuit reaching this faithfulness")
     p.add_argument("--rank-n", type=int, default=80,
-                   help="prompts that rank the pairs (seed --seed + 2: disjoint from the scored prompts)")
+                   help="prompts that rank the pairs (prompt set command-ranking, --seed + 2: disjoint from the scored "
+                        "prompts)")
     p.add_argument("--split", default="eval", choices=SPLITS,
                    help="entity tracking: objects of the scored and ranking prompts (eval: held out from fine-tuning)")
     p.add_argument("--out", default="results/curve", help="output directory")
@@ -49,7 +51,8 @@ def main(args: argparse.Namespace) -> int:
     scorer = build_scorer(model, args, **held_out)
     classes = task_classes(scorer)
     # rank on other prompts than those scored, so the curve measures the circuits on fresh prompts
-    ranking_records = task_from_args(args).records(model.tokenizer, args.rank_n, args.seed + 2, **task_options(args),
+    ranking_records = task_from_args(args).records(model.tokenizer, args.rank_n,
+                                                   prompt_seed(args.seed, "command-ranking"), **task_options(args),
                                                    **held_out)
     scores = ablation_attribution(Scorer(model, ranking_records, scorer.means, scorer.batch_size, scorer.progress),
                                   classes)

@@ -25,8 +25,12 @@ def derive(seed: int, name: str) -> int:
 #: Each prompt set of a study, by name: its seed is the study's seed plus this offset (the seeds every committed
 #: result was made with; changing one changes that set's prompts). The reproduction's two sets share their
 #: offsets with ``positions`` and ``ranking``: kept so, since the committed reproduction table was drawn with them.
+#: The commands that score circuits (``score``, ``prune``, ``compare``, ``curve``) name theirs ``command-*``: the
+#: scored prompts, the mean-ablation reference and the curve's ranking prompts. Their offsets are not the study's
+#: for the same purposes (``curve``, ``reference``, ``ranking``): ``results/curve-smollm2`` was drawn with them.
 PROMPT_OFFSETS = {"discovery": 0, "eval": 1, "matrix": 2, "reference": 3, "dcm": 4, "cmap": 5, "prune": 6,
-                  "positions": 7, "ranking": 8, "curve": 9, "reproduction": 7, "reproduction-reference": 8}
+                  "positions": 7, "ranking": 8, "curve": 9, "reproduction": 7, "reproduction-reference": 8,
+                  "command-scoring": 0, "command-reference": 1, "command-ranking": 2}
 
 
 def prompt_seed(seed: int, name: str) -> int:

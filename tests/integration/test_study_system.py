@@ -22,13 +22,16 @@ from mechdiff.tasks.spec import SpecError
 OLD_OFFSETS = {"discovery": 0, "eval": 1, "matrix": 2, "reference": 3, "dcm": 4, "cmap": 5, "prune": 6,
                "positions": 7, "ranking": 8, "curve": 9}
 OLD_REPRODUCTION = {"reproduction": 7, "reproduction-reference": 8}
+#: The commands' ``--seed``, ``--seed + 1`` and ``--seed + 2`` (scored, reference, ranking prompts), with which
+#: results/curve-smollm2 was drawn.
+OLD_COMMANDS = {"command-scoring": 0, "command-reference": 1, "command-ranking": 2}
 
 
 def test_prompt_seeds_are_those_of_the_committed_results():
     for seed in (0, 3, 1000):
-        for name, offset in {**OLD_OFFSETS, **OLD_REPRODUCTION}.items():
+        for name, offset in {**OLD_OFFSETS, **OLD_REPRODUCTION, **OLD_COMMANDS}.items():
             assert prompt_seed(seed, name) == seed + offset, name
-    assert set(PROMPT_OFFSETS) == set(OLD_OFFSETS) | set(OLD_REPRODUCTION)
+    assert set(PROMPT_OFFSETS) == set(OLD_OFFSETS) | set(OLD_REPRODUCTION) | set(OLD_COMMANDS)
     with pytest.raises(KeyError, match="no prompt set 'evaluation'"):
         prompt_seed(0, "evaluation")
 

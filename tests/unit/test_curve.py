@@ -137,6 +137,29 @@ def test_cli_curve_and_positions_write_tables_and_figures(tmp_path, tiny_llama, 
     assert cli_main(["curve", *common, "--sizes", "0,2", "--out", str(tmp_path / "bad")]) == 2
 
 
+def test_cli_curve_draws_its_prompt_sets_by_name(tmp_path, tiny_llama, smollm2_tokenizer, monkeypatch):
+    """Scored, reference and ranking prompts: the sets command-scoring, -reference, -ranking of --seed (the seeds
+    results/curve-smollm2 was drawn with: --seed, + 1, + 2); --reference-seed overrides the reference's."""
+    from mechdiff.cli import main as cli_main
+    from mechdiff.tasks.base import Task
+
+    drawn = []
+    for method in ("records", "reference_records"):
+        def spy(self, tokenizer, n, seed=0, _method=getattr(Task, method), _name=method, **options):
+            drawn.append((_name, n, seed))
+            return _method(self, tokenizer, n, seed, **options)
+        monkeypatch.setattr(Task, method, spy)
+    tiny_llama.model.save_pretrained(tmp_path / "m")
+    smollm2_tokenizer.save_pretrained(tmp_path / "m")
+    common = ["--model", str(tmp_path / "m"), "--n", "6", "--rank-n", "4", "--n-boxes", "3", "--batch-size", "3",
+              "--no-progress", "--sizes", "0.5,1.0", "--seed", "5"]
+    assert cli_main(["curve", *common, "--out", str(tmp_path / "c")]) == 0
+    assert sorted(drawn) == [("records", 4, 7), ("records", 6, 5), ("reference_records", 6, 6)]
+    drawn.clear()
+    assert cli_main(["curve", *common, "--reference-seed", "40", "--out", str(tmp_path / "d")]) == 0
+    assert sorted(drawn) == [("records", 4, 7), ("records", 6, 5), ("reference_records", 6, 40)]
+
+
 def test_prompt_attribution_rows_are_each_prompts_own(scorer):
     """Row i of the per-prompt attribution is the attribution of a scorer holding prompt i alone (the same
     means), and the rows average to the ranking's scores."""
