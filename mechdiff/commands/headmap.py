@@ -160,13 +160,10 @@ def main_compare(args: argparse.Namespace) -> int:
     from ..studies.headmap import HeadMapStudy
 
     _setup(args)
-    from ..studies.base import format_plan
+    from ..studies.base import plan_then_run
 
     study = HeadMapStudy(settings_from(args, task_file=True), args.out, lambda name: load_from_args(name, args))
-    print(format_plan(study.plan()), flush=True)
-    report = study.run(train_only=args.train_only)
-    print("stages: " + ", ".join(f"{n} " + ("cached" if r["cached"] else f"{r['seconds']:.1f} s")
-                                 for n, r in study.cache.summary().items()))
+    report = plan_then_run(study, train_only=args.train_only)
     if report is not None:
         print(report.read_text())
     return 0

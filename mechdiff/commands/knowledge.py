@@ -96,13 +96,12 @@ def settings_from(args: argparse.Namespace) -> KnowledgeSettings:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..studies.base import format_plan
+    from ..studies.base import plan_then_run
 
     settings = replace(settings_from(args), relations=())  # the one relation of --relation (or the file's)
     out = Path(args.out or f"results/knowledge-{settings.models[0]}/{settings.relation}")
     study = KnowledgeStudy(settings, out, lambda name: load_from_args(name, args))
-    print(format_plan(study.plan()), flush=True)
-    study.run()
+    plan_then_run(study)
     res = study.outcome[settings.relation]
     hk = f"hit@{settings.k}"
     for name, r in res["results"].items():
@@ -111,8 +110,5 @@ def main(args: argparse.Namespace) -> int:
               f"({100 * r['circuit_fraction']:.2f}%), random {r['random']['mean']:.3f}; roles {r['role_counts']}")
     if "comparison" in res["study"]:
         print(json.dumps(res["study"]["comparison"]["overlap"], indent=1))
-    stages = res["study"]["stages"]
-    print("stages: " + ", ".join(f"{n} " + ("cached" if s["cached"] else f"{s['seconds']:.1f} s")
-                                 for n, s in stages.items()))
     print(f"wrote {out}")
     return 0

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..studies.base import format_plan, load_study
+    from ..studies.base import load_study, plan_then_run
 
     models = {key: getattr(args, key) for key in ("dtype", "device", "device_map", "remote")}
     study = load_study(args.task_file, out=args.out, progress=not args.no_progress,
@@ -46,13 +46,7 @@ def main(args: argparse.Namespace) -> int:
         study.run_model(args.model)
         print(f"stages of {args.model} done in {study.dir}; run without --model for the report")
         return 0
-    print(f"{study.kind} study into {study.dir}:")
-    print(format_plan(study.plan()), flush=True)
-    if args.plan:
-        return 0
-    report = study.run()
-    print(f"report: {report}")
-    for cache in study.caches():
-        for name, rec in cache.records.items():
-            print(f"  {name:32s} {'cached' if rec.cached else f'{rec.seconds:7.1f} s'}")
+    report = plan_then_run(study, plan_only=args.plan)
+    if report is not None:
+        print(f"report: {report}")
     return 0

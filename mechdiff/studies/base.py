@@ -237,3 +237,20 @@ def format_plan(plan: list[PlannedStage]) -> str:
     lines.append(f"{n} of {len(plan)} stages to compute" +
                  (f"; they took {todo:.0f} s when the committed results were made" if todo else ""))
     return "\n".join(lines)
+
+
+def plan_then_run(study: Study, plan_only: bool = False, **run_options: Any) -> Any:
+    """What ``mechdiff run``, ``mechdiff knowledge`` and ``mechdiff headmap compare`` do: print where the study
+    writes and its stage plan (:func:`format_plan`), then, unless ``plan_only``, run it
+    (``study.run(**run_options)``) and print each stage's time or ``cached``. Returns what the run returns (None
+    when only planned)."""
+    print(f"{study.kind} study into {study.dir}:")
+    print(format_plan(study.plan()), flush=True)
+    if plan_only:
+        return None
+    result = study.run(**run_options)
+    for cache in study.caches():
+        where = "" if cache.root == study.dir else f"{cache.root.relative_to(study.dir)}/"
+        for name, rec in cache.records.items():
+            print(f"  {where + name:32s} {'cached' if rec.cached else f'{rec.seconds:7.1f} s'}")
+    return result

@@ -192,3 +192,13 @@ def test_mechdiff_run_prints_the_plan_and_plan_stops_there(tiny_family, tmp_path
     assert out.startswith(f"knowledge study into {tmp_path / 'out'}:\n")
     assert "facts " in out and f"discovery:{tiny_family[0]}" in out and "4 of 4 stages to compute" in out
     assert not (tmp_path / "out" / "stages").exists() and not (tmp_path / "out" / "run.json").exists()
+    # Then the run (studies.base.plan_then_run): the plan, each stage's time, the report; a rerun: all cached.
+    stages = ["facts", f"discovery:{tiny_family[0]}", f"scoring:{tiny_family[0]}", f"analysis:{tiny_family[0]}"]
+    for cached in (False, True):
+        assert main(["run", str(task), "--no-progress"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"knowledge study into {tmp_path / 'out'}:\n")
+        assert f"{4 * (not cached)} of 4 stages to compute" in out and out.rstrip().endswith("report.md")
+        lines = [line.split() for line in out.splitlines() if line.startswith("  ")]
+        assert [w[0] for w in lines] == stages
+        assert all((w[1:] == ["cached"]) if cached else (w[2] == "s" and float(w[1]) >= 0) for w in lines)
