@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from ..io import write_json
 from ..components import Head, check_heads, parse_heads
+
+if TYPE_CHECKING:
+    from ..models.architectures import ModelShape
 
 # Files written before circuits recorded their group names are entity-tracking circuits: their names.
 GROUP_NAMES = {"A": "value fetcher", "B": "position transmitter", "C": "position detector", "D": "structure reader"}
@@ -141,6 +144,17 @@ def load_circuit_file(path: str | Path, n_layers: Optional[int] = None, n_heads:
             raise CircuitFileError(f"{path}: {err} — remove those heads, or use the circuit with a model of the "
                                    "shape it was found on") from None
     return circuit
+
+
+def load_circuits(paths: Sequence[str | Path], labels: Optional[Sequence[str]] = None,
+                  shape: Optional["ModelShape"] = None) -> dict[str, Circuit]:
+    """Circuit files by label (default: the file stems), checking the labels are unique and (given a model
+    ``shape``) that every head exists."""
+    labels = list(labels or [Path(p).stem for p in paths])
+    if len(labels) != len(paths) or len(set(labels)) != len(labels):
+        raise ValueError(f"need one unique label per circuit; got {labels} for {list(paths)} (use --labels)")
+    n_layers, n_heads = (shape.n_layers, shape.n_heads) if shape else (None, None)
+    return {label: load_circuit_file(path, n_layers, n_heads) for label, path in zip(labels, paths)}
 
 
 def _task_positions(task: str) -> Optional[tuple[str, ...]]:

@@ -1,21 +1,21 @@
-"""Options and set-up shared by ``score``, ``prune`` and ``compare``: prompts, reference set, scorer."""
+"""Options and set-up shared by ``score``, ``prune``, ``compare``, ``curve`` and ``positions``: the prompts and
+reference set (:class:`mechdiff.studies.scoring.ScoringPrompts`), circuit files."""
 
 from __future__ import annotations
 
 import argparse
 
 from ..circuits.circuit import Circuit, load_circuit_file
-from ..circuits.scoring import Scorer
 from ..models.architectures import ModelShape
-from ..models.loading import LoadedModel, load_config
+from ..models.loading import load_config
 from ..models.resolve import resolve_spec
-from ..studies.seeds import prompt_seed
+from ..studies.scoring import REFERENCES, ScoringPrompts
 from ._options import task_from_args, task_options
 
 
 def add_scoring_options(parser: argparse.ArgumentParser) -> None:
     """The mean-ablation reference set and the activation store."""
-    parser.add_argument("--reference", default="path_patching", choices=["path_patching", "fresh"],
+    parser.add_argument("--reference", default=REFERENCES[0], choices=list(REFERENCES),
                         help="prompts whose position-wise means replace ablated heads")
     parser.add_argument("--n-reference", type=int, default=None, help="reference prompts (default: --n)")
     parser.add_argument("--reference-seed", type=int, default=None,
@@ -34,18 +34,10 @@ def load_circuit(path: str, shape: ModelShape) -> Circuit:
     return load_circuit_file(path, shape.n_layers, shape.n_heads)
 
 
-def build_scorer(model: LoadedModel, args: argparse.Namespace, **record_options) -> Scorer:
-    """The scorer for ``args.n`` prompts (prompt set ``command-scoring`` of ``args.seed``) of ``args.task`` and the reference set of ``args``:
-    ``path_patching`` the task's reference prompts (entity tracking: the path-patching sources), ``fresh``
-    new prompts of the task. ``record_options`` go to the scored prompts only (e.g. held-out objects)."""
-    task, options = task_from_args(args), task_options(args)
-    records = task.records(model.tokenizer, args.n, prompt_seed(args.seed, "command-scoring"), **options,
-                           **record_options)
-    ref_seed = prompt_seed(args.seed, "command-reference") if args.reference_seed is None else args.reference_seed
-    n_ref = args.n_reference or args.n
-    reference = (task.reference_records(model.tokenizer, n_ref, ref_seed, **options) if args.reference == "path_patching"
-                 else task.records(model.tokenizer, n_ref, ref_seed, **options))
-    return Scorer.build(model, records, reference, args.batch_size, progress=not args.no_progress, store=args.store)
+def scoring_prompts(args: argparse.Namespace) -> ScoringPrompts:
+    """The prompts ``args`` ask for (``--batch-size auto`` resolved first, by loading a model)."""
+    return ScoringPrompts(task_from_args(args), args.n, args.seed, args.reference, args.n_reference,
+                          args.reference_seed, args.batch_size, not args.no_progress, args.store, task_options(args))
 
 
 def settings(args: argparse.Namespace) -> dict:

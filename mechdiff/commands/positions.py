@@ -6,11 +6,9 @@ import argparse
 from pathlib import Path
 
 from ..metrics import metric_name
-from ..circuits.positions import leave_one_out, position_scan, task_classes
-from ..report.positions import position_scan_figure
-from ..report.tables import estimate_columns, to_markdown, write_table
-from ._options import add_dataset_options, add_model_options, load_from_args, write_json
-from ._scoring import add_scoring_options, build_scorer, settings
+from ..studies.scoring import scan_positions
+from ._options import add_dataset_options, add_model_options, load_from_args
+from ._scoring import add_scoring_options, scoring_prompts, settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,32 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def scan_rows(res: dict) -> list[dict]:
-    """One row per greedy step: the class added and the kept set's accuracy and faithfulness."""
-    return [{"step": i + 1, "added": s["added"], **estimate_columns("accuracy", s["accuracy"]),
-             **estimate_columns("faithfulness", s["faithfulness"]),
-             **estimate_columns("faithfulness_prob", s["faithfulness_prob"])} for i, s in enumerate(res["steps"])]
-
-
 def main(args: argparse.Namespace) -> int:
     model = load_from_args(args.model, args)
-    scorer = build_scorer(model, args)
-    classes = task_classes(scorer)
-    out = Path(args.out)
-    scan = position_scan(scorer, classes, args.metric, stop_at=args.stop_at, max_steps=args.max_steps)
-    result = {"model": model.name, "fingerprint": model.fingerprint, "settings": settings(args), "scan": scan}
-    rows = scan_rows(scan)
-    write_table(rows, out / "position_scan", caption=f"Greedy position scan on {model.name} "
-                f"(every head kept at the classes so far, every other (head, position) mean-ablated)")
-    print(to_markdown(rows))
-    if args.leave_one_out:
-        result["leave_one_out"] = leave_one_out(scorer, classes, args.metric)
-        loo = [{"left out": c, **estimate_columns("accuracy", r["accuracy"]),
-                **estimate_columns("faithfulness", r["faithfulness"])}
-               for c, r in result["leave_one_out"]["classes"].items()]
-        write_table(loo, out / "leave_one_out", caption=f"Every class kept but one, on {model.name}")
-        print()
-        print(to_markdown(loo))
-    position_scan_figure(scan, out / "position_scan.png", title=f"{model.name}: where the task is computed")
-    write_json(out / "positions.json", result)
+    print(scan_positions(model, scoring_prompts(args), Path(args.out), args.metric, args.stop_at, args.max_steps,
+                         args.leave_one_out, settings(args)))
     return 0

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..metrics import metric_name
-from ..circuits.scoring import PAPER_SHARE, PRUNE_RULES, minimality, pair_name, pairwise_minimality, prune
-from ..report.tables import to_markdown, write_table
-from ._options import add_dataset_options, add_model_options, load_from_args
+from ..circuits.scoring import PAPER_SHARE, PRUNE_RULES
 from ..io import check_writable
-from ._scoring import add_scoring_options, build_scorer, load_circuit, model_shape, settings
+from ..metrics import metric_name
+from ..studies.scoring import prune_circuit
+from ._options import add_dataset_options, add_model_options, load_from_args
+from ._scoring import add_scoring_options, load_circuit, model_shape, scoring_prompts, settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,24 +37,6 @@ def main(args: argparse.Namespace) -> int:
     check_writable(Path(args.out).parent)  # inputs and output are checked before the weights load
     circuit = load_circuit(args.circuit, model_shape(args.model, args))
     model = load_from_args(args.model, args)
-    scorer = build_scorer(model, args)
-    if args.rule == "paper":
-        result = pairwise_minimality(scorer, circuit, metric=args.metric, share=args.share, threshold=args.threshold)
-    else:
-        result = minimality(scorer, circuit, max_steps=args.max_steps, n_candidates=args.candidates or None,
-                            seed=args.seed, metric=args.metric)
-    pruned = prune(circuit, result, threshold=args.threshold)
-    pruned.meta["pruned"].update(model=model.name, fingerprint=model.fingerprint, source=args.circuit,
-                                 settings=settings(args))
-    out = Path(args.out)
-    pruned.save(out)
-    kept = {n for g in pruned.groups for n in (pair_name((h, pruned.positions[g])) for h in pruned.groups[g])}
-    rows = [{"pair": name, **({"F(C\\K)": r["before"], "F(C\\(K+v))": r["after"], "score": r["score"]}
-                              if args.rule == "paper" else {"contribution": r["contribution"], "relative": r["relative"]}),
-             "kept": name in kept, "K": " ".join(r["K"])} for name, r in result["pairs"].items()]
-    stem = out.with_name(out.stem + ".minimality")
-    write_table(rows, stem, caption=f"Minimality ({args.rule} rule, {args.metric}, threshold {args.threshold}) on {model.name}")
-    print(to_markdown(rows))
-    print(f"\nkept {len(pruned.pairs())} of {len(circuit.pairs())} pairs; sizes {circuit.sizes()} -> {pruned.sizes()}")
-    print(f"wrote {out}")
+    print(prune_circuit(model, circuit, args.circuit, scoring_prompts(args), Path(args.out), args.rule, args.threshold,
+                        args.share, args.max_steps, args.candidates or None, args.metric, settings(args)))
     return 0
