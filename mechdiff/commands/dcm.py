@@ -7,15 +7,12 @@ from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
 from ..io import check_writable
-from ..dcm import (LAM_SCALES, PARAMETERISATIONS, DCMConfig, DCMResult, desideratum_pairs, dcm_circuit,
-                   semantic_patching, split_pairs)
+from ..dcm import LAM_SCALES, PARAMETERISATIONS, DCMConfig, desideratum_pairs
 from ..models.modelset import ModelSet
-from ..report.bars import grouped_bars
-from ..report.tables import estimate_columns, to_markdown, write_table
-from ..stats import Estimate
+from ..studies.dcm import dcm_run
 from ..tasks.base import PairRecord
 from ..tasks.entity_tracking import CounterfactualPair, read_jsonl
-from ._options import add_model_options, add_task_option, model_kwargs, task_from_args, write_json
+from ._options import add_model_options, add_task_option, model_kwargs, task_from_args
 
 DEFAULTS = DCMConfig()  # every training default is DCMConfig's
 
@@ -64,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def load_desiderata(spec: str, tokenizer, n: int, n_boxes: int, seed: int,
                     task: str = "entity-tracking") -> dict[str, list[PairRecord]]:
     """The task's desiderata by name generate pairs; ``.jsonl`` paths are user-defined entity-tracking
-    desiderata (named by file stem)."""
+    desiderata (named by file stem). Kept here: the ``.jsonl`` files are entity tracking's pairs, and the task
+    protocol has no reader of a desideratum file."""
     out: dict[str, list[PairRecord]] = {}
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         if item.endswith(".jsonl"):
@@ -77,19 +75,6 @@ def load_desiderata(spec: str, tokenizer, n: int, n_boxes: int, seed: int,
     if not out:
         raise ValueError("no desiderata given; e.g. --desiderata positional,object,label")
     return out
-
-
-def dcm_rows(results: list[DCMResult]) -> list[dict]:
-    rows = []
-    for r in results:
-        row = {"group": r.group, "position": r.position, "desideratum": r.desideratum, "n_heads": len(r.heads),
-               "n_selected": len(r.selected), "selected": " ".join(h.name for h in r.selected) or "-"}
-        row.update(estimate_columns("test_accuracy", r.test_accuracy))
-        row.update(estimate_columns("floor", r.floor))
-        row.update(estimate_columns("full_group", r.full_group))
-        row.update(estimate_columns("random", r.random) if r.random else {"random": None})
-        rows.append(row)
-    return rows
 
 
 TRAINING = ("parameterisation", "lam", "lam_scale", "lr", "epochs", "batch_size", "eval_every")
@@ -118,60 +103,10 @@ def main(args: argparse.Namespace) -> int:
     check_writable(args.out)
     models = ModelSet([args.model, *others], **model_kwargs(args))  # configs only: no weights yet
     circuit = load_circuit_file(args.circuit, models.shape.n_layers, models.shape.n_heads)
-    model = models[models.names[0]]
+    tokenizer = models[models.names[0]].tokenizer
     config = config_from_args(args)
-    spec = args.desiderata or ",".join(task.desiderata)
-    desiderata = load_desiderata(spec, model.tokenizer, args.n, args.n_boxes, args.seed, args.task)
-    groups = args.groups.split(",") if args.groups else None
-    results = dcm_circuit(model, circuit, desiderata, config, groups)
-    out = Path(args.out)
-    rows = dcm_rows(results)
-    caption = (f"DCM on {model.name} ({config.parameterisation} masks, lambda={config.lam}): heads whose z at the "
-               "group's position, patched from the source, makes the desideratum's target win; test accuracy vs the "
-               "no-intervention floor, the whole group, and random head sets of the selected size.")
-    write_table(rows, out / "dcm", caption=caption)
-    print(to_markdown(rows))
-    grouped_bars(out / "dcm.png", [f"{r.group}/{r.desideratum}" for r in results],
-                 {"selected heads": [r.test_accuracy for r in results], "floor (m=1)": [r.floor for r in results],
-                  "whole group": [r.full_group for r in results], "random": [r.random for r in results]},
-                 title=f"DCM on {model.name}", ylabel="target accuracy (test)")
-    summary = {"model": model.name, "task": task.name, "fingerprint": model.fingerprint, "circuit": args.circuit,
-               "n_boxes": args.n_boxes, "results": [r.to_dict() for r in results]}
-    if others:
-        summary["semantic"] = _semantic(models, results, desiderata, config, args.eval_batch, out)
-    write_json(out / "dcm.json", summary)
+    desiderata = load_desiderata(args.desiderata or ",".join(task.desiderata), tokenizer, args.n, args.n_boxes,
+                                 args.seed, args.task)
+    print(dcm_run(models, circuit, args.circuit, desiderata, config, args.groups.split(",") if args.groups else None,
+                  task.name, args.n_boxes, Path(args.out)))
     return 0
-
-
-def _semantic(models: ModelSet, results: list[DCMResult], desiderata: dict, config: DCMConfig, batch_size: int,
-              out: Path) -> list[dict]:
-    """Patch each selection into every model of the set, on that desideratum's test pairs."""
-    rows, records = [], []
-    for r in results:
-        if not r.selected:
-            continue
-        test = split_pairs(list(desiderata[r.desideratum]), config.split, config.seed)[2]
-        for sem in semantic_patching((models[n] for n in models.names), r.selected, r.position, test, batch_size):
-            rows.append({"group": r.group, "desideratum": r.desideratum, "model": sem.model,
-                         "heads": " ".join(h.name for h in r.selected),
-                         **estimate_columns("accuracy", sem.accuracy), **estimate_columns("floor", sem.floor)})
-            records.append({"group": r.group, "desideratum": r.desideratum, **sem.to_dict()})
-    if not rows:
-        print("semantic patching skipped: no DCM mask selected any head")
-        return records
-    write_table(rows, out / "semantic", caption="Semantic patching: the DCM-selected heads patched source -> base "
-                "within each model; target accuracy per model (with the unpatched floor).")
-    print()
-    print(to_markdown(rows))
-    cats = list(dict.fromkeys(f"{r['group']}/{r['desideratum']}" for r in rows))
-    series = {}
-    for name in models.names:
-        by_cat = {f"{x['group']}/{x['desideratum']}": x for x in records if x["model"] == name}
-        series[name] = [_est(by_cat[c]["accuracy"]) if c in by_cat else None for c in cats]
-    grouped_bars(out / "semantic.png", cats, series, title="Semantic patching of DCM heads across models",
-                 ylabel="target accuracy")
-    return records
-
-
-def _est(d: dict) -> Estimate:
-    return Estimate(d["value"], d["low"], d["high"], d["n"])

@@ -1,0 +1,85 @@
+"""DCM of a circuit's groups and semantic patching, as ``mechdiff dcm`` runs it: :func:`mechdiff.dcm.dcm_circuit`
+on the desiderata given, the selected heads patched into every model of a set, and the tables, bar charts and
+JSON it writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from ..circuits.circuit import Circuit
+from ..circuits.scoring import estimate
+from ..dcm import DCMConfig, DCMResult, dcm_circuit, semantic_patching, split_pairs
+from ..io import write_json
+from ..models.modelset import ModelSet
+from ..report.bars import grouped_bars
+from ..report.tables import estimate_columns, to_markdown, write_table
+from ..tasks.base import PairRecord
+
+
+def dcm_rows(results: list[DCMResult]) -> list[dict]:
+    """One row per (group, desideratum): the heads selected, test accuracy, floor, whole group, random heads."""
+    rows = []
+    for r in results:
+        row = {"group": r.group, "position": r.position, "desideratum": r.desideratum, "n_heads": len(r.heads),
+               "n_selected": len(r.selected), "selected": " ".join(h.name for h in r.selected) or "-"}
+        row.update(estimate_columns("test_accuracy", r.test_accuracy))
+        row.update(estimate_columns("floor", r.floor))
+        row.update(estimate_columns("full_group", r.full_group))
+        row.update(estimate_columns("random", r.random) if r.random else {"random": None})
+        rows.append(row)
+    return rows
+
+
+def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: Mapping[str, Sequence[PairRecord]],
+            config: DCMConfig, groups: Optional[Sequence[str]], task: str, n_boxes: int, out: Path) -> str:
+    """DCM on the first model of ``models`` for each group (``groups``; default all) of ``circuit`` and each
+    desideratum (``out/dcm.*``, ``out/dcm.png``); with more than one model, semantic patching of each selection
+    into every model (``out/semantic.*``); ``out/dcm.json``. Returns the tables the command prints."""
+    model = models[models.names[0]]
+    results = dcm_circuit(model, circuit, dict(desiderata), config, groups)
+    rows = dcm_rows(results)
+    caption = (f"DCM on {model.name} ({config.parameterisation} masks, lambda={config.lam}): heads whose z at the "
+               "group's position, patched from the source, makes the desideratum's target win; test accuracy vs the "
+               "no-intervention floor, the whole group, and random head sets of the selected size.")
+    write_table(rows, out / "dcm", caption=caption)
+    text = to_markdown(rows)
+    grouped_bars(out / "dcm.png", [f"{r.group}/{r.desideratum}" for r in results],
+                 {"selected heads": [r.test_accuracy for r in results], "floor (m=1)": [r.floor for r in results],
+                  "whole group": [r.full_group for r in results], "random": [r.random for r in results]},
+                 title=f"DCM on {model.name}", ylabel="target accuracy (test)")
+    summary = {"model": model.name, "task": task, "fingerprint": model.fingerprint, "circuit": circuit_path,
+               "n_boxes": n_boxes, "results": [r.to_dict() for r in results]}
+    if len(models) > 1:
+        summary["semantic"], semantic_text = _semantic(models, results, desiderata, config, out)
+        text += "\n" + semantic_text
+    write_json(out / "dcm.json", summary)
+    return text
+
+
+def _semantic(models: ModelSet, results: list[DCMResult], desiderata: Mapping[str, Sequence[PairRecord]],
+              config: DCMConfig, out: Path) -> tuple[list[dict], str]:
+    """Patch each selection into every model of the set, on that desideratum's test pairs."""
+    rows, records = [], []
+    for r in results:
+        if not r.selected:
+            continue
+        test = split_pairs(list(desiderata[r.desideratum]), config.split, config.seed)[2]
+        for sem in semantic_patching((models[n] for n in models.names), r.selected, r.position, test,
+                                     config.eval_batch):
+            rows.append({"group": r.group, "desideratum": r.desideratum, "model": sem.model,
+                         "heads": " ".join(h.name for h in r.selected),
+                         **estimate_columns("accuracy", sem.accuracy), **estimate_columns("floor", sem.floor)})
+            records.append({"group": r.group, "desideratum": r.desideratum, **sem.to_dict()})
+    if not rows:
+        return records, "semantic patching skipped: no DCM mask selected any head"
+    write_table(rows, out / "semantic", caption="Semantic patching: the DCM-selected heads patched source -> base "
+                "within each model; target accuracy per model (with the unpatched floor).")
+    cats = list(dict.fromkeys(f"{r['group']}/{r['desideratum']}" for r in rows))
+    series = {}
+    for name in models.names:
+        by_cat = {f"{x['group']}/{x['desideratum']}": x for x in records if x["model"] == name}
+        series[name] = [estimate(by_cat[c]["accuracy"]) if c in by_cat else None for c in cats]
+    grouped_bars(out / "semantic.png", cats, series, title="Semantic patching of DCM heads across models",
+                 ylabel="target accuracy")
+    return records, "\n" + to_markdown(rows)
