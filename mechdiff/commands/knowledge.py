@@ -8,12 +8,12 @@ file's ``[knowledge]`` section, then the flags given), the study is :class:`mech
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import fields, replace
 from pathlib import Path
 
 from ..knowledge.acdc import METRICS
 from ..knowledge.data import available_relations
+from ..report.knowledge import relation_summary
 from ..studies.knowledge import ABLATIONS, METHODS, SELECTIONS, KnowledgeSettings, KnowledgeStudy, load_settings
 from ._options import add_model_options, load_from_args
 
@@ -102,13 +102,6 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out or f"results/knowledge-{settings.models[0]}/{settings.relation}")
     study = KnowledgeStudy(settings, out, lambda name: load_from_args(name, args))
     plan_then_run(study)
-    res = study.outcome[settings.relation]
-    hk = f"hit@{settings.k}"
-    for name, r in res["results"].items():
-        print(f"{name}: {r['n_facts']} facts; full {hk} {r['full'][hk]['value']:.3f}, circuit "
-              f"{r['circuit'][hk]['value']:.3f} ({r['ratio_to_full']:.2f} of full) with {r['circuit_edges']} edges "
-              f"({100 * r['circuit_fraction']:.2f}%), random {r['random']['mean']:.3f}; roles {r['role_counts']}")
-    if "comparison" in res["study"]:
-        print(json.dumps(res["study"]["comparison"]["overlap"], indent=1))
+    print(relation_summary(study.outcome[settings.relation], settings.k))
     print(f"wrote {out}")
     return 0

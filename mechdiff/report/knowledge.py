@@ -3,6 +3,7 @@ imports no study."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -16,6 +17,20 @@ from .tables import to_markdown, write_table
 
 #: The study's settings (:class:`mechdiff.studies.knowledge.KnowledgeSettings`): read, never imported here.
 KnowledgeSettings = Any
+
+
+def relation_summary(result: dict, k: int) -> str:
+    """The lines ``mechdiff knowledge`` prints for one relation's outcome (``KnowledgeStudy.outcome[relation]``):
+    per model, its facts, Hit@``k`` of the full model, the circuit and random circuits, and its head roles; then
+    the overlap of the models' circuits, where there are several."""
+    hk = f"hit@{k}"
+    lines = [f"{name}: {r['n_facts']} facts; full {hk} {r['full'][hk]['value']:.3f}, circuit "
+             f"{r['circuit'][hk]['value']:.3f} ({r['ratio_to_full']:.2f} of full) with {r['circuit_edges']} edges "
+             f"({100 * r['circuit_fraction']:.2f}%), random {r['random']['mean']:.3f}; roles {r['role_counts']}"
+             for name, r in result["results"].items()]
+    if "comparison" in result["study"]:
+        lines.append(json.dumps(result["study"]["comparison"]["overlap"], indent=1))
+    return "\n".join(lines)
 
 
 def write_model_report(summary: dict, circuit: EdgeCircuit, lens: dict, roles: dict, curve: Optional[dict],

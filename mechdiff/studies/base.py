@@ -152,6 +152,11 @@ class Study(ABC):
         """Drop whatever the study memoised from stage records (called after a plan, whose records may be still
         to compute)."""
 
+    def run_model(self, name: str) -> None:
+        """The stages of model ``name`` alone (``mechdiff run --model``); only kinds whose stages split by model
+        (circuits) have them: the others refuse."""
+        raise ValueError(f"--model runs one model's stages of a circuits study; this is a {self.kind} study")
+
     def caches(self) -> list[StageCache]:
         """Every stage cache the study writes (one, but for kinds that keep one per sub-study)."""
         return [self.cache]
