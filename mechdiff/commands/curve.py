@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..circuits.curve import SIZES, TARGET
 from ..studies.scoring import size_curve
-from ..tasks.entity_tracking.splits import SPLITS, split_objects
+from ..tasks.base import SPLITS
 from ._options import add_dataset_options, add_model_options, load_from_args, task_from_args
 from ._scoring import add_scoring_options, scoring_prompts, settings
 
@@ -34,8 +34,6 @@ def main(args: argparse.Namespace) -> int:
     if not sizes or min(sizes) <= 0 or max(sizes) > 1:
         raise ValueError(f"--sizes must be fractions in (0, 1], got {args.sizes!r}")
     model = load_from_args(args.model, args)
-    # --split is entity tracking's (its object split); the task protocol names no split, so it is mapped here
-    held_out = {"vocabulary": split_objects(args.split)} if task_from_args(args).name == "entity-tracking" else {}
     print(size_curve(model, scoring_prompts(args), Path(args.out), sizes, args.target, args.rank_n, settings(args),
-                     held_out))
+                     task_from_args(args).split_options(args.split)))
     return 0

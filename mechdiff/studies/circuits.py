@@ -99,14 +99,9 @@ class CircuitsStudy(Study):
         return get_task(self.spec.task.name)
 
     def options(self, held_out: bool = True) -> dict:
-        """Generator options: ``n_boxes``, and the objects held out from fine-tuning where the task takes a
-        vocabulary (the task keeps only the options it accepts)."""
-        from ..tasks.entity_tracking.splits import eval_objects
-
-        opts: dict = {"n_boxes": self.spec.task.n_boxes}
-        if held_out and "vocabulary" in self.task.options:
-            opts["vocabulary"] = eval_objects()
-        return opts
+        """Generator options: ``n_boxes``, and the objects held out from fine-tuning where the task splits its
+        objects (:meth:`~mechdiff.tasks.base.Task.split_options`; the task keeps only the options it accepts)."""
+        return {"n_boxes": self.spec.task.n_boxes, **(self.task.split_options("eval") if held_out else {})}
 
     def seed(self, prompts: str) -> int:
         """The seed of one of the study's prompt sets (:func:`~mechdiff.studies.seeds.prompt_seed`)."""

@@ -215,12 +215,8 @@ class TrajectoryStudy(Study):
         return prompt_seed(self.st.task.seed, prompts)
 
     def options(self) -> dict:
-        from ..tasks.splits import eval_objects
-
-        opts: dict = {"n_boxes": self.st.task.n_boxes}
-        if "vocabulary" in self.task.options:
-            opts["vocabulary"] = eval_objects()
-        return opts
+        """Generator options: ``n_boxes``, and the held-out objects where the task splits its objects."""
+        return {"n_boxes": self.st.task.n_boxes, **self.task.split_options("eval")}
 
     def records(self, prompts: str, n: int) -> list:
         return self.task.records(self.tokenizer, n, self.seed(prompts), **self.options())

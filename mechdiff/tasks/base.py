@@ -39,6 +39,9 @@ def step_seed(data_seed: int, step: int) -> int:
 
 
 Generator = Callable[..., list]  # (tokenizer, n, seed=...) -> records or pairs
+#: The named splits of a task's objects: held out from every fine-tune (``eval``), the fine-tunes' (``train``),
+#: all of them. A task that splits its objects maps each to generator options (:meth:`Task.split_options`).
+SPLITS = ("eval", "train", "all")
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,8 @@ class Task:
     ``eval_batch(tokenizer, n, seed)`` (held out) and ``pool_batch(tokenizer, n, seed)`` (HeadMap's
     locating pool): ``{"input_ids", "answer_ids"}`` batches for fine-tuning and HeadMap (tasks
     without them cannot be trained on). ``options``: extra keyword arguments the generators accept
-    (entity tracking: ``n_boxes``, ``vocabulary``, ``letters``).
+    (entity tracking: ``n_boxes``, ``vocabulary``, ``letters``). ``splits(split)``: the generator options
+    of one of :data:`SPLITS` (entity tracking: ``{"vocabulary": objects}``); none for a task without splits.
     """
 
     name: str
@@ -70,6 +74,7 @@ class Task:
     eval_batch: Optional[Callable[..., Batch]] = None
     pool_batch: Optional[Callable[..., Batch]] = None
     options: tuple[str, ...] = ()
+    splits: Optional[Callable[[str], Mapping[str, Any]]] = None
 
     def __post_init__(self) -> None:
         if self.metric not in TASK_METRICS:
@@ -79,6 +84,13 @@ class Task:
     def kwargs(self, **given: Any) -> dict[str, Any]:
         """The options among ``given`` this task's generators accept (``None`` values dropped)."""
         return {k: v for k, v in given.items() if k in self.options and v is not None}
+
+    def split_options(self, split: str) -> dict[str, Any]:
+        """The generator options of the objects of ``split`` (one of :data:`SPLITS`); ``{}`` where the task does
+        not split its objects."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+        return dict(self.splits(split)) if self.splits is not None else {}
 
     def discovery_pairs(self, tokenizer: Any, n: int, seed: int = 0, **options: Any) -> list:
         if self.pairs is None:

@@ -168,6 +168,17 @@ def test_object_splits_are_disjoint_and_cover_vocabulary(smollm2_tokenizer):
     assert not {o for e in train_batch for o in e.objects} & held
 
 
+def test_a_task_maps_its_object_splits_to_generator_options():
+    from mechdiff.tasks.base import SPLITS, get_task
+
+    et = get_task("entity-tracking")
+    assert {s: set(et.split_options(s)["vocabulary"]) for s in SPLITS} == {
+        "eval": set(eval_objects()), "train": set(train_objects()), "all": set(load_vocabulary())}
+    assert get_task("ioi").split_options("train") == {}  # IOI does not split its names
+    with pytest.raises(ValueError, match="split"):
+        et.split_options("test")
+
+
 @pytest.mark.slow
 def test_zoo_checkpoint_loads_by_name_and_reproduces_accuracy(smollm2_et):
     """smollm2-et loads offline by registry name and scores as recorded on the first 100 held-out prompts."""

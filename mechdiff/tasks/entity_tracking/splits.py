@@ -7,11 +7,11 @@ object seen during fine-tuning ever appears in an evaluation prompt of a zoo che
 
 from __future__ import annotations
 
+from ..base import SPLITS
 from .records import Vocabulary
 from .vocabulary import load_vocabulary
 
 HOLDOUT_EVERY = 4
-SPLITS = ("eval", "train", "all")
 
 
 def _sorted(vocabulary: Vocabulary = None) -> list[str]:
@@ -37,3 +37,8 @@ def split_objects(split: str, vocabulary: Vocabulary = None) -> list[str]:
     if split == "all":
         return _sorted(vocabulary)
     raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+
+
+def split_options(split: str) -> dict[str, list[str]]:
+    """The generator options of ``split`` (:attr:`mechdiff.tasks.base.Task.splits`): its objects as the vocabulary."""
+    return {"vocabulary": split_objects(split)}

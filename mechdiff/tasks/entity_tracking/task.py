@@ -14,7 +14,7 @@ from .building import Vocabulary, generate
 from .pairs import label_value_pairs, object_value_pairs, path_patching_pairs, positional_pairs
 from .positions import CLASSES
 from .records import DEFAULT_N_BOXES, EntityTrackingExample
-from .splits import eval_objects, train_objects
+from .splits import eval_objects, split_options, train_objects
 
 PLAN = Path(__file__).resolve().parent.parent / "plans" / "entity_tracking.toml"
 ReferenceKind = Literal["path_patching", "fresh"]
@@ -61,6 +61,7 @@ TASK = Task(
     positions=("last", "query_label", "query_label_context", "objects", "labels", *CLASSES),
     group_names=GROUP_NAMES,
     options=("n_boxes", "vocabulary", "letters"),
+    splits=split_options,
     train_batch=train_batch,
     pool_batch=lambda tokenizer, n, seed: answer_batch(generate(tokenizer, n, 7, seed, _objects("train"))),
     eval_batch=lambda tokenizer, n, seed: answer_batch(generate(tokenizer, n, 7, seed, _objects("eval"))),
