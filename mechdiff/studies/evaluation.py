@@ -1,0 +1,41 @@
+"""Task accuracy of models, as ``mechdiff eval`` runs it: each model's prompts, :func:`mechdiff.evaluate.evaluate`,
+the printed table and the JSON results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+from tabulate import tabulate
+
+from ..evaluate import evaluate
+from ..io import write_json
+from ..models.loading import LoadedModel
+from ..models.memory import auto_batch_size
+from ..tasks.base import Task
+
+
+def eval_models(models: Iterable[LoadedModel], task: Task, n: int, seed: int, options: Mapping[str, Any],
+                split: str, batch_size: int | str, out: Optional[Path] = None) -> str:
+    """Accuracy, answer probability (and logit difference, where the task has one) of each model on ``n`` prompts
+    of ``task`` (seed ``seed``, generator ``options``, the objects of ``split`` where the task splits them);
+    ``batch_size`` ``auto``: chosen from the first model's free memory. Writes the results as JSON to ``out``
+    (if given); returns the table."""
+    split_options = task.split_options(split)
+    rows, results = [], {}
+    for lm in models:
+        if batch_size == "auto":
+            batch_size = auto_batch_size(lm)
+        records = task.records(lm.tokenizer, n, seed, **options, **split_options)
+        res = evaluate(lm, records, batch_size=batch_size, desc=f"eval {lm.name}")
+        results[lm.name] = {**res.to_dict(), "task": task.name, "fingerprint": lm.fingerprint,
+                            **task.kwargs(**options), "n": len(records), "seed": seed,
+                            **({"split": split} if split_options else {}),
+                            "correct": res.correct.astype(int).tolist()}
+        diff = [str(res.mean_logit_diff)] if res.logit_diff is not None else []
+        rows.append([lm.name, str(res.accuracy), str(res.answer_prob), *diff, lm.fingerprint])
+    diff_header = ["logit diff [95% CI]"] if any(len(r) == 5 for r in rows) else []
+    table = tabulate(rows, headers=["model", "accuracy [95% CI]", "answer prob [95% CI]", *diff_header, "fingerprint"])
+    if out is not None:
+        write_json(out, results)
+    return table
