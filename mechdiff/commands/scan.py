@@ -5,17 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
-from ..components import Head
 from ..metrics import metric_name
-from ..patching.scan import DEFAULT_PER_PASS, METRICS, SITES, scan_pairs
-from ..report.figures import grid_heatmap, head_heatmap
-from ..tasks.base import pair_batch_tensors
+from ..patching.scan import DEFAULT_PER_PASS, METRICS, SITES
+from ..studies.scan import scan_task
 from ._options import (add_model_options, add_task_option, load_from_args, task_from_args, task_options,
-                       tokenizer_from_args, write_json)
-
-EVERY = "all"  # patch every position at once
+                       tokenizer_from_args)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,40 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = Path(args.out or f"results/scan/{Path(args.model).name}")
-    task = task_from_args(args)
-    known = (*task.positions, EVERY)
-    if args.position not in known:  # checked before the model loads
-        raise ValueError(f"--position {args.position!r} is not a position of task {task.name}; choose one of "
-                         f"{', '.join(known)}")
-    tokenizer = tokenizer_from_args(args.model, args)
-    # the pairs (and which positions are single tokens: one prompt shows it) are checked before the weights load
-    pairs = task.discovery_pairs(tokenizer, args.n, args.seed, **task_options(args))
-    tensors = pair_batch_tensors(pairs[:1])
-    if args.position != EVERY and (args.position not in tensors["base"]["positions"]
-                                   or tensors["base"]["positions"][args.position].ndim != 1):
-        raise ValueError(f"--position {args.position!r} is not a single position of each prompt of task {task.name}")
-    model = load_from_args(args.model, args, tokenizer)
-    # prompts of several lengths and templates: each group scanned alone, effects averaged over every prompt
-    result = scan_pairs(model, pairs, site=args.site, position=None if args.position == EVERY else args.position,
-                        metric=args.metric, per_pass=args.per_pass)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"scan_{args.site}_{args.position}"
-    meta = {**{k: v for k, v in result.to_dict().items() if k != "effects"}, "model": model.name, "task": task.name,
-            "n_pairs": len(pairs), **task.kwargs(n_boxes=args.n_boxes), "seed": args.seed,
-            "position": args.position}
-    torch.save({"effects": result.effects, **meta}, stem.with_suffix(".pt"))
-    write_json(stem.with_suffix(".json"), {**meta, "effects": result.effects.tolist()})
-    title = f"{model.name}: {args.site} patched at {args.position}"
-    if result.axes == ("layer", "head"):
-        scores = {Head(l, h): float(result.effects[l, h]) for l in range(result.effects.shape[0])
-                  for h in range(result.effects.shape[1])}
-        head_heatmap(scores, *result.effects.shape, stem.with_suffix(".png"), title=title, label=result.label)
-    else:
-        grid_heatmap(result.effects.numpy(), stem.with_suffix(".png"), title=title, label=result.label)
-    top = result.effects.flatten().abs().argsort(descending=True)[:5]
-    cells = [divmod(int(i), result.effects.shape[1]) for i in top]
-    print(f"{result.label}: clean {result.clean:.4f}, source {result.source:.4f}; largest effects "
-          + ", ".join(f"[{a}, {b}] {float(result.effects[a, b]):+.4f}" for a, b in cells))
-    print(f"-> {stem}.pt, .json, .png")
+    print(scan_task(task_from_args(args), args.site, args.position, args.metric, args.n, args.seed, task_options(args),
+                    args.per_pass, Path(args.out or f"results/scan/{Path(args.model).name}"),
+                    lambda: tokenizer_from_args(args.model, args),
+                    lambda tokenizer: load_from_args(args.model, args, tokenizer)))
     return 0
