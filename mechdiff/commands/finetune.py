@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 
-from tabulate import tabulate
-
-from ..finetune import DEFAULT_TARGETS, FinetuneConfig, finetune
+from ..finetune import DEFAULT_TARGETS, FinetuneConfig
 from ..models.registry import step_dirname
+from ..studies.finetuning import finetune_and_write
 from ..tasks.base import trainable_tasks
-from ._options import add_model_options, load_from_args, write_json
+from ._options import add_model_options, load_from_args
 
 
 def _save_spec(text: str) -> dict[str, int]:
@@ -78,12 +77,5 @@ def main(args: argparse.Namespace) -> int:
         eval_n=args.eval_n, eval_boxes=args.eval_boxes,
         save_steps=args.save, save_every=args.save_every, stop_accuracy=args.stop_accuracy,
     )
-    base = load_from_args(args.base, args)
-    res = finetune(base, cfg, args.out)
-    keys = [k for k in res.history[0] if k != "step"]
-    print(tabulate([[h["step"], *(h[k] for k in keys)] for h in res.history], headers=["step", *keys]))
-    write_json(f"{args.out}/history.json", {"options": vars(cfg) | {"target_modules": list(cfg.target_modules)},
-                                             "history": res.history, "losses": res.losses,
-                                             "saved": res.saved, "seconds": res.seconds})
-    print(f"saved: {res.saved or 'nothing'}; {res.seconds:.0f} s")
+    print(finetune_and_write(load_from_args(args.base, args), cfg, args.out))
     return 0

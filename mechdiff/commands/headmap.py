@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import fields, replace
-from pathlib import Path
 
 from ..headmap import TrainConfig
 from ..studies.headmap import RUNS, HeadMapSettings
-from ._options import add_model_options, load_from_args, write_json
+from ._options import add_model_options, load_from_args
 
 D = HeadMapSettings()
 
@@ -140,19 +139,15 @@ def main_locate(args: argparse.Namespace) -> int:
 
 def main_finetune(args: argparse.Namespace) -> int:
     from ..io import check_writable
-    from ..studies.headmap import finetune
+    from ..studies.headmap import finetune_and_write
     from ._scoring import load_circuit, model_shape
 
     _setup(args)
     settings = settings_from(args)
-    check_writable(args.out)
+    out = check_writable(args.out)
     circuit = load_circuit(args.circuit, model_shape(settings.model, args))  # checked before the weights load
     model = load_from_args(settings.model, args)
-    res = finetune(model, circuit, settings.train_config(args.task, args.lora_rank))
-    acc = res["accuracy"]
-    print(f"trainable parameters {res['trainable']}; {args.task} accuracy {acc['value']:.3f} "
-          f"[{acc['low']:.3f}, {acc['high']:.3f}]")
-    write_json(Path(args.out) / "result.json", res)
+    print(finetune_and_write(model, circuit, settings.train_config(args.task, args.lora_rank), out))
     return 0
 
 

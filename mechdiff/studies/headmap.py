@@ -31,7 +31,7 @@ import numpy as np
 from ..circuits.circuit import Circuit
 from ..headmap import (HeadMap, LocateConfig, TrainConfig, choose_lr, correct, get_task, heads_by_layer,
                        locate_task, lora_params, random_heads, train, validation_batch)
-from ..io import run_lock, save_figure, write_text
+from ..io import run_lock, save_figure, write_json, write_text
 from ..models.loading import LoadedModel
 from ..stats import bootstrap, paired_difference, pooled_mean, pooled_proportion
 from .base import Study, load_section_file, section_study
@@ -196,6 +196,15 @@ def finetune(model: LoadedModel, circuit: Circuit, cfg: TrainConfig, progress: b
     ev = get_task(cfg.task).eval_batch(model.tokenizer, cfg.eval_n, cfg.eval_seed)
     res = train(model, cfg, heads_by_layer(circuit.heads()), {cfg.task: ev}, progress=progress)
     return res | {"accuracy": bootstrap(res["correct"][cfg.task]).to_dict()}
+
+
+def finetune_and_write(model: LoadedModel, circuit: Circuit, cfg: TrainConfig, out: Path) -> str:
+    """:func:`finetune`, its record written to ``out/result.json``; returns the line ``headmap finetune`` prints."""
+    res = finetune(model, circuit, cfg)
+    acc = res["accuracy"]
+    write_json(out / "result.json", res)
+    return (f"trainable parameters {res['trainable']}; {cfg.task} accuracy {acc['value']:.3f} "
+            f"[{acc['low']:.3f}, {acc['high']:.3f}]")
 
 
 # --------------------------------------------------------------------------------------
