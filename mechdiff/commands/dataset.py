@@ -10,8 +10,9 @@ from ..metrics import TASK_METRICS, metric_name
 from ..models.loading import load_tokenizer
 from ..models.resolve import resolve_spec
 from ..tasks.jsonl import import_pairs, load_task_meta
-from ..tasks.entity_tracking import (PAIR_KINDS, counterfactual_pairs, dataset_hash, generate, to_hf_dataset,
-                                     vocabulary_report, write_jsonl)
+from ..tasks.entity_tracking import PAIR_KINDS
+from ..tasks.entity_tracking.export import write_dataset
+from ..tasks.entity_tracking.pairs import parse_pair_kinds
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,21 +56,7 @@ def main_import(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    kinds = [k for k in args.pairs.split(",") if k]
-    unknown = sorted(set(kinds) - set(PAIR_KINDS))
-    if unknown:
-        raise ValueError(f"unknown pair kinds {unknown}; choose from {', '.join(PAIR_KINDS)}")
-    tokenizer = load_tokenizer(resolve_spec(args.model))
-    report = vocabulary_report(tokenizer, args.vocabulary)
-    print(report.summary())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    sets = {"examples": generate(tokenizer, args.n, args.n_boxes, args.seed, args.vocabulary)}
-    for kind in kinds:
-        sets[kind] = counterfactual_pairs(kind, tokenizer, args.n, args.n_boxes, args.seed, args.vocabulary)
-    for name, records in sets.items():
-        write_jsonl(records, out / f"{name}.jsonl")
-        if args.hf:
-            to_hf_dataset(records).save_to_disk(str(out / name))
-        print(f"{name}: {len(records)} records -> {out / (name + '.jsonl')} (hash {dataset_hash(records)[:12]})")
+    kinds = parse_pair_kinds(args.pairs)  # checked before the tokenizer loads
+    print(write_dataset(load_tokenizer(resolve_spec(args.model)), args.out, args.n, args.n_boxes, args.seed, kinds,
+                        args.vocabulary, args.hf))
     return 0

@@ -1,4 +1,5 @@
-"""Entity-tracking records to and from JSONL and ``datasets``; hashing and batching (the task protocol's)."""
+"""Entity-tracking records to and from JSONL and ``datasets``; a dataset directory (:func:`write_dataset`);
+hashing and batching (the task protocol's)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .. import base
-from .records import CounterfactualPair, EntityTrackingExample, Record
+from .building import generate
+from .pairs import counterfactual_pairs
+from .records import CounterfactualPair, EntityTrackingExample, Record, Vocabulary
+from .vocabulary import vocabulary_report
 
 if TYPE_CHECKING:  # heavy imports only for type checkers
     import datasets
@@ -148,3 +152,22 @@ def batch_tensors(records: Sequence[EntityTrackingExample]) -> dict[str, Any]:
 def pair_batch_tensors(pairs: Sequence[CounterfactualPair]) -> dict[str, Any]:
     """:func:`mechdiff.tasks.base.pair_batch_tensors` (bases and sources share one token length)."""
     return base.pair_batch_tensors(pairs)
+
+
+def write_dataset(tokenizer: Any, out: str | os.PathLike, n: int, n_boxes: int, seed: int, kinds: Sequence[str] = (),
+                  vocabulary: Vocabulary = None, hf: bool = False) -> str:
+    """``n`` prompts (``examples``) and ``n`` pairs of each counterfactual kind in ``kinds``, each written to
+    ``out/<name>.jsonl`` (and, with ``hf``, a ``datasets.Dataset`` folder ``out/<name>``); returns the vocabulary
+    report and one line per set (records, file, hash)."""
+    lines = [vocabulary_report(tokenizer, vocabulary).summary()]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sets = {"examples": generate(tokenizer, n, n_boxes, seed, vocabulary)}
+    for kind in kinds:
+        sets[kind] = counterfactual_pairs(kind, tokenizer, n, n_boxes, seed, vocabulary)
+    for name, records in sets.items():
+        write_jsonl(records, out / f"{name}.jsonl")
+        if hf:
+            to_hf_dataset(records).save_to_disk(str(out / name))
+        lines.append(f"{name}: {len(records)} records -> {out / (name + '.jsonl')} (hash {dataset_hash(records)[:12]})")
+    return "\n".join(lines)

@@ -180,3 +180,12 @@ def counterfactual_pairs(
     return PAIR_GENERATORS[kind](tokenizer, n, n_boxes=n_boxes, seed=seed, vocabulary=vocabulary, letters=letters)
 
 
+
+
+def parse_pair_kinds(text: str) -> list[str]:
+    """``"positional,object_value"`` -> the kinds, each one of :data:`PAIR_KINDS` (empty text: none)."""
+    kinds = [k for k in text.split(",") if k]
+    unknown = sorted(set(kinds) - set(PAIR_KINDS))
+    if unknown:
+        raise ValueError(f"unknown pair kinds {unknown}; choose from {', '.join(PAIR_KINDS)}")
+    return kinds
