@@ -228,6 +228,20 @@ def masked_z_patches(model: LoadedModel, heads: Sequence[Head], mask: torch.Tens
             for layer in sorted({h.layer for h in heads})]
 
 
+def _cat_layers(batches: list[list[torch.Tensor]], perm: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, the batches' tensors joined in the pairs' order. Each layer's batch tensors are released as it
+    is joined, so the peak is the cache plus one layer (the keys and values are most of a cache: 2000 pairs of
+    SmolLM2 hold about 6 GB)."""
+    out = []
+    for layer in range(len(batches[0])):
+        parts = [b[layer] for b in batches]
+        for b in batches:
+            b[layer] = None
+        out.append(torch.cat(parts)[perm])
+        del parts
+    return out
+
+
 @dataclass
 class PairCache:
     """What every DCM run on one list of pairs shares, computed in one pass over them.
@@ -280,8 +294,7 @@ class PairCache:
             keys.append([_pad(k.cpu(), -2, length) for k in out.kv.keys])
             values.append([_pad(v.cpu(), -2, length) for v in out.kv.values])
         perm = torch.as_tensor(record_order(batches), dtype=torch.long)  # the pairs' order
-        kv = (Prefix([torch.cat(ks)[perm] for ks in zip(*keys)], [torch.cat(vs)[perm] for vs in zip(*values)])
-              if keys else None)
+        kv = Prefix(_cat_layers(keys, perm), _cat_layers(values, perm)) if keys else None
         return cls(pairs, {k: torch.cat(v)[perm] for k, v in source.items()},
                    {k: torch.cat(v)[perm] for k, v in prefix.items()},
                    np.concatenate(floor)[perm.numpy()] if floor else np.zeros(0, dtype=bool), kv)
@@ -544,6 +557,7 @@ def dcm_circuit(model: LoadedModel, circuit: Circuit, desiderata: dict[str, Sequ
                      circuit.positions[g], name)
             results.append(run_dcm(model, circuit.groups[g], circuit.positions[g], pairs, config, name, g,
                                    progress, cache))
+        del cache  # one desideratum's cache at a time (each holds every layer's keys and values)
     order = {g: i for i, g in enumerate(wanted)}
     return sorted(results, key=lambda r: order[r.group])  # grouped as before: per group, each desideratum
 
@@ -579,4 +593,5 @@ def semantic_patching(models: Iterable[LoadedModel], heads: Sequence[Head], posi
         acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress)
         out.append(SemanticResult(model.name, proportion(acc), proportion(cache.floor),
                                   np.asarray(acc).astype(int).tolist()))
+        del cache
     return out

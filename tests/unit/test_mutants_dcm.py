@@ -245,6 +245,29 @@ def test_a_circuit_builds_one_cache_per_desideratum(model, pairs, monkeypatch, c
         dcm_circuit(model, circuit, {"one": pairs[:8]}, config, groups=["D"], progress=False)
 
 
+def test_a_circuit_holds_one_desideratum_cache_at_a_time(model, pairs, monkeypatch):
+    """Each desideratum's cache (every layer's keys and values of its pairs: about 6 GB for 2000 SmolLM2 pairs)
+    is released before the next is built: two alive at once ran the paper-form study out of 24 GB."""
+    import gc
+    import weakref
+
+    alive_at_build, built = [], []
+    original = PairCache.build
+
+    def build(*args, **kwargs):
+        gc.collect()
+        alive_at_build.append(sum(ref() is not None for ref in built))
+        cache = original(*args, **kwargs)
+        built.append(weakref.ref(cache))
+        return cache
+
+    monkeypatch.setattr(PairCache, "build", build)
+    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(1, 0)]}, {"A": "last"})
+    config = DCMConfig(epochs=1, batch_size=8, eval_every=1, n_random=1)
+    dcm_circuit(model, circuit, {"one": pairs[:8], "two": pairs[8:16], "three": pairs[:8]}, config, progress=False)
+    assert alive_at_build == [0, 0, 0]
+
+
 def test_semantic_patching_refuses_an_empty_selection(model, pairs):
     with pytest.raises(ValueError, match=_exactly(
             "semantic patching needs at least one head (the DCM selection was empty)")):
