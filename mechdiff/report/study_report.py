@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ..circuits.circuit import Circuit
 from ..circuits.overlap import overlap_table
@@ -110,7 +110,8 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
                   "circuit's pairs selected in at least half of the bootstrap resamples; after pruning")
     lines = [text, "Pairs per position class of each model's circuit:\n"]
     for n, c in loaded.items():
-        lines.append(f"- **{n}**: " + "; ".join(f"`{c.positions[g]}` {len(hs)}" for g, hs in c.groups.items()))
+        lines.append(f"- **{n}**: " + "; ".join(_group_label(g, c.positions[g]) + f" {len(hs)}"
+                                                for g, hs in c.groups.items()))
     heads = head_rows({n: rec.result for n, rec in found.items()}, {n: rec.result for n, rec in pruned.items()})
     if heads:
         write_heads_table(heads, study.dir / "tables")
@@ -132,6 +133,11 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
         lines.append(_table(study, areas, "cpr_cmd", "CPR and CMD (MIB): areas under the normalised faithfulness "
                             "(m(C) - m(empty)) / (m(M) - m(empty)) and under |1 - it|, over the fraction of pairs"))
     return "\n".join(lines)
+
+
+def _group_label(group: str, position: str) -> str:
+    """``position`` where a group is named by its position class (the curve method), else ``group (position)``."""
+    return f"`{position}`" if group == position else f"{group} (`{position}`)"
 
 
 def pruning_section(study: "Study", pruned: dict) -> str:
@@ -204,7 +210,8 @@ def overlap_section(study: "Study", circuits: dict) -> tuple[str, dict]:
     return "\n".join(text), out
 
 
-def dcm_section(study: "Study", dcm: "StageRecord") -> str:
+def dcm_rows(dcm: "StageRecord") -> list[dict]:
+    """One row per (group, desideratum): the selected heads, target accuracy, floor and random heads."""
     rows = []
     for r in dcm.result["dcm"]:
         row = {"group": r["group"], "desideratum": r["desideratum"], "position": r["position"],
@@ -214,15 +221,26 @@ def dcm_section(study: "Study", dcm: "StageRecord") -> str:
         if r.get("random"):
             row.update(estimate_columns("random", r["random"]))
         rows.append(row)
-    text = _table(study, rows, "dcm", "DCM on the base model's circuit: heads whose mask went to 0 for each "
-                                      "desideratum, target accuracy on held-out pairs with them patched, the "
-                                      "no-intervention floor and random heads of the same size")
+    return rows
+
+
+DCM_CAPTION = ("heads whose mask went to 0 for each desideratum, target accuracy on held-out pairs with them "
+               "patched, the no-intervention floor and random heads of the same size")
+
+
+def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict] = None) -> str:
+    """The base's DCM and its semantic patching; each fine-tune's own DCM where CMAP as the paper read it."""
+    text = _table(study, dcm_rows(dcm), "dcm", f"DCM on the base model's circuit: {DCM_CAPTION}")
     sem = [{"group": s["group"], "desideratum": s["desideratum"], "model": s["model"], "heads": " ".join(s["heads"]),
             **estimate_columns("accuracy", s["accuracy"]), **estimate_columns("floor", s["floor"])}
            for s in dcm.result["semantic"]]
     if sem:
         text += "\n" + _table(study, sem, "semantic_patching",
                               "Semantic patching: the same DCM-selected heads patched in every model")
+    for ft, rec in (finetune_dcm or {}).items():
+        text += "\n" + _table(study, dcm_rows(rec), f"dcm_{label(ft)}",
+                              f"DCM on {ft}'s own pruned circuit (its selections are the heads CMAP as the paper "
+                              f"patches): {DCM_CAPTION}")
     return text
 
 
@@ -241,6 +259,8 @@ def cmap_section(study: "Study", cmap: dict) -> str:
                  "no recovered share: the fine-tune is not above the base beyond their CIs")
         caption = f"CMAP {ft} -> {r['base']}: base accuracy {base_acc}, fine-tune {ft_acc}; {share}. {r['caption']}"
         text.append(_table(study, rows, f"cmap_{label(ft)}", caption))
+        if "circuit" in r:  # CMAP as the paper: the fine-tune's pruned circuit cut to its DCM selections
+            text.append(_patched_heads(study, Circuit.from_dict(r["circuit"])))
         text.append(_table(study, _paired_rows(r), f"cmap_paired_{label(ft)}",
                            f"CMAP {ft} -> {r['base']}: paired differences of accuracy on the same prompts (paired "
                            "bootstrap CI); a part is larger than another only where the interval excludes 0"))
@@ -253,6 +273,16 @@ def cmap_section(study: "Study", cmap: dict) -> str:
                      references={r["base"]: base_acc, ft: ft_acc})
         text.append(f"![CMAP {ft}](figures/cmap_{label(ft)}.png)\n")
     return "\n".join(text)
+
+
+def _patched_heads(study: "Study", circuit: Circuit) -> str:
+    """The heads CMAP patched per group: DCM's selection under the group's desideratum, else the whole group."""
+    selection = circuit.meta.get("dcm_cut", {})
+    lines = [f"Heads patched ({circuit.model}'s pruned circuit cut to its DCM selections):\n"]
+    for g, heads in circuit.groups.items():
+        why = f"DCM {selection[g]}" if g in selection else "the whole pruned group"
+        lines.append(f"- {_group_label(g, circuit.positions[g])}, {why}: {' '.join(h.name for h in heads) or '-'}")
+    return "\n".join(lines) + "\n"
 
 
 def _paired_rows(result: dict) -> list[dict]:
@@ -470,7 +500,7 @@ def _held_out(study: "Study") -> bool:
 
 
 def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, pruned: dict, matrix: dict,
-                 dcm: "StageRecord", cmap: dict) -> Path:
+                 dcm: "StageRecord", cmap: dict, finetune_dcm: Optional[dict] = None) -> Path:
     """Write ``report.md`` (and every table and figure it cites) into the study directory."""
     acc_text, acc_rows = accuracy_section(study, accuracy)
     mat_text, mat_rows = matrix_section(study, matrix)
@@ -495,7 +525,7 @@ def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, p
         "## Pruning\n", pruning_section(study, pruned),
         "## Circuit x model\n", mat_text,
         "## Overlap\n", ov_text,
-        "## What the heads encode (DCM)\n", dcm_section(study, dcm),
+        "## What the heads encode (DCM)\n", dcm_section(study, dcm, finetune_dcm),
         "## Cross-model activation patching (CMAP)\n", cmap_section(study, cmap),
         "## What was run\n",
         to_markdown(model_rows), "",

@@ -471,6 +471,9 @@ class CircuitsStudy(Study):
         out["matrix"] = {n: self.matrix(n, scored) for n in names}
         out["dcm"] = self.dcm(self.dcm_circuit(found, pruned, base))
         out["cmap"] = {ft: self.cmap_of(ft, found, pruned) for ft in self.spec.models.finetunes}
+        # CMAP as the paper reads each fine-tune's own DCM (cached by cmap_of): the report shows what it selected
+        out["finetune_dcm"] = ({ft: self.dcm(pruned[ft], ft) for ft in self.spec.models.finetunes}
+                               if self.spec.cmap.scope == "paper" else {})
         return out
 
     def write(self, results: dict[str, Any]) -> Path:
@@ -487,7 +490,7 @@ class CircuitsStudy(Study):
                 return self.dir / "reproduction.md"
         r = results
         report = write_report(self, r["accuracy"], r["positions"], r["found"], r["pruned"], r["matrix"], r["dcm"],
-                              r["cmap"])
+                              r["cmap"], r.get("finetune_dcm", {}))
         write_html(self.dir)  # report.html: read from what was just written (as `mechdiff view` does)
         return report
 
