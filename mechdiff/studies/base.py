@@ -23,7 +23,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 from ..io import check_writable, run_lock, write_json
 from ..tasks.spec import SpecError, StudySection, _line, load_sections, read_task_file
-from .stages import Pending, PlannedStage, StageCache
+from .stages import Pending, PlannedStage, StageCache, key_hash
 
 #: Study kinds by the name a task file's ``[study] kind`` gives: the class, as ``module:Class`` (imported when
 #: asked for, so this module imports no kind).
@@ -101,6 +101,14 @@ def section_study(cls: type["Study"], path: Optional[str | Path], out: Optional[
     if not (out or directory):
         raise ValueError(f"{path}: give [output] dir (where the results go) or --out")
     return cls(settings, out or directory, model_loader(**(models or {})), progress)
+
+
+def vocabulary_digest(task: Any) -> str:
+    """The digest of the objects ``task`` (a :class:`~mechdiff.tasks.base.Task`) holds out for evaluation, its
+    ``eval`` split's vocabulary, which every stage's key carries; of None for a task that does not split its
+    objects, so no other task's vocabulary re-keys its stages. (Entity tracking's is the digest of
+    ``eval_objects()``, as before.)"""
+    return key_hash(task.split_options("eval").get("vocabulary"))
 
 
 def versions() -> dict[str, str]:

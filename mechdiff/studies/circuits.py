@@ -26,7 +26,7 @@ from ..models.resolve import resolve_spec
 from ..models.modelset import ModelSet
 from ..tasks.base import Task, get_task
 from ..tasks.spec import RunSpec
-from .base import Study
+from .base import Study, vocabulary_digest
 from .seeds import prompt_seed
 from .stages import StageRecord, label
 from .stages import key_hash as _hash
@@ -86,10 +86,9 @@ class CircuitsStudy(Study):
         """What every stage depends on besides its own section: the task, how models load, the
         held-out vocabulary, the tokenizer (the base's) and the code version."""
         from .. import __version__
-        from ..tasks.entity_tracking.splits import eval_objects
 
         return {"task": asdict(self.spec.task), "dtype": self.spec.models.dtype,
-                "device_map": self.spec.models.device_map, "vocabulary": _hash(eval_objects()),
+                "device_map": self.spec.models.device_map, "vocabulary": vocabulary_digest(self.task),
                 "tokenizer": self.digests[self.spec.models.base], "mechdiff": __version__,
                 **({"remote": True} if self.spec.models.remote else {})}
 

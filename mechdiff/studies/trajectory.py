@@ -38,7 +38,7 @@ from ..models.loading import load_tokenizer, spec_digest
 from ..tasks.spec import (DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, _line,
                           load_sections)
 from ..trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
-from .base import Study
+from .base import Study, vocabulary_digest
 from .seeds import derive, prompt_seed
 from .stages import StageRecord, key_hash, label
 
@@ -231,9 +231,8 @@ class TrajectoryStudy(Study):
 
     def _task(self) -> dict:
         from .. import __version__
-        from ..tasks.splits import eval_objects
 
-        return {"task": asdict(self.st.task), "dtype": self.st.models.dtype, "vocabulary": key_hash(eval_objects()),
+        return {"task": asdict(self.st.task), "dtype": self.st.models.dtype, "vocabulary": vocabulary_digest(self.task),
                 "tokenizer": spec_digest(self.base_spec), "mechdiff": __version__}
 
     def _reference(self) -> dict:

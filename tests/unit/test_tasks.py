@@ -233,3 +233,20 @@ def test_scan_command_on_an_imported_task(tiny_llama, smollm2_tokenizer, pairs_f
     meta = json.loads((tmp_path / "scan" / "scan_z_S2.json").read_text())
     assert len(meta["effects"]) == tiny_llama.shape.n_layers and len(meta["effects"][0]) == tiny_llama.shape.n_heads
     assert meta["n_pairs"] == 4
+
+
+def test_stage_keys_carry_only_the_tasks_own_held_out_vocabulary(monkeypatch):
+    """A study's stage keys carry the digest of its task's eval vocabulary: entity tracking's changes with its
+    held-out objects (and equals the digest of ``eval_objects()``, which the committed keys were made with); a
+    task that does not split its objects (IOI) does not depend on entity tracking's."""
+    from mechdiff.studies.base import vocabulary_digest
+    from mechdiff.studies.stages import key_hash
+    from mechdiff.tasks.base import get_task
+    from mechdiff.tasks.entity_tracking import splits
+
+    et, ioi = get_task("entity-tracking"), get_task("ioi")
+    before = vocabulary_digest(et), vocabulary_digest(ioi)
+    assert before[0] == key_hash(splits.eval_objects())
+    monkeypatch.setattr(splits, "HOLDOUT_EVERY", 3)  # another held-out split of the objects
+    assert vocabulary_digest(et) != before[0]
+    assert vocabulary_digest(ioi) == before[1] == key_hash(None)
