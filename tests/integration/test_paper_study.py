@@ -61,7 +61,8 @@ def test_paper_study_form_end_to_end(tiny_family, tmp_path):
     # the report names the heads it patched, and shows the fine-tune's DCM that selected them
     assert f"DCM on {ft}'s own pruned circuit" in report
     for g, heads in patched.groups.items():
-        assert any(line.startswith(f"- {g} (`{patched.positions[g]}`)") and
+        why = f"DCM {spec.cmap.selection[g]}" if g in spec.cmap.selection else "the whole pruned group"
+        assert any(line.startswith(f"- {g} (`{patched.positions[g]}`), {why}") and
                    line.endswith(": " + (" ".join(h.name for h in heads) or "-")) for line in report.splitlines())
     for row in cmap["rows"]:
         scope_positions = {patched.positions[g] for g in patched.groups} if row["scope"] == "circuit" else \
