@@ -277,7 +277,7 @@ def cmap_section(study: "Study", cmap: dict) -> str:
 
 def _patched_heads(study: "Study", circuit: Circuit) -> str:
     """The heads CMAP patched per group: DCM's selection under the group's desideratum, else the whole group."""
-    selection = circuit.meta.get("dcm_cut", {})
+    selection = circuit.meta.get("dcm_cut") or study.spec.cmap.selection  # records made before the meta kept it
     lines = [f"Heads patched ({circuit.model}'s pruned circuit cut to its DCM selections):\n"]
     for g, heads in circuit.groups.items():
         why = f"DCM {selection[g]}" if g in selection else "the whole pruned group"
