@@ -57,6 +57,6 @@ def main_import(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     kinds = parse_pair_kinds(args.pairs)  # checked before the tokenizer loads
-    print(write_dataset(load_tokenizer(resolve_spec(args.model)), args.out, args.n, args.n_boxes, args.seed, kinds,
-                        args.vocabulary, args.hf))
+    write_dataset(load_tokenizer(resolve_spec(args.model)), args.out, args.n, args.n_boxes, args.seed, kinds,
+                  args.vocabulary, args.hf)  # prints the vocabulary report, then each set as it is written
     return 0

@@ -27,6 +27,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     model = load_from_args(args.model, args)
-    print(scan_positions(model, scoring_prompts(args), Path(args.out), args.metric, args.stop_at, args.max_steps,
-                         args.leave_one_out, settings(args)))
+    scan_positions(model, scoring_prompts(args), Path(args.out), args.metric, args.stop_at, args.max_steps,
+                   args.leave_one_out, settings(args))  # prints each table
     return 0

@@ -31,6 +31,6 @@ def main(args: argparse.Namespace) -> int:
     check_writable(args.out)  # inputs and output are checked before the weights load
     circuit = load_circuit(args.circuit, model_shape(args.model, args))
     model = load_from_args(args.model, args)
-    print(score_circuit(model, circuit, args.circuit, scoring_prompts(args), Path(args.out), args.n_random,
-                        args.completeness_draws, args.metric, not args.no_completeness, settings(args)))
+    score_circuit(model, circuit, args.circuit, scoring_prompts(args), Path(args.out), args.n_random,
+                  args.completeness_draws, args.metric, not args.no_completeness, settings(args))  # prints each table
     return 0

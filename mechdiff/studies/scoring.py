@@ -1,14 +1,15 @@
 """Circuits scored by mean ablation on one model's prompts, as ``mechdiff score``, ``prune``, ``compare``,
 ``curve`` and ``positions`` run them: the prompt sets (drawn by name, :func:`mechdiff.studies.seeds.prompt_seed`:
 ``command-scoring``, ``command-reference``, ``command-ranking``), the computation, and the tables, figures and
-JSON each writes. Each run returns the text the command prints (its tables in markdown)."""
+JSON each writes. Each run returns the text the command prints (its tables in markdown), but for the long ones
+(:func:`score_circuit`, :func:`scan_positions`), which hand each table to ``echo`` as soon as it is made."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..circuits.circuit import Circuit
 from ..circuits.curve import ablation_attribution, faithfulness_curve, ranking
@@ -46,6 +47,10 @@ class ScoringPrompts:
     progress: bool = True
     store: Optional[str] = None
     options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.reference not in REFERENCES:
+            raise ValueError(f"unknown reference {self.reference!r}: choose one of {', '.join(REFERENCES)}")
 
     def records(self, tokenizer: Any, n: int, prompts: str, **record_options: Any) -> list:
         """``n`` prompts of the set named ``prompts`` (:data:`mechdiff.studies.seeds.PROMPT_OFFSETS`)."""
@@ -98,23 +103,23 @@ def completeness_rows(res: dict) -> list[dict]:
 
 def score_circuit(model: LoadedModel, circuit: Circuit, circuit_path: str, prompts: ScoringPrompts, out: Path,
                   n_random: int, completeness_draws: int, metric: Metric, with_completeness: bool,
-                  settings: dict) -> str:
+                  settings: dict, echo: Callable[[str], None] = print) -> None:
     """Faithfulness (with ``n_random`` random circuits) and, ``with_completeness``, completeness of ``circuit``:
-    ``out/faithfulness.*``, ``out/completeness.*`` and ``out/score.json``."""
+    ``out/faithfulness.*``, ``out/completeness.*`` and ``out/score.json``. Each table goes to ``echo`` (in
+    markdown) once written, the faithfulness table before completeness runs; the second begins with a blank line."""
     scorer = prompts.scorer(model)
     result = {"model": model.name, "fingerprint": model.fingerprint, "circuit": circuit_path, "settings": settings,
               "faithfulness": faithfulness(scorer, circuit, n_random=n_random, seed=prompts.seed)}
     rows = faithfulness_rows(result["faithfulness"])
     write_table(rows, out / "faithfulness", caption=f"Mean-ablation faithfulness of {circuit_path} on {model.name}")
-    text = [to_markdown(rows)]
+    echo(to_markdown(rows))
     if with_completeness:
         result["completeness"] = completeness(scorer, circuit, n_draws=completeness_draws, seed=prompts.seed,
                                               metric=metric)
         rows = completeness_rows(result["completeness"])
         write_table(rows, out / "completeness", caption=f"Completeness ({metric}) of {circuit_path} on {model.name}")
-        text.append(to_markdown(rows))
+        echo("\n" + to_markdown(rows))
     write_json(out / "score.json", result)
-    return "\n\n".join(text)
 
 
 def prune_circuit(model: LoadedModel, circuit: Circuit, circuit_path: str, prompts: ScoringPrompts, out: Path,
@@ -220,10 +225,11 @@ def scan_rows(res: dict) -> list[dict]:
 
 def scan_positions(model: LoadedModel, prompts: ScoringPrompts, out: Path, metric: Metric,
                    stop_at: Optional[float], max_steps: Optional[int], with_leave_one_out: bool,
-                   settings: dict) -> str:
+                   settings: dict, echo: Callable[[str], None] = print) -> None:
     """The greedy scan of the position classes ``model`` needs (every head kept there) and, with
     ``with_leave_one_out``, every class kept but one: ``out/position_scan.*`` (+ figure),
-    ``out/leave_one_out.*`` and ``out/positions.json``."""
+    ``out/leave_one_out.*`` and ``out/positions.json``. Each table goes to ``echo`` (in markdown) once written, the
+    scan's before leave-one-out runs; the second begins with a blank line."""
     scorer = prompts.scorer(model)
     classes = task_classes(scorer)
     scan = position_scan(scorer, classes, metric, stop_at=stop_at, max_steps=max_steps)
@@ -231,14 +237,13 @@ def scan_positions(model: LoadedModel, prompts: ScoringPrompts, out: Path, metri
     rows = scan_rows(scan)
     write_table(rows, out / "position_scan", caption=f"Greedy position scan on {model.name} "
                 f"(every head kept at the classes so far, every other (head, position) mean-ablated)")
-    text = [to_markdown(rows)]
+    echo(to_markdown(rows))
     if with_leave_one_out:
         result["leave_one_out"] = leave_one_out(scorer, classes, metric)
         loo = [{"left out": c, **estimate_columns("accuracy", r["accuracy"]),
                 **estimate_columns("faithfulness", r["faithfulness"])}
                for c, r in result["leave_one_out"]["classes"].items()]
         write_table(loo, out / "leave_one_out", caption=f"Every class kept but one, on {model.name}")
-        text.append(to_markdown(loo))
+        echo("\n" + to_markdown(loo))
     position_scan_figure(scan, out / "position_scan.png", title=f"{model.name}: where the task is computed")
     write_json(out / "positions.json", result)
-    return "\n\n".join(text)

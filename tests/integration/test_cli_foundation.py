@@ -23,6 +23,17 @@ def test_dataset_command_writes_jsonl_and_pairs(tmp_path, capsys):
     assert "kept" in capsys.readouterr().out
 
 
+def test_dataset_command_shows_dropped_words_before_generation_fails(tmp_path, capsys):
+    """Too few single-token words: the vocabulary report (naming the dropped ones) is printed before the error."""
+    vocabulary = tmp_path / "objects.txt"
+    vocabulary.write_text("apple\nmug\nscarf\nsofa\nbook\n")
+    assert main(["dataset", "entity-tracking", "--n-boxes", "3", "--n", "4", "--vocabulary", str(vocabulary),
+                 "--out", str(tmp_path / "ds")]) == 2
+    captured = capsys.readouterr()
+    assert "kept 2 of 5 objects" in captured.out and "dropped 3: mug, scarf, sofa" in captured.out
+    assert "need at least 3" in captured.err
+
+
 def test_dataset_command_rejects_unknown_pair_kind(tmp_path, capsys):
     assert main(["dataset", "entity-tracking", "--pairs", "colour", "--out", str(tmp_path)]) == 2
     assert "unknown pair kinds" in capsys.readouterr().err

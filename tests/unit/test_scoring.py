@@ -229,6 +229,73 @@ def test_score_and_prune_commands(tiny_dirs, tmp_path):
     assert (tmp_path / "pruned.minimality.csv").is_file()
 
 
+def _fails(*args, **kwargs):
+    raise RuntimeError("stopped part-way")
+
+
+def test_score_prints_faithfulness_before_completeness_runs(tiny_dirs, tmp_path, capsys, monkeypatch):
+    """A run that fails in completeness has already shown (and written) its faithfulness table."""
+    from mechdiff.cli import main
+    from mechdiff.studies import scoring
+
+    (model, _), first, _ = tiny_dirs
+    monkeypatch.setattr(scoring, "completeness", _fails)
+    with pytest.raises(RuntimeError, match="stopped part-way"):
+        main(["score", "--model", model, "--circuit", first, "--n-random", "1", "--out", str(tmp_path / "s"), *DATA])
+    out = capsys.readouterr().out
+    assert "faithfulness [95% CI]" in out and "| circuit " in out and "completeness" not in out
+    assert (tmp_path / "s" / "faithfulness.md").read_text().count("| random ") == 1
+
+
+def test_positions_prints_the_scan_before_leave_one_out_runs(tiny_dirs, tmp_path, capsys, monkeypatch):
+    from mechdiff.cli import main
+    from mechdiff.studies import scoring
+
+    (model, _), _, _ = tiny_dirs
+    monkeypatch.setattr(scoring, "leave_one_out", _fails)
+    with pytest.raises(RuntimeError, match="stopped part-way"):
+        main(["positions", "--model", model, "--max-steps", "1", "--leave-one-out", "--out", str(tmp_path / "p"),
+              *DATA])
+    out = capsys.readouterr().out
+    assert "| step " in out and "added" in out and "left out" not in out
+
+
+def test_score_and_positions_hand_each_table_to_echo_as_the_command_prints_them(tiny_dirs, tmp_path, capsys):
+    """``echo`` gets each table once made; the commands print exactly those sections, blank-line separated."""
+    from mechdiff.circuits.circuit import Circuit
+    from mechdiff.cli import main
+    from mechdiff.models.loading import load_model
+    from mechdiff.studies.scoring import ScoringPrompts, scan_positions, score_circuit
+    from mechdiff.tasks.base import get_task
+
+    (model, _), first, _ = tiny_dirs
+    lm = load_model(model)
+    prompts = ScoringPrompts(get_task("entity-tracking"), 6, batch_size=6, progress=False,
+                             options={"n_boxes": N_BOXES})
+    sections: list[str] = []
+    assert score_circuit(lm, Circuit.load(first), first, prompts, tmp_path / "s", 1, 2, "accuracy", True, {},
+                         echo=sections.append) is None
+    assert len(sections) == 2 and "faithfulness [95% CI]" in sections[0] and sections[1].startswith("\n| K ")
+    capsys.readouterr()
+    assert main(["score", "--model", model, "--circuit", first, "--n-random", "1", "--completeness-draws", "2",
+                 "--out", str(tmp_path / "c"), *DATA]) == 0
+    assert capsys.readouterr().out == "".join(s + "\n" for s in sections)
+    sections.clear()
+    assert scan_positions(lm, prompts, tmp_path / "p", "accuracy", None, 1, True, {}, echo=sections.append) is None
+    assert len(sections) == 2 and "| step " in sections[0] and sections[1].startswith("\n| left out ")
+
+
+def test_scoring_prompts_refuse_an_unknown_reference_naming_the_choices():
+    from mechdiff.studies.scoring import REFERENCES, ScoringPrompts
+    from mechdiff.tasks.base import get_task
+
+    task = get_task("entity-tracking")
+    for reference in REFERENCES:
+        assert ScoringPrompts(task, 4, reference=reference).reference == reference
+    with pytest.raises(ValueError, match="unknown reference 'zero': choose one of path_patching, fresh"):
+        ScoringPrompts(task, 4, reference="zero")
+
+
 def test_compare_command(tiny_dirs, tmp_path):
     from mechdiff.cli import main
 

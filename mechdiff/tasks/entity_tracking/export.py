@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .. import base
 from .building import generate
@@ -155,11 +155,12 @@ def pair_batch_tensors(pairs: Sequence[CounterfactualPair]) -> dict[str, Any]:
 
 
 def write_dataset(tokenizer: Any, out: str | os.PathLike, n: int, n_boxes: int, seed: int, kinds: Sequence[str] = (),
-                  vocabulary: Vocabulary = None, hf: bool = False) -> str:
+                  vocabulary: Vocabulary = None, hf: bool = False, echo: Callable[[str], None] = print) -> None:
     """``n`` prompts (``examples``) and ``n`` pairs of each counterfactual kind in ``kinds``, each written to
-    ``out/<name>.jsonl`` (and, with ``hf``, a ``datasets.Dataset`` folder ``out/<name>``); returns the vocabulary
-    report and one line per set (records, file, hash)."""
-    lines = [vocabulary_report(tokenizer, vocabulary).summary()]
+    ``out/<name>.jsonl`` (and, with ``hf``, a ``datasets.Dataset`` folder ``out/<name>``); hands ``echo`` the
+    vocabulary report (the words dropped) before anything is generated, then one line per set as it is written
+    (records, file, hash)."""
+    echo(vocabulary_report(tokenizer, vocabulary).summary())
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sets = {"examples": generate(tokenizer, n, n_boxes, seed, vocabulary)}
@@ -169,5 +170,4 @@ def write_dataset(tokenizer: Any, out: str | os.PathLike, n: int, n_boxes: int, 
         write_jsonl(records, out / f"{name}.jsonl")
         if hf:
             to_hf_dataset(records).save_to_disk(str(out / name))
-        lines.append(f"{name}: {len(records)} records -> {out / (name + '.jsonl')} (hash {dataset_hash(records)[:12]})")
-    return "\n".join(lines)
+        echo(f"{name}: {len(records)} records -> {out / (name + '.jsonl')} (hash {dataset_hash(records)[:12]})")
