@@ -152,7 +152,8 @@ def load_circuits(paths: Sequence[str | Path], labels: Optional[Sequence[str]] =
     ``shape``) that every head exists."""
     labels = list(labels or [Path(p).stem for p in paths])
     if len(labels) != len(paths) or len(set(labels)) != len(labels):
-        raise ValueError(f"need one unique label per circuit; got {labels} for {list(paths)} (use --labels)")
+        raise ValueError(f"need one unique label per circuit; got {labels} for {list(paths)} (give labels one "
+                         "unique label per path)")
     n_layers, n_heads = (shape.n_layers, shape.n_heads) if shape else (None, None)
     return {label: load_circuit_file(path, n_layers, n_heads) for label, path in zip(labels, paths)}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..io import write_json  # noqa: F401  (re-exported for the commands)
 from ..models.loading import LoadedModel, load_model, load_tokenizer
 from ..models.memory import auto_batch_size
 from ..models.remote import check_remote

@@ -35,7 +35,8 @@ def load_circuit(path: str, shape: ModelShape) -> Circuit:
 
 
 def scoring_prompts(args: argparse.Namespace) -> ScoringPrompts:
-    """The prompts ``args`` ask for (``--batch-size auto`` resolved first, by loading a model)."""
+    """The prompts ``args`` ask for, at ``args.batch_size`` as it stands: a caller resolves ``--batch-size auto``
+    first, once its model is loaded (:func:`~._options.load_from_args`, :func:`~._options.resolve_batch_size`)."""
     return ScoringPrompts(task_from_args(args), args.n, args.seed, args.reference, args.n_reference,
                           args.reference_seed, args.batch_size, not args.no_progress, args.store, task_options(args))
 

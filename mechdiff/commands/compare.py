@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..circuits.circuit import load_circuits
+from ..circuits.circuit import CircuitFileError, load_circuits
 from ..io import check_writable
 from ..models.modelset import ModelSet
 from ..studies.scoring import compare_circuits
@@ -28,7 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     out = check_writable(args.out)
     models = ModelSet(args.models.split(","), **model_kwargs(args))  # configs only: no weights yet
-    circuits = load_circuits(args.circuits.split(","), args.labels.split(",") if args.labels else None, models.shape)
+    try:
+        circuits = load_circuits(args.circuits.split(","), args.labels.split(",") if args.labels else None,
+                                 models.shape)
+    except CircuitFileError:
+        raise
+    except ValueError as err:  # the labels: name the flag that sets them
+        raise ValueError(f"{err}; set them with --labels") from None
     resolve_batch_size(args, models[models.names[0]])  # --batch-size auto: from the first model, for all
     print(compare_circuits(models, circuits, scoring_prompts(args), out, args.n_random, settings(args)))
     return 0

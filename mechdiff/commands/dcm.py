@@ -7,12 +7,11 @@ from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
 from ..io import check_writable
-from ..dcm import LAM_SCALES, PARAMETERISATIONS, DCMConfig, desideratum_pairs
+from ..dcm import LAM_SCALES, PARAMETERISATIONS, DCMConfig
 from ..models.modelset import ModelSet
 from ..studies.dcm import dcm_run
-from ..tasks.base import PairRecord
-from ..tasks.entity_tracking import CounterfactualPair, read_jsonl
-from ._options import add_model_options, add_task_option, model_kwargs, task_from_args
+from ..tasks.entity_tracking.desiderata import load_desiderata
+from ._options import add_model_options, add_task_option, model_kwargs, task_from_args, tokenizer_from_args
 
 DEFAULTS = DCMConfig()  # every training default is DCMConfig's
 
@@ -58,25 +57,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def load_desiderata(spec: str, tokenizer, n: int, n_boxes: int, seed: int,
-                    task: str = "entity-tracking") -> dict[str, list[PairRecord]]:
-    """The task's desiderata by name generate pairs; ``.jsonl`` paths are user-defined entity-tracking
-    desiderata (named by file stem). Kept here: the ``.jsonl`` files are entity tracking's pairs, and the task
-    protocol has no reader of a desideratum file."""
-    out: dict[str, list[PairRecord]] = {}
-    for item in (s.strip() for s in spec.split(",") if s.strip()):
-        if item.endswith(".jsonl"):
-            records = read_jsonl(item)
-            if not records or not all(isinstance(r, CounterfactualPair) for r in records):
-                raise ValueError(f"{item} must hold counterfactual pairs (write them with write_jsonl)")
-            out[Path(item).stem] = records  # type: ignore[assignment]
-        else:
-            out[item] = desideratum_pairs(item, tokenizer, n, n_boxes=n_boxes, seed=seed, task=task)
-    if not out:
-        raise ValueError("no desiderata given; e.g. --desiderata positional,object,label")
-    return out
-
-
 TRAINING = ("parameterisation", "lam", "lam_scale", "lr", "epochs", "batch_size", "eval_every")
 
 
@@ -103,10 +83,10 @@ def main(args: argparse.Namespace) -> int:
     check_writable(args.out)
     models = ModelSet([args.model, *others], **model_kwargs(args))  # configs only: no weights yet
     circuit = load_circuit_file(args.circuit, models.shape.n_layers, models.shape.n_heads)
-    tokenizer = models[models.names[0]].tokenizer
     config = config_from_args(args)
-    desiderata = load_desiderata(args.desiderata or ",".join(task.desiderata), tokenizer, args.n, args.n_boxes,
-                                 args.seed, args.task)
-    print(dcm_run(models, circuit, args.circuit, desiderata, config, args.groups.split(",") if args.groups else None,
-                  task.name, args.n_boxes, Path(args.out)))
+    # the desiderata (names, files) are checked and built with the tokenizer alone, before any weights load
+    desiderata = load_desiderata(args.desiderata or ",".join(task.desiderata), tokenizer_from_args(args.model, args),
+                                 args.n, args.n_boxes, args.seed, args.task)
+    dcm_run(models, circuit, args.circuit, desiderata, config, args.groups.split(",") if args.groups else None,
+            task.name, args.n_boxes, Path(args.out), echo=print)  # each table printed as soon as it is ready
     return 0

@@ -139,7 +139,7 @@ def main_locate(args: argparse.Namespace) -> int:
 
 def main_finetune(args: argparse.Namespace) -> int:
     from ..io import check_writable
-    from ..studies.headmap import finetune_and_write
+    from ..studies.headmap import train_maps_and_write
     from ._scoring import load_circuit, model_shape
 
     _setup(args)
@@ -147,7 +147,7 @@ def main_finetune(args: argparse.Namespace) -> int:
     out = check_writable(args.out)
     circuit = load_circuit(args.circuit, model_shape(settings.model, args))  # checked before the weights load
     model = load_from_args(settings.model, args)
-    print(finetune_and_write(model, circuit, settings.train_config(args.task, args.lora_rank), out))
+    print(train_maps_and_write(model, circuit, settings.train_config(args.task, args.lora_rank), out))
     return 0
 
 

@@ -5,7 +5,7 @@ JSON it writes."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from ..circuits.circuit import Circuit
 from ..circuits.scoring import estimate
@@ -32,10 +32,14 @@ def dcm_rows(results: list[DCMResult]) -> list[dict]:
 
 
 def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: Mapping[str, Sequence[PairRecord]],
-            config: DCMConfig, groups: Optional[Sequence[str]], task: str, n_boxes: int, out: Path) -> str:
+            config: DCMConfig, groups: Optional[Sequence[str]], task: str, n_boxes: int, out: Path,
+            echo: Optional[Callable[[str], None]] = None) -> str:
     """DCM on the first model of ``models`` for each group (``groups``; default all) of ``circuit`` and each
     desideratum (``out/dcm.*``, ``out/dcm.png``); with more than one model, semantic patching of each selection
-    into every model (``out/semantic.*``); ``out/dcm.json``. Returns the tables the command prints."""
+    into every model (``out/semantic.*``); ``out/dcm.json``. Returns the tables the command prints; ``echo``
+    (e.g. ``print``) is given each table as soon as it is ready: the DCM table before semantic patching loads the
+    other models, then the semantic patching table (together, what is returned)."""
+    echo = echo or (lambda text: None)
     model = models[models.names[0]]
     results = dcm_circuit(model, circuit, dict(desiderata), config, groups)
     rows = dcm_rows(results)
@@ -44,6 +48,7 @@ def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: M
                "no-intervention floor, the whole group, and random head sets of the selected size.")
     write_table(rows, out / "dcm", caption=caption)
     text = to_markdown(rows)
+    echo(text)
     grouped_bars(out / "dcm.png", [f"{r.group}/{r.desideratum}" for r in results],
                  {"selected heads": [r.test_accuracy for r in results], "floor (m=1)": [r.floor for r in results],
                   "whole group": [r.full_group for r in results], "random": [r.random for r in results]},
@@ -52,6 +57,7 @@ def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: M
                "n_boxes": n_boxes, "results": [r.to_dict() for r in results]}
     if len(models) > 1:
         summary["semantic"], semantic_text = _semantic(models, results, desiderata, config, out)
+        echo(semantic_text)
         text += "\n" + semantic_text
     write_json(out / "dcm.json", summary)
     return text

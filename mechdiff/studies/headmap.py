@@ -198,7 +198,7 @@ def finetune(model: LoadedModel, circuit: Circuit, cfg: TrainConfig, progress: b
     return res | {"accuracy": bootstrap(res["correct"][cfg.task]).to_dict()}
 
 
-def finetune_and_write(model: LoadedModel, circuit: Circuit, cfg: TrainConfig, out: Path) -> str:
+def train_maps_and_write(model: LoadedModel, circuit: Circuit, cfg: TrainConfig, out: Path) -> str:
     """:func:`finetune`, its record written to ``out/result.json``; returns the line ``headmap finetune`` prints."""
     res = finetune(model, circuit, cfg)
     acc = res["accuracy"]

@@ -276,3 +276,72 @@ def test_command_defaults_are_the_configs():
     assert config_from_args(args) == DCMConfig()
     args = build_parser().parse_args(["dcm", "--circuit", "c.json", "--epochs", "7", "--lam", "0.5"])
     assert config_from_args(args) == dataclasses.replace(DCMConfig(), epochs=7, lam=0.5)
+
+
+def _no_weights(monkeypatch):
+    """Any model's weights loading fails the test (``ModelSet`` and the commands' loader)."""
+    import mechdiff.commands._options as options
+    import mechdiff.models.modelset as modelset
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("model weights loaded before the desiderata were checked")
+
+    monkeypatch.setattr(modelset, "load_model", refuse)
+    monkeypatch.setattr(options, "load_model", refuse)
+
+
+@pytest.mark.parametrize("case", ["unknown name", "missing file", "not pairs"])
+def test_cli_dcm_checks_desiderata_before_any_weights(case, tmp_path, tiny_family, smollm2_tokenizer, monkeypatch,
+                                                       capsys):
+    from mechdiff.tasks.entity_tracking import generate
+
+    Circuit("tiny", "entity-tracking", {"A": [Head(1, 0)]}, {"A": "last"}).save(tmp_path / "c.json")
+    write_jsonl(generate(smollm2_tokenizer, 2, n_boxes=3, seed=0), tmp_path / "examples.jsonl")
+    desiderata, message = {"unknown name": ("object,nonsense", "unknown desideratum 'nonsense'"),
+                           "missing file": (str(tmp_path / "absent.jsonl"), "absent.jsonl"),
+                           "not pairs": (str(tmp_path / "examples.jsonl"), "must hold counterfactual pairs")}[case]
+    _no_weights(monkeypatch)
+    rc = cli_main(["dcm", "--model", tiny_family[0], "--circuit", str(tmp_path / "c.json"), "--desiderata",
+                   desiderata, "--n", "8", "--n-boxes", "3", "--out", str(tmp_path / "out")])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_load_desiderata_reads_and_generates_the_pairs(tmp_path, smollm2_tokenizer, pairs):
+    """The desiderata reader beside entity tracking's data: names generate the task's pairs, a ``.jsonl`` file
+    gives back the pairs written (named by its stem), in the order given."""
+    from mechdiff.dcm import desideratum_pairs
+    from mechdiff.tasks.entity_tracking.desiderata import load_desiderata, read_desideratum
+
+    write_jsonl(pairs[:5], tmp_path / "mine.jsonl")
+    got = load_desiderata(f" label, {tmp_path / 'mine.jsonl'} ,object", smollm2_tokenizer, 12, 3, 4)
+    assert list(got) == ["label", "mine", "object"]
+    assert got["mine"] == pairs[:5] == read_desideratum(tmp_path / "mine.jsonl")
+    for name in ("label", "object"):
+        assert got[name] == desideratum_pairs(name, smollm2_tokenizer, 12, n_boxes=3, seed=4)
+    with pytest.raises(ValueError, match="no desiderata given"):
+        load_desiderata(" , ", smollm2_tokenizer, 12, 3, 4)
+
+
+def test_cli_dcm_prints_the_dcm_table_before_semantic_patching(tmp_path, tiny_family, monkeypatch, capsys):
+    """The DCM table reaches stdout as soon as it is ready, before semantic patching (which loads the other
+    models); a full run prints each table once."""
+    import mechdiff.studies.dcm as study
+
+    Circuit("tiny", "entity-tracking", {"A": [Head(1, 0), Head(1, 1)]}, {"A": "last"}).save(tmp_path / "c.json")
+    argv = ["dcm", "--model", tiny_family[0], "--semantic", tiny_family[1], "--circuit", str(tmp_path / "c.json"),
+            "--desiderata", "object", "--n", "20", "--n-boxes", "3", "--epochs", "1", "--n-random", "1"]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("semantic patching ran")
+
+    with monkeypatch.context() as m:
+        m.setattr(study, "_semantic", refuse)
+        with pytest.raises(RuntimeError, match="semantic patching ran"):
+            cli_main([*argv, "--out", str(tmp_path / "a")])
+    out = capsys.readouterr().out
+    assert "| group" in out and "object" in out
+    assert (tmp_path / "a" / "dcm.md").is_file()
+    assert cli_main([*argv, "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| group") == 1 + ("semantic patching skipped" not in out)

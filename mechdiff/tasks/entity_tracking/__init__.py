@@ -26,8 +26,9 @@ Public API
 
 Modules (split by concern): :mod:`.records` (the record types and constants), :mod:`.vocabulary`
 (single-token objects and labels), :mod:`.building` (one prompt, :func:`generate`), :mod:`.pairs`
-(counterfactual kinds), :mod:`.export` (JSONL, ``datasets``, hashing, batching), :mod:`.task`
-(the :class:`~mechdiff.tasks.base.Task` registered as ``entity-tracking``).
+(counterfactual kinds), :mod:`.export` (JSONL, ``datasets``, hashing, batching), :mod:`.desiderata`
+(``mechdiff dcm --desiderata``: names and ``.jsonl`` files of pairs), :mod:`.task` (the
+:class:`~mechdiff.tasks.base.Task` registered as ``entity-tracking``).
 """
 
 from __future__ import annotations
