@@ -88,5 +88,5 @@ def main(args: argparse.Namespace) -> int:
     desiderata = load_desiderata(args.desiderata or ",".join(task.desiderata), tokenizer_from_args(args.model, args),
                                  args.n, args.n_boxes, args.seed, args.task)
     dcm_run(models, circuit, args.circuit, desiderata, config, args.groups.split(",") if args.groups else None,
-            task.name, args.n_boxes, Path(args.out), echo=print)  # each table printed as soon as it is ready
+            task.name, args.n_boxes, Path(args.out))  # prints each table as soon as it is ready
     return 0

@@ -276,8 +276,9 @@ def cmap_section(study: "Study", cmap: dict) -> str:
 
 
 def _patched_heads(study: "Study", circuit: Circuit) -> str:
-    """The heads CMAP patched per group: DCM's selection under the group's desideratum, else the whole group."""
-    selection = circuit.meta.get("dcm_cut") or study.spec.cmap.selection  # records made before the meta kept it
+    """The heads CMAP patched per group: DCM's selection under the group's desideratum (``[cmap] selection``,
+    part of the CMAP stage's key, so the record was cut by it), else the whole group."""
+    selection = study.spec.cmap.selection
     lines = [f"Heads patched ({circuit.model}'s pruned circuit cut to its DCM selections):\n"]
     for g, heads in circuit.groups.items():
         why = f"DCM {selection[g]}" if g in selection else "the whole pruned group"

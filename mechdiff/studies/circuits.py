@@ -386,8 +386,7 @@ class CircuitsStudy(Study):
                 return {"skipped": f"no group of the circuit of {owner} sits at a single-token position"}
             # the "circuit" scope: the union of these groups
             circuit = Circuit(circuit.model, circuit.task, {g: circuit.groups[g] for g in groups},
-                              {g: circuit.positions[g] for g in groups}, names=dict(circuit.names),
-                              meta=dict(circuit.meta))  # meta: the DCM cut the report names
+                              {g: circuit.positions[g] for g in groups}, names=dict(circuit.names))
             res = run_cmap(self.model(base), self.model(finetune), circuit, records, c.parts,
                            self.spec.eval.batch_size, progress=self.progress,
                            isolate=c.isolate, n_random=c.n_random, seed=self.seed("cmap"),

@@ -33,13 +33,11 @@ def dcm_rows(results: list[DCMResult]) -> list[dict]:
 
 def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: Mapping[str, Sequence[PairRecord]],
             config: DCMConfig, groups: Optional[Sequence[str]], task: str, n_boxes: int, out: Path,
-            echo: Optional[Callable[[str], None]] = None) -> str:
+            echo: Callable[[str], None] = print) -> None:
     """DCM on the first model of ``models`` for each group (``groups``; default all) of ``circuit`` and each
     desideratum (``out/dcm.*``, ``out/dcm.png``); with more than one model, semantic patching of each selection
-    into every model (``out/semantic.*``); ``out/dcm.json``. Returns the tables the command prints; ``echo``
-    (e.g. ``print``) is given each table as soon as it is ready: the DCM table before semantic patching loads the
-    other models, then the semantic patching table (together, what is returned)."""
-    echo = echo or (lambda text: None)
+    into every model (``out/semantic.*``); ``out/dcm.json``. Each table goes to ``echo`` (in markdown) as soon as
+    it is ready: the DCM table before semantic patching loads the other models, then the semantic table."""
     model = models[models.names[0]]
     results = dcm_circuit(model, circuit, dict(desiderata), config, groups)
     rows = dcm_rows(results)
@@ -47,8 +45,7 @@ def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: M
                "group's position, patched from the source, makes the desideratum's target win; test accuracy vs the "
                "no-intervention floor, the whole group, and random head sets of the selected size.")
     write_table(rows, out / "dcm", caption=caption)
-    text = to_markdown(rows)
-    echo(text)
+    echo(to_markdown(rows))
     grouped_bars(out / "dcm.png", [f"{r.group}/{r.desideratum}" for r in results],
                  {"selected heads": [r.test_accuracy for r in results], "floor (m=1)": [r.floor for r in results],
                   "whole group": [r.full_group for r in results], "random": [r.random for r in results]},
@@ -58,9 +55,7 @@ def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: M
     if len(models) > 1:
         summary["semantic"], semantic_text = _semantic(models, results, desiderata, config, out)
         echo(semantic_text)
-        text += "\n" + semantic_text
     write_json(out / "dcm.json", summary)
-    return text
 
 
 def _semantic(models: ModelSet, results: list[DCMResult], desiderata: Mapping[str, Sequence[PairRecord]],
