@@ -27,11 +27,11 @@ import time
 import numpy as np
 import torch
 
-from mechdiff.knowledge.acdc import acdc
-from mechdiff.knowledge.data import FactBatch, Relation, batches, build_facts
-from mechdiff.knowledge.discovery import attribution_scores
-from mechdiff.knowledge.forward import edge_forward
-from mechdiff.knowledge.graph import Graph
+from mechdiff.methods.knowledge.acdc import acdc
+from mechdiff.tasks.relation_data import FactBatch, Relation, batches, build_facts
+from mechdiff.methods.knowledge.discovery import attribution_scores
+from mechdiff.methods.knowledge.forward import edge_forward
+from mechdiff.methods.knowledge.graph import Graph
 from mechdiff.models.loading import load_model
 
 

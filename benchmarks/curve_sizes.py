@@ -13,9 +13,9 @@ import argparse
 
 from mechdiff.circuits.curve import ranked_circuit
 from mechdiff.circuits.scoring import faithfulness
-from mechdiff.components import parse
+from mechdiff.common.components import parse
 from mechdiff.studies.circuits import CircuitsStudy as Study
-from mechdiff.tasks.spec import load_spec
+from mechdiff.studies.spec import load_spec
 
 
 def main() -> None:

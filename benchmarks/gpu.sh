@@ -26,7 +26,7 @@ fi
 echo "results: $OUT"
 t_start=$(date +%s)
 
-if "$PY" -c "from mechdiff.reproduce import check_weights; check_weights(['llama-7b', 'goat-7b'])" 2>"$OUT/weights.txt"; then
+if "$PY" -c "from mechdiff.studies.reproduce import check_weights; check_weights(['llama-7b', 'goat-7b'])" 2>"$OUT/weights.txt"; then
     echo "== LLaMA-7B / Goat-7B weights present: the paper's study (reproduction of the released circuit, $N prompts, $DTYPE)"
     sed -e "s/^finetunes = .*/finetunes = [\"goat-7b\"]/" \
         -e "/^\[reproduce\]/,/^\[/ s/^n = .*/n = $N/" \

@@ -5,7 +5,7 @@
 # function (-m "not slow"). Changing that selection resets every result (mutmut reruns its stats pass); to rerun
 # chosen mutants without it: python benchmarks/mutation_rerun.py NAME ... (see benchmarks/mutation.md).
 #   bash benchmarks/mutation.sh                      # every mutant of those modules (hours on 2 cores)
-#   bash benchmarks/mutation.sh 'mechdiff.dcm.*'     # a subset: mutmut's mutant-name globs
+#   bash benchmarks/mutation.sh 'mechdiff.methods.dcm.*'     # a subset: mutmut's mutant-name globs
 # Results: `mutmut results` (survivors), `mutmut show NAME` (a mutant's diff), mutants/ (scratch, ignored).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,7 +8,7 @@ once, then each mutant runs in a forked child with ``MUTANT_UNDER_TEST`` set, un
 tests this file lists for its module. Exit code 0: survived; 1: killed; -24: timed out.
 
     python benchmarks/mutation_rerun.py --fresh > all.txt   # mutants/ rebuilt from this checkout; every mutant's name
-    python benchmarks/mutation_rerun.py --generate mechdiff/knowledge/forward.py   # (re)write one module's mutants
+    python benchmarks/mutation_rerun.py --generate mechdiff/methods/knowledge/forward.py   # (re)write one module's mutants
     python benchmarks/mutation_rerun.py NAME ... | @FILE   # results go to mutants/rerun-results.json
     python benchmarks/mutation_rerun.py --seed 0 --jobs 2 @FILE   # seeded order: any prefix is a random sample
     python benchmarks/mutation_rerun.py --summary [--by-function] @FILE   # counts and exact 95% intervals
@@ -38,11 +38,11 @@ POST_NORM = [f"tests/unit/test_families.py::{t}[{f}]" for f in ("gemma2", "gemma
              for t in ("test_edge_forward_full_and_empty_circuits", "test_removing_one_edge_changes_only_its_receiver")]
 U = "tests/unit/"
 TESTS = {  # mutant-name prefix -> the fast tests that exercise it, quickest and most specific first (longest prefix wins)
-    "mechdiff.cmap.": ["tests/unit/test_mutants_cmap.py", "tests/unit/test_cmap.py"],
-    "mechdiff.knowledge.forward.": ["tests/unit/test_mutants_forward.py", "tests/unit/test_mutants.py",
+    "mechdiff.methods.cmap.": ["tests/unit/test_mutants_cmap.py", "tests/unit/test_cmap.py"],
+    "mechdiff.methods.knowledge.forward.": ["tests/unit/test_mutants_forward.py", "tests/unit/test_mutants.py",
                                     "tests/unit/test_knowledge.py", *FAMILIES_EDGE, "tests/unit/test_knowledge_acdc.py"],
     # the RMS post-norm gain: only models with an attention post-norm reach it
-    "mechdiff.knowledge.forward.x__rms_gain__": ["tests/unit/test_mutants_forward.py", *POST_NORM,
+    "mechdiff.methods.knowledge.forward.x__rms_gain__": ["tests/unit/test_mutants_forward.py", *POST_NORM,
                                                  "tests/unit/test_knowledge.py::test_pipeline_on_other_families"],
     "mechdiff.patching.core.": [U + "test_mutants_core.py", U + "test_patching.py", U + "test_suffix_runs.py",
                                 U + "test_mutants_forward.py", *POST_NORM[:2], U + "test_path_patching.py"],
@@ -56,7 +56,7 @@ TESTS = {  # mutant-name prefix -> the fast tests that exercise it, quickest and
                                       U + "test_store.py"],
     "mechdiff.patching.attribution.": [U + "test_mutants_patching.py", U + "test_path_patching.py",
                                        U + "test_curve.py"],
-    "mechdiff.dcm.": [U + "test_mutants.py", U + "test_mutants_dcm.py", U + "test_dcm.py", U + "test_answer_metrics.py"],
+    "mechdiff.methods.dcm.": [U + "test_mutants.py", U + "test_mutants_dcm.py", U + "test_dcm.py", U + "test_answer_metrics.py"],
     "mechdiff.circuits.scoring.": [U + "test_mutants.py", U + "test_mutants_scoring.py", U + "test_scoring.py",
                                    U + "test_ablation.py", U + "test_curve.py", U + "test_intervals.py"],
 }

@@ -38,7 +38,7 @@ import time
 import torch
 
 from mechdiff.circuits.discovery import DEFAULT_K, STEPS, select
-from mechdiff.components import Head
+from mechdiff.common.components import Head
 from mechdiff.models.loading import load_model
 from mechdiff.patching.attribution import attribution_scores
 from mechdiff.patching.core import run
@@ -301,7 +301,7 @@ def mixed_scan(model, n: int, per_pass: int, line, repeats: int = 3) -> dict:
 
 def dcm_epochs(model, n_pairs: int, line) -> dict:
     """One DCM training epoch (DCMConfig defaults, validation included) on suffix runs vs full-length runs."""
-    from mechdiff.dcm import DCMConfig, PairCache, train_mask
+    from mechdiff.methods.dcm import DCMConfig, PairCache, train_mask
 
     pairs = path_patching_pairs(model.tokenizer, n_pairs + 8, seed=1)
     shape = model.shape

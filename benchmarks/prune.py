@@ -17,7 +17,7 @@ import numpy as np
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.scoring import Scorer
 from mechdiff.studies.circuits import CircuitsStudy as Study
-from mechdiff.tasks.spec import load_spec
+from mechdiff.studies.spec import load_spec
 
 
 def main() -> None:

@@ -23,13 +23,13 @@ from tabulate import tabulate
 
 from patching import timed  # benchmarks/patching.py: median of repeated calls after a warm-up
 
-from mechdiff.components import Head
+from mechdiff.common.components import Head
 from mechdiff.patching.core import run
 from mechdiff.patching.path import path_patch, prepare
 from mechdiff.studies.circuits import CircuitsStudy as Study
-from mechdiff.studies.stages import StageCache
+from mechdiff.runs.stages import StageCache
 from mechdiff.tasks.entity_tracking import path_patching_pairs
-from mechdiff.tasks.spec import default_spec, load_spec
+from mechdiff.studies.spec import default_spec, load_spec
 
 
 def peak_mib() -> float:

@@ -1,5 +1,5 @@
 """Cost of reaching each checkpoint of a trajectory: a swap of LoRA adapters in one peft model over the base loaded
-once (mechdiff.trajectory.Checkpoints) against loading each checkpoint by itself (load_model: the base loaded and
+once (mechdiff.methods.trajectory.Checkpoints) against loading each checkpoint by itself (load_model: the base loaded and
 the adapter merged). Checks that both give the same fingerprint.
 
     python benchmarks/trajectory_swap.py smollm2-et@0 smollm2-et@5 smollm2-et@100
@@ -11,7 +11,7 @@ import argparse
 import time
 
 from mechdiff.models.loading import load_model
-from mechdiff.trajectory import Checkpoints
+from mechdiff.methods.trajectory import Checkpoints
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import threading
 from typing import Optional, Sequence
 
 from . import commands
-from .io import Terminated  # noqa: F401 - raised by the SIGTERM handler (mechdiff.io.terminate)
+from .common.io import Terminated  # noqa: F401 - raised by the SIGTERM handler (mechdiff.common.io.terminate)
 
 #: Library warnings a mechdiff user cannot act on (they name calls inside the libraries), each silenced by its
 #: message, category and warning module only: (message regex, category, module regex).
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _quiet_terminated(hook: object):
     """An unraisable hook that drops a :class:`Terminated` raised inside ``__del__`` (the run stops at the next
-    stage boundary instead, :func:`~mechdiff.io.check_terminated`) and passes anything else on."""
-    from .io import Terminated
+    stage boundary instead, :func:`~mechdiff.common.io.check_terminated`) and passes anything else on."""
+    from .common.io import Terminated
 
     def unraisable(info: object) -> None:
         if not isinstance(getattr(info, "exc_value", None), Terminated):
@@ -61,7 +61,7 @@ def _on_sigterm(handler: object) -> object:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .io import RunLockedError, Terminated, check_terminated, clear_terminated, terminate
+    from .common.io import RunLockedError, Terminated, check_terminated, clear_terminated, terminate
 
     args = build_parser().parse_args(argv)
     quiet_library_warnings()

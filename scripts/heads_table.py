@@ -26,8 +26,8 @@ def main() -> int:
     from mechdiff.circuits.scoring import pair_name
     from mechdiff.report.heads import head_rows, write_heads_table
     from mechdiff.studies.circuits import CircuitsStudy as Study
-    from mechdiff.studies.stages import label
-    from mechdiff.tasks.spec import RunSpec, SECTIONS
+    from mechdiff.runs.stages import label
+    from mechdiff.studies.spec import RunSpec, SECTIONS
 
     manifest = json.loads((run / "run.json").read_text())
     spec = RunSpec(**{k: SECTIONS[k](**v) for k, v in manifest["spec"].items() if k in SECTIONS},

@@ -22,7 +22,7 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.report.html import write_html
 from mechdiff.report.study_report import DCM_CAPTION, _patched_heads, _table, dcm_rows
 from mechdiff.studies.circuits import CircuitsStudy
-from mechdiff.studies.stages import StageRecord, key_hash
+from mechdiff.runs.stages import StageRecord, key_hash
 
 RESULTS = Path("results/entity-tracking-smollm2-paper-form")
 TASK_FILE = "tasks/entity_tracking_paper_form.toml"

@@ -229,7 +229,7 @@ def tiny_run(smollm2_tokenizer, tmp_path_factory) -> tuple[Path, Path]:
     """A tiny llama saved as a base directory, and a 4-step entity-tracking LoRA run over it saving steps 0, 2 and 4
     (a trajectory of three checkpoints, ``f"{run}@{step}"``)."""
     from mechdiff.commands.finetune import _save_spec
-    from mechdiff.finetune import FinetuneConfig, finetune
+    from mechdiff.methods.finetune import FinetuneConfig, finetune
 
     tmp_path = tmp_path_factory.mktemp("trajectory")
     lm, base = make_tiny("llama", smollm2_tokenizer), tmp_path / "base"

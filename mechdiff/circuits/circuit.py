@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
-from ..io import write_json
-from ..components import Head, check_heads, parse_heads
+from ..common.io import write_json
+from ..common.components import Head, check_heads, parse_heads
 
 if TYPE_CHECKING:
     from ..models.architectures import ModelShape

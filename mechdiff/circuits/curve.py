@@ -21,10 +21,10 @@ import torch
 from einops import rearrange
 from tqdm.auto import tqdm
 
-from ..components import Head, all_heads
-from ..metrics import answer_logprob
+from ..common.components import Head, all_heads
+from ..common.metrics import answer_logprob
 from ..patching.core import EMB_LAYER, Patch, run
-from ..stats import bootstrap_ratio, proportion
+from ..common.stats import bootstrap_ratio, proportion
 from .circuit import Circuit
 from .scoring import Pair, Scorer, means_for, per_prompt, position_mask
 

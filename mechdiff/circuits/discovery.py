@@ -1,4 +1,4 @@
-"""Circuit discovery by path patching, step by step as a plan says (:mod:`mechdiff.circuits.plan`),
+"""Circuit discovery by path patching, step by step as a plan says (:mod:`mechdiff.tasks.plan`),
 with an optional attribution screen. The default plan is entity tracking's four steps (Prakash et
 al. 2024): A value fetcher, B position transmitter, C position detector, D structure reader.
 
@@ -28,13 +28,13 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..components import Head
+from ..common.components import Head
 from ..models.loading import LoadedModel
 from ..patching.attribution import attribution_scores
 from ..patching.path import PairBatch, Receivers, auto_senders_per_pass, eligible_senders, path_patch, prepare
 from ..tasks.base import PairRecord
 from .circuit import Circuit
-from .plan import Plan, PlanStep, default_plan
+from ..tasks.plan import Plan, PlanStep, default_plan
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from scipy.stats import hypergeom
 
-from ..components import Head
+from ..common.components import Head
 from .circuit import Circuit
 
 

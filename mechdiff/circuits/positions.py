@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..components import Head, all_heads
-from ..stats import bootstrap_ratio, proportion
+from ..common.components import Head, all_heads
+from ..common.stats import bootstrap_ratio, proportion
 from .scoring import Metric, Pair, Scorer, per_prompt
 
 

@@ -32,13 +32,13 @@ import torch
 from einops import repeat
 from tqdm.auto import tqdm
 
-from ..components import Head, all_heads, layer_matched
-from ..evaluate import EvalResult, evaluate
-from ..metrics import metric_name
+from ..common.components import Head, all_heads, layer_matched
+from ..patching.evaluate import EvalResult, evaluate
+from ..common.metrics import metric_name
 from ..models.loading import LoadedModel
 from ..patching.ablation import site_means
 from ..patching.core import Patch, Resume, run, suffix_supported
-from ..stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
+from ..common.stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
 from ..tasks.base import GroupKey, Record, batch_tensors, check_reference, group_key, group_name, grouped_batches, take
 from .circuit import Circuit
 
@@ -61,7 +61,7 @@ def position_means(model: LoadedModel, records: Sequence[Record], batch_size: in
     ``"layer pos (head d_head)"`` (float32); :func:`group_means` takes records of several groups.
 
     The one place the activation cache plugs in: with ``store`` (an HDF5 path) the means are
-    read from / written to :class:`mechdiff.store.ActivationStore`, keyed by the model's
+    read from / written to :class:`mechdiff.patching.store.ActivationStore`, keyed by the model's
     fingerprint and the reference set's hash; without it they are computed in memory. Both sum in
     float64 through :mod:`mechdiff.patching.ablation`.
     """
@@ -72,7 +72,7 @@ def position_means(model: LoadedModel, records: Sequence[Record], batch_size: in
         raise ValueError(f"position-wise means never mix templates or lengths; these records are of "
                          f"{'; '.join(group_name(g) for g in groups)} (group_means takes each apart)")
     if store is not None:
-        from ..store import ActivationStore
+        from ..patching.store import ActivationStore
 
         return ActivationStore(store).means(model, records, "z", batch_size, progress)
     ids = (batch_tensors(take(records, rows))["input_ids"] for rows in grouped_batches(records, batch_size))

@@ -9,7 +9,7 @@ from ..models.loading import LoadedModel, load_model, load_tokenizer
 from ..models.memory import auto_batch_size
 from ..models.remote import check_remote
 from ..models.resolve import resolve_spec
-from ..knowledge.data import available_relations
+from ..tasks.relation_data import available_relations
 from ..tasks.base import Task, get_task, task_names
 
 

@@ -19,7 +19,7 @@ def add_scoring_options(parser: argparse.ArgumentParser) -> None:
                         help="prompts whose position-wise means replace ablated heads")
     parser.add_argument("--n-reference", type=int, default=None, help="reference prompts (default: --n)")
     parser.add_argument("--reference-seed", type=int, default=None,
-                        help="default: the prompt set command-reference of --seed (mechdiff.studies.seeds: --seed + 1)")
+                        help="default: the prompt set command-reference of --seed (mechdiff.runs.seeds: --seed + 1)")
     parser.add_argument("--store", default=None, help="HDF5 activation store caching the means (optional)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 

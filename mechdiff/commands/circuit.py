@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..circuits.discovery import DiscoverySettings
-from ..circuits.plan import Plan, default_plan
+from ..tasks.plan import Plan, default_plan
 from ..studies.discovery import discover_circuit, task_plan
 from ._options import (add_model_options, add_task_option, load_from_args, task_from_args, task_options,
                        tokenizer_from_args)

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
-from ..cmap import CMAP_KINDS, CMAP_RULES, parse_kinds
-from ..io import check_writable
+from ..methods.cmap import CMAP_KINDS, CMAP_RULES, parse_kinds
+from ..common.io import check_writable
 from ..models.modelset import ModelSet
 from ..studies.cmap import cmap_run
 from ._options import (add_dataset_options, add_model_options, model_kwargs, resolve_batch_size, task_from_args,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..circuits.circuit import CircuitFileError, load_circuits
-from ..io import check_writable
+from ..common.io import check_writable
 from ..models.modelset import ModelSet
 from ..studies.scoring import compare_circuits
 from ._options import add_dataset_options, add_model_options, model_kwargs, resolve_batch_size

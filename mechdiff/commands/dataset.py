@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..metrics import TASK_METRICS, metric_name
+from ..common.metrics import TASK_METRICS, metric_name
 from ..models.loading import load_tokenizer
 from ..models.resolve import resolve_spec
 from ..tasks.jsonl import import_pairs, load_task_meta

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
-from ..io import check_writable
-from ..dcm import LAM_SCALES, PARAMETERISATIONS, DCMConfig
+from ..common.io import check_writable
+from ..methods.dcm import LAM_SCALES, PARAMETERISATIONS, DCMConfig
 from ..models.modelset import ModelSet
 from ..studies.dcm import dcm_run
 from ..tasks.entity_tracking.desiderata import load_desiderata

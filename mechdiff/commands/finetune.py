@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ..finetune import DEFAULT_TARGETS, FinetuneConfig
+from ..methods.finetune import DEFAULT_TARGETS, FinetuneConfig
 from ..models.registry import step_dirname
 from ..studies.finetuning import finetune_and_write
 from ..tasks.base import trainable_tasks

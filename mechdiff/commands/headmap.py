@@ -11,7 +11,7 @@ import argparse
 import logging
 from dataclasses import fields, replace
 
-from ..headmap import TrainConfig
+from ..methods.headmap import TrainConfig
 from ..studies.headmap import RUNS, HeadMapSettings
 from ._options import add_model_options, load_from_args
 
@@ -125,7 +125,7 @@ def _setup(args: argparse.Namespace) -> None:
 
 
 def main_locate(args: argparse.Namespace) -> int:
-    from ..io import check_writable
+    from ..common.io import check_writable
     from ..studies.headmap import locate_and_write
 
     _setup(args)
@@ -138,7 +138,7 @@ def main_locate(args: argparse.Namespace) -> int:
 
 
 def main_finetune(args: argparse.Namespace) -> int:
-    from ..io import check_writable
+    from ..common.io import check_writable
     from ..studies.headmap import train_maps_and_write
     from ._scoring import load_circuit, model_shape
 

@@ -11,8 +11,8 @@ import argparse
 from dataclasses import fields, replace
 from pathlib import Path
 
-from ..knowledge.acdc import METRICS
-from ..knowledge.data import available_relations
+from ..methods.knowledge.acdc import METRICS
+from ..tasks.relation_data import available_relations
 from ..report.knowledge import relation_summary
 from ..studies.knowledge import ABLATIONS, METHODS, SELECTIONS, KnowledgeSettings, KnowledgeStudy, load_settings
 from ._options import add_model_options, load_from_args

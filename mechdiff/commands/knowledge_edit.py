@@ -1,7 +1,7 @@
 """``mechdiff knowledge-edit``: the knowledge circuit of an edit's prompts before and after it.
 
 Compares two single-model ``mechdiff knowledge`` studies of the same prompts (see
-:mod:`mechdiff.knowledge.editing`): the unedited model with ``--relation EDIT --unedited`` and the edited model
+:mod:`mechdiff.methods.knowledge.editing`): the unedited model with ``--relation EDIT --unedited`` and the edited model
 with ``--relation EDIT``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..knowledge.data import Relation
+from ..tasks.relation_data import Relation
 from ..studies.editing import edit_comparison
 from ._options import add_model_options, load_from_args
 

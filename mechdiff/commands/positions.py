@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..metrics import metric_name
+from ..common.metrics import metric_name
 from ..studies.scoring import scan_positions
 from ._options import add_dataset_options, add_model_options, load_from_args
 from ._scoring import add_scoring_options, scoring_prompts, settings

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..metrics import metric_name
+from ..common.metrics import metric_name
 from ..patching.scan import DEFAULT_PER_PASS, METRICS, SITES
 from ..studies.scan import scan_task
 from ._options import (add_model_options, add_task_option, load_from_args, task_from_args, task_options,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..io import check_writable
-from ..metrics import metric_name
+from ..common.io import check_writable
+from ..common.metrics import metric_name
 from ..studies.scoring import score_circuit
 from ._options import add_dataset_options, add_model_options, load_from_args
 from ._scoring import add_scoring_options, load_circuit, model_shape, scoring_prompts, settings

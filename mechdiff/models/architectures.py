@@ -38,7 +38,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from ..components import kv_group
+from ..common.components import kv_group
 
 log = logging.getLogger(__name__)
 

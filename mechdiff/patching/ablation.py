@@ -5,17 +5,17 @@ batch and over the positions of each *bucket* in float64, and divided by the buc
 
 - one bucket per position (:func:`every_position`): circuit scoring's means
   (:func:`mechdiff.circuits.scoring.position_means`, in memory or through
-  :meth:`mechdiff.store.ActivationStore.means`, which stores the per-batch sums of
+  :meth:`mechdiff.patching.store.ActivationStore.means`, which stores the per-batch sums of
   :func:`position_sums` so that an interrupted run resumes);
 - the first position apart from all later ones (:func:`sink_apart`): knowledge circuits'
-  per-sender means (:func:`mechdiff.knowledge.forward.mean_ablation`), since position 0 (the
+  per-sender means (:func:`mechdiff.methods.knowledge.forward.mean_ablation`), since position 0 (the
   attention sink) has far larger outputs and prompts there differ in length.
 
 How the means are *applied* differs, and is written once per kind of ablation: circuit scoring
 replaces a head's ``z`` at a position (one mixing patch per layer,
 :func:`mechdiff.circuits.scoring.ablation_patches`); knowledge circuits ablate single edges, so a
 receiver reads a sender's mean in place of its output only on the edges removed
-(:class:`mechdiff.knowledge.forward.Ablation`), not through a patch of the sender.
+(:class:`mechdiff.methods.knowledge.forward.Ablation`), not through a patch of the sender.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Activation patching (clean <- counterfactual) of any set of heads and the embeddings.
 
-Components are :class:`~mechdiff.components.Head` (its ``z`` slice, the input of the
+Components are :class:`~mechdiff.common.components.Head` (its ``z`` slice, the input of the
 output projection) or ``"EMB"`` (the token-embedding output). Positions are a LongTensor
 ``[batch]`` (one position per example, from the dataset's position records) or ``None``
 (every position).
@@ -13,7 +13,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from ..components import Component, Head
+from ..common.components import Component, Head
 from ..models.loading import LoadedModel
 from ..models.remote import keep
 from .core import EMB_LAYER, Patch, Prefix, run

@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 import torch
 from einops import rearrange
 
-from ..components import Head
-from ..metrics import answer_prob
+from ..common.components import Head
+from ..common.metrics import answer_prob
 from ..models.loading import LoadedModel
 from ..models.remote import keep
 from .core import Patch, run

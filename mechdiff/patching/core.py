@@ -27,7 +27,7 @@ import nnsight
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..components import Head
+from ..common.components import Head
 from ..models.loading import LoadedModel
 
 SITE_ORDER = {"emb": -1, "q": 0, "k": 1, "v": 2, "z": 3, "pattern": 4, "resid": 5}

@@ -41,8 +41,8 @@ import torch
 from einops import rearrange, repeat
 from tqdm.auto import tqdm
 
-from ..components import Head
-from ..metrics import answer_prob
+from ..common.components import Head
+from ..common.metrics import answer_prob
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from einops import repeat
 
-from ..metrics import answer_logit, answer_prob, logit_diff, metric_name
+from ..common.metrics import answer_logit, answer_prob, logit_diff, metric_name
 from ..models.loading import LoadedModel
 from ..models.remote import keep
 from .core import EMB_LAYER, Patch, Prefix, Resume, run

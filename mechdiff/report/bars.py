@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ..io import save_figure
-from ..stats import Estimate  # noqa: E402
+from ..common.io import save_figure
+from ..common.stats import Estimate  # noqa: E402
 
 
 def grouped_bars(path: str | Path, categories: Sequence[str], series: Mapping[str, Sequence[Optional[Estimate]]],

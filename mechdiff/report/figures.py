@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ..io import save_figure
-from ..components import Head  # noqa: E402
+from ..common.io import save_figure
+from ..common.components import Head  # noqa: E402
 
 
 def scores_grid(scores: Mapping[Head, float], n_layers: int, n_heads: int) -> np.ndarray:

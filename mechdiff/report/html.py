@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from ..io import write_text
+from ..common.io import write_text
 from .heads import HEADS_TABLE, head_rows
 from .tables import _fmt
 
@@ -378,7 +378,7 @@ class StudyRun:
     records where present)."""
 
     def __init__(self, run_dir: Path) -> None:
-        from ..studies.stages import label
+        from ..runs.stages import label
 
         self.dir = run_dir
         self.manifest = _json(run_dir / "run.json")
@@ -477,7 +477,7 @@ class StudyRun:
         exact binomial interval over the resamples (Monte Carlo error of the frequency)."""
         import plotly.graph_objects as go
 
-        from ..stats import proportion
+        from ..common.stats import proportion
 
         draws = self.manifest["spec"]["discovery"].get("stability_draws", 0)
         rows = [r for r in self.heads if r.get("in_circuit") and "selection_frequency" in r]

@@ -9,10 +9,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..io import write_text
-from ..knowledge import figures
-from ..knowledge.evaluate import CURVE_RANKING
-from ..knowledge.graph import EdgeCircuit
+from ..common.io import write_text
+from ..methods.knowledge import figures
+from ..methods.knowledge.evaluate import CURVE_RANKING
+from ..methods.knowledge.graph import EdgeCircuit
 from .tables import to_markdown, write_table
 
 #: The study's settings (:class:`mechdiff.studies.knowledge.KnowledgeSettings`): read, never imported here.

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch as LegendPatch  # noqa: E402
 
-from ..io import save_figure
+from ..common.io import save_figure
 from ..circuits.circuit import Circuit  # noqa: E402
 
 _MULTI = "several"

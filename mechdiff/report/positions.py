@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..io import save_figure  # noqa: E402
+from ..common.io import save_figure  # noqa: E402
 
 
 def _errorbar(ax, x: list, estimates: list[dict], **kwargs) -> None:

@@ -11,14 +11,14 @@ from typing import Any, Optional
 
 from ..circuits.circuit import Circuit
 from ..circuits.overlap import overlap_table
-from ..io import write_text
+from ..common.io import write_text
 from ..models.resolve import resolve_spec
-from ..stats import Estimate, paired_difference
+from ..common.stats import Estimate, paired_difference
 from .bars import grouped_bars
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
-from ..studies.seeds import PROMPT_OFFSETS
-from ..studies.stages import StageRecord, label
+from ..runs.seeds import PROMPT_OFFSETS
+from ..runs.stages import StageRecord, label
 from .tables import estimate_columns, to_markdown, write_table
 
 #: The circuits study whose records are written (:class:`mechdiff.studies.circuits.CircuitsStudy`).

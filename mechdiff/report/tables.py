@@ -16,8 +16,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from tabulate import tabulate
 
-from ..io import write_text
-from ..stats import Estimate
+from ..common.io import write_text
+from ..common.stats import Estimate
 
 FORMATS = ("md", "csv", "tex", "json")
 

@@ -8,8 +8,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..circuits.circuit import Circuit
-from ..io import write_text
-from ..trajectory import against_first, formed_at, membership
+from ..common.io import write_text
+from ..methods.trajectory import against_first, formed_at, membership
 from .tables import estimate_columns, to_markdown, write_table
 
 
@@ -255,7 +255,7 @@ def band_figure(steps: Sequence[int], series: dict[str, Sequence[Optional[dict]]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..io import save_figure
+    from ..common.io import save_figure
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for label, points in series.items():
@@ -283,7 +283,7 @@ def membership_figure(steps: Sequence[int], circuits: Sequence[Circuit], path: s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..io import save_figure
+    from ..common.io import save_figure
 
     cells = membership(circuits)
     classes = list(dict.fromkeys(pos for pos, _ in cells))

@@ -1,5 +1,5 @@
 """What every study shares, whatever its kind: a task file, a run directory, the one stage cache
-(:class:`~mechdiff.studies.stages.StageCache`), the run lock, the manifest (``run.json``), how models load,
+(:class:`~mechdiff.runs.stages.StageCache`), the run lock, the manifest (``run.json``), how models load,
 and the plan a run prints before it starts.
 
 A study kind is a subclass of :class:`Study` registered in :data:`KINDS` under the name a task file gives as
@@ -21,9 +21,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
-from ..io import check_writable, run_lock, write_json
-from ..tasks.spec import SpecError, StudySection, _line, load_sections, read_task_file
-from .stages import Pending, PlannedStage, StageCache, key_hash
+from ..common.io import check_writable, run_lock, write_json
+from .spec import SpecError, StudySection, _line, load_sections, read_task_file
+from ..runs.stages import Pending, PlannedStage, StageCache, key_hash
 
 #: Study kinds by the name a task file's ``[study] kind`` gives: the class, as ``module:Class`` (imported when
 #: asked for, so this module imports no kind).

@@ -8,7 +8,7 @@ semantic patching, CMAP per group and per Q/K/V. Each stage's result is written 
 section, the task section, the digests of its models, the keys of the stages it reads), so
 a rerun recomputes only what a changed option touches and a killed run resumes at the first
 unfinished stage. Position-wise means live in the HDF5 activation store. Every prompt set is seeded
-by name (:func:`mechdiff.studies.seeds.prompt_seed`).
+by name (:func:`mechdiff.runs.seeds.prompt_seed`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..circuits.circuit import Circuit
-from ..io import check_writable, run_lock
+from ..common.io import check_writable, run_lock
 from ..models.loading import LoadedModel, spec_digest
 from ..models.resolve import resolve_spec
 from ..models.modelset import ModelSet
 from ..tasks.base import Task, get_task
-from ..tasks.spec import RunSpec
+from .spec import RunSpec
 from .base import Study, vocabulary_digest
-from .seeds import prompt_seed
-from .stages import StageRecord, label
-from .stages import key_hash as _hash
+from ..runs.seeds import prompt_seed
+from ..runs.stages import StageRecord, label
+from ..runs.stages import key_hash as _hash
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class CircuitsStudy(Study):
         check_writable(Path(self.store).parent, "activation store directory")
         # Check the set before any weights load: weights present (or --remote set up), shapes, vocabularies, names.
         from ..models.remote import check_remote
-        from ..reproduce import check_weights
+        from .reproduce import check_weights
 
         check_remote(spec.models.remote, [resolve_spec(n) for n in spec.model_names])
         check_weights(spec.model_names, remote=spec.models.remote)
@@ -65,7 +65,7 @@ class CircuitsStudy(Study):
                   models: Optional[dict] = None, task: Optional[str] = None) -> "CircuitsStudy":
         """The study of a task file (None: the embedded default study, ``tasks/entity_tracking.toml``); ``task``
         replaces its ``[task] name``, ``models`` its ``[models]`` dtype, device, device_map and remote."""
-        from ..tasks.spec import check_task, default_spec, load_spec
+        from .spec import check_task, default_spec, load_spec
 
         spec = load_spec(path) if path is not None else default_spec()  # checked before anything loads
         if task is not None:
@@ -103,7 +103,7 @@ class CircuitsStudy(Study):
         return {"n_boxes": self.spec.task.n_boxes, **(self.task.split_options("eval") if held_out else {})}
 
     def seed(self, prompts: str) -> int:
-        """The seed of one of the study's prompt sets (:func:`~mechdiff.studies.seeds.prompt_seed`)."""
+        """The seed of one of the study's prompt sets (:func:`~mechdiff.runs.seeds.prompt_seed`)."""
         return prompt_seed(self.spec.task.seed, prompts)
 
     def eval_records(self) -> list:
@@ -114,7 +114,7 @@ class CircuitsStudy(Study):
 
     # -- stages -------------------------------------------------------------------------
     def accuracy(self, name: str) -> StageRecord:
-        from ..evaluate import evaluate
+        from ..patching.evaluate import evaluate
 
         def compute() -> dict:
             lm = self.model(name)
@@ -189,7 +189,7 @@ class CircuitsStudy(Study):
     def _path_circuit(self, name: str) -> dict:
         """The paper's path patching: each step of the task's plan keeps its top-k heads."""
         from ..circuits.discovery import DiscoverySettings, discover
-        from ..circuits.plan import default_plan, load_plan
+        from ..tasks.plan import default_plan, load_plan
         from ..report.figures import head_heatmap
 
         d, t = self.spec.discovery, self.spec.task
@@ -317,8 +317,8 @@ class CircuitsStudy(Study):
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
         patching of the selections into every model for the base's."""
-        from ..dcm import _ALIASES as _DCM_ALIASES
-        from ..dcm import dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
+        from ..methods.dcm import _ALIASES as _DCM_ALIASES
+        from ..methods.dcm import dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
 
         c, t = self.spec.dcm, self.spec.task
         base = self.spec.models.base
@@ -368,7 +368,7 @@ class CircuitsStudy(Study):
         return self.cmap(finetune, own, self.dcm(own, finetune))
 
     def cmap(self, finetune: str, circuit_rec: StageRecord, dcm_rec: Optional[StageRecord] = None) -> StageRecord:
-        from ..cmap import dcm_cut, run_cmap
+        from ..methods.cmap import dcm_cut, run_cmap
 
         c, t = self.spec.cmap, self.spec.task
         base = self.spec.models.base
@@ -455,7 +455,7 @@ class CircuitsStudy(Study):
         self.check_prompts()
         out: dict[str, Any] = {}
         if self.spec.reproduce.circuit:  # the released circuit on every model, beside the published figures
-            from ..reproduce import reproduction_records
+            from .reproduce import reproduction_records
 
             out["reproduction"] = reproduction_records(self)
             if self.spec.reproduce.only:
@@ -482,7 +482,7 @@ class CircuitsStudy(Study):
         from ..report.study_report import write_report
 
         if "reproduction" in results:
-            from ..reproduce import write_reproduction
+            from .reproduce import write_reproduction
 
             write_reproduction(self, results["reproduction"])
             if self.spec.reproduce.only:
@@ -501,8 +501,8 @@ class CircuitsStudy(Study):
 
 
 def dcm_config(spec: RunSpec):
-    """The :class:`~mechdiff.dcm.DCMConfig` a study's ``[dcm]`` section gives (split: its pair counts)."""
-    from ..dcm import DCMConfig
+    """The :class:`~mechdiff.methods.dcm.DCMConfig` a study's ``[dcm]`` section gives (split: its pair counts)."""
+    from ..methods.dcm import DCMConfig
 
     c = spec.dcm
     n = c.n_train + c.n_val + c.n_test

@@ -1,4 +1,4 @@
-"""CMAP of one fine-tune into its base, as ``mechdiff cmap`` runs it: the task's prompts, :func:`mechdiff.cmap.run_cmap`
+"""CMAP of one fine-tune into its base, as ``mechdiff cmap`` runs it: the task's prompts, :func:`mechdiff.methods.cmap.run_cmap`
 per circuit group, and the table, bar chart and JSON it writes."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from ..circuits.circuit import Circuit
-from ..cmap import CMAPResult, run_cmap
-from ..io import write_json
+from ..methods.cmap import CMAPResult, run_cmap
+from ..common.io import write_json
 from ..models.loading import LoadedModel
 from ..report.bars import grouped_bars
 from ..report.tables import estimate_columns, to_markdown, write_table
@@ -58,7 +58,7 @@ def cmap_run(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, task: T
              options: Mapping[str, Any], kinds: Sequence[str], batch_size: int, groups: Optional[Sequence[str]],
              isolate: bool, n_random: int, rule: str, out: Path) -> str:
     """CMAP of ``finetune`` into ``base`` on ``n`` prompts of ``task`` (seed ``seed``, generator ``options``) per
-    group of ``circuit`` (see :func:`mechdiff.cmap.run_cmap`); writes ``out/cmap.*``; returns the table and caption."""
+    group of ``circuit`` (see :func:`mechdiff.methods.cmap.run_cmap`); writes ``out/cmap.*``; returns the table and caption."""
     records = task.records(base.tokenizer, n, seed, **options)
     result = run_cmap(base, finetune, circuit, records, kinds, batch_size, groups,
                       isolate=isolate, n_random=n_random, seed=seed, rule=rule)

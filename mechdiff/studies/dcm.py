@@ -1,4 +1,4 @@
-"""DCM of a circuit's groups and semantic patching, as ``mechdiff dcm`` runs it: :func:`mechdiff.dcm.dcm_circuit`
+"""DCM of a circuit's groups and semantic patching, as ``mechdiff dcm`` runs it: :func:`mechdiff.methods.dcm.dcm_circuit`
 on the desiderata given, the selected heads patched into every model of a set, and the tables, bar charts and
 JSON it writes."""
 
@@ -9,8 +9,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from ..circuits.circuit import Circuit
 from ..circuits.scoring import estimate
-from ..dcm import DCMConfig, DCMResult, dcm_circuit, semantic_patching, split_pairs
-from ..io import write_json
+from ..methods.dcm import DCMConfig, DCMResult, dcm_circuit, semantic_patching, split_pairs
+from ..common.io import write_json
 from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
 from ..report.tables import estimate_columns, to_markdown, write_table

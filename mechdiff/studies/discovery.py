@@ -14,8 +14,8 @@ import torch
 from tabulate import tabulate
 
 from ..circuits.discovery import DiscoverySettings, StepResult, discover
-from ..circuits.plan import Plan, load_plan
-from ..io import write_json
+from ..tasks.plan import Plan, load_plan
+from ..common.io import write_json
 from ..models.loading import LoadedModel
 from ..report.figures import head_heatmap
 from ..tasks.base import Task

@@ -1,5 +1,5 @@
 """The knowledge circuit of an edit's prompts before and after it, as ``mechdiff knowledge-edit`` runs it: two
-single-model ``mechdiff knowledge`` studies read, both models' facts, :func:`mechdiff.knowledge.editing.compare_edit`,
+single-model ``mechdiff knowledge`` studies read, both models' facts, :func:`mechdiff.methods.knowledge.editing.compare_edit`,
 and the tables, figure, JSON and markdown report it writes."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..io import write_json, write_text
-from ..knowledge import figures
-from ..knowledge.data import Relation, build_facts
-from ..knowledge.editing import compare_edit, edit_report, load_study
+from ..common.io import write_json, write_text
+from ..methods.knowledge import figures
+from ..tasks.relation_data import Relation, build_facts
+from ..methods.knowledge.editing import compare_edit, edit_report, load_study
 from ..models.loading import LoadedModel
 from ..report.tables import write_table
 

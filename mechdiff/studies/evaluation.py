@@ -1,4 +1,4 @@
-"""Task accuracy of models, as ``mechdiff eval`` runs it: each model's prompts, :func:`mechdiff.evaluate.evaluate`,
+"""Task accuracy of models, as ``mechdiff eval`` runs it: each model's prompts, :func:`mechdiff.patching.evaluate.evaluate`,
 the printed table and the JSON results."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 from tabulate import tabulate
 
-from ..evaluate import evaluate
-from ..io import write_json
+from ..patching.evaluate import evaluate
+from ..common.io import write_json
 from ..models.loading import LoadedModel
 from ..models.memory import auto_batch_size
 from ..tasks.base import Task

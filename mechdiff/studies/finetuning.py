@@ -1,4 +1,4 @@
-"""A LoRA fine-tune, as ``mechdiff finetune`` runs it: :func:`mechdiff.finetune.finetune`, its history table and
+"""A LoRA fine-tune, as ``mechdiff finetune`` runs it: :func:`mechdiff.methods.finetune.finetune`, its history table and
 ``history.json``."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from ..finetune import FinetuneConfig, FinetuneResult, finetune
-from ..io import write_json
+from ..methods.finetune import FinetuneConfig, FinetuneResult, finetune
+from ..common.io import write_json
 from ..models.loading import LoadedModel
 
 

@@ -1,6 +1,6 @@
 """The HeadMap study: locate task heads (layer-conditioned), then HeadMap against LoRA and ablations.
 
-Stages, each cached in ``<out>/stages/`` by :class:`mechdiff.studies.stages.StageCache`:
+Stages, each cached in ``<out>/stages/`` by :class:`mechdiff.runs.stages.StageCache`:
 ``locate-<task>`` (the located circuit of a task, with its figures under ``circuits/<task>/``) and
 ``train-<run>-seed<s>[-lr<lr>][-hlr<lr>]`` for each run of :data:`RUNS` chosen and each training seed
 (``train-base`` and ``train-lora-zoo``: one evaluation). Each key holds what the stage reads (the model's
@@ -10,10 +10,10 @@ from the records every time.
 
 Learning rates: with ``lrs`` set, HeadMap (on the located heads) and the small LoRA are each trained at
 every rate on the first seed and each method then trains at the rate with the best accuracy on validation
-prompts of *training* objects (:func:`mechdiff.headmap.choose_lr`); the held-out evaluation prompts are
+prompts of *training* objects (:func:`mechdiff.methods.headmap.choose_lr`); the held-out evaluation prompts are
 never read for the choice. Seeds: run ``r`` at seed ``s`` initialises from ``s``, trains on the batches of
 data seed ``data_seed + s`` and (random, outside) draws its head set from ``derive(s, ...)``
-(:func:`mechdiff.studies.seeds.derive`). Settings: :class:`HeadMapSettings` (a task file's ``[headmap]``
+(:func:`mechdiff.runs.seeds.derive`). Settings: :class:`HeadMapSettings` (a task file's ``[headmap]``
 section, ``tasks/headmap.toml``; the command's flags override it).
 """
 
@@ -29,14 +29,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..circuits.circuit import Circuit
-from ..headmap import (HeadMap, LocateConfig, TrainConfig, choose_lr, correct, get_task, heads_by_layer,
+from ..methods.headmap import (HeadMap, LocateConfig, TrainConfig, choose_lr, correct, get_task, heads_by_layer,
                        locate_task, lora_params, random_heads, train, validation_batch)
-from ..io import run_lock, save_figure, write_json, write_text
+from ..common.io import run_lock, save_figure, write_json, write_text
 from ..models.loading import LoadedModel
-from ..stats import bootstrap, paired_difference, pooled_mean, pooled_proportion
+from ..common.stats import bootstrap, paired_difference, pooled_mean, pooled_proportion
 from .base import Study, load_section_file, section_study
-from .seeds import derive
-from .stages import Pending, _Unknown
+from ..runs.seeds import derive
+from ..runs.stages import Pending, _Unknown
 
 log = logging.getLogger(__name__)
 TASK = "entity-tracking"  # the task HeadMap and LoRA train on
@@ -146,7 +146,7 @@ def heatmap_figure(meta_scores: dict[str, float], heads: list, shape: Any, path:
                    curve: Any = None) -> Path:
     """Per head: the loss with it masked (and earlier selections) minus the layer's loss with only the earlier
     selections masked (``curve[layer]``), so every layer's candidates are comparable; selected heads boxed."""
-    from ..components import parse_heads
+    from ..common.components import parse_heads
     from ..report.figures import head_heatmap
 
     scores = {h: v - (curve[h.layer] if curve else 0.0)

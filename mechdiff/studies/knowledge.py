@@ -8,13 +8,13 @@ random circuits of the same edge count; the MIB-style faithfulness curve with CP
 logit lens and head roles; figures and tables. With two or more models the facts are those every
 model gets right, and the circuits are compared (edge and node overlap, persisting heads).
 
-Stages, each cached in ``<out>/stages/`` by :class:`mechdiff.studies.stages.StageCache` under a key of
+Stages, each cached in ``<out>/stages/`` by :class:`mechdiff.runs.stages.StageCache` under a key of
 what it reads: ``facts`` (which facts every model gets right), and per model ``discovery`` (edge
 scores), ``scoring`` (the circuit, random circuits, the curve) and ``analysis`` (logit lens, head
 roles). A rerun recomputes only the stages a changed option reaches; tables, figures and reports are
 rewritten from the records every time. Random circuits draw their seeds by name
-(:func:`mechdiff.studies.seeds.derive`). The methods (edge graph, EAP/ACDC, evaluation, logit lens) are the
-library :mod:`mechdiff.knowledge`; this module runs them as stages (:class:`KnowledgeStudy`).
+(:func:`mechdiff.runs.seeds.derive`). The methods (edge graph, EAP/ACDC, evaluation, logit lens) are the
+library :mod:`mechdiff.methods.knowledge`; this module runs them as stages (:class:`KnowledgeStudy`).
 """
 
 from __future__ import annotations
@@ -29,21 +29,21 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..circuits.overlap import hypergeom_p
-from ..io import write_json, write_text
-from ..knowledge.acdc import METRICS, acdc, discovery_batch
-from ..knowledge.analysis import attention_mass, head_roles, logit_lens
-from ..knowledge.data import Fact, Relation, batches, build_facts
-from ..knowledge.discovery import attribution_scores, greedy_edges, iterative_pruning, top_edges
-from ..knowledge.evaluate import CURVE_RANKING, SIZES, CircuitEval, evaluate, faithfulness_curve, random_mask
-from ..knowledge.forward import Ablation, check_supported, mean_ablation
-from ..knowledge.graph import EdgeCircuit, Graph
+from ..common.io import write_json, write_text
+from ..methods.knowledge.acdc import METRICS, acdc, discovery_batch
+from ..methods.knowledge.analysis import attention_mass, head_roles, logit_lens
+from ..tasks.relation_data import Fact, Relation, batches, build_facts
+from ..methods.knowledge.discovery import attribution_scores, greedy_edges, iterative_pruning, top_edges
+from ..methods.knowledge.evaluate import CURVE_RANKING, SIZES, CircuitEval, evaluate, faithfulness_curve, random_mask
+from ..methods.knowledge.forward import Ablation, check_supported, mean_ablation
+from ..methods.knowledge.graph import EdgeCircuit, Graph
 from ..models.loading import LoadedModel
 from ..models.modelset import check_vocabularies
 from ..report.knowledge import compare_report, write_model_report
 from ..report.tables import write_table
 from .base import Study, load_section_file, section_study
-from .seeds import derive
-from .stages import Pending, StageCache, StageRecord, key_hash
+from ..runs.seeds import derive
+from ..runs.stages import Pending, StageCache, StageRecord, key_hash
 
 log = logging.getLogger(__name__)
 

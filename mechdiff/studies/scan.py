@@ -8,8 +8,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..components import Head
-from ..io import write_json
+from ..common.components import Head
+from ..common.io import write_json
 from ..models.loading import LoadedModel
 from ..patching.scan import ScanResult, scan_pairs
 from ..report.figures import grid_heatmap, head_heatmap

@@ -1,5 +1,5 @@
 """Circuits scored by mean ablation on one model's prompts, as ``mechdiff score``, ``prune``, ``compare``,
-``curve`` and ``positions`` run them: the prompt sets (drawn by name, :func:`mechdiff.studies.seeds.prompt_seed`:
+``curve`` and ``positions`` run them: the prompt sets (drawn by name, :func:`mechdiff.runs.seeds.prompt_seed`:
 ``command-scoring``, ``command-reference``, ``command-ranking``), the computation, and the tables, figures and
 JSON each writes. Each run returns the text the command prints (its tables in markdown), but for the long ones
 (:func:`score_circuit`, :func:`scan_positions`), which hand each table to ``echo`` as soon as it is made."""
@@ -17,14 +17,14 @@ from ..circuits.overlap import overlap_table
 from ..circuits.positions import leave_one_out, position_scan, task_classes
 from ..circuits.scoring import (Metric, Scorer, completeness, faithfulness, matrix_rows, minimality, pair_name,
                                 pairwise_minimality, prune)
-from ..io import write_json
+from ..common.io import write_json
 from ..models.loading import LoadedModel
 from ..models.modelset import ModelSet
 from ..report.membership import membership_heatmap
 from ..report.positions import curve_figure, position_scan_figure
 from ..report.tables import estimate_columns, to_markdown, write_table
 from ..tasks.base import Task
-from .seeds import prompt_seed
+from ..runs.seeds import prompt_seed
 
 #: Where the means that replace an ablated head come from: ``path_patching``, the task's reference prompts
 #: (entity tracking: the path-patching sources); ``fresh``, new prompts of the task. The first is the default.
@@ -53,7 +53,7 @@ class ScoringPrompts:
             raise ValueError(f"unknown reference {self.reference!r}: choose one of {', '.join(REFERENCES)}")
 
     def records(self, tokenizer: Any, n: int, prompts: str, **record_options: Any) -> list:
-        """``n`` prompts of the set named ``prompts`` (:data:`mechdiff.studies.seeds.PROMPT_OFFSETS`)."""
+        """``n`` prompts of the set named ``prompts`` (:data:`mechdiff.runs.seeds.PROMPT_OFFSETS`)."""
         return self.task.records(tokenizer, n, prompt_seed(self.seed, prompts), **self.options, **record_options)
 
     def scorer(self, model: LoadedModel, **record_options: Any) -> Scorer:

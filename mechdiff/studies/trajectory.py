@@ -1,5 +1,5 @@
 """The trajectory study: an ordered list of checkpoints of one run (``[models] checkpoints``), measured at every
-checkpoint by function and by structure (:mod:`mechdiff.trajectory`).
+checkpoint by function and by structure (:mod:`mechdiff.methods.trajectory`).
 
 Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its inputs:
 
@@ -16,7 +16,7 @@ Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its i
   table another study wrote);
 - ``semantic:<ckpt>``: semantic patching of each DCM selection in the checkpoint.
 
-The base loads once; the adapters are swapped (:class:`~mechdiff.trajectory.Checkpoints`), and nothing loads
+The base loads once; the adapters are swapped (:class:`~mechdiff.methods.trajectory.Checkpoints`), and nothing loads
 when every stage is cached. The report gives each quantity per step with its interval, its paired difference
 against the first checkpoint, the step at which each component forms (in order) and the structural changes.
 """
@@ -33,14 +33,14 @@ from typing import Any, Optional
 
 from ..circuits.circuit import Circuit
 from ..circuits.curve import SELECT, SIZES, TARGET
-from ..io import check_writable, run_lock
+from ..common.io import check_writable, run_lock
 from ..models.loading import load_tokenizer, spec_digest
-from ..tasks.spec import (DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, _line,
+from .spec import (DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, _line,
                           load_sections)
-from ..trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
+from ..methods.trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
 from .base import Study, vocabulary_digest
-from .seeds import derive, prompt_seed
-from .stages import StageRecord, key_hash, label
+from ..runs.seeds import derive, prompt_seed
+from ..runs.stages import StageRecord, key_hash, label
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class TrajectorySettings:
 def load_settings(path: str | Path) -> TrajectorySettings:
     """A trajectory task file, checked (keys, types, choices, the checkpoints as one trajectory, the DCM labels
     file) before anything loads."""
-    from ..tasks.spec import check_task
+    from .spec import check_task
 
     built, text = load_sections(path, SECTIONS, {"models": ("checkpoints",)}, CHOICES,
                                 example="tasks/entity_tracking_trajectory.toml")
@@ -211,7 +211,7 @@ class TrajectoryStudy(Study):
         return self._checkpoints
 
     def seed(self, prompts: str) -> int:
-        """The seed of one of the study's prompt sets (:func:`~mechdiff.studies.seeds.prompt_seed`)."""
+        """The seed of one of the study's prompt sets (:func:`~mechdiff.runs.seeds.prompt_seed`)."""
         return prompt_seed(self.st.task.seed, prompts)
 
     def options(self) -> dict:
@@ -250,7 +250,7 @@ class TrajectoryStudy(Study):
 
     # -- stages -------------------------------------------------------------------------
     def accuracy(self, name: str) -> StageRecord:
-        from ..trajectory import checkpoint_accuracy
+        from ..methods.trajectory import checkpoint_accuracy
 
         e = self.st.eval
         return self.cache.run(f"accuracy:{name}", {"model": self.digests[name], "task": self._task(),
@@ -260,7 +260,7 @@ class TrajectoryStudy(Study):
 
     def circuit(self, name: str) -> StageRecord:
         from ..circuits.positions import task_classes
-        from ..trajectory import own_circuit
+        from ..methods.trajectory import own_circuit
 
         d = self.st.discovery
 
@@ -278,7 +278,7 @@ class TrajectoryStudy(Study):
                 "scoring": self._reference()}
 
     def structure(self, circuits: dict[str, StageRecord]) -> StageRecord:
-        from ..trajectory import decode_array, structure
+        from ..methods.trajectory import decode_array, structure
 
         s = self.st.structure
 
@@ -292,7 +292,7 @@ class TrajectoryStudy(Study):
                                             "structure": asdict(s)}, compute)
 
     def score(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
-        from ..trajectory import circuits_scored
+        from ..methods.trajectory import circuits_scored
 
         scored = {"final": circuits[self.final], "first trained": circuits[self.first_trained],
                   "own": circuits[name]}
@@ -315,7 +315,7 @@ class TrajectoryStudy(Study):
                        names=dict(c.names))
 
     def cmap(self, name: str, final: StageRecord) -> StageRecord:
-        from ..trajectory import cmap_gain
+        from ..methods.trajectory import cmap_gain
 
         c = self.st.cmap
 
@@ -334,7 +334,7 @@ class TrajectoryStudy(Study):
 
     def desiderata(self, n: int, seed: Optional[int] = None) -> dict[str, list]:
         """``n`` pairs of every desideratum, drawn with ``seed`` (default: the DCM prompt set's)."""
-        from ..dcm import desideratum_pairs
+        from ..methods.dcm import desideratum_pairs
 
         opts = self.options()
         seed = self.seed("dcm") if seed is None else seed
@@ -346,7 +346,7 @@ class TrajectoryStudy(Study):
         """The test pairs of every desideratum: those DCM held out, or ``n_test`` pairs for labels read. Labels
         read were trained on a circuits study's DCM pairs (its ``dcm`` prompt set, whose first pairs any shorter
         draw of that set repeats), so their test pairs are a draw of their own."""
-        from ..dcm import split_pairs
+        from ..methods.dcm import split_pairs
 
         d = self.st.dcm
         if d.labels:
@@ -361,7 +361,7 @@ class TrajectoryStudy(Study):
         return dcm_config(SimpleNamespace(dcm=self.st.dcm, eval=self.st.eval, task=self.st.task))
 
     def dcm(self, final: StageRecord) -> StageRecord:
-        from ..dcm import dcm_circuit
+        from ..methods.dcm import dcm_circuit
 
         d = self.st.dcm
 
@@ -384,7 +384,7 @@ class TrajectoryStudy(Study):
         return {**inputs, "dcm": asdict(d), "task": self._task()}
 
     def semantic(self, name: str, dcm: StageRecord) -> StageRecord:
-        from ..trajectory import semantic
+        from ..methods.trajectory import semantic
 
         return self.cache.run(f"semantic:{name}", {"model": self.digests[name], "dcm": dcm.key,
                                                     "dcm_settings": asdict(self.st.dcm), "task": self._task(),

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from ..knowledge.data import available_relations
-from ..metrics import TASK_METRICS
+from .relation_data import available_relations
+from ..common.metrics import TASK_METRICS
 from .jsonl import read_task_directory
 from .records import (AFTER, BEFORE, LAST, Batch, Example, GroupKey, Pair, PairRecord, Position, Record,  # noqa: F401
                       answer_batch, batch_tensors, canonical_json, check_pair, check_reference, dataset_hash,
@@ -51,7 +51,7 @@ class Task:
     ``examples(tokenizer, n, seed)``: evaluation records. ``pairs(tokenizer, n, seed)``: the
     counterfactual pairs discovery patches from. ``reference(tokenizer, n, seed)``: the prompts
     whose mean activations replace ablated heads. ``desiderata``: name -> pair generator (DCM).
-    ``plan``: the discovery plan file (:mod:`mechdiff.circuits.plan`). ``metric``: ``prob`` or
+    ``plan``: the discovery plan file (:mod:`mechdiff.tasks.plan`). ``metric``: ``prob`` or
     ``logit_diff``. ``train_batch(tokenizer, batch_size, data_seed, step, **options)``,
     ``eval_batch(tokenizer, n, seed)`` (held out) and ``pool_batch(tokenizer, n, seed)`` (HeadMap's
     locating pool): ``{"input_ids", "answer_ids"}`` batches for fine-tuning and HeadMap (tasks
@@ -122,7 +122,7 @@ TASKS: dict[str, str] = {
 }
 #: Old names kept working.
 ALIASES: dict[str, str] = {"arithmetic-mc": "multiple-choice", "entity_tracking": "entity-tracking"}
-#: Every knowledge relation (:func:`~mechdiff.knowledge.data.available_relations`, e.g. ``country_capital``) is a
+#: Every knowledge relation (:func:`~mechdiff.tasks.relation_data.available_relations`, e.g. ``country_capital``) is a
 #: task by its name, built on first use by this "module:function" from the relation's name.
 RELATION_TASK = "mechdiff.tasks.relations:relation_task"
 
@@ -175,7 +175,7 @@ def get_task(name: str | os.PathLike) -> Task:
 
 
 def is_relation_file(name: str | os.PathLike) -> bool:
-    """True for a path to a relation JSON file in the LRE format (:mod:`mechdiff.knowledge.data`)."""
+    """True for a path to a relation JSON file in the LRE format (:mod:`mechdiff.tasks.relation_data`)."""
     return str(name).endswith(".json") and Path(name).is_file()
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from ..metrics import TASK_METRICS
+from ..common.metrics import TASK_METRICS
 from .records import Example, Pair, canonical_json, record_dict
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ def import_pairs(path: str | os.PathLike, tokenizer: Any, out: str | os.PathLike
         raise ValueError(f"metric logit_diff needs a counterfactual_answer in every row of {path}")
     plan_text = None
     if plan is not None:
-        from ..circuits.plan import load_plan
+        from .plan import load_plan
 
         load_plan(plan)  # checked before anything is written
         plan_text = Path(plan).read_text(encoding="utf-8")

@@ -2,11 +2,11 @@
 (``[task] name = "country_capital"``) run on any relation under ``mechdiff/data/knowledge`` (or a relation
 file in the LRE format, ``--task my_relation.json``).
 
-A relation (:class:`~mechdiff.knowledge.data.Relation`: subject -> object facts and prompt templates) gives
+A relation (:class:`~mechdiff.tasks.relation_data.Relation`: subject -> object facts and prompt templates) gives
 one record per fact and template: the prompt ``template.format(subject)`` tokenised whole, as every task's
 prompts are, and the answer the first token the model should write after it (the first token of
 ``" " + object`` continuing the prompt: first-token accuracy, the rule of the LRE data and of
-:mod:`mechdiff.knowledge`). Each record names three token positions:
+:mod:`mechdiff.methods.knowledge`). Each record names three token positions:
 
 - ``subject``: the subject's last token (where factual recall enriches the subject: Meng et al. 2022,
   Geva et al. 2023);
@@ -39,7 +39,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from ..knowledge.data import Relation
+from .relation_data import Relation
 from .base import Task
 from .jsonl import encode_offsets, locate
 from .records import Example, Pair, derived_class_names, group_key, group_name

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mechdiff.cli import main
-from mechdiff.tasks.spec import SpecError, default_spec, load_spec
+from mechdiff.studies.spec import SpecError, default_spec, load_spec
 
 
 def test_dataset_command_writes_jsonl_and_pairs(tmp_path, capsys):

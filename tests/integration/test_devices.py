@@ -15,7 +15,7 @@ import torch
 from conftest import make_tiny
 from mechdiff.cli import build_parser
 from mechdiff.cli import main as cli_main
-from mechdiff.components import Head
+from mechdiff.common.components import Head
 from mechdiff.models.loading import load_model, resolve_device_map
 from mechdiff.models.memory import DEFAULT_BATCH, auto_batch_size
 from mechdiff.models.registry import get_spec
@@ -266,16 +266,16 @@ def test_remote_names_hub_checkpoints_and_refuses_local_ones(monkeypatch):
 
 
 def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_path):
-    from mechdiff.reproduce import WeightsMissingError
+    from mechdiff.studies.reproduce import WeightsMissingError
     from mechdiff.studies.circuits import CircuitsStudy as Study
-    from mechdiff.tasks.spec import load_spec
+    from mechdiff.studies.spec import load_spec
 
     spec = load_spec("tasks/entity_tracking_llama7b.toml")
     assert spec.reproduce.circuit.endswith("llama-7b-entity-tracking.json") and spec.reproduce.only
     assert spec.model_names == ["llama-7b", "vicuna-7b", "goat-7b", "float-7b"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing is there
-    import mechdiff.reproduce as reproduce
+    import mechdiff.studies.reproduce as reproduce
 
     monkeypatch.setattr(reproduce, "_hub_cached", lambda repo, rev, cache_dir: (False, False))
     with pytest.raises(WeightsMissingError) as err:
@@ -288,8 +288,8 @@ def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_p
 
 def test_reproduction_rows_sit_beside_the_published_figures(tiny_llama, smollm2_tokenizer, tmp_path):
     from mechdiff.circuits.circuit import Circuit
-    from mechdiff.reproduce import published_figures, reproduction_rows
-    from mechdiff.tasks.spec import default_spec
+    from mechdiff.studies.reproduce import published_figures, reproduction_rows
+    from mechdiff.studies.spec import default_spec
 
     paper = published_figures()
     assert paper["reported"]["accuracy_full"]["goat-7b"] == 0.82
@@ -318,7 +318,7 @@ def test_mechdiff_run_prints_the_reproduction_table(tiny_dir, tmp_path, smollm2_
     import shutil
 
     from mechdiff.circuits.circuit import Circuit
-    from mechdiff.reproduce import published_figures
+    from mechdiff.studies.reproduce import published_figures
 
     other = tmp_path / "tiny-ft"
     shutil.copytree(tiny_dir, other)
@@ -362,7 +362,7 @@ store = "{tmp_path / 'activations.h5'}"
 
 def test_remote_cmap_matches_with_one_request_per_model_and_batch(monkeypatch, smollm2_tokenizer):
     from mechdiff.circuits.circuit import Circuit
-    from mechdiff.cmap import run_cmap
+    from mechdiff.methods.cmap import run_cmap
     from mechdiff.tasks.entity_tracking import generate
 
     base, ft = make_tiny("llama", smollm2_tokenizer, seed=1), make_tiny("llama", smollm2_tokenizer, seed=2)

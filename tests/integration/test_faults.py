@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from mechdiff.cli import main
-from mechdiff.io import LOCK_NAME, OutputError, RunLockedError, atomic_open, run_lock, write_json
-from mechdiff.store import ActivationStore, capture_sites
+from mechdiff.common.io import LOCK_NAME, OutputError, RunLockedError, atomic_open, run_lock, write_json
+from mechdiff.patching.store import ActivationStore, capture_sites
 from mechdiff.studies.circuits import CircuitsStudy as Study
-from mechdiff.studies.stages import StageCache
+from mechdiff.runs.stages import StageCache
 from mechdiff.tasks.entity_tracking import generate
 from test_study import tiny_spec
 
@@ -108,7 +108,7 @@ def test_damaged_stage_record_is_set_aside_and_recomputed(finished, family, tmp_
 
 def test_damaged_headmap_stage_is_set_aside_and_recomputed(tmp_path, caplog):
     """HeadMap's stages go through the one stage cache: a damaged record is set aside and recomputed."""
-    from mechdiff.studies.stages import StageCache
+    from mechdiff.runs.stages import StageCache
 
     calls = []
     stage = lambda fn: StageCache(tmp_path).run("locate-x", {"k": 1}, fn).result  # noqa: E731
@@ -426,7 +426,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over(finished, family, tmp_path, 
 def test_unwritable_output_named_before_any_work(family, tmp_path, capsys, monkeypatch, which):
     """As root chmod does not stop writes, so the directory lies under a regular file (always unwritable)."""
     _no_weights(monkeypatch)
-    monkeypatch.setattr("mechdiff.reproduce.check_weights",
+    monkeypatch.setattr("mechdiff.studies.reproduce.check_weights",
                         lambda *a, **k: pytest.fail("work began before the output was checked"))
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -455,7 +455,7 @@ def test_atomic_write_interrupted_leaves_the_old_file(tmp_path):
 def test_figure_save_failure_leaves_no_file(tmp_path):
     import matplotlib.pyplot as plt
 
-    from mechdiff.io import save_figure
+    from mechdiff.common.io import save_figure
 
     fig, ax = plt.subplots()
     ax.plot([0, 1], [0, 1])
@@ -470,7 +470,7 @@ def test_a_sigterm_swallowed_in_a_destructor_still_stops_the_run(family, tmp_pat
     at the next stage boundary, with the finished stages kept and no traceback printed."""
     import gc
 
-    from mechdiff import io as mio
+    from mechdiff.common import io as mio
     from mechdiff.cli import main
     from mechdiff.studies.circuits import CircuitsStudy as RealStudy
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.cmap import dcm_cut
+from mechdiff.methods.cmap import dcm_cut
 from mechdiff.studies.circuits import CircuitsStudy as Study
-from mechdiff.tasks.spec import default_spec
+from mechdiff.studies.spec import default_spec
 
 
 def paper_spec(names, out):

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import make_tiny
 from mechdiff.studies import knowledge as kp
-from mechdiff.tasks.spec import SpecError
+from mechdiff.studies.spec import SpecError
 
 
 def _forbid(monkeypatch, module, *names):
@@ -246,7 +246,7 @@ def test_random_head_sets_draw_seeds_by_name(headmap_setup):
     study = hm.HeadMapStudy(replace(settings, k=1), out, load, progress=False)
     shape = study.model.shape
     per_layer = {layer: 1 for layer in range(shape.n_layers)}
-    from mechdiff.studies.seeds import derive
+    from mechdiff.runs.seeds import derive
     located = study.locate("entity-tracking", settings.n).heads()
     for seed in (0, 1):  # every seed draws its own sets
         assert study.heads("random", seed) == hm.random_heads(shape, per_layer, seed=derive(seed, "random-heads"))
@@ -319,7 +319,7 @@ def test_commands_read_the_task_file_and_flags_override_it():
 
 
 def test_studies_hold_their_directory_lock(knowledge_run, headmap_setup):
-    from mechdiff.io import RunLockedError, run_lock
+    from mechdiff.common.io import RunLockedError, run_lock
 
     model, settings, out = knowledge_run
     with run_lock(out):

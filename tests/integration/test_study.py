@@ -10,7 +10,7 @@ import torch
 
 from mechdiff.studies.circuits import CircuitsStudy as Study
 from conftest import count_forwards
-from mechdiff.tasks.spec import default_spec
+from mechdiff.studies.spec import default_spec
 
 
 def tiny_spec(names, out):
@@ -76,7 +76,7 @@ def test_study_end_to_end_and_caching(tiny_family, tmp_path):
 def test_study_on_another_task(tiny_family, tmp_path):
     """`[task] name = "ioi"`: the same pipeline on IOI's prompts, plan and desideratum; an unknown task name
     is refused at load with the line and the way to import one."""
-    from mechdiff.tasks.spec import SpecError, load_spec
+    from mechdiff.studies.spec import SpecError, load_spec
 
     spec = tiny_spec(tiny_family, tmp_path)
     spec.task.name = "ioi"
@@ -197,8 +197,8 @@ def test_a_process_waits_for_records_of_this_study_not_stale_ones(tiny_family, t
     """run_model waits for the other models' circuits and prunings: a record saved under other inputs (an
     earlier run's, with other settings) does not count, one under this study's inputs does."""
     import mechdiff.studies.circuits as study_module
-    from mechdiff.io import write_json
-    from mechdiff.studies.stages import key_hash
+    from mechdiff.common.io import write_json
+    from mechdiff.runs.stages import key_hash
 
     class Waited(Exception):
         pass
@@ -251,7 +251,7 @@ def _check_heads_table_and_page(spec, run_dir, report_md, tmp_path):
     import shutil
 
     from mechdiff.cli import main
-    from mechdiff.studies.stages import label
+    from mechdiff.runs.stages import label
 
     heads = json.loads((run_dir / "tables" / "heads.json").read_text())
     for name in spec.model_names:

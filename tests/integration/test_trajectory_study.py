@@ -14,8 +14,8 @@ import pytest
 
 from mechdiff.studies.base import load_study
 from mechdiff.studies.trajectory import TrajectoryStudy, load_settings, read_labels
-from mechdiff.tasks.spec import SpecError
-from mechdiff.trajectory import against_first, formed_at
+from mechdiff.studies.spec import SpecError
+from mechdiff.methods.trajectory import against_first, formed_at
 
 
 def task_file(path, run, out, extra: str = "") -> str:

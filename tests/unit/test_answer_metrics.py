@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_tiny
 from mechdiff.tasks import ioi
-from mechdiff.metrics import task_metric
+from mechdiff.common.metrics import task_metric
 from mechdiff.tasks.base import answer_batch, batch_tensors
 from mechdiff.tasks.entity_tracking import generate, object_value_pairs, pair_batch_tensors
 
@@ -67,17 +67,17 @@ def test_pure_metrics_match_numpy():
     np.testing.assert_allclose(SCAN["prob"][0](logits, answer, None).numpy(),
                                np.exp(_take(_log_softmax(x), answer)), rtol=1e-6)
     # one vocabulary: the answer's probability is "prob" everywhere; the scan's earlier "answer_prob" is read as it
-    from mechdiff.metrics import metric_name
+    from mechdiff.common.metrics import metric_name
 
     assert metric_name("answer_prob") == "prob" and metric_name("logit_diff") == "logit_diff"
     np.testing.assert_array_equal(task_metric(logits, answer, "answer_prob").numpy(),
                                   task_metric(logits, answer, "prob").numpy())
-    from mechdiff.cmap import _score
+    from mechdiff.methods.cmap import _score
 
     correct, prob = _score(logits, answer)
     np.testing.assert_array_equal(correct, x.argmax(-1) == answer.numpy())
     np.testing.assert_allclose(prob, np.exp(_take(_log_softmax(x), answer)), rtol=1e-6)
-    from mechdiff.knowledge.discovery import answer_logprob
+    from mechdiff.methods.knowledge.discovery import answer_logprob
 
     np.testing.assert_allclose(answer_logprob(logits, answer).numpy(), _take(_log_softmax(x), answer), rtol=1e-6)
     with pytest.raises(ValueError, match="alternative"):
@@ -87,7 +87,7 @@ def test_pure_metrics_match_numpy():
 
 
 def test_evaluate_reports_the_models_own_metrics(tiny, ioi_records):
-    from mechdiff.evaluate import evaluate
+    from mechdiff.patching.evaluate import evaluate
 
     res = evaluate(tiny, ioi_records, batch_size=2, progress=False)
     t = batch_tensors(ioi_records)
@@ -104,7 +104,7 @@ def test_evaluate_reports_the_models_own_metrics(tiny, ioi_records):
 
 def test_scoring_per_prompt_reads_the_evaluation(tiny, records):
     from mechdiff.circuits.scoring import per_prompt
-    from mechdiff.evaluate import evaluate
+    from mechdiff.patching.evaluate import evaluate
 
     res = evaluate(tiny, records, progress=False)
     np.testing.assert_array_equal(per_prompt(res, "accuracy"), res.correct.astype(float))
@@ -114,8 +114,8 @@ def test_scoring_per_prompt_reads_the_evaluation(tiny, records):
 
 
 def test_headmap_and_finetune_accuracy(tiny, records):
-    from mechdiff.finetune import accuracy
-    from mechdiff.headmap import correct
+    from mechdiff.methods.finetune import accuracy
+    from mechdiff.methods.headmap import correct
 
     batch = answer_batch(records)
     batch["answer_ids"] = torch.tensor(_planted_answers(tiny, records))
@@ -123,7 +123,7 @@ def test_headmap_and_finetune_accuracy(tiny, records):
     np.testing.assert_array_equal(correct(tiny.model, batch, batch_size=4), want)
     halves = [{k: v[:4] for k, v in batch.items()}, {k: v[4:] for k, v in batch.items()}]
     assert accuracy(tiny.model, halves) == want.mean()
-    from mechdiff.headmap import example_losses
+    from mechdiff.methods.headmap import example_losses
 
     x = _last(tiny, batch["input_ids"])
     np.testing.assert_allclose(example_losses(tiny, batch, batch_size=4).numpy(),
@@ -131,8 +131,8 @@ def test_headmap_and_finetune_accuracy(tiny, records):
 
 
 def test_dcm_floor_and_target_logit(tiny, smollm2_tokenizer):
-    from mechdiff.components import Head
-    from mechdiff.dcm import DCMConfig, PairCache, loss_scale
+    from mechdiff.common.components import Head
+    from mechdiff.methods.dcm import DCMConfig, PairCache, loss_scale
 
     pairs = object_value_pairs(smollm2_tokenizer, 6, n_boxes=3, seed=0)
     t = pair_batch_tensors(pairs)
@@ -156,9 +156,9 @@ def test_path_patching_clean_probability(tiny, smollm2_tokenizer):
 
 
 def test_knowledge_evaluation_hits_ranks_and_logprob(smollm2_tokenizer):
-    from mechdiff.knowledge.data import FactBatch
-    from mechdiff.knowledge.evaluate import evaluate
-    from mechdiff.knowledge.graph import Graph
+    from mechdiff.tasks.relation_data import FactBatch
+    from mechdiff.methods.knowledge.evaluate import evaluate
+    from mechdiff.methods.knowledge.graph import Graph
 
     model = make_tiny("llama", None, seed=1)
     ids = torch.randint(0, 2000, (5, 6), generator=torch.Generator().manual_seed(0))
@@ -173,8 +173,7 @@ def test_knowledge_evaluation_hits_ranks_and_logprob(smollm2_tokenizer):
 
 
 def test_metrics_module_against_numpy():
-    from mechdiff import metrics as M
-
+    from mechdiff.common import metrics as M
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.5], [2.0, -1.0, 0.0, 4.0]])
     x = logits.double().numpy()
     answer = torch.tensor([2, 0])

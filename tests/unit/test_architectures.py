@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mechdiff.components import Head, kv_group, parse
+from mechdiff.common.components import Head, kv_group, parse
 from mechdiff.patching.core import Patch, head_patch, run
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mechdiff.commands.finetune import _save_spec
-from mechdiff.finetune import FinetuneConfig
+from mechdiff.methods.finetune import FinetuneConfig
 from mechdiff.models.loading import load_model, spec_digest
 from mechdiff.models.resolve import resolve_source, resolve_spec, trajectory_steps
 from mechdiff.models.registry import REGISTRY, TRAJECTORIES, step_dirname
@@ -123,7 +123,7 @@ def test_committed_trajectory_is_one_run_of_the_smollm2_et_recipe():
 @pytest.mark.slow
 def test_committed_checkpoint_loads_with_its_recorded_fingerprint_and_accuracy():
     """smollm2-et@45 (real weights) merges to the recorded fingerprint and scores its run's validation accuracy."""
-    from mechdiff.finetune import accuracy, validation_sets
+    from mechdiff.methods.finetune import accuracy, validation_sets
     from mechdiff.tasks.entity_tracking.splits import train_objects
 
     lm = load_model("smollm2-et@45")

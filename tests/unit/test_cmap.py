@@ -14,11 +14,11 @@ from conftest import make_tiny
 from tolerances import tol32
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
-from mechdiff.cmap import cmap_patches, parse_kinds, run_cmap
-from mechdiff.components import Head, all_heads
+from mechdiff.methods.cmap import cmap_patches, parse_kinds, run_cmap
+from mechdiff.common.components import Head, all_heads
 from mechdiff.patching.core import Patch, run
 from mechdiff.report.bars import grouped_bars
-from mechdiff.stats import Estimate
+from mechdiff.common.stats import Estimate
 from mechdiff.tasks.entity_tracking import batch_tensors, generate
 
 LAYER = 1
@@ -156,7 +156,7 @@ def test_cli_cmap_writes_tables_and_figure(tmp_path, smollm2_tokenizer):
 
 
 def _isolated_logits(base, donor, scope, kind, ids, positions):
-    from mechdiff.cmap import isolation_patches
+    from mechdiff.methods.cmap import isolation_patches
 
     shape = base.shape
     sites = [(k, l) for l in range(shape.n_layers) for k in ("q", "k", "v", "z")]
@@ -193,7 +193,7 @@ def test_isolated_cmap_leaves_other_positions_at_the_base(tiny_llama, prompts):
     residual stream in every layer."""
     donor = make_tiny("llama", seed=5)
     ids, positions = prompts["input_ids"], prompts["positions"]
-    from mechdiff.cmap import isolation_patches
+    from mechdiff.methods.cmap import isolation_patches
 
     shape = tiny_llama.shape
     scope = [(Head(LAYER, 1), "query_label")]

@@ -9,8 +9,8 @@ import torch
 
 from mechdiff.circuits.curve import ablation_attribution, all_pairs, faithfulness_curve, ranking
 from mechdiff.circuits.scoring import Scorer, per_prompt
-from mechdiff.components import Head
-from mechdiff.evaluate import EvalResult
+from mechdiff.common.components import Head
+from mechdiff.patching.evaluate import EvalResult
 from mechdiff.tasks.entity_tracking import batch_tensors, generate, reference_records
 from mechdiff.tasks.entity_tracking.positions import CLASSES
 
@@ -179,7 +179,7 @@ def test_prompt_attribution_rows_are_each_prompts_own(scorer):
 
 def test_selection_stability_counts_top_n_over_resamples():
     from mechdiff.circuits.curve import selection_stability
-    from mechdiff.components import Head
+    from mechdiff.common.components import Head
 
     gen = torch.Generator().manual_seed(0)
     scores = 0.01 * torch.randn(40, 2, 3, 2, generator=gen, dtype=torch.float64)  # "prompt class layer head"

@@ -13,8 +13,8 @@ import torch
 from conftest import make_tiny
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
-from mechdiff.components import Head, all_heads
-from mechdiff.dcm import (DCMConfig, dcm_circuit, masked_z_patches, run_dcm, semantic_patching, source_z,
+from mechdiff.common.components import Head, all_heads
+from mechdiff.methods.dcm import (DCMConfig, dcm_circuit, masked_z_patches, run_dcm, semantic_patching, source_z,
                           split_pairs, target_accuracy)
 from mechdiff.patching.core import Patch, head_patch, run
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors, write_jsonl
@@ -159,7 +159,7 @@ def test_random_baseline_from_all_heads_equals_direct_patching(planted):
     scores them as a plain patched run would; one group of a circuit is enough to need the whole cache."""
     import random as stdlib_random
 
-    from mechdiff.dcm import split_indices, target_accuracy
+    from mechdiff.methods.dcm import split_indices, target_accuracy
 
     model, pairs = planted
     config = DCMConfig(epochs=3, batch_size=8, eval_every=3, n_random=2, random_pool="all", seed=0)
@@ -224,7 +224,7 @@ def test_dcm_circuit_rejects_unknown_group(tiny_llama, pairs):
 def test_pair_cache_matches_uncached_patching(tiny_llama, pairs):
     """The cache's resumed, precomputed-source evaluation equals patching the heads in a plain run,
     and its floor is the unpatched base's accuracy."""
-    from mechdiff.dcm import PairCache
+    from mechdiff.methods.dcm import PairCache
 
     subset = pairs[:10]
     heads = [Head(1, 0), Head(2, 3)]
@@ -245,7 +245,7 @@ def test_pair_cache_matches_uncached_patching(tiny_llama, pairs):
 def test_pair_cache_suffix_gradients_equal_full_runs(tiny_llama, pairs):
     """DCM's training pass on the cache (resumed, only the positions from the patched one on, over the base
     run's keys/values) gives the full run's logits and the same gradient on the mask."""
-    from mechdiff.dcm import PairCache
+    from mechdiff.methods.dcm import PairCache
 
     subset, heads = pairs[:6], [Head(1, 0), Head(2, 3)]
     cache = PairCache.build(tiny_llama, subset, [(heads, "query_label")], batch_size=3)
@@ -310,7 +310,7 @@ def test_cli_dcm_checks_desiderata_before_any_weights(case, tmp_path, tiny_famil
 def test_load_desiderata_reads_and_generates_the_pairs(tmp_path, smollm2_tokenizer, pairs):
     """The desiderata reader beside entity tracking's data: names generate the task's pairs, a ``.jsonl`` file
     gives back the pairs written (named by its stem), in the order given."""
-    from mechdiff.dcm import desideratum_pairs
+    from mechdiff.methods.dcm import desideratum_pairs
     from mechdiff.tasks.entity_tracking.desiderata import load_desiderata, read_desideratum
 
     write_jsonl(pairs[:5], tmp_path / "mine.jsonl")

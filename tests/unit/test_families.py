@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mechdiff.components import Head
+from mechdiff.common.components import Head
 from mechdiff.models.architectures import ModelShape, UnsupportedModel, architecture_for
 from mechdiff.models.loading import LoadedModel
 from mechdiff.models.registry import ModelSpec
@@ -197,7 +197,7 @@ def test_q_k_columns_are_the_heads(family, kind):
     assert not torch.allclose(clean[:, 1], CAUSAL_UNIFORM.expand(2, 7, 7), atol=1e-3)
 
 
-# ---- the knowledge edge forward on every family (mechdiff.knowledge.forward) ---------------------------------
+# ---- the knowledge edge forward on every family (mechdiff.methods.knowledge.forward) ---------------------------------
 
 NOT_EDGE_DECOMPOSABLE = {"granite": "residual multiplier", "opt": "MLP is not one module"}
 
@@ -207,8 +207,8 @@ def test_edge_forward_full_and_empty_circuits(family):
     are the unembedding of the final norm of 0."""
     import numpy as np
 
-    from mechdiff.knowledge.forward import check_supported, edge_forward
-    from mechdiff.knowledge.graph import Graph
+    from mechdiff.methods.knowledge.forward import check_supported, edge_forward
+    from mechdiff.methods.knowledge.graph import Graph
 
     if family.arch.name in NOT_EDGE_DECOMPOSABLE:
         with pytest.raises(ValueError, match="knowledge circuits on"):
@@ -231,8 +231,8 @@ def test_edge_forward_full_and_empty_circuits(family):
 def test_removing_one_edge_changes_only_its_receiver(family):
     """Cutting ``EMB`` from the V input of L1H1's KV group changes that group's heads and nothing of layer 0;
     the other heads of layer 1 stay the same (with an attention post-norm: up to its common scale)."""
-    from mechdiff.knowledge.forward import edge_forward
-    from mechdiff.knowledge.graph import Graph
+    from mechdiff.methods.knowledge.forward import edge_forward
+    from mechdiff.methods.knowledge.graph import Graph
 
     if family.arch.name in NOT_EDGE_DECOMPOSABLE:
         return
@@ -259,8 +259,8 @@ def test_edge_gradients_match_finite_differences(model_type):
     fused, interleaved, post-norm and parallel blocks (the three edges of largest gradient)."""
     import numpy as np
 
-    from mechdiff.knowledge.forward import edge_forward, edge_gradients
-    from mechdiff.knowledge.graph import Graph
+    from mechdiff.methods.knowledge.forward import edge_forward, edge_gradients
+    from mechdiff.methods.knowledge.graph import Graph
 
     lm = build_family(model_type)
     g = Graph.for_model(lm)

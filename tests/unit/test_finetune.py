@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (mechdiff.finetune), the arithmetic task, the object split and the zoo."""
+"""LoRA fine-tuning (mechdiff.methods.finetune), the arithmetic task, the object split and the zoo."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mechdiff.finetune import (FinetuneConfig, add_lora, answer_loss, finetune, last_logits, save_adapter,
+from mechdiff.methods.finetune import (FinetuneConfig, add_lora, answer_loss, finetune, last_logits, save_adapter,
                                training_batch)
 from mechdiff.models.loading import load_model
 from mechdiff.tasks import arithmetic
@@ -182,7 +182,7 @@ def test_a_task_maps_its_object_splits_to_generator_options():
 @pytest.mark.slow
 def test_zoo_checkpoint_loads_by_name_and_reproduces_accuracy(smollm2_et):
     """smollm2-et loads offline by registry name and scores as recorded on the first 100 held-out prompts."""
-    from mechdiff.evaluate import evaluate
+    from mechdiff.patching.evaluate import evaluate
 
     if not ZOO_RESULTS.is_file():
         pytest.fail(f"{ZOO_RESULTS} is missing; run scripts/build_zoo.sh")

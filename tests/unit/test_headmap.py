@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from mechdiff.components import Head
-from mechdiff.finetune import last_logits
-from mechdiff.headmap import (HeadMap, TrainConfig, example_losses, heads_by_layer, layer_losses, locate,
+from mechdiff.common.components import Head
+from mechdiff.methods.finetune import last_logits
+from mechdiff.methods.headmap import (HeadMap, TrainConfig, example_losses, heads_by_layer, layer_losses, locate,
                               lora_params, random_heads, select_samples, train)
 from mechdiff.tasks import multiple_choice as mc
 from tolerances import assert_close32
@@ -204,7 +204,7 @@ def _parse(sentence: str) -> tuple[int, str, int]:
 def test_locating_uses_the_64_lowest_loss_samples_of_the_pool(tiny_llama):
     """locate_task on a pool of 256: the samples are the 64 lowest-loss prompts (losses computed here with a
     plain forward pass, not the patching path), so the located run's unmasked loss is their mean."""
-    from mechdiff.headmap import LocateConfig, get_task, locate_task
+    from mechdiff.methods.headmap import LocateConfig, get_task, locate_task
 
     cfg = LocateConfig(n=64, pool=256, k=1, batch_size=128, seed=3)
     res = locate_task(tiny_llama, "entity-tracking", cfg, progress=False)
@@ -219,7 +219,7 @@ def test_locating_uses_the_64_lowest_loss_samples_of_the_pool(tiny_llama):
 
 
 def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ties():
-    from mechdiff.headmap import choose_lr
+    from mechdiff.methods.headmap import choose_lr
 
     assert choose_lr({1e-3: 0.5, 3e-3: 0.7, 1e-2: 0.6}) == 3e-3
     assert choose_lr({1e-2: 0.7, 1e-3: 0.7, 3e-3: 0.2}) == 1e-3
@@ -228,7 +228,7 @@ def test_choose_lr_takes_the_best_validation_accuracy_and_the_smaller_rate_on_ti
 
 
 def test_validation_prompts_hold_training_objects_and_none_of_the_eval_prompts(smollm2_tokenizer):
-    from mechdiff.headmap import get_task, validation_batch
+    from mechdiff.methods.headmap import get_task, validation_batch
     from mechdiff.tasks.entity_tracking.splits import eval_objects, train_objects
 
     val = validation_batch("entity-tracking", smollm2_tokenizer, 40, 2_000_000)

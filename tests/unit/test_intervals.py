@@ -13,10 +13,10 @@ from scipy import stats as sps
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.scoring import (Scorer, completeness, faithfulness, minimality, per_prompt, prune,
                                        random_circuit)
-from mechdiff.components import Head
-from mechdiff.dcm import DCMConfig, PairCache, loss_scale, train_mask
+from mechdiff.common.components import Head
+from mechdiff.methods.dcm import DCMConfig, PairCache, loss_scale, train_mask
 from mechdiff.patching.core import run
-from mechdiff.stats import paired_difference, pooled_proportion, proportion
+from mechdiff.common.stats import paired_difference, pooled_proportion, proportion
 from mechdiff.tasks.entity_tracking import generate, object_value_pairs, pair_batch_tensors, reference_records
 
 N_BOXES = 3
@@ -180,7 +180,7 @@ def test_position_scan_ends_at_the_full_model_and_classes_equal_named_positions(
     shape = scorer.model.shape
     # a class holding one named position is that position
     by_class = per_prompt(scorer.keep(every_head_at(shape.n_layers, shape.n_heads, ["last", "query_label"])), "prob")
-    from mechdiff.components import all_heads
+    from mechdiff.common.components import all_heads
     named = [(h, p) for p in ("last", "query_label") for h in all_heads(shape.n_layers, shape.n_heads)]
     assert np.array_equal(by_class, per_prompt(scorer.keep(named), "prob"))
     res = position_scan(scorer, CLASSES, metric="prob")

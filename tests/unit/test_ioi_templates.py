@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from mechdiff.circuits.scoring import Scorer
-from mechdiff.components import Head
-from mechdiff.evaluate import evaluate
+from mechdiff.common.components import Head
+from mechdiff.patching.evaluate import evaluate
 from mechdiff.tasks import ioi
 from mechdiff.tasks.base import derived_classes, group_key
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from mechdiff.knowledge.data import Relation, available_relations, batches, build_facts
-from mechdiff.knowledge.acdc import acdc
-from mechdiff.knowledge.discovery import answer_logprob, attribution_scores, top_edges
-from mechdiff.knowledge.evaluate import evaluate, faithfulness_curve, random_mask
-from mechdiff.knowledge.forward import Ablation, edge_forward, edge_gradients, mean_ablation
-from mechdiff.knowledge.graph import EdgeCircuit, Graph, expected_edge_count, prune_dangling
+from mechdiff.tasks.relation_data import Relation, available_relations, batches, build_facts
+from mechdiff.methods.knowledge.acdc import acdc
+from mechdiff.methods.knowledge.discovery import answer_logprob, attribution_scores, top_edges
+from mechdiff.methods.knowledge.evaluate import evaluate, faithfulness_curve, random_mask
+from mechdiff.methods.knowledge.forward import Ablation, edge_forward, edge_gradients, mean_ablation
+from mechdiff.methods.knowledge.graph import EdgeCircuit, Graph, expected_edge_count, prune_dangling
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_keep_first_position_is_never_ablated(tiny, ids):
 
 
 def test_greedy_selection_grows_from_the_logits():
-    from mechdiff.knowledge.discovery import greedy_edges
+    from mechdiff.methods.knowledge.discovery import greedy_edges
 
     g = Graph(2, 4, 2)
     rng = np.random.default_rng(0)
@@ -265,7 +265,7 @@ def test_greedy_selection_grows_from_the_logits():
 
 
 def test_gradient_at_a_partial_circuit_and_iterative_pruning(tiny, ids):
-    from mechdiff.knowledge.discovery import iterative_pruning
+    from mechdiff.methods.knowledge.discovery import iterative_pruning
 
     g = Graph.from_shape(tiny.shape)
     answers = torch.tensor([5, 17, 300])

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from mechdiff.knowledge.acdc import acdc
-from mechdiff.knowledge.discovery import attribution_scores
-from mechdiff.knowledge.forward import Ablation, EdgeResume, edge_forward, mean_ablation
-from mechdiff.knowledge.graph import EdgeCircuit, Graph
+from mechdiff.methods.knowledge.acdc import acdc
+from mechdiff.methods.knowledge.discovery import attribution_scores
+from mechdiff.methods.knowledge.forward import Ablation, EdgeResume, edge_forward, mean_ablation
+from mechdiff.methods.knowledge.graph import EdgeCircuit, Graph
 
 
 class _FB:
@@ -140,7 +140,7 @@ def test_metrics_against_the_model():
 
 
 def test_pipeline_runs_prefiltered_acdc(tmp_path, smollm2_tokenizer):
-    from mechdiff.knowledge.data import Relation, batches, build_facts
+    from mechdiff.tasks.relation_data import Relation, batches, build_facts
     from mechdiff.studies.knowledge import KnowledgeSettings, run_model
 
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)

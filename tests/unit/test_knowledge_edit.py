@@ -11,11 +11,11 @@ import torch
 from scipy.stats import hypergeom
 
 from conftest import make_tiny
-from mechdiff.knowledge.data import Relation, available_relations, batches, build_facts
-from mechdiff.knowledge.editing import compare_edit, edit_report
-from mechdiff.knowledge.evaluate import evaluate
-from mechdiff.knowledge.forward import Ablation, edge_forward
-from mechdiff.knowledge.graph import EdgeCircuit, Graph
+from mechdiff.tasks.relation_data import Relation, available_relations, batches, build_facts
+from mechdiff.methods.knowledge.editing import compare_edit, edit_report
+from mechdiff.methods.knowledge.evaluate import evaluate
+from mechdiff.methods.knowledge.forward import Ablation, edge_forward
+from mechdiff.methods.knowledge.graph import EdgeCircuit, Graph
 from mechdiff.tasks import fact_edit
 
 EDIT = "edits/capital_swap"

@@ -14,9 +14,9 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.curve import faithfulness_curve, prompt_attribution, ranking, pair_scores
 from mechdiff.circuits.positions import position_scan, task_classes
 from mechdiff.circuits.scoring import Scorer, ablation_patches, faithfulness, matrix_rows, minimality, per_prompt
-from mechdiff.components import Head
-from mechdiff.evaluate import evaluate
-from mechdiff.metrics import answer_prob
+from mechdiff.common.components import Head
+from mechdiff.patching.evaluate import evaluate
+from mechdiff.common.metrics import answer_prob
 from mechdiff.patching.ablation import site_means
 from mechdiff.patching.core import run
 from mechdiff.tasks.base import (Example, batch_tensors, check_reference, derived_classes, get_task, group_key,
@@ -175,7 +175,7 @@ def test_scan_averages_each_group_by_its_size(tiny_llama, pairs):
 
 
 def test_dcm_cache_on_mixed_lengths_equals_each_pair_alone(tiny_llama, task, smollm2_tokenizer):
-    from mechdiff.dcm import PairCache, masked_z_patches, source_z
+    from mechdiff.methods.dcm import PairCache, masked_z_patches, source_z
 
     pairs = task.desideratum("counterfactual", smollm2_tokenizer, N)
     heads = [Head(1, 0), Head(2, 3)]
@@ -195,7 +195,7 @@ def test_dcm_cache_on_mixed_lengths_equals_each_pair_alone(tiny_llama, task, smo
 
 
 def test_cmap_on_mixed_lengths_keeps_each_prompt_in_place(tiny_llama, smollm2_tokenizer, records):
-    from mechdiff.cmap import run_cmap
+    from mechdiff.methods.cmap import run_cmap
 
     finetune = make_tiny("llama", smollm2_tokenizer, seed=1)
     circuit = Circuit("m", "t", {"last": [Head(2, 1)], "country": [Head(1, 0)]}, {"last": "last", "country": "country"})
@@ -208,7 +208,7 @@ def test_cmap_on_mixed_lengths_keeps_each_prompt_in_place(tiny_llama, smollm2_to
 
 
 def test_store_captures_mixed_lengths_at_a_named_position(tiny_llama, records, tmp_path):
-    from mechdiff.store import ActivationStore, capture_sites
+    from mechdiff.patching.store import ActivationStore, capture_sites
 
     store = ActivationStore(tmp_path / "acts.h5")
     entry = store.get_or_compute(tiny_llama, records, "z", "country", batch_size=2, progress=False)

@@ -13,11 +13,11 @@ import torch
 
 from conftest import make_tiny
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.components import Head, parse_heads
-from mechdiff.dcm import DCMConfig, _Mask
-from mechdiff.evaluate import EvalResult
+from mechdiff.common.components import Head, parse_heads
+from mechdiff.methods.dcm import DCMConfig, _Mask
+from mechdiff.patching.evaluate import EvalResult
 
-BETA, GAMMA, ZETA = 2 / 3, -0.1, 1.1  # Louizos et al. (2018), written out independently of mechdiff.dcm
+BETA, GAMMA, ZETA = 2 / 3, -0.1, 1.1  # Louizos et al. (2018), written out independently of mechdiff.methods.dcm
 
 
 def _hard_concrete(n: int, log_alpha: float, init: float = 1.0) -> _Mask:
@@ -99,7 +99,7 @@ def test_hard_concrete_after_step_leaves_log_alpha_unclamped():
 # ----------------------------------------------------------------------------------- knowledge forward
 @pytest.fixture(scope="module")
 def tiny_graph():
-    from mechdiff.knowledge.graph import Graph
+    from mechdiff.methods.knowledge.graph import Graph
 
     model = make_tiny("llama", None, seed=3)
     ids = torch.randint(0, 2000, (4, 7), generator=torch.Generator().manual_seed(5))
@@ -108,7 +108,7 @@ def tiny_graph():
 
 def test_mean_ablation_keeps_the_sink_mean_apart(tiny_graph):
     """Position 0's mean and the later positions' mean, each averaged independently from the clean outputs."""
-    from mechdiff.knowledge.forward import Ablation, edge_forward, mean_ablation
+    from mechdiff.methods.knowledge.forward import Ablation, edge_forward, mean_ablation
 
     model, graph, ids = tiny_graph
     batches = [type("B", (), {"ids": ids[:2]})(), type("B", (), {"ids": ids[2:]})()]
@@ -128,7 +128,7 @@ def test_mean_ablation_keeps_the_sink_mean_apart(tiny_graph):
 def test_empty_circuit_under_mean_ablation_reads_the_later_positions_means(tiny_graph):
     """With every edge removed the logits read only the senders' ablated values: at the last position the
     sum of the non-sink means, through the final norm and the unembedding."""
-    from mechdiff.knowledge.forward import edge_forward, mean_ablation
+    from mechdiff.methods.knowledge.forward import edge_forward, mean_ablation
 
     model, graph, ids = tiny_graph
     batches = [type("B", (), {"ids": ids})()]
@@ -387,7 +387,7 @@ def test_matrix_rows_columns_from_faithfulness():
 
 def test_estimate_round_trip_and_pair_name():
     from mechdiff.circuits.scoring import estimate, pair_name
-    from mechdiff.stats import Estimate
+    from mechdiff.common.stats import Estimate
 
     e = Estimate(0.4, 0.1, 0.7, 30)
     assert estimate(e.to_dict()) == e
@@ -510,7 +510,7 @@ def _completeness_scorer():
 
 def test_completeness_draws_k_with_its_seed():
     from mechdiff.circuits.scoring import completeness
-    from mechdiff.stats import bootstrap
+    from mechdiff.common.stats import bootstrap
 
     circuit, scorer, (a, b, c, d) = _completeness_scorer()
     pairs = circuit.pairs()
@@ -560,7 +560,7 @@ def test_random_baseline_averages_draws_per_prompt():
     """The random baseline's probability is averaged over draws for each prompt, then bootstrapped over the
     prompts; its accuracy interval resamples draws and prompts (the spread between draws counts)."""
     from mechdiff.circuits.scoring import faithfulness, random_circuit
-    from mechdiff.stats import bootstrap, pooled_proportion
+    from mechdiff.common.stats import bootstrap, pooled_proportion
 
     circuit, scorer, (a, b, c) = _or_circuit()
     res = faithfulness(scorer, circuit, n_random=3)  # seed 0 by default

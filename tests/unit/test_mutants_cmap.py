@@ -1,4 +1,4 @@
-"""Tests added from mutmut's survivors in ``mechdiff/cmap.py`` (see benchmarks/mutation.md): the patch
+"""Tests added from mutmut's survivors in ``mechdiff/methods/cmap.py`` (see benchmarks/mutation.md): the patch
 builders' exact patches and isolation masks, the result's rows, recovered shares and per-prompt outcomes
 from hand-made scores, its JSON form, and ``run_cmap`` against patched runs computed here (full runs, no
 suffix runs), with its group filter, random control, settings and the suffix runs it asks for."""
@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.cmap import (CAPTION, CAPTION_UNISOLATED, CMAPResult, CMAPRow, _result, capture_sites, cmap_patches,
+from mechdiff.methods.cmap import (CAPTION, CAPTION_UNISOLATED, CMAPResult, CMAPRow, _result, capture_sites, cmap_patches,
                            isolation_patches, parse_kinds, random_scope, run_cmap, scopes)
-from mechdiff.components import Head
-from mechdiff.metrics import answer_is_top1, answer_prob
+from mechdiff.common.components import Head
+from mechdiff.common.metrics import answer_is_top1, answer_prob
 from mechdiff.patching import core
-from mechdiff.stats import Estimate, bootstrap, mean_estimate
+from mechdiff.common.stats import Estimate, bootstrap, mean_estimate
 from mechdiff.tasks.entity_tracking import batch_tensors, generate
 
 
@@ -238,7 +238,7 @@ def test_run_cmap_against_full_patched_runs(tiny_llama, smollm2_tokenizer, monke
         calls.append((model.name, list(patches), kw, out))
         return out
 
-    monkeypatch.setattr("mechdiff.cmap.run", spy)
+    monkeypatch.setattr("mechdiff.methods.cmap.run", spy)
     res = run_cmap(base, donor, circuit, records, kinds=("v",), batch_size=3, groups=["A"], progress=False,
                    n_random=2, seed=3)
     rng = random.Random(3)

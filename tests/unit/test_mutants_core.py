@@ -200,7 +200,7 @@ def test_run_refuses_what_it_cannot_do_and_says_so():
 
 def test_head_patch_writes_the_heads_columns():
     """``head_patch``: a patch of one head's columns of a site (a query head's Q; its KV group's K and V)."""
-    from mechdiff.components import Head
+    from mechdiff.common.components import Head
     from mechdiff.patching.core import head_patch
 
     model = make_tiny("llama", None, seed=2)  # 4 query heads of 8, 2 KV groups
@@ -215,7 +215,7 @@ def test_head_patch_writes_the_heads_columns():
 def test_a_suffix_run_starts_no_later_than_its_readout():
     """``readout`` before every patched position: the suffix run starts at the readout, whose logits are the
     full run's."""
-    from mechdiff.components import Head
+    from mechdiff.common.components import Head
     from mechdiff.patching.core import head_patch
 
     model = make_tiny("llama", None, seed=2)

@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-import mechdiff.dcm as dcm
+import mechdiff.methods.dcm as dcm
 from conftest import make_tiny
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.components import Head, all_heads
-from mechdiff.dcm import (DCMConfig, DCMResult, PairCache, SemanticResult, desideratum_pairs, dcm_circuit,
+from mechdiff.common.components import Head, all_heads
+from mechdiff.methods.dcm import (DCMConfig, DCMResult, PairCache, SemanticResult, desideratum_pairs, dcm_circuit,
                           loss_scale, masked_z_patches, random_pool, run_dcm, semantic_patching, source_z,
                           split_indices, target_accuracy, train_mask)
-from mechdiff.metrics import answer_logit
+from mechdiff.common.metrics import answer_logit
 from mechdiff.patching.core import run
-from mechdiff.stats import Estimate, proportion
+from mechdiff.common.stats import Estimate, proportion
 from mechdiff.tasks.base import get_task, pair_batch_tensors
 from mechdiff.tasks.entity_tracking import object_value_pairs
 
@@ -236,7 +236,7 @@ def test_a_circuit_builds_one_cache_per_desideratum(model, pairs, monkeypatch, c
     circuit = Circuit("tiny", "entity-tracking", {"A": [Head(1, 0)], "B": [Head(2, 1)], "C": []},
                       {"A": "last", "B": "last", "C": "last"})
     config = DCMConfig(epochs=1, batch_size=8, eval_every=1, n_random=1)
-    with caplog.at_level(logging.INFO, logger="mechdiff.dcm"):
+    with caplog.at_level(logging.INFO, logger="mechdiff.methods.dcm"):
         results = dcm_circuit(model, circuit, {"one": pairs[:8], "two": pairs[8:16]}, config, progress=False)
     assert len(built) == 2
     assert "DCM group B (1 heads at last), desideratum two" in caplog.messages

@@ -1,4 +1,4 @@
-"""Tests added from mutmut's survivors in ``mechdiff/knowledge/forward.py`` (see benchmarks/mutation.md): the
+"""Tests added from mutmut's survivors in ``mechdiff/methods/knowledge/forward.py`` (see benchmarks/mutation.md): the
 RMS post-norm gain in the norm's own dtype (bf16 / fp16 included: they were refused before) and the refusal of
 other norms, the per-head weight rows (a view where contiguous), edge gradients under mean ablation, and
 sink-apart means from prompts of different lengths."""
@@ -15,8 +15,8 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from conftest import make_tiny
-from mechdiff.knowledge.forward import _rms_gain, _rows, check_supported, edge_forward, edge_gradients, mean_ablation
-from mechdiff.knowledge.graph import Graph
+from mechdiff.methods.knowledge.forward import _rms_gain, _rows, check_supported, edge_forward, edge_gradients, mean_ablation
+from mechdiff.methods.knowledge.graph import Graph
 
 D = 64
 
@@ -152,7 +152,7 @@ def test_check_supported_refuses_with_the_model_and_the_reason(change, reason):
 
 
 def test_mean_ablation_without_means_says_how_to_build_them():
-    from mechdiff.knowledge.forward import Ablation
+    from mechdiff.methods.knowledge.forward import Ablation
 
     assert Ablation("zero").values(3) is None
     with pytest.raises(ValueError) as err:
@@ -161,7 +161,7 @@ def test_mean_ablation_without_means_says_how_to_build_them():
 
 
 def test_edge_forward_refusals_say_what_is_wrong():
-    from mechdiff.knowledge.forward import EdgeResume
+    from mechdiff.methods.knowledge.forward import EdgeResume
 
     model = make_tiny("llama", None, seed=9)
     graph = Graph.from_shape(model.shape)
@@ -193,7 +193,7 @@ def test_eap_ig_point_equals_the_gradient_at_that_mask(keep_first):
     """At every mask equal to ``alpha`` (the EAP-IG path, one shared input per layer) the gradients equal those
     taken at the explicit mask ``alpha * 1`` (per-receiver inputs), under mean ablation, with or without the
     sink position kept."""
-    from mechdiff.knowledge.forward import Ablation
+    from mechdiff.methods.knowledge.forward import Ablation
 
     model = make_tiny("llama", None, seed=10)
     graph = Graph.from_shape(model.shape)

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from mechdiff.components import Head
+from mechdiff.common.components import Head
 from mechdiff.patching.path import Receivers, path_patch, prepare
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 
@@ -67,7 +67,7 @@ def test_receivers_sharing_a_kv_group_are_one_site_and_logged(tiny_llama, caplog
 def test_scan_positions_as_an_int_a_name_or_a_tensor_and_the_record(tiny_llama, smollm2_tokenizer):
     """One int is that position in every example (the same scan as the tensor of it); ``"last"`` is the last
     position; the result records each example's position, the clean and source metrics and its fields."""
-    from mechdiff.metrics import answer_prob
+    from mechdiff.common.metrics import answer_prob
     from mechdiff.patching.scan import scan
     from mechdiff.tasks.entity_tracking import pair_batch_tensors
 

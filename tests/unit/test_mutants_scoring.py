@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mechdiff.circuits.scoring import Scorer, ablation_patches
-from mechdiff.components import Head
+from mechdiff.common.components import Head
 from mechdiff.patching.core import run
 from mechdiff.tasks.entity_tracking import batch_tensors, generate, reference_records
 
@@ -36,7 +36,7 @@ def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(tiny_llama,
     """``store``: the means are written to the HDF5 store on the first build and read from it on the next
     (no forward pass), equal to the means computed in memory."""
     import mechdiff.circuits.scoring as scoring
-    import mechdiff.store
+    import mechdiff.patching.store
 
     records = generate(smollm2_tokenizer, 2, n_boxes=3, seed=0)
     reference = reference_records(smollm2_tokenizer, 4, 3, seed=1)
@@ -50,7 +50,7 @@ def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(tiny_llama,
         raise AssertionError("the means were computed again")
 
     monkeypatch.setattr(scoring, "site_means", recomputed)
-    monkeypatch.setattr(mechdiff.store, "capture_sites", recomputed)
+    monkeypatch.setattr(mechdiff.patching.store, "capture_sites", recomputed)
     again = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False, store=store)
     assert (again.batch_size, again.progress) == (4, False)
     torch.testing.assert_close(again.means, memory.means, rtol=0, atol=0)  # exact: read back, not recomputed

@@ -11,10 +11,10 @@ from scipy.stats import hypergeom
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.overlap import hypergeom_p, overlap_table
-from mechdiff.components import Head, all_heads
+from mechdiff.common.components import Head, all_heads
 from mechdiff.report.membership import membership_grid, membership_heatmap
 from mechdiff.report.tables import estimate_columns, read_table, to_latex, to_markdown, write_table
-from mechdiff.stats import Estimate
+from mechdiff.common.stats import Estimate
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = Path("/work/shared/data/llama-7b-entity-tracking-circuit.json")

@@ -11,8 +11,8 @@ import pytest
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.scoring import Scorer, minimality, pair_name, pairwise_minimality, paper_ratio, prune
-from mechdiff.components import Head
-from mechdiff.evaluate import EvalResult
+from mechdiff.common.components import Head
+from mechdiff.patching.evaluate import EvalResult
 from mechdiff.tasks.entity_tracking import generate, reference_records
 
 N_BOXES = 3
@@ -139,7 +139,7 @@ def test_paper_pruning_matches_a_direct_computation_on_a_tiny_model(tiny_llama, 
 def test_dcm_loss_at_an_explicit_mask_with_absolute_lambda(tiny_llama, smollm2_tokenizer):
     import torch
 
-    from mechdiff.dcm import DCMConfig, PairCache, _Mask, _step, loss_scale
+    from mechdiff.methods.dcm import DCMConfig, PairCache, _Mask, _step, loss_scale
     from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors
 
     model, pairs = tiny_llama, object_value_pairs(smollm2_tokenizer, 6, n_boxes=3, seed=0)
@@ -195,7 +195,7 @@ def test_dcm_loss_at_an_explicit_mask_with_absolute_lambda(tiny_llama, smollm2_t
 
 
 def test_dcm_paper_preset_and_validation_schedule(tiny_llama, smollm2_tokenizer):
-    from mechdiff.dcm import DCMConfig, PairCache, train_mask, validates
+    from mechdiff.methods.dcm import DCMConfig, PairCache, train_mask, validates
     from mechdiff.tasks.entity_tracking import object_value_pairs
 
     paper = DCMConfig.paper()
@@ -219,7 +219,7 @@ def test_dcm_paper_preset_and_validation_schedule(tiny_llama, smollm2_tokenizer)
 def test_dcm_command_preset_paper():
     from mechdiff.cli import build_parser
     from mechdiff.commands.dcm import config_from_args
-    from mechdiff.dcm import DCMConfig
+    from mechdiff.methods.dcm import DCMConfig
 
     args = build_parser().parse_args(["dcm", "--circuit", "c.json", "--preset", "paper", "--micro-batch", "8"])
     assert config_from_args(args) == DCMConfig.paper(micro_batch=8, eval_batch=32, n_random=5, random_pool="all",
@@ -312,7 +312,7 @@ def test_paper_cmap_patches_and_restores_the_paper_sites(tiny_llama, smollm2_tok
     import torch
 
     from conftest import make_tiny
-    from mechdiff.cmap import cmap_patches, paper_isolation_patches
+    from mechdiff.methods.cmap import cmap_patches, paper_isolation_patches
     from mechdiff.patching.core import run
     from mechdiff.tasks.entity_tracking import batch_tensors
 
@@ -340,8 +340,8 @@ def test_paper_cmap_runs_qkv_only_for_last_token_groups(tiny_llama, smollm2_toke
     import torch
 
     from conftest import make_tiny
-    from mechdiff.cmap import CMAP_KINDS, run_cmap
-    from mechdiff.metrics import answer_prob
+    from mechdiff.methods.cmap import CMAP_KINDS, run_cmap
+    from mechdiff.common.metrics import answer_prob
     from mechdiff.tasks.entity_tracking import batch_tensors
 
     donor = make_tiny("llama", seed=5)
@@ -372,10 +372,10 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("name", ["entity_tracking_llama7b.toml", "entity_tracking_paper_form.toml"])
 def test_task_file_resolves_to_the_paper_rules(name):
-    from mechdiff.circuits.plan import default_plan
-    from mechdiff.dcm import PAPER_DCM
+    from mechdiff.tasks.plan import default_plan
+    from mechdiff.methods.dcm import PAPER_DCM
     from mechdiff.studies.circuits import dcm_config
-    from mechdiff.tasks.spec import load_spec
+    from mechdiff.studies.spec import load_spec
 
     spec = load_spec(ROOT / "tasks" / name)
     steps = [s.name for s in default_plan().steps]
@@ -408,7 +408,7 @@ def test_task_file_resolves_to_the_paper_rules(name):
 
 
 def test_task_file_paper_stages_need_pruning(tmp_path):
-    from mechdiff.tasks.spec import SpecError, load_spec
+    from mechdiff.studies.spec import SpecError, load_spec
 
     text = (ROOT / "tasks" / "entity_tracking_llama7b.toml").read_text()
     bad = tmp_path / "bad.toml"
@@ -422,7 +422,7 @@ def test_task_file_paper_stages_need_pruning(tmp_path):
 
 
 def test_dcm_cut_keeps_each_groups_selected_heads():
-    from mechdiff.cmap import dcm_cut
+    from mechdiff.methods.cmap import dcm_cut
 
     circuit = Circuit("ft", "et", {"A": [Head(2, 0), Head(1, 0)], "B": [Head(1, 1)], "D": [Head(0, 2), Head(0, 3)]},
                       {"A": "last", "B": "last", "D": "query_label_context"})

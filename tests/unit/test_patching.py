@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mechdiff.components import Head, all_heads
-from mechdiff.metrics import accuracy, answer_prob, kl_divergence, logit_diff
+from mechdiff.common.components import Head, all_heads
+from mechdiff.common.metrics import accuracy, answer_prob, kl_divergence, logit_diff
 from mechdiff.patching.activation import activation_patch, capture_sources, patches_from
 from mechdiff.patching.core import run
 from mechdiff.tasks.entity_tracking import pair_batch_tensors, path_patching_pairs

@@ -10,7 +10,7 @@ import torch
 from conftest import hooked_last_logits
 from tolerances import relative_change_approx, tol32
 from mechdiff.circuits.discovery import DiscoverySettings, discover
-from mechdiff.components import Head
+from mechdiff.common.components import Head
 from mechdiff.patching.attribution import attribution_scores
 from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
 from mechdiff.tasks.entity_tracking import path_patching_pairs
@@ -188,7 +188,7 @@ def test_discovery_is_exact_by_default(tiny_llama, pairs):
     """Without options every eligible sender is path patched exactly (no attribution screen), in the
     library, the command and the study's task file."""
     from mechdiff.cli import build_parser
-    from mechdiff.tasks.spec import default_spec, load_spec
+    from mechdiff.studies.spec import default_spec, load_spec
 
     assert DiscoverySettings().screen is False
     assert build_parser().parse_args(["circuit"]).screen is False

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from mechdiff.knowledge.data import Relation, available_relations
+from mechdiff.tasks.relation_data import Relation, available_relations
 from mechdiff.tasks.base import batch_tensors, get_task, group_key, grouped_batches, task_names
 from mechdiff.tasks.relations import POSITIONS
 

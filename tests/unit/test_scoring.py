@@ -13,8 +13,8 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.scoring import (EVERY_POSITION, Scorer, ablation_patches, completeness, faithfulness,
                                        full_circuit, matrix_rows, minimality, pair_name, position_means, prune,
                                        random_circuit)
-from mechdiff.components import Head
-from mechdiff.evaluate import evaluate
+from mechdiff.common.components import Head
+from mechdiff.patching.evaluate import evaluate
 from mechdiff.patching.core import Patch, run
 from mechdiff.tasks.entity_tracking import batch_tensors, generate, reference_records
 from tolerances import EPS32, approx32, assert_close32, tol32

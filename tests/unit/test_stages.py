@@ -1,4 +1,4 @@
-"""The one stage cache (mechdiff.studies.stages) and seeds derived by name (mechdiff.studies.seeds)."""
+"""The one stage cache (mechdiff.runs.stages) and seeds derived by name (mechdiff.runs.seeds)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from mechdiff.studies.seeds import derive
-from mechdiff.studies.stages import StageCache, key_hash
+from mechdiff.runs.seeds import derive
+from mechdiff.runs.stages import StageCache, key_hash
 
 
 def test_derive_is_the_documented_hash_and_separates_names():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import make_tiny
-from mechdiff.store import ActivationStore, StoreKey, StoreMismatchError, capture_sites
+from mechdiff.patching.store import ActivationStore, StoreKey, StoreMismatchError, capture_sites
 from mechdiff.tasks.entity_tracking import dataset_hash, generate
 
 

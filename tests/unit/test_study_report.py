@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from mechdiff.report.study_report import circuit_findings, limitations
-from mechdiff.tasks.spec import RunSpec, default_spec
+from mechdiff.studies.spec import RunSpec, default_spec
 
 
 def _spec(**changes) -> RunSpec:

@@ -11,9 +11,9 @@ import torch
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.discovery import DiscoverySettings, discover
-from mechdiff.circuits.plan import default_plan, load_plan
-from mechdiff.components import Head
-from mechdiff.metrics import task_metric
+from mechdiff.tasks.plan import default_plan, load_plan
+from mechdiff.common.components import Head
+from mechdiff.common.metrics import task_metric
 from mechdiff.patching.path import path_patch, prepare
 from mechdiff.tasks import base, ioi
 from mechdiff.tasks.base import get_task
@@ -240,7 +240,7 @@ def test_stage_keys_carry_only_the_tasks_own_held_out_vocabulary(monkeypatch):
     held-out objects (and equals the digest of ``eval_objects()``, which the committed keys were made with); a
     task that does not split its objects (IOI) does not depend on entity tracking's."""
     from mechdiff.studies.base import vocabulary_digest
-    from mechdiff.studies.stages import key_hash
+    from mechdiff.runs.stages import key_hash
     from mechdiff.tasks.base import get_task
     from mechdiff.tasks.entity_tracking import splits
 

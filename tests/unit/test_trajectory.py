@@ -13,14 +13,14 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.curve import prompt_attribution
 from mechdiff.circuits.positions import task_classes
 from mechdiff.circuits.scoring import Scorer
-from mechdiff.components import Head, parse_heads
-from mechdiff.dcm import desideratum_pairs, semantic_patching
-from mechdiff.evaluate import evaluate
+from mechdiff.common.components import Head, parse_heads
+from mechdiff.methods.dcm import desideratum_pairs, semantic_patching
+from mechdiff.patching.evaluate import evaluate
 from mechdiff.models.loading import load_model
-from mechdiff.stats import paired_difference
+from mechdiff.common.stats import paired_difference
 from mechdiff.tasks.base import get_task
 from mechdiff.report.trajectory import band_figure, membership_figure
-from mechdiff.trajectory import (Checkpoints, TrajectoryError, against_first, checkpoint_accuracy, circuits_scored,
+from mechdiff.methods.trajectory import (Checkpoints, TrajectoryError, against_first, checkpoint_accuracy, circuits_scored,
                                  cmap_gain, decode_array, formed_at, halves, jaccard, membership, own_circuit, semantic,
                                  structure, trajectory_specs)
 

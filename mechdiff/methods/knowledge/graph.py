@@ -31,8 +31,8 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from ..io import write_json
-from ..models.architectures import ModelShape
+from ...common.io import write_json
+from ...models.architectures import ModelShape
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..metrics import answer_logprob
-from ..models.loading import LoadedModel
-from .data import FactBatch
+from ...common.metrics import answer_logprob
+from ...models.loading import LoadedModel
+from ...tasks.relation_data import FactBatch
 from .forward import Ablation, edge_gradients
 from .graph import Graph, prune_dangling
 

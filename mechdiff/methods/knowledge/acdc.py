@@ -56,8 +56,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..models.loading import LoadedModel
-from .data import FactBatch, batches
+from ...models.loading import LoadedModel
+from ...tasks.relation_data import FactBatch, batches
 from .discovery import attribution_scores, top_edges
 from .forward import Ablation, EdgeResume, edge_forward
 from .graph import Graph

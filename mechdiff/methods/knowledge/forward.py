@@ -50,10 +50,10 @@ import numpy as np
 import torch
 from einops import rearrange
 
-from ..models.architectures import _get
-from ..models.loading import LoadedModel
-from ..patching.ablation import PositionMeans, sink_apart
-from ..patching.core import Resume, trace_sites
+from ...models.architectures import _get
+from ...models.loading import LoadedModel
+from ...patching.ablation import PositionMeans, sink_apart
+from ...patching.core import Resume, trace_sites
 from .graph import Graph
 
 

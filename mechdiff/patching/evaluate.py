@@ -10,12 +10,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .metrics import answer_is_top1, answer_prob, logit_diff
-from .models.loading import LoadedModel
-from .models.remote import keep
-from .patching.core import Patch, run
-from .stats import Estimate, bootstrap, proportion
-from .tasks.base import Record, batch_tensors, grouped_batches, record_order, take
+from ..common.metrics import answer_is_top1, answer_prob, logit_diff
+from ..models.loading import LoadedModel
+from ..models.remote import keep
+from .core import Patch, run
+from ..common.stats import Estimate, bootstrap, proportion
+from ..tasks.base import Record, batch_tensors, grouped_batches, record_order, take
 
 Rows = Sequence[int]  # the records of one batch (grouped_batches)
 PatchFn = Callable[[dict, Rows], Iterable[Patch]]

@@ -3,7 +3,7 @@
 A stage is reused only when the hash of everything it depends on (its options, the digests of its
 models, the keys of the stages it reads) matches the saved record's key, so a rerun recomputes only
 what a changed option touches and a killed run resumes at the first unfinished stage. Records are
-read through :func:`mechdiff.io.read_record`, which sets an unreadable file aside. Records of the
+read through :func:`mechdiff.common.io.read_record`, which sets an unreadable file aside. Records of the
 first HeadMap study (``{"key": {...inputs...}, "value": ...}``) are read as well: their key is the
 inputs themselves, hashed the same way.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..io import check_terminated, read_record, set_aside, write_json
+from ..common.io import check_terminated, read_record, set_aside, write_json
 
 log = logging.getLogger(__name__)
 

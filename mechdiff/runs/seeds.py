@@ -37,5 +37,5 @@ def prompt_seed(seed: int, name: str) -> int:
     """The seed of the prompt set ``name`` (:data:`PROMPT_OFFSETS`) of a study seeded ``seed``. Prompt sets keep
     offsets rather than :func:`derive` so that the committed studies' prompts stay what they were."""
     if name not in PROMPT_OFFSETS:
-        raise KeyError(f"no prompt set {name!r}; the sets are {', '.join(PROMPT_OFFSETS)} (mechdiff.studies.seeds)")
+        raise KeyError(f"no prompt set {name!r}; the sets are {', '.join(PROMPT_OFFSETS)} (mechdiff.runs.seeds)")
     return seed + PROMPT_OFFSETS[name]

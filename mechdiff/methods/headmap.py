@@ -19,7 +19,7 @@ Three parts:
    (a forward hook on the output projection). Only the maps train.
 
 Tasks (the registry :data:`mechdiff.tasks.base.TASKS`, those with training batches): ``entity-tracking`` (7-box prompts for locating and evaluation, 2-7 boxes
-for training, as :mod:`mechdiff.finetune`; evaluation on held-out objects) and ``multiple-choice`` (alias ``arithmetic-mc``;
+for training, as :mod:`mechdiff.methods.finetune`; evaluation on held-out objects) and ``multiple-choice`` (alias ``arithmetic-mc``;
 :mod:`mechdiff.tasks.multiple_choice`; evaluation on held-out names).
 """
 
@@ -38,14 +38,14 @@ import torch
 from einops import rearrange
 from tqdm.auto import tqdm
 
-from .circuits.circuit import Circuit
-from .components import Head
+from ..circuits.circuit import Circuit
+from ..common.components import Head
 from .finetune import FinetuneConfig, add_lora, answer_loss, last_logits
-from .metrics import answer_is_top1, answer_logprob
-from .models.loading import LoadedModel
-from .patching.core import Patch, Resume, run
-from .tasks.base import Task, trainable_tasks
-from .tasks.base import get_task as base_task
+from ..common.metrics import answer_is_top1, answer_logprob
+from ..models.loading import LoadedModel
+from ..patching.core import Patch, Resume, run
+from ..tasks.base import Task, trainable_tasks
+from ..tasks.base import get_task as base_task
 
 log = logging.getLogger(__name__)
 
@@ -362,7 +362,7 @@ def heads_by_layer(heads: Iterable[Head]) -> dict[int, list[int]]:
 
 @dataclass
 class TrainConfig:
-    """One HeadMap/LoRA training run (the LoRA options reuse :class:`mechdiff.finetune.FinetuneConfig`)."""
+    """One HeadMap/LoRA training run (the LoRA options reuse :class:`mechdiff.methods.finetune.FinetuneConfig`)."""
 
     task: str = "entity-tracking"
     steps: int = 30

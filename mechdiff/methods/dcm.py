@@ -42,14 +42,14 @@ import torch
 from einops import rearrange, repeat
 from tqdm.auto import tqdm
 
-from .circuits.circuit import Circuit
-from .components import Head, all_heads
-from .evaluate import batches
-from .metrics import answer_is_top1, answer_logit
-from .models.loading import LoadedModel
-from .patching.core import Patch, Prefix, Resume, run
-from .stats import Estimate, bootstrap, pooled_proportion, proportion
-from .tasks.base import (PairRecord, get_task, group_batches, grouped_batches, pair_batch_tensors, record_order,
+from ..circuits.circuit import Circuit
+from ..common.components import Head, all_heads
+from ..patching.evaluate import batches
+from ..common.metrics import answer_is_top1, answer_logit
+from ..models.loading import LoadedModel
+from ..patching.core import Patch, Prefix, Resume, run
+from ..common.stats import Estimate, bootstrap, pooled_proportion, proportion
+from ..tasks.base import (PairRecord, get_task, group_batches, grouped_batches, pair_batch_tensors, record_order,
                          take)
 
 log = logging.getLogger(__name__)

@@ -41,17 +41,17 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .circuits.circuit import Circuit
+from ..circuits.circuit import Circuit
 import random
 
-from .components import Head, layer_matched
-from .metrics import answer_is_top1, answer_prob
-from .models.loading import LoadedModel
-from .models.modelset import check_shapes
-from .models.remote import keep
-from .patching.core import Patch, Resume, run
-from .stats import Estimate, bootstrap, mean_estimate, paired_difference
-from .tasks.base import Record, batch_tensors, grouped_batches, record_order, take
+from ..common.components import Head, layer_matched
+from ..common.metrics import answer_is_top1, answer_prob
+from ..models.loading import LoadedModel
+from ..models.modelset import check_shapes
+from ..models.remote import keep
+from ..patching.core import Patch, Resume, run
+from ..common.stats import Estimate, bootstrap, mean_estimate, paired_difference
+from ..tasks.base import Record, batch_tensors, grouped_batches, record_order, take
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
 CMAP_RULES: tuple[str, ...] = ("base", "paper")
@@ -197,8 +197,8 @@ def paper_kinds(scope: Scope, kinds: Sequence[str]) -> list[str]:
 
 def dcm_cut(circuit: Circuit, dcm: Sequence[dict], selection: dict[str, str]) -> Circuit:
     """``circuit`` with each group named in ``selection`` cut to the heads DCM selected for it under the named
-    desideratum (``dcm``: :meth:`mechdiff.dcm.DCMResult.to_dict` records); other groups keep every head."""
-    from .components import parse_heads
+    desideratum (``dcm``: :meth:`mechdiff.methods.dcm.DCMResult.to_dict` records); other groups keep every head."""
+    from ..common.components import parse_heads
     from .dcm import _ALIASES
 
     def same(a: str, b: str) -> bool:

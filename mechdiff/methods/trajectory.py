@@ -16,8 +16,8 @@ on the same prompts (a paired interval):
 - :func:`circuits_scored`: given circuits (the final checkpoint's, the first trained one's, its own) scored
   in the checkpoint (:func:`~mechdiff.circuits.scoring.matrix_rows`: faithfulness with bootstrap intervals);
 - :func:`cmap_gain`: CMAP of each position-class group from the checkpoint into the first
-  (:func:`~mechdiff.cmap.run_cmap`), the gain as a paired difference against the first's own run;
-- :func:`semantic`: semantic patching of DCM-labelled heads (:func:`~mechdiff.dcm.semantic_patching`).
+  (:func:`~mechdiff.methods.cmap.run_cmap`), the gain as a paired difference against the first's own run;
+- :func:`semantic`: semantic patching of DCM-labelled heads (:func:`~mechdiff.methods.dcm.semantic_patching`).
 
 Structure against function. Two discoveries on one model differ too, so a structural change counts only beyond
 the within-checkpoint spread (:func:`structure`): the ranking prompts are split into two disjoint halves; the
@@ -43,15 +43,15 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .circuits.circuit import Circuit
-from .circuits.curve import curve_circuit, selection_stability
-from .circuits.scoring import Scorer, matrix_rows, pair_name, per_prompt
-from .components import parse_heads
-from .evaluate import evaluate
-from .models.loading import LoadedModel, load_model, model_fingerprint, spec_digest
-from .models.resolve import resolve_source, resolve_spec
-from .models.registry import ModelSpec
-from .stats import Estimate, paired_difference
+from ..circuits.circuit import Circuit
+from ..circuits.curve import curve_circuit, selection_stability
+from ..circuits.scoring import Scorer, matrix_rows, pair_name, per_prompt
+from ..common.components import parse_heads
+from ..patching.evaluate import evaluate
+from ..models.loading import LoadedModel, load_model, model_fingerprint, spec_digest
+from ..models.resolve import resolve_source, resolve_spec
+from ..models.registry import ModelSpec
+from ..common.stats import Estimate, paired_difference
 
 
 #: A pair is robustly in a checkpoint's top-n where its bootstrap selection frequency is at least this, robustly
@@ -263,10 +263,10 @@ def semantic(lm: LoadedModel, labels: Sequence[dict], tests: dict[str, Sequence]
     """Semantic patching in ``lm`` of each non-empty DCM selection of ``labels`` (:meth:`DCMResult.to_dict`
     records: group, desideratum, position, selected) on its desideratum's test pairs: the target accuracy with the
     selected heads patched from source to base (exact binomial), the unpatched floor and each pair's outcome, as
-    :func:`~mechdiff.dcm.semantic_patching` gives them; one :class:`~mechdiff.dcm.PairCache` per desideratum
+    :func:`~mechdiff.methods.dcm.semantic_patching` gives them; one :class:`~mechdiff.methods.dcm.PairCache` per desideratum
     serves all its selections (two forward passes a pair, then one suffix run a pair per selection)."""
     from .dcm import PairCache
-    from .stats import proportion
+    from ..common.stats import proportion
 
     chosen = [lab for lab in labels if lab["selected"]]
     out = []

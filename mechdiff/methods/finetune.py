@@ -29,13 +29,13 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .metrics import answer_is_top1
-from .models.loading import LoadedModel
-from .models.registry import step_dirname
-from .tasks import arithmetic, fact_edit
-from .tasks import entity_tracking as et
-from .tasks.base import get_task, step_seed, trainable_tasks  # noqa: F401 (step_seed: re-exported)
-from .tasks.entity_tracking.splits import HOLDOUT_EVERY, train_objects
+from ..common.metrics import answer_is_top1
+from ..models.loading import LoadedModel
+from ..models.registry import step_dirname
+from ..tasks import arithmetic, fact_edit
+from ..tasks import entity_tracking as et
+from ..tasks.base import get_task, step_seed, trainable_tasks  # noqa: F401 (step_seed: re-exported)
+from ..tasks.entity_tracking.splits import HOLDOUT_EVERY, train_objects
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def versions() -> dict[str, str]:
     import peft
     import transformers
 
-    from . import __version__ as mechdiff_version
+    from .. import __version__ as mechdiff_version
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
             "mechdiff": mechdiff_version, "python": platform.python_version(),

@@ -20,7 +20,7 @@ batches not marked done.
 The store is a cache, so it heals: a file HDF5 cannot open (truncated, garbled), an entry whose
 arrays are shorter than its recorded shape, or a chunk whose checksum fails on read is moved
 aside under a timestamped name (``<path>.unreadable-<time>``) with a warning, and the entry is
-computed again (:func:`mechdiff.io.set_aside`). An unreadable ``.partial`` is set aside the same way.
+computed again (:func:`mechdiff.common.io.set_aside`). An unreadable ``.partial`` is set aside the same way.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import __version__
+from .. import __version__
 from .evaluate import batches
-from .io import atomic_open, set_aside
-from .models.loading import LoadedModel
-from .tasks.base import batch_tensors, dataset_hash, group_key, group_name, grouped_batches, take
+from ..common.io import atomic_open, set_aside
+from ..models.loading import LoadedModel
+from ..tasks.base import batch_tensors, dataset_hash, group_key, group_name, grouped_batches, take
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class ActivationStore:
         key = StoreKey(model.fingerprint, dataset_hash(records), f"{kind}_mean", f"all-batch{batch_size}")
         rows = batches(len(records), batch_size)
 
-        from .patching.ablation import every_position, position_sums
+        from .ablation import every_position, position_sums
 
         def unit(unit_rows: slice) -> dict[int, torch.Tensor]:  # unit i = batch i: its float64 sums
             acts = capture_sites(model, records[rows[unit_rows.start]], kind, "all")
@@ -362,7 +362,7 @@ def capture_sites(model: LoadedModel, records: Sequence, kind: str, positions: s
                   layers: Optional[Sequence[int]] = None) -> dict[int, torch.Tensor]:
     """Site ``kind`` of every layer for one batch: ``"batch pos cols"`` (``positions="all"``)
     or ``"batch cols"`` at the named position record."""
-    from .patching.core import run
+    from .core import run
 
     layers = range(model.shape.n_layers) if layers is None else layers
     batch = batch_tensors(list(records))

@@ -18,9 +18,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..models.loading import LoadedModel
-from ..patching.core import run
-from .data import FactBatch
+from ...models.loading import LoadedModel
+from ...patching.core import run
+from ...tasks.relation_data import FactBatch
 from .forward import _weights, apply_norm, edge_forward
 from .graph import Graph
 

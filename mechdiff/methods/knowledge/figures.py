@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ..io import save_figure  # noqa: E402
+from ...common.io import save_figure  # noqa: E402
 from .graph import EdgeCircuit  # noqa: E402
 
 ROLE_COLORS = {"mover": "#d62728", "relation": "#1f77b4", "mixed": "#9467bd", "other": "#999999"}

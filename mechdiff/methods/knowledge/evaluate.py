@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..metrics import answer_logprob, answer_rank
-from ..models.loading import LoadedModel
-from ..stats import bootstrap, proportion
-from .data import FactBatch
+from ...common.metrics import answer_logprob, answer_rank
+from ...models.loading import LoadedModel
+from ...common.stats import bootstrap, proportion
+from ...tasks.relation_data import FactBatch
 from .discovery import top_edges
 from .forward import Ablation, edge_forward
 from .graph import Graph

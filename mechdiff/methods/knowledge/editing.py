@@ -24,11 +24,11 @@ from typing import Sequence
 import numpy as np
 from scipy.stats import hypergeom
 
-from ..circuits.overlap import hypergeom_p
-from ..models.loading import LoadedModel
-from ..report.tables import to_markdown
+from ...circuits.overlap import hypergeom_p
+from ...models.loading import LoadedModel
+from ...report.tables import to_markdown
 from .analysis import logit_lens
-from .data import Fact, batches
+from ...tasks.relation_data import Fact, batches
 from .evaluate import evaluate
 from .forward import Ablation
 from .graph import EdgeCircuit, Graph

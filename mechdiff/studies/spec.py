@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..circuits.curve import SELECT, SIZES, TARGET
-from ..dcm import DCMConfig
-from ..metrics import METRIC_ALIASES, metric_name
-from .base import is_registered, is_relation_file, known_tasks
+from ..methods.dcm import DCMConfig
+from ..common.metrics import METRIC_ALIASES, metric_name
+from ..tasks.base import is_registered, is_relation_file, known_tasks
 
 
 class SpecError(ValueError):
@@ -102,7 +102,7 @@ class DcmSection:
     n_test: int = 200
     # circuit groups to train masks for (those the circuit has; empty: every group at a one-token position)
     groups: list[str] = field(default_factory=lambda: ["last", "query_label"])
-    # training: each default is DCMConfig's (defined once, in mechdiff.dcm)
+    # training: each default is DCMConfig's (defined once, in mechdiff.methods.dcm)
     epochs: int = DCMConfig.epochs
     batch_size: int = DCMConfig.batch_size  # pairs per optimiser step: 32 training pairs x 4 epochs = 16 mask updates
     lam: float = DCMConfig.lam
@@ -120,7 +120,7 @@ class CmapSection:
     n: int = 200
     parts: list[str] = field(default_factory=lambda: ["z", "q", "k", "v", "qk"])
     groups: list[str] = field(default_factory=lambda: ["last", "query_label"])  # as [dcm] groups
-    isolate: bool = True  # scope "base": restore the base's other head outputs for Q/K/V (see mechdiff.cmap)
+    isolate: bool = True  # scope "base": restore the base's other head outputs for Q/K/V (see mechdiff.methods.cmap)
     # "base" (mechdiff): the base's found circuit, K/V up to and including each group's position;
     # "paper": the fine-tune's pruned circuit cut per group to the heads its DCM selected (`selection`), K/V strictly
     # before the position, every head's output at every position but the last reset to the base's (Q/K/V: last-token

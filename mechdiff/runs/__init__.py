@@ -1,0 +1,1 @@
+"""Run infrastructure: the stage cache and the seeds of a study run."""
