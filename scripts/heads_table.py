@@ -23,7 +23,7 @@ def main() -> int:
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.circuits.curve import pair_scores, prompt_attribution, ranking, selection_stability
     from mechdiff.circuits.positions import task_classes
-    from mechdiff.circuits.scoring import pair_name
+    from mechdiff.circuits.pruning import pair_name
     from mechdiff.report.heads import head_rows, write_heads_table
     from mechdiff.studies.circuits import CircuitsStudy as Study
     from mechdiff.runs.stages import label

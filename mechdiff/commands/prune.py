@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..circuits.scoring import PAPER_SHARE, PRUNE_RULES
+from ..circuits.pruning import PAPER_SHARE, PRUNE_RULES
 from ..common.io import check_writable
 from ..common.metrics import metric_name
 from ..studies.scoring import prune_circuit

@@ -199,10 +199,10 @@ def dcm_cut(circuit: Circuit, dcm: Sequence[dict], selection: dict[str, str]) ->
     """``circuit`` with each group named in ``selection`` cut to the heads DCM selected for it under the named
     desideratum (``dcm``: :meth:`mechdiff.methods.dcm.DCMResult.to_dict` records); other groups keep every head."""
     from ..common.components import parse_heads
-    from .dcm import _ALIASES
+    from ..tasks.desiderata import desideratum_name
 
     def same(a: str, b: str) -> bool:
-        return _ALIASES.get(a, a) == _ALIASES.get(b, b)
+        return desideratum_name(a) == desideratum_name(b)
 
     groups = {}
     for g, heads in circuit.groups.items():

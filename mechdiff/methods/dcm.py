@@ -49,28 +49,15 @@ from ..common.metrics import answer_is_top1, answer_logit
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, Prefix, Resume, run
 from ..common.stats import Estimate, bootstrap, pooled_proportion, proportion
-from ..tasks.base import (PairRecord, get_task, group_batches, grouped_batches, pair_batch_tensors, record_order,
+from ..tasks.base import (PairRecord, group_batches, grouped_batches, pair_batch_tensors, record_order,
                          take)
 
 log = logging.getLogger(__name__)
 
-_ALIASES = {"object_value": "object", "label_value": "label", "position": "positional"}
 PARAMETERISATIONS = ("continuous", "hard_concrete")
 
 # Hard-concrete constants (Louizos et al. 2018).
 _BETA, _GAMMA, _ZETA = 2.0 / 3.0, -0.1, 1.1
-
-
-def desideratum_pairs(name: str, tokenizer, n: int, n_boxes: Optional[int] = None, seed: int = 0,
-                      vocabulary: Optional[Sequence[str]] = None, task: str = "entity-tracking") -> list[PairRecord]:
-    """Pairs of a desideratum the task defines (entity tracking: ``positional``, ``object``, ``label``);
-    ``n_boxes`` and ``vocabulary`` go to tasks that take them (``None``: the task's own default)."""
-    t = get_task(task)
-    key = _ALIASES.get(name, name)
-    if key not in t.desiderata:
-        raise ValueError(f"unknown desideratum {name!r}; task {t.name} defines {sorted(t.desiderata) or 'none'} "
-                         "(or pass your own list of counterfactual pairs)")
-    return t.desideratum(key, tokenizer, n, seed=seed, n_boxes=n_boxes, vocabulary=vocabulary)
 
 
 LAM_SCALES = ("loss", "absolute")

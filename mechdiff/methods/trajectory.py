@@ -45,7 +45,8 @@ import torch
 
 from ..circuits.circuit import Circuit
 from ..circuits.curve import curve_circuit, selection_stability
-from ..circuits.scoring import Scorer, matrix_rows, pair_name, per_prompt
+from ..circuits.scoring import Scorer, matrix_rows, per_prompt
+from ..circuits.pruning import pair_name
 from ..common.components import parse_heads
 from ..patching.evaluate import evaluate
 from ..models.loading import LoadedModel, load_model, model_fingerprint, spec_digest

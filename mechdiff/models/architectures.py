@@ -146,25 +146,25 @@ class Architecture:
 
     def block(self, root: Any, layer: int) -> Any:
         """Decoder block ``layer`` of ``root`` (a torch module or an nnsight envoy)."""
-        return _get(root, self.layers)[layer]
+        return get_path(root, self.layers)[layer]
 
     def attention(self, root: Any, layer: int) -> Any:
-        return _get(self.block(root, layer), self.attn)
+        return get_path(self.block(root, layer), self.attn)
 
     def projection(self, root: Any, kind: str, layer: int) -> Any:
         """The Q, K or V projection module (the fused one for a fused layout; ``o`` the output projection)."""
         path = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj, "o": self.out_proj}[kind]
-        return _get(self.attention(root, layer), path)
+        return get_path(self.attention(root, layer), path)
 
     def module(self, root: Any, kind: str, layer: int) -> Any:
         """The module whose input (``z``) or output (``q``/``k``/``v``/``pattern``) is the site."""
         attn = self.attention(root, layer)
         if kind == "z":
-            return _get(attn, self.out_proj)
+            return get_path(attn, self.out_proj)
         if kind == "pattern":
             return attn
         site = {"q": self.q_site, "k": self.k_site}.get(kind)
-        return _get(attn, site) if site else self.projection(root, kind, layer)
+        return get_path(attn, site) if site else self.projection(root, kind, layer)
 
     def site(self, root: Any, kind: str, layer: int) -> Any:
         """The tensor of a site inside an nnsight trace (``"batch pos columns"``)."""
@@ -195,16 +195,16 @@ class Architecture:
         return slice(start, start + d)
 
     def unembed_module(self, root: Any) -> Any:
-        return _get(root, self.unembed)
+        return get_path(root, self.unembed)
 
     def final_norm_module(self, root: Any) -> Any:
-        return _get(root, self.final_norm)
+        return get_path(root, self.final_norm)
 
     def embed_module(self, root: Any) -> Any:
-        return _get(root, self.embed)
+        return get_path(root, self.embed)
 
 
-def _get(obj: Any, path: str) -> Any:
+def get_path(obj: Any, path: str) -> Any:
     for part in path.split("."):
         obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
     return obj
@@ -231,7 +231,7 @@ def architecture_for(model: Any) -> Architecture:
         raise UnsupportedModel(f"{type(model).__name__} (model_type {model_type!r}) is not supported: "
                                f"{extra['refuse']}. Add a layout to mechdiff/models/architectures.py.")
     layers = _find_layers(model, config)
-    block = _get(model, layers)[0]
+    block = get_path(model, layers)[0]
     n_heads = _first(config, "num_attention_heads", "n_head", "num_heads")
     attn_path, found = _find_attention(block, n_heads, getattr(config, "head_dim", None))
     if attn_path is None:
@@ -258,7 +258,7 @@ def shape_of(model: Any, arch: Optional[Architecture] = None) -> ModelShape:
     arch = arch or architecture_for(model)
     config = _text_config(model.config)
     d_model = _weight_dims(arch.projection(model, "o", 0))[1]  # the residual width (OPT embeds narrower)
-    return ModelShape(n_layers=len(_get(model, arch.layers)), n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
+    return ModelShape(n_layers=len(get_path(model, arch.layers)), n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
                       d_head=arch.d_head, d_model=d_model, vocab_size=int(config.vocab_size))
 
 
@@ -377,7 +377,7 @@ def _path_of(model: Any, module: Any, what: str) -> str:
 def _find_final_norm(model: Any, layers: str, model_type: Any) -> str:
     """The norm beside the blocks (``model.norm``, ``transformer.ln_f``); of several, the last one after them."""
     parent_path, _, list_name = layers.rpartition(".")
-    parent = _get(model, parent_path) if parent_path else model
+    parent = get_path(model, parent_path) if parent_path else model
     names = [n for n, _ in parent.named_children()]
     norms = [n for n in names if _is_norm(getattr(parent, n))]
     after = [n for n in norms if names.index(n) > names.index(list_name)] if len(norms) > 1 else norms
@@ -404,9 +404,9 @@ def _describe(model: Any, model_type: Any, layers: str, block: Any, problem: str
 def _probe_flow(model: Any, arch: Architecture) -> Architecture:
     """Fill the norm and residual fields from one forward on three tokens (hooks on block 0 read only)."""
     block = arch.block(model, 0)
-    mods = {"block": block, "attn": _get(block, arch.attn)}
+    mods = {"block": block, "attn": get_path(block, arch.attn)}
     if arch.mlp:
-        mods["mlp"] = _get(block, arch.mlp)
+        mods["mlp"] = get_path(block, arch.mlp)
     norms = {n: c for n, c in block.named_children() if _is_norm(c)}
     seen: dict[str, tuple] = {}
 

@@ -27,7 +27,7 @@ from ..common.metrics import answer_prob
 from ..models.loading import LoadedModel
 from ..models.remote import keep
 from .core import Patch, run
-from .path import PairBatch, PairBatches, Receivers, _position, eligible_senders, parts, receiver_sites
+from .path import PairBatch, PairBatches, Receivers, batch_position, eligible_senders, parts, receiver_sites
 
 
 def attribution_scores(model: LoadedModel, batch: PairBatch | PairBatches, sender_position: str,
@@ -42,7 +42,7 @@ def attribution_scores(model: LoadedModel, batch: PairBatch | PairBatches, sende
                    len(part) * float(part.p_clean.mean())) for part in parts(batch)]
         denom = sum(d for _, d in totals)
         return {h: sum(scores[h] * d for scores, d in totals) / denom for h in senders}
-    spos = _position(batch, sender_position)
+    spos = batch_position(batch, sender_position)
     start = int(spos.min())
     top = model.shape.n_layers if receivers is None else receivers.max_layer
     with model.session():  # remote: the forward and backward passes run on the server, in one request
@@ -68,7 +68,7 @@ def _receiver_objective(model: LoadedModel, batch: PairBatch, receivers: Receive
                         frozen_patches: list[Patch]) -> torch.Tensor:
     """``sum_r <g_r, site_r>`` with ``g_r`` the gradient of the answer probability at the receivers."""
     sites = receiver_sites(model, receivers)
-    rpos = _position(batch, receivers.position)
+    rpos = batch_position(batch, receivers.position)
     rows = torch.arange(len(batch))
     kinds = [(receivers.kind, l) for l in sorted({l for l, _ in sites})]
     # 1. gradient of p at the receiver sites in the ordinary clean model

@@ -355,9 +355,9 @@ def _join(prefix: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 def _site(arch, nn, kind: str, layer: int, fused_seen: dict) -> torch.Tensor:
     """A site's tensor; fused Q/K/V projections are fetched once per layer; ``emb`` is the embedding output."""
     if kind == "emb":
-        from ..models.architectures import _get
+        from ..models.architectures import get_path
 
-        return _get(nn, arch.embed).output
+        return get_path(nn, arch.embed).output
     if kind == "resid":
         return arch.block(nn, layer).output
     if kind in ("q", "k", "v") and arch.qkv_layout != "separate":
@@ -421,9 +421,9 @@ class Sites:
 
 
 def _path(root, path: str):
-    from ..models.architectures import _get
+    from ..models.architectures import get_path
 
-    return _get(root, path)
+    return get_path(root, path)
 
 
 def fused_order(arch, shape) -> torch.Tensor:

@@ -203,11 +203,11 @@ def _patched_prob(model: LoadedModel, batch: PairBatch, senders: list[Head], sen
                   receivers: Optional[Receivers]) -> torch.Tensor:
     """Answer probability after path patching each sender: ``"sender batch"``."""
     n, s = len(batch), len(senders)
-    spos = _position(batch, sender_position)
+    spos = batch_position(batch, sender_position)
     if receivers is not None and any(h.layer >= receivers.max_layer for h in senders):
         raise ValueError(f"senders must lie below the deepest receiver layer {receivers.max_layer}")
     top = model.shape.n_layers if receivers is None else receivers.max_layer
-    rpos = None if receivers is None else _position(batch, receivers.position)
+    rpos = None if receivers is None else batch_position(batch, receivers.position)
     # The frozen run starts at the earliest sender position (or receiver position, where it must capture a
     # receiver before it) and at the lowest sender layer (or receiver layer, likewise).
     start = int(spos.min()) if rpos is None else min(int(spos.min()), int(rpos.min()))
@@ -328,7 +328,7 @@ def _frozen_patches(model: LoadedModel, batch: PairBatch, senders: list[Head], s
     return patches
 
 
-def _position(batch: PairBatch, name: str) -> torch.Tensor:
+def batch_position(batch: PairBatch, name: str) -> torch.Tensor:
     if name not in batch.positions:
         raise ValueError(f"unknown position {name!r}; the dataset records {sorted(batch.positions)}")
     pos = batch.positions[name]

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 
 from ..common.io import write_text
 from .heads import HEADS_TABLE, head_rows
-from .tables import _fmt
+from .tables import format_value
 
 #: JSON files larger than this are not read as tables or circuits of a generic results directory.
 MAX_JSON = 400_000
@@ -135,9 +135,9 @@ def table_html(rows: list[dict], caption: str = "", name: str = "") -> str:
         cells = []
         for c in shown:
             v = r.get(c)
-            text = _fmt(v, ".3f")
+            text = format_value(v, ".3f")
             if c in merged and v is not None:
-                text += f" [{_fmt(r.get(c + '_low'), '.3f')}, {_fmt(r.get(c + '_high'), '.3f')}]"
+                text += f" [{format_value(r.get(c + '_low'), '.3f')}, {format_value(r.get(c + '_high'), '.3f')}]"
             key = v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
             attr = f' data-v="{key!r}"' if key is not None else ""
             cells.append(f"<td{attr}>{html.escape(text)}</td>")
@@ -653,7 +653,7 @@ def _generic_notes(data: dict, beside: dict[str, list[dict]]) -> dict[str, list[
                 f"group {g} ({(data.get('names') or {}).get(g, '')}) at {data['positions'].get(g, g)}"
                 + (f": score {_num(score)}" if score is not None else ""))
     for head, rows in beside.items():
-        out.setdefault(head, []).extend(", ".join(f"{k} {_fmt(v, '.3g')}" for k, v in r.items() if k != "head")
+        out.setdefault(head, []).extend(", ".join(f"{k} {format_value(v, '.3g')}" for k, v in r.items() if k != "head")
                                         for r in rows)
     return out
 

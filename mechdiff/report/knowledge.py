@@ -145,3 +145,27 @@ def compare_report(cmp: dict, results: dict[str, dict], settings: KnowledgeSetti
         lines.append(f"- {role}: {a} {v['first']}; {b} {v['second']}; both {v['both']}")
     lines += ["", f"Per-model reports: [{a}]({a}/report.md), [{b}]({b}/report.md).", ""]
     return "\n".join(lines)
+
+
+def edit_report(cmp: dict, edit: str, k: int = 10) -> str:
+    """Markdown of :func:`mechdiff.methods.knowledge.editing.compare_edit`'s result."""
+    hk = f"hit@{k}"
+    f = lambda e: f"{e[hk]['value']:.2f} [{e[hk]['low']:.2f}, {e[hk]['high']:.2f}]"  # noqa: E731
+    m, h = cmp["models"], cmp["hit"]
+    lines = [f"# The circuit of an edit: {edit}, {m['before']} (before) vs {m['after']} (after)", "",
+             f"Prompts ({len(cmp['prompts'])}): " + "; ".join(cmp["prompts"]) + ".", "",
+             f"- Before, on its study's facts: the full model's {hk} {f(h['full_before'])}, its circuit's "
+             f"{f(h['before'])}.",
+             f"- After, on its study's facts: the full model's {hk} {f(h['full_after'])}, its circuit's "
+             f"{f(h['after'])}.", ""]
+    if cmp["cross"]:
+        lines += ["## Each circuit in each model, on the edit's prompts (zero ablation)", "",
+                  "The rank (0 = top) of the model's own object: the original before the edit, the new one after.",
+                  "", to_markdown(cmp["cross"]), ""]
+    lines += ["## Overlap", "",
+             "null_95: the central 95% of the intersection of random sets of the same sizes (hypergeometric); "
+             "p: the chance that random sets share at least as many.", "", to_markdown(cmp["overlap"]), "",
+             "## Edges that moved, by what they feed", "", to_markdown(cmp["moved"]), "",
+             "## What each head carries (logit lens at the last token, median rank over the prompts; 0 = top)", "",
+             to_markdown(cmp["heads"], floatfmt=".0f"), "", "![heads](heads_lens.png)", ""]
+    return "\n".join(lines)

@@ -35,7 +35,7 @@ def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return list(cols)
 
 
-def _fmt(value: Any, floatfmt: str) -> str:
+def format_value(value: Any, floatfmt: str) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
@@ -54,9 +54,9 @@ def display_rows(rows: Sequence[Mapping[str, Any]], floatfmt: str = ".3f") -> tu
     for r in rows:
         cells = []
         for c in shown:
-            text = _fmt(r.get(c), floatfmt)
+            text = format_value(r.get(c), floatfmt)
             if c in merged and r.get(c) is not None:
-                text += f" [{_fmt(r.get(c + '_low'), floatfmt)}, {_fmt(r.get(c + '_high'), floatfmt)}]"
+                text += f" [{format_value(r.get(c + '_low'), floatfmt)}, {format_value(r.get(c + '_high'), floatfmt)}]"
             cells.append(text)
         body.append(cells)
     return headers, body

@@ -57,7 +57,7 @@ class Pending(Exception):
         self.stage = stage
 
 
-class _Unknown:
+class Unknown:
     """The result of a planned stage still to compute: reading it raises :class:`Pending`."""
 
     def __init__(self, stage: str):
@@ -119,7 +119,7 @@ class StageCache:
             hit = saved is not None and saved["key"] == key
             self._note(PlannedStage(name, key, hit))
             return (StageRecord(name, key, saved["result"], saved["seconds"], True) if hit
-                    else StageRecord(name, key, _Unknown(name), float("nan"), False))
+                    else StageRecord(name, key, Unknown(name), float("nan"), False))
         if saved is not None:
             if saved["key"] == key:
                 log.info("stage %s: cached (key %s)", name, key)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 from ..common.io import check_writable, run_lock, write_json
-from .spec import SpecError, StudySection, _line, load_sections, read_task_file
+from .spec import SpecError, StudySection, line_of, load_sections, read_task_file
 from ..runs.stages import Pending, PlannedStage, StageCache, key_hash
 
 #: Study kinds by the name a task file's ``[study] kind`` gives: the class, as ``module:Class`` (imported when
@@ -52,7 +52,7 @@ def study_kind(path: str | Path) -> str:
     section = data.get("study", {})
     kind = section.get("kind", DEFAULT_KIND) if isinstance(section, dict) else None
     if kind not in KINDS:
-        raise SpecError(f"{path}:{_line(text, 'study', 'kind')}: kind = {kind!r} in [study]; "
+        raise SpecError(f"{path}:{line_of(text, 'study', 'kind')}: kind = {kind!r} in [study]; "
                         f"valid values: {', '.join(KINDS)}")
     return kind
 

@@ -161,7 +161,7 @@ class CircuitsStudy(Study):
         reaching the target; the ranking's stability over bootstrap resamples of its prompts."""
         from ..circuits.curve import curve_circuit
         from ..circuits.positions import task_classes
-        from ..circuits.scoring import pair_name
+        from ..circuits.pruning import pair_name
         from ..report.positions import curve_figure, stability_figure
 
         d = self.spec.discovery
@@ -252,7 +252,7 @@ class CircuitsStudy(Study):
                             store=self.store)
 
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
-        from ..circuits.scoring import minimality, pairwise_minimality, prune
+        from ..circuits.pruning import minimality, pairwise_minimality, prune
 
         s = self.spec.scoring
 
@@ -317,8 +317,8 @@ class CircuitsStudy(Study):
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
         patching of the selections into every model for the base's."""
-        from ..methods.dcm import _ALIASES as _DCM_ALIASES
-        from ..methods.dcm import dcm_circuit, desideratum_pairs, semantic_patching, split_pairs
+        from ..methods.dcm import dcm_circuit, semantic_patching, split_pairs
+        from ..tasks.desiderata import desideratum_name, desideratum_pairs
 
         c, t = self.spec.dcm, self.spec.task
         base = self.spec.models.base
@@ -332,7 +332,7 @@ class CircuitsStudy(Study):
             # the configured desiderata the task defines; none of them: the task's own (an imported task's
             # counterfactual: the patched run should give the counterfactual prompt's answer)
             own = self.task.desiderata
-            names = [d for d in c.desiderata if d in own or _DCM_ALIASES.get(d) in own]
+            names = [d for d in c.desiderata if d in own or desideratum_name(d) in own]
             names = names or list(self.task.desiderata)
             if not names:
                 return {"dcm": [], "semantic": [], "skipped": f"task {self.task.name} defines no desideratum (an "

@@ -11,7 +11,8 @@ from typing import Callable
 from ..common.io import write_json, write_text
 from ..methods.knowledge import figures
 from ..tasks.relation_data import Relation, build_facts
-from ..methods.knowledge.editing import compare_edit, edit_report, load_study
+from ..methods.knowledge.editing import compare_edit, load_study
+from ..report.knowledge import edit_report
 from ..models.loading import LoadedModel
 from ..report.tables import write_table
 

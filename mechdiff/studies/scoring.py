@@ -15,8 +15,8 @@ from ..circuits.circuit import Circuit
 from ..circuits.curve import ablation_attribution, faithfulness_curve, ranking
 from ..circuits.overlap import overlap_table
 from ..circuits.positions import leave_one_out, position_scan, task_classes
-from ..circuits.scoring import (Metric, Scorer, completeness, faithfulness, matrix_rows, minimality, pair_name,
-                                pairwise_minimality, prune)
+from ..circuits.scoring import Metric, Scorer, completeness, faithfulness, matrix_rows
+from ..circuits.pruning import minimality, pair_name, pairwise_minimality, prune
 from ..common.io import write_json
 from ..models.loading import LoadedModel
 from ..models.modelset import ModelSet

@@ -12,6 +12,7 @@ from ..circuits.curve import SELECT, SIZES, TARGET
 from ..methods.dcm import DCMConfig
 from ..common.metrics import METRIC_ALIASES, metric_name
 from ..tasks.base import is_registered, is_relation_file, known_tasks
+from ..tasks.desiderata import desideratum_name
 
 
 class SpecError(ValueError):
@@ -215,16 +216,14 @@ def _check_paper_stages(path: Path, text: str, built: dict[str, Any]) -> None:
     scoring, dcm, cmap = built["scoring"], built["dcm"], built["cmap"]
     if not scoring.prune and (dcm.circuit == "pruned" or cmap.scope == "paper"):
         key, section = ("circuit", "dcm") if dcm.circuit == "pruned" else ("scope", "cmap")
-        raise SpecError(f"{path}:{_line(text, section, key)}: [{section}] {key} reads the pruned circuit but "
+        raise SpecError(f"{path}:{line_of(text, section, key)}: [{section}] {key} reads the pruned circuit but "
                         "[scoring] prune = false; set prune = true")
-    wanted = {_DESIDERATUM.get(d, d) for d in dcm.desiderata}
-    unknown = {g: d for g, d in cmap.selection.items() if _DESIDERATUM.get(d, d) not in wanted}
+    wanted = {desideratum_name(d) for d in dcm.desiderata}
+    unknown = {g: d for g, d in cmap.selection.items() if desideratum_name(d) not in wanted}
     if unknown:
-        raise SpecError(f"{path}:{_line(text, 'cmap', 'selection')}: [cmap] selection names desiderata DCM does not "
+        raise SpecError(f"{path}:{line_of(text, 'cmap', 'selection')}: [cmap] selection names desiderata DCM does not "
                         f"train ({unknown}); add them to [dcm] desiderata ({', '.join(dcm.desiderata)})")
 
-
-_DESIDERATUM = {"object_value": "object", "label_value": "label", "position": "positional"}
 
 
 def read_task_file(path: str | Path, example: str = "tasks/entity_tracking.toml") -> tuple[str, dict[str, Any]]:
@@ -254,7 +253,7 @@ def load_sections(path: str | Path, sections: dict[str, type], required: Optiona
     text, data = read_task_file(path, example)
     for section in data:
         if section not in sections:
-            raise SpecError(f"{path}:{_line(text, None, section)}: unknown section [{section}]; "
+            raise SpecError(f"{path}:{line_of(text, None, section)}: unknown section [{section}]; "
                             f"valid sections: {', '.join(sections)}")
     for section, keys in (required or {}).items():
         for key in keys:
@@ -270,13 +269,13 @@ def _section(path: Path, text: str, name: str, cls: type, values: dict, choices:
     defaults = cls()
     for key in values:
         if key not in valid:
-            raise SpecError(f"{path}:{_line(text, name, key)}: unknown key {key!r} in [{name}]; "
+            raise SpecError(f"{path}:{line_of(text, name, key)}: unknown key {key!r} in [{name}]; "
                             f"valid keys: {', '.join(valid)}")
         _check_type(path, text, name, key, values[key], getattr(defaults, key))
         allowed = choices.get((name, key))
         items = values[key] if isinstance(values[key], list) else [values[key]]
         if allowed and any(item not in allowed for item in items):
-            raise SpecError(f"{path}:{_line(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
+            raise SpecError(f"{path}:{line_of(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
                             f"valid values: {', '.join(map(str, allowed))}")
     return cls(**{k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in values.items()})
 
@@ -290,11 +289,11 @@ def _check_type(path: Path, text: str, section: str, key: str, value: Any, defau
     want = kinds.get(type(default))
     ok = want is None or (isinstance(value, want) and not (isinstance(value, bool) and bool not in want))
     if not ok:
-        raise SpecError(f"{path}:{_line(text, section, key)}: {key} = {value!r} in [{section}] — "
+        raise SpecError(f"{path}:{line_of(text, section, key)}: {key} = {value!r} in [{section}] — "
                         f"give a {type(default).__name__} (the default is {default!r})")
 
 
-def _line(text: str, section: Optional[str], key: str) -> int:
+def line_of(text: str, section: Optional[str], key: str) -> int:
     """1-based line where ``key`` (or ``[section]`` when section is None) appears."""
     current = None
     for i, line in enumerate(text.splitlines(), 1):
@@ -311,7 +310,7 @@ def _line(text: str, section: Optional[str], key: str) -> int:
 def _check_task(path: Path, text: str, name: str) -> None:
     """The ``[task]`` name must be a registered task or a directory written by ``mechdiff dataset import``
     (relative to the working directory); checked before any model loads."""
-    check_task(name, f"{path}:{_line(text, 'task', 'name')}: ")
+    check_task(name, f"{path}:{line_of(text, 'task', 'name')}: ")
 
 
 def check_task(name: str, where: str = "") -> None:

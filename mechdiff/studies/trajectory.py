@@ -35,7 +35,7 @@ from ..circuits.circuit import Circuit
 from ..circuits.curve import SELECT, SIZES, TARGET
 from ..common.io import check_writable, run_lock
 from ..models.loading import load_tokenizer, spec_digest
-from .spec import (DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, _line,
+from .spec import (DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, line_of,
                           load_sections)
 from ..methods.trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
 from .base import Study, vocabulary_digest
@@ -126,15 +126,15 @@ def load_settings(path: str | Path) -> TrajectorySettings:
     built, text = load_sections(path, SECTIONS, {"models": ("checkpoints",)}, CHOICES,
                                 example="tasks/entity_tracking_trajectory.toml")
     if built["study"].kind != "trajectory":
-        raise SpecError(f"{path}:{_line(text, 'study', 'kind')}: this loader reads [study] kind = \"trajectory\"")
-    check_task(built["task"].name, f"{path}:{_line(text, 'task', 'name')}: ")
+        raise SpecError(f"{path}:{line_of(text, 'study', 'kind')}: this loader reads [study] kind = \"trajectory\"")
+    check_task(built["task"].name, f"{path}:{line_of(text, 'task', 'name')}: ")
     try:
         trajectory_specs(built["models"].checkpoints)
     except (ValueError, KeyError) as err:
-        raise SpecError(f"{path}:{_line(text, 'models', 'checkpoints')}: {err}") from None
+        raise SpecError(f"{path}:{line_of(text, 'models', 'checkpoints')}: {err}") from None
     labels = built["dcm"].labels
     if labels and not Path(labels).is_file():
-        raise SpecError(f"{path}:{_line(text, 'dcm', 'labels')}: no DCM table {labels}; give the tables/dcm.json "
+        raise SpecError(f"{path}:{line_of(text, 'dcm', 'labels')}: no DCM table {labels}; give the tables/dcm.json "
                         "of a circuits study, or leave labels empty to train DCM on the final checkpoint")
     return TrajectorySettings(**built, source=str(path))
 
@@ -334,7 +334,7 @@ class TrajectoryStudy(Study):
 
     def desiderata(self, n: int, seed: Optional[int] = None) -> dict[str, list]:
         """``n`` pairs of every desideratum, drawn with ``seed`` (default: the DCM prompt set's)."""
-        from ..methods.dcm import desideratum_pairs
+        from ..tasks.desiderata import desideratum_pairs
 
         opts = self.options()
         seed = self.seed("dcm") if seed is None else seed

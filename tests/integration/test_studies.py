@@ -146,6 +146,7 @@ def test_the_committed_knowledge_task_file_loads():
 # --------------------------------------------------------------------------------------
 
 import mechdiff.studies.headmap as hm  # noqa: E402
+from mechdiff.report.headmap import validation_accuracy  # noqa: E402
 
 
 def _headmap_setup(tmp_path, tokenizer):
@@ -275,8 +276,8 @@ def test_headmap_task_file_and_committed_records(tmp_path, smollm2_tokenizer):
     assert len(circuit.heads()) == 30 * settings.k and circuit.meta["n_samples"] == 64
     lora_lr, hm_lr = study.chosen_lrs({})
     sweep = study.sweep({})
-    assert hm_lr == hm.choose_lr(hm.validation_accuracy(sweep["headmap"]))
-    assert lora_lr == hm.choose_lr(hm.validation_accuracy(sweep["lora"]))
+    assert hm_lr == hm.choose_lr(validation_accuracy(sweep["headmap"]))
+    assert lora_lr == hm.choose_lr(validation_accuracy(sweep["lora"]))
     for run_id in ("base", "located", "lora-zoo"):
         assert len(study.train_run(run_id, {})["correct"]["entity-tracking"]) == settings.eval_n
     bad = tmp_path / "bad.toml"

@@ -310,7 +310,7 @@ def test_cli_dcm_checks_desiderata_before_any_weights(case, tmp_path, tiny_famil
 def test_load_desiderata_reads_and_generates_the_pairs(tmp_path, smollm2_tokenizer, pairs):
     """The desiderata reader beside entity tracking's data: names generate the task's pairs, a ``.jsonl`` file
     gives back the pairs written (named by its stem), in the order given."""
-    from mechdiff.methods.dcm import desideratum_pairs
+    from mechdiff.tasks.desiderata import desideratum_pairs
     from mechdiff.tasks.entity_tracking.desiderata import load_desiderata, read_desideratum
 
     write_jsonl(pairs[:5], tmp_path / "mine.jsonl")

@@ -220,7 +220,7 @@ def test_same_length_check_raises(tok):
     a = build_example(tok, ["apple", "book"], ["A", "B"], 0)
     b = build_example(tok, ["apple", "book", "coat"], ["A", "B", "C"], 0)
     with pytest.raises(ValueError, match="different lengths"):
-        et._check_same_length([a, b], 2)
+        et.check_same_length([a, b], 2)
 
 
 def test_single_token_fallback_for_prefix_space_tokenizers():
@@ -233,8 +233,8 @@ def test_single_token_fallback_for_prefix_space_tokenizers():
         def __call__(self, text, add_special_tokens=True):
             return {"input_ids": self.table[text]}
 
-    assert et._single_token_id(Fake(), "apple") == 9
-    assert et._single_token_id(Fake(), "kiwi") is None
+    assert et.single_token_id(Fake(), "apple") == 9
+    assert et.single_token_id(Fake(), "kiwi") is None
 
 
 def test_slow_tokenizer_rejected():

@@ -11,8 +11,8 @@ import torch
 from scipy import stats as sps
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.circuits.scoring import (Scorer, completeness, faithfulness, minimality, per_prompt, prune,
-                                       random_circuit)
+from mechdiff.circuits.scoring import Scorer, completeness, faithfulness, per_prompt, random_circuit
+from mechdiff.circuits.pruning import minimality, prune
 from mechdiff.common.components import Head
 from mechdiff.methods.dcm import DCMConfig, PairCache, loss_scale, train_mask
 from mechdiff.patching.core import run

@@ -12,7 +12,8 @@ from scipy.stats import hypergeom
 
 from conftest import make_tiny
 from mechdiff.tasks.relation_data import Relation, available_relations, batches, build_facts
-from mechdiff.methods.knowledge.editing import compare_edit, edit_report
+from mechdiff.methods.knowledge.editing import compare_edit
+from mechdiff.report.knowledge import edit_report
 from mechdiff.methods.knowledge.evaluate import evaluate
 from mechdiff.methods.knowledge.forward import Ablation, edge_forward
 from mechdiff.methods.knowledge.graph import EdgeCircuit, Graph

@@ -13,7 +13,8 @@ import torch
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.curve import faithfulness_curve, prompt_attribution, ranking, pair_scores
 from mechdiff.circuits.positions import position_scan, task_classes
-from mechdiff.circuits.scoring import Scorer, ablation_patches, faithfulness, matrix_rows, minimality, per_prompt
+from mechdiff.circuits.scoring import Scorer, ablation_patches, faithfulness, matrix_rows, per_prompt
+from mechdiff.circuits.pruning import minimality
 from mechdiff.common.components import Head
 from mechdiff.patching.evaluate import evaluate
 from mechdiff.common.metrics import answer_prob

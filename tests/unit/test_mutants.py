@@ -184,7 +184,7 @@ def test_full_circuit_has_every_head_at_every_position():
 
 
 def test_prune_keeps_pairs_above_the_threshold_and_records_it():
-    from mechdiff.circuits.scoring import prune
+    from mechdiff.circuits.pruning import prune
 
     c = Circuit("m", "t", {"A": parse_heads(["L1H0", "L1H1"]), "B": parse_heads(["L0H2"])},
                 {"A": "last", "B": "query_label"})
@@ -257,7 +257,7 @@ def _or_circuit():
 
 
 def test_minimality_grows_k_to_expose_redundant_heads():
-    from mechdiff.circuits.scoring import minimality
+    from mechdiff.circuits.pruning import minimality
 
     circuit, scorer, (a, b, c) = _or_circuit()
     acc_full = float(np.mean([i % 5 != 0 for i in range(12)]))
@@ -279,7 +279,7 @@ def test_minimality_grows_k_to_expose_redundant_heads():
 def test_minimality_threshold_skips_only_searches_that_cannot_change_pruning():
     """A pair already above the threshold at K = {} keeps its place whatever K adds, so skipping its search
     prunes the same circuit with fewer evaluations; the searched pairs get the same K as without skipping."""
-    from mechdiff.circuits.scoring import minimality, prune
+    from mechdiff.circuits.pruning import minimality, prune
 
     a, b, c = (Head(2, 0), "last"), (Head(2, 1), "last"), (Head(0, 3), "query_label")
     circuit = Circuit("m", "t", {"A": [a[0], b[0]], "B": [c[0]]}, {"A": "last", "B": "query_label"})
@@ -300,7 +300,7 @@ def test_minimality_threshold_skips_only_searches_that_cannot_change_pruning():
 
 
 def test_minimality_prob_metric_and_candidates():
-    from mechdiff.circuits.scoring import minimality
+    from mechdiff.circuits.pruning import minimality
 
     circuit, scorer, _ = _or_circuit()
     res = minimality(scorer, circuit, max_steps=2, n_candidates=1, seed=0, metric="prob")
@@ -386,7 +386,8 @@ def test_matrix_rows_columns_from_faithfulness():
 
 
 def test_estimate_round_trip_and_pair_name():
-    from mechdiff.circuits.scoring import estimate, pair_name
+    from mechdiff.circuits.scoring import estimate
+    from mechdiff.circuits.pruning import pair_name
     from mechdiff.common.stats import Estimate
 
     e = Estimate(0.4, 0.1, 0.7, 30)
@@ -436,7 +437,7 @@ def test_group_pairs():
 
 def test_minimality_draws_candidates_with_its_seed():
     """With fewer candidates than other pairs, the candidates are a seeded draw: K comes from that draw."""
-    from mechdiff.circuits.scoring import minimality
+    from mechdiff.circuits.pruning import minimality
 
     pairs = [(Head(2, h), "last") for h in range(4)]
     circuit = Circuit("m", "t", {"A": [p[0] for p in pairs]}, {"A": "last"})
@@ -470,7 +471,7 @@ def _four():
 def test_minimality_takes_the_first_best_candidate_and_its_value():
     """H1 matters only once H2 or H3 (a tie) is removed with it: greedy K is the first of the tied
     candidates in circuit order, and the stop test compares the best candidate's value, not the last pair's."""
-    from mechdiff.circuits.scoring import minimality
+    from mechdiff.circuits.pruning import minimality
 
     pairs, circuit = _four()
     h0, h1, h2, h3 = pairs
@@ -484,7 +485,7 @@ def test_minimality_takes_the_first_best_candidate_and_its_value():
 
 
 def test_minimality_defaults_and_a_model_that_is_never_right():
-    from mechdiff.circuits.scoring import minimality
+    from mechdiff.circuits.pruning import minimality
 
     pairs, circuit = _four()
     never = FakeScorer(pairs, lambda kept: False)
@@ -534,7 +535,7 @@ def test_completeness_draws_k_with_its_seed():
 
 
 def test_prune_records_every_setting_and_keeps_the_circuit_identity():
-    from mechdiff.circuits.scoring import prune
+    from mechdiff.circuits.pruning import prune
 
     c = Circuit("m", "t", {"A": parse_heads(["L1H0", "L1H1"])}, {"A": "last"}, names={"A": "fetchers"},
                 meta={"source": "x"})
@@ -577,7 +578,8 @@ def test_random_baseline_averages_draws_per_prompt():
 
 def test_quiet_scoring_prints_nothing(capsys):
     """``progress=False`` means no progress bar on stderr from any scoring loop."""
-    from mechdiff.circuits.scoring import completeness, faithfulness, minimality, per_prompt
+    from mechdiff.circuits.scoring import completeness, faithfulness, per_prompt
+    from mechdiff.circuits.pruning import minimality
 
     circuit, scorer, _ = _or_circuit()
     faithfulness(scorer, circuit, n_random=2)

@@ -19,9 +19,8 @@ import mechdiff.methods.dcm as dcm
 from conftest import make_tiny
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.common.components import Head, all_heads
-from mechdiff.methods.dcm import (DCMConfig, DCMResult, PairCache, SemanticResult, desideratum_pairs, dcm_circuit,
-                          loss_scale, masked_z_patches, random_pool, run_dcm, semantic_patching, source_z,
-                          split_indices, target_accuracy, train_mask)
+from mechdiff.methods.dcm import DCMConfig, DCMResult, PairCache, SemanticResult, dcm_circuit, loss_scale, masked_z_patches, random_pool, run_dcm, semantic_patching, source_z, split_indices, target_accuracy, train_mask
+from mechdiff.tasks.desiderata import desideratum_pairs
 from mechdiff.common.metrics import answer_logit
 from mechdiff.patching.core import run
 from mechdiff.common.stats import Estimate, proportion

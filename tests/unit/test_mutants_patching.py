@@ -99,7 +99,7 @@ def test_scan_positions_as_an_int_a_name_or_a_tensor_and_the_record(tiny_llama, 
 
 
 def test_an_unknown_or_missing_position_is_refused_with_the_known_ones(tiny_llama, pairs):
-    from mechdiff.patching.path import _position
+    from mechdiff.patching.path import batch_position
 
     batch = prepare(tiny_llama, pairs)
     known = sorted(batch.positions)
@@ -108,7 +108,7 @@ def test_an_unknown_or_missing_position_is_refused_with_the_known_ones(tiny_llam
     batch.positions = {**batch.positions, "gone": torch.full((len(batch),), -1)}
     with pytest.raises(ValueError, match="^" + re.escape(
             "position 'gone' is missing (-1) or not one per example in some clean prompts") + "$"):
-        _position(batch, "gone")
+        batch_position(batch, "gone")
 
 
 def _scan_prompts(tokenizer, n: int = 2):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.circuits.scoring import Scorer, minimality, pair_name, pairwise_minimality, paper_ratio, prune
+from mechdiff.circuits.scoring import Scorer
+from mechdiff.circuits.pruning import minimality, pair_name, pairwise_minimality, paper_ratio, prune
 from mechdiff.common.components import Head
 from mechdiff.patching.evaluate import EvalResult
 from mechdiff.tasks.entity_tracking import generate, reference_records

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.circuits.scoring import (EVERY_POSITION, Scorer, ablation_patches, completeness, faithfulness,
-                                       full_circuit, matrix_rows, minimality, pair_name, position_means, prune,
-                                       random_circuit)
+from mechdiff.circuits.scoring import EVERY_POSITION, Scorer, ablation_patches, completeness, faithfulness, full_circuit, matrix_rows, position_means, random_circuit
+from mechdiff.circuits.pruning import minimality, pair_name, prune
 from mechdiff.common.components import Head
 from mechdiff.patching.evaluate import evaluate
 from mechdiff.patching.core import Patch, run

@@ -14,7 +14,8 @@ from mechdiff.circuits.curve import prompt_attribution
 from mechdiff.circuits.positions import task_classes
 from mechdiff.circuits.scoring import Scorer
 from mechdiff.common.components import Head, parse_heads
-from mechdiff.methods.dcm import desideratum_pairs, semantic_patching
+from mechdiff.methods.dcm import semantic_patching
+from mechdiff.tasks.desiderata import desideratum_pairs
 from mechdiff.patching.evaluate import evaluate
 from mechdiff.models.loading import load_model
 from mechdiff.common.stats import paired_difference

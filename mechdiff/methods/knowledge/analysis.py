@@ -21,13 +21,13 @@ import torch
 from ...models.loading import LoadedModel
 from ...patching.core import run
 from ...tasks.relation_data import FactBatch
-from .forward import _weights, apply_norm, edge_forward
+from .forward import receiver_weights, apply_norm, edge_forward
 from .graph import Graph
 
 
 def _ranks(model: LoadedModel, x: torch.Tensor, answers: torch.Tensor) -> np.ndarray:
     """Rank of ``answers`` ``"n"`` in ``lm_head(final_norm(x))`` for ``x`` ``"n d"``."""
-    W = _weights(model)
+    W = receiver_weights(model)
     unembed = model.arch.unembed_module(model.model)
     out = []
     with torch.no_grad():

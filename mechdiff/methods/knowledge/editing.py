@@ -26,7 +26,6 @@ from scipy.stats import hypergeom
 
 from ...circuits.overlap import hypergeom_p
 from ...models.loading import LoadedModel
-from ...report.tables import to_markdown
 from .analysis import logit_lens
 from ...tasks.relation_data import Fact, batches
 from .evaluate import evaluate
@@ -132,27 +131,3 @@ def compare_edit(before_dir: Path, after_dir: Path, models: dict[str, LoadedMode
     return {"models": {k: m.name for k, m in models.items()}, "prompts": sorted(prompts), "overlap": overlap,
             "moved": moved(g, cb, ca), "heads": lens, "cross": cross,
             "hit": {"before": rb["circuit"], "after": ra["circuit"], "full_before": rb["full"], "full_after": ra["full"]}}
-
-
-def edit_report(cmp: dict, edit: str, k: int = 10) -> str:
-    """Markdown of :func:`compare_edit`'s result."""
-    hk = f"hit@{k}"
-    f = lambda e: f"{e[hk]['value']:.2f} [{e[hk]['low']:.2f}, {e[hk]['high']:.2f}]"  # noqa: E731
-    m, h = cmp["models"], cmp["hit"]
-    lines = [f"# The circuit of an edit: {edit}, {m['before']} (before) vs {m['after']} (after)", "",
-             f"Prompts ({len(cmp['prompts'])}): " + "; ".join(cmp["prompts"]) + ".", "",
-             f"- Before, on its study's facts: the full model's {hk} {f(h['full_before'])}, its circuit's "
-             f"{f(h['before'])}.",
-             f"- After, on its study's facts: the full model's {hk} {f(h['full_after'])}, its circuit's "
-             f"{f(h['after'])}.", ""]
-    if cmp["cross"]:
-        lines += ["## Each circuit in each model, on the edit's prompts (zero ablation)", "",
-                  "The rank (0 = top) of the model's own object: the original before the edit, the new one after.",
-                  "", to_markdown(cmp["cross"]), ""]
-    lines += ["## Overlap", "",
-             "null_95: the central 95% of the intersection of random sets of the same sizes (hypergeometric); "
-             "p: the chance that random sets share at least as many.", "", to_markdown(cmp["overlap"]), "",
-             "## Edges that moved, by what they feed", "", to_markdown(cmp["moved"]), "",
-             "## What each head carries (logit lens at the last token, median rank over the prompts; 0 = top)", "",
-             to_markdown(cmp["heads"], floatfmt=".0f"), "", "![heads](heads_lens.png)", ""]
-    return "\n".join(lines)

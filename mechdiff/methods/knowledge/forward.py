@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from einops import rearrange
 
-from ...models.architectures import _get
+from ...models.architectures import get_path
 from ...models.loading import LoadedModel
 from ...patching.ablation import PositionMeans, sink_apart
 from ...patching.core import Resume, trace_sites
@@ -73,7 +73,7 @@ def check_supported(model: LoadedModel) -> None:
     if not arch.additive:
         raise ValueError(f"knowledge circuits on {name}: a block's output is not its input plus its attention and "
                          "MLP outputs (a residual multiplier?), so the residual stream is not a sum of senders")
-    _weights(model)  # checks the post-norms
+    receiver_weights(model)  # checks the post-norms
 
 
 def apply_norm(norm: Optional[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,7 @@ class _Weights:
                 w["w" + kind] = _rows(weight, cols).unflatten(0, (len(cols), shape.d_head))  # "unit e d"
                 w["b" + kind] = None if bias is None else _rows(bias, cols)
             wo, bo = _linear(arch.projection(hf, "o", layer))
-            norm = lambda path: _get(block, path) if path else None  # noqa: E731
+            norm = lambda path: get_path(block, path) if path else None  # noqa: E731
             self.layers.append(dict(
                 w, wo=rearrange(wo, "d (h e) -> h e d", h=H), bo=None if bo is None else bo / H,
                 ln1=norm(arch.attn_norm), ln2=norm(arch.mlp_norm),
@@ -143,7 +143,7 @@ class _Weights:
 _WEIGHTS: "weakref.WeakKeyDictionary[torch.nn.Module, _Weights]" = weakref.WeakKeyDictionary()
 
 
-def _weights(model: LoadedModel) -> _Weights:
+def receiver_weights(model: LoadedModel) -> _Weights:
     """The receivers' weights of ``model``, built once per loaded torch model (dropped with it)."""
     if model.model not in _WEIGHTS:
         _WEIGHTS[model.model] = _Weights(model)
@@ -222,7 +222,7 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
     ``resume``: reuse the senders' outputs below ``resume.layer`` and compute only from there.
     """
     check_supported(model)
-    W = _weights(model)
+    W = receiver_weights(model)
     arch = model.arch
     if graph.parallel != arch.parallel:
         raise ValueError(f"the graph {'has' if graph.parallel else 'lacks'} parallel blocks but {model.name} "

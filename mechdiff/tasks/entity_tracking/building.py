@@ -7,7 +7,7 @@ import random
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from .records import DEFAULT_N_BOXES, EntityTrackingExample, Vocabulary
-from .vocabulary import VocabularyReport, _check_n_boxes, _prepare, _single_token_id
+from .vocabulary import VocabularyReport, check_n_boxes, prepare_vocabulary, single_token_id
 
 if TYPE_CHECKING:  # heavy imports only for type checkers
     from transformers import PreTrainedTokenizerBase
@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # heavy imports only for type checkers
 # --------------------------------------------------------------------------------------
 
 
-def _span_to_token(offsets: Sequence[tuple[int, int]], start: int, end: int) -> list[int]:
+def span_to_token(offsets: Sequence[tuple[int, int]], start: int, end: int) -> list[int]:
     """Indices of the (non-special) tokens whose character span overlaps [start, end)."""
     return [t for t, (a, b) in enumerate(offsets) if b > a and a < end and b > start]
 
@@ -41,7 +41,7 @@ def build_example(
     one token in the prompt."""
     objects, labels = tuple(objects), tuple(labels)
     n = len(objects)
-    _check_n_boxes(n)
+    check_n_boxes(n)
     if len(labels) != n:
         raise ValueError(f"got {n} objects but {len(labels)} labels")
     if len(set(objects)) != n or len(set(labels)) != n:
@@ -52,7 +52,7 @@ def build_example(
     if token_ids is None:
         token_ids = {}
         for w in (*objects, *labels, qlabel):
-            tid = _single_token_id(tokenizer, w)
+            tid = single_token_id(tokenizer, w)
             if tid is None:
                 raise ValueError(f"{' ' + w!r} is not a single token for this tokenizer")
             token_ids[w] = tid
@@ -85,7 +85,7 @@ def build_example(
     offsets = [tuple(o) for o in enc["offset_mapping"]]
 
     def locate(piece: str, span: tuple[int, int]) -> int:
-        toks = _span_to_token(offsets, *span)
+        toks = span_to_token(offsets, *span)
         if len(toks) != 1:
             raise ValueError(
                 f"{piece!r} at characters {span} of {prompt!r} spans {len(toks)} tokens, expected exactly 1"
@@ -123,7 +123,7 @@ def build_example(
     )
 
 
-def _check_same_length(examples: Iterable[EntityTrackingExample], n_boxes: int) -> None:
+def check_same_length(examples: Iterable[EntityTrackingExample], n_boxes: int) -> None:
     lengths = {len(e.input_ids) for e in examples}
     if len(lengths) > 1:
         raise ValueError(
@@ -137,7 +137,7 @@ def _check_same_length(examples: Iterable[EntityTrackingExample], n_boxes: int) 
 # --------------------------------------------------------------------------------------
 
 
-def _sample_base(
+def sample_base(
     rng: random.Random, report: VocabularyReport, n_boxes: int, query_index: int, tokenizer: "PreTrainedTokenizerBase"
 ) -> EntityTrackingExample:
     objects = rng.sample(report.kept, n_boxes)
@@ -145,7 +145,7 @@ def _sample_base(
     return build_example(tokenizer, objects, labels, query_index, token_ids=report.token_ids)
 
 
-def _check_n(n: int) -> None:
+def check_n(n: int) -> None:
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
 
@@ -164,11 +164,11 @@ def generate(
     labels (unique) from the single-token letters in ``letters`` (default A-Z). Example ``i``
     queries segment ``i % n_boxes``, so every box is queried equally often. Deterministic in
     ``seed`` (``random.Random(seed)``). All examples have the same token length."""
-    _check_n(n)
-    report = _prepare(tokenizer, n_boxes, vocabulary, letters, n_boxes, n_boxes)
+    check_n(n)
+    report = prepare_vocabulary(tokenizer, n_boxes, vocabulary, letters, n_boxes, n_boxes)
     rng = random.Random(seed)
-    out = [_sample_base(rng, report, n_boxes, i % n_boxes, tokenizer) for i in range(n)]
-    _check_same_length(out, n_boxes)
+    out = [sample_base(rng, report, n_boxes, i % n_boxes, tokenizer) for i in range(n)]
+    check_same_length(out, n_boxes)
     return out
 
 

@@ -26,7 +26,7 @@ def load_desiderata(spec: str, tokenizer, n: int, n_boxes: int, seed: int,
     """The desiderata of ``spec`` (comma-separated) by name: the task's desiderata by name generate ``n`` pairs
     each with ``tokenizer`` alone (no weights: a command checks them before any model loads); ``.jsonl`` paths
     are user-defined entity-tracking desiderata (:func:`read_desideratum`), named by file stem."""
-    from ...methods.dcm import desideratum_pairs  # the DCM module imports the task protocol: imported when called
+    from ..desiderata import desideratum_pairs  # the module imports the task registry: imported when called
 
     out: dict[str, list[PairRecord]] = {}
     for item in (s.strip() for s in spec.split(",") if s.strip()):

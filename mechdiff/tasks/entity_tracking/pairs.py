@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .building import _check_n, _check_same_length, _sample_base, build_example
+from .building import check_n, check_same_length, sample_base, build_example
 from .records import DEFAULT_N_BOXES, PAIR_KINDS, CounterfactualPair, EntityTrackingExample, Vocabulary
-from .vocabulary import VocabularyReport, _prepare
+from .vocabulary import VocabularyReport, prepare_vocabulary
 
 if TYPE_CHECKING:  # heavy imports only for type checkers
     from transformers import PreTrainedTokenizerBase
@@ -31,17 +31,17 @@ def _pairs(
 ) -> list[CounterfactualPair]:
     """Shared driver: the bases are exactly ``generate(tokenizer, n, n_boxes, seed, ...)``; the
     sources come from a second generator seeded with ``f"{seed}:{kind}"``."""
-    _check_n(n)
+    check_n(n)
     # The sources' objects are disjoint from their base's, so twice the objects are needed.
-    report = _prepare(tokenizer, n_boxes, vocabulary, letters, 2 * n_boxes, labels_needed)
+    report = prepare_vocabulary(tokenizer, n_boxes, vocabulary, letters, 2 * n_boxes, labels_needed)
     base_rng = random.Random(seed)
     src_rng = random.Random(f"{seed}:{kind}")
     out: list[CounterfactualPair] = []
     for i in range(n):
-        base = _sample_base(base_rng, report, n_boxes, i % n_boxes, tokenizer)
+        base = sample_base(base_rng, report, n_boxes, i % n_boxes, tokenizer)
         source, target_obj = make_source(src_rng, base, report)
         out.append(CounterfactualPair(base, source, " " + target_obj, report.token_ids[target_obj], kind))
-    _check_same_length([e for p in out for e in (p.base, p.source)], n_boxes)
+    check_same_length([e for p in out for e in (p.base, p.source)], n_boxes)
     return out
 
 

@@ -85,7 +85,7 @@ def _check_tokenizer(tokenizer: "PreTrainedTokenizerBase") -> None:
         )
 
 
-def _single_token_id(tokenizer: "PreTrainedTokenizerBase", word: str) -> int | None:
+def single_token_id(tokenizer: "PreTrainedTokenizerBase", word: str) -> int | None:
     """Token id of ``" " + word`` if it is one token, else ``None``.
 
     Tries ``tokenizer(" " + word, add_special_tokens=False)`` first. SentencePiece tokenizers
@@ -118,7 +118,7 @@ def vocabulary_report(
     token_ids: dict[str, int] = {}
     kept, dropped = [], []
     for w in objects:
-        tid = _single_token_id(tokenizer, w)
+        tid = single_token_id(tokenizer, w)
         if tid is None:
             dropped.append(w)
         else:
@@ -126,7 +126,7 @@ def vocabulary_report(
             token_ids[w] = tid
     labels_kept, labels_dropped = [], []
     for L in cand_letters:
-        tid = _single_token_id(tokenizer, L)
+        tid = single_token_id(tokenizer, L)
         if tid is None:
             labels_dropped.append(L)
         else:
@@ -135,12 +135,12 @@ def vocabulary_report(
     return VocabularyReport(tuple(kept), tuple(dropped), tuple(labels_kept), tuple(labels_dropped), token_ids)
 
 
-def _check_n_boxes(n_boxes: int) -> None:
+def check_n_boxes(n_boxes: int) -> None:
     if not isinstance(n_boxes, int) or isinstance(n_boxes, bool) or not MIN_BOXES <= n_boxes <= MAX_BOXES:
         raise ValueError(f"n_boxes must be an integer in {MIN_BOXES}..{MAX_BOXES} (inclusive), got {n_boxes!r}")
 
 
-def _prepare(
+def prepare_vocabulary(
     tokenizer: "PreTrainedTokenizerBase",
     n_boxes: int,
     vocabulary: Vocabulary,
@@ -149,7 +149,7 @@ def _prepare(
     labels_needed: int,
 ) -> VocabularyReport:
     """Validate arguments and the vocabulary before any generation."""
-    _check_n_boxes(n_boxes)
+    check_n_boxes(n_boxes)
     report = vocabulary_report(tokenizer, vocabulary, letters)
     logger.info(report.summary())
     if len(report.kept) < objects_needed:
