@@ -31,6 +31,20 @@ def quiet_library_warnings() -> None:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
+def quiet_library_bars() -> None:
+    """Where mechdiff draws no bar (stderr not a terminal: :func:`~mechdiff.common.progress.interactive`), neither
+    do transformers (weight loading) and huggingface_hub (downloads), so a study's log holds no bar."""
+    from .common.progress import interactive
+
+    if interactive():
+        return
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    disable_progress_bars()
+    transformers_logging.disable_progress_bar()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mechdiff", description="Compare the mechanisms inside checkpoints of one language model.")
@@ -65,6 +79,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = build_parser().parse_args(argv)
     quiet_library_warnings()
+    quiet_library_bars()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     clear_terminated()

@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 from einops import rearrange
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from ..common.components import Head, all_heads
 from ..common.metrics import answer_logprob
 from ..patching.core import EMB_LAYER, Patch, run
@@ -47,7 +47,8 @@ def prompt_attribution(scorer: Scorer, classes: Sequence[str]) -> torch.Tensor:
     model, shape = scorer.model, scorer.model.shape
     sites = [("z", layer) for layer in range(shape.n_layers)]
     out = torch.zeros(len(scorer.records), len(classes), shape.n_layers, shape.n_heads, dtype=torch.float64)
-    for rows, batch in tqdm(list(scorer.batches()), desc="attribution", disable=not scorer.progress, leave=False):
+    for rows, batch in progress_bar(list(scorer.batches()), desc="attribution", disable=not scorer.progress,
+                                    leave=False):
         with torch.no_grad():
             emb = run(model, batch["input_ids"], capture=[("emb", EMB_LAYER)], stop=True).captured[("emb", EMB_LAYER)]
         # the embedding output as the leaf: every later activation is in the graph (weights may be frozen)
@@ -121,7 +122,7 @@ def faithfulness_curve(scorer: Scorer, ranked: Sequence[Pair], sizes: Sequence[f
     acc_m, acc_0 = float(per_prompt(full).mean()), float(per_prompt(empty).mean())
     prob_m, prob_0 = float(per_prompt(full, "prob").mean()), float(per_prompt(empty, "prob").mean())
     rows = []
-    for frac in tqdm(sizes, desc="faithfulness curve", disable=not scorer.progress, leave=False):
+    for frac in progress_bar(sizes, desc="faithfulness curve", disable=not scorer.progress, leave=False):
         n = max(1, int(round(frac * len(ranked))))
         kept = scorer.keep(ranked[:n])
         acc, prob = per_prompt(kept), per_prompt(kept, "prob")

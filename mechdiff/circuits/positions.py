@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import numpy as np
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from ..common.components import Head, all_heads
 from ..common.stats import bootstrap_ratio, proportion
 from .scoring import Metric, Pair, Scorer, per_prompt
@@ -48,7 +48,7 @@ def position_scan(scorer: Scorer, classes: Sequence[str], metric: Metric = "accu
     chosen: list[str] = []
     steps: list[dict] = []
     remaining = list(classes)
-    bar = tqdm(total=max_steps or len(remaining), desc="position scan", disable=not scorer.progress)
+    bar = progress_bar(total=max_steps or len(remaining), desc="position scan", disable=not scorer.progress)
     while remaining and (max_steps is None or len(chosen) < max_steps):
         values = {c: float(per_prompt(scorer.keep(every_head_at(shape.n_layers, shape.n_heads, chosen + [c])),
                                       metric).mean()) for c in remaining}
@@ -77,7 +77,7 @@ def leave_one_out(scorer: Scorer, classes: Sequence[str], metric: Metric = "accu
     shape = scorer.model.shape
     full = scorer.full()
     out = {}
-    for c in tqdm(classes, desc="leave one class out", disable=not scorer.progress):
+    for c in progress_bar(classes, desc="leave one class out", disable=not scorer.progress):
         kept = scorer.keep(every_head_at(shape.n_layers, shape.n_heads, [x for x in classes if x != c]))
         out[c] = {"accuracy": proportion(per_prompt(kept, "accuracy")).to_dict(),
                   "faithfulness": bootstrap_ratio(per_prompt(kept, metric), per_prompt(full, metric)).to_dict()}

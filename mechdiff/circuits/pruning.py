@@ -13,8 +13,7 @@ import math
 import random
 from typing import Iterable, Optional
 
-from tqdm.auto import tqdm
-
+from ..common.progress import progress_bar
 from .circuit import Circuit
 from .scoring import Metric, Pair, Scorer, group_pairs, per_prompt
 
@@ -63,7 +62,7 @@ def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidate
         return abs(a - b) if abs(a - b) > ROUNDING * max(abs(a), abs(b)) else 0.0
 
     out = {}
-    for v in tqdm(pairs, desc="minimality", disable=not scorer.progress):
+    for v in progress_bar(pairs, desc="minimality", disable=not scorer.progress):
         k: frozenset = frozenset()
         best = contribution(v, k)
         settled = bool(threshold is not None and f_circuit and best / f_circuit > threshold)
@@ -119,7 +118,7 @@ def pairwise_minimality(scorer: Scorer, circuit: Circuit, metric: Metric = "accu
         members = group_pairs(circuit, g)
         alone = {u: f({u}) for u in members}
         size = math.ceil(share * len(members))
-        for v in tqdm(members, desc=f"minimality {g}", disable=not scorer.progress):
+        for v in progress_bar(members, desc=f"minimality {g}", disable=not scorer.progress):
             ranked = sorted(((alone[u] - f({u, v}), u) for u in members if u != v), key=lambda t: -t[0])
             k = [u for score, u in ranked[:size] if score > 0]
             before, after = f(k), f([*k, v])

@@ -30,8 +30,8 @@ from typing import Iterable, Iterator, Literal, Optional, Sequence
 import numpy as np
 import torch
 from einops import repeat
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from ..common.components import Head, all_heads, layer_matched
 from ..patching.evaluate import EvalResult, evaluate
 from ..common.metrics import metric_name
@@ -339,7 +339,8 @@ def faithfulness(scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int 
     if n_random > 0:
         rng = random.Random(seed)
         draws = [scorer.keep(random_circuit(circuit, shape.n_layers, shape.n_heads, rng, match).pairs())
-                 for _ in tqdm(range(n_random), desc="random circuits", disable=not scorer.progress, leave=False)]
+                 for _ in progress_bar(range(n_random), desc="random circuits", disable=not scorer.progress,
+                                       leave=False)]
         mean = EvalResult(np.mean([d.correct for d in draws], 0), np.mean([d.prob for d in draws], 0))
         figures = _figures(mean, full)
         figures["accuracy"] = pooled_proportion([d.correct.astype(float) for d in draws]).to_dict()
@@ -379,7 +380,7 @@ def completeness(scorer: Scorer, circuit: Circuit, n_draws: int = 5, p: float = 
     pairs = circuit.pairs()
     rng = random.Random(seed)
     diffs = []
-    for _ in tqdm(range(n_draws), desc="completeness draws", disable=not scorer.progress, leave=False):
+    for _ in progress_bar(range(n_draws), desc="completeness draws", disable=not scorer.progress, leave=False):
         k = [pr for pr in pairs if rng.random() < p]
         diffs.append(abs(float(_difference(scorer, pairs, k, metric).mean())))
     out: dict = {"metric": metric, "p": p, "seed": seed, "n_prompts": len(scorer.records)}

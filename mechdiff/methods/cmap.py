@@ -39,8 +39,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from ..circuits.circuit import Circuit
 import random
 
@@ -316,7 +316,7 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
     scores: dict = {key: ([], []) for key in ["base", "finetune", *((s, k) for s in [*all_scopes, *randoms]
                                                                      for k in plan[s])]}
     batches = grouped_batches(records, batch_size)
-    for rows in tqdm(batches, desc="cmap", disable=not progress):
+    for rows in progress_bar(batches, desc="cmap", disable=not progress):
         batch = batch_tensors(take(records, rows))  # one template and length: any length per batch
         ids, answer = batch["input_ids"], batch["answer_ids"]
         with torch.no_grad():

@@ -40,8 +40,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 from einops import rearrange, repeat
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from ..circuits.circuit import Circuit
 from ..common.components import Head, all_heads
 from ..patching.evaluate import batches
@@ -266,7 +266,7 @@ class PairCache:
         floor, keys, values = [], [], []
         length = max((len(p.base.input_ids) for p in pairs), default=0)
         batches = grouped_batches(pairs, batch_size)
-        for rows in tqdm(batches, desc="dcm cache", disable=not progress, leave=False):
+        for rows in progress_bar(batches, desc="dcm cache", disable=not progress, leave=False):
             batch = pair_batch_tensors(take(pairs, rows))
             for position in sorted({pos for _, pos in sites}):
                 layers = [layer for layer, pos in sites if pos == position]
@@ -323,7 +323,7 @@ class PairCache:
             return self.floor[rows]
         mask = torch.zeros(len(patched), device=model.device)
         correct = []
-        for chunk in tqdm(batches(len(rows), batch_size), desc="dcm eval", disable=not progress, leave=False):
+        for chunk in progress_bar(batches(len(rows), batch_size), desc="dcm eval", disable=not progress, leave=False):
             with torch.no_grad():
                 logits, target = self.logits(model, rows[chunk], patched, mask, position)
             correct.append(answer_is_top1(logits, target).cpu().numpy())
@@ -424,7 +424,7 @@ def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, cache: 
 
     if config.schedule == "steps":
         validate(0, float("nan"))
-    bar = tqdm(total=config.epochs * steps_per_epoch, desc=f"dcm {position}", disable=not progress, leave=False)
+    bar = progress_bar(total=config.epochs * steps_per_epoch, desc=f"dcm {position}", disable=not progress, leave=False)
     step = 0
     for _ in range(config.epochs):
         order = list(train)

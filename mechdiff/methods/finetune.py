@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from ..common.metrics import answer_is_top1
 from ..models.loading import LoadedModel
 from ..models.registry import step_dirname
@@ -266,7 +266,7 @@ def finetune(
         by_step.setdefault(s, []).append(step_dirname(s))
     last_save = max(cfg.save_steps.values(), default=0)
     step = 0
-    bar = tqdm(total=cfg.steps, desc=f"finetune {cfg.task}", disable=not progress)
+    bar = progress_bar(total=cfg.steps, desc=f"finetune {cfg.task}", disable=not progress)
     while True:
         if step % cfg.eval_every == 0 or step in cfg.eval_steps or step in cfg.save_steps.values() or step == cfg.steps:
             peft_model.eval()

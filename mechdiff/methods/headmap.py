@@ -36,8 +36,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 from einops import rearrange
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from ..circuits.circuit import Circuit
 from ..common.components import Head
 from .finetune import FinetuneConfig, add_lora, answer_loss, last_logits
@@ -107,7 +107,7 @@ def example_losses(model: LoadedModel, batch: Batch, masked: Iterable[Head] = ()
     patches = mask_patches(model, masked)
     ids, answers = batch["input_ids"], batch["answer_ids"]
     out = []
-    for i in tqdm(range(0, len(ids), batch_size), desc="losses", disable=not progress, leave=False):
+    for i in progress_bar(range(0, len(ids), batch_size), desc="losses", disable=not progress, leave=False):
         logits = run(model, ids[i:i + batch_size], patches).logits.float().cpu()
         out.append(-answer_logprob(logits, answers[i:i + batch_size]))  # the answer cross-entropy
     return torch.cat(out)
@@ -229,7 +229,7 @@ def locate(model: LoadedModel, samples: Batch, k: int = LocateConfig.k, batch_si
     curve: list[float] = []
     passes = 0
     start: Optional[tuple[int, torch.Tensor]] = None  # (layer, residual entering it), selections so far zeroed
-    bar = tqdm(layers, desc="locate", disable=not progress)
+    bar = progress_bar(layers, desc="locate", disable=not progress)
     for layer in bar:
         if layer > 0:
             entry, p = entry_residual(model, samples, layer, selected, start, batch_size)
@@ -427,7 +427,7 @@ def train(base: LoadedModel, cfg: TrainConfig, heads: Optional[Mapping[int, Sequ
     losses = []
     t0 = time.time()
     model.train()
-    bar = tqdm(range(cfg.steps), desc=f"train {cfg.task}", disable=not progress, leave=False)
+    bar = progress_bar(range(cfg.steps), desc=f"train {cfg.task}", disable=not progress, leave=False)
     for step in bar:
         loss = answer_loss(model, task.train_batch(base.tokenizer, cfg.batch_size, cfg.data_seed, step))
         opt.zero_grad(set_to_none=True)

@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional
 
 import torch
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from .core import run
 
@@ -85,7 +85,7 @@ def site_means(model: LoadedModel, id_batches: Iterable[torch.Tensor], kind: str
     length) at each position: ``"layer pos cols"`` float32, on the CPU (as the activation store gives it)."""
     sites = [(kind, layer) for layer in range(model.shape.n_layers)]
     means = [PositionMeans() for _ in sites]
-    for ids in tqdm(list(id_batches), desc=desc, disable=not progress, leave=False):
+    for ids in progress_bar(list(id_batches), desc=desc, disable=not progress, leave=False):
         with torch.no_grad():
             captured = run(model, ids, capture=sites).captured
         for m, site in zip(means, sites):

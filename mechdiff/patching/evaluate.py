@@ -8,8 +8,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from ..common.metrics import answer_is_top1, answer_prob, logit_diff
 from ..models.loading import LoadedModel
 from ..models.remote import keep
@@ -97,7 +97,7 @@ def _eval_batches(records: Sequence[Record], batch_size: int, forward: ForwardFn
                   progress: bool) -> list[tuple[list[int], tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]]:
     """``(rows, (correct, prob, logit_diff or None))`` of every batch, on the model's side."""
     out = []
-    for rows in tqdm(grouped_batches(records, batch_size), desc=desc, disable=not progress, leave=False):
+    for rows in progress_bar(grouped_batches(records, batch_size), desc=desc, disable=not progress, leave=False):
         batch = batch_tensors(take(records, rows))
         answer = batch["answer_ids"] if targets is None else torch.as_tensor(take(targets, rows))
         with torch.no_grad():

@@ -39,8 +39,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 from einops import rearrange, repeat
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from ..common.components import Head
 from ..common.metrics import answer_prob
 from ..models.loading import LoadedModel
@@ -196,7 +196,8 @@ def _chunk_probs(model: LoadedModel, batch: PairBatch, chunks: list[list[Head]],
                  receivers: Optional[Receivers], progress: bool) -> list[torch.Tensor]:
     """:func:`_patched_prob` of every chunk of senders (``"sender batch"`` each), on the model's side."""
     return [_patched_prob(model, batch, chunk, sender_position, receivers)
-            for chunk in tqdm(chunks, desc=f"path patching {sender_position}", disable=not progress, leave=False)]
+            for chunk in progress_bar(chunks, desc=f"path patching {sender_position}", disable=not progress,
+                                      leave=False)]
 
 
 def _patched_prob(model: LoadedModel, batch: PairBatch, senders: list[Head], sender_position: str,

@@ -36,8 +36,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import h5py
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from ..common.progress import progress_bar
 from .. import __version__
 from .evaluate import batches
 from ..common.io import atomic_open, set_aside
@@ -281,7 +281,7 @@ class ActivationStore:
             todo = [i for i in range(len(units)) if not g["done"][i]]
             if len(todo) < len(units):
                 log.info("resuming %s: %d of %d batches already written", key.group, len(units) - len(todo), len(units))
-            for i in tqdm(todo, desc=f"store {key.kind}/{key.positions}", disable=not progress, leave=False):
+            for i in progress_bar(todo, desc=f"store {key.kind}/{key.positions}", disable=not progress, leave=False):
                 out = unit_fn(units[i])
                 for layer, t in out.items():
                     ds = self._dataset(g, layer, n_rows, t)

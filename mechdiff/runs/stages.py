@@ -10,6 +10,9 @@ inputs themselves, hashed the same way.
 A cache made with ``planning=True`` computes nothing: :meth:`StageCache.run` notes each stage as cached or to
 compute (:class:`PlannedStage`) and hands a stage still to compute a result that raises :class:`Pending` when
 read, so a study walks its stages once to say what a run would do (:meth:`mechdiff.studies.base.Study.plan`).
+
+Each stage that ends (cached or computed) says so in one line (:meth:`StageRecord.line`): written to stderr where
+no progress bar is drawn (a log file, CI; :func:`mechdiff.common.progress.note`), logged at INFO on a terminal.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..common.io import check_terminated, read_record, set_aside, write_json
+from ..common.progress import note
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,12 @@ class StageRecord:
     result: Any
     seconds: float
     cached: bool
+
+    def line(self) -> str:
+        """``stage NAME: cached (key K; computed in S s)`` or ``stage NAME: computed in S s (key K)``."""
+        if self.cached:
+            return f"stage {self.name}: cached (key {self.key}; computed in {self.seconds:.1f} s)"
+        return f"stage {self.name}: computed in {self.seconds:.1f} s (key {self.key})"
 
 
 class Pending(Exception):
@@ -122,7 +132,6 @@ class StageCache:
                     else StageRecord(name, key, Unknown(name), float("nan"), False))
         if saved is not None:
             if saved["key"] == key:
-                log.info("stage %s: cached (key %s)", name, key)
                 return self._keep(StageRecord(name, key, saved["result"], saved["seconds"], True))
             log.info("stage %s: inputs changed, recomputing", name)
         t0 = time.perf_counter()
@@ -146,7 +155,11 @@ class StageCache:
             self.planned.append(planned)
 
     def _keep(self, rec: StageRecord) -> StageRecord:
+        """Record a stage that ended, and say so in one line (stderr off a terminal, else the log)."""
         self.records[rec.name] = rec
+        line = rec.line()
+        if not note(line):
+            log.info("%s", line)
         return rec
 
     def summary(self) -> dict[str, dict]:

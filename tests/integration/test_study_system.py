@@ -202,3 +202,28 @@ def test_mechdiff_run_prints_the_plan_and_plan_stops_there(tiny_family, tmp_path
         lines = [line.split() for line in out.splitlines() if line.startswith("  ")]
         assert [w[0] for w in lines] == stages
         assert all((w[1:] == ["cached"]) if cached else (w[2] == "s" and float(w[1]) >= 0) for w in lines)
+
+
+def test_a_run_logged_to_a_file_has_no_bars_and_one_line_per_stage(tiny_family, tmp_path):
+    """``mechdiff run`` with stderr a file (a study's log, CI), progress on: no bar's carriage return or cursor
+    escape in the log, one plain line per stage as it ends, computed and then, on a rerun, cached."""
+    import os
+    import subprocess
+    import sys
+
+    task = tmp_path / "k.toml"
+    task.write_text(f'[study]\nkind = "knowledge"\n\n[output]\ndir = "{tmp_path / "out"}"\n\n[knowledge]\n'
+                    f'relation = "antonym"\nmodels = ["{tiny_family[0]}"]\nmax_facts = 4\nk = 30000\n')
+    stages = ["facts", f"discovery:{tiny_family[0]}", f"scoring:{tiny_family[0]}", f"analysis:{tiny_family[0]}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    for state in ("computed", "cached"):
+        log = tmp_path / f"{state}.log"
+        with open(log, "w") as err:
+            subprocess.run([sys.executable, "-m", "mechdiff.cli", "run", str(task)], stdout=subprocess.DEVNULL,
+                           stderr=err, env=env, check=True, timeout=600)
+        text = log.read_bytes().decode()  # read_text would turn a bar's "\r" into "\n"
+        assert "\r" not in text and "\x1b[" not in text, text
+        lines = [line for line in text.splitlines() if line.startswith("stage ")]
+        assert [line.split()[1].rstrip(":") for line in lines] == stages, text
+        assert all(line.split()[2] == state for line in lines), text

@@ -1,12 +1,16 @@
-"""The one stage cache (mechdiff.runs.stages) and seeds derived by name (mechdiff.runs.seeds)."""
+"""The one stage cache (mechdiff.runs.stages), seeds derived by name (mechdiff.runs.seeds) and the progress
+bars that give way to one line per stage off a terminal (mechdiff.common.progress)."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import logging
 
 import pytest
 
+from mechdiff.common import progress
 from mechdiff.runs.seeds import derive
 from mechdiff.runs.stages import StageCache, key_hash
 
@@ -59,3 +63,38 @@ def test_a_record_without_result_is_set_aside(tmp_path):
     rec = StageCache(tmp_path).run("s", {}, lambda: 5)
     assert not rec.cached and rec.result == 5
     assert list((tmp_path / "stages").glob("s.json.unreadable-*"))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_on_a_terminal_only():
+    term, log = _Terminal(), io.StringIO()
+    assert list(progress.progress_bar(range(3), desc="x", file=term)) == [0, 1, 2] and "\r" in term.getvalue()
+    assert list(progress.progress_bar(range(3), desc="x", file=log)) == [0, 1, 2] and log.getvalue() == ""
+    bar = progress.progress_bar(total=2, file=log)
+    bar.update(2)
+    bar.close()
+    assert log.getvalue() == ""
+    quiet = _Terminal()
+    list(progress.progress_bar(range(3), file=quiet, disable=True))
+    assert quiet.getvalue() == ""
+
+
+def test_stages_say_one_plain_line_each_off_a_terminal(tmp_path, capsys, caplog, monkeypatch):
+    """stderr not a terminal (capsys): one line per stage as it ends, computed or cached, and nothing else; on a
+    terminal the same line is logged instead (the bars show the progress there)."""
+    StageCache(tmp_path).run("a", {"x": 1}, lambda: 1)
+    StageCache(tmp_path).run("a", {"x": 1}, lambda: 2)
+    StageCache(tmp_path).run("b:org/m", {}, lambda: 3)
+    k = key_hash({"x": 1})
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("stage a: computed in ") and lines[0].endswith(f" s (key {k})")
+    assert lines[1].startswith(f"stage a: cached (key {k}; computed in ") and lines[1].endswith(" s)")
+    assert lines[2].startswith("stage b:org/m: computed in ") and lines[2].endswith(f" s (key {key_hash({})})")
+    monkeypatch.setattr(progress, "interactive", lambda stream=None: True)
+    with caplog.at_level(logging.INFO, logger="mechdiff.runs.stages"):
+        StageCache(tmp_path).run("a", {"x": 1}, lambda: 2)
+    assert capsys.readouterr().err == "" and caplog.messages[-1].startswith(f"stage a: cached (key {k}; ")

@@ -54,8 +54,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from ...common.progress import progress_bar
 from ...models.loading import LoadedModel
 from ...tasks.relation_data import FactBatch, batches
 from .discovery import attribution_scores, top_edges
@@ -248,7 +248,7 @@ def acdc(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], tau: fl
     current, stale = evaluate.start_value, False  # stale: edges removed untried since ``current``
     live = _Liveness(graph)
     trials = skipped = 0
-    bar = tqdm(total=graph.n_edges, desc=f"acdc tau={tau}", disable=not progress, leave=False)
+    bar = progress_bar(total=graph.n_edges, desc=f"acdc tau={tau}", disable=not progress, leave=False)
     size, last_layer = batch, None
     for receiver, layer, incoming in _receivers(graph):
         if layer != last_layer and last_layer is not None:

@@ -19,8 +19,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from ...common.progress import progress_bar
 from ...common.metrics import answer_logprob
 from ...models.loading import LoadedModel
 from ...tasks.relation_data import FactBatch
@@ -39,7 +39,7 @@ def attribution_scores(model: LoadedModel, graph: Graph, batches: Sequence[FactB
     total = np.zeros(graph.n_edges)
     n = 0
     jobs = [(b, a) for b in batches for a in alphas]
-    for b, alpha in tqdm(jobs, desc=f"{method} ({model.name})", disable=not progress, leave=False):
+    for b, alpha in progress_bar(jobs, desc=f"{method} ({model.name})", disable=not progress, leave=False):
         def metric(logits, answers=b.answers):
             return answer_logprob(logits, answers).sum()
         total += edge_gradients(model, graph, b.ids, metric, alpha=alpha, ablation=ablation) / len(alphas)
@@ -125,7 +125,7 @@ def iterative_pruning(model: LoadedModel, graph: Graph, batches: Sequence[FactBa
     out: dict[float, np.ndarray] = {}
     scores = np.zeros(graph.n_edges)
     n = sum(len(b) for b in batches)
-    for frac in tqdm(schedule, desc="iterative pruning", disable=not progress, leave=False):
+    for frac in progress_bar(schedule, desc="iterative pruning", disable=not progress, leave=False):
         scores = np.zeros(graph.n_edges)
         for b in batches:
             def metric(logits, answers=b.answers):

@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from ...common.progress import progress_bar
 from ...common.metrics import answer_logprob, answer_rank
 from ...models.loading import LoadedModel
 from ...common.stats import bootstrap, proportion
@@ -78,7 +78,7 @@ def faithfulness_curve(model: LoadedModel, graph: Graph, batches: Sequence[FactB
     empty = empty or evaluate(model, graph, batches, np.zeros(graph.n_edges, dtype=bool), ablation, k)
     m_full, m_empty = float(full.logprob.mean()), float(empty.logprob.mean())
     rows = []
-    for frac in tqdm(sizes, desc="faithfulness curve", disable=not progress, leave=False):
+    for frac in progress_bar(sizes, desc="faithfulness curve", disable=not progress, leave=False):
         n = max(1, int(round(frac * graph.n_edges)))
         if masks is not None and frac in masks:
             mask = masks[frac]
