@@ -57,7 +57,7 @@ def test_rms_gain_refuses_a_layer_norm(dtype):
 
 
 def test_check_supported_names_the_post_norm_it_refuses():
-    from test_families import build_family
+    from unit.models.test_architectures import build_family
 
     model = build_family("gemma3_text", seed=4)
     model = dataclasses.replace(model, name="tiny-gemma3-layernorm")
@@ -73,7 +73,7 @@ def test_check_supported_names_the_post_norm_it_refuses():
 
 def test_edge_forward_on_a_bf16_gemma3():
     """Every edge kept reproduces a bf16 Gemma 3 (post-norms) to bf16 precision."""
-    from test_families import IDS, build_family
+    from unit.models.test_architectures import IDS, build_family
 
     model = build_family("gemma3_text", seed=5)
     model.model.to(torch.bfloat16)

@@ -14,7 +14,7 @@ from mechdiff.models.gguf_cache import MANIFEST, converted
 from mechdiff.models.registry import get_spec
 from mechdiff.models.resolve import resolve_source
 
-RECORD = Path(__file__).resolve().parents[2] / "results" / "zoo" / "trajectory.json"
+RECORD = Path(__file__).resolve().parents[3] / "results" / "zoo" / "trajectory.json"
 
 
 def _gguf() -> tuple[str, str]:

@@ -215,7 +215,7 @@ def test_cmap_base_scores_on_suffix_runs_equal_full_runs(smollm2_tokenizer):
 
 
 def _families():
-    from test_families import FAMILIES
+    from unit.models.test_architectures import FAMILIES
 
     return list(FAMILIES)
 
@@ -223,8 +223,8 @@ def _families():
 @pytest.mark.parametrize("model_type", _families())
 def test_suffix_run_is_exact_on_every_architecture_family(model_type):
     """A z patch late in the prompt by a suffix run equals the full run (max |d logit| <= 1e-4) on the tiny
-    model of each of the families of tests/unit/test_families.py (one forward pair per family)."""
-    from test_families import LAYERS, VOCAB, build_family
+    model of each of the families of tests/unit/models/test_architectures.py (one forward pair per family)."""
+    from unit.models.test_architectures import LAYERS, VOCAB, build_family
 
     lm = build_family(model_type)
     g = torch.Generator().manual_seed(1)

@@ -13,7 +13,7 @@ import pytest
 from conftest import circuit_pairs
 from mechdiff.report.html import markdown_html, page, table_html, write_html
 
-RESULTS = Path(__file__).resolve().parents[2] / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "results"
 
 
 def _grid_data(html: str) -> dict:

@@ -17,7 +17,7 @@ from mechdiff.tasks import arithmetic
 from mechdiff.tasks.entity_tracking import generate, load_vocabulary, vocabulary_report
 from mechdiff.tasks.entity_tracking.splits import eval_objects, split_objects, train_objects
 
-ZOO_RESULTS = Path(__file__).resolve().parents[2] / "results" / "zoo" / "eval-500.json"
+ZOO_RESULTS = Path(__file__).resolve().parents[3] / "results" / "zoo" / "eval-500.json"
 
 
 def tiny_cfg(tmp_path: Path, **kw) -> FinetuneConfig:

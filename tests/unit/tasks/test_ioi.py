@@ -54,7 +54,7 @@ def test_the_committed_study_circuits_load_with_the_tasks_classes(tmp_path):
     from mechdiff.circuits.circuit import CircuitFileError, load_circuit_file
 
     assert ioi.TASK.positions == ("before", "IO", "after_IO", "S1", "after_S1", "S2", "after_S2", "last")
-    run = Path(__file__).resolve().parents[2] / "results" / "ioi-smollm2" / "circuits"
+    run = Path(__file__).resolve().parents[3] / "results" / "ioi-smollm2" / "circuits"
     paths = sorted(run.glob("*.json"))
     assert [p.stem for p in paths] == ["smollm2-135m", "smollm2-et"]
     for path in paths:

@@ -18,7 +18,7 @@ from mechdiff.models.registry import REGISTRY, TRAJECTORIES, step_dirname
 
 ET = TRAJECTORIES["smollm2-et"]
 EPS32 = torch.finfo(torch.float32).eps
-TRAJECTORY_RECORD = Path(__file__).resolve().parents[2] / "results" / "zoo" / "trajectory.json"
+TRAJECTORY_RECORD = Path(__file__).resolve().parents[3] / "results" / "zoo" / "trajectory.json"
 
 
 def merged_by_hand(base_sd: dict[str, torch.Tensor], adapter_dir: Path, scaling: float) -> dict[str, torch.Tensor]:

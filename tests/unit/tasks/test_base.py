@@ -208,7 +208,7 @@ def test_ioi_positions_answers_and_abc_corruptions(smollm2_tokenizer):
 def test_the_engine_imports_no_concrete_task():
     import ast
 
-    root = Path(__file__).resolve().parents[2] / "mechdiff"
+    root = Path(__file__).resolve().parents[3] / "mechdiff"
     engine = [*root.glob("models/*.py"), *root.glob("patching/*.py"), *root.glob("circuits/*.py"),
               root / "store.py", root / "dcm.py", root / "cmap.py", root / "evaluate.py"]
     offenders = []

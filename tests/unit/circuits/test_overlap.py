@@ -16,7 +16,7 @@ from mechdiff.report.membership import membership_grid, membership_heatmap
 from mechdiff.report.tables import estimate_columns, read_table, to_latex, to_markdown, write_table
 from mechdiff.common.stats import Estimate
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 REFERENCE = Path("/work/shared/data/llama-7b-entity-tracking-circuit.json")
 PAPER_CIRCUIT = ROOT / "tasks" / "circuits" / "llama-7b-entity-tracking.json"
 # Published LLaMA vs Goat ratios (intersection / |LLaMA group|, intersection / |Goat group|).

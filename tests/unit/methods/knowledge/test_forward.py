@@ -196,7 +196,7 @@ def test_pipeline_on_a_tiny_model(tmp_path, smollm2_tokenizer, method):
 def test_pipeline_on_other_families(tmp_path, smollm2_tokenizer, family):
     """The knowledge pipeline on a fused-QKV (GPT-2), interleaved parallel (NeoX) and post-norm (Gemma 3) model."""
     from mechdiff.studies.knowledge import KnowledgeSettings, run_model
-    from test_families import build_family
+    from unit.models.test_architectures import build_family
 
     model = build_family(family, seed=3, tokenizer=smollm2_tokenizer)
     facts = build_facts(smollm2_tokenizer, Relation.load("country_language"))[:4]
