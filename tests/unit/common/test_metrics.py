@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_tiny
 from mechdiff.tasks import ioi
-from mechdiff.common.metrics import task_metric
+from mechdiff.common.metrics import accuracy, answer_prob, kl_divergence, logit_diff, task_metric
 from mechdiff.tasks.base import answer_batch, batch_tensors
 from mechdiff.tasks.entity_tracking import generate, object_value_pairs, pair_batch_tensors
 
@@ -192,3 +192,14 @@ def test_metrics_module_against_numpy():
     assert M.answer_prob(logits.bfloat16(), answer).dtype == torch.float32
     with pytest.raises(ValueError, match="alternative_ids"):
         M.task_metric(logits, answer, "logit_diff")
+
+
+def test_metrics():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 3.0]])
+    answers = torch.tensor([0, 1])
+    probs = logits.softmax(-1)
+    torch.testing.assert_close(answer_prob(logits, answers), probs[[0, 1], [0, 1]])
+    torch.testing.assert_close(logit_diff(logits, answers, torch.tensor([1, 2])), torch.tensor([1.0, -3.0]))
+    assert accuracy(logits, answers).tolist() == [1.0, 0.0]
+    assert kl_divergence(logits, logits).abs().max() < 1e-6
+    assert (kl_divergence(logits, logits.flip(-1)) > 0).all()

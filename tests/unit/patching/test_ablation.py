@@ -3,6 +3,8 @@ activation store, and the knowledge circuits' sink-apart means, against numpy on
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -60,3 +62,28 @@ def test_bucketed_means_against_numpy():
     assert float(one.mean()[:, 1].abs().max()) == 0.0  # exact: no term was added to that bucket
     with pytest.raises(ValueError, match="no activations"):
         PositionMeans().mean()
+
+
+def test_site_means_default_to_every_layers_z_quietly(tiny_llama, capsys):
+    """Without ``kind`` the means are of ``z``, over every prompt of every batch, and no bar is shown."""
+    from mechdiff.patching.ablation import site_means
+    from mechdiff.patching.core import run
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 500, (2, 5), generator=g), torch.randint(0, 500, (3, 5), generator=g)]
+    got = site_means(tiny_llama, batches)
+    layers = range(tiny_llama.shape.n_layers)
+    z = [torch.cat([run(tiny_llama, ids, capture=[("z", l)]).captured[("z", l)] for ids in batches]) for l in layers]
+    torch.testing.assert_close(got, torch.stack([t.mean(0) for t in z]), rtol=1e-5, atol=1e-6)
+    assert capsys.readouterr().err == ""
+
+
+def test_empty_means_and_unpatchable_components_are_refused(tiny_llama):
+    from mechdiff.patching.ablation import PositionMeans
+    from mechdiff.patching.activation import capture_sources
+
+    with pytest.raises(ValueError, match="^no activations to average; add at least one batch$"):
+        PositionMeans().mean()
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "cannot patch 'MLP1': activation patching supports heads (L<l>H<h>) and EMB") + "$"):
+        capture_sources(tiny_llama, torch.zeros(1, 3, dtype=torch.long), ["MLP1"])

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from mechdiff.common.components import Head, all_heads
-from mechdiff.common.metrics import accuracy, answer_prob, kl_divergence, logit_diff
 from mechdiff.patching.activation import activation_patch, capture_sources, patches_from
 from mechdiff.patching.core import run
 from mechdiff.tasks.entity_tracking import pair_batch_tensors, path_patching_pairs
@@ -65,17 +64,6 @@ def test_batched_equals_one_at_a_time(tiny_model, pair_batch):
     assert not torch.allclose(batched, _logits(tiny_model, clean))
 
 
-def test_metrics():
-    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 3.0]])
-    answers = torch.tensor([0, 1])
-    probs = logits.softmax(-1)
-    torch.testing.assert_close(answer_prob(logits, answers), probs[[0, 1], [0, 1]])
-    torch.testing.assert_close(logit_diff(logits, answers, torch.tensor([1, 2])), torch.tensor([1.0, -3.0]))
-    assert accuracy(logits, answers).tolist() == [1.0, 0.0]
-    assert kl_divergence(logits, logits).abs().max() < 1e-6
-    assert (kl_divergence(logits, logits.flip(-1)) > 0).all()
-
-
 def test_resume_skips_early_blocks_exactly(tiny_model, pair_batch):
     """Resuming at block 2 from the captured residual after block 1 gives the same patched logits,
     gradients still reach a mask, and a site before the resumed block is refused."""
@@ -108,3 +96,31 @@ def test_suffix_activation_patch_equals_full(tiny_model, pair_batch):
     suffix = activation_patch(tiny_model, clean, source, heads, pos, prefix=prefix)
     assert (suffix - full).abs().max() <= 1e-4
     assert (full - _logits(tiny_model, clean)).abs().max() > 1e-3
+
+
+@pytest.fixture
+def small_pairs(smollm2_tokenizer):
+    return path_patching_pairs(smollm2_tokenizer, 4, n_boxes=3, seed=5)
+
+
+def test_activation_patch_of_heads_apart_in_one_layer_is_their_column_patches(tiny_llama, small_pairs):
+    """Two heads of one layer that are not neighbours (one patch with the other columns restored by a mask)
+    and the embedding: what separate column patches of each give."""
+    from mechdiff.patching.activation import activation_patch, capture_sources
+    from mechdiff.patching.core import EMB_LAYER, Patch, head_patch, run
+    from mechdiff.tasks.entity_tracking import pair_batch_tensors
+
+    t = pair_batch_tensors(small_pairs)
+    clean, source = t["base"]["input_ids"], t["source"]["input_ids"]
+    heads = [Head(1, 0), Head(1, 2), Head(2, 3)]
+    at = t["base"]["positions"]["query_label"]
+    got = activation_patch(tiny_llama, clean, source, [*heads, "EMB"], positions=at)
+    captured = capture_sources(tiny_llama, source, [*heads, "EMB"])
+    rows = torch.arange(len(at))
+    d = tiny_llama.shape.d_head
+    patches = [head_patch(tiny_llama, "z", h, captured[("z", h.layer)][rows, at, h.head * d:(h.head + 1) * d], at)
+               for h in heads]
+    patches.append(Patch("emb", EMB_LAYER, captured[("emb", EMB_LAYER)][rows, at], at))
+    want = run(tiny_llama, clean, patches).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, run(tiny_llama, clean).logits, atol=1e-4)

@@ -3,6 +3,10 @@ the attribution screen against exact path patching, and the discovery driver."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -224,3 +228,107 @@ def test_senders_per_pass_sized_by_memory(tiny_llama, pairs, monkeypatch):
     assert build_parser().parse_args(["circuit", "--senders-per-pass", "3"]).senders_per_pass == 3
     with pytest.raises(SystemExit):
         build_parser().parse_args(["circuit", "--senders-per-pass", "0"])
+
+
+@pytest.fixture
+def small_pairs(smollm2_tokenizer):
+    return path_patching_pairs(smollm2_tokenizer, 4, n_boxes=3, seed=5)
+
+
+def test_senders_after_the_receivers_position_change_nothing(tiny_llama, small_pairs):
+    """Causal attention: a sender at the last token cannot reach receivers' V at the earlier query label,
+    so every score is 0 (up to rounding); the same senders at the query label do move the answer."""
+    batch = prepare(tiny_llama, small_pairs)
+    receivers = Receivers((Head(2, 1), Head(2, 2)), "v", "query_label")
+    senders = [Head(0, h) for h in range(4)] + [Head(1, h) for h in range(4)]
+    late = path_patch(tiny_llama, batch, senders, "last", receivers, progress=False)
+    assert max(abs(v) for v in late.values()) < 1e-5
+    early = path_patch(tiny_llama, batch, senders, "query_label", receivers, progress=False)
+    assert max(abs(v) for v in early.values()) > 1e-4
+
+
+def test_step_a_from_an_earlier_sender_position_resumes_above_layer_0(tiny_llama, small_pairs):
+    """Senders at the query label, read at the last token (the frozen run is not a one-position run), all
+    above layer 0 (the run resumes from the clean stream). With every other head frozen nothing carries the
+    change to the last token, so each score is 0, as in full-length runs without resuming."""
+    batch = prepare(tiny_llama, small_pairs)
+    g = torch.Generator().manual_seed(1)
+    batch.source_z = {l: z + torch.randn(z.shape, generator=g) for l, z in batch.source_z.items()}
+    senders = [Head(1, 0), Head(1, 3), Head(2, 2)]
+    full = dataclasses.replace(batch, clean_resid=None, clean_kv=None)
+    plain = path_patch(tiny_llama, full, senders, "query_label", None, senders_per_pass=2, progress=False)
+    got = path_patch(tiny_llama, batch, senders, "query_label", None, senders_per_pass=2, progress=False)
+    for s in senders:
+        assert got[s] == pytest.approx(plain[s], rel=1e-4, abs=1e-6)
+    assert max(map(abs, got.values())) < 1e-6
+    batch.positions = {**batch.positions, "penultimate": torch.full((len(batch),), batch.clean_ids.shape[1] - 2)}
+    assert max(map(abs, path_patch(tiny_llama, batch, senders, "penultimate", None, progress=False).values())) < 1e-6
+    assert max(map(abs, path_patch(tiny_llama, batch, senders, "last", None, progress=False).values())) > 1e-4
+
+
+def test_receivers_sharing_a_kv_group_are_one_site_and_logged(tiny_llama, caplog):
+    """GQA (2 query heads per KV group): V receivers of one group are one site, said in the log."""
+    from mechdiff.patching.path import receiver_sites
+
+    with caplog.at_level(logging.INFO, logger="mechdiff.patching.path"):
+        sites = receiver_sites(tiny_llama, Receivers((Head(2, 0), Head(2, 1), Head(1, 2)), "v", "last"))
+    d = tiny_llama.shape.d_head
+    assert sites == [(2, slice(0, d)), (1, slice(d, 2 * d))]
+    assert caplog.messages == ["GQA: 1 receiver heads share KV groups; patching V patches whole groups (2 sites)"]
+    assert len(receiver_sites(tiny_llama, Receivers((Head(2, 0), Head(2, 1)), "q", "last"))) == 2
+
+
+def test_an_unknown_or_missing_position_is_refused_with_the_known_ones(tiny_llama, small_pairs):
+    from mechdiff.patching.path import _position
+
+    batch = prepare(tiny_llama, small_pairs)
+    known = sorted(batch.positions)
+    with pytest.raises(ValueError, match="^" + re.escape(f"unknown position 'box'; the dataset records {known}") + "$"):
+        path_patch(tiny_llama, batch, [Head(0, 0)], "box", None, progress=False)
+    batch.positions = {**batch.positions, "gone": torch.full((len(batch),), -1)}
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "position 'gone' is missing (-1) or not one per example in some clean prompts") + "$"):
+        _position(batch, "gone")
+
+
+def test_receivers_refuse_a_bad_kind_or_no_heads():
+    with pytest.raises(ValueError, match="^" + re.escape("receiver kind must be q, k or v, not 'z'") + "$"):
+        Receivers((Head(1, 0),), "z", "last")
+    with pytest.raises(ValueError, match="^no receiver heads: path patching to receivers needs at least one$"):
+        Receivers((), "q", "last")
+
+
+def _spy(module, monkeypatch) -> list[tuple[tuple, dict]]:
+    """Record every ``run`` call ``module`` makes (arguments and keywords), still running it."""
+    calls, original = [], module.run
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "run", recorded)
+    return calls
+
+
+def test_path_patching_runs_compute_only_what_a_sender_changes(tiny_llama, small_pairs, monkeypatch):
+    """Cost, not values (the values are checked against full runs above and in test_path_patching.py): the
+    frozen and receiver runs resume above the layers no sender or receiver sits in and read the clean keys and
+    values before the first position they write; step A at the last token computes that one token."""
+    import mechdiff.patching.path as path
+
+    batch = prepare(tiny_llama, small_pairs)
+    calls = _spy(path, monkeypatch)
+    senders = [Head(1, 0), Head(1, 1)]
+    spos = batch.positions["query_label"]
+    path_patch(tiny_llama, batch, senders, "query_label", Receivers((Head(2, 1),), "v", "last"), progress=False)
+    (_, frozen), (_, receiver) = calls
+    assert frozen["resume"].layer == 1 and frozen["prefix"] is batch.clean_kv and frozen["start"] == int(spos.min())
+    assert receiver["resume"].layer == 2 and receiver["prefix"] is batch.clean_kv
+    calls.clear()
+    path_patch(tiny_llama, batch, senders, "query_label", None, progress=False)
+    ((_, frozen),) = calls
+    assert frozen["resume"].layer == 1 and frozen["prefix"] is batch.clean_kv and frozen["start"] == int(spos.min())
+    calls.clear()
+    path_patch(tiny_llama, batch, senders, "last", None, progress=False)
+    ((args, point),) = calls
+    assert args[1].shape == (2 * len(batch), 1) and point["resume"].layer == 1

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from conftest import hooked_last_logits
 from tolerances import approx32, tol32
 from mechdiff.patching.scan import scan
 from mechdiff.tasks.entity_tracking import pair_batch_tensors, path_patching_pairs
+from mechdiff.common.components import Head
 
 TOL = 1e-4
 
@@ -200,3 +202,124 @@ def test_scan_command_on_another_task(tmp_path, monkeypatch, smollm2_tokenizer):
     assert meta["task"] == "ioi" and len(meta["effects"]) == 3 and loads == ["tiny"]
     assert main(["scan", "--task", "ioi", "--model", "tiny", "--position", "query_label", "--out", str(out)]) == 2
     assert loads == ["tiny"]  # refused before the model loads
+
+
+@pytest.fixture
+def small_pairs(smollm2_tokenizer):
+    return path_patching_pairs(smollm2_tokenizer, 4, n_boxes=3, seed=5)
+
+
+def test_scan_positions_as_an_int_a_name_or_a_tensor_and_the_record(tiny_llama, smollm2_tokenizer):
+    """One int is that position in every example (the same scan as the tensor of it); ``"last"`` is the last
+    position; the result records each example's position, the clean and source metrics and its fields."""
+    from mechdiff.common.metrics import answer_prob
+    from mechdiff.patching.scan import scan
+    from mechdiff.tasks.entity_tracking import pair_batch_tensors
+
+    t = pair_batch_tensors(path_patching_pairs(smollm2_tokenizer, 2, n_boxes=3, seed=7))
+    clean, answers = t["base"]["input_ids"], t["target_ids"]
+    source = torch.randint(0, 5000, clean.shape, generator=torch.Generator().manual_seed(0))
+    n, length = clean.shape
+    at = scan(tiny_llama, clean, source, answers, site="z", positions=length - 3, per_pass=5)
+    same = scan(tiny_llama, clean, source, answers, site="z", positions=torch.full((n,), length - 3), per_pass=5)
+    torch.testing.assert_close(at.effects, same.effects, rtol=0, atol=0)  # exact: one position given two ways
+    assert at.positions == [length - 3] * n
+    last = scan(tiny_llama, clean, source, answers, site="z", positions="last", per_pass=5)
+    assert last.positions == [length - 1] * n
+    assert scan(tiny_llama, clean, source, answers, site="z", positions=None, per_pass=12).positions == []
+    with torch.no_grad():
+        p_source = answer_prob(tiny_llama.model(source).logits[:, -1], answers).mean()
+    assert last.source == pytest.approx(float(p_source), abs=1e-6)
+    assert last.to_dict() == {"site": "z", "metric": "prob", "axes": ["layer", "head"],
+                              "label": "change in probability of the answer (prob)",
+                              "clean": last.clean, "source": last.source, "positions": [length - 1] * n,
+                              "effects": last.effects.tolist()}
+    with pytest.raises(ValueError, match="^per_pass must be at least 1$"):
+        scan(tiny_llama, clean, source, answers, per_pass=0)
+    for bad, message in (("first", "positions must be 'last', an int, a LongTensor [batch] or None, not 'first'"),
+                         (length, f"positions must give one position in [0, {length}) per example"),
+                         (torch.tensor([1]), f"positions must give one position in [0, {length}) per example")):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            scan(tiny_llama, clean, source, answers, site="z", positions=bad)
+
+
+def _scan_prompts(tokenizer, n: int = 2):
+    from mechdiff.tasks.entity_tracking import pair_batch_tensors
+
+    t = pair_batch_tensors(path_patching_pairs(tokenizer, n, n_boxes=3, seed=7))
+    clean = t["base"]["input_ids"]
+    return clean, torch.randint(0, 5000, clean.shape, generator=torch.Generator().manual_seed(0)), t["target_ids"]
+
+
+def test_scan_logit_difference_is_the_difference_of_the_answer_logit_scans(tiny_llama, smollm2_tokenizer):
+    """The effect on logit(a) - logit(o) is the effect on logit(a) minus the effect on logit(o): the
+    alternative answers are stacked with the copies like the answers."""
+    from mechdiff.patching.scan import scan
+
+    clean, source, answers = _scan_prompts(smollm2_tokenizer)
+    other = answers.roll(1) + 7
+    diff = scan(tiny_llama, clean, source, answers, site="z", metric="logit_diff", other_ids=other, per_pass=5)
+    a = scan(tiny_llama, clean, source, answers, site="z", metric="answer_logit", per_pass=5)
+    o = scan(tiny_llama, clean, source, other, site="z", metric="answer_logit", per_pass=5)
+    torch.testing.assert_close(diff.effects, a.effects - o.effects, rtol=1e-4, atol=1e-5)
+    assert float(diff.effects.abs().max()) > 1e-3
+
+
+def test_resid_scan_does_not_depend_on_how_positions_are_grouped(tiny_llama, smollm2_tokenizer):
+    """Positions scanned two per pass (three passes, the last one short) or all in one pass, given as a list
+    or a tensor: the same grid."""
+    from mechdiff.patching.scan import scan
+
+    clean, source, answers = _scan_prompts(smollm2_tokenizer)
+    positions = [0, 3, 6, 9, clean.shape[1] - 1]
+    two = scan(tiny_llama, clean, source, answers, site="resid", positions=positions, per_pass=2)
+    one = scan(tiny_llama, clean, source, answers, site="resid", positions=positions, per_pass=8)
+    torch.testing.assert_close(two.effects, one.effects, rtol=1e-4, atol=1e-6)
+    as_tensor = scan(tiny_llama, clean, source, answers, site="resid", positions=torch.tensor(positions), per_pass=8)
+    assert as_tensor.positions == positions
+    torch.testing.assert_close(as_tensor.effects, one.effects, rtol=0, atol=0)  # exact: the same positions
+    every = scan(tiny_llama, clean, source, answers, site="resid", positions=None, per_pass=32)
+    assert every.positions == list(range(clean.shape[1]))
+    torch.testing.assert_close(every.effects[:, positions], one.effects, rtol=1e-4, atol=1e-6)
+    assert scan(tiny_llama, clean, source, answers, site="resid", positions="all", per_pass=32).positions == \
+        every.positions
+    with pytest.raises(ValueError, match="^" + re.escape(f"resid scan positions must lie in [0, {clean.shape[1]})") + "$"):
+        scan(tiny_llama, clean, source, answers, site="resid", positions=[0, clean.shape[1]])
+    assert bool((one.effects[:, -1] != 0).all())  # the last position moves the answer at every layer
+
+
+def _spy(module, monkeypatch) -> list[tuple[tuple, dict]]:
+    """Record every ``run`` call ``module`` makes (arguments and keywords), still running it."""
+    calls, original = [], module.run
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "run", recorded)
+    return calls
+
+
+def test_scans_and_activation_patches_are_suffix_runs(tiny_llama, small_pairs, monkeypatch):
+    """Cost, not values: head scans at one position, resid scans and activation patches with a prefix read
+    the clean keys and values; head scans resume at each pass's first layer."""
+    import mechdiff.patching.activation as activation
+    import mechdiff.patching.scan as scan_module
+    from mechdiff.tasks.entity_tracking import pair_batch_tensors
+
+    t = pair_batch_tensors(small_pairs)
+    clean, source, answers = t["base"]["input_ids"], t["source"]["input_ids"], t["target_ids"]
+    calls = _spy(scan_module, monkeypatch)
+    scan_module.scan(tiny_llama, clean, source, answers, site="z", positions="last", per_pass=4)
+    patched = calls[2:]  # after the clean and the source runs
+    assert len(patched) == 3 and all(k["prefix"] is not None for _, k in patched)
+    assert [None if k["resume"] is None else k["resume"].layer for _, k in patched] == [None, 1, 2]
+    calls.clear()
+    scan_module.scan(tiny_llama, clean, source, answers, site="resid", positions=[3, 5], per_pass=4)
+    assert all(k["prefix"] is not None for _, k in calls[2:]) and len(calls) == 2 + 3
+    calls = _spy(activation, monkeypatch)
+    kv = activation.run(tiny_llama, clean, keep_kv=True).kv
+    calls.clear()
+    activation.activation_patch(tiny_llama, clean, source, [Head(1, 2)], t["base"]["positions"]["query_label"],
+                                prefix=kv)
+    assert calls[-1][1]["prefix"] is kv

@@ -49,3 +49,14 @@ def test_limitations_name_only_what_the_run_did():
     paper = limitations(SimpleNamespace(spec=_spec(discovery={"method": "path"}, scoring={"prune": True,
                                                                                           "prune_rule": "paper"})), {})
     assert "path patching of head groups" in paper and "bounded greedy" not in paper and "pruning `paper`" in paper
+
+
+def test_report_states_an_ordering_only_when_the_paired_interval_excludes_zero():
+    from mechdiff.report.study_report import _ordering
+
+    clear = {"outcomes": {"circuit/v": [1] * 30 + [0] * 10, "circuit/qk": [1] * 20 + [0] * 20}}
+    assert "the first is larger" in _ordering(clear, "circuit/v", "circuit/qk")
+    assert "the second is larger" in _ordering(clear, "circuit/qk", "circuit/v")
+    close = {"outcomes": {"circuit/v": [1] * 21 + [0] * 19, "circuit/qk": [1] * 20 + [0] * 20}}
+    assert "neither is shown to be larger" in _ordering(close, "circuit/v", "circuit/qk")
+    assert _ordering({}, "circuit/v", "circuit/qk") == ""

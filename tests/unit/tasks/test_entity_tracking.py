@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 import pytest
+import torch
 
 from mechdiff.tasks import (
     PAIR_KINDS,
@@ -387,3 +388,16 @@ def test_batch_tensors(tok):
     assert pb["target_ids"].shape == (3,)
     with pytest.raises(ValueError, match="different token lengths"):
         batch_tensors(ex + generate(tok, 1, n_boxes=5))
+
+
+def test_position_classes_partition_every_prompt(smollm2_tokenizer):
+    from mechdiff.tasks.entity_tracking.positions import CLASSES, position_classes
+
+    records = generate(smollm2_tokenizer, 8, n_boxes=4, seed=2)
+    masks = position_classes(records, len(records[0].input_ids))
+    assert set(masks) == set(CLASSES)
+    assert torch.equal(sum(m.int() for m in masks.values()), torch.ones(8, len(records[0].input_ids), dtype=torch.int))
+    for row, r in enumerate(records):
+        assert masks["query_object"][row].nonzero()[:, 0].tolist() == [r.positions["objects"][r.query_index]]
+        assert masks["query_label_context"][row].nonzero()[:, 0].tolist() == [r.positions["query_label_context"]]
+        assert masks["last"][row].nonzero()[:, 0].tolist() == [r.positions["last"]]
