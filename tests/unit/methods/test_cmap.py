@@ -26,7 +26,6 @@ from mechdiff.common.stats import Estimate, bootstrap, mean_estimate
 from mechdiff.tasks.entity_tracking import batch_tensors, generate
 from mechdiff.common.metrics import answer_is_top1, answer_prob
 from mechdiff.patching import core
-from mechdiff.circuits.scoring import prune
 
 LAYER = 1
 

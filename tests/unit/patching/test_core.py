@@ -273,7 +273,7 @@ def _qkv_of(model, nn, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return parts[0], parts[1], parts[2]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])  # separate: the sink tests in test_mutants.py
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])  # separate: the sink tests in methods/knowledge/test_forward.py
 def test_write_qkv_matches_column_patches(family):
     """Writing back the layer's own Q/K/V is the clean run; writing V with KV group 0 zeroed equals the
     driver's column patch of that group; on the fused (GPT-2) and interleaved (NeoX) layouts."""

@@ -311,7 +311,7 @@ def _spy(module, monkeypatch) -> list[tuple[tuple, dict]]:
 
 
 def test_path_patching_runs_compute_only_what_a_sender_changes(tiny_llama, small_pairs, monkeypatch):
-    """Cost, not values (the values are checked against full runs above and in test_path_patching.py): the
+    """Cost, not values (the values are checked against full runs above): the
     frozen and receiver runs resume above the layers no sender or receiver sits in and read the clean keys and
     values before the first position they write; step A at the last token computes that one token."""
     import mechdiff.patching.path as path
