@@ -31,34 +31,35 @@ ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
 RESULTS = MUTANTS / "rerun-results.json"
 FAST = ["-m", "not slow", "-p", "no:anyio", "-p", "no:warnings", "-p", "no:cacheprovider", "-q", "-x"]
-FAMILIES_EDGE = ["tests/unit/test_families.py::test_edge_forward_full_and_empty_circuits",
-                 "tests/unit/test_families.py::test_removing_one_edge_changes_only_its_receiver",
-                 "tests/unit/test_families.py::test_edge_gradients_match_finite_differences"]
-POST_NORM = [f"tests/unit/test_families.py::{t}[{f}]" for f in ("gemma2", "gemma3_text", "gemma3", "olmo2", "olmo3")
+FAMILIES_EDGE = ["tests/unit/models/test_architectures.py::test_edge_forward_full_and_empty_circuits",
+                 "tests/unit/models/test_architectures.py::test_removing_one_edge_changes_only_its_receiver",
+                 "tests/unit/models/test_architectures.py::test_edge_gradients_match_finite_differences"]
+POST_NORM = [f"tests/unit/models/test_architectures.py::{t}[{f}]"
+             for f in ("gemma2", "gemma3_text", "gemma3", "olmo2", "olmo3")
              for t in ("test_edge_forward_full_and_empty_circuits", "test_removing_one_edge_changes_only_its_receiver")]
 U = "tests/unit/"
 TESTS = {  # mutant-name prefix -> the fast tests that exercise it, quickest and most specific first (longest prefix wins)
-    "mechdiff.methods.cmap.": ["tests/unit/test_mutants_cmap.py", "tests/unit/test_cmap.py"],
-    "mechdiff.methods.knowledge.forward.": ["tests/unit/test_mutants_forward.py", "tests/unit/test_mutants.py",
-                                    "tests/unit/test_knowledge.py", *FAMILIES_EDGE, "tests/unit/test_knowledge_acdc.py"],
+    "mechdiff.methods.cmap.": [U + "methods/test_cmap.py"],
+    "mechdiff.methods.knowledge.forward.": [U + "methods/knowledge/test_forward.py", *FAMILIES_EDGE,
+                                            U + "methods/knowledge/test_acdc.py"],
     # the RMS post-norm gain: only models with an attention post-norm reach it
-    "mechdiff.methods.knowledge.forward.x__rms_gain__": ["tests/unit/test_mutants_forward.py", *POST_NORM,
-                                                 "tests/unit/test_knowledge.py::test_pipeline_on_other_families"],
-    "mechdiff.patching.core.": [U + "test_mutants_core.py", U + "test_patching.py", U + "test_suffix_runs.py",
-                                U + "test_mutants_forward.py", *POST_NORM[:2], U + "test_path_patching.py"],
-    "mechdiff.patching.path.": [U + "test_mutants_patching.py", U + "test_path_patching.py", U + "test_patching.py",
-                                U + "test_suffix_runs.py"],
-    "mechdiff.patching.scan.": [U + "test_mutants_patching.py", U + "test_scan.py", U + "test_curve.py",
-                                U + "test_answer_metrics.py"],
-    "mechdiff.patching.ablation.": [U + "test_ablation.py", U + "test_mutants.py", U + "test_mutants_patching.py",
-                                    U + "test_mutants_forward.py", U + "test_scoring.py", U + "test_curve.py"],
-    "mechdiff.patching.activation.": [U + "test_mutants_patching.py", U + "test_patching.py", U + "test_ablation.py",
-                                      U + "test_store.py"],
-    "mechdiff.patching.attribution.": [U + "test_mutants_patching.py", U + "test_path_patching.py",
-                                       U + "test_curve.py"],
-    "mechdiff.methods.dcm.": [U + "test_mutants.py", U + "test_mutants_dcm.py", U + "test_dcm.py", U + "test_answer_metrics.py"],
-    "mechdiff.circuits.scoring.": [U + "test_mutants.py", U + "test_mutants_scoring.py", U + "test_scoring.py",
-                                   U + "test_ablation.py", U + "test_curve.py", U + "test_intervals.py"],
+    "mechdiff.methods.knowledge.forward.x__rms_gain__": [U + "methods/knowledge/test_forward.py", *POST_NORM],
+    "mechdiff.patching.core.": [U + "patching/test_core.py", U + "patching/test_activation.py",
+                                U + "methods/knowledge/test_forward.py", *POST_NORM[:2], U + "patching/test_path.py"],
+    "mechdiff.patching.path.": [U + "patching/test_path.py", U + "patching/test_activation.py",
+                                U + "patching/test_core.py"],
+    "mechdiff.patching.scan.": [U + "patching/test_scan.py", U + "circuits/test_curve.py",
+                                U + "common/test_metrics.py"],
+    "mechdiff.patching.ablation.": [U + "patching/test_ablation.py", U + "circuits/test_scoring.py",
+                                    U + "methods/knowledge/test_forward.py", U + "circuits/test_curve.py"],
+    "mechdiff.patching.activation.": [U + "patching/test_activation.py", U + "patching/test_scan.py",
+                                      U + "patching/test_ablation.py", U + "patching/test_store.py"],
+    "mechdiff.patching.attribution.": [U + "patching/test_attribution.py", U + "patching/test_path.py",
+                                       U + "circuits/test_curve.py"],
+    "mechdiff.methods.dcm.": [U + "methods/test_dcm.py", U + "common/test_metrics.py"],
+    "mechdiff.circuits.scoring.": [U + "circuits/test_scoring.py", U + "patching/test_ablation.py",
+                                   U + "circuits/test_curve.py", U + "circuits/test_positions.py"],
+    "mechdiff.circuits.pruning.": [U + "circuits/test_scoring.py"],
 }
 TIMEOUT_S = 180  # the slowest clean selection takes about 15 s; a mutant past this is counted as timed out (-24)
 

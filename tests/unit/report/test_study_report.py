@@ -1,0 +1,62 @@
+"""The circuits study's report text: each model's findings open with its own bullet, and a limitation names
+only what the run did (a position scan, pruning, CMAP's random control)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from mechdiff.report.study_report import circuit_findings, limitations
+from mechdiff.studies.spec import RunSpec, default_spec
+
+
+def _spec(**changes) -> RunSpec:
+    spec = default_spec()
+    spec.models.base, spec.models.finetunes = "base", ["tuned"]
+    for section, values in changes.items():
+        for key, value in values.items():
+            setattr(getattr(spec, section), key, value)
+    return spec
+
+
+def _own(model: str, n_pairs: int) -> dict:
+    return {"model": model, "circuit": model, "n_pairs": n_pairs, "n_prompts": 50, "faithfulness": 0.9,
+            "faithfulness_low": 0.85, "faithfulness_high": 0.95, "accuracy": 0.8, "accuracy_low": 0.7,
+            "accuracy_high": 0.9}
+
+
+def _scan(classes: list[str]) -> SimpleNamespace:
+    step = {"classes": classes, "faithfulness": {"value": 0.5, "low": 0.4, "high": 0.6, "n": 10}}
+    return SimpleNamespace(result={"scan": {"steps": [step], "n_prompts": 10}})
+
+
+def test_each_model_opens_its_own_bullet_with_or_without_a_position_scan():
+    study = SimpleNamespace(spec=_spec())
+    rows = [_own("base", 10), _own("tuned", 20)]
+    lines = circuit_findings(study, {}, rows).splitlines()
+    assert lines[0].startswith("- **base**: its own circuit (10 ") and lines[1].startswith("- **tuned**: its own")
+    lines = circuit_findings(study, {"base": _scan(["last"]), "tuned": None}, rows).splitlines()
+    assert lines[0].startswith("- **base**: every head kept at `last`")
+    assert lines[1].startswith("  Its own circuit (10 ") and lines[2].startswith("- **tuned**: its own circuit (20 ")
+
+
+def test_limitations_name_only_what_the_run_did():
+    none = limitations(SimpleNamespace(spec=_spec(scoring={"prune": False}, cmap={"n_random": 0})), {})
+    assert "position scan" not in none and "Pruning" not in none and "random control" not in none
+    assert none.startswith("- Departures from Prakash et al.")
+    every = limitations(SimpleNamespace(spec=_spec(scoring={"prune": True, "prune_rule": "greedy"},
+                                                   cmap={"n_random": 3})), {"base": _scan(["last"])})
+    assert "position scan" in every and "bounded greedy search" in every and "random control" in every
+    paper = limitations(SimpleNamespace(spec=_spec(discovery={"method": "path"}, scoring={"prune": True,
+                                                                                          "prune_rule": "paper"})), {})
+    assert "path patching of head groups" in paper and "bounded greedy" not in paper and "pruning `paper`" in paper
+
+
+def test_report_states_an_ordering_only_when_the_paired_interval_excludes_zero():
+    from mechdiff.report.study_report import _ordering
+
+    clear = {"outcomes": {"circuit/v": [1] * 30 + [0] * 10, "circuit/qk": [1] * 20 + [0] * 20}}
+    assert "the first is larger" in _ordering(clear, "circuit/v", "circuit/qk")
+    assert "the second is larger" in _ordering(clear, "circuit/qk", "circuit/v")
+    close = {"outcomes": {"circuit/v": [1] * 21 + [0] * 19, "circuit/qk": [1] * 20 + [0] * 20}}
+    assert "neither is shown to be larger" in _ordering(close, "circuit/v", "circuit/qk")
+    assert _ordering({}, "circuit/v", "circuit/qk") == ""

@@ -1,0 +1,61 @@
+"""The paper's study as a task file: the spec's rules and its checks (mechdiff.studies.spec)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("name", ["entity_tracking_llama7b.toml", "entity_tracking_paper_form.toml"])
+def test_task_file_resolves_to_the_paper_rules(name):
+    from mechdiff.tasks.plan import default_plan
+    from mechdiff.methods.dcm import PAPER_DCM
+    from mechdiff.studies.circuits import dcm_config
+    from mechdiff.studies.spec import load_spec
+
+    spec = load_spec(ROOT / "tasks" / name)
+    steps = [s.name for s in default_plan().steps]
+    d, s, c, m = spec.discovery, spec.scoring, spec.dcm, spec.cmap
+    # discovery: path patching of A-D with the paper's k (experiment_1/minimality.py: 58/10/25/5)
+    # (on SmolLM2: scaled by 270 / 1024 heads and rounded up)
+    k = {"A": 58, "B": 10, "C": 25, "D": 5}
+    if "llama7b" not in name:
+        k = {g: math.ceil(v * 270 / 1024) for g, v in k.items()}
+    assert d.method == "path" and d.n == 100 and d.top_k == k
+    assert list(d.top_k) == steps
+    # pruning: the paper's pairwise rule on accuracy over 100 prompts
+    assert (s.prune, s.prune_rule, s.prune_metric, s.prune_n, s.prune_threshold, s.prune_share) == \
+        (True, "paper", "accuracy", 100, 0.01, 0.3)
+    # DCM: the paper's training on the pruned groups A-D, 2000 pairs split 50/25/25
+    assert c.circuit == "pruned" and c.groups == steps
+    assert (c.n_train, c.n_val, c.n_test) == (1000, 500, 500)
+    config = dcm_config(spec)
+    for key, value in PAPER_DCM.items():
+        assert getattr(config, key) == (pytest.approx(value) if key == "split" else value), key
+    # CMAP: each fine-tune's pruned circuit cut to its DCM selections, the paper's patch sites
+    assert m.scope == "paper" and m.groups == steps and m.isolate
+    assert m.selection == {"A": "object_value", "B": "positional", "C": "positional"}
+    assert set(m.selection.values()) <= set(c.desiderata) and set(m.parts) >= {"z", "q", "k", "v"}
+    if "llama7b" in name:  # only = true runs the reproduction table; only = false the stages above
+        assert spec.reproduce.only and spec.reproduce.circuit
+    else:  # the same study on the embedded family, every stage
+        assert (spec.models.base, spec.models.finetunes) == ("smollm2-et-early", ["smollm2-et"])
+        assert not spec.reproduce.circuit
+
+
+def test_task_file_paper_stages_need_pruning(tmp_path):
+    from mechdiff.studies.spec import SpecError, load_spec
+
+    text = (ROOT / "tasks" / "entity_tracking_llama7b.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("[scoring]\n", "[scoring]\nprune = false\n"))
+    with pytest.raises(SpecError, match="prune = true"):
+        load_spec(bad)
+    bad.write_text(text.replace('desiderata = ["positional", "object_value", "label_value"]',
+                                'desiderata = ["label_value"]'))
+    with pytest.raises(SpecError, match="selection names desiderata"):
+        load_spec(bad)
