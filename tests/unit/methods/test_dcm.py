@@ -625,8 +625,11 @@ def test_a_position_absent_from_a_source_prompt_is_refused(model, dcm_pairs):
         source_z(model, batch, [1], "last")
 
 
-def test_a_quiet_dcm_prints_nothing(model, dcm_pairs, capsys):
-    """``progress=False``: no bar from the cache, training, validation or evaluation."""
+def test_a_quiet_dcm_prints_nothing(model, dcm_pairs, capsys, monkeypatch):
+    """``progress=False``: no bar from the cache, training, validation or evaluation, even on a terminal."""
+    from mechdiff.common import progress
+
+    monkeypatch.setattr(progress, "interactive", lambda stream=None: True)  # bars drawn as on a terminal
     circuit = Circuit("tiny", "entity-tracking", {"A": [Head(1, 0), Head(2, 1)]}, {"A": "last"})
     dcm_circuit(model, circuit, {"one": dcm_pairs[:9]}, DCMConfig(epochs=1, batch_size=3, eval_every=1, n_random=1),
                 progress=False)
