@@ -17,6 +17,8 @@ from ..common.stats import Estimate, paired_difference
 from .bars import grouped_bars
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
+from .rows import (cmap_caption, cmap_has_gap, cmap_paired_caption, cmap_paired_rows, cmap_rows, dcm_rows,
+                   semantic_rows)
 from ..runs.seeds import PROMPT_OFFSETS
 from ..runs.stages import StageRecord, label
 from .tables import estimate_columns, to_markdown, write_table
@@ -27,11 +29,6 @@ Study = Any
 
 def _est(d: dict) -> Estimate:
     return Estimate(d["value"], d["low"], d["high"], d["n"])
-
-
-def _has_gap(cmap_result: dict) -> bool:
-    """Whether the fine-tune is above the base on the CMAP prompts beyond both CIs."""
-    return _est(cmap_result["finetune_accuracy"]).low > _est(cmap_result["base_accuracy"]).high
 
 
 def _fmt(d: dict) -> str:
@@ -210,35 +207,19 @@ def overlap_section(study: "Study", circuits: dict) -> tuple[str, dict]:
     return "\n".join(text), out
 
 
-def dcm_rows(dcm: "StageRecord") -> list[dict]:
-    """One row per (group, desideratum): the selected heads, target accuracy, floor and random heads."""
-    rows = []
-    for r in dcm.result["dcm"]:
-        row = {"group": r["group"], "desideratum": r["desideratum"], "position": r["position"],
-               "n_heads": len(r["heads"]), "selected": " ".join(r["selected"]) or "-"}
-        row.update(estimate_columns("accuracy", r["test_accuracy"]))
-        row.update(estimate_columns("floor", r["floor"]))
-        if r.get("random"):
-            row.update(estimate_columns("random", r["random"]))
-        rows.append(row)
-    return rows
-
-
 DCM_CAPTION = ("heads whose mask went to 0 for each desideratum, target accuracy on held-out pairs with them "
                "patched, the no-intervention floor and random heads of the same size")
 
 
 def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict] = None) -> str:
     """The base's DCM and its semantic patching; each fine-tune's own DCM where CMAP as the paper read it."""
-    text = _table(study, dcm_rows(dcm), "dcm", f"DCM on the base model's circuit: {DCM_CAPTION}")
-    sem = [{"group": s["group"], "desideratum": s["desideratum"], "model": s["model"], "heads": " ".join(s["heads"]),
-            **estimate_columns("accuracy", s["accuracy"]), **estimate_columns("floor", s["floor"])}
-           for s in dcm.result["semantic"]]
+    text = _table(study, dcm_rows(dcm.result["dcm"]), "dcm", f"DCM on the base model's circuit: {DCM_CAPTION}")
+    sem = semantic_rows(dcm.result["semantic"])
     if sem:
         text += "\n" + _table(study, sem, "semantic_patching",
                               "Semantic patching: the same DCM-selected heads patched in every model")
     for ft, rec in (finetune_dcm or {}).items():
-        text += "\n" + _table(study, dcm_rows(rec), f"dcm_{label(ft)}",
+        text += "\n" + _table(study, dcm_rows(rec.result["dcm"]), f"dcm_{label(ft)}",
                               f"DCM on {ft}'s own pruned circuit (its selections are the heads CMAP as the paper "
                               f"patches): {DCM_CAPTION}")
     return text
@@ -252,18 +233,10 @@ def cmap_section(study: "Study", cmap: dict) -> str:
             text.append(f"_CMAP {ft}: skipped, {r['skipped']}._\n")
             continue
         base_acc, ft_acc = _est(r["base_accuracy"]), _est(r["finetune_accuracy"])
-        gap = _has_gap(r)  # a share of the gap means nothing when there is no gap
-        rows = [{"scope": row["scope"], "kind": row["kind"], **estimate_columns("accuracy", row["accuracy"]),
-                 **({"recovered": row["recovered"]} if gap else {})} for row in r["rows"] + r.get("random_rows", [])]
-        share = ("recovered = (patched - base)/(fine-tune - base)" if gap else
-                 "no recovered share: the fine-tune is not above the base beyond their CIs")
-        caption = f"CMAP {ft} -> {r['base']}: base accuracy {base_acc}, fine-tune {ft_acc}; {share}. {r['caption']}"
-        text.append(_table(study, rows, f"cmap_{label(ft)}", caption))
+        text.append(_table(study, cmap_rows(r), f"cmap_{label(ft)}", cmap_caption(r, ft)))
         if "circuit" in r:  # CMAP as the paper: the fine-tune's pruned circuit cut to its DCM selections
             text.append(_patched_heads(study, Circuit.from_dict(r["circuit"])))
-        text.append(_table(study, _paired_rows(r), f"cmap_paired_{label(ft)}",
-                           f"CMAP {ft} -> {r['base']}: paired differences of accuracy on the same prompts (paired "
-                           "bootstrap CI); a part is larger than another only where the interval excludes 0"))
+        text.append(_table(study, cmap_paired_rows(r), f"cmap_paired_{label(ft)}", cmap_paired_caption(r, ft)))
         scopes = list(dict.fromkeys(row["scope"] for row in r["rows"]))
         kinds = list(dict.fromkeys(row["kind"] for row in r["rows"]))
         series = {k: [next((_est(x["accuracy"]) for x in r["rows"] if x["scope"] == s and x["kind"] == k), None)
@@ -284,25 +257,6 @@ def _patched_heads(study: "Study", circuit: Circuit) -> str:
         why = f"DCM {selection[g]}" if g in selection else "the whole pruned group"
         lines.append(f"- {_group_label(g, circuit.positions[g])}, {why}: {' '.join(h.name for h in heads) or '-'}")
     return "\n".join(lines) + "\n"
-
-
-def _paired_rows(result: dict) -> list[dict]:
-    """Each (scope, kind) against the plain base and against its random control; V - QK and Q - K per scope."""
-    outcomes, rows = result.get("outcomes", {}), []
-
-    def add(a: str, b: str) -> None:
-        if a in outcomes and b in outcomes:
-            rows.append({"first": a, "second": b,
-                         **estimate_columns("difference", paired_difference(outcomes[a], outcomes[b]))})
-
-    for row in result["rows"]:
-        key = f"{row['scope']}/{row['kind']}"
-        add(key, "base")
-        add(key, f"random:{key}")
-    for scope in dict.fromkeys(row["scope"] for row in result["rows"]):
-        add(f"{scope}/v", f"{scope}/qk")
-        add(f"{scope}/q", f"{scope}/k")
-    return rows
 
 
 def _cost(manifest: dict) -> str:
@@ -372,7 +326,7 @@ def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], over
                          f"p = {everything['p_value']:.2g}).")
         r = cmap.get(ft)
         r = None if r is None or "skipped" in r.result else r
-        gap = r and _has_gap(r.result)
+        gap = r and cmap_has_gap(r.result)
         if r and not gap:
             lines.append(f"  On the CMAP prompts {ft} ({_fmt(r.result['finetune_accuracy'])}) is not above {base} "
                          f"({_fmt(r.result['base_accuracy'])}): there is no gain for CMAP to localise.")
