@@ -1,14 +1,16 @@
-"""The rows of each table that both a command and a study write: one function per measurement, so
-``mechdiff dcm`` and ``mechdiff run`` (and the other commands beside it) name its columns one way.
+"""The rows of each table that both a command and a study write: one function per measurement, so the
+standalone commands (``mechdiff dcm``, ``cmap``, ``compare``, ``score``, ``curve``, ``positions``) and the circuits
+study's report (``mechdiff run``) name its columns one way.
 
 Each function reads the records a stage keeps (the ``to_dict`` forms: :meth:`mechdiff.methods.dcm.DCMResult.to_dict`,
-:meth:`mechdiff.methods.cmap.CMAPResult.to_dict`, the scan, curve and matrix results as JSON), so a command
-passes what it computed and the study what its stage record holds. The columns are the study's (the trajectory
-study keys a stage on ``accuracy_low`` and ``floor_high`` of the DCM table)."""
+:meth:`mechdiff.methods.cmap.CMAPResult.to_dict`; the scan, curve, matrix and completeness results as JSON), so a
+command passes what it computed and the study what its stage record holds. The columns are the study's (the
+trajectory study keys a stage on ``accuracy_low`` and ``floor_high`` of the DCM table); where the study's table
+holds every model it adds a ``model`` column in front."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from ..common.stats import Estimate, paired_difference
 from .tables import estimate_columns
@@ -87,3 +89,51 @@ def cmap_paired_caption(result: Mapping[str, Any], finetune: str) -> str:
     """The caption of :func:`cmap_paired_rows`."""
     return (f"CMAP {finetune} -> {result['base']}: paired differences of accuracy on the same prompts (paired "
             "bootstrap CI); a part is larger than another only where the interval excludes 0")
+
+
+def scan_rows(scan: Mapping[str, Any]) -> list[dict]:
+    """One row per greedy step of a position scan: the class added and the kept set's accuracy and faithfulness."""
+    return [{"step": i + 1, "added": s["added"], **estimate_columns("accuracy", s["accuracy"]),
+             **estimate_columns("faithfulness", s["faithfulness"]),
+             **estimate_columns("faithfulness_prob", s["faithfulness_prob"])} for i, s in enumerate(scan["steps"])]
+
+
+def curve_rows(curve: Mapping[str, Any]) -> list[dict]:
+    """One row per size of a faithfulness curve: the fraction of pairs, the pairs kept, accuracy and faithfulness
+    (accuracy and answer probability)."""
+    return [{"fraction": r["fraction"], "n_pairs": r["n_pairs"], **estimate_columns("accuracy", r["accuracy"]),
+             **estimate_columns("faithfulness", r["faithfulness"]),
+             **estimate_columns("faithfulness_prob", r["faithfulness_prob"])} for r in curve["rows"]]
+
+
+#: The columns of :func:`circuit_x_model_rows` (each with its ``_low`` and ``_high``).
+CIRCUIT_X_MODEL = ("circuit", "model", "n_pairs", "full_accuracy", "accuracy", "faithfulness", "random_accuracy",
+                   "random_faithfulness")
+
+
+def circuit_x_model_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """The circuit x model table from :func:`mechdiff.circuits.scoring.matrix_rows`: the columns of
+    :data:`CIRCUIT_X_MODEL` and, where random circuits were drawn, the range of their accuracies."""
+    shown = []
+    for r in rows:
+        row = {k: v for k, v in r.items() if k.split("_low")[0].split("_high")[0] in CIRCUIT_X_MODEL}
+        if r.get("random_draws"):
+            row["random_draws_min_max"] = f"{min(r['random_draws']):.3f}-{max(r['random_draws']):.3f}"
+        shown.append(row)
+    return shown
+
+
+def completeness_rows(completeness: Mapping[str, Optional[Mapping[str, Any]]]) -> list[dict]:
+    """One row per model of :func:`mechdiff.circuits.scoring.completeness` results (``{model: result}``; a model
+    without one is left out): random K's mean and std over the draws (where drawn), then each group's."""
+    rows = []
+    for name, comp in completeness.items():
+        if not comp:
+            continue
+        row = {"model": name}
+        if "random" in comp:
+            row.update({"random K mean": comp["random"]["mean"], "random K std": comp["random"]["std"]})
+        row.update({f"group {g}": "n/a" if v["completeness"] is None else v["completeness"]
+                    for g, v in comp["groups"].items()})
+        rows.append(row)
+    return rows

@@ -17,8 +17,8 @@ from ..common.stats import Estimate, paired_difference
 from .bars import grouped_bars
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
-from .rows import (cmap_caption, cmap_has_gap, cmap_paired_caption, cmap_paired_rows, cmap_rows, dcm_rows,
-                   semantic_rows)
+from .rows import (circuit_x_model_rows, cmap_caption, cmap_has_gap, cmap_paired_caption, cmap_paired_rows, cmap_rows,
+                   completeness_rows, curve_rows, dcm_rows, scan_rows, semantic_rows)
 from ..runs.seeds import PROMPT_OFFSETS
 from ..runs.stages import StageRecord, label
 from .tables import estimate_columns, to_markdown, write_table
@@ -62,12 +62,7 @@ def positions_section(study: "Study", positions: dict) -> str:
     for name, rec in positions.items():
         if rec is None:
             continue
-        scan = rec.result["scan"]
-        for i, step in enumerate(scan["steps"], 1):
-            rows.append({"model": name, "step": i, "added": step["added"],
-                         **estimate_columns("accuracy", step["accuracy"]),
-                         **estimate_columns("faithfulness", step["faithfulness"]),
-                         **estimate_columns("faithfulness_prob", step["faithfulness_prob"])})
+        rows += [{"model": name, **row} for row in scan_rows(rec.result["scan"])]
         figs.append(f"![position scan {name}]({rec.result['figure']})")
     if not rows:
         return "_No position scan ([positions] n = 0)._\n"
@@ -116,10 +111,8 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
                      f"frequency, membership before and after pruning (`tables/heads.csv`, {len(heads)} rows; the "
                      "grid of `report.html` shows them on hover).")
     lines += ["", "![circuit membership](figures/membership.png)", "", *figs, ""]
-    curves = [{"model": n, **{k: r[k] for k in ("fraction", "n_pairs")},
-               **estimate_columns("accuracy", r["accuracy"]), **estimate_columns("faithfulness", r["faithfulness"]),
-               **estimate_columns("faithfulness_prob", r["faithfulness_prob"])}
-              for n, rec in found.items() if "curve" in rec.result for r in rec.result["curve"]["rows"]]
+    curves = [{"model": n, **row} for n, rec in found.items() if "curve" in rec.result
+              for row in curve_rows(rec.result["curve"])]
     if curves:
         lines.append(_table(study, curves, "curve", f"Faithfulness of nested circuits (the top fraction of the "
                             f"attribution ranking) on {study.spec.discovery.curve_n} prompts per model, disjoint "
@@ -164,27 +157,13 @@ def pruning_section(study: "Study", pruned: dict) -> str:
 
 def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
     rows = [r for rec in matrix.values() for r in rec.result["rows"]]
-    keep = ("circuit", "model", "n_pairs", "full_accuracy", "accuracy", "faithfulness", "random_accuracy",
-            "random_faithfulness")
-    shown = [{k: v for k, v in r.items() if k.split("_low")[0].split("_high")[0] in keep} for r in rows]
-    for r, row in zip(rows, shown):
-        if r.get("random_draws"):
-            row["random_draws_min_max"] = f"{min(r['random_draws']):.3f}-{max(r['random_draws']):.3f}"
     s = study.spec.scoring
-    text = _table(study, shown, "circuit_x_model",
+    text = _table(study, circuit_x_model_rows(rows), "circuit_x_model",
                   f"Circuit x model on {s.n} fresh held-out prompts per model: accuracy with every other (head, "
                   "position) mean-ablated (exact binomial CI), faithfulness F(C)/F(M) (bootstrap CI), and "
                   f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit "
                   "(pooled accuracy; the range of the draws' accuracies)")
-    comp_rows = []
-    for name, rec in matrix.items():
-        comp = rec.result.get("completeness")
-        if not comp:
-            continue
-        row = {"model": name, "random K mean": comp["random"]["mean"], "random K std": comp["random"]["std"]}
-        row.update({f"group {g}": "n/a" if v["completeness"] is None else v["completeness"]
-                    for g, v in comp["groups"].items()})
-        comp_rows.append(row)
+    comp_rows = completeness_rows({name: rec.result.get("completeness") for name, rec in matrix.items()})
     if comp_rows:
         text += "\n" + _table(study, comp_rows, "completeness",
                               "Completeness |F(C\\K) - F(M\\K)| of each model's own circuit (accuracy): random K "

@@ -72,8 +72,9 @@ def test_dcm_command_writes_the_study_dcm_and_semantic_tables(tmp_path, monkeypa
 
 
 def _cmap_result(gap: bool) -> CMAPResult:
-    rows = [CMAPRow("A", "z", _est(0.7, 8), _est(0.6, 8), 0.5), CMAPRow("A", "qk", _est(0.5, 8), _est(0.4, 8), 0.1),
-            CMAPRow("A", "v", _est(0.6, 8), _est(0.5, 8), 0.3), CMAPRow("circuit", "z", _est(0.9, 8), _est(0.8, 8), 0.9)]
+    rows = [CMAPRow(scope, kind, _est(acc, 8), _est(acc - 0.1, 8), recovered)
+            for scope, kind, acc, recovered in (("A", "z", 0.7, 0.5), ("A", "qk", 0.5, 0.1), ("A", "v", 0.6, 0.3),
+                                                ("circuit", "z", 0.9, 0.9))]
     random_rows = [CMAPRow("random:A", "z", _est(0.45, 8), _est(0.4, 8), 0.05)]
     outcomes = {"base": [0, 1, 0, 0, 1, 0, 0, 1], "A/z": [1, 1, 0, 1, 1, 0, 1, 1], "A/qk": [0, 1, 0, 1, 1, 0, 0, 1],
                 "A/v": [1, 1, 0, 0, 1, 0, 1, 1], "circuit/z": [1, 1, 1, 1, 1, 0, 1, 1],
