@@ -20,7 +20,8 @@ from pathlib import Path
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.report.html import write_html
-from mechdiff.report.study_report import DCM_CAPTION, _patched_heads, _table, dcm_rows
+from mechdiff.report.rows import dcm_rows
+from mechdiff.report.study_report import DCM_CAPTION, patched_heads, study_table
 from mechdiff.studies.circuits import CircuitsStudy
 from mechdiff.runs.stages import StageRecord, key_hash
 
@@ -51,10 +52,10 @@ def main() -> None:
     if (dcm.key, cmap.key) != (committed[f"dcm:{FINETUNE}"], committed[f"cmap:{FINETUNE}"]) or rows != table:
         raise SystemExit("the recomputed DCM/CMAP differ from the committed run; nothing written")
     study.dir = RESULTS  # the tables go beside the committed ones
-    text = _table(study, dcm_rows(dcm), f"dcm_{FINETUNE}",
+    text = study_table(study, dcm_rows(dcm.result["dcm"]), f"dcm_{FINETUNE}",
                   f"DCM on {FINETUNE}'s own pruned circuit (its selections are the heads CMAP as the paper "
                   f"patches): {DCM_CAPTION}")
-    heads = _patched_heads(study, Circuit.from_dict(cmap.result["circuit"]))
+    heads = patched_heads(study, Circuit.from_dict(cmap.result["circuit"]))
     (RESULTS / "tables" / f"cmap_heads_{FINETUNE}.md").write_text(heads)
     add_to_report(text + "\n" + heads)
     write_html(RESULTS)

@@ -17,6 +17,8 @@ from ..common.stats import Estimate, paired_difference
 from .bars import grouped_bars
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
+from .rows import (circuit_x_model_rows, cmap_caption, cmap_has_gap, cmap_paired_caption, cmap_paired_rows, cmap_rows,
+                   completeness_rows, curve_rows, dcm_rows, scan_rows, semantic_rows)
 from ..runs.seeds import PROMPT_OFFSETS
 from ..runs.stages import StageRecord, label
 from .tables import estimate_columns, to_markdown, write_table
@@ -29,16 +31,11 @@ def _est(d: dict) -> Estimate:
     return Estimate(d["value"], d["low"], d["high"], d["n"])
 
 
-def _has_gap(cmap_result: dict) -> bool:
-    """Whether the fine-tune is above the base on the CMAP prompts beyond both CIs."""
-    return _est(cmap_result["finetune_accuracy"]).low > _est(cmap_result["base_accuracy"]).high
-
-
 def _fmt(d: dict) -> str:
     return str(_est(d))
 
 
-def _table(study: "Study", rows: list[dict], stem: str, caption: str) -> str:
+def study_table(study: "Study", rows: list[dict], stem: str, caption: str) -> str:
     """Write a table in four formats under ``tables/`` and return its Markdown for the report."""
     if not rows:
         return f"**{caption}**\n\n_No rows: the stage had nothing to measure (e.g. every group was pruned empty)._\n"
@@ -55,7 +52,7 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
     n = study.spec.eval.n
     what = (f"{n} held-out {study.spec.task.n_boxes}-box prompts (objects disjoint from fine-tuning objects; "
             if _held_out(study) else f"{n} held-out {study.task.name} prompts (")
-    text = _table(study, rows, "accuracy", f"Accuracy on {what}exact binomial CI for accuracy, bootstrap for probability)")
+    text = study_table(study, rows, "accuracy", f"Accuracy on {what}exact binomial CI for accuracy, bootstrap for probability)")
     return text, rows
 
 
@@ -65,17 +62,12 @@ def positions_section(study: "Study", positions: dict) -> str:
     for name, rec in positions.items():
         if rec is None:
             continue
-        scan = rec.result["scan"]
-        for i, step in enumerate(scan["steps"], 1):
-            rows.append({"model": name, "step": i, "added": step["added"],
-                         **estimate_columns("accuracy", step["accuracy"]),
-                         **estimate_columns("faithfulness", step["faithfulness"]),
-                         **estimate_columns("faithfulness_prob", step["faithfulness_prob"])})
+        rows += [{"model": name, **row} for row in scan_rows(rec.result["scan"])]
         figs.append(f"![position scan {name}]({rec.result['figure']})")
     if not rows:
         return "_No position scan ([positions] n = 0)._\n"
     n = study.spec.positions.n
-    text = _table(study, rows, "position_scan", f"Position scan on {n} prompts per model: every head kept at the "
+    text = study_table(study, rows, "position_scan", f"Position scan on {n} prompts per model: every head kept at the "
                   "classes chosen so far, every head mean-ablated at every other position; greedy by accuracy, "
                   f"stopping at faithfulness {study.spec.positions.stop_at}")
     return "\n".join([text, *figs, ""])
@@ -105,7 +97,7 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
     loaded = {n: Circuit.from_dict(found[n].result["circuit"]) for n in found}
     membership_heatmap(loaded, shape.n_layers, shape.n_heads, study.dir / "figures" / "membership.png",
                        title="circuit membership per model")
-    text = _table(study, rows, "circuit_sizes", "Circuit sizes: (head, position) pairs and distinct heads; for the "
+    text = study_table(study, rows, "circuit_sizes", "Circuit sizes: (head, position) pairs and distinct heads; for the "
                   "curve method the fraction of all pairs, whether the target was reached, and the share of the "
                   "circuit's pairs selected in at least half of the bootstrap resamples; after pruning")
     lines = [text, "Pairs per position class of each model's circuit:\n"]
@@ -119,18 +111,16 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
                      f"frequency, membership before and after pruning (`tables/heads.csv`, {len(heads)} rows; the "
                      "grid of `report.html` shows them on hover).")
     lines += ["", "![circuit membership](figures/membership.png)", "", *figs, ""]
-    curves = [{"model": n, **{k: r[k] for k in ("fraction", "n_pairs")},
-               **estimate_columns("accuracy", r["accuracy"]), **estimate_columns("faithfulness", r["faithfulness"]),
-               **estimate_columns("faithfulness_prob", r["faithfulness_prob"])}
-              for n, rec in found.items() if "curve" in rec.result for r in rec.result["curve"]["rows"]]
+    curves = [{"model": n, **row} for n, rec in found.items() if "curve" in rec.result
+              for row in curve_rows(rec.result["curve"])]
     if curves:
-        lines.append(_table(study, curves, "curve", f"Faithfulness of nested circuits (the top fraction of the "
+        lines.append(study_table(study, curves, "curve", f"Faithfulness of nested circuits (the top fraction of the "
                             f"attribution ranking) on {study.spec.discovery.curve_n} prompts per model, disjoint "
                             "from the ranking prompts and from those of the circuit x model matrix"))
         areas = [{"model": n, **{k: rec.result["curve"][k] for k in ("cpr_prob", "cmd_prob", "cpr_accuracy",
                                                                      "cmd_accuracy")}}
                  for n, rec in found.items() if "curve" in rec.result]
-        lines.append(_table(study, areas, "cpr_cmd", "CPR and CMD (MIB): areas under the normalised faithfulness "
+        lines.append(study_table(study, areas, "cpr_cmd", "CPR and CMD (MIB): areas under the normalised faithfulness "
                             "(m(C) - m(empty)) / (m(M) - m(empty)) and under |1 - it|, over the fraction of pairs"))
     return "\n".join(lines)
 
@@ -162,34 +152,20 @@ def pruning_section(study: "Study", pruned: dict) -> str:
                    f"{s.prune_metric} metric by more than {s.prune_threshold} of the circuit's own F(C), with K grown "
                    f"greedily ({s.prune_steps} steps, {s.prune_candidates} candidates each; the search skipped for "
                    f"pairs already above the threshold at K = {{}}) on {s.prune_n} prompts of their own")
-    return _table(study, rows, "pruning", caption)
+    return study_table(study, rows, "pruning", caption)
 
 
 def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
     rows = [r for rec in matrix.values() for r in rec.result["rows"]]
-    keep = ("circuit", "model", "n_pairs", "full_accuracy", "accuracy", "faithfulness", "random_accuracy",
-            "random_faithfulness")
-    shown = [{k: v for k, v in r.items() if k.split("_low")[0].split("_high")[0] in keep} for r in rows]
-    for r, row in zip(rows, shown):
-        if r.get("random_draws"):
-            row["random_draws_min_max"] = f"{min(r['random_draws']):.3f}-{max(r['random_draws']):.3f}"
     s = study.spec.scoring
-    text = _table(study, shown, "circuit_x_model",
+    text = study_table(study, circuit_x_model_rows(rows), "circuit_x_model",
                   f"Circuit x model on {s.n} fresh held-out prompts per model: accuracy with every other (head, "
                   "position) mean-ablated (exact binomial CI), faithfulness F(C)/F(M) (bootstrap CI), and "
                   f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit "
                   "(pooled accuracy; the range of the draws' accuracies)")
-    comp_rows = []
-    for name, rec in matrix.items():
-        comp = rec.result.get("completeness")
-        if not comp:
-            continue
-        row = {"model": name, "random K mean": comp["random"]["mean"], "random K std": comp["random"]["std"]}
-        row.update({f"group {g}": "n/a" if v["completeness"] is None else v["completeness"]
-                    for g, v in comp["groups"].items()})
-        comp_rows.append(row)
+    comp_rows = completeness_rows({name: rec.result.get("completeness") for name, rec in matrix.items()})
     if comp_rows:
-        text += "\n" + _table(study, comp_rows, "completeness",
+        text += "\n" + study_table(study, comp_rows, "completeness",
                               "Completeness |F(C\\K) - F(M\\K)| of each model's own circuit (accuracy): random K "
                               f"({s.completeness_draws} draws, each pair in K with probability 0.5) and K = one group")
     return text, rows
@@ -204,24 +180,10 @@ def overlap_section(study: "Study", circuits: dict) -> tuple[str, dict]:
         second = Circuit.from_dict(circuits[ft].result["circuit"])
         rows = overlap_table(first, second, shape.n_layers, shape.n_heads)
         out[ft] = rows
-        text.append(_table(study, rows, f"overlap_{label(base)}_{label(ft)}",
+        text.append(study_table(study, rows, f"overlap_{label(base)}_{label(ft)}",
                            f"Overlap of the {base} circuit (first) and the {ft} circuit (second); p: hypergeometric "
                            f"probability of at least this intersection for random head sets of these sizes"))
     return "\n".join(text), out
-
-
-def dcm_rows(dcm: "StageRecord") -> list[dict]:
-    """One row per (group, desideratum): the selected heads, target accuracy, floor and random heads."""
-    rows = []
-    for r in dcm.result["dcm"]:
-        row = {"group": r["group"], "desideratum": r["desideratum"], "position": r["position"],
-               "n_heads": len(r["heads"]), "selected": " ".join(r["selected"]) or "-"}
-        row.update(estimate_columns("accuracy", r["test_accuracy"]))
-        row.update(estimate_columns("floor", r["floor"]))
-        if r.get("random"):
-            row.update(estimate_columns("random", r["random"]))
-        rows.append(row)
-    return rows
 
 
 DCM_CAPTION = ("heads whose mask went to 0 for each desideratum, target accuracy on held-out pairs with them "
@@ -230,15 +192,13 @@ DCM_CAPTION = ("heads whose mask went to 0 for each desideratum, target accuracy
 
 def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict] = None) -> str:
     """The base's DCM and its semantic patching; each fine-tune's own DCM where CMAP as the paper read it."""
-    text = _table(study, dcm_rows(dcm), "dcm", f"DCM on the base model's circuit: {DCM_CAPTION}")
-    sem = [{"group": s["group"], "desideratum": s["desideratum"], "model": s["model"], "heads": " ".join(s["heads"]),
-            **estimate_columns("accuracy", s["accuracy"]), **estimate_columns("floor", s["floor"])}
-           for s in dcm.result["semantic"]]
+    text = study_table(study, dcm_rows(dcm.result["dcm"]), "dcm", f"DCM on the base model's circuit: {DCM_CAPTION}")
+    sem = semantic_rows(dcm.result["semantic"])
     if sem:
-        text += "\n" + _table(study, sem, "semantic_patching",
+        text += "\n" + study_table(study, sem, "semantic_patching",
                               "Semantic patching: the same DCM-selected heads patched in every model")
     for ft, rec in (finetune_dcm or {}).items():
-        text += "\n" + _table(study, dcm_rows(rec), f"dcm_{label(ft)}",
+        text += "\n" + study_table(study, dcm_rows(rec.result["dcm"]), f"dcm_{label(ft)}",
                               f"DCM on {ft}'s own pruned circuit (its selections are the heads CMAP as the paper "
                               f"patches): {DCM_CAPTION}")
     return text
@@ -252,18 +212,10 @@ def cmap_section(study: "Study", cmap: dict) -> str:
             text.append(f"_CMAP {ft}: skipped, {r['skipped']}._\n")
             continue
         base_acc, ft_acc = _est(r["base_accuracy"]), _est(r["finetune_accuracy"])
-        gap = _has_gap(r)  # a share of the gap means nothing when there is no gap
-        rows = [{"scope": row["scope"], "kind": row["kind"], **estimate_columns("accuracy", row["accuracy"]),
-                 **({"recovered": row["recovered"]} if gap else {})} for row in r["rows"] + r.get("random_rows", [])]
-        share = ("recovered = (patched - base)/(fine-tune - base)" if gap else
-                 "no recovered share: the fine-tune is not above the base beyond their CIs")
-        caption = f"CMAP {ft} -> {r['base']}: base accuracy {base_acc}, fine-tune {ft_acc}; {share}. {r['caption']}"
-        text.append(_table(study, rows, f"cmap_{label(ft)}", caption))
+        text.append(study_table(study, cmap_rows(r), f"cmap_{label(ft)}", cmap_caption(r, ft)))
         if "circuit" in r:  # CMAP as the paper: the fine-tune's pruned circuit cut to its DCM selections
-            text.append(_patched_heads(study, Circuit.from_dict(r["circuit"])))
-        text.append(_table(study, _paired_rows(r), f"cmap_paired_{label(ft)}",
-                           f"CMAP {ft} -> {r['base']}: paired differences of accuracy on the same prompts (paired "
-                           "bootstrap CI); a part is larger than another only where the interval excludes 0"))
+            text.append(patched_heads(study, Circuit.from_dict(r["circuit"])))
+        text.append(study_table(study, cmap_paired_rows(r), f"cmap_paired_{label(ft)}", cmap_paired_caption(r, ft)))
         scopes = list(dict.fromkeys(row["scope"] for row in r["rows"]))
         kinds = list(dict.fromkeys(row["kind"] for row in r["rows"]))
         series = {k: [next((_est(x["accuracy"]) for x in r["rows"] if x["scope"] == s and x["kind"] == k), None)
@@ -275,7 +227,7 @@ def cmap_section(study: "Study", cmap: dict) -> str:
     return "\n".join(text)
 
 
-def _patched_heads(study: "Study", circuit: Circuit) -> str:
+def patched_heads(study: "Study", circuit: Circuit) -> str:
     """The heads CMAP patched per group: DCM's selection under the group's desideratum (``[cmap] selection``,
     part of the CMAP stage's key, so the record was cut by it), else the whole group."""
     selection = study.spec.cmap.selection
@@ -284,25 +236,6 @@ def _patched_heads(study: "Study", circuit: Circuit) -> str:
         why = f"DCM {selection[g]}" if g in selection else "the whole pruned group"
         lines.append(f"- {_group_label(g, circuit.positions[g])}, {why}: {' '.join(h.name for h in heads) or '-'}")
     return "\n".join(lines) + "\n"
-
-
-def _paired_rows(result: dict) -> list[dict]:
-    """Each (scope, kind) against the plain base and against its random control; V - QK and Q - K per scope."""
-    outcomes, rows = result.get("outcomes", {}), []
-
-    def add(a: str, b: str) -> None:
-        if a in outcomes and b in outcomes:
-            rows.append({"first": a, "second": b,
-                         **estimate_columns("difference", paired_difference(outcomes[a], outcomes[b]))})
-
-    for row in result["rows"]:
-        key = f"{row['scope']}/{row['kind']}"
-        add(key, "base")
-        add(key, f"random:{key}")
-    for scope in dict.fromkeys(row["scope"] for row in result["rows"]):
-        add(f"{scope}/v", f"{scope}/qk")
-        add(f"{scope}/q", f"{scope}/k")
-    return rows
 
 
 def _cost(manifest: dict) -> str:
@@ -372,7 +305,7 @@ def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], over
                          f"p = {everything['p_value']:.2g}).")
         r = cmap.get(ft)
         r = None if r is None or "skipped" in r.result else r
-        gap = r and _has_gap(r.result)
+        gap = r and cmap_has_gap(r.result)
         if r and not gap:
             lines.append(f"  On the CMAP prompts {ft} ({_fmt(r.result['finetune_accuracy'])}) is not above {base} "
                          f"({_fmt(r.result['base_accuracy'])}): there is no gain for CMAP to localise.")

@@ -13,22 +13,9 @@ from ..methods.dcm import DCMConfig, DCMResult, dcm_circuit, semantic_patching, 
 from ..common.io import write_json
 from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
-from ..report.tables import estimate_columns, to_markdown, write_table
+from ..report.rows import dcm_rows, semantic_rows
+from ..report.tables import to_markdown, write_table
 from ..tasks.base import PairRecord
-
-
-def dcm_rows(results: list[DCMResult]) -> list[dict]:
-    """One row per (group, desideratum): the heads selected, test accuracy, floor, whole group, random heads."""
-    rows = []
-    for r in results:
-        row = {"group": r.group, "position": r.position, "desideratum": r.desideratum, "n_heads": len(r.heads),
-               "n_selected": len(r.selected), "selected": " ".join(h.name for h in r.selected) or "-"}
-        row.update(estimate_columns("test_accuracy", r.test_accuracy))
-        row.update(estimate_columns("floor", r.floor))
-        row.update(estimate_columns("full_group", r.full_group))
-        row.update(estimate_columns("random", r.random) if r.random else {"random": None})
-        rows.append(row)
-    return rows
 
 
 def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: Mapping[str, Sequence[PairRecord]],
@@ -40,10 +27,11 @@ def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: M
     it is ready: the DCM table before semantic patching loads the other models, then the semantic table."""
     model = models[models.names[0]]
     results = dcm_circuit(model, circuit, dict(desiderata), config, groups)
-    rows = dcm_rows(results)
+    records = [r.to_dict() for r in results]
+    rows = dcm_rows(records)
     caption = (f"DCM on {model.name} ({config.parameterisation} masks, lambda={config.lam}): heads whose z at the "
                "group's position, patched from the source, makes the desideratum's target win; test accuracy vs the "
-               "no-intervention floor, the whole group, and random head sets of the selected size.")
+               "no-intervention floor and random head sets of the selected size (the whole group: dcm.png, dcm.json).")
     write_table(rows, out / "dcm", caption=caption)
     echo(to_markdown(rows))
     grouped_bars(out / "dcm.png", [f"{r.group}/{r.desideratum}" for r in results],
@@ -51,7 +39,7 @@ def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: M
                   "whole group": [r.full_group for r in results], "random": [r.random for r in results]},
                  title=f"DCM on {model.name}", ylabel="target accuracy (test)")
     summary = {"model": model.name, "task": task, "fingerprint": model.fingerprint, "circuit": circuit_path,
-               "n_boxes": n_boxes, "results": [r.to_dict() for r in results]}
+               "n_boxes": n_boxes, "results": records}
     if len(models) > 1:
         summary["semantic"], semantic_text = _semantic(models, results, desiderata, config, out)
         echo(semantic_text)
@@ -61,17 +49,16 @@ def dcm_run(models: ModelSet, circuit: Circuit, circuit_path: str, desiderata: M
 def _semantic(models: ModelSet, results: list[DCMResult], desiderata: Mapping[str, Sequence[PairRecord]],
               config: DCMConfig, out: Path) -> tuple[list[dict], str]:
     """Patch each selection into every model of the set, on that desideratum's test pairs."""
-    rows, records = [], []
+    records = []
     for r in results:
         if not r.selected:
             continue
         test = split_pairs(list(desiderata[r.desideratum]), config.split, config.seed)[2]
         for sem in semantic_patching((models[n] for n in models.names), r.selected, r.position, test,
                                      config.eval_batch):
-            rows.append({"group": r.group, "desideratum": r.desideratum, "model": sem.model,
-                         "heads": " ".join(h.name for h in r.selected),
-                         **estimate_columns("accuracy", sem.accuracy), **estimate_columns("floor", sem.floor)})
-            records.append({"group": r.group, "desideratum": r.desideratum, **sem.to_dict()})
+            records.append({"group": r.group, "desideratum": r.desideratum, "heads": [h.name for h in r.selected],
+                            **sem.to_dict()})
+    rows = semantic_rows(records)
     if not rows:
         return records, "semantic patching skipped: no DCM mask selected any head"
     write_table(rows, out / "semantic", caption="Semantic patching: the DCM-selected heads patched source -> base "

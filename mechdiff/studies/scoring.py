@@ -22,6 +22,7 @@ from ..models.loading import LoadedModel
 from ..models.modelset import ModelSet
 from ..report.membership import membership_heatmap
 from ..report.positions import curve_figure, position_scan_figure
+from ..report.rows import circuit_x_model_rows, completeness_rows, curve_rows, scan_rows
 from ..report.tables import estimate_columns, to_markdown, write_table
 from ..tasks.base import Task
 from ..runs.seeds import prompt_seed
@@ -80,27 +81,6 @@ def faithfulness_rows(res: dict) -> list[dict]:
     return rows
 
 
-def completeness_rows(res: dict) -> list[dict]:
-    """One row per K: random subsets (mean +- std over draws, CI over draws) and each group."""
-    rows = []
-    if "random" in res:
-        r = res["random"]
-        rows.append({"K": f"random (p={res['p']}, {len(r['draws'])} draws)", "size": None,
-                     **estimate_columns("completeness", {**r["ci"], "value": r["mean"]}), "std": r["std"]})
-    for g, r in res["groups"].items():
-        d = r["difference"]
-        if d is None:  # an empty group: completeness is undefined
-            rows.append({"K": f"group {g}", "size": 0, "completeness": "n/a", "std": None})
-            continue
-        lo, hi = sorted((abs(d["low"]), abs(d["high"])))
-        if d["low"] <= 0 <= d["high"]:
-            lo = 0.0
-        rows.append({"K": f"group {g}", "size": r["size"],
-                     **estimate_columns("completeness", {"value": r["completeness"], "low": lo, "high": hi}),
-                     "std": None})
-    return rows
-
-
 def score_circuit(model: LoadedModel, circuit: Circuit, circuit_path: str, prompts: ScoringPrompts, out: Path,
                   n_random: int, completeness_draws: int, metric: Metric, with_completeness: bool,
                   settings: dict, echo: Callable[[str], None] = print) -> None:
@@ -116,7 +96,7 @@ def score_circuit(model: LoadedModel, circuit: Circuit, circuit_path: str, promp
     if with_completeness:
         result["completeness"] = completeness(scorer, circuit, n_draws=completeness_draws, seed=prompts.seed,
                                               metric=metric)
-        rows = completeness_rows(result["completeness"])
+        rows = completeness_rows({model.name: result["completeness"]})
         write_table(rows, out / "completeness", caption=f"Completeness ({metric}) of {circuit_path} on {model.name}")
         echo("\n" + to_markdown(rows))
     write_json(out / "score.json", result)
@@ -165,8 +145,9 @@ def compare_circuits(models: ModelSet, circuits: Mapping[str, Circuit], prompts:
     for lm in models:
         rows += matrix_rows(lm.name, dict(circuits), prompts.scorer(lm), n_random=n_random, seed=prompts.seed)
         fingerprints[lm.name] = lm.fingerprint
-    write_table(rows, out / "matrix", caption="Circuits x models: accuracy with only the circuit, faithfulness")
-    text = [to_markdown(rows)]
+    shown = circuit_x_model_rows(rows)
+    write_table(shown, out / "matrix", caption="Circuits x models: accuracy with only the circuit, faithfulness")
+    text = [to_markdown(shown)]
     result = {"settings": settings, "fingerprints": fingerprints, "matrix": rows}
     if len(circuits) > 1:
         result["overlap"] = overlap_rows(circuits, shape.n_layers, shape.n_heads)
@@ -176,15 +157,6 @@ def compare_circuits(models: ModelSet, circuits: Mapping[str, Circuit], prompts:
     write_json(out / "compare.json", result)
     text.append(f"wrote {out}/matrix.*, {'overlap.*, ' if len(circuits) > 1 else ''}membership.png, compare.json")
     return "\n\n".join(text)
-
-
-def curve_rows(curve: dict) -> list[dict]:
-    """One row per size: pairs kept, accuracy, faithfulness (accuracy and probability), MIB-normalised."""
-    return [{"fraction": r["fraction"], "pairs": r["n_pairs"], **estimate_columns("accuracy", r["accuracy"]),
-             **estimate_columns("faithfulness", r["faithfulness"]),
-             **estimate_columns("faithfulness_prob", r["faithfulness_prob"]),
-             "normalised_accuracy": r["normalised_accuracy"], "normalised_prob": r["normalised_prob"]}
-            for r in curve["rows"]]
 
 
 def size_curve(model: LoadedModel, prompts: ScoringPrompts, out: Path, sizes: Sequence[float], target: float,
@@ -214,13 +186,6 @@ def size_curve(model: LoadedModel, prompts: ScoringPrompts, out: Path, sizes: Se
                                     "circuit": [pair_name(p) for p in ranked[:n]]})
     return (f"{to_markdown(rows)}\n\nsmallest circuit reaching faithfulness {target}: "
             + (f"{n} pairs ({chosen['fraction']:.0%} of {len(ranked)})" if chosen else "none of the sizes scored"))
-
-
-def scan_rows(res: dict) -> list[dict]:
-    """One row per greedy step: the class added and the kept set's accuracy and faithfulness."""
-    return [{"step": i + 1, "added": s["added"], **estimate_columns("accuracy", s["accuracy"]),
-             **estimate_columns("faithfulness", s["faithfulness"]),
-             **estimate_columns("faithfulness_prob", s["faithfulness_prob"])} for i, s in enumerate(res["steps"])]
 
 
 def scan_positions(model: LoadedModel, prompts: ScoringPrompts, out: Path, metric: Metric,

@@ -276,7 +276,7 @@ def test_score_and_positions_hand_each_table_to_echo_as_the_command_prints_them(
     sections: list[str] = []
     assert score_circuit(lm, Circuit.load(first), first, prompts, tmp_path / "s", 1, 2, "accuracy", True, {},
                          echo=sections.append) is None
-    assert len(sections) == 2 and "faithfulness [95% CI]" in sections[0] and sections[1].startswith("\n| K ")
+    assert len(sections) == 2 and "faithfulness [95% CI]" in sections[0] and sections[1].startswith("\n| model ")
     capsys.readouterr()
     assert main(["score", "--model", model, "--circuit", first, "--n-random", "1", "--completeness-draws", "2",
                  "--out", str(tmp_path / "c"), *DATA]) == 0
@@ -311,6 +311,45 @@ def test_compare_command(tiny_dirs, tmp_path):
     assert (a["intersection"], a["frac_first"], a["jaccard"]) == (1, 0.5, 1 / 3)
     assert (out / "membership.png").is_file() and (out / "overlap.tex").is_file()
     assert main(["compare", "--models", dirs[0], "--circuits", f"{first},{first}", "--out", str(out), *DATA]) == 2
+
+
+def test_commands_write_the_study_tables_for_the_same_records(tiny_dirs, tmp_path):
+    """One measurement, one table: compare's matrix, score's completeness and positions' scan are the circuits
+    study's circuit_x_model, completeness and position_scan tables of the same records (the scan's with the model
+    column the study adds); curve's table has the study's columns."""
+    from types import SimpleNamespace
+
+    from mechdiff.cli import main
+    from mechdiff.report.study_report import matrix_section, positions_section
+    from mechdiff.studies.spec import default_spec
+
+    dirs, first, second = tiny_dirs
+    out = tmp_path / "command"
+    assert main(["compare", "--models", dirs[0], "--circuits", f"{first},{second}", "--n-random", "1",
+                 "--out", str(out / "compare"), *DATA]) == 0
+    assert main(["score", "--model", dirs[0], "--circuit", first, "--n-random", "1", "--completeness-draws", "2",
+                 "--out", str(out / "score"), *DATA]) == 0
+    assert main(["positions", "--model", dirs[0], "--max-steps", "2", "--out", str(out / "positions"), *DATA]) == 0
+    assert main(["curve", "--model", dirs[0], "--sizes", "0.1,1.0", "--rank-n", "6", "--out", str(out / "curve"),
+                 *DATA]) == 0
+    compared = json.loads((out / "compare" / "compare.json").read_text())
+    scored = json.loads((out / "score" / "score.json").read_text())
+    scan = json.loads((out / "positions" / "positions.json").read_text())
+    study = SimpleNamespace(dir=tmp_path / "study", spec=default_spec())
+    name = scored["model"]
+    matrix_section(study, {name: SimpleNamespace(result={"rows": compared["matrix"],
+                                                         "completeness": scored["completeness"]})})
+    positions_section(study, {name: SimpleNamespace(result={"scan": scan["scan"], "figure": "scan.png"})})
+    tables = study.dir / "tables"
+    assert (out / "compare" / "matrix.csv").read_text() == (tables / "circuit_x_model.csv").read_text()
+    assert "random_draws_min_max" in (tables / "circuit_x_model.csv").read_text()
+    assert (out / "score" / "completeness.csv").read_text() == (tables / "completeness.csv").read_text()
+    studied = (tables / "position_scan.csv").read_text().splitlines()  # the first column the model's (no comma)
+    assert studied[0].startswith("model,") and all(line.startswith(f"{name},") for line in studied[1:])
+    assert (out / "positions" / "position_scan.csv").read_text().splitlines() == [x.split(",", 1)[1] for x in studied]
+    assert (out / "curve" / "curve.csv").read_text().splitlines()[0] == (
+        "fraction,n_pairs,accuracy,accuracy_low,accuracy_high,faithfulness,faithfulness_low,faithfulness_high,"
+        "faithfulness_prob,faithfulness_prob_low,faithfulness_prob_high")
 
 
 @pytest.mark.parametrize("removed", [

@@ -1,0 +1,139 @@
+"""The rows of each table that both a command and a study write: one function per measurement, so the
+standalone commands (``mechdiff dcm``, ``cmap``, ``compare``, ``score``, ``curve``, ``positions``) and the circuits
+study's report (``mechdiff run``) name its columns one way.
+
+Each function reads the records a stage keeps (the ``to_dict`` forms: :meth:`mechdiff.methods.dcm.DCMResult.to_dict`,
+:meth:`mechdiff.methods.cmap.CMAPResult.to_dict`; the scan, curve, matrix and completeness results as JSON), so a
+command passes what it computed and the study what its stage record holds. The columns are the study's (the
+trajectory study keys a stage on ``accuracy_low`` and ``floor_high`` of the DCM table); where the study's table
+holds every model it adds a ``model`` column in front."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+from ..common.stats import Estimate, paired_difference
+from .tables import estimate_columns
+
+
+def _est(d: Mapping[str, Any]) -> Estimate:
+    return Estimate(d["value"], d["low"], d["high"], d["n"])
+
+
+def dcm_rows(results: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """One row per (group, desideratum) of DCM results (``DCMResult.to_dict``): the selected heads, the target
+    accuracy on the test pairs, the no-intervention floor and random heads of the same size (where drawn)."""
+    rows = []
+    for r in results:
+        row = {"group": r["group"], "desideratum": r["desideratum"], "position": r["position"],
+               "n_heads": len(r["heads"]), "selected": " ".join(r["selected"]) or "-"}
+        row.update(estimate_columns("accuracy", r["test_accuracy"]))
+        row.update(estimate_columns("floor", r["floor"]))
+        if r.get("random"):
+            row.update(estimate_columns("random", r["random"]))
+        rows.append(row)
+    return rows
+
+
+def semantic_rows(records: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """One row per (group, desideratum, model) of semantic patching (``{"group", "desideratum", "heads"} |
+    SemanticResult.to_dict()``): the heads patched, target accuracy and the unpatched floor."""
+    return [{"group": s["group"], "desideratum": s["desideratum"], "model": s["model"], "heads": " ".join(s["heads"]),
+             **estimate_columns("accuracy", s["accuracy"]), **estimate_columns("floor", s["floor"])}
+            for s in records]
+
+
+def cmap_has_gap(result: Mapping[str, Any]) -> bool:
+    """Whether the fine-tune is above the base on the CMAP prompts beyond both CIs (``CMAPResult.to_dict``)."""
+    return _est(result["finetune_accuracy"]).low > _est(result["base_accuracy"]).high
+
+
+def cmap_rows(result: Mapping[str, Any]) -> list[dict]:
+    """One row per (scope, kind), the random controls after: accuracy and, only where the fine-tune is above the
+    base beyond both CIs (:func:`cmap_has_gap`), the recovered share of the gap."""
+    gap = cmap_has_gap(result)  # a share of the gap means nothing when there is no gap
+    return [{"scope": row["scope"], "kind": row["kind"], **estimate_columns("accuracy", row["accuracy"]),
+             **({"recovered": row["recovered"]} if gap else {})}
+            for row in result["rows"] + result.get("random_rows", [])]
+
+
+def cmap_caption(result: Mapping[str, Any], finetune: str) -> str:
+    """The caption of :func:`cmap_rows`: both models' accuracy, what ``recovered`` is, the result's own caption."""
+    share = ("recovered = (patched - base)/(fine-tune - base)" if cmap_has_gap(result) else
+             "no recovered share: the fine-tune is not above the base beyond their CIs")
+    return (f"CMAP {finetune} -> {result['base']}: base accuracy {_est(result['base_accuracy'])}, fine-tune "
+            f"{_est(result['finetune_accuracy'])}; {share}. {result['caption']}")
+
+
+def cmap_paired_rows(result: Mapping[str, Any]) -> list[dict]:
+    """Each (scope, kind) against the plain base and against its random control; V - QK and Q - K per scope:
+    paired differences of accuracy on the same prompts."""
+    outcomes, rows = result.get("outcomes", {}), []
+
+    def add(a: str, b: str) -> None:
+        if a in outcomes and b in outcomes:
+            rows.append({"first": a, "second": b,
+                         **estimate_columns("difference", paired_difference(outcomes[a], outcomes[b]))})
+
+    for row in result["rows"]:
+        key = f"{row['scope']}/{row['kind']}"
+        add(key, "base")
+        add(key, f"random:{key}")
+    for scope in dict.fromkeys(row["scope"] for row in result["rows"]):
+        add(f"{scope}/v", f"{scope}/qk")
+        add(f"{scope}/q", f"{scope}/k")
+    return rows
+
+
+def cmap_paired_caption(result: Mapping[str, Any], finetune: str) -> str:
+    """The caption of :func:`cmap_paired_rows`."""
+    return (f"CMAP {finetune} -> {result['base']}: paired differences of accuracy on the same prompts (paired "
+            "bootstrap CI); a part is larger than another only where the interval excludes 0")
+
+
+def scan_rows(scan: Mapping[str, Any]) -> list[dict]:
+    """One row per greedy step of a position scan: the class added and the kept set's accuracy and faithfulness."""
+    return [{"step": i + 1, "added": s["added"], **estimate_columns("accuracy", s["accuracy"]),
+             **estimate_columns("faithfulness", s["faithfulness"]),
+             **estimate_columns("faithfulness_prob", s["faithfulness_prob"])} for i, s in enumerate(scan["steps"])]
+
+
+def curve_rows(curve: Mapping[str, Any]) -> list[dict]:
+    """One row per size of a faithfulness curve: the fraction of pairs, the pairs kept, accuracy and faithfulness
+    (accuracy and answer probability)."""
+    return [{"fraction": r["fraction"], "n_pairs": r["n_pairs"], **estimate_columns("accuracy", r["accuracy"]),
+             **estimate_columns("faithfulness", r["faithfulness"]),
+             **estimate_columns("faithfulness_prob", r["faithfulness_prob"])} for r in curve["rows"]]
+
+
+#: The columns of :func:`circuit_x_model_rows` (each with its ``_low`` and ``_high``).
+CIRCUIT_X_MODEL = ("circuit", "model", "n_pairs", "full_accuracy", "accuracy", "faithfulness", "random_accuracy",
+                   "random_faithfulness")
+
+
+def circuit_x_model_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """The circuit x model table from :func:`mechdiff.circuits.scoring.matrix_rows`: the columns of
+    :data:`CIRCUIT_X_MODEL` and, where random circuits were drawn, the range of their accuracies."""
+    shown = []
+    for r in rows:
+        row = {k: v for k, v in r.items() if k.split("_low")[0].split("_high")[0] in CIRCUIT_X_MODEL}
+        if r.get("random_draws"):
+            row["random_draws_min_max"] = f"{min(r['random_draws']):.3f}-{max(r['random_draws']):.3f}"
+        shown.append(row)
+    return shown
+
+
+def completeness_rows(completeness: Mapping[str, Optional[Mapping[str, Any]]]) -> list[dict]:
+    """One row per model of :func:`mechdiff.circuits.scoring.completeness` results (``{model: result}``; a model
+    without one is left out): random K's mean and std over the draws (where drawn), then each group's."""
+    rows = []
+    for name, comp in completeness.items():
+        if not comp:
+            continue
+        row = {"model": name}
+        if "random" in comp:
+            row.update({"random K mean": comp["random"]["mean"], "random K std": comp["random"]["std"]})
+        row.update({f"group {g}": "n/a" if v["completeness"] is None else v["completeness"]
+                    for g, v in comp["groups"].items()})
+        rows.append(row)
+    return rows
