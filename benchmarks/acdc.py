@@ -28,11 +28,11 @@ import numpy as np
 import torch
 
 from mechdiff.methods.knowledge.acdc import acdc
-from mechdiff.tasks.relation_data import FactBatch, Relation, batches, build_facts
 from mechdiff.methods.knowledge.discovery import attribution_scores
 from mechdiff.methods.knowledge.forward import edge_forward
 from mechdiff.methods.knowledge.graph import Graph
 from mechdiff.models.loading import load_model
+from mechdiff.tasks.relation_data import FactBatch, Relation, batches, build_facts
 
 
 def top1_facts(model, relation: str, n: int) -> FactBatch:
@@ -57,7 +57,7 @@ def edge_costs(graph: Graph) -> np.ndarray:
     out = np.empty(graph.n_edges)
     for kind, layer, off, r, s in graph.blocks:
         first = L if kind == "logits" else layer
-        out[off:off + r * s] = (L - first + 1) / (L + 1)
+        out[off : off + r * s] = (L - first + 1) / (L + 1)
     return out
 
 
@@ -71,16 +71,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="candidate edges per forward in the batched variants")
     ap.add_argument("--est-facts", type=int, default=20, help="facts in the estimated full run")
     ap.add_argument("--est-tokens", type=int, default=0, help="tokens per fact in the estimate (0: as measured)")
-    ap.add_argument("--last-trials", type=int, default=1500,
-                    help="full graph: measure the fast variant over this many tried edges (LOGITS, then the last layer)")
+    ap.add_argument(
+        "--last-trials",
+        type=int,
+        default=1500,
+        help="full graph: measure the fast variant over this many tried edges (LOGITS, then the last layer)",
+    )
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model = load_model(args.model)
     graph = Graph.for_model(model)
     b = top1_facts(model, args.relation, args.facts)
     n_tok = b.ids.shape[1]
-    print(f"{args.model}: {graph.n_edges} edges; {args.facts} facts of {args.relation} ({n_tok} tokens), "
-          f"tau {args.tau}, zero ablation, match_nll; torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.model}: {graph.n_edges} edges; {args.facts} facts of {args.relation} ({n_tok} tokens), "
+        f"tau {args.tau}, zero ablation, match_nll; torch threads {torch.get_num_threads()}"
+    )
 
     edge_forward(model, graph, b.ids, None)  # warm-up
     times, cpu = [], []
@@ -89,16 +95,20 @@ def main() -> None:
         edge_forward(model, graph, b.ids, None)
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
-    print(f"unit: one edge forward of the {args.facts} facts: {1000 * np.median(cpu):.1f} ms CPU "
-          f"({1000 * np.median(times):.1f} ms wall)")
+    print(
+        f"unit: one edge forward of the {args.facts} facts: {1000 * np.median(cpu):.1f} ms CPU "
+        f"({1000 * np.median(times):.1f} ms wall)"
+    )
 
     with torch.enable_grad():
         scores = attribution_scores(model, graph, [b], "eap", progress=False)
     fraction = args.edges / graph.n_edges
-    variants = [("plain (full forward per edge)", dict(incremental=False, batch=1, skip_dead=False)),
-                ("incremental", dict(incremental=True, batch=1, skip_dead=False)),
-                (f"incremental + batched ({args.batch})", dict(incremental=True, batch=args.batch, skip_dead=False)),
-                ("incremental + batched + dead nodes", dict(incremental=True, batch=args.batch, skip_dead=True))]
+    variants = [
+        ("plain (full forward per edge)", dict(incremental=False, batch=1, skip_dead=False)),
+        ("incremental", dict(incremental=True, batch=1, skip_dead=False)),
+        (f"incremental + batched ({args.batch})", dict(incremental=True, batch=args.batch, skip_dead=False)),
+        ("incremental + batched + dead nodes", dict(incremental=True, batch=args.batch, skip_dead=True)),
+    ]
     rows, ref = [], None
     for name, kw in variants:
         r = acdc(model, graph, [b], args.tau, scores=scores, prefilter=fraction, progress=False, **kw)
@@ -106,20 +116,26 @@ def main() -> None:
         same = bool((r.mask == ref.mask).all())
         diff = float(np.nanmax(np.abs(r.effect - ref.effect)[~np.isnan(ref.effect) & ~np.isnan(r.effect)]))
         rows.append((name, r))
-        print(f"{name:36s} {r.cpu_seconds:6.1f} s CPU ({r.seconds:6.1f} wall)  tried {r.trials:4d}  skipped {r.skipped:4d}  forwards {r.forwards:4d}  "
-              f"fwd-equiv {r.cost:7.1f}  {1000 * r.cpu_seconds / max(r.trials, 1):6.1f} ms CPU/tried edge  "
-              f"kept {int(r.mask.sum())}  same as plain: {same} (max |effect diff| {diff:.1e})")
+        print(
+            f"{name:36s} {r.cpu_seconds:6.1f} s CPU ({r.seconds:6.1f} wall)  tried {r.trials:4d}  skipped {r.skipped:4d}  forwards {r.forwards:4d}  "
+            f"fwd-equiv {r.cost:7.1f}  {1000 * r.cpu_seconds / max(r.trials, 1):6.1f} ms CPU/tried edge  "
+            f"kept {int(r.mask.sum())}  same as plain: {same} (max |effect diff| {diff:.1e})"
+        )
     plain, fast = rows[0][1], rows[2][1]
     s_per_equiv = fast.cpu_seconds / fast.cost  # batched incremental, every candidate tried
     redo = fast.copies / max(fast.trials, 1)  # copies per tried edge (redone speculative tries)
-    print(f"\nCPU seconds per forward-pass equivalent: plain {plain.cpu_seconds / plain.cost:.3f}, batched incremental "
-          f"{s_per_equiv:.3f}; copies per tried edge {redo:.2f}")
+    print(
+        f"\nCPU seconds per forward-pass equivalent: plain {plain.cpu_seconds / plain.cost:.3f}, batched incremental "
+        f"{s_per_equiv:.3f}; copies per tried edge {redo:.2f}"
+    )
 
     # the full graph, no pre-filter: LOGITS and the last layer, measured; the rest extrapolated
     last = acdc(model, graph, [b], args.tau, batch=args.batch, progress=False, max_trials=args.last_trials)
-    print(f"\nfull graph, fast variant, first {last.trials} tried edges (LOGITS then layer "
-          f"{graph.n_layers - 1}): {last.cpu_seconds:.0f} s CPU, {last.skipped} edges skipped as dead, "
-          f"{1000 * last.cpu_seconds / max(last.trials, 1):.0f} ms CPU per tried edge")
+    print(
+        f"\nfull graph, fast variant, first {last.trials} tried edges (LOGITS then layer "
+        f"{graph.n_layers - 1}): {last.cpu_seconds:.0f} s CPU, {last.skipped} edges skipped as dead, "
+        f"{1000 * last.cpu_seconds / max(last.trials, 1):.0f} ms CPU per tried edge"
+    )
     L = graph.n_layers
     tried_last = last.trials - graph.n_senders  # LOGITS is never dead: its n_senders edges are all tried
     tried_share = tried_last / max(tried_last + last.skipped, 1)  # of the last layer's edges met so far
@@ -127,17 +143,23 @@ def main() -> None:
     secs_last = last.cpu_seconds / max(last.cost, 1e-9)  # seconds per forward-pass equivalent, full-graph trials
     est = cost.sum() * tried_share * last.copies / max(last.trials, 1) * secs_last
     scale = args.est_facts / args.facts * ((args.est_tokens or n_tok) / n_tok)
-    print(f"estimate, full ACDC over every edge (plain): {graph.n_edges * plain.cpu_seconds / plain.trials * scale / 3600:.1f} h "
-          f"for {args.est_facts} facts (linear in facts: an upper bound), "
-          f"{graph.n_edges * plain.cpu_seconds / plain.trials / 3600:.1f} h for {args.facts}")
-    print(f"estimate, fast ACDC over every edge, {100 * tried_share:.0f}% of each layer's edges tried (as in layer "
-          f"{L - 1}): {est / 3600:.1f} h for {args.facts} facts")
+    print(
+        f"estimate, full ACDC over every edge (plain): {graph.n_edges * plain.cpu_seconds / plain.trials * scale / 3600:.1f} h "
+        f"for {args.est_facts} facts (linear in facts: an upper bound), "
+        f"{graph.n_edges * plain.cpu_seconds / plain.trials / 3600:.1f} h for {args.facts}"
+    )
+    print(
+        f"estimate, fast ACDC over every edge, {100 * tried_share:.0f}% of each layer's edges tried (as in layer "
+        f"{L - 1}): {est / 3600:.1f} h for {args.facts} facts"
+    )
     order = np.argsort(-np.abs(scores), kind="stable")
     for frac in (0.10, 0.05, 0.02, 0.01):
-        edges = order[:int(np.ceil(frac * graph.n_edges))]
+        edges = order[: int(np.ceil(frac * graph.n_edges))]
         secs = cost[edges].sum() * redo * s_per_equiv
-        print(f"  pre-filter {100 * frac:5.1f}% ({len(edges)} edges), every candidate tried: {secs / 60:.0f} min "
-              f"for {args.facts} facts (dead-node skipping only lowers this)")
+        print(
+            f"  pre-filter {100 * frac:5.1f}% ({len(edges)} edges), every candidate tried: {secs / 60:.0f} min "
+            f"for {args.facts} facts (dead-node skipping only lowers this)"
+        )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,10 @@ def main() -> None:
             raise SystemExit(f"the study keeps the top {len(ranked)} pairs of its ranking; ask for at most that")
         res = faithfulness(scorer, ranked_circuit(ranked, n, args.model, study.task.name))
         f, a = res["circuit"]["faithfulness"], res["circuit"]["accuracy"]
-        print(f"{args.model}: top {n} pairs: faithfulness {f['value']:.3f} [{f['low']:.3f}, {f['high']:.3f}], "
-              f"accuracy {a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}] on {res['n_prompts']} prompts")
+        print(
+            f"{args.model}: top {n} pairs: faithfulness {f['value']:.3f} [{f['low']:.3f}, {f['high']:.3f}], "
+            f"accuracy {a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}] on {res['n_prompts']} prompts"
+        )
 
 
 if __name__ == "__main__":

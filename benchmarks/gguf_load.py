@@ -13,8 +13,10 @@ import subprocess
 import sys
 import tempfile
 
-CHILD = ("import sys, time; from mechdiff.models.loading import load_model; t = time.perf_counter(); "
-         "m = load_model(sys.argv[1]); print(time.perf_counter() - t, m.fingerprint)")
+CHILD = (
+    "import sys, time; from mechdiff.models.loading import load_model; t = time.perf_counter(); "
+    "m = load_model(sys.argv[1]); print(time.perf_counter() - t, m.fingerprint)"
+)
 
 
 def timed(model: str, cache: str) -> tuple[float, str]:

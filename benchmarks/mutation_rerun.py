@@ -31,34 +31,67 @@ ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
 RESULTS = MUTANTS / "rerun-results.json"
 FAST = ["-m", "not slow", "-p", "no:anyio", "-p", "no:warnings", "-p", "no:cacheprovider", "-q", "-x"]
-FAMILIES_EDGE = ["tests/unit/models/test_architectures.py::test_edge_forward_full_and_empty_circuits",
-                 "tests/unit/models/test_architectures.py::test_removing_one_edge_changes_only_its_receiver",
-                 "tests/unit/models/test_architectures.py::test_edge_gradients_match_finite_differences"]
-POST_NORM = [f"tests/unit/models/test_architectures.py::{t}[{f}]"
-             for f in ("gemma2", "gemma3_text", "gemma3", "olmo2", "olmo3")
-             for t in ("test_edge_forward_full_and_empty_circuits", "test_removing_one_edge_changes_only_its_receiver")]
+FAMILIES_EDGE = [
+    "tests/unit/models/test_architectures.py::test_edge_forward_full_and_empty_circuits",
+    "tests/unit/models/test_architectures.py::test_removing_one_edge_changes_only_its_receiver",
+    "tests/unit/models/test_architectures.py::test_edge_gradients_match_finite_differences",
+]
+POST_NORM = [
+    f"tests/unit/models/test_architectures.py::{t}[{f}]"
+    for f in ("gemma2", "gemma3_text", "gemma3", "olmo2", "olmo3")
+    for t in ("test_edge_forward_full_and_empty_circuits", "test_removing_one_edge_changes_only_its_receiver")
+]
 U = "tests/unit/"
 TESTS = {  # mutant-name prefix -> the fast tests that exercise it, quickest and most specific first (longest prefix wins)
     "mechdiff.methods.cmap.": [U + "methods/test_cmap.py"],
-    "mechdiff.methods.knowledge.forward.": [U + "methods/knowledge/test_forward.py", *FAMILIES_EDGE,
-                                            U + "methods/knowledge/test_acdc.py"],
+    "mechdiff.methods.knowledge.forward.": [
+        U + "methods/knowledge/test_forward.py",
+        *FAMILIES_EDGE,
+        U + "methods/knowledge/test_acdc.py",
+    ],
     # the RMS post-norm gain: only models with an attention post-norm reach it
     "mechdiff.methods.knowledge.forward.x__rms_gain__": [U + "methods/knowledge/test_forward.py", *POST_NORM],
-    "mechdiff.patching.core.": [U + "patching/test_core.py", U + "patching/test_activation.py",
-                                U + "methods/knowledge/test_forward.py", *POST_NORM[:2], U + "patching/test_path.py"],
-    "mechdiff.patching.path.": [U + "patching/test_path.py", U + "patching/test_activation.py",
-                                U + "patching/test_core.py"],
-    "mechdiff.patching.scan.": [U + "patching/test_scan.py", U + "circuits/test_curve.py",
-                                U + "common/test_metrics.py"],
-    "mechdiff.patching.ablation.": [U + "patching/test_ablation.py", U + "circuits/test_scoring.py",
-                                    U + "methods/knowledge/test_forward.py", U + "circuits/test_curve.py"],
-    "mechdiff.patching.activation.": [U + "patching/test_activation.py", U + "patching/test_scan.py",
-                                      U + "patching/test_ablation.py", U + "patching/test_store.py"],
-    "mechdiff.patching.attribution.": [U + "patching/test_attribution.py", U + "patching/test_path.py",
-                                       U + "circuits/test_curve.py"],
+    "mechdiff.patching.core.": [
+        U + "patching/test_core.py",
+        U + "patching/test_activation.py",
+        U + "methods/knowledge/test_forward.py",
+        *POST_NORM[:2],
+        U + "patching/test_path.py",
+    ],
+    "mechdiff.patching.path.": [
+        U + "patching/test_path.py",
+        U + "patching/test_activation.py",
+        U + "patching/test_core.py",
+    ],
+    "mechdiff.patching.scan.": [
+        U + "patching/test_scan.py",
+        U + "circuits/test_curve.py",
+        U + "common/test_metrics.py",
+    ],
+    "mechdiff.patching.ablation.": [
+        U + "patching/test_ablation.py",
+        U + "circuits/test_scoring.py",
+        U + "methods/knowledge/test_forward.py",
+        U + "circuits/test_curve.py",
+    ],
+    "mechdiff.patching.activation.": [
+        U + "patching/test_activation.py",
+        U + "patching/test_scan.py",
+        U + "patching/test_ablation.py",
+        U + "patching/test_store.py",
+    ],
+    "mechdiff.patching.attribution.": [
+        U + "patching/test_attribution.py",
+        U + "patching/test_path.py",
+        U + "circuits/test_curve.py",
+    ],
     "mechdiff.methods.dcm.": [U + "methods/test_dcm.py", U + "common/test_metrics.py"],
-    "mechdiff.circuits.scoring.": [U + "circuits/test_scoring.py", U + "patching/test_ablation.py",
-                                   U + "circuits/test_curve.py", U + "circuits/test_positions.py"],
+    "mechdiff.circuits.scoring.": [
+        U + "circuits/test_scoring.py",
+        U + "patching/test_ablation.py",
+        U + "circuits/test_curve.py",
+        U + "circuits/test_positions.py",
+    ],
     "mechdiff.circuits.pruning.": [U + "circuits/test_scoring.py"],
 }
 TIMEOUT_S = 180  # the slowest clean selection takes about 15 s; a mutant past this is counted as timed out (-24)
@@ -79,6 +112,7 @@ def fresh() -> list[str]:
     """Rebuild ``mutants/`` from this checkout (the package, tests and task files, with every module of
     ``[tool.mutmut] only_mutate`` mutated); return every mutant's name, module by module."""
     import shutil
+
     import tomllib
 
     shutil.rmtree(MUTANTS, ignore_errors=True)
@@ -115,8 +149,8 @@ def order(names: list[str], seed: int) -> list[str]:
 
 def _child(name: str, tests: list[str]) -> int:
     """Fork a pytest run of ``tests`` with ``name`` as the mutant under test ("" for none); return its pid."""
-    from mutmut.mutation.trampoline import set_mutant_under_test
     import pytest
+    from mutmut.mutation.trampoline import set_mutant_under_test
 
     pid = os.fork()
     if pid == 0:
@@ -131,11 +165,10 @@ def run(names: list[str], jobs: int = 1) -> dict[str, int]:
     os.chdir(MUTANTS)
     sys.path[:0] = [str(MUTANTS), str(MUTANTS / "tests")]
     os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    import conftest  # the tests' conftest, as pytest imports it: its tokenizer cache is then shared by every fork
     import pytest  # noqa: F401  (imported once, before the forks)
     import torch  # noqa: F401
     import transformers  # noqa: F401
-
-    import conftest  # the tests' conftest, as pytest imports it: its tokenizer cache is then shared by every fork
 
     conftest._smollm2_tokenizer()
     modules = {_module(n) for n in names}
@@ -224,7 +257,9 @@ def summary(names: list[str]) -> None:
     for n in names:
         key = n.rsplit("__mutmut_", 1)[0] if by_function else n.split(".x", 1)[0]
         groups.setdefault(key, []).append(n)
-    print("| scope | mutants | run | killed | survived | timed out | score [exact 95%] |\n|---|---|---|---|---|---|---|")
+    print(
+        "| scope | mutants | run | killed | survived | timed out | score [exact 95%] |\n|---|---|---|---|---|---|---|"
+    )
     for key, group in groups.items():
         codes = [results[n] for n in group if n in results]
         killed = sum(c not in (0, -24) for c in codes)
@@ -251,7 +286,7 @@ if __name__ == "__main__":
         if key in args:
             i = args.index(key)
             options[key] = args[i + 1]
-            del args[i:i + 2]
+            del args[i : i + 2]
     report = [a for a in args if a.startswith("--")]
     args = [a for a in args if not a.startswith("--")]
     names = [n for a in args for n in (Path(a[1:]).read_text().split() if a.startswith("@") else [a])]

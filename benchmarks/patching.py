@@ -116,8 +116,10 @@ def hooked_logits(lm, ids, pre_hooks=()):
 
 def hooked_z(lm, ids):
     zs = {}
-    hooks = [(lm.arch.module(lm.model, "z", l), (lambda l: lambda m, a: zs.__setitem__(l, a[0].clone()))(l))
-             for l in range(lm.shape.n_layers)]
+    hooks = [
+        (lm.arch.module(lm.model, "z", l), (lambda l: lambda m, a: zs.__setitem__(l, a[0].clone()))(l))
+        for l in range(lm.shape.n_layers)
+    ]
     hooked_logits(lm, ids, hooks)
     return zs
 
@@ -133,6 +135,7 @@ def hooks_step_a(lm, batch, senders):
     p0 = prob(hooked_logits(lm, batch.clean_ids), batch.answer_ids).mean()
     out = {}
     for s in senders:
+
         def make(layer):
             def hook(m, a):
                 z = clean_z[layer].clone()
@@ -140,7 +143,9 @@ def hooks_step_a(lm, batch, senders):
                     cols = slice(s.head * d, (s.head + 1) * d)
                     z[rows, pos, cols] = source_z[layer][rows, pos, cols]
                 return (z,)
+
             return hook
+
         hooks = [(lm.arch.module(lm.model, "z", l), make(l)) for l in range(lm.shape.n_layers)]
         p = prob(hooked_logits(lm, batch.clean_ids, hooks), batch.answer_ids).mean()
         out[s] = float((p - p0) / p0)
@@ -160,8 +165,10 @@ def hooks_z_scan(lm, clean, source, answers, heads):
             z = a[0].clone()
             z[:, -1, cols] = source_z[h.layer][:, -1, cols]
             return (z,)
-        grid[h.layer, h.head] = prob(hooked_logits(lm, clean, [(lm.arch.module(lm.model, "z", h.layer), hook)]),
-                                     answers).mean() - p0
+
+        grid[h.layer, h.head] = (
+            prob(hooked_logits(lm, clean, [(lm.arch.module(lm.model, "z", h.layer), hook)]), answers).mean() - p0
+        )
     return grid
 
 
@@ -173,11 +180,18 @@ def main() -> None:
     ap.add_argument("--senders-per-pass", type=int, default=32)
     ap.add_argument("--no-hooks", action="store_true", help="skip the torch-hook reference loops")
     ap.add_argument("--hook-every", type=int, default=1, help="hook loops on every K-th head only")
-    ap.add_argument("--sender-every", type=int, default=1,
-                    help="path patch every K-th eligible sender of each step only (a busy machine)")
+    ap.add_argument(
+        "--sender-every",
+        type=int,
+        default=1,
+        help="path patch every K-th eligible sender of each step only (a busy machine)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--sections", default="steps,baseline,scan,hooks,dcm,mixed",
-                    help="comma-separated: steps, baseline (step A on full-length runs), scan, hooks, dcm, mixed")
+    ap.add_argument(
+        "--sections",
+        default="steps,baseline,scan,hooks,dcm,mixed",
+        help="comma-separated: steps, baseline (step A on full-length runs), scan, hooks, dcm, mixed",
+    )
     ap.add_argument("--dcm-pairs", type=int, default=32, help="training pairs of the DCM epoch")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     ap.add_argument("--device", default=None)
@@ -192,11 +206,21 @@ def main() -> None:
     shape, spp = model.shape, args.senders_per_pass
     ids = batch.clean_ids
     plain = plain_forward(model, ids)
-    fig: dict = {"sender_every": args.sender_every, "model": args.model, "device": str(model.device), "dtype": args.dtype, "n_pairs": args.n,
-                 "tokens": int(batch.clean_ids.shape[1]), "threads": torch.get_num_threads(),
-                 "senders_per_pass": spp, "plain_forward_s": plain}
-    print(f"{args.model} on {model.device} ({args.dtype}), {torch.get_num_threads()} threads; "
-          f"{args.n} pairs x {batch.clean_ids.shape[1]} tokens; plain forward {plain * 1e3:.1f} ms")
+    fig: dict = {
+        "sender_every": args.sender_every,
+        "model": args.model,
+        "device": str(model.device),
+        "dtype": args.dtype,
+        "n_pairs": args.n,
+        "tokens": int(batch.clean_ids.shape[1]),
+        "threads": torch.get_num_threads(),
+        "senders_per_pass": spp,
+        "plain_forward_s": plain,
+    }
+    print(
+        f"{args.model} on {model.device} ({args.dtype}), {torch.get_num_threads()} threads; "
+        f"{args.n} pairs x {batch.clean_ids.shape[1]} tokens; plain forward {plain * 1e3:.1f} ms"
+    )
     print(f"{'measurement':<58}{'per unit / plain fwd':>22}{'peak MB':>10}")
 
     def line(name, ratio, mb, extra=""):
@@ -212,16 +236,26 @@ def main() -> None:
         return
     receivers, exact = None, {}
     for step, (position, kind, _) in STEPS.items():
-        senders = eligible_senders(model, receivers)[::args.sender_every]
+        senders = eligible_senders(model, receivers)[:: args.sender_every]
         scores, secs, plain, mb = timed(
-            lambda: path_patch(model, batch, senders, position, receivers, spp, progress=False), model, ids)
+            lambda: path_patch(model, batch, senders, position, receivers, spp, progress=False), model, ids
+        )
         exact[step] = scores
         ratio = secs / len(senders) / plain
-        fig[f"step_{step}"] = {"senders": len(senders), "seconds": secs, "plain_s": plain, "per_sender": ratio,
-                               "peak_mb": mb,
-                               "receivers": None if receivers is None else [h.name for h in receivers.heads]}
-        line(f"exact path patching step {step} ({len(senders)} senders at {position})", ratio, mb,
-             f"{secs:.1f} s, plain forward {plain:.3f} s")
+        fig[f"step_{step}"] = {
+            "senders": len(senders),
+            "seconds": secs,
+            "plain_s": plain,
+            "per_sender": ratio,
+            "peak_mb": mb,
+            "receivers": None if receivers is None else [h.name for h in receivers.heads],
+        }
+        line(
+            f"exact path patching step {step} ({len(senders)} senders at {position})",
+            ratio,
+            mb,
+            f"{secs:.1f} s, plain forward {plain:.3f} s",
+        )
         attr = attribution_scores(model, batch, position, receivers, senders)
         k = DEFAULT_K[step]
         recall = len(set(select(attr, 2 * k)) & set(select(scores, k))) / k
@@ -231,38 +265,72 @@ def main() -> None:
         if step != "D":
             nxt_position, nxt_kind, _ = STEPS[chr(ord(step) + 1)]
             receivers = Receivers(tuple(chosen), nxt_kind, nxt_position)
-    senders_a = eligible_senders(model, None)[::args.sender_every]
+    senders_a = eligible_senders(model, None)[:: args.sender_every]
     if "baseline" in sections:
         full = dataclasses.replace(batch, clean_kv=None)
-        old, secs, plain, mb = timed(lambda: path_patch(model, full, senders_a, "last", None, 8, progress=False),
-                                     model, ids)
+        old, secs, plain, mb = timed(
+            lambda: path_patch(model, full, senders_a, "last", None, 8, progress=False), model, ids
+        )
         diff = max(abs(old[h] - exact["A"][h]) for h in senders_a)
-        fig["step_A_full_runs"] = {"per_sender": secs / len(senders_a) / plain, "plain_s": plain, "peak_mb": mb,
-                                   "max_abs_diff_to_suffix": diff}
-        line("step A with full-length runs (resume only, 8 per pass)", secs / len(senders_a) / plain, mb,
-             f"max |diff| to suffix runs {diff:.1e}")
+        fig["step_A_full_runs"] = {
+            "per_sender": secs / len(senders_a) / plain,
+            "plain_s": plain,
+            "peak_mb": mb,
+            "max_abs_diff_to_suffix": diff,
+        }
+        line(
+            "step A with full-length runs (resume only, 8 per pass)",
+            secs / len(senders_a) / plain,
+            mb,
+            f"max |diff| to suffix runs {diff:.1e}",
+        )
     if sections & {"scan", "hooks"}:
-        result, secs, plain, mb = timed(lambda: scan(model, batch.clean_ids, batch.source_ids, batch.answer_ids, "z",
-                                                     "last", per_pass=spp), model, ids)
+        result, secs, plain, mb = timed(
+            lambda: scan(model, batch.clean_ids, batch.source_ids, batch.answer_ids, "z", "last", per_pass=spp),
+            model,
+            ids,
+        )
         n_heads = shape.n_layers * shape.n_heads
-        fig["z_scan_last"] = {"heads": n_heads, "seconds": secs, "plain_s": plain, "per_head": secs / n_heads / plain,
-                              "peak_mb": mb}
+        fig["z_scan_last"] = {
+            "heads": n_heads,
+            "seconds": secs,
+            "plain_s": plain,
+            "per_head": secs / n_heads / plain,
+            "peak_mb": mb,
+        }
         line(f"z scan at last ({n_heads} heads)", secs / n_heads / plain, mb)
     if "hooks" in sections and not args.no_hooks:
-        sample = senders_a[::args.hook_every]
+        sample = senders_a[:: args.hook_every]
         ref, secs, plain, mb = timed(lambda: hooks_step_a(model, batch, sample), model, ids)
         diff = max(abs(ref[h] - exact["A"][h]) for h in sample)
-        fig["hooks_step_A"] = {"senders": len(sample), "per_sender": secs / len(sample) / plain, "peak_mb": mb,
-                               "max_abs_diff": diff}
-        line(f"torch hooks, step A, one sender per forward ({len(sample)})", secs / len(sample) / plain, mb,
-             f"max |diff| to mechdiff {diff:.1e}")
-        grid, secs, plain, mb = timed(lambda: hooks_z_scan(model, batch.clean_ids, batch.source_ids,
-                                                           batch.answer_ids, sample), model, ids)
+        fig["hooks_step_A"] = {
+            "senders": len(sample),
+            "per_sender": secs / len(sample) / plain,
+            "peak_mb": mb,
+            "max_abs_diff": diff,
+        }
+        line(
+            f"torch hooks, step A, one sender per forward ({len(sample)})",
+            secs / len(sample) / plain,
+            mb,
+            f"max |diff| to mechdiff {diff:.1e}",
+        )
+        grid, secs, plain, mb = timed(
+            lambda: hooks_z_scan(model, batch.clean_ids, batch.source_ids, batch.answer_ids, sample), model, ids
+        )
         diff = max(abs(float(grid[h.layer, h.head] - result.effects[h.layer, h.head])) for h in sample)
-        fig["hooks_z_scan_last"] = {"heads": len(sample), "per_head": secs / len(sample) / plain, "peak_mb": mb,
-                                    "max_abs_diff": diff}
-        line(f"torch hooks, z scan at last, one head per forward ({len(sample)})", secs / len(sample) / plain, mb,
-             f"max |diff| to mechdiff {diff:.1e}")
+        fig["hooks_z_scan_last"] = {
+            "heads": len(sample),
+            "per_head": secs / len(sample) / plain,
+            "peak_mb": mb,
+            "max_abs_diff": diff,
+        }
+        line(
+            f"torch hooks, z scan at last, one head per forward ({len(sample)})",
+            secs / len(sample) / plain,
+            mb,
+            f"max |diff| to mechdiff {diff:.1e}",
+        )
     _write(args.out, fig)
 
 
@@ -292,11 +360,22 @@ def mixed_scan(model, n: int, per_pass: int, line, repeats: int = 3) -> dict:
     want = sum(results[str(k)].effects.double() for k in groups) / len(groups)
     diff = float((results["mixed"].effects.double() - want).abs().max())
     lengths = sorted({len(p.base.input_ids) for p in mixed})
-    line(f"z scan over {len(mixed)} pairs of {lengths} tokens / sum of the 3 scans", best["mixed"] / total, 0,
-         f"{best['mixed']:.2f} s vs {total:.2f} s, max |diff| {diff:.1e}")
-    return {"lengths": lengths, "n_per_length": n, "repeats": repeats, "mixed_s": best["mixed"],
-            "single_s": {str(k): best[str(k)] for k in groups}, "ratio": best["mixed"] / total,
-            "max_abs_diff": diff, "all_s": times}
+    line(
+        f"z scan over {len(mixed)} pairs of {lengths} tokens / sum of the 3 scans",
+        best["mixed"] / total,
+        0,
+        f"{best['mixed']:.2f} s vs {total:.2f} s, max |diff| {diff:.1e}",
+    )
+    return {
+        "lengths": lengths,
+        "n_per_length": n,
+        "repeats": repeats,
+        "mixed_s": best["mixed"],
+        "single_s": {str(k): best[str(k)] for k in groups},
+        "ratio": best["mixed"] / total,
+        "max_abs_diff": diff,
+        "all_s": times,
+    }
 
 
 def dcm_epochs(model, n_pairs: int, line) -> dict:
@@ -306,8 +385,10 @@ def dcm_epochs(model, n_pairs: int, line) -> dict:
     pairs = path_patching_pairs(model.tokenizer, n_pairs + 8, seed=1)
     shape = model.shape
     out = {}
-    for position, heads in (("last", [Head(shape.n_layers - 7 + i % 6, i % shape.n_heads) for i in range(6)]),
-                            ("query_label", [Head(shape.n_layers // 2 + i, i % shape.n_heads) for i in range(4)])):
+    for position, heads in (
+        ("last", [Head(shape.n_layers - 7 + i % 6, i % shape.n_heads) for i in range(6)]),
+        ("query_label", [Head(shape.n_layers // 2 + i, i % shape.n_heads) for i in range(4)]),
+    ):
         cache = PairCache.build(model, pairs, [(heads, position)], batch_size=16)
         full = dataclasses.replace(cache, kv=None)
         config = DCMConfig(epochs=1)
@@ -317,8 +398,12 @@ def dcm_epochs(model, n_pairs: int, line) -> dict:
             train_mask(model, heads, position, c, range(n_pairs), range(n_pairs, n_pairs + 8), config, progress=False)
             times[name] = time.perf_counter() - t0
         out[position] = {**times, "ratio": times["suffix"] / times["full"], "heads": [h.name for h in heads]}
-        line(f"DCM epoch at {position} ({len(heads)} heads), suffix / full-length runs", times["suffix"] / times["full"],
-             0, f"{times['suffix']:.1f} s vs {times['full']:.1f} s")
+        line(
+            f"DCM epoch at {position} ({len(heads)} heads), suffix / full-length runs",
+            times["suffix"] / times["full"],
+            0,
+            f"{times['suffix']:.1f} s vs {times['full']:.1f} s",
+        )
     return out
 
 

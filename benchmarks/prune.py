@@ -41,16 +41,20 @@ def main() -> None:
     forward = time.perf_counter() - t
     scorer.keep_without(pairs, [sample[0]])  # F(C)'s run, kept for every later removal
     timings = {}
-    for name, score in (("full", lambda v: plain.keep([u for u in pairs if u != v])),
-                        ("incremental", lambda v: scorer.keep_without(pairs, [v]))):
+    for name, score in (
+        ("full", lambda v: plain.keep([u for u in pairs if u != v])),
+        ("incremental", lambda v: scorer.keep_without(pairs, [v])),
+    ):
         t = time.perf_counter()
         results = [score(v) for v in sample[1:]]
         timings[name] = ((time.perf_counter() - t) / len(results), results)
     (full, a), (inc, b) = timings["full"], timings["incremental"]
     error = max(float(np.abs(x.prob - y.prob).max()) for x, y in zip(a, b))
     print(f"{args.model}: {len(pairs)} pairs, {len(scorer.records)} prompts; plain forward {forward:.2f} s")
-    print(f"F(C \\ {{v}}) per pair: full {full:.2f} s ({full / forward:.2f}x forward), incremental {inc:.2f} s "
-          f"({inc / forward:.2f}x forward); speed-up {full / inc:.2f}x; max |prob difference| {error:.1e}")
+    print(
+        f"F(C \\ {{v}}) per pair: full {full:.2f} s ({full / forward:.2f}x forward), incremental {inc:.2f} s "
+        f"({inc / forward:.2f}x forward); speed-up {full / inc:.2f}x; max |prob difference| {error:.1e}"
+    )
 
 
 if __name__ == "__main__":

@@ -19,17 +19,16 @@ import tempfile
 import time
 
 import torch
-from tabulate import tabulate
-
 from patching import timed  # benchmarks/patching.py: median of repeated calls after a warm-up
+from tabulate import tabulate
 
 from mechdiff.common.components import Head
 from mechdiff.patching.core import run
 from mechdiff.patching.path import path_patch, prepare
-from mechdiff.studies.circuits import CircuitsStudy as Study
 from mechdiff.runs.stages import StageCache
-from mechdiff.tasks.entity_tracking import path_patching_pairs
+from mechdiff.studies.circuits import CircuitsStudy as Study
 from mechdiff.studies.spec import default_spec, load_spec
+from mechdiff.tasks.entity_tracking import path_patching_pairs
 
 
 def peak_mib() -> float:
@@ -60,8 +59,9 @@ def overhead(study: Study, n: int, repeats: int = 3) -> list[dict]:
     for layer in (0, model.shape.n_layers - 2):
         sender = [Head(layer, 0)]
         t = timed(lambda: path_patch(model, batch, sender, "last", None, 1, progress=False), repeats)
-        out.append({"sender": sender[0].name, "plain forward": base, "path-patching pass": t,
-                    "ratio": t / base, "n": n})
+        out.append(
+            {"sender": sender[0].name, "plain forward": base, "path-patching pass": t, "ratio": t / base, "n": n}
+        )
     return out
 
 
@@ -98,8 +98,10 @@ def main() -> None:
     print(f"\nwhole study: {total:.0f} s; report: {out}/report.md")
     print()
     for o in overhead(study, args.overhead_n):
-        print(f"patching overhead on {o['n']} prompts, sender {o['sender']}: plain forward "
-              f"{o['plain forward']:.2f} s, path-patching pass {o['path-patching pass']:.2f} s, ratio {o['ratio']:.2f}")
+        print(
+            f"patching overhead on {o['n']} prompts, sender {o['sender']}: plain forward "
+            f"{o['plain forward']:.2f} s, path-patching pass {o['path-patching pass']:.2f} s, ratio {o['ratio']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from mechdiff.models.loading import load_model
 from mechdiff.methods.trajectory import Checkpoints
+from mechdiff.models.loading import load_model
 
 
 def main() -> None:
@@ -33,8 +33,10 @@ def main() -> None:
         if loaded.fingerprint != swapped:
             raise SystemExit(f"{name}: swapped fingerprint {swapped} != loaded {loaded.fingerprint}")
         print(f"{name:20s} swap {swaps[-1]:6.2f} s   load_model {loads[-1]:6.1f} s   fingerprint {swapped}")
-    print(f"setup (base once + every adapter) {setup:.1f} s; {len(swaps)} checkpoints: swaps {sum(swaps):.1f} s "
-          f"+ setup against loads {sum(loads):.1f} s (ratio {(setup + sum(swaps)) / sum(loads):.2f})")
+    print(
+        f"setup (base once + every adapter) {setup:.1f} s; {len(swaps)} checkpoints: swaps {sum(swaps):.1f} s "
+        f"+ setup against loads {sum(loads):.1f} s (ratio {(setup + sum(swaps)) / sum(loads):.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def quiet_library_bars() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mechdiff", description="Compare the mechanisms inside checkpoints of one language model.")
+        prog="mechdiff", description="Compare the mechanisms inside checkpoints of one language model."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what each stage does and skips")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
@@ -64,6 +65,7 @@ def _quiet_terminated(hook: object):
     def unraisable(info: object) -> None:
         if not isinstance(getattr(info, "exc_value", None), Terminated):
             hook(info)  # type: ignore[operator]
+
     return unraisable
 
 
@@ -80,8 +82,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_library_warnings()
     quiet_library_bars()
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     clear_terminated()
     previous, hook = _on_sigterm(terminate), sys.unraisablehook
     sys.unraisablehook = _quiet_terminated(hook)
@@ -95,8 +98,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"mechdiff {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
-        print(f"mechdiff {args.command}: interrupted — every finished stage is kept; "
-              "run the same command again to resume", file=sys.stderr)
+        print(
+            f"mechdiff {args.command}: interrupted — every finished stage is kept; "
+            "run the same command again to resume",
+            file=sys.stderr,
+        )
         return 143 if isinstance(err, Terminated) else 130
     finally:
         _on_sigterm(previous)

@@ -45,8 +45,14 @@ def check_dotted(name: str) -> bool:
             return True
         # a name defined (or imported) in that module: a def, a class, an assignment or an import
         text = found.read_text()
-        return re.search(rf"(def|class)\s+{re.escape(rest[0])}\b|^\s*{re.escape(rest[0])}\s*[:=]|\b{re.escape(rest[0])}\b.*import|import.*\b{re.escape(rest[0])}\b",
-                         text, re.M) is not None
+        return (
+            re.search(
+                rf"(def|class)\s+{re.escape(rest[0])}\b|^\s*{re.escape(rest[0])}\s*[:=]|\b{re.escape(rest[0])}\b.*import|import.*\b{re.escape(rest[0])}\b",
+                text,
+                re.M,
+            )
+            is not None
+        )
     return False
 
 
@@ -68,7 +74,11 @@ def stale() -> list[str]:
                 continue
             if not check_dotted(m):
                 bad.append(f"{rel}: {m}")
-        paths = set(re.findall(r"(?<![\w./-])((?:mechdiff|tests|benchmarks|scripts|%s)/[\w./<>*{}-]*[\w/])" % "|".join(LAYERS), text))
+        paths = set(
+            re.findall(
+                r"(?<![\w./-])((?:mechdiff|tests|benchmarks|scripts|%s)/[\w./<>*{}-]*[\w/])" % "|".join(LAYERS), text
+            )
+        )
         for p in sorted(paths):
             if p.endswith((".py", "/")) or p.startswith(("mechdiff/", "tests/", "benchmarks/", "scripts/")):
                 if not check_path(p.rstrip("/")):

@@ -25,13 +25,14 @@ def main() -> int:
     from mechdiff.circuits.positions import task_classes
     from mechdiff.circuits.pruning import pair_name
     from mechdiff.report.heads import head_rows, write_heads_table
-    from mechdiff.studies.circuits import CircuitsStudy as Study
     from mechdiff.runs.stages import label
-    from mechdiff.studies.spec import RunSpec, SECTIONS
+    from mechdiff.studies.circuits import CircuitsStudy as Study
+    from mechdiff.studies.spec import SECTIONS, RunSpec
 
     manifest = json.loads((run / "run.json").read_text())
-    spec = RunSpec(**{k: SECTIONS[k](**v) for k, v in manifest["spec"].items() if k in SECTIONS},
-                   source=manifest["source"])
+    spec = RunSpec(
+        **{k: SECTIONS[k](**v) for k, v in manifest["spec"].items() if k in SECTIONS}, source=manifest["source"]
+    )
     if spec.discovery.method != "curve":
         raise SystemExit("only curve-method studies have attribution rankings to recompute")
     spec.output.store = args.store
@@ -49,14 +50,19 @@ def main() -> int:
         top = {pair_name(p) for p in ranked[:n]}
         want = {f"{h.name}@{committed.positions[g]}" for g, hs in committed.groups.items() for h in hs}
         if top != want:
-            raise SystemExit(f"{name}: the recomputed top {n} differs from the committed circuit in "
-                             f"{len(top ^ want)} pairs; not writing a table that does not describe it")
+            raise SystemExit(
+                f"{name}: the recomputed top {n} differs from the committed circuit in "
+                f"{len(top ^ want)} pairs; not writing a table that does not describe it"
+            )
         stability = selection_stability(per_prompt, classes, n, d.stability_draws, study.seed("ranking"))
-        found[name] = {"circuit": committed.to_dict(),
-                       "ranking": [[pair_name(p), scores[p]] for p in ranked[: 2 * n]],
-                       "stability": {"selected": {pair_name(p): stability[p] for p in ranked[:n]},
-                                     "others": {pair_name(p): f for p, f in stability.items()
-                                                if f > 0 and pair_name(p) not in top}}}
+        found[name] = {
+            "circuit": committed.to_dict(),
+            "ranking": [[pair_name(p), scores[p]] for p in ranked[: 2 * n]],
+            "stability": {
+                "selected": {pair_name(p): stability[p] for p in ranked[:n]},
+                "others": {pair_name(p): f for p, f in stability.items() if f > 0 and pair_name(p) not in top},
+            },
+        }
         pruned_file = run / "circuits" / f"{label(name)}.pruned.json"
         if pruned_file.exists():
             pruned[name] = {"circuit": json.loads(pruned_file.read_text())}

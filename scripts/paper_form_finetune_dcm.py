@@ -22,8 +22,8 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.report.html import write_html
 from mechdiff.report.rows import dcm_rows
 from mechdiff.report.study_report import DCM_CAPTION, patched_heads, study_table
-from mechdiff.studies.circuits import CircuitsStudy
 from mechdiff.runs.stages import StageRecord, key_hash
+from mechdiff.studies.circuits import CircuitsStudy
 
 RESULTS = Path("results/entity-tracking-smollm2-paper-form")
 TASK_FILE = "tasks/entity_tracking_paper_form.toml"
@@ -40,21 +40,29 @@ def main() -> None:
         circuit_key = key_hash(study._circuit_inputs(name))
         prune_key = key_hash(study._prune_inputs(name, circuit_key))
         if (circuit_key, prune_key) != (committed[f"circuit:{name}"], committed[f"prune:{name}"]):
-            raise SystemExit(f"{name}: the task file's circuit/prune keys differ from the committed run.json; "
-                             "this code or spec did not make those results")
+            raise SystemExit(
+                f"{name}: the task file's circuit/prune keys differ from the committed run.json; "
+                "this code or spec did not make those results"
+            )
     pruned = json.loads((RESULTS / "circuits" / f"{FINETUNE}.pruned.json").read_text())
     prune_rec = StageRecord(f"prune:{FINETUNE}", committed[f"prune:{FINETUNE}"], {"circuit": pruned}, 0.0, True)
     dcm = study.dcm(prune_rec, FINETUNE)
     cmap = study.cmap(FINETUNE, prune_rec, dcm)
     rows = [(r["scope"], r["kind"], r["accuracy"]["value"]) for r in cmap.result["rows"]]
-    table = [(r["scope"], r["kind"], r["accuracy"])
-             for r in json.loads((RESULTS / "tables" / f"cmap_{FINETUNE}.json").read_text())]
+    table = [
+        (r["scope"], r["kind"], r["accuracy"])
+        for r in json.loads((RESULTS / "tables" / f"cmap_{FINETUNE}.json").read_text())
+    ]
     if (dcm.key, cmap.key) != (committed[f"dcm:{FINETUNE}"], committed[f"cmap:{FINETUNE}"]) or rows != table:
         raise SystemExit("the recomputed DCM/CMAP differ from the committed run; nothing written")
     study.dir = RESULTS  # the tables go beside the committed ones
-    text = study_table(study, dcm_rows(dcm.result["dcm"]), f"dcm_{FINETUNE}",
-                  f"DCM on {FINETUNE}'s own pruned circuit (its selections are the heads CMAP as the paper "
-                  f"patches): {DCM_CAPTION}")
+    text = study_table(
+        study,
+        dcm_rows(dcm.result["dcm"]),
+        f"dcm_{FINETUNE}",
+        f"DCM on {FINETUNE}'s own pruned circuit (its selections are the heads CMAP as the paper "
+        f"patches): {DCM_CAPTION}",
+    )
     heads = patched_heads(study, Circuit.from_dict(cmap.result["circuit"]))
     (RESULTS / "tables" / f"cmap_heads_{FINETUNE}.md").write_text(heads)
     add_to_report(text + "\n" + heads)
@@ -68,10 +76,12 @@ def add_to_report(body: str) -> None:
     report = path.read_text()
     if ADDED in report:
         start = report.index(ADDED)
-        report = report[:start] + report[report.index(RUN, start):]
-    section = (f"{ADDED}\n\nWritten by `scripts/paper_form_finetune_dcm.py` from the stages `dcm:{FINETUNE}` and "
-               f"`cmap:{FINETUNE}` recomputed under their committed keys (the recomputed CMAP rows equal the table "
-               "above): the report of this run predates these tables.\n\n" + body + "\n")
+        report = report[:start] + report[report.index(RUN, start) :]
+    section = (
+        f"{ADDED}\n\nWritten by `scripts/paper_form_finetune_dcm.py` from the stages `dcm:{FINETUNE}` and "
+        f"`cmap:{FINETUNE}` recomputed under their committed keys (the recomputed CMAP rows equal the table "
+        "above): the report of this run predates these tables.\n\n" + body + "\n"
+    )
     path.write_text(report.replace(RUN, section + RUN, 1))
 
 

@@ -50,18 +50,27 @@ def compare(run_step: Path, committed: Path) -> dict:
         kb = k.replace("lora_A", "lora_B")
         da, db = (x[kb].float() @ x[k].float() for x in (a, b))
         delta[k.replace(".lora_A.weight", "")] = ((da - db).norm() / db.norm()).item()
-    return {"committed": str(committed.relative_to(ROOT)), "same_tensor_names": same_keys,
-            "bitwise_equal_tensors": same_keys and all(torch.equal(a[k], b[k]) for k in a),
-            "max_abs_diff": max(diffs.values()), "max_abs_diff_over_tensor_max_abs": max(relative.values()),
-            "weight_update_relative_diff": {"max": max(delta.values()),
-                                            "median": sorted(delta.values())[len(delta) // 2], "n_modules": len(delta)},
-            "n_tensors": len(a), "n_tensors_bitwise_equal": sum(torch.equal(a[k], b[k]) for k in a if k in b),
-            "same_file_sha256": sha256(run_step / "adapter_model.safetensors")
-            == sha256(committed / "adapter_model.safetensors"),
-            "same_train_loss": ra["train_loss"] == rb["train_loss"], "max_train_loss_diff": max(losses),
-            "first_train_loss": [ra["train_loss"][0], rb["train_loss"][0]],
-            "same_validation_accuracy": [h["et_accuracy"] for h in ra["history"] if h["step"] in steps_b]
-            == [h["et_accuracy"] for h in rb["history"]]}
+    return {
+        "committed": str(committed.relative_to(ROOT)),
+        "same_tensor_names": same_keys,
+        "bitwise_equal_tensors": same_keys and all(torch.equal(a[k], b[k]) for k in a),
+        "max_abs_diff": max(diffs.values()),
+        "max_abs_diff_over_tensor_max_abs": max(relative.values()),
+        "weight_update_relative_diff": {
+            "max": max(delta.values()),
+            "median": sorted(delta.values())[len(delta) // 2],
+            "n_modules": len(delta),
+        },
+        "n_tensors": len(a),
+        "n_tensors_bitwise_equal": sum(torch.equal(a[k], b[k]) for k in a if k in b),
+        "same_file_sha256": sha256(run_step / "adapter_model.safetensors")
+        == sha256(committed / "adapter_model.safetensors"),
+        "same_train_loss": ra["train_loss"] == rb["train_loss"],
+        "max_train_loss_diff": max(losses),
+        "first_train_loss": [ra["train_loss"][0], rb["train_loss"][0]],
+        "same_validation_accuracy": [h["et_accuracy"] for h in ra["history"] if h["step"] in steps_b]
+        == [h["et_accuracy"] for h in rb["history"]],
+    }
 
 
 def main() -> int:
@@ -74,9 +83,12 @@ def main() -> int:
     if missing:
         raise SystemExit(f"{args.run} lacks steps {missing}; rerun with --save {','.join(map(str, traj.steps))}")
     zero = load_file(str(args.run / step_dirname(0) / "adapter_model.safetensors"))
-    report = {"run": json.loads((args.run / step_dirname(traj.steps[-1]) / "recipe.json").read_text())["options"],
-              "step_0_lora_B_all_zero": all(not v.any() for k, v in zero.items() if "lora_B" in k),
-              "reproduction": {}, "steps": {}}
+    report = {
+        "run": json.loads((args.run / step_dirname(traj.steps[-1]) / "recipe.json").read_text())["options"],
+        "step_0_lora_B_all_zero": all(not v.any() for k, v in zero.items() if "lora_B" in k),
+        "reproduction": {},
+        "steps": {},
+    }
     for step, alias in REPRODUCES.items():
         committed = Path(resolve_source(REGISTRY[alias].source))
         report["reproduction"][step] = compare(args.run / step_dirname(step), committed)
@@ -85,18 +97,25 @@ def main() -> int:
         if step:
             shutil.rmtree(dest / step_dirname(step), ignore_errors=True)
             shutil.copytree(args.run / step_dirname(step), dest / step_dirname(step))
-    history = {h["step"]: h["et_accuracy"] for h in
-               json.loads((args.run / step_dirname(traj.steps[-1]) / "recipe.json").read_text())["history"]}
+    history = {
+        h["step"]: h["et_accuracy"]
+        for h in json.loads((args.run / step_dirname(traj.steps[-1]) / "recipe.json").read_text())["history"]
+    }
     for step in traj.steps:
         spec = resolve_spec(f"{traj.name}@{step}")
         folder = Path(resolve_source(spec.source))
         report["steps"][step] = {
-            "model": spec.name, "source": spec.source,
+            "model": spec.name,
+            "source": spec.source,
             "adapter_sha256": sha256(folder / "adapter_model.safetensors") if spec.kind == "lora" else None,
-            "fingerprint": load_model(spec).fingerprint, "validation_et_accuracy": history[step]}
+            "fingerprint": load_model(spec).fingerprint,
+            "validation_et_accuracy": history[step],
+        }
         if step in REPRODUCES:
-            report["reproduction"][step].update(fingerprint=report["steps"][step]["fingerprint"],
-                                                committed_fingerprint=load_model(REPRODUCES[step]).fingerprint)
+            report["reproduction"][step].update(
+                fingerprint=report["steps"][step]["fingerprint"],
+                committed_fingerprint=load_model(REPRODUCES[step]).fingerprint,
+            )
         print(step, report["steps"][step], flush=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["reproduction"], indent=2))

@@ -17,7 +17,6 @@ import torch
 from mechdiff.models.loading import LoadedModel, load_model, load_tokenizer
 from mechdiff.models.registry import ModelSpec, get_spec
 
-
 SLOW = Path(__file__).resolve().parent / "slow"
 
 
@@ -75,14 +74,36 @@ def tiny_config(family: str, vocab_size: int = 49152, n_layers: int = 3):
     from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
 
     if family == "llama":
-        cfg = LlamaConfig(num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
-                          hidden_size=32, intermediate_size=64, vocab_size=vocab_size, max_position_embeddings=256)
+        cfg = LlamaConfig(
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_size=32,
+            intermediate_size=64,
+            vocab_size=vocab_size,
+            max_position_embeddings=256,
+        )
     elif family == "gpt2":
-        cfg = GPT2Config(n_layer=n_layers, n_head=4, n_embd=32, vocab_size=vocab_size, n_positions=256,
-                         bos_token_id=0, eos_token_id=0)
+        cfg = GPT2Config(
+            n_layer=n_layers,
+            n_head=4,
+            n_embd=32,
+            vocab_size=vocab_size,
+            n_positions=256,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     elif family == "gpt_neox":
-        cfg = GPTNeoXConfig(num_hidden_layers=n_layers, num_attention_heads=4, hidden_size=32, intermediate_size=64,
-                            vocab_size=vocab_size, max_position_embeddings=256, bos_token_id=0, eos_token_id=0)
+        cfg = GPTNeoXConfig(
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            hidden_size=32,
+            intermediate_size=64,
+            vocab_size=vocab_size,
+            max_position_embeddings=256,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     else:
         raise ValueError(family)
     return cfg
@@ -119,8 +140,13 @@ def make_tiny(family: str, tokenizer=None, seed: int = 0, n_layers: int = 3) -> 
     cfg = tiny_config(family, n_layers=n_layers)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     model.requires_grad_(False)
-    return LoadedModel(f"tiny-{family}-{seed}", ModelSpec(f"tiny-{family}-{seed}", "local", "<memory>"),
-                       model, tokenizer, {"kind": "memory", "seed": seed})
+    return LoadedModel(
+        f"tiny-{family}-{seed}",
+        ModelSpec(f"tiny-{family}-{seed}", "local", "<memory>"),
+        model,
+        tokenizer,
+        {"kind": "memory", "seed": seed},
+    )
 
 
 @pytest.fixture(params=["llama", "gpt2", "gpt_neox"])
@@ -173,12 +199,26 @@ def smollm2_et() -> LoadedModel:
 
 #: Three phrasings of "the capital of X is", two of them 8 tokens long (so template, not length, must keep
 #: their means apart) and one of 5 and one of 14 tokens (SmolLM2 tokenizer).
-CAPITAL_TEMPLATES = {"short": "The capital of {c} is", "known": "The capital city of {c} is known as",
-                     "say": "People say that the capital of {c} is",
-                     "qa": "Q: Which city is the capital of {c}? A: It is"}
-CAPITALS = [("France", " Paris"), ("Germany", " Berlin"), ("Italy", " Rome"), ("Spain", " Madrid"),
-            ("Japan", " Tokyo"), ("China", " Beijing"), ("Egypt", " Cairo"), ("Peru", " Lima"),
-            ("Canada", " Ottawa"), ("Norway", " Oslo"), ("Greece", " Athens"), ("Chile", " Santiago")]
+CAPITAL_TEMPLATES = {
+    "short": "The capital of {c} is",
+    "known": "The capital city of {c} is known as",
+    "say": "People say that the capital of {c} is",
+    "qa": "Q: Which city is the capital of {c}? A: It is",
+}
+CAPITALS = [
+    ("France", " Paris"),
+    ("Germany", " Berlin"),
+    ("Italy", " Rome"),
+    ("Spain", " Madrid"),
+    ("Japan", " Tokyo"),
+    ("China", " Beijing"),
+    ("Egypt", " Cairo"),
+    ("Peru", " Lima"),
+    ("Canada", " Ottawa"),
+    ("Norway", " Oslo"),
+    ("Greece", " Athens"),
+    ("Chile", " Santiago"),
+]
 
 
 def capitals_rows(n: int, templates: tuple = tuple(CAPITAL_TEMPLATES), classes: bool = False) -> list[dict]:
@@ -193,10 +233,18 @@ def capitals_rows(n: int, templates: tuple = tuple(CAPITAL_TEMPLATES), classes: 
         text = CAPITAL_TEMPLATES[name]
         clean, cf = text.format(c=c), text.format(c=c2)
         cap, country = clean.index("capital"), clean.index(c)
-        row = {"clean": clean, "counterfactual": cf, "answer": a, "counterfactual_answer": a2, "template": name,
-               "positions": {"capital": [cap, cap + len("capital")], "country": [country, country + len(c)]},
-               "counterfactual_positions": {"capital": [cap, cap + len("capital")],
-                                            "country": [country, country + len(c2)]}}
+        row = {
+            "clean": clean,
+            "counterfactual": cf,
+            "answer": a,
+            "counterfactual_answer": a2,
+            "template": name,
+            "positions": {"capital": [cap, cap + len("capital")], "country": [country, country + len(c)]},
+            "counterfactual_positions": {
+                "capital": [cap, cap + len("capital")],
+                "country": [country, country + len(c2)],
+            },
+        }
         if classes:
             row["classes"] = {"words": [[cap, country + len(c)]]}
         rows.append(row)
@@ -237,8 +285,19 @@ def tiny_run(smollm2_tokenizer, tmp_path_factory) -> tuple[Path, Path]:
     lm.tokenizer.save_pretrained(base)
     with torch.no_grad():
         lm.model.lm_head.weight.mul_(30)  # a learnable head, so the adapter moves (the base on disk is unscaled)
-    cfg = FinetuneConfig(base=str(base), rank=4, alpha=8, lr=1e-2, steps=4, batch_size=4, eval_n=8, eval_every=2,
-                         min_boxes=2, max_boxes=3, save_steps=_save_spec("0,2,4"))
+    cfg = FinetuneConfig(
+        base=str(base),
+        rank=4,
+        alpha=8,
+        lr=1e-2,
+        steps=4,
+        batch_size=4,
+        eval_n=8,
+        eval_every=2,
+        min_boxes=2,
+        max_boxes=3,
+        save_steps=_save_spec("0,2,4"),
+    )
     finetune(lm, cfg, tmp_path / "run", progress=False)
     return base, tmp_path / "run"
 

@@ -78,16 +78,23 @@ if __name__ == "__main__":  # measure the kernel paths' disagreement on the tiny
     import subprocess
     import sys
 
-    code = ("import sys, torch; sys.path.insert(0, 'tests'); from conftest import make_tiny, _smollm2_tokenizer;"
-            "tok = _smollm2_tokenizer(); ids = torch.randint(0, 49152, (4, 24), generator=torch.Generator()"
-            ".manual_seed(0)); out = [make_tiny(f, tok).model(input_ids=ids).logits.detach() for f in "
-            "('llama', 'gpt2', 'gpt_neox')]; torch.save(out, sys.argv[1])")
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests'); from conftest import make_tiny, _smollm2_tokenizer;"
+        "tok = _smollm2_tokenizer(); ids = torch.randint(0, 49152, (4, 24), generator=torch.Generator()"
+        ".manual_seed(0)); out = [make_tiny(f, tok).model(input_ids=ids).logits.detach() for f in "
+        "('llama', 'gpt2', 'gpt_neox')]; torch.save(out, sys.argv[1])"
+    )
     runs = {}
-    for name, env in {"native, 2 threads": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
-                      "default": {"ATEN_CPU_CAPABILITY": "default"}, "1 thread": {"OMP_NUM_THREADS": "1"}}.items():
+    for name, env in {
+        "native, 2 threads": {},
+        "avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
+        "default": {"ATEN_CPU_CAPABILITY": "default"},
+        "1 thread": {"OMP_NUM_THREADS": "1"},
+    }.items():
         path = f"/tmp/tolerances_{abs(hash(name))}.pt"
-        subprocess.run([sys.executable, "-c", code, path], check=True, env={**os.environ, **env},
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-c", code, path], check=True, env={**os.environ, **env}, stderr=subprocess.DEVNULL
+        )
         runs[name] = torch.load(path)
     base = runs.pop("native, 2 threads")
     for name, logits in runs.items():

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
-from ..common.io import write_json
 from ..common.components import Head, check_heads, parse_heads
+from ..common.io import write_json
 
 if TYPE_CHECKING:
     from ..models.architectures import ModelShape
@@ -80,10 +80,13 @@ class Circuit:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model, "task": self.task,
+            "model": self.model,
+            "task": self.task,
             "groups": {g: [h.name for h in hs] for g, hs in self.groups.items()},
-            "positions": dict(self.positions), "names": dict(self.names),
-            "scores": self.scores, "meta": self.meta,
+            "positions": dict(self.positions),
+            "names": dict(self.names),
+            "scores": self.scores,
+            "meta": self.meta,
         }
 
     @classmethod
@@ -91,9 +94,11 @@ class Circuit:
         """Load the mechdiff format (``"L14H7"`` names) or the paper's (``[layer, head]`` pairs)."""
         positions = {g: _PAPER_POSITIONS.get(p, p) for g, p in data["positions"].items()}
         return cls(
-            model=data.get("model", ""), task=data.get("task", ""),
+            model=data.get("model", ""),
+            task=data.get("task", ""),
             groups={g: parse_heads(hs) for g, hs in data["groups"].items()},
-            positions=positions, scores=data.get("scores", {}),
+            positions=positions,
+            scores=data.get("scores", {}),
             names=data.get("names", dict(GROUP_NAMES) if data.get("task", "entity-tracking") in _LEGACY_TASKS else {}),
             meta=data.get("meta", {}),
         )
@@ -110,8 +115,12 @@ class Circuit:
 _FIX = "fix the file, or write it again with `mechdiff circuit` / `mechdiff prune`"
 
 
-def load_circuit_file(path: str | Path, n_layers: Optional[int] = None, n_heads: Optional[int] = None,
-                      positions: Optional[Sequence[str]] = None) -> Circuit:
+def load_circuit_file(
+    path: str | Path,
+    n_layers: Optional[int] = None,
+    n_heads: Optional[int] = None,
+    positions: Optional[Sequence[str]] = None,
+) -> Circuit:
     """Read and check a circuit file before anything expensive: JSON, the fields, head names, the
     positions (``positions``: those the task knows; by default those of the registered task the circuit
     names, or entity tracking's for files that name none; unchecked for other tasks) and, given a
@@ -119,15 +128,23 @@ def load_circuit_file(path: str | Path, n_layers: Optional[int] = None, n_heads:
     Raises :class:`CircuitFileError` (``<file>: <what> — <fix>``)."""
     path = Path(path)
     if not path.is_file():
-        raise CircuitFileError(f"{path}: no such circuit file — give the path of a circuit JSON "
-                               "(a run's circuits/<model>.json, or tasks/circuits/)")
+        raise CircuitFileError(
+            f"{path}: no such circuit file — give the path of a circuit JSON "
+            "(a run's circuits/<model>.json, or tasks/circuits/)"
+        )
     try:
         data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CircuitFileError(f"{path}: not valid JSON ({err}) — {_FIX}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("groups"), dict) or not isinstance(data.get("positions"), dict):
-        raise CircuitFileError(f"{path}: a circuit is a JSON object with \"groups\" and \"positions\" objects, e.g. "
-                               '{"groups": {"A": ["L21H3"]}, "positions": {"A": "last"}} — ' + _FIX)
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("groups"), dict)
+        or not isinstance(data.get("positions"), dict)
+    ):
+        raise CircuitFileError(
+            f'{path}: a circuit is a JSON object with "groups" and "positions" objects, e.g. '
+            '{"groups": {"A": ["L21H3"]}, "positions": {"A": "last"}} — ' + _FIX
+        )
     try:
         circuit = Circuit.from_dict(data)
     except (ValueError, TypeError, KeyError) as err:
@@ -135,25 +152,30 @@ def load_circuit_file(path: str | Path, n_layers: Optional[int] = None, n_heads:
     positions = _task_positions(circuit.task) if positions is None else positions
     unknown = {g: p for g, p in circuit.positions.items() if positions is not None and p not in positions}
     if unknown:
-        raise CircuitFileError(f"{path}: positions {unknown} are not positions of the task (valid: "
-                               f"{', '.join(positions)}) — name each group's position by one of them")
+        raise CircuitFileError(
+            f"{path}: positions {unknown} are not positions of the task (valid: "
+            f"{', '.join(positions)}) — name each group's position by one of them"
+        )
     if n_layers is not None and n_heads is not None:
         try:
             circuit.validate(n_layers, n_heads)
         except ValueError as err:
-            raise CircuitFileError(f"{path}: {err} — remove those heads, or use the circuit with a model of the "
-                                   "shape it was found on") from None
+            raise CircuitFileError(
+                f"{path}: {err} — remove those heads, or use the circuit with a model of the shape it was found on"
+            ) from None
     return circuit
 
 
-def load_circuits(paths: Sequence[str | Path], labels: Optional[Sequence[str]] = None,
-                  shape: Optional["ModelShape"] = None) -> dict[str, Circuit]:
+def load_circuits(
+    paths: Sequence[str | Path], labels: Optional[Sequence[str]] = None, shape: Optional["ModelShape"] = None
+) -> dict[str, Circuit]:
     """Circuit files by label (default: the file stems), checking the labels are unique and (given a model
     ``shape``) that every head exists."""
     labels = list(labels or [Path(p).stem for p in paths])
     if len(labels) != len(paths) or len(set(labels)) != len(labels):
-        raise ValueError(f"need one unique label per circuit; got {labels} for {list(paths)} (give labels one "
-                         "unique label per path)")
+        raise ValueError(
+            f"need one unique label per circuit; got {labels} for {list(paths)} (give labels one unique label per path)"
+        )
     n_layers, n_heads = (shape.n_layers, shape.n_heads) if shape else (None, None)
     return {label: load_circuit_file(path, n_layers, n_heads) for label, path in zip(labels, paths)}
 

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from einops import rearrange
 
-from ..common.progress import progress_bar
 from ..common.components import Head, all_heads
 from ..common.metrics import answer_logprob
-from ..patching.core import EMB_LAYER, Patch, run
+from ..common.progress import progress_bar
 from ..common.stats import bootstrap_ratio, proportion
+from ..patching.core import EMB_LAYER, Patch, run
 from .circuit import Circuit
 from .scoring import Pair, Scorer, means_for, per_prompt, position_mask
 
@@ -47,8 +47,9 @@ def prompt_attribution(scorer: Scorer, classes: Sequence[str]) -> torch.Tensor:
     model, shape = scorer.model, scorer.model.shape
     sites = [("z", layer) for layer in range(shape.n_layers)]
     out = torch.zeros(len(scorer.records), len(classes), shape.n_layers, shape.n_heads, dtype=torch.float64)
-    for rows, batch in progress_bar(list(scorer.batches()), desc="attribution", disable=not scorer.progress,
-                                    leave=False):
+    for rows, batch in progress_bar(
+        list(scorer.batches()), desc="attribution", disable=not scorer.progress, leave=False
+    ):
         with torch.no_grad():
             emb = run(model, batch["input_ids"], capture=[("emb", EMB_LAYER)], stop=True).captured[("emb", EMB_LAYER)]
         # the embedding output as the leaf: every later activation is in the graph (weights may be frozen)
@@ -71,12 +72,17 @@ def prompt_attribution(scorer: Scorer, classes: Sequence[str]) -> torch.Tensor:
 def pair_scores(scores: torch.Tensor, classes: Sequence[str]) -> dict[Pair, float]:
     """``"class layer head"`` scores as ``{(head, class): score}``."""
     _, n_layers, n_heads = scores.shape
-    return {(Head(layer, h), c): float(scores[i, layer, h])
-            for i, c in enumerate(classes) for layer in range(n_layers) for h in range(n_heads)}
+    return {
+        (Head(layer, h), c): float(scores[i, layer, h])
+        for i, c in enumerate(classes)
+        for layer in range(n_layers)
+        for h in range(n_heads)
+    }
 
 
-def selection_stability(scores: torch.Tensor, classes: Sequence[str], n_selected: int, draws: int = 200,
-                        seed: int = 0) -> dict[Pair, float]:
+def selection_stability(
+    scores: torch.Tensor, classes: Sequence[str], n_selected: int, draws: int = 200, seed: int = 0
+) -> dict[Pair, float]:
     """How often each (head, class) pair is among the top ``n_selected`` of the ranking when the ranking
     prompts are resampled with replacement ``draws`` times (``scores``: :func:`prompt_attribution`).
     1.0: selected whatever the prompts; near ``n_selected / n_pairs``: selected by chance."""
@@ -92,16 +98,18 @@ def selection_stability(scores: torch.Tensor, classes: Sequence[str], n_selected
     return pair_scores((counts / draws).reshape(scores.shape[1:]), classes)
 
 
-def ranked_circuit(ranked: Sequence[Pair], n: int, model: str = "", task: str = "",
-                   meta: Optional[dict] = None) -> Circuit:
+def ranked_circuit(
+    ranked: Sequence[Pair], n: int, model: str = "", task: str = "", meta: Optional[dict] = None
+) -> Circuit:
     """The top ``n`` pairs of ``ranked`` as a :class:`Circuit` with one group per position class (the group's
     name is the class), so every circuit tool (scoring, pruning, CMAP, DCM) reads it."""
     groups: dict[str, list[Head]] = {}
     for head, c in ranked[:n]:
         groups.setdefault(c, []).append(head)
     groups = {c: sorted(hs) for c, hs in groups.items()}
-    return Circuit(model, task, groups, {c: c for c in groups}, names={c: f"heads at {c}" for c in groups},
-                   meta=dict(meta or {}))
+    return Circuit(
+        model, task, groups, {c: c for c in groups}, names={c: f"heads at {c}" for c in groups}, meta=dict(meta or {})
+    )
 
 
 def ranking(scores: dict[Pair, float]) -> list[Pair]:
@@ -109,8 +117,13 @@ def ranking(scores: dict[Pair, float]) -> list[Pair]:
     return sorted(scores, key=lambda p: (-abs(scores[p]), p[0].layer, p[0].head, p[1]))
 
 
-def faithfulness_curve(scorer: Scorer, ranked: Sequence[Pair], sizes: Sequence[float] = SIZES,
-                       target: float = TARGET, select: str = SELECT[0]) -> dict:
+def faithfulness_curve(
+    scorer: Scorer,
+    ranked: Sequence[Pair],
+    sizes: Sequence[float] = SIZES,
+    target: float = TARGET,
+    select: str = SELECT[0],
+) -> dict:
     """Score the nested circuits of the top ``fraction`` of ``ranked`` at each size (see the module
     docstring); ``chosen`` is the smallest size whose accuracy faithfulness reaches ``target``: its
     interval's lower bound (``select="low"``) or its point estimate (``"value"``)."""
@@ -126,19 +139,32 @@ def faithfulness_curve(scorer: Scorer, ranked: Sequence[Pair], sizes: Sequence[f
         n = max(1, int(round(frac * len(ranked))))
         kept = scorer.keep(ranked[:n])
         acc, prob = per_prompt(kept), per_prompt(kept, "prob")
-        rows.append({
-            "fraction": frac, "n_pairs": n, "accuracy": proportion(acc).to_dict(),
-            "faithfulness": bootstrap_ratio(acc, per_prompt(full)).to_dict(),
-            "faithfulness_prob": bootstrap_ratio(prob, per_prompt(full, "prob")).to_dict(),
-            "normalised_accuracy": _normalised(float(acc.mean()), acc_0, acc_m),
-            "normalised_prob": _normalised(float(prob.mean()), prob_0, prob_m),
-        })
+        rows.append(
+            {
+                "fraction": frac,
+                "n_pairs": n,
+                "accuracy": proportion(acc).to_dict(),
+                "faithfulness": bootstrap_ratio(acc, per_prompt(full)).to_dict(),
+                "faithfulness_prob": bootstrap_ratio(prob, per_prompt(full, "prob")).to_dict(),
+                "normalised_accuracy": _normalised(float(acc.mean()), acc_0, acc_m),
+                "normalised_prob": _normalised(float(prob.mean()), prob_0, prob_m),
+            }
+        )
     chosen = next((r for r in rows if r["faithfulness"][select] >= target), None)
-    return {"rows": rows, "n_pairs_total": len(ranked), "target": target, "select": select,
-            "chosen": chosen, "full_accuracy": proportion(per_prompt(full)).to_dict(),
-            "empty_accuracy": acc_0, "empty_prob": prob_0, "full_prob": prob_m,
-            **_areas(rows, "normalised_prob", "prob"), **_areas(rows, "normalised_accuracy", "accuracy"),
-            "area": "trapezoid over the fraction of (head, position) pairs, (0, 0) included"}
+    return {
+        "rows": rows,
+        "n_pairs_total": len(ranked),
+        "target": target,
+        "select": select,
+        "chosen": chosen,
+        "full_accuracy": proportion(per_prompt(full)).to_dict(),
+        "empty_accuracy": acc_0,
+        "empty_prob": prob_0,
+        "full_prob": prob_m,
+        **_areas(rows, "normalised_prob", "prob"),
+        **_areas(rows, "normalised_accuracy", "accuracy"),
+        "area": "trapezoid over the fraction of (head, position) pairs, (0, 0) included",
+    }
 
 
 @dataclass
@@ -159,8 +185,18 @@ class CurveCircuit:
         return self.curve["chosen"] is not None
 
 
-def curve_circuit(ranker: Scorer, curve_scorer: Scorer, classes: Sequence[str], sizes: Sequence[float],
-                  target: float, select: str, draws: int, seed: int, model: str, task: str = "") -> CurveCircuit:
+def curve_circuit(
+    ranker: Scorer,
+    curve_scorer: Scorer,
+    classes: Sequence[str],
+    sizes: Sequence[float],
+    target: float,
+    select: str,
+    draws: int,
+    seed: int,
+    model: str,
+    task: str = "",
+) -> CurveCircuit:
     """Rank every (head, position class) pair by attribution on ``ranker``'s prompts, score nested circuits on
     ``curve_scorer``'s, keep the smallest reaching ``target`` (the largest size scored where none does), and
     resample the ranking prompts ``draws`` times for each pair's selection frequency."""
@@ -171,9 +207,21 @@ def curve_circuit(ranker: Scorer, curve_scorer: Scorer, classes: Sequence[str], 
     chosen = curve["chosen"] or curve["rows"][-1]
     n = chosen["n_pairs"]
     stability = selection_stability(attribution, classes, n, draws, seed)
-    circuit = ranked_circuit(ranked, n, model, task, meta={
-        "method": "curve", "fraction": chosen["fraction"], "n_pairs": n, "n_pairs_total": len(ranked),
-        "reached_target": curve["chosen"] is not None, "target": target, "select": select})
+    circuit = ranked_circuit(
+        ranked,
+        n,
+        model,
+        task,
+        meta={
+            "method": "curve",
+            "fraction": chosen["fraction"],
+            "n_pairs": n,
+            "n_pairs_total": len(ranked),
+            "reached_target": curve["chosen"] is not None,
+            "target": target,
+            "select": select,
+        },
+    )
     return CurveCircuit(attribution, scores, ranked, curve, n, stability, circuit)
 
 

@@ -33,8 +33,8 @@ from ..models.loading import LoadedModel
 from ..patching.attribution import attribution_scores
 from ..patching.path import PairBatch, Receivers, auto_senders_per_pass, eligible_senders, path_patch, prepare
 from ..tasks.base import PairRecord
-from .circuit import Circuit
 from ..tasks.plan import Plan, PlanStep, default_plan
+from .circuit import Circuit
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 # rounded up where a step would otherwise keep one or two heads. With n_prompts=16 and screen_multiple=2
 # a run is 60 exact sender passes plus 7 forward+backward passes: minutes on 2 CPU cores.
 STEPS: dict[str, tuple[str, Optional[str], Optional[str]]] = {
-    s.name: (s.sender, s.site, s.receiver) for s in default_plan().steps}
+    s.name: (s.sender, s.site, s.receiver) for s in default_plan().steps
+}
 DEFAULT_K = default_plan().k
 
 
@@ -79,8 +80,16 @@ def select(scores: dict[Head, float], k: int) -> list[Head]:
     return sorted(scores, key=lambda h: (scores[h], h))[:k]
 
 
-def run_step(model: LoadedModel, batch: PairBatch, step: str, k: int, receivers: Optional[Receivers],
-             settings: DiscoverySettings, progress: bool = True, sender_position: Optional[str] = None) -> StepResult:
+def run_step(
+    model: LoadedModel,
+    batch: PairBatch,
+    step: str,
+    k: int,
+    receivers: Optional[Receivers],
+    settings: DiscoverySettings,
+    progress: bool = True,
+    sender_position: Optional[str] = None,
+) -> StepResult:
     """Screen (optionally) and path patch the senders of one step, then select its top ``k``."""
     sender_position = sender_position or STEPS[step][0]
     senders = eligible_senders(model, receivers)
@@ -101,15 +110,25 @@ def run_step(model: LoadedModel, batch: PairBatch, step: str, k: int, receivers:
     exact = path_patch(model, batch, senders, sender_position, receivers, per_pass, progress)
     seconds["path_patching"] = time.perf_counter() - t0
     chosen = select(exact, k)
-    log.info("step %s: path patched %d senders in %.1f s; selected %s", step, len(senders),
-             seconds["path_patching"], [h.name for h in chosen])
+    log.info(
+        "step %s: path patched %d senders in %.1f s; selected %s",
+        step,
+        len(senders),
+        seconds["path_patching"],
+        [h.name for h in chosen],
+    )
     return StepResult(step, sender_position, receivers, exact, attribution, chosen, seconds)
 
 
-def discover(model: LoadedModel, pairs: Sequence[PairRecord], settings: DiscoverySettings,
-             task: str = "entity-tracking", progress: bool = True,
-             on_step: Optional[Callable[[StepResult], None]] = None,
-             plan: Optional[Plan] = None) -> tuple[Circuit, dict[str, StepResult]]:
+def discover(
+    model: LoadedModel,
+    pairs: Sequence[PairRecord],
+    settings: DiscoverySettings,
+    task: str = "entity-tracking",
+    progress: bool = True,
+    on_step: Optional[Callable[[StepResult], None]] = None,
+    plan: Optional[Plan] = None,
+) -> tuple[Circuit, dict[str, StepResult]]:
     """Run the plan's steps (default: entity tracking's A-D) and return the :class:`Circuit` plus
     each step's full result. ``settings.k`` overrides the plan's ``k`` of the steps it names."""
     plan = (plan or default_plan()).with_k(settings.k)
@@ -130,8 +149,12 @@ def discover(model: LoadedModel, pairs: Sequence[PairRecord], settings: Discover
                 continue
             receivers = Receivers(tuple(results[receiver_step].selected), kind, spec.receiver_position)
             if kind in ("k", "v") and model.shape.n_kv_heads < model.shape.n_heads:
-                log.info("step %s: GQA (%d KV groups for %d heads): patching a receiver's V patches its whole KV group",
-                         step, model.shape.n_kv_heads, model.shape.n_heads)
+                log.info(
+                    "step %s: GQA (%d KV groups for %d heads): patching a receiver's V patches its whole KV group",
+                    step,
+                    model.shape.n_kv_heads,
+                    model.shape.n_heads,
+                )
             if receivers.max_layer == 0:
                 log.warning("step %s skipped: every receiver is in layer 0, no head can send to it", step)
                 continue
@@ -139,23 +162,40 @@ def discover(model: LoadedModel, pairs: Sequence[PairRecord], settings: Discover
         if on_step is not None:
             on_step(results[step])
     circuit = Circuit(
-        model=model.name, task=task,
+        model=model.name,
+        task=task,
         groups={s: r.selected for s, r in results.items()},
         positions={s: r.sender_position for s, r in results.items()},
         scores={s: {h.name: r.exact[h] for h in r.selected} for s, r in results.items()},
         names={s: steps[s].group for s in results},
         meta={
-            "method": "path patching" + (" after an attribution screen" if settings.screen else " (exact, all senders)"),
-            "settings": asdict(settings), "plan": plan.to_dict(), "fingerprint": model.fingerprint,
-            "n_prompts": len(pairs), "p_clean": float(batch.p_clean.mean()),
-            "timings_s": {"prepare": t_prepare, **{s: r.seconds for s, r in results.items()},
-                          "total": time.perf_counter() - t_start},
-            "receivers": {s: {"kind": r.receivers.kind, "position": r.receivers.position,
-                              "heads": [h.name for h in r.receivers.heads]}
-                          for s, r in results.items() if r.receivers is not None},
+            "method": "path patching"
+            + (" after an attribution screen" if settings.screen else " (exact, all senders)"),
+            "settings": asdict(settings),
+            "plan": plan.to_dict(),
+            "fingerprint": model.fingerprint,
+            "n_prompts": len(pairs),
+            "p_clean": float(batch.p_clean.mean()),
+            "timings_s": {
+                "prepare": t_prepare,
+                **{s: r.seconds for s, r in results.items()},
+                "total": time.perf_counter() - t_start,
+            },
+            "receivers": {
+                s: {
+                    "kind": r.receivers.kind,
+                    "position": r.receivers.position,
+                    "heads": [h.name for h in r.receivers.heads],
+                }
+                for s, r in results.items()
+                if r.receivers is not None
+            },
             "n_tested": {s: len(r.exact) for s, r in results.items()},
-            "gqa_note": ("V receivers are patched per KV group (all query heads sharing it)"
-                         if model.shape.n_kv_heads < model.shape.n_heads else None),
+            "gqa_note": (
+                "V receivers are patched per KV group (all query heads sharing it)"
+                if model.shape.n_kv_heads < model.shape.n_heads
+                else None
+            ),
             "torch_threads": torch.get_num_threads(),
         },
     )

@@ -22,13 +22,16 @@ def hypergeom_p(intersection: int, n_total: int, n_first: int, n_second: int) ->
     return float(hypergeom(M=n_total, n=n_first, N=n_second).sf(intersection - 1))
 
 
-def overlap_row(group: str, first: Sequence[Head], second: Sequence[Head], n_total: int,
-                name: str = "") -> dict:
+def overlap_row(group: str, first: Sequence[Head], second: Sequence[Head], n_total: int, name: str = "") -> dict:
     """One row of the overlap table for two head sets."""
     a, b = set(first), set(second)
     inter, union = len(a & b), len(a | b)
     return {
-        "group": group, "name": name, "size_first": len(a), "size_second": len(b), "intersection": inter,
+        "group": group,
+        "name": name,
+        "size_first": len(a),
+        "size_second": len(b),
+        "intersection": inter,
         "frac_first": inter / len(a) if a else float("nan"),
         "frac_second": inter / len(b) if b else float("nan"),
         "jaccard": inter / union if union else float("nan"),
@@ -36,8 +39,14 @@ def overlap_row(group: str, first: Sequence[Head], second: Sequence[Head], n_tot
     }
 
 
-def overlap_table(first: Circuit, second: Circuit, n_layers: int, n_heads: int,
-                  groups: Optional[Sequence[str]] = None, include_all: bool = True) -> list[dict]:
+def overlap_table(
+    first: Circuit,
+    second: Circuit,
+    n_layers: int,
+    n_heads: int,
+    groups: Optional[Sequence[str]] = None,
+    include_all: bool = True,
+) -> list[dict]:
     """Per-group overlap rows (groups of ``first`` that ``second`` also has, in ``first``'s order),
     plus an ``all`` row over the distinct heads of each circuit."""
     first.validate(n_layers, n_heads)
@@ -46,8 +55,9 @@ def overlap_table(first: Circuit, second: Circuit, n_layers: int, n_heads: int,
     names = groups if groups is not None else [g for g in first.groups if g in second.groups]
     missing = [g for g in names if g not in first.groups or g not in second.groups]
     if missing:
-        raise ValueError(f"groups {missing} are not in both circuits (first: {list(first.groups)}, "
-                         f"second: {list(second.groups)})")
+        raise ValueError(
+            f"groups {missing} are not in both circuits (first: {list(first.groups)}, second: {list(second.groups)})"
+        )
     rows = [overlap_row(g, first.groups[g], second.groups[g], n_total, first.names.get(g, "")) for g in names]
     if include_all:
         rows.append(overlap_row("all", first.heads(), second.heads(), n_total, "all heads"))

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..common.progress import progress_bar
 from ..common.components import Head, all_heads
+from ..common.progress import progress_bar
 from ..common.stats import bootstrap_ratio, proportion
 from .scoring import Metric, Pair, Scorer, per_prompt
 
@@ -32,8 +32,13 @@ def every_head_at(n_layers: int, n_heads: int, classes: Sequence[str]) -> list[P
     return [(h, c) for c in classes for h in heads]
 
 
-def position_scan(scorer: Scorer, classes: Sequence[str], metric: Metric = "accuracy",
-                  stop_at: Optional[float] = None, max_steps: Optional[int] = None) -> dict:
+def position_scan(
+    scorer: Scorer,
+    classes: Sequence[str],
+    metric: Metric = "accuracy",
+    stop_at: Optional[float] = None,
+    max_steps: Optional[int] = None,
+) -> dict:
     """Greedy forward selection over ``classes`` (see the module docstring).
 
     ``stop_at``: stop once the faithfulness F(kept)/F(M) of ``metric`` reaches it; ``max_steps``: at
@@ -50,25 +55,36 @@ def position_scan(scorer: Scorer, classes: Sequence[str], metric: Metric = "accu
     remaining = list(classes)
     bar = progress_bar(total=max_steps or len(remaining), desc="position scan", disable=not scorer.progress)
     while remaining and (max_steps is None or len(chosen) < max_steps):
-        values = {c: float(per_prompt(scorer.keep(every_head_at(shape.n_layers, shape.n_heads, chosen + [c])),
-                                      metric).mean()) for c in remaining}
+        values = {
+            c: float(per_prompt(scorer.keep(every_head_at(shape.n_layers, shape.n_heads, chosen + [c])), metric).mean())
+            for c in remaining
+        }
         best = max(remaining, key=lambda c: (values[c], -remaining.index(c)))
         chosen.append(best)
         remaining.remove(best)
         kept = scorer.keep(every_head_at(shape.n_layers, shape.n_heads, chosen))
-        steps.append({
-            "added": best, "classes": list(chosen), "candidates": values,
-            "accuracy": proportion(per_prompt(kept, "accuracy")).to_dict(),
-            "faithfulness": bootstrap_ratio(per_prompt(kept, "accuracy"), per_prompt(full, "accuracy")).to_dict(),
-            "faithfulness_prob": bootstrap_ratio(per_prompt(kept, "prob"), per_prompt(full, "prob")).to_dict(),
-        })
+        steps.append(
+            {
+                "added": best,
+                "classes": list(chosen),
+                "candidates": values,
+                "accuracy": proportion(per_prompt(kept, "accuracy")).to_dict(),
+                "faithfulness": bootstrap_ratio(per_prompt(kept, "accuracy"), per_prompt(full, "accuracy")).to_dict(),
+                "faithfulness_prob": bootstrap_ratio(per_prompt(kept, "prob"), per_prompt(full, "prob")).to_dict(),
+            }
+        )
         bar.update(1)
         if stop_at is not None and f_full.mean() and values[best] / f_full.mean() >= stop_at:
             break
     bar.close()
-    return {"metric": metric, "classes": list(classes), "n_prompts": len(scorer.records),
-            "full_accuracy": proportion(per_prompt(full, "accuracy")).to_dict(),
-            "stop_at": stop_at, "steps": steps}
+    return {
+        "metric": metric,
+        "classes": list(classes),
+        "n_prompts": len(scorer.records),
+        "full_accuracy": proportion(per_prompt(full, "accuracy")).to_dict(),
+        "stop_at": stop_at,
+        "steps": steps,
+    }
 
 
 def leave_one_out(scorer: Scorer, classes: Sequence[str], metric: Metric = "accuracy") -> dict:
@@ -79,7 +95,13 @@ def leave_one_out(scorer: Scorer, classes: Sequence[str], metric: Metric = "accu
     out = {}
     for c in progress_bar(classes, desc="leave one class out", disable=not scorer.progress):
         kept = scorer.keep(every_head_at(shape.n_layers, shape.n_heads, [x for x in classes if x != c]))
-        out[c] = {"accuracy": proportion(per_prompt(kept, "accuracy")).to_dict(),
-                  "faithfulness": bootstrap_ratio(per_prompt(kept, metric), per_prompt(full, metric)).to_dict()}
-    return {"metric": metric, "n_prompts": len(scorer.records), "classes": out,
-            "full_accuracy": float(np.mean(per_prompt(full, "accuracy")))}
+        out[c] = {
+            "accuracy": proportion(per_prompt(kept, "accuracy")).to_dict(),
+            "faithfulness": bootstrap_ratio(per_prompt(kept, metric), per_prompt(full, metric)).to_dict(),
+        }
+    return {
+        "metric": metric,
+        "n_prompts": len(scorer.records),
+        "classes": out,
+        "full_accuracy": float(np.mean(per_prompt(full, "accuracy"))),
+    }

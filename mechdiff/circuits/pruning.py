@@ -31,8 +31,15 @@ PRUNE_RULES = ("greedy", "paper")
 PAPER_SHARE = 0.3  # the paper's K: at most ceil(0.3 |group|) heads
 
 
-def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidates: Optional[int] = 4,
-               seed: int = 0, metric: Metric = "accuracy", threshold: Optional[float] = None) -> dict:
+def minimality(
+    scorer: Scorer,
+    circuit: Circuit,
+    max_steps: int = 1,
+    n_candidates: Optional[int] = 4,
+    seed: int = 0,
+    metric: Metric = "accuracy",
+    threshold: Optional[float] = None,
+) -> dict:
     """Per pair v, the contribution max_K |F(C \\ (K + v)) - F(C \\ K)| with K grown greedily (rule ``"greedy"``).
 
     mechdiff's rule, after Wang et al.'s minimality (not the paper's; that is :func:`pairwise_minimality`):
@@ -76,12 +83,26 @@ def minimality(scorer: Scorer, circuit: Circuit, max_steps: int = 1, n_candidate
                 break
             value, u = max(scored, key=lambda t: t[0])
             best, k = value, k | {u}
-        out[pair_name(v)] = {"contribution": best, "relative": best / f_circuit if f_circuit else float("nan"),
-                             "relative_full": best / f_full if f_full else float("nan"),
-                             "K": sorted(pair_name(u) for u in k), "searched": not settled}
-    return {"rule": "greedy", "metric": metric, "full": f_full, "circuit": f_circuit, "relative_to": "F(C)",
-            "threshold": threshold, "max_steps": max_steps, "n_candidates": n_candidates,
-            "seed": seed, "n_prompts": len(scorer.records), "pairs": out}
+        out[pair_name(v)] = {
+            "contribution": best,
+            "relative": best / f_circuit if f_circuit else float("nan"),
+            "relative_full": best / f_full if f_full else float("nan"),
+            "K": sorted(pair_name(u) for u in k),
+            "searched": not settled,
+        }
+    return {
+        "rule": "greedy",
+        "metric": metric,
+        "full": f_full,
+        "circuit": f_circuit,
+        "relative_to": "F(C)",
+        "threshold": threshold,
+        "max_steps": max_steps,
+        "n_candidates": n_candidates,
+        "seed": seed,
+        "n_prompts": len(scorer.records),
+        "pairs": out,
+    }
 
 
 def paper_ratio(before: float, after: float) -> float:
@@ -92,8 +113,9 @@ def paper_ratio(before: float, after: float) -> float:
     return before / after - 1.0
 
 
-def pairwise_minimality(scorer: Scorer, circuit: Circuit, metric: Metric = "accuracy", share: float = PAPER_SHARE,
-                        threshold: float = 0.01) -> dict:
+def pairwise_minimality(
+    scorer: Scorer, circuit: Circuit, metric: Metric = "accuracy", share: float = PAPER_SHARE, threshold: float = 0.01
+) -> dict:
     """The paper's minimality (rule ``"paper"``; Prakash et al. 2024, Nix07/finetuning ``experiment_1/minimality.py``
     with ``pp_utils.compute_pair_drop_values`` and ``get_head_significance_score``), within each group:
 
@@ -123,11 +145,26 @@ def pairwise_minimality(scorer: Scorer, circuit: Circuit, metric: Metric = "accu
             k = [u for score, u in ranked[:size] if score > 0]
             before, after = f(k), f([*k, v])
             score = paper_ratio(before, after)
-            out[pair_name(v)] = {"group": g, "before": before, "after": after, "score": score,
-                                 "kept": score >= threshold, "K": sorted(pair_name(u) for u in k),
-                                 "ranking": [[pair_name(u), s] for s, u in ranked[:size]]}
-    return {"rule": "paper", "metric": metric, "full": f_full, "circuit": f_circuit, "share": share,
-            "threshold": threshold, "relative_to": "F(C \\ (K + v))", "n_prompts": len(scorer.records), "pairs": out}
+            out[pair_name(v)] = {
+                "group": g,
+                "before": before,
+                "after": after,
+                "score": score,
+                "kept": score >= threshold,
+                "K": sorted(pair_name(u) for u in k),
+                "ranking": [[pair_name(u), s] for s, u in ranked[:size]],
+            }
+    return {
+        "rule": "paper",
+        "metric": metric,
+        "full": f_full,
+        "circuit": f_circuit,
+        "share": share,
+        "threshold": threshold,
+        "relative_to": "F(C \\ (K + v))",
+        "n_prompts": len(scorer.records),
+        "pairs": out,
+    }
 
 
 def prune(circuit: Circuit, result: dict, threshold: float = 0.01) -> Circuit:
@@ -151,11 +188,26 @@ def prune(circuit: Circuit, result: dict, threshold: float = 0.01) -> Circuit:
             else:
                 removed.append(name)
     settings = ("share",) if paper else ("max_steps", "n_candidates", "seed")
-    meta = {**circuit.meta, "pruned": {
-        "rule": result.get("rule", "greedy"), "threshold": threshold,
-        "relative_to": result.get("relative_to", "F(M)"), "metric": result["metric"],
-        **{key: result[key] for key in settings}, "n_prompts": result["n_prompts"], "removed": sorted(set(removed)),
-        "sizes_before": circuit.sizes()}}
+    meta = {
+        **circuit.meta,
+        "pruned": {
+            "rule": result.get("rule", "greedy"),
+            "threshold": threshold,
+            "relative_to": result.get("relative_to", "F(M)"),
+            "metric": result["metric"],
+            **{key: result[key] for key in settings},
+            "n_prompts": result["n_prompts"],
+            "removed": sorted(set(removed)),
+            "sizes_before": circuit.sizes(),
+        },
+    }
     scores = {**circuit.scores, "minimality": {n: r[value] for n, r in contributions.items()}}
-    return Circuit(circuit.model, circuit.task, groups, dict(circuit.positions), scores=scores,
-                   names=dict(circuit.names), meta=meta)
+    return Circuit(
+        circuit.model,
+        circuit.task,
+        groups,
+        dict(circuit.positions),
+        scores=scores,
+        names=dict(circuit.names),
+        meta=meta,
+    )

@@ -31,14 +31,14 @@ import numpy as np
 import torch
 from einops import repeat
 
-from ..common.progress import progress_bar
 from ..common.components import Head, all_heads, layer_matched
-from ..patching.evaluate import EvalResult, evaluate
 from ..common.metrics import metric_name
+from ..common.progress import progress_bar
+from ..common.stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
 from ..models.loading import LoadedModel
 from ..patching.ablation import site_means
 from ..patching.core import Patch, Resume, run, suffix_supported
-from ..common.stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
+from ..patching.evaluate import EvalResult, evaluate
 from ..tasks.base import GroupKey, Record, batch_tensors, check_reference, group_key, group_name, grouped_batches, take
 from .circuit import Circuit
 
@@ -55,8 +55,13 @@ Means = dict[GroupKey, torch.Tensor]  # (template, length) -> "layer pos (head d
 # --------------------------------------------------------------------------------------
 
 
-def position_means(model: LoadedModel, records: Sequence[Record], batch_size: int = 32,
-                   progress: bool = True, store: Optional[str | Path] = None) -> torch.Tensor:
+def position_means(
+    model: LoadedModel,
+    records: Sequence[Record],
+    batch_size: int = 32,
+    progress: bool = True,
+    store: Optional[str | Path] = None,
+) -> torch.Tensor:
     """Mean over ``records`` (of one template and token length) of every layer's ``z`` at each position:
     ``"layer pos (head d_head)"`` (float32); :func:`group_means` takes records of several groups.
 
@@ -69,8 +74,10 @@ def position_means(model: LoadedModel, records: Sequence[Record], batch_size: in
         raise ValueError("no reference records to average; give at least one")
     groups = list(dict.fromkeys(group_key(r) for r in records))
     if len(groups) > 1:
-        raise ValueError(f"position-wise means never mix templates or lengths; these records are of "
-                         f"{'; '.join(group_name(g) for g in groups)} (group_means takes each apart)")
+        raise ValueError(
+            f"position-wise means never mix templates or lengths; these records are of "
+            f"{'; '.join(group_name(g) for g in groups)} (group_means takes each apart)"
+        )
     if store is not None:
         from ..patching.store import ActivationStore
 
@@ -79,8 +86,13 @@ def position_means(model: LoadedModel, records: Sequence[Record], batch_size: in
     return site_means(model, ids, "z", progress, desc=f"means {model.name}")
 
 
-def group_means(model: LoadedModel, records: Sequence[Record], batch_size: int = 32,
-                progress: bool = True, store: Optional[str | Path] = None) -> Means:
+def group_means(
+    model: LoadedModel,
+    records: Sequence[Record],
+    batch_size: int = 32,
+    progress: bool = True,
+    store: Optional[str | Path] = None,
+) -> Means:
     """:func:`position_means` of each group (template, token length) of ``records``: ``{group: means}``."""
     if not records:
         raise ValueError("no reference records to average; give at least one")
@@ -98,8 +110,10 @@ def means_for(means: Means | torch.Tensor, batch: dict) -> torch.Tensor:
     if key is None and len(means) == 1:
         return next(iter(means.values()))
     if key not in means:
-        raise ValueError(f"no reference means for the prompts of {group_name(key) if key else 'mixed templates'}; "
-                         f"means exist for {'; '.join(group_name(k) for k in means)}")
+        raise ValueError(
+            f"no reference means for the prompts of {group_name(key) if key else 'mixed templates'}; "
+            f"means exist for {'; '.join(group_name(k) for k in means)}"
+        )
     return means[key]
 
 
@@ -123,8 +137,10 @@ def position_mask(batch: dict, name: str) -> torch.Tensor:
     if name in classes:
         return classes[name]
     if name not in batch["positions"]:
-        raise ValueError(f"unknown position {name!r}; valid: {sorted(batch['positions'])}, the classes "
-                         f"{sorted(classes)} or {EVERY_POSITION!r}")
+        raise ValueError(
+            f"unknown position {name!r}; valid: {sorted(batch['positions'])}, the classes "
+            f"{sorted(classes)} or {EVERY_POSITION!r}"
+        )
     where = batch["positions"][name]
     if (where < 0).any():
         kind = "position class" if where.ndim == 2 else "position"
@@ -148,8 +164,9 @@ def _head_mask(layer_pairs: Sequence[Pair], batch: dict, n_pos: int, n_heads: in
     return mask
 
 
-def ablation_patches(model: LoadedModel, means: torch.Tensor, batch: dict, pairs: Iterable[Pair],
-                     keep: bool = True) -> list[Patch]:
+def ablation_patches(
+    model: LoadedModel, means: torch.Tensor, batch: dict, pairs: Iterable[Pair], keep: bool = True
+) -> list[Patch]:
     """The ``z`` patches of a mean ablation for one batch.
 
     ``keep=True``: every head is mean-ablated except ``pairs`` (the circuit, evaluated as F(C)).
@@ -159,8 +176,10 @@ def ablation_patches(model: LoadedModel, means: torch.Tensor, batch: dict, pairs
     n_pos = batch["input_ids"].shape[1]
     means = means_for(means, batch)
     if means.shape[:2] != (shape.n_layers, n_pos):
-        raise ValueError(f"means have shape {tuple(means.shape)} but the model has {shape.n_layers} layers and the "
-                         f"prompts {n_pos} tokens; compute the means on prompts with the same n_boxes")
+        raise ValueError(
+            f"means have shape {tuple(means.shape)} but the model has {shape.n_layers} layers and the "
+            f"prompts {n_pos} tokens; compute the means on prompts with the same n_boxes"
+        )
     by_layer = _pairs_by_layer(pairs)
     patches = []
     for layer in range(shape.n_layers):
@@ -195,9 +214,15 @@ class Scorer:
     runs: dict = field(default_factory=dict, repr=False)  # (circuit, batch start) -> its run's residuals and keys
 
     @classmethod
-    def build(cls, model: LoadedModel, records: Sequence[Record],
-              reference: Sequence[Record], batch_size: int = 32, progress: bool = True,
-              store: Optional[str | Path] = None) -> "Scorer":
+    def build(
+        cls,
+        model: LoadedModel,
+        records: Sequence[Record],
+        reference: Sequence[Record],
+        batch_size: int = 32,
+        progress: bool = True,
+        store: Optional[str | Path] = None,
+    ) -> "Scorer":
         """Compute (or read from ``store``) the position-wise means on ``reference``, per group; a scorer for
         ``records`` (refused, before any forward pass, where a group of ``records`` has no reference prompt)."""
         check_reference(records, reference)
@@ -228,33 +253,57 @@ class Scorer:
             return self.keep(key)
         layer = min(head.layer for head, _ in removed)
         self.cache[("keep", key)] = evaluate(
-            self.model, self.records, self.batch_size, desc=f"keep {len(key)} pairs (from layer {layer})",
+            self.model,
+            self.records,
+            self.batch_size,
+            desc=f"keep {len(key)} pairs (from layer {layer})",
             progress=self.progress,
-            forward=lambda batch, rows: self._resumed(base, key, removed, layer, batch, rows))
+            forward=lambda batch, rows: self._resumed(base, key, removed, layer, batch, rows),
+        )
         return self.cache[("keep", key)]
 
-    def _resumed(self, base: frozenset, key: frozenset, removed: frozenset, layer: int, batch: dict,
-                 rows: Sequence[int]) -> torch.Tensor:
+    def _resumed(
+        self, base: frozenset, key: frozenset, removed: frozenset, layer: int, batch: dict, rows: Sequence[int]
+    ) -> torch.Tensor:
         """The read-out logits of F(key) on one batch, resumed from F(base)'s run at ``layer``."""
         resid, kv = self._base_run(base, batch, rows)
         start, classes = 0, {pos for _, pos in removed}
         if suffix_supported(self.model) and EVERY_POSITION not in classes:
             where = torch.stack([position_mask(batch, pos) for pos in classes]).any(0).any(0)
             start = int(where.nonzero()[0]) if bool(where.any()) else batch["input_ids"].shape[1] - 1
-        patches = [Patch(p.kind, p.layer, p.value[:, start:], slice(start, None),
-                         mask=None if p.mask is None else p.mask[:, start:])
-                   for p in ablation_patches(self.model, self.means, batch, key, True) if p.layer >= layer]
+        patches = [
+            Patch(
+                p.kind,
+                p.layer,
+                p.value[:, start:],
+                slice(start, None),
+                mask=None if p.mask is None else p.mask[:, start:],
+            )
+            for p in ablation_patches(self.model, self.means, batch, key, True)
+            if p.layer >= layer
+        ]
         resume = Resume(layer, resid[layer - 1]) if layer > 0 else None
-        return run(self.model, batch["input_ids"], patches, resume=resume, prefix=kv if start > 0 else None,
-                   start=start if start > 0 else None).logits
+        return run(
+            self.model,
+            batch["input_ids"],
+            patches,
+            resume=resume,
+            prefix=kv if start > 0 else None,
+            start=start if start > 0 else None,
+        ).logits
 
     def _base_run(self, base: frozenset, batch: dict, rows: Sequence[int]) -> tuple[list[torch.Tensor], object]:
         """F(base)'s residual stream after every block and its keys and values on one batch (cached)."""
         if (base, rows[0]) not in self.runs:
             layers = range(self.model.shape.n_layers)
             with torch.no_grad():
-                out = run(self.model, batch["input_ids"], ablation_patches(self.model, self.means, batch, base, True),
-                          capture=[("resid", layer) for layer in layers], keep_kv=True)
+                out = run(
+                    self.model,
+                    batch["input_ids"],
+                    ablation_patches(self.model, self.means, batch, base, True),
+                    capture=[("resid", layer) for layer in layers],
+                    keep_kv=True,
+                )
             self.runs[(base, rows[0])] = ([out.captured[("resid", layer)] for layer in layers], out.kv)
         return self.runs[(base, rows[0])]
 
@@ -263,7 +312,9 @@ class Scorer:
         key = frozenset(pairs)
         if not key:
             return self.full()
-        return self._eval("ablate", key, lambda batch, rows: ablation_patches(self.model, self.means, batch, key, False))
+        return self._eval(
+            "ablate", key, lambda batch, rows: ablation_patches(self.model, self.means, batch, key, False)
+        )
 
     def batches(self) -> Iterator[tuple[list[int], dict]]:
         """``(rows, batch tensors)`` over the scorer's prompts, ``batch_size`` at a time, each batch of one
@@ -273,8 +324,14 @@ class Scorer:
 
     def _eval(self, mode: str, key: frozenset, patches) -> EvalResult:
         if (mode, key) not in self.cache:
-            self.cache[(mode, key)] = evaluate(self.model, self.records, self.batch_size, patches=patches,
-                                               desc=f"{mode} {len(key)} pairs", progress=self.progress)
+            self.cache[(mode, key)] = evaluate(
+                self.model,
+                self.records,
+                self.batch_size,
+                patches=patches,
+                desc=f"{mode} {len(key)} pairs",
+                progress=self.progress,
+            )
         return self.cache[(mode, key)]
 
 
@@ -296,8 +353,9 @@ def per_prompt(result: EvalResult, metric: Metric = "accuracy") -> np.ndarray:
 RANDOM_MATCH = ("layer", "all")  # the first is the default
 
 
-def random_circuit(circuit: Circuit, n_layers: int, n_heads: int, rng: random.Random,
-                   match: str = RANDOM_MATCH[0]) -> Circuit:
+def random_circuit(
+    circuit: Circuit, n_layers: int, n_heads: int, rng: random.Random, match: str = RANDOM_MATCH[0]
+) -> Circuit:
     """A circuit with the same per-group sizes and positions. ``match="layer"``: each head is replaced
     by a head of the same layer (same position), so the draw keeps the circuit's depth profile;
     ``"all"``: heads drawn from all heads of the model."""
@@ -308,8 +366,14 @@ def random_circuit(circuit: Circuit, n_layers: int, n_heads: int, rng: random.Ra
         groups = {g: sorted(rng.sample(pool, len(hs))) for g, hs in circuit.groups.items()}
     else:
         groups = {g: layer_matched(hs, n_heads, rng) for g, hs in circuit.groups.items()}
-    return Circuit(circuit.model, circuit.task, groups, dict(circuit.positions), names=dict(circuit.names),
-                   meta={"random_baseline_of": circuit.model})
+    return Circuit(
+        circuit.model,
+        circuit.task,
+        groups,
+        dict(circuit.positions),
+        names=dict(circuit.names),
+        meta={"random_baseline_of": circuit.model},
+    )
 
 
 def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "") -> Circuit:
@@ -322,8 +386,9 @@ def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "") -
     return circuit
 
 
-def faithfulness(scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int = 0,
-                 match: str = RANDOM_MATCH[0]) -> dict:
+def faithfulness(
+    scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int = 0, match: str = RANDOM_MATCH[0]
+) -> dict:
     """F(M), F(C), faithfulness F(C)/F(M) for accuracy and answer probability, with CIs (exact
     binomial for accuracy, bootstrap for probability and the ratios).
 
@@ -338,14 +403,20 @@ def faithfulness(scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int 
     out = {"full": _figures(full, full), "circuit": _figures(circ, full), "n_prompts": len(scorer.records)}
     if n_random > 0:
         rng = random.Random(seed)
-        draws = [scorer.keep(random_circuit(circuit, shape.n_layers, shape.n_heads, rng, match).pairs())
-                 for _ in progress_bar(range(n_random), desc="random circuits", disable=not scorer.progress,
-                                       leave=False)]
+        draws = [
+            scorer.keep(random_circuit(circuit, shape.n_layers, shape.n_heads, rng, match).pairs())
+            for _ in progress_bar(range(n_random), desc="random circuits", disable=not scorer.progress, leave=False)
+        ]
         mean = EvalResult(np.mean([d.correct for d in draws], 0), np.mean([d.prob for d in draws], 0))
         figures = _figures(mean, full)
         figures["accuracy"] = pooled_proportion([d.correct.astype(float) for d in draws]).to_dict()
-        out["random"] = {**figures, "n_draws": n_random, "seed": seed, "match": match,
-                         "draws": [float(d.correct.mean()) for d in draws]}
+        out["random"] = {
+            **figures,
+            "n_draws": n_random,
+            "seed": seed,
+            "match": match,
+            "draws": [float(d.correct.mean()) for d in draws],
+        }
     return out
 
 
@@ -369,8 +440,15 @@ def group_pairs(circuit: Circuit, group: str) -> list[Pair]:
     return [(h, circuit.positions[group]) for h in circuit.groups[group]]
 
 
-def completeness(scorer: Scorer, circuit: Circuit, n_draws: int = 5, p: float = 0.5, seed: int = 0,
-                 metric: Metric = "accuracy", groups: Optional[Sequence[str]] = None) -> dict:
+def completeness(
+    scorer: Scorer,
+    circuit: Circuit,
+    n_draws: int = 5,
+    p: float = 0.5,
+    seed: int = 0,
+    metric: Metric = "accuracy",
+    groups: Optional[Sequence[str]] = None,
+) -> dict:
     """|F(C \\ K) - F(M \\ K)| for random K (each pair kept in K with probability ``p``) and each whole group
     (``groups``: those groups only; default every group).
 
@@ -385,17 +463,23 @@ def completeness(scorer: Scorer, circuit: Circuit, n_draws: int = 5, p: float = 
         diffs.append(abs(float(_difference(scorer, pairs, k, metric).mean())))
     out: dict = {"metric": metric, "p": p, "seed": seed, "n_prompts": len(scorer.records)}
     if diffs:
-        out["random"] = {"mean": float(np.mean(diffs)), "std": float(np.std(diffs)), "draws": diffs,
-                         "ci": bootstrap(diffs).to_dict()}
+        out["random"] = {
+            "mean": float(np.mean(diffs)),
+            "std": float(np.std(diffs)),
+            "draws": diffs,
+            "ci": bootstrap(diffs).to_dict(),
+        }
     out["groups"] = {}
-    for g in (circuit.groups if groups is None else groups):
+    for g in circuit.groups if groups is None else groups:
         if not circuit.groups[g]:  # K empty: F(C) - F(M) says nothing about the group
-            out["groups"][g] = {"completeness": None, "difference": None, "size": 0,
-                                "note": "n/a: the group is empty"}
+            out["groups"][g] = {"completeness": None, "difference": None, "size": 0, "note": "n/a: the group is empty"}
             continue
         signed = bootstrap(_difference(scorer, pairs, group_pairs(circuit, g), metric))
-        out["groups"][g] = {"completeness": abs(signed.value), "difference": signed.to_dict(),
-                            "size": len(circuit.groups[g])}
+        out["groups"][g] = {
+            "completeness": abs(signed.value),
+            "difference": signed.to_dict(),
+            "size": len(circuit.groups[g]),
+        }
     return out
 
 
@@ -415,8 +499,14 @@ def estimate(d: dict) -> Estimate:
 # --------------------------------------------------------------------------------------
 
 
-def matrix_rows(model_name: str, circuits: dict[str, Circuit], scorer: Scorer, n_random: int = 0,
-                seed: int = 0, random_for: Optional[Sequence[str]] = None) -> list[dict]:
+def matrix_rows(
+    model_name: str,
+    circuits: dict[str, Circuit],
+    scorer: Scorer,
+    n_random: int = 0,
+    seed: int = 0,
+    random_for: Optional[Sequence[str]] = None,
+) -> list[dict]:
     """One row per circuit for one model: full and circuit accuracy, faithfulness (and the random
     baseline, for the circuits named in ``random_for``, default all), each as ``x``, ``x_low``, ``x_high``
     columns (see :mod:`mechdiff.report.tables`); ``draws``: each random draw's accuracy."""
@@ -424,8 +514,13 @@ def matrix_rows(model_name: str, circuits: dict[str, Circuit], scorer: Scorer, n
     for label, circuit in circuits.items():
         draws = n_random if random_for is None or label in random_for else 0
         res = faithfulness(scorer, circuit, n_random=draws, seed=seed)
-        row = {"circuit": label, "model": model_name, "n_heads": len(circuit.heads()),
-               "n_pairs": len(circuit.pairs()), "n_prompts": res["n_prompts"]}
+        row = {
+            "circuit": label,
+            "model": model_name,
+            "n_heads": len(circuit.heads()),
+            "n_pairs": len(circuit.pairs()),
+            "n_prompts": res["n_prompts"],
+        }
         row.update(_cols("full_accuracy", res["full"]["accuracy"]))
         row.update(_cols("accuracy", res["circuit"]["accuracy"]))
         row.update(_cols("faithfulness", res["circuit"]["faithfulness"]))

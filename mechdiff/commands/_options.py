@@ -9,29 +9,36 @@ from ..models.loading import LoadedModel, load_model, load_tokenizer
 from ..models.memory import auto_batch_size
 from ..models.remote import check_remote
 from ..models.resolve import resolve_spec
-from ..tasks.relation_data import available_relations
 from ..tasks.base import Task, get_task, task_names
+from ..tasks.relation_data import available_relations
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """--dtype, --device, --device-map, --remote and --cache-dir, identical on every stage."""
     parser.add_argument("--dtype", default="float32", help="float32 (as the paper), bfloat16 or float16")
-    parser.add_argument("--device", default=None,
-                        help="one device for the whole model: cpu (default), cuda, cuda:1")
-    parser.add_argument("--device-map", default=None,
-                        help="auto (accelerate: shard the model over this machine's GPUs), balanced, or a device")
-    parser.add_argument("--remote", action="store_true",
-                        help="run every forward pass on NDIF through nnsight (API key from $NDIF_API_KEY; "
-                             "hub models NDIF hosts only)")
+    parser.add_argument("--device", default=None, help="one device for the whole model: cpu (default), cuda, cuda:1")
+    parser.add_argument(
+        "--device-map",
+        default=None,
+        help="auto (accelerate: shard the model over this machine's GPUs), balanced, or a device",
+    )
+    parser.add_argument(
+        "--remote",
+        action="store_true",
+        help="run every forward pass on NDIF through nnsight (API key from $NDIF_API_KEY; hub models NDIF hosts only)",
+    )
     parser.add_argument("--cache-dir", default=None, help="Hugging Face cache directory for hub ids")
 
 
 def add_task_option(parser: argparse.ArgumentParser) -> None:
     """--task: a registered task or a directory written by `mechdiff dataset import`."""
-    parser.add_argument("--task", default="entity-tracking",
-                        help=f"a registered task ({', '.join(task_names(include_relations=False))}), a knowledge "
-                             f"relation ({', '.join(available_relations())}) or its JSON file, or a directory "
-                             "written by `mechdiff dataset import`")
+    parser.add_argument(
+        "--task",
+        default="entity-tracking",
+        help=f"a registered task ({', '.join(task_names(include_relations=False))}), a knowledge "
+        f"relation ({', '.join(available_relations())}) or its JSON file, or a directory "
+        "written by `mechdiff dataset import`",
+    )
 
 
 def task_from_args(args: argparse.Namespace) -> Task:
@@ -49,8 +56,12 @@ def add_dataset_options(parser: argparse.ArgumentParser, n: int = 500) -> None:
     parser.add_argument("--n-boxes", type=int, default=7, help="boxes per prompt (2-10)")
     parser.add_argument("--n", type=int, default=n, help="number of prompts")
     parser.add_argument("--seed", type=int, default=0, help="dataset seed")
-    parser.add_argument("--batch-size", type=batch_size_arg, default=32,
-                        help="prompts per forward pass, or auto (from free GPU memory; 32 on CPU)")
+    parser.add_argument(
+        "--batch-size",
+        type=batch_size_arg,
+        default=32,
+        help="prompts per forward pass, or auto (from free GPU memory; 32 on CPU)",
+    )
 
 
 def batch_size_arg(text: str) -> int | str:
@@ -73,8 +84,13 @@ def model_kwargs(args: argparse.Namespace) -> dict:
     """
     remote = getattr(args, "remote", False)
     check_remote(remote)
-    return {"dtype": args.dtype, "device_map": args.device_map, "device": getattr(args, "device", None),
-            "remote": remote, "cache_dir": args.cache_dir}
+    return {
+        "dtype": args.dtype,
+        "device_map": args.device_map,
+        "device": getattr(args, "device", None),
+        "remote": remote,
+        "cache_dir": args.cache_dir,
+    }
 
 
 def tokenizer_from_args(name: str, args: argparse.Namespace) -> Any:

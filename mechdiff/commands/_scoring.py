@@ -15,11 +15,19 @@ from ._options import task_from_args, task_options
 
 def add_scoring_options(parser: argparse.ArgumentParser) -> None:
     """The mean-ablation reference set and the activation store."""
-    parser.add_argument("--reference", default=REFERENCES[0], choices=list(REFERENCES),
-                        help="prompts whose position-wise means replace ablated heads")
+    parser.add_argument(
+        "--reference",
+        default=REFERENCES[0],
+        choices=list(REFERENCES),
+        help="prompts whose position-wise means replace ablated heads",
+    )
     parser.add_argument("--n-reference", type=int, default=None, help="reference prompts (default: --n)")
-    parser.add_argument("--reference-seed", type=int, default=None,
-                        help="default: the prompt set command-reference of --seed (mechdiff.runs.seeds: --seed + 1)")
+    parser.add_argument(
+        "--reference-seed",
+        type=int,
+        default=None,
+        help="default: the prompt set command-reference of --seed (mechdiff.runs.seeds: --seed + 1)",
+    )
     parser.add_argument("--store", default=None, help="HDF5 activation store caching the means (optional)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -37,8 +45,18 @@ def load_circuit(path: str, shape: ModelShape) -> Circuit:
 def scoring_prompts(args: argparse.Namespace) -> ScoringPrompts:
     """The prompts ``args`` ask for, at ``args.batch_size`` as it stands: a caller resolves ``--batch-size auto``
     first, once its model is loaded (:func:`~._options.load_from_args`, :func:`~._options.resolve_batch_size`)."""
-    return ScoringPrompts(task_from_args(args), args.n, args.seed, args.reference, args.n_reference,
-                          args.reference_seed, args.batch_size, not args.no_progress, args.store, task_options(args))
+    return ScoringPrompts(
+        task_from_args(args),
+        args.n,
+        args.seed,
+        args.reference,
+        args.n_reference,
+        args.reference_seed,
+        args.batch_size,
+        not args.no_progress,
+        args.store,
+        task_options(args),
+    )
 
 
 def settings(args: argparse.Namespace) -> dict:

@@ -7,10 +7,16 @@ import argparse
 from pathlib import Path
 
 from ..circuits.discovery import DiscoverySettings
-from ..tasks.plan import Plan, default_plan
 from ..studies.discovery import discover_circuit, task_plan
-from ._options import (add_model_options, add_task_option, load_from_args, task_from_args, task_options,
-                       tokenizer_from_args)
+from ..tasks.plan import Plan, default_plan
+from ._options import (
+    add_model_options,
+    add_task_option,
+    load_from_args,
+    task_from_args,
+    task_options,
+    tokenizer_from_args,
+)
 
 
 def parse_k(text: str, plan: Plan | None = None) -> dict[str, int]:
@@ -20,8 +26,7 @@ def parse_k(text: str, plan: Plan | None = None) -> dict[str, int]:
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         step, _, value = part.partition("=")
         if step not in steps or not value.isdigit():
-            raise ValueError(f"bad --top-k item {part!r}; expected STEP=INT with STEP in {steps}, e.g. "
-                             f"{steps[0]}=10")
+            raise ValueError(f"bad --top-k item {part!r}; expected STEP=INT with STEP in {steps}, e.g. {steps[0]}=10")
         k[step] = int(value)
     return k
 
@@ -36,15 +41,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-k", default="", help="heads kept per step, overriding the plan's k, e.g. A=10,B=4,C=6,D=3")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--exact", dest="screen", action="store_false", default=False,
-                      help="exact path patching of every sender (default)")
-    mode.add_argument("--screen", dest="screen", action="store_true",
-                      help="attribution screen, then exact path patching of the shortlist (for large models)")
-    p.add_argument("--screen-multiple", type=float, default=DiscoverySettings.screen_multiple,
-                   help="path patch this many times k of the best-screened senders")
-    p.add_argument("--senders-per-pass", type=senders_arg, default=DiscoverySettings.senders_per_pass,
-                   help="sender copies stacked in one forward pass, or auto (from free GPU memory, as "
-                        "--batch-size auto; 8 on CPU)")
+    mode.add_argument(
+        "--exact",
+        dest="screen",
+        action="store_false",
+        default=False,
+        help="exact path patching of every sender (default)",
+    )
+    mode.add_argument(
+        "--screen",
+        dest="screen",
+        action="store_true",
+        help="attribution screen, then exact path patching of the shortlist (for large models)",
+    )
+    p.add_argument(
+        "--screen-multiple",
+        type=float,
+        default=DiscoverySettings.screen_multiple,
+        help="path patch this many times k of the best-screened senders",
+    )
+    p.add_argument(
+        "--senders-per-pass",
+        type=senders_arg,
+        default=DiscoverySettings.senders_per_pass,
+        help="sender copies stacked in one forward pass, or auto (from free GPU memory, as "
+        "--batch-size auto; 8 on CPU)",
+    )
     p.add_argument("--out", default=None, help="output directory (default results/circuits/<model>/)")
     add_model_options(p)
     p.set_defaults(func=main)
@@ -62,11 +84,27 @@ def senders_arg(text: str) -> int | str:
 def main(args: argparse.Namespace) -> int:
     task = task_from_args(args)
     plan = task_plan(task, args.plan)
-    settings = DiscoverySettings(k=parse_k(args.top_k, plan), screen=args.screen, screen_multiple=args.screen_multiple,
-                                 senders_per_pass=args.senders_per_pass, n_prompts=args.n, n_boxes=args.n_boxes,
-                                 seed=args.seed)
+    settings = DiscoverySettings(
+        k=parse_k(args.top_k, plan),
+        screen=args.screen,
+        screen_multiple=args.screen_multiple,
+        senders_per_pass=args.senders_per_pass,
+        n_prompts=args.n,
+        n_boxes=args.n_boxes,
+        seed=args.seed,
+    )
     out = Path(args.out or f"results/circuits/{Path(args.model).name}")
-    print(discover_circuit(args.model, task, plan, settings, task_options(args), out,
-                           lambda: tokenizer_from_args(args.model, args),
-                           lambda tokenizer: load_from_args(args.model, args, tokenizer), args.dtype))
+    print(
+        discover_circuit(
+            args.model,
+            task,
+            plan,
+            settings,
+            task_options(args),
+            out,
+            lambda: tokenizer_from_args(args.model, args),
+            lambda tokenizer: load_from_args(args.model, args, tokenizer),
+            args.dtype,
+        )
+    )
     return 0

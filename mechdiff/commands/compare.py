@@ -29,8 +29,9 @@ def main(args: argparse.Namespace) -> int:
     out = check_writable(args.out)
     models = ModelSet(args.models.split(","), **model_kwargs(args))  # configs only: no weights yet
     try:
-        circuits = load_circuits(args.circuits.split(","), args.labels.split(",") if args.labels else None,
-                                 models.shape)
+        circuits = load_circuits(
+            args.circuits.split(","), args.labels.split(",") if args.labels else None, models.shape
+        )
     except CircuitFileError:
         raise
     except ValueError as err:  # the labels: name the flag that sets them

@@ -17,11 +17,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name or path")
     p.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="fractions of all (head, class) pairs")
     p.add_argument("--target", type=float, default=TARGET, help="pick the smallest circuit reaching this faithfulness")
-    p.add_argument("--rank-n", type=int, default=80,
-                   help="prompts that rank the pairs (prompt set command-ranking, --seed + 2: disjoint from the scored "
-                        "prompts)")
-    p.add_argument("--split", default="eval", choices=SPLITS,
-                   help="entity tracking: objects of the scored and ranking prompts (eval: held out from fine-tuning)")
+    p.add_argument(
+        "--rank-n",
+        type=int,
+        default=80,
+        help="prompts that rank the pairs (prompt set command-ranking, --seed + 2: disjoint from the scored prompts)",
+    )
+    p.add_argument(
+        "--split",
+        default="eval",
+        choices=SPLITS,
+        help="entity tracking: objects of the scored and ranking prompts (eval: held out from fine-tuning)",
+    )
     p.add_argument("--out", default="results/curve", help="output directory")
     add_dataset_options(p, n=80)
     add_scoring_options(p)
@@ -34,6 +41,16 @@ def main(args: argparse.Namespace) -> int:
     if not sizes or min(sizes) <= 0 or max(sizes) > 1:
         raise ValueError(f"--sizes must be fractions in (0, 1], got {args.sizes!r}")
     model = load_from_args(args.model, args)
-    print(size_curve(model, scoring_prompts(args), Path(args.out), sizes, args.target, args.rank_n, settings(args),
-                     task_from_args(args).split_options(args.split)))
+    print(
+        size_curve(
+            model,
+            scoring_prompts(args),
+            Path(args.out),
+            sizes,
+            args.target,
+            args.rank_n,
+            settings(args),
+            task_from_args(args).split_options(args.split),
+        )
+    )
     return 0

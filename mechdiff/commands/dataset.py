@@ -9,10 +9,10 @@ from pathlib import Path
 from ..common.metrics import TASK_METRICS, metric_name
 from ..models.loading import load_tokenizer
 from ..models.resolve import resolve_spec
-from ..tasks.jsonl import import_pairs, load_task_meta
 from ..tasks.entity_tracking import PAIR_KINDS
 from ..tasks.entity_tracking.export import write_dataset
 from ..tasks.entity_tracking.pairs import parse_pair_kinds
+from ..tasks.jsonl import import_pairs, load_task_meta
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,17 +28,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     et.add_argument("--out", required=True, help="output directory")
     et.add_argument("--hf", action="store_true", help="also save datasets.Dataset folders (save_to_disk)")
     et.set_defaults(func=main)
-    imp = kinds.add_parser("import", help="check a JSONL file of counterfactual pairs against a model's tokenizer and "
-                                          "write a task directory for --task DIR")
-    imp.add_argument("pairs", help='one JSON object a line: {"clean", "counterfactual", "answer", '
-                                   '"counterfactual_answer" (optional), "positions": {name: [start, end]}, '
-                                   '"counterfactual_positions" (optional)}; character offsets into the prompt')
+    imp = kinds.add_parser(
+        "import",
+        help="check a JSONL file of counterfactual pairs against a model's tokenizer and "
+        "write a task directory for --task DIR",
+    )
+    imp.add_argument(
+        "pairs",
+        help='one JSON object a line: {"clean", "counterfactual", "answer", '
+        '"counterfactual_answer" (optional), "positions": {name: [start, end]}, '
+        '"counterfactual_positions" (optional)}; character offsets into the prompt',
+    )
     imp.add_argument("--model", required=True, help="whose tokenizer the positions and answers are checked against")
     imp.add_argument("--out", required=True, help="the task directory to write (refused if it exists, see --force)")
     imp.add_argument("--name", default=None, help="the task's name (default: the directory's name)")
     imp.add_argument("--plan", default=None, help="a discovery plan TOML to ship with the task")
-    imp.add_argument("--metric", default="prob", type=metric_name, choices=list(TASK_METRICS),
-                     help="prob (answer probability) or logit_diff (answer - counterfactual answer)")
+    imp.add_argument(
+        "--metric",
+        default="prob",
+        type=metric_name,
+        choices=list(TASK_METRICS),
+        help="prob (answer probability) or logit_diff (answer - counterfactual answer)",
+    )
     imp.add_argument("--force", action="store_true", help="replace an existing --out directory")
     imp.set_defaults(func=main_import)
 
@@ -47,16 +58,34 @@ def main_import(args: argparse.Namespace) -> int:
     if not Path(args.pairs).is_file():
         raise FileNotFoundError(f"pairs file {args.pairs} does not exist")
     tokenizer = load_tokenizer(resolve_spec(args.model))
-    out = import_pairs(args.pairs, tokenizer, args.out, model=args.model, name=args.name, plan=args.plan,
-                       metric=args.metric, force=args.force)
+    out = import_pairs(
+        args.pairs,
+        tokenizer,
+        args.out,
+        model=args.model,
+        name=args.name,
+        plan=args.plan,
+        metric=args.metric,
+        force=args.force,
+    )
     meta = load_task_meta(out)
-    print(f"imported {meta['n_pairs']} pairs ({', '.join(map(str, meta['n_tokens']))} tokens; positions "
-          f"{', '.join(meta['positions'])}) -> {out}; use it with --task {out}")
+    print(
+        f"imported {meta['n_pairs']} pairs ({', '.join(map(str, meta['n_tokens']))} tokens; positions "
+        f"{', '.join(meta['positions'])}) -> {out}; use it with --task {out}"
+    )
     return 0
 
 
 def main(args: argparse.Namespace) -> int:
     kinds = parse_pair_kinds(args.pairs)  # checked before the tokenizer loads
-    write_dataset(load_tokenizer(resolve_spec(args.model)), args.out, args.n, args.n_boxes, args.seed, kinds,
-                  args.vocabulary, args.hf)  # prints the vocabulary report, then each set as it is written
+    write_dataset(
+        load_tokenizer(resolve_spec(args.model)),
+        args.out,
+        args.n,
+        args.n_boxes,
+        args.seed,
+        kinds,
+        args.vocabulary,
+        args.hf,
+    )  # prints the vocabulary report, then each set as it is written
     return 0

@@ -28,12 +28,20 @@ def _save_spec(text: str) -> dict[str, int]:
 def register(sub: argparse._SubParsersAction) -> None:
     d = FinetuneConfig()
     p = sub.add_parser("finetune", help="LoRA fine-tuning (peft) on generated prompts; saves adapters + recipe")
-    p.add_argument("--base", default=d.base, help="registry name or path of the model to fine-tune "
-                   "(a LoRA adapter is merged first, so a new LoRA can be trained on top)")
+    p.add_argument(
+        "--base",
+        default=d.base,
+        help="registry name or path of the model to fine-tune "
+        "(a LoRA adapter is merged first, so a new LoRA can be trained on top)",
+    )
     p.add_argument("--task", default=d.task, choices=trainable_tasks())
     p.add_argument("--out", required=True, help="directory; each adapter goes to OUT/NAME")
-    p.add_argument("--save", type=_save_spec, default={}, help="adapters to save: NAME=STEP or STEP (saved as "
-                   "OUT/step-NNNN, loadable as OUT@STEP), comma-separated")
+    p.add_argument(
+        "--save",
+        type=_save_spec,
+        default={},
+        help="adapters to save: NAME=STEP or STEP (saved as OUT/step-NNNN, loadable as OUT@STEP), comma-separated",
+    )
     p.add_argument("--save-every", type=int, default=0, help="also save OUT/step-NNNN every N steps (0: off)")
     p.add_argument("--rank", type=int, default=d.rank)
     p.add_argument("--alpha", type=float, default=d.alpha)
@@ -51,8 +59,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-steps", default="", help="extra evaluation steps, comma-separated")
     p.add_argument("--eval-n", type=int, default=d.eval_n, help="validation prompts (training objects)")
     p.add_argument("--eval-boxes", type=int, default=d.eval_boxes)
-    p.add_argument("--stop-accuracy", type=float, default=None,
-                   help="stop once 7-box validation accuracy reaches this (after the last --save step)")
+    p.add_argument(
+        "--stop-accuracy",
+        type=float,
+        default=None,
+        help="stop once 7-box validation accuracy reaches this (after the last --save step)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (recorded in the recipe)")
     add_model_options(p)
     p.set_defaults(func=main)
@@ -69,13 +81,27 @@ def main(args: argparse.Namespace) -> int:
     if args.remote:
         raise SystemExit("fine-tuning trains weights on this machine; --remote (NDIF) cannot. Use --device cuda")
     cfg = FinetuneConfig(
-        base=args.base, task=args.task, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
-        target_modules=tuple(t.strip() for t in args.targets.split(",") if t.strip()), lr=args.lr,
-        weight_decay=args.weight_decay, steps=args.steps, batch_size=args.batch, seed=args.seed,
-        data_seed=args.data_seed, min_boxes=args.min_boxes, max_boxes=args.max_boxes,
-        eval_every=args.eval_every, eval_steps=tuple(int(s) for s in args.eval_steps.split(",") if s.strip()),
-        eval_n=args.eval_n, eval_boxes=args.eval_boxes,
-        save_steps=args.save, save_every=args.save_every, stop_accuracy=args.stop_accuracy,
+        base=args.base,
+        task=args.task,
+        rank=args.rank,
+        alpha=args.alpha,
+        dropout=args.dropout,
+        target_modules=tuple(t.strip() for t in args.targets.split(",") if t.strip()),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        steps=args.steps,
+        batch_size=args.batch,
+        seed=args.seed,
+        data_seed=args.data_seed,
+        min_boxes=args.min_boxes,
+        max_boxes=args.max_boxes,
+        eval_every=args.eval_every,
+        eval_steps=tuple(int(s) for s in args.eval_steps.split(",") if s.strip()),
+        eval_n=args.eval_n,
+        eval_boxes=args.eval_boxes,
+        save_steps=args.save,
+        save_every=args.save_every,
+        stop_accuracy=args.stop_accuracy,
     )
     print(finetune_and_write(load_from_args(args.base, args), cfg, args.out))
     return 0

@@ -36,14 +36,18 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help=f"training steps ({D.steps})")
     p.add_argument("--batch", type=int, default=None, help=f"prompts per step ({D.batch})")
     p.add_argument("--lr", type=float, default=None, help=f"LoRA learning rate without a sweep ({D.lr})")
-    p.add_argument("--headmap-lr", type=float, default=None,
-                   help=f"HeadMap maps' learning rate without a sweep ({D.headmap_lr})")
+    p.add_argument(
+        "--headmap-lr", type=float, default=None, help=f"HeadMap maps' learning rate without a sweep ({D.headmap_lr})"
+    )
     p.add_argument("--rank", type=int, default=None, help=f"HeadMap map rank r ({D.rank})")
     p.add_argument("--eval-n", type=int, default=None, help=f"held-out evaluation prompts ({D.eval_n})")
-    p.add_argument("--seeds", default=None,
-                   help="comma-separated training seeds; seed s initialises from s, trains on data seed "
-                        f"data_seed + s and draws the random head sets from derive(s, ...) "
-                        f"({','.join(map(str, D.seeds))}; locate and finetune use the first)")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated training seeds; seed s initialises from s, trains on data seed "
+        f"data_seed + s and draws the random head sets from derive(s, ...) "
+        f"({','.join(map(str, D.seeds))}; locate and finetune use the first)",
+    )
     p.add_argument("--data-seed", type=int, default=None, help=f"training batches' seed offset ({D.data_seed})")
 
 
@@ -64,36 +68,63 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(ft)
     ft.add_argument("--task", default="entity-tracking", choices=trainable_tasks())
     ft.add_argument("--circuit", required=True, help="circuit.json from `mechdiff headmap locate`")
-    ft.add_argument("--lora-rank", type=int, default=TrainConfig.lora_rank,
-                    help="also train a LoRA of this rank (HeadMap+LoRA; 0: none)")
+    ft.add_argument(
+        "--lora-rank",
+        type=int,
+        default=TrainConfig.lora_rank,
+        help="also train a LoRA of this rank (HeadMap+LoRA; 0: none)",
+    )
     ft.add_argument("--out", required=True, help="directory: result.json")
     _train_options(ft)
     ft.set_defaults(func=main_finetune)
 
     cmp_ = hs.add_parser("compare", help="the study: locate on two tasks, HeadMap vs LoRA and ablations, report.md")
     _common(cmp_)
-    cmp_.add_argument("--task", default=None, help="task file (tasks/headmap.toml); its [headmap] values are "
-                                                   "defaults that flags override")
-    cmp_.add_argument("--out", default="results/headmap-smollm2",
-                      help="directory: report.md, tables, figures; stages cached in OUT/stages")
-    cmp_.add_argument("--transfer-task", default=None, choices=trainable_tasks(),
-                      help=f"task whose located circuit is transferred to entity tracking ({D.transfer_task})")
-    cmp_.add_argument("--path-patching", default=None,
-                      help=f"comma-separated path-patching circuit files to compare the located heads with "
-                           f"({','.join(D.path_patching)})")
-    cmp_.add_argument("--lora-small", type=int, default=None,
-                      help=f"rank of the LoRA near HeadMap's parameter count ({D.lora_small})")
+    cmp_.add_argument(
+        "--task",
+        default=None,
+        help="task file (tasks/headmap.toml); its [headmap] values are defaults that flags override",
+    )
+    cmp_.add_argument(
+        "--out",
+        default="results/headmap-smollm2",
+        help="directory: report.md, tables, figures; stages cached in OUT/stages",
+    )
+    cmp_.add_argument(
+        "--transfer-task",
+        default=None,
+        choices=trainable_tasks(),
+        help=f"task whose located circuit is transferred to entity tracking ({D.transfer_task})",
+    )
+    cmp_.add_argument(
+        "--path-patching",
+        default=None,
+        help=f"comma-separated path-patching circuit files to compare the located heads with "
+        f"({','.join(D.path_patching)})",
+    )
+    cmp_.add_argument(
+        "--lora-small", type=int, default=None, help=f"rank of the LoRA near HeadMap's parameter count ({D.lora_small})"
+    )
     cmp_.add_argument("--lora-large", type=int, default=None, help=f"rank of the larger LoRA ({D.lora_large})")
     cmp_.add_argument("--transfer-n", type=int, default=None, help="samples for locating on the transfer task (n)")
-    cmp_.add_argument("--lora-zoo", default=None,
-                      help=f"a saved LoRA of the same recipe to evaluate instead of training one (run lora-zoo; "
-                           f"{D.lora_zoo})")
-    cmp_.add_argument("--lrs", default=None,
-                      help="comma-separated learning rates swept for HeadMap and LoRA alike on the first seed, "
-                           "each method then training at its best on the validation prompts (empty: --lr and "
-                           "--headmap-lr)")
-    cmp_.add_argument("--val-n", type=int, default=None,
-                      help=f"validation prompts of training objects the rate is chosen on ({D.val_n})")
+    cmp_.add_argument(
+        "--lora-zoo",
+        default=None,
+        help=f"a saved LoRA of the same recipe to evaluate instead of training one (run lora-zoo; {D.lora_zoo})",
+    )
+    cmp_.add_argument(
+        "--lrs",
+        default=None,
+        help="comma-separated learning rates swept for HeadMap and LoRA alike on the first seed, "
+        "each method then training at its best on the validation prompts (empty: --lr and "
+        "--headmap-lr)",
+    )
+    cmp_.add_argument(
+        "--val-n",
+        type=int,
+        default=None,
+        help=f"validation prompts of training objects the rate is chosen on ({D.val_n})",
+    )
     cmp_.add_argument("--val-seed", type=int, default=None, help=f"validation prompts' seed ({D.val_seed})")
     cmp_.add_argument("--train-only", action="store_true", help="stop after the training runs (no report)")
     cmp_.add_argument("--runs", default=None, help=f"training runs, in order (of {','.join(RUNS)}; default all)")

@@ -14,8 +14,16 @@ from ._scoring import add_scoring_options, scoring_prompts, settings
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("positions", help="greedy scan of the position classes a model needs (every head kept there)")
     p.add_argument("--model", default="smollm2-135m", help="registry name or path")
-    p.add_argument("--metric", default="accuracy", type=metric_name, choices=["accuracy", "prob"], help="what the greedy step maximises")
-    p.add_argument("--stop-at", type=float, default=None, help="stop once faithfulness reaches this (default: scan all)")
+    p.add_argument(
+        "--metric",
+        default="accuracy",
+        type=metric_name,
+        choices=["accuracy", "prob"],
+        help="what the greedy step maximises",
+    )
+    p.add_argument(
+        "--stop-at", type=float, default=None, help="stop once faithfulness reaches this (default: scan all)"
+    )
     p.add_argument("--max-steps", type=int, default=None, help="at most this many classes")
     p.add_argument("--leave-one-out", action="store_true", help="also: every class kept but one, for each class")
     p.add_argument("--out", default="results/positions", help="output directory")
@@ -27,6 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     model = load_from_args(args.model, args)
-    scan_positions(model, scoring_prompts(args), Path(args.out), args.metric, args.stop_at, args.max_steps,
-                   args.leave_one_out, settings(args))  # prints each table
+    scan_positions(
+        model,
+        scoring_prompts(args),
+        Path(args.out),
+        args.metric,
+        args.stop_at,
+        args.max_steps,
+        args.leave_one_out,
+        settings(args),
+    )  # prints each table
     return 0

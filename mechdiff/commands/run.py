@@ -9,28 +9,47 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run the whole study of a task file, of any kind (default: the embedded "
-                                   "SmolLM2 circuits study); prints its stage plan first")
-    p.add_argument("task_file", nargs="?", default=None,
-                   help="a task file (tasks/*.toml; its [study] kind: circuits (default), knowledge, headmap); "
-                        "without one, the embedded default study")
+    p = sub.add_parser(
+        "run",
+        help="run the whole study of a task file, of any kind (default: the embedded "
+        "SmolLM2 circuits study); prints its stage plan first",
+    )
+    p.add_argument(
+        "task_file",
+        nargs="?",
+        default=None,
+        help="a task file (tasks/*.toml; its [study] kind: circuits (default), knowledge, headmap); "
+        "without one, the embedded default study",
+    )
     p.add_argument("--out", default=None, help="results directory (default: the file's [output] dir)")
-    p.add_argument("--plan", action="store_true",
-                   help="print the stage plan (each stage: cached or not, its cost in the committed run.json) "
-                        "and stop")
-    p.add_argument("--task", default=None,
-                   help="circuits kind: override [task] name: a registered task (ioi, ...) or a directory from "
-                        "`mechdiff dataset import`")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the stage plan (each stage: cached or not, its cost in the committed run.json) and stop",
+    )
+    p.add_argument(
+        "--task",
+        default=None,
+        help="circuits kind: override [task] name: a registered task (ioi, ...) or a directory from "
+        "`mechdiff dataset import`",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument("--model", default=None,
-                   help="circuits kind: only this model's stages (one process per model shares the cores; a plain "
-                        "`mechdiff run` afterwards writes the report from the cache)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="circuits kind: only this model's stages (one process per model shares the cores; a plain "
+        "`mechdiff run` afterwards writes the report from the cache)",
+    )
     # Placement overrides of how models load (unset: the file's values or the defaults).
     p.add_argument("--dtype", default=None, help="override [models] dtype: float32 (as the paper), bfloat16, float16")
     p.add_argument("--device", default=None, help="override [models] device: cpu, cuda, cuda:1")
     p.add_argument("--device-map", default=None, help="override [models] device_map: auto shards over the GPUs")
-    p.add_argument("--remote", action="store_true", default=None,
-                   help="every forward pass on NDIF (nnsight; API key from $NDIF_API_KEY)")
+    p.add_argument(
+        "--remote",
+        action="store_true",
+        default=None,
+        help="every forward pass on NDIF (nnsight; API key from $NDIF_API_KEY)",
+    )
     p.set_defaults(func=main)
 
 
@@ -38,8 +57,13 @@ def main(args: argparse.Namespace) -> int:
     from ..studies.base import load_study, plan_then_run
 
     models = {key: getattr(args, key) for key in ("dtype", "device", "device_map", "remote")}
-    study = load_study(args.task_file, out=args.out, progress=not args.no_progress,
-                       models={k: v for k, v in models.items() if v is not None}, task=args.task)
+    study = load_study(
+        args.task_file,
+        out=args.out,
+        progress=not args.no_progress,
+        models={k: v for k, v in models.items() if v is not None},
+        task=args.task,
+    )
     if args.model:
         study.run_model(args.model)
         print(f"stages of {args.model} done in {study.dir}; run without --model for the report")

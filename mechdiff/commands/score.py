@@ -19,7 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-random", type=int, default=3, help="random circuits of the same group sizes (baseline)")
     p.add_argument("--completeness-draws", type=int, default=5, help="random subsets K (0: groups only)")
     p.add_argument("--no-completeness", action="store_true", help="skip completeness")
-    p.add_argument("--metric", default="accuracy", type=metric_name, choices=["accuracy", "prob"], help="completeness metric")
+    p.add_argument(
+        "--metric", default="accuracy", type=metric_name, choices=["accuracy", "prob"], help="completeness metric"
+    )
     p.add_argument("--out", default="results/score", help="output directory")
     add_dataset_options(p, n=100)
     add_scoring_options(p)
@@ -31,6 +33,16 @@ def main(args: argparse.Namespace) -> int:
     check_writable(args.out)  # inputs and output are checked before the weights load
     circuit = load_circuit(args.circuit, model_shape(args.model, args))
     model = load_from_args(args.model, args)
-    score_circuit(model, circuit, args.circuit, scoring_prompts(args), Path(args.out), args.n_random,
-                  args.completeness_draws, args.metric, not args.no_completeness, settings(args))  # prints each table
+    score_circuit(
+        model,
+        circuit,
+        args.circuit,
+        scoring_prompts(args),
+        Path(args.out),
+        args.n_random,
+        args.completeness_draws,
+        args.metric,
+        not args.no_completeness,
+        settings(args),
+    )  # prints each table
     return 0

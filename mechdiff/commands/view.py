@@ -6,8 +6,11 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("view", help="write RUN_DIR/report.html (self-contained, opens from disk) from a results "
-                                    "directory; reads only its files, loads no model")
+    p = sub.add_parser(
+        "view",
+        help="write RUN_DIR/report.html (self-contained, opens from disk) from a results "
+        "directory; reads only its files, loads no model",
+    )
     p.add_argument("run_dir", help="a results directory (e.g. results/entity-tracking-smollm2)")
     p.add_argument("--out", default=None, help="where to write the page (default: RUN_DIR/report.html)")
     p.set_defaults(func=main)

@@ -74,7 +74,9 @@ def parse(name: str | Head | MLP | list | tuple) -> Component:
         return MLP(int(m[1]))
     if text in SPECIAL:
         return text
-    raise ValueError(f"cannot parse component {name!r}: expected L<layer>H<head> (e.g. L14H7), MLP<layer>, EMB or LOGITS")
+    raise ValueError(
+        f"cannot parse component {name!r}: expected L<layer>H<head> (e.g. L14H7), MLP<layer>, EMB or LOGITS"
+    )
 
 
 def parse_heads(names: Iterable[str | list | tuple | Head]) -> list[Head]:

@@ -110,8 +110,9 @@ def set_aside(path: str | Path, what: str, reason: object) -> Path:
         n += 1
         target = path.with_name(f"{path.name}.unreadable-{stamp}-{n}")
     os.replace(path, target)
-    log.warning("%s %s is unreadable (%s); moved it aside to %s and will recompute it",
-                what, path, _short(reason), target.name)
+    log.warning(
+        "%s %s is unreadable (%s); moved it aside to %s and will recompute it", what, path, _short(reason), target.name
+    )
     return target
 
 
@@ -152,9 +153,11 @@ def check_writable(directory: str | Path, what: str = "output directory") -> Pat
         os.unlink(probe)
     except OSError as err:
         reason = err.strerror or str(err)
-        raise OutputError(f"{directory}: the {what} cannot be written ({reason}) — "
-                          "choose another directory (--out, or [output] dir / store in the task file) "
-                          "or make it writable") from None
+        raise OutputError(
+            f"{directory}: the {what} cannot be written ({reason}) — "
+            "choose another directory (--out, or [output] dir / store in the task file) "
+            "or make it writable"
+        ) from None
     return directory
 
 
@@ -194,7 +197,8 @@ def run_lock(directory: str | Path) -> Iterator[Path]:
             handle.close()
             raise RunLockedError(
                 f"{path}: another mechdiff run (PID {pid if pid is not None else 'unknown'}) is using {directory} — "
-                "wait for it to finish, stop it, or run with another --out") from None
+                "wait for it to finish, stop it, or run with another --out"
+            ) from None
         try:  # the file may have been removed by the previous holder between open and flock
             same = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -204,8 +208,12 @@ def run_lock(directory: str | Path) -> Iterator[Path]:
         handle.close()
     stale = _holder(path)
     if stale is not None and stale != os.getpid():
-        log.warning("%s: taking over the lock of PID %d, which is %s", path, stale,
-                    "no longer running" if not _pid_alive(stale) else "not holding it")
+        log.warning(
+            "%s: taking over the lock of PID %d, which is %s",
+            path,
+            stale,
+            "no longer running" if not _pid_alive(stale) else "not holding it",
+        )
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")

@@ -71,8 +71,9 @@ def logit_diff(logits: torch.Tensor, answer_ids: torch.Tensor, alternative_ids: 
     return answer_logit(logits, answer_ids) - logits.gather(-1, alt).mean(-1)
 
 
-def task_metric(logits: torch.Tensor, answer_ids: torch.Tensor, metric: str = "prob",
-                alternative_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def task_metric(
+    logits: torch.Tensor, answer_ids: torch.Tensor, metric: str = "prob", alternative_ids: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """A task's per-prompt metric by name: ``prob`` (:func:`answer_prob`) or ``logit_diff``
     (:func:`logit_diff` against ``alternative_ids``)."""
     metric = metric_name(metric)
@@ -90,4 +91,3 @@ def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch
     ref = reference_logits.float().log_softmax(-1)
     new = logits.float().log_softmax(-1)
     return (ref.exp() * (ref - new)).sum(-1)
-

@@ -25,20 +25,32 @@ class Estimate:
         return {"value": self.value, "low": self.low, "high": self.high, "n": self.n}
 
 
-def bootstrap(values: Sequence[float] | np.ndarray, statistic: Callable = np.mean, confidence: float = 0.95,
-              n_resamples: int = 1000, seed: int = 0) -> Estimate:
+def bootstrap(
+    values: Sequence[float] | np.ndarray,
+    statistic: Callable = np.mean,
+    confidence: float = 0.95,
+    n_resamples: int = 1000,
+    seed: int = 0,
+) -> Estimate:
     """Percentile bootstrap CI of ``statistic`` over the examples in ``values``."""
     arr = np.asarray(values, dtype=float)
     value = float(statistic(arr))
     if arr.size < 2 or np.all(arr == arr[0]):
         return Estimate(value, value, value, int(arr.size))
-    res = stats.bootstrap((arr,), statistic, confidence_level=confidence, n_resamples=n_resamples,
-                          method="percentile", random_state=np.random.default_rng(seed))
+    res = stats.bootstrap(
+        (arr,),
+        statistic,
+        confidence_level=confidence,
+        n_resamples=n_resamples,
+        method="percentile",
+        random_state=np.random.default_rng(seed),
+    )
     return Estimate(value, float(res.confidence_interval.low), float(res.confidence_interval.high), int(arr.size))
 
 
-def bootstrap_ratio(num: Sequence[float], den: Sequence[float], confidence: float = 0.95,
-                    n_resamples: int = 1000, seed: int = 0) -> Estimate:
+def bootstrap_ratio(
+    num: Sequence[float], den: Sequence[float], confidence: float = 0.95, n_resamples: int = 1000, seed: int = 0
+) -> Estimate:
     """CI of mean(num) / mean(den), resampling prompts jointly (e.g. faithfulness F(C)/F(M))."""
     a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
     value = float(a.mean() / b.mean()) if b.mean() else float("nan")
@@ -48,7 +60,7 @@ def bootstrap_ratio(num: Sequence[float], den: Sequence[float], confidence: floa
         ratios = a[idx].mean(1) / b[idx].mean(1)
     ratios = ratios[np.isfinite(ratios)]
     alpha = (1 - confidence) / 2
-    low, high = (np.quantile(ratios, [alpha, 1 - alpha]) if ratios.size else (value, value))
+    low, high = np.quantile(ratios, [alpha, 1 - alpha]) if ratios.size else (value, value)
     return Estimate(value, float(low), float(high), int(a.size))
 
 
@@ -67,8 +79,9 @@ def proportion(successes: Sequence[float] | np.ndarray, confidence: float = 0.95
     return Estimate(k / n, float(ci.low), float(ci.high), n)
 
 
-def pooled_mean(draws: Sequence[Sequence[float]], confidence: float = 0.95, n_resamples: int = 1000,
-                seed: int = 0) -> Estimate:
+def pooled_mean(
+    draws: Sequence[Sequence[float]], confidence: float = 0.95, n_resamples: int = 1000, seed: int = 0
+) -> Estimate:
     """Mean over several draws (seeds) scored on the same prompts, ``"draw prompt"``, with a two-stage
     percentile bootstrap CI: each resample draws the draws, then the prompts, with replacement, so the
     spread between draws is not ignored. A difference of two interventions on the same draws and prompts
@@ -97,8 +110,9 @@ def pooled_proportion(draws: Sequence[Sequence[float]], confidence: float = 0.95
     return pooled_mean(arr, confidence)
 
 
-def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95,
-                      n_resamples: int = 1000, seed: int = 0) -> Estimate:
+def paired_difference(
+    a: Sequence[float], b: Sequence[float], confidence: float = 0.95, n_resamples: int = 1000, seed: int = 0
+) -> Estimate:
     """CI of mean(a - b) for two interventions scored on the same prompts (paired bootstrap)."""
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if x.shape != y.shape:

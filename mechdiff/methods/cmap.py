@@ -34,42 +34,47 @@ each prompt's outcome so two kinds can be compared on the same prompts (:meth:`C
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from ..common.progress import progress_bar
 from ..circuits.circuit import Circuit
-import random
-
 from ..common.components import Head, layer_matched
 from ..common.metrics import answer_is_top1, answer_prob
+from ..common.progress import progress_bar
+from ..common.stats import Estimate, bootstrap, mean_estimate, paired_difference
 from ..models.loading import LoadedModel
 from ..models.modelset import check_shapes
 from ..models.remote import keep
 from ..patching.core import Patch, Resume, run
-from ..common.stats import Estimate, bootstrap, mean_estimate, paired_difference
 from ..tasks.base import Record, batch_tensors, grouped_batches, record_order, take
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
 CMAP_RULES: tuple[str, ...] = ("base", "paper")
 LAST = "last"  # the read-out position
 CIRCUIT_SCOPE = "circuit"
-CAPTION = ("CMAP: activations captured in the fine-tune's run are patched into the base's run on the same prompts, "
-           "per group at the group's position. z = head outputs (o_proj input), projected by the BASE model's o_proj; "
-           "q = the head's query at its position; k/v = keys/values at every position up to and including it. "
-           "For q/k/v every head's output at positions other than the group's and the last is restored to the "
-           "base's, and other query heads of a patched KV group are restored everywhere, so only the group's heads "
-           "read the patched Q/K/V (per query head under grouped-query attention).")
-CAPTION_PAPER = ("CMAP as the paper: activations captured in the fine-tune's run are patched into the base's run on "
-                 "the same prompts. z = head outputs at the group's position, projected by the BASE model's o_proj; "
-                 "q = the head's query at its position; k/v = keys/values at every position strictly before it. For "
-                 "q/k/v every head's output at every position except the last is reset to the base's clean run, so "
-                 "q/k/v are reported for last-token groups only.")
-CAPTION_UNISOLATED = ("CMAP without isolation: q/k/v patches write the KV group's keys/values at every position up to "
-                      "the group's, and every head reading them (the whole KV group, at every position) responds.")
+CAPTION = (
+    "CMAP: activations captured in the fine-tune's run are patched into the base's run on the same prompts, "
+    "per group at the group's position. z = head outputs (o_proj input), projected by the BASE model's o_proj; "
+    "q = the head's query at its position; k/v = keys/values at every position up to and including it. "
+    "For q/k/v every head's output at positions other than the group's and the last is restored to the "
+    "base's, and other query heads of a patched KV group are restored everywhere, so only the group's heads "
+    "read the patched Q/K/V (per query head under grouped-query attention)."
+)
+CAPTION_PAPER = (
+    "CMAP as the paper: activations captured in the fine-tune's run are patched into the base's run on "
+    "the same prompts. z = head outputs at the group's position, projected by the BASE model's o_proj; "
+    "q = the head's query at its position; k/v = keys/values at every position strictly before it. For "
+    "q/k/v every head's output at every position except the last is reset to the base's clean run, so "
+    "q/k/v are reported for last-token groups only."
+)
+CAPTION_UNISOLATED = (
+    "CMAP without isolation: q/k/v patches write the KV group's keys/values at every position up to "
+    "the group's, and every head reading them (the whole KV group, at every position) responds."
+)
 
 Scope = list[tuple[Head, str]]  # (head, position name) pairs
 
@@ -96,8 +101,15 @@ def capture_sites(heads: Iterable[Head]) -> list[tuple[str, int]]:
     return [(kind, layer) for layer in layers for kind in ("q", "k", "v", "z")]
 
 
-def cmap_patches(model: LoadedModel, scope: Scope, kind: str, captured: dict, positions: dict[str, torch.Tensor],
-                 seq_len: int, strict: bool = False) -> list[Patch]:
+def cmap_patches(
+    model: LoadedModel,
+    scope: Scope,
+    kind: str,
+    captured: dict,
+    positions: dict[str, torch.Tensor],
+    seq_len: int,
+    strict: bool = False,
+) -> list[Patch]:
     """Patches that write the captured (fine-tune) activations of ``scope`` into the receiving model.
 
     ``captured``: ``(site kind, layer) -> "batch pos cols"`` from the donor's run on the same prompts;
@@ -122,14 +134,19 @@ def cmap_patches(model: LoadedModel, scope: Scope, kind: str, captured: dict, po
             if key in done:
                 continue
             done.add(key)
-            after = torch.arange(seq_len)[None, :] >= pos[:, None] if strict else torch.arange(seq_len)[None, :] > pos[:, None]
+            after = (
+                torch.arange(seq_len)[None, :] >= pos[:, None]
+                if strict
+                else torch.arange(seq_len)[None, :] > pos[:, None]
+            )
             keep = after.float()[..., None]  # 1 where the base keeps its own K/V
             patches.append(Patch(component, head.layer, site[:, :, cols], None, cols, mask=keep))
     return patches
 
 
-def isolation_patches(model: LoadedModel, scope: Scope, kind: str, base_z: dict, positions: dict[str, torch.Tensor],
-                      seq_len: int) -> list[Patch]:
+def isolation_patches(
+    model: LoadedModel, scope: Scope, kind: str, base_z: dict, positions: dict[str, torch.Tensor], seq_len: int
+) -> list[Patch]:
     """z patches that restore the base's own head outputs, so a Q/K/V patch of ``scope`` changes only
     what the scope's heads read at their positions (see the module docstring); none for ``z``.
 
@@ -162,8 +179,9 @@ def isolation_patches(model: LoadedModel, scope: Scope, kind: str, base_z: dict,
     return patches
 
 
-def paper_isolation_patches(model: LoadedModel, scope: Scope, kind: str, base_z: dict,
-                            positions: dict[str, torch.Tensor], seq_len: int) -> list[Patch]:
+def paper_isolation_patches(
+    model: LoadedModel, scope: Scope, kind: str, base_z: dict, positions: dict[str, torch.Tensor], seq_len: int
+) -> list[Patch]:
     """The paper's isolation for Q/K/V kinds (none for ``z``): from the scope's first layer on, every head's output
     at every position except the last is reset to the base's clean run (``cmap_in``'s ``o_proj`` branch).
     Under grouped-query attention, in a layer whose K/V are patched, the other query heads of the patched KV
@@ -211,8 +229,10 @@ def dcm_cut(circuit: Circuit, dcm: Sequence[dict], selection: dict[str, str]) ->
             continue
         found = [r for r in dcm if r["group"] == g and same(r["desideratum"], selection[g])]
         if not found:
-            raise ValueError(f"no DCM result for group {g!r} under desideratum {selection[g]!r}; run DCM on this "
-                             f"circuit with that desideratum (results: {sorted({(r['group'], r['desideratum']) for r in dcm})})")
+            raise ValueError(
+                f"no DCM result for group {g!r} under desideratum {selection[g]!r}; run DCM on this "
+                f"circuit with that desideratum (results: {sorted({(r['group'], r['desideratum']) for r in dcm})})"
+            )
         groups[g] = parse_heads(found[0]["selected"])
     meta = {**circuit.meta, "dcm_cut": dict(selection)}
     return Circuit(circuit.model, circuit.task, groups, dict(circuit.positions), names=dict(circuit.names), meta=meta)
@@ -237,8 +257,13 @@ class CMAPRow:
     recovered: float  # (patched - base) / (fine-tune - base), NaN when the two models tie
 
     def to_dict(self) -> dict:
-        return {"scope": self.scope, "kind": self.kind, "accuracy": self.accuracy.to_dict(),
-                "answer_prob": self.answer_prob.to_dict(), "recovered": self.recovered}
+        return {
+            "scope": self.scope,
+            "kind": self.kind,
+            "accuracy": self.accuracy.to_dict(),
+            "answer_prob": self.answer_prob.to_dict(),
+            "recovered": self.recovered,
+        }
 
 
 @dataclass
@@ -267,13 +292,27 @@ class CMAPResult:
         return paired_difference(self.outcomes[a], self.outcomes[b])
 
     def to_dict(self) -> dict:
-        probs = {k: v.to_dict() for k, v in (("base_answer_prob", self.base_answer_prob),
-                                              ("finetune_answer_prob", self.finetune_answer_prob)) if v is not None}
-        return {"base": self.base, "finetune": self.finetune, "caption": self.caption,
-                "base_accuracy": self.base_accuracy.to_dict(), "finetune_accuracy": self.finetune_accuracy.to_dict(),
-                **probs, "positions": self.positions, "rows": [r.to_dict() for r in self.rows],
-                "random_rows": [r.to_dict() for r in self.random_rows], "outcomes": self.outcomes,
-                "settings": self.settings}
+        probs = {
+            k: v.to_dict()
+            for k, v in (
+                ("base_answer_prob", self.base_answer_prob),
+                ("finetune_answer_prob", self.finetune_answer_prob),
+            )
+            if v is not None
+        }
+        return {
+            "base": self.base,
+            "finetune": self.finetune,
+            "caption": self.caption,
+            "base_accuracy": self.base_accuracy.to_dict(),
+            "finetune_accuracy": self.finetune_accuracy.to_dict(),
+            **probs,
+            "positions": self.positions,
+            "rows": [r.to_dict() for r in self.rows],
+            "random_rows": [r.to_dict() for r in self.random_rows],
+            "outcomes": self.outcomes,
+            "settings": self.settings,
+        }
 
 
 def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -281,10 +320,20 @@ def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[np.ndarray, np.n
     return answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy()
 
 
-def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records: Sequence[Record],
-             kinds: Sequence[str] = CMAP_KINDS, batch_size: int = 32, groups: Optional[Iterable[str]] = None,
-             progress: bool = True, isolate: bool = True, n_random: int = 0, seed: int = 0,
-             rule: str = "base") -> CMAPResult:
+def run_cmap(
+    base: LoadedModel,
+    finetune: LoadedModel,
+    circuit: Circuit,
+    records: Sequence[Record],
+    kinds: Sequence[str] = CMAP_KINDS,
+    batch_size: int = 32,
+    groups: Optional[Iterable[str]] = None,
+    progress: bool = True,
+    isolate: bool = True,
+    n_random: int = 0,
+    seed: int = 0,
+    rule: str = "base",
+) -> CMAPResult:
     """CMAP from ``finetune`` into ``base`` for each group of ``circuit`` and the whole circuit.
 
     ``rule``: ``"base"`` or ``"paper"`` (see the module docstring); ``isolate`` (rule ``"base"`` only): restore
@@ -293,8 +342,10 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
     if rule not in CMAP_RULES:
         raise ValueError(f"rule must be one of {CMAP_RULES}, got {rule!r}")
     if rule == "paper" and not isolate:
-        raise ValueError("the paper's CMAP always resets the other positions to the base (isolate); use rule 'base' "
-                         "for runs without isolation")
+        raise ValueError(
+            "the paper's CMAP always resets the other positions to the base (isolate); use rule 'base' "
+            "for runs without isolation"
+        )
     check_shapes({base.name: base.shape, finetune.name: finetune.shape})
     circuit.validate(base.shape.n_layers, base.shape.n_heads)
     kinds = parse_kinds(kinds)
@@ -309,12 +360,20 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
         all_scopes = {g: all_scopes[g] for g in wanted}
     sites = capture_sites(circuit.heads())
     rng = random.Random(seed)
-    randoms = {f"random:{g}": [random_scope(sc, base.shape.n_heads, rng) for _ in range(n_random)]
-               for g, sc in all_scopes.items() if g != CIRCUIT_SCOPE} if n_random > 0 else {}
+    randoms = (
+        {
+            f"random:{g}": [random_scope(sc, base.shape.n_heads, rng) for _ in range(n_random)]
+            for g, sc in all_scopes.items()
+            if g != CIRCUIT_SCOPE
+        }
+        if n_random > 0
+        else {}
+    )
     plan = {s: paper_kinds(sc, kinds) if rule == "paper" else list(kinds) for s, sc in all_scopes.items()}
     plan.update({r: plan[r.split(":", 1)[1]] for r in randoms})
-    scores: dict = {key: ([], []) for key in ["base", "finetune", *((s, k) for s in [*all_scopes, *randoms]
-                                                                     for k in plan[s])]}
+    scores: dict = {
+        key: ([], []) for key in ["base", "finetune", *((s, k) for s in [*all_scopes, *randoms] for k in plan[s])]
+    }
     batches = grouped_batches(records, batch_size)
     for rows in progress_bar(batches, desc="cmap", disable=not progress):
         batch = batch_tensors(take(records, rows))  # one template and length: any length per batch
@@ -324,8 +383,11 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
             captured = {key: t.to(base.device) for key, t in donor.captured.items()}
             _append(scores["finetune"], _score(donor.logits, answer))
         with base.session():  # remote: the base's plain and patched runs of this batch in one request
-            scored = keep(_base_scores(base, ids, answer, captured, all_scopes, kinds, batch["positions"],
-                                       isolate, randoms, rule, plan))
+            scored = keep(
+                _base_scores(
+                    base, ids, answer, captured, all_scopes, kinds, batch["positions"], isolate, randoms, rule, plan
+                )
+            )
         for key, value in scored.items():
             _append(scores[key], value)
     perm = record_order(batches)  # per-prompt outcomes back in the records' order
@@ -338,9 +400,19 @@ def run_cmap(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, records
     return result
 
 
-def _base_scores(base: LoadedModel, ids: torch.Tensor, answer: torch.Tensor, captured: dict, all_scopes: dict,
-                 kinds: list[str], positions: dict, isolate: bool = True, randoms: Optional[dict] = None,
-                 rule: str = "base", plan: Optional[dict] = None) -> dict:
+def _base_scores(
+    base: LoadedModel,
+    ids: torch.Tensor,
+    answer: torch.Tensor,
+    captured: dict,
+    all_scopes: dict,
+    kinds: list[str],
+    positions: dict,
+    isolate: bool = True,
+    randoms: Optional[dict] = None,
+    rule: str = "base",
+    plan: Optional[dict] = None,
+) -> dict:
     """``(correct, prob)`` of the base, plain and with each (scope, kind) patched from the donor's ``captured``;
     for each random scope key, the outcomes of its draws averaged per prompt."""
     out = {}
@@ -352,8 +424,12 @@ def _base_scores(base: LoadedModel, ids: torch.Tensor, answer: torch.Tensor, cap
     start = min(first.values())
     z_sites = [("z", layer) for layer in range(start, base.shape.n_layers)] if isolate else []
     with torch.no_grad():
-        plain = run(base, ids, capture=[("resid", layer - 1) for layer in sorted(set(first.values()) - {0})]
-                    + z_sites, keep_kv=True)
+        plain = run(
+            base,
+            ids,
+            capture=[("resid", layer - 1) for layer in sorted(set(first.values()) - {0})] + z_sites,
+            keep_kv=True,
+        )
         base_z = {layer: plain.captured[("z", layer)] for _, layer in z_sites}
         out["base"] = _score(plain.logits, answer)
 
@@ -383,8 +459,15 @@ def _append(store: tuple[list, list], scored: tuple[np.ndarray, np.ndarray]) -> 
     store[1].append(scored[1])
 
 
-def _result(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, scores: dict, all_scopes: dict,
-            kinds: list[str], plan: Optional[dict] = None) -> CMAPResult:
+def _result(
+    base: LoadedModel,
+    finetune: LoadedModel,
+    circuit: Circuit,
+    scores: dict,
+    all_scopes: dict,
+    kinds: list[str],
+    plan: Optional[dict] = None,
+) -> CMAPResult:
     correct = {key: np.concatenate(c).astype(float) for key, (c, _) in scores.items()}
     acc = {key: mean_estimate(v) for key, v in correct.items()}
     prob = {key: bootstrap(np.concatenate(p)) for key, (_, p) in scores.items()}
@@ -394,12 +477,27 @@ def _result(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, scores: 
         return CMAPRow(s, k, acc[(s, k)], prob[(s, k)], (acc[(s, k)].value - b) / (f - b) if f != b else float("nan"))
 
     rows = [row(s, k) for s in all_scopes for k in (plan or {}).get(s, kinds)]
-    random_rows = [row(s, k) for s, k in dict.fromkeys(key for key in scores if isinstance(key, tuple)
-                                                         and key[0].startswith("random:"))]
+    random_rows = [
+        row(s, k)
+        for s, k in dict.fromkeys(key for key in scores if isinstance(key, tuple) and key[0].startswith("random:"))
+    ]
     positions = {g: circuit.positions[g] for g in circuit.groups}
     # per prompt: 0/1, or for a random scope the share of its draws that were right (paired with the group's)
-    outcomes = {("/".join(k) if isinstance(k, tuple) else k): [x if k[0].startswith("random:") else int(x)
-                                                              for x in v.tolist()]
-                if isinstance(k, tuple) else [int(x) for x in v.tolist()] for k, v in correct.items()}
-    return CMAPResult(base.name, finetune.name, acc["base"], acc["finetune"], rows, prob["base"], prob["finetune"],
-                      positions, random_rows=random_rows, outcomes=outcomes)
+    outcomes = {
+        ("/".join(k) if isinstance(k, tuple) else k): [x if k[0].startswith("random:") else int(x) for x in v.tolist()]
+        if isinstance(k, tuple)
+        else [int(x) for x in v.tolist()]
+        for k, v in correct.items()
+    }
+    return CMAPResult(
+        base.name,
+        finetune.name,
+        acc["base"],
+        acc["finetune"],
+        rows,
+        prob["base"],
+        prob["finetune"],
+        positions,
+        random_rows=random_rows,
+        outcomes=outcomes,
+    )

@@ -41,16 +41,15 @@ import numpy as np
 import torch
 from einops import rearrange, repeat
 
-from ..common.progress import progress_bar
 from ..circuits.circuit import Circuit
 from ..common.components import Head, all_heads
-from ..patching.evaluate import batches
 from ..common.metrics import answer_is_top1, answer_logit
+from ..common.progress import progress_bar
+from ..common.stats import Estimate, bootstrap, pooled_proportion, proportion
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, Prefix, Resume, run
-from ..common.stats import Estimate, bootstrap, pooled_proportion, proportion
-from ..tasks.base import (PairRecord, group_batches, grouped_batches, pair_batch_tensors, record_order,
-                         take)
+from ..patching.evaluate import batches
+from ..tasks.base import PairRecord, group_batches, grouped_batches, pair_batch_tensors, record_order, take
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,9 @@ class DCMConfig:
     batch_size: int = 8  # pairs per optimiser step (gradient accumulated over micro-batches)
     micro_batch: int = 8  # pairs per forward/backward pass (bounds memory)
     eval_batch: int = 32  # pairs per forward pass when evaluating (no gradients)
-    eval_every: int = 4  # optimiser steps (schedule "steps") or batches of an epoch ("epoch_batches") between validations
+    eval_every: int = (
+        4  # optimiser steps (schedule "steps") or batches of an epoch ("epoch_batches") between validations
+    )
     schedule: str = "steps"
     shuffle: bool = True  # shuffle the training pairs each epoch (the paper: in order)
     split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # train / validation / test fractions
@@ -110,7 +111,6 @@ class DCMConfig:
         if min(self.micro_batch, self.batch_size, self.eval_batch) < 1:
             raise ValueError("batch_size, micro_batch and eval_batch must be at least 1")
 
-
     @classmethod
     def paper(cls, **overrides) -> "DCMConfig":
         """The paper's training (``experiment_2/DCM.py``): loss -logit(target) + 0.01 sum(1 - m) with an absolute
@@ -121,9 +121,19 @@ class DCMConfig:
 
 
 #: The settings :meth:`DCMConfig.paper` fixes.
-PAPER_DCM = {"parameterisation": "continuous", "lam": 0.01, "lam_scale": "absolute", "lr": 0.1, "epochs": 2,
-             "batch_size": 32, "eval_every": 4, "schedule": "epoch_batches", "shuffle": False,
-             "split": (0.5, 0.25, 0.25), "init": 1.0}
+PAPER_DCM = {
+    "parameterisation": "continuous",
+    "lam": 0.01,
+    "lam_scale": "absolute",
+    "lr": 0.1,
+    "epochs": 2,
+    "batch_size": 32,
+    "eval_every": 4,
+    "schedule": "epoch_batches",
+    "shuffle": False,
+    "split": (0.5, 0.25, 0.25),
+    "init": 1.0,
+}
 
 
 @dataclass
@@ -147,14 +157,22 @@ class DCMResult:
 
     def to_dict(self) -> dict:
         return {
-            "group": self.group, "desideratum": self.desideratum, "position": self.position,
-            "heads": [h.name for h in self.heads], "mask": self.mask,
+            "group": self.group,
+            "desideratum": self.desideratum,
+            "position": self.position,
+            "heads": [h.name for h in self.heads],
+            "mask": self.mask,
             "selected": [h.name for h in self.selected],
-            "test_accuracy": self.test_accuracy.to_dict(), "floor": self.floor.to_dict(),
+            "test_accuracy": self.test_accuracy.to_dict(),
+            "floor": self.floor.to_dict(),
             "full_group": self.full_group.to_dict(),
             "random": None if self.random is None else self.random.to_dict(),
-            "n_train": self.n_split[0], "n_val": self.n_split[1], "n_test": self.n_split[2],
-            "best_step": self.best_step, "history": self.history, "config": self.config,
+            "n_train": self.n_split[0],
+            "n_val": self.n_split[1],
+            "n_test": self.n_split[2],
+            "best_step": self.best_step,
+            "history": self.history,
+            "config": self.config,
         }
 
 
@@ -173,11 +191,10 @@ def split_indices(n: int, fractions: Sequence[float], seed: int) -> tuple[list[i
     n_val = max(1, int(round(fractions[1] * n)))
     n_train = min(n_train, n - 2)
     n_val = min(n_val, n - n_train - 1)
-    return order[:n_train], order[n_train:n_train + n_val], order[n_train + n_val:]
+    return order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]
 
 
-def split_pairs(pairs: Sequence[PairRecord], fractions: Sequence[float], seed: int
-                ) -> tuple[list, list, list]:
+def split_pairs(pairs: Sequence[PairRecord], fractions: Sequence[float], seed: int) -> tuple[list, list, list]:
     """Seeded shuffle of ``pairs`` into train / validation / test (each non-empty)."""
     parts = split_indices(len(pairs), fractions, seed)
     return tuple([pairs[i] for i in part] for part in parts)  # type: ignore[return-value]
@@ -186,8 +203,10 @@ def split_pairs(pairs: Sequence[PairRecord], fractions: Sequence[float], seed: i
 def _positions(batch: dict, name: str, which: str) -> torch.Tensor:
     pos = batch[which]["positions"][name]
     if (pos < 0).any():
-        raise ValueError(f"position {name!r} is absent from some {which} prompts (e.g. path-patching sources); "
-                         "DCM needs the group's position in both prompts of every pair")
+        raise ValueError(
+            f"position {name!r} is absent from some {which} prompts (e.g. path-patching sources); "
+            "DCM needs the group's position in both prompts of every pair"
+        )
     return pos
 
 
@@ -197,12 +216,18 @@ def source_z(model: LoadedModel, batch: dict, layers: Sequence[int], position: s
     with torch.no_grad():
         out = run(model, batch["source"]["input_ids"], capture=[("z", layer) for layer in layers])
     rows = torch.arange(pos.shape[0])
-    return {layer: out.captured[("z", layer)][rows, pos.to(out.captured[("z", layer)].device)].detach()
-            for layer in layers}
+    return {
+        layer: out.captured[("z", layer)][rows, pos.to(out.captured[("z", layer)].device)].detach() for layer in layers
+    }
 
 
-def masked_z_patches(model: LoadedModel, heads: Sequence[Head], mask: torch.Tensor,
-                     values: dict[int, torch.Tensor], positions: torch.Tensor) -> list[Patch]:
+def masked_z_patches(
+    model: LoadedModel,
+    heads: Sequence[Head],
+    mask: torch.Tensor,
+    values: dict[int, torch.Tensor],
+    positions: torch.Tensor,
+) -> list[Patch]:
     """One mixing patch per layer: ``z <- m * z + (1 - m) * value`` for ``heads`` (mask ``[len(heads)]``),
     other heads of the layer untouched (m = 1). Differentiable in ``mask``."""
     shape = model.shape
@@ -210,9 +235,10 @@ def masked_z_patches(model: LoadedModel, heads: Sequence[Head], mask: torch.Tens
     full = torch.ones(shape.n_layers * shape.n_heads, dtype=mask.dtype, device=mask.device)
     full = full.index_put((index,), mask)  # out of place: keeps the graph to ``mask``
     per_layer = rearrange(full, "(layer head) -> layer head", head=shape.n_heads)
-    return [Patch("z", layer, values[layer], positions,
-                  mask=repeat(per_layer[layer], "head -> (head d)", d=shape.d_head))
-            for layer in sorted({h.layer for h in heads})]
+    return [
+        Patch("z", layer, values[layer], positions, mask=repeat(per_layer[layer], "head -> (head d)", d=shape.d_head))
+        for layer in sorted({h.layer for h in heads})
+    ]
 
 
 def _cat_layers(batches: list[list[torch.Tensor]], perm: torch.Tensor) -> list[torch.Tensor]:
@@ -254,9 +280,14 @@ class PairCache:
     kv: Optional[Prefix] = None  # the base run's keys and values ("pair kv_head pos d_head" per layer): suffix runs
 
     @classmethod
-    def build(cls, model: LoadedModel, pairs: Sequence[PairRecord],
-              groups: Iterable[tuple[Sequence[Head], str]], batch_size: int = 32,
-              progress: bool = False) -> "PairCache":
+    def build(
+        cls,
+        model: LoadedModel,
+        pairs: Sequence[PairRecord],
+        groups: Iterable[tuple[Sequence[Head], str]],
+        batch_size: int = 32,
+        progress: bool = False,
+    ) -> "PairCache":
         """Two forward passes per pair (source and base) for every ``(heads, position)`` in ``groups``."""
         pairs = list(pairs)
         sites = sorted({(h.layer, pos) for heads, pos in groups for h in heads})
@@ -273,8 +304,9 @@ class PairCache:
                 for layer, z in source_z(model, batch, layers, position).items():
                     source[(layer, position)].append(z.cpu())
             with torch.no_grad():
-                out = run(model, batch["base"]["input_ids"], capture=[("resid", layer - 1) for layer in starts],
-                          keep_kv=True)
+                out = run(
+                    model, batch["base"]["input_ids"], capture=[("resid", layer - 1) for layer in starts], keep_kv=True
+                )
             for layer in starts:
                 prefix[layer].append(_pad(out.captured[("resid", layer - 1)].detach().cpu(), -2, length))
             floor.append(answer_is_top1(out.logits, batch["target_ids"]).cpu().numpy())
@@ -282,12 +314,23 @@ class PairCache:
             values.append([_pad(v.cpu(), -2, length) for v in out.kv.values])
         perm = torch.as_tensor(record_order(batches), dtype=torch.long)  # the pairs' order
         kv = Prefix(_cat_layers(keys, perm), _cat_layers(values, perm)) if keys else None
-        return cls(pairs, {k: torch.cat(v)[perm] for k, v in source.items()},
-                   {k: torch.cat(v)[perm] for k, v in prefix.items()},
-                   np.concatenate(floor)[perm.numpy()] if floor else np.zeros(0, dtype=bool), kv)
+        return cls(
+            pairs,
+            {k: torch.cat(v)[perm] for k, v in source.items()},
+            {k: torch.cat(v)[perm] for k, v in prefix.items()},
+            np.concatenate(floor)[perm.numpy()] if floor else np.zeros(0, dtype=bool),
+            kv,
+        )
 
-    def logits(self, model: LoadedModel, rows: Sequence[int], heads: Sequence[Head], mask: torch.Tensor,
-               position: str, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits(
+        self,
+        model: LoadedModel,
+        rows: Sequence[int],
+        heads: Sequence[Head],
+        mask: torch.Tensor,
+        position: str,
+        grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits at the last token, target ids) of pairs ``rows`` with ``heads`` mixed under ``mask``, in
         the order of ``rows`` (pairs of several lengths run group by group)."""
         rows = list(rows)
@@ -299,8 +342,15 @@ class PairCache:
         logits, target = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
         return logits[back.to(logits.device)], target[back.to(target.device)]
 
-    def _logits(self, model: LoadedModel, rows: Sequence[int], heads: Sequence[Head], mask: torch.Tensor,
-                position: str, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logits(
+        self,
+        model: LoadedModel,
+        rows: Sequence[int],
+        heads: Sequence[Head],
+        mask: torch.Tensor,
+        position: str,
+        grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`logits` of pairs of one length."""
         batch = pair_batch_tensors([self.pairs[i] for i in rows])
         n = batch["base"]["input_ids"].shape[1]
@@ -310,13 +360,23 @@ class PairCache:
         first = min(h.layer for h in heads)
         start = max((layer for layer in self.prefix if layer <= first), default=0)
         resume = Resume(start, self.prefix[start][index][:, :n]) if start else None
-        kv = None if self.kv is None else Prefix([k[index][..., :n, :] for k in self.kv.keys],
-                                                 [v[index][..., :n, :] for v in self.kv.values])
+        kv = (
+            None
+            if self.kv is None
+            else Prefix([k[index][..., :n, :] for k in self.kv.keys], [v[index][..., :n, :] for v in self.kv.values])
+        )
         out = run(model, batch["base"]["input_ids"], patches, grad=grad, resume=resume, prefix=kv)
         return out.logits, batch["target_ids"].to(out.logits.device)
 
-    def accuracy(self, model: LoadedModel, rows: Sequence[int], patched: Sequence[Head], position: str,
-                 batch_size: int = 32, progress: bool = False) -> np.ndarray:
+    def accuracy(
+        self,
+        model: LoadedModel,
+        rows: Sequence[int],
+        patched: Sequence[Head],
+        position: str,
+        batch_size: int = 32,
+        progress: bool = False,
+    ) -> np.ndarray:
         """Per-pair correctness (top-1 == target) of pairs ``rows`` with ``patched`` heads' z from the source."""
         rows, patched = list(rows), list(patched)
         if not patched:
@@ -340,8 +400,14 @@ def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def target_accuracy(model: LoadedModel, pairs: Sequence[PairRecord], patched: Sequence[Head],
-                    position: str, batch_size: int = 32, progress: bool = False) -> np.ndarray:
+def target_accuracy(
+    model: LoadedModel,
+    pairs: Sequence[PairRecord],
+    patched: Sequence[Head],
+    position: str,
+    batch_size: int = 32,
+    progress: bool = False,
+) -> np.ndarray:
     """Per-pair correctness (top-1 == target) with ``patched`` heads' z taken from the source at ``position``."""
     cache = PairCache.build(model, pairs, [(list(patched), position)], batch_size, progress)
     return cache.accuracy(model, range(len(pairs)), patched, position, batch_size, progress)
@@ -397,9 +463,16 @@ class _Mask:
 # ---------------------------------------------------------------------------------------------
 
 
-def train_mask(model: LoadedModel, heads: Sequence[Head], position: str, cache: PairCache,
-               train: Sequence[int], val: Sequence[int], config: DCMConfig, progress: bool = True
-               ) -> tuple[torch.Tensor, int, list[dict]]:
+def train_mask(
+    model: LoadedModel,
+    heads: Sequence[Head],
+    position: str,
+    cache: PairCache,
+    train: Sequence[int],
+    val: Sequence[int],
+    config: DCMConfig,
+    progress: bool = True,
+) -> tuple[torch.Tensor, int, list[dict]]:
     """Learn the mask on pairs ``train`` of ``cache``, validating on ``val``; returns (mask at the best
     validation step, that step, history)."""
     torch.manual_seed(config.seed)
@@ -448,21 +521,30 @@ def validates(config: DCMConfig, step: int, batch: int, total: int) -> bool:
     return step % config.eval_every == 0 or step == total
 
 
-def loss_scale(model: LoadedModel, heads: Sequence[Head], position: str, cache: PairCache,
-               train: Sequence[int], config: DCMConfig) -> float:
+def loss_scale(
+    model: LoadedModel, heads: Sequence[Head], position: str, cache: PairCache, train: Sequence[int], config: DCMConfig
+) -> float:
     """The factor on ``lam``: 1 (``lam_scale="absolute"``) or mean |logit(target)| of the unpatched
     model on the first training micro-batch (``"loss"``), so the sparsity weight is relative to the loss."""
     if config.lam_scale == "absolute" or not train:
         return 1.0
     rows = list(train)[: config.micro_batch]
     with torch.no_grad():
-        logits, target = cache.logits(model, rows, list(heads), torch.ones(len(heads), device=model.device),
-                                      position)
+        logits, target = cache.logits(model, rows, list(heads), torch.ones(len(heads), device=model.device), position)
     return max(float(answer_logit(logits, target).abs().mean()), 1e-6)
 
 
-def _step(model: LoadedModel, heads: list[Head], position: str, cache: PairCache, rows: list[int],
-          mask: _Mask, optimiser: torch.optim.Optimizer, config: DCMConfig, scale: float = 1.0) -> float:
+def _step(
+    model: LoadedModel,
+    heads: list[Head],
+    position: str,
+    cache: PairCache,
+    rows: list[int],
+    mask: _Mask,
+    optimiser: torch.optim.Optimizer,
+    config: DCMConfig,
+    scale: float = 1.0,
+) -> float:
     """One optimiser step over pairs ``rows``, accumulating gradients over micro-batches."""
     optimiser.zero_grad()
     total = 0.0
@@ -478,9 +560,17 @@ def _step(model: LoadedModel, heads: list[Head], position: str, cache: PairCache
     return total + penalty.item()
 
 
-def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Sequence[PairRecord],
-            config: Optional[DCMConfig] = None, desideratum: str = "custom", group: str = "",
-            progress: bool = True, cache: Optional[PairCache] = None) -> DCMResult:
+def run_dcm(
+    model: LoadedModel,
+    heads: Sequence[Head],
+    position: str,
+    pairs: Sequence[PairRecord],
+    config: Optional[DCMConfig] = None,
+    desideratum: str = "custom",
+    group: str = "",
+    progress: bool = True,
+    cache: Optional[PairCache] = None,
+) -> DCMResult:
     """Learn a DCM mask over ``heads`` at ``position`` for a desideratum's ``pairs`` and evaluate it on a
     held-out test split against the no-intervention floor, the whole group and random head sets.
     ``cache``: a :class:`PairCache` of ``pairs`` covering these heads (built here if absent)."""
@@ -489,8 +579,13 @@ def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Seq
     if not heads:
         raise ValueError("DCM needs at least one head")
     if cache is None:
-        cache = PairCache.build(model, pairs, [(heads, position), (random_pool(model, heads, config), position)],
-                                config.eval_batch, progress)
+        cache = PairCache.build(
+            model,
+            pairs,
+            [(heads, position), (random_pool(model, heads, config), position)],
+            config.eval_batch,
+            progress,
+        )
     train, val, test = split_indices(len(cache.pairs), config.split, config.seed)
     values, best_step, history = train_mask(model, heads, position, cache, train, val, config, progress)
     selected = [h for h, m in zip(heads, values.tolist()) if m < 0.5]
@@ -498,9 +593,22 @@ def run_dcm(model: LoadedModel, heads: Sequence[Head], position: str, pairs: Seq
     acc = cache.accuracy(model, test, selected, position, bs)
     full = cache.accuracy(model, test, heads, position, bs)
     random_est = _random_baseline(model, cache, test, heads, len(selected), position, config)
-    return DCMResult(desideratum, position, heads, [round(float(v), 4) for v in values.tolist()], selected,
-                     proportion(acc), proportion(cache.floor[test]), proportion(full), random_est,
-                     (len(train), len(val), len(test)), best_step, history, group, asdict(config))
+    return DCMResult(
+        desideratum,
+        position,
+        heads,
+        [round(float(v), 4) for v in values.tolist()],
+        selected,
+        proportion(acc),
+        proportion(cache.floor[test]),
+        proportion(full),
+        random_est,
+        (len(train), len(val), len(test)),
+        best_step,
+        history,
+        group,
+        asdict(config),
+    )
 
 
 def random_pool(model: LoadedModel, heads: Sequence[Head], config: DCMConfig) -> list[Head]:
@@ -510,22 +618,35 @@ def random_pool(model: LoadedModel, heads: Sequence[Head], config: DCMConfig) ->
     return all_heads(model.shape.n_layers, model.shape.n_heads)
 
 
-def _random_baseline(model: LoadedModel, cache: PairCache, test: Sequence[int], heads: list[Head], k: int,
-                     position: str, config: DCMConfig) -> Optional[Estimate]:
+def _random_baseline(
+    model: LoadedModel,
+    cache: PairCache,
+    test: Sequence[int],
+    heads: list[Head],
+    k: int,
+    position: str,
+    config: DCMConfig,
+) -> Optional[Estimate]:
     """Target accuracy of random head sets of size ``k``: the mean over ``n_random`` draws, with an
     interval that resamples draws and prompts (the spread between draws counts)."""
     if k == 0 or config.n_random < 1:
         return None
     pool = random_pool(model, heads, config)
     rng = random.Random(config.seed + 1)
-    draws = [cache.accuracy(model, test, rng.sample(pool, k), position, config.eval_batch)
-             for _ in range(config.n_random)]
+    draws = [
+        cache.accuracy(model, test, rng.sample(pool, k), position, config.eval_batch) for _ in range(config.n_random)
+    ]
     return pooled_proportion(draws)
 
 
-def dcm_circuit(model: LoadedModel, circuit: Circuit, desiderata: dict[str, Sequence[PairRecord]],
-                config: Optional[DCMConfig] = None, groups: Optional[Iterable[str]] = None,
-                progress: bool = True) -> list[DCMResult]:
+def dcm_circuit(
+    model: LoadedModel,
+    circuit: Circuit,
+    desiderata: dict[str, Sequence[PairRecord]],
+    config: Optional[DCMConfig] = None,
+    groups: Optional[Iterable[str]] = None,
+    progress: bool = True,
+) -> list[DCMResult]:
     """DCM for every (group, desideratum) of a circuit; each group at its own position. One
     :class:`PairCache` per desideratum serves every group."""
     config = config or DCMConfig()
@@ -536,14 +657,19 @@ def dcm_circuit(model: LoadedModel, circuit: Circuit, desiderata: dict[str, Sequ
             raise ValueError(f"group {g!r} is not in the circuit (groups: {sorted(circuit.groups)})")
     wanted = [g for g in wanted if circuit.groups[g]]
     for name, pairs in desiderata.items():
-        sites = [(heads, circuit.positions[g]) for g in wanted
-                 for heads in (circuit.groups[g], random_pool(model, circuit.groups[g], config))]
+        sites = [
+            (heads, circuit.positions[g])
+            for g in wanted
+            for heads in (circuit.groups[g], random_pool(model, circuit.groups[g], config))
+        ]
         cache = PairCache.build(model, pairs, sites, config.eval_batch, progress)
         for g in wanted:
-            log.info("DCM group %s (%d heads at %s), desideratum %s", g, len(circuit.groups[g]),
-                     circuit.positions[g], name)
-            results.append(run_dcm(model, circuit.groups[g], circuit.positions[g], pairs, config, name, g,
-                                   progress, cache))
+            log.info(
+                "DCM group %s (%d heads at %s), desideratum %s", g, len(circuit.groups[g]), circuit.positions[g], name
+            )
+            results.append(
+                run_dcm(model, circuit.groups[g], circuit.positions[g], pairs, config, name, g, progress, cache)
+            )
         del cache  # one desideratum's cache at a time (each holds every layer's keys and values)
     order = {g: i for i, g in enumerate(wanted)}
     return sorted(results, key=lambda r: order[r.group])  # grouped as before: per group, each desideratum
@@ -567,9 +693,14 @@ class SemanticResult:
         return {"model": self.model, "accuracy": self.accuracy.to_dict(), "floor": self.floor.to_dict()}
 
 
-def semantic_patching(models: Iterable[LoadedModel], heads: Sequence[Head], position: str,
-                      pairs: Sequence[PairRecord], batch_size: int = 32, progress: bool = True
-                      ) -> list[SemanticResult]:
+def semantic_patching(
+    models: Iterable[LoadedModel],
+    heads: Sequence[Head],
+    position: str,
+    pairs: Sequence[PairRecord],
+    batch_size: int = 32,
+    progress: bool = True,
+) -> list[SemanticResult]:
     """Patch ``heads`` (e.g. a DCM selection) from each pair's source into its base, within each model,
     and report the desideratum's target accuracy per model (with the unpatched floor)."""
     if not heads:
@@ -578,7 +709,8 @@ def semantic_patching(models: Iterable[LoadedModel], heads: Sequence[Head], posi
     for model in models:
         cache = PairCache.build(model, pairs, [(list(heads), position)], batch_size, progress)
         acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress)
-        out.append(SemanticResult(model.name, proportion(acc), proportion(cache.floor),
-                                  np.asarray(acc).astype(int).tolist()))
+        out.append(
+            SemanticResult(model.name, proportion(acc), proportion(cache.floor), np.asarray(acc).astype(int).tolist())
+        )
         del cache
     return out

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from ..common.progress import progress_bar
 from ..common.metrics import answer_is_top1
+from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from ..models.registry import step_dirname
 from ..tasks import arithmetic, fact_edit
@@ -74,8 +74,9 @@ class FinetuneConfig:
         self.target_modules = tuple(self.target_modules)
         self.eval_steps = tuple(sorted(int(s) for s in self.eval_steps))
         if get_task(self.task).train_batch is None:
-            raise ValueError(f"task {self.task!r} has no training batches; fine-tune on one of "
-                             f"{', '.join(trainable_tasks())}")
+            raise ValueError(
+                f"task {self.task!r} has no training batches; fine-tune on one of {', '.join(trainable_tasks())}"
+            )
         if not et.MIN_BOXES <= self.min_boxes <= self.max_boxes <= et.MAX_BOXES:
             raise ValueError(f"need {et.MIN_BOXES} <= min_boxes <= max_boxes <= {et.MAX_BOXES}")
         if self.steps < 0 or self.batch_size < 1 or self.rank < 1 or self.eval_every < 1:
@@ -111,8 +112,15 @@ def et_batch(tokenizer: Any, n: int, n_boxes: int, seed: int, vocabulary: Sequen
 def training_batch(cfg: FinetuneConfig, tokenizer: Any, step: int, vocabulary: Sequence[str]) -> Batch:
     """The task's training batch of ``step`` (entity tracking: one box count per step; arithmetic: one
     form per step), seeded by the step."""
-    return get_task(cfg.task).train_batch(tokenizer, cfg.batch_size, cfg.data_seed, step, min_boxes=cfg.min_boxes,
-                                          max_boxes=cfg.max_boxes, vocabulary=vocabulary)
+    return get_task(cfg.task).train_batch(
+        tokenizer,
+        cfg.batch_size,
+        cfg.data_seed,
+        step,
+        min_boxes=cfg.min_boxes,
+        max_boxes=cfg.max_boxes,
+        vocabulary=vocabulary,
+    )
 
 
 def validation_sets(cfg: FinetuneConfig, tokenizer: Any, vocabulary: Sequence[str]) -> dict[str, list[Batch]]:
@@ -140,8 +148,14 @@ def add_lora(model: Any, cfg: FinetuneConfig) -> Any:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(cfg.seed)
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                      target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, lora)
 
 
@@ -184,10 +198,16 @@ def versions() -> dict[str, str]:
 
     from .. import __version__ as mechdiff_version
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-            "mechdiff": mechdiff_version, "python": platform.python_version(),
-            "torch_threads": str(torch.get_num_threads()), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine()}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "mechdiff": mechdiff_version,
+        "python": platform.python_version(),
+        "torch_threads": str(torch.get_num_threads()),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+    }
 
 
 def save_adapter(peft_model: Any, out_dir: str | Path, base_name: str, recipe: dict) -> Path:
@@ -212,17 +232,29 @@ def save_adapter(peft_model: Any, out_dir: str | Path, base_name: str, recipe: d
     return out
 
 
-def make_recipe(cfg: FinetuneConfig, name: str, step: int, history: list[dict], losses: list[float],
-                base: LoadedModel, objects: Sequence[str], seconds: float) -> dict:
+def make_recipe(
+    cfg: FinetuneConfig,
+    name: str,
+    step: int,
+    history: list[dict],
+    losses: list[float],
+    base: LoadedModel,
+    objects: Sequence[str],
+    seconds: float,
+) -> dict:
     """The JSON recipe of an adapter saved at ``step``."""
     return {
         "name": name,
         "step": step,
         "options": asdict(cfg),
-        "data": {"train_step_seed": "data_seed * 1000003 + step", "validation_seed": cfg.eval_seed,
-                 "objects": f"mechdiff.tasks.splits.train_objects() (sorted vocabulary minus every "
-                            f"{HOLDOUT_EVERY}th object)", "n_objects": len(objects),
-                 "evaluation_objects": "mechdiff.tasks.splits.eval_objects() (never seen in training)"},
+        "data": {
+            "train_step_seed": "data_seed * 1000003 + step",
+            "validation_seed": cfg.eval_seed,
+            "objects": f"mechdiff.tasks.splits.train_objects() (sorted vocabulary minus every "
+            f"{HOLDOUT_EVERY}th object)",
+            "n_objects": len(objects),
+            "evaluation_objects": "mechdiff.tasks.splits.eval_objects() (never seen in training)",
+        },
         "versions": versions(),
         "base": {"name": cfg.base, "fingerprint": base.fingerprint, "provenance": base.provenance},
         "history": [h for h in history if h["step"] <= step],
@@ -270,8 +302,11 @@ def finetune(
     while True:
         if step % cfg.eval_every == 0 or step in cfg.eval_steps or step in cfg.save_steps.values() or step == cfg.steps:
             peft_model.eval()
-            row = {"step": step, **{k: accuracy(peft_model, v) for k, v in val.items()},
-                   "seconds": round(time.time() - t0, 1)}
+            row = {
+                "step": step,
+                **{k: accuracy(peft_model, v) for k, v in val.items()},
+                "seconds": round(time.time() - t0, 1),
+            }
             history.append(row)
             log.info("step %d: %s", step, row)
             bar.set_postfix({k: v for k, v in row.items() if k.endswith("accuracy")})
@@ -280,9 +315,13 @@ def finetune(
         for name in by_step.get(step, []):
             recipe = make_recipe(cfg, name, step, history, losses, base, objects, time.time() - t0)
             saved[name] = str(save_adapter(peft_model, Path(out_dir) / name, cfg.base, recipe))
-        done = step >= cfg.steps or (cfg.stop_accuracy is not None and step >= last_save and history
-                                     and history[-1]["step"] == step
-                                     and history[-1]["et_accuracy"] >= cfg.stop_accuracy)
+        done = step >= cfg.steps or (
+            cfg.stop_accuracy is not None
+            and step >= last_save
+            and history
+            and history[-1]["step"] == step
+            and history[-1]["et_accuracy"] >= cfg.stop_accuracy
+        )
         if done:
             break
         peft_model.train()

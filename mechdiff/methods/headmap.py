@@ -37,15 +37,15 @@ import numpy as np
 import torch
 from einops import rearrange
 
-from ..common.progress import progress_bar
 from ..circuits.circuit import Circuit
 from ..common.components import Head
-from .finetune import FinetuneConfig, add_lora, answer_loss, last_logits
 from ..common.metrics import answer_is_top1, answer_logprob
+from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, Resume, run
 from ..tasks.base import Task, trainable_tasks
 from ..tasks.base import get_task as base_task
+from .finetune import FinetuneConfig, add_lora, answer_loss, last_logits
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,9 @@ def get_task(name: str) -> Task:
     """A registered task (:data:`mechdiff.tasks.base.TASKS`) with a locating pool, training and held-out batches."""
     task = base_task(name)
     if task.pool_batch is None or task.train_batch is None or task.eval_batch is None:
-        raise ValueError(f"task {name!r} has no training batches for HeadMap; choose one of {', '.join(trainable_tasks())}")
+        raise ValueError(
+            f"task {name!r} has no training batches for HeadMap; choose one of {', '.join(trainable_tasks())}"
+        )
     return task
 
 
@@ -101,20 +103,26 @@ def mask_patches(model: LoadedModel, heads: Iterable[Head]) -> list[Patch]:
     return [Patch("z", layer, zero, mask=head_mask(model, hs)) for layer, hs in sorted(by_layer.items())]
 
 
-def example_losses(model: LoadedModel, batch: Batch, masked: Iterable[Head] = (),
-                   batch_size: int = LocateConfig.batch_size, progress: bool = False) -> torch.Tensor:
+def example_losses(
+    model: LoadedModel,
+    batch: Batch,
+    masked: Iterable[Head] = (),
+    batch_size: int = LocateConfig.batch_size,
+    progress: bool = False,
+) -> torch.Tensor:
     """Answer cross-entropy ``[n]`` of every example with ``masked`` heads zeroed (no heads: the plain model)."""
     patches = mask_patches(model, masked)
     ids, answers = batch["input_ids"], batch["answer_ids"]
     out = []
     for i in progress_bar(range(0, len(ids), batch_size), desc="losses", disable=not progress, leave=False):
-        logits = run(model, ids[i:i + batch_size], patches).logits.float().cpu()
-        out.append(-answer_logprob(logits, answers[i:i + batch_size]))  # the answer cross-entropy
+        logits = run(model, ids[i : i + batch_size], patches).logits.float().cpu()
+        out.append(-answer_logprob(logits, answers[i : i + batch_size]))  # the answer cross-entropy
     return torch.cat(out)
 
 
-def select_samples(model: LoadedModel, pool: Batch, n: int, batch_size: int = LocateConfig.batch_size
-                   ) -> tuple[Batch, torch.Tensor]:
+def select_samples(
+    model: LoadedModel, pool: Batch, n: int, batch_size: int = LocateConfig.batch_size
+) -> tuple[Batch, torch.Tensor]:
     """The ``n`` lowest-loss examples of ``pool`` (ties: lower index first) and every pool loss."""
     losses = example_losses(model, pool, batch_size=batch_size)
     if n > len(losses):
@@ -151,18 +159,33 @@ class LocateResult:
     def circuit(self, model: str, task: str) -> Circuit:
         """The located heads as a :class:`Circuit` (one group, masked at every position)."""
         return Circuit(
-            model=model, task=task, groups={GROUP: sorted(self.heads)}, positions={GROUP: "last"},
+            model=model,
+            task=task,
+            groups={GROUP: sorted(self.heads)},
+            positions={GROUP: "last"},
             names={GROUP: "HeadMap located heads (zero-masked at every position)"},
             scores={GROUP: {h.name: v for h, v in sorted(self.candidate_loss.items())}},
-            meta={"method": "headmap-layer-conditioned", **self.settings, "curve": self.curve,
-                  "base_loss": self.base_loss, "pool_loss": self.pool_loss,
-                  "forward_passes": self.forward_passes, "rows": self.rows, "seconds": round(self.seconds, 1)},
+            meta={
+                "method": "headmap-layer-conditioned",
+                **self.settings,
+                "curve": self.curve,
+                "base_loss": self.base_loss,
+                "pool_loss": self.pool_loss,
+                "forward_passes": self.forward_passes,
+                "rows": self.rows,
+                "seconds": round(self.seconds, 1),
+            },
         )
 
 
-def entry_residual(model: LoadedModel, samples: Batch, layer: int, masked: Sequence[Head],
-                   start: Optional[tuple[int, torch.Tensor]] = None,
-                   batch_size: int = LocateConfig.batch_size) -> tuple[torch.Tensor, int]:
+def entry_residual(
+    model: LoadedModel,
+    samples: Batch,
+    layer: int,
+    masked: Sequence[Head],
+    start: Optional[tuple[int, torch.Tensor]] = None,
+    batch_size: int = LocateConfig.batch_size,
+) -> tuple[torch.Tensor, int]:
     """The residual stream entering ``layer`` (``"sample pos d_model"``) with ``masked`` heads zeroed, and
     the passes it took. ``start = (a, hidden)`` resumes at block ``a`` from ``hidden`` (the residual entering
     ``a`` with the masked heads of layers ``< a`` already zeroed), so only blocks ``a .. layer-1`` run."""
@@ -173,16 +196,21 @@ def entry_residual(model: LoadedModel, samples: Batch, layer: int, masked: Seque
     ids = samples["input_ids"]
     out, passes = [], 0
     for i in range(0, len(ids), batch_size):
-        resume = Resume(first, start[1][i:i + batch_size]) if start is not None else None
-        r = run(model, ids[i:i + batch_size], patches, capture=[("resid", layer - 1)], stop=True, resume=resume)
+        resume = Resume(first, start[1][i : i + batch_size]) if start is not None else None
+        r = run(model, ids[i : i + batch_size], patches, capture=[("resid", layer - 1)], stop=True, resume=resume)
         out.append(r.captured[("resid", layer - 1)])
         passes += 1
     return torch.cat(out), passes
 
 
-def layer_losses(model: LoadedModel, samples: Batch, layer: int, fixed: Sequence[Head],
-                 batch_size: int = LocateConfig.batch_size,
-                 entry: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
+def layer_losses(
+    model: LoadedModel,
+    samples: Batch,
+    layer: int,
+    fixed: Sequence[Head],
+    batch_size: int = LocateConfig.batch_size,
+    entry: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, int]:
     """Mean loss on ``samples`` for each variant of ``layer``: ``[n_heads + 1]``, entry ``h`` with head ``h``
     of ``layer`` zeroed and entry ``n_heads`` with nothing more, all with ``fixed`` heads zeroed; and the
     number of forward passes used. Rows are ``"(variant sample)"``; each chunk carries its per-row mask.
@@ -202,19 +230,25 @@ def layer_losses(model: LoadedModel, samples: Batch, layer: int, fixed: Sequence
     fixed_patches = [] if entry is not None else mask_patches(model, fixed)
     losses, passes = [], 0
     for i in range(0, len(ids), batch_size):
-        patches = fixed_patches + [Patch("z", layer, torch.zeros(1), mask=row_mask[i:i + batch_size])]
+        patches = fixed_patches + [Patch("z", layer, torch.zeros(1), mask=row_mask[i : i + batch_size])]
         rows = torch.arange(i, min(i + batch_size, len(ids))) % n  # row "(variant sample)" -> its sample
         resume = Resume(layer, entry[rows]) if entry is not None else None
-        logits = run(model, ids[i:i + batch_size], patches, resume=resume).logits.float().cpu()
-        losses.append(-answer_logprob(logits, answers[i:i + batch_size]))
+        logits = run(model, ids[i : i + batch_size], patches, resume=resume).logits.float().cpu()
+        losses.append(-answer_logprob(logits, answers[i : i + batch_size]))
         passes += 1
     per_row = rearrange(torch.cat(losses), "(variant sample) -> variant sample", variant=n_var)
     return per_row.mean(-1), passes
 
 
-def locate(model: LoadedModel, samples: Batch, k: int = LocateConfig.k, batch_size: int = LocateConfig.batch_size,
-           pool_loss: float = float("nan"),
-           layers: Optional[Sequence[int]] = None, progress: bool = True) -> LocateResult:
+def locate(
+    model: LoadedModel,
+    samples: Batch,
+    k: int = LocateConfig.k,
+    batch_size: int = LocateConfig.batch_size,
+    pool_loss: float = float("nan"),
+    layers: Optional[Sequence[int]] = None,
+    progress: bool = True,
+) -> LocateResult:
     """Layer-conditioned locating of ``k`` heads per layer on ``samples`` (see the module docstring).
 
     Each layer's variants resume from the residual entering it (earlier selections zeroed), carried
@@ -247,20 +281,35 @@ def locate(model: LoadedModel, samples: Batch, k: int = LocateConfig.k, batch_si
     curve.append(float(final.mean()))
     n = len(samples["input_ids"])
     settings = {"k": k, "n_samples": n, "batch_size": batch_size, "layers": layers}
-    return LocateResult(selected, candidate, curve, curve[0], pool_loss, passes,
-                        len(layers) * (s.n_heads + 1) * n + n, time.time() - t0, settings)
+    return LocateResult(
+        selected,
+        candidate,
+        curve,
+        curve[0],
+        pool_loss,
+        passes,
+        len(layers) * (s.n_heads + 1) * n + n,
+        time.time() - t0,
+        settings,
+    )
 
 
-def locate_task(model: LoadedModel, task: str, cfg: LocateConfig = LocateConfig(),
-                progress: bool = True) -> LocateResult:
+def locate_task(
+    model: LoadedModel, task: str, cfg: LocateConfig = LocateConfig(), progress: bool = True
+) -> LocateResult:
     """Sample selection on a pool of ``task`` prompts (seeded), then :func:`locate`."""
     pool_batch = get_task(task).pool_batch(model.tokenizer, cfg.pool, cfg.seed)
     t0 = time.time()
     samples, losses = select_samples(model, pool_batch, cfg.n, cfg.batch_size)
     select_s = time.time() - t0
     res = locate(model, samples, cfg.k, cfg.batch_size, float(losses.mean()), progress=progress)
-    res.settings.update(task=task, pool=cfg.pool, seed=cfg.seed, selection_seconds=round(select_s, 1),
-                        selection_passes=math.ceil(cfg.pool / cfg.batch_size))
+    res.settings.update(
+        task=task,
+        pool=cfg.pool,
+        seed=cfg.seed,
+        selection_seconds=round(select_s, 1),
+        selection_passes=math.ceil(cfg.pool / cfg.batch_size),
+    )
     return res
 
 
@@ -276,16 +325,21 @@ class HeadMap(torch.nn.Module):
     then ``Linear(rank -> d_model)`` (zero-initialised, no biases), added to that layer's attention
     output. Trainable parameters: ``sum_l rank * (k_l * d_head + d_model)`` (:meth:`n_params`)."""
 
-    def __init__(self, heads_by_layer: Mapping[int, Sequence[int]], d_head: int, d_model: int, rank: int,
-                 seed: int = 0):
+    def __init__(
+        self, heads_by_layer: Mapping[int, Sequence[int]], d_head: int, d_model: int, rank: int, seed: int = 0
+    ):
         super().__init__()
         torch.manual_seed(seed)
         self.heads = {int(l): sorted(int(h) for h in hs) for l, hs in sorted(heads_by_layer.items()) if hs}
         self.d_head, self.rank = d_head, rank
-        self.maps = torch.nn.ModuleDict({
-            str(l): torch.nn.Sequential(torch.nn.Linear(len(hs) * d_head, rank, bias=False),
-                                        torch.nn.Linear(rank, d_model, bias=False))
-            for l, hs in self.heads.items()})
+        self.maps = torch.nn.ModuleDict(
+            {
+                str(l): torch.nn.Sequential(
+                    torch.nn.Linear(len(hs) * d_head, rank, bias=False), torch.nn.Linear(rank, d_model, bias=False)
+                )
+                for l, hs in self.heads.items()
+            }
+        )
         for m in self.maps.values():
             torch.nn.init.zeros_(m[1].weight)
         self._handles: list[Any] = []
@@ -310,8 +364,9 @@ class HeadMap(torch.nn.Module):
         self.to(device=p.device, dtype=p.dtype)
         for layer in self.heads:
             out_proj = model.arch.module(root, "z", layer)
-            self._handles.append(out_proj.register_forward_hook(
-                lambda mod, args, out, layer=layer: out + self.delta(layer, args[0])))
+            self._handles.append(
+                out_proj.register_forward_hook(lambda mod, args, out, layer=layer: out + self.delta(layer, args[0]))
+            )
         return self
 
     def detach(self) -> None:
@@ -324,8 +379,12 @@ def lora_params(shape: Any, rank: int, targets: Sequence[str] = ("q_proj", "k_pr
     """Trainable parameters of a LoRA of ``rank`` on ``targets`` in every layer of a llama-family model."""
     kv = shape.n_kv_heads * shape.d_head
     q = shape.n_heads * shape.d_head
-    dims = {"q_proj": (shape.d_model, q), "k_proj": (shape.d_model, kv), "v_proj": (shape.d_model, kv),
-            "o_proj": (q, shape.d_model)}
+    dims = {
+        "q_proj": (shape.d_model, q),
+        "k_proj": (shape.d_model, kv),
+        "v_proj": (shape.d_model, kv),
+        "o_proj": (q, shape.d_model),
+    }
     return shape.n_layers * sum(rank * sum(dims[t]) for t in targets)
 
 
@@ -334,8 +393,9 @@ def lora_params(shape: Any, rank: int, targets: Sequence[str] = ("q_proj", "k_pr
 # --------------------------------------------------------------------------------------
 
 
-def random_heads(shape: Any, per_layer: Mapping[int, int], seed: int = 0,
-                 exclude: Iterable[Head] = ()) -> dict[int, list[int]]:
+def random_heads(
+    shape: Any, per_layer: Mapping[int, int], seed: int = 0, exclude: Iterable[Head] = ()
+) -> dict[int, list[int]]:
     """``per_layer[l]`` random heads of each layer, drawn from the heads not in ``exclude``."""
     rng = random.Random(seed)
     banned = set(exclude)
@@ -396,13 +456,18 @@ def correct(model: Any, batch: Batch, batch_size: int = 50) -> np.ndarray:
     """Per-example top-1 correctness (0/1) of the answer token."""
     out = []
     for i in range(0, len(batch["input_ids"]), batch_size):
-        logits = last_logits(model, batch["input_ids"][i:i + batch_size])
-        out.append(answer_is_top1(logits, batch["answer_ids"][i:i + batch_size]).cpu().numpy())
+        logits = last_logits(model, batch["input_ids"][i : i + batch_size])
+        out.append(answer_is_top1(logits, batch["answer_ids"][i : i + batch_size]).cpu().numpy())
     return np.concatenate(out).astype(float)
 
 
-def train(base: LoadedModel, cfg: TrainConfig, heads: Optional[Mapping[int, Sequence[int]]] = None,
-          eval_batches: Optional[Mapping[str, Batch]] = None, progress: bool = True) -> dict:
+def train(
+    base: LoadedModel,
+    cfg: TrainConfig,
+    heads: Optional[Mapping[int, Sequence[int]]] = None,
+    eval_batches: Optional[Mapping[str, Batch]] = None,
+    progress: bool = True,
+) -> dict:
     """Train HeadMap maps on ``heads`` (None: none), a LoRA (``cfg.lora_rank > 0``), or both, on a deep copy of
     ``base.model``. Returns trainable parameters, losses, seconds and per-example correctness on ``eval_batches``."""
     task = get_task(cfg.task)
@@ -411,8 +476,16 @@ def train(base: LoadedModel, cfg: TrainConfig, heads: Optional[Mapping[int, Sequ
     loaded = LoadedModel(base.name, base.spec, model, base.tokenizer, base.provenance)
     hf = model
     if cfg.lora_rank:
-        model = add_lora(model, FinetuneConfig(base=base.name, rank=cfg.lora_rank, alpha=2.0 * cfg.lora_rank,
-                                               target_modules=cfg.lora_targets, seed=cfg.seed))
+        model = add_lora(
+            model,
+            FinetuneConfig(
+                base=base.name,
+                rank=cfg.lora_rank,
+                alpha=2.0 * cfg.lora_rank,
+                target_modules=cfg.lora_targets,
+                seed=cfg.seed,
+            ),
+        )
         hf = model.get_base_model()
     hm = None
     if heads:
@@ -440,6 +513,12 @@ def train(base: LoadedModel, cfg: TrainConfig, heads: Optional[Mapping[int, Sequ
     results = {name: correct(model, b).tolist() for name, b in (eval_batches or {}).items()}
     if hm:
         hm.detach()
-    return {"config": asdict(cfg), "heads": {str(l): hs for l, hs in (hm.heads if hm else {}).items()},
-            "trainable": sum(p.numel() for p in params), "headmap_params": hm.n_params() if hm else 0,
-            "losses": losses, "train_seconds": round(seconds, 1), "correct": results}
+    return {
+        "config": asdict(cfg),
+        "heads": {str(l): hs for l, hs in (hm.heads if hm else {}).items()},
+        "trainable": sum(p.numel() for p in params),
+        "headmap_params": hm.n_params() if hm else 0,
+        "losses": losses,
+        "train_seconds": round(seconds, 1),
+        "correct": results,
+    }

@@ -45,15 +45,14 @@ import torch
 
 from ..circuits.circuit import Circuit
 from ..circuits.curve import curve_circuit, selection_stability
-from ..circuits.scoring import Scorer, matrix_rows, per_prompt
 from ..circuits.pruning import pair_name
+from ..circuits.scoring import Scorer, matrix_rows, per_prompt
 from ..common.components import parse_heads
-from ..patching.evaluate import evaluate
-from ..models.loading import LoadedModel, load_model, model_fingerprint, spec_digest
-from ..models.resolve import resolve_source, resolve_spec
-from ..models.registry import ModelSpec
 from ..common.stats import Estimate, paired_difference
-
+from ..models.loading import LoadedModel, load_model, model_fingerprint, spec_digest
+from ..models.registry import ModelSpec
+from ..models.resolve import resolve_source, resolve_spec
+from ..patching.evaluate import evaluate
 
 #: A pair is robustly in a checkpoint's top-n where its bootstrap selection frequency is at least this, robustly
 #: out where it is at most ``1 - STABLE``; only a move from one to the other is a change of the pair.
@@ -79,14 +78,17 @@ def trajectory_specs(names: Sequence[str]) -> tuple[ModelSpec, list[ModelSpec]]:
     specs = [resolve_spec(n) for n in names]
     adapters = [s for s in specs if s.kind == "lora"]
     if not adapters:
-        raise TrajectoryError(f"no checkpoint of {list(names)} is a LoRA adapter; a trajectory swaps adapters over "
-                              "one base (e.g. smollm2-et@0,smollm2-et@5,...)")
+        raise TrajectoryError(
+            f"no checkpoint of {list(names)} is a LoRA adapter; a trajectory swaps adapters over "
+            "one base (e.g. smollm2-et@0,smollm2-et@5,...)"
+        )
     bases = {s.base for s in adapters}
     base = resolve_spec(adapters[0].base)
     digest = spec_digest(base)
     if len(bases) > 1 and len({spec_digest(resolve_spec(b)) for b in bases}) > 1:
-        raise TrajectoryError(f"the adapters sit on different bases ({', '.join(sorted(bases))}); a trajectory "
-                              "is one run over one base")
+        raise TrajectoryError(
+            f"the adapters sit on different bases ({', '.join(sorted(bases))}); a trajectory is one run over one base"
+        )
     plain = [s.name for s in specs if s.kind != "lora" and spec_digest(s) != digest]
     if plain:
         raise TrajectoryError(f"{', '.join(plain)} is neither a LoRA adapter nor the adapters' base {base.name}")
@@ -164,8 +166,13 @@ class Checkpoints:
         return LoadedModel(name, spec, merged, self.base.tokenizer, self._provenance(name))
 
     def _provenance(self, name: str) -> dict:
-        return {"kind": "lora", "adapter": self.specs[name].source, "merged": True, "base": self.base.provenance,
-                "swapped": name != self.names[0]}
+        return {
+            "kind": "lora",
+            "adapter": self.specs[name].source,
+            "merged": True,
+            "base": self.base.provenance,
+            "swapped": name != self.names[0],
+        }
 
     def first(self) -> LoadedModel:
         """The first checkpoint, a model of its own (the base itself where the first is the base)."""
@@ -204,8 +211,10 @@ class Checkpoints:
     def require_active(self, name: str) -> None:
         """Raise unless ``name``'s adapter is the one merged in the shared model."""
         if self._active != name:
-            raise RuntimeError(f"{name} is not the active checkpoint ({self._active} is); ask Checkpoints.model("
-                               f"{name!r}) again before running it")
+            raise RuntimeError(
+                f"{name} is not the active checkpoint ({self._active} is); ask Checkpoints.model("
+                f"{name!r}) again before running it"
+            )
 
     def fingerprint(self, name: str) -> str:
         """The fingerprint :func:`load_model` gives checkpoint ``name`` (computed on the swapped weights)."""
@@ -223,19 +232,33 @@ def checkpoint_accuracy(lm: LoadedModel, records: Sequence, batch_size: int = 32
     return {**res.to_dict(), "correct": res.correct.astype(int).tolist()}
 
 
-def own_circuit(ranker: Scorer, curve_scorer: Scorer, classes: Sequence[str], sizes: Sequence[float],
-                target: float, select: str, draws: int, seed: int, task: str = "") -> dict:
+def own_circuit(
+    ranker: Scorer,
+    curve_scorer: Scorer,
+    classes: Sequence[str],
+    sizes: Sequence[float],
+    target: float,
+    select: str,
+    draws: int,
+    seed: int,
+    task: str = "",
+) -> dict:
     """The checkpoint's circuit at ``target`` (:func:`~mechdiff.circuits.curve.curve_circuit`, as the circuits
     study finds it), its size, the curve, its pairs' bootstrap selection frequency and the per-prompt
     attribution (``"prompt class layer head"``, float32, :func:`encode_array`) for :func:`structure`."""
-    found = curve_circuit(ranker, curve_scorer, classes, sizes, target, select, draws, seed, ranker.model.name,
-                          task)
+    found = curve_circuit(ranker, curve_scorer, classes, sizes, target, select, draws, seed, ranker.model.name, task)
     chosen = found.curve["chosen"] or found.curve["rows"][-1]
-    return {"circuit": found.circuit.to_dict(), "n_pairs": found.n, "n_heads": len(found.circuit.heads()),
-            "reached_target": found.reached_target, "faithfulness": chosen["faithfulness"],
-            "curve": found.curve, "classes": list(classes),
-            "stability": {pair_name(p): found.stability[p] for p in found.ranked[:found.n]},
-            "attribution": encode_array(found.attribution.float().numpy())}
+    return {
+        "circuit": found.circuit.to_dict(),
+        "n_pairs": found.n,
+        "n_heads": len(found.circuit.heads()),
+        "reached_target": found.reached_target,
+        "faithfulness": chosen["faithfulness"],
+        "curve": found.curve,
+        "classes": list(classes),
+        "stability": {pair_name(p): found.stability[p] for p in found.ranked[: found.n]},
+        "attribution": encode_array(found.attribution.float().numpy()),
+    }
 
 
 def circuits_scored(scorer: Scorer, circuits: dict[str, Circuit]) -> dict:
@@ -243,12 +266,22 @@ def circuits_scored(scorer: Scorer, circuits: dict[str, Circuit]) -> dict:
     bootstrap intervals), with each prompt's outcome with the circuit alone kept and with the whole model."""
     rows = matrix_rows(scorer.model.name, circuits, scorer)
     outcomes = {label: per_prompt(scorer.keep(c.pairs())).astype(int).tolist() for label, c in circuits.items()}
-    return {"rows": {r["circuit"]: r for r in rows}, "outcomes": outcomes,
-            "full": per_prompt(scorer.full()).astype(int).tolist()}
+    return {
+        "rows": {r["circuit"]: r for r in rows},
+        "outcomes": outcomes,
+        "full": per_prompt(scorer.full()).astype(int).tolist(),
+    }
 
 
-def cmap_gain(first: LoadedModel, checkpoint: LoadedModel, circuit: Circuit, records: Sequence,
-              kinds: Sequence[str] = ("z",), batch_size: int = 32, progress: bool = True) -> dict:
+def cmap_gain(
+    first: LoadedModel,
+    checkpoint: LoadedModel,
+    circuit: Circuit,
+    records: Sequence,
+    kinds: Sequence[str] = ("z",),
+    batch_size: int = 32,
+    progress: bool = True,
+) -> dict:
     """CMAP from ``checkpoint`` into ``first`` for each group of ``circuit`` and the whole circuit (rule
     ``"base"``), and each (group, kind)'s gain: accuracy of the patched first checkpoint minus its own, paired
     over prompts."""
@@ -259,15 +292,16 @@ def cmap_gain(first: LoadedModel, checkpoint: LoadedModel, circuit: Circuit, rec
     return {**res.to_dict(), "gain": gains}
 
 
-def semantic(lm: LoadedModel, labels: Sequence[dict], tests: dict[str, Sequence], batch_size: int = 32,
-             progress: bool = True) -> list[dict]:
+def semantic(
+    lm: LoadedModel, labels: Sequence[dict], tests: dict[str, Sequence], batch_size: int = 32, progress: bool = True
+) -> list[dict]:
     """Semantic patching in ``lm`` of each non-empty DCM selection of ``labels`` (:meth:`DCMResult.to_dict`
     records: group, desideratum, position, selected) on its desideratum's test pairs: the target accuracy with the
     selected heads patched from source to base (exact binomial), the unpatched floor and each pair's outcome, as
     :func:`~mechdiff.methods.dcm.semantic_patching` gives them; one :class:`~mechdiff.methods.dcm.PairCache` per desideratum
     serves all its selections (two forward passes a pair, then one suffix run a pair per selection)."""
-    from .dcm import PairCache
     from ..common.stats import proportion
+    from .dcm import PairCache
 
     chosen = [lab for lab in labels if lab["selected"]]
     out = []
@@ -277,9 +311,18 @@ def semantic(lm: LoadedModel, labels: Sequence[dict], tests: dict[str, Sequence]
         cache = PairCache.build(lm, pairs, [(heads, lab["position"]) for lab, heads in mine], batch_size, progress)
         for lab, heads in mine:
             acc = cache.accuracy(lm, range(len(pairs)), heads, lab["position"], batch_size, progress)
-            out.append({"group": lab["group"], "desideratum": desideratum, "position": lab["position"],
-                        "heads": lab["selected"], "model": lm.name, "accuracy": proportion(acc).to_dict(),
-                        "floor": proportion(cache.floor).to_dict(), "outcomes": np.asarray(acc).astype(int).tolist()})
+            out.append(
+                {
+                    "group": lab["group"],
+                    "desideratum": desideratum,
+                    "position": lab["position"],
+                    "heads": lab["selected"],
+                    "model": lm.name,
+                    "accuracy": proportion(acc).to_dict(),
+                    "floor": proportion(cache.floor).to_dict(),
+                    "outcomes": np.asarray(acc).astype(int).tolist(),
+                }
+            )
     return out
 
 
@@ -292,8 +335,10 @@ def against_first(outcomes: Sequence[Optional[Sequence[float]]]) -> list[Optiona
     """Per checkpoint, the paired difference (bootstrap interval) of its per-prompt outcomes minus the first's
     on the same prompts; None for the first itself and where a checkpoint has no outcomes."""
     first = outcomes[0]
-    return [None if i == 0 or o is None or first is None else paired_difference(o, first).to_dict()
-            for i, o in enumerate(outcomes)]
+    return [
+        None if i == 0 or o is None or first is None else paired_difference(o, first).to_dict()
+        for i, o in enumerate(outcomes)
+    ]
 
 
 def formed_at(steps: Sequence[int], intervals: Sequence[Optional[dict | Estimate]]) -> Optional[dict]:
@@ -334,7 +379,7 @@ def halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     if n < 4:
         raise ValueError(f"the within-checkpoint null needs at least 4 ranking prompts, got {n}")
     perm = np.random.default_rng(seed).permutation(n)
-    return np.sort(perm[: n // 2]), np.sort(perm[n // 2:])
+    return np.sort(perm[: n // 2]), np.sort(perm[n // 2 :])
 
 
 def top_pairs(attribution: np.ndarray, rows: np.ndarray, n: int) -> frozenset[int]:
@@ -362,10 +407,13 @@ def _half_tops(attribution: dict[str, np.ndarray], n: int, draws: int, seed: int
         raise ValueError(f"every checkpoint must be ranked on the same prompts; got prompt counts {n_prompts}")
     half_a, half_b = halves(n_prompts.pop(), seed)
     rng = np.random.default_rng(seed + 1)
-    rows = [(half_a, half_b)] + [(rng.choice(half_a, half_a.size), rng.choice(half_b, half_b.size))
-                                 for _ in range(draws)]
-    return _Halves([{c: top_pairs(a, ra, n) for c, a in attribution.items()} for ra, _ in rows],
-                   [{c: top_pairs(a, rb, n) for c, a in attribution.items()} for _, rb in rows])
+    rows = [(half_a, half_b)] + [
+        (rng.choice(half_a, half_a.size), rng.choice(half_b, half_b.size)) for _ in range(draws)
+    ]
+    return _Halves(
+        [{c: top_pairs(a, ra, n) for c, a in attribution.items()} for ra, _ in rows],
+        [{c: top_pairs(a, rb, n) for c, a in attribution.items()} for _, rb in rows],
+    )
 
 
 def _interval(point: float, draws: Sequence[float], confidence: float = 0.95) -> dict:
@@ -374,8 +422,14 @@ def _interval(point: float, draws: Sequence[float], confidence: float = 0.95) ->
     return {"value": point, "low": float(low), "high": float(high), "n": len(draws)}
 
 
-def structure(attribution: dict[str, np.ndarray], classes: Sequence[str], n: int, draws: int = STRUCTURE_DRAWS,
-              seed: int = 0, stable: float = STABLE) -> dict:
+def structure(
+    attribution: dict[str, np.ndarray],
+    classes: Sequence[str],
+    n: int,
+    draws: int = STRUCTURE_DRAWS,
+    seed: int = 0,
+    stable: float = STABLE,
+) -> dict:
     """The within-checkpoint null and the structural changes between consecutive checkpoints (module docstring).
 
     ``attribution``: checkpoint (in order) -> per-prompt attribution ``"prompt class layer head"`` on the same
@@ -393,21 +447,39 @@ def structure(attribution: dict[str, np.ndarray], classes: Sequence[str], n: int
         return (jaccard(tops.a[d][s], tops.b[d][t]) + jaccard(tops.a[d][t], tops.b[d][s])) / 2
 
     nulls = {c: _interval(null(c, 0), [null(c, d) for d in range(1, draws + 1)]) for c in names}
-    freq = {c: selection_stability(torch.from_numpy(a.astype(np.float64)), classes, n, draws, seed)
-            for c, a in attribution.items()}
+    freq = {
+        c: selection_stability(torch.from_numpy(a.astype(np.float64)), classes, n, draws, seed)
+        for c, a in attribution.items()
+    }
     steps = []
     for s, t in zip(names, names[1:]):
         diff = [(null(s, d) + null(t, d)) / 2 - cross(s, t, d) for d in range(draws + 1)]
         spread = _interval(diff[0], diff[1:])
         entered = sorted(pair_name(p) for p, f in freq[t].items() if f >= stable and freq[s][p] <= 1 - stable)
         left = sorted(pair_name(p) for p, f in freq[s].items() if f >= stable and freq[t][p] <= 1 - stable)
-        steps.append({"from": s, "to": t, "cross": _interval(cross(s, t, 0), [cross(s, t, d) for d in
-                                                                                 range(1, draws + 1)]),
-                      "null_minus_cross": spread, "changed": spread["low"] > 0, "entered": entered, "left": left})
-    robust = sorted({p for f in freq.values() for p, v in f.items() if v >= stable},
-                    key=lambda p: (p[1], p[0].layer, p[0].head))
-    return {"n_pairs": n, "draws": draws, "seed": seed, "stable": stable, "null": nulls, "consecutive": steps,
-            "frequency": {c: {pair_name(p): freq[c][p] for p in robust} for c in names}}
+        steps.append(
+            {
+                "from": s,
+                "to": t,
+                "cross": _interval(cross(s, t, 0), [cross(s, t, d) for d in range(1, draws + 1)]),
+                "null_minus_cross": spread,
+                "changed": spread["low"] > 0,
+                "entered": entered,
+                "left": left,
+            }
+        )
+    robust = sorted(
+        {p for f in freq.values() for p, v in f.items() if v >= stable}, key=lambda p: (p[1], p[0].layer, p[0].head)
+    )
+    return {
+        "n_pairs": n,
+        "draws": draws,
+        "seed": seed,
+        "stable": stable,
+        "null": nulls,
+        "consecutive": steps,
+        "frequency": {c: {pair_name(p): freq[c][p] for p in robust} for c in names},
+    }
 
 
 def membership(circuits: Sequence[Circuit]) -> dict[tuple[str, int], list[int]]:

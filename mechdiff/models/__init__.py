@@ -2,12 +2,27 @@
 
 from .architectures import EXCEPTIONS, Architecture, ModelShape, UnsupportedModel, architecture_for, shape_of
 from .loading import LoadedModel, load_config, load_model, load_tokenizer, model_fingerprint
-from .resolve import resolve_spec
 from .modelset import IncompatibleModels, ModelPair, ModelSet
 from .registry import REGISTRY, ModelSpec, get_spec
+from .resolve import resolve_spec
 
 __all__ = [
-    "EXCEPTIONS", "Architecture", "ModelShape", "UnsupportedModel", "architecture_for", "shape_of", "LoadedModel", "load_config",
-    "load_model", "load_tokenizer", "model_fingerprint", "resolve_spec", "IncompatibleModels", "ModelPair",
-    "ModelSet", "REGISTRY", "ModelSpec", "get_spec",
+    "EXCEPTIONS",
+    "Architecture",
+    "ModelShape",
+    "UnsupportedModel",
+    "architecture_for",
+    "shape_of",
+    "LoadedModel",
+    "load_config",
+    "load_model",
+    "load_tokenizer",
+    "model_fingerprint",
+    "resolve_spec",
+    "IncompatibleModels",
+    "ModelPair",
+    "ModelSet",
+    "REGISTRY",
+    "ModelSpec",
+    "get_spec",
 ]

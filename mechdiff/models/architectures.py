@@ -216,38 +216,54 @@ class UnsupportedModel(ValueError):
 
 # ---- resolution -------------------------------------------------------------------------------------------
 
+
 def architecture_for(model: Any) -> Architecture:
     """The adapter of a loaded causal LM (a ``torch.nn.Module``), resolved from its modules.
 
     Raises :class:`UnsupportedModel` naming what was found when no pattern fits.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError("architecture_for takes the loaded model (a torch.nn.Module), not "
-                        f"{type(model).__name__}; adapters are resolved from the module structure")
+        raise TypeError(
+            "architecture_for takes the loaded model (a torch.nn.Module), not "
+            f"{type(model).__name__}; adapters are resolved from the module structure"
+        )
     config = _text_config(model.config)
     model_type = getattr(config, "model_type", None)
     extra = dict(EXCEPTIONS.get(model_type, {}))
     if "refuse" in extra:
-        raise UnsupportedModel(f"{type(model).__name__} (model_type {model_type!r}) is not supported: "
-                               f"{extra['refuse']}. Add a layout to mechdiff/models/architectures.py.")
+        raise UnsupportedModel(
+            f"{type(model).__name__} (model_type {model_type!r}) is not supported: "
+            f"{extra['refuse']}. Add a layout to mechdiff/models/architectures.py."
+        )
     layers = _find_layers(model, config)
     block = get_path(model, layers)[0]
     n_heads = _first(config, "num_attention_heads", "n_head", "num_heads")
     attn_path, found = _find_attention(block, n_heads, getattr(config, "head_dim", None))
     if attn_path is None:
-        raise UnsupportedModel(_describe(model, model_type, layers, block, "no attention module with Q/K/V and "
-                                         "output projections", found))
+        raise UnsupportedModel(
+            _describe(model, model_type, layers, block, "no attention module with Q/K/V and output projections", found)
+        )
     parts = found[attn_path]
     if parts["layout"] != "separate" and "qkv_layout" in extra:
         parts["layout"] = extra.pop("qkv_layout")
     arch = Architecture(
-        name=str(model_type), layers=layers, attn=attn_path, out_proj=parts["o"], q_proj=parts["q"],
-        k_proj=parts["k"], v_proj=parts["v"], qkv_layout=parts["layout"], mlp=_find_mlp(block, attn_path),
+        name=str(model_type),
+        layers=layers,
+        attn=attn_path,
+        out_proj=parts["o"],
+        q_proj=parts["q"],
+        k_proj=parts["k"],
+        v_proj=parts["v"],
+        qkv_layout=parts["layout"],
+        mlp=_find_mlp(block, attn_path),
         embed=_path_of(model, model.get_input_embeddings(), "input embedding"),
         final_norm=_find_final_norm(model, layers, model_type),
         unembed=_path_of(model, model.get_output_embeddings(), "output embedding (lm_head)"),
-        n_heads=n_heads, n_kv_heads=parts["n_kv"], d_head=parts["d_head"],
-        q_site=parts.get("q_site"), k_site=parts.get("k_site"),
+        n_heads=n_heads,
+        n_kv_heads=parts["n_kv"],
+        d_head=parts["d_head"],
+        q_site=parts.get("q_site"),
+        k_site=parts.get("k_site"),
     )
     return _probe_flow(model, replace(arch, **extra))
 
@@ -258,13 +274,18 @@ def shape_of(model: Any, arch: Optional[Architecture] = None) -> ModelShape:
     arch = arch or architecture_for(model)
     config = _text_config(model.config)
     d_model = _weight_dims(arch.projection(model, "o", 0))[1]  # the residual width (OPT embeds narrower)
-    return ModelShape(n_layers=len(get_path(model, arch.layers)), n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
-                      d_head=arch.d_head, d_model=d_model, vocab_size=int(config.vocab_size))
+    return ModelShape(
+        n_layers=len(get_path(model, arch.layers)),
+        n_heads=arch.n_heads,
+        n_kv_heads=arch.n_kv_heads,
+        d_head=arch.d_head,
+        d_model=d_model,
+        vocab_size=int(config.vocab_size),
+    )
 
 
 def _is_norm(module: Any) -> bool:
-    return "norm" in type(module).__name__.lower() and not any(
-        isinstance(m, torch.nn.Linear) for m in module.modules())
+    return "norm" in type(module).__name__.lower() and not any(isinstance(m, torch.nn.Linear) for m in module.modules())
 
 
 def _weight_dims(module: Any) -> tuple[int, int]:
@@ -281,17 +302,19 @@ def _find_layers(model: Any, config: Any) -> str:
     """The path of the top-level ModuleList of identical blocks (the one as long as the config's layer count)."""
     lists = []
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) and not any(
-                name.startswith(p + ".") for p, _ in lists):
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) and not any(name.startswith(p + ".") for p, _ in lists):
             if len({type(m) for m in mod}) == 1:
                 lists.append((name, mod))
-    n_layers = next((getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers")
-                     if getattr(config, k, None)), None)
+    n_layers = next(
+        (getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if getattr(config, k, None)), None
+    )
     matching = [n for n, m in lists if len(m) == n_layers] or [n for n, _ in lists]
     if len(matching) != 1:
         found = ", ".join(f"{n} ({type(m[0]).__name__} x{len(m)})" for n, m in lists) or "none"
-        raise UnsupportedModel(f"{type(model).__name__}: cannot tell the decoder blocks ({n_layers} layers in the "
-                               f"config) among the module lists found: {found}")
+        raise UnsupportedModel(
+            f"{type(model).__name__}: cannot tell the decoder blocks ({n_layers} layers in the "
+            f"config) among the module lists found: {found}"
+        )
     return matching[0]
 
 
@@ -318,8 +341,10 @@ def _classify(attn: Any, n_heads: int, head_dim: Optional[int]) -> dict:
             if _is_norm(child):
                 norms[name] = child
     parts: dict[str, Any] = {"children": proj}
-    pick = {key: [n for n in proj if rx.match(n)] for key, rx in (("q", _Q), ("k", _K), ("v", _V),
-                                                                  ("qkv", _QKV), ("o", _OUT))}
+    pick = {
+        key: [n for n in proj if rx.match(n)]
+        for key, rx in (("q", _Q), ("k", _K), ("v", _V), ("qkv", _QKV), ("o", _OUT))
+    }
     if len(pick["o"]) != 1:
         return parts
     o = pick["o"][0]
@@ -362,8 +387,7 @@ def _head_spanning_norms(norms: dict, q_width: int, kv_width: int, d: int) -> di
 def _find_mlp(block: Any, attn_path: str) -> Optional[str]:
     """The one child of the block, besides the attention and the norms, that holds parameters."""
     top = attn_path.split(".")[0]
-    rest = [n for n, c in block.named_children()
-            if n != top and not _is_norm(c) and any(True for _ in c.parameters())]
+    rest = [n for n, c in block.named_children() if n != top and not _is_norm(c) and any(True for _ in c.parameters())]
     return rest[0] if len(rest) == 1 else None
 
 
@@ -382,24 +406,31 @@ def _find_final_norm(model: Any, layers: str, model_type: Any) -> str:
     norms = [n for n in names if _is_norm(getattr(parent, n))]
     after = [n for n in norms if names.index(n) > names.index(list_name)] if len(norms) > 1 else norms
     if not after:
-        raise UnsupportedModel(f"{type(model).__name__} (model_type {model_type!r}): no final norm after "
-                               f"{layers}; children of {parent_path or 'the root'}: {names}")
+        raise UnsupportedModel(
+            f"{type(model).__name__} (model_type {model_type!r}): no final norm after "
+            f"{layers}; children of {parent_path or 'the root'}: {names}"
+        )
     return f"{parent_path}.{after[-1]}" if parent_path else after[-1]
 
 
 def _describe(model: Any, model_type: Any, layers: str, block: Any, problem: str, found: dict) -> str:
-    lines = [f"{type(model).__name__} (model_type {model_type!r}) fits no adapter pattern: {problem}.",
-             f"Blocks at {layers} ({type(block).__name__}); linear children of its modules:"]
+    lines = [
+        f"{type(model).__name__} (model_type {model_type!r}) fits no adapter pattern: {problem}.",
+        f"Blocks at {layers} ({type(block).__name__}); linear children of its modules:",
+    ]
     for name, parts in found.items():
         if parts.get("children"):
             dims = ", ".join(f"{n} {i}->{o}" for n, (i, o) in parts["children"].items())
             lines.append(f"  {name}: {dims}")
-    lines.append("Expected q_proj/k_proj/v_proj (or a fused qkv_proj/c_attn/query_key_value) and "
-                 "o_proj/dense/c_proj/out_proj. Add an entry to EXCEPTIONS in mechdiff/models/architectures.py.")
+    lines.append(
+        "Expected q_proj/k_proj/v_proj (or a fused qkv_proj/c_attn/query_key_value) and "
+        "o_proj/dense/c_proj/out_proj. Add an entry to EXCEPTIONS in mechdiff/models/architectures.py."
+    )
     return "\n".join(lines)
 
 
 # ---- the probe forward: which module's output feeds which ----------------------------------------------
+
 
 def _probe_flow(model: Any, arch: Architecture) -> Architecture:
     """Fill the norm and residual fields from one forward on three tokens (hooks on block 0 read only)."""
@@ -414,10 +445,13 @@ def _probe_flow(model: Any, arch: Architecture) -> Architecture:
         def record(mod, args, kwargs, out):
             x = args[0] if args else kwargs.get("hidden_states")
             seen.setdefault(key, (x, out[0] if isinstance(out, tuple) else out))
+
         return record
 
-    handles = [m.register_forward_hook(hook(k), with_kwargs=True) for k, m in {**mods, **{
-        "norm:" + n: c for n, c in norms.items()}}.items()]
+    handles = [
+        m.register_forward_hook(hook(k), with_kwargs=True)
+        for k, m in {**mods, **{"norm:" + n: c for n, c in norms.items()}}.items()
+    ]
     training = model.training
     try:
         device = next(model.parameters()).device
@@ -455,8 +489,9 @@ def _read_flow(arch: Architecture, seen: dict, norms: list[str]) -> Architecture
         for same in (lambda a, b: a is b, _same):
             for n in norms:
                 nin, nout = seen.get("norm:" + n, (None, None))
-                if ((tensor_out is not None and same(nout, tensor_out))
-                        or (tensor_in is not None and same(nin, tensor_in))):
+                if (tensor_out is not None and same(nout, tensor_out)) or (
+                    tensor_in is not None and same(nin, tensor_in)
+                ):
                     return n
         return None
 

@@ -80,9 +80,19 @@ def convert(path: Path, final: Path) -> Path:
         model.save_pretrained(building)
         _keep_config(building / "config.json", as_loaded)
         AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(building)
-        (building / MANIFEST).write_text(json.dumps({
-            "gguf": str(path), "size": path.stat().st_size, "digest": file_digest(path),
-            "transformers": version("transformers"), "gguf_version": version("gguf")}, indent=2) + "\n")
+        (building / MANIFEST).write_text(
+            json.dumps(
+                {
+                    "gguf": str(path),
+                    "size": path.stat().st_size,
+                    "digest": file_digest(path),
+                    "transformers": version("transformers"),
+                    "gguf_version": version("gguf"),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         try:
             os.replace(building, final)
         except OSError:  # another process finished first (a non-empty directory is not replaced)

@@ -16,20 +16,24 @@ import torch
 from .architectures import Architecture, ModelShape, architecture_for, shape_of
 from .gguf_cache import converted
 from .registry import ModelSpec
-from .remote import (ModelView, RemoteSetupError, check_remote, hub_repo, in_trace, register_mechdiff,
-                     session)
+from .remote import ModelView, RemoteSetupError, check_remote, hub_repo, in_trace, register_mechdiff, session
 from .resolve import resolve_source, resolve_spec
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def offline() -> bool:
     """True when ``HF_HUB_OFFLINE`` is set (read at call time): hub ids resolve from the local cache only."""
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
 
 
 def load_config(spec: ModelSpec, cache_dir: Optional[str] = None) -> Any:
@@ -121,7 +125,8 @@ class LoadedModel:
                 raise RemoteSetupError(
                     "a backward pass through a remote forward needs the gradient computed on the server: run it "
                     "inside model.session() (the attribution screen does). DCM mask training does not run on "
-                    "NDIF yet; run it locally (--device cuda, --device-map auto).")
+                    "NDIF yet; run it locally (--device cuda, --device-map auto)."
+                )
             register_mechdiff()
             return self.nn.trace(remote=self.remote, **kwargs)
         return self.nn.trace(**kwargs)
@@ -176,11 +181,15 @@ def resolve_device_map(device: Optional[str], device_map: Optional[str | dict]) 
     if device in (None, "", "none"):
         return device_map
     if device_map not in (None, "", device):
-        raise ValueError(f"--device {device} and --device-map {device_map} disagree; give one "
-                         "(--device for one device, --device-map auto to shard over the GPUs)")
+        raise ValueError(
+            f"--device {device} and --device-map {device_map} disagree; give one "
+            "(--device for one device, --device-map auto to shard over the GPUs)"
+        )
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine (torch "
-                         f"{torch.__version__}); use --device cpu, or run with --remote on NDIF")
+        raise ValueError(
+            f"--device {device}: CUDA is not available on this machine (torch "
+            f"{torch.__version__}); use --device cpu, or run with --remote on NDIF"
+        )
     return "cuda:0" if device == "cuda" else device
 
 
@@ -228,8 +237,9 @@ def load_model(
     return loaded
 
 
-def load_remote(spec: ModelSpec, dtype: str = "float32", cache_dir: Optional[str] = None,
-                tokenizer: Any = None) -> LoadedModel:
+def load_remote(
+    spec: ModelSpec, dtype: str = "float32", cache_dir: Optional[str] = None, tokenizer: Any = None
+) -> LoadedModel:
     """A model on NDIF: config and tokenizer here, the architecture on the meta device, no weights."""
     from nnsight import TransformersModel
 
@@ -242,8 +252,14 @@ def load_remote(spec: ModelSpec, dtype: str = "float32", cache_dir: Optional[str
         kwargs["peft"] = adapter
     nn = TransformersModel(repo, **kwargs)  # meta build: config only
     architecture_for(nn._module)  # resolved from the meta-built modules; fails early
-    provenance = {"kind": "remote", "repo": repo, "revision": revision, "adapter": adapter,
-                  "dtype": f"as deployed on NDIF (asked {dtype})", "remote": True}
+    provenance = {
+        "kind": "remote",
+        "repo": repo,
+        "revision": revision,
+        "adapter": adapter,
+        "dtype": f"as deployed on NDIF (asked {dtype})",
+        "remote": True,
+    }
     loaded = LoadedModel(spec.name, spec, nn._module, tokenizer, provenance, remote=True)
     loaded.__dict__["nn"] = nn
     log.info("remote model %s: %s (weights on NDIF)", spec.name, repo)
@@ -259,16 +275,19 @@ def contiguous_unembedding(hf_model: torch.nn.Module) -> None:
     head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
     if isinstance(head, torch.nn.Module):
         head.register_forward_pre_hook(
-            lambda _, args: None if not args or args[0].is_contiguous() else (args[0].contiguous(), *args[1:]))
+            lambda _, args: None if not args or args[0].is_contiguous() else (args[0].contiguous(), *args[1:])
+        )
 
 
-def _load_weights(spec: ModelSpec, dtype: torch.dtype, device_map: Any, cache_dir: Optional[str],
-                  attn_implementation: str) -> tuple[Any, dict]:
+def _load_weights(
+    spec: ModelSpec, dtype: torch.dtype, device_map: Any, cache_dir: Optional[str], attn_implementation: str
+) -> tuple[Any, dict]:
     from transformers import AutoModelForCausalLM
 
     common = dict(dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
-    if device_map is not None and (isinstance(device_map, dict) or device_map in ("auto", "balanced",
-                                                                                  "balanced_low_0", "sequential")):
+    if device_map is not None and (
+        isinstance(device_map, dict) or device_map in ("auto", "balanced", "balanced_low_0", "sequential")
+    ):
         # accelerate may offload what the GPUs cannot hold to disk: one folder per load, never shared
         import tempfile
 
@@ -282,15 +301,21 @@ def _load_weights(spec: ModelSpec, dtype: torch.dtype, device_map: Any, cache_di
         peft_model = PeftModel.from_pretrained(base_model, src, revision=spec.revision)
         adapter_cfg = peft_model.peft_config["default"].to_dict()
         merged = peft_model.merge_and_unload()
-        return merged, {"kind": "lora", "adapter": spec.source, "merged": True, "base": base_prov,
-                        "lora": {k: _jsonable(adapter_cfg.get(k)) for k in ("r", "lora_alpha", "target_modules")}}
+        return merged, {
+            "kind": "lora",
+            "adapter": spec.source,
+            "merged": True,
+            "base": base_prov,
+            "lora": {k: _jsonable(adapter_cfg.get(k)) for k in ("r", "lora_alpha", "target_modules")},
+        }
     if spec.kind == "gguf":
         where, kwargs = converted(src, spec.gguf_file)
         m = AutoModelForCausalLM.from_pretrained(where, **kwargs, **common)
         return m, {"kind": "gguf", "path": str(Path(src) / spec.gguf_file)}
     if spec.kind == "hub":
-        m = AutoModelForCausalLM.from_pretrained(src, revision=spec.revision, cache_dir=cache_dir,
-                                                 local_files_only=offline(), **common)
+        m = AutoModelForCausalLM.from_pretrained(
+            src, revision=spec.revision, cache_dir=cache_dir, local_files_only=offline(), **common
+        )
         return m, {"kind": "hub", "repo": src, "revision": spec.revision}
     m = AutoModelForCausalLM.from_pretrained(src, **common)
     return m, {"kind": "local", "path": src}

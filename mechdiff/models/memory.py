@@ -43,8 +43,9 @@ def cuda_devices(model: "LoadedModel") -> list[torch.device]:
     return sorted((d for d in found if d.type == "cuda"), key=lambda d: d.index or 0)
 
 
-def auto_batch_size(model: "LoadedModel", seq_len: int = 160, fraction: float = 0.6, default: int = DEFAULT_BATCH,
-                    cap: int = MAX_BATCH) -> int:
+def auto_batch_size(
+    model: "LoadedModel", seq_len: int = 160, fraction: float = 0.6, default: int = DEFAULT_BATCH, cap: int = MAX_BATCH
+) -> int:
     """Prompts per forward pass that fit in ``fraction`` of the free memory of the model's GPUs.
 
     ``default`` on CPU and for a model on NDIF (the server batches); at least 1, at most ``cap``.
@@ -60,6 +61,11 @@ def auto_batch_size(model: "LoadedModel", seq_len: int = 160, fraction: float = 
     dtype = next(model.model.parameters()).dtype
     per = example_bytes(model.shape, seq_len, torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4)
     size = max(1, min(cap, int(free * fraction) // per))
-    log.info("batch size %d from %.1f GiB free on %s (about %.0f MiB per prompt)", size, free / 2**30,
-             ", ".join(map(str, devices)), per / 2**20)
+    log.info(
+        "batch size %d from %.1f GiB free on %s (about %.0f MiB per prompt)",
+        size,
+        free / 2**30,
+        ", ".join(map(str, devices)),
+        per / 2**20,
+    )
     return size

@@ -8,8 +8,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from .architectures import ModelShape
 from .loading import LoadedModel, load_config, load_model, load_tokenizer
-from .resolve import resolve_spec
 from .registry import ModelSpec
+from .resolve import resolve_spec
 
 log = logging.getLogger(__name__)
 

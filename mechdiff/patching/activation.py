@@ -31,8 +31,9 @@ def _sites(components: Iterable[Component]) -> list[tuple[str, int]]:
     return sorted(sites, key=lambda s: s[1])
 
 
-def patches_from(model: LoadedModel, components: Iterable[Component], source: dict,
-                 positions: Optional[torch.Tensor] = None) -> list[Patch]:
+def patches_from(
+    model: LoadedModel, components: Iterable[Component], source: dict, positions: Optional[torch.Tensor] = None
+) -> list[Patch]:
     """Patches writing ``source`` (captured ``{(kind, layer): "batch pos cols"}``) into ``components``.
 
     Heads of one layer are merged into one patch per layer (one write per site).
@@ -49,13 +50,14 @@ def patches_from(model: LoadedModel, components: Iterable[Component], source: di
         value = source[("z", layer)]
         mask = torch.zeros(value.shape[-1], dtype=torch.bool)
         for h in heads:
-            mask[h.head * d:(h.head + 1) * d] = True
+            mask[h.head * d : (h.head + 1) * d] = True
         patches.append(_patch(value, "z", layer, mask, positions))
     return patches
 
 
-def _patch(value: torch.Tensor, kind: str, layer: int, mask: Optional[torch.Tensor],
-           positions: Optional[torch.Tensor]) -> Patch:
+def _patch(
+    value: torch.Tensor, kind: str, layer: int, mask: Optional[torch.Tensor], positions: Optional[torch.Tensor]
+) -> Patch:
     """One patch of the columns in ``mask`` (all if ``None``): untouched columns keep their clean value."""
     if positions is not None:
         value = value[torch.arange(value.shape[0]), positions.to(value.device)]
@@ -63,15 +65,19 @@ def _patch(value: torch.Tensor, kind: str, layer: int, mask: Optional[torch.Tens
         return Patch(kind, layer, value, positions)
     cols = mask.nonzero()[:, 0]
     if (cols.diff() == 1).all():  # contiguous: a plain column slice
-        return Patch(kind, layer, value[..., cols[0]:cols[-1] + 1], positions, slice(int(cols[0]), int(cols[-1]) + 1))
+        return Patch(kind, layer, value[..., cols[0] : cols[-1] + 1], positions, slice(int(cols[0]), int(cols[-1]) + 1))
     # non-contiguous heads: write the whole site, clean values restored by the mask
     return Patch(kind, layer, value, positions, mask=(~mask).float())
 
 
 def activation_patch(
-    model: LoadedModel, clean_ids: torch.Tensor, source_ids: torch.Tensor,
-    components: Sequence[Component], positions: Optional[torch.Tensor] = None,
-    source: Optional[dict] = None, prefix: Optional[Prefix] = None,
+    model: LoadedModel,
+    clean_ids: torch.Tensor,
+    source_ids: torch.Tensor,
+    components: Sequence[Component],
+    positions: Optional[torch.Tensor] = None,
+    source: Optional[dict] = None,
+    prefix: Optional[Prefix] = None,
 ) -> torch.Tensor:
     """Last-token logits (``"batch vocab"``) of the clean run with ``components`` patched from the source run.
 
@@ -92,4 +98,3 @@ def capture_sources(model: LoadedModel, input_ids: torch.Tensor, components: Seq
     """The sites that ``components`` live in, captured from an unpatched run on ``input_ids``."""
     with torch.no_grad():
         return run(model, input_ids, capture=_sites(components)).captured
-

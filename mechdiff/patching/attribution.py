@@ -30,16 +30,25 @@ from .core import Patch, run
 from .path import PairBatch, PairBatches, Receivers, batch_position, eligible_senders, parts, receiver_sites
 
 
-def attribution_scores(model: LoadedModel, batch: PairBatch | PairBatches, sender_position: str,
-                       receivers: Optional[Receivers] = None,
-                       senders: Optional[Sequence[Head]] = None) -> dict[Head, float]:
+def attribution_scores(
+    model: LoadedModel,
+    batch: PairBatch | PairBatches,
+    sender_position: str,
+    receivers: Optional[Receivers] = None,
+    senders: Optional[Sequence[Head]] = None,
+) -> dict[Head, float]:
     """Estimated path-patching score of each sender (default: every eligible sender). Over several groups
     (:class:`~mechdiff.patching.path.PairBatches`) each group's sum is taken alone and the sums are
     normalised by every prompt's clean probability, as path patching's ratio of means."""
     senders = list(senders) if senders is not None else eligible_senders(model, receivers)
     if isinstance(batch, PairBatches):
-        totals = [(attribution_scores(model, part, sender_position, receivers, senders),
-                   len(part) * float(part.p_clean.mean())) for part in parts(batch)]
+        totals = [
+            (
+                attribution_scores(model, part, sender_position, receivers, senders),
+                len(part) * float(part.p_clean.mean()),
+            )
+            for part in parts(batch)
+        ]
         denom = sum(d for _, d in totals)
         return {h: sum(scores[h] * d for scores, d in totals) / denom for h in senders}
     spos = batch_position(batch, sender_position)
@@ -50,8 +59,9 @@ def attribution_scores(model: LoadedModel, batch: PairBatch | PairBatches, sende
     return _dot(model, batch, senders, spos, start, grads)
 
 
-def _gradients(model: LoadedModel, batch: PairBatch, receivers: Optional[Receivers], start: int,
-               top: int) -> dict[int, Optional[torch.Tensor]]:
+def _gradients(
+    model: LoadedModel, batch: PairBatch, receivers: Optional[Receivers], start: int, top: int
+) -> dict[int, Optional[torch.Tensor]]:
     """Gradient of the objective with respect to every layer's z from ``start`` on: ``layer -> "batch pos cols"``."""
     leaves = {l: batch.clean_z[l][:, start:].detach().clone().float().requires_grad_() for l in range(top)}
     patches = [Patch("z", l, leaf, slice(start, None)) for l, leaf in leaves.items()]
@@ -64,8 +74,9 @@ def _gradients(model: LoadedModel, batch: PairBatch, receivers: Optional[Receive
     return {l: None if g is None else g.detach() for l, g in zip(leaves, grads)}
 
 
-def _receiver_objective(model: LoadedModel, batch: PairBatch, receivers: Receivers,
-                        frozen_patches: list[Patch]) -> torch.Tensor:
+def _receiver_objective(
+    model: LoadedModel, batch: PairBatch, receivers: Receivers, frozen_patches: list[Patch]
+) -> torch.Tensor:
     """``sum_r <g_r, site_r>`` with ``g_r`` the gradient of the answer probability at the receivers."""
     sites = receiver_sites(model, receivers)
     rpos = batch_position(batch, receivers.position)
@@ -74,18 +85,29 @@ def _receiver_objective(model: LoadedModel, batch: PairBatch, receivers: Receive
     # 1. gradient of p at the receiver sites in the ordinary clean model
     with torch.no_grad():
         clean = run(model, batch.clean_ids, capture=kinds).captured
-    leaves = [clean[(receivers.kind, l)][rows, rpos, cols].detach().clone().float().requires_grad_()
-              for l, cols in sites]
-    out = run(model, batch.clean_ids, [Patch(receivers.kind, l, leaf, rpos, cols)
-                                       for (l, cols), leaf in zip(sites, leaves)], grad=True)
+    leaves = [
+        clean[(receivers.kind, l)][rows, rpos, cols].detach().clone().float().requires_grad_() for l, cols in sites
+    ]
+    out = run(
+        model,
+        batch.clean_ids,
+        [Patch(receivers.kind, l, leaf, rpos, cols) for (l, cols), leaf in zip(sites, leaves)],
+        grad=True,
+    )
     g = torch.autograd.grad(answer_prob(out.logits, batch.answer_ids).sum(), leaves)
     # 2. the receiver sites as functions of the frozen model's z
     frozen = run(model, batch.clean_ids, frozen_patches, capture=kinds, grad=True, stop=True).captured
     return sum((gi * frozen[(receivers.kind, l)][rows, rpos, cols]).sum() for gi, (l, cols) in zip(g, sites))
 
 
-def _dot(model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor, start: int,
-         grads: dict[int, Optional[torch.Tensor]]) -> dict[Head, float]:
+def _dot(
+    model: LoadedModel,
+    batch: PairBatch,
+    senders: list[Head],
+    spos: torch.Tensor,
+    start: int,
+    grads: dict[int, Optional[torch.Tensor]],
+) -> dict[Head, float]:
     """``grad . (source - clean)`` at the sender position, per head, normalised like path patching."""
     rows = torch.arange(len(batch))
     denom = len(batch) * float(batch.p_clean.mean())

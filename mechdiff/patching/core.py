@@ -122,8 +122,9 @@ class Run:
     kv: Optional[Prefix] = None  # with keep_kv=True: this run's keys and values
 
 
-def head_patch(model: LoadedModel, kind: str, head: Head, value: torch.Tensor,
-               positions: Optional[torch.Tensor] = None) -> Patch:
+def head_patch(
+    model: LoadedModel, kind: str, head: Head, value: torch.Tensor, positions: Optional[torch.Tensor] = None
+) -> Patch:
     """A patch of one head's slice (its KV group's slice for ``k``/``v``)."""
     return Patch(kind, head.layer, value, positions, model.arch.columns(kind, head.head, model.shape))
 
@@ -181,8 +182,10 @@ def run(
         by_site[(p.kind, p.layer)].append(_shifted(p, start))
     sites = sorted(set(by_site) | set(capture), key=lambda s: (s[1], SITE_ORDER[s[0]]))
     if resume is not None and sites and sites[0][1] < resume.layer:
-        raise ValueError(f"site {sites[0]} lies before the resumed layer {resume.layer}; resume at or before "
-                         "the first patched or captured layer")
+        raise ValueError(
+            f"site {sites[0]} lies before the resumed layer {resume.layer}; resume at or before "
+            "the first patched or captured layer"
+        )
     arch, nn = model.arch, model.nn
     device = model.device
     if position_ids is not None and prefix is not None:
@@ -245,11 +248,18 @@ def check_suffix_support(model: LoadedModel) -> None:
     config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
     family = getattr(config, "model_type", type(hf).__name__)
     other = sorted(set(getattr(config, "layer_types", None) or ()) - SUFFIX_LAYER_TYPES)
-    reason = (f"its layers include {other}" if other else
-              "it carries a recurrent state" if getattr(hf, "_is_stateful", False) else None)
+    reason = (
+        f"its layers include {other}"
+        if other
+        else "it carries a recurrent state"
+        if getattr(hf, "_is_stateful", False)
+        else None
+    )
     if reason:
-        raise ValueError(f"{model.name} ({family}): suffix runs (prefix=) are exact only over attention layers' keys "
-                         f"and values, and {reason}; run without a prefix (full-length runs)")
+        raise ValueError(
+            f"{model.name} ({family}): suffix runs (prefix=) are exact only over attention layers' keys "
+            f"and values, and {reason}; run without a prefix (full-length runs)"
+        )
 
 
 def suffix_start(patches: Sequence[Patch], readout: Optional[torch.Tensor], length: int) -> int:
@@ -278,8 +288,13 @@ def _shifted(patch: Patch, start: int) -> Patch:
     return replace(patch, positions=pos - start)
 
 
-def _inputs(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], prefix: Optional[Prefix], start: int,
-            device: torch.device) -> dict:
+def _inputs(
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    prefix: Optional[Prefix],
+    start: int,
+    device: torch.device,
+) -> dict:
     """The model's keyword arguments: a full run, or a suffix run from ``start`` over ``prefix``."""
     kwargs: dict = {"input_ids": input_ids[:, start:], "use_cache": start > 0}
     position_ids = None
@@ -304,8 +319,9 @@ def _suffix_hidden(hidden: torch.Tensor, batch: int, length: int, start: int) ->
     if hidden.shape[1] == length and start > 0:
         hidden = hidden[:, start:]
     elif hidden.shape[1] != length - start:
-        raise ValueError(f"resume.hidden covers {hidden.shape[1]} positions; expected {length} or the suffix's "
-                         f"{length - start}")
+        raise ValueError(
+            f"resume.hidden covers {hidden.shape[1]} positions; expected {length} or the suffix's {length - start}"
+        )
     if hidden.shape[0] != batch:
         if batch % hidden.shape[0]:
             raise ValueError(f"resume.hidden has batch {hidden.shape[0]}, which does not divide {batch}")
@@ -325,8 +341,9 @@ def _kept_kv(output) -> tuple[list, list]:
 def prefix_cache(prefix: Prefix, start: int):
     """A transformers ``Cache`` over ``prefix``'s positions ``< start`` that is read, never written: each
     layer's ``update`` returns prefix + new keys/values (the prefix repeated over stacked copies)."""
-    return Cache(layers=[_PrefixLayer(k[..., :start, :], v[..., :start, :])
-                         for k, v in zip(prefix.keys, prefix.values)])
+    return Cache(
+        layers=[_PrefixLayer(k[..., :start, :], v[..., :start, :]) for k, v in zip(prefix.keys, prefix.values)]
+    )
 
 
 class _PrefixLayer(DynamicLayer):
@@ -431,16 +448,18 @@ def fused_order(arch, shape) -> torch.Tensor:
     v "(group d)"])`` (the identity for the ``fused`` layout, a permutation for ``interleaved``)."""
     d, H, G = shape.d_head, shape.n_heads, shape.n_kv_heads
     order = torch.empty((H + 2 * G) * d, dtype=torch.long)
-    for kind, base, units in (("q", 0, range(H)), ("k", H * d, range(0, H, H // G)), ("v", (H + G) * d,
-                                                                                     range(0, H, H // G))):
+    for kind, base, units in (
+        ("q", 0, range(H)),
+        ("k", H * d, range(0, H, H // G)),
+        ("v", (H + G) * d, range(0, H, H // G)),
+    ):
         for i, head in enumerate(units):
             cols = arch.columns(kind, head, shape)
             order[cols] = torch.arange(base + i * d, base + (i + 1) * d)
     return order
 
 
-def trace_sites(model: LoadedModel, input_ids: torch.Tensor, body, grad: bool = False,
-                resume: Optional[Resume] = None):
+def trace_sites(model: LoadedModel, input_ids: torch.Tensor, body, grad: bool = False, resume: Optional[Resume] = None):
     """Run ``model`` on ``input_ids`` (logits at the last position only) with ``body(Sites)`` reading and
     writing sites inside the trace; returns what ``body`` returns. ``grad``: keep the autograd graph.
     ``resume``: skip the blocks before ``resume.layer`` (``body`` then touches only later sites)."""

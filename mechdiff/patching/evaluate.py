@@ -9,13 +9,13 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..common.progress import progress_bar
 from ..common.metrics import answer_is_top1, answer_prob, logit_diff
+from ..common.progress import progress_bar
+from ..common.stats import Estimate, bootstrap, proportion
 from ..models.loading import LoadedModel
 from ..models.remote import keep
-from .core import Patch, run
-from ..common.stats import Estimate, bootstrap, proportion
 from ..tasks.base import Record, batch_tensors, grouped_batches, record_order, take
+from .core import Patch, run
 
 Rows = Sequence[int]  # the records of one batch (grouped_batches)
 PatchFn = Callable[[dict, Rows], Iterable[Patch]]
@@ -82,19 +82,28 @@ def evaluate(
     bar = progress and not model.remote
     with model.session():  # remote: every batch in one request
         if forward is None:
+
             def forward(batch: dict, rows: slice) -> torch.Tensor:
                 return run(model, batch["input_ids"], patches(batch, rows) if patches else ()).logits
+
         results = keep(_eval_batches(records, batch_size, forward, targets, desc, bar))
     order = record_order([rows for rows, _ in results])
     diffs = [d for _, (_, _, d) in results]
-    return EvalResult(np.concatenate([c for _, (c, _, _) in results])[order],
-                      np.concatenate([p for _, (_, p, _) in results])[order],
-                      None if any(d is None for d in diffs) else np.concatenate(diffs)[order])
+    return EvalResult(
+        np.concatenate([c for _, (c, _, _) in results])[order],
+        np.concatenate([p for _, (_, p, _) in results])[order],
+        None if any(d is None for d in diffs) else np.concatenate(diffs)[order],
+    )
 
 
-def _eval_batches(records: Sequence[Record], batch_size: int, forward: ForwardFn,
-                  targets: Optional[Sequence[int]], desc: str,
-                  progress: bool) -> list[tuple[list[int], tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]]:
+def _eval_batches(
+    records: Sequence[Record],
+    batch_size: int,
+    forward: ForwardFn,
+    targets: Optional[Sequence[int]],
+    desc: str,
+    progress: bool,
+) -> list[tuple[list[int], tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]]:
     """``(rows, (correct, prob, logit_diff or None))`` of every batch, on the model's side."""
     out = []
     for rows in progress_bar(grouped_batches(records, batch_size), desc=desc, disable=not progress, leave=False):
@@ -104,6 +113,7 @@ def _eval_batches(records: Sequence[Record], batch_size: int, forward: ForwardFn
             logits = forward(batch, rows)
         alternatives = batch.get("alternative_ids")
         diff = None if alternatives is None else logit_diff(logits, answer, alternatives).cpu().numpy()
-        out.append((rows, (answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(),
-                           diff)))
+        out.append(
+            (rows, (answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(), diff))
+        )
     return out

@@ -40,9 +40,9 @@ from typing import Optional, Sequence, Union
 import torch
 from einops import rearrange, repeat
 
-from ..common.progress import progress_bar
 from ..common.components import Head
 from ..common.metrics import answer_prob
+from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
@@ -119,8 +119,17 @@ def _prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> PairBatch:
             clean_logits = keep(clean.logits)
             clean_resid = keep({l: clean.captured[("resid", l)] for _, l in resid})
             keys, values = keep(clean.kv.keys), keep(clean.kv.values)
-    return PairBatch(clean_ids, source_ids, tensors["target_ids"], tensors["base"]["positions"], clean_z, source_z,
-                     clean_logits, clean_resid, Prefix(list(keys), list(values)))
+    return PairBatch(
+        clean_ids,
+        source_ids,
+        tensors["target_ids"],
+        tensors["base"]["positions"],
+        clean_z,
+        source_z,
+        clean_logits,
+        clean_resid,
+        Prefix(list(keys), list(values)),
+    )
 
 
 @dataclass(frozen=True)
@@ -150,8 +159,12 @@ def receiver_sites(model: LoadedModel, receivers: Receivers) -> list[tuple[int, 
         seen.setdefault((h.layer, cols.start, cols.stop), None)
     merged = len(receivers.heads) - len(seen)
     if merged:
-        log.info("GQA: %d receiver heads share KV groups; patching %s patches whole groups (%d sites)",
-                 merged, receivers.kind.upper(), len(seen))
+        log.info(
+            "GQA: %d receiver heads share KV groups; patching %s patches whole groups (%d sites)",
+            merged,
+            receivers.kind.upper(),
+            len(seen),
+        )
     return [(layer, slice(a, b)) for layer, a, b in seen]
 
 
@@ -162,12 +175,17 @@ def eligible_senders(model: LoadedModel, receivers: Optional[Receivers]) -> list
 
 
 def path_patch(
-    model: LoadedModel, batch: PairBatch, senders: Sequence[Head], sender_position: str,
-    receivers: Optional[Receivers] = None, senders_per_pass: int = SENDERS_PER_PASS, progress: bool = True,
+    model: LoadedModel,
+    batch: PairBatch,
+    senders: Sequence[Head],
+    sender_position: str,
+    receivers: Optional[Receivers] = None,
+    senders_per_pass: int = SENDERS_PER_PASS,
+    progress: bool = True,
 ) -> dict[Head, float]:
     """The path-patching score of each sender (see the module docstring)."""
     out: dict[Head, float] = {}
-    chunks = [list(senders[i:i + senders_per_pass]) for i in range(0, len(senders), senders_per_pass)]
+    chunks = [list(senders[i : i + senders_per_pass]) for i in range(0, len(senders), senders_per_pass)]
     p_clean = batch.p_clean
     bar = progress and not model.remote  # remote: the step is one request, there is nothing to show per chunk
     per_group = []
@@ -187,21 +205,33 @@ def auto_senders_per_pass(model: LoadedModel, batch: Union[PairBatch, PairBatche
     the batch's prompts, at least 1; :data:`SENDERS_PER_PASS` on CPU and for remote models."""
     biggest = max(parts(batch), key=lambda p: p.clean_ids.numel())
     n = len(biggest)
-    rows = auto_batch_size(model, seq_len=biggest.clean_ids.shape[1], default=n * SENDERS_PER_PASS,
-                           cap=max(MAX_BATCH, n * SENDERS_PER_PASS))
+    rows = auto_batch_size(
+        model,
+        seq_len=biggest.clean_ids.shape[1],
+        default=n * SENDERS_PER_PASS,
+        cap=max(MAX_BATCH, n * SENDERS_PER_PASS),
+    )
     return max(1, rows // n)
 
 
-def _chunk_probs(model: LoadedModel, batch: PairBatch, chunks: list[list[Head]], sender_position: str,
-                 receivers: Optional[Receivers], progress: bool) -> list[torch.Tensor]:
+def _chunk_probs(
+    model: LoadedModel,
+    batch: PairBatch,
+    chunks: list[list[Head]],
+    sender_position: str,
+    receivers: Optional[Receivers],
+    progress: bool,
+) -> list[torch.Tensor]:
     """:func:`_patched_prob` of every chunk of senders (``"sender batch"`` each), on the model's side."""
-    return [_patched_prob(model, batch, chunk, sender_position, receivers)
-            for chunk in progress_bar(chunks, desc=f"path patching {sender_position}", disable=not progress,
-                                      leave=False)]
+    return [
+        _patched_prob(model, batch, chunk, sender_position, receivers)
+        for chunk in progress_bar(chunks, desc=f"path patching {sender_position}", disable=not progress, leave=False)
+    ]
 
 
-def _patched_prob(model: LoadedModel, batch: PairBatch, senders: list[Head], sender_position: str,
-                  receivers: Optional[Receivers]) -> torch.Tensor:
+def _patched_prob(
+    model: LoadedModel, batch: PairBatch, senders: list[Head], sender_position: str, receivers: Optional[Receivers]
+) -> torch.Tensor:
     """Answer probability after path patching each sender: ``"sender batch"``."""
     n, s = len(batch), len(senders)
     spos = batch_position(batch, sender_position)
@@ -232,12 +262,14 @@ def _patched_prob(model: LoadedModel, batch: PairBatch, senders: list[Head], sen
                 at = torch.zeros(n * s, dtype=torch.long)
             else:
                 patches = _frozen_patches(model, batch, senders, spos, range(first, top), start)
-                frozen = run(model, ids, patches, capture=capture, stop=True, resume=_resume(batch, first),
-                             start=start, **suffix)
+                frozen = run(
+                    model, ids, patches, capture=capture, stop=True, resume=_resume(batch, first), start=start, **suffix
+                )
                 at = repeat(rpos, "b -> (s b)", s=s) - frozen.start
             rows = torch.arange(n * s)
-            values = {(layer, cols.start): frozen.captured[(receivers.kind, layer)][rows, at, cols]
-                      for layer, cols in sites}
+            values = {
+                (layer, cols.start): frozen.captured[(receivers.kind, layer)][rows, at, cols] for layer, cols in sites
+            }
             # A receiver at or below every sender's layer reads its clean value: left unwritten, the run
             # resumes at the lowest receiver some sender lies below.
             sites = [(layer, cols) for layer, cols in sites if layer > min(h.layer for h in senders)]
@@ -245,8 +277,15 @@ def _patched_prob(model: LoadedModel, batch: PairBatch, senders: list[Head], sen
     return answer_prob(logits, repeat(batch.answer_ids, "b -> (s b)", s=s)).reshape(s, n)
 
 
-def _receiver_logits(model: LoadedModel, batch: PairBatch, s: int, kind: str, sites: list[tuple[int, slice]],
-                     values: dict[tuple[int, int], torch.Tensor], rpos: torch.Tensor) -> torch.Tensor:
+def _receiver_logits(
+    model: LoadedModel,
+    batch: PairBatch,
+    s: int,
+    kind: str,
+    sites: list[tuple[int, slice]],
+    values: dict[tuple[int, int], torch.Tensor],
+    rpos: torch.Tensor,
+) -> torch.Tensor:
     """The receiver runs of ``s`` stacked sender copies: read-out logits ``"(s b) vocab"``.
 
     Examples are grouped by receiver position, each group a suffix run from its own position (its rows'
@@ -287,8 +326,15 @@ def _resume(batch: PairBatch, layer: int) -> Optional[Resume]:
     return Resume(layer, batch.clean_resid[layer - 1])
 
 
-def _frozen_point_run(model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor, layers: range,
-                      first: int, capture: Sequence[tuple[str, int]] = ()):
+def _frozen_point_run(
+    model: LoadedModel,
+    batch: PairBatch,
+    senders: list[Head],
+    spos: torch.Tensor,
+    layers: range,
+    first: int,
+    capture: Sequence[tuple[str, int]] = (),
+):
     """The frozen run at the sender position alone, one token per example: with every head's z frozen to
     the clean run's, the residual stream differs from the clean one only at the sender position, so
     that position (read out, or holding the receivers) is all that must be computed. Exact; attention
@@ -307,12 +353,20 @@ def _frozen_point_run(model: LoadedModel, batch: PairBatch, senders: list[Head],
         patches.append(Patch("z", layer, value))
     ids = repeat(batch.clean_ids[rows, spos], "b -> (s b) 1", s=s)
     resume = None if first == 0 else Resume(first, batch.clean_resid[first - 1][rows, spos][:, None])
-    return run(model, ids, patches, capture=capture, stop=bool(capture), resume=resume,
-               position_ids=repeat(spos, "b -> (s b) 1", s=s))
+    return run(
+        model,
+        ids,
+        patches,
+        capture=capture,
+        stop=bool(capture),
+        resume=resume,
+        position_ids=repeat(spos, "b -> (s b) 1", s=s),
+    )
 
 
-def _frozen_patches(model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor,
-                    layers: range, start: int) -> list[Patch]:
+def _frozen_patches(
+    model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor, layers: range, start: int
+) -> list[Patch]:
     """Each layer's z for every sender copy: clean from ``start`` on, the copy's sender slice from the source."""
     n, h = len(batch), model.shape.n_heads
     rows = torch.arange(n)

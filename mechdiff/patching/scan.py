@@ -69,14 +69,29 @@ class ScanResult:
         return f"change in {METRICS[self.metric][1]} ({self.metric})"
 
     def to_dict(self) -> dict:
-        return {"site": self.site, "metric": self.metric, "label": self.label, "axes": list(self.axes),
-                "clean": self.clean, "source": self.source, "positions": self.positions,
-                "effects": self.effects.tolist()}
+        return {
+            "site": self.site,
+            "metric": self.metric,
+            "label": self.label,
+            "axes": list(self.axes),
+            "clean": self.clean,
+            "source": self.source,
+            "positions": self.positions,
+            "effects": self.effects.tolist(),
+        }
 
 
-def scan(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, answer_ids: torch.Tensor,
-         site: str = "z", positions: Positions = "last", metric: str = "prob",
-         other_ids: Optional[torch.Tensor] = None, per_pass: int = DEFAULT_PER_PASS) -> ScanResult:
+def scan(
+    model: LoadedModel,
+    clean: torch.Tensor,
+    source: torch.Tensor,
+    answer_ids: torch.Tensor,
+    site: str = "z",
+    positions: Positions = "last",
+    metric: str = "prob",
+    other_ids: Optional[torch.Tensor] = None,
+    per_pass: int = DEFAULT_PER_PASS,
+) -> ScanResult:
     """Patch each component of ``site`` from ``source`` into ``clean`` alone; effects on ``metric`` (module doc)."""
     metric = metric_name(metric)
     if site not in SITES:
@@ -104,8 +119,14 @@ def scan(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, answer_i
     return ScanResult(effects, site, metric, axes, float(base), float(src), pos_list)
 
 
-def scan_pairs(model: LoadedModel, pairs: Sequence, site: str = "z", position: Optional[str] = "last",
-               metric: str = "prob", per_pass: int = DEFAULT_PER_PASS) -> ScanResult:
+def scan_pairs(
+    model: LoadedModel,
+    pairs: Sequence,
+    site: str = "z",
+    position: Optional[str] = "last",
+    metric: str = "prob",
+    per_pass: int = DEFAULT_PER_PASS,
+) -> ScanResult:
     """:func:`scan` over counterfactual pairs of any token lengths and templates: each group
     (:func:`~mechdiff.tasks.base.grouped_batches`) is scanned alone at its prompts' named ``position``
     (``None``: every position) and the effects are averaged over every prompt (each group weighted by its
@@ -116,25 +137,43 @@ def scan_pairs(model: LoadedModel, pairs: Sequence, site: str = "z", position: O
     groups = [pair_batch_tensors(take(pairs, rows)) for rows in group_batches(pairs)]
     if site == "resid" and len({t["base"]["input_ids"].shape[1] for t in groups}) > 1:
         lengths = sorted({t["base"]["input_ids"].shape[1] for t in groups})
-        raise ValueError(f"a resid scan's axis is token positions, and these prompts have lengths {lengths}; "
-                         "scan heads (site z/q/k/v), or give prompts of one length")
+        raise ValueError(
+            f"a resid scan's axis is token positions, and these prompts have lengths {lengths}; "
+            "scan heads (site z/q/k/v), or give prompts of one length"
+        )
     results, sizes = [], []
     for t in groups:
         where = None if position is None else t["base"]["positions"][position]
         if site == "resid" and where is not None:
             where = where.unique().tolist()
         other = t["base"].get("alternative_ids")
-        results.append(scan(model, t["base"]["input_ids"], t["source"]["input_ids"], t["target_ids"], site=site,
-                            positions=where, metric=metric, per_pass=per_pass,
-                            other_ids=other))
+        results.append(
+            scan(
+                model,
+                t["base"]["input_ids"],
+                t["source"]["input_ids"],
+                t["target_ids"],
+                site=site,
+                positions=where,
+                metric=metric,
+                per_pass=per_pass,
+                other_ids=other,
+            )
+        )
         sizes.append(t["base"]["input_ids"].shape[0])
     if len(results) == 1:
         return results[0]
     w = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
     effects = sum(r.effects.double() * wi for r, wi in zip(results, w)).to(results[0].effects.dtype)
-    return ScanResult(effects, site, metric, results[0].axes, float(sum(r.clean * wi for r, wi in zip(results, w))),
-                      float(sum(r.source * wi for r, wi in zip(results, w))),
-                      [p for r in results for p in r.positions])
+    return ScanResult(
+        effects,
+        site,
+        metric,
+        results[0].axes,
+        float(sum(r.clean * wi for r, wi in zip(results, w))),
+        float(sum(r.source * wi for r, wi in zip(results, w))),
+        [p for r in results for p in r.positions],
+    )
 
 
 def _stack(t: Optional[torch.Tensor], copies: int) -> Optional[torch.Tensor]:
@@ -160,7 +199,10 @@ def _resid_positions(positions: Positions, length: int) -> list[int]:
         return list(range(length))
     if positions == "last":
         return [length - 1]
-    out = [int(p) for p in (positions if isinstance(positions, (list, tuple, range)) else torch.as_tensor(positions).flatten())]
+    out = [
+        int(p)
+        for p in (positions if isinstance(positions, (list, tuple, range)) else torch.as_tensor(positions).flatten())
+    ]
     if any(not 0 <= p < length for p in out):
         raise ValueError(f"resid scan positions must lie in [0, {length})")
     return out
@@ -174,8 +216,15 @@ def _clean_and_source(model: LoadedModel, clean: torch.Tensor, source: torch.Ten
     return c, s, score(c.logits, 1).mean(), score(s.logits, 1).mean()
 
 
-def _scan_heads(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, site: str,
-                pos: Optional[torch.Tensor], score, per_pass: int):
+def _scan_heads(
+    model: LoadedModel,
+    clean: torch.Tensor,
+    source: torch.Tensor,
+    site: str,
+    pos: Optional[torch.Tensor],
+    score,
+    per_pass: int,
+):
     shape, arch = model.shape, model.arch
     n = clean.shape[0]
     units = shape.n_heads if site in ("z", "q") else shape.n_kv_heads
@@ -185,7 +234,7 @@ def _scan_heads(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, s
     comps = [(l, u) for l in layers for u in range(units)]
     grid = torch.zeros(shape.n_layers, units)
     for i in range(0, len(comps), per_pass):
-        chunk = comps[i:i + per_pass]
+        chunk = comps[i : i + per_pass]
         k = len(chunk)
         first = chunk[0][0]
         patches = []
@@ -196,7 +245,7 @@ def _scan_heads(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, s
             for j, (l, u) in enumerate(chunk):  # building the masks: one row block per copy, outside the pass
                 if l == layer:
                     cols = arch.columns(site, u * rep if site in ("k", "v") else u, shape)
-                    mask[j * n:(j + 1) * n, ..., cols] = 0
+                    mask[j * n : (j + 1) * n, ..., cols] = 0
             patches.append(Patch(site, layer, _stack(value, k), None if pos is None else _stack(pos, k), mask=mask))
         resume = Resume(first, c.captured[("resid", first - 1)]) if first > 0 else None
         prefix = c.kv if pos is not None else None
@@ -209,8 +258,9 @@ def _scan_heads(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, s
     return grid, base, src
 
 
-def _scan_resid(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, pos_axis: list[int], score,
-                per_pass: int):
+def _scan_resid(
+    model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, pos_axis: list[int], score, per_pass: int
+):
     """Residual stream entering each block, at each position: layer 0 patches the embedding output;
     layer ``l > 0`` resumes at ``l`` from the clean stream with the copy's position taken from the source."""
     n_layers = model.shape.n_layers
@@ -221,7 +271,7 @@ def _scan_resid(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, p
     grid = torch.zeros(n_layers, len(pos_axis))
     for layer in range(n_layers):
         for i in range(0, len(pos_axis), per_pass):
-            chunk = pos_axis[i:i + per_pass]
+            chunk = pos_axis[i : i + per_pass]
             k = len(chunk)
             at = torch.tensor(chunk, dtype=torch.long).repeat_interleave(n)  # "(copy b)": each copy's position
             start = min(chunk)
@@ -234,5 +284,5 @@ def _scan_resid(model: LoadedModel, clean: torch.Tensor, source: torch.Tensor, p
                 hidden[torch.arange(k * n), at - start] = s.captured[key][rows.repeat(k), at]
                 out = run(model, _stack(clean, k), resume=Resume(layer, hidden), prefix=c.kv, start=start)
             effect = score(out.logits, k).reshape(k, n).mean(1) - base
-            grid[layer, i:i + k] = effect
+            grid[layer, i : i + k] = effect
     return grid, base, src

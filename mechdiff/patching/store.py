@@ -37,12 +37,12 @@ import h5py
 import numpy as np
 import torch
 
-from ..common.progress import progress_bar
 from .. import __version__
-from .evaluate import batches
 from ..common.io import atomic_open, set_aside
+from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from ..tasks.base import batch_tensors, dataset_hash, group_key, group_name, grouped_batches, take
+from .evaluate import batches
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,12 @@ class StoreKey:
         return f"{self.kind}/{self.positions}/{self.model_fingerprint[:16]}-{self.dataset_hash[:16]}"
 
     def attrs(self) -> dict[str, str]:
-        return {"model_fingerprint": self.model_fingerprint, "dataset_hash": self.dataset_hash,
-                "kind": self.kind, "positions": self.positions}
+        return {
+            "model_fingerprint": self.model_fingerprint,
+            "dataset_hash": self.dataset_hash,
+            "kind": self.kind,
+            "positions": self.positions,
+        }
 
 
 class Entry:
@@ -97,8 +101,10 @@ class Entry:
             with h5py.File(self.path, "r") as f:
                 return torch.from_numpy(np.asarray(f[self.key.group][f"L{layer}"][rows]))
         except (OSError, KeyError) as err:
-            raise StoreCorruptError(f"{self.path}: entry {self.key.group} layer {layer} cannot be read ({err}) — "
-                                    "delete the file (it is a cache) and it will be recomputed") from err
+            raise StoreCorruptError(
+                f"{self.path}: entry {self.key.group} layer {layer} cannot be read ({err}) — "
+                "delete the file (it is a cache) and it will be recomputed"
+            ) from err
 
     def stack(self, rows: slice | Sequence[int] = slice(None)) -> torch.Tensor:
         """Every layer: ``"layer row ... cols"``."""
@@ -148,10 +154,12 @@ class ActivationStore:
             return []
         found: list[StoreKey] = []
         with h5py.File(self.path, "r") as f:
+
             def visit(name: str, obj) -> None:
                 if isinstance(obj, h5py.Group) and "model_fingerprint" in obj.attrs and obj.attrs.get("complete"):
                     a = obj.attrs
                     found.append(StoreKey(a["model_fingerprint"], a["dataset_hash"], a["kind"], a["positions"]))
+
             f.visititems(visit)
         return found
 
@@ -188,8 +196,14 @@ class ActivationStore:
 
     # ----------------------------------------------------------------------------- writing
     def get_or_compute(
-        self, model: LoadedModel, records: Sequence, kind: str, positions: str = "all",
-        compute_fn: Optional[ComputeFn] = None, batch_size: int = 32, progress: bool = True,
+        self,
+        model: LoadedModel,
+        records: Sequence,
+        kind: str,
+        positions: str = "all",
+        compute_fn: Optional[ComputeFn] = None,
+        batch_size: int = 32,
+        progress: bool = True,
     ) -> Entry:
         """The cached entry, computing (or resuming) the missing batches first.
 
@@ -198,15 +212,18 @@ class ActivationStore:
         """
         key = StoreKey(model.fingerprint, dataset_hash(records), kind, positions)
         if positions == "all" and len({len(r.input_ids) for r in records}) > 1:
-            raise ValueError(f"records of token lengths {sorted({len(r.input_ids) for r in records})} cannot share "
-                             "one array of every position; store each length apart, or a named position")
+            raise ValueError(
+                f"records of token lengths {sorted({len(r.input_ids) for r in records})} cannot share "
+                "one array of every position; store each length apart, or a named position"
+            )
         fn = compute_fn or (lambda m, recs: capture_sites(m, recs, kind, positions))
         # batches of one template and length each (any length per batch), written back at their rows
         units = [_unit(rows) for rows in grouped_batches(records, batch_size)]
         return self._ensure(key, len(records), units, lambda u: fn(model, take(records, _rows(u))), progress)
 
-    def means(self, model: LoadedModel, records: Sequence, kind: str = "z", batch_size: int = 32,
-              progress: bool = True) -> torch.Tensor:
+    def means(
+        self, model: LoadedModel, records: Sequence, kind: str = "z", batch_size: int = 32, progress: bool = True
+    ) -> torch.Tensor:
         """Position-wise means of a site over ``records``: ``"layer pos cols"`` (for z: ``"layer pos (head d_head)"``).
 
         Stored as per-batch sums (entry kind ``<kind>_mean``) so an interrupted run resumes.
@@ -214,8 +231,10 @@ class ActivationStore:
         # Means are of one group (template, token length): position_means takes each group's apart.
         groups = list(dict.fromkeys(group_key(r) for r in records))
         if len(groups) > 1:
-            raise ValueError(f"position-wise means of one group (template, length) at a time; these records are of "
-                             f"{'; '.join(group_name(g) for g in groups)}")
+            raise ValueError(
+                f"position-wise means of one group (template, length) at a time; these records are of "
+                f"{'; '.join(group_name(g) for g in groups)}"
+            )
         # Per-batch sums: the batch size is part of the key, so a resume never mixes batchings.
         key = StoreKey(model.fingerprint, dataset_hash(records), f"{kind}_mean", f"all-batch{batch_size}")
         rows = batches(len(records), batch_size)
@@ -234,8 +253,14 @@ class ActivationStore:
             sums = self._ensure(key, len(rows), units, unit, progress).stack()
         return sums.sum(1).div(len(records)).float()
 
-    def _ensure(self, key: StoreKey, n_rows: int, units: list[Unit],
-                unit_fn: Callable[[Unit], dict[int, torch.Tensor]], progress: bool) -> Entry:
+    def _ensure(
+        self,
+        key: StoreKey,
+        n_rows: int,
+        units: list[Unit],
+        unit_fn: Callable[[Unit], dict[int, torch.Tensor]],
+        progress: bool,
+    ) -> Entry:
         """The entry for ``key``, filled first if it is missing (other models' entries are kept)."""
         try:
             return self.get(key)
@@ -243,8 +268,14 @@ class ActivationStore:
             self._fill(key, n_rows, units, unit_fn, progress)
             return self.get(key)
 
-    def _fill(self, key: StoreKey, n_rows: int, units: list[Unit],
-              unit_fn: Callable[[Unit], dict[int, torch.Tensor]], progress: bool) -> None:
+    def _fill(
+        self,
+        key: StoreKey,
+        n_rows: int,
+        units: list[Unit],
+        unit_fn: Callable[[Unit], dict[int, torch.Tensor]],
+        progress: bool,
+    ) -> None:
         """Compute the units not yet marked done into ``<path>.partial``, then commit it."""
         with self._lock():
             self._fill_locked(key, n_rows, units, unit_fn, progress)
@@ -260,8 +291,14 @@ class ActivationStore:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-    def _fill_locked(self, key: StoreKey, n_rows: int, units: list[Unit],
-                     unit_fn: Callable[[Unit], dict[int, torch.Tensor]], progress: bool) -> None:
+    def _fill_locked(
+        self,
+        key: StoreKey,
+        n_rows: int,
+        units: list[Unit],
+        unit_fn: Callable[[Unit], dict[int, torch.Tensor]],
+        progress: bool,
+    ) -> None:
         units_attr = _units_attr(units, n_rows)
         f = self._open_partial()
         try:
@@ -270,7 +307,9 @@ class ActivationStore:
                 _check_attrs(g.attrs, key, self.partial)
                 same = len(g["done"]) == len(units) and ("units" not in g or np.array_equal(g["units"][()], units_attr))
                 if not same:  # started with other batches: this entry starts again, the rest stays
-                    log.warning("%s: %s was started with another batch size; computing it again", self.partial, key.group)
+                    log.warning(
+                        "%s: %s was started with another batch size; computing it again", self.partial, key.group
+                    )
                     del f[key.group]
                     g = f.require_group(key.group)
             if "done" not in g:
@@ -303,8 +342,15 @@ class ActivationStore:
             return g[name]
         dtype = np.float64 if t.dtype == torch.float64 else np.float32
         chunks = (min(n_rows, max(1, t.shape[0])), *t.shape[1:])
-        return g.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks, fletcher32=True,
-                                compression=self.compression, compression_opts=self.compression_opts)
+        return g.create_dataset(
+            name,
+            shape=shape,
+            dtype=dtype,
+            chunks=chunks,
+            fletcher32=True,
+            compression=self.compression,
+            compression_opts=self.compression_opts,
+        )
 
     def _open_partial(self) -> h5py.File:
         """Open ``<path>.partial`` (resume), else start it from a copy of ``<path>`` (or empty).
@@ -358,8 +404,9 @@ def _check_attrs(attrs, key: StoreKey, path: Path) -> None:
             )
 
 
-def capture_sites(model: LoadedModel, records: Sequence, kind: str, positions: str = "all",
-                  layers: Optional[Sequence[int]] = None) -> dict[int, torch.Tensor]:
+def capture_sites(
+    model: LoadedModel, records: Sequence, kind: str, positions: str = "all", layers: Optional[Sequence[int]] = None
+) -> dict[int, torch.Tensor]:
     """Site ``kind`` of every layer for one batch: ``"batch pos cols"`` (``positions="all"``)
     or ``"batch cols"`` at the named position record."""
     from .core import run

@@ -15,9 +15,16 @@ from ..common.io import save_figure
 from ..common.stats import Estimate  # noqa: E402
 
 
-def grouped_bars(path: str | Path, categories: Sequence[str], series: Mapping[str, Sequence[Optional[Estimate]]],
-                 title: str = "", ylabel: str = "accuracy", references: Optional[Mapping[str, Estimate]] = None,
-                 ylim: Optional[tuple[float, float]] = (0.0, 1.0), caption: Optional[str] = None) -> Path:
+def grouped_bars(
+    path: str | Path,
+    categories: Sequence[str],
+    series: Mapping[str, Sequence[Optional[Estimate]]],
+    title: str = "",
+    ylabel: str = "accuracy",
+    references: Optional[Mapping[str, Estimate]] = None,
+    ylim: Optional[tuple[float, float]] = (0.0, 1.0),
+    caption: Optional[str] = None,
+) -> Path:
     """One cluster of bars per category, one bar per series (with its CI as an error bar).
 
     ``series[name][i]`` is the estimate of ``categories[i]`` (``None``: no bar). ``references``

@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ..common.io import save_figure
 from ..common.components import Head  # noqa: E402
+from ..common.io import save_figure
 
 
 def scores_grid(scores: Mapping[Head, float], n_layers: int, n_heads: int) -> np.ndarray:
@@ -23,16 +23,30 @@ def scores_grid(scores: Mapping[Head, float], n_layers: int, n_heads: int) -> np
     return grid
 
 
-def head_heatmap(scores: Mapping[Head, float], n_layers: int, n_heads: int, path: str | Path,
-                 title: str = "", selected: Sequence[Head] = (), label: str = "score") -> Path:
+def head_heatmap(
+    scores: Mapping[Head, float],
+    n_layers: int,
+    n_heads: int,
+    path: str | Path,
+    title: str = "",
+    selected: Sequence[Head] = (),
+    label: str = "score",
+) -> Path:
     """Layers x heads heatmap of per-head scores (diverging, centred on 0); ``selected`` heads boxed."""
     grid = scores_grid(scores, n_layers, n_heads)
     vmax = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
     fig, ax = plt.subplots(figsize=(max(3.0, 0.45 * n_heads + 1.5), max(3.0, 0.22 * n_layers + 1)))
     cmap = plt.get_cmap("RdBu").copy()
     cmap.set_bad("#dddddd")
-    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=-vmax or -1, vmax=vmax or 1,
-                   aspect="auto", origin="lower", interpolation="nearest")
+    im = ax.imshow(
+        np.ma.masked_invalid(grid),
+        cmap=cmap,
+        vmin=-vmax or -1,
+        vmax=vmax or 1,
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+    )
     for h in selected:
         ax.add_patch(plt.Rectangle((h.head - 0.5, h.layer - 0.5), 1, 1, fill=False, ec="black", lw=1.5))
     ax.set_xlabel("head")
@@ -43,8 +57,13 @@ def head_heatmap(scores: Mapping[Head, float], n_layers: int, n_heads: int, path
     return save_figure(fig, path)
 
 
-def attention_pattern(pattern: np.ndarray, tokens: Sequence[str], path: str | Path, title: str = "",
-                      query_positions: Optional[Sequence[int]] = None) -> Path:
+def attention_pattern(
+    pattern: np.ndarray,
+    tokens: Sequence[str],
+    path: str | Path,
+    title: str = "",
+    query_positions: Optional[Sequence[int]] = None,
+) -> Path:
     """An attention pattern (``"query key"``) with token labels; ``query_positions`` selects rows."""
     pattern = np.asarray(pattern)
     rows = list(query_positions) if query_positions is not None else list(range(pattern.shape[0]))
@@ -60,14 +79,21 @@ def attention_pattern(pattern: np.ndarray, tokens: Sequence[str], path: str | Pa
     return save_figure(fig, path)
 
 
-def grid_heatmap(grid: np.ndarray, path: str | Path, title: str = "", xlabel: str = "position",
-                 ylabel: str = "layer", label: str = "effect") -> Path:
+def grid_heatmap(
+    grid: np.ndarray,
+    path: str | Path,
+    title: str = "",
+    xlabel: str = "position",
+    ylabel: str = "layer",
+    label: str = "effect",
+) -> Path:
     """A ``"row column"`` grid of effects (diverging, centred on 0), e.g. a [layer, position] patching scan."""
     grid = np.asarray(grid, dtype=float)
     vmax = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
     fig, ax = plt.subplots(figsize=(max(3.0, 0.2 * grid.shape[1] + 2), max(3.0, 0.22 * grid.shape[0] + 1)))
-    im = ax.imshow(grid, cmap="RdBu", vmin=-vmax or -1, vmax=vmax or 1, aspect="auto", origin="lower",
-                   interpolation="nearest")
+    im = ax.imshow(
+        grid, cmap="RdBu", vmin=-vmax or -1, vmax=vmax or 1, aspect="auto", origin="lower", interpolation="nearest"
+    )
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)

@@ -24,8 +24,13 @@ TASK = "entity-tracking"  # the task HeadMap and LoRA train on
 UNSEEDED = ("base", "lora-zoo")  # evaluations of fixed models: one record, not one per seed
 VAL = "validation"  # key of the validation prompts' outcomes in a training record
 #: Paired comparisons of the report (first minus second), where both runs are chosen.
-COMPARISONS = (("located", "random"), ("located", "outside"), ("located", "transfer"), ("located", "lora-small"),
-               ("headmap+lora", "lora-small"))
+COMPARISONS = (
+    ("located", "random"),
+    ("located", "outside"),
+    ("located", "transfer"),
+    ("located", "lora-small"),
+    ("headmap+lora", "lora-small"),
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -50,17 +55,26 @@ def curve_figure(curves: dict[str, dict], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def heatmap_figure(meta_scores: dict[str, float], heads: list, shape: Any, path: Path, title: str,
-                   curve: Any = None) -> Path:
+def heatmap_figure(
+    meta_scores: dict[str, float], heads: list, shape: Any, path: Path, title: str, curve: Any = None
+) -> Path:
     """Per head: the loss with it masked (and earlier selections) minus the layer's loss with only the earlier
     selections masked (``curve[layer]``), so every layer's candidates are comparable; selected heads boxed."""
     from ..common.components import parse_heads
     from .figures import head_heatmap
 
-    scores = {h: v - (curve[h.layer] if curve else 0.0)
-              for h, v in zip(parse_heads(list(meta_scores)), meta_scores.values())}
-    return head_heatmap(scores, shape.n_layers, shape.n_heads, path, title=title, selected=heads,
-                        label="loss increase from masking the head (given earlier selections)")
+    scores = {
+        h: v - (curve[h.layer] if curve else 0.0) for h, v in zip(parse_heads(list(meta_scores)), meta_scores.values())
+    }
+    return head_heatmap(
+        scores,
+        shape.n_layers,
+        shape.n_heads,
+        path,
+        title=title,
+        selected=heads,
+        label="loss increase from masking the head (given earlier selections)",
+    )
 
 
 def loss_figure(results: dict[str, list[dict]], path: Path) -> Path:
@@ -71,8 +85,12 @@ def loss_figure(results: dict[str, list[dict]], path: Path) -> Path:
     for name, records in results.items():
         losses = [r["losses"] for r in records if r["losses"]]
         if losses:
-            ax.plot(range(1, len(losses[0]) + 1), np.mean(losses, axis=0), linewidth=1,
-                    label=f"{name} (mean of {len(losses)} seeds)")
+            ax.plot(
+                range(1, len(losses[0]) + 1),
+                np.mean(losses, axis=0),
+                linewidth=1,
+                label=f"{name} (mean of {len(losses)} seeds)",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("training answer loss")
     ax.set_yscale("log")
@@ -95,8 +113,9 @@ def _accuracies(records: list[dict]) -> np.ndarray:
     return np.asarray([r["correct"][TASK] for r in records], dtype=float)
 
 
-def method_rows(results: dict[str, list[dict]], names: dict[str, str], lora_ref: int,
-                lora_large: int) -> tuple[list[dict], dict]:
+def method_rows(
+    results: dict[str, list[dict]], names: dict[str, str], lora_ref: int, lora_large: int
+) -> tuple[list[dict], dict]:
     """One row per run: parameters (and their ratio to the large LoRA's), every seed's accuracy, their mean,
     standard deviation and range, the mean's interval (two-stage bootstrap over seeds and prompts), the mean
     final training loss and seconds. Runs without records (an interrupted study) are left out."""
@@ -109,14 +128,23 @@ def method_rows(results: dict[str, list[dict]], names: dict[str, str], lora_ref:
         est = pooled_proportion(acc)
         estimates[run_id] = est
         losses = [float(np.mean(r["losses"][-5:])) for r in records if r["losses"]]
-        rows.append({"method": names[run_id], "trainable_params": records[0]["trainable"],
-                     f"ratio_to_lora_r{lora_large}": records[0]["trainable"] / lora_ref,
-                     "seeds": len(records), "per_seed": " / ".join(f"{a:.3f}" for a in per_seed),
-                     "accuracy": est.value, "sd": float(np.std(per_seed, ddof=1)) if len(records) > 1 else float("nan"),
-                     "min": float(per_seed.min()), "max": float(per_seed.max()),
-                     "ci_low": est.low, "ci_high": est.high,
-                     "final_train_loss": float(np.mean(losses)) if losses else float("nan"),
-                     "train_seconds": float(np.mean([r["train_seconds"] for r in records]))})
+        rows.append(
+            {
+                "method": names[run_id],
+                "trainable_params": records[0]["trainable"],
+                f"ratio_to_lora_r{lora_large}": records[0]["trainable"] / lora_ref,
+                "seeds": len(records),
+                "per_seed": " / ".join(f"{a:.3f}" for a in per_seed),
+                "accuracy": est.value,
+                "sd": float(np.std(per_seed, ddof=1)) if len(records) > 1 else float("nan"),
+                "min": float(per_seed.min()),
+                "max": float(per_seed.max()),
+                "ci_low": est.low,
+                "ci_high": est.high,
+                "final_train_loss": float(np.mean(losses)) if losses else float("nan"),
+                "train_seconds": float(np.mean([r["train_seconds"] for r in records])),
+            }
+        )
     return rows, estimates
 
 
@@ -127,10 +155,18 @@ def seed_rows(results: dict[str, list[dict]], names: dict[str, str], seeds: tupl
         for seed, r in zip(seeds if run_id not in UNSEEDED else ("-",), records):
             est = bootstrap(r["correct"][TASK])
             val, cfg = r["correct"].get(VAL), r.get("config", {})
-            rows.append({"method": names[run_id], "seed": seed, "accuracy": est.value, "ci_low": est.low,
-                         "ci_high": est.high, "val_accuracy": float(np.mean(val)) if val else float("nan"),
-                         "lr": cfg["lr"] if cfg.get("lora_rank") else float("nan"),
-                         "headmap_lr": cfg["headmap_lr"] if r.get("heads") else float("nan")})
+            rows.append(
+                {
+                    "method": names[run_id],
+                    "seed": seed,
+                    "accuracy": est.value,
+                    "ci_low": est.low,
+                    "ci_high": est.high,
+                    "val_accuracy": float(np.mean(val)) if val else float("nan"),
+                    "lr": cfg["lr"] if cfg.get("lora_rank") else float("nan"),
+                    "headmap_lr": cfg["headmap_lr"] if r.get("heads") else float("nan"),
+                }
+            )
     return rows
 
 
@@ -147,11 +183,19 @@ def paired_rows(results: dict[str, list[dict]], names: dict[str, str], seeds: tu
         label = f"{names[a]} - {names[b]}"
         for seed, xs, ys in zip(seeds, x, y):
             d = paired_difference(xs, ys)
-            rows.append({"comparison": label, "seed": str(seed), "difference": d.value, "ci_low": d.low,
-                         "ci_high": d.high})
+            rows.append(
+                {"comparison": label, "seed": str(seed), "difference": d.value, "ci_low": d.low, "ci_high": d.high}
+            )
         d = pooled_mean(x - y)
-        rows.append({"comparison": label, "seed": f"pooled ({m} seeds x {x.shape[1]} prompts)",
-                     "difference": d.value, "ci_low": d.low, "ci_high": d.high})
+        rows.append(
+            {
+                "comparison": label,
+                "seed": f"pooled ({m} seeds x {x.shape[1]} prompts)",
+                "difference": d.value,
+                "ci_low": d.low,
+                "ci_high": d.high,
+            }
+        )
     return rows
 
 
@@ -164,9 +208,17 @@ def sweep_rows(sweep: dict[str, dict[float, dict]], names: dict[str, str], chose
     for method, records in sweep.items():
         for lr, r in records.items():
             est = bootstrap(r["correct"][VAL])
-            rows.append({"method": label[method], "lr": lr, "val_accuracy": est.value, "ci_low": est.low,
-                         "ci_high": est.high, "final_train_loss": float(np.mean(r["losses"][-5:])),
-                         "chosen": "yes" if lr == pick[method] else ""})
+            rows.append(
+                {
+                    "method": label[method],
+                    "lr": lr,
+                    "val_accuracy": est.value,
+                    "ci_low": est.low,
+                    "ci_high": est.high,
+                    "final_train_loss": float(np.mean(r["losses"][-5:])),
+                    "chosen": "yes" if lr == pick[method] else "",
+                }
+            )
     return rows
 
 
@@ -181,16 +233,30 @@ def verdict(rows: list[dict], label: str) -> str:
         return f"{label}: {interval}; the interval lies above 0, so the first beats the second here."
     if r["ci_high"] < 0:
         return f"{label}: {interval}; the interval lies below 0, so the second beats the first here."
-    return (f"{label}: {interval}; the interval includes 0, so this study cannot tell the two apart "
-            "(it does not show that the first beats the second).")
+    return (
+        f"{label}: {interval}; the interval includes 0, so this study cannot tell the two apart "
+        "(it does not show that the first beats the second)."
+    )
 
 
 def locating_rows(located: dict[str, Circuit]) -> list[dict]:
-    return [{"task": t, "n_samples": c.meta["n_samples"], "pool": c.meta["pool"], "k": c.meta["k"],
-             "heads": len(c.heads()), "forward_passes": c.meta["forward_passes"], "rows": c.meta["rows"],
-             "seconds": c.meta["seconds"], "selection_seconds": c.meta["selection_seconds"],
-             "pool_loss": c.meta["pool_loss"], "selected_loss": c.meta["base_loss"],
-             "loss_all_masked": c.meta["curve"][-1]} for t, c in located.items()]
+    return [
+        {
+            "task": t,
+            "n_samples": c.meta["n_samples"],
+            "pool": c.meta["pool"],
+            "k": c.meta["k"],
+            "heads": len(c.heads()),
+            "forward_passes": c.meta["forward_passes"],
+            "rows": c.meta["rows"],
+            "seconds": c.meta["seconds"],
+            "selection_seconds": c.meta["selection_seconds"],
+            "pool_loss": c.meta["pool_loss"],
+            "selected_loss": c.meta["base_loss"],
+            "loss_all_masked": c.meta["curve"][-1],
+        }
+        for t, c in located.items()
+    ]
 
 
 def command_line(st: Any, out: str) -> str:
@@ -207,22 +273,40 @@ def command_line(st: Any, out: str) -> str:
 
 def settings_rows(st: Any) -> list[dict]:
     """The paper's setting beside this study's, one row per setting (where they differ, the row says so)."""
-    lrs = f"swept over {', '.join(f'{x:g}' for x in st.lrs)} for each method" if st.lrs else \
-        f"{st.lr:g} (LoRA), {st.headmap_lr:g} (HeadMap)"
+    lrs = (
+        f"swept over {', '.join(f'{x:g}' for x in st.lrs)} for each method"
+        if st.lrs
+        else f"{st.lr:g} (LoRA), {st.headmap_lr:g} (HeadMap)"
+    )
     return [
-        {"setting": "locating samples", "paper": "the 64 lowest-loss samples of the task",
-         "here": f"the {st.n} lowest-loss of a pool of {st.pool}", "same": "yes" if st.n == 64 else "no"},
+        {
+            "setting": "locating samples",
+            "paper": "the 64 lowest-loss samples of the task",
+            "here": f"the {st.n} lowest-loss of a pool of {st.pool}",
+            "same": "yes" if st.n == 64 else "no",
+        },
         {"setting": "models", "paper": "LLaMA-family 7-8B models (e.g. Llama3-8B)", "here": st.model, "same": "no"},
-        {"setting": "tasks", "paper": "commonsense reasoning datasets (e.g. SIQA, HellaSwag)",
-         "here": f"{TASK} (7-box prompts; transfer from {st.transfer_task})", "same": "no"},
+        {
+            "setting": "tasks",
+            "paper": "commonsense reasoning datasets (e.g. SIQA, HellaSwag)",
+            "here": f"{TASK} (7-box prompts; transfer from {st.transfer_task})",
+            "same": "no",
+        },
         {"setting": "heads kept per layer", "paper": "not known here", "here": str(st.k), "same": "?"},
         {"setting": "map rank", "paper": "not known here", "here": str(st.rank), "same": "?"},
         {"setting": "learning rate", "paper": "not known here", "here": lrs, "same": "?"},
-        {"setting": "training", "paper": "not known here",
-         "here": f"{st.steps} steps of {st.batch} prompts, {len(st.seeds)} seeds", "same": "?"},
-        {"setting": "baselines", "paper": "LoRA; random head selection; other locating strategies",
-         "here": "LoRA r=1 and the zoo's r=8; random heads; heads outside the located set; a transferred circuit",
-         "same": "partly"},
+        {
+            "setting": "training",
+            "paper": "not known here",
+            "here": f"{st.steps} steps of {st.batch} prompts, {len(st.seeds)} seeds",
+            "same": "?",
+        },
+        {
+            "setting": "baselines",
+            "paper": "LoRA; random head selection; other locating strategies",
+            "here": "LoRA r=1 and the zoo's r=8; random heads; heads outside the located set; a transferred circuit",
+            "same": "partly",
+        },
     ]
 
 
@@ -232,15 +316,29 @@ def edge_notes(lrs: tuple, chosen: dict[str, float]) -> list[str]:
     for method, lr in chosen.items():
         if lrs and lr in (min(lrs), max(lrs)) and len(lrs) > 1:
             side = "largest" if lr == max(lrs) else "smallest"
-            out += [f"{method}'s chosen rate {lr:g} is the {side} swept: rates beyond it were not tried, so "
-                    f"{method} may be under-tuned.", ""]
+            out += [
+                f"{method}'s chosen rate {lr:g} is the {side} swept: rates beyond it were not tried, so "
+                f"{method} may be under-tuned.",
+                "",
+            ]
     return out
 
 
-def report_text(st: Any, out: str, shape: Any, located: dict[str, Circuit], rows: list[dict],
-                overlap_rows: list[dict], loc_rows: list[dict], seconds: float, seed_table: list[dict],
-                paired: list[dict], sweep_table: list[dict], lrs: Optional[tuple[float, float]],
-                cold_seconds: float) -> str:
+def report_text(
+    st: Any,
+    out: str,
+    shape: Any,
+    located: dict[str, Circuit],
+    rows: list[dict],
+    overlap_rows: list[dict],
+    loc_rows: list[dict],
+    seconds: float,
+    seed_table: list[dict],
+    paired: list[dict],
+    sweep_table: list[dict],
+    lrs: Optional[tuple[float, float]],
+    cold_seconds: float,
+) -> str:
     names = {"located": "HeadMap (located)", "random": "HeadMap, random heads per layer"}
     et_c = located[TASK]
     tr_c = located.get(st.transfer_task)
@@ -273,15 +371,19 @@ def report_text(st: Any, out: str, shape: Any, located: dict[str, Circuit], rows
         "",
         "![entity-tracking heads](figures/heads_entity-tracking.png)",
         "",
-        (f"Heads located on both tasks: {len(shared)} of {len(et_c.heads())} "
-         f"({', '.join(h.name for h in shared) or 'none'})." if len(located) > 1 else ""),
+        (
+            f"Heads located on both tasks: {len(shared)} of {len(et_c.heads())} "
+            f"({', '.join(h.name for h in shared) or 'none'})."
+            if len(located) > 1
+            else ""
+        ),
         "",
         "## HeadMap vs LoRA on entity tracking",
         "",
         f"Training: {st.steps} steps of {st.batch} prompts (2-7 boxes, training objects), AdamW; "
         f"{len(st.seeds)} seeds ({', '.join(map(str, st.seeds))}): seed s initialises the maps / LoRA from s, "
         f"trains on the batches of data seed {st.data_seed} + s, and draws the random and outside head sets from "
-        "`derive(s, \"random-heads\")` and `derive(s, \"outside-heads\")`. "
+        '`derive(s, "random-heads")` and `derive(s, "outside-heads")`. '
         f"Evaluation: {st.eval_n} held-out 7-box prompts (objects never seen in training), the same prompts for "
         "every run and seed. "
         f"HeadMap rank r = {st.rank}; its parameter count by the formula sum_l r (k_l d_head + d_model) = "
@@ -313,14 +415,35 @@ def report_text(st: Any, out: str, shape: Any, located: dict[str, Circuit], rows
         "the seeds; ci: 95% two-stage bootstrap (seeds, then prompts, resampled), an interval for the mean. "
         "`base` and the zoo's LoRA are fixed models, evaluated once.",
         "",
-        to_markdown(pick(rows, ["method", "trainable_params", ratio_col, "seeds", "per_seed", "accuracy", "sd",
-                                "min", "max", "ci_low", "ci_high", "final_train_loss", "train_seconds"])),
+        to_markdown(
+            pick(
+                rows,
+                [
+                    "method",
+                    "trainable_params",
+                    ratio_col,
+                    "seeds",
+                    "per_seed",
+                    "accuracy",
+                    "sd",
+                    "min",
+                    "max",
+                    "ci_low",
+                    "ci_high",
+                    "final_train_loss",
+                    "train_seconds",
+                ],
+            )
+        ),
         "",
-        (f"The `lora-zoo` row is not retrained here: `{st.lora_zoo}` is step 15 of the zoo's LoRA run (r=8, "
-         "alpha 16, q/k/v/o, lr 1e-3, batch 16, data seed 0; `mechdiff/zoo/smollm2-et/recipe.json`), evaluated on "
-         "the same held-out prompts; its rate was not swept and it has one seed. That run's own validation "
-         "accuracy (100 prompts of training objects) was 0.63 at step 15 and 0.75 at step 20."
-         if "lora-zoo" in st.runs else ""),
+        (
+            f"The `lora-zoo` row is not retrained here: `{st.lora_zoo}` is step 15 of the zoo's LoRA run (r=8, "
+            "alpha 16, q/k/v/o, lr 1e-3, batch 16, data seed 0; `mechdiff/zoo/smollm2-et/recipe.json`), evaluated on "
+            "the same held-out prompts; its rate was not swept and it has one seed. That run's own validation "
+            "accuracy (100 prompts of training objects) was 0.63 at step 15 and 0.75 at step 20."
+            if "lora-zoo" in st.runs
+            else ""
+        ),
         "",
         "![accuracy](figures/accuracy.png)",
         "",
@@ -329,8 +452,9 @@ def report_text(st: Any, out: str, shape: Any, located: dict[str, Circuit], rows
         "Every run seed by seed (held-out accuracy with its 95% bootstrap interval over prompts, validation "
         "accuracy, the rates it trained at):",
         "",
-        to_markdown(pick(seed_table, ["method", "seed", "accuracy", "ci_low", "ci_high", "val_accuracy", "lr",
-                                      "headmap_lr"])),
+        to_markdown(
+            pick(seed_table, ["method", "seed", "accuracy", "ci_low", "ci_high", "val_accuracy", "lr", "headmap_lr"])
+        ),
         "",
     ]
     if paired:
@@ -377,8 +501,22 @@ def report_text(st: Any, out: str, shape: Any, located: dict[str, Circuit], rows
             "p: hypergeometric probability that a random head set of the located size shares at least this many "
             f"heads with the path-patching group ({shape.n_layers * shape.n_heads} heads in all).",
             "",
-            to_markdown(pick(overlap_rows, ["path_patching", "located_on", "group", "name", "size_first",
-                                            "size_second", "intersection", "frac_first", "p_value"])),
+            to_markdown(
+                pick(
+                    overlap_rows,
+                    [
+                        "path_patching",
+                        "located_on",
+                        "group",
+                        "name",
+                        "size_first",
+                        "size_second",
+                        "intersection",
+                        "frac_first",
+                        "p_value",
+                    ],
+                )
+            ),
             "",
         ]
     return "\n".join(lines) + "\n"

@@ -34,8 +34,12 @@ def _json(path: Path) -> Any:
 
 def _is_table(data: Any) -> bool:
     scalar = (str, int, float, bool, type(None))
-    return (isinstance(data, list) and bool(data) and all(isinstance(r, dict) for r in data)
-            and all(isinstance(v, scalar) for r in data for v in r.values()))
+    return (
+        isinstance(data, list)
+        and bool(data)
+        and all(isinstance(r, dict) for r in data)
+        and all(isinstance(v, scalar) for r in data for v in r.values())
+    )
 
 
 def _circuit_pairs(data: Any) -> Optional[dict[str, set[str]]]:
@@ -112,8 +116,9 @@ def markdown_html(text: str) -> str:
                 depth.append(indent)
             out.append(_inline(m.group(2)))
         elif depth:
-            out.append(("<br>" if line.startswith("  ") and not line.startswith("   ") else " ")
-                       + _inline(line.strip()))
+            out.append(
+                ("<br>" if line.startswith("  ") and not line.startswith("   ") else " ") + _inline(line.strip())
+            )
         else:
             para.append(line.strip())
     close_para()
@@ -143,8 +148,7 @@ def table_html(rows: list[dict], caption: str = "", name: str = "") -> str:
             cells.append(f"<td{attr}>{html.escape(text)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     cap = f"<caption>{_inline(caption)}{f' (<code>{name}</code>)' if name else ''}</caption>" if caption or name else ""
-    return (f'<table class="sortable">{cap}<thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(body)}</tbody></table>')
+    return f'<table class="sortable">{cap}<thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
 # -- figures ----------------------------------------------------------------------------------------
@@ -158,36 +162,65 @@ class Figures:
         import plotly.io as pio
 
         # no template: a template is written into every figure (some 7 kB each); a few axis settings instead
-        fig.update_layout(template="none", font=dict(family="system-ui, sans-serif", size=12),
-                          margin=dict(l=60, r=20, t=110 if fig.layout.updatemenus else 60, b=50))
+        fig.update_layout(
+            template="none",
+            font=dict(family="system-ui, sans-serif", size=12),
+            margin=dict(l=60, r=20, t=110 if fig.layout.updatemenus else 60, b=50),
+        )
         fig.update_xaxes(showgrid=True, gridcolor="#eee", zeroline=False, showline=True, linecolor="#999")
         fig.update_yaxes(showgrid=True, gridcolor="#eee", zeroline=False, showline=True, linecolor="#999")
-        out = pio.to_html(fig, full_html=False, include_plotlyjs=self.count == 0, div_id=div_id,
-                          post_script=post_script, config={"displaylogo": False, "responsive": True})
+        out = pio.to_html(
+            fig,
+            full_html=False,
+            include_plotlyjs=self.count == 0,
+            div_id=div_id,
+            post_script=post_script,
+            config={"displaylogo": False, "responsive": True},
+        )
         self.count += 1
         return out
 
 
 def _errors(rows: list[dict], key: str) -> dict:
-    return dict(type="data", symmetric=False, array=[round(r[f"{key}_high"] - r[key], 4) for r in rows],
-                arrayminus=[round(r[key] - r[f"{key}_low"], 4) for r in rows])
+    return dict(
+        type="data",
+        symmetric=False,
+        array=[round(r[f"{key}_high"] - r[key], 4) for r in rows],
+        arrayminus=[round(r[key] - r[f"{key}_low"], 4) for r in rows],
+    )
 
 
-def interval_plot(series: dict[str, list[dict]], x: str, keys: Iterable[str], title: str, xtitle: str,
-                  ytitle: str, text: Optional[str] = None, log_x: bool = False) -> Any:
+def interval_plot(
+    series: dict[str, list[dict]],
+    x: str,
+    keys: Iterable[str],
+    title: str,
+    xtitle: str,
+    ytitle: str,
+    text: Optional[str] = None,
+    log_x: bool = False,
+) -> Any:
     """One line per (series, key) with its 95% interval as error bars."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
     for name, rows in series.items():
         for key in keys:
-            fig.add_trace(go.Scatter(
-                x=[r[x] for r in rows], y=[round(r[key], 4) for r in rows], error_y=_errors(rows, key),
-                mode="lines+markers+text" if text else "lines+markers", name=f"{name}: {key}",
-                textposition="top left", textfont=dict(size=10),
-                text=[r.get(text, "") for r in rows] if text else None,
-                hovertemplate=f"{name}<br>{x} %{{x}}<br>{key} %{{y:.3f}}"
-                              + (" (+%{text})" if text else "") + "<extra></extra>"))
+            fig.add_trace(
+                go.Scatter(
+                    x=[r[x] for r in rows],
+                    y=[round(r[key], 4) for r in rows],
+                    error_y=_errors(rows, key),
+                    mode="lines+markers+text" if text else "lines+markers",
+                    name=f"{name}: {key}",
+                    textposition="top left",
+                    textfont=dict(size=10),
+                    text=[r.get(text, "") for r in rows] if text else None,
+                    hovertemplate=f"{name}<br>{x} %{{x}}<br>{key} %{{y:.3f}}"
+                    + (" (+%{text})" if text else "")
+                    + "<extra></extra>",
+                )
+            )
     fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle, height=420)
     if log_x:
         fig.update_xaxes(type="log")
@@ -237,13 +270,22 @@ class Grid:
         holding the pair, then the head's ``notes``."""
         rows = []
         for r in scores:
-            row = [*_hkey(r["head"]), self._class(r["position"]),
-                   *(_round(r.get(k)) for k in ("attribution", "rank", "selection_frequency", "path_patching"))]
+            row = [
+                *_hkey(r["head"]),
+                self._class(r["position"]),
+                *(_round(r.get(k)) for k in ("attribution", "rank", "selection_frequency", "path_patching")),
+            ]
             while row[-1] is None:  # the page reads a missing score as none
                 row.pop()
             rows.append(row)
-        self.views.append({"name": name, "circuit": circuit, "pairs": rows,
-                           "notes": {h: [self._note(n) for n in notes[h]] for h in sorted(notes, key=_hkey)}})
+        self.views.append(
+            {
+                "name": name,
+                "circuit": circuit,
+                "pairs": rows,
+                "notes": {h: [self._note(n) for n in notes[h]] for h in sorted(notes, key=_hkey)},
+            }
+        )
 
     def _note(self, text: str) -> int:
         """Index of a note line in the shared list (a group's CMAP or DCM lines repeat for each of its heads)."""
@@ -256,8 +298,14 @@ class Grid:
         self.views.append({"name": f"{b} - {a}", "a": a, "b": b})
 
     def data(self) -> dict:
-        return {"layers": self.n_layers, "heads": self.n_heads, "classes": self.classes, "members": self.members,
-                "views": self.views, "notes": list(self._notes)}
+        return {
+            "layers": self.n_layers,
+            "heads": self.n_heads,
+            "classes": self.classes,
+            "members": self.members,
+            "views": self.views,
+            "notes": list(self._notes),
+        }
 
     def figure(self, title: str) -> Any:
         """Heatmaps with empty hover text (filled in the page by :data:`GRID_JS`)."""
@@ -275,25 +323,57 @@ class Grid:
                 for layer, h, _ in self.members[view["circuit"]]:
                     z[h][layer] += 1
             top = max((abs(v) for row in z for v in row), default=1) or 1
-            fig.add_trace(go.Heatmap(
-                z=z, hovertemplate="%{text}<extra></extra>", name=view["name"], visible=i == 0,
-                colorscale="RdBu" if diff else "Viridis", zmid=0 if diff else None, zmin=-top if diff else 0,
-                zmax=top, xgap=1, ygap=1, colorbar=dict(title="classes")))
-        buttons = [dict(label=v["name"], method="update",
-                        args=[{"visible": [j == i for j in range(len(self.views))]}, {"title.text": f"{title}: {v['name']}"}])
-                   for i, v in enumerate(self.views)]
+            fig.add_trace(
+                go.Heatmap(
+                    z=z,
+                    hovertemplate="%{text}<extra></extra>",
+                    name=view["name"],
+                    visible=i == 0,
+                    colorscale="RdBu" if diff else "Viridis",
+                    zmid=0 if diff else None,
+                    zmin=-top if diff else 0,
+                    zmax=top,
+                    xgap=1,
+                    ygap=1,
+                    colorbar=dict(title="classes"),
+                )
+            )
+        buttons = [
+            dict(
+                label=v["name"],
+                method="update",
+                args=[{"visible": [j == i for j in range(len(self.views))]}, {"title.text": f"{title}: {v['name']}"}],
+            )
+            for i, v in enumerate(self.views)
+        ]
         fig.update_layout(
-            title=f"{title}: {self.views[0]['name']}" if self.views else title, height=480,
-            xaxis=dict(title="layer", dtick=1), yaxis=dict(title="head", dtick=1),
+            title=f"{title}: {self.views[0]['name']}" if self.views else title,
+            height=480,
+            xaxis=dict(title="layer", dtick=1),
+            yaxis=dict(title="head", dtick=1),
             hoverlabel=dict(align="left", font=dict(family="monospace", size=11)),
-            updatemenus=[dict(type="buttons", direction="right", buttons=buttons, x=0, y=1.02, xanchor="left",
-                              yanchor="bottom", showactive=True)] if len(self.views) > 1 else [])
+            updatemenus=[
+                dict(
+                    type="buttons",
+                    direction="right",
+                    buttons=buttons,
+                    x=0,
+                    y=1.02,
+                    xanchor="left",
+                    yanchor="bottom",
+                    showactive=True,
+                )
+            ]
+            if len(self.views) > 1
+            else [],
+        )
         return fig
 
     def html(self, figs: "Figures", title: str, div_id: str = "grid") -> str:
         data = json.dumps(self.data(), separators=(",", ":")).replace("</", "<\\/")
-        fill = ("var t = gridText(GRID_DATA); Plotly.restyle('{plot_id}', {text: t}, "
-                "t.map(function (_, i) { return i; }));")
+        fill = (
+            "var t = gridText(GRID_DATA); Plotly.restyle('{plot_id}', {text: t}, t.map(function (_, i) { return i; }));"
+        )
         return f"<script>var GRID_DATA = {data};</script>" + figs.div(self.figure(title), div_id, post_script=fill)
 
 
@@ -422,8 +502,10 @@ class StudyRun:
         for r in rows:
             chosen = set(r["selected"].split()) if r["selected"] != "-" else set()
             for head in chosen:
-                lines = [f"DCM {r['group']}/{r['desideratum']}: selected; target {_est(r, 'accuracy')}",
-                         f"  floor {_est(r, 'floor')}" + (f", random {_est(r, 'random')}" if "random" in r else "")]
+                lines = [
+                    f"DCM {r['group']}/{r['desideratum']}: selected; target {_est(r, 'accuracy')}",
+                    f"  floor {_est(r, 'floor')}" + (f", random {_est(r, 'random')}" if "random" in r else ""),
+                ]
                 s = sem.get((r["group"], r["desideratum"], model))
                 if s:
                     lines.append(f"  the same heads patched in {model}: {_est(s, 'accuracy')}")
@@ -449,7 +531,7 @@ class StudyRun:
                 kinds = [r for r in rows if r["scope"] == scope]
                 parts = [f"{r['kind']} {_est(r, 'accuracy')}" for r in kinds]
                 text = [f"CMAP {ft} into {self.base}, group {scope} patched together:"]
-                text += ["  " + ", ".join(parts[i:i + 3]) for i in range(0, len(parts), 3)]
+                text += ["  " + ", ".join(parts[i : i + 3]) for i in range(0, len(parts), 3)]
                 for head, cs in base.items():
                     if scope in cs:
                         out.setdefault(head, []).extend(text)
@@ -465,8 +547,12 @@ class StudyRun:
         for m in self.models:
             dcm = self.dcm_lines(m)
             notes = {h: dcm.get(h, []) + (cmap.get(h, []) if m == self.base else []) for h in set(dcm) | set(cmap)}
-            grid.add(m, m if m in self.circuits else None, [r for r in self.heads if r["model"] == m],
-                     {h: n for h, n in notes.items() if n})
+            grid.add(
+                m,
+                m if m in self.circuits else None,
+                [r for r in self.heads if r["model"] == m],
+                {h: n for h, n in notes.items() if n},
+            )
         for ft in self.finetunes:
             if self.base in self.circuits and ft in self.circuits:
                 grid.difference(self.base, ft)
@@ -488,18 +574,39 @@ class StudyRun:
             mine = sorted((r for r in rows if r["model"] == m), key=lambda r: -r["selection_frequency"])
             if not mine:
                 continue
-            ests = [proportion([1.0] * round(r["selection_frequency"] * draws)
-                               + [0.0] * (draws - round(r["selection_frequency"] * draws))) for r in mine]
-            fig.add_trace(go.Scatter(
-                x0=1, dx=1, y=[round(e.value, 3) for e in ests], mode="markers", name=m,
-                error_y=dict(type="data", symmetric=False, array=[round(e.high - e.value, 3) for e in ests],
-                             arrayminus=[round(e.value - e.low, 3) for e in ests], thickness=0.5),
-                hovertemplate=f"{m}<br>pair %{{x}} of {len(mine)}: selected in %{{y:.3f}} of {draws} resamples"
-                              "<extra></extra>"))
-        fig.update_layout(title=f"Selection stability: each circuit pair's frequency in the top n over {draws} "
-                                "bootstrap resamples of the ranking prompts<br><sup>(which pair: the grid's hover; "
-                                "interval: exact binomial over the resamples)</sup>",
-                          xaxis_title="pair (by frequency)", yaxis_title="selection frequency", height=420)
+            ests = [
+                proportion(
+                    [1.0] * round(r["selection_frequency"] * draws)
+                    + [0.0] * (draws - round(r["selection_frequency"] * draws))
+                )
+                for r in mine
+            ]
+            fig.add_trace(
+                go.Scatter(
+                    x0=1,
+                    dx=1,
+                    y=[round(e.value, 3) for e in ests],
+                    mode="markers",
+                    name=m,
+                    error_y=dict(
+                        type="data",
+                        symmetric=False,
+                        array=[round(e.high - e.value, 3) for e in ests],
+                        arrayminus=[round(e.value - e.low, 3) for e in ests],
+                        thickness=0.5,
+                    ),
+                    hovertemplate=f"{m}<br>pair %{{x}} of {len(mine)}: selected in %{{y:.3f}} of {draws} resamples"
+                    "<extra></extra>",
+                )
+            )
+        fig.update_layout(
+            title=f"Selection stability: each circuit pair's frequency in the top n over {draws} "
+            "bootstrap resamples of the ranking prompts<br><sup>(which pair: the grid's hover; "
+            "interval: exact binomial over the resamples)</sup>",
+            xaxis_title="pair (by frequency)",
+            yaxis_title="selection frequency",
+            height=420,
+        )
         return fig
 
     def cmap_figures(self) -> list[tuple[str, Any]]:
@@ -513,11 +620,21 @@ class StudyRun:
             fig = go.Figure()
             for kind in dict.fromkeys(r["kind"] for r in rows):
                 mine = [r for r in rows if r["kind"] == kind]
-                fig.add_trace(go.Bar(x=[r["scope"] for r in mine], y=[round(r["accuracy"], 4) for r in mine], name=kind,
-                                     error_y=_errors(mine, "accuracy"),
-                                     hovertemplate=f"%{{x}} {kind}: accuracy %{{y:.3f}}<extra></extra>"))
-            fig.update_layout(barmode="group", title=f"CMAP {ft} into {self.base}: accuracy with each part patched",
-                              yaxis_title="accuracy", height=420)
+                fig.add_trace(
+                    go.Bar(
+                        x=[r["scope"] for r in mine],
+                        y=[round(r["accuracy"], 4) for r in mine],
+                        name=kind,
+                        error_y=_errors(mine, "accuracy"),
+                        hovertemplate=f"%{{x}} {kind}: accuracy %{{y:.3f}}<extra></extra>",
+                    )
+                )
+            fig.update_layout(
+                barmode="group",
+                title=f"CMAP {ft} into {self.base}: accuracy with each part patched",
+                yaxis_title="accuracy",
+                height=420,
+            )
             out.append((f"cmap_{self.label(ft)}", fig))
         return out
 
@@ -531,8 +648,11 @@ def _ordered_tables(tables: dict[str, Any], report: str) -> list[str]:
 def _stage_rows(manifest: dict) -> list[dict]:
     stages = manifest.get("stages", {})
     if isinstance(stages, dict):
-        return [{"stage": n, "seconds": s.get("seconds"), "cached": s.get("cached"), "key": s.get("key")}
-                for n, s in stages.items() if isinstance(s, dict)]
+        return [
+            {"stage": n, "seconds": s.get("seconds"), "cached": s.get("cached"), "key": s.get("key")}
+            for n, s in stages.items()
+            if isinstance(s, dict)
+        ]
     return []
 
 
@@ -559,32 +679,63 @@ def study_page(run_dir: Path) -> tuple[str, str]:
         body += ["<h2>Accuracy</h2>", table_html(run.tables["accuracy"], _caption(run_dir / "tables/accuracy.json"))]
     body.append("<h2>Heads</h2>")
     body.append(run.grid().html(figs, "circuit pairs per head (cell: position classes in the circuit)"))
-    source = (f"Scores per (head, position class) from <code>{run.heads_source}</code>."
-              if run.heads_source else
-              "This run predates <code>tables/heads.json</code> and has no stage records here: the hover shows "
-              "circuit membership, DCM and CMAP only (attribution and selection frequency were in the stage "
-              "records, which are not committed).")
-    body.append(f"<p class=note>Hover a cell for every score the run holds for that head: per position class "
-                f"its attribution and rank in the model's ranking, its selection frequency over the bootstrap "
-                f"resamples, the circuits holding the pair; DCM labels with their intervals; CMAP of its group. "
-                f"The buttons switch model, or show the difference (second minus first, in classes). {source}</p>")
+    source = (
+        f"Scores per (head, position class) from <code>{run.heads_source}</code>."
+        if run.heads_source
+        else "This run predates <code>tables/heads.json</code> and has no stage records here: the hover shows "
+        "circuit membership, DCM and CMAP only (attribution and selection frequency were in the stage "
+        "records, which are not committed)."
+    )
+    body.append(
+        f"<p class=note>Hover a cell for every score the run holds for that head: per position class "
+        f"its attribution and rank in the model's ranking, its selection frequency over the bootstrap "
+        f"resamples, the circuits holding the pair; DCM labels with their intervals; CMAP of its group. "
+        f"The buttons switch model, or show the difference (second minus first, in classes). {source}</p>"
+    )
     scan = run.tables.get("position_scan")
     if scan:
         series = {m: [r for r in scan if r["model"] == m] for m in run.models}
-        body += ["<h2>Position scan</h2>", figs.div(interval_plot(
-            series, "step", ("faithfulness",), "Position scan: faithfulness with every head kept at the classes "
-            "chosen so far", "step", "faithfulness", text="added"), "position_scan")]
+        body += [
+            "<h2>Position scan</h2>",
+            figs.div(
+                interval_plot(
+                    series,
+                    "step",
+                    ("faithfulness",),
+                    "Position scan: faithfulness with every head kept at the classes chosen so far",
+                    "step",
+                    "faithfulness",
+                    text="added",
+                ),
+                "position_scan",
+            ),
+        ]
     curve = run.tables.get("curve")
     if curve:
         series = {m: [r for r in curve if r["model"] == m] for m in run.models}
-        body += ["<h2>Faithfulness curve</h2>", figs.div(interval_plot(
-            series, "fraction", ("faithfulness", "faithfulness_prob"), "Faithfulness of nested circuits (top "
-            "fraction of the attribution ranking)", "fraction of pairs", "faithfulness", log_x=True), "curve")]
+        body += [
+            "<h2>Faithfulness curve</h2>",
+            figs.div(
+                interval_plot(
+                    series,
+                    "fraction",
+                    ("faithfulness", "faithfulness_prob"),
+                    "Faithfulness of nested circuits (top fraction of the attribution ranking)",
+                    "fraction of pairs",
+                    "faithfulness",
+                    log_x=True,
+                ),
+                "curve",
+            ),
+        ]
     stab = run.stability()
     body.append("<h2>Selection stability</h2>")
-    body.append(figs.div(stab, "stability") if stab is not None else
-                "<p class=note>No selection frequencies in this run's committed files (older runs kept them only "
-                "in the stage records).</p>")
+    body.append(
+        figs.div(stab, "stability")
+        if stab is not None
+        else "<p class=note>No selection frequencies in this run's committed files (older runs kept them only "
+        "in the stage records).</p>"
+    )
     cm = run.cmap_figures()
     if cm:
         body.append("<h2>CMAP</h2>")
@@ -592,12 +743,19 @@ def study_page(run_dir: Path) -> tuple[str, str]:
     body.append("<h2>Tables</h2><p class=note>Click a column header to sort.</p>")
     for stem in _ordered_tables(run.tables, report):
         if _is_table(run.tables[stem]):
-            body.append(table_html(run.tables[stem], _caption(run_dir / "tables" / f"{stem}.json"),
-                                   f"tables/{stem}.csv"))
+            body.append(
+                table_html(run.tables[stem], _caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv")
+            )
     stages = _stage_rows(run.manifest)
     if stages:
-        body += ["<h2>Stages</h2>", table_html(stages, "What ran: seconds when computed, and whether this "
-                                                       "invocation reused the cached record", "run.json")]
+        body += [
+            "<h2>Stages</h2>",
+            table_html(
+                stages,
+                "What ran: seconds when computed, and whether this invocation reused the cached record",
+                "run.json",
+            ),
+        ]
     return title, "".join(body)
 
 
@@ -606,8 +764,11 @@ def generic_page(run_dir: Path) -> tuple[str, str]:
     """Title and body for a results directory without a study's ``run.json``: its summary, a grid per circuit
     file (hover: the circuit's groups and scores, and the rows of any table beside it with a ``head`` column),
     every table."""
-    files = [p for p in sorted(run_dir.rglob("*.json")) if "stages" not in p.relative_to(run_dir).parts
-             and p.stat().st_size <= MAX_JSON]
+    files = [
+        p
+        for p in sorted(run_dir.rglob("*.json"))
+        if "stages" not in p.relative_to(run_dir).parts and p.stat().st_size <= MAX_JSON
+    ]
     loaded = {}
     for p in files:
         try:
@@ -628,10 +789,13 @@ def generic_page(run_dir: Path) -> tuple[str, str]:
             grid.add(name, name, [], _generic_notes(loaded[p], _head_rows_beside(p, loaded)))
         if len(names) > 1:
             grid.difference(names[0], names[1])
-        body += ["<h2>Heads</h2>", grid.html(figs, "heads per circuit file"),
-                 "<p class=note>Hover a cell for the head's groups and scores in that circuit file and the rows of "
-                 "the tables beside it that name the head; the buttons switch circuit file, or show the difference "
-                 "of the first two.</p>"]
+        body += [
+            "<h2>Heads</h2>",
+            grid.html(figs, "heads per circuit file"),
+            "<p class=note>Hover a cell for the head's groups and scores in that circuit file and the rows of "
+            "the tables beside it that name the head; the buttons switch circuit file, or show the difference "
+            "of the first two.</p>",
+        ]
     tables = [(p, d) for p, d in loaded.items() if _is_table(d)]
     if tables:
         body.append("<h2>Tables</h2><p class=note>Click a column header to sort.</p>")
@@ -651,10 +815,12 @@ def _generic_notes(data: dict, beside: dict[str, list[dict]]) -> dict[str, list[
             score = ((data.get("scores") or {}).get(g) or {}).get(head)
             out.setdefault(head, []).append(
                 f"group {g} ({(data.get('names') or {}).get(g, '')}) at {data['positions'].get(g, g)}"
-                + (f": score {_num(score)}" if score is not None else ""))
+                + (f": score {_num(score)}" if score is not None else "")
+            )
     for head, rows in beside.items():
-        out.setdefault(head, []).extend(", ".join(f"{k} {format_value(v, '.3g')}" for k, v in r.items() if k != "head")
-                                        for r in rows)
+        out.setdefault(head, []).extend(
+            ", ".join(f"{k} {format_value(v, '.3g')}" for k, v in r.items() if k != "head") for r in rows
+        )
     return out
 
 
@@ -707,14 +873,18 @@ def page(run_dir: str | Path) -> str:
     run_dir = Path(run_dir)
     is_study = (run_dir / "run.json").exists() and "spec" in _json(run_dir / "run.json")
     title, body = study_page(run_dir) if is_study else generic_page(run_dir)
-    return (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style><script>{GRID_JS}</script></head><body><h1>{html.escape(title)}</h1>{body}"
-            f"<script>{SORT}</script></body></html>\n")
+    return (
+        f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>"
+        f"<style>{STYLE}</style><script>{GRID_JS}</script></head><body><h1>{html.escape(title)}</h1>{body}"
+        f"<script>{SORT}</script></body></html>\n"
+    )
 
 
 def write_html(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
     """Write ``report.html`` (or ``out``) for the run directory ``run_dir``."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ValueError(f"{run_dir} is not a directory: give a results directory (e.g. results/entity-tracking-smollm2)")
+        raise ValueError(
+            f"{run_dir} is not a directory: give a results directory (e.g. results/entity-tracking-smollm2)"
+        )
     return write_text(Path(out) if out else run_dir / "report.html", page(run_dir))

@@ -13,8 +13,8 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch as LegendPatch  # noqa: E402
 
-from ..common.io import save_figure
 from ..circuits.circuit import Circuit  # noqa: E402
+from ..common.io import save_figure
 
 _MULTI = "several"
 
@@ -30,8 +30,9 @@ def membership_grid(circuit: Circuit, n_layers: int, n_heads: int, groups: list[
     return grid
 
 
-def membership_heatmap(circuits: Mapping[str, Circuit], n_layers: int, n_heads: int, path: str | Path,
-                       title: str | None = None) -> Path:
+def membership_heatmap(
+    circuits: Mapping[str, Circuit], n_layers: int, n_heads: int, path: str | Path, title: str | None = None
+) -> Path:
     """Write a PNG with one layers x heads panel per circuit; returns the path (written atomically)."""
     if not circuits:
         raise ValueError("no circuits to draw")
@@ -41,8 +42,13 @@ def membership_heatmap(circuits: Mapping[str, Circuit], n_layers: int, n_heads: 
     names = {g: n for c in circuits.values() for g, n in c.names.items()}
     colours = ["#f2f2f2"] + [plt.get_cmap("tab10")(i) for i in range(len(groups))] + ["black"]
     cmap = ListedColormap(colours)
-    fig, axes = plt.subplots(1, len(circuits), figsize=(1.2 + 0.28 * n_heads * len(circuits), 1.0 + 0.2 * n_layers),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1,
+        len(circuits),
+        figsize=(1.2 + 0.28 * n_heads * len(circuits), 1.0 + 0.2 * n_layers),
+        squeeze=False,
+        sharey=True,
+    )
     for ax, (label, circuit) in zip(axes[0], circuits.items()):
         grid = membership_grid(circuit, n_layers, n_heads, groups)
         ax.imshow(grid, cmap=cmap, vmin=0, vmax=len(colours) - 1, aspect="auto", interpolation="nearest")

@@ -15,8 +15,14 @@ from ..common.io import save_figure  # noqa: E402
 def _errorbar(ax, x: list, estimates: list[dict], **kwargs) -> None:
     """Estimates (``value``, ``low``, ``high``) against ``x`` with their intervals as error bars."""
     v = [e["value"] for e in estimates]
-    ax.errorbar(x, v, yerr=[[e["value"] - e["low"] for e in estimates], [e["high"] - e["value"] for e in estimates]],
-                marker="o", capsize=3, **kwargs)
+    ax.errorbar(
+        x,
+        v,
+        yerr=[[e["value"] - e["low"] for e in estimates], [e["high"] - e["value"] for e in estimates]],
+        marker="o",
+        capsize=3,
+        **kwargs,
+    )
 
 
 def _finish(fig, ax, title: str, path: str | Path) -> Path:

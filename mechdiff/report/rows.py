@@ -25,8 +25,13 @@ def dcm_rows(results: Sequence[Mapping[str, Any]]) -> list[dict]:
     accuracy on the test pairs, the no-intervention floor and random heads of the same size (where drawn)."""
     rows = []
     for r in results:
-        row = {"group": r["group"], "desideratum": r["desideratum"], "position": r["position"],
-               "n_heads": len(r["heads"]), "selected": " ".join(r["selected"]) or "-"}
+        row = {
+            "group": r["group"],
+            "desideratum": r["desideratum"],
+            "position": r["position"],
+            "n_heads": len(r["heads"]),
+            "selected": " ".join(r["selected"]) or "-",
+        }
         row.update(estimate_columns("accuracy", r["test_accuracy"]))
         row.update(estimate_columns("floor", r["floor"]))
         if r.get("random"):
@@ -38,9 +43,17 @@ def dcm_rows(results: Sequence[Mapping[str, Any]]) -> list[dict]:
 def semantic_rows(records: Sequence[Mapping[str, Any]]) -> list[dict]:
     """One row per (group, desideratum, model) of semantic patching (``{"group", "desideratum", "heads"} |
     SemanticResult.to_dict()``): the heads patched, target accuracy and the unpatched floor."""
-    return [{"group": s["group"], "desideratum": s["desideratum"], "model": s["model"], "heads": " ".join(s["heads"]),
-             **estimate_columns("accuracy", s["accuracy"]), **estimate_columns("floor", s["floor"])}
-            for s in records]
+    return [
+        {
+            "group": s["group"],
+            "desideratum": s["desideratum"],
+            "model": s["model"],
+            "heads": " ".join(s["heads"]),
+            **estimate_columns("accuracy", s["accuracy"]),
+            **estimate_columns("floor", s["floor"]),
+        }
+        for s in records
+    ]
 
 
 def cmap_has_gap(result: Mapping[str, Any]) -> bool:
@@ -52,17 +65,28 @@ def cmap_rows(result: Mapping[str, Any]) -> list[dict]:
     """One row per (scope, kind), the random controls after: accuracy and, only where the fine-tune is above the
     base beyond both CIs (:func:`cmap_has_gap`), the recovered share of the gap."""
     gap = cmap_has_gap(result)  # a share of the gap means nothing when there is no gap
-    return [{"scope": row["scope"], "kind": row["kind"], **estimate_columns("accuracy", row["accuracy"]),
-             **({"recovered": row["recovered"]} if gap else {})}
-            for row in result["rows"] + result.get("random_rows", [])]
+    return [
+        {
+            "scope": row["scope"],
+            "kind": row["kind"],
+            **estimate_columns("accuracy", row["accuracy"]),
+            **({"recovered": row["recovered"]} if gap else {}),
+        }
+        for row in result["rows"] + result.get("random_rows", [])
+    ]
 
 
 def cmap_caption(result: Mapping[str, Any], finetune: str) -> str:
     """The caption of :func:`cmap_rows`: both models' accuracy, what ``recovered`` is, the result's own caption."""
-    share = ("recovered = (patched - base)/(fine-tune - base)" if cmap_has_gap(result) else
-             "no recovered share: the fine-tune is not above the base beyond their CIs")
-    return (f"CMAP {finetune} -> {result['base']}: base accuracy {_est(result['base_accuracy'])}, fine-tune "
-            f"{_est(result['finetune_accuracy'])}; {share}. {result['caption']}")
+    share = (
+        "recovered = (patched - base)/(fine-tune - base)"
+        if cmap_has_gap(result)
+        else "no recovered share: the fine-tune is not above the base beyond their CIs"
+    )
+    return (
+        f"CMAP {finetune} -> {result['base']}: base accuracy {_est(result['base_accuracy'])}, fine-tune "
+        f"{_est(result['finetune_accuracy'])}; {share}. {result['caption']}"
+    )
 
 
 def cmap_paired_rows(result: Mapping[str, Any]) -> list[dict]:
@@ -72,8 +96,9 @@ def cmap_paired_rows(result: Mapping[str, Any]) -> list[dict]:
 
     def add(a: str, b: str) -> None:
         if a in outcomes and b in outcomes:
-            rows.append({"first": a, "second": b,
-                         **estimate_columns("difference", paired_difference(outcomes[a], outcomes[b]))})
+            rows.append(
+                {"first": a, "second": b, **estimate_columns("difference", paired_difference(outcomes[a], outcomes[b]))}
+            )
 
     for row in result["rows"]:
         key = f"{row['scope']}/{row['kind']}"
@@ -87,28 +112,52 @@ def cmap_paired_rows(result: Mapping[str, Any]) -> list[dict]:
 
 def cmap_paired_caption(result: Mapping[str, Any], finetune: str) -> str:
     """The caption of :func:`cmap_paired_rows`."""
-    return (f"CMAP {finetune} -> {result['base']}: paired differences of accuracy on the same prompts (paired "
-            "bootstrap CI); a part is larger than another only where the interval excludes 0")
+    return (
+        f"CMAP {finetune} -> {result['base']}: paired differences of accuracy on the same prompts (paired "
+        "bootstrap CI); a part is larger than another only where the interval excludes 0"
+    )
 
 
 def scan_rows(scan: Mapping[str, Any]) -> list[dict]:
     """One row per greedy step of a position scan: the class added and the kept set's accuracy and faithfulness."""
-    return [{"step": i + 1, "added": s["added"], **estimate_columns("accuracy", s["accuracy"]),
-             **estimate_columns("faithfulness", s["faithfulness"]),
-             **estimate_columns("faithfulness_prob", s["faithfulness_prob"])} for i, s in enumerate(scan["steps"])]
+    return [
+        {
+            "step": i + 1,
+            "added": s["added"],
+            **estimate_columns("accuracy", s["accuracy"]),
+            **estimate_columns("faithfulness", s["faithfulness"]),
+            **estimate_columns("faithfulness_prob", s["faithfulness_prob"]),
+        }
+        for i, s in enumerate(scan["steps"])
+    ]
 
 
 def curve_rows(curve: Mapping[str, Any]) -> list[dict]:
     """One row per size of a faithfulness curve: the fraction of pairs, the pairs kept, accuracy and faithfulness
     (accuracy and answer probability)."""
-    return [{"fraction": r["fraction"], "n_pairs": r["n_pairs"], **estimate_columns("accuracy", r["accuracy"]),
-             **estimate_columns("faithfulness", r["faithfulness"]),
-             **estimate_columns("faithfulness_prob", r["faithfulness_prob"])} for r in curve["rows"]]
+    return [
+        {
+            "fraction": r["fraction"],
+            "n_pairs": r["n_pairs"],
+            **estimate_columns("accuracy", r["accuracy"]),
+            **estimate_columns("faithfulness", r["faithfulness"]),
+            **estimate_columns("faithfulness_prob", r["faithfulness_prob"]),
+        }
+        for r in curve["rows"]
+    ]
 
 
 #: The columns of :func:`circuit_x_model_rows` (each with its ``_low`` and ``_high``).
-CIRCUIT_X_MODEL = ("circuit", "model", "n_pairs", "full_accuracy", "accuracy", "faithfulness", "random_accuracy",
-                   "random_faithfulness")
+CIRCUIT_X_MODEL = (
+    "circuit",
+    "model",
+    "n_pairs",
+    "full_accuracy",
+    "accuracy",
+    "faithfulness",
+    "random_accuracy",
+    "random_faithfulness",
+)
 
 
 def circuit_x_model_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
@@ -133,7 +182,8 @@ def completeness_rows(completeness: Mapping[str, Optional[Mapping[str, Any]]]) -
         row = {"model": name}
         if "random" in comp:
             row.update({"random K mean": comp["random"]["mean"], "random K std": comp["random"]["std"]})
-        row.update({f"group {g}": "n/a" if v["completeness"] is None else v["completeness"]
-                    for g, v in comp["groups"].items()})
+        row.update(
+            {f"group {g}": "n/a" if v["completeness"] is None else v["completeness"] for g, v in comp["groups"].items()}
+        )
         rows.append(row)
     return rows

@@ -12,15 +12,26 @@ from typing import Any, Optional
 from ..circuits.circuit import Circuit
 from ..circuits.overlap import overlap_table
 from ..common.io import write_text
-from ..models.resolve import resolve_spec
 from ..common.stats import Estimate, paired_difference
+from ..models.resolve import resolve_spec
+from ..runs.seeds import PROMPT_OFFSETS
+from ..runs.stages import StageRecord, label
 from .bars import grouped_bars
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
-from .rows import (circuit_x_model_rows, cmap_caption, cmap_has_gap, cmap_paired_caption, cmap_paired_rows, cmap_rows,
-                   completeness_rows, curve_rows, dcm_rows, scan_rows, semantic_rows)
-from ..runs.seeds import PROMPT_OFFSETS
-from ..runs.stages import StageRecord, label
+from .rows import (
+    circuit_x_model_rows,
+    cmap_caption,
+    cmap_has_gap,
+    cmap_paired_caption,
+    cmap_paired_rows,
+    cmap_rows,
+    completeness_rows,
+    curve_rows,
+    dcm_rows,
+    scan_rows,
+    semantic_rows,
+)
 from .tables import estimate_columns, to_markdown, write_table
 
 #: The circuits study whose records are written (:class:`mechdiff.studies.circuits.CircuitsStudy`).
@@ -47,12 +58,23 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
     rows = []
     for name, rec in accuracy.items():
         r = rec.result
-        rows.append({"model": name, **estimate_columns("accuracy", r["accuracy"]),
-                     **estimate_columns("answer_prob", r["answer_prob"]), "fingerprint": r["fingerprint"]})
+        rows.append(
+            {
+                "model": name,
+                **estimate_columns("accuracy", r["accuracy"]),
+                **estimate_columns("answer_prob", r["answer_prob"]),
+                "fingerprint": r["fingerprint"],
+            }
+        )
     n = study.spec.eval.n
-    what = (f"{n} held-out {study.spec.task.n_boxes}-box prompts (objects disjoint from fine-tuning objects; "
-            if _held_out(study) else f"{n} held-out {study.task.name} prompts (")
-    text = study_table(study, rows, "accuracy", f"Accuracy on {what}exact binomial CI for accuracy, bootstrap for probability)")
+    what = (
+        f"{n} held-out {study.spec.task.n_boxes}-box prompts (objects disjoint from fine-tuning objects; "
+        if _held_out(study)
+        else f"{n} held-out {study.task.name} prompts ("
+    )
+    text = study_table(
+        study, rows, "accuracy", f"Accuracy on {what}exact binomial CI for accuracy, bootstrap for probability)"
+    )
     return text, rows
 
 
@@ -67,9 +89,14 @@ def positions_section(study: "Study", positions: dict) -> str:
     if not rows:
         return "_No position scan ([positions] n = 0)._\n"
     n = study.spec.positions.n
-    text = study_table(study, rows, "position_scan", f"Position scan on {n} prompts per model: every head kept at the "
-                  "classes chosen so far, every head mean-ablated at every other position; greedy by accuracy, "
-                  f"stopping at faithfulness {study.spec.positions.stop_at}")
+    text = study_table(
+        study,
+        rows,
+        "position_scan",
+        f"Position scan on {n} prompts per model: every head kept at the "
+        "classes chosen so far, every head mean-ablated at every other position; greedy by accuracy, "
+        f"stopping at faithfulness {study.spec.positions.stop_at}",
+    )
     return "\n".join([text, *figs, ""])
 
 
@@ -84,10 +111,17 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
         if "curve" in rec.result:
             meta, stab = raw.meta, rec.result["stability"]
             sel = list(stab["selected"].values())
-            row.update({"fraction": meta["fraction"], "reached_target": meta["reached_target"],
-                        "stable_share": sum(f >= 0.5 for f in sel) / len(sel) if sel else 0.0})
-            figs += [f"![curve {name}]({rec.result['figures']['curve']})",
-                     f"![stability {name}]({rec.result['figures']['stability']})"]
+            row.update(
+                {
+                    "fraction": meta["fraction"],
+                    "reached_target": meta["reached_target"],
+                    "stable_share": sum(f >= 0.5 for f in sel) / len(sel) if sel else 0.0,
+                }
+            )
+            figs += [
+                f"![curve {name}]({rec.result['figures']['curve']})",
+                f"![stability {name}]({rec.result['figures']['stability']})",
+            ]
         else:
             figs += [f"![{name} step {s}]({p})" for s, p in rec.result["figures"].items()]
         if name in pruned:
@@ -95,33 +129,69 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
             row.update({"pairs_after_pruning": len(kept.pairs()), "heads_after_pruning": len(kept.heads())})
         rows.append(row)
     loaded = {n: Circuit.from_dict(found[n].result["circuit"]) for n in found}
-    membership_heatmap(loaded, shape.n_layers, shape.n_heads, study.dir / "figures" / "membership.png",
-                       title="circuit membership per model")
-    text = study_table(study, rows, "circuit_sizes", "Circuit sizes: (head, position) pairs and distinct heads; for the "
-                  "curve method the fraction of all pairs, whether the target was reached, and the share of the "
-                  "circuit's pairs selected in at least half of the bootstrap resamples; after pruning")
+    membership_heatmap(
+        loaded,
+        shape.n_layers,
+        shape.n_heads,
+        study.dir / "figures" / "membership.png",
+        title="circuit membership per model",
+    )
+    text = study_table(
+        study,
+        rows,
+        "circuit_sizes",
+        "Circuit sizes: (head, position) pairs and distinct heads; for the "
+        "curve method the fraction of all pairs, whether the target was reached, and the share of the "
+        "circuit's pairs selected in at least half of the bootstrap resamples; after pruning",
+    )
     lines = [text, "Pairs per position class of each model's circuit:\n"]
     for n, c in loaded.items():
-        lines.append(f"- **{n}**: " + "; ".join(_group_label(g, c.positions[g]) + f" {len(hs)}"
-                                                for g, hs in c.groups.items()))
+        lines.append(
+            f"- **{n}**: " + "; ".join(_group_label(g, c.positions[g]) + f" {len(hs)}" for g, hs in c.groups.items())
+        )
     heads = head_rows({n: rec.result for n, rec in found.items()}, {n: rec.result for n, rec in pruned.items()})
     if heads:
         write_heads_table(heads, study.dir / "tables")
-        lines.append(f"\nEvery scored (model, head, position class) pair: its attribution and rank, selection "
-                     f"frequency, membership before and after pruning (`tables/heads.csv`, {len(heads)} rows; the "
-                     "grid of `report.html` shows them on hover).")
+        lines.append(
+            f"\nEvery scored (model, head, position class) pair: its attribution and rank, selection "
+            f"frequency, membership before and after pruning (`tables/heads.csv`, {len(heads)} rows; the "
+            "grid of `report.html` shows them on hover)."
+        )
     lines += ["", "![circuit membership](figures/membership.png)", "", *figs, ""]
-    curves = [{"model": n, **row} for n, rec in found.items() if "curve" in rec.result
-              for row in curve_rows(rec.result["curve"])]
+    curves = [
+        {"model": n, **row}
+        for n, rec in found.items()
+        if "curve" in rec.result
+        for row in curve_rows(rec.result["curve"])
+    ]
     if curves:
-        lines.append(study_table(study, curves, "curve", f"Faithfulness of nested circuits (the top fraction of the "
-                            f"attribution ranking) on {study.spec.discovery.curve_n} prompts per model, disjoint "
-                            "from the ranking prompts and from those of the circuit x model matrix"))
-        areas = [{"model": n, **{k: rec.result["curve"][k] for k in ("cpr_prob", "cmd_prob", "cpr_accuracy",
-                                                                     "cmd_accuracy")}}
-                 for n, rec in found.items() if "curve" in rec.result]
-        lines.append(study_table(study, areas, "cpr_cmd", "CPR and CMD (MIB): areas under the normalised faithfulness "
-                            "(m(C) - m(empty)) / (m(M) - m(empty)) and under |1 - it|, over the fraction of pairs"))
+        lines.append(
+            study_table(
+                study,
+                curves,
+                "curve",
+                f"Faithfulness of nested circuits (the top fraction of the "
+                f"attribution ranking) on {study.spec.discovery.curve_n} prompts per model, disjoint "
+                "from the ranking prompts and from those of the circuit x model matrix",
+            )
+        )
+        areas = [
+            {
+                "model": n,
+                **{k: rec.result["curve"][k] for k in ("cpr_prob", "cmd_prob", "cpr_accuracy", "cmd_accuracy")},
+            }
+            for n, rec in found.items()
+            if "curve" in rec.result
+        ]
+        lines.append(
+            study_table(
+                study,
+                areas,
+                "cpr_cmd",
+                "CPR and CMD (MIB): areas under the normalised faithfulness "
+                "(m(C) - m(empty)) / (m(M) - m(empty)) and under |1 - it|, over the fraction of pairs",
+            )
+        )
     return "\n".join(lines)
 
 
@@ -139,35 +209,53 @@ def pruning_section(study: "Study", pruned: dict) -> str:
     for name, rec in pruned.items():
         m = rec.result["minimality"]
         searched = sum(v["searched"] for v in m["pairs"].values() if "searched" in v)
-        rows.append({"model": name, "pairs_before": len(m["pairs"]),
-                     "pairs_after": len(Circuit.from_dict(rec.result["circuit"]).pairs()),
-                     "F(C) on pruning prompts": m["circuit"], "F(M)": m["full"],
-                     **({} if s.prune_rule == "paper" else {"K searched for": searched})})
+        rows.append(
+            {
+                "model": name,
+                "pairs_before": len(m["pairs"]),
+                "pairs_after": len(Circuit.from_dict(rec.result["circuit"]).pairs()),
+                "F(C) on pruning prompts": m["circuit"],
+                "F(M)": m["full"],
+                **({} if s.prune_rule == "paper" else {"K searched for": searched}),
+            }
+        )
     if s.prune_rule == "paper":
-        caption = (f"Pruning (the paper's rule, per group): K = the heads among the top ceil({s.prune_share} |group|) "
-                   "by F(C\\{u}) - F(C\\{u,v}) with a positive score; v stays iff F(C\\K) / F(C\\(K+v)) - 1 >= "
-                   f"{s.prune_threshold}, on the {s.prune_metric} metric over {s.prune_n} prompts of their own")
+        caption = (
+            f"Pruning (the paper's rule, per group): K = the heads among the top ceil({s.prune_share} |group|) "
+            "by F(C\\{u}) - F(C\\{u,v}) with a positive score; v stays iff F(C\\K) / F(C\\(K+v)) - 1 >= "
+            f"{s.prune_threshold}, on the {s.prune_metric} metric over {s.prune_n} prompts of their own"
+        )
     else:
-        caption = (f"Pruning (mechdiff's greedy rule, not the paper's): a pair stays if removing it moves the "
-                   f"{s.prune_metric} metric by more than {s.prune_threshold} of the circuit's own F(C), with K grown "
-                   f"greedily ({s.prune_steps} steps, {s.prune_candidates} candidates each; the search skipped for "
-                   f"pairs already above the threshold at K = {{}}) on {s.prune_n} prompts of their own")
+        caption = (
+            f"Pruning (mechdiff's greedy rule, not the paper's): a pair stays if removing it moves the "
+            f"{s.prune_metric} metric by more than {s.prune_threshold} of the circuit's own F(C), with K grown "
+            f"greedily ({s.prune_steps} steps, {s.prune_candidates} candidates each; the search skipped for "
+            f"pairs already above the threshold at K = {{}}) on {s.prune_n} prompts of their own"
+        )
     return study_table(study, rows, "pruning", caption)
 
 
 def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
     rows = [r for rec in matrix.values() for r in rec.result["rows"]]
     s = study.spec.scoring
-    text = study_table(study, circuit_x_model_rows(rows), "circuit_x_model",
-                  f"Circuit x model on {s.n} fresh held-out prompts per model: accuracy with every other (head, "
-                  "position) mean-ablated (exact binomial CI), faithfulness F(C)/F(M) (bootstrap CI), and "
-                  f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit "
-                  "(pooled accuracy; the range of the draws' accuracies)")
+    text = study_table(
+        study,
+        circuit_x_model_rows(rows),
+        "circuit_x_model",
+        f"Circuit x model on {s.n} fresh held-out prompts per model: accuracy with every other (head, "
+        "position) mean-ablated (exact binomial CI), faithfulness F(C)/F(M) (bootstrap CI), and "
+        f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit "
+        "(pooled accuracy; the range of the draws' accuracies)",
+    )
     comp_rows = completeness_rows({name: rec.result.get("completeness") for name, rec in matrix.items()})
     if comp_rows:
-        text += "\n" + study_table(study, comp_rows, "completeness",
-                              "Completeness |F(C\\K) - F(M\\K)| of each model's own circuit (accuracy): random K "
-                              f"({s.completeness_draws} draws, each pair in K with probability 0.5) and K = one group")
+        text += "\n" + study_table(
+            study,
+            comp_rows,
+            "completeness",
+            "Completeness |F(C\\K) - F(M\\K)| of each model's own circuit (accuracy): random K "
+            f"({s.completeness_draws} draws, each pair in K with probability 0.5) and K = one group",
+        )
     return text, rows
 
 
@@ -180,14 +268,22 @@ def overlap_section(study: "Study", circuits: dict) -> tuple[str, dict]:
         second = Circuit.from_dict(circuits[ft].result["circuit"])
         rows = overlap_table(first, second, shape.n_layers, shape.n_heads)
         out[ft] = rows
-        text.append(study_table(study, rows, f"overlap_{label(base)}_{label(ft)}",
-                           f"Overlap of the {base} circuit (first) and the {ft} circuit (second); p: hypergeometric "
-                           f"probability of at least this intersection for random head sets of these sizes"))
+        text.append(
+            study_table(
+                study,
+                rows,
+                f"overlap_{label(base)}_{label(ft)}",
+                f"Overlap of the {base} circuit (first) and the {ft} circuit (second); p: hypergeometric "
+                f"probability of at least this intersection for random head sets of these sizes",
+            )
+        )
     return "\n".join(text), out
 
 
-DCM_CAPTION = ("heads whose mask went to 0 for each desideratum, target accuracy on held-out pairs with them "
-               "patched, the no-intervention floor and random heads of the same size")
+DCM_CAPTION = (
+    "heads whose mask went to 0 for each desideratum, target accuracy on held-out pairs with them "
+    "patched, the no-intervention floor and random heads of the same size"
+)
 
 
 def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict] = None) -> str:
@@ -195,12 +291,16 @@ def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict]
     text = study_table(study, dcm_rows(dcm.result["dcm"]), "dcm", f"DCM on the base model's circuit: {DCM_CAPTION}")
     sem = semantic_rows(dcm.result["semantic"])
     if sem:
-        text += "\n" + study_table(study, sem, "semantic_patching",
-                              "Semantic patching: the same DCM-selected heads patched in every model")
+        text += "\n" + study_table(
+            study, sem, "semantic_patching", "Semantic patching: the same DCM-selected heads patched in every model"
+        )
     for ft, rec in (finetune_dcm or {}).items():
-        text += "\n" + study_table(study, dcm_rows(rec.result["dcm"]), f"dcm_{label(ft)}",
-                              f"DCM on {ft}'s own pruned circuit (its selections are the heads CMAP as the paper "
-                              f"patches): {DCM_CAPTION}")
+        text += "\n" + study_table(
+            study,
+            dcm_rows(rec.result["dcm"]),
+            f"dcm_{label(ft)}",
+            f"DCM on {ft}'s own pruned circuit (its selections are the heads CMAP as the paper patches): {DCM_CAPTION}",
+        )
     return text
 
 
@@ -218,11 +318,17 @@ def cmap_section(study: "Study", cmap: dict) -> str:
         text.append(study_table(study, cmap_paired_rows(r), f"cmap_paired_{label(ft)}", cmap_paired_caption(r, ft)))
         scopes = list(dict.fromkeys(row["scope"] for row in r["rows"]))
         kinds = list(dict.fromkeys(row["kind"] for row in r["rows"]))
-        series = {k: [next((_est(x["accuracy"]) for x in r["rows"] if x["scope"] == s and x["kind"] == k), None)
-                      for s in scopes] for k in kinds}
+        series = {
+            k: [
+                next((_est(x["accuracy"]) for x in r["rows"] if x["scope"] == s and x["kind"] == k), None)
+                for s in scopes
+            ]
+            for k in kinds
+        }
         fig = study.dir / "figures" / f"cmap_{label(ft)}.png"
-        grouped_bars(fig, scopes, series, title=f"CMAP {ft} -> {r['base']}",
-                     references={r["base"]: base_acc, ft: ft_acc})
+        grouped_bars(
+            fig, scopes, series, title=f"CMAP {ft} -> {r['base']}", references={r["base"]: base_acc, ft: ft_acc}
+        )
         text.append(f"![CMAP {ft}](figures/cmap_{label(ft)}.png)\n")
     return "\n".join(text)
 
@@ -243,9 +349,11 @@ def _cost(manifest: dict) -> str:
     stages = manifest["stages"].values()
     total = sum(s["seconds"] for s in stages)
     reused = sum(bool(s["cached"]) for s in stages)
-    return (f"Computing the {len(stages)} stages took {total / 60:.1f} min in all (the seconds above, from the "
-            f"runs that computed them); this invocation reused {reused} of them from the cache and took "
-            f"{manifest['wall_seconds']:.0f} s up to writing this report.")
+    return (
+        f"Computing the {len(stages)} stages took {total / 60:.1f} min in all (the seconds above, from the "
+        f"runs that computed them); this invocation reused {reused} of them from the cache and took "
+        f"{manifest['wall_seconds']:.0f} s up to writing this report."
+    )
 
 
 def _interval(row: dict, key: str) -> str:
@@ -260,25 +368,33 @@ def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict]) -
         rec = positions.get(name)
         if rec is not None and rec.result["scan"]["steps"]:
             last = rec.result["scan"]["steps"][-1]
-            lines.append(f"- **{name}**: every head kept at {', '.join(f'`{c}`' for c in last['classes'])} (every "
-                         f"other position mean-ablated) keeps faithfulness {_fmt(last['faithfulness'])} "
-                         f"({rec.result['scan']['n_prompts']} prompts).")
+            lines.append(
+                f"- **{name}**: every head kept at {', '.join(f'`{c}`' for c in last['classes'])} (every "
+                f"other position mean-ablated) keeps faithfulness {_fmt(last['faithfulness'])} "
+                f"({rec.result['scan']['n_prompts']} prompts)."
+            )
         own = next((r for r in matrix_rows if r["model"] == name and r["circuit"] == name), None)
         if own is None:
             continue
         scanned = bool(lines) and lines[-1].startswith(f"- **{name}**")
         met = own["faithfulness"] >= target and own["faithfulness_low"] >= target - 0.1
-        sentence = (("  Its" if scanned else f"- **{name}**: its") + f" own circuit ({own['n_pairs']} (head, position) pairs) keeps faithfulness "
-                    f"{_interval(own, 'faithfulness')} (accuracy {_interval(own, 'accuracy')}) on {own['n_prompts']} "
-                    f"fresh prompts: the target (at least {target}, lower bound at least {target - 0.1:.1f}) is "
-                    + ("met." if met else "not met."))
+        sentence = (
+            ("  Its" if scanned else f"- **{name}**: its")
+            + f" own circuit ({own['n_pairs']} (head, position) pairs) keeps faithfulness "
+            f"{_interval(own, 'faithfulness')} (accuracy {_interval(own, 'accuracy')}) on {own['n_prompts']} "
+            f"fresh prompts: the target (at least {target}, lower bound at least {target - 0.1:.1f}) is "
+            + ("met." if met else "not met.")
+        )
         if "random_faithfulness" in own:
-            sentence += (f" Random layer- and position-matched circuits of its size: "
-                         f"{_interval(own, 'random_faithfulness')}.")
+            sentence += (
+                f" Random layer- and position-matched circuits of its size: {_interval(own, 'random_faithfulness')}."
+            )
         lines.append(sentence)
         after = next((r for r in matrix_rows if r["model"] == name and r["circuit"] == f"{name} pruned"), None)
         if after is not None:
-            lines.append(f"  After pruning ({after['n_pairs']} pairs): faithfulness {_interval(after, 'faithfulness')}.")
+            lines.append(
+                f"  After pruning ({after['n_pairs']} pairs): faithfulness {_interval(after, 'faithfulness')}."
+            )
     return "\n".join(lines)
 
 
@@ -290,42 +406,65 @@ def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], over
     lines = []
     for ft in study.spec.models.finetunes:
         a_b, a_f = acc[base], acc[ft]
-        order = ("above" if a_f["accuracy_low"] > a_b["accuracy_high"] else
-                 "below" if a_f["accuracy_high"] < a_b["accuracy_low"] else "not separated from")
-        lines.append(f"- **{ft}** accuracy {_interval(a_f, 'accuracy')}, {order} {base} "
-                     f"{_interval(a_b, 'accuracy')}.")
+        order = (
+            "above"
+            if a_f["accuracy_low"] > a_b["accuracy_high"]
+            else "below"
+            if a_f["accuracy_high"] < a_b["accuracy_low"]
+            else "not separated from"
+        )
+        lines.append(f"- **{ft}** accuracy {_interval(a_f, 'accuracy')}, {order} {base} {_interval(a_b, 'accuracy')}.")
         m = next((r for r in matrix_rows if r["model"] == ft and r["circuit"] == base), None)
         if m:
             lines.append(f"  The {base} circuit alone gives {ft} faithfulness {_interval(m, 'faithfulness')}.")
         rows = overlaps.get(ft, [])
         everything = next((r for r in rows if r["group"] == "all"), None)
         if everything:
-            lines.append(f"  Its own circuit shares {everything['intersection']} of the base circuit's "
-                         f"{everything['size_first']} heads ({everything['frac_first']:.2f}; hypergeometric "
-                         f"p = {everything['p_value']:.2g}).")
+            lines.append(
+                f"  Its own circuit shares {everything['intersection']} of the base circuit's "
+                f"{everything['size_first']} heads ({everything['frac_first']:.2f}; hypergeometric "
+                f"p = {everything['p_value']:.2g})."
+            )
         r = cmap.get(ft)
         r = None if r is None or "skipped" in r.result else r
         gap = r and cmap_has_gap(r.result)
         if r and not gap:
-            lines.append(f"  On the CMAP prompts {ft} ({_fmt(r.result['finetune_accuracy'])}) is not above {base} "
-                         f"({_fmt(r.result['base_accuracy'])}): there is no gain for CMAP to localise.")
+            lines.append(
+                f"  On the CMAP prompts {ft} ({_fmt(r.result['finetune_accuracy'])}) is not above {base} "
+                f"({_fmt(r.result['base_accuracy'])}): there is no gain for CMAP to localise."
+            )
         if r and gap:
-            lines.append(f"  CMAP ({ft} into {base}; base {_fmt(r.result['base_accuracy'])}, fine-tune "
-                         f"{_fmt(r.result['finetune_accuracy'])}):")
+            lines.append(
+                f"  CMAP ({ft} into {base}; base {_fmt(r.result['base_accuracy'])}, fine-tune "
+                f"{_fmt(r.result['finetune_accuracy'])}):"
+            )
             for x in r.result["rows"]:
                 if x["kind"] != "z" or x["scope"].startswith("random"):
                     continue
-                control = next((y for y in r.result.get("random_rows", []) if y["scope"] == f"random:{x['scope']}"
-                                and y["kind"] == "z"), None)
-                lines.append(f"  - head outputs of `{x['scope']}`: accuracy {_fmt(x['accuracy'])}. "
-                             f"{_ordering(r.result, x['scope'] + '/z', 'base')}"
-                             + (f" Random heads of the same layers: {_fmt(control['accuracy'])}; "
-                                f"{_ordering(r.result, x['scope'] + '/z', 'random:' + x['scope'] + '/z')}"
-                                if control else ""))
+                control = next(
+                    (
+                        y
+                        for y in r.result.get("random_rows", [])
+                        if y["scope"] == f"random:{x['scope']}" and y["kind"] == "z"
+                    ),
+                    None,
+                )
+                lines.append(
+                    f"  - head outputs of `{x['scope']}`: accuracy {_fmt(x['accuracy'])}. "
+                    f"{_ordering(r.result, x['scope'] + '/z', 'base')}"
+                    + (
+                        f" Random heads of the same layers: {_fmt(control['accuracy'])}; "
+                        f"{_ordering(r.result, x['scope'] + '/z', 'random:' + x['scope'] + '/z')}"
+                        if control
+                        else ""
+                    )
+                )
             qk = {x["kind"]: x for x in r.result["rows"] if x["scope"] == "circuit"}
             if "qk" in qk and "v" in qk:
-                lines.append(f"  Whole circuit: QK patching gives {_fmt(qk['qk']['accuracy'])}, V patching "
-                             f"{_fmt(qk['v']['accuracy'])}. {_ordering(r.result, 'circuit/v', 'circuit/qk')}")
+                lines.append(
+                    f"  Whole circuit: QK patching gives {_fmt(qk['qk']['accuracy'])}, V patching "
+                    f"{_fmt(qk['v']['accuracy'])}. {_ordering(r.result, 'circuit/v', 'circuit/qk')}"
+                )
     return "\n".join(lines)
 
 
@@ -336,8 +475,13 @@ def _ordering(result: dict, a: str, b: str) -> str:
     if a not in outcomes or b not in outcomes:
         return ""
     d = paired_difference(outcomes[a], outcomes[b])
-    verdict = ("so the first is larger" if d.low > 0 else "so the second is larger" if d.high < 0
-               else "which includes 0: neither is shown to be larger")
+    verdict = (
+        "so the first is larger"
+        if d.low > 0
+        else "so the second is larger"
+        if d.high < 0
+        else "which includes 0: neither is shown to be larger"
+    )
     return f"Paired difference {a} - {b} on the same prompts: {d}, {verdict}."
 
 
@@ -347,42 +491,57 @@ def dcm_findings(dcm: "StageRecord") -> str:
     res = dcm.result["dcm"]
     chosen = [r for r in res if r["selected"]]
     if not chosen:
-        return (f"- DCM selected no head in any of {len(res)} (group, desideratum) runs: patching the group's heads "
-                "did not move the target beyond the no-intervention floor within the training budget.")
+        return (
+            f"- DCM selected no head in any of {len(res)} (group, desideratum) runs: patching the group's heads "
+            "did not move the target beyond the no-intervention floor within the training budget."
+        )
     lines = []
     for r in chosen:
-        above = _est(r["test_accuracy"]).low > max(_est(r["floor"]).high,
-                                                    _est(r["random"]).high if r.get("random") else 0.0)
+        above = _est(r["test_accuracy"]).low > max(
+            _est(r["floor"]).high, _est(r["random"]).high if r.get("random") else 0.0
+        )
         verb = "encodes" if above else "is not shown to encode (its interval overlaps the floor or the random heads)"
-        lines.append(f"- DCM: group {r['group']} {verb} **{r['desideratum']}** with {', '.join(r['selected'])}: "
-                     f"target accuracy {_fmt(r['test_accuracy'])} against the floor {_fmt(r['floor'])}"
-                     + (f" and random heads {_fmt(r['random'])}" if r.get("random") else "") + ".")
+        lines.append(
+            f"- DCM: group {r['group']} {verb} **{r['desideratum']}** with {', '.join(r['selected'])}: "
+            f"target accuracy {_fmt(r['test_accuracy'])} against the floor {_fmt(r['floor'])}"
+            + (f" and random heads {_fmt(r['random'])}" if r.get("random") else "")
+            + "."
+        )
         sem = [x for x in dcm.result["semantic"] if x["group"] == r["group"] and x["desideratum"] == r["desideratum"]]
         if sem and above:
-            lines.append("  The same heads patched in each model: "
-                         + "; ".join(f"{x['model']} {_fmt(x['accuracy'])}" for x in sem) + ".")
+            lines.append(
+                "  The same heads patched in each model: "
+                + "; ".join(f"{x['model']} {_fmt(x['accuracy'])}" for x in sem)
+                + "."
+            )
     return "\n".join(lines)
 
 
 def _method(study: "Study") -> str:
     d, sc = study.spec.discovery, study.spec.scoring
     if d.method == "curve":
-        return (f"Each model's circuit: every (head, position class) pair ranked by mean-ablation attribution "
-                f"(`(mean z - z) . d log p(answer) / d z`, the answer's log-probability, which does not saturate) "
-                f"on {d.n} prompts; nested circuits of the top {', '.join(f'{x:g}' for x in d.sizes)} of the "
-                f"ranking scored on {d.curve_n} other prompts; the circuit is the smallest whose accuracy "
-                f"faithfulness {'interval lower bound' if d.select == 'low' else 'point estimate'} reaches "
-                f"{d.target} on those prompts (the largest scored where none does). Selection stability: the same "
-                f"ranking on {d.stability_draws} bootstrap resamples of the ranking prompts. Ablation: position-wise "
-                f"means of {sc.reference_n} reference prompts{' with held-out objects' if _held_out(study) else ''}. "
-                f"{MEANS_RULE}\n")
-    return (f"Each model's circuit by the paper's path patching on {d.n} clean/counterfactual pairs; top-k per step "
-            f"{d.top_k}; attribution screen: {d.screen} (shortlist {d.screen_multiple} x k). {MEANS_RULE}\n")
+        return (
+            f"Each model's circuit: every (head, position class) pair ranked by mean-ablation attribution "
+            f"(`(mean z - z) . d log p(answer) / d z`, the answer's log-probability, which does not saturate) "
+            f"on {d.n} prompts; nested circuits of the top {', '.join(f'{x:g}' for x in d.sizes)} of the "
+            f"ranking scored on {d.curve_n} other prompts; the circuit is the smallest whose accuracy "
+            f"faithfulness {'interval lower bound' if d.select == 'low' else 'point estimate'} reaches "
+            f"{d.target} on those prompts (the largest scored where none does). Selection stability: the same "
+            f"ranking on {d.stability_draws} bootstrap resamples of the ranking prompts. Ablation: position-wise "
+            f"means of {sc.reference_n} reference prompts{' with held-out objects' if _held_out(study) else ''}. "
+            f"{MEANS_RULE}\n"
+        )
+    return (
+        f"Each model's circuit by the paper's path patching on {d.n} clean/counterfactual pairs; top-k per step "
+        f"{d.top_k}; attribution screen: {d.screen} (shortlist {d.screen_multiple} x k). {MEANS_RULE}\n"
+    )
 
 
-MEANS_RULE = ("Mean ablation respects templates: a prompt's position-wise means are taken over the reference prompts "
-              "of its own template and token length, never across templates or lengths (prompts are batched by "
-              "template and length, without padding).")
+MEANS_RULE = (
+    "Mean ablation respects templates: a prompt's position-wise means are taken over the reference prompts "
+    "of its own template and token length, never across templates or lengths (prompts are batched by "
+    "template and length, without padding)."
+)
 
 
 def limitations(study: "Study", positions: dict) -> str:
@@ -391,32 +550,47 @@ def limitations(study: "Study", positions: dict) -> str:
     scanned = any(rec is not None and rec.result["scan"]["steps"] for rec in positions.values())
     lines = []
     if d.method == "curve":
-        lines.append("- Departures from Prakash et al.: circuits are drawn over (head, position class) pairs ranked by a\n"
-                     "  first-order attribution, not path-patched head groups A-D"
-                     + (" (the position scan shows how much the paper's\n  form, every head kept at the named "
-                        "positions, explains)" if scanned else "")
-                     + "; DCM and CMAP run on the groups of the base's circuit that sit\n"
-                     "  at one token (its groups are position classes, not the paper's functional groups). `method =\n"
-                     "  \"path\"` in the task file gives the paper's form.")
+        lines.append(
+            "- Departures from Prakash et al.: circuits are drawn over (head, position class) pairs ranked by a\n"
+            "  first-order attribution, not path-patched head groups A-D"
+            + (
+                " (the position scan shows how much the paper's\n  form, every head kept at the named "
+                "positions, explains)"
+                if scanned
+                else ""
+            )
+            + "; DCM and CMAP run on the groups of the base's circuit that sit\n"
+            "  at one token (its groups are position classes, not the paper's functional groups). `method =\n"
+            '  "path"` in the task file gives the paper\'s form.'
+        )
     else:
-        lines.append("- Circuits by path patching of head groups as Prakash et al.; pruning, DCM and CMAP follow the rules the\n"
-                     f"  task file names (pruning `{sc.prune_rule}`, DCM `lam_scale = {study.spec.dcm.lam_scale}`, CMAP "
-                     f"`scope = {cm.scope}`); the README's departures table says which are the paper's.")
+        lines.append(
+            "- Circuits by path patching of head groups as Prakash et al.; pruning, DCM and CMAP follow the rules the\n"
+            f"  task file names (pruning `{sc.prune_rule}`, DCM `lam_scale = {study.spec.dcm.lam_scale}`, CMAP "
+            f"`scope = {cm.scope}`); the README's departures table says which are the paper's."
+        )
     if sc.prune and sc.prune_rule == "greedy":
-        lines.append("- Pruning uses answer probability on its own small prompt set and a bounded greedy search for K; pairs\n"
-                     "  whose removal alone already exceeds the threshold skip the search (it could only raise them).")
+        lines.append(
+            "- Pruning uses answer probability on its own small prompt set and a bounded greedy search for K; pairs\n"
+            "  whose removal alone already exceeds the threshold skip the search (it could only raise them)."
+        )
     if cm.n_random:
-        lines.append("- CMAP's random control uses a few draws per group (the `[cmap] n_random` setting), fewer than the\n"
-                     "  circuit baseline's; its interval is over prompts, with the draws averaged per prompt.")
+        lines.append(
+            "- CMAP's random control uses a few draws per group (the `[cmap] n_random` setting), fewer than the\n"
+            "  circuit baseline's; its interval is over prompts, with the draws averaged per prompt."
+        )
     return "\n".join(lines) + "\n"
 
 
 #: The last limitation: entity tracking's one template family, or any other task's own templates.
-PHRASINGS = {True: """- Every prompt comes from one template family with 7 boxes; nothing here says how the circuits transfer to
+PHRASINGS = {
+    True: """- Every prompt comes from one template family with 7 boxes; nothing here says how the circuits transfer to
   other phrasings.
-""", False: """- Every prompt comes from the task's own templates; nothing here says how the circuits transfer to other
+""",
+    False: """- Every prompt comes from the task's own templates; nothing here says how the circuits transfer to other
   phrasings.
-"""}
+""",
+}
 
 
 def _source(name: str, provenance: dict) -> str:
@@ -433,8 +607,17 @@ def _held_out(study: "Study") -> bool:
     return "vocabulary" in study.task.options
 
 
-def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, pruned: dict, matrix: dict,
-                 dcm: "StageRecord", cmap: dict, finetune_dcm: Optional[dict] = None) -> Path:
+def write_report(
+    study: "Study",
+    accuracy: dict,
+    positions: dict,
+    found: dict,
+    pruned: dict,
+    matrix: dict,
+    dcm: "StageRecord",
+    cmap: dict,
+    finetune_dcm: Optional[dict] = None,
+) -> Path:
     """Write ``report.md`` (and every table and figure it cites) into the study directory."""
     acc_text, acc_rows = accuracy_section(study, accuracy)
     mat_text, mat_rows = matrix_section(study, matrix)
@@ -442,34 +625,59 @@ def write_report(study: "Study", accuracy: dict, positions: dict, found: dict, p
     manifest = study.manifest()
     spec = study.spec
     stage_rows = [{"stage": n, "seconds": s["seconds"], "cached": s["cached"]} for n, s in manifest["stages"].items()]
-    model_rows = [{"model": n, "digest": d, "fingerprint": accuracy[n].result["fingerprint"],
-                   "source": _source(n, accuracy[n].result["provenance"])}
-                  for n, d in manifest["model_digests"].items()]
+    model_rows = [
+        {
+            "model": n,
+            "digest": d,
+            "fingerprint": accuracy[n].result["fingerprint"],
+            "source": _source(n, accuracy[n].result["provenance"]),
+        }
+        for n, d in manifest["model_digests"].items()
+    ]
     parts = [
         f"# {study.task.name}: {spec.models.base} against {', '.join(spec.models.finetunes)}\n",
         "Generated by `mechdiff run` from "
         f"`{spec.source}`. Intervals are 95%: exact binomial (Clopper-Pearson) for accuracies, bootstrap over "
         "prompts for ratios and probabilities, paired bootstrap for differences on the same prompts.\n",
-        "## Findings\n", circuit_findings(study, positions, mat_rows),
-        findings(study, acc_rows, mat_rows, overlaps, cmap), dcm_findings(dcm), "",
-        "## Limitations\n", limitations(study, positions) + PHRASINGS[_held_out(study)],
-        "## Accuracy\n", acc_text,
-        "## Where the computation sits (position scan)\n", positions_section(study, positions),
-        "## Circuits\n", _method(study), circuit_section(study, found, pruned),
-        "## Pruning\n", pruning_section(study, pruned),
-        "## Circuit x model\n", mat_text,
-        "## Overlap\n", ov_text,
-        "## What the heads encode (DCM)\n", dcm_section(study, dcm, finetune_dcm),
-        "## Cross-model activation patching (CMAP)\n", cmap_section(study, cmap),
+        "## Findings\n",
+        circuit_findings(study, positions, mat_rows),
+        findings(study, acc_rows, mat_rows, overlaps, cmap),
+        dcm_findings(dcm),
+        "",
+        "## Limitations\n",
+        limitations(study, positions) + PHRASINGS[_held_out(study)],
+        "## Accuracy\n",
+        acc_text,
+        "## Where the computation sits (position scan)\n",
+        positions_section(study, positions),
+        "## Circuits\n",
+        _method(study),
+        circuit_section(study, found, pruned),
+        "## Pruning\n",
+        pruning_section(study, pruned),
+        "## Circuit x model\n",
+        mat_text,
+        "## Overlap\n",
+        ov_text,
+        "## What the heads encode (DCM)\n",
+        dcm_section(study, dcm, finetune_dcm),
+        "## Cross-model activation patching (CMAP)\n",
+        cmap_section(study, cmap),
         "## What was run\n",
-        to_markdown(model_rows), "",
+        to_markdown(model_rows),
+        "",
         f"Seeds: task seed {spec.task.seed}; each prompt set's seed is it plus "
         + ", ".join(f"{k} +{v}" for k, v in PROMPT_OFFSETS.items() if not k.startswith("reproduction"))
-        + (". All prompts use only the held-out objects (`eval_objects()`), disjoint from the fine-tuning objects. "
-           if _held_out(study) else ". ")
-        + "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())
+        + (
+            ". All prompts use only the held-out objects (`eval_objects()`), disjoint from the fine-tuning objects. "
+            if _held_out(study)
+            else ". "
+        )
+        + "Versions: "
+        + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())
         + f". Python {manifest['python']} on {manifest['machine']}.\n",
-        to_markdown(stage_rows), "",
+        to_markdown(stage_rows),
+        "",
         f"Configuration: `run.json` (the full spec). {_cost(manifest)}\n",
     ]
     return write_text(study.dir / "report.md", "\n".join(parts))

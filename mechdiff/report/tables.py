@@ -88,8 +88,13 @@ def to_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def write_table(rows: Sequence[Mapping[str, Any]], stem: str | Path, formats: Iterable[str] = FORMATS,
-                caption: str | None = None, floatfmt: str = ".3f") -> dict[str, Path]:
+def write_table(
+    rows: Sequence[Mapping[str, Any]],
+    stem: str | Path,
+    formats: Iterable[str] = FORMATS,
+    caption: str | None = None,
+    floatfmt: str = ".3f",
+) -> dict[str, Path]:
     """Write ``rows`` to ``stem.md``, ``stem.csv``, ``stem.tex`` and ``stem.json`` (atomically; a dot in
     ``stem``'s name is kept: ``run.minimality`` -> ``run.minimality.csv``)."""
     rows = [dict(r) for r in rows]

@@ -41,61 +41,120 @@ class _Report:
         formed = formed_at(self.steps, intervals)
         last = intervals[-1]
         at = intervals[self.steps.index(formed["step"])] if formed else None
-        self.components.append({"component": name, "measure": measure,
-                                "formed_at_step": formed["step"] if formed else None,
-                                "direction": ("up" if formed["sign"] > 0 else "down") if formed else None,
-                                **_cols("at_formation", at), **_cols("at_final", last)})
+        self.components.append(
+            {
+                "component": name,
+                "measure": measure,
+                "formed_at_step": formed["step"] if formed else None,
+                "direction": ("up" if formed["sign"] > 0 else "down") if formed else None,
+                **_cols("at_formation", at),
+                **_cols("at_final", last),
+            }
+        )
 
     # -- sections -----------------------------------------------------------------------
     def accuracy(self) -> None:
         acc = [self.r["accuracy"][n].result for n in self.names]
         diff = against_first([a["correct"] for a in acc])
-        rows = [{"step": s, "checkpoint": n, **_cols("accuracy", a["accuracy"]), **_cols("minus_first", d)}
-                for s, n, a, d in zip(self.steps, self.names, acc, diff)]
+        rows = [
+            {"step": s, "checkpoint": n, **_cols("accuracy", a["accuracy"]), **_cols("minus_first", d)}
+            for s, n, a, d in zip(self.steps, self.names, acc, diff)
+        ]
         self.component("the model", "accuracy minus the first checkpoint's (paired)", diff)
-        fig = band_figure(self.steps, {"accuracy": [a["accuracy"] for a in acc]}, self.dir / "figures" /
-                          "accuracy.png", "held-out accuracy (exact binomial 95% CI)", "accuracy")
-        self.sections.append("## Accuracy\n\n" + self.table(rows, "accuracy", "Held-out accuracy per checkpoint "
-                             "(exact binomial 95% CI) and its paired difference from the first checkpoint (bootstrap)")
-                             + "\n" + self.figure(fig, "accuracy against the step"))
+        fig = band_figure(
+            self.steps,
+            {"accuracy": [a["accuracy"] for a in acc]},
+            self.dir / "figures" / "accuracy.png",
+            "held-out accuracy (exact binomial 95% CI)",
+            "accuracy",
+        )
+        self.sections.append(
+            "## Accuracy\n\n"
+            + self.table(
+                rows,
+                "accuracy",
+                "Held-out accuracy per checkpoint "
+                "(exact binomial 95% CI) and its paired difference from the first checkpoint (bootstrap)",
+            )
+            + "\n"
+            + self.figure(fig, "accuracy against the step")
+        )
 
     def circuits(self) -> None:
         own = [self.r["circuits"][n].result for n in self.names]
         scores = [self.r["scores"][n].result for n in self.names]
         rows = []
         for s, n, o, sc in zip(self.steps, self.names, own, scores):
-            rows.append({"step": s, "checkpoint": n, "n_pairs": o["n_pairs"], "n_heads": o["n_heads"],
-                         "reached_target": o["reached_target"], **_cols("faithfulness_curve", o["faithfulness"]),
-                         **_cols("final_circuit", _row_est(sc["rows"]["final"], "faithfulness")),
-                         **_cols("first_trained_circuit", _row_est(sc["rows"]["first trained"], "faithfulness")),
-                         **_cols("own_circuit", _row_est(sc["rows"]["own"], "faithfulness"))})
-        for key, what in (("final", f"the final checkpoint's circuit ({self.names[-1]})"),
-                          ("first trained", f"the first trained checkpoint's circuit ({self.names[1]})")):
-            self.component(what, "accuracy with only the circuit kept, minus the first checkpoint's (paired)",
-                           against_first([sc["outcomes"][key] for sc in scores]))
-        series = {label: [_row_est(sc["rows"][key], "faithfulness") for sc in scores]
-                  for label, key in (("final circuit", "final"), ("first trained circuit", "first trained"),
-                                     ("own circuit", "own"))}
-        fig = band_figure(self.steps, series, self.dir / "figures" / "circuits_faithfulness.png",
-                          "faithfulness F(C)/F(M) of each circuit in every checkpoint (bootstrap 95% CI)",
-                          "faithfulness", zero=True)
-        size = band_figure(self.steps, {"own circuit (faithfulness on the curve's prompts)":
-                                        [o["faithfulness"] for o in own]},
-                           self.dir / "figures" / "own_circuit_faithfulness.png",
-                           "each checkpoint's own circuit at the target: faithfulness where it was chosen",
-                           "faithfulness")
-        mem = membership_figure(self.steps, [Circuit.from_dict(o["circuit"]) for o in own],
-                                self.dir / "figures" / "membership.png",
-                                "each checkpoint's own circuit: heads per (position class, layer)")
+            rows.append(
+                {
+                    "step": s,
+                    "checkpoint": n,
+                    "n_pairs": o["n_pairs"],
+                    "n_heads": o["n_heads"],
+                    "reached_target": o["reached_target"],
+                    **_cols("faithfulness_curve", o["faithfulness"]),
+                    **_cols("final_circuit", _row_est(sc["rows"]["final"], "faithfulness")),
+                    **_cols("first_trained_circuit", _row_est(sc["rows"]["first trained"], "faithfulness")),
+                    **_cols("own_circuit", _row_est(sc["rows"]["own"], "faithfulness")),
+                }
+            )
+        for key, what in (
+            ("final", f"the final checkpoint's circuit ({self.names[-1]})"),
+            ("first trained", f"the first trained checkpoint's circuit ({self.names[1]})"),
+        ):
+            self.component(
+                what,
+                "accuracy with only the circuit kept, minus the first checkpoint's (paired)",
+                against_first([sc["outcomes"][key] for sc in scores]),
+            )
+        series = {
+            label: [_row_est(sc["rows"][key], "faithfulness") for sc in scores]
+            for label, key in (
+                ("final circuit", "final"),
+                ("first trained circuit", "first trained"),
+                ("own circuit", "own"),
+            )
+        }
+        fig = band_figure(
+            self.steps,
+            series,
+            self.dir / "figures" / "circuits_faithfulness.png",
+            "faithfulness F(C)/F(M) of each circuit in every checkpoint (bootstrap 95% CI)",
+            "faithfulness",
+            zero=True,
+        )
+        size = band_figure(
+            self.steps,
+            {"own circuit (faithfulness on the curve's prompts)": [o["faithfulness"] for o in own]},
+            self.dir / "figures" / "own_circuit_faithfulness.png",
+            "each checkpoint's own circuit at the target: faithfulness where it was chosen",
+            "faithfulness",
+        )
+        mem = membership_figure(
+            self.steps,
+            [Circuit.from_dict(o["circuit"]) for o in own],
+            self.dir / "figures" / "membership.png",
+            "each checkpoint's own circuit: heads per (position class, layer)",
+        )
         d = self.s.st.discovery
         self.sections.append(
-            "## Circuits\n\n" + self.table(rows, "circuits", (
-                f"Each checkpoint's own circuit at the target (faithfulness >= {d.target}, '{d.select}' rule, on "
-                f"{d.curve_n} curve prompts) with its size; the final, first trained and own circuits scored in "
-                f"each checkpoint on {self.s.st.scoring.n} other prompts (faithfulness F(C)/F(M), bootstrap 95% CI)"))
-            + "\n" + self.figure(fig, "faithfulness of the circuits against the step")
-            + "\n" + self.figure(size, "own circuit's faithfulness at its chosen size")
-            + "\n" + self.figure(mem, "membership: pairs of each own circuit by position class and layer"))
+            "## Circuits\n\n"
+            + self.table(
+                rows,
+                "circuits",
+                (
+                    f"Each checkpoint's own circuit at the target (faithfulness >= {d.target}, '{d.select}' rule, on "
+                    f"{d.curve_n} curve prompts) with its size; the final, first trained and own circuits scored in "
+                    f"each checkpoint on {self.s.st.scoring.n} other prompts (faithfulness F(C)/F(M), bootstrap 95% CI)"
+                ),
+            )
+            + "\n"
+            + self.figure(fig, "faithfulness of the circuits against the step")
+            + "\n"
+            + self.figure(size, "own circuit's faithfulness at its chosen size")
+            + "\n"
+            + self.figure(mem, "membership: pairs of each own circuit by position class and layer")
+        )
 
     def cmap(self) -> None:
         recs = [None] + [self.r["cmap"][n].result for n in self.names[1:]]
@@ -110,16 +169,30 @@ class _Report:
                 row.update(_cols(f"gain {k}", r["gain"][k] if r else None))
             rows.append(row)
         for k in keys:
-            self.component(f"CMAP {k}", "accuracy of the first checkpoint with it patched in, minus its own (paired)",
-                           [r["gain"][k] if r else None for r in recs])
-        fig = band_figure(self.steps, {k: [r["gain"][k] if r else None for r in recs] for k in keys},
-                          self.dir / "figures" / "cmap_gain.png",
-                          "CMAP gain: each group's activations from the checkpoint patched into the first "
-                          "(paired bootstrap 95% CI)", "accuracy gain", zero=True)
-        self.sections.append("## CMAP into the first checkpoint\n\n" + self.table(
-            rows, "cmap", "CMAP of the final circuit's groups (group/part) from each checkpoint into the first: "
-            "patched accuracy minus the first's own, paired over prompts (bootstrap 95% CI)")
-            + "\n" + self.figure(fig, "CMAP gain against the step"))
+            self.component(
+                f"CMAP {k}",
+                "accuracy of the first checkpoint with it patched in, minus its own (paired)",
+                [r["gain"][k] if r else None for r in recs],
+            )
+        fig = band_figure(
+            self.steps,
+            {k: [r["gain"][k] if r else None for r in recs] for k in keys},
+            self.dir / "figures" / "cmap_gain.png",
+            "CMAP gain: each group's activations from the checkpoint patched into the first (paired bootstrap 95% CI)",
+            "accuracy gain",
+            zero=True,
+        )
+        self.sections.append(
+            "## CMAP into the first checkpoint\n\n"
+            + self.table(
+                rows,
+                "cmap",
+                "CMAP of the final circuit's groups (group/part) from each checkpoint into the first: "
+                "patched accuracy minus the first's own, paired over prompts (bootstrap 95% CI)",
+            )
+            + "\n"
+            + self.figure(fig, "CMAP gain against the step")
+        )
 
     def semantic(self) -> None:
         per = [self.r["semantic"][n].result["rows"] for n in self.names]
@@ -133,37 +206,79 @@ class _Report:
             diff = against_first([x["outcomes"] for x in got])
             series[f"{g} {des}"] = [x["accuracy"] for x in got]
             heads = " ".join(got[0]["heads"])
-            self.component(f"DCM {g} {des} ({heads})", "semantic-patching accuracy minus the first's (paired)",
-                           diff)
+            self.component(f"DCM {g} {des} ({heads})", "semantic-patching accuracy minus the first's (paired)", diff)
             for s, n, x, d in zip(self.steps, self.names, got, diff):
-                rows.append({"group": g, "desideratum": des, "step": s, **_cols("accuracy", x["accuracy"]),
-                             **_cols("floor", x["floor"]), **_cols("minus_first", d)})
-        fig = band_figure(self.steps, series, self.dir / "figures" / "semantic.png",
-                          "semantic patching of the DCM-labelled heads (exact binomial 95% CI)", "target accuracy")
+                rows.append(
+                    {
+                        "group": g,
+                        "desideratum": des,
+                        "step": s,
+                        **_cols("accuracy", x["accuracy"]),
+                        **_cols("floor", x["floor"]),
+                        **_cols("minus_first", d),
+                    }
+                )
+        fig = band_figure(
+            self.steps,
+            series,
+            self.dir / "figures" / "semantic.png",
+            "semantic patching of the DCM-labelled heads (exact binomial 95% CI)",
+            "target accuracy",
+        )
         src = self.r["dcm"].result["source"]
-        sel = [{"group": x["group"], "desideratum": x["desideratum"], "position": x["position"],
+        sel = [
+            {
+                "group": x["group"],
+                "desideratum": x["desideratum"],
+                "position": x["position"],
                 "selected": " ".join(x["selected"]) or "-",
-                "dropped (test accuracy not above the floor)": " ".join(x.get("dropped", [])) or "-"}
-               for x in self.r["dcm"].result["dcm"]]
-        self.sections.append("## Semantic patching of the DCM-labelled heads\n\n" + self.table(
-            sel, "dcm_labels", f"DCM selections ({src})") + "\n" + self.table(
-            rows, "semantic", "Target accuracy with each selection patched source -> base in every checkpoint (exact "
-            "binomial 95% CI), the unpatched floor, and the paired difference from the first checkpoint")
-            + "\n" + self.figure(fig, "semantic patching against the step"))
+                "dropped (test accuracy not above the floor)": " ".join(x.get("dropped", [])) or "-",
+            }
+            for x in self.r["dcm"].result["dcm"]
+        ]
+        self.sections.append(
+            "## Semantic patching of the DCM-labelled heads\n\n"
+            + self.table(sel, "dcm_labels", f"DCM selections ({src})")
+            + "\n"
+            + self.table(
+                rows,
+                "semantic",
+                "Target accuracy with each selection patched source -> base in every checkpoint (exact "
+                "binomial 95% CI), the unpatched floor, and the paired difference from the first checkpoint",
+            )
+            + "\n"
+            + self.figure(fig, "semantic patching against the step")
+        )
 
     def structure(self) -> None:
         st = self.r["structure"].result
-        null_rows = [{"step": s, "checkpoint": n, **_cols("null_overlap", st["null"][n])}
-                     for s, n in zip(self.steps, self.names)]
-        change_rows = [{"from_step": self.steps[i], "to_step": self.steps[i + 1], **_cols("cross_overlap", c["cross"]),
-                        **_cols("null_minus_cross", c["null_minus_cross"]), "changed": c["changed"],
-                        "pairs_entered": " ".join(c["entered"]) or "-", "pairs_left": " ".join(c["left"]) or "-"}
-                       for i, c in enumerate(st["consecutive"])]
-        series = {"within-checkpoint null (disjoint halves)": [st["null"][n] for n in self.names],
-                  "cross overlap with the previous checkpoint": [None] + [c["cross"] for c in st["consecutive"]]}
-        fig = band_figure(self.steps, series, self.dir / "figures" / "structure.png",
-                          f"overlap (Jaccard) of top-{st['n_pairs']} pair sets on disjoint prompt halves "
-                          "(percentile 95% CI over resampled halves)", "overlap")
+        null_rows = [
+            {"step": s, "checkpoint": n, **_cols("null_overlap", st["null"][n])} for s, n in zip(self.steps, self.names)
+        ]
+        change_rows = [
+            {
+                "from_step": self.steps[i],
+                "to_step": self.steps[i + 1],
+                **_cols("cross_overlap", c["cross"]),
+                **_cols("null_minus_cross", c["null_minus_cross"]),
+                "changed": c["changed"],
+                "pairs_entered": " ".join(c["entered"]) or "-",
+                "pairs_left": " ".join(c["left"]) or "-",
+            }
+            for i, c in enumerate(st["consecutive"])
+        ]
+        series = {
+            "within-checkpoint null (disjoint halves)": [st["null"][n] for n in self.names],
+            "cross overlap with the previous checkpoint": [None] + [c["cross"] for c in st["consecutive"]],
+        }
+        fig = band_figure(
+            self.steps,
+            series,
+            self.dir / "figures" / "structure.png",
+            f"overlap (Jaccard) of top-{st['n_pairs']} pair sets on disjoint prompt halves "
+            "(percentile 95% CI over resampled halves)",
+            "overlap",
+        )
         self.sections.append(
             "## Structure against the within-checkpoint null\n\n"
             f"Two discoveries of one checkpoint on disjoint halves of the {self.s.st.discovery.n} ranking prompts "
@@ -171,11 +286,21 @@ class _Report:
             "same halves (one's half A against the other's half B, both ways); their circuits 'changed' only where "
             "(mean null - cross) has its paired interval above 0. A pair 'entered' or 'left' only where its bootstrap "
             f"selection frequency goes from <= {1 - st['stable']:.2f} to >= {st['stable']:.2f} or back.\n\n"
-            + self.table(null_rows, "structure_null", "Within-checkpoint null: overlap of two discoveries on "
-                         "disjoint prompts (percentile 95% CI)") + "\n"
-            + self.table(change_rows, "structure_changes", "Consecutive checkpoints: cross overlap, the "
-                         "spread-corrected difference (paired 95% CI) and the pairs that changed beyond the spread")
-            + "\n" + self.figure(fig, "structural null and cross overlap against the step"))
+            + self.table(
+                null_rows,
+                "structure_null",
+                "Within-checkpoint null: overlap of two discoveries on disjoint prompts (percentile 95% CI)",
+            )
+            + "\n"
+            + self.table(
+                change_rows,
+                "structure_changes",
+                "Consecutive checkpoints: cross overlap, the "
+                "spread-corrected difference (paired 95% CI) and the pairs that changed beyond the spread",
+            )
+            + "\n"
+            + self.figure(fig, "structural null and cross overlap against the step")
+        )
 
     def order(self, formation: list[dict]) -> str:
         """What the formation table orders: components forming at one step are not ordered among themselves
@@ -183,14 +308,19 @@ class _Report:
         steps = sorted({c["formed_at_step"] for c in formation if c["formed_at_step"] is not None})
         parts = [f"{len([c for c in formation if c['formed_at_step'] == st])} at step {st}" for st in steps]
         never = len([c for c in formation if c["formed_at_step"] is None])
-        text = (f"Of {len(formation)} components, {', '.join(parts) or 'none'} form"
-                + (f"; {never} never form" if never else "") + f". Checkpoints are at steps "
-                f"{', '.join(map(str, self.steps))}: components that form at the same step are not ordered among "
-                "themselves by this run.")
+        text = (
+            f"Of {len(formation)} components, {', '.join(parts) or 'none'} form"
+            + (f"; {never} never form" if never else "")
+            + f". Checkpoints are at steps "
+            f"{', '.join(map(str, self.steps))}: components that form at the same step are not ordered among "
+            "themselves by this run."
+        )
         missed = [st for st, n in zip(self.steps, self.names) if not self.r["circuits"][n].result["reached_target"]]
         if missed:
-            text += (f" The own circuit of step{'s' if len(missed) > 1 else ''} {', '.join(map(str, missed))} did not "
-                     "reach the target at any size scored (the largest size stands in; `tables/circuits.md`).")
+            text += (
+                f" The own circuit of step{'s' if len(missed) > 1 else ''} {', '.join(map(str, missed))} did not "
+                "reach the target at any size scored (the largest size stands in; `tables/circuits.md`)."
+            )
         return text
 
     def formation(self) -> list[dict]:
@@ -204,14 +334,20 @@ class _Report:
         self.semantic()
         self.structure()
         formation = self.formation()
-        form = self.table(formation, "formation", "When each component forms: the first step from which its paired "
-                          "interval against the first checkpoint excludes 0 at every later checkpoint (95% CI at that "
-                          "step and at the final one); none: never from some step on")
+        form = self.table(
+            formation,
+            "formation",
+            "When each component forms: the first step from which its paired "
+            "interval against the first checkpoint excludes 0 at every later checkpoint (95% CI at that "
+            "step and at the final one); none: never from some step on",
+        )
         s = self.s
-        head = (f"# Trajectory study: {s.task.name} over {len(self.names)} checkpoints\n\n"
-                f"Checkpoints (step: name): {', '.join(f'{st}: `{n}`' for st, n in zip(self.steps, self.names))}. "
-                f"The first is the reference; the first trained is `{self.names[1]}`; the final `{self.names[-1]}`. "
-                "The base loaded once and the adapters swapped.\n\n")
+        head = (
+            f"# Trajectory study: {s.task.name} over {len(self.names)} checkpoints\n\n"
+            f"Checkpoints (step: name): {', '.join(f'{st}: `{n}`' for st, n in zip(self.steps, self.names))}. "
+            f"The first is the reference; the first trained is `{self.names[1]}`; the final `{self.names[-1]}`. "
+            "The base loaded once and the adapters swapped.\n\n"
+        )
         report = head + "## When each component forms\n\n" + form + "\n" + "\n".join(self.sections)
         path = write_text(self.dir / "report.md", report)
         self.readme(formation)
@@ -219,35 +355,61 @@ class _Report:
 
     def readme(self, formation: list[dict]) -> None:
         st = self.r["structure"].result
-        changed = [{"from_step": self.steps[i], "to_step": self.steps[i + 1],
-                    **_cols("null_minus_cross", c["null_minus_cross"]), "changed": c["changed"],
-                    "pairs_entered": len(c["entered"]), "pairs_left": len(c["left"])}
-                   for i, c in enumerate(st["consecutive"])]
+        changed = [
+            {
+                "from_step": self.steps[i],
+                "to_step": self.steps[i + 1],
+                **_cols("null_minus_cross", c["null_minus_cross"]),
+                "changed": c["changed"],
+                "pairs_entered": len(c["entered"]),
+                "pairs_left": len(c["left"]),
+            }
+            for i, c in enumerate(st["consecutive"])
+        ]
         stages = self.s.cache.summary()
         cost = [{"stage": k, "seconds": round(v["seconds"], 1)} for k, v in stages.items()]
         st = self.s.st
-        settings = [{"what": w, "setting": v} for w, v in (
-            ("checkpoints (step: name)", ", ".join(f"{s}: {n}" for s, n in zip(self.steps, self.names))),
-            ("accuracy prompts", st.eval.n), ("ranking prompts (halved for the null)", st.discovery.n),
-            ("curve prompts; sizes", f"{st.discovery.curve_n}; {st.discovery.sizes}"),
-            ("target faithfulness; select", f"{st.discovery.target}; {st.discovery.select}"),
-            ("scoring prompts; reference prompts", f"{st.scoring.n}; {st.scoring.reference_n}"),
-            ("CMAP prompts; parts; groups", f"{st.cmap.n}; {' '.join(st.cmap.parts)}; {' '.join(st.cmap.groups)}"),
-            ("DCM labels; semantic test pairs", f"{st.dcm.labels or 'trained on the final circuit'}; {st.dcm.n_test}"),
-            ("structure resamples; stable frequency", f"{st.structure.draws}; {st.structure.stable}"))]
-        text = (f"# {self.dir.name}\n\nWritten by `mechdiff run {self.s.st.source}`; the full report is "
-                "[report.md](report.md). Every finding is a row carried by its interval.\n\n"
-                "## Findings: when each component forms (in order)\n\n" + to_markdown(formation) + "\n\n"
-                + self.order(formation) + "\n\n"
-                "## Findings: structure beyond the within-checkpoint null\n\n" + to_markdown(changed) + "\n\n"
-                "## Settings\n\n" + to_markdown(settings) + "\n\n"
-                "## Stage costs\n\nSeconds each stage took when it was computed (from `run.json`; "
-                f"{sum(v['seconds'] for v in stages.values()):.0f} s in all).\n\n" + to_markdown(cost) + "\n")
+        settings = [
+            {"what": w, "setting": v}
+            for w, v in (
+                ("checkpoints (step: name)", ", ".join(f"{s}: {n}" for s, n in zip(self.steps, self.names))),
+                ("accuracy prompts", st.eval.n),
+                ("ranking prompts (halved for the null)", st.discovery.n),
+                ("curve prompts; sizes", f"{st.discovery.curve_n}; {st.discovery.sizes}"),
+                ("target faithfulness; select", f"{st.discovery.target}; {st.discovery.select}"),
+                ("scoring prompts; reference prompts", f"{st.scoring.n}; {st.scoring.reference_n}"),
+                ("CMAP prompts; parts; groups", f"{st.cmap.n}; {' '.join(st.cmap.parts)}; {' '.join(st.cmap.groups)}"),
+                (
+                    "DCM labels; semantic test pairs",
+                    f"{st.dcm.labels or 'trained on the final circuit'}; {st.dcm.n_test}",
+                ),
+                ("structure resamples; stable frequency", f"{st.structure.draws}; {st.structure.stable}"),
+            )
+        ]
+        text = (
+            f"# {self.dir.name}\n\nWritten by `mechdiff run {self.s.st.source}`; the full report is "
+            "[report.md](report.md). Every finding is a row carried by its interval.\n\n"
+            "## Findings: when each component forms (in order)\n\n"
+            + to_markdown(formation)
+            + "\n\n"
+            + self.order(formation)
+            + "\n\n"
+            "## Findings: structure beyond the within-checkpoint null\n\n" + to_markdown(changed) + "\n\n"
+            "## Settings\n\n" + to_markdown(settings) + "\n\n"
+            "## Stage costs\n\nSeconds each stage took when it was computed (from `run.json`; "
+            f"{sum(v['seconds'] for v in stages.values()):.0f} s in all).\n\n" + to_markdown(cost) + "\n"
+        )
         write_text(self.dir / "README.md", text)
 
 
-def band_figure(steps: Sequence[int], series: dict[str, Sequence[Optional[dict]]], path: str | Path,
-                title: str = "", ylabel: str = "", zero: bool = False) -> Path:
+def band_figure(
+    steps: Sequence[int],
+    series: dict[str, Sequence[Optional[dict]]],
+    path: str | Path,
+    title: str = "",
+    ylabel: str = "",
+    zero: bool = False,
+) -> Path:
     """Each series (``{"value", "low", "high"}`` per step, None where absent) against the step, its interval as
     a band."""
     import matplotlib
@@ -263,7 +425,7 @@ def band_figure(steps: Sequence[int], series: dict[str, Sequence[Optional[dict]]
         got = [p for p in points if p is not None]
         if not got:
             continue
-        line, = ax.plot(xs, [p["value"] for p in got], marker="o", ms=3, label=label)
+        (line,) = ax.plot(xs, [p["value"] for p in got], marker="o", ms=3, label=label)
         ax.fill_between(xs, [p["low"] for p in got], [p["high"] for p in got], color=line.get_color(), alpha=0.2)
     if zero:
         ax.axhline(0, color="grey", lw=0.8)
@@ -289,8 +451,9 @@ def membership_figure(steps: Sequence[int], circuits: Sequence[Circuit], path: s
     classes = list(dict.fromkeys(pos for pos, _ in cells))
     n_layers = 1 + max((layer for _, layer in cells), default=0)
     vmax = max((max(v) for v in cells.values()), default=1)
-    fig, axes = plt.subplots(1, len(steps), figsize=(1.6 * len(steps) + 2.5, 0.25 * len(classes) + 1.6),
-                             sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(steps), figsize=(1.6 * len(steps) + 2.5, 0.25 * len(classes) + 1.6), sharey=True, squeeze=False
+    )
     for i, (step, ax) in enumerate(zip(steps, axes[0])):
         grid = np.zeros((len(classes), n_layers))
         for (pos, layer), counts in cells.items():

@@ -28,9 +28,23 @@ def derive(seed: int, name: str) -> int:
 #: The commands that score circuits (``score``, ``prune``, ``compare``, ``curve``) name theirs ``command-*``: the
 #: scored prompts, the mean-ablation reference and the curve's ranking prompts. Their offsets are not the study's
 #: for the same purposes (``curve``, ``reference``, ``ranking``): ``results/curve-smollm2`` was drawn with them.
-PROMPT_OFFSETS = {"discovery": 0, "eval": 1, "matrix": 2, "reference": 3, "dcm": 4, "cmap": 5, "prune": 6,
-                  "positions": 7, "ranking": 8, "curve": 9, "reproduction": 7, "reproduction-reference": 8,
-                  "command-scoring": 0, "command-reference": 1, "command-ranking": 2}
+PROMPT_OFFSETS = {
+    "discovery": 0,
+    "eval": 1,
+    "matrix": 2,
+    "reference": 3,
+    "dcm": 4,
+    "cmap": 5,
+    "prune": 6,
+    "positions": 7,
+    "ranking": 8,
+    "curve": 9,
+    "reproduction": 7,
+    "reproduction-reference": 8,
+    "command-scoring": 0,
+    "command-reference": 1,
+    "command-ranking": 2,
+}
 
 
 def prompt_seed(seed: int, name: str) -> int:

@@ -128,8 +128,11 @@ class StageCache:
         if self.planning:
             hit = saved is not None and saved["key"] == key
             self._note(PlannedStage(name, key, hit))
-            return (StageRecord(name, key, saved["result"], saved["seconds"], True) if hit
-                    else StageRecord(name, key, Unknown(name), float("nan"), False))
+            return (
+                StageRecord(name, key, saved["result"], saved["seconds"], True)
+                if hit
+                else StageRecord(name, key, Unknown(name), float("nan"), False)
+            )
         if saved is not None:
             if saved["key"] == key:
                 return self._keep(StageRecord(name, key, saved["result"], saved["seconds"], True))

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 from ..common.io import check_writable, run_lock, write_json
-from .spec import SpecError, StudySection, line_of, load_sections, read_task_file
 from ..runs.stages import Pending, PlannedStage, StageCache, key_hash
+from .spec import SpecError, StudySection, line_of, load_sections, read_task_file
 
 #: Study kinds by the name a task file's ``[study] kind`` gives: the class, as ``module:Class`` (imported when
 #: asked for, so this module imports no kind).
@@ -52,8 +52,9 @@ def study_kind(path: str | Path) -> str:
     section = data.get("study", {})
     kind = section.get("kind", DEFAULT_KIND) if isinstance(section, dict) else None
     if kind not in KINDS:
-        raise SpecError(f"{path}:{line_of(text, 'study', 'kind')}: kind = {kind!r} in [study]; "
-                        f"valid values: {', '.join(KINDS)}")
+        raise SpecError(
+            f"{path}:{line_of(text, 'study', 'kind')}: kind = {kind!r} in [study]; valid values: {', '.join(KINDS)}"
+        )
     return kind
 
 
@@ -84,19 +85,29 @@ def load_section_file(path: str | Path, section: str, settings: type, choices: d
     """The ``[section]`` settings (a ``settings`` instance) and the ``[output] dir`` of the task file ``path`` of a
     kind whose file is one settings section plus ``[study]`` and ``[output]``; unknown keys, and values outside
     ``choices`` (``(section, key)`` -> allowed values), refused with their line and ``example``."""
-    built = load_sections(path, {section: settings, "study": StudySection, "output": OutputDir}, choices=choices,
-                          example=example)[0]
+    built = load_sections(
+        path, {section: settings, "study": StudySection, "output": OutputDir}, choices=choices, example=example
+    )[0]
     return built[section], built["output"].dir
 
 
-def section_study(cls: type["Study"], path: Optional[str | Path], out: Optional[str], progress: bool,
-                  models: Optional[dict], task: Optional[str], load_file: Callable[[str | Path], tuple[Any, str]],
-                  title: str, example: str) -> "Study":
+def section_study(
+    cls: type["Study"],
+    path: Optional[str | Path],
+    out: Optional[str],
+    progress: bool,
+    models: Optional[dict],
+    task: Optional[str],
+    load_file: Callable[[str | Path], tuple[Any, str]],
+    title: str,
+    example: str,
+) -> "Study":
     """A study of a kind whose task file is one settings section plus ``[output]`` (no ``[task]``):
     ``load_file(path)`` gives the settings and the output dir; ``cls(settings, out, load, progress)``."""
     if path is None or task is not None:
-        raise ValueError(f"a {title} study is a task file's [{cls.kind}] section ({example}); it has no [task] "
-                         "to override")
+        raise ValueError(
+            f"a {title} study is a task file's [{cls.kind}] section ({example}); it has no [task] to override"
+        )
     settings, directory = load_file(path)
     if not (out or directory):
         raise ValueError(f"{path}: give [output] dir (where the results go) or --out")
@@ -138,8 +149,14 @@ class Study(ABC):
     # -- what a kind defines ------------------------------------------------------------
     @classmethod
     @abstractmethod
-    def from_file(cls, path: Optional[str | Path], out: Optional[str] = None, progress: bool = True,
-                  models: Optional[dict] = None, task: Optional[str] = None) -> "Study":
+    def from_file(
+        cls,
+        path: Optional[str | Path],
+        out: Optional[str] = None,
+        progress: bool = True,
+        models: Optional[dict] = None,
+        task: Optional[str] = None,
+    ) -> "Study":
         """The study of a task file; ``out`` overrides its results directory, ``models`` how models load
         (dtype, device, device_map, remote), ``task`` its task (kinds that have one)."""
 
@@ -199,8 +216,9 @@ class Study(ABC):
             where = "" if cache.root == self.dir else f"{cache.root.relative_to(self.dir)}/"
             for p in cache.planned:
                 saved = committed.get(p.name, {})
-                out.append(PlannedStage(where + p.name, p.key, p.cached, p.after, saved.get("seconds"),
-                                        saved.get("key")))
+                out.append(
+                    PlannedStage(where + p.name, p.key, p.cached, p.after, saved.get("seconds"), saved.get("key"))
+                )
         return out
 
     def manifest(self) -> dict:
@@ -209,9 +227,15 @@ class Study(ABC):
         for cache in self.caches():
             where = "" if cache.root == self.dir else f"{cache.root.relative_to(self.dir)}/"
             stages.update({where + n: s for n, s in cache.summary().items()})
-        return {"kind": self.kind, self.settings_key: self.settings_record(), "versions": versions(),
-                "python": platform.python_version(), "machine": platform.machine(), "stages": stages,
-                "wall_seconds": time.time() - self.started}
+        return {
+            "kind": self.kind,
+            self.settings_key: self.settings_record(),
+            "versions": versions(),
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "stages": stages,
+            "wall_seconds": time.time() - self.started,
+        }
 
 
 def committed_stages(run_dir: Path) -> dict[str, dict]:
@@ -247,8 +271,10 @@ def format_plan(plan: list[PlannedStage]) -> str:
         after = f" after {p.after}" if p.after else ""
         lines.append(f"{p.name:{width}s}  {state:9s}  {cost}{after}")
     n = sum(not p.cached for p in plan)
-    lines.append(f"{n} of {len(plan)} stages to compute" +
-                 (f"; they took {todo:.0f} s when the committed results were made" if todo else ""))
+    lines.append(
+        f"{n} of {len(plan)} stages to compute"
+        + (f"; they took {todo:.0f} s when the committed results were made" if todo else "")
+    )
     return "\n".join(lines)
 
 

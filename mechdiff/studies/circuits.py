@@ -22,14 +22,14 @@ from typing import Any, Optional
 from ..circuits.circuit import Circuit
 from ..common.io import check_writable, run_lock
 from ..models.loading import LoadedModel, spec_digest
-from ..models.resolve import resolve_spec
 from ..models.modelset import ModelSet
-from ..tasks.base import Task, get_task
-from .spec import RunSpec
-from .base import Study, vocabulary_digest
+from ..models.resolve import resolve_spec
 from ..runs.seeds import prompt_seed
 from ..runs.stages import StageRecord, label
 from ..runs.stages import key_hash as _hash
+from ..tasks.base import Task, get_task
+from .base import Study, vocabulary_digest
+from .spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,13 @@ class CircuitsStudy(Study):
 
         check_remote(spec.models.remote, [resolve_spec(n) for n in spec.model_names])
         check_weights(spec.model_names, remote=spec.models.remote)
-        self.models = ModelSet(spec.model_names, dtype=spec.models.dtype, device_map=spec.models.device_map,
-                               device=spec.models.device, remote=spec.models.remote)
+        self.models = ModelSet(
+            spec.model_names,
+            dtype=spec.models.dtype,
+            device_map=spec.models.device_map,
+            device=spec.models.device,
+            remote=spec.models.remote,
+        )
         if spec.reproduce.circuit:  # the released circuit is read and checked against the models' shape now
             from ..circuits.circuit import load_circuit_file
 
@@ -61,8 +66,14 @@ class CircuitsStudy(Study):
         self.tokenizer = _tokenizer(spec.models.base)
 
     @classmethod
-    def from_file(cls, path: Optional[str | Path], out: Optional[str] = None, progress: bool = True,
-                  models: Optional[dict] = None, task: Optional[str] = None) -> "CircuitsStudy":
+    def from_file(
+        cls,
+        path: Optional[str | Path],
+        out: Optional[str] = None,
+        progress: bool = True,
+        models: Optional[dict] = None,
+        task: Optional[str] = None,
+    ) -> "CircuitsStudy":
         """The study of a task file (None: the embedded default study, ``tasks/entity_tracking.toml``); ``task``
         replaces its ``[task] name``, ``models`` its ``[models]`` dtype, device, device_map and remote."""
         from .spec import check_task, default_spec, load_spec
@@ -87,10 +98,15 @@ class CircuitsStudy(Study):
         held-out vocabulary, the tokenizer (the base's) and the code version."""
         from .. import __version__
 
-        return {"task": asdict(self.spec.task), "dtype": self.spec.models.dtype,
-                "device_map": self.spec.models.device_map, "vocabulary": vocabulary_digest(self.task),
-                "tokenizer": self.digests[self.spec.models.base], "mechdiff": __version__,
-                **({"remote": True} if self.spec.models.remote else {})}
+        return {
+            "task": asdict(self.spec.task),
+            "dtype": self.spec.models.dtype,
+            "device_map": self.spec.models.device_map,
+            "vocabulary": vocabulary_digest(self.task),
+            "tokenizer": self.digests[self.spec.models.base],
+            "mechdiff": __version__,
+            **({"remote": True} if self.spec.models.remote else {}),
+        }
 
     @property
     def task(self) -> Task:
@@ -118,12 +134,16 @@ class CircuitsStudy(Study):
 
         def compute() -> dict:
             lm = self.model(name)
-            res = evaluate(lm, self.eval_records(), self.spec.eval.batch_size, desc=f"accuracy {name}",
-                           progress=self.progress)
+            res = evaluate(
+                lm, self.eval_records(), self.spec.eval.batch_size, desc=f"accuracy {name}", progress=self.progress
+            )
             return {**res.to_dict(), "fingerprint": lm.fingerprint, "provenance": lm.provenance}
 
-        return self.cache.run(f"accuracy:{name}", {"model": self.digests[name], "task": self._task(),
-                                                    "eval": asdict(self.spec.eval), "split": "eval"}, compute)
+        return self.cache.run(
+            f"accuracy:{name}",
+            {"model": self.digests[name], "task": self._task(), "eval": asdict(self.spec.eval), "split": "eval"},
+            compute,
+        )
 
     def positions(self, name: str) -> Optional[StageRecord]:
         """The position scan of ``name``: which position classes must keep every head (None: ``n = 0``)."""
@@ -141,8 +161,11 @@ class CircuitsStudy(Study):
             position_scan_figure(scan, path, title=f"{name}: every head kept at the classes chosen so far")
             return {"scan": scan, "figure": str(path.relative_to(self.dir))}
 
-        return self.cache.run(f"positions:{name}", {"model": self.digests[name], "task": self._task(),
-                                                     "positions": asdict(p), "scoring": self._reference()}, compute)
+        return self.cache.run(
+            f"positions:{name}",
+            {"model": self.digests[name], "task": self._task(), "positions": asdict(p), "scoring": self._reference()},
+            compute,
+        )
 
     def circuit(self, name: str) -> StageRecord:
         """The circuit of ``name`` by the configured method (``[discovery] method``)."""
@@ -167,50 +190,93 @@ class CircuitsStudy(Study):
         d = self.spec.discovery
         ranker = self.scorer(name, "ranking", d.n)
         classes = task_classes(ranker)
-        found = curve_circuit(ranker, self.scorer(name, "curve", d.curve_n), classes, d.sizes, d.target, d.select,
-                              d.stability_draws, self.seed("ranking"), name, self.task.name)
-        circuit, curve, ranked, n, stability, scores = (found.circuit, found.curve, found.ranked, found.n,
-                                                        found.stability, found.scores)
+        found = curve_circuit(
+            ranker,
+            self.scorer(name, "curve", d.curve_n),
+            classes,
+            d.sizes,
+            d.target,
+            d.select,
+            d.stability_draws,
+            self.seed("ranking"),
+            name,
+            self.task.name,
+        )
+        circuit, curve, ranked, n, stability, scores = (
+            found.circuit,
+            found.curve,
+            found.ranked,
+            found.n,
+            found.stability,
+            found.scores,
+        )
         circuit.save(self.dir / "circuits" / f"{label(name)}.json")
-        figures = {"curve": self.dir / "figures" / f"curve_{label(name)}.png",
-                   "stability": self.dir / "figures" / f"stability_{label(name)}.png"}
+        figures = {
+            "curve": self.dir / "figures" / f"curve_{label(name)}.png",
+            "stability": self.dir / "figures" / f"stability_{label(name)}.png",
+        }
         curve_figure(curve, figures["curve"], title=f"{name}: faithfulness vs circuit size")
         kept = {pair_name(p): stability[p] for p in ranked[:n]}
         in_circuit = set(ranked[:n])
-        stability_figure(kept, n / len(ranked), figures["stability"],
-                         title=f"{name}: selection frequency over {d.stability_draws} resamples of {d.n} prompts")
-        return {"circuit": circuit.to_dict(), "curve": curve, "classes": classes,
-                "stability": {"draws": d.stability_draws, "chance": n / len(ranked), "selected": kept,
-                              "others": {pair_name(p): f for p, f in stability.items()
-                                         if f > 0 and p not in in_circuit}},
-                "ranking": [[pair_name(p), scores[p]] for p in ranked[: 2 * n]],
-                "figures": {k: str(v.relative_to(self.dir)) for k, v in figures.items()}}
+        stability_figure(
+            kept,
+            n / len(ranked),
+            figures["stability"],
+            title=f"{name}: selection frequency over {d.stability_draws} resamples of {d.n} prompts",
+        )
+        return {
+            "circuit": circuit.to_dict(),
+            "curve": curve,
+            "classes": classes,
+            "stability": {
+                "draws": d.stability_draws,
+                "chance": n / len(ranked),
+                "selected": kept,
+                "others": {pair_name(p): f for p, f in stability.items() if f > 0 and p not in in_circuit},
+            },
+            "ranking": [[pair_name(p), scores[p]] for p in ranked[: 2 * n]],
+            "figures": {k: str(v.relative_to(self.dir)) for k, v in figures.items()},
+        }
 
     def _path_circuit(self, name: str) -> dict:
         """The paper's path patching: each step of the task's plan keeps its top-k heads."""
         from ..circuits.discovery import DiscoverySettings, discover
-        from ..tasks.plan import default_plan, load_plan
         from ..report.figures import head_heatmap
+        from ..tasks.plan import default_plan, load_plan
 
         d, t = self.spec.discovery, self.spec.task
         lm = self.model(name)
         plan = load_plan(self.task.plan) if self.task.plan else default_plan()
         steps_of_plan = {step.name for step in plan.steps}
-        settings = DiscoverySettings(k={s: k for s, k in d.top_k.items() if s in steps_of_plan}, screen=d.screen,
-                                     screen_multiple=d.screen_multiple, n_prompts=d.n, n_boxes=t.n_boxes,
-                                     seed=self.seed("discovery"))
+        settings = DiscoverySettings(
+            k={s: k for s, k in d.top_k.items() if s in steps_of_plan},
+            screen=d.screen,
+            screen_multiple=d.screen_multiple,
+            n_prompts=d.n,
+            n_boxes=t.n_boxes,
+            seed=self.seed("discovery"),
+        )
         pairs = self.task.discovery_pairs(self.tokenizer, d.n, self.seed("discovery"), **self.options())
         circuit, steps = discover(lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan)
         figures = {}
         for step, res in steps.items():
             path = self.dir / "figures" / f"path_patching_{label(name)}_{step}.png"
-            head_heatmap(res.exact, lm.shape.n_layers, lm.shape.n_heads, path,
-                         title=f"{name}: step {step} ({circuit.names.get(step, '')}), senders at "
-                               f"{res.sender_position}", selected=res.selected, label="(p_patched - p_clean)/p_clean")
+            head_heatmap(
+                res.exact,
+                lm.shape.n_layers,
+                lm.shape.n_heads,
+                path,
+                title=f"{name}: step {step} ({circuit.names.get(step, '')}), senders at {res.sender_position}",
+                selected=res.selected,
+                label="(p_patched - p_clean)/p_clean",
+            )
             figures[step] = str(path.relative_to(self.dir))
         circuit.save(self.dir / "circuits" / f"{label(name)}.json")
-        return {"circuit": circuit.to_dict(), "figures": figures,
-                "exact": {s: {h.name: v for h, v in r.exact.items()} for s, r in steps.items()}}
+        return {
+            "circuit": circuit.to_dict(),
+            "figures": figures,
+            "exact": {s: {h.name: v for h, v in r.exact.items()} for s, r in steps.items()},
+        }
 
     def _reference(self) -> dict:
         """What a scorer's ablation means depend on besides the task and model."""
@@ -246,10 +312,10 @@ class CircuitsStudy(Study):
 
         s = self.spec.scoring
         records = self.task.records(self.tokenizer, n or s.n, self.seed(prompts), **self.options())
-        reference = self.task.reference_records(self.tokenizer, s.reference_n, self.seed("reference"),
-                                                **self.options())
-        return Scorer.build(self.model(name), records, reference, self.spec.eval.batch_size, self.progress,
-                            store=self.store)
+        reference = self.task.reference_records(self.tokenizer, s.reference_n, self.seed("reference"), **self.options())
+        return Scorer.build(
+            self.model(name), records, reference, self.spec.eval.batch_size, self.progress, store=self.store
+        )
 
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
         from ..circuits.pruning import minimality, pairwise_minimality, prune
@@ -261,11 +327,19 @@ class CircuitsStudy(Study):
             # Pruning decides on its own prompts, never on those the matrix reports.
             scorer = self.scorer(name, "prune", s.prune_n)
             if s.prune_rule == "paper":
-                result = pairwise_minimality(scorer, circuit, metric=s.prune_metric, share=s.prune_share,
-                                             threshold=s.prune_threshold)
+                result = pairwise_minimality(
+                    scorer, circuit, metric=s.prune_metric, share=s.prune_share, threshold=s.prune_threshold
+                )
             else:
-                result = minimality(scorer, circuit, max_steps=s.prune_steps, n_candidates=s.prune_candidates,
-                                    seed=self.seed("prune"), metric=s.prune_metric, threshold=s.prune_threshold)
+                result = minimality(
+                    scorer,
+                    circuit,
+                    max_steps=s.prune_steps,
+                    n_candidates=s.prune_candidates,
+                    seed=self.seed("prune"),
+                    metric=s.prune_metric,
+                    threshold=s.prune_threshold,
+                )
             pruned = prune(circuit, result, s.prune_threshold)
             pruned.save(self.dir / "circuits" / f"{label(name)}.pruned.json")
             return {"circuit": pruned.to_dict(), "minimality": result}
@@ -273,8 +347,12 @@ class CircuitsStudy(Study):
         return self.cache.run(f"prune:{name}", self._prune_inputs(name, circuit_rec.key), compute)
 
     def _prune_inputs(self, name: str, circuit_key: str) -> dict:
-        return {"model": self.digests[name], "circuit": circuit_key, "scoring": asdict(self.spec.scoring),
-                "task": self._task()}
+        return {
+            "model": self.digests[name],
+            "circuit": circuit_key,
+            "scoring": asdict(self.spec.scoring),
+            "task": self._task(),
+        }
 
     def matrix(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
         """Every circuit of ``circuits`` scored on ``name``; random circuits and completeness for its own."""
@@ -285,17 +363,33 @@ class CircuitsStudy(Study):
         def compute() -> dict:
             scorer = self.scorer(name, "matrix")
             loaded = {key: Circuit.from_dict(rec.result["circuit"]) for key, rec in circuits.items()}
-            rows = matrix_rows(name, loaded, scorer, n_random=s.random_draws, seed=self.seed("matrix"),
-                               random_for=[name])
+            rows = matrix_rows(
+                name, loaded, scorer, n_random=s.random_draws, seed=self.seed("matrix"), random_for=[name]
+            )
             own = loaded.get(name)
-            comp = (completeness(scorer, own, n_draws=s.completeness_draws, seed=self.seed("matrix"),
-                                 groups=self.analysis_groups(own, s.completeness_groups or self.spec.dcm.groups))
-                    if own is not None and s.completeness_draws > 0 else None)
+            comp = (
+                completeness(
+                    scorer,
+                    own,
+                    n_draws=s.completeness_draws,
+                    seed=self.seed("matrix"),
+                    groups=self.analysis_groups(own, s.completeness_groups or self.spec.dcm.groups),
+                )
+                if own is not None and s.completeness_draws > 0
+                else None
+            )
             return {"rows": rows, "completeness": comp}
 
-        return self.cache.run(f"matrix:{name}", {"model": self.digests[name], "task": self._task(),
-                                                  "circuits": {k: r.key for k, r in circuits.items()},
-                                                  "scoring": asdict(s)}, compute)
+        return self.cache.run(
+            f"matrix:{name}",
+            {
+                "model": self.digests[name],
+                "task": self._task(),
+                "circuits": {k: r.key for k, r in circuits.items()},
+                "scoring": asdict(s),
+            },
+            compute,
+        )
 
     def analysis_groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
         """The groups DCM, CMAP and completeness look at: ``wanted`` where given (those of the circuit that
@@ -335,11 +429,24 @@ class CircuitsStudy(Study):
             names = [d for d in c.desiderata if d in own or desideratum_name(d) in own]
             names = names or list(self.task.desiderata)
             if not names:
-                return {"dcm": [], "semantic": [], "skipped": f"task {self.task.name} defines no desideratum (an "
-                        "imported task has one where every row gives a counterfactual_answer)"}
-            desiderata = {d: desideratum_pairs(d, self.tokenizer, n, t.n_boxes, self.seed("dcm"),
-                                               vocabulary=opts.get("vocabulary"), task=self.spec.task.name)
-                          for d in names}
+                return {
+                    "dcm": [],
+                    "semantic": [],
+                    "skipped": f"task {self.task.name} defines no desideratum (an "
+                    "imported task has one where every row gives a counterfactual_answer)",
+                }
+            desiderata = {
+                d: desideratum_pairs(
+                    d,
+                    self.tokenizer,
+                    n,
+                    t.n_boxes,
+                    self.seed("dcm"),
+                    vocabulary=opts.get("vocabulary"),
+                    task=self.spec.task.name,
+                )
+                for d in names
+            }
             groups = self.analysis_groups(circuit, c.groups)
             results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress)
             semantic = []
@@ -348,8 +455,14 @@ class CircuitsStudy(Study):
                     continue
                 test = split_pairs(desiderata[r.desideratum], config.split, config.seed)[2]
                 for sem in semantic_patching(self.models, r.selected, r.position, test, self.spec.eval.batch_size):
-                    semantic.append({"group": r.group, "desideratum": r.desideratum,
-                                     "heads": [h.name for h in r.selected], **sem.to_dict()})
+                    semantic.append(
+                        {
+                            "group": r.group,
+                            "desideratum": r.desideratum,
+                            "heads": [h.name for h in r.selected],
+                            **sem.to_dict(),
+                        }
+                    )
             return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic}
 
         inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self._task()}
@@ -385,16 +498,35 @@ class CircuitsStudy(Study):
             if not groups:
                 return {"skipped": f"no group of the circuit of {owner} sits at a single-token position"}
             # the "circuit" scope: the union of these groups
-            circuit = Circuit(circuit.model, circuit.task, {g: circuit.groups[g] for g in groups},
-                              {g: circuit.positions[g] for g in groups}, names=dict(circuit.names))
-            res = run_cmap(self.model(base), self.model(finetune), circuit, records, c.parts,
-                           self.spec.eval.batch_size, progress=self.progress,
-                           isolate=c.isolate, n_random=c.n_random, seed=self.seed("cmap"),
-                           rule="paper" if c.scope == "paper" else "base")
+            circuit = Circuit(
+                circuit.model,
+                circuit.task,
+                {g: circuit.groups[g] for g in groups},
+                {g: circuit.positions[g] for g in groups},
+                names=dict(circuit.names),
+            )
+            res = run_cmap(
+                self.model(base),
+                self.model(finetune),
+                circuit,
+                records,
+                c.parts,
+                self.spec.eval.batch_size,
+                progress=self.progress,
+                isolate=c.isolate,
+                n_random=c.n_random,
+                seed=self.seed("cmap"),
+                rule="paper" if c.scope == "paper" else "base",
+            )
             return {**res.to_dict(), "circuit": circuit.to_dict()} if c.scope == "paper" else res.to_dict()
 
-        inputs = {"base": self.digests[base], "finetune": self.digests[finetune], "circuit": circuit_rec.key,
-                  "cmap": asdict(c), "task": self._task()}
+        inputs = {
+            "base": self.digests[base],
+            "finetune": self.digests[finetune],
+            "circuit": circuit_rec.key,
+            "cmap": asdict(c),
+            "task": self._task(),
+        }
         if dcm_rec is not None:
             inputs["dcm"] = dcm_rec.key
         return self.cache.run(f"cmap:{finetune}", inputs, compute)
@@ -437,6 +569,7 @@ class CircuitsStudy(Study):
     def _wait(self, names: list[str], stage: str, waiter: str, poll: float) -> None:
         """Until the ``stage`` ("circuit" or "prune") records of ``names`` are in the cache under this study's
         inputs (written by the other processes; a record of other inputs does not count)."""
+
         def ready(n: str) -> bool:
             inputs = self._circuit_inputs(n)
             if not self.cache.ready(f"circuit:{n}", inputs):
@@ -471,8 +604,11 @@ class CircuitsStudy(Study):
         out["dcm"] = self.dcm(self.dcm_circuit(found, pruned, base))
         out["cmap"] = {ft: self.cmap_of(ft, found, pruned) for ft in self.spec.models.finetunes}
         # CMAP as the paper reads each fine-tune's own DCM (cached by cmap_of): the report shows what it selected
-        out["finetune_dcm"] = ({ft: self.dcm(pruned[ft], ft) for ft in self.spec.models.finetunes}
-                               if self.spec.cmap.scope == "paper" else {})
+        out["finetune_dcm"] = (
+            {ft: self.dcm(pruned[ft], ft) for ft in self.spec.models.finetunes}
+            if self.spec.cmap.scope == "paper"
+            else {}
+        )
         return out
 
     def write(self, results: dict[str, Any]) -> Path:
@@ -488,8 +624,17 @@ class CircuitsStudy(Study):
             if self.spec.reproduce.only:
                 return self.dir / "reproduction.md"
         r = results
-        report = write_report(self, r["accuracy"], r["positions"], r["found"], r["pruned"], r["matrix"], r["dcm"],
-                              r["cmap"], r.get("finetune_dcm", {}))
+        report = write_report(
+            self,
+            r["accuracy"],
+            r["positions"],
+            r["found"],
+            r["pruned"],
+            r["matrix"],
+            r["dcm"],
+            r["cmap"],
+            r.get("finetune_dcm", {}),
+        )
         write_html(self.dir)  # report.html: read from what was just written (as `mechdiff view` does)
         return report
 
@@ -497,7 +642,12 @@ class CircuitsStudy(Study):
         """The base manifest (the spec under ``spec``), with the spec's source and the models' digests,
         fingerprints and provenance."""
         loaded = {n: {"fingerprint": m.fingerprint, "provenance": m.provenance} for n, m in self.models._loaded.items()}
-        return {**super().manifest(), "source": self.spec.source, "model_digests": self.digests, "loaded_models": loaded}
+        return {
+            **super().manifest(),
+            "source": self.spec.source,
+            "model_digests": self.digests,
+            "loaded_models": loaded,
+        }
 
 
 def dcm_config(spec: RunSpec):
@@ -506,10 +656,21 @@ def dcm_config(spec: RunSpec):
 
     c = spec.dcm
     n = c.n_train + c.n_val + c.n_test
-    return DCMConfig(lam=c.lam, lam_scale=c.lam_scale, lr=c.lr, epochs=c.epochs, batch_size=c.batch_size,
-                     micro_batch=c.batch_size, eval_batch=spec.eval.batch_size, eval_every=c.eval_every,
-                     schedule=c.schedule, shuffle=c.shuffle, split=(c.n_train / n, c.n_val / n, c.n_test / n),
-                     seed=spec.task.seed, random_pool=c.random_pool)
+    return DCMConfig(
+        lam=c.lam,
+        lam_scale=c.lam_scale,
+        lr=c.lr,
+        epochs=c.epochs,
+        batch_size=c.batch_size,
+        micro_batch=c.batch_size,
+        eval_batch=spec.eval.batch_size,
+        eval_every=c.eval_every,
+        schedule=c.schedule,
+        shuffle=c.shuffle,
+        split=(c.n_train / n, c.n_val / n, c.n_test / n),
+        seed=spec.task.seed,
+        random_pool=c.random_pool,
+    )
 
 
 def _tokenizer(name: str):

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from ..circuits.circuit import Circuit
-from ..methods.cmap import CMAPResult, run_cmap
 from ..common.io import write_json
+from ..methods.cmap import CMAPResult, run_cmap
 from ..models.loading import LoadedModel
 from ..report.bars import grouped_bars
 from ..report.rows import cmap_caption, cmap_paired_caption, cmap_paired_rows, cmap_rows
@@ -31,24 +31,58 @@ def write_outputs(result: CMAPResult, out: Path) -> str:
     scopes = list(dict.fromkeys(r.scope for r in result.rows))
     kinds = list(dict.fromkeys(r.kind for r in result.rows))
     by = {(r.scope, r.kind): r.accuracy for r in result.rows}
-    grouped_bars(out / "cmap.png", scopes, {k: [by.get((s, k)) for s in scopes] for k in kinds},
-                 title=f"CMAP: {result.finetune} -> {result.base} (z projected by the base's o_proj; "
-                       + ("the paper's rule)" if result.settings.get("rule") == "paper"
-                          else "Q/K/V isolated per head)" if result.settings.get("isolate", True)
-                          else "K/V patch whole KV groups)"),
-                 references={f"base {result.base}": result.base_accuracy,
-                             f"fine-tune {result.finetune}": result.finetune_accuracy})
+    grouped_bars(
+        out / "cmap.png",
+        scopes,
+        {k: [by.get((s, k)) for s in scopes] for k in kinds},
+        title=f"CMAP: {result.finetune} -> {result.base} (z projected by the base's o_proj; "
+        + (
+            "the paper's rule)"
+            if result.settings.get("rule") == "paper"
+            else "Q/K/V isolated per head)"
+            if result.settings.get("isolate", True)
+            else "K/V patch whole KV groups)"
+        ),
+        references={
+            f"base {result.base}": result.base_accuracy,
+            f"fine-tune {result.finetune}": result.finetune_accuracy,
+        },
+    )
     write_json(out / "cmap.json", record)
     return text
 
 
-def cmap_run(base: LoadedModel, finetune: LoadedModel, circuit: Circuit, task: Task, n: int, seed: int,
-             options: Mapping[str, Any], kinds: Sequence[str], batch_size: int, groups: Optional[Sequence[str]],
-             isolate: bool, n_random: int, rule: str, out: Path) -> str:
+def cmap_run(
+    base: LoadedModel,
+    finetune: LoadedModel,
+    circuit: Circuit,
+    task: Task,
+    n: int,
+    seed: int,
+    options: Mapping[str, Any],
+    kinds: Sequence[str],
+    batch_size: int,
+    groups: Optional[Sequence[str]],
+    isolate: bool,
+    n_random: int,
+    rule: str,
+    out: Path,
+) -> str:
     """CMAP of ``finetune`` into ``base`` on ``n`` prompts of ``task`` (seed ``seed``, generator ``options``) per
     group of ``circuit`` (see :func:`mechdiff.methods.cmap.run_cmap`); writes ``out/cmap.*`` (and
     ``out/cmap_paired.*``); returns the tables and captions."""
     records = task.records(base.tokenizer, n, seed, **options)
-    result = run_cmap(base, finetune, circuit, records, kinds, batch_size, groups,
-                      isolate=isolate, n_random=n_random, seed=seed, rule=rule)
+    result = run_cmap(
+        base,
+        finetune,
+        circuit,
+        records,
+        kinds,
+        batch_size,
+        groups,
+        isolate=isolate,
+        n_random=n_random,
+        seed=seed,
+        rule=rule,
+    )
     return write_outputs(result, out)

@@ -10,15 +10,16 @@ from typing import Callable
 
 from ..common.io import write_json, write_text
 from ..methods.knowledge import figures
-from ..tasks.relation_data import Relation, build_facts
 from ..methods.knowledge.editing import compare_edit, load_study
-from ..report.knowledge import edit_report
 from ..models.loading import LoadedModel
+from ..report.knowledge import edit_report
 from ..report.tables import write_table
+from ..tasks.relation_data import Relation, build_facts
 
 
-def edit_comparison(edit: Relation, name: str, before: Path, after: Path, load_model: Callable[[str], LoadedModel],
-                    out: Path) -> str:
+def edit_comparison(
+    edit: Relation, name: str, before: Path, after: Path, load_model: Callable[[str], LoadedModel], out: Path
+) -> str:
     """Compare the study of the unedited model (``before``) with that of the edited one (``after``) on the facts of
     ``edit`` (named ``name`` in captions; the after study's template and k); both studies are read before
     ``load_model(model)`` loads each study's model. Writes ``out/comparison.json``, ``overlap``/``moved``/``heads``
@@ -32,7 +33,8 @@ def edit_comparison(edit: Relation, name: str, before: Path, after: Path, load_m
     write_json(out / "comparison.json", cmp)
     for table in ("overlap", "moved", "heads"):
         write_table(cmp[table], out / table, caption=f"{name}: {table}")
-    figures.edit_lens_figure(cmp["heads"], cmp["models"], out / "heads_lens.png",
-                             title=f"{name}: what the circuits' heads carry")
+    figures.edit_lens_figure(
+        cmp["heads"], cmp["models"], out / "heads_lens.png", title=f"{name}: what the circuits' heads carry"
+    )
     write_text(out / "comparison.md", edit_report(cmp, name, k))
     return f"{json.dumps(cmp['overlap'], indent=1)}\nwrote {out}"

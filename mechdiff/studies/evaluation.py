@@ -8,15 +8,23 @@ from typing import Any, Iterable, Mapping, Optional
 
 from tabulate import tabulate
 
-from ..patching.evaluate import evaluate
 from ..common.io import write_json
 from ..models.loading import LoadedModel
 from ..models.memory import auto_batch_size
+from ..patching.evaluate import evaluate
 from ..tasks.base import Task
 
 
-def eval_models(models: Iterable[LoadedModel], task: Task, n: int, seed: int, options: Mapping[str, Any],
-                split: str, batch_size: int | str, out: Optional[Path] = None) -> str:
+def eval_models(
+    models: Iterable[LoadedModel],
+    task: Task,
+    n: int,
+    seed: int,
+    options: Mapping[str, Any],
+    split: str,
+    batch_size: int | str,
+    out: Optional[Path] = None,
+) -> str:
     """Accuracy, answer probability (and logit difference, where the task has one) of each model on ``n`` prompts
     of ``task`` (seed ``seed``, generator ``options``, the objects of ``split`` where the task splits them);
     ``batch_size`` ``auto``: chosen from the first model's free memory. Writes the results as JSON to ``out``
@@ -28,10 +36,16 @@ def eval_models(models: Iterable[LoadedModel], task: Task, n: int, seed: int, op
             batch_size = auto_batch_size(lm)
         records = task.records(lm.tokenizer, n, seed, **options, **split_options)
         res = evaluate(lm, records, batch_size=batch_size, desc=f"eval {lm.name}")
-        results[lm.name] = {**res.to_dict(), "task": task.name, "fingerprint": lm.fingerprint,
-                            **task.kwargs(**options), "n": len(records), "seed": seed,
-                            **({"split": split} if split_options else {}),
-                            "correct": res.correct.astype(int).tolist()}
+        results[lm.name] = {
+            **res.to_dict(),
+            "task": task.name,
+            "fingerprint": lm.fingerprint,
+            **task.kwargs(**options),
+            "n": len(records),
+            "seed": seed,
+            **({"split": split} if split_options else {}),
+            "correct": res.correct.astype(int).tolist(),
+        }
         diff = [str(res.mean_logit_diff)] if res.logit_diff is not None else []
         rows.append([lm.name, str(res.accuracy), str(res.answer_prob), *diff, lm.fingerprint])
     diff_header = ["logit diff [95% CI]"] if any(len(r) == 5 for r in rows) else []

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from ..methods.finetune import FinetuneConfig, FinetuneResult, finetune
 from ..common.io import write_json
+from ..methods.finetune import FinetuneConfig, FinetuneResult, finetune
 from ..models.loading import LoadedModel
 
 
@@ -22,7 +22,14 @@ def finetune_and_write(base: LoadedModel, cfg: FinetuneConfig, out: str | Path) 
     """Train a LoRA on ``base`` as ``cfg`` says, adapters under ``out``; writes ``out/history.json`` (the options,
     evaluations, losses, saved adapters, time); returns the history table and the saved adapters."""
     res = finetune(base, cfg, out)
-    write_json(f"{out}/history.json", {"options": vars(cfg) | {"target_modules": list(cfg.target_modules)},
-                                       "history": res.history, "losses": res.losses,
-                                       "saved": res.saved, "seconds": res.seconds})
+    write_json(
+        f"{out}/history.json",
+        {
+            "options": vars(cfg) | {"target_modules": list(cfg.target_modules)},
+            "history": res.history,
+            "losses": res.losses,
+            "saved": res.saved,
+            "seconds": res.seconds,
+        },
+    )
     return f"{history_table(res)}\nsaved: {res.saved or 'nothing'}; {res.seconds:.0f} s"

@@ -25,18 +25,41 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-
 from ..circuits.circuit import Circuit
-from ..methods.headmap import (LocateConfig, TrainConfig, choose_lr, correct, get_task, heads_by_layer,
-                       locate_task, lora_params, random_heads, train, validation_batch)
 from ..common.io import run_lock, write_json, write_text
-from ..models.loading import LoadedModel
 from ..common.stats import bootstrap
-from ..report.headmap import (TASK, UNSEEDED, VAL, curve_figure, heatmap_figure, locating_rows, loss_figure,
-                              method_rows, paired_rows, report_text, seed_rows, sweep_rows, validation_accuracy)
-from .base import Study, load_section_file, section_study
+from ..methods.headmap import (
+    LocateConfig,
+    TrainConfig,
+    choose_lr,
+    correct,
+    get_task,
+    heads_by_layer,
+    locate_task,
+    lora_params,
+    random_heads,
+    train,
+    validation_batch,
+)
+from ..models.loading import LoadedModel
+from ..report.headmap import (
+    TASK,
+    UNSEEDED,
+    VAL,
+    curve_figure,
+    heatmap_figure,
+    locating_rows,
+    loss_figure,
+    method_rows,
+    paired_rows,
+    report_text,
+    seed_rows,
+    sweep_rows,
+    validation_accuracy,
+)
 from ..runs.seeds import derive
 from ..runs.stages import Pending, Unknown
+from .base import Study, load_section_file, section_study
 
 log = logging.getLogger(__name__)
 RUNS = ("base", "located", "random", "lora-large", "lora-small", "outside", "headmap+lora", "transfer", "lora-zoo")
@@ -77,15 +100,29 @@ class HeadMapSettings:
     def locate_config(self, n: Optional[int] = None) -> LocateConfig:
         return LocateConfig(n=n or self.n, pool=self.pool, k=self.k, batch_size=self.batch_size, seed=self.seed)
 
-    def train_config(self, task: str = TASK, lora_rank: int = 0, seed: Optional[int] = None,
-                     lr: Optional[float] = None, headmap_lr: Optional[float] = None) -> TrainConfig:
+    def train_config(
+        self,
+        task: str = TASK,
+        lora_rank: int = 0,
+        seed: Optional[int] = None,
+        lr: Optional[float] = None,
+        headmap_lr: Optional[float] = None,
+    ) -> TrainConfig:
         """One run's training: seed ``s`` (default the first) initialises from ``s`` and trains on data seed
         ``data_seed + s``; ``lr``/``headmap_lr`` default to the settings' rates."""
         seed = self.seeds[0] if seed is None else seed
-        return TrainConfig(task=task, steps=self.steps, batch_size=self.batch, lr=self.lr if lr is None else lr,
-                           headmap_lr=self.headmap_lr if headmap_lr is None else headmap_lr,
-                           seed=seed, data_seed=self.data_seed + seed, rank=self.rank, lora_rank=lora_rank,
-                           eval_n=self.eval_n)
+        return TrainConfig(
+            task=task,
+            steps=self.steps,
+            batch_size=self.batch,
+            lr=self.lr if lr is None else lr,
+            headmap_lr=self.headmap_lr if headmap_lr is None else headmap_lr,
+            seed=seed,
+            data_seed=self.data_seed + seed,
+            rank=self.rank,
+            lora_rank=lora_rank,
+            eval_n=self.eval_n,
+        )
 
 
 def load_settings(path: str | Path) -> HeadMapSettings:
@@ -124,11 +161,25 @@ def locate_and_write(model: LoadedModel, task: str, cfg: LocateConfig, out: Path
     res = locate_task(model, task, cfg, progress=progress)
     circuit = res.circuit(model.name, task)
     circuit.save(out / "circuit.json")
-    heatmap_figure(circuit.scores["headmap"], circuit.heads(), model.shape, out / "heads.png",
-                   f"{model.name} on {task}: k={cfg.k} per layer, n={cfg.n}", circuit.meta["curve"])
+    heatmap_figure(
+        circuit.scores["headmap"],
+        circuit.heads(),
+        model.shape,
+        out / "heads.png",
+        f"{model.name} on {task}: k={cfg.k} per layer, n={cfg.n}",
+        circuit.meta["curve"],
+    )
     curve_figure({task: circuit.meta}, out / "curve.png")
-    log.info("located %d heads in %.0f s, %d forward passes (%d prompt rows); loss %.3f -> %.3f (pool mean %.3f)",
-             len(res.heads), res.seconds, res.forward_passes, res.rows, res.base_loss, res.curve[-1], res.pool_loss)
+    log.info(
+        "located %d heads in %.0f s, %d forward passes (%d prompt rows); loss %.3f -> %.3f (pool mean %.3f)",
+        len(res.heads),
+        res.seconds,
+        res.forward_passes,
+        res.rows,
+        res.base_loss,
+        res.curve[-1],
+        res.pool_loss,
+    )
     return circuit.to_dict()
 
 
@@ -145,8 +196,10 @@ def train_maps_and_write(model: LoadedModel, circuit: Circuit, cfg: TrainConfig,
     res = finetune(model, circuit, cfg)
     acc = res["accuracy"]
     write_json(out / "result.json", res)
-    return (f"trainable parameters {res['trainable']}; {cfg.task} accuracy {acc['value']:.3f} "
-            f"[{acc['low']:.3f}, {acc['high']:.3f}]")
+    return (
+        f"trainable parameters {res['trainable']}; {cfg.task} accuracy {acc['value']:.3f} "
+        f"[{acc['low']:.3f}, {acc['high']:.3f}]"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -158,8 +211,9 @@ MAP_RUNS = ("located", "random", "outside", "transfer", "headmap+lora")  # runs 
 LORA_RUNS = ("lora-small", "lora-large", "headmap+lora")  # runs that train a LoRA
 
 
-def train_inputs(model: str, cfg: TrainConfig, heads: Optional[dict[int, list[int]]], val_n: int,
-                 val_seed: int) -> dict:
+def train_inputs(
+    model: str, cfg: TrainConfig, heads: Optional[dict[int, list[int]]], val_n: int, val_seed: int
+) -> dict:
     """A training stage's key: the model, the options the run reads (a rate it does not use is left out, so the
     sweep's run at the chosen rate is the main run of that seed), the heads and the validation prompts."""
     config = asdict(cfg) | {"lora_targets": list(cfg.lora_targets)}
@@ -167,8 +221,12 @@ def train_inputs(model: str, cfg: TrainConfig, heads: Optional[dict[int, list[in
         del config["lr"], config["lora_targets"]
     if not heads:
         del config["headmap_lr"], config["rank"]
-    return {"model": model, "config": config, "heads": {str(k): v for k, v in (heads or {}).items()},
-            "validation": {"n": val_n, "seed": val_seed}}
+    return {
+        "model": model,
+        "config": config,
+        "heads": {str(k): v for k, v in (heads or {}).items()},
+        "validation": {"n": val_n, "seed": val_seed},
+    }
 
 
 def stage_name(run_id: str, cfg: TrainConfig, heads: Optional[dict[int, list[int]]]) -> str:
@@ -190,8 +248,9 @@ class HeadMapStudy(Study):
 
     kind = "headmap"
 
-    def __init__(self, settings: HeadMapSettings, out: str | Path, load: Callable[[str], LoadedModel],
-                 progress: bool = True):
+    def __init__(
+        self, settings: HeadMapSettings, out: str | Path, load: Callable[[str], LoadedModel], progress: bool = True
+    ):
         check_runs(settings)
         super().__init__(out, progress)
         self.settings, self.load = settings, load
@@ -201,8 +260,14 @@ class HeadMapStudy(Study):
         self.forget()
 
     @classmethod
-    def from_file(cls, path: Optional[str | Path], out: Optional[str] = None, progress: bool = True,
-                  models: Optional[dict] = None, task: Optional[str] = None) -> "HeadMapStudy":
+    def from_file(
+        cls,
+        path: Optional[str | Path],
+        out: Optional[str] = None,
+        progress: bool = True,
+        models: Optional[dict] = None,
+        task: Optional[str] = None,
+    ) -> "HeadMapStudy":
         """The study of a task file with ``[study] kind = "headmap"``; ``models``: how models load (dtype, ...)."""
         return section_study(cls, path, out, progress, models, task, load_file, "HeadMap", "tasks/headmap.toml")
 
@@ -220,10 +285,22 @@ class HeadMapStudy(Study):
         """Stage ``locate-<task>``: the circuit located on ``task`` from ``n`` samples."""
         if task not in self.located:
             st = self.settings
-            inputs = {"model": st.model, "pool": st.pool, "k": st.k, "batch_size": st.batch_size, "seed": st.seed,
-                      "task": task, "n": n}
-            rec = self.cache.run(f"locate-{task}", inputs, lambda: locate_and_write(
-                self.model, task, st.locate_config(n), self.dir / "circuits" / task, self.progress))
+            inputs = {
+                "model": st.model,
+                "pool": st.pool,
+                "k": st.k,
+                "batch_size": st.batch_size,
+                "seed": st.seed,
+                "task": task,
+                "n": n,
+            }
+            rec = self.cache.run(
+                f"locate-{task}",
+                inputs,
+                lambda: locate_and_write(
+                    self.model, task, st.locate_config(n), self.dir / "circuits" / task, self.progress
+                ),
+            )
             self.located[task] = Circuit.from_dict(rec.result)
         return self.located[task]
 
@@ -237,8 +314,9 @@ class HeadMapStudy(Study):
             "located": lambda: heads_by_layer(located().heads()),
             "headmap+lora": lambda: heads_by_layer(located().heads()),
             "random": lambda: random_heads(s, per_layer, seed=derive(seed, "random-heads")),
-            "outside": lambda: random_heads(s, per_layer, seed=derive(seed, "outside-heads"),
-                                            exclude=located().heads()),
+            "outside": lambda: random_heads(
+                s, per_layer, seed=derive(seed, "outside-heads"), exclude=located().heads()
+            ),
             "transfer": lambda: heads_by_layer(self.locate(st.transfer_task, st.transfer_n or st.n).heads()),
         }.get(run_id, lambda: None)()
 
@@ -250,9 +328,11 @@ class HeadMapStudy(Study):
         """Each run's name in the tables."""
         st = self.settings
         return {
-            "base": "base (no training)", "located": "HeadMap (located)",
+            "base": "base (no training)",
+            "located": "HeadMap (located)",
             "random": "HeadMap, random heads per layer",
-            "lora-large": f"LoRA r={st.lora_large} (q,k,v,o)", "lora-small": f"LoRA r={st.lora_small} (q,k,v,o)",
+            "lora-large": f"LoRA r={st.lora_large} (q,k,v,o)",
+            "lora-small": f"LoRA r={st.lora_small} (q,k,v,o)",
             "outside": "HeadMap, heads outside the located set",
             "headmap+lora": f"HeadMap + LoRA r={st.lora_small}",
             "lora-zoo": f"LoRA r={st.lora_large} (q,k,v,o), 15 steps: zoo {st.lora_zoo}",
@@ -264,18 +344,27 @@ class HeadMapStudy(Study):
         prompts (key :data:`VAL`, training objects) every training run is scored on."""
         st, tok = self.settings, self.model.tokenizer
         cfg = st.train_config()
-        return {TASK: get_task(TASK).eval_batch(tok, cfg.eval_n, cfg.eval_seed),
-                VAL: validation_batch(TASK, tok, st.val_n, st.val_seed)}
+        return {
+            TASK: get_task(TASK).eval_batch(tok, cfg.eval_n, cfg.eval_seed),
+            VAL: validation_batch(TASK, tok, st.val_n, st.val_seed),
+        }
 
-    def train_run(self, run_id: str, ev: dict, seed: Optional[int] = None, lr: Optional[float] = None,
-                  headmap_lr: Optional[float] = None) -> dict:
+    def train_run(
+        self,
+        run_id: str,
+        ev: dict,
+        seed: Optional[int] = None,
+        lr: Optional[float] = None,
+        headmap_lr: Optional[float] = None,
+    ) -> dict:
         """A training stage at ``seed`` (default the first) and the given rates (default: the chosen ones,
         :meth:`chosen_lrs`); ``base`` and ``lora-zoo`` are evaluations (stages ``train-base``, ``train-lora-zoo``)."""
         st = self.settings
         evaluation = {"eval_n": st.eval_n, "eval_seed": st.train_config().eval_seed}
         if run_id == "base":
-            return self.cache.run("train-base", {"model": st.model, **evaluation},
-                                  lambda: self._evaluate(self.model, ev)).result
+            return self.cache.run(
+                "train-base", {"model": st.model, **evaluation}, lambda: self._evaluate(self.model, ev)
+            ).result
         if run_id == "lora-zoo":
             return self.cache.run("train-lora-zoo", {"model": st.lora_zoo, **evaluation}, lambda: self._zoo(ev)).result
         if lr is None or headmap_lr is None:
@@ -285,8 +374,9 @@ class HeadMapStudy(Study):
         cfg = st.train_config(TASK, self.lora_rank(run_id), seed, lr, headmap_lr)
         heads = self.heads(run_id, cfg.seed)
         inputs = train_inputs(st.model, cfg, heads, st.val_n, st.val_seed)
-        return self.cache.run(stage_name(run_id, cfg, heads), inputs,
-                              lambda: train(self.model, cfg, heads, ev, progress=self.progress)).result
+        return self.cache.run(
+            stage_name(run_id, cfg, heads), inputs, lambda: train(self.model, cfg, heads, ev, progress=self.progress)
+        ).result
 
     def sweep(self, ev: dict) -> dict[str, dict[float, dict]]:
         """The learning-rate sweep on the first seed: ``{"headmap": {lr: record}, "lora": {lr: record}}``, HeadMap
@@ -307,19 +397,30 @@ class HeadMapStudy(Study):
         read), or the settings' ``lr`` and ``headmap_lr`` without a sweep."""
         if self._chosen is None:
             st, sw = self.settings, self.sweep(ev)
-            self._chosen = (choose_lr(validation_accuracy(sw["lora"])) if "lora" in sw else st.lr,
-                            choose_lr(validation_accuracy(sw["headmap"])) if "headmap" in sw else st.headmap_lr)
+            self._chosen = (
+                choose_lr(validation_accuracy(sw["lora"])) if "lora" in sw else st.lr,
+                choose_lr(validation_accuracy(sw["headmap"])) if "headmap" in sw else st.headmap_lr,
+            )
         return self._chosen
 
     @staticmethod
     def _evaluate(model: LoadedModel, ev: dict) -> dict:
-        return {"trainable": 0, "correct": {TASK: correct(model.model, ev[TASK]).tolist()},
-                "losses": [], "train_seconds": 0.0, "heads": {}}
+        return {
+            "trainable": 0,
+            "correct": {TASK: correct(model.model, ev[TASK]).tolist()},
+            "losses": [],
+            "train_seconds": 0.0,
+            "heads": {},
+        }
 
     def _zoo(self, ev: dict) -> dict:
         zoo = self.load(self.settings.lora_zoo)
-        return {**self._evaluate(zoo, ev), "trainable": lora_params(self.model.shape, self.settings.lora_large),
-                "train_seconds": float("nan"), "provenance": zoo.provenance}
+        return {
+            **self._evaluate(zoo, ev),
+            "trainable": lora_params(self.model.shape, self.settings.lora_large),
+            "train_seconds": float("nan"),
+            "provenance": zoo.provenance,
+        }
 
     # -- the whole study ----------------------------------------------------------------
     def run(self, train_only: bool = False) -> Optional[Path]:
@@ -331,8 +432,14 @@ class HeadMapStudy(Study):
             self.results(self.prompts())
         return None
 
-    def _train(self, run_id: str, ev: dict, seed: Optional[int] = None, lr: Optional[float] = None,
-               headmap_lr: Optional[float] = None) -> dict:
+    def _train(
+        self,
+        run_id: str,
+        ev: dict,
+        seed: Optional[int] = None,
+        lr: Optional[float] = None,
+        headmap_lr: Optional[float] = None,
+    ) -> dict:
         """:meth:`train_run`; in a plan, a run whose heads or rates read a stage still to compute is noted as
         pending and its record reads as still to compute."""
         try:
@@ -387,8 +494,7 @@ class HeadMapStudy(Study):
         results, sweep = outcome
         return self.write_report(results, sweep, time.time() - self.stages_started)
 
-    def write_report(self, results: dict[str, list[dict]], sweep: dict[str, dict[float, dict]],
-                     seconds: float) -> Path:
+    def write_report(self, results: dict[str, list[dict]], sweep: dict[str, dict[float, dict]], seconds: float) -> Path:
         """Figures of the located circuits, the overlap with path-patching circuits, tables and the report."""
         from ..report.bars import grouped_bars
         from ..report.tables import write_table
@@ -397,8 +503,14 @@ class HeadMapStudy(Study):
         names = self.names()
         curve_figure({t: c.meta for t, c in self.located.items()}, out / "figures" / "loss_curve.png")
         for t, c in self.located.items():
-            heatmap_figure(c.scores["headmap"], c.heads(), s, out / "figures" / f"heads_{t}.png",
-                           f"{st.model} on {t}: k={st.k} per layer, n={c.meta['n_samples']}", c.meta["curve"])
+            heatmap_figure(
+                c.scores["headmap"],
+                c.heads(),
+                s,
+                out / "figures" / f"heads_{t}.png",
+                f"{st.model} on {t}: k={st.k} per layer, n={c.meta['n_samples']}",
+                c.meta["curve"],
+            )
         overlap_rows = self.overlap_rows()
         rows, estimates = method_rows(results, names, lora_params(s, st.lora_large), st.lora_large)
         write_table(rows, out / "tables" / "methods", caption="HeadMap vs LoRA on entity tracking (seeds pooled)")
@@ -415,13 +527,29 @@ class HeadMapStudy(Study):
             write_table(overlap_rows, out / "tables" / "overlap", caption="Located heads vs path-patching circuits")
         loc_rows = locating_rows(self.located)
         write_table(loc_rows, out / "tables" / "locating", caption="Locating cost and losses")
-        grouped_bars(out / "figures" / "accuracy.png", ["entity tracking (held-out objects)"],
-                     {names[r]: [est] for r, est in estimates.items()},
-                     title=f"{st.model}: {st.steps} steps of batch {st.batch}, {len(st.seeds)} seeds pooled")
+        grouped_bars(
+            out / "figures" / "accuracy.png",
+            ["entity tracking (held-out objects)"],
+            {names[r]: [est] for r, est in estimates.items()},
+            title=f"{st.model}: {st.steps} steps of batch {st.batch}, {len(st.seeds)} seeds pooled",
+        )
         loss_figure({names[r]: recs for r, recs in results.items()}, out / "figures" / "train_loss.png")
         cold = sum(r.seconds for r in self.cache.records.values())
-        text = report_text(st, str(out), s, self.located, rows, overlap_rows, loc_rows, seconds,
-                           seed_table, paired, sweep_table, lrs, cold)
+        text = report_text(
+            st,
+            str(out),
+            s,
+            self.located,
+            rows,
+            overlap_rows,
+            loc_rows,
+            seconds,
+            seed_table,
+            paired,
+            sweep_table,
+            lrs,
+            cold,
+        )
         return write_text(out / "report.md", text)
 
     def overlap_rows(self) -> list[dict]:

@@ -32,7 +32,6 @@ from ..circuits.overlap import hypergeom_p
 from ..common.io import write_json, write_text
 from ..methods.knowledge.acdc import METRICS, acdc, discovery_batch
 from ..methods.knowledge.analysis import attention_mass, head_roles, logit_lens
-from ..tasks.relation_data import Fact, Relation, batches, build_facts
 from ..methods.knowledge.discovery import attribution_scores, greedy_edges, iterative_pruning, top_edges
 from ..methods.knowledge.evaluate import CURVE_RANKING, SIZES, CircuitEval, evaluate, faithfulness_curve, random_mask
 from ..methods.knowledge.forward import Ablation, check_supported, mean_ablation
@@ -41,9 +40,10 @@ from ..models.loading import LoadedModel
 from ..models.modelset import check_vocabularies
 from ..report.knowledge import compare_report, write_model_report
 from ..report.tables import write_table
-from .base import Study, load_section_file, section_study
 from ..runs.seeds import derive
 from ..runs.stages import Pending, StageCache, StageRecord, key_hash
+from ..tasks.relation_data import Fact, Relation, batches, build_facts
+from .base import Study, load_section_file, section_study
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,12 @@ class KnowledgeSettings:
         return f"{self.relation} (unedited)" if self.unedited else self.relation
 
 
-CHOICES = {("knowledge", "method"): METHODS, ("knowledge", "ablation"): ABLATIONS,
-           ("knowledge", "selection"): SELECTIONS, ("knowledge", "acdc_metric"): METRICS}
+CHOICES = {
+    ("knowledge", "method"): METHODS,
+    ("knowledge", "ablation"): ABLATIONS,
+    ("knowledge", "selection"): SELECTIONS,
+    ("knowledge", "acdc_metric"): METRICS,
+}
 
 
 def load_settings(path: str | Path) -> KnowledgeSettings:
@@ -116,7 +120,7 @@ def load_facts(model: LoadedModel, settings: KnowledgeSettings) -> list[Fact]:
     relation = Relation.load(settings.relation)
     facts = build_facts(model.tokenizer, relation.unedited() if settings.unedited else relation, settings.template)
     if settings.max_facts:
-        facts = facts[:settings.max_facts]
+        facts = facts[: settings.max_facts]
     return facts
 
 
@@ -152,6 +156,7 @@ class _Run:
             a = mean_ablation(self.model, self.graph, self.batches) if self.settings.ablation == "mean" else Ablation()
             a.keep_first = self.settings.keep_first
             return a
+
         return self.timed("ablation", make)
 
     def evaluate(self, mask: Optional[np.ndarray]) -> CircuitEval:
@@ -159,8 +164,9 @@ class _Run:
 
     @cached_property
     def full_and_empty(self) -> tuple[CircuitEval, CircuitEval]:
-        return self.timed("full_and_empty", lambda: (self.evaluate(None),
-                                                     self.evaluate(np.zeros(self.graph.n_edges, dtype=bool))))
+        return self.timed(
+            "full_and_empty", lambda: (self.evaluate(None), self.evaluate(np.zeros(self.graph.n_edges, dtype=bool)))
+        )
 
     def inputs(self) -> dict:
         """What every stage of this model depends on: weights, facts, how removed edges are ablated, the code
@@ -168,8 +174,14 @@ class _Run:
         from .. import __version__
 
         s = self.settings
-        return {"model": self.model.fingerprint, "facts": facts_key(self.facts), "ablation": s.ablation,
-                "keep_first": s.keep_first, "batch_size": s.batch_size, "mechdiff": __version__}
+        return {
+            "model": self.model.fingerprint,
+            "facts": facts_key(self.facts),
+            "ablation": s.ablation,
+            "keep_first": s.keep_first,
+            "batch_size": s.batch_size,
+            "mechdiff": __version__,
+        }
 
 
 def _wanted_sizes(s: KnowledgeSettings) -> list[float]:
@@ -179,8 +191,11 @@ def _wanted_sizes(s: KnowledgeSettings) -> list[float]:
 def discovery_inputs(s: KnowledgeSettings) -> dict:
     """The options edge scoring reads, per method."""
     acdc_options = {"tau": s.tau, "metric": s.acdc_metric, "prefilter": s.acdc_prefilter, "acdc_facts": s.acdc_facts}
-    per_method = {"eap-ig": {"ig_steps": s.ig_steps}, "acdc": acdc_options,
-                  "iterative": {"shrink": s.shrink, "sizes": _wanted_sizes(s), "prune_unreached": s.prune_unreached}}
+    per_method = {
+        "eap-ig": {"ig_steps": s.ig_steps},
+        "acdc": acdc_options,
+        "iterative": {"shrink": s.shrink, "sizes": _wanted_sizes(s), "prune_unreached": s.prune_unreached},
+    }
     return {"method": s.method, **per_method.get(s.method, {})}
 
 
@@ -200,16 +215,29 @@ def discovery_stage(run: _Run) -> dict:
     t = time.time()
     out: dict[str, Any] = {"pruned": None, "acdc_edges": None, "acdc": None}
     if s.method == "acdc":
-        on = ([discovery_batch(run.batches, run.full_and_empty[0].rank == 0, s.acdc_facts)] if s.acdc_facts
-              else run.batches)
-        found = acdc(run.model, g, on, s.tau, run.ablation, s.acdc_metric, batch=s.acdc_batch,
-                     prefilter=s.acdc_prefilter or None, progress=run.progress)
+        on = (
+            [discovery_batch(run.batches, run.full_and_empty[0].rank == 0, s.acdc_facts)]
+            if s.acdc_facts
+            else run.batches
+        )
+        found = acdc(
+            run.model,
+            g,
+            on,
+            s.tau,
+            run.ablation,
+            s.acdc_metric,
+            batch=s.acdc_batch,
+            prefilter=s.acdc_prefilter or None,
+            progress=run.progress,
+        )
         scores = np.nan_to_num(found.effect, nan=0.0)
         out["acdc_edges"] = _indices(found.mask)
         out["acdc"] = found.summary() | {"facts": [f.prompt for b in on for f in b.facts]}
     elif s.method == "iterative":
-        pruned, scores = iterative_pruning(run.model, g, run.batches, _wanted_sizes(s), run.ablation, s.shrink,
-                                           run.progress, s.prune_unreached)
+        pruned, scores = iterative_pruning(
+            run.model, g, run.batches, _wanted_sizes(s), run.ablation, s.shrink, run.progress, s.prune_unreached
+        )
         out["pruned"] = {repr(frac): _indices(m) for frac, m in pruned.items()}
     else:
         scores = attribution_scores(run.model, g, run.batches, s.method, s.ig_steps, run.ablation, run.progress)
@@ -223,9 +251,19 @@ def _pruned(graph: Graph, disc: dict) -> Optional[dict[float, np.ndarray]]:
 
 def scoring_inputs(s: KnowledgeSettings) -> dict:
     """The options choosing and scoring the circuit (given the edge scores)."""
-    return {"k": s.k, "target": s.target, "sizes": list(s.sizes), "selection": s.selection, "signed": s.signed,
-            "prune_unreached": s.prune_unreached, "n_random": s.n_random, "seed": s.seed, "curve": s.curve,
-            "curve_sizes": list(s.curve_sizes), "curve_ranking": CURVE_RANKING.get(s.method, "|score|")}
+    return {
+        "k": s.k,
+        "target": s.target,
+        "sizes": list(s.sizes),
+        "selection": s.selection,
+        "signed": s.signed,
+        "prune_unreached": s.prune_unreached,
+        "n_random": s.n_random,
+        "seed": s.seed,
+        "curve": s.curve,
+        "curve_sizes": list(s.curve_sizes),
+        "curve_ranking": CURVE_RANKING.get(s.method, "|score|"),
+    }
 
 
 def _select(run: _Run, scores: np.ndarray, pruned: Optional[dict], full_hit: float) -> tuple[np.ndarray, list]:
@@ -237,16 +275,22 @@ def _select(run: _Run, scores: np.ndarray, pruned: Optional[dict], full_hit: flo
             mask = pruned[frac]
         else:
             select = greedy_edges if s.selection == "greedy" else top_edges
-            mask = select(g, scores, max(1, int(round(frac * g.n_edges))), prune=True, signed=s.signed,
-                          forward=s.prune_unreached)
+            mask = select(
+                g, scores, max(1, int(round(frac * g.n_edges))), prune=True, signed=s.signed, forward=s.prune_unreached
+            )
         if not mask.any():
             log.info("size %s: no edge left after pruning dangling edges", frac)
             continue
         ev = run.evaluate(mask)
         hit = float(ev.hit.mean())
-        row = {"fraction_requested": frac, "n_edges": int(mask.sum()), "fraction": float(mask.mean()),
-               f"hit@{s.k}": hit, "ratio_to_full": hit / full_hit if full_hit else float("nan"),
-               "logprob": float(ev.logprob.mean())}
+        row = {
+            "fraction_requested": frac,
+            "n_edges": int(mask.sum()),
+            "fraction": float(mask.mean()),
+            f"hit@{s.k}": hit,
+            "ratio_to_full": hit / full_hit if full_hit else float("nan"),
+            "logprob": float(ev.logprob.mean()),
+        }
         sweep.append(row)
         log.info("size %s: %s", frac, row)
         if hit >= s.target * full_hit:
@@ -272,20 +316,57 @@ def scoring_stage(run: _Run, disc: dict) -> dict:
     run.timings["selection"] = time.time() - t
     n_edges = int(mask.sum())
     # Each random circuit's seed is derived from the study's seed and the draw's name.
-    random_hits = run.timed("random", lambda: [
-        float(run.evaluate(random_mask(g, n_edges, derive(s.seed, f"random-circuit-{i}"))).hit.mean())
-        for i in range(s.n_random)])
-    curve = run.timed("curve", lambda: (
-        faithfulness_curve(run.model, g, run.batches, scores, run.ablation, s.curve_sizes, s.k, full, empty,
-                           run.progress, masks=pruned) if s.curve else None))
+    random_hits = run.timed(
+        "random",
+        lambda: [
+            float(run.evaluate(random_mask(g, n_edges, derive(s.seed, f"random-circuit-{i}"))).hit.mean())
+            for i in range(s.n_random)
+        ],
+    )
+    curve = run.timed(
+        "curve",
+        lambda: (
+            faithfulness_curve(
+                run.model,
+                g,
+                run.batches,
+                scores,
+                run.ablation,
+                s.curve_sizes,
+                s.k,
+                full,
+                empty,
+                run.progress,
+                masks=pruned,
+            )
+            if s.curve
+            else None
+        ),
+    )
     seen = set((disc.get("acdc") or {}).get("facts", ()))
     held = np.array([f.prompt not in seen for b in run.batches for f in b.facts])  # in evaluation order
-    heldout = ({"n": int(held.sum()), "full": full.subset(held).summary(s.k),
-                "circuit": circuit_eval.subset(held).summary(s.k)} if seen and held.any() else None)
-    return {"edges": _indices(mask), "sweep": sweep, "full": full.summary(s.k), "empty": empty.summary(s.k),
-            "heldout": heldout,
-            "circuit": circuit_eval.summary(s.k), "full_hit": full_hit, "circuit_hit": float(circuit_eval.hit.mean()),
-            "random_hits": random_hits, "curve": curve, "timings": dict(run.timings)}
+    heldout = (
+        {
+            "n": int(held.sum()),
+            "full": full.subset(held).summary(s.k),
+            "circuit": circuit_eval.subset(held).summary(s.k),
+        }
+        if seen and held.any()
+        else None
+    )
+    return {
+        "edges": _indices(mask),
+        "sweep": sweep,
+        "full": full.summary(s.k),
+        "empty": empty.summary(s.k),
+        "heldout": heldout,
+        "circuit": circuit_eval.summary(s.k),
+        "full_hit": full_hit,
+        "circuit_hit": float(circuit_eval.hit.mean()),
+        "random_hits": random_hits,
+        "curve": curve,
+        "timings": dict(run.timings),
+    }
 
 
 def analysis_stage(run: _Run, circuit: EdgeCircuit) -> dict:
@@ -295,20 +376,32 @@ def analysis_stage(run: _Run, circuit: EdgeCircuit) -> dict:
     lens = logit_lens(run.model, run.graph, run.batches, nodes)
     attn = attention_mass(run.model, run.batches, [n for n in nodes if n.startswith("L")])
     roles = head_roles(attn, lens["nodes"])
-    lens_json = {"layers": list(lens["layers"]), "last": np.asarray(lens["last"]).tolist(),
-                 "last_subject": np.asarray(lens["last_subject"]).tolist(),
-                 "nodes": {n: np.asarray(r).tolist() for n, r in lens["nodes"].items()}}
+    lens_json = {
+        "layers": list(lens["layers"]),
+        "last": np.asarray(lens["last"]).tolist(),
+        "last_subject": np.asarray(lens["last_subject"]).tolist(),
+        "nodes": {n: np.asarray(r).tolist() for n, r in lens["nodes"].items()},
+    }
     return {"lens": lens_json, "roles": roles, "timings": {"analysis": time.time() - t}}
 
 
 def _lens(saved: dict) -> dict:
-    return {"layers": saved["layers"], "last": np.asarray(saved["last"]),
-            "last_subject": np.asarray(saved["last_subject"]),
-            "nodes": {n: np.asarray(r) for n, r in saved["nodes"].items()}}
+    return {
+        "layers": saved["layers"],
+        "last": np.asarray(saved["last"]),
+        "last_subject": np.asarray(saved["last_subject"]),
+        "nodes": {n: np.asarray(r) for n, r in saved["nodes"].items()},
+    }
 
 
-def run_model(model: LoadedModel, facts: Sequence[Fact], settings: KnowledgeSettings, out: Path,
-              progress: bool = True, cache: Optional[StageCache] = None) -> dict:
+def run_model(
+    model: LoadedModel,
+    facts: Sequence[Fact],
+    settings: KnowledgeSettings,
+    out: Path,
+    progress: bool = True,
+    cache: Optional[StageCache] = None,
+) -> dict:
     """The circuit of ``facts`` (already filtered) on ``model``; writes ``out`` and returns the results
     (:func:`model_stages`, then the tables, figures and report)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -324,23 +417,33 @@ def model_stages(run: _Run, cache: StageCache) -> tuple[EdgeCircuit, StageRecord
     check_supported(model)
     base = run.inputs()
     disc = cache.run(f"discovery:{model.name}", base | discovery_inputs(settings), lambda: discovery_stage(run))
-    scored = cache.run(f"scoring:{model.name}", base | {"discovery": disc.key} | scoring_inputs(settings),
-                       lambda: scoring_stage(run, disc.result))
+    scored = cache.run(
+        f"scoring:{model.name}",
+        base | {"discovery": disc.key} | scoring_inputs(settings),
+        lambda: scoring_stage(run, disc.result),
+    )
     try:
         edges = scored.result["edges"]
     except Pending as pending:  # a plan: the analysis reads the circuit still to choose
         cache.pending(f"analysis:{model.name}", pending.stage)
         raise
-    circuit = EdgeCircuit.from_mask(model.name, f"knowledge/{settings.label}", run.graph, _mask(run.graph, edges),
-                                    np.asarray(disc.result["scores"]),
-                                    meta={"settings": asdict(settings), "fingerprint": model.fingerprint})
-    analysed = cache.run(f"analysis:{model.name}", base | {"edges": key_hash(edges)},
-                         lambda: analysis_stage(run, circuit))
+    circuit = EdgeCircuit.from_mask(
+        model.name,
+        f"knowledge/{settings.label}",
+        run.graph,
+        _mask(run.graph, edges),
+        np.asarray(disc.result["scores"]),
+        meta={"settings": asdict(settings), "fingerprint": model.fingerprint},
+    )
+    analysed = cache.run(
+        f"analysis:{model.name}", base | {"edges": key_hash(edges)}, lambda: analysis_stage(run, circuit)
+    )
     return circuit, disc, scored, analysed
 
 
-def _finish(run: _Run, circuit: EdgeCircuit, disc: StageRecord, scored: StageRecord, analysed: StageRecord,
-            out: Path) -> dict:
+def _finish(
+    run: _Run, circuit: EdgeCircuit, disc: StageRecord, scored: StageRecord, analysed: StageRecord, out: Path
+) -> dict:
     """The summary of one model (``results.json``), its circuit, tables, figures and report."""
     out.mkdir(parents=True, exist_ok=True)
     settings, graph, sc = run.settings, run.graph, scored.result
@@ -350,25 +453,41 @@ def _finish(run: _Run, circuit: EdgeCircuit, disc: StageRecord, scored: StageRec
     hit_key = f"hit@{settings.k}"
     random_hits = sc["random_hits"]
     summary = {
-        "model": run.model.name, "fingerprint": run.model.fingerprint, "relation": settings.label,
-        "n_facts": len(run.facts), "n_edges_graph": graph.n_edges,
-        "full": sc["full"], "empty": sc["empty"], "circuit": sc["circuit"],
-        "circuit_edges": n_edges, "circuit_fraction": n_edges / graph.n_edges, "circuit_nodes": len(nodes),
+        "model": run.model.name,
+        "fingerprint": run.model.fingerprint,
+        "relation": settings.label,
+        "n_facts": len(run.facts),
+        "n_edges_graph": graph.n_edges,
+        "full": sc["full"],
+        "empty": sc["empty"],
+        "circuit": sc["circuit"],
+        "circuit_edges": n_edges,
+        "circuit_fraction": n_edges / graph.n_edges,
+        "circuit_nodes": len(nodes),
         "circuit_heads": sum(n.startswith("L") for n in nodes),
         "ratio_to_full": hit / full_hit if full_hit else float("nan"),
         "random": {hit_key: random_hits, "mean": float(np.mean(random_hits)) if random_hits else float("nan")},
         "heldout": sc.get("heldout"),
-        "sweep": sc["sweep"], "curve": sc["curve"], "roles": roles, "acdc": disc.result.get("acdc"),
-        "role_counts": {r: sum(v["role"] == r for v in roles.values()) for r in ("mover", "relation", "mixed", "other")},
-        "logit_lens": {"layers": lens["layers"],
-                       "last_median_rank": np.median(lens["last"], 1).tolist(),
-                       "last_subject_median_rank": np.median(lens["last_subject"], 1).tolist(),
-                       "first_layer_top10_last": _first_layer(lens["last"], settings.k, lens["layers"]),
-                       "first_layer_top10_subject": _first_layer(lens["last_subject"], settings.k, lens["layers"]),
-                       "nodes_median_rank": {n: float(np.median(r)) for n, r in lens["nodes"].items()}},
-        "done_when": {"hit_ratio_at_least_0.7": bool(hit >= 0.7 * full_hit),
-                      "under_10pct_edges": n_edges / graph.n_edges < 0.10,
-                      "beats_random": bool(hit > max(random_hits, default=0.0))},
+        "sweep": sc["sweep"],
+        "curve": sc["curve"],
+        "roles": roles,
+        "acdc": disc.result.get("acdc"),
+        "role_counts": {
+            r: sum(v["role"] == r for v in roles.values()) for r in ("mover", "relation", "mixed", "other")
+        },
+        "logit_lens": {
+            "layers": lens["layers"],
+            "last_median_rank": np.median(lens["last"], 1).tolist(),
+            "last_subject_median_rank": np.median(lens["last_subject"], 1).tolist(),
+            "first_layer_top10_last": _first_layer(lens["last"], settings.k, lens["layers"]),
+            "first_layer_top10_subject": _first_layer(lens["last_subject"], settings.k, lens["layers"]),
+            "nodes_median_rank": {n: float(np.median(r)) for n, r in lens["nodes"].items()},
+        },
+        "done_when": {
+            "hit_ratio_at_least_0.7": bool(hit >= 0.7 * full_hit),
+            "under_10pct_edges": n_edges / graph.n_edges < 0.10,
+            "beats_random": bool(hit > max(random_hits, default=0.0)),
+        },
         "timings_s": {**disc.result["timings"], **sc["timings"], **analysed.result["timings"]},
         "stages": {r.name: {"key": r.key, "seconds": r.seconds, "cached": r.cached} for r in (disc, scored, analysed)},
         "settings": asdict(settings),
@@ -398,14 +517,22 @@ def compare(results: dict[str, dict], circuits: dict[str, EdgeCircuit]) -> dict:
 
     def row(what, x, y, total):
         inter = len(x & y)
-        return {"what": what, "first": len(x), "second": len(y), "intersection": inter,
-                "jaccard": inter / len(x | y) if x | y else float("nan"),
-                "p_value": hypergeom_p(inter, total, len(x), len(y))}
+        return {
+            "what": what,
+            "first": len(x),
+            "second": len(y),
+            "intersection": inter,
+            "jaccard": inter / len(x | y) if x | y else float("nan"),
+            "p_value": hypergeom_p(inter, total, len(x), len(y)),
+        }
 
     heads_a = {n for n in na if n.startswith("L")}
     heads_b = {n for n in nb if n.startswith("L")}
-    rows = [row("edges", ea, eb, g.n_edges), row("nodes", na, nb, g.n_senders),
-            row("heads", heads_a, heads_b, g.n_layers * g.n_heads)]
+    rows = [
+        row("edges", ea, eb, g.n_edges),
+        row("nodes", na, nb, g.n_senders),
+        row("heads", heads_a, heads_b, g.n_layers * g.n_heads),
+    ]
     persisting = {}
     for role in ("mover", "relation", "mixed"):
         xa = {h for h, v in ra["roles"].items() if v["role"] == role}
@@ -414,9 +541,11 @@ def compare(results: dict[str, dict], circuits: dict[str, EdgeCircuit]) -> dict:
     return {"models": [a, b], "overlap": rows, "persisting_roles": persisting}
 
 
-def facts_stage(models: Sequence[LoadedModel], facts: Sequence[Fact], settings: KnowledgeSettings,
-                cache: StageCache) -> StageRecord:
+def facts_stage(
+    models: Sequence[LoadedModel], facts: Sequence[Fact], settings: KnowledgeSettings, cache: StageCache
+) -> StageRecord:
     """Which facts every model gets right (Hit@k of the full model), and each model's Hit@k on all facts."""
+
     def compute() -> dict:
         keep = np.ones(len(facts), dtype=bool)
         full_hits = {}
@@ -426,8 +555,12 @@ def facts_stage(models: Sequence[LoadedModel], facts: Sequence[Fact], settings: 
             keep &= hits
         return {"kept": np.flatnonzero(keep).tolist(), "full_hits": full_hits}
 
-    inputs = {"models": {m.name: m.fingerprint for m in models}, "facts": facts_key(facts), "k": settings.k,
-              "batch_size": settings.batch_size}
+    inputs = {
+        "models": {m.name: m.fingerprint for m in models},
+        "facts": facts_key(facts),
+        "k": settings.k,
+        "batch_size": settings.batch_size,
+    }
     return cache.run("facts", inputs, compute)
 
 
@@ -439,23 +572,32 @@ class KnowledgeStudy(Study):
 
     kind = "knowledge"
 
-    def __init__(self, settings: KnowledgeSettings, out: str | Path, load: Callable[[str], LoadedModel],
-                 progress: bool = True):
+    def __init__(
+        self, settings: KnowledgeSettings, out: str | Path, load: Callable[[str], LoadedModel], progress: bool = True
+    ):
         super().__init__(out, progress)
         self.settings, self.load = settings, load
         for name in self.relations():
             Relation.load(name)  # an unknown relation is refused before any weights load
         self._models: dict[str, LoadedModel] = {}
-        self._caches = {r: self.cache if len(self.relations()) == 1 else StageCache(self.dir / r)
-                        for r in self.relations()}
+        self._caches = {
+            r: self.cache if len(self.relations()) == 1 else StageCache(self.dir / r) for r in self.relations()
+        }
         self.outcome: dict[str, dict] = {}
 
     @classmethod
-    def from_file(cls, path: Optional[str | Path], out: Optional[str] = None, progress: bool = True,
-                  models: Optional[dict] = None, task: Optional[str] = None) -> "KnowledgeStudy":
+    def from_file(
+        cls,
+        path: Optional[str | Path],
+        out: Optional[str] = None,
+        progress: bool = True,
+        models: Optional[dict] = None,
+        task: Optional[str] = None,
+    ) -> "KnowledgeStudy":
         """The study of a task file with ``[study] kind = "knowledge"``; ``models``: how models load (dtype, ...)."""
-        return section_study(cls, path, out, progress, models, task, load_file, "knowledge",
-                             "tasks/knowledge_acdc.toml")
+        return section_study(
+            cls, path, out, progress, models, task, load_file, "knowledge", "tasks/knowledge_acdc.toml"
+        )
 
     def relations(self) -> tuple[str, ...]:
         return tuple(self.settings.relations) or (self.settings.relation,)
@@ -510,8 +652,7 @@ class KnowledgeStudy(Study):
         reports = []
         for relation, res in results.items():
             out = self._caches[relation].root
-            self.outcome[relation] = _write_relation(self.relation_settings(relation), res, out,
-                                                     self._caches[relation])
+            self.outcome[relation] = _write_relation(self.relation_settings(relation), res, out, self._caches[relation])
             reports.append(out / ("comparison.md" if len(res["models"]) > 1 else "report.md"))
         return reports[0] if len(reports) == 1 else self.dir
 
@@ -528,8 +669,14 @@ def _write_relation(settings: KnowledgeSettings, res: dict, out: Path, cache: St
         results[name]["all_facts_hit"] = full_hits[name]
         results[name]["n_facts_relation"] = len(facts)
         circuits[name] = circuit  # as _finish saved it
-    study = {"relation": settings.label, "models": list(res["models"]), "n_facts_relation": len(facts),
-             "n_facts_kept": len(res["kept"]), "full_hit_all_facts": full_hits, "stages": cache.summary()}
+    study = {
+        "relation": settings.label,
+        "models": list(res["models"]),
+        "n_facts_relation": len(facts),
+        "n_facts_kept": len(res["kept"]),
+        "full_hit_all_facts": full_hits,
+        "stages": cache.summary(),
+    }
     if not single:
         cmp = compare(results, circuits)
         study["comparison"] = cmp

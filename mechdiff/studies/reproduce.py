@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from ..models.loading import offline
-from ..models.resolve import resolve_source, resolve_spec
 from ..models.registry import ModelSpec
+from ..models.resolve import resolve_source, resolve_spec
 from ..runs.seeds import prompt_seed
 from ..runs.stages import StageRecord
 
@@ -30,8 +30,14 @@ Study = Any
 log = logging.getLogger(__name__)
 
 PUBLISHED = "llama-7b-entity-tracking-circuit.json"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
 
 
 class WeightsMissingError(FileNotFoundError):
@@ -106,15 +112,17 @@ def check_weights(names: Iterable[str], cache_dir: Optional[str] = None, remote:
             "weights missing:\n  " + "\n  ".join(missing) + "\nProvide them in one of these ways: download them "
             "into the Hugging Face cache (`huggingface-cli download <repo>` with network, then HF_HUB_OFFLINE=1 "
             "works), unset HF_HUB_OFFLINE to download on first use, give a local directory holding config.json "
-            "and the weights instead of the registry name in [models] (e.g. base = \"/data/llama-7b\"), or run "
-            "on NDIF with `remote = true` / --remote for the hub models it hosts.")
+            'and the weights instead of the registry name in [models] (e.g. base = "/data/llama-7b"), or run '
+            "on NDIF with `remote = true` / --remote for the hub models it hosts."
+        )
 
 
 # ------------------------------------------------------------------------------------- the table
 
 
-def reproduction_rows(study: Study, circuit_path: str, published: dict, n: int,
-                      names: Optional[Sequence[str]] = None) -> list[dict]:
+def reproduction_rows(
+    study: Study, circuit_path: str, published: dict, n: int, names: Optional[Sequence[str]] = None
+) -> list[dict]:
     """One row per model: full-model and circuit accuracy (95% CIs) and faithfulness, measured here,
     beside the published accuracies (NaN where the paper has no figure for the model)."""
     from ..circuits.circuit import Circuit
@@ -156,9 +164,11 @@ def _release(study: Study, name: str) -> None:
         torch.cuda.empty_cache()
 
 
-CAPTION = ("The released LLaMA-7B entity-tracking circuit (Prakash et al. 2024, 72 heads in groups A-D) scored "
-           "on each model: accuracy of the full model and of the circuit (every other head mean-ablated), "
-           "measured here with 95% bootstrap CIs, beside the published figures (Table 1).")
+CAPTION = (
+    "The released LLaMA-7B entity-tracking circuit (Prakash et al. 2024, 72 heads in groups A-D) scored "
+    "on each model: accuracy of the full model and of the circuit (every other head mean-ablated), "
+    "measured here with 95% bootstrap CIs, beside the published figures (Table 1)."
+)
 
 
 def reproduction_records(study: Study) -> list[StageRecord]:
@@ -171,13 +181,19 @@ def reproduction_records(study: Study) -> list[StageRecord]:
     circuit_text = Path(r.circuit).read_text()
     records = []
     for name in study.spec.model_names:
+
         def compute(name: str = name) -> dict:
             row = reproduction_rows(study, r.circuit, published, r.n, [name])[0]
             _release(study, name)
             return {"row": row}
 
-        inputs = {"model": study.digests[name], "task": study._task(), "reproduce": asdict(r),
-                  "circuit": circuit_text, "published": published.get("reported", {})}
+        inputs = {
+            "model": study.digests[name],
+            "task": study._task(),
+            "reproduce": asdict(r),
+            "circuit": circuit_text,
+            "published": published.get("reported", {}),
+        }
         records.append(study.cache.run(f"reproduction:{name}", inputs, compute))
     return records
 

@@ -15,8 +15,8 @@ from ..circuits.circuit import Circuit
 from ..circuits.curve import ablation_attribution, faithfulness_curve, ranking
 from ..circuits.overlap import overlap_table
 from ..circuits.positions import leave_one_out, position_scan, task_classes
-from ..circuits.scoring import Metric, Scorer, completeness, faithfulness, matrix_rows
 from ..circuits.pruning import minimality, pair_name, pairwise_minimality, prune
+from ..circuits.scoring import Metric, Scorer, completeness, faithfulness, matrix_rows
 from ..common.io import write_json
 from ..models.loading import LoadedModel
 from ..models.modelset import ModelSet
@@ -24,8 +24,8 @@ from ..report.membership import membership_heatmap
 from ..report.positions import curve_figure, position_scan_figure
 from ..report.rows import circuit_x_model_rows, completeness_rows, curve_rows, scan_rows
 from ..report.tables import estimate_columns, to_markdown, write_table
-from ..tasks.base import Task
 from ..runs.seeds import prompt_seed
+from ..tasks.base import Task
 
 #: Where the means that replace an ablated head come from: ``path_patching``, the task's reference prompts
 #: (entity tracking: the path-patching sources); ``fresh``, new prompts of the task. The first is the default.
@@ -63,9 +63,11 @@ class ScoringPrompts:
         records = self.records(model.tokenizer, self.n, "command-scoring", **record_options)
         ref_seed = prompt_seed(self.seed, "command-reference") if self.reference_seed is None else self.reference_seed
         n_ref = self.n_reference or self.n
-        reference = (self.task.reference_records(model.tokenizer, n_ref, ref_seed, **self.options)
-                     if self.reference == "path_patching"
-                     else self.task.records(model.tokenizer, n_ref, ref_seed, **self.options))
+        reference = (
+            self.task.reference_records(model.tokenizer, n_ref, ref_seed, **self.options)
+            if self.reference == "path_patching"
+            else self.task.records(model.tokenizer, n_ref, ref_seed, **self.options)
+        )
         return Scorer.build(model, records, reference, self.batch_size, progress=self.progress, store=self.store)
 
 
@@ -81,30 +83,57 @@ def faithfulness_rows(res: dict) -> list[dict]:
     return rows
 
 
-def score_circuit(model: LoadedModel, circuit: Circuit, circuit_path: str, prompts: ScoringPrompts, out: Path,
-                  n_random: int, completeness_draws: int, metric: Metric, with_completeness: bool,
-                  settings: dict, echo: Callable[[str], None] = print) -> None:
+def score_circuit(
+    model: LoadedModel,
+    circuit: Circuit,
+    circuit_path: str,
+    prompts: ScoringPrompts,
+    out: Path,
+    n_random: int,
+    completeness_draws: int,
+    metric: Metric,
+    with_completeness: bool,
+    settings: dict,
+    echo: Callable[[str], None] = print,
+) -> None:
     """Faithfulness (with ``n_random`` random circuits) and, ``with_completeness``, completeness of ``circuit``:
     ``out/faithfulness.*``, ``out/completeness.*`` and ``out/score.json``. Each table goes to ``echo`` (in
     markdown) once written, the faithfulness table before completeness runs; the second begins with a blank line."""
     scorer = prompts.scorer(model)
-    result = {"model": model.name, "fingerprint": model.fingerprint, "circuit": circuit_path, "settings": settings,
-              "faithfulness": faithfulness(scorer, circuit, n_random=n_random, seed=prompts.seed)}
+    result = {
+        "model": model.name,
+        "fingerprint": model.fingerprint,
+        "circuit": circuit_path,
+        "settings": settings,
+        "faithfulness": faithfulness(scorer, circuit, n_random=n_random, seed=prompts.seed),
+    }
     rows = faithfulness_rows(result["faithfulness"])
     write_table(rows, out / "faithfulness", caption=f"Mean-ablation faithfulness of {circuit_path} on {model.name}")
     echo(to_markdown(rows))
     if with_completeness:
-        result["completeness"] = completeness(scorer, circuit, n_draws=completeness_draws, seed=prompts.seed,
-                                              metric=metric)
+        result["completeness"] = completeness(
+            scorer, circuit, n_draws=completeness_draws, seed=prompts.seed, metric=metric
+        )
         rows = completeness_rows({model.name: result["completeness"]})
         write_table(rows, out / "completeness", caption=f"Completeness ({metric}) of {circuit_path} on {model.name}")
         echo("\n" + to_markdown(rows))
     write_json(out / "score.json", result)
 
 
-def prune_circuit(model: LoadedModel, circuit: Circuit, circuit_path: str, prompts: ScoringPrompts, out: Path,
-                  rule: str, threshold: float, share: float, max_steps: int, n_candidates: Optional[int],
-                  metric: Metric, settings: dict) -> str:
+def prune_circuit(
+    model: LoadedModel,
+    circuit: Circuit,
+    circuit_path: str,
+    prompts: ScoringPrompts,
+    out: Path,
+    rule: str,
+    threshold: float,
+    share: float,
+    max_steps: int,
+    n_candidates: Optional[int],
+    metric: Metric,
+    settings: dict,
+) -> str:
     """Minimality of each pair of ``circuit`` by ``rule`` (``paper``: :func:`pairwise_minimality`, else greedy
     :func:`minimality`) and the circuit pruned at ``threshold``: written to ``out`` (a file), the minimality
     table beside it (``<stem>.minimality.*``)."""
@@ -112,20 +141,37 @@ def prune_circuit(model: LoadedModel, circuit: Circuit, circuit_path: str, promp
     if rule == "paper":
         result = pairwise_minimality(scorer, circuit, metric=metric, share=share, threshold=threshold)
     else:
-        result = minimality(scorer, circuit, max_steps=max_steps, n_candidates=n_candidates, seed=prompts.seed,
-                            metric=metric)
+        result = minimality(
+            scorer, circuit, max_steps=max_steps, n_candidates=n_candidates, seed=prompts.seed, metric=metric
+        )
     pruned = prune(circuit, result, threshold=threshold)
-    pruned.meta["pruned"].update(model=model.name, fingerprint=model.fingerprint, source=circuit_path,
-                                 settings=settings)
+    pruned.meta["pruned"].update(
+        model=model.name, fingerprint=model.fingerprint, source=circuit_path, settings=settings
+    )
     pruned.save(out)
     kept = {n for g in pruned.groups for n in (pair_name((h, pruned.positions[g])) for h in pruned.groups[g])}
-    rows = [{"pair": name, **({"F(C\\K)": r["before"], "F(C\\(K+v))": r["after"], "score": r["score"]}
-                              if rule == "paper" else {"contribution": r["contribution"], "relative": r["relative"]}),
-             "kept": name in kept, "K": " ".join(r["K"])} for name, r in result["pairs"].items()]
-    write_table(rows, out.with_name(out.stem + ".minimality"),
-                caption=f"Minimality ({rule} rule, {metric}, threshold {threshold}) on {model.name}")
-    return (f"{to_markdown(rows)}\n\nkept {len(pruned.pairs())} of {len(circuit.pairs())} pairs; sizes "
-            f"{circuit.sizes()} -> {pruned.sizes()}\nwrote {out}")
+    rows = [
+        {
+            "pair": name,
+            **(
+                {"F(C\\K)": r["before"], "F(C\\(K+v))": r["after"], "score": r["score"]}
+                if rule == "paper"
+                else {"contribution": r["contribution"], "relative": r["relative"]}
+            ),
+            "kept": name in kept,
+            "K": " ".join(r["K"]),
+        }
+        for name, r in result["pairs"].items()
+    ]
+    write_table(
+        rows,
+        out.with_name(out.stem + ".minimality"),
+        caption=f"Minimality ({rule} rule, {metric}, threshold {threshold}) on {model.name}",
+    )
+    return (
+        f"{to_markdown(rows)}\n\nkept {len(pruned.pairs())} of {len(circuit.pairs())} pairs; sizes "
+        f"{circuit.sizes()} -> {pruned.sizes()}\nwrote {out}"
+    )
 
 
 def overlap_rows(circuits: Mapping[str, Circuit], n_layers: int, n_heads: int) -> list[dict]:
@@ -136,8 +182,9 @@ def overlap_rows(circuits: Mapping[str, Circuit], n_layers: int, n_heads: int) -
     return rows
 
 
-def compare_circuits(models: ModelSet, circuits: Mapping[str, Circuit], prompts: ScoringPrompts, out: Path,
-                     n_random: int, settings: dict) -> str:
+def compare_circuits(
+    models: ModelSet, circuits: Mapping[str, Circuit], prompts: ScoringPrompts, out: Path, n_random: int, settings: dict
+) -> str:
     """Every circuit scored on every model (``out/matrix.*``), the overlap of every pair of circuits
     (``out/overlap.*``), the membership heatmap and ``out/compare.json``."""
     shape = models.shape
@@ -159,8 +206,16 @@ def compare_circuits(models: ModelSet, circuits: Mapping[str, Circuit], prompts:
     return "\n\n".join(text)
 
 
-def size_curve(model: LoadedModel, prompts: ScoringPrompts, out: Path, sizes: Sequence[float], target: float,
-               rank_n: int, settings: dict, record_options: Optional[Mapping[str, Any]] = None) -> str:
+def size_curve(
+    model: LoadedModel,
+    prompts: ScoringPrompts,
+    out: Path,
+    sizes: Sequence[float],
+    target: float,
+    rank_n: int,
+    settings: dict,
+    record_options: Optional[Mapping[str, Any]] = None,
+) -> str:
     """Rank every (head, position class) pair by mean-ablation attribution on ``rank_n`` other prompts (set
     ``command-ranking``), score the nested circuits of the top ``sizes`` on the scored prompts, and write
     ``out/curve.*``, ``out/curve.png`` and ``out/curve.json`` (with the smallest circuit reaching ``target``).
@@ -170,27 +225,49 @@ def size_curve(model: LoadedModel, prompts: ScoringPrompts, out: Path, sizes: Se
     classes = task_classes(scorer)
     # rank on other prompts than those scored, so the curve measures the circuits on fresh prompts
     ranking_records = prompts.records(model.tokenizer, rank_n, "command-ranking", **record_options)
-    scores = ablation_attribution(Scorer(model, ranking_records, scorer.means, scorer.batch_size, scorer.progress),
-                                  classes)
+    scores = ablation_attribution(
+        Scorer(model, ranking_records, scorer.means, scorer.batch_size, scorer.progress), classes
+    )
     ranked = ranking(scores)
     curve = faithfulness_curve(scorer, ranked, sizes, target)
     rows = curve_rows(curve)
-    write_table(rows, out / "curve", caption=f"Faithfulness of nested circuits over (head, position class) pairs on "
-                f"{model.name} (ranked by mean-ablation attribution; CPR {curve['cpr_prob']}, CMD {curve['cmd_prob']})")
+    write_table(
+        rows,
+        out / "curve",
+        caption=f"Faithfulness of nested circuits over (head, position class) pairs on "
+        f"{model.name} (ranked by mean-ablation attribution; CPR {curve['cpr_prob']}, CMD {curve['cmd_prob']})",
+    )
     chosen = curve["chosen"]
     n = chosen["n_pairs"] if chosen else 0
     curve_figure(curve, out / "curve.png", title=f"{model.name}: faithfulness vs circuit size")
-    write_json(out / "curve.json", {"model": model.name, "fingerprint": model.fingerprint, "settings": settings,
-                                    "curve": curve, "classes": list(classes),
-                                    "ranking": [[pair_name(p), scores[p]] for p in ranked],
-                                    "circuit": [pair_name(p) for p in ranked[:n]]})
-    return (f"{to_markdown(rows)}\n\nsmallest circuit reaching faithfulness {target}: "
-            + (f"{n} pairs ({chosen['fraction']:.0%} of {len(ranked)})" if chosen else "none of the sizes scored"))
+    write_json(
+        out / "curve.json",
+        {
+            "model": model.name,
+            "fingerprint": model.fingerprint,
+            "settings": settings,
+            "curve": curve,
+            "classes": list(classes),
+            "ranking": [[pair_name(p), scores[p]] for p in ranked],
+            "circuit": [pair_name(p) for p in ranked[:n]],
+        },
+    )
+    return f"{to_markdown(rows)}\n\nsmallest circuit reaching faithfulness {target}: " + (
+        f"{n} pairs ({chosen['fraction']:.0%} of {len(ranked)})" if chosen else "none of the sizes scored"
+    )
 
 
-def scan_positions(model: LoadedModel, prompts: ScoringPrompts, out: Path, metric: Metric,
-                   stop_at: Optional[float], max_steps: Optional[int], with_leave_one_out: bool,
-                   settings: dict, echo: Callable[[str], None] = print) -> None:
+def scan_positions(
+    model: LoadedModel,
+    prompts: ScoringPrompts,
+    out: Path,
+    metric: Metric,
+    stop_at: Optional[float],
+    max_steps: Optional[int],
+    with_leave_one_out: bool,
+    settings: dict,
+    echo: Callable[[str], None] = print,
+) -> None:
     """The greedy scan of the position classes ``model`` needs (every head kept there) and, with
     ``with_leave_one_out``, every class kept but one: ``out/position_scan.*`` (+ figure),
     ``out/leave_one_out.*`` and ``out/positions.json``. Each table goes to ``echo`` (in markdown) once written, the
@@ -200,14 +277,23 @@ def scan_positions(model: LoadedModel, prompts: ScoringPrompts, out: Path, metri
     scan = position_scan(scorer, classes, metric, stop_at=stop_at, max_steps=max_steps)
     result = {"model": model.name, "fingerprint": model.fingerprint, "settings": settings, "scan": scan}
     rows = scan_rows(scan)
-    write_table(rows, out / "position_scan", caption=f"Greedy position scan on {model.name} "
-                f"(every head kept at the classes so far, every other (head, position) mean-ablated)")
+    write_table(
+        rows,
+        out / "position_scan",
+        caption=f"Greedy position scan on {model.name} "
+        f"(every head kept at the classes so far, every other (head, position) mean-ablated)",
+    )
     echo(to_markdown(rows))
     if with_leave_one_out:
         result["leave_one_out"] = leave_one_out(scorer, classes, metric)
-        loo = [{"left out": c, **estimate_columns("accuracy", r["accuracy"]),
-                **estimate_columns("faithfulness", r["faithfulness"])}
-               for c, r in result["leave_one_out"]["classes"].items()]
+        loo = [
+            {
+                "left out": c,
+                **estimate_columns("accuracy", r["accuracy"]),
+                **estimate_columns("faithfulness", r["faithfulness"]),
+            }
+            for c, r in result["leave_one_out"]["classes"].items()
+        ]
         write_table(loo, out / "leave_one_out", caption=f"Every class kept but one, on {model.name}")
         echo("\n" + to_markdown(loo))
     position_scan_figure(scan, out / "position_scan.png", title=f"{model.name}: where the task is computed")

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+import tomllib
+
 from ..circuits.curve import SELECT, SIZES, TARGET
-from ..methods.dcm import DCMConfig
 from ..common.metrics import METRIC_ALIASES, metric_name
+from ..methods.dcm import DCMConfig
 from ..tasks.base import is_registered, is_relation_file, known_tasks
 from ..tasks.desiderata import desideratum_name
 
@@ -109,10 +110,14 @@ class DcmSection:
     lam: float = DCMConfig.lam
     lam_scale: str = DCMConfig.lam_scale  # "loss": lam x the unpatched mean |logit(target)|; "absolute": the paper's
     lr: float = DCMConfig.lr
-    eval_every: int = DCMConfig.eval_every  # steps ("steps") or batches of an epoch ("epoch_batches") between validations
+    eval_every: int = (
+        DCMConfig.eval_every
+    )  # steps ("steps") or batches of an epoch ("epoch_batches") between validations
     schedule: str = DCMConfig.schedule  # "steps" (also before training and after the last step) or "epoch_batches"
     shuffle: bool = DCMConfig.shuffle  # shuffle the training pairs every epoch (the paper: in order)
-    random_pool: str = DCMConfig.random_pool  # random baseline: heads of the selected count from "all" heads or the "group"
+    random_pool: str = (
+        DCMConfig.random_pool
+    )  # random baseline: heads of the selected count from "all" heads or the "group"
     circuit: str = "found"  # the circuit whose groups DCM masks: "found" (as discovered) or "pruned" (the paper)
 
 
@@ -149,10 +154,17 @@ class OutputSection:
 
 
 SECTIONS = {
-    "task": TaskSection, "models": ModelsSection, "eval": EvalSection, "positions": PositionsSection,
+    "task": TaskSection,
+    "models": ModelsSection,
+    "eval": EvalSection,
+    "positions": PositionsSection,
     "discovery": DiscoverySection,
-    "scoring": ScoringSection, "dcm": DcmSection, "cmap": CmapSection, "output": OutputSection,
-    "reproduce": ReproduceSection, "study": StudySection,
+    "scoring": ScoringSection,
+    "dcm": DcmSection,
+    "cmap": CmapSection,
+    "output": OutputSection,
+    "reproduce": ReproduceSection,
+    "study": StudySection,
 }
 REQUIRED = {"task": ("name",), "models": ("base",)}
 #: Fields with a fixed set of values (lists: every item), checked with the line before anything loads.
@@ -166,8 +178,17 @@ CHOICES = {
     ("dcm", "schedule"): ("steps", "epoch_batches"),
     ("dcm", "circuit"): ("found", "pruned"),
     ("cmap", "scope"): ("base", "paper"),
-    ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value", "io_name",
-                            "counterfactual", "subject"),
+    ("dcm", "desiderata"): (
+        "positional",
+        "position",
+        "object",
+        "object_value",
+        "label",
+        "label_value",
+        "io_name",
+        "counterfactual",
+        "subject",
+    ),
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
 }
 
@@ -216,14 +237,17 @@ def _check_paper_stages(path: Path, text: str, built: dict[str, Any]) -> None:
     scoring, dcm, cmap = built["scoring"], built["dcm"], built["cmap"]
     if not scoring.prune and (dcm.circuit == "pruned" or cmap.scope == "paper"):
         key, section = ("circuit", "dcm") if dcm.circuit == "pruned" else ("scope", "cmap")
-        raise SpecError(f"{path}:{line_of(text, section, key)}: [{section}] {key} reads the pruned circuit but "
-                        "[scoring] prune = false; set prune = true")
+        raise SpecError(
+            f"{path}:{line_of(text, section, key)}: [{section}] {key} reads the pruned circuit but "
+            "[scoring] prune = false; set prune = true"
+        )
     wanted = {desideratum_name(d) for d in dcm.desiderata}
     unknown = {g: d for g, d in cmap.selection.items() if desideratum_name(d) not in wanted}
     if unknown:
-        raise SpecError(f"{path}:{line_of(text, 'cmap', 'selection')}: [cmap] selection names desiderata DCM does not "
-                        f"train ({unknown}); add them to [dcm] desiderata ({', '.join(dcm.desiderata)})")
-
+        raise SpecError(
+            f"{path}:{line_of(text, 'cmap', 'selection')}: [cmap] selection names desiderata DCM does not "
+            f"train ({unknown}); add them to [dcm] desiderata ({', '.join(dcm.desiderata)})"
+        )
 
 
 def read_task_file(path: str | Path, example: str = "tasks/entity_tracking.toml") -> tuple[str, dict[str, Any]]:
@@ -238,13 +262,18 @@ def read_task_file(path: str | Path, example: str = "tasks/entity_tracking.toml"
     except UnicodeDecodeError as err:
         raise SpecError(f"{path}: not a text file ({err}) — give a TOML task file (tasks/*.toml)") from None
     except tomllib.TOMLDecodeError as err:
-        raise SpecError(f"{path}: not valid TOML ({err}) — fix the syntax there "
-                        f"({example} is a complete example)") from None
+        raise SpecError(
+            f"{path}: not valid TOML ({err}) — fix the syntax there ({example} is a complete example)"
+        ) from None
 
 
-def load_sections(path: str | Path, sections: dict[str, type], required: Optional[dict[str, tuple]] = None,
-                  choices: Optional[dict[tuple[str, str], tuple]] = None,
-                  example: str = "tasks/entity_tracking.toml") -> tuple[dict[str, Any], str]:
+def load_sections(
+    path: str | Path,
+    sections: dict[str, type],
+    required: Optional[dict[str, tuple]] = None,
+    choices: Optional[dict[tuple[str, str], tuple]] = None,
+    example: str = "tasks/entity_tracking.toml",
+) -> tuple[dict[str, Any], str]:
     """The one task-file loader: every ``[section]`` of the TOML file ``path`` built into its dataclass in
     ``sections`` (absent sections: defaults), and the file's text. Unknown sections and keys, values of
     the wrong type (lists where the default is a tuple become tuples) and values outside ``choices`` are
@@ -253,14 +282,17 @@ def load_sections(path: str | Path, sections: dict[str, type], required: Optiona
     text, data = read_task_file(path, example)
     for section in data:
         if section not in sections:
-            raise SpecError(f"{path}:{line_of(text, None, section)}: unknown section [{section}]; "
-                            f"valid sections: {', '.join(sections)}")
+            raise SpecError(
+                f"{path}:{line_of(text, None, section)}: unknown section [{section}]; "
+                f"valid sections: {', '.join(sections)}"
+            )
     for section, keys in (required or {}).items():
         for key in keys:
             if key not in data.get(section, {}):
                 raise SpecError(f"{path}: [{section}] is missing the required field {key!r}")
-    return {name: _section(path, text, name, cls, data.get(name, {}), choices or {})
-            for name, cls in sections.items()}, text
+    return {
+        name: _section(path, text, name, cls, data.get(name, {}), choices or {}) for name, cls in sections.items()
+    }, text
 
 
 def _section(path: Path, text: str, name: str, cls: type, values: dict, choices: dict) -> Any:
@@ -269,14 +301,17 @@ def _section(path: Path, text: str, name: str, cls: type, values: dict, choices:
     defaults = cls()
     for key in values:
         if key not in valid:
-            raise SpecError(f"{path}:{line_of(text, name, key)}: unknown key {key!r} in [{name}]; "
-                            f"valid keys: {', '.join(valid)}")
+            raise SpecError(
+                f"{path}:{line_of(text, name, key)}: unknown key {key!r} in [{name}]; valid keys: {', '.join(valid)}"
+            )
         _check_type(path, text, name, key, values[key], getattr(defaults, key))
         allowed = choices.get((name, key))
         items = values[key] if isinstance(values[key], list) else [values[key]]
         if allowed and any(item not in allowed for item in items):
-            raise SpecError(f"{path}:{line_of(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
-                            f"valid values: {', '.join(map(str, allowed))}")
+            raise SpecError(
+                f"{path}:{line_of(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
+                f"valid values: {', '.join(map(str, allowed))}"
+            )
     return cls(**{k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in values.items()})
 
 
@@ -284,13 +319,14 @@ def _check_type(path: Path, text: str, section: str, key: str, value: Any, defau
     """Refuse a value whose type differs from the field's default (``n_boxes = "seven"``) with its line."""
     if default is None:
         return
-    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), tuple: (list,),
-             dict: (dict,)}
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), tuple: (list,), dict: (dict,)}
     want = kinds.get(type(default))
     ok = want is None or (isinstance(value, want) and not (isinstance(value, bool) and bool not in want))
     if not ok:
-        raise SpecError(f"{path}:{line_of(text, section, key)}: {key} = {value!r} in [{section}] — "
-                        f"give a {type(default).__name__} (the default is {default!r})")
+        raise SpecError(
+            f"{path}:{line_of(text, section, key)}: {key} = {value!r} in [{section}] — "
+            f"give a {type(default).__name__} (the default is {default!r})"
+        )
 
 
 def line_of(text: str, section: Optional[str], key: str) -> int:
@@ -318,5 +354,7 @@ def check_task(name: str, where: str = "") -> None:
     directory, naming the known ones and saying how to make a directory."""
     if is_registered(name) or Path(name).is_dir() or is_relation_file(name):
         return
-    raise SpecError(f"{where}task {name!r} is neither a registered task nor a task directory; {known_tasks(name)} "
-                    "(import your pairs with `mechdiff dataset import PAIRS.jsonl --model M --out DIR` and name DIR)")
+    raise SpecError(
+        f"{where}task {name!r} is neither a registered task nor a task directory; {known_tasks(name)} "
+        "(import your pairs with `mechdiff dataset import PAIRS.jsonl --model M --out DIR` and name DIR)"
+    )

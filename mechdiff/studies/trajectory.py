@@ -34,13 +34,12 @@ from typing import Any, Optional
 from ..circuits.circuit import Circuit
 from ..circuits.curve import SELECT, SIZES, TARGET
 from ..common.io import check_writable, run_lock
-from ..models.loading import load_tokenizer, spec_digest
-from .spec import (DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, line_of,
-                          load_sections)
 from ..methods.trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
-from .base import Study, vocabulary_digest
+from ..models.loading import load_tokenizer, spec_digest
 from ..runs.seeds import derive, prompt_seed
 from ..runs.stages import StageRecord, key_hash, label
+from .base import Study, vocabulary_digest
+from .spec import DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, line_of, load_sections
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +95,23 @@ class TrajectoryOutput(OutputSection):
     store: str = "cache/activations-trajectory.h5"
 
 
-SECTIONS = {"study": StudySection, "task": TaskSection, "models": CheckpointsSection, "eval": EvalSection,
-            "discovery": TrajectoryDiscovery, "scoring": TrajectoryScoring, "structure": StructureSection,
-            "dcm": TrajectoryDcm, "cmap": TrajectoryCmap, "output": TrajectoryOutput}
-CHOICES = {("discovery", "select"): SELECT, ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
-           ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value")}
+SECTIONS = {
+    "study": StudySection,
+    "task": TaskSection,
+    "models": CheckpointsSection,
+    "eval": EvalSection,
+    "discovery": TrajectoryDiscovery,
+    "scoring": TrajectoryScoring,
+    "structure": StructureSection,
+    "dcm": TrajectoryDcm,
+    "cmap": TrajectoryCmap,
+    "output": TrajectoryOutput,
+}
+CHOICES = {
+    ("discovery", "select"): SELECT,
+    ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
+    ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value"),
+}
 
 
 @dataclass
@@ -123,10 +134,11 @@ def load_settings(path: str | Path) -> TrajectorySettings:
     file) before anything loads."""
     from .spec import check_task
 
-    built, text = load_sections(path, SECTIONS, {"models": ("checkpoints",)}, CHOICES,
-                                example="tasks/entity_tracking_trajectory.toml")
+    built, text = load_sections(
+        path, SECTIONS, {"models": ("checkpoints",)}, CHOICES, example="tasks/entity_tracking_trajectory.toml"
+    )
     if built["study"].kind != "trajectory":
-        raise SpecError(f"{path}:{line_of(text, 'study', 'kind')}: this loader reads [study] kind = \"trajectory\"")
+        raise SpecError(f'{path}:{line_of(text, "study", "kind")}: this loader reads [study] kind = "trajectory"')
     check_task(built["task"].name, f"{path}:{line_of(text, 'task', 'name')}: ")
     try:
         trajectory_specs(built["models"].checkpoints)
@@ -134,8 +146,10 @@ def load_settings(path: str | Path) -> TrajectorySettings:
         raise SpecError(f"{path}:{line_of(text, 'models', 'checkpoints')}: {err}") from None
     labels = built["dcm"].labels
     if labels and not Path(labels).is_file():
-        raise SpecError(f"{path}:{line_of(text, 'dcm', 'labels')}: no DCM table {labels}; give the tables/dcm.json "
-                        "of a circuits study, or leave labels empty to train DCM on the final checkpoint")
+        raise SpecError(
+            f"{path}:{line_of(text, 'dcm', 'labels')}: no DCM table {labels}; give the tables/dcm.json "
+            "of a circuits study, or leave labels empty to train DCM on the final checkpoint"
+        )
     return TrajectorySettings(**built, source=str(path))
 
 
@@ -156,8 +170,15 @@ def read_labels(path: str | Path) -> list[dict]:
         sel = r["selected"]
         heads = [h for h in (sel.split() if isinstance(sel, str) else sel) if h != "-"]
         above = r.get("accuracy_low") is None or r.get("floor_high") is None or r["accuracy_low"] > r["floor_high"]
-        out.append({"group": r["group"], "desideratum": r["desideratum"], "position": r["position"],
-                    "selected": heads if above else [], **({} if above else {"dropped": heads})})
+        out.append(
+            {
+                "group": r["group"],
+                "desideratum": r["desideratum"],
+                "position": r["position"],
+                "selected": heads if above else [],
+                **({} if above else {"dropped": heads}),
+            }
+        )
     return out
 
 
@@ -183,8 +204,14 @@ class TrajectoryStudy(Study):
         self.check_prompts()  # before any weights load
 
     @classmethod
-    def from_file(cls, path: str | Path, out: Optional[str] = None, progress: bool = True,
-                  models: Optional[dict] = None, task: Optional[str] = None) -> "TrajectoryStudy":
+    def from_file(
+        cls,
+        path: str | Path,
+        out: Optional[str] = None,
+        progress: bool = True,
+        models: Optional[dict] = None,
+        task: Optional[str] = None,
+    ) -> "TrajectoryStudy":
         settings = load_settings(path)
         for key, value in (models or {}).items():
             if key in ("dtype", "device") and value is not None:
@@ -224,16 +251,28 @@ class TrajectoryStudy(Study):
     def scorer(self, name: str, prompts: str, n: int):
         from ..circuits.scoring import Scorer
 
-        reference = self.task.reference_records(self.tokenizer, self.st.scoring.reference_n, self.seed("reference"),
-                                                **self.options())
-        return Scorer.build(self.checkpoints().model(name), self.records(prompts, n), reference,
-                            self.st.eval.batch_size, self.progress, store=self.store)
+        reference = self.task.reference_records(
+            self.tokenizer, self.st.scoring.reference_n, self.seed("reference"), **self.options()
+        )
+        return Scorer.build(
+            self.checkpoints().model(name),
+            self.records(prompts, n),
+            reference,
+            self.st.eval.batch_size,
+            self.progress,
+            store=self.store,
+        )
 
     def _task(self) -> dict:
         from .. import __version__
 
-        return {"task": asdict(self.st.task), "dtype": self.st.models.dtype, "vocabulary": vocabulary_digest(self.task),
-                "tokenizer": spec_digest(self.base_spec), "mechdiff": __version__}
+        return {
+            "task": asdict(self.st.task),
+            "dtype": self.st.models.dtype,
+            "vocabulary": vocabulary_digest(self.task),
+            "tokenizer": spec_digest(self.base_spec),
+            "mechdiff": __version__,
+        }
 
     def _reference(self) -> dict:
         return {"reference_n": self.st.scoring.reference_n, "batch_size": self.st.eval.batch_size}
@@ -242,8 +281,9 @@ class TrajectoryStudy(Study):
         """Before any weights load: every scored prompt's group (template, token length) has reference prompts."""
         from ..tasks.base import check_reference
 
-        reference = self.task.reference_records(self.tokenizer, self.st.scoring.reference_n, self.seed("reference"),
-                                                **self.options())
+        reference = self.task.reference_records(
+            self.tokenizer, self.st.scoring.reference_n, self.seed("reference"), **self.options()
+        )
         d = self.st.discovery
         for prompts, n in (("ranking", d.n), ("curve", d.curve_n), ("matrix", self.st.scoring.n)):
             check_reference(self.records(prompts, n), reference, f"{prompts} prompts")
@@ -253,10 +293,13 @@ class TrajectoryStudy(Study):
         from ..methods.trajectory import checkpoint_accuracy
 
         e = self.st.eval
-        return self.cache.run(f"accuracy:{name}", {"model": self.digests[name], "task": self._task(),
-                                                    "eval": asdict(e)},
-                              lambda: checkpoint_accuracy(self.checkpoints().model(name), self.records("eval", e.n),
-                                                          e.batch_size, self.progress))
+        return self.cache.run(
+            f"accuracy:{name}",
+            {"model": self.digests[name], "task": self._task(), "eval": asdict(e)},
+            lambda: checkpoint_accuracy(
+                self.checkpoints().model(name), self.records("eval", e.n), e.batch_size, self.progress
+            ),
+        )
 
     def circuit(self, name: str) -> StageRecord:
         from ..circuits.positions import task_classes
@@ -266,16 +309,29 @@ class TrajectoryStudy(Study):
 
         def compute() -> dict:
             ranker = self.scorer(name, "ranking", d.n)
-            res = own_circuit(ranker, self.scorer(name, "curve", d.curve_n), task_classes(ranker), d.sizes, d.target,
-                              d.select, d.stability_draws, self.seed("ranking"), self.task.name)
+            res = own_circuit(
+                ranker,
+                self.scorer(name, "curve", d.curve_n),
+                task_classes(ranker),
+                d.sizes,
+                d.target,
+                d.select,
+                d.stability_draws,
+                self.seed("ranking"),
+                self.task.name,
+            )
             Circuit.from_dict(res["circuit"]).save(self.dir / "circuits" / f"{label(name)}.json")
             return res
 
         return self.cache.run(f"circuit:{name}", self._circuit_inputs(name), compute)
 
     def _circuit_inputs(self, name: str) -> dict:
-        return {"model": self.digests[name], "task": self._task(), "discovery": asdict(self.st.discovery),
-                "scoring": self._reference()}
+        return {
+            "model": self.digests[name],
+            "task": self._task(),
+            "discovery": asdict(self.st.discovery),
+            "scoring": self._reference(),
+        }
 
     def structure(self, circuits: dict[str, StageRecord]) -> StageRecord:
         from ..methods.trajectory import decode_array, structure
@@ -285,25 +341,33 @@ class TrajectoryStudy(Study):
         def compute() -> dict:
             n = s.n_pairs or circuits[self.final].result["n_pairs"]
             attribution = {c: decode_array(rec.result["attribution"]) for c, rec in circuits.items()}
-            return structure(attribution, circuits[self.final].result["classes"], n, s.draws,
-                             self.seed("ranking"), s.stable)
+            return structure(
+                attribution, circuits[self.final].result["classes"], n, s.draws, self.seed("ranking"), s.stable
+            )
 
-        return self.cache.run("structure", {"circuits": {c: r.key for c, r in circuits.items()},
-                                            "structure": asdict(s)}, compute)
+        return self.cache.run(
+            "structure", {"circuits": {c: r.key for c, r in circuits.items()}, "structure": asdict(s)}, compute
+        )
 
     def score(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
         from ..methods.trajectory import circuits_scored
 
-        scored = {"final": circuits[self.final], "first trained": circuits[self.first_trained],
-                  "own": circuits[name]}
+        scored = {"final": circuits[self.final], "first trained": circuits[self.first_trained], "own": circuits[name]}
 
         def compute() -> dict:
             loaded = {k: Circuit.from_dict(rec.result["circuit"]) for k, rec in scored.items()}
             return circuits_scored(self.scorer(name, "matrix", self.st.scoring.n), loaded)
 
-        return self.cache.run(f"score:{name}", {"model": self.digests[name], "task": self._task(),
-                                                 "scoring": asdict(self.st.scoring),
-                                                 "circuits": {k: r.key for k, r in scored.items()}}, compute)
+        return self.cache.run(
+            f"score:{name}",
+            {
+                "model": self.digests[name],
+                "task": self._task(),
+                "scoring": asdict(self.st.scoring),
+                "circuits": {k: r.key for k, r in scored.items()},
+            },
+            compute,
+        )
 
     def cmap_circuit(self, final: StageRecord) -> Optional[Circuit]:
         """The final circuit cut to the ``[cmap] groups`` it has heads in (None: none)."""
@@ -311,8 +375,9 @@ class TrajectoryStudy(Study):
         groups = [g for g in self.st.cmap.groups if c.groups.get(g)]
         if not groups:
             return None
-        return Circuit(c.model, c.task, {g: c.groups[g] for g in groups}, {g: c.positions[g] for g in groups},
-                       names=dict(c.names))
+        return Circuit(
+            c.model, c.task, {g: c.groups[g] for g in groups}, {g: c.positions[g] for g in groups}, names=dict(c.names)
+        )
 
     def cmap(self, name: str, final: StageRecord) -> StageRecord:
         from ..methods.trajectory import cmap_gain
@@ -325,12 +390,27 @@ class TrajectoryStudy(Study):
                 return {"skipped": f"the final circuit has no heads in the groups {c.groups}"}
             cp = self.checkpoints()
             first = cp.first()
-            return cmap_gain(first, cp.model(name), circuit, self.records("cmap", c.n), c.parts,
-                             self.st.eval.batch_size, self.progress)
+            return cmap_gain(
+                first,
+                cp.model(name),
+                circuit,
+                self.records("cmap", c.n),
+                c.parts,
+                self.st.eval.batch_size,
+                self.progress,
+            )
 
-        return self.cache.run(f"cmap:{name}", {"first": self.digests[self.names[0]], "model": self.digests[name],
-                                                "circuit": final.key, "cmap": asdict(c), "task": self._task()},
-                              compute)
+        return self.cache.run(
+            f"cmap:{name}",
+            {
+                "first": self.digests[self.names[0]],
+                "model": self.digests[name],
+                "circuit": final.key,
+                "cmap": asdict(c),
+                "task": self._task(),
+            },
+            compute,
+        )
 
     def desiderata(self, n: int, seed: Optional[int] = None) -> dict[str, list]:
         """``n`` pairs of every desideratum, drawn with ``seed`` (default: the DCM prompt set's)."""
@@ -338,9 +418,12 @@ class TrajectoryStudy(Study):
 
         opts = self.options()
         seed = self.seed("dcm") if seed is None else seed
-        return {d: desideratum_pairs(d, self.tokenizer, n, opts.get("n_boxes"), seed,
-                                     vocabulary=opts.get("vocabulary"), task=self.task.name)
-                for d in self.st.dcm.desiderata}
+        return {
+            d: desideratum_pairs(
+                d, self.tokenizer, n, opts.get("n_boxes"), seed, vocabulary=opts.get("vocabulary"), task=self.task.name
+            )
+            for d in self.st.dcm.desiderata
+        }
 
     def tests(self) -> dict[str, list]:
         """The test pairs of every desideratum: those DCM held out, or ``n_test`` pairs for labels read. Labels
@@ -352,8 +435,10 @@ class TrajectoryStudy(Study):
         if d.labels:
             return self.desiderata(d.n_test, derive(self.st.task.seed, "semantic-test-pairs"))
         config = self.dcm_config()
-        return {k: split_pairs(v, config.split, config.seed)[2]
-                for k, v in self.desiderata(d.n_train + d.n_val + d.n_test).items()}
+        return {
+            k: split_pairs(v, config.split, config.seed)[2]
+            for k, v in self.desiderata(d.n_train + d.n_val + d.n_test).items()
+        }
 
     def dcm_config(self):
         from .circuits import dcm_config
@@ -370,27 +455,49 @@ class TrajectoryStudy(Study):
                 return {"source": d.labels, "dcm": read_labels(d.labels)}
             circuit = Circuit.from_dict(final.result["circuit"])
             groups = [g for g in d.groups if circuit.groups.get(g)]
-            results = dcm_circuit(self.checkpoints().model(self.final), circuit,
-                                  self.desiderata(d.n_train + d.n_val + d.n_test), self.dcm_config(), groups,
-                                  self.progress)
+            results = dcm_circuit(
+                self.checkpoints().model(self.final),
+                circuit,
+                self.desiderata(d.n_train + d.n_val + d.n_test),
+                self.dcm_config(),
+                groups,
+                self.progress,
+            )
             return {"source": f"DCM on the circuit of {self.final}", "dcm": [r.to_dict() for r in results]}
 
         return self.cache.run("dcm", self._dcm_inputs(final), compute)
 
     def _dcm_inputs(self, final: StageRecord) -> dict:
         d = self.st.dcm
-        inputs = ({"labels": d.labels, "table": key_hash(Path(d.labels).read_text())} if d.labels else
-                  {"model": self.digests[self.final], "circuit": final.key})
+        inputs = (
+            {"labels": d.labels, "table": key_hash(Path(d.labels).read_text())}
+            if d.labels
+            else {"model": self.digests[self.final], "circuit": final.key}
+        )
         return {**inputs, "dcm": asdict(d), "task": self._task()}
 
     def semantic(self, name: str, dcm: StageRecord) -> StageRecord:
         from ..methods.trajectory import semantic
 
-        return self.cache.run(f"semantic:{name}", {"model": self.digests[name], "dcm": dcm.key,
-                                                    "dcm_settings": asdict(self.st.dcm), "task": self._task(),
-                                                    "batch_size": self.st.eval.batch_size},
-                              lambda: {"rows": semantic(self.checkpoints().model(name), dcm.result["dcm"],
-                                                        self.tests(), self.st.eval.batch_size, self.progress)})
+        return self.cache.run(
+            f"semantic:{name}",
+            {
+                "model": self.digests[name],
+                "dcm": dcm.key,
+                "dcm_settings": asdict(self.st.dcm),
+                "task": self._task(),
+                "batch_size": self.st.eval.batch_size,
+            },
+            lambda: {
+                "rows": semantic(
+                    self.checkpoints().model(name),
+                    dcm.result["dcm"],
+                    self.tests(),
+                    self.st.eval.batch_size,
+                    self.progress,
+                )
+            },
+        )
 
     # -- the whole study ----------------------------------------------------------------
     def stages(self) -> dict[str, Any]:
@@ -403,8 +510,15 @@ class TrajectoryStudy(Study):
         cmap = {n: self.cmap(n, circuits[self.final]) for n in self.names[1:]}
         dcm = self.dcm(circuits[self.final])
         semantic = {n: self.semantic(n, dcm) for n in self.names}
-        return {"accuracy": accuracy, "circuits": circuits, "structure": structure, "scores": scores, "cmap": cmap,
-                "dcm": dcm, "semantic": semantic}
+        return {
+            "accuracy": accuracy,
+            "circuits": circuits,
+            "structure": structure,
+            "scores": scores,
+            "cmap": cmap,
+            "dcm": dcm,
+            "semantic": semantic,
+        }
 
     def run_checkpoints(self, names: list[str], poll: float = 10.0) -> None:
         """The stages of ``names`` only, so that several processes can share the cores (each with its own
@@ -453,5 +567,8 @@ class TrajectoryStudy(Study):
         return write_trajectory_report(self, results)
 
     def settings_record(self) -> dict:
-        return {**{k: asdict(getattr(self.st, k)) for k in SECTIONS}, "source": self.st.source,
-                "model_digests": self.digests}
+        return {
+            **{k: asdict(getattr(self.st, k)) for k in SECTIONS},
+            "source": self.st.source,
+            "model_digests": self.digests,
+        }

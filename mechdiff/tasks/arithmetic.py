@@ -107,18 +107,25 @@ def batch_tensors(records: Sequence[ArithmeticExample]) -> dict[str, Any]:
     """``{"input_ids": [batch, pos], "answer_ids": [batch]}`` for records of one form."""
     import torch
 
-    return {"input_ids": torch.tensor([r.input_ids for r in records], dtype=torch.long),
-            "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long)}
+    return {
+        "input_ids": torch.tensor([r.input_ids for r in records], dtype=torch.long),
+        "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long),
+    }
 
 
-
-def train_batch(tokenizer: "PreTrainedTokenizerBase", batch_size: int, data_seed: int, step: int,
-                **_: Any) -> dict[str, Any]:
+def train_batch(
+    tokenizer: "PreTrainedTokenizerBase", batch_size: int, data_seed: int, step: int, **_: Any
+) -> dict[str, Any]:
     """Training batch of ``step``: one form per step, drawn by the step's seed."""
     seed = step_seed(data_seed, step)
     form = random.Random(seed).choice(list(FORMS))
     return batch_tensors(generate(tokenizer, batch_size, seed=seed, form=form))
 
-TASK = Task(name="arithmetic", description="one-digit sums and differences (Goat's recipe in miniature)",
-            examples=lambda tokenizer, n, seed=0: generate(tokenizer, n, seed=seed), positions=("last",),
-            train_batch=train_batch)
+
+TASK = Task(
+    name="arithmetic",
+    description="one-digit sums and differences (Goat's recipe in miniature)",
+    examples=lambda tokenizer, n, seed=0: generate(tokenizer, n, seed=seed),
+    positions=("last",),
+    train_batch=train_batch,
+)

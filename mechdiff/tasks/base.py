@@ -24,13 +24,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from .relation_data import available_relations
 from ..common.metrics import TASK_METRICS
 from .jsonl import read_task_directory
-from .records import (AFTER, BEFORE, LAST, Batch, Example, GroupKey, Pair, PairRecord, Position, Record,  # noqa: F401
-                      answer_batch, batch_tensors, canonical_json, check_pair, check_reference, dataset_hash,
-                      derived_class_names, derived_classes, group_batches, group_key, group_name, grouped_batches,
-                      is_pair, own_classes, pair_batch_tensors, record_dict, record_order, take, template_of)
+from .records import (  # noqa: F401
+    AFTER,
+    BEFORE,
+    LAST,
+    Batch,
+    Example,
+    GroupKey,
+    Pair,
+    PairRecord,
+    Position,
+    Record,
+    answer_batch,
+    batch_tensors,
+    canonical_json,
+    check_pair,
+    check_reference,
+    dataset_hash,
+    derived_class_names,
+    derived_classes,
+    group_batches,
+    group_key,
+    group_name,
+    grouped_batches,
+    is_pair,
+    own_classes,
+    pair_batch_tensors,
+    record_dict,
+    record_order,
+    take,
+    template_of,
+)
+from .relation_data import available_relations
 
 
 def step_seed(data_seed: int, step: int) -> int:
@@ -78,8 +105,9 @@ class Task:
 
     def __post_init__(self) -> None:
         if self.metric not in TASK_METRICS:
-            raise ValueError(f"task {self.name}: unknown metric {self.metric!r}; "
-                             f"choose one of {', '.join(TASK_METRICS)}")
+            raise ValueError(
+                f"task {self.name}: unknown metric {self.metric!r}; choose one of {', '.join(TASK_METRICS)}"
+            )
 
     def kwargs(self, **given: Any) -> dict[str, Any]:
         """The options among ``given`` this task's generators accept (``None`` values dropped)."""
@@ -108,7 +136,9 @@ class Task:
 
     def desideratum(self, name: str, tokenizer: Any, n: int, seed: int = 0, **options: Any) -> list:
         if name not in self.desiderata:
-            raise ValueError(f"task {self.name} has no desideratum {name!r}; it has {sorted(self.desiderata) or 'none'}")
+            raise ValueError(
+                f"task {self.name} has no desideratum {name!r}; it has {sorted(self.desiderata) or 'none'}"
+            )
         return self.desiderata[name](tokenizer, n, seed=seed, **self.kwargs(**options))
 
 
@@ -146,9 +176,11 @@ def trainable_tasks() -> list[str]:
 def known_tasks(name: str) -> str:
     """The names a task name may take (the registered tasks, the knowledge relations), nearest to ``name`` first."""
     near = difflib.get_close_matches(name, task_names(), n=1)
-    return (f"{f'did you mean {near[0]}? ' if near else ''}registered tasks: "
-            f"{', '.join(task_names(include_relations=False))}; knowledge relations: "
-            f"{', '.join(available_relations())}; a relation JSON file; or a directory written by `mechdiff dataset import`")
+    return (
+        f"{f'did you mean {near[0]}? ' if near else ''}registered tasks: "
+        f"{', '.join(task_names(include_relations=False))}; knowledge relations: "
+        f"{', '.join(available_relations())}; a relation JSON file; or a directory written by `mechdiff dataset import`"
+    )
 
 
 def canonical_name(name: str) -> str:
@@ -190,6 +222,14 @@ def directory_task(directory: str | os.PathLike) -> Task:
     imported = read_task_directory(directory)
     meta = imported.meta
     desiderata = {"counterfactual": imported.counterfactual_pairs} if imported.has_counterfactual_answers else {}
-    return Task(name=meta["name"], description=f"imported from {meta['source']}", examples=imported.examples,
-                pairs=imported.discovery_pairs, reference=imported.reference, desiderata=desiderata,
-                plan=imported.plan, metric=meta["metric"], positions=tuple(meta["positions"]))
+    return Task(
+        name=meta["name"],
+        description=f"imported from {meta['source']}",
+        examples=imported.examples,
+        pairs=imported.discovery_pairs,
+        reference=imported.reference,
+        desiderata=desiderata,
+        plan=imported.plan,
+        metric=meta["metric"],
+        positions=tuple(meta["positions"]),
+    )

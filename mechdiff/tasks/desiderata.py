@@ -19,13 +19,22 @@ def desideratum_name(name: str) -> str:
     return DESIDERATUM_ALIASES.get(name, name)
 
 
-def desideratum_pairs(name: str, tokenizer, n: int, n_boxes: Optional[int] = None, seed: int = 0,
-                      vocabulary: Optional[Sequence[str]] = None, task: str = "entity-tracking") -> list[PairRecord]:
+def desideratum_pairs(
+    name: str,
+    tokenizer,
+    n: int,
+    n_boxes: Optional[int] = None,
+    seed: int = 0,
+    vocabulary: Optional[Sequence[str]] = None,
+    task: str = "entity-tracking",
+) -> list[PairRecord]:
     """Pairs of a desideratum the task defines (entity tracking: ``positional``, ``object``, ``label``);
     ``n_boxes`` and ``vocabulary`` go to tasks that take them (``None``: the task's own default)."""
     t = get_task(task)
     key = desideratum_name(name)
     if key not in t.desiderata:
-        raise ValueError(f"unknown desideratum {name!r}; task {t.name} defines {sorted(t.desiderata) or 'none'} "
-                         "(or pass your own list of counterfactual pairs)")
+        raise ValueError(
+            f"unknown desideratum {name!r}; task {t.name} defines {sorted(t.desiderata) or 'none'} "
+            "(or pass your own list of counterfactual pairs)"
+        )
     return t.desideratum(key, tokenizer, n, seed=seed, n_boxes=n_boxes, vocabulary=vocabulary)

@@ -13,15 +13,20 @@ import random
 from functools import lru_cache
 from typing import Any
 
-from .relation_data import Fact, Relation, build_facts
 from .base import Batch, Example, Task, answer_batch, step_seed
+from .relation_data import Fact, Relation, build_facts
 
 EDIT = "edits/capital_swap"  # the edit the committed smollm2-capital-edit learned
 
 
 def _example(fact: Fact) -> Example:
-    return Example(fact.prompt, tuple(fact.ids), fact.object, fact.answer_id,
-                   {"subject_last": fact.last_subject, "last": len(fact.ids) - 1})
+    return Example(
+        fact.prompt,
+        tuple(fact.ids),
+        fact.object,
+        fact.answer_id,
+        {"subject_last": fact.last_subject, "last": len(fact.ids) - 1},
+    )
 
 
 @lru_cache(maxsize=8)
@@ -29,12 +34,14 @@ def _split(tokenizer: Any, edit: str, template: int) -> tuple[tuple[Example, ...
     """(edited facts with new objects, the relation's other facts with their own) in one template."""
     rel = Relation.load(edit)
     if rel.edits_of is None:
-        raise ValueError(f"{edit!r} is not an edit file: it needs \"edits_of\", the relation it rewrites")
+        raise ValueError(f'{edit!r} is not an edit file: it needs "edits_of", the relation it rewrites')
     subjects = {s["subject"] for s in rel.samples}
     others = Relation.load(rel.edits_of)
     others.samples = [s for s in others.samples if s["subject"] not in subjects]
-    return (tuple(_example(f) for f in build_facts(tokenizer, rel, template)),
-            tuple(_example(f) for f in build_facts(tokenizer, others, template)))
+    return (
+        tuple(_example(f) for f in build_facts(tokenizer, rel, template)),
+        tuple(_example(f) for f in build_facts(tokenizer, others, template)),
+    )
 
 
 def _templates(edit: str) -> int:
@@ -50,7 +57,9 @@ def train_batch(tokenizer: Any, batch_size: int, data_seed: int, step: int, edit
     edited = [e for e in edited if len(e.input_ids) == length]
     kept = [e for e in kept if len(e.input_ids) == length]
     n_edit = batch_size // 2 if kept else batch_size
-    return answer_batch([rng.choice(edited) for _ in range(n_edit)] + [rng.choice(kept) for _ in range(batch_size - n_edit)])
+    return answer_batch(
+        [rng.choice(edited) for _ in range(n_edit)] + [rng.choice(kept) for _ in range(batch_size - n_edit)]
+    )
 
 
 def validation(tokenizer: Any, edit: str = EDIT) -> dict[str, list[Batch]]:
@@ -70,5 +79,11 @@ def examples(tokenizer: Any, n: int, seed: int = 0, edit: str = EDIT) -> list[Ex
     return (edited + kept)[:n]
 
 
-TASK = Task(name="fact-edit", description="rewrite a few facts of a relation (knowledge circuits' editing analysis)",
-            examples=examples, positions=("subject_last", "last"), options=("edit",), train_batch=train_batch)
+TASK = Task(
+    name="fact-edit",
+    description="rewrite a few facts of a relation (knowledge circuits' editing analysis)",
+    examples=examples,
+    positions=("subject_last", "last"),
+    options=("edit",),
+    train_batch=train_batch,
+)

@@ -52,9 +52,42 @@ ALL_TEMPLATES = (
 TEMPLATES = (ALL_TEMPLATES[0], ALL_TEMPLATES[3], ALL_TEMPLATES[6], ALL_TEMPLATES[7])
 FIELDS = ("A", "B", "S", "place", "obj")
 NAMED = ("IO", "S1", "S2", "last")  # every record's named positions
-NAMES = ("Mary", "John", "Tom", "James", "Anna", "Paul", "Sarah", "Mark", "Lisa", "David", "Emma", "Peter",
-         "Kate", "Michael", "Laura", "Robert", "Alice", "Daniel", "Jane", "Steven", "Susan", "Kevin", "Rachel",
-         "Brian", "Linda", "George", "Amy", "Richard", "Helen", "Jack", "Karen", "Adam", "Claire", "Simon")
+NAMES = (
+    "Mary",
+    "John",
+    "Tom",
+    "James",
+    "Anna",
+    "Paul",
+    "Sarah",
+    "Mark",
+    "Lisa",
+    "David",
+    "Emma",
+    "Peter",
+    "Kate",
+    "Michael",
+    "Laura",
+    "Robert",
+    "Alice",
+    "Daniel",
+    "Jane",
+    "Steven",
+    "Susan",
+    "Kevin",
+    "Rachel",
+    "Brian",
+    "Linda",
+    "George",
+    "Amy",
+    "Richard",
+    "Helen",
+    "Jack",
+    "Karen",
+    "Adam",
+    "Claire",
+    "Simon",
+)
 PLACES = ("store", "park", "school", "office", "garden", "restaurant", "hospital", "station", "beach", "market")
 OBJECTS = ("drink", "book", "ball", "key", "gift", "letter", "ring", "flower", "bag", "phone")
 
@@ -68,8 +101,10 @@ def vocabulary(tokenizer: Any) -> tuple[list[str], list[str], list[str]]:
     """Names, places and objects that are one token after a space for ``tokenizer``."""
     names, places, objs = ([w for w in ws if _single(tokenizer, w) is not None] for ws in (NAMES, PLACES, OBJECTS))
     if len(names) < 5 or not places or not objs:
-        raise ValueError(f"only {len(names)} names, {len(places)} places and {len(objs)} objects are single tokens "
-                         "for this tokenizer; IOI needs at least 5 names and one place and object")
+        raise ValueError(
+            f"only {len(names)} names, {len(places)} places and {len(objs)} objects are single tokens "
+            "for this tokenizer; IOI needs at least 5 names and one place and object"
+        )
     return names, places, objs
 
 
@@ -80,7 +115,7 @@ def _fill(template: str, values: dict[str, str]) -> tuple[str, dict[str, tuple[i
         key = m.group(1)
         if key not in FIELDS:
             raise ValueError(f"template {template!r} has an unknown field {{{key}}}; fields: {', '.join(FIELDS)}")
-        text += template[at:m.start()]
+        text += template[at : m.start()]
         if key in ("A", "B", "S"):
             spans[key] = (len(text), len(text) + len(values[key]))
         text += values[key]
@@ -91,8 +126,9 @@ def _fill(template: str, values: dict[str, str]) -> tuple[str, dict[str, tuple[i
     return text + template[at:], spans
 
 
-def build(tokenizer: Any, template: str, io: str, s: str, place: str, obj: str, io_first: bool,
-          giver: Optional[str] = None) -> Example:
+def build(
+    tokenizer: Any, template: str, io: str, s: str, place: str, obj: str, io_first: bool, giver: Optional[str] = None
+) -> Example:
     """One prompt: ``io`` and ``s`` in the first clause (``io`` first when ``io_first``), ``giver``
     (default ``s``) in the second; positions from the tokenizer's offsets; ``template`` recorded."""
     a, b = (io, s) if io_first else (s, io)
@@ -109,8 +145,16 @@ def build(tokenizer: Any, template: str, io: str, s: str, place: str, obj: str, 
 
     io_key, s_key = ("A", "B") if io_first else ("B", "A")
     positions = {"IO": token(io_key), "S1": token(s_key), "S2": token("S"), "last": len(ids) - 1}
-    return Example(text, tuple(ids), " " + io, _single(tokenizer, io), positions, (" " + s,), (_single(tokenizer, s),),
-                   template=template)
+    return Example(
+        text,
+        tuple(ids),
+        " " + io,
+        _single(tokenizer, io),
+        positions,
+        (" " + s,),
+        (_single(tokenizer, s),),
+        template=template,
+    )
 
 
 def template_lengths(tokenizer: Any, templates: Sequence[str] = TEMPLATES) -> dict[str, int]:
@@ -119,8 +163,9 @@ def template_lengths(tokenizer: Any, templates: Sequence[str] = TEMPLATES) -> di
     return {t: len(build(tokenizer, t, names[0], names[1], places[0], objs[0], True).input_ids) for t in templates}
 
 
-def _draws(tokenizer: Any, n: int, seed: int,
-           templates: Sequence[str] = TEMPLATES) -> list[tuple[str, str, str, str, str, bool]]:
+def _draws(
+    tokenizer: Any, n: int, seed: int, templates: Sequence[str] = TEMPLATES
+) -> list[tuple[str, str, str, str, str, bool]]:
     """``(template, io, s, place, obj, io_first)`` of each of ``n`` prompts: templates cycled, each in both
     orders (IO first in half), names, place and object drawn with ``random.Random(seed)``."""
     if n < 1:

@@ -49,8 +49,16 @@ from .records import Example, Pair, canonical_json, record_dict
 
 log = logging.getLogger(__name__)
 
-KEYS = {"clean", "counterfactual", "answer", "counterfactual_answer", "positions", "counterfactual_positions",
-        "template", "classes"}
+KEYS = {
+    "clean",
+    "counterfactual",
+    "answer",
+    "counterfactual_answer",
+    "positions",
+    "counterfactual_positions",
+    "template",
+    "classes",
+}
 REQUIRED = ("clean", "counterfactual", "answer", "positions")
 LAST = "last"
 TASK_FILE, PAIRS_FILE = "task.json", "pairs.jsonl"
@@ -71,16 +79,19 @@ def answer_id(tokenizer: Any, prompt: str, answer: str) -> int:
     ids = list(tokenizer(prompt)["input_ids"])
     full = list(tokenizer(prompt + answer)["input_ids"])
     if len(full) != len(ids) + 1 or full[: len(ids)] != ids:
-        raise ValueError(f"answer {answer!r} is {len(full) - len(ids)} tokens after its prompt (or merges with the "
-                         "prompt's last token), not one; pick an answer that is one token there (mind the leading space)")
+        raise ValueError(
+            f"answer {answer!r} is {len(full) - len(ids)} tokens after its prompt (or merges with the "
+            "prompt's last token), not one; pick an answer that is one token there (mind the leading space)"
+        )
     return int(full[-1])
 
 
 def encode_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """``text``'s token ids and each token's character span (a fast tokenizer's offset mapping)."""
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("locating positions by character needs a fast tokenizer (offset mapping); load it with "
-                         "use_fast=True")
+        raise ValueError(
+            "locating positions by character needs a fast tokenizer (offset mapping); load it with use_fast=True"
+        )
     enc = tokenizer(text, return_offsets_mapping=True)
     return [int(i) for i in enc["input_ids"]], [tuple(o) for o in enc["offset_mapping"]]
 
@@ -88,8 +99,12 @@ def encode_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int
 def locate(text: str, offsets: Sequence[tuple[int, int]], span: Sequence[int], name: str) -> int:
     """The token holding the last character of ``text[start:end]``; the span (without surrounding
     whitespace) must start at a token's first character and end at a token's last one."""
-    if (not isinstance(span, (list, tuple)) or len(span) != 2 or not all(isinstance(v, int) for v in span)
-            or not 0 <= span[0] < span[1] <= len(text)):
+    if (
+        not isinstance(span, (list, tuple))
+        or len(span) != 2
+        or not all(isinstance(v, int) for v in span)
+        or not 0 <= span[0] < span[1] <= len(text)
+    ):
         raise ValueError(f"position {name!r}: {span!r} is not [start, end) with 0 <= start < end <= {len(text)}")
     start, end = span
     while start < end and text[start].isspace():
@@ -103,8 +118,10 @@ def locate(text: str, offsets: Sequence[tuple[int, int]], span: Sequence[int], n
     starts = {a for _, a, _ in real} | {a + 1 for _, a, _ in real if text[a].isspace()}
     if not holding or start not in starts or end not in {b for _, _, b in real}:
         pieces = [text[a:b] for _, a, b in real if a < end and b > start]
-        raise ValueError(f"position {name!r}: {text[span[0]:span[1]]!r} at {list(span)} is not on token boundaries "
-                         f"(the tokens there are {pieces}); move the span to whole tokens")
+        raise ValueError(
+            f"position {name!r}: {text[span[0] : span[1]]!r} at {list(span)} is not on token boundaries "
+            f"(the tokens there are {pieces}); move the span to whole tokens"
+        )
     return holding[0]
 
 
@@ -146,8 +163,10 @@ def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
     cf_spans = row.get("counterfactual_positions")
     if cf_spans is not None:
         if not isinstance(cf_spans, dict) or set(cf_spans) != set(positions):
-            raise ValueError(f"counterfactual_positions must name the same positions as positions "
-                             f"({sorted(positions)}), got {sorted(cf_spans) if isinstance(cf_spans, dict) else cf_spans!r}")
+            raise ValueError(
+                f"counterfactual_positions must name the same positions as positions "
+                f"({sorted(positions)}), got {sorted(cf_spans) if isinstance(cf_spans, dict) else cf_spans!r}"
+            )
         cf_positions = {n: locate(cf, cf_offsets, s, f"counterfactual {n}") for n, s in cf_spans.items()}
     else:
         cf_positions = dict(positions)
@@ -168,8 +187,17 @@ def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
         cf_id = answer_id(tokenizer, cf, cf_answer)
         alt, alt_ids = (cf_answer,), (cf_id,)
     base = Example(clean, tuple(ids), answer, a_id, positions, alt, alt_ids, template, classes)
-    source = Example(cf, tuple(cf_ids), cf_answer, cf_id, cf_positions, (answer,) if alt else (),
-                     (a_id,) if alt else (), template, classes)
+    source = Example(
+        cf,
+        tuple(cf_ids),
+        cf_answer,
+        cf_id,
+        cf_positions,
+        (answer,) if alt else (),
+        (a_id,) if alt else (),
+        template,
+        classes,
+    )
     return Pair(base, source, answer, a_id, "counterfactual")
 
 
@@ -196,8 +224,10 @@ def read_pairs(path: str | os.PathLike, tokenizer: Any) -> list[Pair]:
             elif row_names != names[0]:
                 which = "positions" if row_names[0] != names[0][0] else "classes"
                 i = 0 if which == "positions" else 1
-                raise ValueError(f"{which} {sorted(row_names[i])} differ from line {names[1]}'s {sorted(names[0][i])}; "
-                                 f"every row must name the same {which}")
+                raise ValueError(
+                    f"{which} {sorted(row_names[i])} differ from line {names[1]}'s {sorted(names[0][i])}; "
+                    f"every row must name the same {which}"
+                )
             pairs.append(pair)
         except (ValueError, TypeError, KeyError) as e:  # json.JSONDecodeError is a ValueError
             errors.append(f"{path}:{line_no}: {e}")
@@ -214,9 +244,16 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return hashlib.sha256(canonical_json(vocab).encode("utf-8")).hexdigest()
 
 
-def import_pairs(path: str | os.PathLike, tokenizer: Any, out: str | os.PathLike, model: str = "",
-                 name: Optional[str] = None, plan: Optional[str | os.PathLike] = None, metric: str = "prob",
-                 force: bool = False) -> Path:
+def import_pairs(
+    path: str | os.PathLike,
+    tokenizer: Any,
+    out: str | os.PathLike,
+    model: str = "",
+    name: Optional[str] = None,
+    plan: Optional[str | os.PathLike] = None,
+    metric: str = "prob",
+    force: bool = False,
+) -> Path:
     """Check ``path`` against ``tokenizer`` and write the task directory ``out`` (``task.json``,
     ``pairs.jsonl``, the plan if given) atomically: into a temporary directory, then renamed."""
     out = Path(out)
@@ -233,13 +270,21 @@ def import_pairs(path: str | os.PathLike, tokenizer: Any, out: str | os.PathLike
         load_plan(plan)  # checked before anything is written
         plan_text = Path(plan).read_text(encoding="utf-8")
     pairs = read_pairs(path, tokenizer)
-    meta = {"format": FORMAT, "name": name or out.name, "source": str(path), "model": model,
-            "templates": sorted({p.base.template for p in pairs if p.base.template}),
-            "classes": sorted(pairs[0].base.classes),
-            "source_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "n_pairs": len(pairs),
-            "positions": sorted(pairs[0].base.positions), "metric": metric,
-            "tokenizer": tokenizer_digest(tokenizer), "n_tokens": sorted({len(p.base.input_ids) for p in pairs}),
-            "plan": "plan.toml" if plan_text else None}
+    meta = {
+        "format": FORMAT,
+        "name": name or out.name,
+        "source": str(path),
+        "model": model,
+        "templates": sorted({p.base.template for p in pairs if p.base.template}),
+        "classes": sorted(pairs[0].base.classes),
+        "source_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+        "n_pairs": len(pairs),
+        "positions": sorted(pairs[0].base.positions),
+        "metric": metric,
+        "tokenizer": tokenizer_digest(tokenizer),
+        "n_tokens": sorted({len(p.base.input_ids) for p in pairs}),
+        "plan": "plan.toml" if plan_text else None,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -276,8 +321,10 @@ class ImportedTask:
 
     def _check(self, tokenizer: Any) -> None:
         if tokenizer is not None and tokenizer_digest(tokenizer) != self.meta["tokenizer"]:
-            raise ValueError(f"task {self.directory} was imported for another tokenizer (model "
-                             f"{self.meta.get('model') or '?'}); import it again with --model for this model")
+            raise ValueError(
+                f"task {self.directory} was imported for another tokenizer (model "
+                f"{self.meta.get('model') or '?'}); import it again with --model for this model"
+            )
 
     def take(self, tokenizer: Any, n: int) -> list[Pair]:
         self._check(tokenizer)
@@ -311,16 +358,20 @@ class ImportedTask:
 
     def counterfactual_pairs(self, tokenizer: Any, n: int, seed: int = 0) -> list[Pair]:
         """The first ``n`` pairs with the counterfactual's answer as target (the DCM desideratum)."""
-        return [Pair(p.base, p.source, p.source.answer, p.source.answer_id, "counterfactual")
-                for p in self.take(tokenizer, n)]
+        return [
+            Pair(p.base, p.source, p.source.answer, p.source.answer_id, "counterfactual")
+            for p in self.take(tokenizer, n)
+        ]
 
 
 def load_task_meta(directory: str | os.PathLike) -> dict:
     """``task.json`` of a task directory (checked)."""
     meta_path = Path(directory) / TASK_FILE
     if not meta_path.is_file():
-        raise FileNotFoundError(f"{directory} is not a task directory (no {TASK_FILE}); "
-                                "write one with `mechdiff dataset import PAIRS.jsonl --model M --out DIR`")
+        raise FileNotFoundError(
+            f"{directory} is not a task directory (no {TASK_FILE}); "
+            "write one with `mechdiff dataset import PAIRS.jsonl --model M --out DIR`"
+        )
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     if meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}; import the pairs again")

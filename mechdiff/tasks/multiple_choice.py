@@ -31,10 +31,50 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 LETTERS = ("A", "B", "C", "D")
-NAMES = ("Tom", "Anna", "Sam", "Ben", "Lucy", "Mark", "Emma", "John", "Mary", "Jack", "Kate", "Paul",
-         "Peter", "Sarah", "David", "Laura", "James", "Alice", "Mike", "Jane", "Tim", "Lisa", "Max", "Amy")
-OBJECTS = ("apples", "pens", "books", "cards", "coins", "eggs", "stamps", "cookies", "toys", "shells",
-           "stickers", "balls", "flowers", "rocks", "cups", "boxes")
+NAMES = (
+    "Tom",
+    "Anna",
+    "Sam",
+    "Ben",
+    "Lucy",
+    "Mark",
+    "Emma",
+    "John",
+    "Mary",
+    "Jack",
+    "Kate",
+    "Paul",
+    "Peter",
+    "Sarah",
+    "David",
+    "Laura",
+    "James",
+    "Alice",
+    "Mike",
+    "Jane",
+    "Tim",
+    "Lisa",
+    "Max",
+    "Amy",
+)
+OBJECTS = (
+    "apples",
+    "pens",
+    "books",
+    "cards",
+    "coins",
+    "eggs",
+    "stamps",
+    "cookies",
+    "toys",
+    "shells",
+    "stickers",
+    "balls",
+    "flowers",
+    "rocks",
+    "cups",
+    "boxes",
+)
 TEMPLATES = {
     "+": "{name} has {a} {obj} and gets {b} more. How many {obj} does {name} have now?",
     "-": "{name} has {a} {obj} and gives away {b}. How many {obj} does {name} have now?",
@@ -104,8 +144,16 @@ def _choices(rng: random.Random, value: int, correct: int) -> tuple[int, ...]:
     return tuple(wrong[:correct] + [value] + wrong[correct:])
 
 
-def make_example(tokenizer: "PreTrainedTokenizerBase", name: str, obj: str, a: int, b: int, op: str,
-                 choices: Sequence[int], correct: int) -> ChoiceExample:
+def make_example(
+    tokenizer: "PreTrainedTokenizerBase",
+    name: str,
+    obj: str,
+    a: int,
+    b: int,
+    op: str,
+    choices: Sequence[int],
+    correct: int,
+) -> ChoiceExample:
     """One example; raises if the answer letter is not one token appended to the prompt."""
     prompt, answer = render(name, obj, a, b, op, choices), " " + LETTERS[correct]
     ids = list(tokenizer(prompt)["input_ids"])
@@ -125,12 +173,17 @@ def generate(tokenizer: "PreTrainedTokenizerBase", n: int, seed: int = 0, split:
     for i in range(n):
         a, b, op, value = _problem(rng)
         correct = i % len(LETTERS)
-        out.append(make_example(tokenizer, rng.choice(names), rng.choice(objects), a, b, op,
-                                _choices(rng, value, correct), correct))
+        out.append(
+            make_example(
+                tokenizer, rng.choice(names), rng.choice(objects), a, b, op, _choices(rng, value, correct), correct
+            )
+        )
     lengths = {len(e.input_ids) for e in out}
     if len(lengths) != 1:
-        raise ValueError(f"prompts tokenize to different lengths {sorted(lengths)}; this tokenizer does not "
-                         "split digits or a name/object is not one token in context")
+        raise ValueError(
+            f"prompts tokenize to different lengths {sorted(lengths)}; this tokenizer does not "
+            "split digits or a name/object is not one token in context"
+        )
     return out
 
 
@@ -138,14 +191,21 @@ def batch_tensors(records: Sequence[ChoiceExample]) -> dict[str, Any]:
     """``{"input_ids": [batch, pos], "answer_ids": [batch]}`` (all prompts have one length)."""
     import torch
 
-    return {"input_ids": torch.tensor([r.input_ids for r in records], dtype=torch.long),
-            "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long)}
+    return {
+        "input_ids": torch.tensor([r.input_ids for r in records], dtype=torch.long),
+        "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long),
+    }
 
 
-TASK = Task(name="multiple-choice", description="multiple-choice arithmetic word problems (the answer letter)",
-            examples=lambda tokenizer, n, seed=0, split="all": generate(tokenizer, n, seed=seed, split=split),
-            positions=("last",), options=("split",),
-            train_batch=lambda tokenizer, batch_size, data_seed, step, **_: batch_tensors(
-                generate(tokenizer, batch_size, seed=step_seed(data_seed, step), split="train")),
-            pool_batch=lambda tokenizer, n, seed: batch_tensors(generate(tokenizer, n, seed=seed, split="train")),
-            eval_batch=lambda tokenizer, n, seed: batch_tensors(generate(tokenizer, n, seed=seed, split="eval")))
+TASK = Task(
+    name="multiple-choice",
+    description="multiple-choice arithmetic word problems (the answer letter)",
+    examples=lambda tokenizer, n, seed=0, split="all": generate(tokenizer, n, seed=seed, split=split),
+    positions=("last",),
+    options=("split",),
+    train_batch=lambda tokenizer, batch_size, data_seed, step, **_: batch_tensors(
+        generate(tokenizer, batch_size, seed=step_seed(data_seed, step), split="train")
+    ),
+    pool_batch=lambda tokenizer, n, seed: batch_tensors(generate(tokenizer, n, seed=seed, split="train")),
+    eval_batch=lambda tokenizer, n, seed: batch_tensors(generate(tokenizer, n, seed=seed, split="eval")),
+)

@@ -24,10 +24,11 @@ plan (:attr:`mechdiff.tasks.base.Task.plan`) and ``mechdiff circuit --plan FILE`
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
+
+import tomllib
 
 SITES = ("q", "k", "v")
 #: The plan discovery runs when none is given: entity tracking's A-D (data shipped with the package).
@@ -53,8 +54,18 @@ class PlanStep:
         return self.position or self.sender
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in (("group", self.group), ("sender", self.sender), ("receiver", self.receiver),
-                                  ("site", self.site), ("position", self.position), ("k", self.k)) if v not in (None, "")}
+        return {
+            k: v
+            for k, v in (
+                ("group", self.group),
+                ("sender", self.sender),
+                ("receiver", self.receiver),
+                ("site", self.site),
+                ("position", self.position),
+                ("k", self.k),
+            )
+            if v not in (None, "")
+        }
 
 
 @dataclass(frozen=True)
@@ -74,8 +85,10 @@ class Plan:
             if s.receiver is not None and s.receiver not in seen:
                 raise ValueError(f"{where}: receiver {s.receiver!r} is not an earlier step (earlier: {sorted(seen)})")
             if (s.receiver is None) != (s.site is None):
-                raise ValueError(f"{where}: give receiver and site together (site one of {', '.join(SITES)}), "
-                                 "or neither for senders -> logits")
+                raise ValueError(
+                    f"{where}: give receiver and site together (site one of {', '.join(SITES)}), "
+                    "or neither for senders -> logits"
+                )
             if s.site is not None and s.site not in SITES:
                 raise ValueError(f"{where}: site {s.site!r} is not one of {', '.join(SITES)}")
             if s.position is not None and s.receiver is None:
@@ -105,8 +118,9 @@ class Plan:
         unknown = set(k) - set(self.k)
         if unknown:
             raise ValueError(f"steps {sorted(unknown)} are not in plan {self.name!r} (steps: {list(self.k)})")
-        steps = tuple(PlanStep(s.name, s.sender, k.get(s.name, s.k), s.receiver, s.site, s.position, s.group)
-                      for s in self.steps)
+        steps = tuple(
+            PlanStep(s.name, s.sender, k.get(s.name, s.k), s.receiver, s.site, s.position, s.group) for s in self.steps
+        )
         return Plan(self.name, steps, self.source)
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,8 +145,17 @@ def plan_from_dict(data: Mapping[str, Any], source: str = "plan") -> Plan:
             raise ValueError(f"{source}: unknown keys {sorted(bad)} in [steps.{name}]; valid: {sorted(STEP_KEYS)}")
         if "sender" not in table or "k" not in table:
             raise ValueError(f"{source}: [steps.{name}] needs sender and k")
-        steps.append(PlanStep(name, table["sender"], table["k"], table.get("receiver"), table.get("site"),
-                              table.get("position"), table.get("group", "")))
+        steps.append(
+            PlanStep(
+                name,
+                table["sender"],
+                table["k"],
+                table.get("receiver"),
+                table.get("site"),
+                table.get("position"),
+                table.get("group", ""),
+            )
+        )
     return Plan(head.get("name", Path(source).stem), tuple(steps), source)
 
 

@@ -108,10 +108,15 @@ class Example:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (tuples become lists; ``template`` and ``classes`` only where given, so the
         hash of a record without them is what it always was)."""
-        out = {"prompt": self.prompt, "input_ids": list(self.input_ids), "answer": self.answer,
-               "answer_id": self.answer_id, "alternatives": list(self.alternatives),
-               "alternative_ids": list(self.alternative_ids),
-               "positions": {k: _position_to_json(v) for k, v in self.positions.items()}}
+        out = {
+            "prompt": self.prompt,
+            "input_ids": list(self.input_ids),
+            "answer": self.answer,
+            "answer_id": self.answer_id,
+            "alternatives": list(self.alternatives),
+            "alternative_ids": list(self.alternative_ids),
+            "positions": {k: _position_to_json(v) for k, v in self.positions.items()},
+        }
         if self.template:
             out["template"] = self.template
         if self.classes:
@@ -121,10 +126,17 @@ class Example:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Example":
         """Inverse of :meth:`to_dict`."""
-        return cls(d["prompt"], tuple(int(i) for i in d["input_ids"]), d["answer"], int(d["answer_id"]),
-                   {k: _position_from_json(v) for k, v in d.get("positions", {}).items()},
-                   tuple(d.get("alternatives", ())), tuple(int(i) for i in d.get("alternative_ids", ())),
-                   d.get("template", ""), {k: tuple(int(i) for i in v) for k, v in d.get("classes", {}).items()})
+        return cls(
+            d["prompt"],
+            tuple(int(i) for i in d["input_ids"]),
+            d["answer"],
+            int(d["answer_id"]),
+            {k: _position_from_json(v) for k, v in d.get("positions", {}).items()},
+            tuple(d.get("alternatives", ())),
+            tuple(int(i) for i in d.get("alternative_ids", ())),
+            d.get("template", ""),
+            {k: tuple(int(i) for i in v) for k, v in d.get("classes", {}).items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -141,21 +153,33 @@ class Pair:
         check_pair(self.base, self.source)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"base": self.base.to_dict(), "source": self.source.to_dict(), "target": self.target,
-                "target_id": self.target_id, "kind": self.kind}
+        return {
+            "base": self.base.to_dict(),
+            "source": self.source.to_dict(),
+            "target": self.target,
+            "target_id": self.target_id,
+            "kind": self.kind,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Pair":
-        return cls(Example.from_dict(d["base"]), Example.from_dict(d["source"]), d["target"], int(d["target_id"]),
-                   d.get("kind", "counterfactual"))
+        return cls(
+            Example.from_dict(d["base"]),
+            Example.from_dict(d["source"]),
+            d["target"],
+            int(d["target_id"]),
+            d.get("kind", "counterfactual"),
+        )
 
 
 def check_pair(base: Record, source: Record, where: str = "") -> None:
     """Refuse a pair whose prompts differ in token length (patching writes position by position)."""
     if len(base.input_ids) != len(source.input_ids):
-        raise ValueError(f"{where}clean and counterfactual prompts differ in token length: "
-                         f"{len(base.input_ids)} vs {len(source.input_ids)} tokens; a counterfactual pair needs "
-                         "prompts of equal length (reword one, or pad with a token both share)")
+        raise ValueError(
+            f"{where}clean and counterfactual prompts differ in token length: "
+            f"{len(base.input_ids)} vs {len(source.input_ids)} tokens; a counterfactual pair needs "
+            "prompts of equal length (reword one, or pad with a token both share)"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -203,7 +227,7 @@ def grouped_batches(records: Sequence[Any], batch_size: int) -> list[list[int]]:
     groups: dict[GroupKey, list[int]] = {}
     for i, r in enumerate(records):
         groups.setdefault(group_key(r), []).append(i)
-    return [rows[i:i + batch_size] for rows in groups.values() for i in range(0, len(rows), batch_size)]
+    return [rows[i : i + batch_size] for rows in groups.values() for i in range(0, len(rows), batch_size)]
 
 
 def group_batches(records: Sequence[Any]) -> list[list[int]]:
@@ -231,10 +255,12 @@ def check_reference(records: Sequence[Any], reference: Sequence[Any], what: str 
     have = {group_key(r) for r in reference}
     missing = list(dict.fromkeys(group_key(r) for r in records if group_key(r) not in have))
     if missing:
-        raise ValueError(f"no reference prompts for the {what} of {'; '.join(group_name(k) for k in missing)}: "
-                         "mean ablation averages over reference prompts of the same template and length; add "
-                         f"reference prompts of those groups (reference groups: "
-                         f"{'; '.join(group_name(k) for k in sorted(have)) or 'none'})")
+        raise ValueError(
+            f"no reference prompts for the {what} of {'; '.join(group_name(k) for k in missing)}: "
+            "mean ablation averages over reference prompts of the same template and length; add "
+            f"reference prompts of those groups (reference groups: "
+            f"{'; '.join(group_name(k) for k in sorted(have)) or 'none'})"
+        )
 
 
 def batch_tensors(records: Sequence[Record]) -> dict[str, Any]:
@@ -256,18 +282,23 @@ def batch_tensors(records: Sequence[Record]) -> dict[str, Any]:
         raise TypeError("batch_tensors takes single records; for counterfactual pairs use pair_batch_tensors")
     lengths = {len(r.input_ids) for r in records}
     if len(lengths) != 1:
-        raise ValueError(f"records have different token lengths {sorted(lengths)}; batch prompts of one length "
-                         "(grouped_batches groups records by template and length)")
+        raise ValueError(
+            f"records have different token lengths {sorted(lengths)}; batch prompts of one length "
+            "(grouped_batches groups records by template and length)"
+        )
     names = list(records[0].positions)
     for r in records:
         if set(r.positions) != set(names):
             raise ValueError(f"records name different positions: {sorted(names)} vs {sorted(r.positions)}")
     input_ids = torch.tensor([r.input_ids for r in records], dtype=torch.long)
     keys = {group_key(r) for r in records}
-    out = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-           "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long),
-           "positions": {name: _position_tensor(records, name) for name in names},
-           "group": next(iter(keys)) if len(keys) == 1 else None}
+    out = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "answer_ids": torch.tensor([r.answer_id for r in records], dtype=torch.long),
+        "positions": {name: _position_tensor(records, name) for name in names},
+        "group": next(iter(keys)) if len(keys) == 1 else None,
+    }
     alternatives = [tuple(getattr(r, "alternative_ids", ())) for r in records]
     if alternatives[0] and len({len(a) for a in alternatives}) == 1:
         out["alternative_ids"] = torch.tensor(alternatives, dtype=torch.long)
@@ -319,12 +350,12 @@ def derived_classes(records: Sequence[Record], n_pos: int) -> dict[str, "torch.T
             for p in pos if isinstance(pos, tuple) else (() if pos is None else (pos,)):
                 owner.setdefault(p, name)
         named = sorted(owner)
-        masks[BEFORE][row, :named[0]] = True
+        masks[BEFORE][row, : named[0]] = True
         for i, p in enumerate(named):
             masks[owner[p]][row, p] = True
             end = named[i + 1] if i + 1 < len(named) else n_pos
             if owner[p] != LAST:
-                masks[AFTER + owner[p]][row, p + 1:end] = True
+                masks[AFTER + owner[p]][row, p + 1 : end] = True
     return masks
 
 
@@ -350,8 +381,10 @@ def _position_tensor(records: Sequence[Record], name: str) -> "torch.Tensor":
     if any(isinstance(v, (tuple, list)) for v in values):
         sizes = {len(v) for v in values if v is not None}
         if len(sizes) != 1 or any(v is None for v in values):
-            raise ValueError(f"position class {name!r} has different sizes {sorted(sizes)} across records; "
-                             "batch records whose classes have one size")
+            raise ValueError(
+                f"position class {name!r} has different sizes {sorted(sizes)} across records; "
+                "batch records whose classes have one size"
+            )
         return torch.tensor([list(v) for v in values], dtype=torch.long)
     return torch.tensor([-1 if v is None else v for v in values], dtype=torch.long)
 

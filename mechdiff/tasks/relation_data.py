@@ -42,8 +42,10 @@ class Relation:
         if not path.suffix:
             path = DATA_DIR / f"{name_or_path}.json"
         if not path.is_file():
-            raise FileNotFoundError(f"no relation {name_or_path!r}; known: {', '.join(available_relations())} "
-                                    "(or give a JSON file in the LRE format)")
+            raise FileNotFoundError(
+                f"no relation {name_or_path!r}; known: {', '.join(available_relations())} "
+                "(or give a JSON file in the LRE format)"
+            )
         data = json.loads(path.read_text())
         missing = {"name", "prompt_templates", "samples"} - set(data)
         if missing:
@@ -51,20 +53,31 @@ class Relation:
         for t in data["prompt_templates"]:
             if t.count("{}") != 1:
                 raise ValueError(f"{path}: template {t!r} must contain exactly one '{{}}' for the subject")
-        return cls(data["name"], data.get("relation_type", "factual"), list(data["prompt_templates"]),
-                   list(data["samples"]), data.get("edits_of"))
+        return cls(
+            data["name"],
+            data.get("relation_type", "factual"),
+            list(data["prompt_templates"]),
+            list(data["samples"]),
+            data.get("edits_of"),
+        )
 
     def unedited(self) -> "Relation":
         """An edit file's subjects with the objects of the relation it rewrites (the facts before the edit)."""
         if self.edits_of is None:
-            raise ValueError(f"relation {self.name!r} is not an edit file (no \"edits_of\"); 'unedited' applies "
-                             "to edit files such as edits/capital_swap")
+            raise ValueError(
+                f"relation {self.name!r} is not an edit file (no \"edits_of\"); 'unedited' applies "
+                "to edit files such as edits/capital_swap"
+            )
         original = {s["subject"]: s["object"] for s in Relation.load(self.edits_of).samples}
         missing = [s["subject"] for s in self.samples if s["subject"] not in original]
         if missing:
             raise ValueError(f"edit file {self.name!r}: subjects {missing} are not in {self.edits_of!r}")
-        return Relation(f"{self.name}-unedited", self.relation_type, self.prompt_templates,
-                        [{**s, "object": original[s["subject"]]} for s in self.samples])
+        return Relation(
+            f"{self.name}-unedited",
+            self.relation_type,
+            self.prompt_templates,
+            [{**s, "object": original[s["subject"]]} for s in self.samples],
+        )
 
 
 def available_relations() -> list[str]:
@@ -108,8 +121,16 @@ def build_facts(tokenizer, relation: Relation, template_index: int = 0) -> list[
         suf_ids = enc(suffix)
         ids = pre_ids + subj_ids + suf_ids
         answer = enc(" " + sample["object"])
-        facts.append(Fact(subj, sample["object"], template.format(subj), ids,
-                          (len(pre_ids), len(pre_ids) + len(subj_ids)), answer[0]))
+        facts.append(
+            Fact(
+                subj,
+                sample["object"],
+                template.format(subj),
+                ids,
+                (len(pre_ids), len(pre_ids) + len(subj_ids)),
+                answer[0],
+            )
+        )
     return facts
 
 
@@ -135,8 +156,13 @@ def batches(facts: Sequence[Fact], batch_size: int = 32) -> list[FactBatch]:
     for n in sorted(by_len):
         group = by_len[n]
         for i in range(0, len(group), batch_size):
-            chunk = group[i:i + batch_size]
-            out.append(FactBatch(chunk, torch.tensor([f.ids for f in chunk]),
-                                 torch.tensor([f.answer_id for f in chunk]),
-                                 torch.tensor([f.last_subject for f in chunk])))
+            chunk = group[i : i + batch_size]
+            out.append(
+                FactBatch(
+                    chunk,
+                    torch.tensor([f.ids for f in chunk]),
+                    torch.tensor([f.answer_id for f in chunk]),
+                    torch.tensor([f.last_subject for f in chunk]),
+                )
+            )
     return out

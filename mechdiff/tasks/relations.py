@@ -39,10 +39,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-from .relation_data import Relation
 from .base import Task
 from .jsonl import encode_offsets, locate
 from .records import Example, Pair, derived_class_names, group_key, group_name
+from .relation_data import Relation
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,17 @@ def fact_record(tokenizer: Any, template: str, subject: str, obj: str) -> Exampl
     if not relation:
         raise ValueError(f"template {template!r} has no relation token besides the last one; reword it")
     full = [int(i) for i in tokenizer(prompt + " " + obj)["input_ids"]]
-    if full[:len(ids)] != ids or len(full) == len(ids):
+    if full[: len(ids)] != ids or len(full) == len(ids):
         raise ValueError(f"{prompt!r}: the answer {' ' + obj!r} merges with the prompt's last token")
     answer_id = full[len(ids)]
-    return Example(prompt, tuple(ids), tokenizer.decode([answer_id]), answer_id,
-                   {"subject": subject_last, "relation": relation[-1], "last": last}, template=template)
+    return Example(
+        prompt,
+        tuple(ids),
+        tokenizer.decode([answer_id]),
+        answer_id,
+        {"subject": subject_last, "relation": relation[-1], "last": last},
+        template=template,
+    )
 
 
 class RelationTask:
@@ -90,8 +96,13 @@ class RelationTask:
                 except ValueError as err:
                     skipped.append(str(err))
         if skipped:
-            log.warning("relation %s: %d of %d prompts left out: %s", self.name, len(skipped),
-                        len(skipped) + len(out), "; ".join(skipped[:3]) + ("; ..." if len(skipped) > 3 else ""))
+            log.warning(
+                "relation %s: %d of %d prompts left out: %s",
+                self.name,
+                len(skipped),
+                len(skipped) + len(out),
+                "; ".join(skipped[:3]) + ("; ..." if len(skipped) > 3 else ""),
+            )
         if not out:
             raise ValueError(f"relation {self.name}: no fact gives a record under this tokenizer")
         return out
@@ -107,8 +118,7 @@ class RelationTask:
             raise ValueError("n must be at least 1")
         records = self._order(self.all_records(tokenizer), seed)
         if n > len(records):
-            log.info("relation %s has %d prompts; using all of them (asked for %d)", self.name,
-                     len(records), n)
+            log.info("relation %s has %d prompts; using all of them (asked for %d)", self.name, len(records), n)
         return records[:n]
 
     def pairs(self, tokenizer: Any, n: int, seed: int = 0, target: str = "clean") -> list[Pair]:
@@ -133,12 +143,19 @@ class RelationTask:
             out.append(Pair(r, s, tokenizer.decode([tid]), tid, "subject"))
         if not out:
             sizes = "; ".join(f"{group_name(k)}: {len(v)} fact(s)" for k, v in groups.items())
-            raise ValueError(f"relation {self.name} gives no counterfactual pair: patching needs two facts "
-                             f"of one template and one token length with different answers, and its groups are "
-                             f"{sizes}; add facts of equal length, or use `mechdiff eval` (no pairs needed)")
+            raise ValueError(
+                f"relation {self.name} gives no counterfactual pair: patching needs two facts "
+                f"of one template and one token length with different answers, and its groups are "
+                f"{sizes}; add facts of equal length, or use `mechdiff eval` (no pairs needed)"
+            )
         if alone:
-            log.info("relation %s: %d of %d prompts have no partner of their template and length with another "
-                     "answer; left out of the pairs", self.name, len(alone), len(records))
+            log.info(
+                "relation %s: %d of %d prompts have no partner of their template and length with another "
+                "answer; left out of the pairs",
+                self.name,
+                len(alone),
+                len(records),
+            )
         if n > len(out):
             log.info("relation %s gives %d pairs; using all of them (asked for %d)", self.name, len(out), n)
         return out[:n]
@@ -149,7 +166,7 @@ class RelationTask:
         return Task(
             name=self.name,
             description=f"knowledge relation {self.name} ({r.relation_type}; {len(r.samples)} facts x "
-                        f"{len(r.prompt_templates)} templates, e.g. {example!r})",
+            f"{len(r.prompt_templates)} templates, e.g. {example!r})",
             examples=self.records,
             pairs=self.pairs,
             reference=self.records,

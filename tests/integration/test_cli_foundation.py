@@ -12,8 +12,24 @@ from mechdiff.studies.spec import SpecError, default_spec, load_spec
 
 def test_dataset_command_writes_jsonl_and_pairs(tmp_path, capsys):
     out = tmp_path / "ds"
-    assert main(["dataset", "entity-tracking", "--n-boxes", "3", "--n", "12", "--pairs", "positional",
-                 "--out", str(out), "--hf"]) == 0
+    assert (
+        main(
+            [
+                "dataset",
+                "entity-tracking",
+                "--n-boxes",
+                "3",
+                "--n",
+                "12",
+                "--pairs",
+                "positional",
+                "--out",
+                str(out),
+                "--hf",
+            ]
+        )
+        == 0
+    )
     lines = (out / "examples.jsonl").read_text().splitlines()
     assert len(lines) == 12
     first = json.loads(lines[0])
@@ -27,8 +43,23 @@ def test_dataset_command_shows_dropped_words_before_generation_fails(tmp_path, c
     """Too few single-token words: the vocabulary report (naming the dropped ones) is printed before the error."""
     vocabulary = tmp_path / "objects.txt"
     vocabulary.write_text("apple\nmug\nscarf\nsofa\nbook\n")
-    assert main(["dataset", "entity-tracking", "--n-boxes", "3", "--n", "4", "--vocabulary", str(vocabulary),
-                 "--out", str(tmp_path / "ds")]) == 2
+    assert (
+        main(
+            [
+                "dataset",
+                "entity-tracking",
+                "--n-boxes",
+                "3",
+                "--n",
+                "4",
+                "--vocabulary",
+                str(vocabulary),
+                "--out",
+                str(tmp_path / "ds"),
+            ]
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert "kept 2 of 5 objects" in captured.out and "dropped 3: mug, scarf, sofa" in captured.out
     assert "need at least 3" in captured.err

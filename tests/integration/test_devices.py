@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import make_tiny
+
 from mechdiff.cli import build_parser
 from mechdiff.cli import main as cli_main
 from mechdiff.common.components import Head
@@ -100,8 +100,15 @@ def test_device_map_loads_and_gives_the_plain_logits(tiny_dir, smollm2_tokenizer
     auto = load_model(str(tiny_dir), device_map="auto")  # all on CPU here; over the GPUs on a GPU machine
     on_cpu = load_model(str(tiny_dir), device="cpu")
     # a split map with accelerate's hooks (the layer on "disk" is loaded on the fly), as when sharding
-    split = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
-             "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    split = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "cpu",
+        "model.layers.2": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     sharded = load_model(str(tiny_dir), device_map=split)
     assert auto.provenance["device_map"] == "auto" and sharded.model.hf_device_map["model.layers.2"] == "disk"
     assert sharded.device.type == "cpu"
@@ -204,8 +211,7 @@ def test_remote_path_patching_step_is_one_request_with_the_local_scores(pair, mo
 def test_remote_scoring_matches_and_batches_share_a_request(pair, monkeypatch, smollm2_tokenizer):
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.circuits.scoring import Scorer
-    from mechdiff.tasks.entity_tracking import reference_records
-    from mechdiff.tasks.entity_tracking import generate
+    from mechdiff.tasks.entity_tracking import generate, reference_records
 
     local, remote = pair
     records = generate(smollm2_tokenizer, 6, n_boxes=3, seed=0)
@@ -227,8 +233,9 @@ def test_remote_forward_with_grad_outside_a_session_is_refused(pair):
 
 
 def test_remote_without_api_key_fails_before_loading(monkeypatch):
-    import mechdiff.models.loading as loading
     from nnsight import CONFIG
+
+    import mechdiff.models.loading as loading
 
     monkeypatch.delenv("NDIF_API_KEY", raising=False)
     monkeypatch.setattr(CONFIG.API, "APIKEY", None)
@@ -266,8 +273,8 @@ def test_remote_names_hub_checkpoints_and_refuses_local_ones(monkeypatch):
 
 
 def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_path):
-    from mechdiff.studies.reproduce import WeightsMissingError
     from mechdiff.studies.circuits import CircuitsStudy as Study
+    from mechdiff.studies.reproduce import WeightsMissingError
     from mechdiff.studies.spec import load_spec
 
     spec = load_spec("tasks/entity_tracking_llama7b.toml")
@@ -298,10 +305,12 @@ def test_reproduction_rows_sit_beside_the_published_figures(tiny_llama, smollm2_
     spec = default_spec()
     spec.models.base, spec.models.finetunes = tiny_llama.name, []
     spec.task.n_boxes = 3
-    study = SimpleNamespace(spec=spec, tokenizer=smollm2_tokenizer, progress=False, store=None,
-                            model=lambda name: tiny_llama)
-    published = {"reported": {"accuracy_full": {tiny_llama.name: 0.5},
-                              "accuracy_llama_circuit": {tiny_llama.name: 0.25}}}
+    study = SimpleNamespace(
+        spec=spec, tokenizer=smollm2_tokenizer, progress=False, store=None, model=lambda name: tiny_llama
+    )
+    published = {
+        "reported": {"accuracy_full": {tiny_llama.name: 0.5}, "accuracy_llama_circuit": {tiny_llama.name: 0.25}}
+    }
     rows = reproduction_rows(study, str(tmp_path / "c.json"), published, n=4)
     assert [r["model"] for r in rows] == [tiny_llama.name]
     row = rows[0]
@@ -338,13 +347,13 @@ device = "cpu"
 [eval]
 batch_size = 4
 [reproduce]
-circuit = "{tmp_path / 'circuit.json'}"
-published = "{tmp_path / 'published.json'}"
+circuit = "{tmp_path / "circuit.json"}"
+published = "{tmp_path / "published.json"}"
 n = 4
 only = true
 [output]
-dir = "{tmp_path / 'out'}"
-store = "{tmp_path / 'activations.h5'}"
+dir = "{tmp_path / "out"}"
+store = "{tmp_path / "activations.h5"}"
 """)
     assert cli_main(["run", str(tmp_path / "task.toml"), "--no-progress"]) == 0
     out = capsys.readouterr().out

@@ -17,14 +17,14 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
+from test_study import tiny_spec
 
 from mechdiff.cli import main
 from mechdiff.common.io import LOCK_NAME, OutputError, RunLockedError, atomic_open, run_lock, write_json
 from mechdiff.patching.store import ActivationStore, capture_sites
-from mechdiff.studies.circuits import CircuitsStudy as Study
 from mechdiff.runs.stages import StageCache
+from mechdiff.studies.circuits import CircuitsStudy as Study
 from mechdiff.tasks.entity_tracking import generate
-from test_study import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,8 +71,11 @@ def leftovers(run: Path) -> list[Path]:
 
 
 def set_aside_warnings(caplog, path: Path) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and str(path) in r.getMessage() and "recompute" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and str(path) in r.getMessage() and "recompute" in r.getMessage()
+    ]
 
 
 # ----------------------------------------------------------------------------------- stage records
@@ -84,8 +87,15 @@ CORRUPTIONS = {
 }
 
 
-@pytest.mark.parametrize("stage,damage", [("dcm.json", "truncated"), ("accuracy__m0.json", "garbled"),
-                                          ("matrix__m1.json", "not-a-record"), ("cmap__m1.json", "empty")])
+@pytest.mark.parametrize(
+    "stage,damage",
+    [
+        ("dcm.json", "truncated"),
+        ("accuracy__m0.json", "garbled"),
+        ("matrix__m1.json", "not-a-record"),
+        ("cmap__m1.json", "empty"),
+    ],
+)
 def test_damaged_stage_record_is_set_aside_and_recomputed(finished, family, tmp_path, caplog, stage, damage):
     spec = copy_of(finished, family, tmp_path)
     run = tmp_path / "run"
@@ -209,6 +219,7 @@ def test_truncated_store_in_a_run_is_rebuilt_and_results_match(finished, family,
 # ----------------------------------------------------------------------------------- inputs
 def _no_weights(monkeypatch) -> None:
     """Any weight load fails the test: every refusal below must come before it."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded before the input was checked")
 
@@ -217,7 +228,7 @@ def _no_weights(monkeypatch) -> None:
 
 CIRCUITS = {
     "not-json": ('{"groups": {"A": ["L0H1"]},\n  positions: {}}', "not valid JSON"),
-    "no-groups": ('{"model": "x"}', "\"groups\" and \"positions\""),
+    "no-groups": ('{"model": "x"}', '"groups" and "positions"'),
     "bad-name": ('{"groups": {"A": ["head7"]}, "positions": {"A": "last"}}', "head7"),
     "outside-model": ('{"groups": {"A": ["L99H0", "L1H2"]}, "positions": {"A": "last"}}', "L99H0"),
     "unknown-position": ('{"groups": {"A": ["L0H1"]}, "positions": {"A": "first_token"}}', "first_token"),
@@ -226,23 +237,25 @@ CIRCUITS = {
 
 
 # every fault through `score`; the two kinds every command must catch itself (parse, shape) through the others
-CASES = [("score", kind) for kind in CIRCUITS] + [(command, kind) for command in ("prune", "dcm", "cmap", "compare")
-                                                  for kind in ("not-json", "outside-model")]
+CASES = [("score", kind) for kind in CIRCUITS] + [
+    (command, kind) for command in ("prune", "dcm", "cmap", "compare") for kind in ("not-json", "outside-model")
+]
 
 
 @pytest.mark.parametrize("command,kind", CASES)
-def test_bad_circuit_file_refused_naming_file_before_weights_load(family, tmp_path, capsys, monkeypatch, kind,
-                                                                   command):
+def test_bad_circuit_file_refused_naming_file_before_weights_load(family, tmp_path, capsys, monkeypatch, kind, command):
     _no_weights(monkeypatch)
     text, what = CIRCUITS[kind]
     path = tmp_path / f"{kind}.json"
     path.write_text(text)
     out = str(tmp_path / "out")
-    argv = {"score": ["score", "--model", family[0], "--circuit", str(path), "--out", out],
-            "prune": ["prune", "--model", family[0], "--circuit", str(path), "--out", out + "/p.json"],
-            "dcm": ["dcm", "--model", family[0], "--circuit", str(path), "--out", out],
-            "cmap": ["cmap", "--base", family[0], "--finetune", family[1], "--circuit", str(path), "--out", out],
-            "compare": ["compare", "--models", ",".join(family), "--circuits", str(path), "--out", out]}[command]
+    argv = {
+        "score": ["score", "--model", family[0], "--circuit", str(path), "--out", out],
+        "prune": ["prune", "--model", family[0], "--circuit", str(path), "--out", out + "/p.json"],
+        "dcm": ["dcm", "--model", family[0], "--circuit", str(path), "--out", out],
+        "cmap": ["cmap", "--base", family[0], "--finetune", family[1], "--circuit", str(path), "--out", out],
+        "compare": ["compare", "--models", ",".join(family), "--circuits", str(path), "--out", out],
+    }[command]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"error: {path}: " in err and what in err and " — " in err, err
@@ -306,6 +319,7 @@ def test_killed_at_every_stage_boundary_keeps_finished_stages(finished, family, 
             if done and kind(name) not in done:
                 raise KeyboardInterrupt(f"killed before {name}")
             return compute()
+
         return original(self, name, inputs, guarded)
 
     monkeypatch.setattr(StageCache, "run", one_kind_then_kill)
@@ -353,7 +367,11 @@ def test_killed_inside_a_store_write(finished, family, tmp_path, monkeypatch):
     study = Study(spec, progress=False)
     study.run()
     m0, m1 = family
-    assert {n for n, r in study.cache.records.items() if not r.cached} == {f"prune:{m0}", f"matrix:{m0}", f"matrix:{m1}"}
+    assert {n for n, r in study.cache.records.items() if not r.cached} == {
+        f"prune:{m0}",
+        f"matrix:{m0}",
+        f"matrix:{m1}",
+    }
     assert results(run) == results(finished / "run")
 
 
@@ -378,10 +396,20 @@ def test_sigterm_during_a_run_keeps_finished_stages(family, tmp_path):
     """A real ``mechdiff run`` process is sent SIGTERM once its first stage is on disk."""
     task = _task_file(family, tmp_path)
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "MPLBACKEND": "Agg"}
-    proc = subprocess.Popen([sys.executable, "-m", "mechdiff.cli", "run", str(task), "--no-progress"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MPLBACKEND": "Agg",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mechdiff.cli", "run", str(task), "--no-progress"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 240
     while not list((run / "stages").glob("*.json")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
@@ -426,8 +454,10 @@ def test_stale_lock_of_a_dead_process_is_taken_over(finished, family, tmp_path, 
 def test_unwritable_output_named_before_any_work(family, tmp_path, capsys, monkeypatch, which):
     """As root chmod does not stop writes, so the directory lies under a regular file (always unwritable)."""
     _no_weights(monkeypatch)
-    monkeypatch.setattr("mechdiff.studies.reproduce.check_weights",
-                        lambda *a, **k: pytest.fail("work began before the output was checked"))
+    monkeypatch.setattr(
+        "mechdiff.studies.reproduce.check_weights",
+        lambda *a, **k: pytest.fail("work began before the output was checked"),
+    )
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     spec = tiny_spec(family, tmp_path)
@@ -470,8 +500,8 @@ def test_a_sigterm_swallowed_in_a_destructor_still_stops_the_run(family, tmp_pat
     at the next stage boundary, with the finished stages kept and no traceback printed."""
     import gc
 
-    from mechdiff.common import io as mio
     from mechdiff.cli import main
+    from mechdiff.common import io as mio
     from mechdiff.studies.circuits import CircuitsStudy as RealStudy
 
     task = _task_file(family, tmp_path)

@@ -24,12 +24,25 @@ def paper_spec(names, out):
     s.prune_threshold = -1.0  # every score F(C\K)/F(C\(K+v)) - 1 is >= -1: keep every head (tiny random models)
     c.circuit, c.groups, c.desiderata = "pruned", ["A", "B"], ["positional", "object_value"]
     c.n_train, c.n_val, c.n_test = 8, 4, 4
-    c.lam_scale, c.epochs, c.batch_size, c.schedule, c.eval_every, c.shuffle = "absolute", 2, 4, "epoch_batches", 4, False
+    c.lam_scale, c.epochs, c.batch_size, c.schedule, c.eval_every, c.shuffle = (
+        "absolute",
+        2,
+        4,
+        "epoch_batches",
+        4,
+        False,
+    )
     # tiny random models carry no desideratum: a negative sparsity weight rewards patching, so every mask falls
     # below 0.5 in the first step and DCM selects every head, which leaves CMAP heads to patch
     c.lam, c.lr = -1.0, 1.0
-    m.scope, m.groups, m.selection, m.parts, m.n, m.n_random = "paper", ["A", "B", "C"], \
-        {"A": "object_value", "B": "positional"}, ["z", "k"], 8, 0
+    m.scope, m.groups, m.selection, m.parts, m.n, m.n_random = (
+        "paper",
+        ["A", "B", "C"],
+        {"A": "object_value", "B": "positional"},
+        ["z", "k"],
+        8,
+        0,
+    )
     spec.output.dir, spec.output.store = str(out / "run"), str(out / "store.h5")
     return spec
 
@@ -62,10 +75,16 @@ def test_paper_study_form_end_to_end(tiny_family, tmp_path):
     assert f"DCM on {ft}'s own pruned circuit" in report
     for g, heads in patched.groups.items():
         why = f"DCM {spec.cmap.selection[g]}" if g in spec.cmap.selection else "the whole pruned group"
-        assert any(line.startswith(f"- {g} (`{patched.positions[g]}`), {why}") and
-                   line.endswith(": " + (" ".join(h.name for h in heads) or "-")) for line in report.splitlines())
+        assert any(
+            line.startswith(f"- {g} (`{patched.positions[g]}`), {why}")
+            and line.endswith(": " + (" ".join(h.name for h in heads) or "-"))
+            for line in report.splitlines()
+        )
     for row in cmap["rows"]:
-        scope_positions = {patched.positions[g] for g in patched.groups} if row["scope"] == "circuit" else \
-            {patched.positions[row["scope"]]}
+        scope_positions = (
+            {patched.positions[g] for g in patched.groups}
+            if row["scope"] == "circuit"
+            else {patched.positions[row["scope"]]}
+        )
         assert row["kind"] == "z" or scope_positions == {"last"}
     json.dumps(cmap)

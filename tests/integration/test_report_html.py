@@ -12,18 +12,21 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import circuit_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "results" / "entity-tracking-smollm2"
 PAGE = RUN / "report.html"
-CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver") or "/usr/bin/chromedriver"
+CHROMIUM, DRIVER = (
+    shutil.which("chromium") or "/usr/bin/chromium",
+    shutil.which("chromedriver") or "/usr/bin/chromedriver",
+)
 
 pytestmark = pytest.mark.skipif(
     not (Path(CHROMIUM).exists() and Path(DRIVER).exists()),
     reason="needs Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver; .ci/run "
-           "installs them)")
+    "installs them)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +37,14 @@ def browser():
 
     opts = Options()
     opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,1000", "--allow-file-access-from-files"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+        "--allow-file-access-from-files",
+    ):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
@@ -49,8 +58,9 @@ def _open(browser) -> None:
     from selenium.webdriver.support.ui import WebDriverWait
 
     # drawn, and the hover text filled in (gridText runs after the grid's newPlot)
-    WebDriverWait(browser, 60).until(lambda d: d.execute_script(
-        "var g = document.getElementById('grid'); return !!(g && g.data && g.data[0].text);"))
+    WebDriverWait(browser, 60).until(
+        lambda d: d.execute_script("var g = document.getElementById('grid'); return !!(g && g.data && g.data[0].text);")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,16 +102,19 @@ def _hover(browser, layer: int, head: int) -> str:
     browser.execute_script("document.getElementById('grid').scrollIntoView();")
     x, y, w, h = browser.execute_script(
         "var gd = document.getElementById('grid'), L = gd._fullLayout, r = gd.getBoundingClientRect();"
-        f"return [L.xaxis._offset + L.xaxis.l2p({layer}), L.yaxis._offset + L.yaxis.l2p({head}), r.width, r.height];")
+        f"return [L.xaxis._offset + L.xaxis.l2p({layer}), L.yaxis._offset + L.yaxis.l2p({head}), r.width, r.height];"
+    )
     grid = browser.find_element(By.ID, "grid")
     ActionChains(browser).move_to_element_with_offset(grid, int(x - w / 2), int(y - h / 2)).perform()
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(browser, 10).until(lambda d: d.execute_script(
-        "return document.querySelectorAll('#grid .hoverlayer .hovertext').length > 0;"))
+    WebDriverWait(browser, 10).until(
+        lambda d: d.execute_script("return document.querySelectorAll('#grid .hoverlayer .hovertext').length > 0;")
+    )
     return browser.execute_script(
         "return Array.from(document.querySelectorAll('#grid .hoverlayer .hovertext text tspan.line'))"
-        ".map(function (t) { return t.textContent; }).join('\\n');")
+        ".map(function (t) { return t.textContent; }).join('\\n');"
+    )
 
 
 def _third_digit(v: float) -> float:
@@ -116,9 +129,15 @@ def test_hover_shows_the_heads_scores_from_the_committed_tables(page) -> None:
     assert text.startswith(f"{head} in smollm2-et-early"), text
     lines = text.split("\n")
     for model in ("smollm2-et-early",):
-        circuits = {name: circuit_pairs(RUN / "circuits" / f"{file}.json") for name, file in
-                    (("smollm2-et-early", "smollm2-et-early"), ("smollm2-et-early pruned", "smollm2-et-early.pruned"),
-                     ("smollm2-et", "smollm2-et"), ("smollm2-et pruned", "smollm2-et.pruned"))}
+        circuits = {
+            name: circuit_pairs(RUN / "circuits" / f"{file}.json")
+            for name, file in (
+                ("smollm2-et-early", "smollm2-et-early"),
+                ("smollm2-et-early pruned", "smollm2-et-early.pruned"),
+                ("smollm2-et", "smollm2-et"),
+                ("smollm2-et pruned", "smollm2-et.pruned"),
+            )
+        }
         for c in sorted(set().union(*(p.get(head, set()) for p in circuits.values()))):
             line = next(x for x in lines if x.startswith(f"{c}: "))
             holding = [n for n, p in circuits.items() if c in p.get(head, set())]
@@ -135,18 +154,18 @@ def test_hover_shows_the_heads_scores_from_the_committed_tables(page) -> None:
                     assert f"(rank {r['rank']})" in line
                 if "selection_frequency" in r:
                     shown = float(re.search(r"selected ([-+.\de]+)", line).group(1))
-                    assert shown == pytest.approx(r["selection_frequency"], rel=0,
-                                                  abs=_third_digit(r["selection_frequency"])), line
+                    assert shown == pytest.approx(
+                        r["selection_frequency"], rel=0, abs=_third_digit(r["selection_frequency"])
+                    ), line
     dcm = [r for r in json.loads((RUN / "tables" / "dcm.json").read_text()) if head in r["selected"].split()]
     assert dcm
     for r in dcm:
         at = next(i for i, x in enumerate(lines) if x.startswith(f"DCM {r['group']}/{r['desideratum']}: selected"))
         assert f"target {r['accuracy']:.3f} [{r['accuracy_low']:.3f}, {r['accuracy_high']:.3f}]" in lines[at]
         assert f"floor {r['floor']:.3f} [{r['floor_low']:.3f}, {r['floor_high']:.3f}]" in lines[at + 1]
-    cmap = [r for r in json.loads((RUN / "tables" / "cmap_smollm2-et.json").read_text())
-            if r["scope"] == "query_label"]
+    cmap = [r for r in json.loads((RUN / "tables" / "cmap_smollm2-et.json").read_text()) if r["scope"] == "query_label"]
     at = lines.index("CMAP smollm2-et into smollm2-et-early, group query_label patched together:")
-    line = " ".join(lines[at + 1:at + 3])
+    line = " ".join(lines[at + 1 : at + 3])
     for r in cmap:
         assert f"{r['kind']} {r['accuracy']:.3f} [{r['accuracy_low']:.3f}, {r['accuracy_high']:.3f}]" in line
 

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
 from conftest import make_tiny
+
 from mechdiff.studies import knowledge as kp
 from mechdiff.studies.spec import SpecError
 
@@ -17,23 +17,34 @@ from mechdiff.studies.spec import SpecError
 def _forbid(monkeypatch, module, *names):
     """Make each of ``names`` in ``module`` fail if called: a cached stage must not compute."""
     for name in names:
+
         def fail(*a, _name=name, **k):
             raise AssertionError(f"{_name} ran in a cached rerun")
+
         monkeypatch.setattr(module, name, fail)
 
 
 def _knowledge_setup(tmp_path, tokenizer):
     model = make_tiny("llama", tokenizer, seed=3, n_layers=2)
     # A random model ranks few answers in its top 10: a wide k keeps facts in the study.
-    settings = kp.KnowledgeSettings(method="eap", k=30000, target=0.0, sizes=(0.01, 0.3), curve_sizes=(0.1, 1.0),
-                                    n_random=1, max_facts=8, relation="country_language")
+    settings = kp.KnowledgeSettings(
+        method="eap",
+        k=30000,
+        target=0.0,
+        sizes=(0.01, 0.3),
+        curve_sizes=(0.1, 1.0),
+        n_random=1,
+        max_facts=8,
+        relation="country_language",
+    )
     return model, settings, tmp_path / "k"
 
 
 def _knowledge_study(model, settings, out) -> "kp.KnowledgeStudy":
     """The knowledge study of ``settings`` on the loaded ``model`` (a test's tiny one), by its class."""
-    return kp.KnowledgeStudy(replace(settings, models=(model.name,)), out, {model.name: model}.__getitem__,
-                             progress=False)
+    return kp.KnowledgeStudy(
+        replace(settings, models=(model.name,)), out, {model.name: model}.__getitem__, progress=False
+    )
 
 
 def _run_knowledge(model, settings, out) -> dict:
@@ -65,13 +76,26 @@ def test_knowledge_rerun_recomputes_nothing(knowledge_first, tmp_path, monkeypat
 
     model, settings, shared, first = knowledge_first
     name = model.name
-    assert _cached(first) == {"facts": False, f"discovery:{name}": False, f"scoring:{name}": False,
-                              f"analysis:{name}": False}
+    assert _cached(first) == {
+        "facts": False,
+        f"discovery:{name}": False,
+        f"scoring:{name}": False,
+        f"analysis:{name}": False,
+    }
     out = shutil.copytree(shared, tmp_path / "k")
     before = json.loads((out / "results.json").read_text())
     with monkeypatch.context() as m:
-        _forbid(m, kp, "evaluate", "attribution_scores", "mean_ablation", "logit_lens", "attention_mass",
-                "faithfulness_curve", "full_model_hits")
+        _forbid(
+            m,
+            kp,
+            "evaluate",
+            "attribution_scores",
+            "mean_ablation",
+            "logit_lens",
+            "attention_mass",
+            "faithfulness_curve",
+            "full_model_hits",
+        )
         second = _run_knowledge(model, settings, out)
     assert all(_cached(second).values())
     after = json.loads((out / "results.json").read_text())
@@ -89,8 +113,12 @@ def test_knowledge_changed_option_recomputes_only_its_stages(knowledge_first, tm
     name = model.name
     # More random circuits: scoring only; the circuit (hence the analysis) and the edge scores are unchanged.
     more = _run_knowledge(model, replace(settings, n_random=2), out)
-    assert _cached(more) == {"facts": True, f"discovery:{name}": True, f"scoring:{name}": False,
-                             f"analysis:{name}": True}
+    assert _cached(more) == {
+        "facts": True,
+        f"discovery:{name}": True,
+        f"scoring:{name}": False,
+        f"analysis:{name}": True,
+    }
     r0, r1 = first["results"][name], more["results"][name]
     hk = f"hit@{settings.k}"
     assert r1["random"][hk][0] == r0["random"][hk][0]  # draw 0 keeps its derived seed
@@ -108,8 +136,9 @@ def test_knowledge_study_refuses_models_of_different_vocabularies_before_any_sta
 
     vocabs = {"a": {"x": 0, "y": 1}, "b": {"x": 0, "y": 2}}
     models = {n: SimpleNamespace(name=n, tokenizer=SimpleNamespace(get_vocab=v.copy)) for n, v in vocabs.items()}
-    study = kp.KnowledgeStudy(kp.KnowledgeSettings(models=("a", "b")), tmp_path / "k", models.__getitem__,
-                              progress=False)
+    study = kp.KnowledgeStudy(
+        kp.KnowledgeSettings(models=("a", "b")), tmp_path / "k", models.__getitem__, progress=False
+    )
     with pytest.raises(IncompatibleModels, match=r"vocabularies differ \(a: 2 tokens, b: 2 tokens, 2 differing"):
         study.stages()
     assert not (tmp_path / "k" / "stages").exists()
@@ -125,7 +154,7 @@ def test_knowledge_task_file_through_the_one_loader(tmp_path):
     bad.write_text('[knowledge]\nk = 5\n\nmethod = "eap-xx"\n')
     with pytest.raises(SpecError, match=r"bad.toml:4: method = 'eap-xx'.*valid values: eap, iterative"):
         kp.load_settings(bad)
-    bad.write_text('[knowledge]\nk = 5\ntemplatez = 1\n')
+    bad.write_text("[knowledge]\nk = 5\ntemplatez = 1\n")
     with pytest.raises(SpecError, match=r"bad.toml:3: unknown key 'templatez' in \[knowledge\]"):
         kp.load_settings(bad)
     bad.write_text('[knowledge]\nk = "ten"\n')
@@ -150,19 +179,34 @@ from mechdiff.report.headmap import validation_accuracy  # noqa: E402
 
 
 def _headmap_setup(tmp_path, tokenizer):
-    models = {"tiny-base": make_tiny("llama", tokenizer, seed=1, n_layers=2),
-              "tiny-zoo": make_tiny("llama", tokenizer, seed=2, n_layers=2)}
+    models = {
+        "tiny-base": make_tiny("llama", tokenizer, seed=1, n_layers=2),
+        "tiny-zoo": make_tiny("llama", tokenizer, seed=2, n_layers=2),
+    }
     loaded = []
 
     def load(name):
         loaded.append(name)
         return models[name]
 
-    settings = hm.HeadMapSettings(model="tiny-base", lora_zoo="tiny-zoo", path_patching=(), n=4, pool=8, k=1,
-                                  batch_size=16, steps=2, batch=4, eval_n=8, val_n=6, lora_small=1, lora_large=2,
-                                  seeds=(0, 1), lrs=(1e-3, 1e-2),
-                                  runs=("base", "located", "random", "outside", "lora-small", "transfer",
-                                        "lora-zoo"))
+    settings = hm.HeadMapSettings(
+        model="tiny-base",
+        lora_zoo="tiny-zoo",
+        path_patching=(),
+        n=4,
+        pool=8,
+        k=1,
+        batch_size=16,
+        steps=2,
+        batch=4,
+        eval_n=8,
+        val_n=6,
+        lora_small=1,
+        lora_large=2,
+        seeds=(0, 1),
+        lrs=(1e-3, 1e-2),
+        runs=("base", "located", "random", "outside", "lora-small", "transfer", "lora-zoo"),
+    )
     return settings, tmp_path / "hm", load, loaded
 
 
@@ -188,12 +232,15 @@ def test_headmap_rerun_recomputes_nothing(headmap_first, headmap_setup, monkeypa
     _, out, load, loaded = headmap_setup
     first = study.cache.summary()
     lora_lr, hm_lr = study.chosen_lrs({})  # chosen by the run above
-    sweep = {f"train-located-seed0-hlr{lr:g}" for lr in settings.lrs} | \
-        {f"train-lora-small-seed0-lr{lr:g}" for lr in settings.lrs}
+    sweep = {f"train-located-seed0-hlr{lr:g}" for lr in settings.lrs} | {
+        f"train-lora-small-seed0-lr{lr:g}" for lr in settings.lrs
+    }
     seeded = {f"train-{r}-seed{s}-hlr{hm_lr:g}" for r in ("located", "random", "outside", "transfer") for s in (0, 1)}
     seeded |= {f"train-lora-small-seed{s}-lr{lora_lr:g}" for s in (0, 1)}
-    assert set(first) == {"locate-entity-tracking", "locate-arithmetic-mc", "train-base", "train-lora-zoo"} | \
-        sweep | seeded  # the sweep's seed-0 runs at the chosen rates are the seed-0 runs: trained once
+    assert (
+        set(first)
+        == {"locate-entity-tracking", "locate-arithmetic-mc", "train-base", "train-lora-zoo"} | sweep | seeded
+    )  # the sweep's seed-0 runs at the chosen rates are the seed-0 runs: trained once
     reused = {n for n, r in first.items() if r["cached"]}  # in the first run, from the sweep
     assert reused == {f"train-located-seed0-hlr{hm_lr:g}", f"train-lora-small-seed0-lr{lora_lr:g}"}
     assert loaded_first.count("tiny-zoo") == 1  # the zoo's model loaded once, for its stage
@@ -210,12 +257,26 @@ def test_headmap_rerun_recomputes_nothing(headmap_first, headmap_setup, monkeypa
     methods = json.loads((out / "tables" / "methods.json").read_text())
     rows = methods["rows"] if isinstance(methods, dict) else methods
     base = next(r for r in rows if r["method"] == "base (no training)")
-    want = float(np.mean(hm.correct(study.model.model, hm.get_task("entity-tracking").eval_batch(
-        study.model.tokenizer, settings.eval_n, settings.train_config().eval_seed))))
+    want = float(
+        np.mean(
+            hm.correct(
+                study.model.model,
+                hm.get_task("entity-tracking").eval_batch(
+                    study.model.tokenizer, settings.eval_n, settings.train_config().eval_seed
+                ),
+            )
+        )
+    )
     assert base["accuracy"] == pytest.approx(want)
     located = next(r for r in rows if r["method"] == "HeadMap (located)")
-    per_seed = [np.mean(json.loads((out / "stages" / f"train-located-seed{s}-hlr{hm_lr:g}.json").read_text())
-                        ["result"]["correct"]["entity-tracking"]) for s in (0, 1)]
+    per_seed = [
+        np.mean(
+            json.loads((out / "stages" / f"train-located-seed{s}-hlr{hm_lr:g}.json").read_text())["result"]["correct"][
+                "entity-tracking"
+            ]
+        )
+        for s in (0, 1)
+    ]
     assert located["seeds"] == 2 and located["accuracy"] == pytest.approx(np.mean(per_seed))
     assert located["per_seed"] == " / ".join(f"{a:.3f}" for a in per_seed)
     assert "Do located heads beat random ones here?" in text
@@ -237,8 +298,13 @@ def test_headmap_changed_option_recomputes_only_dependent_stages(headmap_first, 
     study = hm.HeadMapStudy(replace(settings, lora_small=2, seeds=(0, 1, 2)), out, load, progress=False)
     study.run(train_only=True)
     changed = {n for n, r in study.cache.summary().items() if not r["cached"]}
-    assert {n.split("-seed")[0] for n in changed} == {"train-located", "train-random", "train-outside",
-                                                      "train-lora-small", "train-transfer"}
+    assert {n.split("-seed")[0] for n in changed} == {
+        "train-located",
+        "train-random",
+        "train-outside",
+        "train-lora-small",
+        "train-transfer",
+    }
     assert all("-seed2-" in n for n in changed)
 
 
@@ -248,13 +314,13 @@ def test_random_head_sets_draw_seeds_by_name(headmap_setup):
     shape = study.model.shape
     per_layer = {layer: 1 for layer in range(shape.n_layers)}
     from mechdiff.runs.seeds import derive
+
     located = study.locate("entity-tracking", settings.n).heads()
     for seed in (0, 1):  # every seed draws its own sets
         assert study.heads("random", seed) == hm.random_heads(shape, per_layer, seed=derive(seed, "random-heads"))
         outside = study.heads("outside", seed)
         assert outside == hm.random_heads(shape, per_layer, seed=derive(seed, "outside-heads"), exclude=located)
-        assert all((layer, h) not in {(x.layer, x.head) for x in located} for layer, hs in outside.items()
-                   for h in hs)
+        assert all((layer, h) not in {(x.layer, x.head) for x in located} for layer, hs in outside.items() for h in hs)
     assert study.heads("random") == study.heads("random", 0)
 
 
@@ -264,8 +330,14 @@ def test_headmap_task_file_and_committed_records(tmp_path, smollm2_tokenizer):
     import shutil
 
     settings = hm.load_settings("tasks/headmap.toml")
-    assert (settings.n, settings.pool, settings.k, settings.batch_size, settings.steps, settings.eval_n) == \
-        (64, 256, 2, 64, 20, 150)
+    assert (settings.n, settings.pool, settings.k, settings.batch_size, settings.steps, settings.eval_n) == (
+        64,
+        256,
+        2,
+        64,
+        20,
+        150,
+    )
     assert settings.seeds == (0, 1, 2) and settings.lrs == (1e-3, 3e-3, 1e-2, 3e-2)
     shutil.copytree("results/headmap-smollm2/stages", tmp_path / "stages")
     tiny = make_tiny("llama", smollm2_tokenizer, n_layers=2)
@@ -292,7 +364,8 @@ def test_headmap_task_file_and_committed_records(tmp_path, smollm2_tokenizer):
 def _parse(*argv):
     import argparse
 
-    from mechdiff.commands import headmap as hm_cmd, knowledge as k_cmd
+    from mechdiff.commands import headmap as hm_cmd
+    from mechdiff.commands import knowledge as k_cmd
 
     p = argparse.ArgumentParser()
     sub = p.add_subparsers()
@@ -302,7 +375,8 @@ def _parse(*argv):
 
 
 def test_commands_read_the_task_file_and_flags_override_it():
-    from mechdiff.commands import headmap as hm_cmd, knowledge as k_cmd
+    from mechdiff.commands import headmap as hm_cmd
+    from mechdiff.commands import knowledge as k_cmd
 
     args = _parse("headmap", "compare", "--task", "tasks/headmap.toml", "--k", "3", "--runs", "base,located")
     s = hm_cmd.settings_from(args, task_file=True)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
+from conftest import count_forwards
 
 from mechdiff.studies.circuits import CircuitsStudy as Study
-from conftest import count_forwards
 from mechdiff.studies.spec import default_spec
 
 
@@ -39,8 +39,16 @@ def test_study_end_to_end_and_caching(tiny_family, tmp_path):
     report = first.run()
     assert {p.name: p.key for p in plan} == {n: r.key for n, r in first.cache.records.items()}
     text = report.read_text()
-    for section in ("## Findings", "## Accuracy", "## Circuits", "## Circuit x model", "## Overlap",
-                    "## What the heads encode (DCM)", "## Cross-model activation patching (CMAP)", "## What was run"):
+    for section in (
+        "## Findings",
+        "## Accuracy",
+        "## Circuits",
+        "## Circuit x model",
+        "## Overlap",
+        "## What the heads encode (DCM)",
+        "## Cross-model activation patching (CMAP)",
+        "## What was run",
+    ):
         assert section in text
     run_dir = tmp_path / "run"
     assert (run_dir / "figures" / "membership.png").is_file()
@@ -101,14 +109,28 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     with `[task] name = DIR`: accuracy, position scan over its derived classes, curve circuit, pruning, matrix,
     CMAP and DCM (the task's own counterfactual as desideratum) and the report. A reference set missing a group
     is refused, naming it, before any weights load."""
-    from mechdiff.cli import main
-
     from conftest import capitals_rows, write_rows
+
+    from mechdiff.cli import main
 
     rows = write_rows(tmp_path / "capitals.jsonl", capitals_rows(24))
     assert main(["dataset", "import", str(rows), "--model", tiny_family[0], "--out", str(tmp_path / "capitals")]) == 0
-    assert main(["eval", "--task", str(tmp_path / "capitals"), "--models", tiny_family[0], "--n", "24",
-                 "--out", str(tmp_path / "eval.json")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--task",
+                str(tmp_path / "capitals"),
+                "--models",
+                tiny_family[0],
+                "--n",
+                "24",
+                "--out",
+                str(tmp_path / "eval.json"),
+            ]
+        )
+        == 0
+    )
     assert "accuracy" in (tmp_path / "eval.json").read_text()
     spec = tiny_spec(tiny_family, tmp_path)
     spec.task.name = str(tmp_path / "capitals")
@@ -122,8 +144,14 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     spec.scoring.reference_n = 12
     study = Study(spec, progress=False)
     report = study.run().read_text()
-    for section in ("## Accuracy", "## Circuits", "## Circuit x model", "## What the heads encode (DCM)",
-                    "## Cross-model activation patching (CMAP)", "never across templates"):
+    for section in (
+        "## Accuracy",
+        "## Circuits",
+        "## Circuit x model",
+        "## What the heads encode (DCM)",
+        "## Cross-model activation patching (CMAP)",
+        "never across templates",
+    ):
         assert section in report
     stages = tmp_path / "run" / "stages"
     base = tiny_family[0].rsplit("/", 1)[-1]
@@ -148,9 +176,11 @@ def test_run_command_refuses_an_unknown_task_before_loading(capsys):
 
 #: `mechdiff run` (python -m mechdiff.cli) with run_model polling the cache for the other process's records every
 #: 1 s instead of 5 s: the processes wait on each other's work, not on the poll.
-POLLING_CLI = (f"import functools, sys; from {Study.__module__} import {Study.__name__} as S; "
-               "S.run_model = functools.partialmethod(S.run_model, poll=1.0); "
-               "from mechdiff.cli import main; sys.exit(main(sys.argv[1:]))")
+POLLING_CLI = (
+    f"import functools, sys; from {Study.__module__} import {Study.__name__} as S; "
+    "S.run_model = functools.partialmethod(S.run_model, poll=1.0); "
+    "from mechdiff.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 def test_one_process_per_model_computes_the_same_study(tiny_family, tiny_study, tmp_path):
@@ -166,11 +196,24 @@ def test_one_process_per_model_computes_the_same_study(tiny_family, tiny_study, 
     root = Path(__file__).resolve().parents[2]
     (tmp_path / "parallel").mkdir()
     task = _task_file(tiny_family, tmp_path / "parallel")
-    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "MPLBACKEND": "Agg", "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same kernels as here
-    procs = [subprocess.Popen([sys.executable, "-c", POLLING_CLI, "run", str(task), "--model", name, "--no-progress"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name in tiny_family]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MPLBACKEND": "Agg",
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+    }  # the same kernels as here
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", POLLING_CLI, "run", str(task), "--model", name, "--no-progress"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in tiny_family
+    ]
     for proc in procs:
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err
@@ -179,8 +222,10 @@ def test_one_process_per_model_computes_the_same_study(tiny_family, tiny_study, 
     assembled.run()
     assert all(r.cached for r in assembled.cache.records.values()) and assembled.models._loaded == {}
     # the plain sequential run: the shared tiny study's records (same spec, same inputs)
-    reference = {n: json.loads((tiny_study / "run" / "stages" / assembled.cache.path(n).name).read_text())
-                 for n in assembled.cache.records}
+    reference = {
+        n: json.loads((tiny_study / "run" / "stages" / assembled.cache.path(n).name).read_text())
+        for n in assembled.cache.records
+    }
     assert len(reference) == len(list((tiny_study / "run" / "stages").glob("*.json")))
     for name, rec in reference.items():
         assert assembled.cache.records[name].key == rec["key"]
@@ -211,8 +256,10 @@ def test_a_process_waits_for_records_of_this_study_not_stale_ones(tiny_family, t
     other = tiny_family[1]
 
     def save(stage: str, inputs: dict) -> None:
-        write_json(study.cache.path(f"{stage}:{other}"), {"name": stage, "key": key_hash(inputs), "inputs": inputs,
-                                                           "seconds": 0.0, "result": {}})
+        write_json(
+            study.cache.path(f"{stage}:{other}"),
+            {"name": stage, "key": key_hash(inputs), "inputs": inputs, "seconds": 0.0, "result": {}},
+        )
 
     with pytest.raises(Waited):
         study._wait([other], "circuit", "me", poll=0)  # nothing saved yet
@@ -272,8 +319,9 @@ def _check_heads_table_and_page(spec, run_dir, report_md, tmp_path):
     again = (committed / "report.html").read_text()
     findings = report_md.split("## Findings", 1)[1].split("## Limitations", 1)[0]
     bullets = [line[2:].split("**")[-1].strip(" .") for line in findings.splitlines() if line.startswith("- ")]
-    assert bullets and all(b.replace("`", "")[:40] in again.replace("<code>", "").replace("</code>", "")
-                           for b in bullets if b)
+    assert bullets and all(
+        b.replace("`", "")[:40] in again.replace("<code>", "").replace("</code>", "") for b in bullets if b
+    )
     assert "from <code>tables/heads.json</code>" in again and '"views"' in again
     # a run without the table (written before it existed) falls back on its stage records, with the same rows
     older = tmp_path / "older"

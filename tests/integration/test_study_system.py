@@ -9,18 +9,28 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from conftest import count_forwards, make_tiny
+
+from mechdiff.runs.seeds import PROMPT_OFFSETS, prompt_seed
 from mechdiff.studies import headmap as hm
 from mechdiff.studies import knowledge as kn
 from mechdiff.studies.base import KINDS, format_plan, load_study, study_class, study_kind
-from mechdiff.runs.seeds import PROMPT_OFFSETS, prompt_seed
 from mechdiff.studies.spec import SpecError
 
 #: study.SEED_OFFSETS before the one study system (copied from it), and reproduce.py's ``seed + 7`` and ``+ 8``:
 #: the seeds every committed result was drawn with.
-OLD_OFFSETS = {"discovery": 0, "eval": 1, "matrix": 2, "reference": 3, "dcm": 4, "cmap": 5, "prune": 6,
-               "positions": 7, "ranking": 8, "curve": 9}
+OLD_OFFSETS = {
+    "discovery": 0,
+    "eval": 1,
+    "matrix": 2,
+    "reference": 3,
+    "dcm": 4,
+    "cmap": 5,
+    "prune": 6,
+    "positions": 7,
+    "ranking": 8,
+    "curve": 9,
+}
 OLD_REPRODUCTION = {"reproduction": 7, "reproduction-reference": 8}
 #: The commands' ``--seed``, ``--seed + 1`` and ``--seed + 2`` (scored, reference, ranking prompts), with which
 #: results/curve-smollm2 was drawn.
@@ -68,8 +78,17 @@ def _states(plan) -> dict[str, str]:
 
 def test_knowledge_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
-    settings = kn.KnowledgeSettings(method="eap", k=30000, target=0.0, sizes=(0.3,), curve=False, n_random=1,
-                                    max_facts=4, models=(model.name,), relations=("country_language", "antonym"))
+    settings = kn.KnowledgeSettings(
+        method="eap",
+        k=30000,
+        target=0.0,
+        sizes=(0.3,),
+        curve=False,
+        n_random=1,
+        max_facts=4,
+        models=(model.name,),
+        relations=("country_language", "antonym"),
+    )
     loads = []
 
     def load(name):
@@ -78,8 +97,12 @@ def test_knowledge_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
 
     study = kn.KnowledgeStudy(settings, tmp_path / "k", load, progress=False)
     n = model.name
-    per_relation = {"facts": "compute", f"discovery:{n}": "after facts", f"scoring:{n}": "after facts",
-                    f"analysis:{n}": "after facts"}
+    per_relation = {
+        "facts": "compute",
+        f"discovery:{n}": "after facts",
+        f"scoring:{n}": "after facts",
+        f"analysis:{n}": "after facts",
+    }
     want = {f"{r}/{s}": v for r in settings.relations for s, v in per_relation.items()}
     assert _states(study.plan()) == want
     report = study.run()
@@ -92,17 +115,19 @@ def test_knowledge_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
     assert manifest["kind"] == "knowledge" and set(manifest["stages"]) == set(want)
     again = kn.KnowledgeStudy(settings, tmp_path / "k", load, progress=False)
     replan = again.plan()
-    assert all(p.cached for p in replan) and {p.name: p.key for p in replan} == \
-        {n: s["key"] for n, s in manifest["stages"].items()}
+    assert all(p.cached for p in replan) and {p.name: p.key for p in replan} == {
+        n: s["key"] for n, s in manifest["stages"].items()
+    }
     with count_forwards() as calls:
         again.run()
     assert calls == []
     assert all(r.cached for c in again.caches() for r in c.records.values())
     # one changed option: the plan says which stages recompute, before anything does
     changed = kn.KnowledgeStudy(replace(settings, n_random=2), tmp_path / "k", load, progress=False)
-    assert {name: state for name, state in _states(changed.plan()).items() if state != "cached"} == \
-        {**{f"{r}/scoring:{n}": "compute" for r in settings.relations},
-         **{f"{r}/analysis:{n}": f"after scoring:{n}" for r in settings.relations}}  # its circuit is chosen anew
+    assert {name: state for name, state in _states(changed.plan()).items() if state != "cached"} == {
+        **{f"{r}/scoring:{n}": "compute" for r in settings.relations},
+        **{f"{r}/analysis:{n}": f"after scoring:{n}" for r in settings.relations},
+    }  # its circuit is chosen anew
 
 
 # --------------------------------------------------------------------------------------
@@ -112,13 +137,28 @@ def test_knowledge_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
 
 def test_headmap_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
     tiny = make_tiny("llama", smollm2_tokenizer, seed=1, n_layers=2)
-    settings = hm.HeadMapSettings(model="tiny-base", path_patching=(), n=4, pool=8, k=1, batch_size=16, steps=1,
-                                  batch=4, eval_n=6, val_n=4, seeds=(0,), runs=("base", "located", "random"))
+    settings = hm.HeadMapSettings(
+        model="tiny-base",
+        path_patching=(),
+        n=4,
+        pool=8,
+        k=1,
+        batch_size=16,
+        steps=1,
+        batch=4,
+        eval_n=6,
+        val_n=4,
+        seeds=(0,),
+        runs=("base", "located", "random"),
+    )
     study = hm.HeadMapStudy(settings, tmp_path / "hm", lambda name: tiny, progress=False)
     hlr = f"{settings.headmap_lr:g}"
-    assert _states(study.plan()) == {"train-base": "compute", "locate-entity-tracking": "compute",
-                                     f"train-located-seed0-hlr{hlr}": "after locate-entity-tracking",
-                                     f"train-random-seed0-hlr{hlr}": "compute"}
+    assert _states(study.plan()) == {
+        "train-base": "compute",
+        "locate-entity-tracking": "compute",
+        f"train-located-seed0-hlr{hlr}": "after locate-entity-tracking",
+        f"train-random-seed0-hlr{hlr}": "compute",
+    }
     study.run()
     ran = {n: r.key for n, r in study.cache.records.items()}
     again = hm.HeadMapStudy(settings, tmp_path / "hm", lambda name: tiny, progress=False)
@@ -139,8 +179,9 @@ def test_committed_headmap_study_resolves_to_its_committed_stages(smollm2, tmp_p
     shutil.copytree("results/headmap-smollm2/stages", tmp_path / "stages")
     settings, directory = hm.load_file("tasks/headmap.toml")
     assert directory == "results/headmap-smollm2"
-    assert {k: v for k, v in json.loads(json.dumps(settings.__dict__)).items() if k != "notes"} == \
-        {k: v for k, v in committed["settings"].items() if k != "notes"}
+    assert {k: v for k, v in json.loads(json.dumps(settings.__dict__)).items() if k != "notes"} == {
+        k: v for k, v in committed["settings"].items() if k != "notes"
+    }
     study = hm.HeadMapStudy(settings, tmp_path, lambda name: smollm2, progress=False)
     plan = study.plan()
     assert {p.name: p.key for p in plan} == {n: s["key"] for n, s in committed["stages"].items()}
@@ -158,8 +199,9 @@ def test_committed_knowledge_study_resolves_to_its_committed_facts(smollm2, tmp_
         root = Path(directory) / relation
         saved = json.loads((root / "results.json").read_text())["settings"]
         mine = vars(study.relation_settings(relation))
-        assert {k: mine[k] for k in saved if k in mine and k != "relations"} == \
-            {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in mine and k != "relations"}
+        assert {k: mine[k] for k in saved if k in mine and k != "relations"} == {
+            k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in mine and k != "relations"
+        }
         committed = json.loads((root / "study.json").read_text())["stages"]
         assert plan[f"{relation}/facts"].key == committed["facts"]["key"]
 
@@ -174,8 +216,9 @@ def test_library_warnings_a_user_cannot_act_on_are_filtered_precisely():
         quiet_library_warnings()
         peft_alias = "`is_gradient_checkpointing` is deprecated and will be removed in v6."
         warnings.warn_explicit(peft_alias, FutureWarning, "modeling_utils.py", 1, module="transformers.modeling_utils")
-        warnings.warn_explicit("another deprecation", FutureWarning, "modeling_utils.py", 2,
-                               module="transformers.modeling_utils")
+        warnings.warn_explicit(
+            "another deprecation", FutureWarning, "modeling_utils.py", 2, module="transformers.modeling_utils"
+        )
         warnings.warn_explicit(peft_alias, FutureWarning, "mine.py", 3, module="mechdiff.mine")
         warnings.warn_explicit(peft_alias, UserWarning, "modeling_utils.py", 4, module="transformers.modeling_utils")
     assert [(str(w.message), w.lineno) for w in seen] == [("another deprecation", 2), (peft_alias, 3), (peft_alias, 4)]
@@ -185,8 +228,10 @@ def test_mechdiff_run_prints_the_plan_and_plan_stops_there(tiny_family, tmp_path
     from mechdiff.cli import main
 
     task = tmp_path / "k.toml"
-    task.write_text(f'[study]\nkind = "knowledge"\n\n[output]\ndir = "{tmp_path / "out"}"\n\n[knowledge]\n'
-                    f'relation = "antonym"\nmodels = ["{tiny_family[0]}"]\nmax_facts = 4\nk = 30000\n')
+    task.write_text(
+        f'[study]\nkind = "knowledge"\n\n[output]\ndir = "{tmp_path / "out"}"\n\n[knowledge]\n'
+        f'relation = "antonym"\nmodels = ["{tiny_family[0]}"]\nmax_facts = 4\nk = 30000\n'
+    )
     assert main(["run", str(task), "--plan", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"knowledge study into {tmp_path / 'out'}:\n")
@@ -212,16 +257,26 @@ def test_a_run_logged_to_a_file_has_no_bars_and_one_line_per_stage(tiny_family, 
     import sys
 
     task = tmp_path / "k.toml"
-    task.write_text(f'[study]\nkind = "knowledge"\n\n[output]\ndir = "{tmp_path / "out"}"\n\n[knowledge]\n'
-                    f'relation = "antonym"\nmodels = ["{tiny_family[0]}"]\nmax_facts = 4\nk = 30000\n')
+    task.write_text(
+        f'[study]\nkind = "knowledge"\n\n[output]\ndir = "{tmp_path / "out"}"\n\n[knowledge]\n'
+        f'relation = "antonym"\nmodels = ["{tiny_family[0]}"]\nmax_facts = 4\nk = 30000\n'
+    )
     stages = ["facts", f"discovery:{tiny_family[0]}", f"scoring:{tiny_family[0]}", f"analysis:{tiny_family[0]}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
     for state in ("computed", "cached"):
         log = tmp_path / f"{state}.log"
         with open(log, "w") as err:
-            subprocess.run([sys.executable, "-m", "mechdiff.cli", "run", str(task)], stdout=subprocess.DEVNULL,
-                           stderr=err, env=env, check=True, timeout=600)
+            subprocess.run(
+                [sys.executable, "-m", "mechdiff.cli", "run", str(task)],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+                check=True,
+                timeout=600,
+            )
         text = log.read_bytes().decode()  # read_text would turn a bar's "\r" into "\n"
         assert "\r" not in text and "\x1b[" not in text, text
         lines = [line for line in text.splitlines() if line.startswith("stage ")]

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mechdiff.studies.base import load_study
-from mechdiff.studies.trajectory import TrajectoryStudy, load_settings, read_labels
-from mechdiff.studies.spec import SpecError
 from mechdiff.methods.trajectory import against_first, formed_at
+from mechdiff.studies.base import load_study
+from mechdiff.studies.spec import SpecError
+from mechdiff.studies.trajectory import TrajectoryStudy, load_settings, read_labels
 
 
 def task_file(path, run, out, extra: str = "") -> str:
@@ -70,8 +70,10 @@ store = "{out}/activations.h5"
     return str(path)
 
 
-PART = ("import sys\nfrom mechdiff.studies.trajectory import TrajectoryStudy\n"
-        "TrajectoryStudy.from_file(sys.argv[1], progress=False).run_checkpoints(sys.argv[2].split(','))\n")
+PART = (
+    "import sys\nfrom mechdiff.studies.trajectory import TrajectoryStudy\n"
+    "TrajectoryStudy.from_file(sys.argv[1], progress=False).run_checkpoints(sys.argv[2].split(','))\n"
+)
 
 
 def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
@@ -82,14 +84,17 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     _, run = tiny_run
     out = tmp_path / "out"
     labels = tmp_path / "dcm.json"
-    labels.write_text(json.dumps([{"group": "last", "desideratum": "positional", "position": "last",
-                                   "selected": "L2H1 L1H0"}]))
+    labels.write_text(
+        json.dumps([{"group": "last", "desideratum": "positional", "position": "last", "selected": "L2H1 L1H0"}])
+    )
     path = task_file(tmp_path / "t.toml", run, out, extra=f'labels = "{labels}"\n')
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     names = [f"{run}@{s}" for s in (0, 2, 4)]
-    parts = [subprocess.Popen([sys.executable, "-c", PART, path, ",".join(p)], env=env, cwd=root)
-             for p in (names[:2], names[2:])]
+    parts = [
+        subprocess.Popen([sys.executable, "-c", PART, path, ",".join(p)], env=env, cwd=root)
+        for p in (names[:2], names[2:])
+    ]
     assert [p.wait(timeout=1200) for p in parts] == [0, 0]
     study = load_study(path, progress=False)  # by the file's [study] kind
     assert isinstance(study, TrajectoryStudy)
@@ -125,7 +130,8 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     assert scored[names[1]]["first trained"] == scored[names[1]]["own"]
     circ = json.loads((out / "tables" / "circuits.json").read_text())
     assert [r["n_pairs"] for r in circ] == [
-        json.loads(study.cache.path(f"circuit:{n}").read_text())["result"]["n_pairs"] for n in names]
+        json.loads(study.cache.path(f"circuit:{n}").read_text())["result"]["n_pairs"] for n in names
+    ]
 
     sem = json.loads((out / "tables" / "semantic.json").read_text())
     assert [r["step"] for r in sem] == list(study.steps)
@@ -148,8 +154,9 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     trained = again.dcm(final).result
     assert trained["source"] == f"DCM on the circuit of {names[-1]}"
     own = final.result["circuit"]
-    assert [(r["group"], r["desideratum"]) for r in trained["dcm"]] == \
-        ([("last", "positional")] if own["groups"].get("last") else [])
+    assert [(r["group"], r["desideratum"]) for r in trained["dcm"]] == (
+        [("last", "positional")] if own["groups"].get("last") else []
+    )
     for r in trained["dcm"]:
         assert set(r["selected"]) <= set(r["heads"]) == set(own["groups"]["last"]) and r["n_test"] == 8
 
@@ -161,23 +168,42 @@ def test_task_file_errors_name_the_line_before_loading(tiny_run, tmp_path):
     with pytest.raises(SpecError, match=r"bad.toml:\d+: no DCM table no/such/dcm.json"):
         load_settings(bad)
     one = tmp_path / "one.toml"
-    one.write_text(f'[study]\nkind = "trajectory"\n[task]\nname = "entity-tracking"\n[models]\n'
-                   f'checkpoints = ["{run}@2"]\n')
+    one.write_text(
+        f'[study]\nkind = "trajectory"\n[task]\nname = "entity-tracking"\n[models]\ncheckpoints = ["{run}@2"]\n'
+    )
     with pytest.raises(SpecError, match=r"one.toml:6: a trajectory needs at least two distinct checkpoints"):
         load_settings(one)
 
 
 def test_dcm_labels_read_from_a_circuits_study_table(tmp_path):
     table = tmp_path / "dcm.json"
-    table.write_text(json.dumps([
-        {"group": "last", "desideratum": "positional", "position": "last", "selected": "L19H1 L19H4"},
-        {"group": "query_label", "desideratum": "label_value", "position": "query_label", "selected": "-"},
-        {"group": "last", "desideratum": "label_value", "position": "last", "selected": "L29H1",
-         "accuracy_low": 0.046, "floor_high": 0.12},
-        {"group": "last", "desideratum": "object_value", "position": "last", "selected": "L22H6",
-         "accuracy_low": 0.54, "floor_high": 0.018}]))
+    table.write_text(
+        json.dumps(
+            [
+                {"group": "last", "desideratum": "positional", "position": "last", "selected": "L19H1 L19H4"},
+                {"group": "query_label", "desideratum": "label_value", "position": "query_label", "selected": "-"},
+                {
+                    "group": "last",
+                    "desideratum": "label_value",
+                    "position": "last",
+                    "selected": "L29H1",
+                    "accuracy_low": 0.046,
+                    "floor_high": 0.12,
+                },
+                {
+                    "group": "last",
+                    "desideratum": "object_value",
+                    "position": "last",
+                    "selected": "L22H6",
+                    "accuracy_low": 0.54,
+                    "floor_high": 0.018,
+                },
+            ]
+        )
+    )
     assert read_labels(table) == [
         {"group": "last", "desideratum": "positional", "position": "last", "selected": ["L19H1", "L19H4"]},
         {"group": "query_label", "desideratum": "label_value", "position": "query_label", "selected": []},
         {"group": "last", "desideratum": "label_value", "position": "last", "selected": [], "dropped": ["L29H1"]},
-        {"group": "last", "desideratum": "object_value", "position": "last", "selected": ["L22H6"]}]
+        {"group": "last", "desideratum": "object_value", "position": "last", "selected": ["L22H6"]},
+    ]

@@ -10,8 +10,7 @@ import pytest
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.scoring import Scorer, faithfulness
-from mechdiff.tasks.entity_tracking import reference_records
-from mechdiff.tasks.entity_tracking import generate
+from mechdiff.tasks.entity_tracking import generate, reference_records
 from mechdiff.tasks.entity_tracking.splits import eval_objects
 
 CIRCUIT = Path(__file__).parents[2] / "results" / "entity-tracking-smollm2" / "circuits" / "smollm2-et.json"

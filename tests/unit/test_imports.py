@@ -101,9 +101,14 @@ def test_graph_sees_relative_and_function_level_imports():
     assert ["mechdiff.tasks.jsonl", "mechdiff.tasks.records"] in circles(planted)
 
 
-@pytest.mark.parametrize("pair", [("mechdiff.models.loading", "mechdiff.models.remote"),
-                                  ("mechdiff.tasks.base", "mechdiff.tasks.jsonl"),
-                                  ("mechdiff.tasks.entity_tracking", "mechdiff.tasks.splits")])
+@pytest.mark.parametrize(
+    "pair",
+    [
+        ("mechdiff.models.loading", "mechdiff.models.remote"),
+        ("mechdiff.tasks.base", "mechdiff.tasks.jsonl"),
+        ("mechdiff.tasks.entity_tracking", "mechdiff.tasks.splits"),
+    ],
+)
 def test_issue_circles_are_gone(pair):
     for collapse in (False, True):
         for comp in circles(graph(collapse)):

@@ -9,22 +9,30 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from conftest import capitals_rows, make_tiny, write_rows
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.circuits.curve import faithfulness_curve, prompt_attribution, ranking, pair_scores
+from mechdiff.circuits.curve import faithfulness_curve, pair_scores, prompt_attribution, ranking
 from mechdiff.circuits.positions import position_scan, task_classes
-from mechdiff.circuits.scoring import Scorer, ablation_patches, faithfulness, matrix_rows, per_prompt
 from mechdiff.circuits.pruning import minimality
+from mechdiff.circuits.scoring import Scorer, ablation_patches, faithfulness, matrix_rows, per_prompt
 from mechdiff.common.components import Head
-from mechdiff.patching.evaluate import evaluate
 from mechdiff.common.metrics import answer_prob
 from mechdiff.patching.ablation import site_means
 from mechdiff.patching.core import run
-from mechdiff.tasks.base import (Example, batch_tensors, check_reference, derived_classes, get_task, group_key,
-                                 grouped_batches, pair_batch_tensors, take)
+from mechdiff.patching.evaluate import evaluate
+from mechdiff.tasks.base import (
+    Example,
+    batch_tensors,
+    check_reference,
+    derived_classes,
+    get_task,
+    group_key,
+    grouped_batches,
+    pair_batch_tensors,
+    take,
+)
 from mechdiff.tasks.jsonl import ImportErrors, import_pairs
-
-from conftest import capitals_rows, make_tiny, write_rows
 
 N = 12  # three prompts of each of four templates (5, 8, 8 and 14 tokens), interleaved
 
@@ -36,8 +44,11 @@ def close(a, b) -> None:
 
 @pytest.fixture
 def task(smollm2_tokenizer, tmp_path):
-    return get_task(import_pairs(write_rows(tmp_path / "capitals.jsonl", capitals_rows(N)), smollm2_tokenizer,
-                                  tmp_path / "capitals"))
+    return get_task(
+        import_pairs(
+            write_rows(tmp_path / "capitals.jsonl", capitals_rows(N)), smollm2_tokenizer, tmp_path / "capitals"
+        )
+    )
 
 
 @pytest.fixture
@@ -117,8 +128,10 @@ def test_scoring_stages_on_mixed_lengths(tiny_llama, pairs):
     assert classes == ["before", "capital", "after_capital", "country", "after_country", "last"]
     circuit = [(Head(0, 1), "last"), (Head(1, 2), "country"), (Head(2, 0), "after_capital")]
     removed = {(Head(1, 2), "country")}
-    close(scorer.keep_without(circuit, removed).prob, Scorer.build(
-        tiny_llama, records, reference, batch_size=4, progress=False).keep(set(circuit) - removed).prob)
+    close(
+        scorer.keep_without(circuit, removed).prob,
+        Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False).keep(set(circuit) - removed).prob,
+    )
     attribution = prompt_attribution(scorer, classes)
     for key, rows in by_group(records).items():
         alone = Scorer.build(tiny_llama, take(records, rows), [reference[i] for i in rows], progress=False)
@@ -130,8 +143,9 @@ def test_scoring_stages_on_mixed_lengths(tiny_llama, pairs):
     curve = faithfulness_curve(scorer, ranked, sizes=[0.1, 1.0])
     # every (head, class) pair kept is the model itself: the classes partition every prompt
     assert curve["rows"][-1]["faithfulness_prob"]["value"] == pytest.approx(1.0)
-    c = Circuit("m", "t", {"last": [Head(0, 1), Head(2, 0)], "country": [Head(1, 2)]},
-                {"last": "last", "country": "country"})
+    c = Circuit(
+        "m", "t", {"last": [Head(0, 1), Head(2, 0)], "country": [Head(1, 2)]}, {"last": "last", "country": "country"}
+    )
     assert matrix_rows("m", {"c": c}, scorer, n_random=1)[0]["n_prompts"] == N
     assert set(minimality(scorer, c)["pairs"]) == {"L0H1@last", "L2H0@last", "L1H2@country"}
 
@@ -167,8 +181,15 @@ def test_scan_averages_each_group_by_its_size(tiny_llama, pairs):
     want = torch.zeros_like(mixed.effects, dtype=torch.float64)
     for rows in by_group(pairs).values():
         t = pair_batch_tensors(take(pairs, rows))
-        one = scan(tiny_llama, t["base"]["input_ids"], t["source"]["input_ids"], t["target_ids"], "z",
-                   t["base"]["positions"]["country"], per_pass=8)
+        one = scan(
+            tiny_llama,
+            t["base"]["input_ids"],
+            t["source"]["input_ids"],
+            t["target_ids"],
+            "z",
+            t["base"]["positions"]["country"],
+            per_pass=8,
+        )
         want += one.effects.double() * len(rows) / N
     close(mixed.effects, want)
     with pytest.raises(ValueError, match="lengths \\[5, 8, 14\\]"):
@@ -187,8 +208,11 @@ def test_dcm_cache_on_mixed_lengths_equals_each_pair_alone(tiny_llama, task, smo
     for j, i in enumerate(rows):
         b = pair_batch_tensors([pairs[i]])
         values = source_z(tiny_llama, b, [1, 2], "country")
-        plain = run(tiny_llama, b["base"]["input_ids"],
-                    masked_z_patches(tiny_llama, heads, mask, values, b["base"]["positions"]["country"])).logits
+        plain = run(
+            tiny_llama,
+            b["base"]["input_ids"],
+            masked_z_patches(tiny_llama, heads, mask, values, b["base"]["positions"]["country"]),
+        ).logits
         close(logits[j], plain[0])
         assert int(target[j]) == pairs[i].target_id
         unpatched = run(tiny_llama, b["base"]["input_ids"]).logits.argmax(-1)
@@ -237,8 +261,11 @@ def test_records_with_only_named_positions_get_a_partition_of_classes():
 
 
 def test_jsonl_classes_of_a_row_are_the_batch_classes(smollm2_tokenizer, tmp_path):
-    task = get_task(import_pairs(write_rows(tmp_path / "c.jsonl", capitals_rows(4, classes=True)),
-                                  smollm2_tokenizer, tmp_path / "task"))
+    task = get_task(
+        import_pairs(
+            write_rows(tmp_path / "c.jsonl", capitals_rows(4, classes=True)), smollm2_tokenizer, tmp_path / "task"
+        )
+    )
     records = task.records(smollm2_tokenizer, 4)
     for r in records:
         assert r.classes["words"] == tuple(range(r.positions["capital"], r.positions["country"] + 1))

@@ -93,7 +93,8 @@ class AcdcResult:
     def summary(self) -> dict:
         """Everything but the per-edge arrays (for ``results.json``)."""
         return {k: v for k, v in self.__dict__.items() if k not in ("mask", "effect")} | {
-            "n_edges": int(self.mask.sum())}
+            "n_edges": int(self.mask.sum())
+        }
 
 
 class _Metric:
@@ -111,8 +112,10 @@ class _Metric:
             self.weights = [torch.ones(len(a), dtype=torch.float64, device=a.device) for a in self.answers]
         self.total = float(sum(w.sum() for w in self.weights))
         if self.total == 0:
-            raise ValueError("ACDC metric match_nll: no fact's answer is the full model's top-1 token, so the "
-                             "metric is undefined; use metric 'nll' (every fact) or 'kl'")
+            raise ValueError(
+                "ACDC metric match_nll: no fact's answer is the full model's top-1 token, so the "
+                "metric is undefined; use metric 'nll' (every fact) or 'kl'"
+            )
 
     def sums(self, i: int, logits: torch.Tensor, n_copies: int) -> np.ndarray:
         """``"copy"``: the weighted sum over batch ``i``'s facts for each stacked copy."""
@@ -129,19 +132,27 @@ class _Metric:
 class _Evaluator:
     """Evaluates stacks of circuits over every fact batch, from a layer on when ``incremental``."""
 
-    def __init__(self, model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], ablation: Ablation,
-                 start: np.ndarray, metric: str, incremental: bool):
+    def __init__(
+        self,
+        model: LoadedModel,
+        graph: Graph,
+        batches: Sequence[FactBatch],
+        ablation: Ablation,
+        start: np.ndarray,
+        metric: str,
+        incremental: bool,
+    ):
         self.model, self.graph, self.batches, self.ablation = model, graph, list(batches), ablation
         self.incremental = incremental
         self.forwards, self.copies, self.cost = 0, 0, 0.0
         with torch.no_grad():
             full = [edge_forward(model, graph, b.ids, None, ablation).logits for b in self.batches]
             self.metric = _Metric(metric, self.batches, full)
-            runs = [edge_forward(model, graph, b.ids, start, ablation, keep_outputs=incremental)
-                    for b in self.batches]
+            runs = [edge_forward(model, graph, b.ids, start, ablation, keep_outputs=incremental) for b in self.batches]
         self.cache = [r.outputs for r in runs] if incremental else None
-        self.start_value = float(sum(self.metric.sums(i, r.logits, 1)[0] for i, r in enumerate(runs))
-                                 / self.metric.total)
+        self.start_value = float(
+            sum(self.metric.sums(i, r.logits, 1)[0] for i, r in enumerate(runs)) / self.metric.total
+        )
 
     def __call__(self, masks: np.ndarray, layer: int) -> np.ndarray:
         """``"copy"`` metric of each row of ``masks`` (which differ from the start only in edges into layers
@@ -182,7 +193,7 @@ class _Liveness:
         self.graph = graph
         order = np.argsort(graph.edge_sender, kind="stable")
         bounds = np.searchsorted(graph.edge_sender[order], np.arange(graph.n_senders + 1))
-        self.out_edges = [order[bounds[s]:bounds[s + 1]] for s in range(graph.n_senders)]
+        self.out_edges = [order[bounds[s] : bounds[s + 1]] for s in range(graph.n_senders)]
         pos = {n: i for i, n in enumerate(graph.senders)}
         self.nodes = [[pos[n] for n in graph.receiver_node(r) if n in pos] for r in graph.receivers]
         self.alive = np.zeros(len(graph.receivers), dtype=bool)
@@ -190,8 +201,9 @@ class _Liveness:
     def check(self, receiver: int, mask: np.ndarray) -> bool:
         """Record and return whether ``receiver`` is alive (``LOGITS`` always is)."""
         nodes = self.nodes[receiver]
-        alive = not nodes or any(bool((mask[e] & self.alive[self.graph.edge_receiver[e]]).any())
-                                 for e in (self.out_edges[n] for n in nodes))
+        alive = not nodes or any(
+            bool((mask[e] & self.alive[self.graph.edge_receiver[e]]).any()) for e in (self.out_edges[n] for n in nodes)
+        )
         self.alive[receiver] = alive
         return alive
 
@@ -209,19 +221,30 @@ def discovery_batch(fact_batches: Sequence[FactBatch], top1: np.ndarray, n: int)
     return batches([f for f in right if len(f.ids) == common][:n], n)[0]
 
 
-def memory_batch(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], budget_bytes: float = 2 ** 30,
-                 most: int = 16) -> int:
+def memory_batch(
+    model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], budget_bytes: float = 2**30, most: int = 16
+) -> int:
     """Copies per forward that fit ``budget_bytes`` of sender outputs (the edge forward's buffer dominates)."""
     largest = max(b.ids.numel() for b in batches)
     per_copy = graph.n_senders * largest * model.shape.d_model * 4 * 2  # buffer + receivers' inputs and work
     return int(max(1, min(most, budget_bytes // per_copy)))
 
 
-def acdc(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], tau: float = TAUS[0],
-         ablation: Ablation = Ablation(), metric: str = "match_nll", incremental: bool = True,
-         batch: int = 0, skip_dead: bool = True, prefilter: Optional[float] = None,
-         scores: Optional[np.ndarray] = None, max_trials: Optional[int] = None,
-         progress: bool = True) -> AcdcResult:
+def acdc(
+    model: LoadedModel,
+    graph: Graph,
+    batches: Sequence[FactBatch],
+    tau: float = TAUS[0],
+    ablation: Ablation = Ablation(),
+    metric: str = "match_nll",
+    incremental: bool = True,
+    batch: int = 0,
+    skip_dead: bool = True,
+    prefilter: Optional[float] = None,
+    scores: Optional[np.ndarray] = None,
+    max_trials: Optional[int] = None,
+    progress: bool = True,
+) -> AcdcResult:
     """ACDC pruning of ``graph`` on ``batches`` (see the module docstring).
 
     ``batch``: candidate edges per forward (0: as many as :func:`memory_batch` allows; 1: one at a time).
@@ -252,8 +275,15 @@ def acdc(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], tau: fl
     size, last_layer = batch, None
     for receiver, layer, incoming in _receivers(graph):
         if layer != last_layer and last_layer is not None:
-            log.info("acdc: layer %s done: %d tried, %d skipped, %d kept so far, metric %.4f, %.0f s", last_layer,
-                     trials, skipped, int(mask.sum()), current, time.time() - t0)
+            log.info(
+                "acdc: layer %s done: %d tried, %d skipped, %d kept so far, metric %.4f, %.0f s",
+                last_layer,
+                trials,
+                skipped,
+                int(mask.sum()),
+                current,
+                time.time() - t0,
+            )
         last_layer = layer
         bar.update(len(incoming))
         edges = [e for e in incoming if mask[e]]
@@ -270,10 +300,10 @@ def acdc(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], tau: fl
                 n += 1
             if n == 0:
                 continue
-            chunk = edges[i:i + n]
+            chunk = edges[i : i + n]
             stack = np.repeat(mask[None], n + stale, 0)  # row 0 re-measures the current circuit when stale
             for j, e in enumerate(chunk):
-                stack[j + stale:, e] = False
+                stack[j + stale :, e] = False
             values = evaluate(stack, layer)
             if stale:
                 current, values, stale = values[0], values[1:], False
@@ -292,8 +322,27 @@ def acdc(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], tau: fl
     bar.close()
     if stale:
         current = float(evaluate(mask[None], 0)[0])
-    return AcdcResult(mask, effect, metric, tau, evaluate.start_value, current, prefilter, int(candidate.sum()),
-                      trials, skipped, evaluate.forwards, evaluate.copies, evaluate.cost, time.time() - t0,
-                      time.process_time() - c0,
-                      {"incremental": incremental, "batch": batch, "skip_dead": skip_dead,
-                       "ablation": ablation.kind, "n_facts": sum(len(b) for b in batches)})
+    return AcdcResult(
+        mask,
+        effect,
+        metric,
+        tau,
+        evaluate.start_value,
+        current,
+        prefilter,
+        int(candidate.sum()),
+        trials,
+        skipped,
+        evaluate.forwards,
+        evaluate.copies,
+        evaluate.cost,
+        time.time() - t0,
+        time.process_time() - c0,
+        {
+            "incremental": incremental,
+            "batch": batch,
+            "skip_dead": skip_dead,
+            "ablation": ablation.kind,
+            "n_facts": sum(len(b) for b in batches),
+        },
+    )

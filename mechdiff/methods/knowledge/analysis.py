@@ -21,7 +21,7 @@ import torch
 from ...models.loading import LoadedModel
 from ...patching.core import run
 from ...tasks.relation_data import FactBatch
-from .forward import receiver_weights, apply_norm, edge_forward
+from .forward import apply_norm, edge_forward, receiver_weights
 from .graph import Graph
 
 
@@ -32,15 +32,16 @@ def _ranks(model: LoadedModel, x: torch.Tensor, answers: torch.Tensor) -> np.nda
     out = []
     with torch.no_grad():
         for i in range(0, len(x), 256):
-            logits = unembed(apply_norm(W.final_norm, x[i:i + 256])).float()
-            a = answers[i:i + 256].to(logits.device)
+            logits = unembed(apply_norm(W.final_norm, x[i : i + 256])).float()
+            a = answers[i : i + 256].to(logits.device)
             target = logits[torch.arange(len(a)), a]
             out.append(((logits >= target[:, None]).sum(-1) - 1).cpu().numpy())  # ties count against
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def logit_lens(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], nodes: Sequence[str] = (),
-               max_node_facts: int = 24) -> dict:
+def logit_lens(
+    model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], nodes: Sequence[str] = (), max_node_facts: int = 24
+) -> dict:
     """Answer ranks per layer (residual stream) at the last subject token and last token, and per node.
 
     ``nodes``: sender names (``L3H5``, ``MLP7``, ``EMB``) whose own output is read at the last
@@ -67,8 +68,11 @@ def logit_lens(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], n
             node_ranks.append(r.reshape(len(idx), take))
             n_node_facts += take
         del outs
-    out = {"layers": ["EMB"] + [f"L{l}" for l in range(graph.n_layers)],
-           "last": np.concatenate(res_last, 1), "last_subject": np.concatenate(res_subj, 1)}
+    out = {
+        "layers": ["EMB"] + [f"L{l}" for l in range(graph.n_layers)],
+        "last": np.concatenate(res_last, 1),
+        "last_subject": np.concatenate(res_subj, 1),
+    }
     out["nodes"] = {n: np.concatenate([nr[i] for nr in node_ranks]) for i, n in enumerate(nodes)} if node_ranks else {}
     return out
 
@@ -92,8 +96,12 @@ def attention_mass(model: LoadedModel, batches: Sequence[FactBatch], heads: Sequ
     return {h: {"subject": float(np.mean(subj[h])), "relation": float(np.mean(rel[h]))} for h in heads}
 
 
-def head_roles(attention: dict[str, dict], node_ranks: dict[str, np.ndarray], attn_threshold: float = 0.2,
-               rank_threshold: int = 100) -> dict[str, dict]:
+def head_roles(
+    attention: dict[str, dict],
+    node_ranks: dict[str, np.ndarray],
+    attn_threshold: float = 0.2,
+    rank_threshold: int = 100,
+) -> dict[str, dict]:
     """Role of each head from its attention masses and its logit-lens ranks (see the module docstring)."""
     roles = {}
     for h, a in attention.items():

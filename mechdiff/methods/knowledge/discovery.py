@@ -20,8 +20,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ...common.progress import progress_bar
 from ...common.metrics import answer_logprob
+from ...common.progress import progress_bar
 from ...models.loading import LoadedModel
 from ...tasks.relation_data import FactBatch
 from .forward import Ablation, edge_gradients
@@ -30,8 +30,15 @@ from .graph import Graph, prune_dangling
 log = logging.getLogger(__name__)
 
 
-def attribution_scores(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], method: str = "eap-ig",
-                       steps: int = 5, ablation: Ablation = Ablation(), progress: bool = True) -> np.ndarray:
+def attribution_scores(
+    model: LoadedModel,
+    graph: Graph,
+    batches: Sequence[FactBatch],
+    method: str = "eap-ig",
+    steps: int = 5,
+    ablation: Ablation = Ablation(),
+    progress: bool = True,
+) -> np.ndarray:
     """Per-edge attribution score, averaged over the facts of ``batches``."""
     if method not in ("eap", "eap-ig"):
         raise ValueError(f"unknown attribution method {method!r}; use eap or eap-ig")
@@ -40,15 +47,18 @@ def attribution_scores(model: LoadedModel, graph: Graph, batches: Sequence[FactB
     n = 0
     jobs = [(b, a) for b in batches for a in alphas]
     for b, alpha in progress_bar(jobs, desc=f"{method} ({model.name})", disable=not progress, leave=False):
+
         def metric(logits, answers=b.answers):
             return answer_logprob(logits, answers).sum()
+
         total += edge_gradients(model, graph, b.ids, metric, alpha=alpha, ablation=ablation) / len(alphas)
     n = sum(len(b) for b in batches)
     return total / max(n, 1)
 
 
-def top_edges(graph: Graph, scores: np.ndarray, k: int, prune: bool = True, signed: bool = False,
-              forward: bool = True) -> np.ndarray:
+def top_edges(
+    graph: Graph, scores: np.ndarray, k: int, prune: bool = True, signed: bool = False, forward: bool = True
+) -> np.ndarray:
     """Mask of the ``k`` edges of highest |score| (highest score with ``signed``), dangling edges pruned."""
     key = scores if signed else np.abs(scores)
     mask = np.zeros(graph.n_edges, dtype=bool)
@@ -57,8 +67,9 @@ def top_edges(graph: Graph, scores: np.ndarray, k: int, prune: bool = True, sign
     return prune_dangling(graph, mask, forward) if prune else mask
 
 
-def greedy_edges(graph: Graph, scores: np.ndarray, k: int, signed: bool = False, prune: bool = True,
-                 forward: bool = True) -> np.ndarray:
+def greedy_edges(
+    graph: Graph, scores: np.ndarray, k: int, signed: bool = False, prune: bool = True, forward: bool = True
+) -> np.ndarray:
     """Grow a connected circuit from ``LOGITS`` backwards: repeatedly add the best-scoring edge whose
     receiver feeds a node already in the circuit (Hanna et al. 2024's greedy selection, as in MIB).
 
@@ -101,9 +112,16 @@ def greedy_edges(graph: Graph, scores: np.ndarray, k: int, signed: bool = False,
     return prune_dangling(graph, mask, forward) if prune else mask
 
 
-def iterative_pruning(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], sizes: Sequence[float],
-                      ablation: Ablation = Ablation(), shrink: float = 0.5,
-                      progress: bool = True, forward: bool = True) -> tuple[dict[float, np.ndarray], np.ndarray]:
+def iterative_pruning(
+    model: LoadedModel,
+    graph: Graph,
+    batches: Sequence[FactBatch],
+    sizes: Sequence[float],
+    ablation: Ablation = Ablation(),
+    shrink: float = 0.5,
+    progress: bool = True,
+    forward: bool = True,
+) -> tuple[dict[float, np.ndarray], np.ndarray]:
     """Prune by attribution recomputed at the current circuit ("iterative EAP").
 
     From the full graph, repeatedly: the gradient of the answer log-probability with respect to
@@ -128,8 +146,10 @@ def iterative_pruning(model: LoadedModel, graph: Graph, batches: Sequence[FactBa
     for frac in progress_bar(schedule, desc="iterative pruning", disable=not progress, leave=False):
         scores = np.zeros(graph.n_edges)
         for b in batches:
+
             def metric(logits, answers=b.answers):
                 return answer_logprob(logits, answers).sum()
+
             scores += edge_gradients(model, graph, b.ids, metric, ablation=ablation, mask=mask) / n
         k = max(1, int(round(frac * graph.n_edges)))
         kept = np.flatnonzero(mask)

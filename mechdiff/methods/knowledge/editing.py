@@ -26,8 +26,8 @@ from scipy.stats import hypergeom
 
 from ...circuits.overlap import hypergeom_p
 from ...models.loading import LoadedModel
-from .analysis import logit_lens
 from ...tasks.relation_data import Fact, batches
+from .analysis import logit_lens
 from .evaluate import evaluate
 from .forward import Ablation
 from .graph import EdgeCircuit, Graph
@@ -43,8 +43,10 @@ def load_study(path: Path) -> tuple[dict, EdgeCircuit]:
     """``results.json`` and the circuit of a single-model study directory (an error naming what is missing)."""
     for name in ("results.json", "circuit.json"):
         if not (path / name).is_file():
-            raise FileNotFoundError(f"{path / name} is missing: give the directory of a single-model "
-                                    "`mechdiff knowledge` study (it holds results.json and circuit.json)")
+            raise FileNotFoundError(
+                f"{path / name} is missing: give the directory of a single-model "
+                "`mechdiff knowledge` study (it holds results.json and circuit.json)"
+            )
     return json.loads((path / "results.json").read_text()), EdgeCircuit.load(path / "circuit.json")
 
 
@@ -52,10 +54,15 @@ def overlap_row(what: str, first: set, second: set, total: int) -> dict:
     """Sizes, intersection, Jaccard, hypergeometric p and the null's central 95% range of the intersection."""
     inter = len(first & second)
     null = hypergeom(M=total, n=len(first), N=len(second))
-    return {"what": what, "before": len(first), "after": len(second), "intersection": inter,
-            "jaccard": inter / len(first | second) if first | second else float("nan"),
-            "null_95": f"[{int(null.ppf(0.025))}, {int(null.ppf(0.975))}]",
-            "p_value": hypergeom_p(inter, total, len(first), len(second))}
+    return {
+        "what": what,
+        "before": len(first),
+        "after": len(second),
+        "intersection": inter,
+        "jaccard": inter / len(first | second) if first | second else float("nan"),
+        "null_95": f"[{int(null.ppf(0.025))}, {int(null.ppf(0.975))}]",
+        "p_value": hypergeom_p(inter, total, len(first), len(second)),
+    }
 
 
 def _kind(edge: str) -> str:
@@ -76,8 +83,9 @@ def moved(graph: Graph, before: EdgeCircuit, after: EdgeCircuit) -> list[dict]:
     return rows
 
 
-def head_lens(models: dict[str, LoadedModel], graph: Graph, answers: dict[str, Sequence[Fact]],
-              heads: Sequence[str]) -> list[dict]:
+def head_lens(
+    models: dict[str, LoadedModel], graph: Graph, answers: dict[str, Sequence[Fact]], heads: Sequence[str]
+) -> list[dict]:
     """Median rank (0 = top) of each object in each head's output at the last token, in each model."""
     out = {h: {"head": h} for h in heads}
     for mname, model in models.items():
@@ -88,22 +96,31 @@ def head_lens(models: dict[str, LoadedModel], graph: Graph, answers: dict[str, S
     return list(out.values())
 
 
-def cross_ranks(models: dict[str, LoadedModel], circuits: dict[str, EdgeCircuit],
-                answers: dict[str, Sequence[Fact]]) -> list[dict]:
+def cross_ranks(
+    models: dict[str, LoadedModel], circuits: dict[str, EdgeCircuit], answers: dict[str, Sequence[Fact]]
+) -> list[dict]:
     """Per circuit and model: the rank of that model's object (``answers[model]``) on each prompt, zero ablation."""
     rows = []
     for cname, circuit in circuits.items():
         for mname, model in models.items():
             facts = list(answers[mname])
             ev = evaluate(model, circuit.graph, batches(facts, len(facts)), circuit.mask(), Ablation("zero"))
-            rows.append({"circuit": cname, "model": mname, "object": "original" if mname == "before" else "new",
-                         "ranks": " ".join(str(int(r)) for r in ev.rank), "hits@10": int(ev.hit.sum()),
-                         "prompts": len(facts)})
+            rows.append(
+                {
+                    "circuit": cname,
+                    "model": mname,
+                    "object": "original" if mname == "before" else "new",
+                    "ranks": " ".join(str(int(r)) for r in ev.rank),
+                    "hits@10": int(ev.hit.sum()),
+                    "prompts": len(facts),
+                }
+            )
     return rows
 
 
-def compare_edit(before_dir: Path, after_dir: Path, models: dict[str, LoadedModel], original: Sequence[Fact],
-                 edited: Sequence[Fact]) -> dict:
+def compare_edit(
+    before_dir: Path, after_dir: Path, models: dict[str, LoadedModel], original: Sequence[Fact], edited: Sequence[Fact]
+) -> dict:
     """Overlap, moved edges and the heads' logit lens of the circuits in ``before_dir`` and ``after_dir``.
 
     ``models``: ``{"before": unedited model, "after": edited model}``; ``original`` / ``edited``: the edit's
@@ -112,22 +129,36 @@ def compare_edit(before_dir: Path, after_dir: Path, models: dict[str, LoadedMode
     prompts = {f.prompt for f in edited}
     for name, r in (("before", rb), ("after", ra)):
         if set(study_facts(r)) != prompts:
-            raise ValueError(f"the {name} study ({before_dir if name == 'before' else after_dir}) found its circuit on "
-                             f"{sorted(study_facts(r))}, not on the edit's prompts {sorted(prompts)}; run it with "
-                             "--relation <edit file> (and --unedited for the model before the edit)")
+            raise ValueError(
+                f"the {name} study ({before_dir if name == 'before' else after_dir}) found its circuit on "
+                f"{sorted(study_facts(r))}, not on the edit's prompts {sorted(prompts)}; run it with "
+                "--relation <edit file> (and --unedited for the model before the edit)"
+            )
     g = cb.graph
     nb, na = {n for n in cb.nodes() if n != "LOGITS"}, {n for n in ca.nodes() if n != "LOGITS"}
     hb, ha = set(cb.heads()), set(ca.heads())
-    overlap = [overlap_row("edges", set(cb.edges), set(ca.edges), g.n_edges),
-               overlap_row("nodes", nb, na, g.n_senders), overlap_row("heads", hb, ha, g.n_layers * g.n_heads)]
+    overlap = [
+        overlap_row("edges", set(cb.edges), set(ca.edges), g.n_edges),
+        overlap_row("nodes", nb, na, g.n_senders),
+        overlap_row("heads", hb, ha, g.n_layers * g.n_heads),
+    ]
     heads = sorted(hb | ha, key=g.senders.index)  # layer order
     lens = head_lens(models, g, {"new": edited, "original": original}, heads)
     for row in lens:
         row["in"] = "both" if row["head"] in hb & ha else ("before" if row["head"] in hb else "after")
         row["role before"] = rb["roles"].get(row["head"], {}).get("role", "")
         row["role after"] = ra["roles"].get(row["head"], {}).get("role", "")
-    cross = (cross_ranks(models, {"before": cb, "after": ca}, {"before": original, "after": edited})
-             if rb["settings"]["ablation"] == ra["settings"]["ablation"] == "zero" else None)
-    return {"models": {k: m.name for k, m in models.items()}, "prompts": sorted(prompts), "overlap": overlap,
-            "moved": moved(g, cb, ca), "heads": lens, "cross": cross,
-            "hit": {"before": rb["circuit"], "after": ra["circuit"], "full_before": rb["full"], "full_after": ra["full"]}}
+    cross = (
+        cross_ranks(models, {"before": cb, "after": ca}, {"before": original, "after": edited})
+        if rb["settings"]["ablation"] == ra["settings"]["ablation"] == "zero"
+        else None
+    )
+    return {
+        "models": {k: m.name for k, m in models.items()},
+        "prompts": sorted(prompts),
+        "overlap": overlap,
+        "moved": moved(g, cb, ca),
+        "heads": lens,
+        "cross": cross,
+        "hit": {"before": rb["circuit"], "after": ra["circuit"], "full_before": rb["full"], "full_after": ra["full"]},
+    }

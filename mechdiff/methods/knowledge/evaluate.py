@@ -17,10 +17,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ...common.progress import progress_bar
 from ...common.metrics import answer_logprob, answer_rank
-from ...models.loading import LoadedModel
+from ...common.progress import progress_bar
 from ...common.stats import bootstrap, proportion
+from ...models.loading import LoadedModel
 from ...tasks.relation_data import FactBatch
 from .discovery import top_edges
 from .forward import Ablation, edge_forward
@@ -40,13 +40,21 @@ class CircuitEval:
         return CircuitEval(self.hit[keep], self.logprob[keep], self.rank[keep])
 
     def summary(self, k: int = 10) -> dict:
-        return {f"hit@{k}": proportion(self.hit).to_dict(),  # exact binomial: a proportion
-                "logprob": bootstrap(self.logprob).to_dict(),
-                "median_rank": float(np.median(self.rank))}
+        return {
+            f"hit@{k}": proportion(self.hit).to_dict(),  # exact binomial: a proportion
+            "logprob": bootstrap(self.logprob).to_dict(),
+            "median_rank": float(np.median(self.rank)),
+        }
 
 
-def evaluate(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], mask: Optional[np.ndarray],
-             ablation: Ablation = Ablation(), k: int = 10) -> CircuitEval:
+def evaluate(
+    model: LoadedModel,
+    graph: Graph,
+    batches: Sequence[FactBatch],
+    mask: Optional[np.ndarray],
+    ablation: Ablation = Ablation(),
+    k: int = 10,
+) -> CircuitEval:
     """Hit@k, answer log-probability and rank of every fact with only ``mask``'s edges (None: full model)."""
     hits, lps, ranks = [], [], []
     with torch.no_grad():
@@ -67,10 +75,19 @@ def random_mask(graph: Graph, n_edges: int, seed: int) -> np.ndarray:
     return mask
 
 
-def faithfulness_curve(model: LoadedModel, graph: Graph, batches: Sequence[FactBatch], scores: np.ndarray,
-                       ablation: Ablation = Ablation(), sizes: Sequence[float] = SIZES, k: int = 10,
-                       full: Optional[CircuitEval] = None, empty: Optional[CircuitEval] = None,
-                       progress: bool = True, masks: Optional[dict] = None) -> dict:
+def faithfulness_curve(
+    model: LoadedModel,
+    graph: Graph,
+    batches: Sequence[FactBatch],
+    scores: np.ndarray,
+    ablation: Ablation = Ablation(),
+    sizes: Sequence[float] = SIZES,
+    k: int = 10,
+    full: Optional[CircuitEval] = None,
+    empty: Optional[CircuitEval] = None,
+    progress: bool = True,
+    masks: Optional[dict] = None,
+) -> dict:
     """The faithfulness curve over circuit sizes, with CPR and CMD.
 
     The circuit at each size is the top-|score| edges, or ``masks[size]`` where given (iterative pruning)."""
@@ -87,13 +104,26 @@ def faithfulness_curve(model: LoadedModel, graph: Graph, batches: Sequence[FactB
             mask = top_edges(graph, scores, n, prune=False)
         ev = full if n >= graph.n_edges else evaluate(model, graph, batches, mask, ablation, k)
         f = (float(ev.logprob.mean()) - m_empty) / (m_full - m_empty) if m_full != m_empty else float("nan")
-        rows.append({"fraction": frac, "n_edges": n, "faithfulness": f, f"hit@{k}": float(ev.hit.mean()),
-                     "logprob": float(ev.logprob.mean())})
+        rows.append(
+            {
+                "fraction": frac,
+                "n_edges": n,
+                "faithfulness": f,
+                f"hit@{k}": float(ev.hit.mean()),
+                "logprob": float(ev.logprob.mean()),
+            }
+        )
     x = np.array([0.0] + [r["fraction"] for r in rows])
     f = np.array([0.0] + [r["faithfulness"] for r in rows])
-    return {"rows": rows, "cpr": float(np.trapezoid(f, x)), "cmd": float(np.trapezoid(np.abs(1 - f), x)),
-            "m_full": m_full, "m_empty": m_empty, "metric": "mean answer log-probability",
-            "area": "trapezoid over the fraction of edges, linear axis, (0, 0) included"}
+    return {
+        "rows": rows,
+        "cpr": float(np.trapezoid(f, x)),
+        "cmd": float(np.trapezoid(np.abs(1 - f), x)),
+        "m_full": m_full,
+        "m_empty": m_empty,
+        "metric": "mean answer log-probability",
+        "area": "trapezoid over the fraction of edges, linear axis, (0, 0) included",
+    }
 
 
 #: What orders the edges of the faithfulness curve, per method (others: their |score|). ACDC scores no edge

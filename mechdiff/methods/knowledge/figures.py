@@ -29,8 +29,9 @@ def _node_xy(node: str, n_layers: int, n_heads: int) -> tuple[float, float]:
     return float(layer), float(head)
 
 
-def circuit_graph(circuit: EdgeCircuit, path: str | Path, max_edges: int = 200,
-                  roles: Optional[dict] = None, title: str = "") -> Path:
+def circuit_graph(
+    circuit: EdgeCircuit, path: str | Path, max_edges: int = 200, roles: Optional[dict] = None, title: str = ""
+) -> Path:
     """The circuit's nodes on a layers x heads grid and its ``max_edges`` strongest edges."""
     g = circuit.graph
     edges = circuit.edges
@@ -54,8 +55,16 @@ def circuit_graph(circuit: EdgeCircuit, path: str | Path, max_edges: int = 200,
         x, y = _node_xy(n, g.n_layers, g.n_heads)
         role = (roles or {}).get(n, {}).get("role")
         marker = "s" if n.startswith("MLP") else "o" if n.startswith("L") else "D"
-        ax.scatter([x], [y], s=60, marker=marker, color=ROLE_COLORS.get(role, "#333333"), zorder=3,
-                   edgecolors="white", linewidths=0.5)
+        ax.scatter(
+            [x],
+            [y],
+            s=60,
+            marker=marker,
+            color=ROLE_COLORS.get(role, "#333333"),
+            zorder=3,
+            edgecolors="white",
+            linewidths=0.5,
+        )
         if n.startswith("L") or n in ("EMB", "LOGITS"):
             ax.annotate(n, (x, y), fontsize=5, xytext=(2, 2), textcoords="offset points", zorder=4)
     for kind, c in (("Q", "#2ca02c"), ("K", "#ff7f0e"), ("V", "#1f77b4"), ("MLP/logits input", "#555555")):
@@ -67,8 +76,10 @@ def circuit_graph(circuit: EdgeCircuit, path: str | Path, max_edges: int = 200,
     ax.set_xlabel("layer (EMB left, LOGITS right; squares: MLPs)")
     ax.set_ylabel("head")
     ax.set_xlim(-1.5, g.n_layers + 0.5)
-    ax.set_title(title or f"{circuit.task}: {len(circuit.edges)} edges, {len(nodes)} nodes "
-                 f"(strongest {len(shown)} drawn)", fontsize=9)
+    ax.set_title(
+        title or f"{circuit.task}: {len(circuit.edges)} edges, {len(nodes)} nodes (strongest {len(shown)} drawn)",
+        fontsize=9,
+    )
     return save_figure(fig, path)
 
 
@@ -112,8 +123,13 @@ def head_roles_figure(roles: dict, path: str | Path, title: str = "") -> Path:
     for h, r in roles.items():
         ax.scatter(r["subject_attention"], r["relation_attention"], color=ROLE_COLORS[r["role"]], s=25)
         if r["role"] != "other":
-            ax.annotate(h, (r["subject_attention"], r["relation_attention"]), fontsize=6, xytext=(2, 2),
-                        textcoords="offset points")
+            ax.annotate(
+                h,
+                (r["subject_attention"], r["relation_attention"]),
+                fontsize=6,
+                xytext=(2, 2),
+                textcoords="offset points",
+            )
     for role, c in ROLE_COLORS.items():
         ax.scatter([], [], color=c, label=role)
     ax.set_xlabel("attention to the subject (last token)")
@@ -148,11 +164,21 @@ def edit_lens_figure(rows: list[dict], models: dict[str, str], path: str | Path,
     heads = [r["head"] for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(heads) + 2), 4))
     x = np.arange(len(heads))
-    styles = {("before", "new"): ("#1f77b4", "o"), ("after", "new"): ("#d62728", "o"),
-              ("before", "original"): ("#1f77b4", "x"), ("after", "original"): ("#d62728", "x")}
+    styles = {
+        ("before", "new"): ("#1f77b4", "o"),
+        ("after", "new"): ("#d62728", "o"),
+        ("before", "original"): ("#1f77b4", "x"),
+        ("after", "original"): ("#d62728", "x"),
+    }
     for (model, obj), (color, marker) in styles.items():
-        ax.scatter(x, [1 + r[f"{model}: {obj}"] for r in rows], color=color, marker=marker, s=24,
-                   label=f"{models[model]}: {obj} object")
+        ax.scatter(
+            x,
+            [1 + r[f"{model}: {obj}"] for r in rows],
+            color=color,
+            marker=marker,
+            s=24,
+            label=f"{models[model]}: {obj} object",
+        )
     ax.set_yscale("log")
     ax.set_xticks(x, heads, rotation=90, fontsize=6)
     ax.set_ylabel("1 + median rank in the head's output")

@@ -62,17 +62,24 @@ def check_supported(model: LoadedModel) -> None:
     arch = model.arch
     name = f"{model.name} ({arch.name})"
     if not arch.flow:
-        raise ValueError(f"knowledge circuits on {name}: the block's data flow could not be probed (a model whose "
-                         "weights are not here, e.g. on NDIF); run it locally")
+        raise ValueError(
+            f"knowledge circuits on {name}: the block's data flow could not be probed (a model whose "
+            "weights are not here, e.g. on NDIF); run it locally"
+        )
     if arch.mlp is None:
-        raise ValueError(f"knowledge circuits on {name}: its MLP is not one module of the block (MLP{{l}} is a "
-                         "node of the graph)")
+        raise ValueError(
+            f"knowledge circuits on {name}: its MLP is not one module of the block (MLP{{l}} is a node of the graph)"
+        )
     if arch.additive is None:
-        raise ValueError(f"knowledge circuits on {name}: whether a block's output is the sum of its input, attention "
-                         "and MLP outputs could not be checked (no weights here); run it locally")
+        raise ValueError(
+            f"knowledge circuits on {name}: whether a block's output is the sum of its input, attention "
+            "and MLP outputs could not be checked (no weights here); run it locally"
+        )
     if not arch.additive:
-        raise ValueError(f"knowledge circuits on {name}: a block's output is not its input plus its attention and "
-                         "MLP outputs (a residual multiplier?), so the residual stream is not a sum of senders")
+        raise ValueError(
+            f"knowledge circuits on {name}: a block's output is not its input plus its attention and "
+            "MLP outputs (a residual multiplier?), so the residual stream is not a sum of senders"
+        )
     receiver_weights(model)  # checks the post-norms
 
 
@@ -101,8 +108,10 @@ def _rms_gain(norm: torch.nn.Module, d_model: int, what: str) -> torch.Tensor:
         rtol = max(1e-3, 4 * torch.finfo(kw["dtype"]).eps)
         ok = torch.allclose(y, s * gx, rtol=rtol, atol=1e-5 * float(y.abs().max()))
     if not ok:
-        raise ValueError(f"knowledge circuits: the {what} ({type(norm).__name__}) is not an RMS norm, so a head's "
-                         "share of its output is not defined; only RMS post-norms are supported")
+        raise ValueError(
+            f"knowledge circuits: the {what} ({type(norm).__name__}) is not an RMS norm, so a head's "
+            "share of its output is not defined; only RMS post-norms are supported"
+        )
     return gain
 
 
@@ -110,7 +119,7 @@ def _rows(t: torch.Tensor, cols: list[slice]) -> torch.Tensor:
     """``t``'s rows in ``cols``: a view when they are one contiguous range (separate and ``q | k | v``
     layouts: weights changed in place stay visible), a copy for an interleaved layout."""
     if all(a.stop == b.start for a, b in zip(cols, cols[1:])):
-        return t[cols[0].start:cols[-1].stop]
+        return t[cols[0].start : cols[-1].stop]
     return torch.cat([t[c] for c in cols])
 
 
@@ -131,12 +140,18 @@ class _Weights:
                 w["b" + kind] = None if bias is None else _rows(bias, cols)
             wo, bo = _linear(arch.projection(hf, "o", layer))
             norm = lambda path: get_path(block, path) if path else None  # noqa: E731
-            self.layers.append(dict(
-                w, wo=rearrange(wo, "d (h e) -> h e d", h=H), bo=None if bo is None else bo / H,
-                ln1=norm(arch.attn_norm), ln2=norm(arch.mlp_norm),
-                post_gain=None if arch.attn_post_norm is None else _rms_gain(
-                    norm(arch.attn_post_norm), shape.d_model, f"attention post-norm of layer {layer}"),
-            ))
+            self.layers.append(
+                dict(
+                    w,
+                    wo=rearrange(wo, "d (h e) -> h e d", h=H),
+                    bo=None if bo is None else bo / H,
+                    ln1=norm(arch.attn_norm),
+                    ln2=norm(arch.mlp_norm),
+                    post_gain=None
+                    if arch.attn_post_norm is None
+                    else _rms_gain(norm(arch.attn_post_norm), shape.d_model, f"attention post-norm of layer {layer}"),
+                )
+            )
         self.final_norm = arch.final_norm_module(hf)
 
 
@@ -210,10 +225,18 @@ class EdgeResume:
     outputs: torch.Tensor
 
 
-def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Optional[np.ndarray | torch.Tensor],
-                 ablation: Ablation = Ablation(), keep_outputs: bool = False, resume: Optional[EdgeResume] = None,
-                 _grad_alpha: Optional[float] = None, _grad_inputs: Optional[list] = None,
-                 _deltas: Optional[list] = None) -> EdgeRun:
+def edge_forward(
+    model: LoadedModel,
+    graph: Graph,
+    ids: torch.Tensor,
+    mask: Optional[np.ndarray | torch.Tensor],
+    ablation: Ablation = Ablation(),
+    keep_outputs: bool = False,
+    resume: Optional[EdgeResume] = None,
+    _grad_alpha: Optional[float] = None,
+    _grad_inputs: Optional[list] = None,
+    _deltas: Optional[list] = None,
+) -> EdgeRun:
     """Logits at the last position with every edge not in ``mask`` ablated (``mask=None``: every edge kept).
 
     ``mask``: a vector over ``graph.edges`` (bool or float in [0, 1]), or ``"copy edge"``: one circuit per
@@ -225,8 +248,10 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
     W = receiver_weights(model)
     arch = model.arch
     if graph.parallel != arch.parallel:
-        raise ValueError(f"the graph {'has' if graph.parallel else 'lacks'} parallel blocks but {model.name} "
-                         f"({arch.name}) {'has' if arch.parallel else 'has not'}; build it with Graph.for_model(model)")
+        raise ValueError(
+            f"the graph {'has' if graph.parallel else 'lacks'} parallel blocks but {model.name} "
+            f"({arch.name}) {'has' if arch.parallel else 'has not'}; build it with Graph.for_model(model)"
+        )
     dtype = next(model.model.parameters()).dtype
     device = model.device
     ids = ids.to(device)
@@ -266,7 +291,7 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
             eps = torch.zeros(n_recv, *acc[0].shape, device=acc[0].device, dtype=acc[0].dtype, requires_grad=True)
             _grad_inputs.append(eps)
             return acc[0].unsqueeze(0) + eps
-        block = m[0, offset:offset + n_recv * n_send].view(n_recv, n_send)
+        block = m[0, offset : offset + n_recv * n_send].view(n_recv, n_send)
         stacked = torch.stack(outs[:n_send])  # "sender batch pos d"
         x = (block @ stacked.reshape(n_send, -1)).view(n_recv, *stacked.shape[1:])
         if abl is not None:  # + sum_s abl_s - sum_s m_rs abl_s
@@ -283,7 +308,7 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
         if grad_mode:
             return grad_inputs(offset, n_recv, n_send)
         C, s0 = n_copies, min(n_send, n_cached)
-        block = m[:, offset:offset + n_recv * n_send].view(C, n_recv, n_send)
+        block = m[:, offset : offset + n_recv * n_send].view(C, n_recv, n_send)
         x = torch.zeros(C, n_recv, B * n_pos * d_model, device=device, dtype=dtype)
         if s0:  # the resumed senders are the same in every copy: one product, no copy per copy
             x += (block[:, :, :s0].reshape(C * n_recv, s0) @ cached.reshape(n_cached, -1)[:s0]).view(C, n_recv, -1)
@@ -315,8 +340,11 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
             acc[0] = contrib if acc[0] is None else acc[0] + contrib
 
     acc: list = [None]
-    buf = None if grad_mode else torch.empty(n_copies, graph.n_senders, B, n_pos, model.shape.d_model,
-                                             device=device, dtype=dtype)  # "copy sender batch pos d"
+    buf = (
+        None
+        if grad_mode
+        else torch.empty(n_copies, graph.n_senders, B, n_pos, model.shape.d_model, device=device, dtype=dtype)
+    )  # "copy sender batch pos d"
     blocks = {(k, l): (off, r, s) for k, l, off, r, s in graph.blocks}
     post = arch.attn_post_norm is not None
     first, skip, n_cached, cached = 0, None, 0, None
@@ -325,8 +353,10 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
         first = resume.layer
         n_before = graph.senders_before_attn(first)
         if not 0 < first <= graph.n_layers or resume.outputs.shape[0] < n_before or resume.outputs.shape[1] != B:
-            raise ValueError(f"resume at layer {first} needs the outputs of the first {n_before} senders for batch "
-                             f"{B}; got {tuple(resume.outputs.shape)}")
+            raise ValueError(
+                f"resume at layer {first} needs the outputs of the first {n_before} senders for batch "
+                f"{B}; got {tuple(resume.outputs.shape)}"
+            )
         cached = resume.outputs[:n_before].to(device=device, dtype=dtype)
         n_cached = n_out[0] = n_before
         skip = Resume(first, cached.sum(0).repeat(n_copies, 1, 1))  # the residual stream entering ``first``
@@ -338,8 +368,12 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
             w = W.layers[layer]
             x = inputs(*blocks[("attn", layer)])
             normed = apply_norm(w["ln1"], x)
-            sites.write_qkv(layer, _project(normed[:H], w["wq"], w["bq"]), _project(normed[H:H + G], w["wk"], w["bk"]),
-                            _project(normed[H + G:], w["wv"], w["bv"]))
+            sites.write_qkv(
+                layer,
+                _project(normed[:H], w["wq"], w["bq"]),
+                _project(normed[H : H + G], w["wk"], w["bk"]),
+                _project(normed[H + G :], w["wv"], w["bv"]),
+            )
             z = sites.z(layer)
             heads = _head_outputs(z, w, H, sites.attn_post_norm(layer) if post else None)
             for h in range(H):
@@ -353,24 +387,41 @@ def edge_forward(model: LoadedModel, graph: Graph, ids: torch.Tensor, mask: Opti
         if keep_outputs:
             if n_cached:
                 buf[:, :n_cached] = cached.unsqueeze(0)
-            result["outputs"] = (buf.transpose(0, 1).reshape(graph.n_senders, n_copies * B, *buf.shape[3:]).clone()
-                                 if buf is not None else torch.stack([o.detach() for o in outs]))
+            result["outputs"] = (
+                buf.transpose(0, 1).reshape(graph.n_senders, n_copies * B, *buf.shape[3:]).clone()
+                if buf is not None
+                else torch.stack([o.detach() for o in outs])
+            )
 
     trace_sites(model, run_ids, body, grad=grad_mode, resume=skip)
     return EdgeRun(result["logits"], result.get("outputs"))
 
 
-def edge_gradients(model: LoadedModel, graph: Graph, ids: torch.Tensor,
-                   metric: Callable[[torch.Tensor], torch.Tensor], alpha: float = 1.0,
-                   ablation: Ablation = Ablation(), mask: Optional[np.ndarray] = None) -> np.ndarray:
+def edge_gradients(
+    model: LoadedModel,
+    graph: Graph,
+    ids: torch.Tensor,
+    metric: Callable[[torch.Tensor], torch.Tensor],
+    alpha: float = 1.0,
+    ablation: Ablation = Ablation(),
+    mask: Optional[np.ndarray] = None,
+) -> np.ndarray:
     """``d metric / d m_e`` for every edge ``e`` (one forward + backward).
 
     At every mask equal to ``alpha``, or (``mask`` given) at that mask: the gradient of a partial
     circuit, for iterative pruning."""
     grad_inputs: list[torch.Tensor] = []
     deltas: list[torch.Tensor] = []
-    run = edge_forward(model, graph, ids, mask, ablation, _grad_alpha=None if mask is not None else alpha,
-                       _grad_inputs=grad_inputs, _deltas=deltas)
+    run = edge_forward(
+        model,
+        graph,
+        ids,
+        mask,
+        ablation,
+        _grad_alpha=None if mask is not None else alpha,
+        _grad_inputs=grad_inputs,
+        _deltas=deltas,
+    )
     value = metric(run.logits.float())
     grads = torch.autograd.grad(value, grad_inputs)
     out = np.empty(graph.n_edges, dtype=np.float64)
@@ -378,7 +429,7 @@ def edge_gradients(model: LoadedModel, graph: Graph, ids: torch.Tensor,
         D = torch.stack(deltas).float()  # "sender batch pos d"
         for (kind, layer, off, r, s), g in zip(graph.blocks, grads):
             sc = torch.einsum("rbpd,sbpd->rs", g.float(), D[:s])
-            out[off:off + r * s] = sc.reshape(-1).cpu().numpy()
+            out[off : off + r * s] = sc.reshape(-1).cpu().numpy()
     return out
 
 

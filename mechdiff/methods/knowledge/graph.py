@@ -94,9 +94,11 @@ class Graph:
 
     def attn_receivers(self, layer: int) -> list[str]:
         """Layer ``layer``'s attention receivers: Q per query head, then K and V per KV group."""
-        return ([f"L{layer}H{h}.q" for h in range(self.n_heads)]
-                + [f"{self.kv_name(layer, g)}.k" for g in range(self.n_kv_heads)]
-                + [f"{self.kv_name(layer, g)}.v" for g in range(self.n_kv_heads)])
+        return (
+            [f"L{layer}H{h}.q" for h in range(self.n_heads)]
+            + [f"{self.kv_name(layer, g)}.k" for g in range(self.n_kv_heads)]
+            + [f"{self.kv_name(layer, g)}.v" for g in range(self.n_kv_heads)]
+        )
 
     @property
     def n_attn_receivers(self) -> int:
@@ -145,7 +147,7 @@ class Graph:
     def edges(self) -> list[str]:
         names = []
         for kind, layer, _, _, s in self.blocks:
-            recv = (self.attn_receivers(layer) if kind == "attn" else [f"MLP{layer}"] if kind == "mlp" else ["LOGITS"])
+            recv = self.attn_receivers(layer) if kind == "attn" else [f"MLP{layer}"] if kind == "mlp" else ["LOGITS"]
             for r in recv:
                 names += [f"{self.senders[i]}->{r}" for i in range(s)]
         return names
@@ -159,7 +161,7 @@ class Graph:
         """Sender index of every edge."""
         out = np.empty(self.n_edges, dtype=np.int64)
         for _, _, offset, r, s in self.blocks:
-            out[offset:offset + r * s] = np.tile(np.arange(s), r)
+            out[offset : offset + r * s] = np.tile(np.arange(s), r)
         return out
 
     @cached_property
@@ -168,7 +170,7 @@ class Graph:
         out = np.empty(self.n_edges, dtype=np.int64)
         base = 0
         for _, _, offset, r, s in self.blocks:
-            out[offset:offset + r * s] = np.repeat(np.arange(base, base + r), s)
+            out[offset : offset + r * s] = np.repeat(np.arange(base, base + r), s)
             base += r
         return out
 
@@ -182,8 +184,12 @@ class Graph:
         return m
 
     def to_dict(self) -> dict:
-        out = {"n_layers": self.n_layers, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
-               "n_edges": self.n_edges}
+        out = {
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads,
+            "n_edges": self.n_edges,
+        }
         return {**out, "parallel": True} if self.parallel else out
 
 
@@ -227,8 +233,16 @@ def prune_dangling(graph: Graph, mask: np.ndarray, forward: bool = True) -> np.n
             if any(n == "LOGITS" or (n in sender_pos and alive[sender_pos[n]]) for n in nodes):
                 alive[graph.edge_sender[e]] = True
         keep = reached[graph.edge_sender[idx]] if forward else np.ones(len(idx), dtype=bool)
-        recv_alive = np.array([any(n == "LOGITS" or (n in sender_pos and alive[sender_pos[n]])
-                                   for n in node_of_recv[graph.edge_receiver[e]]) for e in idx], dtype=bool)
+        recv_alive = np.array(
+            [
+                any(
+                    n == "LOGITS" or (n in sender_pos and alive[sender_pos[n]])
+                    for n in node_of_recv[graph.edge_receiver[e]]
+                )
+                for e in idx
+            ],
+            dtype=bool,
+        )
         keep &= recv_alive if len(idx) else keep
         new = np.zeros_like(mask)
         new[idx[keep]] = True
@@ -249,8 +263,15 @@ class EdgeCircuit:
     meta: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_mask(cls, model: str, task: str, graph: Graph, mask: np.ndarray,
-                  scores: Optional[np.ndarray] = None, meta: Optional[dict] = None) -> "EdgeCircuit":
+    def from_mask(
+        cls,
+        model: str,
+        task: str,
+        graph: Graph,
+        mask: np.ndarray,
+        scores: Optional[np.ndarray] = None,
+        meta: Optional[dict] = None,
+    ) -> "EdgeCircuit":
         idx = np.flatnonzero(mask)
         edges = [graph.edges[i] for i in idx]
         sc = {graph.edges[i]: float(scores[i]) for i in idx} if scores is not None else {}
@@ -273,9 +294,18 @@ class EdgeCircuit:
         return [n for n in self.nodes() if n.startswith("L") and "H" in n and n != "LOGITS"]
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "task": self.task, "kind": "edges", "graph": self.graph.to_dict(),
-                "n_edges": len(self.edges), "fraction": len(self.edges) / self.graph.n_edges,
-                "nodes": self.nodes(), "edges": self.edges, "scores": self.scores, "meta": self.meta}
+        return {
+            "model": self.model,
+            "task": self.task,
+            "kind": "edges",
+            "graph": self.graph.to_dict(),
+            "n_edges": len(self.edges),
+            "fraction": len(self.edges) / self.graph.n_edges,
+            "nodes": self.nodes(),
+            "edges": self.edges,
+            "scores": self.scores,
+            "meta": self.meta,
+        }
 
     def save(self, path: str | Path) -> Path:
         return write_json(path, self.to_dict())
@@ -283,13 +313,21 @@ class EdgeCircuit:
     @classmethod
     def from_dict(cls, data: dict) -> "EdgeCircuit":
         if data.get("kind") != "edges":
-            raise ValueError("not an edge circuit (its JSON has no \"kind\": \"edges\"); head circuits load with "
-                             "mechdiff.circuits.Circuit")
+            raise ValueError(
+                'not an edge circuit (its JSON has no "kind": "edges"); head circuits load with '
+                "mechdiff.circuits.Circuit"
+            )
         g = data["graph"]
         graph = Graph(int(g["n_layers"]), int(g["n_heads"]), int(g["n_kv_heads"]), bool(g.get("parallel", False)))
         graph.mask(data["edges"])  # validates every edge name
-        return cls(data["model"], data["task"], graph, list(data["edges"]), dict(data.get("scores", {})),
-                   dict(data.get("meta", {})))
+        return cls(
+            data["model"],
+            data["task"],
+            graph,
+            list(data["edges"]),
+            dict(data.get("scores", {})),
+            dict(data.get("meta", {})),
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> "EdgeCircuit":

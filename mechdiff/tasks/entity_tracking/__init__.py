@@ -33,15 +33,31 @@ Modules (split by concern): :mod:`.records` (the record types and constants), :m
 
 from __future__ import annotations
 
-from .building import check_same_length, span_to_token, build_example, generate  # noqa: F401 (tests)
-from .export import (batch_tensors, dataset_hash, pair_batch_tensors, read_jsonl, to_hf_dataset,
-                     write_jsonl)
-from .pairs import (PAIR_GENERATORS, counterfactual_pairs, label_value_pairs, object_value_pairs,
-                    path_patching_pairs, positional_pairs)
-from .records import (ALL_LETTERS, DEFAULT_N_BOXES, DEFAULT_VOCABULARY_PATH, MAX_BOXES, MIN_BOXES, PAIR_KINDS,
-                      SCALAR_POSITIONS, CounterfactualPair, EntityTrackingExample, Record, Vocabulary)
+from .building import build_example, check_same_length, generate, span_to_token  # noqa: F401 (tests)
+from .export import batch_tensors, dataset_hash, pair_batch_tensors, read_jsonl, to_hf_dataset, write_jsonl
+from .pairs import (
+    PAIR_GENERATORS,
+    counterfactual_pairs,
+    label_value_pairs,
+    object_value_pairs,
+    path_patching_pairs,
+    positional_pairs,
+)
+from .records import (
+    ALL_LETTERS,
+    DEFAULT_N_BOXES,
+    DEFAULT_VOCABULARY_PATH,
+    MAX_BOXES,
+    MIN_BOXES,
+    PAIR_KINDS,
+    SCALAR_POSITIONS,
+    CounterfactualPair,
+    EntityTrackingExample,
+    Record,
+    Vocabulary,
+)
 from .task import GROUP_NAMES, PLAN, TASK, reference_records
-from .vocabulary import VocabularyReport, single_token_id, load_vocabulary, vocabulary_report  # noqa: F401
+from .vocabulary import VocabularyReport, load_vocabulary, single_token_id, vocabulary_report  # noqa: F401
 
 __all__ = [
     "ALL_LETTERS",

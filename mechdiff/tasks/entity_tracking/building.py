@@ -170,5 +170,3 @@ def generate(
     out = [sample_base(rng, report, n_boxes, i % n_boxes, tokenizer) for i in range(n)]
     check_same_length(out, n_boxes)
     return out
-
-

@@ -21,8 +21,9 @@ def read_desideratum(path: str | os.PathLike) -> list[CounterfactualPair]:
     return records  # type: ignore[return-value]
 
 
-def load_desiderata(spec: str, tokenizer, n: int, n_boxes: int, seed: int,
-                    task: str = "entity-tracking") -> dict[str, list[PairRecord]]:
+def load_desiderata(
+    spec: str, tokenizer, n: int, n_boxes: int, seed: int, task: str = "entity-tracking"
+) -> dict[str, list[PairRecord]]:
     """The desiderata of ``spec`` (comma-separated) by name: the task's desiderata by name generate ``n`` pairs
     each with ``tokenizer`` alone (no weights: a command checks them before any model loads); ``.jsonl`` paths
     are user-defined entity-tracking desiderata (:func:`read_desideratum`), named by file stem."""

@@ -98,8 +98,13 @@ def to_hf_dataset(records: Sequence[Record]) -> "datasets.Dataset":
         rows = [_flat_example(r) for r in records]
     elif all(isinstance(r, CounterfactualPair) for r in records):
         rows = [
-            {**_flat_example(r.base, "base_"), **_flat_example(r.source, "source_"),
-             "target": r.target, "target_id": r.target_id, "kind": r.kind}
+            {
+                **_flat_example(r.base, "base_"),
+                **_flat_example(r.source, "source_"),
+                "target": r.target,
+                "target_id": r.target_id,
+                "kind": r.kind,
+            }
             for r in records
         ]
     else:
@@ -132,11 +137,14 @@ def _hf_features(first: Record) -> "datasets.Features":
     if isinstance(first, EntityTrackingExample):
         return datasets.Features(ex(""))
     return datasets.Features(
-        {**ex("base_"), **ex("source_"), "target": datasets.Value("string"),
-         "target_id": datasets.Value("int64"), "kind": datasets.Value("string")}
+        {
+            **ex("base_"),
+            **ex("source_"),
+            "target": datasets.Value("string"),
+            "target_id": datasets.Value("int64"),
+            "kind": datasets.Value("string"),
+        }
     )
-
-
 
 
 def batch_tensors(records: Sequence[EntityTrackingExample]) -> dict[str, Any]:
@@ -154,8 +162,17 @@ def pair_batch_tensors(pairs: Sequence[CounterfactualPair]) -> dict[str, Any]:
     return base.pair_batch_tensors(pairs)
 
 
-def write_dataset(tokenizer: Any, out: str | os.PathLike, n: int, n_boxes: int, seed: int, kinds: Sequence[str] = (),
-                  vocabulary: Vocabulary = None, hf: bool = False, echo: Callable[[str], None] = print) -> None:
+def write_dataset(
+    tokenizer: Any,
+    out: str | os.PathLike,
+    n: int,
+    n_boxes: int,
+    seed: int,
+    kinds: Sequence[str] = (),
+    vocabulary: Vocabulary = None,
+    hf: bool = False,
+    echo: Callable[[str], None] = print,
+) -> None:
     """``n`` prompts (``examples``) and ``n`` pairs of each counterfactual kind in ``kinds``, each written to
     ``out/<name>.jsonl`` (and, with ``hf``, a ``datasets.Dataset`` folder ``out/<name>``); hands ``echo`` the
     vocabulary report (the words dropped) before anything is generated, then one line per set as it is written

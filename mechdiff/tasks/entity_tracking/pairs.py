@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .building import check_n, check_same_length, sample_base, build_example
+from .building import build_example, check_n, check_same_length, sample_base
 from .records import DEFAULT_N_BOXES, PAIR_KINDS, CounterfactualPair, EntityTrackingExample, Vocabulary
 from .vocabulary import VocabularyReport, prepare_vocabulary
 
@@ -66,7 +66,9 @@ def path_patching_pairs(
     its object (meaningless for the model). ``target`` is the base answer (metric: the
     probability of the base answer)."""
 
-    def make(rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport) -> tuple[EntityTrackingExample, str]:
+    def make(
+        rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport
+    ) -> tuple[EntityTrackingExample, str]:
         objects = _other_objects(rng, base, rep)
         labels = rng.sample(rep.labels_kept, base.n_boxes)
         q = rng.choice([k for k in range(base.n_boxes) if k != base.query_index])
@@ -92,7 +94,9 @@ def positional_pairs(
     the base). ``target = base.objects[j]``: the source's query position applied to the
     base's context."""
 
-    def make(rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport) -> tuple[EntityTrackingExample, str]:
+    def make(
+        rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport
+    ) -> tuple[EntityTrackingExample, str]:
         n_b = base.n_boxes
         objects = _other_objects(rng, base, rep)
         j = rng.choice([k for k in range(n_b) if k != base.query_index])
@@ -117,7 +121,9 @@ def object_value_pairs(
     from the base's, fresh random labels, random query segment); ``target`` is the source's
     answer, the value fetched in the source run, which never occurs in the base context."""
 
-    def make(rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport) -> tuple[EntityTrackingExample, str]:
+    def make(
+        rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport
+    ) -> tuple[EntityTrackingExample, str]:
         objects = _other_objects(rng, base, rep)
         labels = rng.sample(rep.labels_kept, base.n_boxes)
         q = rng.randrange(base.n_boxes)
@@ -141,7 +147,9 @@ def label_value_pairs(
     source's query label), which is never the base answer. With 2 boxes ``j`` equals the
     base's query index (no third segment exists); otherwise ``j`` is uniform."""
 
-    def make(rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport) -> tuple[EntityTrackingExample, str]:
+    def make(
+        rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport
+    ) -> tuple[EntityTrackingExample, str]:
         n_b = base.n_boxes
         i = base.query_index
         j = i if n_b == 2 else rng.randrange(n_b)
@@ -178,8 +186,6 @@ def counterfactual_pairs(
     if kind not in PAIR_GENERATORS:
         raise ValueError(f"unknown counterfactual kind {kind!r}; choose one of {', '.join(PAIR_KINDS)}")
     return PAIR_GENERATORS[kind](tokenizer, n, n_boxes=n_boxes, seed=seed, vocabulary=vocabulary, letters=letters)
-
-
 
 
 def parse_pair_kinds(text: str) -> list[str]:

@@ -16,19 +16,19 @@ from typing import Any, Sequence
 import torch
 
 CLASSES: tuple[str, ...] = (
-    "first",                # the first token
-    "query_object",         # the object of the queried segment
+    "first",  # the first token
+    "query_object",  # the object of the queried segment
     "query_label_context",  # the queried label where the context binds it
     "query_segment_words",  # "is in Box" of the queried segment
     "query_segment_after",  # the tokens after the queried label up to the next object (", the" or ".")
-    "objects_other",        # the objects of the other segments
-    "labels_other",         # the labels of the other segments
-    "words_other",          # "is in Box" of the other segments
-    "separators_other",     # ", the" between the other segments
-    "query_box",            # " Box" of the final clause
-    "query_label",          # the queried label in the final clause
-    "query_contains",       # the tokens between the final label and the last token (" contains")
-    "last",                 # the read-out position
+    "objects_other",  # the objects of the other segments
+    "labels_other",  # the labels of the other segments
+    "words_other",  # "is in Box" of the other segments
+    "separators_other",  # ", the" between the other segments
+    "query_box",  # " Box" of the final clause
+    "query_label",  # the queried label in the final clause
+    "query_contains",  # the tokens between the final label and the last token (" contains")
+    "last",  # the read-out position
 )
 
 
@@ -50,14 +50,14 @@ def _fill_row(m: dict[str, torch.Tensor], pos: dict, query_index: int, n_pos: in
         queried = i == query_index
         m["query_object" if queried else "objects_other"][obj] = True
         m["query_label_context" if queried else "labels_other"][lab] = True
-        m["query_segment_words" if queried else "words_other"][obj + 1:lab] = True
+        m["query_segment_words" if queried else "words_other"][obj + 1 : lab] = True
         end = objects[i + 1] if i + 1 < len(objects) else query_start
-        m["query_segment_after" if queried else "separators_other"][lab + 1:end] = True
+        m["query_segment_after" if queried else "separators_other"][lab + 1 : end] = True
         if i == 0:
             m["separators_other"][1:obj] = True  # anything between the first token and the first object
     m["query_box"][query_start:q_label] = True
     m["query_label"][q_label] = True
-    m["query_contains"][q_label + 1:last] = True
+    m["query_contains"][q_label + 1 : last] = True
     m["last"][last] = True
     if last != n_pos - 1:
         raise ValueError(f"the last token is at {last} but prompts have {n_pos} tokens")

@@ -155,4 +155,3 @@ class CounterfactualPair:
 
 
 Record = Union[EntityTrackingExample, CounterfactualPair]
-

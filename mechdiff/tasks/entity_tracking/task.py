@@ -3,11 +3,9 @@ reference set, the DCM desiderata and the A-D discovery plan."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
-
 import random
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
 
 from ..base import Batch, Task, answer_batch, step_seed
 from .building import Vocabulary, generate
@@ -21,8 +19,14 @@ ReferenceKind = Literal["path_patching", "fresh"]
 GROUP_NAMES = {"A": "value fetcher", "B": "position transmitter", "C": "position detector", "D": "structure reader"}
 
 
-def reference_records(tokenizer: Any, n: int, n_boxes: int = DEFAULT_N_BOXES, seed: int = 0,
-                      kind: ReferenceKind = "path_patching", vocabulary: Vocabulary = None) -> list[EntityTrackingExample]:
+def reference_records(
+    tokenizer: Any,
+    n: int,
+    n_boxes: int = DEFAULT_N_BOXES,
+    seed: int = 0,
+    kind: ReferenceKind = "path_patching",
+    vocabulary: Vocabulary = None,
+) -> list[EntityTrackingExample]:
     """Prompts whose mean activations replace ablated heads: one per context, ``n_boxes`` boxes.
 
     ``path_patching``: the sources of :func:`path_patching_pairs` (disjoint objects, a query
@@ -39,8 +43,15 @@ def _objects(split: str) -> tuple[str, ...]:
     return train_objects() if split == "train" else eval_objects()
 
 
-def train_batch(tokenizer: Any, batch_size: int, data_seed: int, step: int, min_boxes: int = 2, max_boxes: int = 7,
-                vocabulary: Optional[Sequence[str]] = None) -> Batch:
+def train_batch(
+    tokenizer: Any,
+    batch_size: int,
+    data_seed: int,
+    step: int,
+    min_boxes: int = 2,
+    max_boxes: int = 7,
+    vocabulary: Optional[Sequence[str]] = None,
+) -> Batch:
     """Training batch of ``step``: one box count per step (``min_boxes``..``max_boxes``), training objects."""
     seed = step_seed(data_seed, step)
     n_boxes = random.Random(seed).randint(min_boxes, max_boxes)
@@ -54,7 +65,8 @@ TASK = Task(
     examples=generate,
     pairs=path_patching_pairs,
     reference=lambda tokenizer, n, seed=0, n_boxes=DEFAULT_N_BOXES, vocabulary=None: reference_records(
-        tokenizer, n, n_boxes, seed, vocabulary=vocabulary),
+        tokenizer, n, n_boxes, seed, vocabulary=vocabulary
+    ),
     desiderata={"positional": positional_pairs, "object": object_value_pairs, "label": label_value_pairs},
     plan=PLAN,
     metric="prob",

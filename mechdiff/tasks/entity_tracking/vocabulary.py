@@ -163,5 +163,3 @@ def prepare_vocabulary(
             f"this tokenizer; need at least {labels_needed} (n_boxes={n_boxes}); allow more letters or use fewer boxes"
         )
     return report
-
-

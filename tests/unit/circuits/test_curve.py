@@ -33,12 +33,17 @@ def hook_attribution(scorer: Scorer, classes) -> dict:
         def hook(module, args):
             args[0].retain_grad()
             inputs[layer] = args[0]
+
         return hook
 
-    handles = [model.model.model.layers[l].self_attn.o_proj.register_forward_pre_hook(keep(l))
-               for l in range(shape.n_layers)]
-    handles.append(model.model.model.embed_tokens.register_forward_hook(
-        lambda module, args, output: output.detach().requires_grad_()))
+    handles = [
+        model.model.model.layers[l].self_attn.o_proj.register_forward_pre_hook(keep(l)) for l in range(shape.n_layers)
+    ]
+    handles.append(
+        model.model.model.embed_tokens.register_forward_hook(
+            lambda module, args, output: output.detach().requires_grad_()
+        )
+    )
     try:
         logits = model.model(batch["input_ids"]).logits[:, -1].float()
         logits.log_softmax(-1).gather(1, batch["answer_ids"][:, None]).sum().backward()
@@ -145,14 +150,31 @@ def test_cli_curve_draws_its_prompt_sets_by_name(tmp_path, tiny_llama, smollm2_t
 
     drawn = []
     for method in ("records", "reference_records"):
+
         def spy(self, tokenizer, n, seed=0, _method=getattr(Task, method), _name=method, **options):
             drawn.append((_name, n, seed))
             return _method(self, tokenizer, n, seed, **options)
+
         monkeypatch.setattr(Task, method, spy)
     tiny_llama.model.save_pretrained(tmp_path / "m")
     smollm2_tokenizer.save_pretrained(tmp_path / "m")
-    common = ["--model", str(tmp_path / "m"), "--n", "6", "--rank-n", "4", "--n-boxes", "3", "--batch-size", "3",
-              "--no-progress", "--sizes", "0.5,1.0", "--seed", "5"]
+    common = [
+        "--model",
+        str(tmp_path / "m"),
+        "--n",
+        "6",
+        "--rank-n",
+        "4",
+        "--n-boxes",
+        "3",
+        "--batch-size",
+        "3",
+        "--no-progress",
+        "--sizes",
+        "0.5,1.0",
+        "--seed",
+        "5",
+    ]
     assert cli_main(["curve", *common, "--out", str(tmp_path / "c")]) == 0
     assert sorted(drawn) == [("records", 4, 7), ("records", 6, 5), ("reference_records", 6, 6)]
     drawn.clear()

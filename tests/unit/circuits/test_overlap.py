@@ -12,9 +12,9 @@ from scipy.stats import hypergeom
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.overlap import hypergeom_p, overlap_table
 from mechdiff.common.components import Head, all_heads
+from mechdiff.common.stats import Estimate
 from mechdiff.report.membership import membership_grid, membership_heatmap
 from mechdiff.report.tables import estimate_columns, read_table, to_latex, to_markdown, write_table
-from mechdiff.common.stats import Estimate
 
 ROOT = Path(__file__).resolve().parents[3]
 REFERENCE = Path("/work/shared/data/llama-7b-entity-tracking-circuit.json")
@@ -51,7 +51,9 @@ def test_reproduces_published_overlap_ratios(llama):
         assert rows[g]["intersection"] == INTERSECTIONS[g]
         assert round(rows[g]["frac_first"], 2) == frac_llama, g
         assert round(rows[g]["frac_second"], 2) == frac_goat, g
-        assert rows[g]["jaccard"] == pytest.approx(INTERSECTIONS[g] / (llama.sizes()[g] + GOAT_SIZES[g] - INTERSECTIONS[g]))
+        assert rows[g]["jaccard"] == pytest.approx(
+            INTERSECTIONS[g] / (llama.sizes()[g] + GOAT_SIZES[g] - INTERSECTIONS[g])
+        )
     # 27 shared heads between sets of 40 and 68 out of 1024 is far beyond chance (expected 2.7).
     assert rows["A"]["p_value"] < 1e-15
     assert rows["all"]["group"] == "all" and rows["all"]["size_first"] == len(llama.heads())
@@ -80,8 +82,20 @@ def test_identical_circuits_overlap_fully():
 
 
 ROWS = [
-    {"circuit": "llama", "model": "goat", "n": 3, "ok": True, **estimate_columns("accuracy", Estimate(0.66, 0.61, 0.705, 100))},
-    {"circuit": "goat", "model": "goat", "n": 12, "ok": False, **estimate_columns("accuracy", Estimate(0.8125, 0.75, 0.875, 100))},
+    {
+        "circuit": "llama",
+        "model": "goat",
+        "n": 3,
+        "ok": True,
+        **estimate_columns("accuracy", Estimate(0.66, 0.61, 0.705, 100)),
+    },
+    {
+        "circuit": "goat",
+        "model": "goat",
+        "n": 12,
+        "ok": False,
+        **estimate_columns("accuracy", Estimate(0.8125, 0.75, 0.875, 100)),
+    },
 ]
 
 

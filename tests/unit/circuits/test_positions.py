@@ -8,7 +8,6 @@ import pytest
 from mechdiff.circuits.scoring import Scorer, per_prompt
 from mechdiff.tasks.entity_tracking import generate, reference_records
 
-
 N_BOXES = 3
 
 
@@ -24,8 +23,11 @@ def test_position_scan_ends_at_the_full_model_and_classes_equal_named_positions(
 
     shape = llama_scorer.model.shape
     # a class holding one named position is that position
-    by_class = per_prompt(llama_scorer.keep(every_head_at(shape.n_layers, shape.n_heads, ["last", "query_label"])), "prob")
+    by_class = per_prompt(
+        llama_scorer.keep(every_head_at(shape.n_layers, shape.n_heads, ["last", "query_label"])), "prob"
+    )
     from mechdiff.common.components import all_heads
+
     named = [(h, p) for p in ("last", "query_label") for h in all_heads(shape.n_layers, shape.n_heads)]
     assert np.array_equal(by_class, per_prompt(llama_scorer.keep(named), "prob"))
     res = position_scan(llama_scorer, CLASSES, metric="prob")

@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import json
-import random
 import math
+import random
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
+from tolerances import EPS32, approx32, assert_close32, tol32
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.circuits.scoring import EVERY_POSITION, Scorer, ablation_patches, completeness, faithfulness, full_circuit, matrix_rows, per_prompt, position_means, random_circuit
 from mechdiff.circuits.pruning import minimality, pair_name, pairwise_minimality, paper_ratio, prune
+from mechdiff.circuits.scoring import (
+    EVERY_POSITION,
+    Scorer,
+    ablation_patches,
+    completeness,
+    faithfulness,
+    full_circuit,
+    matrix_rows,
+    per_prompt,
+    position_means,
+    random_circuit,
+)
 from mechdiff.common.components import Head, parse_heads
-from mechdiff.patching.evaluate import EvalResult, evaluate
 from mechdiff.patching.core import Patch, run
+from mechdiff.patching.evaluate import EvalResult, evaluate
 from mechdiff.tasks.entity_tracking import batch_tensors, generate, reference_records
-from tolerances import EPS32, approx32, assert_close32, tol32
 
 N_BOXES = 3
 
@@ -73,8 +84,9 @@ def test_full_circuit_is_faithful_and_complete(scorer):
 
 def test_empty_circuit_scores_as_full_mean_ablation(scorer, records):
     empty = Circuit("tiny", "entity-tracking", {"A": []}, {"A": "last"})
-    plain = evaluate(scorer.model, records, 6, patches=lambda b, r: plain_mean_patches(scorer.model, scorer.means),
-                     progress=False)
+    plain = evaluate(
+        scorer.model, records, 6, patches=lambda b, r: plain_mean_patches(scorer.model, scorer.means), progress=False
+    )
     circ = scorer.keep(empty.pairs())
     assert np.array_equal(circ.prob, plain.prob) and np.array_equal(circ.correct, plain.correct)
     assert not np.array_equal(circ.prob, scorer.full().prob)
@@ -88,7 +100,9 @@ def test_kept_head_uses_its_value_in_the_ablated_run(tiny_llama, smollm2_tokeniz
     head, d, last = Head(2, 1), model.shape.d_head, batch["positions"]["last"]
     cols = slice(head.head * d, (head.head + 1) * d)
     ids = batch["input_ids"]
-    kept = run(model, ids, ablation_patches(model, means, batch, [(head, "last")]), capture=[("z", 2)]).captured[("z", 2)]
+    kept = run(model, ids, ablation_patches(model, means, batch, [(head, "last")]), capture=[("z", 2)]).captured[
+        ("z", 2)
+    ]
     upstream_ablated = run(model, ids, plain_mean_patches(model, means)[:2], capture=[("z", 2)]).captured[("z", 2)]
     clean = run(model, ids, capture=[("z", 2)]).captured[("z", 2)]
     rows = torch.arange(4)
@@ -106,8 +120,12 @@ def test_per_example_positions_and_ablate_mode(tiny_llama, smollm2_tokenizer, re
     head, d = Head(0, 2), model.shape.d_head
     cols, pos, rows = slice(2 * d, 3 * d), batch["positions"]["query_label_context"], torch.arange(3)
     clean = run(model, batch["input_ids"], capture=[("z", 0)]).captured[("z", 0)]
-    kept = run(model, batch["input_ids"], ablation_patches(model, means, batch, [(head, "query_label_context")]),
-               capture=[("z", 0)]).captured[("z", 0)]
+    kept = run(
+        model,
+        batch["input_ids"],
+        ablation_patches(model, means, batch, [(head, "query_label_context")]),
+        capture=[("z", 0)],
+    ).captured[("z", 0)]
     assert torch.equal(kept[rows, pos, cols], clean[rows, pos, cols])  # layer 0: nothing upstream ablated
     assert int((kept != means[0]).any(-1).sum()) == 3
     patches = ablation_patches(model, means, batch, [(head, "query_label_context")], keep=False)
@@ -130,7 +148,9 @@ def test_ablation_errors(tiny_llama, records):
 
 
 def test_random_circuits_keep_sizes_and_baseline_is_seeded(tiny_llama, records, smollm2_tokenizer):
-    circuit = Circuit("tiny", "et", {"A": [Head(2, 0), Head(2, 1)], "C": [Head(0, 3)]}, {"A": "last", "C": "query_label"})
+    circuit = Circuit(
+        "tiny", "et", {"A": [Head(2, 0), Head(2, 1)], "C": [Head(0, 3)]}, {"A": "last", "C": "query_label"}
+    )
     rnd = random_circuit(circuit, 3, 4, random.Random(0))
     assert rnd.sizes() == circuit.sizes() and rnd.positions == circuit.positions
     assert rnd.groups == random_circuit(circuit, 3, 4, random.Random(0)).groups
@@ -146,9 +166,10 @@ def test_random_circuits_keep_sizes_and_baseline_is_seeded(tiny_llama, records, 
 def test_minimality_prunes_heads_that_cannot_matter(tiny_llama, records, smollm2_tokenizer):
     model = tiny_llama
     d = model.shape.d_head
-    model.model.model.layers[1].self_attn.o_proj.weight[:, 3 * d:4 * d] = 0  # L1H3 writes nothing
-    circuit = Circuit("tiny", "et", {"A": [Head(2, 0), Head(1, 0), Head(1, 3)], "C": [Head(2, 2)]},
-                      {"A": "last", "C": "query_label"})  # L2H2 at a non-final position of the last layer
+    model.model.model.layers[1].self_attn.o_proj.weight[:, 3 * d : 4 * d] = 0  # L1H3 writes nothing
+    circuit = Circuit(
+        "tiny", "et", {"A": [Head(2, 0), Head(1, 0), Head(1, 3)], "C": [Head(2, 2)]}, {"A": "last", "C": "query_label"}
+    )  # L2H2 at a non-final position of the last layer
     scorer = Scorer.build(model, records, reference_records(smollm2_tokenizer, 6, N_BOXES, 1), 6, False)
     res = minimality(scorer, circuit, max_steps=1, n_candidates=None, metric="prob")
     scores = res["pairs"]
@@ -159,7 +180,9 @@ def test_minimality_prunes_heads_that_cannot_matter(tiny_llama, records, smollm2
     pruned = prune(circuit, res, threshold=0.0)
     assert pruned.groups == {"A": [Head(2, 0), Head(1, 0)], "C": []}
     meta = pruned.meta["pruned"]
-    assert meta["threshold"] == 0.0 and meta["metric"] == "prob" and meta["removed"] == ["L1H3@last", "L2H2@query_label"]
+    assert (
+        meta["threshold"] == 0.0 and meta["metric"] == "prob" and meta["removed"] == ["L1H3@last", "L2H2@query_label"]
+    )
     assert Circuit.from_dict(json.loads(json.dumps(pruned.to_dict()))).meta["pruned"]["threshold"] == 0.0
     with pytest.raises(ValueError, match="no minimality score"):
         prune(Circuit("t", "et", {"B": [Head(0, 0)]}, {"B": "last"}), res)
@@ -167,12 +190,16 @@ def test_minimality_prunes_heads_that_cannot_matter(tiny_llama, records, smollm2
 
 def test_completeness_of_a_partial_circuit(tiny_llama, records, smollm2_tokenizer):
     scorer = Scorer.build(tiny_llama, records, reference_records(smollm2_tokenizer, 6, N_BOXES, 1), 6, False)
-    circuit = Circuit("tiny", "et", {"A": [Head(2, 0), Head(1, 1)], "C": [Head(0, 3)]}, {"A": "last", "C": "query_label"})
+    circuit = Circuit(
+        "tiny", "et", {"A": [Head(2, 0), Head(1, 1)], "C": [Head(0, 3)]}, {"A": "last", "C": "query_label"}
+    )
     comp = completeness(scorer, circuit, n_draws=3, metric="prob", seed=0)
     assert len(comp["random"]["draws"]) == 3 and comp["random"]["std"] >= 0
     g = comp["groups"]["A"]
-    kept, ablated = scorer.keep([(Head(0, 3), "query_label")]).prob, scorer.ablate(
-        [(Head(2, 0), "last"), (Head(1, 1), "last")]).prob
+    kept, ablated = (
+        scorer.keep([(Head(0, 3), "query_label")]).prob,
+        scorer.ablate([(Head(2, 0), "last"), (Head(1, 1), "last")]).prob,
+    )
     diff = kept.mean() - ablated.mean()
     # Answer probabilities of a random tiny model are ~2e-5 (uniform over the vocabulary), so the
     # difference is ~1e-7: compare at float32 resolution of the probabilities, not relatively.
@@ -198,10 +225,18 @@ def tiny_dirs(tmp_path_factory, smollm2_tokenizer):
         make_tiny("llama", smollm2_tokenizer, seed=seed).model.save_pretrained(path)
         smollm2_tokenizer.save_pretrained(path)
         dirs.append(str(path))
-    first = Circuit("tiny-0", "entity-tracking", {"A": [Head(2, 0), Head(1, 1)], "C": [Head(0, 3)]},
-                    {"A": "last", "C": "query_label"}).save(root / "first.json")
-    second = Circuit("tiny-1", "entity-tracking", {"A": [Head(2, 0), Head(2, 3)], "C": [Head(0, 1)]},
-                     {"A": "last", "C": "query_label"}).save(root / "second.json")
+    first = Circuit(
+        "tiny-0",
+        "entity-tracking",
+        {"A": [Head(2, 0), Head(1, 1)], "C": [Head(0, 3)]},
+        {"A": "last", "C": "query_label"},
+    ).save(root / "first.json")
+    second = Circuit(
+        "tiny-1",
+        "entity-tracking",
+        {"A": [Head(2, 0), Head(2, 3)], "C": [Head(0, 1)]},
+        {"A": "last", "C": "query_label"},
+    ).save(root / "second.json")
     return dirs, str(first), str(second)
 
 
@@ -213,8 +248,25 @@ def test_score_and_prune_commands(tiny_dirs, tmp_path):
 
     (model, _), first, _ = tiny_dirs
     out = tmp_path / "score"
-    assert main(["score", "--model", model, "--circuit", first, "--n-random", "1", "--completeness-draws", "2",
-                 "--out", str(out), *DATA]) == 0
+    assert (
+        main(
+            [
+                "score",
+                "--model",
+                model,
+                "--circuit",
+                first,
+                "--n-random",
+                "1",
+                "--completeness-draws",
+                "2",
+                "--out",
+                str(out),
+                *DATA,
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "score.json").read_text())
     assert set(result["faithfulness"]) >= {"full", "circuit", "random"}
     assert set(result["completeness"]["groups"]) == {"A", "C"}
@@ -222,8 +274,25 @@ def test_score_and_prune_commands(tiny_dirs, tmp_path):
         assert all((out / f"{stem}.{ext}").is_file() for ext in ("md", "csv", "tex", "json"))
     assert "faithfulness [95% CI]" in (out / "faithfulness.md").read_text()
     pruned_path = tmp_path / "pruned.json"
-    assert main(["prune", "--model", model, "--circuit", first, "--out", str(pruned_path), "--threshold", "0.5",
-                 "--metric", "prob", *DATA]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                "--model",
+                model,
+                "--circuit",
+                first,
+                "--out",
+                str(pruned_path),
+                "--threshold",
+                "0.5",
+                "--metric",
+                "prob",
+                *DATA,
+            ]
+        )
+        == 0
+    )
     pruned = Circuit.load(pruned_path)
     assert pruned.meta["pruned"]["threshold"] == 0.5 and pruned.meta["pruned"]["source"] == first
     assert sum(pruned.sizes().values()) < 3  # no head of a random tiny model carries half its answer probability
@@ -255,8 +324,9 @@ def test_positions_prints_the_scan_before_leave_one_out_runs(tiny_dirs, tmp_path
     (model, _), _, _ = tiny_dirs
     monkeypatch.setattr(scoring, "leave_one_out", _fails)
     with pytest.raises(RuntimeError, match="stopped part-way"):
-        main(["positions", "--model", model, "--max-steps", "1", "--leave-one-out", "--out", str(tmp_path / "p"),
-              *DATA])
+        main(
+            ["positions", "--model", model, "--max-steps", "1", "--leave-one-out", "--out", str(tmp_path / "p"), *DATA]
+        )
     out = capsys.readouterr().out
     assert "| step " in out and "added" in out and "left out" not in out
 
@@ -271,15 +341,35 @@ def test_score_and_positions_hand_each_table_to_echo_as_the_command_prints_them(
 
     (model, _), first, _ = tiny_dirs
     lm = load_model(model)
-    prompts = ScoringPrompts(get_task("entity-tracking"), 6, batch_size=6, progress=False,
-                             options={"n_boxes": N_BOXES})
+    prompts = ScoringPrompts(get_task("entity-tracking"), 6, batch_size=6, progress=False, options={"n_boxes": N_BOXES})
     sections: list[str] = []
-    assert score_circuit(lm, Circuit.load(first), first, prompts, tmp_path / "s", 1, 2, "accuracy", True, {},
-                         echo=sections.append) is None
+    assert (
+        score_circuit(
+            lm, Circuit.load(first), first, prompts, tmp_path / "s", 1, 2, "accuracy", True, {}, echo=sections.append
+        )
+        is None
+    )
     assert len(sections) == 2 and "faithfulness [95% CI]" in sections[0] and sections[1].startswith("\n| model ")
     capsys.readouterr()
-    assert main(["score", "--model", model, "--circuit", first, "--n-random", "1", "--completeness-draws", "2",
-                 "--out", str(tmp_path / "c"), *DATA]) == 0
+    assert (
+        main(
+            [
+                "score",
+                "--model",
+                model,
+                "--circuit",
+                first,
+                "--n-random",
+                "1",
+                "--completeness-draws",
+                "2",
+                "--out",
+                str(tmp_path / "c"),
+                *DATA,
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == "".join(s + "\n" for s in sections)
     sections.clear()
     assert scan_positions(lm, prompts, tmp_path / "p", "accuracy", None, 1, True, {}, echo=sections.append) is None
@@ -302,8 +392,9 @@ def test_compare_command(tiny_dirs, tmp_path):
 
     dirs, first, second = tiny_dirs
     out = tmp_path / "compare"
-    assert main(["compare", "--models", ",".join(dirs), "--circuits", f"{first},{second}", "--out", str(out),
-                 *DATA]) == 0
+    assert (
+        main(["compare", "--models", ",".join(dirs), "--circuits", f"{first},{second}", "--out", str(out), *DATA]) == 0
+    )
     result = json.loads((out / "compare.json").read_text())
     assert {(r["circuit"], r["model"]) for r in result["matrix"]} == {(c, m) for c in ("first", "second") for m in dirs}
     assert all(r["accuracy_low"] <= r["accuracy"] <= r["accuracy_high"] for r in result["matrix"])
@@ -325,20 +416,55 @@ def test_commands_write_the_study_tables_for_the_same_records(tiny_dirs, tmp_pat
 
     dirs, first, second = tiny_dirs
     out = tmp_path / "command"
-    assert main(["compare", "--models", dirs[0], "--circuits", f"{first},{second}", "--n-random", "1",
-                 "--out", str(out / "compare"), *DATA]) == 0
-    assert main(["score", "--model", dirs[0], "--circuit", first, "--n-random", "1", "--completeness-draws", "2",
-                 "--out", str(out / "score"), *DATA]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--models",
+                dirs[0],
+                "--circuits",
+                f"{first},{second}",
+                "--n-random",
+                "1",
+                "--out",
+                str(out / "compare"),
+                *DATA,
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "score",
+                "--model",
+                dirs[0],
+                "--circuit",
+                first,
+                "--n-random",
+                "1",
+                "--completeness-draws",
+                "2",
+                "--out",
+                str(out / "score"),
+                *DATA,
+            ]
+        )
+        == 0
+    )
     assert main(["positions", "--model", dirs[0], "--max-steps", "2", "--out", str(out / "positions"), *DATA]) == 0
-    assert main(["curve", "--model", dirs[0], "--sizes", "0.1,1.0", "--rank-n", "6", "--out", str(out / "curve"),
-                 *DATA]) == 0
+    assert (
+        main(["curve", "--model", dirs[0], "--sizes", "0.1,1.0", "--rank-n", "6", "--out", str(out / "curve"), *DATA])
+        == 0
+    )
     compared = json.loads((out / "compare" / "compare.json").read_text())
     scored = json.loads((out / "score" / "score.json").read_text())
     scan = json.loads((out / "positions" / "positions.json").read_text())
     study = SimpleNamespace(dir=tmp_path / "study", spec=default_spec())
     name = scored["model"]
-    matrix_section(study, {name: SimpleNamespace(result={"rows": compared["matrix"],
-                                                         "completeness": scored["completeness"]})})
+    matrix_section(
+        study, {name: SimpleNamespace(result={"rows": compared["matrix"], "completeness": scored["completeness"]})}
+    )
     positions_section(study, {name: SimpleNamespace(result={"scan": scan["scan"], "figure": "scan.png"})})
     tables = study.dir / "tables"
     assert (out / "compare" / "matrix.csv").read_text() == (tables / "circuit_x_model.csv").read_text()
@@ -349,19 +475,29 @@ def test_commands_write_the_study_tables_for_the_same_records(tiny_dirs, tmp_pat
     assert (out / "positions" / "position_scan.csv").read_text().splitlines() == [x.split(",", 1)[1] for x in studied]
     assert (out / "curve" / "curve.csv").read_text().splitlines()[0] == (
         "fraction,n_pairs,accuracy,accuracy_low,accuracy_high,faithfulness,faithfulness_low,faithfulness_high,"
-        "faithfulness_prob,faithfulness_prob_low,faithfulness_prob_high")
+        "faithfulness_prob,faithfulness_prob_low,faithfulness_prob_high"
+    )
 
 
-@pytest.mark.parametrize("removed", [
-    [(Head(1, 0), "last")],  # a late position: a suffix run from the last token
-    [(Head(2, 2), "query_label"), (Head(1, 3), "last")],  # from layer 1, from the query label on
-    [(Head(0, 3), "query_label")],  # from layer 0: no resumed blocks
-])
+@pytest.mark.parametrize(
+    "removed",
+    [
+        [(Head(1, 0), "last")],  # a late position: a suffix run from the last token
+        [(Head(2, 2), "query_label"), (Head(1, 3), "last")],  # from layer 1, from the query label on
+        [(Head(0, 3), "query_label")],  # from layer 0: no resumed blocks
+    ],
+)
 def test_keep_without_equals_the_full_ablated_run(scorer, removed):
     """F(C minus some pairs), resumed from F(C)'s run at the removed pairs' first layer and position, equals
     the full mean-ablated run of the smaller circuit."""
-    circuit = [(Head(2, 0), "last"), (Head(1, 0), "last"), (Head(1, 3), "last"), (Head(2, 2), "query_label"),
-               (Head(0, 3), "query_label"), (Head(1, 1), "query_label")]
+    circuit = [
+        (Head(2, 0), "last"),
+        (Head(1, 0), "last"),
+        (Head(1, 3), "last"),
+        (Head(2, 2), "query_label"),
+        (Head(0, 3), "query_label"),
+        (Head(1, 1), "query_label"),
+    ]
     fresh = Scorer(scorer.model, scorer.records, scorer.means, scorer.batch_size, progress=False)
     full = fresh.keep(set(circuit) - set(removed))
     fast = scorer.keep_without(circuit, removed)
@@ -394,8 +530,9 @@ def test_removing_pairs_of_a_class_absent_from_the_batch_changes_nothing(tiny_ll
     assert len(scorer.runs) == runs
 
 
-def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(tiny_llama, smollm2_tokenizer, tmp_path,
-                                                                       monkeypatch):
+def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(
+    tiny_llama, smollm2_tokenizer, tmp_path, monkeypatch
+):
     """``store``: the means are written to the HDF5 store on the first build and read from it on the next
     (no forward pass), equal to the means computed in memory."""
     import mechdiff.circuits.scoring as scoring
@@ -409,6 +546,7 @@ def test_a_scorer_built_with_a_store_writes_and_then_reads_its_means(tiny_llama,
     memory = Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False)
     # exact: the same activations summed by the same code in this process (the store only holds a copy)
     torch.testing.assert_close(first.means, memory.means, rtol=0, atol=0)
+
     def recomputed(*args, **kwargs):
         raise AssertionError("the means were computed again")
 
@@ -425,16 +563,22 @@ def test_position_mask_refuses_unknown_and_missing_positions_by_kind():
     from mechdiff.circuits.scoring import position_mask
 
     ids = torch.zeros(2, 5, dtype=torch.long)
-    batch = {"input_ids": ids, "positions": {"last": torch.tensor([4, 4]), "gone": torch.tensor([3, -1]),
-                                             "objects": torch.tensor([[0, 2], [1, -1]])},
-             "position_classes": {"context": torch.ones(2, 5, dtype=torch.bool)}}
+    batch = {
+        "input_ids": ids,
+        "positions": {
+            "last": torch.tensor([4, 4]),
+            "gone": torch.tensor([3, -1]),
+            "objects": torch.tensor([[0, 2], [1, -1]]),
+        },
+        "position_classes": {"context": torch.ones(2, 5, dtype=torch.bool)},
+    }
     assert position_mask(batch, "context") is batch["position_classes"]["context"]
     assert position_mask(batch, "last").nonzero().tolist() == [[0, 4], [1, 4]]
-    for name, message in (("gone", "position 'gone' is missing in some prompts; score on prompts that contain it"),
-                          ("objects", "position class 'objects' is missing in some prompts; score on prompts that "
-                                      "contain it"),
-                          ("box", "unknown position 'box'; valid: ['gone', 'last', 'objects'], the classes "
-                                  "['context'] or '*'")):
+    for name, message in (
+        ("gone", "position 'gone' is missing in some prompts; score on prompts that contain it"),
+        ("objects", "position class 'objects' is missing in some prompts; score on prompts that contain it"),
+        ("box", "unknown position 'box'; valid: ['gone', 'last', 'objects'], the classes ['context'] or '*'"),
+    ):
         with pytest.raises(ValueError) as err:
             position_mask(batch, name)
         assert str(err.value) == message
@@ -468,8 +612,12 @@ def test_per_prompt_metrics():
 def test_random_circuit_keeps_group_sizes_and_positions():
     from mechdiff.circuits.scoring import random_circuit
 
-    c = Circuit("m", "t", {"A": parse_heads(["L1H0", "L1H1", "L2H3"]), "B": parse_heads(["L0H2"])},
-                {"A": "last", "B": "query_label"})
+    c = Circuit(
+        "m",
+        "t",
+        {"A": parse_heads(["L1H0", "L1H1", "L2H3"]), "B": parse_heads(["L0H2"])},
+        {"A": "last", "B": "query_label"},
+    )
     draws = [random_circuit(c, 3, 4, random.Random(s)) for s in range(20)]
     c.names = {"A": "fetchers", "B": "movers"}
     draws = [random_circuit(c, 3, 4, random.Random(s)) for s in range(20)]
@@ -496,11 +644,22 @@ def test_full_circuit_has_every_head_at_every_position():
 def test_prune_keeps_pairs_above_the_threshold_and_records_it():
     from mechdiff.circuits.pruning import prune
 
-    c = Circuit("m", "t", {"A": parse_heads(["L1H0", "L1H1"]), "B": parse_heads(["L0H2"])},
-                {"A": "last", "B": "query_label"})
-    result = {"metric": "prob", "max_steps": 1, "n_candidates": 4, "seed": 0, "n_prompts": 8,
-              "full": 0.5, "pairs": {"L1H0@last": {"relative": 0.2}, "L1H1@last": {"relative": 0.01},
-                                     "L0H2@query_label": {"relative": -0.3}}}
+    c = Circuit(
+        "m", "t", {"A": parse_heads(["L1H0", "L1H1"]), "B": parse_heads(["L0H2"])}, {"A": "last", "B": "query_label"}
+    )
+    result = {
+        "metric": "prob",
+        "max_steps": 1,
+        "n_candidates": 4,
+        "seed": 0,
+        "n_prompts": 8,
+        "full": 0.5,
+        "pairs": {
+            "L1H0@last": {"relative": 0.2},
+            "L1H1@last": {"relative": 0.01},
+            "L0H2@query_label": {"relative": -0.3},
+        },
+    }
     pruned = prune(c, result, threshold=0.01)
     assert pruned.groups == {"A": [Head(1, 0)], "B": []}
     assert pruned.meta["pruned"]["threshold"] == 0.01
@@ -563,8 +722,13 @@ def test_minimality_grows_k_to_expose_redundant_heads():
     assert res["full"] == pytest.approx(acc_full) and res["metric"] == "accuracy" and res["n_prompts"] == 12
     assert (res["max_steps"], res["n_candidates"], res["seed"]) == (1, None, 3)
     # alone, removing a changes nothing (b covers it); with K = {b} removing a breaks the task
-    assert res["pairs"]["L2H0@last"] == {"contribution": pytest.approx(acc_full), "relative": pytest.approx(1.0),
-                                         "relative_full": pytest.approx(1.0), "K": ["L2H1@last"], "searched": True}
+    assert res["pairs"]["L2H0@last"] == {
+        "contribution": pytest.approx(acc_full),
+        "relative": pytest.approx(1.0),
+        "relative_full": pytest.approx(1.0),
+        "K": ["L2H1@last"],
+        "searched": True,
+    }
     assert res["pairs"]["L2H1@last"]["K"] == ["L2H0@last"]
     assert res["pairs"]["L0H3@query_label"]["contribution"] == 0.0  # c never matters: K stays empty
     assert res["pairs"]["L0H3@query_label"]["K"] == []
@@ -646,7 +810,9 @@ def test_completeness_against_direct_differences():
     for _ in range(4):
         k = [pr for pr in pairs if rng.random() < 0.5]
         kept = frozenset(pr for pr in pairs if pr not in k)
-        expected.append(abs(float((scorer._result(kept).prob - scorer._result(scorer.every - frozenset(k)).prob).mean())))
+        expected.append(
+            abs(float((scorer._result(kept).prob - scorer._result(scorer.every - frozenset(k)).prob).mean()))
+        )
     assert res["random"]["draws"] == pytest.approx(expected)
     assert res["random"]["mean"] == pytest.approx(np.mean(expected))
     assert res["random"]["std"] == pytest.approx(np.std(expected))
@@ -670,12 +836,16 @@ def test_matrix_rows_columns_from_faithfulness():
     (row,) = rows
     assert row["circuit"] == "or" and row["model"] == "model-x" and row["n_heads"] == 3 and row["n_prompts"] == 12
     assert row["n_pairs"] == len(circuit.pairs())
-    for col, (part, metric) in {"full_accuracy": ("full", "accuracy"), "accuracy": ("circuit", "accuracy"),
-                                "faithfulness": ("circuit", "faithfulness"), "answer_prob": ("circuit", "answer_prob"),
-                                "faithfulness_prob": ("circuit", "faithfulness_prob"),
-                                "random_accuracy": ("random", "accuracy"),
-                                "random_faithfulness": ("random", "faithfulness"),
-                                "random_faithfulness_prob": ("random", "faithfulness_prob")}.items():
+    for col, (part, metric) in {
+        "full_accuracy": ("full", "accuracy"),
+        "accuracy": ("circuit", "accuracy"),
+        "faithfulness": ("circuit", "faithfulness"),
+        "answer_prob": ("circuit", "answer_prob"),
+        "faithfulness_prob": ("circuit", "faithfulness_prob"),
+        "random_accuracy": ("random", "accuracy"),
+        "random_faithfulness": ("random", "faithfulness"),
+        "random_faithfulness_prob": ("random", "faithfulness_prob"),
+    }.items():
         d = res[part][metric]
         assert (row[col], row[f"{col}_low"], row[f"{col}_high"]) == (d["value"], d["low"], d["high"])
     assert "random_accuracy" not in matrix_rows("m", {"or": circuit}, scorer)[0]
@@ -684,8 +854,8 @@ def test_matrix_rows_columns_from_faithfulness():
 
 
 def test_estimate_round_trip_and_pair_name():
-    from mechdiff.circuits.scoring import estimate
     from mechdiff.circuits.pruning import pair_name
+    from mechdiff.circuits.scoring import estimate
     from mechdiff.common.stats import Estimate
 
     e = Estimate(0.4, 0.1, 0.7, 30)
@@ -696,12 +866,19 @@ def test_estimate_round_trip_and_pair_name():
 def test_head_mask_marks_each_pairs_position():
     from mechdiff.circuits.scoring import EVERY_POSITION, _head_mask, _pairs_by_layer
 
-    batch = {"input_ids": torch.zeros(3, 6, dtype=torch.long),
-             "positions": {"last": torch.tensor([5, 4, 5]), "query_label": torch.tensor([2, 1, 3]),
-                           "gone": torch.tensor([1, -1, 2])}}
+    batch = {
+        "input_ids": torch.zeros(3, 6, dtype=torch.long),
+        "positions": {
+            "last": torch.tensor([5, 4, 5]),
+            "query_label": torch.tensor([2, 1, 3]),
+            "gone": torch.tensor([1, -1, 2]),
+        },
+    }
     layers = _pairs_by_layer([(Head(1, 2), "last"), (Head(0, 1), "query_label"), (Head(1, 0), EVERY_POSITION)])
     assert {k: [(h.name, p) for h, p in v] for k, v in layers.items()} == {
-        1: [("L1H2", "last"), ("L1H0", EVERY_POSITION)], 0: [("L0H1", "query_label")]}
+        1: [("L1H2", "last"), ("L1H0", EVERY_POSITION)],
+        0: [("L0H1", "query_label")],
+    }
     mask = _head_mask(layers[1], batch, 6, 4, fill=0.0)
     expected = torch.ones(3, 6, 4)
     expected[[0, 1, 2], [5, 4, 5], 2] = 0.0
@@ -825,7 +1002,12 @@ def test_completeness_draws_k_with_its_seed():
     assert res["random"]["ci"] == bootstrap(res["random"]["draws"]).to_dict()
     assert completeness(scorer, circuit, n_draws=8, p=0.5, seed=4, metric="prob")["random"] == res["random"]
     default = completeness(scorer, circuit)
-    assert (default["metric"], default["p"], default["seed"], len(default["random"]["draws"])) == ("accuracy", 0.5, 0, 5)
+    assert (default["metric"], default["p"], default["seed"], len(default["random"]["draws"])) == (
+        "accuracy",
+        0.5,
+        0,
+        5,
+    )
     # group A removed: C keeps c only (wrong), M keeps c and d (right on 4 prompts of 5)
     acc_m = np.array([i % 5 != 0 for i in range(12)], dtype=float)
     assert default["groups"]["A"]["completeness"] == pytest.approx(acc_m.mean())
@@ -835,16 +1017,36 @@ def test_completeness_draws_k_with_its_seed():
 def test_prune_records_every_setting_and_keeps_the_circuit_identity():
     from mechdiff.circuits.pruning import prune
 
-    c = Circuit("m", "t", {"A": parse_heads(["L1H0", "L1H1"])}, {"A": "last"}, names={"A": "fetchers"},
-                meta={"source": "x"})
-    result = {"metric": "prob", "max_steps": 2, "n_candidates": 3, "seed": 5, "n_prompts": 8, "full": 0.5,
-              "pairs": {"L1H0@last": {"relative": 0.011}, "L1H1@last": {"relative": 0.009}}}
+    c = Circuit(
+        "m", "t", {"A": parse_heads(["L1H0", "L1H1"])}, {"A": "last"}, names={"A": "fetchers"}, meta={"source": "x"}
+    )
+    result = {
+        "metric": "prob",
+        "max_steps": 2,
+        "n_candidates": 3,
+        "seed": 5,
+        "n_prompts": 8,
+        "full": 0.5,
+        "pairs": {"L1H0@last": {"relative": 0.011}, "L1H1@last": {"relative": 0.009}},
+    }
     pruned = prune(c, result)  # threshold 0.01 by default
     assert pruned.groups == {"A": [Head(1, 0)]}
     assert (pruned.model, pruned.task, pruned.names, pruned.positions) == ("m", "t", {"A": "fetchers"}, {"A": "last"})
-    assert pruned.meta == {"source": "x", "pruned": {
-        "rule": "greedy", "threshold": 0.01, "relative_to": "F(M)", "metric": "prob", "max_steps": 2, "n_candidates": 3, "seed": 5,
-        "n_prompts": 8, "removed": ["L1H1@last"], "sizes_before": {"A": 2}}}
+    assert pruned.meta == {
+        "source": "x",
+        "pruned": {
+            "rule": "greedy",
+            "threshold": 0.01,
+            "relative_to": "F(M)",
+            "metric": "prob",
+            "max_steps": 2,
+            "n_candidates": 3,
+            "seed": 5,
+            "n_prompts": 8,
+            "removed": ["L1H1@last"],
+            "sizes_before": {"A": 2},
+        },
+    }
     with pytest.raises(ValueError, match="no minimality score for L1H1@last"):
         prune(c, {**result, "pairs": {"L1H0@last": {"relative": 1.0}}})
 
@@ -876,8 +1078,8 @@ def test_random_baseline_averages_draws_per_prompt():
 
 def test_quiet_scoring_prints_nothing(capsys):
     """``progress=False`` means no progress bar on stderr from any scoring loop."""
-    from mechdiff.circuits.scoring import completeness, faithfulness, per_prompt
     from mechdiff.circuits.pruning import minimality
+    from mechdiff.circuits.scoring import completeness, faithfulness, per_prompt
 
     circuit, scorer, _ = _or_circuit()
     faithfulness(scorer, circuit, n_random=2)
@@ -926,9 +1128,14 @@ def test_paper_pruning_decision_on_a_hand_built_circuit():
     circuit = Circuit("t", "et", {"A": [a, b, c, d], "C": [e]}, {"A": "last", "C": "query_label"})
     pairs = circuit.pairs()
     n = {h: pair_name((h, pos)) for h, pos in pairs}
-    F = {frozenset(): 0.80,
-         frozenset({n[a]}): 0.70, frozenset({n[b]}): 0.75, frozenset({n[c]}): 0.78, frozenset({n[d]}): 0.85,
-         frozenset({n[e]}): 0.40}
+    F = {
+        frozenset(): 0.80,
+        frozenset({n[a]}): 0.70,
+        frozenset({n[b]}): 0.75,
+        frozenset({n[c]}): 0.78,
+        frozenset({n[d]}): 0.85,
+        frozenset({n[e]}): 0.40,
+    }
     pair_values = {(a, b): 0.50, (a, c): 0.69, (a, d): 0.70, (b, c): 0.74, (b, d): 0.76, (c, d): 0.80}
     for (u, v), value in pair_values.items():
         F[frozenset({n[u], n[v]})] = value
@@ -965,8 +1172,12 @@ def test_paper_pruning_decision_on_a_hand_built_circuit():
 
 def test_paper_pruning_matches_a_direct_computation_on_a_tiny_model(tiny_llama, records, smollm2_tokenizer):
     reference = reference_records(smollm2_tokenizer, 6, N_BOXES, 1)
-    circuit = Circuit("tiny", "et", {"A": [Head(2, 0), Head(1, 0), Head(1, 3), Head(2, 3)], "C": [Head(2, 2)]},
-                      {"A": "last", "C": "query_label"})
+    circuit = Circuit(
+        "tiny",
+        "et",
+        {"A": [Head(2, 0), Head(1, 0), Head(1, 3), Head(2, 3)], "C": [Head(2, 2)]},
+        {"A": "last", "C": "query_label"},
+    )
     res = pairwise_minimality(Scorer.build(tiny_llama, records, reference, 6, False), circuit, metric="prob")
     direct = Scorer.build(tiny_llama, records, reference, 6, False)  # full runs, its own cache
     pairs = circuit.pairs()
@@ -991,8 +1202,9 @@ def test_paper_pruning_matches_a_direct_computation_on_a_tiny_model(tiny_llama, 
 
 
 def test_random_circuit_is_layer_matched():
-    circuit = Circuit("t", "et", {"A": [Head(5, 1), Head(5, 2), Head(9, 0)], "B": [Head(2, 3)]},
-                      {"A": "last", "B": "query_label"})
+    circuit = Circuit(
+        "t", "et", {"A": [Head(5, 1), Head(5, 2), Head(9, 0)], "B": [Head(2, 3)]}, {"A": "last", "B": "query_label"}
+    )
     rng = random.Random(0)
     draws = [random_circuit(circuit, 12, 8, rng) for _ in range(30)]
     for d in draws:

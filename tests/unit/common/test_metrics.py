@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny
-from mechdiff.tasks import ioi
+
 from mechdiff.common.metrics import accuracy, answer_prob, kl_divergence, logit_diff, task_metric
+from mechdiff.tasks import ioi
 from mechdiff.tasks.base import answer_batch, batch_tensors
 from mechdiff.tasks.entity_tracking import generate, object_value_pairs, pair_batch_tensors
 
@@ -54,24 +54,28 @@ def test_pure_metrics_match_numpy():
     logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
     answer, alt = torch.tensor([0, 3, 3, 10, 7]), torch.tensor([[1, 2], [3, 4], [0, 0], [5, 6], [9, 8]])
     x = logits.double().numpy()
-    np.testing.assert_allclose(task_metric(logits, answer, "prob").numpy(),
-                               np.exp(_take(_log_softmax(x), answer)), rtol=1e-6)
+    np.testing.assert_allclose(
+        task_metric(logits, answer, "prob").numpy(), np.exp(_take(_log_softmax(x), answer)), rtol=1e-6
+    )
     want = _take(x, answer) - (_take(x, alt[:, 0]) + _take(x, alt[:, 1])) / 2
     np.testing.assert_allclose(task_metric(logits, answer, "logit_diff", alt).numpy(), want, rtol=1e-5, atol=1e-6)
     from mechdiff.patching.scan import METRICS as SCAN
 
     other = alt[:, 0]
-    np.testing.assert_allclose(SCAN["logit_diff"][0](logits, answer, other).numpy(),
-                               _take(x, answer) - _take(x, other), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        SCAN["logit_diff"][0](logits, answer, other).numpy(), _take(x, answer) - _take(x, other), rtol=1e-5, atol=1e-6
+    )
     np.testing.assert_allclose(SCAN["answer_logit"][0](logits, answer, None).numpy(), _take(x, answer), rtol=1e-6)
-    np.testing.assert_allclose(SCAN["prob"][0](logits, answer, None).numpy(),
-                               np.exp(_take(_log_softmax(x), answer)), rtol=1e-6)
+    np.testing.assert_allclose(
+        SCAN["prob"][0](logits, answer, None).numpy(), np.exp(_take(_log_softmax(x), answer)), rtol=1e-6
+    )
     # one vocabulary: the answer's probability is "prob" everywhere; the scan's earlier "answer_prob" is read as it
     from mechdiff.common.metrics import metric_name
 
     assert metric_name("answer_prob") == "prob" and metric_name("logit_diff") == "logit_diff"
-    np.testing.assert_array_equal(task_metric(logits, answer, "answer_prob").numpy(),
-                                  task_metric(logits, answer, "prob").numpy())
+    np.testing.assert_array_equal(
+        task_metric(logits, answer, "answer_prob").numpy(), task_metric(logits, answer, "prob").numpy()
+    )
     from mechdiff.methods.cmap import _score
 
     correct, prob = _score(logits, answer)
@@ -126,8 +130,9 @@ def test_headmap_and_finetune_accuracy(tiny, records):
     from mechdiff.methods.headmap import example_losses
 
     x = _last(tiny, batch["input_ids"])
-    np.testing.assert_allclose(example_losses(tiny, batch, batch_size=4).numpy(),
-                               -_take(_log_softmax(x), batch["answer_ids"]), rtol=1e-5)
+    np.testing.assert_allclose(
+        example_losses(tiny, batch, batch_size=4).numpy(), -_take(_log_softmax(x), batch["answer_ids"]), rtol=1e-5
+    )
 
 
 def test_dcm_floor_and_target_logit(tiny, smollm2_tokenizer):
@@ -156,17 +161,18 @@ def test_path_patching_clean_probability(tiny, smollm2_tokenizer):
 
 
 def test_knowledge_evaluation_hits_ranks_and_logprob(smollm2_tokenizer):
-    from mechdiff.tasks.relation_data import FactBatch
     from mechdiff.methods.knowledge.evaluate import evaluate
     from mechdiff.methods.knowledge.graph import Graph
+    from mechdiff.tasks.relation_data import FactBatch
 
     model = make_tiny("llama", None, seed=1)
     ids = torch.randint(0, 2000, (5, 6), generator=torch.Generator().manual_seed(0))
     x = _last(model, ids)
     order = np.argsort(-x, -1)
     answers = torch.tensor([int(order[i, r]) for i, r in enumerate([0, 3, 12, 1, 40])])
-    ev = evaluate(model, Graph.from_shape(model.shape), [FactBatch([None] * 5, ids, answers, torch.zeros(5))],
-                  None, k=10)
+    ev = evaluate(
+        model, Graph.from_shape(model.shape), [FactBatch([None] * 5, ids, answers, torch.zeros(5))], None, k=10
+    )
     np.testing.assert_array_equal(ev.rank, [0, 3, 12, 1, 40])
     np.testing.assert_array_equal(ev.hit, [True, True, False, True, False])
     np.testing.assert_allclose(ev.logprob, _take(_log_softmax(x), answers), rtol=1e-4, atol=1e-5)
@@ -174,6 +180,7 @@ def test_knowledge_evaluation_hits_ranks_and_logprob(smollm2_tokenizer):
 
 def test_metrics_module_against_numpy():
     from mechdiff.common import metrics as M
+
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.5], [2.0, -1.0, 0.0, 4.0]])
     x = logits.double().numpy()
     answer = torch.tensor([2, 0])
@@ -186,8 +193,9 @@ def test_metrics_module_against_numpy():
     one = M.logit_diff(logits, answer, torch.tensor([0, 3]))
     np.testing.assert_allclose(one.numpy(), [2.0, -2.0])
     np.testing.assert_allclose(M.logit_diff(logits, answer, torch.tensor([[0], [3]])).numpy(), one.numpy())
-    np.testing.assert_allclose(M.task_metric(logits, answer, "logit_diff", torch.tensor([[0, 3], [1, 2]])).numpy(),
-                               [3.0 - 0.75, 2.0 + 0.5])
+    np.testing.assert_allclose(
+        M.task_metric(logits, answer, "logit_diff", torch.tensor([[0, 3], [1, 2]])).numpy(), [3.0 - 0.75, 2.0 + 0.5]
+    )
     # half-precision logits are scored in float32
     assert M.answer_prob(logits.bfloat16(), answer).dtype == torch.float32
     with pytest.raises(ValueError, match="alternative_ids"):

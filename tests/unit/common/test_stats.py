@@ -3,12 +3,12 @@ differences, layer-matched random circuits, pruning relative to F(C), DCM's tie-
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from scipy import stats as sps
 
 from mechdiff.common.stats import paired_difference, pooled_proportion, proportion
+
 
 def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     """The textbook Beta-quantile form, independent of scipy's binomtest."""

@@ -9,23 +9,35 @@ import json
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
-import numpy as np
-
 from conftest import make_tiny
 from tolerances import tol32
+
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
-from mechdiff.methods.cmap import (CAPTION, CAPTION_UNISOLATED, CMAPResult, CMAPRow, _result, capture_sites,
-                                   cmap_patches, isolation_patches, parse_kinds, random_scope, run_cmap, scopes)
 from mechdiff.common.components import Head, all_heads
+from mechdiff.common.metrics import answer_is_top1, answer_prob
+from mechdiff.common.stats import Estimate, bootstrap, mean_estimate
+from mechdiff.methods.cmap import (
+    CAPTION,
+    CAPTION_UNISOLATED,
+    CMAPResult,
+    CMAPRow,
+    _result,
+    capture_sites,
+    cmap_patches,
+    isolation_patches,
+    parse_kinds,
+    random_scope,
+    run_cmap,
+    scopes,
+)
+from mechdiff.patching import core
 from mechdiff.patching.core import Patch, run
 from mechdiff.report.bars import grouped_bars
-from mechdiff.common.stats import Estimate, bootstrap, mean_estimate
 from mechdiff.tasks.entity_tracking import batch_tensors, generate
-from mechdiff.common.metrics import answer_is_top1, answer_prob
-from mechdiff.patching import core
 
 LAYER = 1
 
@@ -104,8 +116,9 @@ def test_gqa_kv_patch_covers_whole_group_only(tiny_llama, prompts):
     sites = [("q", LAYER), ("k", LAYER), ("v", LAYER)]
     cap = run(donor, ids, capture=sites).captured
     base = run(tiny_llama, ids, capture=sites).captured
-    patches = cmap_patches(tiny_llama, [(Head(LAYER, 3), "last"), (Head(LAYER, 2), "last")], "qkv", cap,
-                           positions, ids.shape[1])
+    patches = cmap_patches(
+        tiny_llama, [(Head(LAYER, 3), "last"), (Head(LAYER, 2), "last")], "qkv", cap, positions, ids.shape[1]
+    )
     assert sum(p.kind == "k" for p in patches) == 1  # heads 2 and 3 share one KV group: one K patch
     got = run(tiny_llama, ids, patches, capture=[("k", LAYER), ("v", LAYER)]).captured
     for kind in ("k", "v"):
@@ -115,8 +128,9 @@ def test_gqa_kv_patch_covers_whole_group_only(tiny_llama, prompts):
 
 def test_cmap_identical_models_changes_nothing(tiny_llama, smollm2_tokenizer):
     records = generate(smollm2_tokenizer, 4, n_boxes=3, seed=1)
-    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "C": [Head(0, 1)]},
-                      {"A": "last", "C": "query_label"})
+    circuit = Circuit(
+        "tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "C": [Head(0, 1)]}, {"A": "last", "C": "query_label"}
+    )
     twin = dataclasses.replace(tiny_llama, name="twin", model=copy.deepcopy(tiny_llama.model))
     res = run_cmap(tiny_llama, twin, circuit, records, kinds=("z", "q", "qkv"), batch_size=4, progress=False)
     assert res.base_accuracy == res.finetune_accuracy
@@ -135,8 +149,7 @@ def test_parse_kinds_rejects_unknown():
 
 def test_grouped_bars_writes_png(tmp_path):
     est = Estimate(0.5, 0.4, 0.6, 10)
-    path = grouped_bars(tmp_path / "b.png", ["A", "B"], {"z": [est, None], "q": [est, est]},
-                        references={"base": est})
+    path = grouped_bars(tmp_path / "b.png", ["A", "B"], {"z": [est, None], "q": [est, est]}, references={"base": est})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -147,12 +160,31 @@ def test_cli_cmap_writes_tables_and_figure(tmp_path, smollm2_tokenizer):
     for m, d in ((base, "base"), (ft, "ft")):
         m.model.save_pretrained(tmp_path / d)
         smollm2_tokenizer.save_pretrained(tmp_path / d)
-    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0)], "C": [Head(1, 1)]},
-                      {"A": "last", "C": "query_label"}).save(tmp_path / "circuit.json")
+    circuit = Circuit(
+        "tiny", "entity-tracking", {"A": [Head(2, 0)], "C": [Head(1, 1)]}, {"A": "last", "C": "query_label"}
+    ).save(tmp_path / "circuit.json")
     out = tmp_path / "out"
-    rc = cli_main(["cmap", "--base", str(tmp_path / "base"), "--finetune", str(tmp_path / "ft"),
-                   "--circuit", str(circuit), "--n", "6", "--n-boxes", "3", "--batch-size", "3",
-                   "--kinds", "z,qkv", "--out", str(out)])
+    rc = cli_main(
+        [
+            "cmap",
+            "--base",
+            str(tmp_path / "base"),
+            "--finetune",
+            str(tmp_path / "ft"),
+            "--circuit",
+            str(circuit),
+            "--n",
+            "6",
+            "--n-boxes",
+            "3",
+            "--batch-size",
+            "3",
+            "--kinds",
+            "z,qkv",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc in (0, None)
     for name in ("cmap.md", "cmap.csv", "cmap.json", "cmap.png"):
         assert (out / name).is_file(), name
@@ -182,8 +214,9 @@ def test_isolated_qkv_changes_only_the_heads_own_reading(tiny_llama, prompts, ki
     head = Head(LAYER, 3)  # KV group 1 = heads 2 and 3
     scope = [(head, "last")]
     got, cap = _isolated_logits(tiny_llama, donor, scope, kind, ids, positions)
-    loose = run(tiny_llama, ids, cmap_patches(tiny_llama, scope, kind, cap, positions, ids.shape[1]),
-                capture=[("z", LAYER)]).captured[("z", LAYER)]
+    loose = run(
+        tiny_llama, ids, cmap_patches(tiny_llama, scope, kind, cap, positions, ids.shape[1]), capture=[("z", LAYER)]
+    ).captured[("z", LAYER)]
     cols = tiny_llama.arch.columns("z", head.head, tiny_llama.shape)
     rows = torch.arange(ids.shape[0])
     value = loose[rows, positions["last"], cols]
@@ -223,11 +256,13 @@ def test_isolated_cmap_leaves_other_positions_at_the_base(tiny_llama, prompts):
 
 def test_cmap_random_control_and_paired_differences(tiny_llama, smollm2_tokenizer):
     records = generate(smollm2_tokenizer, 6, n_boxes=3, seed=1)
-    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "C": [Head(0, 1)]},
-                      {"A": "last", "C": "query_label"})
+    circuit = Circuit(
+        "tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "C": [Head(0, 1)]}, {"A": "last", "C": "query_label"}
+    )
     donor = perturb_qkv(tiny_llama)
-    res = run_cmap(tiny_llama, donor, circuit, records, kinds=("z", "v"), batch_size=3, progress=False,
-                   n_random=2, seed=0)
+    res = run_cmap(
+        tiny_llama, donor, circuit, records, kinds=("z", "v"), batch_size=3, progress=False, n_random=2, seed=0
+    )
     assert {r.scope for r in res.random_rows} == {"random:A", "random:C"}
     assert len(res.outcomes["A/z"]) == 6 and set(res.outcomes) >= {"base", "finetune", "A/v", "circuit/z"}
     d = res.paired("A/z", "base")
@@ -255,8 +290,12 @@ N, L = 3, 5  # prompts, positions
 def _captured(model) -> dict:
     gen = torch.Generator().manual_seed(0)
     shape = model.shape
-    width = {"q": shape.n_heads * shape.d_head, "z": shape.n_heads * shape.d_head,
-             "k": shape.n_kv_heads * shape.d_head, "v": shape.n_kv_heads * shape.d_head}
+    width = {
+        "q": shape.n_heads * shape.d_head,
+        "z": shape.n_heads * shape.d_head,
+        "k": shape.n_kv_heads * shape.d_head,
+        "v": shape.n_kv_heads * shape.d_head,
+    }
     return {(c, l): torch.randn(N, L, w, generator=gen) for c, w in width.items() for l in range(shape.n_layers)}
 
 
@@ -305,7 +344,7 @@ def _isolation_masks(shape, scope, kind: str, positions: dict, layer: int) -> to
         ours = [(h.head, int(positions[p][b])) for h, p in scope if h.layer == layer]
         if set(kind) & {"k", "v"} and ours:
             for g in {h // shape.group_size for h, _ in ours}:
-                keep[b, :, g * shape.group_size:(g + 1) * shape.group_size] = 0
+                keep[b, :, g * shape.group_size : (g + 1) * shape.group_size] = 0
             for h, t in ours:
                 keep[b, t, h] = 1
     return keep.repeat_interleave(shape.d_head, dim=2)
@@ -337,11 +376,13 @@ def test_isolation_patches_masks(tiny_llama, kind):
 # ------------------------------------------------------------------------------------------------- result
 def _scores() -> dict:
     arr = lambda *x: np.array(x, dtype=float)  # noqa: E731
-    return {"base": ([arr(1, 0), arr(0, 1)], [arr(.6, .2), arr(.1, .7)]),
-            "finetune": ([arr(1, 1), arr(1, 0)], [arr(.8, .9), arr(.7, .3)]),
-            ("A", "z"): ([arr(1, 1), arr(0, 0)], [arr(.9, .6), arr(.2, .1)]),
-            ("A", "q"): ([arr(1, 1), arr(1, 1)], [arr(.9, .8), arr(.7, .6)]),
-            ("random:A", "z"): ([arr(.5, 1), arr(0, 0)], [arr(.4, .5), arr(.3, .2)])}
+    return {
+        "base": ([arr(1, 0), arr(0, 1)], [arr(0.6, 0.2), arr(0.1, 0.7)]),
+        "finetune": ([arr(1, 1), arr(1, 0)], [arr(0.8, 0.9), arr(0.7, 0.3)]),
+        ("A", "z"): ([arr(1, 1), arr(0, 0)], [arr(0.9, 0.6), arr(0.2, 0.1)]),
+        ("A", "q"): ([arr(1, 1), arr(1, 1)], [arr(0.9, 0.8), arr(0.7, 0.6)]),
+        ("random:A", "z"): ([arr(0.5, 1), arr(0, 0)], [arr(0.4, 0.5), arr(0.3, 0.2)]),
+    }
 
 
 def _circuit() -> Circuit:
@@ -354,36 +395,60 @@ def test_result_rows_recovered_shares_and_outcomes():
     res = _result(*names, _circuit(), scores, {"A": None}, ["z", "q"])
     assert (res.base, res.finetune) == ("base-model", "ft-model")
     assert res.base_accuracy == mean_estimate([1, 0, 0, 1]) and res.finetune_accuracy == mean_estimate([1, 1, 1, 0])
-    assert res.base_answer_prob == bootstrap([.6, .2, .1, .7])
-    assert res.finetune_answer_prob == bootstrap([.8, .9, .7, .3])
+    assert res.base_answer_prob == bootstrap([0.6, 0.2, 0.1, 0.7])
+    assert res.finetune_answer_prob == bootstrap([0.8, 0.9, 0.7, 0.3])
     assert res.positions == {"A": "last", "E": "query_label"}
     assert [(r.scope, r.kind) for r in res.rows] == [("A", "z"), ("A", "q")]
     assert [(r.scope, r.kind) for r in res.random_rows] == [("random:A", "z")]
     # recovered = (patched - base) / (fine-tune - base): (0.5 - 0.5) / 0.25, (1 - 0.5) / 0.25, (0.375 - 0.5) / 0.25
     assert [r.recovered for r in res.rows] == [0.0, 2.0] and res.random_rows[0].recovered == pytest.approx(-0.5)
     assert res.rows[1].accuracy == mean_estimate([1, 1, 1, 1])
-    assert res.rows[1].answer_prob == bootstrap([.9, .8, .7, .6])
-    assert res.random_rows[0].accuracy == mean_estimate([.5, 1, 0, 0])
+    assert res.rows[1].answer_prob == bootstrap([0.9, 0.8, 0.7, 0.6])
+    assert res.random_rows[0].accuracy == mean_estimate([0.5, 1, 0, 0])
     # outcomes: 0/1 ints, and a random scope's share of right draws kept as is (the JSON shows which)
-    assert json.dumps(res.outcomes) == json.dumps({"base": [1, 0, 0, 1], "finetune": [1, 1, 1, 0], "A/z": [1, 1, 0, 0],
-                                                   "A/q": [1, 1, 1, 1], "random:A/z": [0.5, 1.0, 0.0, 0.0]})
+    assert json.dumps(res.outcomes) == json.dumps(
+        {
+            "base": [1, 0, 0, 1],
+            "finetune": [1, 1, 1, 0],
+            "A/z": [1, 1, 0, 0],
+            "A/q": [1, 1, 1, 1],
+            "random:A/z": [0.5, 1.0, 0.0, 0.0],
+        }
+    )
     tied = dict(scores, finetune=scores["base"])
     assert all(np.isnan(r.recovered) for r in _result(*names, _circuit(), tied, {"A": None}, ["z", "q"]).rows)
 
 
 def test_result_to_dict_is_its_json_form():
-    e = lambda v: Estimate(v, v - .1, v + .1, 4)  # noqa: E731
-    row = CMAPRow("A", "qk", e(.5), e(.25), 0.75)
-    rnd = CMAPRow("random:A", "qk", e(.3), e(.2), -0.25)
-    res = CMAPResult("b", "f", e(.4), e(.9), [row], e(.1), e(.6), {"A": "last"}, "cap", [rnd], {"base": [1, 0]},
-                     {"seed": 3})
-    est = lambda v: {"value": v, "low": v - .1, "high": v + .1, "n": 4}  # noqa: E731
-    assert row.to_dict() == {"scope": "A", "kind": "qk", "accuracy": est(.5), "answer_prob": est(.25), "recovered": 0.75}
+    e = lambda v: Estimate(v, v - 0.1, v + 0.1, 4)  # noqa: E731
+    row = CMAPRow("A", "qk", e(0.5), e(0.25), 0.75)
+    rnd = CMAPRow("random:A", "qk", e(0.3), e(0.2), -0.25)
+    res = CMAPResult(
+        "b", "f", e(0.4), e(0.9), [row], e(0.1), e(0.6), {"A": "last"}, "cap", [rnd], {"base": [1, 0]}, {"seed": 3}
+    )
+    est = lambda v: {"value": v, "low": v - 0.1, "high": v + 0.1, "n": 4}  # noqa: E731
+    assert row.to_dict() == {
+        "scope": "A",
+        "kind": "qk",
+        "accuracy": est(0.5),
+        "answer_prob": est(0.25),
+        "recovered": 0.75,
+    }
     assert res.to_dict() == {
-        "base": "b", "finetune": "f", "caption": "cap", "base_accuracy": est(.4), "finetune_accuracy": est(.9),
-        "base_answer_prob": est(.1), "finetune_answer_prob": est(.6), "positions": {"A": "last"},
-        "rows": [row.to_dict()], "random_rows": [rnd.to_dict()], "outcomes": {"base": [1, 0]}, "settings": {"seed": 3}}
-    no_probs = CMAPResult("b", "f", e(.4), e(.9), [row]).to_dict()
+        "base": "b",
+        "finetune": "f",
+        "caption": "cap",
+        "base_accuracy": est(0.4),
+        "finetune_accuracy": est(0.9),
+        "base_answer_prob": est(0.1),
+        "finetune_answer_prob": est(0.6),
+        "positions": {"A": "last"},
+        "rows": [row.to_dict()],
+        "random_rows": [rnd.to_dict()],
+        "outcomes": {"base": [1, 0]},
+        "settings": {"seed": 3},
+    }
+    no_probs = CMAPResult("b", "f", e(0.4), e(0.9), [row]).to_dict()
     assert "base_answer_prob" not in no_probs and "finetune_answer_prob" not in no_probs
     assert no_probs["caption"] == CAPTION and no_probs["random_rows"] == [] and no_probs["settings"] == {}
 
@@ -393,7 +458,7 @@ def _expected_outcomes(base, donor, records, circuit, scope_items, kinds, isolat
     heads = circuit.heads()
     out: dict = {}
     for i in range(0, len(records), batch_size):
-        batch = batch_tensors(records[i:i + batch_size])
+        batch = batch_tensors(records[i : i + batch_size])
         ids, answer, positions = batch["input_ids"], batch["answer_ids"], batch["positions"]
         cap = core.run(donor, ids, capture=capture_sites(heads)).captured
         plain = core.run(base, ids, capture=[("z", l) for l in range(base.shape.n_layers)])
@@ -408,11 +473,14 @@ def _expected_outcomes(base, donor, records, circuit, scope_items, kinds, isolat
                         patches += isolation_patches(base, pairs, kind, base_z, positions, ids.shape[1])
                     lg = core.run(base, ids, patches).logits
                     runs.append((answer_is_top1(lg, answer).float(), answer_prob(lg, answer)))
-                out.setdefault((key, kind), []).append((torch.stack([r[0] for r in runs]).mean(0),
-                                                        torch.stack([r[1] for r in runs]).mean(0)))
+                out.setdefault((key, kind), []).append(
+                    (torch.stack([r[0] for r in runs]).mean(0), torch.stack([r[1] for r in runs]).mean(0))
+                )
         for key, lg in logits.items():
             out.setdefault(key, []).append((answer_is_top1(lg, answer).float(), answer_prob(lg, answer)))
-    return {k: (torch.cat([v[0] for v in vs]).tolist(), torch.cat([v[1] for v in vs]).tolist()) for k, vs in out.items()}
+    return {
+        k: (torch.cat([v[0] for v in vs]).tolist(), torch.cat([v[1] for v in vs]).tolist()) for k, vs in out.items()
+    }
 
 
 def _check_outcomes(res, want: dict) -> None:
@@ -420,7 +488,8 @@ def _check_outcomes(res, want: dict) -> None:
         name = key if isinstance(key, str) else "/".join(key)
         assert res.outcomes[name] == pytest.approx(correct), name
         got = {"base": res.base_answer_prob, "finetune": res.finetune_answer_prob}.get(name) or next(
-            r.answer_prob for r in res.rows + res.random_rows if (r.scope, r.kind) == key)
+            r.answer_prob for r in res.rows + res.random_rows if (r.scope, r.kind) == key
+        )
         assert got.value == pytest.approx(float(np.mean(prob)), rel=1e-5), name
         assert got.n == len(prob), name
 
@@ -431,8 +500,9 @@ def test_run_cmap_against_full_patched_runs(tiny_llama, smollm2_tokenizer, monke
     from the plain run's residual and read its keys and values; nothing is printed with ``progress=False``."""
     base, donor = tiny_llama, perturb_qkv(tiny_llama)
     records = generate(smollm2_tokenizer, 6, n_boxes=3, seed=1)
-    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "C": [Head(0, 1)]},
-                      {"A": "last", "C": "query_label"})
+    circuit = Circuit(
+        "tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "C": [Head(0, 1)]}, {"A": "last", "C": "query_label"}
+    )
     calls: list = []
 
     def spy(model, ids, patches=(), **kw):
@@ -441,13 +511,18 @@ def test_run_cmap_against_full_patched_runs(tiny_llama, smollm2_tokenizer, monke
         return out
 
     monkeypatch.setattr("mechdiff.methods.cmap.run", spy)
-    res = run_cmap(base, donor, circuit, records, kinds=("v",), batch_size=3, groups=["A"], progress=False,
-                   n_random=2, seed=3)
+    res = run_cmap(
+        base, donor, circuit, records, kinds=("v",), batch_size=3, groups=["A"], progress=False, n_random=2, seed=3
+    )
     rng = random.Random(3)
     draws = [random_scope(scopes(circuit)["A"], base.shape.n_heads, rng) for _ in range(2)]
     assert draws[0] != draws[1]
-    _check_outcomes(res, _expected_outcomes(base, donor, records, circuit, [(("A"), [scopes(circuit)["A"]]), ("random:A", draws)],
-                          ["v"], True, 3))
+    _check_outcomes(
+        res,
+        _expected_outcomes(
+            base, donor, records, circuit, [(("A"), [scopes(circuit)["A"]]), ("random:A", draws)], ["v"], True, 3
+        ),
+    )
     assert [(r.scope, r.kind) for r in res.rows] == [("A", "v")]
     assert [(r.scope, r.kind) for r in res.random_rows] == [("random:A", "v")]
     assert res.caption == CAPTION
@@ -467,8 +542,12 @@ def test_run_cmap_against_full_patched_runs(tiny_llama, smollm2_tokenizer, monke
     calls.clear()
     loose = run_cmap(base, donor, circuit, records, kinds=("q",), batch_size=6, isolate=False, progress=False)
     sc = scopes(circuit)
-    _check_outcomes(loose, _expected_outcomes(base, donor, records, circuit, [(g, [sc[g]]) for g in ("A", "C", "circuit")], ["q"],
-                            False, 6))
+    _check_outcomes(
+        loose,
+        _expected_outcomes(
+            base, donor, records, circuit, [(g, [sc[g]]) for g in ("A", "C", "circuit")], ["q"], False, 6
+        ),
+    )
     assert loose.caption == CAPTION_UNISOLATED and loose.random_rows == []
     assert loose.settings == {"isolate": False, "n_random": 0, "seed": 0, "n_prompts": 6}
     assert [c[2] for c in calls if c[0] == base.name and not c[1]] == [{"capture": [("resid", 0)], "keep_kv": True}]
@@ -513,13 +592,15 @@ def _paper_cmap_by_hand(base, donor, heads, kind, ids, last):
     def grab(store, key, pre=False):
         def hook(mod, args, out=None):
             store[key] = (args[0] if pre else out).detach().clone()
+
         return hook
 
     handles = []
     for l in {h.layer for h in heads}:
         for site in ("q", "k", "v"):
-            handles.append(getattr(layers_of(donor)[l].self_attn, f"{site}_proj").register_forward_hook(
-                grab(captured, (site, l))))
+            handles.append(
+                getattr(layers_of(donor)[l].self_attn, f"{site}_proj").register_forward_hook(grab(captured, (site, l)))
+            )
     with torch.no_grad():
         donor.model(input_ids=ids, use_cache=False)
     clean: dict = {}
@@ -535,13 +616,17 @@ def _paper_cmap_by_hand(base, donor, heads, kind, ids, last):
         def hook(mod, args, out):
             out = out.clone()
             for h in (h for h in heads if h.layer == l):
-                cols = slice(h.head * d, (h.head + 1) * d) if site == "q" else \
-                    slice(h.head // group * d, (h.head // group + 1) * d)
+                cols = (
+                    slice(h.head * d, (h.head + 1) * d)
+                    if site == "q"
+                    else slice(h.head // group * d, (h.head // group + 1) * d)
+                )
                 if site == "q":
                     out[rows, last, cols] = captured[(site, l)][rows, last, cols]
                 else:
                     out[:, :, cols] = torch.where(before[..., None], captured[(site, l)][:, :, cols], out[:, :, cols])
             return out
+
         return hook
 
     first = min(h.layer for h in heads)
@@ -556,14 +641,22 @@ def _paper_cmap_by_hand(base, donor, heads, kind, ids, last):
                 ours = {h.head for h in heads if h.layer == l}
                 for partner in range(base.shape.n_heads):
                     if partner not in ours and any(partner // group == o // group for o in ours):
-                        x[rows, last, partner * d:(partner + 1) * d] = clean[l][rows, last, partner * d:(partner + 1) * d]
+                        x[rows, last, partner * d : (partner + 1) * d] = clean[l][
+                            rows, last, partner * d : (partner + 1) * d
+                        ]
             return (x,)
+
         return pre
 
-    handles = [getattr(layers_of(base)[l].self_attn, f"{site}_proj").register_forward_hook(patch_site(site, l))
-               for site in set(kind) for l in {h.layer for h in heads}]
-    handles += [layers_of(base)[l].self_attn.o_proj.register_forward_pre_hook(isolate(l))
-                for l in range(first, base.shape.n_layers)]
+    handles = [
+        getattr(layers_of(base)[l].self_attn, f"{site}_proj").register_forward_hook(patch_site(site, l))
+        for site in set(kind)
+        for l in {h.layer for h in heads}
+    ]
+    handles += [
+        layers_of(base)[l].self_attn.o_proj.register_forward_pre_hook(isolate(l))
+        for l in range(first, base.shape.n_layers)
+    ]
     with torch.no_grad():
         logits = base.model(input_ids=ids, use_cache=False).logits[rows, last]
     for h in handles:
@@ -574,8 +667,8 @@ def _paper_cmap_by_hand(base, donor, heads, kind, ids, last):
 @pytest.mark.parametrize("kind", ["q", "k", "v", "qkv"])
 def test_paper_cmap_patches_and_restores_the_paper_sites(tiny_llama, smollm2_tokenizer, kind):
     import torch
-
     from conftest import make_tiny
+
     from mechdiff.methods.cmap import cmap_patches, paper_isolation_patches
     from mechdiff.patching.core import run
     from mechdiff.tasks.entity_tracking import batch_tensors
@@ -590,36 +683,40 @@ def test_paper_cmap_patches_and_restores_the_paper_sites(tiny_llama, smollm2_tok
     cap = run(donor, ids, capture=sites).captured
     base_z = {l: t for (k, l), t in run(tiny_llama, ids, capture=sites).captured.items() if k == "z"}
     isolation = paper_isolation_patches(tiny_llama, scope, kind, base_z, positions, ids.shape[1])
-    got = run(tiny_llama, ids, cmap_patches(tiny_llama, scope, kind, cap, positions, ids.shape[1], strict=True)
-              + isolation).logits  # the read-out: the last position
+    got = run(
+        tiny_llama, ids, cmap_patches(tiny_llama, scope, kind, cap, positions, ids.shape[1], strict=True) + isolation
+    ).logits  # the read-out: the last position
     want = _paper_cmap_by_hand(tiny_llama, donor, heads, kind, ids, positions["last"])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     if set(kind) & {"k", "v"}:  # K/V also at the group's own position (mechdiff's base rule) is another run
-        loose = run(tiny_llama, ids, cmap_patches(tiny_llama, scope, kind, cap, positions, ids.shape[1])
-                    + isolation).logits
+        loose = run(
+            tiny_llama, ids, cmap_patches(tiny_llama, scope, kind, cap, positions, ids.shape[1]) + isolation
+        ).logits
         assert not torch.allclose(loose, got, atol=1e-4)
 
 
 def test_paper_cmap_runs_qkv_only_for_last_token_groups(tiny_llama, smollm2_tokenizer):
     import torch
-
     from conftest import make_tiny
-    from mechdiff.methods.cmap import CMAP_KINDS, run_cmap
+
     from mechdiff.common.metrics import answer_prob
+    from mechdiff.methods.cmap import CMAP_KINDS, run_cmap
     from mechdiff.tasks.entity_tracking import batch_tensors
 
     donor = make_tiny("llama", seed=5)
     records = generate(smollm2_tokenizer, 6, n_boxes=3, seed=0)
-    circuit = Circuit("tiny", "et", {"A": [Head(1, 3), Head(2, 0)], "C": [Head(1, 1)]},
-                      {"A": "last", "C": "query_label"})
+    circuit = Circuit(
+        "tiny", "et", {"A": [Head(1, 3), Head(2, 0)], "C": [Head(1, 1)]}, {"A": "last", "C": "query_label"}
+    )
     res = run_cmap(tiny_llama, donor, circuit, records, CMAP_KINDS, batch_size=6, progress=False, rule="paper")
     kinds = {(r.scope, r.kind) for r in res.rows}
     assert kinds == {("A", k) for k in CMAP_KINDS} | {("C", "z"), ("circuit", "z")}
     assert res.settings["rule"] == "paper" and "strictly before" in res.caption
     batch = batch_tensors(records)
     for kind in ("k", "v"):
-        logits = _paper_cmap_by_hand(tiny_llama, donor, circuit.groups["A"], kind, batch["input_ids"],
-                                     batch["positions"]["last"])
+        logits = _paper_cmap_by_hand(
+            tiny_llama, donor, circuit.groups["A"], kind, batch["input_ids"], batch["positions"]["last"]
+        )
         want = float(answer_prob(logits, batch["answer_ids"]).mean())
         row = next(r for r in res.rows if (r.scope, r.kind) == ("A", kind))
         assert row.answer_prob.value == pytest.approx(want, rel=1e-4)
@@ -630,11 +727,17 @@ def test_paper_cmap_runs_qkv_only_for_last_token_groups(tiny_llama, smollm2_toke
 def test_dcm_cut_keeps_each_groups_selected_heads():
     from mechdiff.methods.cmap import dcm_cut
 
-    circuit = Circuit("ft", "et", {"A": [Head(2, 0), Head(1, 0)], "B": [Head(1, 1)], "D": [Head(0, 2), Head(0, 3)]},
-                      {"A": "last", "B": "last", "D": "query_label_context"})
-    dcm = [{"group": "A", "desideratum": "object_value", "selected": ["L1H0"]},
-           {"group": "A", "desideratum": "positional", "selected": ["L2H0"]},
-           {"group": "B", "desideratum": "positional", "selected": []}]
+    circuit = Circuit(
+        "ft",
+        "et",
+        {"A": [Head(2, 0), Head(1, 0)], "B": [Head(1, 1)], "D": [Head(0, 2), Head(0, 3)]},
+        {"A": "last", "B": "last", "D": "query_label_context"},
+    )
+    dcm = [
+        {"group": "A", "desideratum": "object_value", "selected": ["L1H0"]},
+        {"group": "A", "desideratum": "positional", "selected": ["L2H0"]},
+        {"group": "B", "desideratum": "positional", "selected": []},
+    ]
     cut = dcm_cut(circuit, dcm, {"A": "object", "B": "positional"})  # aliases: object == object_value
     assert cut.groups == {"A": [Head(1, 0)], "B": [], "D": [Head(0, 2), Head(0, 3)]}
     with pytest.raises(ValueError, match="no DCM result"):
@@ -645,24 +748,63 @@ def test_cli_cmap_and_prune_with_the_paper_rules(tmp_path, smollm2_tokenizer):
     import json
 
     from conftest import make_tiny
+
     from mechdiff.cli import main as cli_main
 
     for seed, d in ((0, "base"), (5, "ft")):
         m = make_tiny("llama", smollm2_tokenizer, seed=seed)
         m.model.save_pretrained(tmp_path / d)
         smollm2_tokenizer.save_pretrained(tmp_path / d)
-    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 2)], "C": [Head(1, 1)]},
-                      {"A": "last", "C": "query_label"}).save(tmp_path / "circuit.json")
+    circuit = Circuit(
+        "tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 2)], "C": [Head(1, 1)]}, {"A": "last", "C": "query_label"}
+    ).save(tmp_path / "circuit.json")
     out = tmp_path / "cmap"
-    assert cli_main(["cmap", "--base", str(tmp_path / "base"), "--finetune", str(tmp_path / "ft"),
-                     "--circuit", str(circuit), "--n", "6", "--n-boxes", "3", "--batch-size", "3",
-                     "--kinds", "z,k", "--rule", "paper", "--out", str(out)]) in (0, None)
+    assert cli_main(
+        [
+            "cmap",
+            "--base",
+            str(tmp_path / "base"),
+            "--finetune",
+            str(tmp_path / "ft"),
+            "--circuit",
+            str(circuit),
+            "--n",
+            "6",
+            "--n-boxes",
+            "3",
+            "--batch-size",
+            "3",
+            "--kinds",
+            "z,k",
+            "--rule",
+            "paper",
+            "--out",
+            str(out),
+        ]
+    ) in (0, None)
     data = json.loads((out / "cmap.json").read_text())
     assert {(r["scope"], r["kind"]) for r in data["rows"]} == {("A", "z"), ("A", "k"), ("C", "z"), ("circuit", "z")}
     assert (out / "cmap.png").is_file() and data["settings"]["rule"] == "paper"
     pruned = tmp_path / "pruned.json"
-    assert cli_main(["prune", "--model", str(tmp_path / "base"), "--circuit", str(circuit), "--out", str(pruned),
-                     "--rule", "paper", "--metric", "prob", "--n", "6", "--n-boxes", "3"]) in (0, None)
+    assert cli_main(
+        [
+            "prune",
+            "--model",
+            str(tmp_path / "base"),
+            "--circuit",
+            str(circuit),
+            "--out",
+            str(pruned),
+            "--rule",
+            "paper",
+            "--metric",
+            "prob",
+            "--n",
+            "6",
+            "--n-boxes",
+            "3",
+        ]
+    ) in (0, None)
     meta = json.loads(pruned.read_text())["meta"]["pruned"]
     assert meta["rule"] == "paper" and meta["share"] == 0.3 and meta["metric"] == "prob"
     table = (tmp_path / "pruned.minimality.md").read_text()

@@ -6,26 +6,43 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import random
 import re
-import math
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny
+
+import mechdiff.methods.dcm as dcm
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
 from mechdiff.common.components import Head, all_heads
-from mechdiff.methods.dcm import DCMConfig, DCMResult, PairCache, SemanticResult, _Mask, dcm_circuit, loss_scale, masked_z_patches, random_pool, run_dcm, semantic_patching, source_z, split_indices, split_pairs, target_accuracy, train_mask
-from mechdiff.tasks.desiderata import desideratum_pairs
-from mechdiff.patching.core import Patch, head_patch, run
-from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors, write_jsonl
-import mechdiff.methods.dcm as dcm
 from mechdiff.common.metrics import answer_logit
 from mechdiff.common.stats import Estimate, proportion
+from mechdiff.methods.dcm import (
+    DCMConfig,
+    DCMResult,
+    PairCache,
+    SemanticResult,
+    _Mask,
+    dcm_circuit,
+    loss_scale,
+    masked_z_patches,
+    random_pool,
+    run_dcm,
+    semantic_patching,
+    source_z,
+    split_indices,
+    split_pairs,
+    target_accuracy,
+    train_mask,
+)
+from mechdiff.patching.core import Patch, head_patch, run
 from mechdiff.tasks.base import get_task
+from mechdiff.tasks.desiderata import desideratum_pairs
+from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors, write_jsonl
 
 PLANTED = Head(2, 1)
 
@@ -63,11 +80,12 @@ def test_all_zeros_mask_equals_patching(tiny_model, pairs):
     values = source_z(tiny_model, batch, layers, "last")
     masked = masked_z_patches(tiny_model, heads, torch.zeros(2), values, pos_b)
     rows = torch.arange(ids.shape[0])
-    direct = [head_patch(tiny_model, "z", h, cap[("z", h.layer)][rows, pos_s][:, h.head * 8:(h.head + 1) * 8], pos_b)
-              for h in heads]
+    direct = [
+        head_patch(tiny_model, "z", h, cap[("z", h.layer)][rows, pos_s][:, h.head * 8 : (h.head + 1) * 8], pos_b)
+        for h in heads
+    ]
     # exact: a mask of zeros writes source * 1 + clean * 0, the source values themselves
-    torch.testing.assert_close(run(tiny_model, ids, masked).logits, run(tiny_model, ids, direct).logits,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(run(tiny_model, ids, masked).logits, run(tiny_model, ids, direct).logits, rtol=0, atol=0)
 
 
 def _check_gradient(objective, mask: torch.Tensor, eps: float = 1e-3) -> None:
@@ -132,18 +150,21 @@ def planted_case(tokenizer, pairs):
     model = make_tiny("llama", tokenizer, seed=3)
     o_proj = model.arch.module(model.model, "z", PLANTED.layer)
     d = model.shape.d_head
-    o_proj.weight[:, PLANTED.head * d:(PLANTED.head + 1) * d] *= 40
+    o_proj.weight[:, PLANTED.head * d : (PLANTED.head + 1) * d] *= 40
     patched = []
     for chunk in range(0, len(pairs), 16):
-        part = pairs[chunk:chunk + 16]
+        part = pairs[chunk : chunk + 16]
         batch = pair_batch_tensors(part)
         values = source_z(model, batch, [PLANTED.layer], "last")
         patches = masked_z_patches(model, [PLANTED], torch.zeros(1), values, batch["base"]["positions"]["last"])
         with torch.no_grad():
             new = run(model, batch["base"]["input_ids"], patches).logits.argmax(-1)
             old = run(model, batch["base"]["input_ids"]).logits.argmax(-1)
-        patched += [dataclasses.replace(p, target_id=int(t), kind="planted")
-                    for p, t, o in zip(part, new.tolist(), old.tolist()) if t != o]
+        patched += [
+            dataclasses.replace(p, target_id=int(t), kind="planted")
+            for p, t, o in zip(part, new.tolist(), old.tolist())
+            if t != o
+        ]
     return model, patched
 
 
@@ -215,9 +236,25 @@ def test_cli_dcm_with_user_desideratum(tmp_path, smollm2_tokenizer, pairs):
     circuit = Circuit("tiny", "entity-tracking", {"A": [PLANTED, Head(2, 0)]}, {"A": "last"})
     circuit.save(tmp_path / "c.json")
     out = tmp_path / "out"
-    rc = cli_main(["dcm", "--model", str(tmp_path / "m"), "--circuit", str(tmp_path / "c.json"),
-                   "--desiderata", str(tmp_path / "planted.jsonl"), "--epochs", "1", "--batch-size", "8",
-                   "--n-random", "1", "--out", str(out)])
+    rc = cli_main(
+        [
+            "dcm",
+            "--model",
+            str(tmp_path / "m"),
+            "--circuit",
+            str(tmp_path / "c.json"),
+            "--desiderata",
+            str(tmp_path / "planted.jsonl"),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--n-random",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     for name in ("dcm.md", "dcm.csv", "dcm.json", "dcm.png"):
         assert (out / name).is_file(), name
@@ -240,12 +277,17 @@ def test_pair_cache_matches_uncached_patching(tiny_llama, pairs):
     assert set(cache.prefix) == {1}
     batch = pair_batch_tensors(subset)
     values = source_z(tiny_llama, batch, [1, 2], "last")
-    plain = run(tiny_llama, batch["base"]["input_ids"],
-                masked_z_patches(tiny_llama, heads, torch.zeros(2), values, batch["base"]["positions"]["last"]))
+    plain = run(
+        tiny_llama,
+        batch["base"]["input_ids"],
+        masked_z_patches(tiny_llama, heads, torch.zeros(2), values, batch["base"]["positions"]["last"]),
+    )
     logits, target = cache.logits(tiny_llama, range(10), heads, torch.zeros(2), "last")
     torch.testing.assert_close(logits, plain.logits, rtol=1e-5, atol=1e-6)
-    assert (cache.accuracy(tiny_llama, range(10), heads, "last", 3) ==
-            (plain.logits.argmax(-1) == batch["target_ids"]).numpy()).all()
+    assert (
+        cache.accuracy(tiny_llama, range(10), heads, "last", 3)
+        == (plain.logits.argmax(-1) == batch["target_ids"]).numpy()
+    ).all()
     unpatched = run(tiny_llama, batch["base"]["input_ids"]).logits.argmax(-1) == batch["target_ids"]
     assert (cache.floor == unpatched.numpy()).all()
 
@@ -265,8 +307,12 @@ def test_pair_cache_suffix_gradients_equal_full_runs(tiny_llama, pairs):
     for full in (False, True):
         mask = torch.full((2,), 0.3, requires_grad=True)
         if full:
-            out = run(tiny_llama, batch["base"]["input_ids"], masked_z_patches(
-                tiny_llama, heads, mask, values, batch["base"]["positions"]["query_label"]), grad=True).logits
+            out = run(
+                tiny_llama,
+                batch["base"]["input_ids"],
+                masked_z_patches(tiny_llama, heads, mask, values, batch["base"]["positions"]["query_label"]),
+                grad=True,
+            ).logits
         else:
             out, _ = cache.logits(tiny_llama, range(6), heads, mask, "query_label", grad=True)
         (out * weights).sum().backward()
@@ -299,18 +345,36 @@ def _no_weights(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["unknown name", "missing file", "not pairs"])
-def test_cli_dcm_checks_desiderata_before_any_weights(case, tmp_path, tiny_family, smollm2_tokenizer, monkeypatch,
-                                                       capsys):
+def test_cli_dcm_checks_desiderata_before_any_weights(
+    case, tmp_path, tiny_family, smollm2_tokenizer, monkeypatch, capsys
+):
     from mechdiff.tasks.entity_tracking import generate
 
     Circuit("tiny", "entity-tracking", {"A": [Head(1, 0)]}, {"A": "last"}).save(tmp_path / "c.json")
     write_jsonl(generate(smollm2_tokenizer, 2, n_boxes=3, seed=0), tmp_path / "examples.jsonl")
-    desiderata, message = {"unknown name": ("object,nonsense", "unknown desideratum 'nonsense'"),
-                           "missing file": (str(tmp_path / "absent.jsonl"), "absent.jsonl"),
-                           "not pairs": (str(tmp_path / "examples.jsonl"), "must hold counterfactual pairs")}[case]
+    desiderata, message = {
+        "unknown name": ("object,nonsense", "unknown desideratum 'nonsense'"),
+        "missing file": (str(tmp_path / "absent.jsonl"), "absent.jsonl"),
+        "not pairs": (str(tmp_path / "examples.jsonl"), "must hold counterfactual pairs"),
+    }[case]
     _no_weights(monkeypatch)
-    rc = cli_main(["dcm", "--model", tiny_family[0], "--circuit", str(tmp_path / "c.json"), "--desiderata",
-                   desiderata, "--n", "8", "--n-boxes", "3", "--out", str(tmp_path / "out")])
+    rc = cli_main(
+        [
+            "dcm",
+            "--model",
+            tiny_family[0],
+            "--circuit",
+            str(tmp_path / "c.json"),
+            "--desiderata",
+            desiderata,
+            "--n",
+            "8",
+            "--n-boxes",
+            "3",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert rc == 2
     assert message in capsys.readouterr().err
 
@@ -337,8 +401,25 @@ def test_cli_dcm_prints_the_dcm_table_before_semantic_patching(tmp_path, tiny_fa
     import mechdiff.studies.dcm as study
 
     Circuit("tiny", "entity-tracking", {"A": [Head(1, 0), Head(1, 1)]}, {"A": "last"}).save(tmp_path / "c.json")
-    argv = ["dcm", "--model", tiny_family[0], "--semantic", tiny_family[1], "--circuit", str(tmp_path / "c.json"),
-            "--desiderata", "object", "--n", "20", "--n-boxes", "3", "--epochs", "1", "--n-random", "1"]
+    argv = [
+        "dcm",
+        "--model",
+        tiny_family[0],
+        "--semantic",
+        tiny_family[1],
+        "--circuit",
+        str(tmp_path / "c.json"),
+        "--desiderata",
+        "object",
+        "--n",
+        "20",
+        "--n-boxes",
+        "3",
+        "--epochs",
+        "1",
+        "--n-random",
+        "1",
+    ]
 
     def refuse(*args, **kwargs):
         raise RuntimeError("semantic patching ran")
@@ -375,17 +456,20 @@ def _exactly(message: str) -> str:
     return "^" + re.escape(message) + "$"
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"parameterisation": "l0"}, "parameterisation must be one of ('continuous', 'hard_concrete'), got 'l0'"),
-    ({"lam_scale": "relative"}, "lam_scale must be 'loss' or 'absolute', got 'relative'"),
-    ({"random_pool": "layer"}, "random_pool must be 'group' or 'all', got 'layer'"),
-    ({"split": (0.0, 0.5, 0.5)}, "split must be three positive fractions summing to 1, got (0.0, 0.5, 0.5)"),
-    ({"split": (0.5, 0.5)}, "split must be three positive fractions summing to 1, got (0.5, 0.5)"),
-    ({"split": (0.6, 0.2, 0.3)}, "split must be three positive fractions summing to 1, got (0.6, 0.2, 0.3)"),
-    ({"batch_size": 0}, "batch_size, micro_batch and eval_batch must be at least 1"),
-    ({"micro_batch": 0}, "batch_size, micro_batch and eval_batch must be at least 1"),
-    ({"eval_batch": 0}, "batch_size, micro_batch and eval_batch must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"parameterisation": "l0"}, "parameterisation must be one of ('continuous', 'hard_concrete'), got 'l0'"),
+        ({"lam_scale": "relative"}, "lam_scale must be 'loss' or 'absolute', got 'relative'"),
+        ({"random_pool": "layer"}, "random_pool must be 'group' or 'all', got 'layer'"),
+        ({"split": (0.0, 0.5, 0.5)}, "split must be three positive fractions summing to 1, got (0.0, 0.5, 0.5)"),
+        ({"split": (0.5, 0.5)}, "split must be three positive fractions summing to 1, got (0.5, 0.5)"),
+        ({"split": (0.6, 0.2, 0.3)}, "split must be three positive fractions summing to 1, got (0.6, 0.2, 0.3)"),
+        ({"batch_size": 0}, "batch_size, micro_batch and eval_batch must be at least 1"),
+        ({"micro_batch": 0}, "batch_size, micro_batch and eval_batch must be at least 1"),
+        ({"eval_batch": 0}, "batch_size, micro_batch and eval_batch must be at least 1"),
+    ],
+)
 def test_config_refusals_name_the_setting(settings, message):
     with pytest.raises(ValueError, match=_exactly(message)):
         DCMConfig(**settings)
@@ -399,12 +483,17 @@ def test_desideratum_pairs_pass_boxes_seed_and_vocabulary(smollm2_tokenizer):
     assert got != desideratum_pairs("object", smollm2_tokenizer, 4, n_boxes=4, seed=2, vocabulary=VOCABULARY)
     assert got != desideratum_pairs("object", smollm2_tokenizer, 4, n_boxes=3, seed=2)
     assert got != desideratum_pairs("object", smollm2_tokenizer, 4, n_boxes=3, seed=3, vocabulary=VOCABULARY)
-    assert desideratum_pairs("position", smollm2_tokenizer, 2, n_boxes=3) == \
-        task.desideratum("positional", smollm2_tokenizer, 2, n_boxes=3)
+    assert desideratum_pairs("position", smollm2_tokenizer, 2, n_boxes=3) == task.desideratum(
+        "positional", smollm2_tokenizer, 2, n_boxes=3
+    )
     assert desideratum_pairs("label", smollm2_tokenizer, 2) == task.desideratum("label", smollm2_tokenizer, 2)
-    with pytest.raises(ValueError, match=_exactly(
+    with pytest.raises(
+        ValueError,
+        match=_exactly(
             "unknown desideratum 'colour'; task entity-tracking defines ['label', 'object', 'positional'] "
-            "(or pass your own list of counterfactual pairs)")):
+            "(or pass your own list of counterfactual pairs)"
+        ),
+    ):
         desideratum_pairs("colour", smollm2_tokenizer, 2)
 
 
@@ -423,16 +512,46 @@ def _estimate(v: float) -> Estimate:
 
 
 def test_result_and_semantic_records_field_by_field():
-    result = DCMResult("object", "last", [Head(1, 0), Head(2, 1)], [0.9, 0.1], [Head(2, 1)], _estimate(0.6),
-                       _estimate(0.2), _estimate(0.7), None, (6, 2, 3), 4, [{"step": 0}], "A", {"lr": 0.1})
+    result = DCMResult(
+        "object",
+        "last",
+        [Head(1, 0), Head(2, 1)],
+        [0.9, 0.1],
+        [Head(2, 1)],
+        _estimate(0.6),
+        _estimate(0.2),
+        _estimate(0.7),
+        None,
+        (6, 2, 3),
+        4,
+        [{"step": 0}],
+        "A",
+        {"lr": 0.1},
+    )
     assert result.to_dict() == {
-        "group": "A", "desideratum": "object", "position": "last", "heads": ["L1H0", "L2H1"], "mask": [0.9, 0.1],
-        "selected": ["L2H1"], "test_accuracy": _estimate(0.6).to_dict(), "floor": _estimate(0.2).to_dict(),
-        "full_group": _estimate(0.7).to_dict(), "random": None, "n_train": 6, "n_val": 2, "n_test": 3,
-        "best_step": 4, "history": [{"step": 0}], "config": {"lr": 0.1}}
+        "group": "A",
+        "desideratum": "object",
+        "position": "last",
+        "heads": ["L1H0", "L2H1"],
+        "mask": [0.9, 0.1],
+        "selected": ["L2H1"],
+        "test_accuracy": _estimate(0.6).to_dict(),
+        "floor": _estimate(0.2).to_dict(),
+        "full_group": _estimate(0.7).to_dict(),
+        "random": None,
+        "n_train": 6,
+        "n_val": 2,
+        "n_test": 3,
+        "best_step": 4,
+        "history": [{"step": 0}],
+        "config": {"lr": 0.1},
+    }
     assert dataclasses.replace(result, random=_estimate(0.3)).to_dict()["random"] == _estimate(0.3).to_dict()
     assert SemanticResult("m", _estimate(0.5), _estimate(0.25)).to_dict() == {
-        "model": "m", "accuracy": _estimate(0.5).to_dict(), "floor": _estimate(0.25).to_dict()}
+        "model": "m",
+        "accuracy": _estimate(0.5).to_dict(),
+        "floor": _estimate(0.25).to_dict(),
+    }
 
 
 def _mean_target_logit(model, dcm_pairs, heads, mask, absolute: bool = False) -> float:
@@ -464,13 +583,19 @@ def test_one_step_reports_its_loss_and_history_its_validation(model, dcm_pairs, 
     selection are those of the mask it validated; the mask moves by Adam's first step, lr * sign(gradient)."""
     cache = PairCache.build(model, dcm_pairs, [(HEADS, "last")])
     train, val = list(range(8)), list(range(8, 14))
-    config = DCMConfig(lam=0.5, lam_scale=lam_scale, lr=0.3, epochs=1, batch_size=8, micro_batch=3,
-                       eval_every=1, init=0.8)
+    config = DCMConfig(
+        lam=0.5, lam_scale=lam_scale, lr=0.3, epochs=1, batch_size=8, micro_batch=3, eval_every=1, init=0.8
+    )
     init = torch.full((3,), 0.8)
-    scale = 1.0 if lam_scale == "absolute" else _mean_target_logit(model, [dcm_pairs[i] for i in train[:3]], HEADS,
-                                                                   torch.ones(3), absolute=True)
+    scale = (
+        1.0
+        if lam_scale == "absolute"
+        else _mean_target_logit(model, [dcm_pairs[i] for i in train[:3]], HEADS, torch.ones(3), absolute=True)
+    )
     lam = 0.5 * scale
-    expected_loss = -_mean_target_logit(model, [dcm_pairs[i] for i in train], HEADS, init) + lam * float((1 - init).sum())
+    expected_loss = -_mean_target_logit(model, [dcm_pairs[i] for i in train], HEADS, init) + lam * float(
+        (1 - init).sum()
+    )
     mask = init.clone().requires_grad_()
     objective = -_mean_target_logit_grad(model, [dcm_pairs[i] for i in train], HEADS, mask) + lam * (1 - mask).sum()
     (grad,) = torch.autograd.grad(objective, mask)
@@ -497,8 +622,9 @@ def _mean_target_logit_grad(model, dcm_pairs, heads, mask) -> torch.Tensor:
 
 
 def test_run_dcm_reports_the_accuracies_of_what_it_selected(model, dcm_pairs):
-    config = DCMConfig(lam=0.0, lr=0.5, epochs=2, batch_size=4, eval_every=4, init=0.4, n_random=2,
-                       random_pool="group", seed=3)
+    config = DCMConfig(
+        lam=0.0, lr=0.5, epochs=2, batch_size=4, eval_every=4, init=0.4, n_random=2, random_pool="group", seed=3
+    )
     res = run_dcm(model, HEADS, "last", dcm_pairs, config, desideratum="object", group="B", progress=False)
     train, val, test = split_indices(len(dcm_pairs), config.split, config.seed)
     tested = [dcm_pairs[i] for i in test]
@@ -562,8 +688,12 @@ def test_a_circuit_builds_one_cache_per_desideratum(model, dcm_pairs, monkeypatc
         return original(*args, **kwargs)
 
     monkeypatch.setattr(PairCache, "build", count)
-    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(1, 0)], "B": [Head(2, 1)], "C": []},
-                      {"A": "last", "B": "last", "C": "last"})
+    circuit = Circuit(
+        "tiny",
+        "entity-tracking",
+        {"A": [Head(1, 0)], "B": [Head(2, 1)], "C": []},
+        {"A": "last", "B": "last", "C": "last"},
+    )
     config = DCMConfig(epochs=1, batch_size=8, eval_every=1, n_random=1)
     with caplog.at_level(logging.INFO, logger="mechdiff.methods.dcm"):
         results = dcm_circuit(model, circuit, {"one": dcm_pairs[:8], "two": dcm_pairs[8:16]}, config, progress=False)
@@ -593,13 +723,16 @@ def test_a_circuit_holds_one_desideratum_cache_at_a_time(model, dcm_pairs, monke
     monkeypatch.setattr(PairCache, "build", build)
     circuit = Circuit("tiny", "entity-tracking", {"A": [Head(1, 0)]}, {"A": "last"})
     config = DCMConfig(epochs=1, batch_size=8, eval_every=1, n_random=1)
-    dcm_circuit(model, circuit, {"one": dcm_pairs[:8], "two": dcm_pairs[8:16], "three": dcm_pairs[:8]}, config, progress=False)
+    dcm_circuit(
+        model, circuit, {"one": dcm_pairs[:8], "two": dcm_pairs[8:16], "three": dcm_pairs[:8]}, config, progress=False
+    )
     assert alive_at_build == [0, 0, 0]
 
 
 def test_semantic_patching_refuses_an_empty_selection(model, dcm_pairs):
-    with pytest.raises(ValueError, match=_exactly(
-            "semantic patching needs at least one head (the DCM selection was empty)")):
+    with pytest.raises(
+        ValueError, match=_exactly("semantic patching needs at least one head (the DCM selection was empty)")
+    ):
         semantic_patching([model], [], "last", dcm_pairs)
     (res,) = semantic_patching([model], [Head(2, 1)], "last", dcm_pairs[:6], batch_size=4)
     assert res.accuracy.value == pytest.approx(target_accuracy(model, dcm_pairs[:6], [Head(2, 1)], "last").mean())
@@ -619,9 +752,13 @@ def test_a_mask_at_one_half_selects_nothing(model, dcm_pairs):
 def test_a_position_absent_from_a_source_prompt_is_refused(model, dcm_pairs):
     batch = pair_batch_tensors(dcm_pairs[:2])
     batch["source"]["positions"]["last"] = torch.tensor([5, -1])
-    with pytest.raises(ValueError, match=_exactly(
+    with pytest.raises(
+        ValueError,
+        match=_exactly(
             "position 'last' is absent from some source prompts (e.g. path-patching sources); DCM needs the "
-            "group's position in both prompts of every pair")):
+            "group's position in both prompts of every pair"
+        ),
+    ):
         source_z(model, batch, [1], "last")
 
 
@@ -631,8 +768,13 @@ def test_a_quiet_dcm_prints_nothing(model, dcm_pairs, capsys, monkeypatch):
 
     monkeypatch.setattr(progress, "interactive", lambda stream=None: True)  # bars drawn as on a terminal
     circuit = Circuit("tiny", "entity-tracking", {"A": [Head(1, 0), Head(2, 1)]}, {"A": "last"})
-    dcm_circuit(model, circuit, {"one": dcm_pairs[:9]}, DCMConfig(epochs=1, batch_size=3, eval_every=1, n_random=1),
-                progress=False)
+    dcm_circuit(
+        model,
+        circuit,
+        {"one": dcm_pairs[:9]},
+        DCMConfig(epochs=1, batch_size=3, eval_every=1, n_random=1),
+        progress=False,
+    )
     semantic_patching([model], [Head(2, 1)], "last", dcm_pairs[:3], progress=False)
     assert capsys.readouterr().err == ""
     semantic_patching([model], [Head(2, 1)], "last", dcm_pairs[:3])  # the default shows its bars
@@ -697,8 +839,9 @@ def test_hard_concrete_starts_at_the_configured_mask(init, expected):
     mask = _Mask(4, DCMConfig(parameterisation="hard_concrete", init=init), torch.device("cpu"))
     torch.testing.assert_close(mask.values(), torch.full((4,), expected), atol=1e-6, rtol=0)
     la = float(mask.param[0])
-    assert float(mask.values()[0]) == pytest.approx(1 - min(1, max(0, (1 / (1 + math.exp(-la))) * (ZETA - GAMMA) + GAMMA)),
-                                                    abs=1e-6)
+    assert float(mask.values()[0]) == pytest.approx(
+        1 - min(1, max(0, (1 / (1 + math.exp(-la))) * (ZETA - GAMMA) + GAMMA)), abs=1e-6
+    )
 
 
 def test_continuous_mask_penalty_values_and_clamp():
@@ -751,8 +894,12 @@ def test_dcm_loss_at_an_explicit_mask_with_absolute_lambda(tiny_llama, smollm2_t
     d = model.shape.d_head
     layers = model.model.model.layers
     source: dict = {}
-    hooks = [layers[h.layer].self_attn.o_proj.register_forward_pre_hook(
-        lambda mod, args, layer=h.layer: source.__setitem__(layer, args[0].detach().clone())) for h in heads]
+    hooks = [
+        layers[h.layer].self_attn.o_proj.register_forward_pre_hook(
+            lambda mod, args, layer=h.layer: source.__setitem__(layer, args[0].detach().clone())
+        )
+        for h in heads
+    ]
     with torch.no_grad():
         model.model(input_ids=batch["source"]["input_ids"], use_cache=False)
     for hook in hooks:
@@ -768,6 +915,7 @@ def test_dcm_loss_at_an_explicit_mask_with_absolute_lambda(tiny_llama, smollm2_t
                     cols = slice(h.head * d, (h.head + 1) * d)
                     x[rows_t, pb, cols] = value * x[rows_t, pb, cols] + (1 - value) * source[layer][rows_t, ps, cols]
             return (x,)
+
         return pre
 
     hooks = [layers[l].self_attn.o_proj.register_forward_pre_hook(mix(l)) for l in {h.layer for h in heads}]
@@ -793,8 +941,15 @@ def test_dcm_paper_preset_and_validation_schedule(tiny_llama, smollm2_tokenizer)
     from mechdiff.tasks.entity_tracking import object_value_pairs
 
     paper = DCMConfig.paper()
-    assert (paper.lam, paper.lam_scale, paper.lr, paper.epochs, paper.batch_size, paper.split, paper.shuffle) == \
-        (0.01, "absolute", 0.1, 2, 32, (0.5, 0.25, 0.25), False)
+    assert (paper.lam, paper.lam_scale, paper.lr, paper.epochs, paper.batch_size, paper.split, paper.shuffle) == (
+        0.01,
+        "absolute",
+        0.1,
+        2,
+        32,
+        (0.5, 0.25, 0.25),
+        False,
+    )
     # the paper validates after batches 0, 4, 8, ... of each epoch; mechdiff every eval_every steps and the last
     assert [b for b in range(10) if validates(paper, 1, b, 20)] == [0, 4, 8]
     mine = DCMConfig(eval_every=4)
@@ -805,8 +960,16 @@ def test_dcm_paper_preset_and_validation_schedule(tiny_llama, smollm2_tokenizer)
     config = DCMConfig.paper(batch_size=1)  # 10 training pairs: 10 batches per epoch
     _, _, history = train_mask(tiny_llama, heads, "last", cache, list(range(10)), [10, 11], config, progress=False)
     assert [h["step"] for h in history] == [1, 5, 9, 11, 15, 19]
-    _, _, history = train_mask(tiny_llama, heads, "last", cache, list(range(10)), [10, 11],
-                               DCMConfig(batch_size=1, eval_every=4, epochs=2), progress=False)
+    _, _, history = train_mask(
+        tiny_llama,
+        heads,
+        "last",
+        cache,
+        list(range(10)),
+        [10, 11],
+        DCMConfig(batch_size=1, eval_every=4, epochs=2),
+        progress=False,
+    )
     assert [h["step"] for h in history] == [0, 4, 8, 12, 16, 20]
 
 
@@ -816,8 +979,9 @@ def test_dcm_command_preset_paper():
     from mechdiff.methods.dcm import DCMConfig
 
     args = build_parser().parse_args(["dcm", "--circuit", "c.json", "--preset", "paper", "--micro-batch", "8"])
-    assert config_from_args(args) == DCMConfig.paper(micro_batch=8, eval_batch=32, n_random=5, random_pool="all",
-                                                     seed=0)
+    assert config_from_args(args) == DCMConfig.paper(
+        micro_batch=8, eval_batch=32, n_random=5, random_pool="all", seed=0
+    )
     args = build_parser().parse_args(["dcm", "--circuit", "c.json", "--preset", "paper", "--epochs", "3"])
     with pytest.raises(SystemExit, match="--epochs"):
         config_from_args(args)
@@ -851,8 +1015,9 @@ def test_validation_ties_go_to_the_larger_head_set(pair_cache, monkeypatch):
     model, heads, pairs, cache = pair_cache
     monkeypatch.setattr(PairCache, "accuracy", lambda self, *a, **k: np.ones(3))
     config = DCMConfig(epochs=4, batch_size=4, eval_every=1, lam=0.0, lr=0.5, seed=0)
-    values, best_step, history = train_mask(model, heads, "last", cache, list(range(8)), [8, 9, 10], config,
-                                            progress=False)
+    values, best_step, history = train_mask(
+        model, heads, "last", cache, list(range(8)), [8, 9, 10], config, progress=False
+    )
     most = max(h["n_selected"] for h in history)
     assert most > 0  # the target-logit gradient opened some heads during training
     chosen = next(h for h in history if h["step"] == best_step)

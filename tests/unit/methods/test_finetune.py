@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mechdiff.methods.finetune import (FinetuneConfig, add_lora, answer_loss, finetune, last_logits, save_adapter,
-                               training_batch)
+from mechdiff.methods.finetune import (
+    FinetuneConfig,
+    add_lora,
+    answer_loss,
+    finetune,
+    last_logits,
+    save_adapter,
+    training_batch,
+)
 from mechdiff.models.loading import load_model
 from mechdiff.tasks import arithmetic
 from mechdiff.tasks.entity_tracking import generate, load_vocabulary, vocabulary_report
@@ -21,8 +28,19 @@ ZOO_RESULTS = Path(__file__).resolve().parents[3] / "results" / "zoo" / "eval-50
 
 
 def tiny_cfg(tmp_path: Path, **kw) -> FinetuneConfig:
-    opts = dict(base=str(tmp_path / "base"), rank=4, alpha=8, lr=1e-2, steps=4, batch_size=4, eval_n=8,
-                eval_every=2, min_boxes=2, max_boxes=3, save_steps={"last": 4})
+    opts = dict(
+        base=str(tmp_path / "base"),
+        rank=4,
+        alpha=8,
+        lr=1e-2,
+        steps=4,
+        batch_size=4,
+        eval_n=8,
+        eval_every=2,
+        min_boxes=2,
+        max_boxes=3,
+        save_steps={"last": 4},
+    )
     return FinetuneConfig(**{**opts, **kw})
 
 
@@ -173,7 +191,10 @@ def test_a_task_maps_its_object_splits_to_generator_options():
 
     et = get_task("entity-tracking")
     assert {s: set(et.split_options(s)["vocabulary"]) for s in SPLITS} == {
-        "eval": set(eval_objects()), "train": set(train_objects()), "all": set(load_vocabulary())}
+        "eval": set(eval_objects()),
+        "train": set(train_objects()),
+        "all": set(load_vocabulary()),
+    }
     assert get_task("ioi").split_options("train") == {}  # IOI does not split its names
     with pytest.raises(ValueError, match="split"):
         et.split_options("test")

@@ -7,14 +7,24 @@ import random
 
 import pytest
 import torch
-
 from conftest import make_tiny
+from tolerances import assert_close32
+
 from mechdiff.common.components import Head
 from mechdiff.methods.finetune import last_logits
-from mechdiff.methods.headmap import (HeadMap, TrainConfig, example_losses, heads_by_layer, layer_losses, locate,
-                              lora_params, random_heads, select_samples, train)
+from mechdiff.methods.headmap import (
+    HeadMap,
+    TrainConfig,
+    example_losses,
+    heads_by_layer,
+    layer_losses,
+    locate,
+    lora_params,
+    random_heads,
+    select_samples,
+    train,
+)
 from mechdiff.tasks import multiple_choice as mc
-from tolerances import assert_close32
 
 
 def _batch(model, n=12, length=10, seed=0):
@@ -51,7 +61,7 @@ def test_zero_mask_equals_zeroed_o_proj_columns(tiny_llama):
     d = tiny_llama.shape.d_head
     with torch.no_grad():
         for layer, head in ((2, 1), (0, 3)):
-            tiny_llama.model.model.layers[layer].self_attn.o_proj.weight[:, head * d:(head + 1) * d] = 0
+            tiny_llama.model.model.layers[layer].self_attn.o_proj.weight[:, head * d : (head + 1) * d] = 0
     torch.testing.assert_close(masked, _plain_losses(tiny_llama, batch), rtol=0, atol=1e-5)
 
 
@@ -90,7 +100,7 @@ def test_locating_finds_a_planted_head(smollm2_tokenizer):
     model = make_tiny("llama", smollm2_tokenizer, seed=3)
     d, planted = model.shape.d_head, Head(1, 2)
     with torch.no_grad():  # head L1H2 writes 30x louder than the rest and the read-out is sharp:
-        model.model.model.layers[1].self_attn.o_proj.weight[:, 2 * d:3 * d] *= 30.0  # the answers depend on it
+        model.model.model.layers[1].self_attn.o_proj.weight[:, 2 * d : 3 * d] *= 30.0  # the answers depend on it
         model.model.lm_head.weight *= 100.0
     samples = _batch(model, n=8)
     res = locate(model, samples, k=1, progress=False)
@@ -140,10 +150,12 @@ def test_headmap_training_lowers_the_loss_on_a_fixed_batch(tiny_llama):
     hm.detach()
     assert losses[-1] < losses[0] - 0.3
     with torch.no_grad():  # detached: the model is the plain model again
-        torch.testing.assert_close(_plain_losses(tiny_llama, batch),
-                                   torch.nn.functional.cross_entropy(
-                                       last_logits(tiny_llama.model, batch["input_ids"]), batch["answer_ids"],
-                                       reduction="none"))
+        torch.testing.assert_close(
+            _plain_losses(tiny_llama, batch),
+            torch.nn.functional.cross_entropy(
+                last_logits(tiny_llama.model, batch["input_ids"]), batch["answer_ids"], reduction="none"
+            ),
+        )
 
 
 def test_train_counts_parameters_and_leaves_the_base_untouched(tiny_llama):
@@ -163,6 +175,7 @@ def test_train_counts_parameters_and_leaves_the_base_untouched(tiny_llama):
 def test_random_heads_respect_exclusion():
     class S:
         n_heads = 4
+
     located = [Head(0, 0), Head(0, 1), Head(1, 3)]
     out = random_heads(S, {0: 2, 1: 2}, seed=0, exclude=located)
     assert out[0] == [2, 3] and 3 not in out[1] and len(out[1]) == 2
@@ -254,21 +267,40 @@ def test_the_study_chooses_each_rate_on_validation_prompts_only(tiny_llama, tmp_
         calls.append((cfg.lora_rank, lr, cfg.seed))
         val = [1.0 if lr == best_val[cfg.lora_rank] else 0.0] * len(ev[study_mod.VAL]["answer_ids"])
         held_out = [1.0 if lr == 1e-3 else 0.0] * len(ev[study_mod.TASK]["answer_ids"])  # favours another rate
-        return {"config": {"lr": cfg.lr, "headmap_lr": cfg.headmap_lr, "lora_rank": cfg.lora_rank},
-                "heads": {str(k): v for k, v in (heads or {}).items()}, "trainable": 1, "headmap_params": 0,
-                "losses": [1.0], "train_seconds": 0.0,
-                "correct": {study_mod.TASK: held_out, study_mod.VAL: val}}
+        return {
+            "config": {"lr": cfg.lr, "headmap_lr": cfg.headmap_lr, "lora_rank": cfg.lora_rank},
+            "heads": {str(k): v for k, v in (heads or {}).items()},
+            "trainable": 1,
+            "headmap_params": 0,
+            "losses": [1.0],
+            "train_seconds": 0.0,
+            "correct": {study_mod.TASK: held_out, study_mod.VAL: val},
+        }
 
     monkeypatch.setattr(study_mod, "train", fake_train)
-    settings = study_mod.HeadMapSettings(model="tiny", path_patching=(), n=4, pool=8, k=1, batch_size=16, eval_n=6,
-                                         val_n=5, lora_small=4, seeds=(0, 1), lrs=(1e-3, 3e-3, 1e-2),
-                                         runs=("located", "random", "lora-small"))
+    settings = study_mod.HeadMapSettings(
+        model="tiny",
+        path_patching=(),
+        n=4,
+        pool=8,
+        k=1,
+        batch_size=16,
+        eval_n=6,
+        val_n=5,
+        lora_small=4,
+        seeds=(0, 1),
+        lrs=(1e-3, 3e-3, 1e-2),
+        runs=("located", "random", "lora-small"),
+    )
     study = study_mod.HeadMapStudy(settings, tmp_path, lambda name: tiny_llama, progress=False)
     results = study.results(study.prompts())
     assert study.chosen_lrs({}) == (1e-2, 3e-3)  # (LoRA, HeadMap)
     # the sweep: every rate, seed 0, each method once; then seed 1 at the chosen rates (seed 0 reused)
-    assert sorted(calls) == sorted([(0, lr, 0) for lr in settings.lrs] + [(4, lr, 0) for lr in settings.lrs]
-                                   + [(0, 3e-3, 1), (0, 3e-3, 0), (0, 3e-3, 1), (4, 1e-2, 1)])
+    assert sorted(calls) == sorted(
+        [(0, lr, 0) for lr in settings.lrs]
+        + [(4, lr, 0) for lr in settings.lrs]
+        + [(0, 3e-3, 1), (0, 3e-3, 0), (0, 3e-3, 1), (4, 1e-2, 1)]
+    )
     assert [r["config"]["headmap_lr"] for r in results["located"] + results["random"]] == [3e-3] * 4
     assert [r["config"]["lr"] for r in results["lora-small"]] == [1e-2] * 2
     rows = study_mod.sweep_rows(study.sweep({}), study.names(), study.chosen_lrs({}))
@@ -285,8 +317,16 @@ def _records(acc_by_seed, n=200, seed=0):
         k = round(acc * n)
         outcome = [1.0] * k + [0.0] * (n - k)
         random.Random(seed + i).shuffle(outcome)
-        out.append({"correct": {"entity-tracking": outcome}, "trainable": 10, "losses": [2.0, 1.0],
-                    "train_seconds": 1.0, "heads": {}, "config": {}})
+        out.append(
+            {
+                "correct": {"entity-tracking": outcome},
+                "trainable": 10,
+                "losses": [2.0, 1.0],
+                "train_seconds": 1.0,
+                "heads": {},
+                "config": {},
+            }
+        )
     return out
 
 
@@ -320,8 +360,9 @@ def test_paired_rows_difference_per_seed_and_pooled_and_the_verdict():
     lr = [r for r in rows if r["comparison"] == "L - R"]
     assert [r["seed"] for r in lr][:3] == ["0", "1", "2"] and lr[3]["seed"].startswith("pooled (3 seeds")
     for r, a, b in zip(lr, better, worse):
-        assert r["difference"] == pytest.approx(np.mean(a["correct"]["entity-tracking"])
-                                                - np.mean(b["correct"]["entity-tracking"]))
+        assert r["difference"] == pytest.approx(
+            np.mean(a["correct"]["entity-tracking"]) - np.mean(b["correct"]["entity-tracking"])
+        )
     assert lr[3]["difference"] == pytest.approx(np.mean([0.9, 0.8, 0.85]) - np.mean([0.3, 0.35, 0.4]))
     assert lr[3]["ci_low"] > 0 and "the first beats the second" in verdict(rows, "L - R")
     same = [r for r in rows if r["comparison"] == "L - O"][3]

@@ -14,16 +14,30 @@ from mechdiff.circuits.curve import prompt_attribution
 from mechdiff.circuits.positions import task_classes
 from mechdiff.circuits.scoring import Scorer
 from mechdiff.common.components import Head, parse_heads
-from mechdiff.methods.dcm import semantic_patching
-from mechdiff.tasks.desiderata import desideratum_pairs
-from mechdiff.patching.evaluate import evaluate
-from mechdiff.models.loading import load_model
 from mechdiff.common.stats import paired_difference
-from mechdiff.tasks.base import get_task
+from mechdiff.methods.dcm import semantic_patching
+from mechdiff.methods.trajectory import (
+    Checkpoints,
+    TrajectoryError,
+    against_first,
+    checkpoint_accuracy,
+    circuits_scored,
+    cmap_gain,
+    decode_array,
+    formed_at,
+    halves,
+    jaccard,
+    membership,
+    own_circuit,
+    semantic,
+    structure,
+    trajectory_specs,
+)
+from mechdiff.models.loading import load_model
+from mechdiff.patching.evaluate import evaluate
 from mechdiff.report.trajectory import band_figure, membership_figure
-from mechdiff.methods.trajectory import (Checkpoints, TrajectoryError, against_first, checkpoint_accuracy, circuits_scored,
-                                 cmap_gain, decode_array, formed_at, halves, jaccard, membership, own_circuit, semantic,
-                                 structure, trajectory_specs)
+from mechdiff.tasks.base import get_task
+from mechdiff.tasks.desiderata import desideratum_pairs
 
 STEPS = (0, 2, 4)
 TASK = get_task("entity-tracking")
@@ -38,8 +52,10 @@ def trajectory(tiny_run) -> tuple[list[str], Checkpoints]:
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_tokenizer) -> dict:
-    return {"records": TASK.records(smollm2_tokenizer, 24, seed=1, n_boxes=3),
-            "reference": TASK.reference_records(smollm2_tokenizer, 32, seed=3, n_boxes=3)}
+    return {
+        "records": TASK.records(smollm2_tokenizer, 24, seed=1, n_boxes=3),
+        "reference": TASK.reference_records(smollm2_tokenizer, 32, seed=3, n_boxes=3),
+    }
 
 
 def scorer(lm, prompts) -> Scorer:
@@ -86,8 +102,10 @@ def test_accuracy_is_each_checkpoints_top1_with_its_exact_interval(trajectory, p
         res = checkpoint_accuracy(cp.model(name), prompts["records"], batch_size=8, progress=False)
         model = direct(name).model
         with torch.no_grad():  # one prompt at a time, a plain transformers forward
-            want = [int(model(torch.tensor([r.input_ids])).logits[0, -1].argmax() == r.answer_id)
-                    for r in prompts["records"]]
+            want = [
+                int(model(torch.tensor([r.input_ids])).logits[0, -1].argmax() == r.answer_id)
+                for r in prompts["records"]
+            ]
         assert res["correct"] == want
         k, n = sum(want), len(want)
         ci = stats.binomtest(k, n).proportion_ci(method="exact")
@@ -113,8 +131,12 @@ def test_own_circuit_and_circuits_scored_match_the_loaded_checkpoint(trajectory,
     assert len(circuit.pairs()) == own["n_pairs"] and own["n_heads"] == len(circuit.heads())
     assert all(0 <= f <= 1 for f in own["stability"].values()) and len(own["stability"]) == own["n_pairs"]
 
-    first_trained = Circuit("x", TASK.name, {"last": [Head(2, 0), Head(1, 3)], "query_label": [Head(0, 1)]},
-                            {"last": "last", "query_label": "query_label"})
+    first_trained = Circuit(
+        "x",
+        TASK.name,
+        {"last": [Head(2, 0), Head(1, 3)], "query_label": [Head(0, 1)]},
+        {"last": "last", "query_label": "query_label"},
+    )
     scored = circuits_scored(swapped, {"own": circuit, "first trained": first_trained})
     for label, c in (("own", circuit), ("first trained", first_trained)):
         kept = ref_scorer.keep(c.pairs()).correct.astype(int).tolist()
@@ -129,8 +151,12 @@ def test_own_circuit_and_circuits_scored_match_the_loaded_checkpoint(trajectory,
 
 def test_cmap_gain_is_the_paired_difference_of_patched_and_first(trajectory, prompts):
     names, cp = trajectory
-    circuit = Circuit("x", TASK.name, {"last": [Head(2, 0), Head(2, 3)], "query_label": [Head(1, 1)]},
-                      {"last": "last", "query_label": "query_label"})
+    circuit = Circuit(
+        "x",
+        TASK.name,
+        {"last": [Head(2, 0), Head(2, 3)], "query_label": [Head(1, 1)]},
+        {"last": "last", "query_label": "query_label"},
+    )
     first, other = cp.first(), cp.model(names[2])
     res = cmap_gain(first, other, circuit, prompts["records"], ("z", "v"), batch_size=8, progress=False)
     direct_first = evaluate(direct(names[0]), prompts["records"], 8, progress=False).correct.astype(int).tolist()
@@ -151,23 +177,22 @@ def test_semantic_patching_matches_the_loaded_checkpoint(trajectory, smollm2_tok
     checkpoint loaded by itself."""
     names, cp = trajectory
     pairs = desideratum_pairs("positional", smollm2_tokenizer, 16, n_boxes=3, seed=4)
-    labels = [{"group": "last", "desideratum": "positional", "position": "last", "selected": ["L2H1", "L1H0"]},
-              {"group": "last", "desideratum": "object_value", "position": "last", "selected": []},
-              {"group": "query_label", "desideratum": "positional", "position": "query_label",
-               "selected": ["L0H2", "L1H3"]}]
+    labels = [
+        {"group": "last", "desideratum": "positional", "position": "last", "selected": ["L2H1", "L1H0"]},
+        {"group": "last", "desideratum": "object_value", "position": "last", "selected": []},
+        {"group": "query_label", "desideratum": "positional", "position": "query_label", "selected": ["L0H2", "L1H3"]},
+    ]
     for name in names:
         got = semantic(cp.model(name), labels, {"positional": pairs}, batch_size=8, progress=False)
         assert [g["group"] for g in got] == ["last", "query_label"]  # an empty selection is not patched
         for g, lab in zip(got, (labels[0], labels[2])):
-            want = semantic_patching([direct(name)], parse_heads(lab["selected"]), lab["position"], pairs, 8,
-                                     False)[0]
+            want = semantic_patching([direct(name)], parse_heads(lab["selected"]), lab["position"], pairs, 8, False)[0]
             assert g["outcomes"] == want.outcomes and len(want.outcomes) == 16
             assert g["accuracy"] == want.accuracy.to_dict() and g["floor"] == want.floor.to_dict()
             assert g["accuracy"]["value"] == np.mean(want.outcomes)
 
 
-def test_within_checkpoint_null_on_the_tiny_trajectory_is_the_overlap_of_two_disjoint_discoveries(trajectory,
-                                                                                                   prompts):
+def test_within_checkpoint_null_on_the_tiny_trajectory_is_the_overlap_of_two_disjoint_discoveries(trajectory, prompts):
     names, cp = trajectory
     attribution, classes = {}, None
     for name in names:
@@ -188,11 +213,14 @@ def test_within_checkpoint_null_on_the_tiny_trajectory_is_the_overlap_of_two_dis
         assert res["null"][name]["value"] == len(ta & tb) / len(ta | tb)
         assert 0 <= res["null"][name]["low"] <= res["null"][name]["high"] <= 1
     for row, (s, t) in zip(res["consecutive"], zip(names, names[1:])):
-        cross = (jaccard(frozenset(top(attribution[s], a)), frozenset(top(attribution[t], b)))
-                 + jaccard(frozenset(top(attribution[t], a)), frozenset(top(attribution[s], b)))) / 2
+        cross = (
+            jaccard(frozenset(top(attribution[s], a)), frozenset(top(attribution[t], b)))
+            + jaccard(frozenset(top(attribution[t], a)), frozenset(top(attribution[s], b)))
+        ) / 2
         assert row["cross"]["value"] == cross
         assert row["null_minus_cross"]["value"] == pytest.approx(
-            (res["null"][s]["value"] + res["null"][t]["value"]) / 2 - cross, abs=1e-12)
+            (res["null"][s]["value"] + res["null"][t]["value"]) / 2 - cross, abs=1e-12
+        )
         assert row["changed"] == (row["null_minus_cross"]["low"] > 0)
 
 
@@ -233,8 +261,10 @@ def test_formed_at_needs_the_interval_to_exclude_zero_from_that_step_on():
     seq = [None, iv(-0.1, 0.2), iv(0.1, 0.3), iv(-0.05, 0.1), iv(0.2, 0.4), iv(0.3, 0.5)]
     assert formed_at(steps, seq) == {"step": 20, "sign": 1}  # 10 excludes 0, 15 does not: from 20 on
     assert formed_at(steps, [None] + [iv(0.1, 0.2)] * 5) == {"step": 5, "sign": 1}
-    assert formed_at(steps, [None, iv(0.1, 0.2), iv(-0.3, -0.1), iv(-0.3, -0.1), iv(-0.2, -0.01),
-                             iv(-0.4, -0.2)]) == {"step": 10, "sign": -1}
+    assert formed_at(steps, [None, iv(0.1, 0.2), iv(-0.3, -0.1), iv(-0.3, -0.1), iv(-0.2, -0.01), iv(-0.4, -0.2)]) == {
+        "step": 10,
+        "sign": -1,
+    }
     assert formed_at(steps, [None, iv(0.1, 0.2), iv(0.1, 0.2), iv(0.1, 0.2), iv(0.1, 0.2), iv(0.0, 0.2)]) is None
     assert formed_at(steps, [None, *([iv(0.1, 0.2)] * 4), iv(-0.3, -0.2)]) == {"step": 30, "sign": -1}
     with pytest.raises(ValueError, match="6 steps but 2 intervals"):
@@ -253,10 +283,18 @@ def test_against_first_is_the_paired_difference_and_none_for_the_first():
 
 def test_membership_counts_pairs_by_class_and_layer(tmp_path):
     a = Circuit("a", "t", {"last": [Head(1, 0), Head(1, 2), Head(2, 0)]}, {"last": "last"})
-    b = Circuit("b", "t", {"last": [Head(1, 0)], "query_label": [Head(0, 3), Head(1, 0)]},
-                {"last": "last", "query_label": "query_label"})
-    assert membership([a, b]) == {("last", 1): [2, 1], ("last", 2): [1, 0], ("query_label", 0): [0, 1],
-                                  ("query_label", 1): [0, 1]}
+    b = Circuit(
+        "b",
+        "t",
+        {"last": [Head(1, 0)], "query_label": [Head(0, 3), Head(1, 0)]},
+        {"last": "last", "query_label": "query_label"},
+    )
+    assert membership([a, b]) == {
+        ("last", 1): [2, 1],
+        ("last", 2): [1, 0],
+        ("query_label", 0): [0, 1],
+        ("query_label", 1): [0, 1],
+    }
     assert membership_figure([0, 5], [a, b], tmp_path / "m.png").stat().st_size > 0
     iv = {"value": 0.5, "low": 0.4, "high": 0.6, "n": 10}
     assert band_figure([0, 5], {"x": [None, iv]}, tmp_path / "b.png", zero=True).stat().st_size > 0

@@ -19,35 +19,97 @@ from mechdiff.models.registry import ModelSpec
 from mechdiff.patching.core import Patch, head_patch, run
 
 VOCAB, LAYERS, HEADS, D_HEAD = 256, 2, 4, 8
-_LLAMA_LIKE = dict(num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2, hidden_size=32,
-                   intermediate_size=64, head_dim=D_HEAD, vocab_size=VOCAB, max_position_embeddings=64,
-                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_LLAMA_LIKE = dict(
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    num_key_value_heads=2,
+    hidden_size=32,
+    intermediate_size=64,
+    head_dim=D_HEAD,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
 _GPT = dict(n_layer=LAYERS, n_head=HEADS, n_embd=32, n_positions=64, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
 _MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
 
 # model_type -> (config kwargs, whole config or llama-like base + these, expected KV groups)
 FAMILIES: dict[str, tuple[dict, bool, int]] = {
-    "llama": ({}, False, 2), "mistral": ({}, False, 2), "mixtral": (dict(num_local_experts=4), False, 2),
-    "qwen2": ({}, False, 2), "qwen3": ({}, False, 2), "qwen2_moe": (dict(_MOE, num_experts=4,
-                                                                     shared_expert_intermediate_size=16), False, 2),
-    "qwen3_moe": (dict(_MOE, num_experts=4), False, 2), "gemma": ({}, False, 2), "gemma2": ({}, False, 2),
+    "llama": ({}, False, 2),
+    "mistral": ({}, False, 2),
+    "mixtral": (dict(num_local_experts=4), False, 2),
+    "qwen2": ({}, False, 2),
+    "qwen3": ({}, False, 2),
+    "qwen2_moe": (dict(_MOE, num_experts=4, shared_expert_intermediate_size=16), False, 2),
+    "qwen3_moe": (dict(_MOE, num_experts=4), False, 2),
+    "gemma": ({}, False, 2),
+    "gemma2": ({}, False, 2),
     "gemma3_text": ({}, False, 2),
-    "gemma3": (dict(text_config=_LLAMA_LIKE, mm_tokens_per_image=4,  # the multimodal checkpoint: its language model
-                    vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                       image_size=28, patch_size=14)), True, 2),
-    "phi3": ({}, False, 2), "phi": ({}, False, 2), "olmo": ({}, False, 2),
-    "olmo2": ({}, False, 2), "olmo3": ({}, False, 2),
-    "granite": (dict(residual_multiplier=0.5, embedding_multiplier=2.0), False, 2), "stablelm": ({}, False, 2),
-    "cohere": ({}, False, 2), "smollm3": ({}, False, 2), "starcoder2": ({}, False, 2), "nemotron": ({}, False, 2),
-    "glm": ({}, False, 2), "helium": ({}, False, 2), "exaone4": ({}, False, 2), "internlm3": ({}, False, 2),
-    "seed_oss": ({}, False, 2), "persimmon": (dict(num_key_value_heads=HEADS), False, HEADS),
+    "gemma3": (
+        dict(
+            text_config=_LLAMA_LIKE,
+            mm_tokens_per_image=4,  # the multimodal checkpoint: its language model
+            vision_config=dict(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+        ),
+        True,
+        2,
+    ),
+    "phi3": ({}, False, 2),
+    "phi": ({}, False, 2),
+    "olmo": ({}, False, 2),
+    "olmo2": ({}, False, 2),
+    "olmo3": ({}, False, 2),
+    "granite": (dict(residual_multiplier=0.5, embedding_multiplier=2.0), False, 2),
+    "stablelm": ({}, False, 2),
+    "cohere": ({}, False, 2),
+    "smollm3": ({}, False, 2),
+    "starcoder2": ({}, False, 2),
+    "nemotron": ({}, False, 2),
+    "glm": ({}, False, 2),
+    "helium": ({}, False, 2),
+    "exaone4": ({}, False, 2),
+    "internlm3": ({}, False, 2),
+    "seed_oss": ({}, False, 2),
+    "persimmon": (dict(num_key_value_heads=HEADS), False, HEADS),
     "gpt_neox": (dict(num_key_value_heads=HEADS), False, HEADS),
-    "gpt2": (_GPT, True, HEADS), "gpt_bigcode": (dict(_GPT, multi_query=True), True, 1),
+    "gpt2": (_GPT, True, HEADS),
+    "gpt_bigcode": (dict(_GPT, multi_query=True), True, 1),
     "gptj": (dict(_GPT, rotary_dim=4), True, HEADS),
-    "gpt_neo": (dict(num_layers=LAYERS, num_heads=HEADS, hidden_size=32, vocab_size=VOCAB, max_position_embeddings=64,
-                     attention_types=[[["global", "local"], 1]], window_size=16), True, HEADS),
-    "opt": (dict(num_hidden_layers=LAYERS, num_attention_heads=HEADS, hidden_size=32, ffn_dim=64,
-                 word_embed_proj_dim=16, vocab_size=VOCAB, max_position_embeddings=64), True, HEADS),  # projected embeddings
+    "gpt_neo": (
+        dict(
+            num_layers=LAYERS,
+            num_heads=HEADS,
+            hidden_size=32,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            attention_types=[[["global", "local"], 1]],
+            window_size=16,
+        ),
+        True,
+        HEADS,
+    ),
+    "opt": (
+        dict(
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            hidden_size=32,
+            ffn_dim=64,
+            word_embed_proj_dim=16,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+        ),
+        True,
+        HEADS,
+    ),  # projected embeddings
 }
 
 
@@ -57,8 +119,10 @@ def build_family(model_type: str, seed: int = 0, tokenizer=None) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs, whole, _ = FAMILIES[model_type]
-    kwargs = {**(kwargs if whole else {**_LLAMA_LIKE, **kwargs}),
-              **({"vocab_size": len(tokenizer)} if tokenizer else {})}
+    kwargs = {
+        **(kwargs if whole else {**_LLAMA_LIKE, **kwargs}),
+        **({"vocab_size": len(tokenizer)} if tokenizer else {}),
+    }
     cfg = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
@@ -99,8 +163,10 @@ def _raw(lm: LoadedModel, ids: torch.Tensor, layer: int, z_write=None) -> dict:
         got["z"] = z.clone()
         return (z,) + tuple(args[1:])
 
-    handles = [out_proj.register_forward_pre_hook(pre),
-               attn.register_forward_hook(lambda m, a, out: got.__setitem__("pattern", out[1].clone()))]
+    handles = [
+        out_proj.register_forward_pre_hook(pre),
+        attn.register_forward_hook(lambda m, a, out: got.__setitem__("pattern", out[1].clone())),
+    ]
     try:
         with torch.no_grad():
             got["logits"] = lm.model(input_ids=ids, use_cache=False).logits[:, -1]
@@ -113,8 +179,13 @@ def _raw(lm: LoadedModel, ids: torch.Tensor, layer: int, z_write=None) -> dict:
 def test_resolved_shape(family):
     _, _, n_kv = FAMILIES[_family_name(family)]
     shape = family.shape
-    assert (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.d_head, shape.d_model) == (LAYERS, HEADS, n_kv,
-                                                                                              D_HEAD, 32)
+    assert (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.d_head, shape.d_model) == (
+        LAYERS,
+        HEADS,
+        n_kv,
+        D_HEAD,
+        32,
+    )
     assert family.arch.flow  # the probe forward ran
     assert ModelShape.from_config(family.model.config) == shape  # what ModelSet checks before loading
 
@@ -132,12 +203,18 @@ def test_unpatched_run_is_the_model(family):
 def test_captured_sites_equal_raw_hooks(family, request):
     """z is what the output projection receives; emb the embedding's output; resid the block's output."""
     if family.arch.name == "gpt_neo":  # its blocks return a tuple; core's ("resid", L) site reads block.output
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AttributeError,
-                                              reason="patching/core.py's resid site assumes a tensor block output"))
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True, raises=AttributeError, reason="patching/core.py's resid site assumes a tensor block output"
+            )
+        )
     got = {}
-    hooks = [family.arch.embed_module(family.model).register_forward_hook(lambda m, a, o: got.__setitem__("emb", o)),
-             family.arch.block(family.model, 0).register_forward_hook(
-                 lambda m, a, o: got.__setitem__("resid", o[0] if isinstance(o, tuple) else o))]
+    hooks = [
+        family.arch.embed_module(family.model).register_forward_hook(lambda m, a, o: got.__setitem__("emb", o)),
+        family.arch.block(family.model, 0).register_forward_hook(
+            lambda m, a, o: got.__setitem__("resid", o[0] if isinstance(o, tuple) else o)
+        ),
+    ]
     try:
         raw = _raw(family, IDS, 1)
     finally:
@@ -177,8 +254,11 @@ def test_v_and_z_columns_follow_the_pattern(family):
 def test_q_k_columns_are_the_heads(family, kind):
     """Zeroing head 1's Q (its group's K) makes exactly that head (the group's heads) attend uniformly."""
     shape, arch = family.shape, family.arch
-    group = {h for h in range(shape.n_heads) if kind == "q" and h == 1
-             or kind == "k" and h // shape.group_size == 1 // shape.group_size}
+    group = {
+        h
+        for h in range(shape.n_heads)
+        if kind == "q" and h == 1 or kind == "k" and h // shape.group_size == 1 // shape.group_size
+    }
     pattern = {}
     attn = arch.attention(family.model, 0)
     hook = attn.register_forward_hook(lambda m, a, out: pattern.__setitem__("p", out[1].clone()))
@@ -276,8 +356,10 @@ def test_edge_gradients_match_finite_differences(model_type):
         up[e] += h
         down[e] -= h
         with torch.no_grad():
-            fd = (float(metric(edge_forward(lm, g, IDS, up).logits)) -
-                  float(metric(edge_forward(lm, g, IDS, down).logits))) / (2 * h)
+            fd = (
+                float(metric(edge_forward(lm, g, IDS, up).logits))
+                - float(metric(edge_forward(lm, g, IDS, down).logits))
+            ) / (2 * h)
         assert grads[e] == pytest.approx(fd, rel=0.05, abs=1e-4), g.edges[e]
 
 
@@ -303,12 +385,16 @@ def test_a_model_without_the_pattern_is_refused_with_what_was_found():
     for layer in lm.model.model.layers:
         layer.self_attn.out = layer.self_attn.o_proj
         del layer.self_attn.o_proj
-    with pytest.raises(UnsupportedModel, match=r"(?s)LlamaForCausalLM.*self_attn: q_proj 32->32, k_proj 32->16, "
-                                               r"v_proj 32->16, out 32->32"):
+    with pytest.raises(
+        UnsupportedModel,
+        match=r"(?s)LlamaForCausalLM.*self_attn: q_proj 32->32, k_proj 32->16, "
+        r"v_proj 32->16, out 32->32",
+    ):
         architecture_for(lm.model)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    falcon = AutoModelForCausalLM.from_config(AutoConfig.for_model("falcon", num_hidden_layers=1, hidden_size=32,
-                                                                   num_attention_heads=4, vocab_size=VOCAB))
+    falcon = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("falcon", num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB)
+    )
     with pytest.raises(UnsupportedModel, match="falcon.*query_key_value layout"):
         architecture_for(falcon)

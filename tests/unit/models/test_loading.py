@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
+from conftest import make_tiny
 
 from mechdiff.models import IncompatibleModels, ModelSet, get_spec, load_model, resolve_spec
 from mechdiff.models.architectures import ModelShape
-
-from conftest import make_tiny
 
 
 def _save(lm, path, tokenizer):
@@ -59,8 +58,13 @@ def test_hub_id_against_local_mirror(tmp_path, smollm2_tokenizer, monkeypatch):
     (repo / "refs" / "main").write_text(rev)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     lm = load_model("hub:mechdiff-test/tiny-llama@main", cache_dir=str(tmp_path / "hub"))
-    assert lm.provenance == {"kind": "hub", "repo": "mechdiff-test/tiny-llama", "revision": "main",
-                             "dtype": "float32", "device_map": None}
+    assert lm.provenance == {
+        "kind": "hub",
+        "repo": "mechdiff-test/tiny-llama",
+        "revision": "main",
+        "dtype": "float32",
+        "device_map": None,
+    }
     ids = torch.randint(0, 1000, (2, 9))
     assert torch.equal(_logits(lm, ids), _logits(tiny, ids))
     assert resolve_spec("mechdiff-test/tiny-llama").kind == "hub"
@@ -71,8 +75,10 @@ def test_lora_adapter_merged(tmp_path, smollm2_tokenizer):
 
     tiny = make_tiny("llama", smollm2_tokenizer)
     base_dir = _save(tiny, tmp_path / "base", smollm2_tokenizer)
-    peft_model = get_peft_model(make_tiny("llama", smollm2_tokenizer).model,
-                                LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(
+        make_tiny("llama", smollm2_tokenizer).model,
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False),
+    )
     peft_model.save_pretrained(tmp_path / "adapter")
     lm = load_model(str(tmp_path / "adapter"), base=str(base_dir))
     assert lm.provenance["merged"] is True and lm.provenance["lora"]["r"] == 4
@@ -104,8 +110,8 @@ def test_modelset_rejects_shape_mismatch(tmp_path, smollm2_tokenizer):
 
 
 def test_modelset_rejects_vocabulary_mismatch(tmp_path, smollm2_tokenizer):
-    from transformers import GPT2TokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2TokenizerFast
 
     a = _save(make_tiny("llama", smollm2_tokenizer), tmp_path / "a", smollm2_tokenizer)
     vocab = {f"t{i}": i for i in range(49152)}

@@ -13,8 +13,8 @@ import torch
 from mechdiff.commands.finetune import _save_spec
 from mechdiff.methods.finetune import FinetuneConfig
 from mechdiff.models.loading import load_model, spec_digest
-from mechdiff.models.resolve import resolve_source, resolve_spec, trajectory_steps
 from mechdiff.models.registry import REGISTRY, TRAJECTORIES, step_dirname
+from mechdiff.models.resolve import resolve_source, resolve_spec, trajectory_steps
 
 ET = TRAJECTORIES["smollm2-et"]
 EPS32 = torch.finfo(torch.float32).eps
@@ -111,8 +111,9 @@ def test_committed_trajectory_is_one_run_of_the_smollm2_et_recipe():
         assert recipe["step"] == step and recipe["train_loss"] == last["train_loss"][:step]
         assert recipe["history"] == [h for h in last["history"] if h["step"] <= step]
         assert recipe["history"][-1]["step"] == step
-        assert {k: v for k, v in recipe["options"].items() if k not in ("save_steps", "save_every")} == \
-            {k: v for k, v in final["options"].items() if k not in ("save_steps", "save_every")}
+        assert {k: v for k, v in recipe["options"].items() if k not in ("save_steps", "save_every")} == {
+            k: v for k, v in final["options"].items() if k not in ("save_steps", "save_every")
+        }
         assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "smollm2-135m"
         weights = (folder / "adapter_model.safetensors").read_bytes()
         assert hashlib.sha256(weights).hexdigest() == record["steps"][str(step)]["adapter_sha256"]

@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 import torch
+from tolerances import assert_close32
 
 from mechdiff.circuits.scoring import position_means
-from tolerances import assert_close32
 from mechdiff.patching.core import run
 from mechdiff.tasks.base import batch_tensors
 from mechdiff.tasks.entity_tracking import generate
@@ -84,6 +84,8 @@ def test_empty_means_and_unpatchable_components_are_refused(tiny_llama):
 
     with pytest.raises(ValueError, match="^no activations to average; add at least one batch$"):
         PositionMeans().mean()
-    with pytest.raises(ValueError, match="^" + re.escape(
-            "cannot patch 'MLP1': activation patching supports heads (L<l>H<h>) and EMB") + "$"):
+    with pytest.raises(
+        ValueError,
+        match="^" + re.escape("cannot patch 'MLP1': activation patching supports heads (L<l>H<h>) and EMB") + "$",
+    ):
         capture_sources(tiny_llama, torch.zeros(1, 3, dtype=torch.long), ["MLP1"])

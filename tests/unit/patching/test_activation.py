@@ -58,8 +58,12 @@ def test_batched_equals_one_at_a_time(tiny_model, pair_batch):
     pos = pair_batch["base"]["positions"]["query_label"]
     heads = [Head(0, 1), Head(0, 3), Head(2, 0)]  # non-contiguous heads in one layer
     batched = activation_patch(tiny_model, clean, source, heads, pos)
-    single = torch.cat([activation_patch(tiny_model, clean[i:i + 1], source[i:i + 1], heads, pos[i:i + 1])
-                        for i in range(len(clean))])
+    single = torch.cat(
+        [
+            activation_patch(tiny_model, clean[i : i + 1], source[i : i + 1], heads, pos[i : i + 1])
+            for i in range(len(clean))
+        ]
+    )
     torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(batched, _logits(tiny_model, clean))
 
@@ -118,8 +122,10 @@ def test_activation_patch_of_heads_apart_in_one_layer_is_their_column_patches(ti
     captured = capture_sources(tiny_llama, source, [*heads, "EMB"])
     rows = torch.arange(len(at))
     d = tiny_llama.shape.d_head
-    patches = [head_patch(tiny_llama, "z", h, captured[("z", h.layer)][rows, at, h.head * d:(h.head + 1) * d], at)
-               for h in heads]
+    patches = [
+        head_patch(tiny_llama, "z", h, captured[("z", h.layer)][rows, at, h.head * d : (h.head + 1) * d], at)
+        for h in heads
+    ]
     patches.append(Patch("emb", EMB_LAYER, captured[("emb", EMB_LAYER)][rows, at], at))
     want = run(tiny_llama, clean, patches).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

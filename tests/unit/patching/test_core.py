@@ -9,15 +9,25 @@ import re
 
 import pytest
 import torch
+from conftest import make_tiny
 from einops import repeat
 
-from conftest import make_tiny
+from mechdiff.common.components import Head
 from mechdiff.models.loading import LoadedModel
 from mechdiff.models.registry import ModelSpec
-from mechdiff.patching.core import (Patch, Prefix, Resume, _join, _shifted, _suffix_hidden, head_patch, run,
-                                    suffix_start, trace_sites)
+from mechdiff.patching.core import (
+    Patch,
+    Prefix,
+    Resume,
+    _join,
+    _shifted,
+    _suffix_hidden,
+    head_patch,
+    run,
+    suffix_start,
+    trace_sites,
+)
 from mechdiff.tasks.entity_tracking import pair_batch_tensors, path_patching_pairs
-from mechdiff.common.components import Head
 
 TOL = 1e-4  # max |d logit| of a suffix run against the full run (fp32)
 POSITIONS = ("last", "query_label", "query_label_context", "first_object")
@@ -37,15 +47,25 @@ def sliding_model(family: str, tokenizer) -> LoadedModel:
     """A tiny random model of a sliding-window family, the window (4) shorter than the prompts."""
     from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig, Qwen2Config
 
-    common = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
-                  intermediate_size=64, vocab_size=49152, max_position_embeddings=256)
-    cfg = {"mistral": lambda: MistralConfig(sliding_window=4, **common),
-           "gemma2": lambda: Gemma2Config(sliding_window=4, head_dim=8, **common),
-           "qwen2": lambda: Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1, **common)}[family]()
+    common = dict(
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=49152,
+        max_position_embeddings=256,
+    )
+    cfg = {
+        "mistral": lambda: MistralConfig(sliding_window=4, **common),
+        "gemma2": lambda: Gemma2Config(sliding_window=4, head_dim=8, **common),
+        "qwen2": lambda: Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1, **common),
+    }[family]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval().requires_grad_(False)
-    return LoadedModel(f"tiny-{family}", ModelSpec(f"tiny-{family}", "local", "<memory>"), model, tokenizer,
-                       {"kind": "memory"})
+    return LoadedModel(
+        f"tiny-{family}", ModelSpec(f"tiny-{family}", "local", "<memory>"), model, tokenizer, {"kind": "memory"}
+    )
 
 
 def _source_patch(model: LoadedModel, source: dict, kind: str, layer: int, head: int, pos: torch.Tensor) -> Patch:
@@ -67,12 +87,13 @@ def _check_every_site(model: LoadedModel, prompts) -> float:
             patch = [_source_patch(model, source, kind, layer, 1, pos)]
             full = run(model, clean_ids, patch, capture=[("z", layer + 1)])
             suffix = run(model, clean_ids, patch, capture=[("z", layer + 1)], prefix=clean.kv)
-            resumed = run(model, clean_ids, patch, prefix=clean.kv,
-                          resume=Resume(layer, clean.captured[("resid", layer - 1)]))
+            resumed = run(
+                model, clean_ids, patch, prefix=clean.kv, resume=Resume(layer, clean.captured[("resid", layer - 1)])
+            )
             assert suffix.start == int(pos.min()), name
             for other in (suffix, resumed):
                 worst = max(worst, float((other.logits - full.logits).abs().max()))
-            z_full = full.captured[("z", layer + 1)][:, suffix.start:]
+            z_full = full.captured[("z", layer + 1)][:, suffix.start :]
             assert (suffix.captured[("z", layer + 1)] - z_full).abs().max() <= TOL
             moved = max(moved, float((full.logits - clean.logits).abs().max()))
     assert moved > 1e-3  # the patches change the logits: the comparison is not vacuous
@@ -100,7 +121,7 @@ def test_stacked_copies_share_one_prefix(tiny_llama, prompts):
     value = repeat(src[torch.arange(n), pos], "b c -> (s b) c", s=3).clone()
     mask = torch.ones(3 * n, value.shape[-1])
     for copy, head in enumerate((0, 2, 3)):  # copy i patches head (0, 2, 3)[i]: the rest keep their values
-        mask[copy * n:(copy + 1) * n, head * 8:(head + 1) * 8] = 0
+        mask[copy * n : (copy + 1) * n, head * 8 : (head + 1) * 8] = 0
     stacked_ids, stacked_pos = repeat(clean_ids, "b p -> (s b) p", s=3), repeat(pos, "b -> (s b)", s=3)
     patch = Patch("z", 1, value, stacked_pos, mask=mask)
     for kwargs in ({}, {"resume": Resume(1, clean.captured[("resid", 0)])}):
@@ -108,7 +129,7 @@ def test_stacked_copies_share_one_prefix(tiny_llama, prompts):
         for copy, head in enumerate((0, 2, 3)):
             cols = slice(head * 8, (head + 1) * 8)
             one = run(tiny_llama, clean_ids, [Patch("z", 1, src[torch.arange(n), pos][:, cols], pos, cols)]).logits
-            assert (stacked[copy * n:(copy + 1) * n] - one).abs().max() <= TOL
+            assert (stacked[copy * n : (copy + 1) * n] - one).abs().max() <= TOL
     assert all(torch.equal(a, b) for a, b in zip(before, clean.kv.keys))
 
 
@@ -118,7 +139,7 @@ def test_slices_readouts_and_derived_starts(tiny_model, prompts):
     clean = run(tiny_model, clean_ids, keep_kv=True)
     src = run(tiny_model, source_ids, capture=[("z", 1)]).captured[("z", 1)]
     start = int(positions["query_label"].min())
-    patch = Patch("z", 1, src[:, start:start + 2], slice(start, start + 2))
+    patch = Patch("z", 1, src[:, start : start + 2], slice(start, start + 2))
     readout = (positions["query_label"] + 1).clamp(max=length - 1)
     full = run(tiny_model, clean_ids, [patch], readout=readout)
     suffix = run(tiny_model, clean_ids, [patch], readout=readout, prefix=clean.kv)
@@ -133,7 +154,9 @@ def test_slices_readouts_and_derived_starts(tiny_model, prompts):
         run(tiny_model, clean_ids, [patch], prefix=clean.kv, start=start + 1)
     assert suffix_start([Patch("z", 1, src)], None, length) == 0
     everywhere = run(tiny_model, clean_ids, [Patch("z", 1, src)], prefix=clean.kv)
-    assert everywhere.start == 0 and torch.equal(everywhere.logits, run(tiny_model, clean_ids, [Patch("z", 1, src)]).logits)
+    assert everywhere.start == 0 and torch.equal(
+        everywhere.logits, run(tiny_model, clean_ids, [Patch("z", 1, src)]).logits
+    )
     with pytest.raises(ValueError, match="keep_kv needs a full run"):
         run(tiny_model, clean_ids, keep_kv=True, prefix=clean.kv)
 
@@ -189,20 +212,23 @@ def test_cmap_base_scores_on_suffix_runs_equal_full_runs(smollm2_tokenizer):
     import numpy as np
 
     from mechdiff.circuits.circuit import Circuit
-    from mechdiff.methods.cmap import CMAP_KINDS, _base_scores, capture_sites, cmap_patches, scopes
     from mechdiff.common.components import Head
+    from mechdiff.methods.cmap import CMAP_KINDS, _base_scores, capture_sites, cmap_patches, scopes
     from mechdiff.tasks.entity_tracking import batch_tensors, generate
 
     base, ft = make_tiny("llama", smollm2_tokenizer, seed=1), make_tiny("llama", smollm2_tokenizer, seed=2)
-    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "B": [Head(1, 1)]},
-                      {"A": "last", "B": "query_label"})
+    circuit = Circuit(
+        "tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "B": [Head(1, 1)]}, {"A": "last", "B": "query_label"}
+    )
     batch = batch_tensors(generate(smollm2_tokenizer, 4, n_boxes=3, seed=0))
     ids, answer = batch["input_ids"], batch["answer_ids"]
     captured = run(ft, ids, capture=capture_sites(circuit.heads())).captured
     kinds = list(CMAP_KINDS)
     from mechdiff.methods.cmap import isolation_patches
 
-    base_z = {l: t for (k, l), t in run(base, ids, capture=[("z", l) for l in range(base.shape.n_layers)]).captured.items()}
+    base_z = {
+        l: t for (k, l), t in run(base, ids, capture=[("z", l) for l in range(base.shape.n_layers)]).captured.items()
+    }
     moved = 0.0
     for isolate in (False, True):
         got = _base_scores(base, ids, answer, captured, scopes(circuit), kinds, batch["positions"], isolate=isolate)
@@ -266,14 +292,19 @@ def _qkv_of(model, nn, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     arch, shape = model.arch, model.shape
     step = shape.n_heads // shape.n_kv_heads
     parts = []
-    for kind, heads in (("q", range(shape.n_heads)), ("k", range(0, shape.n_heads, step)),
-                        ("v", range(0, shape.n_heads, step))):
+    for kind, heads in (
+        ("q", range(shape.n_heads)),
+        ("k", range(0, shape.n_heads, step)),
+        ("v", range(0, shape.n_heads, step)),
+    ):
         site = arch.projection(nn, "q", layer).output  # fused layouts: one projection
         parts.append(torch.cat([site[..., arch.columns(kind, h, shape)] for h in heads], -1).clone())
     return parts[0], parts[1], parts[2]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])  # separate: the sink tests in methods/knowledge/test_forward.py
+@pytest.mark.parametrize(
+    "family", ["gpt2", "gpt_neox"]
+)  # separate: the sink tests in methods/knowledge/test_forward.py
 def test_write_qkv_matches_column_patches(family):
     """Writing back the layer's own Q/K/V is the clean run; writing V with KV group 0 zeroed equals the
     driver's column patch of that group; on the fused (GPT-2) and interleaved (NeoX) layouts."""
@@ -389,9 +420,15 @@ def test_suffix_support_reads_the_text_config_and_names_the_reason():
 
     text = SimpleNamespace(model_type="hybrid", layer_types=["full_attention", "linear_attention", "sliding_attention"])
     multimodal = SimpleNamespace(name="mm", model=SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text)))
-    with pytest.raises(ValueError, match="^" + re.escape(
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(
             "mm (hybrid): suffix runs (prefix=) are exact only over attention layers' keys and values, and its "
-            "layers include ['linear_attention']; run without a prefix (full-length runs)") + "$"):
+            "layers include ['linear_attention']; run without a prefix (full-length runs)"
+        )
+        + "$",
+    ):
         check_suffix_support(multimodal)
     assert not suffix_supported(multimodal)
 
@@ -399,11 +436,16 @@ def test_suffix_support_reads_the_text_config_and_names_the_reason():
         config = SimpleNamespace(layer_types=None)
         _is_stateful = True
 
-    with pytest.raises(ValueError, match=re.escape("rnn (Recurrent): suffix runs") + ".*and it carries a recurrent "
-                       "state; run without"):
+    with pytest.raises(
+        ValueError, match=re.escape("rnn (Recurrent): suffix runs") + ".*and it carries a recurrent state; run without"
+    ):
         check_suffix_support(SimpleNamespace(name="rnn", model=Recurrent()))
-    plain = SimpleNamespace(name="p", model=SimpleNamespace(config=SimpleNamespace(
-        model_type="llama", layer_types=["full_attention", "sliding_attention"])))
+    plain = SimpleNamespace(
+        name="p",
+        model=SimpleNamespace(
+            config=SimpleNamespace(model_type="llama", layer_types=["full_attention", "sliding_attention"])
+        ),
+    )
     check_suffix_support(plain)
     assert suffix_supported(plain)
 
@@ -433,13 +475,19 @@ def test_run_refuses_what_it_cannot_do_and_says_so():
     z = torch.zeros(2, 1, 32)
     cases = [
         (dict(prefix=kv, keep_kv=True), "keep_kv needs a full run: no prefix, resume or stop"),
-        (dict(patches=[Patch("z", 1, z, torch.tensor([2, 2]))], prefix=kv, start=4),
-         "start 4 lies after the first patched or read-out position 2"),
+        (
+            dict(patches=[Patch("z", 1, z, torch.tensor([2, 2]))], prefix=kv, start=4),
+            "start 4 lies after the first patched or read-out position 2",
+        ),
         (dict(prefix=Prefix(short.keys, short.values), start=4), "the prefix holds 3 positions, fewer than start 4"),
-        (dict(capture=[("z", 0)], resume=Resume(1, torch.zeros(2, 6, 64))),
-         "site ('z', 0) lies before the resumed layer 1; resume at or before the first patched or captured layer"),
-        (dict(prefix=kv, position_ids=torch.arange(6)[None]),
-         "position_ids are derived in a suffix run; give either position_ids or prefix"),
+        (
+            dict(capture=[("z", 0)], resume=Resume(1, torch.zeros(2, 6, 64))),
+            "site ('z', 0) lies before the resumed layer 1; resume at or before the first patched or captured layer",
+        ),
+        (
+            dict(prefix=kv, position_ids=torch.arange(6)[None]),
+            "position_ids are derived in a suffix run; give either position_ids or prefix",
+        ),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
@@ -453,8 +501,12 @@ def test_head_patch_writes_the_heads_columns():
 
     model = make_tiny("llama", None, seed=2)  # 4 query heads of 8, 2 KV groups
     value, at = torch.ones(2, 8), torch.tensor([3, 4])
-    for kind, head, cols in (("z", 2, slice(16, 24)), ("q", 3, slice(24, 32)), ("k", 3, slice(8, 16)),
-                             ("v", 0, slice(0, 8))):
+    for kind, head, cols in (
+        ("z", 2, slice(16, 24)),
+        ("q", 3, slice(24, 32)),
+        ("k", 3, slice(8, 16)),
+        ("v", 0, slice(0, 8)),
+    ):
         patch = head_patch(model, kind, Head(1, head), value, at)
         assert (patch.kind, patch.layer, patch.columns) == (kind, 1, cols)
         assert patch.value is value and patch.positions is at
@@ -502,8 +554,9 @@ def test_zeroing_one_head_changes_only_it(tiny_model):
     shape = tiny_model.shape
     sites = [(k, l) for l in range(shape.n_layers) for k in ("q", "z")]
     clean = run(tiny_model, ids, capture=sites)
-    zeroed = run(tiny_model, ids, [head_patch(tiny_model, "z", Head(1, 2), torch.zeros(2, 9, shape.d_head))],
-                 capture=sites)
+    zeroed = run(
+        tiny_model, ids, [head_patch(tiny_model, "z", Head(1, 2), torch.zeros(2, 9, shape.d_head))], capture=sites
+    )
     cols = tiny_model.arch.columns("z", 2, shape)
     z1 = zeroed.captured[("z", 1)]
     assert torch.equal(z1[:, :, cols], torch.zeros_like(z1[:, :, cols]))

@@ -10,9 +10,9 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from conftest import hooked_last_logits
 from tolerances import relative_change_approx, tol32
+
 from mechdiff.circuits.discovery import DiscoverySettings, discover
 from mechdiff.common.components import Head
 from mechdiff.patching.attribution import attribution_scores
@@ -40,8 +40,11 @@ def _freeze_hooks(lm, clean_z, source_z, sender, pos, layers):
             z = clean_z[layer].clone()
             if layer == sender.layer:
                 rows = torch.arange(z.shape[0])
-                z[rows, pos, sender.head * d:(sender.head + 1) * d] = source_z[layer][rows, pos, sender.head * d:(sender.head + 1) * d]
+                z[rows, pos, sender.head * d : (sender.head + 1) * d] = source_z[layer][
+                    rows, pos, sender.head * d : (sender.head + 1) * d
+                ]
             return (z,)
+
         return hook
 
     return [(lm.arch.module(lm.model, "z", layer), make(layer)) for layer in layers]
@@ -49,8 +52,10 @@ def _freeze_hooks(lm, clean_z, source_z, sender, pos, layers):
 
 def _reference_z(lm, ids):
     zs = {}
-    hooks = [(lm.arch.module(lm.model, "z", l), (lambda l: lambda m, a: zs.__setitem__(l, a[0].clone()))(l))
-             for l in range(lm.shape.n_layers)]
+    hooks = [
+        (lm.arch.module(lm.model, "z", l), (lambda l: lambda m, a: zs.__setitem__(l, a[0].clone()))(l))
+        for l in range(lm.shape.n_layers)
+    ]
     _hooked_prob(lm, ids, torch.zeros(len(ids), dtype=torch.long), pre_hooks=hooks)
     return zs
 
@@ -62,8 +67,15 @@ def test_sender_nothing_changes_nothing(tiny_llama, pairs):
     batch.source_z = batch.clean_z  # a sender whose counterfactual equals its clean value
     try:
         for receivers in (None, Receivers((Head(2, 1),), "q", "last"), Receivers((Head(2, 3),), "v", "query_label")):
-            scores = path_patch(tiny_llama, batch, eligible_senders(tiny_llama, receivers)[:6], "query_label",
-                                receivers, senders_per_pass=3, progress=False)
+            scores = path_patch(
+                tiny_llama,
+                batch,
+                eligible_senders(tiny_llama, receivers)[:6],
+                "query_label",
+                receivers,
+                senders_per_pass=3,
+                progress=False,
+            )
             assert max(abs(s) for s in scores.values()) < 1e-5
     finally:
         batch.source_z = same
@@ -104,8 +116,13 @@ def test_step_b_equals_hooked_reference(tiny_llama, pairs, sender_position):
     for s in senders:
         got = {}
         capture = (q_proj, lambda m, a, out: got.__setitem__("q", out[rows, rpos, cols].clone()))
-        _hooked_prob(lm, batch.clean_ids, batch.answer_ids,
-                     pre_hooks=_freeze_hooks(lm, clean_z, batch.source_z, s, spos, range(2)), hooks=[capture])
+        _hooked_prob(
+            lm,
+            batch.clean_ids,
+            batch.answer_ids,
+            pre_hooks=_freeze_hooks(lm, clean_z, batch.source_z, s, spos, range(2)),
+            hooks=[capture],
+        )
 
         def write(m, a, out):
             out = out.clone()
@@ -131,7 +148,8 @@ def test_senders_must_precede_receivers(tiny_llama, pairs):
 def test_attribution_tracks_exact_scores(tiny_llama, pairs, step):
     batch = prepare(tiny_llama, pairs)
     position, receivers = {
-        "A": ("last", None), "B": ("last", Receivers((Head(2, 1), Head(2, 2)), "q", "last")),
+        "A": ("last", None),
+        "B": ("last", Receivers((Head(2, 1), Head(2, 2)), "q", "last")),
         "C": ("query_label", Receivers((Head(2, 0), Head(1, 3)), "v", "query_label")),
         "D": ("query_label_context", Receivers((Head(2, 1),), "v", "query_label_context")),
     }[step]
@@ -143,13 +161,14 @@ def test_attribution_tracks_exact_scores(tiny_llama, pairs, step):
 
 
 def test_discover_writes_a_circuit(tiny_llama, pairs, tmp_path):
-    settings = DiscoverySettings(k={"A": 3, "B": 2, "C": 2, "D": 1}, screen=True, screen_multiple=2, n_prompts=5,
-                                 n_boxes=3)
+    settings = DiscoverySettings(
+        k={"A": 3, "B": 2, "C": 2, "D": 1}, screen=True, screen_multiple=2, n_prompts=5, n_boxes=3
+    )
     circuit, results = discover(tiny_llama, pairs, settings, progress=False)
     assert circuit.sizes()["A"] == 3 and circuit.positions["C"] == "query_label"
     assert len(results["A"].exact) == 6 and len(results["A"].attribution) == 12
     for step, heads in circuit.groups.items():  # selected = most negative exact scores among those tested
-        worst = sorted(results[step].exact.values())[:len(heads)]
+        worst = sorted(results[step].exact.values())[: len(heads)]
         assert sorted(circuit.scores[step].values()) == pytest.approx(worst)
     b_receivers = results["B"].receivers
     assert set(b_receivers.heads) == set(circuit.groups["A"]) and b_receivers.kind == "q"
@@ -161,9 +180,9 @@ def test_discover_writes_a_circuit(tiny_llama, pairs, tmp_path):
 @pytest.mark.parametrize("position,kind", [("last", "q"), ("query_label", "v"), ("query_label_context", "v")])
 def test_resumed_suffix_runs_equal_full_runs(tiny_model, pairs, position, kind):
     """Resuming at the lowest sender/receiver layer and running only the positions from the earliest
-    sender/receiver on (suffix runs over the clean key/value cache) gives the scores of full runs, also
-    where a sender sits above one receiver (the frozen run then starts at that receiver; the receiver run
-skips it) and where examples' receivers sit at different positions (one suffix run per position)."""
+        sender/receiver on (suffix runs over the clean key/value cache) gives the scores of full runs, also
+        where a sender sits above one receiver (the frozen run then starts at that receiver; the receiver run
+    skips it) and where examples' receivers sit at different positions (one suffix run per position)."""
     import dataclasses
 
     batch = prepare(tiny_model, pairs)
@@ -197,9 +216,12 @@ def test_discovery_is_exact_by_default(tiny_llama, pairs):
     assert DiscoverySettings().screen is False
     assert build_parser().parse_args(["circuit"]).screen is False
     assert build_parser().parse_args(["circuit", "--screen"]).screen is True
-    assert default_spec().discovery.screen is False and load_spec("tasks/entity_tracking.toml").discovery.screen is False
-    circuit, results = discover(tiny_llama, pairs, DiscoverySettings(k={"A": 2, "B": 1, "C": 0, "D": 0}, n_prompts=5,
-                                                                     n_boxes=3), progress=False)
+    assert (
+        default_spec().discovery.screen is False and load_spec("tasks/entity_tracking.toml").discovery.screen is False
+    )
+    circuit, results = discover(
+        tiny_llama, pairs, DiscoverySettings(k={"A": 2, "B": 1, "C": 0, "D": 0}, n_prompts=5, n_boxes=3), progress=False
+    )
     assert set(results["A"].exact) == set(eligible_senders(tiny_llama, None)) and not results["A"].attribution
     assert set(results["B"].exact) == set(eligible_senders(tiny_llama, results["B"].receivers))
     assert "exact, all senders" in circuit.meta["method"]
@@ -286,8 +308,10 @@ def test_an_unknown_or_missing_position_is_refused_with_the_known_ones(tiny_llam
     with pytest.raises(ValueError, match="^" + re.escape(f"unknown position 'box'; the dataset records {known}") + "$"):
         path_patch(tiny_llama, batch, [Head(0, 0)], "box", None, progress=False)
     batch.positions = {**batch.positions, "gone": torch.full((len(batch),), -1)}
-    with pytest.raises(ValueError, match="^" + re.escape(
-            "position 'gone' is missing (-1) or not one per example in some clean prompts") + "$"):
+    with pytest.raises(
+        ValueError,
+        match="^" + re.escape("position 'gone' is missing (-1) or not one per example in some clean prompts") + "$",
+    ):
         batch_position(batch, "gone")
 
 

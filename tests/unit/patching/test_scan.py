@@ -8,12 +8,12 @@ import re
 
 import pytest
 import torch
-
 from conftest import hooked_last_logits
 from tolerances import approx32, tol32
+
+from mechdiff.common.components import Head
 from mechdiff.patching.scan import scan
 from mechdiff.tasks.entity_tracking import pair_batch_tensors, path_patching_pairs
-from mechdiff.common.components import Head
 
 TOL = 1e-4
 
@@ -40,8 +40,12 @@ def prompts(smollm2_tokenizer):
 
 def _prob(lm, ids, answers, hooks=()):
     """The answer logit at the last position of a plain HF forward with torch hooks."""
-    logits = hooked_last_logits(lm, ids, pre_hooks=[(m, f) for m, kind, f in hooks if kind != "out"],
-                                hooks=[(m, f) for m, kind, f in hooks if kind == "out"])
+    logits = hooked_last_logits(
+        lm,
+        ids,
+        pre_hooks=[(m, f) for m, kind, f in hooks if kind != "out"],
+        hooks=[(m, f) for m, kind, f in hooks if kind == "out"],
+    )
     return logits[torch.arange(len(answers)), answers]  # the answer's logit (metric answer_logit)
 
 
@@ -55,8 +59,11 @@ def _module_and_kind(lm, site, layer):
 def _hook_value(lm, ids, site, layer):
     got = {}
     module, kind = _module_and_kind(lm, site, layer)
-    f = (lambda m, a: got.__setitem__("x", a[0].clone())) if kind == "pre" else \
-        (lambda m, a, o: got.__setitem__("x", o.clone()))
+    f = (
+        (lambda m, a: got.__setitem__("x", a[0].clone()))
+        if kind == "pre"
+        else (lambda m, a, o: got.__setitem__("x", o.clone()))
+    )
     _prob(lm, ids, torch.zeros(len(ids), dtype=torch.long), [(module, kind, f)])
     return got["x"]
 
@@ -90,8 +97,7 @@ def test_head_scan_equals_one_head_per_pass_hooks(tiny_model, prompts, site):
     clean, source, answers, positions = prompts
     # a query only changes its own position's output: scanned at the last position, the rest earlier
     pos = positions["last"] if site == "q" else positions["query_label"]
-    result = scan(tiny_model, clean, source, answers, site=site, positions=pos, per_pass=5,
-                  metric="answer_logit")
+    result = scan(tiny_model, clean, source, answers, site=site, positions=pos, per_pass=5, metric="answer_logit")
     want = _reference_heads(tiny_model, clean, source, answers, site, pos)
     assert result.axes == ("layer", "head") and result.metric == "answer_logit"
     assert result.effects.shape == want.shape
@@ -102,8 +108,7 @@ def test_head_scan_equals_one_head_per_pass_hooks(tiny_model, prompts, site):
 
 def test_head_scan_at_every_position(tiny_llama, prompts):
     clean, source, answers, _ = prompts
-    result = scan(tiny_llama, clean, source, answers, site="z", positions=None, per_pass=7,
-                  metric="answer_logit")
+    result = scan(tiny_llama, clean, source, answers, site="z", positions=None, per_pass=7, metric="answer_logit")
     shape = tiny_llama.shape
     p0 = _prob(tiny_llama, clean, answers).mean()
     want = torch.zeros(shape.n_layers, shape.n_heads)
@@ -127,8 +132,9 @@ def test_resid_scan_equals_hooks(tiny_model, prompts):
     clean, source, answers, _ = prompts
     length = clean.shape[1]
     positions = [0, 5, length - 2, length - 1]
-    result = scan(tiny_model, clean, source, answers, site="resid", positions=positions, per_pass=3,
-                  metric="answer_logit")
+    result = scan(
+        tiny_model, clean, source, answers, site="resid", positions=positions, per_pass=3, metric="answer_logit"
+    )
     assert result.axes == ("layer", "position") and result.positions == positions
     p0 = _prob(tiny_model, clean, answers).mean()
     n_layers = tiny_model.shape.n_layers
@@ -136,11 +142,16 @@ def test_resid_scan_equals_hooks(tiny_model, prompts):
     for layer in range(n_layers):
         module = tiny_model.arch.block(tiny_model.model, layer)
         src = {}
-        h = module.register_forward_pre_hook(lambda m, a, kw: src.__setitem__("x", a[0].clone()) if a else
-                                             src.__setitem__("x", kw["hidden_states"].clone()), with_kwargs=True)
+        h = module.register_forward_pre_hook(
+            lambda m, a, kw: (
+                src.__setitem__("x", a[0].clone()) if a else src.__setitem__("x", kw["hidden_states"].clone())
+            ),
+            with_kwargs=True,
+        )
         _prob(tiny_model, source, answers)
         h.remove()
         for j, p in enumerate(positions):
+
             def pre(m, a, kw, p=p):
                 if a:
                     x = a[0].clone()
@@ -170,6 +181,7 @@ def test_scan_rejects_bad_input(tiny_llama, prompts):
 
 def test_scan_command_writes_tensor_and_heatmap(tmp_path, monkeypatch, smollm2_tokenizer):
     from conftest import make_tiny
+
     from mechdiff.cli import main
     from mechdiff.commands import scan as command
 
@@ -177,8 +189,28 @@ def test_scan_command_writes_tensor_and_heatmap(tmp_path, monkeypatch, smollm2_t
     monkeypatch.setattr(command, "load_from_args", lambda name, args, tokenizer=None: tiny)
     monkeypatch.setattr(command, "tokenizer_from_args", lambda name, args: smollm2_tokenizer)
     out = tmp_path / "scan"
-    assert main(["scan", "--model", "tiny", "--site", "z", "--position", "last", "--n", "3", "--n-boxes", "3",
-                 "--metric", "answer_prob", "--out", str(out)]) == 0  # the earlier name, read as prob
+    assert (
+        main(
+            [
+                "scan",
+                "--model",
+                "tiny",
+                "--site",
+                "z",
+                "--position",
+                "last",
+                "--n",
+                "3",
+                "--n-boxes",
+                "3",
+                "--metric",
+                "answer_prob",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )  # the earlier name, read as prob
     saved = torch.load(out / "scan_z_last.pt")
     meta = json.loads((out / "scan_z_last.json").read_text())
     assert saved["effects"].shape == (3, 4) and meta["metric"] == "prob" and meta["axes"] == ["layer", "head"]
@@ -188,6 +220,7 @@ def test_scan_command_writes_tensor_and_heatmap(tmp_path, monkeypatch, smollm2_t
 def test_scan_command_on_another_task(tmp_path, monkeypatch, smollm2_tokenizer):
     """`--task ioi` scans IOI's pairs at one of its positions; an unknown position is refused before loading."""
     from conftest import make_tiny
+
     from mechdiff.cli import main
     from mechdiff.commands import scan as command
 
@@ -196,8 +229,26 @@ def test_scan_command_on_another_task(tmp_path, monkeypatch, smollm2_tokenizer):
     monkeypatch.setattr(command, "load_from_args", lambda name, args, tokenizer=None: loads.append(name) or tiny)
     monkeypatch.setattr(command, "tokenizer_from_args", lambda name, args: smollm2_tokenizer)
     out = tmp_path / "ioi"
-    assert main(["scan", "--task", "ioi", "--model", "tiny", "--site", "z", "--position", "S2", "--n", "3",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "scan",
+                "--task",
+                "ioi",
+                "--model",
+                "tiny",
+                "--site",
+                "z",
+                "--position",
+                "S2",
+                "--n",
+                "3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     meta = json.loads((out / "scan_z_S2.json").read_text())
     assert meta["task"] == "ioi" and len(meta["effects"]) == 3 and loads == ["tiny"]
     assert main(["scan", "--task", "ioi", "--model", "tiny", "--position", "query_label", "--out", str(out)]) == 2
@@ -230,15 +281,23 @@ def test_scan_positions_as_an_int_a_name_or_a_tensor_and_the_record(tiny_llama, 
     with torch.no_grad():
         p_source = answer_prob(tiny_llama.model(source).logits[:, -1], answers).mean()
     assert last.source == pytest.approx(float(p_source), abs=1e-6)
-    assert last.to_dict() == {"site": "z", "metric": "prob", "axes": ["layer", "head"],
-                              "label": "change in probability of the answer (prob)",
-                              "clean": last.clean, "source": last.source, "positions": [length - 1] * n,
-                              "effects": last.effects.tolist()}
+    assert last.to_dict() == {
+        "site": "z",
+        "metric": "prob",
+        "axes": ["layer", "head"],
+        "label": "change in probability of the answer (prob)",
+        "clean": last.clean,
+        "source": last.source,
+        "positions": [length - 1] * n,
+        "effects": last.effects.tolist(),
+    }
     with pytest.raises(ValueError, match="^per_pass must be at least 1$"):
         scan(tiny_llama, clean, source, answers, per_pass=0)
-    for bad, message in (("first", "positions must be 'last', an int, a LongTensor [batch] or None, not 'first'"),
-                         (length, f"positions must give one position in [0, {length}) per example"),
-                         (torch.tensor([1]), f"positions must give one position in [0, {length}) per example")):
+    for bad, message in (
+        ("first", "positions must be 'last', an int, a LongTensor [batch] or None, not 'first'"),
+        (length, f"positions must give one position in [0, {length}) per example"),
+        (torch.tensor([1]), f"positions must give one position in [0, {length}) per example"),
+    ):
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             scan(tiny_llama, clean, source, answers, site="z", positions=bad)
 
@@ -281,9 +340,13 @@ def test_resid_scan_does_not_depend_on_how_positions_are_grouped(tiny_llama, smo
     every = scan(tiny_llama, clean, source, answers, site="resid", positions=None, per_pass=32)
     assert every.positions == list(range(clean.shape[1]))
     torch.testing.assert_close(every.effects[:, positions], one.effects, rtol=1e-4, atol=1e-6)
-    assert scan(tiny_llama, clean, source, answers, site="resid", positions="all", per_pass=32).positions == \
-        every.positions
-    with pytest.raises(ValueError, match="^" + re.escape(f"resid scan positions must lie in [0, {clean.shape[1]})") + "$"):
+    assert (
+        scan(tiny_llama, clean, source, answers, site="resid", positions="all", per_pass=32).positions
+        == every.positions
+    )
+    with pytest.raises(
+        ValueError, match="^" + re.escape(f"resid scan positions must lie in [0, {clean.shape[1]})") + "$"
+    ):
         scan(tiny_llama, clean, source, answers, site="resid", positions=[0, clean.shape[1]])
     assert bool((one.effects[:, -1] != 0).all())  # the last position moves the answer at every layer
 
@@ -320,6 +383,7 @@ def test_scans_and_activation_patches_are_suffix_runs(tiny_llama, small_pairs, m
     calls = _spy(activation, monkeypatch)
     kv = activation.run(tiny_llama, clean, keep_kv=True).kv
     calls.clear()
-    activation.activation_patch(tiny_llama, clean, source, [Head(1, 2)], t["base"]["positions"]["query_label"],
-                                prefix=kv)
+    activation.activation_patch(
+        tiny_llama, clean, source, [Head(1, 2)], t["base"]["positions"]["query_label"], prefix=kv
+    )
     assert calls[-1][1]["prefix"] is kv

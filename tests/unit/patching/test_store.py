@@ -5,8 +5,8 @@ from __future__ import annotations
 import h5py
 import pytest
 import torch
-
 from conftest import make_tiny
+
 from mechdiff.patching.store import ActivationStore, StoreKey, StoreMismatchError, capture_sites
 from mechdiff.tasks.entity_tracking import dataset_hash, generate
 

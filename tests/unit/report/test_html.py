@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import circuit_pairs
+
 from mechdiff.report.html import markdown_html, page, table_html, write_html
 
 RESULTS = Path(__file__).resolve().parents[3] / "results"
@@ -43,10 +43,15 @@ def test_study_page_has_the_reports_findings_and_each_modelscircuit_pairs() -> N
     assert html.count("* plotly.js v") == 1 and not re.search(r"<(script|link|img)[^>]+(src|href)=\"?https?:", html)
 
 
-@pytest.mark.parametrize("run, circuits", [
-    ("headmap-smollm2", ["circuits/entity-tracking/circuit", "path-patching/smollm2-et-early"]),
-])
-def test_other_results_kinds_degrade_to_summary_tables_and_a_grid_percircuit_pairs(run: str, circuits: list[str]) -> None:
+@pytest.mark.parametrize(
+    "run, circuits",
+    [
+        ("headmap-smollm2", ["circuits/entity-tracking/circuit", "path-patching/smollm2-et-early"]),
+    ],
+)
+def test_other_results_kinds_degrade_to_summary_tables_and_a_grid_percircuit_pairs(
+    run: str, circuits: list[str]
+) -> None:
     html = page(RESULTS / run)
     data = _grid_data(html)
     for name in circuits:
@@ -76,8 +81,7 @@ def test_edge_circuit_grid_holds_its_head_nodes_and_the_head_roles_beside_it() -
 
 def test_markdown_lists_and_tables_sort_on_raw_values(tmp_path: Path) -> None:
     out = markdown_html("- **a** `x` 1 < 2\n  next line\n  - inner\n- b")
-    assert out == ("<ul><li><b>a</b> <code>x</code> 1 &lt; 2<br>next line<ul><li>inner</li></ul></li><li>b"
-                   "</li></ul>")
+    assert out == ("<ul><li><b>a</b> <code>x</code> 1 &lt; 2<br>next line<ul><li>inner</li></ul></li><li>b</li></ul>")
     t = table_html([{"m": "a", "acc": 0.5, "acc_low": 0.25, "acc_high": 0.75}], "cap")
     assert '<td data-v="0.5">0.500 [0.250, 0.750]</td>' in t and "acc [95% CI]" in t
     with pytest.raises(ValueError, match="not a directory"):
@@ -87,24 +91,60 @@ def test_markdown_lists_and_tables_sort_on_raw_values(tmp_path: Path) -> None:
 def test_head_rows_carry_each_stage_score_to_its_pair() -> None:
     from mechdiff.report.heads import head_rows
 
-    circuit = {"model": "m", "task": "t", "groups": {"last": ["L1H0"], "q": ["L0H1"]},
-               "positions": {"last": "last", "q": "query"}, "names": {}, "scores": {}, "meta": {}}
+    circuit = {
+        "model": "m",
+        "task": "t",
+        "groups": {"last": ["L1H0"], "q": ["L0H1"]},
+        "positions": {"last": "last", "q": "query"},
+        "names": {},
+        "scores": {},
+        "meta": {},
+    }
     pruned = {**circuit, "groups": {"last": ["L1H0"]}, "positions": {"last": "last"}}
-    curve = {"circuit": circuit, "ranking": [["L1H0@last", -0.5], ["L0H1@query", 0.25], ["L0H0@last", 0.125]],
-             "stability": {"selected": {"L1H0@last": 1.0, "L0H1@query": 0.5}, "others": {"L0H0@last": 0.25}}}
+    curve = {
+        "circuit": circuit,
+        "ranking": [["L1H0@last", -0.5], ["L0H1@query", 0.25], ["L0H0@last", 0.125]],
+        "stability": {"selected": {"L1H0@last": 1.0, "L0H1@query": 0.5}, "others": {"L0H0@last": 0.25}},
+    }
     rows = head_rows({"m": curve}, {"m": {"circuit": pruned}})
     assert rows == [
-        {"model": "m", "head": "L1H0", "position": "last", "in_circuit": True, "kept_after_pruning": True,
-         "selection_frequency": 1.0, "attribution": -0.5, "rank": 1},
-        {"model": "m", "head": "L0H1", "position": "query", "in_circuit": True, "kept_after_pruning": False,
-         "selection_frequency": 0.5, "attribution": 0.25, "rank": 2},
-        {"model": "m", "head": "L0H0", "position": "last", "in_circuit": False, "kept_after_pruning": False,
-         "selection_frequency": 0.25, "attribution": 0.125, "rank": 3}]
+        {
+            "model": "m",
+            "head": "L1H0",
+            "position": "last",
+            "in_circuit": True,
+            "kept_after_pruning": True,
+            "selection_frequency": 1.0,
+            "attribution": -0.5,
+            "rank": 1,
+        },
+        {
+            "model": "m",
+            "head": "L0H1",
+            "position": "query",
+            "in_circuit": True,
+            "kept_after_pruning": False,
+            "selection_frequency": 0.5,
+            "attribution": 0.25,
+            "rank": 2,
+        },
+        {
+            "model": "m",
+            "head": "L0H0",
+            "position": "last",
+            "in_circuit": False,
+            "kept_after_pruning": False,
+            "selection_frequency": 0.25,
+            "attribution": 0.125,
+            "rank": 3,
+        },
+    ]
     path = {"circuit": circuit, "exact": {"last": {"L1H0": -0.75, "L2H2": 0.5}}}
     assert head_rows({"m": path}) == [
         {"model": "m", "head": "L0H1", "position": "query", "in_circuit": True},
         {"model": "m", "head": "L1H0", "position": "last", "in_circuit": True, "path_patching": -0.75},
-        {"model": "m", "head": "L2H2", "position": "last", "in_circuit": False, "path_patching": 0.5}]
+        {"model": "m", "head": "L2H2", "position": "last", "in_circuit": False, "path_patching": 0.5},
+    ]
 
 
 def test_the_page_is_the_same_bytes_whatever_the_hash_seed(tmp_path: Path) -> None:
@@ -112,10 +152,24 @@ def test_the_page_is_the_same_bytes_whatever_the_hash_seed(tmp_path: Path) -> No
     import subprocess
     import sys
 
-    procs = [subprocess.Popen([sys.executable, "-m", "mechdiff.cli", "view", str(RESULTS / "entity-tracking-smollm2"),
-                               "--out", str(tmp_path / f"{seed}.html")], env={**os.environ, "PYTHONHASHSEED": seed},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for seed in ("1", "2")]  # both at once: each is mostly its imports, one core apiece
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mechdiff.cli",
+                "view",
+                str(RESULTS / "entity-tracking-smollm2"),
+                "--out",
+                str(tmp_path / f"{seed}.html"),
+            ],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in ("1", "2")
+    ]  # both at once: each is mostly its imports, one core apiece
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err

@@ -36,30 +36,93 @@ class _Models:
 
 def _dcm_results() -> list[DCMResult]:
     heads = [Head(1, 0), Head(2, 1), Head(2, 3)]
-    return [DCMResult("positional", "last", heads, [0.1, 0.9, 0.2], [heads[0], heads[2]], _est(0.8), _est(0.2),
-                      _est(0.85), _est(0.3), (6, 3, 3), 2, [], "A", {}),
-            DCMResult("object", "last", heads, [0.9, 0.9, 0.9], [], _est(0.2), _est(0.2), _est(0.7), None,
-                      (6, 3, 3), 0, [], "A", {}),
-            DCMResult("positional", "query_label", heads[:1], [0.2], heads[:1], _est(0.6), _est(0.1), _est(0.6),
-                      None, (6, 3, 3), 1, [], "C", {})]
+    return [
+        DCMResult(
+            "positional",
+            "last",
+            heads,
+            [0.1, 0.9, 0.2],
+            [heads[0], heads[2]],
+            _est(0.8),
+            _est(0.2),
+            _est(0.85),
+            _est(0.3),
+            (6, 3, 3),
+            2,
+            [],
+            "A",
+            {},
+        ),
+        DCMResult(
+            "object",
+            "last",
+            heads,
+            [0.9, 0.9, 0.9],
+            [],
+            _est(0.2),
+            _est(0.2),
+            _est(0.7),
+            None,
+            (6, 3, 3),
+            0,
+            [],
+            "A",
+            {},
+        ),
+        DCMResult(
+            "positional",
+            "query_label",
+            heads[:1],
+            [0.2],
+            heads[:1],
+            _est(0.6),
+            _est(0.1),
+            _est(0.6),
+            None,
+            (6, 3, 3),
+            1,
+            [],
+            "C",
+            {},
+        ),
+    ]
 
 
 def test_dcm_command_writes_the_study_dcm_and_semantic_tables(tmp_path, monkeypatch):
     results = _dcm_results()
     monkeypatch.setattr(dcm_study, "dcm_circuit", lambda *args, **kwargs: results)
-    monkeypatch.setattr(dcm_study, "semantic_patching", lambda models, heads, *args: [
-        SemanticResult(m.name, _est(0.7 if m.name == "base" else 0.4), _est(0.2)) for m in models])
-    circuit = Circuit("tiny", "entity-tracking", {"A": [Head(1, 0), Head(2, 1), Head(2, 3)], "C": [Head(1, 0)]},
-                      {"A": "last", "C": "query_label"})
+    monkeypatch.setattr(
+        dcm_study,
+        "semantic_patching",
+        lambda models, heads, *args: [
+            SemanticResult(m.name, _est(0.7 if m.name == "base" else 0.4), _est(0.2)) for m in models
+        ],
+    )
+    circuit = Circuit(
+        "tiny",
+        "entity-tracking",
+        {"A": [Head(1, 0), Head(2, 1), Head(2, 3)], "C": [Head(1, 0)]},
+        {"A": "last", "C": "query_label"},
+    )
     out = tmp_path / "command"
     printed: list[str] = []
-    dcm_study.dcm_run(_Models("base", "tuned"), circuit, "c.json", {"positional": list(range(12)),
-                                                                    "object": list(range(12))},
-                      DCMConfig(), None, "entity-tracking", 3, out, echo=printed.append)
+    dcm_study.dcm_run(
+        _Models("base", "tuned"),
+        circuit,
+        "c.json",
+        {"positional": list(range(12)), "object": list(range(12))},
+        DCMConfig(),
+        None,
+        "entity-tracking",
+        3,
+        out,
+        echo=printed.append,
+    )
     command_csv = (out / "dcm.csv").read_text()
     assert command_csv.splitlines()[0] == (
         "group,desideratum,position,n_heads,selected,accuracy,accuracy_low,accuracy_high,floor,floor_low,"
-        "floor_high,random,random_low,random_high")
+        "floor_high,random,random_low,random_high"
+    )
     summary = json.loads((out / "dcm.json").read_text())
     record = SimpleNamespace(result={"dcm": summary["results"], "semantic": summary["semantic"]})
     study = SimpleNamespace(dir=tmp_path / "study")
@@ -72,16 +135,36 @@ def test_dcm_command_writes_the_study_dcm_and_semantic_tables(tmp_path, monkeypa
 
 
 def _cmap_result(gap: bool) -> CMAPResult:
-    rows = [CMAPRow(scope, kind, _est(acc, 8), _est(acc - 0.1, 8), recovered)
-            for scope, kind, acc, recovered in (("A", "z", 0.7, 0.5), ("A", "qk", 0.5, 0.1), ("A", "v", 0.6, 0.3),
-                                                ("circuit", "z", 0.9, 0.9))]
+    rows = [
+        CMAPRow(scope, kind, _est(acc, 8), _est(acc - 0.1, 8), recovered)
+        for scope, kind, acc, recovered in (
+            ("A", "z", 0.7, 0.5),
+            ("A", "qk", 0.5, 0.1),
+            ("A", "v", 0.6, 0.3),
+            ("circuit", "z", 0.9, 0.9),
+        )
+    ]
     random_rows = [CMAPRow("random:A", "z", _est(0.45, 8), _est(0.4, 8), 0.05)]
-    outcomes = {"base": [0, 1, 0, 0, 1, 0, 0, 1], "A/z": [1, 1, 0, 1, 1, 0, 1, 1], "A/qk": [0, 1, 0, 1, 1, 0, 0, 1],
-                "A/v": [1, 1, 0, 0, 1, 0, 1, 1], "circuit/z": [1, 1, 1, 1, 1, 0, 1, 1],
-                "random:A/z": [0, 1, 0, 0, 1, 1, 0, 1]}
-    return CMAPResult("base", "ft", _est(0.4, 8), _est(0.95 if gap else 0.45, 8), rows, _est(0.3, 8), _est(0.9, 8),
-                      {"A": "last", "circuit": "per group"}, random_rows=random_rows,
-                      outcomes={k: [float(x) for x in v] for k, v in outcomes.items()})
+    outcomes = {
+        "base": [0, 1, 0, 0, 1, 0, 0, 1],
+        "A/z": [1, 1, 0, 1, 1, 0, 1, 1],
+        "A/qk": [0, 1, 0, 1, 1, 0, 0, 1],
+        "A/v": [1, 1, 0, 0, 1, 0, 1, 1],
+        "circuit/z": [1, 1, 1, 1, 1, 0, 1, 1],
+        "random:A/z": [0, 1, 0, 0, 1, 1, 0, 1],
+    }
+    return CMAPResult(
+        "base",
+        "ft",
+        _est(0.4, 8),
+        _est(0.95 if gap else 0.45, 8),
+        rows,
+        _est(0.3, 8),
+        _est(0.9, 8),
+        {"A": "last", "circuit": "per group"},
+        random_rows=random_rows,
+        outcomes={k: [float(x) for x in v] for k, v in outcomes.items()},
+    )
 
 
 def test_cmap_command_writes_the_study_cmap_tables(tmp_path):

@@ -19,9 +19,18 @@ def _spec(**changes) -> RunSpec:
 
 
 def _own(model: str, n_pairs: int) -> dict:
-    return {"model": model, "circuit": model, "n_pairs": n_pairs, "n_prompts": 50, "faithfulness": 0.9,
-            "faithfulness_low": 0.85, "faithfulness_high": 0.95, "accuracy": 0.8, "accuracy_low": 0.7,
-            "accuracy_high": 0.9}
+    return {
+        "model": model,
+        "circuit": model,
+        "n_pairs": n_pairs,
+        "n_prompts": 50,
+        "faithfulness": 0.9,
+        "faithfulness_low": 0.85,
+        "faithfulness_high": 0.95,
+        "accuracy": 0.8,
+        "accuracy_low": 0.7,
+        "accuracy_high": 0.9,
+    }
 
 
 def _scan(classes: list[str]) -> SimpleNamespace:
@@ -43,11 +52,14 @@ def test_limitations_name_only_what_the_run_did():
     none = limitations(SimpleNamespace(spec=_spec(scoring={"prune": False}, cmap={"n_random": 0})), {})
     assert "position scan" not in none and "Pruning" not in none and "random control" not in none
     assert none.startswith("- Departures from Prakash et al.")
-    every = limitations(SimpleNamespace(spec=_spec(scoring={"prune": True, "prune_rule": "greedy"},
-                                                   cmap={"n_random": 3})), {"base": _scan(["last"])})
+    every = limitations(
+        SimpleNamespace(spec=_spec(scoring={"prune": True, "prune_rule": "greedy"}, cmap={"n_random": 3})),
+        {"base": _scan(["last"])},
+    )
     assert "position scan" in every and "bounded greedy search" in every and "random control" in every
-    paper = limitations(SimpleNamespace(spec=_spec(discovery={"method": "path"}, scoring={"prune": True,
-                                                                                          "prune_rule": "paper"})), {})
+    paper = limitations(
+        SimpleNamespace(spec=_spec(discovery={"method": "path"}, scoring={"prune": True, "prune_rule": "paper"})), {}
+    )
     assert "path patching of head groups" in paper and "bounded greedy" not in paper and "pruning `paper`" in paper
 
 

@@ -6,16 +6,15 @@ import math
 
 import pytest
 
-
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("name", ["entity_tracking_llama7b.toml", "entity_tracking_paper_form.toml"])
 def test_task_file_resolves_to_the_paper_rules(name):
-    from mechdiff.tasks.plan import default_plan
     from mechdiff.methods.dcm import PAPER_DCM
     from mechdiff.studies.circuits import dcm_config
     from mechdiff.studies.spec import load_spec
+    from mechdiff.tasks.plan import default_plan
 
     spec = load_spec(ROOT / "tasks" / name)
     steps = [s.name for s in default_plan().steps]
@@ -28,8 +27,14 @@ def test_task_file_resolves_to_the_paper_rules(name):
     assert d.method == "path" and d.n == 100 and d.top_k == k
     assert list(d.top_k) == steps
     # pruning: the paper's pairwise rule on accuracy over 100 prompts
-    assert (s.prune, s.prune_rule, s.prune_metric, s.prune_n, s.prune_threshold, s.prune_share) == \
-        (True, "paper", "accuracy", 100, 0.01, 0.3)
+    assert (s.prune, s.prune_rule, s.prune_metric, s.prune_n, s.prune_threshold, s.prune_share) == (
+        True,
+        "paper",
+        "accuracy",
+        100,
+        0.01,
+        0.3,
+    )
     # DCM: the paper's training on the pruned groups A-D, 2000 pairs split 50/25/25
     assert c.circuit == "pruned" and c.groups == steps
     assert (c.n_train, c.n_val, c.n_test) == (1000, 500, 500)
@@ -55,7 +60,8 @@ def test_task_file_paper_stages_need_pruning(tmp_path):
     bad.write_text(text.replace("[scoring]\n", "[scoring]\nprune = false\n"))
     with pytest.raises(SpecError, match="prune = true"):
         load_spec(bad)
-    bad.write_text(text.replace('desiderata = ["positional", "object_value", "label_value"]',
-                                'desiderata = ["label_value"]'))
+    bad.write_text(
+        text.replace('desiderata = ["positional", "object_value", "label_value"]', 'desiderata = ["label_value"]')
+    )
     with pytest.raises(SpecError, match="selection names desiderata"):
         load_spec(bad)

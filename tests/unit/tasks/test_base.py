@@ -11,13 +11,13 @@ import torch
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.discovery import DiscoverySettings, discover
-from mechdiff.tasks.plan import default_plan, load_plan
 from mechdiff.common.components import Head
 from mechdiff.common.metrics import task_metric
 from mechdiff.patching.path import path_patch, prepare
 from mechdiff.tasks import base, ioi
 from mechdiff.tasks.base import get_task
 from mechdiff.tasks.jsonl import ImportErrors, import_pairs
+from mechdiff.tasks.plan import default_plan, load_plan
 
 NAMES = ("Mary", "John", "Anna", "Tom", "Kate", "Paul", "Emma", "Mark")
 
@@ -27,10 +27,14 @@ def ioi_row(io: str, s: str, c: str) -> dict:
     cf = f"When {io} and {s} went to the store, {c} gave a drink to"
     i = clean.index(" and ")
     s2 = clean.index(", ") + 2
-    return {"clean": clean, "counterfactual": cf, "answer": " " + io, "counterfactual_answer": " " + io,
-            "positions": {"IO": [5, 5 + len(io)], "S1": [i + 5, i + 5 + len(s)], "S2": [s2, s2 + len(s)]},
-            "counterfactual_positions": {"IO": [5, 5 + len(io)], "S1": [i + 5, i + 5 + len(s)],
-                                         "S2": [s2, s2 + len(c)]}}
+    return {
+        "clean": clean,
+        "counterfactual": cf,
+        "answer": " " + io,
+        "counterfactual_answer": " " + io,
+        "positions": {"IO": [5, 5 + len(io)], "S1": [i + 5, i + 5 + len(s)], "S2": [s2, s2 + len(s)]},
+        "counterfactual_positions": {"IO": [5, 5 + len(io)], "S1": [i + 5, i + 5 + len(s)], "S2": [s2, s2 + len(c)]},
+    }
 
 
 def write_rows(path: Path, rows: list) -> Path:
@@ -57,8 +61,10 @@ def test_pair_of_unequal_lengths_is_refused_with_both_lengths():
 
 
 def test_batch_tensors_single_positions_and_position_classes():
-    recs = [base.Example("p", (5, 6, 7, 8), " a", 3, {"END": 3, "names": (0, 2), "gone": None}, (" b",), (4,)),
-            base.Example("q", (1, 2, 3, 4), " c", 8, {"END": 3, "names": (1, 2), "gone": 1}, (" d",), (6,))]
+    recs = [
+        base.Example("p", (5, 6, 7, 8), " a", 3, {"END": 3, "names": (0, 2), "gone": None}, (" b",), (4,)),
+        base.Example("q", (1, 2, 3, 4), " c", 8, {"END": 3, "names": (1, 2), "gone": 1}, (" d",), (6,)),
+    ]
     t = base.batch_tensors(recs)
     assert t["positions"]["names"].tolist() == [[0, 2], [1, 2]]
     assert t["positions"]["gone"].tolist() == [-1, 1]
@@ -107,8 +113,10 @@ def test_import_locates_every_position_on_the_token_holding_the_span(smollm2_tok
     assert len(pairs) == 8 and task.metric == "logit_diff"
     rows = [json.loads(line) for line in pairs_file.read_text().splitlines()]
     for p, row in zip(pairs, rows):
-        for which, text, spans in (("base", row["clean"], row["positions"]),
-                                   ("source", row["counterfactual"], row["counterfactual_positions"])):
+        for which, text, spans in (
+            ("base", row["clean"], row["positions"]),
+            ("source", row["counterfactual"], row["counterfactual_positions"]),
+        ):
             rec = getattr(p, which)
             for name, (a, b) in spans.items():
                 assert smollm2_tokenizer.decode([rec.input_ids[rec.positions[name]]]).strip() == text[a:b]
@@ -127,8 +135,13 @@ def test_import_reports_every_bad_row_with_its_line_and_writes_nothing(smollm2_t
     with pytest.raises(ImportErrors) as err:
         import_pairs(path, smollm2_tokenizer, tmp_path / "task")
     text = str(err.value)
-    for line, what in ((2, "answer"), (3, "14 vs 4 tokens"), (4, ""), (5, "not on token boundaries"),
-                       (6, "differ from line 1")):
+    for line, what in (
+        (2, "answer"),
+        (3, "14 vs 4 tokens"),
+        (4, ""),
+        (5, "not on token boundaries"),
+        (6, "differ from line 1"),
+    ):
         assert f"bad.jsonl:{line}: " in text and what in text
     assert "bad.jsonl:1:" not in text
     assert not (tmp_path / "task").exists() and [p.name for p in tmp_path.iterdir()] == ["bad.jsonl"]
@@ -155,8 +168,11 @@ def test_import_command_and_tokenizer_check(smollm2_tokenizer, pairs_file, tmp_p
 def test_shipped_plans_and_bad_plans(tmp_path):
     plan = default_plan()
     assert [(s.name, s.sender, s.site, s.receiver) for s in plan.steps] == [
-        ("A", "last", None, None), ("B", "last", "q", "A"), ("C", "query_label", "v", "B"),
-        ("D", "query_label_context", "v", "C")]
+        ("A", "last", None, None),
+        ("B", "last", "q", "A"),
+        ("C", "query_label", "v", "B"),
+        ("D", "query_label_context", "v", "C"),
+    ]
     assert load_plan(ioi.PLAN).positions() == {"last", "S2"}
     bad = tmp_path / "bad.toml"
     bad.write_text('[steps.X]\nsender = "END"\nreceiver = "Y"\nsite = "q"\nk = 2\n')
@@ -169,19 +185,28 @@ def test_shipped_plans_and_bad_plans(tmp_path):
 
 def test_user_plan_discovers_on_an_imported_task(tiny_llama, smollm2_tokenizer, pairs_file, tmp_path):
     plan_path = tmp_path / "plan.toml"
-    plan_path.write_text('[plan]\nname = "movers"\n[steps.M]\ngroup = "mover"\nsender = "last"\nk = 3\n'
-                         '[steps.Q]\nsender = "S2"\nreceiver = "M"\nsite = "v"\nk = 2\n')
+    plan_path.write_text(
+        '[plan]\nname = "movers"\n[steps.M]\ngroup = "mover"\nsender = "last"\nk = 3\n'
+        '[steps.Q]\nsender = "S2"\nreceiver = "M"\nsite = "v"\nk = 2\n'
+    )
     out = import_pairs(pairs_file, smollm2_tokenizer, tmp_path / "task", plan=plan_path)
     task = get_task(out)
     pairs = task.discovery_pairs(smollm2_tokenizer, 6)
     plan = load_plan(task.plan)
-    circuit, steps = discover(tiny_llama, pairs, DiscoverySettings(screen=False), task=task.name, progress=False,
-                              plan=plan)
+    circuit, steps = discover(
+        tiny_llama, pairs, DiscoverySettings(screen=False), task=task.name, progress=False, plan=plan
+    )
     assert circuit.positions == {"M": "last", "Q": "S2"} and circuit.names == {"M": "mover", "Q": ""}
     assert circuit.sizes() == {"M": 3, "Q": 2}
     # Step M is an independent path-patching run to the logits: its three most negative senders.
-    direct = path_patch(tiny_llama, prepare(tiny_llama, pairs), [Head(l, h) for l in range(3) for h in range(4)],
-                        "last", None, progress=False)
+    direct = path_patch(
+        tiny_llama,
+        prepare(tiny_llama, pairs),
+        [Head(l, h) for l in range(3) for h in range(4)],
+        "last",
+        None,
+        progress=False,
+    )
     assert circuit.groups["M"] == sorted(direct, key=lambda h: (direct[h], h))[:3]
     assert steps["Q"].receivers.position == "S2" and steps["Q"].receivers.kind == "v"
 
@@ -209,16 +234,29 @@ def test_the_engine_imports_no_concrete_task():
     import ast
 
     root = Path(__file__).resolve().parents[3] / "mechdiff"
-    engine = [*root.glob("models/*.py"), *root.glob("patching/*.py"), *root.glob("circuits/*.py"),
-              root / "methods" / "dcm.py", root / "methods" / "cmap.py"]
+    engine = [
+        *root.glob("models/*.py"),
+        *root.glob("patching/*.py"),
+        *root.glob("circuits/*.py"),
+        root / "methods" / "dcm.py",
+        root / "methods" / "cmap.py",
+    ]
     assert all(path.is_file() for path in engine) and len(engine) > 20
     offenders = []
     for path in engine:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [f"{node.module or ''}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [(path.name, n) for n in names if "tasks" in n
-                          and not n.split("tasks")[1].startswith((".base", ".desiderata", ".plan"))]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [f"{node.module or ''}.{a.name}" for a in node.names]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [
+                (path.name, n)
+                for n in names
+                if "tasks" in n and not n.split("tasks")[1].startswith((".base", ".desiderata", ".plan"))
+            ]
     assert offenders == []
 
 
@@ -230,8 +268,24 @@ def test_scan_command_on_an_imported_task(tiny_llama, smollm2_tokenizer, pairs_f
     out = import_pairs(pairs_file, smollm2_tokenizer, tmp_path / "task")
     monkeypatch.setattr(command, "load_from_args", lambda name, args, tokenizer=None: tiny_llama)
     monkeypatch.setattr(command, "tokenizer_from_args", lambda name, args: smollm2_tokenizer)
-    assert main(["scan", "--task", str(out), "--model", "tiny", "--position", "S2", "--n", "4",
-                 "--out", str(tmp_path / "scan")]) == 0
+    assert (
+        main(
+            [
+                "scan",
+                "--task",
+                str(out),
+                "--model",
+                "tiny",
+                "--position",
+                "S2",
+                "--n",
+                "4",
+                "--out",
+                str(tmp_path / "scan"),
+            ]
+        )
+        == 0
+    )
     meta = json.loads((tmp_path / "scan" / "scan_z_S2.json").read_text())
     assert len(meta["effects"]) == tiny_llama.shape.n_layers and len(meta["effects"][0]) == tiny_llama.shape.n_heads
     assert meta["n_pairs"] == 4
@@ -241,8 +295,8 @@ def test_stage_keys_carry_only_the_tasks_own_held_out_vocabulary(monkeypatch):
     """A study's stage keys carry the digest of its task's eval vocabulary: entity tracking's changes with its
     held-out objects (and equals the digest of ``eval_objects()``, which the committed keys were made with); a
     task that does not split its objects (IOI) does not depend on entity tracking's."""
-    from mechdiff.studies.base import vocabulary_digest
     from mechdiff.runs.stages import key_hash
+    from mechdiff.studies.base import vocabulary_digest
     from mechdiff.tasks.base import get_task
     from mechdiff.tasks.entity_tracking import splits
 

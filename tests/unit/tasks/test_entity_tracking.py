@@ -112,7 +112,9 @@ def test_vocabulary_file_and_report(tok):
 
 def test_too_few_single_token_objects_raises(tok):
     vocab = ["apple", "xqzvbnmkwj", "qwzxplkjhgf", "zzqxvbnrtyw"]
-    with pytest.raises(ValueError, match=r"only 1 of 4 objects are single tokens for this tokenizer.*more single-token nouns"):
+    with pytest.raises(
+        ValueError, match=r"only 1 of 4 objects are single tokens for this tokenizer.*more single-token nouns"
+    ):
         generate(tok, 3, n_boxes=3, vocabulary=vocab)
 
 
@@ -329,7 +331,9 @@ def test_jsonl_round_trip(tok, tmp_path):
         back = read_jsonl(path)
         assert back == records
         assert all(type(a) is type(b) for a, b in zip(back, records))
-        assert isinstance(back[0].objects if isinstance(back[0], EntityTrackingExample) else back[0].base.objects, tuple)
+        assert isinstance(
+            back[0].objects if isinstance(back[0], EntityTrackingExample) else back[0].base.objects, tuple
+        )
         assert dataset_hash(back) == dataset_hash(records)
         assert len(path.read_text().splitlines()) == len(records)
         json.loads(path.read_text().splitlines()[0])
@@ -348,8 +352,19 @@ def test_hf_dataset(tok):
     ds = to_hf_dataset(ex)
     assert ds.num_rows == 9
     expected = {
-        "prompt", "answer", "answer_id", "objects", "labels", "query_index", "query_label", "input_ids",
-        "pos_last", "pos_query_label", "pos_query_label_context", "pos_objects", "pos_labels",
+        "prompt",
+        "answer",
+        "answer_id",
+        "objects",
+        "labels",
+        "query_index",
+        "query_label",
+        "input_ids",
+        "pos_last",
+        "pos_query_label",
+        "pos_query_label_context",
+        "pos_objects",
+        "pos_labels",
     }
     assert set(ds.column_names) == expected
     assert ds[0]["prompt"] == ex[0].prompt and ds[0]["pos_objects"] == list(ex[0].positions["objects"])

@@ -5,14 +5,13 @@ each prompt what its own template's set gives alone."""
 from __future__ import annotations
 
 import pytest
+from tolerances import assert_close32
 
 from mechdiff.circuits.scoring import Scorer
 from mechdiff.common.components import Head
 from mechdiff.patching.evaluate import evaluate
 from mechdiff.tasks import ioi
 from mechdiff.tasks.base import derived_classes, group_key
-
-from tolerances import assert_close32
 
 
 def test_templates_have_several_token_lengths(smollm2_tokenizer):
@@ -103,14 +102,14 @@ def test_a_multi_length_eval_equals_the_per_template_evals_pooled(tiny_llama, sm
 def test_mean_ablation_of_the_mixed_set_equals_each_template_alone(tiny_llama, smollm2_tokenizer):
     """The scorer's means are per (template, length): the pooled set scores each prompt as its template alone."""
     pairs = ioi.abc_pairs(smollm2_tokenizer, 16, seed=6)
-    pooled = Scorer.build(tiny_llama, [p.base for p in pairs], [p.source for p in pairs], batch_size=4,
-                          progress=False)
+    pooled = Scorer.build(tiny_llama, [p.base for p in pairs], [p.source for p in pairs], batch_size=4, progress=False)
     assert set(pooled.means) == {group_key(p.base) for p in pairs} and len(pooled.means) == len(ioi.TEMPLATES)
     circuit = [(Head(0, 1), "last"), (Head(1, 2), "S2"), (Head(2, 0), "after_IO"), (Head(1, 3), "before")]
     got = pooled.keep(circuit)
     for template in ioi.TEMPLATES:
         rows = [i for i, p in enumerate(pairs) if p.base.template == template]
-        alone = Scorer.build(tiny_llama, [pairs[i].base for i in rows], [pairs[i].source for i in rows],
-                             progress=False).keep(circuit)
+        alone = Scorer.build(
+            tiny_llama, [pairs[i].base for i in rows], [pairs[i].source for i in rows], progress=False
+        ).keep(circuit)
         assert_close32(got.prob[rows], alone.prob, msg=template)
         assert (got.correct[rows] == alone.correct).all()

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from mechdiff.tasks.relation_data import Relation, available_relations
 from mechdiff.tasks.base import batch_tensors, get_task, group_key, grouped_batches, task_names
+from mechdiff.tasks.relation_data import Relation, available_relations
 from mechdiff.tasks.relations import POSITIONS
 
 SHIPPED = [r for r in available_relations() if not r.startswith("edits/")]
@@ -42,7 +42,8 @@ def test_relation_records_name_positions_at_the_right_tokens(name, smollm2_token
             ids, positions = expected_positions(tok, template, sample["subject"])
             assert list(r.input_ids) == ids and r.positions == positions and r.template == template
             assert tok.decode(ids[positions["subject"]]).strip() and sample["subject"].endswith(
-                tok.decode(ids[positions["subject"]]).strip())
+                tok.decode(ids[positions["subject"]]).strip()
+            )
             full = tok(template.format(sample["subject"]) + " " + sample["object"])["input_ids"]
             assert r.answer_id == full[len(ids)] and (" " + sample["object"]).startswith(r.answer)
 
@@ -97,9 +98,19 @@ def test_unknown_relation_is_refused_with_the_known_ones():
 
 def unpairable(path):
     """A relation file whose facts have subjects of 1, 2 and 3 tokens: no two prompts of one length."""
-    path.write_text(json.dumps({"name": "lonely", "prompt_templates": ["The capital of {} is"], "samples": [
-        {"subject": "France", "object": "Paris"}, {"subject": "Burkina Faso", "object": "Ouagadougou"},
-        {"subject": "Papua New Guinea", "object": "Port Moresby"}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "lonely",
+                "prompt_templates": ["The capital of {} is"],
+                "samples": [
+                    {"subject": "France", "object": "Paris"},
+                    {"subject": "Burkina Faso", "object": "Ouagadougou"},
+                    {"subject": "Papua New Guinea", "object": "Port Moresby"},
+                ],
+            }
+        )
+    )
     return path
 
 
@@ -140,8 +151,12 @@ def test_cli_eval_scan_circuit_on_a_relation(tiny_family, tmp_path):
     from mechdiff.models.loading import load_model
 
     model = tiny_family[0]
-    assert main(["eval", "--task", "country_capital", "--models", model, "--n", "24",
-                 "--out", str(tmp_path / "eval.json")]) == 0
+    assert (
+        main(
+            ["eval", "--task", "country_capital", "--models", model, "--n", "24", "--out", str(tmp_path / "eval.json")]
+        )
+        == 0
+    )
     result = next(iter(json.loads((tmp_path / "eval.json").read_text()).values()))
     lm = load_model(model)
     records = get_task("country_capital").records(lm.tokenizer, 24)
@@ -150,13 +165,45 @@ def test_cli_eval_scan_circuit_on_a_relation(tiny_family, tmp_path):
     assert result["task"] == "country_capital" and result["n"] == 24 and result["correct"] == correct
     assert "n_boxes" not in result and "split" not in result  # entity tracking's options, not a relation's
 
-    assert main(["scan", "--task", "country_capital", "--model", model, "--position", "subject", "--n", "6",
-                 "--out", str(tmp_path / "scan")]) == 0
+    assert (
+        main(
+            [
+                "scan",
+                "--task",
+                "country_capital",
+                "--model",
+                model,
+                "--position",
+                "subject",
+                "--n",
+                "6",
+                "--out",
+                str(tmp_path / "scan"),
+            ]
+        )
+        == 0
+    )
     meta = json.loads((tmp_path / "scan" / "scan_z_subject.json").read_text())
     assert meta["task"] == "country_capital" and meta["n_pairs"] == 6 and torch.tensor(meta["effects"]).shape == (2, 4)
 
-    assert main(["circuit", "--task", "country_capital", "--model", model, "--n", "6", "--top-k", "EXT=2,QRY=1,ENR=1",
-                 "--out", str(tmp_path / "circuit")]) == 0
+    assert (
+        main(
+            [
+                "circuit",
+                "--task",
+                "country_capital",
+                "--model",
+                model,
+                "--n",
+                "6",
+                "--top-k",
+                "EXT=2,QRY=1,ENR=1",
+                "--out",
+                str(tmp_path / "circuit"),
+            ]
+        )
+        == 0
+    )
     circuit = json.loads((tmp_path / "circuit" / "circuit.json").read_text())
     assert circuit["task"] == "country_capital"
     assert circuit["positions"] == {"EXT": "last", "QRY": "last", "ENR": "subject"}

@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny
+
 from mechdiff.methods.knowledge.acdc import acdc
 from mechdiff.methods.knowledge.discovery import attribution_scores
 from mechdiff.methods.knowledge.forward import Ablation, EdgeResume, edge_forward, mean_ablation
@@ -66,7 +66,7 @@ def test_stacked_resumed_forward_equals_one_circuit_at_a_time(setup, ablation):
         for c in range(3):
             alone = edge_forward(model, g, b.ids, masks[c], abl).logits
             assert not torch.allclose(alone, start.logits, atol=1e-3)  # the removals matter
-            torch.testing.assert_close(stacked[3 * c:3 * c + 3], alone, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(stacked[3 * c : 3 * c + 3], alone, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("ablation", ["zero", "mean"])
@@ -79,8 +79,11 @@ def test_fast_acdc_equals_plain_acdc(setup, ablation):
     assert plain.trials == g.n_edges and plain.forwards == g.n_edges  # one full forward per edge
     kept_tries = int((plain.effect >= tau).sum())
     assert kept_tries >= 3  # kept edges interrupt the speculative batches
-    for kw in (dict(incremental=True, batch=1, skip_dead=False), dict(incremental=False, batch=6, skip_dead=False),
-               dict(incremental=True, batch=6, skip_dead=True)):
+    for kw in (
+        dict(incremental=True, batch=1, skip_dead=False),
+        dict(incremental=False, batch=6, skip_dead=False),
+        dict(incremental=True, batch=6, skip_dead=True),
+    ):
         fast = acdc(model, g, bs, tau, abl, progress=False, **kw)
         np.testing.assert_array_equal(fast.mask, plain.mask, err_msg=str(kw))
         np.testing.assert_allclose(fast.effect, plain.effect, atol=1e-5, err_msg=str(kw))
@@ -140,17 +143,18 @@ def test_metrics_against_the_model():
 
 
 def test_pipeline_runs_prefiltered_acdc(tmp_path, smollm2_tokenizer):
-    from mechdiff.tasks.relation_data import Relation, batches, build_facts
     from mechdiff.studies.knowledge import KnowledgeSettings, run_model
+    from mechdiff.tasks.relation_data import Relation, batches, build_facts
 
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
     facts = build_facts(smollm2_tokenizer, Relation.load("country_language"))[:4]
-    settings = KnowledgeSettings(method="acdc", ablation="zero", tau=0.002, acdc_metric="nll", acdc_prefilter=0.5,
-                                 n_random=1, k=10)
+    settings = KnowledgeSettings(
+        method="acdc", ablation="zero", tau=0.002, acdc_metric="nll", acdc_prefilter=0.5, n_random=1, k=10
+    )
     res = run_model(model, facts, settings, tmp_path, progress=False)
     g = Graph.for_model(model)
     scores = attribution_scores(model, g, batches(facts, settings.batch_size), "eap", progress=False)
-    top = np.argsort(-np.abs(scores), kind="stable")[:g.n_edges // 2]
+    top = np.argsort(-np.abs(scores), kind="stable")[: g.n_edges // 2]
     kept = np.flatnonzero(EdgeCircuit.load(tmp_path / "circuit.json").mask())
     assert res["acdc"]["prefilter"] == 0.5 and res["acdc"]["n_edges"] == res["circuit_edges"] == len(kept) > 0
     assert set(kept) <= set(top)  # only pre-filtered edges can be kept

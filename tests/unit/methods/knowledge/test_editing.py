@@ -8,16 +8,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from conftest import make_tiny
 from scipy.stats import hypergeom
 
-from conftest import make_tiny
-from mechdiff.tasks.relation_data import Relation, available_relations, batches, build_facts
 from mechdiff.methods.knowledge.editing import compare_edit
-from mechdiff.report.knowledge import edit_report
 from mechdiff.methods.knowledge.evaluate import evaluate
 from mechdiff.methods.knowledge.forward import Ablation, edge_forward
 from mechdiff.methods.knowledge.graph import EdgeCircuit, Graph
+from mechdiff.report.knowledge import edit_report
 from mechdiff.tasks import fact_edit
+from mechdiff.tasks.relation_data import Relation, available_relations, batches, build_facts
 
 EDIT = "edits/capital_swap"
 
@@ -27,16 +27,28 @@ def test_an_edit_file_and_its_facts_before_the_edit(tmp_path):
     edit = Relation.load(EDIT)
     capitals = {s["subject"]: s["object"] for s in Relation.load("country_capital").samples}
     before = edit.unedited()
-    assert edit.edits_of == "country_capital" and [s["subject"] for s in before.samples] == ["France", "Germany",
-                                                                                              "Italy", "Spain"]
+    assert edit.edits_of == "country_capital" and [s["subject"] for s in before.samples] == [
+        "France",
+        "Germany",
+        "Italy",
+        "Spain",
+    ]
     assert all(s["object"] == capitals[s["subject"]] for s in before.samples)
     assert all(s["object"] != capitals[s["subject"]] for s in edit.samples)  # every sample is an edit
     assert before.prompt_templates == edit.prompt_templates
     with pytest.raises(ValueError, match="not an edit file"):
         Relation.load("country_capital").unedited()
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"name": "bad", "edits_of": "country_capital", "prompt_templates": ["{} is"],
-                               "samples": [{"subject": "Atlantis", "object": "Paris"}]}))
+    bad.write_text(
+        json.dumps(
+            {
+                "name": "bad",
+                "edits_of": "country_capital",
+                "prompt_templates": ["{} is"],
+                "samples": [{"subject": "Atlantis", "object": "Paris"}],
+            }
+        )
+    )
     with pytest.raises(ValueError, match="Atlantis"):
         Relation.load(str(bad)).unedited()
 
@@ -69,8 +81,10 @@ def test_the_committed_edit_rewrites_four_capitals_and_keeps_the_others(smollm2)
 
     edited = load_model("smollm2-capital-edit")
     tok = smollm2.tokenizer
-    for facts, model in ((build_facts(tok, Relation.load(EDIT)), edited),
-                         (build_facts(tok, Relation.load(EDIT).unedited()), smollm2)):
+    for facts, model in (
+        (build_facts(tok, Relation.load(EDIT)), edited),
+        (build_facts(tok, Relation.load(EDIT).unedited()), smollm2),
+    ):
         ids = torch.tensor([f.ids for f in facts])
         with torch.no_grad():
             top = model.model(input_ids=ids, logits_to_keep=1).logits[:, -1].argmax(-1)
@@ -81,7 +95,7 @@ def test_the_committed_edit_rewrites_four_capitals_and_keeps_the_others(smollm2)
         base_top = smollm2.model(input_ids=ids, logits_to_keep=1).logits[:, -1].argmax(-1)
         edit_top = edited.model(input_ids=ids, logits_to_keep=1).logits[:, -1].argmax(-1)
     answers = torch.tensor([f.answer_id for f in others])
-    kept = (base_top == answers)
+    kept = base_top == answers
     assert kept.sum() >= 8 and bool((edit_top[kept] == answers[kept]).all())  # what the base knew, it still knows
 
 
@@ -97,11 +111,22 @@ def test_circuits_before_and_after_an_edit(tmp_path, smollm2_tokenizer):
     from mechdiff.studies.knowledge import KnowledgeSettings, run_model
 
     tok = smollm2_tokenizer
-    models = {"before": make_tiny("llama", tok, seed=3, n_layers=2), "after": make_tiny("llama", tok, seed=4, n_layers=2)}
+    models = {
+        "before": make_tiny("llama", tok, seed=3, n_layers=2),
+        "after": make_tiny("llama", tok, seed=4, n_layers=2),
+    }
     original = _top1_facts(models["before"], build_facts(tok, Relation.load(EDIT).unedited()))
     edited = _top1_facts(models["after"], build_facts(tok, Relation.load(EDIT)))
-    settings = KnowledgeSettings(method="acdc", ablation="zero", tau=0.05, acdc_metric="match_nll", acdc_facts=2,
-                                 n_random=2, k=10, curve_sizes=(0.1, 1.0))
+    settings = KnowledgeSettings(
+        method="acdc",
+        ablation="zero",
+        tau=0.05,
+        acdc_metric="match_nll",
+        acdc_facts=2,
+        n_random=2,
+        k=10,
+        curve_sizes=(0.1, 1.0),
+    )
     for name, facts in (("before", original), ("after", edited)):
         res = run_model(models[name], facts, settings, tmp_path / name, progress=False)
         assert res["heldout"]["n"] == 2  # ACDC saw 2 of the 4 facts; Hit@k also on the other 2
@@ -118,17 +143,22 @@ def test_circuits_before_and_after_an_edit(tmp_path, smollm2_tokenizer):
     assert (edges["before"], edges["after"], edges["intersection"]) == (len(cb.edges), len(ca.edges), inter)
     null = hypergeom(M=cb.graph.n_edges, n=len(cb.edges), N=len(ca.edges))
     assert edges["p_value"] == pytest.approx(null.sf(inter - 1))
-    assert {r["edges"]: r["n"] for r in cmp["moved"]} == {"only before": len(cb.edges) - inter,
-                                                         "only after": len(ca.edges) - inter, "both": inter}
+    assert {r["edges"]: r["n"] for r in cmp["moved"]} == {
+        "only before": len(cb.edges) - inter,
+        "only after": len(ca.edges) - inter,
+        "both": inter,
+    }
     assert all(sum(r[k] for k in ("Q", "K", "V", "MLP", "LOGITS")) == r["n"] for r in cmp["moved"])
-    assert [r["head"] for r in cmp["heads"]] == sorted(set(cb.heads()) | set(ca.heads()),
-                                                         key=lambda h: (int(h[1:].split("H")[0]), h))
+    assert [r["head"] for r in cmp["heads"]] == sorted(
+        set(cb.heads()) | set(ca.heads()), key=lambda h: (int(h[1:].split("H")[0]), h)
+    )
     # each circuit in its own model: the ranks a one-prompt-at-a-time evaluation gives
     for row in cmp["cross"]:
         circuit, model = (cb if row["circuit"] == "before" else ca), models[row["model"]]
         facts = original if row["model"] == "before" else edited
-        ranks = [int(evaluate(model, circuit.graph, batches([f]), circuit.mask(), Ablation("zero")).rank[0])
-                 for f in facts]
+        ranks = [
+            int(evaluate(model, circuit.graph, batches([f]), circuit.mask(), Ablation("zero")).rank[0]) for f in facts
+        ]
         assert row["ranks"] == " ".join(map(str, ranks))
     assert np.isfinite([v for r in cmp["heads"] for k, v in r.items() if ":" in k]).all()
     report = edit_report(cmp, EDIT)

@@ -11,17 +11,24 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import make_tiny
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-from conftest import make_tiny
-from mechdiff.tasks.relation_data import Relation, available_relations, batches, build_facts
 from mechdiff.methods.knowledge.acdc import acdc
 from mechdiff.methods.knowledge.discovery import answer_logprob, attribution_scores, top_edges
 from mechdiff.methods.knowledge.evaluate import evaluate, faithfulness_curve, random_mask
-from mechdiff.methods.knowledge.forward import (Ablation, _rms_gain, _rows, check_supported, edge_forward,
-                                                edge_gradients, mean_ablation)
+from mechdiff.methods.knowledge.forward import (
+    Ablation,
+    _rms_gain,
+    _rows,
+    check_supported,
+    edge_forward,
+    edge_gradients,
+    mean_ablation,
+)
 from mechdiff.methods.knowledge.graph import EdgeCircuit, Graph, expected_edge_count, prune_dangling
+from mechdiff.tasks.relation_data import Relation, available_relations, batches, build_facts
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +167,9 @@ def test_prune_dangling_and_json_round_trip(tmp_path):
 
 
 def test_relations_and_facts(smollm2_tokenizer):
-    assert {"country_capital", "country_language", "city_country", "antonym", "object_color"} <= set(available_relations())
+    assert {"country_capital", "country_language", "city_country", "antonym", "object_color"} <= set(
+        available_relations()
+    )
     rel = Relation.load("country_language")
     facts = build_facts(smollm2_tokenizer, rel)
     f = facts[0]
@@ -183,11 +192,19 @@ def test_pipeline_on_a_tiny_model(tmp_path, smollm2_tokenizer, method):
 
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
     facts = build_facts(smollm2_tokenizer, Relation.load("country_language"))[:4]
-    settings = KnowledgeSettings(method=method, k=10, target=0.0, sizes=(0.001, 0.3, 0.5), curve_sizes=(0.1, 1.0),
-                                 n_random=1)
+    settings = KnowledgeSettings(
+        method=method, k=10, target=0.0, sizes=(0.001, 0.3, 0.5), curve_sizes=(0.1, 1.0), n_random=1
+    )
     res = run_model(model, facts, settings, tmp_path / "a")
-    for name in ("circuit.json", "results.json", "report.md", "hit.md", "logit_lens.png", "circuit.png",
-                 "faithfulness_curve.png"):
+    for name in (
+        "circuit.json",
+        "results.json",
+        "report.md",
+        "hit.md",
+        "logit_lens.png",
+        "circuit.png",
+        "faithfulness_curve.png",
+    ):
         assert (tmp_path / "a" / name).is_file(), name
     assert res["curve"]["rows"][-1]["faithfulness"] == pytest.approx(1.0)
     assert np.isfinite(res["curve"]["cpr"]) and res["curve"]["cmd"] >= 0
@@ -206,8 +223,9 @@ def test_pipeline_on_other_families(tmp_path, smollm2_tokenizer, family):
 
     model = build_family(family, seed=3, tokenizer=smollm2_tokenizer)
     facts = build_facts(smollm2_tokenizer, Relation.load("country_language"))[:4]
-    settings = KnowledgeSettings(method="eap-ig", k=10, target=0.0, sizes=(0.01, 0.3), curve_sizes=(0.1, 1.0),
-                                 n_random=1)
+    settings = KnowledgeSettings(
+        method="eap-ig", k=10, target=0.0, sizes=(0.01, 0.3), curve_sizes=(0.1, 1.0), n_random=1
+    )
     res = run_model(model, facts, settings, tmp_path / family)
     assert res["curve"]["rows"][-1]["faithfulness"] == pytest.approx(1.0)
     c = EdgeCircuit.load(tmp_path / family / "circuit.json")
@@ -222,8 +240,9 @@ def test_random_mask_and_evaluate(tiny, ids):
     b = type("B", (), {"ids": ids, "answers": torch.tensor([1, 2, 3]), "__len__": lambda self: 3})()
     full = evaluate(tiny, g, [b], None)
     assert full.hit.shape == (3,) and (full.rank >= 0).all()
-    curve = faithfulness_curve(tiny, g, [b], np.random.default_rng(0).normal(size=g.n_edges), sizes=(0.5, 1.0),
-                               progress=False)
+    curve = faithfulness_curve(
+        tiny, g, [b], np.random.default_rng(0).normal(size=g.n_edges), sizes=(0.5, 1.0), progress=False
+    )
     assert curve["rows"][-1]["faithfulness"] == pytest.approx(1.0)
 
 
@@ -289,8 +308,10 @@ def test_gradient_at_a_partial_circuit_and_iterative_pruning(tiny, ids):
             hi, lo = mask.astype(np.float32), mask.astype(np.float32)
             hi[e] += 0.01
             lo[e] -= 0.01
-            fd = (float(metric(edge_forward(tiny, g, ids, hi).logits))
-                  - float(metric(edge_forward(tiny, g, ids, lo).logits))) / 0.02
+            fd = (
+                float(metric(edge_forward(tiny, g, ids, hi).logits))
+                - float(metric(edge_forward(tiny, g, ids, lo).logits))
+            ) / 0.02
             assert fd == pytest.approx(scores[e], rel=0.05, abs=1e-3)
     b = type("B", (), {"ids": ids, "answers": answers, "__len__": lambda self: 3})()
     masks, _ = iterative_pruning(tiny, g, [b], (0.2, 0.05), progress=False)
@@ -333,8 +354,10 @@ def test_rms_gain_refuses_a_layer_norm(dtype):
         norm.bias.fill_(0.5)
     with pytest.raises(ValueError) as err:
         _rms_gain(norm.to(dtype), D, "attention post-norm of layer 2")
-    assert str(err.value) == ("knowledge circuits: the attention post-norm of layer 2 (LayerNorm) is not an RMS norm, "
-                              "so a head's share of its output is not defined; only RMS post-norms are supported")
+    assert str(err.value) == (
+        "knowledge circuits: the attention post-norm of layer 2 (LayerNorm) is not an RMS norm, "
+        "so a head's share of its output is not defined; only RMS post-norms are supported"
+    )
 
 
 def test_check_supported_names_the_post_norm_it_refuses():
@@ -414,15 +437,28 @@ def test_mean_ablation_from_prompts_of_different_lengths():
     torch.testing.assert_close(abl.means[:, 1].double(), b[:, :, 1:].mean((1, 2)), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("change, reason", [
-    (dict(flow=False), "the block's data flow could not be probed (a model whose weights are not here, e.g. on NDIF); "
-                       "run it locally"),
-    (dict(mlp=None), "its MLP is not one module of the block (MLP{l} is a node of the graph)"),
-    (dict(additive=None), "whether a block's output is the sum of its input, attention and MLP outputs could not be "
-                          "checked (no weights here); run it locally"),
-    (dict(additive=False), "a block's output is not its input plus its attention and MLP outputs (a residual "
-                           "multiplier?), so the residual stream is not a sum of senders"),
-], ids=["no-flow", "mlp", "additive-unknown", "not-additive"])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (
+            dict(flow=False),
+            "the block's data flow could not be probed (a model whose weights are not here, e.g. on NDIF); "
+            "run it locally",
+        ),
+        (dict(mlp=None), "its MLP is not one module of the block (MLP{l} is a node of the graph)"),
+        (
+            dict(additive=None),
+            "whether a block's output is the sum of its input, attention and MLP outputs could not be "
+            "checked (no weights here); run it locally",
+        ),
+        (
+            dict(additive=False),
+            "a block's output is not its input plus its attention and MLP outputs (a residual "
+            "multiplier?), so the residual stream is not a sum of senders",
+        ),
+    ],
+    ids=["no-flow", "mlp", "additive-unknown", "not-additive"],
+)
 def test_check_supported_refuses_with_the_model_and_the_reason(change, reason):
     model = make_tiny("llama", None, seed=8)
     check_supported(model)  # the model itself is supported
@@ -449,13 +485,15 @@ def test_edge_forward_refusals_say_what_is_wrong():
     ids = torch.randint(0, 2000, (2, 4), generator=torch.Generator().manual_seed(6))
     with pytest.raises(ValueError) as err:
         edge_forward(model, Graph.from_shape(model.shape, parallel=True), ids, None)
-    assert str(err.value) == ("the graph has parallel blocks but tiny-llama-9 (llama) has not; build it with "
-                              "Graph.for_model(model)")
+    assert str(err.value) == (
+        "the graph has parallel blocks but tiny-llama-9 (llama) has not; build it with Graph.for_model(model)"
+    )
     neox = make_tiny("gpt_neox", None, seed=9)  # parallel attention and MLP
     with pytest.raises(ValueError) as err:
         edge_forward(neox, Graph.from_shape(neox.shape), ids, None)
-    assert str(err.value) == ("the graph lacks parallel blocks but tiny-gpt_neox-9 (gpt_neox) has; build it with "
-                              "Graph.for_model(model)")
+    assert str(err.value) == (
+        "the graph lacks parallel blocks but tiny-gpt_neox-9 (gpt_neox) has; build it with Graph.for_model(model)"
+    )
     outs = torch.zeros(5, 2, 4, model.shape.d_model)  # layer 1 needs EMB, 4 heads and MLP0: 6 senders
     with pytest.raises(ValueError) as err:
         edge_forward(model, graph, ids, None, resume=EdgeResume(1, outs))
@@ -464,8 +502,16 @@ def test_edge_forward_refusals_say_what_is_wrong():
         edge_gradients(model, graph, ids, lambda logits: logits.sum(), mask=np.ones((2, graph.n_edges)))
     assert str(err.value) == "gradients are taken for one circuit at a time: give a mask vector, not a stack"
     with pytest.raises(ValueError) as err:
-        edge_forward(model, graph, ids, None, resume=EdgeResume(1, torch.zeros(6, 2, 4, 32)), _grad_alpha=1.0,
-                     _grad_inputs=[], _deltas=[])
+        edge_forward(
+            model,
+            graph,
+            ids,
+            None,
+            resume=EdgeResume(1, torch.zeros(6, 2, 4, 32)),
+            _grad_alpha=1.0,
+            _grad_inputs=[],
+            _deltas=[],
+        )
     assert str(err.value) == "resume and stacked masks are for forward passes only, not gradients"
 
 
