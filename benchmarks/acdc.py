@@ -117,7 +117,8 @@ def main() -> None:
         diff = float(np.nanmax(np.abs(r.effect - ref.effect)[~np.isnan(ref.effect) & ~np.isnan(r.effect)]))
         rows.append((name, r))
         print(
-            f"{name:36s} {r.cpu_seconds:6.1f} s CPU ({r.seconds:6.1f} wall)  tried {r.trials:4d}  skipped {r.skipped:4d}  forwards {r.forwards:4d}  "
+            f"{name:36s} {r.cpu_seconds:6.1f} s CPU ({r.seconds:6.1f} wall)  tried {r.trials:4d}  "
+            f"skipped {r.skipped:4d}  forwards {r.forwards:4d}  "
             f"fwd-equiv {r.cost:7.1f}  {1000 * r.cpu_seconds / max(r.trials, 1):6.1f} ms CPU/tried edge  "
             f"kept {int(r.mask.sum())}  same as plain: {same} (max |effect diff| {diff:.1e})"
         )
@@ -144,7 +145,8 @@ def main() -> None:
     est = cost.sum() * tried_share * last.copies / max(last.trials, 1) * secs_last
     scale = args.est_facts / args.facts * ((args.est_tokens or n_tok) / n_tok)
     print(
-        f"estimate, full ACDC over every edge (plain): {graph.n_edges * plain.cpu_seconds / plain.trials * scale / 3600:.1f} h "
+        "estimate, full ACDC over every edge (plain): "
+        f"{graph.n_edges * plain.cpu_seconds / plain.trials * scale / 3600:.1f} h "
         f"for {args.est_facts} facts (linear in facts: an upper bound), "
         f"{graph.n_edges * plain.cpu_seconds / plain.trials / 3600:.1f} h for {args.facts}"
     )

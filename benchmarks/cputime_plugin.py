@@ -3,7 +3,8 @@ teardown together) beside its wall seconds; the 40 largest are printed at the en
 ``$CPUTIME_OUT`` (tab-separated) when it is set. On a shared, loaded machine wall times swell with the load, CPU
 times of one-thread runs much less: compare two versions of a test by CPU time, run in the same period::
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 CPUTIME_OUT=cpu.tsv python -m pytest -q -p benchmarks.cputime_plugin tests/integration
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 CPUTIME_OUT=cpu.tsv \\
+        python -m pytest -q -p benchmarks.cputime_plugin tests/integration
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ once, then each mutant runs in a forked child with ``MUTANT_UNDER_TEST`` set, un
 tests this file lists for its module. Exit code 0: survived; 1: killed; -24: timed out.
 
     python benchmarks/mutation_rerun.py --fresh > all.txt   # mutants/ rebuilt from this checkout; every mutant's name
-    python benchmarks/mutation_rerun.py --generate mechdiff/methods/knowledge/forward.py   # (re)write one module's mutants
+    python benchmarks/mutation_rerun.py --generate mechdiff/methods/knowledge/forward.py   # (re)write its mutants
     python benchmarks/mutation_rerun.py NAME ... | @FILE   # results go to mutants/rerun-results.json
     python benchmarks/mutation_rerun.py --seed 0 --jobs 2 @FILE   # seeded order: any prefix is a random sample
     python benchmarks/mutation_rerun.py --summary [--by-function] @FILE   # counts and exact 95% intervals
@@ -42,7 +42,8 @@ POST_NORM = [
     for t in ("test_edge_forward_full_and_empty_circuits", "test_removing_one_edge_changes_only_its_receiver")
 ]
 U = "tests/unit/"
-TESTS = {  # mutant-name prefix -> the fast tests that exercise it, quickest and most specific first (longest prefix wins)
+# mutant-name prefix -> the fast tests that exercise it, quickest and most specific first (longest prefix wins)
+TESTS = {
     "mechdiff.methods.cmap.": [U + "methods/test_cmap.py"],
     "mechdiff.methods.knowledge.forward.": [
         U + "methods/knowledge/test_forward.py",

@@ -129,7 +129,8 @@ def prob(logits, answers):
 
 
 def hooks_step_a(lm, batch, senders):
-    """Step A by torch hooks, one sender per forward: every z frozen to clean, the sender's slice at last from source."""
+    """Step A by torch hooks, one sender per forward: every z frozen to clean, the sender's slice at last from
+    source."""
     clean_z, source_z = hooked_z(lm, batch.clean_ids), hooked_z(lm, batch.source_ids)
     rows, pos, d = torch.arange(len(batch)), batch.positions["last"], lm.shape.d_head
     p0 = prob(hooked_logits(lm, batch.clean_ids), batch.answer_ids).mean()
@@ -235,7 +236,7 @@ def main() -> None:
         _write(args.out, fig)
         return
     receivers, exact = None, {}
-    for step, (position, kind, _) in STEPS.items():
+    for step, (position, _kind, _) in STEPS.items():
         senders = eligible_senders(model, receivers)[:: args.sender_every]
         scores, secs, plain, mb = timed(
             lambda: path_patch(model, batch, senders, position, receivers, spp, progress=False), model, ids

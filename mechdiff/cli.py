@@ -60,7 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_terminated(hook: object):
     """An unraisable hook that drops a :class:`Terminated` raised inside ``__del__`` (the run stops at the next
     stage boundary instead, :func:`~mechdiff.common.io.check_terminated`) and passes anything else on."""
-    from .common.io import Terminated
 
     def unraisable(info: object) -> None:
         if not isinstance(getattr(info, "exc_value", None), Terminated):
@@ -77,7 +76,7 @@ def _on_sigterm(handler: object) -> object:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .common.io import RunLockedError, Terminated, check_terminated, clear_terminated, terminate
+    from .common.io import RunLockedError, check_terminated, clear_terminated, terminate
 
     args = build_parser().parse_args(argv)
     quiet_library_warnings()

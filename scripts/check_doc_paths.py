@@ -5,8 +5,8 @@
 Checked: ``mechdiff/...py`` (and ``mechdiff/.../`` folders), layer-relative paths such as ``patching/core.py``,
 dotted names ``mechdiff.x.y`` (a module, or a name defined in one), and repository paths under tests/,
 benchmarks/, scripts/ and tasks/, and any other
-``name.py`` in backticks (the end of some file's path). Every module under mechdiff/ whose path has no part starting with ``_``
-must appear as a ``::: mechdiff.x.y`` line in a page of docs/api/.
+``name.py`` in backticks (the end of some file's path). Every module under mechdiff/ whose path has no part starting
+with ``_`` must appear as a ``::: mechdiff.x.y`` line in a page of docs/api/.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ al. 2024): A value fetcher, B position transmitter, C position detector, D struc
 | C    | query_label           | B's V at query_label               |
 | D    | query_label_context   | C's V at query_label_context       |
 
-Positions are the dataset's position records; a task's own plan names its own steps and positions. Only heads in layers below the deepest
-receiver are tested. A head is selected by the largest *drop* in answer probability
-(most negative score), top ``k`` per step; a head may be selected in several steps.
+Positions are the dataset's position records; a task's own plan names its own steps and positions. Only heads in layers
+below the deepest receiver are tested. A head is selected by the largest *drop* in answer probability (most negative
+score), top ``k`` per step; a head may be selected in several steps.
 By default every eligible sender is path patched exactly (suffix runs over the clean key/value
 cache make each a small fraction of a forward pass). With ``screen=True`` (for large models)
 every eligible sender is first ranked by attribution (:mod:`mechdiff.patching.attribution`)

@@ -45,7 +45,7 @@ from ..circuits.circuit import Circuit
 from ..common.components import Head, all_heads
 from ..common.metrics import answer_is_top1, answer_logit
 from ..common.progress import progress_bar
-from ..common.stats import Estimate, bootstrap, pooled_proportion, proportion
+from ..common.stats import Estimate, pooled_proportion, proportion
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, Prefix, Resume, run
 from ..patching.evaluate import batches

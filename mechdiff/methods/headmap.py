@@ -18,9 +18,10 @@ Three parts:
    ``Linear(r -> d_model)`` (the second zero-initialised) and are added to the attention output
    (a forward hook on the output projection). Only the maps train.
 
-Tasks (the registry :data:`mechdiff.tasks.base.TASKS`, those with training batches): ``entity-tracking`` (7-box prompts for locating and evaluation, 2-7 boxes
-for training, as :mod:`mechdiff.methods.finetune`; evaluation on held-out objects) and ``multiple-choice`` (alias ``arithmetic-mc``;
-:mod:`mechdiff.tasks.multiple_choice`; evaluation on held-out names).
+Tasks (the registry :data:`mechdiff.tasks.base.TASKS`, those with training batches): ``entity-tracking`` (7-box prompts
+for locating and evaluation, 2-7 boxes for training, as :mod:`mechdiff.methods.finetune`; evaluation on held-out
+objects) and ``multiple-choice`` (alias ``arithmetic-mc``; :mod:`mechdiff.tasks.multiple_choice`; evaluation on held-out
+names).
 """
 
 from __future__ import annotations

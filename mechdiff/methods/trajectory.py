@@ -298,8 +298,8 @@ def semantic(
     """Semantic patching in ``lm`` of each non-empty DCM selection of ``labels`` (:meth:`DCMResult.to_dict`
     records: group, desideratum, position, selected) on its desideratum's test pairs: the target accuracy with the
     selected heads patched from source to base (exact binomial), the unpatched floor and each pair's outcome, as
-    :func:`~mechdiff.methods.dcm.semantic_patching` gives them; one :class:`~mechdiff.methods.dcm.PairCache` per desideratum
-    serves all its selections (two forward passes a pair, then one suffix run a pair per selection)."""
+    :func:`~mechdiff.methods.dcm.semantic_patching` gives them; one :class:`~mechdiff.methods.dcm.PairCache` per
+    desideratum serves all its selections (two forward passes a pair, then one suffix run a pair per selection)."""
     from ..common.stats import proportion
     from .dcm import PairCache
 

@@ -232,7 +232,7 @@ def load_model(
     if remote:
         provenance.update(remote=remote)
     loaded = LoadedModel(spec.name, spec, hf_model, tokenizer, provenance, remote=remote)
-    loaded.arch  # fail early for a model no adapter pattern fits (resolved from its modules)
+    _ = loaded.arch  # fail early for a model no adapter pattern fits (resolved from its modules)
     log.info("loaded %s (%s)", spec.name, provenance)
     return loaded
 

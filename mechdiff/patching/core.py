@@ -156,8 +156,8 @@ def run(
     ``input_ids`` may stack copies of them, ``"(copy b) pos"``): only positions ``>= start`` are
     computed, ``start`` defaulting to the first position any patch writes or the read-out reads
     (:func:`suffix_start`; an earlier ``start`` is allowed, a later one refused; without ``prefix``
-    every position is computed and ``start`` is ignored). Positions in patches and ``readout`` stay absolute; captured tensors
-    cover positions ``start ..`` (``Run.start``). ``keep_kv=True`` returns this run's keys and
+    every position is computed and ``start`` is ignored). Positions in patches and ``readout`` stay absolute; captured
+    tensors cover positions ``start ..`` (``Run.start``). ``keep_kv=True`` returns this run's keys and
     values as ``Run.kv`` (a full run: no prefix, resume or stop). ``position_ids`` (``"batch pos"``,
     without ``prefix``) places the tokens at other positions, e.g. one token per example at its own.
     With ``attention_mask`` (``"batch pos"`` over every position) a padded row counts its positions

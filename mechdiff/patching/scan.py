@@ -29,7 +29,7 @@ from einops import repeat
 from ..common.metrics import answer_logit, answer_prob, logit_diff, metric_name
 from ..models.loading import LoadedModel
 from ..models.remote import keep
-from .core import EMB_LAYER, Patch, Prefix, Resume, run
+from .core import EMB_LAYER, Patch, Resume, run
 
 HEAD_SITES = ("z", "q", "k", "v")
 SITES = (*HEAD_SITES, "resid")

@@ -169,7 +169,8 @@ def report_text(summary: dict, settings: KnowledgeSettings, curve: Optional[dict
     if curve:
         lines.append(
             f"- Faithfulness curve (mean answer log-probability; MIB's CPR and CMD, Mueller et al. 2025; edges "
-            f"ranked by {CURVE_RANKING.get(settings.method, '|score|')}): CPR {curve['cpr']:.3f}, CMD {curve['cmd']:.3f} "
+            f"ranked by {CURVE_RANKING.get(settings.method, '|score|')}): "
+            f"CPR {curve['cpr']:.3f}, CMD {curve['cmd']:.3f} "
             f"({curve['area']})."
         )
     ll = summary["logit_lens"]

@@ -5,7 +5,6 @@ The writer reads the study's stage records and its settings (``study.spec``, ``s
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Optional
 

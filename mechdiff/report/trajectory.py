@@ -207,7 +207,7 @@ class _Report:
             series[f"{g} {des}"] = [x["accuracy"] for x in got]
             heads = " ".join(got[0]["heads"])
             self.component(f"DCM {g} {des} ({heads})", "semantic-patching accuracy minus the first's (paired)", diff)
-            for s, n, x, d in zip(self.steps, self.names, got, diff):
+            for s, _name, x, d in zip(self.steps, self.names, got, diff):
                 rows.append(
                     {
                         "group": g,

@@ -173,7 +173,7 @@ class Study(ABC):
         """The study's settings as the manifest records them."""
         return {}
 
-    def forget(self) -> None:
+    def forget(self) -> None:  # noqa: B027 (a hook: a study that memoises records overrides it)
         """Drop whatever the study memoised from stage records (called after a plan, whose records may be still
         to compute)."""
 

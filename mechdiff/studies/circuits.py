@@ -483,7 +483,7 @@ class CircuitsStudy(Study):
     def cmap(self, finetune: str, circuit_rec: StageRecord, dcm_rec: Optional[StageRecord] = None) -> StageRecord:
         from ..methods.cmap import dcm_cut, run_cmap
 
-        c, t = self.spec.cmap, self.spec.task
+        c = self.spec.cmap
         base = self.spec.models.base
         owner = finetune if c.scope == "paper" else base
 

@@ -1,5 +1,5 @@
-"""CMAP of one fine-tune into its base, as ``mechdiff cmap`` runs it: the task's prompts, :func:`mechdiff.methods.cmap.run_cmap`
-per circuit group, and the tables, bar chart and JSON it writes."""
+"""CMAP of one fine-tune into its base, as ``mechdiff cmap`` runs it: the task's prompts,
+:func:`mechdiff.methods.cmap.run_cmap` per circuit group, and the tables, bar chart and JSON it writes."""
 
 from __future__ import annotations
 

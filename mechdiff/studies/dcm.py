@@ -1,6 +1,6 @@
-"""DCM of a circuit's groups and semantic patching, as ``mechdiff dcm`` runs it: :func:`mechdiff.methods.dcm.dcm_circuit`
-on the desiderata given, the selected heads patched into every model of a set, and the tables, bar charts and
-JSON it writes."""
+"""DCM of a circuit's groups and semantic patching, as ``mechdiff dcm`` runs it:
+:func:`mechdiff.methods.dcm.dcm_circuit` on the desiderata given, the selected heads patched into every model of a set,
+and the tables, bar charts and JSON it writes."""
 
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 Position = Union[int, tuple[int, ...], None]

@@ -18,9 +18,9 @@ token span is exact; the answer is the first token of ``" " + object``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 

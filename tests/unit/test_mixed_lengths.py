@@ -15,7 +15,7 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.curve import faithfulness_curve, pair_scores, prompt_attribution, ranking
 from mechdiff.circuits.positions import position_scan, task_classes
 from mechdiff.circuits.pruning import minimality
-from mechdiff.circuits.scoring import Scorer, ablation_patches, faithfulness, matrix_rows, per_prompt
+from mechdiff.circuits.scoring import Scorer, faithfulness, matrix_rows
 from mechdiff.common.components import Head
 from mechdiff.common.metrics import answer_prob
 from mechdiff.patching.ablation import site_means
@@ -133,7 +133,7 @@ def test_scoring_stages_on_mixed_lengths(tiny_llama, pairs):
         Scorer.build(tiny_llama, records, reference, batch_size=4, progress=False).keep(set(circuit) - removed).prob,
     )
     attribution = prompt_attribution(scorer, classes)
-    for key, rows in by_group(records).items():
+    for rows in by_group(records).values():
         alone = Scorer.build(tiny_llama, take(records, rows), [reference[i] for i in rows], progress=False)
         torch.testing.assert_close(attribution[rows], prompt_attribution(alone, classes), rtol=1e-4, atol=1e-6)
         close(scorer.keep(circuit).prob[rows], alone.keep(circuit).prob)

@@ -18,7 +18,6 @@ import logging
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from ...common.metrics import answer_logprob
 from ...common.progress import progress_bar

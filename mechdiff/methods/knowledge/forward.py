@@ -427,7 +427,7 @@ def edge_gradients(
     out = np.empty(graph.n_edges, dtype=np.float64)
     with torch.no_grad():
         D = torch.stack(deltas).float()  # "sender batch pos d"
-        for (kind, layer, off, r, s), g in zip(graph.blocks, grads):
+        for (_kind, _layer, off, r, s), g in zip(graph.blocks, grads):
             sc = torch.einsum("rbpd,sbpd->rs", g.float(), D[:s])
             out[off : off + r * s] = sc.reshape(-1).cpu().numpy()
     return out

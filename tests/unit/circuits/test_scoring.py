@@ -768,7 +768,7 @@ def test_minimality_prob_metric_and_candidates():
     res = minimality(scorer, circuit, max_steps=2, n_candidates=1, seed=0, metric="prob")
     full = float(np.mean(scorer.base + 0.3))
     assert res["full"] == pytest.approx(full)
-    for name, r in res["pairs"].items():  # removing one more pair lowers every prompt's probability by 0.1
+    for r in res["pairs"].values():  # removing one more pair lowers every prompt's probability by 0.1
         assert r["contribution"] == pytest.approx(0.1) and r["relative"] == pytest.approx(0.1 / full)
         assert r["K"] == []  # no K raises a contribution that is the same for every K
 
@@ -919,7 +919,7 @@ def test_minimality_draws_candidates_with_its_seed():
     # the task works while any of the four is kept: removing v matters only once the other three are in K
     scorer = FakeScorer(pairs, lambda kept: bool(kept & frozenset(pairs)))
     exhaustive = minimality(scorer, circuit, max_steps=3, n_candidates=None, metric="accuracy")
-    for name, r in exhaustive["pairs"].items():
+    for r in exhaustive["pairs"].values():
         assert r["contribution"] == 0.0 and r["K"] == []  # no single step raises it: greedy stops at once
     two = FakeScorer(pairs[:2], lambda kept: bool(kept & frozenset(pairs[:2])))
     c2 = Circuit("m", "t", {"A": [pairs[0][0], pairs[1][0]]}, {"A": "last"})

@@ -696,7 +696,6 @@ def test_paper_cmap_patches_and_restores_the_paper_sites(tiny_llama, smollm2_tok
 
 
 def test_paper_cmap_runs_qkv_only_for_last_token_groups(tiny_llama, smollm2_tokenizer):
-    import torch
     from conftest import make_tiny
 
     from mechdiff.common.metrics import answer_prob

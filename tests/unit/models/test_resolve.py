@@ -12,7 +12,7 @@ import torch
 
 from mechdiff.commands.finetune import _save_spec
 from mechdiff.methods.finetune import FinetuneConfig
-from mechdiff.models.loading import load_model, spec_digest
+from mechdiff.models.loading import load_model
 from mechdiff.models.registry import REGISTRY, TRAJECTORIES, step_dirname
 from mechdiff.models.resolve import resolve_source, resolve_spec, trajectory_steps
 

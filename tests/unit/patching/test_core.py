@@ -259,7 +259,7 @@ def test_suffix_run_is_exact_on_every_architecture_family(model_type):
     lm = build_family(model_type)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, VOCAB, (2, 12), generator=g)
-    pos, rows, layer = torch.tensor([9, 10]), torch.arange(2), LAYERS - 2  # a later layer reads the patch
+    pos, layer = torch.tensor([9, 10]), LAYERS - 2  # a later layer reads the patch
     cols = lm.arch.columns("z", 1, lm.shape)
     value = 20 * torch.randn(2, cols.stop - cols.start, generator=g)  # far from clean: the patch moves the logits
     patch = Patch("z", layer, value, pos, cols)
@@ -288,7 +288,8 @@ def test_suffix_runs_refused_where_not_exact(tiny_llama, prompts, monkeypatch):
 
 
 def _qkv_of(model, nn, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From a fused projection: Q ``"b p (head d)"`` and K, V ``"b p (group d)"`` read through ``arch.columns`` (not ``fused_order``)."""
+    """From a fused projection: Q ``"b p (head d)"`` and K, V ``"b p (group d)"`` read through ``arch.columns`` (not
+    ``fused_order``)."""
     arch, shape = model.arch, model.shape
     step = shape.n_heads // shape.n_kv_heads
     parts = []

@@ -16,7 +16,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from mechdiff.methods.knowledge.acdc import acdc
-from mechdiff.methods.knowledge.discovery import answer_logprob, attribution_scores, top_edges
+from mechdiff.methods.knowledge.discovery import answer_logprob, attribution_scores
 from mechdiff.methods.knowledge.evaluate import evaluate, faithfulness_curve, random_mask
 from mechdiff.methods.knowledge.forward import (
     Ablation,
@@ -301,7 +301,6 @@ def test_gradient_at_a_partial_circuit_and_iterative_pruning(tiny, ids):
     mask = random_mask(g, g.n_edges // 2, seed=0)
     scores = edge_gradients(tiny, g, ids, metric, mask=mask)
     with torch.no_grad():
-        base = float(metric(edge_forward(tiny, g, ids, mask).logits))
         # kept edges (an edge at 0 can feed a receiver whose input is near 0, where RMSNorm is very curved)
         kept = np.flatnonzero(mask)
         for e in kept[np.argsort(-np.abs(scores[kept]))[:3]]:
