@@ -13,7 +13,7 @@ import threading
 from typing import Optional, Sequence
 
 from . import commands
-from .common.io import Terminated  # noqa: F401 - raised by the SIGTERM handler (mechdiff.common.io.terminate)
+from .common.io import Terminated  # raised by the SIGTERM handler (mechdiff.common.io.terminate)
 
 #: Library warnings a mechdiff user cannot act on (they name calls inside the libraries), each silenced by its
 #: message, category and warning module only: (message regex, category, module regex).

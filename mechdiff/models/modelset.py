@@ -79,6 +79,15 @@ class ModelSet:
             self._loaded[name] = load_model(spec, cache_dir=self.cache_dir, **self.load_kwargs)
         return self._loaded[name]
 
+    @property
+    def loaded(self) -> dict[str, LoadedModel]:
+        """The models loaded so far, by name (a copy: :meth:`release` drops one)."""
+        return dict(self._loaded)
+
+    def release(self, name: str) -> Optional[LoadedModel]:
+        """Forget the loaded model ``name`` (loaded again on the next access); returns it, or None if not loaded."""
+        return self._loaded.pop(name, None)
+
     def __iter__(self) -> Iterator[LoadedModel]:
         for name in self.names:
             yield self[name]

@@ -93,7 +93,7 @@ class CircuitsStudy(Study):
         return self.spec.to_dict()
 
     # -- data ---------------------------------------------------------------------------
-    def _task(self) -> dict:
+    def task_inputs(self) -> dict:
         """What every stage depends on besides its own section: the task, how models load, the
         held-out vocabulary, the tokenizer (the base's) and the code version."""
         from .. import __version__
@@ -141,7 +141,7 @@ class CircuitsStudy(Study):
 
         return self.cache.run(
             f"accuracy:{name}",
-            {"model": self.digests[name], "task": self._task(), "eval": asdict(self.spec.eval), "split": "eval"},
+            {"model": self.digests[name], "task": self.task_inputs(), "eval": asdict(self.spec.eval), "split": "eval"},
             compute,
         )
 
@@ -163,7 +163,12 @@ class CircuitsStudy(Study):
 
         return self.cache.run(
             f"positions:{name}",
-            {"model": self.digests[name], "task": self._task(), "positions": asdict(p), "scoring": self._reference()},
+            {
+                "model": self.digests[name],
+                "task": self.task_inputs(),
+                "positions": asdict(p),
+                "scoring": self._reference(),
+            },
             compute,
         )
 
@@ -174,7 +179,7 @@ class CircuitsStudy(Study):
 
     def _circuit_inputs(self, name: str) -> dict:
         d = self.spec.discovery
-        inputs = {"model": self.digests[name], "task": self._task(), "discovery": asdict(d)}
+        inputs = {"model": self.digests[name], "task": self.task_inputs(), "discovery": asdict(d)}
         if d.method == "curve":
             inputs["scoring"] = self._reference()
         return inputs
@@ -351,7 +356,7 @@ class CircuitsStudy(Study):
             "model": self.digests[name],
             "circuit": circuit_key,
             "scoring": asdict(self.spec.scoring),
-            "task": self._task(),
+            "task": self.task_inputs(),
         }
 
     def matrix(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
@@ -384,7 +389,7 @@ class CircuitsStudy(Study):
             f"matrix:{name}",
             {
                 "model": self.digests[name],
-                "task": self._task(),
+                "task": self.task_inputs(),
                 "circuits": {k: r.key for k, r in circuits.items()},
                 "scoring": asdict(s),
             },
@@ -465,7 +470,7 @@ class CircuitsStudy(Study):
                     )
             return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic}
 
-        inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self._task()}
+        inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self.task_inputs()}
         return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
 
     def dcm_circuit(self, found: dict[str, StageRecord], pruned: dict[str, StageRecord], name: str) -> StageRecord:
@@ -525,7 +530,7 @@ class CircuitsStudy(Study):
             "finetune": self.digests[finetune],
             "circuit": circuit_rec.key,
             "cmap": asdict(c),
-            "task": self._task(),
+            "task": self.task_inputs(),
         }
         if dcm_rec is not None:
             inputs["dcm"] = dcm_rec.key
@@ -641,7 +646,7 @@ class CircuitsStudy(Study):
     def manifest(self) -> dict:
         """The base manifest (the spec under ``spec``), with the spec's source and the models' digests,
         fingerprints and provenance."""
-        loaded = {n: {"fingerprint": m.fingerprint, "provenance": m.provenance} for n, m in self.models._loaded.items()}
+        loaded = {n: {"fingerprint": m.fingerprint, "provenance": m.provenance} for n, m in self.models.loaded.items()}
         return {
             **super().manifest(),
             "source": self.spec.source,

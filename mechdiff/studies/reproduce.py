@@ -158,7 +158,7 @@ def _release(study: Study, name: str) -> None:
     """Drop a scored model so the next one fits (four 7B models in float32 do not fit one 80 GB GPU)."""
     import torch
 
-    lm = study.models._loaded.pop(name, None)
+    lm = study.models.release(name)
     if lm is not None and lm.device.type == "cuda":
         del lm
         torch.cuda.empty_cache()
@@ -189,7 +189,7 @@ def reproduction_records(study: Study) -> list[StageRecord]:
 
         inputs = {
             "model": study.digests[name],
-            "task": study._task(),
+            "task": study.task_inputs(),
             "reproduce": asdict(r),
             "circuit": circuit_text,
             "published": published.get("reported", {}),

@@ -263,7 +263,7 @@ class TrajectoryStudy(Study):
             store=self.store,
         )
 
-    def _task(self) -> dict:
+    def task_inputs(self) -> dict:
         from .. import __version__
 
         return {
@@ -295,7 +295,7 @@ class TrajectoryStudy(Study):
         e = self.st.eval
         return self.cache.run(
             f"accuracy:{name}",
-            {"model": self.digests[name], "task": self._task(), "eval": asdict(e)},
+            {"model": self.digests[name], "task": self.task_inputs(), "eval": asdict(e)},
             lambda: checkpoint_accuracy(
                 self.checkpoints().model(name), self.records("eval", e.n), e.batch_size, self.progress
             ),
@@ -328,7 +328,7 @@ class TrajectoryStudy(Study):
     def _circuit_inputs(self, name: str) -> dict:
         return {
             "model": self.digests[name],
-            "task": self._task(),
+            "task": self.task_inputs(),
             "discovery": asdict(self.st.discovery),
             "scoring": self._reference(),
         }
@@ -362,7 +362,7 @@ class TrajectoryStudy(Study):
             f"score:{name}",
             {
                 "model": self.digests[name],
-                "task": self._task(),
+                "task": self.task_inputs(),
                 "scoring": asdict(self.st.scoring),
                 "circuits": {k: r.key for k, r in scored.items()},
             },
@@ -407,7 +407,7 @@ class TrajectoryStudy(Study):
                 "model": self.digests[name],
                 "circuit": final.key,
                 "cmap": asdict(c),
-                "task": self._task(),
+                "task": self.task_inputs(),
             },
             compute,
         )
@@ -474,7 +474,7 @@ class TrajectoryStudy(Study):
             if d.labels
             else {"model": self.digests[self.final], "circuit": final.key}
         )
-        return {**inputs, "dcm": asdict(d), "task": self._task()}
+        return {**inputs, "dcm": asdict(d), "task": self.task_inputs()}
 
     def semantic(self, name: str, dcm: StageRecord) -> StageRecord:
         from ..methods.trajectory import semantic
@@ -485,7 +485,7 @@ class TrajectoryStudy(Study):
                 "model": self.digests[name],
                 "dcm": dcm.key,
                 "dcm_settings": asdict(self.st.dcm),
-                "task": self._task(),
+                "task": self.task_inputs(),
                 "batch_size": self.st.eval.batch_size,
             },
             lambda: {
