@@ -10,15 +10,17 @@ from __future__ import annotations
 import shlex
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ..circuits.circuit import Circuit
-from ..common.io import save_figure
+from ..circuits.overlap import overlap_row
+from ..common.io import save_figure, write_text
 from ..common.stats import bootstrap, paired_difference, pooled_mean, pooled_proportion
 from ..methods.headmap import HeadMap, heads_by_layer, lora_params
-from .tables import to_markdown
+from .bars import grouped_bars
+from .tables import to_markdown, write_table
 
 TASK = "entity-tracking"  # the task HeadMap and LoRA train on
 UNSEEDED = ("base", "lora-zoo")  # evaluations of fixed models: one record, not one per seed
@@ -520,3 +522,82 @@ def report_text(
             "",
         ]
     return "\n".join(lines) + "\n"
+
+
+def overlap_rows(located: dict[str, Circuit], path_patching: Sequence[str | Path], shape: Any) -> list[dict]:
+    """Each located circuit against each group (and all heads) of each path-patching circuit file: the overlap
+    row of :func:`mechdiff.circuits.overlap.overlap_row` (hypergeometric p over every head of ``shape``)."""
+    rows = []
+    for path in path_patching:
+        pp = Circuit.load(path)
+        for name, c in located.items():
+            for g, heads in [*pp.groups.items(), ("all", pp.heads())]:
+                if heads:
+                    row = overlap_row(g, heads, c.heads(), shape.n_layers * shape.n_heads, pp.names.get(g, "all heads"))
+                    rows.append({"path_patching": f"{pp.model} ({Path(path).name})", "located_on": name, **row})
+    return rows
+
+
+def write_report(
+    out: Path,
+    st: Any,
+    shape: Any,
+    located: dict[str, Circuit],
+    names: dict[str, str],
+    results: dict[str, list[dict]],
+    sweep: dict[str, dict[float, dict]],
+    lrs: Optional[tuple[float, float]],
+    seconds: float,
+    cold_seconds: float,
+) -> Path:
+    """The HeadMap study's figures, tables and ``report.md`` under ``out`` from its records: ``results`` (run ->
+    records), ``sweep`` (method -> learning rate -> record), the chosen rates ``lrs``, this invocation's
+    ``seconds`` and the stages' own ``cold_seconds``."""
+    curve_figure({t: c.meta for t, c in located.items()}, out / "figures" / "loss_curve.png")
+    for t, c in located.items():
+        heatmap_figure(
+            c.scores["headmap"],
+            c.heads(),
+            shape,
+            out / "figures" / f"heads_{t}.png",
+            f"{st.model} on {t}: k={st.k} per layer, n={c.meta['n_samples']}",
+            c.meta["curve"],
+        )
+    overlaps = overlap_rows(located, st.path_patching, shape)
+    rows, estimates = method_rows(results, names, lora_params(shape, st.lora_large), st.lora_large)
+    write_table(rows, out / "tables" / "methods", caption="HeadMap vs LoRA on entity tracking (seeds pooled)")
+    seed_table = seed_rows(results, names, st.seeds)
+    write_table(seed_table, out / "tables" / "seeds", caption="Every run, seed by seed")
+    paired = paired_rows(results, names, st.seeds)
+    if paired:
+        write_table(paired, out / "tables" / "paired", caption="Paired differences on the same held-out prompts")
+    sweep_table = sweep_rows(sweep, names, lrs) if sweep else []
+    if sweep_table:
+        write_table(sweep_table, out / "tables" / "lr_sweep", caption="Learning-rate sweep (validation prompts)")
+    if overlaps:
+        write_table(overlaps, out / "tables" / "overlap", caption="Located heads vs path-patching circuits")
+    loc_rows = locating_rows(located)
+    write_table(loc_rows, out / "tables" / "locating", caption="Locating cost and losses")
+    grouped_bars(
+        out / "figures" / "accuracy.png",
+        ["entity tracking (held-out objects)"],
+        {names[r]: [est] for r, est in estimates.items()},
+        title=f"{st.model}: {st.steps} steps of batch {st.batch}, {len(st.seeds)} seeds pooled",
+    )
+    loss_figure({names[r]: recs for r, recs in results.items()}, out / "figures" / "train_loss.png")
+    text = report_text(
+        st,
+        str(out),
+        shape,
+        located,
+        rows,
+        overlaps,
+        loc_rows,
+        seconds,
+        seed_table,
+        paired,
+        sweep_table,
+        lrs,
+        cold_seconds,
+    )
+    return write_text(out / "report.md", text)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..circuits.circuit import Circuit
-from ..common.io import run_lock, write_json, write_text
+from ..common.io import run_lock, write_json
 from ..common.stats import bootstrap
 from ..methods.headmap import (
     LocateConfig,
@@ -48,14 +48,8 @@ from ..report.headmap import (
     VAL,
     curve_figure,
     heatmap_figure,
-    locating_rows,
-    loss_figure,
-    method_rows,
-    paired_rows,
-    report_text,
-    seed_rows,
-    sweep_rows,
     validation_accuracy,
+    write_report,
 )
 from ..runs.seeds import derive
 from ..runs.stages import Pending, Unknown
@@ -495,73 +489,17 @@ class HeadMapStudy(Study):
         return self.write_report(results, sweep, time.time() - self.stages_started)
 
     def write_report(self, results: dict[str, list[dict]], sweep: dict[str, dict[float, dict]], seconds: float) -> Path:
-        """Figures of the located circuits, the overlap with path-patching circuits, tables and the report."""
-        from ..report.bars import grouped_bars
-        from ..report.tables import write_table
-
-        st, s, out = self.settings, self.model.shape, self.dir
-        names = self.names()
-        curve_figure({t: c.meta for t, c in self.located.items()}, out / "figures" / "loss_curve.png")
-        for t, c in self.located.items():
-            heatmap_figure(
-                c.scores["headmap"],
-                c.heads(),
-                s,
-                out / "figures" / f"heads_{t}.png",
-                f"{st.model} on {t}: k={st.k} per layer, n={c.meta['n_samples']}",
-                c.meta["curve"],
-            )
-        overlap_rows = self.overlap_rows()
-        rows, estimates = method_rows(results, names, lora_params(s, st.lora_large), st.lora_large)
-        write_table(rows, out / "tables" / "methods", caption="HeadMap vs LoRA on entity tracking (seeds pooled)")
-        seed_table = seed_rows(results, names, st.seeds)
-        write_table(seed_table, out / "tables" / "seeds", caption="Every run, seed by seed")
-        paired = paired_rows(results, names, st.seeds)
-        if paired:
-            write_table(paired, out / "tables" / "paired", caption="Paired differences on the same held-out prompts")
-        lrs = self._chosen if sweep else None
-        sweep_table = sweep_rows(sweep, names, lrs) if sweep else []
-        if sweep_table:
-            write_table(sweep_table, out / "tables" / "lr_sweep", caption="Learning-rate sweep (validation prompts)")
-        if overlap_rows:
-            write_table(overlap_rows, out / "tables" / "overlap", caption="Located heads vs path-patching circuits")
-        loc_rows = locating_rows(self.located)
-        write_table(loc_rows, out / "tables" / "locating", caption="Locating cost and losses")
-        grouped_bars(
-            out / "figures" / "accuracy.png",
-            ["entity tracking (held-out objects)"],
-            {names[r]: [est] for r, est in estimates.items()},
-            title=f"{st.model}: {st.steps} steps of batch {st.batch}, {len(st.seeds)} seeds pooled",
-        )
-        loss_figure({names[r]: recs for r, recs in results.items()}, out / "figures" / "train_loss.png")
-        cold = sum(r.seconds for r in self.cache.records.values())
-        text = report_text(
-            st,
-            str(out),
-            s,
+        """Figures of the located circuits, the overlap with path-patching circuits, tables and the report
+        (:func:`mechdiff.report.headmap.write_report`)."""
+        return write_report(
+            self.dir,
+            self.settings,
+            self.model.shape,
             self.located,
-            rows,
-            overlap_rows,
-            loc_rows,
+            self.names(),
+            results,
+            sweep,
+            self._chosen if sweep else None,
             seconds,
-            seed_table,
-            paired,
-            sweep_table,
-            lrs,
-            cold,
+            sum(r.seconds for r in self.cache.records.values()),
         )
-        return write_text(out / "report.md", text)
-
-    def overlap_rows(self) -> list[dict]:
-        from ..circuits.overlap import overlap_row
-
-        s = self.model.shape
-        rows = []
-        for path in self.settings.path_patching:
-            pp = Circuit.load(path)
-            for name, c in self.located.items():
-                for g, heads in [*pp.groups.items(), ("all", pp.heads())]:
-                    if heads:
-                        row = overlap_row(g, heads, c.heads(), s.n_layers * s.n_heads, pp.names.get(g, "all heads"))
-                        rows.append({"path_patching": f"{pp.model} ({Path(path).name})", "located_on": name, **row})
-        return rows

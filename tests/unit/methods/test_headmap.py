@@ -303,7 +303,9 @@ def test_the_study_chooses_each_rate_on_validation_prompts_only(tiny_llama, tmp_
     )
     assert [r["config"]["headmap_lr"] for r in results["located"] + results["random"]] == [3e-3] * 4
     assert [r["config"]["lr"] for r in results["lora-small"]] == [1e-2] * 2
-    rows = study_mod.sweep_rows(study.sweep({}), study.names(), study.chosen_lrs({}))
+    from mechdiff.report.headmap import sweep_rows
+
+    rows = sweep_rows(study.sweep({}), study.names(), study.chosen_lrs({}))
     chosen = {r["method"]: r["lr"] for r in rows if r["chosen"]}
     assert chosen == {"HeadMap (located)": 3e-3, "LoRA r=4 (q,k,v,o)": 1e-2}
     assert all(r["val_accuracy"] == (1.0 if r["chosen"] else 0.0) for r in rows)
