@@ -93,7 +93,8 @@ TESTS = {
         U + "circuits/test_curve.py",
         U + "circuits/test_positions.py",
     ],
-    "mechdiff.circuits.pruning.": [U + "circuits/test_scoring.py"],
+    "mechdiff.circuits.pruning.": [U + "circuits/test_pruning.py", U + "circuits/test_scoring.py"],
+    "mechdiff.tasks.desiderata.": [U + "tasks/test_desiderata.py"],
 }
 TIMEOUT_S = 180  # the slowest clean selection takes about 15 s; a mutant past this is counted as timed out (-24)
 

@@ -40,8 +40,6 @@ from mechdiff.methods.dcm import (
     train_mask,
 )
 from mechdiff.patching.core import Patch, head_patch, run
-from mechdiff.tasks.base import get_task
-from mechdiff.tasks.desiderata import desideratum_pairs
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors, write_jsonl
 
 PLANTED = Head(2, 1)
@@ -439,9 +437,6 @@ def test_cli_dcm_prints_the_dcm_table_before_semantic_patching(tmp_path, tiny_fa
 HEADS = [Head(1, 0), Head(2, 1), Head(2, 3)]
 
 
-VOCABULARY = ["apple", "book", "car", "dog", "egg", "fan", "hat", "key", "lamp", "map", "pen", "cup", "box", "bag"]
-
-
 @pytest.fixture(scope="module")
 def model(smollm2_tokenizer):
     return make_tiny("llama", smollm2_tokenizer, seed=5)
@@ -474,27 +469,6 @@ def test_config_refusals_name_the_setting(settings, message):
     with pytest.raises(ValueError, match=_exactly(message)):
         DCMConfig(**settings)
     DCMConfig(split=(0.98, 0.01, 0.01), batch_size=1, micro_batch=1, eval_batch=1)  # the edges are accepted
-
-
-def test_desideratum_pairs_pass_boxes_seed_and_vocabulary(smollm2_tokenizer):
-    task = get_task("entity-tracking")
-    got = desideratum_pairs("object_value", smollm2_tokenizer, 4, n_boxes=3, seed=2, vocabulary=VOCABULARY)
-    assert got == task.desideratum("object", smollm2_tokenizer, 4, seed=2, n_boxes=3, vocabulary=VOCABULARY)
-    assert got != desideratum_pairs("object", smollm2_tokenizer, 4, n_boxes=4, seed=2, vocabulary=VOCABULARY)
-    assert got != desideratum_pairs("object", smollm2_tokenizer, 4, n_boxes=3, seed=2)
-    assert got != desideratum_pairs("object", smollm2_tokenizer, 4, n_boxes=3, seed=3, vocabulary=VOCABULARY)
-    assert desideratum_pairs("position", smollm2_tokenizer, 2, n_boxes=3) == task.desideratum(
-        "positional", smollm2_tokenizer, 2, n_boxes=3
-    )
-    assert desideratum_pairs("label", smollm2_tokenizer, 2) == task.desideratum("label", smollm2_tokenizer, 2)
-    with pytest.raises(
-        ValueError,
-        match=_exactly(
-            "unknown desideratum 'colour'; task entity-tracking defines ['label', 'object', 'positional'] "
-            "(or pass your own list of counterfactual pairs)"
-        ),
-    ):
-        desideratum_pairs("colour", smollm2_tokenizer, 2)
 
 
 def test_split_indices_are_the_seeded_shuffle_cut_by_the_fractions():

@@ -4,7 +4,6 @@ bars that give way to one line per stage off a terminal (mechdiff.common.progres
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 
@@ -63,24 +62,6 @@ def test_a_record_without_result_is_set_aside(tmp_path):
     rec = StageCache(tmp_path).run("s", {}, lambda: 5)
     assert not rec.cached and rec.result == 5
     assert list((tmp_path / "stages").glob("s.json.unreadable-*"))
-
-
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_progress_bar_draws_on_a_terminal_only():
-    term, log = _Terminal(), io.StringIO()
-    assert list(progress.progress_bar(range(3), desc="x", file=term)) == [0, 1, 2] and "\r" in term.getvalue()
-    assert list(progress.progress_bar(range(3), desc="x", file=log)) == [0, 1, 2] and log.getvalue() == ""
-    bar = progress.progress_bar(total=2, file=log)
-    bar.update(2)
-    bar.close()
-    assert log.getvalue() == ""
-    quiet = _Terminal()
-    list(progress.progress_bar(range(3), file=quiet, disable=True))
-    assert quiet.getvalue() == ""
 
 
 def test_stages_say_one_plain_line_each_off_a_terminal(tmp_path, capsys, caplog, monkeypatch):
