@@ -33,6 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="circuits kind: override [task] name: a registered task (ioi, ...) or a directory from "
         "`mechdiff dataset import`",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into the results directory even when its run.json records another task or kind of study",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
         "--model",
@@ -54,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..studies.base import load_study, plan_then_run
+    from ..studies.base import check_run_dir, load_study, plan_then_run
 
     models = {key: getattr(args, key) for key in ("dtype", "device", "device_map", "remote")}
     study = load_study(
@@ -65,10 +70,11 @@ def main(args: argparse.Namespace) -> int:
         task=args.task,
     )
     if args.model:
+        check_run_dir(study, args.force)
         study.run_model(args.model)
         print(f"stages of {args.model} done in {study.dir}; run without --model for the report")
         return 0
-    report = plan_then_run(study, plan_only=args.plan)
+    report = plan_then_run(study, plan_only=args.plan, force=args.force)
     if report is not None:
         print(f"report: {report}")
     return 0

@@ -287,6 +287,8 @@ DCM_CAPTION = (
 
 def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict] = None) -> str:
     """The base's DCM and its semantic patching; each fine-tune's own DCM where CMAP as the paper read it."""
+    if "skipped" in dcm.result:
+        return f"DCM: not run ({dcm.result['skipped']}).\n"
     text = study_table(study, dcm_rows(dcm.result["dcm"]), "dcm", f"DCM on the base model's circuit: {DCM_CAPTION}")
     sem = semantic_rows(dcm.result["semantic"])
     if sem:
@@ -487,6 +489,8 @@ def _ordering(result: dict, a: str, b: str) -> str:
 def dcm_findings(dcm: "StageRecord") -> str:
     """One sentence per (group, desideratum) whose mask selected heads: "encodes" only where the target
     accuracy's interval lies above both the no-intervention floor's and the random heads'."""
+    if "skipped" in dcm.result:  # a skip is not a finding
+        return f"- DCM: not run ({dcm.result['skipped']})."
     res = dcm.result["dcm"]
     chosen = [r for r in res if r["selected"]]
     if not chosen:

@@ -122,6 +122,12 @@ def vocabulary_digest(task: Any) -> str:
     return key_hash(task.split_options("eval").get("vocabulary"))
 
 
+def rows_inputs(task: Any) -> dict:
+    """``{"rows": digest}`` for a task imported from rows (:attr:`~mechdiff.tasks.base.Task.rows_digest`), which
+    every stage's key then carries; empty for a task that generates its prompts, whose keys stay as they were."""
+    return {"rows": task.rows_digest} if getattr(task, "rows_digest", None) else {}
+
+
 def versions() -> dict[str, str]:
     """Installed versions of the packages a result depends on."""
     out = {}
@@ -278,11 +284,47 @@ def format_plan(plan: list[PlannedStage]) -> str:
     return "\n".join(lines)
 
 
-def plan_then_run(study: Study, plan_only: bool = False, **run_options: Any) -> Any:
+class RunDirError(ValueError):
+    """A run directory that holds another study's results: running there would overwrite them."""
+
+
+def task_name_of(manifest: dict) -> Optional[str]:
+    """The task name a ``run.json`` records (``spec`` of a circuits study, ``settings`` of the others), or None."""
+    for section in ("spec", "settings"):
+        task = (manifest.get(section) or {}).get("task") if isinstance(manifest.get(section), dict) else None
+        if isinstance(task, dict) and task.get("name"):
+            return str(task["name"])
+    return None
+
+
+def check_run_dir(study: Study, force: bool = False) -> None:
+    """Refuse, before anything loads, a run into a directory whose ``run.json`` records another kind of study or
+    another task (e.g. ``--task DIR`` aimed at a committed study's directory); ``force`` writes there anyway."""
+    path = study.dir / "run.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # a new directory, or no readable record of what it holds
+    ours = task_name_of({study.settings_key: study.settings_record()})
+    theirs, kind = task_name_of(saved), saved.get("kind")
+    if force or (kind in (None, study.kind) and (theirs is None or ours is None or theirs == ours)):
+        return
+    held = f"a {kind} study" + (f" of task {theirs}" if theirs else "")
+    mine = f"this {study.kind} study" + (f" of task {ours}" if ours else "")
+    raise RunDirError(
+        f"{study.dir} holds {held} ({path}); {mine} would overwrite it. Give another directory (--out DIR, or "
+        "[output] dir in the task file), or --force to write there anyway"
+    )
+
+
+def plan_then_run(study: Study, plan_only: bool = False, force: bool = False, **run_options: Any) -> Any:
     """What ``mechdiff run``, ``mechdiff knowledge`` and ``mechdiff headmap compare`` do: print where the study
     writes and its stage plan (:func:`format_plan`), then, unless ``plan_only``, run it
-    (``study.run(**run_options)``) and print each stage's time or ``cached``. Returns what the run returns (None
-    when only planned)."""
+    (``study.run(**run_options)``) and print each stage's time or ``cached``; a directory that holds another
+    study's results is refused first (:func:`check_run_dir`; ``force`` overrides). Returns what the run returns
+    (None when only planned)."""
+    if not plan_only:
+        check_run_dir(study, force)
     print(f"{study.kind} study into {study.dir}:")
     print(format_plan(study.plan()), flush=True)
     if plan_only:

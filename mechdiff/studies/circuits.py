@@ -28,7 +28,7 @@ from ..runs.seeds import prompt_seed
 from ..runs.stages import StageRecord, label
 from ..runs.stages import key_hash as _hash
 from ..tasks.base import Task, get_task
-from .base import Study, vocabulary_digest
+from .base import Study, rows_inputs, vocabulary_digest
 from .spec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -76,12 +76,13 @@ class CircuitsStudy(Study):
     ) -> "CircuitsStudy":
         """The study of a task file (None: the embedded default study, ``tasks/entity_tracking.toml``); ``task``
         replaces its ``[task] name``, ``models`` its ``[models]`` dtype, device, device_map and remote."""
-        from .spec import check_task, default_spec, load_spec
+        from .spec import check_task, default_spec, load_spec, output_dir
 
         spec = load_spec(path) if path is not None else default_spec()  # checked before anything loads
         if task is not None:
             check_task(task)
             spec.task.name = task
+            spec.output.dir = out or output_dir(task)  # the file's directory holds its own task's results
         for key, value in (models or {}).items():
             if key not in ("dtype", "device", "device_map", "remote"):
                 raise ValueError(f"the circuits study sets {key} per model in [models], not as an option")
@@ -105,6 +106,7 @@ class CircuitsStudy(Study):
             "vocabulary": vocabulary_digest(self.task),
             "tokenizer": self.digests[self.spec.models.base],
             "mechdiff": __version__,
+            **rows_inputs(self.task),
             **({"remote": True} if self.spec.models.remote else {}),
         }
 
@@ -437,7 +439,7 @@ class CircuitsStudy(Study):
                 return {
                     "dcm": [],
                     "semantic": [],
-                    "skipped": f"task {self.task.name} defines no desideratum (an "
+                    "skipped": f"the task declares no desideratum: {self.task.name} defines none (an "
                     "imported task has one where every row gives a counterfactual_answer)",
                 }
             desiderata = {

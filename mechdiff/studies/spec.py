@@ -149,7 +149,7 @@ class ReproduceSection:
 
 @dataclass
 class OutputSection:
-    dir: str = "results/entity-tracking-smollm2"
+    dir: str = "results/entity-tracking-smollm2"  # the embedded default study's; a task file without it: output_dir
     store: str = "cache/activations.h5"
 
 
@@ -223,11 +223,24 @@ def default_spec() -> RunSpec:
     return RunSpec(**{name: cls() for name, cls in SECTIONS.items()})
 
 
+def output_dir(task: str) -> str:
+    """The results directory of a study of ``task`` whose task file names none: ``results/<task's name>`` (an
+    imported task's directory by its recorded name), never another task's directory."""
+    from ..runs.stages import label
+    from ..tasks.base import get_task
+
+    name = get_task(task).name if Path(task).is_dir() else task
+    return f"results/{label(name)}"
+
+
 def load_spec(path: str | Path) -> RunSpec:
-    """Parse and check a task file before anything loads."""
+    """Parse and check a task file before anything loads; without ``[output] dir`` the results go to the
+    task's own directory (:func:`output_dir`)."""
     built, text = load_sections(path, SECTIONS, REQUIRED, CHOICES)
     built["scoring"].prune_metric = metric_name(built["scoring"].prune_metric)  # one vocabulary: prob
     _check_task(Path(path), text, built["task"].name)
+    if "dir" not in (tomllib.loads(text).get("output") or {}):
+        built["output"].dir = output_dir(built["task"].name)
     _check_paper_stages(Path(path), text, built)
     return RunSpec(**built, source=str(path))
 

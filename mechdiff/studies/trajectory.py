@@ -38,7 +38,7 @@ from ..methods.trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajector
 from ..models.loading import load_tokenizer, spec_digest
 from ..runs.seeds import derive, prompt_seed
 from ..runs.stages import StageRecord, key_hash, label
-from .base import Study, vocabulary_digest
+from .base import Study, rows_inputs, vocabulary_digest
 from .spec import DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, line_of, load_sections
 
 log = logging.getLogger(__name__)
@@ -272,6 +272,7 @@ class TrajectoryStudy(Study):
             "vocabulary": vocabulary_digest(self.task),
             "tokenizer": spec_digest(self.base_spec),
             "mechdiff": __version__,
+            **rows_inputs(self.task),
         }
 
     def _reference(self) -> dict:

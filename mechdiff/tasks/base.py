@@ -102,6 +102,9 @@ class Task:
     pool_batch: Optional[Callable[..., Batch]] = None
     options: tuple[str, ...] = ()
     splits: Optional[Callable[[str], Mapping[str, Any]]] = None
+    #: The digest of the rows an imported task holds (its ``pairs.jsonl``); None for a task that generates its
+    #: prompts. Stage keys carry it, so rows imported again with other content recompute every stage.
+    rows_digest: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.metric not in TASK_METRICS:
@@ -232,4 +235,5 @@ def directory_task(directory: str | os.PathLike) -> Task:
         plan=imported.plan,
         metric=meta["metric"],
         positions=tuple(meta["positions"]),
+        rows_digest=imported.rows_digest,
     )

@@ -340,6 +340,11 @@ class ImportedTask:
         return self.directory / self.meta["plan"] if self.meta.get("plan") else None
 
     @property
+    def rows_digest(self) -> str:
+        """16 hex digits of the SHA-256 of the imported records (``pairs.jsonl``): other rows, other digest."""
+        return hashlib.sha256((self.directory / PAIRS_FILE).read_bytes()).hexdigest()[:16]
+
+    @property
     def has_counterfactual_answers(self) -> bool:
         """Every row gave a ``counterfactual_answer`` (the ``counterfactual`` DCM desideratum exists)."""
         return all(p.base.alternative_ids for p in self.pairs)

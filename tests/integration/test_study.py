@@ -4,6 +4,7 @@ only what depends on it, a killed run resumes."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,7 +141,7 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     study = Study(spec, progress=False)
     with pytest.raises(ValueError, match="no reference prompts for the matrix prompts of template 'qa', 14 tokens"):
         study.run()
-    assert study.models._loaded == {}
+    assert study.models.loaded == {}
     spec.scoring.reference_n = 12
     study = Study(spec, progress=False)
     report = study.run().read_text()
@@ -165,6 +166,72 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     cmap = json.loads((stages / f"cmap__{tiny_family[1].rsplit('/', 1)[-1]}.json").read_text())["result"]
     assert cmap.get("skipped") or cmap["settings"]["n_prompts"] == spec.cmap.n
     assert (tmp_path / "run" / "run.json").is_file()
+
+
+def test_stage_keys_know_an_imported_tasks_rows(tiny_family, tmp_path):
+    """Every stage key of a study on an imported task carries the digest of its rows: the same rows imported
+    again plan the same keys (cached stages stay cached); a changed row gives every stage another key. A task
+    that generates its prompts carries no rows digest, so its keys (the committed studies') do not move."""
+    from conftest import capitals_rows, write_rows
+
+    from mechdiff.cli import main
+    from mechdiff.tasks.base import get_task
+
+    def imported(rows: list[dict]) -> dict[str, str]:
+        path = write_rows(tmp_path / "capitals.jsonl", rows)
+        args = ["dataset", "import", str(path), "--model", tiny_family[0], "--out", str(tmp_path / "capitals")]
+        assert main([*args, "--force"]) == 0
+        spec = tiny_spec(tiny_family, tmp_path)
+        spec.task.name = str(tmp_path / "capitals")
+        spec.dcm.groups = spec.cmap.groups = []
+        return {p.name: p.key for p in Study(spec, progress=False).plan()}
+
+    rows = capitals_rows(24)
+    first = imported(rows)
+    assert len(first) >= 5 and all(first.values())
+    assert imported(rows) == first
+    rows[0]["answer"], rows[0]["counterfactual_answer"] = rows[0]["counterfactual_answer"], rows[0]["answer"]
+    changed = imported(rows)
+    assert changed.keys() == first.keys() and all(changed[n] != first[n] for n in first)
+    assert get_task("entity-tracking").rows_digest is None and get_task("ioi").rows_digest is None
+
+
+def test_another_tasks_study_never_writes_into_a_committed_run_directory(tiny_family, tmp_path, capsys, monkeypatch):
+    """`mechdiff run --task T` writes to results/T, not to the task file's directory; a task file without
+    [output] writes to its task's own directory; a run into a directory whose run.json records another task is
+    refused before any weights load (`--force` writes there anyway), and so is one of another kind of study."""
+    from mechdiff.cli import main
+    from mechdiff.models import loading
+    from mechdiff.studies.base import RunDirError, check_run_dir, load_study
+
+    assert load_study(None, task="ioi").dir == Path("results/ioi")
+    assert load_study("tasks/ioi.toml").dir == Path("results/ioi-smollm2")  # the file's own [output]
+    bare = tmp_path / "bare.toml"
+    bare.write_text(f'[models]\nbase = "{tiny_family[0]}"\nfinetunes = ["{tiny_family[1]}"]\n\n[task]\nname = "ioi"\n')
+    assert load_study(bare).dir == Path("results/ioi")
+
+    run_dir = tmp_path / "committed"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"kind": "circuits", "spec": {"task": {"name": "entity-tracking"}}}))
+    task_file = tmp_path / "ioi.toml"
+    task_file.write_text(bare.read_text() + f'\n[output]\ndir = "{run_dir}"\n')
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr(loading, "_load_weights", refuse)
+    assert main(["run", str(task_file)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run_dir} holds a circuits study of task entity-tracking" in err and "--force" in err
+    assert main(["run", str(task_file), "--model", tiny_family[0]]) == 2
+    study = load_study(task_file)
+    check_run_dir(study, force=True)  # asked to: no refusal
+    (run_dir / "run.json").write_text(json.dumps({"kind": "circuits", "spec": {"task": {"name": "ioi"}}}))
+    check_run_dir(study)  # its own task's directory: rerun freely
+    (run_dir / "run.json").write_text(json.dumps({"kind": "headmap", "settings": {"model": "m"}}))
+    with pytest.raises(RunDirError, match="holds a headmap study"):
+        check_run_dir(study)
+    assert main(["run", str(task_file), "--plan"]) == 0  # a plan writes nothing: never refused
 
 
 def test_run_command_refuses_an_unknown_task_before_loading(capsys):

@@ -72,3 +72,15 @@ def test_report_states_an_ordering_only_when_the_paired_interval_excludes_zero()
     close = {"outcomes": {"circuit/v": [1] * 21 + [0] * 19, "circuit/qk": [1] * 20 + [0] * 20}}
     assert "neither is shown to be larger" in _ordering(close, "circuit/v", "circuit/qk")
     assert _ordering({}, "circuit/v", "circuit/qk") == ""
+
+
+def test_a_skipped_dcm_states_no_finding():
+    """A task without a desideratum: the report says DCM was not run and why, never that it selected no head."""
+    from mechdiff.report.study_report import dcm_findings, dcm_section
+
+    why = "the task declares no desideratum: capitals defines none"
+    skipped = SimpleNamespace(result={"dcm": [], "semantic": [], "skipped": why})
+    assert dcm_findings(skipped) == f"- DCM: not run ({why})."
+    assert dcm_section(SimpleNamespace(spec=default_spec()), skipped) == f"DCM: not run ({why}).\n"
+    ran = SimpleNamespace(result={"dcm": [], "semantic": []})
+    assert "selected no head in any of 0" in dcm_findings(ran)  # a run that selected nothing is still reported
