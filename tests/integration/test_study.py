@@ -398,3 +398,58 @@ def _check_heads_table_and_page(spec, run_dir, report_md, tmp_path):
     assert "from <code>the circuit stage records (stages/)</code>" in fallback
     grid = lambda html: html.split("var GRID_DATA = ", 1)[1].split(";</script>", 1)[0]  # noqa: E731
     assert grid(fallback) == grid(again)
+
+
+def test_every_stage_runs_in_bfloat16_within_a_stated_tolerance_of_float32(tiny_family, tiny_study, tmp_path):
+    """The whole study in bfloat16 on CPU (the paper's float32 stays the task files' default): every stage runs,
+    and its figures stay within bfloat16's tolerance of the float32 run's (tiny_study). Stated tolerances: every
+    figure within 2% of its value (accuracies, probabilities, ratios, intervals, circuit sizes); attribution scores
+    within 10% (or 2e-5); minimality contributions relative to F(C), differences of near-equal answer probabilities,
+    within two bfloat16 epsilons (2^-7) absolute; normalised faithfulness and its areas (CPR, CMD) within 0.05."""
+    import math
+
+    spec = tiny_spec(tiny_family, tmp_path)
+    spec.models.dtype = "bfloat16"
+    Study(spec, progress=False).run()
+    ours, theirs = tmp_path / "run" / "stages", tiny_study / "run" / "stages"
+    names = sorted(p.name for p in theirs.glob("*.json"))
+    assert names == sorted(p.name for p in ours.glob("*.json")) and len(names) >= 10
+
+    def numbers(d, path=""):
+        if isinstance(d, dict):
+            for k, v in d.items():
+                yield from numbers(v, f"{path}.{k}")
+        elif (
+            isinstance(d, list) and d and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) for x in d)
+        ):
+            yield from numbers(dict(d), path)  # a ranking [[pair, score], ...]: by pair, whatever its rank
+        elif isinstance(d, list):
+            for i, v in enumerate(d):
+                yield from numbers(v, f"{path}[{i}]")
+        elif isinstance(d, (int, float)) and not isinstance(d, bool):
+            yield path, float(d)
+
+    def tolerance(path: str) -> tuple[float, float] | None:
+        """(absolute, relative) tolerance of one figure; None for timings and digests."""
+        if "second" in path or "key" in path or "fingerprint" in path:
+            return None
+        if ".minimality." in path or "contribution" in path or ".relative" in path:
+            return 2**-7, 0.0  # differences of near-equal probabilities over F(C): two bfloat16 epsilons
+        if "cpr" in path or "cmd" in path or "normalised" in path:
+            return 0.05, 0.0  # (m(C) - m(empty)) / (m(M) - m(empty)) and its areas: ratios of such differences
+        if "ranking" in path or ".scores." in path:
+            return 2e-5, 0.1  # attribution scores (gradients): within 10% or 2e-5 (near-zero ones)
+        return 1e-6, 0.02  # every other figure (probabilities, ratios, intervals, counts): 2% of its value
+
+    checked, outside = 0, []
+    for name in names:
+        f32 = dict(numbers(json.loads((theirs / name).read_text())["result"]))
+        b16 = dict(numbers(json.loads((ours / name).read_text())["result"]))
+        for path, value in f32.items():
+            tol = tolerance(path)
+            if tol is None or path not in b16 or math.isnan(value):
+                continue
+            if abs(b16[path] - value) > tol[0] + tol[1] * abs(value):
+                outside.append((name, path, value, b16[path]))
+            checked += 1
+    assert outside == [] and checked > 500, outside[:40]
