@@ -31,7 +31,15 @@ import torch
 from ..common.components import Head
 from ..models.loading import LoadedModel
 from ..patching.attribution import attribution_scores
-from ..patching.path import PairBatch, Receivers, auto_senders_per_pass, eligible_senders, path_patch, prepare
+from ..patching.path import (
+    SCORES,
+    PairBatch,
+    Receivers,
+    auto_senders_per_pass,
+    eligible_senders,
+    path_patch,
+    prepare,
+)
 from ..tasks.base import PairRecord
 from ..tasks.plan import Plan, PlanStep, default_plan
 from .circuit import Circuit
@@ -60,6 +68,7 @@ class DiscoverySettings:
     n_prompts: int = 16
     n_boxes: int = 7
     seed: int = 0
+    score: str = SCORES[0]  # "ratio_of_means" (mechdiff's) or "mean_of_ratios" (the paper's)
 
 
 @dataclass
@@ -107,7 +116,7 @@ def run_step(
     if per_pass == "auto":
         per_pass = auto_senders_per_pass(model, batch)
         log.info("step %s: %d senders per pass (auto, from free memory)", step, per_pass)
-    exact = path_patch(model, batch, senders, sender_position, receivers, per_pass, progress)
+    exact = path_patch(model, batch, senders, sender_position, receivers, per_pass, progress, settings.score)
     seconds["path_patching"] = time.perf_counter() - t0
     chosen = select(exact, k)
     log.info(

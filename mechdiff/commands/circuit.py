@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..circuits.discovery import DiscoverySettings
+from ..patching.path import SCORES
 from ..studies.discovery import discover_circuit, task_plan
 from ..tasks.plan import Plan, default_plan
 from ._options import (
@@ -55,6 +56,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="attribution screen, then exact path patching of the shortlist (for large models)",
     )
     p.add_argument(
+        "--score",
+        default=DiscoverySettings.score,
+        choices=list(SCORES),
+        help="a sender's score over the prompts: ratio_of_means (mechdiff's, stable where a clean probability is "
+        "tiny) or mean_of_ratios (the paper's mean of per-prompt relative changes)",
+    )
+    p.add_argument(
         "--screen-multiple",
         type=float,
         default=DiscoverySettings.screen_multiple,
@@ -92,6 +100,7 @@ def main(args: argparse.Namespace) -> int:
         n_prompts=args.n,
         n_boxes=args.n_boxes,
         seed=args.seed,
+        score=args.score,
     )
     out = Path(args.out or f"results/circuits/{Path(args.model).name}")
     print(

@@ -9,7 +9,9 @@ For one sender head at its sender position:
    overwritten by what the frozen run produced.
 
 Score = ``(mean p_patched - mean p_clean) / mean p_clean`` on the answer token over the
-batch (a ratio of means: stable where one prompt's clean probability is tiny). Without
+batch (``score="ratio_of_means"``, mechdiff's: stable where one prompt's clean probability is tiny), or the
+paper's ``mean over prompts of (p_patched - p_clean) / p_clean`` (``score="mean_of_ratios"``, Prakash et al.'s
+``experiment_1/path_patching.py``); the two can order the senders differently (:func:`sender_score`). Without
 receivers (step A: senders -> logits) the frozen run's own logits are read.
 
 Freezing is applied from the earliest sender position on: positions before it cannot see
@@ -51,6 +53,9 @@ from .core import Patch, Prefix, Resume, run
 
 log = logging.getLogger(__name__)
 
+#: How a sender's per-prompt answer probabilities become its score: mechdiff's ratio of means (the default) or
+#: the paper's mean of per-prompt relative changes.
+SCORES = ("ratio_of_means", "mean_of_ratios")
 SENDERS_PER_PASS = 8  # sender copies stacked in one pass on CPU and remote models (and path_patch's default)
 
 
@@ -174,6 +179,16 @@ def eligible_senders(model: LoadedModel, receivers: Optional[Receivers]) -> list
     return [Head(l, h) for l in range(top) for h in range(model.shape.n_heads)]
 
 
+def sender_score(patched: torch.Tensor, clean: torch.Tensor, score: str = SCORES[0]) -> float:
+    """One sender's score from its patched and the clean answer probabilities (``"batch"`` each): the ratio of
+    means ``(mean patched - mean clean) / mean clean`` or the mean of ratios ``mean((patched - clean) / clean)``."""
+    if score == "ratio_of_means":
+        return float((patched.mean() - clean.mean()) / clean.mean())
+    if score == "mean_of_ratios":
+        return float(((patched - clean) / clean).mean())
+    raise ValueError(f"unknown path-patching score {score!r}; the scores are {', '.join(SCORES)}")
+
+
 def path_patch(
     model: LoadedModel,
     batch: PairBatch,
@@ -182,8 +197,11 @@ def path_patch(
     receivers: Optional[Receivers] = None,
     senders_per_pass: int = SENDERS_PER_PASS,
     progress: bool = True,
+    score: str = SCORES[0],
 ) -> dict[Head, float]:
-    """The path-patching score of each sender (see the module docstring)."""
+    """The path-patching score of each sender (see the module docstring; ``score``: one of :data:`SCORES`)."""
+    if score not in SCORES:
+        raise ValueError(f"unknown path-patching score {score!r}; the scores are {', '.join(SCORES)}")
     out: dict[Head, float] = {}
     chunks = [list(senders[i : i + senders_per_pass]) for i in range(0, len(senders), senders_per_pass)]
     p_clean = batch.p_clean
@@ -195,7 +213,7 @@ def path_patch(
     probs = [torch.cat(ps, dim=1) for ps in zip(*per_group)]
     for chunk, p in zip(chunks, probs):  # p: "sender batch"
         for head, ps in zip(chunk, p):
-            out[head] = float((ps.mean() - p_clean.mean()) / p_clean.mean())
+            out[head] = sender_score(ps, p_clean, score)
     return out
 
 

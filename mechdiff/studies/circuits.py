@@ -29,7 +29,7 @@ from ..runs.stages import StageRecord, label
 from ..runs.stages import key_hash as _hash
 from ..tasks.base import Task, get_task
 from .base import Study, rows_inputs, vocabulary_digest
-from .spec import RunSpec
+from .spec import RunSpec, section_inputs
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class CircuitsStudy(Study):
 
     def _circuit_inputs(self, name: str) -> dict:
         d = self.spec.discovery
-        inputs = {"model": self.digests[name], "task": self.task_inputs(), "discovery": asdict(d)}
+        inputs = {"model": self.digests[name], "task": self.task_inputs(), "discovery": section_inputs("discovery", d)}
         if d.method == "curve":
             inputs["scoring"] = self._reference()
         return inputs
@@ -262,6 +262,7 @@ class CircuitsStudy(Study):
             n_prompts=d.n,
             n_boxes=t.n_boxes,
             seed=self.seed("discovery"),
+            score=d.score,
         )
         pairs = self.task.discovery_pairs(self.tokenizer, d.n, self.seed("discovery"), **self.options())
         circuit, steps = discover(lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan)

@@ -12,6 +12,7 @@ import tomllib
 from ..circuits.curve import SELECT, SIZES, TARGET
 from ..common.metrics import METRIC_ALIASES, metric_name
 from ..methods.dcm import DCMConfig
+from ..patching.path import SCORES
 from ..tasks.base import is_registered, is_relation_file, known_tasks
 from ..tasks.desiderata import desideratum_name
 
@@ -75,6 +76,19 @@ class DiscoverySection:
     top_k: dict[str, int] = field(default_factory=lambda: {"A": 8, "B": 3, "C": 5, "D": 3})
     screen: bool = False  # path: exact path patching of every sender (suffix runs make it cheap)
     screen_multiple: float = 2.0
+    # path: a sender's score over the prompts, "ratio_of_means" (mechdiff) or "mean_of_ratios" (the paper's)
+    score: str = SCORES[0]
+
+
+#: Options added to a section after results were committed, at the value every earlier study ran with: a stage key
+#: leaves such an option out while it has that value, so the committed studies' keys do not move.
+KEYED_WHEN_SET = {"discovery": {"score": SCORES[0]}}
+
+
+def section_inputs(name: str, section: Any) -> dict:
+    """A section's options as a stage key reads them (:data:`KEYED_WHEN_SET` left out at their old values)."""
+    quiet = KEYED_WHEN_SET.get(name, {})
+    return {k: v for k, v in asdict(section).items() if not (k in quiet and v == quiet[k])}
 
 
 @dataclass
@@ -171,6 +185,7 @@ REQUIRED = {"task": ("name",), "models": ("base",)}
 CHOICES = {
     ("discovery", "method"): ("curve", "path"),
     ("discovery", "select"): SELECT,
+    ("discovery", "score"): SCORES,
     ("scoring", "prune_metric"): ("prob", "accuracy", *METRIC_ALIASES),  # answer_prob: read as prob
     ("scoring", "prune_rule"): ("greedy", "paper"),
     ("dcm", "random_pool"): ("all", "group"),

@@ -356,3 +356,54 @@ def test_path_patching_runs_compute_only_what_a_sender_changes(tiny_llama, small
     path_patch(tiny_llama, batch, senders, "last", None, progress=False)
     ((args, point),) = calls
     assert args[1].shape == (2 * len(batch), 1) and point["resume"].layer == 1
+
+
+def test_the_papers_score_is_the_mean_of_per_prompt_relative_changes(tiny_llama, pairs):
+    """score="mean_of_ratios" (the paper's) is the mean over prompts of each prompt's own relative change: the
+    mean of the scores of one-prompt batches (where both scores coincide); "ratio_of_means" (mechdiff's) is
+    (mean p - mean p_clean) / mean p_clean over the same probabilities, and differs from it."""
+    with torch.no_grad():  # sharper answers, so the clean probabilities differ between prompts
+        tiny_llama.model.lm_head.weight.mul_(30)
+    senders, receivers = [Head(0, 1), Head(1, 2), Head(2, 0), Head(2, 3)], None  # step A: senders -> logits
+    one = [
+        path_patch(tiny_llama, prepare(tiny_llama, [pair]), senders, "last", receivers, progress=False)
+        for pair in pairs
+    ]
+    batch = prepare(tiny_llama, pairs)
+    paper = path_patch(tiny_llama, batch, senders, "last", receivers, progress=False, score="mean_of_ratios")
+    ours = path_patch(tiny_llama, batch, senders, "last", receivers, progress=False)
+    clean = batch.p_clean.double()
+    for h in senders:
+        per_prompt = np.array([s[h] for s in one])
+        assert paper[h] == relative_change_approx(float(per_prompt.mean()))
+        patched = clean * torch.as_tensor(1 + per_prompt)  # each prompt's patched probability, from its own score
+        assert ours[h] == relative_change_approx(float((patched.mean() - clean.mean()) / clean.mean()))
+    assert sum(abs(paper[h] - ours[h]) > 1e-3 for h in senders) >= 2  # not vacuous: the two scores differ here
+    with pytest.raises(ValueError, match="unknown path-patching score 'median'"):
+        path_patch(tiny_llama, batch, senders, "last", receivers, progress=False, score="median")
+
+
+def test_the_two_scores_can_order_senders_differently():
+    """A case built for it: sender X doubles one prompt's tiny clean probability and lowers a large one, Y
+    lowers only the large one. The ratio of means ranks X's drop first, the paper's mean of ratios Y's."""
+    from mechdiff.patching.path import sender_score
+
+    clean = torch.tensor([0.01, 0.6])
+    x, y = torch.tensor([0.02, 0.5]), torch.tensor([0.01, 0.55])
+    ratio = {h: sender_score(p, clean, "ratio_of_means") for h, p in (("X", x), ("Y", y))}
+    mean = {h: sender_score(p, clean, "mean_of_ratios") for h, p in (("X", x), ("Y", y))}
+    assert ratio["X"] == pytest.approx((0.26 - 0.305) / 0.305) and mean["X"] == pytest.approx((1.0 - 1 / 6) / 2)
+    assert min(ratio, key=ratio.get) == "X" and min(mean, key=mean.get) == "Y"  # selection: most negative first
+
+
+def test_the_llama7b_task_file_scores_senders_as_the_paper_and_old_keys_stay():
+    """The paper's task file selects the paper's score; a section at the old default keys as before the option
+    existed (so the committed studies' circuit keys do not move), and a changed score re-keys the stage."""
+    from mechdiff.studies.spec import DiscoverySection, load_spec, section_inputs
+
+    assert load_spec("tasks/entity_tracking_llama7b.toml").discovery.score == "mean_of_ratios"
+    default = section_inputs("discovery", DiscoverySection())
+    assert "score" not in default and default == {
+        k: v for k, v in dataclasses.asdict(DiscoverySection()).items() if k != "score"
+    }
+    assert section_inputs("discovery", DiscoverySection(score="mean_of_ratios"))["score"] == "mean_of_ratios"
