@@ -167,6 +167,31 @@ def pairwise_minimality(
     }
 
 
+def disjoint_groups(circuit: Circuit) -> Circuit:
+    """The circuit with each (head, position) pair in one group only: a head that several groups hold at the same
+    position stays in the last of them (in the circuit's group order) and leaves the others. The paper removes the
+    value fetchers that are also position transmitters from the value fetchers before pruning (A minus B; Prakash
+    et al.'s ``pp_utils.get_circuit``), so no pair is scored in two groups. The removed pairs are recorded in the
+    circuit's ``meta["disjoint"]``."""
+    later: dict[tuple, str] = {}
+    for g, heads in circuit.groups.items():
+        for h in heads:
+            later[(h, circuit.positions[g])] = g
+    groups, removed = {}, []
+    for g, heads in circuit.groups.items():
+        groups[g] = [h for h in heads if later[(h, circuit.positions[g])] == g]
+        removed += [f"{pair_name((h, circuit.positions[g]))} from {g}" for h in heads if h not in groups[g]]
+    return Circuit(
+        circuit.model,
+        circuit.task,
+        groups,
+        dict(circuit.positions),
+        scores=dict(circuit.scores),
+        names=dict(circuit.names),
+        meta={**circuit.meta, "disjoint": removed},
+    )
+
+
 def prune(circuit: Circuit, result: dict, threshold: float = 0.01) -> Circuit:
     """The circuit without the pairs that fail ``threshold``: under rule ``"greedy"`` (:func:`minimality`) those
     whose relative contribution is at most it; under ``"paper"`` (:func:`pairwise_minimality`) those whose

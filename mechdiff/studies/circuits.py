@@ -326,12 +326,14 @@ class CircuitsStudy(Study):
         )
 
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
-        from ..circuits.pruning import minimality, pairwise_minimality, prune
+        from ..circuits.pruning import disjoint_groups, minimality, pairwise_minimality, prune
 
         s = self.spec.scoring
 
         def compute() -> dict:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
+            if s.prune_disjoint:  # the paper: A minus B before pruning, so no pair is scored in two groups
+                circuit = disjoint_groups(circuit)
             # Pruning decides on its own prompts, never on those the matrix reports.
             scorer = self.scorer(name, "prune", s.prune_n)
             if s.prune_rule == "paper":
@@ -358,7 +360,7 @@ class CircuitsStudy(Study):
         return {
             "model": self.digests[name],
             "circuit": circuit_key,
-            "scoring": asdict(self.spec.scoring),
+            "scoring": section_inputs("scoring", self.spec.scoring),
             "task": self.task_inputs(),
         }
 
@@ -394,7 +396,7 @@ class CircuitsStudy(Study):
                 "model": self.digests[name],
                 "task": self.task_inputs(),
                 "circuits": {k: r.key for k, r in circuits.items()},
-                "scoring": asdict(s),
+                "scoring": section_inputs("scoring", s),
             },
             compute,
         )

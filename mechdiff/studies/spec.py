@@ -82,7 +82,7 @@ class DiscoverySection:
 
 #: Options added to a section after results were committed, at the value every earlier study ran with: a stage key
 #: leaves such an option out while it has that value, so the committed studies' keys do not move.
-KEYED_WHEN_SET = {"discovery": {"score": SCORES[0]}}
+KEYED_WHEN_SET = {"discovery": {"score": SCORES[0]}, "scoring": {"prune_disjoint": False}}
 
 
 def section_inputs(name: str, section: Any) -> dict:
@@ -108,6 +108,8 @@ class ScoringSection:
     prune_candidates: int = 1  # greedy: pairs tried per step (drawn at random)
     prune_share: float = 0.3  # paper: K is at most ceil(prune_share |group|) heads
     prune: bool = True
+    # true (the paper's): a head in two groups at one position is pruned with the later group only (A minus B)
+    prune_disjoint: bool = False
 
 
 @dataclass

@@ -365,3 +365,32 @@ def test_pruning_is_relative_to_the_circuits_own_performance(llama_scorer):
     cut = (rel[0] + rel[1]) / 2
     pruned = prune(circuit, res, threshold=cut)
     assert len(pruned.heads()) == 2 and pruned.meta["pruned"]["relative_to"] == "F(C)"
+
+
+def test_the_papers_disjoint_groups_take_a_shared_head_out_of_the_earlier_group():
+    """The paper prunes A minus B: a head that A and B both hold at the last token stays in B only, so it is scored
+    once (without the rule, pairwise_minimality scores the shared pair in A and again in B, the second overwriting
+    the first). A head shared across positions is two pairs and stays in both groups."""
+    from mechdiff.circuits.pruning import disjoint_groups
+    from mechdiff.studies.spec import ScoringSection, load_spec, section_inputs
+
+    shared, a, b, c = Head(2, 1), Head(1, 0), Head(3, 0), Head(0, 2)
+    circuit = Circuit(
+        "t",
+        "et",
+        {"A": [a, shared], "B": [shared, b], "C": [shared, c]},
+        {"A": "last", "B": "last", "C": "query_label"},
+        meta={"source": "x"},
+    )
+    out = disjoint_groups(circuit)
+    assert out.groups == {"A": [a], "B": [shared, b], "C": [shared, c]}
+    assert out.meta == {"source": "x", "disjoint": ["L2H1@last from A"]}
+    assert out.positions == circuit.positions and disjoint_groups(out).groups == out.groups  # idempotent
+
+    memberships = lambda c: sum(len(heads) for heads in c.groups.values())  # noqa: E731
+    before = pairwise_minimality(FakeScorer(circuit.pairs(), lambda kept: True), circuit, metric="prob")["pairs"]
+    after = pairwise_minimality(FakeScorer(out.pairs(), lambda kept: True), out, metric="prob")["pairs"]
+    assert (memberships(circuit), len(before)) == (6, 5) and before["L2H1@last"]["group"] == "B"  # A's overwritten
+    assert (memberships(out), len(after)) == (5, 5) and after["L2H1@last"]["group"] == "B"  # each pair once
+    assert load_spec("tasks/entity_tracking_llama7b.toml").scoring.prune_disjoint is True
+    assert "prune_disjoint" not in section_inputs("scoring", ScoringSection())  # committed prune keys unchanged
