@@ -62,6 +62,9 @@ class DiscoverySettings:
     """Everything that decides a discovery run; recorded in the circuit's meta."""
 
     k: dict[str, int] = field(default_factory=dict)  # step -> heads kept, overriding the plan's k
+    # step -> heads the circuit keeps from the step's scores (default: its k). The paper keeps k heads as the next
+    # step's receivers (LLaMA-7B: 20/5/10/5) and cuts its circuit from the same scores at other sizes (58/10/25/5).
+    circuit_k: dict[str, int] = field(default_factory=dict)
     screen: bool = False  # True: attribution screen, then exact path patching of the shortlist
     screen_multiple: float = 2.0
     senders_per_pass: int | str = "auto"  # sender copies per pass; "auto": sized by free GPU memory (8 on CPU)
@@ -129,6 +132,12 @@ def run_step(
     return StepResult(step, sender_position, receivers, exact, attribution, chosen, seconds)
 
 
+def circuit_heads(result: StepResult, k: Optional[int] = None) -> list[Head]:
+    """The heads a step puts in the circuit: its ``k`` most negative exact scores (None: the receivers it kept for
+    the next step, ``result.selected``). With a screen only the shortlist was scored, so at most that many."""
+    return result.selected if k is None else select(result.exact, k)
+
+
 def discover(
     model: LoadedModel,
     pairs: Sequence[PairRecord],
@@ -170,12 +179,13 @@ def discover(
         results[step] = run_step(model, batch, step, k, receivers, settings, progress, sender_position)
         if on_step is not None:
             on_step(results[step])
+    groups = {s: circuit_heads(r, settings.circuit_k.get(s)) for s, r in results.items()}
     circuit = Circuit(
         model=model.name,
         task=task,
-        groups={s: r.selected for s, r in results.items()},
+        groups=groups,
         positions={s: r.sender_position for s, r in results.items()},
-        scores={s: {h.name: r.exact[h] for h in r.selected} for s, r in results.items()},
+        scores={s: {h.name: r.exact[h] for h in groups[s]} for s, r in results.items()},
         names={s: steps[s].group for s in results},
         meta={
             "method": "path patching"

@@ -245,26 +245,37 @@ class CircuitsStudy(Study):
             "figures": {k: str(v.relative_to(self.dir)) for k, v in figures.items()},
         }
 
-    def _path_circuit(self, name: str) -> dict:
-        """The paper's path patching: each step of the task's plan keeps its top-k heads."""
-        from ..circuits.discovery import DiscoverySettings, discover
-        from ..report.figures import head_heatmap
-        from ..tasks.plan import default_plan, load_plan
+    def path_settings(self, name: str, plan: Any) -> Any:
+        """Model ``name``'s path-patching settings: the section's, with what ``[discovery.models.NAME]`` sets for it
+        (top_k, circuit_k, seed), each step table cut to the steps of ``plan``."""
+        from ..circuits.discovery import DiscoverySettings
 
         d, t = self.spec.discovery, self.spec.task
-        lm = self.model(name)
-        plan = load_plan(self.task.plan) if self.task.plan else default_plan()
+        own = d.models.get(name, {})
         steps_of_plan = {step.name for step in plan.steps}
-        settings = DiscoverySettings(
-            k={s: k for s, k in d.top_k.items() if s in steps_of_plan},
+        return DiscoverySettings(
+            k={s: k for s, k in own.get("top_k", d.top_k).items() if s in steps_of_plan},
+            circuit_k={s: k for s, k in own.get("circuit_k", d.circuit_k).items() if s in steps_of_plan},
             screen=d.screen,
             screen_multiple=d.screen_multiple,
             n_prompts=d.n,
             n_boxes=t.n_boxes,
-            seed=self.seed("discovery"),
+            seed=own.get("seed", self.seed("discovery")),
             score=d.score,
         )
-        pairs = self.task.discovery_pairs(self.tokenizer, d.n, self.seed("discovery"), **self.options())
+
+    def _path_circuit(self, name: str) -> dict:
+        """The paper's path patching: each step of the task's plan keeps its top-k heads as the next step's
+        receivers and puts its top circuit_k heads (default: the same) in the circuit."""
+        from ..circuits.discovery import discover
+        from ..report.figures import head_heatmap
+        from ..tasks.plan import default_plan, load_plan
+
+        d = self.spec.discovery
+        lm = self.model(name)
+        plan = load_plan(self.task.plan) if self.task.plan else default_plan()
+        settings = self.path_settings(name, plan)
+        pairs = self.task.discovery_pairs(self.tokenizer, d.n, settings.seed, **self.options())
         circuit, steps = discover(lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan)
         figures = {}
         for step, res in steps.items():

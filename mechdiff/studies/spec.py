@@ -78,11 +78,22 @@ class DiscoverySection:
     screen_multiple: float = 2.0
     # path: a sender's score over the prompts, "ratio_of_means" (mechdiff) or "mean_of_ratios" (the paper's)
     score: str = SCORES[0]
+    # path: heads each step puts in the circuit, cut from its scores (default: top_k, the receivers the next step
+    # reads); the paper keeps 20/5/10/5 receivers on LLaMA-7B and cuts 58/10/25/5 from the same scores
+    circuit_k: dict[str, int] = field(default_factory=dict)
+    # path: per model, any of top_k, circuit_k and seed (its discovery pairs' seed), e.g.
+    # [discovery.models.goat-7b] top_k = {...}; a model not named uses the section's
+    models: dict[str, dict] = field(default_factory=dict)
 
 
 #: Options added to a section after results were committed, at the value every earlier study ran with: a stage key
 #: leaves such an option out while it has that value, so the committed studies' keys do not move.
-KEYED_WHEN_SET = {"discovery": {"score": SCORES[0]}, "scoring": {"prune_disjoint": False}}
+KEYED_WHEN_SET = {
+    "discovery": {"score": SCORES[0], "circuit_k": {}, "models": {}},
+    "scoring": {"prune_disjoint": False},
+}
+#: What ``[discovery.models.NAME]`` may set for one model.
+PER_MODEL_DISCOVERY = ("top_k", "circuit_k", "seed")
 
 
 def section_inputs(name: str, section: Any) -> dict:
@@ -259,7 +270,26 @@ def load_spec(path: str | Path) -> RunSpec:
     if "dir" not in (tomllib.loads(text).get("output") or {}):
         built["output"].dir = output_dir(built["task"].name)
     _check_paper_stages(Path(path), text, built)
+    _check_per_model(Path(path), text, built)
     return RunSpec(**built, source=str(path))
+
+
+def _check_per_model(path: Path, text: str, built: dict[str, Any]) -> None:
+    """``[discovery.models.NAME]`` names a model of ``[models]`` and sets only :data:`PER_MODEL_DISCOVERY`, each
+    of the section's own type (a step -> k table, or an integer seed)."""
+    models = built["models"]
+    known = [models.base, *models.finetunes]
+    for name, own in built["discovery"].models.items():
+        line = line_of(text, None, f"discovery.models.{name}") or line_of(text, "discovery", "models")
+        where = f"{path}:{line}: [discovery.models.{name}]"
+        if name not in known:
+            raise SpecError(f"{where} names no model of [models] ({', '.join(known)})")
+        if not isinstance(own, dict) or set(own) - set(PER_MODEL_DISCOVERY):
+            raise SpecError(f"{where} may set {', '.join(PER_MODEL_DISCOVERY)}; got {own!r}")
+        for key, value in own.items():
+            steps_ok = key != "seed" and isinstance(value, dict) and all(isinstance(k, int) for k in value.values())
+            if not (steps_ok or (key == "seed" and isinstance(value, int) and not isinstance(value, bool))):
+                raise SpecError(f"{where} {key} = {value!r}: give a step -> k table (or an integer seed)")
 
 
 def _check_paper_stages(path: Path, text: str, built: dict[str, Any]) -> None:

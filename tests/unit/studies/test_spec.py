@@ -19,12 +19,21 @@ def test_task_file_resolves_to_the_paper_rules(name):
     spec = load_spec(ROOT / "tasks" / name)
     steps = [s.name for s in default_plan().steps]
     d, s, c, m = spec.discovery, spec.scoring, spec.dcm, spec.cmap
-    # discovery: path patching of A-D with the paper's k (experiment_1/minimality.py: 58/10/25/5)
-    # (on SmolLM2: scaled by 270 / 1024 heads and rounded up)
+    # discovery: path patching of A-D. LLaMA-7B as the paper's code runs it: every sender exact on 300 pairs, the
+    # mean of per-prompt relative changes, 20/5/10/5 receivers per step (experiment_1/path_patching.py) and the
+    # circuit cut at 58/10/25/5 (experiment_1/minimality.py); Goat and FLoAT at their own k, each model its seed.
+    # The committed SmolLM2 paper form (one k for both, scaled by 270 / 1024 heads) is left as it was run.
     k = {"A": 58, "B": 10, "C": 25, "D": 5}
-    if "llama7b" not in name:
+    if "llama7b" in name:
+        assert (d.method, d.n, d.screen, d.score) == ("path", 300, False, "mean_of_ratios")
+        assert d.top_k == {"A": 20, "B": 5, "C": 10, "D": 5} and d.circuit_k == k
+        goat, flt = {"A": 50, "B": 20, "C": 30, "D": 5}, {"A": 101, "B": 30, "C": 50, "D": 40}
+        assert d.models["goat-7b"] == {"top_k": goat, "circuit_k": flt, "seed": 82}
+        assert d.models["float-7b"] == {"top_k": goat, "circuit_k": {**flt, "A": 102}, "seed": 85}
+        assert d.models["llama-7b"] == {"seed": 20} and "vicuna-7b" not in d.models  # Vicuna: LLaMA's k
+    else:
         k = {g: math.ceil(v * 270 / 1024) for g, v in k.items()}
-    assert d.method == "path" and d.n == 100 and d.top_k == k
+        assert d.method == "path" and d.n == 100 and d.top_k == k and d.circuit_k == {} and d.models == {}
     assert list(d.top_k) == steps
     # pruning: the paper's pairwise rule on accuracy over 100 prompts
     assert (s.prune, s.prune_rule, s.prune_metric, s.prune_n, s.prune_threshold, s.prune_share) == (
