@@ -271,7 +271,34 @@ def load_spec(path: str | Path) -> RunSpec:
         built["output"].dir = output_dir(built["task"].name)
     _check_paper_stages(Path(path), text, built)
     _check_per_model(Path(path), text, built)
+    _check_desiderata(Path(path), text, built["task"].name)
     return RunSpec(**built, source=str(path))
+
+
+def _check_desiderata(path: Path, text: str, task_name: str) -> None:
+    """A file whose ``[dcm]`` asks for DCM needs a task that declares a desideratum, and the desiderata it names
+    must be the task's own (an alias resolved); refused before any weights load. Without ``[dcm]`` a task with no
+    desideratum runs every other stage and the report says DCM was not run."""
+    dcm = tomllib.loads(text).get("dcm")
+    if dcm is None or is_relation_file(task_name):
+        return
+    from ..tasks.base import get_task
+
+    task = get_task(task_name)
+    own = sorted(task.desiderata)
+    if not own:
+        raise SpecError(
+            f"{path}:{line_of(text, None, 'dcm')}: [dcm] asks for DCM, but task {task.name} declares no "
+            "desideratum; remove [dcm] (the report then says DCM was not run), or give every row a "
+            "counterfactual_answer and import it again (its `counterfactual` desideratum)"
+        )
+    named = dcm.get("desiderata")
+    unknown = [d for d in named or [] if desideratum_name(d) not in task.desiderata]
+    if unknown:
+        raise SpecError(
+            f"{path}:{line_of(text, 'dcm', 'desiderata')}: [dcm] desiderata {unknown} are not task "
+            f"{task.name}'s; it declares {', '.join(own)}"
+        )
 
 
 def _check_per_model(path: Path, text: str, built: dict[str, Any]) -> None:

@@ -74,3 +74,30 @@ def test_task_file_paper_stages_need_pruning(tmp_path):
     )
     with pytest.raises(SpecError, match="selection names desiderata"):
         load_spec(bad)
+
+
+def test_a_file_asking_for_dcm_needs_the_tasks_own_desiderata(smollm2_tokenizer, tmp_path):
+    """[dcm] on a task that declares no desideratum is refused when the file loads, naming the line and the way
+    out; so are desiderata the task does not declare. Without [dcm] the same task loads (DCM is then reported as
+    not run)."""
+    from conftest import capitals_rows, write_rows
+
+    from mechdiff.studies.spec import SpecError, load_spec
+    from mechdiff.tasks.jsonl import import_pairs
+
+    rows = capitals_rows(8)
+    for row in rows:
+        del row["counterfactual_answer"]
+    task = import_pairs(write_rows(tmp_path / "c.jsonl", rows), smollm2_tokenizer, tmp_path / "capitals")
+    head = f'[models]\nbase = "smollm2-135m"\nfinetunes = ["smollm2-et"]\n\n[task]\nname = "{task}"\n'
+    plain = tmp_path / "plain.toml"
+    plain.write_text(head)
+    assert load_spec(plain).task.name == str(task)
+    asks = tmp_path / "asks.toml"
+    asks.write_text(head + "\n[dcm]\ngroups = []\n")
+    with pytest.raises(SpecError, match=r"asks.toml:8: \[dcm\] asks for DCM, but task .* declares no desideratum"):
+        load_spec(asks)
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text(head.replace(f'"{task}"', '"ioi"') + '\n[dcm]\ndesiderata = ["positional"]\n')
+    with pytest.raises(SpecError, match=r"wrong.toml:9: \[dcm\] desiderata \['positional'\] are not task ioi's"):
+        load_spec(wrong)
