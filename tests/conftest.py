@@ -324,3 +324,15 @@ def tiny_study(tiny_family, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny-study")
     Study(tiny_spec(tiny_family, root), progress=False).run()
     return root
+
+
+def spy_runs(module, monkeypatch) -> list[tuple[tuple, dict]]:
+    """Record every ``run`` call ``module`` makes (arguments and keywords), still running it."""
+    calls, original = [], module.run
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "run", recorded)
+    return calls

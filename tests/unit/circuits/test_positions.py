@@ -5,16 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mechdiff.circuits.scoring import Scorer, per_prompt
-from mechdiff.tasks.entity_tracking import generate, reference_records
-
-N_BOXES = 3
-
-
-@pytest.fixture
-def llama_scorer(tiny_llama, smollm2_tokenizer) -> Scorer:
-    records = generate(smollm2_tokenizer, 6, n_boxes=N_BOXES, seed=0)
-    return Scorer.build(tiny_llama, records, reference_records(smollm2_tokenizer, 6, N_BOXES, 1), 6, False)
+from mechdiff.circuits.scoring import per_prompt
 
 
 def test_position_scan_ends_at_the_full_model_and_classes_equal_named_positions(llama_scorer):

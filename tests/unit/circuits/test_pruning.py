@@ -15,19 +15,9 @@ from mechdiff.circuits.pruning import minimality, pair_name, pairwise_minimality
 from mechdiff.circuits.scoring import Scorer, per_prompt
 from mechdiff.common.components import Head, parse_heads
 from mechdiff.patching.evaluate import EvalResult
-from mechdiff.tasks.entity_tracking import generate, reference_records
-from unit.circuits.test_scoring import N_BOXES, FakeScorer, _or_circuit
-
-
-@pytest.fixture
-def records(smollm2_tokenizer):
-    return generate(smollm2_tokenizer, 6, n_boxes=N_BOXES, seed=0)
-
-
-@pytest.fixture
-def llama_scorer(tiny_llama, smollm2_tokenizer) -> Scorer:
-    records = generate(smollm2_tokenizer, 6, n_boxes=N_BOXES, seed=0)
-    return Scorer.build(tiny_llama, records, reference_records(smollm2_tokenizer, 6, N_BOXES, 1), 6, False)
+from mechdiff.tasks.entity_tracking import reference_records
+from unit.circuits.conftest import N_BOXES
+from unit.circuits.test_scoring import FakeScorer, _or_circuit
 
 
 def test_minimality_prunes_heads_that_cannot_matter(tiny_llama, records, smollm2_tokenizer):

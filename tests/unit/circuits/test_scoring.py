@@ -27,13 +27,7 @@ from mechdiff.common.components import Head, parse_heads
 from mechdiff.patching.core import Patch, run
 from mechdiff.patching.evaluate import EvalResult, evaluate
 from mechdiff.tasks.entity_tracking import batch_tensors, generate, reference_records
-
-N_BOXES = 3
-
-
-@pytest.fixture
-def records(smollm2_tokenizer):
-    return generate(smollm2_tokenizer, 6, n_boxes=N_BOXES, seed=0)
+from unit.circuits.conftest import N_BOXES
 
 
 @pytest.fixture
@@ -891,12 +885,6 @@ def test_random_circuit_is_layer_matched():
     assert any({h.layer for h in d.groups["A"]} - {5, 9} for d in anywhere)
     with pytest.raises(ValueError, match="match must be"):
         random_circuit(circuit, 12, 8, rng, match="group")
-
-
-@pytest.fixture
-def llama_scorer(tiny_llama, smollm2_tokenizer) -> Scorer:
-    records = generate(smollm2_tokenizer, 6, n_boxes=N_BOXES, seed=0)
-    return Scorer.build(tiny_llama, records, reference_records(smollm2_tokenizer, 6, N_BOXES, 1), 6, False)
 
 
 def test_random_baseline_lists_its_draws(llama_scorer):

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import hooked_last_logits
+from conftest import hooked_last_logits, spy_runs
 from tolerances import relative_change_approx, tol32
 
 from mechdiff.circuits.discovery import DiscoverySettings, discover
@@ -322,18 +322,6 @@ def test_receivers_refuse_a_bad_kind_or_no_heads():
         Receivers((), "q", "last")
 
 
-def _spy(module, monkeypatch) -> list[tuple[tuple, dict]]:
-    """Record every ``run`` call ``module`` makes (arguments and keywords), still running it."""
-    calls, original = [], module.run
-
-    def recorded(*args, **kwargs):
-        calls.append((args, kwargs))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, "run", recorded)
-    return calls
-
-
 def test_path_patching_runs_compute_only_what_a_sender_changes(tiny_llama, small_pairs, monkeypatch):
     """Cost, not values (the values are checked against full runs above): the
     frozen and receiver runs resume above the layers no sender or receiver sits in and read the clean keys and
@@ -341,7 +329,7 @@ def test_path_patching_runs_compute_only_what_a_sender_changes(tiny_llama, small
     import mechdiff.patching.path as path
 
     batch = prepare(tiny_llama, small_pairs)
-    calls = _spy(path, monkeypatch)
+    calls = spy_runs(path, monkeypatch)
     senders = [Head(1, 0), Head(1, 1)]
     spos = batch.positions["query_label"]
     path_patch(tiny_llama, batch, senders, "query_label", Receivers((Head(2, 1),), "v", "last"), progress=False)

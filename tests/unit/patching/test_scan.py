@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import hooked_last_logits
+from conftest import hooked_last_logits, spy_runs
 from tolerances import approx32, tol32
 
 from mechdiff.common.components import Head
@@ -351,18 +351,6 @@ def test_resid_scan_does_not_depend_on_how_positions_are_grouped(tiny_llama, smo
     assert bool((one.effects[:, -1] != 0).all())  # the last position moves the answer at every layer
 
 
-def _spy(module, monkeypatch) -> list[tuple[tuple, dict]]:
-    """Record every ``run`` call ``module`` makes (arguments and keywords), still running it."""
-    calls, original = [], module.run
-
-    def recorded(*args, **kwargs):
-        calls.append((args, kwargs))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, "run", recorded)
-    return calls
-
-
 def test_scans_and_activation_patches_are_suffix_runs(tiny_llama, small_pairs, monkeypatch):
     """Cost, not values: head scans at one position, resid scans and activation patches with a prefix read
     the clean keys and values; head scans resume at each pass's first layer."""
@@ -372,7 +360,7 @@ def test_scans_and_activation_patches_are_suffix_runs(tiny_llama, small_pairs, m
 
     t = pair_batch_tensors(small_pairs)
     clean, source, answers = t["base"]["input_ids"], t["source"]["input_ids"], t["target_ids"]
-    calls = _spy(scan_module, monkeypatch)
+    calls = spy_runs(scan_module, monkeypatch)
     scan_module.scan(tiny_llama, clean, source, answers, site="z", positions="last", per_pass=4)
     patched = calls[2:]  # after the clean and the source runs
     assert len(patched) == 3 and all(k["prefix"] is not None for _, k in patched)
@@ -380,7 +368,7 @@ def test_scans_and_activation_patches_are_suffix_runs(tiny_llama, small_pairs, m
     calls.clear()
     scan_module.scan(tiny_llama, clean, source, answers, site="resid", positions=[3, 5], per_pass=4)
     assert all(k["prefix"] is not None for _, k in calls[2:]) and len(calls) == 2 + 3
-    calls = _spy(activation, monkeypatch)
+    calls = spy_runs(activation, monkeypatch)
     kv = activation.run(tiny_llama, clean, keep_kv=True).kv
     calls.clear()
     activation.activation_patch(
