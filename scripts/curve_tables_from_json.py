@@ -3,7 +3,7 @@ through the one writer of the curve table (:func:`mechdiff.report.rows.curve_row
 
     python scripts/curve_tables_from_json.py results/curve-smollm2/smollm2-et results/curve-smollm2/smollm2-et-early
 
-The caption is the one ``mechdiff curve`` writes (:func:`mechdiff.studies.scoring.size_curve`); ``curve.json`` (the
+The caption is the one ``mechdiff curve`` writes (:func:`mechdiff.report.rows.curve_caption`); ``curve.json`` (the
 run's record, which ``mechdiff curve`` writes after the table's JSON) is read, never written.
 """
 
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from mechdiff.report.rows import curve_rows
+from mechdiff.report.rows import curve_caption, curve_rows
 from mechdiff.report.tables import write_table
 
 
@@ -25,8 +25,7 @@ def rewrite(out: Path) -> None:
         curve_rows(curve),
         out / "curve",
         formats=("md", "csv", "tex"),
-        caption=f"Faithfulness of nested circuits over (head, position class) pairs on "
-        f"{record['model']} (ranked by mean-ablation attribution; CPR {curve['cpr_prob']}, CMD {curve['cmd_prob']})",
+        caption=curve_caption(record["model"], curve),
     )
 
 

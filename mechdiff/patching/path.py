@@ -179,14 +179,19 @@ def eligible_senders(model: LoadedModel, receivers: Optional[Receivers]) -> list
     return [Head(l, h) for l in range(top) for h in range(model.shape.n_heads)]
 
 
+def check_score(score: str) -> None:
+    """Refuse a path-patching score that is not one of :data:`SCORES`."""
+    if score not in SCORES:
+        raise ValueError(f"unknown path-patching score {score!r}; the scores are {', '.join(SCORES)}")
+
+
 def sender_score(patched: torch.Tensor, clean: torch.Tensor, score: str = SCORES[0]) -> float:
     """One sender's score from its patched and the clean answer probabilities (``"batch"`` each): the ratio of
     means ``(mean patched - mean clean) / mean clean`` or the mean of ratios ``mean((patched - clean) / clean)``."""
-    if score == "ratio_of_means":
-        return float((patched.mean() - clean.mean()) / clean.mean())
+    check_score(score)
     if score == "mean_of_ratios":
         return float(((patched - clean) / clean).mean())
-    raise ValueError(f"unknown path-patching score {score!r}; the scores are {', '.join(SCORES)}")
+    return float((patched.mean() - clean.mean()) / clean.mean())
 
 
 def path_patch(
@@ -200,8 +205,7 @@ def path_patch(
     score: str = SCORES[0],
 ) -> dict[Head, float]:
     """The path-patching score of each sender (see the module docstring; ``score``: one of :data:`SCORES`)."""
-    if score not in SCORES:
-        raise ValueError(f"unknown path-patching score {score!r}; the scores are {', '.join(SCORES)}")
+    check_score(score)  # before any forward pass
     out: dict[Head, float] = {}
     chunks = [list(senders[i : i + senders_per_pass]) for i in range(0, len(senders), senders_per_pass)]
     p_clean = batch.p_clean

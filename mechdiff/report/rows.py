@@ -132,6 +132,14 @@ def scan_rows(scan: Mapping[str, Any]) -> list[dict]:
     ]
 
 
+def curve_caption(model: str, curve: Mapping[str, Any]) -> str:
+    """The caption of ``mechdiff curve``'s table: the model and the curve's areas (CPR, CMD)."""
+    return (
+        f"Faithfulness of nested circuits over (head, position class) pairs on {model} (ranked by mean-ablation "
+        f"attribution; CPR {curve['cpr_prob']}, CMD {curve['cmd_prob']})"
+    )
+
+
 def curve_rows(curve: Mapping[str, Any]) -> list[dict]:
     """One row per size of a faithfulness curve: the fraction of pairs, the pairs kept, accuracy and faithfulness
     (accuracy and answer probability)."""

@@ -22,7 +22,7 @@ from ..models.loading import LoadedModel
 from ..models.modelset import ModelSet
 from ..report.membership import membership_heatmap
 from ..report.positions import curve_figure, position_scan_figure
-from ..report.rows import circuit_x_model_rows, completeness_rows, curve_rows, scan_rows
+from ..report.rows import circuit_x_model_rows, completeness_rows, curve_caption, curve_rows, scan_rows
 from ..report.tables import estimate_columns, to_markdown, write_table
 from ..runs.seeds import prompt_seed
 from ..tasks.base import Task
@@ -231,12 +231,7 @@ def size_curve(
     ranked = ranking(scores)
     curve = faithfulness_curve(scorer, ranked, sizes, target)
     rows = curve_rows(curve)
-    write_table(
-        rows,
-        out / "curve",
-        caption=f"Faithfulness of nested circuits over (head, position class) pairs on "
-        f"{model.name} (ranked by mean-ablation attribution; CPR {curve['cpr_prob']}, CMD {curve['cmd_prob']})",
-    )
+    write_table(rows, out / "curve", caption=curve_caption(model.name, curve))
     chosen = curve["chosen"]
     n = chosen["n_pairs"] if chosen else 0
     curve_figure(curve, out / "curve.png", title=f"{model.name}: faithfulness vs circuit size")

@@ -267,19 +267,19 @@ def load_spec(path: str | Path) -> RunSpec:
     built, text = load_sections(path, SECTIONS, REQUIRED, CHOICES)
     built["scoring"].prune_metric = metric_name(built["scoring"].prune_metric)  # one vocabulary: prob
     _check_task(Path(path), text, built["task"].name)
-    if "dir" not in (tomllib.loads(text).get("output") or {}):
+    raw = tomllib.loads(text)  # which sections and keys the file itself sets (built holds the defaults too)
+    if "dir" not in (raw.get("output") or {}):
         built["output"].dir = output_dir(built["task"].name)
     _check_paper_stages(Path(path), text, built)
     _check_per_model(Path(path), text, built)
-    _check_desiderata(Path(path), text, built["task"].name)
+    _check_desiderata(Path(path), text, raw.get("dcm"), built["task"].name)
     return RunSpec(**built, source=str(path))
 
 
-def _check_desiderata(path: Path, text: str, task_name: str) -> None:
+def _check_desiderata(path: Path, text: str, dcm: Optional[dict], task_name: str) -> None:
     """A file whose ``[dcm]`` asks for DCM needs a task that declares a desideratum, and the desiderata it names
     must be the task's own (an alias resolved); refused before any weights load. Without ``[dcm]`` a task with no
-    desideratum runs every other stage and the report says DCM was not run."""
-    dcm = tomllib.loads(text).get("dcm")
+    desideratum runs every other stage and the report says DCM was not run. ``dcm``: the file's own ``[dcm]``."""
     if dcm is None or is_relation_file(task_name):
         return
     from ..tasks.base import get_task
