@@ -34,7 +34,7 @@ from einops import repeat
 from ..common.components import Head, all_heads, layer_matched
 from ..common.metrics import metric_name
 from ..common.progress import progress_bar
-from ..common.stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
+from ..common.stats import bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
 from ..models.loading import LoadedModel
 from ..patching.ablation import site_means
 from ..patching.core import Patch, Resume, run, suffix_supported
@@ -487,11 +487,6 @@ def _difference(scorer: Scorer, pairs: Sequence[Pair], k: Sequence[Pair], metric
     """Per prompt, F(C \\ K) - F(M \\ K)."""
     without = [pr for pr in pairs if pr not in set(k)]
     return per_prompt(scorer.keep(without), metric) - per_prompt(scorer.ablate(k), metric)
-
-
-def estimate(d: dict) -> Estimate:
-    """An :class:`Estimate` back from its ``to_dict``."""
-    return Estimate(d["value"], d["low"], d["high"], d["n"])
 
 
 # --------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from scipy import stats
@@ -23,6 +23,11 @@ class Estimate:
 
     def to_dict(self) -> dict:
         return {"value": self.value, "low": self.low, "high": self.high, "n": self.n}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Estimate":
+        """An estimate back from its :meth:`to_dict` (as stage records keep it)."""
+        return cls(d["value"], d["low"], d["high"], d["n"])
 
 
 def bootstrap(

@@ -16,10 +16,6 @@ from ..common.stats import Estimate, paired_difference
 from .tables import estimate_columns
 
 
-def _est(d: Mapping[str, Any]) -> Estimate:
-    return Estimate(d["value"], d["low"], d["high"], d["n"])
-
-
 def dcm_rows(results: Sequence[Mapping[str, Any]]) -> list[dict]:
     """One row per (group, desideratum) of DCM results (``DCMResult.to_dict``): the selected heads, the target
     accuracy on the test pairs, the no-intervention floor and random heads of the same size (where drawn)."""
@@ -58,7 +54,7 @@ def semantic_rows(records: Sequence[Mapping[str, Any]]) -> list[dict]:
 
 def cmap_has_gap(result: Mapping[str, Any]) -> bool:
     """Whether the fine-tune is above the base on the CMAP prompts beyond both CIs (``CMAPResult.to_dict``)."""
-    return _est(result["finetune_accuracy"]).low > _est(result["base_accuracy"]).high
+    return Estimate.from_dict(result["finetune_accuracy"]).low > Estimate.from_dict(result["base_accuracy"]).high
 
 
 def cmap_rows(result: Mapping[str, Any]) -> list[dict]:
@@ -84,8 +80,8 @@ def cmap_caption(result: Mapping[str, Any], finetune: str) -> str:
         else "no recovered share: the fine-tune is not above the base beyond their CIs"
     )
     return (
-        f"CMAP {finetune} -> {result['base']}: base accuracy {_est(result['base_accuracy'])}, fine-tune "
-        f"{_est(result['finetune_accuracy'])}; {share}. {result['caption']}"
+        f"CMAP {finetune} -> {result['base']}: base accuracy {Estimate.from_dict(result['base_accuracy'])}, fine-tune "
+        f"{Estimate.from_dict(result['finetune_accuracy'])}; {share}. {result['caption']}"
     )
 
 

@@ -37,12 +37,8 @@ from .tables import estimate_columns, to_markdown, write_table
 Study = Any
 
 
-def _est(d: dict) -> Estimate:
-    return Estimate(d["value"], d["low"], d["high"], d["n"])
-
-
 def _fmt(d: dict) -> str:
-    return str(_est(d))
+    return str(Estimate.from_dict(d))
 
 
 def study_table(study: "Study", rows: list[dict], stem: str, caption: str) -> str:
@@ -312,7 +308,7 @@ def cmap_section(study: "Study", cmap: dict) -> str:
         if "skipped" in r:
             text.append(f"_CMAP {ft}: skipped, {r['skipped']}._\n")
             continue
-        base_acc, ft_acc = _est(r["base_accuracy"]), _est(r["finetune_accuracy"])
+        base_acc, ft_acc = Estimate.from_dict(r["base_accuracy"]), Estimate.from_dict(r["finetune_accuracy"])
         text.append(study_table(study, cmap_rows(r), f"cmap_{label(ft)}", cmap_caption(r, ft)))
         if "circuit" in r:  # CMAP as the paper: the fine-tune's pruned circuit cut to its DCM selections
             text.append(patched_heads(study, Circuit.from_dict(r["circuit"])))
@@ -321,7 +317,7 @@ def cmap_section(study: "Study", cmap: dict) -> str:
         kinds = list(dict.fromkeys(row["kind"] for row in r["rows"]))
         series = {
             k: [
-                next((_est(x["accuracy"]) for x in r["rows"] if x["scope"] == s and x["kind"] == k), None)
+                next((Estimate.from_dict(x["accuracy"]) for x in r["rows"] if x["scope"] == s and x["kind"] == k), None)
                 for s in scopes
             ]
             for k in kinds
@@ -500,8 +496,8 @@ def dcm_findings(dcm: "StageRecord") -> str:
         )
     lines = []
     for r in chosen:
-        above = _est(r["test_accuracy"]).low > max(
-            _est(r["floor"]).high, _est(r["random"]).high if r.get("random") else 0.0
+        above = Estimate.from_dict(r["test_accuracy"]).low > max(
+            Estimate.from_dict(r["floor"]).high, Estimate.from_dict(r["random"]).high if r.get("random") else 0.0
         )
         verb = "encodes" if above else "is not shown to encode (its interval overlaps the floor or the random heads)"
         lines.append(

@@ -733,11 +733,10 @@ def test_matrix_rows_columns_from_faithfulness():
 
 def test_estimate_round_trip_and_pair_name():
     from mechdiff.circuits.pruning import pair_name
-    from mechdiff.circuits.scoring import estimate
     from mechdiff.common.stats import Estimate
 
     e = Estimate(0.4, 0.1, 0.7, 30)
-    assert estimate(e.to_dict()) == e
+    assert Estimate.from_dict(e.to_dict()) == e
     assert pair_name((Head(14, 7), "query_label")) == "L14H7@query_label"
 
 
