@@ -291,7 +291,8 @@ class RunDirError(ValueError):
 def task_name_of(manifest: dict) -> Optional[str]:
     """The task name a ``run.json`` records (``spec`` of a circuits study, ``settings`` of the others), or None."""
     for section in ("spec", "settings"):
-        task = (manifest.get(section) or {}).get("task") if isinstance(manifest.get(section), dict) else None
+        block = manifest.get(section)
+        task = block.get("task") if isinstance(block, dict) else None
         if isinstance(task, dict) and task.get("name"):
             return str(task["name"])
     return None

@@ -255,9 +255,9 @@ def output_dir(task: str) -> str:
     """The results directory of a study of ``task`` whose task file names none: ``results/<task's name>`` (an
     imported task's directory by its recorded name), never another task's directory."""
     from ..runs.stages import label
-    from ..tasks.base import get_task
+    from ..tasks.jsonl import load_task_meta
 
-    name = get_task(task).name if Path(task).is_dir() else task
+    name = load_task_meta(task)["name"] if Path(task).is_dir() else task
     return f"results/{label(name)}"
 
 

@@ -175,6 +175,7 @@ def test_stage_keys_know_an_imported_tasks_rows(tiny_family, tmp_path):
     from conftest import capitals_rows, write_rows
 
     from mechdiff.cli import main
+    from mechdiff.studies.spec import output_dir
     from mechdiff.tasks.base import get_task
 
     def imported(rows: list[dict]) -> dict[str, str]:
@@ -188,6 +189,7 @@ def test_stage_keys_know_an_imported_tasks_rows(tiny_family, tmp_path):
 
     rows = capitals_rows(24)
     first = imported(rows)
+    assert output_dir(str(tmp_path / "capitals")) == "results/capitals"  # an imported task's results: its name
     assert len(first) >= 5 and all(first.values())
     assert imported(rows) == first
     rows[0]["answer"], rows[0]["counterfactual_answer"] = rows[0]["counterfactual_answer"], rows[0]["answer"]
