@@ -166,8 +166,10 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
                 curves,
                 "curve",
                 f"Faithfulness of nested circuits (the top fraction of the "
-                f"attribution ranking) on {study.spec.discovery.curve_n} prompts per model, disjoint "
-                "from the ranking prompts and from those of the circuit x model matrix",
+                f"attribution ranking) on {study.spec.discovery.curve_n} prompts per model, "
+                + _disjoint(
+                    study, "curve", "disjoint from the ranking prompts and from those of the circuit x model matrix"
+                ),
             )
         )
         areas = [
@@ -237,7 +239,7 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
         study,
         circuit_x_model_rows(rows),
         "circuit_x_model",
-        f"Circuit x model on {s.n} fresh held-out prompts per model: accuracy with every other (head, "
+        f"Circuit x model on {s.n} {_fresh(study, 'matrix')} per model: accuracy with every other (head, "
         "position) mean-ablated (exact binomial CI), faithfulness F(C)/F(M) (bootstrap CI), and "
         f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit "
         "(pooled accuracy; the range of the draws' accuracies)",
@@ -601,6 +603,55 @@ def _source(name: str, provenance: dict) -> str:
     return spec.source + (f"/{spec.gguf_file}" if spec.gguf_file else "")
 
 
+def _fresh(study: "Study", name: str) -> str:
+    """``fresh held-out`` for a generated set; for a set dealt from fixed rows, what its row list shows."""
+    sets = getattr(study, "prompt_sets", None)
+    if not sets:
+        return "fresh held-out prompts"
+    k = _shared(sets, name)
+    return "prompts no other set holds" if k == 0 else f"prompts ({k} of them also in another set)"
+
+
+def _disjoint(study: "Study", name: str, generated: str) -> str:
+    """``generated`` (a generated task's sets, seeded apart) or, from the drawn rows, whether ``name`` shares any."""
+    sets = getattr(study, "prompt_sets", None)
+    if not sets:
+        return generated
+    k = _shared(sets, name)
+    return "sharing no row with any other prompt set" if k == 0 else f"sharing {k} rows with other prompt sets"
+
+
+def _shared(sets: dict, name: str) -> int:
+    """Rows of the set ``name`` that another set also holds."""
+    others = {r for other, rows in sets.items() if other != name for r in rows}
+    return len(set(sets.get(name, [])) & others)
+
+
+def _prompt_sets_sentence(study: "Study", manifest: dict) -> str:
+    """Where the prompts came from: for a task of fixed rows, the sets as ``run.json`` lists them (sizes, groups,
+    rows shared, counted from the lists); for a generated task, each set's seed."""
+    sets = manifest.get("prompt_sets")
+    if not sets:
+        seeds = ", ".join(f"{k} +{v}" for k, v in PROMPT_OFFSETS.items() if not k.startswith("reproduction"))
+        held = (
+            ". All prompts use only the held-out objects (`eval_objects()`), disjoint from the fine-tuning objects. "
+            if _held_out(study)
+            else ". "
+        )
+        return f"Seeds: task seed {study.spec.task.seed}; each prompt set's seed is it plus {seeds}{held}"
+    each = ", ".join(f"{name} {n} ({sets['groups'][name]} groups)" for name, n in sets["sizes"].items())
+    shared = (
+        "no row is in two sets"
+        if sets["shared_rows"] == 0
+        else f"{sets['shared_rows']} rows are shared between sets, so those sets are not disjoint"
+    )
+    return (
+        f"Prompt sets: dealt from the task's {sets['n_rows']} rows ({sets['n_groups']} (template, token length) "
+        f"groups) by seed {study.spec.task.seed}, stratified by group, the same rows for every model: {each}; "
+        f"{shared} (counted from the row lists in `run.json`, `prompt_sets`). "
+    )
+
+
 def _held_out(study: "Study") -> bool:
     """Whether the task's prompts draw on the vocabulary held out from fine-tuning (entity tracking)."""
     return "vocabulary" in study.task.options
@@ -665,13 +716,7 @@ def write_report(
         "## What was run\n",
         to_markdown(model_rows),
         "",
-        f"Seeds: task seed {spec.task.seed}; each prompt set's seed is it plus "
-        + ", ".join(f"{k} +{v}" for k, v in PROMPT_OFFSETS.items() if not k.startswith("reproduction"))
-        + (
-            ". All prompts use only the held-out objects (`eval_objects()`), disjoint from the fine-tuning objects. "
-            if _held_out(study)
-            else ". "
-        )
+        _prompt_sets_sentence(study, manifest)
         + "Versions: "
         + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())
         + f". Python {manifest['python']} on {manifest['machine']}.\n",

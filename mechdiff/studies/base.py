@@ -11,6 +11,7 @@ names exactly the stages, keys and cache hits a run would have; ``mechdiff run T
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import platform
@@ -122,10 +123,15 @@ def vocabulary_digest(task: Any) -> str:
     return key_hash(task.split_options("eval").get("vocabulary"))
 
 
-def rows_inputs(task: Any) -> dict:
+def rows_inputs(task: Any, sets: Optional[dict] = None) -> dict:
     """``{"rows": digest}`` for a task imported from rows (:attr:`~mechdiff.tasks.base.Task.rows_digest`), which
-    every stage's key then carries; empty for a task that generates its prompts, whose keys stay as they were."""
-    return {"rows": task.rows_digest} if getattr(task, "rows_digest", None) else {}
+    every stage's key then carries, with a digest of the prompt sets drawn from them (``sets``: name -> rows; each
+    set's rows depend on every set's size); empty for a task that generates its prompts, whose keys stay as they
+    were."""
+    out = {"rows": task.rows_digest} if getattr(task, "rows_digest", None) else {}
+    if sets:
+        out["prompt_sets"] = hashlib.sha256(json.dumps(sets, sort_keys=True).encode()).hexdigest()[:16]
+    return out
 
 
 def versions() -> dict[str, str]:

@@ -45,6 +45,7 @@ class CircuitsStudy(Study):
         self.spec = spec
         self.store = str(Path(spec.output.store))
         check_writable(Path(self.store).parent, "activation store directory")
+        self.task  # noqa: B018 - an imported task's prompt sets are drawn (or refused, short of rows) before weights
         # Check the set before any weights load: weights present (or --remote set up), shapes, vocabularies, names.
         from ..models.remote import check_remote
         from .reproduce import check_weights
@@ -106,26 +107,56 @@ class CircuitsStudy(Study):
             "vocabulary": vocabulary_digest(self.task),
             "tokenizer": self.digests[self.spec.models.base],
             "mechdiff": __version__,
-            **rows_inputs(self.task),
+            **rows_inputs(self.task, self.prompt_sets),
             **({"remote": True} if self.spec.models.remote else {}),
         }
 
     @property
     def task(self) -> Task:
-        """The task the task file's ``[task]`` section names (registered, or an imported task directory)."""
-        return get_task(self.spec.task.name)
+        """The task the task file's ``[task]`` section names (registered, or an imported task directory), with the
+        study's prompt sets drawn from its rows where it holds a fixed list of them (:meth:`prompt_sets`)."""
+        if getattr(self, "_task", None) is None or self._task[0] != self.spec.task.name:
+            task, sets = get_task(self.spec.task.name).draw_prompt_sets(self.prompt_set_sizes(), self.spec.task.seed)
+            self._task = (self.spec.task.name, task, sets)
+        return self._task[1]
 
-    def options(self, held_out: bool = True) -> dict:
-        """Generator options: ``n_boxes``, and the objects held out from fine-tuning where the task splits its
-        objects (:meth:`~mechdiff.tasks.base.Task.split_options`; the task keeps only the options it accepts)."""
-        return {"n_boxes": self.spec.task.n_boxes, **(self.task.split_options("eval") if held_out else {})}
+    @property
+    def prompt_sets(self) -> dict[str, list[int]]:
+        """Each prompt set's task rows (indices into an imported task's pairs), disjoint and stratified by
+        (template, token length); empty for a task that generates its prompts (each set seeded by its name)."""
+        self.task  # noqa: B018 - draws the sets
+        return self._task[2]
+
+    def prompt_set_sizes(self) -> dict[str, int]:
+        """The rows each prompt set of the study needs, in the order they are dealt: the mean-ablation reference
+        first (so every group of the task has reference prompts), then as the stages run."""
+        d, s, p = self.spec.discovery, self.spec.scoring, self.spec.positions
+        sizes = {"reference": s.reference_n, "eval": self.spec.eval.n}
+        if p.n > 0:
+            sizes["positions"] = p.n
+        sizes.update({"ranking": d.n, "curve": d.curve_n} if d.method == "curve" else {"discovery": d.n})
+        sizes["matrix"] = s.n
+        if s.prune:
+            sizes["prune"] = s.prune_n
+        if get_task(self.spec.task.name).desiderata:
+            sizes["dcm"] = self.spec.dcm.n_train + self.spec.dcm.n_val + self.spec.dcm.n_test
+        if self.spec.models.finetunes:
+            sizes["cmap"] = self.spec.cmap.n
+        return sizes
+
+    def options(self, held_out: bool = True, prompts: Optional[str] = None) -> dict:
+        """Generator options: ``n_boxes``, the objects held out from fine-tuning where the task splits its
+        objects (:meth:`~mechdiff.tasks.base.Task.split_options`), and the prompt set's name (an imported task
+        hands out that set's rows); the task keeps only the options it accepts."""
+        split = self.task.split_options("eval") if held_out else {}
+        return {"n_boxes": self.spec.task.n_boxes, "prompt_set": prompts, **split}
 
     def seed(self, prompts: str) -> int:
         """The seed of one of the study's prompt sets (:func:`~mechdiff.runs.seeds.prompt_seed`)."""
         return prompt_seed(self.spec.task.seed, prompts)
 
     def eval_records(self) -> list:
-        return self.task.records(self.tokenizer, self.spec.eval.n, self.seed("eval"), **self.options())
+        return self.task.records(self.tokenizer, self.spec.eval.n, self.seed("eval"), **self.options(prompts="eval"))
 
     def model(self, name: str) -> LoadedModel:
         return self.models[name]
@@ -275,7 +306,7 @@ class CircuitsStudy(Study):
         lm = self.model(name)
         plan = load_plan(self.task.plan) if self.task.plan else default_plan()
         settings = self.path_settings(name, plan)
-        pairs = self.task.discovery_pairs(self.tokenizer, d.n, settings.seed, **self.options())
+        pairs = self.task.discovery_pairs(self.tokenizer, d.n, settings.seed, **self.options(prompts="discovery"))
         circuit, steps = discover(lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan)
         figures = {}
         for step, res in steps.items():
@@ -318,11 +349,17 @@ class CircuitsStudy(Study):
         (mean ablation never averages across templates or lengths), and the task's rows are readable."""
         from ..tasks.base import check_reference
 
-        s = self.spec.scoring
-        reference = self.task.reference_records(self.tokenizer, s.reference_n, self.seed("reference"), **self.options())
+        reference = self.reference_records()
         for prompts, n in self.scored_sets().items():
-            records = self.task.records(self.tokenizer, n, self.seed(prompts), **self.options())
+            records = self.task.records(self.tokenizer, n, self.seed(prompts), **self.options(prompts=prompts))
             check_reference(records, reference, f"{prompts} prompts")
+
+    def reference_records(self) -> list:
+        """The mean-ablation reference: ``reference_n`` prompts of their own (held-out objects, like every set)."""
+        s = self.spec.scoring
+        return self.task.reference_records(
+            self.tokenizer, s.reference_n, self.seed("reference"), **self.options(prompts="reference")
+        )
 
     def scorer(self, name: str, prompts: str = "matrix", n: Optional[int] = None):
         """A scorer of ``name`` on ``n`` prompts of the named set; every scorer ablates with the means of the
@@ -330,10 +367,14 @@ class CircuitsStudy(Study):
         from ..circuits.scoring import Scorer
 
         s = self.spec.scoring
-        records = self.task.records(self.tokenizer, n or s.n, self.seed(prompts), **self.options())
-        reference = self.task.reference_records(self.tokenizer, s.reference_n, self.seed("reference"), **self.options())
+        records = self.task.records(self.tokenizer, n or s.n, self.seed(prompts), **self.options(prompts=prompts))
         return Scorer.build(
-            self.model(name), records, reference, self.spec.eval.batch_size, self.progress, store=self.store
+            self.model(name),
+            records,
+            self.reference_records(),
+            self.spec.eval.batch_size,
+            self.progress,
+            store=self.store,
         )
 
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
@@ -421,7 +462,7 @@ class CircuitsStudy(Study):
         from ..tasks.base import batch_tensors, grouped_batches, take
 
         # which positions are single tokens is a property of the task's prompts: a few of each group show it
-        records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options())
+        records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
         batches = [batch_tensors(take(records, rows))["positions"] for rows in grouped_batches(records, 4)]
 
         def single(name: str) -> bool:
@@ -464,7 +505,8 @@ class CircuitsStudy(Study):
                     t.n_boxes,
                     self.seed("dcm"),
                     vocabulary=opts.get("vocabulary"),
-                    task=self.spec.task.name,
+                    task=self.task,
+                    prompt_set="dcm",
                 )
                 for d in names
             }
@@ -514,7 +556,7 @@ class CircuitsStudy(Study):
                 circuit = dcm_cut(circuit, dcm_rec.result["dcm"], c.selection)
             if not circuit.heads():
                 return {"skipped": f"the circuit of {owner} has no heads left after pruning; there is nothing to patch"}
-            records = self.task.records(self.tokenizer, c.n, self.seed("cmap"), **self.options())
+            records = self.task.records(self.tokenizer, c.n, self.seed("cmap"), **self.options(prompts="cmap"))
             groups = self.analysis_groups(circuit, c.groups)
             if not groups:
                 return {"skipped": f"no group of the circuit of {owner} sits at a single-token position"}
@@ -663,11 +705,36 @@ class CircuitsStudy(Study):
         """The base manifest (the spec under ``spec``), with the spec's source and the models' digests,
         fingerprints and provenance."""
         loaded = {n: {"fingerprint": m.fingerprint, "provenance": m.provenance} for n, m in self.models.loaded.items()}
-        return {
+        out = {
             **super().manifest(),
             "source": self.spec.source,
             "model_digests": self.digests,
             "loaded_models": loaded,
+        }
+        if self.prompt_sets:
+            out["prompt_sets"] = self.prompt_sets_record()
+        return out
+
+    def prompt_sets_record(self) -> dict:
+        """``run.json``'s account of the drawn prompt sets: each set's task rows, the sets each stage reads, and
+        what the report states of them (sizes, groups, rows shared between sets), computed from the lists."""
+        from ..tasks.prompt_sets import describe_sets
+
+        sets, ranked = self.prompt_sets, "discovery" if self.spec.discovery.method == "path" else "ranking"
+        reads = {
+            "accuracy": ["eval"],
+            "positions": ["positions", "reference"],
+            "circuit": [ranked, "curve", "reference"] if ranked == "ranking" else [ranked],
+            "prune": ["prune", "reference"],
+            "matrix": ["matrix", "reference"],
+            "dcm": ["dcm"],
+            "cmap": ["cmap"],
+        }
+        stages = {stage: [n for n in names if n in sets] for stage, names in reads.items()}
+        return {
+            "rows": sets,
+            "stages": {k: v for k, v in stages.items() if v},
+            **describe_sets(sets, self.task.strata),
         }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .base import PairRecord, get_task
+from .base import PairRecord, Task, get_task
 
 #: Other spellings of entity tracking's desiderata (the paper's names) -> the task's own names.
 DESIDERATUM_ALIASES = {"object_value": "object", "label_value": "label", "position": "positional"}
@@ -26,15 +26,17 @@ def desideratum_pairs(
     n_boxes: Optional[int] = None,
     seed: int = 0,
     vocabulary: Optional[Sequence[str]] = None,
-    task: str = "entity-tracking",
+    task: str | Task = "entity-tracking",
+    prompt_set: Optional[str] = None,
 ) -> list[PairRecord]:
-    """Pairs of a desideratum the task defines (entity tracking: ``positional``, ``object``, ``label``);
-    ``n_boxes`` and ``vocabulary`` go to tasks that take them (``None``: the task's own default)."""
-    t = get_task(task)
+    """Pairs of a desideratum the task (a name or a :class:`~mechdiff.tasks.base.Task`) defines (entity
+    tracking: ``positional``, ``object``, ``label``); ``n_boxes``, ``vocabulary`` and ``prompt_set`` (a drawn
+    set's name) go to tasks that take them (``None``: the task's own default)."""
+    t = task if isinstance(task, Task) else get_task(task)
     key = desideratum_name(name)
     if key not in t.desiderata:
         raise ValueError(
             f"unknown desideratum {name!r}; task {t.name} defines {sorted(t.desiderata) or 'none'} "
             "(or pass your own list of counterfactual pairs)"
         )
-    return t.desideratum(key, tokenizer, n, seed=seed, n_boxes=n_boxes, vocabulary=vocabulary)
+    return t.desideratum(key, tokenizer, n, seed=seed, n_boxes=n_boxes, vocabulary=vocabulary, prompt_set=prompt_set)

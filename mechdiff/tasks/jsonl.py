@@ -313,11 +313,14 @@ def _has_counterfactual_answers(path: str | os.PathLike) -> bool:
 
 @dataclass
 class ImportedTask:
-    """The pairs of a task directory, handed out in file order after checking the asking tokenizer."""
+    """The pairs of a task directory, after checking the asking tokenizer: a named prompt set's rows where the
+    study drew its sets (``sets``: name -> row indices, :func:`~mechdiff.tasks.prompt_sets.draw_sets`), else the
+    first rows in file order."""
 
     directory: Path
     meta: dict
     pairs: list[Pair]
+    sets: Optional[dict[str, list[int]]] = None
 
     def _check(self, tokenizer: Any) -> None:
         if tokenizer is not None and tokenizer_digest(tokenizer) != self.meta["tokenizer"]:
@@ -326,13 +329,24 @@ class ImportedTask:
                 f"{self.meta.get('model') or '?'}); import it again with --model for this model"
             )
 
-    def take(self, tokenizer: Any, n: int) -> list[Pair]:
+    def take(self, tokenizer: Any, n: int, prompt_set: Optional[str] = None) -> list[Pair]:
+        """``n`` pairs: the first of the set ``prompt_set`` where sets were drawn, else the file's first."""
         self._check(tokenizer)
         if n < 1:
             raise ValueError("n must be at least 1")
-        if n > len(self.pairs):
-            log.info("task %s holds %d pairs; using all of them (asked for %d)", self.directory, len(self.pairs), n)
-        return self.pairs[:n]
+        rows = list(range(len(self.pairs)))
+        if self.sets is not None and prompt_set is not None:
+            if prompt_set not in self.sets:
+                raise ValueError(f"no prompt set {prompt_set!r} was drawn; the study drew {', '.join(self.sets)}")
+            rows = self.sets[prompt_set]
+        if n > len(rows):
+            log.info("task %s: %d rows to draw from; using all of them (asked for %d)", self.directory, len(rows), n)
+        return [self.pairs[i] for i in rows[:n]]
+
+    @property
+    def strata(self) -> tuple[tuple[str, int], ...]:
+        """Each row's group: (template, token length), the unit prompt sets are stratified by."""
+        return tuple((p.base.template, len(p.base.input_ids)) for p in self.pairs)
 
     @property
     def plan(self) -> Optional[Path]:
@@ -349,23 +363,25 @@ class ImportedTask:
         """Every row gave a ``counterfactual_answer`` (the ``counterfactual`` DCM desideratum exists)."""
         return all(p.base.alternative_ids for p in self.pairs)
 
-    def examples(self, tokenizer: Any, n: int, seed: int = 0) -> list[Example]:
-        """The first ``n`` clean prompts (``seed`` is unused: the file fixes the order)."""
-        return [p.base for p in self.take(tokenizer, n)]
+    def examples(self, tokenizer: Any, n: int, seed: int = 0, prompt_set: Optional[str] = None) -> list[Example]:
+        """``n`` clean prompts of the set ``prompt_set`` (``seed`` is unused: the drawn sets fix the rows)."""
+        return [p.base for p in self.take(tokenizer, n, prompt_set)]
 
-    def discovery_pairs(self, tokenizer: Any, n: int, seed: int = 0) -> list[Pair]:
-        """The first ``n`` pairs, target the clean answer."""
-        return self.take(tokenizer, n)
+    def discovery_pairs(self, tokenizer: Any, n: int, seed: int = 0, prompt_set: Optional[str] = None) -> list[Pair]:
+        """``n`` pairs of the set ``prompt_set``, target the clean answer."""
+        return self.take(tokenizer, n, prompt_set)
 
-    def reference(self, tokenizer: Any, n: int, seed: int = 0) -> list[Example]:
-        """The first ``n`` counterfactual prompts (the mean-ablation reference)."""
-        return [p.source for p in self.take(tokenizer, n)]
+    def reference(self, tokenizer: Any, n: int, seed: int = 0, prompt_set: Optional[str] = None) -> list[Example]:
+        """``n`` counterfactual prompts of the set ``prompt_set`` (the mean-ablation reference)."""
+        return [p.source for p in self.take(tokenizer, n, prompt_set)]
 
-    def counterfactual_pairs(self, tokenizer: Any, n: int, seed: int = 0) -> list[Pair]:
-        """The first ``n`` pairs with the counterfactual's answer as target (the DCM desideratum)."""
+    def counterfactual_pairs(
+        self, tokenizer: Any, n: int, seed: int = 0, prompt_set: Optional[str] = None
+    ) -> list[Pair]:
+        """``n`` pairs of the set ``prompt_set`` with the counterfactual's answer as target (the DCM desideratum)."""
         return [
             Pair(p.base, p.source, p.source.answer, p.source.answer_id, "counterfactual")
-            for p in self.take(tokenizer, n)
+            for p in self.take(tokenizer, n, prompt_set)
         ]
 
 

@@ -109,12 +109,14 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     """A JSONL task written outside the project (four templates; 5, 8 and 14 tokens) imported, then `mechdiff run`
     with `[task] name = DIR`: accuracy, position scan over its derived classes, curve circuit, pruning, matrix,
     CMAP and DCM (the task's own counterfactual as desideratum) and the report. A reference set missing a group
-    is refused, naming it, before any weights load."""
+    is refused, naming it, before any weights load; so is a study whose prompt sets need more rows than the task
+    holds. Every prompt set is drawn from rows of its own, each (template, length) group in each set: run.json
+    lists each set's rows and the sets each stage read."""
     from conftest import capitals_rows, write_rows
 
     from mechdiff.cli import main
 
-    rows = write_rows(tmp_path / "capitals.jsonl", capitals_rows(24))
+    rows = write_rows(tmp_path / "capitals.jsonl", capitals_rows(80))
     assert main(["dataset", "import", str(rows), "--model", tiny_family[0], "--out", str(tmp_path / "capitals")]) == 0
     assert (
         main(
@@ -139,10 +141,14 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     spec.dcm.groups = spec.cmap.groups = []  # every group at a one-token position
     spec.scoring.reference_n = 3  # covers 3 of the 4 templates
     study = Study(spec, progress=False)
-    with pytest.raises(ValueError, match="no reference prompts for the matrix prompts of template 'qa', 14 tokens"):
+    with pytest.raises(ValueError, match="no reference prompts for the .* prompts of template '.*', .* tokens"):
         study.run()
     assert study.models.loaded == {}
     spec.scoring.reference_n = 12
+    spec.eval.n = 15  # 81 rows in all
+    with pytest.raises(ValueError, match=r"need 81 rows \(reference 12, eval 15, .*\), and the task holds 80"):
+        Study(spec, progress=False)
+    spec.eval.n = 12
     study = Study(spec, progress=False)
     report = study.run().read_text()
     for section in (
@@ -152,6 +158,8 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
         "## What the heads encode (DCM)",
         "## Cross-model activation patching (CMAP)",
         "never across templates",
+        "no row is in two sets (counted from the row lists in `run.json`",
+        "matrix 8 (4 groups)",
     ):
         assert section in report
     stages = tmp_path / "run" / "stages"
@@ -165,7 +173,15 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     assert dcm["dcm"] and {r["desideratum"] for r in dcm["dcm"]} == {"counterfactual"}
     cmap = json.loads((stages / f"cmap__{tiny_family[1].rsplit('/', 1)[-1]}.json").read_text())["result"]
     assert cmap.get("skipped") or cmap["settings"]["n_prompts"] == spec.cmap.n
-    assert (tmp_path / "run" / "run.json").is_file()
+    sets = json.loads((tmp_path / "run" / "run.json").read_text())["prompt_sets"]
+    rows = sets["rows"]
+    drawn = [r for name in rows for r in rows[name]]
+    assert len(drawn) == len(set(drawn)) == sum(study.prompt_set_sizes().values()) and sets["shared_rows"] == 0
+    templates = [r["template"] for r in capitals_rows(80)]
+    for name, indices in rows.items():  # every template in every set of at least 4 rows, in proportion
+        counts = [sum(templates[i] == t for i in indices) for t in sorted(set(templates))]
+        assert max(counts) - min(counts) <= 1, (name, counts)
+    assert sets["stages"]["accuracy"] == ["eval"] and sets["stages"]["matrix"] == ["matrix", "reference"]
 
 
 def test_stage_keys_know_an_imported_tasks_rows(tiny_family, tmp_path):
@@ -178,17 +194,20 @@ def test_stage_keys_know_an_imported_tasks_rows(tiny_family, tmp_path):
     from mechdiff.studies.spec import output_dir
     from mechdiff.tasks.base import get_task
 
-    def imported(rows: list[dict]) -> dict[str, str]:
+    def imported(rows: list[dict], matrix_n: int = 8) -> dict[str, str]:
         path = write_rows(tmp_path / "capitals.jsonl", rows)
         args = ["dataset", "import", str(path), "--model", tiny_family[0], "--out", str(tmp_path / "capitals")]
         assert main([*args, "--force"]) == 0
         spec = tiny_spec(tiny_family, tmp_path)
         spec.task.name = str(tmp_path / "capitals")
         spec.dcm.groups = spec.cmap.groups = []
+        spec.scoring.n = matrix_n
         return {p.name: p.key for p in Study(spec, progress=False).plan()}
 
-    rows = capitals_rows(24)
+    rows = capitals_rows(80)
     first = imported(rows)
+    # another set's size deals other rows to the sets after it: those stages' keys move
+    assert all(k != first[n] for n, k in imported(rows, matrix_n=9).items() if n.startswith(("accuracy", "dcm")))
     assert output_dir(str(tmp_path / "capitals")) == "results/capitals"  # an imported task's results: its name
     assert len(first) >= 5 and all(first.values())
     assert imported(rows) == first
