@@ -100,8 +100,8 @@ def matmul_throughput(rows: int, inner: int, outer: int, dtype: str, min_seconds
 
 def this_machine(dims: Dims, dtypes: tuple[str, ...], rows: Optional[int] = None) -> Device:
     """This machine as a device: its available memory and the CPU throughput of each of ``dtypes`` measured on a
-    matrix multiply of ``dims``' MLP shape (``rows`` token rows, default about 1 GFLOP a multiply)."""
-    rows = rows or max(16, min(2048, int(5e8 / (dims.d_model * dims.d_ff))))
+    matrix multiply of ``dims``' MLP shape with ``rows`` token rows (default 512: a batch of prompts)."""
+    rows = rows or 512
     flops = {d: matmul_throughput(rows, dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}
     shown = ", ".join(f"{d} {f / 1e9:.0f} GFLOP/s" for d, f in flops.items())
     return Device("this machine", available_memory(), flops, False, f"CPU, measured per CPU second: {shown}")

@@ -511,7 +511,8 @@ def print_resources(
     dtype = dtype or spec.models.dtype
     dims, source = model_dims(spec.models.base)
     lengths = task_lengths(spec)
-    for where in [this_machine(dims, (dtype,))] + ([named] if named else []):
+    rows = min(2048, spec.eval.batch_size * lengths.longest)  # a batch's tokens: the stages' matrix multiplies
+    for where in [this_machine(dims, (dtype,), rows)] + ([named] if named else []):
         print(format_resources(resource_plan(spec, where, lengths, dtype), lengths, source), end="\n\n", flush=True)
     try:
         check_weights(spec.model_names, remote=spec.models.remote)
