@@ -25,7 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--plan",
         action="store_true",
-        help="print the stage plan (each stage: cached or not, its cost in the committed run.json) and stop",
+        help="print the stage plan (each stage: cached or not, its cost in the committed run.json) and, for a "
+        "circuits study, each stage's predicted peak memory and time on this machine (and --plan-device), then stop",
+    )
+    p.add_argument(
+        "--plan-device",
+        default=None,
+        help="with --plan: also predict each stage on this named device (h100-80gb, h200-141gb, a100-80gb, "
+        "a100-40gb); the models' configs are read, no weights",
     )
     p.add_argument(
         "--task",
@@ -61,6 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from ..studies.base import check_run_dir, load_study, plan_then_run
 
+    if args.plan_device and not args.plan:
+        raise ValueError("--plan-device predicts a plan: give it with --plan")
+    if args.plan:
+        from ..studies.resources import print_resources
+
+        if print_resources(args.task_file, args.plan_device, args.dtype, args.task):
+            return 0
     models = {key: getattr(args, key) for key in ("dtype", "device", "device_map", "remote")}
     study = load_study(
         args.task_file,

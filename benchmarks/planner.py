@@ -1,0 +1,205 @@
+"""The resource planner (``mechdiff.studies.resources``) against measurement, on this machine.
+
+Each case runs in a fresh process: a model is made (SmolLM2-135M from its weights; LLaMA-7B's config at full width
+with its depth cut to 2 or 4 layers, randomly initialised; LLaMA-7B's full config in bfloat16 where this machine has
+the memory free, else skipped and said so), then the accuracy stage (``mechdiff.patching.evaluate``, one forward a
+prompt, as ``mechdiff run`` runs it) on the entity-tracking prompts. It prints, beside the planner's figures:
+
+- load: resident memory (RSS, sampled every millisecond) above the process's baseline before the model was made,
+  against the planner's weight bytes;
+- stage: peak RSS during the stage above the RSS when it began, against the planner's transient activation bytes;
+  and its CPU time (``time.process_time``: every thread, not wall time, on this shared machine) against the
+  planner's FLOPs over the matrix-multiply throughput it measures (``mechdiff.models.devices.this_machine``).
+
+Targets: memory within 25% of measured, time within a factor of 1.5. A GPU run of the same cases is for
+``benchmarks/gpu.sh`` (it can call ``--case`` per case with ``--device cuda``; not done here).
+
+    python benchmarks/planner.py            # every case, about 5 minutes of CPU on 2 cores
+    python benchmarks/planner.py --case llama7b-L2-bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+#: name -> (model, layers or None for the config's, dtype, prompts, batch)
+CASES = {
+    "smollm2-135m-float32": ("smollm2-135m", None, "float32", 100, 50),
+    "llama7b-L2-float32": ("llama-7b", 2, "float32", 16, 8),
+    "llama7b-L2-bfloat16": ("llama-7b", 2, "bfloat16", 16, 8),
+    "llama7b-L4-float32": ("llama-7b", 4, "float32", 16, 8),
+    "llama7b-L4-bfloat16": ("llama-7b", 4, "bfloat16", 16, 8),
+    "llama7b-full-bfloat16": ("llama-7b", None, "bfloat16", 4, 4),
+}
+GIB = 2**30
+
+
+def rss() -> int:
+    """This process's resident bytes now."""
+    import os
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """The highest RSS seen, sampled every millisecond by a thread, while the block runs."""
+
+    def __enter__(self) -> "PeakRSS":
+        self.start = self.peak = rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc) -> None:
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, rss())
+
+    @property
+    def above(self) -> int:
+        return self.peak - self.start
+
+
+def make_model(name: str, layers, dtype: str):
+    """A LoadedModel: the registry's weights, or a random model of the shipped config cut to ``layers``."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from mechdiff.models.footprint import Dims
+    from mechdiff.models.loading import DTYPES, LoadedModel, load_model, load_tokenizer
+    from mechdiff.models.resolve import resolve_spec
+
+    if name == "smollm2-135m":
+        lm = load_model(resolve_spec(name), dtype=dtype)
+        return lm, Dims.from_config(lm.model.config)
+    config = json.loads((Path("mechdiff/data/configs") / f"{name}.json").read_text())
+    config.pop("_comment")
+    if layers:
+        config["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**config, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[dtype]).eval()
+    tokenizer = load_tokenizer(resolve_spec("smollm2-135m"))
+    return LoadedModel(f"{name}-L{cfg.num_hidden_layers}", resolve_spec(name), model, tokenizer), Dims.from_config(cfg)
+
+
+def prompts(n: int, vocab: int) -> list:
+    """``n`` entity-tracking prompts under SmolLM2's tokenizer, token ids folded into ``vocab``."""
+    from mechdiff.models.loading import load_tokenizer
+    from mechdiff.models.resolve import resolve_spec
+    from mechdiff.tasks.base import get_task
+
+    records = get_task("entity-tracking").records(load_tokenizer(resolve_spec("smollm2-135m")), n, 0, n_boxes=7)
+    return [replace(r, input_ids=tuple(i % vocab for i in r.input_ids), answer_id=r.answer_id % vocab) for r in records]
+
+
+def planned(dims, dtype: str, n: int, batch: int, records: list) -> tuple:
+    """The planner's accuracy stage for these prompts: its cost and its placement on this machine."""
+    from mechdiff.models.devices import this_machine
+    from mechdiff.studies.resources import Context, Lengths, accuracy, place
+    from mechdiff.studies.spec import default_spec
+
+    spec = default_spec()
+    spec = replace(spec, eval=replace(spec.eval, n=n, batch_size=batch))
+    sizes = [len(r.input_ids) for r in records]
+    lengths = Lengths(sum(sizes) / len(sizes), max(sizes), {}, 1, "smollm2-135m")
+    device = this_machine(dims, (dtype,), rows=batch * lengths.longest)
+    cost = accuracy(Context(spec, dims, lengths, dtype, device), "model")
+    return cost, place(cost, device, dtype, lambda *_: cost)
+
+
+def run_case(case: str) -> dict:
+    """Measure one case in this process (see the module docstring)."""
+    import torch
+
+    from mechdiff.models.devices import available_memory
+    from mechdiff.models.footprint import model_dims
+    from mechdiff.patching.evaluate import evaluate
+
+    name, layers, dtype, n, batch = CASES[case]
+    dims, _ = model_dims(name)
+    if layers is None and name != "smollm2-135m" and available_memory() < dims.weight_bytes(dtype) + 4 * GIB:
+        return {
+            "case": case,
+            "skipped": f"{available_memory() / GIB:.1f} GiB available, the model needs "
+            f"{dims.weight_bytes(dtype) / GIB:.1f} GiB and 4 GiB more",
+        }
+    torch.set_grad_enabled(False)
+    with PeakRSS() as load:
+        lm, dims = make_model(name, layers, dtype)
+    records = prompts(n, dims.vocab_size)
+    cost, place = planned(dims, dtype, n, batch, records)
+    evaluate(lm, records[:batch], batch, progress=False)  # warm-up: first-call allocations and nnsight's set-up
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory back to the system, so RSS growth is live memory
+    with PeakRSS() as stage:
+        cpu = time.process_time()
+        evaluate(lm, records, batch, progress=False)
+        cpu = time.process_time() - cpu
+    return {
+        "case": case,
+        "load_measured": load.above,
+        "load_planned": cost.weights,
+        "stage_measured": stage.above,
+        "stage_planned": cost.transient,
+        "cpu_measured": cpu,
+        "cpu_planned": place.seconds,
+        "gflops": cost.flops / 1e9,
+        "throughput": place.device.throughput(dtype) / 1e9,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| case | load GiB planned / measured | ratio | stage MiB planned / measured | ratio "
+        "| CPU s planned / measured | ratio | GFLOP | GFLOP/s (mm) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['case']} | skipped: {r['skipped']} |||||||")
+            continue
+        lines.append(
+            f"| {r['case']} | {r['load_planned'] / GIB:.2f} / {r['load_measured'] / GIB:.2f} "
+            f"| {r['load_planned'] / r['load_measured']:.2f} "
+            f"| {r['stage_planned'] / 2**20:.0f} / {r['stage_measured'] / 2**20:.0f} "
+            f"| {r['stage_planned'] / max(r['stage_measured'], 1):.2f} "
+            f"| {r['cpu_planned']:.1f} / {r['cpu_measured']:.1f} | {r['cpu_planned'] / r['cpu_measured']:.2f} "
+            f"| {r['gflops']:.0f} | {r['throughput']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=list(CASES), help="one case, in this process (prints its JSON)")
+    args = parser.parse_args()
+    if args.case:
+        print(json.dumps(run_case(args.case)))
+        return
+    rows = []
+    for case in CASES:
+        out = subprocess.run([sys.executable, __file__, "--case", case], capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"{case} failed:\n{out.stderr[-3000:]}")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"{case} done", file=sys.stderr, flush=True)
+    print(table(rows))
+    print("ratio: planned / measured (memory target 0.75-1.25, time 0.67-1.5)")
+
+
+if __name__ == "__main__":
+    main()

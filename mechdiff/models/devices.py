@@ -1,0 +1,107 @@
+"""The machines a plan is made for: this one (its memory read, its matrix-multiply throughput measured) or a named
+accelerator (a few published numbers and a stated efficiency).
+
+A named device's throughput is its dense peak for the dtype (bfloat16/float16 on tensor cores; float32 without TF32,
+which torch leaves off for matrix multiplies by default) times :data:`GPU_EFFICIENCY`, the share of peak a forward
+pass of a 7B decoder reaches at moderate batch sizes (an assumption, stated with every plan). This machine's
+throughput is measured in CPU seconds (``time.process_time``, every thread counted) on a matrix multiply of the
+planned model's own MLP shape, so a plan's CPU seconds compare with the CPU time a stage takes on a shared machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .footprint import Dims, dtype_bytes
+
+GIB = 2**30
+#: Share of a GPU's dense peak a forward pass is assumed to reach.
+GPU_EFFICIENCY = 0.5
+
+
+@dataclass(frozen=True)
+class Device:
+    """Memory (bytes) and matrix-multiply throughput (FLOP/s per dtype name, efficiency applied) of one device."""
+
+    name: str
+    memory: int
+    flops: dict[str, float] = field(default_factory=dict)
+    gpu: bool = True
+    note: str = ""
+
+    def throughput(self, dtype: str) -> float:
+        """FLOP/s for ``dtype`` (float16 as bfloat16 where only bfloat16 is given)."""
+        dtype_bytes(dtype)  # an unknown dtype is refused with the names
+        key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+        if key not in self.flops and key == "float16":
+            key = "bfloat16"
+        if key not in self.flops:
+            raise ValueError(f"{self.name}: no throughput known for {dtype} (known: {', '.join(self.flops)})")
+        return self.flops[key]
+
+
+def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, note: str) -> Device:
+    flops = {"bfloat16": bf16_tflops * 1e12 * GPU_EFFICIENCY, "float32": fp32_tflops * 1e12 * GPU_EFFICIENCY}
+    return Device(name, int(memory_gb * 1e9), flops, True, f"{note}; {GPU_EFFICIENCY:.0%} of dense peak assumed")
+
+
+#: Named accelerators: memory, dense bfloat16 and float32 peaks (NVIDIA's data sheets, SXM parts).
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in [
+        _gpu("h100-80gb", 80, 989, 67, "NVIDIA H100 SXM 80 GB: 989 TFLOP/s bf16, 67 fp32"),
+        _gpu("h200-141gb", 141, 989, 67, "NVIDIA H200 SXM 141 GB: 989 TFLOP/s bf16, 67 fp32"),
+        _gpu("a100-80gb", 80, 312, 19.5, "NVIDIA A100 SXM 80 GB: 312 TFLOP/s bf16, 19.5 fp32"),
+        _gpu("a100-40gb", 40, 312, 19.5, "NVIDIA A100 SXM 40 GB: 312 TFLOP/s bf16, 19.5 fp32"),
+    ]
+}
+
+
+def get_device(name: str) -> Device:
+    """The named device, or an error listing the names there are."""
+    try:
+        return DEVICES[name]
+    except KeyError:
+        raise ValueError(f"unknown device {name!r}; named devices: {', '.join(DEVICES)}") from None
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give (``MemAvailable``; total memory where /proc/meminfo is absent)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def matmul_throughput(rows: int, inner: int, outer: int, dtype: str, min_seconds: float = 0.4) -> float:
+    """FLOP per CPU second (``time.process_time``) of ``(rows, inner) @ (inner, outer)`` in ``dtype`` on the CPU,
+    repeated for at least ``min_seconds`` after one warm-up."""
+    import torch
+
+    from .loading import DTYPES
+
+    a = torch.randn(rows, inner, dtype=DTYPES[dtype])
+    b = torch.randn(inner, outer, dtype=DTYPES[dtype])
+    torch.mm(a, b)
+    reps, start = 0, time.process_time()
+    while (spent := time.process_time() - start) < min_seconds or reps < 2:
+        torch.mm(a, b)
+        reps += 1
+    return 2 * rows * inner * outer * reps / spent
+
+
+def this_machine(dims: Dims, dtypes: tuple[str, ...], rows: Optional[int] = None) -> Device:
+    """This machine as a device: its available memory and the CPU throughput of each of ``dtypes`` measured on a
+    matrix multiply of ``dims``' MLP shape with ``rows`` token rows (default 512: a batch of prompts)."""
+    rows = rows or 512
+    flops = {d: matmul_throughput(rows, dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}
+    shown = ", ".join(f"{d} {f / 1e9:.0f} GFLOP/s" for d, f in flops.items())
+    return Device("this machine", available_memory(), flops, False, f"CPU, measured per CPU second: {shown}")

@@ -1,0 +1,140 @@
+"""What a model costs before it loads: parameters, weight bytes, forward FLOPs and activation bytes, from its
+config alone (a few numbers: layers, width, heads, KV heads, MLP width, vocabulary).
+
+The paper's models ship their configs with the package (``mechdiff/data/configs/NAME.json``), so their plan
+needs no download; any other model's config is read from its own metadata (:func:`~.loading.load_config`: a GGUF
+file's header, a local ``config.json``, the Hugging Face cache). The counts are those of a LLaMA-style decoder
+(separate Q, K, V and O projections, a gated MLP of three matrices, RMS norms); :func:`forward_flops` counts the
+matrix multiplies a forward pass performs, as :class:`torch.utils.flop_counter.FlopCounterMode` does (the tests
+check it against that counter on a real model).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib.resources import files
+from typing import Any, Mapping, Optional
+
+#: Bytes per value of each dtype name a task file or ``--dtype`` accepts.
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per value of ``dtype``, or an error naming the dtypes there are."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(sorted(DTYPE_BYTES))}") from None
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The numbers of a decoder's config that decide its cost."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_ff: int
+    vocab_size: int
+    tied: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Dims":
+        """From a transformers config or its dict (a multimodal config's ``text_config`` where it has one)."""
+        c = config if isinstance(config, Mapping) else config.to_dict()
+        c = c.get("text_config") or c
+        heads = int(c["num_attention_heads"])
+        return cls(
+            n_layers=int(c["num_hidden_layers"]),
+            d_model=int(c["hidden_size"]),
+            n_heads=heads,
+            n_kv_heads=int(c.get("num_key_value_heads") or heads),
+            d_head=int(c.get("head_dim") or c["hidden_size"] // heads),
+            d_ff=int(c["intermediate_size"]),
+            vocab_size=int(c["vocab_size"]),
+            tied=bool(c.get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def layer_linear(self) -> int:
+        """Weights of one block's matrices: Q, K, V, O and the gated MLP's three."""
+        q, kv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        return self.d_model * (2 * q + 2 * kv) + 3 * self.d_model * self.d_ff
+
+    def params(self) -> int:
+        """Every parameter: embeddings (twice when untied), blocks with their two norms, the final norm."""
+        embed = self.vocab_size * self.d_model * (1 if self.tied else 2)
+        return embed + self.n_layers * (self.layer_linear + 2 * self.d_model) + self.d_model
+
+    def weight_bytes(self, dtype: str) -> int:
+        return self.params() * dtype_bytes(dtype)
+
+    def kv_width(self) -> int:
+        """Keys plus values per token and layer (values, not bytes)."""
+        return 2 * self.n_kv_heads * self.d_head
+
+
+def forward_flops(
+    dims: Dims,
+    rows: int,
+    tokens: int,
+    context: Optional[int] = None,
+    layers: Optional[float] = None,
+    readouts: Optional[int] = None,
+) -> float:
+    """Matrix-multiply FLOPs of ``rows`` sequences of ``tokens`` computed tokens each through ``layers`` blocks
+    (default every block), each token attending to ``context`` positions (default ``tokens``: a full run; a suffix
+    run over a key/value prefix attends to more), with ``readouts`` unembedded positions (default one per row)."""
+    context = tokens if context is None else context
+    layers = dims.n_layers if layers is None else layers
+    readouts = rows if readouts is None else readouts
+    per_token_layer = 2 * dims.layer_linear + 4 * context * dims.n_heads * dims.d_head
+    return rows * tokens * layers * per_token_layer + 2 * readouts * dims.d_model * dims.vocab_size
+
+
+def forward_bytes(dims: Dims, rows: int, tokens: int, dtype: str, context: Optional[int] = None) -> int:
+    """Transient peak of one forward pass without gradients: the residual stream, its normed copy and a block's
+    output, plus the larger of a block's attention (Q, K, V, eager scores in the dtype and their float32 softmax)
+    and its MLP (three ``d_ff``-wide tensors), plus float32 logits at one position per row."""
+    b, context = dtype_bytes(dtype), tokens if context is None else context
+    resid = 3 * rows * tokens * dims.d_model * b
+    attn = rows * tokens * (dims.n_heads * dims.d_head + dims.kv_width()) * b
+    attn += rows * dims.n_heads * tokens * context * (b + 4)
+    mlp = 3 * rows * tokens * dims.d_ff * b
+    return resid + max(attn, mlp) + rows * dims.vocab_size * 4
+
+
+def training_bytes(dims: Dims, rows: int, tokens: int, layers: float, dtype: str) -> int:
+    """Activations a backward pass keeps over ``layers`` blocks: Korthikanti et al. (2022)'s
+    ``tokens * d * (34 + 5 * heads * tokens / d)`` bytes per row and layer at 2 bytes a value, scaled to ``dtype``."""
+    per_layer = rows * tokens * dims.d_model * (34 + 5 * dims.n_heads * tokens / dims.d_model)
+    return int(per_layer * layers * dtype_bytes(dtype) / 2)
+
+
+def shipped_configs() -> list[str]:
+    """The model names whose configs ship in ``mechdiff/data/configs``."""
+    return sorted(
+        p.name[:-5] for p in files("mechdiff").joinpath("data", "configs").iterdir() if p.name.endswith(".json")
+    )
+
+
+def model_dims(name: str) -> tuple[Dims, str]:
+    """The :class:`Dims` of model ``name`` and where they come from: the shipped config of a paper model, else the
+    model's own config (:func:`~.loading.load_config`; a GGUF file's metadata, a directory, the hub cache)."""
+    shipped = files("mechdiff").joinpath("data", "configs", f"{name}.json")
+    if shipped.is_file():
+        return Dims.from_config(json.loads(shipped.read_text())), f"mechdiff/data/configs/{name}.json"
+    from .loading import load_config
+    from .resolve import resolve_spec
+
+    spec = resolve_spec(name)
+    try:
+        config = load_config(spec)
+    except OSError as err:
+        raise OSError(
+            f"no config for {name}: it ships none (shipped: {', '.join(shipped_configs())}) and {err}"
+        ) from None
+    return Dims.from_config(config), f"{spec.kind}:{spec.source}"

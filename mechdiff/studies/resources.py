@@ -1,0 +1,522 @@
+"""The resource plan of a circuits study: each stage's peak memory (host and device) and time, predicted from
+the models' configs, the task's token lengths, each stage's ``n`` and batch size and the dtype, on this machine
+or on a named device (:mod:`mechdiff.models.devices`); for a stage that does not fit, what would.
+
+Nothing loads: the configs are the shipped ones or the models' own metadata (:func:`~mechdiff.models.footprint.
+model_dims`), the token lengths come from the task's prompts under the base's tokenizer or, where that is absent
+(the paper's models without their weights), under the embedded SmolLM2 tokenizer (an estimate, said so).
+
+Each stage is counted by its algorithm (:mod:`mechdiff.studies.circuits`), in forward passes of the model:
+
+- ``accuracy``: one forward per prompt.
+- scorer stages (``positions``, ``prune``, ``matrix``, ``reproduction``; curve discovery): the reference prompts
+  whose means ablate, the full model, and one mean-ablated forward per prompt for every circuit scored (the
+  position scan: every remaining class at each step; pairwise pruning: each head and each pair of a group).
+- path discovery: clean and counterfactual runs of every pair, kept (every layer's ``z``, the residual stream,
+  keys and values: this grows with ``n``), then per step every head below the receivers as a sender: a one-token
+  frozen run over half the layers and a receiver run of the tokens after the receiver position over half the
+  layers (the receivers' layers are not known before discovery: the middle is assumed).
+- DCM: per desideratum a pair cache (two forwards a pair; every layer's keys and values on the host, one
+  desideratum at a time), then per group training (forward and backward, three forwards' FLOPs), validation and
+  test runs from the group's position over half the layers; it holds two models.
+- CMAP: per prompt the base and the fine-tune once, then one patched base run per scope and part; two models.
+
+Memory is the models' weights, what the stage keeps beside them and the transient activations of its largest
+batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.training_bytes`).
+Time is FLOPs over the device's throughput (measured here, per CPU second; a named device's stated share of peak).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from statistics import mean
+from typing import Any, Callable, Optional
+
+from ..methods.dcm import DCMConfig
+from ..models.devices import GIB, Device
+from ..models.footprint import Dims, dtype_bytes, forward_bytes, forward_flops, model_dims, training_bytes
+from .spec import RunSpec
+
+#: The tokenizer that estimates token lengths where a model's own is absent.
+STAND_IN_TOKENIZER = "smollm2-135m"
+#: Prompts drawn to measure the task's token lengths.
+LENGTH_SAMPLE = 64
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The task's token lengths: mean and longest prompt, mean tokens from each named position to the end
+    (inclusive), the number of position classes a scan tries, and the tokenizer that counted them."""
+
+    tokens: float
+    longest: int
+    suffix: dict[str, float]
+    classes: int
+    tokenizer: str
+
+    def after(self, position: Optional[str]) -> float:
+        """Tokens computed by a suffix run from ``position`` (the whole prompt where it is not a named position)."""
+        return self.suffix.get(position or "", self.tokens)
+
+
+def task_lengths(spec: RunSpec) -> Lengths:
+    """Token lengths of ``LENGTH_SAMPLE`` of the study's prompts under the base's tokenizer, else the stand-in's."""
+    from ..models.loading import load_tokenizer
+    from ..models.resolve import resolve_spec
+    from ..runs.seeds import prompt_seed
+    from ..tasks.base import get_task
+
+    try:
+        tokenizer, used = load_tokenizer(resolve_spec(spec.models.base)), spec.models.base
+    except (OSError, ValueError):
+        tokenizer = load_tokenizer(resolve_spec(STAND_IN_TOKENIZER))
+        used = f"{STAND_IN_TOKENIZER}'s (an estimate: {spec.models.base}'s tokenizer is absent)"
+    task = get_task(spec.task.name)
+    options = {"n_boxes": spec.task.n_boxes, **task.split_options("eval")}
+    records = task.records(tokenizer, LENGTH_SAMPLE, prompt_seed(spec.task.seed, "eval"), **options)
+    sizes = [len(r.input_ids) for r in records]
+    suffix = {
+        name: mean(len(r.input_ids) - r.positions[name] for r in records)
+        for name, pos in records[0].positions.items()
+        if isinstance(pos, int)
+    }
+    masks = getattr(type(records[0]), "position_masks", None)
+    classes = len(masks(records[:1], len(records[0].input_ids))) if masks else len(records[0].positions)
+    return Lengths(mean(sizes), max(sizes), suffix, classes, used)
+
+
+@dataclass
+class StageCost:
+    """One stage's work and memory on one device: FLOPs; bytes of the models it holds, of what it keeps beside
+    them (on the device with the models; ``host_kept`` on the host wherever the models are) and of its largest
+    batch's activations."""
+
+    stage: str
+    models: int
+    n: int
+    batch: int
+    flops: float
+    weights: int
+    kept: int
+    transient: int
+    host_kept: int = 0
+    runs: bool = True
+    note: str = ""
+    batch_option: str = "[eval] batch_size"
+
+    def device_peak(self, device: Device) -> int:
+        """Peak bytes on the device (on a CPU device: everything)."""
+        peak = self.weights + self.kept + self.transient
+        return peak if device.gpu else peak + self.host_kept
+
+    def host_peak(self, device: Device) -> int:
+        """Peak bytes on the host: everything on a CPU; beside a GPU, one model's weights while it loads or what the
+        stage keeps on the host, whichever is more."""
+        if not device.gpu:
+            return self.device_peak(device)
+        return max(self.weights // max(self.models, 1), self.host_kept)
+
+
+@dataclass
+class Placement:
+    """A stage on a device: its peaks and time, whether it fits, and what would where it does not."""
+
+    cost: StageCost
+    device: Device
+    dtype: str
+    seconds: float
+    fits: bool
+    remedies: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Context:
+    """What every stage's count reads: the spec, the models' dims, the task's lengths, the dtype, the device."""
+
+    spec: RunSpec
+    dims: Dims
+    lengths: Lengths
+    dtype: str
+    device: Device
+
+    @property
+    def weights(self) -> int:
+        return self.dims.weight_bytes(self.dtype)
+
+    def fwd(self, rows: float, tokens: float, context: Optional[float] = None, layers: Optional[float] = None) -> float:
+        return forward_flops(self.dims, 1, tokens, context, layers) * rows
+
+    def act(self, rows: int, tokens: float, context: Optional[float] = None) -> int:
+        c = None if context is None else math.ceil(context)
+        return forward_bytes(self.dims, rows, math.ceil(tokens), self.dtype, c)
+
+    def ablation_patches(self, rows: int) -> int:
+        """Mean-ablation writes of one batch: every layer's ``z`` at every position."""
+        return self.dims.n_layers * rows * self.lengths.longest * self.dims.d_model * dtype_bytes(self.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- the stages
+
+
+def accuracy(ctx: Context, name: str) -> StageCost:
+    e, t = ctx.spec.eval, ctx.lengths
+    return StageCost(
+        f"accuracy:{name}",
+        1,
+        e.n,
+        e.batch_size,
+        ctx.fwd(e.n, t.tokens),
+        ctx.weights,
+        0,
+        ctx.act(e.batch_size, t.longest),
+    )
+
+
+def _scored(ctx: Context, stage: str, n: int, scored: float, note: str = "") -> StageCost:
+    """A scorer stage on ``n`` prompts: reference means, the full model and ``scored`` mean-ablated runs a prompt."""
+    s, b, t = ctx.spec.scoring, ctx.spec.eval.batch_size, ctx.lengths
+    flops = ctx.fwd(s.reference_n + n * (1 + scored), t.tokens)
+    transient = ctx.act(b, t.longest) + ctx.ablation_patches(b)
+    return StageCost(stage, 1, n, b, flops, ctx.weights, 0, transient, note=note)
+
+
+def positions(ctx: Context, name: str) -> Optional[StageCost]:
+    p, c = ctx.spec.positions, ctx.lengths.classes
+    if p.n < 1:
+        return None
+    steps = min(p.max_steps or c, c)
+    return _scored(
+        ctx, f"positions:{name}", p.n, sum(c - i for i in range(steps)), "every step tried (stop_at may end it sooner)"
+    )
+
+
+def circuit(ctx: Context, name: str) -> StageCost:
+    return _path_circuit(ctx, name) if ctx.spec.discovery.method == "path" else _curve_circuit(ctx, name)
+
+
+def _curve_circuit(ctx: Context, name: str) -> StageCost:
+    """Attribution on the ranking prompts (forward and backward), then the nested circuits on the curve prompts."""
+    d, s, t, b = ctx.spec.discovery, ctx.spec.scoring, ctx.lengths, ctx.spec.eval.batch_size
+    flops = ctx.fwd(2 * s.reference_n + d.n * 4 + d.curve_n * (1 + len(d.sizes)), t.tokens)
+    transient = training_bytes(ctx.dims, b, t.longest, ctx.dims.n_layers, ctx.dtype) + ctx.ablation_patches(b)
+    return StageCost(f"circuit:{name}", 1, d.n, b, flops, ctx.weights, 0, transient)
+
+
+def _plan_steps(ctx: Context) -> list[Any]:
+    from ..tasks.base import get_task
+    from ..tasks.plan import default_plan, load_plan
+
+    task = get_task(ctx.spec.task.name)
+    return list((load_plan(task.plan) if task.plan else default_plan()).steps)
+
+
+def senders_per_pass(ctx: Context, n: int, kept: int) -> int:
+    """Sender copies per pass: 8 on a CPU; on a GPU as ``auto_senders_per_pass`` sizes them from the memory left."""
+    from ..models.architectures import ModelShape
+    from ..models.memory import MAX_BATCH, example_bytes
+    from ..patching.path import SENDERS_PER_PASS
+
+    if not ctx.device.gpu:
+        return SENDERS_PER_PASS
+    dims = ctx.dims
+    shape = ModelShape(dims.n_layers, dims.n_heads, dims.n_kv_heads, dims.d_head, dims.d_model, dims.vocab_size)
+    free = max(ctx.device.memory - ctx.weights - kept, 0)
+    rows = max(
+        1,
+        min(
+            max(MAX_BATCH, n * SENDERS_PER_PASS),
+            int(free * 0.6) // example_bytes(shape, ctx.lengths.longest, dtype_bytes(ctx.dtype)),
+        ),
+    )
+    return max(1, rows // n)
+
+
+def _path_circuit(ctx: Context, name: str) -> StageCost:
+    """Path patching as the plan's steps run it (see the module docstring)."""
+    d, t, dims = ctx.spec.discovery, ctx.lengths, ctx.dims
+    n, half = d.n, dims.n_layers / 2
+    per_token = 2 * dims.n_layers * dims.d_model + (dims.n_layers - 1) * dims.d_model + dims.n_layers * dims.kv_width()
+    kept = int(n * t.longest * per_token * dtype_bytes(ctx.dtype))
+    flops, senders = ctx.fwd(2 * n, t.tokens), dims.n_layers * dims.n_heads
+    s = senders_per_pass(ctx, n, kept)
+    transient = ctx.act(n, t.longest)  # the clean and counterfactual runs, all pairs at once
+    for step in _plan_steps(ctx):
+        after = t.after(step.receiver_position) if step.receiver else 0.0
+        flops += senders * n * (ctx.fwd(1, 1, 1, half) + (ctx.fwd(1, after, t.tokens, half) if after else 0.0))
+        transient = max(transient, ctx.act(s * n, max(after, 1), t.longest))
+    note = f"keeps every pair's activations ({kept / GIB:.1f} GiB, grows with n); {s} senders a pass"
+    return StageCost(
+        f"circuit:{name}", 1, n, s * n, flops, ctx.weights, kept, transient, note=note, batch_option="senders a pass"
+    )
+
+
+def _group_sizes(ctx: Context, name: str) -> list[int]:
+    """Each group's heads before pruning: the path circuit's ``circuit_k`` (or ``top_k``) for ``name``; a curve
+    circuit's largest size spread over the position classes."""
+    d, dims = ctx.spec.discovery, ctx.dims
+    if d.method == "path":
+        own = d.models.get(name, {})
+        return list((own.get("circuit_k") or d.circuit_k or own.get("top_k") or d.top_k).values())
+    pairs = max(d.sizes) * dims.n_layers * dims.n_heads * ctx.lengths.classes
+    return [math.ceil(pairs / ctx.lengths.classes)] * ctx.lengths.classes
+
+
+def prune(ctx: Context, name: str) -> Optional[StageCost]:
+    s = ctx.spec.scoring
+    if not s.prune:
+        return None
+    sizes, t = _group_sizes(ctx, name), ctx.lengths
+    if s.prune_rule != "paper":
+        return _scored(ctx, f"prune:{name}", s.prune_n, 1 + len(sizes) * (1 + s.prune_steps * s.prune_candidates))
+    # F(C \\ {u}) and F(C \\ {u, v}) once per set (the scorer caches them), each a suffix run from the group's
+    # position over the layers from the lowest removed head (half of them, on average)
+    cost = _scored(ctx, f"prune:{name}", s.prune_n, 1, "pairwise: each head and each pair of heads of a group")
+    for g, pos in zip(sizes, _group_positions(ctx, len(sizes))):
+        runs = s.prune_n * (g + g * (g - 1) / 2)
+        cost.flops += ctx.fwd(runs, t.after(pos), t.tokens, ctx.dims.n_layers / 2)
+    return cost
+
+
+def matrix(ctx: Context, name: str) -> StageCost:
+    s, models = ctx.spec.scoring, len(ctx.spec.model_names)
+    groups = len(_group_sizes(ctx, name))
+    circuits = models * (2 if s.prune else 1)
+    scored = circuits + s.random_draws + (2 * s.completeness_draws + 2 * groups if s.completeness_draws else 0)
+    return _scored(ctx, f"matrix:{name}", s.n, scored)
+
+
+def _group_positions(ctx: Context, count: Optional[int] = None) -> list[str]:
+    """The position of each group DCM looks at (``count``: of the circuit's first ``count`` groups): a path
+    circuit's step's sender position, else the group's name (a position class)."""
+    steps = {step.name: step.sender for step in _plan_steps(ctx)} if ctx.spec.discovery.method == "path" else {}
+    groups = ctx.spec.dcm.groups if count is None else list(steps)[:count] or ctx.spec.dcm.groups[:count]
+    return [steps.get(g, g) for g in groups]
+
+
+def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
+    """DCM of ``name``'s circuit (see the module docstring); ``semantic``: models its selections are patched into."""
+    c, t, dims, half = ctx.spec.dcm, ctx.lengths, ctx.dims, ctx.dims.n_layers / 2
+    n, k = c.n_train + c.n_val + c.n_test, len(c.desiderata)
+    flops = k * ctx.fwd(2 * n, t.tokens)
+    checks = c.epochs * math.ceil(c.n_train / c.batch_size) / max(c.eval_every, 1) + 1
+    for pos in _group_positions(ctx):
+        after = t.after(pos)
+        runs = 3 * c.epochs * c.n_train + checks * c.n_val + (2 + DCMConfig.n_random) * c.n_test
+        flops += k * ctx.fwd(runs, after, t.tokens, half) + k * semantic * ctx.fwd(2 * c.n_test, t.tokens)
+    per_pair = t.longest * (dims.n_layers * dims.kv_width() + len(ctx.spec.dcm.groups) * dims.d_model)
+    host = int(n * per_pair * dtype_bytes(ctx.dtype))
+    longest_after = max((t.after(p) for p in _group_positions(ctx)), default=t.tokens)
+    transient = max(
+        training_bytes(dims, c.batch_size, math.ceil(longest_after), half, ctx.dtype),
+        ctx.act(ctx.spec.eval.batch_size, t.longest),
+    )
+    stage = "dcm" if name == ctx.spec.models.base else f"dcm:{name}"
+    note = f"a pair cache of {host / GIB:.1f} GiB on the host (every layer's keys and values of {n} pairs)"
+    return StageCost(
+        stage,
+        2,
+        n,
+        c.batch_size,
+        flops,
+        2 * ctx.weights,
+        0,
+        transient,
+        host,
+        note=note,
+        batch_option="[dcm] batch_size",
+    )
+
+
+def cmap(ctx: Context, finetune: str) -> StageCost:
+    c, t, b, dims = ctx.spec.cmap, ctx.lengths, ctx.spec.eval.batch_size, ctx.dims
+    scopes = len(c.groups) + 1
+    patched = scopes * len(c.parts) + c.n_random * len(c.groups) * len(c.parts)
+    captured = 4 * dims.n_layers * b * t.longest * dims.d_model * dtype_bytes(ctx.dtype)
+    return StageCost(
+        f"cmap:{finetune}",
+        2,
+        c.n,
+        b,
+        ctx.fwd(c.n * (2 + patched), t.tokens),
+        2 * ctx.weights,
+        0,
+        ctx.act(b, t.longest) + captured,
+    )
+
+
+def reproduction(ctx: Context, name: str) -> StageCost:
+    r = ctx.spec.reproduce
+    return _scored(ctx, f"reproduction:{name}", r.n, 1)
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+def stage_costs(ctx: Context) -> list[StageCost]:
+    """Every stage of the study, in the order a run meets them; those the file does not run (``[reproduce] only``)
+    marked so."""
+    spec, names = ctx.spec, ctx.spec.model_names
+    out: list[StageCost] = []
+    if spec.reproduce.circuit:
+        out += [reproduction(ctx, n) for n in names]
+    rest: list[Optional[StageCost]] = [accuracy(ctx, n) for n in names]
+    rest += [positions(ctx, n) for n in names] + [circuit(ctx, n) for n in names] + [prune(ctx, n) for n in names]
+    rest += [matrix(ctx, n) for n in names] + [dcm(ctx, spec.models.base, len(names))]
+    rest += [cmap(ctx, ft) for ft in spec.models.finetunes]
+    if spec.cmap.scope == "paper":
+        rest += [dcm(ctx, ft, 0) for ft in spec.models.finetunes]
+    skip = bool(spec.reproduce.circuit and spec.reproduce.only)
+    return out + [replace(c, runs=not skip) for c in rest if c is not None]
+
+
+def place(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, int], StageCost]) -> Placement:
+    """``cost`` on ``device``: time, fit, and where it does not fit, what would (``recount(dtype, batch)`` counts the
+    stage again under another dtype or batch size)."""
+    seconds = cost.flops / device.throughput(dtype)
+    fits = cost.device_peak(device) <= device.memory
+    return Placement(cost, device, dtype, seconds, fits, [] if fits else remedies(cost, device, dtype, recount))
+
+
+def remedies(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, int], StageCost]) -> list[str]:
+    """What would make the stage fit: bfloat16, a smaller batch, two GPUs, NDIF."""
+    out = []
+    if dtype == "float32" and (bf := recount("bfloat16", cost.batch)).device_peak(device) <= device.memory:
+        out.append(f"--dtype bfloat16 ({bf.device_peak(device) / GIB:.1f} GiB)")
+    for batch in (cost.batch // 2**i for i in range(1, 12)):
+        if batch >= 1 and (smaller := recount(dtype, batch)).device_peak(device) <= device.memory:
+            out.append(f"{cost.batch_option} {batch} ({smaller.device_peak(device) / GIB:.1f} GiB)")
+            break
+    if device.gpu and cost.device_peak(device) <= 2 * device.memory:
+        out.append(f"--device-map auto over two GPUs (about {cost.device_peak(device) / 2 / GIB:.1f} GiB each)")
+    out.append("--remote on NDIF (the server's memory; its hosted models only)")
+    return out
+
+
+def resource_plan(
+    spec: RunSpec, device: Device, lengths: Optional[Lengths] = None, dtype: Optional[str] = None
+) -> list[Placement]:
+    """Every stage of ``spec`` placed on ``device`` in ``dtype`` (default the spec's)."""
+    dtype = dtype or spec.models.dtype
+    dims, _ = model_dims(spec.models.base)
+    lengths = lengths or task_lengths(spec)
+    ctx = Context(spec, dims, lengths, dtype, device)
+    out = []
+    for i, cost in enumerate(stage_costs(ctx)):
+        out.append(place(cost, device, dtype, lambda dt, b, i=i: _recount(ctx, i, dt, b)))
+    return out
+
+
+def _recount(ctx: Context, index: int, dtype: str, batch: int) -> StageCost:
+    """Stage ``index`` counted again in ``dtype`` with batch size ``batch`` in its batch option."""
+    spec = _with_batch(ctx.spec, stage_costs(ctx)[index], batch)
+    return stage_costs(replace(ctx, spec=spec, dtype=dtype))[index]
+
+
+def _with_batch(spec: RunSpec, cost: StageCost, batch: int) -> RunSpec:
+    if cost.batch_option == "[dcm] batch_size":
+        return replace(spec, dcm=replace(spec.dcm, batch_size=batch))
+    if cost.batch_option == "[eval] batch_size":
+        return replace(spec, eval=replace(spec.eval, batch_size=batch))
+    return spec  # senders a pass: sized from the memory left, not an option
+
+
+def _gb(x: int) -> str:
+    return f"{x / GIB:7.1f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:7.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:5.1f} min"
+    return f"{seconds / 3600:7.1f} h"
+
+
+def format_resources(plan: list[Placement], lengths: Lengths, dims_source: str) -> str:
+    """The plan as a table: each stage's models held, n, batch, FLOPs, host and device peaks, time and fit; then
+    what would fit where a stage does not, and the totals."""
+    if not plan:
+        return "no stage to plan"
+    device, dtype = plan[0].device, plan[0].dtype
+    width = max(len(p.cost.stage) for p in plan)
+    unit = "CPU time" if not device.gpu else "time"
+    head = f"{'stage':{width}s}  models      n  batch     PFLOP  host GiB  dev. GiB  {unit:>9s}  fits"
+    lines = [
+        f"resource plan on {device.name} ({device.memory / GIB:.0f} GiB{' available' if not device.gpu else ''}; "
+        f"{device.note}), {dtype}",
+        f"configs: {dims_source}; prompts {lengths.tokens:.0f} tokens on average, {lengths.longest} at most "
+        f"(tokenizer: {lengths.tokenizer})",
+        head,
+    ]
+    for p in plan:
+        c = p.cost
+        dev = _gb(c.device_peak(device)) if device.gpu else "      -"
+        mark = ("yes" if p.fits else "NO") + ("" if c.runs else "  (only = false)")
+        lines.append(
+            f"{c.stage:{width}s}  {c.models:6d}  {c.n:5d}  {c.batch:5d}  {c.flops / 1e15:8.3f}  "
+            f"{_gb(c.host_peak(device))}   {dev}  {_duration(p.seconds):>9s}  {mark}"
+        )
+    lines += _notes(plan) + _totals(plan)
+    return "\n".join(lines)
+
+
+def _notes(plan: list[Placement]) -> list[str]:
+    out = []
+    for p in plan:
+        if p.cost.note:
+            out.append(f"  {p.cost.stage}: {p.cost.note}")
+        if not p.fits:
+            need = p.cost.device_peak(p.device) / GIB
+            out.append(f"  {p.cost.stage} does not fit ({need:.1f} GiB); would: " + "; ".join(p.remedies))
+    return out
+
+
+def _totals(plan: list[Placement]) -> list[str]:
+    ran = [p for p in plan if p.cost.runs]
+    whole = sum(p.seconds for p in plan)
+    top = max(plan, key=lambda p: p.seconds)
+    out = [f"the run as written: {_duration(sum(p.seconds for p in ran)).strip()} predicted"]
+    if len(ran) < len(plan):
+        out.append(f"the whole study ([reproduce] only = false): {_duration(whole).strip()} predicted")
+    kinds: dict[str, float] = {}
+    for p in plan:
+        kinds[p.cost.stage.split(":")[0]] = kinds.get(p.cost.stage.split(":")[0], 0.0) + p.seconds
+    kind = max(kinds, key=kinds.__getitem__)
+    out.append(
+        f"dominant stage: {kind} ({_duration(kinds[kind]).strip()} over its models, {kinds[kind] / whole:.0%} of the "
+        f"whole study's time; its longest: {top.cost.stage}, {_duration(top.seconds).strip()})"
+    )
+    return out
+
+
+def print_resources(
+    path: Optional[str], device: Optional[str], dtype: Optional[str] = None, task: Optional[str] = None
+) -> bool:
+    """What ``mechdiff run --plan`` prints first for a circuits study (other kinds: nothing): its resource plan on
+    this machine and on the named ``device``. Returns True where the models' weights are absent, so that the stage
+    cache (which needs the tokenizer and weights checked) cannot be read: the plan then ends here, said so."""
+    from ..models.devices import get_device, this_machine
+    from .base import study_kind
+    from .reproduce import check_weights
+    from .spec import check_task, default_spec, load_spec
+
+    if path is not None and study_kind(path) != "circuits":
+        return False
+    named = get_device(device) if device else None  # an unknown name is refused before anything is measured
+    spec = load_spec(path) if path is not None else default_spec()
+    if task is not None:
+        check_task(task)
+        spec.task.name = task
+    dtype = dtype or spec.models.dtype
+    dims, source = model_dims(spec.models.base)
+    lengths = task_lengths(spec)
+    rows = min(2048, spec.eval.batch_size * lengths.longest)  # a batch's tokens: the stages' matrix multiplies
+    for where in [this_machine(dims, (dtype,), rows)] + ([named] if named else []):
+        print(format_resources(resource_plan(spec, where, lengths, dtype), lengths, source), end="\n\n", flush=True)
+    try:
+        check_weights(spec.model_names, remote=spec.models.remote)
+    except FileNotFoundError as err:
+        print(f"stage cache not read (the resource plan above needs only configs): {err}")
+        return True
+    return False

@@ -1,0 +1,80 @@
+"""The resource plan (mechdiff.studies.resources): memory bounded by the batch, fit and remedies on a named device,
+and ``mechdiff run --plan`` on the paper's task file without its weights."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mechdiff.models.devices import Device, get_device
+from mechdiff.models.footprint import model_dims
+from mechdiff.studies.resources import Context, Lengths, accuracy, cmap, place, resource_plan
+from mechdiff.studies.spec import load_spec
+
+LENGTHS = Lengths(53.0, 53, {"last": 1.0, "query_label": 3.0, "query_label_context": 27.0}, 13, "given")
+CPU = Device("test cpu", 64 * 2**30, {"float32": 1e11, "bfloat16": 1e11}, gpu=False)
+
+
+@pytest.fixture(scope="module")
+def paper_spec():
+    return load_spec("tasks/entity_tracking_llama7b.toml")
+
+
+def context(spec, dtype="float32", device=CPU):
+    return Context(spec, model_dims(spec.models.base)[0], LENGTHS, dtype, device)
+
+
+def with_eval(spec, n, batch):
+    return replace(spec, eval=replace(spec.eval, n=n, batch_size=batch))
+
+
+def test_activation_memory_follows_the_batch_not_n(paper_spec):
+    small = accuracy(context(with_eval(paper_spec, 50, 10)), "llama-7b")
+    many = accuracy(context(with_eval(paper_spec, 500, 10)), "llama-7b")
+    wide = accuracy(context(with_eval(paper_spec, 50, 20)), "llama-7b")
+    assert many.transient == small.transient and many.weights == small.weights
+    assert many.flops == pytest.approx(10 * small.flops)  # time follows n
+    assert wide.transient == pytest.approx(2 * small.transient, rel=0.01)
+
+
+def test_two_7b_models_in_float32_do_not_fit_40gb_and_bfloat16_is_named(paper_spec):
+    device = get_device("a100-40gb")
+    ctx = context(paper_spec, device=device)
+    cost = cmap(ctx, "vicuna-7b")
+    assert cost.models == 2 and cost.weights == 2 * 6_738_415_616 * 4
+    placed = place(cost, device, "float32", lambda dtype, batch: cmap(replace(ctx, dtype=dtype), "vicuna-7b"))
+    assert not placed.fits
+    assert any(r.startswith("--dtype bfloat16") for r in placed.remedies)
+    assert any("NDIF" in r for r in placed.remedies)
+
+
+def test_plan_on_an_h100_names_each_stage(paper_spec):
+    plan = resource_plan(paper_spec, get_device("h100-80gb"), LENGTHS)
+    names = [p.cost.stage for p in plan]
+    assert names[0] == "reproduction:llama-7b" and "dcm" in names and "cmap:float-7b" in names
+    assert all(p.seconds > 0 for p in plan)
+    assert [p.cost.runs for p in plan[:4]] == [True] * 4 and not any(p.cost.runs for p in plan[4:])
+    for p in plan:  # whatever does not fit says what would
+        assert p.fits or p.remedies
+
+
+def test_unknown_device_is_refused_with_the_names():
+    with pytest.raises(ValueError, match="h100-80gb"):
+        get_device("h100")
+
+
+def test_run_plan_prints_the_resources_without_the_weights(capsys, monkeypatch):
+    from mechdiff.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["run", "tasks/entity_tracking_llama7b.toml", "--plan", "--plan-device", "h100-80gb"]) == 0
+    out = capsys.readouterr().out
+    assert "resource plan on this machine" in out and "resource plan on h100-80gb" in out
+    assert "mechdiff/data/configs/llama-7b.json" in out and "dominant stage:" in out
+
+
+def test_plan_device_without_plan_is_refused():
+    from mechdiff.cli import main
+
+    assert main(["run", "tasks/entity_tracking_llama7b.toml", "--plan-device", "h100-80gb"]) != 0
