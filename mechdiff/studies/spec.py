@@ -73,7 +73,8 @@ class DiscoverySection:
     select: str = SELECT[0]
     curve_n: int = 200  # prompts scoring the nested circuits (disjoint from those ranking and reporting)
     stability_draws: int = 200  # bootstrap resamples of the ranking prompts (selection frequency)
-    top_k: dict[str, int] = field(default_factory=lambda: {"A": 8, "B": 3, "C": 5, "D": 3})
+    # path: receivers each step keeps for the next; a step not named keeps its plan's own k (never overridden)
+    top_k: dict[str, int] = field(default_factory=dict)
     screen: bool = False  # path: exact path patching of every sender (suffix runs make it cheap)
     screen_multiple: float = 2.0
     # path: a sender's score over the prompts, "ratio_of_means" (mechdiff) or "mean_of_ratios" (the paper's)
@@ -92,14 +93,22 @@ KEYED_WHEN_SET = {
     "discovery": {"score": SCORES[0], "circuit_k": {}, "models": {}},
     "scoring": {"prune_disjoint": False},
 }
+#: Options whose default changed after results were committed: unset (the new default), a stage key reads the value
+#: those studies were keyed with. Unset ``top_k`` now means each step's plan ``k``; the committed studies left it at
+#: entity tracking's A-D ``k``, the same numbers its plan gives, and only path patching reads it.
+KEYED_AS = {"discovery": {"top_k": ({}, {"A": 8, "B": 3, "C": 5, "D": 3})}}
 #: What ``[discovery.models.NAME]`` may set for one model.
 PER_MODEL_DISCOVERY = ("top_k", "circuit_k", "seed")
 
 
 def section_inputs(name: str, section: Any) -> dict:
     """A section's options as a stage key reads them (:data:`KEYED_WHEN_SET` left out at their old values)."""
-    quiet = KEYED_WHEN_SET.get(name, {})
-    return {k: v for k, v in asdict(section).items() if not (k in quiet and v == quiet[k])}
+    quiet, keyed_as = KEYED_WHEN_SET.get(name, {}), KEYED_AS.get(name, {})
+    out = {k: v for k, v in asdict(section).items() if not (k in quiet and v == quiet[k])}
+    for k, (unset, old) in keyed_as.items():
+        if out.get(k) == unset:
+            out[k] = old
+    return out
 
 
 @dataclass
@@ -125,12 +134,12 @@ class ScoringSection:
 
 @dataclass
 class DcmSection:
-    desiderata: list[str] = field(default_factory=lambda: ["positional", "object_value", "label_value"])
+    desiderata: list[str] = field(default_factory=list)  # empty: every desideratum the task declares
     n_train: int = 32
     n_val: int = 12
     n_test: int = 200
     # circuit groups to train masks for (those the circuit has; empty: every group at a one-token position)
-    groups: list[str] = field(default_factory=lambda: ["last", "query_label"])
+    groups: list[str] = field(default_factory=list)
     # training: each default is DCMConfig's (defined once, in mechdiff.methods.dcm)
     epochs: int = DCMConfig.epochs
     batch_size: int = DCMConfig.batch_size  # pairs per optimiser step: 32 training pairs x 4 epochs = 16 mask updates
@@ -152,7 +161,7 @@ class DcmSection:
 class CmapSection:
     n: int = 200
     parts: list[str] = field(default_factory=lambda: ["z", "q", "k", "v", "qk"])
-    groups: list[str] = field(default_factory=lambda: ["last", "query_label"])  # as [dcm] groups
+    groups: list[str] = field(default_factory=list)  # as [dcm] groups
     isolate: bool = True  # scope "base": restore the base's other head outputs for Q/K/V (see mechdiff.methods.cmap)
     # "base" (mechdiff): the base's found circuit, K/V up to and including each group's position;
     # "paper": the fine-tune's pruned circuit cut per group to the heads its DCM selected (`selection`), K/V strictly
@@ -206,17 +215,6 @@ CHOICES = {
     ("dcm", "schedule"): ("steps", "epoch_batches"),
     ("dcm", "circuit"): ("found", "pruned"),
     ("cmap", "scope"): ("base", "paper"),
-    ("dcm", "desiderata"): (
-        "positional",
-        "position",
-        "object",
-        "object_value",
-        "label",
-        "label_value",
-        "io_name",
-        "counterfactual",
-        "subject",
-    ),
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
 }
 
@@ -247,8 +245,13 @@ class RunSpec:
 
 
 def default_spec() -> RunSpec:
-    """The embedded default study (tasks/entity_tracking.toml): smollm2-et-early against smollm2-et."""
-    return RunSpec(**{name: cls() for name, cls in SECTIONS.items()})
+    """The embedded default study (tasks/entity_tracking.toml): smollm2-et-early against smollm2-et, with entity
+    tracking's desiderata and groups (the sections' own defaults take them from the task)."""
+    spec = RunSpec(**{name: cls() for name, cls in SECTIONS.items()})
+    spec.dcm.desiderata = ["positional", "object_value", "label_value"]
+    spec.dcm.groups = ["last", "query_label"]  # the paper's groups A/B and C/D sit there
+    spec.cmap.groups = ["last", "query_label"]
+    return spec
 
 
 def output_dir(task: str) -> str:
@@ -273,7 +276,47 @@ def load_spec(path: str | Path) -> RunSpec:
     _check_paper_stages(Path(path), text, built)
     _check_per_model(Path(path), text, built)
     _check_desiderata(Path(path), text, raw.get("dcm"), built["task"].name)
+    _check_groups(Path(path), text, raw, built["task"].name)
     return RunSpec(**built, source=str(path))
+
+
+#: The options that name groups of a circuit (a position class of the task, or a step of its plan).
+GROUP_OPTIONS = (("dcm", "groups"), ("cmap", "groups"), ("scoring", "completeness_groups"), ("cmap", "selection"))
+
+
+def task_group_names(task_name: str) -> Optional[set[str]]:
+    """The names a circuit of the task may group heads by: its positions, the classes derived from them, an
+    imported task's own classes and its plan's steps; None for a knowledge relation (no circuit groups)."""
+    if is_relation_file(task_name):
+        return None
+    from ..tasks.base import derived_class_names, get_task
+    from ..tasks.plan import load_plan
+
+    task = get_task(task_name)
+    names = {*task.positions, *derived_class_names(task.positions)}
+    if Path(task_name).is_dir():
+        from ..tasks.jsonl import load_task_meta
+
+        names |= set(load_task_meta(task_name).get("classes", []))
+    if task.plan is not None:
+        names |= {step.name for step in load_plan(task.plan).steps}
+    return names
+
+
+def _check_groups(path: Path, text: str, raw: dict, task_name: str) -> None:
+    """Groups a file names (``[dcm] groups``, ``[cmap] groups`` and ``selection``, ``[scoring]
+    completeness_groups``) must be the task's (:func:`task_group_names`); refused with the line before weights."""
+    set_here = [(sec, key) for sec, key in GROUP_OPTIONS if key in (raw.get(sec) or {})]
+    if not set_here:
+        return
+    known = task_group_names(task_name)
+    for sec, key in set_here if known is not None else ():
+        unknown = [g for g in raw[sec][key] if g not in known]
+        if unknown:
+            raise SpecError(
+                f"{path}:{line_of(text, sec, key)}: [{sec}] {key} names {unknown}, which task {task_name} does not "
+                f"have; its groups are {', '.join(sorted(known))} (leave {key} out: every group at a one-token position)"
+            )
 
 
 def _check_desiderata(path: Path, text: str, dcm: Optional[dict], task_name: str) -> None:

@@ -101,3 +101,47 @@ def test_a_file_asking_for_dcm_needs_the_tasks_own_desiderata(smollm2_tokenizer,
     wrong.write_text(head.replace(f'"{task}"', '"ioi"') + '\n[dcm]\ndesiderata = ["positional"]\n')
     with pytest.raises(SpecError, match=r"wrong.toml:9: \[dcm\] desiderata \['positional'\] are not task ioi's"):
         load_spec(wrong)
+
+
+def test_defaults_come_from_the_task_never_from_entity_tracking(smollm2_tokenizer, tmp_path):
+    """A task file that names no groups, desiderata or top_k gets the task's own: DCM trains every desideratum the
+    task declares, the groups are every group at a one-token position (empty), and path patching keeps each
+    step's plan k; groups the task does not have are refused with their line. The embedded default study keeps
+    entity tracking's, and a study that leaves top_k unset is keyed as the committed ones were."""
+    from conftest import capitals_rows, write_rows
+
+    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.spec import SpecError, default_spec, load_spec, section_inputs
+    from mechdiff.tasks.base import get_task
+    from mechdiff.tasks.jsonl import import_pairs
+    from mechdiff.tasks.plan import load_plan
+
+    task = import_pairs(write_rows(tmp_path / "c.jsonl", capitals_rows(8)), smollm2_tokenizer, tmp_path / "capitals")
+    head = f'[models]\nbase = "smollm2-135m"\nfinetunes = ["smollm2-et"]\n\n[task]\nname = "{task}"\n'
+    plain = tmp_path / "plain.toml"
+    plain.write_text(head)
+    spec = load_spec(plain)
+    assert spec.dcm.desiderata == [] and spec.dcm.groups == [] and spec.cmap.groups == []
+    assert spec.discovery.top_k == {}
+    for bad, line in (('[dcm]\ngroups = ["query_label"]\n', 9), ('[cmap]\ngroups = ["last", "A"]\n', 9)):
+        path = tmp_path / "bad.toml"
+        path.write_text(head + "\n" + bad)
+        with pytest.raises(SpecError, match=rf"bad.toml:{line}: .* names \['(query_label|A)'\], which task"):
+            load_spec(path)
+    ok = tmp_path / "ok.toml"
+    ok.write_text(head + '\n[dcm]\ngroups = ["last", "after_capital", "country"]\n')
+    assert load_spec(ok).dcm.groups == ["last", "after_capital", "country"]
+    # IOI by path patching with no top_k: each step's plan k, not entity tracking's A-D
+    ioi = tmp_path / "ioi.toml"
+    ioi.write_text(head.replace(f'"{task}"', '"ioi"') + '\n[discovery]\nmethod = "path"\n')
+    study = CircuitsStudy.__new__(CircuitsStudy)
+    study.spec = load_spec(ioi)
+    plan = load_plan(get_task("ioi").plan)
+    assert study.path_settings("smollm2-135m", plan).k == {}
+    assert {s.name: s.k for s in plan.with_k(study.path_settings("smollm2-135m", plan).k).steps} == {
+        s.name: s.k for s in plan.steps
+    }
+    default = default_spec()
+    assert default.dcm.desiderata == ["positional", "object_value", "label_value"]
+    assert default.dcm.groups == default.cmap.groups == ["last", "query_label"]
+    assert section_inputs("discovery", default.discovery)["top_k"] == {"A": 8, "B": 3, "C": 5, "D": 3}
