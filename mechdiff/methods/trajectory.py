@@ -20,16 +20,16 @@ on the same prompts (a paired interval):
 - :func:`semantic`: semantic patching of DCM-labelled heads (:func:`~mechdiff.methods.dcm.semantic_patching`).
 
 Structure against function. Two discoveries on one model differ too, so a structural change counts only beyond
-the within-checkpoint spread (:func:`structure`): the ranking prompts are split into two disjoint halves; the
-top-``n`` pairs of each half are two discoveries of one model on disjoint prompts, and their overlap (Jaccard)
-is the within-checkpoint null. Between two checkpoints the cross overlap is taken on the same halves (one
-checkpoint's half A against the other's half B, both ways), and the spread-corrected difference
-``(null_s + null_t) / 2 - cross`` gets a paired bootstrap interval (the halves resampled, the same draw for
-every checkpoint): the circuits "changed" only where its lower bound is above 0. A pair "changed" only where
-its bootstrap selection frequency (:func:`~mechdiff.circuits.curve.selection_stability`, same resamples in every
+the within-checkpoint spread (:func:`structure`): each of many draws splits the ranking prompts into two disjoint
+random halves (:func:`splits`; no prompt drawn twice); the top-``n`` pairs of each half are two discoveries of
+one model on disjoint prompts, and their overlap (Jaccard) is the within-checkpoint null. Two checkpoints are
+compared on the same halves (one's half A against the other's half B, both ways), and the spread-corrected
+difference ``(null_s + null_t) / 2 - cross`` is taken per split (paired): the circuits "changed" only where the
+range of that difference over splits lies above 0. Every checkpoint is compared so with the next one and with
+the final one, and the mean overlaps of every two checkpoints form a matrix. A pair "changed" only where its
+bootstrap selection frequency (:func:`~mechdiff.circuits.curve.selection_stability`, same resamples in every
 checkpoint) puts it robustly in (>= ``stable``) at one checkpoint and robustly out (<= ``1 - stable``) at the
-other. A component "formed at step s" (:func:`formed_at`) only where its paired interval against the first
-checkpoint excludes 0, on one side, at s and at every later checkpoint.
+other. When each component forms, with intervals: :mod:`~mechdiff.methods.formation`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from ..circuits.curve import curve_circuit, selection_stability
 from ..circuits.pruning import pair_name
 from ..circuits.scoring import Scorer, matrix_rows, per_prompt
 from ..common.components import parse_heads
-from ..common.stats import Estimate, paired_difference
+from ..common.stats import paired_difference
 from ..models.loading import LoadedModel, load_model, model_fingerprint, spec_digest
 from ..models.registry import ModelSpec
 from ..models.resolve import resolve_source, resolve_spec
@@ -57,7 +57,7 @@ from ..patching.evaluate import evaluate
 #: A pair is robustly in a checkpoint's top-n where its bootstrap selection frequency is at least this, robustly
 #: out where it is at most ``1 - STABLE``; only a move from one to the other is a change of the pair.
 STABLE = 0.95
-#: Bootstrap resamples of the structural comparison (the halves' overlaps and the selection frequencies).
+#: Random disjoint splits of the structural comparison, and bootstrap resamples of the selection frequencies.
 STRUCTURE_DRAWS = 200
 
 
@@ -341,28 +341,6 @@ def against_first(outcomes: Sequence[Optional[Sequence[float]]]) -> list[Optiona
     ]
 
 
-def formed_at(steps: Sequence[int], intervals: Sequence[Optional[dict | Estimate]]) -> Optional[dict]:
-    """The first step from which every interval (paired, against the first checkpoint) excludes 0 on one side,
-    to the last checkpoint: ``{"step", "sign"}`` (+1 above 0, -1 below), or None. A checkpoint without an
-    interval (None: the first itself) never counts as excluding 0."""
-    if len(steps) != len(intervals):
-        raise ValueError(f"{len(steps)} steps but {len(intervals)} intervals")
-
-    def side(iv: Optional[dict | Estimate]) -> int:
-        if iv is None:
-            return 0
-        low, high = (iv["low"], iv["high"]) if isinstance(iv, dict) else (iv.low, iv.high)
-        return 1 if low > 0 else -1 if high < 0 else 0
-
-    sides = [side(iv) for iv in intervals]
-    if not sides or sides[-1] == 0:
-        return None
-    i = len(sides) - 1
-    while i > 0 and sides[i - 1] == sides[-1]:
-        i -= 1
-    return {"step": steps[i], "sign": sides[-1]}
-
-
 def encode_array(a: np.ndarray) -> dict:
     """A float32 array as JSON: shape and base64 bytes (exact, 4 bytes a value)."""
     a = np.ascontiguousarray(a, dtype=np.float32)
@@ -374,12 +352,19 @@ def decode_array(d: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(d["float32"]), dtype=np.float32).reshape(d["shape"]).copy()
 
 
-def halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two disjoint halves of ``range(n)`` (a seeded permutation), sizes ``n // 2`` and ``n - n // 2``."""
+def splits(n: int, draws: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``draws`` random splits of ``range(n)`` into two disjoint halves (sizes ``n // 2`` and ``n - n // 2``),
+    each a fresh seeded permutation: no prompt is drawn twice, inside a half or across the two."""
     if n < 4:
         raise ValueError(f"the within-checkpoint null needs at least 4 ranking prompts, got {n}")
-    perm = np.random.default_rng(seed).permutation(n)
-    return np.sort(perm[: n // 2]), np.sort(perm[n // 2 :])
+    if draws < 1:
+        raise ValueError(f"the within-checkpoint null needs at least one split, got {draws}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(draws):
+        perm = rng.permutation(n)
+        out.append((np.sort(perm[: n // 2]), np.sort(perm[n // 2 :])))
+    return out
 
 
 def top_pairs(attribution: np.ndarray, rows: np.ndarray, n: int) -> frozenset[int]:
@@ -390,36 +375,57 @@ def top_pairs(attribution: np.ndarray, rows: np.ndarray, n: int) -> frozenset[in
 
 
 def jaccard(a: frozenset, b: frozenset) -> float:
+    """|a & b| / |a | b| (1 for two empty sets)."""
     return len(a & b) / len(a | b) if a | b else 1.0
 
 
 @dataclass
 class _Halves:
-    """Top-n pair sets of every checkpoint on each half, for the point estimate and each resample."""
+    """Top-n pair sets of every checkpoint on each half of every split."""
 
-    a: list[dict[str, frozenset]]  # per draw (0: the halves themselves), checkpoint -> top-n on half A
+    a: list[dict[str, frozenset]]  # per split, checkpoint -> top-n on half A
     b: list[dict[str, frozenset]]
+
+    def null(self, c: str) -> list[float]:
+        """Per split, the overlap of checkpoint ``c``'s two discoveries."""
+        return [jaccard(a[c], b[c]) for a, b in zip(self.a, self.b)]
+
+    def cross(self, s: str, t: str) -> list[float]:
+        """Per split, the overlap of ``s`` and ``t`` on opposite halves (both ways, averaged)."""
+        return [(jaccard(a[s], b[t]) + jaccard(a[t], b[s])) / 2 for a, b in zip(self.a, self.b)]
 
 
 def _half_tops(attribution: dict[str, np.ndarray], n: int, draws: int, seed: int) -> _Halves:
     n_prompts = {a.shape[0] for a in attribution.values()}
     if len(n_prompts) != 1:
         raise ValueError(f"every checkpoint must be ranked on the same prompts; got prompt counts {n_prompts}")
-    half_a, half_b = halves(n_prompts.pop(), seed)
-    rng = np.random.default_rng(seed + 1)
-    rows = [(half_a, half_b)] + [
-        (rng.choice(half_a, half_a.size), rng.choice(half_b, half_b.size)) for _ in range(draws)
-    ]
+    rows = splits(n_prompts.pop(), draws, seed)
     return _Halves(
         [{c: top_pairs(a, ra, n) for c, a in attribution.items()} for ra, _ in rows],
         [{c: top_pairs(a, rb, n) for c, a in attribution.items()} for _, rb in rows],
     )
 
 
-def _interval(point: float, draws: Sequence[float], confidence: float = 0.95) -> dict:
+def spread(values: Sequence[float], confidence: float = 0.95) -> dict:
+    """The mean over splits with the percentile range of the splits' values."""
+    arr = np.asarray(values, dtype=float)
     alpha = (1 - confidence) / 2
-    low, high = np.quantile(np.asarray(draws, dtype=float), [alpha, 1 - alpha]) if len(draws) else (point, point)
-    return {"value": point, "low": float(low), "high": float(high), "n": len(draws)}
+    low, high = np.quantile(arr, [alpha, 1 - alpha])
+    return {"value": float(arr.mean()), "low": float(low), "high": float(high), "n": int(arr.size)}
+
+
+def _against(tops: _Halves, s: str, t: str) -> dict:
+    """Cross overlap of ``s`` and ``t`` and the spread-corrected difference ``(null_s + null_t) / 2 - cross``,
+    per split (paired: the same split for both); ``changed`` where its range lies above 0."""
+    cross = tops.cross(s, t)
+    diff = [(x + y) / 2 - c for x, y, c in zip(tops.null(s), tops.null(t), cross)]
+    corrected = spread(diff)
+    return {"cross": spread(cross), "null_minus_cross": corrected, "changed": corrected["low"] > 0}
+
+
+def overlap_matrix(tops: _Halves, names: Sequence[str]) -> list[list[float]]:
+    """Mean overlap over splits of every two checkpoints on opposite halves; the diagonal is the null."""
+    return [[float(np.mean(tops.null(s) if s == t else tops.cross(s, t))) for t in names] for s in names]
 
 
 def structure(
@@ -430,44 +436,28 @@ def structure(
     seed: int = 0,
     stable: float = STABLE,
 ) -> dict:
-    """The within-checkpoint null and the structural changes between consecutive checkpoints (module docstring).
+    """The within-checkpoint null and the structural changes between checkpoints (module docstring).
 
     ``attribution``: checkpoint (in order) -> per-prompt attribution ``"prompt class layer head"`` on the same
-    ranking prompts; ``n``: the number of pairs each discovery keeps. Returns per checkpoint the null overlap
-    (Jaccard of the halves' top-n, percentile interval over resampled halves) and the selection frequency of every
-    pair ever robustly in; per consecutive pair of checkpoints the cross overlap, the spread-corrected difference
-    with its paired interval and ``changed``, and the pairs that changed (robustly in at one, out at the other)."""
+    ranking prompts; ``n``: the number of pairs each discovery keeps. Each of ``draws`` splits cuts the ranking
+    prompts into two disjoint random halves (:func:`splits`); every overlap is the mean over splits with the
+    range of the splits' values (:func:`spread`). Returns per checkpoint the null overlap (Jaccard of its two
+    halves' top-n) and the selection frequency of every pair ever robustly in; per consecutive pair of checkpoints
+    and per checkpoint against the final one the cross overlap, the spread-corrected difference with its range and
+    ``changed``; the pairs that changed between consecutive checkpoints (robustly in at one, out at the other);
+    and the matrix of mean overlaps of every two checkpoints (the null on its diagonal)."""
     names = list(attribution)
     tops = _half_tops(attribution, n, draws, seed)
-
-    def null(c: str, d: int) -> float:
-        return jaccard(tops.a[d][c], tops.b[d][c])
-
-    def cross(s: str, t: str, d: int) -> float:
-        return (jaccard(tops.a[d][s], tops.b[d][t]) + jaccard(tops.a[d][t], tops.b[d][s])) / 2
-
-    nulls = {c: _interval(null(c, 0), [null(c, d) for d in range(1, draws + 1)]) for c in names}
     freq = {
         c: selection_stability(torch.from_numpy(a.astype(np.float64)), classes, n, draws, seed)
         for c, a in attribution.items()
     }
     steps = []
     for s, t in zip(names, names[1:]):
-        diff = [(null(s, d) + null(t, d)) / 2 - cross(s, t, d) for d in range(draws + 1)]
-        spread = _interval(diff[0], diff[1:])
         entered = sorted(pair_name(p) for p, f in freq[t].items() if f >= stable and freq[s][p] <= 1 - stable)
         left = sorted(pair_name(p) for p, f in freq[s].items() if f >= stable and freq[t][p] <= 1 - stable)
-        steps.append(
-            {
-                "from": s,
-                "to": t,
-                "cross": _interval(cross(s, t, 0), [cross(s, t, d) for d in range(1, draws + 1)]),
-                "null_minus_cross": spread,
-                "changed": spread["low"] > 0,
-                "entered": entered,
-                "left": left,
-            }
-        )
+        steps.append({"from": s, "to": t, **_against(tops, s, t), "entered": entered, "left": left})
+    final = [{"checkpoint": c, **_against(tops, c, names[-1])} for c in names[:-1]]
     robust = sorted(
         {p for f in freq.values() for p, v in f.items() if v >= stable}, key=lambda p: (p[1], p[0].layer, p[0].head)
     )
@@ -476,8 +466,10 @@ def structure(
         "draws": draws,
         "seed": seed,
         "stable": stable,
-        "null": nulls,
+        "null": {c: spread(tops.null(c)) for c in names},
         "consecutive": steps,
+        "against_final": final,
+        "matrix": {"checkpoints": names, "overlap": overlap_matrix(tops, names)},
         "frequency": {c: {pair_name(p): freq[c][p] for p in robust} for c in names},
     }
 

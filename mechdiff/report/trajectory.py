@@ -9,7 +9,9 @@ import numpy as np
 
 from ..circuits.circuit import Circuit
 from ..common.io import write_text
-from ..methods.trajectory import against_first, formed_at, membership
+from ..methods.formation import LEVELS, Measure, curves, faithfulness, gain, over_accuracy, share
+from ..methods.trajectory import against_first, jaccard, membership
+from .formation import curve_rows, formation_rows, level_name, order_rows, order_text
 from .tables import estimate_columns, to_markdown, write_table
 
 
@@ -28,7 +30,8 @@ class _Report:
         self.names, self.steps = study.names, study.steps
         self.dir = study.dir
         self.sections: list[str] = []
-        self.components: list[dict] = []  # formed-at rows
+        self.measures: dict[str, Measure] = {}  # component -> its normalised measure at every step
+        self.what: dict[str, str] = {}  # component -> what its measure is
 
     def table(self, rows: list[dict], stem: str, caption: str) -> str:
         write_table(rows, self.dir / "tables" / stem, caption=caption)
@@ -37,20 +40,10 @@ class _Report:
     def figure(self, path: Path, caption: str) -> str:
         return f"![{caption}]({path.relative_to(self.dir)})\n\n*{caption}*\n"
 
-    def component(self, name: str, measure: str, intervals: list[Optional[dict]]) -> None:
-        formed = formed_at(self.steps, intervals)
-        last = intervals[-1]
-        at = intervals[self.steps.index(formed["step"])] if formed else None
-        self.components.append(
-            {
-                "component": name,
-                "measure": measure,
-                "formed_at_step": formed["step"] if formed else None,
-                "direction": ("up" if formed["sign"] > 0 else "down") if formed else None,
-                **_cols("at_formation", at),
-                **_cols("at_final", last),
-            }
-        )
+    def component(self, name: str, what: str, measure: Measure) -> None:
+        """A component whose formation the report gives (:mod:`~mechdiff.methods.formation`)."""
+        self.measures[name] = measure
+        self.what[name] = what
 
     # -- sections -----------------------------------------------------------------------
     def accuracy(self) -> None:
@@ -60,7 +53,8 @@ class _Report:
             {"step": s, "checkpoint": n, **_cols("accuracy", a["accuracy"]), **_cols("minus_first", d)}
             for s, n, a, d in zip(self.steps, self.names, acc, diff)
         ]
-        self.component("the model", "accuracy minus the first checkpoint's (paired)", diff)
+        correct = np.array([a["correct"] for a in acc], dtype=float)
+        self.component("the model", "accuracy gain over the first checkpoint", gain(correct, "eval"))
         fig = band_figure(
             self.steps,
             {"accuracy": [a["accuracy"] for a in acc]},
@@ -98,14 +92,16 @@ class _Report:
                     **_cols("own_circuit", _row_est(sc["rows"]["own"], "faithfulness")),
                 }
             )
-        for key, what in (
+        full = np.array([sc["full"] for sc in scores], dtype=float)
+        for key, name in (
             ("final", f"the final checkpoint's circuit ({self.names[-1]})"),
             ("first trained", f"the first trained checkpoint's circuit ({self.names[1]})"),
         ):
+            kept = np.array([sc["outcomes"][key] for sc in scores], dtype=float)
             self.component(
-                what,
-                "accuracy with only the circuit kept, minus the first checkpoint's (paired)",
-                against_first([sc["outcomes"][key] for sc in scores]),
+                name,
+                "faithfulness in the checkpoint (accuracy with the circuit alone kept / the whole model's)",
+                faithfulness(kept, full, "matrix"),
             )
         series = {
             label: [_row_est(sc["rows"][key], "faithfulness") for sc in scores]
@@ -168,11 +164,15 @@ class _Report:
             for k in keys:
                 row.update(_cols(f"gain {k}", r["gain"][k] if r else None))
             rows.append(row)
+        first = next(r for r in recs if r)["outcomes"]["base"]  # the first checkpoint's own outcomes
+        own = np.array([r["outcomes"]["finetune"] if r else first for r in recs], dtype=float)
+        base = np.array([first] * len(recs), dtype=float)
         for k in keys:
+            patched = np.array([r["outcomes"][k] if r else first for r in recs], dtype=float)
             self.component(
                 f"CMAP {k}",
-                "accuracy of the first checkpoint with it patched in, minus its own (paired)",
-                [r["gain"][k] if r else None for r in recs],
+                "gain of the first checkpoint with it patched in, as a share of the checkpoint's own gain",
+                share(patched, own, base, "cmap"),
             )
         fig = band_figure(
             self.steps,
@@ -206,7 +206,16 @@ class _Report:
             diff = against_first([x["outcomes"] for x in got])
             series[f"{g} {des}"] = [x["accuracy"] for x in got]
             heads = " ".join(got[0]["heads"])
-            self.component(f"DCM {g} {des} ({heads})", "semantic-patching accuracy minus the first's (paired)", diff)
+            self.component(
+                f"DCM {g} {des} ({heads})",
+                "semantic-patching accuracy over the checkpoint's own accuracy",
+                over_accuracy(
+                    np.array([x["outcomes"] for x in got], dtype=float),
+                    f"semantic:{des}",
+                    np.array([self.r["accuracy"][n].result["correct"] for n in self.names], dtype=float),
+                    "eval",
+                ),
+            )
             for s, _name, x, d in zip(self.steps, self.names, got, diff):
                 rows.append(
                     {
@@ -270,62 +279,129 @@ class _Report:
         series = {
             "within-checkpoint null (disjoint halves)": [st["null"][n] for n in self.names],
             "cross overlap with the previous checkpoint": [None] + [c["cross"] for c in st["consecutive"]],
+            "cross overlap with the final checkpoint": [c["cross"] for c in st["against_final"]] + [None],
         }
+        spread = f"mean over {st['draws']} random disjoint splits, 95% range of the splits"
         fig = band_figure(
             self.steps,
             series,
             self.dir / "figures" / "structure.png",
-            f"overlap (Jaccard) of top-{st['n_pairs']} pair sets on disjoint prompt halves "
-            "(percentile 95% CI over resampled halves)",
+            f"overlap (Jaccard) of top-{st['n_pairs']} pair sets on disjoint prompt halves ({spread})",
             "overlap",
+        )
+        matrix = overlap_figure(
+            self.steps,
+            st["matrix"]["overlap"],
+            self.dir / "figures" / "overlap_matrix.png",
+            f"mean overlap (Jaccard) of top-{st['n_pairs']} pair sets on opposite halves; diagonal: the null",
         )
         self.sections.append(
             "## Structure against the within-checkpoint null\n\n"
-            f"Two discoveries of one checkpoint on disjoint halves of the {self.s.st.discovery.n} ranking prompts "
-            f"(top {st['n_pairs']} pairs each) overlap by the null below. Consecutive checkpoints are compared on the "
-            "same halves (one's half A against the other's half B, both ways); their circuits 'changed' only where "
-            "(mean null - cross) has its paired interval above 0. A pair 'entered' or 'left' only where its bootstrap "
-            f"selection frequency goes from <= {1 - st['stable']:.2f} to >= {st['stable']:.2f} or back.\n\n"
+            f"Each of {st['draws']} draws splits the {self.s.st.discovery.n} ranking prompts into two disjoint random "
+            f"halves; the top {st['n_pairs']} pairs of each half are two discoveries of one checkpoint, and their "
+            "overlap is the null below (the mean over splits, with the 95% range of the splits' values). Two "
+            "checkpoints are compared on the same halves (one's half A against the other's half B, both ways); "
+            "their circuits 'changed' only where (mean null - cross), taken split by split, has its 95% range above "
+            "0. A pair 'entered' or 'left' only where its bootstrap selection frequency goes from "
+            f"<= {1 - st['stable']:.2f} to >= {st['stable']:.2f} or back.\n\n"
             + self.table(
                 null_rows,
                 "structure_null",
-                "Within-checkpoint null: overlap of two discoveries on disjoint prompts (percentile 95% CI)",
+                f"Within-checkpoint null: overlap of two discoveries on disjoint prompts ({spread})",
             )
             + "\n"
             + self.table(
                 change_rows,
                 "structure_changes",
-                "Consecutive checkpoints: cross overlap, the "
-                "spread-corrected difference (paired 95% CI) and the pairs that changed beyond the spread",
+                "Consecutive checkpoints: cross overlap, the spread-corrected difference (paired by split; "
+                f"{spread}) and the pairs that changed beyond the spread",
             )
             + "\n"
-            + self.figure(fig, "structural null and cross overlap against the step")
-        )
-
-    def order(self, formation: list[dict]) -> str:
-        """What the formation table orders: components forming at one step are not ordered among themselves
-        (the checkpoints between are not measured); own circuits that missed the target are named."""
-        steps = sorted({c["formed_at_step"] for c in formation if c["formed_at_step"] is not None})
-        parts = [f"{len([c for c in formation if c['formed_at_step'] == st])} at step {st}" for st in steps]
-        never = len([c for c in formation if c["formed_at_step"] is None])
-        text = (
-            f"Of {len(formation)} components, {', '.join(parts) or 'none'} form"
-            + (f"; {never} never form" if never else "")
-            + f". Checkpoints are at steps "
-            f"{', '.join(map(str, self.steps))}: components that form at the same step are not ordered among "
-            "themselves by this run."
-        )
-        missed = [st for st, n in zip(self.steps, self.names) if not self.r["circuits"][n].result["reached_target"]]
-        if missed:
-            text += (
-                f" The own circuit of step{'s' if len(missed) > 1 else ''} {', '.join(map(str, missed))} did not "
-                "reach the target at any size scored (the largest size stands in; `tables/circuits.md`)."
+            + self.table(
+                self.against_final_rows(),
+                "structure_final",
+                "Each checkpoint's circuit against the final one: Jaccard of the own circuits' pairs (each at its "
+                "own size, as found; no interval) and, on disjoint halves, the cross overlap of the top-n sets and "
+                f"the spread-corrected difference ({spread})",
             )
-        return text
+            + "\n"
+            + self.figure(fig, "structural null and cross overlaps against the step")
+            + "\n"
+            + self.figure(matrix, "overlap matrix of every two checkpoints")
+        )
 
-    def formation(self) -> list[dict]:
-        order = sorted(self.components, key=lambda c: (c["formed_at_step"] is None, c["formed_at_step"] or 0))
-        return order
+    def against_final_rows(self) -> list[dict]:
+        """Each checkpoint but the last against the final one: the own circuits' Jaccard, and the top-n cross
+        overlap beyond the null."""
+        final = frozenset(Circuit.from_dict(self.r["circuits"][self.names[-1]].result["circuit"]).pairs())
+        rows = []
+        for s, n, c in zip(self.steps, self.names, self.r["structure"].result["against_final"]):
+            own = frozenset(Circuit.from_dict(self.r["circuits"][n].result["circuit"]).pairs())
+            rows.append(
+                {
+                    "step": s,
+                    "checkpoint": n,
+                    "own_circuit_jaccard": jaccard(own, final),
+                    **_cols("cross_overlap", c["cross"]),
+                    **_cols("null_minus_cross", c["null_minus_cross"]),
+                    "differs_from_final": c["changed"],
+                }
+            )
+        return rows
+
+    def formation(self) -> tuple[list[dict], list[dict]]:
+        """The formation section (each component's normalised measure, formation steps, paired order) and its
+        rows: formation per component, order per pair."""
+        got = curves(self.measures, self.steps)
+        formation = formation_rows(got, self.what)
+        ordered = order_rows(got)
+        levels = " and ".join(level_name(q) for q in LEVELS)
+        fig = band_figure(
+            self.steps,
+            {name: c.of_final().per_step() for name, c in got.items()},
+            self.dir / "figures" / "formation.png",
+            "each component's measure as a share of its final value (bootstrap 95% CI over prompts)",
+            "share of the final value",
+            levels=LEVELS,
+        )
+        what = "; ".join(f"{n}: {w}" for n, w in self.what.items())
+        self.sections.insert(
+            0,
+            "## When each component forms\n\n"
+            "Each component's measure is normalised in its checkpoint; a ratio is shown only at checkpoints whose "
+            "own accuracy on the ratio's prompts is above the first checkpoint's (paired interval above 0). A "
+            f"component forms where its final value's interval lies above 0; it reaches {levels} of that value at "
+            "the first step whose value is at least that share of the final. Intervals are bootstrap percentiles "
+            "over prompts drawn jointly across steps (the same resampled prompts at every step and for every "
+            "component), and two components are ordered only where the paired interval of the difference of their "
+            "formation steps excludes 0.\n\n"
+            + self.table(
+                formation,
+                "formation",
+                f"When each component forms: its normalised measure at the final step and the first step reaching "
+                f"{levels} of it (bootstrap 95% CI; 'after' a step: not reached by the last step in the draws "
+                "beyond the bound; unreached: the share of draws never reaching it)",
+            )
+            + "\n"
+            + self.table(
+                ordered or [{"ordered": "fewer than two components formed"}],
+                "formation_order",
+                "Paired order of every two formed components: the difference of their formation steps (a - b, "
+                "bootstrap 95% CI on the same draws; inf: one never reaches the level in those draws) and what it "
+                "orders",
+            )
+            + "\n"
+            + order_text(ordered, formation, self.steps)
+            + "\n\n"
+            + self.table(
+                curve_rows(got),
+                "formation_curves",
+                f"Each component's normalised measure per step (bootstrap 95% CI; empty: not shown). {what}",
+            )
+            + "\n"
+            + self.figure(fig, "each component's share of its final value against the step"),
+        )
+        return formation, ordered
 
     def write(self) -> Path:
         self.accuracy()
@@ -333,14 +409,7 @@ class _Report:
         self.cmap()
         self.semantic()
         self.structure()
-        formation = self.formation()
-        form = self.table(
-            formation,
-            "formation",
-            "When each component forms: the first step from which its paired "
-            "interval against the first checkpoint excludes 0 at every later checkpoint (95% CI at that "
-            "step and at the final one); none: never from some step on",
-        )
+        formation, ordered = self.formation()
         s = self.s
         head = (
             f"# Trajectory study: {s.task.name} over {len(self.names)} checkpoints\n\n"
@@ -348,12 +417,21 @@ class _Report:
             f"The first is the reference; the first trained is `{self.names[1]}`; the final `{self.names[-1]}`. "
             "The base loaded once and the adapters swapped.\n\n"
         )
-        report = head + "## When each component forms\n\n" + form + "\n" + "\n".join(self.sections)
-        path = write_text(self.dir / "report.md", report)
-        self.readme(formation)
+        path = write_text(self.dir / "report.md", head + "\n".join(self.sections))
+        self.readme(formation, ordered)
         return path
 
-    def readme(self, formation: list[dict]) -> None:
+    def missed(self) -> str:
+        """The checkpoints whose own circuit missed the target at every size scored, as a sentence ('' for none)."""
+        missed = [st for st, n in zip(self.steps, self.names) if not self.r["circuits"][n].result["reached_target"]]
+        if not missed:
+            return ""
+        return (
+            f"The own circuit of step{'s' if len(missed) > 1 else ''} {', '.join(map(str, missed))} did not reach "
+            "the target at any size scored (the largest size stands in; `tables/circuits.md`)."
+        )
+
+    def readme(self, formation: list[dict], ordered: list[dict]) -> None:
         st = self.r["structure"].result
         changed = [
             {
@@ -366,6 +444,11 @@ class _Report:
             }
             for i, c in enumerate(st["consecutive"])
         ]
+        final = [
+            {k: v for k, v in r.items() if k not in ("cross_overlap", "cross_overlap_low", "cross_overlap_high")}
+            for r in self.against_final_rows()
+        ]
+        claims = [r for r in ordered if r["ordered"] != "not ordered"]
         stages = self.s.cache.summary()
         cost = [{"stage": k, "seconds": round(v["seconds"], 1)} for k, v in stages.items()]
         st = self.s.st
@@ -383,18 +466,29 @@ class _Report:
                     "DCM labels; semantic test pairs",
                     f"{st.dcm.labels or 'trained on the final circuit'}; {st.dcm.n_test}",
                 ),
-                ("structure resamples; stable frequency", f"{st.structure.draws}; {st.structure.stable}"),
+                ("structure splits and resamples; stable frequency", f"{st.structure.draws}; {st.structure.stable}"),
             )
         ]
         text = (
             f"# {self.dir.name}\n\nWritten by `mechdiff run {self.s.st.source}`; the full report is "
             "[report.md](report.md). Every finding is a row carried by its interval.\n\n"
-            "## Findings: when each component forms (in order)\n\n"
-            + to_markdown(formation)
+            "## Findings: when each component forms\n\n"
+            "Each component's normalised measure at the final step and the first step reaching 50% and 90% of it "
+            "(bootstrap 95% CI over prompts drawn jointly across steps; `tables/formation.md`).\n\n"
+            + to_markdown([{k: v for k, v in r.items() if k != "measure"} for r in formation])
             + "\n\n"
-            + self.order(formation)
+            + ("Pairs the paired intervals order:\n\n" + to_markdown(claims) + "\n\n" if claims else "")
+            + order_text(ordered, formation, self.steps)
             + "\n\n"
-            "## Findings: structure beyond the within-checkpoint null\n\n" + to_markdown(changed) + "\n\n"
+            "## Findings: structure beyond the within-checkpoint null\n\n"
+            "Consecutive checkpoints, and each checkpoint against the final one (`tables/structure_final.md`; the "
+            "overlap matrix of every two is `figures/overlap_matrix.png`). "
+            + self.missed()
+            + "\n\n"
+            + to_markdown(changed)
+            + "\n\n"
+            + to_markdown(final)
+            + "\n\n"
             "## Settings\n\n" + to_markdown(settings) + "\n\n"
             "## Stage costs\n\nSeconds each stage took when it was computed (from `run.json`; "
             f"{sum(v['seconds'] for v in stages.values()):.0f} s in all).\n\n" + to_markdown(cost) + "\n"
@@ -409,9 +503,10 @@ def band_figure(
     title: str = "",
     ylabel: str = "",
     zero: bool = False,
+    levels: Sequence[float] = (),
 ) -> Path:
     """Each series (``{"value", "low", "high"}`` per step, None where absent) against the step, its interval as
-    a band."""
+    a band; a dashed line at each of ``levels``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -429,10 +524,12 @@ def band_figure(
         ax.fill_between(xs, [p["low"] for p in got], [p["high"] for p in got], color=line.get_color(), alpha=0.2)
     if zero:
         ax.axhline(0, color="grey", lw=0.8)
+    for y in levels:
+        ax.axhline(y, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("training step")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
-    if series:
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
     return save_figure(fig, path)
 
@@ -466,6 +563,32 @@ def membership_figure(steps: Sequence[int], circuits: Sequence[Circuit], path: s
         ax.set_yticklabels(classes, fontsize=6)
     fig.suptitle(title, fontsize=9)
     fig.colorbar(im, ax=list(axes[0]), label="heads in the circuit")
+    return save_figure(fig, path)
+
+
+def overlap_figure(steps: Sequence[int], overlap: Sequence[Sequence[float]], path: str | Path, title: str = "") -> Path:
+    """The step-by-step overlap matrix (rows and columns: checkpoints by step), each cell written in it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..common.io import save_figure
+
+    grid = np.asarray(overlap, dtype=float)
+    size = 0.55 * len(steps) + 2
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="white" if v < 0.6 else "black")
+    labels = [str(s) for s in steps]
+    ax.set_xticks(range(len(steps)), labels, fontsize=7)
+    ax.set_yticks(range(len(steps)), labels, fontsize=7)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("training step")
+    ax.set_title(title, fontsize=8)
+    fig.colorbar(im, ax=ax, label="overlap (Jaccard)")
     return save_figure(fig, path)
 
 

@@ -6,8 +6,9 @@ Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its i
 - ``accuracy:<ckpt>``: held-out accuracy (exact binomial) with each prompt's outcome;
 - ``circuit:<ckpt>``: the checkpoint's own circuit at the target (attribution ranking, faithfulness curve) with
   its size, per-prompt attribution and selection frequencies;
-- ``structure``: the within-checkpoint null (two discoveries on disjoint halves of the ranking prompts) and the
-  structural change between consecutive checkpoints beyond it;
+- ``structure``: the within-checkpoint null (two discoveries on two disjoint random halves of the ranking prompts,
+  a fresh split each draw), the structural change between consecutive checkpoints and of each checkpoint against
+  the final one beyond it, and the overlap matrix of every two checkpoints;
 - ``score:<ckpt>``: the final checkpoint's circuit, the first trained checkpoint's (the second in the list) and
   the checkpoint's own, scored in the checkpoint (faithfulness with bootstrap intervals);
 - ``cmap:<ckpt>``: CMAP of the final circuit's groups (``[cmap] groups``, ``parts``) from the checkpoint into the
@@ -18,7 +19,9 @@ Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its i
 
 The base loads once; the adapters are swapped (:class:`~mechdiff.methods.trajectory.Checkpoints`), and nothing loads
 when every stage is cached. The report gives each quantity per step with its interval, its paired difference
-against the first checkpoint, the step at which each component forms (in order) and the structural changes.
+against the first checkpoint, each component's normalised measure and formation steps with bootstrap intervals
+(:mod:`~mechdiff.methods.formation`, computed from the stages' per-prompt outcomes, so no stage records more for
+them), the pairs of components those intervals order, and the structural changes.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ from .base import Study, rows_inputs, vocabulary_digest
 from .spec import DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, line_of, load_sections
 
 log = logging.getLogger(__name__)
+
+#: What the structure stage computes, in its key: a record of the first null (the halves resampled with
+#: replacement, consecutive checkpoints only) is not reused.
+NULL = "disjoint random halves per split; consecutive, against the final, matrix"
 
 
 @dataclass
@@ -72,7 +79,7 @@ class TrajectoryScoring:
 
 @dataclass
 class StructureSection:
-    draws: int = STRUCTURE_DRAWS  # bootstrap resamples of the halves and of the ranking prompts
+    draws: int = STRUCTURE_DRAWS  # random disjoint splits into halves; bootstrap resamples of the ranking prompts
     stable: float = STABLE  # selection frequency that makes a pair robustly in (1 - stable: robustly out)
     n_pairs: int = 0  # pairs each discovery keeps (0: the final checkpoint's circuit size)
 
@@ -346,9 +353,8 @@ class TrajectoryStudy(Study):
                 attribution, circuits[self.final].result["classes"], n, s.draws, self.seed("ranking"), s.stable
             )
 
-        return self.cache.run(
-            "structure", {"circuits": {c: r.key for c, r in circuits.items()}, "structure": asdict(s)}, compute
-        )
+        inputs = {"circuits": {c: r.key for c, r in circuits.items()}, "structure": asdict(s), "null": NULL}
+        return self.cache.run("structure", inputs, compute)
 
     def score(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
         from ..methods.trajectory import circuits_scored

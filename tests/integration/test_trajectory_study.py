@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import circuit_pairs
 
-from mechdiff.methods.trajectory import against_first, formed_at
+from mechdiff.methods.trajectory import against_first
+from mechdiff.runs.stages import label
 from mechdiff.studies.base import load_study
 from mechdiff.studies.spec import SpecError
 from mechdiff.studies.trajectory import TrajectoryStudy, load_settings, read_labels
@@ -104,7 +106,8 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     assert study._checkpoints is None  # nothing loaded: the two processes computed every stage
     assert report.is_file() and (out / "README.md").is_file() and (out / "run.json").is_file()
     assert study.names == names
-    for fig in ("accuracy", "circuits_faithfulness", "cmap_gain", "semantic", "structure", "membership"):
+    figures = ("accuracy", "circuits_faithfulness", "cmap_gain", "semantic", "structure", "membership")
+    for fig in (*figures, "formation", "overlap_matrix"):
         assert (out / "figures" / f"{fig}.png").stat().st_size > 0, fig
     manifest = json.loads((out / "run.json").read_text())
     stages = set(manifest["stages"])
@@ -121,9 +124,36 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     assert [r["accuracy"] for r in acc] == [np.mean(records[n]["correct"]) for n in names]
     diffs = against_first([records[n]["correct"] for n in names])
     assert [r["minus_first"] for r in acc] == [None] + [d["value"] for d in diffs[1:]]
+    # formation, recomputed here from the accuracy records: the model's gain over the first checkpoint per step, the
+    # first step reaching half the final gain where the final gain's interval is above 0
     formation = {r["component"]: r for r in json.loads((out / "tables" / "formation.json").read_text())}
-    want = formed_at(study.steps, diffs)
-    assert formation["the model"]["formed_at_step"] == (want["step"] if want else None)
+    gains = [np.mean(records[n]["correct"]) - np.mean(records[names[0]]["correct"]) for n in names]
+    model = formation["the model"]
+    assert model["final"] == pytest.approx(gains[-1], abs=1e-12)
+    assert model["formed"] == (model["final_low"] > 0)
+    want = next((s for s, g in zip(study.steps, gains) if g >= 0.5 * gains[-1]), None) if model["formed"] else None
+    assert model["step_50%"] == want
+    rows = json.loads((out / "tables" / "formation_curves.json").read_text())
+    mine = [r for r in rows if r["component"] == "the model"]
+    assert [r["step"] for r in mine] == study.steps
+    assert [r["value"] for r in mine] == pytest.approx(gains, abs=1e-12)
+    # every order the report states has its paired interval on one side of 0 (the tiny run may form nothing)
+    order = [r for r in json.loads((out / "tables" / "formation_order.json").read_text()) if "level" in r]
+    for r in order:
+        assert (r["ordered"] == "not ordered") == (r["a_minus_b_low"] <= 0 <= r["a_minus_b_high"])
+    if sum(r["formed"] for r in formation.values()) < 2:
+        assert not order and "Fewer than two components formed" in report.read_text()
+    # each checkpoint against the final one: the own circuits' Jaccard from the circuit files, the top-n overlaps
+    # from the structure record
+    final_rows = json.loads((out / "tables" / "structure_final.json").read_text())
+    st = json.loads(study.cache.path("structure").read_text())["result"]
+    files = {n: circuit_pairs(out / "circuits" / f"{label(n)}.json") for n in names}
+    flat = {n: {(h, p) for h, ps in files[n].items() for p in ps} for n in names}
+    assert [r["checkpoint"] for r in final_rows] == names[:-1]
+    for r, n in zip(final_rows, names):
+        assert r["own_circuit_jaccard"] == len(flat[n] & flat[names[-1]]) / len(flat[n] | flat[names[-1]])
+        assert r["cross_overlap"] == st["matrix"]["overlap"][names.index(n)][-1]
+    assert [st["matrix"]["overlap"][i][i] for i in range(3)] == [st["null"][n]["value"] for n in names]
     # the circuits scored in every checkpoint: the final circuit is the final checkpoint's own
     scored = {n: json.loads(study.cache.path(f"score:{n}").read_text())["result"]["outcomes"] for n in names}
     assert scored[names[-1]]["final"] == scored[names[-1]]["own"]

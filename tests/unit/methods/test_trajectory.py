@@ -4,6 +4,8 @@ the within-checkpoint null and the formed-at rule on constructed data."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from mechdiff.circuits.curve import prompt_attribution
 from mechdiff.circuits.positions import task_classes
 from mechdiff.circuits.scoring import Scorer
 from mechdiff.common.components import Head, parse_heads
-from mechdiff.common.stats import paired_difference
+from mechdiff.common.stats import bootstrap_ratio, paired_difference
 from mechdiff.methods.dcm import semantic_patching
 from mechdiff.methods.trajectory import (
     Checkpoints,
@@ -24,18 +26,16 @@ from mechdiff.methods.trajectory import (
     circuits_scored,
     cmap_gain,
     decode_array,
-    formed_at,
-    halves,
-    jaccard,
     membership,
     own_circuit,
     semantic,
+    splits,
     structure,
     trajectory_specs,
 )
 from mechdiff.models.loading import load_model
 from mechdiff.patching.evaluate import evaluate
-from mechdiff.report.trajectory import band_figure, membership_figure
+from mechdiff.report.trajectory import band_figure, membership_figure, overlap_figure
 from mechdiff.tasks.base import get_task
 from mechdiff.tasks.desiderata import desideratum_pairs
 
@@ -129,7 +129,16 @@ def test_own_circuit_and_circuits_scored_match_the_loaded_checkpoint(trajectory,
     assert own["n_pairs"] == (reached[0] if reached else own["curve"]["rows"][-1])["n_pairs"]
     circuit = Circuit.from_dict(own["circuit"])
     assert len(circuit.pairs()) == own["n_pairs"] and own["n_heads"] == len(circuit.heads())
-    assert all(0 <= f <= 1 for f in own["stability"].values()) and len(own["stability"]) == own["n_pairs"]
+    # each pair's selection frequency: how often it is in the top n_pairs when the ranking prompts are resampled
+    # (numpy's generator, seeded as documented), recomputed here by sorting
+    flat, n = attribution.reshape(attribution.shape[0], -1).numpy(), own["n_pairs"]
+    rng, counts = np.random.default_rng(0), np.zeros(flat.shape[1])
+    for _ in range(20):
+        counts[np.argsort(-np.abs(flat[rng.integers(0, len(flat), len(flat))].mean(0)), kind="stable")[:n]] += 1
+    _, n_layers, n_heads = attribution.shape[1:]
+    flat_names = [f"L{la}H{h}@{c}" for c in classes for la in range(n_layers) for h in range(n_heads)]
+    assert own["stability"] == {p: counts[flat_names.index(p)] / 20 for p in own["stability"]}
+    assert set(own["stability"]) == {f"{h.name}@{pos}" for h, pos in circuit.pairs()}
 
     first_trained = Circuit(
         "x",
@@ -144,9 +153,16 @@ def test_own_circuit_and_circuits_scored_match_the_loaded_checkpoint(trajectory,
         assert scored["outcomes"][label] == kept and scored["full"] == full
         row = scored["rows"][label]
         assert row["accuracy"] == np.mean(kept) and row["full_accuracy"] == np.mean(full)
-        if np.mean(full):
-            assert row["faithfulness"] == pytest.approx(np.mean(kept) / np.mean(full), rel=1e-12)
-            assert row["faithfulness_low"] <= row["faithfulness"] <= row["faithfulness_high"]
+        # accuracy faithfulness: kept over full, undefined (nan) where the whole model answers no prompt (the tiny
+        # checkpoint here); the probability faithfulness is always a number: both against the outcomes computed here
+        want = np.mean(kept) / np.mean(full) if np.mean(full) else np.nan
+        assert row["faithfulness"] == pytest.approx(want, rel=1e-12, nan_ok=True)
+        p_kept, p_full = ref_scorer.keep(c.pairs()).prob, ref_scorer.full().prob
+        assert row["faithfulness_prob"] == pytest.approx(p_kept.mean() / p_full.mean(), rel=1e-9)
+        ratio = bootstrap_ratio(p_kept, p_full)  # circuit over model, prompts resampled jointly
+        assert [row["faithfulness_prob_low"], row["faithfulness_prob_high"]] == pytest.approx(
+            [ratio.low, ratio.high], rel=1e-9
+        )
 
 
 def test_cmap_gain_is_the_paired_difference_of_patched_and_first(trajectory, prompts):
@@ -167,9 +183,14 @@ def test_cmap_gain_is_the_paired_difference_of_patched_and_first(trajectory, pro
         patched = np.array(res["outcomes"][key], dtype=float)
         assert gain == paired_difference(patched, direct_first).to_dict()
         assert gain["value"] == pytest.approx(patched.mean() - np.mean(direct_first), abs=1e-12)
-    # every head of every layer at every position: z from the other checkpoint, read out by the first's o_proj
-    # (exactly the other checkpoint where o_proj is untouched by the adapter: not here, so only a sanity check)
-    assert all(-1 <= g["low"] <= g["value"] <= g["high"] <= 1 for g in res["gain"].values())
+    # the group at the last token patched with plain hooks: the other checkpoint's z of L2H0 and L2H3 written into
+    # the first's o_proj input at the last position, one prompt at a time. Its top-1 token becomes each prompt's
+    # answer, so CMAP's patched first checkpoint answers every prompt, the unpatched one only some
+    top = z_patched(direct(names[0]).model, direct(names[2]).model, prompts["records"], [Head(2, 0), Head(2, 3)])
+    relabelled = [dataclasses.replace(r, answer_id=t) for r, t in zip(prompts["records"], top)]
+    res = cmap_gain(first, other, circuit, relabelled, ("z",), batch_size=8, progress=False)
+    assert res["outcomes"]["last/z"] == [1] * len(relabelled)
+    assert 0 < sum(res["outcomes"]["base"]) < len(relabelled)
 
 
 def test_semantic_patching_matches_the_loaded_checkpoint(trajectory, smollm2_tokenizer):
@@ -192,6 +213,38 @@ def test_semantic_patching_matches_the_loaded_checkpoint(trajectory, smollm2_tok
             assert g["accuracy"]["value"] == np.mean(want.outcomes)
 
 
+def z_patched(first, other, records, heads: list[Head]) -> list[int]:
+    """The top-1 token of ``first`` with ``heads``' outputs (o_proj inputs) at the last token taken from
+    ``other``'s run on the same prompt."""
+    cfg = first.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers = sorted({h.layer for h in heads})
+    out = []
+    for r in records:
+        ids, captured = torch.tensor([r.input_ids]), {}
+
+        def grab(layer):
+            return lambda mod, args: captured.__setitem__(layer, args[0][0, -1].clone())
+
+        def put(layer):
+            def hook(mod, args):
+                z = args[0].clone()
+                for h in (h for h in heads if h.layer == layer):
+                    z[0, -1, h.head * d : (h.head + 1) * d] = captured[layer][h.head * d : (h.head + 1) * d]
+                return (z,)
+
+            return hook
+
+        with torch.no_grad():
+            hooks = [other.model.layers[la].self_attn.o_proj.register_forward_pre_hook(grab(la)) for la in layers]
+            other(ids)
+            hooks += [first.model.layers[la].self_attn.o_proj.register_forward_pre_hook(put(la)) for la in layers]
+            out.append(int(first(ids).logits[0, -1].argmax()))
+            for hk in hooks:
+                hk.remove()
+    return out
+
+
 def test_within_checkpoint_null_on_the_tiny_trajectory_is_the_overlap_of_two_disjoint_discoveries(trajectory, prompts):
     names, cp = trajectory
     attribution, classes = {}, None
@@ -199,29 +252,50 @@ def test_within_checkpoint_null_on_the_tiny_trajectory_is_the_overlap_of_two_dis
         s = scorer(cp.model(name), prompts)
         classes = classes or task_classes(s)
         attribution[name] = prompt_attribution(s, classes).float().numpy()
-    n = 12
-    res = structure(attribution, classes, n, draws=30, seed=5)
-    a, b = halves(len(prompts["records"]), 5)
-    assert not set(a) & set(b) and len(a) + len(b) == len(prompts["records"])
+    check_structure(attribution, classes, n=12, draws=30, seed=5)
 
-    def top(x: np.ndarray, rows) -> set:  # by sorting, not topk
-        mean = np.abs(x.reshape(x.shape[0], -1)[rows].astype(np.float64).mean(0))
-        return set(np.argsort(-mean, kind="stable")[:n].tolist())
 
-    for name in names:
-        ta, tb = top(attribution[name], a), top(attribution[name], b)
-        assert res["null"][name]["value"] == len(ta & tb) / len(ta | tb)
-        assert 0 <= res["null"][name]["low"] <= res["null"][name]["high"] <= 1
-    for row, (s, t) in zip(res["consecutive"], zip(names, names[1:])):
-        cross = (
-            jaccard(frozenset(top(attribution[s], a)), frozenset(top(attribution[t], b)))
-            + jaccard(frozenset(top(attribution[t], a)), frozenset(top(attribution[s], b)))
-        ) / 2
-        assert row["cross"]["value"] == cross
-        assert row["null_minus_cross"]["value"] == pytest.approx(
-            (res["null"][s]["value"] + res["null"][t]["value"]) / 2 - cross, abs=1e-12
-        )
+def top(x: np.ndarray, rows, n: int) -> set:
+    """The top ``n`` pairs of |mean attribution| over ``rows``, by sorting (not topk)."""
+    mean = np.abs(x.reshape(x.shape[0], -1)[rows].astype(np.float64).mean(0))
+    return set(np.argsort(-mean, kind="stable")[:n].tolist())
+
+
+def overlap(a: set, b: set) -> float:
+    return len(a & b) / len(a | b)
+
+
+def check_structure(attribution: dict, classes, n: int, draws: int, seed: int) -> dict:
+    """:func:`structure` against the overlaps recomputed here split by split: the null, the cross overlaps
+    (consecutive and against the final), their spread-corrected differences, the matrix; every point estimate
+    inside its range."""
+    names = list(attribution)
+    res = structure(attribution, classes, n, draws=draws, seed=seed)
+    cuts = splits(len(next(iter(attribution.values()))), draws, seed)
+    tops = [{c: (top(x, a, n), top(x, b, n)) for c, x in attribution.items()} for a, b in cuts]
+    null = {c: [overlap(*t[c]) for t in tops] for c in names}
+
+    def cross(s, t):
+        return [(overlap(d[s][0], d[t][1]) + overlap(d[t][0], d[s][1])) / 2 for d in tops]
+
+    def same(got: dict, values: list) -> None:
+        assert got["value"] == pytest.approx(np.mean(values), abs=1e-12) and got["n"] == draws
+        assert [got["low"], got["high"]] == pytest.approx(np.percentile(values, [2.5, 97.5]), abs=1e-12)
+        assert got["low"] <= got["value"] <= got["high"]
+
+    for c in names:
+        same(res["null"][c], null[c])
+    pairs = [(r, s, t) for r, (s, t) in zip(res["consecutive"], zip(names, names[1:]))]
+    pairs += [(r, r["checkpoint"], names[-1]) for r in res["against_final"]]
+    assert [r["checkpoint"] for r in res["against_final"]] == names[:-1]
+    for row, s, t in pairs:
+        same(row["cross"], cross(s, t))
+        same(row["null_minus_cross"], [(x + y) / 2 - c for x, y, c in zip(null[s], null[t], cross(s, t))])
         assert row["changed"] == (row["null_minus_cross"]["low"] > 0)
+    want = [[np.mean(null[s] if s == t else cross(s, t)) for t in names] for s in names]
+    assert res["matrix"]["checkpoints"] == names
+    assert np.allclose(res["matrix"]["overlap"], want, atol=1e-12, rtol=0)
+    return res
 
 
 def constructed(strong: list[int], n_prompts: int = 40, seed: int = 0, noise: float = 0.1) -> np.ndarray:
@@ -253,32 +327,57 @@ def test_structure_changes_only_beyond_the_within_checkpoint_spread():
     assert not res["consecutive"][0]["changed"]
 
 
-def test_formed_at_needs_the_interval_to_exclude_zero_from_that_step_on():
-    def iv(low: float, high: float) -> dict:
-        return {"value": (low + high) / 2, "low": low, "high": high, "n": 10}
+def test_splits_are_disjoint_random_halves_with_no_prompt_drawn_twice():
+    cuts = splits(13, 50, seed=2)
+    for a, b in cuts:
+        assert (len(a), len(b)) == (6, 7) and len(set(a.tolist())) == 6 and len(set(b.tolist())) == 7
+        assert sorted([*a.tolist(), *b.tolist()]) == list(range(13))
+    assert len({tuple(a.tolist()) for a, _ in cuts}) > 40  # a fresh split each draw
+    assert [a.tolist() for a, _ in splits(13, 50, seed=2)] == [a.tolist() for a, _ in cuts]
+    with pytest.raises(ValueError, match="at least 4 ranking prompts"):
+        splits(3, 5, 0)
 
-    steps = [0, 5, 10, 15, 20, 30]
-    seq = [None, iv(-0.1, 0.2), iv(0.1, 0.3), iv(-0.05, 0.1), iv(0.2, 0.4), iv(0.3, 0.5)]
-    assert formed_at(steps, seq) == {"step": 20, "sign": 1}  # 10 excludes 0, 15 does not: from 20 on
-    assert formed_at(steps, [None] + [iv(0.1, 0.2)] * 5) == {"step": 5, "sign": 1}
-    assert formed_at(steps, [None, iv(0.1, 0.2), iv(-0.3, -0.1), iv(-0.3, -0.1), iv(-0.2, -0.01), iv(-0.4, -0.2)]) == {
-        "step": 10,
-        "sign": -1,
+
+def test_the_null_of_a_noisy_checkpoint_lies_inside_its_own_range():
+    """Two discoveries of one checkpoint on disjoint halves, noise as large as the signal: the null (the mean over
+    random disjoint splits) lies strictly inside the range of the splits, and so does every cross overlap; each
+    is what the splits give, recomputed here."""
+    classes = ["last", "query_label"]
+    attribution = {
+        "s": constructed([0, 5, 9, 13], noise=1.5, seed=2, n_prompts=32),
+        "t": constructed([0, 5, 9, 17], noise=1.5, seed=3, n_prompts=32),
+        "u": constructed([0, 5, 17, 20], noise=1.5, seed=4, n_prompts=32),
     }
-    assert formed_at(steps, [None, iv(0.1, 0.2), iv(0.1, 0.2), iv(0.1, 0.2), iv(0.1, 0.2), iv(0.0, 0.2)]) is None
-    assert formed_at(steps, [None, *([iv(0.1, 0.2)] * 4), iv(-0.3, -0.2)]) == {"step": 30, "sign": -1}
-    with pytest.raises(ValueError, match="6 steps but 2 intervals"):
-        formed_at(steps, seq[:2])
+    res = check_structure(attribution, classes, n=4, draws=100, seed=1)
+    for est in [*res["null"].values(), *(r["cross"] for r in res["consecutive"] + res["against_final"])]:
+        assert est["low"] < est["value"] < est["high"]
 
 
-def test_against_first_is_the_paired_difference_and_none_for_the_first():
+def test_each_checkpoint_against_the_final_one_and_the_overlap_matrix(tmp_path):
+    classes = ["last", "query_label"]
+    same = constructed([0, 5, 9])
+    moved = constructed([0, 5, 17], seed=1)
+    res = structure({"s": same, "t": same.copy(), "u": moved}, classes, n=3, draws=50, seed=0)
+    assert [r["checkpoint"] for r in res["against_final"]] == ["s", "t"]
+    for row in res["against_final"]:  # both share 2 of 4 pairs with the final, beyond a null of 1 in every split
+        assert row["cross"] == {"value": 0.5, "low": 0.5, "high": 0.5, "n": 50}
+        assert row["null_minus_cross"]["low"] == 0.5 and row["changed"]
+    assert res["matrix"]["overlap"] == [[1.0, 1.0, 0.5], [1.0, 1.0, 0.5], [0.5, 0.5, 1.0]]
+    path = overlap_figure([0, 5, 10], res["matrix"]["overlap"], tmp_path / "m.png", "overlap")
+    assert path.stat().st_size > 0
+
+
+def test_against_first_is_a_paired_difference():
+    """The later checkpoint is right on every prompt the first is, and on 3 more of 30: every resampled mean of
+    the paired differences is >= 0 and at most a few prompts' worth, which unpaired intervals would not give."""
     rng = np.random.default_rng(0)
-    outcomes = [rng.integers(0, 2, 30).tolist() for _ in range(3)]
-    got = against_first(outcomes)
-    assert got[0] is None
-    for o, g in zip(outcomes[1:], got[1:]):
-        assert g == paired_difference(o, outcomes[0]).to_dict()
-        assert g["value"] == pytest.approx(np.mean(o) - np.mean(outcomes[0]), abs=1e-12)
+    first = (rng.random(30) < 0.5).astype(int)
+    later = first.copy()
+    later[np.flatnonzero(first == 0)[:3]] = 1
+    got = against_first([first.tolist(), later.tolist(), None])
+    assert got[0] is None and got[2] is None
+    assert got[1]["value"] == pytest.approx(0.1, abs=1e-12) and got[1]["n"] == 30
+    assert 0 <= got[1]["low"] < 0.1 < got[1]["high"] <= 0.25
 
 
 def test_membership_counts_pairs_by_class_and_layer(tmp_path):
