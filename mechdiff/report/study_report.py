@@ -534,7 +534,8 @@ def _method(study: "Study") -> str:
         )
     return (
         f"Each model's circuit by the paper's path patching on {d.n} clean/counterfactual pairs; top-k per step "
-        f"{d.top_k or 'as the plan gives'}; attribution screen: {d.screen} (shortlist {d.screen_multiple} x k). {MEANS_RULE}\n"
+        f"{d.top_k or 'as the plan gives'}; attribution screen: {d.screen} (shortlist {d.screen_multiple} x k). "
+        f"{MEANS_RULE}\n"
     )
 
 

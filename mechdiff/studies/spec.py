@@ -315,7 +315,8 @@ def _check_groups(path: Path, text: str, raw: dict, task_name: str) -> None:
         if unknown:
             raise SpecError(
                 f"{path}:{line_of(text, sec, key)}: [{sec}] {key} names {unknown}, which task {task_name} does not "
-                f"have; its groups are {', '.join(sorted(known))} (leave {key} out: every group at a one-token position)"
+                f"have; its groups are {', '.join(sorted(known))} (leave {key} out: every group at a one-token "
+                "position)"
             )
 
 
