@@ -401,6 +401,7 @@ def faithfulness(
     circuit.validate(shape.n_layers, shape.n_heads)
     full, circ = scorer.full(), scorer.keep(circuit.pairs())
     out = {"full": _figures(full, full), "circuit": _figures(circ, full), "n_prompts": len(scorer.records)}
+    out["outcomes"] = {"full": full.outcomes(), "circuit": circ.outcomes()}
     if n_random > 0:
         rng = random.Random(seed)
         draws = [
@@ -501,14 +502,18 @@ def matrix_rows(
     n_random: int = 0,
     seed: int = 0,
     random_for: Optional[Sequence[str]] = None,
+    outcomes: Optional[dict] = None,
 ) -> list[dict]:
     """One row per circuit for one model: full and circuit accuracy, faithfulness (and the random
     baseline, for the circuits named in ``random_for``, default all), each as ``x``, ``x_low``, ``x_high``
-    columns (see :mod:`mechdiff.report.tables`); ``draws``: each random draw's accuracy."""
+    columns (see :mod:`mechdiff.report.tables`); ``draws``: each random draw's accuracy. ``outcomes`` (a dict):
+    filled with each circuit's per-prompt outcomes, full model and circuit (:func:`faithfulness`)."""
     rows = []
     for label, circuit in circuits.items():
         draws = n_random if random_for is None or label in random_for else 0
         res = faithfulness(scorer, circuit, n_random=draws, seed=seed)
+        if outcomes is not None:
+            outcomes[label] = res["outcomes"]
         row = {
             "circuit": label,
             "model": model_name,

@@ -125,6 +125,35 @@ def paired_difference(
     return bootstrap(x - y, confidence=confidence, n_resamples=n_resamples, seed=seed)
 
 
+def paired_ratio_difference(
+    num_a: Sequence[float],
+    den_a: Sequence[float],
+    num_b: Sequence[float],
+    den_b: Sequence[float],
+    confidence: float = 0.95,
+    n_resamples: int = 1000,
+    seed: int = 0,
+) -> Estimate:
+    """CI of mean(num_a)/mean(den_a) - mean(num_b)/mean(den_b), two ratios on the same prompts (e.g. one circuit's
+    faithfulness in two models), every resample drawing the same prompts for all four (paired bootstrap)."""
+    arrs = [np.asarray(v, dtype=float) for v in (num_a, den_a, num_b, den_b)]
+    if len({a.shape for a in arrs}) != 1:
+        raise ValueError(f"paired ratios need the same prompts; got shapes {[a.shape for a in arrs]}")
+    na, da, nb, db = arrs
+
+    def diff(m_na, m_da, m_nb, m_db):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.asarray(m_na) / np.asarray(m_da) - np.asarray(m_nb) / np.asarray(m_db)
+
+    value = float(diff(na.mean(), da.mean(), nb.mean(), db.mean()))
+    idx = np.random.default_rng(seed).integers(0, na.size, size=(n_resamples, na.size))
+    draws = diff(na[idx].mean(1), da[idx].mean(1), nb[idx].mean(1), db[idx].mean(1))
+    draws = draws[np.isfinite(draws)]
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(draws, [alpha, 1 - alpha]) if draws.size else (value, value)
+    return Estimate(value, float(low), float(high), int(na.size))
+
+
 def mean_estimate(values: Sequence[float] | np.ndarray) -> Estimate:
     """The mean with the interval fit for it: exact binomial for 0/1 outcomes, bootstrap otherwise
     (e.g. per-prompt means over random draws)."""

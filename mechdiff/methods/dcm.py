@@ -44,6 +44,7 @@ from einops import rearrange, repeat
 from ..circuits.circuit import Circuit
 from ..common.components import Head, all_heads
 from ..common.metrics import answer_is_top1, answer_logit
+from ..common.outcomes import outcome_record
 from ..common.progress import progress_bar
 from ..common.stats import Estimate, pooled_proportion, proportion
 from ..models.loading import LoadedModel
@@ -690,7 +691,8 @@ class SemanticResult:
     outcomes: list[int] = field(default_factory=list)  # per pair: 1 where the patched run gives the target
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "accuracy": self.accuracy.to_dict(), "floor": self.floor.to_dict()}
+        out = {"model": self.model, "accuracy": self.accuracy.to_dict(), "floor": self.floor.to_dict()}
+        return {**out, "outcomes": outcome_record(self.outcomes)} if self.outcomes else out
 
 
 def semantic_patching(

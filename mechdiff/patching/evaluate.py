@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..common.metrics import answer_is_top1, answer_prob, logit_diff
+from ..common.outcomes import outcome_record, rounded
 from ..common.progress import progress_bar
 from ..common.stats import Estimate, bootstrap, proportion
 from ..models.loading import LoadedModel
@@ -45,9 +46,19 @@ class EvalResult:
         return bootstrap(self.logit_diff)
 
     def to_dict(self) -> dict:
+        """The estimates, and the per-prompt outcomes they came from (:mod:`mechdiff.common.outcomes`), so two
+        models on the same prompts get a paired interval."""
         out = {"accuracy": self.accuracy.to_dict(), "answer_prob": self.answer_prob.to_dict()}
         if self.logit_diff is not None:
             out["logit_diff"] = self.mean_logit_diff.to_dict()
+        out["outcomes"] = self.outcomes()
+        return out
+
+    def outcomes(self) -> dict:
+        """The compact per-prompt record: correctness, answer probability (and logit difference, where kept)."""
+        out = outcome_record(self.correct, self.prob)
+        if self.logit_diff is not None:
+            out["logit_diff"] = rounded(self.logit_diff)
         return out
 
 

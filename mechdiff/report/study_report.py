@@ -604,6 +604,43 @@ def _source(name: str, provenance: dict) -> str:
     return spec.source + (f"/{spec.gguf_file}" if spec.gguf_file else "")
 
 
+def paired_section(study: "Study", accuracy: dict, matrix: dict, dcm: "StageRecord") -> tuple[str, list[dict]]:
+    """Every difference of a fine-tune from the base on the same prompts with its paired interval; the per-prompt
+    outcomes behind them written to ``outcomes.json`` (committed with the results)."""
+    from ..common.outcomes import write_outcomes
+    from .paired import outcome_stages, paired_rows
+
+    stages = outcome_stages(accuracy, matrix, dcm)
+    if not stages:
+        return (
+            "_No per-prompt outcomes in these stage records (made before mechdiff kept them): rerun the stages "
+            "for paired intervals._\n",
+            [],
+        )
+    write_outcomes(study.dir, stages)
+    rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes)
+    caption = (
+        "Fine-tune minus base on the same prompts: accuracy and answer probability (eval prompts), each circuit's "
+        "accuracy and faithfulness with the rest mean-ablated (matrix prompts), and the target accuracy with the "
+        "base's DCM heads patched (DCM test pairs); 95% paired bootstrap over prompts (faithfulness: the difference "
+        "of two ratios, each resample the same prompts for both). Per-prompt outcomes: `outcomes.json`"
+    )
+    return study_table(study, rows, "paired_differences", caption), rows
+
+
+def paired_findings(rows: list[dict]) -> str:
+    """The paired differences in words (accuracy and each model's own circuit), each as far as its interval goes."""
+    from .paired import difference_sentence
+
+    lines = []
+    for comparison in dict.fromkeys(r["comparison"] for r in rows):
+        mine = [r for r in rows if r["comparison"] == comparison and not r["measure"].startswith("DCM")]
+        if mine:
+            lines.append(f"- **{comparison}** on the same prompts (paired 95% intervals): ")
+            lines[-1] += "; ".join(difference_sentence(r) for r in mine) + "."
+    return "\n".join(lines)
+
+
 def _fresh(study: "Study", name: str) -> str:
     """``fresh held-out`` for a generated set; for a set dealt from fixed rows, what its row list shows."""
     sets = getattr(study, "prompt_sets", None)
@@ -672,6 +709,7 @@ def write_report(
     """Write ``report.md`` (and every table and figure it cites) into the study directory."""
     acc_text, acc_rows = accuracy_section(study, accuracy)
     mat_text, mat_rows = matrix_section(study, matrix)
+    paired_text, paired = paired_section(study, accuracy, matrix, dcm)
     ov_text, overlaps = overlap_section(study, found)
     manifest = study.manifest()
     spec = study.spec
@@ -693,6 +731,7 @@ def write_report(
         "## Findings\n",
         circuit_findings(study, positions, mat_rows),
         findings(study, acc_rows, mat_rows, overlaps, cmap),
+        paired_findings(paired),
         dcm_findings(dcm),
         "",
         "## Limitations\n",
@@ -708,6 +747,8 @@ def write_report(
         pruning_section(study, pruned),
         "## Circuit x model\n",
         mat_text,
+        "## Differences between models (paired)\n",
+        paired_text,
         "## Overlap\n",
         ov_text,
         "## What the heads encode (DCM)\n",

@@ -425,8 +425,15 @@ class CircuitsStudy(Study):
         def compute() -> dict:
             scorer = self.scorer(name, "matrix")
             loaded = {key: Circuit.from_dict(rec.result["circuit"]) for key, rec in circuits.items()}
+            outcomes: dict = {}
             rows = matrix_rows(
-                name, loaded, scorer, n_random=s.random_draws, seed=self.seed("matrix"), random_for=[name]
+                name,
+                loaded,
+                scorer,
+                n_random=s.random_draws,
+                seed=self.seed("matrix"),
+                random_for=[name],
+                outcomes=outcomes,
             )
             own = loaded.get(name)
             comp = (
@@ -440,7 +447,7 @@ class CircuitsStudy(Study):
                 if own is not None and s.completeness_draws > 0
                 else None
             )
-            return {"rows": rows, "completeness": comp}
+            return {"rows": rows, "completeness": comp, "outcomes": outcomes}
 
         return self.cache.run(
             f"matrix:{name}",

@@ -32,6 +32,27 @@ def tiny_spec(names, out):
     return spec
 
 
+def _check_paired_differences(spec, run_dir, text):
+    """Every model was scored on the same prompts; outcomes.json keeps each stage's per-prompt outcomes, and the
+    paired table's differences are recomputed from it (mean of per-prompt differences)."""
+    import numpy as np
+
+    from mechdiff.common.outcomes import read_outcomes, read_record
+
+    stages = read_outcomes(run_dir)
+    base, ft = spec.models.base, spec.models.finetunes[0]
+    (cb, pb), (cf, pf) = read_record(stages["accuracy"][base]), read_record(stages["accuracy"][ft])
+    assert cb.size == cf.size == spec.eval.n
+    accuracy = json.loads((run_dir / "stages" / f"accuracy__{base.rsplit('/', 1)[-1]}.json").read_text())["result"]
+    assert np.isclose(cb.mean(), accuracy["accuracy"]["value"])
+    rows = {r["measure"]: r for r in json.loads((run_dir / "tables" / "paired_differences.json").read_text())}
+    assert np.isclose(rows["accuracy"]["difference"], cf.mean() - cb.mean())
+    assert np.isclose(rows["answer probability"]["difference"], np.mean(pf - pb), rtol=1e-4, atol=1e-6)
+    own = stages[f"matrix:{base}"][base]
+    assert len(own["correct"]) == spec.scoring.n and f"circuit of {base}: accuracy" in rows  # (faithfulness: nan here)
+    assert "## Differences between models (paired)" in text and "on the same prompts (paired 95% intervals)" in text
+
+
 def test_study_end_to_end_and_caching(tiny_family, tmp_path):
     spec = tiny_spec(tiny_family, tmp_path)
     first = Study(spec, progress=False)
@@ -61,6 +82,7 @@ def test_study_end_to_end_and_caching(tiny_family, tmp_path):
     assert "settings" not in manifest and set(manifest["model_digests"]) == set(tiny_family)
     assert set(manifest["loaded_models"]) == set(tiny_family) and manifest["source"] == spec.source
     _check_heads_table_and_page(spec, run_dir, text, tmp_path)
+    _check_paired_differences(spec, run_dir, text)
 
     again = Study(spec, progress=False)
     replan = again.plan()  # every stage cached, under the keys the first run wrote, with their cost then

@@ -1,0 +1,91 @@
+"""Differences between models on the same prompts: paired intervals, recomputed independently."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from mechdiff.common.outcomes import outcome_record
+from mechdiff.common.stats import paired_difference, paired_ratio_difference, proportion
+from mechdiff.report.paired import difference_sentence, outcome_stages, paired_rows
+
+
+def _rec(result: dict) -> SimpleNamespace:
+    return SimpleNamespace(result=result)
+
+
+def test_a_paired_interval_resolves_what_two_separate_intervals_do_not():
+    """The fine-tune gets 10 more of 200 prompts right and none wrong that the base got right: the two exact
+    binomial intervals overlap, the paired interval lies above 0 (what pairing is for)."""
+    base = np.zeros(200)
+    base[:100] = 1
+    ft = base.copy()
+    ft[100:110] = 1
+    a, b = proportion(ft), proportion(base)
+    assert a.low < b.high  # separate intervals: no difference read
+    d = paired_difference(ft, base)
+    assert d.value == 0.05 and d.low > 0
+
+
+def test_paired_ratio_difference_is_the_difference_of_ratios_resampled_together():
+    rng = np.random.default_rng(1)
+    full = (rng.random(300) < 0.8).astype(float)
+    circ_b = full * (rng.random(300) < 0.7)
+    circ_f = full * (rng.random(300) < 0.9)
+    est = paired_ratio_difference(circ_f, full, circ_b, full, n_resamples=2000, seed=3)
+    assert np.isclose(est.value, circ_f.mean() / full.mean() - circ_b.mean() / full.mean())
+    # the same draws by hand (the independent computation)
+    idx = np.random.default_rng(3).integers(0, 300, size=(2000, 300))
+    by_hand = circ_f[idx].mean(1) / full[idx].mean(1) - circ_b[idx].mean(1) / full[idx].mean(1)
+    assert np.allclose([est.low, est.high], np.quantile(by_hand, [0.025, 0.975]))
+    same = paired_ratio_difference(circ_b, full, circ_b, full)
+    assert same.value == same.low == same.high == 0.0
+
+
+def test_rows_from_stage_records_pair_the_same_prompts():
+    """Accuracy, a circuit's accuracy and faithfulness in both models, and DCM heads patched in each: each row's
+    difference equals the mean of per-prompt differences (or the difference of ratios) of what was recorded."""
+    rng = np.random.default_rng(2)
+    n = 120
+    cb, cf = rng.random(n) < 0.5, rng.random(n) < 0.7
+    pb, pf = rng.random(n), rng.random(n)
+    accuracy = {"base": _rec({"outcomes": outcome_record(cb, pb)}), "ft": _rec({"outcomes": outcome_record(cf, pf)})}
+    full_b, full_f, circ_b, circ_f = (rng.random(n) < p for p in (0.8, 0.9, 0.6, 0.5))
+    matrix = {
+        "base": _rec({"outcomes": {"base": {"full": outcome_record(full_b), "circuit": outcome_record(circ_b)}}}),
+        "ft": _rec({"outcomes": {"base": {"full": outcome_record(full_f), "circuit": outcome_record(circ_f)}}}),
+    }
+    sem_b, sem_f = rng.random(40) < 0.3, rng.random(40) < 0.6
+    dcm = _rec(
+        {
+            "semantic": [
+                {"group": "last", "desideratum": "object", "model": m, "outcomes": outcome_record(o)}
+                for m, o in (("base", sem_b), ("ft", sem_f))
+            ]
+        }
+    )
+    rows = {r["measure"]: r for r in paired_rows(outcome_stages(accuracy, matrix, dcm), "base", ["ft"])}
+    assert np.isclose(rows["accuracy"]["difference"], cf.mean() - cb.mean())
+    assert np.isclose(rows["answer probability"]["difference"], np.mean(pf - pb), atol=1e-5)
+    assert np.isclose(rows["circuit of base: accuracy"]["difference"], circ_f.mean() - circ_b.mean())
+    faith = circ_f.mean() / full_f.mean() - circ_b.mean() / full_b.mean()
+    assert np.isclose(rows["circuit of base: faithfulness"]["difference"], faith)
+    sem = rows["DCM heads of last/object patched: target accuracy"]
+    assert np.isclose(sem["difference"], sem_f.mean() - sem_b.mean()) and sem["n_prompts"] == 40
+    assert all(r["comparison"] == "ft - base" for r in rows.values())
+
+
+def test_a_sentence_states_a_difference_only_where_the_interval_excludes_zero():
+    row = {"measure": "accuracy", "difference": 0.05, "difference_low": 0.02, "difference_high": 0.08, "n_prompts": 9}
+    assert "higher in the fine-tune" in difference_sentence(row)
+    row.update(difference_low=-0.01)
+    assert "no difference the interval carries" in difference_sentence(row)
+    row.update(difference=-0.05, difference_low=-0.08, difference_high=-0.02)
+    assert "lower in the fine-tune" in difference_sentence(row)
+
+
+def test_records_without_outcomes_give_no_rows():
+    """Stage records made before outcomes were kept: no comparison is invented."""
+    accuracy = {"base": _rec({"accuracy": {}}), "ft": _rec({"accuracy": {}})}
+    assert outcome_stages(accuracy, {}, None) == {} and paired_rows({}, "base", ["ft"]) == []
