@@ -272,7 +272,7 @@ def test_pair_cache_matches_uncached_patching(tiny_llama, pairs):
     subset = pairs[:10]
     heads = [Head(1, 0), Head(2, 3)]
     cache = PairCache.build(tiny_llama, subset, [(heads, "last")], batch_size=4)
-    assert set(cache.prefix) == {1}
+    assert cache.starts == [1] and cache.sites == {"last": [1, 2]}
     batch = pair_batch_tensors(subset)
     values = source_z(tiny_llama, batch, [1, 2], "last")
     plain = run(
@@ -297,7 +297,7 @@ def test_pair_cache_suffix_gradients_equal_full_runs(tiny_llama, pairs):
 
     subset, heads = pairs[:6], [Head(1, 0), Head(2, 3)]
     cache = PairCache.build(tiny_llama, subset, [(heads, "query_label")], batch_size=3)
-    assert cache.kv is not None and cache.kv.batch == 6
+    assert cache.suffix and cache.store.read("keys", range(6)).shape[0] == 6
     batch = pair_batch_tensors(subset)
     values = source_z(tiny_llama, batch, [1, 2], "query_label")
     weights = torch.randn(6, tiny_llama.shape.vocab_size, generator=torch.Generator().manual_seed(0))
@@ -679,19 +679,15 @@ def test_a_circuit_builds_one_cache_per_desideratum(model, dcm_pairs, monkeypatc
 
 
 def test_a_circuit_holds_one_desideratum_cache_at_a_time(model, dcm_pairs, monkeypatch):
-    """Each desideratum's cache (every layer's keys and values of its pairs: about 6 GB for 2000 SmolLM2 pairs)
-    is released before the next is built: two alive at once ran the paper-form study out of 24 GB."""
-    import gc
-    import weakref
-
-    alive_at_build, built = [], []
+    """Each desideratum's cache file (every layer's keys and values of its pairs: about 17 GB for 2000 SmolLM2
+    pairs) is deleted before the next is built, and so is the last one's when DCM is done."""
+    on_disk_at_build, files = [], []
     original = PairCache.build
 
     def build(*args, **kwargs):
-        gc.collect()
-        alive_at_build.append(sum(ref() is not None for ref in built))
+        on_disk_at_build.append(sum(path.exists() for path in files))
         cache = original(*args, **kwargs)
-        built.append(weakref.ref(cache))
+        files.append(cache.store.path)
         return cache
 
     monkeypatch.setattr(PairCache, "build", build)
@@ -700,7 +696,8 @@ def test_a_circuit_holds_one_desideratum_cache_at_a_time(model, dcm_pairs, monke
     dcm_circuit(
         model, circuit, {"one": dcm_pairs[:8], "two": dcm_pairs[8:16], "three": dcm_pairs[:8]}, config, progress=False
     )
-    assert alive_at_build == [0, 0, 0]
+    assert on_disk_at_build == [0, 0, 0]
+    assert len(files) == 3 and not any(path.parent.exists() for path in files)
 
 
 def test_semantic_patching_refuses_an_empty_selection(model, dcm_pairs):
