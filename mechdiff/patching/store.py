@@ -373,7 +373,7 @@ class ActivationStore:
 
 class RowStore:
     """Per-row tensors of ``n_rows`` rows in a scratch HDF5 file: written a batch at a time, read back by rows, so
-    that only the rows asked for are ever in memory. Uncompressed, one chunk per row, no chunk cache; values are
+    that only the rows asked for are ever in memory. Uncompressed and contiguous (no chunk index to grow); values are
     read back bit for bit in their dtype (bfloat16 too). The file lives in a temporary directory under
     ``directory`` (default: ``TMPDIR``) and is deleted with the store or by :meth:`close`."""
 
@@ -394,7 +394,7 @@ class RowStore:
         order = np.argsort(np.asarray(rows), kind="stable")
         data = _as_numpy(t.detach().cpu())[order]
         if name not in self._dtypes:
-            self._file.create_dataset(name, (self.n_rows, *data.shape[1:]), data.dtype, chunks=(1, *data.shape[1:]))
+            self._file.create_dataset(name, (self.n_rows, *data.shape[1:]), data.dtype)  # contiguous: no chunk index
             self._dtypes[name] = t.dtype
         self._file[name][np.asarray(rows)[order]] = data
 
