@@ -256,7 +256,7 @@ class PairCache:
 
     The activations are written to a scratch HDF5 file (:class:`~mechdiff.patching.store.RowStore`, under
     ``TMPDIR``) a batch at a time and read back by the rows each patched run needs, so memory holds one batch's
-    activations whatever the number of pairs (the keys and values of 2000 SmolLM2 pairs are about 17 GB on disk);
+    activations whatever the number of pairs (the paper-form study's 2000 SmolLM2 pairs: about 17 GB on disk);
     the values read back are the ones computed, bit for bit. The file is deleted with the cache.
 
     Pairs of several token lengths and templates are run group by group
@@ -289,7 +289,8 @@ class PairCache:
         starts = sorted({min(h.layer for h in heads) for heads, _ in groups if heads} - {0})
         cache = cls(pairs, RowStore(len(pairs)), sites, starts, np.zeros(len(pairs), dtype=bool))
         length = max((len(p.base.input_ids) for p in pairs), default=0)
-        for rows in progress_bar(grouped_batches(pairs, batch_size), desc="dcm cache", disable=not progress, leave=False):
+        batches = grouped_batches(pairs, batch_size)
+        for rows in progress_bar(batches, desc="dcm cache", disable=not progress, leave=False):
             cache._write(model, rows, length)
         return cache
 

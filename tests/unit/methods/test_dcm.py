@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny
-from tolerances import TINY_FORWARD, assert_close32, tol32
+from tolerances import TINY_FORWARD, assert_close32
 
 import mechdiff.methods.dcm as dcm
 from mechdiff.circuits.circuit import Circuit
@@ -258,7 +258,9 @@ def test_streamed_dcm_equals_dcm_on_pairs_run_in_one_batch(planted_mixed, parame
     assert got[1] == want[1] and [h["val_accuracy"] for h in got[2]] == [h["val_accuracy"] for h in want[2]]
     logit = float(reference.logits(model, train, [], None, "last")[0].abs().max())
     assert_close32([h["loss"] for h in got[2][1:]], [h["loss"] for h in want[2][1:]], scale=logit)
-    streamed, one_batch = (run_dcm(model, candidates, "last", pairs, config, progress=False, cache=c) for c in (cache, reference))
+    streamed, one_batch = (
+        run_dcm(model, candidates, "last", pairs, config, progress=False, cache=c) for c in (cache, reference)
+    )
     assert streamed.selected == one_batch.selected == [PLANTED]
     assert streamed.mask == pytest.approx(one_batch.mask, abs=1e-4)  # rounded to 4 decimals
     for name in ("test_accuracy", "floor", "full_group", "random"):
@@ -743,8 +745,8 @@ def test_a_circuit_builds_one_cache_per_desideratum(model, dcm_pairs, monkeypatc
 
 
 def test_a_circuit_holds_one_desideratum_cache_at_a_time(model, dcm_pairs, monkeypatch):
-    """Each desideratum's cache file (every layer's keys and values of its pairs: about 17 GB for 2000 SmolLM2
-    pairs) is deleted before the next is built, and so is the last one's when DCM is done."""
+    """Each desideratum's cache file (every layer's keys and values of its pairs: about 17 GB for the paper-form
+    study's 2000 SmolLM2 pairs) is deleted before the next is built, and so is the last one's when DCM is done."""
     on_disk_at_build, files = [], []
     original = PairCache.build
 

@@ -92,7 +92,6 @@ def test_interrupted_write_resumes_and_leaves_previous_file_intact(tmp_path, tin
     assert first.key in store.keys()
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_row_store_reads_back_the_rows_written(tmp_path, dtype):
     """Batches written at scattered rows read back, in any order asked, as the very values written."""
