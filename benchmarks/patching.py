@@ -391,7 +391,7 @@ def dcm_epochs(model, n_pairs: int, line) -> dict:
         ("query_label", [Head(shape.n_layers // 2 + i, i % shape.n_heads) for i in range(4)]),
     ):
         cache = PairCache.build(model, pairs, [(heads, position)], batch_size=16)
-        full = dataclasses.replace(cache, kv=None)
+        full = dataclasses.replace(cache, suffix=False)
         config = DCMConfig(epochs=1)
         times = {}
         for name, c in (("suffix", cache), ("full", full)):

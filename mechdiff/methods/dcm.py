@@ -50,6 +50,7 @@ from ..common.stats import Estimate, pooled_proportion, proportion
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, Prefix, Resume, run
 from ..patching.evaluate import batches
+from ..patching.store import RowStore
 from ..tasks.base import PairRecord, group_batches, grouped_batches, pair_batch_tensors, record_order, take
 
 log = logging.getLogger(__name__)
@@ -242,23 +243,9 @@ def masked_z_patches(
     ]
 
 
-def _cat_layers(batches: list[list[torch.Tensor]], perm: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer, the batches' tensors joined in the pairs' order. Each layer's batch tensors are released as it
-    is joined, so the peak is the cache plus one layer (the keys and values are most of a cache: 2000 pairs of
-    SmolLM2 hold about 6 GB)."""
-    out = []
-    for layer in range(len(batches[0])):
-        parts = [b[layer] for b in batches]
-        for b in batches:
-            b[layer] = None
-        out.append(torch.cat(parts)[perm])
-        del parts
-    return out
-
-
 @dataclass
 class PairCache:
-    """What every DCM run on one list of pairs shares, computed in one pass over them.
+    """What every DCM run on one list of pairs shares, computed in one pass over them and streamed from disk.
 
     Per pair: the source run's z at each ``(layer, position)`` a group patches; the base run's
     residual stream entering each group's first layer, so that patched runs resume there and
@@ -268,6 +255,11 @@ class PairCache:
     the unpatched base already gives the target (the floor). Training, validation, test and the
     random baseline all read from it.
 
+    The activations are written to a scratch HDF5 file (:class:`~mechdiff.patching.store.RowStore`, under
+    ``TMPDIR``) a batch at a time and read back by the rows each patched run needs, so memory holds one batch's
+    activations whatever the number of pairs (the paper-form study's 2000 SmolLM2 pairs: about 17 GB on disk);
+    the values read back are the ones computed, bit for bit. The file is deleted with the cache.
+
     Pairs of several token lengths and templates are run group by group
     (:func:`~mechdiff.tasks.base.grouped_batches`); the residual streams and keys/values of shorter pairs
     are stored zero-filled to the longest pair's length and cut back to their own length when read, so
@@ -275,10 +267,11 @@ class PairCache:
     """
 
     pairs: list[PairRecord]
-    source: dict[tuple[int, str], torch.Tensor]  # (layer, position) -> "pair (head d_head)"
-    prefix: dict[int, torch.Tensor]  # layer -> "pair pos d_model": the residual entering that layer
+    store: RowStore  # "source/<position>", "resid/<layer>", "keys", "values": one row per pair
+    sites: dict[str, list[int]]  # position -> the layers whose source z is stored there (in the row's order)
+    starts: list[int]  # the layers whose entering residual stream is stored (patched runs resume there)
     floor: np.ndarray  # bool per pair: target is the unpatched base's top-1
-    kv: Optional[Prefix] = None  # the base run's keys and values ("pair kv_head pos d_head" per layer): suffix runs
+    suffix: bool = True  # patched runs read the base's keys and values (suffix runs); False: full-length runs
 
     @classmethod
     def build(
@@ -291,37 +284,36 @@ class PairCache:
     ) -> "PairCache":
         """Two forward passes per pair (source and base) for every ``(heads, position)`` in ``groups``."""
         pairs = list(pairs)
-        sites = sorted({(h.layer, pos) for heads, pos in groups for h in heads})
+        groups = [(list(heads), pos) for heads, pos in groups]
+        sites = {pos: sorted({h.layer for hs, p in groups if p == pos for h in hs}) for _, pos in groups}
+        sites = {pos: layers for pos, layers in sorted(sites.items()) if layers}
         starts = sorted({min(h.layer for h in heads) for heads, _ in groups if heads} - {0})
-        source: dict = {site: [] for site in sites}
-        prefix: dict = {layer: [] for layer in starts}
-        floor, keys, values = [], [], []
+        cache = cls(pairs, RowStore(len(pairs)), sites, starts, np.zeros(len(pairs), dtype=bool))
         length = max((len(p.base.input_ids) for p in pairs), default=0)
         batches = grouped_batches(pairs, batch_size)
         for rows in progress_bar(batches, desc="dcm cache", disable=not progress, leave=False):
-            batch = pair_batch_tensors(take(pairs, rows))
-            for position in sorted({pos for _, pos in sites}):
-                layers = [layer for layer, pos in sites if pos == position]
-                for layer, z in source_z(model, batch, layers, position).items():
-                    source[(layer, position)].append(z.cpu())
-            with torch.no_grad():
-                out = run(
-                    model, batch["base"]["input_ids"], capture=[("resid", layer - 1) for layer in starts], keep_kv=True
-                )
-            for layer in starts:
-                prefix[layer].append(_pad(out.captured[("resid", layer - 1)].detach().cpu(), -2, length))
-            floor.append(answer_is_top1(out.logits, batch["target_ids"]).cpu().numpy())
-            keys.append([_pad(k.cpu(), -2, length) for k in out.kv.keys])
-            values.append([_pad(v.cpu(), -2, length) for v in out.kv.values])
-        perm = torch.as_tensor(record_order(batches), dtype=torch.long)  # the pairs' order
-        kv = Prefix(_cat_layers(keys, perm), _cat_layers(values, perm)) if keys else None
-        return cls(
-            pairs,
-            {k: torch.cat(v)[perm] for k, v in source.items()},
-            {k: torch.cat(v)[perm] for k, v in prefix.items()},
-            np.concatenate(floor)[perm.numpy()] if floor else np.zeros(0, dtype=bool),
-            kv,
-        )
+            cache._write(model, rows, length)
+        return cache
+
+    def _write(self, model: LoadedModel, rows: list[int], length: int) -> None:
+        """One batch's source z, base residual streams, keys and values and floor, stored at ``rows``."""
+        batch = pair_batch_tensors(take(self.pairs, rows))
+        for position, layers in self.sites.items():
+            z = source_z(model, batch, layers, position)
+            self.store.write(f"source/{position}", rows, torch.stack([z[layer] for layer in layers], dim=1))
+        with torch.no_grad():
+            out = run(
+                model, batch["base"]["input_ids"], capture=[("resid", layer - 1) for layer in self.starts], keep_kv=True
+            )
+        for layer in self.starts:
+            self.store.write(f"resid/{layer}", rows, _pad(out.captured[("resid", layer - 1)], -2, length))
+        self.floor[rows] = answer_is_top1(out.logits, batch["target_ids"]).cpu().numpy()
+        for name, kv in (("keys", out.kv.keys), ("values", out.kv.values)):
+            self.store.write(name, rows, _pad(torch.stack(kv, dim=1), -2, length))
+
+    def close(self) -> None:
+        """Delete the cache's file now (it is deleted with the cache otherwise)."""
+        self.store.close()
 
     def logits(
         self,
@@ -355,19 +347,21 @@ class PairCache:
         """:meth:`logits` of pairs of one length."""
         batch = pair_batch_tensors([self.pairs[i] for i in rows])
         n = batch["base"]["input_ids"].shape[1]
-        index = torch.as_tensor(list(rows), dtype=torch.long)
-        values = {h.layer: self.source[(h.layer, position)][index] for h in heads}
+        z = self.store.read(f"source/{position}", rows)
+        values = {h.layer: z[:, self.sites[position].index(h.layer)] for h in heads}
         patches = masked_z_patches(model, heads, mask, values, _positions(batch, position, "base"))
         first = min(h.layer for h in heads)
-        start = max((layer for layer in self.prefix if layer <= first), default=0)
-        resume = Resume(start, self.prefix[start][index][:, :n]) if start else None
-        kv = (
-            None
-            if self.kv is None
-            else Prefix([k[index][..., :n, :] for k in self.kv.keys], [v[index][..., :n, :] for v in self.kv.values])
-        )
-        out = run(model, batch["base"]["input_ids"], patches, grad=grad, resume=resume, prefix=kv)
+        start = max((layer for layer in self.starts if layer <= first), default=0)
+        resume = Resume(start, self.store.read(f"resid/{start}", rows)[:, :n]) if start else None
+        out = run(model, batch["base"]["input_ids"], patches, grad=grad, resume=resume, prefix=self._prefix(rows, n))
         return out.logits, batch["target_ids"].to(out.logits.device)
+
+    def _prefix(self, rows: Sequence[int], n: int) -> Optional[Prefix]:
+        """The base run's keys and values of pairs ``rows`` cut to their length ``n`` (None: full-length runs)."""
+        if not self.suffix:
+            return None
+        keys, values = (self.store.read(name, rows)[..., :n, :] for name in ("keys", "values"))
+        return Prefix(list(keys.unbind(1)), list(values.unbind(1)))
 
     def accuracy(
         self,
@@ -411,7 +405,10 @@ def target_accuracy(
 ) -> np.ndarray:
     """Per-pair correctness (top-1 == target) with ``patched`` heads' z taken from the source at ``position``."""
     cache = PairCache.build(model, pairs, [(list(patched), position)], batch_size, progress)
-    return cache.accuracy(model, range(len(pairs)), patched, position, batch_size, progress)
+    try:
+        return cache.accuracy(model, range(len(pairs)), patched, position, batch_size, progress)
+    finally:
+        cache.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -671,7 +668,7 @@ def dcm_circuit(
             results.append(
                 run_dcm(model, circuit.groups[g], circuit.positions[g], pairs, config, name, g, progress, cache)
             )
-        del cache  # one desideratum's cache at a time (each holds every layer's keys and values)
+        cache.close()  # one desideratum's file at a time (each holds every layer's keys and values)
     order = {g: i for i, g in enumerate(wanted)}
     return sorted(results, key=lambda r: order[r.group])  # grouped as before: per group, each desideratum
 
@@ -714,5 +711,5 @@ def semantic_patching(
         out.append(
             SemanticResult(model.name, proportion(acc), proportion(cache.floor), np.asarray(acc).astype(int).tolist())
         )
-        del cache
+        cache.close()
     return out

@@ -28,6 +28,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import shutil
+import tempfile
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,6 +369,58 @@ class ActivationStore:
                 shutil.copyfileobj(src, dst)
             return h5py.File(self.partial, "a")
         return h5py.File(self.partial, "w")
+
+
+class RowStore:
+    """Per-row tensors of ``n_rows`` rows in a scratch HDF5 file: written a batch at a time, read back by rows, so
+    that only the rows asked for are ever in memory. Uncompressed and contiguous (no chunk index to grow); values are
+    read back bit for bit in their dtype (bfloat16 too). The file lives in a temporary directory under
+    ``directory`` (default: ``TMPDIR``) and is deleted with the store or by :meth:`close`."""
+
+    def __init__(self, n_rows: int, directory: Optional[str | Path] = None) -> None:
+        self.n_rows = n_rows
+        scratch = tempfile.mkdtemp(prefix="mechdiff-rows-", dir=directory)
+        self.path = Path(scratch) / "rows.h5"
+        self._file = h5py.File(self.path, "w", rdcc_nbytes=0)
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._finalizer = weakref.finalize(self, _remove_scratch, self._file, scratch)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._dtypes
+
+    def write(self, name: str, rows: Sequence[int], t: torch.Tensor) -> None:
+        """Rows ``rows`` (distinct) of array ``name`` are ``t`` (``"row ..."``); the first write creates the array
+        with ``t``'s row shape and dtype."""
+        order = np.argsort(np.asarray(rows), kind="stable")
+        data = _as_numpy(t.detach().cpu())[order]
+        if name not in self._dtypes:
+            self._file.create_dataset(name, (self.n_rows, *data.shape[1:]), data.dtype)  # contiguous: no chunk index
+            self._dtypes[name] = t.dtype
+        self._file[name][np.asarray(rows)[order]] = data
+
+    def read(self, name: str, rows: Sequence[int]) -> torch.Tensor:
+        """Rows ``rows`` (distinct) of array ``name``, in the order asked."""
+        rows = np.asarray(rows, dtype=np.int64)
+        order = np.argsort(rows, kind="stable")
+        data = self._file[name][rows[order]] if len(rows) else self._file[name][:0]
+        if not np.array_equal(order, np.arange(len(rows))):
+            data[order] = data.copy()
+        t = torch.from_numpy(data)
+        return t.view(self._dtypes[name]) if t.dtype != self._dtypes[name] else t
+
+    def close(self) -> None:
+        """Close and delete the file."""
+        self._finalizer()
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """``t``'s values as numpy holds them; bfloat16 (which numpy lacks) as its bits, in int16."""
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _remove_scratch(file: h5py.File, directory: str) -> None:
+    file.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 Unit = slice | list[int]

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny
+from tolerances import TINY_FORWARD, assert_close32
 
 import mechdiff.methods.dcm as dcm
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
 from mechdiff.common.components import Head, all_heads
-from mechdiff.common.metrics import answer_logit
+from mechdiff.common.metrics import answer_is_top1, answer_logit
 from mechdiff.common.stats import Estimate, proportion
 from mechdiff.methods.dcm import (
     DCMConfig,
@@ -40,6 +41,7 @@ from mechdiff.methods.dcm import (
     train_mask,
 )
 from mechdiff.patching.core import Patch, head_patch, run
+from mechdiff.tasks.base import group_batches, record_order, take
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors, write_jsonl
 
 PLANTED = Head(2, 1)
@@ -202,6 +204,70 @@ def test_random_baseline_from_all_heads_equals_direct_patching(planted):
     assert res.random.value == pytest.approx(direct.mean())
 
 
+class _OneBatch:
+    """DCM's pair cache as a plain computation, the reference for the streamed one: at each call, the pairs of each
+    token length in one batch, their source z from a source run and the patched base run over every layer and
+    position (no resume, no stored keys and values, nothing kept between calls)."""
+
+    accuracy = PairCache.accuracy
+
+    def __init__(self, model, pairs):
+        self.pairs = list(pairs)
+        self.floor = answer_is_top1(*self.logits(model, range(len(self.pairs)), [], None, "last")).numpy()
+
+    def logits(self, model, rows, heads, mask, position, grad=False):
+        rows = list(rows)
+        groups = group_batches(take(self.pairs, rows))
+        outs = [self._run(model, take(rows, g), heads, mask, position, grad) for g in groups]
+        back = torch.as_tensor(record_order(groups), dtype=torch.long)
+        return torch.cat([o[0] for o in outs])[back], torch.cat([o[1] for o in outs])[back]
+
+    def _run(self, model, rows, heads, mask, position, grad):
+        batch = pair_batch_tensors(take(self.pairs, rows))
+        patches = []
+        if heads:
+            values = source_z(model, batch, sorted({h.layer for h in heads}), position)
+            patches = masked_z_patches(model, heads, mask, values, batch["base"]["positions"][position])
+        return run(model, batch["base"]["input_ids"], patches, grad=grad).logits, batch["target_ids"]
+
+
+@pytest.fixture(scope="module")
+def planted_mixed(smollm2_tokenizer):
+    """:func:`planted_case` on pairs of two token lengths (3 and 4 boxes)."""
+    mixed = object_value_pairs(smollm2_tokenizer, 48, n_boxes=3, seed=0)
+    mixed += object_value_pairs(smollm2_tokenizer, 32, n_boxes=4, seed=1)
+    return planted_case(smollm2_tokenizer, mixed)
+
+
+@pytest.mark.parametrize("parameterisation", ["continuous", "hard_concrete"])
+def test_streamed_dcm_equals_dcm_on_pairs_run_in_one_batch(planted_mixed, parameterisation):
+    """DCM over the streamed cache (batches of 5 pairs written to disk, suffix runs over the stored keys and values)
+    learns the mask, losses and validations of DCM computed afresh on every pair at once, and reports the same
+    accuracies; pairs of two lengths."""
+    model, pairs = planted_mixed
+    assert {len(p.base.input_ids) for p in pairs} == {25, 32} and len(pairs) >= 30
+    candidates = [Head(2, h) for h in range(4)] + [Head(1, 0), Head(1, 2)]
+    config = DCMConfig(parameterisation, epochs=3, batch_size=8, micro_batch=4, eval_batch=5, eval_every=2, n_random=2)
+    cache = PairCache.build(model, pairs, [(candidates, "last"), (random_pool(model, candidates, config), "last")], 5)
+    reference = _OneBatch(model, pairs)
+    train, val, test = split_indices(len(pairs), config.split, config.seed)
+    got, want = (train_mask(model, candidates, "last", c, train, val, config, False) for c in (cache, reference))
+    steps = config.epochs * math.ceil(len(train) / config.batch_size)
+    # each Adam step moves the mask by lr at most, in proportion to a gradient that agrees to a forward's roundings
+    assert_close32(got[0], want[0], scale=config.lr * steps, depth=2 * TINY_FORWARD)
+    assert got[1] == want[1] and [h["val_accuracy"] for h in got[2]] == [h["val_accuracy"] for h in want[2]]
+    logit = float(reference.logits(model, train, [], None, "last")[0].abs().max())
+    assert_close32([h["loss"] for h in got[2][1:]], [h["loss"] for h in want[2][1:]], scale=logit)
+    streamed, one_batch = (
+        run_dcm(model, candidates, "last", pairs, config, progress=False, cache=c) for c in (cache, reference)
+    )
+    assert streamed.selected == one_batch.selected == [PLANTED]
+    assert streamed.mask == pytest.approx(one_batch.mask, abs=1e-4)  # rounded to 4 decimals
+    for name in ("test_accuracy", "floor", "full_group", "random"):
+        assert getattr(streamed, name) == getattr(one_batch, name), name
+    assert streamed.test_accuracy.value == 1.0 and streamed.floor.value == 0.0
+
+
 def test_split_is_seeded_and_disjoint(pairs):
     a = split_pairs(pairs, (0.6, 0.2, 0.2), seed=1)
     b = split_pairs(pairs, (0.6, 0.2, 0.2), seed=1)
@@ -272,7 +338,7 @@ def test_pair_cache_matches_uncached_patching(tiny_llama, pairs):
     subset = pairs[:10]
     heads = [Head(1, 0), Head(2, 3)]
     cache = PairCache.build(tiny_llama, subset, [(heads, "last")], batch_size=4)
-    assert set(cache.prefix) == {1}
+    assert cache.starts == [1] and cache.sites == {"last": [1, 2]}
     batch = pair_batch_tensors(subset)
     values = source_z(tiny_llama, batch, [1, 2], "last")
     plain = run(
@@ -297,7 +363,7 @@ def test_pair_cache_suffix_gradients_equal_full_runs(tiny_llama, pairs):
 
     subset, heads = pairs[:6], [Head(1, 0), Head(2, 3)]
     cache = PairCache.build(tiny_llama, subset, [(heads, "query_label")], batch_size=3)
-    assert cache.kv is not None and cache.kv.batch == 6
+    assert cache.suffix and cache.store.read("keys", range(6)).shape[0] == 6
     batch = pair_batch_tensors(subset)
     values = source_z(tiny_llama, batch, [1, 2], "query_label")
     weights = torch.randn(6, tiny_llama.shape.vocab_size, generator=torch.Generator().manual_seed(0))
@@ -679,19 +745,15 @@ def test_a_circuit_builds_one_cache_per_desideratum(model, dcm_pairs, monkeypatc
 
 
 def test_a_circuit_holds_one_desideratum_cache_at_a_time(model, dcm_pairs, monkeypatch):
-    """Each desideratum's cache (every layer's keys and values of its pairs: about 6 GB for 2000 SmolLM2 pairs)
-    is released before the next is built: two alive at once ran the paper-form study out of 24 GB."""
-    import gc
-    import weakref
-
-    alive_at_build, built = [], []
+    """Each desideratum's cache file (every layer's keys and values of its pairs: about 17 GB for the paper-form
+    study's 2000 SmolLM2 pairs) is deleted before the next is built, and so is the last one's when DCM is done."""
+    on_disk_at_build, files = [], []
     original = PairCache.build
 
     def build(*args, **kwargs):
-        gc.collect()
-        alive_at_build.append(sum(ref() is not None for ref in built))
+        on_disk_at_build.append(sum(path.exists() for path in files))
         cache = original(*args, **kwargs)
-        built.append(weakref.ref(cache))
+        files.append(cache.store.path)
         return cache
 
     monkeypatch.setattr(PairCache, "build", build)
@@ -700,7 +762,8 @@ def test_a_circuit_holds_one_desideratum_cache_at_a_time(model, dcm_pairs, monke
     dcm_circuit(
         model, circuit, {"one": dcm_pairs[:8], "two": dcm_pairs[8:16], "three": dcm_pairs[:8]}, config, progress=False
     )
-    assert alive_at_build == [0, 0, 0]
+    assert on_disk_at_build == [0, 0, 0]
+    assert len(files) == 3 and not any(path.parent.exists() for path in files)
 
 
 def test_semantic_patching_refuses_an_empty_selection(model, dcm_pairs):

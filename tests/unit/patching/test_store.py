@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from mechdiff.patching.store import ActivationStore, StoreKey, StoreMismatchError, capture_sites
+from mechdiff.patching.store import ActivationStore, RowStore, StoreKey, StoreMismatchError, capture_sites
 from mechdiff.tasks.entity_tracking import dataset_hash, generate
 
 
@@ -90,3 +90,28 @@ def test_interrupted_write_resumes_and_leaves_previous_file_intact(tmp_path, tin
     direct = capture_sites(tiny_llama, records, "v", "all")
     torch.testing.assert_close(entry.read(2), direct[2].float())
     assert first.key in store.keys()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_store_reads_back_the_rows_written(tmp_path, dtype):
+    """Batches written at scattered rows read back, in any order asked, as the very values written."""
+    full = torch.randn(7, 3, 5, generator=torch.Generator().manual_seed(0)).to(dtype)
+    store = RowStore(7, tmp_path)
+    for rows in ([4, 0, 6], [1, 5], [3, 2]):
+        store.write("a", rows, full[rows])
+    assert "a" in store and "b" not in store
+    for rows in ([0, 1, 2, 3, 4, 5, 6], [6, 2, 0], [3]):
+        got = store.read("a", rows)
+        assert got.dtype == dtype and torch.equal(got, full[rows])  # exact: a value read back
+
+
+def test_row_store_file_goes_with_the_store(tmp_path):
+    """close() deletes the scratch file, and so does dropping the store."""
+    closed, dropped = RowStore(2, tmp_path), RowStore(2, tmp_path)
+    for store in (closed, dropped):
+        store.write("a", [0, 1], torch.zeros(2, 3))
+    paths = [closed.path, dropped.path]
+    assert all(p.exists() and p.parent.parent == tmp_path for p in paths)
+    closed.close()
+    del dropped, store
+    assert list(tmp_path.iterdir()) == []
