@@ -99,6 +99,8 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
     """Each model's circuit: how it was found, its size, the curve and stability (curve method) or the path-
     patching scores (path method), and what pruning kept."""
     shape = study.models.shape
+    if not found:
+        return "_No circuit: no model does the task (see Findings)._\n"
     rows, figs = [], []
     for name, rec in found.items():
         raw = Circuit.from_dict(rec.result["circuit"])
@@ -259,9 +261,11 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
 def overlap_section(study: "Study", circuits: dict) -> tuple[str, dict]:
     shape = study.models.shape
     base = study.spec.models.base
-    first = Circuit.from_dict(circuits[base].result["circuit"])
     out, text = {}, []
-    for ft in study.spec.models.finetunes:
+    first = Circuit.from_dict(circuits[base].result["circuit"]) if base in circuits else None
+    if base not in circuits:
+        return "_No overlap: the base model has no circuit (it does not do the task; see Findings)._\n", out
+    for ft in (f for f in study.spec.models.finetunes if f in circuits):
         second = Circuit.from_dict(circuits[ft].result["circuit"])
         rows = overlap_table(first, second, shape.n_layers, shape.n_heads)
         out[ft] = rows
@@ -705,8 +709,14 @@ def write_report(
     dcm: "StageRecord",
     cmap: dict,
     finetune_dcm: Optional[dict] = None,
+    without_behaviour: Optional[dict[str, str]] = None,
 ) -> Path:
-    """Write ``report.md`` (and every table and figure it cites) into the study directory."""
+    """Write ``report.md`` (and every table and figure it cites) into the study directory; ``without_behaviour``:
+    model -> why the stages that explain a behaviour were not run for it (and ``dcm`` None where the base is one)."""
+    without_behaviour = without_behaviour or {}
+    if dcm is None:
+        base = study.spec.models.base
+        dcm = StageRecord("dcm", "", {"skipped": f"{base} does not do the task"}, 0.0, True)
     acc_text, acc_rows = accuracy_section(study, accuracy)
     mat_text, mat_rows = matrix_section(study, matrix)
     paired_text, paired = paired_section(study, accuracy, matrix, dcm)
@@ -730,6 +740,7 @@ def write_report(
         "prompts for ratios and probabilities, paired bootstrap for differences on the same prompts.\n",
         "## Findings\n",
         circuit_findings(study, positions, mat_rows),
+        *[f"- **{name}**: {why}." for name, why in without_behaviour.items()],
         findings(study, acc_rows, mat_rows, overlaps, cmap),
         paired_findings(paired),
         dcm_findings(dcm),

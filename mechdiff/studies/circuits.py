@@ -25,7 +25,7 @@ from ..models.loading import LoadedModel, spec_digest
 from ..models.modelset import ModelSet
 from ..models.resolve import resolve_spec
 from ..runs.seeds import prompt_seed
-from ..runs.stages import StageRecord, label
+from ..runs.stages import Pending, StageRecord, label
 from ..runs.stages import key_hash as _hash
 from ..tasks.base import Task, get_task
 from .base import Study, rows_inputs, vocabulary_digest
@@ -172,11 +172,52 @@ class CircuitsStudy(Study):
             )
             return {**res.to_dict(), "fingerprint": lm.fingerprint, "provenance": lm.provenance}
 
-        return self.cache.run(
-            f"accuracy:{name}",
-            {"model": self.digests[name], "task": self.task_inputs(), "eval": asdict(self.spec.eval), "split": "eval"},
-            compute,
-        )
+        return self.cache.run(f"accuracy:{name}", self._accuracy_inputs(name), compute)
+
+    def _accuracy_inputs(self, name: str) -> dict:
+        return {"model": self.digests[name], "task": self.task_inputs(), "eval": self.eval_inputs(), "split": "eval"}
+
+    def eval_inputs(self) -> dict:
+        """``[eval]`` as the accuracy stage's key reads it: the floor decides which stages run, not what it measures."""
+        return {k: v for k, v in asdict(self.spec.eval).items() if k != "floor"}
+
+    def floor(self) -> float:
+        """The accuracy a model's lower bound must exceed for the study to explain its behaviour: ``[eval] floor``,
+        else the task's chance level, else :data:`~mechdiff.studies.spec.DEFAULT_FLOOR`."""
+        from .spec import DEFAULT_FLOOR
+
+        if self.spec.eval.floor is not None:
+            return self.spec.eval.floor
+        chance = self.task.chance
+        return chance(**self.task.kwargs(n_boxes=self.spec.task.n_boxes)) if chance else DEFAULT_FLOOR
+
+    def has_behaviour(self, accuracy: StageRecord) -> bool:
+        """Whether a model's accuracy (exact binomial lower bound) is above :meth:`floor`; in a plan, before the
+        accuracy is computed, every model is taken to have it (the plan lists every stage that may run)."""
+        try:
+            return accuracy.result["accuracy"]["low"] > self.floor()
+        except Pending:
+            return True
+
+    def without_behaviour(self, accuracy: dict[str, StageRecord]) -> dict[str, str]:
+        """Model -> why the stages that explain a behaviour are not run for it (its accuracy is not above the
+        floor); empty where every model has the behaviour."""
+        floor, source = self.floor(), "[eval] floor" if self.spec.eval.floor is not None else "the floor"
+        out = {}
+        for name, rec in accuracy.items():
+            if not self.has_behaviour(rec):
+                a = rec.result["accuracy"]
+                out[name] = (
+                    f"it answers {a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}] of the {a['n']} accuracy prompts, "
+                    f"not above {source} {floor:.3f} ({self._floor_is()}): there is no behaviour to explain, so its "
+                    "position scan, circuit, pruning, matrix row, DCM and CMAP into it were not run"
+                )
+        return out
+
+    def _floor_is(self) -> str:
+        if self.spec.eval.floor is not None:
+            return "set by the task file"
+        return "the task's chance level" if self.task.chance else "the default where a task states no chance level"
 
     def positions(self, name: str) -> Optional[StageRecord]:
         """The position scan of ``name``: which position classes must keep every head (None: ``n = 0``)."""
@@ -617,7 +658,8 @@ class CircuitsStudy(Study):
         base = self.spec.models.base
         self.check_prompts()
         with run_lock(self.dir / "stages" / "locks" / label(name)):
-            self.accuracy(name)
+            if not self.has_behaviour(self.accuracy(name)):
+                return  # nothing to explain: the report says why
             self.positions(name)
             found = {name: self.circuit(name)}
             own = {name: self.pruned(name, found[name])} if self.spec.scoring.prune else {}
@@ -632,8 +674,9 @@ class CircuitsStudy(Study):
                 self.cmap(name, self.circuit(base))
             last = "prune" if self.spec.scoring.prune else "circuit"
             self._wait(self.spec.model_names, last, name, poll)
-            found = {n: self.circuit(n) for n in self.spec.model_names}  # cached now
-            pruned = {n: self.pruned(n, found[n]) for n in self.spec.model_names} if self.spec.scoring.prune else {}
+            able = [n for n in self.spec.model_names if self.has_behaviour(self.accuracy(n))]  # all cached now
+            found = {n: self.circuit(n) for n in able}
+            pruned = {n: self.pruned(n, found[n]) for n in able} if self.spec.scoring.prune else {}
             self.matrix(name, {**found, **{f"{n} pruned": rec for n, rec in pruned.items()}})
 
     def _wait(self, names: list[str], stage: str, waiter: str, poll: float) -> None:
@@ -641,6 +684,9 @@ class CircuitsStudy(Study):
         inputs (written by the other processes; a record of other inputs does not count)."""
 
         def ready(n: str) -> bool:
+            accuracy = self.cache.ready(f"accuracy:{n}", self._accuracy_inputs(n))
+            if accuracy and not self.has_behaviour(self.accuracy(n)):
+                return True  # no circuit will come: the model does not do the task
             inputs = self._circuit_inputs(n)
             if not self.cache.ready(f"circuit:{n}", inputs):
                 return False
@@ -663,22 +709,21 @@ class CircuitsStudy(Study):
             out["reproduction"] = reproduction_records(self)
             if self.spec.reproduce.only:
                 return out
-        names = self.spec.model_names
         base = self.spec.models.base
-        out["accuracy"] = {n: self.accuracy(n) for n in names}
+        out["accuracy"] = {n: self.accuracy(n) for n in self.spec.model_names}
+        out["without_behaviour"] = self.without_behaviour(out["accuracy"])
+        names = [n for n in self.spec.model_names if n not in out["without_behaviour"]]  # those with the behaviour
         out["positions"] = {n: self.positions(n) for n in names}
         found = out["found"] = {n: self.circuit(n) for n in names}
         pruned = out["pruned"] = {n: self.pruned(n, found[n]) for n in names} if self.spec.scoring.prune else {}
         scored = {**found, **{f"{n} pruned": rec for n, rec in pruned.items()}}
         out["matrix"] = {n: self.matrix(n, scored) for n in names}
-        out["dcm"] = self.dcm(self.dcm_circuit(found, pruned, base))
-        out["cmap"] = {ft: self.cmap_of(ft, found, pruned) for ft in self.spec.models.finetunes}
+        out["dcm"] = self.dcm(self.dcm_circuit(found, pruned, base)) if base in names else None
+        finetunes = [ft for ft in self.spec.models.finetunes if ft in names]
+        paper = self.spec.cmap.scope == "paper"
+        out["cmap"] = {ft: self.cmap_of(ft, found, pruned) for ft in finetunes if paper or base in names}
         # CMAP as the paper reads each fine-tune's own DCM (cached by cmap_of): the report shows what it selected
-        out["finetune_dcm"] = (
-            {ft: self.dcm(pruned[ft], ft) for ft in self.spec.models.finetunes}
-            if self.spec.cmap.scope == "paper"
-            else {}
-        )
+        out["finetune_dcm"] = {ft: self.dcm(pruned[ft], ft) for ft in finetunes} if paper else {}
         return out
 
     def write(self, results: dict[str, Any]) -> Path:
@@ -704,6 +749,7 @@ class CircuitsStudy(Study):
             r["dcm"],
             r["cmap"],
             r.get("finetune_dcm", {}),
+            r.get("without_behaviour", {}),
         )
         write_html(self.dir)  # report.html: read from what was just written (as `mechdiff view` does)
         return report

@@ -51,6 +51,20 @@ class EvalSection:
     batch_size: int = 50
 
 
+#: The accuracy a model must exceed (its interval's lower bound) for a study to explain its behaviour, where the task
+#: states no chance level (entity tracking: 1 / n_boxes; IOI: 1/2) and the task file sets no ``[eval] floor``.
+DEFAULT_FLOOR = 0.1
+
+
+@dataclass
+class StudyEval(EvalSection):
+    """A circuits study's ``[eval]``: with ``floor``, the accuracy whose lower bound a model must exceed for the
+    stages that explain a behaviour (position scan, circuit, pruning, matrix row, DCM, CMAP into it) to run for
+    it (None: the task's chance level, else :data:`DEFAULT_FLOOR`)."""
+
+    floor: Optional[float] = None
+
+
 @dataclass
 class PositionsSection:
     """The position scan: greedy over the task's position classes, every head kept at the chosen ones."""
@@ -192,7 +206,7 @@ class OutputSection:
 SECTIONS = {
     "task": TaskSection,
     "models": ModelsSection,
-    "eval": EvalSection,
+    "eval": StudyEval,
     "positions": PositionsSection,
     "discovery": DiscoverySection,
     "scoring": ScoringSection,
@@ -225,7 +239,7 @@ class RunSpec:
 
     task: TaskSection
     models: ModelsSection
-    eval: EvalSection
+    eval: StudyEval
     discovery: DiscoverySection
     scoring: ScoringSection
     dcm: DcmSection

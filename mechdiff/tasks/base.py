@@ -111,6 +111,9 @@ class Task:
     strata: Optional[tuple] = None
     #: The same task handing out the drawn sets (name -> row indices) by their ``prompt_set`` name.
     with_sets: Optional[Callable[[dict], "Task"]] = None
+    #: The accuracy of guessing among the answers a prompt offers, from the generator options (entity tracking:
+    #: ``1 / n_boxes``); None where the task states none.
+    chance: Optional[Callable[..., float]] = None
 
     def __post_init__(self) -> None:
         if self.metric not in TASK_METRICS:

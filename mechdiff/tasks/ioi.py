@@ -227,4 +227,5 @@ TASK = Task(
     metric="logit_diff",
     positions=tuple(derived_class_names(NAMED)),  # the named positions and the classes derived from them
     group_names=GROUP_NAMES,
+    chance=lambda **_: 0.5,  # one of the two names
 )

@@ -19,6 +19,7 @@ finetunes = ["{finetune}"]
 [eval]
 n = 12
 batch_size = 12
+floor = -1.0  # random tiny models answer nothing: every model counts as doing the task (mechanics)
 
 [positions]
 n = 6

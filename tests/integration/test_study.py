@@ -19,6 +19,7 @@ def tiny_spec(names, out):
     spec.models.base, spec.models.finetunes = names[0], names[1:]
     spec.task.n_boxes = 3
     spec.eval.n, spec.eval.batch_size = 12, 12
+    spec.eval.floor = -1.0  # random tiny models answer nothing: every model counts as doing the task (mechanics)
     spec.discovery.n, spec.discovery.top_k, spec.discovery.screen_multiple = 6, {"A": 2, "B": 1, "C": 1, "D": 1}, 2
     spec.discovery.curve_n, spec.discovery.sizes, spec.discovery.stability_draws = 8, [0.1, 0.5, 1.0], 20
     spec.positions.n, spec.positions.max_steps = 6, 2
@@ -496,3 +497,29 @@ def test_every_stage_runs_in_bfloat16_within_a_stated_tolerance_of_float32(tiny_
                 outside.append((name, path, value, b16[path]))
             checked += 1
     assert outside == [] and checked > 500, outside[:40]
+
+
+def test_a_model_without_the_behaviour_gets_no_circuit(tiny_family, tmp_path, monkeypatch):
+    """A model whose accuracy's lower bound is not above the floor (here the fine-tune: the floor is the task's
+    chance level, 1/3 with 3 boxes, and random tiny models answer nothing) gets its accuracy and nothing that
+    explains a behaviour: no position scan, circuit, pruning, matrix row or CMAP into it; the report says why
+    in words and shows no nan for it. The base (let through as if above the floor) runs every stage."""
+    from mechdiff.studies.circuits import CircuitsStudy
+
+    spec = tiny_spec(tiny_family, tmp_path)
+    spec.eval.floor = None
+    base, ft = spec.models.base, spec.models.finetunes[0]
+    study = Study(spec, progress=False)
+    assert study.floor() == pytest.approx(1 / 3)
+    real = CircuitsStudy.has_behaviour
+    monkeypatch.setattr(
+        CircuitsStudy, "has_behaviour", lambda self, rec: rec.name == f"accuracy:{base}" or real(self, rec)
+    )
+    text = study.run().read_text()
+    done = set(study.cache.records)
+    assert {f"accuracy:{base}", f"accuracy:{ft}", f"circuit:{base}", f"matrix:{base}", "dcm"} <= done
+    assert not {n for n in done if n.endswith(ft) and not n.startswith("accuracy")}  # nothing else for the fine-tune
+    assert f"- **{ft}**: it answers 0.000 [0.000, " in text and "not above the floor 0.333 (the task's chance" in text
+    assert not [line for line in text.splitlines() if ft in line and "nan" in line]  # (the base answers nothing too)
+    matrix = json.loads((tmp_path / "run" / "stages" / f"matrix__{base.rsplit('/', 1)[-1]}.json").read_text())
+    assert {r["circuit"] for r in matrix["result"]["rows"]} == {base, f"{base} pruned"}

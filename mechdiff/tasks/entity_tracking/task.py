@@ -77,4 +77,5 @@ TASK = Task(
     train_batch=train_batch,
     pool_batch=lambda tokenizer, n, seed: answer_batch(generate(tokenizer, n, 7, seed, _objects("train"))),
     eval_batch=lambda tokenizer, n, seed: answer_batch(generate(tokenizer, n, 7, seed, _objects("eval"))),
+    chance=lambda n_boxes=DEFAULT_N_BOXES, **_: 1 / n_boxes,  # one of the n_boxes objects
 )
