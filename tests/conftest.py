@@ -10,6 +10,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never wait on the network in tests
+# a plain `mechdiff run` in a test stays in one process (monkeypatches and spies reach it); the tests of the
+# per-model workers ask for them (tests/integration/test_workers.py)
+os.environ.setdefault("MECHDIFF_WORKERS", "1")
 
 import pytest
 import torch

@@ -72,6 +72,10 @@ class DiscoverySettings:
     n_boxes: int = 7
     seed: int = 0
     score: str = SCORES[0]  # "ratio_of_means" (mechdiff's) or "mean_of_ratios" (the paper's)
+    # step -> position of the counterfactual prompt its senders' values are read at (a position class: one at random
+    # per sender and prompt, drawn from ``seed``); a step not named reads them at the clean sender index. The paper:
+    # D at a random box label, {"D": "labels"} (pp_utils.patching_sender_heads)
+    source_position: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,7 +123,18 @@ def run_step(
     if per_pass == "auto":
         per_pass = auto_senders_per_pass(model, batch)
         log.info("step %s: %d senders per pass (auto, from free memory)", step, per_pass)
-    exact = path_patch(model, batch, senders, sender_position, receivers, per_pass, progress, settings.score)
+    exact = path_patch(
+        model,
+        batch,
+        senders,
+        sender_position,
+        receivers,
+        per_pass,
+        progress,
+        settings.score,
+        settings.source_position.get(step),
+        settings.seed,
+    )
     seconds["path_patching"] = time.perf_counter() - t0
     chosen = select(exact, k)
     log.info(

@@ -6,6 +6,7 @@ Argument parsing only: the study is :func:`mechdiff.studies.base.load_study` (th
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +53,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="circuits kind: only this model's stages (one process per model shares the cores; a plain "
         "`mechdiff run` afterwards writes the report from the cache)",
     )
+    p.add_argument(
+        "--workers",
+        type=_workers_option,
+        default=None,
+        help="circuits kind: 1 runs every stage in this process; N (the number of models) runs one process per "
+        "model, side by side. Default: one per model where the machine has 2 cores or more and the memory the "
+        "resource plan predicts, else 1 ($MECHDIFF_WORKERS sets the default)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads of this process (default: torch's)")
     # Placement overrides of how models load (unset: the file's values or the defaults).
     p.add_argument("--dtype", default=None, help="override [models] dtype: float32 (as the paper), bfloat16, float16")
     p.add_argument("--device", default=None, help="override [models] device: cpu, cuda, cuda:1")
@@ -65,8 +75,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def _workers_option(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--workers {value}: give 1 (one process) or the number of models")
+    return n
+
+
 def main(args: argparse.Namespace) -> int:
     from ..studies.base import check_run_dir, load_study, plan_then_run
+    from ._workers import WorkerFailed, default_workers, plan_workers, run_workers
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     if args.plan_device and not args.plan:
         raise ValueError("--plan-device predicts a plan: give it with --plan")
@@ -88,6 +111,19 @@ def main(args: argparse.Namespace) -> int:
         study.run_model(args.model)
         print(f"stages of {args.model} done in {study.dir}; run without --model for the report")
         return 0
+    requested = args.workers if args.workers is not None else default_workers()
+    workers = plan_workers(study, requested) if not args.plan else None
+    if workers is not None and workers.workers > 1:
+        check_run_dir(study, args.force)
+        print(f"{study.kind} study into {study.dir}: {workers.reason}", flush=True)
+        try:
+            run_workers(args, study, workers)
+        except WorkerFailed as err:
+            print(f"mechdiff run: error: {err}", file=sys.stderr)
+            return 1
+        study.forget()  # the workers wrote the stage records: read them from the cache
+    elif workers is not None and requested is None and study.kind == "circuits":
+        print(f"one process: {workers.reason}", flush=True)
     report = plan_then_run(study, plan_only=args.plan, force=args.force)
     if report is not None:
         print(f"report: {report}")

@@ -28,6 +28,12 @@ time), each copy's sender written by one indexed assignment (no per-head loop). 
 attention V (and K) belongs to a KV group: patching a receiver's V patches its whole group
 (all query heads that share it); :func:`receiver_sites` merges receivers of one group.
 
+By default a sender's counterfactual value is read at the clean prompt's sender index. ``source_position`` names a
+position of the counterfactual prompt to read it at instead; a position class (one index per segment, e.g. entity
+tracking's ``labels``) is drawn from at random, independently for each sender and prompt (:func:`source_indices`).
+The paper reads group D's sender, whose query label the counterfactual lacks, at a random box label
+(``pp_utils.patching_sender_heads``: ``random.choice(range(6, 49, 7))``, one draw per sender and prompt).
+
 Pairs of several token lengths or templates are prepared group by group
 (:func:`~mechdiff.tasks.base.grouped_batches`, one :class:`PairBatch` each, held by :class:`PairBatches`);
 each group is patched on its own and the score is the same ratio of means over every prompt.
@@ -36,6 +42,7 @@ each group is patched on its own and the score is the same ratio of means over e
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -72,6 +79,7 @@ class PairBatch:
     clean_logits: torch.Tensor  # "batch vocab" at the last token
     clean_resid: Optional[dict[int, torch.Tensor]] = None  # layer -> "batch pos d_model" after that block (for Resume)
     clean_kv: Optional[Prefix] = None  # the clean run's keys and values (for suffix runs); None: full runs
+    source_positions: Optional[dict[str, torch.Tensor]] = None  # name -> "batch" or "batch k", the sources' own
 
     @property
     def p_clean(self) -> torch.Tensor:
@@ -134,6 +142,7 @@ def _prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> PairBatch:
         clean_logits,
         clean_resid,
         Prefix(list(keys), list(values)),
+        tensors["source"]["positions"],
     )
 
 
@@ -203,22 +212,52 @@ def path_patch(
     senders_per_pass: int = SENDERS_PER_PASS,
     progress: bool = True,
     score: str = SCORES[0],
+    source_position: Optional[str] = None,
+    seed: int = 0,
 ) -> dict[Head, float]:
-    """The path-patching score of each sender (see the module docstring; ``score``: one of :data:`SCORES`)."""
+    """The path-patching score of each sender (see the module docstring; ``score``: one of :data:`SCORES`).
+    ``source_position``: where the counterfactual value is read (None: the clean sender index; a position class:
+    a random one of its indices per sender and prompt, drawn from ``seed``, :func:`source_indices`)."""
     check_score(score)  # before any forward pass
     out: dict[Head, float] = {}
     chunks = [list(senders[i : i + senders_per_pass]) for i in range(0, len(senders), senders_per_pass)]
     p_clean = batch.p_clean
     bar = progress and not model.remote  # remote: the step is one request, there is nothing to show per chunk
     per_group = []
-    for part in parts(batch):  # each group (length) patched alone; the ratio of means is over every prompt
+    for i, part in enumerate(parts(batch)):  # each group (length) patched alone; the score is over every prompt
+        src = [source_indices(model, part, chunk, source_position, f"{seed}:{i}") for chunk in chunks]
         with model.session():  # remote: the whole step (every chunk's frozen and receiver runs) in one request
-            per_group.append(keep(_chunk_probs(model, part, chunks, sender_position, receivers, bar)))
+            per_group.append(keep(_chunk_probs(model, part, chunks, sender_position, receivers, bar, src)))
     probs = [torch.cat(ps, dim=1) for ps in zip(*per_group)]
     for chunk, p in zip(chunks, probs):  # p: "sender batch"
         for head, ps in zip(chunk, p):
             out[head] = sender_score(ps, p_clean, score)
     return out
+
+
+def source_indices(
+    model: LoadedModel, batch: PairBatch, senders: Sequence[Head], position: Optional[str], seed: str = "0"
+) -> Optional[torch.Tensor]:
+    """Where each sender's counterfactual value is read in each source prompt (``"sender batch"``), or None (at
+    the clean prompt's sender index, mechdiff's default). A one-index ``position`` of the source is read as it is;
+    a position class (``"batch k"``) gives one of its ``k`` indices at random per sender and prompt, drawn from a
+    table of every head of the model seeded by ``seed``, so a sender's draw does not depend on which others are
+    patched or how many share a pass (the paper: ``random.choice`` per sender and prompt)."""
+    if position is None:
+        return None
+    known = batch.source_positions or {}
+    if position not in known:
+        raise ValueError(f"unknown source position {position!r}; the sources record {sorted(known)}")
+    where = known[position]
+    if (where < 0).any():
+        raise ValueError(f"source position {position!r} is missing (-1) in some counterfactual prompts")
+    if where.ndim == 1:
+        return repeat(where, "b -> s b", s=len(senders))
+    n_heads, n = model.shape.n_heads, len(batch)
+    generator = torch.Generator().manual_seed(random.Random(seed).getrandbits(63))
+    table = torch.randint(where.shape[1], (model.shape.n_layers * n_heads, n), generator=generator)
+    picks = table[torch.tensor([h.layer * n_heads + h.head for h in senders], dtype=torch.long)]  # "sender batch"
+    return where[torch.arange(n)[None], picks]
 
 
 def auto_senders_per_pass(model: LoadedModel, batch: Union[PairBatch, PairBatches]) -> int:
@@ -243,20 +282,28 @@ def _chunk_probs(
     sender_position: str,
     receivers: Optional[Receivers],
     progress: bool,
+    sources: Sequence[Optional[torch.Tensor]],
 ) -> list[torch.Tensor]:
-    """:func:`_patched_prob` of every chunk of senders (``"sender batch"`` each), on the model's side."""
-    return [
-        _patched_prob(model, batch, chunk, sender_position, receivers)
-        for chunk in progress_bar(chunks, desc=f"path patching {sender_position}", disable=not progress, leave=False)
-    ]
+    """:func:`_patched_prob` of every chunk of senders (``"sender batch"`` each; ``sources``: each chunk's
+    :func:`source_indices`), on the model's side."""
+    chunked = progress_bar(
+        list(zip(chunks, sources)), desc=f"path patching {sender_position}", disable=not progress, leave=False
+    )
+    return [_patched_prob(model, batch, chunk, sender_position, receivers, src) for chunk, src in chunked]
 
 
 def _patched_prob(
-    model: LoadedModel, batch: PairBatch, senders: list[Head], sender_position: str, receivers: Optional[Receivers]
+    model: LoadedModel,
+    batch: PairBatch,
+    senders: list[Head],
+    sender_position: str,
+    receivers: Optional[Receivers],
+    src: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Answer probability after path patching each sender: ``"sender batch"``."""
+    """Answer probability after path patching each sender: ``"sender batch"`` (``src``: :func:`source_indices`)."""
     n, s = len(batch), len(senders)
     spos = batch_position(batch, sender_position)
+    src = repeat(spos, "b -> s b", s=s) if src is None else src
     if receivers is not None and any(h.layer >= receivers.max_layer for h in senders):
         raise ValueError(f"senders must lie below the deepest receiver layer {receivers.max_layer}")
     top = model.shape.n_layers if receivers is None else receivers.max_layer
@@ -272,18 +319,18 @@ def _patched_prob(
     with torch.no_grad():
         if receivers is None:
             if point:
-                logits = _frozen_point_run(model, batch, senders, spos, range(first, top), first).logits
+                logits = _frozen_point_run(model, batch, senders, (spos, src), range(first, top), first).logits
             else:
-                patches = _frozen_patches(model, batch, senders, spos, range(first, top), start)
+                patches = _frozen_patches(model, batch, senders, (spos, src), range(first, top), start)
                 logits = run(model, ids, patches, resume=_resume(batch, first), start=start, **suffix).logits
         else:
             sites = receiver_sites(model, receivers)
             capture = [(receivers.kind, l) for l in sorted({l for l, _ in sites})]
             if point:
-                frozen = _frozen_point_run(model, batch, senders, spos, range(first, top), first, capture)
+                frozen = _frozen_point_run(model, batch, senders, (spos, src), range(first, top), first, capture)
                 at = torch.zeros(n * s, dtype=torch.long)
             else:
-                patches = _frozen_patches(model, batch, senders, spos, range(first, top), start)
+                patches = _frozen_patches(model, batch, senders, (spos, src), range(first, top), start)
                 frozen = run(
                     model, ids, patches, capture=capture, stop=True, resume=_resume(batch, first), start=start, **suffix
                 )
@@ -352,7 +399,7 @@ def _frozen_point_run(
     model: LoadedModel,
     batch: PairBatch,
     senders: list[Head],
-    spos: torch.Tensor,
+    at: tuple[torch.Tensor, torch.Tensor],
     layers: range,
     first: int,
     capture: Sequence[tuple[str, int]] = (),
@@ -360,18 +407,18 @@ def _frozen_point_run(
     """The frozen run at the sender position alone, one token per example: with every head's z frozen to
     the clean run's, the residual stream differs from the clean one only at the sender position, so
     that position (read out, or holding the receivers) is all that must be computed. Exact; attention
-    there is overwritten, so no key/value prefix is read."""
-    n, s, h = len(batch), len(senders), model.shape.n_heads
+    there is overwritten, so no key/value prefix is read. ``at``: the clean sender index (``"batch"``) and where
+    each sender's counterfactual value is read (``"sender batch"``)."""
+    spos, src = at
+    n, s = len(batch), len(senders)
     rows = torch.arange(n)
     patches = []
     for layer in layers:
         value = repeat(batch.clean_z[layer][rows, spos], "b c -> (s b) 1 c", s=s).clone()
-        copies = torch.tensor([i for i, x in enumerate(senders) if x.layer == layer], dtype=torch.long)
+        copies, heads = _layer_senders(senders, layer)
         if len(copies):
-            heads = torch.tensor([senders[i].head for i in copies.tolist()], dtype=torch.long)
-            view = rearrange(value, "(s b) 1 (h d) -> s b h d", s=s, h=h)
-            source = rearrange(batch.source_z[layer][rows, spos], "b (h d) -> b h d", h=h)
-            view[copies[:, None], rows[None], heads[:, None]] = source[:, heads].transpose(0, 1)
+            view = rearrange(value, "(s b) 1 (h d) -> s b h d", s=s, h=model.shape.n_heads)
+            view[copies[:, None], rows[None], heads[:, None]] = _source_values(model, batch, layer, src, copies, heads)
         patches.append(Patch("z", layer, value))
     ids = repeat(batch.clean_ids[rows, spos], "b -> (s b) 1", s=s)
     resume = None if first == 0 else Resume(first, batch.clean_resid[first - 1][rows, spos][:, None])
@@ -387,22 +434,44 @@ def _frozen_point_run(
 
 
 def _frozen_patches(
-    model: LoadedModel, batch: PairBatch, senders: list[Head], spos: torch.Tensor, layers: range, start: int
+    model: LoadedModel,
+    batch: PairBatch,
+    senders: list[Head],
+    at: tuple[torch.Tensor, torch.Tensor],
+    layers: range,
+    start: int,
 ) -> list[Patch]:
-    """Each layer's z for every sender copy: clean from ``start`` on, the copy's sender slice from the source."""
-    n, h = len(batch), model.shape.n_heads
+    """Each layer's z for every sender copy: clean from ``start`` on, the copy's sender slice at the clean sender
+    index from the source (``at``: as :func:`_frozen_point_run`)."""
+    spos, src = at
+    n, s = len(batch), len(senders)
     rows = torch.arange(n)
     patches = []
     for layer in layers:
-        value = repeat(batch.clean_z[layer][:, start:], "b p c -> (s b) p c", s=len(senders)).clone()
-        copies = torch.tensor([i for i, x in enumerate(senders) if x.layer == layer], dtype=torch.long)
+        value = repeat(batch.clean_z[layer][:, start:], "b p c -> (s b) p c", s=s).clone()
+        copies, heads = _layer_senders(senders, layer)
         if len(copies):
-            heads = torch.tensor([senders[i].head for i in copies.tolist()], dtype=torch.long)
-            view = rearrange(value, "(s b) p (h d) -> s b p h d", s=len(senders), h=h)  # a view: writes land in value
-            source = rearrange(batch.source_z[layer][rows, spos], "b (h d) -> b h d", h=h)
-            view[copies[:, None], rows[None], (spos - start)[None], heads[:, None]] = source[:, heads].transpose(0, 1)
+            view = rearrange(value, "(s b) p (h d) -> s b p h d", s=s, h=model.shape.n_heads)  # writes land in value
+            view[copies[:, None], rows[None], (spos - start)[None], heads[:, None]] = _source_values(
+                model, batch, layer, src, copies, heads
+            )
         patches.append(Patch("z", layer, value, slice(start, None)))
     return patches
+
+
+def _layer_senders(senders: list[Head], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The copies whose sender lies in ``layer`` and their head indices."""
+    copies = [i for i, x in enumerate(senders) if x.layer == layer]
+    return torch.tensor(copies, dtype=torch.long), torch.tensor([senders[i].head for i in copies], dtype=torch.long)
+
+
+def _source_values(
+    model: LoadedModel, batch: PairBatch, layer: int, src: torch.Tensor, copies: torch.Tensor, heads: torch.Tensor
+) -> torch.Tensor:
+    """The senders' counterfactual z (``"copy batch d_head"``): copy ``c``'s head read in each source prompt at
+    ``src[c]``."""
+    z = rearrange(batch.source_z[layer], "b p (h d) -> b p h d", h=model.shape.n_heads)
+    return z[torch.arange(len(batch))[None], src[copies], heads[:, None]]
 
 
 def batch_position(batch: PairBatch, name: str) -> torch.Tensor:

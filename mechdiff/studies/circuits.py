@@ -334,6 +334,7 @@ class CircuitsStudy(Study):
             n_boxes=t.n_boxes,
             seed=own.get("seed", self.seed("discovery")),
             score=d.score,
+            source_position={s: p for s, p in d.source_position.items() if s in steps_of_plan},
         )
 
     def _path_circuit(self, name: str) -> dict:
@@ -395,16 +396,17 @@ class CircuitsStudy(Study):
             records = self.task.records(self.tokenizer, n, self.seed(prompts), **self.options(prompts=prompts))
             check_reference(records, reference, f"{prompts} prompts")
 
-    def reference_records(self) -> list:
-        """The mean-ablation reference: ``reference_n`` prompts of their own (held-out objects, like every set)."""
+    def reference_records(self, seed: Optional[int] = None) -> list:
+        """The mean-ablation reference: ``reference_n`` prompts of their own (held-out objects, like every set),
+        drawn by the study's seed or by ``seed`` (a model's pruning seed, as if it were the task's)."""
         s = self.spec.scoring
-        return self.task.reference_records(
-            self.tokenizer, s.reference_n, self.seed("reference"), **self.options(prompts="reference")
-        )
+        drawn = self.seed("reference") if seed is None else prompt_seed(seed, "reference")
+        return self.task.reference_records(self.tokenizer, s.reference_n, drawn, **self.options(prompts="reference"))
 
-    def scorer(self, name: str, prompts: str = "matrix", n: Optional[int] = None):
+    def scorer(self, name: str, prompts: str = "matrix", n: Optional[int] = None, seed: Optional[int] = None):
         """A scorer of ``name`` on ``n`` prompts of the named set; every scorer ablates with the means of the
-        same ``reference_n`` reference prompts (held-out objects, like every other prompt set)."""
+        same ``reference_n`` reference prompts (held-out objects, like every other prompt set), or of those a
+        seed of its own draws (``seed``: a model's pruning seed)."""
         from ..circuits.scoring import Scorer
 
         s = self.spec.scoring
@@ -412,23 +414,27 @@ class CircuitsStudy(Study):
         return Scorer.build(
             self.model(name),
             records,
-            self.reference_records(),
+            self.reference_records(seed),
             self.spec.eval.batch_size,
             self.progress,
             store=self.store,
         )
 
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
+        """The circuit of ``circuit_rec`` pruned on ``name``; ``[scoring.models.NAME] seed`` (the paper: one per
+        model) draws this model's pruning reference and greedy candidates in place of the study's seed."""
         from ..circuits.pruning import disjoint_groups, minimality, pairwise_minimality, prune
 
         s = self.spec.scoring
+        own = s.models.get(name, {}).get("seed")
+        seed = self.seed("prune") if own is None else prompt_seed(own, "prune")
 
         def compute() -> dict:
             circuit = Circuit.from_dict(circuit_rec.result["circuit"])
             if s.prune_disjoint:  # the paper: A minus B before pruning, so no pair is scored in two groups
                 circuit = disjoint_groups(circuit)
             # Pruning decides on its own prompts, never on those the matrix reports.
-            scorer = self.scorer(name, "prune", s.prune_n)
+            scorer = self.scorer(name, "prune", s.prune_n, own)
             if s.prune_rule == "paper":
                 result = pairwise_minimality(
                     scorer, circuit, metric=s.prune_metric, share=s.prune_share, threshold=s.prune_threshold
@@ -439,7 +445,7 @@ class CircuitsStudy(Study):
                     circuit,
                     max_steps=s.prune_steps,
                     n_candidates=s.prune_candidates,
-                    seed=self.seed("prune"),
+                    seed=seed,
                     metric=s.prune_metric,
                     threshold=s.prune_threshold,
                 )
@@ -450,10 +456,12 @@ class CircuitsStudy(Study):
         return self.cache.run(f"prune:{name}", self._prune_inputs(name, circuit_rec.key), compute)
 
     def _prune_inputs(self, name: str, circuit_key: str) -> dict:
+        scoring = section_inputs("scoring", self.spec.scoring)
+        own = scoring.pop("models", {}).get(name)  # another model's seed leaves this stage's key alone
         return {
             "model": self.digests[name],
             "circuit": circuit_key,
-            "scoring": section_inputs("scoring", self.spec.scoring),
+            "scoring": {**scoring, **({"models": {name: own}} if own is not None else {})},
             "task": self.task_inputs(),
         }
 

@@ -96,6 +96,10 @@ class DiscoverySection:
     # path: heads each step puts in the circuit, cut from its scores (default: top_k, the receivers the next step
     # reads); the paper keeps 20/5/10/5 receivers on LLaMA-7B and cuts 58/10/25/5 from the same scores
     circuit_k: dict[str, int] = field(default_factory=dict)
+    # path: step -> position of the counterfactual prompt its senders' values are read at (a position class, e.g.
+    # "labels": one of its indices at random per sender and prompt); a step not named reads them at the clean
+    # prompt's sender index. The paper reads D's at a random box label: { D = "labels" }
+    source_position: dict[str, str] = field(default_factory=dict)
     # path: per model, any of top_k, circuit_k and seed (its discovery pairs' seed), e.g.
     # [discovery.models.goat-7b] top_k = {...}; a model not named uses the section's
     models: dict[str, dict] = field(default_factory=dict)
@@ -104,8 +108,8 @@ class DiscoverySection:
 #: Options added to a section after results were committed, at the value every earlier study ran with: a stage key
 #: leaves such an option out while it has that value, so the committed studies' keys do not move.
 KEYED_WHEN_SET = {
-    "discovery": {"score": SCORES[0], "circuit_k": {}, "models": {}},
-    "scoring": {"prune_disjoint": False},
+    "discovery": {"score": SCORES[0], "circuit_k": {}, "models": {}, "source_position": {}},
+    "scoring": {"prune_disjoint": False, "models": {}},
 }
 #: Options whose default changed after results were committed: unset (the new default), a stage key reads the value
 #: those studies were keyed with. Unset ``top_k`` now means each step's plan ``k``; the committed studies left it at
@@ -113,6 +117,8 @@ KEYED_WHEN_SET = {
 KEYED_AS = {"discovery": {"top_k": ({}, {"A": 8, "B": 3, "C": 5, "D": 3})}}
 #: What ``[discovery.models.NAME]`` may set for one model.
 PER_MODEL_DISCOVERY = ("top_k", "circuit_k", "seed")
+#: What ``[scoring.models.NAME]`` may set for one model (its pruning's seed).
+PER_MODEL_SCORING = ("seed",)
 
 
 def section_inputs(name: str, section: Any) -> dict:
@@ -144,6 +150,10 @@ class ScoringSection:
     prune: bool = True
     # true (the paper's): a head in two groups at one position is pruned with the later group only (A minus B)
     prune_disjoint: bool = False
+    # per model, the pruning's seed ([scoring.models.NAME] seed = 10): it draws that model's mean-ablation reference
+    # for pruning and the greedy rule's candidates (the paper's minimality seeds each model's run: LLaMA 10, Goat 56,
+    # FLoAT 10); a model not named prunes with the study's reference and prompt seed
+    models: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass
@@ -360,21 +370,35 @@ def _check_desiderata(path: Path, text: str, dcm: Optional[dict], task_name: str
 
 
 def _check_per_model(path: Path, text: str, built: dict[str, Any]) -> None:
-    """``[discovery.models.NAME]`` names a model of ``[models]`` and sets only :data:`PER_MODEL_DISCOVERY`, each
-    of the section's own type (a step -> k table, or an integer seed)."""
+    """``[discovery.models.NAME]`` and ``[scoring.models.NAME]`` name a model of ``[models]`` and set only
+    :data:`PER_MODEL_DISCOVERY` (:data:`PER_MODEL_SCORING`), each of its own type (a step -> k table, or an
+    integer seed); ``[discovery] source_position`` maps steps to position names."""
     models = built["models"]
     known = [models.base, *models.finetunes]
-    for name, own in built["discovery"].models.items():
-        line = line_of(text, None, f"discovery.models.{name}") or line_of(text, "discovery", "models")
-        where = f"{path}:{line}: [discovery.models.{name}]"
-        if name not in known:
-            raise SpecError(f"{where} names no model of [models] ({', '.join(known)})")
-        if not isinstance(own, dict) or set(own) - set(PER_MODEL_DISCOVERY):
-            raise SpecError(f"{where} may set {', '.join(PER_MODEL_DISCOVERY)}; got {own!r}")
-        for key, value in own.items():
-            steps_ok = key != "seed" and isinstance(value, dict) and all(isinstance(k, int) for k in value.values())
-            if not (steps_ok or (key == "seed" and isinstance(value, int) and not isinstance(value, bool))):
-                raise SpecError(f"{where} {key} = {value!r}: give a step -> k table (or an integer seed)")
+    for section, allowed in (("discovery", PER_MODEL_DISCOVERY), ("scoring", PER_MODEL_SCORING)):
+        for name, own in built[section].models.items():
+            headers = (f"{section}.models.{name}", f'{section}.models."{name}"')  # bare or quoted name
+            line = next((n for n in (line_of(text, None, h) for h in headers) if n), line_of(text, section, "models"))
+            where = f"{path}:{line}: [{section}.models.{name}]"
+            if name not in known:
+                raise SpecError(f"{where} names no model of [models] ({', '.join(known)})")
+            if not isinstance(own, dict) or set(own) - set(allowed):
+                raise SpecError(f"{where} may set {', '.join(allowed)}; got {own!r}")
+            for key, value in own.items():
+                _check_per_model_value(where, key, value)
+    positions = built["discovery"].source_position
+    if not all(isinstance(v, str) for v in positions.values()):
+        raise SpecError(
+            f"{path}:{line_of(text, 'discovery', 'source_position')}: [discovery] source_position = {positions!r}: "
+            'give a step -> position name table, e.g. { D = "labels" }'
+        )
+
+
+def _check_per_model_value(where: str, key: str, value: Any) -> None:
+    """One per-model value: a step -> k table (``top_k``, ``circuit_k``) or an integer ``seed``."""
+    steps_ok = key != "seed" and isinstance(value, dict) and all(isinstance(k, int) for k in value.values())
+    if not (steps_ok or (key == "seed" and isinstance(value, int) and not isinstance(value, bool))):
+        raise SpecError(f"{where} {key} = {value!r}: give a step -> k table (or an integer seed)")
 
 
 def _check_paper_stages(path: Path, text: str, built: dict[str, Any]) -> None:

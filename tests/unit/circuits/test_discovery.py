@@ -54,3 +54,34 @@ def test_each_model_gets_its_own_k_and_seed(tiny_family, tmp_path):
         CircuitsStudy.from_file(_spec_file(tmp_path, tiny_family, f'\n[discovery.models."{ft}"]\nscreen = true\n'))
     with pytest.raises(SpecError, match=r"give a step -> k table"):
         CircuitsStudy.from_file(_spec_file(tmp_path, tiny_family, f'\n[discovery.models."{ft}"]\ntop_k = 3\n'))
+
+
+def test_step_d_reads_its_counterfactual_senders_where_the_settings_say(smollm2_tokenizer):
+    """source_position {"D": "labels"} (the paper's random box label) changes step D's scores only: A-C read
+    their senders at the clean index either way; the setting is recorded in the circuit's meta."""
+    from conftest import make_tiny
+
+    lm = make_tiny("llama", smollm2_tokenizer, n_layers=6)  # deep enough for all four steps
+    pairs = path_patching_pairs(smollm2_tokenizer, 5, n_boxes=3, seed=3)
+    k = {"A": 4, "B": 3, "C": 3, "D": 2}
+    _, plain = discover(lm, pairs, DiscoverySettings(k=k, n_prompts=5, n_boxes=3), progress=False)
+    settings = DiscoverySettings(k=k, n_prompts=5, n_boxes=3, source_position={"D": "labels"})
+    circuit, paper = discover(lm, pairs, settings, progress=False)
+    assert all(paper[s].exact == plain[s].exact for s in "ABC")
+    assert paper["D"].exact.keys() == plain["D"].exact.keys() and paper["D"].exact != plain["D"].exact
+    assert circuit.meta["settings"]["source_position"] == {"D": "labels"}
+
+
+def test_a_study_hands_path_patching_its_source_position(tiny_family, tmp_path):
+    """[discovery] source_position reaches each model's path-patching settings (cut to the plan's steps); a value
+    that is not a position name is refused with its line."""
+    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.spec import SpecError
+    from mechdiff.tasks.plan import default_plan
+
+    base, _ = tiny_family
+    extra = 'source_position = { D = "labels", Z = "labels" }\n'
+    study = CircuitsStudy.from_file(_spec_file(tmp_path, tiny_family, extra), out=str(tmp_path / "run"))
+    assert study.path_settings(base, default_plan()).source_position == {"D": "labels"}
+    with pytest.raises(SpecError, match=r"paper.toml:11: \[discovery\] source_position"):
+        CircuitsStudy.from_file(_spec_file(tmp_path, tiny_family, "source_position = { D = 3 }\n"))

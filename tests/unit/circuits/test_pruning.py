@@ -384,3 +384,43 @@ def test_the_papers_disjoint_groups_take_a_shared_head_out_of_the_earlier_group(
     assert (memberships(out), len(after)) == (5, 5) and after["L2H1@last"]["group"] == "B"  # each pair once
     assert load_spec("tasks/entity_tracking_llama7b.toml").scoring.prune_disjoint is True
     assert "prune_disjoint" not in section_inputs("scoring", ScoringSection())  # committed prune keys unchanged
+
+
+def test_each_model_prunes_with_its_own_seed(tiny_family, tmp_path, monkeypatch):
+    """[scoring.models.NAME] seed (the paper's minimality seed per model: LLaMA 10, Goat 56, FLoAT 10) draws that
+    model's pruning reference and greedy candidates; a model not named prunes with the study's, and its prune key
+    stays what it was without the option. The paper's task file selects the paper's seeds."""
+    from mechdiff.runs.seeds import prompt_seed
+    from mechdiff.runs.stages import StageRecord
+    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.spec import SpecError, load_spec
+
+    base, ft = tiny_family
+    head = f'[models]\nbase = "{base}"\nfinetunes = ["{ft}"]\n\n[task]\nname = "entity-tracking"\nn_boxes = 3\n'
+    plain = head + "\n[scoring]\nprune_n = 4\nreference_n = 6\n"
+    (tmp_path / "plain.toml").write_text(plain)
+    (tmp_path / "own.toml").write_text(plain + f'\n[scoring.models."{ft}"]\nseed = 4\n')
+    study = CircuitsStudy.from_file(tmp_path / "own.toml", out=str(tmp_path / "run"), progress=False)
+    before = CircuitsStudy.from_file(tmp_path / "plain.toml", out=str(tmp_path / "run"), progress=False)
+    assert study._prune_inputs(base, "k") == before._prune_inputs(base, "k")
+    assert study._prune_inputs(ft, "k")["scoring"]["models"] == {ft: {"seed": 4}}
+    references = []
+    original = Scorer.build.__func__
+    monkeypatch.setattr(
+        Scorer, "build", classmethod(lambda cls, *a, **kw: references.append(a[2]) or original(cls, *a, **kw))
+    )
+    circuit = Circuit("m", "entity-tracking", {"A": [Head(1, 0), Head(1, 2)]}, {"A": "last"})
+    found = StageRecord("circuit", "key", {"circuit": circuit.to_dict()}, 0.0, False)
+    seeds = {n: study.pruned(n, found).result["minimality"]["seed"] for n in (base, ft)}
+    assert seeds == {base: study.seed("prune"), ft: prompt_seed(4, "prune")}
+    task, options = study.task, study.options(prompts="reference")
+    drawn = [
+        task.reference_records(study.tokenizer, 6, s, **options)
+        for s in (study.seed("reference"), prompt_seed(4, "reference"))
+    ]
+    assert references == drawn and drawn[0] != drawn[1]
+    paper = load_spec("tasks/entity_tracking_llama7b.toml").scoring.models
+    assert paper == {"llama-7b": {"seed": 10}, "goat-7b": {"seed": 56}, "float-7b": {"seed": 10}}
+    (tmp_path / "bad.toml").write_text(plain + f'\n[scoring.models."{ft}"]\nprune_n = 3\n')
+    with pytest.raises(SpecError, match=r"bad.toml:13: \[scoring.models.*\] may set seed"):
+        load_spec(tmp_path / "bad.toml")

@@ -16,7 +16,7 @@ from tolerances import relative_change_approx, tol32
 from mechdiff.circuits.discovery import DiscoverySettings, discover
 from mechdiff.common.components import Head
 from mechdiff.patching.attribution import attribution_scores
-from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
+from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare, source_indices
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 
 
@@ -391,7 +391,111 @@ def test_the_llama7b_task_file_scores_senders_as_the_paper_and_old_keys_stay():
 
     assert load_spec("tasks/entity_tracking_llama7b.toml").discovery.score == "mean_of_ratios"
     default = section_inputs("discovery", DiscoverySection())
-    added = ("score", "circuit_k", "models")  # options added after the committed studies were run
+    added = ("score", "circuit_k", "models", "source_position")  # options added after the committed studies were run
     old = {"top_k": {"A": 8, "B": 3, "C": 5, "D": 3}}  # unset top_k (each step's plan k) keys as its old default
     assert default == {**{k: v for k, v in dataclasses.asdict(DiscoverySection()).items() if k not in added}, **old}
     assert section_inputs("discovery", DiscoverySection(score="mean_of_ratios"))["score"] == "mean_of_ratios"
+
+
+def _freeze_hooks_from(lm, clean_z, source_z, sender, pos, src, layers):
+    """As :func:`_freeze_hooks`, the sender's source value read at ``src`` (one index per prompt) of the source."""
+    d = lm.shape.d_head
+    cols = slice(sender.head * d, (sender.head + 1) * d)
+
+    def make(layer):
+        def hook(module, args):
+            z = clean_z[layer].clone()
+            if layer == sender.layer:
+                rows = torch.arange(z.shape[0])
+                z[rows, pos, cols] = source_z[layer][rows, src, cols]
+            return (z,)
+
+        return hook
+
+    return [(lm.arch.module(lm.model, "z", layer), make(layer)) for layer in layers]
+
+
+def _far_from_clean_but_at_its_index(batch, position):
+    """A counterfactual equal to the clean run at each prompt's clean ``position`` and far from it elsewhere
+    (scores above float32 rounding)."""
+    g = torch.Generator().manual_seed(0)
+    rows, pos = torch.arange(len(batch)), batch.positions[position]
+    out = {}
+    for layer, z in batch.clean_z.items():
+        far = z + 10 * torch.randn(z.shape, generator=g)
+        far[rows, pos] = z[rows, pos]
+        out[layer] = far
+    return out
+
+
+def test_a_sender_read_at_a_random_label_equals_the_hooked_reference(tiny_llama, pairs):
+    """The paper reads group D's counterfactual sender at a random box label (``random.choice(range(6, 49, 7))``
+    per sender and prompt). A case built for it: the counterfactual equals the clean run at the clean index, so
+    read there (mechdiff's default) no sender changes anything; read at a drawn label, each sender's score (to a
+    receiver's V at the sender position, as step D) is the hooked reference's with that sender's own draw, and the
+    scores move."""
+    lm, d = tiny_llama, "query_label_context"
+    batch = prepare(lm, pairs)
+    batch.source_z = _far_from_clean_but_at_its_index(batch, d)
+    receivers, senders = Receivers((Head(2, 2),), "v", d), [Head(0, 0), Head(0, 3), Head(1, 2)]
+    src = source_indices(lm, batch, senders, "labels", "5:0")
+    labels = batch.source_positions["labels"]
+    assert all(int(src[s, b]) in labels[b].tolist() for s in range(len(senders)) for b in range(len(batch)))
+    assert not torch.equal(src[0], src[1])  # one draw per sender and prompt, not per prompt
+    default = path_patch(lm, batch, senders, d, receivers, progress=False)
+    assert max(map(abs, default.values())) < 1e-6
+    scores = path_patch(lm, batch, senders, d, receivers, progress=False, source_position="labels", seed=5)
+    clean_z, pos, rows = _reference_z(lm, batch.clean_ids), batch.positions[d], torch.arange(len(batch))
+    cols = lm.arch.columns("v", 2, lm.shape)
+    v_proj = lm.model.model.layers[2].self_attn.v_proj
+    p0 = _hooked_prob(lm, batch.clean_ids, batch.answer_ids)
+    for i, s in enumerate(senders):
+        got = {}
+        capture = (v_proj, lambda m, a, out: got.__setitem__("v", out[rows, pos, cols].clone()))
+        frozen = _freeze_hooks_from(lm, clean_z, batch.source_z, s, pos, src[i], range(2))
+        _hooked_prob(lm, batch.clean_ids, batch.answer_ids, pre_hooks=frozen, hooks=[capture])
+
+        def write(m, a, out):
+            out = out.clone()
+            out[rows, pos, cols] = got["v"]
+            return out
+
+        p = _hooked_prob(lm, batch.clean_ids, batch.answer_ids, hooks=[(v_proj, write)])
+        assert scores[s] == relative_change_approx(float((p.mean() - p0.mean()) / p0.mean()))
+    assert min(map(abs, scores.values())) > 5 * tol32(1)  # not vacuous: every sender moves the answer
+
+
+def test_a_senders_draw_depends_on_the_seed_only(tiny_llama, pairs):
+    """Each sender's label draw comes from a table of every head: the same however senders share a pass and
+    whichever others are patched (step D's point run, receivers at the sender position); another seed, other
+    draws. A one-index source position is read as it is; an unknown one is refused."""
+    lm = tiny_llama
+    batch = prepare(lm, pairs)
+    batch.source_z = _far_from_clean_but_at_its_index(batch, "query_label_context")
+    receivers = Receivers((Head(2, 1), Head(2, 2)), "v", "query_label_context")
+    senders = [Head(0, 1), Head(1, 0), Head(1, 3)]
+
+    def scores(heads, per_pass, seed=7):
+        return path_patch(
+            lm, batch, heads, "query_label_context", receivers, per_pass, False, source_position="labels", seed=seed
+        )
+
+    together = scores(senders, 3)
+    assert scores(senders, 1) == together and scores(senders[1:], 2) == {h: together[h] for h in senders[1:]}
+    assert scores(senders, 3, seed=8) != together
+    assert min(map(abs, together.values())) > 5 * tol32(1)
+    own = source_indices(lm, batch, senders, "query_label")
+    assert torch.equal(own, batch.source_positions["query_label"].expand(3, -1))
+    with pytest.raises(ValueError, match="unknown source position 'box'"):
+        source_indices(lm, batch, senders, "box")
+
+
+def test_the_llama7b_task_file_reads_d_at_a_random_label_and_old_keys_stay():
+    """The paper's task file reads D's sender at a random label and hands it to path patching; unset, the option
+    stays out of the circuit stage's key (the committed studies' keys do not move)."""
+    from mechdiff.studies.spec import DiscoverySection, load_spec, section_inputs
+
+    assert load_spec("tasks/entity_tracking_llama7b.toml").discovery.source_position == {"D": "labels"}
+    assert "source_position" not in section_inputs("discovery", DiscoverySection())
+    keyed = section_inputs("discovery", DiscoverySection(source_position={"D": "labels"}))
+    assert keyed["source_position"] == {"D": "labels"}
