@@ -49,7 +49,15 @@ from ..common.stats import Estimate, pooled_proportion, proportion
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, Prefix, Resume, run
 from ..patching.evaluate import batches
-from ..tasks.base import PairRecord, group_batches, grouped_batches, pair_batch_tensors, record_order, take
+from ..tasks.base import (
+    PairRecord,
+    check_one_token,
+    group_batches,
+    grouped_batches,
+    pair_batch_tensors,
+    record_order,
+    take,
+)
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +298,7 @@ class PairCache:
     ) -> "PairCache":
         """Two forward passes per pair (source and base) for every ``(heads, position)`` in ``groups``."""
         pairs = list(pairs)
+        check_one_token(pairs, "DCM")  # its loss and accuracy read the target's one token at the last position
         sites = sorted({(h.layer, pos) for heads, pos in groups for h in heads})
         starts = sorted({min(h.layer for h in heads) for heads, _ in groups if heads} - {0})
         source: dict = {site: [] for site in sites}

@@ -118,6 +118,8 @@ class Task:
     strata: Optional[tuple] = None
     #: The same task handing out the drawn sets (name -> row indices) by their ``prompt_set`` name.
     with_sets: Optional[Callable[[dict], "Task"]] = None
+    #: The most tokens an answer of the task has (an imported task's answers may have several; 1 otherwise).
+    answer_tokens: int = 1
 
     def __post_init__(self) -> None:
         if self.metric not in TASK_METRICS:
@@ -266,4 +268,5 @@ def imported_task(imported: ImportedTask) -> Task:
         rows_digest=imported.rows_digest,
         strata=imported.strata,
         with_sets=lambda sets: imported_task(replace(imported, sets=dict(sets))),
+        answer_tokens=max_answer_length(imported.pairs),
     )

@@ -526,6 +526,8 @@ Batch = dict[str, Any]
 
 
 def answer_batch(records: Sequence[Record]) -> Batch:
-    """``{"input_ids": [batch, pos], "answer_ids": [batch]}``: what fine-tuning and HeadMap train on."""
+    """``{"input_ids": [batch, pos], "answer_ids": [batch]}``: what fine-tuning and HeadMap train on (one answer
+    token each: records with longer answers are refused)."""
+    check_one_token(records, "fine-tuning / HeadMap batches")
     t = batch_tensors(records)
     return {"input_ids": t["input_ids"], "answer_ids": t["answer_ids"]}
