@@ -21,7 +21,7 @@ import torch
 from einops import rearrange
 
 from ..common.components import Head, all_heads
-from ..common.metrics import answer_logprob
+from ..common.metrics import answer_logprob, sequence_logprob
 from ..common.progress import progress_bar
 from ..common.stats import bootstrap_ratio, proportion
 from ..patching.core import EMB_LAYER, Patch, run
@@ -43,24 +43,35 @@ def ablation_attribution(scorer: Scorer, classes: Sequence[str]) -> dict[Pair, f
 
 def prompt_attribution(scorer: Scorer, classes: Sequence[str]) -> torch.Tensor:
     """Per prompt, the attribution of every (class, layer, head): ``"prompt class layer head"`` (float64).
-    Kept per prompt so that the ranking can be bootstrapped over prompts (:func:`selection_stability`)."""
+    Kept per prompt so that the ranking can be bootstrapped over prompts (:func:`selection_stability`).
+    An answer of several tokens: ``log p`` is its summed teacher-forced log-probability (the answer's tokens
+    appended to the prompt), the sum over the prompt's positions only."""
     model, shape = scorer.model, scorer.model.shape
     sites = [("z", layer) for layer in range(shape.n_layers)]
     out = torch.zeros(len(scorer.records), len(classes), shape.n_layers, shape.n_heads, dtype=torch.float64)
     for rows, batch in progress_bar(
         list(scorer.batches()), desc="attribution", disable=not scorer.progress, leave=False
     ):
+        ids, n_pos = batch["input_ids"], batch["input_ids"].shape[1]
+        readout = None
+        if "answer_tokens" in batch:  # teacher forcing: the answer's tokens but its last appended
+            ids = torch.cat([ids, batch["answer_tokens"][:, :-1]], 1)
+            readout = (n_pos - 1 + torch.arange(batch["answer_tokens"].shape[1]))[None].expand(ids.shape[0], -1)
         with torch.no_grad():
-            emb = run(model, batch["input_ids"], capture=[("emb", EMB_LAYER)], stop=True).captured[("emb", EMB_LAYER)]
+            emb = run(model, ids, capture=[("emb", EMB_LAYER)], stop=True).captured[("emb", EMB_LAYER)]
         # the embedding output as the leaf: every later activation is in the graph (weights may be frozen)
         leaf = emb.detach().clone().requires_grad_()
-        res = run(model, batch["input_ids"], [Patch("emb", EMB_LAYER, leaf)], capture=sites, grad=True)
-        logp = answer_logprob(res.logits, batch["answer_ids"])
+        res = run(model, ids, [Patch("emb", EMB_LAYER, leaf)], capture=sites, grad=True, readout=readout)
+        if readout is None:
+            logp = answer_logprob(res.logits, batch["answer_ids"])
+        else:
+            logp = sequence_logprob(res.logits, batch["answer_tokens"], batch["answer_lengths"])
         zs = [res.captured[s] for s in sites]
         grads = torch.autograd.grad(logp.sum(), zs, allow_unused=True)
         for layer, (z, g) in enumerate(zip(zs, grads)):
             if g is None:
                 continue
+            z, g = z[:, :n_pos], g[:, :n_pos]  # the prompt's positions: the ablation never writes the answer's
             delta = means_for(scorer.means, batch)[layer][None].to(z.device) - z.detach().float()  # "batch pos cols"
             prod = rearrange(delta * g.float(), "b p (head d) -> b p head d", head=shape.n_heads).sum(-1)
             for i, c in enumerate(classes):

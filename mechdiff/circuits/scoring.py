@@ -14,9 +14,11 @@ lengths; a prompt whose group has no reference prompt is refused (:func:`~mechdi
 Where records name no template their group is their token length. (Prakash et al. average over one
 template's prompts; this keeps their rule for tasks of several templates.)
 
-The metric ``F`` is task accuracy (per prompt: is the answer the top-1 token) or the answer
-probability; faithfulness is ``F(C) / F(M)``. The position :data:`EVERY_POSITION` (``"*"``)
-keeps or ablates a head at every position (the "all heads at all positions" circuit).
+The metric ``F`` is task accuracy (per prompt: is the answer the top-1 token; for an answer of several tokens,
+is it what greedy decoding gives) or the answer probability (for several tokens, the product of the tokens'
+teacher-forced probabilities); faithfulness is ``F(C) / F(M)``. Ablations write the prompt's positions only,
+never an appended answer token's (:func:`~mechdiff.patching.evaluate.evaluate`). The position
+:data:`EVERY_POSITION` (``"*"``) keeps or ablates a head at every position (the "all heads at all positions" circuit).
 """
 
 from __future__ import annotations
@@ -39,7 +41,17 @@ from ..models.loading import LoadedModel
 from ..patching.ablation import site_means
 from ..patching.core import Patch, Resume, run, suffix_supported
 from ..patching.evaluate import EvalResult, evaluate
-from ..tasks.base import GroupKey, Record, batch_tensors, check_reference, group_key, group_name, grouped_batches, take
+from ..tasks.base import (
+    GroupKey,
+    Record,
+    batch_tensors,
+    check_reference,
+    group_key,
+    group_name,
+    grouped_batches,
+    max_answer_length,
+    take,
+)
 from .circuit import Circuit
 
 log = logging.getLogger(__name__)
@@ -246,10 +258,11 @@ class Scorer:
         removed pairs' classes, so each batch resumes from F(C)'s own run (its residual stream entering that
         layer, its keys and values before that position; :class:`~mechdiff.patching.core.Resume`, a suffix
         run) and recomputes only the rest. Equal to ``keep(C - removed)`` up to float rounding; cached
-        under the same key, so either call serves the other."""
+        under the same key, so either call serves the other. Answers of several tokens (teacher-forced runs)
+        are scored as ``keep(C - removed)``."""
         base, removed = frozenset(pairs), frozenset(removed)
         key = base - removed
-        if not removed or ("keep", key) in self.cache or self.model.remote:
+        if not removed or ("keep", key) in self.cache or self.model.remote or self.several_tokens:
             return self.keep(key)
         layer = min(head.layer for head, _ in removed)
         self.cache[("keep", key)] = evaluate(
@@ -261,6 +274,11 @@ class Scorer:
             forward=lambda batch, rows: self._resumed(base, key, removed, layer, batch, rows),
         )
         return self.cache[("keep", key)]
+
+    @property
+    def several_tokens(self) -> bool:
+        """Whether an answer of the scorer's prompts has several tokens (scored by teacher forcing)."""
+        return max_answer_length(self.records) > 1
 
     def _resumed(
         self, base: frozenset, key: frozenset, removed: frozenset, layer: int, batch: dict, rows: Sequence[int]

@@ -6,6 +6,12 @@ Every function takes ``logits`` ``"batch vocab"`` (any dtype, any device; comput
 answer ids ``"batch"`` (moved to the logits' device) and returns one value per example, ``"batch"``,
 on the logits' device. Training losses (fine-tuning's and HeadMap's mean answer cross-entropy) stay
 torch's fused ``cross_entropy``; per-example losses are ``-answer_logprob``.
+
+Answers of several tokens are scored by teacher forcing (:func:`mechdiff.patching.core.answer_logits`): the
+``sequence_*`` functions take the logits ``"batch a vocab"`` predicting each answer token, the answer's tokens
+``"batch a"`` (right-padded) and their lengths ``"batch"``. An answer is correct where greedy decoding gives it
+(every token the top-1); its log-probability is the sum over its tokens, its probability the product
+(``exp`` of that sum: for one token, the token's probability).
 """
 
 from __future__ import annotations
@@ -69,6 +75,25 @@ def logit_diff(logits: torch.Tensor, answer_ids: torch.Tensor, alternative_ids: 
     alt = alt[:, None] if alt.ndim == 1 else alt
     logits = logits.float()
     return answer_logit(logits, answer_ids) - logits.gather(-1, alt).mean(-1)
+
+
+def _real(tokens: torch.Tensor, lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Boolean ``"batch a"``: the answer tokens within each answer's length (not padding)."""
+    return torch.arange(tokens.shape[1], device=device)[None] < torch.as_tensor(lengths).to(device)[:, None]
+
+
+def sequence_logprob(logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each answer's summed log-probability over its tokens (teacher-forced ``logits`` ``"batch a vocab"``)."""
+    tokens = _ids(logits, tokens)
+    per_token = logits.float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+    return per_token.masked_fill(~_real(tokens, lengths, logits.device), 0.0).sum(-1)
+
+
+def sequence_is_greedy(logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Bool: greedy decoding gives the whole answer (each of its tokens the top-1 under teacher forcing)."""
+    tokens = _ids(logits, tokens)
+    hit = (logits.argmax(-1) == tokens) | ~_real(tokens, lengths, logits.device)
+    return hit.all(-1)
 
 
 def task_metric(

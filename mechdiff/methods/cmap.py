@@ -50,7 +50,7 @@ from ..models.loading import LoadedModel
 from ..models.modelset import check_shapes
 from ..models.remote import keep
 from ..patching.core import Patch, Resume, run
-from ..tasks.base import Record, batch_tensors, grouped_batches, record_order, take
+from ..tasks.base import Record, batch_tensors, check_one_token, grouped_batches, record_order, take
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
 CMAP_RULES: tuple[str, ...] = ("base", "paper")
@@ -341,6 +341,7 @@ def run_cmap(
     ``n_random``: draws of layer-matched random heads per group (the control), each patched in every kind."""
     if rule not in CMAP_RULES:
         raise ValueError(f"rule must be one of {CMAP_RULES}, got {rule!r}")
+    check_one_token(records, "CMAP")
     if rule == "paper" and not isolate:
         raise ValueError(
             "the paper's CMAP always resets the other positions to the base (isolate); use rule 'base' "

@@ -51,7 +51,15 @@ from ..models.loading import LoadedModel
 from ..patching.core import Patch, Prefix, Resume, run
 from ..patching.evaluate import batches
 from ..patching.store import RowStore
-from ..tasks.base import PairRecord, group_batches, grouped_batches, pair_batch_tensors, record_order, take
+from ..tasks.base import (
+    PairRecord,
+    check_one_token,
+    group_batches,
+    grouped_batches,
+    pair_batch_tensors,
+    record_order,
+    take,
+)
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +292,7 @@ class PairCache:
     ) -> "PairCache":
         """Two forward passes per pair (source and base) for every ``(heads, position)`` in ``groups``."""
         pairs = list(pairs)
+        check_one_token(pairs, "DCM")  # its loss and accuracy read the target's one token at the last position
         groups = [(list(heads), pos) for heads, pos in groups]
         sites = {pos: sorted({h.layer for hs, p in groups if p == pos for h in hs}) for _, pos in groups}
         sites = {pos: layers for pos, layers in sorted(sites.items()) if layers}

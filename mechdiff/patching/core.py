@@ -146,7 +146,8 @@ def run(
 ) -> Run:
     """One forward pass of ``model`` on ``input_ids`` with ``patches`` written and ``capture`` saved.
 
-    ``readout``: LongTensor ``[batch]`` of positions whose logits are returned (default: last).
+    ``readout``: LongTensor ``[batch]`` of positions whose logits are returned (default: last), or
+    ``[batch, k]``: ``k`` positions each, logits ``"batch k vocab"`` (unembedded from the earliest of them on).
     Captured tensors are cloned after this run's patches at that site. With ``grad=True``
     the captured tensors stay in the autograd graph (see the attribution screen).
     ``stop=True`` halts the model after the last patched/captured site (``logits`` is then ``None``).
@@ -199,6 +200,9 @@ def run(
         kwargs["logits_to_keep"] = 1
     else:
         readout = readout - start
+        if readout.ndim == 2:  # several read-outs each: the logits from the earliest on
+            kwargs["logits_to_keep"] = length - start - int(readout.min())
+            readout = readout - int(readout.min())
     captured: dict = {}
     with torch.set_grad_enabled(grad):
         out = None
@@ -220,6 +224,8 @@ def run(
             logits = nn.output.logits
             if readout is None:
                 out = logits[:, -1]
+            elif readout.ndim == 2:
+                out = logits[torch.arange(logits.shape[0], device=logits.device)[:, None], readout.to(logits.device)]
             else:
                 out = logits[torch.arange(logits.shape[0], device=logits.device), readout.to(logits.device)]
             out = out.save()
@@ -227,6 +233,39 @@ def run(
             if keep_kv:
                 keys, values = _kept_kv(nn.output)
     return Run(out, captured, start, Prefix(keys, values) if keep_kv else None)
+
+
+def answer_logits(
+    model: LoadedModel, input_ids: torch.Tensor, answer_tokens: torch.Tensor, patches: Iterable[Patch] = ()
+) -> torch.Tensor:
+    """Teacher forcing: the logits ``"batch a vocab"`` predicting each of ``answer_tokens`` (``"batch a"``) after
+    the prompts ``input_ids`` (``"batch pos"``). One run on the prompt with the answer's tokens but its last
+    appended (causal attention: the appended tokens change nothing at the prompt's positions); ``patches`` write
+    the prompt's positions only (:func:`prompt_patch`), so positions the task names (``last`` included) are
+    the prompt's as before. Position ``pos - 1 + i`` predicts answer token ``i``."""
+    length, a = input_ids.shape[1], answer_tokens.shape[1]
+    ids = torch.cat([input_ids, answer_tokens[:, :-1].to(input_ids.device)], 1)
+    readout = (length - 1 + torch.arange(a))[None].expand(ids.shape[0], -1)
+    return run(model, ids, [prompt_patch(p, length) for p in patches], readout=readout).logits
+
+
+def prompt_patch(patch: Patch, length: int) -> Patch:
+    """``patch`` confined to a prompt's first ``length`` positions, for a run with tokens appended after it: a
+    patch of every position patches the prompt's; negative positions count from the prompt's end. A patch
+    writing past the prompt is refused."""
+    pos = patch.positions
+    if pos is None:
+        return replace(patch, positions=slice(0, length))
+    if isinstance(pos, slice):
+        start, stop = pos.start or 0, length if pos.stop is None else pos.stop
+        start, stop = (v + length if v < 0 else v for v in (start, stop))
+        if pos.step not in (None, 1) or not 0 <= start <= stop <= length:
+            raise ValueError(f"patch slice {pos} of ({patch.kind}, {patch.layer}) is not within the prompt's {length}")
+        return replace(patch, positions=slice(start, stop))
+    pos = torch.where(pos < 0, pos + length, pos)
+    if bool(((pos < 0) | (pos >= length)).any()):
+        raise ValueError(f"patch of ({patch.kind}, {patch.layer}) writes outside the prompt's {length} positions")
+    return replace(patch, positions=pos)
 
 
 SUFFIX_LAYER_TYPES = {"full_attention", "sliding_attention"}  # attention layers a suffix run is tested exact on

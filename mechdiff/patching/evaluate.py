@@ -1,5 +1,5 @@
 """Task accuracy, answer probability and (for records with alternative answers) the logit difference
-answer - mean(alternatives) of a model, with or without patches."""
+answer - mean(alternatives) of a model, with or without patches; answers of several tokens by teacher forcing."""
 
 from __future__ import annotations
 
@@ -9,14 +9,22 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..common.metrics import answer_is_top1, answer_prob, logit_diff
+from ..common.metrics import answer_is_top1, answer_prob, logit_diff, sequence_is_greedy, sequence_logprob
 from ..common.outcomes import outcome_record, rounded
 from ..common.progress import progress_bar
 from ..common.stats import Estimate, bootstrap, proportion
 from ..models.loading import LoadedModel
 from ..models.remote import keep
-from ..tasks.base import Record, batch_tensors, grouped_batches, record_order, take
-from .core import Patch, run
+from ..tasks.base import (
+    Record,
+    batch_tensors,
+    check_one_token,
+    grouped_batches,
+    record_order,
+    take,
+    token_tensors,
+)
+from .core import Patch, answer_logits, run
 
 Rows = Sequence[int]  # the records of one batch (grouped_batches)
 PatchFn = Callable[[dict, Rows], Iterable[Patch]]
@@ -74,30 +82,47 @@ def evaluate(
     records: Sequence[Record],
     batch_size: int = 32,
     patches: Optional[PatchFn] = None,
-    targets: Optional[Sequence[int]] = None,
+    targets: Optional[Sequence[int | Sequence[int]]] = None,
     desc: str = "eval",
     progress: bool = True,
     forward: Optional[ForwardFn] = None,
 ) -> EvalResult:
-    """Accuracy (top-1 over the whole vocabulary) and probability of the answer at the last token.
+    """Accuracy and probability of each record's answer after its prompt (and the logit difference to its
+    alternatives, where every record has them).
+
+    A one-token answer is read at the prompt's last token: correct where it is the top-1 over the whole
+    vocabulary, its probability the softmax's, the logit difference answer logit - mean alternative logit.
+    An answer of several tokens is scored by teacher forcing (one run per answer, the answer's tokens appended
+    to the prompt, :func:`~mechdiff.patching.core.answer_logits`): correct where greedy decoding gives it
+    (every token the top-1), its probability the product of its tokens' (``exp`` of the summed log-probability),
+    the logit difference that summed log-probability minus the mean over alternatives of theirs (for one
+    token, the same number as the logits' difference). Patches write the prompt's positions only.
 
     Records of any token length and template: batched by :func:`~mechdiff.tasks.base.grouped_batches`,
     per-prompt outcomes returned in the records' order. ``patches(batch, rows)`` returns the patches for
     one batch (``rows``: the indices of its records);
-    ``targets`` overrides the answer ids (e.g. a DCM desideratum's target). ``forward(batch, rows)``
-    replaces the patched run: it returns the batch's read-out logits itself (e.g. an incremental run
-    that resumes from a cached one).
+    ``targets`` overrides the answers (token ids, one int or a sequence each; e.g. a DCM desideratum's target).
+    ``forward(batch, rows)`` replaces the patched run: it returns the batch's read-out logits itself (e.g. an
+    incremental run that resumes from a cached one); it reads one token, so answers of one token only.
     """
     if not records:
         raise ValueError("no records to evaluate")
+    if forward is not None:
+        check_one_token(records, "evaluate with forward=")
+        if targets is not None and any(len(_tokens(t)) > 1 for t in targets):
+            raise ValueError("evaluate with forward= scores one answer token; these targets have several")
     bar = progress and not model.remote
     with model.session():  # remote: every batch in one request
         if forward is None:
 
-            def forward(batch: dict, rows: slice) -> torch.Tensor:
+            def forward(batch: dict, rows: Rows) -> torch.Tensor:
                 return run(model, batch["input_ids"], patches(batch, rows) if patches else ()).logits
 
-        results = keep(_eval_batches(records, batch_size, forward, targets, desc, bar))
+        def answers(batch: dict, rows: Rows) -> AnswerFn:
+            written = list(patches(batch, rows)) if patches else []
+            return lambda tokens: answer_logits(model, batch["input_ids"], tokens, written)
+
+        results = keep(_eval_batches(records, batch_size, forward, answers, targets, desc, bar))
     order = record_order([rows for rows, _ in results])
     diffs = [d for _, (_, _, d) in results]
     return EvalResult(
@@ -107,24 +132,56 @@ def evaluate(
     )
 
 
+Outcomes = tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]  # correct, prob, logit_diff (or None) of a batch
+AnswerFn = Callable[[torch.Tensor], torch.Tensor]  # answer tokens "batch a" -> teacher-forced logits "batch a vocab"
+
+
+def _tokens(target: int | Sequence[int]) -> tuple[int, ...]:
+    return (int(target),) if np.ndim(target) == 0 else tuple(int(t) for t in target)
+
+
 def _eval_batches(
     records: Sequence[Record],
     batch_size: int,
     forward: ForwardFn,
-    targets: Optional[Sequence[int]],
+    answers: Callable[[dict, Rows], AnswerFn],
+    targets: Optional[Sequence[int | Sequence[int]]],
     desc: str,
     progress: bool,
-) -> list[tuple[list[int], tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]]:
+) -> list[tuple[list[int], Outcomes]]:
     """``(rows, (correct, prob, logit_diff or None))`` of every batch, on the model's side."""
     out = []
     for rows in progress_bar(grouped_batches(records, batch_size), desc=desc, disable=not progress, leave=False):
         batch = batch_tensors(take(records, rows))
-        answer = batch["answer_ids"] if targets is None else torch.as_tensor(take(targets, rows))
+        answer = None if targets is None else [_tokens(t) for t in take(targets, rows)]
         with torch.no_grad():
-            logits = forward(batch, rows)
-        alternatives = batch.get("alternative_ids")
-        diff = None if alternatives is None else logit_diff(logits, answer, alternatives).cpu().numpy()
-        out.append(
-            (rows, (answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(), diff))
-        )
+            if "answer_tokens" in batch or (answer is not None and max(map(len, answer)) > 1):
+                out.append((rows, _several_tokens(batch, answers(batch, rows), answer)))
+            else:
+                out.append((rows, _one_token(batch, forward(batch, rows), answer)))
     return out
+
+
+def _one_token(batch: dict, logits: torch.Tensor, targets: Optional[list[tuple[int, ...]]]) -> Outcomes:
+    """Outcomes of one-token answers from the read-out logits ``"batch vocab"``."""
+    answer = batch["answer_ids"] if targets is None else torch.tensor([t[0] for t in targets])
+    alternatives = batch.get("alternative_ids")
+    diff = None if alternatives is None else logit_diff(logits, answer, alternatives).cpu().numpy()
+    return answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(), diff
+
+
+def _several_tokens(batch: dict, answers: AnswerFn, targets: Optional[list[tuple[int, ...]]]) -> Outcomes:
+    """Outcomes by teacher forcing: one run per answer (the record's or the target's, then each alternative)."""
+    if targets is None:
+        tokens, lengths = batch["answer_tokens"], batch["answer_lengths"]
+    else:
+        tokens, lengths = token_tensors(targets)
+    logits = answers(tokens)
+    logprob = sequence_logprob(logits, tokens, lengths)
+    diff = None
+    if "alternative_tokens" in batch:
+        alt, alt_lengths = batch["alternative_tokens"], batch["alternative_lengths"]
+        others = [sequence_logprob(answers(alt[:, k]), alt[:, k], alt_lengths[:, k]) for k in range(alt.shape[1])]
+        diff = (logprob - torch.stack(others, -1).mean(-1)).cpu().numpy()
+    prob = np.exp(logprob.cpu().double().numpy())  # float64: a long answer's product stays above 0
+    return sequence_is_greedy(logits, tokens, lengths).cpu().numpy(), prob, diff

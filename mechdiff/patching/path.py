@@ -55,7 +55,7 @@ from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
-from ..tasks.base import PairRecord, group_batches, pair_batch_tensors, take
+from ..tasks.base import PairRecord, check_one_token, group_batches, pair_batch_tensors, take
 from .core import Patch, Prefix, Resume, run
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,9 @@ def parts(batch: Union[PairBatch, PairBatches]) -> list[PairBatch]:
 
 def prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> Union[PairBatch, PairBatches]:
     """Run clean and counterfactual once, capturing every layer's ``z`` (and the clean residual stream): one
-    :class:`PairBatch` where every pair has one template and length, else :class:`PairBatches` (one per group)."""
+    :class:`PairBatch` where every pair has one template and length, else :class:`PairBatches` (one per group).
+    Path patching and the attribution screen score one answer token: pairs with longer answers are refused."""
+    check_one_token(pairs, "path patching")
     groups = group_batches(pairs)
     if len(groups) > 1:
         return PairBatches([_prepare(model, take(pairs, rows)) for rows in groups])

@@ -132,8 +132,9 @@ def scan_pairs(
     (``None``: every position) and the effects are averaged over every prompt (each group weighted by its
     size), as one scan of all the prompts would. A residual-stream scan's axis is token positions, so it
     needs prompts of one length."""
-    from ..tasks.base import group_batches, pair_batch_tensors, take
+    from ..tasks.base import check_one_token, group_batches, pair_batch_tensors, take
 
+    check_one_token(pairs, "activation patching scan")
     groups = [pair_batch_tensors(take(pairs, rows)) for rows in group_batches(pairs)]
     if site == "resid" and len({t["base"]["input_ids"].shape[1] for t in groups}) > 1:
         lengths = sorted({t["base"]["input_ids"].shape[1] for t in groups})

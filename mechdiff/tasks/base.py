@@ -38,9 +38,13 @@ from .records import (  # noqa: F401
     PairRecord,
     Position,
     Record,
+    alternative_tokens,
     answer_batch,
+    answer_length,
+    answer_tokens,
     batch_tensors,
     canonical_json,
+    check_one_token,
     check_pair,
     check_reference,
     dataset_hash,
@@ -51,12 +55,15 @@ from .records import (  # noqa: F401
     group_name,
     grouped_batches,
     is_pair,
+    max_answer_length,
     own_classes,
     pair_batch_tensors,
     record_dict,
     record_order,
     take,
+    target_tokens,
     template_of,
+    token_tensors,
 )
 from .relation_data import available_relations
 
@@ -114,6 +121,8 @@ class Task:
     #: The accuracy of guessing among the answers a prompt offers, from the generator options (entity tracking:
     #: ``1 / n_boxes``); None where the task states none.
     chance: Optional[Callable[..., float]] = None
+    #: The most tokens an answer of the task has (an imported task's answers may have several; 1 otherwise).
+    answer_tokens: int = 1
 
     def __post_init__(self) -> None:
         if self.metric not in TASK_METRICS:
@@ -262,4 +271,5 @@ def imported_task(imported: ImportedTask) -> Task:
         rows_digest=imported.rows_digest,
         strata=imported.strata,
         with_sets=lambda sets: imported_task(replace(imported, sets=dict(sets))),
+        answer_tokens=max_answer_length(imported.pairs),
     )

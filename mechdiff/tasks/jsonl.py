@@ -11,10 +11,16 @@ One JSON object a line::
 ``positions`` are character offsets ``[start, end)`` into ``clean``; a position is the token
 holding the span's last character. The same names are located in ``counterfactual`` by the same
 rule when the row carries ``counterfactual_positions``, else at the same token index. Every
-record also gets ``last`` (the final token) unless a row names it. ``counterfactual_answer``
+record also gets ``last`` (the final token of the prompt) unless a row names it. ``counterfactual_answer``
 (optional) is the answer the counterfactual prompt calls for: it becomes the clean record's
 alternative answer (``logit_diff`` = answer - counterfactual answer) and the target of the
 ``counterfactual`` DCM desideratum.
+
+An answer may be several tokens (``" Buenos Aires"``): its tokens are those ``tokenizer(prompt + answer)``
+appends to ``tokenizer(prompt)`` (:func:`answer_ids`; an answer that merges with the prompt's last token is
+refused). A one-token answer's record is what it always was; a longer one's also carries ``answer_tokens``
+(and ``alternative_tokens``, ``target_tokens``), which evaluation scores by teacher forcing
+(:mod:`mechdiff.patching.evaluate`).
 
 Optional too: ``template`` (a name for the phrasing the row was written from: mean ablation averages
 over reference prompts of the same template and token length, never across templates) and
@@ -25,7 +31,7 @@ Rows without ``classes`` get classes derived from their named positions
 of one row must have the same.
 
 :func:`import_pairs` checks every row against the tokenizer before anything is written: answers
-are one token appended to their prompt, clean and counterfactual have equal token lengths, spans
+are tokens appended to their prompt, clean and counterfactual have equal token lengths, spans
 start and end on token boundaries, and every row names the same positions. Every bad row is
 reported with its line number; the task directory is written to a temporary directory and
 renamed into place, so a failed import leaves nothing behind. :func:`read_task_directory` reads it back;
@@ -74,16 +80,30 @@ class ImportErrors(ValueError):
 # --------------------------------------------------------------------------------------
 
 
-def answer_id(tokenizer: Any, prompt: str, answer: str) -> int:
-    """The answer's token id, where ``tokenizer(prompt + answer)`` is ``tokenizer(prompt)`` plus exactly one token."""
+def answer_ids(tokenizer: Any, prompt: str, answer: str) -> tuple[int, ...]:
+    """The answer's token ids: the tokens ``tokenizer(prompt + answer)`` appends to ``tokenizer(prompt)`` (one
+    or more); refused where the answer adds no token or merges with the prompt's last token."""
+    if not isinstance(answer, str) or not answer:
+        raise ValueError(f"answer {answer!r} is not a non-empty string")
     ids = list(tokenizer(prompt)["input_ids"])
     full = list(tokenizer(prompt + answer)["input_ids"])
-    if len(full) != len(ids) + 1 or full[: len(ids)] != ids:
+    if full[: len(ids)] != ids:
         raise ValueError(
-            f"answer {answer!r} is {len(full) - len(ids)} tokens after its prompt (or merges with the "
-            "prompt's last token), not one; pick an answer that is one token there (mind the leading space)"
+            f"answer {answer!r} merges with the prompt's last token ({tokenizer.decode(ids[-1:])!r} becomes "
+            f"{tokenizer.decode(full[len(ids) - 1 : len(ids)])!r}); start the answer on a token boundary "
+            "(mind the leading space)"
         )
-    return int(full[-1])
+    if len(full) == len(ids):
+        raise ValueError(f"answer {answer!r} adds no token after its prompt")
+    return tuple(int(i) for i in full[len(ids) :])
+
+
+def answer_id(tokenizer: Any, prompt: str, answer: str) -> int:
+    """The answer's token id, where ``tokenizer(prompt + answer)`` is ``tokenizer(prompt)`` plus exactly one token."""
+    ids = answer_ids(tokenizer, prompt, answer)
+    if len(ids) != 1:
+        raise ValueError(f"answer {answer!r} is {len(ids)} tokens after its prompt, not one")
+    return ids[0]
 
 
 def encode_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -180,25 +200,48 @@ def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
         raise ValueError('classes must be an object {"name": [[start, end], ...]}')
     classes = {n: span_tokens(clean, offsets, sp, n) for n, sp in classes_spans.items()}
     answer = row["answer"]
-    a_id = answer_id(tokenizer, clean, answer)
-    alt, alt_ids, cf_answer, cf_id = (), (), answer, a_id
+    a_ids = answer_ids(tokenizer, clean, answer)
+    alts, cf_answer, cf_a_ids = (), answer, a_ids
     if row.get("counterfactual_answer") is not None:
         cf_answer = row["counterfactual_answer"]
-        cf_id = answer_id(tokenizer, cf, cf_answer)
-        alt, alt_ids = (cf_answer,), (cf_id,)
-    base = Example(clean, tuple(ids), answer, a_id, positions, alt, alt_ids, template, classes)
-    source = Example(
-        cf,
-        tuple(cf_ids),
-        cf_answer,
-        cf_id,
-        cf_positions,
-        (answer,) if alt else (),
-        (a_id,) if alt else (),
+        cf_a_ids = answer_ids(tokenizer, cf, cf_answer)
+        alts = ((cf_answer, cf_a_ids),)
+    base = _example(clean, ids, (answer, a_ids), positions, alts, template, classes)
+    source = _example(
+        cf, cf_ids, (cf_answer, cf_a_ids), cf_positions, ((answer, a_ids),) if alts else (), template, classes
+    )
+    return Pair(base, source, answer, a_ids[0], "counterfactual", _several(a_ids))
+
+
+def _several(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """``ids`` where they are several tokens, else ``()`` (a one-token answer's record is what it always was)."""
+    return ids if len(ids) > 1 else ()
+
+
+def _example(
+    prompt: str,
+    ids: Sequence[int],
+    answer: tuple[str, tuple[int, ...]],
+    positions: dict,
+    alternatives: Sequence[tuple[str, tuple[int, ...]]],
+    template: str,
+    classes: dict,
+) -> Example:
+    """A record of one prompt, its answer ``(text, token ids)`` and alternatives (each ``(text, token ids)``)."""
+    several = any(len(a_ids) > 1 for _, a_ids in alternatives)
+    return Example(
+        prompt,
+        tuple(ids),
+        answer[0],
+        answer[1][0],
+        positions,
+        tuple(text for text, _ in alternatives),
+        tuple(a_ids[0] for _, a_ids in alternatives),
         template,
         classes,
+        _several(answer[1]),
+        tuple(a_ids for _, a_ids in alternatives) if several else (),
     )
-    return Pair(base, source, answer, a_id, "counterfactual")
 
 
 def read_pairs(path: str | os.PathLike, tokenizer: Any) -> list[Pair]:
@@ -380,7 +423,7 @@ class ImportedTask:
     ) -> list[Pair]:
         """``n`` pairs of the set ``prompt_set`` with the counterfactual's answer as target (the DCM desideratum)."""
         return [
-            Pair(p.base, p.source, p.source.answer, p.source.answer_id, "counterfactual")
+            Pair(p.base, p.source, p.source.answer, p.source.answer_id, "counterfactual", p.source.answer_tokens)
             for p in self.take(tokenizer, n, prompt_set)
         ]
 

@@ -84,7 +84,10 @@ class Example:
 
     ``template``: the phrasing the prompt was written from (its mean-ablation group, with its length);
     ``classes``: position classes the prompt names itself, name -> token indices (else they are derived
-    from ``positions``, :func:`derived_classes`)."""
+    from ``positions``, :func:`derived_classes`). An answer of several tokens: ``answer_tokens`` holds every
+    token (``answer_id`` its first) and ``alternative_tokens`` each alternative's tokens (``alternative_ids``
+    their first); both stay empty where every answer is one token, so such a record is what it always was
+    (read them through :func:`answer_tokens` and :func:`alternative_tokens`)."""
 
     prompt: str
     input_ids: tuple[int, ...]
@@ -95,8 +98,11 @@ class Example:
     alternative_ids: tuple[int, ...] = ()
     template: str = ""
     classes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    answer_tokens: tuple[int, ...] = ()
+    alternative_tokens: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        check_answer_tokens(self)
         n = len(self.input_ids)
         for name, pos in [*self.positions.items(), *self.classes.items()]:
             for p in pos if isinstance(pos, tuple) else (() if pos is None else (pos,)):
@@ -104,11 +110,11 @@ class Example:
                     raise ValueError(f"position {name!r} = {p} lies outside the prompt's {n} tokens: {self.prompt!r}")
 
     def __hash__(self) -> int:
-        return hash((self.prompt, self.input_ids, self.answer_id, self.alternative_ids))
+        return hash((self.prompt, self.input_ids, self.answer_id, self.alternative_ids, self.answer_tokens))
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (tuples become lists; ``template`` and ``classes`` only where given, so the
-        hash of a record without them is what it always was)."""
+        """A JSON-ready dict (tuples become lists; ``template``, ``classes``, ``answer_tokens`` and
+        ``alternative_tokens`` only where given, so the hash of a record without them is what it always was)."""
         out = {
             "prompt": self.prompt,
             "input_ids": list(self.input_ids),
@@ -122,6 +128,10 @@ class Example:
             out["template"] = self.template
         if self.classes:
             out["classes"] = {k: list(v) for k, v in self.classes.items()}
+        if self.answer_tokens:
+            out["answer_tokens"] = list(self.answer_tokens)
+        if self.alternative_tokens:
+            out["alternative_tokens"] = [list(a) for a in self.alternative_tokens]
         return out
 
     @classmethod
@@ -137,30 +147,42 @@ class Example:
             tuple(int(i) for i in d.get("alternative_ids", ())),
             d.get("template", ""),
             {k: tuple(int(i) for i in v) for k, v in d.get("classes", {}).items()},
+            tuple(int(i) for i in d.get("answer_tokens", ())),
+            tuple(tuple(int(i) for i in a) for a in d.get("alternative_tokens", ())),
         )
 
 
 @dataclass(frozen=True)
 class Pair:
-    """A clean prompt (``base``), its counterfactual (``source``, same token length) and the target answer."""
+    """A clean prompt (``base``), its counterfactual (``source``, same token length) and the target answer
+    (``target_tokens``: every token of a target of several, ``target_id`` its first; empty for one token)."""
 
     base: Example
     source: Example
     target: str
     target_id: int
     kind: str = "counterfactual"
+    target_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_pair(self.base, self.source)
+        if self.target_tokens and (len(self.target_tokens) < 2 or self.target_tokens[0] != self.target_id):
+            raise ValueError(
+                f"target_tokens {list(self.target_tokens)} must be two or more tokens starting at target_id "
+                f"{self.target_id} (leave it empty for a target of one token)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "base": self.base.to_dict(),
             "source": self.source.to_dict(),
             "target": self.target,
             "target_id": self.target_id,
             "kind": self.kind,
         }
+        if self.target_tokens:
+            out["target_tokens"] = list(self.target_tokens)
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Pair":
@@ -170,6 +192,61 @@ class Pair:
             d["target"],
             int(d["target_id"]),
             d.get("kind", "counterfactual"),
+            tuple(int(i) for i in d.get("target_tokens", ())),
+        )
+
+
+def check_answer_tokens(record: Any) -> None:
+    """Refuse a record whose ``answer_tokens`` (``alternative_tokens``) are not empty or two or more tokens
+    starting at ``answer_id`` (the matching ``alternative_ids``)."""
+    tokens = getattr(record, "answer_tokens", ())
+    if tokens and (len(tokens) < 2 or tokens[0] != record.answer_id):
+        raise ValueError(
+            f"answer_tokens {list(tokens)} must be two or more tokens starting at answer_id {record.answer_id} "
+            "(leave it empty for an answer of one token)"
+        )
+    alternatives = getattr(record, "alternative_tokens", ())
+    if alternatives and [a[:1] for a in alternatives] != [(i,) for i in record.alternative_ids]:
+        raise ValueError(
+            f"alternative_tokens {[list(a) for a in alternatives]} must give one token list per alternative, "
+            f"each starting at its alternative_ids entry {list(record.alternative_ids)}"
+        )
+
+
+def answer_tokens(record: Any) -> tuple[int, ...]:
+    """A record's answer as token ids (one or more): its ``answer_tokens`` where given, else ``(answer_id,)``."""
+    return tuple(getattr(record, "answer_tokens", ()) or (record.answer_id,))
+
+
+def alternative_tokens(record: Any) -> tuple[tuple[int, ...], ...]:
+    """Each alternative answer of a record as token ids: its ``alternative_tokens`` where given, else one
+    token each (``alternative_ids``)."""
+    return tuple(getattr(record, "alternative_tokens", ()) or ((i,) for i in getattr(record, "alternative_ids", ())))
+
+
+def target_tokens(pair: Any) -> tuple[int, ...]:
+    """A pair's target as token ids: its ``target_tokens`` where given, else ``(target_id,)``."""
+    return tuple(getattr(pair, "target_tokens", ()) or (pair.target_id,))
+
+
+def answer_length(record: Any) -> int:
+    """The most tokens any answer of a record (or a pair: its prompts and target) has: 1 for one-token answers."""
+    if is_pair(record):
+        return max(answer_length(record.base), answer_length(record.source), len(target_tokens(record)))
+    return max([len(answer_tokens(record)), *(len(a) for a in alternative_tokens(record))])
+
+
+def max_answer_length(records: Sequence[Any]) -> int:
+    """:func:`answer_length` over ``records`` (1 where there are none)."""
+    return max((answer_length(r) for r in records), default=1)
+
+
+def check_one_token(records: Sequence[Any], stage: str, task: str = "") -> None:
+    """Refuse, naming ``stage``, records with an answer of several tokens: a stage that scores one answer token."""
+    n = max_answer_length(records)
+    if n > 1:
+        raise ValueError(
+            f"stage {stage} scores one answer token; task {task or 'these records'} has answers of up to {n} tokens"
         )
 
 
@@ -303,6 +380,8 @@ def batch_tensors(records: Sequence[Record]) -> dict[str, Any]:
     alternatives = [tuple(getattr(r, "alternative_ids", ())) for r in records]
     if alternatives[0] and len({len(a) for a in alternatives}) == 1:
         out["alternative_ids"] = torch.tensor(alternatives, dtype=torch.long)
+    if max_answer_length(records) > 1:
+        out.update(_answer_tensors(records, "alternative_ids" in out))
     masks = getattr(type(records[0]), "position_masks", None)
     if masks is not None:  # a task may define position classes of any size per prompt as "batch pos" masks
         out["position_classes"] = masks(records, input_ids.shape[1])
@@ -375,6 +454,29 @@ def own_classes(records: Sequence[Record], n_pos: int) -> dict[str, "torch.Tenso
     return masks
 
 
+def token_tensors(answers: Sequence[Sequence[int]]) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Answers of any token length as ``"batch a"`` token ids (right-padded with 0 to the longest) and
+    their lengths ``"batch"``."""
+    import torch
+
+    width = max(len(a) for a in answers)
+    tokens = torch.tensor([list(a) + [0] * (width - len(a)) for a in answers], dtype=torch.long)
+    return tokens, torch.tensor([len(a) for a in answers], dtype=torch.long)
+
+
+def _answer_tensors(records: Sequence[Record], alternatives: bool) -> dict[str, "torch.Tensor"]:
+    """``answer_tokens``/``answer_lengths`` and (``alternatives``) ``alternative_tokens``/``alternative_lengths``."""
+    tokens, lengths = token_tensors([answer_tokens(r) for r in records])
+    out = {"answer_tokens": tokens, "answer_lengths": lengths}
+    if alternatives:
+        alts = [alternative_tokens(r) for r in records]
+        k = len(alts[0])
+        flat, flat_lengths = token_tensors([a for alt in alts for a in alt])
+        out["alternative_tokens"] = flat.view(len(records), k, -1)
+        out["alternative_lengths"] = flat_lengths.view(len(records), k)
+    return out
+
+
 def _position_tensor(records: Sequence[Record], name: str) -> "torch.Tensor":
     import torch
 
@@ -391,7 +493,8 @@ def _position_tensor(records: Sequence[Record], name: str) -> "torch.Tensor":
 
 
 def pair_batch_tensors(pairs: Sequence[PairRecord]) -> dict[str, Any]:
-    """``{"base": batch_tensors(bases), "source": batch_tensors(sources), "target_ids": [batch]}``."""
+    """``{"base": batch_tensors(bases), "source": batch_tensors(sources), "target_ids": [batch]}``; where a
+    target has several tokens, also ``target_tokens`` ``[batch, a]`` and ``target_lengths`` (:func:`token_tensors`)."""
     import torch
 
     pairs = list(pairs)
@@ -399,7 +502,10 @@ def pair_batch_tensors(pairs: Sequence[PairRecord]) -> dict[str, Any]:
         check_pair(p.base, p.source, f"pair {i}: ")
     base = batch_tensors([p.base for p in pairs])
     source = batch_tensors([p.source for p in pairs])
-    return {"base": base, "source": source, "target_ids": torch.tensor([p.target_id for p in pairs], dtype=torch.long)}
+    out = {"base": base, "source": source, "target_ids": torch.tensor([p.target_id for p in pairs], dtype=torch.long)}
+    if any(len(target_tokens(p)) > 1 for p in pairs):
+        out["target_tokens"], out["target_lengths"] = token_tensors([target_tokens(p) for p in pairs])
+    return out
 
 
 def record_dict(record: Any) -> dict[str, Any]:
@@ -420,6 +526,8 @@ Batch = dict[str, Any]
 
 
 def answer_batch(records: Sequence[Record]) -> Batch:
-    """``{"input_ids": [batch, pos], "answer_ids": [batch]}``: what fine-tuning and HeadMap train on."""
+    """``{"input_ids": [batch, pos], "answer_ids": [batch]}``: what fine-tuning and HeadMap train on (one answer
+    token each: records with longer answers are refused)."""
+    check_one_token(records, "fine-tuning / HeadMap batches")
     t = batch_tensors(records)
     return {"input_ids": t["input_ids"], "answer_ids": t["answer_ids"]}

@@ -127,16 +127,16 @@ def test_import_locates_every_position_on_the_token_holding_the_span(smollm2_tok
 
 def test_import_reports_every_bad_row_with_its_line_and_writes_nothing(smollm2_tokenizer, tmp_path):
     good = ioi_row("Mary", "John", "Anna")
-    long_answer = {**ioi_row("Mary", "John", "Anna"), "answer": " Maryland Smith"}
+    merging = {**ioi_row("Mary", "John", "Anna"), "answer": "ward Mary"}  # " to" + "ward" -> " toward"
     unequal = {**ioi_row("Mary", "John", "Anna"), "counterfactual": "When Mary went home"}
     off_boundary = {**ioi_row("Mary", "John", "Anna"), "positions": {"IO": [6, 9], "S1": [14, 18], "S2": [38, 42]}}
     other_names = {**ioi_row("Mary", "John", "Anna"), "positions": {"IO": [5, 9]}, "counterfactual_positions": None}
-    path = write_rows(tmp_path / "bad.jsonl", [good, long_answer, unequal, "{not json", off_boundary, other_names])
+    path = write_rows(tmp_path / "bad.jsonl", [good, merging, unequal, "{not json", off_boundary, other_names])
     with pytest.raises(ImportErrors) as err:
         import_pairs(path, smollm2_tokenizer, tmp_path / "task")
     text = str(err.value)
     for line, what in (
-        (2, "answer"),
+        (2, "merges with the prompt's last token"),
         (3, "14 vs 4 tokens"),
         (4, ""),
         (5, "not on token boundaries"),
