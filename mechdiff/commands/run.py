@@ -122,6 +122,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"mechdiff run: error: {err}", file=sys.stderr)
             return 1
         study.forget()  # the workers wrote the stage records: read them from the cache
+        for cache in study.caches():  # as computed by this run, not reused
+            cache.computed_since = study.started
     elif workers is not None and requested is None and study.kind == "circuits":
         print(f"one process: {workers.reason}", flush=True)
     report = plan_then_run(study, plan_only=args.plan, force=args.force)

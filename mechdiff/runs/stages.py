@@ -113,6 +113,9 @@ class StageCache:
     records: dict[str, StageRecord] = field(default_factory=dict)
     planning: bool = False  # note each stage as cached or to compute; compute nothing
     planned: list[PlannedStage] = field(default_factory=list)
+    #: A wall-clock time (``time.time()``): a record saved since then was computed by this run's worker processes,
+    #: so it is reported as computed, not as reused from the cache.
+    computed_since: Optional[float] = None
 
     def path(self, name: str) -> Path:
         """The record file of stage ``name``."""
@@ -135,7 +138,8 @@ class StageCache:
             )
         if saved is not None:
             if saved["key"] == key:
-                return self._keep(StageRecord(name, key, saved["result"], saved["seconds"], True))
+                reused = self.computed_since is None or path.stat().st_mtime < self.computed_since
+                return self._keep(StageRecord(name, key, saved["result"], saved["seconds"], reused))
             log.info("stage %s: inputs changed, recomputing", name)
         t0 = time.perf_counter()
         result = compute()

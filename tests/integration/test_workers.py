@@ -56,6 +56,10 @@ def test_a_plain_run_starts_one_process_per_model_and_writes_the_serial_runs_rec
     assert parallel.keys() == serial.keys() and len(serial) > 10
     assert parallel == serial
     assert _findings(tmp_path / "run") == _findings(tiny_study / "run")
+    stages = json.loads((tmp_path / "run" / "run.json").read_text())["stages"]
+    assert stages and not any(s["cached"] for s in stages.values())  # computed by this run's workers, not reused
+    assert main(["run", str(task), "--workers", "2", "--no-progress"]) == 0  # again: every stage reused
+    assert all(s["cached"] for s in json.loads((tmp_path / "run" / "run.json").read_text())["stages"].values())
 
 
 def _findings(run: Path) -> list[str]:
