@@ -256,8 +256,9 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
     )
 
 
-def _path_cost(ctx: Context, n: int) -> tuple[float, int, int, int]:
-    """FLOPs, kept bytes, transient bytes and senders a pass of path patching on ``n`` pairs."""
+def _path_cost(ctx: Context, n: int, steps: Optional[list[Any]] = None) -> tuple[float, int, int, int]:
+    """FLOPs, kept bytes, transient bytes and senders a pass of path patching on ``n`` pairs (``steps``: those of
+    the task's plan to count, default all)."""
     t, dims = ctx.lengths, ctx.dims
     half = dims.n_layers / 2
     per_token = 2 * dims.n_layers * dims.d_model + (dims.n_layers - 1) * dims.d_model + dims.n_layers * dims.kv_width()
@@ -265,7 +266,7 @@ def _path_cost(ctx: Context, n: int) -> tuple[float, int, int, int]:
     flops, senders = ctx.fwd(2 * n, t.tokens), dims.n_layers * dims.n_heads
     s = senders_per_pass(ctx, n, kept)
     transient = ctx.act(n, t.longest)  # the clean and counterfactual runs, all pairs at once
-    for step in _plan_steps(ctx):
+    for step in _plan_steps(ctx) if steps is None else steps:
         after = t.after(step.receiver_position) if step.receiver else 0.0
         flops += senders * n * (ctx.fwd(1, 1, 1, half) + (ctx.fwd(1, after, t.tokens, half) if after else 0.0))
         transient = max(transient, ctx.act(s * n, max(after, 1), t.longest))
