@@ -36,6 +36,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "a100-40gb); the models' configs are read, no weights",
     )
     p.add_argument(
+        "--plan-disk",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="with --plan-device: the disk free under TMPDIR on that machine, in GiB (scratch files such as DCM's "
+        "pair cache are checked against it; default: not given, compared with a 64 GiB disk)",
+    )
+    p.add_argument(
         "--task",
         default=None,
         help="circuits kind: override [task] name: a registered task (ioi, ...) or a directory from "
@@ -93,10 +101,12 @@ def main(args: argparse.Namespace) -> int:
 
     if args.plan_device and not args.plan:
         raise ValueError("--plan-device predicts a plan: give it with --plan")
+    if args.plan_disk is not None and not args.plan_device:
+        raise ValueError("--plan-disk is the named device's disk: give it with --plan-device")
     if args.plan:
         from ..studies.resources import print_resources
 
-        if print_resources(args.task_file, args.plan_device, args.dtype, args.task):
+        if print_resources(args.task_file, args.plan_device, args.dtype, args.task, args.plan_disk):
             return 0
     models = {key: getattr(args, key) for key in ("dtype", "device", "device_map", "remote")}
     study = load_study(

@@ -10,8 +10,10 @@ planned model's own MLP shape, so a plan's CPU seconds compare with the CPU time
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +22,9 @@ from .footprint import Dims, dtype_bytes
 GIB = 2**30
 #: Share of a GPU's dense peak a forward pass is assumed to reach.
 GPU_EFFICIENCY = 0.5
+#: The disk a plan compares scratch files with where a named device's is not given: a GPU machine's 64 GiB (as the
+#: single-GPU machines lent to this project have; ``--plan-disk`` gives yours).
+COMMON_GPU_DISK = 64 * 2**30
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,11 @@ class Device:
     flops: dict[str, float] = field(default_factory=dict)
     gpu: bool = True
     note: str = ""
+    disk: Optional[int] = None  # bytes free for scratch files under TMPDIR; None: not known
+
+    def with_disk(self, disk: Optional[int]) -> "Device":
+        """This device with ``disk`` bytes free under TMPDIR (None: unchanged)."""
+        return self if disk is None else replace(self, disk=disk)
 
     def throughput(self, dtype: str) -> float:
         """FLOP/s for ``dtype`` (float16 as bfloat16 where only bfloat16 is given)."""
@@ -104,4 +114,11 @@ def this_machine(dims: Dims, dtypes: tuple[str, ...], rows: Optional[int] = None
     rows = rows or 512
     flops = {d: matmul_throughput(rows, dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}
     shown = ", ".join(f"{d} {f / 1e9:.0f} GFLOP/s" for d, f in flops.items())
-    return Device("this machine", available_memory(), flops, False, f"CPU, measured per CPU second: {shown}")
+    return Device(
+        "this machine", available_memory(), flops, False, f"CPU, measured per CPU second: {shown}", scratch_disk()
+    )
+
+
+def scratch_disk() -> int:
+    """Bytes free on the disk that holds TMPDIR (where scratch files such as DCM's pair cache go)."""
+    return shutil.disk_usage(tempfile.gettempdir()).free

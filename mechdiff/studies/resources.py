@@ -16,13 +16,15 @@ Each stage is counted by its algorithm (:mod:`mechdiff.studies.circuits`), in fo
   keys and values: this grows with ``n``), then per step every head below the receivers as a sender: a one-token
   frozen run over half the layers and a receiver run of the tokens after the receiver position over half the
   layers (the receivers' layers are not known before discovery: the middle is assumed).
-- DCM: per desideratum a pair cache (two forwards a pair; every layer's keys and values on the host, one
-  desideratum at a time), then per group training (forward and backward, three forwards' FLOPs), validation and
+- DCM: per desideratum a pair cache (two forwards a pair; every layer's keys and values of every pair, streamed
+  through a scratch HDF5 file under TMPDIR, one desideratum's file at a time: disk grows with ``n``, memory holds
+  one batch's rows), then per group training (forward and backward, three forwards' FLOPs), validation and
   test runs from the group's position over half the layers; it holds two models.
 - CMAP: per prompt the base and the fine-tune once, then one patched base run per scope and part; two models.
 
 Memory is the models' weights, what the stage keeps beside them and the transient activations of its largest
-batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.training_bytes`).
+batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.training_bytes`);
+scratch files are counted apart, against the disk free under TMPDIR.
 Time is FLOPs over the device's throughput (measured here, per CPU second; a named device's stated share of peak).
 """
 
@@ -34,7 +36,7 @@ from statistics import mean
 from typing import Any, Callable, Optional
 
 from ..methods.dcm import DCMConfig
-from ..models.devices import GIB, Device
+from ..models.devices import COMMON_GPU_DISK, GIB, Device
 from ..models.footprint import Dims, dtype_bytes, forward_bytes, forward_flops, model_dims, training_bytes
 from .spec import RunSpec
 
@@ -89,8 +91,8 @@ def task_lengths(spec: RunSpec) -> Lengths:
 @dataclass
 class StageCost:
     """One stage's work and memory on one device: FLOPs; bytes of the models it holds, of what it keeps beside
-    them (on the device with the models; ``host_kept`` on the host wherever the models are) and of its largest
-    batch's activations."""
+    them (on the device with the models; ``host_kept`` on the host wherever the models are), of its largest
+    batch's activations, and of its scratch files under TMPDIR (``disk``)."""
 
     stage: str
     models: int
@@ -101,6 +103,7 @@ class StageCost:
     kept: int
     transient: int
     host_kept: int = 0
+    disk: int = 0
     runs: bool = True
     note: str = ""
     batch_option: str = "[eval] batch_size"
@@ -234,21 +237,58 @@ def senders_per_pass(ctx: Context, n: int, kept: int) -> int:
 
 def _path_circuit(ctx: Context, name: str) -> StageCost:
     """Path patching as the plan's steps run it (see the module docstring)."""
-    d, t, dims = ctx.spec.discovery, ctx.lengths, ctx.dims
-    n, half = d.n, dims.n_layers / 2
+    d = ctx.spec.discovery
+    flops, kept, transient, s = _path_cost(ctx, d.n)
+    most = _path_most_pairs(ctx)
+    fit = f"n up to {most} fits {ctx.device.name}" if most else f"no n fits {ctx.device.name}"
+    note = f"keeps every pair's activations ({kept / GIB:.1f} GiB, grows with n: {fit}); {s} senders a pass"
+    return StageCost(
+        f"circuit:{name}",
+        1,
+        d.n,
+        s * d.n,
+        flops,
+        ctx.weights,
+        kept,
+        transient,
+        note=note,
+        batch_option="senders a pass",
+    )
+
+
+def _path_cost(ctx: Context, n: int, steps: Optional[list[Any]] = None) -> tuple[float, int, int, int]:
+    """FLOPs, kept bytes, transient bytes and senders a pass of path patching on ``n`` pairs (``steps``: those of
+    the task's plan to count, default all)."""
+    t, dims = ctx.lengths, ctx.dims
+    half = dims.n_layers / 2
     per_token = 2 * dims.n_layers * dims.d_model + (dims.n_layers - 1) * dims.d_model + dims.n_layers * dims.kv_width()
     kept = int(n * t.longest * per_token * dtype_bytes(ctx.dtype))
     flops, senders = ctx.fwd(2 * n, t.tokens), dims.n_layers * dims.n_heads
     s = senders_per_pass(ctx, n, kept)
     transient = ctx.act(n, t.longest)  # the clean and counterfactual runs, all pairs at once
-    for step in _plan_steps(ctx):
+    for step in _plan_steps(ctx) if steps is None else steps:
         after = t.after(step.receiver_position) if step.receiver else 0.0
         flops += senders * n * (ctx.fwd(1, 1, 1, half) + (ctx.fwd(1, after, t.tokens, half) if after else 0.0))
         transient = max(transient, ctx.act(s * n, max(after, 1), t.longest))
-    note = f"keeps every pair's activations ({kept / GIB:.1f} GiB, grows with n); {s} senders a pass"
-    return StageCost(
-        f"circuit:{name}", 1, n, s * n, flops, ctx.weights, kept, transient, note=note, batch_option="senders a pass"
-    )
+    return flops, kept, transient, s
+
+
+def _path_most_pairs(ctx: Context) -> int:
+    """The most pairs path patching keeps within the device's memory (one sender a pass at the least; 0: none)."""
+
+    def fits(n: int) -> bool:
+        _, kept, transient, _ = _path_cost(ctx, n)
+        return ctx.weights + kept + transient <= ctx.device.memory
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high) and high < 10**7:
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def _group_sizes(ctx: Context, name: str) -> list[int]:
@@ -304,15 +344,25 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
         after = t.after(pos)
         runs = 3 * c.epochs * c.n_train + checks * c.n_val + (2 + DCMConfig.n_random) * c.n_test
         flops += k * ctx.fwd(runs, after, t.tokens, half) + k * semantic * ctx.fwd(2 * c.n_test, t.tokens)
-    per_pair = t.longest * (dims.n_layers * dims.kv_width() + len(ctx.spec.dcm.groups) * dims.d_model)
-    host = int(n * per_pair * dtype_bytes(ctx.dtype))
+    # a pair's row of the cache: every layer's keys and values and a group's entering residual stream per token
+    per_pair = int(
+        t.longest * (dims.n_layers * dims.kv_width() + len(c.groups) * dims.d_model) * dtype_bytes(ctx.dtype)
+    )
+    built, trained = ctx.spec.eval.batch_size, c.batch_size  # pairs a cache write and a training step hold
     longest_after = max((t.after(p) for p in _group_positions(ctx)), default=t.tokens)
     transient = max(
-        training_bytes(dims, c.batch_size, math.ceil(longest_after), half, ctx.dtype),
-        ctx.act(ctx.spec.eval.batch_size, t.longest),
+        # a training step: its backward's activations and the rows it read back (its keys and values prefix)
+        training_bytes(dims, trained, math.ceil(longest_after), half, ctx.dtype) + trained * per_pair,
+        # a cache write: a forward keeping every layer's keys and values, and their stacked copy
+        ctx.act(built, t.longest) + 2 * built * per_pair,
     )
+    host = max(built, trained) * per_pair  # one batch's rows, as written to or read from the file
+    disk = n * per_pair  # the scratch file: every pair's row, one desideratum's file at a time
     stage = "dcm" if name == ctx.spec.models.base else f"dcm:{name}"
-    note = f"a pair cache of {host / GIB:.1f} GiB on the host (every layer's keys and values of {n} pairs)"
+    note = (
+        f"a pair cache of {disk / GIB:.1f} GiB streamed through a scratch file under TMPDIR (every layer's keys "
+        f"and values of {n} pairs; memory holds one batch's rows, {host / GIB:.2f} GiB)"
+    )
     return StageCost(
         stage,
         2,
@@ -323,6 +373,7 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
         0,
         transient,
         host,
+        disk,
         note=note,
         batch_option="[dcm] batch_size",
     )
@@ -374,13 +425,20 @@ def place(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, i
     """``cost`` on ``device``: time, fit, and where it does not fit, what would (``recount(dtype, batch)`` counts the
     stage again under another dtype or batch size)."""
     seconds = cost.flops / device.throughput(dtype)
-    fits = cost.device_peak(device) <= device.memory
+    fits = cost.device_peak(device) <= device.memory and (device.disk is None or cost.disk <= device.disk)
     return Placement(cost, device, dtype, seconds, fits, [] if fits else remedies(cost, device, dtype, recount))
 
 
 def remedies(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, int], StageCost]) -> list[str]:
-    """What would make the stage fit: bfloat16, a smaller batch, two GPUs, NDIF."""
+    """What would make the stage fit: bfloat16, a smaller batch, two GPUs, NDIF; for scratch files larger than the
+    disk, a larger disk under TMPDIR (or bfloat16, where that halves them enough)."""
     out = []
+    if device.disk is not None and cost.disk > device.disk:
+        out.append(f"TMPDIR on a disk with {cost.disk / GIB:.0f} GiB free (this one has {device.disk / GIB:.0f})")
+        if dtype == "float32" and recount("bfloat16", cost.batch).disk <= device.disk:
+            out.append(f"--dtype bfloat16 ({recount('bfloat16', cost.batch).disk / GIB:.1f} GiB on disk)")
+        if cost.device_peak(device) <= device.memory:
+            return out
     if dtype == "float32" and (bf := recount("bfloat16", cost.batch)).device_peak(device) <= device.memory:
         out.append(f"--dtype bfloat16 ({bf.device_peak(device) / GIB:.1f} GiB)")
     for batch in (cost.batch // 2**i for i in range(1, 12)):
@@ -441,10 +499,11 @@ def format_resources(plan: list[Placement], lengths: Lengths, dims_source: str) 
     device, dtype = plan[0].device, plan[0].dtype
     width = max(len(p.cost.stage) for p in plan)
     unit = "CPU time" if not device.gpu else "time"
-    head = f"{'stage':{width}s}  models      n  batch     PFLOP  host GiB  dev. GiB  {unit:>9s}  fits"
+    head = f"{'stage':{width}s}  models      n  batch     PFLOP  host GiB  dev. GiB  disk GiB  {unit:>9s}  fits"
+    disk = "disk not given" if device.disk is None else f"{device.disk / GIB:.0f} GiB free under TMPDIR"
     lines = [
         f"resource plan on {device.name} ({device.memory / GIB:.0f} GiB{' available' if not device.gpu else ''}; "
-        f"{device.note}), {dtype}",
+        f"{disk}; {device.note}), {dtype}",
         f"configs: {dims_source}; prompts {lengths.tokens:.0f} tokens on average, {lengths.longest} at most "
         f"(tokenizer: {lengths.tokenizer})",
         head,
@@ -455,7 +514,7 @@ def format_resources(plan: list[Placement], lengths: Lengths, dims_source: str) 
         mark = ("yes" if p.fits else "NO") + ("" if c.runs else "  (only = false)")
         lines.append(
             f"{c.stage:{width}s}  {c.models:6d}  {c.n:5d}  {c.batch:5d}  {c.flops / 1e15:8.3f}  "
-            f"{_gb(c.host_peak(device))}   {dev}  {_duration(p.seconds):>9s}  {mark}"
+            f"{_gb(c.host_peak(device))}   {dev}   {_gb(c.disk)}  {_duration(p.seconds):>9s}  {mark}"
         )
     lines += _notes(plan) + _totals(plan)
     return "\n".join(lines)
@@ -464,11 +523,19 @@ def format_resources(plan: list[Placement], lengths: Lengths, dims_source: str) 
 def _notes(plan: list[Placement]) -> list[str]:
     out = []
     for p in plan:
-        if p.cost.note:
-            out.append(f"  {p.cost.stage}: {p.cost.note}")
+        c, device = p.cost, p.device
+        if c.note:
+            out.append(f"  {c.stage}: {c.note}")
+        if c.disk > COMMON_GPU_DISK and device.disk is None:
+            out.append(
+                f"  {c.stage}: its {c.disk / GIB:.0f} GiB of scratch files exceed a {COMMON_GPU_DISK / GIB:.0f} GiB "
+                "disk (a common single-GPU machine's): point TMPDIR at a larger disk (--plan-disk GIB checks yours)"
+            )
         if not p.fits:
-            need = p.cost.device_peak(p.device) / GIB
-            out.append(f"  {p.cost.stage} does not fit ({need:.1f} GiB); would: " + "; ".join(p.remedies))
+            need = f"{c.device_peak(device) / GIB:.1f} GiB"
+            if device.disk is not None and c.disk > device.disk:
+                need += f", {c.disk / GIB:.1f} GiB on disk"
+            out.append(f"  {c.stage} does not fit ({need}); would: " + "; ".join(p.remedies))
     return out
 
 
@@ -491,11 +558,16 @@ def _totals(plan: list[Placement]) -> list[str]:
 
 
 def print_resources(
-    path: Optional[str], device: Optional[str], dtype: Optional[str] = None, task: Optional[str] = None
+    path: Optional[str],
+    device: Optional[str],
+    dtype: Optional[str] = None,
+    task: Optional[str] = None,
+    disk_gib: Optional[float] = None,
 ) -> bool:
     """What ``mechdiff run --plan`` prints first for a circuits study (other kinds: nothing): its resource plan on
-    this machine and on the named ``device``. Returns True where the models' weights are absent, so that the stage
-    cache (which needs the tokenizer and weights checked) cannot be read: the plan then ends here, said so."""
+    this machine and on the named ``device`` (with ``disk_gib`` GiB free under TMPDIR where given). Returns True
+    where the models' weights are absent, so that the stage cache (which needs the tokenizer and weights checked)
+    cannot be read: the plan then ends here, said so."""
     from ..models.devices import get_device, this_machine
     from .base import study_kind
     from .reproduce import check_weights
@@ -504,6 +576,8 @@ def print_resources(
     if path is not None and study_kind(path) != "circuits":
         return False
     named = get_device(device) if device else None  # an unknown name is refused before anything is measured
+    if named is not None and disk_gib is not None:
+        named = named.with_disk(int(disk_gib * GIB))
     spec = load_spec(path) if path is not None else default_spec()
     if task is not None:
         check_task(task)

@@ -89,3 +89,42 @@ def test_paper_study_form_end_to_end(tiny_family, tmp_path):
         )
         assert row["kind"] == "z" or scope_positions == {"last"}
     json.dumps(cmap)
+
+
+def test_the_paper_form_runs_in_bfloat16_within_a_stated_tolerance_of_float32(tiny_family, tmp_path):
+    """The paper's form (path patching with the paper's score, every sender exact, D's sender at a random label;
+    the paper's pruning, DCM and CMAP) in bfloat16 on CPU against float32 (the paper's, and its task file's
+    default). Each step keeps every eligible sender, so that both dtypes select the same circuit whatever the order
+    of a random tiny model's near-zero scores; every figure is then compared. Stated tolerances: path-patching
+    scores, the mean over prompts of (p - p_clean) / p_clean, and DCM's training losses (mean -logit(target), near
+    0 on a random tiny model), differences of near-equal numbers, within two bfloat16 epsilons (2^-7) absolute;
+    every other figure as in the circuits study's test (test_study.tolerance: 2% of its value, minimality
+    contributions 2^-7, normalised faithfulness 0.05)."""
+    from test_study import bfloat16_outside, tolerance
+
+    def path_tolerance(path: str) -> tuple[float, float] | None:
+        if path.startswith(".exact.") or ".circuit.scores." in path and "minimality" not in path or ".loss" in path:
+            return 2**-7, 0.0
+        return tolerance(path)
+
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        spec = paper_spec(tiny_family, tmp_path / dtype)
+        spec.models.dtype = dtype
+        d = spec.discovery
+        d.top_k, d.score, d.source_position = {"A": 8, "B": 8, "C": 8, "D": 8}, "mean_of_ratios", {"D": "labels"}
+        study = Study(spec, progress=False)
+        study.run()
+        runs[dtype] = study.cache.records
+
+    def heads(result: dict) -> dict:
+        return {g: set(hs) for g, hs in Circuit.from_dict(result["circuit"]).groups.items()}
+
+    for name, record in runs["float32"].items():  # the same circuits (in another order), pruned the same
+        if name.startswith(("circuit", "prune")):
+            assert heads(record.result) == heads(runs["bfloat16"][name].result)
+    assert set(runs["float32"]) == set(runs["bfloat16"]) >= {"dcm", "cmap:" + spec.models.finetunes[0]}
+    checked, outside = bfloat16_outside(
+        tmp_path / "bfloat16" / "run" / "stages", tmp_path / "float32" / "run" / "stages", path_tolerance
+    )
+    assert outside == [] and checked > 1000, outside[:40]

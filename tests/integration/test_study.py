@@ -33,6 +33,56 @@ def tiny_spec(names, out):
     return spec
 
 
+def stage_numbers(d, path=""):
+    """Every number of a stage record's result, by its path (a ranking [[pair, score], ...] by pair, whatever its
+    rank)."""
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from stage_numbers(v, f"{path}.{k}")
+    elif isinstance(d, list) and d and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) for x in d):
+        yield from stage_numbers(dict(d), path)
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            yield from stage_numbers(v, f"{path}[{i}]")
+    elif isinstance(d, (int, float)) and not isinstance(d, bool):
+        yield path, float(d)
+
+
+def bfloat16_outside(ours: Path, theirs: Path, tolerance) -> tuple[int, list]:
+    """(figures compared, those outside ``tolerance(path)`` = (absolute, relative) or None to skip) of every stage
+    record in ``ours`` (bfloat16) against the same record in ``theirs`` (float32); both runs have every stage."""
+    import math
+
+    names = sorted(p.name for p in theirs.glob("*.json"))
+    assert names == sorted(p.name for p in ours.glob("*.json")) and len(names) >= 10
+    checked, outside = 0, []
+    for name in names:
+        f32 = dict(stage_numbers(json.loads((theirs / name).read_text())["result"]))
+        b16 = dict(stage_numbers(json.loads((ours / name).read_text())["result"]))
+        for path, value in f32.items():
+            tol = tolerance(path)
+            if tol is None or path not in b16 or math.isnan(value):
+                continue
+            if abs(b16[path] - value) > tol[0] + tol[1] * abs(value):
+                outside.append((name, path, value, b16[path]))
+            checked += 1
+    return checked, outside
+
+
+def tolerance(path: str) -> tuple[float, float] | None:
+    """(absolute, relative) tolerance of one figure of a bfloat16 run against float32's; None for timings and
+    digests."""
+    if "second" in path or "timings" in path or "key" in path or "fingerprint" in path:
+        return None
+    if ".minimality." in path or "contribution" in path or ".relative" in path:
+        return 2**-7, 0.0  # differences of near-equal probabilities over F(C): two bfloat16 epsilons
+    if "cpr" in path or "cmd" in path or "normalised" in path:
+        return 0.05, 0.0  # (m(C) - m(empty)) / (m(M) - m(empty)) and its areas: ratios of such differences
+    if "ranking" in path or ".scores." in path:
+        return 2e-5, 0.1  # attribution scores (gradients): within 10% or 2e-5 (near-zero ones)
+    return 1e-6, 0.02  # every other figure (probabilities, ratios, intervals, counts): 2% of its value
+
+
 def _check_paired_differences(spec, run_dir, text):
     """Every model was scored on the same prompts; outcomes.json keeps each stage's per-prompt outcomes, and the
     paired table's differences are recomputed from it (mean of per-prompt differences)."""
@@ -450,52 +500,10 @@ def test_every_stage_runs_in_bfloat16_within_a_stated_tolerance_of_float32(tiny_
     figure within 2% of its value (accuracies, probabilities, ratios, intervals, circuit sizes); attribution scores
     within 10% (or 2e-5); minimality contributions relative to F(C), differences of near-equal answer probabilities,
     within two bfloat16 epsilons (2^-7) absolute; normalised faithfulness and its areas (CPR, CMD) within 0.05."""
-    import math
-
     spec = tiny_spec(tiny_family, tmp_path)
     spec.models.dtype = "bfloat16"
     Study(spec, progress=False).run()
-    ours, theirs = tmp_path / "run" / "stages", tiny_study / "run" / "stages"
-    names = sorted(p.name for p in theirs.glob("*.json"))
-    assert names == sorted(p.name for p in ours.glob("*.json")) and len(names) >= 10
-
-    def numbers(d, path=""):
-        if isinstance(d, dict):
-            for k, v in d.items():
-                yield from numbers(v, f"{path}.{k}")
-        elif (
-            isinstance(d, list) and d and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) for x in d)
-        ):
-            yield from numbers(dict(d), path)  # a ranking [[pair, score], ...]: by pair, whatever its rank
-        elif isinstance(d, list):
-            for i, v in enumerate(d):
-                yield from numbers(v, f"{path}[{i}]")
-        elif isinstance(d, (int, float)) and not isinstance(d, bool):
-            yield path, float(d)
-
-    def tolerance(path: str) -> tuple[float, float] | None:
-        """(absolute, relative) tolerance of one figure; None for timings and digests."""
-        if "second" in path or "key" in path or "fingerprint" in path:
-            return None
-        if ".minimality." in path or "contribution" in path or ".relative" in path:
-            return 2**-7, 0.0  # differences of near-equal probabilities over F(C): two bfloat16 epsilons
-        if "cpr" in path or "cmd" in path or "normalised" in path:
-            return 0.05, 0.0  # (m(C) - m(empty)) / (m(M) - m(empty)) and its areas: ratios of such differences
-        if "ranking" in path or ".scores." in path:
-            return 2e-5, 0.1  # attribution scores (gradients): within 10% or 2e-5 (near-zero ones)
-        return 1e-6, 0.02  # every other figure (probabilities, ratios, intervals, counts): 2% of its value
-
-    checked, outside = 0, []
-    for name in names:
-        f32 = dict(numbers(json.loads((theirs / name).read_text())["result"]))
-        b16 = dict(numbers(json.loads((ours / name).read_text())["result"]))
-        for path, value in f32.items():
-            tol = tolerance(path)
-            if tol is None or path not in b16 or math.isnan(value):
-                continue
-            if abs(b16[path] - value) > tol[0] + tol[1] * abs(value):
-                outside.append((name, path, value, b16[path]))
-            checked += 1
+    checked, outside = bfloat16_outside(tmp_path / "run" / "stages", tiny_study / "run" / "stages", tolerance)
     assert outside == [] and checked > 500, outside[:40]
 
 

@@ -9,7 +9,17 @@ import pytest
 
 from mechdiff.models.devices import Device, get_device
 from mechdiff.models.footprint import model_dims
-from mechdiff.studies.resources import Context, Lengths, accuracy, cmap, place, resource_plan
+from mechdiff.studies.resources import (
+    Context,
+    Lengths,
+    accuracy,
+    circuit,
+    cmap,
+    dcm,
+    format_resources,
+    place,
+    resource_plan,
+)
 from mechdiff.studies.spec import load_spec
 
 LENGTHS = Lengths(53.0, 53, {"last": 1.0, "query_label": 3.0, "query_label_context": 27.0}, 13, "given")
@@ -59,6 +69,52 @@ def test_plan_on_an_h100_names_each_stage(paper_spec):
         assert p.fits or p.remedies
 
 
+def with_pairs(spec, n_train):
+    return replace(spec, dcm=replace(spec.dcm, n_train=n_train))
+
+
+def test_dcm_pair_cache_is_on_disk_and_memory_follows_the_batch(paper_spec):
+    """DCM's pair cache streams through a scratch file: its disk need grows with the pairs, host and device memory
+    hold one batch's rows whatever their number; a disk too small for it is a stage that does not fit, and the
+    remedy names TMPDIR; a named GPU without a given disk is compared with a 64 GiB one in the notes."""
+    device = get_device("h100-80gb")
+    few, many = (dcm(context(with_pairs(paper_spec, n), device=device), "llama-7b", 4) for n in (1000, 10000))
+    assert many.n > 5 * few.n and many.disk / many.n == few.disk / few.n  # disk: every pair's row
+    assert (many.host_kept, many.transient) == (few.host_kept, few.transient) and few.host_kept < few.disk / 10
+    assert few.host_peak(device) == few.weights // 2  # a model's weights while loading, more than a batch's rows
+    small = device.with_disk(64 * 2**30)
+
+    def recount(dtype, batch):
+        return dcm(context(paper_spec, dtype, small), "llama-7b", 4)
+
+    cost = dcm(context(paper_spec, device=small), "llama-7b", 4)
+    assert cost.disk > 64 * 2**30 and cost.device_peak(small) <= small.memory
+    placed = place(cost, small, "float32", recount)
+    assert not placed.fits and placed.remedies[0].startswith("TMPDIR on a disk with 110 GiB free")
+    assert place(cost, device.with_disk(200 * 2**30), "float32", recount).fits
+    text = format_resources(resource_plan(paper_spec, device, LENGTHS), LENGTHS, "given")
+    assert "dcm: a pair cache of 110.0 GiB streamed through a scratch file under TMPDIR" in text
+    assert "dcm: its 110 GiB of scratch files exceed a 64 GiB disk" in text
+
+
+def test_path_patching_says_how_many_pairs_fit(paper_spec):
+    """Path patching keeps every pair's activations: its note gives the most pairs that fit the device, and that
+    many fit while one more does not."""
+    import re
+
+    device = get_device("h100-80gb")
+    cost = circuit(context(paper_spec, device=device), "llama-7b")
+    most = int(re.search(r"n up to (\d+) fits h100-80gb", cost.note).group(1))
+    assert most > paper_spec.discovery.n  # the paper's 300 pairs fit one H100 in float32
+
+    def peak(n):
+        spec = replace(paper_spec, discovery=replace(paper_spec.discovery, n=n))
+        return circuit(context(spec, device=device), "llama-7b").device_peak(device)
+
+    assert peak(most) <= device.memory < peak(most + 1)
+    assert "no n fits" in circuit(context(paper_spec, device=replace(device, memory=2**30)), "llama-7b").note
+
+
 def test_unknown_device_is_refused_with_the_names():
     with pytest.raises(ValueError, match="h100-80gb"):
         get_device("h100")
@@ -78,3 +134,4 @@ def test_plan_device_without_plan_is_refused():
     from mechdiff.cli import main
 
     assert main(["run", "tasks/entity_tracking_llama7b.toml", "--plan-device", "h100-80gb"]) != 0
+    assert main(["run", "tasks/entity_tracking_llama7b.toml", "--plan", "--plan-disk", "64"]) != 0

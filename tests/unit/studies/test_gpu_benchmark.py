@@ -1,0 +1,40 @@
+"""benchmarks/gpu.py, the Python part of benchmarks/gpu.sh, on a tiny LLaMA config on CPU: every stage it times
+runs, and each row carries the planner's prediction beside its measurement."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).parents[3] / "benchmarks"
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 3,
+    "vocab_size": 100,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def test_gpu_benchmark_runs_every_stage_on_cpu_with_the_plan_beside_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("gpu", None)
+    import gpu
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    out = tmp_path / "rows.json"
+    rows = gpu.main(["--device", "cpu", "--quick", "--layers", "2", "--config", str(config), "--json", str(out)])
+    assert [r["stage"] for r in rows] == list(gpu.STAGES) and json.loads(out.read_text()) == rows
+    for r in rows:
+        assert r["case"] == "L2 bfloat16" and r["planned_on"] == "this machine"
+        assert r["gflop"] > 0 and r["s_planned"] > 0 and r["s_measured"] > 0 and r["mem_planned_mib"] > 0
+    # two models held for DCM and CMAP: the load is both, planned as twice one model's weights
+    dcm = rows[gpu.STAGES.index("dcm-epoch")]
+    assert dcm["weights_planned_gib"] == 2 * rows[0]["weights_planned_gib"]
+    text = capsys.readouterr().out
+    assert text.count("| L2 bfloat16 |") == len(gpu.STAGES) and "share of mm rate" in text
