@@ -40,7 +40,7 @@ def test_study_page_has_the_reports_findings_and_each_modelscircuit_pairs() -> N
     assert [v["name"] for v in data["views"]] == ["smollm2-et-early", "smollm2-et", "smollm2-et - smollm2-et-early"]
     for name, file in (("smollm2-et", "smollm2-et"), ("smollm2-et-early pruned", "smollm2-et-early.pruned")):
         assert _members(data, name) == circuit_pairs(run / "circuits" / f"{file}.json")
-    assert html.count("* plotly.js v") == 1 and not re.search(r"<(script|link|img)[^>]+(src|href)=\"?https?:", html)
+    assert html.count('id="plotly-gz"') == 1 and "* plotly.js v" not in html and not re.search(r"<(script|link|img)[^>]+(src|href)=\"?https?:", html)
 
 
 @pytest.mark.parametrize(
