@@ -900,8 +900,13 @@ document.querySelectorAll("table.sortable th").forEach(function (th, col) {
 def page(run_dir: str | Path) -> str:
     """The whole page of ``run_dir``."""
     run_dir = Path(run_dir)
-    is_study = (run_dir / "run.json").exists() and "spec" in _json(run_dir / "run.json")
-    title, body = study_page(run_dir) if is_study else generic_page(run_dir)
+    manifest = _json(run_dir / "run.json") if (run_dir / "run.json").exists() else {}
+    if manifest.get("kind") == "trajectory":
+        from .trajectory_page import trajectory_page
+
+        title, body = trajectory_page(run_dir)
+    else:
+        title, body = study_page(run_dir) if "spec" in manifest else generic_page(run_dir)
     return (
         f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>"
         f"<style>{STYLE}</style><script>{LOADER}{GRID_JS}</script></head><body><h1>{html.escape(title)}</h1>{body}"
