@@ -35,8 +35,9 @@ def _num(v: Any) -> Optional[float]:
 
 
 def _banded(rows: list[dict]) -> list[str]:
-    """The columns of ``rows`` that carry a 95% interval (``X``, ``X_low``, ``X_high``)."""
-    return [k for k in rows[0] if f"{k}_low" in rows[0] and f"{k}_high" in rows[0]]
+    """The columns of ``rows`` that carry a 95% interval (``X``, ``X_low``, ``X_high``), but the paired differences
+    from the first checkpoint (``minus_first``: another scale; the tables give them)."""
+    return [k for k in rows[0] if f"{k}_low" in rows[0] and f"{k}_high" in rows[0] and k != "minus_first"]
 
 
 def band_traces(name: str, xs: Sequence[float], rows: Sequence[dict], key: str, color: str) -> list[Any]:

@@ -1,7 +1,8 @@
 """``report.html`` in a real browser: Debian's headless Chromium driven by selenium through Debian's chromedriver
-(nothing downloaded at run time). Writes the default study's page from its committed files, opens it from disk, reads the grid against
-the committed circuits, hovers a known head and reads its scores against the committed tables, takes a
-screenshot, and checks that the page asks for nothing over the network."""
+(nothing downloaded at run time). Writes the default study's page from its committed files, opens it from disk,
+reads the grid against the committed circuits, hovers a known head and reads its scores against the committed
+tables, takes a screenshot, and checks that the page asks for nothing over the network; the trajectory's page draws
+every figure from its tables."""
 
 from __future__ import annotations
 
@@ -187,3 +188,34 @@ def test_the_page_makes_no_network_request(page) -> None:
     assert urls, "the page itself is a request: the log must show it"
     assert all(u.startswith(("file://", "data:", "about:")) for u in urls), [u for u in urls if u[:5] != "file:"]
     assert path.as_uri() in urls
+
+
+def test_the_trajectory_page_draws_every_figure_from_its_tables(browser, tmp_path) -> None:
+    """The trajectory's page, written from its committed files: every figure drawn with no console error, the
+    accuracy line and band the table's, and the page asks for nothing over the network."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from mechdiff.report.html import write_html
+
+    run = ROOT / "results" / "trajectory-smollm2"
+    path = write_html(run, tmp_path / "report.html")
+    browser.get_log("browser")
+    browser.get(path.as_uri())
+    WebDriverWait(browser, 60).until(
+        lambda d: d.execute_script(
+            "return Array.from(document.querySelectorAll('.plot')).every(function (p) { return !!p._fullLayout; });"
+        )
+    )
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    drawn = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.plot')).map(function (p) { return p.id; });"
+    )
+    assert {"formation", "measure-accuracy", "measure-semantic", "circuit_membership"} <= set(drawn)
+    line, band = browser.execute_script(
+        "var d = document.getElementById('measure-accuracy').data; return [d[1], d[0]];"
+    )
+    acc = json.loads((run / "tables" / "accuracy.json").read_text())
+    assert line["y"] == [round(r["accuracy"], 4) for r in acc]
+    assert band["y"] == [r["accuracy_high"] for r in acc] + [r["accuracy_low"] for r in acc][::-1]
+    shot = tmp_path / "trajectory.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
