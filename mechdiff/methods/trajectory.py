@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -72,16 +74,15 @@ class TrajectoryError(ValueError):
 
 def trajectory_specs(names: Sequence[str]) -> tuple[ModelSpec, list[ModelSpec]]:
     """The base and each checkpoint's spec, checked before any weights load: at least two distinct checkpoints,
-    each a LoRA adapter over one base or that base itself."""
+    either each a LoRA adapter over one base or that base itself, or each a full-weight checkpoint (a directory, a
+    hub ``revision``) of one architecture, the first standing as the base."""
     if len(names) < 2 or len(set(names)) != len(names):
         raise TrajectoryError(f"a trajectory needs at least two distinct checkpoints in order, got {list(names)}")
     specs = [resolve_spec(n) for n in names]
     adapters = [s for s in specs if s.kind == "lora"]
     if not adapters:
-        raise TrajectoryError(
-            f"no checkpoint of {list(names)} is a LoRA adapter; a trajectory swaps adapters over "
-            "one base (e.g. smollm2-et@0,smollm2-et@5,...)"
-        )
+        check_one_architecture(specs)
+        return specs[0], specs
     bases = {s.base for s in adapters}
     base = resolve_spec(adapters[0].base)
     digest = spec_digest(base)
@@ -91,8 +92,34 @@ def trajectory_specs(names: Sequence[str]) -> tuple[ModelSpec, list[ModelSpec]]:
         )
     plain = [s.name for s in specs if s.kind != "lora" and spec_digest(s) != digest]
     if plain:
-        raise TrajectoryError(f"{', '.join(plain)} is neither a LoRA adapter nor the adapters' base {base.name}")
+        raise TrajectoryError(
+            f"{', '.join(plain)} is neither a LoRA adapter nor the adapters' base {base.name}; a trajectory is all "
+            "adapters over one base (and the base), or all full-weight checkpoints"
+        )
     return base, specs
+
+
+#: The config entries that make two full-weight checkpoints one architecture (those a config states).
+ARCHITECTURE = ("architectures", "model_type", "num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+
+
+def check_one_architecture(specs: Sequence[ModelSpec]) -> None:
+    """Full-weight checkpoints of one run share one architecture: compared on the ``config.json`` of each local
+    directory (a hub revision's config is read when its weights load)."""
+    seen: dict[str, dict] = {}
+    for spec in specs:
+        config = Path(resolve_source(spec.source)) / "config.json"
+        if spec.kind == "local" and config.is_file():
+            full = json.loads(config.read_text())
+            seen[spec.name] = {k: full.get(k) for k in ARCHITECTURE}
+    shapes = {json.dumps(v, sort_keys=True) for v in seen.values()}
+    if len(shapes) > 1:
+        first, *_ = seen
+        other = next(n for n, v in seen.items() if v != seen[first])
+        raise TrajectoryError(
+            f"{other} is not the architecture of {first} ({seen[other]} against {seen[first]}); the checkpoints of "
+            "a trajectory are one run of one model"
+        )
 
 
 class _Merged:
@@ -125,7 +152,8 @@ class _Swapped(LoadedModel):
 
 
 class Checkpoints:
-    """The checkpoints of one trajectory: the base loaded once, the adapters swapped in one peft model.
+    """The checkpoints of one trajectory: the base loaded once, the adapters swapped in one peft model; or, for
+    full-weight checkpoints, the first loaded once and each other loaded when asked for (one held at a time).
 
     ``first()`` (the first checkpoint) is a model of its own, so that it and any other checkpoint can run side by
     side (CMAP); every other adapter is merged into the shared model by ``model(name)`` when asked for, and the
@@ -138,9 +166,14 @@ class Checkpoints:
         self.names = list(names)
         self.base_spec, specs = trajectory_specs(self.names)
         self.specs = dict(zip(self.names, specs))
+        self._load = {"dtype": dtype, "device": device}
         self.base = load_model(self.base_spec, dtype=dtype, device=device)  # the one load of the base
+        self._full = not any(s.kind == "lora" for s in specs)
+        self._loaded: Optional[LoadedModel] = None  # full weights: the one checkpoint held beside the first
         self._keys = {n: f"ckpt{i}" for i, n in enumerate(self.names) if self.specs[n].kind == "lora"}
         self._first = self._merged_copy(self.names[0]) if self.names[0] in self._keys else None
+        if self._full:
+            return
         peft_model = None
         for name, key in self._keys.items():
             src = resolve_source(self.specs[name].source)
@@ -184,6 +217,8 @@ class Checkpoints:
             raise KeyError(f"{name!r} is not a checkpoint of this trajectory ({', '.join(self.names)})")
         if name == self.names[0]:
             return self.first()
+        if self._full:
+            return self._full_weights(name)
         if name not in self._keys:
             return self.base
         if self._active != name:
@@ -193,6 +228,14 @@ class Checkpoints:
             view.owner = self
             self._views[name] = view
         return self._views[name]
+
+    def _full_weights(self, name: str) -> LoadedModel:
+        """Full-weight checkpoint ``name``, loaded now unless it is the one held (the one held before is dropped:
+        a model returned earlier stays usable while its caller holds it)."""
+        if self._loaded is None or self._loaded.name != self.specs[name].name:
+            self._loaded = None
+            self._loaded = load_model(self.specs[name], **self._load)
+        return self._loaded
 
     def _swap(self, name: str) -> None:
         if self._active is not None:

@@ -48,7 +48,8 @@ def resolve_spec(model: str | ModelSpec, base: Optional[str] = None, revision: O
 
 def checkpoint_spec(model: str, base: Optional[str] = None) -> ModelSpec:
     """``NAME@STEP``: step ``STEP`` of the registered trajectory ``NAME`` (``smollm2-et@45``), or of the local
-    run directory ``NAME`` (its ``step-NNNN`` adapters, as ``mechdiff finetune`` saves them)."""
+    run directory ``NAME`` (its ``step-NNNN`` adapters, as ``mechdiff finetune`` saves them, or full-weight
+    model directories)."""
     name, _, step_text = model.rpartition("@")
     if not step_text.isdigit():
         raise ValueError(f"{model!r}: expected NAME@STEP with a whole step number (e.g. smollm2-et@45)")
@@ -67,7 +68,8 @@ def checkpoint_spec(model: str, base: Optional[str] = None) -> ModelSpec:
 
 
 def trajectory_steps(name: str) -> tuple[int, ...]:
-    """The saved steps of a registered trajectory or of a run directory holding ``step-NNNN`` adapters."""
+    """The saved steps of a registered trajectory or of a run directory holding ``step-NNNN`` directories (LoRA
+    adapters or full-weight models)."""
     if name in TRAJECTORIES:
         return TRAJECTORIES[name].steps
     run = Path(name).expanduser()
@@ -76,12 +78,13 @@ def trajectory_steps(name: str) -> tuple[int, ...]:
     steps = sorted(
         int(m.group(1))
         for d in run.iterdir()
-        if (m := re.fullmatch(r"step-(\d+)", d.name)) and (d / "adapter_config.json").is_file()
+        if (m := re.fullmatch(r"step-(\d+)", d.name))
+        and ((d / "adapter_config.json").is_file() or (d / "config.json").is_file())
     )
     if not steps:
         raise ValueError(
-            f"{run} holds no step-NNNN adapter directories; save "
-            "some with `mechdiff finetune --save STEP,STEP` or `--save-every N`"
+            f"{run} holds no step-NNNN directory (a LoRA adapter or a full-weight model); save "
+            "adapters with `mechdiff finetune --save STEP,STEP` or `--save-every N`"
         )
     return tuple(steps)
 

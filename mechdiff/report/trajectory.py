@@ -325,6 +325,13 @@ class _Report:
                 f"the spread-corrected difference ({spread})",
             )
             + "\n"
+            + self.table(
+                matrix_rows(self.steps, st["matrix"]["overlap"]),
+                "structure_matrix",
+                f"Overlap matrix: mean overlap (Jaccard) of top-{st['n_pairs']} pair sets on opposite halves of every "
+                "two checkpoints (row step against column step; diagonal: the within-checkpoint null)",
+            )
+            + "\n"
             + self.figure(fig, "structural null and cross overlaps against the step")
             + "\n"
             + self.figure(matrix, "overlap matrix of every two checkpoints")
@@ -590,6 +597,11 @@ def overlap_figure(steps: Sequence[int], overlap: Sequence[Sequence[float]], pat
     ax.set_title(title, fontsize=8)
     fig.colorbar(im, ax=ax, label="overlap (Jaccard)")
     return save_figure(fig, path)
+
+
+def matrix_rows(steps: Sequence[int], overlap: Sequence[Sequence[float]]) -> list[dict]:
+    """The overlap matrix as a table: a row per step, a column per step (named by it)."""
+    return [{"step": s, **{str(t): float(v) for t, v in zip(steps, row)}} for s, row in zip(steps, overlap)]
 
 
 def write_trajectory_report(study: Any, results: dict) -> Path:

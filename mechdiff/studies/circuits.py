@@ -511,21 +511,9 @@ class CircuitsStudy(Study):
         )
 
     def analysis_groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
-        """The groups DCM, CMAP and completeness look at: ``wanted`` where given (those of the circuit that
-        have heads), else (or where ``wanted`` names none of this task's positions: another task's defaults)
-        every non-empty group whose position is one token of every prompt."""
-        if wanted and set(wanted) & {*self.task.positions, *circuit.groups}:
-            return [g for g in wanted if circuit.groups.get(g)]
-        from ..tasks.base import batch_tensors, grouped_batches, take
-
-        # which positions are single tokens is a property of the task's prompts: a few of each group show it
+        """The groups DCM, CMAP and completeness look at (:func:`analysis_groups`)."""
         records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
-        batches = [batch_tensors(take(records, rows))["positions"] for rows in grouped_batches(records, 4)]
-
-        def single(name: str) -> bool:
-            return all(name in pos and pos[name].dim() == 1 and bool((pos[name] >= 0).all()) for pos in batches)
-
-        return [g for g, heads in circuit.groups.items() if heads and single(circuit.positions[g])]
+        return analysis_groups(self.task, records, circuit, wanted)
 
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
@@ -798,6 +786,23 @@ class CircuitsStudy(Study):
             "stages": {k: v for k, v in stages.items() if v},
             **describe_sets(sets, self.task.strata),
         }
+
+
+def analysis_groups(task: Any, records: list, circuit: Circuit, wanted: list[str]) -> list[str]:
+    """``wanted`` where given (those of the circuit that have heads), else (or where ``wanted`` names none of the
+    task's positions: another task's defaults) every non-empty group of ``circuit`` whose position is one token of
+    every prompt of ``records`` (a few of the task's prompts: which positions are single tokens is a property of
+    the task's prompts)."""
+    if wanted and set(wanted) & {*task.positions, *circuit.groups}:
+        return [g for g in wanted if circuit.groups.get(g)]
+    from ..tasks.base import batch_tensors, grouped_batches, take
+
+    batches = [batch_tensors(take(records, rows))["positions"] for rows in grouped_batches(records, 4)]
+
+    def single(name: str) -> bool:
+        return all(name in pos and pos[name].dim() == 1 and bool((pos[name] >= 0).all()) for pos in batches)
+
+    return [g for g, heads in circuit.groups.items() if heads and single(circuit.positions[g])]
 
 
 def dcm_config(spec: RunSpec):

@@ -484,9 +484,14 @@ class HeadMapStudy(Study):
         return results, self.sweep(ev)
 
     def write(self, outcome: tuple[dict[str, list[dict]], dict[str, dict[float, dict]]]) -> Path:  # type: ignore[override]
-        """Figures of the located circuits, the overlap with path-patching circuits, tables and the report."""
+        """Figures of the located circuits, the overlap with path-patching circuits, tables, the report and
+        ``report.html`` (``run.json`` is written before)."""
+        from ..report.html import write_html
+
         results, sweep = outcome
-        return self.write_report(results, sweep, time.time() - self.stages_started)
+        report = self.write_report(results, sweep, time.time() - self.stages_started)
+        write_html(self.dir)  # as `mechdiff view` writes it, from what was just written
+        return report
 
     def write_report(self, results: dict[str, list[dict]], sweep: dict[str, dict[float, dict]], seconds: float) -> Path:
         """Figures of the located circuits, the overlap with path-patching circuits, tables and the report

@@ -648,12 +648,18 @@ class KnowledgeStudy(Study):
         return {"facts": facts, "data": data, "kept": kept, "models": per_model}
 
     def write(self, results: dict[str, dict]) -> Path:
-        """Per relation: each model's results, tables, figures and report, the comparison and ``study.json``."""
+        """Per relation: each model's results, tables, figures, report and ``report.html``, the comparison and
+        ``study.json``; the study directory's ``report.html`` where it holds several relations."""
+        from ..report.html import write_html
+
         reports = []
         for relation, res in results.items():
             out = self._caches[relation].root
             self.outcome[relation] = _write_relation(self.relation_settings(relation), res, out, self._caches[relation])
             reports.append(out / ("comparison.md" if len(res["models"]) > 1 else "report.md"))
+            write_html(out)  # each relation's page (its circuit, tables), as `mechdiff view` writes it
+        if any(r.parent != self.dir for r in reports):
+            write_html(self.dir)
         return reports[0] if len(reports) == 1 else self.dir
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -93,7 +94,9 @@ class TrajectoryDcm(DcmSection):
 class TrajectoryCmap:
     n: int = 100
     parts: list[str] = field(default_factory=lambda: ["z"])
-    groups: list[str] = field(default_factory=lambda: ["last", "query_label"])
+    # the final circuit's groups patched (empty: as [dcm] groups, else every group at a one-token position of the
+    # task's prompts); before any task could run, the default was entity tracking's ["last", "query_label"]
+    groups: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -117,7 +120,6 @@ SECTIONS = {
 CHOICES = {
     ("discovery", "select"): SELECT,
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
-    ("dcm", "desiderata"): ("positional", "position", "object", "object_value", "label", "label_value"),
 }
 
 
@@ -137,9 +139,11 @@ class TrajectorySettings:
 
 
 def load_settings(path: str | Path) -> TrajectorySettings:
-    """A trajectory task file, checked (keys, types, choices, the checkpoints as one trajectory, the DCM labels
-    file) before anything loads."""
-    from .spec import check_task
+    """A trajectory task file, checked (keys, types, choices, the checkpoints as one trajectory, the groups and
+    desiderata as the task's, the DCM labels file) before anything loads."""
+    import tomllib
+
+    from .spec import _check_desiderata, _check_groups, check_task
 
     built, text = load_sections(
         path, SECTIONS, {"models": ("checkpoints",)}, CHOICES, example="tasks/entity_tracking_trajectory.toml"
@@ -147,6 +151,9 @@ def load_settings(path: str | Path) -> TrajectorySettings:
     if built["study"].kind != "trajectory":
         raise SpecError(f'{path}:{line_of(text, "study", "kind")}: this loader reads [study] kind = "trajectory"')
     check_task(built["task"].name, f"{path}:{line_of(text, 'task', 'name')}: ")
+    raw = tomllib.loads(text)
+    _check_desiderata(Path(path), text, raw.get("dcm"), built["task"].name)
+    _check_groups(Path(path), text, raw, built["task"].name)
     try:
         trajectory_specs(built["models"].checkpoints)
     except (ValueError, KeyError) as err:
@@ -161,9 +168,11 @@ def load_settings(path: str | Path) -> TrajectorySettings:
 
 
 def step_of(name: str, index: int) -> int:
-    """The training step of a checkpoint named ``NAME@STEP``; its index in the list otherwise."""
-    _, at, step = name.rpartition("@")
-    return int(step) if at and step.isdigit() else index
+    """The training step of a checkpoint named ``NAME@STEP`` or a hub revision ``hub:ORG/NAME@stepSTEP``
+    (``step``, ``step-``, ``step_`` before the number); its index in the list otherwise."""
+    _, at, tail = name.rpartition("@")
+    found = re.fullmatch(r"(?:step[-_]?)?(\d+)", tail) if at else None
+    return int(found.group(1)) if found else index
 
 
 def read_labels(path: str | Path) -> list[dict]:
@@ -253,7 +262,23 @@ class TrajectoryStudy(Study):
         return {"n_boxes": self.st.task.n_boxes, **self.task.split_options("eval")}
 
     def records(self, prompts: str, n: int) -> list:
-        return self.task.records(self.tokenizer, n, self.seed(prompts), **self.options())
+        """``n`` prompts of the prompt set ``prompts`` (an imported task hands out that set's rows)."""
+        return self.task.records(self.tokenizer, n, self.seed(prompts), prompt_set=prompts, **self.options())
+
+    def groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
+        """The circuit's groups a stage patches: ``wanted`` (those with heads), else every group at a one-token
+        position (:func:`~mechdiff.studies.circuits.analysis_groups`)."""
+        from .circuits import analysis_groups
+
+        return analysis_groups(self.task, self.records("eval", 16), circuit, wanted)
+
+    def desideratum_names(self) -> list[str]:
+        """``[dcm] desiderata`` (those the task declares; empty: every desideratum the task declares)."""
+        from ..tasks.desiderata import desideratum_name
+
+        own = self.task.desiderata
+        named = [d for d in self.st.dcm.desiderata if d in own or desideratum_name(d) in own]
+        return named or list(own)
 
     def scorer(self, name: str, prompts: str, n: int):
         from ..circuits.scoring import Scorer
@@ -377,9 +402,10 @@ class TrajectoryStudy(Study):
         )
 
     def cmap_circuit(self, final: StageRecord) -> Optional[Circuit]:
-        """The final circuit cut to the ``[cmap] groups`` it has heads in (None: none)."""
+        """The final circuit cut to the groups CMAP patches (:meth:`groups` of ``[cmap] groups``, else of ``[dcm]
+        groups``; None: none)."""
         c = Circuit.from_dict(final.result["circuit"])
-        groups = [g for g in self.st.cmap.groups if c.groups.get(g)]
+        groups = self.groups(c, self.st.cmap.groups or self.st.dcm.groups)
         if not groups:
             return None
         return Circuit(
@@ -394,7 +420,8 @@ class TrajectoryStudy(Study):
         def compute() -> dict:
             circuit = self.cmap_circuit(final)
             if circuit is None:
-                return {"skipped": f"the final circuit has no heads in the groups {c.groups}"}
+                wanted = c.groups or self.st.dcm.groups or "at a one-token position"
+                return {"skipped": f"the final circuit has no heads in the groups {wanted}"}
             cp = self.checkpoints()
             first = cp.first()
             return cmap_gain(
@@ -429,7 +456,7 @@ class TrajectoryStudy(Study):
             d: desideratum_pairs(
                 d, self.tokenizer, n, opts.get("n_boxes"), seed, vocabulary=opts.get("vocabulary"), task=self.task.name
             )
-            for d in self.st.dcm.desiderata
+            for d in self.desideratum_names()
         }
 
     def tests(self) -> dict[str, list]:
@@ -460,8 +487,10 @@ class TrajectoryStudy(Study):
         def compute() -> dict:
             if d.labels:
                 return {"source": d.labels, "dcm": read_labels(d.labels)}
+            if not self.desideratum_names():
+                return {"source": f"task {self.task.name} declares no desideratum: DCM not run", "dcm": []}
             circuit = Circuit.from_dict(final.result["circuit"])
-            groups = [g for g in d.groups if circuit.groups.get(g)]
+            groups = self.groups(circuit, d.groups)
             results = dcm_circuit(
                 self.checkpoints().model(self.final),
                 circuit,
@@ -569,9 +598,12 @@ class TrajectoryStudy(Study):
             time.sleep(poll)
 
     def write(self, results: dict[str, Any]) -> Path:
+        from ..report.html import write_html
         from ..report.trajectory import write_trajectory_report
 
-        return write_trajectory_report(self, results)
+        report = write_trajectory_report(self, results)
+        write_html(self.dir)  # report.html: read from what was just written (as `mechdiff view` does)
+        return report
 
     def settings_record(self) -> dict:
         return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,6 +68,20 @@ def knowledge_first(tmp_path_factory, smollm2_tokenizer):
     return model, settings, out, _run_knowledge(model, settings, out)
 
 
+def _page_holds_each_circuit_file(run: Path) -> None:
+    """``mechdiff run`` wrote ``report.html``: under 2.5 MB (plotly.js gzipped, where it has a figure), titled as the
+    report, a grid view per circuit file it names (and the differences of two)."""
+    import re
+
+    html = (run / "report.html").read_text()
+    assert html.count('id="plotly-gz"') <= 1 and "* plotly.js v" not in html and len(html) < 2_500_000
+    title = next(line[2:] for line in (run / "report.md").read_text().splitlines() if line.startswith("# "))
+    assert f"<title>{title}</title>" in html
+    grid = re.search(r"var GRID_DATA = (\{.*?\});</script>", html)
+    for view in json.loads(grid.group(1))["views"] if grid else []:
+        assert " - " in view["name"] or (run / f"{view['name']}.json").is_file(), view["name"]
+
+
 def _cached(res: dict) -> dict[str, bool]:
     return {n: s["cached"] for n, s in res["study"]["stages"].items()}
 
@@ -76,6 +91,7 @@ def test_knowledge_rerun_recomputes_nothing(knowledge_first, tmp_path, monkeypat
 
     model, settings, shared, first = knowledge_first
     name = model.name
+    _page_holds_each_circuit_file(shared)
     assert _cached(first) == {
         "facts": False,
         f"discovery:{name}": False,
@@ -230,6 +246,7 @@ def test_headmap_rerun_recomputes_nothing(headmap_first, headmap_setup, monkeypa
 
     study, text, loaded_first, settings, shared = headmap_first
     _, out, load, loaded = headmap_setup
+    _page_holds_each_circuit_file(shared)
     first = study.cache.summary()
     lora_lr, hm_lr = study.chosen_lrs({})  # chosen by the run above
     sweep = {f"train-located-seed0-hlr{lr:g}" for lr in settings.lrs} | {

@@ -109,6 +109,14 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     figures = ("accuracy", "circuits_faithfulness", "cmap_gain", "semantic", "structure", "membership")
     for fig in (*figures, "formation", "overlap_matrix"):
         assert (out / "figures" / f"{fig}.png").stat().st_size > 0, fig
+    # report.html, written by the run: the overlap matrix the structure record holds, a figure per measure
+    html = (out / "report.html").read_text()
+    assert 'id="overlap_matrix"' in html and 'id="measure-accuracy"' in html
+    reached = [r for r in json.loads((out / "tables" / "formation.json").read_text()) if r["step_50%"] is not None]
+    assert ('id="formation"' in html) == bool(reached)  # the tiny run may form nothing: then a note says so
+    matrix = json.loads((out / "tables" / "structure_matrix.json").read_text())
+    overlap = json.loads(study.cache.path("structure").read_text())["result"]["matrix"]["overlap"]
+    assert [[r[str(s)] for s in study.steps] for r in matrix] == overlap
     manifest = json.loads((out / "run.json").read_text())
     stages = set(manifest["stages"])
     assert manifest["kind"] == "trajectory" and {p.name for p in plan} == stages

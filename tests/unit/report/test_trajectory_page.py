@@ -1,0 +1,101 @@
+"""The trajectory's report.html without a browser: each figure's numbers are the committed tables' (a measure's
+line and band, formation steps and their intervals, the overlap matrix, role membership per step), and the
+committed run, which labels roles once, says role membership was not measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mechdiff.report.html import page
+
+RESULTS = Path(__file__).resolve().parents[3] / "results"
+
+
+def figures(html: str) -> dict[str, dict]:
+    """Each figure of the page by its div id: the JSON its drawing call reads."""
+    out, dec, at = {}, json.JSONDecoder(), 0
+    while (at := html.find("var f = ", at)) >= 0:
+        fig, end = dec.raw_decode(html, at + len("var f = "))
+        div = html[end:].split('Plotly.newPlot("', 1)[1].split('"', 1)[0]
+        out[div], at = fig, end
+    return out
+
+
+def _write(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    """A trajectory run of three checkpoints with every table the page reads, roles labelled per checkpoint."""
+    names = ["r@0", "r@5", "r@10"]
+    _write(
+        tmp_path / "run.json",
+        {"kind": "trajectory", "settings": {"task": {"name": "ioi"}, "models": {"checkpoints": names}}, "stages": {}},
+    )
+    t = tmp_path / "tables"
+    acc = [(0.1, 0.05, 0.2), (0.5, 0.4, 0.6), (0.9, 0.8, 0.95)]
+    _write(
+        t / "accuracy.json",
+        [
+            {"step": s, "checkpoint": n, "accuracy": a, "accuracy_low": lo, "accuracy_high": hi}
+            for s, n, (a, lo, hi) in zip((0, 5, 10), names, acc)
+        ],
+    )
+    _write(
+        t / "formation.json",
+        [
+            {"component": "the model", "step_50%": 5, "step_50%_low": 0, "step_50%_high": 10},
+            {"component": "CMAP IO/z", "step_50%": 10, "step_50%_low": 5, "step_50%_high": "after 10"},
+            {"component": "never", "step_50%": None, "step_50%_low": None, "step_50%_high": None},
+        ],
+    )
+    _write(t / "structure_matrix.json", [{"step": s, "0": 0.5 + s / 100, "5": 0.3, "10": 0.2} for s in (0, 5, 10)])
+    _write(
+        t / "dcm_labels.json",
+        [
+            {"group": "S2", "desideratum": "io_name", "step": 0, "selected": "-"},
+            {"group": "S2", "desideratum": "io_name", "step": 5, "selected": "L1H0"},
+            {"group": "S2", "desideratum": "io_name", "step": 10, "selected": "L1H0 L0H1"},
+        ],
+    )
+    for s in (0, 5, 10):
+        _write(tmp_path / "circuits" / f"r_{s}.json", {"groups": {"last": ["L1H1"] if s else []}, "positions": {}})
+    return tmp_path
+
+
+def test_each_figure_holds_the_committed_tables_numbers(run: Path) -> None:
+    figs = figures(page(run))
+    band, line = figs["measure-accuracy"]["data"]
+    assert line["x"] == [0, 5, 10] and line["y"] == [0.1, 0.5, 0.9]
+    assert band["x"] == [0, 5, 10, 10, 5, 0] and band["y"] == [0.2, 0.6, 0.95, 0.8, 0.4, 0.05]  # high, then low back
+    (formed,) = figs["formation"]["data"]
+    assert formed["y"] == ["the model", "CMAP IO/z"] and formed["x"] == [5, 10]  # "never" formed: not drawn
+    assert formed["error_x"]["arrayminus"] == [5, 5] and formed["error_x"]["array"] == [5, 0]
+    assert formed["marker"]["symbol"] == ["circle", "triangle-right"]  # its interval runs past the last step
+    (matrix,) = figs["overlap_matrix"]["data"]
+    assert matrix["z"] == [[0.5, 0.3, 0.2], [0.55, 0.3, 0.2], [0.6, 0.3, 0.2]]
+    (role,) = figs["role-0"]["data"]
+    assert role["y"] == ["L0H1", "L1H0"] and role["z"] == [[0, 0, 1], [0, 1, 1]]
+    (member,) = figs["circuit_membership"]["data"]
+    assert member["y"] == ["L1H1"] and member["z"] == [[0, 1, 1]]
+
+
+def test_the_committed_run_says_what_it_did_not_measure() -> None:
+    run = RESULTS / "trajectory-smollm2"
+    html = page(run)
+    figs = figures(html)
+    assert "Role membership per checkpoint: not measured." in html and "role-0" not in figs
+    assert "Overlap matrix: not in this run's committed files" in html
+    acc = json.loads((run / "tables" / "accuracy.json").read_text())
+    line = figs["measure-accuracy"]["data"][1]
+    assert line["x"] == [r["step"] for r in acc] and line["y"] == [round(r["accuracy"], 4) for r in acc]
+    semantic = json.loads((run / "tables" / "semantic.json").read_text())
+    roles = {(r["group"], r["desideratum"]) for r in semantic}
+    # per role patched: its accuracy and its floor, each a line and a band (the paired differences: in the tables)
+    assert len(figs["measure-semantic"]["data"]) == 2 * 2 * len(roles)
+    assert html.count('id="plotly-gz"') == 1 and len(html) < 2_500_000
