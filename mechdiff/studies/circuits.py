@@ -551,8 +551,8 @@ class CircuitsStudy(Study):
                 return {
                     "dcm": [],
                     "semantic": [],
-                    "skipped": f"the task declares no desideratum: {self.task.name} defines none (an "
-                    "imported task has one where every row gives a counterfactual_answer)",
+                    "skipped": f"the task declares no desideratum: {self.task.name} defines none (import it "
+                    "with --desideratum NAME=COLUMN, or give every row a counterfactual_answer)",
                 }
             desiderata = {
                 d: desideratum_pairs(
