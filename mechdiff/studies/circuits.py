@@ -492,7 +492,7 @@ class CircuitsStudy(Study):
                     own,
                     n_draws=s.completeness_draws,
                     seed=self.seed("matrix"),
-                    groups=self.analysis_groups(own, s.completeness_groups or self.spec.dcm.groups),
+                    groups=self.analysis_groups(own, s.completeness_groups or self.spec.dcm.groups, one_token=False),
                 )
                 if own is not None and s.completeness_draws > 0
                 else None
@@ -510,22 +510,42 @@ class CircuitsStudy(Study):
             compute,
         )
 
-    def analysis_groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
-        """The groups DCM, CMAP and completeness look at: ``wanted`` where given (those of the circuit that
-        have heads), else (or where ``wanted`` names none of this task's positions: another task's defaults)
-        every non-empty group whose position is one token of every prompt."""
+    def analysis_groups(self, circuit: Circuit, wanted: list[str], one_token: bool = True) -> list[str]:
+        """The groups DCM and CMAP (``one_token``: groups at one token of every prompt) or completeness (any
+        position class, every token of it) look at (:meth:`group_choice`)."""
+        return self.group_choice(circuit, wanted, one_token)[0]
+
+    def group_choice(self, circuit: Circuit, wanted: list[str], one_token: bool = True) -> tuple[list, dict]:
+        """The groups a stage looks at: ``wanted`` where given (those of the circuit that have heads), else (or
+        where ``wanted`` names none of this task's positions: another task's defaults) every non-empty group;
+        with ``one_token`` (DCM and CMAP patch one position a prompt) those whose position is one token of every
+        prompt, and each group left out for it, with why (the report says it)."""
         if wanted and set(wanted) & {*self.task.positions, *circuit.groups}:
-            return [g for g in wanted if circuit.groups.get(g)]
+            groups = [g for g in wanted if circuit.groups.get(g)]
+        else:
+            groups = [g for g, heads in circuit.groups.items() if heads]
+        if not one_token:
+            return groups, {}
+        single = self._one_token_positions({circuit.positions[g] for g in groups})
+        left_out = {
+            g: f"its position `{circuit.positions[g]}` is a class of several tokens (or missing) in some prompts, "
+            "and DCM and CMAP patch one token a prompt"
+            for g in groups
+            if circuit.positions[g] not in single
+        }
+        return [g for g in groups if g not in left_out], left_out
+
+    def _one_token_positions(self, names: set[str]) -> set[str]:
+        """Those of ``names`` that are one token of every prompt (a few prompts of each group show it)."""
         from ..tasks.base import batch_tensors, grouped_batches, take
 
-        # which positions are single tokens is a property of the task's prompts: a few of each group show it
         records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
         batches = [batch_tensors(take(records, rows))["positions"] for rows in grouped_batches(records, 4)]
 
         def single(name: str) -> bool:
             return all(name in pos and pos[name].dim() == 1 and bool((pos[name] >= 0).all()) for pos in batches)
 
-        return [g for g, heads in circuit.groups.items() if heads and single(circuit.positions[g])]
+        return {n for n in names if single(n)}
 
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
@@ -567,7 +587,14 @@ class CircuitsStudy(Study):
                 )
                 for d in names
             }
-            groups = self.analysis_groups(circuit, c.groups)
+            groups, left_out = self.group_choice(circuit, c.groups)
+            if not groups:
+                return {
+                    "dcm": [],
+                    "semantic": [],
+                    "skipped": f"no group of the circuit of {name} with heads sits at one token of every prompt",
+                    "left_out": left_out,
+                }
             results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress)
             semantic = []
             for r in results if name == base else ():
@@ -583,7 +610,7 @@ class CircuitsStudy(Study):
                             **sem.to_dict(),
                         }
                     )
-            return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic}
+            return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic, "left_out": left_out}
 
         inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self.task_inputs()}
         return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
@@ -614,9 +641,12 @@ class CircuitsStudy(Study):
             if not circuit.heads():
                 return {"skipped": f"the circuit of {owner} has no heads left after pruning; there is nothing to patch"}
             records = self.task.records(self.tokenizer, c.n, self.seed("cmap"), **self.options(prompts="cmap"))
-            groups = self.analysis_groups(circuit, c.groups)
+            groups, left_out = self.group_choice(circuit, c.groups)
             if not groups:
-                return {"skipped": f"no group of the circuit of {owner} sits at a single-token position"}
+                return {
+                    "skipped": f"no group of the circuit of {owner} sits at a single-token position",
+                    "left_out": left_out,
+                }
             # the "circuit" scope: the union of these groups
             circuit = Circuit(
                 circuit.model,
@@ -638,7 +668,8 @@ class CircuitsStudy(Study):
                 seed=self.seed("cmap"),
                 rule="paper" if c.scope == "paper" else "base",
             )
-            return {**res.to_dict(), "circuit": circuit.to_dict()} if c.scope == "paper" else res.to_dict()
+            out = {**res.to_dict(), "left_out": left_out}
+            return {**out, "circuit": circuit.to_dict()} if c.scope == "paper" else out
 
         inputs = {
             "base": self.digests[base],
