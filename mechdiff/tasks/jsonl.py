@@ -13,8 +13,10 @@ holding the span's last character. The same names are located in ``counterfactua
 rule when the row carries ``counterfactual_positions``, else at the same token index. Every
 record also gets ``last`` (the final token of the prompt) unless a row names it. ``counterfactual_answer``
 (optional) is the answer the counterfactual prompt calls for: it becomes the clean record's
-alternative answer (``logit_diff`` = answer - counterfactual answer) and the target of the
-``counterfactual`` DCM desideratum.
+alternative answer (``logit_diff`` = answer - counterfactual answer; refused where it equals the answer on every
+row) and, where a task declares no desideratum, the target of the ``counterfactual`` DCM desideratum. A task
+declares its own desiderata (a column of the rows, a file of its own, or the rows' ``desiderata`` objects:
+:mod:`mechdiff.tasks.declared`).
 
 An answer may be several tokens (``" Buenos Aires"``): its tokens are those ``tokenizer(prompt + answer)``
 appends to ``tokenizer(prompt)`` (:func:`answer_ids`; an answer that merges with the prompt's last token is
@@ -25,7 +27,8 @@ refused). A one-token answer's record is what it always was; a longer one's also
 Optional too: ``template`` (a name for the phrasing the row was written from: mean ablation averages
 over reference prompts of the same template and token length, never across templates) and
 ``classes`` (position classes of the row's own, ``{"name": [[start, end], ...]}`` character spans on
-token boundaries, each class every token its spans cover; the same token indices in the counterfactual).
+token boundaries, each class every token its spans cover, no token in two; the same token indices in the
+counterfactual; ``last`` is always the final token, and :data:`REST` the tokens no class covers: :func:`row_classes`).
 Rows without ``classes`` get classes derived from their named positions
 (:func:`~mechdiff.tasks.records.derived_classes`). Rows may have any token length; clean and counterfactual
 of one row must have the same.
