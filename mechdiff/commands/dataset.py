@@ -50,6 +50,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=list(TASK_METRICS),
         help="prob (answer probability) or logit_diff (answer - counterfactual answer)",
     )
+    imp.add_argument(
+        "--desideratum",
+        action="append",
+        default=[],
+        metavar="NAME=COLUMN|NAME=FILE.jsonl",
+        help="a DCM desideratum: each row's COLUMN holds its target, or FILE.jsonl holds one "
+        '{"target": ..., "counterfactual": ... (optional)} a row; repeat for several (default: '
+        "counterfactual, where every row gives a counterfactual_answer)",
+    )
     imp.add_argument("--force", action="store_true", help="replace an existing --out directory")
     imp.set_defaults(func=main_import)
 
@@ -67,11 +76,14 @@ def main_import(args: argparse.Namespace) -> int:
         plan=args.plan,
         metric=args.metric,
         force=args.force,
+        desiderata=args.desideratum,
     )
     meta = load_task_meta(out)
+    declared = meta.get("desiderata") or {}
+    desiderata = ", ".join(f"{n} ({d['target']}, {d['moved']} rows move)" for n, d in declared.items())
     print(
         f"imported {meta['n_pairs']} pairs ({', '.join(map(str, meta['n_tokens']))} tokens; positions "
-        f"{', '.join(meta['positions'])}) -> {out}; use it with --task {out}"
+        f"{', '.join(meta['positions'])}; DCM desiderata: {desiderata or 'none'}) -> {out}; use it with --task {out}"
     )
     return 0
 

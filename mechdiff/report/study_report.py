@@ -15,6 +15,7 @@ from ..common.stats import Estimate, paired_difference
 from ..models.resolve import resolve_spec
 from ..runs.seeds import PROMPT_OFFSETS
 from ..runs.stages import StageRecord, label
+from ..tasks.jsonl import REST
 from .bars import grouped_bars
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
@@ -92,6 +93,12 @@ def positions_section(study: "Study", positions: dict) -> str:
         "classes chosen so far, every head mean-ablated at every other position; greedy by accuracy, "
         f"stopping at faithfulness {study.spec.positions.stop_at}",
     )
+    classes = {c for rec in positions.values() if rec is not None for c in rec.result["scan"].get("classes", ())}
+    if REST in classes:  # a row's own classes leave tokens uncovered: they are one class, named here
+        text += (
+            f"\nThe class `{REST}` holds the tokens the task's own classes leave uncovered (every token is in one "
+            "class; `last` is always the final token).\n"
+        )
     return "\n".join([text, *figs, ""])
 
 
@@ -290,8 +297,9 @@ DCM_CAPTION = (
 def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict] = None) -> str:
     """The base's DCM and its semantic patching; each fine-tune's own DCM where CMAP as the paper read it."""
     if "skipped" in dcm.result:
-        return f"DCM: not run ({dcm.result['skipped']}).\n"
+        return f"DCM: not run ({dcm.result['skipped']}).{left_out_sentence(dcm.result, 'DCM')}\n"
     text = study_table(study, dcm_rows(dcm.result["dcm"]), "dcm", f"DCM on the base model's circuit: {DCM_CAPTION}")
+    text += left_out_sentence(dcm.result, "DCM")
     sem = semantic_rows(dcm.result["semantic"])
     if sem:
         text += "\n" + study_table(
@@ -307,13 +315,23 @@ def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict]
     return text
 
 
+def left_out_sentence(result: dict, stage: str) -> str:
+    """`` Groups left out of STAGE: `g` (why); ...`` where a stage left groups of the circuit out, else ``""``."""
+    left_out = result.get("left_out") or {}
+    if not left_out:
+        return ""
+    return f" Groups left out of {stage}: " + "; ".join(f"`{g}` ({why})" for g, why in left_out.items()) + ".\n"
+
+
 def cmap_section(study: "Study", cmap: dict) -> str:
     text = []
     for ft, rec in cmap.items():
         r = rec.result
         if "skipped" in r:
-            text.append(f"_CMAP {ft}: skipped, {r['skipped']}._\n")
+            text.append(f"_CMAP {ft}: skipped, {r['skipped']}._{left_out_sentence(r, 'CMAP')}\n")
             continue
+        if r.get("left_out"):
+            text.append(left_out_sentence(r, f"CMAP {ft}").strip() + "\n")
         base_acc, ft_acc = Estimate.from_dict(r["base_accuracy"]), Estimate.from_dict(r["finetune_accuracy"])
         text.append(study_table(study, cmap_rows(r), f"cmap_{label(ft)}", cmap_caption(r, ft)))
         if "circuit" in r:  # CMAP as the paper: the fine-tune's pruned circuit cut to its DCM selections

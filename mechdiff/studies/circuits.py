@@ -492,7 +492,7 @@ class CircuitsStudy(Study):
                     own,
                     n_draws=s.completeness_draws,
                     seed=self.seed("matrix"),
-                    groups=self.analysis_groups(own, s.completeness_groups or self.spec.dcm.groups),
+                    groups=self.analysis_groups(own, s.completeness_groups or self.spec.dcm.groups, one_token=False),
                 )
                 if own is not None and s.completeness_draws > 0
                 else None
@@ -510,10 +510,15 @@ class CircuitsStudy(Study):
             compute,
         )
 
-    def analysis_groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
-        """The groups DCM, CMAP and completeness look at (:func:`analysis_groups`)."""
+    def analysis_groups(self, circuit: Circuit, wanted: list[str], one_token: bool = True) -> list[str]:
+        """The groups DCM and CMAP (``one_token``: groups at one token of every prompt) or completeness (any
+        position class, every token of it) look at (:meth:`group_choice`)."""
+        return self.group_choice(circuit, wanted, one_token)[0]
+
+    def group_choice(self, circuit: Circuit, wanted: list[str], one_token: bool = True) -> tuple[list, dict]:
+        """The groups a stage looks at and each group left out, with why (:func:`group_choice`)."""
         records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
-        return analysis_groups(self.task, records, circuit, wanted)
+        return group_choice(self.task, records, circuit, wanted, one_token)
 
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
@@ -539,8 +544,8 @@ class CircuitsStudy(Study):
                 return {
                     "dcm": [],
                     "semantic": [],
-                    "skipped": f"the task declares no desideratum: {self.task.name} defines none (an "
-                    "imported task has one where every row gives a counterfactual_answer)",
+                    "skipped": f"the task declares no desideratum: {self.task.name} defines none (import it "
+                    "with --desideratum NAME=COLUMN, or give every row a counterfactual_answer)",
                 }
             desiderata = {
                 d: desideratum_pairs(
@@ -555,7 +560,14 @@ class CircuitsStudy(Study):
                 )
                 for d in names
             }
-            groups = self.analysis_groups(circuit, c.groups)
+            groups, left_out = self.group_choice(circuit, c.groups)
+            if not groups:
+                return {
+                    "dcm": [],
+                    "semantic": [],
+                    "skipped": f"no group of the circuit of {name} with heads sits at one token of every prompt",
+                    "left_out": left_out,
+                }
             results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress)
             semantic = []
             for r in results if name == base else ():
@@ -571,7 +583,7 @@ class CircuitsStudy(Study):
                             **sem.to_dict(),
                         }
                     )
-            return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic}
+            return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic, "left_out": left_out}
 
         inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self.task_inputs()}
         return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
@@ -602,9 +614,12 @@ class CircuitsStudy(Study):
             if not circuit.heads():
                 return {"skipped": f"the circuit of {owner} has no heads left after pruning; there is nothing to patch"}
             records = self.task.records(self.tokenizer, c.n, self.seed("cmap"), **self.options(prompts="cmap"))
-            groups = self.analysis_groups(circuit, c.groups)
+            groups, left_out = self.group_choice(circuit, c.groups)
             if not groups:
-                return {"skipped": f"no group of the circuit of {owner} sits at a single-token position"}
+                return {
+                    "skipped": f"no group of the circuit of {owner} sits at a single-token position",
+                    "left_out": left_out,
+                }
             # the "circuit" scope: the union of these groups
             circuit = Circuit(
                 circuit.model,
@@ -626,7 +641,8 @@ class CircuitsStudy(Study):
                 seed=self.seed("cmap"),
                 rule="paper" if c.scope == "paper" else "base",
             )
-            return {**res.to_dict(), "circuit": circuit.to_dict()} if c.scope == "paper" else res.to_dict()
+            out = {**res.to_dict(), "left_out": left_out}
+            return {**out, "circuit": circuit.to_dict()} if c.scope == "paper" else out
 
         inputs = {
             "base": self.digests[base],
@@ -789,12 +805,24 @@ class CircuitsStudy(Study):
 
 
 def analysis_groups(task: Any, records: list, circuit: Circuit, wanted: list[str]) -> list[str]:
+    """The groups DCM and CMAP look at (:func:`group_choice` with ``one_token``)."""
+    return group_choice(task, records, circuit, wanted)[0]
+
+
+def group_choice(
+    task: Any, records: list, circuit: Circuit, wanted: list[str], one_token: bool = True
+) -> tuple[list[str], dict[str, str]]:
     """``wanted`` where given (those of the circuit that have heads), else (or where ``wanted`` names none of the
-    task's positions: another task's defaults) every non-empty group of ``circuit`` whose position is one token of
-    every prompt of ``records`` (a few of the task's prompts: which positions are single tokens is a property of
-    the task's prompts)."""
+    task's positions: another task's defaults) every non-empty group of ``circuit``; with ``one_token`` (DCM and
+    CMAP patch one position a prompt) those whose position is one token of every prompt of ``records`` (a few of
+    the task's prompts: which positions are single tokens is a property of the task's prompts), and each group
+    left out for it, with why (the report says it)."""
     if wanted and set(wanted) & {*task.positions, *circuit.groups}:
-        return [g for g in wanted if circuit.groups.get(g)]
+        groups = [g for g in wanted if circuit.groups.get(g)]
+    else:
+        groups = [g for g, heads in circuit.groups.items() if heads]
+    if not one_token:
+        return groups, {}
     from ..tasks.base import batch_tensors, grouped_batches, take
 
     batches = [batch_tensors(take(records, rows))["positions"] for rows in grouped_batches(records, 4)]
@@ -802,7 +830,13 @@ def analysis_groups(task: Any, records: list, circuit: Circuit, wanted: list[str
     def single(name: str) -> bool:
         return all(name in pos and pos[name].dim() == 1 and bool((pos[name] >= 0).all()) for pos in batches)
 
-    return [g for g, heads in circuit.groups.items() if heads and single(circuit.positions[g])]
+    left_out = {
+        g: f"its position `{circuit.positions[g]}` is a class of several tokens (or missing) in some prompts, "
+        "and DCM and CMAP patch one token a prompt"
+        for g in groups
+        if not single(circuit.positions[g])
+    }
+    return [g for g in groups if g not in left_out], left_out
 
 
 def dcm_config(spec: RunSpec):

@@ -248,15 +248,15 @@ def _relation(name: str) -> Task:
 
 def directory_task(directory: str | os.PathLike) -> Task:
     """The :class:`Task` of a directory written by ``mechdiff dataset import``: its pairs (checked against the
-    asking tokenizer), in file order until a study draws its prompt sets; the ``counterfactual`` desideratum where
-    every row gave a counterfactual answer."""
+    asking tokenizer), in file order until a study draws its prompt sets; the DCM desiderata it declares
+    (:mod:`mechdiff.tasks.declared`)."""
     return imported_task(read_task_directory(directory))
 
 
 def imported_task(imported: ImportedTask) -> Task:
     """The :class:`Task` of an imported task's pairs (:func:`directory_task`), its drawn sets if any."""
     meta = imported.meta
-    desiderata = {"counterfactual": imported.counterfactual_pairs} if imported.has_counterfactual_answers else {}
+    desiderata = {name: imported.desideratum(name) for name in imported.desiderata}
     return Task(
         name=meta["name"],
         description=f"imported from {meta['source']}",
@@ -271,5 +271,5 @@ def imported_task(imported: ImportedTask) -> Task:
         rows_digest=imported.rows_digest,
         strata=imported.strata,
         with_sets=lambda sets: imported_task(replace(imported, sets=dict(sets))),
-        answer_tokens=max_answer_length(imported.pairs),
+        answer_tokens=max_answer_length([*imported.pairs, *(p for d in imported.desiderata.values() for p in d)]),
     )

@@ -13,8 +13,10 @@ holding the span's last character. The same names are located in ``counterfactua
 rule when the row carries ``counterfactual_positions``, else at the same token index. Every
 record also gets ``last`` (the final token of the prompt) unless a row names it. ``counterfactual_answer``
 (optional) is the answer the counterfactual prompt calls for: it becomes the clean record's
-alternative answer (``logit_diff`` = answer - counterfactual answer) and the target of the
-``counterfactual`` DCM desideratum.
+alternative answer (``logit_diff`` = answer - counterfactual answer; refused where it equals the answer on every
+row) and, where a task declares no desideratum, the target of the ``counterfactual`` DCM desideratum. A task
+declares its own desiderata (a column of the rows, a file of its own, or the rows' ``desiderata`` objects:
+:mod:`mechdiff.tasks.declared`).
 
 An answer may be several tokens (``" Buenos Aires"``): its tokens are those ``tokenizer(prompt + answer)``
 appends to ``tokenizer(prompt)`` (:func:`answer_ids`; an answer that merges with the prompt's last token is
@@ -25,7 +27,8 @@ refused). A one-token answer's record is what it always was; a longer one's also
 Optional too: ``template`` (a name for the phrasing the row was written from: mean ablation averages
 over reference prompts of the same template and token length, never across templates) and
 ``classes`` (position classes of the row's own, ``{"name": [[start, end], ...]}`` character spans on
-token boundaries, each class every token its spans cover; the same token indices in the counterfactual).
+token boundaries, each class every token its spans cover, no token in two; the same token indices in the
+counterfactual; ``last`` is always the final token, and :data:`REST` the tokens no class covers: :func:`row_classes`).
 Rows without ``classes`` get classes derived from their named positions
 (:func:`~mechdiff.tasks.records.derived_classes`). Rows may have any token length; clean and counterfactual
 of one row must have the same.
@@ -46,12 +49,12 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..common.metrics import TASK_METRICS
-from .records import Example, Pair, canonical_json, record_dict
+from .records import Example, Pair, alternative_tokens, answer_tokens, canonical_json, record_dict
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,8 @@ KEYS = {
 }
 REQUIRED = ("clean", "counterfactual", "answer", "positions")
 LAST = "last"
+#: The class of the tokens a row's own classes leave uncovered.
+REST = "rest"
 TASK_FILE, PAIRS_FILE = "task.json", "pairs.jsonl"
 FORMAT = "mechdiff-task/1"
 
@@ -159,16 +164,63 @@ def span_tokens(text: str, offsets: Sequence[tuple[int, int]], spans: Any, name:
     return tuple(sorted(out))
 
 
+def row_classes(text: str, offsets: Sequence[tuple[int, int]], spans: Any, n_tokens: int) -> dict[str, tuple[int, ...]]:
+    """A row's own classes (``{}`` where it names none): each class the tokens its spans cover, no token in two
+    classes; ``last`` is always the final token (taken out of a class that covers it; a class named ``last``
+    must be that token alone). Tokens no class covers are given to :data:`REST` by :func:`with_rest`."""
+    if not isinstance(spans, dict):
+        raise ValueError('classes must be an object {"name": [[start, end], ...]}')
+    if not spans:
+        return {}
+    classes = {n: span_tokens(text, offsets, sp, n) for n, sp in spans.items()}
+    final = n_tokens - 1
+    if LAST in classes and classes[LAST] != (final,):
+        raise ValueError(f"class {LAST!r} is always the final token {final}; its spans give {list(classes[LAST])}")
+    owner: dict[int, str] = {}
+    for name, tokens in classes.items():
+        for t in tokens:
+            if t in owner:
+                piece = text[offsets[t][0] : offsets[t][1]]
+                raise ValueError(
+                    f"classes {owner[t]!r} and {name!r} both cover token {t} ({piece!r}); a token belongs to one class"
+                )
+            owner[t] = name
+    out = {n: tuple(t for t in tokens if t != final) for n, tokens in classes.items() if n != LAST}
+    empty = [n for n, tokens in out.items() if not tokens]
+    if empty:
+        raise ValueError(f"classes {empty} cover only the final token, which is always the class {LAST!r}")
+    return {**out, LAST: (final,)}
+
+
+def with_rest(pairs: list[Pair]) -> list[Pair]:
+    """``pairs`` whose rows name their own classes, each given :data:`REST`: the tokens no class covers (every
+    row gets the class, empty where its classes cover every token), where some row leaves tokens uncovered."""
+
+    def rest(p: Pair) -> tuple[int, ...]:
+        covered = {t for tokens in p.base.classes.values() for t in tokens}
+        return tuple(t for t in range(len(p.base.input_ids)) if t not in covered)
+
+    if not any(p.base.classes and rest(p) for p in pairs):
+        return pairs
+    out = []
+    for p in pairs:
+        classes = {**p.base.classes, REST: tuple(sorted({*p.base.classes.get(REST, ()), *rest(p)}))}
+        base, source = replace(p.base, classes=classes), replace(p.source, classes=dict(classes))
+        out.append(replace(p, base=base, source=source))
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # Rows -> pairs
 # --------------------------------------------------------------------------------------
 
 
-def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
-    """One checked pair from one row (raises ValueError naming what is wrong)."""
-    unknown = set(row) - KEYS
+def _row_pair(tokenizer: Any, row: Mapping[str, Any], extra: frozenset[str] = frozenset()) -> Pair:
+    """One checked pair from one row (raises ValueError naming what is wrong); ``extra``: the keys declared
+    desiderata add (their columns)."""
+    unknown = set(row) - KEYS - extra
     if unknown:
-        raise ValueError(f"unknown keys {sorted(unknown)}; valid keys: {sorted(KEYS)}")
+        raise ValueError(f"unknown keys {sorted(unknown)}; valid keys: {sorted(KEYS | extra)}")
     missing = [k for k in REQUIRED if k not in row]
     if missing:
         raise ValueError(f"missing keys {missing}")
@@ -195,10 +247,7 @@ def _row_pair(tokenizer: Any, row: Mapping[str, Any]) -> Pair:
     template = row.get("template", "")
     if not isinstance(template, str):
         raise ValueError(f"template must be a string naming the row's phrasing, got {template!r}")
-    classes_spans = row.get("classes", {})
-    if not isinstance(classes_spans, dict):
-        raise ValueError('classes must be an object {"name": [[start, end], ...]}')
-    classes = {n: span_tokens(clean, offsets, sp, n) for n, sp in classes_spans.items()}
+    classes = row_classes(clean, offsets, row.get("classes", {}), len(ids))
     answer = row["answer"]
     a_ids = answer_ids(tokenizer, clean, answer)
     alts, cf_answer, cf_a_ids = (), answer, a_ids
@@ -244,9 +293,10 @@ def _example(
     )
 
 
-def read_pairs(path: str | os.PathLike, tokenizer: Any) -> list[Pair]:
+def read_pairs(path: str | os.PathLike, tokenizer: Any, extra: frozenset[str] = frozenset()) -> list[Pair]:
     """Every row of a pairs file as a checked :class:`~mechdiff.tasks.records.Pair`; raises
-    :class:`ImportErrors` listing every bad row (``FILE:LINE: ...``) if any is bad."""
+    :class:`ImportErrors` listing every bad row (``FILE:LINE: ...``) if any is bad. ``extra``: the row keys
+    declared desiderata add."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"pairs file {path} does not exist")
@@ -260,7 +310,7 @@ def read_pairs(path: str | os.PathLike, tokenizer: Any) -> list[Pair]:
             row = json.loads(line)
             if not isinstance(row, dict):
                 raise ValueError("a line must be one JSON object")
-            pair = _row_pair(tokenizer, row)
+            pair = _row_pair(tokenizer, row, extra)
             row_names = (set(row["positions"]), set(row.get("classes", {})))
             if names is None:
                 names = (row_names, line_no)
@@ -278,7 +328,7 @@ def read_pairs(path: str | os.PathLike, tokenizer: Any) -> list[Pair]:
         raise ImportErrors(f"{len(errors)} bad row(s) in {path}; nothing was written:\n" + "\n".join(errors))
     if not pairs:
         raise ImportErrors(f"{path} holds no rows")
-    return pairs
+    return with_rest(pairs)
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
@@ -296,23 +346,30 @@ def import_pairs(
     plan: Optional[str | os.PathLike] = None,
     metric: str = "prob",
     force: bool = False,
+    desiderata: Sequence[str] = (),
 ) -> Path:
     """Check ``path`` against ``tokenizer`` and write the task directory ``out`` (``task.json``,
-    ``pairs.jsonl``, the plan if given) atomically: into a temporary directory, then renamed."""
-    out = Path(out)
+    ``pairs.jsonl``, each declared desideratum's pairs, the plan if given) atomically: into a temporary
+    directory, then renamed. ``desiderata``: ``NAME=COLUMN`` or ``NAME=FILE.jsonl`` each
+    (:mod:`mechdiff.tasks.declared`)."""
+    from .declared import declare, extra_keys, parse_declaration, write_desiderata
+
+    out, path = Path(out), Path(path)
     if out.exists() and not force:
         raise ValueError(f"{out} exists; choose another --out or pass --force to replace it")
     if metric not in TASK_METRICS:
         raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(TASK_METRICS)}")
-    if metric == "logit_diff" and not _has_counterfactual_answers(path):
-        raise ValueError(f"metric logit_diff needs a counterfactual_answer in every row of {path}")
+    given = [parse_declaration(d) for d in desiderata]
     plan_text = None
     if plan is not None:
         from .plan import load_plan
 
         load_plan(plan)  # checked before anything is written
         plan_text = Path(plan).read_text(encoding="utf-8")
-    pairs = read_pairs(path, tokenizer)
+    pairs = read_pairs(path, tokenizer, extra_keys(given))
+    if metric == "logit_diff":
+        check_logit_diff(path, pairs)
+    built, declared = declare(tokenizer, path, pairs, given)
     meta = {
         "format": FORMAT,
         "name": name or out.name,
@@ -320,18 +377,20 @@ def import_pairs(
         "model": model,
         "templates": sorted({p.base.template for p in pairs if p.base.template}),
         "classes": sorted(pairs[0].base.classes),
-        "source_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+        "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         "n_pairs": len(pairs),
         "positions": sorted(pairs[0].base.positions),
         "metric": metric,
         "tokenizer": tokenizer_digest(tokenizer),
         "n_tokens": sorted({len(p.base.input_ids) for p in pairs}),
         "plan": "plan.toml" if plan_text else None,
+        "desiderata": declared,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (tmp / PAIRS_FILE).write_text("".join(canonical_json(record_dict(p)) + "\n" for p in pairs), encoding="utf-8")
+        write_desiderata(tmp, built)
         if plan_text:
             (tmp / "plan.toml").write_text(plan_text, encoding="utf-8")
         (tmp / TASK_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
@@ -344,9 +403,22 @@ def import_pairs(
     return out
 
 
-def _has_counterfactual_answers(path: str | os.PathLike) -> bool:
-    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    return all(isinstance(r, dict) and r.get("counterfactual_answer") is not None for r in rows)
+def check_logit_diff(path: Path, pairs: Sequence[Pair]) -> None:
+    """``logit_diff`` (answer - counterfactual answer) needs a counterfactual answer on every row, and one that
+    differs from the answer on some row (else it is always 0); refused naming the lines."""
+    lines = [no for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1) if line.strip()]
+    missing = [no for no, p in zip(lines, pairs) if not p.base.alternative_ids]
+    if missing:
+        raise ImportErrors(
+            f"metric logit_diff needs a counterfactual_answer in every row of {path}; lines "
+            f"{', '.join(map(str, missing[:10]))}{' ...' if len(missing) > 10 else ''} give none"
+        )
+    if all(answer_tokens(p.base) == alternative_tokens(p.base)[0] for p in pairs):
+        raise ImportErrors(
+            f"metric logit_diff: counterfactual_answer equals answer on every row of {path} (lines {lines[0]}-"
+            f"{lines[-1]}), so the logit difference is always 0; give each row the answer its counterfactual "
+            "prompt calls for, or use --metric prob"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -364,6 +436,8 @@ class ImportedTask:
     meta: dict
     pairs: list[Pair]
     sets: Optional[dict[str, list[int]]] = None
+    #: Each declared DCM desideratum's pairs, one a row (:mod:`mechdiff.tasks.declared`).
+    desiderata: dict[str, list[Pair]] = field(default_factory=dict)
 
     def _check(self, tokenizer: Any) -> None:
         if tokenizer is not None and tokenizer_digest(tokenizer) != self.meta["tokenizer"]:
@@ -372,8 +446,8 @@ class ImportedTask:
                 f"{self.meta.get('model') or '?'}); import it again with --model for this model"
             )
 
-    def take(self, tokenizer: Any, n: int, prompt_set: Optional[str] = None) -> list[Pair]:
-        """``n`` pairs: the first of the set ``prompt_set`` where sets were drawn, else the file's first."""
+    def rows(self, tokenizer: Any, n: int, prompt_set: Optional[str] = None) -> list[int]:
+        """``n`` row indices: the first of the set ``prompt_set`` where sets were drawn, else the file's first."""
         self._check(tokenizer)
         if n < 1:
             raise ValueError("n must be at least 1")
@@ -384,7 +458,11 @@ class ImportedTask:
             rows = self.sets[prompt_set]
         if n > len(rows):
             log.info("task %s: %d rows to draw from; using all of them (asked for %d)", self.directory, len(rows), n)
-        return [self.pairs[i] for i in rows[:n]]
+        return rows[:n]
+
+    def take(self, tokenizer: Any, n: int, prompt_set: Optional[str] = None) -> list[Pair]:
+        """``n`` pairs of the rows :meth:`rows` gives."""
+        return [self.pairs[i] for i in self.rows(tokenizer, n, prompt_set)]
 
     @property
     def strata(self) -> tuple[tuple[str, int], ...]:
@@ -398,13 +476,13 @@ class ImportedTask:
 
     @property
     def rows_digest(self) -> str:
-        """16 hex digits of the SHA-256 of the imported records (``pairs.jsonl``): other rows, other digest."""
-        return hashlib.sha256((self.directory / PAIRS_FILE).read_bytes()).hexdigest()[:16]
-
-    @property
-    def has_counterfactual_answers(self) -> bool:
-        """Every row gave a ``counterfactual_answer`` (the ``counterfactual`` DCM desideratum exists)."""
-        return all(p.base.alternative_ids for p in self.pairs)
+        """16 hex digits of the SHA-256 of the imported records (``pairs.jsonl``, then each declared desideratum's
+        pairs file): other rows, other digest."""
+        digest = hashlib.sha256((self.directory / PAIRS_FILE).read_bytes())
+        for d in (self.meta.get("desiderata") or {}).values():
+            if d.get("pairs"):
+                digest.update((self.directory / d["pairs"]).read_bytes())
+        return digest.hexdigest()[:16]
 
     def examples(self, tokenizer: Any, n: int, seed: int = 0, prompt_set: Optional[str] = None) -> list[Example]:
         """``n`` clean prompts of the set ``prompt_set`` (``seed`` is unused: the drawn sets fix the rows)."""
@@ -418,14 +496,14 @@ class ImportedTask:
         """``n`` counterfactual prompts of the set ``prompt_set`` (the mean-ablation reference)."""
         return [p.source for p in self.take(tokenizer, n, prompt_set)]
 
-    def counterfactual_pairs(
-        self, tokenizer: Any, n: int, seed: int = 0, prompt_set: Optional[str] = None
-    ) -> list[Pair]:
-        """``n`` pairs of the set ``prompt_set`` with the counterfactual's answer as target (the DCM desideratum)."""
-        return [
-            Pair(p.base, p.source, p.source.answer, p.source.answer_id, "counterfactual", p.source.answer_tokens)
-            for p in self.take(tokenizer, n, prompt_set)
-        ]
+    def desideratum(self, name: str) -> Callable[..., list[Pair]]:
+        """The pair generator of desideratum ``name``: its pairs of the rows of the set ``prompt_set`` (DCM's)."""
+        pairs = self.desiderata[name]
+
+        def generate(tokenizer: Any, n: int, seed: int = 0, prompt_set: Optional[str] = None) -> list[Pair]:
+            return [pairs[i] for i in self.rows(tokenizer, n, prompt_set)]
+
+        return generate
 
 
 def load_task_meta(directory: str | os.PathLike) -> dict:
@@ -452,4 +530,6 @@ def read_task_directory(directory: str | os.PathLike) -> ImportedTask:
         d = json.loads(line)
         d.pop("type", None)
         pairs.append(Pair.from_dict(d))
-    return ImportedTask(directory, meta, pairs)
+    from .declared import read_desiderata
+
+    return ImportedTask(directory, meta, pairs, desiderata=read_desiderata(directory, meta, pairs))

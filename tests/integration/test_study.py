@@ -189,8 +189,14 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
 
     from mechdiff.cli import main
 
-    rows = write_rows(tmp_path / "capitals.jsonl", capitals_rows(80))
-    assert main(["dataset", "import", str(rows), "--model", tiny_family[0], "--out", str(tmp_path / "capitals")]) == 0
+    rows = capitals_rows(80)
+    for r in rows:  # two desiderata of its own: a column of the rows, and a file of its own
+        r["swapped"] = r["counterfactual_answer"]
+    rows = write_rows(tmp_path / "capitals.jsonl", rows)
+    write_rows(tmp_path / "rome.jsonl", [{"target": " Rome"}] * 80)
+    declared = ["--desideratum", "swapped=swapped", "--desideratum", f"rome={tmp_path / 'rome.jsonl'}"]
+    args = ["dataset", "import", str(rows), "--model", tiny_family[0], "--out", str(tmp_path / "capitals")]
+    assert main([*args, *declared]) == 0
     assert (
         main(
             [
@@ -210,7 +216,7 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     assert "accuracy" in (tmp_path / "eval.json").read_text()
     spec = tiny_spec(tiny_family, tmp_path)
     spec.task.name = str(tmp_path / "capitals")
-    spec.dcm.desiderata = ["positional"]  # entity tracking's: not this task's, so its own counterfactual is used
+    spec.dcm.desiderata = ["positional"]  # entity tracking's: not this task's, so the task's own are used
     spec.dcm.groups = spec.cmap.groups = []  # every group at a one-token position
     spec.scoring.reference_n = 3  # covers 3 of the 4 templates
     study = Study(spec, progress=False)
@@ -243,7 +249,18 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     accuracy = json.loads((stages / f"accuracy__{base}.json").read_text())["result"]
     assert accuracy["accuracy"]["n"] == spec.eval.n
     dcm = json.loads((stages / "dcm.json").read_text())["result"]
-    assert dcm["dcm"] and {r["desideratum"] for r in dcm["dcm"]} == {"counterfactual"}
+    assert dcm["dcm"] and {r["desideratum"] for r in dcm["dcm"]} == {"swapped", "rome"}  # each declared one trained
+    # groups at classes of several tokens (before, after_capital, ...) are left out of DCM, and the report says why
+    circuit = json.loads((stages / f"circuit__{base}.json").read_text())["result"]["circuit"]
+    multi = {
+        g
+        for g, heads in circuit["groups"].items()
+        if heads and circuit["positions"][g] not in ("capital", "country", "last")
+    }
+    assert multi and set(dcm["left_out"]) == multi and not multi & {r["group"] for r in dcm["dcm"]}
+    assert "Groups left out of DCM: " in report and "is a class of several tokens" in report
+    completeness = json.loads((stages / f"matrix__{base}.json").read_text())["result"]["completeness"]["groups"]
+    assert multi <= set(completeness)  # completeness removes every token of a class
     cmap = json.loads((stages / f"cmap__{tiny_family[1].rsplit('/', 1)[-1]}.json").read_text())["result"]
     assert cmap.get("skipped") or cmap["settings"]["n_prompts"] == spec.cmap.n
     sets = json.loads((tmp_path / "run" / "run.json").read_text())["prompt_sets"]

@@ -270,7 +270,11 @@ def test_jsonl_classes_of_a_row_are_the_batch_classes(smollm2_tokenizer, tmp_pat
     for r in records:
         assert r.classes["words"] == tuple(range(r.positions["capital"], r.positions["country"] + 1))
         masks = batch_tensors([r])["position_classes"]
-        assert list(masks) == ["words"] and masks["words"][0].nonzero().flatten().tolist() == list(r.classes["words"])
+        assert sorted(masks) == ["last", "rest", "words"]  # `last` always; `rest`: the tokens no class covers
+        for name in masks:
+            assert masks[name][0].nonzero().flatten().tolist() == list(r.classes[name])
+        assert r.classes["last"] == (len(r.input_ids) - 1,)
+        assert sorted(sum((list(r.classes[c]) for c in masks), [])) == list(range(len(r.input_ids)))
     rows = capitals_rows(4, classes=True)
     rows[1]["classes"] = {"other": rows[1]["classes"]["words"]}
     first = rows[2]["clean"].split()[0]

@@ -107,10 +107,10 @@ def test_circuit_takes_any_position_name(tmp_path):
 
 
 def test_import_locates_every_position_on_the_token_holding_the_span(smollm2_tokenizer, pairs_file, tmp_path):
-    out = import_pairs(pairs_file, smollm2_tokenizer, tmp_path / "task", model="smollm2-135m", metric="logit_diff")
+    out = import_pairs(pairs_file, smollm2_tokenizer, tmp_path / "task", model="smollm2-135m")
     task = get_task(out)
     pairs = task.discovery_pairs(smollm2_tokenizer, 8)
-    assert len(pairs) == 8 and task.metric == "logit_diff"
+    assert len(pairs) == 8 and task.metric == "prob"
     rows = [json.loads(line) for line in pairs_file.read_text().splitlines()]
     for p, row in zip(pairs, rows):
         for which, text, spans in (
@@ -122,7 +122,8 @@ def test_import_locates_every_position_on_the_token_holding_the_span(smollm2_tok
                 assert smollm2_tokenizer.decode([rec.input_ids[rec.positions[name]]]).strip() == text[a:b]
             assert rec.positions["last"] == len(rec.input_ids) - 1
         assert smollm2_tokenizer.decode([p.base.answer_id]) == row["answer"]
-    assert set(task.desiderata) == {"counterfactual"}
+    # IOI-style rows: the counterfactual prompt's answer is the clean one, so no `counterfactual` desideratum
+    assert task.desiderata == {} and json.loads((out / "task.json").read_text())["desiderata"] == {}
 
 
 def test_import_reports_every_bad_row_with_its_line_and_writes_nothing(smollm2_tokenizer, tmp_path):
