@@ -490,7 +490,7 @@ def _check_heads_table_and_page(spec, run_dir, report_md, tmp_path):
             for pair, freq in rec["stability"][part].items():
                 assert mine[pair]["selection_frequency"] == freq
     page = (run_dir / "report.html").read_text()
-    assert page.count("* plotly.js v") == 1 and "<script src=" not in page  # inlined once, nothing fetched
+    assert page.count('id="plotly-gz"') == 1 and "<script src=" not in page  # inlined once (gzipped), nothing fetched
     committed = tmp_path / "committed"
     shutil.copytree(run_dir, committed, ignore=shutil.ignore_patterns("stages", "report.html"))
     assert main(["view", str(committed)]) == 0
