@@ -112,6 +112,11 @@ class CircuitsStudy(Study):
             **({"remote": True} if self.spec.models.remote else {}),
         }
 
+    def metric_inputs(self) -> dict:
+        """The task's metric, in the keys of the stages whose continuous scores it sets (the position scan, the
+        circuit, the matrix, DCM); none for ``prob``, so those stages' keys stay as they were before it counted."""
+        return {} if self.task.metric == "prob" else {"metric": self.task.metric}
+
     @property
     def task(self) -> Task:
         """The task the task file's ``[task]`` section names (registered, or an imported task directory), with the
@@ -243,6 +248,7 @@ class CircuitsStudy(Study):
                 "task": self.task_inputs(),
                 "positions": asdict(p),
                 "scoring": self._reference(),
+                **self.metric_inputs(),
             },
             compute,
         )
@@ -255,6 +261,7 @@ class CircuitsStudy(Study):
     def _circuit_inputs(self, name: str) -> dict:
         d = self.spec.discovery
         inputs = {"model": self.digests[name], "task": self.task_inputs(), "discovery": section_inputs("discovery", d)}
+        inputs.update(self.metric_inputs())
         if d.method == "curve":
             inputs["scoring"] = self._reference()
         return inputs
@@ -419,6 +426,7 @@ class CircuitsStudy(Study):
             self.spec.eval.batch_size,
             self.progress,
             store=self.store,
+            metric=self.task.metric,
         )
 
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
@@ -506,6 +514,7 @@ class CircuitsStudy(Study):
                 "task": self.task_inputs(),
                 "circuits": {k: r.key for k, r in circuits.items()},
                 "scoring": section_inputs("scoring", s),
+                **self.metric_inputs(),
             },
             compute,
         )
@@ -586,6 +595,7 @@ class CircuitsStudy(Study):
             return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic}
 
         inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self.task_inputs()}
+        inputs.update(self.metric_inputs())
         return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
 
     def dcm_circuit(self, found: dict[str, StageRecord], pruned: dict[str, StageRecord], name: str) -> StageRecord:
