@@ -242,7 +242,7 @@ class Scorer:
         ``records`` (refused, before any forward pass, where a group of ``records`` has no reference prompt).
         ``metric``: the task's (``prob`` or ``logit_diff``, the latter refused on records without alternatives)."""
         faithfulness_key(metric)
-        if metric_name(metric) == "logit_diff" and not all(r.alternative_ids for r in records):
+        if metric_name(metric) == "logit_diff" and not all(getattr(r, "alternative_ids", ()) for r in records):
             raise ValueError("metric logit_diff needs records with alternative answers (alternative_ids)")
         check_reference(records, reference)
         means = group_means(model, reference, batch_size, progress, store)

@@ -357,7 +357,9 @@ class CircuitsStudy(Study):
         plan = load_plan(self.task.plan) if self.task.plan else default_plan()
         settings = self.path_settings(name, plan)
         pairs = self.task.discovery_pairs(self.tokenizer, d.n, settings.seed, **self.options(prompts="discovery"))
-        circuit, steps = discover(lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan)
+        circuit, steps = discover(
+            lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan, metric=self.task.metric
+        )
         figures = {}
         for step, res in steps.items():
             path = self.dir / "figures" / f"path_patching_{label(name)}_{step}.png"
