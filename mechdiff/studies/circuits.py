@@ -114,7 +114,7 @@ class CircuitsStudy(Study):
 
     def metric_inputs(self) -> dict:
         """The task's metric, in the keys of the stages whose continuous scores it sets (the position scan, the
-        circuit, the matrix, DCM); none for ``prob``, so those stages' keys stay as they were before it counted."""
+        circuit, the matrix); none for ``prob``, so those stages' keys stay as they were before it counted."""
         return {} if self.task.metric == "prob" else {"metric": self.task.metric}
 
     @property
@@ -597,7 +597,6 @@ class CircuitsStudy(Study):
             return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic}
 
         inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self.task_inputs()}
-        inputs.update(self.metric_inputs())
         return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
 
     def dcm_circuit(self, found: dict[str, StageRecord], pruned: dict[str, StageRecord], name: str) -> StageRecord:

@@ -531,21 +531,19 @@ def check_task(name: str, where: str = "") -> None:
 
 def check_answer_tokens(spec: RunSpec, task: Any) -> None:
     """Refuse, before any weights load, a study that runs a stage scoring one answer token on a task whose answers
-    have several (``task.answer_tokens``): path patching, DCM (where the task declares a desideratum) and CMAP
-    (where the study has fine-tunes). Accuracy, the position scan, the curve, pruning and the matrix take them."""
+    have several (``task.answer_tokens``): path patching. Accuracy, the position scan, the curve, pruning, the
+    matrix, DCM, semantic patching and CMAP take them."""
     n = getattr(task, "answer_tokens", 1)
     if n <= 1:
         return
     stages = [
         *(['discovery (method = "path": path patching)'] if spec.discovery.method == "path" else []),
-        *(["DCM"] if task.desiderata else []),
-        *(["CMAP"] if spec.models.finetunes else []),
     ]
     if stages:
         raise SpecError(
             "; ".join(
                 f"stage {s} scores one answer token; task {task.name} has answers of up to {n} tokens" for s in stages
             )
-            + " (accuracy, the position scan, the curve, pruning and the circuit x model matrix take answers of "
-            'several tokens: use method = "curve", a task without a counterfactual_answer and no fine-tunes)'
+            + " (accuracy, the position scan, the curve, pruning, the circuit x model matrix, DCM, semantic "
+            'patching and CMAP take answers of several tokens: use method = "curve")'
         )
