@@ -580,8 +580,10 @@ def limitations(study: "Study", positions: dict) -> str:
             f"`scope = {cm.scope}`); the README's departures table says which are the paper's."
         )
     if sc.prune and sc.prune_rule == "greedy":
+        pruned_on = "the logit difference" if sc.prune_metric == "prob" and study.task.metric != "prob" else None
         lines.append(
-            "- Pruning uses answer probability on its own small prompt set and a bounded greedy search for K; pairs\n"
+            f"- Pruning uses {pruned_on or 'answer probability'} on its own small prompt set and a bounded greedy "
+            "search for K; pairs\n"
             "  whose removal alone already exceeds the threshold skip the search (it could only raise them)."
         )
     if cm.n_random:

@@ -114,7 +114,7 @@ class CircuitsStudy(Study):
 
     def metric_inputs(self) -> dict:
         """The task's metric, in the keys of the stages whose continuous scores it sets (the position scan, the
-        circuit, the matrix); none for ``prob``, so those stages' keys stay as they were before it counted."""
+        circuit, pruning, the matrix); none for ``prob``, so those stages' keys stay as they were before it counted."""
         return {} if self.task.metric == "prob" else {"metric": self.task.metric}
 
     @property
@@ -446,9 +446,10 @@ class CircuitsStudy(Study):
                 circuit = disjoint_groups(circuit)
             # Pruning decides on its own prompts, never on those the matrix reports.
             scorer = self.scorer(name, "prune", s.prune_n, own)
+            metric = self.task.metric if s.prune_metric == "prob" else s.prune_metric  # the continuous: the task's
             if s.prune_rule == "paper":
                 result = pairwise_minimality(
-                    scorer, circuit, metric=s.prune_metric, share=s.prune_share, threshold=s.prune_threshold
+                    scorer, circuit, metric=metric, share=s.prune_share, threshold=s.prune_threshold
                 )
             else:
                 result = minimality(
@@ -457,7 +458,7 @@ class CircuitsStudy(Study):
                     max_steps=s.prune_steps,
                     n_candidates=s.prune_candidates,
                     seed=seed,
-                    metric=s.prune_metric,
+                    metric=metric,
                     threshold=s.prune_threshold,
                 )
             pruned = prune(circuit, result, s.prune_threshold)
@@ -474,6 +475,7 @@ class CircuitsStudy(Study):
             "circuit": circuit_key,
             "scoring": {**scoring, **({"models": {name: own}} if own is not None else {})},
             "task": self.task_inputs(),
+            **self.metric_inputs(),
         }
 
     def matrix(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:

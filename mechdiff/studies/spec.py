@@ -143,7 +143,9 @@ class ScoringSection:
     # the whole circuit; "paper": per group, K from pairwise removals, v stays iff F(C\K)/F(C\(K+v)) - 1 >= threshold
     prune_rule: str = "greedy"
     prune_threshold: float = 0.01
-    prune_metric: str = "prob"  # "prob" (answer probability) or "accuracy" (the paper's); prob resolves small sets
+    # "prob" (the task's continuous metric: answer probability, or the logit difference on a logit_diff task) or
+    # "accuracy" (the paper's); the continuous one resolves small sets
+    prune_metric: str = "prob"
     prune_steps: int = 1  # greedy: steps growing K in the minimality search (0: K = {})
     prune_candidates: int = 1  # greedy: pairs tried per step (drawn at random)
     prune_share: float = 0.3  # paper: K is at most ceil(prune_share |group|) heads
