@@ -6,9 +6,9 @@
    through every later head and MLP).
 2. :func:`faithfulness_curve` keeps the top pairs at each size (every other pair mean-ablated) and
    scores the nested circuits: accuracy faithfulness F(C)/F(M) (the paper's) with bootstrap CIs, and
-   MIB's normalised faithfulness (m(C) - m(empty)) / (m(M) - m(empty)) of the answer probability
-   and of accuracy; CPR is the area under the normalised curve over the fraction of pairs, CMD the
-   area under |1 - f|.
+   MIB's normalised faithfulness (m(C) - m(empty)) / (m(M) - m(empty)) of the task's continuous metric (the
+   answer probability, ``*_prob``; or the logit difference, ``*_logit_diff``) and of accuracy; CPR is the area
+   under the normalised curve over the fraction of pairs, CMD the area under |1 - f|.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch
 from einops import rearrange
 
 from ..common.components import Head, all_heads
-from ..common.metrics import answer_logprob, sequence_logprob
+from ..common.metrics import answer_logprob, logit_diff, sequence_logprob
 from ..common.progress import progress_bar
 from ..common.stats import bootstrap_ratio, proportion
 from ..patching.core import EMB_LAYER, Patch, run
 from .circuit import Circuit
-from .scoring import Pair, Scorer, means_for, per_prompt, position_mask
+from .scoring import Pair, Scorer, faithfulness_key, means_for, per_prompt, position_mask
 
 SIZES: tuple[float, ...] = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 TARGET = 0.8  # the study's default: the smallest circuit whose accuracy faithfulness reaches this
@@ -44,39 +44,79 @@ def ablation_attribution(scorer: Scorer, classes: Sequence[str]) -> dict[Pair, f
 def prompt_attribution(scorer: Scorer, classes: Sequence[str]) -> torch.Tensor:
     """Per prompt, the attribution of every (class, layer, head): ``"prompt class layer head"`` (float64).
     Kept per prompt so that the ranking can be bootstrapped over prompts (:func:`selection_stability`).
-    An answer of several tokens: ``log p`` is its summed teacher-forced log-probability (the answer's tokens
-    appended to the prompt), the sum over the prompt's positions only."""
-    model, shape = scorer.model, scorer.model.shape
-    sites = [("z", layer) for layer in range(shape.n_layers)]
+    The differentiated measure is the scorer's metric: ``log p(answer)`` for ``prob``, the logit difference (answer
+    minus the mean alternative) for ``logit_diff``. An answer of several tokens: ``log p`` is its summed
+    teacher-forced log-probability (the answer's tokens appended to the prompt; one pass per answer, each
+    alternative's weighted ``-1/k``), summed over the prompt's positions only."""
+    shape = scorer.model.shape
     out = torch.zeros(len(scorer.records), len(classes), shape.n_layers, shape.n_heads, dtype=torch.float64)
     for rows, batch in progress_bar(
         list(scorer.batches()), desc="attribution", disable=not scorer.progress, leave=False
     ):
-        ids, n_pos = batch["input_ids"], batch["input_ids"].shape[1]
-        readout = None
-        if "answer_tokens" in batch:  # teacher forcing: the answer's tokens but its last appended
-            ids = torch.cat([ids, batch["answer_tokens"][:, :-1]], 1)
-            readout = (n_pos - 1 + torch.arange(batch["answer_tokens"].shape[1]))[None].expand(ids.shape[0], -1)
-        with torch.no_grad():
-            emb = run(model, ids, capture=[("emb", EMB_LAYER)], stop=True).captured[("emb", EMB_LAYER)]
-        # the embedding output as the leaf: every later activation is in the graph (weights may be frozen)
-        leaf = emb.detach().clone().requires_grad_()
-        res = run(model, ids, [Patch("emb", EMB_LAYER, leaf)], capture=sites, grad=True, readout=readout)
-        if readout is None:
-            logp = answer_logprob(res.logits, batch["answer_ids"])
-        else:
-            logp = sequence_logprob(res.logits, batch["answer_tokens"], batch["answer_lengths"])
-        zs = [res.captured[s] for s in sites]
-        grads = torch.autograd.grad(logp.sum(), zs, allow_unused=True)
-        for layer, (z, g) in enumerate(zip(zs, grads)):
-            if g is None:
-                continue
-            z, g = z[:, :n_pos], g[:, :n_pos]  # the prompt's positions: the ablation never writes the answer's
-            delta = means_for(scorer.means, batch)[layer][None].to(z.device) - z.detach().float()  # "batch pos cols"
-            prod = rearrange(delta * g.float(), "b p (head d) -> b p head d", head=shape.n_heads).sum(-1)
-            for i, c in enumerate(classes):
-                where = position_mask(batch, c).to(prod.device, prod.dtype)  # "batch pos"
-                out[rows, i, layer] = (prod * where[..., None]).sum(1).double().cpu()
+        for t, (tokens, lengths, weight) in enumerate(_objective_terms(batch, scorer.metric)):
+            prod = _attribution_terms(scorer, batch, tokens, lengths)  # layer -> "batch pos head"
+            for layer, p in prod.items():
+                for i, c in enumerate(classes):
+                    where = position_mask(batch, c).to(p.device, p.dtype)  # "batch pos"
+                    value = (p * where[..., None]).sum(1).double().cpu()  # the first term (weight 1) is written as is
+                    out[rows, i, layer] = value if t == 0 else out[rows, i, layer] + weight * value
+    return out
+
+
+Term = tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]  # answer tokens "batch a", lengths, weight
+
+
+def _objective_terms(batch: dict, metric: str) -> list[Term]:
+    """The teacher-forced answers whose weighted summed log-probabilities make the attributed measure: the answer
+    (weight 1) and, for ``logit_diff``, each of ``k`` alternatives (weight ``-1/k``); ``[(None, None, 1.0)]`` for
+    one-token answers, whose measure one pass gives (:func:`_objective`)."""
+    if "answer_tokens" not in batch:
+        return [(None, None, 1.0)]
+    terms: list[Term] = [(batch["answer_tokens"], batch["answer_lengths"], 1.0)]
+    if metric == "logit_diff":
+        alt, alt_lengths = batch["alternative_tokens"], batch["alternative_lengths"]
+        terms += [(alt[:, j], alt_lengths[:, j], -1.0 / alt.shape[1]) for j in range(alt.shape[1])]
+    return terms
+
+
+def _objective(logits: torch.Tensor, batch: dict, metric: str) -> torch.Tensor:
+    """The one-token measure per prompt: ``log p(answer)``, or (``logit_diff``) the answer's logit minus the mean
+    of its alternatives' (the same difference of log-probabilities)."""
+    if metric == "logit_diff":
+        return logit_diff(logits, batch["answer_ids"], batch["alternative_ids"])
+    return answer_logprob(logits, batch["answer_ids"])
+
+
+def _attribution_terms(
+    scorer: Scorer, batch: dict, tokens: Optional[torch.Tensor], lengths: Optional[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Per layer, ``(mean z - z) . grad`` per head at each prompt position (``"batch pos head"``) of the measure:
+    the one-token :func:`_objective`, or the summed log-probability of ``tokens`` teacher-forced."""
+    model, shape = scorer.model, scorer.model.shape
+    sites = [("z", layer) for layer in range(shape.n_layers)]
+    ids, n_pos = batch["input_ids"], batch["input_ids"].shape[1]
+    readout = None
+    if tokens is not None:  # teacher forcing: the answer's tokens but its last appended
+        ids = torch.cat([ids, tokens[:, :-1]], 1)
+        readout = (n_pos - 1 + torch.arange(tokens.shape[1]))[None].expand(ids.shape[0], -1)
+    with torch.no_grad():
+        emb = run(model, ids, capture=[("emb", EMB_LAYER)], stop=True).captured[("emb", EMB_LAYER)]
+    # the embedding output as the leaf: every later activation is in the graph (weights may be frozen)
+    leaf = emb.detach().clone().requires_grad_()
+    res = run(model, ids, [Patch("emb", EMB_LAYER, leaf)], capture=sites, grad=True, readout=readout)
+    if tokens is None:
+        measure = _objective(res.logits, batch, scorer.metric)
+    else:
+        measure = sequence_logprob(res.logits, tokens, lengths)
+    zs = [res.captured[s] for s in sites]
+    grads = torch.autograd.grad(measure.sum(), zs, allow_unused=True)
+    out = {}
+    for layer, (z, g) in enumerate(zip(zs, grads)):
+        if g is None:
+            continue
+        z, g = z[:, :n_pos], g[:, :n_pos]  # the prompt's positions: the ablation never writes the answer's
+        delta = means_for(scorer.means, batch)[layer][None].to(z.device) - z.detach().float()  # "batch pos cols"
+        out[layer] = rearrange(delta * g.float(), "b p (head d) -> b p head d", head=shape.n_heads).sum(-1)
     return out
 
 
@@ -142,23 +182,23 @@ def faithfulness_curve(
         raise ValueError("no pairs to rank")
     if select not in SELECT:
         raise ValueError(f"select must be one of {SELECT}, got {select!r}")
-    full, empty = scorer.full(), scorer.keep([])
+    full, empty, m = scorer.full(), scorer.keep([]), scorer.metric
     acc_m, acc_0 = float(per_prompt(full).mean()), float(per_prompt(empty).mean())
-    prob_m, prob_0 = float(per_prompt(full, "prob").mean()), float(per_prompt(empty, "prob").mean())
+    prob_m, prob_0 = float(per_prompt(full, m).mean()), float(per_prompt(empty, m).mean())
     rows = []
     for frac in progress_bar(sizes, desc="faithfulness curve", disable=not scorer.progress, leave=False):
         n = max(1, int(round(frac * len(ranked))))
         kept = scorer.keep(ranked[:n])
-        acc, prob = per_prompt(kept), per_prompt(kept, "prob")
+        acc, prob = per_prompt(kept), per_prompt(kept, m)
         rows.append(
             {
                 "fraction": frac,
                 "n_pairs": n,
                 "accuracy": proportion(acc).to_dict(),
                 "faithfulness": bootstrap_ratio(acc, per_prompt(full)).to_dict(),
-                "faithfulness_prob": bootstrap_ratio(prob, per_prompt(full, "prob")).to_dict(),
+                faithfulness_key(m): bootstrap_ratio(prob, per_prompt(full, m)).to_dict(),
                 "normalised_accuracy": _normalised(float(acc.mean()), acc_0, acc_m),
-                "normalised_prob": _normalised(float(prob.mean()), prob_0, prob_m),
+                f"normalised_{m}": _normalised(float(prob.mean()), prob_0, prob_m),
             }
         )
     chosen = next((r for r in rows if r["faithfulness"][select] >= target), None)
@@ -170,9 +210,9 @@ def faithfulness_curve(
         "chosen": chosen,
         "full_accuracy": proportion(per_prompt(full)).to_dict(),
         "empty_accuracy": acc_0,
-        "empty_prob": prob_0,
-        "full_prob": prob_m,
-        **_areas(rows, "normalised_prob", "prob"),
+        f"empty_{m}": prob_0,
+        f"full_{m}": prob_m,
+        **_areas(rows, f"normalised_{m}", m),
         **_areas(rows, "normalised_accuracy", "accuracy"),
         "area": "trapezoid over the fraction of (head, position) pairs, (0, 0) included",
     }

@@ -161,13 +161,15 @@ def discover(
     progress: bool = True,
     on_step: Optional[Callable[[StepResult], None]] = None,
     plan: Optional[Plan] = None,
+    metric: str = "prob",
 ) -> tuple[Circuit, dict[str, StepResult]]:
     """Run the plan's steps (default: entity tracking's A-D) and return the :class:`Circuit` plus
-    each step's full result. ``settings.k`` overrides the plan's ``k`` of the steps it names."""
+    each step's full result. ``settings.k`` overrides the plan's ``k`` of the steps it names. ``metric``: the
+    task's, what every sender's score measures (:func:`~mechdiff.patching.path.prepare`)."""
     plan = (plan or default_plan()).with_k(settings.k)
     steps: dict[str, PlanStep] = {s.name: s for s in plan.steps}
     t_start = time.perf_counter()
-    batch = prepare(model, pairs)
+    batch = prepare(model, pairs, metric)
     t_prepare = time.perf_counter() - t_start
     results: dict[str, StepResult] = {}
     for step, spec in steps.items():

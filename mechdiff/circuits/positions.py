@@ -16,7 +16,7 @@ import numpy as np
 from ..common.components import Head, all_heads
 from ..common.progress import progress_bar
 from ..common.stats import bootstrap_ratio, proportion
-from .scoring import Metric, Pair, Scorer, per_prompt
+from .scoring import Metric, Pair, Scorer, faithfulness_key, per_prompt
 
 
 def task_classes(scorer: Scorer) -> list[str]:
@@ -43,12 +43,13 @@ def position_scan(
 
     ``stop_at``: stop once the faithfulness F(kept)/F(M) of ``metric`` reaches it; ``max_steps``: at
     most this many classes. Each step records every candidate's value, and the chosen set's accuracy
-    (exact binomial CI) and faithfulness for accuracy and probability (bootstrap CIs of the ratio).
+    (exact binomial CI) and faithfulness for accuracy and the scorer's continuous metric (bootstrap CIs of the
+    ratio).
     """
     if not classes:
         raise ValueError("give at least one position class to scan")
     shape = scorer.model.shape
-    full = scorer.full()
+    full, m = scorer.full(), scorer.metric
     f_full = per_prompt(full, metric)
     chosen: list[str] = []
     steps: list[dict] = []
@@ -70,7 +71,7 @@ def position_scan(
                 "candidates": values,
                 "accuracy": proportion(per_prompt(kept, "accuracy")).to_dict(),
                 "faithfulness": bootstrap_ratio(per_prompt(kept, "accuracy"), per_prompt(full, "accuracy")).to_dict(),
-                "faithfulness_prob": bootstrap_ratio(per_prompt(kept, "prob"), per_prompt(full, "prob")).to_dict(),
+                faithfulness_key(m): bootstrap_ratio(per_prompt(kept, m), per_prompt(full, m)).to_dict(),
             }
         )
         bar.update(1)

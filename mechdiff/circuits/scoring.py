@@ -34,7 +34,7 @@ import torch
 from einops import repeat
 
 from ..common.components import Head, all_heads, layer_matched
-from ..common.metrics import metric_name
+from ..common.metrics import CONTINUOUS_LABELS, continuous_key, faithfulness_key, metric_name  # noqa: F401
 from ..common.progress import progress_bar
 from ..common.stats import bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
 from ..models.loading import LoadedModel
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 EVERY_POSITION = "*"
 Pair = tuple[Head, str]
-Metric = Literal["accuracy", "prob"]
+Metric = Literal["accuracy", "prob", "logit_diff"]
 Means = dict[GroupKey, torch.Tensor]  # (template, length) -> "layer pos (head d_head)"
 
 
@@ -222,6 +222,8 @@ class Scorer:
     means: Means | torch.Tensor  # per group (template, length), or one tensor for prompts of one group
     batch_size: int = 32
     progress: bool = True
+    #: The task's metric (``Task.metric``): the continuous measure of faithfulness, the curve and completeness.
+    metric: str = "prob"
     cache: dict = field(default_factory=dict, repr=False)
     runs: dict = field(default_factory=dict, repr=False)  # (circuit, batch start) -> its run's residuals and keys
 
@@ -234,13 +236,18 @@ class Scorer:
         batch_size: int = 32,
         progress: bool = True,
         store: Optional[str | Path] = None,
+        metric: str = "prob",
     ) -> "Scorer":
         """Compute (or read from ``store``) the position-wise means on ``reference``, per group; a scorer for
-        ``records`` (refused, before any forward pass, where a group of ``records`` has no reference prompt)."""
+        ``records`` (refused, before any forward pass, where a group of ``records`` has no reference prompt).
+        ``metric``: the task's (``prob`` or ``logit_diff``, the latter refused on records without alternatives)."""
+        faithfulness_key(metric)
+        if metric_name(metric) == "logit_diff" and not all(getattr(r, "alternative_ids", ()) for r in records):
+            raise ValueError("metric logit_diff needs records with alternative answers (alternative_ids)")
         check_reference(records, reference)
         means = group_means(model, reference, batch_size, progress, store)
         only = next(iter(means.values())) if len(means) == 1 else None  # prompts of one group: its tensor
-        return cls(model, records, means if only is None else only, batch_size, progress)
+        return cls(model, records, means if only is None else only, batch_size, progress, metric_name(metric))
 
     def full(self) -> EvalResult:
         """F(M): the unablated model."""
@@ -354,13 +361,18 @@ class Scorer:
 
 
 def per_prompt(result: EvalResult, metric: Metric = "accuracy") -> np.ndarray:
-    """Per-prompt values of ``metric``: correctness (0/1) or answer probability (``prob``)."""
+    """Per-prompt values of ``metric``: correctness (0/1), answer probability (``prob``) or the logit difference
+    (``logit_diff``: summed log-probabilities for answers of several tokens)."""
     metric = metric_name(metric)  # type: ignore[assignment]
     if metric == "accuracy":
         return result.correct.astype(float)
     if metric == "prob":
         return result.prob.astype(float)
-    raise ValueError(f"unknown metric {metric!r}; use 'accuracy' or 'prob'")
+    if metric == "logit_diff":
+        if result.logit_diff is None:
+            raise ValueError("metric logit_diff needs records with alternative answers (alternative_ids)")
+        return result.logit_diff.astype(float)
+    raise ValueError(f"unknown metric {metric!r}; use 'accuracy', 'prob' or 'logit_diff'")
 
 
 # --------------------------------------------------------------------------------------
@@ -407,8 +419,9 @@ def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "") -
 def faithfulness(
     scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int = 0, match: str = RANDOM_MATCH[0]
 ) -> dict:
-    """F(M), F(C), faithfulness F(C)/F(M) for accuracy and answer probability, with CIs (exact
-    binomial for accuracy, bootstrap for probability and the ratios).
+    """F(M), F(C), faithfulness F(C)/F(M) for accuracy and the scorer's continuous metric (answer probability,
+    ``faithfulness_prob``; or the logit difference, ``logit_diff`` and ``faithfulness_logit_diff``), with CIs
+    (exact binomial for accuracy, bootstrap for the rest and the ratios).
 
     With ``n_random > 0`` also the mean over ``n_random`` random circuits of the same group sizes
     (seeded, layer-matched by default): per prompt, each metric is averaged over the draws before
@@ -418,7 +431,8 @@ def faithfulness(
     shape = scorer.model.shape
     circuit.validate(shape.n_layers, shape.n_heads)
     full, circ = scorer.full(), scorer.keep(circuit.pairs())
-    out = {"full": _figures(full, full), "circuit": _figures(circ, full), "n_prompts": len(scorer.records)}
+    m = scorer.metric
+    out = {"full": _figures(full, full, m), "circuit": _figures(circ, full, m), "n_prompts": len(scorer.records)}
     out["outcomes"] = {"full": full.outcomes(), "circuit": circ.outcomes()}
     if n_random > 0:
         rng = random.Random(seed)
@@ -426,8 +440,9 @@ def faithfulness(
             scorer.keep(random_circuit(circuit, shape.n_layers, shape.n_heads, rng, match).pairs())
             for _ in progress_bar(range(n_random), desc="random circuits", disable=not scorer.progress, leave=False)
         ]
-        mean = EvalResult(np.mean([d.correct for d in draws], 0), np.mean([d.prob for d in draws], 0))
-        figures = _figures(mean, full)
+        diffs = None if m != "logit_diff" else np.mean([d.logit_diff for d in draws], 0)
+        mean = EvalResult(np.mean([d.correct for d in draws], 0), np.mean([d.prob for d in draws], 0), diffs)
+        figures = _figures(mean, full, m)
         figures["accuracy"] = pooled_proportion([d.correct.astype(float) for d in draws]).to_dict()
         out["random"] = {
             **figures,
@@ -439,14 +454,19 @@ def faithfulness(
     return out
 
 
-def _figures(result: EvalResult, full: EvalResult) -> dict:
+def _figures(result: EvalResult, full: EvalResult, metric: str = "prob") -> dict:
+    """Accuracy, answer probability, faithfulness, and the continuous faithfulness of ``metric`` (and, for
+    ``logit_diff``, the logit difference itself)."""
     acc, prob = per_prompt(result, "accuracy"), per_prompt(result, "prob")
-    return {
+    out = {
         "accuracy": mean_estimate(acc).to_dict(),
         "answer_prob": bootstrap(prob).to_dict(),
         "faithfulness": bootstrap_ratio(acc, per_prompt(full, "accuracy")).to_dict(),
-        "faithfulness_prob": bootstrap_ratio(prob, per_prompt(full, "prob")).to_dict(),
     }
+    if metric == "logit_diff":
+        out["logit_diff"] = bootstrap(per_prompt(result, metric)).to_dict()
+    out[faithfulness_key(metric)] = bootstrap_ratio(per_prompt(result, metric), per_prompt(full, metric)).to_dict()
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -543,11 +563,14 @@ def matrix_rows(
         row.update(_cols("accuracy", res["circuit"]["accuracy"]))
         row.update(_cols("faithfulness", res["circuit"]["faithfulness"]))
         row.update(_cols("answer_prob", res["circuit"]["answer_prob"]))
-        row.update(_cols("faithfulness_prob", res["circuit"]["faithfulness_prob"]))
+        if "logit_diff" in res["circuit"]:
+            row.update(_cols("logit_diff", res["circuit"]["logit_diff"]))
+        key = faithfulness_key(scorer.metric)
+        row.update(_cols(key, res["circuit"][key]))
         if "random" in res:
             row.update(_cols("random_accuracy", res["random"]["accuracy"]))
             row.update(_cols("random_faithfulness", res["random"]["faithfulness"]))
-            row.update(_cols("random_faithfulness_prob", res["random"]["faithfulness_prob"]))
+            row.update(_cols(f"random_{key}", res["random"][key]))
             row["random_draws"] = res["random"]["draws"]
         rows.append(row)
     return rows

@@ -31,10 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--metric",
-        default="prob",
+        default=None,
         type=metric_name,
         choices=sorted(METRICS),
-        help="what a patch's effect is measured on (prob: the answer's probability; answer_prob is read as prob)",
+        help="what a patch's effect is measured on (default: the task's metric, prob or logit_diff; prob: the "
+        "answer's probability; answer_prob is read as prob)",
     )
     p.add_argument("--n", type=int, default=16, help="number of clean/counterfactual pairs")
     p.add_argument("--n-boxes", type=int, default=7, help="entity tracking: boxes per prompt")
@@ -47,12 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    task = task_from_args(args)
     print(
         scan_task(
-            task_from_args(args),
+            task,
             args.site,
             args.position,
-            args.metric,
+            args.metric or task.metric,
             args.n,
             args.seed,
             task_options(args),

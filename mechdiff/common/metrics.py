@@ -16,7 +16,7 @@ Answers of several tokens are scored by teacher forcing (:func:`mechdiff.patchin
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -30,6 +30,30 @@ METRIC_ALIASES = {"answer_prob": "prob"}
 def metric_name(name: str) -> str:
     """The one name of metric ``name`` (``answer_prob`` -> ``prob``; others as they are)."""
     return METRIC_ALIASES.get(name, name)
+
+
+#: What a task's metric (``Task.metric``) names as a stage's continuous measure, in captions.
+CONTINUOUS_LABELS = {"prob": "answer probability", "logit_diff": "logit difference"}
+
+
+def faithfulness_key(metric: str) -> str:
+    """The record key of the continuous faithfulness under a task's ``metric``: ``faithfulness_prob`` or
+    ``faithfulness_logit_diff``."""
+    metric = metric_name(metric)
+    if metric not in CONTINUOUS_LABELS:
+        raise ValueError(f"unknown task metric {metric!r}; choose one of {', '.join(CONTINUOUS_LABELS)}")
+    return f"faithfulness_{metric}"
+
+
+def continuous_key(record: Mapping[str, object]) -> str:
+    """The continuous-faithfulness key a record holds (``faithfulness_logit_diff`` where it was scored under a
+    logit-difference task, else ``faithfulness_prob``)."""
+    return "faithfulness_logit_diff" if "faithfulness_logit_diff" in record else "faithfulness_prob"
+
+
+def continuous_label(record: Mapping[str, object]) -> str:
+    """The caption words of a record's continuous measure (``answer probability``, ``logit difference``)."""
+    return CONTINUOUS_LABELS[continuous_key(record).removeprefix("faithfulness_")]
 
 
 def _ids(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -36,21 +36,21 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from ..circuits.circuit import Circuit
 from ..common.components import Head, layer_matched
-from ..common.metrics import answer_is_top1, answer_prob
+from ..common.metrics import answer_is_top1, answer_prob, sequence_is_greedy, sequence_logprob
 from ..common.progress import progress_bar
 from ..common.stats import Estimate, bootstrap, mean_estimate, paired_difference
 from ..models.loading import LoadedModel
 from ..models.modelset import check_shapes
 from ..models.remote import keep
-from ..patching.core import Patch, Resume, run
-from ..tasks.base import Record, batch_tensors, check_one_token, grouped_batches, record_order, take
+from ..patching.core import Patch, Resume, prompt_patch, run
+from ..tasks.base import Record, batch_tensors, grouped_batches, record_order, take
 
 CMAP_KINDS: tuple[str, ...] = ("z", "q", "k", "v", "qk", "qkv")
 CMAP_RULES: tuple[str, ...] = ("base", "paper")
@@ -315,8 +315,32 @@ class CMAPResult:
         }
 
 
-def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Per-prompt (correct, answer probability) as numpy."""
+#: A batch's answers: ids ``"batch"`` (one token each) or tokens ``"batch a"`` and lengths ``"batch"`` (several).
+Answer = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+def teacher_forced(batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor], Answer]:
+    """A batch's run inputs: the prompts (then each answer's tokens but its last, where an answer has several),
+    the read-out positions (None: the last) and its :data:`Answer`."""
+    ids = batch["input_ids"]
+    if "answer_tokens" not in batch:
+        return ids, None, batch["answer_ids"]
+    tokens, n = batch["answer_tokens"], ids.shape[1]
+    readout = (n - 1 + torch.arange(tokens.shape[1]))[None].expand(ids.shape[0], -1)
+    return torch.cat([ids, tokens[:, :-1]], 1), readout, (tokens, batch["answer_lengths"])
+
+
+def _read(readout: Optional[torch.Tensor]) -> dict:
+    """``run``'s read-out argument where answers are teacher-forced (none for one-token answers: their last)."""
+    return {} if readout is None else {"readout": readout}
+
+
+def _score(logits: torch.Tensor, answer: Answer) -> tuple[np.ndarray, np.ndarray]:
+    """(correct, prob) per prompt: the top-1 and its probability, or for answers of several tokens (teacher-forced
+    ``logits`` ``"batch a vocab"``) greedy decoding of the whole answer and ``exp`` of its summed log-probability."""
+    if isinstance(answer, tuple):
+        logp = sequence_logprob(logits, *answer).cpu().double().numpy()
+        return sequence_is_greedy(logits, *answer).cpu().numpy(), np.exp(logp)
     return answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy()
 
 
@@ -341,7 +365,6 @@ def run_cmap(
     ``n_random``: draws of layer-matched random heads per group (the control), each patched in every kind."""
     if rule not in CMAP_RULES:
         raise ValueError(f"rule must be one of {CMAP_RULES}, got {rule!r}")
-    check_one_token(records, "CMAP")
     if rule == "paper" and not isolate:
         raise ValueError(
             "the paper's CMAP always resets the other positions to the base (isolate); use rule 'base' "
@@ -378,15 +401,27 @@ def run_cmap(
     batches = grouped_batches(records, batch_size)
     for rows in progress_bar(batches, desc="cmap", disable=not progress):
         batch = batch_tensors(take(records, rows))  # one template and length: any length per batch
-        ids, answer = batch["input_ids"], batch["answer_ids"]
+        n = batch["input_ids"].shape[1]
+        ids, readout, answer = teacher_forced(batch)  # an answer of several tokens: appended, never patched
         with torch.no_grad():
-            donor = run(finetune, ids, capture=sites)
-            captured = {key: t.to(base.device) for key, t in donor.captured.items()}
+            donor = run(finetune, ids, capture=sites, **_read(readout))
+            captured = {key: t[:, :n].to(base.device) for key, t in donor.captured.items()}
             _append(scores["finetune"], _score(donor.logits, answer))
         with base.session():  # remote: the base's plain and patched runs of this batch in one request
             scored = keep(
                 _base_scores(
-                    base, ids, answer, captured, all_scopes, kinds, batch["positions"], isolate, randoms, rule, plan
+                    base,
+                    ids,
+                    answer,
+                    captured,
+                    all_scopes,
+                    kinds,
+                    batch["positions"],
+                    isolate,
+                    randoms,
+                    rule,
+                    plan,
+                    (n, readout),
                 )
             )
         for key, value in scored.items():
@@ -413,9 +448,12 @@ def _base_scores(
     randoms: Optional[dict] = None,
     rule: str = "base",
     plan: Optional[dict] = None,
+    prompt: Optional[tuple[int, Optional[torch.Tensor]]] = None,
 ) -> dict:
     """``(correct, prob)`` of the base, plain and with each (scope, kind) patched from the donor's ``captured``;
-    for each random scope key, the outcomes of its draws averaged per prompt."""
+    for each random scope key, the outcomes of its draws averaged per prompt. ``prompt``: the prompts' length and
+    the read-out positions where ``ids`` carry answer tokens after them (patches then write the prompt only)."""
+    n, readout = prompt or (ids.shape[1], None)
     out = {}
     randoms = randoms or {}
     # Patched runs resume at their scope's first layer from the plain run's residual (exact: nothing
@@ -430,19 +468,22 @@ def _base_scores(
             ids,
             capture=[("resid", layer - 1) for layer in sorted(set(first.values()) - {0})] + z_sites,
             keep_kv=True,
+            **_read(readout),
         )
-        base_z = {layer: plain.captured[("z", layer)] for _, layer in z_sites}
+        base_z = {layer: plain.captured[("z", layer)][:, :n] for _, layer in z_sites}
         out["base"] = _score(plain.logits, answer)
 
         def patched(pairs: Scope, kind: str) -> tuple[np.ndarray, np.ndarray]:
             layer = min(h.layer for h, _ in pairs)
             resume = Resume(layer, plain.captured[("resid", layer - 1)]) if layer else None
-            patches = cmap_patches(base, pairs, kind, captured, positions, ids.shape[1], strict=rule == "paper")
+            patches = cmap_patches(base, pairs, kind, captured, positions, n, strict=rule == "paper")
             if rule == "paper":
-                patches += paper_isolation_patches(base, pairs, kind, base_z, positions, ids.shape[1])
+                patches += paper_isolation_patches(base, pairs, kind, base_z, positions, n)
             elif isolate:
-                patches += isolation_patches(base, pairs, kind, base_z, positions, ids.shape[1])
-            return _score(run(base, ids, patches, resume=resume, prefix=plain.kv).logits, answer)
+                patches += isolation_patches(base, pairs, kind, base_z, positions, n)
+            if readout is not None:
+                patches = [prompt_patch(p, n) for p in patches]
+            return _score(run(base, ids, patches, resume=resume, prefix=plain.kv, **_read(readout)).logits, answer)
 
         plan = plan or {}
         for scope, pairs in all_scopes.items():

@@ -9,7 +9,10 @@ and ``pair.source.positions`` under the same name), each head's output is mixed:
     z_head <- m * z_base + (1 - m) * z_source
 
 and the mask minimises ``-logit(target) + lambda * sum(1 - m)``: the target should win while
-as FEW heads as possible are patched (``m = 0``). The model is frozen; gradients reach only
+as FEW heads as possible are patched (``m = 0``). A target of several tokens is scored by teacher forcing (the
+target's tokens but its last appended to the base prompt; patches write the prompt's positions only): the loss is
+its negative summed log-probability, and it is reached where greedy decoding gives the whole target.
+The model is frozen; gradients reach only
 the mask (through :func:`mechdiff.patching.core.run` with ``grad=True`` and a mixing
 :class:`~mechdiff.patching.core.Patch`).
 
@@ -35,7 +38,7 @@ import logging
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -43,7 +46,7 @@ from einops import rearrange, repeat
 
 from ..circuits.circuit import Circuit
 from ..common.components import Head, all_heads
-from ..common.metrics import answer_is_top1, answer_logit
+from ..common.metrics import answer_is_top1, answer_logit, sequence_is_greedy, sequence_logprob
 from ..common.outcomes import outcome_record
 from ..common.progress import progress_bar
 from ..common.stats import Estimate, pooled_proportion, proportion
@@ -53,13 +56,33 @@ from ..patching.evaluate import batches
 from ..patching.store import RowStore
 from ..tasks.base import (
     PairRecord,
-    check_one_token,
     group_batches,
     grouped_batches,
     pair_batch_tensors,
     record_order,
     take,
+    target_tokens,
+    token_tensors,
 )
+
+#: A batch's targets: ids ``"batch"`` (one token each), or tokens ``"batch a"`` and lengths ``"batch"`` (several).
+Target = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+def target_score(logits: torch.Tensor, target: Target) -> torch.Tensor:
+    """Per pair, what DCM's loss raises: the target's logit (one token, the paper's loss) or, for targets of
+    several tokens (teacher-forced ``logits`` ``"batch a vocab"``), its summed log-probability."""
+    if isinstance(target, tuple):
+        return sequence_logprob(logits, *target)
+    return answer_logit(logits, target)
+
+
+def target_correct(logits: torch.Tensor, target: Target) -> torch.Tensor:
+    """Per pair, whether the run gives the target: its top-1 token, or greedy decoding of its every token."""
+    if isinstance(target, tuple):
+        return sequence_is_greedy(logits, *target)
+    return answer_is_top1(logits, target)
+
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +303,9 @@ class PairCache:
     starts: list[int]  # the layers whose entering residual stream is stored (patched runs resume there)
     floor: np.ndarray  # bool per pair: target is the unpatched base's top-1
     suffix: bool = True  # patched runs read the base's keys and values (suffix runs); False: full-length runs
+    #: The most tokens a target has: runs append the first ``width - 1`` (right-padded) to every base prompt, and the
+    #: stored residual streams, keys and values cover them (one teacher-forced base run per pair).
+    width: int = 1
 
     @classmethod
     def build(
@@ -290,15 +316,16 @@ class PairCache:
         batch_size: int = 32,
         progress: bool = False,
     ) -> "PairCache":
-        """Two forward passes per pair (source and base) for every ``(heads, position)`` in ``groups``."""
+        """Two forward passes per pair (source and base) for every ``(heads, position)`` in ``groups``; a target of
+        several tokens is appended to the base prompt (teacher forcing), and the base run covers it."""
         pairs = list(pairs)
-        check_one_token(pairs, "DCM")  # its loss and accuracy read the target's one token at the last position
         groups = [(list(heads), pos) for heads, pos in groups]
         sites = {pos: sorted({h.layer for hs, p in groups if p == pos for h in hs}) for _, pos in groups}
         sites = {pos: layers for pos, layers in sorted(sites.items()) if layers}
         starts = sorted({min(h.layer for h in heads) for heads, _ in groups if heads} - {0})
-        cache = cls(pairs, RowStore(len(pairs)), sites, starts, np.zeros(len(pairs), dtype=bool))
-        length = max((len(p.base.input_ids) for p in pairs), default=0)
+        width = max((len(target_tokens(p)) for p in pairs), default=1)
+        cache = cls(pairs, RowStore(len(pairs)), sites, starts, np.zeros(len(pairs), dtype=bool), width=width)
+        length = max((len(p.base.input_ids) for p in pairs), default=0) + width - 1
         batches = grouped_batches(pairs, batch_size)
         for rows in progress_bar(batches, desc="dcm cache", disable=not progress, leave=False):
             cache._write(model, rows, length)
@@ -310,15 +337,28 @@ class PairCache:
         for position, layers in self.sites.items():
             z = source_z(model, batch, layers, position)
             self.store.write(f"source/{position}", rows, torch.stack([z[layer] for layer in layers], dim=1))
+        ids, readout, target = self._teacher(batch, rows)
         with torch.no_grad():
             out = run(
-                model, batch["base"]["input_ids"], capture=[("resid", layer - 1) for layer in self.starts], keep_kv=True
+                model, ids, capture=[("resid", layer - 1) for layer in self.starts], keep_kv=True, readout=readout
             )
         for layer in self.starts:
             self.store.write(f"resid/{layer}", rows, _pad(out.captured[("resid", layer - 1)], -2, length))
-        self.floor[rows] = answer_is_top1(out.logits, batch["target_ids"]).cpu().numpy()
+        self.floor[rows] = target_correct(out.logits, target).cpu().numpy()
         for name, kv in (("keys", out.kv.keys), ("values", out.kv.values)):
             self.store.write(name, rows, _pad(torch.stack(kv, dim=1), -2, length))
+
+    def _teacher(self, batch: dict, rows: Sequence[int]) -> tuple[torch.Tensor, Optional[torch.Tensor], Target]:
+        """The base run's input ids (the prompts, then the first ``width - 1`` target tokens where a target has
+        several), its read-out positions (None: the last) and the batch's :data:`Target`."""
+        ids = batch["base"]["input_ids"]
+        if self.width == 1:
+            return ids, None, batch["target_ids"]
+        tokens, lengths = token_tensors([target_tokens(self.pairs[i]) for i in rows])
+        tokens = _pad(tokens, 1, self.width)
+        n = ids.shape[1]
+        readout = (n - 1 + torch.arange(self.width))[None].expand(ids.shape[0], -1)
+        return torch.cat([ids, tokens[:, :-1]], 1), readout, (tokens, lengths)
 
     def close(self) -> None:
         """Delete the cache's file now (it is deleted with the cache otherwise)."""
@@ -332,17 +372,21 @@ class PairCache:
         mask: torch.Tensor,
         position: str,
         grad: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, Target]:
         """(logits at the last token, target ids) of pairs ``rows`` with ``heads`` mixed under ``mask``, in
-        the order of ``rows`` (pairs of several lengths run group by group)."""
+        the order of ``rows`` (pairs of several lengths run group by group); for targets of several tokens, the
+        teacher-forced logits ``"batch width vocab"`` and (tokens, lengths)."""
         rows = list(rows)
         groups = group_batches(take(self.pairs, rows))
         if len(groups) == 1:
             return self._logits(model, rows, heads, mask, position, grad)
         outs = [self._logits(model, take(rows, g), heads, mask, position, grad) for g in groups]
         back = torch.as_tensor(record_order(groups), dtype=torch.long)
-        logits, target = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
-        return logits[back.to(logits.device)], target[back.to(target.device)]
+        logits = torch.cat([o[0] for o in outs])[back.to(outs[0][0].device)]
+        if self.width == 1:
+            return logits, torch.cat([o[1] for o in outs])[back.to(outs[0][1].device)]
+        tokens, lengths = (torch.cat([o[1][i] for o in outs])[back] for i in (0, 1))
+        return logits, (tokens.to(logits.device), lengths.to(logits.device))
 
     def _logits(
         self,
@@ -352,18 +396,21 @@ class PairCache:
         mask: torch.Tensor,
         position: str,
         grad: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, Target]:
         """:meth:`logits` of pairs of one length."""
         batch = pair_batch_tensors([self.pairs[i] for i in rows])
-        n = batch["base"]["input_ids"].shape[1]
+        ids, readout, target = self._teacher(batch, rows)
+        n = ids.shape[1]
         z = self.store.read(f"source/{position}", rows)
         values = {h.layer: z[:, self.sites[position].index(h.layer)] for h in heads}
         patches = masked_z_patches(model, heads, mask, values, _positions(batch, position, "base"))
         first = min(h.layer for h in heads)
         start = max((layer for layer in self.starts if layer <= first), default=0)
         resume = Resume(start, self.store.read(f"resid/{start}", rows)[:, :n]) if start else None
-        out = run(model, batch["base"]["input_ids"], patches, grad=grad, resume=resume, prefix=self._prefix(rows, n))
-        return out.logits, batch["target_ids"].to(out.logits.device)
+        out = run(model, ids, patches, grad=grad, resume=resume, prefix=self._prefix(rows, n), readout=readout)
+        if isinstance(target, tuple):
+            return out.logits, (target[0].to(out.logits.device), target[1].to(out.logits.device))
+        return out.logits, target.to(out.logits.device)
 
     def _prefix(self, rows: Sequence[int], n: int) -> Optional[Prefix]:
         """The base run's keys and values of pairs ``rows`` cut to their length ``n`` (None: full-length runs)."""
@@ -390,7 +437,7 @@ class PairCache:
         for chunk in progress_bar(batches(len(rows), batch_size), desc="dcm eval", disable=not progress, leave=False):
             with torch.no_grad():
                 logits, target = self.logits(model, rows[chunk], patched, mask, position)
-            correct.append(answer_is_top1(logits, target).cpu().numpy())
+            correct.append(target_correct(logits, target).cpu().numpy())
         return np.concatenate(correct)
 
 
@@ -538,7 +585,7 @@ def loss_scale(
     rows = list(train)[: config.micro_batch]
     with torch.no_grad():
         logits, target = cache.logits(model, rows, list(heads), torch.ones(len(heads), device=model.device), position)
-    return max(float(answer_logit(logits, target).abs().mean()), 1e-6)
+    return max(float(target_score(logits, target).abs().mean()), 1e-6)
 
 
 def _step(
@@ -557,7 +604,7 @@ def _step(
     total = 0.0
     for chunk in batches(len(rows), config.micro_batch):
         logits, target = cache.logits(model, rows[chunk], heads, mask.sample(), position, grad=True)
-        loss = -answer_logit(logits, target).sum() / len(rows)
+        loss = -target_score(logits, target).sum() / len(rows)
         loss.backward()
         total += loss.item()
     penalty = config.lam * scale * mask.penalty()

@@ -6,7 +6,8 @@ gradient of the step's objective with respect to ``z`` in the *frozen* model: ev
 ``z`` is made a leaf equal to its clean value, so gradients flow through the residual
 stream and the MLPs but not through other heads (exactly what path patching freezes).
 
-- Step A (no receivers): the objective is ``sum_b p_b`` (answer probability) at the logits.
+- Step A (no receivers): the objective is ``sum_b p_b`` (the task's metric, :meth:`PairBatch.measure`: answer
+  probability or logit difference) at the logits.
 - Steps with receivers: first ``g_r = d(sum_b p_b) / d(receiver site at its position)`` in the
   ordinary clean model (one forward + backward); then the objective of the frozen pass is
   ``sum_r <g_r, receiver site>``, the linearised effect of the receivers' change on ``p``.
@@ -23,7 +24,6 @@ import torch
 from einops import rearrange
 
 from ..common.components import Head
-from ..common.metrics import answer_prob
 from ..models.loading import LoadedModel
 from ..models.remote import keep
 from .core import Patch, run
@@ -67,7 +67,7 @@ def _gradients(
     patches = [Patch("z", l, leaf, slice(start, None)) for l, leaf in leaves.items()]
     if receivers is None:
         out = run(model, batch.clean_ids, patches, grad=True)
-        objective = answer_prob(out.logits, batch.answer_ids).sum()
+        objective = batch.measure(out.logits).sum()
     else:
         objective = _receiver_objective(model, batch, receivers, patches)
     grads = torch.autograd.grad(objective, list(leaves.values()), allow_unused=True)
@@ -94,7 +94,7 @@ def _receiver_objective(
         [Patch(receivers.kind, l, leaf, rpos, cols) for (l, cols), leaf in zip(sites, leaves)],
         grad=True,
     )
-    g = torch.autograd.grad(answer_prob(out.logits, batch.answer_ids).sum(), leaves)
+    g = torch.autograd.grad(batch.measure(out.logits).sum(), leaves)
     # 2. the receiver sites as functions of the frozen model's z
     frozen = run(model, batch.clean_ids, frozen_patches, capture=kinds, grad=True, stop=True).captured
     return sum((gi * frozen[(receivers.kind, l)][rows, rpos, cols]).sum() for gi, (l, cols) in zip(g, sites))

@@ -8,8 +8,9 @@ For one sender head at its sender position:
 2. *receiver run*: the clean prompt with the receivers' Q/V at the receiver position
    overwritten by what the frozen run produced.
 
-Score = ``(mean p_patched - mean p_clean) / mean p_clean`` on the answer token over the
-batch (``score="ratio_of_means"``, mechdiff's: stable where one prompt's clean probability is tiny), or the
+Score = ``(mean p_patched - mean p_clean) / mean p_clean`` on the answer token over the batch, ``p`` the task's
+metric (the answer's probability, or for a ``logit_diff`` task the answer's logit minus the mean of its
+alternatives') (``score="ratio_of_means"``, mechdiff's: stable where one prompt's clean probability is tiny), or the
 paper's ``mean over prompts of (p_patched - p_clean) / p_clean`` (``score="mean_of_ratios"``, Prakash et al.'s
 ``experiment_1/path_patching.py``); the two can order the senders differently (:func:`sender_score`). Without
 receivers (step A: senders -> logits) the frozen run's own logits are read.
@@ -50,7 +51,7 @@ import torch
 from einops import rearrange, repeat
 
 from ..common.components import Head
-from ..common.metrics import answer_prob
+from ..common.metrics import task_metric
 from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
@@ -80,10 +81,18 @@ class PairBatch:
     clean_resid: Optional[dict[int, torch.Tensor]] = None  # layer -> "batch pos d_model" after that block (for Resume)
     clean_kv: Optional[Prefix] = None  # the clean run's keys and values (for suffix runs); None: full runs
     source_positions: Optional[dict[str, torch.Tensor]] = None  # name -> "batch" or "batch k", the sources' own
+    alternative_ids: Optional[torch.Tensor] = None  # "batch k": the clean prompts' alternative answers
+    metric: str = "prob"  # the task's: what ``p`` is (answer probability or logit difference)
 
     @property
     def p_clean(self) -> torch.Tensor:
-        return answer_prob(self.clean_logits, self.answer_ids)
+        return self.measure(self.clean_logits)
+
+    def measure(self, logits: torch.Tensor, copies: int = 1) -> torch.Tensor:
+        """The task's metric of read-out logits ``"(copy batch) vocab"`` of ``copies`` stacked copies of the batch."""
+        answers = repeat(self.answer_ids, "b -> (s b)", s=copies)
+        alts = None if self.alternative_ids is None else repeat(self.alternative_ids, "b k -> (s b) k", s=copies)
+        return task_metric(logits, answers, self.metric, alts)
 
     def __len__(self) -> int:
         return self.clean_ids.shape[0]
@@ -108,18 +117,22 @@ def parts(batch: Union[PairBatch, PairBatches]) -> list[PairBatch]:
     return batch.parts if isinstance(batch, PairBatches) else [batch]
 
 
-def prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> Union[PairBatch, PairBatches]:
+def prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "prob") -> Union[PairBatch, PairBatches]:
     """Run clean and counterfactual once, capturing every layer's ``z`` (and the clean residual stream): one
     :class:`PairBatch` where every pair has one template and length, else :class:`PairBatches` (one per group).
-    Path patching and the attribution screen score one answer token: pairs with longer answers are refused."""
+    ``metric``: the task's (``prob``, or ``logit_diff`` against the clean prompts' alternatives, refused where a pair
+    has none). Path patching and the attribution screen score one answer token: pairs with longer answers are
+    refused (their frozen and receiver runs read the prompt's last position only)."""
     check_one_token(pairs, "path patching")
+    if metric == "logit_diff" and not all(getattr(p.base, "alternative_ids", ()) for p in pairs):
+        raise ValueError("path patching under metric logit_diff needs pairs whose clean prompts have alternatives")
     groups = group_batches(pairs)
     if len(groups) > 1:
-        return PairBatches([_prepare(model, take(pairs, rows)) for rows in groups])
-    return _prepare(model, pairs)
+        return PairBatches([_prepare(model, take(pairs, rows), metric) for rows in groups])
+    return _prepare(model, pairs, metric)
 
 
-def _prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> PairBatch:
+def _prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "prob") -> PairBatch:
     tensors = pair_batch_tensors(pairs)
     layers = range(model.shape.n_layers)
     sites = [("z", layer) for layer in layers]
@@ -145,6 +158,8 @@ def _prepare(model: LoadedModel, pairs: Sequence[PairRecord]) -> PairBatch:
         clean_resid,
         Prefix(list(keys), list(values)),
         tensors["source"]["positions"],
+        tensors["base"].get("alternative_ids") if metric == "logit_diff" else None,
+        metric,
     )
 
 
@@ -345,7 +360,7 @@ def _patched_prob(
             # resumes at the lowest receiver some sender lies below.
             sites = [(layer, cols) for layer, cols in sites if layer > min(h.layer for h in senders)]
             logits = _receiver_logits(model, batch, s, receivers.kind, sites, values, rpos)
-    return answer_prob(logits, repeat(batch.answer_ids, "b -> (s b)", s=s)).reshape(s, n)
+    return batch.measure(logits, s).reshape(s, n)
 
 
 def _receiver_logits(

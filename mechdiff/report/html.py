@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from ..common.io import write_text
+from ..common.metrics import continuous_key
 from .heads import HEADS_TABLE, head_rows
 from .tables import format_value
 
@@ -748,7 +749,7 @@ def study_page(run_dir: Path) -> tuple[str, str]:
                 interval_plot(
                     series,
                     "fraction",
-                    ("faithfulness", "faithfulness_prob"),
+                    ("faithfulness", continuous_key(curve[0])),
                     "Faithfulness of nested circuits (top fraction of the attribution ranking)",
                     "fraction of pairs",
                     "faithfulness",

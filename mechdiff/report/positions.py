@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ..common.io import save_figure  # noqa: E402
+from ..common.metrics import continuous_key, continuous_label  # noqa: E402
 
 
 def _errorbar(ax, x: list, estimates: list[dict], **kwargs) -> None:
@@ -38,7 +39,7 @@ def position_scan_figure(scan: dict, path: str | Path, title: str = "") -> Path:
     steps = scan["steps"]
     x = range(1, len(steps) + 1)
     fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(steps) + 2), 3.6))
-    for key, label in (("faithfulness", "accuracy"), ("faithfulness_prob", "answer probability")):
+    for key, label in (("faithfulness", "accuracy"), (continuous_key(steps[0]), continuous_label(steps[0]))):
         _errorbar(ax, list(x), [s[key] for s in steps], label=f"faithfulness ({label})")
     ax.axhline(1.0, color="grey", ls="--", lw=1, label="full model")
     ax.set_xticks(list(x), [s["added"] for s in steps], rotation=50, ha="right", fontsize=8)
@@ -54,8 +55,10 @@ def curve_figure(curve: dict, path: str | Path, title: str = "") -> Path:
     x = [r["fraction"] for r in rows]
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     _errorbar(ax, x, [r["faithfulness"] for r in rows], label="F(C)/F(M), accuracy")
-    if all(r["normalised_prob"] is not None for r in rows):
-        ax.plot(x, [r["normalised_prob"] for r in rows], marker="s", label="normalised, answer probability")
+    m = continuous_key(rows[0]).removeprefix("faithfulness_")
+    if all(r[f"normalised_{m}"] is not None for r in rows):
+        label = f"normalised, {continuous_label(rows[0])}"
+        ax.plot(x, [r[f"normalised_{m}"] for r in rows], marker="s", label=label)
     ax.axhline(1.0, color="grey", ls="--", lw=1, label="full model")
     ax.axhline(curve["target"], color="tab:red", ls=":", lw=1, label=f"target {curve['target']}")
     ax.set_xscale("log")

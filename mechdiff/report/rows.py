@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
+from ..common.metrics import continuous_key, continuous_label
 from ..common.stats import Estimate, paired_difference
 from .tables import estimate_columns
 
@@ -122,30 +123,49 @@ def scan_rows(scan: Mapping[str, Any]) -> list[dict]:
             "added": s["added"],
             **estimate_columns("accuracy", s["accuracy"]),
             **estimate_columns("faithfulness", s["faithfulness"]),
-            **estimate_columns("faithfulness_prob", s["faithfulness_prob"]),
+            **estimate_columns(continuous_key(s), s[continuous_key(s)]),
         }
         for i, s in enumerate(scan["steps"])
     ]
 
 
 def curve_caption(model: str, curve: Mapping[str, Any]) -> str:
-    """The caption of ``mechdiff curve``'s table: the model and the curve's areas (CPR, CMD)."""
+    """The caption of ``mechdiff curve``'s table: the model and the curve's areas (CPR, CMD) of its continuous
+    metric (named where it is the logit difference)."""
+    if "cpr_logit_diff" in curve:
+        areas = f"CPR (logit difference) {curve['cpr_logit_diff']}, CMD (logit difference) {curve['cmd_logit_diff']}"
+        return (
+            f"Faithfulness of nested circuits over (head, position class) pairs on {model} (ranked by mean-ablation "
+            f"attribution of the logit difference; {areas}){metric_note(curve['rows'][0])}"
+        )
     return (
         f"Faithfulness of nested circuits over (head, position class) pairs on {model} (ranked by mean-ablation "
         f"attribution; CPR {curve['cpr_prob']}, CMD {curve['cmd_prob']})"
     )
 
 
+def metric_note(record: Mapping[str, Any]) -> str:
+    """A caption's words on the continuous faithfulness column of ``record`` where it is not the answer
+    probability (``""`` for a ``prob`` task, so its captions read as before)."""
+    key = continuous_key(record)
+    if key == "faithfulness_prob":
+        return ""
+    return (
+        f"; {key}: faithfulness ({continuous_label(record)}: the answer's summed log-probability minus the mean of "
+        "its alternatives')"
+    )
+
+
 def curve_rows(curve: Mapping[str, Any]) -> list[dict]:
     """One row per size of a faithfulness curve: the fraction of pairs, the pairs kept, accuracy and faithfulness
-    (accuracy and answer probability)."""
+    (accuracy and the task's continuous metric: answer probability or logit difference)."""
     return [
         {
             "fraction": r["fraction"],
             "n_pairs": r["n_pairs"],
             **estimate_columns("accuracy", r["accuracy"]),
             **estimate_columns("faithfulness", r["faithfulness"]),
-            **estimate_columns("faithfulness_prob", r["faithfulness_prob"]),
+            **estimate_columns(continuous_key(r), r[continuous_key(r)]),
         }
         for r in curve["rows"]
     ]

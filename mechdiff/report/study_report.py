@@ -11,6 +11,7 @@ from typing import Any, Optional
 from ..circuits.circuit import Circuit
 from ..circuits.overlap import overlap_table
 from ..common.io import write_text
+from ..common.metrics import continuous_key
 from ..common.stats import Estimate, paired_difference
 from ..models.resolve import resolve_spec
 from ..runs.seeds import PROMPT_OFFSETS
@@ -29,6 +30,7 @@ from .rows import (
     completeness_rows,
     curve_rows,
     dcm_rows,
+    metric_note,
     scan_rows,
     semantic_rows,
 )
@@ -76,11 +78,12 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
 
 def positions_section(study: "Study", positions: dict) -> str:
     """The position scan per model: classes chosen greedily, faithfulness after each."""
-    rows, figs = [], []
+    rows, figs, note = [], [], ""
     for name, rec in positions.items():
         if rec is None:
             continue
         rows += [{"model": name, **row} for row in scan_rows(rec.result["scan"])]
+        note = metric_note(rec.result["scan"]["steps"][0]) if rec.result["scan"]["steps"] else ""
         figs.append(f"![position scan {name}]({rec.result['figure']})")
     if not rows:
         return "_No position scan ([positions] n = 0)._\n"
@@ -91,7 +94,7 @@ def positions_section(study: "Study", positions: dict) -> str:
         "position_scan",
         f"Position scan on {n} prompts per model: every head kept at the "
         "classes chosen so far, every head mean-ablated at every other position; greedy by accuracy, "
-        f"stopping at faithfulness {study.spec.positions.stop_at}",
+        f"stopping at faithfulness {study.spec.positions.stop_at}{note}",
     )
     classes = {c for rec in positions.values() if rec is not None for c in rec.result["scan"].get("classes", ())}
     if REST in classes:  # a row's own classes leave tokens uncovered: they are one class, named here
@@ -178,14 +181,14 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
                 f"attribution ranking) on {study.spec.discovery.curve_n} prompts per model, "
                 + _disjoint(
                     study, "curve", "disjoint from the ranking prompts and from those of the circuit x model matrix"
-                ),
+                )
+                + metric_note(curves[0]),
             )
         )
+        m = continuous_key(curves[0]).removeprefix("faithfulness_")
+        areas_of = (f"cpr_{m}", f"cmd_{m}")
         areas = [
-            {
-                "model": n,
-                **{k: rec.result["curve"][k] for k in ("cpr_prob", "cmd_prob", "cpr_accuracy", "cmd_accuracy")},
-            }
+            {"model": n, **{k: rec.result["curve"][k] for k in (*areas_of, "cpr_accuracy", "cmd_accuracy")}}
             for n, rec in found.items()
             if "curve" in rec.result
         ]
@@ -195,7 +198,8 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
                 areas,
                 "cpr_cmd",
                 "CPR and CMD (MIB): areas under the normalised faithfulness "
-                "(m(C) - m(empty)) / (m(M) - m(empty)) and under |1 - it|, over the fraction of pairs",
+                "(m(C) - m(empty)) / (m(M) - m(empty)) and under |1 - it|, over the fraction of pairs"
+                + ("" if m == "prob" else f" (cpr_{m}, cmd_{m}: m the logit difference)"),
             )
         )
     return "\n".join(lines)
@@ -594,8 +598,10 @@ def limitations(study: "Study", positions: dict) -> str:
             f"`scope = {cm.scope}`); the README's departures table says which are the paper's."
         )
     if sc.prune and sc.prune_rule == "greedy":
+        pruned_on = "the logit difference" if sc.prune_metric == "prob" and study.task.metric != "prob" else None
         lines.append(
-            "- Pruning uses answer probability on its own small prompt set and a bounded greedy search for K; pairs\n"
+            f"- Pruning uses {pruned_on or 'answer probability'} on its own small prompt set and a bounded greedy "
+            "search for K; pairs\n"
             "  whose removal alone already exceeds the threshold skip the search (it could only raise them)."
         )
     if cm.n_random:

@@ -112,6 +112,11 @@ class CircuitsStudy(Study):
             **({"remote": True} if self.spec.models.remote else {}),
         }
 
+    def metric_inputs(self) -> dict:
+        """The task's metric, in the keys of the stages whose continuous scores it sets (the position scan, the
+        circuit, pruning, the matrix); none for ``prob``, so those stages' keys stay as they were before it counted."""
+        return {} if self.task.metric == "prob" else {"metric": self.task.metric}
+
     @property
     def task(self) -> Task:
         """The task the task file's ``[task]`` section names (registered, or an imported task directory), with the
@@ -243,6 +248,7 @@ class CircuitsStudy(Study):
                 "task": self.task_inputs(),
                 "positions": asdict(p),
                 "scoring": self._reference(),
+                **self.metric_inputs(),
             },
             compute,
         )
@@ -255,6 +261,7 @@ class CircuitsStudy(Study):
     def _circuit_inputs(self, name: str) -> dict:
         d = self.spec.discovery
         inputs = {"model": self.digests[name], "task": self.task_inputs(), "discovery": section_inputs("discovery", d)}
+        inputs.update(self.metric_inputs())
         if d.method == "curve":
             inputs["scoring"] = self._reference()
         return inputs
@@ -350,7 +357,9 @@ class CircuitsStudy(Study):
         plan = load_plan(self.task.plan) if self.task.plan else default_plan()
         settings = self.path_settings(name, plan)
         pairs = self.task.discovery_pairs(self.tokenizer, d.n, settings.seed, **self.options(prompts="discovery"))
-        circuit, steps = discover(lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan)
+        circuit, steps = discover(
+            lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan, metric=self.task.metric
+        )
         figures = {}
         for step, res in steps.items():
             path = self.dir / "figures" / f"path_patching_{label(name)}_{step}.png"
@@ -419,6 +428,7 @@ class CircuitsStudy(Study):
             self.spec.eval.batch_size,
             self.progress,
             store=self.store,
+            metric=self.task.metric,
         )
 
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
@@ -436,9 +446,10 @@ class CircuitsStudy(Study):
                 circuit = disjoint_groups(circuit)
             # Pruning decides on its own prompts, never on those the matrix reports.
             scorer = self.scorer(name, "prune", s.prune_n, own)
+            metric = self.task.metric if s.prune_metric == "prob" else s.prune_metric  # the continuous: the task's
             if s.prune_rule == "paper":
                 result = pairwise_minimality(
-                    scorer, circuit, metric=s.prune_metric, share=s.prune_share, threshold=s.prune_threshold
+                    scorer, circuit, metric=metric, share=s.prune_share, threshold=s.prune_threshold
                 )
             else:
                 result = minimality(
@@ -447,7 +458,7 @@ class CircuitsStudy(Study):
                     max_steps=s.prune_steps,
                     n_candidates=s.prune_candidates,
                     seed=seed,
-                    metric=s.prune_metric,
+                    metric=metric,
                     threshold=s.prune_threshold,
                 )
             pruned = prune(circuit, result, s.prune_threshold)
@@ -464,6 +475,7 @@ class CircuitsStudy(Study):
             "circuit": circuit_key,
             "scoring": {**scoring, **({"models": {name: own}} if own is not None else {})},
             "task": self.task_inputs(),
+            **self.metric_inputs(),
         }
 
     def matrix(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
@@ -506,6 +518,7 @@ class CircuitsStudy(Study):
                 "task": self.task_inputs(),
                 "circuits": {k: r.key for k, r in circuits.items()},
                 "scoring": section_inputs("scoring", s),
+                **self.metric_inputs(),
             },
             compute,
         )

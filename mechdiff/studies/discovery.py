@@ -145,7 +145,7 @@ def _discover(
                 )
                 log.info("wrote %s", path)
 
-    circuit, results = discover(model, pairs, settings, task=task.name, on_step=figure, plan=plan)
+    circuit, results = discover(model, pairs, settings, task=task.name, on_step=figure, plan=plan, metric=task.metric)
     circuit.meta["load_s"] = round(time.perf_counter() - t0 - circuit.meta["timings_s"]["total"], 2)
     circuit.meta["dtype"] = dtype
     circuit.save(out / "circuit.json")

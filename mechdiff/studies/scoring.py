@@ -16,7 +16,7 @@ from ..circuits.curve import ablation_attribution, faithfulness_curve, ranking
 from ..circuits.overlap import overlap_table
 from ..circuits.positions import leave_one_out, position_scan, task_classes
 from ..circuits.pruning import minimality, pair_name, pairwise_minimality, prune
-from ..circuits.scoring import Metric, Scorer, completeness, faithfulness, matrix_rows
+from ..circuits.scoring import Metric, Scorer, completeness, continuous_key, faithfulness, matrix_rows
 from ..common.io import write_json
 from ..models.loading import LoadedModel
 from ..models.modelset import ModelSet
@@ -68,16 +68,19 @@ class ScoringPrompts:
             if self.reference == "path_patching"
             else self.task.records(model.tokenizer, n_ref, ref_seed, **self.options)
         )
-        return Scorer.build(model, records, reference, self.batch_size, progress=self.progress, store=self.store)
+        return Scorer.build(
+            model, records, reference, self.batch_size, self.progress, self.store, metric=self.task.metric
+        )
 
 
 def faithfulness_rows(res: dict) -> list[dict]:
-    """Rows ``full``, ``circuit`` (and ``random``) with accuracy, answer probability and faithfulness."""
+    """Rows ``full``, ``circuit`` (and ``random``) with accuracy, answer probability and faithfulness (accuracy and
+    the task's continuous metric)."""
     rows = []
     for what in ("full", "circuit", "random"):
         if what in res:
             row = {"run": what}
-            for metric in ("accuracy", "answer_prob", "faithfulness", "faithfulness_prob"):
+            for metric in ("accuracy", "answer_prob", "faithfulness", continuous_key(res[what])):
                 row.update(estimate_columns(metric, res[what][metric]))
             rows.append(row)
     return rows
@@ -226,7 +229,7 @@ def size_curve(
     # rank on other prompts than those scored, so the curve measures the circuits on fresh prompts
     ranking_records = prompts.records(model.tokenizer, rank_n, "command-ranking", **record_options)
     scores = ablation_attribution(
-        Scorer(model, ranking_records, scorer.means, scorer.batch_size, scorer.progress), classes
+        Scorer(model, ranking_records, scorer.means, scorer.batch_size, scorer.progress, scorer.metric), classes
     )
     ranked = ranking(scores)
     curve = faithfulness_curve(scorer, ranked, sizes, target)

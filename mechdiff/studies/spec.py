@@ -143,7 +143,9 @@ class ScoringSection:
     # the whole circuit; "paper": per group, K from pairwise removals, v stays iff F(C\K)/F(C\(K+v)) - 1 >= threshold
     prune_rule: str = "greedy"
     prune_threshold: float = 0.01
-    prune_metric: str = "prob"  # "prob" (answer probability) or "accuracy" (the paper's); prob resolves small sets
+    # "prob" (the task's continuous metric: answer probability, or the logit difference on a logit_diff task) or
+    # "accuracy" (the paper's); the continuous one resolves small sets
+    prune_metric: str = "prob"
     prune_steps: int = 1  # greedy: steps growing K in the minimality search (0: K = {})
     prune_candidates: int = 1  # greedy: pairs tried per step (drawn at random)
     prune_share: float = 0.3  # paper: K is at most ceil(prune_share |group|) heads
@@ -531,21 +533,19 @@ def check_task(name: str, where: str = "") -> None:
 
 def check_answer_tokens(spec: RunSpec, task: Any) -> None:
     """Refuse, before any weights load, a study that runs a stage scoring one answer token on a task whose answers
-    have several (``task.answer_tokens``): path patching, DCM (where the task declares a desideratum) and CMAP
-    (where the study has fine-tunes). Accuracy, the position scan, the curve, pruning and the matrix take them."""
+    have several (``task.answer_tokens``): path patching. Accuracy, the position scan, the curve, pruning, the
+    matrix, DCM, semantic patching and CMAP take them."""
     n = getattr(task, "answer_tokens", 1)
     if n <= 1:
         return
     stages = [
         *(['discovery (method = "path": path patching)'] if spec.discovery.method == "path" else []),
-        *(["DCM"] if task.desiderata else []),
-        *(["CMAP"] if spec.models.finetunes else []),
     ]
     if stages:
         raise SpecError(
             "; ".join(
                 f"stage {s} scores one answer token; task {task.name} has answers of up to {n} tokens" for s in stages
             )
-            + " (accuracy, the position scan, the curve, pruning and the circuit x model matrix take answers of "
-            'several tokens: use method = "curve", a task without a counterfactual_answer and no fine-tunes)'
+            + " (accuracy, the position scan, the curve, pruning, the circuit x model matrix, DCM, semantic "
+            'patching and CMAP take answers of several tokens: use method = "curve")'
         )

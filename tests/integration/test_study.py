@@ -167,6 +167,8 @@ def test_study_on_another_task(tiny_family, tmp_path):
     assert study.task.name == "ioi" and "vocabulary" not in study.options()
     report = study.run().read_text()
     assert "## Circuits" in report and "## What the heads encode (DCM)" in report
+    assert "faithfulness_logit_diff: faithfulness (logit difference" in report  # IOI's metric, named in captions
+    assert "faithfulness_prob" not in report and "Pruning uses the logit difference" in report
     circuit = json.loads((tmp_path / "run" / "circuits" / f"{tiny_family[0].rsplit('/', 1)[-1]}.json").read_text())
     # IOI's classes: derived from its named positions (each, the tokens after each, those before, the last)
     from mechdiff.tasks.base import derived_class_names

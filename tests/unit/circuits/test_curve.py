@@ -98,7 +98,7 @@ class _KeepsPrompts:
     """A scorer whose circuit of n of ``total`` pairs answers the first ``2 n / total`` of 200 prompts."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.records, self.progress = total, [None] * 200, False
+        self.total, self.records, self.progress, self.metric = total, [None] * 200, False, "prob"
 
     def full(self) -> EvalResult:
         return EvalResult(np.ones(200, bool), np.ones(200))

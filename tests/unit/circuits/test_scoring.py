@@ -613,6 +613,8 @@ class FakeScorer:
     prompt i is correct when ``rule(kept)`` holds and ``i`` is not in ``always_wrong``; its answer
     probability is ``base[i] + 0.1 * (number of kept pairs among the circuit's)``."""
 
+    metric = "prob"  # the task's continuous metric
+
     def __init__(self, every: list, rule, n: int = 12, progress: bool = False):
         self.model = type("M", (), {"shape": type("S", (), {"n_layers": 3, "n_heads": 4})()})()
         self.records = list(range(n))

@@ -266,10 +266,6 @@ def test_stages_of_one_token_refuse_longer_answers(smollm2_tokenizer, long_task,
 
     with pytest.raises(ValueError, match="stage path patching scores one answer token"):
         prepare(None, pairs)  # refused before any forward pass (no model needed)
-    from mechdiff.methods.cmap import run_cmap
-
-    with pytest.raises(ValueError, match="stage CMAP scores one answer token"):
-        run_cmap(None, None, None, [p.base for p in pairs])
     assert dataset_hash(pairs) == dataset_hash([Pair.from_dict(json.loads(json.dumps(p.to_dict()))) for p in pairs])
 
 
@@ -283,11 +279,13 @@ def test_a_study_of_longer_answers_refuses_one_token_stages_before_weights(smoll
     spec_file.write_text(
         f'[task]\nname = "{long_task}"\n[models]\nbase = "smollm2-135m"\nfinetunes = ["smollm2-capital-edit"]\n'
         f'[output]\ndir = "{tmp_path / "run"}"\nstore = "{tmp_path / "store.h5"}"\n'
-        "[eval]\nn = 1\n[positions]\nn = 0\n[discovery]\nn = 1\ncurve_n = 1\n[scoring]\nn = 1\nreference_n = 1\n"
+        '[eval]\nn = 1\n[positions]\nn = 0\n[discovery]\nmethod = "path"\nn = 1\n[scoring]\nn = 1\nreference_n = 1\n'
         "prune = false\n[dcm]\nn_train = 0\nn_val = 0\nn_test = 1\n[cmap]\nn = 1\n"
     )
     monkeypatch.setattr(circuits, "ModelSet", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(SpecError) as err:
         circuits.CircuitsStudy(load_spec(spec_file), progress=False)
-    for stage in ("DCM", "CMAP"):
-        assert f"stage {stage} scores one answer token; task task has answers of up to 6 tokens" in str(err.value)
+    refused = str(err.value).split(" (accuracy")[0]
+    assert refused == 'stage discovery (method = "path": path patching) scores one answer token; task task has ' + (
+        "answers of up to 6 tokens"
+    )  # DCM and CMAP take answers of several tokens

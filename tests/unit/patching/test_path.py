@@ -17,6 +17,7 @@ from mechdiff.circuits.discovery import DiscoverySettings, discover
 from mechdiff.common.components import Head
 from mechdiff.patching.attribution import attribution_scores
 from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare, source_indices
+from mechdiff.tasks.base import Example, Pair
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 
 
@@ -499,3 +500,37 @@ def test_the_llama7b_task_file_reads_d_at_a_random_label_and_old_keys_stay():
     assert "source_position" not in section_inputs("discovery", DiscoverySection())
     keyed = section_inputs("discovery", DiscoverySection(source_position={"D": "labels"}))
     assert keyed["source_position"] == {"D": "labels"}
+
+
+def _with_alternatives(pairs, shift: int = 7):
+    """The pairs with one alternative answer per clean prompt (its answer's id shifted), for a logit_diff task."""
+
+    def example(r, alternatives=()):
+        return Example("", r.input_ids, "", r.answer_id, dict(r.positions), ("",), alternatives)
+
+    return [Pair(example(p.base, ((p.target_id + shift) % 49152,)), example(p.source), "", p.target_id) for p in pairs]
+
+
+def test_step_a_under_logit_diff_equals_the_hooked_logit_difference(tiny_llama, pairs):
+    """On a logit_diff task a sender's score is the relative change of the mean logit difference (answer minus
+    alternative, from log_softmax of a plain HF forward with the freezing hooks), not of the probability."""
+    lm, ld_pairs = tiny_llama, _with_alternatives(pairs)
+    batch = prepare(lm, ld_pairs, metric="logit_diff")
+    senders = [Head(0, 1), Head(1, 2), Head(2, 3)]
+    scores = path_patch(lm, batch, senders, "last", None, senders_per_pass=2, progress=False)
+    clean_z, source_z = _reference_z(lm, batch.clean_ids), _reference_z(lm, batch.source_ids)
+    rows, alts = torch.arange(len(ld_pairs)), torch.tensor([p.base.alternative_ids[0] for p in ld_pairs])
+
+    def diff(hooks=()):
+        logp = hooked_last_logits(lm, batch.clean_ids, hooks).float().log_softmax(-1)
+        return logp[rows, batch.answer_ids] - logp[rows, alts]
+
+    d0 = diff()
+    probs = path_patch(lm, prepare(lm, ld_pairs), senders, "last", None, progress=False)
+    for s in senders:
+        d = diff(_freeze_hooks(lm, clean_z, source_z, s, batch.positions["last"], range(lm.shape.n_layers)))
+        expected = float((d.mean() - d0.mean()) / d0.mean())
+        assert abs(scores[s] - expected) <= 1e-4 * max(1.0, abs(expected)), (s, scores[s], expected)
+        assert abs(scores[s] - probs[s]) > 1e-6  # a probability score would fail
+    with pytest.raises(ValueError, match="logit_diff needs pairs whose clean prompts have alternatives"):
+        prepare(lm, pairs, metric="logit_diff")

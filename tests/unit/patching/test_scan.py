@@ -375,3 +375,18 @@ def test_scans_and_activation_patches_are_suffix_runs(tiny_llama, small_pairs, m
         tiny_llama, clean, source, [Head(1, 2)], t["base"]["positions"]["query_label"], prefix=kv
     )
     assert calls[-1][1]["prefix"] is kv
+
+
+@pytest.mark.parametrize(
+    ("task", "given", "want"), [("ioi", None, "logit_diff"), ("entity-tracking", None, "prob"), ("ioi", "prob", "prob")]
+)
+def test_the_scan_command_measures_the_tasks_metric_unless_told(monkeypatch, task, given, want):
+    """``mechdiff scan`` without ``--metric`` scores the task's metric (IOI: the logit difference)."""
+    from mechdiff.cli import build_parser
+    from mechdiff.commands import scan as command
+
+    seen = {}
+    monkeypatch.setattr(command, "scan_task", lambda task, site, position, metric, *rest: seen.setdefault("m", metric))
+    argv = ["scan", "--task", task, "--model", "tiny", *(["--metric", given] if given else [])]
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0 and seen["m"] == want

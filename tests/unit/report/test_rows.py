@@ -182,3 +182,34 @@ def test_cmap_command_writes_the_study_cmap_tables(tmp_path):
                 assert (out / f"{command}.{fmt}").read_text() == (tables / f"{studied}.{fmt}").read_text(), fmt
         caption = (tables / "cmap_ft.md").read_text().split("\n\n", 1)[0].strip("*")
         assert caption in text and (tables / "cmap_ft.md").read_text().split("\n\n", 1)[1].rstrip("\n") in text
+
+
+def _interval(value: float) -> dict:
+    return {"value": value, "low": value - 0.1, "high": value + 0.1}
+
+
+def test_captions_name_the_logit_difference_and_leave_prob_tasks_alone():
+    from mechdiff.report.rows import curve_caption, curve_rows, metric_note, scan_rows
+
+    def curve(m: str) -> dict:
+        row = {"fraction": 0.1, "n_pairs": 3, "accuracy": _interval(0.5), "faithfulness": _interval(0.6)}
+        return {"rows": [{**row, f"faithfulness_{m}": _interval(0.7)}], f"cpr_{m}": 0.4, f"cmd_{m}": 0.3}
+
+    prob, ld = curve("prob"), curve("logit_diff")
+    assert curve_caption("m", prob) == (
+        "Faithfulness of nested circuits over (head, position class) pairs on m (ranked by mean-ablation "
+        "attribution; CPR 0.4, CMD 0.3)"
+    )
+    assert metric_note(prob["rows"][0]) == ""
+    caption = curve_caption("m", ld)
+    assert (
+        "CPR (logit difference) 0.4" in caption and "faithfulness_logit_diff: faithfulness (logit difference" in caption
+    )
+    assert curve_rows(ld)[0]["faithfulness_logit_diff"] == 0.7 and "faithfulness_prob" not in curve_rows(ld)[0]
+    step = {
+        "added": "last",
+        "accuracy": _interval(0.5),
+        "faithfulness": _interval(0.6),
+        "faithfulness_logit_diff": _interval(0.8),
+    }
+    assert scan_rows({"steps": [step]})[0]["faithfulness_logit_diff"] == 0.8

@@ -52,11 +52,12 @@ def test_limitations_name_only_what_the_run_did():
     none = limitations(SimpleNamespace(spec=_spec(scoring={"prune": False}, cmap={"n_random": 0})), {})
     assert "position scan" not in none and "Pruning" not in none and "random control" not in none
     assert none.startswith("- Departures from Prakash et al.")
-    every = limitations(
-        SimpleNamespace(spec=_spec(scoring={"prune": True, "prune_rule": "greedy"}, cmap={"n_random": 3})),
-        {"base": _scan(["last"])},
-    )
+    greedy = _spec(scoring={"prune": True, "prune_rule": "greedy"}, cmap={"n_random": 3})
+    every = limitations(SimpleNamespace(spec=greedy, task=SimpleNamespace(metric="prob")), {"base": _scan(["last"])})
     assert "position scan" in every and "bounded greedy search" in every and "random control" in every
+    assert "Pruning uses answer probability" in every
+    ld = limitations(SimpleNamespace(spec=greedy, task=SimpleNamespace(metric="logit_diff")), {})
+    assert "Pruning uses the logit difference" in ld  # a logit_diff task prunes on its own metric
     paper = limitations(
         SimpleNamespace(spec=_spec(discovery={"method": "path"}, scoring={"prune": True, "prune_rule": "paper"})), {}
     )

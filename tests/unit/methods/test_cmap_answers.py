@@ -1,0 +1,75 @@
+"""CMAP with answers of several tokens (#40 item 2): each outcome (greedy decoding of the whole answer) and answer
+probability (``exp`` of the summed log-probability) against a plain HF forward of prompt + answer with the
+fine-tune's head output written at the prompt's position by a torch hook; the appended answer is never patched."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from conftest import make_tiny
+from tolerances import assert_close32
+
+from mechdiff.circuits.circuit import Circuit
+from mechdiff.common.components import Head
+from mechdiff.methods.cmap import run_cmap
+from mechdiff.tasks.base import Example
+
+HEAD = Head(1, 2)
+
+
+def forward(base, ids: list[int], donor=None, n: int = 0) -> torch.Tensor:
+    """Logits ``"pos vocab"`` of a plain forward of ``base`` on ``ids``; with ``donor``, :data:`HEAD`'s output at
+    the prompt's last position (``n - 1``) is the donor's on the prompt ``ids[:n]``."""
+    d = base.shape.d_head
+    cols = slice(HEAD.head * d, (HEAD.head + 1) * d)
+    hooks = []
+    with torch.no_grad():
+        if donor is not None:
+            seen = {}
+            o_proj = donor.model.model.layers[HEAD.layer].self_attn.o_proj
+            grab = o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0].clone()))
+            donor.model(input_ids=torch.tensor([ids[:n]]), use_cache=False)
+            grab.remove()
+
+            def write(module, args):
+                x = args[0].clone()
+                x[:, n - 1, cols] = seen["z"][:, n - 1, cols]
+                return (x,)
+
+            hooks.append(base.model.model.layers[HEAD.layer].self_attn.o_proj.register_forward_pre_hook(write))
+        try:
+            return base.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+        finally:
+            for h in hooks:
+                h.remove()
+
+
+def scored(base, prompt: tuple, answer: list[int], donor=None) -> tuple[bool, float]:
+    rows = forward(base, list(prompt) + answer[:-1], donor, len(prompt))[len(prompt) - 1 :]
+    logp = rows.log_softmax(-1)[torch.arange(len(answer)), torch.tensor(answer)].sum()
+    return bool((rows.argmax(-1) == torch.tensor(answer)).all()), float(logp)
+
+
+def test_cmap_scores_answers_of_several_tokens_as_hooked_forwards(smollm2_tokenizer):
+    base, finetune = make_tiny("llama", smollm2_tokenizer, seed=0), make_tiny("llama", smollm2_tokenizer, seed=1)
+    records = []
+    for i in range(4):
+        ids = tuple(smollm2_tokenizer(f"The capital of country {i} is")["input_ids"])
+        answer: list[int] = []
+        for _ in range([3, 2, 1, 4][i]):  # greedy under the patch: reached, unless a token is changed below
+            answer.append(int(forward(base, list(ids) + answer, finetune, len(ids))[-1].argmax()))
+        if i % 2:
+            answer[-1] = (answer[-1] + 1) % 49152
+        several = tuple(answer) if len(answer) > 1 else ()
+        records.append(Example("", ids, "", answer[0], {"last": len(ids) - 1}, ("",), answer_tokens=several))
+    circuit = Circuit("tiny", "t", {"g": [HEAD]}, {"g": "last"}, names={"g": ""})
+    res = run_cmap(base, finetune, circuit, records, kinds=["z"], batch_size=4, groups=["g"], progress=False)
+    want = [scored(base, r.input_ids, list(r.answer_tokens or (r.answer_id,)), finetune) for r in records]
+    plain = [scored(base, r.input_ids, list(r.answer_tokens or (r.answer_id,))) for r in records]
+    own = [scored(finetune, r.input_ids, list(r.answer_tokens or (r.answer_id,))) for r in records]
+    assert res.outcomes["g/z"] == [int(c) for c, _ in want] == [1, 0, 1, 0]
+    assert res.outcomes["base"] == [int(c) for c, _ in plain]
+    assert res.outcomes["finetune"] == [int(c) for c, _ in own]
+    (row,) = [r for r in res.rows if (r.scope, r.kind) == ("g", "z")]
+    logp = np.array([lp for _, lp in want])
+    assert_close32(np.log(row.answer_prob.value), np.log(np.exp(logp).mean()), scale=max(np.abs(logp).max(), 10.0))
