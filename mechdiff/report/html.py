@@ -21,11 +21,22 @@ from typing import Any, Iterable, Optional
 from ..common.io import write_text
 from ..common.metrics import continuous_key
 from .heads import HEADS_TABLE, head_rows
+from .page_kit import (
+    HEAD,
+    LOADER,
+    Figures,
+    caption,
+    hkey,
+    inline,
+    markdown_html,
+    sections,
+    stage_rows,
+    table_html,
+)
 from .tables import format_value
 
 #: JSON files larger than this are not read as tables or circuits of a generic results directory.
 MAX_JSON = 400_000
-HEAD = re.compile(r"^L(\d+)H(\d+)$")
 
 
 # -- reading a run directory -----------------------------------------------------------------------
@@ -60,155 +71,13 @@ def _circuit_pairs(data: Any) -> Optional[dict[str, set[str]]]:
     return None
 
 
-def _caption(path: Path) -> str:
-    """The bold first line of the table's Markdown twin, if any."""
-    md = path.with_suffix(".md")
-    if md.exists():
-        first = md.read_text().lstrip().split("\n", 1)[0]
-        if first.startswith("**") and first.endswith("**"):
-            return first.strip("*")
-    return ""
-
-
-def _sections(text: str) -> dict[str, str]:
-    """``{"": lead, heading: body}`` of a Markdown report's ``##`` sections."""
-    out, name, buf = {}, "", []
-    for line in text.splitlines():
-        if line.startswith("## "):
-            out[name], name, buf = "\n".join(buf).strip(), line[3:].strip(), []
-        elif not line.startswith("# "):
-            buf.append(line)
-    out[name] = "\n".join(buf).strip()
-    return out
-
-
 # -- Markdown (the report's own sentences) ---------------------------------------------------------
-def _inline(text: str) -> str:
-    text = html.escape(text, quote=False)
-    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
-    return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", text)
-
-
-def markdown_html(text: str) -> str:
-    """The Markdown the reports write: paragraphs, nested ``-`` lists with continuation lines, bold, code.
-    Tables and images are left out (the page has its own)."""
-    out, depth, para = [], [], []
-
-    def close_para() -> None:
-        if para:
-            out.append(f"<p>{_inline(' '.join(para))}</p>")
-            para.clear()
-
-    for line in text.splitlines():
-        if not line.strip() or line.lstrip().startswith(("|", "![")):
-            close_para()
-            continue
-        m = re.match(r"^( *)- (.*)$", line)
-        if m:
-            close_para()
-            indent = len(m.group(1))
-            while depth and depth[-1] > indent:
-                out.append("</li></ul>")
-                depth.pop()
-            if depth and depth[-1] == indent:
-                out.append("</li><li>")
-            else:
-                out.append("<ul><li>")
-                depth.append(indent)
-            out.append(_inline(m.group(2)))
-        elif depth:
-            out.append(
-                ("<br>" if line.startswith("  ") and not line.startswith("   ") else " ") + _inline(line.strip())
-            )
-        else:
-            para.append(line.strip())
-    close_para()
-    out += ["</li></ul>"] * len(depth)
-    return "".join(out)
 
 
 # -- tables -----------------------------------------------------------------------------------------
-def table_html(rows: list[dict], caption: str = "", name: str = "") -> str:
-    """A sortable table (click a header): ``x``/``x_low``/``x_high`` shown as ``x [low, high]``, sorted by ``x``."""
-    cols: dict[str, None] = {}
-    for r in rows:
-        cols.update(dict.fromkeys(r))
-    merged = {c for c in cols if f"{c}_low" in cols and f"{c}_high" in cols}
-    shown = [c for c in cols if not any(c in (f"{m}_low", f"{m}_high") for m in merged)]
-    head = "".join(f"<th>{html.escape(c)}{' [95% CI]' if c in merged else ''}</th>" for c in shown)
-    body = []
-    for r in rows:
-        cells = []
-        for c in shown:
-            v = r.get(c)
-            text = format_value(v, ".3f")
-            if c in merged and v is not None:
-                text += f" [{format_value(r.get(c + '_low'), '.3f')}, {format_value(r.get(c + '_high'), '.3f')}]"
-            key = v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-            attr = f' data-v="{key!r}"' if key is not None else ""
-            cells.append(f"<td{attr}>{html.escape(text)}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    cap = f"<caption>{_inline(caption)}{f' (<code>{name}</code>)' if name else ''}</caption>" if caption or name else ""
-    return f'<table class="sortable">{cap}<thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
 # -- figures ----------------------------------------------------------------------------------------
-class Figures:
-    """Plotly figures as HTML divs, drawn once plotly.js is loaded (:data:`LOADER`): the first div carries
-    plotly.js gzipped and base64-encoded (1.9 MB instead of 4.8 MB), which the page decompresses in the browser
-    with no network; each figure is its JSON and the call that draws it."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def div(self, fig: Any, div_id: str, post_script: Optional[str] = None) -> str:
-        # no template: a template is written into every figure (some 7 kB each); a few axis settings instead
-        fig.update_layout(
-            template="none",
-            font=dict(family="system-ui, sans-serif", size=12),
-            margin=dict(l=60, r=20, t=110 if fig.layout.updatemenus else 60, b=50),
-        )
-        fig.update_xaxes(showgrid=True, gridcolor="#eee", zeroline=False, showline=True, linecolor="#999")
-        fig.update_yaxes(showgrid=True, gridcolor="#eee", zeroline=False, showline=True, linecolor="#999")
-        spec = fig.to_json().replace("</", "<\\/")
-        then = (post_script or "").replace("{plot_id}", div_id)
-        config = '{"displaylogo": false, "responsive": true}'
-        out = (
-            (f'<script type="text/plain" id="plotly-gz">{plotly_gz()}</script>' if self.count == 0 else "")
-            + f'<div id="{div_id}" class="plot"></div><script>whenPlotly(function () {{ var f = {spec}; '
-            f'Plotly.newPlot("{div_id}", f.data, f.layout, {config}).then(function () {{ {then} }}); }});</script>'
-        )
-        self.count += 1
-        return out
-
-
-def plotly_gz() -> str:
-    """plotly.js (the one plotly ships) gzipped (no time stamp: the same bytes on every run) in base64."""
-    import base64
-    import gzip
-
-    from plotly.offline import get_plotlyjs
-
-    return base64.b64encode(gzip.compress(get_plotlyjs().encode(), 9, mtime=0)).decode()
-
-
-#: Queues each figure's drawing until plotly.js is decompressed (DecompressionStream: every current browser) and run.
-LOADER = """
-var plotlyQueue = [];
-function whenPlotly(f) { if (window.Plotly) { f(); } else { plotlyQueue.push(f); } }
-document.addEventListener("DOMContentLoaded", function () {
-  var src = document.getElementById("plotly-gz");
-  if (!src) return;
-  var bytes = Uint8Array.from(atob(src.textContent), function (c) { return c.charCodeAt(0); });
-  var text = new Response(new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"))).text();
-  text.then(function (js) {
-    var s = document.createElement("script");
-    s.textContent = js;
-    document.head.appendChild(s);
-    plotlyQueue.splice(0).forEach(function (f) { f(); });
-  });
-});
-"""
 
 
 def _errors(rows: list[dict], key: str) -> dict:
@@ -260,9 +129,6 @@ def interval_plot(
 
 
 # -- the head grid ----------------------------------------------------------------------------------
-def _hkey(name: str) -> tuple[int, int]:
-    m = HEAD.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else (1 << 30, 0)
 
 
 def _num(v: Optional[float]) -> str:
@@ -292,7 +158,7 @@ class Grid:
 
     def circuit(self, name: str, pairs: dict[str, set[str]]) -> None:
         """A circuit whose membership every hover line of a pair lists."""
-        self.members[name] = [[*_hkey(h), self._class(c)] for h, cs in pairs.items() for c in sorted(cs)]
+        self.members[name] = [[*hkey(h), self._class(c)] for h, cs in pairs.items() for c in sorted(cs)]
 
     def add(self, name: str, circuit: Optional[str], scores: list[dict], notes: dict[str, list[str]]) -> None:
         """A view of one model: cells count the classes of ``circuit``; hover: per class of a head, the ``scores``
@@ -301,7 +167,7 @@ class Grid:
         rows = []
         for r in scores:
             row = [
-                *_hkey(r["head"]),
+                *hkey(r["head"]),
                 self._class(r["position"]),
                 *(_round(r.get(k)) for k in ("attribution", "rank", "selection_frequency", "path_patching")),
             ]
@@ -313,7 +179,7 @@ class Grid:
                 "name": name,
                 "circuit": circuit,
                 "pairs": rows,
-                "notes": {h: [self._note(n) for n in notes[h]] for h in sorted(notes, key=_hkey)},
+                "notes": {h: [self._note(n) for n in notes[h]] for h in sorted(notes, key=hkey)},
             }
         )
 
@@ -675,19 +541,8 @@ def _ordered_tables(tables: dict[str, Any], report: str) -> list[str]:
     return list(dict.fromkeys(cited + sorted(tables)))
 
 
-def _stage_rows(manifest: dict) -> list[dict]:
-    stages = manifest.get("stages", {})
-    if isinstance(stages, dict):
-        return [
-            {"stage": n, "seconds": s.get("seconds"), "cached": s.get("cached"), "key": s.get("key")}
-            for n, s in stages.items()
-            if isinstance(s, dict)
-        ]
-    return []
-
-
 def _summary(report: str) -> str:
-    parts = _sections(report)
+    parts = sections(report)
     out = []
     for name in ("Findings", "Limitations"):
         if name in parts:
@@ -704,9 +559,9 @@ def study_page(run_dir: Path) -> tuple[str, str]:
     figs = Figures()
     spec = run.manifest["spec"]
     title = f"{spec['task']['name']}: {run.base} against {', '.join(run.finetunes)}"
-    body = [f"<p class=lead>{_inline(_sections(report).get('', ''))}</p>" if report else "", _summary(report)]
+    body = [f"<p class=lead>{inline(sections(report).get('', ''))}</p>" if report else "", _summary(report)]
     if "accuracy" in run.tables:
-        body += ["<h2>Accuracy</h2>", table_html(run.tables["accuracy"], _caption(run_dir / "tables/accuracy.json"))]
+        body += ["<h2>Accuracy</h2>", table_html(run.tables["accuracy"], caption(run_dir / "tables/accuracy.json"))]
     body.append("<h2>Heads</h2>")
     body.append(run.grid().html(figs, "circuit pairs per head (cell: position classes in the circuit)"))
     source = (
@@ -774,9 +629,9 @@ def study_page(run_dir: Path) -> tuple[str, str]:
     for stem in _ordered_tables(run.tables, report):
         if _is_table(run.tables[stem]):
             body.append(
-                table_html(run.tables[stem], _caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv")
+                table_html(run.tables[stem], caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv")
             )
-    stages = _stage_rows(run.manifest)
+    stages = stage_rows(run.manifest)
     if stages:
         body += [
             "<h2>Stages</h2>",
@@ -829,9 +684,9 @@ def generic_page(run_dir: Path) -> tuple[str, str]:
     tables = [(p, d) for p, d in loaded.items() if _is_table(d)]
     if tables:
         body.append("<h2>Tables</h2><p class=note>Click a column header to sort.</p>")
-        body += [table_html(d, _caption(p), str(p.relative_to(run_dir))) for p, d in tables]
+        body += [table_html(d, caption(p), str(p.relative_to(run_dir))) for p, d in tables]
     if (run_dir / "run.json").exists():
-        stages = _stage_rows(_json(run_dir / "run.json"))
+        stages = stage_rows(_json(run_dir / "run.json"))
         if stages:
             body += ["<h2>Stages</h2>", table_html(stages, "What ran", "run.json")]
     return title, "".join(body)

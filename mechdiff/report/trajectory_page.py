@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .html import HEAD, Figures, _caption, _inline, _sections, _stage_rows, markdown_html, table_html
+from .page_kit import HEAD, Figures, caption, hkey, inline, markdown_html, sections, stage_rows, table_html
 
 #: The measures plotted over the steps: (table stem, x column, series column (None: one series), title, y title).
 MEASURES = (
@@ -183,9 +183,7 @@ def membership_figure(steps: list[Any], sets: dict[Any, set[str]], title: str, z
     """Heads (rows, those in any set) against the steps; a cell is 1 where the head is in that step's set."""
     import plotly.graph_objects as go
 
-    from .html import _hkey
-
-    heads = sorted(set().union(*sets.values()), key=_hkey) if sets else []
+    heads = sorted(set().union(*sets.values()), key=hkey) if sets else []
     z = [[int(h in sets.get(s, set())) for s in steps] for h in heads]
     fig = go.Figure(
         go.Heatmap(
@@ -282,7 +280,7 @@ class TrajectoryRun:
                 "measured.</p>"
             )
             if labels:
-                body.append(table_html(labels, _caption(self.dir / "tables/dcm_labels.json"), "tables/dcm_labels.csv"))
+                body.append(table_html(labels, caption(self.dir / "tables/dcm_labels.json"), "tables/dcm_labels.csv"))
         sets = {s: circuit_heads(p) for s, p in self.circuit_files.items() if p.exists()}
         if sets:
             title = "Heads of each checkpoint's own circuit (any position class)"
@@ -297,8 +295,8 @@ def _heads(selected: Any) -> set[str]:
 
 def findings(readme: str) -> str:
     """The README's findings sections (``## Findings...``), as the study wrote them."""
-    parts = _sections(readme)
-    return "".join(f"<h2>{_inline(n)}</h2>{markdown_html(t)}" for n, t in parts.items() if n.startswith("Findings"))
+    parts = sections(readme)
+    return "".join(f"<h2>{inline(n)}</h2>{markdown_html(t)}" for n, t in parts.items() if n.startswith("Findings"))
 
 
 def trajectory_page(run_dir: Path) -> tuple[str, str]:
@@ -308,7 +306,7 @@ def trajectory_page(run_dir: Path) -> tuple[str, str]:
     readme = (run_dir / "README.md").read_text() if (run_dir / "README.md").exists() else ""
     figs = Figures()
     title = f"{run.task}: trajectory over {len(run.names)} checkpoints ({run.names[0]} to {run.names[-1]})"
-    body = [f"<p class=lead>{_inline(_sections(report).get('', ''))}</p>" if report else "", findings(readme)]
+    body = [f"<p class=lead>{inline(sections(report).get('', ''))}</p>" if report else "", findings(readme)]
     body += ["<h2>When each component forms</h2>", *run.formation(figs)]
     body += [
         "<h2>Measures over the steps</h2>",
@@ -321,8 +319,8 @@ def trajectory_page(run_dir: Path) -> tuple[str, str]:
     body.append("<h2>Tables</h2><p class=note>Click a column header to sort.</p>")
     for stem, rows in run.tables.items():
         if rows and isinstance(rows, list) and isinstance(rows[0], dict):
-            body.append(table_html(rows, _caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv"))
-    stages = _stage_rows(run.manifest)
+            body.append(table_html(rows, caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv"))
+    stages = stage_rows(run.manifest)
     if stages:
         body += ["<h2>Stages</h2>", table_html(stages, "What ran", "run.json")]
     return title, "".join(body)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from .jsonl import LAST, ImportErrors, _example, _several, answer_ids, encode_offsets, locate
 from .records import Pair, answer_tokens, canonical_json, record_dict, target_tokens
+from .row_checks import LAST, ImportErrors, answer_ids, encode_offsets, example_of, locate, several
 
 COUNTERFACTUAL = "counterfactual"
 DESIDERATA_DIR = "desiderata"
@@ -182,7 +182,7 @@ def entry_pair(tokenizer: Any, pair: Pair, entry: Any, d: Declared) -> Pair:
     cf = entry.get("counterfactual")
     spans = entry.get("counterfactual_positions")
     source = pair.source if cf is None else own_source(tokenizer, pair, cf, spans, target)
-    return Pair(pair.base, source, target, ids[0], d.name, _several(ids))
+    return Pair(pair.base, source, target, ids[0], d.name, several(ids))
 
 
 def own_source(tokenizer: Any, pair: Pair, prompt: Any, spans: Optional[Mapping], target: str) -> Any:
@@ -204,7 +204,7 @@ def own_source(tokenizer: Any, pair: Pair, prompt: Any, spans: Optional[Mapping]
             raise ValueError(f"counterfactual_positions must name the positions {sorted(named)}, got {spans!r}")
         positions.update({n: locate(prompt, offsets, s, f"counterfactual {n}") for n, s in spans.items()})
     answer = (target, answer_ids(tokenizer, prompt, target))
-    return _example(prompt, ids, answer, positions, (), base.template, dict(base.classes))
+    return example_of(prompt, ids, answer, positions, (), base.template, dict(base.classes))
 
 
 def implicit_counterfactual(pairs: Sequence[Pair]) -> list[Pair]:

@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from .base import Task
-from .jsonl import encode_offsets, locate
 from .records import Example, Pair, derived_class_names, group_key, group_name
 from .relation_data import Relation
+from .row_checks import encode_offsets, locate
 
 log = logging.getLogger(__name__)
 

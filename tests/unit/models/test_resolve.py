@@ -86,7 +86,7 @@ def test_unsaved_step_and_bad_names_are_refused_with_the_saved_steps(tiny_run):
         resolve_spec("smollm2-et@late")
     with pytest.raises(KeyError, match="Registered trajectories: smollm2-et"):
         resolve_spec("smollm2-nope@5")
-    with pytest.raises(ValueError, match="no step-NNNN adapter"):
+    with pytest.raises(ValueError, match="holds no step-NNNN directory"):
         resolve_spec(f"{run.parent / 'base'}@0")
 
 

@@ -1,0 +1,175 @@
+"""The pieces every ``report.html`` page is built from: the report's Markdown as HTML, tables, Plotly figures with
+plotly.js inlined once (gzipped), a run's sections, captions and stage rows, and head names (``L14H7``)."""
+
+from __future__ import annotations
+
+import html
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from .tables import format_value
+
+HEAD = re.compile(r"^L(\d+)H(\d+)$")
+
+
+def caption(path: Path) -> str:
+    """The bold first line of the table's Markdown twin, if any."""
+    md = path.with_suffix(".md")
+    if md.exists():
+        first = md.read_text().lstrip().split("\n", 1)[0]
+        if first.startswith("**") and first.endswith("**"):
+            return first.strip("*")
+    return ""
+
+
+def sections(text: str) -> dict[str, str]:
+    """``{"": lead, heading: body}`` of a Markdown report's ``##`` sections."""
+    out, name, buf = {}, "", []
+    for line in text.splitlines():
+        if line.startswith("## "):
+            out[name], name, buf = "\n".join(buf).strip(), line[3:].strip(), []
+        elif not line.startswith("# "):
+            buf.append(line)
+    out[name] = "\n".join(buf).strip()
+    return out
+
+
+def inline(text: str) -> str:
+    text = html.escape(text, quote=False)
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+    return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", text)
+
+
+def markdown_html(text: str) -> str:
+    """The Markdown the reports write: paragraphs, nested ``-`` lists with continuation lines, bold, code.
+    Tables and images are left out (the page has its own)."""
+    out, depth, para = [], [], []
+
+    def close_para() -> None:
+        if para:
+            out.append(f"<p>{inline(' '.join(para))}</p>")
+            para.clear()
+
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith(("|", "![")):
+            close_para()
+            continue
+        m = re.match(r"^( *)- (.*)$", line)
+        if m:
+            close_para()
+            indent = len(m.group(1))
+            while depth and depth[-1] > indent:
+                out.append("</li></ul>")
+                depth.pop()
+            if depth and depth[-1] == indent:
+                out.append("</li><li>")
+            else:
+                out.append("<ul><li>")
+                depth.append(indent)
+            out.append(inline(m.group(2)))
+        elif depth:
+            out.append(("<br>" if line.startswith("  ") and not line.startswith("   ") else " ") + inline(line.strip()))
+        else:
+            para.append(line.strip())
+    close_para()
+    out += ["</li></ul>"] * len(depth)
+    return "".join(out)
+
+
+def table_html(rows: list[dict], caption: str = "", name: str = "") -> str:
+    """A sortable table (click a header): ``x``/``x_low``/``x_high`` shown as ``x [low, high]``, sorted by ``x``."""
+    cols: dict[str, None] = {}
+    for r in rows:
+        cols.update(dict.fromkeys(r))
+    merged = {c for c in cols if f"{c}_low" in cols and f"{c}_high" in cols}
+    shown = [c for c in cols if not any(c in (f"{m}_low", f"{m}_high") for m in merged)]
+    head = "".join(f"<th>{html.escape(c)}{' [95% CI]' if c in merged else ''}</th>" for c in shown)
+    body = []
+    for r in rows:
+        cells = []
+        for c in shown:
+            v = r.get(c)
+            text = format_value(v, ".3f")
+            if c in merged and v is not None:
+                text += f" [{format_value(r.get(c + '_low'), '.3f')}, {format_value(r.get(c + '_high'), '.3f')}]"
+            key = v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+            attr = f' data-v="{key!r}"' if key is not None else ""
+            cells.append(f"<td{attr}>{html.escape(text)}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    cap = f"<caption>{inline(caption)}{f' (<code>{name}</code>)' if name else ''}</caption>" if caption or name else ""
+    return f'<table class="sortable">{cap}<thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+class Figures:
+    """Plotly figures as HTML divs, drawn once plotly.js is loaded (:data:`LOADER`): the first div carries
+    plotly.js gzipped and base64-encoded (1.9 MB instead of 4.8 MB), which the page decompresses in the browser
+    with no network; each figure is its JSON and the call that draws it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def div(self, fig: Any, div_id: str, post_script: Optional[str] = None) -> str:
+        # no template: a template is written into every figure (some 7 kB each); a few axis settings instead
+        fig.update_layout(
+            template="none",
+            font=dict(family="system-ui, sans-serif", size=12),
+            margin=dict(l=60, r=20, t=110 if fig.layout.updatemenus else 60, b=50),
+        )
+        fig.update_xaxes(showgrid=True, gridcolor="#eee", zeroline=False, showline=True, linecolor="#999")
+        fig.update_yaxes(showgrid=True, gridcolor="#eee", zeroline=False, showline=True, linecolor="#999")
+        spec = fig.to_json().replace("</", "<\\/")
+        then = (post_script or "").replace("{plot_id}", div_id)
+        config = '{"displaylogo": false, "responsive": true}'
+        out = (
+            (f'<script type="text/plain" id="plotly-gz">{plotly_gz()}</script>' if self.count == 0 else "")
+            + f'<div id="{div_id}" class="plot"></div><script>whenPlotly(function () {{ var f = {spec}; '
+            f'Plotly.newPlot("{div_id}", f.data, f.layout, {config}).then(function () {{ {then} }}); }});</script>'
+        )
+        self.count += 1
+        return out
+
+
+def plotly_gz() -> str:
+    """plotly.js (the one plotly ships) gzipped (no time stamp: the same bytes on every run) in base64."""
+    import base64
+    import gzip
+
+    from plotly.offline import get_plotlyjs
+
+    return base64.b64encode(gzip.compress(get_plotlyjs().encode(), 9, mtime=0)).decode()
+
+
+#: Queues each figure's drawing until plotly.js is decompressed (DecompressionStream: every current browser) and run.
+LOADER = """
+var plotlyQueue = [];
+function whenPlotly(f) { if (window.Plotly) { f(); } else { plotlyQueue.push(f); } }
+document.addEventListener("DOMContentLoaded", function () {
+  var src = document.getElementById("plotly-gz");
+  if (!src) return;
+  var bytes = Uint8Array.from(atob(src.textContent), function (c) { return c.charCodeAt(0); });
+  var text = new Response(new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"))).text();
+  text.then(function (js) {
+    var s = document.createElement("script");
+    s.textContent = js;
+    document.head.appendChild(s);
+    plotlyQueue.splice(0).forEach(function (f) { f(); });
+  });
+});
+"""
+
+
+def hkey(name: str) -> tuple[int, int]:
+    m = HEAD.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else (1 << 30, 0)
+
+
+def stage_rows(manifest: dict) -> list[dict]:
+    stages = manifest.get("stages", {})
+    if isinstance(stages, dict):
+        return [
+            {"stage": n, "seconds": s.get("seconds"), "cached": s.get("cached"), "key": s.get("key")}
+            for n, s in stages.items()
+            if isinstance(s, dict)
+        ]
+    return []
