@@ -47,6 +47,9 @@ def paired_rows(stages: Mapping[str, Mapping[str, dict]], base: str, finetunes: 
             (c_b, p_b), (c_f, p_f) = read_record(acc[base]), read_record(acc[ft])
             rows.append(_row(ft, base, "accuracy", paired_difference(c_f, c_b)))
             rows.append(_row(ft, base, "answer probability", paired_difference(p_f, p_b)))
+            if "logit_diff" in acc[base] and "logit_diff" in acc[ft]:
+                ld_b, ld_f = (np.asarray(acc[m]["logit_diff"], dtype=float) for m in (base, ft))
+                rows.append(_row(ft, base, "logit difference", paired_difference(ld_f, ld_b)))
         rows += _matrix_rows(stages, base, ft)
         rows += _semantic_rows(stages.get("semantic", {}), base, ft)
     return [r for r in rows if r is not None]

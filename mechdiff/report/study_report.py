@@ -61,6 +61,7 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
                 "model": name,
                 **estimate_columns("accuracy", r["accuracy"]),
                 **estimate_columns("answer_prob", r["answer_prob"]),
+                **(estimate_columns("logit_diff", r["logit_diff"]) if "logit_diff" in r else {}),
                 "fingerprint": r["fingerprint"],
             }
         )
@@ -71,7 +72,11 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
         else f"{n} held-out {study.task.name} prompts ("
     )
     text = study_table(
-        study, rows, "accuracy", f"Accuracy on {what}exact binomial CI for accuracy, bootstrap for probability)"
+        study,
+        rows,
+        "accuracy",
+        f"Accuracy on {what}exact binomial CI for accuracy, bootstrap for probability"
+        + (" and the logit difference, answer minus the mean alternative)" if "logit_diff" in rows[0] else ")"),
     )
     return text, rows
 

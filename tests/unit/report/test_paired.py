@@ -50,7 +50,11 @@ def test_rows_from_stage_records_pair_the_same_prompts():
     n = 120
     cb, cf = rng.random(n) < 0.5, rng.random(n) < 0.7
     pb, pf = rng.random(n), rng.random(n)
-    accuracy = {"base": _rec({"outcomes": outcome_record(cb, pb)}), "ft": _rec({"outcomes": outcome_record(cf, pf)})}
+    lb, lf = rng.normal(5, 1, n), rng.normal(3, 1, n)
+    accuracy = {
+        "base": _rec({"outcomes": {**outcome_record(cb, pb), "logit_diff": list(lb)}}),
+        "ft": _rec({"outcomes": {**outcome_record(cf, pf), "logit_diff": list(lf)}}),
+    }
     full_b, full_f, circ_b, circ_f = (rng.random(n) < p for p in (0.8, 0.9, 0.6, 0.5))
     matrix = {
         "base": _rec({"outcomes": {"base": {"full": outcome_record(full_b), "circuit": outcome_record(circ_b)}}}),
@@ -68,6 +72,10 @@ def test_rows_from_stage_records_pair_the_same_prompts():
     rows = {r["measure"]: r for r in paired_rows(outcome_stages(accuracy, matrix, dcm), "base", ["ft"])}
     assert np.isclose(rows["accuracy"]["difference"], cf.mean() - cb.mean())
     assert np.isclose(rows["answer probability"]["difference"], np.mean(pf - pb), atol=1e-5)
+    assert (
+        np.isclose(rows["logit difference"]["difference"], np.mean(lf - lb))
+        and rows["logit difference"]["n_prompts"] == n
+    )
     assert np.isclose(rows["circuit of base: accuracy"]["difference"], circ_f.mean() - circ_b.mean())
     faith = circ_f.mean() / full_f.mean() - circ_b.mean() / full_b.mean()
     assert np.isclose(rows["circuit of base: faithfulness"]["difference"], faith)
