@@ -128,6 +128,8 @@ def test_run_plan_prints_the_resources_without_the_weights(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "resource plan on this machine" in out and "resource plan on h100-80gb" in out
     assert "mechdiff/data/configs/llama-7b.json" in out and "dominant stage:" in out
+    dominant = out.split("dominant stage: ")[1].split(" ")[0]
+    assert f"over 30 min: its largest part is {dominant}; the other stages alone take" in out  # hours
 
 
 def test_plan_device_without_plan_is_refused():
@@ -135,3 +137,19 @@ def test_plan_device_without_plan_is_refused():
 
     assert main(["run", "tasks/entity_tracking_llama7b.toml", "--plan-device", "h100-80gb"]) != 0
     assert main(["run", "tasks/entity_tracking_llama7b.toml", "--plan", "--plan-disk", "64"]) != 0
+
+
+def test_totals_name_the_stage_that_keeps_a_study_over_30_minutes():
+    """The plan names the stage without which a study would fit 30 minutes, and says where no one stage does."""
+    from mechdiff.models.devices import get_device
+    from mechdiff.studies.resources import Placement, StageCost, _totals
+
+    def placed(stage: str, minutes: float) -> Placement:
+        cost = StageCost(stage, 1, 10, 10, 1e12, 0, 0, 0)
+        return Placement(cost, get_device("h100-80gb"), "float32", minutes * 60, True)
+
+    one = _totals([placed("matrix:a", 40), placed("accuracy:a", 5), placed("prune:a", 10)])
+    assert any(line.startswith("over 30 min: matrix keeps the study from it (the other stages: 15") for line in one)
+    two = _totals([placed("matrix:a", 40), placed("prune:a", 35)])
+    assert any("its largest part is matrix; the other stages alone take 35" in line for line in two)
+    assert not any("over 30 min" in line for line in _totals([placed("matrix:a", 20), placed("prune:a", 9)]))
