@@ -5,11 +5,11 @@ generator does: every set would be the same first rows. :func:`draw_sets` deals 
 none shared with another set, every (template, token length) group in every set in proportion to its size.
 
 The rule (systematic stratified sampling): each group's rows are shuffled by the study's seed; row ``j`` of a
-group of ``m`` rows gets the key ``j / m``, and all rows are ordered by key (ties by a seeded order of the
-groups). Consecutive blocks of that order are the sets, in the order the study names them: a block of ``b``
-rows holds ``b m / N`` rows of each group, within one; a block at least as long as the number of groups holds
-one row of each (the first set, the mean-ablation reference where a study has one, so every scored group has
-reference prompts wherever the sizes allow).
+group of ``m`` rows gets the key ``(j + 1/2) / m``, and all rows are ordered by key (ties by a seeded order of the
+groups). The first set (the mean-ablation reference where a study has one) takes one row of every group first,
+as far as its size allows, so every scored group has reference prompts; then each set, in the order the study
+names them, takes the next rows of that order no set holds yet: a set of ``b`` rows holds about ``b m / N`` rows
+of each group (within two in the property test, ``tests/unit/tasks/test_prompt_sets.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def stratified_order(strata: Sequence[Hashable], seed: int) -> list[int]:
     for name in names:
         rows = groups[name]
         rng.shuffle(rows)
-        keyed.extend(((j / len(rows), rank[name]), row) for j, row in enumerate(rows))
+        keyed.extend((((j + 0.5) / len(rows), rank[name]), row) for j, row in enumerate(rows))
     return [row for _, row in sorted(keyed)]
 
 
@@ -51,10 +51,19 @@ def draw_sets(strata: Sequence[Hashable], sizes: Mapping[str, int], seed: int) -
             f"draws rows no other set uses: add rows to the task (import more pairs) or lower the sets' n"
         )
     order = stratified_order(strata, seed)
-    out, start = {}, 0
-    for name, n in sizes.items():
-        out[name] = sorted(order[start : start + n])
-        start += n
+    first_of_group = {}
+    for row in order:
+        first_of_group.setdefault(strata[row], row)
+    out: dict[str, list[int]] = {}
+    taken: set[int] = set()
+    for i, (name, n) in enumerate(sizes.items()):
+        # the first set (the reference) holds one row of every group first, where it is long enough
+        chosen = list(first_of_group.values())[:n] if i == 0 else []
+        taken.update(chosen)
+        rest = (row for row in order if row not in taken)
+        chosen += [row for _, row in zip(range(n - len(chosen)), rest)]
+        taken.update(chosen)
+        out[name] = sorted(chosen)
     return out
 
 
