@@ -19,6 +19,7 @@ import torch
 
 from mechdiff.models.loading import LoadedModel, load_model, load_tokenizer
 from mechdiff.models.registry import ModelSpec, get_spec
+from mechdiff.tasks.base import Example
 
 SLOW = Path(__file__).resolve().parent / "slow"
 
@@ -339,3 +340,25 @@ def spy_runs(module, monkeypatch) -> list[tuple[tuple, dict]]:
 
     monkeypatch.setattr(module, "run", recorded)
     return calls
+
+
+def answer_records(tokenizer, answers: list[list[int]], alternatives: list[list[int]]) -> list[Example]:
+    """Records of prompts of one length, each answer and its one alternative given as token ids (one or several)."""
+    out = []
+    for i, (a, alt) in enumerate(zip(answers, alternatives)):
+        ids = tuple(tokenizer(f"The capital of country {i} is")["input_ids"])
+        several = len(a) > 1 or len(alt) > 1
+        out.append(
+            Example(
+                "",
+                ids,
+                "",
+                a[0],
+                {"last": len(ids) - 1},
+                ("",),
+                (alt[0],),
+                answer_tokens=tuple(a) if len(a) > 1 else (),
+                alternative_tokens=(tuple(alt),) if several else (),
+            )
+        )
+    return out

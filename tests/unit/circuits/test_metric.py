@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import answer_records
 from einops import rearrange
 from tolerances import assert_close32
 
@@ -18,28 +19,6 @@ from mechdiff.common.components import Head
 from mechdiff.tasks.base import Example
 
 KEPT = Head(1, 2)  # the one head a test circuit keeps (at every position)
-
-
-def records(tokenizer, answers: list[list[int]], alternatives: list[list[int]]) -> list[Example]:
-    """Prompts of one length, each answer and its one alternative given as token ids (one or several)."""
-    out = []
-    for i, (a, alt) in enumerate(zip(answers, alternatives)):
-        ids = tuple(tokenizer(f"The capital of country {i} is")["input_ids"])
-        several = len(a) > 1 or len(alt) > 1
-        out.append(
-            Example(
-                "",
-                ids,
-                "",
-                a[0],
-                {"last": len(ids) - 1},
-                ("",),
-                (alt[0],),
-                answer_tokens=tuple(a) if len(a) > 1 else (),
-                alternative_tokens=(tuple(alt),) if several else (),
-            )
-        )
-    return out
 
 
 CASES = {
@@ -98,7 +77,7 @@ def hf_logit_diffs(lm, recs, answers, alternatives, hooks=()) -> np.ndarray:
 @pytest.mark.parametrize("case", list(CASES))
 def test_logit_diff_faithfulness_is_the_ratio_of_hooked_logit_differences(tiny_llama, smollm2_tokenizer, case):
     answers, alternatives = CASES[case]
-    recs = records(smollm2_tokenizer, answers, alternatives)
+    recs = answer_records(smollm2_tokenizer, answers, alternatives)
     lm = tiny_llama
     scorer = Scorer.build(lm, recs, recs, batch_size=4, progress=False, metric="logit_diff")
     circuit = kept_circuit()
@@ -116,7 +95,7 @@ def test_logit_diff_faithfulness_is_the_ratio_of_hooked_logit_differences(tiny_l
 
 
 def test_a_prob_task_keeps_its_keys(tiny_llama, smollm2_tokenizer):
-    recs = records(smollm2_tokenizer, *CASES["one token"])
+    recs = answer_records(smollm2_tokenizer, *CASES["one token"])
     scorer = Scorer.build(tiny_llama, recs, recs, batch_size=4, progress=False)
     circuit = kept_circuit()
     res = faithfulness(scorer, circuit)
@@ -128,7 +107,8 @@ def test_a_prob_task_keeps_its_keys(tiny_llama, smollm2_tokenizer):
 
 def test_logit_diff_needs_alternatives(tiny_llama, smollm2_tokenizer):
     recs = [
-        Example("", r.input_ids, "", r.answer_id, r.positions, ("",)) for r in records(smollm2_tokenizer, [[5]], [[7]])
+        Example("", r.input_ids, "", r.answer_id, r.positions, ("",))
+        for r in answer_records(smollm2_tokenizer, [[5]], [[7]])
     ]
     with pytest.raises(ValueError, match="logit_diff needs records with alternative answers"):
         Scorer.build(tiny_llama, recs, recs, progress=False, metric="logit_diff")
@@ -136,7 +116,7 @@ def test_logit_diff_needs_alternatives(tiny_llama, smollm2_tokenizer):
 
 def test_logit_diff_curve_measures_the_logit_difference(tiny_llama, smollm2_tokenizer):
     answers, alternatives = CASES["several tokens"]
-    recs = records(smollm2_tokenizer, answers, alternatives)
+    recs = answer_records(smollm2_tokenizer, answers, alternatives)
     scorer = Scorer.build(tiny_llama, recs, recs, batch_size=4, progress=False, metric="logit_diff")
     curve = faithfulness_curve(scorer, [(KEPT, EVERY_POSITION)], sizes=(1.0,))
     full = hf_logit_diffs(tiny_llama, recs, answers, alternatives)
@@ -150,7 +130,7 @@ def test_logit_diff_attribution_against_hooked_gradients(tiny_llama, smollm2_tok
     over all positions, against torch hooks on ``o_proj`` inputs of plain HF forwards (one per answer)."""
     answers, alternatives = CASES[case]
     lm = tiny_llama
-    recs = records(smollm2_tokenizer, answers, alternatives)
+    recs = answer_records(smollm2_tokenizer, answers, alternatives)
     scorer = Scorer.build(lm, recs, recs, batch_size=4, progress=False, metric="logit_diff")
     got = prompt_attribution(scorer, ["last"])  # "prompt class layer head"
     n, H = len(recs[0].input_ids), lm.shape.n_heads

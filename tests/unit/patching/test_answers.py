@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import capitals_rows, make_tiny, write_rows
+from conftest import answer_records, capitals_rows, make_tiny, write_rows
 from einops import rearrange
 from tolerances import assert_close32
 
@@ -18,7 +18,7 @@ from mechdiff.common.components import Head
 from mechdiff.common.metrics import answer_is_top1, answer_prob, logit_diff
 from mechdiff.patching.core import Patch, answer_logits, run
 from mechdiff.patching.evaluate import evaluate
-from mechdiff.tasks.base import Example, Pair, batch_tensors, get_task
+from mechdiff.tasks.base import Pair, batch_tensors, get_task
 from mechdiff.tasks.jsonl import ImportErrors, answer_ids, import_pairs
 from mechdiff.tasks.records import check_one_token, dataset_hash
 
@@ -113,29 +113,6 @@ def test_import_refuses_an_answer_merging_with_the_prompt(smollm2_tokenizer, tmp
         import_pairs(write_rows(tmp_path / "long.jsonl", [row]), smollm2_tokenizer, tmp_path / "task")
 
 
-def records(tokenizer, answers: list[list[int]], alternatives: list[list[int]]) -> list[Example]:
-    """Prompts of one length with the given answers and one alternative each (token ids)."""
-    out = []
-    for i, (a, alt) in enumerate(zip(answers, alternatives)):
-        ids = tuple(tokenizer(f"The capital of country {i} is")["input_ids"])
-        several = len(a) > 1 or len(alt) > 1
-        out.append(
-            Example(
-                "",
-                ids,
-                "",
-                a[0],
-                {"last": len(ids) - 1},
-                ("",),
-                (alt[0],),
-                answer_tokens=tuple(a) if len(a) > 1 else (),
-                alternative_tokens=(tuple(alt),) if several else (),
-            )
-        )
-    assert len({len(r.input_ids) for r in out}) == 1
-    return out
-
-
 def hf_logprob(lm, prompt: tuple, answer: list[int], hook=None) -> tuple[float, bool]:
     """Summed log-probability of ``answer`` after ``prompt`` and whether each token is the top-1: one plain HF
     forward of prompt + answer (``hook``: a forward pre-hook ``(module, fn)`` while it runs)."""
@@ -171,7 +148,7 @@ def test_several_tokens_score_as_a_plain_forward(smollm2_tokenizer, family):
     decoded = [greedy(lm, p, 4) for p in prompts]
     answers = [decoded[0][:3], decoded[1][:2] + [(decoded[1][2] + 1) % 49152], decoded[2][:1], [5, 7, 11, 13]]
     alternatives = [[17, 19], decoded[1][:4], [23], decoded[3][:2]]
-    recs = records(smollm2_tokenizer, answers, alternatives)
+    recs = answer_records(smollm2_tokenizer, answers, alternatives)
     res = evaluate(lm, recs, batch_size=4, progress=False)
     for i, (p, a, alt) in enumerate(zip(prompts, answers, alternatives)):
         logp, top1 = hf_logprob(lm, p, a)
@@ -186,7 +163,7 @@ def test_several_tokens_score_as_a_plain_forward(smollm2_tokenizer, family):
 def test_one_token_numbers_are_todays(tiny_llama, smollm2_tokenizer):
     """A task of one-token answers is read at the prompt's last token exactly as before (the same run, the same
     metric functions: equal, not close), with no answer tokens in its batches."""
-    recs = records(smollm2_tokenizer, [[5], [7], [11]], [[13], [17], [19]])
+    recs = answer_records(smollm2_tokenizer, [[5], [7], [11]], [[13], [17], [19]])
     batch = batch_tensors(recs)
     assert "answer_tokens" not in batch
     res = evaluate(tiny_llama, recs, batch_size=3, progress=False)
@@ -200,7 +177,7 @@ def test_answer_logits_leave_the_answer_positions_unpatched(tiny_llama, smollm2_
     """Patching nothing changes no logit; a patch of every position writes the prompt's positions only (a manual
     hook on the prompt's positions agrees; one on every position, answer included, does not)."""
     lm = tiny_llama
-    recs = records(smollm2_tokenizer, [[5, 6, 7], [8, 9, 10]], [[1, 2], [3, 4]])
+    recs = answer_records(smollm2_tokenizer, [[5, 6, 7], [8, 9, 10]], [[1, 2], [3, 4]])
     batch = batch_tensors(recs)
     ids, tokens = batch["input_ids"], batch["answer_tokens"]
     n = ids.shape[1]
@@ -234,7 +211,7 @@ def test_mean_ablation_scores_several_tokens_against_hooks(tiny_llama, smollm2_t
     prompt + answer with the head's z replaced by its mean at the prompt's positions only."""
     lm = tiny_llama
     answers = [[5, 6, 7], [8, 9], [10, 11, 12]]
-    recs = records(smollm2_tokenizer, answers, [[1, 2], [3, 4], [5, 6]])
+    recs = answer_records(smollm2_tokenizer, answers, [[1, 2], [3, 4], [5, 6]])
     scorer = Scorer.build(lm, recs, recs, batch_size=3, progress=False)
     n = len(recs[0].input_ids)
     head = Head(1, 2)
