@@ -122,7 +122,8 @@ class CircuitsStudy(Study):
         """The task the task file's ``[task]`` section names (registered, or an imported task directory), with the
         study's prompt sets drawn from its rows where it holds a fixed list of them (:meth:`prompt_sets`)."""
         if getattr(self, "_task", None) is None or self._task[0] != self.spec.task.name:
-            task, sets = get_task(self.spec.task.name).draw_prompt_sets(self.prompt_set_sizes(), self.spec.task.seed)
+            base = get_task(self.spec.task.name)
+            task, sets = base.draw_prompt_sets(self.prompt_set_sizes(base), self.spec.task.seed)
             self._task = (self.spec.task.name, task, sets)
         return self._task[1]
 
@@ -133,9 +134,10 @@ class CircuitsStudy(Study):
         self.task  # noqa: B018 - draws the sets
         return self._task[2]
 
-    def prompt_set_sizes(self) -> dict[str, int]:
+    def prompt_set_sizes(self, task: Optional[Task] = None) -> dict[str, int]:
         """The rows each prompt set of the study needs, in the order they are dealt: the mean-ablation reference
-        first (so every group of the task has reference prompts), then as the stages run."""
+        first (so every group of the task has reference prompts), then as the stages run (``task``: the study's,
+        where it is being built)."""
         d, s, p = self.spec.discovery, self.spec.scoring, self.spec.positions
         sizes = {"reference": s.reference_n, "eval": self.spec.eval.n}
         if p.n > 0:
@@ -144,7 +146,7 @@ class CircuitsStudy(Study):
         sizes["matrix"] = s.n
         if s.prune:
             sizes["prune"] = s.prune_n
-        if get_task(self.spec.task.name).desiderata:
+        if (task or self.task).desiderata:
             sizes["dcm"] = self.spec.dcm.n_train + self.spec.dcm.n_val + self.spec.dcm.n_test
         if self.spec.models.finetunes:
             sizes["cmap"] = self.spec.cmap.n
