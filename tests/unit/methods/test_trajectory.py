@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from tolerances import approx32
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.curve import prompt_attribution
@@ -160,7 +161,8 @@ def test_own_circuit_and_circuits_scored_match_the_loaded_checkpoint(trajectory,
         want = np.mean(kept) / np.mean(full) if np.mean(full) else np.nan
         assert row["faithfulness"] == pytest.approx(want, rel=1e-12, nan_ok=True)
         p_kept, p_full = ref_scorer.keep(c.pairs()).prob, ref_scorer.full().prob
-        assert row["faithfulness_prob"] == pytest.approx(p_kept.mean() / p_full.mean(), rel=1e-9)
+        # the swapped adapter and the loaded checkpoint sum in another order on some kernels: float32's tolerance
+        assert row["faithfulness_prob"] == approx32(p_kept.mean() / p_full.mean())
         ratio = bootstrap_ratio(p_kept, p_full)  # circuit over model, prompts resampled jointly
         assert [row["faithfulness_prob_low"], row["faithfulness_prob_high"]] == pytest.approx(
             [ratio.low, ratio.high], rel=1e-9
