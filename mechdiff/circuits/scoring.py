@@ -163,6 +163,25 @@ def position_mask(batch: dict, name: str) -> torch.Tensor:
     return mask
 
 
+def is_one_token(batch: dict, name: str) -> bool:
+    """Whether ``name`` is one named token per prompt (``batch["positions"]``, ``[batch]``; DCM and CMAP patch it
+    as before) rather than a position class of any number of tokens (read through :func:`position_mask`)."""
+    where = batch["positions"].get(name)
+    return where is not None and where.dim() == 1
+
+
+def class_indices(batch: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens of position ``name`` (:func:`position_mask`) in each prompt, in order: indices ``"batch k"``
+    padded with ``-1`` (``k``: the most tokens a prompt has, at least 1) and where they are real (``"batch k"``,
+    boolean). A prompt where the class is empty has no real index."""
+    mask = position_mask(batch, name)
+    counts = mask.sum(1)
+    k = max(1, int(counts.max()) if len(counts) else 0)
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :k]  # the class's tokens first, in order
+    real = torch.arange(k)[None] < counts[:, None]
+    return torch.where(real, order, torch.full_like(order, -1)), real
+
+
 def _head_mask(layer_pairs: Sequence[Pair], batch: dict, n_pos: int, n_heads: int, fill: float) -> torch.Tensor:
     """``"batch pos head"``: ``1 - fill`` everywhere, ``fill`` at each pair's (position, head)."""
     n = batch["input_ids"].shape[0]

@@ -12,6 +12,11 @@ fine-tune's run are written into the base's run, per circuit group at the group'
   every query head of that group reads.
 - ``qk``, ``qkv``: combinations, to separate gains of the QK circuit from the OV circuit.
 
+A group at a position class of several tokens (:func:`scope_positions`, the mask completeness keeps) has z and Q
+patched at every token of the class, K/V up to (rule ``"paper"``: strictly before) the class's last token, and its
+isolation frees every token of the class; a prompt whose class is empty is not patched (mechdiff's extension: the
+paper's groups sit at one position).
+
 Two rules (``rule``):
 
 - ``"base"`` (mechdiff's default): isolation (``isolate=True``) restores, for Q/K/V kinds, every head's
@@ -42,6 +47,7 @@ import numpy as np
 import torch
 
 from ..circuits.circuit import Circuit
+from ..circuits.scoring import is_one_token, position_mask
 from ..common.components import Head, layer_matched
 from ..common.metrics import answer_is_top1, answer_prob, sequence_is_greedy, sequence_logprob
 from ..common.progress import progress_bar
@@ -113,7 +119,9 @@ def cmap_patches(
     """Patches that write the captured (fine-tune) activations of ``scope`` into the receiving model.
 
     ``captured``: ``(site kind, layer) -> "batch pos cols"`` from the donor's run on the same prompts;
-    ``positions``: position name -> LongTensor ``[batch]``. ``kind`` is one of :data:`CMAP_KINDS`.
+    ``positions``: position name -> LongTensor ``[batch]`` (one token a prompt) or a boolean ``"batch pos"`` mask
+    (a position class: :func:`scope_positions`; every token of it is patched, and K/V up to its last token).
+    ``kind`` is one of :data:`CMAP_KINDS`.
     ``strict``: K/V at positions strictly before the group's (the paper's), else up to and including it.
     """
     patches: list[Patch] = []
@@ -121,6 +129,9 @@ def cmap_patches(
     for component in parse_kinds([kind])[0]:
         for head, pos_name in scope:
             pos = positions[pos_name]
+            if pos.dtype == torch.bool:
+                patches += _class_patches(model, head, component, captured, pos, pos_name, strict, done)
+                continue
             if (pos < 0).any():
                 raise ValueError(f"position {pos_name!r} is absent from some prompts; CMAP needs it in every prompt")
             cols = model.arch.columns(component, head.head, model.shape)
@@ -144,6 +155,48 @@ def cmap_patches(
     return patches
 
 
+def scope_positions(batch: dict, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """``batch["positions"]``, with each of ``names`` that is a position class (not one named token a prompt) as
+    its boolean ``"batch pos"`` mask (:func:`~mechdiff.circuits.scoring.position_mask`: the mask completeness
+    scoring keeps)."""
+    out = dict(batch["positions"])
+    for name in dict.fromkeys(names):
+        if not is_one_token(batch, name):
+            out[name] = position_mask(batch, name)
+    return out
+
+
+def _class_patches(
+    model: LoadedModel,
+    head: Head,
+    component: str,
+    captured: dict,
+    cell: torch.Tensor,
+    pos_name: str,
+    strict: bool,
+    done: set,
+) -> list[Patch]:
+    """One head's ``component`` patch at every token of a class (``cell``, ``"batch pos"``): Q or z at each of the
+    tokens; K/V at every position up to and including the class's last token of each prompt (``strict``: strictly
+    before it). A prompt where the class is empty is left as it is. Patches start at the batch's first token the
+    patch writes (suffix runs start there)."""
+    cols = model.arch.columns(component, head.head, model.shape)
+    site = captured[(component, head.layer)]
+    seq_len = cell.shape[1]
+    if component in ("k", "v"):
+        key = (component, head.layer, cols.start, pos_name)  # one patch per KV group and position
+        if key in done:
+            return []
+        done.add(key)
+        at = torch.arange(seq_len)[None, :]
+        last = torch.where(cell.any(1), seq_len - 1 - cell.flip(1).int().argmax(1), -1)[:, None]
+        cell = (at < last) if strict else (at <= last)
+    written = cell.any(0).nonzero()
+    start = int(written[0]) if len(written) else seq_len - 1
+    keep = (~cell[:, start:]).float()[..., None]  # 1 where the base keeps its own value
+    return [Patch(component, head.layer, site[:, start:, cols], slice(start, seq_len), cols, mask=keep)]
+
+
 def isolation_patches(
     model: LoadedModel, scope: Scope, kind: str, base_z: dict, positions: dict[str, torch.Tensor], seq_len: int
 ) -> list[Patch]:
@@ -156,12 +209,11 @@ def isolation_patches(
     if kind == "z":
         return []
     shape = model.shape
-    n = positions["last"].shape[0]
-    rows = torch.arange(n)
+    n = positions[LAST].shape[0]
     free = torch.zeros(n, seq_len, dtype=torch.bool)  # positions whose outputs may change
-    free[rows, positions["last"]] = True
+    _mark(free, positions[LAST])
     for _, pos_name in scope:
-        free[rows, positions[pos_name]] = True
+        _mark(free, positions[pos_name])
     kv_layers = {h.layer for h, _ in scope} if set(kind) & {"k", "v"} else set()
     patches = []
     for layer in range(min(h.layer for h, _ in scope), shape.n_layers):
@@ -173,10 +225,19 @@ def isolation_patches(
                 if head // shape.group_size in groups:
                     keep[:, :, head] = False
             for head, pos in ours:
-                keep[rows, positions[pos], head] = True
+                _mark(keep[:, :, head], positions[pos])
         mask = keep.repeat_interleave(shape.d_head, dim=2).float()
         patches.append(Patch("z", layer, base_z[layer], None, None, mask=mask))
     return patches
+
+
+def _mark(cells: torch.Tensor, where: torch.Tensor) -> None:
+    """Set ``cells`` (``"batch pos"``, in place) True at one position a prompt (``[batch]``) or at a class's tokens
+    (a boolean ``"batch pos"`` mask)."""
+    if where.dtype == torch.bool:
+        cells |= where.to(cells.device)
+    else:
+        cells[torch.arange(cells.shape[0]), where] = True
 
 
 def paper_isolation_patches(
@@ -190,9 +251,8 @@ def paper_isolation_patches(
         return []
     shape = model.shape
     n = positions[LAST].shape[0]
-    rows = torch.arange(n)
     free = torch.zeros(n, seq_len, dtype=torch.bool)
-    free[rows, positions[LAST]] = True
+    _mark(free, positions[LAST])
     kv_layers = {h.layer for h, _ in scope} if set(kind) & {"k", "v"} else set()
     patches = []
     for layer in range(min(h.layer for h, _ in scope), shape.n_layers):
@@ -416,7 +476,7 @@ def run_cmap(
                     captured,
                     all_scopes,
                     kinds,
-                    batch["positions"],
+                    scope_positions(batch, {pos for sc in all_scopes.values() for _, pos in sc}),
                     isolate,
                     randoms,
                     rule,

@@ -8,6 +8,12 @@ and ``pair.source.positions`` under the same name), each head's output is mixed:
 
     z_head <- m * z_base + (1 - m) * z_source
 
+A group at a position class of several tokens (a ``position_classes`` mask or a tuple of indices, read through
+:func:`~mechdiff.circuits.scoring.position_mask` as completeness reads it) is mixed at EVERY token of the class in
+each prompt, the source's ``j``-th token of the class into the base's ``j``-th (:func:`class_z_patches`); a prompt
+whose class is empty is not patched, and a pair whose two prompts hold different numbers of the class's tokens is
+refused. The paper's groups sit at one position; classes are mechdiff's extension.
+
 and the mask minimises ``-logit(target) + lambda * sum(1 - m)``: the target should win while
 as FEW heads as possible are patched (``m = 0``). A target of several tokens is scored by teacher forcing (the
 target's tokens but its last appended to the base prompt; patches write the prompt's positions only): the loss is
@@ -45,6 +51,7 @@ import torch
 from einops import rearrange, repeat
 
 from ..circuits.circuit import Circuit
+from ..circuits.scoring import class_indices, is_one_token
 from ..common.components import Head, all_heads
 from ..common.metrics import answer_is_top1, answer_logit, sequence_is_greedy, sequence_logprob
 from ..common.outcomes import outcome_record
@@ -274,11 +281,87 @@ def masked_z_patches(
     ]
 
 
+def source_class_z(
+    model: LoadedModel, batch: dict, layers: Sequence[int], position: str, k: int
+) -> dict[int, torch.Tensor]:
+    """The source run's z at every token of position class ``position``, in order (``"batch k (head d_head)"``,
+    zero-filled past a prompt's own tokens), per layer."""
+    index, real = class_indices(batch["source"], position)
+    if index.shape[1] > k:
+        raise ValueError(f"class {position!r} has {index.shape[1]} tokens in a source prompt; the cache holds {k}")
+    with torch.no_grad():
+        out = run(model, batch["source"]["input_ids"], capture=[("z", layer) for layer in layers])
+    rows = torch.arange(index.shape[0])[:, None]
+    values = {}
+    for layer in layers:
+        z = out.captured[("z", layer)]
+        at = z[rows.to(z.device), index.clamp(min=0).to(z.device)]
+        values[layer] = _pad(torch.where(real[..., None].to(z.device), at, torch.zeros_like(at)), 1, k).detach()
+    return values
+
+
+def class_z_patches(
+    model: LoadedModel,
+    heads: Sequence[Head],
+    mask: torch.Tensor,
+    values: dict[int, torch.Tensor],
+    index: torch.Tensor,
+    real: torch.Tensor,
+    length: int,
+) -> list[Patch]:
+    """:func:`masked_z_patches` at every token of a position class: the ``j``-th real token ``index[:, j]`` of each
+    prompt mixes in ``values[layer][:, j]`` (``"batch k (head d_head)"``); a prompt whose class is empty is left as
+    it is. Each patch covers positions from the batch's first class token to the prompt's end (``length``), its
+    mask 1 (keep) outside the class, so suffix runs start at the class. Differentiable in ``mask``."""
+    shape = model.shape
+    slot = torch.tensor([h.layer * shape.n_heads + h.head for h in heads], device=mask.device)
+    full = torch.ones(shape.n_layers * shape.n_heads, dtype=mask.dtype, device=mask.device).index_put((slot,), mask)
+    per_layer = rearrange(full, "(layer head) -> layer head", head=shape.n_heads)
+    rows, cols = real.nonzero(as_tuple=True)
+    tokens = index[rows, cols]
+    start = int(tokens.min()) if len(tokens) else length - 1
+    cell = torch.zeros(index.shape[0], length, dtype=torch.bool)
+    cell[rows, tokens] = True
+    cell = cell[:, start:, None].to(mask.device)
+    patches = []
+    for layer in sorted({h.layer for h in heads}):
+        value = values[layer].new_zeros(index.shape[0], length, values[layer].shape[-1])
+        value[rows, tokens] = values[layer][rows, cols]
+        keep = repeat(per_layer[layer], "head -> (head d)", d=shape.d_head)
+        mix = torch.where(cell, keep[None, None], torch.ones_like(keep)[None, None])  # "batch pos cols"
+        patches.append(Patch("z", layer, value[:, start:], slice(start, length), mask=mix))
+    return patches
+
+
+def class_widths(pairs: Sequence[PairRecord], positions: Iterable[str], batch_size: int) -> dict[str, int]:
+    """For each of ``positions`` that is a class (not one named token a prompt), the most tokens it has in a
+    prompt of ``pairs`` (at least 1). A pair whose base and source prompts hold different numbers of the class's
+    tokens is refused: DCM writes the source's ``j``-th token of the class into the base's ``j``-th."""
+    widths: dict[str, int] = {}
+    for rows in grouped_batches(pairs, batch_size):
+        batch = pair_batch_tensors(take(pairs, rows))
+        for name in positions:
+            if is_one_token(batch["base"], name):
+                continue
+            (_, base), (_, source) = class_indices(batch["base"], name), class_indices(batch["source"], name)
+            counts = base.sum(1), source.sum(1)
+            bad = (counts[0] != counts[1]).nonzero()
+            if len(bad):
+                i = int(bad[0])
+                raise ValueError(
+                    f"pair {rows[i]}: position class {name!r} has {int(counts[0][i])} tokens in the base prompt "
+                    f"and {int(counts[1][i])} in the source prompt; DCM patches the class token for token"
+                )
+            widths[name] = max(widths.get(name, 1), base.shape[1])
+    return widths
+
+
 @dataclass
 class PairCache:
     """What every DCM run on one list of pairs shares, computed in one pass over them and streamed from disk.
 
-    Per pair: the source run's z at each ``(layer, position)`` a group patches; the base run's
+    Per pair: the source run's z at each ``(layer, position)`` a group patches (at every token of a position
+    class, zero-padded to the most tokens a prompt has: :attr:`classes`); the base run's
     residual stream entering each group's first layer, so that patched runs resume there and
     skip the blocks before (:class:`~mechdiff.patching.core.Resume`; exact, since nothing
     before that layer is patched); the base run's keys and values, so that patched runs (and DCM's
@@ -306,6 +389,9 @@ class PairCache:
     #: The most tokens a target has: runs append the first ``width - 1`` (right-padded) to every base prompt, and the
     #: stored residual streams, keys and values cover them (one teacher-forced base run per pair).
     width: int = 1
+    #: Position classes of several tokens among the sites -> the most tokens a prompt has there: the source z of
+    #: every token of the class is stored (``"row layer k (head d_head)"``) and patched (:func:`class_z_patches`).
+    classes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -324,7 +410,10 @@ class PairCache:
         sites = {pos: layers for pos, layers in sorted(sites.items()) if layers}
         starts = sorted({min(h.layer for h in heads) for heads, _ in groups if heads} - {0})
         width = max((len(target_tokens(p)) for p in pairs), default=1)
-        cache = cls(pairs, RowStore(len(pairs)), sites, starts, np.zeros(len(pairs), dtype=bool), width=width)
+        classes = class_widths(pairs, sites, batch_size)
+        cache = cls(
+            pairs, RowStore(len(pairs)), sites, starts, np.zeros(len(pairs), dtype=bool), width=width, classes=classes
+        )
         length = max((len(p.base.input_ids) for p in pairs), default=0) + width - 1
         batches = grouped_batches(pairs, batch_size)
         for rows in progress_bar(batches, desc="dcm cache", disable=not progress, leave=False):
@@ -335,7 +424,10 @@ class PairCache:
         """One batch's source z, base residual streams, keys and values and floor, stored at ``rows``."""
         batch = pair_batch_tensors(take(self.pairs, rows))
         for position, layers in self.sites.items():
-            z = source_z(model, batch, layers, position)
+            if position in self.classes:
+                z = source_class_z(model, batch, layers, position, self.classes[position])
+            else:
+                z = source_z(model, batch, layers, position)
             self.store.write(f"source/{position}", rows, torch.stack([z[layer] for layer in layers], dim=1))
         ids, readout, target = self._teacher(batch, rows)
         with torch.no_grad():
@@ -403,7 +495,11 @@ class PairCache:
         n = ids.shape[1]
         z = self.store.read(f"source/{position}", rows)
         values = {h.layer: z[:, self.sites[position].index(h.layer)] for h in heads}
-        patches = masked_z_patches(model, heads, mask, values, _positions(batch, position, "base"))
+        if position in self.classes:
+            index, real = class_indices(batch["base"], position)
+            patches = class_z_patches(model, heads, mask, values, index, real, batch["base"]["input_ids"].shape[1])
+        else:
+            patches = masked_z_patches(model, heads, mask, values, _positions(batch, position, "base"))
         first = min(h.layer for h in heads)
         start = max((layer for layer in self.starts if layer <= first), default=0)
         resume = Resume(start, self.store.read(f"resid/{start}", rows)[:, :n]) if start else None

@@ -506,7 +506,7 @@ class CircuitsStudy(Study):
                     own,
                     n_draws=s.completeness_draws,
                     seed=self.seed("matrix"),
-                    groups=self.analysis_groups(own, s.completeness_groups or self.spec.dcm.groups, one_token=False),
+                    groups=self.analysis_groups(own, s.completeness_groups or self.spec.dcm.groups, check=False),
                 )
                 if own is not None and s.completeness_draws > 0
                 else None
@@ -525,15 +525,15 @@ class CircuitsStudy(Study):
             compute,
         )
 
-    def analysis_groups(self, circuit: Circuit, wanted: list[str], one_token: bool = True) -> list[str]:
-        """The groups DCM and CMAP (``one_token``: groups at one token of every prompt) or completeness (any
-        position class, every token of it) look at (:meth:`group_choice`)."""
-        return self.group_choice(circuit, wanted, one_token)[0]
+    def analysis_groups(self, circuit: Circuit, wanted: list[str], check: bool = True) -> list[str]:
+        """The groups DCM and CMAP (``check``: groups at a position the prompts carry) or completeness look at;
+        each patches every token of a group's position class (:meth:`group_choice`)."""
+        return self.group_choice(circuit, wanted, check)[0]
 
-    def group_choice(self, circuit: Circuit, wanted: list[str], one_token: bool = True) -> tuple[list, dict]:
+    def group_choice(self, circuit: Circuit, wanted: list[str], check: bool = True) -> tuple[list, dict]:
         """The groups a stage looks at and each group left out, with why (:func:`group_choice`)."""
         records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
-        return group_choice(self.task, records, circuit, wanted, one_token)
+        return group_choice(self.task, records, circuit, wanted, check)
 
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
@@ -576,11 +576,13 @@ class CircuitsStudy(Study):
                 for d in names
             }
             groups, left_out = self.group_choice(circuit, c.groups)
+            left_out.update(unpaired_classes(circuit, groups, desiderata, config.eval_batch))
+            groups = [g for g in groups if g not in left_out]
             if not groups:
                 return {
                     "dcm": [],
                     "semantic": [],
-                    "skipped": f"no group of the circuit of {name} with heads sits at one token of every prompt",
+                    "skipped": f"no group of the circuit of {name} with heads sits at a position DCM can patch",
                     "left_out": left_out,
                 }
             results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress)
@@ -632,7 +634,7 @@ class CircuitsStudy(Study):
             groups, left_out = self.group_choice(circuit, c.groups)
             if not groups:
                 return {
-                    "skipped": f"no group of the circuit of {owner} sits at a single-token position",
+                    "skipped": f"no group of the circuit of {owner} sits at a position of the task's prompts",
                     "left_out": left_out,
                 }
             # the "circuit" scope: the union of these groups
@@ -820,38 +822,58 @@ class CircuitsStudy(Study):
 
 
 def analysis_groups(task: Any, records: list, circuit: Circuit, wanted: list[str]) -> list[str]:
-    """The groups DCM and CMAP look at (:func:`group_choice` with ``one_token``)."""
+    """The groups DCM and CMAP look at (:func:`group_choice`)."""
     return group_choice(task, records, circuit, wanted)[0]
 
 
 def group_choice(
-    task: Any, records: list, circuit: Circuit, wanted: list[str], one_token: bool = True
+    task: Any, records: list, circuit: Circuit, wanted: list[str], check: bool = True
 ) -> tuple[list[str], dict[str, str]]:
     """``wanted`` where given (those of the circuit that have heads), else (or where ``wanted`` names none of the
-    task's positions: another task's defaults) every non-empty group of ``circuit``; with ``one_token`` (DCM and
-    CMAP patch one position a prompt) those whose position is one token of every prompt of ``records`` (a few of
-    the task's prompts: which positions are single tokens is a property of the task's prompts), and each group
-    left out for it, with why (the report says it)."""
+    task's positions: another task's defaults) every non-empty group of ``circuit``; with ``check`` (DCM and
+    CMAP) those whose position the prompts of ``records`` carry (a few of the task's prompts), as a named token
+    of every prompt or as a position class of any number of tokens (DCM and CMAP patch each of them), and each
+    group left out, with why (the report says it)."""
     if wanted and set(wanted) & {*task.positions, *circuit.groups}:
         groups = [g for g in wanted if circuit.groups.get(g)]
     else:
         groups = [g for g, heads in circuit.groups.items() if heads]
-    if not one_token:
+    if not check:
         return groups, {}
     from ..tasks.base import batch_tensors, grouped_batches, take
 
-    batches = [batch_tensors(take(records, rows))["positions"] for rows in grouped_batches(records, 4)]
-
-    def single(name: str) -> bool:
-        return all(name in pos and pos[name].dim() == 1 and bool((pos[name] >= 0).all()) for pos in batches)
-
-    left_out = {
-        g: f"its position `{circuit.positions[g]}` is a class of several tokens (or missing) in some prompts, "
-        "and DCM and CMAP patch one token a prompt"
-        for g in groups
-        if not single(circuit.positions[g])
-    }
+    batches = [batch_tensors(take(records, rows)) for rows in grouped_batches(records, 4)]
+    left_out = {g: why for g in groups if (why := _position_missing(batches, circuit.positions[g]))}
     return [g for g in groups if g not in left_out], left_out
+
+
+def unpaired_classes(circuit: Circuit, groups: list[str], desiderata: dict, batch_size: int) -> dict[str, str]:
+    """The groups at a position class whose token count differs between a desideratum pair's two prompts, with
+    why: DCM writes the source's tokens of the class into the base's token for token
+    (:func:`~mechdiff.methods.dcm.class_widths`)."""
+    from ..methods.dcm import class_widths
+
+    out = {}
+    for g in groups:
+        for d, pairs in desiderata.items():
+            try:
+                class_widths(pairs, [circuit.positions[g]], batch_size)
+            except ValueError as error:
+                out[g] = f"desideratum {d}: {error}"
+                break
+    return out
+
+
+def _position_missing(batches: list[dict], name: str) -> str:
+    """Why DCM and CMAP cannot patch position ``name`` in the prompts of ``batches`` ("" where they can): it is
+    neither a named position nor a position class of them, or a named token absent from some prompt."""
+    for batch in batches:
+        where = batch["positions"].get(name)
+        if where is None and name not in batch.get("position_classes", {}):
+            return f"its position `{name}` is neither a named position nor a position class of the task's prompts"
+        if where is not None and where.dim() == 1 and bool((where < 0).any()):
+            return f"its position `{name}` is missing from some prompts"
+    return ""
 
 
 def dcm_config(spec: RunSpec):
