@@ -592,8 +592,9 @@ def limitations(study: "Study", positions: dict) -> str:
                 if scanned
                 else ""
             )
-            + "; DCM and CMAP run on the groups of the base's circuit that sit\n"
-            "  at one token (its groups are position classes, not the paper's functional groups). `method =\n"
+            + "; DCM and CMAP run on the groups of the base's circuit, a group at\n"
+            "  a position class patched at every token of it (its groups are position classes, not the paper's\n"
+            "  functional groups). `method =\n"
             '  "path"` in the task file gives the paper\'s form.'
         )
     else:

@@ -164,7 +164,7 @@ class DcmSection:
     n_train: int = 32
     n_val: int = 12
     n_test: int = 200
-    # circuit groups to train masks for (those the circuit has; empty: every group at a one-token position)
+    # circuit groups to train masks for (those the circuit has; empty: every group at a position of the task's prompts)
     groups: list[str] = field(default_factory=list)
     # training: each default is DCMConfig's (defined once, in mechdiff.methods.dcm)
     epochs: int = DCMConfig.epochs
@@ -341,8 +341,8 @@ def _check_groups(path: Path, text: str, raw: dict, task_name: str) -> None:
         if unknown:
             raise SpecError(
                 f"{path}:{line_of(text, sec, key)}: [{sec}] {key} names {unknown}, which task {task_name} does not "
-                f"have; its groups are {', '.join(sorted(known))} (leave {key} out: every group at a one-token "
-                "position)"
+                f"have; its groups are {', '.join(sorted(known))} (leave {key} out: every group at a position "
+                "of the task's prompts)"
             )
 
 

@@ -94,8 +94,9 @@ class TrajectoryDcm(DcmSection):
 class TrajectoryCmap:
     n: int = 100
     parts: list[str] = field(default_factory=lambda: ["z"])
-    # the final circuit's groups patched (empty: as [dcm] groups, else every group at a one-token position of the
-    # task's prompts); before any task could run, the default was entity tracking's ["last", "query_label"]
+    # the final circuit's groups patched (empty: as [dcm] groups, else every group at a position of the task's
+    # prompts, a position class patched at every token of it); before any task could run, the default was entity
+    # tracking's ["last", "query_label"]
     groups: list[str] = field(default_factory=list)
 
 
@@ -266,8 +267,8 @@ class TrajectoryStudy(Study):
         return self.task.records(self.tokenizer, n, self.seed(prompts), prompt_set=prompts, **self.options())
 
     def groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
-        """The circuit's groups a stage patches: ``wanted`` (those with heads), else every group at a one-token
-        position (:func:`~mechdiff.studies.circuits.analysis_groups`)."""
+        """The circuit's groups a stage patches: ``wanted`` (those with heads), else every group at a position of the
+        task's prompts (:func:`~mechdiff.studies.circuits.analysis_groups`)."""
         from .circuits import analysis_groups
 
         return analysis_groups(self.task, self.records("eval", 16), circuit, wanted)
@@ -420,7 +421,7 @@ class TrajectoryStudy(Study):
         def compute() -> dict:
             circuit = self.cmap_circuit(final)
             if circuit is None:
-                wanted = c.groups or self.st.dcm.groups or "at a one-token position"
+                wanted = c.groups or self.st.dcm.groups or "at a position of the task's prompts"
                 return {"skipped": f"the final circuit has no heads in the groups {wanted}"}
             cp = self.checkpoints()
             first = cp.first()

@@ -219,7 +219,7 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     spec = tiny_spec(tiny_family, tmp_path)
     spec.task.name = str(tmp_path / "capitals")
     spec.dcm.desiderata = ["positional"]  # entity tracking's: not this task's, so the task's own are used
-    spec.dcm.groups = spec.cmap.groups = []  # every group at a one-token position
+    spec.dcm.groups = spec.cmap.groups = []  # every group at a position of the prompts
     spec.scoring.reference_n = 3  # covers 3 of the 4 templates
     study = Study(spec, progress=False)
     with pytest.raises(ValueError, match="no reference prompts for the .* prompts of template '.*', .* tokens"):

@@ -269,3 +269,22 @@ def test_run_cmap_runs_a_class_group(tiny_llama, smollm2_tokenizer):
     circuit = Circuit("tiny", "entity_tracking", {"g": [Head(1, 2), Head(2, 0)]}, {"g": CLASS})
     res = run_cmap(tiny_llama, donor, circuit, records, ["z", "qkv"], 6, progress=False)
     assert {(r.scope, r.kind) for r in res.rows} == {(s, k) for s in ("g", "circuit") for k in ("z", "qkv")}
+
+
+def test_group_choice_keeps_class_groups_and_says_why_it_leaves_one_out(smollm2_tokenizer, pairs):
+    """DCM and CMAP take a group at a class of several tokens; a group is left out only at a position the prompts
+    lack, or (DCM) at a class whose size differs between a pair's two prompts, each with why."""
+    from types import SimpleNamespace
+
+    from mechdiff.circuits.circuit import Circuit
+    from mechdiff.studies.circuits import group_choice, unpaired_classes
+
+    records = generate(smollm2_tokenizer, 8, n_boxes=3, seed=0)
+    positions = {"a": "last", "b": CLASS, "c": "query_segment_after", "d": "nowhere"}
+    circuit = Circuit("tiny", "entity_tracking", {g: [Head(1, 0)] for g in positions}, positions)
+    task = SimpleNamespace(positions=["last"])
+    groups, left_out = group_choice(task, records, circuit, [])
+    assert groups == ["a", "b", "c"] and list(left_out) == ["d"] and "`nowhere`" in left_out["d"]
+    assert group_choice(task, records, circuit, [], check=False) == (["a", "b", "c", "d"], {})
+    unpaired = unpaired_classes(circuit, groups, {"object_value": pairs}, 8)
+    assert list(unpaired) == ["c"] and "tokens in the base prompt" in unpaired["c"]

@@ -105,7 +105,7 @@ def test_a_file_asking_for_dcm_needs_the_tasks_own_desiderata(smollm2_tokenizer,
 
 def test_defaults_come_from_the_task_never_from_entity_tracking(smollm2_tokenizer, tmp_path):
     """A task file that names no groups, desiderata or top_k gets the task's own: DCM trains every desideratum the
-    task declares, the groups are every group at a one-token position (empty), and path patching keeps each
+    task declares, the groups are every group at a position of the task's prompts (empty), and path patching keeps each
     step's plan k; groups the task does not have are refused with their line. The embedded default study keeps
     entity tracking's, and a study that leaves top_k unset is keyed as the committed ones were."""
     from conftest import capitals_rows, write_rows
