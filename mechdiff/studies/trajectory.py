@@ -482,6 +482,7 @@ class TrajectoryStudy(Study):
 
     def dcm(self, final: StageRecord) -> StageRecord:
         from ..methods.dcm import dcm_circuit
+        from .circuits import unpaired_classes
 
         d = self.st.dcm
 
@@ -491,16 +492,15 @@ class TrajectoryStudy(Study):
             if not self.desideratum_names():
                 return {"source": f"task {self.task.name} declares no desideratum: DCM not run", "dcm": []}
             circuit = Circuit.from_dict(final.result["circuit"])
+            desiderata, config = self.desiderata(d.n_train + d.n_val + d.n_test), self.dcm_config()
             groups = self.groups(circuit, d.groups)
+            left_out = unpaired_classes(circuit, groups, desiderata, config.eval_batch)
+            groups = [g for g in groups if g not in left_out]
             results = dcm_circuit(
-                self.checkpoints().model(self.final),
-                circuit,
-                self.desiderata(d.n_train + d.n_val + d.n_test),
-                self.dcm_config(),
-                groups,
-                self.progress,
+                self.checkpoints().model(self.final), circuit, desiderata, config, groups, self.progress
             )
-            return {"source": f"DCM on the circuit of {self.final}", "dcm": [r.to_dict() for r in results]}
+            out = {"source": f"DCM on the circuit of {self.final}", "dcm": [r.to_dict() for r in results]}
+            return {**out, "left_out": left_out} if left_out else out
 
         return self.cache.run("dcm", self._dcm_inputs(final), compute)
 
