@@ -535,6 +535,31 @@ class CircuitsStudy(Study):
         records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
         return group_choice(self.task, records, circuit, wanted, check)
 
+    def class_groups(self, wanted: list[str]) -> dict[str, list[str]]:
+        """Key inputs naming the positions a DCM or CMAP stage may patch that are classes of several tokens
+        (``wanted`` where it names the task's positions, else every class of the task's prompts): DCM and CMAP
+        patch every token of them since #40's item 5 (earlier such groups were left out). Empty where every such
+        position is one named token, so the keys of studies without class groups stay what they were. Read from
+        the task's prompts, not the circuit, so that a plan knows the key before the circuit is computed."""
+        from ..tasks.base import batch_tensors, grouped_batches, take
+
+        records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
+        batches = [batch_tensors(take(records, rows)) for rows in grouped_batches(records, 4)]
+        named = {n for b in batches for n in (*b["positions"], *b.get("position_classes", {}))}
+        at = {}  # path patching's groups (a plan's steps) sit at their step's sender position
+        if self.spec.discovery.method == "path":
+            from ..tasks.plan import default_plan, load_plan
+
+            at = {s.name: s.sender for s in (load_plan(self.task.plan) if self.task.plan else default_plan()).steps}
+        names = [at.get(g, g) for g in wanted if at.get(g, g) in named] or sorted(named)
+
+        def wide(name: str, b: dict) -> bool:
+            where = b["positions"].get(name)  # as the engine reads it (scoring.is_one_token): a named token first
+            return where.dim() > 1 if where is not None else name in b.get("position_classes", {})
+
+        found = [g for g in names if any(wide(g, b) for b in batches)]
+        return {"class_groups": found} if found else {}
+
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
         patching of the selections into every model for the base's."""
@@ -603,6 +628,7 @@ class CircuitsStudy(Study):
             return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic, "left_out": left_out}
 
         inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self.task_inputs()}
+        inputs.update(self.class_groups(c.groups))
         return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
 
     def dcm_circuit(self, found: dict[str, StageRecord], pruned: dict[str, StageRecord], name: str) -> StageRecord:
@@ -670,6 +696,7 @@ class CircuitsStudy(Study):
         }
         if dcm_rec is not None:
             inputs["dcm"] = dcm_rec.key
+        inputs.update(self.class_groups(c.groups))
         return self.cache.run(f"cmap:{finetune}", inputs, compute)
 
     # -- the whole study ----------------------------------------------------------------
