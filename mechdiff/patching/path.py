@@ -35,6 +35,14 @@ tracking's ``labels``) is drawn from at random, independently for each sender an
 The paper reads group D's sender, whose query label the counterfactual lacks, at a random box label
 (``pp_utils.patching_sender_heads``: ``random.choice(range(6, 49, 7))``, one draw per sender and prompt).
 
+Answers of several tokens are teacher-forced (:class:`~mechdiff.patching.core.Continuations`): each pair's target
+(and under ``logit_diff`` each alternative of its clean prompt) is a row of the batch running the prompt with the
+answer's tokens but its last appended; ``p`` is the answer's probability (the product of its tokens') or its summed
+log-probability minus the alternatives' mean. Senders and receivers are written at the prompt's positions only;
+every other head is frozen at every position, the appended ones included (mechdiff's extension of the one-token
+definition), so step A's frozen point run gives the first answer token's logits and the later ones are the clean
+run's. A pair's rows share its sender draws; scores are per pair.
+
 Pairs of several token lengths or templates are prepared group by group
 (:func:`~mechdiff.tasks.base.grouped_batches`, one :class:`PairBatch` each, held by :class:`PairBatches`);
 each group is patched on its own and the score is the same ratio of means over every prompt.

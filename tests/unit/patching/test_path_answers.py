@@ -17,6 +17,7 @@ from mechdiff.common.metrics import logit_diff
 from mechdiff.patching.attribution import attribution_scores
 from mechdiff.patching.core import run
 from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
+from mechdiff.patching.scan import scan_pairs
 from mechdiff.tasks.base import Pair
 
 ANSWERS = [[5, 6, 7], [8, 9], [10], [11, 12, 13]]  # 1 to 3 tokens, right-padded in one batch
@@ -211,3 +212,81 @@ def test_the_attribution_screen_tracks_exact_scores_of_several_tokens(tiny_llama
         approx = attribution_scores(lm, batch, position, receivers)
         e, a = np.array([exact[h] for h in senders]), np.array([approx[h] for h in senders])
         assert np.corrcoef(e, a)[0, 1] > 0.95
+
+
+def _writer(where: list[int], value: torch.Tensor, cols=slice(None)):
+    """A forward pre-hook (with kwargs) writing ``value`` (``"pos cols"``) into a module's first input at the
+    prompt positions ``where`` (its ``hidden_states`` where passed by keyword)."""
+
+    def pre(m, a, kw):
+        x = (a[0] if a else kw["hidden_states"]).clone()
+        x[0, where, cols] = value[where, cols]
+        return ((x, *a[1:]), kw) if a else (a, {**kw, "hidden_states": x})
+
+    return pre
+
+
+def _input_of(lm, module, ids: list[int]) -> torch.Tensor:
+    """The first input (``"pos cols"``) of ``module`` in a plain forward."""
+    got = {}
+
+    def grab(m, a, kw):
+        got["x"] = (a[0] if a else kw["hidden_states"])[0].clone()
+
+    handle = module.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        _forward(lm, ids)
+    finally:
+        handle.remove()
+    return got["x"]
+
+
+def _scan_reference(lm, pairs, module, where, cols, metric: str) -> tuple[float, float]:
+    """The change of the mean metric when ``module``'s input at the prompt positions ``where(pair)`` (``cols``) is
+    the source prompt's, each answer teacher-forced in a plain forward with hooks; and the size of its operands: the
+    largest |summed log-prob| (logit_diff), times the largest probability (prob: exp of such sums)."""
+    clean, patched, scale = [], [], 1.0
+    for pair, answer, alternative in zip(pairs, ANSWERS, ALTERNATIVES):
+        n, c, p = len(pair.base.input_ids), [], []
+        for tokens in [answer] + ([alternative] if metric == "logit_diff" else []):
+            ids = list(pair.base.input_ids) + tokens[:-1]
+            source = _input_of(lm, module, list(pair.source.input_ids) + tokens[:-1])
+            c.append(_logprob(_forward(lm, ids), n, tokens))
+            handle = module.register_forward_pre_hook(_writer(where(pair), source, cols), with_kwargs=True)
+            try:
+                p.append(_logprob(_forward(lm, ids), n, tokens))
+            finally:
+                handle.remove()
+            scale = max(scale, abs(c[-1]), abs(p[-1]))
+        clean.append(c[0] - c[1] if metric == "logit_diff" else np.exp(c[0]))
+        patched.append(p[0] - p[1] if metric == "logit_diff" else np.exp(p[0]))
+    size = 1.0 if metric == "logit_diff" else max(max(clean), max(patched))
+    return float(np.mean(patched) - np.mean(clean)), scale * size
+
+
+@pytest.mark.parametrize("metric", ["prob", "logit_diff"])
+@pytest.mark.parametrize("site,position", [("z", "last"), ("z", None), ("resid", "num")])
+def test_scans_score_several_tokens_as_hooked_forwards(tiny_llama, smollm2_tokenizer, metric, site, position):
+    """Head scans (at the last position, at every prompt position) and a residual scan, each cell against plain
+    forwards of prompt + answer with the component's input at the prompt's positions taken from the source."""
+    lm, pairs = tiny_llama, long_pairs(smollm2_tokenizer)
+    result = scan_pairs(lm, pairs, site=site, position=position, metric=metric, per_pass=5)
+    want, scales = torch.zeros_like(result.effects, dtype=torch.float64), []
+    d = lm.shape.d_head
+    for layer in range(lm.shape.n_layers):
+        if site == "resid":
+            for j, p in enumerate(result.positions):
+                block = lm.arch.block(lm.model, layer)  # its input: the embedding output at layer 0
+                want[layer, j], scale = _scan_reference(lm, pairs, block, lambda pair: [p], slice(None), metric)
+                scales.append(scale)
+            continue
+        for head in range(lm.shape.n_heads):
+            where = (lambda pair: list(range(len(pair.base.input_ids)))) if position is None else None
+            where = where or (lambda pair: [pair.base.positions[position]])
+            cols = slice(head * d, (head + 1) * d)
+            want[layer, head], scale = _scan_reference(lm, pairs, _z_module(lm, layer), where, cols, metric)
+            scales.append(scale)
+    # logit_diff: sums of log-probabilities of size <= |S|; prob: exp(S) errs relatively by the error of S
+    bound = tol32(max(scales))
+    assert float((result.effects.double() - want).abs().max()) <= bound
+    assert float(want.abs().max()) > 5 * bound  # not vacuous: the patches move the metric beyond the tolerance
