@@ -54,6 +54,12 @@ METRICS: dict[str, tuple[Callable, str]] = {
     "logit_diff": (_logit_diff, "logit of the answer minus logit of the alternative"),
 }
 
+# metric name -> what it measures where answers have several tokens (teacher-forced)
+FORCED_LABELS = {
+    "prob": "probability of the answer (the product of its tokens')",
+    "logit_diff": "summed log-probability of the answer minus the alternatives'",
+}
+
 Positions = Union[str, int, torch.Tensor, Sequence[int], None]
 
 
@@ -68,10 +74,12 @@ class ScanResult:
     clean: float  # the metric of the clean run
     source: float  # the metric of the source run
     positions: list = field(default_factory=list)  # the position axis (resid) or each example's position
+    forced: bool = False  # answers of several tokens, teacher-forced
 
     @property
     def label(self) -> str:
-        return f"change in {METRICS[self.metric][1]} ({self.metric})"
+        what = FORCED_LABELS[self.metric] if self.forced else METRICS[self.metric][1]
+        return f"change in {what} ({self.metric})"
 
     def to_dict(self) -> dict:
         return {
@@ -132,7 +140,7 @@ def scan(
             axes, pos_list = ("layer", "head"), ([] if pos is None else pos.tolist())
         effects, base, src = keep(effects), keep(base), keep(src)
     assert effects.shape[0] == n_layers
-    return ScanResult(effects, site, metric, axes, float(base), float(src), pos_list)
+    return ScanResult(effects, site, metric, axes, float(base), float(src), pos_list, forced is not None)
 
 
 def scan_pairs(
@@ -204,6 +212,7 @@ def scan_pairs(
         float(sum(r.clean * wi for r, wi in zip(results, w))),
         float(sum(r.source * wi for r, wi in zip(results, w))),
         [p for r in results for p in r.positions],
+        any(r.forced for r in results),
     )
 
 

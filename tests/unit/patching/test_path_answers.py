@@ -271,6 +271,8 @@ def test_scans_score_several_tokens_as_hooked_forwards(tiny_llama, smollm2_token
     forwards of prompt + answer with the component's input at the prompt's positions taken from the source."""
     lm, pairs = tiny_llama, long_pairs(smollm2_tokenizer)
     result = scan_pairs(lm, pairs, site=site, position=position, metric=metric, per_pass=5)
+    assert result.forced
+    assert ("summed log-probability" if metric == "logit_diff" else "product of its tokens") in result.label
     want, scales = torch.zeros_like(result.effects, dtype=torch.float64), []
     d = lm.shape.d_head
     for layer in range(lm.shape.n_layers):
@@ -290,3 +292,49 @@ def test_scans_score_several_tokens_as_hooked_forwards(tiny_llama, smollm2_token
     bound = tol32(max(scales))
     assert float((result.effects.double() - want).abs().max()) <= bound
     assert float(want.abs().max()) > 5 * bound  # not vacuous: the patches move the metric beyond the tolerance
+
+
+def test_discovery_runs_a_plan_on_answers_of_several_tokens(tiny_llama, smollm2_tokenizer):
+    """A two-step plan (senders -> logits at last, senders at num -> A's V at num) on teacher-forced pairs: each
+    step's selection is the most negative of its exact scores, and the circuit records the clean metric per pair."""
+    from mechdiff.circuits.discovery import DiscoverySettings, discover
+    from mechdiff.tasks.plan import Plan, PlanStep
+
+    lm, pairs = tiny_llama, long_pairs(smollm2_tokenizer)
+    plan = Plan("two", (PlanStep("A", "last", 2), PlanStep("B", "num", 1, receiver="A", site="v")))
+    circuit, results = discover(lm, pairs, DiscoverySettings(n_prompts=len(pairs)), "long", False, plan=plan)
+    batch = prepare(lm, pairs)
+    assert circuit.meta["p_clean"] == float(batch.p_clean.mean())  # the same clean runs: exact
+    assert len(batch.p_clean) == len(pairs)
+    for step, result in results.items():
+        ranked = sorted(result.exact, key=lambda h: (result.exact[h], h))
+        assert result.selected == ranked[: len(result.selected)] and circuit.groups[step] == result.selected
+    assert results["B"].receivers.heads == tuple(results["A"].selected)
+
+
+def _metric(lm, prompt: list[int], answer: list[int], alternative: list[int], metric: str) -> float:
+    """One prompt's metric by plain teacher-forced forwards."""
+    logp = _logprob(_forward(lm, prompt + answer[:-1]), len(prompt), answer)
+    if metric == "prob":
+        return float(np.exp(logp))
+    return logp - _logprob(_forward(lm, prompt + alternative[:-1]), len(prompt), alternative)
+
+
+@pytest.mark.parametrize("metric", ["prob", "logit_diff"])
+def test_a_scan_of_several_tokens_reports_clean_and_source_and_refuses_answer_logit(
+    tiny_llama, smollm2_tokenizer, metric
+):
+    """The scan's clean and source values: the mean metric of the clean prompts and of the source prompts followed
+    by the same answers; answer_logit, a one-token measure, is refused for such answers before any run."""
+    lm, pairs = tiny_llama, long_pairs(smollm2_tokenizer)
+    result = scan_pairs(lm, pairs, site="z", position="last", metric=metric, per_pass=12)
+    for got, which in ((result.clean, "base"), (result.source, "source")):
+        values = [
+            _metric(lm, list(getattr(p, which).input_ids), a, alt, metric)
+            for p, a, alt in zip(pairs, ANSWERS, ALTERNATIVES)
+        ]
+        scale = 40.0 * (max(values) if metric == "prob" else 1.0)  # summed log-probabilities of size <= 40
+        assert abs(got - float(np.mean(values))) <= tol32(scale), (which, got, np.mean(values))
+    assert result.clean != pytest.approx(result.source, rel=1e-3)  # the two differ: the check is not vacuous
+    with pytest.raises(ValueError, match="answers of several tokens are scanned under prob or logit_diff"):
+        scan_pairs(None, pairs, metric="answer_logit")  # no model needed: refused first
