@@ -338,3 +338,31 @@ def test_a_scan_of_several_tokens_reports_clean_and_source_and_refuses_answer_lo
     assert result.clean != pytest.approx(result.source, rel=1e-3)  # the two differ: the check is not vacuous
     with pytest.raises(ValueError, match="answers of several tokens are scanned under prob or logit_diff"):
         scan_pairs(None, pairs, metric="answer_logit")  # no model needed: refused first
+
+
+def test_a_pairs_answers_share_its_random_source_draws(tiny_llama, smollm2_tokenizer):
+    """A sender read at a random index of a position class draws once per pair: every answer's row of a pair reads
+    the same index, the one a one-token batch of the same prompts draws (same seed, same table)."""
+    from mechdiff.patching.path import source_indices
+
+    def with_class(pairs):
+        def add(r):
+            return dataclasses.replace(r, positions={**r.positions, "both": (r.positions["num"], r.positions["last"])})
+
+        return [dataclasses.replace(p, base=add(p.base), source=add(p.source)) for p in pairs]
+
+    pairs = with_class(long_pairs(smollm2_tokenizer))
+    one_token = [
+        dataclasses.replace(
+            p, target_tokens=(), base=dataclasses.replace(p.base, answer_tokens=(), alternative_tokens=())
+        )
+        for p in pairs
+    ]
+    forced, plain = prepare(tiny_llama, pairs, "logit_diff"), prepare(tiny_llama, one_token)
+    assert forced.forced.count == 2 and plain.forced is None
+    senders = eligible_senders(tiny_llama, None)
+    drawn = source_indices(tiny_llama, forced, senders, "both", "7")
+    want = source_indices(tiny_llama, plain, senders, "both", "7")
+    n = len(pairs)
+    assert torch.equal(drawn[:, :n], want) and torch.equal(drawn[:, n:], want)
+    assert len(set(want.flatten().tolist())) == 2  # both indices drawn: the draw is not constant
