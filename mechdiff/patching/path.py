@@ -64,8 +64,7 @@ from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
-from ..tasks.base import PairRecord, group_batches, pair_batch_tensors, take
-from ..tasks.records import alternative_tokens, target_tokens
+from ..tasks.base import PairRecord, alternative_tokens, group_batches, pair_batch_tensors, take, target_tokens
 from .core import Continuations, Patch, Prefix, Resume, continuations, run
 
 log = logging.getLogger(__name__)

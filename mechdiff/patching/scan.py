@@ -157,8 +157,14 @@ def scan_pairs(
     size), as one scan of all the prompts would. A residual-stream scan's axis is token positions, so it
     needs prompts of one length. Targets (or, under ``logit_diff``, alternatives) of several tokens are
     teacher-forced (module doc); ``answer_logit`` is refused for them."""
-    from ..tasks.base import group_batches, pair_batch_tensors, take
-    from ..tasks.records import alternative_tokens, max_answer_length, target_tokens
+    from ..tasks.base import (
+        alternative_tokens,
+        group_batches,
+        max_answer_length,
+        pair_batch_tensors,
+        take,
+        target_tokens,
+    )
 
     metric = metric_name(metric)
     several = max(len(target_tokens(p)) for p in pairs) > 1 or (
