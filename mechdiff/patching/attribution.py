@@ -7,7 +7,8 @@ gradient of the step's objective with respect to ``z`` in the *frozen* model: ev
 stream and the MLPs but not through other heads (exactly what path patching freezes).
 
 - Step A (no receivers): the objective is ``sum_b p_b`` (the task's metric, :meth:`PairBatch.measure`: answer
-  probability or logit difference) at the logits.
+  probability or logit difference) at the logits; an answer of several tokens teacher-forced (each of its rows'
+  gradients summed at the prompt's positions, which the rows share).
 - Steps with receivers: first ``g_r = d(sum_b p_b) / d(receiver site at its position)`` in the
   ordinary clean model (one forward + backward); then the objective of the frozen pass is
   ``sum_r <g_r, receiver site>``, the linearised effect of the receivers' change on ``p``.
@@ -45,7 +46,7 @@ def attribution_scores(
         totals = [
             (
                 attribution_scores(model, part, sender_position, receivers, senders),
-                len(part) * float(part.p_clean.mean()),
+                part.pairs * float(part.p_clean.mean()),
             )
             for part in parts(batch)
         ]
@@ -66,7 +67,7 @@ def _gradients(
     leaves = {l: batch.clean_z[l][:, start:].detach().clone().float().requires_grad_() for l in range(top)}
     patches = [Patch("z", l, leaf, slice(start, None)) for l, leaf in leaves.items()]
     if receivers is None:
-        out = run(model, batch.clean_ids, patches, grad=True)
+        out = run(model, batch.clean_ids, patches, grad=True, **batch.readout())
         objective = batch.measure(out.logits).sum()
     else:
         objective = _receiver_objective(model, batch, receivers, patches)
@@ -93,6 +94,7 @@ def _receiver_objective(
         batch.clean_ids,
         [Patch(receivers.kind, l, leaf, rpos, cols) for (l, cols), leaf in zip(sites, leaves)],
         grad=True,
+        **batch.readout(),
     )
     g = torch.autograd.grad(batch.measure(out.logits).sum(), leaves)
     # 2. the receiver sites as functions of the frozen model's z
@@ -110,7 +112,7 @@ def _dot(
 ) -> dict[Head, float]:
     """``grad . (source - clean)`` at the sender position, per head, normalised like path patching."""
     rows = torch.arange(len(batch))
-    denom = len(batch) * float(batch.p_clean.mean())
+    denom = batch.pairs * float(batch.p_clean.mean())
     scores: dict[Head, float] = {}
     by_layer: dict[int, torch.Tensor] = {}
     for layer in sorted({h.layer for h in senders}):
@@ -118,7 +120,7 @@ def _dot(
         if grad is None:
             by_layer[layer] = torch.zeros(model.shape.n_heads)
             continue
-        delta = (batch.source_z[layer] - batch.clean_z[layer])[rows, spos].float()  # "batch (head d_head)"
+        delta = (batch.source_z[layer][rows, spos] - batch.clean_z[layer][rows, spos]).float()  # "batch (head d_head)"
         prod = rearrange(grad[rows, spos - start] * delta, "b (head d) -> b head d", head=model.shape.n_heads)
         by_layer[layer] = prod.sum((0, 2)) / denom
     for h in senders:

@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..common.components import Head
+from ..common.metrics import metric_name, sequence_logprob
 from ..models.loading import LoadedModel
 
 SITE_ORDER = {"emb": -1, "q": 0, "k": 1, "v": 2, "z": 3, "pattern": 4, "resid": 5}
@@ -247,6 +248,79 @@ def answer_logits(
     ids = torch.cat([input_ids, answer_tokens[:, :-1].to(input_ids.device)], 1)
     readout = (length - 1 + torch.arange(a))[None].expand(ids.shape[0], -1)
     return run(model, ids, [prompt_patch(p, length) for p in patches], readout=readout).logits
+
+
+@dataclass(frozen=True)
+class Continuations:
+    """Answers of several tokens teacher-forced in stacked runs: each prompt's answers (its answer, then for a
+    ``logit_diff`` metric each of its ``k`` alternatives) stacked along the batch, ``"(c b)"`` rows of ``c`` answers
+    of ``b`` prompts, each right-padded to ``w`` tokens. A row runs its prompt with its answer's tokens but the last
+    appended (:func:`answer_logits`); the prompts' positions are every row's first ``prompt_length``.
+
+    :meth:`measure` folds a row's teacher-forced logits into each prompt's metric: ``prob``, the answer's
+    probability (the product of its tokens', ``exp`` of the summed log-probability, in float64), or ``logit_diff``,
+    the answer's summed log-probability minus the mean of its alternatives' (for one token, the logit difference).
+    """
+
+    tokens: torch.Tensor  # "(c b) w", right-padded
+    lengths: torch.Tensor  # "(c b)"
+    count: int  # c: 1 (prob) or 1 + k (logit_diff)
+    prompt_length: int
+    metric: str
+
+    @property
+    def prompts(self) -> int:
+        return self.tokens.shape[0] // self.count
+
+    def stack(self, t: torch.Tensor) -> torch.Tensor:
+        """A prompt-level tensor ``"b ..."`` repeated for every answer, ``"(c b) ..."``."""
+        return t.repeat(self.count, *([1] * (t.ndim - 1)))
+
+    def ids(self, prompts: torch.Tensor) -> torch.Tensor:
+        """The rows' run inputs ``"(c b) (pos + w - 1)"`` from the prompts ``"b pos"``."""
+        if prompts.shape[1] != self.prompt_length:
+            raise ValueError(f"prompts of {prompts.shape[1]} tokens; these continuations follow {self.prompt_length}")
+        return torch.cat([self.stack(prompts), self.tokens[:, :-1].to(prompts.device)], 1)
+
+    def readout(self, copies: int = 1) -> torch.Tensor:
+        """The positions ``"(copy c b) w"`` whose logits predict each answer token, for ``copies`` stacked copies."""
+        at = self.prompt_length - 1 + torch.arange(self.tokens.shape[1])
+        return at[None].expand(copies * self.tokens.shape[0], -1)
+
+    def measure(self, logits: torch.Tensor, copies: int = 1) -> torch.Tensor:
+        """Each prompt's metric ``"(copy b)"`` (float64) from the rows' logits ``"(copy c b) w vocab"``."""
+        tokens, lengths = self.tokens.repeat(copies, 1), self.lengths.repeat(copies)
+        logp = sequence_logprob(logits, tokens, lengths).double()
+        logp = logp.reshape(copies, self.count, self.prompts)
+        if self.metric == "prob":
+            out = logp[:, 0].exp()
+        else:
+            out = logp[:, 0] - logp[:, 1:].mean(1)
+        return out.reshape(-1)
+
+
+def continuations(
+    answers: Sequence[Sequence[int]],
+    alternatives: Optional[Sequence[Sequence[Sequence[int]]]],
+    metric: str,
+    prompt_length: int,
+) -> Optional[Continuations]:
+    """The :class:`Continuations` of prompts whose answers (and, for ``logit_diff``, ``alternatives``: ``k`` token
+    lists per prompt) are token lists; None where every one is one token (read at the prompt's last position)."""
+    metric = metric_name(metric)
+    if metric not in ("prob", "logit_diff"):
+        raise ValueError(f"answers of several tokens are scored under prob or logit_diff, not {metric!r}")
+    rows = [list(a) for a in answers]
+    if metric == "logit_diff":
+        if alternatives is None or not all(alternatives) or len({len(a) for a in alternatives}) != 1:
+            raise ValueError("metric logit_diff needs the same number of alternative answers for every prompt")
+        rows += [list(alt[j]) for j in range(len(alternatives[0])) for alt in alternatives]
+    if max(len(r) for r in rows) == 1:
+        return None
+    width = max(len(r) for r in rows)
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    return Continuations(tokens, lengths, len(rows) // len(answers), prompt_length, metric)
 
 
 def prompt_patch(patch: Patch, length: int) -> Patch:

@@ -35,6 +35,14 @@ tracking's ``labels``) is drawn from at random, independently for each sender an
 The paper reads group D's sender, whose query label the counterfactual lacks, at a random box label
 (``pp_utils.patching_sender_heads``: ``random.choice(range(6, 49, 7))``, one draw per sender and prompt).
 
+Answers of several tokens are teacher-forced (:class:`~mechdiff.patching.core.Continuations`): each pair's target
+(and under ``logit_diff`` each alternative of its clean prompt) is a row of the batch running the prompt with the
+answer's tokens but its last appended; ``p`` is the answer's probability (the product of its tokens') or its summed
+log-probability minus the alternatives' mean. Senders and receivers are written at the prompt's positions only;
+every other head is frozen at every position, the appended ones included (mechdiff's extension of the one-token
+definition), so step A's frozen point run gives the first answer token's logits and the later ones are the clean
+run's. A pair's rows share its sender draws; scores are per pair.
+
 Pairs of several token lengths or templates are prepared group by group
 (:func:`~mechdiff.tasks.base.grouped_batches`, one :class:`PairBatch` each, held by :class:`PairBatches`);
 each group is patched on its own and the score is the same ratio of means over every prompt.
@@ -56,8 +64,8 @@ from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
-from ..tasks.base import PairRecord, check_one_token, group_batches, pair_batch_tensors, take
-from .core import Patch, Prefix, Resume, run
+from ..tasks.base import PairRecord, alternative_tokens, group_batches, pair_batch_tensors, take, target_tokens
+from .core import Continuations, Patch, Prefix, Resume, continuations, run
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +91,34 @@ class PairBatch:
     source_positions: Optional[dict[str, torch.Tensor]] = None  # name -> "batch" or "batch k", the sources' own
     alternative_ids: Optional[torch.Tensor] = None  # "batch k": the clean prompts' alternative answers
     metric: str = "prob"  # the task's: what ``p`` is (answer probability or logit difference)
+    # answers of several tokens: rows are "(c b)", each a prompt with one answer's tokens appended (teacher forcing);
+    # clean_ids, clean_z, clean_resid and clean_kv cover the appended tokens, clean_logits is "(c b) w vocab"
+    forced: Optional[Continuations] = None
 
     @property
     def p_clean(self) -> torch.Tensor:
         return self.measure(self.clean_logits)
 
+    @property
+    def pairs(self) -> int:
+        """The number of pairs (rows over stacked answers)."""
+        return len(self) if self.forced is None else self.forced.prompts
+
+    @property
+    def last(self) -> int:
+        """The prompts' last position (where the first answer token is read)."""
+        return self.clean_ids.shape[1] - 1 if self.forced is None else self.forced.prompt_length - 1
+
+    def readout(self, copies: int = 1) -> dict:
+        """``run``'s read-out argument for ``copies`` stacked copies: none (the last position) for one-token answers,
+        else every position predicting an answer token."""
+        return {} if self.forced is None else {"readout": self.forced.readout(copies)}
+
     def measure(self, logits: torch.Tensor, copies: int = 1) -> torch.Tensor:
-        """The task's metric of read-out logits ``"(copy batch) vocab"`` of ``copies`` stacked copies of the batch."""
+        """The task's metric per pair ``"(copy pair)"`` of read-out logits ``"(copy batch) vocab"`` (teacher-forced:
+        ``"(copy batch) w vocab"``) of ``copies`` stacked copies of the batch."""
+        if self.forced is not None:
+            return self.forced.measure(logits, copies)
         answers = repeat(self.answer_ids, "b -> (s b)", s=copies)
         alts = None if self.alternative_ids is None else repeat(self.alternative_ids, "b k -> (s b) k", s=copies)
         return task_metric(logits, answers, self.metric, alts)
@@ -121,9 +150,9 @@ def prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "prob
     """Run clean and counterfactual once, capturing every layer's ``z`` (and the clean residual stream): one
     :class:`PairBatch` where every pair has one template and length, else :class:`PairBatches` (one per group).
     ``metric``: the task's (``prob``, or ``logit_diff`` against the clean prompts' alternatives, refused where a pair
-    has none). Path patching and the attribution screen score one answer token: pairs with longer answers are
-    refused (their frozen and receiver runs read the prompt's last position only)."""
-    check_one_token(pairs, "path patching")
+    has none). A target (or alternative) of several tokens is teacher-forced (:class:`~mechdiff.patching.core.
+    Continuations`): each pair's answers are stacked rows whose runs append the answer's tokens but its last, the
+    senders and receivers written at the prompt's positions only."""
     if metric == "logit_diff" and not all(getattr(p.base, "alternative_ids", ()) for p in pairs):
         raise ValueError("path patching under metric logit_diff needs pairs whose clean prompts have alternatives")
     groups = group_batches(pairs)
@@ -138,15 +167,40 @@ def _prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "pro
     sites = [("z", layer) for layer in layers]
     resid = [("resid", layer) for layer in range(model.shape.n_layers - 1)]
     clean_ids, source_ids = tensors["base"]["input_ids"], tensors["source"]["input_ids"]
+    forced = pair_continuations(pairs, metric, clean_ids.shape[1])
+    stack = (lambda t: t) if forced is None else forced.stack
+    read = {} if forced is None else {"readout": forced.readout()}
     with torch.no_grad():
         with model.session():  # remote: both runs in one request
-            clean = run(model, clean_ids, capture=sites + resid, keep_kv=True)
+            clean = run(
+                model,
+                clean_ids if forced is None else forced.ids(clean_ids),
+                capture=sites + resid,
+                keep_kv=True,
+                **read,
+            )
             source = run(model, source_ids, capture=sites)
             clean_z = keep({l: clean.captured[("z", l)] for l in layers})
-            source_z = keep({l: source.captured[("z", l)] for l in layers})
+            source_z = keep({l: stack(source.captured[("z", l)]) for l in layers})
             clean_logits = keep(clean.logits)
             clean_resid = keep({l: clean.captured[("resid", l)] for _, l in resid})
             keys, values = keep(clean.kv.keys), keep(clean.kv.values)
+    if forced is not None:  # every row a pair with one of its answers appended; alternatives are rows
+        return PairBatch(
+            forced.ids(clean_ids),
+            stack(source_ids),
+            stack(tensors["target_ids"]),
+            {k: stack(v) for k, v in tensors["base"]["positions"].items()},
+            clean_z,
+            source_z,
+            clean_logits,
+            clean_resid,
+            Prefix(list(keys), list(values)),
+            {k: stack(v) for k, v in tensors["source"]["positions"].items()},
+            None,
+            metric,
+            forced,
+        )
     return PairBatch(
         clean_ids,
         source_ids,
@@ -161,6 +215,13 @@ def _prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "pro
         tensors["base"].get("alternative_ids") if metric == "logit_diff" else None,
         metric,
     )
+
+
+def pair_continuations(pairs: Sequence[PairRecord], metric: str, prompt_length: int) -> Optional[Continuations]:
+    """The teacher-forced answers of ``pairs`` (each pair's target, then under ``logit_diff`` each alternative of
+    its clean prompt), or None where every one is a token (read at the prompt's last position, as always)."""
+    alternatives = [alternative_tokens(p.base) for p in pairs] if metric == "logit_diff" else None
+    return continuations([target_tokens(p) for p in pairs], alternatives, metric, prompt_length)
 
 
 @dataclass(frozen=True)
@@ -270,11 +331,13 @@ def source_indices(
         raise ValueError(f"source position {position!r} is missing (-1) in some counterfactual prompts")
     if where.ndim == 1:
         return repeat(where, "b -> s b", s=len(senders))
-    n_heads, n = model.shape.n_heads, len(batch)
+    n_heads, n = model.shape.n_heads, batch.pairs
     generator = torch.Generator().manual_seed(random.Random(seed).getrandbits(63))
     table = torch.randint(where.shape[1], (model.shape.n_layers * n_heads, n), generator=generator)
     picks = table[torch.tensor([h.layer * n_heads + h.head for h in senders], dtype=torch.long)]  # "sender batch"
-    return where[torch.arange(n)[None], picks]
+    drawn = where[torch.arange(n)[None], picks]
+    # teacher-forced rows "(c b)": one draw per pair, the same in each of its answers' rows
+    return drawn if batch.forced is None else batch.forced.stack(drawn.T).T
 
 
 def auto_senders_per_pass(model: LoadedModel, batch: Union[PairBatch, PairBatches]) -> int:
@@ -331,15 +394,17 @@ def _patched_prob(
     first = min([h.layer for h in senders] + ([h.layer for h in receivers.heads] if receivers else []))
     ids = repeat(batch.clean_ids, "b p -> (s b) p", s=s)
     suffix = {"prefix": batch.clean_kv} if batch.clean_kv is not None else {}
-    read_at = spos.new_full(spos.shape, batch.clean_ids.shape[1] - 1) if rpos is None else rpos
+    read_at = spos.new_full(spos.shape, batch.last) if rpos is None else rpos
     point = batch.clean_kv is not None and torch.equal(spos, read_at)
     with torch.no_grad():
         if receivers is None:
             if point:
                 logits = _frozen_point_run(model, batch, senders, (spos, src), range(first, top), first).logits
+                logits = _with_clean_answer(batch, logits, s)
             else:
                 patches = _frozen_patches(model, batch, senders, (spos, src), range(first, top), start)
-                logits = run(model, ids, patches, resume=_resume(batch, first), start=start, **suffix).logits
+                read = batch.readout(s)
+                logits = run(model, ids, patches, resume=_resume(batch, first), start=start, **suffix, **read).logits
         else:
             sites = receiver_sites(model, receivers)
             capture = [(receivers.kind, l) for l in sorted({l for l, _ in sites})]
@@ -360,7 +425,7 @@ def _patched_prob(
             # resumes at the lowest receiver some sender lies below.
             sites = [(layer, cols) for layer, cols in sites if layer > min(h.layer for h in senders)]
             logits = _receiver_logits(model, batch, s, receivers.kind, sites, values, rpos)
-    return batch.measure(logits, s).reshape(s, n)
+    return batch.measure(logits, s).reshape(s, -1)
 
 
 def _receiver_logits(
@@ -391,11 +456,23 @@ def _receiver_logits(
         resume = _resume(batch, min(layer for layer, _ in sites)) if sites else None
         if resume is not None:
             resume = Resume(resume.layer, resume.hidden[g])
-        outs.append(run(model, ids, writes, resume=resume, prefix=prefix).logits)
+        read = {} if batch.forced is None else {"readout": batch.forced.readout(s)[stacked]}
+        outs.append(run(model, ids, writes, resume=resume, prefix=prefix, **read).logits)
         order.append(stacked)
     if len(outs) == 1:
         return outs[0]
     return torch.cat(outs)[torch.argsort(torch.cat(order))]
+
+
+def _with_clean_answer(batch: PairBatch, logits: torch.Tensor, s: int) -> torch.Tensor:
+    """Step A's teacher-forced logits ``"(s b) w vocab"`` from a frozen point run's at the prompt's last position
+    (``"(s b) vocab"``): with every head's z frozen at every position, appended answer positions included, the
+    residual stream differs from the clean one only at the sender position, so the later answer tokens' logits are
+    the clean run's. One-token answers: ``logits`` as they are."""
+    if batch.forced is None:
+        return logits
+    rest = repeat(batch.clean_logits[:, 1:], "b w v -> (s b) w v", s=s).to(logits.device, logits.dtype)
+    return torch.cat([logits[:, None], rest], 1)
 
 
 def _rows_prefix(prefix: Prefix, rows: torch.Tensor, every: bool) -> Prefix:

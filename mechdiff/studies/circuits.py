@@ -29,7 +29,7 @@ from ..runs.stages import Pending, StageRecord, label
 from ..runs.stages import key_hash as _hash
 from ..tasks.base import Task, get_task
 from .base import Study, rows_inputs, vocabulary_digest
-from .spec import RunSpec, check_answer_tokens, section_inputs
+from .spec import RunSpec, section_inputs
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ class CircuitsStudy(Study):
         self.store = str(Path(spec.output.store))
         check_writable(Path(self.store).parent, "activation store directory")
         self.task  # noqa: B018 - an imported task's prompt sets are drawn (or refused, short of rows) before weights
-        check_answer_tokens(spec, self.task)  # stages scoring one answer token refuse a task of longer answers
         # Check the set before any weights load: weights present (or --remote set up), shapes, vocabularies, names.
         from ..models.remote import check_remote
         from .reproduce import check_weights

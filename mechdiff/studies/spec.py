@@ -529,23 +529,3 @@ def check_task(name: str, where: str = "") -> None:
         f"{where}task {name!r} is neither a registered task nor a task directory; {known_tasks(name)} "
         "(import your pairs with `mechdiff dataset import PAIRS.jsonl --model M --out DIR` and name DIR)"
     )
-
-
-def check_answer_tokens(spec: RunSpec, task: Any) -> None:
-    """Refuse, before any weights load, a study that runs a stage scoring one answer token on a task whose answers
-    have several (``task.answer_tokens``): path patching. Accuracy, the position scan, the curve, pruning, the
-    matrix, DCM, semantic patching and CMAP take them."""
-    n = getattr(task, "answer_tokens", 1)
-    if n <= 1:
-        return
-    stages = [
-        *(['discovery (method = "path": path patching)'] if spec.discovery.method == "path" else []),
-    ]
-    if stages:
-        raise SpecError(
-            "; ".join(
-                f"stage {s} scores one answer token; task {task.name} has answers of up to {n} tokens" for s in stages
-            )
-            + " (accuracy, the position scan, the curve, pruning, the circuit x model matrix, DCM, semantic "
-            'patching and CMAP take answers of several tokens: use method = "curve")'
-        )

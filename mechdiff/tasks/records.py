@@ -241,13 +241,12 @@ def max_answer_length(records: Sequence[Any]) -> int:
     return max((answer_length(r) for r in records), default=1)
 
 
-def check_one_token(records: Sequence[Any], stage: str, task: str = "") -> None:
-    """Refuse, naming ``stage``, records with an answer of several tokens: a stage that scores one answer token."""
+def check_one_token(records: Sequence[Any], stage: str, task: str = "", does: str = "scores one answer token") -> None:
+    """Refuse, naming ``stage`` and what it ``does``, records with an answer of several tokens: a stage that scores
+    (or trains on) one answer token."""
     n = max_answer_length(records)
     if n > 1:
-        raise ValueError(
-            f"stage {stage} scores one answer token; task {task or 'these records'} has answers of up to {n} tokens"
-        )
+        raise ValueError(f"stage {stage} {does}; task {task or 'these records'} has answers of up to {n} tokens")
 
 
 def check_pair(base: Record, source: Record, where: str = "") -> None:
@@ -528,6 +527,11 @@ Batch = dict[str, Any]
 def answer_batch(records: Sequence[Record]) -> Batch:
     """``{"input_ids": [batch, pos], "answer_ids": [batch]}``: what fine-tuning and HeadMap train on (one answer
     token each: records with longer answers are refused)."""
-    check_one_token(records, "fine-tuning / HeadMap batches")
+    check_one_token(
+        records,
+        "fine-tuning / HeadMap training batches",
+        does="trains on one answer token (the next-token loss at the prompt's last position; every scoring stage, "
+        "path patching and the scans included, takes answers of several tokens)",
+    )
     t = batch_tensors(records)
     return {"input_ids": t["input_ids"], "answer_ids": t["answer_ids"]}

@@ -235,20 +235,23 @@ def test_mean_ablation_scores_several_tokens_against_hooks(tiny_llama, smollm2_t
     assert np.array_equal(dropped.prob, scorer.keep([(head, EVERY_POSITION)]).prob)  # the same runs, the same cache
 
 
-def test_stages_of_one_token_refuse_longer_answers(smollm2_tokenizer, long_task, tmp_path):
+def test_training_batches_refuse_longer_answers_and_path_patching_takes_them(smollm2_tokenizer, long_task):
+    """Fine-tuning / HeadMap batches train on one answer token and refuse longer answers, saying so; path patching's
+    batch takes them (teacher-forced rows, :mod:`tests.unit.patching.test_path_answers` checks its numbers)."""
+    from mechdiff.tasks.records import answer_batch
+
     pairs = get_task(long_task).discovery_pairs(smollm2_tokenizer, 4)
     with pytest.raises(ValueError, match=r"stage path patching scores one answer token; task .* up to 6 tokens"):
         check_one_token(pairs, "path patching")
-    from mechdiff.patching.path import prepare
-
-    with pytest.raises(ValueError, match="stage path patching scores one answer token"):
-        prepare(None, pairs)  # refused before any forward pass (no model needed)
+    with pytest.raises(ValueError, match=r"HeadMap training batches trains on one answer token .* up to 6 tokens"):
+        answer_batch([p.base for p in pairs])
     assert dataset_hash(pairs) == dataset_hash([Pair.from_dict(json.loads(json.dumps(p.to_dict()))) for p in pairs])
 
 
-def test_a_study_of_longer_answers_refuses_one_token_stages_before_weights(smollm2_tokenizer, tmp_path, monkeypatch):
+def test_a_study_of_longer_answers_takes_path_patching(smollm2_tokenizer, tmp_path, monkeypatch):
+    """A study of method = "path" on a task of longer answers is no longer refused: it goes on to load weights."""
     from mechdiff.studies import circuits
-    from mechdiff.studies.spec import SpecError, load_spec
+    from mechdiff.studies.spec import load_spec
 
     long_task = import_pairs(write_rows(tmp_path / "rows.jsonl", long_rows(16)), smollm2_tokenizer, tmp_path / "task")
 
@@ -259,10 +262,13 @@ def test_a_study_of_longer_answers_refuses_one_token_stages_before_weights(smoll
         '[eval]\nn = 1\n[positions]\nn = 0\n[discovery]\nmethod = "path"\nn = 1\n[scoring]\nn = 1\nreference_n = 1\n'
         "prune = false\n[dcm]\nn_train = 0\nn_val = 0\nn_test = 1\n[cmap]\nn = 1\n"
     )
-    monkeypatch.setattr(circuits, "ModelSet", lambda *a, **k: pytest.fail("weights loaded"))
-    with pytest.raises(SpecError) as err:
+
+    class Loaded(Exception):
+        pass
+
+    def load(*a, **k):
+        raise Loaded
+
+    monkeypatch.setattr(circuits, "ModelSet", load)
+    with pytest.raises(Loaded):
         circuits.CircuitsStudy(load_spec(spec_file), progress=False)
-    refused = str(err.value).split(" (accuracy")[0]
-    assert refused == 'stage discovery (method = "path": path patching) scores one answer token; task task has ' + (
-        "answers of up to 6 tokens"
-    )  # DCM and CMAP take answers of several tokens
