@@ -511,3 +511,23 @@ def test_headmap_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32(hea
     )
     outside = [o for o in outside if o[0] not in differ or ".losses[" not in o[1] and ".heads." not in o[1]]
     assert outside == [] and checked > 100, outside[:40]
+
+
+@pytest.mark.parametrize("method", ["acdc", "iterative", "eap-ig"])
+def test_knowledge_discovery_methods_run_in_bfloat16_within_a_stated_tolerance_of_float32(
+    method, tmp_path, smollm2_tokenizer
+):
+    """ACDC (its metric on every fact: the random model's top-1 is no answer), iterative pruning and EAP-IG, each
+    in bfloat16 against float32 on the tiny model, with the tolerances of
+    :func:`test_knowledge_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32` (ACDC's edge effects and
+    metrics, differences of mean log-probabilities, within 2^-9)."""
+    from test_study import bfloat16_outside
+
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        model, settings, out = _knowledge_setup(tmp_path / dtype, smollm2_tokenizer)
+        model.model.to(getattr(torch, dtype))
+        _run_knowledge(model, replace(settings, method=method, acdc_metric="nll"), out)
+        outs[dtype] = out / "stages"
+    checked, outside = bfloat16_outside(outs["bfloat16"], outs["float32"], knowledge_tolerance, least=4)
+    assert outside == [] and checked > 150, outside[:40]
