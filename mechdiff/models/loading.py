@@ -160,7 +160,24 @@ def model_fingerprint(model: Any) -> str:
             h.update(str(tuple(p.shape)).encode())
             h.update(flat[::step].numpy().tobytes())
             h.update(f"{flat.double().sum().item():.6e}".encode())
+    dtype = weights_dtype(model)
+    if dtype != "float32":  # bfloat16 weights read as float32 sample alike (SmolLM2 is stored in bfloat16); float32's
+        h.update(dtype.encode())  # digest stays as it was, so committed float32 stage keys stay valid
     return h.hexdigest()[:16]
+
+
+def weights_dtype(model: Any) -> str:
+    """The dtype of ``model``'s floating-point parameters (``"float32"``, ``"bfloat16"``, ...; the first one's where
+    they differ; ``"float32"`` for a model without any)."""
+    first = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return str(first).removeprefix("torch.")
+
+
+def dtype_inputs(model: Any) -> dict:
+    """What a stage key keyed by model name adds for ``model``'s weights' dtype: nothing for float32 (committed
+    float32 keys stay valid), ``{"dtype": ...}`` otherwise, so a bfloat16 run never reads a float32 record."""
+    dtype = weights_dtype(model)
+    return {} if dtype == "float32" else {"dtype": dtype}
 
 
 def remote_fingerprint(model: Any, spec: ModelSpec) -> str:

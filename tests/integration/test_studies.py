@@ -486,7 +486,8 @@ def test_headmap_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32(hea
     4.3e-4 for a locating score, 4.2e-4 for a training loss); correctness and every other figure as in the circuits
     study's test. The random models' locating scores of two heads of a layer lie within 1e-4 of each other, closer
     than bfloat16 resolves: a run training on located heads is compared only where both dtypes located the same
-    heads, and only such runs may differ in their heads."""
+    heads, and only such runs may differ in their heads. Every stage's key differs from float32's (the study keys
+    its stages by model name: the weights' dtype is added to them), so neither run reads the other's records."""
     from test_study import bfloat16_outside
 
     settings, out, load, _ = headmap_setup
@@ -498,6 +499,8 @@ def test_headmap_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32(hea
         return m
 
     hm.HeadMapStudy(settings, out, load_bf16, progress=False).run()
+    keys = {p.name: json.loads(p.read_text())["key"] for p in (shared / "stages").glob("*.json")}
+    assert not [n for n, k in keys.items() if json.loads((out / "stages" / n).read_text())["key"] == k]  # dtype in key
 
     def compared(path_of_record: Path):
         return json.loads(path_of_record.read_text())["result"].get("heads")
