@@ -161,8 +161,10 @@ def model_fingerprint(model: Any) -> str:
             h.update(flat[::step].numpy().tobytes())
             h.update(f"{flat.double().sum().item():.6e}".encode())
     dtype = weights_dtype(model)
-    if dtype != "float32":  # bfloat16 weights read as float32 sample alike (SmolLM2 is stored in bfloat16); float32's
-        h.update(dtype.encode())  # digest stays as it was, so committed float32 stage keys stay valid
+    # a checkpoint stored in bfloat16 samples alike loaded in float32 or bfloat16: the dtype tells them apart; a
+    # float32 model's digest stays as it was, so committed float32 stage keys stay valid
+    if dtype != "float32":
+        h.update(dtype.encode())
     return h.hexdigest()[:16]
 
 

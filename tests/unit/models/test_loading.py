@@ -159,10 +159,10 @@ def test_the_unembedding_reads_a_contiguous_input_and_the_logits_do_not_change(s
 
 
 def test_the_fingerprint_tells_bfloat16_weights_from_float32_weights_of_the_same_values(smollm2_tokenizer):
-    """A model stored in bfloat16 (SmolLM2) loads in float32 and in bfloat16 with the same values: the fingerprint
-    (every stage key's and the activation store's) still tells them apart, so a bfloat16 run never reads a float32
-    record. A float32 model's digest carries no dtype (committed float32 keys stay valid); ``dtype_inputs`` adds
-    the dtype to a key read by model name only where it is not float32."""
+    """A checkpoint stored in bfloat16 (as many hub checkpoints are) loads in float32 and in bfloat16 with the same
+    values: the fingerprint (every stage key's and the activation store's) still tells them apart, so a bfloat16
+    run never reads a float32 record. A float32 model's digest carries no dtype (committed float32 keys stay
+    valid); ``dtype_inputs`` adds the dtype to a key read by model name only where it is not float32."""
     from mechdiff.models.loading import dtype_inputs, model_fingerprint, weights_dtype
 
     lm = make_tiny("llama", smollm2_tokenizer)
