@@ -355,14 +355,16 @@ class HeadMap(torch.nn.Module):
     def delta(self, layer: int, z: torch.Tensor) -> torch.Tensor:
         """The map's output ``"batch pos d_model"`` for site ``z`` (``"batch pos (head d_head)"``) of ``layer``."""
         heads = rearrange(z, "b p (h d) -> b p h d", d=self.d_head)[:, :, self.heads[layer]]
-        return self.maps[str(layer)](rearrange(heads, "b p k d -> b p (k d)"))
+        m = self.maps[str(layer)]
+        # the maps train in float32 whatever the model's dtype (AdamW's small steps on bfloat16 weights would round
+        # away): the heads' outputs are cast to float32 in, the map's output back to the model's dtype out
+        return m(rearrange(heads, "b p k d -> b p (k d)").to(m[0].weight.dtype)).to(z.dtype)
 
     def attach(self, model: LoadedModel, root: Any = None) -> "HeadMap":
         """Hook the maps into ``root`` (default ``model.model``; a peft model's base model for HeadMap+LoRA)."""
         self.detach()
         root = model.model if root is None else root
-        p = next(root.parameters())
-        self.to(device=p.device, dtype=p.dtype)
+        self.to(device=next(root.parameters()).device)  # float32 (see delta)
         for layer in self.heads:
             out_proj = model.arch.module(root, "z", layer)
             self._handles.append(

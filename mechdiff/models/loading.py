@@ -160,7 +160,27 @@ def model_fingerprint(model: Any) -> str:
             h.update(str(tuple(p.shape)).encode())
             h.update(flat[::step].numpy().tobytes())
             h.update(f"{flat.double().sum().item():.6e}".encode())
+    dtype = weights_dtype(model, model.state_dict().values())
+    # a checkpoint stored in bfloat16 samples alike loaded in float32 or bfloat16: the dtype tells them apart; a
+    # float32 model's digest stays as it was, so committed float32 stage keys stay valid
+    if dtype != "float32":
+        h.update(dtype.encode())
     return h.hexdigest()[:16]
+
+
+def weights_dtype(model: Any, tensors: Optional[Any] = None) -> str:
+    """The dtype of ``model``'s floating-point parameters, or of ``tensors`` where given (``"float32"``,
+    ``"bfloat16"``, ...; the first one's where they differ; ``"float32"`` where there is none)."""
+    tensors = model.parameters() if tensors is None else tensors
+    first = next((p.dtype for p in tensors if p.is_floating_point()), torch.float32)
+    return str(first).removeprefix("torch.")
+
+
+def dtype_inputs(model: Any) -> dict:
+    """What a stage key keyed by model name adds for ``model``'s weights' dtype: nothing for float32 (committed
+    float32 keys stay valid), ``{"dtype": ...}`` otherwise, so a bfloat16 run never reads a float32 record."""
+    dtype = weights_dtype(model)
+    return {} if dtype == "float32" else {"dtype": dtype}
 
 
 def remote_fingerprint(model: Any, spec: ModelSpec) -> str:

@@ -41,7 +41,7 @@ from ..methods.headmap import (
     train,
     validation_batch,
 )
-from ..models.loading import LoadedModel
+from ..models.loading import LoadedModel, dtype_inputs
 from ..report.headmap import (
     TASK,
     UNSEEDED,
@@ -287,7 +287,7 @@ class HeadMapStudy(Study):
                 "seed": st.seed,
                 "task": task,
                 "n": n,
-            }
+            } | dtype_inputs(self.model.model)
             rec = self.cache.run(
                 f"locate-{task}",
                 inputs,
@@ -354,7 +354,7 @@ class HeadMapStudy(Study):
         """A training stage at ``seed`` (default the first) and the given rates (default: the chosen ones,
         :meth:`chosen_lrs`); ``base`` and ``lora-zoo`` are evaluations (stages ``train-base``, ``train-lora-zoo``)."""
         st = self.settings
-        evaluation = {"eval_n": st.eval_n, "eval_seed": st.train_config().eval_seed}
+        evaluation = {"eval_n": st.eval_n, "eval_seed": st.train_config().eval_seed} | dtype_inputs(self.model.model)
         if run_id == "base":
             return self.cache.run(
                 "train-base", {"model": st.model, **evaluation}, lambda: self._evaluate(self.model, ev)
@@ -367,7 +367,7 @@ class HeadMapStudy(Study):
             headmap_lr = chosen_hlr if headmap_lr is None else headmap_lr
         cfg = st.train_config(TASK, self.lora_rank(run_id), seed, lr, headmap_lr)
         heads = self.heads(run_id, cfg.seed)
-        inputs = train_inputs(st.model, cfg, heads, st.val_n, st.val_seed)
+        inputs = train_inputs(st.model, cfg, heads, st.val_n, st.val_seed) | dtype_inputs(self.model.model)
         return self.cache.run(
             stage_name(run_id, cfg, heads), inputs, lambda: train(self.model, cfg, heads, ev, progress=self.progress)
         ).result

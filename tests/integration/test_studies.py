@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import make_tiny
 
 from mechdiff.studies import knowledge as kp
@@ -423,3 +424,113 @@ def test_studies_hold_their_directory_lock(knowledge_run, headmap_setup):
         with pytest.raises(RunLockedError, match="another mechdiff run"):
             study.run()
     assert not (out / "stages").exists() and not (hm_out / "stages").exists()  # refused before computing
+
+
+# --------------------------------------------------------------------------------------
+# bfloat16 (the paper's float32 stays every default)
+# --------------------------------------------------------------------------------------
+
+BF16_U = 2**-9  # bfloat16's unit roundoff: a value of size 1 rounds by at most this
+VOCAB = 49152  # the tiny models' vocabulary (the SmolLM2 tokenizer's)
+
+
+def knowledge_tolerance(path: str) -> tuple[float, float] | None:
+    """(absolute, relative) tolerance of one knowledge figure in bfloat16 against float32's; None: not compared."""
+    from test_study import tolerance
+
+    if "faithfulness" in path or ".cpr" in path or ".cmd" in path:
+        return None  # ratios over m_full - m_empty = 0.004 on the random model: their logprobs are compared
+    if "logprob" in path or ".m_full" in path or ".m_empty" in path or ".metric_" in path or ".scores[" in path:
+        return BF16_U, 0.0
+    if "rank" in path or ".lens." in path:
+        return 0.02 * VOCAB, 0.0
+    return tolerance(path)
+
+
+def test_knowledge_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32(knowledge_first, tmp_path):
+    """Every knowledge stage (facts, EAP discovery, scoring: Hit@k and the faithfulness curve, analysis: the logit
+    lens and head roles) on the tiny model in bfloat16 against the float32 run. Stated tolerances: mean answer
+    log-probabilities (about -10.8) and EAP edge scores, computed in float32 from bfloat16 logits of size below 1,
+    within one bfloat16 unit roundoff 2^-9 absolute (measured: at most 1.0e-3 for an interval's bound, 4.6e-4 for
+    a score, across EAP, EAP-IG, iterative and ACDC); a rank among the 49152 near-uniform logits (logit lens,
+    median rank) within 2% of the vocabulary (measured: 220); Hit@k, head attention and every other figure as in
+    the circuits study's test (2% of its value). Faithfulness and its CPR/CMD are ratios over m_full - m_empty =
+    0.004 here, where bfloat16's error says nothing: the log-probabilities they are made of are compared."""
+    from test_study import bfloat16_outside
+
+    model, settings, shared, _ = knowledge_first
+    bf16, _, out = _knowledge_setup(tmp_path, model.tokenizer)  # the same model made afresh
+    bf16.model.to(torch.bfloat16)
+    _run_knowledge(bf16, settings, out)
+    checked, outside = bfloat16_outside(out / "stages", shared / "stages", knowledge_tolerance, least=4)
+    assert outside == [] and checked > 150, outside[:40]
+
+
+LOCATED = ("train-located-", "train-outside-", "train-transfer-")  # runs whose heads locating chose
+
+
+def headmap_tolerance(path: str) -> tuple[float, float] | None:
+    """(absolute, relative) tolerance of one HeadMap figure in bfloat16 against float32's; None: not compared."""
+    from test_study import tolerance
+
+    if "loss" in path or ".scores." in path or ".curve[" in path:
+        return 2 * BF16_U, 0.0
+    return tolerance(path)
+
+
+def test_headmap_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32(headmap_first, headmap_setup):
+    """Every HeadMap stage (locating on both tasks, every training run: HeadMap maps, LoRA, the zoo's LoRA) on the
+    tiny models in bfloat16 against the float32 run. Stated tolerances: cross-entropy losses (about 10.8) and the
+    locating scores (the loss with a head masked), computed in float32 from bfloat16 logits of size below 1, within
+    two bfloat16 unit roundoffs 2^-8 absolute (one for the forward, one for two training steps; measured: at most
+    4.3e-4 for a locating score, 4.2e-4 for a training loss); correctness and every other figure as in the circuits
+    study's test. The random models' locating scores of two heads of a layer lie within 1e-4 of each other, closer
+    than bfloat16 resolves: a run training on located heads is compared only where both dtypes located the same
+    heads, and only such runs may differ in their heads. Every stage's key differs from float32's (the study keys
+    its stages by model name: the weights' dtype is added to them), so neither run reads the other's records."""
+    from test_study import bfloat16_outside
+
+    settings, out, load, _ = headmap_setup
+    shared = headmap_first[4]
+
+    def load_bf16(name: str):
+        m = load(name)
+        m.model.to(torch.bfloat16)
+        return m
+
+    hm.HeadMapStudy(settings, out, load_bf16, progress=False).run()
+    keys = {p.name: json.loads(p.read_text())["key"] for p in (shared / "stages").glob("*.json")}
+    assert not [n for n, k in keys.items() if json.loads((out / "stages" / n).read_text())["key"] == k]  # dtype in key
+
+    def compared(path_of_record: Path):
+        return json.loads(path_of_record.read_text())["result"].get("heads")
+
+    differ = [
+        p.name for p in (shared / "stages").glob("train-*.json") if compared(p) != compared(out / "stages" / p.name)
+    ]
+    assert all(n.startswith(LOCATED) for n in differ), differ
+    checked, outside = bfloat16_outside(
+        out / "stages", shared / "stages", headmap_tolerance, least=len(list((shared / "stages").glob("*.json")))
+    )
+    outside = [o for o in outside if o[0] not in differ or ".losses[" not in o[1] and ".heads." not in o[1]]
+    assert outside == [] and checked > 100, outside[:40]
+
+
+@pytest.mark.parametrize("method", ["acdc", "iterative", "eap-ig"])
+def test_knowledge_discovery_methods_run_in_bfloat16_within_a_stated_tolerance_of_float32(
+    method, tmp_path, smollm2_tokenizer
+):
+    """ACDC (its metric on every fact: the random model's top-1 is no answer), iterative pruning and EAP-IG, each
+    in bfloat16 against float32 on the tiny model, with the tolerances of
+    :func:`test_knowledge_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32` (ACDC's edge effects and
+    metrics, differences of mean log-probabilities, within 2^-9)."""
+    from test_study import bfloat16_outside
+
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        model, settings, out = _knowledge_setup(tmp_path / dtype, smollm2_tokenizer)
+        model.model.to(getattr(torch, dtype))
+        _run_knowledge(model, replace(settings, method=method, acdc_metric="nll"), out)
+        outs[dtype] = out / "stages"
+    checked, outside = bfloat16_outside(outs["bfloat16"], outs["float32"], knowledge_tolerance, least=4)
+    assert outside == [] and checked > 150, outside[:40]

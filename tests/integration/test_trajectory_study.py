@@ -245,3 +245,32 @@ def test_dcm_labels_read_from_a_circuits_study_table(tmp_path):
         {"group": "last", "desideratum": "label_value", "position": "last", "selected": [], "dropped": ["L29H1"]},
         {"group": "last", "desideratum": "object_value", "position": "last", "selected": ["L22H6"]},
     ]
+
+
+def test_trajectory_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32(tiny_run, tmp_path):
+    """Every per-checkpoint stage (accuracy, circuit with its curve, score, semantic, CMAP into each later
+    checkpoint), the structure across checkpoints and DCM (trained here on the final checkpoint's circuit) with the
+    checkpoints loaded in bfloat16 (``--dtype``; the task file's float32 the default) against float32. Stated
+    tolerances: those of the circuits study's test (test_study.tolerance: 2% of a figure's value, 2^-7 for
+    differences of near-equal probabilities, 0.05 for normalised faithfulness) and, for DCM's training losses
+    (mean -logit(target), near 0 on a random tiny model), two bfloat16 epsilons 2^-7 absolute as in the paper-form
+    test."""
+    from test_study import bfloat16_outside, tolerance
+
+    def dcm_tolerance(path: str) -> tuple[float, float] | None:
+        return (2**-7, 0.0) if ".loss" in path else tolerance(path)
+
+    _, run = tiny_run
+    for dtype in ("float32", "bfloat16"):
+        path = task_file(tmp_path / f"{dtype}.toml", run, tmp_path / dtype)
+        study = TrajectoryStudy.from_file(path, progress=False, models={"dtype": dtype})
+        assert study.st.models.dtype == dtype
+        study.run()
+    ours, theirs = tmp_path / "bfloat16" / "stages", tmp_path / "float32" / "stages"
+    assert {p.name for p in theirs.glob("*.json")} >= {"dcm.json", "structure.json", "cmap__run_4.json"}
+    assert (
+        json.loads((ours / "accuracy__run_4.json").read_text())["key"]
+        != json.loads((theirs / "accuracy__run_4.json").read_text())["key"]
+    )  # the dtype is in the stage's inputs
+    checked, outside = bfloat16_outside(ours, theirs, dcm_tolerance)
+    assert outside == [] and checked > 500, outside[:40]

@@ -156,6 +156,35 @@ def test_headmap_training_lowers_the_loss_on_a_fixed_batch(tiny_llama):
         )
 
 
+def test_headmap_maps_train_in_float32_in_a_bfloat16_model(smollm2_tokenizer):
+    """In a bfloat16 model the maps keep float32 weights (cast at use), so AdamW's first step moves every weight
+    with a gradient by the learning rate (``lr * g / (|g| + 1e-8)``, within 1e-3 of it for ``|g| > 1e-5``). A
+    bfloat16 weight of size 0.05 has a spacing of 2^-12 = 2.4e-4: a step of lr = 1e-4 would round away. The
+    model's logits stay bfloat16."""
+    lm = make_tiny("llama", smollm2_tokenizer)
+    lm.model.to(torch.bfloat16)
+    s = lm.shape
+    hm = HeadMap({1: [0, 2]}, s.d_head, s.d_model, rank=4, seed=0).attach(lm)
+    with torch.no_grad():
+        for p in hm.parameters():
+            p.fill_(0.05)
+    before = [p.detach().clone() for p in hm.parameters()]
+    opt, lr = torch.optim.AdamW(hm.parameters(), lr=1e-4, weight_decay=0.0), 1e-4
+    batch = _batch(lm, n=4)
+    logits = last_logits(lm.model, batch["input_ids"])
+    torch.nn.functional.cross_entropy(logits, batch["answer_ids"] + 1).backward()
+    grads = [p.grad.detach().clone() for p in hm.parameters()]
+    opt.step()
+    hm.detach()
+    assert all(p.dtype == torch.float32 for p in hm.parameters())
+    assert lm.model(input_ids=batch["input_ids"][:1]).logits.dtype == torch.bfloat16
+    for p, p0, g in zip(hm.parameters(), before, grads):
+        moved = g.abs() > 1e-5
+        assert moved.sum() > 0.5 * g.numel()
+        step = (p.detach() - p0)[moved]
+        torch.testing.assert_close(step, -lr * g[moved].sign(), rtol=0, atol=lr * 1e-3)
+
+
 def test_train_counts_parameters_and_leaves_the_base_untouched(tiny_llama):
     s = tiny_llama.shape
     heads = {0: [1], 2: [0, 3]}

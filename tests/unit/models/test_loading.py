@@ -156,3 +156,23 @@ def test_the_unembedding_reads_a_contiguous_input_and_the_logits_do_not_change(s
         last = tiny.model(input_ids=ids, logits_to_keep=1).logits[:, -1]  # transformers passes hidden[:, -1:]
     assert seen == [True]
     torch.testing.assert_close(last, reference, atol=1e-6, rtol=1e-6)
+
+
+def test_the_fingerprint_tells_bfloat16_weights_from_float32_weights_of_the_same_values(smollm2_tokenizer):
+    """A checkpoint stored in bfloat16 (as many hub checkpoints are) loads in float32 and in bfloat16 with the same
+    values: the fingerprint (every stage key's and the activation store's) still tells them apart, so a bfloat16
+    run never reads a float32 record. A float32 model's digest carries no dtype (committed float32 keys stay
+    valid); ``dtype_inputs`` adds the dtype to a key read by model name only where it is not float32."""
+    from mechdiff.models.loading import dtype_inputs, model_fingerprint, weights_dtype
+
+    lm = make_tiny("llama", smollm2_tokenizer)
+    with torch.no_grad():
+        for p in lm.model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())  # float32 weights of bfloat16 values
+    f32 = model_fingerprint(lm.model)
+    assert weights_dtype(lm.model) == "float32" and dtype_inputs(lm.model) == {}
+    lm.model.to(torch.bfloat16)
+    assert weights_dtype(lm.model) == "bfloat16" and dtype_inputs(lm.model) == {"dtype": "bfloat16"}
+    assert model_fingerprint(lm.model) != f32
+    lm.model.float()  # back to float32, the same values: the same digest
+    assert model_fingerprint(lm.model) == f32
