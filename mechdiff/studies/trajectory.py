@@ -112,6 +112,9 @@ class RolesSection:
     threshold: float = THRESHOLD  # a head holds a role where its share's lower bound exceeds this
     groups: list[str] = field(default_factory=list)  # empty: as [dcm] groups, else every one-token group
     desiderata: list[str] = field(default_factory=list)  # empty: every desideratum the task declares
+    # the heads scored in each group: "any" checkpoint's own circuit has there (a head that holds a role early and
+    # loses it is scored too), or the "final" circuit's only (fewer heads: cheaper)
+    heads: str = "any"
 
 
 @dataclass
@@ -136,6 +139,7 @@ SECTIONS = {
 CHOICES = {
     ("discovery", "select"): SELECT,
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
+    ("roles", "heads"): ("any", "final"),
 }
 
 
@@ -580,9 +584,11 @@ class TrajectoryStudy(Study):
     def role_sites(self, circuits: dict[str, StageRecord]) -> list[tuple[str, str, list]]:
         """The (group, position, heads) whose heads the roles stage scores: the final circuit's groups (:meth:`groups`
         of ``[roles] groups``, else of ``[dcm] groups``), each with the heads any checkpoint's own circuit has in
-        it (so that a head holding a role early and losing it is scored too), in layer then head order."""
+        it (so that a head holding a role early and losing it is scored too; ``[roles] heads = "final"``: the final
+        circuit's only), in layer then head order."""
         final = Circuit.from_dict(circuits[self.final].result["circuit"])
-        own = [Circuit.from_dict(rec.result["circuit"]) for rec in circuits.values()]
+        scored = circuits.values() if self.st.roles.heads == "any" else [circuits[self.final]]
+        own = [Circuit.from_dict(rec.result["circuit"]) for rec in scored]
         out = []
         for g in self.groups(final, self.st.roles.groups or self.st.dcm.groups):
             pos = final.positions[g]

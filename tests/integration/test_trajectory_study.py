@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import circuit_pairs
 
+from mechdiff.methods.roles import THRESHOLD
 from mechdiff.methods.trajectory import against_first
 from mechdiff.runs.stages import label
 from mechdiff.studies.base import load_study
@@ -320,3 +321,22 @@ def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp
         (r["desideratum"], h) for r in table if r["step"] == study.steps[-1] for h in r["holding"].split() if h != "-"
     }
     assert {(t["desideratum"], t["head"]) for t in takers} == last and last
+
+
+def test_roles_section_errors_name_the_line_and_no_section_means_no_stage(tiny_run, tmp_path):
+    _, run = tiny_run
+    out = tmp_path / "out"
+    assert load_settings(task_file(tmp_path / "none.toml", run, out)).roles is None
+    for body, error in (
+        ("threshold = 1.5", r"bad.toml:\d+: \[roles\] threshold must lie in \[0, 1\)"),
+        ('desiderata = ["colour"]', r"bad.toml:\d+: \[roles\] scores heads on the task's desiderata; .*, not colour"),
+        ('heads = "some"', r"bad.toml:\d+: heads = 'some' in \[roles\]; valid values: any, final"),
+        ("n = 0", r"bad.toml:\d+: \[roles\] n must be at least 1 pair"),
+    ):
+        bad = task_file(tmp_path / "bad.toml", run, out, extra=f"\n[roles]\n{body}\n")
+        with pytest.raises(SpecError, match=error):
+            load_settings(bad)
+    good = load_settings(
+        task_file(tmp_path / "good.toml", run, out, extra='\n[roles]\ndesiderata = ["object_value"]\n')
+    )
+    assert good.roles.desiderata == ["object_value"] and good.roles.threshold == THRESHOLD
