@@ -300,6 +300,12 @@ def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp
         {h for c in own for h in c["groups"].get("last", [])}, key=lambda h: [int(x) for x in h[1:].split("H")]
     )
     assert own[-1]["groups"].get("last") and records[0]["sites"] == [["last", "last", heads]]
+    study.st.roles.heads = "final"  # the final circuit's heads only (the circuits are cached: nothing loads)
+    ((_, _, final),) = study.role_sites({n: study.circuit(n) for n in names})
+    assert [h.name for h in final] == sorted(
+        own[-1]["groups"]["last"], key=lambda h: [int(x) for x in h[1:].split("H")]
+    )
+    study.st.roles.heads = "any"
     table = json.loads((out / "tables" / "roles.json").read_text())
     html = (out / "report.html").read_text()
     for d_i, d in enumerate(["positional", "object"]):
