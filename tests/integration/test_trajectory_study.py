@@ -306,6 +306,9 @@ def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp
         own[-1]["groups"]["last"], key=lambda h: [int(x) for x in h[1:].split("H")]
     )
     study.st.roles.heads = "any"
+    again = TrajectoryStudy.from_file(path, progress=False)  # a process given one checkpoint finds its roles stage
+    again.run_checkpoints([names[1]])
+    assert again._checkpoints is None and again.cache.records[f"roles:{names[1]}"].cached
     table = json.loads((out / "tables" / "roles.json").read_text())
     html = (out / "report.html").read_text()
     for d_i, d in enumerate(["positional", "object"]):
