@@ -259,6 +259,49 @@ class _Report:
             + self.figure(fig, "semantic patching against the step")
         )
 
+    def roles(self) -> None:
+        """Role membership over the steps, where the study ran the roles stage (``[roles]``)."""
+        from ..common.outcomes import read_record
+        from .roles import membership_rows, roles_of, score_rows, takeover_rows
+
+        got = self.r.get("roles") or {}
+        if not got:
+            return
+        records = [got[n].result for n in self.names]
+        roles, t = roles_of(records), self.s.st.roles.threshold
+        if not roles:
+            self.sections.append("## Roles over the steps\n\nno head in the groups scored")
+            return
+        floor = [
+            {"desideratum": d, "step": s, "floor": float(read_record(rec["floor"][d]["outcomes"])[0].mean())}
+            for d in records[0]["floor"]
+            for s, rec in zip(self.steps, records)
+        ]
+        write_table(score_rows(roles, self.steps, t), self.dir / "tables" / "role_scores", caption="role scores")
+        takers = takeover_rows(roles, self.steps, t)
+        self.sections.append(
+            "## Roles over the steps\n\n"
+            f"Each head of the groups scored alone: its output at the group's position patched from each pair's "
+            f"counterfactual prompt into the base run, the share of {self.s.st.roles.n} pairs per desideratum whose "
+            f"patched run gives the desideratum's target (exact binomial 95% CI; every head and step in "
+            f"`tables/role_scores.md`). A head holds a role where that share's lower bound exceeds {t}. Single heads, "
+            "not DCM's jointly trained masks: a role only several heads together carry shows in none.\n\n"
+            + self.table(membership_rows(roles, self.steps, t), "roles", "Heads holding each role at each step")
+            + "\n"
+            + (
+                self.table(
+                    takers,
+                    "role_takeovers",
+                    "Heads holding a role at the last step: from which step on, and the heads that held it before "
+                    "(and, of those, lost it)",
+                )
+                if takers
+                else "No head holds a role at the last step.\n"
+            )
+            + "\n"
+            + self.table(floor, "role_floor", "Share of pairs whose unpatched base run already gives the target")
+        )
+
     def structure(self) -> None:
         st = self.r["structure"].result
         null_rows = [
@@ -415,6 +458,7 @@ class _Report:
         self.circuits()
         self.cmap()
         self.semantic()
+        self.roles()
         self.structure()
         formation, ordered = self.formation()
         s = self.s
@@ -476,6 +520,10 @@ class _Report:
                 ("structure splits and resamples; stable frequency", f"{st.structure.draws}; {st.structure.stable}"),
             )
         ]
+        if st.roles:
+            settings.append(
+                {"what": "role pairs per desideratum; threshold", "setting": f"{st.roles.n}; {st.roles.threshold}"}
+            )
         text = (
             f"# {self.dir.name}\n\nWritten by `mechdiff run {self.s.st.source}`; the full report is "
             "[report.md](report.md). Every finding is a row carried by its interval.\n\n"

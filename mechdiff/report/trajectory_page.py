@@ -260,12 +260,33 @@ class TrajectoryRun:
             ]
         return [figs.div(matrix_figure(rows), "overlap_matrix")]
 
-    def roles(self, figs: Figures) -> list[str]:
-        """DCM head sets per checkpoint where ``tables/dcm_labels.json`` has a ``step`` column, a figure per role;
-        else the note that roles were labelled once, and the circuits' membership over the steps."""
-        labels = self.tables.get("dcm_labels") or []
+    def held_roles(self, figs: Figures) -> list[str]:
+        """A heads x steps chart per role (group, desideratum) of the heads holding it (``tables/roles.json``, the
+        study's ``[roles]`` stage); none where the run has no such table."""
+        rows = self.tables.get("roles") or []
         body = []
-        if labels and "step" in labels[0]:
+        for i, (g, d) in enumerate(dict.fromkeys((r["group"], r["desideratum"]) for r in rows)):
+            sets = {r["step"]: _heads(r["holding"]) for r in rows if (r["group"], r["desideratum"]) == (g, d)}
+            title = f"Heads holding {g} / {d} at each checkpoint (single-head share's lower bound above the threshold)"
+            if any(sets.values()):
+                body.append(figs.div(membership_figure(self.steps, sets, title, "holds"), f"held-role-{i}"))
+            else:
+                body.append(f"<p class=note>No scored head holds {inline(g)} / {inline(d)} at any step.</p>")
+        return body
+
+    def roles(self, figs: Figures) -> list[str]:
+        """The heads holding each role at each step where the study scored them (``[roles]``); DCM head sets per
+        checkpoint where ``tables/dcm_labels.json`` has a ``step`` column, a figure per role; else the note that
+        roles were labelled once; and the circuits' membership over the steps."""
+        labels = self.tables.get("dcm_labels") or []
+        body = self.held_roles(figs)
+        if body:
+            takers = self.tables.get("role_takeovers")
+            if takers:
+                body.append(
+                    table_html(takers, caption(self.dir / "tables/role_takeovers.json"), "tables/role_takeovers.csv")
+                )
+        elif labels and "step" in labels[0]:
             roles = dict.fromkeys((r["group"], r["desideratum"]) for r in labels)
             for i, (g, d) in enumerate(roles):
                 sets = {r["step"]: _heads(r["selected"]) for r in labels if (r["group"], r["desideratum"]) == (g, d)}

@@ -15,7 +15,10 @@ Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its i
   first;
 - ``dcm``: DCM labels of the final circuit's groups in the final checkpoint (or read from ``[dcm] labels``, a DCM
   table another study wrote);
-- ``semantic:<ckpt>``: semantic patching of each DCM selection in the checkpoint.
+- ``semantic:<ckpt>``: semantic patching of each DCM selection in the checkpoint;
+- ``roles:<ckpt>`` (only where the task file has a ``[roles]`` section): every head of the chosen groups of any
+  checkpoint's own circuit scored alone on each desideratum in the checkpoint (:func:`~mechdiff.methods.roles.
+  head_scores`), from which the report gives role membership over the steps and the takeovers.
 
 The base loads once; the adapters are swapped (:class:`~mechdiff.methods.trajectory.Checkpoints`), and nothing loads
 when every stage is cached. The report gives each quantity per step with its interval, its paired difference
@@ -38,6 +41,7 @@ from typing import Any, Optional
 from ..circuits.circuit import Circuit
 from ..circuits.curve import SELECT, SIZES, TARGET
 from ..common.io import check_writable, run_lock
+from ..methods.roles import THRESHOLD
 from ..methods.trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
 from ..models.loading import load_tokenizer, spec_digest
 from ..runs.seeds import derive, prompt_seed
@@ -101,6 +105,20 @@ class TrajectoryCmap:
 
 
 @dataclass
+class RolesSection:
+    """Per-head desideratum scores at every checkpoint (:mod:`~mechdiff.methods.roles`); the stage runs only where
+    the task file has a ``[roles]`` section."""
+
+    n: int = 48  # pairs of each desideratum, a draw of their own
+    threshold: float = THRESHOLD  # a head holds a role where its share's lower bound exceeds this
+    groups: list[str] = field(default_factory=list)  # empty: as [dcm] groups, else every one-token group
+    desiderata: list[str] = field(default_factory=list)  # empty: every desideratum the task declares
+    # the heads scored in each group: "any" checkpoint's own circuit has there (a head that holds a role early and
+    # loses it is scored too), or the "final" circuit's only (fewer heads: cheaper)
+    heads: str = "any"
+
+
+@dataclass
 class TrajectoryOutput(OutputSection):
     dir: str = "results/trajectory"
     store: str = "cache/activations-trajectory.h5"
@@ -116,11 +134,13 @@ SECTIONS = {
     "structure": StructureSection,
     "dcm": TrajectoryDcm,
     "cmap": TrajectoryCmap,
+    "roles": RolesSection,
     "output": TrajectoryOutput,
 }
 CHOICES = {
     ("discovery", "select"): SELECT,
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
+    ("roles", "heads"): ("any", "final"),
 }
 
 
@@ -136,6 +156,7 @@ class TrajectorySettings:
     dcm: TrajectoryDcm
     cmap: TrajectoryCmap
     output: TrajectoryOutput
+    roles: Optional[RolesSection] = None  # None: the task file has no [roles] section, and no roles stage runs
     source: str = "<defaults>"
 
 
@@ -159,6 +180,7 @@ def load_settings(path: str | Path) -> TrajectorySettings:
         trajectory_specs(built["models"].checkpoints)
     except (ValueError, KeyError) as err:
         raise SpecError(f"{path}:{line_of(text, 'models', 'checkpoints')}: {err}") from None
+    built["roles"] = _check_roles(Path(path), text, raw, built["roles"], built["task"].name)
     labels = built["dcm"].labels
     if labels and not Path(labels).is_file():
         raise SpecError(
@@ -166,6 +188,29 @@ def load_settings(path: str | Path) -> TrajectorySettings:
             "of a circuits study, or leave labels empty to train DCM on the final checkpoint"
         )
     return TrajectorySettings(**built, source=str(path))
+
+
+def _check_roles(path: Path, text: str, raw: dict, roles: RolesSection, task: str) -> Optional[RolesSection]:
+    """The ``[roles]`` section checked (None where the file has none)."""
+    from ..tasks.base import get_task
+
+    if "roles" not in raw:
+        return None
+    if roles.n < 1:
+        raise SpecError(f"{path}:{line_of(text, 'roles', 'n')}: [roles] n must be at least 1 pair")
+    if not 0 <= roles.threshold < 1:
+        raise SpecError(f"{path}:{line_of(text, 'roles', 'threshold')}: [roles] threshold must lie in [0, 1)")
+    from ..tasks.desiderata import desideratum_name
+
+    own = get_task(task).desiderata
+    unknown = [d for d in roles.desiderata if d not in own and desideratum_name(d) not in own]
+    if unknown or not own:
+        where = line_of(text, "roles", "desiderata") if unknown else line_of(text, None, "roles")
+        raise SpecError(
+            f"{path}:{where}: [roles] scores heads on the task's desiderata; task {task} declares "
+            f"{', '.join(own) or 'none'}" + (f", not {', '.join(unknown)}" if unknown else "")
+        )
+    return roles
 
 
 def step_of(name: str, index: int) -> int:
@@ -447,8 +492,9 @@ class TrajectoryStudy(Study):
             compute,
         )
 
-    def desiderata(self, n: int, seed: Optional[int] = None) -> dict[str, list]:
-        """``n`` pairs of every desideratum, drawn with ``seed`` (default: the DCM prompt set's)."""
+    def desiderata(self, n: int, seed: Optional[int] = None, names: Optional[list[str]] = None) -> dict[str, list]:
+        """``n`` pairs of every desideratum (``names``, default :meth:`desideratum_names`), drawn with ``seed``
+        (default: the DCM prompt set's)."""
         from ..tasks.desiderata import desideratum_pairs
 
         opts = self.options()
@@ -457,7 +503,7 @@ class TrajectoryStudy(Study):
             d: desideratum_pairs(
                 d, self.tokenizer, n, opts.get("n_boxes"), seed, vocabulary=opts.get("vocabulary"), task=self.task.name
             )
-            for d in self.desideratum_names()
+            for d in (self.desideratum_names() if names is None else names)
         }
 
     def tests(self) -> dict[str, list]:
@@ -536,6 +582,50 @@ class TrajectoryStudy(Study):
             },
         )
 
+    def role_sites(self, circuits: dict[str, StageRecord]) -> list[tuple[str, str, list]]:
+        """The (group, position, heads) whose heads the roles stage scores: the final circuit's groups (:meth:`groups`
+        of ``[roles] groups``, else of ``[dcm] groups``), each with the heads any checkpoint's own circuit has in
+        it (so that a head holding a role early and losing it is scored too; ``[roles] heads = "final"``: the final
+        circuit's only), in layer then head order."""
+        final = Circuit.from_dict(circuits[self.final].result["circuit"])
+        scored = circuits.values() if self.st.roles.heads == "any" else [circuits[self.final]]
+        own = [Circuit.from_dict(rec.result["circuit"]) for rec in scored]
+        out = []
+        for g in self.groups(final, self.st.roles.groups or self.st.dcm.groups):
+            pos = final.positions[g]
+            heads = {h for c in own if c.positions.get(g) == pos for h in c.groups.get(g, [])}
+            out.append((g, pos, sorted(heads, key=lambda h: (h.layer, h.head))))
+        return out
+
+    def role_pairs(self) -> dict[str, list]:
+        """``[roles] n`` pairs of each desideratum scored (``[roles] desiderata``, else every one the task
+        declares), a draw of their own (neither DCM's nor semantic patching's)."""
+        r = self.st.roles
+        return self.desiderata(r.n, derive(self.st.task.seed, "role-pairs"), r.desiderata or list(self.task.desiderata))
+
+    def roles(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
+        from ..methods.roles import head_scores
+
+        def compute() -> dict:
+            sites = self.role_sites(circuits)
+            scores = head_scores(
+                self.checkpoints().model(name), sites, self.role_pairs(), self.st.eval.batch_size, self.progress
+            )
+            return {"sites": [[g, p, [h.name for h in hs]] for g, p, hs in sites], **scores}
+
+        return self.cache.run(
+            f"roles:{name}",
+            {
+                "model": self.digests[name],
+                "task": self.task_inputs(),
+                "roles": asdict(self.st.roles),
+                "dcm_groups": self.st.dcm.groups,
+                "circuits": {c: r.key for c, r in circuits.items()},
+                "batch_size": self.st.eval.batch_size,
+            },
+            compute,
+        )
+
     # -- the whole study ----------------------------------------------------------------
     def stages(self) -> dict[str, Any]:
         """Every stage in order: one checkpoint at a time where a stage needs one model (fewest swaps)."""
@@ -547,7 +637,9 @@ class TrajectoryStudy(Study):
         cmap = {n: self.cmap(n, circuits[self.final]) for n in self.names[1:]}
         dcm = self.dcm(circuits[self.final])
         semantic = {n: self.semantic(n, dcm) for n in self.names}
+        roles = {n: self.roles(n, circuits) for n in self.names} if self.st.roles else {}
         return {
+            "roles": roles,
             "accuracy": accuracy,
             "circuits": circuits,
             "structure": structure,
@@ -584,9 +676,13 @@ class TrajectoryStudy(Study):
                 dcm = self.dcm(circuits[self.final])
             for n in names:
                 self.semantic(n, dcm)
-            if self.final in names:
+            if self.final in names or self.st.roles:
                 self._wait(self.names)
-                self.structure({n: self.circuit(n) for n in self.names})
+                every = {n: self.circuit(n) for n in self.names}
+            if self.final in names:
+                self.structure(every)
+            for n in names if self.st.roles else []:
+                self.roles(n, every)
 
     def _wait(self, names: list[str], poll: float = 10.0) -> None:
         for n in names:
@@ -608,7 +704,7 @@ class TrajectoryStudy(Study):
 
     def settings_record(self) -> dict:
         return {
-            **{k: asdict(getattr(self.st, k)) for k in SECTIONS},
+            **{k: asdict(getattr(self.st, k)) for k in SECTIONS if getattr(self.st, k) is not None},
             "source": self.st.source,
             "model_digests": self.digests,
         }

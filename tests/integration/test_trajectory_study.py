@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import circuit_pairs
 
+from mechdiff.methods.roles import THRESHOLD
 from mechdiff.methods.trajectory import against_first
 from mechdiff.runs.stages import label
 from mechdiff.studies.base import load_study
@@ -274,3 +275,106 @@ def test_trajectory_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32(
     )  # the dtype is in the stage's inputs
     checked, outside = bfloat16_outside(ours, theirs, dcm_tolerance)
     assert outside == [] and checked > 500, outside[:40]
+
+
+def own_answers(name: str, pairs: list, every: int = 1) -> list:
+    """``pairs`` with the target of every ``every``-th the base prompt's top-1 token in checkpoint ``name`` loaded
+    by itself (a tiny model seldom gives a desideratum's target: with these, a head whose patch leaves the answer
+    moves those pairs "to the target")."""
+    from dataclasses import replace
+
+    import torch
+
+    from mechdiff.models.loading import load_model
+
+    hf = load_model(name).model
+    with torch.no_grad():
+        top = [int(hf(torch.tensor([p.base.input_ids])).logits[0, -1].argmax()) for p in pairs]
+    return [replace(p, target_id=t) if i % every == 0 else p for i, (p, t) in enumerate(zip(pairs, top))]
+
+
+def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp_path):
+    """A tiny trajectory run with ``[roles]``: a ``roles:<ckpt>`` stage per checkpoint (none without the section),
+    every head any checkpoint's own circuit has in the ``last`` group scored on two desiderata (targets set to the
+    last checkpoint's own answers, so that heads hold a role there); ``tables/roles.json`` is the membership
+    recomputed here from the stage records' lower bounds (not the shares), the takeovers table lists exactly the
+    heads holding a role at the last step, and report.html has a chart per role some head holds, a note for the
+    others."""
+    from mechdiff.common.outcomes import from_bits
+
+    _, run = tiny_run
+    out = tmp_path / "out"
+    labels = tmp_path / "dcm.json"
+    labels.write_text(
+        json.dumps([{"group": "last", "desideratum": "positional", "position": "last", "selected": "L2H1"}])
+    )
+    plain = task_file(tmp_path / "plain.toml", run, out, extra=f'labels = "{labels}"\n')
+    assert not [p for p in load_study(plain, progress=False).plan() if p.name.startswith("roles")]
+    roles = '\n[roles]\nn = 6\nthreshold = 0.3\ngroups = ["last"]\ndesiderata = ["positional", "object"]\n'
+    path = task_file(tmp_path / "t.toml", run, out, extra=f'labels = "{labels}"\n{roles}')
+    study = load_study(path, progress=False)
+    names = study.names
+    assert [p.name for p in study.plan() if p.name.startswith("roles")] == [f"roles:{n}" for n in names]
+    drawn = study.role_pairs()
+    # the last checkpoint's own answers as the targets of every object pair and of half the positional ones: a
+    # head leaving the answers has share 1 (lower bound 0.54 of 6) on object, 0.5 (lower bound 0.12) on positional
+    study.role_pairs = lambda: {
+        "positional": own_answers(names[-1], drawn["positional"], every=2),
+        "object": own_answers(names[-1], drawn["object"]),
+    }
+    study.run()
+    records = [json.loads(study.cache.path(f"roles:{n}").read_text())["result"] for n in names]
+    own = [json.loads((out / "circuits" / f"{label(n)}.json").read_text()) for n in names]
+    heads = sorted(
+        {h for c in own for h in c["groups"].get("last", [])}, key=lambda h: [int(x) for x in h[1:].split("H")]
+    )
+    assert own[-1]["groups"].get("last") and records[0]["sites"] == [["last", "last", heads]]
+    study.st.roles.heads = "final"  # the final circuit's heads only (the circuits are cached: nothing loads)
+    ((_, _, final),) = study.role_sites({n: study.circuit(n) for n in names})
+    assert [h.name for h in final] == sorted(
+        own[-1]["groups"]["last"], key=lambda h: [int(x) for x in h[1:].split("H")]
+    )
+    study.st.roles.heads = "any"
+    again = TrajectoryStudy.from_file(path, progress=False)  # a process given one checkpoint finds its roles stage
+    again.run_checkpoints([names[1]])
+    assert again._checkpoints is None and again.cache.records[f"roles:{names[1]}"].cached
+    table = json.loads((out / "tables" / "roles.json").read_text())
+    html = (out / "report.html").read_text()
+    for d_i, d in enumerate(["positional", "object"]):
+        ever = False
+        for s_i, (step, rec) in enumerate(zip(study.steps, records)):
+            rows = [r for r in rec["rows"] if r["desideratum"] == d]
+            assert [r["head"] for r in rows] == heads
+            for r in rows:
+                k = from_bits(r["outcomes"]["correct"])
+                assert len(k) == 6 and r["share"]["value"] == k.mean()
+            holding = [r["head"] for r in rows if r["share"]["low"] > 0.3]
+            ever |= bool(holding)
+            row = table[d_i * len(names) + s_i]
+            assert (row["desideratum"], row["step"], row["holding"]) == (d, step, " ".join(holding) or "-")
+        assert (f'id="held-role-{d_i}"' in html) == ever and (f"No scored head holds last / {d}" in html) != ever
+    assert 'id="held-role-1"' in html  # the last checkpoint's own answers: patching one head seldom moves them
+    takers = json.loads((out / "tables" / "role_takeovers.json").read_text())
+    last = {
+        (r["desideratum"], h) for r in table if r["step"] == study.steps[-1] for h in r["holding"].split() if h != "-"
+    }
+    assert {(t["desideratum"], t["head"]) for t in takers} == last and last
+
+
+def test_roles_section_errors_name_the_line_and_no_section_means_no_stage(tiny_run, tmp_path):
+    _, run = tiny_run
+    out = tmp_path / "out"
+    assert load_settings(task_file(tmp_path / "none.toml", run, out)).roles is None
+    for body, error in (
+        ("threshold = 1.5", r"bad.toml:\d+: \[roles\] threshold must lie in \[0, 1\)"),
+        ('desiderata = ["colour"]', r"bad.toml:\d+: \[roles\] scores heads on the task's desiderata; .*, not colour"),
+        ('heads = "some"', r"bad.toml:\d+: heads = 'some' in \[roles\]; valid values: any, final"),
+        ("n = 0", r"bad.toml:\d+: \[roles\] n must be at least 1 pair"),
+    ):
+        bad = task_file(tmp_path / "bad.toml", run, out, extra=f"\n[roles]\n{body}\n")
+        with pytest.raises(SpecError, match=error):
+            load_settings(bad)
+    good = load_settings(
+        task_file(tmp_path / "good.toml", run, out, extra='\n[roles]\ndesiderata = ["object_value"]\n')
+    )
+    assert good.roles.desiderata == ["object_value"] and good.roles.threshold == THRESHOLD

@@ -99,3 +99,30 @@ def test_the_committed_run_says_what_it_did_not_measure() -> None:
     # per role patched: its accuracy and its floor, each a line and a band (the paired differences: in the tables)
     assert len(figs["measure-semantic"]["data"]) == 2 * 2 * len(roles)
     assert html.count('id="plotly-gz"') == 1 and len(html) < 2_500_000
+
+
+def test_roles_scored_per_checkpoint_give_a_chart_per_role_and_no_not_measured_note(run: Path) -> None:
+    """A run with the ``[roles]`` stage's tables: a heads x steps chart per role some head holds (1 where the
+    table's ``holding`` names the head at that step), a note for a role no head holds, the takeovers table."""
+    rows = [
+        ("last", "positional", 0, "L2H1"),
+        ("last", "positional", 5, "-"),
+        ("last", "positional", 10, "L0H3 L2H1"),
+        ("last", "object", 0, "-"),
+        ("last", "object", 5, "-"),
+        ("last", "object", 10, "-"),
+    ]
+    _write(
+        run / "tables" / "roles.json",
+        [{"group": g, "desideratum": d, "step": s, "n_holding": 0, "holding": h} for g, d, s, h in rows],
+    )
+    _write(
+        run / "tables" / "role_takeovers.json",
+        [{"group": "last", "desideratum": "positional", "head": "L2H1", "holds_since": 10, "takes_over": True}],
+    )
+    html = page(run)
+    figs = figures(html)
+    (held,) = figs["held-role-0"]["data"]
+    assert held["y"] == ["L0H3", "L2H1"] and held["z"] == [[0, 0, 1], [1, 0, 1]] and held["x"] == ["0", "5", "10"]
+    assert "held-role-1" not in figs and "No scored head holds last / object at any step." in html
+    assert "not measured" not in html and "role-0" not in figs and "tables/role_takeovers.csv" in html
