@@ -465,6 +465,28 @@ def resource_plan(
     return out
 
 
+def run_record(spec: RunSpec) -> Optional[dict]:
+    """What ``run.json`` records of the plan, so the report's stage table reads it from committed files: this
+    machine's matrix-multiply throughput measured now (FLOP per CPU second in the run's dtype, as ``--plan``
+    measures it) and each stage's planned FLOPs. None for a run on a GPU or NDIF (the CPU's throughput is not
+    theirs)."""
+    from ..models.devices import this_machine
+
+    m = spec.models
+    if m.remote or m.device_map or m.device not in (None, "cpu"):
+        return None
+    dims, _ = model_dims(m.base)
+    lengths = task_lengths(spec)
+    rows = min(2048, spec.eval.batch_size * lengths.longest)
+    device = this_machine(dims, (m.dtype,), rows)
+    plan = resource_plan(spec, device, lengths, m.dtype)
+    return {
+        "dtype": m.dtype,
+        "throughput": device.throughput(m.dtype),
+        "stage_flops": {p.cost.stage: p.cost.flops for p in plan},
+    }
+
+
 def _recount(ctx: Context, index: int, dtype: str, batch: int) -> StageCost:
     """Stage ``index`` counted again in ``dtype`` with batch size ``batch`` in its batch option."""
     spec = _with_batch(ctx.spec, stage_costs(ctx)[index], batch)
