@@ -162,6 +162,118 @@ def run_case(case: str) -> dict:
     }
 
 
+def small_spec(out: Path):
+    """The default study (``tasks/entity_tracking.toml``: SmolLM2 early checkpoint against the fine-tune) with every
+    stage's prompt counts cut so the whole study takes a few CPU minutes; every stage runs as ``mechdiff run`` runs
+    it."""
+    from mechdiff.studies.spec import load_spec
+
+    spec = load_spec("tasks/entity_tracking.toml")
+    spec.eval.n, spec.eval.batch_size = 50, 25
+    spec.positions.n = 8
+    spec.discovery.n, spec.discovery.curve_n, spec.discovery.stability_draws = 16, 16, 20
+    spec.discovery.sizes = [0.02, 0.05, 0.1, 0.3, 1.0]
+    spec.scoring.n, spec.scoring.reference_n, spec.scoring.prune_n = 16, 50, 8
+    spec.scoring.random_draws, spec.scoring.completeness_draws = 4, 1
+    spec.dcm.n_train, spec.dcm.n_val, spec.dcm.n_test, spec.dcm.epochs, spec.dcm.batch_size = 8, 4, 16, 2, 4
+    spec.cmap.n, spec.cmap.n_random = 16, 1
+    spec.output.dir, spec.output.store = str(out / "run"), str(out / "store.h5")
+    return spec
+
+
+def run_stages(count: bool) -> dict:
+    """Every stage of :func:`small_spec` for real in this process: each stage's CPU time (``time.process_time``)
+    and, with ``count``, its matrix-multiply FLOPs as ``torch.utils.flop_counter`` counts them (a diagnosis: the
+    counter slows the run); then the planner's FLOPs and CPU seconds for each, told the circuits the run found."""
+    import tempfile
+
+    import torch.utils.flop_counter
+
+    from mechdiff.runs import stages as stage_module
+    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.resources import found_in
+
+    measured: dict[str, dict] = {}
+    original = stage_module.StageCache.run
+
+    def timed(self, name, inputs, compute):
+        def wrapped():
+            counter = torch.utils.flop_counter.FlopCounterMode(display=False) if count else None
+            start = time.process_time()
+            if counter is None:
+                result = compute()
+            else:
+                with counter:
+                    result = compute()
+            measured[name] = {"cpu": time.process_time() - start}
+            if counter is not None:
+                measured[name]["flops"] = counter.get_total_flops()
+            return result
+
+        return original(self, name, inputs, wrapped)
+
+    stage_module.StageCache.run = timed
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = small_spec(Path(tmp))
+        study = CircuitsStudy(spec, progress=False)
+        for name in spec.model_names:
+            study.model(name)  # loaded before the stages: a stage's CPU time is its own
+        study.run()
+        known = found_in(spec.output.dir)
+        record = study.resources_record()
+    stage_module.StageCache.run = original
+    return {"measured": measured, "known": known, "throughput": record["throughput"], "counted": count}
+
+
+def committed(run_dir: Path) -> dict:
+    """A committed study's stage seconds (``run.json``: wall seconds, one thread per model on an idle machine) and
+    what it found, from its circuits and tables, in the form :func:`run_stages` saves."""
+    import csv
+
+    manifest = json.loads((run_dir / "run.json").read_text())
+    known: dict = {"circuit": {}, "scan_steps": {}, "searched": {}}
+    for path in (run_dir / "circuits").glob("*.json"):
+        name = path.name[: -len(".json")].replace(".pruned", " pruned")
+        known["circuit"][name] = json.loads(path.read_text())
+    with open(run_dir / "tables" / "position_scan.csv") as f:
+        for row in csv.DictReader(f):
+            known["scan_steps"][row["model"]] = max(known["scan_steps"].get(row["model"], 0), int(row["step"]))
+    with open(run_dir / "tables" / "pruning.csv") as f:
+        for row in csv.DictReader(f):
+            known["searched"][row["model"]] = int(row["K searched for"]) / int(row["pairs_before"])
+    seconds = {n: {"cpu": s["seconds"]} for n, s in manifest["stages"].items()}
+    return {"measured": seconds, "known": known, "spec": manifest["spec"]}
+
+
+def planned_stages(spec, known: dict, throughput: float) -> dict:
+    """The planner's FLOPs and CPU seconds of each stage of ``spec`` at the measured ``throughput``, told what
+    the run ``known`` found."""
+    from mechdiff.models.devices import Device
+    from mechdiff.studies.resources import resource_plan
+
+    here = Device("this machine", 1 << 40, {spec.models.dtype: throughput}, False)
+    plan = resource_plan(spec, here, known=known)
+    return {p.cost.stage: {"flops": p.cost.flops, "cpu": p.seconds} for p in plan}
+
+
+def stage_table(run: dict, spec=None) -> str:
+    """Each stage planned against measured: CPU seconds and, where counted, FLOPs."""
+    planned = planned_stages(spec or small_spec(Path("/nonexistent")), run["known"], run["throughput"])
+    lines = [
+        "| stage | CPU s planned / measured | ratio | GFLOP planned / counted | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for name, m in run["measured"].items():
+        p = planned.get(name)
+        if p is None:
+            lines.append(f"| {name} | not planned | | | |")
+            continue
+        flops = m.get("flops")
+        counted = f"| {p['flops'] / 1e9:.0f} / {flops / 1e9:.0f} | {p['flops'] / flops:.2f} |" if flops else "| | |"
+        lines.append(f"| {name} | {p['cpu']:.1f} / {m['cpu']:.1f} | {p['cpu'] / m['cpu']:.2f} {counted}")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| case | load GiB planned / measured | ratio | stage MiB planned / measured | ratio "
@@ -186,7 +298,31 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=list(CASES), help="one case, in this process (prints its JSON)")
+    parser.add_argument("--stages", metavar="JSON", help="run every stage of a small study, saving CPU times here")
+    parser.add_argument("--count", action="store_true", help="with --stages: count each stage's FLOPs too (slower)")
+    parser.add_argument("--compare", metavar="JSON", help="the planner against a --stages file (runs nothing)")
+    parser.add_argument("--committed", metavar="DIR", help="the planner against a committed study's stage seconds")
+    parser.add_argument("--throughput", type=float, help="with --committed: FLOP/s to plan at (default: measured)")
     args = parser.parse_args()
+    if args.stages:
+        Path(args.stages).write_text(json.dumps(run_stages(args.count), indent=1))
+    if args.committed:
+        from mechdiff.models.devices import this_machine
+        from mechdiff.models.footprint import model_dims
+        from mechdiff.studies.spec import load_spec
+
+        run = committed(Path(args.committed))
+        spec = load_spec("tasks/entity_tracking.toml")
+        rows = min(2048, spec.eval.batch_size * 53)
+        run["throughput"] = (
+            args.throughput or this_machine(model_dims(spec.models.base)[0], ("float32",), rows).flops["float32"]
+        )
+        print(f"throughput {run['throughput'] / 1e9:.1f} GFLOP/s")
+        print(stage_table(run, spec))
+        return
+    if args.stages or args.compare:
+        print(stage_table(json.loads(Path(args.stages or args.compare).read_text())))
+        return
     if args.case:
         print(json.dumps(run_case(args.case)))
         return
