@@ -188,7 +188,7 @@ def stage_compute(manifest: dict, stage: str) -> dict:
     throughput (FLOP per CPU second, measured when ``run.json`` was written) the stage reached in its seconds;
     nothing where ``run.json`` records no plan (a GPU or NDIF run, or one made before it did)."""
     record = manifest.get("resources")
-    if not isinstance(record, dict):
+    if not isinstance(record, dict) or "stage_flops" not in record:
         return {}
     flops, seconds = record["stage_flops"].get(stage), manifest["stages"][stage].get("seconds")
     if flops is None:

@@ -390,7 +390,7 @@ def _cost(manifest: dict) -> str:
 def _compute_sentence(manifest: dict) -> str:
     """What the stage table's compute columns mean, where ``run.json`` records the plan."""
     record = manifest.get("resources")
-    if not record:
+    if not record or "throughput" not in record:
         return ""
     return (
         f" Beside each stage's seconds: the FLOPs the resource planner counts for it (matrix multiplies, "

@@ -803,7 +803,10 @@ class CircuitsStudy(Study):
         if not hasattr(self, "_resources"):
             from .resources import run_record
 
-            self._resources = run_record(self.spec)
+            try:
+                self._resources = run_record(self.spec)
+            except (OSError, ValueError) as err:  # no config or tokenizer to plan from: the run's results stand
+                self._resources = {"not_planned": str(err)}
         return self._resources
 
     def prompt_sets_record(self) -> dict:
