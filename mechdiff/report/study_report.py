@@ -20,6 +20,7 @@ from ..tasks.jsonl import REST
 from .bars import grouped_bars
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
+from .page_kit import stage_rows as stage_table
 from .rows import (
     circuit_x_model_rows,
     cmap_caption,
@@ -382,7 +383,21 @@ def _cost(manifest: dict) -> str:
     return (
         f"Computing the {len(stages)} stages took {total / 60:.1f} min in all (the seconds above, from the "
         f"runs that computed them); this invocation reused {reused} of them from the cache and took "
-        f"{manifest['wall_seconds']:.0f} s up to writing this report."
+        f"{manifest['wall_seconds']:.0f} s up to writing this report." + _compute_sentence(manifest)
+    )
+
+
+def _compute_sentence(manifest: dict) -> str:
+    """What the stage table's compute columns mean, where ``run.json`` records the plan."""
+    record = manifest.get("resources")
+    if not record or "throughput" not in record:
+        return ""
+    return (
+        f" Beside each stage's seconds: the FLOPs the resource planner counts for it (matrix multiplies, "
+        f"`mechdiff run --plan`) and the share of this machine's matrix-multiply throughput they make in those "
+        f"seconds (FLOPs / (seconds x {record['throughput'] / 1e9:.1f} GFLOP/s, {record['dtype']}, measured per CPU "
+        "second when `run.json` was written; on several threads a share can pass 1). A stage far below the others "
+        "spends its time outside matrix multiplies."
     )
 
 
@@ -753,7 +768,7 @@ def write_report(
     ov_text, overlaps = overlap_section(study, found)
     manifest = study.manifest()
     spec = study.spec
-    stage_rows = [{"stage": n, "seconds": s["seconds"], "cached": s["cached"]} for n, s in manifest["stages"].items()]
+    stage_rows = stage_table(manifest, keys=False)
     model_rows = [
         {
             "model": n,

@@ -819,10 +819,23 @@ class CircuitsStudy(Study):
             "source": self.spec.source,
             "model_digests": self.digests,
             "loaded_models": loaded,
+            "resources": self.resources_record(),
         }
         if self.prompt_sets:
             out["prompt_sets"] = self.prompt_sets_record()
         return out
+
+    def resources_record(self) -> Optional[dict]:
+        """The planner's stage FLOPs and this machine's measured throughput (:func:`~.resources.run_record`),
+        measured once per study, so ``run.json`` and the report read the same figures."""
+        if not hasattr(self, "_resources"):
+            from .resources import run_record
+
+            try:
+                self._resources = run_record(self.spec)
+            except (OSError, ValueError) as err:  # no config or tokenizer to plan from: the run's results stand
+                self._resources = {"not_planned": str(err)}
+        return self._resources
 
     def prompt_sets_record(self) -> dict:
         """``run.json``'s account of the drawn prompt sets: each set's task rows, the sets each stage reads, and

@@ -18,9 +18,13 @@ Each stage is counted by its algorithm (:mod:`mechdiff.studies.circuits`), in fo
   layers (the receivers' layers are not known before discovery: the middle is assumed).
 - DCM: per desideratum a pair cache (two forwards a pair; every layer's keys and values of every pair, streamed
   through a scratch HDF5 file under TMPDIR, one desideratum's file at a time: disk grows with ``n``, memory holds
-  one batch's rows), then per group training (forward and backward, three forwards' FLOPs), validation and
-  test runs from the group's position over half the layers; it holds two models.
-- CMAP: per prompt the base and the fine-tune once, then one patched base run per scope and part; two models.
+  one batch's rows), then per group training (forward and backward to the activations, the weights frozen: two
+  forwards' FLOPs), validation and test runs from the group's position and lowest layer; it holds two models.
+- CMAP: per prompt the base and the fine-tune once, then one patched base run per scope and part, from the scope's
+  lowest layer (a ``z`` patch from its position, other parts over every token); two models.
+
+Where a run has found them (``known``: :func:`found_in`), the circuits, the position scan's steps and the share
+of pairs greedy pruning searched are the run's; before it they are assumed (the plan's notes say which).
 
 Memory is the models' weights, what the stage keeps beside them and the transient activations of its largest
 batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.training_bytes`);
@@ -30,8 +34,10 @@ Time is FLOPs over the device's throughput (measured here, per CPU second; a nam
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from statistics import mean
 from typing import Any, Callable, Optional
 
@@ -142,6 +148,8 @@ class Context:
     lengths: Lengths
     dtype: str
     device: Device
+    #: What a run found that a plan cannot know before it (``mechdiff.studies.resources.KNOWN``); empty: assumed.
+    known: dict = field(default_factory=dict)
 
     @property
     def weights(self) -> int:
@@ -177,21 +185,33 @@ def accuracy(ctx: Context, name: str) -> StageCost:
 
 
 def _scored(ctx: Context, stage: str, n: int, scored: float, note: str = "") -> StageCost:
-    """A scorer stage on ``n`` prompts: reference means, the full model and ``scored`` mean-ablated runs a prompt."""
-    s, b, t = ctx.spec.scoring, ctx.spec.eval.batch_size, ctx.lengths
-    flops = ctx.fwd(s.reference_n + n * (1 + scored), t.tokens)
+    """A scorer stage on ``n`` prompts: reference means (:func:`_reference_runs`), the full model and ``scored``
+    mean-ablated runs a prompt."""
+    b, t = ctx.spec.eval.batch_size, ctx.lengths
+    flops = ctx.fwd(_reference_runs(ctx, stage) + n * (1 + scored), t.tokens)
     transient = ctx.act(b, t.longest) + ctx.ablation_patches(b)
     return StageCost(stage, 1, n, b, flops, ctx.weights, 0, transient, note=note)
 
 
+def _reference_runs(ctx: Context, stage: str) -> int:
+    """Reference prompts whose means a scorer stage computes: the activation store (``[output] store``) keeps a
+    model's means of one reference set, so the model's first scorer stage computes them and the later ones read
+    them; pruning with a seed of its own (``[scoring.models.NAME] seed``) draws a set of its own."""
+    s, kind, name = ctx.spec, *stage.split(":", 1)
+    first = "positions" if s.positions.n >= 1 else "circuit" if s.discovery.method == "curve" else "prune"
+    own_seed = kind == "prune" and s.scoring.models.get(name, {}).get("seed") is not None
+    return s.scoring.reference_n if kind == first or own_seed else 0
+
+
 def positions(ctx: Context, name: str) -> Optional[StageCost]:
+    """The greedy scan: at each step one run a prompt per remaining class; ``max_steps`` steps, or as many as the
+    run took where known (``stop_at`` ends it sooner)."""
     p, c = ctx.spec.positions, ctx.lengths.classes
     if p.n < 1:
         return None
-    steps = min(p.max_steps or c, c)
-    return _scored(
-        ctx, f"positions:{name}", p.n, sum(c - i for i in range(steps)), "every step tried (stop_at may end it sooner)"
-    )
+    steps = min(ctx.known.get("scan_steps", {}).get(name) or p.max_steps or c, c)
+    note = "" if name in ctx.known.get("scan_steps", {}) else "every step tried (stop_at may end it sooner)"
+    return _scored(ctx, f"positions:{name}", p.n, sum(c - i for i in range(steps)), note)
 
 
 def circuit(ctx: Context, name: str) -> StageCost:
@@ -199,9 +219,10 @@ def circuit(ctx: Context, name: str) -> StageCost:
 
 
 def _curve_circuit(ctx: Context, name: str) -> StageCost:
-    """Attribution on the ranking prompts (forward and backward), then the nested circuits on the curve prompts."""
-    d, s, t, b = ctx.spec.discovery, ctx.spec.scoring, ctx.lengths, ctx.spec.eval.batch_size
-    flops = ctx.fwd(2 * s.reference_n + d.n * 4 + d.curve_n * (1 + len(d.sizes)), t.tokens)
+    """Attribution on the ranking prompts (a forward and a backward to the activations only, no weight gradients:
+    two forwards' FLOPs), then the full model, the empty circuit and the nested circuits on the curve prompts."""
+    d, t, b = ctx.spec.discovery, ctx.lengths, ctx.spec.eval.batch_size
+    flops = ctx.fwd(_reference_runs(ctx, f"circuit:{name}") + d.n * 2 + d.curve_n * (2 + len(d.sizes)), t.tokens)
     transient = training_bytes(ctx.dims, b, t.longest, ctx.dims.n_layers, ctx.dtype) + ctx.ablation_patches(b)
     return StageCost(f"circuit:{name}", 1, d.n, b, flops, ctx.weights, 0, transient)
 
@@ -302,13 +323,49 @@ def _group_sizes(ctx: Context, name: str) -> list[int]:
     return [math.ceil(pairs / ctx.lengths.classes)] * ctx.lengths.classes
 
 
+def circuit_pairs(ctx: Context, name: str) -> list[tuple[float, str]]:
+    """``name``'s circuit as (layer, position) pairs: the run's where known (``known["circuit"]``), else assumed:
+    a path circuit's ``circuit_k`` heads a step at the middle layer; a curve circuit the middle of ``[discovery]
+    sizes`` (an assumption: the pick is not known before the curve) spread over every layer and position class."""
+    from ..common.components import parse_heads
+
+    found = ctx.known.get("circuit", {}).get(name)
+    if found is not None:
+        pos = found["positions"]
+        return [(h.layer, pos[g]) for g, heads in found["groups"].items() for h in parse_heads(heads)]
+    d, dims = ctx.spec.discovery, ctx.dims
+    if d.method == "path":
+        return [
+            (dims.n_layers / 2, p) for g, p in zip(_group_sizes(ctx, name), _group_positions(ctx)) for _ in range(g)
+        ]
+    size = sorted(d.sizes)[len(d.sizes) // 2]
+    count = round(size * dims.n_layers * dims.n_heads * ctx.lengths.classes)
+    return [((dims.n_layers - 1) / 2, "")] * count
+
+
+def _greedy_prune(ctx: Context, name: str) -> StageCost:
+    """mechdiff's greedy minimality: F(M), F(C) and F(C)'s run kept for resuming; per pair v, F(C \\ {v}) and, for
+    each pair searched, ``prune_steps * prune_candidates`` runs F(C \\ {v, u}) (F(C \\ {u}) is u's own first run);
+    each a suffix run from v's layer and position. The share of pairs searched (the others pass the threshold at
+    K = {}) is the run's where known, else all."""
+    s, t, dims = ctx.spec.scoring, ctx.lengths, ctx.dims
+    pairs = circuit_pairs(ctx, name)
+    assumed = "" if name in ctx.known.get("circuit", {}) else f" (a circuit of {len(pairs)} pairs assumed)"
+    cost = _scored(ctx, f"prune:{name}", s.prune_n, 2, f"greedy: suffix runs a pair and candidate{assumed}")
+    searched = ctx.known.get("searched", {}).get(name, 1.0)
+    runs = s.prune_n * (1 + searched * s.prune_steps * s.prune_candidates)
+    for layer, pos in pairs:
+        cost.flops += ctx.fwd(runs, t.after(pos), t.tokens, dims.n_layers - layer)
+    return cost
+
+
 def prune(ctx: Context, name: str) -> Optional[StageCost]:
     s = ctx.spec.scoring
     if not s.prune:
         return None
     sizes, t = _group_sizes(ctx, name), ctx.lengths
     if s.prune_rule != "paper":
-        return _scored(ctx, f"prune:{name}", s.prune_n, 1 + len(sizes) * (1 + s.prune_steps * s.prune_candidates))
+        return _greedy_prune(ctx, name)
     # F(C \\ {u}) and F(C \\ {u, v}) once per set (the scorer caches them), each a suffix run from the group's
     # position over the layers from the lowest removed head (half of them, on average)
     cost = _scored(ctx, f"prune:{name}", s.prune_n, 1, "pairwise: each head and each pair of heads of a group")
@@ -319,11 +376,35 @@ def prune(ctx: Context, name: str) -> Optional[StageCost]:
 
 
 def matrix(ctx: Context, name: str) -> StageCost:
+    """Every model's circuit (and pruned circuit) kept, the own circuit's random draws, and completeness: two runs
+    a draw and two a group removed whole (``completeness_groups``, else ``[dcm] groups``)."""
     s, models = ctx.spec.scoring, len(ctx.spec.model_names)
-    groups = len(_group_sizes(ctx, name))
-    circuits = models * (2 if s.prune else 1)
+    groups = len(_completeness_groups(ctx, name))
+    circuits = _distinct_circuits(ctx) or models * (2 if s.prune else 1)
     scored = circuits + s.random_draws + (2 * s.completeness_draws + 2 * groups if s.completeness_draws else 0)
     return _scored(ctx, f"matrix:{name}", s.n, scored)
+
+
+def _distinct_circuits(ctx: Context) -> int:
+    """Circuits of different pairs among every model's circuit and pruned circuit, where the run found them all
+    (the scorer runs a set of pairs once); else 0."""
+    names = [n for m in ctx.spec.model_names for n in ([m, f"{m} pruned"] if ctx.spec.scoring.prune else [m])]
+    found = ctx.known.get("circuit", {})
+    if not all(n in found for n in names):
+        return 0
+    sets = {frozenset((h, found[n]["positions"][g]) for g, hs in found[n]["groups"].items() for h in hs) for n in names}
+    return len(sets)
+
+
+def _completeness_groups(ctx: Context, name: str) -> list[str]:
+    """The groups completeness removes whole: ``completeness_groups`` (else ``[dcm] groups``) that have heads in
+    ``name``'s circuit where the run found it, else every non-empty group where they name none of its groups."""
+    wanted = ctx.spec.scoring.completeness_groups or ctx.spec.dcm.groups
+    found = ctx.known.get("circuit", {}).get(name)
+    if found is None:
+        return list(wanted)
+    present = [g for g in wanted if found["groups"].get(g)]
+    return present if set(wanted) & set(found["groups"]) else [g for g, hs in found["groups"].items() if hs]
 
 
 def _group_positions(ctx: Context, count: Optional[int] = None) -> list[str]:
@@ -340,10 +421,13 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
     n, k = c.n_train + c.n_val + c.n_test, len(c.desiderata)
     flops = k * ctx.fwd(2 * n, t.tokens)
     checks = c.epochs * math.ceil(c.n_train / c.batch_size) / max(c.eval_every, 1) + 1
-    for pos in _group_positions(ctx):
-        after = t.after(pos)
-        runs = 3 * c.epochs * c.n_train + checks * c.n_val + (2 + DCMConfig.n_random) * c.n_test
-        flops += k * ctx.fwd(runs, after, t.tokens, half) + k * semantic * ctx.fwd(2 * c.n_test, t.tokens)
+    masked = name if c.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
+    # the random baseline and semantic patching run for a selection of heads: every one, unless the run chose none
+    chose = ctx.known.get("dcm_selected", {}).get(name, 1.0)
+    for layer, pos in _group_starts(ctx, masked, c.groups).values():
+        runs = 2 * c.epochs * c.n_train + checks * c.n_val + (2 + DCMConfig.n_random * chose) * c.n_test
+        flops += k * ctx.fwd(runs, t.after(pos), t.tokens, dims.n_layers - layer)
+        flops += k * chose * semantic * ctx.fwd(2 * c.n_test, t.tokens)
     # a pair's row of the cache: every layer's keys and values and a group's entering residual stream per token
     per_pair = int(
         t.longest * (dims.n_layers * dims.kv_width() + len(c.groups) * dims.d_model) * dtype_bytes(ctx.dtype)
@@ -379,17 +463,50 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
     )
 
 
+def _group_starts(ctx: Context, name: str, groups: list[str]) -> dict[str, tuple[float, str]]:
+    """Each of ``groups``' lowest layer and position in ``name``'s circuit: the run's where known, else assumed
+    (a path circuit's group at the middle layer; a curve circuit's, spread over every layer, from the first)."""
+    from ..common.components import parse_heads
+
+    found = ctx.known.get("circuit", {}).get(name)
+    if found is not None:
+        heads = {g: parse_heads(found["groups"].get(g, [])) for g in groups}
+        return {g: (min(h.layer for h in hs), found["positions"][g]) for g, hs in heads.items() if hs}
+    path = ctx.spec.discovery.method == "path"
+    senders = {step.name: step.sender for step in _plan_steps(ctx)} if path else {}
+    return {g: (ctx.dims.n_layers / 2 if path else 0, senders.get(g, g)) for g in groups}
+
+
+def _cmap_tokens(ctx: Context, part: str, position: str) -> float:
+    """Tokens a CMAP run of ``part`` computes: a ``z`` patch from the group's position on; K/V patches (written up to
+    the position) and the isolation of Q/K/V (:func:`~mechdiff.methods.cmap.isolation_patches`, every position)
+    from the first token."""
+    c = ctx.spec.cmap
+    whole = part != "z" and (c.isolate or c.scope == "paper" or bool(set(part) & {"k", "v"}))
+    return ctx.lengths.tokens if whole else ctx.lengths.after(position)
+
+
 def cmap(ctx: Context, finetune: str) -> StageCost:
+    """Per prompt the fine-tune's run (capturing) and the base's; then per scope (each group, the whole circuit)
+    and part one patched base run, and ``n_random`` more per group: suffix runs from the scope's lowest layer and
+    position (the base's circuit, as ``[cmap] scope = "base"`` patches it)."""
     c, t, b, dims = ctx.spec.cmap, ctx.lengths, ctx.spec.eval.batch_size, ctx.dims
-    scopes = len(c.groups) + 1
-    patched = scopes * len(c.parts) + c.n_random * len(c.groups) * len(c.parts)
+    starts = _group_starts(ctx, ctx.spec.models.base, c.groups)
+    if starts:  # the whole circuit: from its lowest layer and its earliest position
+        whole = min(v[0] for v in starts.values()), max((v[1] for v in starts.values()), key=t.after)
+        starts = {**starts, "": whole}
+    flops = ctx.fwd(2 * c.n, t.tokens)
+    for group, (layer, pos) in starts.items():
+        draws = 1 + (c.n_random if group else 0)
+        for part in c.parts:
+            flops += ctx.fwd(c.n * draws, _cmap_tokens(ctx, part, pos), t.tokens, dims.n_layers - layer)
     captured = 4 * dims.n_layers * b * t.longest * dims.d_model * dtype_bytes(ctx.dtype)
     return StageCost(
         f"cmap:{finetune}",
         2,
         c.n,
         b,
-        ctx.fwd(c.n * (2 + patched), t.tokens),
+        flops,
         2 * ctx.weights,
         0,
         ctx.act(b, t.longest) + captured,
@@ -452,17 +569,67 @@ def remedies(cost: StageCost, device: Device, dtype: str, recount: Callable[[str
 
 
 def resource_plan(
-    spec: RunSpec, device: Device, lengths: Optional[Lengths] = None, dtype: Optional[str] = None
+    spec: RunSpec,
+    device: Device,
+    lengths: Optional[Lengths] = None,
+    dtype: Optional[str] = None,
+    known: Optional[dict] = None,
 ) -> list[Placement]:
-    """Every stage of ``spec`` placed on ``device`` in ``dtype`` (default the spec's)."""
+    """Every stage of ``spec`` placed on ``device`` in ``dtype`` (default the spec's); ``known``: what a run found
+    that the plan otherwise assumes (:class:`Context`)."""
     dtype = dtype or spec.models.dtype
     dims, _ = model_dims(spec.models.base)
     lengths = lengths or task_lengths(spec)
-    ctx = Context(spec, dims, lengths, dtype, device)
+    ctx = Context(spec, dims, lengths, dtype, device, known or {})
     out = []
     for i, cost in enumerate(stage_costs(ctx)):
         out.append(place(cost, device, dtype, lambda dt, b, i=i: _recount(ctx, i, dt, b)))
     return out
+
+
+def found_in(run_dir: str | Path) -> dict:
+    """What a plan assumes and a finished run's stage records know (``known`` of :func:`resource_plan`): each
+    circuit (``"NAME"``) and pruned circuit (``"NAME pruned"``), the position scan's steps, the share of pairs
+    greedy pruning searched, the share of DCM's masks that selected a head."""
+    out: dict = {"circuit": {}, "scan_steps": {}, "searched": {}, "dcm_selected": {}}
+    for path in sorted((Path(run_dir) / "stages").glob("*.json")):
+        rec = json.loads(path.read_text())
+        kind, _, model = rec["name"].partition(":")
+        result = rec["result"]
+        if kind == "circuit":
+            out["circuit"][model] = result["circuit"]
+        elif kind == "positions":
+            out["scan_steps"][model] = len(result["scan"]["steps"])
+        elif kind == "prune":
+            out["circuit"][f"{model} pruned"] = result["circuit"]
+            pairs = result["minimality"]["pairs"].values()
+            if result["minimality"].get("rule") == "greedy":
+                out["searched"][model] = sum(p["searched"] for p in pairs) / max(len(pairs), 1)
+        elif kind == "dcm" and result.get("dcm"):
+            out["dcm_selected"][model or result["model"]] = mean(bool(r["selected"]) for r in result["dcm"])
+    return out
+
+
+def run_record(spec: RunSpec) -> Optional[dict]:
+    """What ``run.json`` records of the plan, so the report's stage table reads it from committed files: this
+    machine's matrix-multiply throughput measured now (FLOP per CPU second in the run's dtype, as ``--plan``
+    measures it) and each stage's planned FLOPs. None for a run on a GPU or NDIF (the CPU's throughput is not
+    theirs)."""
+    from ..models.devices import this_machine
+
+    m = spec.models
+    if m.remote or m.device_map or m.device not in (None, "cpu"):
+        return None
+    dims, _ = model_dims(m.base)
+    lengths = task_lengths(spec)
+    rows = min(2048, spec.eval.batch_size * lengths.longest)
+    device = this_machine(dims, (m.dtype,), rows)
+    plan = resource_plan(spec, device, lengths, m.dtype)
+    return {
+        "dtype": m.dtype,
+        "throughput": device.throughput(m.dtype),
+        "stage_flops": {p.cost.stage: p.cost.flops for p in plan},
+    }
 
 
 def _recount(ctx: Context, index: int, dtype: str, batch: int) -> StageCost:

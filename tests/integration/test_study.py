@@ -560,3 +560,27 @@ def test_a_model_without_the_behaviour_gets_no_circuit(tiny_family, tmp_path, mo
     assert not [line for line in text.splitlines() if ft in line and "nan" in line]  # (the base answers nothing too)
     matrix = json.loads((tmp_path / "run" / "stages" / f"matrix__{base.rsplit('/', 1)[-1]}.json").read_text())
     assert {r["circuit"] for r in matrix["result"]["rows"]} == {base, f"{base} pruned"}
+
+
+def test_the_stage_table_gives_each_stages_planned_flops_and_share_of_throughput(tiny_family, tiny_study):
+    """report.md's stage table: beside each stage's seconds, the planner's FLOPs for it and FLOPs / (seconds x the
+    throughput run.json records), counted here again by the planner from the spec alone."""
+    from mechdiff.models.devices import Device
+    from mechdiff.report.tables import format_value
+    from mechdiff.studies.resources import resource_plan
+
+    manifest = json.loads((tiny_study / "run" / "run.json").read_text())
+    throughput = manifest["resources"]["throughput"]
+    assert 1e8 < throughput < 1e13  # FLOP per CPU second of a real matrix multiply on a CPU
+    here = Device("given", 1 << 40, {"float32": throughput}, False)
+    planned = {p.cost.stage: p.cost.flops for p in resource_plan(tiny_spec(tiny_family, tiny_study), here)}
+    lines = (tiny_study / "run" / "report.md").read_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| stage "))
+    columns = [c.strip() for c in lines[head].strip("|").split("|")]
+    rows = [dict(zip(columns, (c.strip() for c in line.strip("|").split("|")))) for line in lines[head + 2 :]]
+    rows = rows[: next(i for i, line in enumerate(lines[head + 2 :]) if not line.startswith("|"))]
+    assert {r["stage"] for r in rows} == set(manifest["stages"]) == set(planned)
+    for r in rows:
+        flops, seconds = planned[r["stage"]], manifest["stages"][r["stage"]]["seconds"]
+        assert r["GFLOP (planned)"] == format_value(flops / 1e9, ".3f")
+        assert r["share of mm throughput"] == format_value(flops / (seconds * throughput), ".3f")
