@@ -81,8 +81,11 @@ def task_lengths(spec: RunSpec) -> Lengths:
         tokenizer = load_tokenizer(resolve_spec(STAND_IN_TOKENIZER))
         used = f"{STAND_IN_TOKENIZER}'s (an estimate: {spec.models.base}'s tokenizer is absent)"
     task = get_task(spec.task.name)
-    options = {"n_boxes": spec.task.n_boxes, **task.split_options("eval")}
-    records = task.records(tokenizer, LENGTH_SAMPLE, prompt_seed(spec.task.seed, "eval"), **options)
+    n = min(LENGTH_SAMPLE, len(task.strata)) if task.strata else LENGTH_SAMPLE
+    # an imported task's rows in file order may be one template: sample them stratified, as its prompt sets are
+    task, _ = task.draw_prompt_sets({"eval": n}, spec.task.seed)
+    options = {"n_boxes": spec.task.n_boxes, "prompt_set": "eval", **task.split_options("eval")}
+    records = task.records(tokenizer, n, prompt_seed(spec.task.seed, "eval"), **options)
     sizes = [len(r.input_ids) for r in records]
     suffix = {
         name: mean(len(r.input_ids) - r.positions[name] for r in records)
@@ -407,6 +410,16 @@ def _completeness_groups(ctx: Context, name: str) -> list[str]:
     return present if set(wanted) & set(found["groups"]) else [g for g, hs in found["groups"].items() if hs]
 
 
+def _desiderata(ctx: Context) -> list[str]:
+    """The desiderata DCM trains, as the study picks them: those of ``[dcm] desiderata`` the task declares, else
+    every one the task declares."""
+    from ..tasks.base import get_task
+    from ..tasks.desiderata import desideratum_name
+
+    own = get_task(ctx.spec.task.name).desiderata
+    return [d for d in ctx.spec.dcm.desiderata if d in own or desideratum_name(d) in own] or list(own)
+
+
 def _group_positions(ctx: Context, count: Optional[int] = None) -> list[str]:
     """The position of each group DCM looks at (``count``: of the circuit's first ``count`` groups): a path
     circuit's step's sender position, else the group's name (a position class)."""
@@ -418,7 +431,7 @@ def _group_positions(ctx: Context, count: Optional[int] = None) -> list[str]:
 def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
     """DCM of ``name``'s circuit (see the module docstring); ``semantic``: models its selections are patched into."""
     c, t, dims, half = ctx.spec.dcm, ctx.lengths, ctx.dims, ctx.dims.n_layers / 2
-    n, k = c.n_train + c.n_val + c.n_test, len(c.desiderata)
+    n, k = c.n_train + c.n_val + c.n_test, len(_desiderata(ctx))
     flops = k * ctx.fwd(2 * n, t.tokens)
     checks = c.epochs * math.ceil(c.n_train / c.batch_size) / max(c.eval_every, 1) + 1
     masked = name if c.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"

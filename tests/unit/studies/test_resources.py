@@ -12,6 +12,7 @@ from mechdiff.models.footprint import model_dims
 from mechdiff.studies.resources import (
     Context,
     Lengths,
+    _desiderata,
     accuracy,
     circuit,
     cmap,
@@ -19,6 +20,7 @@ from mechdiff.studies.resources import (
     format_resources,
     place,
     resource_plan,
+    task_lengths,
 )
 from mechdiff.studies.spec import load_spec
 
@@ -153,3 +155,21 @@ def test_totals_name_the_stage_that_keeps_a_study_over_30_minutes():
     two = _totals([placed("matrix:a", 40), placed("prune:a", 35)])
     assert any("its largest part is matrix; the other stages alone take 35" in line for line in two)
     assert not any("over 30 min" in line for line in _totals([placed("matrix:a", 20), placed("prune:a", 9)]))
+
+
+def test_an_imported_tasks_lengths_and_desiderata_are_the_studys():
+    """On the committed capitals task (rows in file order: the 5-token template first; 11 tokens at most): the plan's
+    prompt lengths come from a sample stratified like the study's prompt sets, not the first rows, and DCM's cost
+    counts the two desiderata the task declares (the study trains each), not the spec's defaults."""
+    import json
+    from pathlib import Path
+
+    spec = load_spec("tasks/capitals.toml")
+    meta = json.loads((Path(spec.task.name) / "task.json").read_text())
+    lengths = task_lengths(spec)
+    assert lengths.longest == max(meta["n_tokens"]) and min(meta["n_tokens"]) < lengths.tokens < lengths.longest
+    ctx = Context(spec, model_dims(spec.models.base)[0], lengths, "float32", CPU)
+    assert _desiderata(ctx) == list(meta["desiderata"])
+    one = Context(replace(spec, dcm=replace(spec.dcm, desiderata=["swapped"])), ctx.dims, lengths, "float32", CPU)
+    assert _desiderata(one) == ["swapped"]
+    assert dcm(ctx, spec.models.base, 2).flops > dcm(one, spec.models.base, 2).flops
