@@ -200,7 +200,7 @@ def _reference_runs(ctx: Context, stage: str) -> int:
     """Reference prompts whose means a scorer stage computes: the activation store (``[output] store``) keeps a
     model's means of one reference set, so the model's first scorer stage computes them and the later ones read
     them; pruning with a seed of its own (``[scoring.models.NAME] seed``) draws a set of its own."""
-    s, kind, name = ctx.spec, *stage.split(":", 1)
+    s, (kind, _, name) = ctx.spec, stage.partition(":")  # a stage of no model ("matrix-cell"): name ""
     first = "positions" if s.positions.n >= 1 else "circuit" if s.discovery.method == "curve" else "prune"
     own_seed = kind == "prune" and s.scoring.models.get(name, {}).get("seed") is not None
     return s.scoring.reference_n if kind == first or own_seed else 0
