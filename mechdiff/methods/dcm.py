@@ -333,6 +333,10 @@ def class_z_patches(
     return patches
 
 
+class UnequalClass(ValueError):
+    """A pair whose base and source prompts hold different numbers of a position class's tokens."""
+
+
 def class_widths(pairs: Sequence[PairRecord], positions: Iterable[str], batch_size: int) -> dict[str, int]:
     """For each of ``positions`` that is a class (not one named token a prompt), the most tokens it has in a
     prompt of ``pairs`` (at least 1). A pair whose base and source prompts hold different numbers of the class's
@@ -348,7 +352,7 @@ def class_widths(pairs: Sequence[PairRecord], positions: Iterable[str], batch_si
             bad = (counts[0] != counts[1]).nonzero()
             if len(bad):
                 i = int(bad[0])
-                raise ValueError(
+                raise UnequalClass(
                     f"pair {rows[i]}: position class {name!r} has {int(counts[0][i])} tokens in the base prompt "
                     f"and {int(counts[1][i])} in the source prompt; DCM patches the class token for token"
                 )

@@ -535,29 +535,15 @@ class CircuitsStudy(Study):
         return group_choice(self.task, records, circuit, wanted, check)
 
     def class_groups(self, wanted: list[str]) -> dict[str, list[str]]:
-        """Key inputs naming the positions a DCM or CMAP stage may patch that are classes of several tokens
-        (``wanted`` where it names the task's positions, else every class of the task's prompts): DCM and CMAP
-        patch every token of them since #40's item 5 (earlier such groups were left out). Empty where every such
-        position is one named token, so the keys of studies without class groups stay what they were. Read from
-        the task's prompts, not the circuit, so that a plan knows the key before the circuit is computed."""
-        from ..tasks.base import batch_tensors, grouped_batches, take
-
-        records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
-        batches = [batch_tensors(take(records, rows)) for rows in grouped_batches(records, 4)]
-        named = {n for b in batches for n in (*b["positions"], *b.get("position_classes", {}))}
-        at = {}  # path patching's groups (a plan's steps) sit at their step's sender position
+        """Key inputs naming the classes of several tokens a DCM or CMAP stage may patch (:func:`class_groups`);
+        a path circuit's groups (a plan's steps) sit at their step's sender position."""
+        at = {}
         if self.spec.discovery.method == "path":
             from ..tasks.plan import default_plan, load_plan
 
             at = {s.name: s.sender for s in (load_plan(self.task.plan) if self.task.plan else default_plan()).steps}
-        names = [at.get(g, g) for g in wanted if at.get(g, g) in named] or sorted(named)
-
-        def wide(name: str, b: dict) -> bool:
-            where = b["positions"].get(name)  # as the engine reads it (scoring.is_one_token): a named token first
-            return where.dim() > 1 if where is not None else name in b.get("position_classes", {})
-
-        found = [g for g in names if any(wide(g, b) for b in batches)]
-        return {"class_groups": found} if found else {}
+        records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
+        return class_groups(records, wanted, at)
 
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
@@ -886,18 +872,40 @@ def group_choice(
     return [g for g in groups if g not in left_out], left_out
 
 
+def class_groups(records: list, wanted: list[str], at: Optional[dict[str, str]] = None) -> dict[str, list[str]]:
+    """Key inputs naming the positions a DCM or CMAP stage may patch that are classes of several tokens in the
+    prompts of ``records`` (``wanted`` where it names their positions, each group read at ``at``'s position where
+    given; else every position of the prompts): DCM and CMAP patch every token of them since #40's item 5 (earlier
+    such groups were left out). Empty where every such position is one named token, so the keys of studies
+    without class groups stay what they were. Read from the prompts, not a circuit, so that a plan knows the key
+    before the circuit is computed."""
+    from ..circuits.scoring import is_one_token
+    from ..tasks.base import batch_tensors, grouped_batches, take
+
+    at = at or {}
+    batches = [batch_tensors(take(records, rows)) for rows in grouped_batches(records, 4)]
+    named = {n for b in batches for n in (*b["positions"], *b.get("position_classes", {}))}
+    names = [at.get(g, g) for g in wanted if at.get(g, g) in named] or sorted(named)
+
+    def wide(name: str, b: dict) -> bool:  # as the engine reads a position: a named token first (is_one_token)
+        return not is_one_token(b, name) if name in b["positions"] else name in b.get("position_classes", {})
+
+    found = [g for g in names if any(wide(g, b) for b in batches)]
+    return {"class_groups": found} if found else {}
+
+
 def unpaired_classes(circuit: Circuit, groups: list[str], desiderata: dict, batch_size: int) -> dict[str, str]:
     """The groups at a position class whose token count differs between a desideratum pair's two prompts, with
     why: DCM writes the source's tokens of the class into the base's token for token
     (:func:`~mechdiff.methods.dcm.class_widths`)."""
-    from ..methods.dcm import class_widths
+    from ..methods.dcm import UnequalClass, class_widths
 
     out = {}
     for g in groups:
         for d, pairs in desiderata.items():
             try:
                 class_widths(pairs, [circuit.positions[g]], batch_size)
-            except ValueError as error:
+            except UnequalClass as error:
                 out[g] = f"desideratum {d}: {error}"
                 break
     return out

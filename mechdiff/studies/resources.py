@@ -399,15 +399,27 @@ def _distinct_circuits(ctx: Context) -> int:
     return len(sets)
 
 
+def _groups(ctx: Context, name: str, wanted: list[str]) -> list[str]:
+    """The groups of ``name``'s circuit a stage looks at, as the study picks them
+    (:func:`~mechdiff.studies.circuits.group_choice`): ``wanted`` where they name groups of the circuit the run
+    found (those with heads), else its every non-empty group; before a run, ``wanted``, else a path plan's steps
+    or the task's named positions (a curve circuit's groups are position classes)."""
+    found = ctx.known.get("circuit", {}).get(name)
+    if found is not None:
+        present = [g for g in wanted if found["groups"].get(g)]
+        return present if set(wanted) & set(found["groups"]) else [g for g, hs in found["groups"].items() if hs]
+    if wanted:
+        return list(wanted)
+    if ctx.spec.discovery.method == "path":
+        return [step.name for step in _plan_steps(ctx)]
+    return list(ctx.lengths.suffix)
+
+
 def _completeness_groups(ctx: Context, name: str) -> list[str]:
     """The groups completeness removes whole: ``completeness_groups`` (else ``[dcm] groups``) that have heads in
     ``name``'s circuit where the run found it, else every non-empty group where they name none of its groups."""
     wanted = ctx.spec.scoring.completeness_groups or ctx.spec.dcm.groups
-    found = ctx.known.get("circuit", {}).get(name)
-    if found is None:
-        return list(wanted)
-    present = [g for g in wanted if found["groups"].get(g)]
-    return present if set(wanted) & set(found["groups"]) else [g for g, hs in found["groups"].items() if hs]
+    return _groups(ctx, name, wanted)
 
 
 def _desiderata(ctx: Context) -> list[str]:
@@ -437,16 +449,15 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
     masked = name if c.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
     # the random baseline and semantic patching run for a selection of heads: every one, unless the run chose none
     chose = ctx.known.get("dcm_selected", {}).get(name, 1.0)
-    for layer, pos in _group_starts(ctx, masked, c.groups).values():
+    groups = _groups(ctx, masked, c.groups)
+    for layer, pos in _group_starts(ctx, masked, groups).values():
         runs = 2 * c.epochs * c.n_train + checks * c.n_val + (2 + DCMConfig.n_random * chose) * c.n_test
         flops += k * ctx.fwd(runs, t.after(pos), t.tokens, dims.n_layers - layer)
         flops += k * chose * semantic * ctx.fwd(2 * c.n_test, t.tokens)
     # a pair's row of the cache: every layer's keys and values and a group's entering residual stream per token
-    per_pair = int(
-        t.longest * (dims.n_layers * dims.kv_width() + len(c.groups) * dims.d_model) * dtype_bytes(ctx.dtype)
-    )
+    per_pair = int(t.longest * (dims.n_layers * dims.kv_width() + len(groups) * dims.d_model) * dtype_bytes(ctx.dtype))
     built, trained = ctx.spec.eval.batch_size, c.batch_size  # pairs a cache write and a training step hold
-    longest_after = max((t.after(p) for p in _group_positions(ctx)), default=t.tokens)
+    longest_after = max((t.after(p) for _, p in _group_starts(ctx, masked, groups).values()), default=t.tokens)
     transient = max(
         # a training step: its backward's activations and the rows it read back (its keys and values prefix)
         training_bytes(dims, trained, math.ceil(longest_after), half, ctx.dtype) + trained * per_pair,
@@ -504,7 +515,8 @@ def cmap(ctx: Context, finetune: str) -> StageCost:
     and part one patched base run, and ``n_random`` more per group: suffix runs from the scope's lowest layer and
     position (the base's circuit, as ``[cmap] scope = "base"`` patches it)."""
     c, t, b, dims = ctx.spec.cmap, ctx.lengths, ctx.spec.eval.batch_size, ctx.dims
-    starts = _group_starts(ctx, ctx.spec.models.base, c.groups)
+    base = ctx.spec.models.base
+    starts = _group_starts(ctx, base, _groups(ctx, base, c.groups))
     if starts:  # the whole circuit: from its lowest layer and its earliest position
         whole = min(v[0] for v in starts.values()), max((v[1] for v in starts.values()), key=t.after)
         starts = {**starts, "": whole}

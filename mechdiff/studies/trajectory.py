@@ -111,7 +111,9 @@ class RolesSection:
 
     n: int = 48  # pairs of each desideratum, a draw of their own
     threshold: float = THRESHOLD  # a head holds a role where its share's lower bound exceeds this
-    groups: list[str] = field(default_factory=list)  # empty: as [dcm] groups, else every one-token group
+    groups: list[str] = field(
+        default_factory=list
+    )  # empty: as [dcm] groups, else every group of the prompts' positions
     desiderata: list[str] = field(default_factory=list)  # empty: every desideratum the task declares
     # the heads scored in each group: "any" checkpoint's own circuit has there (a head that holds a role early and
     # loses it is scored too), or the "final" circuit's only (fewer heads: cheaper)
@@ -488,6 +490,7 @@ class TrajectoryStudy(Study):
                 "circuit": final.key,
                 "cmap": asdict(c),
                 "task": self.task_inputs(),
+                **self.class_groups(c.groups),
             },
             compute,
         )
@@ -557,7 +560,15 @@ class TrajectoryStudy(Study):
             if d.labels
             else {"model": self.digests[self.final], "circuit": final.key}
         )
-        return {**inputs, "dcm": asdict(d), "task": self.task_inputs()}
+        return {**inputs, "dcm": asdict(d), "task": self.task_inputs(), **self.class_groups(d.groups)}
+
+    def class_groups(self, wanted: list[str]) -> dict[str, list[str]]:
+        """Key inputs naming the classes of several tokens a DCM, CMAP or roles stage may patch
+        (:func:`~mechdiff.studies.circuits.class_groups`; empty, so the keys stay, where every group is one
+        named token)."""
+        from .circuits import class_groups
+
+        return class_groups(self.records("eval", 16), wanted)
 
     def semantic(self, name: str, dcm: StageRecord) -> StageRecord:
         from ..methods.trajectory import semantic
@@ -590,8 +601,14 @@ class TrajectoryStudy(Study):
         final = Circuit.from_dict(circuits[self.final].result["circuit"])
         scored = circuits.values() if self.st.roles.heads == "any" else [circuits[self.final]]
         own = [Circuit.from_dict(rec.result["circuit"]) for rec in scored]
+        from .circuits import unpaired_classes
+
+        groups = self.groups(final, self.st.roles.groups or self.st.dcm.groups)
+        # a class whose token count differs between a pair's two prompts is patched token for token nowhere: left
+        # out, as DCM leaves it out
+        unequal = unpaired_classes(final, groups, self.role_pairs(), self.st.eval.batch_size)
         out = []
-        for g in self.groups(final, self.st.roles.groups or self.st.dcm.groups):
+        for g in (g for g in groups if g not in unequal):
             pos = final.positions[g]
             heads = {h for c in own if c.positions.get(g) == pos for h in c.groups.get(g, [])}
             out.append((g, pos, sorted(heads, key=lambda h: (h.layer, h.head))))

@@ -13,6 +13,7 @@ from mechdiff.studies.resources import (
     Context,
     Lengths,
     _desiderata,
+    _groups,
     accuracy,
     circuit,
     cmap,
@@ -173,3 +174,20 @@ def test_an_imported_tasks_lengths_and_desiderata_are_the_studys():
     one = Context(replace(spec, dcm=replace(spec.dcm, desiderata=["swapped"])), ctx.dims, lengths, "float32", CPU)
     assert _desiderata(one) == ["swapped"]
     assert dcm(ctx, spec.models.base, 2).flops > dcm(one, spec.models.base, 2).flops
+
+
+def test_groups_left_unnamed_are_the_ones_the_study_picks():
+    """``[dcm]``/``[cmap] groups`` unset (the capitals study): the plan counts the groups the study would patch, as
+    ``group_choice`` picks them: every non-empty group of the circuit a run found, else the task's named positions
+    (before, none: DCM and CMAP were counted over no group)."""
+    spec = load_spec("tasks/capitals.toml")
+    assert spec.dcm.groups == [] and spec.cmap.groups == []
+    ctx = Context(spec, model_dims(spec.models.base)[0], task_lengths(spec), "float32", CPU)
+    base = spec.models.base
+    assert _groups(ctx, base, []) == ["country", "last"]
+    found = {"groups": {"last": ["L20H1"], "country": [], "after_country": ["L2H0"]}, "positions": {}}
+    known = replace(ctx, known={"circuit": {base: found}})
+    assert _groups(known, base, []) == ["last", "after_country"]
+    assert _groups(known, base, ["country", "last"]) == ["last"]
+    none = replace(ctx, spec=replace(spec, dcm=replace(spec.dcm, groups=["absent"])))
+    assert dcm(ctx, base, 2).flops > dcm(none, base, 2).flops
