@@ -86,15 +86,31 @@ def task_lengths(spec: RunSpec) -> Lengths:
     task, _ = task.draw_prompt_sets({"eval": n}, spec.task.seed)
     options = {"n_boxes": spec.task.n_boxes, "prompt_set": "eval", **task.split_options("eval")}
     records = task.records(tokenizer, n, prompt_seed(spec.task.seed, "eval"), **options)
-    sizes = [len(r.input_ids) for r in records]
+    extra = [_appended(r, task.metric) for r in records]  # answers of several tokens: teacher-forced runs
+    sizes = [len(r.input_ids) * len(e) + sum(e) for r, e in zip(records, extra)]
     suffix = {
-        name: mean(len(r.input_ids) - r.positions[name] for r in records)
+        name: mean((len(r.input_ids) - r.positions[name]) * len(e) + sum(e) for r, e in zip(records, extra))
         for name, pos in records[0].positions.items()
         if isinstance(pos, int)
     }
     masks = getattr(type(records[0]), "position_masks", None)
     classes = len(masks(records[:1], len(records[0].input_ids))) if masks else len(records[0].positions)
     return Lengths(mean(sizes), max(sizes), suffix, classes, used)
+
+
+def _appended(record: Any, metric: str) -> list[int]:
+    """Tokens each teacher-forced run of ``record`` appends to its prompt (its answer's tokens but the last; and,
+    under ``logit_diff``, each alternative's): ``[0]`` where every answer is one token (one run, the prompt alone).
+    A task of longer answers costs these runs in every stage that scores an answer (the plan counts each prompt
+    as their tokens together)."""
+    from ..tasks.records import alternative_tokens, answer_tokens
+
+    answers = [answer_tokens(record)]
+    if metric == "logit_diff":
+        answers += list(alternative_tokens(record))
+    if all(len(a) <= 1 for a in answers):
+        return [0]
+    return [len(a) - 1 for a in answers]
 
 
 @dataclass

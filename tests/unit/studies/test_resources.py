@@ -168,7 +168,8 @@ def test_an_imported_tasks_lengths_and_desiderata_are_the_studys():
     spec = load_spec("tasks/capitals.toml")
     meta = json.loads((Path(spec.task.name) / "task.json").read_text())
     lengths = task_lengths(spec)
-    assert lengths.longest == max(meta["n_tokens"]) and min(meta["n_tokens"]) < lengths.tokens < lengths.longest
+    # each prompt counted with its teacher-forced runs (the answer, and under logit_diff the counterfactual one)
+    assert lengths.longest > max(meta["n_tokens"]) and min(meta["n_tokens"]) < lengths.tokens < lengths.longest
     ctx = Context(spec, model_dims(spec.models.base)[0], lengths, "float32", CPU)
     assert _desiderata(ctx) == list(meta["desiderata"])
     one = Context(replace(spec, dcm=replace(spec.dcm, desiderata=["swapped"])), ctx.dims, lengths, "float32", CPU)
@@ -191,3 +192,25 @@ def test_groups_left_unnamed_are_the_ones_the_study_picks():
     assert _groups(known, base, ["country", "last"]) == ["last"]
     none = replace(ctx, spec=replace(spec, dcm=replace(spec.dcm, groups=["absent"])))
     assert dcm(ctx, base, 2).flops > dcm(none, base, 2).flops
+
+
+def test_a_prompt_counts_the_tokens_its_teacher_forced_runs_append():
+    """An answer of several tokens is scored by one run per answer with its tokens but the last appended: the
+    plan counts 2 extra tokens for a 3-token answer, and under ``logit_diff`` the counterfactual's run too; a task
+    whose answers are one token computes the prompt alone (its plan is what it was)."""
+    from mechdiff.studies.resources import _appended
+    from mechdiff.tasks.records import Example
+
+    one = Example("a b", (1, 2), " c", 3, alternatives=(" d",), alternative_ids=(4,))
+    long = Example(
+        "a b",
+        (1, 2),
+        " c e f",
+        3,
+        alternatives=(" d g",),
+        alternative_ids=(4,),
+        answer_tokens=(3, 5, 6),
+        alternative_tokens=((4, 7),),
+    )
+    assert _appended(one, "logit_diff") == [0] and _appended(one, "prob") == [0]
+    assert _appended(long, "prob") == [2] and _appended(long, "logit_diff") == [2, 1]
