@@ -351,11 +351,11 @@ class CircuitsStudy(Study):
         receivers and puts its top circuit_k heads (default: the same) in the circuit."""
         from ..circuits.discovery import discover
         from ..report.figures import head_heatmap
-        from ..tasks.plan import default_plan, load_plan
+        from ..tasks.plan import task_plan
 
         d = self.spec.discovery
         lm = self.model(name)
-        plan = load_plan(self.task.plan) if self.task.plan else default_plan()
+        plan = task_plan(self.task)
         settings = self.path_settings(name, plan)
         pairs = self.task.discovery_pairs(self.tokenizer, d.n, settings.seed, **self.options(prompts="discovery"))
         circuit, steps = discover(
@@ -531,19 +531,20 @@ class CircuitsStudy(Study):
 
     def group_choice(self, circuit: Circuit, wanted: list[str], check: bool = True) -> tuple[list, dict]:
         """The groups a stage looks at and each group left out, with why (:func:`group_choice`)."""
-        records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
-        return group_choice(self.task, records, circuit, wanted, check)
+        return group_choice(self.task, self.probe_records(), circuit, wanted, check)
+
+    def probe_records(self) -> list:
+        """A few of the task's eval prompts (16), enough to read which positions its prompts carry and how."""
+        return self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
 
     def class_groups(self, wanted: list[str]) -> dict[str, list[str]]:
         """Key inputs naming the classes of several tokens a DCM or CMAP stage may patch (:func:`class_groups`);
         a path circuit's groups (a plan's steps) sit at their step's sender position."""
-        at = {}
-        if self.spec.discovery.method == "path":
-            from ..tasks.plan import default_plan, load_plan
+        from ..tasks.plan import task_plan
 
-            at = {s.name: s.sender for s in (load_plan(self.task.plan) if self.task.plan else default_plan()).steps}
-        records = self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
-        return class_groups(records, wanted, at)
+        path = self.spec.discovery.method == "path"
+        at = {s.name: s.sender for s in task_plan(self.task).steps} if path else {}
+        return class_groups(self.probe_records(), wanted, at)
 
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic

@@ -248,10 +248,9 @@ def _curve_circuit(ctx: Context, name: str) -> StageCost:
 
 def _plan_steps(ctx: Context) -> list[Any]:
     from ..tasks.base import get_task
-    from ..tasks.plan import default_plan, load_plan
+    from ..tasks.plan import task_plan
 
-    task = get_task(ctx.spec.task.name)
-    return list((load_plan(task.plan) if task.plan else default_plan()).steps)
+    return list(task_plan(get_task(ctx.spec.task.name)).steps)
 
 
 def senders_per_pass(ctx: Context, n: int, kept: int) -> int:

@@ -174,3 +174,8 @@ def load_plan(path: str | os.PathLike) -> Plan:
 def default_plan() -> Plan:
     """The plan in :data:`DEFAULT_PLAN`."""
     return load_plan(DEFAULT_PLAN)
+
+
+def task_plan(task: Any) -> Plan:
+    """The path-patching plan of ``task``: its own plan file (``task.plan``) where it has one, else the default."""
+    return load_plan(task.plan) if task.plan else default_plan()

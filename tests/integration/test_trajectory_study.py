@@ -79,6 +79,15 @@ PART = (
 )
 
 
+def positional_labels(tmp_path: Path, selected: str) -> Path:
+    """A DCM labels table (``[dcm] labels``) giving the ``last`` group's ``selected`` heads the positional role (a
+    tiny model's own DCM may select nothing)."""
+    labels = tmp_path / "dcm.json"
+    row = {"group": "last", "desideratum": "positional", "position": "last", "selected": selected}
+    labels.write_text(json.dumps([row]))
+    return labels
+
+
 def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     """Every stage, computed by two processes sharing the checkpoints (``run_checkpoints``, each waiting for the
     circuits the other computes), then a plain run that finds every stage cached, loads nothing and writes the
@@ -86,10 +95,7 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     checkpoint's circuit is checked after."""
     _, run = tiny_run
     out = tmp_path / "out"
-    labels = tmp_path / "dcm.json"
-    labels.write_text(
-        json.dumps([{"group": "last", "desideratum": "positional", "position": "last", "selected": "L2H1 L1H0"}])
-    )
+    labels = positional_labels(tmp_path, "L2H1 L1H0")
     path = task_file(tmp_path / "t.toml", run, out, extra=f'labels = "{labels}"\n')
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
@@ -304,10 +310,7 @@ def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp
 
     _, run = tiny_run
     out = tmp_path / "out"
-    labels = tmp_path / "dcm.json"
-    labels.write_text(
-        json.dumps([{"group": "last", "desideratum": "positional", "position": "last", "selected": "L2H1"}])
-    )
+    labels = positional_labels(tmp_path, "L2H1")
     plain = task_file(tmp_path / "plain.toml", run, out, extra=f'labels = "{labels}"\n')
     assert not [p for p in load_study(plain, progress=False).plan() if p.name.startswith("roles")]
     roles = '\n[roles]\nn = 6\nthreshold = 0.3\ngroups = ["last"]\ndesiderata = ["positional", "object"]\n'
