@@ -1,0 +1,65 @@
+"""The fact edit's accuracy on the prompts of the countries it rewrote and on the others, from the committed study's
+per-prompt outcomes (``results/capitals-smollm2/outcomes.json``) and its eval rows (``run.json``, ``prompt_sets``),
+with exact binomial (Clopper-Pearson) 95% intervals; written to ``tables/edited_accuracy.md`` and ``.csv``.
+
+``python examples/capitals/edited_accuracy.py``"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from scipy.stats import binomtest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "results" / "capitals-smollm2"
+EDITED = json.loads((ROOT / "mechdiff/data/knowledge/edits/capital_swap.json").read_text())["samples"]
+
+
+def country(row: dict) -> str:
+    """The clean prompt's country (its ``country`` span)."""
+    start, end = row["positions"]["country"]
+    return row["clean"][start:end]
+
+
+def rows() -> list[dict]:
+    """One row per (model, the edited countries or the others): correct, n, accuracy and its interval."""
+    run = json.loads((RUN / "run.json").read_text())
+    source = [json.loads(line) for line in (ROOT / "examples/capitals/capitals.jsonl").open()]
+    edited = {s["subject"] for s in EDITED}
+    out = []
+    for model, outcome in json.loads((RUN / "outcomes.json").read_text())["stages"]["accuracy"].items():
+        for name, keep in (("edited countries", True), ("other countries", False)):
+            hits = [
+                c == "1"
+                for r, c in zip(run["prompt_sets"]["rows"]["eval"], outcome["correct"])
+                if (country(source[r]) in edited) == keep
+            ]
+            ci = binomtest(sum(hits), len(hits)).proportion_ci()
+            out.append(
+                {
+                    "model": model,
+                    "prompts": name,
+                    "correct": sum(hits),
+                    "n": len(hits),
+                    "accuracy [95% CI]": f"{sum(hits) / len(hits):.3f} [{ci.low:.3f}, {ci.high:.3f}]",
+                }
+            )
+    return out
+
+
+def main() -> None:
+    table = rows()
+    with (RUN / "tables" / "edited_accuracy.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    lines = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+    lines += ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in table]
+    (RUN / "tables" / "edited_accuracy.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
