@@ -15,15 +15,30 @@ $MECHDIFF finetune --base smollm2-135m --task entity-tracking --out mechdiff/zoo
   --eval-every 10 --eval-steps 5,15,25,35 --eval-n 100 --threads 1
 rm -f mechdiff/zoo/history.json
 
-# 1b. The trajectory smollm2-et@STEP: the same recipe rerun, saving ten steps (OUT/step-NNNN). The check compares
-#     steps 15 and 100 with the adapters of step 1 (results/zoo/trajectory.json), then installs steps 5-100 in
-#     mechdiff/zoo/smollm2-et-trajectory/ (step 0 is the base: a fresh LoRA's B is zero).
+# 1b. The trajectory smollm2-et@STEP: the same recipe rerun, saving seventeen steps (OUT/step-NNNN). The check
+#     compares steps 15 and 100 with the adapters of step 1 (results/zoo/trajectory.json), then installs steps
+#     1-100 in mechdiff/zoo/smollm2-et-trajectory/ (step 0 is the base: a fresh LoRA's B is zero). The committed
+#     steps came from two runs of this recipe: steps 0,5,...,100 from one to step 100, and steps 1,2,3,4,6,8,12
+#     from a rerun to step 12 (`--steps 12`, added by `zoo_trajectory.py --add`, which checked its steps 5 and 10
+#     bit for bit against the installed ones).
+TRAJECTORY_STEPS=0,1,2,3,4,5,6,8,10,12,15,20,30,45,60,80,100
+TRAINING="--rank 8 --alpha 16 --lr 1e-3 --batch 16 --eval-every 10 --eval-steps 5,15,25,35 --eval-n 100 --threads 1"
 rm -rf /tmp/mechdiff-zoo-trajectory
 $MECHDIFF finetune --base smollm2-135m --task entity-tracking --out /tmp/mechdiff-zoo-trajectory \
-  --save 0,5,10,15,20,30,45,60,80,100 --steps 100 \
-  --rank 8 --alpha 16 --lr 1e-3 --batch 16 --seed 0 --data-seed 0 \
-  --eval-every 10 --eval-steps 5,15,25,35 --eval-n 100 --stop-accuracy 0.96 --threads 1
+  --save "$TRAJECTORY_STEPS" --steps 100 $TRAINING --seed 0 --data-seed 0 --stop-accuracy 0.96
 python scripts/zoo_trajectory.py /tmp/mechdiff-zoo-trajectory --out results/zoo/trajectory.json
+
+# 1c. The between-run null of the trajectory study: the recipe with two other seeds (LoRA initialisation and data
+#     order); only the steps the study reads are kept, in checkpoints/ (outside the installed package).
+for SEED in 1 2; do
+  rm -rf /tmp/mechdiff-seed$SEED
+  $MECHDIFF finetune --base smollm2-135m --task entity-tracking --out /tmp/mechdiff-seed$SEED \
+    --save "$TRAJECTORY_STEPS" --steps 100 $TRAINING --seed $SEED --data-seed $SEED --stop-accuracy 0.96
+  rm -rf checkpoints/smollm2-et-seed$SEED && mkdir -p checkpoints/smollm2-et-seed$SEED
+  for STEP in 2 5 15 45 100; do
+    cp -r /tmp/mechdiff-seed$SEED/step-$(printf %04d $STEP) checkpoints/smollm2-et-seed$SEED/
+  done
+done
 
 # 2. smollm2-et-early (merged) + a new LoRA trained on arithmetic only.
 $MECHDIFF finetune --base smollm2-et-early --task arithmetic --out /tmp/mechdiff-zoo-math \

@@ -1,6 +1,6 @@
 """Install a rerun of the entity-tracking recipe as the ``smollm2-et@STEP`` trajectory, after checking it.
 
-usage: python scripts/zoo_trajectory.py RUN_DIR [--out results/zoo/trajectory.json]
+usage: python scripts/zoo_trajectory.py RUN_DIR [--out results/zoo/trajectory.json] [--add STEPS]
 
 RUN_DIR holds ``step-NNNN`` adapters of every step of ``TRAJECTORIES["smollm2-et"]`` (``mechdiff finetune
 --save 0,5,...``). Checks, written to ``--out``:
@@ -9,8 +9,12 @@ RUN_DIR holds ``step-NNNN`` adapters of every step of ``TRAJECTORIES["smollm2-et
   difference relative to the tensor's scale), the training losses, the validation accuracies and the merged
   model's fingerprint;
 - every step: the adapter file's sha256, the merged fingerprint and the run's validation accuracy.
-Steps 5.. are copied to mechdiff/zoo/smollm2-et-trajectory/ (step 0 is the base). Exits 1 if step 0 is not
+Steps 1.. are copied to mechdiff/zoo/smollm2-et-trajectory/ (step 0 is the base). Exits 1 if step 0 is not
 exactly the base.
+
+``--add 1,2,3``: RUN_DIR is a shorter rerun of the same recipe (``--steps 12``) saving those steps and some already
+installed; every installed step it also saved must be the installed adapter bit for bit (the same run), else it
+exits 1 and installs nothing. The added steps are copied and recorded in ``--out`` beside the others.
 """
 
 from __future__ import annotations
@@ -73,11 +77,60 @@ def compare(run_step: Path, committed: Path) -> dict:
     }
 
 
+def step_record(traj, step: int, validation: dict) -> dict:
+    """An installed step's model, source, adapter sha256, merged fingerprint and validation accuracy."""
+    spec = resolve_spec(f"{traj.name}@{step}")
+    folder = Path(resolve_source(spec.source))
+    return {
+        "model": spec.name,
+        "source": spec.source,
+        "adapter_sha256": sha256(folder / "adapter_model.safetensors") if spec.kind == "lora" else None,
+        "fingerprint": load_model(spec).fingerprint,
+        "validation_et_accuracy": validation.get(step),
+    }
+
+
+def add(run: Path, steps: list[int], out: Path) -> int:
+    """Install ``steps`` of a shorter rerun after checking it is the installed run where both saved a step."""
+    traj = TRAJECTORIES["smollm2-et"]
+    dest = Path(resolve_source(traj.source))
+    report = json.loads(out.read_text())
+    shared = [s for s in traj.steps if s and s not in steps and (run / step_dirname(s)).is_dir()]
+    same = {
+        s: sha256(run / step_dirname(s) / "adapter_model.safetensors") == report["steps"][str(s)]["adapter_sha256"]
+        for s in shared
+    }
+    print("installed steps the rerun also saved, bitwise equal:", same, flush=True)
+    if not shared or not all(same.values()):
+        print("not the installed run (or no step to check it by): nothing installed", file=sys.stderr)
+        return 1
+    history = {
+        h["step"]: h["et_accuracy"]
+        for h in json.loads((run / step_dirname(max(steps)) / "recipe.json").read_text())["history"]
+    }
+    for step in steps:
+        shutil.rmtree(dest / step_dirname(step), ignore_errors=True)
+        shutil.copytree(run / step_dirname(step), dest / step_dirname(step))
+    report["added"] = {
+        "run": json.loads((run / step_dirname(max(steps)) / "recipe.json").read_text())["options"],
+        "checked_against_installed": {str(s): v for s, v in same.items()},
+    }
+    for step in steps:
+        report["steps"][str(step)] = step_record(traj, step, history)
+        print(step, report["steps"][str(step)], flush=True)
+    report["steps"] = dict(sorted(report["steps"].items(), key=lambda kv: int(kv[0])))
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", type=Path)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "zoo" / "trajectory.json")
+    ap.add_argument("--add", default="", help="steps of a shorter rerun to add (comma-separated)")
     args = ap.parse_args()
+    if args.add:
+        return add(args.run, [int(s) for s in args.add.split(",")], args.out)
     traj = TRAJECTORIES["smollm2-et"]
     missing = [s for s in traj.steps if not (args.run / step_dirname(s) / "adapter_config.json").is_file()]
     if missing:
@@ -102,15 +155,7 @@ def main() -> int:
         for h in json.loads((args.run / step_dirname(traj.steps[-1]) / "recipe.json").read_text())["history"]
     }
     for step in traj.steps:
-        spec = resolve_spec(f"{traj.name}@{step}")
-        folder = Path(resolve_source(spec.source))
-        report["steps"][step] = {
-            "model": spec.name,
-            "source": spec.source,
-            "adapter_sha256": sha256(folder / "adapter_model.safetensors") if spec.kind == "lora" else None,
-            "fingerprint": load_model(spec).fingerprint,
-            "validation_et_accuracy": history[step],
-        }
+        report["steps"][step] = step_record(traj, step, history)
         if step in REPRODUCES:
             report["reproduction"][step].update(
                 fingerprint=report["steps"][step]["fingerprint"],

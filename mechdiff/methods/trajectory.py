@@ -40,7 +40,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -437,6 +437,11 @@ class _Halves:
         """Per split, the overlap of ``s`` and ``t`` on opposite halves (both ways, averaged)."""
         return [(jaccard(a[s], b[t]) + jaccard(a[t], b[s])) / 2 for a, b in zip(self.a, self.b)]
 
+    def between(self, runs: Sequence[str]) -> list[float]:
+        """Per split, the mean cross overlap of every two of ``runs`` (one step of several runs of one recipe)."""
+        pairs = [self.cross(s, t) for i, s in enumerate(runs) for t in runs[i + 1 :]]
+        return [float(np.mean(v)) for v in zip(*pairs)]
+
 
 def _half_tops(attribution: dict[str, np.ndarray], n: int, draws: int, seed: int) -> _Halves:
     n_prompts = {a.shape[0] for a in attribution.values()}
@@ -478,6 +483,7 @@ def structure(
     draws: int = STRUCTURE_DRAWS,
     seed: int = 0,
     stable: float = STABLE,
+    runs: Optional[Mapping[str, Mapping[str, np.ndarray]]] = None,
 ) -> dict:
     """The within-checkpoint null and the structural changes between checkpoints (module docstring).
 
@@ -488,9 +494,21 @@ def structure(
     halves' top-n) and the selection frequency of every pair ever robustly in; per consecutive pair of checkpoints
     and per checkpoint against the final one the cross overlap, the spread-corrected difference with its range and
     ``changed``; the pairs that changed between consecutive checkpoints (robustly in at one, out at the other);
-    and the matrix of mean overlaps of every two checkpoints (the null on its diagonal)."""
+    and the matrix of mean overlaps of every two checkpoints (the null on its diagonal).
+
+    ``runs``: the between-run null, checkpoint -> {a checkpoint of another run of the same recipe at the same step ->
+    its attribution on the same prompts}. Each such step gets the mean cross overlap of every two runs (the
+    ``between_runs`` rows); a consecutive change into such a step, and each checkpoint against the final one where
+    the final step has other runs, get ``beyond_runs``: (between-run overlap - cross), split by split, ``changed``
+    where its range lies above 0 (the two checkpoints differ more than two runs of the recipe do at that step)."""
     names = list(attribution)
-    tops = _half_tops(attribution, n, draws, seed)
+    runs = {c: dict(r) for c, r in (runs or {}).items() if r}
+    unknown = [c for c in runs if c not in attribution]
+    if unknown:
+        raise ValueError(f"other runs given at {unknown}, which are not checkpoints of the trajectory")
+    others = {o: a for r in runs.values() for o, a in r.items()}
+    tops = _half_tops({**attribution, **others}, n, draws, seed)
+    between = {c: tops.between([c, *r]) for c, r in runs.items()}
     freq = {
         c: selection_stability(torch.from_numpy(a.astype(np.float64)), classes, n, draws, seed)
         for c, a in attribution.items()
@@ -499,8 +517,12 @@ def structure(
     for s, t in zip(names, names[1:]):
         entered = sorted(pair_name(p) for p, f in freq[t].items() if f >= stable and freq[s][p] <= 1 - stable)
         left = sorted(pair_name(p) for p, f in freq[s].items() if f >= stable and freq[t][p] <= 1 - stable)
-        steps.append({"from": s, "to": t, **_against(tops, s, t), "entered": entered, "left": left})
-    final = [{"checkpoint": c, **_against(tops, c, names[-1])} for c in names[:-1]]
+        beyond = _beyond(tops, between, s, t, t if t in between else s)
+        steps.append({"from": s, "to": t, **_against(tops, s, t), **beyond, "entered": entered, "left": left})
+    final = [
+        {"checkpoint": c, **_against(tops, c, names[-1]), **_beyond(tops, between, c, names[-1], names[-1])}
+        for c in names[:-1]
+    ]
     robust = sorted(
         {p for f in freq.values() for p, v in f.items() if v >= stable}, key=lambda p: (p[1], p[0].layer, p[0].head)
     )
@@ -513,8 +535,26 @@ def structure(
         "consecutive": steps,
         "against_final": final,
         "matrix": {"checkpoints": names, "overlap": overlap_matrix(tops, names)},
+        "between_runs": [
+            {
+                "checkpoint": c,
+                "runs": [c, *runs[c]],
+                "overlap": spread(b),
+                "null": spread(np.mean([tops.null(r) for r in [c, *runs[c]]], axis=0)),
+            }
+            for c, b in between.items()
+        ],
         "frequency": {c: {pair_name(p): freq[c][p] for p in robust} for c in names},
     }
+
+
+def _beyond(tops: _Halves, between: Mapping[str, list[float]], s: str, t: str, at: str) -> dict:
+    """``beyond_runs`` of checkpoints ``s`` and ``t`` against the between-run overlap at ``at`` (``{}`` where ``at``
+    has no other run): (between - cross) per split, ``changed`` where its range lies above 0."""
+    if at not in between:
+        return {}
+    diff = spread([b - c for b, c in zip(between[at], tops.cross(s, t))])
+    return {"beyond_runs": {"at": at, "runs_minus_cross": diff, "changed": diff["low"] > 0}}
 
 
 def membership(circuits: Sequence[Circuit]) -> dict[tuple[str, int], list[int]]:

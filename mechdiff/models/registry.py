@@ -150,7 +150,7 @@ TRAJECTORIES: dict[str, Trajectory] = {
             "smollm2-et",
             "smollm2-135m",
             "package:mechdiff/zoo/smollm2-et-trajectory",
-            steps=(0, 5, 10, 15, 20, 30, 45, 60, 80, 100),
+            steps=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 30, 45, 60, 80, 100),
             description="A rerun of smollm2-et's entity-tracking LoRA recipe (scripts/build_zoo.sh; results/zoo/"
             "README.md: equal to smollm2-et-early and smollm2-et up to float rounding, not bitwise).",
         ),

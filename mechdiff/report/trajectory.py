@@ -24,6 +24,24 @@ def _row_est(row: dict, name: str) -> dict:
     return {"value": row[name], "low": row[f"{name}_low"], "high": row[f"{name}_high"], "n": row.get("n_prompts", 0)}
 
 
+def _record(values: Sequence[float]) -> dict:
+    """The compact record of per-prompt outcomes: 0/1, or (a random scope's share of right draws) ``share``."""
+    from ..common.outcomes import outcome_record, rounded
+
+    if set(values) <= {0, 1}:
+        return outcome_record(values)
+    return {"share": rounded(values)}
+
+
+def _beyond_cols(change: dict, runs: bool) -> dict:
+    """The between-run columns of a structural change where the study read other runs (``runs``; empty where no
+    other run was read at its step)."""
+    b = change.get("beyond_runs")
+    if not runs:
+        return {}
+    return {**_cols("runs_minus_cross", b and b["runs_minus_cross"]), "beyond_runs": b["changed"] if b else None}
+
+
 class _Report:
     def __init__(self, study: Any, results: dict):
         self.s, self.r = study, results
@@ -314,6 +332,7 @@ class _Report:
                 **_cols("cross_overlap", c["cross"]),
                 **_cols("null_minus_cross", c["null_minus_cross"]),
                 "changed": c["changed"],
+                **_beyond_cols(c, bool(st.get("between_runs"))),
                 "pairs_entered": " ".join(c["entered"]) or "-",
                 "pairs_left": " ".join(c["left"]) or "-",
             }
@@ -324,6 +343,11 @@ class _Report:
             "cross overlap with the previous checkpoint": [None] + [c["cross"] for c in st["consecutive"]],
             "cross overlap with the final checkpoint": [c["cross"] for c in st["against_final"]] + [None],
         }
+        between = {b["checkpoint"]: b for b in st.get("between_runs", [])}
+        if between:
+            series["between runs of the recipe (same step)"] = [
+                between[n]["overlap"] if n in between else None for n in self.names
+            ]
         spread = f"mean over {st['draws']} random disjoint splits, 95% range of the splits"
         fig = band_figure(
             self.steps,
@@ -375,9 +399,53 @@ class _Report:
                 "two checkpoints (row step against column step; diagonal: the within-checkpoint null)",
             )
             + "\n"
+            + self.runs_section(between)
             + self.figure(fig, "structural null and cross overlaps against the step")
             + "\n"
             + self.figure(matrix, "overlap matrix of every two checkpoints")
+        )
+
+    def runs_rows(self, between: dict) -> list[dict]:
+        """The between-run null at each step read: the runs' accuracy and the overlap of their circuits."""
+        rows = []
+        for s, n in zip(self.steps, self.names):
+            if n not in between:
+                continue
+            b = between[n]
+            acc = {o: self.r["runs"]["accuracy"][o].result["accuracy"] for o in b["runs"][1:]}
+            rows.append(
+                {
+                    "step": s,
+                    "runs": len(b["runs"]),
+                    **_cols("accuracy_this_run", self.r["accuracy"][n].result["accuracy"]),
+                    "accuracy_other_runs": " ".join(f"{a['value']:.3f}" for a in acc.values()),
+                    **_cols("between_runs_overlap", b["overlap"]),
+                    **_cols("within_run_null", b["null"]),
+                }
+            )
+        return rows
+
+    def runs_section(self, between: dict) -> str:
+        """The between-run null's table and what it says ('' where the study read no other run)."""
+        if not between:
+            return ""
+        dirs = ", ".join(f"`{d}`" for d in self.s.st.runs.dirs)
+        return (
+            "\n### Between-run null\n\n"
+            f"Other runs of the same recipe ({dirs}: another seed for the adapters' initialisation and the data "
+            "order) read at the steps below, ranked on the same prompts. Their overlap with this run at the same step, "
+            "on opposite halves as above (the mean over every two runs), is what another run of the recipe gives: "
+            "a change 'beyond the runs' (tables above, `beyond_runs`) is a cross overlap whose (between-run "
+            "overlap - cross), split by split, has its 95% range above 0 (a consecutive change is held against the "
+            "runs at its later step, or its earlier where only that was read; a checkpoint against the final one, "
+            "against the runs at the final step).\n\n"
+            + self.table(
+                self.runs_rows(between),
+                "structure_runs",
+                "Between-run null: held-out accuracy of this run (exact binomial 95% CI) and of the others, and the "
+                "overlap of top-n pair sets between runs at the same step beside this run's within-checkpoint null",
+            )
+            + "\n"
         )
 
     def against_final_rows(self) -> list[dict]:
@@ -395,6 +463,7 @@ class _Report:
                     **_cols("cross_overlap", c["cross"]),
                     **_cols("null_minus_cross", c["null_minus_cross"]),
                     "differs_from_final": c["changed"],
+                    **_beyond_cols(c, bool(self.r["structure"].result.get("between_runs"))),
                 }
             )
         return rows
@@ -453,7 +522,36 @@ class _Report:
         )
         return formation, ordered
 
+    def outcomes(self) -> dict[str, dict]:
+        """Every stage's per-prompt outcomes in the compact format (:mod:`mechdiff.common.outcomes`), by stage and
+        label, so each interval the report states can be recomputed from ``outcomes.json``: accuracy (every
+        checkpoint, the other runs' too), ``scores:<ckpt>`` (the whole model and each circuit kept alone),
+        ``cmap:<ckpt>`` (the first checkpoint, the checkpoint, and the first with each group patched) and
+        ``semantic:<ckpt>`` (each DCM selection patched, ``group/desideratum``)."""
+        from ..common.outcomes import outcome_record
+
+        runs = self.r.get("runs", {}).get("accuracy", {})
+        out: dict[str, dict] = {
+            "accuracy": {n: rec.result["outcomes"] for n, rec in {**self.r["accuracy"], **runs}.items()}
+        }
+        for n in self.names:
+            sc = self.r["scores"][n].result
+            out[f"scores:{n}"] = {
+                "full": outcome_record(sc["full"]),
+                **{k: outcome_record(v) for k, v in sc["outcomes"].items()},
+            }
+            cmap = self.r["cmap"].get(n)
+            if cmap is not None and "outcomes" in cmap.result:
+                out[f"cmap:{n}"] = {k: _record(v) for k, v in cmap.result["outcomes"].items()}
+            rows = self.r["semantic"][n].result["rows"]
+            if rows:
+                out[f"semantic:{n}"] = {f"{x['group']}/{x['desideratum']}": outcome_record(x["outcomes"]) for x in rows}
+        return out
+
     def write(self) -> Path:
+        from ..common.outcomes import write_outcomes
+
+        write_outcomes(self.dir, self.outcomes())
         self.accuracy()
         self.circuits()
         self.cmap()

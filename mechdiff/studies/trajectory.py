@@ -121,6 +121,16 @@ class RolesSection:
 
 
 @dataclass
+class RunsSection:
+    """The between-run null: other runs of the same recipe (another seed), each a directory of saved steps
+    (``DIR@STEP``), read at ``steps`` (steps of the trajectory). Only their ranking attribution and accuracy are
+    computed; the structure stage compares their circuits with the trajectory's at the same step."""
+
+    dirs: list[str] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+
+
+@dataclass
 class TrajectoryOutput(OutputSection):
     dir: str = "results/trajectory"
     store: str = "cache/activations-trajectory.h5"
@@ -137,6 +147,7 @@ SECTIONS = {
     "dcm": TrajectoryDcm,
     "cmap": TrajectoryCmap,
     "roles": RolesSection,
+    "runs": RunsSection,
     "output": TrajectoryOutput,
 }
 CHOICES = {
@@ -159,6 +170,7 @@ class TrajectorySettings:
     cmap: TrajectoryCmap
     output: TrajectoryOutput
     roles: Optional[RolesSection] = None  # None: the task file has no [roles] section, and no roles stage runs
+    runs: RunsSection = field(default_factory=RunsSection)  # no dirs: no between-run null
     source: str = "<defaults>"
 
 
@@ -182,6 +194,7 @@ def load_settings(path: str | Path) -> TrajectorySettings:
         trajectory_specs(built["models"].checkpoints)
     except (ValueError, KeyError) as err:
         raise SpecError(f"{path}:{line_of(text, 'models', 'checkpoints')}: {err}") from None
+    _check_runs(Path(path), text, built["runs"], built["models"].checkpoints)
     built["roles"] = _check_roles(Path(path), text, raw, built["roles"], built["task"].name)
     labels = built["dcm"].labels
     if labels and not Path(labels).is_file():
@@ -190,6 +203,31 @@ def load_settings(path: str | Path) -> TrajectorySettings:
             "of a circuits study, or leave labels empty to train DCM on the final checkpoint"
         )
     return TrajectorySettings(**built, source=str(path))
+
+
+def other_runs(runs: RunsSection, checkpoints: list[str]) -> dict[str, list[str]]:
+    """The other runs' checkpoints by the trajectory's checkpoint at the same step: ``{ckpt: ["DIR@STEP", ...]}``."""
+    at = {step_of(n, i): n for i, n in enumerate(checkpoints)}
+    return {at[s]: [f"{d}@{s}" for d in runs.dirs] for s in runs.steps if s in at and runs.dirs}
+
+
+def _check_runs(path: Path, text: str, runs: RunsSection, checkpoints: list[str]) -> None:
+    """``[runs]``: steps of the trajectory, and each ``DIR@STEP`` an adapter over the trajectory's base."""
+    if not runs.dirs and not runs.steps:
+        return
+    steps = [step_of(n, i) for i, n in enumerate(checkpoints)]
+    missing = [s for s in runs.steps if s not in steps]
+    if missing or not runs.steps or not runs.dirs:
+        key = "steps" if missing or not runs.steps else "dirs"
+        raise SpecError(
+            f"{path}:{line_of(text, 'runs', key)}: [runs] needs dirs (other runs of the recipe) and steps among the "
+            f"trajectory's ({', '.join(map(str, steps))})" + (f"; {missing} are not" if missing else "")
+        )
+    others = [o for names in other_runs(runs, checkpoints).values() for o in names]
+    try:
+        trajectory_specs([*checkpoints, *others])
+    except (ValueError, KeyError) as err:
+        raise SpecError(f"{path}:{line_of(text, 'runs', 'dirs')}: {err}") from None
 
 
 def _check_roles(path: Path, text: str, raw: dict, roles: RolesSection, task: str) -> Optional[RolesSection]:
@@ -259,8 +297,10 @@ class TrajectoryStudy(Study):
         self.store = str(Path(settings.output.store))
         check_writable(Path(self.store).parent, "activation store directory")
         self.names = list(settings.models.checkpoints)
-        self.base_spec, specs = trajectory_specs(self.names)
-        self.digests = {n: spec_digest(s) for n, s in zip(self.names, specs)}
+        self.runs = other_runs(settings.runs, self.names)  # the between-run null's checkpoints by step
+        self.others = [o for names in self.runs.values() for o in names]
+        self.base_spec, specs = trajectory_specs([*self.names, *self.others])
+        self.digests = {n: spec_digest(s) for n, s in zip([*self.names, *self.others], specs)}
         self.steps = [step_of(n, i) for i, n in enumerate(self.names)]
         self.task = get_task(settings.task.name)
         self.tokenizer = load_tokenizer(self.base_spec)
@@ -298,7 +338,7 @@ class TrajectoryStudy(Study):
         """The checkpoints, loaded when a stage first computes (the base once, the adapters swapped)."""
         if self._checkpoints is None:
             m = self.st.models
-            self._checkpoints = Checkpoints(self.names, dtype=m.dtype, device=m.device)
+            self._checkpoints = Checkpoints([*self.names, *self.others], dtype=m.dtype, device=m.device)
         return self._checkpoints
 
     def seed(self, prompts: str) -> int:
@@ -414,19 +454,51 @@ class TrajectoryStudy(Study):
             "scoring": self._reference(),
         }
 
-    def structure(self, circuits: dict[str, StageRecord]) -> StageRecord:
+    def ranking(self, name: str) -> StageRecord:
+        """A checkpoint of another run (``[runs]``): its per-prompt attribution on the ranking prompts only (what
+        the structure stage compares), as the circuit stage ranks."""
+        from ..circuits.curve import prompt_attribution
+        from ..circuits.positions import task_classes
+        from ..methods.trajectory import encode_array
+
+        def compute() -> dict:
+            ranker = self.scorer(name, "ranking", self.st.discovery.n)
+            classes = task_classes(ranker)
+            return {
+                "classes": list(classes),
+                "attribution": encode_array(prompt_attribution(ranker, classes).float().numpy()),
+            }
+
+        inputs = {
+            "model": self.digests[name],
+            "task": self.task_inputs(),
+            "ranking_n": self.st.discovery.n,
+            "scoring": self._reference(),
+        }
+        return self.cache.run(f"ranking:{name}", inputs, compute)
+
+    def structure(
+        self, circuits: dict[str, StageRecord], rankings: Optional[dict[str, StageRecord]] = None
+    ) -> StageRecord:
+        """The structural null and changes (:func:`~mechdiff.methods.trajectory.structure`), with the between-run
+        null where ``rankings`` holds other runs' checkpoints (``[runs]``)."""
         from ..methods.trajectory import decode_array, structure
 
-        s = self.st.structure
+        s, rankings = self.st.structure, rankings or {}
 
         def compute() -> dict:
             n = s.n_pairs or circuits[self.final].result["n_pairs"]
+            classes = circuits[self.final].result["classes"]
             attribution = {c: decode_array(rec.result["attribution"]) for c, rec in circuits.items()}
-            return structure(
-                attribution, circuits[self.final].result["classes"], n, s.draws, self.seed("ranking"), s.stable
-            )
+            odd = [o for o, rec in rankings.items() if rec.result["classes"] != classes]
+            if odd:
+                raise ValueError(f"{odd} rank other position classes than {self.final}: {classes}")
+            runs = {c: {o: decode_array(rankings[o].result["attribution"]) for o in os} for c, os in self.runs.items()}
+            return structure(attribution, classes, n, s.draws, self.seed("ranking"), s.stable, runs)
 
         inputs = {"circuits": {c: r.key for c, r in circuits.items()}, "structure": asdict(s), "null": NULL}
+        if rankings:  # a study without other runs keeps its key
+            inputs["runs"] = {o: r.key for o, r in rankings.items()}
         return self.cache.run("structure", inputs, compute)
 
     def score(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
@@ -649,7 +721,9 @@ class TrajectoryStudy(Study):
         accuracy = {n: self.accuracy(n) for n in self.names}
         circuits = {n: self.circuit(n) for n in [self.final, *self.names[:-1]]}
         circuits = {n: circuits[n] for n in self.names}
-        structure = self.structure(circuits)
+        others = {o: self.accuracy(o) for o in self.others}
+        rankings = {o: self.ranking(o) for o in self.others}
+        structure = self.structure(circuits, rankings)
         scores = {n: self.score(n, circuits) for n in self.names}
         cmap = {n: self.cmap(n, circuits[self.final]) for n in self.names[1:]}
         dcm = self.dcm(circuits[self.final])
@@ -657,6 +731,7 @@ class TrajectoryStudy(Study):
         roles = {n: self.roles(n, circuits) for n in self.names} if self.st.roles else {}
         return {
             "roles": roles,
+            "runs": {"accuracy": others, "ranking": rankings},
             "accuracy": accuracy,
             "circuits": circuits,
             "structure": structure,
@@ -696,8 +771,9 @@ class TrajectoryStudy(Study):
             if self.final in names or self.st.roles:
                 self._wait(self.names)
                 every = {n: self.circuit(n) for n in self.names}
-            if self.final in names:
-                self.structure(every)
+            if self.final in names:  # the other runs' checkpoints too (their accuracy, their ranking)
+                rankings = {o: (self.accuracy(o), self.ranking(o))[1] for o in self.others}
+                self.structure(every, rankings)
             for n in names if self.st.roles else []:
                 self.roles(n, every)
 
