@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from mechdiff.studies.spec import SpecError
 from mechdiff.studies.trajectory import TrajectoryStudy, load_settings, read_labels
 
 
-def task_file(path, run, out, extra: str = "") -> str:
+def task_file(path, run, out, extra: str = "", sections: str = "") -> str:
     text = f"""
 [study]
 kind = "trajectory"
@@ -64,7 +65,7 @@ batch_size = 4
 n = 12
 parts = ["z"]
 groups = ["last", "query_label"]
-
+{sections}
 [output]
 dir = "{out}"
 store = "{out}/activations.h5"
@@ -96,7 +97,10 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     _, run = tiny_run
     out = tmp_path / "out"
     labels = positional_labels(tmp_path, "L2H1 L1H0")
-    path = task_file(tmp_path / "t.toml", run, out, extra=f'labels = "{labels}"\n')
+    other = tmp_path / "other-run"  # the between-run null's "other run": a copy of this one, read at step 4
+    shutil.copytree(run, other)
+    runs = f'[runs]\ndirs = ["{other}"]\nsteps = [4]\n'
+    path = task_file(tmp_path / "t.toml", run, out, extra=f'labels = "{labels}"\n', sections=runs)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     names = [f"{run}@{s}" for s in (0, 2, 4)]
@@ -128,7 +132,12 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     stages = set(manifest["stages"])
     assert manifest["kind"] == "trajectory" and {p.name for p in plan} == stages
     assert {f"{k}:{n}" for k in ("accuracy", "circuit", "score", "semantic") for n in names} <= stages
-    assert {f"cmap:{n}" for n in names[1:]} | {"structure", "dcm"} <= stages
+    assert {f"cmap:{n}" for n in names[1:]} | {
+        "structure",
+        "dcm",
+        f"accuracy:{other}@4",
+        f"ranking:{other}@4",
+    } <= stages
     assert all(v["cached"] for v in manifest["stages"].values())
     computed = [json.loads(p.read_text()) for p in (out / "stages").glob("*.json")]
     assert len(computed) == len(stages) and all(r["seconds"] > 0 for r in computed)
@@ -177,6 +186,21 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     assert [r["n_pairs"] for r in circ] == [
         json.loads(study.cache.path(f"circuit:{n}").read_text())["result"]["n_pairs"] for n in names
     ]
+
+    # the between-run null: the other run is this one's copy, so its ranking is step 4's attribution bit for bit,
+    # and the two runs' overlap at step 4 is step 4's own null, split by split
+    ranked = json.loads(study.cache.path(f"ranking:{other}@4").read_text())["result"]
+    own = json.loads(study.cache.path(f"circuit:{names[-1]}").read_text())["result"]
+    assert ranked["attribution"] == own["attribution"] and ranked["classes"] == own["classes"]
+    (between,) = st["between_runs"]
+    assert between["checkpoint"] == names[-1] and between["overlap"] == st["null"][names[-1]] == between["null"]
+    assert st["consecutive"][-1]["beyond_runs"]["at"] == names[-1]
+    assert [r["step"] for r in json.loads((out / "tables" / "structure_runs.json").read_text())] == [4]
+    # outcomes.json: every stage's per-prompt outcomes, the other run's accuracy among them
+    kept = json.loads((out / "outcomes.json").read_text())["stages"]
+    assert kept["accuracy"][f"{other}@4"] == kept["accuracy"][names[-1]] == records[names[-1]]["outcomes"]
+    assert {f"scores:{n}" for n in names} | {f"cmap:{n}" for n in names[1:]} <= set(kept)
+    assert kept[f"scores:{names[1]}"]["own"]["correct"] == "".join(map(str, scored[names[1]]["own"]))
 
     sem = json.loads((out / "tables" / "semantic.json").read_text())
     assert [r["step"] for r in sem] == list(study.steps)
@@ -381,3 +405,23 @@ def test_roles_section_errors_name_the_line_and_no_section_means_no_stage(tiny_r
         task_file(tmp_path / "good.toml", run, out, extra='\n[roles]\ndesiderata = ["object_value"]\n')
     )
     assert good.roles.desiderata == ["object_value"] and good.roles.threshold == THRESHOLD
+
+
+def test_other_runs_are_checked_when_the_task_file_loads(tiny_run, tmp_path):
+    """``[runs]``: steps the trajectory lacks, a run without the step, and dirs without steps are refused with the
+    file's line, before any weights load."""
+    _, run = tiny_run
+    other = tmp_path / "other-run"
+    shutil.copytree(run, other)
+    for runs, match in (
+        (f'dirs = ["{other}"]\nsteps = [3]', r"\[runs\] needs .* among the trajectory's \(0, 2, 4\); \[3\] are not"),
+        (f'dirs = ["{other}"]', r"\[runs\] needs dirs .* and steps"),
+        (f'dirs = ["{tmp_path / "nowhere"}"]\nsteps = [4]', "nowhere"),
+    ):
+        path = task_file(tmp_path / "t.toml", run, tmp_path / "out", sections=f"[runs]\n{runs}\n")
+        with pytest.raises(SpecError, match=match):
+            load_settings(path)
+    shutil.rmtree(other / "step-0004")
+    path = task_file(tmp_path / "t.toml", run, tmp_path / "out", sections=f'[runs]\ndirs = ["{other}"]\nsteps = [4]\n')
+    with pytest.raises(SpecError, match="step 4 is not saved"):
+        load_settings(path)

@@ -371,6 +371,65 @@ def test_each_checkpoint_against_the_final_one_and_the_overlap_matrix(tmp_path):
     assert path.stat().st_size > 0
 
 
+def test_between_run_null_calls_a_change_only_beyond_what_another_run_gives():
+    """Two other runs of the recipe at step "u": one has the same top set as this run there, one a different one.
+    The between-run overlap is the mean cross overlap of every two runs, split by split (recomputed here); a
+    change into "u" is beyond the runs only where it is larger than the runs' disagreement."""
+    classes = ["last", "query_label"]
+    same, moved = constructed([0, 5, 9]), constructed([0, 5, 17], seed=1)
+    agree = {"r1": constructed([0, 5, 17], seed=5), "r2": constructed([0, 5, 17], seed=6)}
+    res = structure({"s": same, "t": same.copy(), "u": moved}, classes, n=3, draws=50, seed=0, runs={"u": agree})
+    (between,) = res["between_runs"]
+    assert between["checkpoint"] == "u" and between["runs"] == ["u", "r1", "r2"]
+    assert between["overlap"] == {"value": 1.0, "low": 1.0, "high": 1.0, "n": 50}  # the runs agree at "u"
+    assert between["null"]["value"] == 1.0
+    into_u = res["consecutive"][1]
+    assert into_u["beyond_runs"]["at"] == "u"
+    # the runs agree (1.0) and t -> u shares 2 of 4 pairs (0.5): beyond the runs by 0.5 in every split
+    assert into_u["beyond_runs"]["runs_minus_cross"] == {"value": 0.5, "low": 0.5, "high": 0.5, "n": 50}
+    assert into_u["beyond_runs"]["changed"]
+    assert "beyond_runs" not in res["consecutive"][0]  # s -> t: no other run read at s or t
+    assert all(r["beyond_runs"]["at"] == "u" for r in res["against_final"])
+    # runs sharing 2 of 4 pairs with u and agreeing with each other: (0.5 + 0.5 + 1) / 3 against t -> u's 0.5
+    partly = {"r1": constructed([0, 5, 9], seed=5), "r2": constructed([0, 5, 9], seed=6)}
+    res = structure({"s": same, "t": same.copy(), "u": moved}, classes, n=3, draws=50, seed=0, runs={"u": partly})
+    assert res["between_runs"][0]["overlap"]["value"] == pytest.approx(2 / 3)
+    assert res["consecutive"][1]["beyond_runs"]["runs_minus_cross"]["value"] == pytest.approx(2 / 3 - 0.5)
+    # runs sharing no pair with u nor with each other: the change t -> u is well within what runs differ by
+    apart = {"r1": constructed([1, 2, 3], seed=5), "r2": constructed([10, 11, 12], seed=6)}
+    res = structure({"s": same, "t": same.copy(), "u": moved}, classes, n=3, draws=50, seed=0, runs={"u": apart})
+    assert res["between_runs"][0]["overlap"]["value"] == 0.0
+    assert res["consecutive"][1]["beyond_runs"]["runs_minus_cross"]["value"] == -0.5
+    assert not res["consecutive"][1]["beyond_runs"]["changed"] and res["consecutive"][1]["changed"]
+    with pytest.raises(ValueError, match="not checkpoints of the trajectory"):
+        structure({"s": same, "t": same}, classes, n=3, draws=5, seed=0, runs={"x": agree})
+
+
+def test_between_run_overlap_is_every_two_runs_cross_overlap_split_by_split():
+    """Noisy runs: the between-run overlap and the runs' mean null are what the splits give (recomputed here),
+    each point estimate inside its range; the within-run rows are those of the study without other runs."""
+    classes = ["last", "query_label"]
+    attribution = {
+        "s": constructed([0, 5, 9, 13], noise=1.5, seed=2, n_prompts=32),
+        "t": constructed([0, 5, 9, 17], noise=1.5, seed=3, n_prompts=32),
+    }
+    runs = {"t": {"r1": constructed([0, 5, 9, 20], noise=1.5, seed=7, n_prompts=32)}}
+    res = structure(attribution, classes, n=4, draws=80, seed=3, runs=runs)
+    plain = structure(attribution, classes, n=4, draws=80, seed=3)
+    assert res["null"] == plain["null"] and res["matrix"] == plain["matrix"]
+    assert [{k: v for k, v in r.items() if k != "beyond_runs"} for r in res["consecutive"]] == plain["consecutive"]
+    cuts = splits(32, 80, 3)
+    both = {**attribution, **runs["t"]}
+    tops = [{c: (top(x, a, 4), top(x, b, 4)) for c, x in both.items()} for a, b in cuts]
+    cross = [(overlap(d["t"][0], d["r1"][1]) + overlap(d["r1"][0], d["t"][1])) / 2 for d in tops]
+    null = [(overlap(*d["t"]) + overlap(*d["r1"])) / 2 for d in tops]
+    got = res["between_runs"][0]
+    assert got["overlap"]["value"] == pytest.approx(np.mean(cross), abs=1e-12)
+    assert [got["overlap"]["low"], got["overlap"]["high"]] == pytest.approx(np.percentile(cross, [2.5, 97.5]))
+    assert got["null"]["value"] == pytest.approx(np.mean(null), abs=1e-12)
+    assert got["overlap"]["low"] < got["overlap"]["value"] < got["overlap"]["high"]
+
+
 def test_against_first_is_a_paired_difference():
     """The later checkpoint is right on every prompt the first is, and on 3 more of 30: every resampled mean of
     the paired differences is >= 0 and at most a few prompts' worth, which unpaired intervals would not give."""
