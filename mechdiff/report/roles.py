@@ -103,3 +103,51 @@ def takeover_rows(roles: Sequence[Role], steps: Sequence[int], threshold: float)
                 }
             )
     return rows
+
+
+def found(row: dict) -> bool:
+    """A DCM selection found its property: selected heads, and test accuracy above the floor (intervals apart)."""
+    return bool(row["selected"]) and row["test_accuracy"]["low"] > row["floor"]["high"]
+
+
+def dcm_roles(records: Sequence[dict]) -> list[Role]:
+    """Every role of ``roles`` stage records made by DCM in each checkpoint (``[roles] method = "dcm"``), as
+    :class:`Role` membership: 1 where a head is in the step's DCM selection and that selection :func:`found` its
+    property, else 0 (so :func:`membership_rows` and :func:`takeover_rows` read it at any threshold in [0, 1))."""
+    keys = [(x["group"], x["desideratum"], x["position"]) for x in records[0]["dcm"]]
+    out = []
+    for g, d, p in keys:
+        rows = [
+            next(x for x in rec["dcm"] if (x["group"], x["desideratum"], x["position"]) == (g, d, p)) for rec in records
+        ]
+        heads = list(rows[0]["heads"])
+        member = np.array([[float(h in x["selected"] and found(x)) for x in rows] for h in heads]).reshape(
+            len(heads), -1
+        )
+        out.append(Role(g, d, p, heads, member, member, member))
+    return out
+
+
+def dcm_rows(records: Sequence[dict], steps: Sequence[int]) -> list[dict]:
+    """A row per role and step of DCM trained in each checkpoint: the heads selected, their test accuracy and the
+    floor (exact binomial 95% CI), and whether the selection found the property."""
+    rows = []
+    for s, rec in zip(steps, records):
+        for x in rec["dcm"]:
+            rows.append(
+                {
+                    "group": x["group"],
+                    "desideratum": x["desideratum"],
+                    "step": s,
+                    "n_heads": len(x["heads"]),
+                    "n_selected": len(x["selected"]),
+                    "selected": " ".join(x["selected"]) or "-",
+                    **{
+                        f"test_accuracy{k}": x["test_accuracy"][v]
+                        for k, v in (("", "value"), ("_low", "low"), ("_high", "high"))
+                    },
+                    **{f"floor{k}": x["floor"][v] for k, v in (("", "value"), ("_low", "low"), ("_high", "high"))},
+                    "found": found(x),
+                }
+            )
+    return rows

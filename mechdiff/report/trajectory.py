@@ -285,7 +285,12 @@ class _Report:
         got = self.r.get("roles") or {}
         if not got:
             return
-        records = [got[n].result for n in self.names]
+        names = [n for n in self.names if n in got]  # the steps scored ([roles] steps)
+        steps = [s for s, n in zip(self.steps, self.names) if n in got]
+        records = [got[n].result for n in names]
+        if records[0].get("method") == "dcm":
+            self.dcm_roles(records, steps)
+            return
         roles, t = roles_of(records), self.s.st.roles.threshold
         if not roles:
             self.sections.append("## Roles over the steps\n\nno head in the groups scored")
@@ -293,10 +298,10 @@ class _Report:
         floor = [
             {"desideratum": d, "step": s, "floor": float(read_record(rec["floor"][d]["outcomes"])[0].mean())}
             for d in records[0]["floor"]
-            for s, rec in zip(self.steps, records)
+            for s, rec in zip(steps, records)
         ]
-        write_table(score_rows(roles, self.steps, t), self.dir / "tables" / "role_scores", caption="role scores")
-        takers = takeover_rows(roles, self.steps, t)
+        write_table(score_rows(roles, steps, t), self.dir / "tables" / "role_scores", caption="role scores")
+        takers = takeover_rows(roles, steps, t)
         self.sections.append(
             "## Roles over the steps\n\n"
             f"Each head of the groups scored alone: its output at the group's position patched from each pair's "
@@ -304,7 +309,7 @@ class _Report:
             f"patched run gives the desideratum's target (exact binomial 95% CI; every head and step in "
             f"`tables/role_scores.md`). A head holds a role where that share's lower bound exceeds {t}. Single heads, "
             "not DCM's jointly trained masks: a role only several heads together carry shows in none.\n\n"
-            + self.table(membership_rows(roles, self.steps, t), "roles", "Heads holding each role at each step")
+            + self.table(membership_rows(roles, steps, t), "roles", "Heads holding each role at each step")
             + "\n"
             + (
                 self.table(
@@ -318,6 +323,59 @@ class _Report:
             )
             + "\n"
             + self.table(floor, "role_floor", "Share of pairs whose unpatched base run already gives the target")
+        )
+
+    def dcm_roles(self, records: list[dict], steps: list[int]) -> None:
+        """Roles from DCM trained in each scored checkpoint (``[roles] method = "dcm"``): each step's selection,
+        membership over the steps and the takeovers."""
+        from .roles import dcm_roles, dcm_rows, membership_rows, takeover_rows
+
+        roles = dcm_roles(records)
+        rows = dcm_rows(records, steps)
+        series = {
+            f"{g} {d}": [
+                next(
+                    {"value": r["test_accuracy"], "low": r["test_accuracy_low"], "high": r["test_accuracy_high"]}
+                    for r in rows
+                    if (r["group"], r["desideratum"], r["step"]) == (g, d, s)
+                )
+                if s in steps
+                else None
+                for s in self.steps
+            ]
+            for g, d in dict.fromkeys((r["group"], r["desideratum"]) for r in rows)
+        }
+        fig = band_figure(
+            self.steps,
+            series,
+            self.dir / "figures" / "role_dcm.png",
+            "DCM trained in each checkpoint: target accuracy with its selection patched (exact binomial 95% CI)",
+            "target accuracy",
+        )
+        takers = takeover_rows(roles, steps, 0.5)
+        d = self.s.st.dcm
+        self.sections.append(
+            "## Roles over the steps (DCM in each checkpoint)\n\n"
+            f"DCM trained in each of steps {', '.join(map(str, steps))} over the final circuit's groups ({d.n_train} "
+            f"training, {d.n_val} validation and {d.n_test} test pairs a desideratum, {d.epochs} epochs): the heads "
+            "each role needs together at that step. A head holds a role at a step where it is in that step's selection "
+            "and the selection's test accuracy lies above the unpatched floor (exact binomial intervals apart).\n\n"
+            + self.table(rows, "role_dcm", "DCM trained in each checkpoint: the selection per role and step")
+            + "\n"
+            + self.table(membership_rows(roles, steps, 0.5), "roles", "Heads holding each role at each step (DCM)")
+            + "\n"
+            + (
+                self.table(
+                    takers,
+                    "role_takeovers",
+                    "Heads holding a role at the last step scored: from which step on, and the heads that held it "
+                    "before (and, of those, lost it)",
+                )
+                if takers
+                else "No head holds a role at the last step scored.\n"
+            )
+            + "\n"
+            + self.figure(fig, "DCM selections' target accuracy against the step")
         )
 
     def structure(self) -> None:
@@ -618,10 +676,16 @@ class _Report:
                 ("structure splits and resamples; stable frequency", f"{st.structure.draws}; {st.structure.stable}"),
             )
         ]
-        if st.roles:
+        if st.roles and st.roles.method == "dcm":
+            steps = ", ".join(map(str, st.roles.steps)) or "every step"
+            settings.append({"what": "roles: DCM trained in each checkpoint at steps", "setting": steps})
+        elif st.roles:
             settings.append(
                 {"what": "role pairs per desideratum; threshold", "setting": f"{st.roles.n}; {st.roles.threshold}"}
             )
+        if st.runs.dirs:
+            runs = f"{', '.join(st.runs.dirs)} at steps {', '.join(map(str, st.runs.steps))}"
+            settings.append({"what": "other runs of the recipe (between-run null)", "setting": runs})
         text = (
             f"# {self.dir.name}\n\nWritten by `mechdiff run {self.s.st.source}`; the full report is "
             "[report.md](report.md). Every finding is a row carried by its interval.\n\n"

@@ -118,6 +118,10 @@ class RolesSection:
     # the heads scored in each group: "any" checkpoint's own circuit has there (a head that holds a role early and
     # loses it is scored too), or the "final" circuit's only (fewer heads: cheaper)
     heads: str = "any"
+    steps: list[int] = field(default_factory=list)  # the steps scored (empty: every checkpoint)
+    # "heads": each head scored alone (n pairs a desideratum); "dcm": DCM's masks trained in each checkpoint over the
+    # final circuit's groups ([dcm] sizes and training), the heads a role needs together (the paper's method)
+    method: str = "heads"
 
 
 @dataclass
@@ -154,6 +158,7 @@ CHOICES = {
     ("discovery", "select"): SELECT,
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
     ("roles", "heads"): ("any", "final"),
+    ("roles", "method"): ("heads", "dcm"),
 }
 
 
@@ -195,7 +200,9 @@ def load_settings(path: str | Path) -> TrajectorySettings:
     except (ValueError, KeyError) as err:
         raise SpecError(f"{path}:{line_of(text, 'models', 'checkpoints')}: {err}") from None
     _check_runs(Path(path), text, built["runs"], built["models"].checkpoints)
-    built["roles"] = _check_roles(Path(path), text, raw, built["roles"], built["task"].name)
+    built["roles"] = _check_roles(
+        Path(path), text, raw, built["roles"], built["task"].name, built["models"].checkpoints
+    )
     labels = built["dcm"].labels
     if labels and not Path(labels).is_file():
         raise SpecError(
@@ -230,7 +237,9 @@ def _check_runs(path: Path, text: str, runs: RunsSection, checkpoints: list[str]
         raise SpecError(f"{path}:{line_of(text, 'runs', 'dirs')}: {err}") from None
 
 
-def _check_roles(path: Path, text: str, raw: dict, roles: RolesSection, task: str) -> Optional[RolesSection]:
+def _check_roles(
+    path: Path, text: str, raw: dict, roles: RolesSection, task: str, checkpoints: list[str]
+) -> Optional[RolesSection]:
     """The ``[roles]`` section checked (None where the file has none)."""
     from ..tasks.base import get_task
 
@@ -238,6 +247,12 @@ def _check_roles(path: Path, text: str, raw: dict, roles: RolesSection, task: st
         return None
     if roles.n < 1:
         raise SpecError(f"{path}:{line_of(text, 'roles', 'n')}: [roles] n must be at least 1 pair")
+    steps = [step_of(n, i) for i, n in enumerate(checkpoints)]
+    if [s for s in roles.steps if s not in steps]:
+        raise SpecError(
+            f"{path}:{line_of(text, 'roles', 'steps')}: [roles] steps must be steps of the trajectory "
+            f"({', '.join(map(str, steps))}), not {[s for s in roles.steps if s not in steps]}"
+        )
     if not 0 <= roles.threshold < 1:
         raise SpecError(f"{path}:{line_of(text, 'roles', 'threshold')}: [roles] threshold must lie in [0, 1)")
     from ..tasks.desiderata import desideratum_name
@@ -665,6 +680,14 @@ class TrajectoryStudy(Study):
             },
         )
 
+    def role_checkpoints(self) -> list[str]:
+        """The checkpoints the roles stage scores: those at ``[roles] steps`` (every one where empty; none without a
+        ``[roles]`` section)."""
+        r = self.st.roles
+        if r is None:
+            return []
+        return [n for n, s in zip(self.names, self.steps) if not r.steps or s in r.steps]
+
     def role_sites(self, circuits: dict[str, StageRecord]) -> list[tuple[str, str, list]]:
         """The (group, position, heads) whose heads the roles stage scores: the final circuit's groups (:meth:`groups`
         of ``[roles] groups``, else of ``[dcm] groups``), each with the heads any checkpoint's own circuit has in
@@ -693,6 +716,8 @@ class TrajectoryStudy(Study):
         return self.desiderata(r.n, derive(self.st.task.seed, "role-pairs"), r.desiderata or list(self.task.desiderata))
 
     def roles(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
+        if self.st.roles.method == "dcm":
+            return self.role_dcm(name, circuits[self.final])
         from ..methods.roles import head_scores
 
         def compute() -> dict:
@@ -715,6 +740,40 @@ class TrajectoryStudy(Study):
             compute,
         )
 
+    def role_dcm(self, name: str, final: StageRecord) -> StageRecord:
+        """``[roles] method = "dcm"``: DCM trained in checkpoint ``name`` over the final circuit's groups (``[roles]
+        groups``, else ``[dcm] groups``) on ``[roles] desiderata`` (else the task's), with ``[dcm]``'s pairs and
+        training: the heads each role needs together at this step, and their test accuracy against the floor."""
+        from ..methods.dcm import dcm_circuit
+        from .circuits import unpaired_classes
+
+        r, d = self.st.roles, self.st.dcm
+
+        def compute() -> dict:
+            circuit = Circuit.from_dict(final.result["circuit"])
+            names = r.desiderata or list(self.task.desiderata)
+            desiderata = self.desiderata(d.n_train + d.n_val + d.n_test, names=names)
+            groups = self.groups(circuit, r.groups or d.groups)
+            left_out = unpaired_classes(circuit, groups, desiderata, self.st.eval.batch_size)
+            groups = [g for g in groups if g not in left_out]
+            results = dcm_circuit(
+                self.checkpoints().model(name), circuit, desiderata, self.dcm_config(), groups, self.progress
+            )
+            return {"method": "dcm", "dcm": [x.to_dict() for x in results], "left_out": left_out}
+
+        return self.cache.run(
+            f"roles:{name}",
+            {
+                "model": self.digests[name],
+                "task": self.task_inputs(),
+                "roles": asdict(r),
+                "dcm": asdict(d),
+                "circuit": final.key,
+                **self.class_groups(r.groups or d.groups),
+            },
+            compute,
+        )
+
     # -- the whole study ----------------------------------------------------------------
     def stages(self) -> dict[str, Any]:
         """Every stage in order: one checkpoint at a time where a stage needs one model (fewest swaps)."""
@@ -728,7 +787,7 @@ class TrajectoryStudy(Study):
         cmap = {n: self.cmap(n, circuits[self.final]) for n in self.names[1:]}
         dcm = self.dcm(circuits[self.final])
         semantic = {n: self.semantic(n, dcm) for n in self.names}
-        roles = {n: self.roles(n, circuits) for n in self.names} if self.st.roles else {}
+        roles = {n: self.roles(n, circuits) for n in self.role_checkpoints()}
         return {
             "roles": roles,
             "runs": {"accuracy": others, "ranking": rankings},
@@ -774,7 +833,7 @@ class TrajectoryStudy(Study):
             if self.final in names:  # the other runs' checkpoints too (their accuracy, their ranking)
                 rankings = {o: (self.accuracy(o), self.ranking(o))[1] for o in self.others}
                 self.structure(every, rankings)
-            for n in names if self.st.roles else []:
+            for n in (n for n in names if n in self.role_checkpoints()):
                 self.roles(n, every)
 
     def _wait(self, names: list[str], poll: float = 10.0) -> None:

@@ -425,3 +425,39 @@ def test_other_runs_are_checked_when_the_task_file_loads(tiny_run, tmp_path):
     path = task_file(tmp_path / "t.toml", run, tmp_path / "out", sections=f'[runs]\ndirs = ["{other}"]\nsteps = [4]\n')
     with pytest.raises(SpecError, match="step 4 is not saved"):
         load_settings(path)
+
+
+def test_roles_by_dcm_in_each_scored_checkpoint(tiny_run, tmp_path):
+    """``[roles] method = "dcm"`` at steps 0 and 4: a roles stage at those steps only, each DCM trained in that
+    checkpoint over the final circuit's ``last`` group, equal to DCM run here on the checkpoint loaded on its own;
+    ``tables/roles.json`` holds a head at a step exactly where it is selected and the selection's test accuracy
+    lies above the floor; steps the trajectory lacks are refused."""
+    from mechdiff.circuits.circuit import Circuit
+    from mechdiff.methods.dcm import dcm_circuit
+    from mechdiff.models.loading import load_model
+
+    _, run = tiny_run
+    out = tmp_path / "out"
+    labels = positional_labels(tmp_path, "L2H1")
+    roles = '\n[roles]\nmethod = "dcm"\nsteps = [0, 4]\ngroups = ["last"]\ndesiderata = ["positional"]\n'
+    path = task_file(tmp_path / "t.toml", run, out, extra=f'labels = "{labels}"\n{roles}')
+    study = load_study(path, progress=False)
+    names = study.names
+    assert [p.name for p in study.plan() if p.name.startswith("roles")] == [f"roles:{names[0]}", f"roles:{names[2]}"]
+    study.run()
+    final = Circuit.from_dict(study.circuit(names[-1]).result["circuit"])
+    pairs = study.desiderata(study.st.dcm.n_train + study.st.dcm.n_val + study.st.dcm.n_test, names=["positional"])
+    table = json.loads((out / "tables" / "roles.json").read_text())
+    for step, name in ((0, names[0]), (4, names[2])):
+        got = json.loads(study.cache.path(f"roles:{name}").read_text())["result"]["dcm"]
+        want = dcm_circuit(load_model(name), final, pairs, study.dcm_config(), ["last"], progress=False)
+        assert [(r["group"], r["selected"]) for r in got] == [("last", [h.name for h in w.selected]) for w in want]
+        assert [r["test_accuracy"]["value"] for r in got] == [w.test_accuracy.value for w in want]
+        (row,) = [r for r in table if r["step"] == step]
+        (x,) = got
+        held = x["selected"] if x["selected"] and x["test_accuracy"]["low"] > x["floor"]["high"] else []
+        assert row["holding"] == (" ".join(held) or "-") and row["heads_scored"] == len(x["heads"])
+    assert [r["step"] for r in json.loads((out / "tables" / "role_dcm.json").read_text())] == [0, 4]
+    bad = task_file(tmp_path / "bad.toml", run, out, extra='\n[roles]\nmethod = "dcm"\nsteps = [3]\n')
+    with pytest.raises(SpecError, match=r"\[roles\] steps must be steps of the trajectory \(0, 2, 4\), not \[3\]"):
+        load_settings(bad)
