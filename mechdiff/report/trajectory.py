@@ -475,7 +475,7 @@ class _Report:
                 {
                     "step": s,
                     "runs": len(b["runs"]),
-                    **_cols("accuracy_this_run", self.r["accuracy"][n].result["accuracy"]),
+                    "accuracy_this_run": self.r["accuracy"][n].result["accuracy"]["value"],
                     "accuracy_other_runs": " ".join(f"{a['value']:.3f}" for a in acc.values()),
                     **_cols("between_runs_overlap", b["overlap"]),
                     **_cols("within_run_null", b["null"]),
@@ -500,8 +500,9 @@ class _Report:
             + self.table(
                 self.runs_rows(between),
                 "structure_runs",
-                "Between-run null: held-out accuracy of this run (exact binomial 95% CI) and of the others, and the "
-                "overlap of top-n pair sets between runs at the same step beside this run's within-checkpoint null",
+                "Between-run null: held-out accuracy of this run and of the others (their intervals: "
+                "`tables/accuracy.md`, `outcomes.json`), and the overlap of top-n pair sets between runs at the same "
+                "step beside the runs' mean within-checkpoint null (95% range of the splits)",
             )
             + "\n"
         )

@@ -26,6 +26,14 @@ MEASURES = (
         "overlap",
     ),
     ("structure_final", "step", None, "Each checkpoint's circuit against the final one (95% range)", "overlap"),
+    (
+        "structure_runs",
+        "step",
+        None,
+        "Between-run null: other runs of the recipe against this one at the same step (95% range of the splits)",
+        "overlap",
+    ),
+    ("role_dcm", "step", ("group", "desideratum"), "DCM trained in each checkpoint: its selection patched", "accuracy"),
     ("formation_curves", "step", ("component",), "Each component's share of its final value (95% CI)", "share"),
 )
 
