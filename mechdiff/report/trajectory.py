@@ -24,6 +24,38 @@ def _row_est(row: dict, name: str) -> dict:
     return {"value": row[name], "low": row[f"{name}_low"], "high": row[f"{name}_high"], "n": row.get("n_prompts", 0)}
 
 
+def accuracy_sentence(rows: list[dict]) -> str:
+    """Where accuracy differs from the first checkpoint's (paired 95% interval of the difference off 0), and the
+    step from which every later checkpoint stays above (or below) it, from the accuracy table's rows."""
+
+    def side(r: dict) -> int:
+        if r["minus_first"] is None:
+            return 0
+        return 1 if r["minus_first_low"] > 0 else -1 if r["minus_first_high"] < 0 else 0
+
+    sides = [side(r) for r in rows[1:]]
+    first = rows[0]
+    ci = f"[{first['accuracy_low']:.3f}, {first['accuracy_high']:.3f}]"
+    text = f"Step {first['step']} answers {first['accuracy']:.3f} {ci}. "
+    off = [r["step"] for r, x in zip(rows[1:], sides) if x]
+    if not off:
+        return text + "No later checkpoint's accuracy differs from it (every paired 95% interval contains 0)."
+    last = sides[-1]
+    k = len(sides)
+    while k > 0 and sides[k - 1] == last:
+        k -= 1
+    r = rows[-1]
+    plural = "s" if len(off) > 1 else ""
+    where = f"It differs (paired 95% interval of the difference off 0) at step{plural} {', '.join(map(str, off))}"
+    if not last:
+        return text + where + "; the last checkpoint's difference contains 0."
+    return (
+        text + where + f"; it stays {'above' if last > 0 else 'below'} step {first['step']}'s from step "
+        f"{rows[k + 1]['step']} on (the last: {r['minus_first']:+.3f} [{r['minus_first_low']:+.3f}, "
+        f"{r['minus_first_high']:+.3f}])."
+    )
+
+
 def _record(values: Sequence[float]) -> dict:
     """The compact record of per-prompt outcomes: 0/1, or (a random scope's share of right draws) ``share``."""
     from ..common.outcomes import outcome_record, rounded
@@ -73,6 +105,7 @@ class _Report:
         ]
         correct = np.array([a["correct"] for a in acc], dtype=float)
         self.component("the model", "accuracy gain over the first checkpoint", gain(correct, "eval"))
+        self.accuracy_rows = rows
         fig = band_figure(
             self.steps,
             {"accuracy": [a["accuracy"] for a in acc]},
@@ -690,6 +723,7 @@ class _Report:
         text = (
             f"# {self.dir.name}\n\nWritten by `mechdiff run {self.s.st.source}`; the full report is "
             "[report.md](report.md). Every finding is a row carried by its interval.\n\n"
+            "## Findings: accuracy against the first checkpoint\n\n" + accuracy_sentence(self.accuracy_rows) + "\n\n"
             "## Findings: when each component forms\n\n"
             "Each component's normalised measure at the final step and the first step reaching 50% and 90% of it "
             "(bootstrap 95% CI over prompts drawn jointly across steps; `tables/formation.md`).\n\n"
