@@ -732,7 +732,9 @@ class TrajectoryStudy(Study):
             {
                 "model": self.digests[name],
                 "task": self.task_inputs(),
-                "roles": asdict(self.st.roles),
+                # which steps are scored and by which method do not change one step's head scores: the key keeps
+                # the fields it had before they were added
+                "roles": {k: v for k, v in asdict(self.st.roles).items() if k not in ("steps", "method")},
                 "dcm_groups": self.st.dcm.groups,
                 "circuits": {c: r.key for c, r in circuits.items()},
                 "batch_size": self.st.eval.batch_size,
@@ -766,7 +768,7 @@ class TrajectoryStudy(Study):
             {
                 "model": self.digests[name],
                 "task": self.task_inputs(),
-                "roles": asdict(r),
+                "roles": {"method": "dcm", "groups": r.groups, "desiderata": r.desiderata},
                 "dcm": asdict(d),
                 "circuit": final.key,
                 **self.class_groups(r.groups or d.groups),
