@@ -214,7 +214,7 @@ def load_settings(path: str | Path) -> TrajectorySettings:
 
 def other_runs(runs: RunsSection, checkpoints: list[str]) -> dict[str, list[str]]:
     """The other runs' checkpoints by the trajectory's checkpoint at the same step: ``{ckpt: ["DIR@STEP", ...]}``."""
-    at = {step_of(n, i): n for i, n in enumerate(checkpoints)}
+    at = dict(zip(checkpoint_steps(checkpoints), checkpoints))
     return {at[s]: [f"{d}@{s}" for d in runs.dirs] for s in runs.steps if s in at and runs.dirs}
 
 
@@ -222,7 +222,7 @@ def _check_runs(path: Path, text: str, runs: RunsSection, checkpoints: list[str]
     """``[runs]``: steps of the trajectory, and each ``DIR@STEP`` an adapter over the trajectory's base."""
     if not runs.dirs and not runs.steps:
         return
-    steps = [step_of(n, i) for i, n in enumerate(checkpoints)]
+    steps = checkpoint_steps(checkpoints)
     missing = [s for s in runs.steps if s not in steps]
     if missing or not runs.steps or not runs.dirs:
         key = "steps" if missing or not runs.steps else "dirs"
@@ -247,7 +247,7 @@ def _check_roles(
         return None
     if roles.n < 1:
         raise SpecError(f"{path}:{line_of(text, 'roles', 'n')}: [roles] n must be at least 1 pair")
-    steps = [step_of(n, i) for i, n in enumerate(checkpoints)]
+    steps = checkpoint_steps(checkpoints)
     if [s for s in roles.steps if s not in steps]:
         raise SpecError(
             f"{path}:{line_of(text, 'roles', 'steps')}: [roles] steps must be steps of the trajectory "
@@ -274,6 +274,11 @@ def step_of(name: str, index: int) -> int:
     _, at, tail = name.rpartition("@")
     found = re.fullmatch(r"(?:step[-_]?)?(\d+)", tail) if at else None
     return int(found.group(1)) if found else index
+
+
+def checkpoint_steps(checkpoints: list[str]) -> list[int]:
+    """The training step of each checkpoint in the list (:func:`step_of`)."""
+    return [step_of(n, i) for i, n in enumerate(checkpoints)]
 
 
 def read_labels(path: str | Path) -> list[dict]:
@@ -316,7 +321,7 @@ class TrajectoryStudy(Study):
         self.others = [o for names in self.runs.values() for o in names]
         self.base_spec, specs = trajectory_specs([*self.names, *self.others])
         self.digests = {n: spec_digest(s) for n, s in zip([*self.names, *self.others], specs)}
-        self.steps = [step_of(n, i) for i, n in enumerate(self.names)]
+        self.steps = checkpoint_steps(self.names)
         self.task = get_task(settings.task.name)
         self.tokenizer = load_tokenizer(self.base_spec)
         self._checkpoints: Optional[Checkpoints] = None
