@@ -143,10 +143,12 @@ def run_case(case: str) -> dict:
     """Measure one case in this process (see the module docstring)."""
     import torch
 
+    from mechdiff.common.allocator import return_freed_memory
     from mechdiff.models.devices import available_memory
     from mechdiff.models.footprint import model_dims
     from mechdiff.patching.evaluate import evaluate
 
+    return_freed_memory()  # as `mechdiff run` does
     name, layers, dtype, n, batch = CASES[case]
     dims, _ = model_dims(GGUF[name]() if name in GGUF else name)
     if layers is None and name not in GGUF and available_memory() < dims.weight_bytes(dtype) + 4 * GIB:
@@ -206,10 +208,12 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
 
     import torch.utils.flop_counter
 
+    from mechdiff.common.allocator import return_freed_memory
     from mechdiff.runs import stages as stage_module
     from mechdiff.studies.circuits import CircuitsStudy
     from mechdiff.studies.resources import found_in
 
+    return_freed_memory()  # as `mechdiff run` does
     measured: dict[str, dict] = {}
     original = stage_module.StageCache.run
 
@@ -241,7 +245,8 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
         known = found_in(spec.output.dir)
         record = study.resources_record()
     stage_module.StageCache.run = original
-    return {"measured": measured, "known": known, "throughput": record["throughput"], "counted": count}
+    rates = {"throughput": record["throughput"], "bandwidth": record["bandwidth"]}
+    return {"measured": measured, "known": known, **rates, "counted": count}
 
 
 def committed(run_dir: Path) -> dict:
@@ -264,20 +269,24 @@ def committed(run_dir: Path) -> dict:
     return {"measured": seconds, "known": known, "spec": manifest["spec"]}
 
 
-def planned_stages(spec, known: dict, throughput: float) -> dict:
-    """The planner's FLOPs and CPU seconds of each stage of ``spec`` at the measured ``throughput``, told what
-    the run ``known`` found."""
+def planned_stages(spec, known: dict, throughput: float, bandwidth: Optional[float] = None) -> dict:
+    """The planner's FLOPs and CPU seconds of each stage of ``spec`` at the measured ``throughput`` and weight
+    ``bandwidth`` (None: weight reads not counted, as before the planner counted them), told what the run
+    ``known`` found."""
     from mechdiff.models.devices import Device
     from mechdiff.studies.resources import resource_plan
 
-    here = Device("this machine", 1 << 40, {spec.models.dtype: throughput}, False)
+    dtype = spec.models.dtype
+    reads = {dtype: bandwidth} if bandwidth else {}
+    here = Device("this machine", 1 << 40, {dtype: throughput}, False, bandwidth=reads)
     plan = resource_plan(spec, here, known=known)
     return {p.cost.stage: {"flops": p.cost.flops, "cpu": p.seconds} for p in plan}
 
 
 def stage_table(run: dict, spec=None) -> str:
     """Each stage planned against measured: CPU seconds and, where counted, FLOPs."""
-    planned = planned_stages(spec or small_spec(Path("/nonexistent")), run["known"], run["throughput"])
+    spec = spec or small_spec(Path("/nonexistent"))
+    planned = planned_stages(spec, run["known"], run["throughput"], run.get("bandwidth"))
     lines = [
         "| stage | CPU s planned / measured | ratio | GFLOP planned / counted | ratio |",
         "|---|---|---|---|---|",

@@ -29,7 +29,11 @@ of pairs greedy pruning searched are the run's; before it they are assumed (the 
 Memory is the models' weights, what the stage keeps beside them and the transient activations of its largest
 batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.training_bytes`);
 scratch files are counted apart, against the disk free under TMPDIR.
-Time is FLOPs over the device's throughput (measured here, per CPU second; a named device's stated share of peak).
+Time is FLOPs over the device's throughput (measured here, per CPU second; a named device's stated share of peak)
+plus the weights each pass reads (the blocks it runs and the unembedding) over the device's bandwidth: a pass of few
+rows (pruning's and DCM's short suffix runs) takes the time its weights take to read, whatever its FLOPs
+(:mod:`mechdiff.models.devices`). Passes are counted at each stage's batch size. Python's own cost per module call
+(about 0.4 ms a block on the 2-core machine of ``benchmarks/README.md``) is not counted.
 """
 
 from __future__ import annotations
@@ -132,6 +136,7 @@ class StageCost:
     runs: bool = True
     note: str = ""
     batch_option: str = "[eval] batch_size"
+    reads: float = 0.0  # bytes of weights its passes read
 
     def device_peak(self, device: Device) -> int:
         """Peak bytes on the device (on a CPU device: everything)."""
@@ -181,6 +186,13 @@ class Context:
         c = None if context is None else math.ceil(context)
         return forward_bytes(self.dims, rows, math.ceil(tokens), self.dtype, c)
 
+    def reads(self, passes: float, layers: Optional[float] = None) -> float:
+        """Bytes of weights ``passes`` passes read through ``layers`` blocks (default every block) and the
+        unembedding."""
+        dims, b = self.dims, dtype_bytes(self.dtype)
+        layers = dims.n_layers if layers is None else layers
+        return passes * (layers * (dims.layer_linear + 2 * dims.d_model) + dims.vocab_size * dims.d_model) * b
+
     def ablation_patches(self, rows: int) -> int:
         """Mean-ablation writes of one batch: every layer's ``z`` at every position."""
         return self.dims.n_layers * rows * self.lengths.longest * self.dims.d_model * dtype_bytes(self.dtype)
@@ -200,6 +212,7 @@ def accuracy(ctx: Context, name: str) -> StageCost:
         ctx.weights,
         0,
         ctx.act(e.batch_size, t.longest),
+        reads=ctx.reads(math.ceil(e.n / e.batch_size)),
     )
 
 
@@ -207,9 +220,11 @@ def _scored(ctx: Context, stage: str, n: int, scored: float, note: str = "") -> 
     """A scorer stage on ``n`` prompts: reference means (:func:`_reference_runs`), the full model and ``scored``
     mean-ablated runs a prompt."""
     b, t = ctx.spec.eval.batch_size, ctx.lengths
-    flops = ctx.fwd(_reference_runs(ctx, stage) + n * (1 + scored), t.tokens)
+    reference = _reference_runs(ctx, stage)
+    flops = ctx.fwd(reference + n * (1 + scored), t.tokens)
     transient = ctx.act(b, t.longest) + ctx.ablation_patches(b)
-    return StageCost(stage, 1, n, b, flops, ctx.weights, 0, transient, note=note)
+    passes = math.ceil(reference / b) + math.ceil(n / b) * (1 + scored)
+    return StageCost(stage, 1, n, b, flops, ctx.weights, 0, transient, note=note, reads=ctx.reads(passes))
 
 
 def _reference_runs(ctx: Context, stage: str) -> int:
@@ -241,9 +256,11 @@ def _curve_circuit(ctx: Context, name: str) -> StageCost:
     """Attribution on the ranking prompts (a forward and a backward to the activations only, no weight gradients:
     two forwards' FLOPs), then the full model, the empty circuit and the nested circuits on the curve prompts."""
     d, t, b = ctx.spec.discovery, ctx.lengths, ctx.spec.eval.batch_size
-    flops = ctx.fwd(_reference_runs(ctx, f"circuit:{name}") + d.n * 2 + d.curve_n * (2 + len(d.sizes)), t.tokens)
+    reference = _reference_runs(ctx, f"circuit:{name}")
+    flops = ctx.fwd(reference + d.n * 2 + d.curve_n * (2 + len(d.sizes)), t.tokens)
     transient = training_bytes(ctx.dims, b, t.longest, ctx.dims.n_layers, ctx.dtype) + ctx.ablation_patches(b)
-    return StageCost(f"circuit:{name}", 1, d.n, b, flops, ctx.weights, 0, transient)
+    passes = math.ceil(reference / b) + 2 * math.ceil(d.n / b) + math.ceil(d.curve_n / b) * (2 + len(d.sizes))
+    return StageCost(f"circuit:{name}", 1, d.n, b, flops, ctx.weights, 0, transient, reads=ctx.reads(passes))
 
 
 def _plan_steps(ctx: Context) -> list[Any]:
@@ -278,6 +295,9 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
     """Path patching as the plan's steps run it (see the module docstring)."""
     d = ctx.spec.discovery
     flops, kept, transient, s = _path_cost(ctx, d.n)
+    senders, steps = ctx.dims.n_layers * ctx.dims.n_heads, len(_plan_steps(ctx))
+    # the clean and counterfactual runs, then per step and pass of s senders a frozen and a receiver run
+    reads = ctx.reads(2) + ctx.reads(2 * steps * math.ceil(senders / s), ctx.dims.n_layers / 2)
     most = _path_most_pairs(ctx)
     fit = f"n up to {most} fits {ctx.device.name}" if most else f"no n fits {ctx.device.name}"
     note = f"keeps every pair's activations ({kept / GIB:.1f} GiB, grows with n: {fit}); {s} senders a pass"
@@ -292,6 +312,7 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
         transient,
         note=note,
         batch_option="senders a pass",
+        reads=reads,
     )
 
 
@@ -371,9 +392,10 @@ def _greedy_prune(ctx: Context, name: str) -> StageCost:
     assumed = "" if name in ctx.known.get("circuit", {}) else f" (a circuit of {len(pairs)} pairs assumed)"
     cost = _scored(ctx, f"prune:{name}", s.prune_n, 2, f"greedy: suffix runs a pair and candidate{assumed}")
     searched = ctx.known.get("searched", {}).get(name, 1.0)
-    runs = s.prune_n * (1 + searched * s.prune_steps * s.prune_candidates)
+    passes = 1 + searched * s.prune_steps * s.prune_candidates  # a pair's runs, each of its prune_n prompts
     for layer, pos in pairs:
-        cost.flops += ctx.fwd(runs, t.after(pos), t.tokens, dims.n_layers - layer)
+        cost.flops += ctx.fwd(s.prune_n * passes, t.after(pos), t.tokens, dims.n_layers - layer)
+        cost.reads += ctx.reads(passes * math.ceil(s.prune_n / ctx.spec.eval.batch_size), dims.n_layers - layer)
     return cost
 
 
@@ -390,6 +412,8 @@ def prune(ctx: Context, name: str) -> Optional[StageCost]:
     for g, pos in zip(sizes, _group_positions(ctx, len(sizes))):
         runs = s.prune_n * (g + g * (g - 1) / 2)
         cost.flops += ctx.fwd(runs, t.after(pos), t.tokens, ctx.dims.n_layers / 2)
+        passes = (g + g * (g - 1) / 2) * math.ceil(s.prune_n / ctx.spec.eval.batch_size)
+        cost.reads += ctx.reads(passes, ctx.dims.n_layers / 2)
     return cost
 
 
@@ -460,6 +484,8 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
     c, t, dims, half = ctx.spec.dcm, ctx.lengths, ctx.dims, ctx.dims.n_layers / 2
     n, k = c.n_train + c.n_val + c.n_test, len(_desiderata(ctx))
     flops = k * ctx.fwd(2 * n, t.tokens)
+    built, trained = ctx.spec.eval.batch_size, c.batch_size  # pairs a cache write (and an evaluation) and a step hold
+    reads = k * ctx.reads(2 * math.ceil(n / built))
     checks = c.epochs * math.ceil(c.n_train / c.batch_size) / max(c.eval_every, 1) + 1
     masked = name if c.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
     # the random baseline and semantic patching run for a selection of heads: every one, unless the run chose none
@@ -469,9 +495,12 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
         runs = 2 * c.epochs * c.n_train + checks * c.n_val + (2 + DCMConfig.n_random * chose) * c.n_test
         flops += k * ctx.fwd(runs, t.after(pos), t.tokens, dims.n_layers - layer)
         flops += k * chose * semantic * ctx.fwd(2 * c.n_test, t.tokens)
+        passes = 2 * c.epochs * math.ceil(c.n_train / trained) + checks * math.ceil(c.n_val / built)
+        passes += (2 + DCMConfig.n_random * chose) * math.ceil(c.n_test / built)
+        reads += k * ctx.reads(passes, dims.n_layers - layer)
+        reads += k * chose * semantic * ctx.reads(2 * math.ceil(c.n_test / built))
     # a pair's row of the cache: every layer's keys and values and a group's entering residual stream per token
     per_pair = int(t.longest * (dims.n_layers * dims.kv_width() + len(groups) * dims.d_model) * dtype_bytes(ctx.dtype))
-    built, trained = ctx.spec.eval.batch_size, c.batch_size  # pairs a cache write and a training step hold
     longest_after = max((t.after(p) for _, p in _group_starts(ctx, masked, groups).values()), default=t.tokens)
     transient = max(
         # a training step: its backward's activations and the rows it read back (its keys and values prefix)
@@ -499,6 +528,7 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
         disk,
         note=note,
         batch_option="[dcm] batch_size",
+        reads=reads,
     )
 
 
@@ -535,11 +565,13 @@ def cmap(ctx: Context, finetune: str) -> StageCost:
     if starts:  # the whole circuit: from its lowest layer and its earliest position
         whole = min(v[0] for v in starts.values()), max((v[1] for v in starts.values()), key=t.after)
         starts = {**starts, "": whole}
-    flops = ctx.fwd(2 * c.n, t.tokens)
+    flops, batches = ctx.fwd(2 * c.n, t.tokens), math.ceil(c.n / b)
+    reads = ctx.reads(2 * batches)
     for group, (layer, pos) in starts.items():
         draws = 1 + (c.n_random if group else 0)
         for part in c.parts:
             flops += ctx.fwd(c.n * draws, _cmap_tokens(ctx, part, pos), t.tokens, dims.n_layers - layer)
+            reads += ctx.reads(draws * batches, dims.n_layers - layer)
     captured = 4 * dims.n_layers * b * t.longest * dims.d_model * dtype_bytes(ctx.dtype)
     return StageCost(
         f"cmap:{finetune}",
@@ -550,6 +582,7 @@ def cmap(ctx: Context, finetune: str) -> StageCost:
         2 * ctx.weights,
         0,
         ctx.act(b, t.longest) + captured,
+        reads=reads,
     )
 
 
@@ -581,7 +614,7 @@ def stage_costs(ctx: Context) -> list[StageCost]:
 def place(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, int], StageCost]) -> Placement:
     """``cost`` on ``device``: time, fit, and where it does not fit, what would (``recount(dtype, batch)`` counts the
     stage again under another dtype or batch size)."""
-    seconds = cost.flops / device.throughput(dtype)
+    seconds = cost.flops / device.throughput(dtype) + device.read_seconds(dtype, cost.reads)
     fits = cost.device_peak(device) <= device.memory and (device.disk is None or cost.disk <= device.disk)
     return Placement(cost, device, dtype, seconds, fits, [] if fits else remedies(cost, device, dtype, recount))
 
@@ -652,9 +685,9 @@ def found_in(run_dir: str | Path) -> dict:
 
 def run_record(spec: RunSpec) -> Optional[dict]:
     """What ``run.json`` records of the plan, so the report's stage table reads it from committed files: this
-    machine's matrix-multiply throughput measured now (FLOP per CPU second in the run's dtype, as ``--plan``
-    measures it) and each stage's planned FLOPs. None for a run on a GPU or NDIF (the CPU's throughput is not
-    theirs)."""
+    machine's matrix-multiply throughput and weight bandwidth measured now (FLOP and bytes per CPU second in the
+    run's dtype, as ``--plan`` measures them) and each stage's planned FLOPs. None for a run on a GPU or NDIF (the
+    CPU's throughput is not theirs)."""
     from ..models.devices import this_machine
 
     m = spec.models
@@ -668,6 +701,7 @@ def run_record(spec: RunSpec) -> Optional[dict]:
     return {
         "dtype": m.dtype,
         "throughput": device.throughput(m.dtype),
+        "bandwidth": device.bandwidth[m.dtype],
         "stage_flops": {p.cost.stage: p.cost.flops for p in plan},
     }
 
