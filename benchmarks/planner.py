@@ -7,8 +7,10 @@ prompt, as ``mechdiff run`` runs it) on the entity-tracking prompts. It prints, 
 
 - load: resident memory (RSS, sampled every millisecond) above the process's baseline before the model was made,
   against the planner's weight bytes;
-- stage: peak RSS during the stage above the RSS when it began, against the planner's transient activation bytes;
-  and its CPU time (``time.process_time``: every thread, not wall time, on this shared machine) against the
+- stage: peak RSS during the stage above the RSS when it began, against the planner's transient activation bytes,
+  and the peak of torch's own allocations over one batch (:func:`torch_peak`: what the planner models; RSS lies
+  above it where glibc's heap keeps freed tensors, which ``MALLOC_MMAP_THRESHOLD_=1048576`` prevents at a cost in
+  CPU time); and its CPU time (``time.process_time``: every thread, not wall time, on this shared machine) against the
   planner's FLOPs over the matrix-multiply throughput it measures (``mechdiff.models.devices.this_machine``).
 
 Targets: memory within 25% of measured, time within a factor of 1.5. A GPU run of the same cases is for
@@ -91,6 +93,22 @@ class PeakRSS:
         return self.peak - self.start
 
 
+def torch_peak(run) -> int:
+    """The most bytes torch's CPU allocator held at once while ``run()`` ran, above what it held before: its
+    allocation and free events (the profiler's ``[memory]`` events) summed in time order. Resident memory can lie
+    well above it: glibc's heap keeps freed tensors (see ``benchmarks/README.md``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
 def make_model(name: str, layers, dtype: str):
     """A LoadedModel: the registry's weights, or a random model of the shipped config cut to ``layers``."""
     import torch
@@ -143,12 +161,10 @@ def run_case(case: str) -> dict:
     """Measure one case in this process (see the module docstring)."""
     import torch
 
-    from mechdiff.common.allocator import return_freed_memory
     from mechdiff.models.devices import available_memory
     from mechdiff.models.footprint import model_dims
     from mechdiff.patching.evaluate import evaluate
 
-    return_freed_memory()  # as `mechdiff run` does
     name, layers, dtype, n, batch = CASES[case]
     dims, _ = model_dims(GGUF[name]() if name in GGUF else name)
     if layers is None and name not in GGUF and available_memory() < dims.weight_bytes(dtype) + 4 * GIB:
@@ -163,6 +179,7 @@ def run_case(case: str) -> dict:
     records = prompts(n, dims.vocab_size)
     cost, place = planned(dims, dtype, n, batch, records)
     evaluate(lm, records[:batch], batch, progress=False)  # warm-up: first-call allocations and nnsight's set-up
+    held = torch_peak(lambda: evaluate(lm, records[:batch], batch, progress=False))
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory back to the system, so RSS growth is live memory
     with PeakRSS() as stage:
         cpu = time.process_time()
@@ -174,6 +191,7 @@ def run_case(case: str) -> dict:
         "load_planned": cost.weights,
         "stage_measured": stage.above,
         "stage_planned": cost.transient,
+        "stage_torch": held,
         "cpu_measured": cpu,
         "cpu_planned": place.seconds,
         "gflops": cost.flops / 1e9,
@@ -208,12 +226,10 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
 
     import torch.utils.flop_counter
 
-    from mechdiff.common.allocator import return_freed_memory
     from mechdiff.runs import stages as stage_module
     from mechdiff.studies.circuits import CircuitsStudy
     from mechdiff.studies.resources import found_in
 
-    return_freed_memory()  # as `mechdiff run` does
     measured: dict[str, dict] = {}
     original = stage_module.StageCache.run
 
@@ -305,18 +321,19 @@ def stage_table(run: dict, spec=None) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| case | load GiB planned / measured | ratio | stage MiB planned / measured | ratio "
-        "| CPU s planned / measured | ratio | GFLOP | GFLOP/s (mm) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| torch's peak MiB | planned / torch's | CPU s planned / measured | ratio | GFLOP | GFLOP/s (mm) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['case']} | skipped: {r['skipped']} |||||||")
+            lines.append(f"| {r['case']} | skipped: {r['skipped']} |||||||||")
             continue
         lines.append(
             f"| {r['case']} | {r['load_planned'] / GIB:.2f} / {r['load_measured'] / GIB:.2f} "
             f"| {r['load_planned'] / r['load_measured']:.2f} "
             f"| {r['stage_planned'] / 2**20:.0f} / {r['stage_measured'] / 2**20:.0f} "
             f"| {r['stage_planned'] / max(r['stage_measured'], 1):.2f} "
+            f"| {r['stage_torch'] / 2**20:.0f} | {r['stage_planned'] / max(r['stage_torch'], 1):.2f} "
             f"| {r['cpu_planned']:.1f} / {r['cpu_measured']:.1f} | {r['cpu_planned'] / r['cpu_measured']:.2f} "
             f"| {r['gflops']:.0f} | {r['throughput']:.0f} |"
         )

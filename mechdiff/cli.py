@@ -76,11 +76,9 @@ def _on_sigterm(handler: object) -> object:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .common.allocator import return_freed_memory
     from .common.io import RunLockedError, check_terminated, clear_terminated, terminate
 
     args = build_parser().parse_args(argv)
-    return_freed_memory()  # resident memory follows the live tensors, as the resource plan counts them
     quiet_library_warnings()
     quiet_library_bars()
     logging.basicConfig(
