@@ -11,7 +11,8 @@ prompt, as ``mechdiff run`` runs it) on the entity-tracking prompts. It prints, 
   and the peak of torch's own allocations over one batch (:func:`torch_peak`: what the planner models; RSS lies
   above it where glibc's heap keeps freed tensors, which ``MALLOC_MMAP_THRESHOLD_=1048576`` prevents at a cost in
   CPU time); and its CPU time (``time.process_time``: every thread, not wall time, on this shared machine) against the
-  planner's FLOPs over the matrix-multiply throughput it measures (``mechdiff.models.devices.this_machine``).
+  planner's FLOPs over the matrix-multiply throughput it measures plus the weights its passes read over the
+  bandwidth it measures (``mechdiff.models.devices.this_machine``).
 
 Targets: memory within 25% of measured, time within a factor of 1.5. A GPU run of the same cases is for
 ``benchmarks/gpu.sh`` (it can call ``--case`` per case with ``--device cuda``; not done here).

@@ -125,18 +125,20 @@ def matmul_throughput(rows: int, inner: int, outer: int, dtype: str, min_seconds
 STREAM_BYTES = 256 * 2**20
 #: Token rows of :func:`weight_bandwidth`'s multiplies: a short suffix run's few.
 STREAM_ROWS = 4
+#: Matrices :func:`weight_bandwidth` reads through at the most (a tiny model's fit a cache: its reads cost little).
+STREAM_MATRICES = 128
 
 
 def weight_bandwidth(inner: int, outer: int, dtype: str, min_seconds: float = 0.4) -> float:
     """Bytes of weights per CPU second that ``(STREAM_ROWS, inner) @ (inner, outer)`` multiplies read, through
-    matrices of that shape totalling at least :data:`STREAM_BYTES` (each read from memory, not a cache), repeated
-    for at least ``min_seconds`` after one warm-up pass."""
+    matrices of that shape totalling at least :data:`STREAM_BYTES` (each read from memory, not a cache; at most
+    :data:`STREAM_MATRICES` of them), repeated for at least ``min_seconds`` after one warm-up pass."""
     import torch
 
     from .loading import DTYPES
 
     x = torch.randn(STREAM_ROWS, inner, dtype=DTYPES[dtype])
-    count = max(2, -(-STREAM_BYTES // (inner * outer * dtype_bytes(dtype))))
+    count = min(STREAM_MATRICES, max(2, -(-STREAM_BYTES // (inner * outer * dtype_bytes(dtype)))))
     weights = [torch.randn(inner, outer, dtype=DTYPES[dtype]) for _ in range(count)]
     for w in weights:
         torch.mm(x, w)
