@@ -146,14 +146,14 @@ def prompts(n: int, vocab: int) -> list:
 def planned(dims, dtype: str, n: int, batch: int, records: list) -> tuple:
     """The planner's accuracy stage for these prompts: its cost and its placement on this machine."""
     from mechdiff.models.devices import this_machine
-    from mechdiff.studies.resources import Context, Lengths, accuracy, place
+    from mechdiff.studies.resources import Context, Lengths, accuracy, place, with_overhead
     from mechdiff.studies.spec import default_spec
 
     spec = default_spec()
     spec = replace(spec, eval=replace(spec.eval, n=n, batch_size=batch))
     sizes = [len(r.input_ids) for r in records]
     lengths = Lengths(sum(sizes) / len(sizes), max(sizes), {}, 1, "smollm2-135m")
-    device = this_machine(dims, (dtype,), rows=batch * lengths.longest)
+    device = with_overhead(this_machine(dims, (dtype,), rows=batch * lengths.longest), dims)
     cost = accuracy(Context(spec, dims, lengths, dtype, device), "model")
     return cost, place(cost, device, dtype, lambda *_: cost)
 
@@ -262,7 +262,7 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
         known = found_in(spec.output.dir)
         record = study.resources_record()
     stage_module.StageCache.run = original
-    rates = {"throughput": record["throughput"], "bandwidth": record["bandwidth"]}
+    rates = {k: record[k] for k in ("throughput", "bandwidth", "overhead")}
     return {"measured": measured, "known": known, **rates, "counted": count}
 
 
@@ -286,16 +286,18 @@ def committed(run_dir: Path) -> dict:
     return {"measured": seconds, "known": known, "spec": manifest["spec"]}
 
 
-def planned_stages(spec, known: dict, throughput: float, bandwidth: Optional[float] = None) -> dict:
-    """The planner's FLOPs and CPU seconds of each stage of ``spec`` at the measured ``throughput`` and weight
-    ``bandwidth`` (None: weight reads not counted, as before the planner counted them), told what the run
-    ``known`` found."""
+def planned_stages(
+    spec, known: dict, throughput: float, bandwidth: Optional[float] = None, overhead: tuple = (0.0, 0.0)
+) -> dict:
+    """The planner's FLOPs and CPU seconds of each stage of ``spec`` at the measured ``throughput``, weight
+    ``bandwidth`` (None: weight reads not counted, as before the planner counted them) and per-pass and per-block
+    ``overhead``, told what the run ``known`` found."""
     from mechdiff.models.devices import Device
     from mechdiff.studies.resources import resource_plan
 
     dtype = spec.models.dtype
     reads = {dtype: bandwidth} if bandwidth else {}
-    here = Device("this machine", 1 << 40, {dtype: throughput}, False, bandwidth=reads)
+    here = Device("this machine", 1 << 40, {dtype: throughput}, False, bandwidth=reads, overhead=tuple(overhead))
     plan = resource_plan(spec, here, known=known)
     return {p.cost.stage: {"flops": p.cost.flops, "cpu": p.seconds} for p in plan}
 
@@ -303,7 +305,7 @@ def planned_stages(spec, known: dict, throughput: float, bandwidth: Optional[flo
 def stage_table(run: dict, spec=None) -> str:
     """Each stage planned against measured: CPU seconds and, where counted, FLOPs."""
     spec = spec or small_spec(Path("/nonexistent"))
-    planned = planned_stages(spec, run["known"], run["throughput"], run.get("bandwidth"))
+    planned = planned_stages(spec, run["known"], run["throughput"], run.get("bandwidth"), run.get("overhead", (0, 0)))
     lines = [
         "| stage | CPU s planned / measured | ratio | GFLOP planned / counted | ratio |",
         "|---|---|---|---|---|",

@@ -43,6 +43,9 @@ class Device:
     note: str = ""
     disk: Optional[int] = None  # bytes free for scratch files under TMPDIR; None: not known
     bandwidth: dict[str, float] = field(default_factory=dict)  # weight bytes a pass reads per second, per dtype
+    # seconds each pass and each block a pass runs cost beside FLOPs and reads (Python, the intervention layer's
+    # trace): measured on this machine (``mechdiff.studies.resources.pass_overhead``); 0 on a named GPU
+    overhead: tuple[float, float] = (0.0, 0.0)
 
     def with_disk(self, disk: Optional[int]) -> "Device":
         """This device with ``disk`` bytes free under TMPDIR (None: unchanged)."""
@@ -62,6 +65,10 @@ class Device:
         """Seconds to read ``reads`` bytes of weights in ``dtype`` (0 where this device's bandwidth is not known)."""
         rate = self.bandwidth.get(dtype) or self.bandwidth.get("bfloat16" if dtype == "float16" else "")
         return reads / rate if rate else 0.0
+
+    def overhead_seconds(self, passes: float, blocks: float) -> float:
+        """Seconds ``passes`` passes running ``blocks`` blocks in all cost beside their FLOPs and weight reads."""
+        return passes * self.overhead[0] + blocks * self.overhead[1]
 
 
 def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, tbps: float, note: str) -> Device:

@@ -32,8 +32,8 @@ scratch files are counted apart, against the disk free under TMPDIR.
 Time is FLOPs over the device's throughput (measured here, per CPU second; a named device's stated share of peak)
 plus the weights each pass reads (the blocks it runs and the unembedding) over the device's bandwidth: a pass of few
 rows (pruning's and DCM's short suffix runs) takes the time its weights take to read, whatever its FLOPs
-(:mod:`mechdiff.models.devices`). Passes are counted at each stage's batch size. Python's own cost per module call
-(about 0.4 ms a block on the 2-core machine of ``benchmarks/README.md``) is not counted.
+(:mod:`mechdiff.models.devices`); and on this machine each pass's fixed cost (Python, the intervention layer's
+trace: :func:`pass_overhead`). Passes are counted at each stage's batch size.
 """
 
 from __future__ import annotations
@@ -117,6 +117,21 @@ def _appended(record: Any, metric: str) -> list[int]:
     return [len(a) - 1 for a in answers]
 
 
+@dataclass(frozen=True)
+class Reads:
+    """What a stage's passes read and run beside their FLOPs: bytes of weights, passes, and blocks run in all."""
+
+    bytes: float = 0.0
+    passes: float = 0.0
+    blocks: float = 0.0
+
+    def __add__(self, other: "Reads") -> "Reads":
+        return Reads(self.bytes + other.bytes, self.passes + other.passes, self.blocks + other.blocks)
+
+    def __rmul__(self, k: float) -> "Reads":
+        return Reads(k * self.bytes, k * self.passes, k * self.blocks)
+
+
 @dataclass
 class StageCost:
     """One stage's work and memory on one device: FLOPs; bytes of the models it holds, of what it keeps beside
@@ -136,7 +151,7 @@ class StageCost:
     runs: bool = True
     note: str = ""
     batch_option: str = "[eval] batch_size"
-    reads: float = 0.0  # bytes of weights its passes read
+    reads: Reads = field(default_factory=Reads)  # what its passes read and run
 
     def device_peak(self, device: Device) -> int:
         """Peak bytes on the device (on a CPU device: everything)."""
@@ -186,12 +201,13 @@ class Context:
         c = None if context is None else math.ceil(context)
         return forward_bytes(self.dims, rows, math.ceil(tokens), self.dtype, c)
 
-    def reads(self, passes: float, layers: Optional[float] = None) -> float:
-        """Bytes of weights ``passes`` passes read through ``layers`` blocks (default every block) and the
-        unembedding."""
+    def reads(self, passes: float, layers: Optional[float] = None) -> Reads:
+        """What ``passes`` passes through ``layers`` blocks (default every block) read: each block's weights and the
+        unembedding's, once a pass."""
         dims, b = self.dims, dtype_bytes(self.dtype)
         layers = dims.n_layers if layers is None else layers
-        return passes * (layers * (dims.layer_linear + 2 * dims.d_model) + dims.vocab_size * dims.d_model) * b
+        per_pass = (layers * (dims.layer_linear + 2 * dims.d_model) + dims.vocab_size * dims.d_model) * b
+        return Reads(passes * per_pass, passes, passes * layers)
 
     def ablation_patches(self, rows: int) -> int:
         """Mean-ablation writes of one batch: every layer's ``z`` at every position."""
@@ -614,7 +630,9 @@ def stage_costs(ctx: Context) -> list[StageCost]:
 def place(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, int], StageCost]) -> Placement:
     """``cost`` on ``device``: time, fit, and where it does not fit, what would (``recount(dtype, batch)`` counts the
     stage again under another dtype or batch size)."""
-    seconds = cost.flops / device.throughput(dtype) + device.read_seconds(dtype, cost.reads)
+    r = cost.reads
+    seconds = cost.flops / device.throughput(dtype) + device.read_seconds(dtype, r.bytes)
+    seconds += device.overhead_seconds(r.passes, r.blocks)
     fits = cost.device_peak(device) <= device.memory and (device.disk is None or cost.disk <= device.disk)
     return Placement(cost, device, dtype, seconds, fits, [] if fits else remedies(cost, device, dtype, recount))
 
@@ -683,6 +701,55 @@ def found_in(run_dir: str | Path) -> dict:
     return out
 
 
+#: Width of the random model :func:`pass_overhead` times: its FLOPs and weight reads are negligible.
+OVERHEAD_WIDTH = 64
+
+
+def pass_overhead(dims: Dims, min_seconds: float = 0.2) -> tuple[float, float]:
+    """CPU seconds a pass costs beside its FLOPs and weight reads, and each block it runs: ``run`` (through the
+    intervention layer) of one token on a random LLaMA of ``dims``' depth and :data:`OVERHEAD_WIDTH`, timed in full
+    and resumed at its last block; the difference is the blocks' share. A departure: the model's own norms,
+    attention and rotary code is LLaMA's, not necessarily the planned model's."""
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..models.loading import LoadedModel
+    from ..models.registry import ModelSpec
+    from ..patching.core import Resume, run
+
+    w, layers = OVERHEAD_WIDTH, dims.n_layers
+    config = LlamaConfig(
+        num_hidden_layers=layers, hidden_size=w, intermediate_size=2 * w, num_attention_heads=4, vocab_size=w
+    )
+    config._attn_implementation = "eager"
+    model = LoadedModel("overhead", ModelSpec("overhead", "local", ""), LlamaForCausalLM(config).eval(), None)
+    ids, hidden = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, w)
+
+    def seconds(resume: Optional[Resume]) -> float:
+        run(model, ids, resume=resume)
+        reps, start = 0, time.process_time()
+        while (spent := time.process_time() - start) < min_seconds or reps < 3:
+            run(model, ids, resume=resume)
+            reps += 1
+        return spent / reps
+
+    with torch.no_grad():
+        full, last = seconds(None), seconds(Resume(layers - 1, hidden))
+    block = max(full - last, 0.0) / max(layers - 1, 1)
+    return max(last - block, 0.0), block
+
+
+def with_overhead(device: Device, dims: Dims) -> Device:
+    """This machine (a CPU device) with :func:`pass_overhead` measured; a GPU device as it is."""
+    if device.gpu:
+        return device
+    each, block = pass_overhead(dims)
+    note = f"{device.note}; {each * 1e3:.1f} ms a pass and {block * 1e3:.2f} ms a block beside them"
+    return replace(device, overhead=(each, block), note=note)
+
+
 def run_record(spec: RunSpec) -> Optional[dict]:
     """What ``run.json`` records of the plan, so the report's stage table reads it from committed files: this
     machine's matrix-multiply throughput and weight bandwidth measured now (FLOP and bytes per CPU second in the
@@ -696,12 +763,13 @@ def run_record(spec: RunSpec) -> Optional[dict]:
     dims, _ = model_dims(m.base)
     lengths = task_lengths(spec)
     rows = min(2048, spec.eval.batch_size * lengths.longest)
-    device = this_machine(dims, (m.dtype,), rows)
+    device = with_overhead(this_machine(dims, (m.dtype,), rows), dims)
     plan = resource_plan(spec, device, lengths, m.dtype)
     return {
         "dtype": m.dtype,
         "throughput": device.throughput(m.dtype),
         "bandwidth": device.bandwidth[m.dtype],
+        "overhead": list(device.overhead),
         "stage_flops": {p.cost.stage: p.cost.flops for p in plan},
     }
 
@@ -843,7 +911,7 @@ def print_resources(
     dims, source = model_dims(spec.models.base)
     lengths = task_lengths(spec)
     rows = min(2048, spec.eval.batch_size * lengths.longest)  # a batch's tokens: the stages' matrix multiplies
-    for where in [this_machine(dims, (dtype,), rows)] + ([named] if named else []):
+    for where in [with_overhead(this_machine(dims, (dtype,), rows), dims)] + ([named] if named else []):
         print(format_resources(resource_plan(spec, where, lengths, dtype), lengths, source), end="\n\n", flush=True)
     try:
         check_weights(spec.model_names, remote=spec.models.remote)
