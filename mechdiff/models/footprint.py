@@ -97,8 +97,9 @@ def forward_flops(
 
 def forward_bytes(dims: Dims, rows: int, tokens: int, dtype: str, context: Optional[int] = None) -> int:
     """Transient peak of one forward pass without gradients or a key/value cache (eager attention, as transformers'
-    LLaMA and Gemma 3 run it), the largest of three moments (read from a CPU forward's allocations; within 3% of
-    torch's for SmolLM2, Gemma-3-270M and LLaMA-7B's width, ``tests/unit/models/test_footprint.py``):
+    LLaMA and Gemma 3 run it), the largest of three moments, read from a CPU forward's allocations (within 1% of
+    torch's peak for SmolLM2, Gemma-3-270M and LLaMA-7B's width in ``benchmarks/planner.py``; each moment checked
+    on random LLaMA models by ``tests/unit/models/test_footprint.py``):
 
     - a block's MLP: four residual-width tensors (the embeddings, which the model's forward keeps to its end; the
       block's input; its residual after attention; its normed copy), the attention probabilities (the block keeps
