@@ -227,9 +227,10 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
 
     import torch.utils.flop_counter
 
+    from mechdiff.models.footprint import model_dims
     from mechdiff.runs import stages as stage_module
     from mechdiff.studies.circuits import CircuitsStudy
-    from mechdiff.studies.resources import found_in
+    from mechdiff.studies.resources import found_in, pass_overhead
 
     measured: dict[str, dict] = {}
     original = stage_module.StageCache.run
@@ -262,7 +263,8 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
         known = found_in(spec.output.dir)
         record = study.resources_record()
     stage_module.StageCache.run = original
-    rates = {k: record[k] for k in ("throughput", "bandwidth", "overhead")}
+    rates = {k: record[k] for k in ("throughput", "bandwidth")}
+    rates["overhead"] = pass_overhead(model_dims(spec.models.base)[0])  # run.json does not record it
     return {"measured": measured, "known": known, **rates, "counted": count}
 
 

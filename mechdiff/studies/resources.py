@@ -763,13 +763,12 @@ def run_record(spec: RunSpec) -> Optional[dict]:
     dims, _ = model_dims(m.base)
     lengths = task_lengths(spec)
     rows = min(2048, spec.eval.batch_size * lengths.longest)
-    device = with_overhead(this_machine(dims, (m.dtype,), rows), dims)
+    device = this_machine(dims, (m.dtype,), rows)  # no pass_overhead: it runs a model, and a cached run runs none
     plan = resource_plan(spec, device, lengths, m.dtype)
     return {
         "dtype": m.dtype,
         "throughput": device.throughput(m.dtype),
         "bandwidth": device.bandwidth[m.dtype],
-        "overhead": list(device.overhead),
         "stage_flops": {p.cost.stage: p.cost.flops for p in plan},
     }
 
