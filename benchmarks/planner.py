@@ -7,9 +7,12 @@ prompt, as ``mechdiff run`` runs it) on the entity-tracking prompts. It prints, 
 
 - load: resident memory (RSS, sampled every millisecond) above the process's baseline before the model was made,
   against the planner's weight bytes;
-- stage: peak RSS during the stage above the RSS when it began, against the planner's transient activation bytes;
-  and its CPU time (``time.process_time``: every thread, not wall time, on this shared machine) against the
-  planner's FLOPs over the matrix-multiply throughput it measures (``mechdiff.models.devices.this_machine``).
+- stage: peak RSS during the stage above the RSS when it began, against the planner's transient activation bytes,
+  and the peak of torch's own allocations over one batch (:func:`torch_peak`: what the planner models; RSS lies
+  above it where glibc's heap keeps freed tensors, which ``MALLOC_MMAP_THRESHOLD_=1048576`` prevents at a cost in
+  CPU time); and its CPU time (``time.process_time``: every thread, not wall time, on this shared machine) against the
+  planner's FLOPs over the matrix-multiply throughput it measures plus the weights its passes read over the
+  bandwidth it measures (``mechdiff.models.devices.this_machine``).
 
 Targets: memory within 25% of measured, time within a factor of 1.5. A GPU run of the same cases is for
 ``benchmarks/gpu.sh`` (it can call ``--case`` per case with ``--device cuda``; not done here).
@@ -91,6 +94,22 @@ class PeakRSS:
         return self.peak - self.start
 
 
+def torch_peak(run) -> int:
+    """The most bytes torch's CPU allocator held at once while ``run()`` ran, above what it held before: its
+    allocation and free events (the profiler's ``[memory]`` events) summed in time order. Resident memory can lie
+    well above it: glibc's heap keeps freed tensors (see ``benchmarks/README.md``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
 def make_model(name: str, layers, dtype: str):
     """A LoadedModel: the registry's weights, or a random model of the shipped config cut to ``layers``."""
     import torch
@@ -127,14 +146,14 @@ def prompts(n: int, vocab: int) -> list:
 def planned(dims, dtype: str, n: int, batch: int, records: list) -> tuple:
     """The planner's accuracy stage for these prompts: its cost and its placement on this machine."""
     from mechdiff.models.devices import this_machine
-    from mechdiff.studies.resources import Context, Lengths, accuracy, place
+    from mechdiff.studies.resources import Context, Lengths, accuracy, place, with_overhead
     from mechdiff.studies.spec import default_spec
 
     spec = default_spec()
     spec = replace(spec, eval=replace(spec.eval, n=n, batch_size=batch))
     sizes = [len(r.input_ids) for r in records]
     lengths = Lengths(sum(sizes) / len(sizes), max(sizes), {}, 1, "smollm2-135m")
-    device = this_machine(dims, (dtype,), rows=batch * lengths.longest)
+    device = with_overhead(this_machine(dims, (dtype,), rows=batch * lengths.longest), dims)
     cost = accuracy(Context(spec, dims, lengths, dtype, device), "model")
     return cost, place(cost, device, dtype, lambda *_: cost)
 
@@ -161,6 +180,7 @@ def run_case(case: str) -> dict:
     records = prompts(n, dims.vocab_size)
     cost, place = planned(dims, dtype, n, batch, records)
     evaluate(lm, records[:batch], batch, progress=False)  # warm-up: first-call allocations and nnsight's set-up
+    held = torch_peak(lambda: evaluate(lm, records[:batch], batch, progress=False))
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory back to the system, so RSS growth is live memory
     with PeakRSS() as stage:
         cpu = time.process_time()
@@ -172,6 +192,7 @@ def run_case(case: str) -> dict:
         "load_planned": cost.weights,
         "stage_measured": stage.above,
         "stage_planned": cost.transient,
+        "stage_torch": held,
         "cpu_measured": cpu,
         "cpu_planned": place.seconds,
         "gflops": cost.flops / 1e9,
@@ -206,9 +227,10 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
 
     import torch.utils.flop_counter
 
+    from mechdiff.models.footprint import model_dims
     from mechdiff.runs import stages as stage_module
     from mechdiff.studies.circuits import CircuitsStudy
-    from mechdiff.studies.resources import found_in
+    from mechdiff.studies.resources import found_in, pass_overhead
 
     measured: dict[str, dict] = {}
     original = stage_module.StageCache.run
@@ -241,7 +263,9 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
         known = found_in(spec.output.dir)
         record = study.resources_record()
     stage_module.StageCache.run = original
-    return {"measured": measured, "known": known, "throughput": record["throughput"], "counted": count}
+    rates = {k: record[k] for k in ("throughput", "bandwidth")}
+    rates["overhead"] = pass_overhead(model_dims(spec.models.base)[0])  # run.json does not record it
+    return {"measured": measured, "known": known, **rates, "counted": count}
 
 
 def committed(run_dir: Path) -> dict:
@@ -264,20 +288,26 @@ def committed(run_dir: Path) -> dict:
     return {"measured": seconds, "known": known, "spec": manifest["spec"]}
 
 
-def planned_stages(spec, known: dict, throughput: float) -> dict:
-    """The planner's FLOPs and CPU seconds of each stage of ``spec`` at the measured ``throughput``, told what
-    the run ``known`` found."""
+def planned_stages(
+    spec, known: dict, throughput: float, bandwidth: Optional[float] = None, overhead: tuple = (0.0, 0.0)
+) -> dict:
+    """The planner's FLOPs and CPU seconds of each stage of ``spec`` at the measured ``throughput``, weight
+    ``bandwidth`` (None: weight reads not counted, as before the planner counted them) and per-pass and per-block
+    ``overhead``, told what the run ``known`` found."""
     from mechdiff.models.devices import Device
     from mechdiff.studies.resources import resource_plan
 
-    here = Device("this machine", 1 << 40, {spec.models.dtype: throughput}, False)
+    dtype = spec.models.dtype
+    reads = {dtype: bandwidth} if bandwidth else {}
+    here = Device("this machine", 1 << 40, {dtype: throughput}, False, bandwidth=reads, overhead=tuple(overhead))
     plan = resource_plan(spec, here, known=known)
     return {p.cost.stage: {"flops": p.cost.flops, "cpu": p.seconds} for p in plan}
 
 
 def stage_table(run: dict, spec=None) -> str:
     """Each stage planned against measured: CPU seconds and, where counted, FLOPs."""
-    planned = planned_stages(spec or small_spec(Path("/nonexistent")), run["known"], run["throughput"])
+    spec = spec or small_spec(Path("/nonexistent"))
+    planned = planned_stages(spec, run["known"], run["throughput"], run.get("bandwidth"), run.get("overhead", (0, 0)))
     lines = [
         "| stage | CPU s planned / measured | ratio | GFLOP planned / counted | ratio |",
         "|---|---|---|---|---|",
@@ -296,18 +326,19 @@ def stage_table(run: dict, spec=None) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| case | load GiB planned / measured | ratio | stage MiB planned / measured | ratio "
-        "| CPU s planned / measured | ratio | GFLOP | GFLOP/s (mm) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| torch's peak MiB | planned / torch's | CPU s planned / measured | ratio | GFLOP | GFLOP/s (mm) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['case']} | skipped: {r['skipped']} |||||||")
+            lines.append(f"| {r['case']} | skipped: {r['skipped']} |||||||||")
             continue
         lines.append(
             f"| {r['case']} | {r['load_planned'] / GIB:.2f} / {r['load_measured'] / GIB:.2f} "
             f"| {r['load_planned'] / r['load_measured']:.2f} "
             f"| {r['stage_planned'] / 2**20:.0f} / {r['stage_measured'] / 2**20:.0f} "
             f"| {r['stage_planned'] / max(r['stage_measured'], 1):.2f} "
+            f"| {r['stage_torch'] / 2**20:.0f} | {r['stage_planned'] / max(r['stage_torch'], 1):.2f} "
             f"| {r['cpu_planned']:.1f} / {r['cpu_measured']:.1f} | {r['cpu_planned'] / r['cpu_measured']:.2f} "
             f"| {r['gflops']:.0f} | {r['throughput']:.0f} |"
         )

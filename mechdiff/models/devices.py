@@ -1,6 +1,11 @@
 """The machines a plan is made for: this one (its memory read, its matrix-multiply throughput measured) or a named
 accelerator (a few published numbers and a stated efficiency).
 
+A pass also reads the weights of every block it runs: for a pass over few token rows (the short suffix runs of
+pruning, DCM, CMAP) that read, not the multiplies, takes the time. A device's ``bandwidth`` is the bytes of weights a
+pass reads per second: on this machine measured on matrix multiplies of few rows through more weights than the
+caches hold; on a named device its memory bandwidth times :data:`GPU_EFFICIENCY`.
+
 A named device's throughput is its dense peak for the dtype (bfloat16/float16 on tensor cores; float32 without TF32,
 which torch leaves off for matrix multiplies by default) times :data:`GPU_EFFICIENCY`, the share of peak a forward
 pass of a 7B decoder reaches at moderate batch sizes (an assumption, stated with every plan). This machine's
@@ -20,7 +25,7 @@ from typing import Optional
 from .footprint import Dims, dtype_bytes
 
 GIB = 2**30
-#: Share of a GPU's dense peak a forward pass is assumed to reach.
+#: Share of a GPU's dense peak (and of its memory bandwidth) a forward pass is assumed to reach.
 GPU_EFFICIENCY = 0.5
 #: The disk a plan compares scratch files with where a named device's is not given: a GPU machine's 64 GiB (as the
 #: single-GPU machines lent to this project have; ``--plan-disk`` gives yours).
@@ -37,6 +42,10 @@ class Device:
     gpu: bool = True
     note: str = ""
     disk: Optional[int] = None  # bytes free for scratch files under TMPDIR; None: not known
+    bandwidth: dict[str, float] = field(default_factory=dict)  # weight bytes a pass reads per second, per dtype
+    # seconds each pass and each block a pass runs cost beside FLOPs and reads (Python, the intervention layer's
+    # trace): measured on this machine (``mechdiff.studies.resources.pass_overhead``); 0 on a named GPU
+    overhead: tuple[float, float] = (0.0, 0.0)
 
     def with_disk(self, disk: Optional[int]) -> "Device":
         """This device with ``disk`` bytes free under TMPDIR (None: unchanged)."""
@@ -52,20 +61,31 @@ class Device:
             raise ValueError(f"{self.name}: no throughput known for {dtype} (known: {', '.join(self.flops)})")
         return self.flops[key]
 
+    def read_seconds(self, dtype: str, reads: float) -> float:
+        """Seconds to read ``reads`` bytes of weights in ``dtype`` (0 where this device's bandwidth is not known)."""
+        rate = self.bandwidth.get(dtype) or self.bandwidth.get("bfloat16" if dtype == "float16" else "")
+        return reads / rate if rate else 0.0
 
-def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, note: str) -> Device:
+    def overhead_seconds(self, passes: float, blocks: float) -> float:
+        """Seconds ``passes`` passes running ``blocks`` blocks in all cost beside their FLOPs and weight reads."""
+        return passes * self.overhead[0] + blocks * self.overhead[1]
+
+
+def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, tbps: float, note: str) -> Device:
     flops = {"bfloat16": bf16_tflops * 1e12 * GPU_EFFICIENCY, "float32": fp32_tflops * 1e12 * GPU_EFFICIENCY}
-    return Device(name, int(memory_gb * 1e9), flops, True, f"{note}; {GPU_EFFICIENCY:.0%} of dense peak assumed")
+    reads = {dtype: tbps * 1e12 * GPU_EFFICIENCY for dtype in flops}
+    note = f"{note}; {GPU_EFFICIENCY:.0%} of dense peak and memory bandwidth assumed"
+    return Device(name, int(memory_gb * 1e9), flops, True, note, bandwidth=reads)
 
 
-#: Named accelerators: memory, dense bfloat16 and float32 peaks (NVIDIA's data sheets, SXM parts).
+#: Named accelerators: memory, dense bfloat16 and float32 peaks, memory bandwidth (NVIDIA's data sheets, SXM parts).
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in [
-        _gpu("h100-80gb", 80, 989, 67, "NVIDIA H100 SXM 80 GB: 989 TFLOP/s bf16, 67 fp32"),
-        _gpu("h200-141gb", 141, 989, 67, "NVIDIA H200 SXM 141 GB: 989 TFLOP/s bf16, 67 fp32"),
-        _gpu("a100-80gb", 80, 312, 19.5, "NVIDIA A100 SXM 80 GB: 312 TFLOP/s bf16, 19.5 fp32"),
-        _gpu("a100-40gb", 40, 312, 19.5, "NVIDIA A100 SXM 40 GB: 312 TFLOP/s bf16, 19.5 fp32"),
+        _gpu("h100-80gb", 80, 989, 67, 3.35, "NVIDIA H100 SXM 80 GB: 989 TFLOP/s bf16, 67 fp32, 3.35 TB/s"),
+        _gpu("h200-141gb", 141, 989, 67, 4.8, "NVIDIA H200 SXM 141 GB: 989 TFLOP/s bf16, 67 fp32, 4.8 TB/s"),
+        _gpu("a100-80gb", 80, 312, 19.5, 2.039, "NVIDIA A100 SXM 80 GB: 312 TFLOP/s bf16, 19.5 fp32, 2.0 TB/s"),
+        _gpu("a100-40gb", 40, 312, 19.5, 1.555, "NVIDIA A100 SXM 40 GB: 312 TFLOP/s bf16, 19.5 fp32, 1.6 TB/s"),
     ]
 }
 
@@ -108,15 +128,45 @@ def matmul_throughput(rows: int, inner: int, outer: int, dtype: str, min_seconds
     return 2 * rows * inner * outer * reps / spent
 
 
+#: Bytes of weights :func:`weight_bandwidth` reads through at the least: more than a CPU's caches hold.
+STREAM_BYTES = 256 * 2**20
+#: Token rows of :func:`weight_bandwidth`'s multiplies: a short suffix run's few.
+STREAM_ROWS = 4
+#: Matrices :func:`weight_bandwidth` reads through at the most (a tiny model's fit a cache: its reads cost little).
+STREAM_MATRICES = 128
+
+
+def weight_bandwidth(inner: int, outer: int, dtype: str, min_seconds: float = 0.4) -> float:
+    """Bytes of weights per CPU second that ``(STREAM_ROWS, inner) @ (inner, outer)`` multiplies read, through
+    matrices of that shape totalling at least :data:`STREAM_BYTES` (each read from memory, not a cache; at most
+    :data:`STREAM_MATRICES` of them), repeated for at least ``min_seconds`` after one warm-up pass."""
+    import torch
+
+    from .loading import DTYPES
+
+    x = torch.randn(STREAM_ROWS, inner, dtype=DTYPES[dtype])
+    count = min(STREAM_MATRICES, max(2, -(-STREAM_BYTES // (inner * outer * dtype_bytes(dtype)))))
+    weights = [torch.randn(inner, outer, dtype=DTYPES[dtype]) for _ in range(count)]
+    for w in weights:
+        torch.mm(x, w)
+    reps, start = 0, time.process_time()
+    while (spent := time.process_time() - start) < min_seconds or reps < 2:
+        for w in weights:
+            torch.mm(x, w)
+        reps += 1
+    return count * inner * outer * dtype_bytes(dtype) * reps / spent
+
+
 def this_machine(dims: Dims, dtypes: tuple[str, ...], rows: Optional[int] = None) -> Device:
-    """This machine as a device: its available memory and the CPU throughput of each of ``dtypes`` measured on a
-    matrix multiply of ``dims``' MLP shape with ``rows`` token rows (default 512: a batch of prompts)."""
+    """This machine as a device: its available memory, the CPU throughput of each of ``dtypes`` measured on a
+    matrix multiply of ``dims``' MLP shape with ``rows`` token rows (default 512: a batch of prompts) and the bytes
+    of weights of that shape a pass of few rows reads per CPU second (:func:`weight_bandwidth`)."""
     rows = rows or 512
     flops = {d: matmul_throughput(rows, dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}
-    shown = ", ".join(f"{d} {f / 1e9:.0f} GFLOP/s" for d, f in flops.items())
-    return Device(
-        "this machine", available_memory(), flops, False, f"CPU, measured per CPU second: {shown}", scratch_disk()
-    )
+    reads = {d: weight_bandwidth(dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}
+    shown = ", ".join(f"{d} {f / 1e9:.0f} GFLOP/s, weights read at {reads[d] / 1e9:.1f} GB/s" for d, f in flops.items())
+    note = f"CPU, measured per CPU second: {shown}"
+    return Device("this machine", available_memory(), flops, False, note, scratch_disk(), reads)
 
 
 def scratch_disk() -> int:

@@ -96,15 +96,29 @@ def forward_flops(
 
 
 def forward_bytes(dims: Dims, rows: int, tokens: int, dtype: str, context: Optional[int] = None) -> int:
-    """Transient peak of one forward pass without gradients: the residual stream, its normed copy and a block's
-    output, plus the larger of a block's attention (Q, K, V, eager scores in the dtype and their float32 softmax)
-    and its MLP (three ``d_ff``-wide tensors), plus float32 logits at one position per row."""
+    """Transient peak of one forward pass without gradients or a key/value cache (eager attention, as transformers'
+    LLaMA and Gemma 3 run it), the largest of three moments, read from a CPU forward's allocations (within 1% of
+    torch's peak for SmolLM2, Gemma-3-270M and LLaMA-7B's width in ``benchmarks/planner.py``; each moment checked
+    on random LLaMA models by ``tests/unit/models/test_footprint.py``):
+
+    - a block's MLP: four residual-width tensors (the embeddings, which the model's forward keeps to its end; the
+      block's input; its residual after attention; its normed copy), the attention probabilities (the block keeps
+      them until it returns) and the gate's activation, the up projection and their product;
+    - its attention: three residual-width tensors, Q, K, V and the copies that rotary embeddings and the
+      matrix multiplies make (four query widths and the keys and values), the scores and their float32 softmax
+      (in a lower dtype also the scores' float32 copy it is computed from);
+    - the read-out: float32 logits at one position per row and their softmax (the answer's probability).
+
+    Departs from a run: norms' float32 copies in a lower dtype and Gemma's extra norms are not counted (each a
+    residual width, briefly); the per-layer rotary tables are (tiny)."""
     b, context = dtype_bytes(dtype), tokens if context is None else context
-    resid = 3 * rows * tokens * dims.d_model * b
-    attn = rows * tokens * (dims.n_heads * dims.d_head + dims.kv_width()) * b
-    attn += rows * dims.n_heads * tokens * context * (b + 4)
-    mlp = 3 * rows * tokens * dims.d_ff * b
-    return resid + max(attn, mlp) + rows * dims.vocab_size * 4
+    resid = rows * tokens * dims.d_model * b
+    scores = rows * dims.n_heads * tokens * context
+    mlp = 4 * resid + scores * b + 3 * rows * tokens * dims.d_ff * b
+    q = dims.n_heads * dims.d_head
+    upcast = 4 if b < 4 else 0  # the softmax's float32 copy of scores in a lower dtype, beside its float32 output
+    attn = 3 * resid + rows * tokens * (4 * q + dims.kv_width()) * b + scores * (b + 4 + upcast)
+    return max(mlp, attn, 2 * rows * dims.vocab_size * 4)
 
 
 def training_bytes(dims: Dims, rows: int, tokens: int, layers: float, dtype: str) -> int:

@@ -29,7 +29,11 @@ of pairs greedy pruning searched are the run's; before it they are assumed (the 
 Memory is the models' weights, what the stage keeps beside them and the transient activations of its largest
 batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.training_bytes`);
 scratch files are counted apart, against the disk free under TMPDIR.
-Time is FLOPs over the device's throughput (measured here, per CPU second; a named device's stated share of peak).
+Time is FLOPs over the device's throughput (measured here, per CPU second; a named device's stated share of peak)
+plus the weights each pass reads (the blocks it runs and the unembedding) over the device's bandwidth: a pass of few
+rows (pruning's and DCM's short suffix runs) takes the time its weights take to read, whatever its FLOPs
+(:mod:`mechdiff.models.devices`); and on this machine each pass's fixed cost (Python, the intervention layer's
+trace: :func:`pass_overhead`). Passes are counted at each stage's batch size.
 """
 
 from __future__ import annotations
@@ -113,6 +117,21 @@ def _appended(record: Any, metric: str) -> list[int]:
     return [len(a) - 1 for a in answers]
 
 
+@dataclass(frozen=True)
+class Reads:
+    """What a stage's passes read and run beside their FLOPs: bytes of weights, passes, and blocks run in all."""
+
+    bytes: float = 0.0
+    passes: float = 0.0
+    blocks: float = 0.0
+
+    def __add__(self, other: "Reads") -> "Reads":
+        return Reads(self.bytes + other.bytes, self.passes + other.passes, self.blocks + other.blocks)
+
+    def __rmul__(self, k: float) -> "Reads":
+        return Reads(k * self.bytes, k * self.passes, k * self.blocks)
+
+
 @dataclass
 class StageCost:
     """One stage's work and memory on one device: FLOPs; bytes of the models it holds, of what it keeps beside
@@ -132,6 +151,7 @@ class StageCost:
     runs: bool = True
     note: str = ""
     batch_option: str = "[eval] batch_size"
+    reads: Reads = field(default_factory=Reads)  # what its passes read and run
 
     def device_peak(self, device: Device) -> int:
         """Peak bytes on the device (on a CPU device: everything)."""
@@ -181,6 +201,14 @@ class Context:
         c = None if context is None else math.ceil(context)
         return forward_bytes(self.dims, rows, math.ceil(tokens), self.dtype, c)
 
+    def reads(self, passes: float, layers: Optional[float] = None) -> Reads:
+        """What ``passes`` passes through ``layers`` blocks (default every block) read: each block's weights and the
+        unembedding's, once a pass."""
+        dims, b = self.dims, dtype_bytes(self.dtype)
+        layers = dims.n_layers if layers is None else layers
+        per_pass = (layers * (dims.layer_linear + 2 * dims.d_model) + dims.vocab_size * dims.d_model) * b
+        return Reads(passes * per_pass, passes, passes * layers)
+
     def ablation_patches(self, rows: int) -> int:
         """Mean-ablation writes of one batch: every layer's ``z`` at every position."""
         return self.dims.n_layers * rows * self.lengths.longest * self.dims.d_model * dtype_bytes(self.dtype)
@@ -200,6 +228,7 @@ def accuracy(ctx: Context, name: str) -> StageCost:
         ctx.weights,
         0,
         ctx.act(e.batch_size, t.longest),
+        reads=ctx.reads(math.ceil(e.n / e.batch_size)),
     )
 
 
@@ -207,9 +236,11 @@ def _scored(ctx: Context, stage: str, n: int, scored: float, note: str = "") -> 
     """A scorer stage on ``n`` prompts: reference means (:func:`_reference_runs`), the full model and ``scored``
     mean-ablated runs a prompt."""
     b, t = ctx.spec.eval.batch_size, ctx.lengths
-    flops = ctx.fwd(_reference_runs(ctx, stage) + n * (1 + scored), t.tokens)
+    reference = _reference_runs(ctx, stage)
+    flops = ctx.fwd(reference + n * (1 + scored), t.tokens)
     transient = ctx.act(b, t.longest) + ctx.ablation_patches(b)
-    return StageCost(stage, 1, n, b, flops, ctx.weights, 0, transient, note=note)
+    passes = math.ceil(reference / b) + math.ceil(n / b) * (1 + scored)
+    return StageCost(stage, 1, n, b, flops, ctx.weights, 0, transient, note=note, reads=ctx.reads(passes))
 
 
 def _reference_runs(ctx: Context, stage: str) -> int:
@@ -241,9 +272,11 @@ def _curve_circuit(ctx: Context, name: str) -> StageCost:
     """Attribution on the ranking prompts (a forward and a backward to the activations only, no weight gradients:
     two forwards' FLOPs), then the full model, the empty circuit and the nested circuits on the curve prompts."""
     d, t, b = ctx.spec.discovery, ctx.lengths, ctx.spec.eval.batch_size
-    flops = ctx.fwd(_reference_runs(ctx, f"circuit:{name}") + d.n * 2 + d.curve_n * (2 + len(d.sizes)), t.tokens)
+    reference = _reference_runs(ctx, f"circuit:{name}")
+    flops = ctx.fwd(reference + d.n * 2 + d.curve_n * (2 + len(d.sizes)), t.tokens)
     transient = training_bytes(ctx.dims, b, t.longest, ctx.dims.n_layers, ctx.dtype) + ctx.ablation_patches(b)
-    return StageCost(f"circuit:{name}", 1, d.n, b, flops, ctx.weights, 0, transient)
+    passes = math.ceil(reference / b) + 2 * math.ceil(d.n / b) + math.ceil(d.curve_n / b) * (2 + len(d.sizes))
+    return StageCost(f"circuit:{name}", 1, d.n, b, flops, ctx.weights, 0, transient, reads=ctx.reads(passes))
 
 
 def _plan_steps(ctx: Context) -> list[Any]:
@@ -278,6 +311,9 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
     """Path patching as the plan's steps run it (see the module docstring)."""
     d = ctx.spec.discovery
     flops, kept, transient, s = _path_cost(ctx, d.n)
+    senders, steps = ctx.dims.n_layers * ctx.dims.n_heads, len(_plan_steps(ctx))
+    # the clean and counterfactual runs, then per step and pass of s senders a frozen and a receiver run
+    reads = ctx.reads(2) + ctx.reads(2 * steps * math.ceil(senders / s), ctx.dims.n_layers / 2)
     most = _path_most_pairs(ctx)
     fit = f"n up to {most} fits {ctx.device.name}" if most else f"no n fits {ctx.device.name}"
     note = f"keeps every pair's activations ({kept / GIB:.1f} GiB, grows with n: {fit}); {s} senders a pass"
@@ -292,6 +328,7 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
         transient,
         note=note,
         batch_option="senders a pass",
+        reads=reads,
     )
 
 
@@ -371,9 +408,10 @@ def _greedy_prune(ctx: Context, name: str) -> StageCost:
     assumed = "" if name in ctx.known.get("circuit", {}) else f" (a circuit of {len(pairs)} pairs assumed)"
     cost = _scored(ctx, f"prune:{name}", s.prune_n, 2, f"greedy: suffix runs a pair and candidate{assumed}")
     searched = ctx.known.get("searched", {}).get(name, 1.0)
-    runs = s.prune_n * (1 + searched * s.prune_steps * s.prune_candidates)
+    passes = 1 + searched * s.prune_steps * s.prune_candidates  # a pair's runs, each of its prune_n prompts
     for layer, pos in pairs:
-        cost.flops += ctx.fwd(runs, t.after(pos), t.tokens, dims.n_layers - layer)
+        cost.flops += ctx.fwd(s.prune_n * passes, t.after(pos), t.tokens, dims.n_layers - layer)
+        cost.reads += ctx.reads(passes * math.ceil(s.prune_n / ctx.spec.eval.batch_size), dims.n_layers - layer)
     return cost
 
 
@@ -390,6 +428,8 @@ def prune(ctx: Context, name: str) -> Optional[StageCost]:
     for g, pos in zip(sizes, _group_positions(ctx, len(sizes))):
         runs = s.prune_n * (g + g * (g - 1) / 2)
         cost.flops += ctx.fwd(runs, t.after(pos), t.tokens, ctx.dims.n_layers / 2)
+        passes = (g + g * (g - 1) / 2) * math.ceil(s.prune_n / ctx.spec.eval.batch_size)
+        cost.reads += ctx.reads(passes, ctx.dims.n_layers / 2)
     return cost
 
 
@@ -460,6 +500,8 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
     c, t, dims, half = ctx.spec.dcm, ctx.lengths, ctx.dims, ctx.dims.n_layers / 2
     n, k = c.n_train + c.n_val + c.n_test, len(_desiderata(ctx))
     flops = k * ctx.fwd(2 * n, t.tokens)
+    built, trained = ctx.spec.eval.batch_size, c.batch_size  # pairs a cache write (and an evaluation) and a step hold
+    reads = k * ctx.reads(2 * math.ceil(n / built))
     checks = c.epochs * math.ceil(c.n_train / c.batch_size) / max(c.eval_every, 1) + 1
     masked = name if c.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
     # the random baseline and semantic patching run for a selection of heads: every one, unless the run chose none
@@ -469,9 +511,12 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
         runs = 2 * c.epochs * c.n_train + checks * c.n_val + (2 + DCMConfig.n_random * chose) * c.n_test
         flops += k * ctx.fwd(runs, t.after(pos), t.tokens, dims.n_layers - layer)
         flops += k * chose * semantic * ctx.fwd(2 * c.n_test, t.tokens)
+        passes = 2 * c.epochs * math.ceil(c.n_train / trained) + checks * math.ceil(c.n_val / built)
+        passes += (2 + DCMConfig.n_random * chose) * math.ceil(c.n_test / built)
+        reads += k * ctx.reads(passes, dims.n_layers - layer)
+        reads += k * chose * semantic * ctx.reads(2 * math.ceil(c.n_test / built))
     # a pair's row of the cache: every layer's keys and values and a group's entering residual stream per token
     per_pair = int(t.longest * (dims.n_layers * dims.kv_width() + len(groups) * dims.d_model) * dtype_bytes(ctx.dtype))
-    built, trained = ctx.spec.eval.batch_size, c.batch_size  # pairs a cache write and a training step hold
     longest_after = max((t.after(p) for _, p in _group_starts(ctx, masked, groups).values()), default=t.tokens)
     transient = max(
         # a training step: its backward's activations and the rows it read back (its keys and values prefix)
@@ -499,6 +544,7 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
         disk,
         note=note,
         batch_option="[dcm] batch_size",
+        reads=reads,
     )
 
 
@@ -535,11 +581,13 @@ def cmap(ctx: Context, finetune: str) -> StageCost:
     if starts:  # the whole circuit: from its lowest layer and its earliest position
         whole = min(v[0] for v in starts.values()), max((v[1] for v in starts.values()), key=t.after)
         starts = {**starts, "": whole}
-    flops = ctx.fwd(2 * c.n, t.tokens)
+    flops, batches = ctx.fwd(2 * c.n, t.tokens), math.ceil(c.n / b)
+    reads = ctx.reads(2 * batches)
     for group, (layer, pos) in starts.items():
         draws = 1 + (c.n_random if group else 0)
         for part in c.parts:
             flops += ctx.fwd(c.n * draws, _cmap_tokens(ctx, part, pos), t.tokens, dims.n_layers - layer)
+            reads += ctx.reads(draws * batches, dims.n_layers - layer)
     captured = 4 * dims.n_layers * b * t.longest * dims.d_model * dtype_bytes(ctx.dtype)
     return StageCost(
         f"cmap:{finetune}",
@@ -550,6 +598,7 @@ def cmap(ctx: Context, finetune: str) -> StageCost:
         2 * ctx.weights,
         0,
         ctx.act(b, t.longest) + captured,
+        reads=reads,
     )
 
 
@@ -581,7 +630,9 @@ def stage_costs(ctx: Context) -> list[StageCost]:
 def place(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, int], StageCost]) -> Placement:
     """``cost`` on ``device``: time, fit, and where it does not fit, what would (``recount(dtype, batch)`` counts the
     stage again under another dtype or batch size)."""
-    seconds = cost.flops / device.throughput(dtype)
+    r = cost.reads
+    seconds = cost.flops / device.throughput(dtype) + device.read_seconds(dtype, r.bytes)
+    seconds += device.overhead_seconds(r.passes, r.blocks)
     fits = cost.device_peak(device) <= device.memory and (device.disk is None or cost.disk <= device.disk)
     return Placement(cost, device, dtype, seconds, fits, [] if fits else remedies(cost, device, dtype, recount))
 
@@ -650,11 +701,60 @@ def found_in(run_dir: str | Path) -> dict:
     return out
 
 
+#: Width of the random model :func:`pass_overhead` times: its FLOPs and weight reads are negligible.
+OVERHEAD_WIDTH = 64
+
+
+def pass_overhead(dims: Dims, min_seconds: float = 0.2) -> tuple[float, float]:
+    """CPU seconds a pass costs beside its FLOPs and weight reads, and each block it runs: ``run`` (through the
+    intervention layer) of one token on a random LLaMA of ``dims``' depth and :data:`OVERHEAD_WIDTH`, timed in full
+    and resumed at its last block; the difference is the blocks' share. A departure: the model's own norms,
+    attention and rotary code is LLaMA's, not necessarily the planned model's."""
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..models.loading import LoadedModel
+    from ..models.registry import ModelSpec
+    from ..patching.core import Resume, run
+
+    w, layers = OVERHEAD_WIDTH, dims.n_layers
+    config = LlamaConfig(
+        num_hidden_layers=layers, hidden_size=w, intermediate_size=2 * w, num_attention_heads=4, vocab_size=w
+    )
+    config._attn_implementation = "eager"
+    model = LoadedModel("overhead", ModelSpec("overhead", "local", ""), LlamaForCausalLM(config).eval(), None)
+    ids, hidden = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, w)
+
+    def seconds(resume: Optional[Resume]) -> float:
+        run(model, ids, resume=resume)
+        reps, start = 0, time.process_time()
+        while (spent := time.process_time() - start) < min_seconds or reps < 3:
+            run(model, ids, resume=resume)
+            reps += 1
+        return spent / reps
+
+    with torch.no_grad():
+        full, last = seconds(None), seconds(Resume(layers - 1, hidden))
+    block = max(full - last, 0.0) / max(layers - 1, 1)
+    return max(last - block, 0.0), block
+
+
+def with_overhead(device: Device, dims: Dims) -> Device:
+    """This machine (a CPU device) with :func:`pass_overhead` measured; a GPU device as it is."""
+    if device.gpu:
+        return device
+    each, block = pass_overhead(dims)
+    note = f"{device.note}; {each * 1e3:.1f} ms a pass and {block * 1e3:.2f} ms a block beside them"
+    return replace(device, overhead=(each, block), note=note)
+
+
 def run_record(spec: RunSpec) -> Optional[dict]:
     """What ``run.json`` records of the plan, so the report's stage table reads it from committed files: this
-    machine's matrix-multiply throughput measured now (FLOP per CPU second in the run's dtype, as ``--plan``
-    measures it) and each stage's planned FLOPs. None for a run on a GPU or NDIF (the CPU's throughput is not
-    theirs)."""
+    machine's matrix-multiply throughput and weight bandwidth measured now (FLOP and bytes per CPU second in the
+    run's dtype, as ``--plan`` measures them) and each stage's planned FLOPs. None for a run on a GPU or NDIF (the
+    CPU's throughput is not theirs)."""
     from ..models.devices import this_machine
 
     m = spec.models
@@ -663,11 +763,12 @@ def run_record(spec: RunSpec) -> Optional[dict]:
     dims, _ = model_dims(m.base)
     lengths = task_lengths(spec)
     rows = min(2048, spec.eval.batch_size * lengths.longest)
-    device = this_machine(dims, (m.dtype,), rows)
+    device = this_machine(dims, (m.dtype,), rows)  # no pass_overhead: it runs a model, and a cached run runs none
     plan = resource_plan(spec, device, lengths, m.dtype)
     return {
         "dtype": m.dtype,
         "throughput": device.throughput(m.dtype),
+        "bandwidth": device.bandwidth[m.dtype],
         "stage_flops": {p.cost.stage: p.cost.flops for p in plan},
     }
 
@@ -809,7 +910,7 @@ def print_resources(
     dims, source = model_dims(spec.models.base)
     lengths = task_lengths(spec)
     rows = min(2048, spec.eval.batch_size * lengths.longest)  # a batch's tokens: the stages' matrix multiplies
-    for where in [this_machine(dims, (dtype,), rows)] + ([named] if named else []):
+    for where in [with_overhead(this_machine(dims, (dtype,), rows), dims)] + ([named] if named else []):
         print(format_resources(resource_plan(spec, where, lengths, dtype), lengths, source), end="\n\n", flush=True)
     try:
         check_weights(spec.model_names, remote=spec.models.remote)

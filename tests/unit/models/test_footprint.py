@@ -61,3 +61,66 @@ def test_activation_bytes_are_linear_in_the_batch():
 def test_unknown_dtype_is_refused_with_the_names():
     with pytest.raises(ValueError, match="bfloat16"):
         dtype_bytes("int4")
+
+
+#: How far the modelled transient peak may lie from torch's: the model leaves out the rotary tables, the causal
+#: mask and norms' brief float32 copies (each small beside the tensors counted).
+PEAK_WITHIN = 0.1
+
+
+def live_peak(run) -> int:
+    """The most bytes torch's CPU allocator held at once while ``run()`` ran, above what it held before: its
+    allocation and free events (the profiler's ``[memory]`` events) summed in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
+def sized_llama(dtype: torch.dtype, width: int, d_ff: int, vocab: int) -> tuple[torch.nn.Module, Dims]:
+    """A random two-block LLaMA (grouped KV heads, eager attention) of the given sizes."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=width,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=d_ff,
+        vocab_size=vocab,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval(), Dims.from_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "dtype, width, d_ff, vocab, rows, tokens",
+    [
+        ("float32", 256, 704, 1000, 8, 40),  # the MLP's moment
+        ("bfloat16", 256, 704, 1000, 8, 40),
+        ("float32", 128, 256, 1000, 4, 160),  # attention's: the scores grow with the square of the tokens
+        ("bfloat16", 128, 256, 1000, 4, 160),
+        ("float32", 64, 128, 60_000, 16, 8),  # the read-out's: a wide vocabulary
+    ],
+)
+def test_forward_bytes_are_the_peak_torch_allocates(dtype, width, d_ff, vocab, rows, tokens):
+    """A forward without a cache read out at the last position, its logits in float32 and their softmax (as
+    ``evaluate`` scores an answer's probability), against the peak of torch's own allocations."""
+    model, dims = sized_llama(getattr(torch, dtype), width, d_ff, vocab)
+    ids = torch.randint(0, vocab, (rows, tokens))
+
+    def forward():
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+        logits.softmax(-1)
+
+    with torch.no_grad():
+        forward()  # first-call allocations
+        measured = live_peak(forward)
+    assert forward_bytes(dims, rows, tokens, dtype) == pytest.approx(measured, rel=PEAK_WITHIN)

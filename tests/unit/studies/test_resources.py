@@ -214,3 +214,19 @@ def test_a_prompt_counts_the_tokens_its_teacher_forced_runs_append():
     )
     assert _appended(one, "logit_diff") == [0] and _appended(one, "prob") == [0]
     assert _appended(long, "prob") == [2] and _appended(long, "logit_diff") == [2, 1]
+
+
+def test_a_pass_reads_the_weights_of_the_blocks_it_runs(paper_spec):
+    """Each of the accuracy stage's passes reads every block's weights and the unembedding once: LLaMA-7B's
+    published parameter count less its input embeddings, in the dtype's bytes; the time adds them over the
+    device's bandwidth, and each pass's and block's overhead."""
+    spec = with_eval(paper_spec, 500, 50)
+    unembedded = 6_738_415_616 - 32_000 * 4096  # huggyllama/llama-7b less embed_tokens
+    for dtype in ("float32", "bfloat16"):
+        cost = accuracy(context(spec, dtype), "llama-7b")
+        assert cost.reads.bytes == 10 * (unembedded - 4096) * (4 if dtype == "float32" else 2)  # less the final norm
+        assert (cost.reads.passes, cost.reads.blocks) == (10, 10 * 32)
+    here = Device("given", 1 << 40, {"float32": 1e11}, False, bandwidth={"float32": 1e10}, overhead=(0.01, 0.001))
+    cost = accuracy(context(spec, "float32", here), "llama-7b")
+    expected = cost.flops / 1e11 + cost.reads.bytes / 1e10 + 10 * 0.01 + 320 * 0.001
+    assert place(cost, here, "float32", lambda *_: cost).seconds == pytest.approx(expected)
