@@ -40,13 +40,18 @@ def accuracy_sentence(rows: list[dict]) -> str:
     off = [r["step"] for r, x in zip(rows[1:], sides) if x]
     if not off:
         return text + "No later checkpoint's accuracy differs from it (every paired 95% interval contains 0)."
+    above, below = ([str(r["step"]) for r, x in zip(rows[1:], sides) if x == sign] for sign in (1, -1))
     last = sides[-1]
     k = len(sides)
     while k > 0 and sides[k - 1] == last:
         k -= 1
     r = rows[-1]
-    plural = "s" if len(off) > 1 else ""
-    where = f"It differs (paired 95% interval of the difference off 0) at step{plural} {', '.join(map(str, off))}"
+    parts = [
+        f"{word} it at step{'s' if len(at) > 1 else ''} {', '.join(at)}"
+        for word, at in (("above", above), ("below", below))
+        if at
+    ]
+    where = "Accuracy lies " + " and ".join(parts) + " (paired 95% interval of the difference off 0)"
     if not last:
         return text + where + "; the last checkpoint's difference contains 0."
     return (

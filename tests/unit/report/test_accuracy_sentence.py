@@ -37,7 +37,7 @@ def test_erosion_is_dated_from_the_step_every_later_checkpoint_stays_below():
         row(10, 0.8, (-0.1, -0.14, -0.06)),
     ]
     text = accuracy_sentence(rows)
-    assert "at steps 2, 5, 10" in text and "stays below step 0's from step 5 on" in text
+    assert "lies below it at steps 2, 5, 10 (paired" in text and "stays below step 0's from step 5 on" in text
     assert "(the last: -0.100 [-0.140, -0.060])" in text
 
 
@@ -47,4 +47,8 @@ def test_a_rise_and_no_difference():
     flat = [row(0, 0.1), row(1, 0.1, (0.0, -0.02, 0.02))]
     assert accuracy_sentence(flat).endswith("every paired 95% interval contains 0).")
     back = [row(0, 0.1), row(1, 0.3, (0.2, 0.1, 0.3)), row(2, 0.1, (0.0, -0.05, 0.05))]
-    assert accuracy_sentence(back).endswith("at step 1; the last checkpoint's difference contains 0.")
+    assert accuracy_sentence(back).endswith(
+        "above it at step 1 (paired 95% interval of the difference off 0); the last checkpoint's difference contains 0."
+    )
+    both = [row(0, 0.9), row(1, 0.95, (0.05, 0.01, 0.09)), row(2, 0.8, (-0.1, -0.15, -0.05))]
+    assert "Accuracy lies above it at step 1 and below it at step 2 (paired" in accuracy_sentence(both)
