@@ -521,6 +521,19 @@ class _Report:
             )
         return rows
 
+    def runs_findings(self) -> str:
+        """The README's between-run section ('' where the study read no other run)."""
+        between = {b["checkpoint"]: b for b in self.r["structure"].result.get("between_runs", [])}
+        if not between:
+            return ""
+        return (
+            "## Findings: the between-run null\n\n"
+            "Other runs of the recipe at the same step (`tables/structure_runs.md`); `beyond_runs` above: a change "
+            "larger than two runs of the recipe differ by at that step.\n\n"
+            + to_markdown(self.runs_rows(between))
+            + "\n\n"
+        )
+
     def runs_section(self, between: dict) -> str:
         """The between-run null's table and what it says ('' where the study read no other run)."""
         if not between:
@@ -685,6 +698,7 @@ class _Report:
                 "to_step": self.steps[i + 1],
                 **_cols("null_minus_cross", c["null_minus_cross"]),
                 "changed": c["changed"],
+                **_beyond_cols(c, bool(st.get("between_runs"))),
                 "pairs_entered": len(c["entered"]),
                 "pairs_left": len(c["left"]),
             }
@@ -746,7 +760,10 @@ class _Report:
             + "\n\n"
             + to_markdown(final)
             + "\n\n"
-            "## Settings\n\n" + to_markdown(settings) + "\n\n"
+            + self.runs_findings()
+            + "## Settings\n\n"
+            + to_markdown(settings)
+            + "\n\n"
             "## Stage costs\n\nSeconds each stage took when it was computed (from `run.json`; "
             f"{sum(v['seconds'] for v in stages.values()):.0f} s in all).\n\n" + to_markdown(cost) + "\n"
         )
