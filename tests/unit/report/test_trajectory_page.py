@@ -85,12 +85,23 @@ def test_each_figure_holds_the_committed_tables_numbers(run: Path) -> None:
     assert member["y"] == ["L1H1"] and member["z"] == [[0, 1, 1]]
 
 
-def test_the_committed_run_says_what_it_did_not_measure() -> None:
+def test_the_committed_run_draws_its_roles_matrix_and_between_run_null() -> None:
+    """The committed trajectory: a heads x steps chart per role DCM found at some step (a note for the others), the
+    overlap matrix of its table, the between-run null, and each measure from its table."""
     run = RESULTS / "trajectory-smollm2"
     html = page(run)
     figs = figures(html)
-    assert "Role membership per checkpoint: not measured." in html and "role-0" not in figs
-    assert "Overlap matrix: not in this run's committed files" in html
+    roles = json.loads((run / "tables" / "roles.json").read_text())
+    order = list(dict.fromkeys((r["group"], r["desideratum"]) for r in roles))
+    for i, (g, d) in enumerate(order):
+        held = any(r["holding"] != "-" for r in roles if (r["group"], r["desideratum"]) == (g, d))
+        assert (f"held-role-{i}" in figs) == held and (f"No scored head holds {g} / {d} at any step" in html) != held
+    assert "Role membership per checkpoint: not measured." not in html
+    matrix = json.loads((run / "tables" / "structure_matrix.json").read_text())
+    (heat,) = figs["overlap_matrix"]["data"]
+    assert len(heat["z"]) == len(matrix) == 17
+    runs = json.loads((run / "tables" / "structure_runs.json").read_text())
+    assert [r["step"] for r in runs] == [2, 5, 15, 45, 100] and "measure-structure_runs" in figs
     acc = json.loads((run / "tables" / "accuracy.json").read_text())
     line = figs["measure-accuracy"]["data"][1]
     assert line["x"] == [r["step"] for r in acc] and line["y"] == [round(r["accuracy"], 4) for r in acc]
