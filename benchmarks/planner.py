@@ -8,7 +8,8 @@ prompt, as ``mechdiff run`` runs it) on the entity-tracking prompts. It prints, 
 - load: resident memory (RSS, sampled every millisecond) above the process's baseline before the model was made,
   against the planner's weight bytes;
 - stage: peak RSS during the stage above the RSS when it began, against the planner's transient activation bytes,
-  and the peak of torch's own allocations over one batch (:func:`torch_peak`: what the planner models; RSS lies
+  and the peak of torch's own allocations over one batch (:func:`mechdiff.models.memory.torch_peak`: what the
+  planner models; RSS lies
   above it where glibc's heap keeps freed tensors, which ``MALLOC_MMAP_THRESHOLD_=1048576`` prevents at a cost in
   CPU time); and its CPU time (``time.process_time``: every thread, not wall time, on this shared machine) against the
   planner's FLOPs over the matrix-multiply throughput it measures plus the weights its passes read over the
@@ -94,22 +95,6 @@ class PeakRSS:
         return self.peak - self.start
 
 
-def torch_peak(run) -> int:
-    """The most bytes torch's CPU allocator held at once while ``run()`` ran, above what it held before: its
-    allocation and free events (the profiler's ``[memory]`` events) summed in time order. Resident memory can lie
-    well above it: glibc's heap keeps freed tensors (see ``benchmarks/README.md``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    held = peak = 0
-    for _, change in events:
-        held += change
-        peak = max(peak, held)
-    return peak
-
-
 def make_model(name: str, layers, dtype: str):
     """A LoadedModel: the registry's weights, or a random model of the shipped config cut to ``layers``."""
     import torch
@@ -164,6 +149,7 @@ def run_case(case: str) -> dict:
 
     from mechdiff.models.devices import available_memory
     from mechdiff.models.footprint import model_dims
+    from mechdiff.models.memory import torch_peak
     from mechdiff.patching.evaluate import evaluate
 
     name, layers, dtype, n, batch = CASES[case]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -69,3 +69,19 @@ def auto_batch_size(
         per / 2**20,
     )
     return size
+
+
+def torch_peak(run: Callable[[], Any]) -> int:
+    """The most bytes torch's CPU allocator held at once while ``run()`` ran, above what it held before: its
+    allocation and free events (the profiler's ``[memory]`` events) summed in time order. Resident memory can lie
+    well above it: glibc's heap keeps freed tensors (see ``benchmarks/README.md``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return peak

@@ -8,6 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
 from mechdiff.models.footprint import Dims, dtype_bytes, forward_bytes, forward_flops, model_dims, shipped_configs
+from mechdiff.models.memory import torch_peak
 from tests.conftest import tiny_config
 
 
@@ -68,21 +69,6 @@ def test_unknown_dtype_is_refused_with_the_names():
 PEAK_WITHIN = 0.1
 
 
-def live_peak(run) -> int:
-    """The most bytes torch's CPU allocator held at once while ``run()`` ran, above what it held before: its
-    allocation and free events (the profiler's ``[memory]`` events) summed in time order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    held = peak = 0
-    for _, change in events:
-        held += change
-        peak = max(peak, held)
-    return peak
-
-
 def sized_llama(dtype: torch.dtype, width: int, d_ff: int, vocab: int) -> tuple[torch.nn.Module, Dims]:
     """A random two-block LLaMA (grouped KV heads, eager attention) of the given sizes."""
     from transformers import LlamaConfig
@@ -122,5 +108,5 @@ def test_forward_bytes_are_the_peak_torch_allocates(dtype, width, d_ff, vocab, r
 
     with torch.no_grad():
         forward()  # first-call allocations
-        measured = live_peak(forward)
+        measured = torch_peak(forward)
     assert forward_bytes(dims, rows, tokens, dtype) == pytest.approx(measured, rel=PEAK_WITHIN)
