@@ -550,7 +550,7 @@ class CircuitsStudy(Study):
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
         patching of the selections into every model for the base's."""
         from ..methods.dcm import dcm_circuit, semantic_patching, split_pairs
-        from ..tasks.desiderata import desideratum_name, desideratum_pairs
+        from ..tasks.desiderata import chosen_desiderata, desideratum_pairs
 
         c, t = self.spec.dcm, self.spec.task
         base = self.spec.models.base
@@ -563,9 +563,7 @@ class CircuitsStudy(Study):
             n = c.n_train + c.n_val + c.n_test
             # the configured desiderata the task defines; none of them: the task's own (an imported task's
             # counterfactual: the patched run should give the counterfactual prompt's answer)
-            own = self.task.desiderata
-            names = [d for d in c.desiderata if d in own or desideratum_name(d) in own]
-            names = names or list(self.task.desiderata)
+            names = chosen_desiderata(c.desiderata, self.task.desiderata)
             if not names:
                 return {
                     "dcm": [],

@@ -481,10 +481,9 @@ def _desiderata(ctx: Context) -> list[str]:
     """The desiderata DCM trains, as the study picks them: those of ``[dcm] desiderata`` the task declares, else
     every one the task declares."""
     from ..tasks.base import get_task
-    from ..tasks.desiderata import desideratum_name
+    from ..tasks.desiderata import chosen_desiderata
 
-    own = get_task(ctx.spec.task.name).desiderata
-    return [d for d in ctx.spec.dcm.desiderata if d in own or desideratum_name(d) in own] or list(own)
+    return chosen_desiderata(ctx.spec.dcm.desiderata, get_task(ctx.spec.task.name).desiderata)
 
 
 def _group_positions(ctx: Context, count: Optional[int] = None) -> list[str]:

@@ -382,11 +382,9 @@ class TrajectoryStudy(Study):
 
     def desideratum_names(self) -> list[str]:
         """``[dcm] desiderata`` (those the task declares; empty: every desideratum the task declares)."""
-        from ..tasks.desiderata import desideratum_name
+        from ..tasks.desiderata import chosen_desiderata
 
-        own = self.task.desiderata
-        named = [d for d in self.st.dcm.desiderata if d in own or desideratum_name(d) in own]
-        return named or list(own)
+        return chosen_desiderata(self.st.dcm.desiderata, self.task.desiderata)
 
     def scorer(self, name: str, prompts: str, n: int):
         from ..circuits.scoring import Scorer
@@ -621,10 +619,23 @@ class TrajectoryStudy(Study):
 
         return dcm_config(SimpleNamespace(dcm=self.st.dcm, eval=self.st.eval, task=self.st.task))
 
-    def dcm(self, final: StageRecord) -> StageRecord:
+    def train_dcm(self, name: str, final: StageRecord, groups: list[str], names: list[str]) -> tuple[list, list]:
+        """DCM trained in checkpoint ``name`` over the final circuit's ``groups`` (:meth:`groups` of them) on the
+        desiderata ``names``, with ``[dcm]``'s pairs and training: the results, and the groups left out (a class
+        whose token count differs within a pair, :func:`~mechdiff.studies.circuits.unpaired_classes`)."""
         from ..methods.dcm import dcm_circuit
         from .circuits import unpaired_classes
 
+        d = self.st.dcm
+        circuit = Circuit.from_dict(final.result["circuit"])
+        desiderata, config = self.desiderata(d.n_train + d.n_val + d.n_test, names=names), self.dcm_config()
+        chosen = self.groups(circuit, groups)
+        left_out = unpaired_classes(circuit, chosen, desiderata, config.eval_batch)
+        chosen = [g for g in chosen if g not in left_out]
+        results = dcm_circuit(self.checkpoints().model(name), circuit, desiderata, config, chosen, self.progress)
+        return [r.to_dict() for r in results], left_out
+
+    def dcm(self, final: StageRecord) -> StageRecord:
         d = self.st.dcm
 
         def compute() -> dict:
@@ -632,15 +643,8 @@ class TrajectoryStudy(Study):
                 return {"source": d.labels, "dcm": read_labels(d.labels)}
             if not self.desideratum_names():
                 return {"source": f"task {self.task.name} declares no desideratum: DCM not run", "dcm": []}
-            circuit = Circuit.from_dict(final.result["circuit"])
-            desiderata, config = self.desiderata(d.n_train + d.n_val + d.n_test), self.dcm_config()
-            groups = self.groups(circuit, d.groups)
-            left_out = unpaired_classes(circuit, groups, desiderata, config.eval_batch)
-            groups = [g for g in groups if g not in left_out]
-            results = dcm_circuit(
-                self.checkpoints().model(self.final), circuit, desiderata, config, groups, self.progress
-            )
-            out = {"source": f"DCM on the circuit of {self.final}", "dcm": [r.to_dict() for r in results]}
+            results, left_out = self.train_dcm(self.final, final, d.groups, self.desideratum_names())
+            out = {"source": f"DCM on the circuit of {self.final}", "dcm": results}
             return {**out, "left_out": left_out} if left_out else out
 
         return self.cache.run("dcm", self._dcm_inputs(final), compute)
@@ -751,22 +755,12 @@ class TrajectoryStudy(Study):
         """``[roles] method = "dcm"``: DCM trained in checkpoint ``name`` over the final circuit's groups (``[roles]
         groups``, else ``[dcm] groups``) on ``[roles] desiderata`` (else the task's), with ``[dcm]``'s pairs and
         training: the heads each role needs together at this step, and their test accuracy against the floor."""
-        from ..methods.dcm import dcm_circuit
-        from .circuits import unpaired_classes
-
         r, d = self.st.roles, self.st.dcm
 
         def compute() -> dict:
-            circuit = Circuit.from_dict(final.result["circuit"])
             names = r.desiderata or list(self.task.desiderata)
-            desiderata = self.desiderata(d.n_train + d.n_val + d.n_test, names=names)
-            groups = self.groups(circuit, r.groups or d.groups)
-            left_out = unpaired_classes(circuit, groups, desiderata, self.st.eval.batch_size)
-            groups = [g for g in groups if g not in left_out]
-            results = dcm_circuit(
-                self.checkpoints().model(name), circuit, desiderata, self.dcm_config(), groups, self.progress
-            )
-            return {"method": "dcm", "dcm": [x.to_dict() for x in results], "left_out": left_out}
+            results, left_out = self.train_dcm(name, final, r.groups or d.groups, names)
+            return {"method": "dcm", "dcm": results, "left_out": left_out}
 
         return self.cache.run(
             f"roles:{name}",
@@ -838,8 +832,9 @@ class TrajectoryStudy(Study):
                 self._wait(self.names)
                 every = {n: self.circuit(n) for n in self.names}
             if self.final in names:  # the other runs' checkpoints too (their accuracy, their ranking)
-                rankings = {o: (self.accuracy(o), self.ranking(o))[1] for o in self.others}
-                self.structure(every, rankings)
+                for o in self.others:
+                    self.accuracy(o)
+                self.structure(every, {o: self.ranking(o) for o in self.others})
             for n in (n for n in names if n in self.role_checkpoints()):
                 self.roles(n, every)
 

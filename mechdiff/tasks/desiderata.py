@@ -19,6 +19,12 @@ def desideratum_name(name: str) -> str:
     return DESIDERATUM_ALIASES.get(name, name)
 
 
+def chosen_desiderata(named: Sequence[str], own: Sequence[str]) -> list[str]:
+    """The desiderata a study trains: those of ``named`` the task declares (``own``; an alias counts as its task's
+    name), else every one the task declares."""
+    return [d for d in named if d in own or desideratum_name(d) in own] or list(own)
+
+
 def desideratum_pairs(
     name: str,
     tokenizer,
