@@ -95,6 +95,21 @@ class PeakRSS:
         return self.peak - self.start
 
 
+def allocation_peak(run) -> int:
+    """The most bytes allocated at once while ``run()`` runs, counting only what it allocates (memray: every
+    ``malloc``, ``mmap`` and Python object of the process, torch's and every other library's, above the baseline
+    before it; not resident memory, which glibc's heap keeps above it)."""
+    import tempfile
+
+    import memray
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "stage.bin"
+        with memray.Tracker(path, native_traces=False, trace_python_allocators=True):
+            run()
+        return memray.FileReader(path).metadata.peak_memory
+
+
 def make_model(name: str, layers, dtype: str):
     """A LoadedModel: the registry's weights, or a random model of the shipped config cut to ``layers``."""
     import torch
@@ -167,6 +182,7 @@ def run_case(case: str) -> dict:
     cost, place = planned(dims, dtype, n, batch, records)
     evaluate(lm, records[:batch], batch, progress=False)  # warm-up: first-call allocations and nnsight's set-up
     held = torch_peak(lambda: evaluate(lm, records[:batch], batch, progress=False))
+    allocated = allocation_peak(lambda: evaluate(lm, records, batch, progress=False))
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory back to the system, so RSS growth is live memory
     with PeakRSS() as stage:
         cpu = time.process_time()
@@ -179,6 +195,7 @@ def run_case(case: str) -> dict:
         "stage_measured": stage.above,
         "stage_planned": cost.transient,
         "stage_torch": held,
+        "stage_allocated": allocated,
         "cpu_measured": cpu,
         "cpu_planned": place.seconds,
         "gflops": cost.flops / 1e9,
@@ -205,13 +222,12 @@ def small_spec(out: Path):
     return spec
 
 
-def run_stages(count: bool, save: Optional[Path] = None) -> dict:
+def run_stages(count: bool, save: Optional[Path] = None, memory: bool = False) -> dict:
     """Every stage of :func:`small_spec` for real in this process: each stage's CPU time (``time.process_time``)
-    and, with ``count``, its matrix-multiply FLOPs as ``torch.utils.flop_counter`` counts them (a diagnosis: the
-    counter slows the run); then the planner's FLOPs and CPU seconds for each, told the circuits the run found."""
+    and, with ``count``, its matrix-multiply FLOPs as ``torch.utils.flop_counter`` counts them, or with ``memory``
+    its peak allocation above the stage's start (:func:`allocation_peak`; diagnoses: the counter and the tracker
+    slow the run); then the planner's FLOPs and CPU seconds for each, told the circuits the run found."""
     import tempfile
-
-    import torch.utils.flop_counter
 
     from mechdiff.models.footprint import model_dims
     from mechdiff.runs import stages as stage_module
@@ -220,19 +236,19 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
 
     measured: dict[str, dict] = {}
     original = stage_module.StageCache.run
+    depth = [0]  # stages computed inside another's computation are measured as part of it
 
     def timed(self, name, inputs, compute):
         def wrapped():
-            counter = torch.utils.flop_counter.FlopCounterMode(display=False) if count else None
-            start = time.process_time()
-            if counter is None:
-                result = compute()
-            else:
-                with counter:
-                    result = compute()
-            measured[name] = {"cpu": time.process_time() - start}
-            if counter is not None:
-                measured[name]["flops"] = counter.get_total_flops()
+            depth[0] += 1
+            try:
+                if depth[0] > 1:
+                    return compute()
+                start = time.process_time()
+                result, extra = measure(compute, count, memory)
+                measured[name] = {"cpu": time.process_time() - start, **extra}
+            finally:
+                depth[0] -= 1
             if save is not None:  # each stage as it ends: a run cut short keeps what it measured
                 save.write_text(json.dumps({"measured": measured}, indent=1))
             return result
@@ -243,8 +259,8 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec = small_spec(Path(tmp) if save is None else save.with_suffix(".run"))
         study = CircuitsStudy(spec, progress=False)
-        for name in spec.model_names:
-            study.model(name)  # loaded before the stages: a stage's CPU time is its own
+        for name in spec.model_names:  # loaded and hashed before the stages: a stage's CPU time and memory are its own
+            _ = study.model(name).fingerprint  # the first stage to ask hashes the weights (a float64 copy of each)
         study.run()
         known = found_in(spec.output.dir)
         record = study.resources_record()
@@ -252,6 +268,22 @@ def run_stages(count: bool, save: Optional[Path] = None) -> dict:
     rates = {k: record[k] for k in ("throughput", "bandwidth")}
     rates["overhead"] = pass_overhead(model_dims(spec.models.base)[0])  # run.json does not record it
     return {"measured": measured, "known": known, **rates, "counted": count}
+
+
+def measure(compute, count: bool, memory: bool) -> tuple:
+    """``compute()``'s result and, with ``count``, its FLOPs (``{"flops": ...}``), with ``memory`` its peak
+    allocation above its start (``{"allocated": ...}``)."""
+    if memory:
+        out = []
+        peak = allocation_peak(lambda: out.append(compute()))
+        return out[0], {"allocated": peak}
+    if count:
+        import torch.utils.flop_counter
+
+        with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+            result = compute()
+        return result, {"flops": counter.get_total_flops()}
+    return compute(), {}
 
 
 def committed(run_dir: Path) -> dict:
@@ -287,37 +319,44 @@ def planned_stages(
     reads = {dtype: bandwidth} if bandwidth else {}
     here = Device("this machine", 1 << 40, {dtype: throughput}, False, bandwidth=reads, overhead=tuple(overhead))
     plan = resource_plan(spec, here, known=known)
-    return {p.cost.stage: {"flops": p.cost.flops, "cpu": p.seconds} for p in plan}
+    return {
+        p.cost.stage: {"flops": p.cost.flops, "cpu": p.seconds, "memory": p.cost.device_peak(here) - p.cost.weights}
+        for p in plan
+    }
 
 
 def stage_table(run: dict, spec=None) -> str:
-    """Each stage planned against measured: CPU seconds and, where counted, FLOPs."""
+    """Each stage planned against measured: CPU seconds and, where measured, FLOPs and peak allocation (MiB above
+    the stage's start, against the planner's peak less the models' weights)."""
     spec = spec or small_spec(Path("/nonexistent"))
     planned = planned_stages(spec, run["known"], run["throughput"], run.get("bandwidth"), run.get("overhead", (0, 0)))
     lines = [
-        "| stage | CPU s planned / measured | ratio | GFLOP planned / counted | ratio |",
-        "|---|---|---|---|---|",
+        "| stage | CPU s planned / measured | ratio | GFLOP planned / counted | ratio "
+        "| MiB planned / allocated | ratio |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, m in run["measured"].items():
         p = planned.get(name)
         if p is None:
-            lines.append(f"| {name} | not planned | | | |")
+            lines.append(f"| {name} | not planned | | | | | |")
             continue
-        flops = m.get("flops")
-        counted = f"| {p['flops'] / 1e9:.0f} / {flops / 1e9:.0f} | {p['flops'] / flops:.2f} |" if flops else "| | |"
-        lines.append(f"| {name} | {p['cpu']:.1f} / {m['cpu']:.1f} | {p['cpu'] / m['cpu']:.2f} {counted}")
+        flops, held = m.get("flops"), m.get("allocated")
+        counted = f"| {p['flops'] / 1e9:.0f} / {flops / 1e9:.0f} | {p['flops'] / flops:.2f} " if flops else "| | "
+        memory = f"| {p['memory'] / 2**20:.0f} / {held / 2**20:.0f} | {p['memory'] / held:.2f} |" if held else "| | |"
+        lines.append(f"| {name} | {p['cpu']:.1f} / {m['cpu']:.1f} | {p['cpu'] / m['cpu']:.2f} {counted}{memory}")
     return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
     lines = [
         "| case | load GiB planned / measured | ratio | stage MiB planned / measured | ratio "
-        "| torch's peak MiB | planned / torch's | CPU s planned / measured | ratio | GFLOP | GFLOP/s (mm) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| torch's peak MiB | planned / torch's | allocated MiB (memray) | planned / allocated "
+        "| CPU s planned / measured | ratio | GFLOP | GFLOP/s (mm) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['case']} | skipped: {r['skipped']} |||||||||")
+            lines.append(f"| {r['case']} | skipped: {r['skipped']} |||||||||||")
             continue
         lines.append(
             f"| {r['case']} | {r['load_planned'] / GIB:.2f} / {r['load_measured'] / GIB:.2f} "
@@ -325,6 +364,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['stage_planned'] / 2**20:.0f} / {r['stage_measured'] / 2**20:.0f} "
             f"| {r['stage_planned'] / max(r['stage_measured'], 1):.2f} "
             f"| {r['stage_torch'] / 2**20:.0f} | {r['stage_planned'] / max(r['stage_torch'], 1):.2f} "
+            f"| {r['stage_allocated'] / 2**20:.0f} | {r['stage_planned'] / max(r['stage_allocated'], 1):.2f} "
             f"| {r['cpu_planned']:.1f} / {r['cpu_measured']:.1f} | {r['cpu_planned'] / r['cpu_measured']:.2f} "
             f"| {r['gflops']:.0f} | {r['throughput']:.0f} |"
         )
@@ -336,12 +376,15 @@ def main() -> None:
     parser.add_argument("--case", choices=list(CASES), help="one case, in this process (prints its JSON)")
     parser.add_argument("--stages", metavar="JSON", help="run every stage of a small study, saving CPU times here")
     parser.add_argument("--count", action="store_true", help="with --stages: count each stage's FLOPs too (slower)")
+    parser.add_argument(
+        "--memory", action="store_true", help="with --stages: each stage's peak allocation too, by memray (slower)"
+    )
     parser.add_argument("--compare", metavar="JSON", help="the planner against a --stages file (runs nothing)")
     parser.add_argument("--committed", metavar="DIR", help="the planner against a committed study's stage seconds")
     parser.add_argument("--throughput", type=float, help="with --committed: FLOP/s to plan at (default: measured)")
     args = parser.parse_args()
     if args.stages:
-        Path(args.stages).write_text(json.dumps(run_stages(args.count, Path(args.stages)), indent=1))
+        Path(args.stages).write_text(json.dumps(run_stages(args.count, Path(args.stages), args.memory), indent=1))
     if args.committed:
         from mechdiff.models.devices import this_machine
         from mechdiff.models.footprint import model_dims

@@ -250,15 +250,23 @@ def _positions(batch: dict, name: str, which: str) -> torch.Tensor:
     return pos
 
 
+def source_run(model: LoadedModel, batch: dict, layers: Iterable[int]) -> dict[int, torch.Tensor]:
+    """The source run's z (``"batch pos (head d_head)"``) at every layer of ``layers``, one forward for them all."""
+    with torch.no_grad():
+        out = run(model, batch["source"]["input_ids"], capture=[("z", layer) for layer in sorted(set(layers))])
+    return {layer: z for (_, layer), z in out.captured.items()}
+
+
+def z_at(z: dict[int, torch.Tensor], batch: dict, layers: Sequence[int], position: str) -> dict[int, torch.Tensor]:
+    """The source run's z (:func:`source_run`) at ``position``, per layer of ``layers`` (``"batch (head d_head)"``)."""
+    pos = _positions(batch, position, "source")
+    rows = torch.arange(pos.shape[0])
+    return {layer: z[layer][rows, pos.to(z[layer].device)].detach() for layer in layers}
+
+
 def source_z(model: LoadedModel, batch: dict, layers: Sequence[int], position: str) -> dict[int, torch.Tensor]:
     """The source run's z (``"batch (head d_head)"``) at ``position``, per layer."""
-    pos = _positions(batch, position, "source")
-    with torch.no_grad():
-        out = run(model, batch["source"]["input_ids"], capture=[("z", layer) for layer in layers])
-    rows = torch.arange(pos.shape[0])
-    return {
-        layer: out.captured[("z", layer)][rows, pos.to(out.captured[("z", layer)].device)].detach() for layer in layers
-    }
+    return z_at(source_run(model, batch, layers), batch, layers, position)
 
 
 def masked_z_patches(
@@ -281,23 +289,28 @@ def masked_z_patches(
     ]
 
 
-def source_class_z(
-    model: LoadedModel, batch: dict, layers: Sequence[int], position: str, k: int
+def class_z_at(
+    z: dict[int, torch.Tensor], batch: dict, layers: Sequence[int], position: str, k: int
 ) -> dict[int, torch.Tensor]:
-    """The source run's z at every token of position class ``position``, in order (``"batch k (head d_head)"``,
-    zero-filled past a prompt's own tokens), per layer."""
+    """The source run's z (:func:`source_run`) at every token of position class ``position``, in order
+    (``"batch k (head d_head)"``, zero-filled past a prompt's own tokens), per layer of ``layers``."""
     index, real = class_indices(batch["source"], position)
     if index.shape[1] > k:
         raise ValueError(f"class {position!r} has {index.shape[1]} tokens in a source prompt; the cache holds {k}")
-    with torch.no_grad():
-        out = run(model, batch["source"]["input_ids"], capture=[("z", layer) for layer in layers])
     rows = torch.arange(index.shape[0])[:, None]
     values = {}
     for layer in layers:
-        z = out.captured[("z", layer)]
-        at = z[rows.to(z.device), index.clamp(min=0).to(z.device)]
-        values[layer] = _pad(torch.where(real[..., None].to(z.device), at, torch.zeros_like(at)), 1, k).detach()
+        at = z[layer][rows.to(z[layer].device), index.clamp(min=0).to(z[layer].device)]
+        keep = real[..., None].to(at.device)
+        values[layer] = _pad(torch.where(keep, at, torch.zeros_like(at)), 1, k).detach()
     return values
+
+
+def source_class_z(
+    model: LoadedModel, batch: dict, layers: Sequence[int], position: str, k: int
+) -> dict[int, torch.Tensor]:
+    """The source run's z at every token of position class ``position`` (:func:`class_z_at`), per layer."""
+    return class_z_at(source_run(model, batch, layers), batch, layers, position, k)
 
 
 def class_z_patches(
@@ -406,8 +419,9 @@ class PairCache:
         batch_size: int = 32,
         progress: bool = False,
     ) -> "PairCache":
-        """Two forward passes per pair (source and base) for every ``(heads, position)`` in ``groups``; a target of
-        several tokens is appended to the base prompt (teacher forcing), and the base run covers it."""
+        """Two forward passes per pair, one source run (the sites of every ``(heads, position)`` in ``groups``) and
+        one base run; a target of several tokens is appended to the base prompt (teacher forcing), and the base run
+        covers it."""
         pairs = list(pairs)
         groups = [(list(heads), pos) for heads, pos in groups]
         sites = {pos: sorted({h.layer for hs, p in groups if p == pos for h in hs}) for _, pos in groups}
@@ -427,11 +441,12 @@ class PairCache:
     def _write(self, model: LoadedModel, rows: list[int], length: int) -> None:
         """One batch's source z, base residual streams, keys and values and floor, stored at ``rows``."""
         batch = pair_batch_tensors(take(self.pairs, rows))
+        source = source_run(model, batch, [layer for layers in self.sites.values() for layer in layers])
         for position, layers in self.sites.items():
             if position in self.classes:
-                z = source_class_z(model, batch, layers, position, self.classes[position])
+                z = class_z_at(source, batch, layers, position, self.classes[position])
             else:
-                z = source_z(model, batch, layers, position)
+                z = z_at(source, batch, layers, position)
             self.store.write(f"source/{position}", rows, torch.stack([z[layer] for layer in layers], dim=1))
         ids, readout, target = self._teacher(batch, rows)
         with torch.no_grad():

@@ -356,6 +356,29 @@ def test_pair_cache_matches_uncached_patching(tiny_llama, pairs):
     assert (cache.floor == unpatched.numpy()).all()
 
 
+def test_pair_cache_runs_each_source_once_for_every_position(tiny_llama, pairs, monkeypatch):
+    """Groups at two positions cost two forwards a batch (one source run for both, one base run), and each
+    position's stored z is what a source run of that position alone gives."""
+    from mechdiff.methods.dcm import PairCache
+
+    subset, groups = pairs[:6], [([Head(1, 0)], "last"), ([Head(2, 3)], "query_label")]
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(dcm, "run", spy)
+    cache = PairCache.build(tiny_llama, subset, groups, batch_size=3)
+    monkeypatch.undo()
+    assert len(calls) == 2 * 2  # two batches of three pairs
+    batch = pair_batch_tensors(subset)
+    for position, layer in (("last", 1), ("query_label", 2)):
+        alone = source_z(tiny_llama, batch, [layer], position)[layer]
+        stored = cache.store.read(f"source/{position}", range(6))[:, 0]
+        torch.testing.assert_close(stored, alone, rtol=0, atol=0)
+
+
 def test_pair_cache_suffix_gradients_equal_full_runs(tiny_llama, pairs):
     """DCM's training pass on the cache (resumed, only the positions from the patched one on, over the base
     run's keys/values) gives the full run's logits and the same gradient on the mask."""
