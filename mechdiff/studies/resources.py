@@ -197,6 +197,11 @@ class Context:
     def fwd(self, rows: float, tokens: float, context: Optional[float] = None, layers: Optional[float] = None) -> float:
         return forward_flops(self.dims, 1, tokens, context, layers) * rows
 
+    def rows(self, n: float) -> int:
+        """Prompts a pass holds where a stage runs ``n`` prompts in batches of ``[eval] batch_size``: fewer prompts
+        than a batch make a smaller one."""
+        return max(1, min(self.spec.eval.batch_size, math.ceil(n)))
+
     def act(self, rows: int, tokens: float, context: Optional[float] = None) -> int:
         c = None if context is None else math.ceil(context)
         return forward_bytes(self.dims, rows, math.ceil(tokens), self.dtype, c)
@@ -223,11 +228,11 @@ def accuracy(ctx: Context, name: str) -> StageCost:
         f"accuracy:{name}",
         1,
         e.n,
-        e.batch_size,
+        ctx.rows(e.n),
         ctx.fwd(e.n, t.tokens),
         ctx.weights,
         0,
-        ctx.act(e.batch_size, t.longest),
+        ctx.act(ctx.rows(e.n), t.longest),
         reads=ctx.reads(math.ceil(e.n / e.batch_size)),
     )
 
@@ -238,9 +243,10 @@ def _scored(ctx: Context, stage: str, n: int, scored: float, note: str = "") -> 
     b, t = ctx.spec.eval.batch_size, ctx.lengths
     reference = _reference_runs(ctx, stage)
     flops = ctx.fwd(reference + n * (1 + scored), t.tokens)
-    transient = ctx.act(b, t.longest) + ctx.ablation_patches(b)
+    rows = ctx.rows(max(n, reference))
+    transient = ctx.act(rows, t.longest) + ctx.ablation_patches(rows)
     passes = math.ceil(reference / b) + math.ceil(n / b) * (1 + scored)
-    return StageCost(stage, 1, n, b, flops, ctx.weights, 0, transient, note=note, reads=ctx.reads(passes))
+    return StageCost(stage, 1, n, rows, flops, ctx.weights, 0, transient, note=note, reads=ctx.reads(passes))
 
 
 def _reference_runs(ctx: Context, stage: str) -> int:
@@ -274,9 +280,10 @@ def _curve_circuit(ctx: Context, name: str) -> StageCost:
     d, t, b = ctx.spec.discovery, ctx.lengths, ctx.spec.eval.batch_size
     reference = _reference_runs(ctx, f"circuit:{name}")
     flops = ctx.fwd(reference + d.n * 2 + d.curve_n * (2 + len(d.sizes)), t.tokens)
-    transient = training_bytes(ctx.dims, b, t.longest, ctx.dims.n_layers, ctx.dtype) + ctx.ablation_patches(b)
+    rows = ctx.rows(max(d.n, d.curve_n, reference))
+    transient = training_bytes(ctx.dims, rows, t.longest, ctx.dims.n_layers, ctx.dtype) + ctx.ablation_patches(rows)
     passes = math.ceil(reference / b) + 2 * math.ceil(d.n / b) + math.ceil(d.curve_n / b) * (2 + len(d.sizes))
-    return StageCost(f"circuit:{name}", 1, d.n, b, flops, ctx.weights, 0, transient, reads=ctx.reads(passes))
+    return StageCost(f"circuit:{name}", 1, d.n, rows, flops, ctx.weights, 0, transient, reads=ctx.reads(passes))
 
 
 def _plan_steps(ctx: Context) -> list[Any]:
@@ -499,7 +506,8 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
     c, t, dims, half = ctx.spec.dcm, ctx.lengths, ctx.dims, ctx.dims.n_layers / 2
     n, k = c.n_train + c.n_val + c.n_test, len(_desiderata(ctx))
     flops = k * ctx.fwd(2 * n, t.tokens)
-    built, trained = ctx.spec.eval.batch_size, c.batch_size  # pairs a cache write (and an evaluation) and a step hold
+    # pairs a cache write (and an evaluation) and a training step hold
+    built, trained = ctx.rows(n), min(c.batch_size, c.n_train)
     reads = k * ctx.reads(2 * math.ceil(n / built))
     checks = c.epochs * math.ceil(c.n_train / c.batch_size) / max(c.eval_every, 1) + 1
     masked = name if c.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
@@ -587,16 +595,17 @@ def cmap(ctx: Context, finetune: str) -> StageCost:
         for part in c.parts:
             flops += ctx.fwd(c.n * draws, _cmap_tokens(ctx, part, pos), t.tokens, dims.n_layers - layer)
             reads += ctx.reads(draws * batches, dims.n_layers - layer)
-    captured = 4 * dims.n_layers * b * t.longest * dims.d_model * dtype_bytes(ctx.dtype)
+    rows = ctx.rows(c.n)
+    captured = 4 * dims.n_layers * rows * t.longest * dims.d_model * dtype_bytes(ctx.dtype)
     return StageCost(
         f"cmap:{finetune}",
         2,
         c.n,
-        b,
+        rows,
         flops,
         2 * ctx.weights,
         0,
-        ctx.act(b, t.longest) + captured,
+        ctx.act(rows, t.longest) + captured,
         reads=reads,
     )
 

@@ -51,6 +51,22 @@ def test_activation_memory_follows_the_batch_not_n(paper_spec):
     assert wide.transient == pytest.approx(2 * small.transient, rel=0.01)
 
 
+def test_a_stage_of_fewer_prompts_than_a_batch_plans_the_smaller_batch(paper_spec):
+    """A stage runs ``min(n, batch)`` prompts a pass: 4 prompts in batches of 20 hold 4 prompts' activations."""
+    from mechdiff.models.footprint import forward_bytes
+
+    few = context(with_eval(paper_spec, 4, 20))
+    four = accuracy(few, "llama-7b")
+    assert four.batch == 4 and four.transient == forward_bytes(few.dims, 4, LENGTHS.longest, "float32")
+    cut = replace(paper_spec, cmap=replace(paper_spec.cmap, n=4))
+    assert cmap(context(with_eval(cut, 4, 20)), "vicuna-7b").transient == pytest.approx(
+        cmap(context(with_eval(cut, 4, 4)), "vicuna-7b").transient
+    )
+    assert cmap(context(with_eval(cut, 4, 20)), "vicuna-7b").transient < cmap(
+        context(with_eval(paper_spec, 40, 20)), "vicuna-7b"
+    ).transient
+
+
 def test_two_7b_models_in_float32_do_not_fit_40gb_and_bfloat16_is_named(paper_spec):
     device = get_device("a100-40gb")
     ctx = context(paper_spec, device=device)
