@@ -12,6 +12,8 @@ Each stage is counted by its algorithm (:mod:`mechdiff.studies.circuits`), in fo
 - scorer stages (``positions``, ``prune``, ``matrix``, ``reproduction``; curve discovery): the reference prompts
   whose means ablate, the full model, and one mean-ablated forward per prompt for every circuit scored (the
   position scan: every remaining class at each step; pairwise pruning: each head and each pair of a group).
+  Pruning resumes each removal from F(C)'s run, which it keeps for every prompt (every layer's residual stream,
+  keys and values: this grows with ``prune_n``).
 - path discovery: clean and counterfactual runs of every pair, kept (every layer's ``z``, the residual stream,
   keys and values: this grows with ``n``), then per step every head below the receivers as a sender: a one-token
   frozen run over half the layers and a receiver run of the tokens after the receiver position over half the
@@ -214,6 +216,13 @@ class Context:
         per_pass = (layers * (dims.layer_linear + 2 * dims.d_model) + dims.vocab_size * dims.d_model) * b
         return Reads(passes * per_pass, passes, passes * layers)
 
+    def resumed_runs(self, prompts: int) -> int:
+        """F(C)'s run that pruning resumes from (:meth:`~mechdiff.circuits.scoring.Scorer.keep_without`), kept for
+        every prompt: the residual stream after every block and every layer's keys and values (grows with
+        ``prompts``)."""
+        per_token = self.dims.n_layers * (self.dims.d_model + self.dims.kv_width())
+        return prompts * self.lengths.longest * per_token * dtype_bytes(self.dtype)
+
     def ablation_patches(self, rows: int) -> int:
         """Mean-ablation writes of one batch: every layer's ``z`` at every position."""
         return self.dims.n_layers * rows * self.lengths.longest * self.dims.d_model * dtype_bytes(self.dtype)
@@ -414,12 +423,19 @@ def _greedy_prune(ctx: Context, name: str) -> StageCost:
     pairs = circuit_pairs(ctx, name)
     assumed = "" if name in ctx.known.get("circuit", {}) else f" (a circuit of {len(pairs)} pairs assumed)"
     cost = _scored(ctx, f"prune:{name}", s.prune_n, 2, f"greedy: suffix runs a pair and candidate{assumed}")
+    _keep_resumed(ctx, cost)
     searched = ctx.known.get("searched", {}).get(name, 1.0)
     passes = 1 + searched * s.prune_steps * s.prune_candidates  # a pair's runs, each of its prune_n prompts
     for layer, pos in pairs:
         cost.flops += ctx.fwd(s.prune_n * passes, t.after(pos), t.tokens, dims.n_layers - layer)
         cost.reads += ctx.reads(passes * math.ceil(s.prune_n / ctx.spec.eval.batch_size), dims.n_layers - layer)
     return cost
+
+
+def _keep_resumed(ctx: Context, cost: StageCost) -> None:
+    """``cost`` keeps F(C)'s run of every one of its prompts (:meth:`Context.resumed_runs`), and says so."""
+    cost.kept = ctx.resumed_runs(cost.n)
+    cost.note += f"; keeps F(C)'s run of each of its {cost.n} prompts ({cost.kept / GIB:.1f} GiB, grows with prune_n)"
 
 
 def prune(ctx: Context, name: str) -> Optional[StageCost]:
@@ -432,6 +448,7 @@ def prune(ctx: Context, name: str) -> Optional[StageCost]:
     # F(C \\ {u}) and F(C \\ {u, v}) once per set (the scorer caches them), each a suffix run from the group's
     # position over the layers from the lowest removed head (half of them, on average)
     cost = _scored(ctx, f"prune:{name}", s.prune_n, 1, "pairwise: each head and each pair of heads of a group")
+    _keep_resumed(ctx, cost)
     for g, pos in zip(sizes, _group_positions(ctx, len(sizes))):
         runs = s.prune_n * (g + g * (g - 1) / 2)
         cost.flops += ctx.fwd(runs, t.after(pos), t.tokens, ctx.dims.n_layers / 2)

@@ -20,6 +20,7 @@ from mechdiff.studies.resources import (
     dcm,
     format_resources,
     place,
+    prune,
     resource_plan,
     task_lengths,
 )
@@ -62,9 +63,10 @@ def test_a_stage_of_fewer_prompts_than_a_batch_plans_the_smaller_batch(paper_spe
     assert cmap(context(with_eval(cut, 4, 20)), "vicuna-7b").transient == pytest.approx(
         cmap(context(with_eval(cut, 4, 4)), "vicuna-7b").transient
     )
-    assert cmap(context(with_eval(cut, 4, 20)), "vicuna-7b").transient < cmap(
-        context(with_eval(paper_spec, 40, 20)), "vicuna-7b"
-    ).transient
+    assert (
+        cmap(context(with_eval(cut, 4, 20)), "vicuna-7b").transient
+        < cmap(context(with_eval(paper_spec, 40, 20)), "vicuna-7b").transient
+    )
 
 
 def test_two_7b_models_in_float32_do_not_fit_40gb_and_bfloat16_is_named(paper_spec):
@@ -246,3 +248,29 @@ def test_a_pass_reads_the_weights_of_the_blocks_it_runs(paper_spec):
     cost = accuracy(context(spec, "float32", here), "llama-7b")
     expected = cost.flops / 1e11 + cost.reads.bytes / 1e10 + 10 * 0.01 + 320 * 0.001
     assert place(cost, here, "float32", lambda *_: cost).seconds == pytest.approx(expected)
+
+
+def test_pruning_plans_the_resumed_runs_the_scorer_keeps(paper_spec, tiny_llama, smollm2_tokenizer):
+    """Pruning keeps F(C)'s run of every prompt to resume removals from: the plan's bytes are the tensors a
+    scorer holds after one removal on 8 prompts (two batches), and twice as many prompts keep twice as much."""
+    from mechdiff.circuits.scoring import Scorer
+    from mechdiff.common.components import Head
+    from mechdiff.models.footprint import Dims
+    from mechdiff.tasks.entity_tracking import generate, reference_records
+
+    records = generate(smollm2_tokenizer, 8, n_boxes=3, seed=0)
+    scorer = Scorer.build(
+        tiny_llama, records, reference_records(smollm2_tokenizer, 4, 3, seed=1), batch_size=4, progress=False
+    )
+    scorer.keep_without([(Head(2, 0), "last"), (Head(1, 0), "last")], [(Head(2, 0), "last")])
+    held = sum(
+        t.numel() * t.element_size() for resid, kv in scorer.runs.values() for t in [*resid, *kv.keys, *kv.values]
+    )
+    tokens = len(records[0].input_ids)
+    assert {len(r.input_ids) for r in records} == {tokens}
+    ctx = Context(
+        paper_spec, Dims.from_config(tiny_llama.model.config), Lengths(tokens, tokens, {}, 1, "t"), "float32", CPU
+    )
+    assert ctx.resumed_runs(8) == held and ctx.resumed_runs(16) == 2 * held
+    few = replace(paper_spec, scoring=replace(paper_spec.scoring, prune_n=50))
+    assert prune(context(paper_spec), "llama-7b").kept == 2 * prune(context(few), "llama-7b").kept > 0
