@@ -121,11 +121,26 @@ def forward_bytes(dims: Dims, rows: int, tokens: int, dtype: str, context: Optio
     return max(mlp, attn, 2 * rows * dims.vocab_size * 4)
 
 
-def training_bytes(dims: Dims, rows: int, tokens: int, layers: float, dtype: str) -> int:
-    """Activations a backward pass keeps over ``layers`` blocks: Korthikanti et al. (2022)'s
-    ``tokens * d * (34 + 5 * heads * tokens / d)`` bytes per row and layer at 2 bytes a value, scaled to ``dtype``."""
-    per_layer = rows * tokens * dims.d_model * (34 + 5 * dims.n_heads * tokens / dims.d_model)
-    return int(per_layer * layers * dtype_bytes(dtype) / 2)
+def backward_bytes(dims: Dims, rows: int, tokens: int, layers: float, dtype: str, context: Optional[int] = None) -> int:
+    """What a forward keeps for its backward over ``layers`` blocks, the weights frozen (gradients to the
+    activations only: attribution, DCM's masks), each of ``tokens`` tokens attending to ``context`` positions
+    (default ``tokens``), as transformers' eager LLaMA and Gemma 3 save it (``tests/unit/models/test_footprint.py``
+    checks it against the tensors autograd saves). Per row, token and block:
+
+    - both norms' float32 inputs (two residual widths at 4 bytes);
+    - the rotated queries and the keys and values repeated to every head (the two matrix multiplies'), and the
+      attention's output (a capture's or a patch's copy of ``z``): four query widths;
+    - the softmax's float32 output, a score per head and context position (in a lower dtype also the copy the
+      matrix multiply saves);
+    - the MLP's gate projection, its activation and the up projection: three MLP widths;
+
+    and once, the final norm's float32 input. A linear layer with frozen weights saves nothing of its input, so none
+    of its inputs are counted; nor are the rotary tables and the norms' scales (a value a token)."""
+    b = dtype_bytes(dtype)
+    context = tokens if context is None else context
+    q = dims.n_heads * dims.d_head
+    per_token = 2 * dims.d_model * 4 + (4 * q + 3 * dims.d_ff) * b + dims.n_heads * context * (4 + (b if b < 4 else 0))
+    return int(rows * tokens * (layers * per_token + dims.d_model * 4))
 
 
 def shipped_configs() -> list[str]:

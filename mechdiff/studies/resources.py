@@ -29,7 +29,7 @@ Where a run has found them (``known``: :func:`found_in`), the circuits, the posi
 of pairs greedy pruning searched are the run's; before it they are assumed (the plan's notes say which).
 
 Memory is the models' weights, what the stage keeps beside them and the transient activations of its largest
-batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.training_bytes`);
+batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.backward_bytes`);
 scratch files are counted apart, against the disk free under TMPDIR.
 Time is FLOPs over the device's throughput (measured here, per CPU second; a named device's stated share of peak)
 plus the weights each pass reads (the blocks it runs and the unembedding) over the device's bandwidth: a pass of few
@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional
 
 from ..methods.dcm import DCMConfig
 from ..models.devices import COMMON_GPU_DISK, GIB, Device
-from ..models.footprint import Dims, dtype_bytes, forward_bytes, forward_flops, model_dims, training_bytes
+from ..models.footprint import Dims, backward_bytes, dtype_bytes, forward_bytes, forward_flops, model_dims
 from .spec import RunSpec
 
 #: The tokenizer that estimates token lengths where a model's own is absent.
@@ -290,7 +290,7 @@ def _curve_circuit(ctx: Context, name: str) -> StageCost:
     reference = _reference_runs(ctx, f"circuit:{name}")
     flops = ctx.fwd(reference + d.n * 2 + d.curve_n * (2 + len(d.sizes)), t.tokens)
     rows = ctx.rows(max(d.n, d.curve_n, reference))
-    transient = training_bytes(ctx.dims, rows, t.longest, ctx.dims.n_layers, ctx.dtype) + ctx.ablation_patches(rows)
+    transient = backward_bytes(ctx.dims, rows, t.longest, ctx.dims.n_layers, ctx.dtype) + ctx.ablation_patches(rows)
     passes = math.ceil(reference / b) + 2 * math.ceil(d.n / b) + math.ceil(d.curve_n / b) * (2 + len(d.sizes))
     return StageCost(f"circuit:{name}", 1, d.n, rows, flops, ctx.weights, 0, transient, reads=ctx.reads(passes))
 
@@ -544,7 +544,7 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
     longest_after = max((t.after(p) for _, p in _group_starts(ctx, masked, groups).values()), default=t.tokens)
     transient = max(
         # a training step: its backward's activations and the rows it read back (its keys and values prefix)
-        training_bytes(dims, trained, math.ceil(longest_after), half, ctx.dtype) + trained * per_pair,
+        backward_bytes(dims, trained, math.ceil(longest_after), half, ctx.dtype, t.longest) + trained * per_pair,
         # a cache write: a forward keeping every layer's keys and values, and their stacked copy
         ctx.act(built, t.longest) + 2 * built * per_pair,
     )

@@ -7,7 +7,15 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
-from mechdiff.models.footprint import Dims, dtype_bytes, forward_bytes, forward_flops, model_dims, shipped_configs
+from mechdiff.models.footprint import (
+    Dims,
+    backward_bytes,
+    dtype_bytes,
+    forward_bytes,
+    forward_flops,
+    model_dims,
+    shipped_configs,
+)
 from mechdiff.models.memory import torch_peak
 from tests.conftest import tiny_config
 
@@ -110,3 +118,31 @@ def test_forward_bytes_are_the_peak_torch_allocates(dtype, width, d_ff, vocab, r
         forward()  # first-call allocations
         measured = torch_peak(forward)
     assert forward_bytes(dims, rows, tokens, dtype) == pytest.approx(measured, rel=PEAK_WITHIN)
+
+
+@pytest.mark.parametrize(
+    "dtype, width, d_ff, rows, tokens",
+    [("float32", 256, 704, 4, 40), ("bfloat16", 256, 704, 4, 40), ("float32", 128, 256, 2, 160)],
+)
+def test_backward_bytes_are_what_autograd_saves(dtype, width, d_ff, rows, tokens):
+    """A forward from a leaf at the embeddings with the weights frozen, each block's ``z`` captured (as the curve's
+    attribution runs it): the distinct tensors autograd saves for the backward, less the weights, and the captured
+    copies of ``z``, against the count."""
+    model, dims = sized_llama(getattr(torch, dtype), width, d_ff, 1000)
+    model.requires_grad_(False)
+    weights = {p.data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    captured = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in weights:
+            saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.untyped_storage().nbytes())
+        return t
+
+    for block in model.model.layers:
+        block.self_attn.o_proj.register_forward_pre_hook(lambda m, args: captured.append(args[0].clone()))
+    embeddings = model.model.embed_tokens(torch.randint(0, 1000, (rows, tokens))).detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(inputs_embeds=embeddings, use_cache=False, logits_to_keep=1)
+    measured = sum(saved.values()) + sum(t.nbytes for t in captured)
+    assert backward_bytes(dims, rows, tokens, dims.n_layers, dtype) == pytest.approx(measured, rel=0.02)
