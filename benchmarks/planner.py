@@ -7,13 +7,14 @@ prompt, as ``mechdiff run`` runs it) on the entity-tracking prompts. It prints, 
 
 - load: resident memory (RSS, sampled every millisecond) above the process's baseline before the model was made,
   against the planner's weight bytes;
-- stage: peak RSS during the stage above the RSS when it began, against the planner's transient activation bytes,
-  and the peak of torch's own allocations over one batch (:func:`mechdiff.models.memory.torch_peak`: what the
-  planner models; RSS lies
-  above it where glibc's heap keeps freed tensors, which ``MALLOC_MMAP_THRESHOLD_=1048576`` prevents at a cost in
-  CPU time); and its CPU time (``time.process_time``: every thread, not wall time, on this shared machine) against the
-  planner's FLOPs over the matrix-multiply throughput it measures plus the weights its passes read over the
-  bandwidth it measures (``mechdiff.models.devices.this_machine``).
+- stage: the stage's peak allocation above its start (:func:`allocation_peak`: memray, every library's allocations;
+  the measure the memory target is held to), torch's own peak allocation over one batch
+  (:func:`mechdiff.models.memory.torch_peak`) and peak RSS above the RSS when it began (RSS lies above the
+  allocations where glibc's heap keeps freed tensors, which ``MALLOC_MMAP_THRESHOLD_=1048576`` prevents at a cost in
+  CPU time), against the planner's transient activation bytes; and its CPU time (``time.process_time``: every
+  thread, not wall time, on this shared machine) against the planner's FLOPs over the matrix-multiply throughput it
+  measures plus the weights its passes read over the bandwidth it measures (``mechdiff.models.devices.this_machine``)
+  and each pass's fixed cost.
 
 Targets: memory within 25% of measured, time within a factor of 1.5. A GPU run of the same cases is for
 ``benchmarks/gpu.sh`` (it can call ``--case`` per case with ``--device cuda``; not done here).
