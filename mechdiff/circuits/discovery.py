@@ -76,6 +76,8 @@ class DiscoverySettings:
     # per sender and prompt, drawn from ``seed``); a step not named reads them at the clean sender index. The paper:
     # D at a random box label, {"D": "labels"} (pp_utils.patching_sender_heads)
     source_position: dict[str, str] = field(default_factory=dict)
+    # pairs whose activations are held at once (:class:`~mechdiff.patching.path.PairStream`); None: every pair's
+    pairs_per_part: Optional[int] = None
 
 
 @dataclass
@@ -169,7 +171,7 @@ def discover(
     plan = (plan or default_plan()).with_k(settings.k)
     steps: dict[str, PlanStep] = {s.name: s for s in plan.steps}
     t_start = time.perf_counter()
-    batch = prepare(model, pairs, metric)
+    batch = prepare(model, pairs, metric, settings.pairs_per_part)
     t_prepare = time.perf_counter() - t_start
     results: dict[str, StepResult] = {}
     for step, spec in steps.items():

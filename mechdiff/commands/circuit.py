@@ -75,6 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="sender copies stacked in one forward pass, or auto (from free GPU memory, as "
         "--batch-size auto; 8 on CPU)",
     )
+    p.add_argument(
+        "--pairs-per-part",
+        type=positive_int,
+        default=None,
+        help="hold at most this many pairs' activations at once (each part run again at every step); default: all",
+    )
     p.add_argument("--out", default=None, help="output directory (default results/circuits/<model>/)")
     add_model_options(p)
     p.set_defaults(func=main)
@@ -86,6 +92,13 @@ def senders_arg(text: str) -> int | str:
         return text
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--senders-per-pass must be a positive integer or auto, not {text!r}")
+    return int(text)
+
+
+def positive_int(text: str) -> int:
+    """A whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"give a whole number of at least 1, not {text!r}")
     return int(text)
 
 
@@ -101,6 +114,7 @@ def main(args: argparse.Namespace) -> int:
         n_boxes=args.n_boxes,
         seed=args.seed,
         score=args.score,
+        pairs_per_part=args.pairs_per_part,
     )
     out = Path(args.out or f"results/circuits/{Path(args.model).name}")
     print(

@@ -28,21 +28,31 @@ from ..common.components import Head
 from ..models.loading import LoadedModel
 from ..models.remote import keep
 from .core import Patch, run
-from .path import PairBatch, PairBatches, Receivers, batch_position, eligible_senders, parts, receiver_sites
+from .path import (
+    PairBatch,
+    PairBatches,
+    PairStream,
+    Receivers,
+    batch_position,
+    eligible_senders,
+    parts,
+    receiver_sites,
+)
 
 
 def attribution_scores(
     model: LoadedModel,
-    batch: PairBatch | PairBatches,
+    batch: PairBatch | PairBatches | PairStream,
     sender_position: str,
     receivers: Optional[Receivers] = None,
     senders: Optional[Sequence[Head]] = None,
 ) -> dict[Head, float]:
     """Estimated path-patching score of each sender (default: every eligible sender). Over several groups
-    (:class:`~mechdiff.patching.path.PairBatches`) each group's sum is taken alone and the sums are
-    normalised by every prompt's clean probability, as path patching's ratio of means."""
+    (:class:`~mechdiff.patching.path.PairBatches`; parts: :class:`~mechdiff.patching.path.PairStream`) each
+    one's sum is taken alone and the sums are normalised by every prompt's clean probability, as path patching's
+    ratio of means."""
     senders = list(senders) if senders is not None else eligible_senders(model, receivers)
-    if isinstance(batch, PairBatches):
+    if isinstance(batch, (PairBatches, PairStream)):
         totals = [
             (
                 attribution_scores(model, part, sender_position, receivers, senders),

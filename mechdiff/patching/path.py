@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 from einops import rearrange, repeat
@@ -64,7 +64,15 @@ from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
-from ..tasks.base import PairRecord, alternative_tokens, group_batches, pair_batch_tensors, take, target_tokens
+from ..tasks.base import (
+    PairRecord,
+    alternative_tokens,
+    group_batches,
+    grouped_batches,
+    pair_batch_tensors,
+    take,
+    target_tokens,
+)
 from .core import Continuations, Patch, Prefix, Resume, continuations, run
 
 log = logging.getLogger(__name__)
@@ -141,20 +149,56 @@ class PairBatches:
         return sum(len(p) for p in self.parts)
 
 
-def parts(batch: Union[PairBatch, PairBatches]) -> list[PairBatch]:
-    """The one-length batches of ``batch``."""
+@dataclass
+class PairStream:
+    """A pair set run in parts of at most ``part_size`` pairs (each group split in order), each part's clean and
+    counterfactual runs computed when the part is used and dropped after it: memory holds one part's activations,
+    whatever the number of pairs, for two forwards a pair each time the parts are gone through.
+    :func:`prepare` makes one (``part_size``)."""
+
+    model: LoadedModel
+    chunks: list[list[PairRecord]]
+    metric: str
+    p_clean: torch.Tensor  # every pair's clean metric, part by part (read once, at construction)
+    shapes: list[tuple[int, int]]  # each part's (rows, tokens): rows stack a pair's answers where they are several
+
+    def __iter__(self):
+        for chunk in self.chunks:
+            yield _prepare(self.model, chunk, self.metric)
+
+    def __len__(self) -> int:
+        return sum(rows for rows, _ in self.shapes)
+
+
+def parts(batch: Union[PairBatch, PairBatches, PairStream]) -> Iterable[PairBatch]:
+    """The one-length batches of ``batch`` (of a :class:`PairStream`, each prepared as it is reached)."""
+    if isinstance(batch, PairStream):
+        return iter(batch)
     return batch.parts if isinstance(batch, PairBatches) else [batch]
 
 
-def prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "prob") -> Union[PairBatch, PairBatches]:
+def prepare(
+    model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "prob", part_size: Optional[int] = None
+) -> Union[PairBatch, PairBatches, PairStream]:
     """Run clean and counterfactual once, capturing every layer's ``z`` (and the clean residual stream): one
-    :class:`PairBatch` where every pair has one template and length, else :class:`PairBatches` (one per group).
-    ``metric``: the task's (``prob``, or ``logit_diff`` against the clean prompts' alternatives, refused where a pair
-    has none). A target (or alternative) of several tokens is teacher-forced (:class:`~mechdiff.patching.core.
-    Continuations`): each pair's answers are stacked rows whose runs append the answer's tokens but its last, the
-    senders and receivers written at the prompt's positions only."""
+    :class:`PairBatch` where every pair has one template and length, else :class:`PairBatches` (one per group);
+    with ``part_size``, a :class:`PairStream` of parts of at most that many pairs, each run again when it is used
+    (memory bounded by the part, not by the number of pairs). ``metric``: the task's (``prob``, or ``logit_diff``
+    against the clean prompts' alternatives, refused where a pair has none). A target (or alternative) of several
+    tokens is teacher-forced (:class:`~mechdiff.patching.core.Continuations`): each pair's answers are stacked rows
+    whose runs append the answer's tokens but its last, the senders and receivers written at the prompt's positions
+    only."""
     if metric == "logit_diff" and not all(getattr(p.base, "alternative_ids", ()) for p in pairs):
         raise ValueError("path patching under metric logit_diff needs pairs whose clean prompts have alternatives")
+    if part_size is not None:
+        if part_size < 1:
+            raise ValueError(f"part_size must be at least 1, not {part_size}")
+        chunks = [take(pairs, rows) for rows in grouped_batches(pairs, part_size)]
+        clean, shapes = [], []
+        for part in (_prepare(model, chunk, metric) for chunk in chunks):
+            clean.append(part.p_clean)
+            shapes.append((len(part), part.clean_ids.shape[1]))
+        return PairStream(model, chunks, metric, torch.cat(clean), shapes)
     groups = group_batches(pairs)
     if len(groups) > 1:
         return PairBatches([_prepare(model, take(pairs, rows), metric) for rows in groups])
@@ -283,7 +327,7 @@ def sender_score(patched: torch.Tensor, clean: torch.Tensor, score: str = SCORES
 
 def path_patch(
     model: LoadedModel,
-    batch: PairBatch,
+    batch: Union[PairBatch, PairBatches, PairStream],
     senders: Sequence[Head],
     sender_position: str,
     receivers: Optional[Receivers] = None,
@@ -340,15 +384,15 @@ def source_indices(
     return drawn if batch.forced is None else batch.forced.stack(drawn.T).T
 
 
-def auto_senders_per_pass(model: LoadedModel, batch: Union[PairBatch, PairBatches]) -> int:
+def auto_senders_per_pass(model: LoadedModel, batch: Union[PairBatch, PairBatches, PairStream]) -> int:
     """Sender copies per pass sized by free GPU memory, as ``--batch-size auto`` sizes prompts per pass:
     the prompts that fit (:func:`~mechdiff.models.memory.auto_batch_size` at this batch's length) over
     the batch's prompts, at least 1; :data:`SENDERS_PER_PASS` on CPU and for remote models."""
-    biggest = max(parts(batch), key=lambda p: p.clean_ids.numel())
-    n = len(biggest)
+    shapes = batch.shapes if isinstance(batch, PairStream) else [tuple(p.clean_ids.shape) for p in parts(batch)]
+    n, tokens = max(shapes, key=lambda shape: shape[0] * shape[1])
     rows = auto_batch_size(
         model,
-        seq_len=biggest.clean_ids.shape[1],
+        seq_len=tokens,
         default=n * SENDERS_PER_PASS,
         cap=max(MAX_BATCH, n * SENDERS_PER_PASS),
     )

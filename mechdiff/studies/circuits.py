@@ -344,6 +344,7 @@ class CircuitsStudy(Study):
             seed=own.get("seed", self.seed("discovery")),
             score=d.score,
             source_position={s: p for s, p in d.source_position.items() if s in steps_of_plan},
+            pairs_per_part=d.pairs_per_part,
         )
 
     def _path_circuit(self, name: str) -> dict:

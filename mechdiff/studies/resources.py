@@ -154,6 +154,7 @@ class StageCost:
     note: str = ""
     batch_option: str = "[eval] batch_size"
     reads: Reads = field(default_factory=Reads)  # what its passes read and run
+    remedy: str = ""  # the stage's own way to fit, listed first where it does not
 
     def device_peak(self, device: Device) -> int:
         """Peak bytes on the device (on a CPU device: everything)."""
@@ -327,41 +328,60 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
     """Path patching as the plan's steps run it (see the module docstring)."""
     d = ctx.spec.discovery
     flops, kept, transient, s = _path_cost(ctx, d.n)
-    senders, steps = ctx.dims.n_layers * ctx.dims.n_heads, len(_plan_steps(ctx))
-    # the clean and counterfactual runs, then per step and pass of s senders a frozen and a receiver run
-    reads = ctx.reads(2) + ctx.reads(2 * steps * math.ceil(senders / s), ctx.dims.n_layers / 2)
+    held, steps = _held_pairs(ctx, d.n), len(_plan_steps(ctx))
+    senders, parts = ctx.dims.n_layers * ctx.dims.n_heads, math.ceil(d.n / held)
+    # the clean and counterfactual runs (again at every step, in parts), then per step, part and pass of s senders
+    # a frozen and a receiver run
+    reads = ctx.reads(2 * parts * (1 + steps if held < d.n else 1))
+    reads += ctx.reads(2 * steps * parts * math.ceil(senders / s), ctx.dims.n_layers / 2)
     most = _path_most_pairs(ctx)
-    fit = f"n up to {most} fits {ctx.device.name}" if most else f"no n fits {ctx.device.name}"
-    note = f"keeps every pair's activations ({kept / GIB:.1f} GiB, grows with n: {fit}); {s} senders a pass"
+    if held < d.n:
+        note = f"holds {held} pairs' activations at a time ({kept / GIB:.1f} GiB; [discovery] pairs_per_part)"
+    else:
+        fit = f"n up to {most} fits {ctx.device.name}" if most else f"no n fits {ctx.device.name}"
+        note = f"keeps every pair's activations ({kept / GIB:.1f} GiB, grows with n: {fit})"
+    remedy = f"[discovery] pairs_per_part = {most} (holds {most} pairs at a time)" if 0 < most < held else ""
     return StageCost(
         f"circuit:{name}",
         1,
         d.n,
-        s * d.n,
+        s * held,
         flops,
         ctx.weights,
         kept,
         transient,
-        note=note,
+        note=f"{note}; {s} senders a pass",
         batch_option="senders a pass",
         reads=reads,
+        remedy=remedy,
     )
 
 
-def _path_cost(ctx: Context, n: int, steps: Optional[list[Any]] = None) -> tuple[float, int, int, int]:
-    """FLOPs, kept bytes, transient bytes and senders a pass of path patching on ``n`` pairs (``steps``: those of
-    the task's plan to count, default all)."""
+def _held_pairs(ctx: Context, n: int) -> int:
+    """Pairs path patching holds at once: ``[discovery] pairs_per_part`` where set (and fewer than ``n``), else all."""
+    part = ctx.spec.discovery.pairs_per_part
+    return min(n, part) if part else n
+
+
+def _path_cost(
+    ctx: Context, n: int, steps: Optional[list[Any]] = None, held: Optional[int] = None
+) -> tuple[float, int, int, int]:
+    """FLOPs, kept bytes, transient bytes and senders a pass of path patching on ``n`` pairs, ``held`` at a time
+    (default as ``[discovery] pairs_per_part`` says; held in parts, the clean and counterfactual runs are run once
+    more at each step); ``steps``: those of the task's plan to count, default all."""
     t, dims = ctx.lengths, ctx.dims
     half = dims.n_layers / 2
+    held = _held_pairs(ctx, n) if held is None else held
     per_token = 2 * dims.n_layers * dims.d_model + (dims.n_layers - 1) * dims.d_model + dims.n_layers * dims.kv_width()
-    kept = int(n * t.longest * per_token * dtype_bytes(ctx.dtype))
-    flops, senders = ctx.fwd(2 * n, t.tokens), dims.n_layers * dims.n_heads
-    s = senders_per_pass(ctx, n, kept)
-    transient = ctx.act(n, t.longest)  # the clean and counterfactual runs, all pairs at once
-    for step in _plan_steps(ctx) if steps is None else steps:
+    kept = int(held * t.longest * per_token * dtype_bytes(ctx.dtype))
+    plan = _plan_steps(ctx) if steps is None else steps
+    flops, senders = ctx.fwd(2 * n, t.tokens) * (1 + len(plan) if held < n else 1), dims.n_layers * dims.n_heads
+    s = senders_per_pass(ctx, held, kept)
+    transient = ctx.act(held, t.longest)  # the clean and counterfactual runs, a part's pairs at once
+    for step in plan:
         after = t.after(step.receiver_position) if step.receiver else 0.0
         flops += senders * n * (ctx.fwd(1, 1, 1, half) + (ctx.fwd(1, after, t.tokens, half) if after else 0.0))
-        transient = max(transient, ctx.act(s * n, max(after, 1), t.longest))
+        transient = max(transient, ctx.act(s * held, max(after, 1), t.longest))
     return flops, kept, transient, s
 
 
@@ -369,7 +389,7 @@ def _path_most_pairs(ctx: Context) -> int:
     """The most pairs path patching keeps within the device's memory (one sender a pass at the least; 0: none)."""
 
     def fits(n: int) -> bool:
-        _, kept, transient, _ = _path_cost(ctx, n)
+        _, kept, transient, _ = _path_cost(ctx, n, held=n)
         return ctx.weights + kept + transient <= ctx.device.memory
 
     if not fits(1):
@@ -665,7 +685,7 @@ def place(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, i
 def remedies(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, int], StageCost]) -> list[str]:
     """What would make the stage fit: bfloat16, a smaller batch, two GPUs, NDIF; for scratch files larger than the
     disk, a larger disk under TMPDIR (or bfloat16, where that halves them enough)."""
-    out = []
+    out = [cost.remedy] if cost.remedy else []
     if device.disk is not None and cost.disk > device.disk:
         out.append(f"TMPDIR on a disk with {cost.disk / GIB:.0f} GiB free (this one has {device.disk / GIB:.0f})")
         if dtype == "float32" and recount("bfloat16", cost.batch).disk <= device.disk:

@@ -100,6 +100,9 @@ class DiscoverySection:
     # "labels": one of its indices at random per sender and prompt); a step not named reads them at the clean
     # prompt's sender index. The paper reads D's at a random box label: { D = "labels" }
     source_position: dict[str, str] = field(default_factory=dict)
+    # path: pairs whose activations are held at once (each group split into parts of at most this many, each part
+    # run again at every step: memory bounded by the part, two more forwards a pair and step); unset: every pair's
+    pairs_per_part: Optional[int] = None
     # path: per model, any of top_k, circuit_k and seed (its discovery pairs' seed), e.g.
     # [discovery.models.goat-7b] top_k = {...}; a model not named uses the section's
     models: dict[str, dict] = field(default_factory=dict)
@@ -108,7 +111,7 @@ class DiscoverySection:
 #: Options added to a section after results were committed, at the value every earlier study ran with: a stage key
 #: leaves such an option out while it has that value, so the committed studies' keys do not move.
 KEYED_WHEN_SET = {
-    "discovery": {"score": SCORES[0], "circuit_k": {}, "models": {}, "source_position": {}},
+    "discovery": {"score": SCORES[0], "circuit_k": {}, "models": {}, "source_position": {}, "pairs_per_part": None},
     "scoring": {"prune_disjoint": False, "models": {}},
 }
 #: Options whose default changed after results were committed: unset (the new default), a stage key reads the value
@@ -300,6 +303,7 @@ def load_spec(path: str | Path) -> RunSpec:
     if "dir" not in (raw.get("output") or {}):
         built["output"].dir = output_dir(built["task"].name)
     _check_paper_stages(Path(path), text, built)
+    _check_parts(Path(path), text, built["discovery"])
     _check_per_model(Path(path), text, built)
     _check_desiderata(Path(path), text, raw.get("dcm"), built["task"].name)
     _check_groups(Path(path), text, raw, built["task"].name)
@@ -401,6 +405,16 @@ def _check_per_model_value(where: str, key: str, value: Any) -> None:
     steps_ok = key != "seed" and isinstance(value, dict) and all(isinstance(k, int) for k in value.values())
     if not (steps_ok or (key == "seed" and isinstance(value, int) and not isinstance(value, bool))):
         raise SpecError(f"{where} {key} = {value!r}: give a step -> k table (or an integer seed)")
+
+
+def _check_parts(path: Path, text: str, discovery: "DiscoverySection") -> None:
+    """``[discovery] pairs_per_part``, where set, is a whole number of pairs, at least 1."""
+    size = discovery.pairs_per_part
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise SpecError(
+            f"{path}:{line_of(text, 'discovery', 'pairs_per_part')}: [discovery] pairs_per_part = {size!r}: give a "
+            "number of pairs of at least 1 (or leave it out to hold every pair's activations)"
+        )
 
 
 def _check_paper_stages(path: Path, text: str, built: dict[str, Any]) -> None:

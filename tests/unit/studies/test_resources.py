@@ -3,6 +3,7 @@ and ``mechdiff run --plan`` on the paper's task file without its weights."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -134,6 +135,25 @@ def test_path_patching_says_how_many_pairs_fit(paper_spec):
 
     assert peak(most) <= device.memory < peak(most + 1)
     assert "no n fits" in circuit(context(paper_spec, device=replace(device, memory=2**30)), "llama-7b").note
+
+
+def test_path_patching_in_parts_holds_a_part_and_is_named_where_every_pair_does_not_fit(paper_spec):
+    """``[discovery] pairs_per_part`` holds that many pairs' activations (a sixth of the paper's 300 in parts of
+    50) for the clean and counterfactual runs once more at each step; a device too small for every pair is told
+    the largest part that fits, and that part does fit."""
+    device = get_device("a100-40gb")
+    parted = replace(paper_spec, discovery=replace(paper_spec.discovery, pairs_per_part=50))
+    whole, part = circuit(context(paper_spec), "llama-7b"), circuit(context(parted), "llama-7b")
+    assert part.kept * 6 == pytest.approx(whole.kept, rel=1e-6) and "holds 50 pairs" in part.note
+    steps = len(paper_spec.discovery.top_k or {"A": 1, "B": 1, "C": 1, "D": 1})
+    clean = 2 * 300 * context(paper_spec).fwd(1, LENGTHS.tokens)
+    assert part.flops - whole.flops == pytest.approx(steps * clean, rel=1e-6)
+    plan = resource_plan(paper_spec, device, LENGTHS)
+    (too_big,) = [p for p in plan if p.cost.stage == "circuit:llama-7b"]
+    assert not too_big.fits
+    size = int(re.search(r"pairs_per_part = (\d+)", too_big.remedies[0]).group(1))
+    spec = replace(paper_spec, discovery=replace(paper_spec.discovery, pairs_per_part=size))
+    assert circuit(context(spec, device=device), "llama-7b").device_peak(device) <= device.memory
 
 
 def test_unknown_device_is_refused_with_the_names():
