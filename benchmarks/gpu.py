@@ -15,7 +15,8 @@ device. Each stage runs as the study runs it, on the entity-tracking prompts, an
   (:func:`mechdiff.methods.cmap.run_cmap`), two models held.
 
 Memory: on CUDA ``torch.cuda.max_memory_allocated`` above the allocation before the stage, against the planner's
-bytes beside the weights (kept plus transient); on CPU the peak RSS above the stage's start. Time: on CUDA wall
+bytes beside the weights (kept plus transient); on CPU the peak allocation above the stage's start (memray, as
+``benchmarks/planner.py`` measures it; memray slows the CPU time it is measured beside a little). Time: on CUDA wall
 time with ``torch.cuda.synchronize``, against the planner's time on the named device of the same kind
 (``--plan-device``, default from the GPU's name) and on the GPU's measured matrix-multiply throughput; on CPU the
 CPU time against the planner's on this machine. ``--full`` adds LLaMA-7B's whole 32-layer config in bfloat16 for
@@ -60,7 +61,7 @@ def make_model(config: dict, layers: Optional[int], dtype: str, device: str, see
     """A LoadedModel: LLaMA ``config`` cut to ``layers`` blocks with the SmolLM2 tokenizer's vocabulary, random."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from mechdiff.models.loading import DTYPES, LoadedModel, load_tokenizer
+    from mechdiff.models.loading import DTYPES, LoadedModel, contiguous_unembedding, load_tokenizer
     from mechdiff.models.registry import ModelSpec
     from mechdiff.models.resolve import resolve_spec
 
@@ -74,6 +75,7 @@ def make_model(config: dict, layers: Optional[int], dtype: str, device: str, see
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[dtype]).eval()
     model.requires_grad_(False)
+    contiguous_unembedding(model)  # as load_model does for every model mechdiff runs
     spec = ModelSpec(name, "local", "<memory>")
     return LoadedModel(name, spec, model, tokenizer, {"kind": "memory", "seed": seed})
 
@@ -97,7 +99,7 @@ def spec_for(sizes: Sizes, dtype: str) -> Any:
 
 class Measure:
     """Peak memory above the start and time of the ``with`` block: CUDA allocations and synchronised wall time, or
-    RSS and CPU time."""
+    allocations (memray) and CPU time."""
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda")
@@ -109,9 +111,14 @@ class Measure:
             self.start = torch.cuda.memory_allocated()
             self.t0 = time.perf_counter()
         else:
-            from planner import PeakRSS
+            import tempfile
 
-            self.rss = PeakRSS().__enter__()
+            import memray
+
+            self.scratch = tempfile.TemporaryDirectory()
+            self.trace = Path(self.scratch.name) / "stage.bin"
+            self.tracker = memray.Tracker(self.trace, native_traces=False, trace_python_allocators=True)
+            self.tracker.__enter__()
             self.t0 = time.process_time()
         return self
 
@@ -121,9 +128,12 @@ class Measure:
             self.seconds = time.perf_counter() - self.t0
             self.bytes = torch.cuda.max_memory_allocated() - self.start
         else:
+            import memray
+
             self.seconds = time.process_time() - self.t0
-            self.rss.__exit__()
-            self.bytes = self.rss.above
+            self.tracker.__exit__(None, None, None)
+            self.bytes = memray.FileReader(self.trace).metadata.peak_memory
+            self.scratch.cleanup()
 
 
 def gpu_matmul_throughput(dims: Any, dtype: str, rows: int) -> float:

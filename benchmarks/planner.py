@@ -117,7 +117,7 @@ def make_model(name: str, layers, dtype: str):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from mechdiff.models.footprint import Dims
-    from mechdiff.models.loading import DTYPES, LoadedModel, load_model, load_tokenizer
+    from mechdiff.models.loading import DTYPES, LoadedModel, contiguous_unembedding, load_model, load_tokenizer
     from mechdiff.models.resolve import resolve_spec
 
     if name in GGUF:
@@ -130,6 +130,7 @@ def make_model(name: str, layers, dtype: str):
     cfg = LlamaConfig(**config, attn_implementation="eager")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[dtype]).eval()
+    contiguous_unembedding(model)  # as load_model does for every model mechdiff runs
     tokenizer = load_tokenizer(resolve_spec("smollm2-135m"))
     return LoadedModel(f"{name}-L{cfg.num_hidden_layers}", resolve_spec(name), model, tokenizer), Dims.from_config(cfg)
 
