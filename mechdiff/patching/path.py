@@ -45,7 +45,10 @@ run's. A pair's rows share its sender draws; scores are per pair.
 
 Pairs of several token lengths or templates are prepared group by group
 (:func:`~mechdiff.tasks.base.grouped_batches`, one :class:`PairBatch` each, held by :class:`PairBatches`);
-each group is patched on its own and the score is the same ratio of means over every prompt.
+each group is patched on its own and the score is the same ratio of means over every prompt. With a part size
+(``[discovery] pairs_per_part``) each group is split in order into parts held one at a time (:class:`PairStream`):
+a part's clean and counterfactual runs are computed when it is reached and dropped after it, so memory follows the
+part, not the number of pairs.
 """
 
 from __future__ import annotations
