@@ -385,6 +385,8 @@ def main() -> None:
     parser.add_argument("--committed", metavar="DIR", help="the planner against a committed study's stage seconds")
     parser.add_argument("--throughput", type=float, help="with --committed: FLOP/s to plan at (default: measured)")
     args = parser.parse_args()
+    if args.count and args.memory:
+        parser.error("--count and --memory each slow the run in their own way: measure them in two runs")
     if args.stages:
         Path(args.stages).write_text(json.dumps(run_stages(args.count, Path(args.stages), args.memory), indent=1))
     if args.committed:

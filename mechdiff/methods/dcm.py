@@ -441,13 +441,7 @@ class PairCache:
     def _write(self, model: LoadedModel, rows: list[int], length: int) -> None:
         """One batch's source z, base residual streams, keys and values and floor, stored at ``rows``."""
         batch = pair_batch_tensors(take(self.pairs, rows))
-        source = source_run(model, batch, [layer for layers in self.sites.values() for layer in layers])
-        for position, layers in self.sites.items():
-            if position in self.classes:
-                z = class_z_at(source, batch, layers, position, self.classes[position])
-            else:
-                z = z_at(source, batch, layers, position)
-            self.store.write(f"source/{position}", rows, torch.stack([z[layer] for layer in layers], dim=1))
+        self._write_sources(model, batch, rows)  # its run freed before the base run
         ids, readout, target = self._teacher(batch, rows)
         with torch.no_grad():
             out = run(
@@ -458,6 +452,16 @@ class PairCache:
         self.floor[rows] = target_correct(out.logits, target).cpu().numpy()
         for name, kv in (("keys", out.kv.keys), ("values", out.kv.values)):
             self.store.write(name, rows, _pad(torch.stack(kv, dim=1), -2, length))
+
+    def _write_sources(self, model: LoadedModel, batch: dict, rows: list[int]) -> None:
+        """One batch's source z at every site, from one source run, stored at ``rows``."""
+        source = source_run(model, batch, [layer for layers in self.sites.values() for layer in layers])
+        for position, layers in self.sites.items():
+            if position in self.classes:
+                z = class_z_at(source, batch, layers, position, self.classes[position])
+            else:
+                z = z_at(source, batch, layers, position)
+            self.store.write(f"source/{position}", rows, torch.stack([z[layer] for layer in layers], dim=1))
 
     def _teacher(self, batch: dict, rows: Sequence[int]) -> tuple[torch.Tensor, Optional[torch.Tensor], Target]:
         """The base run's input ids (the prompts, then the first ``width - 1`` target tokens where a target has

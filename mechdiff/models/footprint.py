@@ -121,6 +121,13 @@ def forward_bytes(dims: Dims, rows: int, tokens: int, dtype: str, context: Optio
     return max(mlp, attn, 2 * rows * dims.vocab_size * 4)
 
 
+def held_pair_bytes(n_layers: int, d_model: int, kv_width: int, tokens: int, value_bytes: int) -> int:
+    """What path patching holds of one pair of ``tokens`` tokens (:class:`~mechdiff.patching.path.PairBatch`): the
+    clean and counterfactual runs' ``z`` at every layer, the clean residual stream after every block but the last,
+    and every layer's keys and values (``kv_width``: keys plus values per token and layer)."""
+    return tokens * (2 * n_layers * d_model + (n_layers - 1) * d_model + n_layers * kv_width) * value_bytes
+
+
 def backward_bytes(dims: Dims, rows: int, tokens: int, layers: float, dtype: str, context: Optional[int] = None) -> int:
     """What a forward keeps for its backward over ``layers`` blocks, the weights frozen (gradients to the
     activations only: attribution, DCM's masks), each of ``tokens`` tokens attending to ``context`` positions

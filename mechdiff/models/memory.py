@@ -44,20 +44,25 @@ def cuda_devices(model: "LoadedModel") -> list[torch.device]:
 
 
 def auto_batch_size(
-    model: "LoadedModel", seq_len: int = 160, fraction: float = 0.6, default: int = DEFAULT_BATCH, cap: int = MAX_BATCH
+    model: "LoadedModel",
+    seq_len: int = 160,
+    fraction: float = 0.6,
+    default: int = DEFAULT_BATCH,
+    cap: int = MAX_BATCH,
+    reserve: int = 0,
 ) -> int:
     """Prompts per forward pass that fit in ``fraction`` of the free memory of the model's GPUs.
 
     ``default`` on CPU and for a model on NDIF (the server batches); at least 1, at most ``cap``.
     ``seq_len``: the longest prompt expected (a 7-box entity-tracking prompt is about 100 tokens
-    for LLaMA's tokenizer).
+    for LLaMA's tokenizer). ``reserve``: bytes the caller will allocate beside the batches, not free for them.
     """
     if getattr(model, "remote", False):
         return default
     devices = cuda_devices(model)
     if not devices:
         return default
-    free = min(torch.cuda.mem_get_info(d)[0] for d in devices)
+    free = max(min(torch.cuda.mem_get_info(d)[0] for d in devices) - reserve, 0)
     dtype = next(model.model.parameters()).dtype
     per = example_bytes(model.shape, seq_len, torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4)
     size = max(1, min(cap, int(free * fraction) // per))

@@ -53,13 +53,11 @@ def attribution_scores(
     ratio of means."""
     senders = list(senders) if senders is not None else eligible_senders(model, receivers)
     if isinstance(batch, (PairBatches, PairStream)):
-        totals = [
-            (
-                attribution_scores(model, part, sender_position, receivers, senders),
-                part.pairs * float(part.p_clean.mean()),
-            )
-            for part in parts(batch)
-        ]
+        totals = []
+        for part in parts(batch):
+            scores = attribution_scores(model, part, sender_position, receivers, senders)
+            totals.append((scores, part.pairs * float(part.p_clean.mean())))
+            del part  # a streamed part is freed before the next is prepared
         denom = sum(d for _, d in totals)
         return {h: sum(scores[h] * d for scores, d in totals) / denom for h in senders}
     spos = batch_position(batch, sender_position)

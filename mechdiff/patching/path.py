@@ -64,6 +64,7 @@ from einops import rearrange, repeat
 from ..common.components import Head
 from ..common.metrics import task_metric
 from ..common.progress import progress_bar
+from ..models.footprint import held_pair_bytes
 from ..models.loading import LoadedModel
 from ..models.memory import MAX_BATCH, auto_batch_size
 from ..models.remote import keep
@@ -71,7 +72,6 @@ from ..tasks.base import (
     PairRecord,
     alternative_tokens,
     group_batches,
-    grouped_batches,
     pair_batch_tensors,
     take,
     target_tokens,
@@ -164,6 +164,9 @@ class PairStream:
     metric: str
     p_clean: torch.Tensor  # every pair's clean metric, part by part (read once, at construction)
     shapes: list[tuple[int, int]]  # each part's (rows, tokens): rows stack a pair's answers where they are several
+    #: each part's group (its index among the groups), its first pair's offset in the group and the group's pairs:
+    #: a part's random source draws are its columns of the group's (:func:`source_indices`), as if held whole
+    places: list[tuple[int, int, int]]
 
     def __iter__(self):
         for chunk in self.chunks:
@@ -194,44 +197,58 @@ def prepare(
     if metric == "logit_diff" and not all(getattr(p.base, "alternative_ids", ()) for p in pairs):
         raise ValueError("path patching under metric logit_diff needs pairs whose clean prompts have alternatives")
     if part_size is not None:
-        if part_size < 1:
-            raise ValueError(f"part_size must be at least 1, not {part_size}")
-        chunks = [take(pairs, rows) for rows in grouped_batches(pairs, part_size)]
-        clean, shapes = [], []
-        for part in (_prepare(model, chunk, metric) for chunk in chunks):
-            clean.append(part.p_clean)
-            shapes.append((len(part), part.clean_ids.shape[1]))
-        return PairStream(model, chunks, metric, torch.cat(clean), shapes)
+        return _stream(model, pairs, metric, part_size)
     groups = group_batches(pairs)
     if len(groups) > 1:
         return PairBatches([_prepare(model, take(pairs, rows), metric) for rows in groups])
     return _prepare(model, pairs, metric)
 
 
-def _prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "prob") -> PairBatch:
+def _stream(model: LoadedModel, pairs: Sequence[PairRecord], metric: str, part_size: int) -> PairStream:
+    """:class:`PairStream` of ``pairs`` in parts of at most ``part_size``: each group split in order; the clean
+    metric and shape of each part read by a clean run alone, one part at a time."""
+    if part_size < 1:
+        raise ValueError(f"part_size must be at least 1, not {part_size}")
+    chunks, places, clean, shapes = [], [], [], []
+    for g, rows in enumerate(group_batches(pairs)):
+        for offset in range(0, len(rows), part_size):
+            chunks.append(take(pairs, rows[offset : offset + part_size]))
+            places.append((g, offset, len(rows)))
+            part = _prepare(model, chunks[-1], metric, runs=False)
+            clean.append(part.p_clean)
+            shapes.append((len(part), part.clean_ids.shape[1]))
+            del part  # one part alive at a time
+    return PairStream(model, chunks, metric, torch.cat(clean), shapes, places)
+
+
+def _prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "prob", runs: bool = True) -> PairBatch:
+    """The :class:`PairBatch` of pairs of one group; ``runs=False``: the clean run's logits alone (nothing captured,
+    no counterfactual run: what :func:`_stream` reads of each part)."""
     tensors = pair_batch_tensors(pairs)
-    layers = range(model.shape.n_layers)
-    sites = [("z", layer) for layer in layers]
-    resid = [("resid", layer) for layer in range(model.shape.n_layers - 1)]
+    sites = [("z", layer) for layer in range(model.shape.n_layers)] if runs else []
+    resid = [("resid", layer) for layer in range(model.shape.n_layers - 1)] if runs else []
     clean_ids, source_ids = tensors["base"]["input_ids"], tensors["source"]["input_ids"]
     forced = pair_continuations(pairs, metric, clean_ids.shape[1])
     stack = (lambda t: t) if forced is None else forced.stack
     read = {} if forced is None else {"readout": forced.readout()}
+    keys, values, source_z = [], [], {}  # set here: a remote session hands back only what it keeps
     with torch.no_grad():
         with model.session():  # remote: both runs in one request
             clean = run(
                 model,
                 clean_ids if forced is None else forced.ids(clean_ids),
                 capture=sites + resid,
-                keep_kv=True,
+                keep_kv=runs,
                 **read,
             )
-            source = run(model, source_ids, capture=sites)
-            clean_z = keep({l: clean.captured[("z", l)] for l in layers})
-            source_z = keep({l: stack(source.captured[("z", l)]) for l in layers})
+            clean_z = keep({l: clean.captured[("z", l)] for _, l in sites})
             clean_logits = keep(clean.logits)
             clean_resid = keep({l: clean.captured[("resid", l)] for _, l in resid})
-            keys, values = keep(clean.kv.keys), keep(clean.kv.values)
+            if runs:
+                keys, values = keep(clean.kv.keys), keep(clean.kv.values)
+                source = run(model, source_ids, capture=sites)
+                source_z = keep({l: stack(source.captured[("z", l)]) for _, l in sites})
+    kv = Prefix(list(keys), list(values)) if runs else None
     if forced is not None:  # every row a pair with one of its answers appended; alternatives are rows
         return PairBatch(
             forced.ids(clean_ids),
@@ -242,7 +259,7 @@ def _prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "pro
             source_z,
             clean_logits,
             clean_resid,
-            Prefix(list(keys), list(values)),
+            kv,
             {k: stack(v) for k, v in tensors["source"]["positions"].items()},
             None,
             metric,
@@ -257,7 +274,7 @@ def _prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "pro
         source_z,
         clean_logits,
         clean_resid,
-        Prefix(list(keys), list(values)),
+        kv,
         tensors["source"]["positions"],
         tensors["base"].get("alternative_ids") if metric == "logit_diff" else None,
         metric,
@@ -349,10 +366,15 @@ def path_patch(
     p_clean = batch.p_clean
     bar = progress and not model.remote  # remote: the step is one request, there is nothing to show per chunk
     per_group = []
-    for i, part in enumerate(parts(batch)):  # each group (length) patched alone; the score is over every prompt
-        src = [source_indices(model, part, chunk, source_position, f"{seed}:{i}") for chunk in chunks]
+    places = iter(batch.places) if isinstance(batch, PairStream) else None
+    # each group (length) patched alone, the score over every prompt; no enumerate: its reused result tuple would
+    # keep a streamed part alive while the next is prepared
+    for part in parts(batch):
+        group, offset, total = next(places) if places else (len(per_group), 0, part.pairs)
+        src = [source_indices(model, part, c, source_position, f"{seed}:{group}", (offset, total)) for c in chunks]
         with model.session():  # remote: the whole step (every chunk's frozen and receiver runs) in one request
             per_group.append(keep(_chunk_probs(model, part, chunks, sender_position, receivers, bar, src)))
+        del part, src  # a streamed part is freed before the next is prepared
     probs = [torch.cat(ps, dim=1) for ps in zip(*per_group)]
     for chunk, p in zip(chunks, probs):  # p: "sender batch"
         for head, ps in zip(chunk, p):
@@ -361,13 +383,20 @@ def path_patch(
 
 
 def source_indices(
-    model: LoadedModel, batch: PairBatch, senders: Sequence[Head], position: Optional[str], seed: str = "0"
+    model: LoadedModel,
+    batch: PairBatch,
+    senders: Sequence[Head],
+    position: Optional[str],
+    seed: str = "0",
+    within: Optional[tuple[int, int]] = None,
 ) -> Optional[torch.Tensor]:
     """Where each sender's counterfactual value is read in each source prompt (``"sender batch"``), or None (at
     the clean prompt's sender index, mechdiff's default). A one-index ``position`` of the source is read as it is;
     a position class (``"batch k"``) gives one of its ``k`` indices at random per sender and prompt, drawn from a
     table of every head of the model seeded by ``seed``, so a sender's draw does not depend on which others are
-    patched or how many share a pass (the paper: ``random.choice`` per sender and prompt)."""
+    patched or how many share a pass (the paper: ``random.choice`` per sender and prompt). ``within``: the batch's
+    first pair's offset in its group and the group's pairs, for a part of a group (:class:`PairStream`): its
+    columns of the group's table, so a pair's draws do not depend on how its group is split."""
     if position is None:
         return None
     known = batch.source_positions or {}
@@ -379,9 +408,11 @@ def source_indices(
     if where.ndim == 1:
         return repeat(where, "b -> s b", s=len(senders))
     n_heads, n = model.shape.n_heads, batch.pairs
+    offset, total = within or (0, n)
     generator = torch.Generator().manual_seed(random.Random(seed).getrandbits(63))
-    table = torch.randint(where.shape[1], (model.shape.n_layers * n_heads, n), generator=generator)
-    picks = table[torch.tensor([h.layer * n_heads + h.head for h in senders], dtype=torch.long)]  # "sender batch"
+    table = torch.randint(where.shape[1], (model.shape.n_layers * n_heads, total), generator=generator)
+    picks = table[torch.tensor([h.layer * n_heads + h.head for h in senders], dtype=torch.long)]  # "sender pair"
+    picks = picks[:, offset : offset + n]  # "sender batch"
     drawn = where[torch.arange(n)[None], picks]
     # teacher-forced rows "(c b)": one draw per pair, the same in each of its answers' rows
     return drawn if batch.forced is None else batch.forced.stack(drawn.T).T
@@ -390,14 +421,20 @@ def source_indices(
 def auto_senders_per_pass(model: LoadedModel, batch: Union[PairBatch, PairBatches, PairStream]) -> int:
     """Sender copies per pass sized by free GPU memory, as ``--batch-size auto`` sizes prompts per pass:
     the prompts that fit (:func:`~mechdiff.models.memory.auto_batch_size` at this batch's length) over
-    the batch's prompts, at least 1; :data:`SENDERS_PER_PASS` on CPU and for remote models."""
+    the batch's prompts, at least 1; :data:`SENDERS_PER_PASS` on CPU and for remote models. Of a
+    :class:`PairStream` (no part held while it sizes) the largest part's activations are kept free."""
     shapes = batch.shapes if isinstance(batch, PairStream) else [tuple(p.clean_ids.shape) for p in parts(batch)]
     n, tokens = max(shapes, key=lambda shape: shape[0] * shape[1])
+    reserve = 0
+    if isinstance(batch, PairStream):
+        s, value = model.shape, next(model.model.parameters()).element_size()
+        reserve = n * held_pair_bytes(s.n_layers, s.d_model, 2 * s.n_kv_heads * s.d_head, tokens, value)
     rows = auto_batch_size(
         model,
         seq_len=tokens,
         default=n * SENDERS_PER_PASS,
         cap=max(MAX_BATCH, n * SENDERS_PER_PASS),
+        reserve=reserve,
     )
     return max(1, rows // n)
 

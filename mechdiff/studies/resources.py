@@ -49,7 +49,15 @@ from typing import Any, Callable, Optional
 
 from ..methods.dcm import DCMConfig
 from ..models.devices import COMMON_GPU_DISK, GIB, Device
-from ..models.footprint import Dims, backward_bytes, dtype_bytes, forward_bytes, forward_flops, model_dims
+from ..models.footprint import (
+    Dims,
+    backward_bytes,
+    dtype_bytes,
+    forward_bytes,
+    forward_flops,
+    held_pair_bytes,
+    model_dims,
+)
 from .spec import RunSpec
 
 #: The tokenizer that estimates token lengths where a model's own is absent.
@@ -330,9 +338,9 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
     flops, kept, transient, s = _path_cost(ctx, d.n)
     held, steps = _held_pairs(ctx, d.n), len(_plan_steps(ctx))
     senders, parts = ctx.dims.n_layers * ctx.dims.n_heads, math.ceil(d.n / held)
-    # the clean and counterfactual runs (again at every step, in parts), then per step, part and pass of s senders
-    # a frozen and a receiver run
-    reads = ctx.reads(2 * parts * (1 + steps if held < d.n else 1))
+    # the clean and counterfactual runs (in parts: a clean run of each, then both again at each pass over them),
+    # then per step, part and pass of s senders a frozen and a receiver run
+    reads = ctx.reads(parts * (1 + 2 * steps * _stream_passes(ctx)) if held < d.n else 2)
     reads += ctx.reads(2 * steps * parts * math.ceil(senders / s), ctx.dims.n_layers / 2)
     most = _path_most_pairs(ctx)
     if held < d.n:
@@ -357,6 +365,11 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
     )
 
 
+def _stream_passes(ctx: Context) -> int:
+    """Passes over the parts a path-patching step makes: path patching, and the attribution screen where on."""
+    return 2 if ctx.spec.discovery.screen else 1
+
+
 def _held_pairs(ctx: Context, n: int) -> int:
     """Pairs path patching holds at once: ``[discovery] pairs_per_part`` where set (and fewer than ``n``), else all."""
     part = ctx.spec.discovery.pairs_per_part
@@ -372,10 +385,11 @@ def _path_cost(
     t, dims = ctx.lengths, ctx.dims
     half = dims.n_layers / 2
     held = _held_pairs(ctx, n) if held is None else held
-    per_token = 2 * dims.n_layers * dims.d_model + (dims.n_layers - 1) * dims.d_model + dims.n_layers * dims.kv_width()
-    kept = int(held * t.longest * per_token * dtype_bytes(ctx.dtype))
+    kept = held * held_pair_bytes(dims.n_layers, dims.d_model, dims.kv_width(), t.longest, dtype_bytes(ctx.dtype))
     plan = _plan_steps(ctx) if steps is None else steps
-    flops, senders = ctx.fwd(2 * n, t.tokens) * (1 + len(plan) if held < n else 1), dims.n_layers * dims.n_heads
+    flops, senders = ctx.fwd(2 * n, t.tokens), dims.n_layers * dims.n_heads
+    if held < n:  # in parts: a clean run reads each part, then each step's passes over the parts run them again
+        flops = ctx.fwd(n, t.tokens) + len(plan) * _stream_passes(ctx) * ctx.fwd(2 * n, t.tokens)
     s = senders_per_pass(ctx, held, kept)
     transient = ctx.act(held, t.longest)  # the clean and counterfactual runs, a part's pairs at once
     for step in plan:
@@ -579,7 +593,7 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
         stage,
         2,
         n,
-        c.batch_size,
+        trained,
         flops,
         2 * ctx.weights,
         0,

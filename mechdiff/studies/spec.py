@@ -101,7 +101,8 @@ class DiscoverySection:
     # prompt's sender index. The paper reads D's at a random box label: { D = "labels" }
     source_position: dict[str, str] = field(default_factory=dict)
     # path: pairs whose activations are held at once (each group split into parts of at most this many, each part
-    # run again at every step: memory bounded by the part, two more forwards a pair and step); unset: every pair's
+    # run again at every pass over the parts: memory bounded by the part, two forwards a pair and step, four with the
+    # attribution screen); unset: every pair's
     pairs_per_part: Optional[int] = None
     # path: per model, any of top_k, circuit_k and seed (its discovery pairs' seed), e.g.
     # [discovery.models.goat-7b] top_k = {...}; a model not named uses the section's
@@ -408,8 +409,13 @@ def _check_per_model_value(where: str, key: str, value: Any) -> None:
 
 
 def _check_parts(path: Path, text: str, discovery: "DiscoverySection") -> None:
-    """``[discovery] pairs_per_part``, where set, is a whole number of pairs, at least 1."""
+    """``[discovery] pairs_per_part``, where set, is for path discovery and a whole number of pairs, at least 1."""
     size = discovery.pairs_per_part
+    if size is not None and discovery.method != "path":
+        raise SpecError(
+            f"{path}:{line_of(text, 'discovery', 'pairs_per_part')}: [discovery] pairs_per_part holds path "
+            f"patching's pairs in parts; method = {discovery.method!r} reads no pairs: remove it (or use path)"
+        )
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise SpecError(
             f"{path}:{line_of(text, 'discovery', 'pairs_per_part')}: [discovery] pairs_per_part = {size!r}: give a "

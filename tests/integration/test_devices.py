@@ -206,6 +206,12 @@ def test_remote_path_patching_step_is_one_request_with_the_local_scores(pair, mo
     assert requests.take() == ["session"]
     assert got_attr.keys() == want_attr.keys()
     assert max(abs(got_attr[h] - want_attr[h]) for h in want_attr) <= 1e-6 * max(1.0, *map(abs, want_attr.values()))
+    # in parts of two: a request to read each part's clean run, then one a part (both runs, then the step's passes)
+    streamed = prepare(remote, pairs, part_size=2)
+    assert requests.take() == ["session"] * 2
+    parted = path_patch(remote, streamed, senders, "last", receivers, senders_per_pass=3, progress=False)
+    assert max(abs(parted[h] - want[h]) for h in want) <= 1e-6 * max(1.0, *map(abs, want.values()))
+    assert requests.take() == ["session"] * 4
 
 
 def test_remote_scoring_matches_and_batches_share_a_request(pair, monkeypatch, smollm2_tokenizer):

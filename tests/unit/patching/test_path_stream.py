@@ -92,3 +92,75 @@ def test_streamed_path_patching_memory_does_not_grow_with_the_pairs(tiny_llama, 
     )
     assert abs(large - small) <= 0.1 * small
     assert held_large > 1.3 * held_small
+
+
+def test_a_parts_random_source_draws_are_its_columns_of_the_groups(tiny_llama, smollm2_tokenizer):
+    """A sender's counterfactual read at a random label: a group split into parts draws, pair by pair, what the
+    whole group draws, so path patching's scores do not depend on the part size."""
+    import torch
+
+    from mechdiff.patching.path import parts, source_indices
+
+    pairs = path_patching_pairs(smollm2_tokenizer, 5, n_boxes=3, seed=3)
+    held, streamed = prepare(tiny_llama, pairs), prepare(tiny_llama, pairs, part_size=2)
+    assert streamed.places == [(0, 0, 5), (0, 2, 5), (0, 4, 5)]
+    whole = source_indices(tiny_llama, held, SENDERS, "labels", "7:0")
+    split = [
+        source_indices(tiny_llama, part, SENDERS, "labels", "7:0", streamed.places[i][1:])
+        for i, part in enumerate(parts(streamed))
+    ]
+    assert torch.equal(torch.cat(split, dim=1), whole)
+
+    def scores(batch):
+        out = path_patch(tiny_llama, batch, SENDERS, "last", None, progress=False, source_position="labels", seed=7)
+        return [out[h] for h in SENDERS]
+
+    np.testing.assert_allclose(scores(streamed), scores(held), rtol=1e-4, atol=1e-6)
+
+
+def test_one_part_is_alive_at_a_time(tiny_llama, mixed_pairs, monkeypatch):
+    """Each part is freed before the next is prepared: in building the stream, in path patching and in the
+    attribution screen (a part still referenced would double the memory the plan counts)."""
+    import gc
+    import weakref
+
+    from mechdiff.patching import path
+
+    made, alive = [], []
+    original = path._prepare
+
+    def counted(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in made))
+        part = original(*args, **kwargs)
+        made.append(weakref.ref(part))
+        return part
+
+    monkeypatch.setattr(path, "_prepare", counted)
+    streamed = prepare(tiny_llama, mixed_pairs, part_size=2)
+    path_patch(tiny_llama, streamed, SENDERS, "last", progress=False)
+    attribution_scores(tiny_llama, streamed, "last", None, SENDERS)
+    assert len(alive) == 3 * 8 and alive == [0] * 24
+
+
+def test_auto_senders_keep_a_parts_activations_free(tiny_llama, smollm2_tokenizer, monkeypatch):
+    """Sized while no part is held, ``auto`` leaves room for the largest part's activations (which a held batch
+    already occupies when it is sized): with room for exactly 37 copies, the stream takes 36 and the held batch 37;
+    with the part's bytes more, the stream takes 37."""
+    import torch
+
+    from mechdiff.models import memory
+    from mechdiff.models.footprint import held_pair_bytes
+    from mechdiff.patching.path import auto_senders_per_pass
+
+    pairs = path_patching_pairs(smollm2_tokenizer, 8, n_boxes=3, seed=3)
+    streamed, held = prepare(tiny_llama, pairs, part_size=4), prepare(tiny_llama, pairs[:4])
+    (n, tokens), s = streamed.shapes[0], tiny_llama.shape
+    part = n * held_pair_bytes(s.n_layers, s.d_model, 2 * s.n_kv_heads * s.d_head, tokens, 4)
+    room = 37 * n * memory.example_bytes(s, tokens) / 0.6 + 1
+    monkeypatch.setattr(memory, "cuda_devices", lambda model: [torch.device("cuda:0")])
+    for free, want in ((room, 36), (room + part, 37)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (int(free), int(2 * free)))
+        assert auto_senders_per_pass(tiny_llama, streamed) == want
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(room), int(2 * room)))
+    assert auto_senders_per_pass(tiny_llama, held) == 37

@@ -139,15 +139,18 @@ def test_path_patching_says_how_many_pairs_fit(paper_spec):
 
 def test_path_patching_in_parts_holds_a_part_and_is_named_where_every_pair_does_not_fit(paper_spec):
     """``[discovery] pairs_per_part`` holds that many pairs' activations (a sixth of the paper's 300 in parts of
-    50) for the clean and counterfactual runs once more at each step; a device too small for every pair is told
-    the largest part that fits, and that part does fit."""
+    50) for a clean run of each part and its two runs again at each step (twice with the attribution screen); a
+    device too small for every pair is told the largest part that fits, and that part does fit."""
     device = get_device("a100-40gb")
     parted = replace(paper_spec, discovery=replace(paper_spec.discovery, pairs_per_part=50))
     whole, part = circuit(context(paper_spec), "llama-7b"), circuit(context(parted), "llama-7b")
     assert part.kept * 6 == pytest.approx(whole.kept, rel=1e-6) and "holds 50 pairs" in part.note
     steps = len(paper_spec.discovery.top_k or {"A": 1, "B": 1, "C": 1, "D": 1})
-    clean = 2 * 300 * context(paper_spec).fwd(1, LENGTHS.tokens)
-    assert part.flops - whole.flops == pytest.approx(steps * clean, rel=1e-6)
+    one = 300 * context(paper_spec).fwd(1, LENGTHS.tokens)  # a forward of every pair
+    # a clean run of each part, then its two runs at each step, where every pair held needed its two runs once
+    assert part.flops - whole.flops == pytest.approx((2 * steps - 1) * one, rel=1e-6)
+    screened = replace(parted, discovery=replace(parted.discovery, screen=True))
+    assert circuit(context(screened), "llama-7b").flops - part.flops == pytest.approx(2 * steps * one, rel=1e-6)
     plan = resource_plan(paper_spec, device, LENGTHS)
     (too_big,) = [p for p in plan if p.cost.stage == "circuit:llama-7b"]
     assert not too_big.fits

@@ -76,6 +76,30 @@ def test_task_file_paper_stages_need_pruning(tmp_path):
         load_spec(bad)
 
 
+@pytest.mark.parametrize(
+    "method, size, message",
+    [
+        ("path", "0", r"pairs_per_part = 0: give a number of pairs of at least 1"),
+        ("path", "2.5", r"pairs_per_part = 2.5: give a number"),
+        ("curve", "50", r"pairs_per_part holds path patching's pairs in parts; method = 'curve' reads no pairs"),
+    ],
+)
+def test_pairs_per_part_is_refused_with_its_line_where_it_cannot_hold(tmp_path, method, size, message):
+    """A part of no pairs, of a fraction of one, or of a study that discovers no circuit by path patching."""
+    from mechdiff.studies.spec import SpecError, load_spec
+
+    text = (ROOT / "tasks" / "entity_tracking_llama7b.toml").read_text()
+    assert text.count('method = "path"') == 1
+    good = tmp_path / "good.toml"
+    good.write_text(text.replace('method = "path"', 'method = "path"\npairs_per_part = 50'))
+    assert load_spec(good).discovery.pairs_per_part == 50
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace('method = "path"', f'method = "{method}"\npairs_per_part = {size}'))
+    line = next(i for i, x in enumerate(bad.read_text().splitlines(), 1) if x.startswith("pairs_per_part"))
+    with pytest.raises(SpecError, match=rf"bad.toml:{line}: \[discovery\] {message}"):
+        load_spec(bad)
+
+
 def test_a_file_asking_for_dcm_needs_the_tasks_own_desiderata(smollm2_tokenizer, tmp_path):
     """[dcm] on a task that declares no desideratum is refused when the file loads, naming the line and the way
     out; so are desiderata the task does not declare. Without [dcm] the same task loads (DCM is then reported as
