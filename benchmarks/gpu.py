@@ -9,6 +9,8 @@ device. Each stage runs as the study runs it, on the entity-tracking prompts, an
 - ``matrix-cell``: reference means, the full model and one circuit mean-ablated (a matrix cell;
   :class:`mechdiff.circuits.scoring.Scorer`);
 - ``path-step-A``: path patching of step A, every head an exact sender (:func:`mechdiff.patching.path.path_patch`);
+- ``path-step-A-parts``: the same step with its pairs held in two parts (``[discovery] pairs_per_part``,
+  :class:`mechdiff.patching.path.PairStream`);
 - ``dcm-epoch``: DCM of one group for one epoch: the pair cache, training, validation, test and the random baseline
   (:func:`mechdiff.methods.dcm.run_dcm`), two models held;
 - ``cmap-pass``: CMAP of one group and the circuit from a second model into the first
@@ -38,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 GIB = 2**30
-STAGES = ("accuracy", "matrix-cell", "path-step-A", "dcm-epoch", "cmap-pass")
+STAGES = ("accuracy", "matrix-cell", "path-step-A", "path-step-A-parts", "dcm-epoch", "cmap-pass")
 
 
 @dataclass
@@ -175,6 +177,9 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     circuit = Circuit(base.name, "entity-tracking", {"A": heads}, {"A": step.sender})
     flops, kept, transient, per_pass = r._path_cost(ctx, sizes.pairs, [step])
     path_cost = r.StageCost("path-step-A", 1, sizes.pairs, per_pass * sizes.pairs, flops, ctx.weights, kept, transient)
+    half = max(sizes.pairs // 2, 1)  # the same step in two parts ([discovery] pairs_per_part)
+    flops, kept, transient, per_part = r._path_cost(ctx, sizes.pairs, [step], held=half)
+    parts_cost = r.StageCost("path-step-A-parts", 1, sizes.pairs, per_part * half, flops, ctx.weights, kept, transient)
     pairs = path_patching_pairs(tok, sizes.pairs, n_boxes=7, seed=0)
     dcm_pairs = positional_pairs(tok, sizes.dcm_train + sizes.dcm_val + sizes.dcm_test, n_boxes=7, seed=1)
     config = dcm_config(spec)
@@ -184,9 +189,12 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
         scorer.full()
         scorer.keep([(h, step.sender) for h in heads])
 
-    def path_step() -> None:
-        batch = prepare(base, pairs)
-        path_patch(base, batch, eligible_senders(base, None), step.sender, None, per_pass, progress=False)
+    def path_step(part_size=None, senders_per_pass=per_pass) -> Callable[[], None]:
+        def run() -> None:
+            batch = prepare(base, pairs, part_size=part_size)
+            path_patch(base, batch, eligible_senders(base, None), step.sender, None, senders_per_pass, progress=False)
+
+        return run
 
     def dcm_epoch() -> None:
         groups = [(heads, step.sender), (random_pool(base, heads, config), step.sender)]
@@ -199,7 +207,8 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     return {
         "accuracy": (lambda: evaluate(base, records, sizes.batch, progress=False), r.accuracy(ctx, base.name)),
         "matrix-cell": (matrix_cell, r._scored(ctx, "matrix-cell", sizes.n, 1)),
-        "path-step-A": (path_step, path_cost),
+        "path-step-A": (path_step(), path_cost),
+        "path-step-A-parts": (path_step(half, per_part), parts_cost),
         "dcm-epoch": (dcm_epoch, r.dcm(ctx, base.name, 0)),
         "cmap-pass": (
             lambda: run_cmap(base, other, circuit, records, ["z"], sizes.batch, ["A"], progress=False),

@@ -6,7 +6,7 @@
 #
 # Randomly initialised models of LLaMA-7B's width (mechdiff/data/configs/llama-7b.json, depth cut) run the stages
 # the planner counts (accuracy, a mean-ablation matrix cell, a path-patching step with every head an exact
-# sender, a DCM epoch with its pair cache, a CMAP pass; benchmarks/gpu.py), each printed beside the planner's
+# sender, held whole and in two parts, a DCM epoch with its pair cache, a CMAP pass; benchmarks/gpu.py), each printed beside the planner's
 # memory (torch.cuda.max_memory_allocated above the stage's start) and time (wall, synchronised), on the named
 # device of the GPU's kind and at the GPU's measured matrix-multiply rate: 4 layers in bfloat16, then LLaMA-7B's
 # whole 32-layer config in bfloat16 (accuracy) where it fits, 2 layers in float32 and in float16. Sized for under

@@ -158,6 +158,28 @@ def test_the_unembedding_reads_a_contiguous_input_and_the_logits_do_not_change(s
     torch.testing.assert_close(last, reference, atol=1e-6, rtol=1e-6)
 
 
+def test_one_rows_view_reaches_the_unembedding_with_compact_strides(smollm2_tokenizer):
+    """A batch of one: ``hidden[:, -1:]`` counts as contiguous but keeps the full sequence's strides, which a
+    bfloat16 ``linear`` on CPU reads (a slow path); the unembedding gets a compact copy, the logits unchanged."""
+    from mechdiff.models.loading import contiguous_unembedding, is_compact
+
+    tiny = make_tiny("llama", smollm2_tokenizer)
+    ids = torch.randint(0, 1000, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = tiny.model(input_ids=ids).logits[:, -1]
+    view = torch.zeros(1, 7, 8)[:, -1:]
+    assert (
+        view.is_contiguous() and not is_compact(view) and is_compact(view.clone(memory_format=torch.contiguous_format))
+    )
+    strides = []
+    contiguous_unembedding(tiny.model)
+    tiny.model.lm_head.register_forward_pre_hook(lambda _, args: strides.append(is_compact(args[0])))
+    with torch.no_grad():
+        last = tiny.model(input_ids=ids, logits_to_keep=1).logits[:, -1]
+    assert strides == [True]
+    torch.testing.assert_close(last, reference, atol=1e-6, rtol=1e-6)
+
+
 def test_the_fingerprint_tells_bfloat16_weights_from_float32_weights_of_the_same_values(smollm2_tokenizer):
     """A checkpoint stored in bfloat16 (as many hub checkpoints are) loads in float32 and in bfloat16 with the same
     values: the fingerprint (every stage key's and the activation store's) still tells them apart, so a bfloat16
