@@ -338,9 +338,8 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
     flops, kept, transient, s = _path_cost(ctx, d.n)
     held, steps = _held_pairs(ctx, d.n), len(_plan_steps(ctx))
     senders, parts = ctx.dims.n_layers * ctx.dims.n_heads, math.ceil(d.n / held)
-    # the clean and counterfactual runs (in parts: a clean run of each, then both again at each pass over them),
-    # then per step, part and pass of s senders a frozen and a receiver run
-    reads = ctx.reads(parts * (1 + 2 * steps * _stream_passes(ctx)) if held < d.n else 2)
+    # the clean and counterfactual runs, then per step, part and pass of s senders a frozen and a receiver run
+    reads = ctx.reads(parts * _prepared_runs(ctx, d.n, held, steps))
     reads += ctx.reads(2 * steps * parts * math.ceil(senders / s), ctx.dims.n_layers / 2)
     most = _path_most_pairs(ctx)
     if held < d.n:
@@ -365,9 +364,13 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
     )
 
 
-def _stream_passes(ctx: Context) -> int:
-    """Passes over the parts a path-patching step makes: path patching, and the attribution screen where on."""
-    return 2 if ctx.spec.discovery.screen else 1
+def _prepared_runs(ctx: Context, n: int, held: int, steps: int) -> int:
+    """Forwards a pair's clean and counterfactual runs take over ``steps`` steps: both once where every pair is
+    held; in parts, a clean run to read each part, then both again at each pass over the parts a step makes (path
+    patching, and the attribution screen where on)."""
+    if held >= n:
+        return 2
+    return 1 + 2 * steps * (2 if ctx.spec.discovery.screen else 1)
 
 
 def _held_pairs(ctx: Context, n: int) -> int:
@@ -387,9 +390,7 @@ def _path_cost(
     held = _held_pairs(ctx, n) if held is None else held
     kept = held * held_pair_bytes(dims.n_layers, dims.d_model, dims.kv_width(), t.longest, dtype_bytes(ctx.dtype))
     plan = _plan_steps(ctx) if steps is None else steps
-    flops, senders = ctx.fwd(2 * n, t.tokens), dims.n_layers * dims.n_heads
-    if held < n:  # in parts: a clean run reads each part, then each step's passes over the parts run them again
-        flops = ctx.fwd(n, t.tokens) + len(plan) * _stream_passes(ctx) * ctx.fwd(2 * n, t.tokens)
+    flops, senders = ctx.fwd(n * _prepared_runs(ctx, n, held, len(plan)), t.tokens), dims.n_layers * dims.n_heads
     s = senders_per_pass(ctx, held, kept)
     transient = ctx.act(held, t.longest)  # the clean and counterfactual runs, a part's pairs at once
     for step in plan:
