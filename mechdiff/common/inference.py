@@ -364,16 +364,21 @@ class Equivalence:
 def equivalence(
     a: Sequence[float], b: Sequence[float], margin: float, items: Optional[Sequence] = None, claim: str = ""
 ) -> Equivalence:
-    """Schuirmann's two one-sided t tests on the per-item mean difference (items weighted by their rows:
+    """Sameness within ``margin``: for 0/1 outcomes one row an item, the interval inclusion principle on the exact
+    paired interval (shown where its 1 - 2 alpha interval lies inside the margin; ``p`` the smallest such alpha);
+    otherwise Schuirmann's two one-sided t tests on the per-item mean difference (items weighted by their rows:
     the ratio estimator's linearised standard error, ``k - 1`` degrees of freedom)."""
     if margin <= 0:
         raise ValueError("an equivalence margin must be above 0")
     x, y = np.asarray(a, dtype=float).ravel(), np.asarray(b, dtype=float).ravel()
     idx = item_index(items, x.size)
-    sums, counts = item_sums(x - y, idx)
-    k, value = counts.size, float((x - y).mean())
+    k = int(idx.max()) + 1 if idx.size else 0
     if k < 2:
         raise ValueError("an equivalence test needs at least two items")
+    if _binary(x) and _binary(y) and k == x.size:
+        return _exact_equivalence(x, y, margin, claim)
+    sums, counts = item_sums(x - y, idx)
+    value = float((x - y).mean())
     resid = sums - value * counts
     se = float(np.sqrt(k / (k - 1) * (resid**2).sum()) / counts.sum())
     t = sps.t(k - 1)
@@ -383,6 +388,23 @@ def equivalence(
         p = float(max(t.sf((value + margin) / se), t.cdf((value - margin) / se)))
     q = t.ppf(1 - ALPHA)
     return Equivalence(claim, margin, value, float(value - q * se), float(value + q * se), p)
+
+
+def _exact_equivalence(x: np.ndarray, y: np.ndarray, margin: float, claim: str) -> Equivalence:
+    def inside(alpha: float) -> bool:
+        iv = _exact_paired(x, y, claim, 1 - 2 * alpha).interval
+        return -margin < iv.low and iv.high < margin
+
+    iv = _exact_paired(x, y, claim, 1 - 2 * ALPHA).interval
+    if not inside(0.5 - 1e-9):
+        return Equivalence(claim, margin, iv.value, iv.low, iv.high, 1.0)
+    lo, hi = 1e-9, 0.5 - 1e-9  # the smallest alpha whose interval lies inside the margin
+    if inside(lo):
+        return Equivalence(claim, margin, iv.value, iv.low, iv.high, lo)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if inside(mid) else (mid, hi)
+    return Equivalence(claim, margin, iv.value, iv.low, iv.high, hi)
 
 
 # --- controls ----------------------------------------------------------------------------------------------------

@@ -2,21 +2,24 @@
 they come from (``outcomes.json``, :mod:`mechdiff.common.outcomes`).
 
 Every model of a circuits study is scored on the same prompts of each set (accuracy, the circuit x model matrix,
-semantic patching of the DCM selections), so a difference between two models is read from one paired bootstrap
-over those prompts, not from two separate intervals: accuracy and answer probability (mean of per-prompt
-differences), a circuit's accuracy with the rest ablated (the same), and its faithfulness (a difference of two
-ratios, every resample drawing the same prompts for both models). Records made before per-prompt outcomes were
-kept have none: their comparisons are left out, and the report says so.
+semantic patching of the DCM selections), so a difference between two models is one paired test on those prompts,
+by the rules of :mod:`mechdiff.common.inference`: 0/1 outcomes by the exact McNemar test (or the sign-flip test
+over items where an item has several rows), continuous ones by the sign-flip test, a faithfulness difference (two
+ratios) by the paired cluster bootstrap, stated with its two parts (the circuit's accuracy and the model's accuracy
+on those prompts). Every difference of a study is one test of the family "differences between the models",
+adjusted by Holm's step-down; one that is not shown gets an equivalence test against its measure's margin.
+Records made before per-prompt outcomes were kept have none: their comparisons are left out, and the report says
+so.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..common import inference as inf
 from ..common.outcomes import read_record
-from ..common.stats import Estimate, paired_difference, paired_ratio_difference
 
 
 def outcome_stages(accuracy: Mapping[str, Any], matrix: Mapping[str, Any], dcm: Any) -> dict[str, dict]:
@@ -37,73 +40,137 @@ def outcome_stages(accuracy: Mapping[str, Any], matrix: Mapping[str, Any], dcm: 
     return {k: v for k, v in out.items() if v}
 
 
-def paired_rows(stages: Mapping[str, Mapping[str, dict]], base: str, finetunes: list[str]) -> list[dict]:
-    """One row per comparison of a fine-tune with the base on the same prompts: what, the difference (fine-tune
-    minus base) with its paired 95% interval, and the prompts; from ``outcomes.json``'s stages."""
-    rows: list[dict] = []
-    acc = stages.get("accuracy", {})
+MARGINS: dict[str, float] = {"accuracy": 0.05, "probability": 0.05, "faithfulness": 0.05, "logit difference": 0.5}
+"""Equivalence margins by the kind of measure (a task file's ``[inference] margins`` may set others)."""
+
+FAMILY = "differences between the models"
+
+Items = Optional[Mapping[str, Sequence]]
+"""Item ids aligned with each stage's rows (``accuracy``, ``matrix``, ``semantic``); None: one row an item."""
+
+
+def margin_for(measure: str, margins: Optional[Mapping[str, float]] = None) -> float:
+    """The equivalence margin of a measure by the kind its name ends with."""
+    table = {**MARGINS, **(margins or {})}
+    for kind in ("faithfulness", "logit difference", "probability", "accuracy"):
+        if measure.endswith(kind) or kind in measure.rsplit(":", 1)[-1]:
+            return table[kind]
+    return table["accuracy"]
+
+
+Compared = dict[str, tuple[np.ndarray, np.ndarray, Optional[Sequence]]]
+"""A mean difference's claim -> the two per-row arrays its test compared and their items (for its TOST)."""
+
+
+def paired_family(
+    stages: Mapping[str, Mapping[str, dict]], base: str, finetunes: list[str], items: Items = None
+) -> tuple[inf.Family, Compared]:
+    """Every comparison of a fine-tune with the base on the same prompts, one test each, in one family; and the
+    values each mean difference compared."""
+    fam, compared = inf.Family(FAMILY), {}
+    acc, its = stages.get("accuracy", {}), items or {}
+
+    def add(a, b, on, claim: str) -> None:
+        a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+        fam.add(inf.paired(a, b, on, claim))
+        compared[claim] = (a, b, on)
+
     for ft in finetunes:
         if base in acc and ft in acc:
             (c_b, p_b), (c_f, p_f) = read_record(acc[base]), read_record(acc[ft])
-            rows.append(_row(ft, base, "accuracy", paired_difference(c_f, c_b)))
-            rows.append(_row(ft, base, "answer probability", paired_difference(p_f, p_b)))
+            on = its.get("accuracy")
+            add(c_f, c_b, on, f"{ft} - {base}: accuracy")
+            if p_b is not None and p_f is not None:
+                add(p_f, p_b, on, f"{ft} - {base}: answer probability")
             if "logit_diff" in acc[base] and "logit_diff" in acc[ft]:
-                ld_b, ld_f = (np.asarray(acc[m]["logit_diff"], dtype=float) for m in (base, ft))
-                rows.append(_row(ft, base, "logit difference", paired_difference(ld_f, ld_b)))
-        rows += _matrix_rows(stages, base, ft)
-        rows += _semantic_rows(stages.get("semantic", {}), base, ft)
-    return [r for r in rows if r is not None]
+                add(acc[ft]["logit_diff"], acc[base]["logit_diff"], on, f"{ft} - {base}: logit difference")
+        mb, mf = stages.get(f"matrix:{base}"), stages.get(f"matrix:{ft}")
+        if mb and mf:
+            on = its.get("matrix")
+            full_b, full_f = read_record(mb["full"])[0], read_record(mf["full"])[0]
+            add(full_f, full_b, on, f"{ft} - {base}: model accuracy on the matrix prompts")
+            for circuit in (c for c in mb if c != "full" and c in mf):
+                cb, cf = read_record(mb[circuit])[0], read_record(mf[circuit])[0]
+                if cb.shape == cf.shape:
+                    add(cf, cb, on, f"{ft} - {base}: circuit of {circuit}: accuracy")
+                    what = f"{ft} - {base}: circuit of {circuit}: faithfulness"
+                    fam.add(inf.paired_ratio(cf, full_f, cb, full_b, on, what))
+        semantic = stages.get("semantic", {})
+        for label, record in semantic.items():
+            what, _, model = label.rpartition(" in ")
+            other = semantic.get(f"{what} in {ft}")
+            if model == base and other is not None:
+                b, f = read_record(record)[0], read_record(other)[0]
+                on = its.get("semantic", {}).get(what) if isinstance(its.get("semantic"), Mapping) else None
+                if b.shape == f.shape:
+                    add(f, b, on, f"{ft} - {base}: DCM heads of {what} patched: target accuracy")
+    return fam, compared
 
 
-def _matrix_rows(stages: Mapping[str, Mapping[str, dict]], base: str, ft: str) -> list[Optional[dict]]:
-    mb, mf = stages.get(f"matrix:{base}"), stages.get(f"matrix:{ft}")
-    if not mb or not mf:
-        return []
-    full_b, full_f = read_record(mb["full"])[0], read_record(mf["full"])[0]
+def paired_rows(
+    stages: Mapping[str, Mapping[str, dict]],
+    base: str,
+    finetunes: list[str],
+    items: Items = None,
+    margins: Optional[Mapping[str, float]] = None,
+) -> list[dict]:
+    """One row per comparison of a fine-tune with the base on the same prompts: the difference (fine-tune minus
+    base) with its interval, its test's p and Holm's p in the family, and, where it is not shown, the
+    equivalence test against the measure's margin (means only, not ratios); from ``outcomes.json``'s stages."""
+    fam, compared = paired_family(stages, base, finetunes, items)
     rows = []
-    for circuit in (c for c in mb if c != "full" and c in mf):
-        cb, cf = read_record(mb[circuit])[0], read_record(mf[circuit])[0]
-        if cb.shape != cf.shape:
+    for test in fam.adjusted():
+        if not np.isfinite(test.interval.value):
             continue
-        rows.append(_row(ft, base, f"circuit of {circuit}: accuracy", paired_difference(cf, cb)))
-        rows.append(
-            _row(ft, base, f"circuit of {circuit}: faithfulness", paired_ratio_difference(cf, full_f, cb, full_b))
-        )
+        eq = None
+        if not test.rejects and test.claim in compared:
+            a, b, on = compared[test.claim]
+            try:
+                eq = inf.equivalence(a, b, margin_for(test.claim, margins), on, test.claim)
+            except ValueError:
+                eq = None
+        comparison, _, measure = test.claim.partition(": ")
+        rows.append(_row(comparison, measure, test, eq))
     return rows
 
 
-def _semantic_rows(semantic: Mapping[str, dict], base: str, ft: str) -> list[Optional[dict]]:
-    rows = []
-    for label, record in semantic.items():
-        what, _, model = label.rpartition(" in ")
-        other = semantic.get(f"{what} in {ft}")
-        if model != base or other is None:
-            continue
-        b, f = read_record(record)[0], read_record(other)[0]
-        if b.shape == f.shape:
-            rows.append(_row(ft, base, f"DCM heads of {what} patched: target accuracy", paired_difference(f, b)))
-    return rows
-
-
-def _row(ft: str, base: str, what: str, est: Estimate) -> Optional[dict]:
-    if not np.isfinite(est.value):
-        return None
+def _row(comparison: str, measure: str, test: inf.Test, eq: Optional[inf.Equivalence]) -> dict:
+    iv = test.interval
     return {
-        "comparison": f"{ft} - {base}",
-        "measure": what,
-        "difference": est.value,
-        "difference_low": est.low,
-        "difference_high": est.high,
-        "n_prompts": est.n,
+        "comparison": comparison,
+        "measure": measure,
+        "difference": iv.value,
+        "difference_low": iv.low,
+        "difference_high": iv.high,
+        "p": test.p,
+        "p_holm": test.p_adjusted,
+        "shown": test.rejects,
+        "test": test.method,
+        "discordant": None if test.discordant is None else f"{test.discordant[0]} vs {test.discordant[1]}",
+        "n_prompts": iv.n_rows,
+        "n_items": iv.n_items,
+        "margin": None if eq is None else eq.margin,
+        "same_within_margin": None if eq is None else eq.shown,
+        "p_tost": None if eq is None else eq.p,
     }
 
 
 def difference_sentence(row: Mapping[str, Any]) -> str:
-    """What a paired row carries in words: a difference only where its interval excludes 0."""
+    """What a paired row carries in words: a difference only where its Holm-adjusted test rejects; sameness only
+    where its equivalence test passes (naming the margin); otherwise not shown, with what the interval allows."""
     value, low, high = row["difference"], row["difference_low"], row["difference_high"]
     ci = f"{value:+.3f} [{low:+.3f}, {high:+.3f}]"
-    if low > 0 or high < 0:
+    p = row.get("p_holm", row.get("p"))
+    where = f"{row['n_prompts']} prompts" + (
+        f" in {row['n_items']} items" if row.get("n_items") not in (None, row["n_prompts"]) else ""
+    )
+    if row.get("shown", low > 0 or high < 0):
+        side = "higher" if value > 0 else "lower"
+        return f"{row['measure']}: {ci}, {side} in the fine-tune (Holm p = {p:.2g}; {where})"
+    if row.get("same_within_margin"):
         return (
-            f"{row['measure']}: {ci}, {'higher' if low > 0 else 'lower'} in the fine-tune ({row['n_prompts']} prompts)"
+            f"{row['measure']}: {ci}, the same within +-{row['margin']:g} "
+            f"(equivalence p = {row['p_tost']:.2g}; {where})"
         )
-    return f"{row['measure']}: {ci}, no difference the interval carries ({row['n_prompts']} prompts)"
+    allows = max(abs(low), abs(high))
+    return f"{row['measure']}: {ci}, not shown to differ; the interval allows up to {allows:.3f} ({where})"

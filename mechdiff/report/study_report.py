@@ -669,10 +669,14 @@ def paired_section(study: "Study", accuracy: dict, matrix: dict, dcm: "StageReco
     write_outcomes(study.dir, stages)
     rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes)
     caption = (
-        "Fine-tune minus base on the same prompts: accuracy and answer probability (eval prompts), each circuit's "
-        "accuracy and faithfulness with the rest mean-ablated (matrix prompts), and the target accuracy with the "
-        "base's DCM heads patched (DCM test pairs); 95% paired bootstrap over prompts (faithfulness: the difference "
-        "of two ratios, each resample the same prompts for both). Per-prompt outcomes: `outcomes.json`"
+        "Fine-tune minus base on the same prompts, one test each in the family \"differences between the models\" "
+        "(Holm-adjusted p; docs/inference.md): accuracy and answer probability (eval prompts), the model's and each "
+        "circuit's accuracy and faithfulness with the rest mean-ablated (matrix prompts; a faithfulness difference "
+        "is read with its two parts, never alone), and the target accuracy with the base's DCM heads patched (DCM "
+        "test pairs). 0/1 outcomes: exact McNemar test with its exact-hulled Tango interval; continuous: sign-flip "
+        "test over items with the interval that inverts it; faithfulness: paired cluster bootstrap. Where a "
+        "difference is not shown, `same_within_margin` is its equivalence test (TOST) against `margin`. Per-prompt "
+        "outcomes: `outcomes.json`"
     )
     return study_table(study, rows, "paired_differences", caption), rows
 
@@ -685,7 +689,7 @@ def paired_findings(rows: list[dict]) -> str:
     for comparison in dict.fromkeys(r["comparison"] for r in rows):
         mine = [r for r in rows if r["comparison"] == comparison and not r["measure"].startswith("DCM")]
         if mine:
-            lines.append(f"- **{comparison}** on the same prompts (paired 95% intervals): ")
+            lines.append(f"- **{comparison}** on the same prompts (paired 95% intervals, Holm within the family): ")
             lines[-1] += "; ".join(difference_sentence(r) for r in mine) + "."
     return "\n".join(lines)
 

@@ -102,7 +102,8 @@ def _check_paired_differences(spec, run_dir, text):
     assert np.isclose(rows["answer probability"]["difference"], np.mean(pf - pb), rtol=1e-4, atol=1e-6)
     own = stages[f"matrix:{base}"][base]
     assert len(own["correct"]) == spec.scoring.n and f"circuit of {base}: accuracy" in rows  # (faithfulness: nan here)
-    assert "## Differences between models (paired)" in text and "on the same prompts (paired 95% intervals)" in text
+    assert "## Differences between models (paired)" in text
+    assert "on the same prompts (paired 95% intervals, Holm within the family)" in text
 
 
 def test_study_end_to_end_and_caching(tiny_family, tmp_path):

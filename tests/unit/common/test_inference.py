@@ -175,6 +175,20 @@ def test_equivalence_is_two_one_sided_t_tests():
     assert eq.shown == (-margin < eq.low and eq.high < margin)  # the 90% interval inside the margin
 
 
+def test_exact_equivalence_is_interval_inclusion_of_the_exact_interval():
+    """Sparse 0/1 differences (0 vs 4 of 200): the t-based TOST passes a 0.04 margin (its 90% interval
+    [-0.036, -0.004]), but the exact 90% interval reaches -0.044, so sameness within 0.04 is not shown; within
+    0.05 it is, and its p is the alpha at which the 1 - 2 alpha exact interval first fits the margin."""
+    a, b = np.zeros(200), np.zeros(200)
+    b[:4] = 1
+    assert not inf.equivalence(a, b, 0.04).shown
+    eq = inf.equivalence(a, b, 0.05)
+    ninety = inf.paired(a, b, confidence=0.9).interval
+    assert eq.shown and (eq.low, eq.high) == (ninety.low, ninety.high) and -0.05 < eq.low and eq.high < 0.05
+    at_p = inf.paired(a, b, confidence=1 - 2 * eq.p).interval
+    assert at_p.low == pytest.approx(-0.05, abs=1e-4)
+
+
 def test_equivalence_is_not_shown_by_a_small_sample():
     eq = inf.equivalence([1, 0, 1, 0, 1], [1, 1, 0, 0, 1], 0.05)
     assert not eq.shown

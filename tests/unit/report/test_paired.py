@@ -84,13 +84,47 @@ def test_rows_from_stage_records_pair_the_same_prompts():
     assert all(r["comparison"] == "ft - base" for r in rows.values())
 
 
-def test_a_sentence_states_a_difference_only_where_the_interval_excludes_zero():
-    row = {"measure": "accuracy", "difference": 0.05, "difference_low": 0.02, "difference_high": 0.08, "n_prompts": 9}
-    assert "higher in the fine-tune" in difference_sentence(row)
-    row.update(difference_low=-0.01)
-    assert "no difference the interval carries" in difference_sentence(row)
-    row.update(difference=-0.05, difference_low=-0.08, difference_high=-0.02)
+def test_a_sentence_states_a_difference_only_where_its_adjusted_test_rejects():
+    row = {"measure": "accuracy", "difference": 0.05, "difference_low": 0.02, "difference_high": 0.08}
+    row.update(n_prompts=9, n_items=9, p=0.01, p_holm=0.03, shown=True)
+    assert "higher in the fine-tune (Holm p = 0.03" in difference_sentence(row)
+    row.update(p_holm=0.2, shown=False, same_within_margin=False, margin=0.05, p_tost=0.4)
+    assert "not shown to differ; the interval allows up to 0.080" in difference_sentence(row)
+    row.update(same_within_margin=True, p_tost=0.01)
+    assert "the same within +-0.05 (equivalence p = 0.01" in difference_sentence(row)
+    row.update(difference=-0.05, difference_low=-0.08, difference_high=-0.02, shown=True, p_holm=0.001)
     assert "lower in the fine-tune" in difference_sentence(row)
+
+
+def test_rows_carry_the_exact_test_and_holm_within_the_family():
+    """0/1 outcomes one prompt an item: each row's p is the exact binomial test on its discordant prompts, its
+    Holm p the step-down over the family's tests, computed by hand; a 0-vs-4 difference is not shown (and is
+    the same within 0.05 by its exact equivalence test)."""
+    from scipy import stats as sps
+
+    n = 200
+    cb = np.zeros(n)
+    cb[:100] = 1
+    cf = cb.copy()
+    cf[100:130] = 1  # 30 vs 0 discordant
+    sem_b, sem_f = np.zeros(n), np.zeros(n)
+    sem_b[:4] = 1  # 0 vs 4 discordant
+    accuracy = {"base": _rec({"outcomes": outcome_record(cb)}), "ft": _rec({"outcomes": outcome_record(cf)})}
+    dcm = _rec(
+        {
+            "semantic": [
+                {"group": "last", "desideratum": "o", "model": m, "outcomes": outcome_record(o)}
+                for m, o in (("base", sem_b), ("ft", sem_f))
+            ]
+        }
+    )
+    rows = {r["measure"]: r for r in paired_rows(outcome_stages(accuracy, {}, dcm), "base", ["ft"])}
+    acc, sem = rows["accuracy"], rows["DCM heads of last/o patched: target accuracy"]
+    p_acc, p_sem = sps.binomtest(30, 30).pvalue, sps.binomtest(0, 4).pvalue
+    assert acc["p"] == p_acc and sem["p"] == p_sem == 0.125 and sem["discordant"] == "0 vs 4"
+    assert acc["p_holm"] == 2 * p_acc and sem["p_holm"] == p_sem  # two tests: 2 p_(1), then max(., p_(2))
+    assert acc["shown"] and not sem["shown"] and sem["difference_low"] < 0 <= sem["difference_high"]
+    assert sem["same_within_margin"] and "the same within +-0.05" in difference_sentence(sem)  # 90% exact interval
 
 
 def test_records_without_outcomes_give_no_rows():
