@@ -335,7 +335,8 @@ def paired_ratio(
         draws = (w @ sums[0]) / (w @ sums[1]) - (w @ sums[2]) / (w @ sums[3])
     draws = draws[np.isfinite(draws)]
     low, high = _percentile(draws, confidence)
-    p = min(1.0, 2 * min((draws <= 0).mean(), (draws >= 0).mean())) if draws.size else 1.0
+    tail = min(int((draws <= 0).sum()), int((draws >= 0).sum()))
+    p = min(1.0, 2 * (tail + 1) / (draws.size + 1)) if draws.size else 1.0
     iv = Interval(value, low, high, arrs[0].size, int(idx.max()) + 1, "paired cluster bootstrap over items")
     return Test(claim, iv, float(p), "paired cluster bootstrap (percentile p)")
 

@@ -44,6 +44,18 @@ MARGINS: dict[str, float] = {"accuracy": 0.05, "probability": 0.05, "faithfulnes
 """Equivalence margins by the kind of measure (a task file's ``[inference] margins`` may set others)."""
 
 FAMILY = "differences between the models"
+SAMENESS = "sameness between the models"
+CAPTION = (
+    'Fine-tune minus base on the same prompts, one test each in the family "differences between the models" '
+    "(Holm-adjusted p; docs/inference.md): accuracy and answer probability (eval prompts), the model's and each "
+    "circuit's accuracy and faithfulness with the rest mean-ablated (matrix prompts; a faithfulness difference "
+    "is read with its two parts, never alone), and the target accuracy with the base's DCM heads patched (DCM "
+    "test pairs). 0/1 outcomes: exact McNemar test with its exact-hulled Tango interval; continuous: sign-flip "
+    "test over items with the interval that inverts it; faithfulness: paired cluster bootstrap. Where a "
+    "difference is not shown, `same_within_margin` is its equivalence test (TOST) against `margin`. Per-prompt "
+    "outcomes: `outcomes.json`"
+)
+"""The paired-differences table's caption."""
 
 Items = Optional[Mapping[str, Sequence]]
 """Item ids aligned with each stage's rows (``accuracy``, ``matrix``, ``semantic``); None: one row an item."""
@@ -118,7 +130,7 @@ def paired_rows(
     base) with its interval, its test's p and Holm's p in the family, and, where it is not shown, the
     equivalence test against the measure's margin (means only, not ratios); from ``outcomes.json``'s stages."""
     fam, compared = paired_family(stages, base, finetunes, items)
-    rows = []
+    rows, tosts = [], []
     for test in fam.adjusted():
         if not np.isfinite(test.interval.value):
             continue
@@ -131,6 +143,9 @@ def paired_rows(
                 eq = None
         comparison, _, measure = test.claim.partition(": ")
         rows.append(_row(comparison, measure, test, eq))
+        tosts += [len(rows) - 1] if eq is not None else []
+    for i, p_holm in zip(tosts, inf.holm([rows[i]["p_tost"] for i in tosts])):
+        rows[i].update(p_tost_holm=float(p_holm), same_within_margin=bool(p_holm <= inf.ALPHA))
     return rows
 
 
@@ -152,6 +167,7 @@ def _row(comparison: str, measure: str, test: inf.Test, eq: Optional[inf.Equival
         "margin": None if eq is None else eq.margin,
         "same_within_margin": None if eq is None else eq.shown,
         "p_tost": None if eq is None else eq.p,
+        "p_tost_holm": None,
     }
 
 
@@ -167,10 +183,36 @@ def difference_sentence(row: Mapping[str, Any]) -> str:
     if row.get("shown", low > 0 or high < 0):
         side = "higher" if value > 0 else "lower"
         return f"{row['measure']}: {ci}, {side} in the fine-tune (Holm p = {p:.2g}; {where})"
+    if low > 0 or high < 0:
+        return (
+            f"{row['measure']}: {ci}, not shown after Holm's adjustment in its family (p = {row['p']:.2g}, "
+            f"Holm p = {p:.2g}; {where})"
+        )
     if row.get("same_within_margin"):
         return (
             f"{row['measure']}: {ci}, the same within +-{row['margin']:g} "
-            f"(equivalence p = {row['p_tost']:.2g}; {where})"
+            f"(equivalence Holm p = {row.get('p_tost_holm') or row['p_tost']:.2g} in the family "
+            f'"{SAMENESS}"; {where})'
         )
     allows = max(abs(low), abs(high))
     return f"{row['measure']}: {ci}, not shown to differ; the interval allows up to {allows:.3f} ({where})"
+
+
+def faithfulness_parts(rows: list[Mapping[str, Any]]) -> dict[str, str]:
+    """For each faithfulness difference, its two parts in words (the circuit's accuracy and the model's accuracy
+    on the same prompts), so a ratio difference is never read alone."""
+    by = {(r["comparison"], r["measure"]): r for r in rows}
+    out = {}
+    for comparison, measure in by:
+        if not measure.endswith(": faithfulness"):
+            continue
+        circuit = by.get((comparison, measure.replace(": faithfulness", ": accuracy")))
+        model = by.get((comparison, "model accuracy on the matrix prompts"))
+        if circuit and model:
+            out[measure] = f"its parts: the circuit's accuracy {_short(circuit)}, the model's accuracy {_short(model)}"
+    return out
+
+
+def _short(row: Mapping[str, Any]) -> str:
+    verdict = "shown" if row.get("shown") else "not shown"
+    return f"{row['difference']:+.3f} [{row['difference_low']:+.3f}, {row['difference_high']:+.3f}] ({verdict})"

@@ -657,7 +657,7 @@ def paired_section(study: "Study", accuracy: dict, matrix: dict, dcm: "StageReco
     """Every difference of a fine-tune from the base on the same prompts with its paired interval; the per-prompt
     outcomes behind them written to ``outcomes.json`` (committed with the results)."""
     from ..common.outcomes import write_outcomes
-    from .paired import outcome_stages, paired_rows
+    from .paired import CAPTION, outcome_stages, paired_rows
 
     stages = outcome_stages(accuracy, matrix, dcm)
     if not stages:
@@ -668,17 +668,7 @@ def paired_section(study: "Study", accuracy: dict, matrix: dict, dcm: "StageReco
         )
     write_outcomes(study.dir, stages)
     rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes)
-    caption = (
-        "Fine-tune minus base on the same prompts, one test each in the family \"differences between the models\" "
-        "(Holm-adjusted p; docs/inference.md): accuracy and answer probability (eval prompts), the model's and each "
-        "circuit's accuracy and faithfulness with the rest mean-ablated (matrix prompts; a faithfulness difference "
-        "is read with its two parts, never alone), and the target accuracy with the base's DCM heads patched (DCM "
-        "test pairs). 0/1 outcomes: exact McNemar test with its exact-hulled Tango interval; continuous: sign-flip "
-        "test over items with the interval that inverts it; faithfulness: paired cluster bootstrap. Where a "
-        "difference is not shown, `same_within_margin` is its equivalence test (TOST) against `margin`. Per-prompt "
-        "outcomes: `outcomes.json`"
-    )
-    return study_table(study, rows, "paired_differences", caption), rows
+    return study_table(study, rows, "paired_differences", CAPTION), rows
 
 
 def paired_findings(rows: list[dict]) -> str:

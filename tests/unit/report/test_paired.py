@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from mechdiff.common.outcomes import outcome_record
 from mechdiff.common.stats import paired_difference, paired_ratio_difference, proportion
@@ -89,9 +90,11 @@ def test_a_sentence_states_a_difference_only_where_its_adjusted_test_rejects():
     row.update(n_prompts=9, n_items=9, p=0.01, p_holm=0.03, shown=True)
     assert "higher in the fine-tune (Holm p = 0.03" in difference_sentence(row)
     row.update(p_holm=0.2, shown=False, same_within_margin=False, margin=0.05, p_tost=0.4)
+    assert "not shown after Holm's adjustment in its family (p = 0.01, Holm p = 0.2" in difference_sentence(row)
+    row.update(difference_low=-0.01, p=0.3, p_holm=0.6)
     assert "not shown to differ; the interval allows up to 0.080" in difference_sentence(row)
     row.update(same_within_margin=True, p_tost=0.01)
-    assert "the same within +-0.05 (equivalence p = 0.01" in difference_sentence(row)
+    assert "the same within +-0.05 (equivalence Holm p = 0.01" in difference_sentence(row)
     row.update(difference=-0.05, difference_low=-0.08, difference_high=-0.02, shown=True, p_holm=0.001)
     assert "lower in the fine-tune" in difference_sentence(row)
 
@@ -131,3 +134,21 @@ def test_records_without_outcomes_give_no_rows():
     """Stage records made before outcomes were kept: no comparison is invented."""
     accuracy = {"base": _rec({"accuracy": {}}), "ft": _rec({"accuracy": {}})}
     assert outcome_stages(accuracy, {}, None) == {} and paired_rows({}, "base", ["ft"]) == []
+
+
+def test_the_encodes_bound_is_the_largest_p_over_every_pairing_the_counts_allow():
+    """DCM's floor kept as a count: the bound is the exact McNemar p maximised over every joint table with those
+    margins, by brute force."""
+    from scipy import stats as sps
+
+    from mechdiff.report.families import worst_pairing
+
+    for k, f, n in ((12, 3, 20), (5, 5, 20), (2, 9, 20), (20, 0, 20)):
+        brute = 0.0
+        for c in range(0, min(f, n - k) + 1):  # floor right, patched wrong
+            b = c + k - f  # patched right, floor wrong
+            if b < 0 or b + c > n:
+                continue
+            brute = max(brute, 1.0 if b + c == 0 else sps.binomtest(b, b + c).pvalue)
+        test = worst_pairing(k, f, n, "x")
+        assert test.p == pytest.approx(brute) and test.interval.value == pytest.approx((k - f) / n)

@@ -1,0 +1,192 @@
+"""A circuits study's claims as families of tests, restated from its committed files alone (no model run).
+
+``restate(run_dir)`` reads ``outcomes.json`` (per-prompt outcomes), ``run.json`` (each set's rows, for an imported
+task) and the DCM table, and writes ``tables/families.{md,csv,json}``, ``tables/paired_differences.*`` and
+``inference.md``: every claim a test in a named family with Holm's adjusted p, "same" only by an equivalence test,
+and intervals over items (a task's clean prompts) where the sets of an imported task repeat prompts.
+
+What committed files cannot carry is said, not guessed: DCM's unpatched floor was kept as a count, not per pair,
+so "encodes" is tested by the exact McNemar test at the least favourable pairing the two counts allow (a bound:
+the true paired p is at most the one given); random-circuit draws were kept as a pooled figure, so the circuit's
+rank among draws needs a rerun.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from ..common import inference as inf
+from ..common.io import write_text
+from ..common.outcomes import read_outcomes
+from .paired import CAPTION, paired_rows
+from .paired import FAMILY as DIFFERENCES
+from .tables import write_table
+
+ENCODES = "what the heads encode"
+FAMILIES_CAPTION = (
+    "Every test of the study by family: estimate and 95% interval, p, Holm's adjusted p within the family, "
+    "whether the claim is shown, the test, rows and items (docs/inference.md)"
+)
+
+
+def _manifest(run_dir: Path) -> dict:
+    data = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    for key in ("spec", "prompt_sets"):
+        if isinstance(data.get(key), str):
+            data[key] = ast.literal_eval(data[key])
+    return data
+
+
+def set_items(run_dir: Path, root: Path) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
+    """Each prompt set's items (its rows' clean prompts) for a study of an imported task, from ``run.json``'s row
+    lists and the task's ``pairs.jsonl``; empty for a generated task (one prompt an item)."""
+    manifest = _manifest(run_dir)
+    sets = (manifest.get("prompt_sets") or {}).get("rows")
+    if not sets:
+        return {}, {}
+    task_dir = root / manifest["spec"]["task"]["name"]
+    lines = (task_dir / "pairs.jsonl").read_text(encoding="utf-8").splitlines()
+    prompts = [json.loads(line)["base"]["prompt"] for line in lines if line.strip()]
+    return {name: [prompts[r] for r in rows] for name, rows in sets.items()}, sets
+
+
+def items_sentence(items: Mapping[str, list[str]], rows: Mapping[str, list[int]]) -> str:
+    """Rows and items per set, and the items two sets share (which the rows' disjointness hides)."""
+    if not items:
+        return "Generated task: every prompt is its own item (drawn afresh per set)."
+    parts = [f"{name} {len(rows[name])} rows in {len(set(its))} items" for name, its in items.items()]
+    shared = []
+    names = list(items)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            k = len(set(items[a]) & set(items[b]))
+            if k:
+                shared.append(f"{a}/{b} {k}")
+    text = "Prompt sets by item (a row's clean prompt): " + "; ".join(parts) + "."
+    if shared:
+        text += " Items shared between sets (disjoint by row, not by item): " + ", ".join(shared) + "."
+    return text
+
+
+def worst_pairing(k: int, f: int, n: int, claim: str) -> inf.Test:
+    """Patched against floor on the same ``n`` pairs known only by their counts (``k`` and ``f`` successes): the
+    exact McNemar test at the pairing with the most discordant pairs the counts allow (its p bounds the paired p)."""
+    c = min(f, n - k)
+    b = c + k - f
+    if b < 0:
+        b, c = 0, f - k  # the patched heads below the floor
+    patched = np.r_[np.ones(b), np.zeros(c), np.zeros(n - b - c)]
+    floor = np.r_[np.zeros(b), np.ones(c), np.zeros(n - b - c)]
+    extra = k - b  # pairs both get right
+    patched[b + c : b + c + extra], floor[b + c : b + c + extra] = 1, 1
+    test = inf.paired(patched, floor, claim=claim)
+    return inf.Test(claim, test.interval, test.p, "exact McNemar at the least favourable pairing (a bound)")
+
+
+def encodes_family(semantic: list[Mapping[str, Any]], n_pairs: Mapping[str, int]) -> inf.Family:
+    """DCM's "the heads of a group encode a desideratum in a model": the patched target rate above the unpatched
+    floor on the same test pairs, one test per (group, desideratum, model)."""
+    fam = inf.Family(ENCODES)
+    for r in semantic:
+        label = f"{r['group']}/{r['desideratum']} in {r['model']}"
+        n = n_pairs.get(label)
+        if n is None:
+            continue
+        k, f = round(r["accuracy"] * n), round(r["floor"] * n)
+        fam.add(worst_pairing(k, f, n, f"{label}: patched against the unpatched floor"))
+    return fam
+
+
+def restate(run_dir: str | Path, root: str | Path = ".") -> Path:
+    """Write a circuits study's families of tests from its committed files; returns ``inference.md``."""
+    run_dir, root = Path(run_dir), Path(root)
+    manifest = _manifest(run_dir)
+    stages = read_outcomes(run_dir)
+    models = manifest["spec"]["models"]
+    base, finetunes = models["base"], list(models["finetunes"])
+    items, rows_of = set_items(run_dir, root)
+    by_stage = {"accuracy": items.get("eval"), "matrix": items.get("matrix")} if items else None
+    paired = paired_rows(stages, base, finetunes, by_stage)
+    write_table(paired, run_dir / "tables" / "paired_differences", caption=CAPTION)
+    semantic = _semantic_table(run_dir)
+    n_pairs = {label: len(rec["correct"]) for label, rec in stages.get("semantic", {}).items()}
+    encodes = encodes_family(semantic, n_pairs)
+    family_rows = [_family_row(r) for r in paired] + encodes.rows()
+    write_table(family_rows, run_dir / "tables" / "families", caption=FAMILIES_CAPTION)
+    path = run_dir / "inference.md"
+    write_text(path, _page(run_dir, items_sentence(items, rows_of), paired, encodes))
+    return path
+
+
+def _semantic_table(run_dir: Path) -> list[dict]:
+    path = run_dir / "tables" / "semantic_patching.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+
+
+def _family_row(r: Mapping[str, Any]) -> dict:
+    return {
+        "family": DIFFERENCES,
+        "claim": f"{r['comparison']}: {r['measure']}",
+        "estimate": r["difference"],
+        "low": r["difference_low"],
+        "high": r["difference_high"],
+        "p": r["p"],
+        "p_holm": r["p_holm"],
+        "shown": r["shown"],
+        "method": r["test"],
+        "rows": r["n_prompts"],
+        "items": r["n_items"],
+    }
+
+
+def _page(run_dir: Path, items_line: str, paired: list[dict], encodes: inf.Family) -> str:
+    from .paired import difference_sentence, faithfulness_parts
+
+    lines = [
+        f"# {run_dir.name}: the findings as families of tests",
+        "",
+        "Restated from the committed per-prompt outcomes (`outcomes.json`), `run.json` and the DCM table by "
+        "`mechdiff restate`, with no model run, under the rules of docs/inference.md. Every claim is one test in a "
+        "named family; Holm's step-down adjusts within the family; a claim whose adjusted p exceeds 0.05 is not "
+        'shown; "same" is written only where an equivalence test against the stated margin passes.',
+        "",
+        items_line,
+        "",
+        f"## Family: {DIFFERENCES} ({len(paired)} tests)",
+        "",
+    ]
+    parts = faithfulness_parts(paired)
+    for r in paired:
+        extra = f"; {parts[r['measure']]}" if r["measure"] in parts else ""
+        lines.append(f"- {r['comparison']}: {difference_sentence(r)}{extra}")
+    adjusted = encodes.adjusted()
+    lines += ["", f"## Family: {ENCODES} ({len(adjusted)} tests)", ""]
+    for t in adjusted:
+        iv = t.interval
+        verdict = "shown" if t.rejects else "not shown"
+        lines.append(
+            f"- {t.claim}: patched minus floor {iv.value:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}], {verdict} "
+            f"(Holm p <= {t.p_adjusted:.2g}; {iv.n_rows} pairs)"
+        )
+    lines += [
+        "",
+        'Bounds, not figures: DCM\'s floor was committed as a count, so each "encodes" p is the exact McNemar p at '
+        "the pairing with the most discordant pairs the counts allow (the paired p is at most that). Random "
+        "controls (random circuits in the matrix, random heads in DCM and CMAP) were committed as pooled figures, "
+        "not per draw: the circuit's rank among draws is not restated here; it needs the stages rerun.",
+        "",
+        "Tables: `tables/families.csv` (every test with its family and adjusted p), `tables/paired_differences.csv`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def families_of(run_dir: str | Path) -> Optional[list[dict]]:
+    """The families table of a restated study (None where it was never restated)."""
+    path = Path(run_dir) / "tables" / "families.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
