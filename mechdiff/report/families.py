@@ -120,7 +120,27 @@ def restate(run_dir: str | Path, root: str | Path = ".") -> Path:
     write_table(family_rows, run_dir / "tables" / "families", caption=FAMILIES_CAPTION)
     path = run_dir / "inference.md"
     write_text(path, _page(run_dir, items_sentence(items, rows_of), paired, encodes))
+    _mark_report(run_dir / "report.md")
     return path
+
+
+RESTATED = (
+    "> **Restated.** The findings of this report predate the inference rules of docs/inference.md (intervals over "
+    'items, exact paired tests, Holm within families, equivalence for "same"). `inference.md` beside it states '
+    "them as families of tests, and `tables/paired_differences.*` and `tables/families.*` are the restated tables; "
+    "where a sentence below disagrees with them, they hold."
+)
+
+
+def _mark_report(path: Path) -> None:
+    """Put the restatement note under a report's title once (a report written by today's code needs none)."""
+    if not path.exists():
+        return
+    text = path.read_text(encoding="utf-8")
+    if RESTATED in text:
+        return
+    title, _, rest = text.partition("\n")
+    write_text(path, f"{title}\n\n{RESTATED}\n{rest}")
 
 
 def _semantic_table(run_dir: Path) -> list[dict]:
