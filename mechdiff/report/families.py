@@ -23,7 +23,7 @@ import numpy as np
 from ..common import inference as inf
 from ..common.io import write_text
 from ..common.outcomes import read_outcomes
-from .paired import CAPTION, paired_rows
+from .paired import CAPTION, family_row, paired_rows
 from .paired import FAMILY as DIFFERENCES
 from .tables import write_table
 
@@ -116,7 +116,7 @@ def restate(run_dir: str | Path, root: str | Path = ".") -> Path:
     semantic = _semantic_table(run_dir)
     n_pairs = {label: len(rec["correct"]) for label, rec in stages.get("semantic", {}).items()}
     encodes = encodes_family(semantic, n_pairs)
-    family_rows = [_family_row(r) for r in paired] + encodes.rows()
+    family_rows = [family_row(r) for r in paired] + encodes.rows()
     write_table(family_rows, run_dir / "tables" / "families", caption=FAMILIES_CAPTION)
     path = run_dir / "inference.md"
     write_text(path, _page(run_dir, items_sentence(items, rows_of), paired, encodes))
@@ -146,22 +146,6 @@ def _mark_report(path: Path) -> None:
 def _semantic_table(run_dir: Path) -> list[dict]:
     path = run_dir / "tables" / "semantic_patching.json"
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
-
-
-def _family_row(r: Mapping[str, Any]) -> dict:
-    return {
-        "family": DIFFERENCES,
-        "claim": f"{r['comparison']}: {r['measure']}",
-        "estimate": r["difference"],
-        "low": r["difference_low"],
-        "high": r["difference_high"],
-        "p": r["p"],
-        "p_holm": r["p_holm"],
-        "shown": r["shown"],
-        "method": r["test"],
-        "rows": r["n_prompts"],
-        "items": r["n_items"],
-    }
 
 
 def _page(run_dir: Path, items_line: str, paired: list[dict], encodes: inf.Family) -> str:

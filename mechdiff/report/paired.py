@@ -171,6 +171,23 @@ def _row(comparison: str, measure: str, test: inf.Test, eq: Optional[inf.Equival
     }
 
 
+def family_row(r: Mapping[str, Any]) -> dict:
+    """A paired row as a row of the families table."""
+    return {
+        "family": FAMILY,
+        "claim": f"{r['comparison']}: {r['measure']}",
+        "estimate": r["difference"],
+        "low": r["difference_low"],
+        "high": r["difference_high"],
+        "p": r["p"],
+        "p_holm": r["p_holm"],
+        "shown": r["shown"],
+        "method": r["test"],
+        "rows": r["n_prompts"],
+        "items": r["n_items"],
+    }
+
+
 def difference_sentence(row: Mapping[str, Any]) -> str:
     """What a paired row carries in words: a difference only where its Holm-adjusted test rejects; sameness only
     where its equivalence test passes (naming the margin); otherwise not shown, with what the interval allows."""

@@ -8,19 +8,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from ..circuits.circuit import Circuit
 from ..circuits.overlap import overlap_table
 from ..common.io import write_text
 from ..common.metrics import continuous_key
-from ..common.stats import Estimate, paired_difference
+from ..common.stats import Estimate
 from ..models.resolve import resolve_spec
 from ..runs.seeds import PROMPT_OFFSETS
 from ..runs.stages import StageRecord, label
 from ..tasks.jsonl import REST
 from .bars import grouped_bars
+from .claims import CONTROLS, cmap_family, controls_family, encodes, encodes_family, family_rows
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
 from .page_kit import stage_rows as stage_table
+from .paired import difference_sentence, family_row
 from .rows import (
     circuit_x_model_rows,
     cmap_caption,
@@ -405,7 +409,7 @@ def _interval(row: dict, key: str) -> str:
     return f"{row[key]:.2f} [{row[f'{key}_low']:.2f}, {row[f'{key}_high']:.2f}]"
 
 
-def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict]) -> str:
+def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict], controls: Optional[dict] = None) -> str:
     """Per model: where the computation sits (position scan), and what its own circuit keeps on fresh prompts."""
     target = study.spec.discovery.target
     lines = []
@@ -430,9 +434,15 @@ def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict]) -
             f"fresh prompts: the target (at least {target}, lower bound at least {target - 0.1:.1f}) is "
             + ("met." if met else "not met.")
         )
-        if "random_faithfulness" in own:
+        control = (controls or {}).get((name, name))
+        if control is not None and own.get("random_draws"):
+            draws = own["random_draws"]
+            beats = "above" if control.rejects else "not shown above"
             sentence += (
-                f" Random layer- and position-matched circuits of its size: {_interval(own, 'random_faithfulness')}."
+                f" Against {len(draws)} random layer- and position-matched circuits of its size (accuracy "
+                f"{min(draws):.2f}-{max(draws):.2f}, median {float(np.median(draws)):.2f}): {beats} them, "
+                f"{sum(d >= own['accuracy'] for d in draws)} draws at least as accurate "
+                f'(p = {control.p:.2g}, Holm p = {control.p_adjusted:.2g} in "{CONTROLS}").'
             )
         lines.append(sentence)
         after = next((r for r in matrix_rows if r["model"] == name and r["circuit"] == f"{name} pruned"), None)
@@ -443,22 +453,28 @@ def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict]) -
     return "\n".join(lines)
 
 
-def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], overlaps: dict, cmap: dict) -> str:
-    """Plain sentences read off the tables (every figure here is in a table above); an ordering is stated
-    only where the intervals carry it."""
+def findings(
+    study: "Study",
+    acc_rows: list[dict],
+    matrix_rows: list[dict],
+    overlaps: dict,
+    cmap: dict,
+    paired: Optional[list[dict]] = None,
+    gain: Optional[dict] = None,
+) -> str:
+    """Plain sentences read off the tables (every figure here is in a table above); an ordering between models is
+    read from the paired test on the same prompts (Holm within its family), never from two separate intervals."""
     base = study.spec.models.base
     acc = {r["model"]: r for r in acc_rows}
+    gain = gain if gain is not None else cmap_family(cmap)
     lines = []
     for ft in study.spec.models.finetunes:
         a_b, a_f = acc[base], acc[ft]
-        order = (
-            "above"
-            if a_f["accuracy_low"] > a_b["accuracy_high"]
-            else "below"
-            if a_f["accuracy_high"] < a_b["accuracy_low"]
-            else "not separated from"
+        d = next((r for r in paired or [] if r["comparison"] == f"{ft} - {base}" and r["measure"] == "accuracy"), None)
+        order = f"paired against {base} {_interval(a_b, 'accuracy')}: " + (
+            difference_sentence(d) if d else "no per-prompt outcomes to pair"
         )
-        lines.append(f"- **{ft}** accuracy {_interval(a_f, 'accuracy')}, {order} {base} {_interval(a_b, 'accuracy')}.")
+        lines.append(f"- **{ft}** accuracy {_interval(a_f, 'accuracy')}, {order}.")
         m = next((r for r in matrix_rows if r["model"] == ft and r["circuit"] == base), None)
         if m:
             lines.append(f"  The {base} circuit alone gives {ft} faithfulness {_interval(m, 'faithfulness')}.")
@@ -496,10 +512,10 @@ def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], over
                 )
                 lines.append(
                     f"  - head outputs of `{x['scope']}`: accuracy {_fmt(x['accuracy'])}. "
-                    f"{_ordering(r.result, x['scope'] + '/z', 'base')}"
+                    f"{_ordering(gain, ft, x['scope'] + '/z', 'base')}"
                     + (
                         f" Random heads of the same layers: {_fmt(control['accuracy'])}; "
-                        f"{_ordering(r.result, x['scope'] + '/z', 'random:' + x['scope'] + '/z')}"
+                        f"{_ordering(gain, ft, x['scope'] + '/z', 'random:' + x['scope'] + '/z')}"
                         if control
                         else ""
                     )
@@ -508,31 +524,53 @@ def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], over
             if "qk" in qk and "v" in qk:
                 lines.append(
                     f"  Whole circuit: QK patching gives {_fmt(qk['qk']['accuracy'])}, V patching "
-                    f"{_fmt(qk['v']['accuracy'])}. {_ordering(r.result, 'circuit/v', 'circuit/qk')}"
+                    f"{_fmt(qk['v']['accuracy'])}. {_ordering(gain, ft, 'circuit/v', 'circuit/qk')}"
                 )
     return "\n".join(lines)
 
 
-def _ordering(result: dict, a: str, b: str) -> str:
-    """A sentence on ``a`` against ``b`` from their paired difference on the same prompts: an ordering is
-    stated only where the paired 95% interval excludes 0."""
-    outcomes = result.get("outcomes", {})
-    if a not in outcomes or b not in outcomes:
+def _ordering(gain: dict, ft: str, a: str, b: str) -> str:
+    """A sentence on ``a`` against ``b`` from their paired test on the same prompts, in the family "which parts
+    carry the gain" (Holm): an ordering is stated only where the adjusted test rejects."""
+    test = gain.get((ft, a, b))
+    if test is None:
         return ""
-    d = paired_difference(outcomes[a], outcomes[b])
+    iv = test.interval
+    ci = f"{iv.value:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]"
     verdict = (
-        "so the first is larger"
-        if d.low > 0
-        else "so the second is larger"
-        if d.high < 0
-        else "which includes 0: neither is shown to be larger"
+        ("so the first is larger" if iv.value > 0 else "so the second is larger")
+        if test.rejects
+        else "neither is shown to be larger"
     )
-    return f"Paired difference {a} - {b} on the same prompts: {d}, {verdict}."
+    p = f"{test.method}, Holm p = {test.p_adjusted:.2g}"
+    return f"Paired difference {a} - {b} on the same prompts: {ci}, {verdict} ({p})."
 
 
-def dcm_findings(dcm: "StageRecord") -> str:
-    """One sentence per (group, desideratum) whose mask selected heads: "encodes" only where the target
-    accuracy's interval lies above both the no-intervention floor's and the random heads'."""
+def dcm_tests(dcm: "StageRecord", base: str) -> dict:
+    """The family "what the heads encode": each selected group against its floor and its random heads, with the
+    base's per-pair outcomes where the stage kept them."""
+    if "skipped" in dcm.result:
+        return {}
+    rows = []
+    for r in dcm.result["dcm"]:
+        sem = next(
+            (
+                x
+                for x in dcm.result.get("semantic", [])
+                if (x["group"], x["desideratum"], x["model"]) == (r["group"], r["desideratum"], base)
+            ),
+            {},
+        )
+        extra = {k: sem[k] for k in ("floor_outcomes", "random_outcomes") if k in sem}
+        if "outcomes" in sem and sem["accuracy"]["value"] == r["test_accuracy"]["value"]:
+            extra["test_outcomes"] = sem["outcomes"]
+        rows.append({**r, **extra})
+    return encodes_family(rows)
+
+
+def dcm_findings(dcm: "StageRecord", tests: Optional[dict] = None) -> str:
+    """One sentence per (group, desideratum) whose mask selected heads: "encodes" only where the paired tests
+    against the no-intervention floor and against random heads both survive Holm in "what the heads encode"."""
     if "skipped" in dcm.result:  # a skip is not a finding
         return f"- DCM: not run ({dcm.result['skipped']})."
     res = dcm.result["dcm"]
@@ -542,16 +580,21 @@ def dcm_findings(dcm: "StageRecord") -> str:
             f"- DCM selected no head in any of {len(res)} (group, desideratum) runs: patching the group's heads "
             "did not move the target beyond the no-intervention floor within the training budget."
         )
+    tests = tests or {}
     lines = []
     for r in chosen:
-        above = Estimate.from_dict(r["test_accuracy"]).low > max(
-            Estimate.from_dict(r["floor"]).high, Estimate.from_dict(r["random"]).high if r.get("random") else 0.0
-        )
-        verb = "encodes" if above else "is not shown to encode (its interval overlaps the floor or the random heads)"
+        above = encodes(tests, r["group"], r["desideratum"])
+        verb = "encodes" if above else "is not shown to encode"
+        said = []
+        for kind in ("floor", "random"):
+            t = tests.get((r["group"], r["desideratum"], kind))
+            if t is not None:
+                said.append(f"{kind} {t.interval.value:+.3f}, Holm p = {t.p_adjusted:.2g}")
         lines.append(
             f"- DCM: group {r['group']} {verb} **{r['desideratum']}** with {', '.join(r['selected'])}: "
             f"target accuracy {_fmt(r['test_accuracy'])} against the floor {_fmt(r['floor'])}"
             + (f" and random heads {_fmt(r['random'])}" if r.get("random") else "")
+            + (f" (paired on the same pairs, patched minus {'; '.join(said)})" if said else "")
             + "."
         )
         sem = [x for x in dcm.result["semantic"] if x["group"] == r["group"] and x["desideratum"] == r["desideratum"]]
@@ -671,6 +714,19 @@ def paired_section(study: "Study", accuracy: dict, matrix: dict, dcm: "StageReco
     return study_table(study, rows, "paired_differences", CAPTION), rows
 
 
+def families_section(study: "Study", paired: list[dict], gain: dict, encoded: dict, controls: dict) -> str:
+    """Every test a findings sentence reads, by family, with its adjusted p (docs/inference.md)."""
+    rows = [family_row(r) for r in paired] + family_rows(gain, encoded, controls)
+    if not rows:
+        return "_No test: no per-prompt outcomes in these stage records._\n"
+    caption = (
+        "Every claim of the findings as a test in its family (differences between the models; circuit against "
+        "controls; which parts carry the gain; what the heads encode): estimate and 95% interval, p, Holm's "
+        "adjusted p within the family, whether it is shown, the test, rows and items (docs/inference.md)"
+    )
+    return study_table(study, rows, "families", caption)
+
+
 def paired_findings(rows: list[dict]) -> str:
     """The paired differences in words (accuracy and each model's own circuit), each as far as its interval goes."""
     from .paired import difference_sentence
@@ -759,6 +815,8 @@ def write_report(
     acc_text, acc_rows = accuracy_section(study, accuracy)
     mat_text, mat_rows = matrix_section(study, matrix)
     paired_text, paired = paired_section(study, accuracy, matrix, dcm)
+    gain, encoded = cmap_family(cmap), dcm_tests(dcm, study.spec.models.base)
+    controls = controls_family(mat_rows)
     ov_text, overlaps = overlap_section(study, found)
     manifest = study.manifest()
     spec = study.spec
@@ -778,11 +836,11 @@ def write_report(
         f"`{spec.source}`. Intervals are 95%: exact binomial (Clopper-Pearson) for accuracies, bootstrap over "
         "prompts for ratios and probabilities, paired bootstrap for differences on the same prompts.\n",
         "## Findings\n",
-        circuit_findings(study, positions, mat_rows),
+        circuit_findings(study, positions, mat_rows, controls),
         *[f"- **{name}**: {why}." for name, why in without_behaviour.items()],
-        findings(study, acc_rows, mat_rows, overlaps, cmap),
+        findings(study, acc_rows, mat_rows, overlaps, cmap, paired, gain),
         paired_findings(paired),
-        dcm_findings(dcm),
+        dcm_findings(dcm, encoded),
         "",
         "## Limitations\n",
         limitations(study, positions) + PHRASINGS[_held_out(study)],
@@ -805,6 +863,8 @@ def write_report(
         dcm_section(study, dcm, finetune_dcm),
         "## Cross-model activation patching (CMAP)\n",
         cmap_section(study, cmap),
+        "## Families of claims\n",
+        families_section(study, paired, gain, encoded, controls),
         "## What was run\n",
         to_markdown(model_rows),
         "",

@@ -64,15 +64,45 @@ def test_limitations_name_only_what_the_run_did():
     assert "path patching of head groups" in paper and "bounded greedy" not in paper and "pruning `paper`" in paper
 
 
-def test_report_states_an_ordering_only_when_the_paired_interval_excludes_zero():
+def test_report_states_an_ordering_only_where_the_holm_adjusted_paired_test_rejects():
+    """CMAP orderings are tests in one family: V against QK with 10 of 10 discordant prompts is shown; 1 against
+    0 is not; a comparison whose outcomes were not kept says nothing."""
+    from scipy import stats as sps
+
+    from mechdiff.report.claims import cmap_family
     from mechdiff.report.study_report import _ordering
 
-    clear = {"outcomes": {"circuit/v": [1] * 30 + [0] * 10, "circuit/qk": [1] * 20 + [0] * 20}}
-    assert "the first is larger" in _ordering(clear, "circuit/v", "circuit/qk")
-    assert "the second is larger" in _ordering(clear, "circuit/qk", "circuit/v")
-    close = {"outcomes": {"circuit/v": [1] * 21 + [0] * 19, "circuit/qk": [1] * 20 + [0] * 20}}
-    assert "neither is shown to be larger" in _ordering(close, "circuit/v", "circuit/qk")
-    assert _ordering({}, "circuit/v", "circuit/qk") == ""
+    clear = {"rows": [], "outcomes": {"circuit/v": [1] * 30 + [0] * 10, "circuit/qk": [1] * 20 + [0] * 20}}
+    close = {"rows": [], "outcomes": {"circuit/v": [1] * 21 + [0] * 19, "circuit/qk": [1] * 20 + [0] * 20}}
+    gain = cmap_family({"a": SimpleNamespace(result=clear), "b": SimpleNamespace(result=close)})
+    assert "the first is larger" in _ordering(gain, "a", "circuit/v", "circuit/qk")
+    assert "neither is shown to be larger" in _ordering(gain, "b", "circuit/v", "circuit/qk")
+    assert gain[("a", "circuit/v", "circuit/qk")].p_adjusted == 2 * sps.binomtest(10, 10).pvalue  # Holm over two
+    assert _ordering(gain, "c", "circuit/v", "circuit/qk") == ""
+
+
+def test_dcm_encodes_only_where_both_paired_tests_survive_holm():
+    """A group above its floor by 30 of 40 pairs but not above random heads (per-pair outcomes kept) is not shown
+    to encode; one above both is."""
+    from mechdiff.common.outcomes import bits
+    from mechdiff.report.claims import encodes, encodes_family
+
+    patched = [1] * 30 + [0] * 10
+    floor = [0] * 40
+    close_random = [bits([1] * 29 + [0] * 11)] * 3
+    far_random = [bits([0] * 40)] * 3
+
+    def row(group, random):
+        est = {"value": 0.75, "low": 0.6, "high": 0.86, "n": 40}
+        return {
+            "group": group, "desideratum": "x", "selected": ["L1H0"], "test_accuracy": est,
+            "floor": {"value": 0.0, "low": 0, "high": 0.09, "n": 40}, "random": {"value": 0.1, "n": 40},
+            "test_outcomes": bits(patched), "floor_outcomes": bits(floor), "random_outcomes": random,
+        }  # fmt: skip
+
+    tests = encodes_family([row("near", close_random), row("far", far_random)])
+    assert not encodes(tests, "near", "x") and encodes(tests, "far", "x")
+    assert tests[("far", "x", "floor")].discordant == (30, 0)
 
 
 def test_a_skipped_dcm_states_no_finding():
@@ -85,3 +115,22 @@ def test_a_skipped_dcm_states_no_finding():
     assert dcm_section(SimpleNamespace(spec=default_spec()), skipped) == f"DCM: not run ({why}).\n"
     ran = SimpleNamespace(result={"dcm": [], "semantic": []})
     assert "selected no head in any of 0" in dcm_findings(ran)  # a run that selected nothing is still reported
+
+
+def test_the_circuit_against_random_draws_is_its_rank_among_them():
+    """The rank is a direct count of draws at least as accurate on the same prompts, p = (1 + rank) / (1 + draws),
+    adjusted by Holm over the circuits; a circuit matched by its best draw is not shown above them."""
+    from mechdiff.report.claims import controls_family
+
+    rows = [
+        {"circuit": "a", "model": "a", "accuracy": 0.93, "n_prompts": 200, "random_draws": [0.04] * 99 + [0.93]},
+        {"circuit": "b", "model": "b", "accuracy": 0.90, "n_prompts": 200, "random_draws": [0.5] * 99},
+        {"circuit": "c", "model": "c", "accuracy": 0.90, "n_prompts": 200},
+    ]  # fmt: skip
+    tests = controls_family(rows)
+    assert set(tests) == {("a", "a"), ("b", "b")}
+    assert tests[("a", "a")].p == 2 / 101 and tests[("b", "b")].p == 1 / 100
+    assert tests[("a", "a")].p_adjusted == tests[("b", "b")].p_adjusted == 2 / 100  # 2 x 1/100, then max(., 2/101)
+    assert tests[("a", "a")].rejects and tests[("b", "b")].rejects
+    few = controls_family([{**rows[0], "random_draws": [0.1] * 19 + [0.95]}])
+    assert not few[("a", "a")].rejects  # 1 of 20 draws above: p = 2/21

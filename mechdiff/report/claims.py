@@ -1,0 +1,127 @@
+"""The claims of a circuits study's findings as tests in named families (docs/inference.md), built before any
+sentence is written so that each sentence reads its family's Holm-adjusted p.
+
+- "which parts carry the gain" (CMAP): each patched scope against the base, against random heads of its layers,
+  and V against QK, paired on the same prompts;
+- "what the heads encode" (DCM): each selected group's patched target rate against the unpatched floor and
+  against random heads, on the same test pairs; paired exactly where the stage kept per-pair outcomes of the
+  floor and the random heads, else the exact McNemar test at the least favourable pairing the counts allow (a
+  bound on the paired p);
+- "differences between the models" lives in :mod:`mechdiff.report.paired`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from ..common import inference as inf
+from ..common.outcomes import from_bits
+from .families import worst_pairing
+
+GAIN = "which parts carry the gain"
+CONTROLS = "circuit against controls"
+ENCODES = "what the heads encode"
+
+
+def cmap_pairs(result: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The (a, b) comparisons the CMAP findings state: each scope's head outputs against the base and against its
+    random heads, and the whole circuit's V against its QK."""
+    outcomes = result.get("outcomes", {})
+    pairs = []
+    for x in result.get("rows", []):
+        if x["kind"] == "z" and not x["scope"].startswith("random"):
+            pairs.append((f"{x['scope']}/z", "base"))
+            pairs.append((f"{x['scope']}/z", f"random:{x['scope']}/z"))
+    pairs.append(("circuit/v", "circuit/qk"))
+    return [(a, b) for a, b in pairs if a in outcomes and b in outcomes]
+
+
+def cmap_family(cmap: Mapping[str, Any]) -> dict[tuple[str, str, str], inf.Test]:
+    """Every CMAP comparison of every fine-tune, adjusted together: ``(fine-tune, a, b) -> test``."""
+    fam, keys = inf.Family(GAIN), []
+    for ft, rec in cmap.items():
+        if rec is None or "skipped" in rec.result:
+            continue
+        outcomes = rec.result.get("outcomes", {})
+        for a, b in cmap_pairs(rec.result):
+            fam.add(inf.paired(outcomes[a], outcomes[b], claim=f"CMAP {ft} into the base: {a} - {b}"))
+            keys.append((ft, a, b))
+    return dict(zip(keys, fam.adjusted()))
+
+
+def _bits(row: Mapping[str, Any], key: str) -> Optional[np.ndarray]:
+    value = row.get(key)
+    if value is None:
+        return None
+    return from_bits(value["correct"] if isinstance(value, Mapping) else value)
+
+
+def _against(row: Mapping[str, Any], kind: str, claim: str) -> Optional[inf.Test]:
+    """Patched against ``kind`` ("floor" or "random") on the same test pairs."""
+    patched = _bits(row, "test_outcomes")
+    if kind == "floor":
+        other = _bits(row, "floor_outcomes")
+    else:
+        draws = row.get("random_outcomes")
+        other = None if not draws else np.mean([from_bits(d) for d in draws], axis=0)
+    if patched is not None and other is not None and other.shape == patched.shape:
+        return inf.paired(patched, other, claim=claim)
+    est = row.get(kind)
+    if not est:
+        return None
+    n = int(row["test_accuracy"]["n"])
+    k, f = round(row["test_accuracy"]["value"] * n), round(est["value"] * n)
+    return worst_pairing(k, f, n, claim)
+
+
+def encodes_family(dcm_rows: list[Mapping[str, Any]]) -> dict[tuple[str, str, str], inf.Test]:
+    """Every selected DCM group against its floor and its random heads, adjusted together:
+    ``(group, desideratum, "floor" | "random") -> test``."""
+    fam, keys = inf.Family(ENCODES), []
+    for r in dcm_rows:
+        if not r.get("selected"):
+            continue
+        for kind in ("floor", "random"):
+            test = _against(r, kind, f"DCM {r['group']}/{r['desideratum']}: patched - {kind}")
+            if test is not None:
+                fam.add(test)
+                keys.append((r["group"], r["desideratum"], kind))
+    return dict(zip(keys, fam.adjusted()))
+
+
+def encodes(tests: Mapping[tuple[str, str, str], inf.Test], group: str, desideratum: str) -> bool:
+    """Whether a group is shown to encode a desideratum: above the floor and above random heads, each
+    surviving Holm in its family (a group with no random control needs the floor alone)."""
+    floor, random = tests.get((group, desideratum, "floor")), tests.get((group, desideratum, "random"))
+    return all(t is not None and t.rejects and t.interval.value > 0 for t in (floor, random) if t is not None) and (
+        floor is not None
+    )
+
+
+def controls_family(matrix_rows: list[Mapping[str, Any]]) -> dict[tuple[str, str], inf.Test]:
+    """Each circuit scored with random draws of its size against those draws, by its rank among them on the same
+    prompts (accuracy; p = (1 + draws at least as accurate) / (1 + draws)): ``(circuit, model) -> test``, adjusted
+    together. The estimate is the circuit's accuracy minus the draws' median; the interval is the draws' 5th-95th
+    percentile range moved the same way (a spread of draws, not a confidence interval)."""
+    fam, keys = inf.Family(CONTROLS), []
+    for r in matrix_rows:
+        draws = r.get("random_draws")
+        if not draws:
+            continue
+        d = np.asarray(draws, dtype=float)
+        rank = int((d >= r["accuracy"] - 1e-12).sum())
+        q05, q95 = np.quantile(d, [0.05, 0.95])
+        acc = float(r["accuracy"])
+        iv = inf.Interval(acc - float(np.median(d)), acc - float(q95), acc - float(q05), int(r["n_prompts"]),
+                          int(r["n_prompts"]), "rank among random draws")  # fmt: skip
+        claim = f"circuit of {r['circuit']} in {r['model']}: above {d.size} random circuits of its size"
+        fam.add(inf.Test(claim, iv, (1 + rank) / (1 + d.size), f"rank among {d.size} draws (+1 corrected)"))
+        keys.append((r["circuit"], r["model"]))
+    return dict(zip(keys, fam.adjusted()))
+
+
+def family_rows(*families: Mapping[Any, inf.Test]) -> list[dict]:
+    """One table row per test of the given families."""
+    return [t.row() for fam in families for t in fam.values()]
