@@ -33,10 +33,11 @@ import numpy as np
 import torch
 from einops import repeat
 
+from ..common import inference as inf
 from ..common.components import Head, all_heads, layer_matched
 from ..common.metrics import CONTINUOUS_LABELS, continuous_key, faithfulness_key, metric_name  # noqa: F401
 from ..common.progress import progress_bar
-from ..common.stats import bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
+from ..common.stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
 from ..models.loading import LoadedModel
 from ..patching.ablation import site_means
 from ..patching.core import Patch, Resume, run, suffix_supported
@@ -449,10 +450,12 @@ def faithfulness(
     """
     shape = scorer.model.shape
     circuit.validate(shape.n_layers, shape.n_heads)
-    full, circ = scorer.full(), scorer.keep(circuit.pairs())
+    full, circ, empty = scorer.full(), scorer.keep(circuit.pairs()), scorer.keep(())
     m = scorer.metric
     out = {"full": _figures(full, full, m), "circuit": _figures(circ, full, m), "n_prompts": len(scorer.records)}
-    out["outcomes"] = {"full": full.outcomes(), "circuit": circ.outcomes()}
+    out["empty"] = _figures(empty, full, m)
+    out["circuit"].update(normalised_figures(circ, full, empty, m))
+    out["outcomes"] = {"full": full.outcomes(), "circuit": circ.outcomes(), "empty": empty.outcomes()}
     if n_random > 0:
         rng = random.Random(seed)
         draws = [
@@ -471,6 +474,27 @@ def faithfulness(
             "draws": [float(d.correct.mean()) for d in draws],
         }
     return out
+
+
+def normalised_figures(circ: EvalResult, full: EvalResult, empty: EvalResult, metric: str = "prob") -> dict:
+    """Faithfulness with the empty circuit subtracted, (m(C) - m(empty)) / (m(M) - m(empty)) (MIB's normalised
+    form; the paper's is m(C) / m(M)), for accuracy (``faithfulness_normalised``) and the task's continuous
+    metric (``faithfulness_normalised_<metric>``), each with its bootstrap over prompts; NaN where the model does
+    not beat the empty circuit on average."""
+    out = {}
+    for name, key in (("accuracy", "faithfulness_normalised"), (metric, f"faithfulness_normalised_{metric}")):
+        c, f, e = (per_prompt(r, name) for r in (circ, full, empty))
+        if (f - e).mean() > 0:
+            out[key] = inference_ratio(c - e, f - e).to_dict()
+        else:
+            out[key] = {"value": float("nan"), "low": float("nan"), "high": float("nan"), "n": int(c.size)}
+    return out
+
+
+def inference_ratio(num: np.ndarray, den: np.ndarray) -> Estimate:
+    """mean(num) / mean(den) with the inference layer's bootstrap over prompts (one prompt an item here)."""
+    iv = inf.ratio(num, den)
+    return Estimate(iv.value, iv.low, iv.high, iv.n_rows)
 
 
 def _figures(result: EvalResult, full: EvalResult, metric: str = "prob") -> dict:
@@ -581,6 +605,9 @@ def matrix_rows(
         row.update(_cols("full_accuracy", res["full"]["accuracy"]))
         row.update(_cols("accuracy", res["circuit"]["accuracy"]))
         row.update(_cols("faithfulness", res["circuit"]["faithfulness"]))
+        row.update(_cols("empty_accuracy", res["empty"]["accuracy"]))
+        for key in (k for k in res["circuit"] if k.startswith("faithfulness_normalised")):
+            row.update(_cols(key, res["circuit"][key]))
         row.update(_cols("answer_prob", res["circuit"]["answer_prob"]))
         if "logit_diff" in res["circuit"]:
             row.update(_cols("logit_diff", res["circuit"]["logit_diff"]))

@@ -33,7 +33,8 @@ def outcome_stages(accuracy: Mapping[str, Any], matrix: Mapping[str, Any], dcm: 
         kept = rec.result.get("outcomes") if rec is not None else None
         if kept:
             first = next(iter(kept.values()))
-            out[f"matrix:{name}"] = {"full": first["full"], **{c: o["circuit"] for c, o in kept.items()}}
+            empty = {"empty": first["empty"]} if "empty" in first else {}
+            out[f"matrix:{name}"] = {"full": first["full"], **empty, **{c: o["circuit"] for c, o in kept.items()}}
     for s in dcm.result.get("semantic", []) if dcm is not None else []:
         if "outcomes" in s:
             out["semantic"][f"{s['group']}/{s['desideratum']} in {s['model']}"] = s["outcomes"]
@@ -101,7 +102,7 @@ def paired_family(
             on = its.get("matrix")
             full_b, full_f = read_record(mb["full"])[0], read_record(mf["full"])[0]
             add(full_f, full_b, on, f"{ft} - {base}: model accuracy on the matrix prompts")
-            for circuit in (c for c in mb if c != "full" and c in mf):
+            for circuit in (c for c in mb if c not in ("full", "empty") and c in mf):
                 cb, cf = read_record(mb[circuit])[0], read_record(mf[circuit])[0]
                 if cb.shape == cf.shape:
                     add(cf, cb, on, f"{ft} - {base}: circuit of {circuit}: accuracy")

@@ -409,6 +409,17 @@ def _interval(row: dict, key: str) -> str:
     return f"{row[key]:.2f} [{row[f'{key}_low']:.2f}, {row[f'{key}_high']:.2f}]"
 
 
+def target_measure(study: "Study", row: dict) -> tuple[str, str]:
+    """The faithfulness a circuit's target is read on, and its name: the normalised form (the empty circuit
+    subtracted) in the task's metric (the logit difference on a ``logit_diff`` task, else accuracy); the paper's
+    ratio only for records made before the empty circuit was scored."""
+    if getattr(study.task, "metric", "prob") == "logit_diff" and "faithfulness_normalised_logit_diff" in row:
+        return "faithfulness_normalised_logit_diff", "normalised faithfulness in the logit difference"
+    if "faithfulness_normalised" in row:
+        return "faithfulness_normalised", "normalised faithfulness in accuracy"
+    return "faithfulness", "the paper's ratio (records without the empty circuit)"
+
+
 def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict], controls: Optional[dict] = None) -> str:
     """Per model: where the computation sits (position scan), and what its own circuit keeps on fresh prompts."""
     target = study.spec.discovery.target
@@ -426,14 +437,27 @@ def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict], c
         if own is None:
             continue
         scanned = bool(lines) and lines[-1].startswith(f"- **{name}**")
-        met = own["faithfulness"] >= target and own["faithfulness_low"] >= target - 0.1
+        key, what = target_measure(study, own)
+        met = own[key] >= target and own[f"{key}_low"] >= target - 0.1
         sentence = (
             ("  Its" if scanned else f"- **{name}**: its")
             + f" own circuit ({own['n_pairs']} (head, position) pairs) keeps faithfulness "
             f"{_interval(own, 'faithfulness')} (accuracy {_interval(own, 'accuracy')}) on {own['n_prompts']} "
-            f"fresh prompts: the target (at least {target}, lower bound at least {target - 0.1:.1f}) is "
+            f"fresh prompts"
+            + (f", {what} {_interval(own, key)}" if key != "faithfulness" else "")
+            + f": the target (at least {target}, lower bound at least {target - 0.1:.1f}, on {what}) is "
             + ("met." if met else "not met.")
         )
+        if key != "faithfulness" and np.isnan(own[key]):
+            sentence += " The model does not beat its empty circuit on these prompts: it has no circuit to find."
+        if own.get("empty_accuracy") is not None and own.get("full_accuracy"):
+            share = own["empty_accuracy"] / own["full_accuracy"]
+            if share >= 0.5:
+                sentence += (
+                    f" With every head ablated the model keeps {share:.2f} of its accuracy (empty circuit "
+                    f"{own['empty_accuracy']:.2f}): the paper's ratio is near 1 for any circuit here, so only "
+                    "the normalised faithfulness says what the circuit adds."
+                )
         control = (controls or {}).get((name, name))
         if control is not None and own.get("random_draws"):
             draws = own["random_draws"]

@@ -679,6 +679,23 @@ def test_faithfulness_against_direct_means():
         faithfulness(scorer, bad)
 
 
+def test_normalised_faithfulness_subtracts_the_empty_circuit():
+    """(m(C) - m(empty)) / (m(M) - m(empty)) from the fake scorer's direct per-prompt values, beside the paper's
+    m(C) / m(M); a circuit that does no more than the empty one scores 0 whatever the paper's ratio says."""
+    from mechdiff.circuits.scoring import faithfulness
+
+    circuit, scorer, (a, b, c) = _or_circuit()
+    res = faithfulness(scorer, circuit)
+    full, circ, empty = scorer.full(), scorer.keep(circuit.pairs()), scorer.keep(())
+    for metric, key in (("correct", "faithfulness_normalised"), ("prob", "faithfulness_normalised_prob")):
+        f, ci, e = (getattr(r, metric).astype(float) for r in (full, circ, empty))
+        assert res["circuit"][key]["value"] == pytest.approx((ci - e).mean() / (f - e).mean())
+    only_c = Circuit("m", "t", {"B": [c[0]]}, {"B": "query_label"})
+    none = faithfulness(scorer, only_c)["circuit"]
+    assert none["faithfulness_normalised"]["value"] == pytest.approx(0.0)
+    assert res["outcomes"]["empty"]["correct"] == "0" * 12
+
+
 def test_completeness_against_direct_differences():
     from mechdiff.circuits.scoring import completeness
 
