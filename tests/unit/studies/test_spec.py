@@ -178,6 +178,7 @@ def test_the_papers_counterfactuals_and_seeds_are_selected_by_the_paper_files_an
     position scan); the study hands them to the task's pairs, so every model sees the study's clean prompts. Unset,
     neither enters a stage key (the committed studies' keys do not move); set where they cannot act, each is refused
     with its line."""
+    from mechdiff.report.study_report import _counterfactuals
     from mechdiff.studies.circuits import CircuitsStudy
     from mechdiff.studies.spec import SpecError, default_spec, load_spec, section_inputs
     from mechdiff.tasks.plan import default_plan
@@ -188,6 +189,8 @@ def test_the_papers_counterfactuals_and_seeds_are_selected_by_the_paper_files_an
     assert load_spec(ROOT / "tasks" / "entity_tracking_paper_form.toml").discovery.counterfactual == "paper"
     keyed = section_inputs("discovery", default_spec().discovery)
     assert "counterfactual" not in keyed and "model_seed_redraws" not in keyed
+    assert _counterfactuals(default_spec().discovery) == ""
+    assert "(j+1) mod n_boxes" in _counterfactuals(d) and "same clean prompts" in _counterfactuals(d)
     assert section_inputs("discovery", d)["counterfactual"] == "paper"
 
     study = CircuitsStudy.__new__(CircuitsStudy)
