@@ -103,3 +103,18 @@ def test_bad_counterfactual_options_are_refused(tok):
     with pytest.raises(ValueError, match="do not query every box: give at least n_boxes = 7"):
         path_patching_pairs(tok, 5, counterfactual="paper")
     assert path_patching_pairs(tok, 0, counterfactual="paper") == []
+
+
+def test_the_circuit_command_hands_the_pairs_the_papers_options():
+    """``mechdiff circuit --counterfactual paper --clean-seed 0`` gives the pairs both options; by default neither
+    (every task's generator called as before); for a task whose pairs take no such choice, refused by its flag."""
+    from mechdiff.cli import build_parser
+    from mechdiff.commands.circuit import pair_options
+    from mechdiff.tasks.base import get_task
+
+    parse = build_parser().parse_args
+    given = parse(["circuit", "--counterfactual", "paper", "--clean-seed", "0", "--seed", "20"])
+    assert pair_options(given, et.TASK) == {"counterfactual": "paper", "clean_seed": 0}
+    assert pair_options(parse(["circuit"]), et.TASK) == {}
+    with pytest.raises(ValueError, match="--counterfactual: task ioi's pairs offer no such choice"):
+        pair_options(parse(["circuit", "--task", "ioi", "--counterfactual", "paper"]), get_task("ioi"))
