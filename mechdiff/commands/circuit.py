@@ -9,6 +9,8 @@ from pathlib import Path
 from ..circuits.discovery import DiscoverySettings
 from ..patching.path import SCORES
 from ..studies.discovery import discover_circuit, task_plan
+from ..tasks.base import Task
+from ..tasks.entity_tracking.pairs import COUNTERFACTUALS
 from ..tasks.plan import Plan, default_plan
 from ._options import (
     add_model_options,
@@ -81,9 +83,38 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="hold at most this many pairs' activations at once (each part run again at every step); default: all",
     )
+    p.add_argument(
+        "--counterfactual",
+        default=COUNTERFACTUALS[0],
+        choices=list(COUNTERFACTUALS),
+        help="entity tracking: each clean prompt's counterfactual, fresh (mechdiff's: a new context, another box, a "
+        "query letter absent from it) or paper (the clean set's prompt querying box (j+1) mod n_boxes, its query "
+        "letter a uniform A-Z draw)",
+    )
+    p.add_argument(
+        "--clean-seed",
+        type=int,
+        default=None,
+        help="entity tracking: draw the clean prompts by this seed and only the counterfactuals by --seed (the "
+        "paper's per-model seeds); default: --seed draws both",
+    )
     p.add_argument("--out", default=None, help="output directory (default results/circuits/<model>/)")
     add_model_options(p)
     p.set_defaults(func=main)
+
+
+def pair_options(args: argparse.Namespace, task: Task) -> dict:
+    """The pairs' options ``--counterfactual`` and ``--clean-seed`` set off their defaults; refused for a task
+    whose pairs take no such choice."""
+    given = {"counterfactual": args.counterfactual, "clean_seed": args.clean_seed}
+    out = {k: v for k, v in given.items() if v is not None and v != COUNTERFACTUALS[0]}
+    unknown = [k for k in out if k not in task.options]
+    if unknown:
+        flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
+        raise ValueError(
+            f"mechdiff circuit: {flags}: task {task.name}'s pairs offer no such choice (entity tracking's do)"
+        )
+    return out
 
 
 def senders_arg(text: str) -> int | str:
@@ -123,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
             task,
             plan,
             settings,
-            task_options(args),
+            {**task_options(args), **pair_options(args, task)},
             out,
             lambda: tokenizer_from_args(args.model, args),
             lambda tokenizer: load_from_args(args.model, args, tokenizer),

@@ -648,8 +648,21 @@ def _method(study: "Study") -> str:
     return (
         f"Each model's circuit by the paper's path patching on {d.n} clean/counterfactual pairs; top-k per step "
         f"{d.top_k or 'as the plan gives'}; attribution screen: {d.screen} (shortlist {d.screen_multiple} x k). "
-        f"{MEANS_RULE}\n"
+        f"{_counterfactuals(d)}{MEANS_RULE}\n"
     )
+
+
+def _counterfactuals(d: Any) -> str:
+    """The paper's counterfactual construction and seeds, where ``[discovery]`` selects them (nothing otherwise)."""
+    out = ""
+    if d.counterfactual == "paper":
+        out += (
+            "Counterfactuals as the paper builds them: the clean set's prompt querying box (j+1) mod n_boxes, its "
+            "query letter overwritten by a uniform draw that may be a label of its context. "
+        )
+    if d.model_seed_redraws == "counterfactuals":
+        out += "A model's own seed redraws only its counterfactuals: every model sees the same clean prompts. "
+    return out
 
 
 MEANS_RULE = (

@@ -347,6 +347,20 @@ class CircuitsStudy(Study):
             pairs_per_part=d.pairs_per_part,
         )
 
+    def pair_options(self) -> dict:
+        """The path-patching pairs' options ``[discovery]`` sets off their defaults: the paper's counterfactual
+        construction, and the study's clean prompts where a model's seed redraws only the counterfactuals (none at the
+        defaults, so every other task's generator is called as before)."""
+        from .spec import KEYED_WHEN_SET
+
+        d, defaults = self.spec.discovery, KEYED_WHEN_SET["discovery"]
+        out = {}
+        if d.counterfactual != defaults["counterfactual"]:
+            out["counterfactual"] = d.counterfactual
+        if d.model_seed_redraws != defaults["model_seed_redraws"]:
+            out["clean_seed"] = self.seed("discovery")
+        return out
+
     def _path_circuit(self, name: str) -> dict:
         """The paper's path patching: each step of the task's plan keeps its top-k heads as the next step's
         receivers and puts its top circuit_k heads (default: the same) in the circuit."""
@@ -358,7 +372,9 @@ class CircuitsStudy(Study):
         lm = self.model(name)
         plan = task_plan(self.task)
         settings = self.path_settings(name, plan)
-        pairs = self.task.discovery_pairs(self.tokenizer, d.n, settings.seed, **self.options(prompts="discovery"))
+        pairs = self.task.discovery_pairs(
+            self.tokenizer, d.n, settings.seed, **self.options(prompts="discovery"), **self.pair_options()
+        )
         circuit, steps = discover(
             lm, pairs, settings, task=self.task.name, progress=self.progress, plan=plan, metric=self.task.metric
         )

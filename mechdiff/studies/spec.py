@@ -15,6 +15,7 @@ from ..methods.dcm import DCMConfig
 from ..patching.path import SCORES
 from ..tasks.base import is_registered, is_relation_file, known_tasks
 from ..tasks.desiderata import desideratum_name
+from ..tasks.entity_tracking.pairs import COUNTERFACTUALS
 
 
 class SpecError(ValueError):
@@ -104,6 +105,14 @@ class DiscoverySection:
     # run again at every pass over the parts: memory bounded by the part, two forwards a pair and step, four with the
     # attribution screen); unset: every pair's
     pairs_per_part: Optional[int] = None
+    # path: how each clean prompt's counterfactual is built, where the task's pairs offer a choice (entity
+    # tracking): "fresh" (mechdiff's: a new context, another box, a query letter absent from it) or "paper" (the
+    # paper's data_utils.load_pp_data: the clean set's prompt querying box (j + 1) mod n_boxes, its query letter
+    # overwritten by a uniform draw from A-Z that may be a label of its context)
+    counterfactual: str = COUNTERFACTUALS[0]
+    # path: what a model's own seed ([discovery.models.NAME] seed) redraws: "pairs" (its clean prompts and their
+    # counterfactuals) or "counterfactuals" (the paper's: every model sees the study's clean prompts)
+    model_seed_redraws: str = "pairs"
     # path: per model, any of top_k, circuit_k and seed (its discovery pairs' seed), e.g.
     # [discovery.models.goat-7b] top_k = {...}; a model not named uses the section's
     models: dict[str, dict] = field(default_factory=dict)
@@ -112,7 +121,15 @@ class DiscoverySection:
 #: Options added to a section after results were committed, at the value every earlier study ran with: a stage key
 #: leaves such an option out while it has that value, so the committed studies' keys do not move.
 KEYED_WHEN_SET = {
-    "discovery": {"score": SCORES[0], "circuit_k": {}, "models": {}, "source_position": {}, "pairs_per_part": None},
+    "discovery": {
+        "score": SCORES[0],
+        "circuit_k": {},
+        "models": {},
+        "source_position": {},
+        "pairs_per_part": None,
+        "counterfactual": COUNTERFACTUALS[0],
+        "model_seed_redraws": "pairs",
+    },
     "scoring": {"prune_disjoint": False, "models": {}},
 }
 #: Options whose default changed after results were committed: unset (the new default), a stage key reads the value
@@ -238,6 +255,8 @@ CHOICES = {
     ("discovery", "method"): ("curve", "path"),
     ("discovery", "select"): SELECT,
     ("discovery", "score"): SCORES,
+    ("discovery", "counterfactual"): COUNTERFACTUALS,
+    ("discovery", "model_seed_redraws"): ("pairs", "counterfactuals"),
     ("scoring", "prune_metric"): ("prob", "accuracy", *METRIC_ALIASES),  # answer_prob: read as prob
     ("scoring", "prune_rule"): ("greedy", "paper"),
     ("dcm", "random_pool"): ("all", "group"),
@@ -305,6 +324,7 @@ def load_spec(path: str | Path) -> RunSpec:
         built["output"].dir = output_dir(built["task"].name)
     _check_paper_stages(Path(path), text, built)
     _check_parts(Path(path), text, built["discovery"])
+    _check_pair_options(Path(path), text, built["discovery"], built["task"].name)
     _check_per_model(Path(path), text, built)
     _check_desiderata(Path(path), text, raw.get("dcm"), built["task"].name)
     _check_groups(Path(path), text, raw, built["task"].name)
@@ -421,6 +441,27 @@ def _check_parts(path: Path, text: str, discovery: "DiscoverySection") -> None:
             f"{path}:{line_of(text, 'discovery', 'pairs_per_part')}: [discovery] pairs_per_part = {size!r}: give a "
             "number of pairs of at least 1 (or leave it out to hold every pair's activations)"
         )
+
+
+#: ``[discovery]`` options the task's pair generator must accept where set off their default: option -> (default,
+#: the generator's keyword that carries it).
+PAIR_OPTIONS = {"counterfactual": (COUNTERFACTUALS[0], "counterfactual"), "model_seed_redraws": ("pairs", "clean_seed")}
+
+
+def _check_pair_options(path: Path, text: str, discovery: "DiscoverySection", task_name: str) -> None:
+    """``[discovery] counterfactual`` and ``model_seed_redraws``, off their defaults, need path discovery and a task
+    whose pairs take them (entity tracking); refused with the line before anything loads."""
+    from ..tasks.base import get_task
+
+    for key, (default, keyword) in PAIR_OPTIONS.items():
+        value = getattr(discovery, key)
+        if value == default:
+            continue
+        where = f"{path}:{line_of(text, 'discovery', key)}: [discovery] {key} = {value!r}"
+        if discovery.method != "path":
+            raise SpecError(f"{where} builds path patching's pairs; method = {discovery.method!r} reads none")
+        if is_relation_file(task_name) or keyword not in get_task(task_name).options:
+            raise SpecError(f"{where}: task {task_name}'s pairs offer no such choice; remove it (entity tracking does)")
 
 
 def _check_paper_stages(path: Path, text: str, built: dict[str, Any]) -> None:

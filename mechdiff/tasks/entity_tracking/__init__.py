@@ -17,8 +17,9 @@ located by searching for a substring (a label ``"B"`` would otherwise be found i
 Public API
 ----------
 - :func:`generate` -> list of :class:`EntityTrackingExample`
-- :func:`path_patching_pairs`, :func:`positional_pairs`, :func:`object_value_pairs`,
-  :func:`label_value_pairs` -> list of :class:`CounterfactualPair`
+- :func:`path_patching_pairs` (mechdiff's counterfactuals, or the paper's: :func:`paper_path_patching_pairs`),
+  :func:`positional_pairs`, :func:`object_value_pairs`, :func:`label_value_pairs` -> list of
+  :class:`CounterfactualPair`
 - :func:`vocabulary_report` -> :class:`VocabularyReport` (which objects/labels survive the
   single-token filter for a tokenizer)
 - :func:`to_hf_dataset`, :func:`write_jsonl`, :func:`read_jsonl`, :func:`dataset_hash`,
@@ -36,10 +37,12 @@ from __future__ import annotations
 from .building import build_example, check_same_length, generate, span_to_token  # noqa: F401 (tests)
 from .export import batch_tensors, dataset_hash, pair_batch_tensors, read_jsonl, to_hf_dataset, write_jsonl
 from .pairs import (
+    COUNTERFACTUALS,
     PAIR_GENERATORS,
     counterfactual_pairs,
     label_value_pairs,
     object_value_pairs,
+    paper_path_patching_pairs,
     path_patching_pairs,
     positional_pairs,
 )
@@ -61,6 +64,7 @@ from .vocabulary import VocabularyReport, load_vocabulary, single_token_id, voca
 
 __all__ = [
     "ALL_LETTERS",
+    "COUNTERFACTUALS",
     "CounterfactualPair",
     "DEFAULT_N_BOXES",
     "DEFAULT_VOCABULARY_PATH",
@@ -85,6 +89,7 @@ __all__ = [
     "load_vocabulary",
     "object_value_pairs",
     "pair_batch_tensors",
+    "paper_path_patching_pairs",
     "path_patching_pairs",
     "positional_pairs",
     "read_jsonl",

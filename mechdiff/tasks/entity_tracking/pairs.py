@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .building import build_example, check_n, check_same_length, sample_base
+from .building import build_example, check_n, check_same_length, generate, sample_base
 from .records import DEFAULT_N_BOXES, PAIR_KINDS, CounterfactualPair, EntityTrackingExample, Vocabulary
 from .vocabulary import VocabularyReport, prepare_vocabulary
 
@@ -28,13 +28,14 @@ def _pairs(
     vocabulary: Vocabulary,
     letters: Sequence[str] | None,
     labels_needed: int,
+    clean_seed: int | None = None,
 ) -> list[CounterfactualPair]:
-    """Shared driver: the bases are exactly ``generate(tokenizer, n, n_boxes, seed, ...)``; the
-    sources come from a second generator seeded with ``f"{seed}:{kind}"``."""
+    """Shared driver: the bases are exactly ``generate(tokenizer, n, n_boxes, clean_seed, ...)`` (``clean_seed``
+    defaults to ``seed``); the sources come from a second generator seeded with ``f"{seed}:{kind}"``."""
     check_n(n)
     # The sources' objects are disjoint from their base's, so twice the objects are needed.
     report = prepare_vocabulary(tokenizer, n_boxes, vocabulary, letters, 2 * n_boxes, labels_needed)
-    base_rng = random.Random(seed)
+    base_rng = random.Random(seed if clean_seed is None else clean_seed)
     src_rng = random.Random(f"{seed}:{kind}")
     out: list[CounterfactualPair] = []
     for i in range(n):
@@ -50,6 +51,20 @@ def _other_objects(rng: random.Random, base: EntityTrackingExample, report: Voca
     return rng.sample(pool, base.n_boxes)
 
 
+#: How path patching builds a clean prompt's counterfactual: ``"fresh"`` (mechdiff's, the default: a new context
+#: whose objects are disjoint from the clean prompt's, another box queried at random, a query letter absent from the
+#: context) or ``"paper"`` (the paper's code, :func:`paper_path_patching_pairs`).
+COUNTERFACTUALS = ("fresh", "paper")
+
+
+def check_counterfactual(counterfactual: str) -> None:
+    """Refuse a counterfactual construction that is not one of :data:`COUNTERFACTUALS`."""
+    if counterfactual not in COUNTERFACTUALS:
+        raise ValueError(
+            f"unknown counterfactual construction {counterfactual!r}; choose one of {', '.join(COUNTERFACTUALS)}"
+        )
+
+
 def path_patching_pairs(
     tokenizer: "PreTrainedTokenizerBase",
     n: int,
@@ -57,14 +72,25 @@ def path_patching_pairs(
     seed: int = 0,
     vocabulary: Vocabulary = None,
     letters: Sequence[str] | None = None,
+    counterfactual: str = COUNTERFACTUALS[0],
+    clean_seed: int | None = None,
 ) -> list[CounterfactualPair]:
-    """Pairs for path patching. The source is a different context (objects disjoint from the
-    base's, fresh random labels) whose query segment index differs from the base's and whose
-    final query label is a letter ABSENT from the source context and different from the
-    base's query label; so ``source.positions["query_label_context"]`` is ``None``.
-    ``source.query_index`` is the segment that would have been queried and ``source.answer``
-    its object (meaningless for the model). ``target`` is the base answer (metric: the
-    probability of the base answer)."""
+    """Pairs for path patching; ``target`` is the base answer (metric: the probability of the base answer).
+
+    ``counterfactual="fresh"`` (mechdiff's): the source is a different context (objects disjoint from the
+    base's, fresh random labels) whose query segment index differs from the base's and whose final query label
+    is a letter ABSENT from the source context and different from the base's query label; so
+    ``source.positions["query_label_context"]`` is ``None``. ``source.query_index`` is the segment that would
+    have been queried and ``source.answer`` its object (meaningless for the model). ``"paper"``: the paper's
+    construction (:func:`paper_path_patching_pairs`).
+
+    ``clean_seed`` draws the clean prompts (default: ``seed``), which are then exactly
+    ``generate(tokenizer, n, n_boxes, clean_seed, ...)``; ``seed`` draws the counterfactuals. Giving every model
+    the same ``clean_seed`` and its own ``seed`` redraws only its counterfactuals, as the paper's per-model seed
+    does (its clean prompts are its data file's first lines)."""
+    check_counterfactual(counterfactual)
+    if counterfactual == "paper":
+        return paper_path_patching_pairs(tokenizer, n, n_boxes, seed, vocabulary, letters, clean_seed)
 
     def make(
         rng: random.Random, base: EntityTrackingExample, rep: VocabularyReport
@@ -77,7 +103,52 @@ def path_patching_pairs(
         return source, base.answer[1:]
 
     # n_boxes letters in the source, plus one absent from it that also differs from the base query label.
-    return _pairs("path_patching", make, tokenizer, n, n_boxes, seed, vocabulary, letters, n_boxes + 2)
+    return _pairs(
+        "path_patching", make, tokenizer, n, n_boxes, seed, vocabulary, letters, n_boxes + 2, clean_seed=clean_seed
+    )
+
+
+def paper_path_patching_pairs(
+    tokenizer: "PreTrainedTokenizerBase",
+    n: int,
+    n_boxes: int = DEFAULT_N_BOXES,
+    seed: int = 0,
+    vocabulary: Vocabulary = None,
+    letters: Sequence[str] | None = None,
+    clean_seed: int | None = None,
+) -> list[CounterfactualPair]:
+    """Path-patching pairs built as the paper's code builds them (``data/data_utils.py``, ``load_pp_data``,
+    lines 1344-1364 at Nix07/finetuning 379765d).
+
+    The clean prompts are ``generate(tokenizer, n, n_boxes, clean_seed, ...)`` (``clean_seed`` defaults to
+    ``seed``); prompt ``i`` queries box ``j = i % n_boxes``. Its counterfactual is the clean prompt at an index
+    drawn uniformly among those below ``n`` that query box ``(j + 1) % n_boxes`` (the paper:
+    ``random.choice(range(0, n - r, n_boxes)) + r``), with its query letter overwritten by a uniform draw from
+    the labels (the paper: ``chr(random.randint(65, 90))``, any of A-Z), which may be the prompt's own query label
+    or another label of its context. The two draws per pair, in the paper's order, come from
+    ``random.Random(f"{seed}:path_patching")``; with the 26 letters A-Z they are the paper's draws for that
+    state. Departure: the paper's data file gives seven lines to a context, so its counterfactual may share the
+    clean prompt's context; here every clean prompt has a context of its own."""
+    check_n(n)
+    if 0 < n < n_boxes:
+        raise ValueError(
+            f"the paper's counterfactual of a prompt querying box j is a prompt querying box (j + 1) mod {n_boxes}; "
+            f"n = {n} prompts do not query every box: give at least n_boxes = {n_boxes} prompts"
+        )
+    bases = generate(tokenizer, n, n_boxes, seed if clean_seed is None else clean_seed, vocabulary, letters)
+    report = prepare_vocabulary(tokenizer, n_boxes, vocabulary, letters, n_boxes, n_boxes)
+    rng = random.Random(f"{seed}:path_patching")
+    out = []
+    for i, base in enumerate(bases):
+        r = (i % n_boxes + 1) % n_boxes
+        other = bases[rng.choice(range(r, n, n_boxes))]
+        letter = rng.choice(report.labels_kept)
+        source = build_example(
+            tokenizer, other.objects, other.labels, other.query_index, query_label=letter, token_ids=report.token_ids
+        )
+        out.append(CounterfactualPair(base, source, base.answer, base.answer_id, "path_patching"))
+    check_same_length([e for p in out for e in (p.base, p.source)], n_boxes)
+    return out
 
 
 def positional_pairs(

@@ -72,7 +72,8 @@ TASK = Task(
     metric="prob",
     positions=("last", "query_label", "query_label_context", "objects", "labels", *CLASSES),
     group_names=GROUP_NAMES,
-    options=("n_boxes", "vocabulary", "letters"),
+    # counterfactual, clean_seed: the path-patching pairs' only (discovery_pairs), the paper's construction and seeds
+    options=("n_boxes", "vocabulary", "letters", "counterfactual", "clean_seed"),
     splits=split_options,
     train_batch=train_batch,
     pool_batch=lambda tokenizer, n, seed: answer_batch(generate(tokenizer, n, 7, seed, _objects("train"))),

@@ -169,3 +169,53 @@ def test_defaults_come_from_the_task_never_from_entity_tracking(smollm2_tokenize
     assert default.dcm.desiderata == ["positional", "object_value", "label_value"]
     assert default.dcm.groups == default.cmap.groups == ["last", "query_label"]
     assert section_inputs("discovery", default.discovery)["top_k"] == {"A": 8, "B": 3, "C": 5, "D": 3}
+
+
+def test_the_papers_counterfactuals_and_seeds_are_selected_by_the_paper_files_and_keyed_only_when_set(
+    smollm2_tokenizer, tmp_path
+):
+    """The paper's task file selects the paper's counterfactuals and per-model seeds that redraw only them (and no
+    position scan); the study hands them to the task's pairs, so every model sees the study's clean prompts. Unset,
+    neither enters a stage key (the committed studies' keys do not move); set where they cannot act, each is refused
+    with its line."""
+    from mechdiff.report.study_report import _counterfactuals
+    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.spec import SpecError, default_spec, load_spec, section_inputs
+    from mechdiff.tasks.plan import default_plan
+
+    spec = load_spec(ROOT / "tasks" / "entity_tracking_llama7b.toml")
+    d = spec.discovery
+    assert (d.counterfactual, d.model_seed_redraws, spec.positions.n) == ("paper", "counterfactuals", 0)
+    assert load_spec(ROOT / "tasks" / "entity_tracking_paper_form.toml").discovery.counterfactual == "paper"
+    keyed = section_inputs("discovery", default_spec().discovery)
+    assert "counterfactual" not in keyed and "model_seed_redraws" not in keyed
+    assert _counterfactuals(default_spec().discovery) == ""
+    assert "(j+1) mod n_boxes" in _counterfactuals(d) and "same clean prompts" in _counterfactuals(d)
+    assert section_inputs("discovery", d)["counterfactual"] == "paper"
+
+    study = CircuitsStudy.__new__(CircuitsStudy)
+    study.spec, study.tokenizer = spec, smollm2_tokenizer
+    study.spec.discovery.n = 14
+    assert study.pair_options() == {"counterfactual": "paper", "clean_seed": study.seed("discovery")}
+    options = study.options(prompts="discovery")
+    clean = [e.prompt for e in study.task.records(smollm2_tokenizer, 14, study.seed("discovery"), **options)]
+    pairs = {}
+    for name in ("llama-7b", "goat-7b"):  # seeds 20 and 82
+        seed = study.path_settings(name, default_plan()).seed
+        pairs[name] = study.task.discovery_pairs(smollm2_tokenizer, 14, seed, **options, **study.pair_options())
+        assert [p.base.prompt for p in pairs[name]] == clean
+    assert [p.source.prompt for p in pairs["llama-7b"]] != [p.source.prompt for p in pairs["goat-7b"]]
+    study.spec = default_spec()
+    assert study.pair_options() == {}
+
+    text = (ROOT / "tasks" / "entity_tracking_llama7b.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    for old, new, message in (
+        ('method = "path"', 'method = "curve"', r"counterfactual = 'paper' builds path patching's pairs"),
+        ('name = "entity-tracking"', 'name = "ioi"', r"task ioi's pairs offer no such choice"),
+        ('counterfactual = "paper"', 'counterfactual = "papers"', r"valid values: fresh, paper"),
+    ):
+        bad.write_text(text.replace(old, new))
+        line = next(i for i, x in enumerate(bad.read_text().splitlines(), 1) if x.startswith("counterfactual"))
+        with pytest.raises(SpecError, match=rf"bad.toml:{line}: .*{message}"):
+            load_spec(bad)
