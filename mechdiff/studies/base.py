@@ -265,6 +265,23 @@ def committed_stages(run_dir: Path) -> dict[str, dict]:
     return {}
 
 
+def detectable_text(sizes: dict[str, int], discordance: float = 0.2) -> str:
+    """Each prompt set's size beside the smallest difference a test on it detects with 80% power at 0.05
+    (:func:`mechdiff.common.inference.detectable_difference`): a paired difference of two models' accuracies at
+    the stated discordance, and one proportion against a fixed value near 0.5; so a user sees before the run which
+    claims the sizes can carry. Counted in rows: where a task repeats a prompt across rows, items are fewer and
+    the differences larger."""
+    from ..common.inference import detectable_difference
+
+    lines = [f"detectable differences (80% power, two-sided 0.05; paired at discordance {discordance}):"]
+    for name, n in sizes.items():
+        if n > 0:
+            paired = detectable_difference(n, "paired", discordance)
+            single = detectable_difference(n, "proportion")
+            lines.append(f"  {name:10s} {n:5d} rows: paired {paired:.3f}, one proportion {single:.3f}")
+    return "\n".join(lines)
+
+
 def format_plan(plan: list[PlannedStage]) -> str:
     """The plan as a table: stage, cached or not, and the committed results' cost of it."""
     if not plan:
@@ -334,6 +351,9 @@ def plan_then_run(study: Study, plan_only: bool = False, force: bool = False, **
         check_run_dir(study, force)
     print(f"{study.kind} study into {study.dir}:")
     print(format_plan(study.plan()), flush=True)
+    sizes = getattr(study, "prompt_set_sizes", None)
+    if sizes is not None:
+        print(detectable_text(sizes()), flush=True)
     if plan_only:
         return None
     result = study.run(**run_options)
