@@ -108,6 +108,11 @@ def paired_family(
                     add(cf, cb, on, f"{ft} - {base}: circuit of {circuit}: accuracy")
                     what = f"{ft} - {base}: circuit of {circuit}: faithfulness"
                     fam.add(inf.paired_ratio(cf, full_f, cb, full_b, on, what))
+                    both = (full_b == 1) & (full_f == 1)
+                    if 1 < both.sum() < both.size:
+                        sub = None if on is None else np.asarray(on)[both]
+                        claim = f"{ft} - {base}: circuit of {circuit}: accuracy on the prompts both models answer"
+                        add(cf[both], cb[both], sub, claim)
         semantic = stages.get("semantic", {})
         for label, record in semantic.items():
             what, _, model = label.rpartition(" in ")

@@ -152,3 +152,19 @@ def test_the_encodes_bound_is_the_largest_p_over_every_pairing_the_counts_allow(
             brute = max(brute, 1.0 if b + c == 0 else sps.binomtest(b, b + c).pvalue)
         test = worst_pairing(k, f, n, "x")
         assert test.p == pytest.approx(brute) and test.interval.value == pytest.approx((k - f) / n)
+
+
+def test_a_circuit_is_also_compared_on_the_prompts_both_models_answer():
+    """Faithfulness divides by each model's own accuracy; the circuit's accuracy on the prompts both full models
+    answer compares like with like (issue #49, item 7)."""
+    rng = np.random.default_rng(5)
+    n = 150
+    full_b, full_f, circ_b, circ_f = (rng.random(n) < p for p in (0.9, 0.7, 0.6, 0.5))
+    matrix = {
+        "base": _rec({"outcomes": {"base": {"full": outcome_record(full_b), "circuit": outcome_record(circ_b)}}}),
+        "ft": _rec({"outcomes": {"base": {"full": outcome_record(full_f), "circuit": outcome_record(circ_f)}}}),
+    }
+    rows = {r["measure"]: r for r in paired_rows(outcome_stages({}, matrix, None), "base", ["ft"])}
+    both = full_b & full_f
+    row = rows["circuit of base: accuracy on the prompts both models answer"]
+    assert np.isclose(row["difference"], circ_f[both].mean() - circ_b[both].mean()) and row["n_prompts"] == both.sum()
