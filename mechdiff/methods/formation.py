@@ -102,12 +102,6 @@ def _means(x: np.ndarray, rows: Optional[np.ndarray]) -> np.ndarray:
     return x.mean(1)[:, None] if rows is None else x[:, rows].mean(2)
 
 
-def gain(outcomes: Sequence[Sequence[float]] | np.ndarray, prompts: str) -> Measure:
-    """The model's accuracy gain over the first step, ``mean(o[s] - o[0])`` (``outcomes``: "step prompt")."""
-    o = _steps_by_prompts(outcomes)
-    return Measure(o - o[0], prompts)
-
-
 def faithfulness(kept: np.ndarray, full: np.ndarray, prompts: str) -> Measure:
     """A circuit's faithfulness in each checkpoint: accuracy with it alone kept over the whole model's, shown
     where the whole model's accuracy is above the first checkpoint's."""
