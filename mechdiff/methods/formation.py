@@ -1,32 +1,48 @@
-"""When each component of a mechanism forms along a training run, with intervals over prompts.
+"""When each component of a mechanism forms along a training run: on the change scale, with intervals over prompts
+and every order a test in a Holm family.
 
-A component's measure at every checkpoint is a ratio of prompt means, ``mean(num[s]) / mean(den[s])``
-(:class:`Measure`): a circuit's faithfulness in the checkpoint (accuracy with the circuit alone kept over the
-whole model's, :func:`faithfulness`), a patched component's gain as a share of the checkpoint's own gain over the
-first checkpoint (:func:`share`), semantic patching over the checkpoint's own accuracy (:func:`over_accuracy`),
-or the model's accuracy gain over the first checkpoint (:func:`gain`, no denominator). A ratio is shown only at
-checkpoints whose own accuracy on its denominator's prompts is above the first checkpoint's (paired bootstrap
-interval above 0, :func:`above_first`): elsewhere the denominator is noise.
+A component's **level** at every step is a mean over one prompt set of its per-prompt outcomes, less a per-step
+constant where one is known only as a figure (:class:`Change`): the model's accuracy, a circuit's accuracy with it
+alone kept, the first checkpoint's accuracy with a group patched in from the checkpoint (CMAP), a DCM selection's
+patched target rate above its unpatched floor. Its **change** is the level less step 0's, and its **share** at a
+step is that change over its own final change. A component forms (:func:`change_curves`) where the change from
+step 0 to the last step is shown (a paired test, Holm-adjusted across components); its step at ``q``
+(:meth:`ChangeCurve.timing`) is the first step whose share reaches ``q``, and the step from which it stays there.
+A decline (the final change below 0) is timed the same way on its loss: the first step where the loss reaches
+``q`` of its final loss. Ratio measures (faithfulness over the checkpoint's own accuracy, a share of the
+checkpoint's gain, :class:`Measure`) are levels to show, never a formation timing: a component that tracks the
+model sits near 1 at every step of a ratio and would "form" at the first step shown.
 
-A component forms (:meth:`Curve.formation`) where its final value's interval lies above 0; its formation step at
-``q`` is the first step whose value reaches ``q`` times the final checkpoint's. The interval is a bootstrap over
-prompts drawn jointly across steps: each draw resamples every prompt set once (:func:`resample`) and the same
-indices serve every step and every component, so two components' formation steps in one draw are paired, and
-"A forms before B" (:func:`order`) holds only where the percentile interval of the difference of their formation
-steps lies below 0.
+Censoring: a level first reached at the first checkpoint after step 0 was reached at or before that step
+(left-censored); one not reached by the last step, after it (right-censored); :func:`step_text` writes both.
+
+Intervals are a bootstrap over prompts drawn jointly across steps (:func:`resample`: the same indices serve every
+step and every component reading a prompt set), so two components' steps in one draw are paired. At a step whose
+0/1 outcomes are all 0 (or all 1) every resample gives the same mean, so there the draws are Jeffreys posterior
+draws, Beta(k + 1/2, n - k + 1/2), and the step's own interval is exact (Clopper-Pearson). "A before B"
+(:func:`order_test`) is the paired bootstrap test of the difference of their steps (p twice the smaller share of
+draws on either side, ties counted on both, +1 corrected), one test in the family "formation order" per pair and
+level (:func:`order_family`), Holm-adjusted: the smallest p of ``D`` draws is ``2 / (D + 1)``, so
+:data:`CHANGE_DRAWS` is set for a family of some hundred tests to be able to reject.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..common import inference as inf
 from ..common.stats import paired_difference
 
-#: Bootstrap draws of the prompts (every prompt set, jointly across steps and components).
+#: Bootstrap draws of the prompts for a ratio level (every prompt set, jointly across steps and components).
 DRAWS = 1000
+#: Bootstrap draws of the prompts on the change scale: enough that Holm over a family of ~200 order tests can reject.
+CHANGE_DRAWS = 10000
+#: The order tests' family (docs/inference.md) and the family of each component's change by the last step.
+ORDER_FAMILY = "formation order"
+CHANGE_FAMILY = "formation: change from step 0 to the last"
 #: Fractions of the final value whose first crossing is a formation step.
 LEVELS = (0.5, 0.9)
 CONFIDENCE = 0.95
@@ -86,12 +102,6 @@ def _means(x: np.ndarray, rows: Optional[np.ndarray]) -> np.ndarray:
     return x.mean(1)[:, None] if rows is None else x[:, rows].mean(2)
 
 
-def gain(outcomes: Sequence[Sequence[float]] | np.ndarray, prompts: str) -> Measure:
-    """The model's accuracy gain over the first step, ``mean(o[s] - o[0])`` (``outcomes``: "step prompt")."""
-    o = _steps_by_prompts(outcomes)
-    return Measure(o - o[0], prompts)
-
-
 def faithfulness(kept: np.ndarray, full: np.ndarray, prompts: str) -> Measure:
     """A circuit's faithfulness in each checkpoint: accuracy with it alone kept over the whole model's, shown
     where the whole model's accuracy is above the first checkpoint's."""
@@ -121,31 +131,10 @@ def resample(sizes: dict[str, int], draws: int = DRAWS, seed: int = 0) -> dict[s
     return {name: rng.integers(0, n, (draws, n)) for name, n in sorted(sizes.items())}
 
 
-def _bounds(x: np.ndarray, confidence: float) -> tuple[float, float]:
-    """Percentile interval of a discrete quantity (values of ``x`` itself; inf kept)."""
-    alpha = (1 - confidence) / 2
-    low, high = np.quantile(x, [alpha, 1 - alpha], method="inverted_cdf")
-    return float(low), float(high)
-
-
-def _step(x: float) -> Optional[int]:
-    """A step as JSON: None where it is not reached by the last step (inf)."""
-    return int(x) if np.isfinite(x) else None
-
-
-def first_reaching(values: np.ndarray, steps: Sequence[int], q: float) -> np.ndarray:
-    """Per column of ``values`` (``"step draw"``), the first step whose value reaches ``q`` times the last step's;
-    inf where the last is not above 0 or not measured. A step not measured (nan) never reaches."""
-    final = values[-1]
-    with np.errstate(invalid="ignore"):
-        reached = (values >= q * final) & (final > 0)
-    first = np.argmax(reached, axis=0)
-    return np.where(reached.any(0), np.asarray(steps, dtype=float)[first], np.inf)
-
-
 @dataclass(frozen=True)
 class Curve:
-    """One component's measure at every step: the point estimate and ``"step draw"`` bootstrap values."""
+    """A ratio measure's level at every step: the point estimate and ``"step draw"`` bootstrap values. A level
+    only: formation is timed on the change scale (:class:`ChangeCurve`), never on a ratio."""
 
     steps: tuple[int, ...]
     point: np.ndarray
@@ -165,37 +154,6 @@ class Curve:
         """Every step's :meth:`interval`."""
         return [self.interval(i, confidence) for i in range(len(self.steps))]
 
-    def formed(self, confidence: float = CONFIDENCE) -> bool:
-        """Whether the final value's interval lies above 0."""
-        final = self.interval(len(self.steps) - 1, confidence)
-        return final is not None and final["low"] > 0
-
-    def crossing(self, q: float) -> tuple[float, np.ndarray]:
-        """The formation step at ``q`` (:func:`first_reaching`) of the point estimate and of each draw."""
-        return first_reaching(self.point[:, None], self.steps, q)[0], first_reaching(self.draws, self.steps, q)
-
-    def formation(self, q: float, confidence: float = CONFIDENCE) -> dict:
-        """``{"q", "formed", "step", "low", "high", "unreached", "n"}``: the first step reaching ``q`` of the final
-        value with its bootstrap interval (None: not by the last step), and the share of draws never reaching it.
-        A component not formed (its final interval not above 0) has no step."""
-        point, draws = self.crossing(q)
-        low, high = _bounds(draws, confidence)
-        formed = self.formed(confidence)
-        return {
-            "q": q,
-            "formed": formed,
-            "step": _step(point) if formed else None,
-            "low": _step(low) if formed else None,
-            "high": _step(high) if formed else None,
-            "unreached": float(np.mean(~np.isfinite(draws))),
-            "n": int(draws.size),
-        }
-
-    def of_final(self) -> "Curve":
-        """The measure as a share of its final value (point and each draw by its own final)."""
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return Curve(self.steps, self.point / self.point[-1], self.draws / self.draws[-1], self.n)
-
 
 def curves(measures: dict[str, Measure], steps: Sequence[int], draws: int = DRAWS, seed: int = 0) -> dict[str, Curve]:
     """Every measure's :class:`Curve` on one set of draws (:func:`resample`): the same prompt indices at every
@@ -212,31 +170,223 @@ def curves(measures: dict[str, Measure], steps: Sequence[int], draws: int = DRAW
     return {name: Curve(tuple(steps), m.at(plain)[:, 0], m.at(idx), m.num.shape[1]) for name, m in measures.items()}
 
 
-def order(a: Curve, b: Curve, q: float, confidence: float = CONFIDENCE) -> dict:
-    """Paired comparison of two components' formation steps at ``q`` on the same draws: the difference
-    ``step(a) - step(b)`` (inf where one does not reach ``q`` by the last step; a tie where neither does) with its
-    percentile interval, the shares of draws where each comes first, and ``before``: ``"a"`` where the interval lies
-    below 0, ``"b"`` above, None where it holds 0 or either component has not formed."""
-    if a.draws.shape != b.draws.shape or a.steps != b.steps:
-        raise ValueError("two curves compared must share the steps and the draws")
-    (pa, da), (pb, db) = a.crossing(q), b.crossing(q)
-    diff = _difference(da, db)
-    low, high = _bounds(diff, confidence)
-    point = float(_difference(np.array([pa]), np.array([pb]))[0])
-    both = a.formed(confidence) and b.formed(confidence)
-    return {
-        "q": q,
-        "difference": point,
-        "low": low,
-        "high": high,
-        "a_first": float(np.mean(diff < 0)),
-        "b_first": float(np.mean(diff > 0)),
-        "before": ("a" if high < 0 else "b" if low > 0 else None) if both else None,
-        "n": int(diff.size),
-    }
+# --- the change scale --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Change:
+    """A component's level at every step, ``mean(x[s]) - offset[s]`` (``x``: "step prompt", the same prompts at
+    every step; ``offset``: a per-step constant known only as a figure, e.g. an unpatched floor kept as a count),
+    timed on its change from step 0."""
+
+    x: np.ndarray
+    prompts: str
+    offset: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        x = _steps_by_prompts(self.x)
+        if np.isnan(x).any():
+            raise ValueError(f"{self.prompts}: a change needs an outcome at every step and prompt")
+        if self.offset is not None and np.shape(self.offset) != (x.shape[0],):
+            raise ValueError(
+                f"{self.prompts}: an offset is one figure a step ({x.shape[0]}), got {np.shape(self.offset)}"
+            )
+        object.__setattr__(self, "x", x)
+
+    def off(self) -> np.ndarray:
+        """The per-step offset (zeros where none)."""
+        return np.zeros(len(self.x)) if self.offset is None else np.asarray(self.offset, dtype=float)
+
+    def levels(self, rows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The level at every step on the resampled prompts ``rows`` ("draw prompt"): ``"step draw"``; at a step
+        whose 0/1 outcomes are all 0 or all 1, Jeffreys posterior draws instead (the resamples cannot vary)."""
+        out = np.empty((len(self.x), len(rows)))
+        for s, row in enumerate(self.x):
+            k, n = float(row.sum()), row.size
+            if _binary(row) and k in (0, n):
+                out[s] = rng.beta(k + 0.5, n - k + 0.5, len(rows))
+            else:
+                out[s] = row[rows].mean(1)
+        return out - self.off()[:, None]
+
+    def level_interval(self, s: int) -> inf.Interval:
+        """Step ``s``'s level with its interval over prompts (exact for 0/1 outcomes, bootstrap otherwise)."""
+        iv = inf.mean(self.x[s])
+        o = float(self.off()[s])
+        return inf.Interval(iv.value - o, iv.low - o, iv.high - o, iv.n_rows, iv.n_items, iv.method)
+
+    def final_test(self, claim: str) -> inf.Test:
+        """The change from step 0 to the last step on the same prompts: exact McNemar for 0/1 outcomes with no
+        offset to move, else the sign-flip test of the per-prompt change against the offset's change."""
+        d_off = float(self.off()[-1] - self.off()[0])
+        if d_off == 0:
+            return inf.paired(self.x[-1], self.x[0], claim=claim)
+        t = inf.sign_flip(self.x[-1] - self.x[0] - d_off, claim=claim)  # its mean: the change above the offset
+        return inf.Test(claim, t.interval, t.p, t.method + " (the offset's change subtracted)")
+
+
+def _binary(x: np.ndarray) -> bool:
+    return bool(np.all((x == 0) | (x == 1)))
+
+
+@dataclass(frozen=True)
+class ChangeCurve:
+    """One component's level at every step (point and ``"step draw"`` bootstrap values), read as its change from
+    step 0 over its own final change; ``final``: the test of that final change."""
+
+    steps: tuple[int, ...]
+    level: np.ndarray
+    draws: np.ndarray
+    n: int
+    final: inf.Test
+
+    @property
+    def direction(self) -> int:
+        """+1 for a rise (the final change at or above 0), -1 for a decline."""
+        return -1 if self.level[-1] < self.level[0] else 1
+
+    def change(self) -> tuple[np.ndarray, np.ndarray]:
+        """The change from step 0: point ("step") and draws ("step draw")."""
+        return self.level - self.level[0], self.draws - self.draws[0]
+
+    def share(self) -> tuple[np.ndarray, np.ndarray]:
+        """The change as a share of the final change (point and draws; nan where the final change is 0)."""
+        point, draws = self.change()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return point / point[-1] if point[-1] else point * np.nan, draws / draws[-1]
+
+    def reached(self, q: float, change: np.ndarray) -> np.ndarray:
+        """Per step and column of ``change`` ("step draw"), whether it reaches ``q`` of its own final change in this
+        curve's direction (never, in a column whose final change is not in that direction)."""
+        signed = change * self.direction
+        return (signed >= q * signed[-1]) & (signed[-1] > 0)
+
+    def timing(self, q: float) -> dict[str, tuple[float, np.ndarray]]:
+        """``{"first": ..., "stays": ...}``: the first step reaching ``q`` of the final change, and the step from
+        which every later step stays there; each as (point, draws), inf where never."""
+        point, draws = self.change()
+        out = {}
+        for rule in ("first", "stays"):
+            pick = _first if rule == "first" else _stays
+            out[rule] = (pick(self.reached(q, point[:, None]), self.steps)[0], pick(self.reached(q, draws), self.steps))
+        return out
+
+    def share_interval(self, i: int, confidence: float = CONFIDENCE) -> Optional[dict]:
+        """Step ``i``'s share of the final change with its bootstrap percentile interval (None: no final change)."""
+        point, draws = self.share()
+        if not np.isfinite(point[i]):
+            return None
+        d = draws[i][np.isfinite(draws[i])]
+        low, high = np.quantile(d, [(1 - confidence) / 2, (1 + confidence) / 2]) if d.size else (point[i],) * 2
+        return {"value": float(point[i]), "low": float(low), "high": float(high), "n": self.n}
+
+
+def _first(reached: np.ndarray, steps: Sequence[int]) -> np.ndarray:
+    """Per column, the first step reached (inf: none)."""
+    first = np.argmax(reached, axis=0)
+    return np.where(reached.any(0), np.asarray(steps, dtype=float)[first], np.inf)
+
+
+def _stays(reached: np.ndarray, steps: Sequence[int]) -> np.ndarray:
+    """Per column, the step from which every later step is reached (inf: the last is not)."""
+    missed = ~reached
+    last_missed = np.where(missed.any(0), len(steps) - 1 - np.argmax(missed[::-1], axis=0), -1)
+    ok = last_missed + 1 < len(steps)
+    return np.where(ok, np.asarray(steps, dtype=float)[np.minimum(last_missed + 1, len(steps) - 1)], np.inf)
+
+
+def change_curves(
+    changes: dict[str, Change], steps: Sequence[int], draws: int = CHANGE_DRAWS, seed: int = 0
+) -> dict[str, ChangeCurve]:
+    """Every component's :class:`ChangeCurve` on one set of draws (:func:`resample`): the same prompt indices at
+    every step and for every component reading a prompt set."""
+    sizes: dict[str, int] = {}
+    for name, c in changes.items():
+        if len(c.x) != len(steps):
+            raise ValueError(f"{name}: a change needs one row per step ({len(steps)}), got {len(c.x)}")
+        if sizes.setdefault(c.prompts, c.x.shape[1]) != c.x.shape[1]:
+            raise ValueError(
+                f"prompt set {c.prompts!r} has {sizes[c.prompts]} prompts in one component and {c.x.shape[1]} in {name}"
+            )
+    if len(steps) < 2:
+        raise ValueError("formation needs step 0 and at least one later step")
+    idx = resample(sizes, draws, seed)
+    out = {}
+    for i, (name, c) in enumerate(changes.items()):
+        rng = np.random.default_rng([seed, i])
+        level = c.x.mean(1) - c.off()
+        test = c.final_test(f"{name}: change from step {steps[0]} to step {steps[-1]}")
+        out[name] = ChangeCurve(tuple(steps), level, c.levels(idx[c.prompts], rng), c.x.shape[1], test)
+    return out
+
+
+def change_family(curves: dict[str, ChangeCurve]) -> inf.Family:
+    """Each component's change from step 0 to the last, one test each, in :data:`CHANGE_FAMILY`."""
+    fam = inf.Family(CHANGE_FAMILY)
+    for c in curves.values():
+        fam.add(c.final)
+    return fam
+
+
+def _bounds(x: np.ndarray, confidence: float) -> tuple[float, float]:
+    """Percentile interval of a discrete quantity (values of ``x`` itself; inf kept)."""
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(x, [alpha, 1 - alpha], method="inverted_cdf")
+    return float(low), float(high)
 
 
 def _difference(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``x - y`` of two steps, a tie (0) where neither is reached."""
     with np.errstate(invalid="ignore"):
         d = x - y
     return np.where(np.isinf(x) & np.isinf(y), 0.0, d)
+
+
+def order_test(
+    names: tuple[str, str], a: ChangeCurve, b: ChangeCurve, q: float, confidence: float = CONFIDENCE
+) -> inf.Test:
+    """Whether ``a`` and ``b`` first reach ``q`` of their own final change at different steps: the paired bootstrap
+    of ``step(a) - step(b)`` on the same draws, its percentile interval and p (twice the smaller share of draws
+    at or below 0 and at or above 0, +1 corrected: a tie in every draw gives p = 1)."""
+    if a.draws.shape != b.draws.shape or a.steps != b.steps:
+        raise ValueError("two curves compared must share the steps and the draws")
+    (pa, da), (pb, db) = a.timing(q)["first"], b.timing(q)["first"]
+    diff = _difference(da, db)
+    low, high = _bounds(diff, confidence)
+    tail = min(int((diff <= 0).sum()), int((diff >= 0).sum()))
+    p = min(1.0, 2 * (tail + 1) / (diff.size + 1))
+    value = float(_difference(np.array([pa]), np.array([pb]))[0])
+    n = min(a.n, b.n)
+    iv = inf.Interval(value, low, high, n, n, f"paired bootstrap over prompts ({diff.size} draws, joint across steps)")
+    return inf.Test(f"{names[0]} vs {names[1]} at {q:.0%}", iv, p, "paired bootstrap (percentile p)")
+
+
+def first_of(test: inf.Test, names: tuple[str, str]) -> Optional[str]:
+    """The component a shown order test puts first (the side of 0 its estimate lies on); None: not ordered."""
+    if not test.rejects or test.interval.value == 0:
+        return None
+    return names[0] if test.interval.value < 0 else names[1]
+
+
+def order_family(
+    curves: dict[str, ChangeCurve], formed: Sequence[str], levels: Sequence[float] = LEVELS
+) -> tuple[inf.Family, list[tuple[str, str, float]]]:
+    """Every two formed components at every level, one test each in :data:`ORDER_FAMILY`; with the (a, b, level)
+    of each test in the family's order."""
+    fam, keys = inf.Family(ORDER_FAMILY), []
+    for q in levels:
+        for i, a in enumerate(formed):
+            for b in formed[i + 1 :]:
+                fam.add(order_test((a, b), curves[a], curves[b], q))
+                keys.append((a, b, q))
+    return fam, keys
+
+
+def step_text(x: float, steps: Sequence[int]) -> Any:
+    """A formation step as written: ``"at or before step N"`` at the first checkpoint after step 0 (left-censored),
+    ``"after step <last>"`` where never reached (right-censored), else the step."""
+    if not np.isfinite(x):
+        return f"after step {steps[-1]}"
+    if len(steps) > 1 and int(x) == steps[1]:
+        return f"at or before step {steps[1]}"
+    return int(x)

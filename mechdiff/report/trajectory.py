@@ -9,9 +9,8 @@ import numpy as np
 
 from ..circuits.circuit import Circuit
 from ..common.io import write_text
-from ..methods.formation import LEVELS, Measure, curves, faithfulness, gain, over_accuracy, share
 from ..methods.trajectory import against_first, jaccard, membership
-from .formation import curve_rows, formation_rows, level_name, order_rows, order_text
+from .formation import formation, trajectory_components, write_formation
 from .tables import estimate_columns, to_markdown, write_table
 
 
@@ -85,8 +84,6 @@ class _Report:
         self.names, self.steps = study.names, study.steps
         self.dir = study.dir
         self.sections: list[str] = []
-        self.measures: dict[str, Measure] = {}  # component -> its normalised measure at every step
-        self.what: dict[str, str] = {}  # component -> what its measure is
 
     def table(self, rows: list[dict], stem: str, caption: str) -> str:
         write_table(rows, self.dir / "tables" / stem, caption=caption)
@@ -94,11 +91,6 @@ class _Report:
 
     def figure(self, path: Path, caption: str) -> str:
         return f"![{caption}]({path.relative_to(self.dir)})\n\n*{caption}*\n"
-
-    def component(self, name: str, what: str, measure: Measure) -> None:
-        """A component whose formation the report gives (:mod:`~mechdiff.methods.formation`)."""
-        self.measures[name] = measure
-        self.what[name] = what
 
     # -- sections -----------------------------------------------------------------------
     def accuracy(self) -> None:
@@ -108,8 +100,6 @@ class _Report:
             {"step": s, "checkpoint": n, **_cols("accuracy", a["accuracy"]), **_cols("minus_first", d)}
             for s, n, a, d in zip(self.steps, self.names, acc, diff)
         ]
-        correct = np.array([a["correct"] for a in acc], dtype=float)
-        self.component("the model", "accuracy gain over the first checkpoint", gain(correct, "eval"))
         self.accuracy_rows = rows
         fig = band_figure(
             self.steps,
@@ -147,17 +137,6 @@ class _Report:
                     **_cols("first_trained_circuit", _row_est(sc["rows"]["first trained"], "faithfulness")),
                     **_cols("own_circuit", _row_est(sc["rows"]["own"], "faithfulness")),
                 }
-            )
-        full = np.array([sc["full"] for sc in scores], dtype=float)
-        for key, name in (
-            ("final", f"the final checkpoint's circuit ({self.names[-1]})"),
-            ("first trained", f"the first trained checkpoint's circuit ({self.names[1]})"),
-        ):
-            kept = np.array([sc["outcomes"][key] for sc in scores], dtype=float)
-            self.component(
-                name,
-                "faithfulness in the checkpoint (accuracy with the circuit alone kept / the whole model's)",
-                faithfulness(kept, full, "matrix"),
             )
         series = {
             label: [_row_est(sc["rows"][key], "faithfulness") for sc in scores]
@@ -220,16 +199,6 @@ class _Report:
             for k in keys:
                 row.update(_cols(f"gain {k}", r["gain"][k] if r else None))
             rows.append(row)
-        first = next(r for r in recs if r)["outcomes"]["base"]  # the first checkpoint's own outcomes
-        own = np.array([r["outcomes"]["finetune"] if r else first for r in recs], dtype=float)
-        base = np.array([first] * len(recs), dtype=float)
-        for k in keys:
-            patched = np.array([r["outcomes"][k] if r else first for r in recs], dtype=float)
-            self.component(
-                f"CMAP {k}",
-                "gain of the first checkpoint with it patched in, as a share of the checkpoint's own gain",
-                share(patched, own, base, "cmap"),
-            )
         fig = band_figure(
             self.steps,
             {k: [r["gain"][k] if r else None for r in recs] for k in keys},
@@ -261,17 +230,6 @@ class _Report:
             got = [next(x for x in p if (x["group"], x["desideratum"]) == (g, des)) for p in per]
             diff = against_first([x["outcomes"] for x in got])
             series[f"{g} {des}"] = [x["accuracy"] for x in got]
-            heads = " ".join(got[0]["heads"])
-            self.component(
-                f"DCM {g} {des} ({heads})",
-                "semantic-patching accuracy over the checkpoint's own accuracy",
-                over_accuracy(
-                    np.array([x["outcomes"] for x in got], dtype=float),
-                    f"semantic:{des}",
-                    np.array([self.r["accuracy"][n].result["correct"] for n in self.names], dtype=float),
-                    "eval",
-                ),
-            )
             for s, _name, x, d in zip(self.steps, self.names, got, diff):
                 rows.append(
                     {
@@ -579,58 +537,19 @@ class _Report:
         return rows
 
     def formation(self) -> tuple[list[dict], list[dict]]:
-        """The formation section (each component's normalised measure, formation steps, paired order) and its
-        rows: formation per component, order per pair."""
-        got = curves(self.measures, self.steps)
-        formation = formation_rows(got, self.what)
-        ordered = order_rows(got)
-        levels = " and ".join(level_name(q) for q in LEVELS)
-        fig = band_figure(
-            self.steps,
-            {name: c.of_final().per_step() for name, c in got.items()},
-            self.dir / "figures" / "formation.png",
-            "each component's measure as a share of its final value (bootstrap 95% CI over prompts)",
-            "share of the final value",
-            levels=LEVELS,
-        )
-        what = "; ".join(f"{n}: {w}" for n, w in self.what.items())
-        self.sections.insert(
-            0,
-            "## When each component forms\n\n"
-            "Each component's measure is normalised in its checkpoint; a ratio is shown only at checkpoints whose "
-            "own accuracy on the ratio's prompts is above the first checkpoint's (paired interval above 0). A "
-            f"component forms where its final value's interval lies above 0; it reaches {levels} of that value at "
-            "the first step whose value is at least that share of the final. Intervals are bootstrap percentiles "
-            "over prompts drawn jointly across steps (the same resampled prompts at every step and for every "
-            "component), and two components are ordered only where the paired interval of the difference of their "
-            "formation steps excludes 0.\n\n"
-            + self.table(
-                formation,
-                "formation",
-                f"When each component forms: its normalised measure at the final step and the first step reaching "
-                f"{levels} of it (bootstrap 95% CI; 'after' a step: not reached by the last step in the draws "
-                "beyond the bound; unreached: the share of draws never reaching it)",
-            )
-            + "\n"
-            + self.table(
-                ordered or [{"ordered": "fewer than two components formed"}],
-                "formation_order",
-                "Paired order of every two formed components: the difference of their formation steps (a - b, "
-                "bootstrap 95% CI on the same draws; inf: one never reaches the level in those draws) and what it "
-                "orders",
-            )
-            + "\n"
-            + order_text(ordered, formation, self.steps)
-            + "\n\n"
-            + self.table(
-                curve_rows(got),
-                "formation_curves",
-                f"Each component's normalised measure per step (bootstrap 95% CI; empty: not shown). {what}",
-            )
-            + "\n"
-            + self.figure(fig, "each component's share of its final value against the step"),
-        )
-        return formation, ordered
+        """The formation section on the change scale (:mod:`~mechdiff.report.formation`) from the stages'
+        per-prompt outcomes; its rows: formation per component, order per pair."""
+        floors: dict[str, list[float]] = {}
+        heads: dict[str, str] = {}
+        for i, n in enumerate(self.names):
+            for x in self.r["semantic"][n].result["rows"]:
+                label = f"{x['group']}/{x['desideratum']}"
+                floors.setdefault(label, [0.0] * len(self.names))[i] = x["floor"]["value"]
+                heads.setdefault(label, " ".join(x["heads"]))
+        got = formation(trajectory_components(self.outcomes(), self.names, floors, heads), self.steps)
+        report, self.formation_readme, rows, orders = write_formation(got, self.dir)
+        self.sections.insert(0, report)
+        return rows, orders
 
     def outcomes(self) -> dict[str, dict]:
         """Every stage's per-prompt outcomes in the compact format (:mod:`mechdiff.common.outcomes`), by stage and
@@ -708,7 +627,6 @@ class _Report:
             {k: v for k, v in r.items() if k not in ("cross_overlap", "cross_overlap_low", "cross_overlap_high")}
             for r in self.against_final_rows()
         ]
-        claims = [r for r in ordered if r["ordered"] != "not ordered"]
         stages = self.s.cache.summary()
         cost = [{"stage": k, "seconds": round(v["seconds"], 1)} for k, v in stages.items()]
         st = self.s.st
@@ -742,15 +660,11 @@ class _Report:
         text = (
             f"# {self.dir.name}\n\nWritten by `mechdiff run {self.s.st.source}`; the full report is "
             "[report.md](report.md). Every finding is a row carried by its interval.\n\n"
-            "## Findings: accuracy against the first checkpoint\n\n" + accuracy_sentence(self.accuracy_rows) + "\n\n"
-            "## Findings: when each component forms\n\n"
-            "Each component's normalised measure at the final step and the first step reaching 50% and 90% of it "
-            "(bootstrap 95% CI over prompts drawn jointly across steps; `tables/formation.md`).\n\n"
-            + to_markdown([{k: v for k, v in r.items() if k != "measure"} for r in formation])
+            "## Findings: accuracy against the first checkpoint\n\n"
+            + accuracy_sentence(self.accuracy_rows)
             + "\n\n"
-            + ("Pairs the paired intervals order:\n\n" + to_markdown(claims) + "\n\n" if claims else "")
-            + order_text(ordered, formation, self.steps)
-            + "\n\n"
+            + self.formation_readme
+            + "\n"
             "## Findings: structure beyond the within-checkpoint null\n\n"
             "Consecutive checkpoints, and each checkpoint against the final one (`tables/structure_final.md`; the "
             "overlap matrix of every two is `figures/overlap_matrix.png`). "

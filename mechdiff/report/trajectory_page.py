@@ -34,7 +34,13 @@ MEASURES = (
         "overlap",
     ),
     ("role_dcm", "step", ("group", "desideratum"), "DCM trained in each checkpoint: its selection patched", "accuracy"),
-    ("formation_curves", "step", ("component",), "Each component's share of its final value (95% CI)", "share"),
+    (
+        "formation_curves",
+        "step",
+        ("component",),
+        "Each component's level, its change as a share of its own final change, and its ratio (95% CI)",
+        "level / share",
+    ),
 )
 
 
@@ -99,9 +105,12 @@ def measure_figure(rows: list[dict], x: str, by: Optional[tuple[str, ...]], titl
 
 
 def _bound(v: Any, last: float) -> tuple[Optional[float], bool]:
-    """A formation step or bound as a number, and whether it is open ("after N": not reached by the last step)."""
+    """A formation step or bound as a number, and whether it is open ("after N": not reached by the last step);
+    "at or before step N" (left-censored) reads as N."""
     if isinstance(v, str) and v.startswith("after "):
         return last, True
+    if isinstance(v, str) and v.startswith("at or before "):
+        return float(v.rsplit(" ", 1)[-1]), False
     return _num(v), False
 
 
@@ -114,7 +123,7 @@ def formation_points(rows: list[dict], last: float) -> list[dict]:
         levels = [k[5:] for k in r if k.startswith("step_") and not k.endswith(("_low", "_high"))]
         for level in levels or ["formed"]:
             key = f"step_{level}" if levels else "formed_at_step"
-            step = _num(r.get(key))
+            step, _ = _bound(r.get(key), last)
             if step is None:
                 continue
             low, _ = _bound(r.get(f"{key}_low", step), last)

@@ -148,25 +148,31 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     assert [r["accuracy"] for r in acc] == [np.mean(records[n]["correct"]) for n in names]
     diffs = against_first([records[n]["correct"] for n in names])
     assert [r["minus_first"] for r in acc] == [None] + [d["value"] for d in diffs[1:]]
-    # formation, recomputed here from the accuracy records: the model's gain over the first checkpoint per step, the
-    # first step reaching half the final gain where the final gain's interval is above 0
+    # formation on the change scale, recomputed here from the accuracy records: the model's change from the first
+    # checkpoint per step, the first step reaching half the final change where that change is shown (Holm), the
+    # first checkpoint after 0 written left-censored
     formation = {r["component"]: r for r in json.loads((out / "tables" / "formation.json").read_text())}
     gains = [np.mean(records[n]["correct"]) - np.mean(records[names[0]]["correct"]) for n in names]
     model = formation["the model"]
-    assert model["final"] == pytest.approx(gains[-1], abs=1e-12)
-    assert model["formed"] == (model["final_low"] > 0)
-    want = next((s for s, g in zip(study.steps, gains) if g >= 0.5 * gains[-1]), None) if model["formed"] else None
-    assert model["step_50%"] == want
+    assert model["change"] == pytest.approx(gains[-1], abs=1e-12)
+    assert model["formed"] == (model["p_holm"] <= 0.05) and model["p_holm"] >= model["p"]
+    sign = 1 if gains[-1] >= 0 else -1
+    want = next((s for s, g in zip(study.steps, gains) if sign * g >= 0.5 * sign * gains[-1]), None)
+    if want == study.steps[1]:
+        want = f"at or before step {want}"
+    assert model["step_50%"] == (want if model["formed"] else None)
     rows = json.loads((out / "tables" / "formation_curves.json").read_text())
     mine = [r for r in rows if r["component"] == "the model"]
     assert [r["step"] for r in mine] == study.steps
-    assert [r["value"] for r in mine] == pytest.approx(gains, abs=1e-12)
-    # every order the report states has its paired interval on one side of 0 (the tiny run may form nothing)
+    assert [r["level"] for r in mine] == pytest.approx(gains + np.mean(records[names[0]]["correct"]), abs=1e-12)
+    if gains[-1]:
+        assert [r["share_of_final_change"] for r in mine] == pytest.approx(np.divide(gains, gains[-1]), abs=1e-12)
+    # every order the report states survives Holm in the family "formation order" (the tiny run may form nothing)
     order = [r for r in json.loads((out / "tables" / "formation_order.json").read_text()) if "level" in r]
     for r in order:
-        assert (r["ordered"] == "not ordered") == (r["a_minus_b_low"] <= 0 <= r["a_minus_b_high"])
+        assert r["family"] == "formation order" and (r["ordered"] == "not ordered") == (r["p_holm"] > 0.05)
     if sum(r["formed"] for r in formation.values()) < 2:
-        assert not order and "Fewer than two components formed" in report.read_text()
+        assert not order and "Fewer than two components change" in report.read_text()
     # each checkpoint against the final one: the own circuits' Jaccard from the circuit files, the top-n overlaps
     # from the structure record
     final_rows = json.loads((out / "tables" / "structure_final.json").read_text())

@@ -50,7 +50,13 @@ def run(tmp_path: Path) -> Path:
         t / "formation.json",
         [
             {"component": "the model", "step_50%": 5, "step_50%_low": 0, "step_50%_high": 10},
-            {"component": "CMAP IO/z", "step_50%": 10, "step_50%_low": 5, "step_50%_high": "after 10"},
+            {"component": "CMAP IO/z", "step_50%": 10, "step_50%_low": 5, "step_50%_high": "after step 10"},
+            {
+                "component": "early",
+                "step_50%": "at or before step 5",
+                "step_50%_low": "at or before step 5",
+                "step_50%_high": 10,
+            },
             {"component": "never", "step_50%": None, "step_50%_low": None, "step_50%_high": None},
         ],
     )
@@ -74,9 +80,10 @@ def test_each_figure_holds_the_committed_tables_numbers(run: Path) -> None:
     assert line["x"] == [0, 5, 10] and line["y"] == [0.1, 0.5, 0.9]
     assert band["x"] == [0, 5, 10, 10, 5, 0] and band["y"] == [0.2, 0.6, 0.95, 0.8, 0.4, 0.05]  # high, then low back
     (formed,) = figs["formation"]["data"]
-    assert formed["y"] == ["the model", "CMAP IO/z"] and formed["x"] == [5, 10]  # "never" formed: not drawn
-    assert formed["error_x"]["arrayminus"] == [5, 5] and formed["error_x"]["array"] == [5, 0]
-    assert formed["marker"]["symbol"] == ["circle", "triangle-right"]  # its interval runs past the last step
+    # "never" formed: not drawn; "early" (left-censored) at the step it was reached at or before
+    assert formed["y"] == ["the model", "CMAP IO/z", "early"] and formed["x"] == [5, 10, 5]
+    assert formed["error_x"]["arrayminus"] == [5, 5, 0] and formed["error_x"]["array"] == [5, 0, 5]
+    assert formed["marker"]["symbol"] == ["circle", "triangle-right", "circle"]  # CMAP's interval runs past the end
     (matrix,) = figs["overlap_matrix"]["data"]
     assert matrix["z"] == [[0.5, 0.3, 0.2], [0.55, 0.3, 0.2], [0.6, 0.3, 0.2]]
     (role,) = figs["role-0"]["data"]
