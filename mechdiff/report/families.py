@@ -22,12 +22,17 @@ import numpy as np
 
 from ..common import inference as inf
 from ..common.io import write_text
-from ..common.outcomes import read_outcomes
+from ..common.outcomes import from_bits, read_outcomes
 from .paired import CAPTION, family_row, paired_rows
 from .paired import FAMILY as DIFFERENCES
 from .tables import write_table
 
 ENCODES = "what the heads encode"
+BREAKDOWN_CAPTION = (
+    "Eval accuracy by template and by answer length: top-1 (the answer's first token ranked first; several-token "
+    "answers teacher-forced) and two-way (the answer's summed log-probability above the counterfactual answer's), "
+    "each with its interval over items and the chance level it is read against"
+)
 FAMILIES_CAPTION = (
     "Every test of the study by family: estimate and 95% interval, p, Holm's adjusted p within the family, "
     "whether the claim is shown, the test, rows and items (docs/inference.md)"
@@ -40,6 +45,53 @@ def _manifest(run_dir: Path) -> dict:
         if isinstance(data.get(key), str):
             data[key] = ast.literal_eval(data[key])
     return data
+
+
+def _task_rows(run_dir: Path, root: Path) -> list[dict]:
+    task_dir = root / _manifest(run_dir)["spec"]["task"]["name"]
+    lines = (task_dir / "pairs.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def length_class(n_tokens: int) -> str:
+    """An answer's length class: ``1``, ``2`` or ``3+`` tokens."""
+    return str(n_tokens) if n_tokens < 3 else "3+"
+
+
+def breakdown_rows(
+    stages: Mapping[str, Mapping[str, dict]], rows: list[dict], set_rows: list[int], models: list[str]
+) -> list[dict]:
+    """Each model's eval accuracy (top-1) and two-way accuracy (the answer's summed log-probability above the
+    counterfactual answer's, where the logit difference was kept) by template and by answer length, each with its
+    interval over items and the chance level it is read against (top-1: one over the distinct answers the slice
+    holds; two-way: 0.5); ``near chance`` where the interval reaches chance."""
+    base = [rows[r]["base"] for r in set_rows]
+    items = np.array([b["prompt"] for b in base])
+    slices = {
+        f"template {t}": np.array([b.get("template") == t for b in base])
+        for t in sorted({b.get("template") for b in base})
+    }
+    lengths = np.array([length_class(len(b.get("answer_tokens") or [b["answer_id"]])) for b in base])
+    slices.update({f"answer of {c} token{'s' if c != '1' else ''}": lengths == c for c in sorted(set(lengths))})
+    out = []
+    for model in models:
+        rec = stages.get("accuracy", {}).get(model)
+        if rec is None:
+            continue
+        correct = from_bits(rec["correct"])
+        two_way = (np.asarray(rec["logit_diff"], dtype=float) > 0).astype(float) if "logit_diff" in rec else None
+        for name, mask in slices.items():
+            answers = {b["answer"] for b, m in zip(base, mask) if m}
+            for measure, values, chance in (("top-1", correct, 1 / len(answers)), ("two-way", two_way, 0.5)):
+                if values is None or not mask.any():
+                    continue
+                iv = inf.proportion(values[mask], items[mask])
+                out.append(
+                    {"model": model, "slice": name, "measure": measure, "accuracy": iv.value, "low": iv.low,
+                     "high": iv.high, "chance": chance, "near_chance": bool(iv.low <= chance),
+                     "rows": iv.n_rows, "items": iv.n_items}
+                )  # fmt: skip
+    return out
 
 
 def set_items(run_dir: Path, root: Path) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
@@ -118,8 +170,12 @@ def restate(run_dir: str | Path, root: str | Path = ".") -> Path:
     encodes = encodes_family(semantic, n_pairs)
     family_rows = [family_row(r) for r in paired] + encodes.rows()
     write_table(family_rows, run_dir / "tables" / "families", caption=FAMILIES_CAPTION)
+    breakdown = []
+    if rows_of.get("eval"):
+        breakdown = breakdown_rows(stages, _task_rows(run_dir, root), rows_of["eval"], [base, *finetunes])
+        write_table(breakdown, run_dir / "tables" / "breakdown", caption=BREAKDOWN_CAPTION)
     path = run_dir / "inference.md"
-    write_text(path, _page(run_dir, items_sentence(items, rows_of), paired, encodes))
+    write_text(path, _page(run_dir, items_sentence(items, rows_of), paired, encodes, breakdown))
     _mark_report(run_dir / "report.md")
     return path
 
@@ -148,7 +204,9 @@ def _semantic_table(run_dir: Path) -> list[dict]:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
 
 
-def _page(run_dir: Path, items_line: str, paired: list[dict], encodes: inf.Family) -> str:
+def _page(
+    run_dir: Path, items_line: str, paired: list[dict], encodes: inf.Family, breakdown: Optional[list[dict]] = None
+) -> str:
     from .paired import difference_sentence, faithfulness_parts
 
     lines = [
@@ -177,6 +235,7 @@ def _page(run_dir: Path, items_line: str, paired: list[dict], encodes: inf.Famil
             f"- {t.claim}: patched minus floor {iv.value:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}], {verdict} "
             f"(Holm p <= {t.p_adjusted:.2g}; {iv.n_rows} pairs)"
         )
+    lines += _breakdown_lines(breakdown or [])
     lines += [
         "",
         'Bounds, not figures: DCM\'s floor was committed as a count, so each "encodes" p is the exact McNemar p at '
@@ -184,10 +243,32 @@ def _page(run_dir: Path, items_line: str, paired: list[dict], encodes: inf.Famil
         "controls (random circuits in the matrix, random heads in DCM and CMAP) were committed as pooled figures, "
         "not per draw: the circuit's rank among draws is not restated here; it needs the stages rerun.",
         "",
-        "Tables: `tables/families.csv` (every test with its family and adjusted p), `tables/paired_differences.csv`.",
+        "Tables: `tables/families.csv` (every test with its family and adjusted p), `tables/paired_differences.csv`"
+        + (", `tables/breakdown.csv`." if breakdown else "."),
         "",
     ]
     return "\n".join(lines)
+
+
+def _breakdown_lines(breakdown: list[dict]) -> list[str]:
+    if not breakdown:
+        return []
+    near = [r for r in breakdown if r["near_chance"]]
+    worst = sorted((r for r in breakdown if r["measure"] == "top-1"), key=lambda r: r["accuracy"])[:3]
+
+    def fmt(r: dict) -> str:
+        return f"{r['model']} {r['slice']} {r['measure']} {r['accuracy']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
+
+    return [
+        "",
+        "## By template and answer length (`tables/breakdown.*`)",
+        "",
+        "Near chance (the interval over items reaches it): "
+        + ("; ".join(f"{fmt(r)} against {r['chance']:.2f}" for r in near) if near else "none")
+        + ". Lowest top-1 slices: "
+        + "; ".join(f"{fmt(r)} ({r['rows']} rows, {r['items']} items)" for r in worst)
+        + ".",
+    ]
 
 
 def families_of(run_dir: str | Path) -> Optional[list[dict]]:

@@ -168,3 +168,26 @@ def test_a_circuit_is_also_compared_on_the_prompts_both_models_answer():
     both = full_b & full_f
     row = rows["circuit of base: accuracy on the prompts both models answer"]
     assert np.isclose(row["difference"], circ_f[both].mean() - circ_b[both].mean()) and row["n_prompts"] == both.sum()
+
+
+def test_breakdown_by_template_and_answer_length_against_direct_means():
+    from mechdiff.report.families import breakdown_rows
+
+    rows = []
+    for i in range(40):
+        tokens = [1] * (1 + i % 4)
+        rows.append({"base": {"prompt": f"p{i // 2}", "template": "ab"[i % 2], "answer": f" a{i % 5}",
+                              "answer_id": 1, "answer_tokens": tokens}})  # fmt: skip
+    correct = np.array([i % 3 != 0 for i in range(40)], dtype=float)
+    ld = np.where(np.arange(40) < 20, 1.0, -1.0)
+    stages = {"accuracy": {"m": {**outcome_record(correct), "logit_diff": list(ld)}}}
+    out = breakdown_rows(stages, rows, list(range(40)), ["m"])
+    by = {(r["slice"], r["measure"]): r for r in out}
+    a = np.array([i % 2 == 0 for i in range(40)])
+    assert by[("template a", "top-1")]["accuracy"] == correct[a].mean()
+    assert by[("template a", "top-1")]["chance"] == 1 / 5  # every even i: a0 a2 a4 a1 a3
+    three = np.array([1 + i % 4 >= 3 for i in range(40)])
+    assert by[("answer of 3+ tokens", "two-way")]["accuracy"] == (ld[three] > 0).mean()
+    assert by[("answer of 3+ tokens", "two-way")]["chance"] == 0.5
+    assert by[("template b", "two-way")]["near_chance"] == (by[("template b", "two-way")]["low"] <= 0.5)
+    assert by[("template a", "top-1")]["items"] == 20  # one item per pair of rows, half of them in a template
