@@ -479,12 +479,14 @@ def faithfulness(
 def normalised_figures(circ: EvalResult, full: EvalResult, empty: EvalResult, metric: str = "prob") -> dict:
     """Faithfulness with the empty circuit subtracted, (m(C) - m(empty)) / (m(M) - m(empty)) (MIB's normalised
     form; the paper's is m(C) / m(M)), for accuracy (``faithfulness_normalised``) and the task's continuous
-    metric (``faithfulness_normalised_<metric>``), each with its bootstrap over prompts; NaN where the model does
-    not beat the empty circuit on average."""
+    metric (``faithfulness_normalised_<metric>``), each with its bootstrap over prompts; NaN where the model is not
+    shown above its empty circuit by the paired test (exact McNemar or sign-flip): the ratio is then undefined or
+    a ratio of noise."""
     out = {}
     for name, key in (("accuracy", "faithfulness_normalised"), (metric, f"faithfulness_normalised_{metric}")):
         c, f, e = (per_prompt(r, name) for r in (circ, full, empty))
-        if (f - e).mean() > 0:
+        beats = inf.paired(f, e)  # the model above its empty circuit, by its own paired test
+        if beats.interval.value > 0 and beats.p <= inf.ALPHA:
             out[key] = inference_ratio(c - e, f - e).to_dict()
         else:
             out[key] = {"value": float("nan"), "low": float("nan"), "high": float("nan"), "n": int(c.size)}
