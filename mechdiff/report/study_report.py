@@ -10,9 +10,11 @@ from typing import Any, Optional
 
 from ..circuits.circuit import Circuit
 from ..circuits.overlap import overlap_table
+from ..common import inference as inf
 from ..common.io import write_text
 from ..common.metrics import continuous_key
-from ..common.stats import Estimate, paired_difference
+from ..common.stats import Estimate
+from ..methods.cmap import paired_outcomes
 from ..models.resolve import resolve_spec
 from ..runs.seeds import PROMPT_OFFSETS
 from ..runs.stages import StageRecord, label
@@ -260,8 +262,10 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
         "circuit_x_model",
         f"Circuit x model on {s.n} {_fresh(study, 'matrix')} per model: accuracy with every other (head, "
         "position) mean-ablated (exact binomial CI), faithfulness F(C)/F(M) (bootstrap CI), and "
-        f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit "
-        "(pooled accuracy; the range of the draws' accuracies)",
+        f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit, each on "
+        f"{s.random_prompts or s.n} of the prompts (their mean, its interval resampling draws and prompts; the range "
+        "of the draws' accuracies; the circuit's rank among the draws, draws at least as accurate, its p = (1 + "
+        "rank) / (1 + draws) and the draws' 5th, 50th and 95th accuracy percentiles, on those prompts)",
     )
     comp_rows = completeness_rows({name: rec.result.get("completeness") for name, rec in matrix.items()})
     if comp_rows:
@@ -432,7 +436,9 @@ def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict]) -
         )
         if "random_faithfulness" in own:
             sentence += (
-                f" Random layer- and position-matched circuits of its size: {_interval(own, 'random_faithfulness')}."
+                f" Random layer- and position-matched circuits of its size: {_interval(own, 'random_faithfulness')}"
+                + _rank_clause(own)
+                + "."
             )
         lines.append(sentence)
         after = next((r for r in matrix_rows if r["model"] == name and r["circuit"] == f"{name} pruned"), None)
@@ -514,18 +520,19 @@ def findings(study: "Study", acc_rows: list[dict], matrix_rows: list[dict], over
 
 
 def _ordering(result: dict, a: str, b: str) -> str:
-    """A sentence on ``a`` against ``b`` from their paired difference on the same prompts: an ordering is
-    stated only where the paired 95% interval excludes 0."""
+    """A sentence on ``a`` against ``b`` from their paired test on the same prompts
+    (:func:`~mechdiff.common.inference.paired`): an ordering is stated only where the test rejects."""
     outcomes = result.get("outcomes", {})
     if a not in outcomes or b not in outcomes:
         return ""
-    d = paired_difference(outcomes[a], outcomes[b])
+    test = inf.paired(*paired_outcomes(result, a, b))
+    d = test.interval
     verdict = (
-        "so the first is larger"
-        if d.low > 0
-        else "so the second is larger"
-        if d.high < 0
-        else "which includes 0: neither is shown to be larger"
+        f"p = {test.p:.2g}: neither is shown to be larger"
+        if not test.rejects
+        else f"p = {test.p:.2g}, so the first is larger"
+        if d.value > 0
+        else f"p = {test.p:.2g}, so the second is larger"
     )
     return f"Paired difference {a} - {b} on the same prompts: {d}, {verdict}."
 
@@ -627,8 +634,9 @@ def limitations(study: "Study", positions: dict) -> str:
         )
     if cm.n_random:
         lines.append(
-            "- CMAP's random control uses a few draws per group (the `[cmap] n_random` setting), fewer than the\n"
-            "  circuit baseline's; its interval is over prompts, with the draws averaged per prompt."
+            f"- CMAP's random control: {cm.n_random} draws of layer-matched heads per group (the `[cmap] n_random`\n"
+            "  setting), each draw's outcomes kept; a part is compared with it by the sign-flip test against the\n"
+            "  per-prompt share of draws that are right."
         )
     return "\n".join(lines) + "\n"
 
@@ -682,6 +690,18 @@ def paired_findings(rows: list[dict]) -> str:
             lines.append(f"- **{comparison}** on the same prompts (paired 95% intervals, Holm within the family): ")
             lines[-1] += "; ".join(difference_sentence(r) for r in mine) + "."
     return "\n".join(lines)
+
+
+def _rank_clause(row: dict) -> str:
+    """A findings clause on the circuit's rank among its random draws (none where the row predates it)."""
+    if "random_rank" not in row:
+        return ""
+    n = len(row["random_draws"])
+    return (
+        f"; on {row['random_n_prompts']} of the prompts, {row['random_rank']} of {n} draws are at least as accurate "
+        f"as the circuit (rank p = {row['random_p']:.2g}; draws' accuracy 5-95% {row['random_q05']:.2f}-"
+        f"{row['random_q95']:.2f})"
+    )
 
 
 def _fresh(study: "Study", name: str) -> str:
