@@ -538,8 +538,10 @@ def _ordering(result: dict, a: str, b: str) -> str:
 
 
 def dcm_findings(dcm: "StageRecord") -> str:
-    """One sentence per (group, desideratum) whose mask selected heads: "encodes" only where the target
-    accuracy's interval lies above both the no-intervention floor's and the random heads'."""
+    """One sentence per (group, desideratum) whose mask selected heads: "encodes" only where the heads patched in
+    the DCM model beat both the unpatched floor and the random heads by the paired tests on the same pairs (the
+    semantic row's ``vs_floor`` and ``vs_random``); a record without them (made before they were kept): where the
+    target accuracy's interval lies above both the floor's and the random heads'."""
     if "skipped" in dcm.result:  # a skip is not a finding
         return f"- DCM: not run ({dcm.result['skipped']})."
     res = dcm.result["dcm"]
@@ -551,17 +553,25 @@ def dcm_findings(dcm: "StageRecord") -> str:
         )
     lines = []
     for r in chosen:
-        above = Estimate.from_dict(r["test_accuracy"]).low > max(
-            Estimate.from_dict(r["floor"]).high, Estimate.from_dict(r["random"]).high if r.get("random") else 0.0
-        )
-        verb = "encodes" if above else "is not shown to encode (its interval overlaps the floor or the random heads)"
+        sem = [x for x in dcm.result["semantic"] if x["group"] == r["group"] and x["desideratum"] == r["desideratum"]]
+        own = next((x for x in sem if x["model"] == dcm.result.get("model") and "vs_floor" in x), None)
+        if own is not None:
+            tests = [own["vs_floor"], *([own["vs_random"]] if "vs_random" in own else [])]
+            above = all(t["p"] <= 0.05 and t["estimate"] > 0 for t in tests)
+            why = "; paired tests: " + ", ".join(f"{t['claim']} {t['estimate']:+.3f} (p = {t['p']:.2g})" for t in tests)
+        else:
+            above = Estimate.from_dict(r["test_accuracy"]).low > max(
+                Estimate.from_dict(r["floor"]).high, Estimate.from_dict(r["random"]).high if r.get("random") else 0.0
+            )
+            why = ""
+        verb = "encodes" if above else "is not shown to encode (not above the floor or the random heads)"
         lines.append(
             f"- DCM: group {r['group']} {verb} **{r['desideratum']}** with {', '.join(r['selected'])}: "
             f"target accuracy {_fmt(r['test_accuracy'])} against the floor {_fmt(r['floor'])}"
-            + (f" and random heads {_fmt(r['random'])}" if r.get("random") else "")
+            + (f" and random heads of their layers {_fmt(r['random'])}" if r.get("random") else "")
+            + why
             + "."
         )
-        sem = [x for x in dcm.result["semantic"] if x["group"] == r["group"] and x["desideratum"] == r["desideratum"]]
         if sem and above:
             lines.append(
                 "  The same heads patched in each model: "

@@ -83,3 +83,23 @@ def test_semantic_tests_pair_the_patched_heads_with_the_floor_and_the_random_hea
     assert from_bits(back["floor"]).tolist() == res.floor_outcomes
     assert [from_bits(b).tolist() for b in back["random"]] == res.random_outcomes
     assert from_bits(back["correct"]).tolist() == res.outcomes
+
+
+def test_encodes_rests_on_the_paired_tests_of_the_dcm_models_semantic_row():
+    """The paired exact test decides, not two separate intervals: 6 discordant pairs all one way (p = 0.031) is
+    "encodes" where the intervals overlap; 4 (p = 0.125) is "not shown"."""
+    from mechdiff.common.stats import proportion
+    from mechdiff.methods.dcm import SemanticResult
+    from mechdiff.report.study_report import dcm_findings
+
+    def record(n_up: int) -> SimpleNamespace:
+        patched, floor = [1] * n_up + [0] * 36, [0] * (n_up + 36)
+        sem = SemanticResult("base", proportion(patched), proportion(floor), patched, floor)
+        dcm = {"group": "A", "desideratum": "object", "selected": ["L2H1"], "heads": ["L2H1"]}
+        dcm |= {"test_accuracy": sem.accuracy.to_dict(), "floor": sem.floor.to_dict(), "random": None}
+        return SimpleNamespace(result={"model": "base", "dcm": [dcm], "semantic": [{**dcm, **sem.to_dict()}]})
+
+    few, many = dcm_findings(record(4)), dcm_findings(record(6))
+    assert proportion([1] * 6 + [0] * 36).low < proportion([0] * 42).high  # the intervals overlap
+    assert "is not shown to encode" in few and "p = 0.12" in few
+    assert "group A encodes **object**" in many and "p = 0.031" in many
