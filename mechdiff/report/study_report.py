@@ -304,7 +304,8 @@ def overlap_section(study: "Study", circuits: dict) -> tuple[str, dict]:
 
 DCM_CAPTION = (
     "heads whose mask went to 0 for each desideratum, target accuracy on held-out pairs with them "
-    "patched, the no-intervention floor and random heads of the same size"
+    "patched, the no-intervention floor and random heads of the same size (by default drawn from each selected "
+    "head's own layer, at the same position)"
 )
 
 
@@ -317,7 +318,13 @@ def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict]
     sem = semantic_rows(dcm.result["semantic"])
     if sem:
         text += "\n" + study_table(
-            study, sem, "semantic_patching", "Semantic patching: the same DCM-selected heads patched in every model"
+            study,
+            sem,
+            "semantic_patching",
+            "Semantic patching: the same DCM-selected heads patched in every model, against the unpatched floor and "
+            "random heads of their layers at their position (the same draws in every model); minus_floor: exact "
+            "McNemar test on the same pairs (floor_p), minus_random: sign-flip test against the per-pair share of "
+            "draws (random_p); per-pair outcomes in outcomes.json",
         )
     for ft, rec in (finetune_dcm or {}).items():
         text += "\n" + study_table(

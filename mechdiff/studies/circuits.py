@@ -504,6 +504,8 @@ class CircuitsStudy(Study):
                 random_for=[name],
                 outcomes=outcomes,
                 random_prompts=s.random_prompts,
+                # an item: a clean prompt (its tokens), so the draws' intervals resample prompts, not rows
+                items=[" ".join(map(str, r.input_ids)) for r in scorer.records],
             )
             own = loaded.get(name)
             comp = (

@@ -119,3 +119,14 @@ def test_per_draw_outcomes_round_trip_through_outcomes_json(tmp_path):
 def test_random_prompts_must_index_the_scored_prompts():
     with pytest.raises(ValueError, match="distinct indices into the 6 scored prompts"):
         faithfulness(DrawScorer(list(range(6))), CIRCUIT, n_random=2, random_prompts=[0, 6])
+
+
+def test_the_findings_sentence_gives_the_rank_among_the_draws():
+    from mechdiff.report.study_report import _rank_clause
+
+    rows = matrix_rows("m", {"m": CIRCUIT}, DrawScorer(list(range(24))), n_random=9, seed=1)
+    row = rows[0]
+    clause = _rank_clause(row)
+    assert f"on 24 of the prompts, {row['random_rank']} of 9 draws are at least as accurate" in clause
+    assert f"rank p = {row['random_p']:.2g}" in clause
+    assert _rank_clause({"random_faithfulness": 0.2}) == ""  # a record made before ranks were kept
