@@ -36,8 +36,9 @@ from einops import repeat
 from ..common import inference as inf
 from ..common.components import Head, all_heads, layer_matched
 from ..common.metrics import CONTINUOUS_LABELS, continuous_key, faithfulness_key, metric_name  # noqa: F401
+from ..common.outcomes import bits
 from ..common.progress import progress_bar
-from ..common.stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate, pooled_proportion
+from ..common.stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate
 from ..models.loading import LoadedModel
 from ..patching.ablation import site_means
 from ..patching.core import Patch, Resume, run, suffix_supported
@@ -269,6 +270,11 @@ class Scorer:
         only = next(iter(means.values())) if len(means) == 1 else None  # prompts of one group: its tensor
         return cls(model, records, means if only is None else only, batch_size, progress, metric_name(metric))
 
+    def subset(self, rows: Sequence[int]) -> "Scorer":
+        """A scorer of the same model and means on the prompts ``rows`` (indices into ``records``), with a cache of
+        its own."""
+        return Scorer(self.model, take(self.records, rows), self.means, self.batch_size, self.progress, self.metric)
+
     def full(self) -> EvalResult:
         """F(M): the unablated model."""
         return self._eval("full", frozenset(), lambda batch, rows: ())
@@ -436,17 +442,45 @@ def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "") -
     return circuit
 
 
+def control_prompts(records: Sequence[Record], n: int, seed: int) -> list[int]:
+    """The prompts random circuits are scored on: every one where ``n`` is 0 or at least their number; else ``n``
+    of them, stratified by group (template and token length: each group's share of ``n`` by largest remainder),
+    drawn within each group by ``seed``; indices into ``records``, sorted."""
+    if n <= 0 or n >= len(records):
+        return list(range(len(records)))
+    groups: dict[GroupKey, list[int]] = {}
+    for i, r in enumerate(records):
+        groups.setdefault(group_key(r), []).append(i)
+    share = {g: n * len(ix) / len(records) for g, ix in groups.items()}
+    quota = {g: int(q) for g, q in share.items()}
+    order = sorted(groups, key=lambda g: quota[g] - share[g])  # largest remainder first; stable: first seen first
+    for g in order[: n - sum(quota.values())]:
+        quota[g] += 1
+    rng = random.Random(seed)
+    return sorted(i for g, ix in groups.items() for i in rng.sample(ix, quota[g]))
+
+
 def faithfulness(
-    scorer: Scorer, circuit: Circuit, n_random: int = 0, seed: int = 0, match: str = RANDOM_MATCH[0]
+    scorer: Scorer,
+    circuit: Circuit,
+    n_random: int = 0,
+    seed: int = 0,
+    match: str = RANDOM_MATCH[0],
+    random_prompts: Optional[Sequence[int]] = None,
+    items: Optional[Sequence] = None,
 ) -> dict:
     """F(M), F(C), faithfulness F(C)/F(M) for accuracy and the scorer's continuous metric (answer probability,
     ``faithfulness_prob``; or the logit difference, ``logit_diff`` and ``faithfulness_logit_diff``), with CIs
     (exact binomial for accuracy, bootstrap for the rest and the ratios).
 
-    With ``n_random > 0`` also the mean over ``n_random`` random circuits of the same group sizes
-    (seeded, layer-matched by default): per prompt, each metric is averaged over the draws before
-    bootstrapping; ``random.accuracy`` resamples draws and prompts, and ``random.draws`` lists each
-    draw's accuracy so the spread is visible.
+    With ``n_random > 0`` also ``n_random`` random circuits of the same group sizes (seeded, layer-matched by
+    default), each scored on the prompts ``random_prompts`` (indices into the scorer's records; None: all):
+    ``random`` holds their mean figures with intervals resampling draws and items both
+    (:func:`~mechdiff.common.inference.control_ratio`), each draw's accuracy (``draws``), each draw's per-prompt
+    outcomes (``outcomes``, 0/1 strings over ``prompts``) and the circuit's rank among the draws on those prompts
+    (``rank``: :func:`~mechdiff.common.inference.control_rank` on accuracy; on the same prompts faithfulness has
+    the same denominator, so the rank is the faithfulness rank too). ``items``: one item id per record (None: each
+    prompt its own item).
     """
     shape = scorer.model.shape
     circuit.validate(shape.n_layers, shape.n_heads)
@@ -457,22 +491,7 @@ def faithfulness(
     out["circuit"].update(normalised_figures(circ, full, empty, m))
     out["outcomes"] = {"full": full.outcomes(), "circuit": circ.outcomes(), "empty": empty.outcomes()}
     if n_random > 0:
-        rng = random.Random(seed)
-        draws = [
-            scorer.keep(random_circuit(circuit, shape.n_layers, shape.n_heads, rng, match).pairs())
-            for _ in progress_bar(range(n_random), desc="random circuits", disable=not scorer.progress, leave=False)
-        ]
-        diffs = None if m != "logit_diff" else np.mean([d.logit_diff for d in draws], 0)
-        mean = EvalResult(np.mean([d.correct for d in draws], 0), np.mean([d.prob for d in draws], 0), diffs)
-        figures = _figures(mean, full, m)
-        figures["accuracy"] = pooled_proportion([d.correct.astype(float) for d in draws]).to_dict()
-        out["random"] = {
-            **figures,
-            "n_draws": n_random,
-            "seed": seed,
-            "match": match,
-            "draws": [float(d.correct.mean()) for d in draws],
-        }
+        out["random"] = _random_control(scorer, circuit, full, circ, n_random, seed, match, random_prompts, items)
     return out
 
 
@@ -497,6 +516,89 @@ def inference_ratio(num: np.ndarray, den: np.ndarray) -> Estimate:
     """mean(num) / mean(den) with the inference layer's bootstrap over prompts (one prompt an item here)."""
     iv = inf.ratio(num, den)
     return Estimate(iv.value, iv.low, iv.high, iv.n_rows)
+
+
+def _random_control(
+    scorer: Scorer,
+    circuit: Circuit,
+    full: EvalResult,
+    circ: EvalResult,
+    n_random: int,
+    seed: int,
+    match: str,
+    prompts: Optional[Sequence[int]],
+    items: Optional[Sequence],
+) -> dict:
+    """:func:`faithfulness`'s ``random``: ``n_random`` random circuits on ``prompts``, against the circuit there."""
+    n, shape = len(scorer.records), scorer.model.shape
+    prompts = list(range(n)) if prompts is None else sorted(int(i) for i in prompts)
+    if not prompts or len(set(prompts)) != len(prompts) or prompts[0] < 0 or prompts[-1] >= n:
+        raise ValueError(f"random_prompts must be distinct indices into the {n} scored prompts")
+    sub = scorer if len(prompts) == n else scorer.subset(prompts)
+    on = None if items is None else [items[i] for i in prompts]
+    rng = random.Random(seed)
+    draws = [
+        sub.keep(random_circuit(circuit, shape.n_layers, shape.n_heads, rng, match).pairs())
+        for _ in progress_bar(range(n_random), desc="random circuits", disable=not scorer.progress, leave=False)
+    ]
+    full_on, circ_on = _rows(full, prompts), _rows(circ, prompts)
+    rank = inf.control_rank(circ_on.correct.astype(float), [d.correct.astype(float) for d in draws], on, seed=seed)
+    full_acc = float(full_on.correct.mean())
+    return {
+        **_random_figures(draws, full_on, scorer.metric, on, seed),
+        "n_draws": n_random,
+        "seed": seed,
+        "match": match,
+        "draws": [float(d.correct.mean()) for d in draws],
+        "prompts": prompts,
+        "outcomes": [bits(d.correct) for d in draws],
+        "rank": {
+            "rank": rank.rank,
+            "n_draws": rank.n_draws,
+            "p": rank.p,
+            "circuit_accuracy": rank.value,
+            "full_accuracy": full_acc,
+            "q05": rank.quantiles[0],
+            "q50": rank.quantiles[1],
+            "q95": rank.quantiles[2],
+            "draws": _interval(rank.draws),
+            "n_prompts": len(prompts),
+        },
+    }
+
+
+def _rows(result: EvalResult, rows: Sequence[int]) -> EvalResult:
+    """``result`` on the prompts ``rows`` only."""
+    diffs = None if result.logit_diff is None else result.logit_diff[rows]
+    return EvalResult(result.correct[rows], result.prob[rows], diffs)
+
+
+def _random_figures(draws: Sequence[EvalResult], full: EvalResult, metric: str, items, seed: int) -> dict:
+    """The draws' mean accuracy, answer probability and faithfulness (and the continuous metric's), each with an
+    interval resampling draws and items both (:func:`~mechdiff.common.inference.control_ratio`)."""
+
+    def stacked(name: str) -> np.ndarray:
+        return np.stack([per_prompt(d, name) for d in draws])  # type: ignore[arg-type]
+
+    def ratio(num: np.ndarray, den: Optional[np.ndarray] = None) -> dict:
+        return _interval(inf.control_ratio(num, den, items, seed=seed))
+
+    acc = stacked("accuracy")
+    out = {
+        "accuracy": ratio(acc),
+        "answer_prob": ratio(stacked("prob")),
+        "faithfulness": ratio(acc, per_prompt(full, "accuracy")),
+    }
+    if metric == "logit_diff":
+        out["logit_diff"] = ratio(stacked(metric))
+    out[faithfulness_key(metric)] = ratio(stacked(metric), per_prompt(full, metric))  # type: ignore[arg-type]
+    return out
+
+
+def _interval(iv: inf.Interval) -> dict:
+    """An inference interval as a stage record keeps an estimate (``value``, ``low``, ``high``, ``n``), with its
+    items and method."""
+    return {"value": iv.value, "low": iv.low, "high": iv.high, "n": iv.n_rows, "items": iv.n_items, "method": iv.method}
 
 
 def _figures(result: EvalResult, full: EvalResult, metric: str = "prob") -> dict:
@@ -586,17 +688,25 @@ def matrix_rows(
     seed: int = 0,
     random_for: Optional[Sequence[str]] = None,
     outcomes: Optional[dict] = None,
+    random_prompts: int = 0,
+    items: Optional[Sequence] = None,
 ) -> list[dict]:
     """One row per circuit for one model: full and circuit accuracy, faithfulness (and the random
     baseline, for the circuits named in ``random_for``, default all), each as ``x``, ``x_low``, ``x_high``
-    columns (see :mod:`mechdiff.report.tables`); ``draws``: each random draw's accuracy. ``outcomes`` (a dict):
-    filled with each circuit's per-prompt outcomes, full model and circuit (:func:`faithfulness`)."""
+    columns (see :mod:`mechdiff.report.tables`); ``draws``: each random draw's accuracy; ``random_rank``,
+    ``random_p`` and ``random_q05/q50/q95``: the circuit's rank among the draws, its +1-corrected p and the draws'
+    accuracy quantiles, on the ``random_prompts`` prompts the draws are scored on (:func:`control_prompts`; 0:
+    all). ``outcomes`` (a dict): filled with each circuit's per-prompt outcomes, full model and circuit, and for
+    the circuits with random draws their per-draw outcomes (``random``: ``prompts`` and ``outcomes``)."""
     rows = []
+    prompts = control_prompts(scorer.records, random_prompts, seed) if n_random > 0 and random_prompts else None
     for label, circuit in circuits.items():
         draws = n_random if random_for is None or label in random_for else 0
-        res = faithfulness(scorer, circuit, n_random=draws, seed=seed)
+        res = faithfulness(scorer, circuit, n_random=draws, seed=seed, random_prompts=prompts, items=items)
         if outcomes is not None:
             outcomes[label] = res["outcomes"]
+            if "random" in res:
+                outcomes[label]["random"] = {"prompts": res["random"]["prompts"], "outcomes": res["random"]["outcomes"]}
         row = {
             "circuit": label,
             "model": model_name,
@@ -616,12 +726,27 @@ def matrix_rows(
         key = faithfulness_key(scorer.metric)
         row.update(_cols(key, res["circuit"][key]))
         if "random" in res:
-            row.update(_cols("random_accuracy", res["random"]["accuracy"]))
-            row.update(_cols("random_faithfulness", res["random"]["faithfulness"]))
-            row.update(_cols(f"random_{key}", res["random"][key]))
-            row["random_draws"] = res["random"]["draws"]
+            row.update(_random_cols(res["random"], key))
         rows.append(row)
     return rows
+
+
+def _random_cols(random_res: dict, key: str) -> dict:
+    """A matrix row's random-control columns: the draws' figures, their accuracies, and the circuit's rank."""
+    rank = random_res["rank"]
+    return {
+        **_cols("random_accuracy", random_res["accuracy"]),
+        **_cols("random_faithfulness", random_res["faithfulness"]),
+        **_cols(f"random_{key}", random_res[key]),
+        "random_draws": random_res["draws"],
+        "random_n_prompts": rank["n_prompts"],
+        "random_rank": rank["rank"],
+        "random_p": rank["p"],
+        "random_circuit_accuracy": rank["circuit_accuracy"],
+        "random_q05": rank["q05"],
+        "random_q50": rank["q50"],
+        "random_q95": rank["q95"],
+    }
 
 
 def _cols(name: str, d: dict) -> dict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
 from ..common.io import check_writable
-from ..methods.dcm import LAM_SCALES, PARAMETERISATIONS, DCMConfig
+from ..methods.dcm import LAM_SCALES, PARAMETERISATIONS, RANDOM_POOLS, DCMConfig
 from ..models.modelset import ModelSet
 from ..studies.dcm import dcm_run
 from ..tasks.entity_tracking.desiderata import load_desiderata
@@ -62,9 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--random-pool",
         default=DEFAULTS.random_pool,
-        choices=["group", "all"],
-        help="random baseline heads from all heads of the model (default) or only the group's "
-        "(degenerate when DCM selects the whole group)",
+        choices=list(RANDOM_POOLS),
+        help="random baseline heads: each selected head's own layer (default), all heads of the model, or only the "
+        "group's (degenerate when DCM selects the whole group)",
     )
     p.add_argument(
         "--semantic",

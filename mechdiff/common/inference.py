@@ -451,6 +451,32 @@ def control_rank(
     return ControlRank(float(v.mean()), iv, rank, d.shape[0], (1 + rank) / (1 + d.shape[0]), q)
 
 
+def control_ratio(
+    draw_rows: Sequence[Sequence[float]],
+    den_rows: Optional[Sequence[float]] = None,
+    items: Optional[Sequence] = None,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Interval:
+    """The random draws' mean over draws and rows divided by mean(``den_rows``) (None: no denominator), e.g. the
+    draws' faithfulness against the model's outcomes on the same rows, its interval resampling draws and items
+    both (the resamples of :func:`control_rank` with the same seed, so without a denominator its interval)."""
+    d = np.asarray(draw_rows, dtype=float)
+    den = np.ones(d.shape[-1]) if den_rows is None else np.asarray(den_rows, dtype=float).ravel()
+    if d.ndim != 2 or d.shape[1] != den.size or d.shape[0] == 0:
+        raise ValueError(f"draws must be (draws, {den.size}) rows; got {d.shape}")
+    idx = item_index(items, den.size)
+    sums = np.stack([item_sums(row, idx)[0] for row in d])  # "draw item"
+    den_sums = item_sums(den, idx)[0]
+    rng = np.random.default_rng(seed)
+    w = _cluster_draws(idx, N_RESAMPLES, seed)
+    picks = rng.integers(0, d.shape[0], size=(N_RESAMPLES, d.shape[0]))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        value = float(d.mean() / den.mean()) if den.mean() else float("nan")
+        low, high = _percentile(np.einsum("ri,ri->r", w, sums[picks].mean(1)) / (w @ den_sums), confidence)
+    return Interval(value, low, high, den.size, den_sums.size, "bootstrap over draws and items")
+
+
 # --- families ----------------------------------------------------------------------------------------------------
 
 

@@ -39,19 +39,22 @@ each prompt's outcome so two kinds can be compared on the same prompts (:meth:`C
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from ..circuits.circuit import Circuit
 from ..circuits.scoring import is_one_token, position_mask
+from ..common import inference as inf
 from ..common.components import Head, layer_matched
 from ..common.metrics import answer_is_top1, answer_prob, sequence_is_greedy, sequence_logprob
+from ..common.outcomes import bits
 from ..common.progress import progress_bar
-from ..common.stats import Estimate, bootstrap, mean_estimate, paired_difference
+from ..common.stats import Estimate, bootstrap, mean_estimate
 from ..models.loading import LoadedModel
 from ..models.modelset import check_shapes
 from ..models.remote import keep
@@ -342,14 +345,21 @@ class CMAPResult:
     random_rows: list[CMAPRow] = field(default_factory=list)  # layer-matched random heads, pooled over draws
     outcomes: dict[str, list[float]] = field(default_factory=dict)  # "scope/kind" (or "base") -> per prompt
     settings: dict = field(default_factory=dict)
+    #: "random:scope/kind" -> each draw's per-prompt outcomes (0/1 strings); "random:scope" -> each draw's heads
+    random_outcomes: dict[str, list[str]] = field(default_factory=dict)
+    random_heads: dict[str, list[list[str]]] = field(default_factory=dict)
+    #: the prompts (indices) the random draws ran on, where not every one: a random key's outcomes are theirs
+    random_prompts: list[int] = field(default_factory=list)
 
-    def paired(self, a: str, b: str) -> Estimate:
-        """Accuracy of ``a`` minus ``b`` ("scope/kind" keys, or "base"/"finetune") on the same prompts,
-        with a paired bootstrap CI: call one part larger than another only where it excludes 0."""
+    def paired(self, a: str, b: str) -> inf.Test:
+        """Accuracy of ``a`` minus ``b`` ("scope/kind" keys, or "base"/"finetune") on the same prompts, by the
+        inference layer's paired rule (:func:`~mechdiff.common.inference.paired`: exact McNemar for two 0/1
+        outcomes; against a random control, whose outcome is the per-prompt share of its draws, the sign-flip test):
+        call one part larger than another only where the test rejects."""
         missing = [k for k in (a, b) if k not in self.outcomes]
         if missing:
             raise KeyError(f"no outcomes for {missing}; known: {sorted(self.outcomes)}")
-        return paired_difference(self.outcomes[a], self.outcomes[b])
+        return inf.paired(*paired_outcomes(self.to_dict(), a, b), claim=f"{a} - {b}")
 
     def to_dict(self) -> dict:
         probs = {
@@ -372,7 +382,21 @@ class CMAPResult:
             "random_rows": [r.to_dict() for r in self.random_rows],
             "outcomes": self.outcomes,
             "settings": self.settings,
+            "random_outcomes": self.random_outcomes,
+            "random_heads": self.random_heads,
+            **({"random_prompts": self.random_prompts} if self.random_prompts else {}),
         }
+
+
+def paired_outcomes(result: Mapping[str, Any], a: str, b: str) -> tuple[list, list]:
+    """The per-prompt outcomes of ``a`` and ``b`` (keys of a :meth:`CMAPResult.to_dict`'s ``outcomes``) on the
+    prompts both ran on: a random control's draws may run on ``random_prompts`` only, and the other key is then
+    taken on those."""
+    outcomes, on = result["outcomes"], result.get("random_prompts") or []
+    x, y = list(outcomes[a]), list(outcomes[b])
+    if len(x) != len(y) and on:
+        x, y = ([x[i] for i in on] if len(x) > len(y) else x), ([y[i] for i in on] if len(y) > len(x) else y)
+    return x, y
 
 
 #: A batch's answers: ids ``"batch"`` (one token each) or tokens ``"batch a"`` and lengths ``"batch"`` (several).
@@ -417,12 +441,14 @@ def run_cmap(
     n_random: int = 0,
     seed: int = 0,
     rule: str = "base",
+    random_prompts: Optional[Sequence[int]] = None,
 ) -> CMAPResult:
     """CMAP from ``finetune`` into ``base`` for each group of ``circuit`` and the whole circuit.
 
     ``rule``: ``"base"`` or ``"paper"`` (see the module docstring); ``isolate`` (rule ``"base"`` only): restore
     the base's other head outputs for Q/K/V kinds (the paper's rule always isolates).
-    ``n_random``: draws of layer-matched random heads per group (the control), each patched in every kind."""
+    ``n_random``: draws of layer-matched random heads per group (the control), each patched in every kind, on the
+    prompts ``random_prompts`` (indices into ``records``; None: every one), each draw's outcomes kept."""
     if rule not in CMAP_RULES:
         raise ValueError(f"rule must be one of {CMAP_RULES}, got {rule!r}")
     if rule == "paper" and not isolate:
@@ -455,9 +481,50 @@ def run_cmap(
     )
     plan = {s: paper_kinds(sc, kinds) if rule == "paper" else list(kinds) for s, sc in all_scopes.items()}
     plan.update({r: plan[r.split(":", 1)[1]] for r in randoms})
-    scores: dict = {
-        key: ([], []) for key in ["base", "finetune", *((s, k) for s in [*all_scopes, *randoms] for k in plan[s])]
-    }
+    every = list(range(len(records)))
+    drawn_on = every if random_prompts is None else sorted({int(i) for i in random_prompts})
+    if not drawn_on or drawn_on[0] < 0 or drawn_on[-1] >= len(records):
+        raise ValueError(f"random_prompts must be indices into the {len(records)} CMAP prompts")
+    run_pass = functools.partial(
+        _cmap_pass, base, finetune, sites, all_scopes, kinds, isolate, rule, batch_size=batch_size, progress=progress
+    )
+    if drawn_on == every or not randoms:  # one pass: the draws (if any) on every prompt
+        scores, drawn = run_pass(records, randoms, plan)
+    else:  # the draws on their prompts only, in a pass of their own (plain runs, no group patched again)
+        scores, _ = run_pass(records, {}, {s: plan[s] for s in all_scopes})
+        quiet = {**{s: [] for s in all_scopes}, **{r: plan[r] for r in randoms}}
+        sub, drawn = run_pass(take(records, drawn_on), randoms, quiet)
+        scores.update({key: v for key, v in sub.items() if isinstance(key, tuple) and key[0] in randoms})
+    result = _result(base, finetune, circuit, scores, all_scopes, kinds, plan)
+    result.random_outcomes = {"/".join(key): [bits(row) for row in draws] for key, draws in drawn.items()}
+    result.random_heads = {key: [[h.name for h, _ in sc] for sc in draws] for key, draws in randoms.items()}
+    result.random_prompts = [] if drawn_on == every or not randoms else drawn_on
+    result.caption = CAPTION_PAPER if rule == "paper" else CAPTION if isolate else CAPTION_UNISOLATED
+    result.settings = {"isolate": isolate, "n_random": n_random, "seed": seed, "n_prompts": len(records)}
+    if rule == "paper":
+        result.settings.update(rule=rule, kinds={s: plan[s] for s in all_scopes})
+    return result
+
+
+def _cmap_pass(
+    base: LoadedModel,
+    finetune: LoadedModel,
+    sites: list,
+    all_scopes: dict,
+    kinds: list[str],
+    isolate: bool,
+    rule: str,
+    records: Sequence[Record],
+    randoms: dict,
+    plan: dict,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> tuple[dict, dict]:
+    """One pass of CMAP over ``records``: ``(correct, prob)`` per key (``"base"``, ``"finetune"``, each (scope,
+    kind) ``plan`` names) in the records' order, and each random (scope, kind)'s draws' outcomes ``"draw prompt"``."""
+    keys = ["base", "finetune", *((s, k) for s in [*all_scopes, *randoms] for k in plan[s])]
+    scores: dict = {key: ([], []) for key in keys}
+    drawn: dict[tuple, list[np.ndarray]] = {}  # (random scope, kind) -> per batch, each draw's outcomes
     batches = grouped_batches(records, batch_size)
     for rows in progress_bar(batches, desc="cmap", disable=not progress):
         batch = batch_tensors(take(records, rows))  # one template and length: any length per batch
@@ -484,16 +551,13 @@ def run_cmap(
                     (n, readout),
                 )
             )
+        for key, value in scored.pop("draws", {}).items():
+            drawn.setdefault(key, []).append(value)
         for key, value in scored.items():
             _append(scores[key], value)
     perm = record_order(batches)  # per-prompt outcomes back in the records' order
     scores = {key: ([np.concatenate(c)[perm]], [np.concatenate(p)[perm]]) for key, (c, p) in scores.items()}
-    result = _result(base, finetune, circuit, scores, all_scopes, kinds, plan)
-    result.caption = CAPTION_PAPER if rule == "paper" else CAPTION if isolate else CAPTION_UNISOLATED
-    result.settings = {"isolate": isolate, "n_random": n_random, "seed": seed, "n_prompts": len(records)}
-    if rule == "paper":
-        result.settings.update(rule=rule, kinds={s: plan[s] for s in all_scopes})
-    return result
+    return scores, {key: np.concatenate(parts, axis=1)[:, perm] for key, parts in drawn.items()}
 
 
 def _base_scores(
@@ -511,7 +575,8 @@ def _base_scores(
     prompt: Optional[tuple[int, Optional[torch.Tensor]]] = None,
 ) -> dict:
     """``(correct, prob)`` of the base, plain and with each (scope, kind) patched from the donor's ``captured``;
-    for each random scope key, the outcomes of its draws averaged per prompt. ``prompt``: the prompts' length and
+    for each random scope key, the outcomes of its draws averaged per prompt (and under ``"draws"``, each draw's
+    correctness, ``"draw batch"``). ``prompt``: the prompts' length and
     the read-out positions where ``ids`` carry answer tokens after them (patches then write the prompt only)."""
     n, readout = prompt or (ids.shape[1], None)
     out = {}
@@ -553,6 +618,7 @@ def _base_scores(
             for kind in plan.get(key, kinds):
                 runs = [patched(pairs, kind) for pairs in draws]
                 out[(key, kind)] = (np.mean([r[0] for r in runs], 0), np.mean([r[1] for r in runs], 0))
+                out.setdefault("draws", {})[(key, kind)] = np.stack([r[0] for r in runs])
     return out
 
 

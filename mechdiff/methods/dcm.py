@@ -52,9 +52,10 @@ from einops import rearrange, repeat
 
 from ..circuits.circuit import Circuit
 from ..circuits.scoring import class_indices, is_one_token
-from ..common.components import Head, all_heads
+from ..common import inference as inf
+from ..common.components import Head, all_heads, layer_matched
 from ..common.metrics import answer_is_top1, answer_logit, sequence_is_greedy, sequence_logprob
-from ..common.outcomes import outcome_record
+from ..common.outcomes import bits, outcome_record
 from ..common.progress import progress_bar
 from ..common.stats import Estimate, pooled_proportion, proportion
 from ..models.loading import LoadedModel
@@ -103,6 +104,9 @@ LAM_SCALES = ("loss", "absolute")
 #: When validation runs: "steps" (mechdiff: before training, every ``eval_every`` optimiser steps and after the
 #: last) or "epoch_batches" (the paper: after batch b of each epoch whenever b % eval_every == 0, b from 0).
 SCHEDULES = ("steps", "epoch_batches")
+#: Where the random heads of the baseline come from (the first is the default): each selected head's own layer
+#: (at the group's position class), every head of the model, or the group's heads.
+RANDOM_POOLS = ("layer", "all", "group")
 
 
 @dataclass
@@ -131,8 +135,10 @@ class DCMConfig:
     shuffle: bool = True  # shuffle the training pairs each epoch (the paper: in order)
     split: tuple[float, float, float] = (0.6, 0.2, 0.2)  # train / validation / test fractions
     init: float = 1.0  # initial mask value (1 = nothing patched); hard-concrete gates start at least half open
-    n_random: int = 5  # random head sets of the selected size for the baseline
-    random_pool: str = "all"  # draw random heads from "all" heads of the model or from the "group" only
+    n_random: int = 20  # random head sets of the selected size for the baseline (and for semantic patching)
+    # random heads: "layer" (each selected head replaced by a head of its own layer, patched at the same position
+    # class: the selection's depth profile), from "all" heads of the model, or from the "group" only
+    random_pool: str = "layer"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -144,8 +150,8 @@ class DCMConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.eval_every < 1:
             raise ValueError("eval_every must be at least 1")
-        if self.random_pool not in ("group", "all"):
-            raise ValueError(f"random_pool must be 'group' or 'all', got {self.random_pool!r}")
+        if self.random_pool not in RANDOM_POOLS:
+            raise ValueError(f"random_pool must be one of {RANDOM_POOLS}, got {self.random_pool!r}")
         if len(self.split) != 3 or min(self.split) <= 0 or abs(sum(self.split) - 1) > 1e-6:
             raise ValueError(f"split must be three positive fractions summing to 1, got {self.split}")
         if min(self.micro_batch, self.batch_size, self.eval_batch) < 1:
@@ -194,6 +200,8 @@ class DCMResult:
     history: list[dict] = field(default_factory=list)
     group: str = ""
     config: dict = field(default_factory=dict)
+    random_heads: list[list[Head]] = field(default_factory=list)  # each draw's heads (at ``position``)
+    random_outcomes: list[list[int]] = field(default_factory=list)  # each draw's per-pair outcomes on the test pairs
 
     def to_dict(self) -> dict:
         return {
@@ -213,6 +221,8 @@ class DCMResult:
             "best_step": self.best_step,
             "history": self.history,
             "config": self.config,
+            "random_heads": [[h.name for h in hs] for hs in self.random_heads],
+            "random_outcomes": [bits(o) for o in self.random_outcomes],
         }
 
 
@@ -765,7 +775,9 @@ def run_dcm(
     bs = config.eval_batch
     acc = cache.accuracy(model, test, selected, position, bs)
     full = cache.accuracy(model, test, heads, position, bs)
-    random_est = _random_baseline(model, cache, test, heads, len(selected), position, config)
+    drawn = random_heads(model, heads, selected, config, config.n_random, config.seed + 1)
+    outcomes = [cache.accuracy(model, test, hs, position, bs) for hs in drawn]
+    random_est = pooled_proportion(outcomes) if outcomes else None
     return DCMResult(
         desideratum,
         position,
@@ -781,35 +793,33 @@ def run_dcm(
         history,
         group,
         asdict(config),
+        drawn,
+        [np.asarray(o).astype(int).tolist() for o in outcomes],
     )
 
 
 def random_pool(model: LoadedModel, heads: Sequence[Head], config: DCMConfig) -> list[Head]:
-    """The heads random baselines draw from: the group's own (``"group"``) or every head of the model."""
-    if config.random_pool == "group" or config.n_random < 1:
+    """The heads whose layers random baselines draw from (a pair cache holds every head of each layer it covers):
+    the group's own (``"group"``, and ``"layer"``: the selection's layers are the group's) or every head of the
+    model (``"all"``)."""
+    if config.random_pool != "all" or config.n_random < 1:
         return list(heads)
     return all_heads(model.shape.n_layers, model.shape.n_heads)
 
 
-def _random_baseline(
-    model: LoadedModel,
-    cache: PairCache,
-    test: Sequence[int],
-    heads: list[Head],
-    k: int,
-    position: str,
-    config: DCMConfig,
-) -> Optional[Estimate]:
-    """Target accuracy of random head sets of size ``k``: the mean over ``n_random`` draws, with an
-    interval that resamples draws and prompts (the spread between draws counts)."""
-    if k == 0 or config.n_random < 1:
-        return None
-    pool = random_pool(model, heads, config)
-    rng = random.Random(config.seed + 1)
-    draws = [
-        cache.accuracy(model, test, rng.sample(pool, k), position, config.eval_batch) for _ in range(config.n_random)
-    ]
-    return pooled_proportion(draws)
+def random_heads(
+    model: LoadedModel, group: Sequence[Head], selected: Sequence[Head], config: DCMConfig, n: int, seed: int
+) -> list[list[Head]]:
+    """``n`` random head sets of the selection's size, seeded, by ``config.random_pool``: ``"layer"`` (each selected
+    head replaced by a head drawn from its own layer; patched at the group's position class, as the selection is),
+    ``"all"`` heads of the model, or the ``"group"``'s. None where nothing was selected."""
+    if not selected or n < 1:
+        return []
+    rng, k = random.Random(seed), len(selected)
+    if config.random_pool == "layer":
+        return [layer_matched(selected, model.shape.n_heads, rng) for _ in range(n)]
+    pool = random_pool(model, group, config)
+    return [rng.sample(pool, k) for _ in range(n)]
 
 
 def dcm_circuit(
@@ -855,16 +865,42 @@ def dcm_circuit(
 
 @dataclass
 class SemanticResult:
-    """Target accuracy of one model with the selected heads patched (source -> base), and its floor."""
+    """Target accuracy of one model with the selected heads patched (source -> base), its unpatched floor and
+    random heads of the selection's layers and position (:func:`random_heads`), per pair, with the paired tests of
+    the patched heads against each (:func:`~mechdiff.common.inference.paired`)."""
 
     model: str
     accuracy: Estimate
     floor: Estimate
     outcomes: list[int] = field(default_factory=list)  # per pair: 1 where the patched run gives the target
+    floor_outcomes: list[int] = field(default_factory=list)  # per pair: 1 where the unpatched run gives it
+    random_heads: list[list[Head]] = field(default_factory=list)  # each draw's heads
+    random_outcomes: list[list[int]] = field(default_factory=list)  # each draw's per-pair outcomes
+    random: Optional[Estimate] = None  # the draws' mean, resampling draws and pairs
+
+    def tests(self) -> dict[str, inf.Test]:
+        """The patched heads against the floor (exact McNemar on the same pairs) and against the random heads (the
+        per-pair share of draws that give the target: the sign-flip test over pairs)."""
+        if not self.outcomes or not self.floor_outcomes:
+            return {}
+        out = {"floor": inf.paired(self.outcomes, self.floor_outcomes, claim="patched - unpatched floor")}
+        if self.random_outcomes:
+            share = np.mean(self.random_outcomes, 0)
+            out["random"] = inf.paired(self.outcomes, share, claim="patched - random heads (per-pair mean of draws)")
+        return out
 
     def to_dict(self) -> dict:
         out = {"model": self.model, "accuracy": self.accuracy.to_dict(), "floor": self.floor.to_dict()}
-        return {**out, "outcomes": outcome_record(self.outcomes)} if self.outcomes else out
+        if self.outcomes:
+            out["outcomes"] = outcome_record(self.outcomes)
+        if self.floor_outcomes:
+            out["floor_outcomes"] = bits(self.floor_outcomes)
+        if self.random_outcomes:
+            out["random"] = self.random.to_dict() if self.random is not None else None
+            out["random_heads"] = [[h.name for h in hs] for hs in self.random_heads]
+            out["random_outcomes"] = [bits(o) for o in self.random_outcomes]
+        out.update({f"vs_{k}": t.row() for k, t in self.tests().items()})
+        return out
 
 
 def semantic_patching(
@@ -874,17 +910,33 @@ def semantic_patching(
     pairs: Sequence[PairRecord],
     batch_size: int = 32,
     progress: bool = True,
+    n_random: int = 0,
+    seed: int = 0,
 ) -> list[SemanticResult]:
     """Patch ``heads`` (e.g. a DCM selection) from each pair's source into its base, within each model,
-    and report the desideratum's target accuracy per model (with the unpatched floor)."""
+    and report the desideratum's target accuracy per model (with the unpatched floor); with ``n_random``, also
+    that many random head sets of the selection's layers at ``position`` (:func:`random_heads`, drawn once by
+    ``seed`` and patched into every model), each draw's per-pair outcomes kept."""
     if not heads:
         raise ValueError("semantic patching needs at least one head (the DCM selection was empty)")
+    models = list(models)
+    drawn = random_heads(models[0], heads, heads, DCMConfig(random_pool="layer"), n_random, seed) if models else []
     out = []
     for model in models:
         cache = PairCache.build(model, pairs, [(list(heads), position)], batch_size, progress)
         acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress)
+        draws = [cache.accuracy(model, range(len(pairs)), hs, position, batch_size) for hs in drawn]
         out.append(
-            SemanticResult(model.name, proportion(acc), proportion(cache.floor), np.asarray(acc).astype(int).tolist())
+            SemanticResult(
+                model.name,
+                proportion(acc),
+                proportion(cache.floor),
+                np.asarray(acc).astype(int).tolist(),
+                np.asarray(cache.floor).astype(int).tolist(),
+                drawn,
+                [np.asarray(d).astype(int).tolist() for d in draws],
+                pooled_proportion(draws) if draws else None,
+            )
         )
         cache.close()
     return out

@@ -331,8 +331,14 @@ def cmap_gain(
     from .cmap import run_cmap
 
     res = run_cmap(first, checkpoint, circuit, records, kinds, batch_size, progress=progress)
-    gains = {f"{r.scope}/{r.kind}": res.paired(f"{r.scope}/{r.kind}", "base").to_dict() for r in res.rows}
+    gains = {f"{r.scope}/{r.kind}": _gain(res.paired(f"{r.scope}/{r.kind}", "base")) for r in res.rows}
     return {**res.to_dict(), "gain": gains}
+
+
+def _gain(test: Any) -> dict:
+    """A CMAP gain as the trajectory keeps it (an estimate's ``value``, ``low``, ``high``, ``n``) with its p."""
+    iv = test.interval
+    return {"value": iv.value, "low": iv.low, "high": iv.high, "n": iv.n_rows, "p": test.p}
 
 
 def semantic(

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..common import inference as inf
 from ..common.outcomes import from_bits
+from ..methods.cmap import paired_outcomes
 from .families import worst_pairing
 
 GAIN = "which parts carry the gain"
@@ -44,9 +45,9 @@ def cmap_family(cmap: Mapping[str, Any]) -> dict[tuple[str, str, str], inf.Test]
     for ft, rec in cmap.items():
         if rec is None or "skipped" in rec.result:
             continue
-        outcomes = rec.result.get("outcomes", {})
         for a, b in cmap_pairs(rec.result):
-            fam.add(inf.paired(outcomes[a], outcomes[b], claim=f"CMAP {ft} into the base: {a} - {b}"))
+            x, y = paired_outcomes(rec.result, a, b)  # a random control may run on a subset of the prompts
+            fam.add(inf.paired(x, y, claim=f"CMAP {ft} into the base: {a} - {b}"))
             keys.append((ft, a, b))
     return dict(zip(keys, fam.adjusted()))
 
@@ -111,13 +112,21 @@ def controls_family(matrix_rows: list[Mapping[str, Any]]) -> dict[tuple[str, str
         if not draws:
             continue
         d = np.asarray(draws, dtype=float)
-        rank = int((d >= r["accuracy"] - 1e-12).sum())
-        q05, q95 = np.quantile(d, [0.05, 0.95])
-        acc = float(r["accuracy"])
-        iv = inf.Interval(acc - float(np.median(d)), acc - float(q95), acc - float(q05), int(r["n_prompts"]),
-                          int(r["n_prompts"]), "rank among random draws")  # fmt: skip
+        if "random_rank" in r:  # the rank the stage counted on the draws' own prompts
+            rank, n = int(r["random_rank"]), int(r.get("random_n_prompts", r["n_prompts"]))
+            acc, q05, q95, mid = (
+                r.get("random_circuit_accuracy", r["accuracy"]),
+                r["random_q05"],
+                r["random_q95"],
+                r["random_q50"],
+            )
+        else:  # records whose draws ran on every matrix prompt
+            rank, n = int((d >= r["accuracy"] - 1e-12).sum()), int(r["n_prompts"])
+            acc, (q05, mid, q95) = r["accuracy"], np.quantile(d, [0.05, 0.5, 0.95])
+        acc = float(acc)
+        iv = inf.Interval(acc - float(mid), acc - float(q95), acc - float(q05), n, n, "rank among random draws")
         claim = f"circuit of {r['circuit']} in {r['model']}: above {d.size} random circuits of its size"
-        fam.add(inf.Test(claim, iv, (1 + rank) / (1 + d.size), f"rank among {d.size} draws (+1 corrected)"))
+        fam.add(inf.Test(claim, iv, (1 + rank) / (1 + d.size), f"rank among {d.size} draws on {n} prompts"))
         keys.append((r["circuit"], r["model"]))
     return dict(zip(keys, fam.adjusted()))
 

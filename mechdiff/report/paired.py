@@ -24,7 +24,10 @@ from ..common.outcomes import read_record
 
 def outcome_stages(accuracy: Mapping[str, Any], matrix: Mapping[str, Any], dcm: Any) -> dict[str, dict]:
     """Every stage's compact per-prompt records by label, as ``outcomes.json`` keeps them: ``accuracy``
-    (label: model), ``matrix:<model>`` (``full`` and each circuit), ``semantic`` (``group/desideratum in model``)."""
+    (label: model), ``matrix:<model>`` (``full`` and each circuit), ``matrix_random:<model>`` (each circuit with
+    random draws: ``prompts``, indices into the matrix prompts, and ``outcomes``, one 0/1 string a draw),
+    ``semantic`` (``group/desideratum in model``: the patched heads, the unpatched ``floor`` and each ``random``
+    draw of heads, where kept)."""
     out: dict[str, dict] = {"accuracy": {}, "semantic": {}}
     for name, rec in accuracy.items():
         if rec is not None and "outcomes" in rec.result:
@@ -35,9 +38,13 @@ def outcome_stages(accuracy: Mapping[str, Any], matrix: Mapping[str, Any], dcm: 
             first = next(iter(kept.values()))
             empty = {"empty": first["empty"]} if "empty" in first else {}
             out[f"matrix:{name}"] = {"full": first["full"], **empty, **{c: o["circuit"] for c, o in kept.items()}}
+            drawn = {c: o["random"] for c, o in kept.items() if "random" in o}
+            if drawn:
+                out[f"matrix_random:{name}"] = drawn
     for s in dcm.result.get("semantic", []) if dcm is not None else []:
         if "outcomes" in s:
-            out["semantic"][f"{s['group']}/{s['desideratum']} in {s['model']}"] = s["outcomes"]
+            controls = {k: s[f"{k}_outcomes"] for k in ("floor", "random") if f"{k}_outcomes" in s}
+            out["semantic"][f"{s['group']}/{s['desideratum']} in {s['model']}"] = {**s["outcomes"], **controls}
     return {k: v for k, v in out.items() if v}
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
+from ..common import inference as inf
 from ..common.metrics import continuous_key, continuous_label
-from ..common.stats import Estimate, paired_difference
+from ..common.stats import Estimate
+from ..methods.cmap import paired_outcomes
 from .tables import estimate_columns
 
 
@@ -39,9 +41,12 @@ def dcm_rows(results: Sequence[Mapping[str, Any]]) -> list[dict]:
 
 def semantic_rows(records: Sequence[Mapping[str, Any]]) -> list[dict]:
     """One row per (group, desideratum, model) of semantic patching (``{"group", "desideratum", "heads"} |
-    SemanticResult.to_dict()``): the heads patched, target accuracy and the unpatched floor."""
-    return [
-        {
+    SemanticResult.to_dict()``): the heads patched, target accuracy, the unpatched floor and (where drawn) random
+    heads of the selection's layers and position, and the paired tests of the patched heads against each
+    (``vs_floor``: exact McNemar; ``vs_random``: the sign-flip test against the per-pair share of draws)."""
+    rows = []
+    for s in records:
+        row = {
             "group": s["group"],
             "desideratum": s["desideratum"],
             "model": s["model"],
@@ -49,8 +54,16 @@ def semantic_rows(records: Sequence[Mapping[str, Any]]) -> list[dict]:
             **estimate_columns("accuracy", s["accuracy"]),
             **estimate_columns("floor", s["floor"]),
         }
-        for s in records
-    ]
+        if s.get("random"):
+            row.update(estimate_columns("random", s["random"]))
+        for control in ("floor", "random"):
+            test = s.get(f"vs_{control}")
+            if test:
+                row[f"minus_{control}"] = test["estimate"]
+                row[f"minus_{control}_low"], row[f"minus_{control}_high"] = test["low"], test["high"]
+                row[f"{control}_p"] = test["p"]
+        rows.append(row)
+    return rows
 
 
 def cmap_has_gap(result: Mapping[str, Any]) -> bool:
@@ -88,14 +101,16 @@ def cmap_caption(result: Mapping[str, Any], finetune: str) -> str:
 
 def cmap_paired_rows(result: Mapping[str, Any]) -> list[dict]:
     """Each (scope, kind) against the plain base and against its random control; V - QK and Q - K per scope:
-    paired differences of accuracy on the same prompts."""
+    paired tests of accuracy on the same prompts (:func:`~mechdiff.common.inference.paired`: exact McNemar for two
+    0/1 outcomes, the sign-flip test against a random control's per-prompt share of draws), each with its p."""
     outcomes, rows = result.get("outcomes", {}), []
 
     def add(a: str, b: str) -> None:
         if a in outcomes and b in outcomes:
-            rows.append(
-                {"first": a, "second": b, **estimate_columns("difference", paired_difference(outcomes[a], outcomes[b]))}
-            )
+            test = inf.paired(*paired_outcomes(result, a, b))
+            iv = test.interval
+            row = {"first": a, "second": b, "difference": iv.value, "difference_low": iv.low}
+            rows.append({**row, "difference_high": iv.high, "p": test.p, "method": test.method})
 
     for row in result["rows"]:
         key = f"{row['scope']}/{row['kind']}"
@@ -110,8 +125,9 @@ def cmap_paired_rows(result: Mapping[str, Any]) -> list[dict]:
 def cmap_paired_caption(result: Mapping[str, Any], finetune: str) -> str:
     """The caption of :func:`cmap_paired_rows`."""
     return (
-        f"CMAP {finetune} -> {result['base']}: paired differences of accuracy on the same prompts (paired "
-        "bootstrap CI); a part is larger than another only where the interval excludes 0"
+        f"CMAP {finetune} -> {result['base']}: paired differences of accuracy on the same prompts (exact McNemar "
+        "test with its exact-hulled interval; against a random control, the sign-flip test on the per-prompt share "
+        "of its draws; docs/inference.md); a part is larger than another only where its test rejects (p <= 0.05)"
     )
 
 
@@ -181,12 +197,19 @@ CIRCUIT_X_MODEL = (
     "faithfulness",
     "random_accuracy",
     "random_faithfulness",
+    "random_n_prompts",
+    "random_rank",
+    "random_p",
+    "random_q05",
+    "random_q50",
+    "random_q95",
 )
 
 
 def circuit_x_model_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
     """The circuit x model table from :func:`mechdiff.circuits.scoring.matrix_rows`: the columns of
-    :data:`CIRCUIT_X_MODEL` and, where random circuits were drawn, the range of their accuracies."""
+    :data:`CIRCUIT_X_MODEL` and, where random circuits were drawn, the range of their accuracies (the circuit's rank
+    among them, its p and their quantiles are on their ``random_n_prompts`` prompts)."""
     shown = []
     for r in rows:
         row = {k: v for k, v in r.items() if k.split("_low")[0].split("_high")[0] in CIRCUIT_X_MODEL}

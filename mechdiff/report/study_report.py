@@ -264,8 +264,10 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
         "circuit_x_model",
         f"Circuit x model on {s.n} {_fresh(study, 'matrix')} per model: accuracy with every other (head, "
         "position) mean-ablated (exact binomial CI), faithfulness F(C)/F(M) (bootstrap CI), and "
-        f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit "
-        "(pooled accuracy; the range of the draws' accuracies)",
+        f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit, each on "
+        f"{s.random_prompts or s.n} of the prompts (their mean, its interval resampling draws and prompts; the range "
+        "of the draws' accuracies; the circuit's rank among the draws, draws at least as accurate, its p = (1 + "
+        "rank) / (1 + draws) and the draws' 5th, 50th and 95th accuracy percentiles, on those prompts)",
     )
     comp_rows = completeness_rows({name: rec.result.get("completeness") for name, rec in matrix.items()})
     if comp_rows:
@@ -304,7 +306,8 @@ def overlap_section(study: "Study", circuits: dict) -> tuple[str, dict]:
 
 DCM_CAPTION = (
     "heads whose mask went to 0 for each desideratum, target accuracy on held-out pairs with them "
-    "patched, the no-intervention floor and random heads of the same size"
+    "patched, the no-intervention floor and random heads of the same size (by default drawn from each selected "
+    "head's own layer, at the same position)"
 )
 
 
@@ -317,7 +320,13 @@ def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict]
     sem = semantic_rows(dcm.result["semantic"])
     if sem:
         text += "\n" + study_table(
-            study, sem, "semantic_patching", "Semantic patching: the same DCM-selected heads patched in every model"
+            study,
+            sem,
+            "semantic_patching",
+            "Semantic patching: the same DCM-selected heads patched in every model, against the unpatched floor and "
+            "random heads of their layers at their position (the same draws in every model); minus_floor: exact "
+            "McNemar test on the same pairs (floor_p), minus_random: sign-flip test against the per-pair share of "
+            "draws (random_p); per-pair outcomes in outcomes.json",
         )
     for ft, rec in (finetune_dcm or {}).items():
         text += "\n" + study_table(
@@ -413,7 +422,10 @@ def target_measure(study: "Study", row: dict) -> tuple[str, str]:
     """The faithfulness a circuit's target is read on, and its name: the normalised form (the empty circuit
     subtracted) in the task's metric (the logit difference on a ``logit_diff`` task, else accuracy); the paper's
     ratio only for records made before the empty circuit was scored."""
-    if getattr(study.task, "metric", "prob") == "logit_diff" and "faithfulness_normalised_logit_diff" in row:
+    if (
+        getattr(getattr(study, "task", None), "metric", "prob") == "logit_diff"
+        and "faithfulness_normalised_logit_diff" in row
+    ):
         return "faithfulness_normalised_logit_diff", "normalised faithfulness in the logit difference"
     if "faithfulness_normalised" in row:
         return "faithfulness_normalised", "normalised faithfulness in accuracy"
@@ -463,10 +475,9 @@ def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict], c
             draws = own["random_draws"]
             beats = "above" if control.rejects else "not shown above"
             sentence += (
-                f" Against {len(draws)} random layer- and position-matched circuits of its size (accuracy "
-                f"{min(draws):.2f}-{max(draws):.2f}, median {float(np.median(draws)):.2f}): {beats} them, "
-                f"{sum(d >= own['accuracy'] for d in draws)} draws at least as accurate "
-                f'(p = {control.p:.2g}, Holm p = {control.p_adjusted:.2g} in "{CONTROLS}").'
+                f" Against {len(draws)} random layer- and position-matched circuits of its size (faithfulness "
+                f"{_interval(own, 'random_faithfulness')}; draws' accuracy {min(draws):.2f}-{max(draws):.2f}): "
+                f'{beats} them{_rank_clause(own)} (Holm p = {control.p_adjusted:.2g} in "{CONTROLS}").'
             )
         lines.append(sentence)
         after = next((r for r in matrix_rows if r["model"] == name and r["circuit"] == f"{name} pruned"), None)
@@ -707,8 +718,9 @@ def limitations(study: "Study", positions: dict) -> str:
         )
     if cm.n_random:
         lines.append(
-            "- CMAP's random control uses a few draws per group (the `[cmap] n_random` setting), fewer than the\n"
-            "  circuit baseline's; its interval is over prompts, with the draws averaged per prompt."
+            f"- CMAP's random control: {cm.n_random} draws of layer-matched heads per group (the `[cmap] n_random`\n"
+            "  setting), each draw's outcomes kept; a part is compared with it by the sign-flip test against the\n"
+            "  per-prompt share of draws that are right."
         )
     return "\n".join(lines) + "\n"
 
@@ -775,6 +787,18 @@ def paired_findings(rows: list[dict]) -> str:
             lines.append(f"- **{comparison}** on the same prompts (paired 95% intervals, Holm within the family): ")
             lines[-1] += "; ".join(difference_sentence(r) for r in mine) + "."
     return "\n".join(lines)
+
+
+def _rank_clause(row: dict) -> str:
+    """A findings clause on the circuit's rank among its random draws (none where the row predates it)."""
+    if "random_rank" not in row:
+        return ""
+    n = len(row["random_draws"])
+    return (
+        f"; on {row['random_n_prompts']} of the prompts, {row['random_rank']} of {n} draws are at least as accurate "
+        f"as the circuit (rank p = {row['random_p']:.2g}; draws' accuracy 5-95% {row['random_q05']:.2f}-"
+        f"{row['random_q95']:.2f})"
+    )
 
 
 def _fresh(study: "Study", name: str) -> str:

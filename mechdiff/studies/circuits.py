@@ -29,7 +29,7 @@ from ..runs.stages import Pending, StageRecord, label
 from ..runs.stages import key_hash as _hash
 from ..tasks.base import Task, get_task
 from .base import Study, rows_inputs, vocabulary_digest
-from .spec import RunSpec, section_inputs
+from .spec import MATRIX_ONLY, RunSpec, section_inputs
 
 log = logging.getLogger(__name__)
 
@@ -488,6 +488,11 @@ class CircuitsStudy(Study):
     def _prune_inputs(self, name: str, circuit_key: str) -> dict:
         scoring = section_inputs("scoring", self.spec.scoring)
         own = scoring.pop("models", {}).get(name)  # another model's seed leaves this stage's key alone
+        for k, keyed in MATRIX_ONLY.items():  # the matrix's random control leaves pruning's key alone
+            if keyed is None:
+                scoring.pop(k, None)
+            else:
+                scoring[k] = keyed
         return {
             "model": self.digests[name],
             "circuit": circuit_key,
@@ -514,6 +519,9 @@ class CircuitsStudy(Study):
                 seed=self.seed("matrix"),
                 random_for=[name],
                 outcomes=outcomes,
+                random_prompts=s.random_prompts,
+                # an item: a clean prompt (its tokens), so the draws' intervals resample prompts, not rows
+                items=[" ".join(map(str, r.input_ids)) for r in scorer.records],
             )
             own = loaded.get(name)
             comp = (
@@ -617,7 +625,15 @@ class CircuitsStudy(Study):
                 if not r.selected:
                     continue
                 test = split_pairs(desiderata[r.desideratum], config.split, config.seed)[2]
-                for sem in semantic_patching(self.models, r.selected, r.position, test, self.spec.eval.batch_size):
+                for sem in semantic_patching(
+                    self.models,
+                    r.selected,
+                    r.position,
+                    test,
+                    self.spec.eval.batch_size,
+                    n_random=c.n_random,
+                    seed=config.seed + 1,
+                ):
                     semantic.append(
                         {
                             "group": r.group,
@@ -645,6 +661,7 @@ class CircuitsStudy(Study):
         return self.cmap(finetune, own, self.dcm(own, finetune))
 
     def cmap(self, finetune: str, circuit_rec: StageRecord, dcm_rec: Optional[StageRecord] = None) -> StageRecord:
+        from ..circuits.scoring import control_prompts
         from ..methods.cmap import dcm_cut, run_cmap
 
         c = self.spec.cmap
@@ -684,6 +701,7 @@ class CircuitsStudy(Study):
                 n_random=c.n_random,
                 seed=self.seed("cmap"),
                 rule="paper" if c.scope == "paper" else "base",
+                random_prompts=control_prompts(records, c.random_prompts, self.seed("cmap")) if c.n_random else None,
             )
             out = {**res.to_dict(), "left_out": left_out}
             return {**out, "circuit": circuit.to_dict()} if c.scope == "paper" else out
@@ -959,6 +977,7 @@ def dcm_config(spec: RunSpec):
         split=(c.n_train / n, c.n_val / n, c.n_test / n),
         seed=spec.task.seed,
         random_pool=c.random_pool,
+        n_random=c.n_random,
     )
 
 

@@ -85,7 +85,13 @@ def _semantic(
             continue
         test = split_pairs(list(desiderata[r.desideratum]), config.split, config.seed)[2]
         for sem in semantic_patching(
-            (models[n] for n in models.names), r.selected, r.position, test, config.eval_batch
+            (models[n] for n in models.names),
+            r.selected,
+            r.position,
+            test,
+            config.eval_batch,
+            n_random=config.n_random,
+            seed=config.seed + 1,
         ):
             records.append(
                 {"group": r.group, "desideratum": r.desideratum, "heads": [h.name for h in r.selected], **sem.to_dict()}
@@ -97,7 +103,9 @@ def _semantic(
         rows,
         out / "semantic",
         caption="Semantic patching: the DCM-selected heads patched source -> base "
-        "within each model; target accuracy per model (with the unpatched floor).",
+        "within each model; target accuracy per model (with the unpatched floor and random heads of the selection's "
+        "layers at its position; minus_floor: exact McNemar test on the same pairs; minus_random: sign-flip test "
+        "against the per-pair share of random draws).",
     )
     cats = list(dict.fromkeys(f"{r['group']}/{r['desideratum']}" for r in rows))
     series = {}

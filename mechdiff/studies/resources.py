@@ -47,7 +47,6 @@ from pathlib import Path
 from statistics import mean
 from typing import Any, Callable, Optional
 
-from ..methods.dcm import DCMConfig
 from ..models.devices import COMMON_GPU_DISK, GIB, Device
 from ..models.footprint import (
     Dims,
@@ -493,13 +492,19 @@ def prune(ctx: Context, name: str) -> Optional[StageCost]:
 
 
 def matrix(ctx: Context, name: str) -> StageCost:
-    """Every model's circuit (and pruned circuit) kept, the own circuit's random draws, and completeness: two runs
-    a draw and two a group removed whole (``completeness_groups``, else ``[dcm] groups``)."""
+    """Every model's circuit (and pruned circuit) kept, and completeness: two runs a draw and two a group removed
+    whole (``completeness_groups``, else ``[dcm] groups``); the own circuit's ``random_draws`` random circuits, one
+    run each on ``random_prompts`` of the prompts."""
     s, models = ctx.spec.scoring, len(ctx.spec.model_names)
     groups = len(_completeness_groups(ctx, name))
     circuits = _distinct_circuits(ctx) or models * (2 if s.prune else 1)
-    scored = circuits + s.random_draws + (2 * s.completeness_draws + 2 * groups if s.completeness_draws else 0)
-    return _scored(ctx, f"matrix:{name}", s.n, scored)
+    scored = circuits + (2 * s.completeness_draws + 2 * groups if s.completeness_draws else 0)
+    drawn = min(s.random_prompts or s.n, s.n)
+    note = f"{s.random_draws} random circuits x {drawn} prompts = {s.random_draws * drawn} runs"
+    cost = _scored(ctx, f"matrix:{name}", s.n, scored, note if s.random_draws else "")
+    cost.flops += ctx.fwd(s.random_draws * drawn, ctx.lengths.tokens)
+    cost.reads += ctx.reads(s.random_draws * math.ceil(drawn / ctx.spec.eval.batch_size))
+    return cost
 
 
 def _distinct_circuits(ctx: Context) -> int:
@@ -567,13 +572,16 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
     chose = ctx.known.get("dcm_selected", {}).get(name, 1.0)
     groups = _groups(ctx, masked, c.groups)
     for layer, pos in _group_starts(ctx, masked, groups).values():
-        runs = 2 * c.epochs * c.n_train + checks * c.n_val + (2 + DCMConfig.n_random * chose) * c.n_test
+        runs = 2 * c.epochs * c.n_train + checks * c.n_val + (2 + c.n_random * chose) * c.n_test
         flops += k * ctx.fwd(runs, t.after(pos), t.tokens, dims.n_layers - layer)
         flops += k * chose * semantic * ctx.fwd(2 * c.n_test, t.tokens)
+        # semantic patching's random heads: n_random suffix runs a test pair in every model
+        flops += k * chose * semantic * ctx.fwd(c.n_random * c.n_test, t.after(pos), t.tokens, dims.n_layers - layer)
         passes = 2 * c.epochs * math.ceil(c.n_train / trained) + checks * math.ceil(c.n_val / built)
-        passes += (2 + DCMConfig.n_random * chose) * math.ceil(c.n_test / built)
+        passes += (2 + c.n_random * chose) * math.ceil(c.n_test / built)
         reads += k * ctx.reads(passes, dims.n_layers - layer)
         reads += k * chose * semantic * ctx.reads(2 * math.ceil(c.n_test / built))
+        reads += k * chose * semantic * ctx.reads(c.n_random * math.ceil(c.n_test / built), dims.n_layers - layer)
     # a pair's row of the cache: every layer's keys and values and a group's entering residual stream per token
     per_pair = int(t.longest * (dims.n_layers * dims.kv_width() + len(groups) * dims.d_model) * dtype_bytes(ctx.dtype))
     longest_after = max((t.after(p) for _, p in _group_starts(ctx, masked, groups).values()), default=t.tokens)
@@ -632,8 +640,8 @@ def _cmap_tokens(ctx: Context, part: str, position: str) -> float:
 
 def cmap(ctx: Context, finetune: str) -> StageCost:
     """Per prompt the fine-tune's run (capturing) and the base's; then per scope (each group, the whole circuit)
-    and part one patched base run, and ``n_random`` more per group: suffix runs from the scope's lowest layer and
-    position (the base's circuit, as ``[cmap] scope = "base"`` patches it)."""
+    and part one patched base run, and ``n_random`` more per group on ``random_prompts`` of the prompts: suffix runs
+    from the scope's lowest layer and position (the base's circuit, as ``[cmap] scope = "base"`` patches it)."""
     c, t, b, dims = ctx.spec.cmap, ctx.lengths, ctx.spec.eval.batch_size, ctx.dims
     base = ctx.spec.models.base
     starts = _group_starts(ctx, base, _groups(ctx, base, c.groups))
@@ -642,11 +650,18 @@ def cmap(ctx: Context, finetune: str) -> StageCost:
         starts = {**starts, "": whole}
     flops, batches = ctx.fwd(2 * c.n, t.tokens), math.ceil(c.n / b)
     reads = ctx.reads(2 * batches)
+    # the random draws on random_prompts of the prompts: where fewer than all, in a pass of their own
+    drawn = min(c.random_prompts or c.n, c.n) if c.n_random else c.n
+    if drawn < c.n:
+        flops, reads = flops + ctx.fwd(2 * drawn, t.tokens), reads + ctx.reads(2 * math.ceil(drawn / b))
     for group, (layer, pos) in starts.items():
-        draws = 1 + (c.n_random if group else 0)
+        runs, passes = (
+            c.n + (c.n_random * drawn if group else 0),
+            batches + (c.n_random * math.ceil(drawn / b) if group else 0),
+        )
         for part in c.parts:
-            flops += ctx.fwd(c.n * draws, _cmap_tokens(ctx, part, pos), t.tokens, dims.n_layers - layer)
-            reads += ctx.reads(draws * batches, dims.n_layers - layer)
+            flops += ctx.fwd(runs, _cmap_tokens(ctx, part, pos), t.tokens, dims.n_layers - layer)
+            reads += ctx.reads(passes, dims.n_layers - layer)
     rows = ctx.rows(c.n)
     captured = 4 * dims.n_layers * rows * t.longest * dims.d_model * dtype_bytes(ctx.dtype)
     return StageCost(

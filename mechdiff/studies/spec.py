@@ -11,7 +11,7 @@ import tomllib
 
 from ..circuits.curve import SELECT, SIZES, TARGET
 from ..common.metrics import METRIC_ALIASES, metric_name
-from ..methods.dcm import DCMConfig
+from ..methods.dcm import RANDOM_POOLS, DCMConfig
 from ..patching.path import SCORES
 from ..tasks.base import is_registered, is_relation_file, known_tasks
 from ..tasks.desiderata import desideratum_name
@@ -136,6 +136,9 @@ KEYED_WHEN_SET = {
 #: those studies were keyed with. Unset ``top_k`` now means each step's plan ``k``; the committed studies left it at
 #: entity tracking's A-D ``k``, the same numbers its plan gives, and only path patching reads it.
 KEYED_AS = {"discovery": {"top_k": ({}, {"A": 8, "B": 3, "C": 5, "D": 3})}}
+#: ``[scoring]`` options only the matrix's random control reads: pruning, keyed on the section, reads them at the
+#: values the committed studies were keyed with (``random_prompts`` left out), so the control moves the matrix alone.
+MATRIX_ONLY = {"random_draws": 20, "random_prompts": None}
 #: What ``[discovery.models.NAME]`` may set for one model.
 PER_MODEL_DISCOVERY = ("top_k", "circuit_k", "seed")
 #: What ``[scoring.models.NAME]`` may set for one model (its pruning's seed).
@@ -156,7 +159,10 @@ def section_inputs(name: str, section: Any) -> dict:
 class ScoringSection:
     n: int = 200  # fresh held-out prompts per cell of the circuit x model matrix
     reference_n: int = 500  # held-out-object prompts whose position-wise means ablate
-    random_draws: int = 20  # layer- and position-matched random circuits of each model's own circuit
+    random_draws: int = 100  # layer- and position-matched random circuits of each model's own circuit
+    # matrix prompts each random circuit is scored on (a seeded subset stratified by template and token length;
+    # 0: every one): 100 draws x 40 prompts cost what 20 draws x 200 prompts did
+    random_prompts: int = 40
     completeness_draws: int = 2
     completeness_groups: list[str] = field(default_factory=list)  # groups removed whole (empty: as [dcm] groups)
     prune_n: int = 16  # prompts the pruning decides on (disjoint from those reported)
@@ -200,7 +206,8 @@ class DcmSection:
     shuffle: bool = DCMConfig.shuffle  # shuffle the training pairs every epoch (the paper: in order)
     random_pool: str = (
         DCMConfig.random_pool
-    )  # random baseline: heads of the selected count from "all" heads or the "group"
+    )  # random baseline: heads of the selected count from each selected head's "layer", "all" heads or the "group"
+    n_random: int = DCMConfig.n_random  # random head sets, in DCM's baseline and in semantic patching of each model
     circuit: str = "found"  # the circuit whose groups DCM masks: "found" (as discovered) or "pruned" (the paper)
 
 
@@ -217,7 +224,10 @@ class CmapSection:
     scope: str = "base"
     selection: dict[str, str] = field(default_factory=dict)  # scope "paper": group -> desideratum whose DCM selection
     # cuts it (a group not named keeps every head)
-    n_random: int = 3  # draws of layer-matched random heads per group and part (the control)
+    n_random: int = 20  # draws of layer-matched random heads per group and part (the control), each kept
+    # prompts each draw runs on (a seeded subset stratified by template and token length; 0: every one):
+    # 20 draws x 30 prompts cost what 3 draws x 200 prompts did
+    random_prompts: int = 30
 
 
 @dataclass
@@ -259,7 +269,7 @@ CHOICES = {
     ("discovery", "model_seed_redraws"): ("pairs", "counterfactuals"),
     ("scoring", "prune_metric"): ("prob", "accuracy", *METRIC_ALIASES),  # answer_prob: read as prob
     ("scoring", "prune_rule"): ("greedy", "paper"),
-    ("dcm", "random_pool"): ("all", "group"),
+    ("dcm", "random_pool"): RANDOM_POOLS,
     ("dcm", "lam_scale"): ("loss", "absolute"),
     ("dcm", "schedule"): ("steps", "epoch_batches"),
     ("dcm", "circuit"): ("found", "pruned"),

@@ -92,6 +92,19 @@ class StructureSection:
 @dataclass
 class TrajectoryDcm(DcmSection):
     labels: str = ""  # a DCM table (JSON rows: group, desideratum, position, selected) to use instead of training
+    # DCM's random baseline as the committed trajectories ran it (the circuits study's controls changed after them;
+    # the trajectories follow in their own issue): 5 draws from every head
+    random_pool: str = "all"
+    n_random: int = 5
+
+
+def dcm_key(d: TrajectoryDcm) -> dict:
+    """``[dcm]`` as the trajectory's stage keys read it: ``n_random`` (a field added after the committed
+    trajectories) left out at its value here, so their keys stay."""
+    out = asdict(d)
+    if out["n_random"] == TrajectoryDcm.n_random:
+        del out["n_random"]
+    return out
 
 
 @dataclass
@@ -656,7 +669,7 @@ class TrajectoryStudy(Study):
             if d.labels
             else {"model": self.digests[self.final], "circuit": final.key}
         )
-        return {**inputs, "dcm": asdict(d), "task": self.task_inputs(), **self.class_groups(d.groups)}
+        return {**inputs, "dcm": dcm_key(d), "task": self.task_inputs(), **self.class_groups(d.groups)}
 
     def class_groups(self, wanted: list[str]) -> dict[str, list[str]]:
         """Key inputs naming the classes of several tokens a DCM, CMAP or roles stage may patch
@@ -674,7 +687,7 @@ class TrajectoryStudy(Study):
             {
                 "model": self.digests[name],
                 "dcm": dcm.key,
-                "dcm_settings": asdict(self.st.dcm),
+                "dcm_settings": dcm_key(self.st.dcm),
                 "task": self.task_inputs(),
                 "batch_size": self.st.eval.batch_size,
             },
@@ -768,7 +781,7 @@ class TrajectoryStudy(Study):
                 "model": self.digests[name],
                 "task": self.task_inputs(),
                 "roles": {"method": "dcm", "groups": r.groups, "desiderata": r.desiderata},
-                "dcm": asdict(d),
+                "dcm": dcm_key(d),
                 "circuit": final.key,
                 **self.class_groups(r.groups or d.groups),
             },

@@ -858,10 +858,10 @@ def test_full_circuit_default_model_name():
 
 
 def test_random_baseline_averages_draws_per_prompt():
-    """The random baseline's probability is averaged over draws for each prompt, then bootstrapped over the
-    prompts; its accuracy interval resamples draws and prompts (the spread between draws counts)."""
+    """The random baseline's figures are means over draws and prompts; every interval resamples draws and prompts
+    both (the spread between draws counts)."""
     from mechdiff.circuits.scoring import faithfulness, random_circuit
-    from mechdiff.common.stats import bootstrap, pooled_proportion
+    from mechdiff.common.inference import control_ratio
 
     circuit, scorer, (a, b, c) = _or_circuit()
     res = faithfulness(scorer, circuit, n_random=3)  # seed 0 by default
@@ -870,10 +870,14 @@ def test_random_baseline_averages_draws_per_prompt():
     draws = [scorer._result(frozenset(random_circuit(circuit, 3, 4, rng).pairs())) for _ in range(3)]
     acc = np.mean([d.correct for d in draws], 0)  # one value per prompt
     prob = np.mean([d.prob for d in draws], 0)
-    assert res["random"]["accuracy"] == pooled_proportion([d.correct.astype(float) for d in draws]).to_dict()
+    want = control_ratio([d.correct.astype(float) for d in draws], seed=0)
+    assert (res["random"]["accuracy"]["low"], res["random"]["accuracy"]["high"]) == (want.low, want.high)
     assert res["random"]["accuracy"]["value"] == pytest.approx(acc.mean()) and res["random"]["accuracy"]["n"] == 12
     assert res["random"]["draws"] == [float(d.correct.mean()) for d in draws]
-    assert res["random"]["answer_prob"] == bootstrap(prob).to_dict() and res["random"]["answer_prob"]["n"] == 12
+    assert (
+        res["random"]["answer_prob"]["value"] == pytest.approx(prob.mean()) and res["random"]["answer_prob"]["n"] == 12
+    )
+    assert res["random"]["answer_prob"]["high"] == control_ratio([d.prob for d in draws], seed=0).high
 
 
 def test_quiet_scoring_prints_nothing(capsys):

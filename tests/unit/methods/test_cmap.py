@@ -19,6 +19,7 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
 from mechdiff.common.components import Head, all_heads
 from mechdiff.common.metrics import answer_is_top1, answer_prob
+from mechdiff.common.outcomes import from_bits
 from mechdiff.common.stats import Estimate, bootstrap, mean_estimate
 from mechdiff.methods.cmap import (
     CAPTION,
@@ -265,7 +266,7 @@ def test_cmap_random_control_and_paired_differences(tiny_llama, smollm2_tokenize
     )
     assert {r.scope for r in res.random_rows} == {"random:A", "random:C"}
     assert len(res.outcomes["A/z"]) == 6 and set(res.outcomes) >= {"base", "finetune", "A/v", "circuit/z"}
-    d = res.paired("A/z", "base")
+    d = res.paired("A/z", "base").interval
     assert d.value == pytest.approx(sum(res.outcomes["A/z"]) / 6 - sum(res.outcomes["base"]) / 6)
     assert d.low <= d.value <= d.high
     with pytest.raises(KeyError, match="no outcomes"):
@@ -447,6 +448,8 @@ def test_result_to_dict_is_its_json_form():
         "random_rows": [rnd.to_dict()],
         "outcomes": {"base": [1, 0]},
         "settings": {"seed": 3},
+        "random_outcomes": {},
+        "random_heads": {},
     }
     no_probs = CMAPResult("b", "f", e(0.4), e(0.9), [row]).to_dict()
     assert "base_answer_prob" not in no_probs and "finetune_answer_prob" not in no_probs
@@ -528,6 +531,13 @@ def test_run_cmap_against_full_patched_runs(tiny_llama, smollm2_tokenizer, monke
     assert res.caption == CAPTION
     assert res.settings == {"isolate": True, "n_random": 2, "seed": 3, "n_prompts": 6}
     assert res.positions == {"A": "last", "C": "query_label"}
+    # each draw's own outcomes are kept: each is the full patched run of that draw alone
+    assert res.random_heads == {"random:A": [[h.name for h, _ in d] for d in draws]}
+    for i, drawn in enumerate(draws):
+        alone = _expected_outcomes(base, donor, records, circuit, [("random:A", [drawn])], ["v"], True, 3)
+        assert from_bits(res.random_outcomes["random:A/v"][i]).tolist() == alone[("random:A", "v")][0]
+    shares = np.mean([from_bits(b) for b in res.random_outcomes["random:A/v"]], 0)
+    assert res.outcomes["random:A/v"] == pytest.approx(shares.tolist())
     # per batch: the donor, the plain base (residual before layer 1, z from layer 1, keys and values), 3 patched
     plain = [c for c in calls if c[0] == base.name and not c[1]]
     patched = [c for c in calls if c[1]]
@@ -808,3 +818,53 @@ def test_cli_cmap_and_prune_with_the_paper_rules(tmp_path, smollm2_tokenizer):
     assert meta["rule"] == "paper" and meta["share"] == 0.3 and meta["metric"] == "prob"
     table = (tmp_path / "pruned.minimality.md").read_text()
     assert "F(C\\K)" in table and "score" in table
+
+
+def test_cmap_paired_rows_are_the_exact_test_and_the_sign_flip_against_the_draws():
+    """A part against the base: the exact binomial test on the discordant prompts (4 against 0: p = 0.125, where a
+    percentile bootstrap interval excludes 0); against its random control's per-prompt share: the sign-flip test."""
+    from scipy import stats as sps
+
+    from mechdiff.common.inference import sign_flip
+    from mechdiff.common.stats import paired_difference
+    from mechdiff.report.rows import cmap_paired_rows
+
+    base = [0] * 20 + [1] * 20
+    part = [1] * 4 + [0] * 16 + [1] * 20
+    share = [0.5] * 10 + [0.0] * 10 + [1.0] * 20
+    result = {"rows": [{"scope": "A", "kind": "z"}], "outcomes": {"base": base, "A/z": part, "random:A/z": share}}
+    vs_base, vs_random = cmap_paired_rows(result)
+    assert (vs_base["first"], vs_base["second"]) == ("A/z", "base")
+    assert vs_base["p"] == pytest.approx(sps.binomtest(4, 4, 0.5).pvalue) == pytest.approx(0.125)
+    assert vs_base["difference_low"] <= 0 < paired_difference(part, base).low  # the old interval excluded 0
+    want = sign_flip(np.subtract(part, share))
+    assert vs_random["second"] == "random:A/z" and vs_random["p"] == want.p
+    assert vs_random["difference"] == pytest.approx(np.mean(part) - np.mean(share))
+
+
+def test_random_draws_on_a_subset_of_the_prompts_are_the_full_runs_there(tiny_llama, smollm2_tokenizer):
+    """Draws on ``random_prompts`` only (a pass of their own): each draw's outcomes are those the draws give on
+    every prompt, at those prompts; every group's outcomes are unchanged; a part is paired with its control on
+    those prompts."""
+    from mechdiff.report.rows import cmap_paired_rows
+
+    records = generate(smollm2_tokenizer, 6, n_boxes=3, seed=1)
+    circuit = Circuit(
+        "tiny", "entity-tracking", {"A": [Head(2, 0), Head(1, 3)], "C": [Head(0, 1)]}, {"A": "last", "C": "query_label"}
+    )
+    donor = perturb_qkv(tiny_llama)
+    kw = dict(kinds=("z",), batch_size=3, progress=False, n_random=3, seed=4)
+    whole = run_cmap(tiny_llama, donor, circuit, records, **kw)
+    part = run_cmap(tiny_llama, donor, circuit, records, random_prompts=[4, 0, 2], **kw)
+    assert part.random_prompts == [0, 2, 4] and whole.random_prompts == []
+    assert part.random_heads == whole.random_heads
+    for key, draws in whole.random_outcomes.items():
+        assert part.random_outcomes[key] == ["".join(d[i] for i in (0, 2, 4)) for d in draws]
+    assert {k: v for k, v in part.outcomes.items() if not k.startswith("random:")} == {
+        k: v for k, v in whole.outcomes.items() if not k.startswith("random:")
+    }
+    rows = {(r["first"], r["second"]): r for r in cmap_paired_rows(part.to_dict())}
+    d = rows[("A/z", "random:A/z")]
+    share = np.mean([from_bits(b) for b in part.random_outcomes["random:A/z"]], 0)
+    assert d["difference"] == pytest.approx(np.mean([part.outcomes["A/z"][i] for i in (0, 2, 4)]) - share.mean())
+    assert part.paired("A/z", "random:A/z").interval.n_rows == 3

@@ -545,7 +545,7 @@ def _exactly(message: str) -> str:
     [
         ({"parameterisation": "l0"}, "parameterisation must be one of ('continuous', 'hard_concrete'), got 'l0'"),
         ({"lam_scale": "relative"}, "lam_scale must be 'loss' or 'absolute', got 'relative'"),
-        ({"random_pool": "layer"}, "random_pool must be 'group' or 'all', got 'layer'"),
+        ({"random_pool": "heads"}, "random_pool must be one of ('layer', 'all', 'group'), got 'heads'"),
         ({"split": (0.0, 0.5, 0.5)}, "split must be three positive fractions summing to 1, got (0.0, 0.5, 0.5)"),
         ({"split": (0.5, 0.5)}, "split must be three positive fractions summing to 1, got (0.5, 0.5)"),
         ({"split": (0.6, 0.2, 0.3)}, "split must be three positive fractions summing to 1, got (0.6, 0.2, 0.3)"),
@@ -608,6 +608,8 @@ def test_result_and_semantic_records_field_by_field():
         "best_step": 4,
         "history": [{"step": 0}],
         "config": {"lr": 0.1},
+        "random_heads": [],
+        "random_outcomes": [],
     }
     assert dataclasses.replace(result, random=_estimate(0.3)).to_dict()["random"] == _estimate(0.3).to_dict()
     assert SemanticResult("m", _estimate(0.5), _estimate(0.25)).to_dict() == {
@@ -718,9 +720,10 @@ def _mean_target_logit_top1(model, pair) -> float:
 
 
 def test_random_pool_and_no_baseline(model):
-    config = DCMConfig()
+    config = DCMConfig(random_pool="all")
     assert random_pool(model, HEADS, config) == all_heads(model.shape.n_layers, model.shape.n_heads)
     assert random_pool(model, HEADS, dataclasses.replace(config, random_pool="group")) == HEADS
+    assert random_pool(model, HEADS, DCMConfig()) == HEADS  # layer-matched draws: the group's layers are cached
     assert random_pool(model, HEADS, dataclasses.replace(config, n_random=0)) == HEADS
 
 
@@ -1040,7 +1043,7 @@ def test_dcm_command_preset_paper():
 
     args = build_parser().parse_args(["dcm", "--circuit", "c.json", "--preset", "paper", "--micro-batch", "8"])
     assert config_from_args(args) == DCMConfig.paper(
-        micro_batch=8, eval_batch=32, n_random=5, random_pool="all", seed=0
+        micro_batch=8, eval_batch=32, n_random=20, random_pool="layer", seed=0
     )
     args = build_parser().parse_args(["dcm", "--circuit", "c.json", "--preset", "paper", "--epochs", "3"])
     with pytest.raises(SystemExit, match="--epochs"):

@@ -16,8 +16,9 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.curve import prompt_attribution
 from mechdiff.circuits.positions import task_classes
 from mechdiff.circuits.scoring import Scorer
+from mechdiff.common import inference
 from mechdiff.common.components import Head, parse_heads
-from mechdiff.common.stats import bootstrap_ratio, paired_difference
+from mechdiff.common.stats import bootstrap_ratio
 from mechdiff.methods.dcm import semantic_patching
 from mechdiff.methods.trajectory import (
     Checkpoints,
@@ -185,7 +186,9 @@ def test_cmap_gain_is_the_paired_difference_of_patched_and_first(trajectory, pro
     assert set(res["gain"]) == {f"{s}/{k}" for s in ("last", "query_label", "circuit") for k in ("z", "v")}
     for key, gain in res["gain"].items():
         patched = np.array(res["outcomes"][key], dtype=float)
-        assert gain == paired_difference(patched, direct_first).to_dict()
+        test = inference.paired(patched, direct_first)  # the exact McNemar test, its interval and p
+        iv = test.interval
+        assert gain == {"value": iv.value, "low": iv.low, "high": iv.high, "n": iv.n_rows, "p": test.p}
         assert gain["value"] == pytest.approx(patched.mean() - np.mean(direct_first), abs=1e-12)
     # the group at the last token patched with plain hooks: the other checkpoint's z of L2H0 and L2H3 written into
     # the first's o_proj input at the last position, one prompt at a time. Its top-1 token becomes each prompt's

@@ -94,7 +94,7 @@ def test_dcm_command_writes_the_study_dcm_and_semantic_tables(tmp_path, monkeypa
     monkeypatch.setattr(
         dcm_study,
         "semantic_patching",
-        lambda models, heads, *args: [
+        lambda models, heads, *args, **kwargs: [
             SemanticResult(m.name, _est(0.7 if m.name == "base" else 0.4), _est(0.2)) for m in models
         ],
     )
