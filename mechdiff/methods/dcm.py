@@ -274,7 +274,7 @@ def split_pairs(
 
 def pair_items(pairs: Sequence[PairRecord], items: Optional[Sequence] = None) -> list:
     """Each pair's item: ``items`` where given, else its clean prompt's token ids."""
-    from ..tasks.prompt_sets import clean_key
+    from ..tasks.base import clean_key
 
     if items is not None:
         if len(items) != len(pairs):

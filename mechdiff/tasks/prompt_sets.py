@@ -185,7 +185,7 @@ def _items_refusal(
         more = math.ceil(short.get(name, 0) / mean)
         total += got + more
         label = f"{'/'.join(nested)} (nested)" if name == NESTED else name
-        parts.append(f"{label} {n} rows: {got + more} items" + (f" ({more} of them beyond the task's)" if more else ""))
+        parts.append(f"{label}: {n} rows in {got + more} items" + (f" ({more} beyond the task's)" if more else ""))
     return (
         f"the study's prompt sets need about {total} items ({'; '.join(parts)}; at the task's {mean:.1f} rows an "
         f"item), and the task holds {len(by_item)} items in {n_rows} rows. Every set takes whole items (a row's clean "
