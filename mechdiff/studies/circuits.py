@@ -868,6 +868,16 @@ class CircuitsStudy(Study):
                 self._resources = {"not_planned": str(err)}
         return self._resources
 
+    def set_items(self, prompts: str) -> Any:
+        """The item id of each row of the prompt set ``prompts`` (``np.ndarray``, int64), aligned with the rows its
+        stages score (their first ``n`` where a stage reads fewer): rows of one item share an id, and ids are the
+        study's (one item, one id in every set), as ``run.json``'s ``prompt_sets.item_ids`` records them. What an
+        interval clustered by item resamples. A model's own discovery or pruning seed (``[discovery.models.NAME]``)
+        draws other prompts than these."""
+        from ..tasks.prompt_sets import set_items
+
+        return set_items(self.prompt_sets_record(), prompts)
+
     def prompt_sets_record(self) -> dict:
         """``run.json``'s account of the prompt sets: each set's rows (an imported task's task rows) and item ids
         (aligned with the rows its stages score: :func:`~mechdiff.tasks.prompt_sets.set_items` reads them), the sets

@@ -11,7 +11,8 @@ be another item's clean prompt: it is a source, not a scored prompt (:func:`desc
 
 The rule (systematic stratified sampling): each group's rows are shuffled by the study's seed; row ``j`` of a
 group of ``m`` rows gets the key ``(j + 1/2) / m``, and all rows are ordered by key (ties by a seeded order of the
-groups); an item's place is its first row's. The first set (the mean-ablation reference where a study has one)
+groups); where an item has several rows, the item is ordered in its first row's group, weighted by its rows
+(key: the middle of its rows). The first set (the mean-ablation reference where a study has one)
 takes the items of one row of every group first, as far as its size allows, so every scored group has reference
 prompts; then each set, in the order the study names them, takes whole items in that order that no set holds yet
 until its row count is reached (sizes stay in rows: the last item's rows beyond the count are left unused, never
@@ -37,8 +38,11 @@ class PromptSetError(ValueError):
     """A study whose prompt sets need more rows than its task holds."""
 
 
-def stratified_order(strata: Sequence[Hashable], seed: int) -> list[int]:
-    """Every row index once, ordered so that each prefix and each block holds every stratum in proportion."""
+def stratified_order(strata: Sequence[Hashable], seed: int, weights: Optional[Sequence[int]] = None) -> list[int]:
+    """Every index once (a row, or an item of ``weights[i]`` rows), ordered so that each prefix and each block holds
+    every stratum in proportion to its rows: an item's key is the middle of its rows in its stratum's shuffled
+    order, ``(rows before it + its rows / 2) / the stratum's rows`` (``(j + 1/2) / m`` for rows)."""
+    weights = [1] * len(strata) if weights is None else weights
     groups: dict[Hashable, list[int]] = defaultdict(list)
     for i, s in enumerate(strata):
         groups[s].append(i)
@@ -48,10 +52,13 @@ def stratified_order(strata: Sequence[Hashable], seed: int) -> list[int]:
     rank = {name: r for r, name in enumerate(names)}
     keyed = []
     for name in names:
-        rows = groups[name]
-        rng.shuffle(rows)
-        keyed.extend((((j + 0.5) / len(rows), rank[name]), row) for j, row in enumerate(rows))
-    return [row for _, row in sorted(keyed)]
+        units = groups[name]
+        rng.shuffle(units)
+        total, before = sum(weights[u] for u in units), 0
+        for u in units:
+            keyed.append((((before + weights[u] / 2) / total, rank[name]), u))
+            before += weights[u]
+    return [u for _, u in sorted(keyed)]
 
 
 def item_ids(keys: Sequence[Hashable]) -> list[int]:
@@ -88,12 +95,15 @@ def set_items(record: Mapping[str, Any], name: str) -> "np.ndarray":
     return np.asarray(ids[name], dtype=np.int64)
 
 
-def _item_order(order: Sequence[int], items: Sequence[Hashable]) -> dict[Hashable, list[int]]:
-    """Item -> its rows in ``order``, items in order of their first row."""
-    out: dict[Hashable, list[int]] = {}
-    for row in order:
-        out.setdefault(items[row], []).append(row)
-    return out
+def _item_order(strata: Sequence[Hashable], items: Sequence[Hashable], seed: int) -> dict[Hashable, list[int]]:
+    """Item -> its rows (in file order), items in the stratified order (:func:`stratified_order` of the items, each
+    of its first row's stratum, weighted by its rows)."""
+    rows: dict[Hashable, list[int]] = {}
+    for r, item in enumerate(items):
+        rows.setdefault(item, []).append(r)
+    units = list(rows)
+    order = stratified_order([strata[rows[u][0]] for u in units], seed, [len(rows[u]) for u in units])
+    return {units[i]: rows[units[i]] for i in order}
 
 
 def draw_sets(
@@ -120,17 +130,16 @@ def draw_sets(
             f"the study's prompt sets need {need} rows ({parts}){shared}, and the task holds {len(strata)}; every "
             "set draws rows no other set uses: add rows to the task (import more pairs) or lower the sets' n"
         )
-    order = stratified_order(strata, seed)
-    by_item = _item_order(order, items)
-    first_of_group: dict[Hashable, int] = {}
-    for row in order:
-        first_of_group.setdefault(strata[row], row)
+    by_item = _item_order(strata, items, seed)
+    first_of_group: dict[Hashable, Hashable] = {}
+    for item, rows in by_item.items():
+        first_of_group.setdefault(strata[rows[0]], item)
     dealt: dict[str, list[int]] = {}
     taken: set[Hashable] = set()
     for i, (name, n) in enumerate(blocks.items()):
-        # the first set (the reference) holds the items of one row of every group first
-        first = [items[r] for r in first_of_group.values()] if i == 0 else []
-        dealt[name] = _take(by_item, [*dict.fromkeys(first), *by_item], taken, n)
+        # the first set (the reference) holds an item of every group first
+        first = list(first_of_group.values()) if i == 0 else []
+        dealt[name] = _take(by_item, [*first, *by_item], taken, n)
     short = {name: n - len(dealt[name]) for name, n in blocks.items() if len(dealt[name]) < n}
     if short:
         raise PromptSetError(_items_refusal(blocks, dealt, by_item, short, nested))

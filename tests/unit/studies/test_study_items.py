@@ -48,6 +48,8 @@ def test_nested_sets_are_prefixes_of_one_draw_and_the_record_says_so(tmp_path, m
     assert record["nested"] == ["eval", "discovery", "matrix", "prune"] and "first-N of one draw" in record["departure"]
     assert record["shared_items"] == 0  # nested sets with each other aside
     assert record["item_ids"]["discovery"] == record["item_ids"]["eval"][:12]
+    matrix = study.set_items("matrix").tolist()
+    assert matrix == record["item_ids"]["eval"][:20] and len(set(matrix)) == 20  # entity tracking: no repeats
     assert "nested_sets" in study.task_inputs()
 
     default = _study(tmp_path / "d", monkeypatch, nested=False)

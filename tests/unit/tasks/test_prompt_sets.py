@@ -106,6 +106,12 @@ def test_sets_of_rows_repeated_within_items_share_no_item(case):
     d = describe_sets(sets, strata, items)
     assert d["shared_items"] == 0 and d["items"] == {k: len(v) for k, v in held.items()}
     assert d["n_items"] == len(set(items))
+    # stratified by whole items: each group's rows in a set within two items' rows (and 2) of its share
+    total, n, widest = Counter(strata), len(strata), max(Counter(items).values())
+    for rows in sets.values():
+        got = Counter(strata[r] for r in rows)
+        for g, m in total.items():
+            assert abs(got[g] - len(rows) * m / n) <= 2 * widest + 2, (g, got[g], len(rows) * m / n, widest)
 
 
 def test_rows_repeated_within_items_that_row_draws_would_split():
