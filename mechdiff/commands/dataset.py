@@ -12,7 +12,7 @@ from ..models.resolve import resolve_spec
 from ..tasks.entity_tracking import PAIR_KINDS
 from ..tasks.entity_tracking.export import write_dataset
 from ..tasks.entity_tracking.pairs import parse_pair_kinds
-from ..tasks.jsonl import import_pairs, load_task_meta
+from ..tasks.jsonl import import_pairs, load_task_meta, read_task_directory
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +59,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         '{"target": ..., "counterfactual": ... (optional)} a row; repeat for several (default: '
         "counterfactual, where every row gives a counterfactual_answer)",
     )
+    imp.add_argument(
+        "--item",
+        default=None,
+        metavar="FIELD",
+        help="the row key whose value is a row's item (e.g. country: all of one country's rows form one item); a "
+        "study's prompt sets never split an item (default: a row's clean prompt)",
+    )
     imp.add_argument("--force", action="store_true", help="replace an existing --out directory")
     imp.set_defaults(func=main_import)
 
@@ -77,12 +84,16 @@ def main_import(args: argparse.Namespace) -> int:
         metric=args.metric,
         force=args.force,
         desiderata=args.desideratum,
+        item=args.item,
     )
     meta = load_task_meta(out)
+    items = len(set(read_task_directory(out).item_keys))
+    unit = f"values of {meta['item']!r}" if meta.get("item") else "distinct clean prompts"
     declared = meta.get("desiderata") or {}
     desiderata = ", ".join(f"{n} ({d['target']}, {d['moved']} rows move)" for n, d in declared.items())
     print(
-        f"imported {meta['n_pairs']} pairs ({', '.join(map(str, meta['n_tokens']))} tokens; positions "
+        f"imported {meta['n_pairs']} rows over {items} items ({unit}; {', '.join(map(str, meta['n_tokens']))} "
+        "tokens; positions "
         f"{', '.join(meta['positions'])}; DCM desiderata: {desiderata or 'none'}) -> {out}; use it with --task {out}"
     )
     return 0

@@ -231,8 +231,13 @@ class DCMResult:
 # ---------------------------------------------------------------------------------------------
 
 
-def split_indices(n: int, fractions: Sequence[float], seed: int) -> tuple[list[int], list[int], list[int]]:
-    """Seeded shuffle of ``range(n)`` into train / validation / test indices (each non-empty)."""
+def split_indices(
+    n: int, fractions: Sequence[float], seed: int, items: Optional[Sequence] = None
+) -> tuple[list[int], list[int], list[int]]:
+    """Seeded shuffle of ``range(n)`` into train / validation / test indices (each non-empty), disjoint by item
+    (``items``: one per index, e.g. a pair's clean prompt; default: each index its own): each split takes whole
+    items in the shuffled order until it has its share of rows, the test split the rest. Where every item is one
+    index this is the plain seeded split it always was."""
     if n < 3:
         raise ValueError(f"DCM needs at least 3 pairs (train/validation/test), got {n}")
     order = list(range(n))
@@ -241,13 +246,51 @@ def split_indices(n: int, fractions: Sequence[float], seed: int) -> tuple[list[i
     n_val = max(1, int(round(fractions[1] * n)))
     n_train = min(n_train, n - 2)
     n_val = min(n_val, n - n_train - 1)
-    return order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]
+    if items is None or len(set(items)) == n:
+        return order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]
+    return _split_items(order, list(items), n_train, n_val)
 
 
-def split_pairs(pairs: Sequence[PairRecord], fractions: Sequence[float], seed: int) -> tuple[list, list, list]:
-    """Seeded shuffle of ``pairs`` into train / validation / test (each non-empty)."""
-    parts = split_indices(len(pairs), fractions, seed)
+def _split_items(order: list[int], items: list, n_train: int, n_val: int) -> tuple[list[int], list[int], list[int]]:
+    """Whole items of ``order`` (their rows in its order, items by first row) into train and validation until
+    each has ``n_train`` (``n_val``) rows, the rest to test; refused where fewer than three items."""
+    by_item: dict = {}
+    for i in order:
+        by_item.setdefault(items[i], []).append(i)
+    groups = list(by_item.values())
+    if len(groups) < 3:
+        raise ValueError(
+            f"DCM needs pairs of at least 3 items (train/validation/test disjoint by item), got {len(groups)}; "
+            "add pairs with other clean prompts"
+        )
+    parts: list[list[int]] = [[], [], []]
+    target, k = (n_train, n_val), 0
+    for done, rows in enumerate(groups):
+        left = len(groups) - done  # items not yet dealt, this one included
+        while k < 2 and parts[k] and (len(parts[k]) >= target[k] or left <= 2 - k):  # full, or the rest is needed
+            k += 1
+        parts[k].extend(rows)
+    return parts[0], parts[1], parts[2]
+
+
+def split_pairs(
+    pairs: Sequence[PairRecord], fractions: Sequence[float], seed: int, items: Optional[Sequence] = None
+) -> tuple[list, list, list]:
+    """Seeded shuffle of ``pairs`` into train / validation / test (each non-empty), disjoint by item (``items``:
+    one per pair; default: its clean prompt, :func:`~mechdiff.tasks.prompt_sets.clean_key`)."""
+    parts = split_indices(len(pairs), fractions, seed, pair_items(pairs, items))
     return tuple([pairs[i] for i in part] for part in parts)  # type: ignore[return-value]
+
+
+def pair_items(pairs: Sequence[PairRecord], items: Optional[Sequence] = None) -> list:
+    """Each pair's item: ``items`` where given, else its clean prompt's token ids."""
+    from ..tasks.base import clean_key
+
+    if items is not None:
+        if len(items) != len(pairs):
+            raise ValueError(f"{len(items)} items for {len(pairs)} pairs; give one item per pair")
+        return list(items)
+    return [clean_key(p) for p in pairs]
 
 
 def _positions(batch: dict, name: str, which: str) -> torch.Tensor:
@@ -753,10 +796,12 @@ def run_dcm(
     group: str = "",
     progress: bool = True,
     cache: Optional[PairCache] = None,
+    items: Optional[Sequence] = None,
 ) -> DCMResult:
     """Learn a DCM mask over ``heads`` at ``position`` for a desideratum's ``pairs`` and evaluate it on a
     held-out test split against the no-intervention floor, the whole group and random head sets.
-    ``cache``: a :class:`PairCache` of ``pairs`` covering these heads (built here if absent)."""
+    ``cache``: a :class:`PairCache` of ``pairs`` covering these heads (built here if absent); ``items``: each
+    pair's item (default: its clean prompt), the splits disjoint by it (:func:`split_indices`)."""
     config = config or DCMConfig()
     heads = list(heads)
     if not heads:
@@ -769,7 +814,7 @@ def run_dcm(
             config.eval_batch,
             progress,
         )
-    train, val, test = split_indices(len(cache.pairs), config.split, config.seed)
+    train, val, test = split_indices(len(cache.pairs), config.split, config.seed, pair_items(cache.pairs, items))
     values, best_step, history = train_mask(model, heads, position, cache, train, val, config, progress)
     selected = [h for h, m in zip(heads, values.tolist()) if m < 0.5]
     bs = config.eval_batch
@@ -829,9 +874,11 @@ def dcm_circuit(
     config: Optional[DCMConfig] = None,
     groups: Optional[Iterable[str]] = None,
     progress: bool = True,
+    items: Optional[Sequence] = None,
 ) -> list[DCMResult]:
     """DCM for every (group, desideratum) of a circuit; each group at its own position. One
-    :class:`PairCache` per desideratum serves every group."""
+    :class:`PairCache` per desideratum serves every group; ``items``: each pair's item (every desideratum's pairs
+    are of the same rows; default: a pair's clean prompt), train, validation and test disjoint by it."""
     config = config or DCMConfig()
     results = []
     wanted = list(groups) if groups is not None else list(circuit.groups)
@@ -851,7 +898,7 @@ def dcm_circuit(
                 "DCM group %s (%d heads at %s), desideratum %s", g, len(circuit.groups[g]), circuit.positions[g], name
             )
             results.append(
-                run_dcm(model, circuit.groups[g], circuit.positions[g], pairs, config, name, g, progress, cache)
+                run_dcm(model, circuit.groups[g], circuit.positions[g], pairs, config, name, g, progress, cache, items)
             )
         cache.close()  # one desideratum's file at a time (each holds every layer's keys and values)
     order = {g: i for i, g in enumerate(wanted)}

@@ -716,6 +716,11 @@ def limitations(study: "Study", positions: dict) -> str:
             "search for K; pairs\n"
             "  whose removal alone already exceeds the threshold skip the search (it could only raise them)."
         )
+    nested = study.nested_sets() if hasattr(study, "nested_sets") else []
+    if nested:
+        from ..tasks.prompt_sets import nested_departure
+
+        lines.append(f"- Departure from disjoint sets: {nested_departure(nested)}.")
     if cm.n_random:
         lines.append(
             f"- CMAP's random control: {cm.n_random} draws of layer-matched heads per group (the `[cmap] n_random`\n"
@@ -829,14 +834,16 @@ def _prompt_sets_sentence(study: "Study", manifest: dict) -> str:
     """Where the prompts came from: for a task of fixed rows, the sets as ``run.json`` lists them (sizes, groups,
     rows shared, counted from the lists); for a generated task, each set's seed."""
     sets = manifest.get("prompt_sets")
-    if not sets:
+    if not sets or sets.get("generated"):
         seeds = ", ".join(f"{k} +{v}" for k, v in PROMPT_OFFSETS.items() if not k.startswith("reproduction"))
         held = (
             ". All prompts use only the held-out objects (`eval_objects()`), disjoint from the fine-tuning objects. "
             if _held_out(study)
             else ". "
         )
-        return f"Seeds: task seed {study.spec.task.seed}; each prompt set's seed is it plus {seeds}{held}"
+        return f"Seeds: task seed {study.spec.task.seed}; each prompt set's seed is it plus {seeds}{held}" + (
+            _items_sentence(sets) if sets else ""
+        )
     each = ", ".join(f"{name} {n} ({sets['groups'][name]} groups)" for name, n in sets["sizes"].items())
     shared = (
         "no row is in two sets"
@@ -846,8 +853,20 @@ def _prompt_sets_sentence(study: "Study", manifest: dict) -> str:
     return (
         f"Prompt sets: dealt from the task's {sets['n_rows']} rows ({sets['n_groups']} (template, token length) "
         f"groups) by seed {study.spec.task.seed}, stratified by group, the same rows for every model: {each}; "
-        f"{shared} (counted from the row lists in `run.json`, `prompt_sets`). "
+        f"{shared} (counted from the row lists in `run.json`, `prompt_sets`). " + _items_sentence(sets)
     )
+
+
+def _items_sentence(sets: dict) -> str:
+    """Each set's rows and items (an item: a clean prompt, or the task's item field) and the items sets share, from
+    ``run.json``'s ``prompt_sets`` (a record made before items were counted: nothing)."""
+    if "items" not in sets:
+        return ""
+    each = ", ".join(f"{name} {n} rows / {sets['items'][name]} items" for name, n in sets["sizes"].items())
+    nested = sets.get("nested") or []
+    shared = "no item is in two sets" if sets["shared_items"] == 0 else f"{sets['shared_items']} items are in two sets"
+    aside = f" ({', '.join(nested)} nested: first-N of one draw, a departure)" if nested else ""
+    return f"Items: {each}; {shared}{aside}. "
 
 
 def _held_out(study: "Study") -> bool:

@@ -108,8 +108,18 @@ class CircuitsStudy(Study):
             "tokenizer": self.digests[self.spec.models.base],
             "mechdiff": __version__,
             **rows_inputs(self.task, self.prompt_sets),
+            **self.item_inputs(),
             **({"remote": True} if self.spec.models.remote else {}),
         }
+
+    def item_inputs(self) -> dict:
+        """What items add to every stage's key: the nested sets where declared, and for a generated task the
+        prompts each set drew past (an earlier set held their item); empty where neither, so the keys of a study
+        whose generated prompts never repeat across sets stay what they were."""
+        out: dict = {"nested_sets": self.nested_sets()} if self.spec.sets.nested else {}
+        generated = self.generated_sets
+        left_out = generated.left_out(self.tokenizer) if generated is not None else {}
+        return {**out, "items_left_out": left_out} if left_out else out
 
     def metric_inputs(self) -> dict:
         """The task's metric, in the keys of the stages whose continuous scores it sets (the position scan, the
@@ -119,19 +129,44 @@ class CircuitsStudy(Study):
     @property
     def task(self) -> Task:
         """The task the task file's ``[task]`` section names (registered, or an imported task directory), with the
-        study's prompt sets drawn from its rows where it holds a fixed list of them (:meth:`prompt_sets`)."""
+        study's prompt sets drawn from its rows where it holds a fixed list of them (:meth:`prompt_sets`), else its
+        generators drawing each named set disjoint by item (:class:`~mechdiff.tasks.prompt_sets.GeneratedSets`)."""
         if getattr(self, "_task", None) is None or self._task[0] != self.spec.task.name:
+            from ..tasks.prompt_sets import GeneratedSets
+
             base = get_task(self.spec.task.name)
-            task, sets = base.draw_prompt_sets(self.prompt_set_sizes(base), self.spec.task.seed)
-            self._task = (self.spec.task.name, task, sets)
+            sizes, nested = self.prompt_set_sizes(base), self.nested_sets(base)
+            task, sets = base.draw_prompt_sets(sizes, self.spec.task.seed, nested)
+            generated = None
+            if base.strata is None:
+                seed, options = self.spec.task.seed, {"n_boxes": self.spec.task.n_boxes, **base.split_options("eval")}
+                blocks = {n: (k, prompt_seed(seed, nested[0] if n in nested else n)) for n, k in sizes.items()}
+                generated = GeneratedSets(base, blocks, nested, base.kwargs(**options))
+                task = generated.task()
+            self._task = (self.spec.task.name, task, sets, generated)
         return self._task[1]
 
     @property
     def prompt_sets(self) -> dict[str, list[int]]:
-        """Each prompt set's task rows (indices into an imported task's pairs), disjoint and stratified by
+        """Each prompt set's task rows (indices into an imported task's pairs), disjoint by item and stratified by
         (template, token length); empty for a task that generates its prompts (each set seeded by its name)."""
         self.task  # noqa: B018 - draws the sets
         return self._task[2]
+
+    @property
+    def generated_sets(self) -> Any:
+        """A generated task's :class:`~mechdiff.tasks.prompt_sets.GeneratedSets` (None for an imported task)."""
+        self.task  # noqa: B018 - draws the sets
+        return self._task[3]
+
+    def nested_sets(self, task: Optional[Task] = None) -> list[str]:
+        """The sets drawn as first-N of one draw (``[sets] nested = true``: those of :data:`~.spec.NESTED_SETS` the
+        study has), in the order they are dealt; none by default (every set disjoint by item)."""
+        from .spec import NESTED_SETS
+
+        if not self.spec.sets.nested:
+            return []
+        return [name for name in self.prompt_set_sizes(task) if name in NESTED_SETS]
 
     def prompt_set_sizes(self, task: Optional[Task] = None) -> dict[str, int]:
         """The rows each prompt set of the study needs, in the order they are dealt: the mean-ablation reference
@@ -159,8 +194,10 @@ class CircuitsStudy(Study):
         return {"n_boxes": self.spec.task.n_boxes, "prompt_set": prompts, **split}
 
     def seed(self, prompts: str) -> int:
-        """The seed of one of the study's prompt sets (:func:`~mechdiff.runs.seeds.prompt_seed`)."""
-        return prompt_seed(self.spec.task.seed, prompts)
+        """The seed of one of the study's prompt sets (:func:`~mechdiff.runs.seeds.prompt_seed`); nested sets
+        (``[sets] nested = true``) share the first nested set's, so each is a prefix of one draw."""
+        nested = self.nested_sets()
+        return prompt_seed(self.spec.task.seed, nested[0] if prompts in nested else prompts)
 
     def eval_records(self) -> list:
         return self.task.records(self.tokenizer, self.spec.eval.n, self.seed("eval"), **self.options(prompts="eval"))
@@ -619,12 +656,13 @@ class CircuitsStudy(Study):
                     "skipped": f"no group of the circuit of {name} with heads sits at a position DCM can patch",
                     "left_out": left_out,
                 }
-            results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress)
+            items = self.dcm_items(n)
+            results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress, items)
             semantic = []
             for r in results if name == base else ():
                 if not r.selected:
                     continue
-                test = split_pairs(desiderata[r.desideratum], config.split, config.seed)[2]
+                test = split_pairs(desiderata[r.desideratum], config.split, config.seed, items)[2]
                 for sem in semantic_patching(
                     self.models,
                     r.selected,
@@ -647,6 +685,14 @@ class CircuitsStudy(Study):
         inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self.task_inputs()}
         inputs.update(self.class_groups(c.groups))
         return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
+
+    def dcm_items(self, n: int) -> Optional[list]:
+        """The item of each of DCM's ``n`` pairs: an imported task's items of the ``dcm`` set's rows (its clean
+        prompt, or the field it names); None for a generated task (DCM reads a pair's clean prompt itself)."""
+        t = self.task
+        if "dcm" not in self.prompt_sets or t.items is None:
+            return None
+        return [t.items[r] for r in self.prompt_sets["dcm"][:n]]
 
     def dcm_circuit(self, found: dict[str, StageRecord], pruned: dict[str, StageRecord], name: str) -> StageRecord:
         """The circuit record DCM masks for ``name``: its pruned circuit under ``[dcm] circuit = "pruned"``."""
@@ -841,8 +887,7 @@ class CircuitsStudy(Study):
             "loaded_models": loaded,
             "resources": self.resources_record(),
         }
-        if self.prompt_sets:
-            out["prompt_sets"] = self.prompt_sets_record()
+        out["prompt_sets"] = self.prompt_sets_record()
         return out
 
     def resources_record(self) -> Optional[dict]:
@@ -857,12 +902,26 @@ class CircuitsStudy(Study):
                 self._resources = {"not_planned": str(err)}
         return self._resources
 
+    def set_items(self, prompts: str) -> Any:
+        """The item id of each row of the prompt set ``prompts`` (``np.ndarray``, int64), aligned with the rows its
+        stages score (their first ``n`` where a stage reads fewer): rows of one item share an id, and ids are the
+        study's (one item, one id in every set), as ``run.json``'s ``prompt_sets.item_ids`` records them. What an
+        interval clustered by item resamples. A model's own discovery or pruning seed (``[discovery.models.NAME]``)
+        draws other prompts than these."""
+        from ..tasks.prompt_sets import set_items
+
+        return set_items(self.prompt_sets_record(), prompts)
+
     def prompt_sets_record(self) -> dict:
-        """``run.json``'s account of the drawn prompt sets: each set's task rows, the sets each stage reads, and
-        what the report states of them (sizes, groups, rows shared between sets), computed from the lists."""
-        from ..tasks.prompt_sets import describe_sets
+        """``run.json``'s account of the prompt sets: each set's rows (an imported task's task rows) and item ids
+        (aligned with the rows its stages score: :func:`~mechdiff.tasks.prompt_sets.set_items` reads them), the sets
+        each stage reads, and what the report states of them (rows and items per set, groups, rows and items shared
+        between sets, counterfactuals that are another item's prompt), computed from the lists; declared nested
+        sets as a departure."""
+        from ..tasks.prompt_sets import describe_items, describe_sets, nested_departure
 
         sets, ranked = self.prompt_sets, "discovery" if self.spec.discovery.method == "path" else "ranking"
+        sizes, nested = self.prompt_set_sizes(), self.nested_sets()
         reads = {
             "accuracy": ["eval"],
             "positions": ["positions", "reference"],
@@ -872,12 +931,18 @@ class CircuitsStudy(Study):
             "dcm": ["dcm"],
             "cmap": ["cmap"],
         }
-        stages = {stage: [n for n in names if n in sets] for stage, names in reads.items()}
-        return {
-            "rows": sets,
-            "stages": {k: v for k, v in stages.items() if v},
-            **describe_sets(sets, self.task.strata),
-        }
+        stages = {stage: [n for n in names if n in sizes] for stage, names in reads.items()}
+        if sets:
+            t = self.task
+            out = {"rows": sets, **describe_sets(sets, t.strata, t.items, t.sources, nested)}
+        else:
+            generated = self.generated_sets
+            keys = generated.set_keys(sizes, self.tokenizer)
+            out = {"generated": True, **describe_items(keys, nested), "left_out": generated.left_out(self.tokenizer)}
+        out.update(stages={k: v for k, v in stages.items() if v}, nested=nested)
+        if nested:
+            out["departure"] = nested_departure(nested)
+        return out
 
 
 def analysis_groups(task: Any, records: list, circuit: Circuit, wanted: list[str]) -> list[str]:

@@ -240,6 +240,21 @@ class ReproduceSection:
     only: bool = False  # true: the reproduction table only, not the rest of the study
 
 
+#: The prompt sets ``[sets] nested = true`` draws as first-N of one draw, as the paper's discovery (300), pruning
+#: (100) and evaluation (500) prompts are the first lines of one file: the accuracy (``eval``), path discovery, pruning
+#: and the circuit x model matrix.
+NESTED_SETS = ("eval", "discovery", "prune", "matrix")
+
+
+@dataclass
+class SetsSection:
+    """How a study's prompt sets relate. Default: every set disjoint from every other by item (a row's clean
+    prompt, or the task's ``--item`` field). ``nested = true``: :data:`NESTED_SETS` are first-N of one draw (the
+    paper's); a departure from the disjointness rule the report and ``run.json`` state."""
+
+    nested: bool = False
+
+
 @dataclass
 class OutputSection:
     dir: str = "results/entity-tracking-smollm2"  # the embedded default study's; a task file without it: output_dir
@@ -258,6 +273,7 @@ SECTIONS = {
     "output": OutputSection,
     "reproduce": ReproduceSection,
     "study": StudySection,
+    "sets": SetsSection,
 }
 REQUIRED = {"task": ("name",), "models": ("base",)}
 #: Fields with a fixed set of values (lists: every item), checked with the line before anything loads.
@@ -293,6 +309,7 @@ class RunSpec:
     reproduce: ReproduceSection = field(default_factory=ReproduceSection)
     positions: PositionsSection = field(default_factory=PositionsSection)
     study: StudySection = field(default_factory=StudySection)
+    sets: SetsSection = field(default_factory=SetsSection)
     source: str = "<defaults>"
 
     def to_dict(self) -> dict[str, Any]:

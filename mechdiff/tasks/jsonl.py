@@ -33,6 +33,12 @@ Rows without ``classes`` get classes derived from their named positions
 (:func:`~mechdiff.tasks.records.derived_classes`). Rows may have any token length; clean and counterfactual
 of one row must have the same.
 
+Every row belongs to an *item*, the unit a study's prompt sets are disjoint by
+(:mod:`mechdiff.tasks.prompt_sets`): by default its clean prompt (rows sharing a clean prompt with other
+counterfactuals are one item); ``import_pairs(..., item=FIELD)`` (``mechdiff dataset import --item FIELD``) makes
+each row's value of its key ``FIELD`` (e.g. the country) its item instead, recorded in ``task.json`` (``item``)
+and :data:`ITEMS_FILE`.
+
 :func:`import_pairs` checks every row against the tokenizer before anything is written: answers
 are tokens appended to their prompt, clean and counterfactual have equal token lengths, spans
 start and end on token boundaries, and every row names the same positions. Every bad row is
@@ -54,6 +60,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..common.metrics import TASK_METRICS
+from .prompt_sets import clean_key
 from .records import Example, Pair, alternative_tokens, answer_tokens, canonical_json, record_dict
 from .row_checks import LAST, ImportErrors, answer_ids, encode_offsets, example_of, locate, several
 
@@ -73,6 +80,8 @@ REQUIRED = ("clean", "counterfactual", "answer", "positions")
 #: The class of the tokens a row's own classes leave uncovered.
 REST = "rest"
 TASK_FILE, PAIRS_FILE = "task.json", "pairs.jsonl"
+#: Each row's item (its ``--item`` field's value, canonical JSON), one a line, where the task names a field.
+ITEMS_FILE = "items.jsonl"
 FORMAT = "mechdiff-task/1"
 
 
@@ -247,11 +256,13 @@ def import_pairs(
     metric: str = "prob",
     force: bool = False,
     desiderata: Sequence[str] = (),
+    item: Optional[str] = None,
 ) -> Path:
     """Check ``path`` against ``tokenizer`` and write the task directory ``out`` (``task.json``,
     ``pairs.jsonl``, each declared desideratum's pairs, the plan if given) atomically: into a temporary
     directory, then renamed. ``desiderata``: ``NAME=COLUMN`` or ``NAME=FILE.jsonl`` each
-    (:mod:`mechdiff.tasks.declared`)."""
+    (:mod:`mechdiff.tasks.declared`); ``item``: the row key whose value is a row's item (default: its clean
+    prompt), written to :data:`ITEMS_FILE`."""
     from .declared import declare, extra_keys, parse_declaration, write_desiderata
 
     out, path = Path(out), Path(path)
@@ -266,7 +277,10 @@ def import_pairs(
 
         load_plan(plan)  # checked before anything is written
         plan_text = Path(plan).read_text(encoding="utf-8")
-    pairs = read_pairs(path, tokenizer, extra_keys(given))
+    if item is not None and item in KEYS:
+        raise ValueError(f"--item {item!r} is a key every row already uses; name a field of your own (e.g. country)")
+    item_values = read_items(path, item) if item is not None else None
+    pairs = read_pairs(path, tokenizer, extra_keys(given) | ({item} if item else set()))
     if metric == "logit_diff":
         check_logit_diff(path, pairs)
     built, declared = declare(tokenizer, path, pairs, given)
@@ -286,11 +300,15 @@ def import_pairs(
         "plan": "plan.toml" if plan_text else None,
         "desiderata": declared,
     }
+    if item is not None:
+        meta["item"] = item
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (tmp / PAIRS_FILE).write_text("".join(canonical_json(record_dict(p)) + "\n" for p in pairs), encoding="utf-8")
         write_desiderata(tmp, built)
+        if item_values is not None:
+            (tmp / ITEMS_FILE).write_text("".join(v + "\n" for v in item_values), encoding="utf-8")
         if plan_text:
             (tmp / "plan.toml").write_text(plan_text, encoding="utf-8")
         (tmp / TASK_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
@@ -301,6 +319,29 @@ def import_pairs(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def read_items(path: Path, item: str) -> list[str]:
+    """Each row's value of the key ``item`` as canonical JSON (a string, number or boolean); refused naming the
+    lines where a row lacks it or gives a list, an object or null."""
+    from .declared import non_blank_lines
+
+    values, bad = [], []
+    for no, line in non_blank_lines(path):
+        try:
+            value = json.loads(line).get(item)
+        except (ValueError, AttributeError):
+            value = None  # read_pairs names the malformed line
+        if value is None or isinstance(value, (list, dict)):
+            bad.append(no)
+        values.append(canonical_json(value))
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+        raise ImportErrors(
+            f"--item {item}: every row of {path} needs a key {item!r} holding a string or number (its item: rows "
+            f"of one item are never split across a study's prompt sets); lines {shown} give none"
+        )
+    return values
 
 
 def check_logit_diff(path: Path, pairs: Sequence[Pair]) -> None:
@@ -365,6 +406,19 @@ class ImportedTask:
         return [self.pairs[i] for i in self.rows(tokenizer, n, prompt_set)]
 
     @property
+    def item_keys(self) -> tuple:
+        """Each row's item: its value of the task's ``item`` field (:data:`ITEMS_FILE`), else its clean prompt."""
+        if self.meta.get("item"):
+            keys = tuple((self.directory / ITEMS_FILE).read_text(encoding="utf-8").splitlines())
+            if len(keys) != len(self.pairs):
+                raise ValueError(
+                    f"{self.directory / ITEMS_FILE} holds {len(keys)} items for {len(self.pairs)} rows; import the "
+                    "task again"
+                )
+            return keys
+        return tuple(clean_key(p) for p in self.pairs)
+
+    @property
     def strata(self) -> tuple[tuple[str, int], ...]:
         """Each row's group: (template, token length), the unit prompt sets are stratified by."""
         return tuple((p.base.template, len(p.base.input_ids)) for p in self.pairs)
@@ -382,6 +436,8 @@ class ImportedTask:
         for d in (self.meta.get("desiderata") or {}).values():
             if d.get("pairs"):
                 digest.update((self.directory / d["pairs"]).read_bytes())
+        if self.meta.get("item"):  # the rows' items decide which rows a set draws
+            digest.update((self.directory / ITEMS_FILE).read_bytes())
         return digest.hexdigest()[:16]
 
     def examples(self, tokenizer: Any, n: int, seed: int = 0, prompt_set: Optional[str] = None) -> list[Example]:

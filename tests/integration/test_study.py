@@ -231,7 +231,14 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     spec.eval.n = 15  # 81 rows in all
     with pytest.raises(ValueError, match=r"need 81 rows \(reference 12, eval 15, .*\), and the task holds 80"):
         Study(spec, progress=False)
-    spec.eval.n = 12
+    spec.eval.n = 12  # 80 rows, but rows 48-79 repeat the clean prompts of rows 0-31: 48 items
+    with pytest.raises(
+        ValueError,
+        match=r"need about \d+ items \(reference: 12 rows in \d+ items; .*\), and the task "
+        r"holds 48 items in 80 rows",
+    ):
+        Study(spec, progress=False)
+    spec.eval.n, spec.scoring.prune_n = 8, 4  # 72 rows in 46 whole items
     study = Study(spec, progress=False)
     report = study.run().read_text()
     for section in (
@@ -281,9 +288,14 @@ def test_whole_study_on_an_imported_task_of_several_templates_and_lengths(tiny_f
     drawn = [r for name in rows for r in rows[name]]
     assert len(drawn) == len(set(drawn)) == sum(study.prompt_set_sizes().values()) and sets["shared_rows"] == 0
     templates = [r["template"] for r in capitals_rows(80)]
-    for name, indices in rows.items():  # every template in every set of at least 4 rows, in proportion
+    for name, indices in rows.items():  # every template in every set in proportion, within one item's 2 rows and 1
         counts = [sum(templates[i] == t for i in indices) for t in sorted(set(templates))]
-        assert max(counts) - min(counts) <= 1, (name, counts)
+        assert all(abs(c - len(indices) / 4) <= 3 for c in counts), (name, counts)
+    # rows 48-79 repeat the clean prompts of rows 0-31 (12 countries x 4 templates): no clean prompt in two sets
+    clean = [r["clean"] for r in capitals_rows(80)]
+    held = {name: {clean[i] for i in indices} for name, indices in rows.items()}
+    assert all(not held[a] & held[b] for a in held for b in held if a < b) and sets["shared_items"] == 0
+    assert sets["items"] == {name: len(v) for name, v in held.items()} and sets["n_items"] == 48
     assert sets["stages"]["accuracy"] == ["eval"] and sets["stages"]["matrix"] == ["matrix", "reference"]
 
 
@@ -305,6 +317,7 @@ def test_stage_keys_know_an_imported_tasks_rows(tiny_family, tmp_path):
         spec.task.name = str(tmp_path / "capitals")
         spec.dcm.groups = spec.cmap.groups = []
         spec.scoring.n = matrix_n
+        spec.eval.n, spec.scoring.prune_n = 8, 4  # within the rows' 48 items (clean prompts)
         return {p.name: p.key for p in Study(spec, progress=False).plan()}
 
     rows = capitals_rows(80)

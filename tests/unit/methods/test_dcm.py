@@ -570,6 +570,27 @@ def test_split_indices_are_the_seeded_shuffle_cut_by_the_fractions():
         split_indices(2, (0.6, 0.2, 0.2), 0)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_dcm_splits_share_no_item(seed):
+    """Pairs repeated within items (one clean prompt, several counterfactuals): train, validation and test share no
+    item, hold every pair once, each is non-empty and within one item's rows of its share; pairs of distinct items
+    split exactly as the plain seeded split."""
+    rng = random.Random(seed)
+    items = [i for i in range(rng.randint(3, 30)) for _ in range(rng.randint(1, 6))]
+    n = len(items)
+    parts = split_indices(n, (0.6, 0.2, 0.2), seed, items)
+    held = [{items[i] for i in p} for p in parts]
+    assert sorted(i for p in parts for i in p) == list(range(n)) and all(parts)
+    assert not held[0] & held[1] and not held[0] & held[2] and not held[1] & held[2]
+    plain = split_indices(n, (0.6, 0.2, 0.2), seed)
+    for got, want in zip(parts[:2], plain[:2]):
+        assert len(got) >= len(want) or len(held[2]) + len(held[1]) <= 2  # cut short only to leave the later splits
+        assert len(got) < len(want) + 6
+    assert split_indices(n, (0.6, 0.2, 0.2), seed, [f"p{i}" for i in range(n)]) == plain
+    with pytest.raises(ValueError, match="at least 3 items"):
+        split_indices(6, (0.6, 0.2, 0.2), seed, [0, 0, 0, 1, 1, 1])
+
+
 def _estimate(v: float) -> Estimate:
     return Estimate(v, v - 0.1, v + 0.1, 10)
 

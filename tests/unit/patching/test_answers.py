@@ -261,6 +261,7 @@ def test_a_study_of_longer_answers_takes_path_patching(smollm2_tokenizer, tmp_pa
         f'[output]\ndir = "{tmp_path / "run"}"\nstore = "{tmp_path / "store.h5"}"\n'
         '[eval]\nn = 1\n[positions]\nn = 0\n[discovery]\nmethod = "path"\nn = 1\n[scoring]\nn = 1\nreference_n = 1\n'
         "prune = false\n[dcm]\nn_train = 0\nn_val = 0\nn_test = 1\n[cmap]\nn = 1\n"
+        "[sets]\nnested = true\n"  # 4 items (clean prompts) for reference, eval/discovery/matrix, dcm and cmap
     )
 
     class Loaded(Exception):

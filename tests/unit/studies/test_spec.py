@@ -35,6 +35,7 @@ def test_task_file_resolves_to_the_paper_rules(name):
         k = {g: math.ceil(v * 270 / 1024) for g, v in k.items()}
         assert d.method == "path" and d.n == 100 and d.top_k == k and d.circuit_k == {} and d.models == {}
     assert list(d.top_k) == steps
+    assert spec.sets.nested  # discovery, pruning and evaluation: first-N of one draw, as the paper's one file
     # pruning: the paper's pairwise rule on accuracy over 100 prompts
     assert (s.prune, s.prune_rule, s.prune_metric, s.prune_n, s.prune_threshold, s.prune_share) == (
         True,
