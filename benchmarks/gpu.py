@@ -59,15 +59,26 @@ class Sizes:
 QUICK = Sizes(n=4, batch=4, reference=4, pairs=2, dcm_train=4, dcm_val=2, dcm_test=2)
 
 
-def make_model(config: dict, layers: Optional[int], dtype: str, device: str, seed: int, name: str) -> Any:
-    """A LoadedModel: LLaMA ``config`` cut to ``layers`` blocks with the SmolLM2 tokenizer's vocabulary, random."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def smollm2_tokenizer(path: Optional[str] = None) -> Any:
+    """SmolLM2's tokenizer: saved at ``path`` (``tokenizer.json``, as ``benchmarks/gpu_bundle.py`` exports it), else
+    from the installed SmolLM2 GGUF."""
+    from transformers import AutoTokenizer
 
-    from mechdiff.models.loading import DTYPES, LoadedModel, contiguous_unembedding, load_tokenizer
-    from mechdiff.models.registry import ModelSpec
+    from mechdiff.models.loading import load_tokenizer
     from mechdiff.models.resolve import resolve_spec
 
-    tokenizer = load_tokenizer(resolve_spec("smollm2-135m"))
+    return AutoTokenizer.from_pretrained(path) if path else load_tokenizer(resolve_spec("smollm2-135m"))
+
+
+def make_model(
+    config: dict, layers: Optional[int], dtype: str, device: str, seed: int, name: str, tokenizer: Any
+) -> Any:
+    """A LoadedModel: LLaMA ``config`` cut to ``layers`` blocks with ``tokenizer``'s vocabulary, random."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from mechdiff.models.loading import DTYPES, LoadedModel, contiguous_unembedding
+    from mechdiff.models.registry import ModelSpec
+
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     config["vocab_size"] = len(tokenizer)
     if layers:
@@ -101,7 +112,7 @@ def spec_for(sizes: Sizes, dtype: str) -> Any:
 
 class Measure:
     """Peak memory above the start and time of the ``with`` block: CUDA allocations and synchronised wall time, or
-    allocations (memray) and CPU time."""
+    allocations (memray; None where memray is not installed) and CPU time."""
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda")
@@ -115,8 +126,11 @@ class Measure:
         else:
             import tempfile
 
-            import memray
-
+            try:
+                import memray
+            except ImportError:  # a bare machine's environment (gpu.sh --check-bare): CPU time only
+                self.tracker, self.t0 = None, time.process_time()
+                return self
             self.scratch = tempfile.TemporaryDirectory()
             self.trace = Path(self.scratch.name) / "stage.bin"
             self.tracker = memray.Tracker(self.trace, native_traces=False, trace_python_allocators=True)
@@ -130,9 +144,12 @@ class Measure:
             self.seconds = time.perf_counter() - self.t0
             self.bytes = torch.cuda.max_memory_allocated() - self.start
         else:
+            self.seconds = time.process_time() - self.t0
+            if self.tracker is None:
+                self.bytes = None
+                return
             import memray
 
-            self.seconds = time.process_time() - self.t0
             self.tracker.__exit__(None, None, None)
             self.bytes = memray.FileReader(self.trace).metadata.peak_memory
             self.scratch.cleanup()
@@ -228,9 +245,10 @@ def run_case(
     only: tuple[str, ...],
     plan_device: Optional[str] = None,
     config_path: Path = LLAMA_7B,
+    tokenizer: Optional[str] = None,
 ) -> list[dict]:
     """Measure ``only`` of :data:`STAGES` on the config at ``config_path`` (LLaMA-7B's) cut to ``layers`` blocks
-    (None: all of its own)."""
+    (None: all of its own); ``tokenizer``: a saved SmolLM2 tokenizer's folder (default: the GGUF's)."""
     from mechdiff.models.devices import get_device, this_machine
     from mechdiff.models.footprint import Dims
     from mechdiff.studies.resources import Context, place
@@ -238,8 +256,11 @@ def run_case(
 
     config = json.loads(Path(config_path).read_text())
     two = bool({"dcm-epoch", "cmap-pass"} & set(only))
+    tok = smollm2_tokenizer(tokenizer)
     with Measure(device) as load:
-        models = [make_model(config, layers, dtype, device, s, f"llama7b-width-{s}") for s in range(2 if two else 1)]
+        models = [
+            make_model(config, layers, dtype, device, s, f"llama7b-width-{s}", tok) for s in range(2 if two else 1)
+        ]
     dims = Dims.from_config(models[0].model.config)
     spec = spec_for(sizes, dtype)
     lengths = _lengths(get_task("entity-tracking").records(models[0].tokenizer, 16, 0, n_boxes=7))
@@ -260,22 +281,22 @@ def run_case(
         with Measure(device) as m:
             fn()
         placed = place(cost, planned_on, dtype, lambda *_: cost)
-        out.append(
-            {
-                "case": f"L{dims.n_layers} {dtype}",
-                "stage": stage,
-                "load_gib": load.bytes / GIB,
-                "weights_planned_gib": cost.weights / GIB,
-                "mem_measured_mib": m.bytes / 2**20,
-                "mem_planned_mib": (cost.kept + cost.transient) / 2**20,
-                "s_measured": m.seconds,
-                "s_planned": placed.seconds,
-                "s_at_measured_mm": cost.flops / measured,
-                "gflop": cost.flops / 1e9,
-                "mm_gflops": measured / 1e9,
-                "planned_on": planned_on.name,
-            }
-        )
+        row = {
+            "case": f"L{dims.n_layers} {dtype}",
+            "stage": stage,
+            "load_gib": None if load.bytes is None else load.bytes / GIB,
+            "weights_planned_gib": cost.weights / GIB,
+            "mem_measured_mib": None if m.bytes is None else m.bytes / 2**20,
+            "mem_planned_mib": (cost.kept + cost.transient) / 2**20,
+            "s_measured": m.seconds,
+            "s_planned": placed.seconds,
+            "s_at_measured_mm": cost.flops / measured,
+            "gflop": cost.flops / 1e9,
+            "mm_gflops": measured / 1e9,
+            "planned_on": planned_on.name,
+        }
+        out.append(row)
+        print(row_line(row), flush=True)  # as measured: a run stopped at its time limit keeps what it measured
     return out
 
 
@@ -294,21 +315,25 @@ def _lengths(records: list) -> Any:
 
 
 def table(rows: list[dict]) -> str:
-    """The measurements as a markdown table."""
+    """The measurements as a markdown table (``rows`` empty: its header)."""
     lines = [
         "| case | stage | GFLOP | memory MiB planned / measured | ratio | s planned / measured | ratio "
         "| s at measured mm rate | share of mm rate |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['case']} | {r['stage']} | {r['gflop']:.1f} "
-            f"| {r['mem_planned_mib']:.0f} / {r['mem_measured_mib']:.0f}"
-            f" | {r['mem_planned_mib'] / max(r['mem_measured_mib'], 1e-9):.2f} | {r['s_planned']:.3g} / "
-            f"{r['s_measured']:.3g} | {r['s_planned'] / r['s_measured']:.2f} | {r['s_at_measured_mm']:.3g} "
-            f"| {r['s_at_measured_mm'] / r['s_measured']:.0%} |"
-        )
-    return "\n".join(lines)
+    return "\n".join(lines + [row_line(r) for r in rows])
+
+
+def row_line(r: dict) -> str:
+    """One measurement as a row of :func:`table` (memory "-" where it was not measured: CPU without memray)."""
+    mem = r["mem_measured_mib"]
+    mem_ratio = "-" if mem is None else f"{r['mem_planned_mib'] / max(mem, 1e-9):.2f}"
+    return (
+        f"| {r['case']} | {r['stage']} | {r['gflop']:.1f} "
+        f"| {r['mem_planned_mib']:.0f} / {'-' if mem is None else f'{mem:.0f}'} | {mem_ratio} "
+        f"| {r['s_planned']:.3g} / {r['s_measured']:.3g} | {r['s_planned'] / r['s_measured']:.2f} "
+        f"| {r['s_at_measured_mm']:.3g} | {r['s_at_measured_mm'] / r['s_measured']:.0%} |"
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -321,6 +346,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
     parser.add_argument("--plan-device", default=None, help="the named device the plan is made for (CUDA only)")
     parser.add_argument("--config", default=str(LLAMA_7B), help="a LLaMA config.json (default: LLaMA-7B's)")
+    parser.add_argument("--tokenizer", default=None, help="a saved SmolLM2 tokenizer's folder (default: the GGUF's)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
@@ -328,17 +354,19 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     unknown = set(only) - set(STAGES)
     if unknown:
         parser.error(f"unknown stages {sorted(unknown)}; choose from {', '.join(STAGES)}")
-    rows = run_case(args.layers, args.dtype, args.device, sizes, only, args.plan_device, Path(args.config))
+    print(table([]), flush=True)  # each row follows as it is measured
+    rows = run_case(
+        args.layers, args.dtype, args.device, sizes, only, args.plan_device, Path(args.config), args.tokenizer
+    )
     if args.full:
-        rows += _full(args.device, sizes, args.plan_device)
-    print(table(rows), flush=True)
+        rows += _full(args.device, sizes, args.plan_device, args.tokenizer)
     print("ratio: planned / measured; share of mm rate: FLOPs over the measured matrix-multiply rate, over the time")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
 
 
-def _full(device: str, sizes: Sizes, plan_device: Optional[str]) -> list[dict]:
+def _full(device: str, sizes: Sizes, plan_device: Optional[str], tokenizer: Optional[str]) -> list[dict]:
     """The whole 32-layer config in bfloat16, accuracy only, where its weights and 4 GiB more fit the device."""
     from mechdiff.models.devices import available_memory
     from mechdiff.models.footprint import model_dims
@@ -352,7 +380,7 @@ def _full(device: str, sizes: Sizes, plan_device: Optional[str]) -> list[dict]:
             flush=True,
         )
         return []
-    return run_case(None, "bfloat16", device, replace(sizes), ("accuracy",), plan_device)
+    return run_case(None, "bfloat16", device, replace(sizes), ("accuracy",), plan_device, LLAMA_7B, tokenizer)
 
 
 if __name__ == "__main__":
