@@ -40,7 +40,17 @@ from typing import Any, Callable, Optional
 import torch
 
 GIB = 2**30
-STAGES = ("accuracy", "matrix-cell", "path-step-A", "path-step-A-parts", "dcm-epoch", "cmap-pass")
+STAGES = (
+    "accuracy",
+    "matrix-cell",
+    "path-step-A",
+    "path-step-A-parts",
+    "path-step-B",
+    "path-step-C",
+    "path-step-D",
+    "dcm-epoch",
+    "cmap-pass",
+)
 
 
 @dataclass
@@ -115,10 +125,12 @@ class Measure:
     allocations (memray; None where memray is not installed) and CPU time."""
 
     def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
+        self.cuda, self.meta = device.startswith("cuda"), device == "meta"
 
     def __enter__(self) -> "Measure":
-        if self.cuda:
+        if self.meta:  # nothing runs (a plan only)
+            self.seconds, self.bytes = 0.0, None
+        elif self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.start = torch.cuda.memory_allocated()
@@ -139,6 +151,8 @@ class Measure:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self.meta:
+            return
         if self.cuda:
             torch.cuda.synchronize()
             self.seconds = time.perf_counter() - self.t0
@@ -178,7 +192,6 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     from mechdiff.methods.cmap import run_cmap
     from mechdiff.methods.dcm import PairCache, random_pool, run_dcm
     from mechdiff.patching.evaluate import evaluate
-    from mechdiff.patching.path import eligible_senders, path_patch, prepare
     from mechdiff.studies import resources as r
     from mechdiff.studies.circuits import dcm_config
     from mechdiff.tasks.base import get_task
@@ -192,11 +205,6 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     step = r._plan_steps(ctx)[0]
     heads = [Head(layer, h) for layer in range(shape.n_layers) for h in range(0, shape.n_heads, 4)]
     circuit = Circuit(base.name, "entity-tracking", {"A": heads}, {"A": step.sender})
-    flops, kept, transient, per_pass = r._path_cost(ctx, sizes.pairs, [step])
-    path_cost = r.StageCost("path-step-A", 1, sizes.pairs, per_pass * sizes.pairs, flops, ctx.weights, kept, transient)
-    half = max(sizes.pairs // 2, 1)  # the same step in two parts ([discovery] pairs_per_part)
-    flops, kept, transient, per_part = r._path_cost(ctx, sizes.pairs, [step], held=half)
-    parts_cost = r.StageCost("path-step-A-parts", 1, sizes.pairs, per_part * half, flops, ctx.weights, kept, transient)
     pairs = path_patching_pairs(tok, sizes.pairs, n_boxes=7, seed=0)
     dcm_pairs = positional_pairs(tok, sizes.dcm_train + sizes.dcm_val + sizes.dcm_test, n_boxes=7, seed=1)
     config = dcm_config(spec)
@@ -205,13 +213,6 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
         scorer = Scorer.build(base, records, reference, sizes.batch, progress=False)
         scorer.full()
         scorer.keep([(h, step.sender) for h in heads])
-
-    def path_step(part_size=None, senders_per_pass=per_pass) -> Callable[[], None]:
-        def run() -> None:
-            batch = prepare(base, pairs, part_size=part_size)
-            path_patch(base, batch, eligible_senders(base, None), step.sender, None, senders_per_pass, progress=False)
-
-        return run
 
     def dcm_epoch() -> None:
         groups = [(heads, step.sender), (random_pool(base, heads, config), step.sender)]
@@ -224,14 +225,59 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     return {
         "accuracy": (lambda: evaluate(base, records, sizes.batch, progress=False), r.accuracy(ctx, base.name)),
         "matrix-cell": (matrix_cell, r._scored(ctx, "matrix-cell", sizes.n, 1)),
-        "path-step-A": (path_step(), path_cost),
-        "path-step-A-parts": (path_step(half, per_part), parts_cost),
+        **path_steps(ctx, base, pairs),
         "dcm-epoch": (dcm_epoch, r.dcm(ctx, base.name, 0)),
         "cmap-pass": (
             lambda: run_cmap(base, other, circuit, records, ["z"], sizes.batch, ["A"], progress=False),
             r.cmap(ctx, other.name),
         ),
     }
+
+
+def path_steps(ctx: Any, base: Any, pairs: list) -> dict[str, tuple[Callable[[], Any], Any]]:
+    """Path patching as discovery runs each step of the task's plan (A-D), every eligible head an exact sender,
+    and step A again with its pairs held in two parts: each run and the planner's cost of it (its FLOPs, memory
+    and weight reads, as ``resources._path_circuit`` counts one step). A step's receivers are its receiver step's
+    ``k`` heads in the deepest layers (every head below them a sender: the most a step can have; a study's are
+    wherever the step before selected), read at the step's site and position: step D's receiver runs go from its
+    position to the end (suffix runs)."""
+    import math
+
+    from mechdiff.common.components import Head
+    from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
+    from mechdiff.studies import resources as r
+
+    shape, n, out = base.shape, len(pairs), {}
+    deepest = [Head(layer, h) for layer in reversed(range(shape.n_layers)) for h in range(shape.n_heads)]
+    plan = {step.name: step for step in r._plan_steps(ctx)}
+
+    def run(step: Any, held: int, per_pass: int) -> Callable[[], None]:
+        receivers = None
+        if step.receiver:
+            receivers = Receivers(tuple(deepest[: plan[step.receiver].k]), step.site, step.receiver_position)
+
+        def go() -> None:
+            batch = prepare(base, pairs, part_size=held if held < n else None)
+            senders = eligible_senders(base, receivers)
+            path_patch(base, batch, senders, step.sender, receivers, per_pass, progress=False)
+
+        return go
+
+    def cost(name: str, step: Any, held: int) -> tuple[int, Any]:
+        flops, kept, transient, per_pass = r._path_cost(ctx, n, [step], held=held)
+        parts, senders = math.ceil(n / held), ctx.dims.n_layers * ctx.dims.n_heads
+        reads = ctx.reads(parts * r._prepared_runs(ctx, n, held, 1))
+        reads += ctx.reads(2 * parts * math.ceil(senders / per_pass), ctx.dims.n_layers / 2)
+        return per_pass, r.StageCost(name, 1, n, per_pass * held, flops, ctx.weights, kept, transient, reads=reads)
+
+    for name, step in plan.items():
+        per_pass, planned = cost(f"path-step-{name}", step, n)
+        out[f"path-step-{name}"] = (run(step, n, per_pass), planned)
+        if name == "A":  # the same step in two parts ([discovery] pairs_per_part)
+            half = max(n // 2, 1)
+            per_part, planned = cost("path-step-A-parts", step, half)
+            out["path-step-A-parts"] = (run(step, half, per_part), planned)
+    return out
 
 
 LLAMA_7B = Path(__file__).parents[1] / "mechdiff/data/configs/llama-7b.json"
@@ -246,9 +292,11 @@ def run_case(
     plan_device: Optional[str] = None,
     config_path: Path = LLAMA_7B,
     tokenizer: Optional[str] = None,
+    plan_only: bool = False,
 ) -> list[dict]:
     """Measure ``only`` of :data:`STAGES` on the config at ``config_path`` (LLaMA-7B's) cut to ``layers`` blocks
-    (None: all of its own); ``tokenizer``: a saved SmolLM2 tokenizer's folder (default: the GGUF's)."""
+    (None: all of its own); ``tokenizer``: a saved SmolLM2 tokenizer's folder (default: the GGUF's). ``plan_only``:
+    print the plan on ``plan_device`` (default H100) and run nothing (the models on the meta device)."""
     from mechdiff.models.devices import get_device, this_machine
     from mechdiff.models.footprint import Dims
     from mechdiff.studies.resources import Context, place
@@ -257,15 +305,18 @@ def run_case(
     config = json.loads(Path(config_path).read_text())
     two = bool({"dcm-epoch", "cmap-pass"} & set(only))
     tok = smollm2_tokenizer(tokenizer)
-    with Measure(device) as load:
+    with Measure("meta" if plan_only else device) as load:
         models = [
-            make_model(config, layers, dtype, device, s, f"llama7b-width-{s}", tok) for s in range(2 if two else 1)
+            make_model(config, layers, dtype, "meta" if plan_only else device, s, f"llama7b-width-{s}", tok)
+            for s in range(2 if two else 1)
         ]
     dims = Dims.from_config(models[0].model.config)
     spec = spec_for(sizes, dtype)
     lengths = _lengths(get_task("entity-tracking").records(models[0].tokenizer, 16, 0, n_boxes=7))
     cuda = device.startswith("cuda")
-    if cuda:
+    if plan_only:
+        planned_on, measured = get_device(plan_device or "h100-80gb"), None
+    elif cuda:
         name = torch.cuda.get_device_name().lower()
         planned_on = get_device(plan_device or ("h200-141gb" if "h200" in name else "h100-80gb"))
         measured = gpu_matmul_throughput(dims, dtype, sizes.batch * lengths.longest)
@@ -275,6 +326,17 @@ def run_case(
     ctx = Context(spec, dims, lengths, dtype, planned_on)
     out = []
     runs = stages(models, sizes, spec, ctx)
+    planned = sum(place(runs[stage][1], planned_on, dtype, lambda *_: runs[stage][1]).seconds for stage in only)
+    print(
+        f"plan: {2 * planned:.3g} s on {planned_on.name} for {len(only)} stages at L{dims.n_layers} {dtype}, each run "
+        f"twice (warm-up, measured); the models' load and setup aside",
+        flush=True,
+    )
+    if plan_only:
+        each = (f"{s} {place(runs[s][1], planned_on, dtype, lambda *_: runs[s][1]).seconds:.3g}" for s in only)
+        print(f"  seconds a run: {', '.join(each)}", flush=True)
+        return []
+    print(table([]), flush=True)  # each row follows as it is measured
     for stage in only:
         fn, cost = runs[stage]
         fn()  # warm-up: first-call allocations, kernels chosen
@@ -346,6 +408,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
     parser.add_argument("--plan-device", default=None, help="the named device the plan is made for (CUDA only)")
     parser.add_argument("--config", default=str(LLAMA_7B), help="a LLaMA config.json (default: LLaMA-7B's)")
+    parser.add_argument("--plan-only", action="store_true", help="print the plan (on --plan-device) and run nothing")
     parser.add_argument("--tokenizer", default=None, help="a saved SmolLM2 tokenizer's folder (default: the GGUF's)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
@@ -354,25 +417,30 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     unknown = set(only) - set(STAGES)
     if unknown:
         parser.error(f"unknown stages {sorted(unknown)}; choose from {', '.join(STAGES)}")
-    print(table([]), flush=True)  # each row follows as it is measured
-    rows = run_case(
-        args.layers, args.dtype, args.device, sizes, only, args.plan_device, Path(args.config), args.tokenizer
-    )
+    case = (args.plan_device, Path(args.config), args.tokenizer, args.plan_only)
+    rows = run_case(args.layers, args.dtype, args.device, sizes, only, *case)
     if args.full:
-        rows += _full(args.device, sizes, args.plan_device, args.tokenizer)
+        rows += _full(args.device, sizes, args.plan_device, args.tokenizer, args.plan_only)
+    if args.plan_only:
+        return rows
     print("ratio: planned / measured; share of mm rate: FLOPs over the measured matrix-multiply rate, over the time")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
 
 
-def _full(device: str, sizes: Sizes, plan_device: Optional[str], tokenizer: Optional[str]) -> list[dict]:
+def _full(
+    device: str, sizes: Sizes, plan_device: Optional[str], tokenizer: Optional[str], plan_only: bool = False
+) -> list[dict]:
     """The whole 32-layer config in bfloat16, accuracy only, where its weights and 4 GiB more fit the device."""
-    from mechdiff.models.devices import available_memory
+    from mechdiff.models.devices import available_memory, get_device
     from mechdiff.models.footprint import model_dims
 
     dims, _ = model_dims("llama-7b")
-    free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else available_memory()
+    if plan_only:
+        free = get_device(plan_device or "h100-80gb").memory
+    else:
+        free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else available_memory()
     if free < dims.weight_bytes("bfloat16") + 4 * GIB:
         print(
             f"full 32-layer config skipped: {free / GIB:.1f} GiB free, {dims.weight_bytes('bfloat16') / GIB:.1f} "
@@ -380,7 +448,9 @@ def _full(device: str, sizes: Sizes, plan_device: Optional[str], tokenizer: Opti
             flush=True,
         )
         return []
-    return run_case(None, "bfloat16", device, replace(sizes), ("accuracy",), plan_device, LLAMA_7B, tokenizer)
+    return run_case(
+        None, "bfloat16", device, replace(sizes), ("accuracy",), plan_device, LLAMA_7B, tokenizer, plan_only
+    )
 
 
 if __name__ == "__main__":

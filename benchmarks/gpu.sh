@@ -3,17 +3,20 @@
 #
 #   bash benchmarks/gpu.sh                # on the GPU machine, from the repository root
 #   bash benchmarks/gpu.sh --cpu          # the same script's reduced form on CPU (2 layers, a few prompts)
+#   bash benchmarks/gpu.sh --plan         # anywhere: what the planner predicts for each stage on one H100
 #   bash benchmarks/gpu.sh --bundle       # here (network, the project's venv): make benchmarks/gpu-bundle
 #   bash benchmarks/gpu.sh --check-bare   # here: the bundle, a clean venv with only a GPU image's packages, then
 #                                         # the CPU form through it with pip's network off (CI runs this)
 #
 # Randomly initialised models of LLaMA-7B's width (mechdiff/data/configs/llama-7b.json, depth cut) run the stages
-# the planner counts (accuracy, a mean-ablation matrix cell, a path-patching step with every head an exact
-# sender, held whole and in two parts, a DCM epoch with its pair cache, a CMAP pass; benchmarks/gpu.py), each printed beside the planner's
-# memory (torch.cuda.max_memory_allocated above the stage's start) and time (wall, synchronised), on the named
-# device of the GPU's kind and at the GPU's measured matrix-multiply rate: 4 layers in bfloat16, then LLaMA-7B's
-# whole 32-layer config in bfloat16 (accuracy) where it fits, 2 layers in float32 and in float16. Sized for under
-# 6 minutes on one H100; every step has its own timeout and the whole stops at $MECHDIFF_GPU_LIMIT_S (540 s).
+# the planner counts (accuracy, a mean-ablation matrix cell, path patching's steps A-D with every eligible head an
+# exact sender, step D's suffix runs included, and step A held in two parts, a DCM epoch with its pair cache, a
+# CMAP pass; benchmarks/gpu.py), each printed as it is measured beside the planner's memory
+# (torch.cuda.max_memory_allocated above the stage's start) and time (wall, synchronised), on the named device of
+# the GPU's kind and at the GPU's measured matrix-multiply rate: 4 layers in bfloat16, then LLaMA-7B's whole
+# 32-layer config in bfloat16 (accuracy) where it fits, 2 layers in float32 and in float16. The stages are planned
+# at about 3 s on one H100 (--plan), the rest is loading and setup; each case has its own timeout and the whole
+# stops at $MECHDIFF_GPU_LIMIT_S (540 s: 9 minutes), keeping every row it has printed.
 #
 # What it needs of the machine: python3 (or $PYTHON) with torch, transformers, peft, h5py, scipy and einops. What
 # else gpu.py imports (nnsight and the packages it requires beyond those) and SmolLM2's tokenizer travel in the
@@ -141,7 +144,7 @@ check_bare() {
 EOF
     offline "$PY" benchmarks/gpu.py ${TOK[@]+"${TOK[@]}"} --device cpu --layers 2 --quick --config "$OUT/small.json" \
         --json "$OUT/bare.json" | tee "$OUT/bare.txt"
-    "$PY" -c "import json, sys; rows = json.load(open(sys.argv[1])); sys.exit(0 if len(rows) == 6 else 1)" \
+    "$PY" -c "import gpu, json, sys; rows = json.load(open(sys.argv[1])); sys.exit(len(rows) != len(gpu.STAGES))" \
         "$OUT/bare.json" || die "the CPU form did not measure every stage"
     echo "gpu.sh --check-bare: passed in $(($(date +%s) - t_start)) s; figures in $OUT"
 }
@@ -155,6 +158,15 @@ case "${1:-}" in
     check_bare
     exit 0
     ;;
+--plan)
+    prepare
+    for case in "--layers 4 --dtype bfloat16 --full" "--layers 2 --dtype float32" \
+        "--layers 2 --dtype float16 --stages accuracy,path-step-A"; do
+        # shellcheck disable=SC2086 # each case is several arguments
+        "$PY" benchmarks/gpu.py ${TOK[@]+"${TOK[@]}"} --device cuda --plan-only $case
+    done
+    exit 0
+    ;;
 --cpu)
     prepare
     echo "== reduced form on CPU: 2 layers of LLaMA-7B's width, bfloat16, a few prompts a stage"
@@ -163,7 +175,7 @@ case "${1:-}" in
     exit 0
     ;;
 "") ;;
-*) die "unknown option $1 (--cpu, --bundle, --check-bare, or none on a GPU machine)" ;;
+*) die "unknown option $1 (--cpu, --plan, --bundle, --check-bare, or none on a GPU machine)" ;;
 esac
 
 prepare
@@ -184,9 +196,9 @@ EOF
 echo "results: $OUT"
 
 echo "== 4 layers of LLaMA-7B's width, bfloat16, every stage; then the whole 32-layer config (accuracy) if it fits"
-step 200 --device cuda --layers 4 --dtype bfloat16 --full --json "$OUT/bf16.json" | tee "$OUT/bf16.txt"
+step 240 --device cuda --layers 4 --dtype bfloat16 --full --json "$OUT/bf16.json" | tee "$OUT/bf16.txt"
 echo "== 2 layers, float32 (the paper's dtype), every stage"
-step 90 --device cuda --layers 2 --dtype float32 --json "$OUT/fp32.json" | tee "$OUT/fp32.txt"
+step 150 --device cuda --layers 2 --dtype float32 --json "$OUT/fp32.json" | tee "$OUT/fp32.txt"
 echo "== 2 layers, float16 (checked on a GPU only), accuracy and the path-patching step"
 step 60 --device cuda --layers 2 --dtype float16 --stages accuracy,path-step-A --json "$OUT/fp16.json" |
     tee "$OUT/fp16.txt"
