@@ -2,14 +2,17 @@
 
 No weights and no network: models are made from the shipped LLaMA-7B config (``mechdiff/data/configs``), depth cut
 to ``--layers`` (the vocabulary is SmolLM2's tokenizer's, whose prompts they read), randomly initialised on the
-device. Each stage runs as the study runs it, on the entity-tracking prompts, and is counted by the planner
+device (``--tokenizer``: a saved SmolLM2 tokenizer, as ``benchmarks/gpu_bundle.py`` exports it, in place of the GGUF's).
+Each stage runs as the study runs it, on the entity-tracking prompts, and is counted by the planner
 (:mod:`mechdiff.studies.resources`) for the same sizes:
 
 - ``accuracy``: one forward a prompt (:func:`mechdiff.patching.evaluate.evaluate`);
 - ``matrix-cell``: reference means, the full model and one circuit mean-ablated (a matrix cell;
   :class:`mechdiff.circuits.scoring.Scorer`);
-- ``path-step-A``: path patching of step A, every head an exact sender (:func:`mechdiff.patching.path.path_patch`);
-- ``path-step-A-parts``: the same step with its pairs held in two parts (``[discovery] pairs_per_part``,
+- ``path-step-A`` to ``path-step-D``: path patching of each step of the task's plan, every eligible head an exact
+  sender (:func:`mechdiff.patching.path.path_patch`), a step's receivers its receiver step's ``k`` heads in the
+  deepest layers (:func:`path_steps`); step D's receiver runs are suffix runs from its position;
+- ``path-step-A-parts``: step A with its pairs held in two parts (``[discovery] pairs_per_part``,
   :class:`mechdiff.patching.path.PairStream`);
 - ``dcm-epoch``: DCM of one group for one epoch: the pair cache, training, validation, test and the random baseline
   (:func:`mechdiff.methods.dcm.run_dcm`), two models held;
@@ -18,14 +21,18 @@ device. Each stage runs as the study runs it, on the entity-tracking prompts, an
 
 Memory: on CUDA ``torch.cuda.max_memory_allocated`` above the allocation before the stage, against the planner's
 bytes beside the weights (kept plus transient); on CPU the peak allocation above the stage's start (memray, as
-``benchmarks/planner.py`` measures it; memray slows the CPU time it is measured beside a little). Time: on CUDA wall
+``benchmarks/planner.py`` measures it; memray slows the CPU time it is measured beside a little; without memray,
+as on a GPU image, not measured). Time: on CUDA wall
 time with ``torch.cuda.synchronize``, against the planner's time on the named device of the same kind
 (``--plan-device``, default from the GPU's name) and on the GPU's measured matrix-multiply throughput; on CPU the
 CPU time against the planner's on this machine. ``--full`` adds LLaMA-7B's whole 32-layer config in bfloat16 for
-the accuracy stage where it fits the device's memory.
+the accuracy stage where it fits the device's memory. Each row is printed as it is measured, so a run stopped at
+its time limit keeps what it measured. ``--plan-only`` prints the plan on ``--plan-device`` (default one H100) and
+runs nothing (the models on the meta device), on any machine.
 
     python benchmarks/gpu.py --device cuda --layers 4          # what benchmarks/gpu.sh runs
     python benchmarks/gpu.py --device cpu --layers 2 --quick   # a reduced form, here
+    python benchmarks/gpu.py --device cuda --plan-only         # the plan on one H100, anywhere
 """
 
 from __future__ import annotations
