@@ -30,6 +30,7 @@ VERSIONS="import importlib.metadata as m; print(', '.join(n + ' ' + m.version(n)
 BUNDLE=${MECHDIFF_GPU_BUNDLE:-benchmarks/gpu-bundle}
 LIMIT_S=${MECHDIFF_GPU_LIMIT_S:-540}
 OUT=${MECHDIFF_GPU_OUT:-$(mktemp -d /tmp/mechdiff-gpu-XXXX)}
+mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 t_start=$(date +%s)
 
@@ -65,8 +66,9 @@ install_bundle() {
     [ -n "$pip_wheel" ] || die "no pip wheel in $BUNDLE/wheels: remake the bundle (bash benchmarks/gpu.sh --bundle)"
     "$PY" -m venv --without-pip "$env" || die "'$PY -m venv' failed: the bundle installs into a virtual environment"
     site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-    # the machine's own site folders, after the environment's own (what the bundle installs comes first)
-    "$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+    # the machine's own site folders (their .pth files read too), after the environment's own
+    "$PY" -c 'import sys; print("\n".join(f"import site; site.addsitedir({p!r})" for p in sys.path
+                                          if p.endswith(("site-packages", "dist-packages"))))' \
         >"$site/machine-packages.pth"
     echo "== installing $(tr '\n' ' ' <"$BUNDLE/requirements.txt")and what it requires from $BUNDLE (no network)"
     PIP_CONFIG_FILE=/dev/null offline "$env/bin/python" "$pip_wheel/pip" install --isolated --no-index -q \

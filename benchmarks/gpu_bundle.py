@@ -9,7 +9,8 @@ do not bring; and it reads SmolLM2's tokenizer, which mechdiff otherwise takes f
   installed here (the ones the project is tested with), for CPython 3.11 and 3.12 on manylinux x86_64 (the GPU
   machine's Python and this machine's, so ``gpu.sh --check-bare`` installs the same set), and pip's own wheel
   (``gpu.sh`` runs pip from it, so the machine needs no pip);
-- ``requirements.txt``: those packages, pinned;
+- ``requirements.txt``: what ``gpu.sh`` installs (nnsight, pinned); pip takes what it requires from the machine
+  where the machine has it, else from ``wheels/``;
 - ``tokenizer/``: SmolLM2's tokenizer as ``tokenizer.json``, checked here to encode the task's prompts exactly as
   the GGUF's does;
 - ``MANIFEST.txt``: every file and its size; the whole is refused over :data:`LIMIT_MIB`.
@@ -134,7 +135,7 @@ def make(out: Path, pythons: tuple[str, ...]) -> list[tuple[str, int]]:
         these = travelling(python)
         download({**these, "pip": md.version("pip")}, python, wheels)
         pins.update(these)
-    (out / "requirements.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
+    (out / "requirements.txt").write_text("".join(f"{canonical(r)}=={pins[canonical(r)]}\n" for r in ROOTS))
     prompts = export_tokenizer(out / "tokenizer")
     files = sorted((str(p.relative_to(out)), p.stat().st_size) for p in out.rglob("*") if p.is_file())
     total = sum(s for _, s in files)
