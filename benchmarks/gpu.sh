@@ -172,7 +172,7 @@ case "${1:-}" in
 --cpu)
     prepare
     echo "== reduced form on CPU: 2 layers of LLaMA-7B's width, bfloat16, a few prompts a stage"
-    "$PY" benchmarks/gpu.py ${TOK[@]+"${TOK[@]}"} --device cpu --layers 2 --quick --json "$OUT/cpu.json" | tee "$OUT/cpu.txt"
+    step "$LIMIT_S" --device cpu --layers 2 --quick --json "$OUT/cpu.json" | tee "$OUT/cpu.txt"
     echo "gpu.sh: done in $(($(date +%s) - t_start)) s; figures in $OUT"
     exit 0
     ;;
