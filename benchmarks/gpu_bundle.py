@@ -70,8 +70,10 @@ def machine_names(python: str) -> set[str]:
     return names
 
 
-def travelling(python: str) -> dict[str, str]:
-    """Name -> installed version of every distribution ``ROOTS`` require, transitively, that the machine lacks."""
+def travelling(python: str) -> dict[str, Optional[str]]:
+    """Name -> installed version of every distribution ``ROOTS`` require, transitively, that the machine lacks; None
+    for one this Python does not have (required only on another Python, e.g. exceptiongroup below 3.11): pip
+    downloads its newest wheel with what it requires."""
     machine, out, todo = machine_names(python), {}, [canonical(r) for r in ROOTS]
     while todo:
         name = todo.pop()
@@ -80,18 +82,26 @@ def travelling(python: str) -> dict[str, str]:
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
-            raise SystemExit(f"gpu_bundle: {name} is not installed here; run with the project's environment") from None
+            out[name] = None
+            continue
         todo.extend(_requires(name, python))
     return dict(sorted(out.items()))
 
 
-def download(pins: dict[str, str], python: str, wheels: Path) -> None:
-    """The wheels of ``pins`` for CPython ``python`` on manylinux x86_64 (binary only, no dependencies)."""
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--implementation",
-           "cp", "--python-version", python, "-d", str(wheels)]  # fmt: skip
+def download(pins: dict[str, Optional[str]], python: str, wheels: Path) -> None:
+    """The wheels of ``pins`` for CPython ``python`` on manylinux x86_64, binary only: each pinned one alone, each
+    unpinned one (None) at its newest with what it requires."""
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--implementation", "cp",
+           "--python-version", python, "-d", str(wheels)]  # fmt: skip
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
-    done = subprocess.run(cmd + [f"{n}=={v}" for n, v in pins.items()], capture_output=True, text=True)
+    _pip(cmd + ["--no-deps"] + [f"{n}=={v}" for n, v in pins.items() if v], python)
+    if unpinned := [n for n, v in pins.items() if v is None]:
+        _pip(cmd + unpinned, python)
+
+
+def _pip(cmd: list[str], python: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         noise = "is ignored: it is neither a file nor a directory"
         sys.stderr.write("".join(line + "\n" for line in done.stderr.splitlines() if noise not in line))
@@ -135,7 +145,7 @@ def make(out: Path, pythons: tuple[str, ...]) -> list[tuple[str, int]]:
         these = travelling(python)
         download({**these, "pip": md.version("pip")}, python, wheels)
         pins.update(these)
-    (out / "requirements.txt").write_text("".join(f"{canonical(r)}=={pins[canonical(r)]}\n" for r in ROOTS))
+    (out / "requirements.txt").write_text("".join(f"{canonical(r)}=={md.version(r)}\n" for r in ROOTS))
     prompts = export_tokenizer(out / "tokenizer")
     files = sorted((str(p.relative_to(out)), p.stat().st_size) for p in out.rglob("*") if p.is_file())
     total = sum(s for _, s in files)
