@@ -764,7 +764,7 @@ def paired_section(study: "Study", accuracy: dict, matrix: dict, dcm: "StageReco
             [],
         )
     write_outcomes(study.dir, stages)
-    rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes)
+    rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes, _items(study, stages))
     return study_table(study, rows, "paired_differences", CAPTION), rows
 
 
@@ -779,6 +779,27 @@ def families_section(study: "Study", paired: list[dict], gain: dict, encoded: di
         "adjusted p within the family, whether it is shown, the test, rows and items (docs/inference.md)"
     )
     return study_table(study, rows, "families", caption)
+
+
+def _items(study: "Study", stages: dict) -> Optional[dict]:
+    """Each paired stage's item ids (eval for accuracy, matrix for the circuit x model matrix), where the study
+    knows them and they align with the recorded outcomes; None: one row an item."""
+    get = getattr(study, "set_items", None)
+    if get is None:
+        return None
+    out = {}
+    for stage, name in (("accuracy", "eval"), ("matrix", "matrix")):
+        try:
+            ids = np.asarray(get(name))
+        except (KeyError, TypeError, ValueError):
+            continue
+        record = next(iter(stages.get(stage, {}).values()), None) if stage == "accuracy" else None
+        if record is None and stage == "matrix":
+            record = next((v["full"] for k, v in stages.items() if k.startswith("matrix:")), None)
+        n = len(record["correct"]) if record else None
+        if n is not None and ids.size >= n:
+            out[stage] = ids[:n]
+    return out or None
 
 
 def paired_findings(rows: list[dict]) -> str:
