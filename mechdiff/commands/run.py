@@ -41,7 +41,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="GIB",
         help="with --plan-device: the disk free under TMPDIR on that machine, in GiB (scratch files such as DCM's "
-        "pair cache are checked against it; default: not given, compared with a 64 GiB disk)",
+        "pair cache are checked against it; default 64, a single-GPU machine's)",
+    )
+    p.add_argument(
+        "--plan-host",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="with --plan-device: that machine's host memory, in GiB (what DCM holds in memory is checked against "
+        "it; default 128, a single-GPU machine's)",
     )
     p.add_argument(
         "--task",
@@ -103,10 +111,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--plan-device predicts a plan: give it with --plan")
     if args.plan_disk is not None and not args.plan_device:
         raise ValueError("--plan-disk is the named device's disk: give it with --plan-device")
+    if args.plan_host is not None and not args.plan_device:
+        raise ValueError("--plan-host is the named device's host memory: give it with --plan-device")
     if args.plan:
         from ..studies.resources import print_resources
 
-        if print_resources(args.task_file, args.plan_device, args.dtype, args.task, args.plan_disk):
+        if print_resources(args.task_file, args.plan_device, args.dtype, args.task, args.plan_disk, args.plan_host):
             return 0
     models = {key: getattr(args, key) for key in ("dtype", "device", "device_map", "remote")}
     study = load_study(

@@ -27,9 +27,23 @@ from .footprint import Dims, dtype_bytes
 GIB = 2**30
 #: Share of a GPU's dense peak (and of its memory bandwidth) a forward pass is assumed to reach.
 GPU_EFFICIENCY = 0.5
-#: The disk a plan compares scratch files with where a named device's is not given: a GPU machine's 64 GiB (as the
+#: The disk a named device's machine has free for scratch files unless told otherwise: a GPU machine's 64 GiB (as the
 #: single-GPU machines lent to this project have; ``--plan-disk`` gives yours).
 COMMON_GPU_DISK = 64 * 2**30
+#: The host memory a named device's machine has unless told otherwise: 128 GiB (the single-GPU machines lent to this
+#: project; ``--plan-host`` gives yours).
+COMMON_GPU_HOST = 128 * 2**30
+#: Bytes a second a named device's machine reads a scratch file (DCM's pair cache) or a model's weights from its
+#: disk: 2 GB/s, an assumption (a data-centre NVMe SSD reads 3-7 GB/s sequentially, a cloud machine's local or
+#: network disk less; h5py's reads of DCM's rows of tens of MB each are near-sequential). This machine's is measured
+#: (:func:`mechdiff.studies.resources.scratch_bandwidth`).
+COMMON_GPU_DISK_READ = 2e9
+#: Seconds a pass and a block cost on a GPU beside their FLOPs and weight reads: the host's Python (the intervention
+#: layer, the model's forward) and kernel launches, which a small pass waits on. An assumption from launch latency:
+#: eager PyTorch issues about 30 kernels a LLaMA block, each costing about 10 us on the host (dispatch and the CUDA
+#: launch; NVIDIA and PyTorch's "Accelerating PyTorch with CUDA Graphs", 2021, give a few microseconds a launch), so
+#: 0.3 ms a block; 1 ms a pass for the embedding, the read-out and the intervention layer's setup.
+GPU_OVERHEAD = (1e-3, 3e-4)
 
 
 @dataclass(frozen=True)
@@ -44,12 +58,22 @@ class Device:
     disk: Optional[int] = None  # bytes free for scratch files under TMPDIR; None: not known
     bandwidth: dict[str, float] = field(default_factory=dict)  # weight bytes a pass reads per second, per dtype
     # seconds each pass and each block a pass runs cost beside FLOPs and reads (Python, the intervention layer's
-    # trace): measured on this machine (``mechdiff.studies.resources.pass_overhead``); 0 on a named GPU
+    # trace): measured on this machine (``mechdiff.studies.resources.pass_overhead``); GPU_OVERHEAD on a named GPU
     overhead: tuple[float, float] = (0.0, 0.0)
+    host: Optional[int] = None  # a GPU machine's host memory in bytes (None: not known; a CPU device's is ``memory``)
+    disk_read: float = 0.0  # bytes a second read back from scratch files and weights on disk (0: not counted)
 
     def with_disk(self, disk: Optional[int]) -> "Device":
         """This device with ``disk`` bytes free under TMPDIR (None: unchanged)."""
         return self if disk is None else replace(self, disk=disk)
+
+    def with_host(self, host: Optional[int]) -> "Device":
+        """This GPU device's machine with ``host`` bytes of host memory (None: unchanged)."""
+        return self if host is None else replace(self, host=host)
+
+    def disk_seconds(self, nbytes: float) -> float:
+        """Seconds to read ``nbytes`` from disk (scratch files, weights; 0 where the rate is not known)."""
+        return nbytes / self.disk_read if self.disk_read else 0.0
 
     def throughput(self, dtype: str) -> float:
         """FLOP/s for ``dtype`` (float16 as bfloat16 where only bfloat16 is given)."""
@@ -74,8 +98,23 @@ class Device:
 def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, tbps: float, note: str) -> Device:
     flops = {"bfloat16": bf16_tflops * 1e12 * GPU_EFFICIENCY, "float32": fp32_tflops * 1e12 * GPU_EFFICIENCY}
     reads = {dtype: tbps * 1e12 * GPU_EFFICIENCY for dtype in flops}
-    note = f"{note}; {GPU_EFFICIENCY:.0%} of dense peak and memory bandwidth assumed"
-    return Device(name, int(memory_gb * 1e9), flops, True, note, bandwidth=reads)
+    note = (
+        f"{note}; {GPU_EFFICIENCY:.0%} of dense peak and memory bandwidth assumed; "
+        f"{GPU_OVERHEAD[0] * 1e3:.1f} ms a pass and {GPU_OVERHEAD[1] * 1e3:.1f} ms a block beside them; "
+        f"disk read at {COMMON_GPU_DISK_READ / 1e9:.0f} GB/s"
+    )
+    return Device(
+        name,
+        int(memory_gb * 1e9),
+        flops,
+        True,
+        note,
+        COMMON_GPU_DISK,
+        reads,
+        GPU_OVERHEAD,
+        COMMON_GPU_HOST,
+        COMMON_GPU_DISK_READ,
+    )
 
 
 #: Named accelerators: memory, dense bfloat16 and float32 peaks, memory bandwidth (NVIDIA's data sheets, SXM parts).

@@ -42,6 +42,7 @@ class CircuitsStudy(Study):
 
     def __init__(self, spec: RunSpec, progress: bool = True, out_dir: Optional[str] = None):
         super().__init__(out_dir or spec.output.dir, progress)  # writable before anything loads or computes
+        self._dcm_cache_mode: Optional[tuple[str, str]] = None  # DCM's pair-cache mode, chosen at its first stage
         self.spec = spec
         self.store = str(Path(spec.output.store))
         check_writable(Path(self.store).parent, "activation store directory")
@@ -595,13 +596,16 @@ class CircuitsStudy(Study):
                     "skipped": f"no group of the circuit of {name} with heads sits at a position DCM can patch",
                     "left_out": left_out,
                 }
-            results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress)
+            mode, why = self.dcm_cache_mode()
+            log.info("DCM of %s: pair cache %s (%s)", name, mode, why)
+            results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress, mode)
             semantic = []
             for r in results if name == base else ():
                 if not r.selected:
                     continue
                 test = split_pairs(desiderata[r.desideratum], config.split, config.seed)[2]
-                for sem in semantic_patching(self.models, r.selected, r.position, test, self.spec.eval.batch_size):
+                batch = self.spec.eval.batch_size
+                for sem in semantic_patching(self.models, r.selected, r.position, test, batch, mode=mode):
                     semantic.append(
                         {
                             "group": r.group,
@@ -612,9 +616,19 @@ class CircuitsStudy(Study):
                     )
             return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic, "left_out": left_out}
 
-        inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self.task_inputs()}
+        # the pair cache's mode is not in the key: the modes give the same results but for float rounding
+        section = {k: v for k, v in asdict(c).items() if k != "cache"}
+        inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": section, "task": self.task_inputs()}
         inputs.update(self.class_groups(c.groups))
         return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
+
+    def dcm_cache_mode(self) -> tuple[str, str]:
+        """DCM's pair-cache mode and why (:func:`~mechdiff.studies.resources.run_cache_mode`), chosen once a run."""
+        if self._dcm_cache_mode is None:
+            from .resources import run_cache_mode
+
+            self._dcm_cache_mode = run_cache_mode(self.spec)
+        return self._dcm_cache_mode
 
     def dcm_circuit(self, found: dict[str, StageRecord], pruned: dict[str, StageRecord], name: str) -> StageRecord:
         """The circuit record DCM masks for ``name``: its pruned circuit under ``[dcm] circuit = "pruned"``."""

@@ -47,8 +47,8 @@ from pathlib import Path
 from statistics import mean
 from typing import Any, Callable, Optional
 
-from ..methods.dcm import DCMConfig
-from ..models.devices import COMMON_GPU_DISK, GIB, Device
+from ..methods.dcm import CACHE_MODES, DCMConfig
+from ..models.devices import GIB, Device
 from ..models.footprint import (
     Dims,
     backward_bytes,
@@ -129,17 +129,24 @@ def _appended(record: Any, metric: str) -> list[int]:
 
 @dataclass(frozen=True)
 class Reads:
-    """What a stage's passes read and run beside their FLOPs: bytes of weights, passes, and blocks run in all."""
+    """What a stage's passes read and run beside their FLOPs: bytes of weights, passes, blocks run in all, and bytes
+    read back from scratch files (DCM's pair cache)."""
 
     bytes: float = 0.0
     passes: float = 0.0
     blocks: float = 0.0
+    scratch: float = 0.0
 
     def __add__(self, other: "Reads") -> "Reads":
-        return Reads(self.bytes + other.bytes, self.passes + other.passes, self.blocks + other.blocks)
+        return Reads(
+            self.bytes + other.bytes,
+            self.passes + other.passes,
+            self.blocks + other.blocks,
+            self.scratch + other.scratch,
+        )
 
     def __rmul__(self, k: float) -> "Reads":
-        return Reads(k * self.bytes, k * self.passes, k * self.blocks)
+        return Reads(k * self.bytes, k * self.passes, k * self.blocks, k * self.scratch)
 
 
 @dataclass
@@ -175,6 +182,19 @@ class StageCost:
         if not device.gpu:
             return self.device_peak(device)
         return max(self.weights // max(self.models, 1), self.host_kept)
+
+    def fits(self, device: Device) -> bool:
+        """Whether the stage fits ``device``: its memory, its machine's host memory and disk where known."""
+        host = device.host is None or self.host_peak(device) <= device.host
+        disk = device.disk is None or self.disk <= device.disk
+        return self.device_peak(device) <= device.memory and host and disk
+
+    def seconds(self, device: Device, dtype: str) -> float:
+        """Predicted time on ``device``: FLOPs over its throughput, weight reads over its bandwidth, its passes' and
+        blocks' fixed costs and the scratch files read back over its disk's rate."""
+        r = self.reads
+        seconds = self.flops / device.throughput(dtype) + device.read_seconds(dtype, r.bytes)
+        return seconds + device.overhead_seconds(r.passes, r.blocks) + device.disk_seconds(r.scratch)
 
 
 @dataclass
@@ -553,43 +573,151 @@ def _group_positions(ctx: Context, count: Optional[int] = None) -> list[str]:
     return [steps.get(g, g) for g in groups]
 
 
-def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
-    """DCM of ``name``'s circuit (see the module docstring); ``semantic``: models its selections are patched into."""
-    c, t, dims, half = ctx.spec.dcm, ctx.lengths, ctx.dims, ctx.dims.n_layers / 2
+def dcm(ctx: Context, name: str, semantic: int, mode: Optional[str] = None) -> StageCost:
+    """DCM of ``name``'s circuit (see the module docstring); ``semantic``: models its selections are patched into.
+    Its pair cache in ``mode`` (one of :data:`~mechdiff.methods.dcm.CACHE_MODES`), by default the one the run uses
+    (:func:`dcm_cache_choice`); its note compares the three."""
+    costs = {m: _dcm_cost(ctx, name, semantic, m) for m in CACHE_MODES}
+    chosen, why = dcm_cache_choice(ctx, costs) if mode is None else (mode, "asked")
+    cost = costs[chosen]
+    shown = []
+    for m, c in costs.items():
+        held = f"{c.disk / GIB:.1f} GiB on disk, {c.reads.scratch / 1e12:.2f} TB read" if m == "file" else ""
+        held = held or (f"{c.host_kept / GIB:.2f} GiB in host memory" if m == "memory" else "sources run again")
+        fit = "" if c.fits(ctx.device) else ", does not fit"
+        shown.append(f"{m} ({held}): {_duration(_seconds(c, ctx)).strip()}{fit}")
+    cost.note = f"pair cache {chosen} ({why}); " + "; ".join(shown)
+    if not cost.fits(ctx.device):
+        others = [m for m, c in costs.items() if c.fits(ctx.device)]
+        cost.remedy = f'[dcm] cache = "{others[0]}"' if others else ""
+    return cost
+
+
+def dcm_cache_choice(ctx: Context, costs: Optional[dict[str, StageCost]] = None) -> tuple[str, str]:
+    """The pair-cache mode DCM runs in and why: ``[dcm] cache`` where it names one, else the fastest on
+    ``ctx.device`` of those that fit it (memory, host memory, disk), else the one that holds least (recompute)."""
+    setting = ctx.spec.dcm.cache
+    if setting != "auto":
+        return setting, "[dcm] cache"
+    base = ctx.spec.models.base
+    costs = costs or {m: _dcm_cost(ctx, base, len(ctx.spec.model_names), m) for m in CACHE_MODES}
+    fitting = [m for m, c in costs.items() if c.fits(ctx.device)]
+    if not fitting:
+        return "recompute", f"none fits {ctx.device.name}; recompute holds least"
+    best = min(fitting, key=lambda m: _seconds(costs[m], ctx))
+    return best, f"the fastest that fits {ctx.device.name}"
+
+
+def _seconds(cost: StageCost, ctx: Context) -> float:
+    """``cost``'s time on ``ctx.device``; infinite where the device's throughput in ``ctx.dtype`` is not known (a
+    plan recounted under another dtype than this machine's measured one)."""
+    try:
+        return cost.seconds(ctx.device, ctx.dtype)
+    except ValueError:
+        return math.inf
+
+
+def run_cache_mode(spec: RunSpec, lengths: Optional[Lengths] = None) -> tuple[str, str]:
+    """The pair-cache mode a run of ``spec`` gives DCM, and why: ``[dcm] cache`` where it names one; else
+    :func:`dcm_cache_choice` on the machine the run's models are on (:func:`run_device`); "file" on NDIF (no plan of
+    its server)."""
+    if spec.dcm.cache != "auto":
+        return spec.dcm.cache, "[dcm] cache"
+    try:
+        dims, _ = model_dims(spec.models.base)
+        lengths = lengths or task_lengths(spec)
+    except (OSError, ValueError) as err:  # a model or tokenizer the plan cannot read: the file, as before plans
+        return "file", f"no plan ({err})"
+    device = run_device(spec, dims, lengths)
+    if device is None:
+        return "file", "a run on NDIF"
+    return dcm_cache_choice(Context(spec, dims, lengths, spec.models.dtype, device))
+
+
+def run_device(spec: RunSpec, dims: Dims, lengths: Optional[Lengths] = None) -> Optional[Device]:
+    """The machine a run of ``spec`` computes on, as a plan's device: this CPU measured (throughput, weight and
+    scratch-file bandwidth), or the first CUDA GPU as the named device of its kind (:func:`gpu_device`) with this
+    machine's host memory and disk; None on NDIF."""
+    from ..models.devices import available_memory, scratch_disk, this_machine
+
+    m = spec.models
+    if m.remote:
+        return None
+    if m.device_map or m.device not in (None, "cpu"):
+        return gpu_device().with_disk(scratch_disk()).with_host(available_memory())
+    rows = min(2048, spec.eval.batch_size * (lengths or task_lengths(spec)).longest)
+    return replace(this_machine(dims, (m.dtype,), rows), disk_read=scratch_bandwidth())
+
+
+def gpu_device() -> Device:
+    """The first CUDA GPU as a named device: the one of its name (H100, H200, A100 of its memory), else an H100's
+    figures with its own memory."""
+    import torch
+
+    from ..models.devices import DEVICES
+
+    props = torch.cuda.get_device_properties(0)
+    name = props.name.upper()
+    for key, device in DEVICES.items():
+        kind, size = key.split("-")
+        if kind.upper() in name and abs(int(size[:-2]) * 1e9 - props.total_memory) < 16e9:
+            return replace(device, memory=props.total_memory)
+    return replace(DEVICES["h100-80gb"], name=props.name, memory=props.total_memory)
+
+
+def _dcm_cost(ctx: Context, name: str, semantic: int, mode: str) -> StageCost:
+    """DCM's cost with its pair cache in ``mode``: ``"file"`` writes every pair's row to a scratch file and reads it
+    back for every patched run (suffix runs from the group's layer and position); ``"memory"`` holds the sources'
+    ``z`` (every layer's at each group's position: random heads are drawn from every layer) and runs patched runs in
+    full; ``"recompute"`` holds nothing and runs each patched batch's sources again, in full."""
+    c, t, dims, b = ctx.spec.dcm, ctx.lengths, ctx.dims, dtype_bytes(ctx.dtype)
     n, k = c.n_train + c.n_val + c.n_test, len(_desiderata(ctx))
-    flops = k * ctx.fwd(2 * n, t.tokens)
+    file, full = mode == "file", mode != "file"
     # pairs a cache write (and an evaluation) and a training step hold
     built, trained = ctx.rows(n), min(c.batch_size, c.n_train)
-    reads = k * ctx.reads(2 * math.ceil(n / built))
+    flops = k * ctx.fwd((2 if mode != "recompute" else 1) * n, t.tokens)
+    reads = k * ctx.reads((2 if mode != "recompute" else 1) * math.ceil(n / built))
     checks = c.epochs * math.ceil(c.n_train / c.batch_size) / max(c.eval_every, 1) + 1
     masked = name if c.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
     # the random baseline and semantic patching run for a selection of heads: every one, unless the run chose none
     chose = ctx.known.get("dcm_selected", {}).get(name, 1.0)
     groups = _groups(ctx, masked, c.groups)
-    for layer, pos in _group_starts(ctx, masked, groups).values():
+    starts = _group_starts(ctx, masked, groups)
+    positions = {pos for _, pos in starts.values()} or {""}
+    # a pair's row of the file: every layer's keys and values and a group's entering residual stream per token, and
+    # the sources' z at each position; a patched run reads the keys and values, one stream and one position's z
+    source = dims.n_layers * dims.d_model * b
+    per_pair = int(t.longest * (dims.n_layers * dims.kv_width() + len(groups) * dims.d_model) * b)
+    per_pair += len(positions) * source
+    per_run = t.longest * (dims.n_layers * dims.kv_width() + dims.d_model) * b + source
+    scratch = k * n * per_pair if file else 0.0  # written once, as the cache is built
+    for layer, pos in starts.values():
         runs = 2 * c.epochs * c.n_train + checks * c.n_val + (2 + DCMConfig.n_random * chose) * c.n_test
-        flops += k * ctx.fwd(runs, t.after(pos), t.tokens, dims.n_layers - layer)
-        flops += k * chose * semantic * ctx.fwd(2 * c.n_test, t.tokens)
+        rows_read = c.epochs * c.n_train + checks * c.n_val + (2 + DCMConfig.n_random * chose) * c.n_test
+        tokens, layers = (t.tokens, dims.n_layers) if full else (t.after(pos), dims.n_layers - layer)
+        flops += k * ctx.fwd(runs, tokens, t.tokens, layers)
         passes = 2 * c.epochs * math.ceil(c.n_train / trained) + checks * math.ceil(c.n_val / built)
         passes += (2 + DCMConfig.n_random * chose) * math.ceil(c.n_test / built)
-        reads += k * ctx.reads(passes, dims.n_layers - layer)
-        reads += k * chose * semantic * ctx.reads(2 * math.ceil(c.n_test / built))
-    # a pair's row of the cache: every layer's keys and values and a group's entering residual stream per token
-    per_pair = int(t.longest * (dims.n_layers * dims.kv_width() + len(groups) * dims.d_model) * dtype_bytes(ctx.dtype))
-    longest_after = max((t.after(p) for _, p in _group_starts(ctx, masked, groups).values()), default=t.tokens)
-    transient = max(
-        # a training step: its backward's activations and the rows it read back (its keys and values prefix)
-        backward_bytes(dims, trained, math.ceil(longest_after), half, ctx.dtype, t.longest) + trained * per_pair,
-        # a cache write: a forward keeping every layer's keys and values, and their stacked copy
-        ctx.act(built, t.longest) + 2 * built * per_pair,
-    )
-    host = max(built, trained) * per_pair  # one batch's rows, as written to or read from the file
-    disk = n * per_pair  # the scratch file: every pair's row, one desideratum's file at a time
+        reads += k * ctx.reads(passes, layers)
+        if mode == "recompute":  # every patched batch's sources again (forward only)
+            flops += k * ctx.fwd(rows_read, t.tokens)
+            reads += k * ctx.reads(passes - c.epochs * math.ceil(c.n_train / trained))
+        scratch += k * rows_read * per_run if file else 0.0
+        # semantic patching: per model a cache of the test pairs and one patched evaluation
+        flops += k * chose * semantic * (ctx.fwd(2 * c.n_test, t.tokens) + ctx.fwd(c.n_test, tokens, t.tokens, layers))
+        reads += k * chose * semantic * (ctx.reads(2 * math.ceil(c.n_test / built)))
+        reads += k * chose * semantic * ctx.reads(math.ceil(c.n_test / built), layers)
+        scratch += k * chose * semantic * c.n_test * (per_pair + per_run) if file else 0.0
+    longest_after = max((t.after(p) for _, p in starts.values()), default=t.tokens) if file else t.tokens
+    depth = dims.n_layers / 2 if file else dims.n_layers
+    # a training step: its backward's activations and (file) the rows it read back (its keys and values prefix)
+    step = backward_bytes(dims, trained, math.ceil(longest_after), depth, ctx.dtype, t.longest)
+    step += trained * per_pair if file else 0
+    # a cache write: a forward keeping (file) every layer's keys and values, and their stacked copy
+    write = ctx.act(built, t.longest) + (2 * built * per_pair if file else 0)
+    host = {"file": max(built, trained) * per_pair, "memory": n * len(positions) * source, "recompute": 0}[mode]
+    disk = n * per_pair if file else 0  # the scratch file: every pair's row, one desideratum's file at a time
     stage = "dcm" if name == ctx.spec.models.base else f"dcm:{name}"
-    note = (
-        f"a pair cache of {disk / GIB:.1f} GiB streamed through a scratch file under TMPDIR (every layer's keys "
-        f"and values of {n} pairs; memory holds one batch's rows, {host / GIB:.2f} GiB)"
-    )
     return StageCost(
         stage,
         2,
@@ -598,12 +726,11 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
         flops,
         2 * ctx.weights,
         0,
-        transient,
+        max(step, write),
         host,
         disk,
-        note=note,
         batch_option="[dcm] batch_size",
-        reads=reads,
+        reads=replace(reads, scratch=scratch),
     )
 
 
@@ -690,10 +817,8 @@ def stage_costs(ctx: Context) -> list[StageCost]:
 def place(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, int], StageCost]) -> Placement:
     """``cost`` on ``device``: time, fit, and where it does not fit, what would (``recount(dtype, batch)`` counts the
     stage again under another dtype or batch size)."""
-    r = cost.reads
-    seconds = cost.flops / device.throughput(dtype) + device.read_seconds(dtype, r.bytes)
-    seconds += device.overhead_seconds(r.passes, r.blocks)
-    fits = cost.device_peak(device) <= device.memory and (device.disk is None or cost.disk <= device.disk)
+    fits = cost.fits(device)
+    seconds = cost.seconds(device, dtype)
     return Placement(cost, device, dtype, seconds, fits, [] if fits else remedies(cost, device, dtype, recount))
 
 
@@ -802,12 +927,48 @@ def pass_overhead(dims: Dims, min_seconds: float = 0.2) -> tuple[float, float]:
 
 
 def with_overhead(device: Device, dims: Dims) -> Device:
-    """This machine (a CPU device) with :func:`pass_overhead` measured; a GPU device as it is."""
+    """This machine (a CPU device) with :func:`pass_overhead` and :func:`scratch_bandwidth` measured; a GPU device as
+    it is."""
     if device.gpu:
         return device
     each, block = pass_overhead(dims)
-    note = f"{device.note}; {each * 1e3:.1f} ms a pass and {block * 1e3:.2f} ms a block beside them"
-    return replace(device, overhead=(each, block), note=note)
+    disk = scratch_bandwidth()
+    note = (
+        f"{device.note}; {each * 1e3:.1f} ms a pass and {block * 1e3:.2f} ms a block beside them; scratch files "
+        f"read back at {disk / 1e9:.1f} GB/s (wall)"
+    )
+    return replace(device, overhead=(each, block), note=note, disk_read=disk)
+
+
+#: What :func:`scratch_bandwidth` writes and reads back: rows of a few MB, as DCM's pair cache holds.
+SCRATCH_ROWS, SCRATCH_ROW_BYTES = 32, 4 * 2**20
+
+
+def scratch_bandwidth(min_seconds: float = 0.2) -> float:
+    """Bytes a wall-clock second that rows of a scratch file (:class:`~mechdiff.patching.store.RowStore`, read as
+    DCM's pair cache reads them: batches of 8 rows in a shuffled order) come back under TMPDIR just after they were
+    written (from the page cache where memory holds them, as a run's are). Wall time, not CPU time: a read that
+    waits on the disk costs time but little CPU."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from ..patching.store import RowStore
+
+    store = RowStore(SCRATCH_ROWS)
+    try:
+        store.write("rows", range(SCRATCH_ROWS), torch.ones(SCRATCH_ROWS, SCRATCH_ROW_BYTES // 4))
+        order = np.random.default_rng(0).permutation(SCRATCH_ROWS)
+        batches = [sorted(order[i : i + 8].tolist()) for i in range(0, SCRATCH_ROWS, 8)]
+        reps, start = 0, time.perf_counter()
+        while (spent := time.perf_counter() - start) < min_seconds or reps < 2:
+            for batch in batches:
+                store.read("rows", batch)
+            reps += 1
+        return SCRATCH_ROWS * SCRATCH_ROW_BYTES * reps / spent
+    finally:
+        store.close()
 
 
 def run_record(spec: RunSpec) -> Optional[dict]:
@@ -869,9 +1030,10 @@ def format_resources(plan: list[Placement], lengths: Lengths, dims_source: str) 
     unit = "CPU time" if not device.gpu else "time"
     head = f"{'stage':{width}s}  models      n  batch     PFLOP  host GiB  dev. GiB  disk GiB  {unit:>9s}  fits"
     disk = "disk not given" if device.disk is None else f"{device.disk / GIB:.0f} GiB free under TMPDIR"
+    host = "" if device.host is None else f"; host {device.host / GIB:.0f} GiB"
     lines = [
-        f"resource plan on {device.name} ({device.memory / GIB:.0f} GiB{' available' if not device.gpu else ''}; "
-        f"{disk}; {device.note}), {dtype}",
+        f"resource plan on {device.name} ({device.memory / GIB:.0f} GiB{' available' if not device.gpu else ''}"
+        f"{host}; {disk}; {device.note}), {dtype}",
         f"configs: {dims_source}; prompts {lengths.tokens:.0f} tokens on average, {lengths.longest} at most "
         f"(tokenizer: {lengths.tokenizer})",
         head,
@@ -894,15 +1056,12 @@ def _notes(plan: list[Placement]) -> list[str]:
         c, device = p.cost, p.device
         if c.note:
             out.append(f"  {c.stage}: {c.note}")
-        if c.disk > COMMON_GPU_DISK and device.disk is None:
-            out.append(
-                f"  {c.stage}: its {c.disk / GIB:.0f} GiB of scratch files exceed a {COMMON_GPU_DISK / GIB:.0f} GiB "
-                "disk (a common single-GPU machine's): point TMPDIR at a larger disk (--plan-disk GIB checks yours)"
-            )
         if not p.fits:
             need = f"{c.device_peak(device) / GIB:.1f} GiB"
             if device.disk is not None and c.disk > device.disk:
                 need += f", {c.disk / GIB:.1f} GiB on disk"
+            if device.host is not None and c.host_peak(device) > device.host:
+                need += f", {c.host_peak(device) / GIB:.1f} GiB of host memory"
             out.append(f"  {c.stage} does not fit ({need}); would: " + "; ".join(p.remedies))
     return out
 
@@ -947,11 +1106,13 @@ def print_resources(
     dtype: Optional[str] = None,
     task: Optional[str] = None,
     disk_gib: Optional[float] = None,
+    host_gib: Optional[float] = None,
 ) -> bool:
     """What ``mechdiff run --plan`` prints first for a circuits study (other kinds: nothing): its resource plan on
-    this machine and on the named ``device`` (with ``disk_gib`` GiB free under TMPDIR where given). Returns True
-    where the models' weights are absent, so that the stage cache (which needs the tokenizer and weights checked)
-    cannot be read: the plan then ends here, said so."""
+    this machine and on the named ``device`` (its machine with ``disk_gib`` GiB free under TMPDIR and ``host_gib``
+    GiB of host memory where given, else :data:`~mechdiff.models.devices.COMMON_GPU_DISK` and ``COMMON_GPU_HOST``).
+    Returns True where the models' weights are absent, so that the stage cache (which needs the tokenizer and
+    weights checked) cannot be read: the plan then ends here, said so."""
     from ..models.devices import get_device, this_machine
     from .base import study_kind
     from .reproduce import check_weights
@@ -960,8 +1121,9 @@ def print_resources(
     if path is not None and study_kind(path) != "circuits":
         return False
     named = get_device(device) if device else None  # an unknown name is refused before anything is measured
-    if named is not None and disk_gib is not None:
-        named = named.with_disk(int(disk_gib * GIB))
+    if named is not None:
+        named = named.with_disk(None if disk_gib is None else int(disk_gib * GIB))
+        named = named.with_host(None if host_gib is None else int(host_gib * GIB))
     spec = load_spec(path) if path is not None else default_spec()
     if task is not None:
         check_task(task)

@@ -185,6 +185,11 @@ class DcmSection:
         DCMConfig.random_pool
     )  # random baseline: heads of the selected count from "all" heads or the "group"
     circuit: str = "found"  # the circuit whose groups DCM masks: "found" (as discovered) or "pruned" (the paper)
+    # how the pair cache holds what patched runs read (mechdiff.methods.dcm.CACHE_MODES): "file" (a scratch file under
+    # TMPDIR, suffix runs), "memory" (the sources' z in host memory, as the paper; full runs), "recompute" (sources
+    # run again per batch), or "auto": the fastest that fits the machine, as `mechdiff run --plan` shows. Not in the
+    # stage's key: the modes give the same results but for float rounding
+    cache: str = "auto"
 
 
 @dataclass
@@ -244,6 +249,7 @@ CHOICES = {
     ("dcm", "lam_scale"): ("loss", "absolute"),
     ("dcm", "schedule"): ("steps", "epoch_batches"),
     ("dcm", "circuit"): ("found", "pruned"),
+    ("dcm", "cache"): ("auto", "file", "memory", "recompute"),
     ("cmap", "scope"): ("base", "paper"),
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
 }
