@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
+from typing import Optional
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -98,6 +100,21 @@ def _workers_option(value: str) -> int:
     return n
 
 
+def _planned_workers(spec, requested: Optional[int], threads: Optional[int]):
+    """The processes and threads a plain run of ``spec`` would use here (:func:`._workers.plan_workers`), as the
+    plan's :class:`~mechdiff.studies.resources.Workers`."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ..studies.resources import Workers
+    from ._workers import plan_workers
+
+    plan = plan_workers(SimpleNamespace(kind="circuits", spec=spec), requested)
+    each = plan.threads if plan.workers > 1 else threads or torch.get_num_threads()
+    return Workers(plan.workers, each, plan.reason, spec.models.base)
+
+
 def main(args: argparse.Namespace) -> int:
     from ..studies.base import check_run_dir, load_study, plan_then_run
     from ._workers import WorkerFailed, default_workers, plan_workers, run_workers
@@ -116,7 +133,10 @@ def main(args: argparse.Namespace) -> int:
     if args.plan:
         from ..studies.resources import print_resources
 
-        if print_resources(args.task_file, args.plan_device, args.dtype, args.task, args.plan_disk, args.plan_host):
+        requested = args.workers if args.workers is not None else default_workers()
+        workers = partial(_planned_workers, requested=requested, threads=args.threads)
+        plan = (args.task_file, args.plan_device, args.dtype, args.task, args.plan_disk, args.plan_host, workers)
+        if print_resources(*plan):
             return 0
     models = {key: getattr(args, key) for key in ("dtype", "device", "device_map", "remote")}
     study = load_study(

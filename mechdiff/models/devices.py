@@ -62,10 +62,20 @@ class Device:
     overhead: tuple[float, float] = (0.0, 0.0)
     host: Optional[int] = None  # a GPU machine's host memory in bytes (None: not known; a CPU device's is ``memory``)
     disk_read: float = 0.0  # bytes a second read back from scratch files and weights on disk (0: not counted)
+    # host bytes a run's process holds before its models load (Python, torch, transformers, mechdiff, a tokenizer):
+    # this process's resident memory when the plan is made (:func:`process_memory`), the same stack imported
+    baseline: int = 0
+    # this machine: the 1-minute load average per core while its throughput was measured (above LOADED: calibrated
+    # under load, its CPU seconds per FLOP high); 0 on a named device
+    load: float = 0.0
 
     def with_disk(self, disk: Optional[int]) -> "Device":
         """This device with ``disk`` bytes free under TMPDIR (None: unchanged)."""
         return self if disk is None else replace(self, disk=disk)
+
+    def with_baseline(self) -> "Device":
+        """This device with this process's resident memory as a run's baseline (:func:`process_memory`)."""
+        return replace(self, baseline=process_memory())
 
     def with_host(self, host: Optional[int]) -> "Device":
         """This GPU device's machine with ``host`` bytes of host memory (None: unchanged)."""
@@ -137,6 +147,17 @@ def get_device(name: str) -> Device:
         raise ValueError(f"unknown device {name!r}; named devices: {', '.join(DEVICES)}") from None
 
 
+def process_memory() -> int:
+    """Bytes this process holds resident (``VmRSS``; 0 where /proc is absent)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def available_memory() -> int:
     """Bytes this machine can still give (``MemAvailable``; total memory where /proc/meminfo is absent)."""
     try:
@@ -197,15 +218,34 @@ def weight_bandwidth(inner: int, outer: int, dtype: str, min_seconds: float = 0.
 
 
 def this_machine(dims: Dims, dtypes: tuple[str, ...], rows: Optional[int] = None) -> Device:
-    """This machine as a device: its available memory, the CPU throughput of each of ``dtypes`` measured on a
-    matrix multiply of ``dims``' MLP shape with ``rows`` token rows (default 512: a batch of prompts) and the bytes
-    of weights of that shape a pass of few rows reads per CPU second (:func:`weight_bandwidth`)."""
+    """This machine as a device: its available memory (with what this process holds, a run's baseline), the CPU
+    throughput of each of ``dtypes`` measured on a matrix multiply of ``dims``' MLP shape with ``rows`` token rows
+    (default 512: a batch of prompts), the bytes of weights of that shape a pass of few rows reads per CPU second
+    (:func:`weight_bandwidth`) and the load average a core while it measured (:func:`load_per_core`)."""
     rows = rows or 512
     flops = {d: matmul_throughput(rows, dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}
     reads = {d: weight_bandwidth(dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}
     shown = ", ".join(f"{d} {f / 1e9:.0f} GFLOP/s, weights read at {reads[d] / 1e9:.1f} GB/s" for d, f in flops.items())
     note = f"CPU, measured per CPU second: {shown}"
-    return Device("this machine", available_memory(), flops, False, note, scratch_disk(), reads)
+    held = process_memory()  # a run's baseline, and memory this process frees to a run that follows its plan
+    device = Device("this machine", available_memory() + held, flops, False, note, scratch_disk(), reads)
+    return replace(device, baseline=held, load=load_per_core())
+
+
+#: Load average per core above which a measured throughput counts as calibrated under load: other processes share
+#: the cores, so a CPU second does less and the plan's times run high (or low, where the load goes away).
+LOADED = 0.5
+
+
+def load_per_core() -> float:
+    """The 1-minute load average over the cores this process may run on (0 where unknown)."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return os.getloadavg()[0] / cores
+    except OSError:
+        return 0.0
 
 
 def scratch_disk() -> int:

@@ -614,13 +614,17 @@ class CircuitsStudy(Study):
                             **sem.to_dict(),
                         }
                     )
-            return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic, "left_out": left_out}
+            records = [r.to_dict() for r in results]
+            return {"model": name, "dcm": records, "semantic": semantic, "left_out": left_out, "cache": mode}
 
         # the pair cache's mode is not in the key: the modes give the same results but for float rounding
         section = {k: v for k, v in asdict(c).items() if k != "cache"}
         inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": section, "task": self.task_inputs()}
         inputs.update(self.class_groups(c.groups))
-        return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
+        stage = "dcm" if name == base else f"dcm:{name}"
+        if not self.cache.planning and not self.cache.ready(stage, inputs):
+            self.dcm_cache_mode()  # chosen (this machine measured) before the stage's own work and time begin
+        return self.cache.run(stage, inputs, compute)
 
     def dcm_cache_mode(self) -> tuple[str, str]:
         """DCM's pair-cache mode and why (:func:`~mechdiff.studies.resources.run_cache_mode`), chosen once a run."""
