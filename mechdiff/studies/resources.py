@@ -644,6 +644,9 @@ def dcm(ctx: Context, name: str, semantic: int, mode: Optional[str] = None) -> S
         fit = "" if c.fits(ctx.device) else ", does not fit"
         shown.append(f"{m} ({held}): {_duration(_seconds(c, ctx)).strip()}{fit}")
     cost.note = f"pair cache {chosen} ({why}); " + "; ".join(shown)
+    masked = name if ctx.spec.dcm.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
+    if masked in ctx.known.get("released", {}):
+        cost.note += f"; groups as in {ctx.known['released'][masked]} (the released circuit, assumed)"
     if not cost.fits(ctx.device):
         others = [m for m, c in costs.items() if c.fits(ctx.device)]
         cost.remedy = f'[dcm] cache = "{others[0]}"' if others else ""
@@ -913,11 +916,26 @@ def resource_plan(
     dtype = dtype or spec.models.dtype
     dims, _ = model_dims(spec.models.base)
     lengths = lengths or task_lengths(spec)
-    ctx = Context(spec, dims, lengths, dtype, device, known or {})
+    ctx = Context(spec, dims, lengths, dtype, device, with_released(spec, known or {}))
     out = []
     for i, cost in enumerate(stage_costs(ctx)):
         out.append(place(cost, device, dtype, lambda dt, b, i=i: _recount(ctx, i, dt, b)))
     return out
+
+
+def with_released(spec: RunSpec, known: dict) -> dict:
+    """``known`` with the ``[reproduce] circuit`` (a released circuit of the base, e.g. the paper's pruned LLaMA-7B
+    circuit) as the base's pruned circuit where the run has not found one: its groups' heads and lowest layers stand
+    in for the middle layer the plan otherwise assumes (DCM and CMAP run from a group's lowest layer). Recorded under
+    ``"released"``, so the notes say so."""
+    base, path = spec.models.base, Path(spec.reproduce.circuit) if spec.reproduce.circuit else None
+    pruned = f"{base} pruned"
+    if path is None or not path.is_file() or pruned in known.get("circuit", {}):
+        return known
+    released = json.loads(path.read_text())
+    if released.get("model") != base:
+        return known
+    return {**known, "circuit": {**known.get("circuit", {}), pruned: released}, "released": {pruned: str(path)}}
 
 
 def found_in(run_dir: str | Path) -> dict:

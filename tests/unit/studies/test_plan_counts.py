@@ -118,3 +118,24 @@ def test_a_cpu_stage_holds_the_process_baseline_and_a_gpu_stage_holds_it_on_the_
     gpu = Device("gpu", 10**6, {"float32": 1.0}, baseline=1000)
     assert cost.device_peak(cpu) == 100 + 10 + 5 + 7 + 1000 and cost.host_peak(cpu) == cost.device_peak(cpu)
     assert cost.device_peak(gpu) == 115 and cost.host_peak(gpu) == 100 + 1000
+
+
+def test_the_released_circuit_stands_in_for_the_bases_pruned_circuit_before_a_run():
+    """Before a run, DCM on the paper's study starts each group at the released LLaMA-7B circuit's lowest layer (not
+    the middle), and says so; a circuit the run found wins."""
+    import json
+
+    from mechdiff.models.devices import get_device
+    from mechdiff.models.footprint import model_dims
+    from mechdiff.studies.resources import _group_starts, dcm, with_released
+
+    spec = load_spec("tasks/entity_tracking_llama7b.toml")
+    released = json.loads(open(spec.reproduce.circuit).read())
+    lowest = {g: min(int(h[1:].split("H")[0]) for h in heads) for g, heads in released["groups"].items()}
+    known = with_released(spec, {})
+    ctx = Context(spec, model_dims("llama-7b")[0], Lengths(53, 53, {}, 1, "t"), "float32", get_device("h100-80gb"))
+    starts = _group_starts(replace(ctx, known=known), "llama-7b pruned", ["A", "B", "C", "D"])
+    assert {g: layer for g, (layer, _) in starts.items()} == lowest == {"A": 14, "B": 11, "C": 1, "D": 8}
+    assert "the released circuit, assumed" in dcm(replace(ctx, known=known), "llama-7b", 4).note
+    found = {"circuit": {"llama-7b pruned": {"groups": {"A": ["L3H0"]}, "positions": {"A": "last"}}}}
+    assert with_released(spec, found) == found
