@@ -121,3 +121,25 @@ def test_an_unknown_mode_is_refused(tiny_llama, smollm2_tokenizer):
     pairs = object_value_pairs(smollm2_tokenizer, 3, n_boxes=3, seed=0)
     with pytest.raises(ValueError, match="file, memory, recompute"):
         PairCache.build(tiny_llama, pairs, [([Head(1, 0)], "last")], mode="disk")
+
+
+@pytest.mark.parametrize("mode", ["memory", "recompute"])
+def test_a_position_class_is_patched_alike_in_every_mode(tiny_llama, smollm2_tokenizer, mode):
+    """A group at a class of six tokens (entity tracking's other boxes' words) in pairs of two lengths: each mode's
+    patched logits and gradient on the mask equal the scratch file's, but for a forward's rounding."""
+    pairs = object_value_pairs(smollm2_tokenizer, 10, n_boxes=3, seed=0)
+    pairs += object_value_pairs(smollm2_tokenizer, 6, n_boxes=4, seed=1)
+    heads, rows = [Head(1, 0), Head(2, 3)], list(range(len(pairs)))[::-1]  # both lengths, in a mixed order
+    file, other = (PairCache.build(tiny_llama, pairs, [(heads, "words_other")], 4, mode=m) for m in ("file", mode))
+    outs = []
+    for cache in (file, other):
+        mask = torch.full((2,), 0.4, requires_grad=True)
+        logits, _ = cache.logits(tiny_llama, rows, heads, mask, "words_other", grad=True)
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+        (logits * weights).sum().backward()
+        outs.append((logits.detach(), mask.grad))
+    assert_close32(outs[1][0], outs[0][0])
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-6)
+    assert outs[0][1][0].abs() > 1e-4  # L1H0 at the class reaches the last token (L2H3 in the last layer cannot)
+    file.close()
+    other.close()
