@@ -209,7 +209,7 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
         "matrix-cell": (matrix_cell, r._scored(ctx, "matrix-cell", sizes.n, 1)),
         "path-step-A": (path_step(), path_cost),
         "path-step-A-parts": (path_step(half, per_part), parts_cost),
-        "dcm-epoch": (dcm_epoch, r.dcm(ctx, base.name, 0)),
+        "dcm-epoch": (dcm_epoch, r.dcm(ctx, base.name, 0, "file")),  # the scratch file, as dcm_epoch builds it
         "cmap-pass": (
             lambda: run_cmap(base, other, circuit, records, ["z"], sizes.batch, ["A"], progress=False),
             r.cmap(ctx, other.name),
