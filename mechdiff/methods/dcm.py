@@ -478,7 +478,9 @@ class PairCache:
         for position, layers in self.sites.items():
             self.store.write(f"source/{position}", rows, self._site_z(source, batch, layers, position))
 
-    def _site_z(self, source: dict[int, torch.Tensor], batch: dict, layers: Sequence[int], position: str):
+    def _site_z(
+        self, source: dict[int, torch.Tensor], batch: dict, layers: Sequence[int], position: str
+    ) -> torch.Tensor:
         """The source run's z at ``position`` for ``layers``, stacked ``"batch layer ..."`` as a row stores it."""
         if position in self.classes:
             z = class_z_at(source, batch, layers, position, self.classes[position])

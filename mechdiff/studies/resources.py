@@ -635,7 +635,8 @@ def dcm(ctx: Context, name: str, semantic: int, mode: Optional[str] = None) -> S
     (:func:`dcm_cache_choice`); its note compares the three."""
     costs = {m: _dcm_cost(ctx, name, semantic, m) for m in CACHE_MODES}
     ran = ctx.known.get("dcm_cache", {}).get(name)
-    chosen, why = (mode, "asked") if mode else (ran, "the run's") if ran else dcm_cache_choice(ctx, costs)
+    # a run chooses once, for the base's DCM (``CircuitsStudy.dcm_cache_mode``); every DCM stage runs in that mode
+    chosen, why = (mode, "asked") if mode else (ran, "the run's") if ran else dcm_cache_choice(ctx)
     cost = costs[chosen]
     shown = []
     for m, c in costs.items():
@@ -655,7 +656,8 @@ def dcm(ctx: Context, name: str, semantic: int, mode: Optional[str] = None) -> S
 
 def dcm_cache_choice(ctx: Context, costs: Optional[dict[str, StageCost]] = None) -> tuple[str, str]:
     """The pair-cache mode DCM runs in and why: ``[dcm] cache`` where it names one, else the fastest on
-    ``ctx.device`` of those that fit it (memory, host memory, disk), else the one that holds least (recompute)."""
+    ``ctx.device`` of those that fit it (memory, host memory, disk), else the one that holds least (recompute).
+    ``costs``: each mode's cost (default: the base's DCM, as a run chooses)."""
     setting = ctx.spec.dcm.cache
     if setting != "auto":
         return setting, "[dcm] cache"
