@@ -143,3 +143,34 @@ def test_a_position_class_is_patched_alike_in_every_mode(tiny_llama, smollm2_tok
     assert outs[0][1][0].abs() > 1e-4  # L1H0 at the class reaches the last token (L2H3 in the last layer cannot)
     file.close()
     other.close()
+
+
+def test_the_dcm_command_runs_in_the_mode_asked_with_the_same_results(tmp_path, tiny_family, monkeypatch):
+    """``mechdiff dcm --cache recompute`` builds every pair cache in that mode, and
+    its masks, selections and accuracies are the file mode's."""
+    import json
+
+    from mechdiff.circuits.circuit import Circuit
+    from mechdiff.cli import main as cli_main
+
+    Circuit("tiny", "entity-tracking", {"A": [Head(1, 0), Head(1, 1)]}, {"A": "last"}).save(tmp_path / "c.json")
+    argv = ["dcm", "--model", tiny_family[0], "--semantic", tiny_family[1], "--circuit", str(tmp_path / "c.json")]
+    argv += ["--desiderata", "object", "--n", "20", "--n-boxes", "3", "--epochs", "1", "--n-random", "1"]
+    modes, build = [], PairCache.build.__func__
+
+    def spy(cls, *args, **kwargs):
+        modes.append(kwargs.get("mode", args[5] if len(args) > 5 else "file"))
+        return build(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PairCache, "build", classmethod(spy))
+    results = {}
+    for mode in ("file", "recompute"):
+        modes.clear()
+        assert cli_main([*argv, "--cache", mode, "--out", str(tmp_path / mode)]) == 0
+        assert modes and set(modes) == {mode}
+        results[mode] = json.loads((tmp_path / mode / "dcm.json").read_text())
+    keys = ("mask", "selected", "test_accuracy", "floor", "full_group", "random", "best_step")
+    assert len(results["file"]["results"]) == len(results["recompute"]["results"]) == 1
+    for a, b in zip(results["file"]["results"], results["recompute"]["results"]):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert results["file"]["semantic"] == results["recompute"]["semantic"]
