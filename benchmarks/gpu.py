@@ -233,7 +233,7 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
         "accuracy": (lambda: evaluate(base, records, sizes.batch, progress=False), r.accuracy(ctx, base.name)),
         "matrix-cell": (matrix_cell, r._scored(ctx, "matrix-cell", sizes.n, 1)),
         **path_steps(ctx, base, pairs),
-        "dcm-epoch": (dcm_epoch, r.dcm(ctx, base.name, 0)),
+        "dcm-epoch": (dcm_epoch, r.dcm(ctx, base.name, 0, "file")),  # the scratch file, as dcm_epoch builds it
         "cmap-pass": (
             lambda: run_cmap(base, other, circuit, records, ["z"], sizes.batch, ["A"], progress=False),
             r.cmap(ctx, other.name),

@@ -234,7 +234,7 @@ def run_stages(count: bool, save: Optional[Path] = None, memory: bool = False) -
     from mechdiff.models.footprint import model_dims
     from mechdiff.runs import stages as stage_module
     from mechdiff.studies.circuits import CircuitsStudy
-    from mechdiff.studies.resources import found_in, pass_overhead
+    from mechdiff.studies.resources import found_in, pass_overhead, scratch_bandwidth
 
     measured: dict[str, dict] = {}
     original = stage_module.StageCache.run
@@ -269,6 +269,7 @@ def run_stages(count: bool, save: Optional[Path] = None, memory: bool = False) -
     stage_module.StageCache.run = original
     rates = {k: record[k] for k in ("throughput", "bandwidth")}
     rates["overhead"] = pass_overhead(model_dims(spec.models.base)[0])  # run.json does not record it
+    rates["disk_read"] = scratch_bandwidth()  # nor the rate DCM's scratch file is read back at
     return {"measured": measured, "known": known, **rates, "counted": count}
 
 
@@ -309,17 +310,24 @@ def committed(run_dir: Path) -> dict:
 
 
 def planned_stages(
-    spec, known: dict, throughput: float, bandwidth: Optional[float] = None, overhead: tuple = (0.0, 0.0)
+    spec,
+    known: dict,
+    throughput: float,
+    bandwidth: Optional[float] = None,
+    overhead: tuple = (0.0, 0.0),
+    disk_read: float = 0.0,
 ) -> dict:
     """The planner's FLOPs and CPU seconds of each stage of ``spec`` at the measured ``throughput``, weight
     ``bandwidth`` (None: weight reads not counted, as before the planner counted them) and per-pass and per-block
-    ``overhead``, told what the run ``known`` found."""
+    ``overhead`` and scratch files read back at ``disk_read`` bytes a second (0: not counted), told what the run
+    ``known`` found."""
     from mechdiff.models.devices import Device
     from mechdiff.studies.resources import resource_plan
 
     dtype = spec.models.dtype
     reads = {dtype: bandwidth} if bandwidth else {}
-    here = Device("this machine", 1 << 40, {dtype: throughput}, False, bandwidth=reads, overhead=tuple(overhead))
+    rates = {"bandwidth": reads, "overhead": tuple(overhead), "disk_read": disk_read}
+    here = Device("this machine", 1 << 40, {dtype: throughput}, False, **rates)
     plan = resource_plan(spec, here, known=known)
     return {
         p.cost.stage: {"flops": p.cost.flops, "cpu": p.seconds, "memory": p.cost.device_peak(here) - p.cost.weights}
@@ -331,7 +339,8 @@ def stage_table(run: dict, spec=None) -> str:
     """Each stage planned against measured: CPU seconds and, where measured, FLOPs and peak allocation (MiB above
     the stage's start, against the planner's peak less the models' weights)."""
     spec = spec or small_spec(Path("/nonexistent"))
-    planned = planned_stages(spec, run["known"], run["throughput"], run.get("bandwidth"), run.get("overhead", (0, 0)))
+    rates = (run["throughput"], run.get("bandwidth"), run.get("overhead", (0, 0)), run.get("disk_read", 0.0))
+    planned = planned_stages(spec, run["known"], *rates)
     lines = [
         "| stage | CPU s planned / measured | ratio | GFLOP planned / counted | ratio "
         "| MiB planned / allocated | ratio |",

@@ -86,11 +86,12 @@ def _serial_reason(study: Any, requested: Optional[int]) -> str:
 
 def _memory(study: Any) -> tuple[int, int]:
     """The predicted peak bytes of every model's worker at once (each: its heaviest stage) and the bytes free."""
-    from ..models.devices import Device, available_memory
+    from ..models.devices import Device, available_memory, process_memory
     from ..studies.resources import resource_plan
 
     free = available_memory()
-    here = Device("this machine", free, {study.spec.models.dtype: 1.0}, False)
+    # each worker: a process of its own, holding what this one holds before its models load
+    here = Device("this machine", free, {study.spec.models.dtype: 1.0}, False, baseline=process_memory())
     peaks: dict[str, int] = {}
     for placed in resource_plan(study.spec, here):
         stage = placed.cost.stage

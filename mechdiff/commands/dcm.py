@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
 from ..common.io import check_writable
-from ..methods.dcm import LAM_SCALES, PARAMETERISATIONS, RANDOM_POOLS, DCMConfig
+from ..methods.dcm import CACHE_MODES, LAM_SCALES, PARAMETERISATIONS, RANDOM_POOLS, DCMConfig
 from ..models.modelset import ModelSet
 from ..studies.dcm import dcm_run
 from ..tasks.entity_tracking.desiderata import load_desiderata
@@ -71,6 +71,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="comma-separated models to semantic-patch the selected heads into (the DCM model is included)",
     )
+    p.add_argument(
+        "--cache",
+        default="file",
+        choices=list(CACHE_MODES),
+        help="how the pair cache holds what patched runs read: a scratch file under TMPDIR (every layer's keys and "
+        "values: suffix runs), the sources' z in host memory (as the paper; full runs), or nothing (sources run "
+        "again per batch); the same results but for float rounding (`mechdiff run --plan` compares them)",
+    )
     p.add_argument("--out", default="results/dcm", help="output directory")
     add_model_options(p)
     p.set_defaults(func=main)
@@ -131,5 +139,6 @@ def main(args: argparse.Namespace) -> int:
         task.name,
         args.n_boxes,
         Path(args.out),
+        cache=args.cache,
     )  # prints each table as soon as it is ready
     return 0

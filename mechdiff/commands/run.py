@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
+from typing import Optional
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +43,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="GIB",
         help="with --plan-device: the disk free under TMPDIR on that machine, in GiB (scratch files such as DCM's "
-        "pair cache are checked against it; default: not given, compared with a 64 GiB disk)",
+        "pair cache are checked against it; default 64, a single-GPU machine's)",
+    )
+    p.add_argument(
+        "--plan-host",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="with --plan-device: that machine's host memory, in GiB (what DCM holds in memory is checked against "
+        "it; default 128, a single-GPU machine's)",
     )
     p.add_argument(
         "--task",
@@ -90,6 +100,21 @@ def _workers_option(value: str) -> int:
     return n
 
 
+def _planned_workers(spec, requested: Optional[int], threads: Optional[int]):
+    """The processes and threads a plain run of ``spec`` would use here (:func:`._workers.plan_workers`), as the
+    plan's :class:`~mechdiff.studies.resources.Workers`."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ..studies.resources import Workers
+    from ._workers import plan_workers
+
+    plan = plan_workers(SimpleNamespace(kind="circuits", spec=spec), requested)
+    each = plan.threads if plan.workers > 1 else threads or torch.get_num_threads()
+    return Workers(plan.workers, each, plan.reason, spec.models.base)
+
+
 def main(args: argparse.Namespace) -> int:
     from ..studies.base import check_run_dir, load_study, plan_then_run
     from ._workers import WorkerFailed, default_workers, plan_workers, run_workers
@@ -103,10 +128,15 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--plan-device predicts a plan: give it with --plan")
     if args.plan_disk is not None and not args.plan_device:
         raise ValueError("--plan-disk is the named device's disk: give it with --plan-device")
+    if args.plan_host is not None and not args.plan_device:
+        raise ValueError("--plan-host is the named device's host memory: give it with --plan-device")
     if args.plan:
         from ..studies.resources import print_resources
 
-        if print_resources(args.task_file, args.plan_device, args.dtype, args.task, args.plan_disk):
+        requested = args.workers if args.workers is not None else default_workers()
+        workers = partial(_planned_workers, requested=requested, threads=args.threads)
+        plan = (args.task_file, args.plan_device, args.dtype, args.task, args.plan_disk, args.plan_host, workers)
+        if print_resources(*plan):
             return 0
     models = {key: getattr(args, key) for key in ("dtype", "device", "device_map", "remote")}
     study = load_study(

@@ -61,7 +61,7 @@ from ..common.stats import Estimate, pooled_proportion, proportion
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, Prefix, Resume, run
 from ..patching.evaluate import batches
-from ..patching.store import RowStore
+from ..patching.store import MemoryRows, RowStore
 from ..tasks.base import (
     PairRecord,
     group_batches,
@@ -426,6 +426,15 @@ def class_widths(pairs: Sequence[PairRecord], positions: Iterable[str], batch_si
     return widths
 
 
+#: How a :class:`PairCache` holds what patched runs read (``[dcm] cache``; the plan's choice where "auto"):
+#: ``"file"`` streams a scratch file of the base runs' keys, values and entering residual streams and the sources'
+#: ``z`` (patched runs are suffix runs from the group's layer and position); ``"memory"`` holds only the sources'
+#: ``z`` at the groups' heads and positions in host memory, as the paper does (patched runs are full runs);
+#: ``"recompute"`` holds nothing but the floor and runs each batch's sources again (full runs). The three give the
+#: same outcomes but for float rounding (a suffix run over a stored prefix and a full run sum in another order).
+CACHE_MODES = ("file", "memory", "recompute")
+
+
 @dataclass
 class PairCache:
     """What every DCM run on one list of pairs shares, computed in one pass over them and streamed from disk.
@@ -442,7 +451,10 @@ class PairCache:
     The activations are written to a scratch HDF5 file (:class:`~mechdiff.patching.store.RowStore`, under
     ``TMPDIR``) a batch at a time and read back by the rows each patched run needs, so memory holds one batch's
     activations whatever the number of pairs (the paper-form study's 2000 SmolLM2 pairs: about 17 GB on disk);
-    the values read back are the ones computed, bit for bit. The file is deleted with the cache.
+    the values read back are the ones computed, bit for bit. The file is deleted with the cache. Where that file
+    does not fit (:data:`CACHE_MODES`), ``mode="memory"`` holds only the sources' ``z`` in host memory and
+    ``mode="recompute"`` runs the sources again for every batch; both run patched runs in full (no keys, values or
+    residual streams stored).
 
     Pairs of several token lengths and templates are run group by group
     (:func:`~mechdiff.tasks.base.grouped_batches`); the residual streams and keys/values of shorter pairs
@@ -451,7 +463,7 @@ class PairCache:
     """
 
     pairs: list[PairRecord]
-    store: RowStore  # "source/<position>", "resid/<layer>", "keys", "values": one row per pair
+    store: Union[RowStore, MemoryRows]  # "source/<position>", "resid/<layer>", "keys", "values": one row per pair
     sites: dict[str, list[int]]  # position -> the layers whose source z is stored there (in the row's order)
     starts: list[int]  # the layers whose entering residual stream is stored (patched runs resume there)
     floor: np.ndarray  # bool per pair: target is the unpatched base's top-1
@@ -462,6 +474,7 @@ class PairCache:
     #: Position classes of several tokens among the sites -> the most tokens a prompt has there: the source z of
     #: every token of the class is stored (``"row layer k (head d_head)"``) and patched (:func:`class_z_patches`).
     classes: dict[str, int] = field(default_factory=dict)
+    mode: str = "file"  # one of CACHE_MODES
 
     @classmethod
     def build(
@@ -471,10 +484,13 @@ class PairCache:
         groups: Iterable[tuple[Sequence[Head], str]],
         batch_size: int = 32,
         progress: bool = False,
+        mode: str = "file",
     ) -> "PairCache":
-        """Two forward passes per pair, one source run (the sites of every ``(heads, position)`` in ``groups``) and
-        one base run; a target of several tokens is appended to the base prompt (teacher forcing), and the base run
-        covers it."""
+        """Two forward passes per pair, one source run (the sites of every ``(heads, position)`` in ``groups``; none
+        under ``mode="recompute"``) and one base run; a target of several tokens is appended to the base prompt
+        (teacher forcing), and the base run covers it. ``mode``: one of :data:`CACHE_MODES`."""
+        if mode not in CACHE_MODES:
+            raise ValueError(f"DCM's cache mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
         pairs = list(pairs)
         groups = [(list(heads), pos) for heads, pos in groups]
         sites = {pos: sorted({h.layer for hs, p in groups if p == pos for h in hs}) for _, pos in groups}
@@ -482,9 +498,11 @@ class PairCache:
         starts = sorted({min(h.layer for h in heads) for heads, _ in groups if heads} - {0})
         width = max((len(target_tokens(p)) for p in pairs), default=1)
         classes = class_widths(pairs, sites, batch_size)
-        cache = cls(
-            pairs, RowStore(len(pairs)), sites, starts, np.zeros(len(pairs), dtype=bool), width=width, classes=classes
-        )
+        store = RowStore(len(pairs)) if mode == "file" else MemoryRows(len(pairs))
+        floor = np.zeros(len(pairs), dtype=bool)
+        suffix = mode == "file"
+        starts = starts if suffix else []  # full runs: nothing to resume from
+        cache = cls(pairs, store, sites, starts, floor, suffix, width=width, classes=classes, mode=mode)
         length = max((len(p.base.input_ids) for p in pairs), default=0) + width - 1
         batches = grouped_batches(pairs, batch_size)
         for rows in progress_bar(batches, desc="dcm cache", disable=not progress, leave=False):
@@ -494,27 +512,46 @@ class PairCache:
     def _write(self, model: LoadedModel, rows: list[int], length: int) -> None:
         """One batch's source z, base residual streams, keys and values and floor, stored at ``rows``."""
         batch = pair_batch_tensors(take(self.pairs, rows))
-        self._write_sources(model, batch, rows)  # its run freed before the base run
+        if self.mode != "recompute":
+            self._write_sources(model, batch, rows)  # its run freed before the base run
         ids, readout, target = self._teacher(batch, rows)
         with torch.no_grad():
-            out = run(
-                model, ids, capture=[("resid", layer - 1) for layer in self.starts], keep_kv=True, readout=readout
-            )
+            capture = [("resid", layer - 1) for layer in self.starts]
+            out = run(model, ids, capture=capture, keep_kv=self.suffix, readout=readout)
         for layer in self.starts:
             self.store.write(f"resid/{layer}", rows, _pad(out.captured[("resid", layer - 1)], -2, length))
         self.floor[rows] = target_correct(out.logits, target).cpu().numpy()
-        for name, kv in (("keys", out.kv.keys), ("values", out.kv.values)):
-            self.store.write(name, rows, _pad(torch.stack(kv, dim=1), -2, length))
+        if self.suffix:
+            for name, kv in (("keys", out.kv.keys), ("values", out.kv.values)):
+                self.store.write(name, rows, _pad(torch.stack(kv, dim=1), -2, length))
 
     def _write_sources(self, model: LoadedModel, batch: dict, rows: list[int]) -> None:
         """One batch's source z at every site, from one source run, stored at ``rows``."""
         source = source_run(model, batch, [layer for layers in self.sites.values() for layer in layers])
         for position, layers in self.sites.items():
-            if position in self.classes:
-                z = class_z_at(source, batch, layers, position, self.classes[position])
-            else:
-                z = z_at(source, batch, layers, position)
-            self.store.write(f"source/{position}", rows, torch.stack([z[layer] for layer in layers], dim=1))
+            self.store.write(f"source/{position}", rows, self._site_z(source, batch, layers, position))
+
+    def _site_z(
+        self, source: dict[int, torch.Tensor], batch: dict, layers: Sequence[int], position: str
+    ) -> torch.Tensor:
+        """The source run's z at ``position`` for ``layers``, stacked ``"batch layer ..."`` as a row stores it."""
+        if position in self.classes:
+            z = class_z_at(source, batch, layers, position, self.classes[position])
+        else:
+            z = z_at(source, batch, layers, position)
+        return torch.stack([z[layer] for layer in layers], dim=1)
+
+    def _source_values(
+        self, model: LoadedModel, batch: dict, rows: Sequence[int], heads: Sequence[Head], position: str
+    ) -> dict[int, torch.Tensor]:
+        """The sources' z of pairs ``rows`` at ``position`` for each layer of ``heads``: read from the cache, or
+        (``mode="recompute"``) from a source run of the batch now."""
+        layers = sorted({h.layer for h in heads})
+        if self.mode == "recompute":
+            z = self._site_z(source_run(model, batch, layers), batch, layers, position)
+            return {layer: z[:, i] for i, layer in enumerate(layers)}
+        z = self.store.read(f"source/{position}", rows)
+        return {layer: z[:, self.sites[position].index(layer)] for layer in layers}
 
     def _teacher(self, batch: dict, rows: Sequence[int]) -> tuple[torch.Tensor, Optional[torch.Tensor], Target]:
         """The base run's input ids (the prompts, then the first ``width - 1`` target tokens where a target has
@@ -569,8 +606,7 @@ class PairCache:
         batch = pair_batch_tensors([self.pairs[i] for i in rows])
         ids, readout, target = self._teacher(batch, rows)
         n = ids.shape[1]
-        z = self.store.read(f"source/{position}", rows)
-        values = {h.layer: z[:, self.sites[position].index(h.layer)] for h in heads}
+        values = self._source_values(model, batch, rows, heads, position)
         if position in self.classes:
             index, real = class_indices(batch["base"], position)
             patches = class_z_patches(model, heads, mask, values, index, real, batch["base"]["input_ids"].shape[1])
@@ -630,9 +666,11 @@ def target_accuracy(
     position: str,
     batch_size: int = 32,
     progress: bool = False,
+    mode: str = "file",
 ) -> np.ndarray:
-    """Per-pair correctness (top-1 == target) with ``patched`` heads' z taken from the source at ``position``."""
-    cache = PairCache.build(model, pairs, [(list(patched), position)], batch_size, progress)
+    """Per-pair correctness (top-1 == target) with ``patched`` heads' z taken from the source at ``position``
+    (``mode``: the :class:`PairCache`'s, one of :data:`CACHE_MODES`)."""
+    cache = PairCache.build(model, pairs, [(list(patched), position)], batch_size, progress, mode)
     try:
         return cache.accuracy(model, range(len(pairs)), patched, position, batch_size, progress)
     finally:
@@ -797,11 +835,12 @@ def run_dcm(
     progress: bool = True,
     cache: Optional[PairCache] = None,
     items: Optional[Sequence] = None,
+    mode: str = "file",
 ) -> DCMResult:
     """Learn a DCM mask over ``heads`` at ``position`` for a desideratum's ``pairs`` and evaluate it on a
     held-out test split against the no-intervention floor, the whole group and random head sets.
-    ``cache``: a :class:`PairCache` of ``pairs`` covering these heads (built here if absent); ``items``: each
-    pair's item (default: its clean prompt), the splits disjoint by it (:func:`split_indices`)."""
+    ``cache``: a :class:`PairCache` of ``pairs`` covering these heads (built here in ``mode`` if absent);
+    ``items``: each pair's item (default: its clean prompt), the splits disjoint by it (:func:`split_indices`)."""
     config = config or DCMConfig()
     heads = list(heads)
     if not heads:
@@ -813,6 +852,7 @@ def run_dcm(
             [(heads, position), (random_pool(model, heads, config), position)],
             config.eval_batch,
             progress,
+            mode,
         )
     train, val, test = split_indices(len(cache.pairs), config.split, config.seed, pair_items(cache.pairs, items))
     values, best_step, history = train_mask(model, heads, position, cache, train, val, config, progress)
@@ -875,10 +915,12 @@ def dcm_circuit(
     groups: Optional[Iterable[str]] = None,
     progress: bool = True,
     items: Optional[Sequence] = None,
+    mode: str = "file",
 ) -> list[DCMResult]:
     """DCM for every (group, desideratum) of a circuit; each group at its own position. One
-    :class:`PairCache` per desideratum serves every group; ``items``: each pair's item (every desideratum's pairs
-    are of the same rows; default: a pair's clean prompt), train, validation and test disjoint by it."""
+    :class:`PairCache` per desideratum (in ``mode``, one of :data:`CACHE_MODES`) serves every group; ``items``:
+    each pair's item (every desideratum's pairs are of the same rows; default: a pair's clean prompt), train,
+    validation and test disjoint by it."""
     config = config or DCMConfig()
     results = []
     wanted = list(groups) if groups is not None else list(circuit.groups)
@@ -892,7 +934,7 @@ def dcm_circuit(
             for g in wanted
             for heads in (circuit.groups[g], random_pool(model, circuit.groups[g], config))
         ]
-        cache = PairCache.build(model, pairs, sites, config.eval_batch, progress)
+        cache = PairCache.build(model, pairs, sites, config.eval_batch, progress, mode)
         for g in wanted:
             log.info(
                 "DCM group %s (%d heads at %s), desideratum %s", g, len(circuit.groups[g]), circuit.positions[g], name
@@ -959,18 +1001,20 @@ def semantic_patching(
     progress: bool = True,
     n_random: int = 0,
     seed: int = 0,
+    mode: str = "file",
 ) -> list[SemanticResult]:
     """Patch ``heads`` (e.g. a DCM selection) from each pair's source into its base, within each model,
     and report the desideratum's target accuracy per model (with the unpatched floor); with ``n_random``, also
     that many random head sets of the selection's layers at ``position`` (:func:`random_heads`, drawn once by
-    ``seed`` and patched into every model), each draw's per-pair outcomes kept."""
+    ``seed`` and patched into every model), each draw's per-pair outcomes kept; ``mode``: each
+    :class:`PairCache`'s."""
     if not heads:
         raise ValueError("semantic patching needs at least one head (the DCM selection was empty)")
     models = list(models)
     drawn = random_heads(models[0], heads, heads, DCMConfig(random_pool="layer"), n_random, seed) if models else []
     out = []
     for model in models:
-        cache = PairCache.build(model, pairs, [(list(heads), position)], batch_size, progress)
+        cache = PairCache.build(model, pairs, [(list(heads), position)], batch_size, progress, mode)
         acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress)
         draws = [cache.accuracy(model, range(len(pairs)), hs, position, batch_size) for hs in drawn]
         out.append(

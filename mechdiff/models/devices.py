@@ -27,9 +27,23 @@ from .footprint import Dims, dtype_bytes
 GIB = 2**30
 #: Share of a GPU's dense peak (and of its memory bandwidth) a forward pass is assumed to reach.
 GPU_EFFICIENCY = 0.5
-#: The disk a plan compares scratch files with where a named device's is not given: a GPU machine's 64 GiB (as the
+#: The disk a named device's machine has free for scratch files unless told otherwise: a GPU machine's 64 GiB (as the
 #: single-GPU machines lent to this project have; ``--plan-disk`` gives yours).
 COMMON_GPU_DISK = 64 * 2**30
+#: The host memory a named device's machine has unless told otherwise: 128 GiB (the single-GPU machines lent to this
+#: project; ``--plan-host`` gives yours).
+COMMON_GPU_HOST = 128 * 2**30
+#: Bytes a second a named device's machine reads a scratch file (DCM's pair cache) or a model's weights from its
+#: disk: 2 GB/s, an assumption (a data-centre NVMe SSD reads 3-7 GB/s sequentially, a cloud machine's local or
+#: network disk less; h5py's reads of DCM's rows of tens of MB each are near-sequential). This machine's is measured
+#: (:func:`mechdiff.studies.resources.scratch_bandwidth`).
+COMMON_GPU_DISK_READ = 2e9
+#: Seconds a pass and a block cost on a GPU beside their FLOPs and weight reads: the host's Python (the intervention
+#: layer, the model's forward) and kernel launches, which a small pass waits on. An assumption from launch latency:
+#: eager PyTorch issues about 30 kernels a LLaMA block, each costing about 10 us on the host (dispatch and the CUDA
+#: launch; NVIDIA and PyTorch's "Accelerating PyTorch with CUDA Graphs", 2021, give a few microseconds a launch), so
+#: 0.3 ms a block; 1 ms a pass for the embedding, the read-out and the intervention layer's setup.
+GPU_OVERHEAD = (1e-3, 3e-4)
 
 
 @dataclass(frozen=True)
@@ -44,12 +58,32 @@ class Device:
     disk: Optional[int] = None  # bytes free for scratch files under TMPDIR; None: not known
     bandwidth: dict[str, float] = field(default_factory=dict)  # weight bytes a pass reads per second, per dtype
     # seconds each pass and each block a pass runs cost beside FLOPs and reads (Python, the intervention layer's
-    # trace): measured on this machine (``mechdiff.studies.resources.pass_overhead``); 0 on a named GPU
+    # trace): measured on this machine (``mechdiff.studies.resources.pass_overhead``); GPU_OVERHEAD on a named GPU
     overhead: tuple[float, float] = (0.0, 0.0)
+    host: Optional[int] = None  # a GPU machine's host memory in bytes (None: not known; a CPU device's is ``memory``)
+    disk_read: float = 0.0  # bytes a second read back from scratch files and weights on disk (0: not counted)
+    # host bytes a run's process holds before its models load (Python, torch, transformers, mechdiff, a tokenizer):
+    # this process's resident memory when the plan is made (:func:`process_memory`), the same stack imported
+    baseline: int = 0
+    # this machine: the 1-minute load average per core while its throughput was measured (above LOADED: calibrated
+    # under load, its CPU seconds per FLOP high); 0 on a named device
+    load: float = 0.0
 
     def with_disk(self, disk: Optional[int]) -> "Device":
         """This device with ``disk`` bytes free under TMPDIR (None: unchanged)."""
         return self if disk is None else replace(self, disk=disk)
+
+    def with_baseline(self) -> "Device":
+        """This device with this process's resident memory as a run's baseline (:func:`process_memory`)."""
+        return replace(self, baseline=process_memory())
+
+    def with_host(self, host: Optional[int]) -> "Device":
+        """This GPU device's machine with ``host`` bytes of host memory (None: unchanged)."""
+        return self if host is None else replace(self, host=host)
+
+    def disk_seconds(self, nbytes: float) -> float:
+        """Seconds to read ``nbytes`` from disk (scratch files, weights; 0 where the rate is not known)."""
+        return nbytes / self.disk_read if self.disk_read else 0.0
 
     def throughput(self, dtype: str) -> float:
         """FLOP/s for ``dtype`` (float16 as bfloat16 where only bfloat16 is given)."""
@@ -74,8 +108,23 @@ class Device:
 def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, tbps: float, note: str) -> Device:
     flops = {"bfloat16": bf16_tflops * 1e12 * GPU_EFFICIENCY, "float32": fp32_tflops * 1e12 * GPU_EFFICIENCY}
     reads = {dtype: tbps * 1e12 * GPU_EFFICIENCY for dtype in flops}
-    note = f"{note}; {GPU_EFFICIENCY:.0%} of dense peak and memory bandwidth assumed"
-    return Device(name, int(memory_gb * 1e9), flops, True, note, bandwidth=reads)
+    note = (
+        f"{note}; {GPU_EFFICIENCY:.0%} of dense peak and memory bandwidth assumed; "
+        f"{GPU_OVERHEAD[0] * 1e3:.1f} ms a pass and {GPU_OVERHEAD[1] * 1e3:.1f} ms a block beside them; "
+        f"disk read at {COMMON_GPU_DISK_READ / 1e9:.0f} GB/s"
+    )
+    return Device(
+        name,
+        int(memory_gb * 1e9),
+        flops,
+        True,
+        note,
+        COMMON_GPU_DISK,
+        reads,
+        GPU_OVERHEAD,
+        COMMON_GPU_HOST,
+        COMMON_GPU_DISK_READ,
+    )
 
 
 #: Named accelerators: memory, dense bfloat16 and float32 peaks, memory bandwidth (NVIDIA's data sheets, SXM parts).
@@ -96,6 +145,17 @@ def get_device(name: str) -> Device:
         return DEVICES[name]
     except KeyError:
         raise ValueError(f"unknown device {name!r}; named devices: {', '.join(DEVICES)}") from None
+
+
+def process_memory() -> int:
+    """Bytes this process holds resident (``VmRSS``; 0 where /proc is absent)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def available_memory() -> int:
@@ -158,15 +218,34 @@ def weight_bandwidth(inner: int, outer: int, dtype: str, min_seconds: float = 0.
 
 
 def this_machine(dims: Dims, dtypes: tuple[str, ...], rows: Optional[int] = None) -> Device:
-    """This machine as a device: its available memory, the CPU throughput of each of ``dtypes`` measured on a
-    matrix multiply of ``dims``' MLP shape with ``rows`` token rows (default 512: a batch of prompts) and the bytes
-    of weights of that shape a pass of few rows reads per CPU second (:func:`weight_bandwidth`)."""
+    """This machine as a device: its available memory (with what this process holds, a run's baseline), the CPU
+    throughput of each of ``dtypes`` measured on a matrix multiply of ``dims``' MLP shape with ``rows`` token rows
+    (default 512: a batch of prompts), the bytes of weights of that shape a pass of few rows reads per CPU second
+    (:func:`weight_bandwidth`) and the load average a core while it measured (:func:`load_per_core`)."""
     rows = rows or 512
     flops = {d: matmul_throughput(rows, dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}
     reads = {d: weight_bandwidth(dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}
     shown = ", ".join(f"{d} {f / 1e9:.0f} GFLOP/s, weights read at {reads[d] / 1e9:.1f} GB/s" for d, f in flops.items())
     note = f"CPU, measured per CPU second: {shown}"
-    return Device("this machine", available_memory(), flops, False, note, scratch_disk(), reads)
+    held = process_memory()  # a run's baseline, and memory this process frees to a run that follows its plan
+    device = Device("this machine", available_memory() + held, flops, False, note, scratch_disk(), reads)
+    return replace(device, baseline=held, load=load_per_core())
+
+
+#: Load average per core above which a measured throughput counts as calibrated under load: other processes share
+#: the cores, so a CPU second does less and the plan's times run high (or low, where the load goes away).
+LOADED = 0.5
+
+
+def load_per_core() -> float:
+    """The 1-minute load average over the cores this process may run on (0 where unknown)."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return os.getloadavg()[0] / cores
+    except OSError:
+        return 0.0
 
 
 def scratch_disk() -> int:

@@ -413,6 +413,38 @@ class RowStore:
         self._finalizer()
 
 
+class MemoryRows:
+    """:class:`RowStore`'s interface over host memory: each array is allocated whole at its first write (``n_rows``
+    rows of its row shape and dtype) and read back by rows, bit for bit. For what is small enough to hold (DCM's
+    source ``z`` at a group's heads and positions, as the paper holds it)."""
+
+    def __init__(self, n_rows: int) -> None:
+        self.n_rows = n_rows
+        self._arrays: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._arrays
+
+    def write(self, name: str, rows: Sequence[int], t: torch.Tensor) -> None:
+        """Rows ``rows`` (distinct) of array ``name`` are ``t`` (``"row ..."``)."""
+        t = t.detach().cpu()
+        if name not in self._arrays:
+            self._arrays[name] = t.new_zeros((self.n_rows, *t.shape[1:]))
+        self._arrays[name][torch.as_tensor(list(rows), dtype=torch.long)] = t
+
+    def read(self, name: str, rows: Sequence[int]) -> torch.Tensor:
+        """Rows ``rows`` of array ``name``, in the order asked (a copy)."""
+        return self._arrays[name][torch.as_tensor(list(rows), dtype=torch.long)]
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(a.numel() * a.element_size() for a in self._arrays.values())
+
+    def close(self) -> None:
+        """Drop the arrays."""
+        self._arrays.clear()
+
+
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     """``t``'s values as numpy holds them; bfloat16 (which numpy lacks) as its bits, in int16."""
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()

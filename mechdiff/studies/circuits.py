@@ -42,6 +42,7 @@ class CircuitsStudy(Study):
 
     def __init__(self, spec: RunSpec, progress: bool = True, out_dir: Optional[str] = None):
         super().__init__(out_dir or spec.output.dir, progress)  # writable before anything loads or computes
+        self._dcm_cache_mode: Optional[tuple[str, str]] = None  # DCM's pair-cache mode, chosen at its first stage
         self.spec = spec
         self.store = str(Path(spec.output.store))
         check_writable(Path(self.store).parent, "activation store directory")
@@ -657,7 +658,11 @@ class CircuitsStudy(Study):
                     "left_out": left_out,
                 }
             items = self.dcm_items(n)
-            results = dcm_circuit(self.model(name), circuit, desiderata, config, groups, self.progress, items)
+            mode, why = self.dcm_cache_mode()
+            log.info("DCM of %s: pair cache %s (%s)", name, mode, why)
+            results = dcm_circuit(
+                self.model(name), circuit, desiderata, config, groups, self.progress, items=items, mode=mode
+            )
             semantic = []
             for r in results if name == base else ():
                 if not r.selected:
@@ -671,6 +676,7 @@ class CircuitsStudy(Study):
                     self.spec.eval.batch_size,
                     n_random=c.n_random,
                     seed=config.seed + 1,
+                    mode=mode,
                 ):
                     semantic.append(
                         {
@@ -680,11 +686,25 @@ class CircuitsStudy(Study):
                             **sem.to_dict(),
                         }
                     )
-            return {"model": name, "dcm": [r.to_dict() for r in results], "semantic": semantic, "left_out": left_out}
+            records = [r.to_dict() for r in results]
+            return {"model": name, "dcm": records, "semantic": semantic, "left_out": left_out, "cache": mode}
 
-        inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": asdict(c), "task": self.task_inputs()}
+        # the pair cache's mode is not in the key: the modes give the same results but for float rounding
+        section = {k: v for k, v in asdict(c).items() if k != "cache"}
+        inputs = {"models": self.digests, "circuit": circuit_rec.key, "dcm": section, "task": self.task_inputs()}
         inputs.update(self.class_groups(c.groups))
-        return self.cache.run("dcm" if name == base else f"dcm:{name}", inputs, compute)
+        stage = "dcm" if name == base else f"dcm:{name}"
+        if not self.cache.planning and not self.cache.ready(stage, inputs):
+            self.dcm_cache_mode()  # chosen (this machine measured) before the stage's own work and time begin
+        return self.cache.run(stage, inputs, compute)
+
+    def dcm_cache_mode(self) -> tuple[str, str]:
+        """DCM's pair-cache mode and why (:func:`~mechdiff.studies.resources.run_cache_mode`), chosen once a run."""
+        if self._dcm_cache_mode is None:
+            from .resources import run_cache_mode
+
+            self._dcm_cache_mode = run_cache_mode(self.spec)
+        return self._dcm_cache_mode
 
     def dcm_items(self, n: int) -> Optional[list]:
         """The item of each of DCM's ``n`` pairs: an imported task's items of the ``dcm`` set's rows (its clean

@@ -29,13 +29,15 @@ def dcm_run(
     n_boxes: int,
     out: Path,
     echo: Callable[[str], None] = print,
+    cache: str = "file",
 ) -> None:
     """DCM on the first model of ``models`` for each group (``groups``; default all) of ``circuit`` and each
     desideratum (``out/dcm.*``, ``out/dcm.png``); with more than one model, semantic patching of each selection
     into every model (``out/semantic.*``); ``out/dcm.json``. Each table goes to ``echo`` (in markdown) as soon as
-    it is ready: the DCM table before semantic patching loads the other models, then the semantic table."""
+    it is ready: the DCM table before semantic patching loads the other models, then the semantic table. ``cache``:
+    the pair caches' mode (:data:`~mechdiff.methods.dcm.CACHE_MODES`)."""
     model = models[models.names[0]]
-    results = dcm_circuit(model, circuit, dict(desiderata), config, groups)
+    results = dcm_circuit(model, circuit, dict(desiderata), config, groups, mode=cache)
     records = [r.to_dict() for r in results]
     rows = dcm_rows(records)
     caption = (
@@ -66,7 +68,7 @@ def dcm_run(
         "results": records,
     }
     if len(models) > 1:
-        summary["semantic"], semantic_text = _semantic(models, results, desiderata, config, out)
+        summary["semantic"], semantic_text = _semantic(models, results, desiderata, config, out, cache)
         echo(semantic_text)
     write_json(out / "dcm.json", summary)
 
@@ -77,8 +79,10 @@ def _semantic(
     desiderata: Mapping[str, Sequence[PairRecord]],
     config: DCMConfig,
     out: Path,
+    cache: str = "file",
 ) -> tuple[list[dict], str]:
-    """Patch each selection into every model of the set, on that desideratum's test pairs."""
+    """Patch each selection into every model of the set, on that desideratum's test pairs (pair caches in
+    ``cache`` mode)."""
     records = []
     for r in results:
         if not r.selected:
@@ -92,6 +96,7 @@ def _semantic(
             config.eval_batch,
             n_random=config.n_random,
             seed=config.seed + 1,
+            mode=cache,
         ):
             records.append(
                 {"group": r.group, "desideratum": r.desideratum, "heads": [h.name for h in r.selected], **sem.to_dict()}

@@ -15,13 +15,18 @@ Each stage is counted by its algorithm (:mod:`mechdiff.studies.circuits`), in fo
   Pruning resumes each removal from F(C)'s run, which it keeps for every prompt (every layer's residual stream,
   keys and values: this grows with ``prune_n``).
 - path discovery: clean and counterfactual runs of every pair, kept (every layer's ``z``, the residual stream,
-  keys and values: this grows with ``n``), then per step every head below the receivers as a sender: a one-token
-  frozen run over half the layers and a receiver run of the tokens after the receiver position over half the
-  layers (the receivers' layers are not known before discovery: the middle is assumed).
-- DCM: per desideratum a pair cache (two forwards a pair; every layer's keys and values of every pair, streamed
-  through a scratch HDF5 file under TMPDIR, one desideratum's file at a time: disk grows with ``n``, memory holds
-  one batch's rows), then per group training (forward and backward to the activations, the weights frozen: two
-  forwards' FLOPs), validation and test runs from the group's position and lowest layer; it holds two models.
+  keys and values: this grows with ``n``), then per step every head below the deepest receiver as a sender (the
+  found circuit's receiving group bounds it where known; before discovery the middle layer is assumed; a step
+  into the logits: every head): a one-token frozen run over half the layers and receiver runs of the tokens after
+  the receiver position over half the layers, one per distinct receiver position (step D: one per box), a pass.
+- DCM: per desideratum a pair cache, in the mode :func:`dcm_cache_choice` picks (the fastest that fits the
+  machine's GPU, host memory and disk; ``[dcm] cache`` names one): ``file`` (two forwards a pair; every layer's
+  keys and values of every pair written to a scratch HDF5 file under TMPDIR, one desideratum's file at a time, and
+  read back by every patched run: disk grows with ``n``, memory holds one batch's rows; the bytes read over the
+  disk's rate), ``memory`` (the sources' ``z`` at each group's position in host memory; patched runs in full) or
+  ``recompute`` (nothing held; each patched batch's sources run again); then per group training (forward and
+  backward to the activations, the weights frozen: two forwards' FLOPs), validation and test runs (``file``: from
+  the group's position and lowest layer) and semantic patching's; it holds two models.
 - CMAP: per prompt the base and the fine-tune once, then one patched base run per scope and part, from the scope's
   lowest layer (a ``z`` patch from its position, other parts over every token); two models.
 
@@ -29,13 +34,19 @@ Where a run has found them (``known``: :func:`found_in`), the circuits, the posi
 of pairs greedy pruning searched are the run's; before it they are assumed (the plan's notes say which).
 
 Memory is the models' weights, what the stage keeps beside them and the transient activations of its largest
-batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.backward_bytes`);
-scratch files are counted apart, against the disk free under TMPDIR.
+batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.backward_bytes`), and the
+process's own before its models load (this process's resident memory: Python, torch, transformers, a tokenizer);
+scratch files are counted apart, against the disk free under TMPDIR; beside a GPU, host memory against the
+machine's (a named GPU's: 128 GiB and 64 GiB of disk unless ``--plan-host``/``--plan-disk`` say otherwise).
 Time is FLOPs over the device's throughput (measured here, per CPU second; a named device's stated share of peak)
 plus the weights each pass reads (the blocks it runs and the unembedding) over the device's bandwidth: a pass of few
 rows (pruning's and DCM's short suffix runs) takes the time its weights take to read, whatever its FLOPs
-(:mod:`mechdiff.models.devices`); and on this machine each pass's fixed cost (Python, the intervention layer's
-trace: :func:`pass_overhead`). Passes are counted at each stage's batch size.
+(:mod:`mechdiff.models.devices`); each pass's fixed cost (Python, the intervention layer's trace: measured here,
+:func:`pass_overhead`; stated for a named GPU, ``GPU_OVERHEAD``); and the scratch files read back over the disk's
+rate (measured here, :func:`scratch_bandwidth`; stated for a named GPU's machine). Passes are counted at each stage's
+batch size. Loading the models (their weights over the disk's rate) and, on this machine, the wall time of the
+processes and threads the run will use are given after the totals, with a warning where the throughput was
+measured under load.
 """
 
 from __future__ import annotations
@@ -47,7 +58,8 @@ from pathlib import Path
 from statistics import mean
 from typing import Any, Callable, Optional
 
-from ..models.devices import COMMON_GPU_DISK, GIB, Device
+from ..methods.dcm import CACHE_MODES
+from ..models.devices import GIB, Device
 from ..models.footprint import (
     Dims,
     backward_bytes,
@@ -75,6 +87,8 @@ class Lengths:
     suffix: dict[str, float]
     classes: int
     tokenizer: str
+    #: Distinct token indices of each named position among the prompts (receiver runs of path patching: one each).
+    distinct: dict[str, int] = field(default_factory=dict)
 
     def after(self, position: Optional[str]) -> float:
         """Tokens computed by a suffix run from ``position`` (the whole prompt where it is not a named position)."""
@@ -108,7 +122,8 @@ def task_lengths(spec: RunSpec) -> Lengths:
     }
     masks = getattr(type(records[0]), "position_masks", None)
     classes = len(masks(records[:1], len(records[0].input_ids))) if masks else len(records[0].positions)
-    return Lengths(mean(sizes), max(sizes), suffix, classes, used)
+    distinct = {name: len({r.positions[name] for r in records}) for name in suffix}
+    return Lengths(mean(sizes), max(sizes), suffix, classes, used, distinct)
 
 
 def _appended(record: Any, metric: str) -> list[int]:
@@ -128,17 +143,24 @@ def _appended(record: Any, metric: str) -> list[int]:
 
 @dataclass(frozen=True)
 class Reads:
-    """What a stage's passes read and run beside their FLOPs: bytes of weights, passes, and blocks run in all."""
+    """What a stage's passes read and run beside their FLOPs: bytes of weights, passes, blocks run in all, and bytes
+    read back from scratch files (DCM's pair cache)."""
 
     bytes: float = 0.0
     passes: float = 0.0
     blocks: float = 0.0
+    scratch: float = 0.0
 
     def __add__(self, other: "Reads") -> "Reads":
-        return Reads(self.bytes + other.bytes, self.passes + other.passes, self.blocks + other.blocks)
+        return Reads(
+            self.bytes + other.bytes,
+            self.passes + other.passes,
+            self.blocks + other.blocks,
+            self.scratch + other.scratch,
+        )
 
     def __rmul__(self, k: float) -> "Reads":
-        return Reads(k * self.bytes, k * self.passes, k * self.blocks)
+        return Reads(k * self.bytes, k * self.passes, k * self.blocks, k * self.scratch)
 
 
 @dataclass
@@ -164,16 +186,29 @@ class StageCost:
     remedy: str = ""  # the stage's own way to fit, listed first where it does not
 
     def device_peak(self, device: Device) -> int:
-        """Peak bytes on the device (on a CPU device: everything)."""
+        """Peak bytes on the device (on a CPU device: everything, the process's baseline included)."""
         peak = self.weights + self.kept + self.transient
-        return peak if device.gpu else peak + self.host_kept
+        return peak if device.gpu else peak + self.host_kept + device.baseline
 
     def host_peak(self, device: Device) -> int:
-        """Peak bytes on the host: everything on a CPU; beside a GPU, one model's weights while it loads or what the
-        stage keeps on the host, whichever is more."""
+        """Peak bytes on the host: everything on a CPU; beside a GPU, the process's baseline and one model's weights
+        while it loads or what the stage keeps on the host, whichever is more."""
         if not device.gpu:
             return self.device_peak(device)
-        return max(self.weights // max(self.models, 1), self.host_kept)
+        return max(self.weights // max(self.models, 1), self.host_kept) + device.baseline
+
+    def fits(self, device: Device) -> bool:
+        """Whether the stage fits ``device``: its memory, its machine's host memory and disk where known."""
+        host = device.host is None or self.host_peak(device) <= device.host
+        disk = device.disk is None or self.disk <= device.disk
+        return self.device_peak(device) <= device.memory and host and disk
+
+    def seconds(self, device: Device, dtype: str) -> float:
+        """Predicted time on ``device``: FLOPs over its throughput, weight reads over its bandwidth, its passes' and
+        blocks' fixed costs and the scratch files read back over its disk's rate."""
+        r = self.reads
+        seconds = self.flops / device.throughput(dtype) + device.read_seconds(dtype, r.bytes)
+        return seconds + device.overhead_seconds(r.passes, r.blocks) + device.disk_seconds(r.scratch)
 
 
 @dataclass
@@ -268,12 +303,24 @@ def _scored(ctx: Context, stage: str, n: int, scored: float, note: str = "") -> 
 
 def _reference_runs(ctx: Context, stage: str) -> int:
     """Reference prompts whose means a scorer stage computes: the activation store (``[output] store``) keeps a
-    model's means of one reference set, so the model's first scorer stage computes them and the later ones read
-    them; pruning with a seed of its own (``[scoring.models.NAME] seed``) draws a set of its own."""
+    model's means of one reference set, so the model's first scorer stage that ablates with the study's set computes
+    them (the position scan, curve discovery, pruning, the matrix row: the first that runs) and the later ones read
+    them; pruning with a seed of its own (``[scoring.models.NAME] seed``) draws a set of its own, and so does the
+    reproduction (its ``n`` prompts); a matrix cell alone (``"matrix-cell"``, benchmarks/gpu.py) meets a cold store."""
     s, (kind, _, name) = ctx.spec, stage.partition(":")  # a stage of no model ("matrix-cell"): name ""
-    first = "positions" if s.positions.n >= 1 else "circuit" if s.discovery.method == "curve" else "prune"
-    own_seed = kind == "prune" and s.scoring.models.get(name, {}).get("seed") is not None
-    return s.scoring.reference_n if kind == first or own_seed else 0
+    if kind == "reproduction":
+        return s.reproduce.n
+    own_seed = s.scoring.models.get(name, {}).get("seed") is not None
+    if kind == "matrix-cell" or (kind == "prune" and own_seed):
+        return s.scoring.reference_n
+    runs = {
+        "positions": s.positions.n >= 1,
+        "circuit": s.discovery.method == "curve",
+        "prune": s.scoring.prune and not own_seed,
+        "matrix": True,
+    }
+    first = next(k for k, on in runs.items() if on)
+    return s.scoring.reference_n if kind == first else 0
 
 
 def positions(ctx: Context, name: str) -> Optional[StageCost]:
@@ -334,12 +381,14 @@ def senders_per_pass(ctx: Context, n: int, kept: int) -> int:
 def _path_circuit(ctx: Context, name: str) -> StageCost:
     """Path patching as the plan's steps run it (see the module docstring)."""
     d = ctx.spec.discovery
-    flops, kept, transient, s = _path_cost(ctx, d.n)
-    held, steps = _held_pairs(ctx, d.n), len(_plan_steps(ctx))
-    senders, parts = ctx.dims.n_layers * ctx.dims.n_heads, math.ceil(d.n / held)
-    # the clean and counterfactual runs, then per step, part and pass of s senders a frozen and a receiver run
-    reads = ctx.reads(parts * _prepared_runs(ctx, d.n, held, steps))
-    reads += ctx.reads(2 * steps * parts * math.ceil(senders / s), ctx.dims.n_layers / 2)
+    flops, kept, transient, s = _path_cost(ctx, d.n, name=name)
+    held, plan = _held_pairs(ctx, d.n), _plan_steps(ctx)
+    parts = math.ceil(d.n / held)
+    # the clean and counterfactual runs, then per step, part and pass of s senders a frozen run and the receiver runs
+    reads = ctx.reads(parts * _prepared_runs(ctx, d.n, held, len(plan)))
+    for step in plan:
+        chunks = math.ceil(_step_senders(ctx, step, name) / s)
+        reads += ctx.reads(parts * chunks * _step_runs(ctx, step), ctx.dims.n_layers / 2)
     most = _path_most_pairs(ctx)
     if held < d.n:
         note = f"holds {held} pairs' activations at a time ({kept / GIB:.1f} GiB; [discovery] pairs_per_part)"
@@ -378,21 +427,49 @@ def _held_pairs(ctx: Context, n: int) -> int:
     return min(n, part) if part else n
 
 
+def _step_senders(ctx: Context, step: Any, name: Optional[str] = None) -> float:
+    """Senders a path-patching step scores: every head below its deepest receiver (:func:`~mechdiff.patching.path.
+    eligible_senders`), every head of the model for a step into the logits. The deepest receiver is the deepest head of
+    the receiving step's group in ``name``'s circuit where the run found it (an upper bound: the circuit keeps
+    ``circuit_k`` heads, the receivers are the first ``top_k`` of them), else assumed at the middle layer."""
+    dims = ctx.dims
+    if not step.receiver:
+        return dims.n_layers * dims.n_heads
+    found = ctx.known.get("circuit", {}).get(name or "")
+    heads = found["groups"].get(step.receiver, []) if found else []
+    if heads:
+        from ..common.components import parse_heads
+
+        return max(h.layer for h in parse_heads(heads)) * dims.n_heads
+    return dims.n_layers / 2 * dims.n_heads
+
+
+def _step_runs(ctx: Context, step: Any) -> int:
+    """Runs a path-patching step makes per pass of senders: the frozen run, and for a step with receivers one
+    receiver run per distinct receiver position among a part's prompts (each a suffix run from its own position:
+    step D of entity tracking, receivers at the context's label of the queried box, makes one per box)."""
+    if not step.receiver:
+        return 1
+    return 1 + max(ctx.lengths.distinct.get(step.receiver_position, 1), 1)
+
+
 def _path_cost(
-    ctx: Context, n: int, steps: Optional[list[Any]] = None, held: Optional[int] = None
+    ctx: Context, n: int, steps: Optional[list[Any]] = None, held: Optional[int] = None, name: Optional[str] = None
 ) -> tuple[float, int, int, int]:
     """FLOPs, kept bytes, transient bytes and senders a pass of path patching on ``n`` pairs, ``held`` at a time
     (default as ``[discovery] pairs_per_part`` says; held in parts, the clean and counterfactual runs are run once
-    more at each step); ``steps``: those of the task's plan to count, default all."""
+    more at each step); ``steps``: those of the task's plan to count, default all; ``name``: the model whose found
+    circuit bounds each step's senders (:func:`_step_senders`)."""
     t, dims = ctx.lengths, ctx.dims
     half = dims.n_layers / 2
     held = _held_pairs(ctx, n) if held is None else held
     kept = held * held_pair_bytes(dims.n_layers, dims.d_model, dims.kv_width(), t.longest, dtype_bytes(ctx.dtype))
     plan = _plan_steps(ctx) if steps is None else steps
-    flops, senders = ctx.fwd(n * _prepared_runs(ctx, n, held, len(plan)), t.tokens), dims.n_layers * dims.n_heads
+    flops = ctx.fwd(n * _prepared_runs(ctx, n, held, len(plan)), t.tokens)
     s = senders_per_pass(ctx, held, kept)
     transient = ctx.act(held, t.longest)  # the clean and counterfactual runs, a part's pairs at once
     for step in plan:
+        senders = _step_senders(ctx, step, name)
         after = t.after(step.receiver_position) if step.receiver else 0.0
         flops += senders * n * (ctx.fwd(1, 1, 1, half) + (ctx.fwd(1, after, t.tokens, half) if after else 0.0))
         transient = max(transient, ctx.act(s * held, max(after, 1), t.longest))
@@ -558,46 +635,160 @@ def _group_positions(ctx: Context, count: Optional[int] = None) -> list[str]:
     return [steps.get(g, g) for g in groups]
 
 
-def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
-    """DCM of ``name``'s circuit (see the module docstring); ``semantic``: models its selections are patched into."""
-    c, t, dims, half = ctx.spec.dcm, ctx.lengths, ctx.dims, ctx.dims.n_layers / 2
+def dcm(ctx: Context, name: str, semantic: int, mode: Optional[str] = None) -> StageCost:
+    """DCM of ``name``'s circuit (see the module docstring); ``semantic``: models its selections are patched into.
+    Its pair cache in ``mode`` (one of :data:`~mechdiff.methods.dcm.CACHE_MODES`), by default the one the run uses
+    (:func:`dcm_cache_choice`); its note compares the three."""
+    costs = {m: _dcm_cost(ctx, name, semantic, m) for m in CACHE_MODES}
+    ran = ctx.known.get("dcm_cache", {}).get(name)
+    # a run chooses once, for the base's DCM (``CircuitsStudy.dcm_cache_mode``); every DCM stage runs in that mode
+    chosen, why = (mode, "asked") if mode else (ran, "the run's") if ran else dcm_cache_choice(ctx)
+    cost = costs[chosen]
+    shown = []
+    for m, c in costs.items():
+        held = f"{c.disk / GIB:.1f} GiB on disk, {c.reads.scratch / 1e12:.2f} TB read" if m == "file" else ""
+        held = held or (f"{c.host_kept / GIB:.2f} GiB in host memory" if m == "memory" else "sources run again")
+        fit = "" if c.fits(ctx.device) else ", does not fit"
+        shown.append(f"{m} ({held}): {_duration(_seconds(c, ctx)).strip()}{fit}")
+    cost.note = f"pair cache {chosen} ({why}); " + "; ".join(shown)
+    masked = name if ctx.spec.dcm.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
+    if masked in ctx.known.get("released", {}):
+        cost.note += f"; groups as in {ctx.known['released'][masked]} (the released circuit, assumed)"
+    if not cost.fits(ctx.device):
+        others = [m for m, c in costs.items() if c.fits(ctx.device)]
+        cost.remedy = f'[dcm] cache = "{others[0]}"' if others else ""
+    return cost
+
+
+def dcm_cache_choice(ctx: Context, costs: Optional[dict[str, StageCost]] = None) -> tuple[str, str]:
+    """The pair-cache mode DCM runs in and why: ``[dcm] cache`` where it names one, else the fastest on
+    ``ctx.device`` of those that fit it (memory, host memory, disk), else the one that holds least (recompute).
+    ``costs``: each mode's cost (default: the base's DCM, as a run chooses)."""
+    setting = ctx.spec.dcm.cache
+    if setting != "auto":
+        return setting, "[dcm] cache"
+    base = ctx.spec.models.base
+    costs = costs or {m: _dcm_cost(ctx, base, len(ctx.spec.model_names), m) for m in CACHE_MODES}
+    fitting = [m for m, c in costs.items() if c.fits(ctx.device)]
+    if not fitting:
+        return "recompute", f"none fits {ctx.device.name}; recompute holds least"
+    best = min(fitting, key=lambda m: _seconds(costs[m], ctx))
+    return best, f"the fastest that fits {ctx.device.name}"
+
+
+def _seconds(cost: StageCost, ctx: Context) -> float:
+    """``cost``'s time on ``ctx.device``; infinite where the device's throughput in ``ctx.dtype`` is not known (a
+    plan recounted under another dtype than this machine's measured one)."""
+    try:
+        return cost.seconds(ctx.device, ctx.dtype)
+    except ValueError:
+        return math.inf
+
+
+def run_cache_mode(spec: RunSpec, lengths: Optional[Lengths] = None) -> tuple[str, str]:
+    """The pair-cache mode a run of ``spec`` gives DCM, and why: ``[dcm] cache`` where it names one; else
+    :func:`dcm_cache_choice` on the machine the run's models are on (:func:`run_device`); "file" on NDIF (no plan of
+    its server)."""
+    if spec.dcm.cache != "auto":
+        return spec.dcm.cache, "[dcm] cache"
+    try:
+        dims, _ = model_dims(spec.models.base)
+        lengths = lengths or task_lengths(spec)
+    except (OSError, ValueError) as err:  # a model or tokenizer the plan cannot read: the file, as before plans
+        return "file", f"no plan ({err})"
+    device = run_device(spec, dims, lengths)
+    if device is None:
+        return "file", "a run on NDIF"
+    return dcm_cache_choice(Context(spec, dims, lengths, spec.models.dtype, device))
+
+
+def run_device(spec: RunSpec, dims: Dims, lengths: Optional[Lengths] = None) -> Optional[Device]:
+    """The machine a run of ``spec`` computes on, as a plan's device: this CPU measured (throughput, weight and
+    scratch-file bandwidth), or the first CUDA GPU as the named device of its kind (:func:`gpu_device`) with this
+    machine's host memory and disk; None on NDIF."""
+    from ..models.devices import available_memory, scratch_disk, this_machine
+
+    m = spec.models
+    if m.remote:
+        return None
+    if m.device_map or m.device not in (None, "cpu"):
+        return gpu_device().with_disk(scratch_disk()).with_host(available_memory()).with_baseline()
+    rows = min(2048, spec.eval.batch_size * (lengths or task_lengths(spec)).longest)
+    return replace(this_machine(dims, (m.dtype,), rows), disk_read=scratch_bandwidth())
+
+
+def gpu_device() -> Device:
+    """The first CUDA GPU as a named device: the one of its name (H100, H200, A100 of its memory), else an H100's
+    figures with its own memory."""
+    import torch
+
+    from ..models.devices import DEVICES
+
+    props = torch.cuda.get_device_properties(0)
+    name = props.name.upper()
+    for key, device in DEVICES.items():
+        kind, size = key.split("-")
+        if kind.upper() in name and abs(int(size[:-2]) * 1e9 - props.total_memory) < 16e9:
+            return replace(device, memory=props.total_memory)
+    return replace(DEVICES["h100-80gb"], name=props.name, memory=props.total_memory)
+
+
+def _dcm_cost(ctx: Context, name: str, semantic: int, mode: str) -> StageCost:
+    """DCM's cost with its pair cache in ``mode``: ``"file"`` writes every pair's row to a scratch file and reads it
+    back for every patched run (suffix runs from the group's layer and position); ``"memory"`` holds the sources'
+    ``z`` (every layer's at each group's position: random heads are drawn from every layer) and runs patched runs in
+    full; ``"recompute"`` holds nothing and runs each patched batch's sources again, in full."""
+    c, t, dims, b = ctx.spec.dcm, ctx.lengths, ctx.dims, dtype_bytes(ctx.dtype)
     n, k = c.n_train + c.n_val + c.n_test, len(_desiderata(ctx))
-    flops = k * ctx.fwd(2 * n, t.tokens)
+    file, full = mode == "file", mode != "file"
     # pairs a cache write (and an evaluation) and a training step hold
     built, trained = ctx.rows(n), min(c.batch_size, c.n_train)
-    reads = k * ctx.reads(2 * math.ceil(n / built))
+    flops = k * ctx.fwd((2 if mode != "recompute" else 1) * n, t.tokens)
+    reads = k * ctx.reads((2 if mode != "recompute" else 1) * math.ceil(n / built))
     checks = c.epochs * math.ceil(c.n_train / c.batch_size) / max(c.eval_every, 1) + 1
     masked = name if c.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
     # the random baseline and semantic patching run for a selection of heads: every one, unless the run chose none
     chose = ctx.known.get("dcm_selected", {}).get(name, 1.0)
     groups = _groups(ctx, masked, c.groups)
-    for layer, pos in _group_starts(ctx, masked, groups).values():
+    starts = _group_starts(ctx, masked, groups)
+    positions = {pos for _, pos in starts.values()} or {""}
+    # a pair's row of the file: every layer's keys and values and a group's entering residual stream per token, and
+    # the sources' z at each position; a patched run reads the keys and values, one stream and one position's z
+    source = dims.n_layers * dims.d_model * b
+    per_pair = int(t.longest * (dims.n_layers * dims.kv_width() + len(groups) * dims.d_model) * b)
+    per_pair += len(positions) * source
+    per_run = t.longest * (dims.n_layers * dims.kv_width() + dims.d_model) * b + source
+    scratch = k * n * per_pair if file else 0.0  # written once, as the cache is built
+    for layer, pos in starts.values():
         runs = 2 * c.epochs * c.n_train + checks * c.n_val + (2 + c.n_random * chose) * c.n_test
-        flops += k * ctx.fwd(runs, t.after(pos), t.tokens, dims.n_layers - layer)
-        flops += k * chose * semantic * ctx.fwd(2 * c.n_test, t.tokens)
-        # semantic patching's random heads: n_random suffix runs a test pair in every model
-        flops += k * chose * semantic * ctx.fwd(c.n_random * c.n_test, t.after(pos), t.tokens, dims.n_layers - layer)
+        rows_read = c.epochs * c.n_train + checks * c.n_val + (2 + c.n_random * chose) * c.n_test
+        tokens, layers = (t.tokens, dims.n_layers) if full else (t.after(pos), dims.n_layers - layer)
+        flops += k * ctx.fwd(runs, tokens, t.tokens, layers)
         passes = 2 * c.epochs * math.ceil(c.n_train / trained) + checks * math.ceil(c.n_val / built)
         passes += (2 + c.n_random * chose) * math.ceil(c.n_test / built)
-        reads += k * ctx.reads(passes, dims.n_layers - layer)
-        reads += k * chose * semantic * ctx.reads(2 * math.ceil(c.n_test / built))
-        reads += k * chose * semantic * ctx.reads(c.n_random * math.ceil(c.n_test / built), dims.n_layers - layer)
-    # a pair's row of the cache: every layer's keys and values and a group's entering residual stream per token
-    per_pair = int(t.longest * (dims.n_layers * dims.kv_width() + len(groups) * dims.d_model) * dtype_bytes(ctx.dtype))
-    longest_after = max((t.after(p) for _, p in _group_starts(ctx, masked, groups).values()), default=t.tokens)
-    transient = max(
-        # a training step: its backward's activations and the rows it read back (its keys and values prefix)
-        backward_bytes(dims, trained, math.ceil(longest_after), half, ctx.dtype, t.longest) + trained * per_pair,
-        # a cache write: a forward keeping every layer's keys and values, and their stacked copy
-        ctx.act(built, t.longest) + 2 * built * per_pair,
-    )
-    host = max(built, trained) * per_pair  # one batch's rows, as written to or read from the file
-    disk = n * per_pair  # the scratch file: every pair's row, one desideratum's file at a time
+        reads += k * ctx.reads(passes, layers)
+        if mode == "recompute":  # every patched batch's sources again (forward only)
+            flops += k * ctx.fwd(rows_read, t.tokens)
+            reads += k * ctx.reads(passes - c.epochs * math.ceil(c.n_train / trained))
+        scratch += k * rows_read * per_run if file else 0.0
+        # semantic patching: per model a cache of the test pairs and one patched evaluation
+        flops += k * chose * semantic * (ctx.fwd(2 * c.n_test, t.tokens) + ctx.fwd(c.n_test, tokens, t.tokens, layers))
+        reads += k * chose * semantic * (ctx.reads(2 * math.ceil(c.n_test / built)))
+        reads += k * chose * semantic * ctx.reads(math.ceil(c.n_test / built), layers)
+        scratch += k * chose * semantic * c.n_test * (per_pair + per_run) if file else 0.0
+        # semantic patching's random heads: n_random patched runs of the test pairs in every model
+        flops += k * chose * semantic * ctx.fwd(c.n_random * c.n_test, tokens, t.tokens, layers)
+        reads += k * chose * semantic * ctx.reads(c.n_random * math.ceil(c.n_test / built), layers)
+    longest_after = max((t.after(p) for _, p in starts.values()), default=t.tokens) if file else t.tokens
+    depth = dims.n_layers / 2 if file else dims.n_layers
+    # a training step: its backward's activations and (file) the rows it read back (its keys and values prefix)
+    step = backward_bytes(dims, trained, math.ceil(longest_after), depth, ctx.dtype, t.longest)
+    step += trained * per_pair if file else 0
+    # a cache write: a forward keeping (file) every layer's keys and values, and their stacked copy
+    write = ctx.act(built, t.longest) + (2 * built * per_pair if file else 0)
+    host = {"file": max(built, trained) * per_pair, "memory": n * len(positions) * source, "recompute": 0}[mode]
+    disk = n * per_pair if file else 0  # the scratch file: every pair's row, one desideratum's file at a time
     stage = "dcm" if name == ctx.spec.models.base else f"dcm:{name}"
-    note = (
-        f"a pair cache of {disk / GIB:.1f} GiB streamed through a scratch file under TMPDIR (every layer's keys "
-        f"and values of {n} pairs; memory holds one batch's rows, {host / GIB:.2f} GiB)"
-    )
     return StageCost(
         stage,
         2,
@@ -606,12 +797,11 @@ def dcm(ctx: Context, name: str, semantic: int) -> StageCost:
         flops,
         2 * ctx.weights,
         0,
-        transient,
+        max(step, write),
         host,
         disk,
-        note=note,
         batch_option="[dcm] batch_size",
-        reads=reads,
+        reads=replace(reads, scratch=scratch),
     )
 
 
@@ -705,10 +895,8 @@ def stage_costs(ctx: Context) -> list[StageCost]:
 def place(cost: StageCost, device: Device, dtype: str, recount: Callable[[str, int], StageCost]) -> Placement:
     """``cost`` on ``device``: time, fit, and where it does not fit, what would (``recount(dtype, batch)`` counts the
     stage again under another dtype or batch size)."""
-    r = cost.reads
-    seconds = cost.flops / device.throughput(dtype) + device.read_seconds(dtype, r.bytes)
-    seconds += device.overhead_seconds(r.passes, r.blocks)
-    fits = cost.device_peak(device) <= device.memory and (device.disk is None or cost.disk <= device.disk)
+    fits = cost.fits(device)
+    seconds = cost.seconds(device, dtype)
     return Placement(cost, device, dtype, seconds, fits, [] if fits else remedies(cost, device, dtype, recount))
 
 
@@ -746,18 +934,33 @@ def resource_plan(
     dtype = dtype or spec.models.dtype
     dims, _ = model_dims(spec.models.base)
     lengths = lengths or task_lengths(spec)
-    ctx = Context(spec, dims, lengths, dtype, device, known or {})
+    ctx = Context(spec, dims, lengths, dtype, device, with_released(spec, known or {}))
     out = []
     for i, cost in enumerate(stage_costs(ctx)):
         out.append(place(cost, device, dtype, lambda dt, b, i=i: _recount(ctx, i, dt, b)))
     return out
 
 
+def with_released(spec: RunSpec, known: dict) -> dict:
+    """``known`` with the ``[reproduce] circuit`` (a released circuit of the base, e.g. the paper's pruned LLaMA-7B
+    circuit) as the base's pruned circuit where the run has not found one: its groups' heads and lowest layers stand
+    in for the middle layer the plan otherwise assumes (DCM and CMAP run from a group's lowest layer). Recorded under
+    ``"released"``, so the notes say so."""
+    base, path = spec.models.base, Path(spec.reproduce.circuit) if spec.reproduce.circuit else None
+    pruned = f"{base} pruned"
+    if path is None or not path.is_file() or pruned in known.get("circuit", {}):
+        return known
+    released = json.loads(path.read_text())
+    if released.get("model") != base:
+        return known
+    return {**known, "circuit": {**known.get("circuit", {}), pruned: released}, "released": {pruned: str(path)}}
+
+
 def found_in(run_dir: str | Path) -> dict:
     """What a plan assumes and a finished run's stage records know (``known`` of :func:`resource_plan`): each
     circuit (``"NAME"``) and pruned circuit (``"NAME pruned"``), the position scan's steps, the share of pairs
-    greedy pruning searched, the share of DCM's masks that selected a head."""
-    out: dict = {"circuit": {}, "scan_steps": {}, "searched": {}, "dcm_selected": {}}
+    greedy pruning searched, the share of DCM's masks that selected a head, the mode of DCM's pair cache."""
+    out: dict = {"circuit": {}, "scan_steps": {}, "searched": {}, "dcm_selected": {}, "dcm_cache": {}}
     for path in sorted((Path(run_dir) / "stages").glob("*.json")):
         rec = json.loads(path.read_text())
         kind, _, model = rec["name"].partition(":")
@@ -773,6 +976,8 @@ def found_in(run_dir: str | Path) -> dict:
                 out["searched"][model] = sum(p["searched"] for p in pairs) / max(len(pairs), 1)
         elif kind == "dcm" and result.get("dcm"):
             out["dcm_selected"][model or result["model"]] = mean(bool(r["selected"]) for r in result["dcm"])
+            if result.get("cache"):  # the pair-cache mode the run used (absent from runs before the modes)
+                out["dcm_cache"][model or result["model"]] = result["cache"]
     return out
 
 
@@ -817,12 +1022,48 @@ def pass_overhead(dims: Dims, min_seconds: float = 0.2) -> tuple[float, float]:
 
 
 def with_overhead(device: Device, dims: Dims) -> Device:
-    """This machine (a CPU device) with :func:`pass_overhead` measured; a GPU device as it is."""
+    """This machine (a CPU device) with :func:`pass_overhead` and :func:`scratch_bandwidth` measured; a GPU device as
+    it is."""
     if device.gpu:
         return device
     each, block = pass_overhead(dims)
-    note = f"{device.note}; {each * 1e3:.1f} ms a pass and {block * 1e3:.2f} ms a block beside them"
-    return replace(device, overhead=(each, block), note=note)
+    disk = scratch_bandwidth()
+    note = (
+        f"{device.note}; {each * 1e3:.1f} ms a pass and {block * 1e3:.2f} ms a block beside them; scratch files "
+        f"read back at {disk / 1e9:.1f} GB/s (wall)"
+    )
+    return replace(device, overhead=(each, block), note=note, disk_read=disk)
+
+
+#: What :func:`scratch_bandwidth` writes and reads back: rows of a few MB, as DCM's pair cache holds.
+SCRATCH_ROWS, SCRATCH_ROW_BYTES = 32, 4 * 2**20
+
+
+def scratch_bandwidth(min_seconds: float = 0.2) -> float:
+    """Bytes a wall-clock second that rows of a scratch file (:class:`~mechdiff.patching.store.RowStore`, read as
+    DCM's pair cache reads them: batches of 8 rows in a shuffled order) come back under TMPDIR just after they were
+    written (from the page cache where memory holds them, as a run's are). Wall time, not CPU time: a read that
+    waits on the disk costs time but little CPU."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from ..patching.store import RowStore
+
+    store = RowStore(SCRATCH_ROWS)
+    try:
+        store.write("rows", range(SCRATCH_ROWS), torch.ones(SCRATCH_ROWS, SCRATCH_ROW_BYTES // 4))
+        order = np.random.default_rng(0).permutation(SCRATCH_ROWS)
+        batches = [sorted(order[i : i + 8].tolist()) for i in range(0, SCRATCH_ROWS, 8)]
+        reps, start = 0, time.perf_counter()
+        while (spent := time.perf_counter() - start) < min_seconds or reps < 2:
+            for batch in batches:
+                store.read("rows", batch)
+            reps += 1
+        return SCRATCH_ROWS * SCRATCH_ROW_BYTES * reps / spent
+    finally:
+        store.close()
 
 
 def run_record(spec: RunSpec) -> Optional[dict]:
@@ -874,9 +1115,23 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:7.1f} h"
 
 
-def format_resources(plan: list[Placement], lengths: Lengths, dims_source: str) -> str:
+@dataclass(frozen=True)
+class Workers:
+    """How a run will proceed on this machine: ``processes`` (one per model, or 1) of ``threads`` torch threads
+    each, and why (``mechdiff.commands._workers.plan_workers``)."""
+
+    processes: int
+    threads: int
+    reason: str = ""
+    base: str = ""  # the base model, whose process runs the base's DCM (stage "dcm")
+
+
+def format_resources(
+    plan: list[Placement], lengths: Lengths, dims_source: str, loads: int = 0, workers: Optional[Workers] = None
+) -> str:
     """The plan as a table: each stage's models held, n, batch, FLOPs, host and device peaks, time and fit; then
-    what would fit where a stage does not, and the totals."""
+    what would fit where a stage does not, and the totals: with ``loads`` models to load, their loading; on this
+    machine, the wall time of the run's ``workers``."""
     if not plan:
         return "no stage to plan"
     device, dtype = plan[0].device, plan[0].dtype
@@ -884,9 +1139,11 @@ def format_resources(plan: list[Placement], lengths: Lengths, dims_source: str) 
     unit = "CPU time" if not device.gpu else "time"
     head = f"{'stage':{width}s}  models      n  batch     PFLOP  host GiB  dev. GiB  disk GiB  {unit:>9s}  fits"
     disk = "disk not given" if device.disk is None else f"{device.disk / GIB:.0f} GiB free under TMPDIR"
+    host = "" if device.host is None else f"; host {device.host / GIB:.0f} GiB"
+    host += f"; {device.baseline / GIB:.2f} GiB a process before its models load" if device.baseline else ""
     lines = [
-        f"resource plan on {device.name} ({device.memory / GIB:.0f} GiB{' available' if not device.gpu else ''}; "
-        f"{disk}; {device.note}), {dtype}",
+        f"resource plan on {device.name} ({device.memory / GIB:.0f} GiB{' available' if not device.gpu else ''}"
+        f"{host}; {disk}; {device.note}), {dtype}",
         f"configs: {dims_source}; prompts {lengths.tokens:.0f} tokens on average, {lengths.longest} at most "
         f"(tokenizer: {lengths.tokenizer})",
         head,
@@ -899,8 +1156,51 @@ def format_resources(plan: list[Placement], lengths: Lengths, dims_source: str) 
             f"{c.stage:{width}s}  {c.models:6d}  {c.n:5d}  {c.batch:5d}  {c.flops / 1e15:8.3f}  "
             f"{_gb(c.host_peak(device))}   {dev}   {_gb(c.disk)}  {_duration(p.seconds):>9s}  {mark}"
         )
-    lines += _notes(plan) + _totals(plan)
+    lines += _notes(plan) + _totals(plan) + _loading(plan, loads) + _wall(plan, workers)
     return "\n".join(lines)
+
+
+def _loading(plan: list[Placement], loads: int) -> list[str]:
+    """Loading ``loads`` models' weights from disk at the device's disk rate (not in the stages' times)."""
+    device, cost = plan[0].device, plan[0].cost
+    if not loads or not device.disk_read:
+        return []
+    each = cost.weights // max(cost.models, 1)
+    seconds = loads * each / device.disk_read
+    return [
+        f"loading {loads} models ({each / GIB:.1f} GiB each) at {device.disk_read / 1e9:.1f} GB/s: "
+        f"{_duration(seconds).strip()} more (once each a process)"
+    ]
+
+
+def _wall(plan: list[Placement], workers: Optional[Workers]) -> list[str]:
+    """On this machine: the wall time of the stages that run in ``workers``' processes (each process's CPU seconds
+    over its threads; the longest process), and a warning where the throughput was measured under load."""
+    from ..models.devices import LOADED
+
+    device = plan[0].device
+    if device.gpu:
+        return []
+    out = []
+    if workers is not None:
+        per: dict[str, float] = {}
+        for p in plan:
+            owner = p.cost.stage.partition(":")[2] or workers.base  # the base's DCM: "dcm"
+            key = owner if workers.processes > 1 else ""
+            per[key] = per.get(key, 0.0) + (p.seconds if p.cost.runs else 0.0)
+        wall = max(per.values(), default=0.0) / max(workers.threads, 1)
+        out.append(
+            f"wall time with {workers.processes} process{'es' * (workers.processes > 1)} of {workers.threads} "
+            f"thread{'s' * (workers.threads > 1)}: about {_duration(wall).strip()} (each process's CPU time over "
+            f"its threads, the longest process; {workers.reason})"
+        )
+    if device.load > LOADED:
+        out.append(
+            f"calibrated under load: the load average was {device.load:.1f} a core while this machine's throughput "
+            "was measured, so a CPU second did less than on an idle machine and these times may run high; plan "
+            "again when the machine is idle"
+        )
+    return out
 
 
 def _notes(plan: list[Placement]) -> list[str]:
@@ -909,15 +1209,12 @@ def _notes(plan: list[Placement]) -> list[str]:
         c, device = p.cost, p.device
         if c.note:
             out.append(f"  {c.stage}: {c.note}")
-        if c.disk > COMMON_GPU_DISK and device.disk is None:
-            out.append(
-                f"  {c.stage}: its {c.disk / GIB:.0f} GiB of scratch files exceed a {COMMON_GPU_DISK / GIB:.0f} GiB "
-                "disk (a common single-GPU machine's): point TMPDIR at a larger disk (--plan-disk GIB checks yours)"
-            )
         if not p.fits:
             need = f"{c.device_peak(device) / GIB:.1f} GiB"
             if device.disk is not None and c.disk > device.disk:
                 need += f", {c.disk / GIB:.1f} GiB on disk"
+            if device.host is not None and c.host_peak(device) > device.host:
+                need += f", {c.host_peak(device) / GIB:.1f} GiB of host memory"
             out.append(f"  {c.stage} does not fit ({need}); would: " + "; ".join(p.remedies))
     return out
 
@@ -962,11 +1259,15 @@ def print_resources(
     dtype: Optional[str] = None,
     task: Optional[str] = None,
     disk_gib: Optional[float] = None,
+    host_gib: Optional[float] = None,
+    workers: Optional[Callable[[RunSpec], Workers]] = None,
 ) -> bool:
     """What ``mechdiff run --plan`` prints first for a circuits study (other kinds: nothing): its resource plan on
-    this machine and on the named ``device`` (with ``disk_gib`` GiB free under TMPDIR where given). Returns True
-    where the models' weights are absent, so that the stage cache (which needs the tokenizer and weights checked)
-    cannot be read: the plan then ends here, said so."""
+    this machine and on the named ``device`` (its machine with ``disk_gib`` GiB free under TMPDIR and ``host_gib``
+    GiB of host memory where given, else :data:`~mechdiff.models.devices.COMMON_GPU_DISK` and ``COMMON_GPU_HOST``).
+    Returns True where the models' weights are absent, so that the stage cache (which needs the tokenizer and
+    weights checked) cannot be read: the plan then ends here, said so. ``workers``: how a run of the spec would
+    proceed here (its processes and threads), for the wall time on this machine."""
     from ..models.devices import get_device, this_machine
     from .base import study_kind
     from .reproduce import check_weights
@@ -975,8 +1276,9 @@ def print_resources(
     if path is not None and study_kind(path) != "circuits":
         return False
     named = get_device(device) if device else None  # an unknown name is refused before anything is measured
-    if named is not None and disk_gib is not None:
-        named = named.with_disk(int(disk_gib * GIB))
+    if named is not None:
+        named = named.with_disk(None if disk_gib is None else int(disk_gib * GIB)).with_baseline()
+        named = named.with_host(None if host_gib is None else int(host_gib * GIB))
     spec = load_spec(path) if path is not None else default_spec()
     if task is not None:
         check_task(task)
@@ -985,8 +1287,13 @@ def print_resources(
     dims, source = model_dims(spec.models.base)
     lengths = task_lengths(spec)
     rows = min(2048, spec.eval.batch_size * lengths.longest)  # a batch's tokens: the stages' matrix multiplies
-    for where in [with_overhead(this_machine(dims, (dtype,), rows), dims)] + ([named] if named else []):
-        print(format_resources(resource_plan(spec, where, lengths, dtype), lengths, source), end="\n\n", flush=True)
+    loads = len(spec.model_names)
+    here = with_overhead(this_machine(dims, (dtype,), rows), dims)
+    run = workers(spec) if workers else None
+    print(format_resources(resource_plan(spec, here, lengths, dtype), lengths, source, loads, run))
+    print(flush=True)
+    if named is not None:
+        print(format_resources(resource_plan(spec, named, lengths, dtype), lengths, source, loads), end="\n\n")
     try:
         check_weights(spec.model_names, remote=spec.models.remote)
     except FileNotFoundError as err:

@@ -209,6 +209,11 @@ class DcmSection:
     )  # random baseline: heads of the selected count from each selected head's "layer", "all" heads or the "group"
     n_random: int = DCMConfig.n_random  # random head sets, in DCM's baseline and in semantic patching of each model
     circuit: str = "found"  # the circuit whose groups DCM masks: "found" (as discovered) or "pruned" (the paper)
+    # how the pair cache holds what patched runs read (mechdiff.methods.dcm.CACHE_MODES): "file" (a scratch file under
+    # TMPDIR, suffix runs), "memory" (the sources' z in host memory, as the paper; full runs), "recompute" (sources
+    # run again per batch), or "auto": the fastest that fits the machine, as `mechdiff run --plan` shows. Not in the
+    # stage's key: the modes give the same results but for float rounding
+    cache: str = "auto"
 
 
 @dataclass
@@ -289,6 +294,7 @@ CHOICES = {
     ("dcm", "lam_scale"): ("loss", "absolute"),
     ("dcm", "schedule"): ("steps", "epoch_batches"),
     ("dcm", "circuit"): ("found", "pruned"),
+    ("dcm", "cache"): ("auto", "file", "memory", "recompute"),
     ("cmap", "scope"): ("base", "paper"),
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
 }

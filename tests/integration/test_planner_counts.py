@@ -56,3 +56,24 @@ def test_each_stages_planned_flops_are_those_its_run_performs(counted):
     ratios = {stage: planned[stage] / flops[stage] for stage in flops}
     shown = "; ".join(f"{s.split(':')[0]} {s.rsplit('/', 1)[-1]}: {r:.3f}" for s, r in ratios.items())
     assert all(1 / WITHIN <= r <= WITHIN for r in ratios.values()), shown
+
+
+@pytest.mark.parametrize("mode", ["memory", "recompute"])
+def test_dcm_planned_flops_in_each_cache_mode_are_those_its_run_performs(counted, mode):
+    """DCM run again with its pair cache in host memory (full patched runs) and recomputed (the sources again for
+    every batch): the plan of the mode the run records counts its FLOPs (the file mode: above)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    spec, flops = counted
+    spec = replace(spec, dcm=replace(spec.dcm, cache=mode))
+    (Path(spec.output.dir) / "stages" / "dcm.json").unlink()
+    study = CircuitsStudy(spec, progress=False)
+    for name in spec.model_names:
+        study.model(name)
+    study.run()  # every other stage from the cache: the mode is not in DCM's key
+    known = found_in(spec.output.dir)
+    assert known["dcm_cache"] == {spec.models.base: mode}
+    here = Device("given", 1 << 40, {"float32": 1e9}, False)
+    planned = {p.cost.stage: p.cost.flops for p in resource_plan(spec, here, known=known)}
+    assert 1 / WITHIN <= planned["dcm"] / flops["dcm"] <= WITHIN, planned["dcm"] / flops["dcm"]

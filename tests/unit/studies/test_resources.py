@@ -19,7 +19,6 @@ from mechdiff.studies.resources import (
     circuit,
     cmap,
     dcm,
-    format_resources,
     place,
     prune,
     resource_plan,
@@ -95,28 +94,84 @@ def with_pairs(spec, n_train):
     return replace(spec, dcm=replace(spec.dcm, n_train=n_train))
 
 
-def test_dcm_pair_cache_is_on_disk_and_memory_follows_the_batch(paper_spec):
-    """DCM's pair cache streams through a scratch file: its disk need grows with the pairs, host and device memory
-    hold one batch's rows whatever their number; a disk too small for it is a stage that does not fit, and the
-    remedy names TMPDIR; a named GPU without a given disk is compared with a 64 GiB one in the notes."""
-    device = get_device("h100-80gb")
-    few, many = (dcm(context(with_pairs(paper_spec, n), device=device), "llama-7b", 4) for n in (1000, 10000))
+def with_cache(spec, mode):
+    return replace(spec, dcm=replace(spec.dcm, cache=mode))
+
+
+def test_dcm_pair_cache_file_is_on_disk_and_memory_follows_the_batch(paper_spec):
+    """DCM's pair cache in a scratch file: its disk need grows with the pairs, host and device memory hold one
+    batch's rows whatever their number; a disk too small for it is a stage that does not fit, and the remedies name
+    the host-memory mode and TMPDIR."""
+    device = get_device("h100-80gb").with_disk(None)
+    spec = with_cache(paper_spec, "file")
+    few, many = (dcm(context(with_pairs(spec, n), device=device), "llama-7b", 4) for n in (1000, 10000))
     assert many.n > 5 * few.n and many.disk / many.n == few.disk / few.n  # disk: every pair's row
     assert (many.host_kept, many.transient) == (few.host_kept, few.transient) and few.host_kept < few.disk / 10
     assert few.host_peak(device) == few.weights // 2  # a model's weights while loading, more than a batch's rows
     small = device.with_disk(64 * 2**30)
 
     def recount(dtype, batch):
-        return dcm(context(paper_spec, dtype, small), "llama-7b", 4)
+        return dcm(context(spec, dtype, small), "llama-7b", 4)
 
-    cost = dcm(context(paper_spec, device=small), "llama-7b", 4)
+    cost = dcm(context(spec, device=small), "llama-7b", 4)
     assert cost.disk > 64 * 2**30 and cost.device_peak(small) <= small.memory
     placed = place(cost, small, "float32", recount)
-    assert not placed.fits and placed.remedies[0].startswith("TMPDIR on a disk with 110 GiB free")
+    assert not placed.fits and placed.remedies[0] == '[dcm] cache = "memory"'
+    assert placed.remedies[1] == "TMPDIR on a disk with 113 GiB free (this one has 64)"
     assert place(cost, device.with_disk(200 * 2**30), "float32", recount).fits
-    text = format_resources(resource_plan(paper_spec, device, LENGTHS), LENGTHS, "given")
-    assert "dcm: a pair cache of 110.0 GiB streamed through a scratch file under TMPDIR" in text
-    assert "dcm: its 110 GiB of scratch files exceed a 64 GiB disk" in text
+    assert "pair cache file ([dcm] cache); file (112.9 GiB on disk" in cost.note
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_papers_study_fits_one_h100_machine(paper_spec, dtype):
+    """On one H100 (80 GB) with 128 GiB of host memory and 64 GiB of disk every stage of the paper's study fits, in
+    float32 and bfloat16; DCM holds its sources' z in host memory (the fastest that fits), its scratch file would not
+    fit the disk in float32."""
+    device = get_device("h100-80gb")
+    assert (device.disk, device.host) == (64 * 2**30, 128 * 2**30)
+    plan = resource_plan(paper_spec, device, LENGTHS, dtype)
+    assert all(p.fits for p in plan), [p.cost.stage for p in plan if not p.fits]
+    costs = [p.cost for p in plan if p.cost.stage.startswith("dcm")]
+    assert len(costs) == 4 and all(c.note.startswith("pair cache memory (the fastest that fits") for c in costs)
+    assert all(c.disk == 0 and 0 < c.host_kept < 4 * 2**30 for c in costs)
+    file = dcm(context(with_cache(paper_spec, "file"), dtype, device), "llama-7b", 4)
+    assert file.fits(device) == (dtype == "bfloat16")
+
+
+def test_the_cache_mode_is_the_fastest_that_fits_else_the_smallest(paper_spec):
+    """With a disk as fast as memory the file (suffix runs) is fastest; a disk too small rules it out; a host too
+    small for anything leaves recompute, which holds least; a mode named in [dcm] cache is kept."""
+    from mechdiff.studies.resources import dcm_cache_choice
+
+    fast = replace(get_device("h100-80gb"), disk=10**13, disk_read=1e12)
+    assert dcm_cache_choice(context(paper_spec, "bfloat16", fast))[0] == "file"
+    assert dcm_cache_choice(context(paper_spec, "bfloat16", fast.with_disk(2**30)))[0] == "memory"
+    tiny_host = fast.with_disk(2**30).with_host(2**30)
+    assert dcm_cache_choice(context(paper_spec, "bfloat16", tiny_host))[0] == "recompute"
+    assert dcm_cache_choice(context(with_cache(paper_spec, "file"), "bfloat16", tiny_host)) == ("file", "[dcm] cache")
+
+
+def test_the_memory_mode_holds_what_the_cache_holds(tiny_llama, smollm2_tokenizer):
+    """The plan's host memory for the memory mode is the bytes a PairCache in that mode holds: the sources' z of
+    every layer (random heads are drawn from all) at each group's position, for every pair."""
+    from mechdiff.common.components import all_heads
+    from mechdiff.methods.dcm import PairCache
+    from mechdiff.models.footprint import Dims
+    from mechdiff.studies.resources import _dcm_cost
+    from mechdiff.studies.spec import default_spec
+    from mechdiff.tasks.entity_tracking import object_value_pairs
+
+    spec = default_spec()
+    spec = replace(spec, dcm=replace(spec.dcm, n_train=4, n_val=3, n_test=3, desiderata=["object_value"]))
+    dims = Dims.from_config(tiny_llama.model.config)
+    ctx = Context(spec, dims, LENGTHS, "float32", CPU)
+    planned = _dcm_cost(ctx, spec.models.base, 0, "memory").host_kept
+    pairs = object_value_pairs(smollm2_tokenizer, 10, n_boxes=3, seed=0)
+    every = all_heads(tiny_llama.shape.n_layers, tiny_llama.shape.n_heads)
+    sites = [(every, position) for position in _groups(ctx, spec.models.base, spec.dcm.groups)]
+    cache = PairCache.build(tiny_llama, pairs, sites, 5, mode="memory")
+    assert planned == cache.store.nbytes() > 0
+    cache.close()
 
 
 def test_path_patching_says_how_many_pairs_fit(paper_spec):

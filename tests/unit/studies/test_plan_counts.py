@@ -1,0 +1,141 @@
+"""What the plan counts against what the code does (mechdiff.studies.resources): path patching's runs per pass of
+senders and the senders below the deepest receiver, counted on a tiny model; each stage's reference runs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from conftest import spy_runs
+
+from mechdiff.common.components import Head
+from mechdiff.models.devices import Device
+from mechdiff.models.footprint import Dims
+from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
+from mechdiff.studies.resources import Context, Lengths, _plan_steps, _reference_runs, _step_runs, _step_senders
+from mechdiff.studies.spec import default_spec, load_spec
+from mechdiff.tasks.entity_tracking import path_patching_pairs
+
+CPU = Device("test cpu", 64 * 2**30, {"float32": 1e11}, gpu=False)
+
+
+def _ctx(spec, model, lengths, known=None):
+    return Context(spec, Dims.from_config(model.model.config), lengths, "float32", CPU, known or {})
+
+
+@pytest.mark.parametrize("step_name", ["A", "B", "C", "D"])
+def test_a_steps_runs_per_pass_of_senders_are_those_path_patching_makes(
+    tiny_llama, smollm2_tokenizer, step_name, monkeypatch
+):
+    """Per pass of senders, path patching makes the frozen run and one receiver run per distinct receiver position
+    (step D's receivers sit at the queried box's label, which moves between prompts): the plan's count."""
+    import mechdiff.patching.path as path
+
+    pairs = path_patching_pairs(smollm2_tokenizer, 12, n_boxes=3, seed=3)
+    spec = default_spec()
+    step = {s.name: s for s in _plan_steps(_ctx(spec, tiny_llama, Lengths(1, 1, {}, 1, "t")))}[step_name]
+    distinct = {
+        name: len({p.base.positions[name] for p in pairs}) for name in ("last", "query_label", "query_label_context")
+    }
+    assert distinct["query_label_context"] == 3 and distinct["last"] == 1  # a label per box; one last token
+    ctx = _ctx(spec, tiny_llama, Lengths(1, 1, {}, 1, "t", distinct))
+    batch = prepare(tiny_llama, pairs)
+    receivers = Receivers((Head(2, 1),), step.site, step.receiver_position) if step.receiver else None
+    senders = eligible_senders(tiny_llama, receivers)[:4]
+    calls = spy_runs(path, monkeypatch)
+    path_patch(tiny_llama, batch, senders, step.sender, receivers, senders_per_pass=2, progress=False)
+    assert len(calls) == 2 * _step_runs(ctx, step)
+
+
+def test_senders_lie_below_the_deepest_receiver_of_the_found_circuit(tiny_llama):
+    """A step with receivers scores the heads below its deepest receiver (the path module's eligible senders): the
+    found circuit's receiving group bounds them; before a run the middle layer is assumed; a step into the logits
+    scores every head."""
+    spec = default_spec()
+    lengths = Lengths(1, 1, {}, 1, "t")
+    steps = {s.name: s for s in _plan_steps(_ctx(spec, tiny_llama, lengths))}
+    n_heads, n_layers = tiny_llama.shape.n_heads, tiny_llama.shape.n_layers
+    found = {"circuit": {"m": {"groups": {"A": ["L1H0", "L0H2"]}, "positions": {"A": "last"}}}}
+    ctx = _ctx(spec, tiny_llama, lengths, found)
+    receivers = Receivers((Head(1, 0), Head(0, 2)), "q", "last")
+    assert _step_senders(ctx, steps["B"], "m") == len(eligible_senders(tiny_llama, receivers)) == n_heads
+    assert _step_senders(ctx, steps["A"], "m") == len(eligible_senders(tiny_llama, None)) == n_layers * n_heads
+    assert _step_senders(_ctx(spec, tiny_llama, lengths), steps["B"], "m") == n_layers / 2 * n_heads
+
+
+def test_reference_runs_fall_to_the_first_stage_that_ablates_with_the_studys_set():
+    """The first scorer stage of a model computes the study's reference means, the later ones read them from the
+    store; pruning with a seed of its own and the reproduction draw sets of their own; a lone matrix cell computes
+    them. Without a position scan the paper's LLaMA-7B (pruned with its own seed) computes them in its matrix row,
+    Vicuna (no seed of its own) in its pruning."""
+    spec = load_spec("tasks/entity_tracking_llama7b.toml")
+    ref, n = spec.scoring.reference_n, spec.reproduce.n
+    ctx = Context(spec, None, Lengths(1, 1, {}, 1, "t"), "float32", CPU)
+    assert spec.positions.n >= 1  # the file scans positions: the scan computes them
+    counts = {s: _reference_runs(ctx, s) for s in ("positions:llama-7b", "prune:llama-7b", "prune:vicuna-7b")}
+    assert counts == {"positions:llama-7b": ref, "prune:llama-7b": ref, "prune:vicuna-7b": 0}
+    assert _reference_runs(ctx, "matrix:vicuna-7b") == 0 and _reference_runs(ctx, "reproduction:goat-7b") == n
+    assert _reference_runs(ctx, "matrix-cell") == ref
+    unscanned = replace(ctx, spec=replace(spec, positions=replace(spec.positions, n=0)))
+    assert _reference_runs(unscanned, "matrix:llama-7b") == ref and _reference_runs(unscanned, "prune:llama-7b") == ref
+    assert _reference_runs(unscanned, "prune:vicuna-7b") == ref and _reference_runs(unscanned, "matrix:vicuna-7b") == 0
+
+
+def _placed(stages: dict[str, float], device: Device) -> list:
+    """Placements of stages of the given names and seconds (7B-like weights: 1 GiB a model)."""
+    from mechdiff.studies.resources import Placement, StageCost
+
+    costs = [StageCost(s, 1, 1, 1, 0.0, 2**30, 0, 0) for s in stages]
+    return [Placement(c, device, "float32", seconds, True) for c, seconds in zip(costs, stages.values())]
+
+
+def test_wall_time_is_the_longest_process_over_its_threads_and_load_is_warned():
+    """With one process per model the wall time is the longest model's CPU seconds over its threads (the base's DCM
+    in the base's process); in one process, the whole over its threads; a throughput measured under load is
+    warned of; loading counts each model's weights at the disk's rate."""
+    from mechdiff.studies.resources import Workers, _loading, _wall
+
+    stages = {"accuracy:b": 60.0, "accuracy:f": 60.0, "dcm": 600.0, "cmap:f": 300.0}
+    idle = replace(CPU, load=0.1, disk_read=2**30)
+    two = _wall(_placed(stages, idle), Workers(2, 1, "two", "b"))
+    assert two == [
+        "wall time with 2 processes of 1 thread: about 11.0 min (each process's CPU time over its "
+        "threads, the longest process; two)"
+    ]
+    one = _wall(_placed(stages, idle), Workers(1, 2, "one", "b"))
+    assert "about 8.5 min" in one[0] and len(one) == 1  # (60 + 60 + 600 + 300) / 2 s
+    assert "calibrated under load" in _wall(_placed(stages, replace(idle, load=1.5)), None)[0]
+    assert _loading(_placed(stages, idle), 2) == [
+        "loading 2 models (1.0 GiB each) at 1.1 GB/s: 2.0 s more (once each a process)"
+    ]
+
+
+def test_a_cpu_stage_holds_the_process_baseline_and_a_gpu_stage_holds_it_on_the_host():
+    from mechdiff.studies.resources import StageCost
+
+    cost = StageCost("accuracy:m", 1, 1, 1, 0.0, 100, 10, 5, host_kept=7)
+    cpu = replace(CPU, baseline=1000)
+    gpu = Device("gpu", 10**6, {"float32": 1.0}, baseline=1000)
+    assert cost.device_peak(cpu) == 100 + 10 + 5 + 7 + 1000 and cost.host_peak(cpu) == cost.device_peak(cpu)
+    assert cost.device_peak(gpu) == 115 and cost.host_peak(gpu) == 100 + 1000
+
+
+def test_the_released_circuit_stands_in_for_the_bases_pruned_circuit_before_a_run():
+    """Before a run, DCM on the paper's study starts each group at the released LLaMA-7B circuit's lowest layer (not
+    the middle), and says so; a circuit the run found wins."""
+    import json
+
+    from mechdiff.models.devices import get_device
+    from mechdiff.models.footprint import model_dims
+    from mechdiff.studies.resources import _group_starts, dcm, with_released
+
+    spec = load_spec("tasks/entity_tracking_llama7b.toml")
+    released = json.loads(open(spec.reproduce.circuit).read())
+    lowest = {g: min(int(h[1:].split("H")[0]) for h in heads) for g, heads in released["groups"].items()}
+    known = with_released(spec, {})
+    ctx = Context(spec, model_dims("llama-7b")[0], Lengths(53, 53, {}, 1, "t"), "float32", get_device("h100-80gb"))
+    starts = _group_starts(replace(ctx, known=known), "llama-7b pruned", ["A", "B", "C", "D"])
+    assert {g: layer for g, (layer, _) in starts.items()} == lowest == {"A": 14, "B": 11, "C": 1, "D": 8}
+    assert "the released circuit, assumed" in dcm(replace(ctx, known=known), "llama-7b", 4).note
+    found = {"circuit": {"llama-7b pruned": {"groups": {"A": ["L3H0"]}, "positions": {"A": "last"}}}}
+    assert with_released(spec, found) == found
