@@ -258,7 +258,7 @@ def sign_flip(
     sums, counts = item_sums(d, idx)
     value = float(d.mean())
     nz = sums != 0
-    flips, exact = _flip_matrix(int(nz.sum()), seed)
+    flips, exact = _flip_matrix(int(nz.sum()), seed) if nz.any() else (np.ones((1, 0)), True)
     p = _flip_p(flips @ sums[nz], sums.sum(), exact) if nz.any() else 1.0
     low, high = _inverted(sums, counts, value, confidence, seed)
     if p > 1 - confidence:  # the interval never excludes 0 where the test does not reject

@@ -99,3 +99,41 @@ def grid_heatmap(
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label=label)
     return save_figure(fig, path)
+
+
+def band_figure(
+    steps: Sequence[int],
+    series: dict[str, Sequence[Optional[dict]]],
+    path: str | Path,
+    title: str = "",
+    ylabel: str = "",
+    zero: bool = False,
+    levels: Sequence[float] = (),
+) -> Path:
+    """Each series (``{"value", "low", "high"}`` per step, None where absent) against the step, its interval as
+    a band; a dashed line at each of ``levels``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..common.io import save_figure
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for label, points in series.items():
+        xs = [s for s, p in zip(steps, points) if p is not None]
+        got = [p for p in points if p is not None]
+        if not got:
+            continue
+        (line,) = ax.plot(xs, [p["value"] for p in got], marker="o", ms=3, label=label)
+        ax.fill_between(xs, [p["low"] for p in got], [p["high"] for p in got], color=line.get_color(), alpha=0.2)
+    if zero:
+        ax.axhline(0, color="grey", lw=0.8)
+    for y in levels:
+        ax.axhline(y, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("training step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="best")
+    return save_figure(fig, path)

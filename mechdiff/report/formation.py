@@ -373,7 +373,7 @@ ORDER_CAPTION = (
 def write_formation(f: Formation, run_dir: Path) -> tuple[str, str, list[dict], list[dict]]:
     """Write ``tables/formation*`` and ``figures/formation.png``; returns the report section, the README section,
     and the formation and order rows."""
-    from .trajectory import band_figure
+    from .figures import band_figure
 
     rows, orders, levels = formation_rows(f), order_rows(f), " and ".join(level_name(q) for q in f.levels)
     caption = CAPTION.format(levels=levels, first=f.steps[1], last=f.steps[-1])

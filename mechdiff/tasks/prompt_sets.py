@@ -70,7 +70,8 @@ def item_ids(keys: Sequence[Hashable]) -> list[int]:
 def clean_key(record: Any) -> tuple[int, ...]:
     """The default item of a record or pair: its clean prompt's token ids (a pair's base)."""
     base = record.base if hasattr(record, "base") and hasattr(record, "source") else record
-    return tuple(base.input_ids)
+    ids = getattr(base, "input_ids", None)
+    return (base,) if ids is None else tuple(ids)  # a record without token ids is its own item
 
 
 def items_of(records: Sequence[Any], keys: Optional[Sequence[Hashable]] = None) -> "np.ndarray":

@@ -17,37 +17,37 @@ base = "{base}"
 finetunes = ["{finetune}"]
 
 [eval]
-n = 12
+n = 6
 batch_size = 12
 floor = -1.0  # random tiny models answer nothing: every model counts as doing the task (mechanics)
 
 [positions]
-n = 6
+n = 4
 max_steps = 2
 
 [discovery]
 n = 6
-curve_n = 8
+curve_n = 6
 sizes = [0.1, 0.5, 1.0]
 stability_draws = 20
 
 [scoring]
-n = 8
+n = 6
 random_draws = 2
 completeness_draws = 1
-reference_n = 200
-prune_n = 6
+reference_n = 68  # 110 distinct prompts, each in one set: the other sets are small so the reference holds every group
+prune_n = 2
 
 [dcm]
 desiderata = ["subject"]
 groups = []
-n_train = 6
-n_val = 3
-n_test = 3
+n_train = 4
+n_val = 2
+n_test = 2
 epochs = 1
 
 [cmap]
-n = 8
+n = 2
 parts = ["z", "qk"]
 groups = []
 n_random = 1
@@ -70,7 +70,7 @@ def test_circuits_study_on_a_relation(tiny_family, tmp_path, capsys):
     base = tiny_family[0].rsplit("/", 1)[-1]
     stages = run / "stages"
     accuracy = json.loads((stages / f"accuracy__{base}.json").read_text())["result"]
-    assert accuracy["accuracy"]["n"] == 12
+    assert accuracy["accuracy"]["n"] == 6
     scan = json.loads((stages / f"positions__{base}.json").read_text())["result"]["scan"]
     assert scan["classes"] == derived_class_names(POSITIONS)
     circuit = json.loads((run / "circuits" / f"{base}.json").read_text())

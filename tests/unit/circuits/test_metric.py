@@ -99,7 +99,10 @@ def test_a_prob_task_keeps_its_keys(tiny_llama, smollm2_tokenizer):
     scorer = Scorer.build(tiny_llama, recs, recs, batch_size=4, progress=False)
     circuit = kept_circuit()
     res = faithfulness(scorer, circuit)
-    assert sorted(res["circuit"]) == ["accuracy", "answer_prob", "faithfulness", "faithfulness_prob"]
+    assert sorted(res["circuit"]) == [
+        "accuracy", "answer_prob", "faithfulness", "faithfulness_normalised", "faithfulness_normalised_prob",
+        "faithfulness_prob",
+    ]  # fmt: skip
     curve = faithfulness_curve(scorer, [(KEPT, EVERY_POSITION)], sizes=(1.0,))
     assert {"cpr_prob", "cmd_prob", "full_prob", "empty_prob"} <= set(curve)
     assert "faithfulness_prob" in curve["rows"][0] and "normalised_prob" in curve["rows"][0]

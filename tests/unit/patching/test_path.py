@@ -393,7 +393,15 @@ def test_the_llama7b_task_file_scores_senders_as_the_paper_and_old_keys_stay():
     assert load_spec("tasks/entity_tracking_llama7b.toml").discovery.score == "mean_of_ratios"
     default = section_inputs("discovery", DiscoverySection())
     # options added after the committed studies were run
-    added = ("score", "circuit_k", "models", "source_position", "pairs_per_part")
+    added = (
+        "score",
+        "circuit_k",
+        "models",
+        "source_position",
+        "pairs_per_part",
+        "counterfactual",
+        "model_seed_redraws",
+    )
     old = {"top_k": {"A": 8, "B": 3, "C": 5, "D": 3}}  # unset top_k (each step's plan k) keys as its old default
     assert default == {**{k: v for k, v in dataclasses.asdict(DiscoverySection()).items() if k not in added}, **old}
     assert section_inputs("discovery", DiscoverySection(score="mean_of_ratios"))["score"] == "mean_of_ratios"
