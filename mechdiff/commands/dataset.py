@@ -4,6 +4,7 @@ pairs from a JSONL file into a task directory (:mod:`mechdiff.tasks.jsonl`)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..common.metrics import TASK_METRICS, metric_name
@@ -77,6 +78,7 @@ def main_import(args: argparse.Namespace) -> int:
         metric=args.metric,
         force=args.force,
         desiderata=args.desideratum,
+        warn=lambda line: print(f"warning: {line}", file=sys.stderr),
     )
     meta = load_task_meta(out)
     declared = meta.get("desiderata") or {}

@@ -55,9 +55,12 @@ def test_limitations_name_only_what_the_run_did():
     greedy = _spec(scoring={"prune": True, "prune_rule": "greedy"}, cmap={"n_random": 3})
     every = limitations(SimpleNamespace(spec=greedy, task=SimpleNamespace(metric="prob")), {"base": _scan(["last"])})
     assert "position scan" in every and "bounded greedy search" in every and "random control" in every
-    assert "Pruning uses answer probability" in every
+    assert "Pruning uses the answer probability" in every
     ld = limitations(SimpleNamespace(spec=greedy, task=SimpleNamespace(metric="logit_diff")), {})
     assert "Pruning uses the logit difference" in ld  # a logit_diff task prunes on its own metric
+    greedy.scoring.prune_metric = "accuracy"
+    acc = limitations(SimpleNamespace(spec=greedy, task=SimpleNamespace(metric="logit_diff")), {})
+    assert "Pruning uses the accuracy" in acc  # what the code pruned on, whatever the task's metric
     paper = limitations(
         SimpleNamespace(spec=_spec(discovery={"method": "path"}, scoring={"prune": True, "prune_rule": "paper"})), {}
     )
@@ -85,3 +88,33 @@ def test_a_skipped_dcm_states_no_finding():
     assert dcm_section(SimpleNamespace(spec=default_spec()), skipped) == f"DCM: not run ({why}).\n"
     ran = SimpleNamespace(result={"dcm": [], "semantic": []})
     assert "selected no head in any of 0" in dcm_findings(ran)  # a run that selected nothing is still reported
+
+
+def test_captions_name_the_metric_the_code_used(tmp_path):
+    """On a logit_diff task the attribution caption names the logit difference it differentiates, pruning's caption
+    the logit difference it decided on (never "prob metric"), and path patching the measure its scores are
+    relative changes of; on a prob task, the answer's (log-)probability as before."""
+    from mechdiff.report.study_report import _method, pruning_section
+
+    pruned = {
+        "base": SimpleNamespace(
+            result={
+                "minimality": {"pairs": {"L0H1@last": {"searched": True}}, "circuit": 0.5, "full": 0.6},
+                "circuit": {"model": "base", "task": "t", "groups": {"last": ["L0H1"]}, "positions": {"last": "last"}},
+            }
+        )
+    }
+    for metric, attributed, said in (
+        ("logit_diff", "d LD / d z", "logit difference"),
+        ("prob", "d log p(answer)", "answer probability"),
+    ):
+        for rule in ("greedy", "paper"):
+            spec = _spec(scoring={"prune_rule": rule, "prune_metric": "prob"})
+            study = SimpleNamespace(spec=spec, task=SimpleNamespace(metric=metric, options=()), dir=tmp_path)
+            caption = pruning_section(study, pruned).split("**")[1]
+            assert f"the {said}" in caption and "prob metric" not in caption
+        assert attributed in _method(study)
+        spec.discovery.method = "path"
+        assert f"the relative change of the {said}" in _method(study)
+    spec.scoring.prune_metric = "accuracy"
+    assert "on the accuracy over" in pruning_section(study, pruned)
