@@ -669,6 +669,13 @@ def limitations(study: "Study", positions: dict) -> str:
             "search for K; pairs\n"
             "  whose removal alone already exceeds the threshold skip the search (it could only raise them)."
         )
+    if study.task.answer_tokens > 1:
+        lines.append(
+            f"- Answers of up to {study.task.answer_tokens} tokens are scored by teacher forcing (each answer's tokens "
+            "appended to the prompt); the circuits,\n  pruning, DCM and CMAP cover the prompt's positions only, never an "
+            "answer token's own, so the heads\n  reach the answer's later tokens only through what they write at the "
+            "prompt (accuracy by answer length: `tables/accuracy_by_answer_length.csv`)."
+        )
     if cm.n_random:
         lines.append(
             "- CMAP's random control uses a few draws per group (the `[cmap] n_random` setting), fewer than the\n"

@@ -48,23 +48,34 @@ def test_each_model_opens_its_own_bullet_with_or_without_a_position_scan():
     assert lines[1].startswith("  Its own circuit (10 ") and lines[2].startswith("- **tuned**: its own circuit (20 ")
 
 
+def _task(metric: str = "prob", answer_tokens: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(metric=metric, answer_tokens=answer_tokens, options=())
+
+
 def test_limitations_name_only_what_the_run_did():
-    none = limitations(SimpleNamespace(spec=_spec(scoring={"prune": False}, cmap={"n_random": 0})), {})
+    none = limitations(SimpleNamespace(spec=_spec(scoring={"prune": False}, cmap={"n_random": 0}), task=_task()), {})
     assert "position scan" not in none and "Pruning" not in none and "random control" not in none
     assert none.startswith("- Departures from Prakash et al.")
     greedy = _spec(scoring={"prune": True, "prune_rule": "greedy"}, cmap={"n_random": 3})
-    every = limitations(SimpleNamespace(spec=greedy, task=SimpleNamespace(metric="prob")), {"base": _scan(["last"])})
+    every = limitations(SimpleNamespace(spec=greedy, task=_task()), {"base": _scan(["last"])})
     assert "position scan" in every and "bounded greedy search" in every and "random control" in every
     assert "Pruning uses the answer probability" in every
-    ld = limitations(SimpleNamespace(spec=greedy, task=SimpleNamespace(metric="logit_diff")), {})
+    ld = limitations(SimpleNamespace(spec=greedy, task=_task("logit_diff")), {})
     assert "Pruning uses the logit difference" in ld  # a logit_diff task prunes on its own metric
     greedy.scoring.prune_metric = "accuracy"
-    acc = limitations(SimpleNamespace(spec=greedy, task=SimpleNamespace(metric="logit_diff")), {})
+    acc = limitations(SimpleNamespace(spec=greedy, task=_task("logit_diff")), {})
     assert "Pruning uses the accuracy" in acc  # what the code pruned on, whatever the task's metric
     paper = limitations(
-        SimpleNamespace(spec=_spec(discovery={"method": "path"}, scoring={"prune": True, "prune_rule": "paper"})), {}
+        SimpleNamespace(
+            spec=_spec(discovery={"method": "path"}, scoring={"prune": True, "prune_rule": "paper"}), task=_task()
+        ),
+        {},
     )
     assert "path patching of head groups" in paper and "bounded greedy" not in paper and "pruning `paper`" in paper
+    assert "teacher forcing" not in paper  # one-token answers: nothing to say
+    several = limitations(SimpleNamespace(spec=greedy, task=_task("logit_diff", answer_tokens=3)), {})
+    assert "Answers of up to 3 tokens are scored by teacher forcing" in several
+    assert "cover the prompt's positions only" in several
 
 
 def test_report_states_an_ordering_only_when_the_paired_interval_excludes_zero():
@@ -110,7 +121,7 @@ def test_captions_name_the_metric_the_code_used(tmp_path):
     ):
         for rule in ("greedy", "paper"):
             spec = _spec(scoring={"prune_rule": rule, "prune_metric": "prob"})
-            study = SimpleNamespace(spec=spec, task=SimpleNamespace(metric=metric, options=()), dir=tmp_path)
+            study = SimpleNamespace(spec=spec, task=_task(metric), dir=tmp_path)
             caption = pruning_section(study, pruned).split("**")[1]
             assert f"the {said}" in caption and "prob metric" not in caption
         assert attributed in _method(study)

@@ -162,3 +162,34 @@ def test_import_warns_about_answers_that_split_a_word_or_share_a_first_token(smo
     assert said[0].startswith("2 answers without a leading space split a word") and "'Madrid'" in said[0]
     assert said[1].startswith("2 of 12 rows have an answer that shares its first token with the counterfactual")
     assert "' New Delhi'/' New York'" in said[1]
+
+
+def test_mechdiff_eval_prints_and_writes_accuracy_by_answer_length(smollm2_tokenizer, tmp_path):
+    """`mechdiff eval` on a task whose answers have several lengths: a table by answer length, and in the JSON each
+    length's prompts, accuracy and logit difference, as counted from the per-prompt outcomes it writes."""
+    import json
+
+    from conftest import capitals_rows, make_tiny, write_rows
+
+    from mechdiff.studies.evaluation import eval_models
+    from mechdiff.tasks.base import answer_tokens, get_task
+    from mechdiff.tasks.jsonl import import_pairs
+
+    rows = capitals_rows(12, templates=("short",))
+    for r, (a, b) in zip(rows, [(" New Delhi", " Rome"), (" San Salvador", " Kuala Lumpur"), (" Reykjavik", " Oslo")]):
+        r["answer"], r["counterfactual_answer"] = a, b
+    task_dir = import_pairs(
+        write_rows(tmp_path / "c.jsonl", rows), smollm2_tokenizer, tmp_path / "t", metric="logit_diff"
+    )
+    task = get_task(str(task_dir))
+    lm = make_tiny("llama", smollm2_tokenizer, n_layers=1)
+    table = eval_models([lm], task, 12, 0, {}, "eval", 4, tmp_path / "eval.json")
+    assert "by answer length" in table
+    got = json.loads((tmp_path / "eval.json").read_text())[lm.name]
+    records = task.records(smollm2_tokenizer, 12, 0)
+    lengths = np.array([min(len(answer_tokens(r)), 3) for r in records])
+    correct, diff = np.array(got["correct"]), np.array(got["outcomes"]["logit_diff"])
+    assert [(r["answer_tokens"], r["n"]) for r in got["by_answer_length"]] == [("1", 9), ("2", 2), ("3+", 1)]
+    for r, n in zip(got["by_answer_length"], (1, 2, 3)):
+        assert r["accuracy"]["value"] == pytest.approx(correct[lengths == n].mean())
+        assert r["logit_diff"]["value"] == pytest.approx(diff[lengths == n].mean(), rel=1e-5)  # outcomes: 6 digits
