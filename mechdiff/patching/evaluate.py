@@ -87,13 +87,18 @@ def length_bin(n_tokens: int) -> str:
     return LENGTH_BINS[min(n_tokens, len(LENGTH_BINS)) - 1]
 
 
+def length_bins(records: Sequence[Record]) -> np.ndarray:
+    """Each record's :data:`LENGTH_BINS` entry (its answer's own tokens), in their order."""
+    return np.array([length_bin(len(answer_tokens(r))) for r in records])
+
+
 def by_answer_length(
     records: Sequence[Record], correct: np.ndarray, values: Optional[np.ndarray] = None, column: str = "answer_prob"
 ) -> list[dict]:
     """Accuracy (exact binomial) and the mean of the continuous per-prompt ``values`` (the task's metric, as
     ``column``; bootstrap) per answer length (:data:`LENGTH_BINS`, the answer's own tokens) of ``records``, in their
     order; empty where every answer has one length (nothing to split)."""
-    lengths = np.array([length_bin(len(answer_tokens(r))) for r in records])
+    lengths = length_bins(records)
     if len(lengths) != len(correct):
         raise ValueError(f"{len(records)} records but {len(correct)} outcomes")
     present = [b for b in LENGTH_BINS if (lengths == b).any()]

@@ -307,6 +307,7 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
         f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit "
         "(pooled accuracy; the range of the draws' accuracies)",
     )
+    text += _matrix_by_answer_length(study, matrix)
     comp_rows = completeness_rows({name: rec.result.get("completeness") for name, rec in matrix.items()})
     if comp_rows:
         text += "\n" + study_table(
@@ -317,6 +318,47 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
             f"({s.completeness_draws} draws, each pair in K with probability 0.5) and K = one group",
         )
     return text, rows
+
+
+def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
+    """Each circuit's accuracy and faithfulness (accuracy) per answer length on each model's matrix prompts, from the
+    stage's per-prompt outcomes; empty where every answer has one length."""
+    from ..common.outcomes import read_record
+    from ..common.stats import bootstrap_ratio, proportion
+    from ..patching.evaluate import LENGTH_BINS, length_bins
+
+    if study.task.answer_tokens < 2:
+        return ""
+    lengths = length_bins(study.prompt_records("matrix", study.spec.scoring.n))
+    if len(set(lengths)) < 2:
+        return ""
+    rows = []
+    for name, rec in matrix.items():
+        for circuit, kept in (rec.result.get("outcomes") or {}).items():
+            full, circ = read_record(kept["full"])[0], read_record(kept["circuit"])[0]
+            for b in (b for b in LENGTH_BINS if (lengths == b).any()):
+                at = lengths == b
+                rows.append(
+                    {
+                        "model": name,
+                        "circuit": circuit,
+                        "answer_tokens": b,
+                        "n": int(at.sum()),
+                        **estimate_columns("model_accuracy", proportion(full[at])),
+                        **estimate_columns("accuracy", proportion(circ[at])),
+                        **estimate_columns("faithfulness", bootstrap_ratio(circ[at], full[at])),
+                    }
+                )
+    if not rows:
+        return ""
+    return "\n" + study_table(
+        study,
+        rows,
+        "circuit_x_model_by_answer_length",
+        "Circuit x model by the answer's length in tokens on the same prompts: the model's and the circuit's accuracy "
+        "(exact binomial CI) and faithfulness F(C)/F(M) (bootstrap CI); the circuits cover the prompt's positions "
+        "only, an answer's later tokens reached through what they write there",
+    )
 
 
 def overlap_section(study: "Study", circuits: dict) -> tuple[str, dict]:
@@ -671,10 +713,11 @@ def limitations(study: "Study", positions: dict) -> str:
         )
     if study.task.answer_tokens > 1:
         lines.append(
-            f"- Answers of up to {study.task.answer_tokens} tokens are scored by teacher forcing (each answer's tokens "
-            "appended to the prompt); the circuits,\n  pruning, DCM and CMAP cover the prompt's positions only, never an "
-            "answer token's own, so the heads\n  reach the answer's later tokens only through what they write at the "
-            "prompt (accuracy by answer length: `tables/accuracy_by_answer_length.csv`)."
+            f"- Answers of up to {study.task.answer_tokens} tokens are scored by teacher forcing (each answer's "
+            "tokens appended to the prompt); the circuits,\n  pruning, DCM and CMAP cover the prompt's positions only, "
+            "never an answer token's own, so the heads\n  reach the answer's later tokens only through what they write "
+            "at the prompt (by answer length: `tables/accuracy_by_answer_length.csv`,\n  "
+            "`tables/circuit_x_model_by_answer_length.csv`)."
         )
     if cm.n_random:
         lines.append(

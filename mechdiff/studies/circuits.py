@@ -423,14 +423,17 @@ class CircuitsStudy(Study):
         drawn = self.seed("reference") if seed is None else prompt_seed(seed, "reference")
         return self.task.reference_records(self.tokenizer, s.reference_n, drawn, **self.options(prompts="reference"))
 
+    def prompt_records(self, prompts: str, n: int) -> list:
+        """The ``n`` records of the named prompt set (held-out objects; an imported task's drawn rows)."""
+        return self.task.records(self.tokenizer, n, self.seed(prompts), **self.options(prompts=prompts))
+
     def scorer(self, name: str, prompts: str = "matrix", n: Optional[int] = None, seed: Optional[int] = None):
         """A scorer of ``name`` on ``n`` prompts of the named set; every scorer ablates with the means of the
         same ``reference_n`` reference prompts (held-out objects, like every other prompt set), or of those a
         seed of its own draws (``seed``: a model's pruning seed)."""
         from ..circuits.scoring import Scorer
 
-        s = self.spec.scoring
-        records = self.task.records(self.tokenizer, n or s.n, self.seed(prompts), **self.options(prompts=prompts))
+        records = self.prompt_records(prompts, n or self.spec.scoring.n)
         return Scorer.build(
             self.model(name),
             records,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from mechdiff.report.study_report import circuit_findings, limitations
 from mechdiff.studies.spec import RunSpec, default_spec
 
@@ -129,3 +131,53 @@ def test_captions_name_the_metric_the_code_used(tmp_path):
         assert f"the relative change of the {said}" in _method(study)
     spec.scoring.prune_metric = "accuracy"
     assert "on the accuracy over" in pruning_section(study, pruned)
+
+
+def test_report_gives_accuracy_and_faithfulness_by_answer_length(tmp_path):
+    """A task of answers of several lengths: the report's accuracy table per answer length (with the task's metric)
+    and the circuit x model table per length (model's and circuit's accuracy, faithfulness), each counted from the
+    stages' per-prompt outcomes; none for one-token answers."""
+    import csv
+
+    import numpy as np
+
+    from mechdiff.common.outcomes import outcome_record
+    from mechdiff.report.study_report import _by_answer_length, _matrix_by_answer_length
+    from mechdiff.tasks.base import Example
+
+    lengths = [1, 2, 3, 1, 2, 4, 1, 1]
+    records = [
+        Example("p", (1, 2), "a", 50 + n, answer_tokens=tuple(range(50 + n, 50 + 2 * n)) if n > 1 else ())
+        for n in lengths
+    ]
+    full = np.array([1, 1, 1, 1, 0, 1, 1, 0])
+    circ = np.array([1, 0, 1, 0, 0, 0, 1, 0])
+    diff = np.linspace(-1, 2, 8)
+    spec = _spec()
+    study = SimpleNamespace(
+        spec=spec,
+        task=_task("logit_diff", answer_tokens=4),
+        dir=tmp_path,
+        eval_records=lambda: records,
+        prompt_records=lambda prompts, n: records,
+    )
+    accuracy = {"base": SimpleNamespace(result={"outcomes": {**outcome_record(full, diff * 0), "logit_diff": diff}})}
+    kept = {"base": {"full": outcome_record(full), "circuit": outcome_record(circ)}}
+    matrix = {"base": SimpleNamespace(result={"outcomes": kept})}
+    assert "accuracy_by_answer_length" in _by_answer_length(study, accuracy)
+    assert "circuit_x_model_by_answer_length" in _matrix_by_answer_length(study, matrix)
+    read = lambda stem: list(csv.DictReader(open(tmp_path / "tables" / f"{stem}.csv")))  # noqa: E731
+    bins = {"1": [0, 3, 6, 7], "2": [1, 4], "3+": [2, 5]}
+    for row in read("accuracy_by_answer_length"):
+        at = bins[row["answer_tokens"]]
+        assert int(row["n"]) == len(at) and float(row["accuracy"]) == pytest.approx(full[at].mean())
+        assert float(row["logit_diff"]) == pytest.approx(diff[at].mean())
+    rows = read("circuit_x_model_by_answer_length")
+    assert [r["answer_tokens"] for r in rows] == ["1", "2", "3+"]
+    for row in rows:
+        at = bins[row["answer_tokens"]]
+        assert float(row["model_accuracy"]) == pytest.approx(full[at].mean())
+        assert float(row["accuracy"]) == pytest.approx(circ[at].mean())
+        assert float(row["faithfulness"]) == pytest.approx(circ[at].mean() / full[at].mean())
+    study.task = _task("logit_diff", answer_tokens=1)
+    assert _by_answer_length(study, accuracy) == "" == _matrix_by_answer_length(study, matrix)
