@@ -716,7 +716,7 @@ def limitations(study: "Study", positions: dict) -> str:
             f"- Answers of up to {study.task.answer_tokens} tokens are scored by teacher forcing (each answer's "
             "tokens appended to the prompt); the circuits,\n  pruning, DCM and CMAP cover the prompt's positions only, "
             "never an answer token's own, so the heads\n  reach the answer's later tokens only through what they write "
-            "at the prompt (by answer length: `tables/accuracy_by_answer_length.csv`,\n  "
+            "at the prompt (by answer length:\n  `tables/accuracy_by_answer_length.csv`, "
             "`tables/circuit_x_model_by_answer_length.csv`)."
         )
     if cm.n_random:
