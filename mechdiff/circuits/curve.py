@@ -36,8 +36,17 @@ TARGET = 0.8  # the study's default: the smallest circuit whose accuracy faithfu
 SELECT = ("low", "value")
 
 
+#: What the attribution differentiates under a task's metric, in the report's words.
+ATTRIBUTED = {
+    "prob": "`(mean z - z) . d log p(answer) / d z`, the answer's log-probability, which does not saturate",
+    "logit_diff": "`(mean z - z) . d LD / d z`, LD the logit difference: the answer's (summed) log-probability "
+    "minus the mean of its alternatives'",
+}
+
+
 def ablation_attribution(scorer: Scorer, classes: Sequence[str]) -> dict[Pair, float]:
-    """Per (head, class): the mean over prompts of ``sum_pos (mean z - z) . grad log p(answer)``."""
+    """Per (head, class): the mean over prompts of ``sum_pos (mean z - z) . grad m``, ``m`` the scorer's metric's
+    measure (:func:`prompt_attribution`: ``log p(answer)``, or the logit difference)."""
     return pair_scores(prompt_attribution(scorer, classes).mean(0), classes)
 
 

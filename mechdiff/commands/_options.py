@@ -12,6 +12,12 @@ from ..models.resolve import resolve_spec
 from ..tasks.base import Task, get_task, task_names
 from ..tasks.relation_data import available_relations
 
+#: What ``--metric`` of the scoring commands (prune, score, positions) says: prob is the task's continuous metric.
+METRIC_HELP = (
+    "accuracy, or prob: the task's continuous metric (the answer's probability, the logit difference on a "
+    "logit_diff task; answer_prob is read as prob)"
+)
+
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """--dtype, --device, --device-map, --remote and --cache-dir, identical on every stage."""

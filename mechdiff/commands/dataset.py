@@ -4,6 +4,7 @@ pairs from a JSONL file into a task directory (:mod:`mechdiff.tasks.jsonl`)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..common.metrics import TASK_METRICS, metric_name
@@ -85,6 +86,7 @@ def main_import(args: argparse.Namespace) -> int:
         force=args.force,
         desiderata=args.desideratum,
         item=args.item,
+        warn=lambda line: print(f"warning: {line}", file=sys.stderr),
     )
     meta = load_task_meta(out)
     items = len(set(read_task_directory(out).item_keys))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..common.metrics import metric_name
 from ..studies.scoring import scan_positions
-from ._options import add_dataset_options, add_model_options, load_from_args
+from ._options import METRIC_HELP, add_dataset_options, add_model_options, load_from_args
 from ._scoring import add_scoring_options, scoring_prompts, settings
 
 
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="accuracy",
         type=metric_name,
         choices=["accuracy", "prob"],
-        help="what the greedy step maximises",
+        help=f"what the greedy step maximises: {METRIC_HELP}",
     )
     p.add_argument(
         "--stop-at", type=float, default=None, help="stop once faithfulness reaches this (default: scan all)"

@@ -9,7 +9,7 @@ from ..circuits.pruning import PAPER_SHARE, PRUNE_RULES
 from ..common.io import check_writable
 from ..common.metrics import metric_name
 from ..studies.scoring import prune_circuit
-from ._options import add_dataset_options, add_model_options, load_from_args
+from ._options import METRIC_HELP, add_dataset_options, add_model_options, load_from_args
 from ._scoring import add_scoring_options, load_circuit, model_shape, scoring_prompts, settings
 
 
@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-steps", type=int, default=1, help="greedy steps growing K per head")
     p.add_argument("--candidates", type=int, default=4, help="pairs tried per greedy step (0: all)")
-    p.add_argument("--metric", default="accuracy", type=metric_name, choices=["accuracy", "prob"])
+    p.add_argument("--metric", default="accuracy", type=metric_name, choices=["accuracy", "prob"], help=METRIC_HELP)
     add_dataset_options(p, n=32)
     add_scoring_options(p)
     add_model_options(p)

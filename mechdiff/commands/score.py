@@ -8,7 +8,7 @@ from pathlib import Path
 from ..common.io import check_writable
 from ..common.metrics import metric_name
 from ..studies.scoring import score_circuit
-from ._options import add_dataset_options, add_model_options, load_from_args
+from ._options import METRIC_HELP, add_dataset_options, add_model_options, load_from_args
 from ._scoring import add_scoring_options, load_circuit, model_shape, scoring_prompts, settings
 
 
@@ -20,7 +20,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--completeness-draws", type=int, default=5, help="random subsets K (0: groups only)")
     p.add_argument("--no-completeness", action="store_true", help="skip completeness")
     p.add_argument(
-        "--metric", default="accuracy", type=metric_name, choices=["accuracy", "prob"], help="completeness metric"
+        "--metric",
+        default="accuracy",
+        type=metric_name,
+        choices=["accuracy", "prob"],
+        help=f"completeness metric: {METRIC_HELP}",
     )
     p.add_argument("--out", default="results/score", help="output directory")
     add_dataset_options(p, n=100)

@@ -36,6 +36,18 @@ def metric_name(name: str) -> str:
 CONTINUOUS_LABELS = {"prob": "answer probability", "logit_diff": "logit difference"}
 
 
+def scored_metric(choice: str, task_metric: str) -> str:
+    """The metric a stage scores on where a setting chooses ``accuracy`` or ``prob``, the continuous one: the task's
+    own metric (``task_metric``: the answer's probability, or the logit difference on a ``logit_diff`` task)."""
+    return task_metric if metric_name(choice) == "prob" else choice
+
+
+def metric_label(metric: str) -> str:
+    """The caption words of a metric a stage scored on: ``accuracy``, or a task's continuous metric
+    (:data:`CONTINUOUS_LABELS`: ``answer probability``, ``logit difference``)."""
+    return CONTINUOUS_LABELS.get(metric_name(metric), metric)
+
+
 def faithfulness_key(metric: str) -> str:
     """The record key of the continuous faithfulness under a task's ``metric``: ``faithfulness_prob`` or
     ``faithfulness_logit_diff``."""

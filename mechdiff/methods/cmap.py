@@ -51,7 +51,7 @@ from ..circuits.circuit import Circuit
 from ..circuits.scoring import is_one_token, position_mask
 from ..common import inference as inf
 from ..common.components import Head, layer_matched
-from ..common.metrics import answer_is_top1, answer_prob, sequence_is_greedy, sequence_logprob
+from ..common.metrics import answer_is_top1, answer_prob, logit_diff, sequence_is_greedy, sequence_logprob
 from ..common.outcomes import bits
 from ..common.progress import progress_bar
 from ..common.stats import Estimate, bootstrap, mean_estimate
@@ -311,22 +311,25 @@ def random_scope(scope: Scope, n_heads: int, rng: random.Random) -> Scope:
 
 @dataclass
 class CMAPRow:
-    """Accuracy of the base with one scope's activations of one kind patched in from the fine-tune."""
+    """Accuracy of the base with one scope's activations of one kind patched in from the fine-tune, the answer's
+    probability and, on a ``logit_diff`` task, the logit difference (the task's continuous metric)."""
 
     scope: str
     kind: str
     accuracy: Estimate
     answer_prob: Estimate
     recovered: float  # (patched - base) / (fine-tune - base), NaN when the two models tie
+    logit_diff: Optional[Estimate] = None
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "scope": self.scope,
             "kind": self.kind,
             "accuracy": self.accuracy.to_dict(),
             "answer_prob": self.answer_prob.to_dict(),
             "recovered": self.recovered,
         }
+        return {**out, "logit_diff": self.logit_diff.to_dict()} if self.logit_diff is not None else out
 
 
 @dataclass
@@ -350,6 +353,8 @@ class CMAPResult:
     random_heads: dict[str, list[list[str]]] = field(default_factory=dict)
     #: the prompts (indices) the random draws ran on, where not every one: a random key's outcomes are theirs
     random_prompts: list[int] = field(default_factory=list)
+    base_logit_diff: Optional[Estimate] = None  # a logit_diff task's continuous metric, as the rows'
+    finetune_logit_diff: Optional[Estimate] = None
 
     def paired(self, a: str, b: str) -> inf.Test:
         """Accuracy of ``a`` minus ``b`` ("scope/kind" keys, or "base"/"finetune") on the same prompts, by the
@@ -367,6 +372,8 @@ class CMAPResult:
             for k, v in (
                 ("base_answer_prob", self.base_answer_prob),
                 ("finetune_answer_prob", self.finetune_answer_prob),
+                ("base_logit_diff", self.base_logit_diff),
+                ("finetune_logit_diff", self.finetune_logit_diff),
             )
             if v is not None
         }
@@ -419,13 +426,65 @@ def _read(readout: Optional[torch.Tensor]) -> dict:
     return {} if readout is None else {"readout": readout}
 
 
-def _score(logits: torch.Tensor, answer: Answer) -> tuple[np.ndarray, np.ndarray]:
-    """(correct, prob) per prompt: the top-1 and its probability, or for answers of several tokens (teacher-forced
-    ``logits`` ``"batch a vocab"``) greedy decoding of the whole answer and ``exp`` of its summed log-probability."""
+@dataclass(frozen=True)
+class Target:
+    """What one run of a batch scores: its :data:`Answer`, the task's ``metric``, the alternatives' ids
+    (``"batch k"``) where a one-token logit difference reads them from the same logits, and the run's weight in the
+    logit difference (an alternative's teacher-forced run: ``-1/k``)."""
+
+    answer: Answer
+    metric: str = "prob"
+    alternatives: Optional[torch.Tensor] = None
+    weight: float = 1.0
+
+
+#: A run's outcomes per prompt: (correct, answer probability, the logit difference's term or None).
+Scores = tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]
+
+
+def teacher_runs(batch: dict, metric: str = "prob") -> list[tuple[torch.Tensor, Optional[torch.Tensor], Target]]:
+    """The runs a batch needs (:func:`teacher_forced` each): the answer's; on a ``logit_diff`` task with answers of
+    several tokens, one more per alternative (its summed log-probability weighted ``-1/k``), as evaluation scores
+    the logit difference (:func:`~mechdiff.patching.evaluate.evaluate`)."""
+    ids, readout, answer = teacher_forced(batch)
+    if metric != "logit_diff":
+        return [(ids, readout, Target(answer))]
+    if "alternative_ids" not in batch:
+        raise ValueError("the task's metric is logit_diff, but these records have no alternative answers")
+    if not isinstance(answer, tuple):  # one token: the alternatives' logits sit beside the answer's
+        return [(ids, readout, Target(answer, metric, batch["alternative_ids"]))]
+    alt, lengths = batch["alternative_tokens"], batch["alternative_lengths"]
+    runs = [(ids, readout, Target(answer, metric))]
+    for j in range(alt.shape[1]):
+        forced = {"input_ids": batch["input_ids"], "answer_tokens": alt[:, j], "answer_lengths": lengths[:, j]}
+        a_ids, a_readout, a_answer = teacher_forced(forced)
+        runs.append((a_ids, a_readout, Target(a_answer, metric, weight=-1.0 / alt.shape[1])))
+    return runs
+
+
+def _score(logits: torch.Tensor, target: Union[Target, Answer]) -> Scores:
+    """(correct, prob, the logit difference's term) per prompt: the top-1, its probability and (``logit_diff``) the
+    answer's logit minus its alternatives' mean; for answers of several tokens (teacher-forced ``logits``
+    ``"batch a vocab"``) greedy decoding of the whole answer, ``exp`` of its summed log-probability and
+    (``logit_diff``) that summed log-probability, the alternatives' runs subtracting theirs (:func:`_combine`)."""
+    target = target if isinstance(target, Target) else Target(target)
+    answer, diff = target.answer, None
     if isinstance(answer, tuple):
         logp = sequence_logprob(logits, *answer).cpu().double().numpy()
-        return sequence_is_greedy(logits, *answer).cpu().numpy(), np.exp(logp)
-    return answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy()
+        diff = logp if target.metric == "logit_diff" else None
+        return sequence_is_greedy(logits, *answer).cpu().numpy(), np.exp(logp), diff
+    if target.metric == "logit_diff":
+        diff = logit_diff(logits, answer, target.alternatives).cpu().double().numpy()
+    return answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(), diff
+
+
+def _combine(runs: list[tuple[float, dict]]) -> dict:
+    """One batch's outcomes per key from its runs (``(weight, key -> Scores)``, the answer's first): correctness
+    and probability of the answer's run, the logit difference summed over the runs with their weights."""
+    first = runs[0][1]
+    if len(runs) == 1:
+        return first
+    return {key: (c, p, sum(w * scored[key][2] for w, scored in runs)) for key, (c, p, _) in first.items()}
 
 
 def run_cmap(
@@ -442,13 +501,16 @@ def run_cmap(
     seed: int = 0,
     rule: str = "base",
     random_prompts: Optional[Sequence[int]] = None,
+    metric: str = "prob",
 ) -> CMAPResult:
     """CMAP from ``finetune`` into ``base`` for each group of ``circuit`` and the whole circuit.
 
     ``rule``: ``"base"`` or ``"paper"`` (see the module docstring); ``isolate`` (rule ``"base"`` only): restore
     the base's other head outputs for Q/K/V kinds (the paper's rule always isolates).
     ``n_random``: draws of layer-matched random heads per group (the control), each patched in every kind, on the
-    prompts ``random_prompts`` (indices into ``records``; None: every one), each draw's outcomes kept."""
+    prompts ``random_prompts`` (indices into ``records``; None: every one), each draw's outcomes kept.
+    ``metric``: the task's; ``logit_diff`` adds the logit difference beside accuracy and the answer's probability
+    (answers of several tokens: one more teacher-forced run per alternative, :func:`teacher_runs`)."""
     if rule not in CMAP_RULES:
         raise ValueError(f"rule must be one of {CMAP_RULES}, got {rule!r}")
     if rule == "paper" and not isolate:
@@ -486,7 +548,17 @@ def run_cmap(
     if not drawn_on or drawn_on[0] < 0 or drawn_on[-1] >= len(records):
         raise ValueError(f"random_prompts must be indices into the {len(records)} CMAP prompts")
     run_pass = functools.partial(
-        _cmap_pass, base, finetune, sites, all_scopes, kinds, isolate, rule, batch_size=batch_size, progress=progress
+        _cmap_pass,
+        base,
+        finetune,
+        sites,
+        all_scopes,
+        kinds,
+        isolate,
+        rule,
+        batch_size=batch_size,
+        progress=progress,
+        metric=metric,
     )
     if drawn_on == every or not randoms:  # one pass: the draws (if any) on every prompt
         scores, drawn = run_pass(records, randoms, plan)
@@ -519,51 +591,64 @@ def _cmap_pass(
     plan: dict,
     batch_size: int = 32,
     progress: bool = True,
+    metric: str = "prob",
 ) -> tuple[dict, dict]:
-    """One pass of CMAP over ``records``: ``(correct, prob)`` per key (``"base"``, ``"finetune"``, each (scope,
-    kind) ``plan`` names) in the records' order, and each random (scope, kind)'s draws' outcomes ``"draw prompt"``."""
+    """One pass of CMAP over ``records``: ``(correct, prob, logit difference)`` per key (``"base"``,
+    ``"finetune"``, each (scope, kind) ``plan`` names) in the records' order (the logit difference None unless
+    ``metric`` is ``logit_diff``), and each random (scope, kind)'s draws' correctness ``"draw prompt"``."""
     keys = ["base", "finetune", *((s, k) for s in [*all_scopes, *randoms] for k in plan[s])]
-    scores: dict = {key: ([], []) for key in keys}
+    scores: dict = {key: ([], [], []) for key in keys}
     drawn: dict[tuple, list[np.ndarray]] = {}  # (random scope, kind) -> per batch, each draw's outcomes
     batches = grouped_batches(records, batch_size)
     for rows in progress_bar(batches, desc="cmap", disable=not progress):
         batch = batch_tensors(take(records, rows))  # one template and length: any length per batch
         n = batch["input_ids"].shape[1]
-        ids, readout, answer = teacher_forced(batch)  # an answer of several tokens: appended, never patched
-        with torch.no_grad():
-            donor = run(finetune, ids, capture=sites, **_read(readout))
-            captured = {key: t[:, :n].to(base.device) for key, t in donor.captured.items()}
-            _append(scores["finetune"], _score(donor.logits, answer))
-        with base.session():  # remote: the base's plain and patched runs of this batch in one request
-            scored = keep(
-                _base_scores(
-                    base,
-                    ids,
-                    answer,
-                    captured,
-                    all_scopes,
-                    kinds,
-                    scope_positions(batch, {pos for sc in all_scopes.values() for _, pos in sc}),
-                    isolate,
-                    randoms,
-                    rule,
-                    plan,
-                    (n, readout),
+        positions = scope_positions(batch, {pos for sc in all_scopes.values() for _, pos in sc})
+        runs = []
+        # an answer of several tokens: appended, never patched (each alternative's too, under logit_diff)
+        for j, (ids, readout, target) in enumerate(teacher_runs(batch, metric)):
+            with torch.no_grad():
+                donor = run(finetune, ids, capture=sites if j == 0 else (), **_read(readout))
+                if j == 0:  # the prompt's activations: the same in every run of the batch
+                    captured = {key: t[:, :n].to(base.device) for key, t in donor.captured.items()}
+            scored = {"finetune": _score(donor.logits, target)}
+            with base.session():  # remote: the base's plain and patched runs of this batch in one request
+                scored.update(
+                    keep(
+                        _base_scores(
+                            base,
+                            ids,
+                            target,
+                            captured,
+                            all_scopes,
+                            kinds,
+                            positions,
+                            isolate,
+                            randoms,
+                            rule,
+                            plan,
+                            (n, readout),
+                        )
+                    )
                 )
-            )
-        for key, value in scored.pop("draws", {}).items():
+            runs.append((target.weight, scored))
+        # each draw's correctness: the answer's run decides it (the alternatives' runs add to the logit difference)
+        draws = runs[0][1].pop("draws", {})
+        for _, other in runs[1:]:
+            other.pop("draws", None)
+        for key, value in draws.items():
             drawn.setdefault(key, []).append(value)
-        for key, value in scored.items():
+        for key, value in _combine(runs).items():
             _append(scores[key], value)
     perm = record_order(batches)  # per-prompt outcomes back in the records' order
-    scores = {key: ([np.concatenate(c)[perm]], [np.concatenate(p)[perm]]) for key, (c, p) in scores.items()}
+    scores = {key: tuple([_ordered(part, perm)] for part in parts) for key, parts in scores.items()}
     return scores, {key: np.concatenate(parts, axis=1)[:, perm] for key, parts in drawn.items()}
 
 
 def _base_scores(
     base: LoadedModel,
     ids: torch.Tensor,
-    answer: torch.Tensor,
+    answer: Union[Target, Answer],
     captured: dict,
     all_scopes: dict,
     kinds: list[str],
@@ -574,10 +659,11 @@ def _base_scores(
     plan: Optional[dict] = None,
     prompt: Optional[tuple[int, Optional[torch.Tensor]]] = None,
 ) -> dict:
-    """``(correct, prob)`` of the base, plain and with each (scope, kind) patched from the donor's ``captured``;
-    for each random scope key, the outcomes of its draws averaged per prompt (and under ``"draws"``, each draw's
-    correctness, ``"draw batch"``). ``prompt``: the prompts' length and
-    the read-out positions where ``ids`` carry answer tokens after them (patches then write the prompt only)."""
+    """:data:`Scores` of the base on ``answer`` (a :class:`Target`, or an :data:`Answer` scored by probability),
+    plain and with each (scope, kind) patched from the donor's ``captured``; for each random scope key, the outcomes
+    of its draws averaged per prompt (and under ``"draws"``, each draw's correctness, ``"draw batch"``). ``prompt``:
+    the prompts' length and the read-out positions where ``ids`` carry answer tokens after them (patches then write
+    the prompt only)."""
     n, readout = prompt or (ids.shape[1], None)
     out = {}
     randoms = randoms or {}
@@ -598,7 +684,7 @@ def _base_scores(
         base_z = {layer: plain.captured[("z", layer)][:, :n] for _, layer in z_sites}
         out["base"] = _score(plain.logits, answer)
 
-        def patched(pairs: Scope, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        def patched(pairs: Scope, kind: str) -> Scores:
             layer = min(h.layer for h, _ in pairs)
             resume = Resume(layer, plain.captured[("resid", layer - 1)]) if layer else None
             patches = cmap_patches(base, pairs, kind, captured, positions, n, strict=rule == "paper")
@@ -617,14 +703,24 @@ def _base_scores(
         for key, draws in randoms.items():
             for kind in plan.get(key, kinds):
                 runs = [patched(pairs, kind) for pairs in draws]
-                out[(key, kind)] = (np.mean([r[0] for r in runs], 0), np.mean([r[1] for r in runs], 0))
+                out[(key, kind)] = tuple(None if r[0] is None else np.mean(r, 0) for r in zip(*runs))
                 out.setdefault("draws", {})[(key, kind)] = np.stack([r[0] for r in runs])
     return out
 
 
-def _append(store: tuple[list, list], scored: tuple[np.ndarray, np.ndarray]) -> None:
-    store[0].append(scored[0])
-    store[1].append(scored[1])
+def _append(store: tuple[list, list, list], scored: Scores) -> None:
+    for part, value in zip(store, scored):
+        part.append(value)
+
+
+def _kept(parts: tuple) -> bool:
+    """Whether a key's optional outcome (the logit difference) was kept by its runs."""
+    return bool(parts) and bool(parts[0]) and parts[0][0] is not None
+
+
+def _ordered(parts: list, perm: np.ndarray) -> Optional[np.ndarray]:
+    """A key's batches of one outcome concatenated in the records' order (None where no run kept it)."""
+    return None if not parts or parts[0] is None else np.concatenate(parts)[perm]
 
 
 def _result(
@@ -636,13 +732,17 @@ def _result(
     kinds: list[str],
     plan: Optional[dict] = None,
 ) -> CMAPResult:
-    correct = {key: np.concatenate(c).astype(float) for key, (c, _) in scores.items()}
+    correct = {key: np.concatenate(parts[0]).astype(float) for key, parts in scores.items()}
     acc = {key: mean_estimate(v) for key, v in correct.items()}
-    prob = {key: bootstrap(np.concatenate(p)) for key, (_, p) in scores.items()}
+    prob = {key: bootstrap(np.concatenate(parts[1])) for key, parts in scores.items()}
+    diff = {  # a logit_diff task's: (correct, prob, logit difference) parts per key
+        key: bootstrap(np.concatenate(parts[2])) for key, parts in scores.items() if _kept(parts[2:])
+    }
     b, f = acc["base"].value, acc["finetune"].value
 
     def row(s: str, k: str) -> CMAPRow:
-        return CMAPRow(s, k, acc[(s, k)], prob[(s, k)], (acc[(s, k)].value - b) / (f - b) if f != b else float("nan"))
+        recovered = (acc[(s, k)].value - b) / (f - b) if f != b else float("nan")
+        return CMAPRow(s, k, acc[(s, k)], prob[(s, k)], recovered, diff.get((s, k)))
 
     rows = [row(s, k) for s in all_scopes for k in (plan or {}).get(s, kinds)]
     random_rows = [
@@ -668,4 +768,6 @@ def _result(
         positions,
         random_rows=random_rows,
         outcomes=outcomes,
+        base_logit_diff=diff.get("base"),
+        finetune_logit_diff=diff.get("finetune"),
     )

@@ -17,6 +17,7 @@ from ..models.loading import LoadedModel
 from ..models.remote import keep
 from ..tasks.base import (
     Record,
+    answer_tokens,
     batch_tensors,
     check_one_token,
     grouped_batches,
@@ -43,6 +44,13 @@ class EvalResult:
     def accuracy(self) -> Estimate:
         return proportion(self.correct.astype(float))
 
+    def by_answer_length(self, records: Sequence[Record], metric: str = "prob") -> list[dict]:
+        """:func:`by_answer_length` of these outcomes on their ``records``, with the task's ``metric``."""
+        diff = metric == "logit_diff" and self.logit_diff is not None
+        return by_answer_length(
+            records, self.correct, self.logit_diff if diff else self.prob, "logit_diff" if diff else "answer_prob"
+        )
+
     @property
     def answer_prob(self) -> Estimate:
         return bootstrap(self.prob)
@@ -68,6 +76,41 @@ class EvalResult:
         if self.logit_diff is not None:
             out["logit_diff"] = rounded(self.logit_diff)
         return out
+
+
+#: The answer lengths accuracy is reported by where a task's answers have several (tokens: 1, 2, 3 or more).
+LENGTH_BINS = ("1", "2", "3+")
+
+
+def length_bin(n_tokens: int) -> str:
+    """The :data:`LENGTH_BINS` entry of an answer of ``n_tokens`` tokens."""
+    return LENGTH_BINS[min(n_tokens, len(LENGTH_BINS)) - 1]
+
+
+def length_bins(records: Sequence[Record]) -> np.ndarray:
+    """Each record's :data:`LENGTH_BINS` entry (its answer's own tokens), in their order."""
+    return np.array([length_bin(len(answer_tokens(r))) for r in records])
+
+
+def by_answer_length(
+    records: Sequence[Record], correct: np.ndarray, values: Optional[np.ndarray] = None, column: str = "answer_prob"
+) -> list[dict]:
+    """Accuracy (exact binomial) and the mean of the continuous per-prompt ``values`` (the task's metric, as
+    ``column``; bootstrap) per answer length (:data:`LENGTH_BINS`, the answer's own tokens) of ``records``, in their
+    order; empty where every answer has one length (nothing to split)."""
+    lengths = length_bins(records)
+    if len(lengths) != len(correct):
+        raise ValueError(f"{len(records)} records but {len(correct)} outcomes")
+    present = [b for b in LENGTH_BINS if (lengths == b).any()]
+    if len(present) < 2:
+        return []
+    rows = []
+    for b in present:
+        row = {"answer_tokens": b, "n": int((lengths == b).sum()), "accuracy": proportion(correct[lengths == b])}
+        if values is not None:
+            row[column] = bootstrap(np.asarray(values)[lengths == b])
+        rows.append(row)
+    return rows
 
 
 def batches(n: int, batch_size: int) -> list[slice]:

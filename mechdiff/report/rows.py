@@ -72,14 +72,16 @@ def cmap_has_gap(result: Mapping[str, Any]) -> bool:
 
 
 def cmap_rows(result: Mapping[str, Any]) -> list[dict]:
-    """One row per (scope, kind), the random controls after: accuracy and, only where the fine-tune is above the
-    base beyond both CIs (:func:`cmap_has_gap`), the recovered share of the gap."""
+    """One row per (scope, kind), the random controls after: accuracy, the logit difference where the task's metric
+    is it, and, only where the fine-tune is above the base beyond both CIs (:func:`cmap_has_gap`), the recovered
+    share of the gap."""
     gap = cmap_has_gap(result)  # a share of the gap means nothing when there is no gap
     return [
         {
             "scope": row["scope"],
             "kind": row["kind"],
             **estimate_columns("accuracy", row["accuracy"]),
+            **(estimate_columns("logit_diff", row["logit_diff"]) if "logit_diff" in row else {}),
             **({"recovered": row["recovered"]} if gap else {}),
         }
         for row in result["rows"] + result.get("random_rows", [])
@@ -93,9 +95,16 @@ def cmap_caption(result: Mapping[str, Any], finetune: str) -> str:
         if cmap_has_gap(result)
         else "no recovered share: the fine-tune is not above the base beyond their CIs"
     )
+    diff = (
+        f"; logit difference (the task's metric: the answer's summed log-probability minus the mean of its "
+        f"alternatives', bootstrap CI) base {Estimate.from_dict(result['base_logit_diff'])}, fine-tune "
+        f"{Estimate.from_dict(result['finetune_logit_diff'])}"
+        if "base_logit_diff" in result
+        else ""
+    )
     return (
         f"CMAP {finetune} -> {result['base']}: base accuracy {Estimate.from_dict(result['base_accuracy'])}, fine-tune "
-        f"{Estimate.from_dict(result['finetune_accuracy'])}; {share}. {result['caption']}"
+        f"{Estimate.from_dict(result['finetune_accuracy'])}{diff}; {share}. {result['caption']}"
     )
 
 

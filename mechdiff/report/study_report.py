@@ -11,9 +11,10 @@ from typing import Any, Optional
 import numpy as np
 
 from ..circuits.circuit import Circuit
+from ..circuits.curve import ATTRIBUTED
 from ..circuits.overlap import overlap_table
 from ..common.io import write_text
-from ..common.metrics import continuous_key
+from ..common.metrics import continuous_key, metric_label, scored_metric
 from ..common.stats import Estimate
 from ..models.resolve import resolve_spec
 from ..runs.seeds import PROMPT_OFFSETS
@@ -83,7 +84,43 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
         f"Accuracy on {what}exact binomial CI for accuracy, bootstrap for probability"
         + (" and the logit difference, answer minus the mean alternative)" if "logit_diff" in rows[0] else ")"),
     )
-    return text, rows
+    floor, how = study.floor_is()
+    text += (
+        f"\nThe floor: {floor:.3g} ({how}). A model whose accuracy's lower bound is not above it has no behaviour "
+        "to explain and gets no circuit.\n"
+    )
+    return text + _by_answer_length(study, accuracy), rows
+
+
+def _by_answer_length(study: "Study", accuracy: dict[str, "StageRecord"]) -> str:
+    """Each model's accuracy (and the task's metric) per answer length on the accuracy prompts, from the stage's
+    per-prompt outcomes; empty where every answer has one length."""
+    from ..common.metrics import CONTINUOUS_LABELS
+    from ..common.outcomes import read_record
+    from ..patching.evaluate import EvalResult
+
+    if study.task.answer_tokens < 2 or not all("outcomes" in rec.result for rec in accuracy.values()):
+        return ""
+    records, rows = study.eval_records(), []
+    for name, rec in accuracy.items():
+        correct, prob = read_record(rec.result["outcomes"])
+        diff = rec.result["outcomes"].get("logit_diff")
+        res = EvalResult(correct.astype(bool), prob, None if diff is None else np.asarray(diff, dtype=float))
+        for row in res.by_answer_length(records, study.task.metric):
+            cells = [estimate_columns(k, v) if isinstance(v, Estimate) else {k: v} for k, v in row.items()]
+            rows.append({"model": name, **{k: v for cell in cells for k, v in cell.items()}})
+    if not rows:
+        return ""
+    metric = "logit_diff" if "logit_diff" in rows[0] else "answer_prob"
+    named = CONTINUOUS_LABELS["logit_diff" if metric == "logit_diff" else "prob"]
+    return "\n" + study_table(
+        study,
+        rows,
+        "accuracy_by_answer_length",
+        f"Accuracy and {named} by the answer's length in tokens on the same prompts (exact binomial CI; bootstrap "
+        "for the metric). An answer of several tokens is scored by teacher forcing; the circuits cover the "
+        "prompt's positions only (no head at an answer token's own position is ablated or patched)",
+    )
 
 
 def positions_section(study: "Study", positions: dict) -> str:
@@ -215,6 +252,11 @@ def circuit_section(study: "Study", found: dict, pruned: dict) -> str:
     return "\n".join(lines)
 
 
+def _pruned_on(study: "Study") -> str:
+    """The caption words of the metric pruning decided on (``[scoring] prune_metric``; ``prob``: the task's own)."""
+    return metric_label(scored_metric(study.spec.scoring.prune_metric, study.task.metric))
+
+
 def _group_label(group: str, position: str) -> str:
     """``position`` where a group is named by its position class (the curve method), else ``group (position)``."""
     return f"`{position}`" if group == position else f"{group} (`{position}`)"
@@ -243,13 +285,13 @@ def pruning_section(study: "Study", pruned: dict) -> str:
         caption = (
             f"Pruning (the paper's rule, per group): K = the heads among the top ceil({s.prune_share} |group|) "
             "by F(C\\{u}) - F(C\\{u,v}) with a positive score; v stays iff F(C\\K) / F(C\\(K+v)) - 1 >= "
-            f"{s.prune_threshold}, on the {s.prune_metric} metric over {s.prune_n} prompts of their own"
+            f"{s.prune_threshold}, on the {_pruned_on(study)} over {s.prune_n} prompts of their own"
         )
     else:
         caption = (
             f"Pruning (mechdiff's greedy rule, not the paper's): a pair stays if removing it moves the "
-            f"{s.prune_metric} metric by more than {s.prune_threshold} of the circuit's own F(C), with K grown "
-            f"greedily ({s.prune_steps} steps, {s.prune_candidates} candidates each; the search skipped for "
+            f"{_pruned_on(study)} by more than {s.prune_threshold} of the circuit's own F(C), with K "
+            f"grown greedily ({s.prune_steps} steps, {s.prune_candidates} candidates each; the search skipped for "
             f"pairs already above the threshold at K = {{}}) on {s.prune_n} prompts of their own"
         )
     return study_table(study, rows, "pruning", caption)
@@ -269,6 +311,7 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
         "of the draws' accuracies; the circuit's rank among the draws, draws at least as accurate, its p = (1 + "
         "rank) / (1 + draws) and the draws' 5th, 50th and 95th accuracy percentiles, on those prompts)",
     )
+    text += _matrix_by_answer_length(study, matrix)
     comp_rows = completeness_rows({name: rec.result.get("completeness") for name, rec in matrix.items()})
     if comp_rows:
         text += "\n" + study_table(
@@ -279,6 +322,47 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
             f"({s.completeness_draws} draws, each pair in K with probability 0.5) and K = one group",
         )
     return text, rows
+
+
+def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
+    """Each circuit's accuracy and faithfulness (accuracy) per answer length on each model's matrix prompts, from the
+    stage's per-prompt outcomes; empty where every answer has one length."""
+    from ..common.outcomes import read_record
+    from ..common.stats import bootstrap_ratio, proportion
+    from ..patching.evaluate import LENGTH_BINS, length_bins
+
+    if study.task.answer_tokens < 2:
+        return ""
+    lengths = length_bins(study.prompt_records("matrix", study.spec.scoring.n))
+    if len(set(lengths)) < 2:
+        return ""
+    rows = []
+    for name, rec in matrix.items():
+        for circuit, kept in (rec.result.get("outcomes") or {}).items():
+            full, circ = read_record(kept["full"])[0], read_record(kept["circuit"])[0]
+            for b in (b for b in LENGTH_BINS if (lengths == b).any()):
+                at = lengths == b
+                rows.append(
+                    {
+                        "model": name,
+                        "circuit": circuit,
+                        "answer_tokens": b,
+                        "n": int(at.sum()),
+                        **estimate_columns("model_accuracy", proportion(full[at])),
+                        **estimate_columns("accuracy", proportion(circ[at])),
+                        **estimate_columns("faithfulness", bootstrap_ratio(circ[at], full[at])),
+                    }
+                )
+    if not rows:
+        return ""
+    return "\n" + study_table(
+        study,
+        rows,
+        "circuit_x_model_by_answer_length",
+        "Circuit x model by the answer's length in tokens on the same prompts: the model's and the circuit's accuracy "
+        "(exact binomial CI) and faithfulness F(C)/F(M) (bootstrap CI); the circuits cover the prompt's positions "
+        "only, an answer's later tokens reached through what they write there",
+    )
 
 
 def overlap_section(study: "Study", circuits: dict) -> tuple[str, dict]:
@@ -647,7 +731,7 @@ def _method(study: "Study") -> str:
     if d.method == "curve":
         return (
             f"Each model's circuit: every (head, position class) pair ranked by mean-ablation attribution "
-            f"(`(mean z - z) . d log p(answer) / d z`, the answer's log-probability, which does not saturate) "
+            f"({ATTRIBUTED[study.task.metric]}) "
             f"on {d.n} prompts; nested circuits of the top {', '.join(f'{x:g}' for x in d.sizes)} of the "
             f"ranking scored on {d.curve_n} other prompts; the circuit is the smallest whose accuracy "
             f"faithfulness {'interval lower bound' if d.select == 'low' else 'point estimate'} reaches "
@@ -657,7 +741,8 @@ def _method(study: "Study") -> str:
             f"{MEANS_RULE}\n"
         )
     return (
-        f"Each model's circuit by the paper's path patching on {d.n} clean/counterfactual pairs; top-k per step "
+        f"Each model's circuit by the paper's path patching on {d.n} clean/counterfactual pairs, senders scored by "
+        f"the relative change of the {metric_label(study.task.metric)}; top-k per step "
         f"{d.top_k or 'as the plan gives'}; attribution screen: {d.screen} (shortlist {d.screen_multiple} x k). "
         f"{_counterfactuals(d)}{MEANS_RULE}\n"
     )
@@ -710,9 +795,8 @@ def limitations(study: "Study", positions: dict) -> str:
             f"`scope = {cm.scope}`); the README's departures table says which are the paper's."
         )
     if sc.prune and sc.prune_rule == "greedy":
-        pruned_on = "the logit difference" if sc.prune_metric == "prob" and study.task.metric != "prob" else None
         lines.append(
-            f"- Pruning uses {pruned_on or 'answer probability'} on its own small prompt set and a bounded greedy "
+            f"- Pruning uses the {_pruned_on(study)} on its own small prompt set and a bounded greedy "
             "search for K; pairs\n"
             "  whose removal alone already exceeds the threshold skip the search (it could only raise them)."
         )
@@ -721,6 +805,14 @@ def limitations(study: "Study", positions: dict) -> str:
         from ..tasks.prompt_sets import nested_departure
 
         lines.append(f"- Departure from disjoint sets: {nested_departure(nested)}.")
+    if study.task.answer_tokens > 1:
+        lines.append(
+            f"- Answers of up to {study.task.answer_tokens} tokens are scored by teacher forcing (each answer's "
+            "tokens appended to the prompt); the circuits,\n  pruning, DCM and CMAP cover the prompt's positions only, "
+            "never an answer token's own, so the heads\n  reach the answer's later tokens only through what they write "
+            "at the prompt (by answer length:\n  `tables/accuracy_by_answer_length.csv`, "
+            "`tables/circuit_x_model_by_answer_length.csv`)."
+        )
     if cm.n_random:
         lines.append(
             f"- CMAP's random control: {cm.n_random} draws of layer-matched heads per group (the `[cmap] n_random`\n"

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from ..circuits.circuit import Circuit
 from ..common.io import check_writable, run_lock
+from ..common.metrics import metric_label, scored_metric
 from ..models.loading import LoadedModel, spec_digest
 from ..models.modelset import ModelSet
 from ..models.resolve import resolve_spec
@@ -29,7 +30,7 @@ from ..runs.stages import Pending, StageRecord, label
 from ..runs.stages import key_hash as _hash
 from ..tasks.base import Task, get_task
 from .base import Study, rows_inputs, vocabulary_digest
-from .spec import MATRIX_ONLY, RunSpec, section_inputs
+from .spec import MATRIX_ONLY, RunSpec, discovery_inputs, section_inputs
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +79,10 @@ class CircuitsStudy(Study):
     ) -> "CircuitsStudy":
         """The study of a task file (None: the embedded default study, ``tasks/entity_tracking.toml``); ``task``
         replaces its ``[task] name``, ``models`` its ``[models]`` dtype, device, device_map and remote."""
-        from .spec import check_task, default_spec, load_spec, output_dir
+        from .spec import output_dir, study_spec
 
-        spec = load_spec(path) if path is not None else default_spec()  # checked before anything loads
+        spec = study_spec(path, task)  # checked before anything loads; --task alone: that task's own groups
         if task is not None:
-            check_task(task)
-            spec.task.name = task
             spec.output.dir = out or output_dir(task)  # the file's directory holds its own task's results
         for key, value in (models or {}).items():
             if key not in ("dtype", "device", "device_map", "remote"):
@@ -124,7 +123,8 @@ class CircuitsStudy(Study):
 
     def metric_inputs(self) -> dict:
         """The task's metric, in the keys of the stages whose continuous scores it sets (the position scan, the
-        circuit, pruning, the matrix); none for ``prob``, so those stages' keys stay as they were before it counted."""
+        circuit, pruning, the matrix, CMAP); none for ``prob``, so those stages' keys stay as they were before it
+        counted."""
         return {} if self.task.metric == "prob" else {"metric": self.task.metric}
 
     @property
@@ -227,14 +227,24 @@ class CircuitsStudy(Study):
         return {k: v for k, v in asdict(self.spec.eval).items() if k != "floor"}
 
     def floor(self) -> float:
-        """The accuracy a model's lower bound must exceed for the study to explain its behaviour: ``[eval] floor``,
-        else the task's chance level, else :data:`~mechdiff.studies.spec.DEFAULT_FLOOR`."""
-        from .spec import DEFAULT_FLOOR
+        """The accuracy a model's lower bound must exceed for the study to explain its behaviour (:meth:`floor_is`)."""
+        return self.floor_is()[0]
+
+    def floor_is(self) -> tuple[float, str]:
+        """The floor and how it was set, in words: ``[eval] floor``, else the task's chance level, else chance
+        derived from the accuracy prompts (one over their distinct answers,
+        :func:`~mechdiff.tasks.records.answer_chance`)."""
+        from ..tasks.base import answer_chance
 
         if self.spec.eval.floor is not None:
-            return self.spec.eval.floor
+            return self.spec.eval.floor, "set by the task file's [eval] floor"
         chance = self.task.chance
-        return chance(**self.task.kwargs(n_boxes=self.spec.task.n_boxes)) if chance else DEFAULT_FLOOR
+        if chance:
+            return chance(**self.task.kwargs(n_boxes=self.spec.task.n_boxes)), "the task's chance level"
+        drawn = (self.spec.task.name, self.spec.eval.n, self.spec.task.seed)
+        if getattr(self, "_chance", (None,))[0] != drawn:  # the accuracy prompts read once
+            self._chance = (drawn, answer_chance(self.eval_records()))
+        return self._chance[1]
 
     def has_behaviour(self, accuracy: StageRecord) -> bool:
         """Whether a model's accuracy (exact binomial lower bound) is above :meth:`floor`; in a plan, before the
@@ -247,22 +257,17 @@ class CircuitsStudy(Study):
     def without_behaviour(self, accuracy: dict[str, StageRecord]) -> dict[str, str]:
         """Model -> why the stages that explain a behaviour are not run for it (its accuracy is not above the
         floor); empty where every model has the behaviour."""
-        floor, source = self.floor(), "[eval] floor" if self.spec.eval.floor is not None else "the floor"
+        (floor, how), source = self.floor_is(), "[eval] floor" if self.spec.eval.floor is not None else "the floor"
         out = {}
         for name, rec in accuracy.items():
             if not self.has_behaviour(rec):
                 a = rec.result["accuracy"]
                 out[name] = (
                     f"it answers {a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}] of the {a['n']} accuracy prompts, "
-                    f"not above {source} {floor:.3f} ({self._floor_is()}): there is no behaviour to explain, so its "
+                    f"not above {source} {floor:.3f} ({how}): there is no behaviour to explain, so its "
                     "position scan, circuit, pruning, matrix row, DCM and CMAP into it were not run"
                 )
         return out
-
-    def _floor_is(self) -> str:
-        if self.spec.eval.floor is not None:
-            return "set by the task file"
-        return "the task's chance level" if self.task.chance else "the default where a task states no chance level"
 
     def positions(self, name: str) -> Optional[StageRecord]:
         """The position scan of ``name``: which position classes must keep every head (None: ``n = 0``)."""
@@ -298,8 +303,11 @@ class CircuitsStudy(Study):
         return self.cache.run(f"circuit:{name}", self._circuit_inputs(name), lambda: compute(name))
 
     def _circuit_inputs(self, name: str) -> dict:
+        from ..tasks.plan import task_plan
+
         d = self.spec.discovery
-        inputs = {"model": self.digests[name], "task": self.task_inputs(), "discovery": section_inputs("discovery", d)}
+        plan_k = task_plan(self.task).k if d.method == "path" else None
+        inputs = {"model": self.digests[name], "task": self.task_inputs(), "discovery": discovery_inputs(d, plan_k)}
         inputs.update(self.metric_inputs())
         if d.method == "curve":
             inputs["scoring"] = self._reference()
@@ -426,7 +434,7 @@ class CircuitsStudy(Study):
                 path,
                 title=f"{name}: step {step} ({circuit.names.get(step, '')}), senders at {res.sender_position}",
                 selected=res.selected,
-                label="(p_patched - p_clean)/p_clean",
+                label=f"(p_patched - p_clean)/p_clean, p: {metric_label(self.task.metric)}",
             )
             figures[step] = str(path.relative_to(self.dir))
         circuit.save(self.dir / "circuits" / f"{label(name)}.json")
@@ -469,14 +477,17 @@ class CircuitsStudy(Study):
         drawn = self.seed("reference") if seed is None else prompt_seed(seed, "reference")
         return self.task.reference_records(self.tokenizer, s.reference_n, drawn, **self.options(prompts="reference"))
 
+    def prompt_records(self, prompts: str, n: int) -> list:
+        """The ``n`` records of the named prompt set (held-out objects; an imported task's drawn rows)."""
+        return self.task.records(self.tokenizer, n, self.seed(prompts), **self.options(prompts=prompts))
+
     def scorer(self, name: str, prompts: str = "matrix", n: Optional[int] = None, seed: Optional[int] = None):
         """A scorer of ``name`` on ``n`` prompts of the named set; every scorer ablates with the means of the
         same ``reference_n`` reference prompts (held-out objects, like every other prompt set), or of those a
         seed of its own draws (``seed``: a model's pruning seed)."""
         from ..circuits.scoring import Scorer
 
-        s = self.spec.scoring
-        records = self.task.records(self.tokenizer, n or s.n, self.seed(prompts), **self.options(prompts=prompts))
+        records = self.prompt_records(prompts, n or self.spec.scoring.n)
         return Scorer.build(
             self.model(name),
             records,
@@ -502,7 +513,7 @@ class CircuitsStudy(Study):
                 circuit = disjoint_groups(circuit)
             # Pruning decides on its own prompts, never on those the matrix reports.
             scorer = self.scorer(name, "prune", s.prune_n, own)
-            metric = self.task.metric if s.prune_metric == "prob" else s.prune_metric  # the continuous: the task's
+            metric = self.prune_metric()
             if s.prune_rule == "paper":
                 result = pairwise_minimality(
                     scorer, circuit, metric=metric, share=s.prune_share, threshold=s.prune_threshold
@@ -522,6 +533,11 @@ class CircuitsStudy(Study):
             return {"circuit": pruned.to_dict(), "minimality": result}
 
         return self.cache.run(f"prune:{name}", self._prune_inputs(name, circuit_rec.key), compute)
+
+    def prune_metric(self) -> str:
+        """The metric pruning decides on: ``accuracy``, or for ``[scoring] prune_metric = "prob"`` (the continuous)
+        the task's own (the answer's probability, or the logit difference)."""
+        return scored_metric(self.spec.scoring.prune_metric, self.task.metric)
 
     def _prune_inputs(self, name: str, circuit_key: str) -> dict:
         scoring = section_inputs("scoring", self.spec.scoring)
@@ -768,6 +784,7 @@ class CircuitsStudy(Study):
                 seed=self.seed("cmap"),
                 rule="paper" if c.scope == "paper" else "base",
                 random_prompts=control_prompts(records, c.random_prompts, self.seed("cmap")) if c.n_random else None,
+                metric=self.task.metric,
             )
             out = {**res.to_dict(), "left_out": left_out}
             return {**out, "circuit": circuit.to_dict()} if c.scope == "paper" else out
@@ -778,6 +795,7 @@ class CircuitsStudy(Study):
             "circuit": circuit_rec.key,
             "cmap": asdict(c),
             "task": self.task_inputs(),
+            **self.metric_inputs(),  # a logit_diff task's CMAP scores the logit difference too
         }
         if dcm_rec is not None:
             inputs["dcm"] = dcm_rec.key

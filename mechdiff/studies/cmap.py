@@ -84,5 +84,6 @@ def cmap_run(
         n_random=n_random,
         seed=seed,
         rule=rule,
+        metric=task.metric,
     )
     return write_outputs(result, out)

@@ -15,6 +15,7 @@ from tabulate import tabulate
 
 from ..circuits.discovery import DiscoverySettings, StepResult, discover
 from ..common.io import write_json
+from ..common.metrics import metric_label
 from ..models.loading import LoadedModel
 from ..report.figures import head_heatmap
 from ..tasks.base import Task
@@ -141,7 +142,7 @@ def _discover(
                     out / f"heatmap_{r.step}_{name}.png",
                     title=f"{model.name} step {r.step} ({name}): senders at {r.sender_position}",
                     selected=r.selected,
-                    label="(p_patched - p_clean) / p_clean",
+                    label=f"(p_patched - p_clean) / p_clean, p: {metric_label(task.metric)}",
                 )
                 log.info("wrote %s", path)
 

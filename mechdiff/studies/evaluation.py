@@ -30,7 +30,7 @@ def eval_models(
     ``batch_size`` ``auto``: chosen from the first model's free memory. Writes the results as JSON to ``out``
     (if given); returns the table."""
     split_options = task.split_options(split)
-    rows, results = [], {}
+    rows, results, lengths = [], {}, []
     for lm in models:
         if batch_size == "auto":
             batch_size = auto_batch_size(lm)
@@ -46,10 +46,23 @@ def eval_models(
             **({"split": split} if split_options else {}),
             "correct": res.correct.astype(int).tolist(),
         }
+        by_length = res.by_answer_length(records, task.metric)
+        if by_length:  # answers of several lengths: accuracy (and the metric) of each
+            results[lm.name]["by_answer_length"] = [{k: _json(v) for k, v in r.items()} for r in by_length]
+            lengths += [[lm.name, *(str(v) for v in r.values())] for r in by_length]
         diff = [str(res.mean_logit_diff)] if res.logit_diff is not None else []
         rows.append([lm.name, str(res.accuracy), str(res.answer_prob), *diff, lm.fingerprint])
     diff_header = ["logit diff [95% CI]"] if any(len(r) == 5 for r in rows) else []
     table = tabulate(rows, headers=["model", "accuracy [95% CI]", "answer prob [95% CI]", *diff_header, "fingerprint"])
+    if lengths:
+        column = "logit diff [95% CI]" if task.metric == "logit_diff" else "answer prob [95% CI]"
+        heads = ["model", "answer tokens", "prompts", "accuracy [95% CI]", column]
+        table += "\n\nby answer length (the answer's own tokens):\n" + tabulate(lengths, headers=heads)
     if out is not None:
         write_json(out, results)
     return table
+
+
+def _json(value: Any) -> Any:
+    """An estimate as its dict, anything else as it is."""
+    return value.to_dict() if hasattr(value, "to_dict") else value

@@ -1271,7 +1271,7 @@ def print_resources(
     from ..models.devices import get_device, this_machine
     from .base import study_kind
     from .reproduce import check_weights
-    from .spec import check_task, default_spec, load_spec
+    from .spec import study_spec
 
     if path is not None and study_kind(path) != "circuits":
         return False
@@ -1279,10 +1279,7 @@ def print_resources(
     if named is not None:
         named = named.with_disk(None if disk_gib is None else int(disk_gib * GIB)).with_baseline()
         named = named.with_host(None if host_gib is None else int(host_gib * GIB))
-    spec = load_spec(path) if path is not None else default_spec()
-    if task is not None:
-        check_task(task)
-        spec.task.name = task
+    spec = study_spec(path, task)
     dtype = dtype or spec.models.dtype
     dims, source = model_dims(spec.models.base)
     lengths = task_lengths(spec)

@@ -18,6 +18,7 @@ from ..circuits.positions import leave_one_out, position_scan, task_classes
 from ..circuits.pruning import minimality, pair_name, pairwise_minimality, prune
 from ..circuits.scoring import Metric, Scorer, completeness, continuous_key, faithfulness, matrix_rows
 from ..common.io import write_json
+from ..common.metrics import metric_label, scored_metric
 from ..models.loading import LoadedModel
 from ..models.modelset import ModelSet
 from ..report.membership import membership_heatmap
@@ -114,11 +115,13 @@ def score_circuit(
     write_table(rows, out / "faithfulness", caption=f"Mean-ablation faithfulness of {circuit_path} on {model.name}")
     echo(to_markdown(rows))
     if with_completeness:
+        metric = scored_metric(metric, scorer.metric)  # prob: the task's continuous metric
         result["completeness"] = completeness(
             scorer, circuit, n_draws=completeness_draws, seed=prompts.seed, metric=metric
         )
         rows = completeness_rows({model.name: result["completeness"]})
-        write_table(rows, out / "completeness", caption=f"Completeness ({metric}) of {circuit_path} on {model.name}")
+        caption = f"Completeness ({metric_label(metric)}) of {circuit_path} on {model.name}"
+        write_table(rows, out / "completeness", caption=caption)
         echo("\n" + to_markdown(rows))
     write_json(out / "score.json", result)
 
@@ -141,6 +144,7 @@ def prune_circuit(
     :func:`minimality`) and the circuit pruned at ``threshold``: written to ``out`` (a file), the minimality
     table beside it (``<stem>.minimality.*``)."""
     scorer = prompts.scorer(model)
+    metric = scored_metric(metric, scorer.metric)  # prob: the task's continuous metric
     if rule == "paper":
         result = pairwise_minimality(scorer, circuit, metric=metric, share=share, threshold=threshold)
     else:
@@ -169,7 +173,7 @@ def prune_circuit(
     write_table(
         rows,
         out.with_name(out.stem + ".minimality"),
-        caption=f"Minimality ({rule} rule, {metric}, threshold {threshold}) on {model.name}",
+        caption=f"Minimality ({rule} rule, {metric_label(metric)}, threshold {threshold}) on {model.name}",
     )
     return (
         f"{to_markdown(rows)}\n\nkept {len(pruned.pairs())} of {len(circuit.pairs())} pairs; sizes "
@@ -272,6 +276,7 @@ def scan_positions(
     scan's before leave-one-out runs; the second begins with a blank line."""
     scorer = prompts.scorer(model)
     classes = task_classes(scorer)
+    metric = scored_metric(metric, scorer.metric)  # prob: the task's continuous metric
     scan = position_scan(scorer, classes, metric, stop_at=stop_at, max_steps=max_steps)
     result = {"model": model.name, "fingerprint": model.fingerprint, "settings": settings, "scan": scan}
     rows = scan_rows(scan)

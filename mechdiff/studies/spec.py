@@ -52,16 +52,12 @@ class EvalSection:
     batch_size: int = 50
 
 
-#: The accuracy a model must exceed (its interval's lower bound) for a study to explain its behaviour, where the task
-#: states no chance level (entity tracking: 1 / n_boxes; IOI: 1/2) and the task file sets no ``[eval] floor``.
-DEFAULT_FLOOR = 0.1
-
-
 @dataclass
 class StudyEval(EvalSection):
     """A circuits study's ``[eval]``: with ``floor``, the accuracy whose lower bound a model must exceed for the
     stages that explain a behaviour (position scan, circuit, pruning, matrix row, DCM, CMAP into it) to run for
-    it (None: the task's chance level, else :data:`DEFAULT_FLOOR`)."""
+    it (None: the task's chance level (entity tracking: 1 / n_boxes; IOI: 1/2), else derived from the accuracy
+    prompts, :func:`~mechdiff.tasks.records.answer_chance`)."""
 
     floor: Optional[float] = None
 
@@ -134,7 +130,8 @@ KEYED_WHEN_SET = {
 }
 #: Options whose default changed after results were committed: unset (the new default), a stage key reads the value
 #: those studies were keyed with. Unset ``top_k`` now means each step's plan ``k``; the committed studies left it at
-#: entity tracking's A-D ``k``, the same numbers its plan gives, and only path patching reads it.
+#: entity tracking's A-D ``k``, the same numbers its plan gives, and only path patching reads it (a circuit stage
+#: keys it by :func:`discovery_inputs`).
 KEYED_AS = {"discovery": {"top_k": ({}, {"A": 8, "B": 3, "C": 5, "D": 3})}}
 #: ``[scoring]`` options only the matrix's random control reads: pruning, keyed on the section, reads them at the
 #: values the committed studies were keyed with (``random_prompts`` left out), so the control moves the matrix alone.
@@ -152,6 +149,19 @@ def section_inputs(name: str, section: Any) -> dict:
     for k, (unset, old) in keyed_as.items():
         if out.get(k) == unset:
             out[k] = old
+    return out
+
+
+def discovery_inputs(section: "DiscoverySection", plan_k: Optional[dict[str, int]] = None) -> dict:
+    """``[discovery]`` as a circuit stage's key reads it (:func:`section_inputs`), ``top_k`` as the study uses it:
+    path patching's each step of the task's plan (``plan_k``: step -> its plan ``k``) at the file's value where it
+    names the step, else the plan's; the curve reads none, so its key holds the constant every committed study was
+    keyed with (:data:`KEYED_AS`), whatever the file sets."""
+    out = section_inputs("discovery", section)
+    if section.method == "path":
+        out["top_k"] = {step: section.top_k.get(step, k) for step, k in (plan_k or {}).items()}
+    else:
+        out["top_k"] = KEYED_AS["discovery"]["top_k"][1]
     return out
 
 
@@ -329,11 +339,58 @@ class RunSpec:
 def default_spec() -> RunSpec:
     """The embedded default study (tasks/entity_tracking.toml): smollm2-et-early against smollm2-et, with entity
     tracking's desiderata and groups (the sections' own defaults take them from the task)."""
-    spec = RunSpec(**{name: cls() for name, cls in SECTIONS.items()})
+    spec = bare_spec()
     spec.dcm.desiderata = ["positional", "object_value", "label_value"]
     spec.dcm.groups = ["last", "query_label"]  # the paper's groups A/B and C/D sit there
     spec.cmap.groups = ["last", "query_label"]
     return spec
+
+
+def bare_spec() -> RunSpec:
+    """Every section at its own defaults: no groups, desiderata or ``top_k`` of any task (DCM and CMAP then take
+    every group at a position of the task's prompts and every desideratum it declares; path patching each step's
+    plan ``k``)."""
+    return RunSpec(**{name: cls() for name, cls in SECTIONS.items()})
+
+
+def study_spec(path: Optional[str | Path], task: Optional[str] = None) -> RunSpec:
+    """The spec a study runs: the task file ``path``'s, else the embedded default study's, with ``[task] name``
+    replaced by ``task`` where given. Without a file, ``task`` gets its own groups, desiderata and ``top_k``
+    (:func:`bare_spec`), never entity tracking's; with one, the groups and desiderata the file names are checked
+    against ``task`` (refused, naming them, before anything loads)."""
+    if task is None:
+        return load_spec(path) if path is not None else default_spec()
+    check_task(task)
+    spec = load_spec(path) if path is not None else bare_spec()
+    spec.task.name = task
+    if path is not None:
+        _check_override(spec, task, str(path))
+    _check_plan(f"{path or 'the default study'} with --task {task}: ", spec.discovery.method, task)
+    return spec
+
+
+def _check_override(spec: RunSpec, task: str, path: str) -> None:
+    """A task file's groups (``[dcm]``/``[cmap] groups``, ``[scoring] completeness_groups``, ``[cmap] selection``)
+    and ``[dcm] desiderata`` must be ``task``'s where ``--task`` replaces the file's task."""
+    known = task_group_names(task)
+    for sec, key in GROUP_OPTIONS if known is not None else ():
+        unknown = [g for g in getattr(getattr(spec, sec), key) if g not in known]
+        if unknown:
+            raise SpecError(
+                f"{path}: [{sec}] {key} names {unknown}, which task {task} (--task) does not have; its groups are "
+                f"{', '.join(sorted(known))} (run {task} without the task file, or with one that leaves {key} out)"
+            )
+    if spec.dcm.desiderata and not is_relation_file(task):
+        from ..tasks.base import get_task
+
+        own = get_task(task).desiderata
+        unknown = [d for d in spec.dcm.desiderata if desideratum_name(d) not in own]
+        if unknown:
+            raise SpecError(
+                f"{path}: [dcm] desiderata {unknown} are not task {task}'s (--task); it declares "
+                f"{', '.join(sorted(own)) or 'none'} (run {task} without the task file, or with one that leaves "
+                "desiderata out)"
+            )
 
 
 def output_dir(task: str) -> str:
@@ -361,7 +418,22 @@ def load_spec(path: str | Path) -> RunSpec:
     _check_per_model(Path(path), text, built)
     _check_desiderata(Path(path), text, raw.get("dcm"), built["task"].name)
     _check_groups(Path(path), text, raw, built["task"].name)
+    _check_plan(f"{path}:{line_of(text, 'discovery', 'method')}: ", built["discovery"].method, built["task"].name)
     return RunSpec(**built, source=str(path))
+
+
+def _check_plan(where: str, method: str, task_name: str) -> None:
+    """Path patching (``method = "path"``) reads the task's own plan; a task without one is refused before anything
+    loads (:func:`~mechdiff.tasks.plan.task_plan`)."""
+    if method != "path" or is_relation_file(task_name):
+        return
+    from ..tasks.base import get_task
+    from ..tasks.plan import task_plan
+
+    try:
+        task_plan(get_task(task_name))
+    except ValueError as err:
+        raise SpecError(f"{where}{err}") from None
 
 
 #: The options that name groups of a circuit (a position class of the task, or a step of its plan).

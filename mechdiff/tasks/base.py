@@ -40,6 +40,7 @@ from .records import (  # noqa: F401
     Record,
     alternative_tokens,
     answer_batch,
+    answer_chance,
     answer_length,
     answer_tokens,
     batch_tensors,

@@ -62,7 +62,16 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from ..common.metrics import TASK_METRICS
 from .prompt_sets import clean_key
 from .records import Example, Pair, alternative_tokens, answer_tokens, canonical_json, record_dict
-from .row_checks import LAST, ImportErrors, answer_ids, encode_offsets, example_of, locate, several
+from .row_checks import (
+    LAST,
+    ImportErrors,
+    answer_ids,
+    answer_warnings,
+    encode_offsets,
+    example_of,
+    locate,
+    several,
+)
 
 log = logging.getLogger(__name__)
 
@@ -257,12 +266,15 @@ def import_pairs(
     force: bool = False,
     desiderata: Sequence[str] = (),
     item: Optional[str] = None,
+    warn: Optional[Callable[[str], None]] = None,
 ) -> Path:
     """Check ``path`` against ``tokenizer`` and write the task directory ``out`` (``task.json``,
     ``pairs.jsonl``, each declared desideratum's pairs, the plan if given) atomically: into a temporary
     directory, then renamed. ``desiderata``: ``NAME=COLUMN`` or ``NAME=FILE.jsonl`` each
     (:mod:`mechdiff.tasks.declared`); ``item``: the row key whose value is a row's item (default: its clean
-    prompt), written to :data:`ITEMS_FILE`."""
+    prompt), written to :data:`ITEMS_FILE`. ``warn``: called with each line of
+    :func:`~mechdiff.tasks.row_checks.answer_warnings` (answers that split a word or share their first token with
+    the counterfactual answer); the rows are imported all the same."""
     from .declared import declare, extra_keys, parse_declaration, write_desiderata
 
     out, path = Path(out), Path(path)
@@ -283,6 +295,8 @@ def import_pairs(
     pairs = read_pairs(path, tokenizer, extra_keys(given) | ({item} if item else set()))
     if metric == "logit_diff":
         check_logit_diff(path, pairs)
+    for line in answer_warnings(tokenizer, pairs) if warn is not None else ():
+        warn(line)
     built, declared = declare(tokenizer, path, pairs, given)
     meta = {
         "format": FORMAT,

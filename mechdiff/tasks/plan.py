@@ -177,5 +177,11 @@ def default_plan() -> Plan:
 
 
 def task_plan(task: Any) -> Plan:
-    """The path-patching plan of ``task``: its own plan file (``task.plan``) where it has one, else the default."""
-    return load_plan(task.plan) if task.plan else default_plan()
+    """The path-patching plan of ``task``: its own plan file (``task.plan``); a task without one is refused (it
+    never gets entity tracking's)."""
+    if not task.plan:
+        raise ValueError(
+            f"task {task.name} has no path-patching plan: discover its circuit by the curve ([discovery] method = "
+            '"curve"), or import its rows again with --plan FILE (see mechdiff/tasks/plans/)'
+        )
+    return load_plan(task.plan)

@@ -229,6 +229,16 @@ def target_tokens(pair: Any) -> tuple[int, ...]:
     return tuple(getattr(pair, "target_tokens", ()) or (pair.target_id,))
 
 
+def answer_chance(records: Sequence[Any]) -> tuple[float, str]:
+    """The chance level of top-1 accuracy on ``records`` where a task states none: one over the distinct answers
+    (token sequences) the records hold, the accuracy of guessing among them (two answers: 0.5), and how it was
+    derived, in words."""
+    if not records:
+        raise ValueError("no records to derive a chance level from")
+    n = len({answer_tokens(r) for r in records})
+    return 1 / n, f"chance: one over the {n} distinct answers of the {len(records)} accuracy prompts"
+
+
 def answer_length(record: Any) -> int:
     """The most tokens any answer of a record (or a pair: its prompts and target) has: 1 for one-token answers."""
     if is_pair(record):

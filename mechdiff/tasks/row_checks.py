@@ -109,3 +109,47 @@ def example_of(
         several(answer[1]),
         tuple(a_ids for _, a_ids in alternatives) if many else (),
     )
+
+
+def splits_a_word(tokenizer: Any, answer: str, ids: Sequence[int]) -> bool:
+    """Whether ``answer`` (its token ids after its prompt: ``ids``) starts without a leading space and its first word
+    runs over two or more tokens (``"Madrid"`` -> ``'Mad'`` + ``'rid'``): a piece the model rarely predicts there."""
+    if not answer or answer[0].isspace() or len(ids) < 2:
+        return False
+    second = tokenizer.decode([int(ids[1])])
+    return bool(second) and second[0].isalnum()
+
+
+def answer_warnings(tokenizer: Any, pairs: Sequence[Any]) -> list[str]:
+    """One line per kind of doubtful answer among imported ``pairs`` (:class:`~mechdiff.tasks.records.Pair`), with
+    its count: answers without a leading space that split a word (:func:`splits_a_word`; the answer and the
+    counterfactual answer of each row), and rows whose answer shares its first token with a different
+    counterfactual answer (path patching's first step reads the first token only, so it cannot tell them apart)."""
+    from .records import alternative_tokens, answer_tokens
+
+    split, shared, examples = 0, 0, ([], [])
+    for p in pairs:
+        answers = [(p.base.answer, answer_tokens(p.base))]
+        answers += list(zip(p.base.alternatives, alternative_tokens(p.base)))
+        cut = [a for a, ids in answers if splits_a_word(tokenizer, a, ids)]
+        split += len(cut)
+        examples[0].extend(cut)
+        alt = alternative_tokens(p.base)
+        if alt and alt[0] != answer_tokens(p.base) and alt[0][0] == answer_tokens(p.base)[0]:
+            shared += 1
+            examples[1].append(f"{p.base.answer!r}/{p.base.alternatives[0]!r}")
+    lines = []
+    if split:
+        pieces = ", ".join(dict.fromkeys(repr(a) for a in examples[0][:3]))
+        lines.append(
+            f"{split} answers without a leading space split a word into tokens (e.g. {pieces}): the model is scored "
+            'on a piece it rarely predicts there; give each answer its leading space (" Madrid", the prompt ending '
+            "without one)"
+        )
+    if shared:
+        lines.append(
+            f"{shared} of {len(pairs)} rows have an answer that shares its first token with the counterfactual "
+            f"answer (e.g. {', '.join(dict.fromkeys(examples[1][:3]))}): path patching's first step reads the first "
+            "answer token only and cannot tell them apart"
+        )
+    return lines

@@ -426,7 +426,7 @@ def test_commands_write_the_study_tables_for_the_same_records(tiny_dirs, tmp_pat
     compared = json.loads((out / "compare" / "compare.json").read_text())
     scored = json.loads((out / "score" / "score.json").read_text())
     scan = json.loads((out / "positions" / "positions.json").read_text())
-    study = SimpleNamespace(dir=tmp_path / "study", spec=default_spec())
+    study = SimpleNamespace(dir=tmp_path / "study", spec=default_spec(), task=SimpleNamespace(answer_tokens=1))
     name = scored["model"]
     matrix_section(
         study, {name: SimpleNamespace(result={"rows": compared["matrix"], "completeness": scored["completeness"]})}
@@ -922,3 +922,19 @@ def test_completeness_is_not_defined_for_an_empty_group(llama_scorer):
     comp = completeness(llama_scorer, circuit, n_draws=1, metric="prob")
     assert comp["groups"]["D"]["completeness"] is None and comp["groups"]["D"]["size"] == 0
     assert comp["groups"]["A"]["completeness"] is not None
+
+
+def test_prune_metric_prob_is_the_tasks_continuous_metric(tiny_dirs, tmp_path):
+    """`mechdiff prune --metric prob` on a logit_diff task (IOI) prunes on the logit difference and its caption says
+    so (not "prob"); on a prob task (entity tracking), on the answer's probability."""
+    from mechdiff.cli import main
+
+    (model, _), first, _ = tiny_dirs
+    ioi = Circuit("tiny-0", "ioi", {"NM": [Head(2, 0)], "SI": [Head(1, 1)]}, {"NM": "last", "SI": "S2"})
+    ioi = str(ioi.save(tmp_path / "ioi.json"))
+    for task, circuit, said in (("ioi", ioi, "logit difference"), ("entity-tracking", first, "answer probability")):
+        path = tmp_path / task / "pruned.json"
+        args = ["prune", "--model", model, "--circuit", circuit, "--out", str(path), "--metric", "prob"]
+        assert main([*args, "--task", task, *DATA]) == 0
+        caption = (path.parent / "pruned.minimality.md").read_text()
+        assert f"Minimality (greedy rule, {said}, threshold" in caption

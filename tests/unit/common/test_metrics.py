@@ -78,7 +78,8 @@ def test_pure_metrics_match_numpy():
     )
     from mechdiff.methods.cmap import _score
 
-    correct, prob = _score(logits, answer)
+    correct, prob, diff = _score(logits, answer)
+    assert diff is None  # a prob task keeps no logit difference
     np.testing.assert_array_equal(correct, x.argmax(-1) == answer.numpy())
     np.testing.assert_allclose(prob, np.exp(_take(_log_softmax(x), answer)), rtol=1e-6)
     from mechdiff.methods.knowledge.discovery import answer_logprob

@@ -73,3 +73,99 @@ def test_cmap_scores_answers_of_several_tokens_as_hooked_forwards(smollm2_tokeni
     (row,) = [r for r in res.rows if (r.scope, r.kind) == ("g", "z")]
     logp = np.array([lp for _, lp in want])
     assert_close32(np.log(row.answer_prob.value), np.log(np.exp(logp).mean()), scale=max(np.abs(logp).max(), 10.0))
+
+
+def test_cmap_scores_the_logit_difference_of_a_logit_diff_task(smollm2_tokenizer):
+    """On a ``logit_diff`` task CMAP's continuous score is the logit difference, not only the answer's probability:
+    the answer's summed log-probability minus its alternative's, each teacher-forced with the fine-tune's head
+    output written at the prompt (one token: the two logits' difference), against hooked forwards; the plain base
+    and fine-tune likewise. A ``prob`` task keeps none."""
+    base, finetune = make_tiny("llama", smollm2_tokenizer, seed=0), make_tiny("llama", smollm2_tokenizer, seed=1)
+    circuit = Circuit("tiny", "t", {"g": [HEAD]}, {"g": "last"}, names={"g": ""})
+    for lengths in ([(3, 1), (2, 2), (1, 3), (4, 2)], [(1, 1)] * 4):  # (answer, alternative) tokens; one-token only
+        records, answers = [], []
+        for i, (n_answer, n_alt) in enumerate(lengths):
+            ids = tuple(smollm2_tokenizer(f"The capital of country {i} is")["input_ids"])
+            answer, alt = [100 + 7 * i + k for k in range(n_answer)], [900 + 5 * i + k for k in range(n_alt)]
+            several = any(n > 1 for n in (n_answer, n_alt))
+            records.append(
+                Example(
+                    "",
+                    ids,
+                    "",
+                    answer[0],
+                    {"last": len(ids) - 1},
+                    ("",),
+                    (alt[0],),
+                    answer_tokens=tuple(answer) if n_answer > 1 else (),
+                    alternative_tokens=(tuple(alt),) if several else (),
+                )
+            )
+            answers.append((answer, alt))
+        res = run_cmap(
+            base, finetune, circuit, records, ["z"], batch_size=4, groups=["g"], progress=False, metric="logit_diff"
+        )
+
+        def diffs(model, donor=None):
+            return np.array(
+                [
+                    scored(model, r.input_ids, a, donor)[1] - scored(model, r.input_ids, b, donor)[1]
+                    for r, (a, b) in zip(records, answers)
+                ]
+            )
+
+        (row,) = [r for r in res.rows if (r.scope, r.kind) == ("g", "z")]
+        for got, want in (
+            (row.logit_diff, diffs(base, finetune)),
+            (res.base_logit_diff, diffs(base)),
+            (res.finetune_logit_diff, diffs(finetune)),
+        ):
+            assert_close32(got.value, want.mean(), scale=max(np.abs(want).max(), 10.0))
+        assert "logit_diff" in row.to_dict() and "base_logit_diff" in res.to_dict()
+    plain = run_cmap(base, finetune, circuit, records, ["z"], batch_size=4, groups=["g"], progress=False)
+    assert plain.rows[0].logit_diff is None and "base_logit_diff" not in plain.to_dict()
+    assert plain.rows[0].answer_prob == row.answer_prob  # the probability is the same under either metric
+
+
+def test_random_draws_on_a_subset_score_the_logit_difference_as_a_run_on_those_prompts(smollm2_tokenizer):
+    """On a ``logit_diff`` task with answers of several tokens, draws on ``random_prompts`` only (a pass of their
+    own) give the random rows, logit difference included, and each draw's outcomes of a run on those prompts alone
+    (the same draws: the seed's); the groups, base and fine-tune are those of a run without draws, and each draw's
+    correctness is the answer's run's (the same under ``prob``)."""
+    from mechdiff.tasks.base import take
+
+    base, finetune = make_tiny("llama", smollm2_tokenizer, seed=0), make_tiny("llama", smollm2_tokenizer, seed=1)
+    circuit = Circuit("tiny", "t", {"g": [HEAD]}, {"g": "last"}, names={"g": ""})
+    records = []
+    for i, (n_answer, n_alt) in enumerate([(3, 1), (2, 2), (1, 3), (4, 2), (2, 1)]):
+        ids = tuple(smollm2_tokenizer(f"The capital of country {i} is")["input_ids"])
+        answer, alt = [], [900 + 5 * i + k for k in range(n_alt)]
+        for _ in range(n_answer):  # the base's greedy answer: draws' outcomes not all 0
+            answer.append(int(forward(base, list(ids) + answer)[-1].argmax()))
+        records.append(
+            Example(
+                "",
+                ids,
+                "",
+                answer[0],
+                {"last": len(ids) - 1},
+                ("",),
+                (alt[0],),
+                answer_tokens=tuple(answer) if n_answer > 1 else (),
+                alternative_tokens=(tuple(alt),),
+            )
+        )
+    kw = dict(kinds=["z"], batch_size=4, groups=["g"], progress=False, metric="logit_diff", seed=3)
+    part = run_cmap(base, finetune, circuit, records, n_random=2, random_prompts=[3, 1], **kw)
+    alone = run_cmap(base, finetune, circuit, take(records, [1, 3]), n_random=2, **kw)
+    plain = run_cmap(base, finetune, circuit, records, **kw)
+    assert part.random_prompts == [1, 3] and part.random_heads == alone.random_heads
+    assert part.random_outcomes == alone.random_outcomes
+    (got,), (want,) = part.random_rows, alone.random_rows
+    assert got.logit_diff is not None and got.logit_diff.value == want.logit_diff.value
+    assert got.accuracy.value == want.accuracy.value and got.answer_prob.value == want.answer_prob.value
+    assert part.rows[0].logit_diff.value == plain.rows[0].logit_diff.value
+    assert part.base_logit_diff.value == plain.base_logit_diff.value
+    by_prob = run_cmap(base, finetune, circuit, records, n_random=2, random_prompts=[3, 1], **{**kw, "metric": "prob"})
+    assert by_prob.random_outcomes == part.random_outcomes and by_prob.random_rows[0].logit_diff is None
+    assert "1" in "".join(o for draws in part.random_outcomes.values() for o in draws)

@@ -249,11 +249,16 @@ def test_training_batches_refuse_longer_answers_and_path_patching_takes_them(smo
 
 
 def test_a_study_of_longer_answers_takes_path_patching(smollm2_tokenizer, tmp_path, monkeypatch):
-    """A study of method = "path" on a task of longer answers is no longer refused: it goes on to load weights."""
+    """A study of method = "path" on a task of longer answers (and a plan of its own) is no longer refused: it goes
+    on to load weights. Without a plan the task is refused before anything loads (never given entity tracking's)."""
     from mechdiff.studies import circuits
-    from mechdiff.studies.spec import load_spec
+    from mechdiff.studies.spec import SpecError, load_spec
 
-    long_task = import_pairs(write_rows(tmp_path / "rows.jsonl", long_rows(16)), smollm2_tokenizer, tmp_path / "task")
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[plan]\nname = "capitals"\n\n[steps.A]\nsender = "last"\nk = 2\n')
+    rows = write_rows(tmp_path / "rows.jsonl", long_rows(16))
+    long_task = import_pairs(rows, smollm2_tokenizer, tmp_path / "task", plan=plan)
+    no_plan = import_pairs(rows, smollm2_tokenizer, tmp_path / "no-plan")
 
     spec_file = tmp_path / "study.toml"
     spec_file.write_text(
@@ -273,3 +278,6 @@ def test_a_study_of_longer_answers_takes_path_patching(smollm2_tokenizer, tmp_pa
     monkeypatch.setattr(circuits, "ModelSet", load)
     with pytest.raises(Loaded):
         circuits.CircuitsStudy(load_spec(spec_file), progress=False)
+    spec_file.write_text(spec_file.read_text().replace(str(long_task), str(no_plan)))
+    with pytest.raises(SpecError, match="has no path-patching plan"):
+        load_spec(spec_file)

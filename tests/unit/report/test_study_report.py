@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from mechdiff.report.study_report import circuit_findings, limitations
 from mechdiff.studies.spec import RunSpec, default_spec
 
@@ -48,20 +50,34 @@ def test_each_model_opens_its_own_bullet_with_or_without_a_position_scan():
     assert lines[1].startswith("  Its own circuit (10 ") and lines[2].startswith("- **tuned**: its own circuit (20 ")
 
 
+def _task(metric: str = "prob", answer_tokens: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(metric=metric, answer_tokens=answer_tokens, options=())
+
+
 def test_limitations_name_only_what_the_run_did():
-    none = limitations(SimpleNamespace(spec=_spec(scoring={"prune": False}, cmap={"n_random": 0})), {})
+    none = limitations(SimpleNamespace(spec=_spec(scoring={"prune": False}, cmap={"n_random": 0}), task=_task()), {})
     assert "position scan" not in none and "Pruning" not in none and "random control" not in none
     assert none.startswith("- Departures from Prakash et al.")
     greedy = _spec(scoring={"prune": True, "prune_rule": "greedy"}, cmap={"n_random": 3})
-    every = limitations(SimpleNamespace(spec=greedy, task=SimpleNamespace(metric="prob")), {"base": _scan(["last"])})
+    every = limitations(SimpleNamespace(spec=greedy, task=_task()), {"base": _scan(["last"])})
     assert "position scan" in every and "bounded greedy search" in every and "random control" in every
-    assert "Pruning uses answer probability" in every
-    ld = limitations(SimpleNamespace(spec=greedy, task=SimpleNamespace(metric="logit_diff")), {})
+    assert "Pruning uses the answer probability" in every
+    ld = limitations(SimpleNamespace(spec=greedy, task=_task("logit_diff")), {})
     assert "Pruning uses the logit difference" in ld  # a logit_diff task prunes on its own metric
+    greedy.scoring.prune_metric = "accuracy"
+    acc = limitations(SimpleNamespace(spec=greedy, task=_task("logit_diff")), {})
+    assert "Pruning uses the accuracy" in acc  # what the code pruned on, whatever the task's metric
     paper = limitations(
-        SimpleNamespace(spec=_spec(discovery={"method": "path"}, scoring={"prune": True, "prune_rule": "paper"})), {}
+        SimpleNamespace(
+            spec=_spec(discovery={"method": "path"}, scoring={"prune": True, "prune_rule": "paper"}), task=_task()
+        ),
+        {},
     )
     assert "path patching of head groups" in paper and "bounded greedy" not in paper and "pruning `paper`" in paper
+    assert "teacher forcing" not in paper  # one-token answers: nothing to say
+    several = limitations(SimpleNamespace(spec=greedy, task=_task("logit_diff", answer_tokens=3)), {})
+    assert "Answers of up to 3 tokens are scored by teacher forcing" in several
+    assert "cover the prompt's positions only" in several
 
 
 def test_report_states_an_ordering_only_where_the_holm_adjusted_paired_test_rejects():
@@ -134,3 +150,83 @@ def test_the_circuit_against_random_draws_is_its_rank_among_them():
     assert tests[("a", "a")].rejects and tests[("b", "b")].rejects
     few = controls_family([{**rows[0], "random_draws": [0.1] * 19 + [0.95]}])
     assert not few[("a", "a")].rejects  # 1 of 20 draws above: p = 2/21
+
+
+def test_captions_name_the_metric_the_code_used(tmp_path):
+    """On a logit_diff task the attribution caption names the logit difference it differentiates, pruning's caption
+    the logit difference it decided on (never "prob metric"), and path patching the measure its scores are
+    relative changes of; on a prob task, the answer's (log-)probability as before."""
+    from mechdiff.report.study_report import _method, pruning_section
+
+    pruned = {
+        "base": SimpleNamespace(
+            result={
+                "minimality": {"pairs": {"L0H1@last": {"searched": True}}, "circuit": 0.5, "full": 0.6},
+                "circuit": {"model": "base", "task": "t", "groups": {"last": ["L0H1"]}, "positions": {"last": "last"}},
+            }
+        )
+    }
+    for metric, attributed, said in (
+        ("logit_diff", "d LD / d z", "logit difference"),
+        ("prob", "d log p(answer)", "answer probability"),
+    ):
+        for rule in ("greedy", "paper"):
+            spec = _spec(scoring={"prune_rule": rule, "prune_metric": "prob"})
+            study = SimpleNamespace(spec=spec, task=_task(metric), dir=tmp_path)
+            caption = pruning_section(study, pruned).split("**")[1]
+            assert f"the {said}" in caption and "prob metric" not in caption
+        assert attributed in _method(study)
+        spec.discovery.method = "path"
+        assert f"the relative change of the {said}" in _method(study)
+    spec.scoring.prune_metric = "accuracy"
+    assert "on the accuracy over" in pruning_section(study, pruned)
+
+
+def test_report_gives_accuracy_and_faithfulness_by_answer_length(tmp_path):
+    """A task of answers of several lengths: the report's accuracy table per answer length (with the task's metric)
+    and the circuit x model table per length (model's and circuit's accuracy, faithfulness), each counted from the
+    stages' per-prompt outcomes; none for one-token answers."""
+    import csv
+
+    import numpy as np
+
+    from mechdiff.common.outcomes import outcome_record
+    from mechdiff.report.study_report import _by_answer_length, _matrix_by_answer_length
+    from mechdiff.tasks.base import Example
+
+    lengths = [1, 2, 3, 1, 2, 4, 1, 1]
+    records = [
+        Example("p", (1, 2), "a", 50 + n, answer_tokens=tuple(range(50 + n, 50 + 2 * n)) if n > 1 else ())
+        for n in lengths
+    ]
+    full = np.array([1, 1, 1, 1, 0, 1, 1, 0])
+    circ = np.array([1, 0, 1, 0, 0, 0, 1, 0])
+    diff = np.linspace(-1, 2, 8)
+    spec = _spec()
+    study = SimpleNamespace(
+        spec=spec,
+        task=_task("logit_diff", answer_tokens=4),
+        dir=tmp_path,
+        eval_records=lambda: records,
+        prompt_records=lambda prompts, n: records,
+    )
+    accuracy = {"base": SimpleNamespace(result={"outcomes": {**outcome_record(full, diff * 0), "logit_diff": diff}})}
+    kept = {"base": {"full": outcome_record(full), "circuit": outcome_record(circ)}}
+    matrix = {"base": SimpleNamespace(result={"outcomes": kept})}
+    assert "accuracy_by_answer_length" in _by_answer_length(study, accuracy)
+    assert "circuit_x_model_by_answer_length" in _matrix_by_answer_length(study, matrix)
+    read = lambda stem: list(csv.DictReader(open(tmp_path / "tables" / f"{stem}.csv")))  # noqa: E731
+    bins = {"1": [0, 3, 6, 7], "2": [1, 4], "3+": [2, 5]}
+    for row in read("accuracy_by_answer_length"):
+        at = bins[row["answer_tokens"]]
+        assert int(row["n"]) == len(at) and float(row["accuracy"]) == pytest.approx(full[at].mean())
+        assert float(row["logit_diff"]) == pytest.approx(diff[at].mean())
+    rows = read("circuit_x_model_by_answer_length")
+    assert [r["answer_tokens"] for r in rows] == ["1", "2", "3+"]
+    for row in rows:
+        at = bins[row["answer_tokens"]]
+        assert float(row["model_accuracy"]) == pytest.approx(full[at].mean())
+        assert float(row["accuracy"]) == pytest.approx(circ[at].mean())
+        assert float(row["faithfulness"]) == pytest.approx(circ[at].mean() / full[at].mean())
+    study.task = _task("logit_diff", answer_tokens=1)
+    assert _by_answer_length(study, accuracy) == "" == _matrix_by_answer_length(study, matrix)
