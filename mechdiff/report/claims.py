@@ -27,14 +27,15 @@ ENCODES = "what the heads encode"
 
 
 def cmap_pairs(result: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The (a, b) comparisons the CMAP findings state: each scope's head outputs against the base and against its
-    random heads, and the whole circuit's V against its QK."""
+    """The (a, b) comparisons the CMAP table holds and the findings read: every patched (scope, kind) against the
+    base and against its random heads, and the whole circuit's V against its QK."""
     outcomes = result.get("outcomes", {})
     pairs = []
     for x in result.get("rows", []):
-        if x["kind"] == "z" and not x["scope"].startswith("random"):
-            pairs.append((f"{x['scope']}/z", "base"))
-            pairs.append((f"{x['scope']}/z", f"random:{x['scope']}/z"))
+        if not x["scope"].startswith("random"):
+            key = f"{x['scope']}/{x['kind']}"
+            pairs.append((key, "base"))
+            pairs.append((key, f"random:{key}"))
     pairs.append(("circuit/v", "circuit/qk"))
     return [(a, b) for a, b in pairs if a in outcomes and b in outcomes]
 
