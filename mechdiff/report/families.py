@@ -47,8 +47,12 @@ def _manifest(run_dir: Path) -> dict:
     return data
 
 
-def _task_rows(run_dir: Path, root: Path) -> list[dict]:
-    task_dir = root / _manifest(run_dir)["spec"]["task"]["name"]
+def task_rows(manifest: Mapping[str, Any], root: Path) -> list[dict]:
+    """The rows of an imported task's ``pairs.jsonl`` a study's ``run.json`` names (none for a generated task,
+    whose ``run.json`` lists no prompt-set rows)."""
+    if not (manifest.get("prompt_sets") or {}).get("rows"):
+        return []
+    task_dir = root / manifest["spec"]["task"]["name"]
     lines = (task_dir / "pairs.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
@@ -94,17 +98,14 @@ def breakdown_rows(
     return out
 
 
-def set_items(run_dir: Path, root: Path) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
-    """Each prompt set's items (its rows' clean prompts) for a study of an imported task, from ``run.json``'s row
-    lists and the task's ``pairs.jsonl``; empty for a generated task (one prompt an item)."""
-    manifest = _manifest(run_dir)
+def items_by_set(manifest: Mapping[str, Any], rows: list[dict]) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
+    """Each prompt set's items (its rows' clean prompts) and rows, from ``run.json``'s row lists and the task's
+    rows (:func:`task_rows`); empty for a generated task (one prompt an item). ``run.json`` files written since
+    items exist also keep item ids (:func:`mechdiff.tasks.prompt_sets.set_items`); this reads older ones too."""
     sets = (manifest.get("prompt_sets") or {}).get("rows")
-    if not sets:
+    if not sets or not rows:
         return {}, {}
-    task_dir = root / manifest["spec"]["task"]["name"]
-    lines = (task_dir / "pairs.jsonl").read_text(encoding="utf-8").splitlines()
-    prompts = [json.loads(line)["base"]["prompt"] for line in lines if line.strip()]
-    return {name: [prompts[r] for r in rows] for name, rows in sets.items()}, sets
+    return {name: [rows[r]["base"]["prompt"] for r in set_rows] for name, set_rows in sets.items()}, sets
 
 
 def items_sentence(items: Mapping[str, list[str]], rows: Mapping[str, list[int]]) -> str:
@@ -161,7 +162,8 @@ def restate(run_dir: str | Path, root: str | Path = ".") -> Path:
     stages = read_outcomes(run_dir)
     models = manifest["spec"]["models"]
     base, finetunes = models["base"], list(models["finetunes"])
-    items, rows_of = set_items(run_dir, root)
+    rows = task_rows(manifest, root)
+    items, rows_of = items_by_set(manifest, rows)
     by_stage = {"accuracy": items.get("eval"), "matrix": items.get("matrix")} if items else None
     paired = paired_rows(stages, base, finetunes, by_stage)
     write_table(paired, run_dir / "tables" / "paired_differences", caption=CAPTION)
@@ -172,7 +174,7 @@ def restate(run_dir: str | Path, root: str | Path = ".") -> Path:
     write_table(family_rows, run_dir / "tables" / "families", caption=FAMILIES_CAPTION)
     breakdown = []
     if rows_of.get("eval"):
-        breakdown = breakdown_rows(stages, _task_rows(run_dir, root), rows_of["eval"], [base, *finetunes])
+        breakdown = breakdown_rows(stages, rows, rows_of["eval"], [base, *finetunes])
         write_table(breakdown, run_dir / "tables" / "breakdown", caption=BREAKDOWN_CAPTION)
     path = run_dir / "inference.md"
     write_text(path, _page(run_dir, items_sentence(items, rows_of), paired, encodes, breakdown))
