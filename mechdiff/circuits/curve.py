@@ -21,9 +21,10 @@ import torch
 from einops import rearrange
 
 from ..common.components import Head, all_heads
+from ..common.inference import proportion
 from ..common.metrics import answer_logprob, logit_diff, sequence_logprob
 from ..common.progress import progress_bar
-from ..common.stats import bootstrap_ratio, proportion
+from ..common.stats import bootstrap_ratio
 from ..patching.core import EMB_LAYER, Patch, run
 from .circuit import Circuit
 from .scoring import Pair, Scorer, faithfulness_key, means_for, per_prompt, position_mask

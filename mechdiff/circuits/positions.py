@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..common.components import Head, all_heads
+from ..common.inference import proportion
 from ..common.progress import progress_bar
-from ..common.stats import bootstrap_ratio, proportion
+from ..common.stats import bootstrap_ratio
 from .scoring import Metric, Pair, Scorer, faithfulness_key, per_prompt
 
 

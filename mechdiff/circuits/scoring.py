@@ -38,7 +38,7 @@ from ..common.components import Head, all_heads, layer_matched
 from ..common.metrics import CONTINUOUS_LABELS, continuous_key, faithfulness_key, metric_name  # noqa: F401
 from ..common.outcomes import bits
 from ..common.progress import progress_bar
-from ..common.stats import Estimate, bootstrap, bootstrap_ratio, mean_estimate
+from ..common.stats import bootstrap, bootstrap_ratio, mean_estimate
 from ..models.loading import LoadedModel
 from ..patching.ablation import site_means
 from ..patching.core import Patch, Resume, run, suffix_supported
@@ -506,16 +506,10 @@ def normalised_figures(circ: EvalResult, full: EvalResult, empty: EvalResult, me
         c, f, e = (per_prompt(r, name) for r in (circ, full, empty))
         beats = inf.paired(f, e)  # the model above its empty circuit, by its own paired test
         if beats.interval.value > 0 and beats.p <= inf.ALPHA:
-            out[key] = inference_ratio(c - e, f - e).to_dict()
+            out[key] = inf.ratio(c - e, f - e).to_dict()
         else:
             out[key] = {"value": float("nan"), "low": float("nan"), "high": float("nan"), "n": int(c.size)}
     return out
-
-
-def inference_ratio(num: np.ndarray, den: np.ndarray) -> Estimate:
-    """mean(num) / mean(den) with the inference layer's bootstrap over prompts (one prompt an item here)."""
-    iv = inf.ratio(num, den)
-    return Estimate(iv.value, iv.low, iv.high, iv.n_rows)
 
 
 def _random_control(
@@ -561,7 +555,7 @@ def _random_control(
             "q05": rank.quantiles[0],
             "q50": rank.quantiles[1],
             "q95": rank.quantiles[2],
-            "draws": _interval(rank.draws),
+            "draws": rank.draws.to_dict(detail=True),
             "n_prompts": len(prompts),
         },
     }
@@ -581,7 +575,7 @@ def _random_figures(draws: Sequence[EvalResult], full: EvalResult, metric: str, 
         return np.stack([per_prompt(d, name) for d in draws])  # type: ignore[arg-type]
 
     def ratio(num: np.ndarray, den: Optional[np.ndarray] = None) -> dict:
-        return _interval(inf.control_ratio(num, den, items, seed=seed))
+        return inf.control_ratio(num, den, items, seed=seed).to_dict(detail=True)
 
     acc = stacked("accuracy")
     out = {
@@ -593,12 +587,6 @@ def _random_figures(draws: Sequence[EvalResult], full: EvalResult, metric: str, 
         out["logit_diff"] = ratio(stacked(metric))
     out[faithfulness_key(metric)] = ratio(stacked(metric), per_prompt(full, metric))  # type: ignore[arg-type]
     return out
-
-
-def _interval(iv: inf.Interval) -> dict:
-    """An inference interval as a stage record keeps an estimate (``value``, ``low``, ``high``, ``n``), with its
-    items and method."""
-    return {"value": iv.value, "low": iv.low, "high": iv.high, "n": iv.n_rows, "items": iv.n_items, "method": iv.method}
 
 
 def _figures(result: EvalResult, full: EvalResult, metric: str = "prob") -> dict:

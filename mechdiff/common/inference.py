@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 from scipy import optimize
@@ -52,6 +52,18 @@ class Interval:
     def excludes(self, null: float = 0.0) -> bool:
         """Whether the interval leaves ``null`` out."""
         return not (self.low <= null <= self.high)
+
+    def to_dict(self, detail: bool = False) -> dict:
+        """As a stage record or table keeps it: ``value``, ``low``, ``high`` and ``n`` (rows); with ``detail`` also
+        ``items`` and ``method``."""
+        out = {"value": self.value, "low": self.low, "high": self.high, "n": self.n_rows}
+        return {**out, "items": self.n_items, "method": self.method} if detail else out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Interval":
+        """An interval back from its :meth:`to_dict`; a record without ``items`` counts each row an item, one
+        without ``method`` names none."""
+        return cls(d["value"], d["low"], d["high"], d["n"], d.get("items", d["n"]), d.get("method", ""))
 
 
 @dataclass(frozen=True)

@@ -1,33 +1,24 @@
-"""Statistics: bootstrap confidence intervals over prompts (scipy)."""
+"""Percentile bootstraps over rows (scipy), the figures of the stages written before the inference layer.
+
+Every figure is an :class:`~mechdiff.common.inference.Interval` (each row its own item); a proportion's exact
+interval is :func:`mechdiff.common.inference.proportion`, the one rule for it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from scipy import stats
 
+from .inference import Interval, proportion
 
-@dataclass(frozen=True)
-class Estimate:
-    """A figure with its bootstrap confidence interval."""
+PERCENTILE = "percentile bootstrap over rows"
 
-    value: float
-    low: float
-    high: float
-    n: int
 
-    def __str__(self) -> str:
-        return f"{self.value:.3f} [{self.low:.3f}, {self.high:.3f}]"
-
-    def to_dict(self) -> dict:
-        return {"value": self.value, "low": self.low, "high": self.high, "n": self.n}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Estimate":
-        """An estimate back from its :meth:`to_dict` (as stage records keep it)."""
-        return cls(d["value"], d["low"], d["high"], d["n"])
+def _over_rows(value: float, low: float, high: float, n: int, method: str) -> Interval:
+    """An interval over ``n`` rows, each row its own item."""
+    return Interval(value, low, high, n, n, method)
 
 
 def bootstrap(
@@ -36,12 +27,12 @@ def bootstrap(
     confidence: float = 0.95,
     n_resamples: int = 1000,
     seed: int = 0,
-) -> Estimate:
+) -> Interval:
     """Percentile bootstrap CI of ``statistic`` over the examples in ``values``."""
     arr = np.asarray(values, dtype=float)
     value = float(statistic(arr))
     if arr.size < 2 or np.all(arr == arr[0]):
-        return Estimate(value, value, value, int(arr.size))
+        return _over_rows(value, value, value, int(arr.size), PERCENTILE)
     res = stats.bootstrap(
         (arr,),
         statistic,
@@ -50,12 +41,13 @@ def bootstrap(
         method="percentile",
         random_state=np.random.default_rng(seed),
     )
-    return Estimate(value, float(res.confidence_interval.low), float(res.confidence_interval.high), int(arr.size))
+    low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    return _over_rows(value, low, high, int(arr.size), PERCENTILE)
 
 
 def bootstrap_ratio(
     num: Sequence[float], den: Sequence[float], confidence: float = 0.95, n_resamples: int = 1000, seed: int = 0
-) -> Estimate:
+) -> Interval:
     """CI of mean(num) / mean(den), resampling prompts jointly (e.g. faithfulness F(C)/F(M))."""
     a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
     value = float(a.mean() / b.mean()) if b.mean() else float("nan")
@@ -66,27 +58,12 @@ def bootstrap_ratio(
     ratios = ratios[np.isfinite(ratios)]
     alpha = (1 - confidence) / 2
     low, high = np.quantile(ratios, [alpha, 1 - alpha]) if ratios.size else (value, value)
-    return Estimate(value, float(low), float(high), int(a.size))
-
-
-def proportion(successes: Sequence[float] | np.ndarray, confidence: float = 0.95) -> Estimate:
-    """Exact (Clopper-Pearson) CI of a proportion from per-example 0/1 outcomes.
-
-    Unlike a bootstrap it does not collapse to a point when every outcome is equal: 0 of 40 has
-    an upper bound near 0.09."""
-    arr = np.asarray(successes, dtype=float)
-    if arr.size == 0:
-        raise ValueError("a proportion needs at least one outcome")
-    if not np.all((arr == 0) | (arr == 1)):
-        raise ValueError("proportion() takes 0/1 outcomes; use bootstrap() for other values")
-    k, n = int(arr.sum()), int(arr.size)
-    ci = stats.binomtest(k, n).proportion_ci(confidence_level=confidence, method="exact")
-    return Estimate(k / n, float(ci.low), float(ci.high), n)
+    return _over_rows(value, float(low), float(high), int(a.size), f"{PERCENTILE} (ratio of means)")
 
 
 def pooled_mean(
     draws: Sequence[Sequence[float]], confidence: float = 0.95, n_resamples: int = 1000, seed: int = 0
-) -> Estimate:
+) -> Interval:
     """Mean over several draws (seeds) scored on the same prompts, ``"draw prompt"``, with a two-stage
     percentile bootstrap CI: each resample draws the draws, then the prompts, with replacement, so the
     spread between draws is not ignored. A difference of two interventions on the same draws and prompts
@@ -99,10 +76,10 @@ def pooled_mean(
     means = [arr[rng.integers(0, n_d, n_d)][:, rng.integers(0, n_p, n_p)].mean() for _ in range(n_resamples)]
     alpha = (1 - confidence) / 2
     low, high = np.quantile(means, [alpha, 1 - alpha])
-    return Estimate(float(arr.mean()), float(low), float(high), int(n_p))
+    return _over_rows(float(arr.mean()), float(low), float(high), int(n_p), "percentile bootstrap over draws and rows")
 
 
-def pooled_proportion(draws: Sequence[Sequence[float]], confidence: float = 0.95) -> Estimate:
+def pooled_proportion(draws: Sequence[Sequence[float]], confidence: float = 0.95) -> Interval:
     """Mean outcome over several random draws on the same prompts, with a CI that resamples prompts
     and draws (:func:`pooled_mean`), so the spread between draws is not ignored. When every
     outcome is the same 0 or 1 the bootstrap would collapse to a point: the exact interval of one draw's
@@ -111,13 +88,13 @@ def pooled_proportion(draws: Sequence[Sequence[float]], confidence: float = 0.95
     if arr.ndim != 2 or arr.size == 0:
         raise ValueError("pooled_proportion() takes a draws x prompts array")
     if np.all(arr == arr.flat[0]) and arr.flat[0] in (0.0, 1.0):
-        return proportion(arr[0], confidence)
+        return proportion(arr[0], confidence=confidence)
     return pooled_mean(arr, confidence)
 
 
 def paired_difference(
     a: Sequence[float], b: Sequence[float], confidence: float = 0.95, n_resamples: int = 1000, seed: int = 0
-) -> Estimate:
+) -> Interval:
     """CI of mean(a - b) for two interventions scored on the same prompts (paired bootstrap)."""
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if x.shape != y.shape:
@@ -133,7 +110,7 @@ def paired_ratio_difference(
     confidence: float = 0.95,
     n_resamples: int = 1000,
     seed: int = 0,
-) -> Estimate:
+) -> Interval:
     """CI of mean(num_a)/mean(den_a) - mean(num_b)/mean(den_b), two ratios on the same prompts (e.g. one circuit's
     faithfulness in two models), every resample drawing the same prompts for all four (paired bootstrap)."""
     arrs = [np.asarray(v, dtype=float) for v in (num_a, den_a, num_b, den_b)]
@@ -151,10 +128,10 @@ def paired_ratio_difference(
     draws = draws[np.isfinite(draws)]
     alpha = (1 - confidence) / 2
     low, high = np.quantile(draws, [alpha, 1 - alpha]) if draws.size else (value, value)
-    return Estimate(value, float(low), float(high), int(na.size))
+    return _over_rows(value, float(low), float(high), int(na.size), f"paired {PERCENTILE} (ratio difference)")
 
 
-def mean_estimate(values: Sequence[float] | np.ndarray) -> Estimate:
+def mean_estimate(values: Sequence[float] | np.ndarray) -> Interval:
     """The mean with the interval fit for it: exact binomial for 0/1 outcomes, bootstrap otherwise
     (e.g. per-prompt means over random draws)."""
     arr = np.asarray(values, dtype=float)

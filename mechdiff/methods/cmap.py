@@ -54,7 +54,7 @@ from ..common.components import Head, layer_matched
 from ..common.metrics import answer_is_top1, answer_prob, logit_diff, sequence_is_greedy, sequence_logprob
 from ..common.outcomes import bits
 from ..common.progress import progress_bar
-from ..common.stats import Estimate, bootstrap, mean_estimate
+from ..common.stats import bootstrap, mean_estimate
 from ..models.loading import LoadedModel
 from ..models.modelset import check_shapes
 from ..models.remote import keep
@@ -316,10 +316,10 @@ class CMAPRow:
 
     scope: str
     kind: str
-    accuracy: Estimate
-    answer_prob: Estimate
+    accuracy: inf.Interval
+    answer_prob: inf.Interval
     recovered: float  # (patched - base) / (fine-tune - base), NaN when the two models tie
-    logit_diff: Optional[Estimate] = None
+    logit_diff: Optional[inf.Interval] = None
 
     def to_dict(self) -> dict:
         out = {
@@ -338,11 +338,11 @@ class CMAPResult:
 
     base: str
     finetune: str
-    base_accuracy: Estimate
-    finetune_accuracy: Estimate
+    base_accuracy: inf.Interval
+    finetune_accuracy: inf.Interval
     rows: list[CMAPRow]
-    base_answer_prob: Optional[Estimate] = None
-    finetune_answer_prob: Optional[Estimate] = None
+    base_answer_prob: Optional[inf.Interval] = None
+    finetune_answer_prob: Optional[inf.Interval] = None
     positions: dict[str, str] = field(default_factory=dict)
     caption: str = CAPTION
     random_rows: list[CMAPRow] = field(default_factory=list)  # layer-matched random heads, pooled over draws
@@ -353,8 +353,8 @@ class CMAPResult:
     random_heads: dict[str, list[list[str]]] = field(default_factory=dict)
     #: the prompts (indices) the random draws ran on, where not every one: a random key's outcomes are theirs
     random_prompts: list[int] = field(default_factory=list)
-    base_logit_diff: Optional[Estimate] = None  # a logit_diff task's continuous metric, as the rows'
-    finetune_logit_diff: Optional[Estimate] = None
+    base_logit_diff: Optional[inf.Interval] = None  # a logit_diff task's continuous metric, as the rows'
+    finetune_logit_diff: Optional[inf.Interval] = None
 
     def paired(self, a: str, b: str) -> inf.Test:
         """Accuracy of ``a`` minus ``b`` ("scope/kind" keys, or "base"/"finetune") on the same prompts, by the

@@ -57,7 +57,7 @@ from ..common.components import Head, all_heads, layer_matched
 from ..common.metrics import answer_is_top1, answer_logit, sequence_is_greedy, sequence_logprob
 from ..common.outcomes import bits, outcome_record
 from ..common.progress import progress_bar
-from ..common.stats import Estimate, pooled_proportion, proportion
+from ..common.stats import pooled_proportion
 from ..models.loading import LoadedModel
 from ..patching.core import Patch, Prefix, Resume, run
 from ..patching.evaluate import batches
@@ -191,10 +191,10 @@ class DCMResult:
     heads: list[Head]  # the candidate heads (the group)
     mask: list[float]  # m per head at the best validation step (1 = keep base, 0 = patch)
     selected: list[Head]  # heads with m < 0.5 (rounded to 0): they carry the desideratum's property
-    test_accuracy: Estimate  # target accuracy with the selected heads patched
-    floor: Estimate  # target accuracy with nothing patched (m = 1)
-    full_group: Estimate  # target accuracy with every head of the group patched
-    random: Optional[Estimate]  # random head sets of the selected size (pooled over draws)
+    test_accuracy: inf.Interval  # target accuracy with the selected heads patched
+    floor: inf.Interval  # target accuracy with nothing patched (m = 1)
+    full_group: inf.Interval  # target accuracy with every head of the group patched
+    random: Optional[inf.Interval]  # random head sets of the selected size (pooled over draws)
     n_split: tuple[int, int, int]
     best_step: int
     history: list[dict] = field(default_factory=list)
@@ -869,9 +869,9 @@ def run_dcm(
         heads,
         [round(float(v), 4) for v in values.tolist()],
         selected,
-        proportion(acc),
-        proportion(cache.floor[test]),
-        proportion(full),
+        inf.proportion(acc),
+        inf.proportion(cache.floor[test]),
+        inf.proportion(full),
         random_est,
         (len(train), len(val), len(test)),
         best_step,
@@ -959,13 +959,13 @@ class SemanticResult:
     the patched heads against each (:func:`~mechdiff.common.inference.paired`)."""
 
     model: str
-    accuracy: Estimate
-    floor: Estimate
+    accuracy: inf.Interval
+    floor: inf.Interval
     outcomes: list[int] = field(default_factory=list)  # per pair: 1 where the patched run gives the target
     floor_outcomes: list[int] = field(default_factory=list)  # per pair: 1 where the unpatched run gives it
     random_heads: list[list[Head]] = field(default_factory=list)  # each draw's heads
     random_outcomes: list[list[int]] = field(default_factory=list)  # each draw's per-pair outcomes
-    random: Optional[Estimate] = None  # the draws' mean, resampling draws and pairs
+    random: Optional[inf.Interval] = None  # the draws' mean, resampling draws and pairs
 
     def tests(self) -> dict[str, inf.Test]:
         """The patched heads against the floor (exact McNemar on the same pairs) and against the random heads (the
@@ -1020,8 +1020,8 @@ def semantic_patching(
         out.append(
             SemanticResult(
                 model.name,
-                proportion(acc),
-                proportion(cache.floor),
+                inf.proportion(acc),
+                inf.proportion(cache.floor),
                 np.asarray(acc).astype(int).tolist(),
                 np.asarray(cache.floor).astype(int).tolist(),
                 drawn,

@@ -25,8 +25,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..common.components import Head
+from ..common.inference import proportion
 from ..common.outcomes import outcome_record
-from ..common.stats import proportion
 
 #: A head holds a role where the lower bound of its share of pairs moved to the target exceeds this: with 95%
 #: confidence, patching it alone gives the desideratum's target on more than a tenth of the pairs.
@@ -64,7 +64,7 @@ def head_scores(
                             "position": position,
                             "desideratum": desideratum,
                             "head": h.name,
-                            "share": proportion(acc, CONFIDENCE).to_dict(),
+                            "share": proportion(acc, confidence=CONFIDENCE).to_dict(),
                             "outcomes": outcome_record(acc),
                         }
                     )

@@ -349,7 +349,7 @@ def semantic(
     selected heads patched from source to base (exact binomial), the unpatched floor and each pair's outcome, as
     :func:`~mechdiff.methods.dcm.semantic_patching` gives them; one :class:`~mechdiff.methods.dcm.PairCache` per
     desideratum serves all its selections (two forward passes a pair, then one suffix run a pair per selection)."""
-    from ..common.stats import proportion
+    from ..common.inference import proportion
     from .dcm import PairCache
 
     chosen = [lab for lab in labels if lab["selected"]]

@@ -9,10 +9,11 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
+from ..common.inference import Interval, proportion
 from ..common.metrics import answer_is_top1, answer_prob, logit_diff, sequence_is_greedy, sequence_logprob
 from ..common.outcomes import outcome_record, rounded
 from ..common.progress import progress_bar
-from ..common.stats import Estimate, bootstrap, proportion
+from ..common.stats import bootstrap
 from ..models.loading import LoadedModel
 from ..models.remote import keep
 from ..tasks.base import (
@@ -41,7 +42,7 @@ class EvalResult:
     logit_diff: Optional[np.ndarray] = None  # answer logit - mean alternative logit [n], where records have them
 
     @property
-    def accuracy(self) -> Estimate:
+    def accuracy(self) -> Interval:
         return proportion(self.correct.astype(float))
 
     def by_answer_length(self, records: Sequence[Record], metric: str = "prob") -> list[dict]:
@@ -52,11 +53,11 @@ class EvalResult:
         )
 
     @property
-    def answer_prob(self) -> Estimate:
+    def answer_prob(self) -> Interval:
         return bootstrap(self.prob)
 
     @property
-    def mean_logit_diff(self) -> Estimate:
+    def mean_logit_diff(self) -> Interval:
         if self.logit_diff is None:
             raise ValueError("these records have no alternative answers, so no logit difference")
         return bootstrap(self.logit_diff)

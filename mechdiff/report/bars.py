@@ -11,17 +11,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..common.inference import Interval  # noqa: E402
 from ..common.io import save_figure
-from ..common.stats import Estimate  # noqa: E402
 
 
 def grouped_bars(
     path: str | Path,
     categories: Sequence[str],
-    series: Mapping[str, Sequence[Optional[Estimate]]],
+    series: Mapping[str, Sequence[Optional[Interval]]],
     title: str = "",
     ylabel: str = "accuracy",
-    references: Optional[Mapping[str, Estimate]] = None,
+    references: Optional[Mapping[str, Interval]] = None,
     ylim: Optional[tuple[float, float]] = (0.0, 1.0),
     caption: Optional[str] = None,
 ) -> Path:

@@ -459,7 +459,7 @@ class StudyRun:
         exact binomial interval over the resamples (Monte Carlo error of the frequency)."""
         import plotly.graph_objects as go
 
-        from ..common.stats import proportion
+        from ..common.inference import proportion
 
         draws = self.manifest["spec"]["discovery"].get("stability_draws", 0)
         rows = [r for r in self.heads if r.get("in_circuit") and "selection_frequency" in r]

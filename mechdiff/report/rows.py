@@ -14,7 +14,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 from ..common import inference as inf
 from ..common.metrics import continuous_key, continuous_label
-from ..common.stats import Estimate
 from ..methods.cmap import paired_outcomes
 from .tables import estimate_columns
 
@@ -68,7 +67,9 @@ def semantic_rows(records: Sequence[Mapping[str, Any]]) -> list[dict]:
 
 def cmap_has_gap(result: Mapping[str, Any]) -> bool:
     """Whether the fine-tune is above the base on the CMAP prompts beyond both CIs (``CMAPResult.to_dict``)."""
-    return Estimate.from_dict(result["finetune_accuracy"]).low > Estimate.from_dict(result["base_accuracy"]).high
+    return (
+        inf.Interval.from_dict(result["finetune_accuracy"]).low > inf.Interval.from_dict(result["base_accuracy"]).high
+    )
 
 
 def cmap_rows(result: Mapping[str, Any]) -> list[dict]:
@@ -97,14 +98,14 @@ def cmap_caption(result: Mapping[str, Any], finetune: str) -> str:
     )
     diff = (
         f"; logit difference (the task's metric: the answer's summed log-probability minus the mean of its "
-        f"alternatives', bootstrap CI) base {Estimate.from_dict(result['base_logit_diff'])}, fine-tune "
-        f"{Estimate.from_dict(result['finetune_logit_diff'])}"
+        f"alternatives', bootstrap CI) base {inf.Interval.from_dict(result['base_logit_diff'])}, fine-tune "
+        f"{inf.Interval.from_dict(result['finetune_logit_diff'])}"
         if "base_logit_diff" in result
         else ""
     )
+    base, ft = (inf.Interval.from_dict(result[f"{m}_accuracy"]) for m in ("base", "finetune"))
     return (
-        f"CMAP {finetune} -> {result['base']}: base accuracy {Estimate.from_dict(result['base_accuracy'])}, fine-tune "
-        f"{Estimate.from_dict(result['finetune_accuracy'])}{diff}; {share}. {result['caption']}"
+        f"CMAP {finetune} -> {result['base']}: base accuracy {base}, fine-tune {ft}{diff}; {share}. {result['caption']}"
     )
 
 

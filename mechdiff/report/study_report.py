@@ -13,9 +13,9 @@ import numpy as np
 from ..circuits.circuit import Circuit
 from ..circuits.curve import ATTRIBUTED
 from ..circuits.overlap import overlap_table
+from ..common.inference import Interval
 from ..common.io import write_text
 from ..common.metrics import continuous_key, metric_label, scored_metric
-from ..common.stats import Estimate
 from ..models.resolve import resolve_spec
 from ..runs.seeds import PROMPT_OFFSETS
 from ..runs.stages import StageRecord, label
@@ -47,7 +47,7 @@ Study = Any
 
 
 def _fmt(d: dict) -> str:
-    return str(Estimate.from_dict(d))
+    return str(Interval.from_dict(d))
 
 
 def study_table(study: "Study", rows: list[dict], stem: str, caption: str) -> str:
@@ -107,7 +107,7 @@ def _by_answer_length(study: "Study", accuracy: dict[str, "StageRecord"]) -> str
         diff = rec.result["outcomes"].get("logit_diff")
         res = EvalResult(correct.astype(bool), prob, None if diff is None else np.asarray(diff, dtype=float))
         for row in res.by_answer_length(records, study.task.metric):
-            cells = [estimate_columns(k, v) if isinstance(v, Estimate) else {k: v} for k, v in row.items()]
+            cells = [estimate_columns(k, v) if isinstance(v, Interval) else {k: v} for k, v in row.items()]
             rows.append({"model": name, **{k: v for cell in cells for k, v in cell.items()}})
     if not rows:
         return ""
@@ -327,8 +327,9 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
 def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
     """Each circuit's accuracy and faithfulness (accuracy) per answer length on each model's matrix prompts, from the
     stage's per-prompt outcomes; empty where every answer has one length."""
+    from ..common.inference import proportion
     from ..common.outcomes import read_record
-    from ..common.stats import bootstrap_ratio, proportion
+    from ..common.stats import bootstrap_ratio
     from ..patching.evaluate import LENGTH_BINS, length_bins
 
     if study.task.answer_tokens < 2:
@@ -439,7 +440,7 @@ def cmap_section(study: "Study", cmap: dict) -> str:
             continue
         if r.get("left_out"):
             text.append(left_out_sentence(r, f"CMAP {ft}").strip() + "\n")
-        base_acc, ft_acc = Estimate.from_dict(r["base_accuracy"]), Estimate.from_dict(r["finetune_accuracy"])
+        base_acc, ft_acc = Interval.from_dict(r["base_accuracy"]), Interval.from_dict(r["finetune_accuracy"])
         text.append(study_table(study, cmap_rows(r), f"cmap_{label(ft)}", cmap_caption(r, ft)))
         if "circuit" in r:  # CMAP as the paper: the fine-tune's pruned circuit cut to its DCM selections
             text.append(patched_heads(study, Circuit.from_dict(r["circuit"])))
@@ -448,7 +449,7 @@ def cmap_section(study: "Study", cmap: dict) -> str:
         kinds = list(dict.fromkeys(row["kind"] for row in r["rows"]))
         series = {
             k: [
-                next((Estimate.from_dict(x["accuracy"]) for x in r["rows"] if x["scope"] == s and x["kind"] == k), None)
+                next((Interval.from_dict(x["accuracy"]) for x in r["rows"] if x["scope"] == s and x["kind"] == k), None)
                 for s in scopes
             ]
             for k in kinds

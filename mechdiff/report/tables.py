@@ -16,15 +16,15 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from tabulate import tabulate
 
+from ..common.inference import Interval
 from ..common.io import write_text
-from ..common.stats import Estimate
 
 FORMATS = ("md", "csv", "tex", "json")
 
 
-def estimate_columns(name: str, est: Estimate | Mapping[str, Any]) -> dict[str, float]:
-    """``{name: value, name_low: low, name_high: high}`` from an Estimate or its ``to_dict``."""
-    d = est.to_dict() if isinstance(est, Estimate) else est
+def estimate_columns(name: str, est: Interval | Mapping[str, Any]) -> dict[str, float]:
+    """``{name: value, name_low: low, name_high: high}`` from an Interval or its ``to_dict``."""
+    d = est.to_dict() if isinstance(est, Interval) else est
     return {name: d["value"], f"{name}_low": d["low"], f"{name}_high": d["high"]}
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..circuits.circuit import Circuit
+from ..common.inference import Interval
 from ..common.io import write_json
-from ..common.stats import Estimate
 from ..methods.dcm import DCMConfig, DCMResult, dcm_circuit, semantic_patching, split_pairs
 from ..models.modelset import ModelSet
 from ..report.bars import grouped_bars
@@ -116,7 +116,7 @@ def _semantic(
     series = {}
     for name in models.names:
         by_cat = {f"{x['group']}/{x['desideratum']}": x for x in records if x["model"] == name}
-        series[name] = [Estimate.from_dict(by_cat[c]["accuracy"]) if c in by_cat else None for c in cats]
+        series[name] = [Interval.from_dict(by_cat[c]["accuracy"]) if c in by_cat else None for c in cats]
     grouped_bars(
         out / "semantic.png",
         cats,

@@ -17,9 +17,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ...common.inference import proportion
 from ...common.metrics import answer_logprob, answer_rank
 from ...common.progress import progress_bar
-from ...common.stats import bootstrap, proportion
+from ...common.stats import bootstrap
 from ...models.loading import LoadedModel
 from ...tasks.relation_data import FactBatch
 from .discovery import top_edges

@@ -12,7 +12,7 @@ from scipy.stats import hypergeom
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.overlap import hypergeom_p, overlap_table
 from mechdiff.common.components import Head, all_heads
-from mechdiff.common.stats import Estimate
+from mechdiff.common.inference import Interval
 from mechdiff.report.membership import membership_grid, membership_heatmap
 from mechdiff.report.tables import estimate_columns, read_table, to_latex, to_markdown, write_table
 
@@ -87,14 +87,14 @@ ROWS = [
         "model": "goat",
         "n": 3,
         "ok": True,
-        **estimate_columns("accuracy", Estimate(0.66, 0.61, 0.705, 100)),
+        **estimate_columns("accuracy", Interval(0.66, 0.61, 0.705, 100, 100, "test")),
     },
     {
         "circuit": "goat",
         "model": "goat",
         "n": 12,
         "ok": False,
-        **estimate_columns("accuracy", Estimate(0.8125, 0.75, 0.875, 100)),
+        **estimate_columns("accuracy", Interval(0.8125, 0.75, 0.875, 100, 100, "test")),
     },
 ]
 

@@ -750,12 +750,14 @@ def test_matrix_rows_columns_from_faithfulness():
     assert "random_accuracy" not in only[0] and only[1]["random_accuracy"] == row["random_accuracy"]
 
 
-def test_estimate_round_trip_and_pair_name():
+def test_interval_round_trip_and_pair_name():
     from mechdiff.circuits.pruning import pair_name
-    from mechdiff.common.stats import Estimate
+    from mechdiff.common.inference import Interval
 
-    e = Estimate(0.4, 0.1, 0.7, 30)
-    assert Estimate.from_dict(e.to_dict()) == e
+    e = Interval(0.4, 0.1, 0.7, 30, 12, "cluster bootstrap over items")
+    assert Interval.from_dict(e.to_dict(detail=True)) == e
+    assert e.to_dict() == {"value": 0.4, "low": 0.1, "high": 0.7, "n": 30}  # a stage record's four keys
+    assert Interval.from_dict(e.to_dict()) == Interval(0.4, 0.1, 0.7, 30, 30, "")  # each row its own item
     assert pair_name((Head(14, 7), "query_label")) == "L14H7@query_label"
 
 

@@ -29,7 +29,7 @@ def test_rows_repeated_within_items_need_item_level_intervals():
     sims = 300
     for s in range(sims):
         x, items = clustered(rng, 25, 8)
-        row = rowwise.proportion(x)
+        row = inf.proportion(x)  # no items: each row its own
         item = inf.proportion(x, items, seed=s)
         hit_rows += row.low <= 0.6 <= row.high
         hit_items += item.low <= 0.6 <= item.high

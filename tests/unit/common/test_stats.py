@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from mechdiff.common.stats import paired_difference, pooled_proportion, proportion
+from mechdiff.common.inference import proportion
+from mechdiff.common.stats import paired_difference, pooled_proportion
 
 
 def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -22,7 +23,7 @@ def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
 def test_proportion_is_clopper_pearson(k, n):
     est = proportion([1.0] * k + [0.0] * (n - k))
     low, high = clopper_pearson(k, n)
-    assert est.value == k / n and est.n == n
+    assert est.value == k / n and est.n_rows == est.n_items == n
     # float64 on both sides (scipy's beta quantiles), not a float32 result
     assert est.low == pytest.approx(low, abs=1e-9) and est.high == pytest.approx(high, abs=1e-9)
 
@@ -33,7 +34,7 @@ def test_zero_successes_do_not_collapse():
 
 
 def test_proportion_refuses_non_binary_and_empty():
-    with pytest.raises(ValueError, match="0/1 outcomes"):
+    with pytest.raises(ValueError, match="0/1 outcome"):
         proportion([0.5, 1.0])
     with pytest.raises(ValueError, match="at least one"):
         proportion([])
@@ -56,7 +57,7 @@ def test_pooled_proportion_counts_the_spread_between_draws():
     and a bootstrap over prompts would give a point; resampling the draws shows the uncertainty."""
     draws = np.array([[1.0] * 50] * 6 + [[0.0] * 50] * 14)  # 6 of 20 random circuits work
     est = pooled_proportion(draws)
-    assert est.value == pytest.approx(0.3) and est.n == 50
+    assert est.value == pytest.approx(0.3) and est.n_rows == 50
     assert est.low < 0.15 and est.high > 0.45
     same = pooled_proportion(np.tile(np.r_[np.ones(15), np.zeros(35)], (20, 1)))
     assert same.value == pytest.approx(0.3) and (same.high - same.low) < (est.high - est.low)
@@ -64,7 +65,7 @@ def test_pooled_proportion_counts_the_spread_between_draws():
 
 def test_pooled_proportion_of_all_zeros_keeps_an_exact_upper_bound():
     zeros = pooled_proportion([[0.0] * 200] * 5)
-    assert (zeros.value, zeros.low, zeros.n) == (0.0, 0.0, 200)
+    assert (zeros.value, zeros.low, zeros.n_rows) == (0.0, 0.0, 200)
     assert zeros.high == pytest.approx(proportion([0.0] * 200).high) and 0.017 < zeros.high < 0.019
     ones = pooled_proportion([[1.0] * 40] * 3)
     assert ones.high == 1.0 and ones.low == pytest.approx(proportion([1.0] * 40).low) and ones.low < 0.92

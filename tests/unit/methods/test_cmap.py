@@ -18,9 +18,10 @@ from tolerances import tol32
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
 from mechdiff.common.components import Head, all_heads
+from mechdiff.common.inference import Interval
 from mechdiff.common.metrics import answer_is_top1, answer_prob
 from mechdiff.common.outcomes import from_bits
-from mechdiff.common.stats import Estimate, bootstrap, mean_estimate
+from mechdiff.common.stats import bootstrap, mean_estimate
 from mechdiff.methods.cmap import (
     CAPTION,
     CAPTION_UNISOLATED,
@@ -149,7 +150,7 @@ def test_parse_kinds_rejects_unknown():
 
 
 def test_grouped_bars_writes_png(tmp_path):
-    est = Estimate(0.5, 0.4, 0.6, 10)
+    est = Interval(0.5, 0.4, 0.6, 10, 10, "test")
     path = grouped_bars(tmp_path / "b.png", ["A", "B"], {"z": [est, None], "q": [est, est]}, references={"base": est})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob("*.tmp"))
@@ -421,7 +422,7 @@ def test_result_rows_recovered_shares_and_outcomes():
 
 
 def test_result_to_dict_is_its_json_form():
-    e = lambda v: Estimate(v, v - 0.1, v + 0.1, 4)  # noqa: E731
+    e = lambda v: Interval(v, v - 0.1, v + 0.1, 4, 4, "test")  # noqa: E731
     row = CMAPRow("A", "qk", e(0.5), e(0.25), 0.75)
     rnd = CMAPRow("random:A", "qk", e(0.3), e(0.2), -0.25)
     res = CMAPResult(
@@ -494,7 +495,7 @@ def _check_outcomes(res, want: dict) -> None:
             r.answer_prob for r in res.rows + res.random_rows if (r.scope, r.kind) == key
         )
         assert got.value == pytest.approx(float(np.mean(prob)), rel=1e-5), name
-        assert got.n == len(prob), name
+        assert got.n_rows == len(prob), name
 
 
 def test_run_cmap_against_full_patched_runs(tiny_llama, smollm2_tokenizer, monkeypatch, capsys):

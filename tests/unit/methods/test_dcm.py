@@ -20,8 +20,8 @@ import mechdiff.methods.dcm as dcm
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
 from mechdiff.common.components import Head, all_heads
+from mechdiff.common.inference import Interval, proportion
 from mechdiff.common.metrics import answer_is_top1, answer_logit
-from mechdiff.common.stats import Estimate, proportion
 from mechdiff.methods.dcm import (
     DCMConfig,
     DCMResult,
@@ -591,8 +591,8 @@ def test_dcm_splits_share_no_item(seed):
         split_indices(6, (0.6, 0.2, 0.2), seed, [0, 0, 0, 1, 1, 1])
 
 
-def _estimate(v: float) -> Estimate:
-    return Estimate(v, v - 0.1, v + 0.1, 10)
+def _estimate(v: float) -> Interval:
+    return Interval(v, v - 0.1, v + 0.1, 10, 10, "test")
 
 
 def test_result_and_semantic_records_field_by_field():
@@ -720,7 +720,7 @@ def test_run_dcm_reports_the_accuracies_of_what_it_selected(model, dcm_pairs):
     assert res.mask == [round(m, 4) for m in res.mask]
     assert res.test_accuracy.value == pytest.approx(target_accuracy(model, tested, res.selected, "last").mean())
     assert res.full_group.value == pytest.approx(target_accuracy(model, tested, HEADS, "last").mean())
-    assert res.test_accuracy.n == res.floor.n == res.full_group.n == len(test)
+    assert res.test_accuracy.n_rows == res.floor.n_rows == res.full_group.n_rows == len(test)
     unpatched = [_mean_target_logit_top1(model, p) for p in tested]
     assert res.floor.value == pytest.approx(np.mean(unpatched))
     rng = random.Random(config.seed + 1)

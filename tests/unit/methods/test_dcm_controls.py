@@ -89,7 +89,7 @@ def test_encodes_rests_on_the_paired_tests_of_the_dcm_models_semantic_row():
     """The paired exact test decides (in the family "what the heads encode", here of one test), not two separate
     intervals: 6 discordant pairs all one way (p = 0.031) is "encodes" where the intervals overlap; 4 (p = 0.125)
     is "not shown"."""
-    from mechdiff.common.stats import proportion
+    from mechdiff.common.inference import proportion
     from mechdiff.methods.dcm import SemanticResult
     from mechdiff.report.study_report import dcm_findings, dcm_tests
 

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mechdiff.common.inference import proportion
 from mechdiff.common.outcomes import outcome_record
-from mechdiff.common.stats import paired_difference, paired_ratio_difference, proportion
+from mechdiff.common.stats import paired_difference, paired_ratio_difference
 from mechdiff.report.paired import difference_sentence, outcome_stages, paired_rows
 
 

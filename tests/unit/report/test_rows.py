@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import mechdiff.studies.dcm as dcm_study
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.common.components import Head
-from mechdiff.common.stats import Estimate
+from mechdiff.common.inference import Interval
 from mechdiff.methods.cmap import CMAPResult, CMAPRow
 from mechdiff.methods.dcm import DCMConfig, DCMResult, SemanticResult
 from mechdiff.report.study_report import cmap_section, dcm_section
 from mechdiff.studies.cmap import write_outputs
 
 
-def _est(v: float, n: int = 10) -> Estimate:
-    return Estimate(v, max(v - 0.1, 0.0), min(v + 0.1, 1.0), n)
+def _est(v: float, n: int = 10) -> Interval:
+    return Interval(v, max(v - 0.1, 0.0), min(v + 0.1, 1.0), n, n, "test")
 
 
 class _Models:
