@@ -16,13 +16,14 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..common import inference as inf
 from ..common.io import write_text
 from ..common.outcomes import from_bits, read_outcomes
+from ..tasks.prompt_sets import set_items
 from .paired import CAPTION, family_row, paired_rows
 from .paired import FAMILY as DIFFERENCES
 from .tables import write_table
@@ -63,14 +64,19 @@ def length_class(n_tokens: int) -> str:
 
 
 def breakdown_rows(
-    stages: Mapping[str, Mapping[str, dict]], rows: list[dict], set_rows: list[int], models: list[str]
+    stages: Mapping[str, Mapping[str, dict]],
+    rows: list[dict],
+    set_rows: list[int],
+    models: list[str],
+    items: Sequence[Hashable],
 ) -> list[dict]:
     """Each model's eval accuracy (top-1) and two-way accuracy (the answer's summed log-probability above the
     counterfactual answer's, where the logit difference was kept) by template and by answer length, each with its
-    interval over items and the chance level it is read against (top-1: one over the distinct answers the slice
-    holds; two-way: 0.5); ``near chance`` where the interval reaches chance."""
+    interval over the set's items (``items``, aligned with ``set_rows``) and the chance level it is read against
+    (top-1: one over the distinct answers the slice holds; two-way: 0.5); ``near chance`` where the interval reaches
+    chance."""
     base = [rows[r]["base"] for r in set_rows]
-    items = np.array([b["prompt"] for b in base])
+    items = np.asarray(items)
     slices = {
         f"template {t}": np.array([b.get("template") == t for b in base])
         for t in sorted({b.get("template") for b in base})
@@ -98,14 +104,15 @@ def breakdown_rows(
     return out
 
 
-def items_by_set(manifest: Mapping[str, Any], rows: list[dict]) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
-    """Each prompt set's items (its rows' clean prompts) and rows, from ``run.json``'s row lists and the task's
-    rows (:func:`task_rows`); empty for a generated task (one prompt an item). ``run.json`` files written since
-    items exist also keep item ids (:func:`mechdiff.tasks.prompt_sets.set_items`); this reads older ones too."""
-    sets = (manifest.get("prompt_sets") or {}).get("rows")
+def items_by_set(manifest: Mapping[str, Any], rows: list[dict]) -> tuple[dict[str, list], dict[str, list[int]]]:
+    """Each prompt set's items (:func:`~mechdiff.tasks.prompt_sets.set_items`: the recorded item ids, or in an older
+    ``run.json`` its rows' clean prompts) and rows, from ``run.json``'s row lists and the task's rows
+    (:func:`task_rows`); empty for a generated task (one prompt an item)."""
+    record = manifest.get("prompt_sets") or {}
+    sets = record.get("rows")
     if not sets or not rows:
         return {}, {}
-    return {name: [rows[r]["base"]["prompt"] for r in set_rows] for name, set_rows in sets.items()}, sets
+    return {name: set_items(record, name, rows).tolist() for name in sets}, sets
 
 
 def items_sentence(items: Mapping[str, list[str]], rows: Mapping[str, list[int]]) -> str:
@@ -174,7 +181,7 @@ def restate(run_dir: str | Path, root: str | Path = ".") -> Path:
     write_table(family_rows, run_dir / "tables" / "families", caption=FAMILIES_CAPTION)
     breakdown = []
     if rows_of.get("eval"):
-        breakdown = breakdown_rows(stages, rows, rows_of["eval"], [base, *finetunes])
+        breakdown = breakdown_rows(stages, rows, rows_of["eval"], [base, *finetunes], items["eval"])
         write_table(breakdown, run_dir / "tables" / "breakdown", caption=BREAKDOWN_CAPTION)
     path = run_dir / "inference.md"
     write_text(path, _page(run_dir, items_sentence(items, rows_of), paired, encodes, breakdown))

@@ -85,15 +85,20 @@ def items_of(records: Sequence[Any], keys: Optional[Sequence[Hashable]] = None) 
     return np.asarray(item_ids(list(keys) if keys is not None else [clean_key(r) for r in records]), dtype=np.int64)
 
 
-def set_items(record: Mapping[str, Any], name: str) -> "np.ndarray":
-    """The item ids of the prompt set ``name`` from ``run.json``'s ``prompt_sets`` record (``item_ids``), aligned
-    with that set's rows as its stages scored them; ids are the study's (one item, one id across sets)."""
+def set_items(record: Mapping[str, Any], name: str, rows: Optional[Sequence[Mapping[str, Any]]] = None) -> "np.ndarray":
+    """The items of the prompt set ``name`` from ``run.json``'s ``prompt_sets`` record, aligned with that set's rows
+    as its stages scored them: its ``item_ids`` (the study's ids: one item, one id across sets); where the record
+    keeps none (a ``run.json`` written before items were recorded) but lists the set's rows of an imported task,
+    each row's clean prompt (the default item) from ``rows``, the task's ``pairs.jsonl`` rows."""
     import numpy as np
 
     ids = record.get("item_ids") or {}
-    if name not in ids:
-        raise KeyError(f"no item ids for prompt set {name!r} in the record; it lists {', '.join(ids) or 'none'}")
-    return np.asarray(ids[name], dtype=np.int64)
+    if name in ids:
+        return np.asarray(ids[name], dtype=np.int64)
+    listed = (record.get("rows") or {}).get(name)
+    if listed is not None and rows:
+        return np.asarray([rows[r]["base"]["prompt"] for r in listed])
+    raise KeyError(f"no item ids for prompt set {name!r} in the record; it lists {', '.join(ids) or 'none'}")
 
 
 def _item_order(strata: Sequence[Hashable], items: Sequence[Hashable], seed: int) -> dict[Hashable, list[int]]:

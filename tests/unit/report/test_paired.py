@@ -173,6 +173,7 @@ def test_a_circuit_is_also_compared_on_the_prompts_both_models_answer():
 
 def test_breakdown_by_template_and_answer_length_against_direct_means():
     from mechdiff.report.families import breakdown_rows
+    from mechdiff.tasks.prompt_sets import set_items
 
     rows = []
     for i in range(40):
@@ -182,7 +183,8 @@ def test_breakdown_by_template_and_answer_length_against_direct_means():
     correct = np.array([i % 3 != 0 for i in range(40)], dtype=float)
     ld = np.where(np.arange(40) < 20, 1.0, -1.0)
     stages = {"accuracy": {"m": {**outcome_record(correct), "logit_diff": list(ld)}}}
-    out = breakdown_rows(stages, rows, list(range(40)), ["m"])
+    items = set_items({"rows": {"eval": list(range(40))}}, "eval", rows)  # no item ids kept: the clean prompts
+    out = breakdown_rows(stages, rows, list(range(40)), ["m"], items)
     by = {(r["slice"], r["measure"]): r for r in out}
     a = np.array([i % 2 == 0 for i in range(40)])
     assert by[("template a", "top-1")]["accuracy"] == correct[a].mean()

@@ -170,6 +170,17 @@ def test_items_of_numbers_items_by_first_row():
         set_items({"item_ids": {"eval": [0]}}, "cmap")
 
 
+def test_set_items_reads_recorded_ids_first_then_an_older_record_s_clean_prompts():
+    from mechdiff.tasks.prompt_sets import set_items
+
+    rows = [{"base": {"prompt": p}} for p in ("x", "y", "x", "z")]
+    old = {"rows": {"eval": [2, 0, 3]}}  # a run.json from before item ids: the listed rows' clean prompts
+    assert set_items(old, "eval", rows).tolist() == ["x", "x", "z"]
+    assert set_items({**old, "item_ids": {"eval": [5, 5, 6]}}, "eval", rows).tolist() == [5, 5, 6]
+    with pytest.raises(KeyError, match="no item ids for prompt set 'eval'"):
+        set_items(old, "eval")  # no task rows to read the prompts from
+
+
 def _repeating_task(pool: int):
     """A generated task whose prompts are two tokens, each of ``pool`` values: prompts repeat across seeds."""
     import random
