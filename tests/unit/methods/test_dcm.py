@@ -43,8 +43,7 @@ from mechdiff.methods.dcm import (
 from mechdiff.patching.core import Patch, head_patch, run
 from mechdiff.tasks.base import group_batches, record_order, take
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors, write_jsonl
-
-PLANTED = Head(2, 1)
+from unit.methods.planted import CANDIDATES, PLANTED, mixed_pairs, planted_case
 
 
 @pytest.fixture(scope="module")
@@ -144,35 +143,11 @@ def planted(smollm2_tokenizer, pairs):
     return planted_case(smollm2_tokenizer, pairs)
 
 
-def planted_case(tokenizer, pairs):
-    """A tiny llama whose head ``PLANTED`` dominates the last layer, and pairs whose target is the
-    answer the model gives when exactly that head's z at ``last`` comes from the source."""
-    model = make_tiny("llama", tokenizer, seed=3)
-    o_proj = model.arch.module(model.model, "z", PLANTED.layer)
-    d = model.shape.d_head
-    o_proj.weight[:, PLANTED.head * d : (PLANTED.head + 1) * d] *= 40
-    patched = []
-    for chunk in range(0, len(pairs), 16):
-        part = pairs[chunk : chunk + 16]
-        batch = pair_batch_tensors(part)
-        values = source_z(model, batch, [PLANTED.layer], "last")
-        patches = masked_z_patches(model, [PLANTED], torch.zeros(1), values, batch["base"]["positions"]["last"])
-        with torch.no_grad():
-            new = run(model, batch["base"]["input_ids"], patches).logits.argmax(-1)
-            old = run(model, batch["base"]["input_ids"]).logits.argmax(-1)
-        patched += [
-            dataclasses.replace(p, target_id=int(t), kind="planted")
-            for p, t, o in zip(part, new.tolist(), old.tolist())
-            if t != o
-        ]
-    return model, patched
-
-
 @pytest.mark.parametrize("parameterisation", ["continuous", "hard_concrete"])
 def test_dcm_finds_planted_head(planted, parameterisation):
     model, planted = planted
     assert len(planted) >= 30, len(planted)
-    candidates = [Head(2, h) for h in range(4)] + [Head(1, 0), Head(1, 2)]
+    candidates = CANDIDATES
     config = DCMConfig(parameterisation=parameterisation, epochs=3, batch_size=8, eval_every=3, n_random=2, seed=0)
     res = run_dcm(model, candidates, "last", planted, config, desideratum="planted", progress=False)
     assert PLANTED in res.selected
@@ -234,9 +209,7 @@ class _OneBatch:
 @pytest.fixture(scope="module")
 def planted_mixed(smollm2_tokenizer):
     """:func:`planted_case` on pairs of two token lengths (3 and 4 boxes)."""
-    mixed = object_value_pairs(smollm2_tokenizer, 48, n_boxes=3, seed=0)
-    mixed += object_value_pairs(smollm2_tokenizer, 32, n_boxes=4, seed=1)
-    return planted_case(smollm2_tokenizer, mixed)
+    return planted_case(smollm2_tokenizer, mixed_pairs(smollm2_tokenizer))
 
 
 @pytest.mark.parametrize("parameterisation", ["continuous", "hard_concrete"])
@@ -246,7 +219,7 @@ def test_streamed_dcm_equals_dcm_on_pairs_run_in_one_batch(planted_mixed, parame
     accuracies; pairs of two lengths."""
     model, pairs = planted_mixed
     assert {len(p.base.input_ids) for p in pairs} == {25, 32} and len(pairs) >= 30
-    candidates = [Head(2, h) for h in range(4)] + [Head(1, 0), Head(1, 2)]
+    candidates = CANDIDATES
     config = DCMConfig(parameterisation, epochs=3, batch_size=8, micro_batch=4, eval_batch=5, eval_every=2, n_random=2)
     cache = PairCache.build(model, pairs, [(candidates, "last"), (random_pool(model, candidates, config), "last")], 5)
     reference = _OneBatch(model, pairs)

@@ -16,7 +16,7 @@ from mechdiff.methods.dcm import DCMConfig, random_heads, run_dcm, semantic_patc
 from mechdiff.report.paired import outcome_stages
 from mechdiff.report.rows import semantic_rows
 from mechdiff.tasks.entity_tracking import object_value_pairs
-from unit.methods.test_dcm import PLANTED, planted_case
+from unit.methods.planted import PLANTED, planted_case
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,11 @@ each holds what it says."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny
 from tolerances import TINY_FORWARD, assert_close32
 
 import mechdiff.methods.dcm as dcm
@@ -28,33 +26,13 @@ from mechdiff.methods.dcm import (
 )
 from mechdiff.patching.core import run
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors
-
-PLANTED = Head(2, 1)
-CANDIDATES = [Head(2, h) for h in range(4)] + [Head(1, 0), Head(1, 2)]
+from unit.methods.planted import CANDIDATES, PLANTED, mixed_pairs, planted_case
 
 
 @pytest.fixture(scope="module")
 def planted(smollm2_tokenizer):
-    """A tiny llama whose head ``PLANTED`` dominates the last layer, and pairs of two token lengths whose target is
-    what the model says when exactly that head's z at ``last`` comes from the source."""
-    pairs = object_value_pairs(smollm2_tokenizer, 48, n_boxes=3, seed=0)
-    pairs += object_value_pairs(smollm2_tokenizer, 32, n_boxes=4, seed=1)
-    model = make_tiny("llama", smollm2_tokenizer, seed=3)
-    o_proj = model.arch.module(model.model, "z", PLANTED.layer)
-    d = model.shape.d_head
-    with torch.no_grad():
-        o_proj.weight[:, PLANTED.head * d : (PLANTED.head + 1) * d] *= 40
-    out = []
-    for chunk in range(0, len(pairs), 16):
-        part = pairs[chunk : chunk + 16]
-        batch = pair_batch_tensors(part)
-        values = source_z(model, batch, [PLANTED.layer], "last")
-        patches = masked_z_patches(model, [PLANTED], torch.zeros(1), values, batch["base"]["positions"]["last"])
-        with torch.no_grad():
-            new = run(model, batch["base"]["input_ids"], patches).logits.argmax(-1)
-            old = run(model, batch["base"]["input_ids"]).logits.argmax(-1)
-        out += [dataclasses.replace(p, target_id=int(t)) for p, t, o in zip(part, new.tolist(), old.tolist()) if t != o]
-    return model, out
+    """:func:`~unit.methods.planted.planted_case` on pairs of two token lengths."""
+    return planted_case(smollm2_tokenizer, mixed_pairs(smollm2_tokenizer))
 
 
 def _build(model, pairs, config, mode):
