@@ -23,7 +23,7 @@ import numpy as np
 from ..common import inference as inf
 from ..common.io import write_text
 from ..common.outcomes import from_bits, read_outcomes
-from .paired import CAPTION, family_row, paired_rows
+from .paired import CAPTION, paired_family_rows, paired_rows
 from .paired import FAMILY as DIFFERENCES
 from .tables import write_table
 
@@ -34,8 +34,9 @@ BREAKDOWN_CAPTION = (
     "each with its interval over items and the chance level it is read against"
 )
 FAMILIES_CAPTION = (
-    "Every test of the study by family: estimate and 95% interval, p, Holm's adjusted p within the family, "
-    "whether the claim is shown, the test, rows and items (docs/inference.md)"
+    "Every test of the study by family: estimate and 95% interval (sameness between the models: the 90% interval "
+    "its two one-sided tests read, and its margin), p, Holm's adjusted p within the family, whether the claim is "
+    "shown, the test, rows and items (docs/inference.md)"
 )
 
 
@@ -155,29 +156,50 @@ def encodes_family(semantic: list[Mapping[str, Any]], n_pairs: Mapping[str, int]
     return fam
 
 
-def restate(run_dir: str | Path, root: str | Path = ".") -> Path:
-    """Write a circuits study's families of tests from its committed files; returns ``inference.md``."""
+def margins_used(manifest: Mapping[str, Any], margins: Optional[Mapping[str, float]] = None) -> tuple[dict, str]:
+    """The equivalence margins a restatement tests sameness against, and where they come from: ``margins`` (a task
+    file's ``[inference] margins``) where given, else those ``run.json`` records (runs since the setting), else the
+    defaults (:data:`mechdiff.common.inference.MARGINS`)."""
+    if margins is not None:
+        return inf.margins_of(margins), "the task file's [inference] margins"
+    recorded = ((manifest.get("spec") or {}).get("inference") or {}).get("margins")
+    if recorded is not None:
+        return inf.margins_of(recorded), "the [inference] margins run.json records"
+    return inf.margins_of(), "the default margins"
+
+
+def margins_sentence(margins: Mapping[str, float], source: str) -> str:
+    """The margins in words, with where they come from."""
+    listed = ", ".join(f"{m} +-{v:g}" for m, v in margins.items())
+    return f'"Same" is tested against {source}: {listed}.'
+
+
+def restate(run_dir: str | Path, root: str | Path = ".", margins: Optional[Mapping[str, float]] = None) -> Path:
+    """Write a circuits study's families of tests from its committed files; returns ``inference.md``. ``margins``:
+    the equivalence margins (a task file's ``[inference] margins``; None: :func:`margins_used`)."""
     run_dir, root = Path(run_dir), Path(root)
     manifest = _manifest(run_dir)
+    margins, source = margins_used(manifest, margins)
     stages = read_outcomes(run_dir)
     models = manifest["spec"]["models"]
     base, finetunes = models["base"], list(models["finetunes"])
     rows = task_rows(manifest, root)
     items, rows_of = items_by_set(manifest, rows)
     by_stage = {"accuracy": items.get("eval"), "matrix": items.get("matrix")} if items else None
-    paired = paired_rows(stages, base, finetunes, by_stage)
+    paired = paired_rows(stages, base, finetunes, by_stage, margins)
     write_table(paired, run_dir / "tables" / "paired_differences", caption=CAPTION)
     semantic = _semantic_table(run_dir)
     n_pairs = {label: len(rec["correct"]) for label, rec in stages.get("semantic", {}).items()}
     encodes = encodes_family(semantic, n_pairs)
-    family_rows = [family_row(r) for r in paired] + encodes.rows()
+    family_rows = paired_family_rows(paired) + encodes.rows()
     write_table(family_rows, run_dir / "tables" / "families", caption=FAMILIES_CAPTION)
     breakdown = []
     if rows_of.get("eval"):
         breakdown = breakdown_rows(stages, rows, rows_of["eval"], [base, *finetunes])
         write_table(breakdown, run_dir / "tables" / "breakdown", caption=BREAKDOWN_CAPTION)
     path = run_dir / "inference.md"
-    write_text(path, _page(run_dir, items_sentence(items, rows_of), paired, encodes, breakdown))
+    intro = f"{items_sentence(items, rows_of)}\n\n{margins_sentence(margins, source)}"
+    write_text(path, _page(run_dir, intro, paired, encodes, breakdown))
     _mark_report(run_dir / "report.md")
     return path
 

@@ -25,7 +25,7 @@ from .claims import CONTROLS, cmap_family, controls_family, encodes, encodes_fam
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
 from .page_kit import stage_rows as stage_table
-from .paired import difference_sentence, family_row
+from .paired import difference_sentence, paired_family_rows
 from .rows import (
     circuit_x_model_rows,
     cmap_caption,
@@ -856,19 +856,22 @@ def paired_section(study: "Study", accuracy: dict, matrix: dict, dcm: "StageReco
             [],
         )
     write_outcomes(study.dir, stages)
-    rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes, _items(study, stages))
+    margins = study.spec.inference.margins  # the task file's [inference] margins: report-only
+    rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes, _items(study, stages), margins)
     return study_table(study, rows, "paired_differences", CAPTION), rows
 
 
 def families_section(study: "Study", paired: list[dict], gain: dict, encoded: dict, controls: dict) -> str:
     """Every test a findings sentence reads, by family, with its adjusted p (docs/inference.md)."""
-    rows = [family_row(r) for r in paired] + family_rows(gain, encoded, controls)
+    rows = paired_family_rows(paired) + family_rows(gain, encoded, controls)
     if not rows:
         return "_No test: no per-prompt outcomes in these stage records._\n"
     caption = (
-        "Every claim of the findings as a test in its family (differences between the models; circuit against "
-        "controls; which parts carry the gain; what the heads encode): estimate and 95% interval, p, Holm's "
-        "adjusted p within the family, whether it is shown, the test, rows and items (docs/inference.md)"
+        "Every claim of the findings as a test in its family (differences between the models; sameness between "
+        "the models; circuit against controls; which parts carry the gain; what the heads encode): estimate and "
+        "95% interval (sameness: the 90% interval its two one-sided tests read, and its margin, from the task "
+        "file's [inference] margins), p, Holm's adjusted p within the family, whether it is shown, the test, rows "
+        "and items (docs/inference.md)"
     )
     return study_table(study, rows, "families", caption)
 
@@ -1030,7 +1033,10 @@ def write_report(
         "prompts for ratios and probabilities; a difference on the same prompts is a paired test (exact McNemar "
         "for 0/1 outcomes, the sign-flip test otherwise) with the interval that agrees with it. Every ordering, "
         "difference and 'encodes' below is a test in a named family, Holm-adjusted (table: Families of claims; "
-        "docs/inference.md); 'same' is written only where an equivalence test against its margin passes.\n",
+        "docs/inference.md); 'same' is written only where an equivalence test against its margin passes (the "
+        "task file's [inference] margins: "
+        + ", ".join(f"{m} +-{v:g}" for m, v in spec.inference.margins.items())
+        + ").\n",
         "## Findings\n",
         circuit_findings(study, positions, mat_rows, controls),
         *[f"- **{name}**: {why}." for name, why in without_behaviour.items()],

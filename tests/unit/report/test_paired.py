@@ -92,7 +92,7 @@ def test_a_sentence_states_a_difference_only_where_its_adjusted_test_rejects():
     row.update(p_holm=0.2, shown=False, same_within_margin=False, margin=0.05, p_tost=0.4)
     assert "not shown after Holm's adjustment in its family (p = 0.01, Holm p = 0.2" in difference_sentence(row)
     row.update(difference_low=-0.01, p=0.3, p_holm=0.6)
-    assert "not shown to differ; the interval allows up to 0.080" in difference_sentence(row)
+    assert "not shown to differ nor the same within +-0.05; the interval allows up to 0.080" in difference_sentence(row)
     row.update(same_within_margin=True, p_tost=0.01)
     assert "the same within +-0.05 (equivalence Holm p = 0.01" in difference_sentence(row)
     row.update(difference=-0.05, difference_low=-0.08, difference_high=-0.02, shown=True, p_holm=0.001)
