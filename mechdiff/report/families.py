@@ -22,17 +22,21 @@ import numpy as np
 
 from ..common import inference as inf
 from ..common.io import write_text
-from ..common.outcomes import from_bits, read_outcomes
+from ..common.outcomes import from_bits, read_first_and_rest, read_outcomes
 from .paired import CAPTION, paired_family_rows, paired_rows
 from .paired import FAMILY as DIFFERENCES
 from .tables import write_table
 
 ENCODES = "what the heads encode"
 BREAKDOWN_CAPTION = (
-    "Eval accuracy by template and by answer length: top-1 (the answer's first token ranked first; several-token "
-    "answers teacher-forced) and two-way (the answer's summed log-probability above the counterfactual answer's), "
-    "each with its interval over items and the chance level it is read against"
+    "Eval accuracy by template and by answer length: top-1 (greedy decoding gives the whole answer: each of its "
+    "tokens the top-1, teacher forced) and two-way (the answer's summed log-probability above the counterfactual "
+    "answer's); on answers of several tokens, where the eval stage kept them, top-1 split by first token against "
+    "the rest: `first token` (the first answer token the top-1 after the prompt; chance: one over the slice's "
+    "distinct first tokens) and `rest given the first` (every later token the top-1 given the answer's tokens "
+    "before it; no chance level); each with its interval over items and the chance level it is read against"
 )
+FIRST, REST = "first token", "rest given the first"
 FAMILIES_CAPTION = (
     "Every test of the study by family: estimate and 95% interval (sameness between the models: the 90% interval "
     "its two one-sided tests read, and its margin), p, Holm's adjusted p within the family, whether the claim is "
@@ -69,7 +73,11 @@ def breakdown_rows(
     """Each model's eval accuracy (top-1) and two-way accuracy (the answer's summed log-probability above the
     counterfactual answer's, where the logit difference was kept) by template and by answer length, each with its
     interval over items and the chance level it is read against (top-1: one over the distinct answers the slice
-    holds; two-way: 0.5); ``near chance`` where the interval reaches chance."""
+    holds; two-way: 0.5); ``near chance`` where the interval reaches chance. On each slice of answers of several
+    tokens, where the record keeps them (:func:`~mechdiff.common.outcomes.read_first_and_rest`), top-1 split by
+    first token against the rest (:data:`FIRST`: the first answer token the top-1, chance one over the slice's
+    distinct first tokens; :data:`REST`: every later token the top-1 given those before it, teacher forced, no
+    chance level): which token a whole-answer failure is at."""
     base = [rows[r]["base"] for r in set_rows]
     items = np.array([b["prompt"] for b in base])
     slices = {
@@ -78,6 +86,7 @@ def breakdown_rows(
     }
     lengths = np.array([length_class(len(b.get("answer_tokens") or [b["answer_id"]])) for b in base])
     slices.update({f"answer of {c} token{'s' if c != '1' else ''}": lengths == c for c in sorted(set(lengths))})
+    several = {f"answer of {c} tokens" for c in set(lengths) if c != "1"}
     out = []
     for model in models:
         rec = stages.get("accuracy", {}).get(model)
@@ -85,16 +94,21 @@ def breakdown_rows(
             continue
         correct = from_bits(rec["correct"])
         two_way = (np.asarray(rec["logit_diff"], dtype=float) > 0).astype(float) if "logit_diff" in rec else None
+        first, rest = read_first_and_rest(rec)
         for name, mask in slices.items():
             answers = {b["answer"] for b, m in zip(base, mask) if m}
-            for measure, values, chance in (("top-1", correct, 1 / len(answers)), ("two-way", two_way, 0.5)):
+            measures = [("top-1", correct, 1 / len(answers)), ("two-way", two_way, 0.5)]
+            if name in several:
+                firsts = {(b.get("answer_tokens") or [b["answer_id"]])[0] for b, m in zip(base, mask) if m}
+                measures += [(FIRST, first, 1 / len(firsts)), (REST, rest, None)]
+            for measure, values, chance in measures:
                 if values is None or not mask.any():
                     continue
                 iv = inf.proportion(values[mask], items[mask])
+                near = None if chance is None else bool(iv.low <= chance)
                 out.append(
                     {"model": model, "slice": name, "measure": measure, "accuracy": iv.value, "low": iv.low,
-                     "high": iv.high, "chance": chance, "near_chance": bool(iv.low <= chance),
-                     "rows": iv.n_rows, "items": iv.n_items}
+                     "high": iv.high, "chance": chance, "near_chance": near, "rows": iv.n_rows, "items": iv.n_items}
                 )  # fmt: skip
     return out
 
@@ -292,7 +306,23 @@ def _breakdown_lines(breakdown: list[dict]) -> list[str]:
         + ". Lowest top-1 slices: "
         + "; ".join(f"{fmt(r)} ({r['rows']} rows, {r['items']} items)" for r in worst)
         + ".",
+        *_first_and_rest_lines(breakdown, fmt),
     ]
+
+
+def _first_and_rest_lines(breakdown: list[dict], fmt: Any) -> list[str]:
+    """The answers of several tokens by first token against the rest, or why the outcomes cannot say."""
+    split = [r for r in breakdown if r["measure"] in (FIRST, REST)]
+    if split:
+        return ["", "By first token against the rest (answers of several tokens): " + "; ".join(map(fmt, split)) + "."]
+    if any(r["slice"].endswith(" tokens") for r in breakdown):
+        return [
+            "",
+            "By first token against the rest: not in these outcomes (the eval stage keeps the split, `first` and "
+            "`rest` in `outcomes.json`, in records made since #49 item 12; its key did not change, so a cached "
+            "accuracy stage record must be removed to recompute it).",
+        ]
+    return []
 
 
 def families_of(run_dir: str | Path) -> Optional[list[dict]]:
