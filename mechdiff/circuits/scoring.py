@@ -563,8 +563,13 @@ def _random_control(
 
 def _rows(result: EvalResult, rows: Sequence[int]) -> EvalResult:
     """``result`` on the prompts ``rows`` only."""
-    diffs = None if result.logit_diff is None else result.logit_diff[rows]
-    return EvalResult(result.correct[rows], result.prob[rows], diffs)
+
+    def cut(a: Optional[np.ndarray]) -> Optional[np.ndarray]:
+        return None if a is None else a[rows]
+
+    return EvalResult(
+        result.correct[rows], result.prob[rows], cut(result.logit_diff), cut(result.first), cut(result.rest)
+    )
 
 
 def _random_figures(draws: Sequence[EvalResult], full: EvalResult, metric: str, items, seed: int) -> dict:

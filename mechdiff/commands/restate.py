@@ -16,6 +16,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run_dir", help="a circuits or trajectory study's results directory (e.g. results/capitals-smollm2)")
     p.add_argument("--root", default=".", help="the project root its task directories are under (default: .)")
+    p.add_argument(
+        "--task-file",
+        default=None,
+        help="a task file whose [inference] margins state sameness (default: those run.json records, else the "
+        "defaults: docs/inference.md)",
+    )
     p.set_defaults(func=main)
 
 
@@ -30,6 +36,11 @@ def main(args: argparse.Namespace) -> int:
     if not manifest.exists():
         raise ValueError(f"{args.run_dir}: no run.json; give a study's results directory")
     kind = json.loads(manifest.read_text(encoding="utf-8")).get("kind")
-    path = restate_formation(args.run_dir) if kind == "trajectory" else restate(args.run_dir, args.root)
+    margins = None
+    if args.task_file is not None:
+        from ..studies.spec import load_spec
+
+        margins = load_spec(args.task_file).inference.margins  # checked before anything is read or written
+    path = restate_formation(args.run_dir) if kind == "trajectory" else restate(args.run_dir, args.root, margins)
     print(f"restated: {path}")
     return 0

@@ -374,6 +374,27 @@ class Equivalence:
         return self.p <= ALPHA
 
 
+MARGINS: dict[str, float] = {"accuracy": 0.05, "probability": 0.05, "faithfulness": 0.05, "logit difference": 0.5}
+"""The default equivalence margin of each kind of measure, the one definition; a task file's ``[inference]
+margins`` sets others (:func:`margins_of`), read by the report and ``mechdiff restate``, never by a stage key."""
+
+
+def margins_of(given: Optional[Mapping[str, Any]] = None) -> dict[str, float]:
+    """The equivalence margins: :data:`MARGINS` with ``given`` (measure -> margin, ``_`` read as a space:
+    ``logit_difference``) over them; an unknown measure or a margin that is not a number above 0 is refused, naming
+    the measures."""
+    out = dict(MARGINS)
+    for name, value in (given or {}).items():
+        measure = str(name).replace("_", " ")
+        if measure not in MARGINS:
+            known = ", ".join(m.replace(" ", "_") for m in MARGINS)
+            raise ValueError(f"unknown measure {name!r} in margins; the measures are {known}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"margins: {name} = {value!r}; give a number above 0 (the default is {MARGINS[measure]})")
+        out[measure] = float(value)
+    return out
+
+
 def equivalence(
     a: Sequence[float], b: Sequence[float], margin: float, items: Optional[Sequence] = None, claim: str = ""
 ) -> Equivalence:

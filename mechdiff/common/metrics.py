@@ -132,6 +132,16 @@ def sequence_is_greedy(logits: torch.Tensor, tokens: torch.Tensor, lengths: torc
     return hit.all(-1)
 
 
+def first_and_rest(
+    logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool ``"batch"`` each, from teacher-forced ``logits`` ``"batch a vocab"``: the answer's first token is the
+    top-1 after the prompt, and every later token is the top-1 given the answer's tokens before it (true for a
+    one-token answer, which has none). :func:`sequence_is_greedy` is the two together."""
+    hit = (logits.argmax(-1) == _ids(logits, tokens)) | ~_real(tokens, lengths, logits.device)
+    return hit[:, 0], hit[:, 1:].all(-1)
+
+
 def task_metric(
     logits: torch.Tensor, answer_ids: torch.Tensor, metric: str = "prob", alternative_ids: Optional[torch.Tensor] = None
 ) -> torch.Tensor:

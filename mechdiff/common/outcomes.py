@@ -55,6 +55,15 @@ def read_record(record: Mapping[str, Any]) -> tuple[np.ndarray, Optional[np.ndar
     return from_bits(record["correct"]), (np.asarray(prob, dtype=float) if prob is not None else None)
 
 
+def read_first_and_rest(record: Mapping[str, Any]) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """The 0/1 ``(first, rest)`` arrays of a record of answers of several tokens (the first answer token the top-1;
+    every later one the top-1 given those before it, teacher forced); ``(None, None)`` where the record kept none
+    (answers of one token, or a record made before the split was kept)."""
+    if "first" not in record or "rest" not in record:
+        return None, None
+    return from_bits(record["first"]), from_bits(record["rest"])
+
+
 def write_outcomes(run_dir: str | Path, stages: Mapping[str, Mapping[str, dict]]) -> Path:
     """``outcomes.json`` of a study: every stage's compact records by label, a line a stage (written atomically)."""
     path = Path(run_dir) / OUTCOMES_FILE

@@ -10,8 +10,15 @@ import numpy as np
 import torch
 
 from ..common.inference import Interval, proportion
-from ..common.metrics import answer_is_top1, answer_prob, logit_diff, sequence_is_greedy, sequence_logprob
-from ..common.outcomes import outcome_record, rounded
+from ..common.metrics import (
+    answer_is_top1,
+    answer_prob,
+    first_and_rest,
+    logit_diff,
+    sequence_is_greedy,
+    sequence_logprob,
+)
+from ..common.outcomes import bits, outcome_record, rounded
 from ..common.progress import progress_bar
 from ..common.stats import bootstrap
 from ..models.loading import LoadedModel
@@ -40,6 +47,11 @@ class EvalResult:
     correct: np.ndarray  # bool [n]
     prob: np.ndarray  # probability of the answer token [n]
     logit_diff: Optional[np.ndarray] = None  # answer logit - mean alternative logit [n], where records have them
+    # where some answer has several tokens (else None): the first answer token is the top-1 after the prompt, and
+    # every later one the top-1 given the answer's tokens before it (teacher forced; true for one-token answers);
+    # ``correct`` is the two together
+    first: Optional[np.ndarray] = None  # bool [n]
+    rest: Optional[np.ndarray] = None  # bool [n]
 
     @property
     def accuracy(self) -> Interval:
@@ -48,9 +60,8 @@ class EvalResult:
     def by_answer_length(self, records: Sequence[Record], metric: str = "prob") -> list[dict]:
         """:func:`by_answer_length` of these outcomes on their ``records``, with the task's ``metric``."""
         diff = metric == "logit_diff" and self.logit_diff is not None
-        return by_answer_length(
-            records, self.correct, self.logit_diff if diff else self.prob, "logit_diff" if diff else "answer_prob"
-        )
+        values, column = (self.logit_diff, "logit_diff") if diff else (self.prob, "answer_prob")
+        return by_answer_length(records, self.correct, values, column, self.first, self.rest)
 
     @property
     def answer_prob(self) -> Interval:
@@ -76,6 +87,8 @@ class EvalResult:
         out = outcome_record(self.correct, self.prob)
         if self.logit_diff is not None:
             out["logit_diff"] = rounded(self.logit_diff)
+        if self.first is not None and self.rest is not None:
+            out["first"], out["rest"] = bits(self.first), bits(self.rest)
         return out
 
 
@@ -94,11 +107,19 @@ def length_bins(records: Sequence[Record]) -> np.ndarray:
 
 
 def by_answer_length(
-    records: Sequence[Record], correct: np.ndarray, values: Optional[np.ndarray] = None, column: str = "answer_prob"
+    records: Sequence[Record],
+    correct: np.ndarray,
+    values: Optional[np.ndarray] = None,
+    column: str = "answer_prob",
+    first: Optional[np.ndarray] = None,
+    rest: Optional[np.ndarray] = None,
 ) -> list[dict]:
     """Accuracy (exact binomial) and the mean of the continuous per-prompt ``values`` (the task's metric, as
     ``column``; bootstrap) per answer length (:data:`LENGTH_BINS`, the answer's own tokens) of ``records``, in their
-    order; empty where every answer has one length (nothing to split)."""
+    order; empty where every answer has one length (nothing to split). With ``first`` and ``rest``
+    (:class:`EvalResult`'s), accuracy split by first token against the rest: ``first_token``, the first answer
+    token the top-1 after the prompt, and ``rest``, every later token the top-1 given the answer's tokens before it
+    (teacher forced; None for one-token answers, which have no rest)."""
     lengths = length_bins(records)
     if len(lengths) != len(correct):
         raise ValueError(f"{len(records)} records but {len(correct)} outcomes")
@@ -107,9 +128,13 @@ def by_answer_length(
         return []
     rows = []
     for b in present:
-        row = {"answer_tokens": b, "n": int((lengths == b).sum()), "accuracy": proportion(correct[lengths == b])}
+        at = lengths == b
+        row = {"answer_tokens": b, "n": int(at.sum()), "accuracy": proportion(correct[at])}
         if values is not None:
-            row[column] = bootstrap(np.asarray(values)[lengths == b])
+            row[column] = bootstrap(np.asarray(values)[at])
+        if first is not None and rest is not None:
+            row["first_token"] = proportion(np.asarray(first, dtype=float)[at])
+            row["rest"] = None if b == LENGTH_BINS[0] else proportion(np.asarray(rest, dtype=float)[at])
         rows.append(row)
     return rows
 
@@ -168,15 +193,30 @@ def evaluate(
 
         results = keep(_eval_batches(records, batch_size, forward, answers, targets, desc, bar))
     order = record_order([rows for rows, _ in results])
-    diffs = [d for _, (_, _, d) in results]
+    diffs = [o[2] for _, o in results]
+    first, rest = _first_and_rest([o for _, o in results])
     return EvalResult(
-        np.concatenate([c for _, (c, _, _) in results])[order],
-        np.concatenate([p for _, (_, p, _) in results])[order],
+        np.concatenate([o[0] for _, o in results])[order],
+        np.concatenate([o[1] for _, o in results])[order],
         None if any(d is None for d in diffs) else np.concatenate(diffs)[order],
+        None if first is None else first[order],
+        None if rest is None else rest[order],
     )
 
 
-Outcomes = tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]  # correct, prob, logit_diff (or None) of a batch
+def _first_and_rest(outcomes: list["Outcomes"]) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """The batches' first-token and rest outcomes, concatenated; a batch of one-token answers counts its
+    correctness as the first token's and has no rest (true); None where no batch had several tokens."""
+    if all(o[3] is None for o in outcomes):
+        return None, None
+    first = np.concatenate([o[0] if o[3] is None else o[3] for o in outcomes])
+    rest = np.concatenate([np.ones(len(o[0]), bool) if o[4] is None else o[4] for o in outcomes])
+    return first, rest
+
+
+#: A batch's correct, prob, logit_diff (or None), and, answers of several tokens only (else None), the first token's
+#: top-1 and the rest's (teacher forced).
+Outcomes = tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray], Optional[np.ndarray]]
 AnswerFn = Callable[[torch.Tensor], torch.Tensor]  # answer tokens "batch a" -> teacher-forced logits "batch a vocab"
 
 
@@ -211,7 +251,7 @@ def _one_token(batch: dict, logits: torch.Tensor, targets: Optional[list[tuple[i
     answer = batch["answer_ids"] if targets is None else torch.tensor([t[0] for t in targets])
     alternatives = batch.get("alternative_ids")
     diff = None if alternatives is None else logit_diff(logits, answer, alternatives).cpu().numpy()
-    return answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(), diff
+    return answer_is_top1(logits, answer).cpu().numpy(), answer_prob(logits, answer).cpu().numpy(), diff, None, None
 
 
 def _several_tokens(batch: dict, answers: AnswerFn, targets: Optional[list[tuple[int, ...]]]) -> Outcomes:
@@ -228,4 +268,5 @@ def _several_tokens(batch: dict, answers: AnswerFn, targets: Optional[list[tuple
         others = [sequence_logprob(answers(alt[:, k]), alt[:, k], alt_lengths[:, k]) for k in range(alt.shape[1])]
         diff = (logprob - torch.stack(others, -1).mean(-1)).cpu().numpy()
     prob = np.exp(logprob.cpu().double().numpy())  # float64: a long answer's product stays above 0
-    return sequence_is_greedy(logits, tokens, lengths).cpu().numpy(), prob, diff
+    first, rest = (t.cpu().numpy() for t in first_and_rest(logits, tokens, lengths))
+    return sequence_is_greedy(logits, tokens, lengths).cpu().numpy(), prob, diff, first, rest

@@ -22,21 +22,26 @@ import numpy as np
 
 from ..common import inference as inf
 from ..common.io import write_text
-from ..common.outcomes import from_bits, read_outcomes
+from ..common.outcomes import from_bits, read_first_and_rest, read_outcomes
 from ..tasks.prompt_sets import set_items
-from .paired import CAPTION, family_row, paired_rows
+from .paired import CAPTION, paired_family_rows, paired_rows
 from .paired import FAMILY as DIFFERENCES
 from .tables import write_table
 
 ENCODES = "what the heads encode"
 BREAKDOWN_CAPTION = (
-    "Eval accuracy by template and by answer length: top-1 (the answer's first token ranked first; several-token "
-    "answers teacher-forced) and two-way (the answer's summed log-probability above the counterfactual answer's), "
-    "each with its interval over items and the chance level it is read against"
+    "Eval accuracy by template and by answer length: top-1 (greedy decoding gives the whole answer: each of its "
+    "tokens the top-1, teacher forced) and two-way (the answer's summed log-probability above the counterfactual "
+    "answer's); on answers of several tokens, where the eval stage kept them, top-1 split by first token against "
+    "the rest: `first token` (the first answer token the top-1 after the prompt; chance: one over the slice's "
+    "distinct first tokens) and `rest given the first` (every later token the top-1 given the answer's tokens "
+    "before it; no chance level); each with its interval over items and the chance level it is read against"
 )
+FIRST, REST = "first token", "rest given the first"
 FAMILIES_CAPTION = (
-    "Every test of the study by family: estimate and 95% interval, p, Holm's adjusted p within the family, "
-    "whether the claim is shown, the test, rows and items (docs/inference.md)"
+    "Every test of the study by family: estimate and 95% interval (sameness between the models: the 90% interval "
+    "its two one-sided tests read, and its margin), p, Holm's adjusted p within the family, whether the claim is "
+    "shown, the test, rows and items (docs/inference.md)"
 )
 
 
@@ -74,7 +79,11 @@ def breakdown_rows(
     counterfactual answer's, where the logit difference was kept) by template and by answer length, each with its
     interval over the set's items (``items``, aligned with ``set_rows``) and the chance level it is read against
     (top-1: one over the distinct answers the slice holds; two-way: 0.5); ``near chance`` where the interval reaches
-    chance."""
+    chance. On each slice of answers of several
+    tokens, where the record keeps them (:func:`~mechdiff.common.outcomes.read_first_and_rest`), top-1 split by
+    first token against the rest (:data:`FIRST`: the first answer token the top-1, chance one over the slice's
+    distinct first tokens; :data:`REST`: every later token the top-1 given those before it, teacher forced, no
+    chance level): which token a whole-answer failure is at."""
     base = [rows[r]["base"] for r in set_rows]
     items = np.asarray(items)
     slices = {
@@ -83,6 +92,7 @@ def breakdown_rows(
     }
     lengths = np.array([length_class(len(b.get("answer_tokens") or [b["answer_id"]])) for b in base])
     slices.update({f"answer of {c} token{'s' if c != '1' else ''}": lengths == c for c in sorted(set(lengths))})
+    several = {f"answer of {c} tokens" for c in set(lengths) if c != "1"}
     out = []
     for model in models:
         rec = stages.get("accuracy", {}).get(model)
@@ -90,16 +100,21 @@ def breakdown_rows(
             continue
         correct = from_bits(rec["correct"])
         two_way = (np.asarray(rec["logit_diff"], dtype=float) > 0).astype(float) if "logit_diff" in rec else None
+        first, rest = read_first_and_rest(rec)
         for name, mask in slices.items():
             answers = {b["answer"] for b, m in zip(base, mask) if m}
-            for measure, values, chance in (("top-1", correct, 1 / len(answers)), ("two-way", two_way, 0.5)):
+            measures = [("top-1", correct, 1 / len(answers)), ("two-way", two_way, 0.5)]
+            if name in several:
+                firsts = {(b.get("answer_tokens") or [b["answer_id"]])[0] for b, m in zip(base, mask) if m}
+                measures += [(FIRST, first, 1 / len(firsts)), (REST, rest, None)]
+            for measure, values, chance in measures:
                 if values is None or not mask.any():
                     continue
                 iv = inf.proportion(values[mask], items[mask])
+                near = None if chance is None else bool(iv.low <= chance)
                 out.append(
                     {"model": model, "slice": name, "measure": measure, "accuracy": iv.value, "low": iv.low,
-                     "high": iv.high, "chance": chance, "near_chance": bool(iv.low <= chance),
-                     "rows": iv.n_rows, "items": iv.n_items}
+                     "high": iv.high, "chance": chance, "near_chance": near, "rows": iv.n_rows, "items": iv.n_items}
                 )  # fmt: skip
     return out
 
@@ -162,29 +177,50 @@ def encodes_family(semantic: list[Mapping[str, Any]], n_pairs: Mapping[str, int]
     return fam
 
 
-def restate(run_dir: str | Path, root: str | Path = ".") -> Path:
-    """Write a circuits study's families of tests from its committed files; returns ``inference.md``."""
+def margins_used(manifest: Mapping[str, Any], margins: Optional[Mapping[str, float]] = None) -> tuple[dict, str]:
+    """The equivalence margins a restatement tests sameness against, and where they come from: ``margins`` (a task
+    file's ``[inference] margins``) where given, else those ``run.json`` records (runs since the setting), else the
+    defaults (:data:`mechdiff.common.inference.MARGINS`)."""
+    if margins is not None:
+        return inf.margins_of(margins), "the task file's [inference] margins"
+    recorded = ((manifest.get("spec") or {}).get("inference") or {}).get("margins")
+    if recorded is not None:
+        return inf.margins_of(recorded), "the [inference] margins run.json records"
+    return inf.margins_of(), "the default margins"
+
+
+def margins_sentence(margins: Mapping[str, float], source: str) -> str:
+    """The margins in words, with where they come from."""
+    listed = ", ".join(f"{m} +-{v:g}" for m, v in margins.items())
+    return f'"Same" is tested against {source}: {listed}.'
+
+
+def restate(run_dir: str | Path, root: str | Path = ".", margins: Optional[Mapping[str, float]] = None) -> Path:
+    """Write a circuits study's families of tests from its committed files; returns ``inference.md``. ``margins``:
+    the equivalence margins (a task file's ``[inference] margins``; None: :func:`margins_used`)."""
     run_dir, root = Path(run_dir), Path(root)
     manifest = _manifest(run_dir)
+    margins, source = margins_used(manifest, margins)
     stages = read_outcomes(run_dir)
     models = manifest["spec"]["models"]
     base, finetunes = models["base"], list(models["finetunes"])
     rows = task_rows(manifest, root)
     items, rows_of = items_by_set(manifest, rows)
     by_stage = {"accuracy": items.get("eval"), "matrix": items.get("matrix")} if items else None
-    paired = paired_rows(stages, base, finetunes, by_stage)
+    paired = paired_rows(stages, base, finetunes, by_stage, margins)
     write_table(paired, run_dir / "tables" / "paired_differences", caption=CAPTION)
     semantic = _semantic_table(run_dir)
     n_pairs = {label: len(rec["correct"]) for label, rec in stages.get("semantic", {}).items()}
     encodes = encodes_family(semantic, n_pairs)
-    family_rows = [family_row(r) for r in paired] + encodes.rows()
+    family_rows = paired_family_rows(paired) + encodes.rows()
     write_table(family_rows, run_dir / "tables" / "families", caption=FAMILIES_CAPTION)
     breakdown = []
     if rows_of.get("eval"):
         breakdown = breakdown_rows(stages, rows, rows_of["eval"], [base, *finetunes], items["eval"])
         write_table(breakdown, run_dir / "tables" / "breakdown", caption=BREAKDOWN_CAPTION)
     path = run_dir / "inference.md"
-    write_text(path, _page(run_dir, items_sentence(items, rows_of), paired, encodes, breakdown))
+    intro = f"{items_sentence(items, rows_of)}\n\n{margins_sentence(margins, source)}"
+    write_text(path, _page(run_dir, intro, paired, encodes, breakdown))
     _mark_report(run_dir / "report.md")
     return path
 
@@ -277,7 +313,23 @@ def _breakdown_lines(breakdown: list[dict]) -> list[str]:
         + ". Lowest top-1 slices: "
         + "; ".join(f"{fmt(r)} ({r['rows']} rows, {r['items']} items)" for r in worst)
         + ".",
+        *_first_and_rest_lines(breakdown, fmt),
     ]
+
+
+def _first_and_rest_lines(breakdown: list[dict], fmt: Any) -> list[str]:
+    """The answers of several tokens by first token against the rest, or why the outcomes cannot say."""
+    split = [r for r in breakdown if r["measure"] in (FIRST, REST)]
+    if split:
+        return ["", "By first token against the rest (answers of several tokens): " + "; ".join(map(fmt, split)) + "."]
+    if any(r["slice"].endswith(" tokens") for r in breakdown):
+        return [
+            "",
+            "By first token against the rest: not in these outcomes (the eval stage keeps the split, `first` and "
+            "`rest` in `outcomes.json`, in records made since #49 item 12; its key did not change, so a cached "
+            "accuracy stage record must be removed to recompute it).",
+        ]
+    return []
 
 
 def families_of(run_dir: str | Path) -> Optional[list[dict]]:

@@ -48,8 +48,9 @@ def outcome_stages(accuracy: Mapping[str, Any], matrix: Mapping[str, Any], dcm: 
     return {k: v for k, v in out.items() if v}
 
 
-MARGINS: dict[str, float] = {"accuracy": 0.05, "probability": 0.05, "faithfulness": 0.05, "logit difference": 0.5}
-"""Equivalence margins by the kind of measure (a task file's ``[inference] margins`` may set others)."""
+MARGINS = inf.MARGINS
+"""Equivalence margins by the kind of measure (defined in :mod:`mechdiff.common.inference`; a task file's
+``[inference] margins`` sets others)."""
 
 FAMILY = "differences between the models"
 SAMENESS = "sameness between the models"
@@ -71,7 +72,7 @@ Items = Optional[Mapping[str, Sequence]]
 
 def margin_for(measure: str, margins: Optional[Mapping[str, float]] = None) -> float:
     """The equivalence margin of a measure by the kind its name ends with."""
-    table = {**MARGINS, **(margins or {})}
+    table = inf.margins_of(margins)
     for kind in ("faithfulness", "logit difference", "probability", "accuracy"):
         if measure.endswith(kind) or kind in measure.rsplit(":", 1)[-1]:
             return table[kind]
@@ -181,6 +182,8 @@ def _row(comparison: str, measure: str, test: inf.Test, eq: Optional[inf.Equival
         "same_within_margin": None if eq is None else eq.shown,
         "p_tost": None if eq is None else eq.p,
         "p_tost_holm": None,
+        "equivalence_low": None if eq is None else eq.low,
+        "equivalence_high": None if eq is None else eq.high,
     }
 
 
@@ -199,6 +202,31 @@ def family_row(r: Mapping[str, Any]) -> dict:
         "rows": r["n_prompts"],
         "items": r["n_items"],
     }
+
+
+def sameness_row(r: Mapping[str, Any]) -> dict:
+    """A paired row's equivalence test as a row of the families table (family "sameness between the models"): the
+    difference with the 90% interval its two one-sided tests read, and the margin it was tested against."""
+    return {
+        "family": SAMENESS,
+        "claim": f"{r['comparison']}: {r['measure']}: the same within +-{r['margin']:g}",
+        "estimate": r["difference"],
+        "low": r.get("equivalence_low"),
+        "high": r.get("equivalence_high"),
+        "p": r["p_tost"],
+        "p_holm": r["p_tost_holm"],
+        "shown": r["same_within_margin"],
+        "method": "two one-sided tests (TOST) against the margin",
+        "rows": r["n_prompts"],
+        "items": r["n_items"],
+        "margin": r["margin"],
+    }
+
+
+def paired_family_rows(rows: list[Mapping[str, Any]]) -> list[dict]:
+    """The paired rows as rows of the families table: every difference, then every equivalence test (the
+    differences not shown), each naming its margin."""
+    return [family_row(r) for r in rows] + [sameness_row(r) for r in rows if r.get("margin") is not None]
 
 
 def difference_sentence(row: Mapping[str, Any]) -> str:
@@ -225,7 +253,8 @@ def difference_sentence(row: Mapping[str, Any]) -> str:
             f'"{SAMENESS}"; {where})'
         )
     allows = max(abs(low), abs(high))
-    return f"{row['measure']}: {ci}, not shown to differ; the interval allows up to {allows:.3f} ({where})"
+    margin = f" nor the same within +-{row['margin']:g}" if row.get("margin") is not None else ""
+    return f"{row['measure']}: {ci}, not shown to differ{margin}; the interval allows up to {allows:.3f} ({where})"
 
 
 def faithfulness_parts(rows: list[Mapping[str, Any]]) -> dict[str, str]:

@@ -25,7 +25,7 @@ from .claims import CONTROLS, cmap_family, controls_family, encodes, encodes_fam
 from .heads import head_rows, write_heads_table
 from .membership import membership_heatmap
 from .page_kit import stage_rows as stage_table
-from .paired import difference_sentence, family_row
+from .paired import difference_sentence, paired_family_rows
 from .rows import (
     circuit_x_model_rows,
     cmap_caption,
@@ -96,7 +96,7 @@ def _by_answer_length(study: "Study", accuracy: dict[str, "StageRecord"]) -> str
     """Each model's accuracy (and the task's metric) per answer length on the accuracy prompts, from the stage's
     per-prompt outcomes; empty where every answer has one length."""
     from ..common.metrics import CONTINUOUS_LABELS
-    from ..common.outcomes import read_record
+    from ..common.outcomes import read_first_and_rest, read_record
     from ..patching.evaluate import EvalResult
 
     if study.task.answer_tokens < 2 or not all("outcomes" in rec.result for rec in accuracy.values()):
@@ -105,7 +105,14 @@ def _by_answer_length(study: "Study", accuracy: dict[str, "StageRecord"]) -> str
     for name, rec in accuracy.items():
         correct, prob = read_record(rec.result["outcomes"])
         diff = rec.result["outcomes"].get("logit_diff")
-        res = EvalResult(correct.astype(bool), prob, None if diff is None else np.asarray(diff, dtype=float))
+        first, rest = read_first_and_rest(rec.result["outcomes"])
+        res = EvalResult(
+            correct.astype(bool),
+            prob,
+            None if diff is None else np.asarray(diff, dtype=float),
+            None if first is None else first.astype(bool),
+            None if rest is None else rest.astype(bool),
+        )
         for row in res.by_answer_length(records, study.task.metric):
             cells = [estimate_columns(k, v) if isinstance(v, Interval) else {k: v} for k, v in row.items()]
             rows.append({"model": name, **{k: v for cell in cells for k, v in cell.items()}})
@@ -118,8 +125,11 @@ def _by_answer_length(study: "Study", accuracy: dict[str, "StageRecord"]) -> str
         rows,
         "accuracy_by_answer_length",
         f"Accuracy and {named} by the answer's length in tokens on the same prompts (exact binomial CI; bootstrap "
-        "for the metric). An answer of several tokens is scored by teacher forcing; the circuits cover the "
-        "prompt's positions only (no head at an answer token's own position is ablated or patched)",
+        "for the metric). An answer of several tokens is scored by teacher forcing: accuracy is greedy decoding "
+        "giving the whole answer, split (where the stage kept it) into `first_token` (the first answer token the "
+        "top-1 after the prompt) and `rest` (every later token the top-1 given the answer's tokens before it); the "
+        "circuits cover the prompt's positions only (no head at an answer token's own position is ablated or "
+        "patched)",
     )
 
 
@@ -328,7 +338,7 @@ def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
     """Each circuit's accuracy and faithfulness (accuracy) per answer length on each model's matrix prompts, from the
     stage's per-prompt outcomes; empty where every answer has one length."""
     from ..common.inference import proportion
-    from ..common.outcomes import read_record
+    from ..common.outcomes import read_first_and_rest, read_record
     from ..common.stats import bootstrap_ratio
     from ..patching.evaluate import LENGTH_BINS, length_bins
 
@@ -341,6 +351,7 @@ def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
     for name, rec in matrix.items():
         for circuit, kept in (rec.result.get("outcomes") or {}).items():
             full, circ = read_record(kept["full"])[0], read_record(kept["circuit"])[0]
+            split = dict(zip(("full", "circuit"), map(read_first_and_rest, (kept["full"], kept["circuit"]))))
             for b in (b for b in LENGTH_BINS if (lengths == b).any()):
                 at = lengths == b
                 rows.append(
@@ -352,6 +363,7 @@ def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
                         **estimate_columns("model_accuracy", proportion(full[at])),
                         **estimate_columns("accuracy", proportion(circ[at])),
                         **estimate_columns("faithfulness", bootstrap_ratio(circ[at], full[at])),
+                        **_first_and_rest_columns(split, at, b == LENGTH_BINS[0]),
                     }
                 )
     if not rows:
@@ -361,9 +373,29 @@ def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
         rows,
         "circuit_x_model_by_answer_length",
         "Circuit x model by the answer's length in tokens on the same prompts: the model's and the circuit's accuracy "
-        "(exact binomial CI) and faithfulness F(C)/F(M) (bootstrap CI); the circuits cover the prompt's positions "
-        "only, an answer's later tokens reached through what they write there",
+        "(exact binomial CI) and faithfulness F(C)/F(M) (bootstrap CI); where the stage kept them, the same by first "
+        "token against the rest (`first_token`: the first answer token the top-1 after the prompt; `rest`: every "
+        "later token the top-1 given the answer's tokens before it, teacher forced). The circuits cover the "
+        "prompt's positions only, an answer's later tokens reached through what they write there",
     )
+
+
+def _first_and_rest_columns(split: dict, at: np.ndarray, one_token: bool) -> dict:
+    """The model's and the circuit's first-token accuracy and their ratio on the prompts ``at``, and (answers of
+    several tokens) the same of the rest; empty where the records kept no split (``split``: ``full`` and
+    ``circuit`` -> ``(first, rest)`` or ``(None, None)``)."""
+    from ..common.stats import bootstrap_ratio, proportion
+
+    (full_first, full_rest), (circ_first, circ_rest) = split["full"], split["circuit"]
+    if full_first is None or circ_first is None:
+        return {}
+    parts = [("first_token", full_first, circ_first)] + ([] if one_token else [("rest", full_rest, circ_rest)])
+    out: dict = {}
+    for part, model, circuit in parts:
+        out.update(estimate_columns(f"model_accuracy_{part}", proportion(model[at])))
+        out.update(estimate_columns(f"accuracy_{part}", proportion(circuit[at])))
+        out.update(estimate_columns(f"faithfulness_{part}", bootstrap_ratio(circuit[at], model[at])))
+    return out
 
 
 def overlap_section(study: "Study", circuits: dict) -> tuple[str, dict]:
@@ -811,8 +843,8 @@ def limitations(study: "Study", positions: dict) -> str:
             f"- Answers of up to {study.task.answer_tokens} tokens are scored by teacher forcing (each answer's "
             "tokens appended to the prompt); the circuits,\n  pruning, DCM and CMAP cover the prompt's positions only, "
             "never an answer token's own, so the heads\n  reach the answer's later tokens only through what they write "
-            "at the prompt (by answer length:\n  `tables/accuracy_by_answer_length.csv`, "
-            "`tables/circuit_x_model_by_answer_length.csv`)."
+            "at the prompt (by answer length, and by first token against the rest:\n  "
+            "`tables/accuracy_by_answer_length.csv`, `tables/circuit_x_model_by_answer_length.csv`)."
         )
     if cm.n_random:
         lines.append(
@@ -857,19 +889,22 @@ def paired_section(study: "Study", accuracy: dict, matrix: dict, dcm: "StageReco
             [],
         )
     write_outcomes(study.dir, stages)
-    rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes, _items(study, stages))
+    margins = study.spec.inference.margins  # the task file's [inference] margins: report-only
+    rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes, _items(study, stages), margins)
     return study_table(study, rows, "paired_differences", CAPTION), rows
 
 
 def families_section(study: "Study", paired: list[dict], gain: dict, encoded: dict, controls: dict) -> str:
     """Every test a findings sentence reads, by family, with its adjusted p (docs/inference.md)."""
-    rows = [family_row(r) for r in paired] + family_rows(gain, encoded, controls)
+    rows = paired_family_rows(paired) + family_rows(gain, encoded, controls)
     if not rows:
         return "_No test: no per-prompt outcomes in these stage records._\n"
     caption = (
-        "Every claim of the findings as a test in its family (differences between the models; circuit against "
-        "controls; which parts carry the gain; what the heads encode): estimate and 95% interval, p, Holm's "
-        "adjusted p within the family, whether it is shown, the test, rows and items (docs/inference.md)"
+        "Every claim of the findings as a test in its family (differences between the models; sameness between "
+        "the models; circuit against controls; which parts carry the gain; what the heads encode): estimate and "
+        "95% interval (sameness: the 90% interval its two one-sided tests read, and its margin, from the task "
+        "file's [inference] margins), p, Holm's adjusted p within the family, whether it is shown, the test, rows "
+        "and items (docs/inference.md)"
     )
     return study_table(study, rows, "families", caption)
 
@@ -1031,7 +1066,10 @@ def write_report(
         "prompts for ratios and probabilities; a difference on the same prompts is a paired test (exact McNemar "
         "for 0/1 outcomes, the sign-flip test otherwise) with the interval that agrees with it. Every ordering, "
         "difference and 'encodes' below is a test in a named family, Holm-adjusted (table: Families of claims; "
-        "docs/inference.md); 'same' is written only where an equivalence test against its margin passes.\n",
+        "docs/inference.md); 'same' is written only where an equivalence test against its margin passes (the "
+        "task file's [inference] margins: "
+        + ", ".join(f"{m} +-{v:g}" for m, v in spec.inference.margins.items())
+        + ").\n",
         "## Findings\n",
         circuit_findings(study, positions, mat_rows, controls),
         *[f"- **{name}**: {why}." for name, why in without_behaviour.items()],

@@ -265,20 +265,37 @@ def committed_stages(run_dir: Path) -> dict[str, dict]:
     return {}
 
 
-def detectable_text(sizes: dict[str, int], discordance: float = 0.2) -> str:
-    """Each prompt set's size beside the smallest difference a test on it detects with 80% power at 0.05
-    (:func:`mechdiff.common.inference.detectable_difference`): a paired difference of two models' accuracies at
-    the stated discordance, and one proportion against a fixed value near 0.5; so a user sees before the run which
-    claims the sizes can carry. Counted in rows: where a task repeats a prompt across rows, items are fewer and
-    the differences larger."""
+def detectable_text(sizes: dict[str, int], items: Optional[dict[str, int]] = None, discordance: float = 0.2) -> str:
+    """Each prompt set's rows and items beside the smallest difference a test on its items detects with 80% power
+    at 0.05 (:func:`mechdiff.common.inference.detectable_difference`): a paired difference of two models'
+    accuracies at the stated discordance, and one proportion against a fixed value near 0.5; so a user sees before
+    the run which claims the sizes can carry. Every interval resamples items, so the difference is computed on
+    the set's items (``items``: name -> the items the set takes; a set not named there, one row an item): a set
+    of 200 rows in 19 items carries what 19 items do."""
     from ..common.inference import detectable_difference
 
-    lines = [f"detectable differences (80% power, two-sided 0.05; paired at discordance {discordance}):"]
+    items, starred = items or {}, False
+    lines = [
+        "detectable differences, computed on each set's items "
+        f"(80% power, two-sided 0.05; paired at discordance {discordance}):"
+    ]
     for name, n in sizes.items():
         if n > 0:
-            paired = detectable_difference(n, "paired", discordance)
-            single = detectable_difference(n, "proportion")
-            lines.append(f"  {name:10s} {n:5d} rows: paired {paired:.3f}, one proportion {single:.3f}")
+            k = int(items.get(name, n))
+            paired = detectable_difference(k, "paired", discordance)
+            single = detectable_difference(k, "proportion")
+            beyond = {"paired": paired > discordance, "single": single > 0.5}
+            mark = {kind: "*" if over else "" for kind, over in beyond.items()}
+            lines.append(
+                f"  {name:10s} {n:5d} rows {k:5d} items: paired {paired:.3f}{mark['paired']}, "
+                f"one proportion {single:.3f}{mark['single']}"
+            )
+            starred = starred or any(beyond.values())
+    if starred:
+        lines.append(
+            f"  * beyond what a difference can be (paired: at most the discordance {discordance}; one proportion: "
+            "at most 0.5 from 0.5): at 80% power these items carry no such claim"
+        )
     return "\n".join(lines)
 
 
@@ -353,7 +370,8 @@ def plan_then_run(study: Study, plan_only: bool = False, force: bool = False, **
     print(format_plan(study.plan()), flush=True)
     sizes = getattr(study, "prompt_set_sizes", None)
     if sizes is not None:
-        print(detectable_text(sizes()), flush=True)
+        items = getattr(study, "prompt_set_items", None)
+        print(detectable_text(sizes(), items() if items is not None else None), flush=True)
     if plan_only:
         return None
     result = study.run(**run_options)

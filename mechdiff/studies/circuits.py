@@ -187,6 +187,13 @@ class CircuitsStudy(Study):
             sizes["cmap"] = self.spec.cmap.n
         return sizes
 
+    def prompt_set_items(self) -> dict[str, int]:
+        """The items each prompt set takes (its rows' distinct items: clean prompts, or the task's item field), as
+        the study's own set construction draws them before any weights load: an imported task's from its rows, a
+        generated task's from its generators' prompts (one row an item where no prompt repeats). What ``--plan``
+        computes each set's detectable difference on (:func:`~mechdiff.studies.base.detectable_text`)."""
+        return {name: int(k) for name, k in self.prompt_sets_record()["items"].items()}
+
     def options(self, held_out: bool = True, prompts: Optional[str] = None) -> dict:
         """Generator options: ``n_boxes``, the objects held out from fine-tuning where the task splits its
         objects (:meth:`~mechdiff.tasks.base.Task.split_options`), and the prompt set's name (an imported task

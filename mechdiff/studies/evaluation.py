@@ -49,7 +49,7 @@ def eval_models(
         by_length = res.by_answer_length(records, task.metric)
         if by_length:  # answers of several lengths: accuracy (and the metric) of each
             results[lm.name]["by_answer_length"] = [{k: _json(v) for k, v in r.items()} for r in by_length]
-            lengths += [[lm.name, *(str(v) for v in r.values())] for r in by_length]
+            lengths += [[lm.name, *("" if v is None else str(v) for v in r.values())] for r in by_length]
         diff = [str(res.mean_logit_diff)] if res.logit_diff is not None else []
         rows.append([lm.name, str(res.accuracy), str(res.answer_prob), *diff, lm.fingerprint])
     diff_header = ["logit diff [95% CI]"] if any(len(r) == 5 for r in rows) else []
@@ -57,6 +57,8 @@ def eval_models(
     if lengths:
         column = "logit diff [95% CI]" if task.metric == "logit_diff" else "answer prob [95% CI]"
         heads = ["model", "answer tokens", "prompts", "accuracy [95% CI]", column]
+        if any(len(r) > len(heads) for r in lengths):  # accuracy split by first token against the rest
+            heads += ["first token [95% CI]", "rest given the first [95% CI]"]
         table += "\n\nby answer length (the answer's own tokens):\n" + tabulate(lengths, headers=heads)
     if out is not None:
         write_json(out, results)

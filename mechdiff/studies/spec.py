@@ -10,6 +10,7 @@ from typing import Any, Optional
 import tomllib
 
 from ..circuits.curve import SELECT, SIZES, TARGET
+from ..common.inference import margins_of
 from ..common.metrics import METRIC_ALIASES, metric_name
 from ..methods.dcm import RANDOM_POOLS, DCMConfig
 from ..patching.path import SCORES
@@ -271,6 +272,17 @@ class SetsSection:
 
 
 @dataclass
+class InferenceSection:
+    """Report-only settings of the inference layer (docs/inference.md), read by the report and ``mechdiff restate``
+    and never by a stage key, so changing them rewrites the report from cached stages. ``margins``: each kind of
+    measure's equivalence margin ("same" is written only where the two one-sided tests pass against it, and the
+    sentence names it); a file names those it changes, the others keep their defaults
+    (:data:`mechdiff.common.inference.MARGINS`): ``margins = { accuracy = 0.03, logit_difference = 1.0 }``."""
+
+    margins: dict[str, float] = field(default_factory=margins_of)
+
+
+@dataclass
 class OutputSection:
     dir: str = "results/entity-tracking-smollm2"  # the embedded default study's; a task file without it: output_dir
     store: str = "cache/activations.h5"
@@ -289,6 +301,7 @@ SECTIONS = {
     "reproduce": ReproduceSection,
     "study": StudySection,
     "sets": SetsSection,
+    "inference": InferenceSection,
 }
 REQUIRED = {"task": ("name",), "models": ("base",)}
 #: Fields with a fixed set of values (lists: every item), checked with the line before anything loads.
@@ -326,6 +339,7 @@ class RunSpec:
     positions: PositionsSection = field(default_factory=PositionsSection)
     study: StudySection = field(default_factory=StudySection)
     sets: SetsSection = field(default_factory=SetsSection)
+    inference: InferenceSection = field(default_factory=InferenceSection)
     source: str = "<defaults>"
 
     def to_dict(self) -> dict[str, Any]:
@@ -418,8 +432,18 @@ def load_spec(path: str | Path) -> RunSpec:
     _check_per_model(Path(path), text, built)
     _check_desiderata(Path(path), text, raw.get("dcm"), built["task"].name)
     _check_groups(Path(path), text, raw, built["task"].name)
+    _check_margins(Path(path), text, built["inference"])
     _check_plan(f"{path}:{line_of(text, 'discovery', 'method')}: ", built["discovery"].method, built["task"].name)
     return RunSpec(**built, source=str(path))
+
+
+def _check_margins(path: Path, text: str, section: InferenceSection) -> None:
+    """``[inference] margins`` over the defaults (:func:`~mechdiff.common.inference.margins_of`); an unknown
+    measure or a margin not above 0 refused with its line before anything loads."""
+    try:
+        section.margins = margins_of(section.margins)
+    except ValueError as err:
+        raise SpecError(f"{path}:{line_of(text, 'inference', 'margins')}: {err} (in [inference])") from None
 
 
 def _check_plan(where: str, method: str, task_name: str) -> None:

@@ -146,6 +146,15 @@ def test_study_end_to_end_and_caching(tiny_family, tmp_path):
     assert calls == [] and all(r.cached for r in again.cache.records.values())
     assert again.models._loaded == {}  # nothing recomputed, so no weights loaded
 
+    from mechdiff.common.inference import margins_of
+
+    spec.inference.margins = margins_of({"accuracy": 0.001})  # report-only: no stage recomputes, the report moves
+    report_only = Study(spec, progress=False)
+    with count_forwards() as calls:
+        text = report_only.run().read_text()
+    assert calls == [] and all(r.cached for r in report_only.cache.records.values())
+    assert "[inference] margins: accuracy +-0.001, probability +-0.05" in text
+
     spec.cmap.parts = ["z", "v"]  # one changed option: only the CMAP stages recompute
     changed = Study(spec, progress=False)
     changed.run()

@@ -160,6 +160,42 @@ def test_several_tokens_score_as_a_plain_forward(smollm2_tokenizer, family):
     assert res.correct.tolist() == [True, False, True, False]  # the greedy answers, and a last token changed
 
 
+def hf_hits(lm, prompt: tuple, answer: list[int]) -> list[bool]:
+    """Whether each answer token is the top-1 after the prompt and the answer's tokens before it (one plain HF
+    forward of prompt + answer)."""
+    ids = torch.tensor([list(prompt) + answer])
+    with torch.no_grad():
+        logits = lm.model(input_ids=ids, use_cache=False).logits[0].float()
+    return (logits[len(prompt) - 1 : len(prompt) - 1 + len(answer)].argmax(-1) == torch.tensor(answer)).tolist()
+
+
+def test_accuracy_splits_by_first_token_against_the_rest(tiny_llama, smollm2_tokenizer):
+    """#49 item 12: per prompt, the first answer token the top-1 after the prompt, and every later token the top-1
+    given the answer's tokens before it (teacher forced), against a plain HF forward: a greedy answer (both), one
+    whose last token is changed (first only), one whose first token is changed and the rest decoded greedily after
+    it (the rest only), and one-token answers (no rest: true). Accuracy is the two together; the outcome record
+    keeps both; a task of one-token answers keeps neither, so its records are as before."""
+    lm = tiny_llama
+    prompts = [tuple(smollm2_tokenizer(f"The capital of country {i} is")["input_ids"]) for i in range(5)]
+    g = [greedy(lm, p, 3) for p in prompts]
+    wrong = (g[2][0] + 1) % 49152
+    answers = [g[0], g[1][:2] + [(g[1][2] + 1) % 49152], [wrong, *greedy(lm, prompts[2] + (wrong,), 2)], g[3][:1]]
+    answers.append([(g[4][0] + 1) % 49152])
+    recs = answer_records(smollm2_tokenizer, answers, [[17]] * 5)
+    res = evaluate(lm, recs, batch_size=5, progress=False)
+    hits = [hf_hits(lm, p, a) for p, a in zip(prompts, answers)]
+    assert res.first.tolist() == [h[0] for h in hits] == [True, True, False, True, False]
+    assert res.rest.tolist() == [all(h[1:]) for h in hits] == [True, False, True, True, True]
+    assert res.correct.tolist() == (res.first & res.rest).tolist()
+    record = res.outcomes()
+    assert (record["first"], record["rest"]) == ("11010", "10111")
+    one = evaluate(lm, answer_records(smollm2_tokenizer, [[5], [7]], [[13], [17]]), batch_size=2, progress=False)
+    assert one.first is None and "first" not in one.outcomes() and "rest" not in one.outcomes()
+    rows = res.by_answer_length(recs)
+    assert [(r["answer_tokens"], r["first_token"].value) for r in rows] == [("1", 0.5), ("3+", 2 / 3)]
+    assert rows[0]["rest"] is None and rows[1]["rest"].value == pytest.approx(2 / 3)
+
+
 def test_one_token_numbers_are_todays(tiny_llama, smollm2_tokenizer):
     """A task of one-token answers is read at the prompt's last token exactly as before (the same run, the same
     metric functions: equal, not close), with no answer tokens in its batches."""

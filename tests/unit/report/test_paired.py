@@ -93,7 +93,7 @@ def test_a_sentence_states_a_difference_only_where_its_adjusted_test_rejects():
     row.update(p_holm=0.2, shown=False, same_within_margin=False, margin=0.05, p_tost=0.4)
     assert "not shown after Holm's adjustment in its family (p = 0.01, Holm p = 0.2" in difference_sentence(row)
     row.update(difference_low=-0.01, p=0.3, p_holm=0.6)
-    assert "not shown to differ; the interval allows up to 0.080" in difference_sentence(row)
+    assert "not shown to differ nor the same within +-0.05; the interval allows up to 0.080" in difference_sentence(row)
     row.update(same_within_margin=True, p_tost=0.01)
     assert "the same within +-0.05 (equivalence Holm p = 0.01" in difference_sentence(row)
     row.update(difference=-0.05, difference_low=-0.08, difference_high=-0.02, shown=True, p_holm=0.001)
@@ -194,3 +194,38 @@ def test_breakdown_by_template_and_answer_length_against_direct_means():
     assert by[("answer of 3+ tokens", "two-way")]["chance"] == 0.5
     assert by[("template b", "two-way")]["near_chance"] == (by[("template b", "two-way")]["low"] <= 0.5)
     assert by[("template a", "top-1")]["items"] == 20  # one item per pair of rows, half of them in a template
+
+
+def test_breakdown_splits_answers_of_several_tokens_by_first_token_against_the_rest():
+    """#49 item 12: on each slice of answers of several tokens, the first token's and the rest's accuracy, each
+    the direct mean of the kept 0/1 outcomes with its interval over items, the first token read against one over
+    the slice's distinct first tokens, the rest against none; a one-token slice gets no split, and records made
+    before the split was kept get none either (and the page says why)."""
+    from mechdiff.common.outcomes import bits
+    from mechdiff.report.families import FIRST, REST, _breakdown_lines, breakdown_rows
+
+    rows = []
+    for i in range(30):
+        tokens = [10 + i % 3] + [1] * (i % 3)  # 1, 2 and 3 tokens; first tokens 10, 11, 12
+        rows.append({"base": {"prompt": f"p{i // 3}", "template": "a", "answer": f" a{i % 3}",
+                              "answer_id": tokens[0], "answer_tokens": tokens}})  # fmt: skip
+    first = np.array([i % 4 != 0 for i in range(30)])
+    rest = np.array([i % 3 == 0 or i % 5 != 0 for i in range(30)])
+    correct = first & rest
+    stages = {"accuracy": {"m": {**outcome_record(correct), "first": bits(first), "rest": bits(rest)}}}
+    by = {(r["slice"], r["measure"]): r for r in breakdown_rows(stages, rows, list(range(30)), ["m"])}
+    for length, slice_name in ((2, "answer of 2 tokens"), (3, "answer of 3+ tokens")):
+        at = np.array([1 + i % 3 == length for i in range(30)])
+        assert by[(slice_name, FIRST)]["accuracy"] == pytest.approx(first[at].mean())
+        assert by[(slice_name, REST)]["accuracy"] == pytest.approx(rest[at].mean())
+        assert by[(slice_name, "top-1")]["accuracy"] == pytest.approx(correct[at].mean())
+        assert by[(slice_name, FIRST)]["chance"] == 1.0 and by[(slice_name, REST)]["chance"] is None
+        assert by[(slice_name, FIRST)]["items"] == 10  # every item holds one row of each length
+        assert by[(slice_name, FIRST)]["low"] <= first[at].mean() <= by[(slice_name, FIRST)]["high"]
+    assert ("answer of 1 token", FIRST) not in by and ("template a", REST) not in by
+    assert "By first token against the rest (answers of several tokens): m answer of 2 tokens first token" in "\n".join(
+        _breakdown_lines(list(by.values()))
+    )
+    older = breakdown_rows({"accuracy": {"m": outcome_record(correct)}}, rows, list(range(30)), ["m"])
+    assert not [r for r in older if r["measure"] in (FIRST, REST)]
+    assert "By first token against the rest: not in these outcomes" in "\n".join(_breakdown_lines(older))

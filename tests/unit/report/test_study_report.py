@@ -190,7 +190,7 @@ def test_report_gives_accuracy_and_faithfulness_by_answer_length(tmp_path):
 
     import numpy as np
 
-    from mechdiff.common.outcomes import outcome_record
+    from mechdiff.common.outcomes import bits, outcome_record
     from mechdiff.report.study_report import _by_answer_length, _matrix_by_answer_length
     from mechdiff.tasks.base import Example
 
@@ -228,5 +228,44 @@ def test_report_gives_accuracy_and_faithfulness_by_answer_length(tmp_path):
         assert float(row["model_accuracy"]) == pytest.approx(full[at].mean())
         assert float(row["accuracy"]) == pytest.approx(circ[at].mean())
         assert float(row["faithfulness"]) == pytest.approx(circ[at].mean() / full[at].mean())
+    # by first token against the rest (#49 item 12), where the records keep the split: full = first & rest
+    first, rest = np.array([1, 1, 1, 1, 0, 1, 1, 0]), np.array([1, 1, 1, 1, 1, 1, 1, 1])
+    c_first, c_rest = np.array([1, 1, 1, 0, 0, 1, 1, 0]), np.array([1, 0, 1, 1, 1, 0, 1, 1])
+    split = {"first": bits(first), "rest": bits(rest)}
+    accuracy["base"].result["outcomes"].update(split)
+    kept["base"]["full"].update(split)
+    kept["base"]["circuit"].update(first=bits(c_first), rest=bits(c_rest))
+    _by_answer_length(study, accuracy), _matrix_by_answer_length(study, matrix)
+    for row in read("accuracy_by_answer_length"):
+        at = bins[row["answer_tokens"]]
+        assert float(row["first_token"]) == pytest.approx(first[at].mean())
+        assert row["rest"] == "" if row["answer_tokens"] == "1" else float(row["rest"]) == pytest.approx(1.0)
+    for row in read("circuit_x_model_by_answer_length"):
+        at = bins[row["answer_tokens"]]
+        assert float(row["faithfulness_first_token"]) == pytest.approx(c_first[at].mean() / first[at].mean())
+        if row["answer_tokens"] != "1":
+            assert float(row["accuracy_rest"]) == pytest.approx(c_rest[at].mean())
     study.task = _task("logit_diff", answer_tokens=1)
     assert _by_answer_length(study, accuracy) == "" == _matrix_by_answer_length(study, matrix)
+
+
+def test_circuit_x_model_by_answer_length_splits_first_token_from_the_rest():
+    """#49 item 12: the model's and the circuit's first-token and rest accuracy on a length slice, and their
+    ratios (faithfulness of each part), are the direct means of the kept outcomes; a one-token slice has no rest;
+    records without the split add no column."""
+    import numpy as np
+
+    from mechdiff.report.study_report import _first_and_rest_columns
+
+    rng = np.random.default_rng(4)
+    full_first, full_rest, circ_first, circ_rest = (rng.random(60) < p for p in (0.9, 0.8, 0.6, 0.7))
+    split = {"full": (full_first * 1.0, full_rest * 1.0), "circuit": (circ_first * 1.0, circ_rest * 1.0)}
+    at = np.arange(60) % 3 == 0
+    cols = _first_and_rest_columns(split, at, one_token=False)
+    assert cols["model_accuracy_first_token"] == full_first[at].mean()
+    assert cols["accuracy_rest"] == circ_rest[at].mean()
+    assert np.isclose(cols["faithfulness_first_token"], circ_first[at].mean() / full_first[at].mean())
+    assert np.isclose(cols["faithfulness_rest"], circ_rest[at].mean() / full_rest[at].mean())
+    assert cols["accuracy_rest_low"] <= cols["accuracy_rest"] <= cols["accuracy_rest_high"]
+    assert not [k for k in _first_and_rest_columns(split, at, one_token=True) if "rest" in k]
+    assert _first_and_rest_columns({"full": (None, None), "circuit": (None, None)}, at, False) == {}

@@ -193,3 +193,11 @@ def test_mechdiff_eval_prints_and_writes_accuracy_by_answer_length(smollm2_token
     for r, n in zip(got["by_answer_length"], (1, 2, 3)):
         assert r["accuracy"]["value"] == pytest.approx(correct[lengths == n].mean())
         assert r["logit_diff"]["value"] == pytest.approx(diff[lengths == n].mean(), rel=1e-5)  # outcomes: 6 digits
+    # by first token against the rest (#49 item 12), from the per-prompt outcomes it keeps
+    first, rest = (np.array([c == "1" for c in got["outcomes"][k]]) for k in ("first", "rest"))
+    assert "first token [95% CI]" in table and (correct == (first & rest)).all()
+    for r, n in zip(got["by_answer_length"], (1, 2, 3)):
+        assert r["first_token"]["value"] == pytest.approx(first[lengths == n].mean())
+        assert (r["rest"] is None) == (n == 1) and (
+            n == 1 or r["rest"]["value"] == pytest.approx(rest[lengths == n].mean())
+        )
