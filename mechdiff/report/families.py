@@ -122,11 +122,13 @@ def breakdown_rows(
 def items_by_set(manifest: Mapping[str, Any], rows: list[dict]) -> tuple[dict[str, list], dict[str, list[int]]]:
     """Each prompt set's items (:func:`~mechdiff.tasks.prompt_sets.set_items`: the recorded item ids, or in an older
     ``run.json`` its rows' clean prompts) and rows, from ``run.json``'s row lists and the task's rows
-    (:func:`task_rows`); empty for a generated task (one prompt an item)."""
+    (:func:`task_rows`). A generated task lists no rows: its sets' recorded item ids, with no row lists; empty where
+    the record holds neither (a generated task's ``run.json`` from before items: one prompt an item)."""
     record = manifest.get("prompt_sets") or {}
     sets = record.get("rows")
     if not sets or not rows:
-        return {}, {}
+        ids = record.get("item_ids") or {}
+        return {name: list(its) for name, its in ids.items()}, {}
     return {name: set_items(record, name, rows).tolist() for name in sets}, sets
 
 
@@ -134,7 +136,7 @@ def items_sentence(items: Mapping[str, list[str]], rows: Mapping[str, list[int]]
     """Rows and items per set, and the items two sets share (which the rows' disjointness hides)."""
     if not items:
         return "Generated task: every prompt is its own item (drawn afresh per set)."
-    parts = [f"{name} {len(rows[name])} rows in {len(set(its))} items" for name, its in items.items()]
+    parts = [f"{name} {len(rows.get(name, its))} rows in {len(set(its))} items" for name, its in items.items()]
     shared = []
     names = list(items)
     for i, a in enumerate(names):

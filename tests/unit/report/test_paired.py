@@ -213,7 +213,8 @@ def test_breakdown_splits_answers_of_several_tokens_by_first_token_against_the_r
     rest = np.array([i % 3 == 0 or i % 5 != 0 for i in range(30)])
     correct = first & rest
     stages = {"accuracy": {"m": {**outcome_record(correct), "first": bits(first), "rest": bits(rest)}}}
-    by = {(r["slice"], r["measure"]): r for r in breakdown_rows(stages, rows, list(range(30)), ["m"])}
+    items = [r["base"]["prompt"] for r in rows]
+    by = {(r["slice"], r["measure"]): r for r in breakdown_rows(stages, rows, list(range(30)), ["m"], items)}
     for length, slice_name in ((2, "answer of 2 tokens"), (3, "answer of 3+ tokens")):
         at = np.array([1 + i % 3 == length for i in range(30)])
         assert by[(slice_name, FIRST)]["accuracy"] == pytest.approx(first[at].mean())
@@ -226,6 +227,6 @@ def test_breakdown_splits_answers_of_several_tokens_by_first_token_against_the_r
     assert "By first token against the rest (answers of several tokens): m answer of 2 tokens first token" in "\n".join(
         _breakdown_lines(list(by.values()))
     )
-    older = breakdown_rows({"accuracy": {"m": outcome_record(correct)}}, rows, list(range(30)), ["m"])
+    older = breakdown_rows({"accuracy": {"m": outcome_record(correct)}}, rows, list(range(30)), ["m"], items)
     assert not [r for r in older if r["measure"] in (FIRST, REST)]
     assert "By first token against the rest: not in these outcomes" in "\n".join(_breakdown_lines(older))
