@@ -220,7 +220,7 @@ def role_sentences(steps: Sequence[int], step_rows: Sequence[Mapping[str, Any]],
         if held_at and missing:
             text += f"; not shown at {', '.join(map(str, missing))}"
         events = [f"at step {s} {_events(moves, g, d, s)}" for s in steps[1:] if _events(moves, g, d, s)]
-        out.append(text + (". " + "; ".join(events) + "." if events else ". No head joins or leaves."))
+        out.append(text + (": " + "; ".join(events) + "." if events else ". No head joins or leaves."))
     return out
 
 

@@ -359,6 +359,27 @@ class _Report:
         if tests:
             write_table(family_rows(tests), self.dir / "tables" / "role_tests", caption="the roles family")
         freq = frequency_rows(rows, steps)
+        series = {
+            f"{g} {ds}": [
+                next(
+                    (
+                        {"value": x["test_accuracy"], "low": x["test_accuracy_low"], "high": x["test_accuracy_high"]}
+                        for x in per_step
+                        if (x["group"], x["desideratum"], x["step"]) == (g, ds, s)
+                    ),
+                    None,
+                )
+                for s in self.steps
+            ]
+            for g, ds in dict.fromkeys((x["group"], x["desideratum"]) for x in per_step)
+        }
+        fig = band_figure(
+            self.steps,
+            series,
+            self.dir / "figures" / "role_dcm.png",
+            "DCM over seeds in each checkpoint: target accuracy with its selection patched (exact binomial 95% CI)",
+            "target accuracy",
+        )
         r, d = self.s.st.roles, self.s.st.dcm
         self.sections.append(
             "## Roles over the steps (DCM over seeds in each checkpoint)\n\n"
@@ -396,6 +417,8 @@ class _Report:
                 if freq
                 else "No seed's mask selects a head at any step.\n"
             )
+            + "\n"
+            + self.figure(fig, "the selections' target accuracy against the step")
         )
 
     def structure(self) -> None:

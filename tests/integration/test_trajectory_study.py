@@ -490,6 +490,28 @@ def test_roles_by_dcm_in_each_scored_checkpoint(tiny_run, tmp_path):
     tests = json.loads((out / "tables" / "role_tests.json").read_text())
     assert {t["family"] for t in tests} == {"roles"}
     assert len(tests) == 2 * sum(r["selected"] != "-" for r in per_step)
+    # the family recomputes from the committed files alone: outcomes.json's bits, role_dcm's steps
+    from mechdiff.report.roles import roles_family
+
+    recomputed = []
+    for step, name in ((0, names[0]), (4, names[2])):
+        rec = outcomes[f"roles:{name}"]
+        draws = [v["correct"] for k, v in rec.items() if k.startswith("last/positional/random/")]
+        sel = rec.get("last/positional/selection")
+        recomputed.append(
+            {
+                "group": "last",
+                "desideratum": "positional",
+                "step": step,
+                "label": f"last/positional at step {step}",
+                "selected": ["-"] if sel else [],
+                "test_outcomes": sel and sel["correct"],
+                "floor_outcomes": rec["last/positional/floor"]["correct"],
+                "random_outcomes": draws,
+            }
+        )
+    again = [t.row() for t in roles_family(recomputed).values()]
+    assert [(t["claim"], t["p"], t["p_holm"]) for t in again] == [(t["claim"], t["p"], t["p_holm"]) for t in tests]
     assert [r["step"] for r in per_step] == [0, 4]
     bad = task_file(tmp_path / "bad.toml", run, out, extra='\n[roles]\nmethod = "dcm"\nsteps = [3]\n')
     with pytest.raises(SpecError, match=r"\[roles\] steps must be steps of the trajectory \(0, 2, 4\), not \[3\]"):

@@ -29,9 +29,16 @@ from mechdiff.methods.dcm import (
     split_indices,
     train_mask,
 )
-from mechdiff.methods.roles import dcm_seeds, frequency, redraw
+from mechdiff.methods.roles import dcm_seeds, frequency, redraw, transitions
 from mechdiff.patching.core import run
-from mechdiff.report.roles import roles_family, seeded_roles, seeded_rows, seeded_step_rows, transition_rows
+from mechdiff.report.roles import (
+    role_sentences,
+    roles_family,
+    seeded_roles,
+    seeded_rows,
+    seeded_step_rows,
+    transition_rows,
+)
 from mechdiff.studies.trajectory import RolesSection, roles_dcm_config
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors
 
@@ -231,3 +238,22 @@ def test_a_selection_above_the_floor_but_not_above_its_random_heads_holds_no_rol
     (role,) = seeded_roles(flat, [0, 5, 10], tests)
     assert role.low[:, 0].tolist() == [1.0, 0.0] and not role.low[:, 1:].any()
     assert role.value[:, 0].tolist() == [1.0, pytest.approx(1 / 3)]
+
+
+def test_the_sentences_name_each_join_leave_and_takeover():
+    """A role not shown at step 5, held by L1H0 and L2H3 from 15, where at 45 L4H2 replaces L1H0: the sentence says
+    where it is held and not, that the two join at 15 (nothing held before them: no takeover), and that L4H2 takes
+    over from L1H0 at 45 while L1H0 leaves; a role held by nobody gets its own sentence."""
+    steps = [5, 15, 45]
+    membership = np.array([[0, 1, 0], [0, 1, 1], [0, 0, 1]], dtype=bool)
+    moves = [
+        {"group": "last", "desideratum": "positional", **{**m, "others": " ".join(m["others"]) or "-"}}
+        for m in transitions(membership, ["L1H0", "L2H3", "L4H2"], steps)
+    ]
+    per_step = [{"group": "last", "desideratum": "positional", "step": s, "holds": s > 5} for s in steps]
+    per_step += [{"group": "last", "desideratum": "label_value", "step": s, "holds": False} for s in steps]
+    assert role_sentences(steps, per_step, moves) == [
+        "- **last / positional**: held at steps 15, 45; not shown at 5: at step 15 L1H0, L2H3 join; at step 45 "
+        "L4H2 takes over from L1H0; L1H0 leaves.",
+        "- **last / label_value**: held at no step scored. No head joins or leaves.",
+    ]
