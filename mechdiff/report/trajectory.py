@@ -390,7 +390,8 @@ class _Report:
             "redrawn; the test pairs the same). A head is in the step's selection where at least "
             f"{r.votes} of the {r.seeds} masks select it. The group **holds** the role at the step where its "
             "selection, patched on the test pairs, beats both the unpatched floor (exact McNemar) and "
-            f"{r.n_random} random head sets of the selection's layers (sign-flip test over pairs), each paired and "
+            f"{r.n_random} random head sets of the selection's layers (on each pair's share of draws giving the "
+            "target: the sign-flip test over pairs, exact McNemar where every share is 0 or 1), each paired and "
             'Holm-adjusted in the "roles" family (`tables/role_tests.md`, per-pair outcomes in `outcomes.json`); '
             "the heads holding it are then the selection.\n\n"
             + "\n".join(role_sentences(steps, per_step, moves))
