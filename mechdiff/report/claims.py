@@ -7,12 +7,14 @@ sentence is written so that each sentence reads its family's Holm-adjusted p.
   against random heads, on the same test pairs; paired exactly where the stage kept per-pair outcomes of the
   floor and the random heads, else the exact McNemar test at the least favourable pairing the counts allow (a
   bound on the paired p);
+- "roles" (a trajectory's roles by DCM, :mod:`mechdiff.report.roles`): the same two tests of each step's
+  selection, every step and role adjusted together;
 - "differences between the models" lives in :mod:`mechdiff.report.paired`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -24,6 +26,7 @@ from .families import worst_pairing
 GAIN = "which parts carry the gain"
 CONTROLS = "circuit against controls"
 ENCODES = "what the heads encode"
+ROLES = "roles"
 
 
 def cmap_pairs(result: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -78,25 +81,30 @@ def _against(row: Mapping[str, Any], kind: str, claim: str) -> Optional[inf.Test
     return worst_pairing(k, f, n, claim)
 
 
-def encodes_family(dcm_rows: list[Mapping[str, Any]]) -> dict[tuple[str, str, str], inf.Test]:
-    """Every selected DCM group against its floor and its random heads, adjusted together:
-    ``(group, desideratum, "floor" | "random") -> test``."""
-    fam, keys = inf.Family(ENCODES), []
+def encodes_family(
+    dcm_rows: list[Mapping[str, Any]], family: str = ENCODES, by: Sequence[str] = ("group", "desideratum")
+) -> dict[tuple, inf.Test]:
+    """Every selected DCM group against its floor and its random heads, adjusted together in ``family``:
+    ``(*row[by], "floor" | "random") -> test`` (``by``: the fields naming a row, e.g. the step as well where a
+    trajectory tests each step's selection; a row's ``label``, where it has one, names it in the claim)."""
+    fam, keys = inf.Family(family), []
     for r in dcm_rows:
         if not r.get("selected"):
             continue
+        label = r.get("label") or f"{r['group']}/{r['desideratum']}"
         for kind in ("floor", "random"):
-            test = _against(r, kind, f"DCM {r['group']}/{r['desideratum']}: patched - {kind}")
+            test = _against(r, kind, f"DCM {label}: patched - {kind}")
             if test is not None:
                 fam.add(test)
-                keys.append((r["group"], r["desideratum"], kind))
+                keys.append((*(r[k] for k in by), kind))
     return dict(zip(keys, fam.adjusted()))
 
 
-def encodes(tests: Mapping[tuple[str, str, str], inf.Test], group: str, desideratum: str) -> bool:
-    """Whether a group is shown to encode a desideratum: above the floor and above random heads, each
-    surviving Holm in its family (a group with no random control needs the floor alone)."""
-    floor, random = tests.get((group, desideratum, "floor")), tests.get((group, desideratum, "random"))
+def encodes(tests: Mapping[tuple, inf.Test], *key: Any) -> bool:
+    """Whether a group is shown to encode a desideratum (``key``: as :func:`encodes_family`'s ``by``, e.g. group
+    and desideratum): above the floor and above random heads, each surviving Holm in its family (a group with no
+    random control needs the floor alone)."""
+    floor, random = tests.get((*key, "floor")), tests.get((*key, "random"))
     return all(t is not None and t.rejects and t.interval.value > 0 for t in (floor, random) if t is not None) and (
         floor is not None
     )

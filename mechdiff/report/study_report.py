@@ -384,7 +384,8 @@ def _first_and_rest_columns(split: dict, at: np.ndarray, one_token: bool) -> dic
     """The model's and the circuit's first-token accuracy and their ratio on the prompts ``at``, and (answers of
     several tokens) the same of the rest; empty where the records kept no split (``split``: ``full`` and
     ``circuit`` -> ``(first, rest)`` or ``(None, None)``)."""
-    from ..common.stats import bootstrap_ratio, proportion
+    from ..common.inference import proportion
+    from ..common.stats import bootstrap_ratio
 
     (full_first, full_rest), (circ_first, circ_rest) = split["full"], split["circuit"]
     if full_first is None or circ_first is None:

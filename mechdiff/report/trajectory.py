@@ -90,6 +90,13 @@ class _Report:
         write_table(rows, self.dir / "tables" / stem, caption=caption)
         return f"**{caption}** (`tables/{stem}.md`)\n\n" + to_markdown(rows) + "\n"
 
+    def drop(self, *stems: str) -> None:
+        """Remove tables an earlier run wrote that this one does not (so the page never shows a stale one)."""
+        for stem in stems:
+            for path in (self.dir / "tables").glob(f"{stem}.*"):
+                if path.suffix in (".md", ".csv", ".tex", ".json"):
+                    path.unlink()
+
     def figure(self, path: Path, caption: str) -> str:
         return f"![{caption}]({path.relative_to(self.dir)})\n\n*{caption}*\n"
 
@@ -277,7 +284,7 @@ class _Report:
     def roles(self) -> None:
         """Role membership over the steps, where the study ran the roles stage (``[roles]``)."""
         from ..common.outcomes import read_record
-        from .roles import membership_rows, roles_of, score_rows, takeover_rows
+        from .roles import membership_rows, roles_of, score_rows, transition_rows
 
         got = self.r.get("roles") or {}
         if not got:
@@ -298,7 +305,7 @@ class _Report:
             for s, rec in zip(steps, records)
         ]
         write_table(score_rows(roles, steps, t), self.dir / "tables" / "role_scores", caption="role scores")
-        takers = takeover_rows(roles, steps, t)
+        moves = transition_rows(roles, steps, t)
         self.sections.append(
             "## Roles over the steps\n\n"
             f"Each head of the groups scored alone: its output at the group's position patched from each pair's "
@@ -308,71 +315,111 @@ class _Report:
             "not DCM's jointly trained masks: a role only several heads together carry shows in none.\n\n"
             + self.table(membership_rows(roles, steps, t), "roles", "Heads holding each role at each step")
             + "\n"
-            + (
-                self.table(
-                    takers,
-                    "role_takeovers",
-                    "Heads holding a role at the last step: from which step on, and the heads that held it before "
-                    "(and, of those, lost it)",
-                )
-                if takers
-                else "No head holds a role at the last step.\n"
-            )
+            + self.transitions(moves)
             + "\n"
             + self.table(floor, "role_floor", "Share of pairs whose unpatched base run already gives the target")
         )
 
-    def dcm_roles(self, records: list[dict], steps: list[int]) -> None:
-        """Roles from DCM trained in each scored checkpoint (``[roles] method = "dcm"``): each step's selection,
-        membership over the steps and the takeovers."""
-        from .roles import dcm_roles, dcm_rows, membership_rows, takeover_rows
+    def transitions(self, moves: list[dict]) -> str:
+        """The table of heads that join, leave or take over a role (``tables/role_transitions``), or a line saying
+        none does."""
+        self.drop("role_takeovers")  # what runs wrote before joins, leaves and takeovers were named
+        if not moves:
+            self.drop("role_transitions")
+            return "No head joins, leaves or takes over a role between the steps scored.\n"
+        return self.table(
+            moves,
+            "role_transitions",
+            "Heads that join a role (hold it at a step and not at the step before), leave it, or take it over (join "
+            "where another head leaves the same role at the same step; others: the heads it takes over from, or "
+            "that take over from it). A head that joins with nothing held before it joins; it takes nothing over",
+        )
 
-        roles = dcm_roles(records)
-        rows = dcm_rows(records, steps)
+    def dcm_roles(self, records: list[dict], steps: list[int]) -> None:
+        """Roles from DCM over seeds in each scored checkpoint (``[roles] method = "dcm"``,
+        :func:`~mechdiff.methods.roles.dcm_seeds`): the "roles" family, each step's selection and tests, the heads'
+        selection frequencies, membership, and what joins, leaves or takes over, in a table and in sentences."""
+        from .claims import family_rows
+        from .roles import (
+            frequency_rows,
+            membership_rows,
+            role_sentences,
+            roles_family,
+            seeded_roles,
+            seeded_rows,
+            seeded_step_rows,
+            transition_rows,
+        )
+
+        rows = seeded_rows(records, steps)
+        tests = roles_family(rows)
+        roles, per_step = seeded_roles(rows, steps, tests), seeded_step_rows(rows, tests)
+        moves = transition_rows(roles, steps, 0.5)
+        self.drop("role_tests", "role_frequency")
+        if tests:
+            write_table(family_rows(tests), self.dir / "tables" / "role_tests", caption="the roles family")
+        freq = frequency_rows(rows, steps)
         series = {
-            f"{g} {d}": [
+            f"{g} {ds}": [
                 next(
-                    {"value": r["test_accuracy"], "low": r["test_accuracy_low"], "high": r["test_accuracy_high"]}
-                    for r in rows
-                    if (r["group"], r["desideratum"], r["step"]) == (g, d, s)
+                    (
+                        {"value": x["test_accuracy"], "low": x["test_accuracy_low"], "high": x["test_accuracy_high"]}
+                        for x in per_step
+                        if (x["group"], x["desideratum"], x["step"]) == (g, ds, s)
+                    ),
+                    None,
                 )
-                if s in steps
-                else None
                 for s in self.steps
             ]
-            for g, d in dict.fromkeys((r["group"], r["desideratum"]) for r in rows)
+            for g, ds in dict.fromkeys((x["group"], x["desideratum"]) for x in per_step)
         }
         fig = band_figure(
             self.steps,
             series,
             self.dir / "figures" / "role_dcm.png",
-            "DCM trained in each checkpoint: target accuracy with its selection patched (exact binomial 95% CI)",
+            "DCM over seeds in each checkpoint: target accuracy with its selection patched (exact binomial 95% CI)",
             "target accuracy",
         )
-        takers = takeover_rows(roles, steps, 0.5)
-        d = self.s.st.dcm
+        r, d = self.s.st.roles, self.s.st.dcm
         self.sections.append(
-            "## Roles over the steps (DCM in each checkpoint)\n\n"
-            f"DCM trained in each of steps {', '.join(map(str, steps))} over the final circuit's groups ({d.n_train} "
-            f"training, {d.n_val} validation and {d.n_test} test pairs a desideratum, {d.epochs} epochs): the heads "
-            "each role needs together at that step. A head holds a role at a step where it is in that step's selection "
-            "and the selection's test accuracy lies above the unpatched floor (exact binomial intervals apart).\n\n"
-            + self.table(rows, "role_dcm", "DCM trained in each checkpoint: the selection per role and step")
+            "## Roles over the steps (DCM over seeds in each checkpoint)\n\n"
+            f"DCM trained in each of steps {', '.join(map(str, steps))} over every head any checkpoint's own circuit "
+            f"has in each group ({d.n_train} training, {d.n_val} validation and {d.n_test} test pairs a "
+            f"desideratum, {d.epochs} epochs), with one absolute sparsity weight at every step (lambda = {r.lam}), "
+            f"{r.seeds} times (seed 0 on DCM's own split, each other seed on the training and validation pairs "
+            "redrawn; the test pairs the same). A head is in the step's selection where at least "
+            f"{r.votes} of the {r.seeds} masks select it. The group **holds** the role at the step where its "
+            "selection, patched on the test pairs, beats both the unpatched floor (exact McNemar) and "
+            f"{r.n_random} random head sets of the selection's layers (on each pair's share of draws giving the "
+            "target: the sign-flip test over pairs, exact McNemar where every share is 0 or 1), each paired and "
+            'Holm-adjusted in the "roles" family (`tables/role_tests.md`, per-pair outcomes in `outcomes.json`); '
+            "the heads holding it are then the selection.\n\n"
+            + "\n".join(role_sentences(steps, per_step, moves))
+            + "\n\n"
+            + self.table(
+                per_step,
+                "role_dcm",
+                "Each role and step: the selection (seeds selecting each head), "
+                "test accuracy and floor (exact binomial 95% CI), the random heads' mean, the paired "
+                "differences with their Holm p, and whether the group holds the role",
+            )
             + "\n"
             + self.table(membership_rows(roles, steps, 0.5), "roles", "Heads holding each role at each step (DCM)")
             + "\n"
+            + self.transitions(moves)
+            + "\n"
             + (
                 self.table(
-                    takers,
-                    "role_takeovers",
-                    "Heads holding a role at the last step scored: from which step on, and the heads that held it "
-                    "before (and, of those, lost it)",
+                    freq,
+                    "role_frequency",
+                    "Selection frequency: of the seeds' masks, how many select each head at each step (heads some "
+                    "seed selects)",
                 )
-                if takers
-                else "No head holds a role at the last step scored.\n"
+                if freq
+                else "No seed's mask selects a head at any step.\n"
             )
             + "\n"
-            + self.figure(fig, "DCM selections' target accuracy against the step")
+            + self.figure(fig, "the selections' target accuracy against the step")
         )
 
     def structure(self) -> None:
@@ -557,7 +604,8 @@ class _Report:
         label, so each interval the report states can be recomputed from ``outcomes.json``: accuracy (every
         checkpoint, the other runs' too), ``scores:<ckpt>`` (the whole model and each circuit kept alone),
         ``cmap:<ckpt>`` (the first checkpoint, the checkpoint, and the first with each group patched) and
-        ``semantic:<ckpt>`` (each DCM selection patched, ``group/desideratum``)."""
+        ``semantic:<ckpt>`` (each DCM selection patched, ``group/desideratum``) and ``roles:<ckpt>`` (roles by DCM:
+        each step's selection, its floor and each random head set on the test pairs, :func:`role_outcomes`)."""
         from ..common.outcomes import outcome_record
 
         runs = self.r.get("runs", {}).get("accuracy", {})
@@ -576,6 +624,11 @@ class _Report:
             rows = self.r["semantic"][n].result["rows"]
             if rows:
                 out[f"semantic:{n}"] = {f"{x['group']}/{x['desideratum']}": outcome_record(x["outcomes"]) for x in rows}
+            role = self.r.get("roles", {}).get(n)
+            if role is not None and role.result.get("method") == "dcm":
+                from .roles import role_outcomes
+
+                out[f"roles:{n}"] = role_outcomes(role.result["rows"])
         return out
 
     def write(self) -> Path:
@@ -651,6 +704,13 @@ class _Report:
         if st.roles and st.roles.method == "dcm":
             steps = ", ".join(map(str, st.roles.steps)) or "every step"
             settings.append({"what": "roles: DCM trained in each checkpoint at steps", "setting": steps})
+            r = st.roles
+            settings.append(
+                {
+                    "what": "roles: sparsity weight (absolute, every step); seeds; votes; random head sets",
+                    "setting": f"{r.lam}; {r.seeds}; {r.votes} of {r.seeds}; {r.n_random} (layer-matched)",
+                }
+            )
         elif st.roles:
             settings.append(
                 {"what": "role pairs per desideratum; threshold", "setting": f"{st.roles.n}; {st.roles.threshold}"}

@@ -284,7 +284,7 @@ class TrajectoryRun:
         body = []
         for i, (g, d) in enumerate(dict.fromkeys((r["group"], r["desideratum"]) for r in rows)):
             sets = {r["step"]: _heads(r["holding"]) for r in rows if (r["group"], r["desideratum"]) == (g, d)}
-            title = f"Heads holding {g} / {d} at each checkpoint (single-head share's lower bound above the threshold)"
+            title = f"Heads holding {g} / {d} at each checkpoint scored (tables/roles.md: how a head holds a role)"
             if any(sets.values()):
                 body.append(figs.div(membership_figure(self.steps, sets, title, "holds"), f"held-role-{i}"))
             else:
@@ -298,11 +298,11 @@ class TrajectoryRun:
         labels = self.tables.get("dcm_labels") or []
         body = self.held_roles(figs)
         if body:
-            takers = self.tables.get("role_takeovers")
-            if takers:
-                body.append(
-                    table_html(takers, caption(self.dir / "tables/role_takeovers.json"), "tables/role_takeovers.csv")
-                )
+            for name in ("role_transitions", "role_takeovers"):  # the second: runs before joins and leaves were named
+                moves = self.tables.get(name)
+                if moves:
+                    body.append(table_html(moves, caption(self.dir / f"tables/{name}.json"), f"tables/{name}.csv"))
+                    break
         elif labels and "step" in labels[0]:
             roles = dict.fromkeys((r["group"], r["desideratum"]) for r in labels)
             for i, (g, d) in enumerate(roles):

@@ -18,7 +18,9 @@ Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its i
 - ``semantic:<ckpt>``: semantic patching of each DCM selection in the checkpoint;
 - ``roles:<ckpt>`` (only where the task file has a ``[roles]`` section): every head of the chosen groups of any
   checkpoint's own circuit scored alone on each desideratum in the checkpoint (:func:`~mechdiff.methods.roles.
-  head_scores`), from which the report gives role membership over the steps and the takeovers.
+  head_scores`), or with ``method = "dcm"`` DCM over them with one fixed sparsity weight, several seeds
+  (:func:`~mechdiff.methods.roles.dcm_seeds`), from which the report gives role membership over the steps and
+  the heads that join, leave or take over a role.
 
 The base loads once; the adapters are swapped (:class:`~mechdiff.methods.trajectory.Checkpoints`), and nothing loads
 when every stage is cached. The report gives each quantity per step with its interval, its paired difference
@@ -33,7 +35,7 @@ import json
 import logging
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -41,7 +43,8 @@ from typing import Any, Optional
 from ..circuits.circuit import Circuit
 from ..circuits.curve import SELECT, SIZES, TARGET
 from ..common.io import check_writable, run_lock
-from ..methods.roles import THRESHOLD
+from ..methods.dcm import DCMConfig
+from ..methods.roles import SEEDS, THRESHOLD, VOTES
 from ..methods.trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
 from ..models.loading import load_tokenizer, spec_digest
 from ..runs.seeds import derive, prompt_seed
@@ -98,6 +101,17 @@ class TrajectoryDcm(DcmSection):
     n_random: int = 5
 
 
+#: ``[roles]`` fields the single-head scores do not read (left out of their stage key).
+DCM_ONLY = ("steps", "method", "lam", "seeds", "votes", "n_random")
+
+
+def roles_dcm_config(config: DCMConfig, roles: RolesSection) -> DCMConfig:
+    """The DCM training of ``[roles] method = "dcm"``: ``[dcm]``'s (``config``), but the sparsity weight
+    ``[roles] lam`` taken as is (absolute: the same at every checkpoint, not scaled by its logits) and
+    ``[roles] n_random`` random head sets of the selection's layers."""
+    return replace(config, lam=roles.lam, lam_scale="absolute", random_pool="layer", n_random=roles.n_random)
+
+
 def dcm_key(d: TrajectoryDcm) -> dict:
     """``[dcm]`` as the trajectory's stage keys read it: ``n_random`` (a field added after the committed
     trajectories) left out at its value here, so their keys stay."""
@@ -133,8 +147,15 @@ class RolesSection:
     heads: str = "any"
     steps: list[int] = field(default_factory=list)  # the steps scored (empty: every checkpoint)
     # "heads": each head scored alone (n pairs a desideratum); "dcm": DCM's masks trained in each checkpoint over the
-    # final circuit's groups ([dcm] sizes and training), the heads a role needs together (the paper's method)
+    # candidate heads of the groups ([dcm] pairs and training), the heads a role needs together (the paper's method)
     method: str = "heads"
+    # method "dcm" only: the sparsity weight, absolute and the same at every step (the paper's form; [dcm]'s
+    # lam_scale does not apply); DCM trainings per step; the seeds that must select a head; random head sets of the
+    # selection's layers the selection is tested against
+    lam: float = DCMConfig.lam
+    seeds: int = SEEDS
+    votes: int = VOTES
+    n_random: int = DCMConfig.n_random
 
 
 @dataclass
@@ -268,6 +289,14 @@ def _check_roles(
         )
     if not 0 <= roles.threshold < 1:
         raise SpecError(f"{path}:{line_of(text, 'roles', 'threshold')}: [roles] threshold must lie in [0, 1)")
+    for key, bad, need in (
+        ("lam", roles.lam <= 0, "a sparsity weight above 0"),
+        ("seeds", roles.seeds < 1, "at least 1 DCM training a step"),
+        ("votes", not 1 <= roles.votes <= roles.seeds, f"between 1 and seeds ({roles.seeds})"),
+        ("n_random", roles.n_random < 1, "at least 1 random head set (the test against random heads needs one)"),
+    ):
+        if bad and roles.method == "dcm":
+            raise SpecError(f"{path}:{line_of(text, 'roles', key)}: [roles] {key} must be {need}")
     from ..tasks.desiderata import desideratum_name
 
     own = get_task(task).desiderata
@@ -710,11 +739,14 @@ class TrajectoryStudy(Study):
             return []
         return [n for n, s in zip(self.names, self.steps) if not r.steps or s in r.steps]
 
-    def role_sites(self, circuits: dict[str, StageRecord]) -> list[tuple[str, str, list]]:
+    def role_sites(
+        self, circuits: dict[str, StageRecord], pairs: Optional[dict[str, list]] = None
+    ) -> list[tuple[str, str, list]]:
         """The (group, position, heads) whose heads the roles stage scores: the final circuit's groups (:meth:`groups`
         of ``[roles] groups``, else of ``[dcm] groups``), each with the heads any checkpoint's own circuit has in
         it (so that a head holding a role early and losing it is scored too; ``[roles] heads = "final"``: the final
-        circuit's only), in layer then head order."""
+        circuit's only), in layer then head order. ``pairs``: those the stage patches (default :meth:`role_pairs`),
+        whose classes must hold as many tokens in both prompts of a pair."""
         final = Circuit.from_dict(circuits[self.final].result["circuit"])
         scored = circuits.values() if self.st.roles.heads == "any" else [circuits[self.final]]
         own = [Circuit.from_dict(rec.result["circuit"]) for rec in scored]
@@ -723,7 +755,7 @@ class TrajectoryStudy(Study):
         groups = self.groups(final, self.st.roles.groups or self.st.dcm.groups)
         # a class whose token count differs between a pair's two prompts is patched token for token nowhere: left
         # out, as DCM leaves it out
-        unequal = unpaired_classes(final, groups, self.role_pairs(), self.st.eval.batch_size)
+        unequal = unpaired_classes(final, groups, pairs or self.role_pairs(), self.st.eval.batch_size)
         out = []
         for g in (g for g in groups if g not in unequal):
             pos = final.positions[g]
@@ -739,7 +771,7 @@ class TrajectoryStudy(Study):
 
     def roles(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
         if self.st.roles.method == "dcm":
-            return self.role_dcm(name, circuits[self.final])
+            return self.role_dcm(name, circuits)
         from ..methods.roles import head_scores
 
         def compute() -> dict:
@@ -754,9 +786,9 @@ class TrajectoryStudy(Study):
             {
                 "model": self.digests[name],
                 "task": self.task_inputs(),
-                # which steps are scored and by which method do not change one step's head scores: the key keeps
-                # the fields it had before they were added
-                "roles": {k: v for k, v in asdict(self.st.roles).items() if k not in ("steps", "method")},
+                # which steps are scored, by which method and DCM's settings do not change one step's head scores:
+                # the key keeps the fields it had before they were added
+                "roles": {k: v for k, v in asdict(self.st.roles).items() if k not in DCM_ONLY},
                 "dcm_groups": self.st.dcm.groups,
                 "circuits": {c: r.key for c, r in circuits.items()},
                 "batch_size": self.st.eval.batch_size,
@@ -764,25 +796,32 @@ class TrajectoryStudy(Study):
             compute,
         )
 
-    def role_dcm(self, name: str, final: StageRecord) -> StageRecord:
-        """``[roles] method = "dcm"``: DCM trained in checkpoint ``name`` over the final circuit's groups (``[roles]
-        groups``, else ``[dcm] groups``) on ``[roles] desiderata`` (else the task's), with ``[dcm]``'s pairs and
-        training: the heads each role needs together at this step, and their test accuracy against the floor."""
+    def role_dcm(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
+        """``[roles] method = "dcm"``: DCM trained in checkpoint ``name`` ``[roles] seeds`` times over the candidate
+        heads of the final circuit's groups (:meth:`role_sites`: every head any checkpoint's own circuit has there)
+        on ``[roles] desiderata`` (else the task's), with ``[dcm]``'s pairs and training but the fixed sparsity
+        weight ``[roles] lam`` (:func:`roles_dcm_config`); per role the selection, the seeds' frequencies and the
+        per-pair test outcomes of the selection, the floor and layer-matched random heads
+        (:func:`~mechdiff.methods.roles.dcm_seeds`)."""
+        from ..methods.roles import dcm_seeds
+
         r, d = self.st.roles, self.st.dcm
 
         def compute() -> dict:
-            names = r.desiderata or list(self.task.desiderata)
-            results, left_out = self.train_dcm(name, final, r.groups or d.groups, names)
-            return {"method": "dcm", "dcm": results, "left_out": left_out}
+            pairs = self.desiderata(d.n_train + d.n_val + d.n_test, names=r.desiderata or list(self.task.desiderata))
+            sites = self.role_sites(circuits, pairs)
+            config = roles_dcm_config(self.dcm_config(), r)
+            rows = dcm_seeds(self.checkpoints().model(name), sites, pairs, config, r.seeds, r.votes, self.progress)
+            return {"method": "dcm", "sites": [[g, p, [h.name for h in hs]] for g, p, hs in sites], "rows": rows}
 
         return self.cache.run(
             f"roles:{name}",
             {
                 "model": self.digests[name],
                 "task": self.task_inputs(),
-                "roles": {"method": "dcm", "groups": r.groups, "desiderata": r.desiderata},
+                "roles": {k: v for k, v in asdict(r).items() if k not in ("steps", "n", "threshold")},
                 "dcm": dcm_key(d),
-                "circuit": final.key,
+                "circuits": {c: rec.key for c, rec in circuits.items()},
                 **self.class_groups(r.groups or d.groups),
             },
             compute,

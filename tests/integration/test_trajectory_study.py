@@ -333,9 +333,9 @@ def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp
     """A tiny trajectory run with ``[roles]``: a ``roles:<ckpt>`` stage per checkpoint (none without the section),
     every head any checkpoint's own circuit has in the ``last`` group scored on two desiderata (targets set to the
     last checkpoint's own answers, so that heads hold a role there); ``tables/roles.json`` is the membership
-    recomputed here from the stage records' lower bounds (not the shares), the takeovers table lists exactly the
-    heads holding a role at the last step, and report.html has a chart per role some head holds, a note for the
-    others."""
+    recomputed here from the stage records' lower bounds (not the shares), the transitions table holds exactly the
+    joins, leaves and takeovers of that membership, and report.html has a chart per role some head holds, a note
+    for the others."""
     from mechdiff.common.outcomes import from_bits
 
     _, run = tiny_run
@@ -387,11 +387,16 @@ def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp
             assert (row["desideratum"], row["step"], row["holding"]) == (d, step, " ".join(holding) or "-")
         assert (f'id="held-role-{d_i}"' in html) == ever and (f"No scored head holds last / {d}" in html) != ever
     assert 'id="held-role-1"' in html  # the last checkpoint's own answers: patching one head seldom moves them
-    takers = json.loads((out / "tables" / "role_takeovers.json").read_text())
-    last = {
-        (r["desideratum"], h) for r in table if r["step"] == study.steps[-1] for h in r["holding"].split() if h != "-"
-    }
-    assert {(t["desideratum"], t["head"]) for t in takers} == last and last
+    moves_file = out / "tables" / "role_transitions.json"
+    moves = json.loads(moves_file.read_text()) if moves_file.exists() else []
+    want = []  # joins, leaves and takeovers read off the membership table by set differences
+    for d in ("positional", "object"):
+        sets = [set(r["holding"].split()) - {"-"} for r in table if r["desideratum"] == d]
+        for i in range(1, len(sets)):
+            joined, left = sets[i] - sets[i - 1], sets[i - 1] - sets[i]
+            want += [(d, study.steps[i], h, "takes over" if left else "joins") for h in joined]
+            want += [(d, study.steps[i], h, "leaves") for h in left]
+    assert sorted((m["desideratum"], m["step"], m["head"], m["event"]) for m in moves) == sorted(want)
 
 
 def test_roles_section_errors_name_the_line_and_no_section_means_no_stage(tiny_run, tmp_path):
@@ -434,36 +439,83 @@ def test_other_runs_are_checked_when_the_task_file_loads(tiny_run, tmp_path):
 
 
 def test_roles_by_dcm_in_each_scored_checkpoint(tiny_run, tmp_path):
-    """``[roles] method = "dcm"`` at steps 0 and 4: a roles stage at those steps only, each DCM trained in that
-    checkpoint over the final circuit's ``last`` group, equal to DCM run here on the checkpoint loaded on its own;
-    ``tables/roles.json`` holds a head at a step exactly where it is selected and the selection's test accuracy
-    lies above the floor; steps the trajectory lacks are refused."""
-    from mechdiff.circuits.circuit import Circuit
-    from mechdiff.methods.dcm import dcm_circuit
+    """``[roles] method = "dcm"`` at steps 0 and 4: a roles stage at those steps only, each DCM over seeds trained in
+    that checkpoint over every head any checkpoint's own circuit has in ``last``, with the fixed sparsity weight,
+    equal to :func:`dcm_seeds` run here on the checkpoint loaded on its own; ``tables/roles.json`` holds a head at a
+    step exactly where it is in the selection and the step's row holds the role (both paired tests after Holm in the
+    "roles" family, ``tables/role_tests.json``); the per-pair outcomes are in ``outcomes.json``; steps the
+    trajectory lacks are refused."""
+    from mechdiff.common.components import parse_heads
+    from mechdiff.methods.roles import dcm_seeds
     from mechdiff.models.loading import load_model
+    from mechdiff.studies.trajectory import roles_dcm_config
 
     _, run = tiny_run
     out = tmp_path / "out"
     labels = positional_labels(tmp_path, "L2H1")
-    roles = '\n[roles]\nmethod = "dcm"\nsteps = [0, 4]\ngroups = ["last"]\ndesiderata = ["positional"]\n'
+    roles = (
+        '\n[roles]\nmethod = "dcm"\nsteps = [0, 4]\ngroups = ["last"]\ndesiderata = ["positional"]\n'
+        "lam = 0.00001\nseeds = 2\nvotes = 1\nn_random = 3\n"  # the tiny model's logits are small
+    )
     path = task_file(tmp_path / "t.toml", run, out, extra=f'labels = "{labels}"\n{roles}')
     study = load_study(path, progress=False)
     names = study.names
     assert [p.name for p in study.plan() if p.name.startswith("roles")] == [f"roles:{names[0]}", f"roles:{names[2]}"]
+    study.st.dcm.epochs = 10  # 20 mask updates at lr 0.1 (1 epoch, 2 updates, cannot move a mask below 0.5)
+    n = study.st.dcm.n_train + study.st.dcm.n_val + study.st.dcm.n_test
     study.run()
-    final = Circuit.from_dict(study.circuit(names[-1]).result["circuit"])
-    pairs = study.desiderata(study.st.dcm.n_train + study.st.dcm.n_val + study.st.dcm.n_test, names=["positional"])
+    own = [json.loads((out / "circuits" / f"{label(n)}.json").read_text()) for n in names]
+    order = lambda h: [int(x) for x in h[1:].split("H")]  # noqa: E731
+    heads = sorted({h for c in own for h in c["groups"].get("last", [])}, key=order)
+    pairs = study.desiderata(n, names=["positional"])
+    config = roles_dcm_config(study.dcm_config(), study.st.roles)
+    assert config.lam == 1e-5 and config.lam_scale == "absolute" and config.random_pool == "layer"
     table = json.loads((out / "tables" / "roles.json").read_text())
+    per_step = json.loads((out / "tables" / "role_dcm.json").read_text())
+    outcomes = json.loads((out / "outcomes.json").read_text())["stages"]
     for step, name in ((0, names[0]), (4, names[2])):
-        got = json.loads(study.cache.path(f"roles:{name}").read_text())["result"]["dcm"]
-        want = dcm_circuit(load_model(name), final, pairs, study.dcm_config(), ["last"], progress=False)
-        assert [(r["group"], r["selected"]) for r in got] == [("last", [h.name for h in w.selected]) for w in want]
-        assert [r["test_accuracy"]["value"] for r in got] == [w.test_accuracy.value for w in want]
+        got = json.loads(study.cache.path(f"roles:{name}").read_text())["result"]
+        assert got["sites"] == [["last", "last", heads]]
+        (want,) = dcm_seeds(load_model(name), [("last", "last", parse_heads(heads))], pairs, config, 2, 1)
+        (x,) = got["rows"]
+        assert [s["selected"] for s in x["seeds"]] == [s["selected"] for s in want["seeds"]]
+        for k in ("selected", "test_outcomes", "floor_outcomes", "random_outcomes"):
+            assert x[k] == want[k], k
+        assert outcomes[f"roles:{name}"]["last/positional/floor"]["correct"] == x["floor_outcomes"]
         (row,) = [r for r in table if r["step"] == step]
-        (x,) = got
-        held = x["selected"] if x["selected"] and x["test_accuracy"]["low"] > x["floor"]["high"] else []
-        assert row["holding"] == (" ".join(held) or "-") and row["heads_scored"] == len(x["heads"])
-    assert [r["step"] for r in json.loads((out / "tables" / "role_dcm.json").read_text())] == [0, 4]
+        (verdict,) = [r for r in per_step if r["step"] == step]
+        assert row["holding"] == (" ".join(x["selected"]) if verdict["holds"] else "-")
+        assert row["heads_scored"] == len(heads)
+    assert any(r["selected"] != "-" for r in per_step)  # else the family below would be empty
+    tests = json.loads((out / "tables" / "role_tests.json").read_text())
+    assert {t["family"] for t in tests} == {"roles"}
+    assert len(tests) == 2 * sum(r["selected"] != "-" for r in per_step)
+    # the family recomputes from the committed files alone: outcomes.json's bits, role_dcm's steps
+    from mechdiff.report.roles import roles_family
+
+    recomputed = []
+    for step, name in ((0, names[0]), (4, names[2])):
+        rec = outcomes[f"roles:{name}"]
+        draws = [v["correct"] for k, v in rec.items() if k.startswith("last/positional/random/")]
+        sel = rec.get("last/positional/selection")
+        recomputed.append(
+            {
+                "group": "last",
+                "desideratum": "positional",
+                "step": step,
+                "label": f"last/positional at step {step}",
+                "selected": ["-"] if sel else [],
+                "test_outcomes": sel and sel["correct"],
+                "floor_outcomes": rec["last/positional/floor"]["correct"],
+                "random_outcomes": draws,
+            }
+        )
+    again = [t.row() for t in roles_family(recomputed).values()]
+    assert [(t["claim"], t["p"], t["p_holm"]) for t in again] == [(t["claim"], t["p"], t["p_holm"]) for t in tests]
+    assert [r["step"] for r in per_step] == [0, 4]
     bad = task_file(tmp_path / "bad.toml", run, out, extra='\n[roles]\nmethod = "dcm"\nsteps = [3]\n')
     with pytest.raises(SpecError, match=r"\[roles\] steps must be steps of the trajectory \(0, 2, 4\), not \[3\]"):
+        load_settings(bad)
+    bad = task_file(tmp_path / "bad.toml", run, out, extra='\n[roles]\nmethod = "dcm"\nseeds = 2\nvotes = 3\n')
+    with pytest.raises(SpecError, match=r"bad.toml:\d+: \[roles\] votes must be between 1 and seeds \(2\)"):
         load_settings(bad)

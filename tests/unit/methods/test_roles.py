@@ -1,6 +1,6 @@
-"""Roles over the steps: membership and takeovers on synthetic tables whose takeovers are known; each head's score
+"""Roles over the steps: joins, leaves and takeovers on synthetic tables whose events are known; each head's score
 on two checkpoints of a tiny trajectory against a plain forward pass with that head's output replaced (torch
-hooks, not the patching engine)."""
+hooks, not the patching engine). Roles by DCM over seeds: tests/unit/methods/test_roles_dcm.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from scipy import stats
 
 from mechdiff.common.components import parse_heads
 from mechdiff.common.outcomes import from_bits
-from mechdiff.methods.roles import THRESHOLD, head_scores, held, holding_since, takeovers
+from mechdiff.methods.roles import THRESHOLD, head_scores, held, transitions
 from mechdiff.methods.trajectory import Checkpoints
 from mechdiff.models.loading import load_model
 from mechdiff.tasks.desiderata import desideratum_pairs
@@ -34,44 +34,52 @@ MEMBERSHIP = np.array(
 )
 
 
-def test_takeovers_on_a_table_whose_takeovers_are_known():
-    got = takeovers(MEMBERSHIP, HEADS, STEPS)
+def test_transitions_on_a_table_whose_events_are_known():
+    """Joins, leaves and takeovers read off :data:`MEMBERSHIP` by hand: at step 5 L4H2 joins with no head leaving (it
+    takes nothing over); at 10 L2H3 joins while L1H0 and L4H2 leave, so it takes over from both; at 15 L4H2 joins
+    again while the others stay; at 20 nothing happens."""
+    got = transitions(MEMBERSHIP, HEADS, STEPS)
     assert got == [
-        {"head": "L3H1", "since": 0, "takes_over": False, "held_before": [], "lost": []},
-        {
-            "head": "L2H3",
-            "since": 10,
-            "takes_over": True,
-            "held_before": ["L1H0", "L3H1", "L4H2"],
-            "lost": ["L1H0"],
-        },
-        {
-            "head": "L4H2",
-            "since": 15,
-            "takes_over": True,
-            "held_before": ["L1H0", "L2H3", "L3H1"],
-            "lost": ["L1H0"],
-        },
+        {"step": 5, "head": "L4H2", "event": "joins", "others": []},
+        {"step": 10, "head": "L2H3", "event": "takes over", "others": ["L1H0", "L4H2"]},
+        {"step": 10, "head": "L1H0", "event": "leaves", "others": ["L2H3"]},
+        {"step": 10, "head": "L4H2", "event": "leaves", "others": ["L2H3"]},
+        {"step": 15, "head": "L4H2", "event": "joins", "others": []},
     ]
 
 
-def test_holding_since_is_the_start_of_the_last_unbroken_run():
-    assert [holding_since(r) for r in MEMBERSHIP] == [None, 2, 0, 3, None]
-    assert holding_since([]) is None and holding_since([True]) == 0
+def test_a_head_that_joins_with_nothing_held_before_it_takes_nothing_over():
+    """A role no head holds until step 10 (L2H3 joins: not a takeover); a role A holds at 0, nobody at 5 and B at 10:
+    A leaves at 5 with no head taking over, and B, joining at 10 with nothing held at 5, takes nothing over though A
+    held the role earlier; a role B holds while A joins and nobody leaves: A joins."""
+    heads = ["L1H0", "L2H3"]
+    empty_then_one = np.array([[0, 0, 0], [0, 0, 1]], dtype=bool)
+    assert transitions(empty_then_one, heads, [0, 5, 10]) == [
+        {"step": 10, "head": "L2H3", "event": "joins", "others": []}
+    ]
+    lapse = np.array([[1, 0, 0], [0, 0, 1]], dtype=bool)
+    assert transitions(lapse, heads, [0, 5, 10]) == [
+        {"step": 5, "head": "L1H0", "event": "leaves", "others": []},
+        {"step": 10, "head": "L2H3", "event": "joins", "others": []},
+    ]
+    beside = np.array([[0, 1, 1], [1, 1, 1]], dtype=bool)
+    assert transitions(beside, heads, [0, 5, 10]) == [{"step": 5, "head": "L1H0", "event": "joins", "others": []}]
+    swap = np.array([[1, 0], [0, 1]], dtype=bool)  # the same step: one leaves, the other joins
+    assert [r["event"] for r in transitions(swap, heads, [0, 5])] == ["takes over", "leaves"]
 
 
 def test_a_head_holds_a_role_where_its_lower_bound_exceeds_the_threshold():
     low = np.array([[0.05, THRESHOLD, 0.11, np.nan], [0.5, 0.0, 0.3, 0.2]])
     assert held(low).tolist() == [[False, False, True, False], [True, False, True, True]]
     assert held(low, threshold=0.25).tolist() == [[False, False, False, False], [True, False, True, False]]
-    # a membership table built from bounds: the known takeovers come back
+    # a membership table built from bounds: the known events come back
     bounds = np.where(MEMBERSHIP, 0.4, 0.02)
-    assert [r["head"] for r in takeovers(held(bounds), HEADS, STEPS)] == ["L3H1", "L2H3", "L4H2"]
+    assert transitions(held(bounds), HEADS, STEPS) == transitions(MEMBERSHIP, HEADS, STEPS)
 
 
-def test_takeovers_refuse_a_table_of_the_wrong_shape():
+def test_transitions_refuse_a_table_of_the_wrong_shape():
     with pytest.raises(ValueError, match="heads x steps"):
-        takeovers(MEMBERSHIP[:, :3], HEADS, STEPS)
+        transitions(MEMBERSHIP[:, :3], HEADS, STEPS)
     with pytest.raises(ValueError, match="'head step'"):
         held(np.zeros(3))
 

@@ -121,7 +121,8 @@ def test_the_committed_run_draws_its_roles_matrix_and_between_run_null() -> None
 
 def test_roles_scored_per_checkpoint_give_a_chart_per_role_and_no_not_measured_note(run: Path) -> None:
     """A run with the ``[roles]`` stage's tables: a heads x steps chart per role some head holds (1 where the
-    table's ``holding`` names the head at that step), a note for a role no head holds, the takeovers table."""
+    table's ``holding`` names the head at that step), a note for a role no head holds, the takeovers table of a run
+    made before transitions were named, else the transitions table."""
     rows = [
         ("last", "positional", 0, "L2H1"),
         ("last", "positional", 5, "-"),
@@ -143,4 +144,11 @@ def test_roles_scored_per_checkpoint_give_a_chart_per_role_and_no_not_measured_n
     (held,) = figs["held-role-0"]["data"]
     assert held["y"] == ["L0H3", "L2H1"] and held["z"] == [[0, 0, 1], [1, 0, 1]] and held["x"] == ["0", "5", "10"]
     assert "held-role-1" not in figs and "No scored head holds last / object at any step." in html
-    assert "not measured" not in html and "role-0" not in figs and "tables/role_takeovers.csv" in html
+    # in the roles section and in the list of every table
+    assert "not measured" not in html and "role-0" not in figs and html.count("tables/role_takeovers.csv") == 2
+    _write(  # a run since joins, leaves and takeovers were named: its table, not the older one
+        run / "tables" / "role_transitions.json",
+        [{"group": "last", "desideratum": "positional", "step": 10, "head": "L0H3", "event": "joins", "others": "-"}],
+    )
+    html = page(run)
+    assert html.count("tables/role_transitions.csv") == 2 and html.count("tables/role_takeovers.csv") == 1
