@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..common.inference import Interval, proportion
+from ..common.inference import Interval, mean, proportion
 from ..common.metrics import (
     answer_is_top1,
     answer_prob,
@@ -57,11 +57,14 @@ class EvalResult:
     def accuracy(self) -> Interval:
         return proportion(self.correct.astype(float))
 
-    def by_answer_length(self, records: Sequence[Record], metric: str = "prob") -> list[dict]:
-        """:func:`by_answer_length` of these outcomes on their ``records``, with the task's ``metric``."""
+    def by_answer_length(
+        self, records: Sequence[Record], metric: str = "prob", items: Optional[Sequence] = None
+    ) -> list[dict]:
+        """:func:`by_answer_length` of these outcomes on their ``records``, with the task's ``metric``, intervals
+        over ``items`` (one per record; default: each record its own item)."""
         diff = metric == "logit_diff" and self.logit_diff is not None
         values, column = (self.logit_diff, "logit_diff") if diff else (self.prob, "answer_prob")
-        return by_answer_length(records, self.correct, values, column, self.first, self.rest)
+        return by_answer_length(records, self.correct, values, column, self.first, self.rest, items)
 
     @property
     def answer_prob(self) -> Interval:
@@ -113,9 +116,12 @@ def by_answer_length(
     column: str = "answer_prob",
     first: Optional[np.ndarray] = None,
     rest: Optional[np.ndarray] = None,
+    items: Optional[Sequence] = None,
 ) -> list[dict]:
-    """Accuracy (exact binomial) and the mean of the continuous per-prompt ``values`` (the task's metric, as
-    ``column``; bootstrap) per answer length (:data:`LENGTH_BINS`, the answer's own tokens) of ``records``, in their
+    """Accuracy and the mean of the continuous per-prompt ``values`` (the task's metric, as ``column``), each with
+    its interval over ``items`` (one per record; default each record its own: exact binomial and bootstrap; else
+    :func:`~mechdiff.common.inference.proportion` and :func:`~mechdiff.common.inference.mean` clustered by item) per
+    answer length (:data:`LENGTH_BINS`, the answer's own tokens) of ``records``, in their
     order; empty where every answer has one length (nothing to split). With ``first`` and ``rest``
     (:class:`EvalResult`'s), accuracy split by first token against the rest: ``first_token``, the first answer
     token the top-1 after the prompt, and ``rest``, every later token the top-1 given the answer's tokens before it
@@ -126,15 +132,19 @@ def by_answer_length(
     present = [b for b in LENGTH_BINS if (lengths == b).any()]
     if len(present) < 2:
         return []
-    rows = []
+    rows, ids = [], None if items is None else np.asarray(items)
     for b in present:
         at = lengths == b
-        row = {"answer_tokens": b, "n": int(at.sum()), "accuracy": proportion(correct[at])}
+        its = None if ids is None else ids[at]
+        row = {"answer_tokens": b, "n": int(at.sum()), "accuracy": proportion(correct[at], its)}
+        if its is not None:
+            row["items"] = len(set(its.tolist()))
         if values is not None:
-            row[column] = bootstrap(np.asarray(values)[at])
+            vals = np.asarray(values, dtype=float)[at]
+            row[column] = bootstrap(vals) if its is None else mean(vals, its)
         if first is not None and rest is not None:
-            row["first_token"] = proportion(np.asarray(first, dtype=float)[at])
-            row["rest"] = None if b == LENGTH_BINS[0] else proportion(np.asarray(rest, dtype=float)[at])
+            row["first_token"] = proportion(np.asarray(first, dtype=float)[at], its)
+            row["rest"] = None if b == LENGTH_BINS[0] else proportion(np.asarray(rest, dtype=float)[at], its)
         rows.append(row)
     return rows
 

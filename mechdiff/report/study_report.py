@@ -113,7 +113,9 @@ def _by_answer_length(study: "Study", accuracy: dict[str, "StageRecord"]) -> str
             None if first is None else first.astype(bool),
             None if rest is None else rest.astype(bool),
         )
-        for row in res.by_answer_length(records, study.task.metric):
+        for row in res.by_answer_length(
+            records, study.task.metric, np.asarray(study.set_items("eval"))[: len(records)]
+        ):
             cells = [estimate_columns(k, v) if isinstance(v, Interval) else {k: v} for k, v in row.items()]
             rows.append({"model": name, **{k: v for cell in cells for k, v in cell.items()}})
     if not rows:
@@ -337,9 +339,8 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
 def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
     """Each circuit's accuracy and faithfulness (accuracy) per answer length on each model's matrix prompts, from the
     stage's per-prompt outcomes; empty where every answer has one length."""
-    from ..common.inference import proportion
+    from ..common.inference import proportion, ratio
     from ..common.outcomes import read_first_and_rest, read_record
-    from ..common.stats import bootstrap_ratio
     from ..patching.evaluate import LENGTH_BINS, length_bins
 
     if study.task.answer_tokens < 2:
@@ -347,6 +348,7 @@ def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
     lengths = length_bins(study.prompt_records("matrix", study.spec.scoring.n))
     if len(set(lengths)) < 2:
         return ""
+    items = np.asarray(study.set_items("matrix"))[: len(lengths)]
     rows = []
     for name, rec in matrix.items():
         for circuit, kept in (rec.result.get("outcomes") or {}).items():
@@ -360,10 +362,11 @@ def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
                         "circuit": circuit,
                         "answer_tokens": b,
                         "n": int(at.sum()),
-                        **estimate_columns("model_accuracy", proportion(full[at])),
-                        **estimate_columns("accuracy", proportion(circ[at])),
-                        **estimate_columns("faithfulness", bootstrap_ratio(circ[at], full[at])),
-                        **_first_and_rest_columns(split, at, b == LENGTH_BINS[0]),
+                        "items": len(set(items[at].tolist())),
+                        **estimate_columns("model_accuracy", proportion(full[at], items[at])),
+                        **estimate_columns("accuracy", proportion(circ[at], items[at])),
+                        **estimate_columns("faithfulness", ratio(circ[at], full[at], items[at])),
+                        **_first_and_rest_columns(split, at, items, b == LENGTH_BINS[0]),
                     }
                 )
     if not rows:
@@ -372,20 +375,20 @@ def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
         study,
         rows,
         "circuit_x_model_by_answer_length",
-        "Circuit x model by the answer's length in tokens on the same prompts: the model's and the circuit's accuracy "
-        "(exact binomial CI) and faithfulness F(C)/F(M) (bootstrap CI); where the stage kept them, the same by first "
+        "Circuit x model by the answer's length in tokens on the same prompts (rows and items): the model's and the "
+        "circuit's accuracy and faithfulness F(C)/F(M), each with its interval over items (exact where an item has one "
+        "row, else a cluster bootstrap); where the stage kept them, the same by first "
         "token against the rest (`first_token`: the first answer token the top-1 after the prompt; `rest`: every "
         "later token the top-1 given the answer's tokens before it, teacher forced). The circuits cover the "
         "prompt's positions only, an answer's later tokens reached through what they write there",
     )
 
 
-def _first_and_rest_columns(split: dict, at: np.ndarray, one_token: bool) -> dict:
+def _first_and_rest_columns(split: dict, at: np.ndarray, items: np.ndarray, one_token: bool) -> dict:
     """The model's and the circuit's first-token accuracy and their ratio on the prompts ``at``, and (answers of
     several tokens) the same of the rest; empty where the records kept no split (``split``: ``full`` and
     ``circuit`` -> ``(first, rest)`` or ``(None, None)``)."""
-    from ..common.inference import proportion
-    from ..common.stats import bootstrap_ratio
+    from ..common.inference import proportion, ratio
 
     (full_first, full_rest), (circ_first, circ_rest) = split["full"], split["circuit"]
     if full_first is None or circ_first is None:
@@ -393,9 +396,9 @@ def _first_and_rest_columns(split: dict, at: np.ndarray, one_token: bool) -> dic
     parts = [("first_token", full_first, circ_first)] + ([] if one_token else [("rest", full_rest, circ_rest)])
     out: dict = {}
     for part, model, circuit in parts:
-        out.update(estimate_columns(f"model_accuracy_{part}", proportion(model[at])))
-        out.update(estimate_columns(f"accuracy_{part}", proportion(circuit[at])))
-        out.update(estimate_columns(f"faithfulness_{part}", bootstrap_ratio(circuit[at], model[at])))
+        out.update(estimate_columns(f"model_accuracy_{part}", proportion(model[at], items[at])))
+        out.update(estimate_columns(f"accuracy_{part}", proportion(circuit[at], items[at])))
+        out.update(estimate_columns(f"faithfulness_{part}", ratio(circuit[at], model[at], items[at])))
     return out
 
 

@@ -209,6 +209,7 @@ def test_report_gives_accuracy_and_faithfulness_by_answer_length(tmp_path):
         dir=tmp_path,
         eval_records=lambda: records,
         prompt_records=lambda prompts, n: records,
+        set_items=lambda prompts: np.array([0, 0, 1, 2, 2, 3, 4, 4]),  # rows of one clean prompt share an item
     )
     accuracy = {"base": SimpleNamespace(result={"outcomes": {**outcome_record(full, diff * 0), "logit_diff": diff}})}
     kept = {"base": {"full": outcome_record(full), "circuit": outcome_record(circ)}}
@@ -223,6 +224,8 @@ def test_report_gives_accuracy_and_faithfulness_by_answer_length(tmp_path):
         assert float(row["logit_diff"]) == pytest.approx(diff[at].mean())
     rows = read("circuit_x_model_by_answer_length")
     assert [r["answer_tokens"] for r in rows] == ["1", "2", "3+"]
+    # intervals over items: the 1-token rows 0, 3, 6, 7 are items 0, 2, 4 (rows 6 and 7 one item)
+    assert [int(r["items"]) for r in rows] == [3, 2, 2] == [int(r["items"]) for r in read("accuracy_by_answer_length")]
     for row in rows:
         at = bins[row["answer_tokens"]]
         assert float(row["model_accuracy"]) == pytest.approx(full[at].mean())
@@ -261,11 +264,12 @@ def test_circuit_x_model_by_answer_length_splits_first_token_from_the_rest():
     full_first, full_rest, circ_first, circ_rest = (rng.random(60) < p for p in (0.9, 0.8, 0.6, 0.7))
     split = {"full": (full_first * 1.0, full_rest * 1.0), "circuit": (circ_first * 1.0, circ_rest * 1.0)}
     at = np.arange(60) % 3 == 0
-    cols = _first_and_rest_columns(split, at, one_token=False)
+    items = np.arange(60) // 2  # two rows an item
+    cols = _first_and_rest_columns(split, at, items, one_token=False)
     assert cols["model_accuracy_first_token"] == full_first[at].mean()
     assert cols["accuracy_rest"] == circ_rest[at].mean()
     assert np.isclose(cols["faithfulness_first_token"], circ_first[at].mean() / full_first[at].mean())
     assert np.isclose(cols["faithfulness_rest"], circ_rest[at].mean() / full_rest[at].mean())
     assert cols["accuracy_rest_low"] <= cols["accuracy_rest"] <= cols["accuracy_rest_high"]
-    assert not [k for k in _first_and_rest_columns(split, at, one_token=True) if "rest" in k]
-    assert _first_and_rest_columns({"full": (None, None), "circuit": (None, None)}, at, False) == {}
+    assert not [k for k in _first_and_rest_columns(split, at, items, one_token=True) if "rest" in k]
+    assert _first_and_rest_columns({"full": (None, None), "circuit": (None, None)}, at, items, False) == {}
