@@ -319,12 +319,8 @@ def read_pairs(path: str | os.PathLike, tokenizer: Any, extra: frozenset[str] = 
 
 
 def bad_rows_message(path: str | os.PathLike, errors: Sequence[str]) -> str:
-    """The one message of an import's problems: how many rows are bad (``FILE:LINE: ...``), then every problem on a
-    line of its own."""
-    rows = {m.group(0) for e in errors if (m := re.match(r".*?:\d+: ", e))}
-    return f"{len(rows)} bad row(s), {len(errors)} problem(s) in all, in {path}; nothing was written:\n" + "\n".join(
-        errors
-    )
+    """The one message of an import's problems: how many, then each on a line of its own."""
+    return f"{len(errors)} problem(s) in {path}; nothing was written:\n" + "\n".join(errors)
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
