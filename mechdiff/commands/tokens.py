@@ -7,9 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..models.loading import load_tokenizer
-from ..models.resolve import resolve_spec
-from ..models.tokenization import tokens, tokens_table
+from ..models.tokenization import offline_tokenizer, tokens, tokens_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    tokenizer = load_tokenizer(resolve_spec(args.model), args.cache_dir)
+    tokenizer = offline_tokenizer(args.model, args.cache_dir)
     for i, text in enumerate(args.text):
         toks = tokens(text, tokenizer=tokenizer)
         if args.json:

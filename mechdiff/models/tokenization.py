@@ -27,17 +27,13 @@ class Token:
 def tokens(
     text: str, model: str | ModelSpec = "", tokenizer: Any = None, cache_dir: Optional[str] = None
 ) -> list[Token]:
-    """``text``'s tokens under ``model``'s tokenizer (a registry name, path, ``NAME@STEP`` or hub id; no weights
-    load) or a ``tokenizer`` already loaded: the ids a task's record of ``text`` holds, each with its text and span.
-    A hub id must be in the local cache where ``HF_HUB_OFFLINE`` is set."""
+    """``text``'s tokens under ``model``'s tokenizer (a registry name, path, ``NAME@STEP`` or hub id in the local
+    cache; no weights load, nothing is downloaded: :func:`offline_tokenizer`) or a ``tokenizer`` already loaded: the
+    ids a task's record of ``text`` holds, each with its text and span."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
     if tokenizer is None:
-        if not model:
-            raise ValueError("give a model (a registry name, a path or a hub id; `mechdiff models` lists them)")
-        from .loading import load_tokenizer
-
-        tokenizer = load_tokenizer(resolve_spec(model), cache_dir)
+        tokenizer = offline_tokenizer(model, cache_dir)
     fast = getattr(tokenizer, "is_fast", False)
     enc = tokenizer(text, return_offsets_mapping=True) if fast else tokenizer(text)
     spans = enc["offset_mapping"] if fast else [None] * len(enc["input_ids"])
@@ -46,6 +42,25 @@ def tokens(
         start, end = (int(span[0]), int(span[1])) if span is not None and span[1] > span[0] else (None, None)
         out.append(Token(i, int(tid), tokenizer.decode([int(tid)]), start, end))
     return out
+
+
+def offline_tokenizer(model: str | ModelSpec, cache_dir: Optional[str] = None) -> Any:
+    """``model``'s tokenizer from this machine's files only: refused, saying what it needs, where the checkpoint is
+    not here (a hub id out of the Hugging Face cache would otherwise be downloaded, or retried for minutes
+    offline)."""
+    from .catalog import availability
+    from .loading import load_tokenizer
+
+    if not model:
+        raise ValueError("give a model (a registry name, a path or a hub id; `mechdiff models` lists them)")
+    spec = resolve_spec(model)
+    found = availability(spec, cache_dir)
+    if not found.ready:
+        raise FileNotFoundError(
+            f"{spec.name} is not on this machine ({found.needs}); its tokens are read offline: download it once "
+            "(e.g. `huggingface-cli download REPO`), or give a local directory"
+        )
+    return load_tokenizer(spec, cache_dir)
 
 
 def tokens_table(toks: list[Token]) -> str:

@@ -50,3 +50,9 @@ def test_tokens_command_prints_each_text_and_refuses_an_unknown_model(smollm2_to
     assert out.startswith("'The keys are': 3 tokens (smollm2-135m)\n#  id")
     assert main(["tokens", "x", "--model", "no-such-model"]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_a_hub_id_out_of_the_cache_is_refused_before_any_download(tmp_path):
+    """Refused from the cache's files alone, with what the model needs (offline, a download is retried for minutes)."""
+    with pytest.raises(FileNotFoundError, match=r"hub:org/none is not on this machine \(hub org/none: a download"):
+        tokens("x", "hub:org/none", cache_dir=str(tmp_path))
