@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .catalog import availability
+from .loading import load_tokenizer
 from .registry import ModelSpec
 from .resolve import resolve_spec
 
@@ -48,9 +50,6 @@ def offline_tokenizer(model: str | ModelSpec, cache_dir: Optional[str] = None) -
     """``model``'s tokenizer from this machine's files only: refused, saying what it needs, where the checkpoint is
     not here (a hub id out of the Hugging Face cache would otherwise be downloaded, or retried for minutes
     offline)."""
-    from .catalog import availability
-    from .loading import load_tokenizer
-
     if not model:
         raise ValueError("give a model (a registry name, a path or a hub id; `mechdiff models` lists them)")
     spec = resolve_spec(model)

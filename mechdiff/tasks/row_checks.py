@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from .records import Example
+from .records import Example, derived_classes
 
 LAST = "last"
 T = TypeVar("T")
@@ -198,8 +198,6 @@ def answer_warnings(tokenizer: Any, pairs: Sequence[Any]) -> list[str]:
 def class_sizes(record: Example) -> dict[str, int]:
     """How many tokens each position class holds in ``record``: its own classes, else those derived from its named
     positions (:func:`~mechdiff.tasks.records.derived_classes`: ``before``, each name, ``after_<name>``, ``last``)."""
-    from .records import derived_classes
-
     if record.classes:
         return {c: len(tokens) for c, tokens in record.classes.items()}
     masks = derived_classes([record], len(record.input_ids))
