@@ -5,6 +5,7 @@ from .loading import LoadedModel, load_config, load_model, load_tokenizer, model
 from .modelset import IncompatibleModels, ModelPair, ModelSet
 from .registry import REGISTRY, ModelSpec, get_spec
 from .resolve import resolve_spec
+from .tokenization import Token, tokens
 
 __all__ = [
     "EXCEPTIONS",
@@ -25,4 +26,6 @@ __all__ = [
     "REGISTRY",
     "ModelSpec",
     "get_spec",
+    "Token",
+    "tokens",
 ]

@@ -20,6 +20,7 @@ from ..models.resolve import resolve_spec
 from ..runs.seeds import PROMPT_OFFSETS
 from ..runs.stages import StageRecord, label
 from ..tasks.jsonl import REST
+from ..tasks.row_checks import per_template, task_empty_classes
 from .bars import grouped_bars
 from .claims import CONTROLS, cmap_family, controls_family, encodes, encodes_family, family_rows
 from .heads import head_rows, write_heads_table
@@ -849,6 +850,13 @@ def limitations(study: "Study", positions: dict) -> str:
             "never an answer token's own, so the heads\n  reach the answer's later tokens only through what they write "
             "at the prompt (by answer length, and by first token against the rest:\n  "
             "`tables/accuracy_by_answer_length.csv`, `tables/circuit_x_model_by_answer_length.csv`)."
+        )
+    empty = task_empty_classes(study.task)
+    if empty:  # a class empty in a prompt holds no head there (a named position on the last token, say)
+        lines.append(
+            "- Position classes empty in some prompts: "
+            + "; ".join(f"`{c}` ({per_template(n)})" for c, n in empty.items())
+            + "."
         )
     if cm.n_random:
         lines.append(

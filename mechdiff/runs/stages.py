@@ -12,7 +12,9 @@ compute (:class:`PlannedStage`) and hands a stage still to compute a result that
 read, so a study walks its stages once to say what a run would do (:meth:`mechdiff.studies.base.Study.plan`).
 
 Each stage that ends (cached or computed) says so in one line (:meth:`StageRecord.line`): written to stderr where
-no progress bar is drawn (a log file, CI; :func:`mechdiff.common.progress.note`), logged at INFO on a terminal.
+no progress bar is drawn (a log file, CI; :func:`mechdiff.common.progress.note`), logged at INFO on a terminal;
+once per cache and key: a stage read again from the cache under the same key (a worker of ``mechdiff run`` polling
+the other's stages) says nothing more.
 """
 
 from __future__ import annotations
@@ -162,8 +164,13 @@ class StageCache:
             self.planned.append(planned)
 
     def _keep(self, rec: StageRecord) -> StageRecord:
-        """Record a stage that ended, and say so in one line (stderr off a terminal, else the log)."""
+        """Record a stage that ended, and say so in one line (stderr off a terminal, else the log); a stage read
+        again from the cache under the same key says nothing (a process waiting on the others' stages reads
+        theirs at every poll)."""
+        seen = self.records.get(rec.name)
         self.records[rec.name] = rec
+        if rec.cached and seen is not None and seen.key == rec.key:
+            return rec
         line = rec.line()
         if not note(line):
             log.info("%s", line)

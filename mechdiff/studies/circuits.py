@@ -859,11 +859,13 @@ class CircuitsStudy(Study):
                 return False
             return stage == "circuit" or self.cache.ready(f"prune:{n}", self._prune_inputs(n, _hash(inputs)))
 
-        waiting = list(names)
+        waiting, said = list(names), None
         while waiting:
             waiting = [n for n in waiting if not ready(n)]
             if waiting:
-                log.info("%s: waiting for the %s of %s", waiter, stage, ", ".join(waiting))
+                if waiting != said:  # once per change, not at every poll
+                    log.info("%s: waiting for the %s of %s", waiter, stage, ", ".join(waiting))
+                    said = waiting
                 time.sleep(poll)
 
     def stages(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from .records import Pair, answer_tokens, canonical_json, record_dict, target_tokens
-from .row_checks import LAST, ImportErrors, answer_ids, encode_offsets, example_of, locate, several
+from .row_checks import LAST, ImportErrors, answer_ids, encode_offsets, example_of, length_problem, locate, several
 
 COUNTERFACTUAL = "counterfactual"
 DESIDERATA_DIR = "desiderata"
@@ -79,8 +79,10 @@ def inline_declarations(path: Path) -> list[Declared]:
     seen: Optional[tuple[list[str], int]] = None
     errors = []
     for line_no, line in non_blank_lines(path):
-        row = json.loads(line)
-        own = row.get(INLINE) if isinstance(row, dict) else None
+        row = _json(line)
+        if not isinstance(row, dict):
+            continue  # a malformed line: the row checks name it
+        own = row.get(INLINE)
         names = sorted(own) if isinstance(own, dict) else []
         if own is not None and not isinstance(own, dict):
             errors.append(f'{path}:{line_no}: {INLINE} must be an object {{name: {{"target": ...}}}}')
@@ -89,7 +91,7 @@ def inline_declarations(path: Path) -> list[Declared]:
         elif names != seen[0]:
             errors.append(f"{path}:{line_no}: {INLINE} {names} differ from line {seen[1]}'s {seen[0]}")
     if errors:
-        raise ImportErrors(f"{len(errors)} bad row(s) in {path}; nothing was written:\n" + "\n".join(errors))
+        raise ImportErrors(f"{len(errors)} bad row(s) in {path}; nothing was written:\n" + "\n".join(errors), errors)
     bad = [n for n in (seen[0] if seen else []) if not NAME.fullmatch(n)]
     if bad:
         raise ImportErrors(f"{path}: desideratum names {bad} must be letters, digits, '_', '-', '.'")
@@ -122,8 +124,10 @@ def entries(path: Path, n_rows: int, d: Declared) -> list[tuple[str, int, Any]]:
         return [(str(d.file), no, _json(line)) for no, line in lines]
     out = []
     for no, line in non_blank_lines(path):
-        row = json.loads(line)
-        if d.column is not None:
+        row = _json(line)
+        if not isinstance(row, dict):
+            out.append((str(path), no, None))  # a malformed line: the row checks name it, and give it no pair
+        elif d.column is not None:
             value = row.get(d.column)
             out.append((str(path), no, {"target": value} if value is not None else {}))
         else:
@@ -138,11 +142,14 @@ def _json(line: str) -> Any:
         return e  # reported with its line by :func:`desideratum_pairs`
 
 
-def desideratum_pairs(tokenizer: Any, path: Path, pairs: Sequence[Pair], d: Declared) -> list[Pair]:
-    """The pairs of desideratum ``d`` (one a row of ``pairs``, read from ``path``); every bad entry is reported
-    with its file and line, and a target that is the clean answer on every row is refused."""
+def desideratum_pairs(tokenizer: Any, path: Path, pairs: Sequence[Optional[Pair]], d: Declared) -> list[Pair]:
+    """The pairs of desideratum ``d`` (one a row of ``pairs``, read from ``path``; a row whose pair is None, a bad
+    row, is skipped); every bad entry is reported with its file and line, and a target that is the clean answer on
+    every row is refused."""
     out, errors, rows = [], [], entries(path, len(pairs), d)
     for pair, (file, line_no, entry) in zip(pairs, rows):
+        if pair is None:
+            continue
         try:
             if isinstance(entry, Exception):
                 raise ValueError(str(entry))
@@ -151,7 +158,7 @@ def desideratum_pairs(tokenizer: Any, path: Path, pairs: Sequence[Pair], d: Decl
             errors.append(f"{file}:{line_no}: desideratum {d.name}: {e}")
     if errors:
         head = f"{len(errors)} bad row(s) of desideratum {d.name}; nothing was written:\n"
-        raise ImportErrors(head + "\n".join(errors))
+        raise ImportErrors(head + "\n".join(errors), errors)
     if not moved(out):
         raise ImportErrors(
             f"desideratum {d.name} ({d.source}): the target is the clean answer on every row "
@@ -193,10 +200,7 @@ def own_source(tokenizer: Any, pair: Pair, prompt: Any, spans: Optional[Mapping]
     base = pair.base
     ids, offsets = encode_offsets(tokenizer, prompt)
     if len(ids) != len(base.input_ids):
-        raise ValueError(
-            "the counterfactual and the clean prompt differ in token length: "
-            f"{len(ids)} vs {len(base.input_ids)} tokens"
-        )
+        raise ValueError(length_problem(tokenizer, ids, base.input_ids, ("the counterfactual", "the clean prompt")))
     positions = dict(base.positions)
     if spans is not None:
         named = set(base.positions) - {LAST}
@@ -216,14 +220,24 @@ def implicit_counterfactual(pairs: Sequence[Pair]) -> list[Pair]:
 
 
 def declare(
-    tokenizer: Any, path: Path, pairs: Sequence[Pair], given: Sequence[Declared]
+    tokenizer: Any, path: Path, pairs: Sequence[Optional[Pair]], given: Sequence[Declared]
 ) -> tuple[dict[str, list[Pair]], dict[str, dict]]:
     """Every desideratum of a task (those ``given`` on the command line, those its rows name, else the implicit
     ``counterfactual``): name -> pairs (empty for the implicit one, read from the task's own pairs), and what
-    ``task.json`` records of each."""
+    ``task.json`` records of each. ``pairs``: each row's, None for a bad row (skipped, so every desideratum's
+    problems of the other rows are found in the same pass); raises one :class:`ImportErrors` listing every
+    desideratum's problems."""
     declared = [*given, *inline_declarations(path)]
     check_declarations(declared)
-    built = {d.name: desideratum_pairs(tokenizer, path, pairs, d) for d in declared}
+    built, errors = {}, []
+    for d in declared:
+        try:
+            built[d.name] = desideratum_pairs(tokenizer, path, pairs, d)
+        except ImportErrors as e:
+            errors += e.lines
+    if errors:
+        raise ImportErrors(f"{len(errors)} problem(s) of the declared desiderata:\n" + "\n".join(errors), errors)
+    pairs = [p for p in pairs if p is not None]
     meta = {
         d.name: {"target": d.source, "pairs": f"{DESIDERATA_DIR}/{d.name}.jsonl", "moved": moved(built[d.name])}
         for d in declared

@@ -41,10 +41,15 @@ and :data:`ITEMS_FILE`.
 
 :func:`import_pairs` checks every row against the tokenizer before anything is written: answers
 are tokens appended to their prompt, clean and counterfactual have equal token lengths, spans
-start and end on token boundaries, and every row names the same positions. Every bad row is
-reported with its line number; the task directory is written to a temporary directory and
-renamed into place, so a failed import leaves nothing behind. :func:`read_task_directory` reads it back;
-:func:`mechdiff.tasks.base.get_task` makes it a :class:`~mechdiff.tasks.base.Task`.
+start and end on token boundaries, and every row names the same positions. Every problem of every row
+is reported in one pass, each with its line number (a row's checks that do not need each other all run, so a
+bad span does not hide a bad answer; the ``--item`` field, the metric's and each declared desideratum's checks
+run on the same pass), and where clean and counterfactual differ in token length both token lists are shown;
+a named position on a prompt's last token (the class ``last`` owns it) and a class empty in some prompts are
+warned about with their counts per template (:func:`~mechdiff.tasks.row_checks.class_warnings`). The task
+directory is written to a temporary directory and renamed into place, so a failed import leaves nothing behind.
+:func:`read_task_directory` reads it back; :func:`mechdiff.tasks.base.get_task` makes it a
+:class:`~mechdiff.tasks.base.Task`.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -65,10 +71,14 @@ from .records import Example, Pair, alternative_tokens, answer_tokens, canonical
 from .row_checks import (
     LAST,
     ImportErrors,
+    RowErrors,
     answer_ids,
     answer_warnings,
+    checked,
+    class_warnings,
     encode_offsets,
     example_of,
+    length_problem,
     locate,
     several,
 )
@@ -165,45 +175,67 @@ def with_rest(pairs: list[Pair]) -> list[Pair]:
 
 
 def _row_pair(tokenizer: Any, row: Mapping[str, Any], extra: frozenset[str] = frozenset()) -> Pair:
-    """One checked pair from one row (raises ValueError naming what is wrong); ``extra``: the keys declared
+    """One checked pair from one row; raises :class:`RowErrors` naming every problem of the row (each check that
+    does not need an earlier one's result runs: a bad span does not hide a bad answer). ``extra``: the keys declared
     desiderata add (their columns)."""
+    problems: list[str] = []
     unknown = set(row) - KEYS - extra
     if unknown:
-        raise ValueError(f"unknown keys {sorted(unknown)}; valid keys: {sorted(KEYS | extra)}")
+        problems.append(f"unknown keys {sorted(unknown)}; valid keys: {sorted(KEYS | extra)}")
     missing = [k for k in REQUIRED if k not in row]
     if missing:
-        raise ValueError(f"missing keys {missing}")
+        problems.append(f"missing keys {missing}")
+    template = row.get("template", "")
+    if not isinstance(template, str):
+        problems.append(f"template must be a string naming the row's phrasing, got {template!r}")
+    texts = [row.get(k) for k in ("clean", "counterfactual")]
+    bad_text = [k for k, t in zip(("clean", "counterfactual"), texts) if k in row and not isinstance(t, str)]
+    if bad_text:
+        problems.append(f"{' and '.join(bad_text)} must be a string, the prompt")
+    if missing or bad_text:
+        raise RowErrors(problems)
+    pair = _checked_pair(tokenizer, row, template, problems)
+    if problems or pair is None:
+        raise RowErrors(problems)
+    return pair
+
+
+def _checked_pair(tokenizer: Any, row: Mapping[str, Any], template: str, problems: list[str]) -> Optional[Pair]:
+    """The pair of a row whose prompts are strings: every check run, each problem appended to ``problems``; None
+    where a part could not be built."""
     clean, cf = row["clean"], row["counterfactual"]
-    if not isinstance(row["positions"], dict):
-        raise ValueError("positions must be an object {name: [start, end]}")
     ids, offsets = encode_offsets(tokenizer, clean)
     cf_ids, cf_offsets = encode_offsets(tokenizer, cf)
     if len(ids) != len(cf_ids):
-        raise ValueError(f"clean and counterfactual differ in token length: {len(ids)} vs {len(cf_ids)} tokens")
-    positions = {n: locate(clean, offsets, s, n) for n, s in row["positions"].items()}
+        problems.append(length_problem(tokenizer, ids, cf_ids, ("clean", "counterfactual")))
+    positions = _located(clean, offsets, row["positions"], "", problems)
     cf_spans = row.get("counterfactual_positions")
+    cf_positions = dict(positions or {})
     if cf_spans is not None:
-        if not isinstance(cf_spans, dict) or set(cf_spans) != set(positions):
-            raise ValueError(
+        if (
+            not isinstance(cf_spans, dict)
+            or not isinstance(row["positions"], dict)
+            or set(cf_spans) != set(row["positions"])
+        ):
+            names = sorted(row["positions"]) if isinstance(row["positions"], dict) else []
+            problems.append(
                 f"counterfactual_positions must name the same positions as positions "
-                f"({sorted(positions)}), got {sorted(cf_spans) if isinstance(cf_spans, dict) else cf_spans!r}"
+                f"({names}), got {sorted(cf_spans) if isinstance(cf_spans, dict) else cf_spans!r}"
             )
-        cf_positions = {n: locate(cf, cf_offsets, s, f"counterfactual {n}") for n, s in cf_spans.items()}
-    else:
-        cf_positions = dict(positions)
-    positions.setdefault(LAST, len(ids) - 1)
-    cf_positions.setdefault(LAST, len(ids) - 1)
-    template = row.get("template", "")
-    if not isinstance(template, str):
-        raise ValueError(f"template must be a string naming the row's phrasing, got {template!r}")
-    classes = row_classes(clean, offsets, row.get("classes", {}), len(ids))
+        else:
+            cf_positions = _located(cf, cf_offsets, cf_spans, "counterfactual ", problems) or {}
+    classes = checked(problems, row_classes, clean, offsets, row.get("classes", {}), len(ids))
     answer = row["answer"]
-    a_ids = answer_ids(tokenizer, clean, answer)
+    a_ids = checked(problems, answer_ids, tokenizer, clean, answer)
     alts, cf_answer, cf_a_ids = (), answer, a_ids
     if row.get("counterfactual_answer") is not None:
         cf_answer = row["counterfactual_answer"]
-        cf_a_ids = answer_ids(tokenizer, cf, cf_answer)
+        cf_a_ids = checked(problems, answer_ids, tokenizer, cf, cf_answer)
         alts = ((cf_answer, cf_a_ids),)
+    if problems or positions is None or classes is None or a_ids is None or cf_a_ids is None:
+        return None
+    positions.setdefault(LAST, len(ids) - 1)
+    cf_positions.setdefault(LAST, len(ids) - 1)
     base = example_of(clean, ids, (answer, a_ids), positions, alts, template, classes)
     source = example_of(
         cf, cf_ids, (cf_answer, cf_a_ids), cf_positions, ((answer, a_ids),) if alts else (), template, classes
@@ -211,42 +243,84 @@ def _row_pair(tokenizer: Any, row: Mapping[str, Any], extra: frozenset[str] = fr
     return Pair(base, source, answer, a_ids[0], "counterfactual", several(a_ids))
 
 
-def read_pairs(path: str | os.PathLike, tokenizer: Any, extra: frozenset[str] = frozenset()) -> list[Pair]:
-    """Every row of a pairs file as a checked :class:`~mechdiff.tasks.records.Pair`; raises
-    :class:`ImportErrors` listing every bad row (``FILE:LINE: ...``) if any is bad. ``extra``: the row keys
-    declared desiderata add."""
+def _located(
+    text: str, offsets: Sequence[tuple[int, int]], spans: Any, what: str, problems: list[str]
+) -> Optional[dict]:
+    """Each named span's token (:func:`locate`); every span that is not on token boundaries appended to
+    ``problems``; None where any is bad."""
+    if not isinstance(spans, dict):
+        problems.append(f"{what}positions must be an object {{name: [start, end]}}")
+        return None
+    n = len(problems)
+    out = {name: checked(problems, locate, text, offsets, span, f"{what}{name}") for name, span in spans.items()}
+    return out if len(problems) == n else None
+
+
+def check_rows(
+    path: str | os.PathLike, tokenizer: Any, extra: frozenset[str] = frozenset()
+) -> tuple[list[Optional[Pair]], list[int], list[str]]:
+    """Every non-blank row of a pairs file checked: its pair (None where the row is bad), its line number, and
+    every problem of every row (``FILE:LINE: what is wrong``, each problem a line of its own). ``extra``: the row
+    keys declared desiderata add."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"pairs file {path} does not exist")
-    pairs: list[Pair] = []
+    pairs: list[Optional[Pair]] = []
+    numbers: list[int] = []
     errors: list[str] = []
-    names: Optional[tuple[set, int]] = None
+    names: Optional[tuple[tuple[set, set], int]] = None
     for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise ValueError("a line must be one JSON object")
-            pair = _row_pair(tokenizer, row, extra)
-            row_names = (set(row["positions"]), set(row.get("classes", {})))
-            if names is None:
-                names = (row_names, line_no)
-            elif row_names != names[0]:
-                which = "positions" if row_names[0] != names[0][0] else "classes"
-                i = 0 if which == "positions" else 1
-                raise ValueError(
-                    f"{which} {sorted(row_names[i])} differ from line {names[1]}'s {sorted(names[0][i])}; "
-                    f"every row must name the same {which}"
-                )
-            pairs.append(pair)
-        except (ValueError, TypeError, KeyError) as e:  # json.JSONDecodeError is a ValueError
-            errors.append(f"{path}:{line_no}: {e}")
+        numbers.append(line_no)
+        problems: list[str] = []
+        row = checked(problems, _json_object, line)
+        pair = checked(problems, _row_pair, tokenizer, row, extra) if row is not None else None
+        row_names = _row_names(row) if pair is not None else None  # the names of rows otherwise good, compared
+        if row_names is not None and names is None:
+            names = (row_names, line_no)
+        elif row_names is not None and names is not None and row_names != names[0]:
+            which = "positions" if row_names[0] != names[0][0] else "classes"
+            i = 0 if which == "positions" else 1
+            problems.append(
+                f"{which} {sorted(row_names[i])} differ from line {names[1]}'s {sorted(names[0][i])}; "
+                f"every row must name the same {which}"
+            )
+        errors += [f"{path}:{line_no}: {p}" for p in problems]
+        pairs.append(None if problems else pair)
+    return pairs, numbers, errors
+
+
+def _json_object(line: str) -> dict:
+    row = json.loads(line)  # json.JSONDecodeError is a ValueError
+    if not isinstance(row, dict):
+        raise ValueError("a line must be one JSON object")
+    return row
+
+
+def _row_names(row: Optional[Mapping]) -> Optional[tuple[set, set]]:
+    """The position and class names a row gives (None where it gives no object of positions)."""
+    if row is None or not isinstance(row.get("positions"), dict):
+        return None
+    classes = row.get("classes", {})
+    return set(row["positions"]), set(classes) if isinstance(classes, dict) else set()
+
+
+def read_pairs(path: str | os.PathLike, tokenizer: Any, extra: frozenset[str] = frozenset()) -> list[Pair]:
+    """Every row of a pairs file as a checked :class:`~mechdiff.tasks.records.Pair`; raises
+    :class:`ImportErrors` listing every problem of every bad row (``FILE:LINE: ...``) if any is bad. ``extra``: the
+    row keys declared desiderata add."""
+    pairs, _, errors = check_rows(path, tokenizer, extra)
     if errors:
-        raise ImportErrors(f"{len(errors)} bad row(s) in {path}; nothing was written:\n" + "\n".join(errors))
+        raise ImportErrors(bad_rows_message(path, errors), errors)
     if not pairs:
         raise ImportErrors(f"{path} holds no rows")
-    return with_rest(pairs)
+    return with_rest([p for p in pairs if p is not None])
+
+
+def bad_rows_message(path: str | os.PathLike, errors: Sequence[str]) -> str:
+    """The one message of an import's problems: how many, then each on a line of its own."""
+    return f"{len(errors)} problem(s) in {path}; nothing was written:\n" + "\n".join(errors)
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
@@ -275,7 +349,7 @@ def import_pairs(
     prompt), written to :data:`ITEMS_FILE`. ``warn``: called with each line of
     :func:`~mechdiff.tasks.row_checks.answer_warnings` (answers that split a word or share their first token with
     the counterfactual answer); the rows are imported all the same."""
-    from .declared import declare, extra_keys, parse_declaration, write_desiderata
+    from .declared import parse_declaration, write_desiderata
 
     out, path = Path(out), Path(path)
     if out.exists() and not force:
@@ -291,13 +365,9 @@ def import_pairs(
         plan_text = Path(plan).read_text(encoding="utf-8")
     if item is not None and item in KEYS:
         raise ValueError(f"--item {item!r} is a key every row already uses; name a field of your own (e.g. country)")
-    item_values = read_items(path, item) if item is not None else None
-    pairs = read_pairs(path, tokenizer, extra_keys(given) | ({item} if item else set()))
-    if metric == "logit_diff":
-        check_logit_diff(path, pairs)
-    for line in answer_warnings(tokenizer, pairs) if warn is not None else ():
+    pairs, built, declared, item_values = checked_import(path, tokenizer, metric, given, item)
+    for line in [*answer_warnings(tokenizer, pairs), *class_warnings(pairs)] if warn is not None else ():
         warn(line)
-    built, declared = declare(tokenizer, path, pairs, given)
     meta = {
         "format": FORMAT,
         "name": name or out.name,
@@ -335,6 +405,44 @@ def import_pairs(
     return out
 
 
+def checked_import(
+    path: Path, tokenizer: Any, metric: str, given: Sequence[Any], item: Optional[str]
+) -> tuple[list[Pair], dict[str, list[Pair]], dict[str, dict], Optional[list[str]]]:
+    """Every check of an import in one pass: each row's (all its problems), the ``--item`` field's, the metric's and
+    each declared desideratum's; raises one :class:`ImportErrors` listing every problem found, else gives the
+    pairs (:func:`with_rest`), the desiderata built and declared, and the rows' items."""
+    from .declared import declare, extra_keys
+
+    errors: list[str] = []
+    item_values = gathered(errors, read_items, path, item) if item is not None else None
+    pairs, numbers, row_errors = check_rows(path, tokenizer, extra_keys(given) | ({item} if item else set()))
+    if not pairs:
+        raise ImportErrors(f"{path} holds no rows")
+    errors += row_errors
+    if metric == "logit_diff":
+        errors += check_logit_diff(path, pairs, numbers)
+    built, declared = gathered(errors, declare, tokenizer, path, pairs, given) or ({}, {})
+    if errors:
+        errors = sorted(errors, key=lambda e: by_line(path, e))
+        raise ImportErrors(bad_rows_message(path, errors), errors)
+    return with_rest([p for p in pairs if p is not None]), built, declared, item_values
+
+
+def by_line(path: Path, error: str) -> tuple[int, int]:
+    """Where an import's problem sorts: a row of the pairs file by its line, then the rest in the order found."""
+    m = re.match(r"(.*?):(\d+): ", error)
+    return (0, int(m.group(2))) if m and m.group(1) == str(path) else (1, 0)
+
+
+def gathered(errors: list[str], check: Callable[..., Any], *args: Any) -> Any:
+    """``check(*args)``; None where it raises :class:`ImportErrors`, its problems appended to ``errors``."""
+    try:
+        return check(*args)
+    except ImportErrors as e:
+        errors.extend(e.lines)
+        return None
+
+
 def read_items(path: Path, item: str) -> list[str]:
     """Each row's value of the key ``item`` as canonical JSON (a string, number or boolean); refused naming the
     lines where a row lacks it or gives a list, an object or null."""
@@ -358,22 +466,34 @@ def read_items(path: Path, item: str) -> list[str]:
     return values
 
 
-def check_logit_diff(path: Path, pairs: Sequence[Pair]) -> None:
+def check_logit_diff(path: Path, pairs: Sequence[Optional[Pair]], numbers: Sequence[int]) -> list[str]:
     """``logit_diff`` (answer - counterfactual answer) needs a counterfactual answer on every row, and one that
-    differs from the answer on some row (else it is always 0); refused naming the lines."""
-    lines = [no for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1) if line.strip()]
-    missing = [no for no, p in zip(lines, pairs) if not p.base.alternative_ids]
+    differs from the answer on some row (else it is always 0): the problems, naming the lines (``pairs``: each
+    row's pair, None where the row is bad; ``numbers``: their lines)."""
+    from .declared import non_blank_lines
+
+    rows = [_json_or_none(line) for _, line in non_blank_lines(path)]
+    missing = [no for no, r in zip(numbers, rows) if isinstance(r, dict) and r.get("counterfactual_answer") is None]
     if missing:
-        raise ImportErrors(
+        return [
             f"metric logit_diff needs a counterfactual_answer in every row of {path}; lines "
             f"{', '.join(map(str, missing[:10]))}{' ...' if len(missing) > 10 else ''} give none"
-        )
-    if all(answer_tokens(p.base) == alternative_tokens(p.base)[0] for p in pairs):
-        raise ImportErrors(
-            f"metric logit_diff: counterfactual_answer equals answer on every row of {path} (lines {lines[0]}-"
-            f"{lines[-1]}), so the logit difference is always 0; give each row the answer its counterfactual "
+        ]
+    good = [p for p in pairs if p is not None]
+    if good and all(answer_tokens(p.base) == alternative_tokens(p.base)[0] for p in good):
+        return [
+            f"metric logit_diff: counterfactual_answer equals answer on every row of {path} (lines {numbers[0]}-"
+            f"{numbers[-1]}), so the logit difference is always 0; give each row the answer its counterfactual "
             "prompt calls for, or use --metric prob"
-        )
+        ]
+    return []
+
+
+def _json_or_none(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None  # the row checks name the malformed line
 
 
 # --------------------------------------------------------------------------------------

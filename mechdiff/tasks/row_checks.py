@@ -4,15 +4,55 @@ tokens, and the record a prompt and its answers make. :mod:`mechdiff.tasks.jsonl
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from .records import Example
+from .records import Example, derived_classes
 
 LAST = "last"
+T = TypeVar("T")
 
 
 class ImportErrors(ValueError):
-    """Every bad row of a pairs file, one line each (``FILE:LINE: what is wrong``)."""
+    """Every bad row of a pairs file, one line each (``FILE:LINE: what is wrong``): the message, and ``lines``, the
+    problems it lists (the message itself where it names one problem), so that one import gathers every check's."""
+
+    def __init__(self, message: str, lines: Sequence[str] = ()):
+        super().__init__(message)
+        self.lines = list(lines) or [message]
+
+
+class RowErrors(ValueError):
+    """Every problem of one row, each a message of its own (``problems``)."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+def checked(problems: list[str], check: Callable[..., T], *args: Any) -> Optional[T]:
+    """``check(*args)``; None where it raises, its message appended to ``problems`` (so a row's other checks still
+    run and every problem of the row is reported at once)."""
+    try:
+        return check(*args)
+    except (ValueError, TypeError, KeyError) as e:
+        problems.extend(e.problems if isinstance(e, RowErrors) else [str(e.args[0] if e.args else e)])
+        return None
+
+
+def pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token of ``ids`` as the text it decodes to (``' Mary'``)."""
+    return [tokenizer.decode([int(i)]) for i in ids]
+
+
+def length_problem(tokenizer: Any, ids: Sequence[int], other: Sequence[int], names: tuple[str, str]) -> str:
+    """Two prompts that must have one token length and do not: both lengths, where they first differ, and both
+    token lists (so the word that splits differently is in view)."""
+    a, b = pieces(tokenizer, ids), pieces(tokenizer, other)
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return (
+        f"{names[0]} and {names[1]} differ in token length: {len(a)} vs {len(b)} tokens (first difference at token "
+        f"{first}); {names[0]} tokens {a}; {names[1]} tokens {b}"
+    )
 
 
 def answer_ids(tokenizer: Any, prompt: str, answer: str) -> tuple[int, ...]:
@@ -153,3 +193,80 @@ def answer_warnings(tokenizer: Any, pairs: Sequence[Any]) -> list[str]:
             "answer token only and cannot tell them apart"
         )
     return lines
+
+
+def class_sizes(record: Example) -> dict[str, int]:
+    """How many tokens each position class holds in ``record``: its own classes, else those derived from its named
+    positions (:func:`~mechdiff.tasks.records.derived_classes`: ``before``, each name, ``after_<name>``, ``last``)."""
+    if record.classes:
+        return {c: len(tokens) for c, tokens in record.classes.items()}
+    masks = derived_classes([record], len(record.input_ids))
+    return {c: int(m.sum()) for c, m in masks.items()}
+
+
+def on_last(record: Example) -> list[str]:
+    """The named positions (other than ``last``) of ``record`` that fall on its final token: the class ``last``
+    owns that token, so their own classes are empty there."""
+    final = len(record.input_ids) - 1
+    out = []
+    for name, pos in record.positions.items():
+        where = pos if isinstance(pos, tuple) else (pos,)
+        if name != LAST and final in where:
+            out.append(name)
+    return out
+
+
+def empty_classes(records: Sequence[Example]) -> dict[str, dict[str, tuple[int, int]]]:
+    """Each position class empty in some record: template -> (records where it is empty, records of the
+    template), by class (a record without a template counts under ``""``)."""
+    totals: dict[str, int] = {}
+    empty: dict[str, dict[str, int]] = {}
+    for r in records:
+        totals[r.template] = totals.get(r.template, 0) + 1
+        for c, n in class_sizes(r).items():
+            if not n:
+                empty.setdefault(c, {}).setdefault(r.template, 0)
+                empty[c][r.template] += 1
+    return {c: {t: (n, totals[t]) for t, n in by.items()} for c, by in empty.items()}
+
+
+def per_template(counts: dict[str, tuple[int, int]]) -> str:
+    """``'a': 40 of 60 rows, 'b': 20 of 20`` (a record without a template: ``(no template)``)."""
+    return ", ".join(
+        f"{repr(t) if t else '(no template)'}: {n} of {total} rows" for t, (n, total) in sorted(counts.items())
+    )
+
+
+def class_warnings(pairs: Sequence[Any]) -> list[str]:
+    """One line per named position that falls on the last token of some clean prompt and per class empty in some
+    clean prompt, each with its counts per template: a class empty in every prompt never enters a circuit, and the
+    study cannot tell it from a class that does nothing."""
+    records = [p.base for p in pairs]
+    lines = []
+    last: dict[str, dict[str, tuple[int, int]]] = {}
+    totals = {t: sum(r.template == t for r in records) for t in {r.template for r in records}}
+    for r in records:
+        for name in on_last(r):
+            n, total = last.setdefault(name, {}).get(r.template, (0, totals[r.template]))
+            last[name][r.template] = (n + 1, total)
+    for name, counts in last.items():
+        lines.append(
+            f"position {name!r} falls on the last token ({per_template(counts)}): that token is always the class "
+            f"{LAST!r}, so {name!r} holds no token there; name a token before the last"
+        )
+    for name, counts in empty_classes(records).items():
+        every = all(n == total for n, total in counts.values()) and set(counts) == set(totals)
+        lines.append(
+            f"class {name!r} is empty ({per_template(counts)})"
+            + (": in every prompt, so no circuit can use it" if every else "")
+        )
+    return lines
+
+
+def task_empty_classes(task: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    """:func:`empty_classes` of the clean prompts of every row of a task that holds a fixed list of rows (an
+    imported task, :class:`~mechdiff.tasks.base.Task` ``strata``); ``{}`` for a task that generates its prompts."""
+    strata = getattr(task, "strata", None)
+    if not strata:
+        return {}
+    return empty_classes(task.records(None, len(strata)))  # no tokenizer: the rows are already tokenized

@@ -52,6 +52,9 @@ def test_a_plain_run_starts_one_process_per_model_and_writes_the_serial_runs_rec
     out = capsys.readouterr()
     assert "2 processes, one per model, " in out.out
     assert all(f"[{name}] stage circuit:" in out.err for name in tiny_family)
+    for name in tiny_family:  # each stage said once by each worker, though it reads the others' again as it waits
+        said = [line.split(": ", 1)[0] for line in out.err.splitlines() if line.startswith(f"[{name}] stage ")]
+        assert said and len(said) == len(set(said)), said
     serial, parallel = _records(tiny_study / "run"), _records(tmp_path / "run")
     assert parallel.keys() == serial.keys() and len(serial) > 10
     assert parallel == serial

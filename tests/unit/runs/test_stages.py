@@ -79,3 +79,19 @@ def test_stages_say_one_plain_line_each_off_a_terminal(tmp_path, capsys, caplog,
     with caplog.at_level(logging.INFO, logger="mechdiff.runs.stages"):
         StageCache(tmp_path).run("a", {"x": 1}, lambda: 2)
     assert capsys.readouterr().err == "" and caplog.messages[-1].startswith(f"stage a: cached (key {k}; ")
+
+
+def test_a_stage_read_again_under_its_key_says_nothing_more(tmp_path, capsys):
+    """A worker waiting on the other's stages reads them at every poll: one line per stage and key, not one a poll;
+    a changed key says so again."""
+    StageCache(tmp_path).run("accuracy:m", {"x": 1}, lambda: 1)
+    capsys.readouterr()
+    waiting = StageCache(tmp_path)
+    for _ in range(5):
+        assert waiting.run("accuracy:m", {"x": 1}, lambda: pytest.fail("recomputed a cached stage")).cached
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stage accuracy:m: cached (key ")
+    waiting.run("accuracy:m", {"x": 2}, lambda: 2)
+    waiting.run("accuracy:m", {"x": 2}, lambda: pytest.fail("recomputed a cached stage"))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stage accuracy:m: computed in ")
