@@ -704,6 +704,53 @@ def _kept(point: _Overlaps, boot: _Overlaps, freq: Mapping, classes: Sequence[st
     return out
 
 
+def structure_record(
+    attribution: Mapping[str, np.ndarray],
+    names: Sequence[str],
+    runs: Mapping[str, Sequence[str]],
+    classes: Sequence[str],
+    n_pairs: int,
+    ranking_n: int,
+    settings: Mapping[str, Any],
+    seed: int,
+) -> dict:
+    """The structure stage's record: :func:`structure` of the trajectory's checkpoints ``names`` (with the other
+    runs ``runs``: checkpoint -> other runs' checkpoints at its step) on the first ``ranking_n`` prompts, which every
+    checkpoint has; and, where the steps read by the between-run null have more (``runs_n``), the same at those steps
+    alone on all they share (``dense``). ``settings``: ``[structure]`` (draws, stable, resamples, resample_splits,
+    margin)."""
+    keys = ("draws", "stable", "resamples", "resample_splits", "margin")
+    opts = dict(zip(keys, (settings[k] for k in keys)))
+
+    def run(mine: Sequence[str], rows: int) -> dict:
+        other = {c: {o: attribution[o][:rows] for o in os} for c, os in runs.items()}
+        cut = {c: attribution[c][:rows] for c in mine}
+        return structure(cut, classes, n_pairs, opts["draws"], seed, opts["stable"], other, *list(opts.values())[2:])
+
+    out = run(names, ranking_n)
+    read = [c for c in names if c in runs]
+    rows = min((attribution[c].shape[0] for c in [*read, *(o for os in runs.values() for o in os)]), default=0)
+    if rows > ranking_n:
+        out["dense"] = run(read, rows)
+    return out
+
+
+def committed_structure(run_dir: str | Path) -> dict:
+    """A trajectory run's structure record recomputed from its committed ``attributions.h5`` alone
+    (:func:`read_attributions`, the settings in its meta): what the structure stage recorded."""
+    attribution, classes, meta = read_attributions(Path(run_dir) / ATTRIBUTIONS)
+    return structure_record(
+        attribution,
+        list(meta["steps"]),
+        meta["runs"],
+        classes,
+        meta["n_pairs"],
+        meta["ranking_n"],
+        meta["structure"],
+        meta["seed"],
+    )
+
+
 # --------------------------------------------------------------------------------------
 # The attributions behind the structure tables, compact
 # --------------------------------------------------------------------------------------

@@ -105,6 +105,8 @@ def structure_sentence(rows: list[dict], margin: Optional[float], what: str = "c
     def at(v: str) -> list[str]:
         return [f"{r['from_step']}-{r['to_step']}" for r in rows if r["change"] == v]
 
+    if not rows:
+        return f"No {what} to compare."
     changed = at("changed")
     head = f"Of {len(rows)} {what}: " + (
         f"changed beyond the within-checkpoint null at {', '.join(changed)}" if changed else "no change shown"
@@ -561,12 +563,16 @@ class _Report:
             + "\n\n"
             + self.table(rows, "structure_dense_null", f"Null and between-run overlap at the steps read ({how})")
             + "\n"
-            + self.table(
-                changes,
-                "structure_dense_changes",
-                f"Consecutive steps read: (null - cross) and the between-run comparison ({how})",
+            + (
+                self.table(
+                    changes,
+                    "structure_dense_changes",
+                    f"Consecutive steps read: (null - cross) and the between-run comparison ({how})",
+                )
+                + "\n"
+                if changes
+                else ""
             )
-            + "\n"
         )
 
     def runs_rows(self, between: dict) -> list[dict]:

@@ -576,38 +576,24 @@ class TrajectoryStudy(Study):
         (``[discovery] n``), with the between-run null where ``rankings`` holds other runs' checkpoints (``[runs]``);
         and, where those steps have more ranking prompts (``runs_n``), the same at those steps alone on them
         (``dense``)."""
-        from ..methods.trajectory import structure
+        from ..methods.trajectory import structure_record
 
         s, rankings = self.st.structure, rankings or {}
 
-        def run(attribution: dict, runs: dict, rows: int) -> dict:
-            cut = {c: a[:rows] for c, a in attribution.items()}
-            other = {c: {o: attribution[o][:rows] for o in os} for c, os in runs.items()}
-            mine = {c: cut[c] for c in cut if c not in self.others}
-            return structure(
-                mine,
+        def compute() -> dict:
+            n_pairs = s.n_pairs or circuits[self.final].result["n_pairs"]
+            classes = circuits[self.final].result["classes"]
+            attribution = self.attributions(circuits, rankings)
+            return structure_record(
+                attribution,
+                self.names,
+                self.runs,
                 classes,
                 n_pairs,
-                s.draws,
+                self.st.discovery.n,
+                asdict(s),
                 self.seed("ranking"),
-                s.stable,
-                other,
-                s.resamples,
-                s.resample_splits,
-                s.margin,
             )
-
-        classes = circuits[self.final].result["classes"]
-        n_pairs = s.n_pairs or circuits[self.final].result["n_pairs"]
-
-        def compute() -> dict:
-            attribution = self.attributions(circuits, rankings)
-            out = run(attribution, self.runs, self.st.discovery.n)
-            dense = {c: a for c, a in attribution.items() if c in self.runs or c in self.others}
-            rows = min((a.shape[0] for a in dense.values()), default=0)
-            if rows > self.st.discovery.n:
-                out["dense"] = run(dense, self.runs, rows)
-            return out
 
         inputs = {"circuits": {c: r.key for c, r in circuits.items()}, "structure": asdict(s), "null": NULL}
         if rankings:  # a study without other runs keeps its key
