@@ -12,6 +12,8 @@ rows of one item move together), never rows that repeat one prompt. The rules:
 - any other paired difference (continuous, or clustered): the sign-flip permutation test over items (exact where
   few items differ) with the interval that inverts it;
 - a difference of two ratios on the same prompts: the paired cluster bootstrap with its percentile p;
+- a statistic of the items that is no mean of rows (an overlap of top-n sets, :func:`recentred`): the statistic
+  recomputed on each cluster resample (:func:`cluster_resamples`), its percentile interval moved to the estimate;
 - an intervention against random draws of its kind: the rank among the draws with its +1-corrected empirical p,
   the draws' interval resampling draws and items both;
 - sameness: two one-sided tests (Schuirmann 1987) against a stated margin;
@@ -133,6 +135,28 @@ def _cluster_draws(idx: np.ndarray, n_resamples: int, seed: int) -> np.ndarray:
     picks = np.random.default_rng(seed).integers(0, k, size=(n_resamples, k))
     flat = (np.arange(n_resamples)[:, None] * k + picks).ravel()
     return np.bincount(flat, minlength=n_resamples * k).reshape(n_resamples, k).astype(float)
+
+
+def cluster_resamples(n_items: int, n_resamples: int = N_RESAMPLES, seed: int = 0) -> np.ndarray:
+    """The cluster bootstrap's resamples of ``n_items`` items as counts (``resample item``): how often each item is
+    drawn, for a statistic recomputed on each resample rather than read off weighted sums."""
+    if n_items < 1 or n_resamples < 1:
+        raise ValueError(f"resampling needs at least one item and one resample; got {n_items} and {n_resamples}")
+    return _cluster_draws(np.arange(n_items), n_resamples, seed)
+
+
+def recentred(draws: np.ndarray, value: float, confidence: float = 0.95) -> tuple[float, float]:
+    """The percentile interval of a statistic's resampled ``draws``, moved so that their median sits at ``value``.
+
+    For a statistic whose resamples are biased by the items they repeat: two top-n sets found on halves of a
+    resample that repeats items overlap less than on as many distinct items, a shift of the whole distribution
+    that the percentile interval would carry (the draws' spread is kept, their location taken from the
+    estimate)."""
+    d = np.asarray(draws, dtype=float)
+    d = d[np.isfinite(d)]
+    if d.size == 0:
+        return float("nan"), float("nan")
+    return _percentile(d - float(np.median(d)) + value, confidence)
 
 
 def _percentile(draws: np.ndarray, confidence: float) -> tuple[float, float]:

@@ -70,13 +70,59 @@ def _record(values: Sequence[float]) -> dict:
     return {"share": rounded(values)}
 
 
-def _beyond_cols(change: dict, runs: bool) -> dict:
+def verdict(d: dict, margin: Optional[float]) -> str:
+    """A structural difference's verdict: "changed" (its interval over prompts above 0), "same within M" (its 90%
+    interval inside the equivalence margin M), else "not shown"; a record made before the margin: "changed" or
+    "-" (no equivalence was tested)."""
+    if d["changed"]:
+        return "changed"
+    if margin is None or "same" not in d:
+        return "-"
+    return f"same within {margin:g}" if d["same"] else "not shown"
+
+
+def _spread(name: str, est: Optional[dict]) -> dict:
+    """The splits' own spread beside an interval over prompts (``name_split_spread``; none in a record made before
+    the intervals resampled prompts, whose low/high are that spread)."""
+    if not est or "spread_low" not in est:
+        return {}
+    return {f"{name}_split_spread": f"{est['spread_low']:.3f} to {est['spread_high']:.3f}"}
+
+
+def _beyond_cols(change: dict, runs: bool, margin: Optional[float] = None) -> dict:
     """The between-run columns of a structural change where the study read other runs (``runs``; empty where no
     other run was read at its step)."""
     b = change.get("beyond_runs")
     if not runs:
         return {}
-    return {**_cols("runs_minus_cross", b and b["runs_minus_cross"]), "beyond_runs": b["changed"] if b else None}
+    return {**_cols("runs_minus_cross", b and b["runs_minus_cross"]), "beyond_runs": verdict(b, margin) if b else None}
+
+
+def structure_sentence(rows: list[dict], margin: Optional[float], what: str = "consecutive checkpoints") -> str:
+    """What the structure rows (``from_step``, ``to_step``, ``change``: :func:`verdict`) show, in one sentence: the
+    changes, the pairs shown the same within the margin, and those neither (not shown: no claim either way)."""
+
+    def at(v: str) -> list[str]:
+        return [f"{r['from_step']}-{r['to_step']}" for r in rows if r["change"] == v]
+
+    if not rows:
+        return f"No {what} to compare."
+    changed = at("changed")
+    head = f"Of {len(rows)} {what}: " + (
+        f"changed beyond the within-checkpoint null at {', '.join(changed)}" if changed else "no change shown"
+    )
+    if margin is None:
+        return head + " (no equivalence margin in this record, so no sameness is claimed)."
+    same = at(f"same within {margin:g}")
+    rest = at("not shown")
+    parts = [
+        f"the same within {margin:g} (Jaccard; 90% interval over prompts inside the margin) at {', '.join(same)}"
+        if same
+        else f"none shown the same within {margin:g}",
+    ]
+    if rest:
+        parts.append(f"neither a change nor sameness shown at {', '.join(rest)}")
+    return head + "; " + "; ".join(parts) + "."
 
 
 class _Report:
@@ -422,24 +468,43 @@ class _Report:
             + self.figure(fig, "the selections' target accuracy against the step")
         )
 
-    def structure(self) -> None:
-        st = self.r["structure"].result
-        null_rows = [
-            {"step": s, "checkpoint": n, **_cols("null_overlap", st["null"][n])} for s, n in zip(self.steps, self.names)
-        ]
-        change_rows = [
-            {
-                "from_step": self.steps[i],
-                "to_step": self.steps[i + 1],
+    def change_rows(self, st: dict, steps: dict[str, int], entered: bool = True) -> list[dict]:
+        """One row per consecutive change of the structure record ``st`` (``steps``: checkpoint -> step)."""
+        margin, runs = st.get("margin"), bool(st.get("between_runs"))
+        rows = []
+        for c in st["consecutive"]:
+            row = {
+                "from_step": steps[c["from"]],
+                "to_step": steps[c["to"]],
                 **_cols("cross_overlap", c["cross"]),
                 **_cols("null_minus_cross", c["null_minus_cross"]),
-                "changed": c["changed"],
-                **_beyond_cols(c, bool(st.get("between_runs"))),
-                "pairs_entered": " ".join(c["entered"]) or "-",
-                "pairs_left": " ".join(c["left"]) or "-",
+                **_spread("null_minus_cross", c["null_minus_cross"]),
+                "change": verdict(c, margin),
+                **_beyond_cols(c, runs, margin),
             }
-            for i, c in enumerate(st["consecutive"])
+            if entered:
+                row.update(pairs_entered=" ".join(c["entered"]) or "-", pairs_left=" ".join(c["left"]) or "-")
+            rows.append(row)
+        return rows
+
+    def interval_text(self, st: dict) -> str:
+        """How the structure record's intervals were made (or, for a record made before, that they are spreads)."""
+        if "resamples" not in st:
+            return f"95% range of {st['draws']} splits of one sample of prompts: a spread, not an interval over prompts"
+        return (
+            f"95% interval over prompts: {st['resamples']} resamples of the {st['prompts']} ranking prompts, each "
+            f"split {st['resample_splits']} times into halves (a prompt's copies in one half), re-centred on the "
+            "estimate"
+        )
+
+    def structure(self) -> None:
+        st = self.r["structure"].result
+        steps = dict(zip(self.names, self.steps))
+        null_rows = [
+            {"step": s, "checkpoint": n, **_cols("null_overlap", st["null"][n]), **_spread("null", st["null"][n])}
+            for s, n in zip(self.steps, self.names)
         ]
+        change_rows = self.change_rows(st, steps)
         series = {
             "within-checkpoint null (disjoint halves)": [st["null"][n] for n in self.names],
             "cross overlap with the previous checkpoint": [None] + [c["cross"] for c in st["consecutive"]],
@@ -450,12 +515,13 @@ class _Report:
             series["between runs of the recipe (same step)"] = [
                 between[n]["overlap"] if n in between else None for n in self.names
             ]
-        spread = f"mean over {st['draws']} random disjoint splits, 95% range of the splits"
+        how = self.interval_text(st)
         fig = band_figure(
             self.steps,
             series,
             self.dir / "figures" / "structure.png",
-            f"overlap (Jaccard) of top-{st['n_pairs']} pair sets on disjoint prompt halves ({spread})",
+            f"overlap (Jaccard) of top-{st['n_pairs']} pair sets on disjoint prompt halves (mean over "
+            f"{st['draws']} splits; {how.split(':')[0]})",
             "overlap",
         )
         matrix = overlap_figure(
@@ -464,26 +530,36 @@ class _Report:
             self.dir / "figures" / "overlap_matrix.png",
             f"mean overlap (Jaccard) of top-{st['n_pairs']} pair sets on opposite halves; diagonal: the null",
         )
+        margin = st.get("margin")
         self.sections.append(
             "## Structure against the within-checkpoint null\n\n"
-            f"Each of {st['draws']} draws splits the {self.s.st.discovery.n} ranking prompts into two disjoint random "
-            f"halves; the top {st['n_pairs']} pairs of each half are two discoveries of one checkpoint, and their "
-            "overlap is the null below (the mean over splits, with the 95% range of the splits' values). Two "
-            "checkpoints are compared on the same halves (one's half A against the other's half B, both ways); "
-            "their circuits 'changed' only where (mean null - cross), taken split by split, has its 95% range above "
-            "0. A pair 'entered' or 'left' only where its bootstrap selection frequency goes from "
+            f"Each of {st['draws']} draws splits the {st.get('prompts', self.s.st.discovery.n)} ranking prompts (those "
+            f"every checkpoint shares) into two disjoint random halves; the top {st['n_pairs']} pairs of each half are "
+            "two discoveries of one checkpoint, and their overlap is the null below (the mean over splits). Two "
+            "checkpoints are compared on the same halves (one's half A against the other's half B, both ways). Each "
+            f"overlap's interval: {how}; the splits' own 95% range is given beside it as a spread. Two circuits "
+            "'changed' where (mean null - cross) has its interval above 0"
+            + (
+                f"; they are 'the same within {margin:g}' only where its 90% interval lies inside (-{margin:g}, "
+                f"{margin:g}) (two one-sided tests at 0.05); otherwise neither is shown"
+                if margin is not None
+                else "; no sameness is claimed (no equivalence margin in this record)"
+            )
+            + ". A pair 'entered' or 'left' only where its bootstrap selection frequency goes from "
             f"<= {1 - st['stable']:.2f} to >= {st['stable']:.2f} or back.\n\n"
+            + structure_sentence(change_rows, margin)
+            + "\n\n"
             + self.table(
                 null_rows,
                 "structure_null",
-                f"Within-checkpoint null: overlap of two discoveries on disjoint prompts ({spread})",
+                f"Within-checkpoint null: overlap of two discoveries on disjoint prompts (mean over splits; {how})",
             )
             + "\n"
             + self.table(
                 change_rows,
                 "structure_changes",
-                "Consecutive checkpoints: cross overlap, the spread-corrected difference (paired by split; "
-                f"{spread}) and the pairs that changed beyond the spread",
+                f"Consecutive checkpoints: cross overlap and (null - cross), paired by split ({how}), the verdict, "
+                "and the pairs that changed beyond the spread of their selection frequency",
             )
             + "\n"
             + self.table(
@@ -491,20 +567,59 @@ class _Report:
                 "structure_final",
                 "Each checkpoint's circuit against the final one: Jaccard of the own circuits' pairs (each at its "
                 "own size, as found; no interval) and, on disjoint halves, the cross overlap of the top-n sets and "
-                f"the spread-corrected difference ({spread})",
+                f"(null - cross) ({how})",
             )
             + "\n"
             + self.table(
                 matrix_rows(self.steps, st["matrix"]["overlap"]),
                 "structure_matrix",
                 f"Overlap matrix: mean overlap (Jaccard) of top-{st['n_pairs']} pair sets on opposite halves of every "
-                "two checkpoints (row step against column step; diagonal: the within-checkpoint null)",
+                "two checkpoints (row step against column step; diagonal: the within-checkpoint null; no interval)",
             )
             + "\n"
             + self.runs_section(between)
+            + self.dense_section(st.get("dense"))
             + self.figure(fig, "structural null and cross overlaps against the step")
             + "\n"
             + self.figure(matrix, "overlap matrix of every two checkpoints")
+        )
+
+    def dense_section(self, dense: Optional[dict]) -> str:
+        """The structure at the steps the between-run null reads, on their own (more) ranking prompts ('' where
+        the record has none)."""
+        if not dense:
+            return ""
+        steps = dict(zip(self.names, self.steps))
+        how = self.interval_text(dense)
+        between = {b["checkpoint"]: b for b in dense.get("between_runs", [])}
+        rows = [
+            {
+                "step": steps[n],
+                **_cols("null_overlap", dense["null"][n]),
+                **_cols("between_runs_overlap", between[n]["overlap"] if n in between else None),
+                **_cols("runs_null", between[n]["null"] if n in between else None),
+            }
+            for n in dense["null"]
+        ]
+        changes = self.change_rows(dense, steps, entered=False)
+        return (
+            f"\n### At the steps the between-run null reads, on {dense['prompts']} ranking prompts\n\n"
+            "The same statistics on the ranking prompts these steps (and the other runs there) share: halves of "
+            f"{dense['prompts'] // 2}, so the null is the overlap of two discoveries on that many prompts. "
+            + structure_sentence(changes, dense.get("margin"), "consecutive steps read")
+            + "\n\n"
+            + self.table(rows, "structure_dense_null", f"Null and between-run overlap at the steps read ({how})")
+            + "\n"
+            + (
+                self.table(
+                    changes,
+                    "structure_dense_changes",
+                    f"Consecutive steps read: (null - cross) and the between-run comparison ({how})",
+                )
+                + "\n"
+                if changes
+                else ""
+            )
         )
 
     def runs_rows(self, between: dict) -> list[dict]:
@@ -522,6 +637,7 @@ class _Report:
                     "accuracy_this_run": self.r["accuracy"][n].result["accuracy"]["value"],
                     "accuracy_other_runs": " ".join(f"{a['value']:.3f}" for a in acc.values()),
                     **_cols("between_runs_overlap", b["overlap"]),
+                    **_spread("between_runs", b["overlap"]),
                     **_cols("within_run_null", b["null"]),
                 }
             )
@@ -551,15 +667,18 @@ class _Report:
             "order) read at the steps below, ranked on the same prompts. Their overlap with this run at the same step, "
             "on opposite halves as above (the mean over every two runs), is what another run of the recipe gives: "
             "a change 'beyond the runs' (tables above, `beyond_runs`) is a cross overlap whose (between-run "
-            "overlap - cross), split by split, has its 95% range above 0 (a consecutive change is held against the "
-            "runs at its later step, or its earlier where only that was read; a checkpoint against the final one, "
-            "against the runs at the final step).\n\n"
+            "overlap - cross), paired by split, has its interval above 0, and 'same within' the margin where its 90% "
+            "interval lies inside it (a consecutive change is held against the runs at its later step, or its "
+            "earlier where only that was read; a checkpoint against the final one, against the runs at the final "
+            "step).\n\n"
             + self.table(
                 self.runs_rows(between),
                 "structure_runs",
                 "Between-run null: held-out accuracy of this run and of the others (their intervals: "
                 "`tables/accuracy.md`, `outcomes.json`), and the overlap of top-n pair sets between runs at the same "
-                "step beside the runs' mean within-checkpoint null (95% range of the splits)",
+                "step beside the runs' mean within-checkpoint null ("
+                + self.interval_text(self.r["structure"].result)
+                + ")",
             )
             + "\n"
         )
@@ -568,6 +687,7 @@ class _Report:
         """Each checkpoint but the last against the final one: the own circuits' Jaccard, and the top-n cross
         overlap beyond the null."""
         final = frozenset(Circuit.from_dict(self.r["circuits"][self.names[-1]].result["circuit"]).pairs())
+        margin = self.r["structure"].result.get("margin")
         rows = []
         for s, n, c in zip(self.steps, self.names, self.r["structure"].result["against_final"]):
             own = frozenset(Circuit.from_dict(self.r["circuits"][n].result["circuit"]).pairs())
@@ -578,8 +698,9 @@ class _Report:
                     "own_circuit_jaccard": jaccard(own, final),
                     **_cols("cross_overlap", c["cross"]),
                     **_cols("null_minus_cross", c["null_minus_cross"]),
-                    "differs_from_final": c["changed"],
-                    **_beyond_cols(c, bool(self.r["structure"].result.get("between_runs"))),
+                    **_spread("null_minus_cross", c["null_minus_cross"]),
+                    "against_final": verdict(c, margin),
+                    **_beyond_cols(c, bool(self.r["structure"].result.get("between_runs")), margin),
                 }
             )
         return rows
@@ -667,16 +788,13 @@ class _Report:
         st = self.r["structure"].result
         changed = [
             {
-                "from_step": self.steps[i],
-                "to_step": self.steps[i + 1],
-                **_cols("null_minus_cross", c["null_minus_cross"]),
-                "changed": c["changed"],
-                **_beyond_cols(c, bool(st.get("between_runs"))),
+                **{k: v for k, v in r.items() if k not in ("pairs_entered", "pairs_left") and "cross_overlap" not in k},
                 "pairs_entered": len(c["entered"]),
                 "pairs_left": len(c["left"]),
             }
-            for i, c in enumerate(st["consecutive"])
+            for r, c in zip(self.change_rows(st, dict(zip(self.names, self.steps))), st["consecutive"])
         ]
+        self.structure_readme = structure_sentence(changed, st.get("margin"))
         final = [
             {k: v for k, v in r.items() if k not in ("cross_overlap", "cross_overlap_low", "cross_overlap_high")}
             for r in self.against_final_rows()
@@ -689,7 +807,10 @@ class _Report:
             for w, v in (
                 ("checkpoints (step: name)", ", ".join(f"{s}: {n}" for s, n in zip(self.steps, self.names))),
                 ("accuracy prompts", st.eval.n),
-                ("ranking prompts (halved for the null)", st.discovery.n),
+                (
+                    "ranking prompts (halved for the null); at the [runs] steps",
+                    f"{st.discovery.n}; {st.discovery.runs_n}",
+                ),
                 ("curve prompts; sizes", f"{st.discovery.curve_n}; {st.discovery.sizes}"),
                 ("target faithfulness; select", f"{st.discovery.target}; {st.discovery.select}"),
                 ("scoring prompts; reference prompts", f"{st.scoring.n}; {st.scoring.reference_n}"),
@@ -698,7 +819,11 @@ class _Report:
                     "DCM labels; semantic test pairs",
                     f"{st.dcm.labels or 'trained on the final circuit'}; {st.dcm.n_test}",
                 ),
-                ("structure splits and resamples; stable frequency", f"{st.structure.draws}; {st.structure.stable}"),
+                (
+                    "structure splits; prompt resamples x their splits; stable frequency; equivalence margin",
+                    f"{st.structure.draws}; {st.structure.resamples} x {st.structure.resample_splits}; "
+                    f"{st.structure.stable}; {st.structure.margin}",
+                ),
             )
         ]
         if st.roles and st.roles.method == "dcm":
@@ -731,6 +856,10 @@ class _Report:
             "overlap matrix of every two is `figures/overlap_matrix.png`). "
             + self.missed()
             + "\n\n"
+            + self.structure_readme
+            + " Intervals: "
+            + self.interval_text(self.r["structure"].result)
+            + ".\n\n"
             + to_markdown(changed)
             + "\n\n"
             + to_markdown(final)

@@ -22,15 +22,15 @@ MEASURES = (
         "structure_null",
         "step",
         None,
-        "Within-checkpoint null: overlap of two discoveries on disjoint halves (95% range of the splits)",
+        "Within-checkpoint null: overlap of two discoveries on disjoint halves",
         "overlap",
     ),
-    ("structure_final", "step", None, "Each checkpoint's circuit against the final one (95% range)", "overlap"),
+    ("structure_final", "step", None, "Each checkpoint's circuit against the final one", "overlap"),
     (
         "structure_runs",
         "step",
         None,
-        "Between-run null: other runs of the recipe against this one at the same step (95% range of the splits)",
+        "Between-run null: other runs of the recipe against this one at the same step",
         "overlap",
     ),
     ("role_dcm", "step", ("group", "desideratum"), "DCM trained in each checkpoint: its selection patched", "accuracy"),
@@ -42,6 +42,16 @@ MEASURES = (
         "level / share",
     ),
 )
+
+
+def structure_band(stem: str, rows: list[dict]) -> str:
+    """What a structure table's band is: an interval over prompts where the table gives the splits' spread beside
+    it (``*_split_spread``), else (a run before issue 51) the range of the splits, a spread ('' for other tables)."""
+    if not stem.startswith("structure_"):
+        return ""
+    if any(k.endswith("_split_spread") for k in rows[0]):
+        return " (95% CI over prompts)"
+    return " (95% range of the splits: a spread, not an interval over prompts)"
 
 
 def _num(v: Any) -> Optional[float]:
@@ -253,6 +263,7 @@ class TrajectoryRun:
         for stem, x, by, title, ytitle in MEASURES:
             rows = self.tables.get(stem)
             if rows and _banded(rows):
+                title += structure_band(stem, rows)
                 body.append(figs.div(measure_figure(rows, x, by, title, ytitle), f"measure-{stem}"))
         return body
 

@@ -45,7 +45,15 @@ from ..circuits.curve import SELECT, SIZES, TARGET
 from ..common.io import check_writable, run_lock
 from ..methods.dcm import DCMConfig
 from ..methods.roles import SEEDS, THRESHOLD, VOTES
-from ..methods.trajectory import STABLE, STRUCTURE_DRAWS, Checkpoints, trajectory_specs
+from ..methods.trajectory import (
+    MARGIN,
+    RESAMPLE_SPLITS,
+    STABLE,
+    STRUCTURE_DRAWS,
+    STRUCTURE_RESAMPLES,
+    Checkpoints,
+    trajectory_specs,
+)
 from ..models.loading import load_tokenizer, spec_digest
 from ..runs.seeds import derive, prompt_seed
 from ..runs.stages import StageRecord, key_hash, label
@@ -55,8 +63,13 @@ from .spec import DcmSection, EvalSection, OutputSection, SpecError, StudySectio
 log = logging.getLogger(__name__)
 
 #: What the structure stage computes, in its key: a record of the first null (the halves resampled with
-#: replacement, consecutive checkpoints only) is not reused.
-NULL = "disjoint random halves per split; consecutive, against the final, matrix"
+#: replacement, consecutive checkpoints only) or of the split spread alone (no interval over prompts) is not reused.
+NULL = (
+    "disjoint random halves per split; consecutive, against the final, matrix; intervals resampling the prompts "
+    "outside the split; float16 attributions; the [runs] steps on their own ranking prompts"
+)
+#: Ranking prompts at the steps the between-run null reads (``[runs] steps``), of this run and the others.
+RUNS_N = 256
 
 
 @dataclass
@@ -72,6 +85,7 @@ class TrajectoryDiscovery:
     circuits scored on ``curve_n`` others, the smallest reaching ``target`` (as the circuits study's curve)."""
 
     n: int = 40  # ranking prompts (halved for the within-checkpoint null)
+    runs_n: int = RUNS_N  # ranking prompts at the [runs] steps (this run's and the other runs'); n elsewhere
     sizes: list[float] = field(default_factory=lambda: list(SIZES))
     target: float = TARGET
     select: str = SELECT[0]
@@ -90,6 +104,9 @@ class StructureSection:
     draws: int = STRUCTURE_DRAWS  # random disjoint splits into halves; bootstrap resamples of the ranking prompts
     stable: float = STABLE  # selection frequency that makes a pair robustly in (1 - stable: robustly out)
     n_pairs: int = 0  # pairs each discovery keeps (0: the final checkpoint's circuit size)
+    resamples: int = STRUCTURE_RESAMPLES  # resamples of the ranking prompts behind each overlap's interval
+    resample_splits: int = RESAMPLE_SPLITS  # random splits into halves of each resample
+    margin: float = MARGIN  # equivalence margin (Jaccard): "no change" only where (null - cross) is shown inside it
 
 
 @dataclass
@@ -234,6 +251,7 @@ def load_settings(path: str | Path) -> TrajectorySettings:
     except (ValueError, KeyError) as err:
         raise SpecError(f"{path}:{line_of(text, 'models', 'checkpoints')}: {err}") from None
     _check_runs(Path(path), text, built["runs"], built["models"].checkpoints)
+    _check_structure(Path(path), text, built["discovery"], built["structure"])
     built["roles"] = _check_roles(
         Path(path), text, raw, built["roles"], built["task"].name, built["models"].checkpoints
     )
@@ -269,6 +287,26 @@ def _check_runs(path: Path, text: str, runs: RunsSection, checkpoints: list[str]
         trajectory_specs([*checkpoints, *others])
     except (ValueError, KeyError) as err:
         raise SpecError(f"{path}:{line_of(text, 'runs', 'dirs')}: {err}") from None
+
+
+def _check_structure(path: Path, text: str, d: TrajectoryDiscovery, s: StructureSection) -> None:
+    """``[discovery] runs_n`` at least ``n`` (the [runs] steps take more ranking prompts, never fewer), and the
+    structure's resamples and margin usable."""
+    if d.runs_n < d.n:
+        raise SpecError(
+            f"{path}:{line_of(text, 'discovery', 'runs_n')}: [discovery] runs_n ({d.runs_n}) must be at least n "
+            f"({d.n}): the steps the between-run null reads take more ranking prompts, the rest n"
+        )
+    if s.resamples < 1 or s.resample_splits < 1:
+        raise SpecError(
+            f"{path}:{line_of(text, 'structure', 'resamples')}: [structure] resamples and resample_splits "
+            "must be at least 1"
+        )
+    if not 0 < s.margin < 1:
+        raise SpecError(
+            f"{path}:{line_of(text, 'structure', 'margin')}: [structure] margin is a Jaccard difference "
+            "in (0, 1), e.g. 0.05"
+        )
 
 
 def _check_roles(
@@ -428,6 +466,25 @@ class TrajectoryStudy(Study):
 
         return chosen_desiderata(self.st.dcm.desiderata, self.task.desiderata)
 
+    def ranking_n(self, name: str) -> int:
+        """Ranking prompts of checkpoint ``name``: ``[discovery] runs_n`` at a step the between-run null reads (this
+        run's checkpoint there and the other runs'), ``n`` elsewhere."""
+        d = self.st.discovery
+        return d.runs_n if name in self.runs or name in self.others else d.n
+
+    def prompt_set_sizes(self) -> dict[str, int]:
+        """The rows of each prompt set the study scores (for the plan's detectable differences): the ranking set at
+        its largest (``runs_n`` where the between-run null reads steps)."""
+        d, e = self.st.discovery, self.st.eval
+        ranking = max(self.ranking_n(n) for n in [*self.names, *self.others])
+        return {
+            "eval": e.n,
+            "ranking": ranking,
+            "curve": d.curve_n,
+            "matrix": self.st.scoring.n,
+            "cmap": self.st.cmap.n,
+        }
+
     def scorer(self, name: str, prompts: str, n: int):
         from ..circuits.scoring import Scorer
 
@@ -466,7 +523,8 @@ class TrajectoryStudy(Study):
             self.tokenizer, self.st.scoring.reference_n, self.seed("reference"), **self.options()
         )
         d = self.st.discovery
-        for prompts, n in (("ranking", d.n), ("curve", d.curve_n), ("matrix", self.st.scoring.n)):
+        ranking = max(self.ranking_n(n) for n in [*self.names, *self.others])
+        for prompts, n in (("ranking", ranking), ("curve", d.curve_n), ("matrix", self.st.scoring.n)):
             check_reference(self.records(prompts, n), reference, f"{prompts} prompts")
 
     # -- stages -------------------------------------------------------------------------
@@ -489,7 +547,7 @@ class TrajectoryStudy(Study):
         d = self.st.discovery
 
         def compute() -> dict:
-            ranker = self.scorer(name, "ranking", d.n)
+            ranker = self.scorer(name, "ranking", self.ranking_n(name))
             res = own_circuit(
                 ranker,
                 self.scorer(name, "curve", d.curve_n),
@@ -507,10 +565,12 @@ class TrajectoryStudy(Study):
         return self.cache.run(f"circuit:{name}", self._circuit_inputs(name), compute)
 
     def _circuit_inputs(self, name: str) -> dict:
+        # the key names the checkpoint's own ranking count as n (runs_n left out), so a step ranked on n keeps its key
+        discovery = {k: v for k, v in asdict(self.st.discovery).items() if k != "runs_n"}
         return {
             "model": self.digests[name],
             "task": self.task_inputs(),
-            "discovery": asdict(self.st.discovery),
+            "discovery": {**discovery, "n": self.ranking_n(name)},
             "scoring": self._reference(),
         }
 
@@ -522,7 +582,7 @@ class TrajectoryStudy(Study):
         from ..methods.trajectory import encode_array
 
         def compute() -> dict:
-            ranker = self.scorer(name, "ranking", self.st.discovery.n)
+            ranker = self.scorer(name, "ranking", self.ranking_n(name))
             classes = task_classes(ranker)
             return {
                 "classes": list(classes),
@@ -532,7 +592,7 @@ class TrajectoryStudy(Study):
         inputs = {
             "model": self.digests[name],
             "task": self.task_inputs(),
-            "ranking_n": self.st.discovery.n,
+            "ranking_n": self.ranking_n(name),
             "scoring": self._reference(),
         }
         return self.cache.run(f"ranking:{name}", inputs, compute)
@@ -540,26 +600,50 @@ class TrajectoryStudy(Study):
     def structure(
         self, circuits: dict[str, StageRecord], rankings: Optional[dict[str, StageRecord]] = None
     ) -> StageRecord:
-        """The structural null and changes (:func:`~mechdiff.methods.trajectory.structure`), with the between-run
-        null where ``rankings`` holds other runs' checkpoints (``[runs]``)."""
-        from ..methods.trajectory import decode_array, structure
+        """The structural null and changes (:func:`~mechdiff.methods.trajectory.structure`) on the float16
+        attributions the study commits (:meth:`attributions`), every checkpoint on the ranking prompts all share
+        (``[discovery] n``), with the between-run null where ``rankings`` holds other runs' checkpoints (``[runs]``);
+        and, where those steps have more ranking prompts (``runs_n``), the same at those steps alone on them
+        (``dense``)."""
+        from ..methods.trajectory import structure_record
 
         s, rankings = self.st.structure, rankings or {}
 
         def compute() -> dict:
-            n = s.n_pairs or circuits[self.final].result["n_pairs"]
+            n_pairs = s.n_pairs or circuits[self.final].result["n_pairs"]
             classes = circuits[self.final].result["classes"]
-            attribution = {c: decode_array(rec.result["attribution"]) for c, rec in circuits.items()}
-            odd = [o for o, rec in rankings.items() if rec.result["classes"] != classes]
-            if odd:
-                raise ValueError(f"{odd} rank other position classes than {self.final}: {classes}")
-            runs = {c: {o: decode_array(rankings[o].result["attribution"]) for o in os} for c, os in self.runs.items()}
-            return structure(attribution, classes, n, s.draws, self.seed("ranking"), s.stable, runs)
+            attribution = self.attributions(circuits, rankings)
+            return structure_record(
+                attribution,
+                self.names,
+                self.runs,
+                classes,
+                n_pairs,
+                self.st.discovery.n,
+                asdict(s),
+                self.seed("ranking"),
+            )
 
         inputs = {"circuits": {c: r.key for c, r in circuits.items()}, "structure": asdict(s), "null": NULL}
         if rankings:  # a study without other runs keeps its key
             inputs["runs"] = {o: r.key for o, r in rankings.items()}
         return self.cache.run("structure", inputs, compute)
+
+    def attributions(
+        self, circuits: dict[str, StageRecord], rankings: Optional[dict[str, StageRecord]] = None
+    ) -> dict[str, Any]:
+        """Every checkpoint's per-prompt ranking attribution (the other runs' after the trajectory's) as the study
+        commits it, float16 (:func:`~mechdiff.methods.trajectory.to_half`); a ranking of other classes than the
+        final circuit's is refused."""
+        from ..methods.trajectory import decode_array, to_half
+
+        rankings = rankings or {}
+        classes = circuits[self.final].result["classes"]
+        odd = [o for o, rec in rankings.items() if rec.result["classes"] != classes]
+        if odd:
+            raise ValueError(f"{odd} rank other position classes than {self.final}: {classes}")
+        every = {**circuits, **rankings}
+        return {c: to_half(decode_array(rec.result["attribution"])) for c, rec in every.items()}
 
     def score(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
         from ..methods.trajectory import circuits_scored
@@ -904,9 +988,33 @@ class TrajectoryStudy(Study):
         from ..report.html import write_html
         from ..report.trajectory import write_trajectory_report
 
+        self.write_attributions(results)
         report = write_trajectory_report(self, results)
         write_html(self.dir)  # report.html: read from what was just written (as `mechdiff view` does)
         return report
+
+    def write_attributions(self, results: dict[str, Any]) -> Path:
+        """``attributions.h5``: the per-prompt attributions behind the structure tables, float16, gzip, each
+        checkpoint at the pairs some top-n of the structure stage selected
+        (:func:`~mechdiff.methods.trajectory.write_attributions`), so the tables recompute from committed files."""
+        from ..methods.trajectory import ATTRIBUTIONS, write_attributions
+
+        st = results["structure"].result
+        rankings = results.get("runs", {}).get("ranking", {})
+        attribution = self.attributions(results["circuits"], rankings)
+        kept = {
+            c: sorted(set(st["kept"][c]) | set(st.get("dense", {}).get("kept", {}).get(c, []))) for c in attribution
+        }
+        meta = {
+            "structure": asdict(self.st.structure),
+            "n_pairs": st["n_pairs"],
+            "seed": st["seed"],
+            "ranking_n": self.st.discovery.n,
+            "steps": dict(zip(self.names, self.steps)),
+            "runs": self.runs,
+        }
+        classes = results["circuits"][self.final].result["classes"]
+        return write_attributions(self.dir / ATTRIBUTIONS, attribution, kept, classes, meta)
 
     def settings_record(self) -> dict:
         return {

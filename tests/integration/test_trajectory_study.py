@@ -41,6 +41,7 @@ batch_size = 8
 
 [discovery]
 n = 12
+runs_n = 16
 sizes = [0.05, 0.2, 1.0]
 curve_n = 12
 stability_draws = 20
@@ -202,6 +203,23 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     assert between["checkpoint"] == names[-1] and between["overlap"] == st["null"][names[-1]] == between["null"]
     assert st["consecutive"][-1]["beyond_runs"]["at"] == names[-1]
     assert [r["step"] for r in json.loads((out / "tables" / "structure_runs.json").read_text())] == [4]
+    # step 4 (read by the between-run null) ranked on runs_n = 16 prompts, the rest on 12: the main structure on the
+    # 12 all share, the steps read again on their own 16
+    assert st["prompts"] == 12 and st["dense"]["prompts"] == 16 and list(st["dense"]["null"]) == [names[-1]]
+    assert (
+        np.asarray(json.loads(study.cache.path(f"circuit:{names[-1]}").read_text())["result"]["attribution"]["shape"])[
+            0
+        ]
+        == 16
+    )
+    # the attributions behind the structure tables, committed: float16 (gzip), and the structure recomputed from them
+    # alone is the stage's record, the steps read on their own prompts included
+    from mechdiff.methods.trajectory import ATTRIBUTIONS, committed_structure, read_attributions
+
+    back, _, meta = read_attributions(out / ATTRIBUTIONS)
+    assert set(back) == {*names, f"{other}@4"} and meta["steps"][names[-1]] == 4
+    assert [back[n].shape[0] for n in names] == [12, 12, 16]
+    assert committed_structure(out) == st
     # outcomes.json: every stage's per-prompt outcomes, the other run's accuracy among them
     kept = json.loads((out / "outcomes.json").read_text())["stages"]
     assert kept["accuracy"][f"{other}@4"] == kept["accuracy"][names[-1]] == records[names[-1]]["outcomes"]

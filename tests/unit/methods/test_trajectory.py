@@ -287,8 +287,9 @@ def check_structure(attribution: dict, classes, n: int, draws: int, seed: int) -
 
     def same(got: dict, values: list) -> None:
         assert got["value"] == pytest.approx(np.mean(values), abs=1e-12) and got["n"] == draws
-        assert [got["low"], got["high"]] == pytest.approx(np.percentile(values, [2.5, 97.5]), abs=1e-12)
-        assert got["low"] <= got["value"] <= got["high"]
+        spread = [got["spread_low"], got["spread_high"]]
+        assert spread == pytest.approx(np.percentile(values, [2.5, 97.5]), abs=1e-12)
+        assert got["low"] <= got["value"] <= got["high"]  # the interval over prompts, re-centred on the value
 
     for c in names:
         same(res["null"][c], null[c])
@@ -299,6 +300,9 @@ def check_structure(attribution: dict, classes, n: int, draws: int, seed: int) -
         same(row["cross"], cross(s, t))
         same(row["null_minus_cross"], [(x + y) / 2 - c for x, y, c in zip(null[s], null[t], cross(s, t))])
         assert row["changed"] == (row["null_minus_cross"]["low"] > 0)
+        d = row["null_minus_cross"]
+        assert row["same"] == (-res["margin"] < d["low90"] and d["high90"] < res["margin"])
+        assert d["low"] <= d["low90"] <= d["high90"] <= d["high"]
     want = [[np.mean(null[s] if s == t else cross(s, t)) for t in names] for s in names]
     assert res["matrix"]["checkpoints"] == names
     assert np.allclose(res["matrix"]["overlap"], want, atol=1e-12, rtol=0)
@@ -314,6 +318,11 @@ def constructed(strong: list[int], n_prompts: int = 40, seed: int = 0, noise: fl
     return x.reshape(n_prompts, 2, 3, 4).astype(np.float32)
 
 
+def point(est: dict) -> tuple:
+    """An estimate's value, interval over prompts and split spread."""
+    return est["value"], est["low"], est["high"], est["spread_low"], est["spread_high"]
+
+
 def test_structure_changes_only_beyond_the_within_checkpoint_spread():
     classes = ["last", "query_label"]
     same = constructed([0, 5, 9])
@@ -321,11 +330,12 @@ def test_structure_changes_only_beyond_the_within_checkpoint_spread():
     res = structure({"s": same, "t": same.copy(), "u": moved}, classes, n=3, draws=50, seed=0)
     assert res["null"]["s"]["value"] == 1.0 and res["null"]["s"]["low"] == 1.0  # a clear top 3: both halves agree
     same_row, moved_row = res["consecutive"]
-    # the same model twice: cross = null on every draw, so the difference is exactly 0 and no change is called
-    assert same_row["null_minus_cross"] == {"value": 0.0, "low": 0.0, "high": 0.0, "n": 50}
-    assert not same_row["changed"] and same_row["entered"] == [] and same_row["left"] == []
+    # the same model twice: cross = null on every split of every resample, so the difference is exactly 0: no change
+    # is called, and sameness within the margin is shown
+    assert point(same_row["null_minus_cross"]) == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert not same_row["changed"] and same_row["same"] and same_row["entered"] == [] and same_row["left"] == []
     assert moved_row["cross"]["value"] == 0.5  # 2 shared of 4
-    assert moved_row["null_minus_cross"]["low"] == 0.5 and moved_row["changed"]
+    assert moved_row["null_minus_cross"]["low"] == 0.5 and moved_row["changed"] and not moved_row["same"]
     assert moved_row["entered"] == ["L1H1@query_label"] and moved_row["left"] == ["L2H1@last"]
     # noise as large as the signal: a different top set on each half, and no pair robustly in or out
     noisy = {"s": constructed([0, 5, 9], noise=3.0, seed=2), "t": constructed([0, 5, 17], noise=3.0, seed=3)}
@@ -367,7 +377,7 @@ def test_each_checkpoint_against_the_final_one_and_the_overlap_matrix(tmp_path):
     res = structure({"s": same, "t": same.copy(), "u": moved}, classes, n=3, draws=50, seed=0)
     assert [r["checkpoint"] for r in res["against_final"]] == ["s", "t"]
     for row in res["against_final"]:  # both share 2 of 4 pairs with the final, beyond a null of 1 in every split
-        assert row["cross"] == {"value": 0.5, "low": 0.5, "high": 0.5, "n": 50}
+        assert point(row["cross"]) == (0.5,) * 5
         assert row["null_minus_cross"]["low"] == 0.5 and row["changed"]
     assert res["matrix"]["overlap"] == [[1.0, 1.0, 0.5], [1.0, 1.0, 0.5], [0.5, 0.5, 1.0]]
     path = overlap_figure([0, 5, 10], res["matrix"]["overlap"], tmp_path / "m.png", "overlap")
@@ -384,12 +394,12 @@ def test_between_run_null_calls_a_change_only_beyond_what_another_run_gives():
     res = structure({"s": same, "t": same.copy(), "u": moved}, classes, n=3, draws=50, seed=0, runs={"u": agree})
     (between,) = res["between_runs"]
     assert between["checkpoint"] == "u" and between["runs"] == ["u", "r1", "r2"]
-    assert between["overlap"] == {"value": 1.0, "low": 1.0, "high": 1.0, "n": 50}  # the runs agree at "u"
+    assert point(between["overlap"]) == (1.0,) * 5  # the runs agree at "u"
     assert between["null"]["value"] == 1.0
     into_u = res["consecutive"][1]
     assert into_u["beyond_runs"]["at"] == "u"
     # the runs agree (1.0) and t -> u shares 2 of 4 pairs (0.5): beyond the runs by 0.5 in every split
-    assert into_u["beyond_runs"]["runs_minus_cross"] == {"value": 0.5, "low": 0.5, "high": 0.5, "n": 50}
+    assert point(into_u["beyond_runs"]["runs_minus_cross"]) == (0.5,) * 5
     assert into_u["beyond_runs"]["changed"]
     assert "beyond_runs" not in res["consecutive"][0]  # s -> t: no other run read at s or t
     assert all(r["beyond_runs"]["at"] == "u" for r in res["against_final"])
@@ -428,7 +438,8 @@ def test_between_run_overlap_is_every_two_runs_cross_overlap_split_by_split():
     null = [(overlap(*d["t"]) + overlap(*d["r1"])) / 2 for d in tops]
     got = res["between_runs"][0]
     assert got["overlap"]["value"] == pytest.approx(np.mean(cross), abs=1e-12)
-    assert [got["overlap"]["low"], got["overlap"]["high"]] == pytest.approx(np.percentile(cross, [2.5, 97.5]))
+    spread = [got["overlap"]["spread_low"], got["overlap"]["spread_high"]]
+    assert spread == pytest.approx(np.percentile(cross, [2.5, 97.5]))
     assert got["null"]["value"] == pytest.approx(np.mean(null), abs=1e-12)
     assert got["overlap"]["low"] < got["overlap"]["value"] < got["overlap"]["high"]
 

@@ -133,3 +133,34 @@ def test_hub_revisions_of_one_repository_are_a_trajectory(full_run, tmp_path) ->
         want = load_model(str(full_run / f"step-{step:04d}")).model.lm_head.weight[0, :4].tolist()
         assert got[name] == pytest.approx(want, abs=0), name
     assert [step_of(n, 0) for n in names] == [0, 5]
+
+
+def test_the_steps_the_between_run_null_reads_take_their_own_ranking_prompts(tmp_path) -> None:
+    """``[discovery] runs_n`` ranking prompts at the ``[runs]`` steps (this run's checkpoint and the other runs'),
+    ``n`` elsewhere, the plan's sizes counting the larger; fewer than ``n`` is refused with its line."""
+    from mechdiff.studies.trajectory import TrajectoryStudy
+
+    text = (ROOT / "tasks" / "entity_tracking_trajectory.toml").read_text()
+    committed = load_settings(ROOT / "tasks" / "entity_tracking_trajectory.toml")
+    assert (committed.discovery.n, committed.discovery.runs_n) == (32, 256)
+    study = TrajectoryStudy(committed, out=tmp_path / "out", progress=False)
+    read = {f"smollm2-et@{s}" for s in (2, 5, 15, 45, 100)}
+    assert {n: study.ranking_n(n) for n in study.names} == {n: 256 if n in read else 32 for n in study.names}
+    assert {study.ranking_n(o) for o in study.others} == {256} and len(study.others) == 10
+    assert study.prompt_set_sizes()["ranking"] == 256
+    # a step ranked on n keeps the key it had before runs_n existed
+    assert study._circuit_inputs("smollm2-et@3")["discovery"] == {
+        k: v for k, v in asdict_discovery(committed).items() if k != "runs_n"
+    }
+    assert study._circuit_inputs("smollm2-et@5")["discovery"]["n"] == 256
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("runs_n = 256 ", "runs_n = 16  "))
+    line = next(i for i, x in enumerate(bad.read_text().splitlines(), 1) if x.startswith("runs_n = 16"))
+    with pytest.raises(SpecError, match=rf"bad.toml:{line}: \[discovery\] runs_n \(16\) must be at least n \(32\)"):
+        load_settings(bad)
+
+
+def asdict_discovery(settings) -> dict:
+    from dataclasses import asdict
+
+    return asdict(settings.discovery)
