@@ -24,7 +24,7 @@ QUIET_WARNINGS = (
 
 
 def quiet_library_warnings() -> None:
-    """Filter :data:`QUIET_WARNINGS` (every other warning still reaches the terminal)."""
+    """Filter `QUIET_WARNINGS` (every other warning still reaches the terminal)."""
     import warnings
 
     for message, category, module in QUIET_WARNINGS:
@@ -32,7 +32,7 @@ def quiet_library_warnings() -> None:
 
 
 def quiet_library_bars() -> None:
-    """Where mechdiff draws no bar (stderr not a terminal: :func:`~mechdiff.common.progress.interactive`), neither
+    """Where mechdiff draws no bar (stderr not a terminal: `interactive`), neither
     do transformers (weight loading) and huggingface_hub (downloads), so a study's log holds no bar."""
     from .common.progress import interactive
 
@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_terminated(hook: object):
-    """An unraisable hook that drops a :class:`Terminated` raised inside ``__del__`` (the run stops at the next
-    stage boundary instead, :func:`~mechdiff.common.io.check_terminated`) and passes anything else on."""
+    """An unraisable hook that drops a `Terminated` raised inside ``__del__`` (the run stops at the next
+    stage boundary instead, `check_terminated`) and passes anything else on."""
 
     def unraisable(info: object) -> None:
         if not isinstance(getattr(info, "exc_value", None), Terminated):

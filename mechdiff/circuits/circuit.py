@@ -108,7 +108,7 @@ class Circuit:
 
     @classmethod
     def load(cls, path: str | Path) -> "Circuit":
-        """Read a circuit file; any problem raises :class:`CircuitFileError` naming the file and the fix."""
+        """Read a circuit file; any problem raises `CircuitFileError` naming the file and the fix."""
         return load_circuit_file(path)
 
 
@@ -125,7 +125,7 @@ def load_circuit_file(
     positions (``positions``: those the task knows; by default those of the registered task the circuit
     names, or entity tracking's for files that name none; unchecked for other tasks) and, given a
     model's shape, that every head exists.
-    Raises :class:`CircuitFileError` (``<file>: <what> — <fix>``)."""
+    Raises `CircuitFileError` (``<file>: <what> — <fix>``)."""
     path = Path(path)
     if not path.is_file():
         raise CircuitFileError(

@@ -1,10 +1,10 @@
 """Faithfulness against circuit size over (head, position class) pairs, as MIB draws it.
 
-1. :func:`ablation_attribution` ranks every (head, class) pair by a first-order estimate of what
+1. `ablation_attribution` ranks every (head, class) pair by a first-order estimate of what
    mean-ablating it does to the answer's log-probability: ``(mean z - z) . d logp / d z`` summed over
    the class's positions (one forward and backward pass per batch; the gradient is the total one,
    through every later head and MLP).
-2. :func:`faithfulness_curve` keeps the top pairs at each size (every other pair mean-ablated) and
+2. `faithfulness_curve` keeps the top pairs at each size (every other pair mean-ablated) and
    scores the nested circuits: accuracy faithfulness F(C)/F(M) (the paper's) with bootstrap CIs, and
    MIB's normalised faithfulness (m(C) - m(empty)) / (m(M) - m(empty)) of the task's continuous metric (the
    answer probability, ``*_prob``; or the logit difference, ``*_logit_diff``) and of accuracy; CPR is the area
@@ -47,13 +47,13 @@ ATTRIBUTED = {
 
 def ablation_attribution(scorer: Scorer, classes: Sequence[str]) -> dict[Pair, float]:
     """Per (head, class): the mean over prompts of ``sum_pos (mean z - z) . grad m``, ``m`` the scorer's metric's
-    measure (:func:`prompt_attribution`: ``log p(answer)``, or the logit difference)."""
+    measure (`prompt_attribution`: ``log p(answer)``, or the logit difference)."""
     return pair_scores(prompt_attribution(scorer, classes).mean(0), classes)
 
 
 def prompt_attribution(scorer: Scorer, classes: Sequence[str]) -> torch.Tensor:
     """Per prompt, the attribution of every (class, layer, head): ``"prompt class layer head"`` (float64).
-    Kept per prompt so that the ranking can be bootstrapped over prompts (:func:`selection_stability`).
+    Kept per prompt so that the ranking can be bootstrapped over prompts (`selection_stability`).
     The differentiated measure is the scorer's metric: ``log p(answer)`` for ``prob``, the logit difference (answer
     minus the mean alternative) for ``logit_diff``. An answer of several tokens: ``log p`` is its summed
     teacher-forced log-probability (the answer's tokens appended to the prompt; one pass per answer, each
@@ -79,7 +79,7 @@ Term = tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]  # answer to
 def _objective_terms(batch: dict, metric: str) -> list[Term]:
     """The teacher-forced answers whose weighted summed log-probabilities make the attributed measure: the answer
     (weight 1) and, for ``logit_diff``, each of ``k`` alternatives (weight ``-1/k``); ``[(None, None, 1.0)]`` for
-    one-token answers, whose measure one pass gives (:func:`_objective`)."""
+    one-token answers, whose measure one pass gives (`_objective`)."""
     if "answer_tokens" not in batch:
         return [(None, None, 1.0)]
     terms: list[Term] = [(batch["answer_tokens"], batch["answer_lengths"], 1.0)]
@@ -101,7 +101,7 @@ def _attribution_terms(
     scorer: Scorer, batch: dict, tokens: Optional[torch.Tensor], lengths: Optional[torch.Tensor]
 ) -> dict[int, torch.Tensor]:
     """Per layer, ``(mean z - z) . grad`` per head at each prompt position (``"batch pos head"``) of the measure:
-    the one-token :func:`_objective`, or the summed log-probability of ``tokens`` teacher-forced."""
+    the one-token `_objective`, or the summed log-probability of ``tokens`` teacher-forced."""
     model, shape = scorer.model, scorer.model.shape
     sites = [("z", layer) for layer in range(shape.n_layers)]
     ids, n_pos = batch["input_ids"], batch["input_ids"].shape[1]
@@ -145,7 +145,7 @@ def selection_stability(
     scores: torch.Tensor, classes: Sequence[str], n_selected: int, draws: int = 200, seed: int = 0
 ) -> dict[Pair, float]:
     """How often each (head, class) pair is among the top ``n_selected`` of the ranking when the ranking
-    prompts are resampled with replacement ``draws`` times (``scores``: :func:`prompt_attribution`).
+    prompts are resampled with replacement ``draws`` times (``scores``: `prompt_attribution`).
     1.0: selected whatever the prompts; near ``n_selected / n_pairs``: selected by chance."""
     if n_selected < 1 or draws < 1:
         raise ValueError(f"n_selected and draws must be >= 1, got {n_selected} and {draws}")
@@ -162,7 +162,7 @@ def selection_stability(
 def ranked_circuit(
     ranked: Sequence[Pair], n: int, model: str = "", task: str = "", meta: Optional[dict] = None
 ) -> Circuit:
-    """The top ``n`` pairs of ``ranked`` as a :class:`Circuit` with one group per position class (the group's
+    """The top ``n`` pairs of ``ranked`` as a `Circuit` with one group per position class (the group's
     name is the class), so every circuit tool (scoring, pruning, CMAP, DCM) reads it."""
     groups: dict[str, list[Head]] = {}
     for head, c in ranked[:n]:

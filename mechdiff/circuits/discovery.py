@@ -1,4 +1,4 @@
-"""Circuit discovery by path patching, step by step as a plan says (:mod:`mechdiff.tasks.plan`),
+"""Circuit discovery by path patching, step by step as a plan says (`mechdiff.tasks.plan`),
 with an optional attribution screen. The default plan is entity tracking's four steps (Prakash et
 al. 2024): A value fetcher, B position transmitter, C position detector, D structure reader.
 
@@ -14,7 +14,7 @@ below the deepest receiver are tested. A head is selected by the largest *drop* 
 score), top ``k`` per step; a head may be selected in several steps.
 By default every eligible sender is path patched exactly (suffix runs over the clean key/value
 cache make each a small fraction of a forward pass). With ``screen=True`` (for large models)
-every eligible sender is first ranked by attribution (:mod:`mechdiff.patching.attribution`)
+every eligible sender is first ranked by attribution (`mechdiff.patching.attribution`)
 and only the ``screen_multiple * k`` most negative are path patched exactly.
 """
 
@@ -76,7 +76,7 @@ class DiscoverySettings:
     # per sender and prompt, drawn from ``seed``); a step not named reads them at the clean sender index. The paper:
     # D at a random box label, {"D": "labels"} (pp_utils.patching_sender_heads)
     source_position: dict[str, str] = field(default_factory=dict)
-    # pairs whose activations are held at once (:class:`~mechdiff.patching.path.PairStream`); None: every pair's
+    # pairs whose activations are held at once (`PairStream`); None: every pair's
     pairs_per_part: Optional[int] = None
 
 
@@ -165,9 +165,9 @@ def discover(
     plan: Optional[Plan] = None,
     metric: str = "prob",
 ) -> tuple[Circuit, dict[str, StepResult]]:
-    """Run the plan's steps (default: entity tracking's A-D) and return the :class:`Circuit` plus
+    """Run the plan's steps (default: entity tracking's A-D) and return the `Circuit` plus
     each step's full result. ``settings.k`` overrides the plan's ``k`` of the steps it names. ``metric``: the
-    task's, what every sender's score measures (:func:`~mechdiff.patching.path.prepare`)."""
+    task's, what every sender's score measures (`prepare`)."""
     plan = (plan or default_plan()).with_k(settings.k)
     steps: dict[str, PlanStep] = {s.name: s for s in plan.steps}
     t_start = time.perf_counter()

@@ -1,9 +1,9 @@
 """Minimality and pruning (Wang et al. 2022; Prakash et al. 2024): how much each (head, position) pair of a
 circuit contributes, and the circuit without the pairs that contribute too little.
 
-Two rules: ``"greedy"`` (mechdiff's default, :func:`minimality`) grows K greedily per pair; ``"paper"``
-(:func:`pairwise_minimality`) is the paper's pairwise search within each group. Both score with a
-:class:`~mechdiff.circuits.scoring.Scorer` (mean ablation, incremental runs); :func:`prune` cuts a circuit by
+Two rules: ``"greedy"`` (mechdiff's default, `minimality`) grows K greedily per pair; ``"paper"``
+(`pairwise_minimality`) is the paper's pairwise search within each group. Both score with a
+`Scorer` (mean ablation, incremental runs); `prune` cuts a circuit by
 either result.
 """
 
@@ -26,7 +26,7 @@ def pair_name(pair: Pair) -> str:
 ROUNDING = 1e-6  # a relative change this small is float rounding (an incremental run against a full one)
 
 
-#: Pruning rules: ``"greedy"`` (mechdiff's default, :func:`minimality`) and ``"paper"`` (:func:`pairwise_minimality`).
+#: Pruning rules: ``"greedy"`` (mechdiff's default, `minimality`) and ``"paper"`` (`pairwise_minimality`).
 PRUNE_RULES = ("greedy", "paper")
 PAPER_SHARE = 0.3  # the paper's K: at most ceil(0.3 |group|) heads
 
@@ -42,7 +42,7 @@ def minimality(
 ) -> dict:
     """Per pair v, the contribution max_K |F(C \\ (K + v)) - F(C \\ K)| with K grown greedily (rule ``"greedy"``).
 
-    mechdiff's rule, after Wang et al.'s minimality (not the paper's; that is :func:`pairwise_minimality`):
+    mechdiff's rule, after Wang et al.'s minimality (not the paper's; that is `pairwise_minimality`):
     start from K = {}; each step tries adding one other circuit pair of any group (``n_candidates``
     drawn at random, or all with ``None``) and keeps the one that raises v's contribution most; stop
     after ``max_steps`` steps or when none raises it. Its cost is linear in the circuit's size, so it
@@ -54,8 +54,8 @@ def minimality(
     it. The search only ever raises a contribution, so pruning at that threshold decides the same; the
     skipped pairs' contributions are then lower bounds (``"searched": false``).
 
-    Each F(C \\ K) is computed incrementally from F(C)'s run (:meth:`Scorer.keep_without`); a change of at
-    most :data:`ROUNDING` counts as none.
+    Each F(C \\ K) is computed incrementally from F(C)'s run (`Scorer.keep_without`); a change of at
+    most `ROUNDING` counts as none.
     """
     pairs = circuit.pairs()
     f_full = float(per_prompt(scorer.full(), metric).mean())
@@ -122,12 +122,12 @@ def pairwise_minimality(
     1. F(C \\ {u}) for every head u of the group and F(C \\ {u, v}) for every pair of its heads;
     2. for each v, the group's other heads u ranked by F(C \\ {u}) - F(C \\ {u, v}) (ties in circuit order);
        K = those of the top ceil(``share`` |group|) with a positive score;
-    3. ``score`` = F(C \\ K) / F(C \\ (K + v)) - 1 (:func:`paper_ratio`); v stays iff ``score >= threshold``.
+    3. ``score`` = F(C \\ K) / F(C \\ (K + v)) - 1 (`paper_ratio`); v stays iff ``score >= threshold``.
 
     C is the whole circuit (every group), F the mean of ``metric`` over the scorer's prompts (the paper:
     accuracy on 100 prompts). The pairwise step costs |group|(|group| + 1)/2 evaluations per group, so it
     suits the A-D circuits of a few dozen heads per group. Each F(C \\ S) is computed incrementally from
-    F(C)'s run (:meth:`Scorer.keep_without`)."""
+    F(C)'s run (`Scorer.keep_without`)."""
     pairs = circuit.pairs()
     f_full = float(per_prompt(scorer.full(), metric).mean())
     f_circuit = float(per_prompt(scorer.keep(pairs), metric).mean())
@@ -193,8 +193,8 @@ def disjoint_groups(circuit: Circuit) -> Circuit:
 
 
 def prune(circuit: Circuit, result: dict, threshold: float = 0.01) -> Circuit:
-    """The circuit without the pairs that fail ``threshold``: under rule ``"greedy"`` (:func:`minimality`) those
-    whose relative contribution is at most it; under ``"paper"`` (:func:`pairwise_minimality`) those whose
+    """The circuit without the pairs that fail ``threshold``: under rule ``"greedy"`` (`minimality`) those
+    whose relative contribution is at most it; under ``"paper"`` (`pairwise_minimality`) those whose
     score F(C \\ K) / F(C \\ (K + v)) - 1 is below it. The threshold and the minimality settings are recorded
     in the pruned circuit's ``meta``."""
     contributions = result["pairs"]

@@ -1,24 +1,24 @@
 """Circuit scoring by mean ablation: faithfulness and completeness (Wang et al. 2022); minimality and pruning
-are in :mod:`mechdiff.circuits.pruning`.
+are in `mechdiff.circuits.pruning`.
 
 A circuit is a set of (head, position-name) pairs. Evaluating a circuit replaces every head's
 output ``z`` by its position-wise mean over a reference set, EXCEPT the circuit's pairs: a
 circuit head keeps the value it computes *in the ablated run* at its group's position (and is
 mean-ablated at every other position). MLPs and embeddings are untouched. Per layer this is one
 mixing patch on ``z``: ``z <- z * mask + mean * (1 - mask)`` with ``mask`` 1 at the kept
-(head columns, position) cells (:class:`mechdiff.patching.core.Patch` with ``mask``).
+(head columns, position) cells (`mechdiff.patching.core.Patch` with ``mask``).
 
 Template-consistent means: a prompt's position-wise mean is taken over the reference prompts of its own
-template and token length (its :func:`~mechdiff.tasks.base.group_key`), never across templates or
-lengths; a prompt whose group has no reference prompt is refused (:func:`~mechdiff.tasks.base.check_reference`).
+template and token length (its `group_key`), never across templates or
+lengths; a prompt whose group has no reference prompt is refused (`check_reference`).
 Where records name no template their group is their token length. (Prakash et al. average over one
 template's prompts; this keeps their rule for tasks of several templates.)
 
 The metric ``F`` is task accuracy (per prompt: is the answer the top-1 token; for an answer of several tokens,
 is it what greedy decoding gives) or the answer probability (for several tokens, the product of the tokens'
 teacher-forced probabilities); faithfulness is ``F(C) / F(M)``. Ablations write the prompt's positions only,
-never an appended answer token's (:func:`~mechdiff.patching.evaluate.evaluate`). The position
-:data:`EVERY_POSITION` (``"*"``) keeps or ablates a head at every position (the "all heads at all positions" circuit).
+never an appended answer token's (`evaluate`). The position
+`EVERY_POSITION` (``"*"``) keeps or ablates a head at every position (the "all heads at all positions" circuit).
 """
 
 from __future__ import annotations
@@ -77,12 +77,12 @@ def position_means(
     store: Optional[str | Path] = None,
 ) -> torch.Tensor:
     """Mean over ``records`` (of one template and token length) of every layer's ``z`` at each position:
-    ``"layer pos (head d_head)"`` (float32); :func:`group_means` takes records of several groups.
+    ``"layer pos (head d_head)"`` (float32); `group_means` takes records of several groups.
 
     The one place the activation cache plugs in: with ``store`` (an HDF5 path) the means are
-    read from / written to :class:`mechdiff.patching.store.ActivationStore`, keyed by the model's
+    read from / written to `mechdiff.patching.store.ActivationStore`, keyed by the model's
     fingerprint and the reference set's hash; without it they are computed in memory. Both sum in
-    float64 through :mod:`mechdiff.patching.ablation`.
+    float64 through `mechdiff.patching.ablation`.
     """
     if not records:
         raise ValueError("no reference records to average; give at least one")
@@ -107,7 +107,7 @@ def group_means(
     progress: bool = True,
     store: Optional[str | Path] = None,
 ) -> Means:
-    """:func:`position_means` of each group (template, token length) of ``records``: ``{group: means}``."""
+    """`position_means` of each group (template, token length) of ``records``: ``{group: means}``."""
     if not records:
         raise ValueError("no reference records to average; give at least one")
     groups: dict[GroupKey, list] = {}
@@ -167,13 +167,13 @@ def position_mask(batch: dict, name: str) -> torch.Tensor:
 
 def is_one_token(batch: dict, name: str) -> bool:
     """Whether ``name`` is one named token per prompt (``batch["positions"]``, ``[batch]``; DCM and CMAP patch it
-    as before) rather than a position class of any number of tokens (read through :func:`position_mask`)."""
+    as before) rather than a position class of any number of tokens (read through `position_mask`)."""
     where = batch["positions"].get(name)
     return where is not None and where.dim() == 1
 
 
 def class_indices(batch: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens of position ``name`` (:func:`position_mask`) in each prompt, in order: indices ``"batch k"``
+    """The tokens of position ``name`` (`position_mask`) in each prompt, in order: indices ``"batch k"``
     padded with ``-1`` (``k``: the most tokens a prompt has, at least 1) and where they are real (``"batch k"``,
     boolean). A prompt where the class is empty has no real index."""
     mask = position_mask(batch, name)
@@ -289,7 +289,7 @@ class Scorer:
 
         Removing pairs changes nothing below the lowest removed layer nor before the first position of the
         removed pairs' classes, so each batch resumes from F(C)'s own run (its residual stream entering that
-        layer, its keys and values before that position; :class:`~mechdiff.patching.core.Resume`, a suffix
+        layer, its keys and values before that position; `Resume`, a suffix
         run) and recomputes only the rest. Equal to ``keep(C - removed)`` up to float rounding; cached
         under the same key, so either call serves the other. Answers of several tokens (teacher-forced runs)
         are scored as ``keep(C - removed)``."""
@@ -369,7 +369,7 @@ class Scorer:
 
     def batches(self) -> Iterator[tuple[list[int], dict]]:
         """``(rows, batch tensors)`` over the scorer's prompts, ``batch_size`` at a time, each batch of one
-        group (:func:`~mechdiff.tasks.base.grouped_batches`; ``rows`` index ``records``)."""
+        group (`grouped_batches`; ``rows`` index ``records``)."""
         for rows in grouped_batches(self.records, self.batch_size):
             yield rows, batch_tensors(take(self.records, rows))
 
@@ -433,9 +433,9 @@ def random_circuit(
 
 
 def full_circuit(n_layers: int, n_heads: int, model: str = "", task: str = "") -> Circuit:
-    """The whole model as a circuit: every head at every position (:data:`EVERY_POSITION`), one group
+    """The whole model as a circuit: every head at every position (`EVERY_POSITION`), one group
     per layer (``"L0"``, ``"L1"``...). Its faithfulness is exactly 1 and its completeness exactly 0.
-    It scores in memory; :meth:`Circuit.load` rejects the ``"*"`` position."""
+    It scores in memory; `Circuit.load` rejects the ``"*"`` position."""
     groups = {f"L{layer}": [Head(layer, h) for h in range(n_heads)] for layer in range(n_layers)}
     circuit = Circuit(model, task, groups, dict.fromkeys(groups, "last"), names={g: "" for g in groups})
     circuit.positions = dict.fromkeys(groups, EVERY_POSITION)
@@ -476,9 +476,9 @@ def faithfulness(
     With ``n_random > 0`` also ``n_random`` random circuits of the same group sizes (seeded, layer-matched by
     default), each scored on the prompts ``random_prompts`` (indices into the scorer's records; None: all):
     ``random`` holds their mean figures with intervals resampling draws and items both
-    (:func:`~mechdiff.common.inference.control_ratio`), each draw's accuracy (``draws``), each draw's per-prompt
+    (`control_ratio`), each draw's accuracy (``draws``), each draw's per-prompt
     outcomes (``outcomes``, 0/1 strings over ``prompts``) and the circuit's rank among the draws on those prompts
-    (``rank``: :func:`~mechdiff.common.inference.control_rank` on accuracy; on the same prompts faithfulness has
+    (``rank``: `control_rank` on accuracy; on the same prompts faithfulness has
     the same denominator, so the rank is the faithfulness rank too). ``items``: one item id per record (None: each
     prompt its own item).
     """
@@ -523,7 +523,7 @@ def _random_control(
     prompts: Optional[Sequence[int]],
     items: Optional[Sequence],
 ) -> dict:
-    """:func:`faithfulness`'s ``random``: ``n_random`` random circuits on ``prompts``, against the circuit there."""
+    """`faithfulness`'s ``random``: ``n_random`` random circuits on ``prompts``, against the circuit there."""
     n, shape = len(scorer.records), scorer.model.shape
     prompts = list(range(n)) if prompts is None else sorted(int(i) for i in prompts)
     if not prompts or len(set(prompts)) != len(prompts) or prompts[0] < 0 or prompts[-1] >= n:
@@ -574,7 +574,7 @@ def _rows(result: EvalResult, rows: Sequence[int]) -> EvalResult:
 
 def _random_figures(draws: Sequence[EvalResult], full: EvalResult, metric: str, items, seed: int) -> dict:
     """The draws' mean accuracy, answer probability and faithfulness (and the continuous metric's), each with an
-    interval resampling draws and items both (:func:`~mechdiff.common.inference.control_ratio`)."""
+    interval resampling draws and items both (`control_ratio`)."""
 
     def stacked(name: str) -> np.ndarray:
         return np.stack([per_prompt(d, name) for d in draws])  # type: ignore[arg-type]
@@ -686,9 +686,9 @@ def matrix_rows(
 ) -> list[dict]:
     """One row per circuit for one model: full and circuit accuracy, faithfulness (and the random
     baseline, for the circuits named in ``random_for``, default all), each as ``x``, ``x_low``, ``x_high``
-    columns (see :mod:`mechdiff.report.tables`); ``draws``: each random draw's accuracy; ``random_rank``,
+    columns (see `mechdiff.report.tables`); ``draws``: each random draw's accuracy; ``random_rank``,
     ``random_p`` and ``random_q05/q50/q95``: the circuit's rank among the draws, its +1-corrected p and the draws'
-    accuracy quantiles, on the ``random_prompts`` prompts the draws are scored on (:func:`control_prompts`; 0:
+    accuracy quantiles, on the ``random_prompts`` prompts the draws are scored on (`control_prompts`; 0:
     all). ``outcomes`` (a dict): filled with each circuit's per-prompt outcomes, full model and circuit, and for
     the circuits with random draws their per-draw outcomes (``random``: ``prompts`` and ``outcomes``)."""
     rows = []

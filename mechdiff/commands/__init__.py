@@ -1,1 +1,1 @@
-"""CLI subcommands; shared option groups live in :mod:`mechdiff.commands._options`."""
+"""CLI subcommands; shared option groups live in `mechdiff.commands._options`."""

@@ -101,7 +101,7 @@ def model_kwargs(args: argparse.Namespace) -> dict:
 
 def tokenizer_from_args(name: str, args: argparse.Namespace) -> Any:
     """The tokenizer of model ``name`` alone, no weights: a command builds (and so checks) its prompts with it
-    before the weights load, then hands it to :func:`load_from_args`."""
+    before the weights load, then hands it to `load_from_args`."""
     check_remote(getattr(args, "remote", False))  # --remote checked first
     return load_tokenizer(resolve_spec(name), getattr(args, "cache_dir", None))
 

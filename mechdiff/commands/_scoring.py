@@ -1,5 +1,5 @@
 """Options and set-up shared by ``score``, ``prune``, ``compare``, ``curve`` and ``positions``: the prompts and
-reference set (:class:`mechdiff.studies.scoring.ScoringPrompts`), circuit files."""
+reference set (`mechdiff.studies.scoring.ScoringPrompts`), circuit files."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def load_circuit(path: str, shape: ModelShape) -> Circuit:
 
 def scoring_prompts(args: argparse.Namespace) -> ScoringPrompts:
     """The prompts ``args`` ask for, at ``args.batch_size`` as it stands: a caller resolves ``--batch-size auto``
-    first, once its model is loaded (:func:`~._options.load_from_args`, :func:`~._options.resolve_batch_size`)."""
+    first, once its model is loaded (`load_from_args`, `resolve_batch_size`)."""
     return ScoringPrompts(
         task_from_args(args),
         args.n,

@@ -1,10 +1,10 @@
 """One process per model for a plain ``mechdiff run`` of a circuits study (``--workers``).
 
-Each worker is ``mechdiff run ... --model NAME`` (:meth:`~mechdiff.studies.circuits.CircuitsStudy.run_model`): its
+Each worker is ``mechdiff run ... --model NAME`` (`run_model`): its
 model's stages, waiting on the others' through the stage cache. Every model runs at once (a model's matrix row
 waits for every model's circuit, so fewer workers than models could wait forever), each with its share of the cores
 as torch threads, when the machine has at least two cores and the memory the resource plan
-(:mod:`mechdiff.studies.resources`) predicts for all of them. The parent then writes the report from the cache.
+(`mechdiff.studies.resources`) predicts for all of them. The parent then writes the report from the cache.
 Each worker's output reaches the terminal line by line under its model's name; a worker that fails ends the others
 and the run, with its last lines.
 """
@@ -112,7 +112,7 @@ def worker_command(args: argparse.Namespace, study: Any, name: str, threads: int
 
 
 def run_workers(args: argparse.Namespace, study: Any, plan: WorkerPlan) -> None:
-    """Start one worker per model, relay their output, and wait; raise :class:`WorkerFailed` (after ending the
+    """Start one worker per model, relay their output, and wait; raise `WorkerFailed` (after ending the
     others) where one fails."""
     env = {**os.environ, "OMP_NUM_THREADS": str(plan.threads), "MKL_NUM_THREADS": str(plan.threads)}
     env["PYTHONUNBUFFERED"] = "1"

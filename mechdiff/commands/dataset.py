@@ -1,5 +1,5 @@
 """``mechdiff dataset``: generate entity-tracking prompts and their counterfactual pairs, or import a user's
-pairs from a JSONL file into a task directory (:mod:`mechdiff.tasks.jsonl`)."""
+pairs from a JSONL file into a task directory (`mechdiff.tasks.jsonl`)."""
 
 from __future__ import annotations
 

@@ -88,8 +88,8 @@ TRAINING = ("parameterisation", "lam", "lam_scale", "lr", "epochs", "batch_size"
 
 
 def config_from_args(args: argparse.Namespace) -> DCMConfig:
-    """The training settings the command line chose (every default is :data:`DEFAULTS`; ``--preset paper``:
-    :meth:`DCMConfig.paper`, refused beside a changed training option)."""
+    """The training settings the command line chose (every default is `DEFAULTS`; ``--preset paper``:
+    `DCMConfig.paper`, refused beside a changed training option)."""
     bookkeeping = {
         "micro_batch": args.micro_batch,
         "eval_batch": args.eval_batch,

@@ -1,8 +1,8 @@
 """``mechdiff headmap``: HeadMap locating (``locate``), fine-tuning (``finetune``) and the study (``compare``).
 
-Argument parsing only: every option is a field of :class:`mechdiff.studies.headmap.HeadMapSettings`
+Argument parsing only: every option is a field of `mechdiff.studies.headmap.HeadMapSettings`
 (defaults there; ``compare --task FILE`` reads a task file's ``[headmap]`` section, flags override it),
-and each action calls :mod:`mechdiff.studies.headmap`.
+and each action calls `mechdiff.studies.headmap`.
 """
 
 from __future__ import annotations

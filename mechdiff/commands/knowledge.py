@@ -1,7 +1,7 @@
 """``mechdiff knowledge``: knowledge circuits (Yao et al. 2024) of one relation, on one or more checkpoints.
 
-Argument parsing only: the settings are :class:`mechdiff.studies.knowledge.KnowledgeSettings` (a task
-file's ``[knowledge]`` section, then the flags given), the study is :class:`mechdiff.studies.knowledge.KnowledgeStudy`
+Argument parsing only: the settings are `mechdiff.studies.knowledge.KnowledgeSettings` (a task
+file's ``[knowledge]`` section, then the flags given), the study is `mechdiff.studies.knowledge.KnowledgeStudy`
 (the kind ``mechdiff run`` runs for a task file with ``[study] kind = "knowledge"``), here on the one relation given.
 """
 

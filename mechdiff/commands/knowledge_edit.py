@@ -1,7 +1,7 @@
 """``mechdiff knowledge-edit``: the knowledge circuit of an edit's prompts before and after it.
 
 Compares two single-model ``mechdiff knowledge`` studies of the same prompts (see
-:mod:`mechdiff.methods.knowledge.editing`): the unedited model with ``--relation EDIT --unedited`` and the edited model
+`mechdiff.methods.knowledge.editing`): the unedited model with ``--relation EDIT --unedited`` and the edited model
 with ``--relation EDIT``.
 """
 

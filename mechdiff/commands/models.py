@@ -1,5 +1,5 @@
 """``mechdiff models``: what this machine can load (the registry, its trajectories' saved steps, run directories
-given), each with what it needs; reads files and the hub cache only (:mod:`mechdiff.models.catalog`)."""
+given), each with what it needs; reads files and the hub cache only (`mechdiff.models.catalog`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``mechdiff restate RUN_DIR``: a circuits study's claims as families of tests from its committed files, no model
-loaded (:mod:`mechdiff.report.families`); for a trajectory study, its formation on the change scale with the order
-tests as a Holm family (:func:`mechdiff.report.formation.restate_formation`)."""
+loaded (`mechdiff.report.families`); for a trajectory study, its formation on the change scale with the order
+tests as a Holm family (`mechdiff.report.formation.restate_formation`)."""
 
 from __future__ import annotations
 

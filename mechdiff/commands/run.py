@@ -1,6 +1,6 @@
 """``mechdiff run [TASK.toml]``: the whole study of a task file, of any kind, from task spec to report.
 
-Argument parsing only: the study is :func:`mechdiff.studies.base.load_study` (the file's ``[study] kind``).
+Argument parsing only: the study is `mechdiff.studies.base.load_study` (the file's ``[study] kind``).
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def _workers_option(value: str) -> int:
 
 
 def _planned_workers(spec, requested: Optional[int], threads: Optional[int]):
-    """The processes and threads a plain run of ``spec`` would use here (:func:`._workers.plan_workers`), as the
-    plan's :class:`~mechdiff.studies.resources.Workers`."""
+    """The processes and threads a plain run of ``spec`` would use here (`._workers.plan_workers`), as the
+    plan's `Workers`."""
     from types import SimpleNamespace
 
     import torch

@@ -1,6 +1,6 @@
 """``mechdiff tasks``: the registered tasks, the knowledge relations and the task directories under ``tasks/`` (or
 the directories given), each with what a study of it reads: rows, items, templates, token lengths, metric,
-positions and DCM desiderata (:mod:`mechdiff.tasks.catalog`); loads no tokenizer."""
+positions and DCM desiderata (`mechdiff.tasks.catalog`); loads no tokenizer."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``mechdiff tokens TEXT --model M``: how a model's tokenizer splits a string, offline (no weights load): each
 token's index, id, text and character span, as a task's records hold them
-(:func:`mechdiff.models.tokenization.tokens`)."""
+(`mechdiff.models.tokenization.tokens`)."""
 
 from __future__ import annotations
 

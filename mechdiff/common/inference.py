@@ -12,8 +12,8 @@ rows of one item move together), never rows that repeat one prompt. The rules:
 - any other paired difference (continuous, or clustered): the sign-flip permutation test over items (exact where
   few items differ) with the interval that inverts it;
 - a difference of two ratios on the same prompts: the paired cluster bootstrap with its percentile p;
-- a statistic of the items that is no mean of rows (an overlap of top-n sets, :func:`recentred`): the statistic
-  recomputed on each cluster resample (:func:`cluster_resamples`), its percentile interval moved to the estimate;
+- a statistic of the items that is no mean of rows (an overlap of top-n sets, `recentred`): the statistic
+  recomputed on each cluster resample (`cluster_resamples`), its percentile interval moved to the estimate;
 - an intervention against random draws of its kind: the rank among the draws with its +1-corrected empirical p,
   the draws' interval resampling draws and items both;
 - sameness: two one-sided tests (Schuirmann 1987) against a stated margin;
@@ -63,7 +63,7 @@ class Interval:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Interval":
-        """An interval back from its :meth:`to_dict`; a record without ``items`` counts each row an item, one
+        """An interval back from its `to_dict`; a record without ``items`` counts each row an item, one
         without ``method`` names none."""
         return cls(d["value"], d["low"], d["high"], d["n"], d.get("items", d["n"]), d.get("method", ""))
 
@@ -200,7 +200,7 @@ def mean(
     values: Sequence[float], items: Optional[Sequence] = None, confidence: float = 0.95, seed: int = 0
 ) -> Interval:
     """A mean over rows, its interval from the cluster bootstrap over items (a proportion goes to
-    :func:`proportion`)."""
+    `proportion`)."""
     x = np.asarray(values, dtype=float).ravel()
     if x.size and _binary(x):
         return proportion(x, items, confidence, seed)
@@ -400,11 +400,11 @@ class Equivalence:
 
 MARGINS: dict[str, float] = {"accuracy": 0.05, "probability": 0.05, "faithfulness": 0.05, "logit difference": 0.5}
 """The default equivalence margin of each kind of measure, the one definition; a task file's ``[inference]
-margins`` sets others (:func:`margins_of`), read by the report and ``mechdiff restate``, never by a stage key."""
+margins`` sets others (`margins_of`), read by the report and ``mechdiff restate``, never by a stage key."""
 
 
 def margins_of(given: Optional[Mapping[str, Any]] = None) -> dict[str, float]:
-    """The equivalence margins: :data:`MARGINS` with ``given`` (measure -> margin, ``_`` read as a space:
+    """The equivalence margins: `MARGINS` with ``given`` (measure -> margin, ``_`` read as a space:
     ``logit_difference``) over them; an unknown measure or a margin that is not a number above 0 is refused, naming
     the measures."""
     out = dict(MARGINS)
@@ -517,7 +517,7 @@ def control_ratio(
 ) -> Interval:
     """The random draws' mean over draws and rows divided by mean(``den_rows``) (None: no denominator), e.g. the
     draws' faithfulness against the model's outcomes on the same rows, its interval resampling draws and items
-    both (the resamples of :func:`control_rank` with the same seed, so without a denominator its interval)."""
+    both (the resamples of `control_rank` with the same seed, so without a denominator its interval)."""
     d = np.asarray(draw_rows, dtype=float)
     den = np.ones(d.shape[-1]) if den_rows is None else np.asarray(den_rows, dtype=float).ravel()
     if d.ndim != 2 or d.shape[1] != den.size or d.shape[0] == 0:
@@ -556,7 +556,7 @@ class Family:
     tests: list[Test] = field(default_factory=list)
 
     def add(self, test: Test) -> Test:
-        """Add a test to the family (its adjusted p is set by :meth:`adjusted`)."""
+        """Add a test to the family (its adjusted p is set by `adjusted`)."""
         self.tests.append(replace(test, family=self.name))
         return self.tests[-1]
 

@@ -34,13 +34,13 @@ _SIGNALLED: list[int] = []  # the signal numbers received; a handler's exception
 
 
 def terminate(signum: int, frame: object) -> None:
-    """SIGTERM handler: remember the signal, then raise :class:`Terminated` where the process is."""
+    """SIGTERM handler: remember the signal, then raise `Terminated` where the process is."""
     _SIGNALLED.append(signum)
     raise Terminated(f"signal {signum}")
 
 
 def check_terminated() -> None:
-    """Raise :class:`Terminated` if a signal arrived whose exception was swallowed (Python ignores exceptions
+    """Raise `Terminated` if a signal arrived whose exception was swallowed (Python ignores exceptions
     raised inside ``__del__``); called at stage boundaries, so such a run still stops at the next one."""
     if _SIGNALLED:
         raise Terminated(f"signal {_SIGNALLED[-1]}")
@@ -118,7 +118,7 @@ def set_aside(path: str | Path, what: str, reason: object) -> Path:
 
 def read_record(path: str | Path, what: str, required: tuple[str, ...] = ()) -> dict | None:
     """A JSON cache record mechdiff wrote: ``None`` when absent; when unreadable (truncated, garbled,
-    not an object, or missing one of ``required``) it is set aside (:func:`set_aside`) and ``None``
+    not an object, or missing one of ``required``) it is set aside (`set_aside`) and ``None``
     returned, so the caller recomputes it."""
     path = Path(path)
     if not path.is_file():
@@ -143,7 +143,7 @@ def _short(reason: object, limit: int = 160) -> str:
 
 
 def check_writable(directory: str | Path, what: str = "output directory") -> Path:
-    """Raise :class:`OutputError` naming ``directory`` unless a file can be created in it (it is made
+    """Raise `OutputError` naming ``directory`` unless a file can be created in it (it is made
     if missing). Tries a real write, so it holds for root too (who ignores permission bits)."""
     directory = Path(directory)
     try:
@@ -183,7 +183,7 @@ def run_lock(directory: str | Path) -> Iterator[Path]:
     """Hold ``<directory>/.mechdiff.lock`` (with this process's PID) for the duration of a run.
 
     A second run on the same directory while the holder lives is refused with
-    :class:`RunLockedError` naming the holder's PID. The lock is an ``flock`` on the file, so a
+    `RunLockedError` naming the holder's PID. The lock is an ``flock`` on the file, so a
     holder that died (even by SIGKILL) leaves a stale file that the next run takes over.
     """
     directory = check_writable(directory, "run directory")

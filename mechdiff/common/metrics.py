@@ -7,7 +7,7 @@ answer ids ``"batch"`` (moved to the logits' device) and returns one value per e
 on the logits' device. Training losses (fine-tuning's and HeadMap's mean answer cross-entropy) stay
 torch's fused ``cross_entropy``; per-example losses are ``-answer_logprob``.
 
-Answers of several tokens are scored by teacher forcing (:func:`mechdiff.patching.core.answer_logits`): the
+Answers of several tokens are scored by teacher forcing (`mechdiff.patching.core.answer_logits`): the
 ``sequence_*`` functions take the logits ``"batch a vocab"`` predicting each answer token, the answer's tokens
 ``"batch a"`` (right-padded) and their lengths ``"batch"``. An answer is correct where greedy decoding gives it
 (every token the top-1); its log-probability is the sum over its tokens, its probability the product
@@ -44,7 +44,7 @@ def scored_metric(choice: str, task_metric: str) -> str:
 
 def metric_label(metric: str) -> str:
     """The caption words of a metric a stage scored on: ``accuracy``, or a task's continuous metric
-    (:data:`CONTINUOUS_LABELS`: ``answer probability``, ``logit difference``)."""
+    (`CONTINUOUS_LABELS`: ``answer probability``, ``logit difference``)."""
     return CONTINUOUS_LABELS.get(metric_name(metric), metric)
 
 
@@ -93,7 +93,7 @@ def answer_is_top1(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tens
 
 
 def accuracy(logits: torch.Tensor, answer_ids: torch.Tensor) -> torch.Tensor:
-    """1.0 where the top-1 token is the answer, else 0.0 (:func:`answer_is_top1` as floats)."""
+    """1.0 where the top-1 token is the answer, else 0.0 (`answer_is_top1` as floats)."""
     return answer_is_top1(logits, answer_ids).float()
 
 
@@ -137,7 +137,7 @@ def first_and_rest(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bool ``"batch"`` each, from teacher-forced ``logits`` ``"batch a vocab"``: the answer's first token is the
     top-1 after the prompt, and every later token is the top-1 given the answer's tokens before it (true for a
-    one-token answer, which has none). :func:`sequence_is_greedy` is the two together."""
+    one-token answer, which has none). `sequence_is_greedy` is the two together."""
     hit = (logits.argmax(-1) == _ids(logits, tokens)) | ~_real(tokens, lengths, logits.device)
     return hit[:, 0], hit[:, 1:].all(-1)
 
@@ -145,8 +145,8 @@ def first_and_rest(
 def task_metric(
     logits: torch.Tensor, answer_ids: torch.Tensor, metric: str = "prob", alternative_ids: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """A task's per-prompt metric by name: ``prob`` (:func:`answer_prob`) or ``logit_diff``
-    (:func:`logit_diff` against ``alternative_ids``)."""
+    """A task's per-prompt metric by name: ``prob`` (`answer_prob`) or ``logit_diff``
+    (`logit_diff` against ``alternative_ids``)."""
     metric = metric_name(metric)
     if metric == "prob":
         return answer_prob(logits, answer_ids)

@@ -3,8 +3,8 @@
 One record is ``{"correct": "0110...", "prob": [0.51234, ...]}``: correctness as a string of 0/1, one
 character a prompt, and the answer's probability (or another continuous per-prompt value) at 6 significant
 digits, in the order of the stage's prompts. A study writes the records of all its stages into
-``outcomes.json`` (:data:`FORMAT`, ``{"stages": {stage: {label: record}}}``), so every paired interval the report
-states can be recomputed from committed files (:func:`read_outcomes`).
+``outcomes.json`` (`FORMAT`, ``{"stages": {stage: {label: record}}}``), so every paired interval the report
+states can be recomputed from committed files (`read_outcomes`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def bits(values: Sequence[Any] | np.ndarray) -> str:
 
 
 def from_bits(text: str) -> np.ndarray:
-    """The 0/1 outcomes of :func:`bits` as a float array."""
+    """The 0/1 outcomes of `bits` as a float array."""
     if set(text) - {"0", "1"}:
         raise ValueError("outcomes must be a string of 0 and 1")
     return np.frombuffer(text.encode("ascii"), dtype=np.uint8).astype(float) - ord("0")

@@ -1,9 +1,9 @@
-"""Progress bars that give way to plain lines where no one watches: every bar of mechdiff is :func:`progress_bar`.
+"""Progress bars that give way to plain lines where no one watches: every bar of mechdiff is `progress_bar`.
 
-On a terminal (stderr is a TTY) or in a notebook, :func:`progress_bar` is the ``tqdm.auto`` bar as always. Where
+On a terminal (stderr is a TTY) or in a notebook, `progress_bar` is the ``tqdm.auto`` bar as always. Where
 stderr is a file or a pipe (a study's log, CI) it draws nothing, so the log holds no carriage returns or cursor
-escapes; the stage cache (:class:`mechdiff.runs.stages.StageCache`) writes one plain line per stage instead,
-through :func:`note`.
+escapes; the stage cache (`mechdiff.runs.stages.StageCache`) writes one plain line per stage instead,
+through `note`.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ def interactive(stream: Optional[TextIO] = None) -> bool:
 
 
 def progress_bar(iterable: Optional[Iterable] = None, **kwargs: Any) -> tqdm:
-    """``tqdm(iterable, **kwargs)`` drawn only where :func:`interactive` (on ``kwargs["file"]``, default stderr);
+    """``tqdm(iterable, **kwargs)`` drawn only where `interactive` (on ``kwargs["file"]``, default stderr);
     elsewhere disabled (``disable=True``, as ``--no-progress`` always was): it iterates the same, writes nothing."""
     kwargs["disable"] = bool(kwargs.get("disable", False)) or not interactive(kwargs.get("file"))
     return tqdm(iterable, **kwargs)
 
 
 def note(line: str) -> bool:
-    """Write ``line`` to stderr where no bar is drawn (not :func:`interactive`), in place of the bars; returns
+    """Write ``line`` to stderr where no bar is drawn (not `interactive`), in place of the bars; returns
     whether it was written (on a terminal it is not: the bars show the progress)."""
     if interactive():
         return False

@@ -1,7 +1,7 @@
 """Percentile bootstraps over rows (scipy), the figures of the stages written before the inference layer.
 
-Every figure is an :class:`~mechdiff.common.inference.Interval` (each row its own item); a proportion's exact
-interval is :func:`mechdiff.common.inference.proportion`, the one rule for it.
+Every figure is an `Interval` (each row its own item); a proportion's exact
+interval is `mechdiff.common.inference.proportion`, the one rule for it.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def pooled_mean(
 
 def pooled_proportion(draws: Sequence[Sequence[float]], confidence: float = 0.95) -> Interval:
     """Mean outcome over several random draws on the same prompts, with a CI that resamples prompts
-    and draws (:func:`pooled_mean`), so the spread between draws is not ignored. When every
+    and draws (`pooled_mean`), so the spread between draws is not ignored. When every
     outcome is the same 0 or 1 the bootstrap would collapse to a point: the exact interval of one draw's
     prompts is returned instead (0 of 200 prompts: upper bound 0.018)."""
     arr = np.asarray(draws, dtype=float)  # "draw prompt"

@@ -12,7 +12,7 @@ fine-tune's run are written into the base's run, per circuit group at the group'
   every query head of that group reads.
 - ``qk``, ``qkv``: combinations, to separate gains of the QK circuit from the OV circuit.
 
-A group at a position class of several tokens (:func:`scope_positions`, the mask completeness keeps) has z and Q
+A group at a position class of several tokens (`scope_positions`, the mask completeness keeps) has z and Q
 patched at every token of the class, K/V up to (rule ``"paper"``: strictly before) the class's last token, and its
 isolation frees every token of the class; a prompt whose class is empty is not patched (mechdiff's extension: the
 paper's groups sit at one position).
@@ -27,14 +27,14 @@ Two rules (``rule``):
   restored too, at every position: "V of group A" then patches exactly the heads of group A.
 - ``"paper"`` (Prakash et al. 2024, ``Nix07/finetuning`` ``experiment_3/cmap_utils.py``: ``cmap_in``): K/V
   strictly before the group's position, Q at it, and for Q/K/V every head's output at every position except
-  the last reset to the base's clean run, so only last-token groups have Q/K/V rows (:func:`run_cmap` runs
+  the last reset to the base's clean run, so only last-token groups have Q/K/V rows (`run_cmap` runs
   only ``z`` for the others). Under grouped-query attention (absent from the paper's LLaMA-7B) the other
   query heads of a patched KV group are restored at the last position as well. The study patches, under this
-  rule, the fine-tune's pruned circuit cut per group to the heads its DCM selected (:func:`dcm_cut`).
+  rule, the fine-tune's pruned circuit cut per group to the heads its DCM selected (`dcm_cut`).
 
-:func:`run_cmap` reports accuracy of the patched base per group and for the whole circuit, beside
+`run_cmap` reports accuracy of the patched base per group and for the whole circuit, beside
 the base's and the fine-tune's accuracies, a layer-matched random-head control per kind, and keeps
-each prompt's outcome so two kinds can be compared on the same prompts (:meth:`CMAPResult.paired`).
+each prompt's outcome so two kinds can be compared on the same prompts (`CMAPResult.paired`).
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def cmap_patches(
 
     ``captured``: ``(site kind, layer) -> "batch pos cols"`` from the donor's run on the same prompts;
     ``positions``: position name -> LongTensor ``[batch]`` (one token a prompt) or a boolean ``"batch pos"`` mask
-    (a position class: :func:`scope_positions`; every token of it is patched, and K/V up to its last token).
-    ``kind`` is one of :data:`CMAP_KINDS`.
+    (a position class: `scope_positions`; every token of it is patched, and K/V up to its last token).
+    ``kind`` is one of `CMAP_KINDS`.
     ``strict``: K/V at positions strictly before the group's (the paper's), else up to and including it.
     """
     patches: list[Patch] = []
@@ -160,7 +160,7 @@ def cmap_patches(
 
 def scope_positions(batch: dict, names: Iterable[str]) -> dict[str, torch.Tensor]:
     """``batch["positions"]``, with each of ``names`` that is a position class (not one named token a prompt) as
-    its boolean ``"batch pos"`` mask (:func:`~mechdiff.circuits.scoring.position_mask`: the mask completeness
+    its boolean ``"batch pos"`` mask (`position_mask`: the mask completeness
     scoring keeps)."""
     out = dict(batch["positions"])
     for name in dict.fromkeys(names):
@@ -278,7 +278,7 @@ def paper_kinds(scope: Scope, kinds: Sequence[str]) -> list[str]:
 
 def dcm_cut(circuit: Circuit, dcm: Sequence[dict], selection: dict[str, str]) -> Circuit:
     """``circuit`` with each group named in ``selection`` cut to the heads DCM selected for it under the named
-    desideratum (``dcm``: :meth:`mechdiff.methods.dcm.DCMResult.to_dict` records); other groups keep every head."""
+    desideratum (``dcm``: `mechdiff.methods.dcm.DCMResult.to_dict` records); other groups keep every head."""
     from ..common.components import parse_heads
     from ..tasks.desiderata import desideratum_name
 
@@ -358,7 +358,7 @@ class CMAPResult:
 
     def paired(self, a: str, b: str) -> inf.Test:
         """Accuracy of ``a`` minus ``b`` ("scope/kind" keys, or "base"/"finetune") on the same prompts, by the
-        inference layer's paired rule (:func:`~mechdiff.common.inference.paired`: exact McNemar for two 0/1
+        inference layer's paired rule (`paired`: exact McNemar for two 0/1
         outcomes; against a random control, whose outcome is the per-prompt share of its draws, the sign-flip test):
         call one part larger than another only where the test rejects."""
         missing = [k for k in (a, b) if k not in self.outcomes]
@@ -396,7 +396,7 @@ class CMAPResult:
 
 
 def paired_outcomes(result: Mapping[str, Any], a: str, b: str) -> tuple[list, list]:
-    """The per-prompt outcomes of ``a`` and ``b`` (keys of a :meth:`CMAPResult.to_dict`'s ``outcomes``) on the
+    """The per-prompt outcomes of ``a`` and ``b`` (keys of a `CMAPResult.to_dict`'s ``outcomes``) on the
     prompts both ran on: a random control's draws may run on ``random_prompts`` only, and the other key is then
     taken on those."""
     outcomes, on = result["outcomes"], result.get("random_prompts") or []
@@ -412,7 +412,7 @@ Answer = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 def teacher_forced(batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor], Answer]:
     """A batch's run inputs: the prompts (then each answer's tokens but its last, where an answer has several),
-    the read-out positions (None: the last) and its :data:`Answer`."""
+    the read-out positions (None: the last) and its `Answer`."""
     ids = batch["input_ids"]
     if "answer_tokens" not in batch:
         return ids, None, batch["answer_ids"]
@@ -428,7 +428,7 @@ def _read(readout: Optional[torch.Tensor]) -> dict:
 
 @dataclass(frozen=True)
 class Target:
-    """What one run of a batch scores: its :data:`Answer`, the task's ``metric``, the alternatives' ids
+    """What one run of a batch scores: its `Answer`, the task's ``metric``, the alternatives' ids
     (``"batch k"``) where a one-token logit difference reads them from the same logits, and the run's weight in the
     logit difference (an alternative's teacher-forced run: ``-1/k``)."""
 
@@ -443,9 +443,9 @@ Scores = tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]
 
 
 def teacher_runs(batch: dict, metric: str = "prob") -> list[tuple[torch.Tensor, Optional[torch.Tensor], Target]]:
-    """The runs a batch needs (:func:`teacher_forced` each): the answer's; on a ``logit_diff`` task with answers of
+    """The runs a batch needs (`teacher_forced` each): the answer's; on a ``logit_diff`` task with answers of
     several tokens, one more per alternative (its summed log-probability weighted ``-1/k``), as evaluation scores
-    the logit difference (:func:`~mechdiff.patching.evaluate.evaluate`)."""
+    the logit difference (`evaluate`)."""
     ids, readout, answer = teacher_forced(batch)
     if metric != "logit_diff":
         return [(ids, readout, Target(answer))]
@@ -466,7 +466,7 @@ def _score(logits: torch.Tensor, target: Union[Target, Answer]) -> Scores:
     """(correct, prob, the logit difference's term) per prompt: the top-1, its probability and (``logit_diff``) the
     answer's logit minus its alternatives' mean; for answers of several tokens (teacher-forced ``logits``
     ``"batch a vocab"``) greedy decoding of the whole answer, ``exp`` of its summed log-probability and
-    (``logit_diff``) that summed log-probability, the alternatives' runs subtracting theirs (:func:`_combine`)."""
+    (``logit_diff``) that summed log-probability, the alternatives' runs subtracting theirs (`_combine`)."""
     target = target if isinstance(target, Target) else Target(target)
     answer, diff = target.answer, None
     if isinstance(answer, tuple):
@@ -510,7 +510,7 @@ def run_cmap(
     ``n_random``: draws of layer-matched random heads per group (the control), each patched in every kind, on the
     prompts ``random_prompts`` (indices into ``records``; None: every one), each draw's outcomes kept.
     ``metric``: the task's; ``logit_diff`` adds the logit difference beside accuracy and the answer's probability
-    (answers of several tokens: one more teacher-forced run per alternative, :func:`teacher_runs`)."""
+    (answers of several tokens: one more teacher-forced run per alternative, `teacher_runs`)."""
     if rule not in CMAP_RULES:
         raise ValueError(f"rule must be one of {CMAP_RULES}, got {rule!r}")
     if rule == "paper" and not isolate:
@@ -659,7 +659,7 @@ def _base_scores(
     plan: Optional[dict] = None,
     prompt: Optional[tuple[int, Optional[torch.Tensor]]] = None,
 ) -> dict:
-    """:data:`Scores` of the base on ``answer`` (a :class:`Target`, or an :data:`Answer` scored by probability),
+    """`Scores` of the base on ``answer`` (a `Target`, or an `Answer` scored by probability),
     plain and with each (scope, kind) patched from the donor's ``captured``; for each random scope key, the outcomes
     of its draws averaged per prompt (and under ``"draws"``, each draw's correctness, ``"draw batch"``). ``prompt``:
     the prompts' length and the read-out positions where ``ids`` carry answer tokens after them (patches then write

@@ -1,7 +1,7 @@
 """Desiderata-based component masking (DCM; Davies et al. 2023, as used by Prakash et al. 2024, Sec. 4).
 
 For a group of heads acting at one dataset position and a *desideratum* (a list of the
-task's counterfactual pairs (:class:`~mechdiff.tasks.base.PairRecord`) whose ``target`` is the answer the
+task's counterfactual pairs (`PairRecord`) whose ``target`` is the answer the
 base run should give if the heads encode the property the source differs in), learn one mask
 value ``m`` per head. At the group's position (read per example from ``pair.base.positions``
 and ``pair.source.positions`` under the same name), each head's output is mixed::
@@ -9,8 +9,8 @@ and ``pair.source.positions`` under the same name), each head's output is mixed:
     z_head <- m * z_base + (1 - m) * z_source
 
 A group at a position class of several tokens (a ``position_classes`` mask or a tuple of indices, read through
-:func:`~mechdiff.circuits.scoring.position_mask` as completeness reads it) is mixed at EVERY token of the class in
-each prompt, the source's ``j``-th token of the class into the base's ``j``-th (:func:`class_z_patches`); a prompt
+`position_mask` as completeness reads it) is mixed at EVERY token of the class in
+each prompt, the source's ``j``-th token of the class into the base's ``j``-th (`class_z_patches`); a prompt
 whose class is empty is not patched, and a pair whose two prompts hold different numbers of the class's tokens is
 refused. The paper's groups sit at one position; classes are mechdiff's extension.
 
@@ -19,22 +19,22 @@ as FEW heads as possible are patched (``m = 0``). A target of several tokens is 
 target's tokens but its last appended to the base prompt; patches write the prompt's positions only): the loss is
 its negative summed log-probability, and it is reached where greedy decoding gives the whole target.
 The model is frozen; gradients reach only
-the mask (through :func:`mechdiff.patching.core.run` with ``grad=True`` and a mixing
-:class:`~mechdiff.patching.core.Patch`).
+the mask (through `mechdiff.patching.core.run` with ``grad=True`` and a mixing
+`Patch`).
 
 Two parameterisations:
 
 - ``"continuous"`` (the paper's): ``m`` in [0, 1], clamped after every Adam step (lr 0.1),
   rounded for evaluation; the step with the best validation accuracy is kept.
 
-The paper's training (``Nix07/finetuning`` ``experiment_2/DCM.py``) is :meth:`DCMConfig.paper`: an absolute
+The paper's training (``Nix07/finetuning`` ``experiment_2/DCM.py``) is `DCMConfig.paper`: an absolute
 lambda = 0.01, 32 pairs per step, 2 epochs over the training pairs in order, validation after every 4th batch
-of each epoch (batches 0, 4, 8, ...), a 50/25/25 split. mechdiff's defaults differ (see :class:`DCMConfig`).
+of each epoch (batches 0, 4, 8, ...), a 50/25/25 split. mechdiff's defaults differ (see `DCMConfig`).
 - ``"hard_concrete"`` (L0, Louizos et al. 2018): a stochastic gate ``g = 1 - m`` per head
   ("patch this head") with learned ``log_alpha``; the penalty is the expected number of open
   gates; evaluation uses the deterministic gate, rounded.
 
-Semantic patching (:func:`semantic_patching`) patches the heads a mask selected into each
+Semantic patching (`semantic_patching`) patches the heads a mask selected into each
 model of a set and reports the target accuracy per model with exact binomial intervals.
 """
 
@@ -113,7 +113,7 @@ RANDOM_POOLS = ("layer", "all", "group")
 class DCMConfig:
     """Training settings. The mask, the loss form, Adam with lr 0.1, clamping, rounding, the best validation
     step and its tie-break are the paper's; the defaults of ``lam_scale``, the batch, the split and the
-    validation schedule are mechdiff's (small prompt sets on CPU). :meth:`paper` gives the paper's."""
+    validation schedule are mechdiff's (small prompt sets on CPU). `paper` gives the paper's."""
 
     parameterisation: str = "continuous"
     lam: float = 0.01  # weight of the sparsity term sum(1 - m) (or the expected L0 of the gates)
@@ -166,7 +166,7 @@ class DCMConfig:
         return cls(**{**PAPER_DCM, **overrides})
 
 
-#: The settings :meth:`DCMConfig.paper` fixes.
+#: The settings `DCMConfig.paper` fixes.
 PAPER_DCM = {
     "parameterisation": "continuous",
     "lam": 0.01,
@@ -277,7 +277,7 @@ def split_pairs(
     pairs: Sequence[PairRecord], fractions: Sequence[float], seed: int, items: Optional[Sequence] = None
 ) -> tuple[list, list, list]:
     """Seeded shuffle of ``pairs`` into train / validation / test (each non-empty), disjoint by item (``items``:
-    one per pair; default: its clean prompt, :func:`~mechdiff.tasks.prompt_sets.clean_key`)."""
+    one per pair; default: its clean prompt, `clean_key`)."""
     parts = split_indices(len(pairs), fractions, seed, pair_items(pairs, items))
     return tuple([pairs[i] for i in part] for part in parts)  # type: ignore[return-value]
 
@@ -311,7 +311,7 @@ def source_run(model: LoadedModel, batch: dict, layers: Iterable[int]) -> dict[i
 
 
 def z_at(z: dict[int, torch.Tensor], batch: dict, layers: Sequence[int], position: str) -> dict[int, torch.Tensor]:
-    """The source run's z (:func:`source_run`) at ``position``, per layer of ``layers`` (``"batch (head d_head)"``)."""
+    """The source run's z (`source_run`) at ``position``, per layer of ``layers`` (``"batch (head d_head)"``)."""
     pos = _positions(batch, position, "source")
     rows = torch.arange(pos.shape[0])
     return {layer: z[layer][rows, pos.to(z[layer].device)].detach() for layer in layers}
@@ -345,7 +345,7 @@ def masked_z_patches(
 def class_z_at(
     z: dict[int, torch.Tensor], batch: dict, layers: Sequence[int], position: str, k: int
 ) -> dict[int, torch.Tensor]:
-    """The source run's z (:func:`source_run`) at every token of position class ``position``, in order
+    """The source run's z (`source_run`) at every token of position class ``position``, in order
     (``"batch k (head d_head)"``, zero-filled past a prompt's own tokens), per layer of ``layers``."""
     index, real = class_indices(batch["source"], position)
     if index.shape[1] > k:
@@ -362,7 +362,7 @@ def class_z_at(
 def source_class_z(
     model: LoadedModel, batch: dict, layers: Sequence[int], position: str, k: int
 ) -> dict[int, torch.Tensor]:
-    """The source run's z at every token of position class ``position`` (:func:`class_z_at`), per layer."""
+    """The source run's z at every token of position class ``position`` (`class_z_at`), per layer."""
     return class_z_at(source_run(model, batch, layers), batch, layers, position, k)
 
 
@@ -375,7 +375,7 @@ def class_z_patches(
     real: torch.Tensor,
     length: int,
 ) -> list[Patch]:
-    """:func:`masked_z_patches` at every token of a position class: the ``j``-th real token ``index[:, j]`` of each
+    """`masked_z_patches` at every token of a position class: the ``j``-th real token ``index[:, j]`` of each
     prompt mixes in ``values[layer][:, j]`` (``"batch k (head d_head)"``); a prompt whose class is empty is left as
     it is. Each patch covers positions from the batch's first class token to the prompt's end (``length``), its
     mask 1 (keep) outside the class, so suffix runs start at the class. Differentiable in ``mask``."""
@@ -426,7 +426,7 @@ def class_widths(pairs: Sequence[PairRecord], positions: Iterable[str], batch_si
     return widths
 
 
-#: How a :class:`PairCache` holds what patched runs read (``[dcm] cache``; the plan's choice where "auto"):
+#: How a `PairCache` holds what patched runs read (``[dcm] cache``; the plan's choice where "auto"):
 #: ``"file"`` streams a scratch file of the base runs' keys, values and entering residual streams and the sources'
 #: ``z`` (patched runs are suffix runs from the group's layer and position); ``"memory"`` holds only the sources'
 #: ``z`` at the groups' heads and positions in host memory, as the paper does (patched runs are full runs);
@@ -440,24 +440,24 @@ class PairCache:
     """What every DCM run on one list of pairs shares, computed in one pass over them and streamed from disk.
 
     Per pair: the source run's z at each ``(layer, position)`` a group patches (at every token of a position
-    class, zero-padded to the most tokens a prompt has: :attr:`classes`); the base run's
+    class, zero-padded to the most tokens a prompt has: `classes`); the base run's
     residual stream entering each group's first layer, so that patched runs resume there and
-    skip the blocks before (:class:`~mechdiff.patching.core.Resume`; exact, since nothing
+    skip the blocks before (`Resume`; exact, since nothing
     before that layer is patched); the base run's keys and values, so that patched runs (and DCM's
     backward passes) compute only the positions from the patched one on (suffix runs); and whether
     the unpatched base already gives the target (the floor). Training, validation, test and the
     random baseline all read from it.
 
-    The activations are written to a scratch HDF5 file (:class:`~mechdiff.patching.store.RowStore`, under
+    The activations are written to a scratch HDF5 file (`RowStore`, under
     ``TMPDIR``) a batch at a time and read back by the rows each patched run needs, so memory holds one batch's
     activations whatever the number of pairs (the paper-form study's 2000 SmolLM2 pairs: about 17 GB on disk);
     the values read back are the ones computed, bit for bit. The file is deleted with the cache. Where that file
-    does not fit (:data:`CACHE_MODES`), ``mode="memory"`` holds only the sources' ``z`` in host memory and
+    does not fit (`CACHE_MODES`), ``mode="memory"`` holds only the sources' ``z`` in host memory and
     ``mode="recompute"`` runs the sources again for every batch; both run patched runs in full (no keys, values or
     residual streams stored).
 
     Pairs of several token lengths and templates are run group by group
-    (:func:`~mechdiff.tasks.base.grouped_batches`); the residual streams and keys/values of shorter pairs
+    (`grouped_batches`); the residual streams and keys/values of shorter pairs
     are stored zero-filled to the longest pair's length and cut back to their own length when read, so
     no padding ever enters a run. Every per-pair result is in the pairs' order.
     """
@@ -472,7 +472,7 @@ class PairCache:
     #: stored residual streams, keys and values cover them (one teacher-forced base run per pair).
     width: int = 1
     #: Position classes of several tokens among the sites -> the most tokens a prompt has there: the source z of
-    #: every token of the class is stored (``"row layer k (head d_head)"``) and patched (:func:`class_z_patches`).
+    #: every token of the class is stored (``"row layer k (head d_head)"``) and patched (`class_z_patches`).
     classes: dict[str, int] = field(default_factory=dict)
     mode: str = "file"  # one of CACHE_MODES
 
@@ -488,7 +488,7 @@ class PairCache:
     ) -> "PairCache":
         """Two forward passes per pair, one source run (the sites of every ``(heads, position)`` in ``groups``; none
         under ``mode="recompute"``) and one base run; a target of several tokens is appended to the base prompt
-        (teacher forcing), and the base run covers it. ``mode``: one of :data:`CACHE_MODES`."""
+        (teacher forcing), and the base run covers it. ``mode``: one of `CACHE_MODES`."""
         if mode not in CACHE_MODES:
             raise ValueError(f"DCM's cache mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
         pairs = list(pairs)
@@ -555,7 +555,7 @@ class PairCache:
 
     def _teacher(self, batch: dict, rows: Sequence[int]) -> tuple[torch.Tensor, Optional[torch.Tensor], Target]:
         """The base run's input ids (the prompts, then the first ``width - 1`` target tokens where a target has
-        several), its read-out positions (None: the last) and the batch's :data:`Target`."""
+        several), its read-out positions (None: the last) and the batch's `Target`."""
         ids = batch["base"]["input_ids"]
         if self.width == 1:
             return ids, None, batch["target_ids"]
@@ -602,7 +602,7 @@ class PairCache:
         position: str,
         grad: bool = False,
     ) -> tuple[torch.Tensor, Target]:
-        """:meth:`logits` of pairs of one length."""
+        """`logits` of pairs of one length."""
         batch = pair_batch_tensors([self.pairs[i] for i in rows])
         ids, readout, target = self._teacher(batch, rows)
         n = ids.shape[1]
@@ -669,7 +669,7 @@ def target_accuracy(
     mode: str = "file",
 ) -> np.ndarray:
     """Per-pair correctness (top-1 == target) with ``patched`` heads' z taken from the source at ``position``
-    (``mode``: the :class:`PairCache`'s, one of :data:`CACHE_MODES`)."""
+    (``mode``: the `PairCache`'s, one of `CACHE_MODES`)."""
     cache = PairCache.build(model, pairs, [(list(patched), position)], batch_size, progress, mode)
     try:
         return cache.accuracy(model, range(len(pairs)), patched, position, batch_size, progress)
@@ -839,8 +839,8 @@ def run_dcm(
 ) -> DCMResult:
     """Learn a DCM mask over ``heads`` at ``position`` for a desideratum's ``pairs`` and evaluate it on a
     held-out test split against the no-intervention floor, the whole group and random head sets.
-    ``cache``: a :class:`PairCache` of ``pairs`` covering these heads (built here in ``mode`` if absent);
-    ``items``: each pair's item (default: its clean prompt), the splits disjoint by it (:func:`split_indices`)."""
+    ``cache``: a `PairCache` of ``pairs`` covering these heads (built here in ``mode`` if absent);
+    ``items``: each pair's item (default: its clean prompt), the splits disjoint by it (`split_indices`)."""
     config = config or DCMConfig()
     heads = list(heads)
     if not heads:
@@ -918,7 +918,7 @@ def dcm_circuit(
     mode: str = "file",
 ) -> list[DCMResult]:
     """DCM for every (group, desideratum) of a circuit; each group at its own position. One
-    :class:`PairCache` per desideratum (in ``mode``, one of :data:`CACHE_MODES`) serves every group; ``items``:
+    `PairCache` per desideratum (in ``mode``, one of `CACHE_MODES`) serves every group; ``items``:
     each pair's item (every desideratum's pairs are of the same rows; default: a pair's clean prompt), train,
     validation and test disjoint by it."""
     config = config or DCMConfig()
@@ -955,8 +955,8 @@ def dcm_circuit(
 @dataclass
 class SemanticResult:
     """Target accuracy of one model with the selected heads patched (source -> base), its unpatched floor and
-    random heads of the selection's layers and position (:func:`random_heads`), per pair, with the paired tests of
-    the patched heads against each (:func:`~mechdiff.common.inference.paired`)."""
+    random heads of the selection's layers and position (`random_heads`), per pair, with the paired tests of
+    the patched heads against each (`paired`)."""
 
     model: str
     accuracy: inf.Interval
@@ -1005,9 +1005,9 @@ def semantic_patching(
 ) -> list[SemanticResult]:
     """Patch ``heads`` (e.g. a DCM selection) from each pair's source into its base, within each model,
     and report the desideratum's target accuracy per model (with the unpatched floor); with ``n_random``, also
-    that many random head sets of the selection's layers at ``position`` (:func:`random_heads`, drawn once by
+    that many random head sets of the selection's layers at ``position`` (`random_heads`, drawn once by
     ``seed`` and patched into every model), each draw's per-pair outcomes kept; ``mode``: each
-    :class:`PairCache`'s."""
+    `PairCache`'s."""
     if not heads:
         raise ValueError("semantic patching needs at least one head (the DCM selection was empty)")
     models = list(models)

@@ -8,8 +8,8 @@ is the base's registry name or path) and ``recipe.json``: every option, the data
 torch/transformers/peft versions, the base fingerprint and the accuracy at every evaluation.
 
 Tasks: ``entity-tracking`` (prompts with ``min_boxes``-``max_boxes`` boxes, one box count per
-step, objects from :func:`mechdiff.tasks.splits.train_objects`) and ``arithmetic``
-(:mod:`mechdiff.tasks.arithmetic`, one form per step). Validation is always done on 7-box
+step, objects from `mechdiff.tasks.splits.train_objects`) and ``arithmetic``
+(`mechdiff.tasks.arithmetic`, one form per step). Validation is always done on 7-box
 entity-tracking prompts built from the training objects (and, for arithmetic, on arithmetic
 problems too). Runs are deterministic given ``seed`` and ``data_seed`` on one torch build
 and thread count.

@@ -2,28 +2,28 @@
 and every order a test in a Holm family.
 
 A component's **level** at every step is a mean over one prompt set of its per-prompt outcomes, less a per-step
-constant where one is known only as a figure (:class:`Change`): the model's accuracy, a circuit's accuracy with it
+constant where one is known only as a figure (`Change`): the model's accuracy, a circuit's accuracy with it
 alone kept, the first checkpoint's accuracy with a group patched in from the checkpoint (CMAP), a DCM selection's
 patched target rate above its unpatched floor. Its **change** is the level less step 0's, and its **share** at a
-step is that change over its own final change. A component forms (:func:`change_curves`) where the change from
+step is that change over its own final change. A component forms (`change_curves`) where the change from
 step 0 to the last step is shown (a paired test, Holm-adjusted across components); its step at ``q``
-(:meth:`ChangeCurve.timing`) is the first step whose share reaches ``q``, and the step from which it stays there.
+(`ChangeCurve.timing`) is the first step whose share reaches ``q``, and the step from which it stays there.
 A decline (the final change below 0) is timed the same way on its loss: the first step where the loss reaches
 ``q`` of its final loss. Ratio measures (faithfulness over the checkpoint's own accuracy, a share of the
-checkpoint's gain, :class:`Measure`) are levels to show, never a formation timing: a component that tracks the
+checkpoint's gain, `Measure`) are levels to show, never a formation timing: a component that tracks the
 model sits near 1 at every step of a ratio and would "form" at the first step shown.
 
 Censoring: a level first reached at the first checkpoint after step 0 was reached at or before that step
-(left-censored); one not reached by the last step, after it (right-censored); :func:`step_text` writes both.
+(left-censored); one not reached by the last step, after it (right-censored); `step_text` writes both.
 
-Intervals are a bootstrap over prompts drawn jointly across steps (:func:`resample`: the same indices serve every
+Intervals are a bootstrap over prompts drawn jointly across steps (`resample`: the same indices serve every
 step and every component reading a prompt set), so two components' steps in one draw are paired. At a step whose
 0/1 outcomes are all 0 (or all 1) every resample gives the same mean, so there the draws are Jeffreys posterior
 draws, Beta(k + 1/2, n - k + 1/2), and the step's own interval is exact (Clopper-Pearson). "A before B"
-(:func:`order_test`) is the paired bootstrap test of the difference of their steps (p twice the smaller share of
+(`order_test`) is the paired bootstrap test of the difference of their steps (p twice the smaller share of
 draws on either side, ties counted on both, +1 corrected), one test in the family "formation order" per pair and
-level (:func:`order_family`), Holm-adjusted: the smallest p of ``D`` draws is ``2 / (D + 1)``, so
-:data:`CHANGE_DRAWS` is set for a family of some hundred tests to be able to reject.
+level (`order_family`), Holm-adjusted: the smallest p of ``D`` draws is ``2 / (D + 1)``, so
+`CHANGE_DRAWS` is set for a family of some hundred tests to be able to reject.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def resample(sizes: dict[str, int], draws: int = DRAWS, seed: int = 0) -> dict[s
 @dataclass(frozen=True)
 class Curve:
     """A ratio measure's level at every step: the point estimate and ``"step draw"`` bootstrap values. A level
-    only: formation is timed on the change scale (:class:`ChangeCurve`), never on a ratio."""
+    only: formation is timed on the change scale (`ChangeCurve`), never on a ratio."""
 
     steps: tuple[int, ...]
     point: np.ndarray
@@ -151,12 +151,12 @@ class Curve:
         return {"value": float(self.point[i]), "low": float(low), "high": float(high), "n": self.n}
 
     def per_step(self, confidence: float = CONFIDENCE) -> list[Optional[dict]]:
-        """Every step's :meth:`interval`."""
+        """Every step's `interval`."""
         return [self.interval(i, confidence) for i in range(len(self.steps))]
 
 
 def curves(measures: dict[str, Measure], steps: Sequence[int], draws: int = DRAWS, seed: int = 0) -> dict[str, Curve]:
-    """Every measure's :class:`Curve` on one set of draws (:func:`resample`): the same prompt indices at every
+    """Every measure's `Curve` on one set of draws (`resample`): the same prompt indices at every
     step and for every component reading a prompt set."""
     sizes: dict[str, int] = {}
     for name, m in measures.items():
@@ -298,7 +298,7 @@ def _stays(reached: np.ndarray, steps: Sequence[int]) -> np.ndarray:
 def change_curves(
     changes: dict[str, Change], steps: Sequence[int], draws: int = CHANGE_DRAWS, seed: int = 0
 ) -> dict[str, ChangeCurve]:
-    """Every component's :class:`ChangeCurve` on one set of draws (:func:`resample`): the same prompt indices at
+    """Every component's `ChangeCurve` on one set of draws (`resample`): the same prompt indices at
     every step and for every component reading a prompt set."""
     sizes: dict[str, int] = {}
     for name, c in changes.items():
@@ -321,7 +321,7 @@ def change_curves(
 
 
 def change_family(curves: dict[str, ChangeCurve]) -> inf.Family:
-    """Each component's change from step 0 to the last, one test each, in :data:`CHANGE_FAMILY`."""
+    """Each component's change from step 0 to the last, one test each, in `CHANGE_FAMILY`."""
     fam = inf.Family(CHANGE_FAMILY)
     for c in curves.values():
         fam.add(c.final)
@@ -371,7 +371,7 @@ def first_of(test: inf.Test, names: tuple[str, str]) -> Optional[str]:
 def order_family(
     curves: dict[str, ChangeCurve], formed: Sequence[str], levels: Sequence[float] = LEVELS
 ) -> tuple[inf.Family, list[tuple[str, str, float]]]:
-    """Every two formed components at every level, one test each in :data:`ORDER_FAMILY`; with the (a, b, level)
+    """Every two formed components at every level, one test each in `ORDER_FAMILY`; with the (a, b, level)
     of each test in the family's order."""
     fam, keys = inf.Family(ORDER_FAMILY), []
     for q in levels:

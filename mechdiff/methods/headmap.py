@@ -2,25 +2,25 @@
 
 Three parts:
 
-1. **Sample selection** (:func:`select_samples`): the ``n`` examples of a task with the lowest
+1. **Sample selection** (`select_samples`): the ``n`` examples of a task with the lowest
    answer loss under the model.
-2. **Layer-conditioned locating** (:func:`locate`): layer by layer from the first, every head
+2. **Layer-conditioned locating** (`locate`): layer by layer from the first, every head
    of the layer is zero-masked together with the heads already selected in earlier layers, and
    the ``k`` heads whose masking raises the mean answer loss on the selected samples most are
    kept. One layer is one batch of ``(n_heads + 1) * n`` rows (the extra block masks only the
    earlier layers' heads, giving the loss curve), so it costs ``ceil((n_heads + 1) * n / batch)``
-   forward passes through :func:`mechdiff.patching.core.run` (per-row masks on site ``z``). These
+   forward passes through `mechdiff.patching.core.run` (per-row masks on site ``z``). These
    passes resume at the layer from the residual entering it (earlier selections zeroed), which is
    carried forward one block at a time: over the whole model locating costs about half the blocks
    that full passes would.
-3. **HeadMap fine-tuning** (:class:`HeadMap`): for each layer with located heads, their
+3. **HeadMap fine-tuning** (`HeadMap`): for each layer with located heads, their
    concatenated outputs ``"batch pos (k d_head)"`` go through ``Linear(k*d_head -> r)`` and
    ``Linear(r -> d_model)`` (the second zero-initialised) and are added to the attention output
    (a forward hook on the output projection). Only the maps train.
 
-Tasks (the registry :data:`mechdiff.tasks.base.TASKS`, those with training batches): ``entity-tracking`` (7-box prompts
-for locating and evaluation, 2-7 boxes for training, as :mod:`mechdiff.methods.finetune`; evaluation on held-out
-objects) and ``multiple-choice`` (alias ``arithmetic-mc``; :mod:`mechdiff.tasks.multiple_choice`; evaluation on held-out
+Tasks (the registry `mechdiff.tasks.base.TASKS`, those with training batches): ``entity-tracking`` (7-box prompts
+for locating and evaluation, 2-7 boxes for training, as `mechdiff.methods.finetune`; evaluation on held-out
+objects) and ``multiple-choice`` (alias ``arithmetic-mc``; `mechdiff.tasks.multiple_choice`; evaluation on held-out
 names).
 """
 
@@ -72,7 +72,7 @@ class LocateConfig:
 
 
 def get_task(name: str) -> Task:
-    """A registered task (:data:`mechdiff.tasks.base.TASKS`) with a locating pool, training and held-out batches."""
+    """A registered task (`mechdiff.tasks.base.TASKS`) with a locating pool, training and held-out batches."""
     task = base_task(name)
     if task.pool_batch is None or task.train_batch is None or task.eval_batch is None:
         raise ValueError(
@@ -158,7 +158,7 @@ class LocateResult:
         return out
 
     def circuit(self, model: str, task: str) -> Circuit:
-        """The located heads as a :class:`Circuit` (one group, masked at every position)."""
+        """The located heads as a `Circuit` (one group, masked at every position)."""
         return Circuit(
             model=model,
             task=task,
@@ -217,7 +217,7 @@ def layer_losses(
     number of forward passes used. Rows are ``"(variant sample)"``; each chunk carries its per-row mask.
 
     ``entry``: the residual entering ``layer`` with ``fixed`` heads (all in earlier layers) zeroed, from
-    :func:`entry_residual`; the variants then resume at ``layer`` (exact, and the blocks before it are
+    `entry_residual`; the variants then resume at ``layer`` (exact, and the blocks before it are
     not run again). Without it every variant runs the whole model."""
     s = model.shape
     n = len(samples["input_ids"])
@@ -298,7 +298,7 @@ def locate(
 def locate_task(
     model: LoadedModel, task: str, cfg: LocateConfig = LocateConfig(), progress: bool = True
 ) -> LocateResult:
-    """Sample selection on a pool of ``task`` prompts (seeded), then :func:`locate`."""
+    """Sample selection on a pool of ``task`` prompts (seeded), then `locate`."""
     pool_batch = get_task(task).pool_batch(model.tokenizer, cfg.pool, cfg.seed)
     t0 = time.time()
     samples, losses = select_samples(model, pool_batch, cfg.n, cfg.batch_size)
@@ -324,7 +324,7 @@ class HeadMap(torch.nn.Module):
 
     ``heads_by_layer``: layer -> query heads. Layer ``l``'s map is ``Linear(k_l*d_head -> rank)``
     then ``Linear(rank -> d_model)`` (zero-initialised, no biases), added to that layer's attention
-    output. Trainable parameters: ``sum_l rank * (k_l * d_head + d_model)`` (:meth:`n_params`)."""
+    output. Trainable parameters: ``sum_l rank * (k_l * d_head + d_model)`` (`n_params`)."""
 
     def __init__(
         self, heads_by_layer: Mapping[int, Sequence[int]], d_head: int, d_model: int, rank: int, seed: int = 0
@@ -425,7 +425,7 @@ def heads_by_layer(heads: Iterable[Head]) -> dict[int, list[int]]:
 
 @dataclass
 class TrainConfig:
-    """One HeadMap/LoRA training run (the LoRA options reuse :class:`mechdiff.methods.finetune.FinetuneConfig`)."""
+    """One HeadMap/LoRA training run (the LoRA options reuse `mechdiff.methods.finetune.FinetuneConfig`)."""
 
     task: str = "entity-tracking"
     steps: int = 30

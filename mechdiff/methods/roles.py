@@ -1,27 +1,27 @@
 """Roles, not head ids: which heads hold each role (a desideratum of the task) at every checkpoint of a trajectory,
-and which heads join, leave or take over a role between steps (:func:`transitions`). Two ways to say who holds it.
+and which heads join, leave or take over a role between steps (`transitions`). Two ways to say who holds it.
 
-**Single heads** (``[roles] method = "heads"``, :func:`head_scores`): single-head semantic patching, the cheap and
+**Single heads** (``[roles] method = "heads"``, `head_scores`): single-head semantic patching, the cheap and
 exact form of DCM's question: the head's output (z) at its group's position is patched from each pair's
 counterfactual (source) prompt into the base run, every other head left alone, and the score is the **share of
 pairs whose patched run gives the desideratum's target** (top-1), with its exact binomial (Clopper-Pearson)
 interval. A share, not the mean gain in the target's log-probability: it is DCM's own test measure, bounded, and
 its interval is exact at any number of pairs. A head **holds** a role at a step when its share's lower bound
-exceeds a threshold (:data:`THRESHOLD`, ``[roles] threshold``; :func:`held`). Each head alone, so a role that
+exceeds a threshold (`THRESHOLD`, ``[roles] threshold``; `held`). Each head alone, so a role that
 needs several heads together shows in none of them (a departure from DCM, stated in the report).
 
-**DCM over seeds** (``[roles] method = "dcm"``, :func:`dcm_seeds`; the paper's method): in each checkpoint, DCM's
+**DCM over seeds** (``[roles] method = "dcm"``, `dcm_seeds`; the paper's method): in each checkpoint, DCM's
 mask is trained over every candidate head of a group (the heads any checkpoint's own circuit has there) with one
 absolute sparsity weight, the same at every step (``lam_scale = "absolute"``: a weight scaled by each checkpoint's
 own logits would select more heads where the logits are larger, whatever the heads do), ``seeds`` times: seed 0
-on DCM's own training/validation split, seed ``k`` on the same pairs redrawn by ``seed + k`` (:func:`redraw`),
+on DCM's own training/validation split, seed ``k`` on the same pairs redrawn by ``seed + k`` (`redraw`),
 each with its own training order; the test pairs are the same for every seed and held out from all. A head's
-**selection frequency** is the number of seeds whose mask selects it (:func:`frequency`); the group's selection
+**selection frequency** is the number of seeds whose mask selects it (`frequency`); the group's selection
 at the step is the heads selected in at least ``votes`` seeds. That selection is patched on the test pairs and
 its per-pair outcomes kept beside the unpatched floor's and those of ``n_random`` layer-matched random head sets
-(each selected head replaced by a random head of its own layer, :func:`~mechdiff.methods.dcm.random_heads`). The
+(each selected head replaced by a random head of its own layer, `random_heads`). The
 report decides: the group holds the role at the step where the paired test against the floor and the one against
-the random heads both reject after Holm in the "roles" family (:func:`~mechdiff.report.claims.encodes_family`,
+the random heads both reject after Holm in the "roles" family (`encodes_family`,
 the circuits study's test); the heads holding it are then its selection.
 """
 
@@ -55,8 +55,8 @@ def head_scores(
 ) -> dict:
     """Every head of every site scored on every desideratum's ``pairs`` in ``lm`` (see the module docstring):
     ``{"rows": [{group, position, desideratum, head, share (exact binomial), outcomes}], "floor": {desideratum:
-    {share, outcomes}}}``, the outcomes in the compact format (:func:`~mechdiff.common.outcomes.outcome_record`).
-    One :class:`~mechdiff.methods.dcm.PairCache` per desideratum serves every head: two forward passes a pair,
+    {share, outcomes}}}``, the outcomes in the compact format (`outcome_record`).
+    One `PairCache` per desideratum serves every head: two forward passes a pair,
     then one suffix run a pair per head."""
     from .dcm import PairCache
 
@@ -153,7 +153,7 @@ def dcm_seeds(
     votes: int = VOTES,
     progress: bool = False,
 ) -> list[dict]:
-    """DCM (:mod:`~mechdiff.methods.dcm`, ``config`` its training) over every site's heads, on every desideratum's
+    """DCM (`dcm`, ``config`` its training) over every site's heads, on every desideratum's
     ``pairs`` in ``lm``, trained ``seeds`` times; one row per (site, desideratum), see the module docstring. The
     sparsity weight must be absolute (``config.lam_scale == "absolute"``): one weight at every checkpoint."""
     from .dcm import PairCache, pair_items, split_indices

@@ -1,35 +1,35 @@
 """Checkpoint trajectories: when a mechanism forms along one training run, by function and by structure.
 
-The checkpoints are LoRA adapters over one base (``smollm2-et@0`` ... ``smollm2-et@100``). :class:`Checkpoints`
+The checkpoints are LoRA adapters over one base (``smollm2-et@0`` ... ``smollm2-et@100``). `Checkpoints`
 loads the base once, loads every adapter into one peft model (``load_adapter``) and swaps them
 (``set_adapter`` + ``merge_adapter`` over the base's own weights, restored before each swap), so each checkpoint's
-weights are bit for bit those :func:`~mechdiff.models.loading.load_model` merges, at the cost of a restore and a
+weights are bit for bit those `load_model` merges, at the cost of a restore and a
 merge instead of a load.
 
 Per checkpoint, each measure keeps its per-prompt outcomes so that it can be compared with the first checkpoint
 on the same prompts (a paired interval):
 
-- :func:`checkpoint_accuracy`: accuracy (exact binomial interval);
-- :func:`own_circuit`: the checkpoint's own circuit at the target (the (head, position class) ranking and
-  faithfulness curve of :mod:`~mechdiff.circuits.curve`) with its size, its per-prompt attribution and the
+- `checkpoint_accuracy`: accuracy (exact binomial interval);
+- `own_circuit`: the checkpoint's own circuit at the target (the (head, position class) ranking and
+  faithfulness curve of `curve`) with its size, its per-prompt attribution and the
   bootstrap selection frequency of its pairs;
-- :func:`circuits_scored`: given circuits (the final checkpoint's, the first trained one's, its own) scored
-  in the checkpoint (:func:`~mechdiff.circuits.scoring.matrix_rows`: faithfulness with bootstrap intervals);
-- :func:`cmap_gain`: CMAP of each position-class group from the checkpoint into the first
-  (:func:`~mechdiff.methods.cmap.run_cmap`), the gain as a paired difference against the first's own run;
-- :func:`semantic`: semantic patching of DCM-labelled heads (:func:`~mechdiff.methods.dcm.semantic_patching`).
+- `circuits_scored`: given circuits (the final checkpoint's, the first trained one's, its own) scored
+  in the checkpoint (`matrix_rows`: faithfulness with bootstrap intervals);
+- `cmap_gain`: CMAP of each position-class group from the checkpoint into the first
+  (`run_cmap`), the gain as a paired difference against the first's own run;
+- `semantic`: semantic patching of DCM-labelled heads (`semantic_patching`).
 
 Structure against function. Two discoveries on one model differ too, so a structural change counts only beyond
-the within-checkpoint spread (:func:`structure`): each of many draws splits the ranking prompts into two disjoint
-random halves (:func:`splits`; no prompt drawn twice); the top-``n`` pairs of each half are two discoveries of
+the within-checkpoint spread (`structure`): each of many draws splits the ranking prompts into two disjoint
+random halves (`splits`; no prompt drawn twice); the top-``n`` pairs of each half are two discoveries of
 one model on disjoint prompts, and their overlap (Jaccard) is the within-checkpoint null. Two checkpoints are
 compared on the same halves (one's half A against the other's half B, both ways), and the spread-corrected
 difference ``(null_s + null_t) / 2 - cross`` is taken per split (paired): the circuits "changed" only where the
 range of that difference over splits lies above 0. Every checkpoint is compared so with the next one and with
 the final one, and the mean overlaps of every two checkpoints form a matrix. A pair "changed" only where its
-bootstrap selection frequency (:func:`~mechdiff.circuits.curve.selection_stability`, same resamples in every
+bootstrap selection frequency (`selection_stability`, same resamples in every
 checkpoint) puts it robustly in (>= ``stable``) at one checkpoint and robustly out (<= ``1 - stable``) at the
-other. When each component forms, with intervals: :mod:`~mechdiff.methods.formation`.
+other. When each component forms, with intervals: `formation`.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def check_one_architecture(specs: Sequence[ModelSpec]) -> None:
 
 class _Merged:
     """The peft-wrapped model seen as the plain merged model (``.base_layer`` folded, adapters dropped), so
-    :func:`~mechdiff.models.loading.model_fingerprint` gives the fingerprint :func:`load_model` gives."""
+    `model_fingerprint` gives the fingerprint `load_model` gives."""
 
     def __init__(self, model: torch.nn.Module):
         self.config = model.config
@@ -143,7 +143,7 @@ class _Merged:
 
 
 class _Swapped(LoadedModel):
-    """A checkpoint served by :class:`Checkpoints`' shared peft model; refuses to trace unless it is active."""
+    """A checkpoint served by `Checkpoints`' shared peft model; refuses to trace unless it is active."""
 
     owner: Any = None
 
@@ -153,7 +153,7 @@ class _Swapped(LoadedModel):
 
     @cached_property
     def fingerprint(self) -> str:
-        """:func:`load_model`'s fingerprint of this checkpoint (the swapped weights seen as the merged model;
+        """`load_model`'s fingerprint of this checkpoint (the swapped weights seen as the merged model;
         forgotten at every swap)."""
         self.owner.require_active(self.name)
         return model_fingerprint(_Merged(self.model))
@@ -198,7 +198,7 @@ class Checkpoints:
         self._views: dict[str, _Swapped] = {}
 
     def _merged_copy(self, name: str) -> LoadedModel:
-        """``name`` merged into a copy of the base, as :func:`load_model` merges it."""
+        """``name`` merged into a copy of the base, as `load_model` merges it."""
         from peft import PeftModel
 
         spec = self.specs[name]
@@ -268,7 +268,7 @@ class Checkpoints:
             )
 
     def fingerprint(self, name: str) -> str:
-        """The fingerprint :func:`load_model` gives checkpoint ``name`` (computed on the swapped weights)."""
+        """The fingerprint `load_model` gives checkpoint ``name`` (computed on the swapped weights)."""
         return self.model(name).fingerprint
 
 
@@ -294,9 +294,9 @@ def own_circuit(
     seed: int,
     task: str = "",
 ) -> dict:
-    """The checkpoint's circuit at ``target`` (:func:`~mechdiff.circuits.curve.curve_circuit`, as the circuits
+    """The checkpoint's circuit at ``target`` (`curve_circuit`, as the circuits
     study finds it), its size, the curve, its pairs' bootstrap selection frequency and the per-prompt
-    attribution (``"prompt class layer head"``, float32, :func:`encode_array`) for :func:`structure`."""
+    attribution (``"prompt class layer head"``, float32, `encode_array`) for `structure`."""
     found = curve_circuit(ranker, curve_scorer, classes, sizes, target, select, draws, seed, ranker.model.name, task)
     chosen = found.curve["chosen"] or found.curve["rows"][-1]
     return {
@@ -313,7 +313,7 @@ def own_circuit(
 
 
 def circuits_scored(scorer: Scorer, circuits: dict[str, Circuit]) -> dict:
-    """Each circuit scored in the scorer's model (:func:`matrix_rows`: accuracy, faithfulness F(C)/F(M) with
+    """Each circuit scored in the scorer's model (`matrix_rows`: accuracy, faithfulness F(C)/F(M) with
     bootstrap intervals), with each prompt's outcome with the circuit alone kept and with the whole model."""
     rows = matrix_rows(scorer.model.name, circuits, scorer)
     outcomes = {label: per_prompt(scorer.keep(c.pairs())).astype(int).tolist() for label, c in circuits.items()}
@@ -352,10 +352,10 @@ def _gain(test: Any) -> dict:
 def semantic(
     lm: LoadedModel, labels: Sequence[dict], tests: dict[str, Sequence], batch_size: int = 32, progress: bool = True
 ) -> list[dict]:
-    """Semantic patching in ``lm`` of each non-empty DCM selection of ``labels`` (:meth:`DCMResult.to_dict`
+    """Semantic patching in ``lm`` of each non-empty DCM selection of ``labels`` (`DCMResult.to_dict`
     records: group, desideratum, position, selected) on its desideratum's test pairs: the target accuracy with the
     selected heads patched from source to base (exact binomial), the unpatched floor and each pair's outcome, as
-    :func:`~mechdiff.methods.dcm.semantic_patching` gives them; one :class:`~mechdiff.methods.dcm.PairCache` per
+    `semantic_patching` gives them; one `PairCache` per
     desideratum serves all its selections (two forward passes a pair, then one suffix run a pair per selection)."""
     from ..common.inference import proportion
     from .dcm import PairCache
@@ -405,14 +405,14 @@ def encode_array(a: np.ndarray) -> dict:
 
 
 def decode_array(d: dict) -> np.ndarray:
-    """The array :func:`encode_array` wrote."""
+    """The array `encode_array` wrote."""
     return np.frombuffer(base64.b64decode(d["float32"]), dtype=np.float32).reshape(d["shape"]).copy()
 
 
 def splits(n: int, draws: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """``draws`` random splits of ``range(n)`` into two disjoint halves (sizes ``n // 2`` and ``n - n // 2``),
     each a fresh seeded permutation: no prompt is drawn twice, inside a half or across the two (the halves
-    :func:`half_weights` gives the sample itself with the same seed)."""
+    `half_weights` gives the sample itself with the same seed)."""
     _check_split(n, draws)
     perm = _orders(draws, n, seed)
     return [(np.sort(p[: n // 2]), np.sort(p[n // 2 :])) for p in perm]
@@ -431,10 +431,10 @@ def _check_split(n: int, draws: int) -> None:
 
 
 def half_weights(counts: np.ndarray, draws: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``draws`` random splits of each resample (a row of item counts, :func:`cluster_resamples`) into two
+    """``draws`` random splits of each resample (a row of item counts, `cluster_resamples`) into two
     halves, as weights ``(resample * draw, item)``: the items in a fresh random order, half A those whose copies
     fit in the first ``n // 2`` draws, half B the rest, so every copy of a prompt lies in one half and the halves
-    share none. A row of ones is the sample itself: its halves are those of :func:`splits` with the same seed."""
+    share none. A row of ones is the sample itself: its halves are those of `splits` with the same seed."""
     counts = np.atleast_2d(np.asarray(counts, dtype=float))
     n_res, n = counts.shape
     _check_split(n, draws)
@@ -449,7 +449,7 @@ def half_weights(counts: np.ndarray, draws: int, seed: int) -> tuple[np.ndarray,
 
 def top_pairs(attribution: np.ndarray, rows: np.ndarray, n: int) -> frozenset[int]:
     """The ``n`` pairs (flat ``class layer head`` indices) of largest |mean attribution| over ``rows``
-    (as :func:`selection_stability` selects)."""
+    (as `selection_stability` selects)."""
     mean = torch.from_numpy(attribution.reshape(attribution.shape[0], -1)[rows].astype(np.float64)).mean(0)
     return frozenset(mean.abs().topk(n).indices.tolist())
 
@@ -496,7 +496,7 @@ class _Overlaps:
 def overlaps(
     attribution: Mapping[str, np.ndarray], wa: np.ndarray, wb: np.ndarray, n: int, pairs: Sequence[tuple[str, str]]
 ) -> _Overlaps:
-    """The overlaps of :class:`_Overlaps` on the halves ``wa``/``wb`` (:func:`half_weights`): a checkpoint's null is
+    """The overlaps of `_Overlaps` on the halves ``wa``/``wb`` (`half_weights`): a checkpoint's null is
     the Jaccard of its top-n on half A and on half B; the cross overlap of ``(s, t)`` is that of ``s`` on one half
     and ``t`` on the other, both ways, averaged."""
     flat = {c: a.reshape(a.shape[0], -1).astype(np.float64) for c, a in attribution.items()}
@@ -527,7 +527,7 @@ def spread(values: Sequence[float], confidence: float = 0.95) -> dict:
 
 def estimate(split_values: np.ndarray, resampled: np.ndarray, n_prompts: int, confidence: float = 0.95) -> dict:
     """An overlap (or difference of overlaps): the mean over the sample's splits, its interval over prompts (the
-    statistic recomputed on each resample of the prompts, halves drawn inside it: :func:`recentred`), the 90%
+    statistic recomputed on each resample of the prompts, halves drawn inside it: `recentred`), the 90%
     interval an equivalence test reads, and the spread of the sample's splits (``spread_low``/``spread_high``)."""
     sp = spread(split_values, confidence)
     value = sp["value"]
@@ -570,13 +570,13 @@ def structure(
 
     ``attribution``: checkpoint (in order) -> per-prompt attribution ``"prompt class layer head"`` on the same
     ranking prompts; ``n``: the number of pairs each discovery keeps. Each of ``draws`` splits cuts the ranking
-    prompts into two disjoint random halves (:func:`splits`); every overlap is the mean over splits. Its interval
-    resamples the prompts: ``resamples`` cluster resamples (:func:`cluster_resamples`), each cut ``resample_splits``
-    times into halves that keep every copy of a prompt together (:func:`half_weights`), the statistic the mean
-    over those; :func:`estimate` gives it with the splits' own spread beside it. Returns per checkpoint the null
+    prompts into two disjoint random halves (`splits`); every overlap is the mean over splits. Its interval
+    resamples the prompts: ``resamples`` cluster resamples (`cluster_resamples`), each cut ``resample_splits``
+    times into halves that keep every copy of a prompt together (`half_weights`), the statistic the mean
+    over those; `estimate` gives it with the splits' own spread beside it. Returns per checkpoint the null
     overlap and the selection frequency of every pair ever robustly in; per consecutive pair of checkpoints and
     per checkpoint against the final one the cross overlap, the difference ``(null_s + null_t) / 2 - cross`` with
-    ``changed`` and ``same`` (:func:`decided`, equivalence within ``margin``); the pairs that changed between
+    ``changed`` and ``same`` (`decided`, equivalence within ``margin``); the pairs that changed between
     consecutive checkpoints (robustly in at one, out at the other); the matrix of mean overlaps of every two
     checkpoints (the null on its diagonal, no interval); and ``kept``: per checkpoint, the flat pairs any top-n
     of the stage selected (a split, a resample's half, a selection-frequency resample), all a recomputation needs.
@@ -670,7 +670,7 @@ def _cross(o: _Overlaps, s: str, t: str) -> np.ndarray:
 
 def _against(est: Any, s: str, t: str, margin: float) -> dict:
     """Cross overlap of ``s`` and ``t`` and the difference ``(null_s + null_t) / 2 - cross`` (per split, paired:
-    the same split for both), decided by its interval over prompts (:func:`decided`)."""
+    the same split for both), decided by its interval over prompts (`decided`)."""
     diff = est(lambda o: (o.null[s] + o.null[t]) / 2 - _cross(o, s, t))
     return {"cross": est(lambda o: _cross(o, s, t)), "null_minus_cross": diff, **decided(diff, margin)}
 
@@ -714,7 +714,7 @@ def structure_record(
     settings: Mapping[str, Any],
     seed: int,
 ) -> dict:
-    """The structure stage's record: :func:`structure` of the trajectory's checkpoints ``names`` (with the other
+    """The structure stage's record: `structure` of the trajectory's checkpoints ``names`` (with the other
     runs ``runs``: checkpoint -> other runs' checkpoints at its step) on the first ``ranking_n`` prompts, which every
     checkpoint has; and, where the steps read by the between-run null have more (``runs_n``), the same at those steps
     alone on all they share (``dense``). ``settings``: ``[structure]`` (draws, stable, resamples, resample_splits,
@@ -737,7 +737,7 @@ def structure_record(
 
 def committed_structure(run_dir: str | Path) -> dict:
     """A trajectory run's structure record recomputed from its committed ``attributions.h5`` alone
-    (:func:`read_attributions`, the settings in its meta): what the structure stage recorded."""
+    (`read_attributions`, the settings in its meta): what the structure stage recorded."""
     attribution, classes, meta = read_attributions(Path(run_dir) / ATTRIBUTIONS)
     return structure_record(
         attribution,
@@ -797,7 +797,7 @@ def write_attributions(
 
 
 def read_attributions(path: str | Path) -> tuple[dict[str, np.ndarray], list[str], dict]:
-    """The store :func:`write_attributions` wrote: checkpoint -> attribution (float64, the pairs left out at 0),
+    """The store `write_attributions` wrote: checkpoint -> attribution (float64, the pairs left out at 0),
     the classes, and the meta."""
     import h5py
 

@@ -2,7 +2,7 @@
 
 An adapter is declarative: module paths relative to the model root, plus the column layout of
 the Q/K/V projection outputs. It is resolved from the module structure of the loaded model
-(:func:`architecture_for`), not from a table of model types:
+(`architecture_for`), not from a table of model types:
 
 - the blocks: the top-level ``ModuleList`` of one block class (``model.layers``, ``transformer.h``);
 - the attention: the shallowest module of a block with a Q/K/V projection (separate ``q_proj``,
@@ -24,7 +24,7 @@ Every site is addressed by a *kind* and a layer:
 - ``"pattern"``: the attention module's second output, ``"batch head query key"``
   (needs ``attn_implementation="eager"``).
 
-Explicit entries (:data:`EXCEPTIONS`) exist only where a family departs from the pattern: fused
+Explicit entries (`EXCEPTIONS`) exist only where a family departs from the pattern: fused
 Q/K/V whose columns interleave per head (GPT-NeoX, Bloom, Persimmon), and fused layouts no rule
 describes (refused).
 """
@@ -81,7 +81,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
-        """Read the shape from a transformers config (no weights; see :func:`shape_of` for a model)."""
+        """Read the shape from a transformers config (no weights; see `shape_of` for a model)."""
         text = _text_config(config)
         n_heads = _first(text, "num_attention_heads", "n_head", "num_heads")
         d_model = _first(text, "hidden_size", "n_embd", "d_model")
@@ -220,7 +220,7 @@ class UnsupportedModel(ValueError):
 def architecture_for(model: Any) -> Architecture:
     """The adapter of a loaded causal LM (a ``torch.nn.Module``), resolved from its modules.
 
-    Raises :class:`UnsupportedModel` naming what was found when no pattern fits.
+    Raises `UnsupportedModel` naming what was found when no pattern fits.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(

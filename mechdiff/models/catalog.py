@@ -92,7 +92,7 @@ def _install_hint(source: str) -> str:
 
 
 def registry_availability(cache_dir: Optional[str] = None) -> list[Availability]:
-    """Every registered model (:data:`~mechdiff.models.registry.REGISTRY`), in registry order."""
+    """Every registered model (`REGISTRY`), in registry order."""
     return [availability(spec, cache_dir) for spec in REGISTRY.values()]
 
 
@@ -136,5 +136,5 @@ def run_steps(directory: str | Path) -> SavedSteps:
 
 
 def trajectories_availability(cache_dir: Optional[str] = None) -> list[SavedSteps]:
-    """Every registered trajectory (:data:`~mechdiff.models.registry.TRAJECTORIES`)."""
+    """Every registered trajectory (`TRAJECTORIES`)."""
     return [trajectory_availability(t, cache_dir) for t in TRAJECTORIES.values()]

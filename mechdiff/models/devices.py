@@ -4,10 +4,10 @@ accelerator (a few published numbers and a stated efficiency).
 A pass also reads the weights of every block it runs: for a pass over few token rows (the short suffix runs of
 pruning, DCM, CMAP) that read, not the multiplies, takes the time. A device's ``bandwidth`` is the bytes of weights a
 pass reads per second: on this machine measured on matrix multiplies of few rows through more weights than the
-caches hold; on a named device its memory bandwidth times :data:`GPU_EFFICIENCY`.
+caches hold; on a named device its memory bandwidth times `GPU_EFFICIENCY`.
 
 A named device's throughput is its dense peak for the dtype (bfloat16/float16 on tensor cores; float32 without TF32,
-which torch leaves off for matrix multiplies by default) times :data:`GPU_EFFICIENCY`, the share of peak a forward
+which torch leaves off for matrix multiplies by default) times `GPU_EFFICIENCY`, the share of peak a forward
 pass of a 7B decoder reaches at moderate batch sizes (an assumption, stated with every plan). This machine's
 throughput is measured in CPU seconds (``time.process_time``, every thread counted) on a matrix multiply of the
 planned model's own MLP shape, so a plan's CPU seconds compare with the CPU time a stage takes on a shared machine.
@@ -36,7 +36,7 @@ COMMON_GPU_HOST = 128 * 2**30
 #: Bytes a second a named device's machine reads a scratch file (DCM's pair cache) or a model's weights from its
 #: disk: 2 GB/s, an assumption (a data-centre NVMe SSD reads 3-7 GB/s sequentially, a cloud machine's local or
 #: network disk less; h5py's reads of DCM's rows of tens of MB each are near-sequential). This machine's is measured
-#: (:func:`mechdiff.studies.resources.scratch_bandwidth`).
+#: (`mechdiff.studies.resources.scratch_bandwidth`).
 COMMON_GPU_DISK_READ = 2e9
 #: Seconds a pass and a block cost on a GPU beside their FLOPs and weight reads: the host's Python (the intervention
 #: layer, the model's forward) and kernel launches, which a small pass waits on. An assumption from launch latency:
@@ -63,7 +63,7 @@ class Device:
     host: Optional[int] = None  # a GPU machine's host memory in bytes (None: not known; a CPU device's is ``memory``)
     disk_read: float = 0.0  # bytes a second read back from scratch files and weights on disk (0: not counted)
     # host bytes a run's process holds before its models load (Python, torch, transformers, mechdiff, a tokenizer):
-    # this process's resident memory when the plan is made (:func:`process_memory`), the same stack imported
+    # this process's resident memory when the plan is made (`process_memory`), the same stack imported
     baseline: int = 0
     # this machine: the 1-minute load average per core while its throughput was measured (above LOADED: calibrated
     # under load, its CPU seconds per FLOP high); 0 on a named device
@@ -74,7 +74,7 @@ class Device:
         return self if disk is None else replace(self, disk=disk)
 
     def with_baseline(self) -> "Device":
-        """This device with this process's resident memory as a run's baseline (:func:`process_memory`)."""
+        """This device with this process's resident memory as a run's baseline (`process_memory`)."""
         return replace(self, baseline=process_memory())
 
     def with_host(self, host: Optional[int]) -> "Device":
@@ -188,18 +188,18 @@ def matmul_throughput(rows: int, inner: int, outer: int, dtype: str, min_seconds
     return 2 * rows * inner * outer * reps / spent
 
 
-#: Bytes of weights :func:`weight_bandwidth` reads through at the least: more than a CPU's caches hold.
+#: Bytes of weights `weight_bandwidth` reads through at the least: more than a CPU's caches hold.
 STREAM_BYTES = 256 * 2**20
-#: Token rows of :func:`weight_bandwidth`'s multiplies: a short suffix run's few.
+#: Token rows of `weight_bandwidth`'s multiplies: a short suffix run's few.
 STREAM_ROWS = 4
-#: Matrices :func:`weight_bandwidth` reads through at the most (a tiny model's fit a cache: its reads cost little).
+#: Matrices `weight_bandwidth` reads through at the most (a tiny model's fit a cache: its reads cost little).
 STREAM_MATRICES = 128
 
 
 def weight_bandwidth(inner: int, outer: int, dtype: str, min_seconds: float = 0.4) -> float:
     """Bytes of weights per CPU second that ``(STREAM_ROWS, inner) @ (inner, outer)`` multiplies read, through
-    matrices of that shape totalling at least :data:`STREAM_BYTES` (each read from memory, not a cache; at most
-    :data:`STREAM_MATRICES` of them), repeated for at least ``min_seconds`` after one warm-up pass."""
+    matrices of that shape totalling at least `STREAM_BYTES` (each read from memory, not a cache; at most
+    `STREAM_MATRICES` of them), repeated for at least ``min_seconds`` after one warm-up pass."""
     import torch
 
     from .loading import DTYPES
@@ -221,7 +221,7 @@ def this_machine(dims: Dims, dtypes: tuple[str, ...], rows: Optional[int] = None
     """This machine as a device: its available memory (with what this process holds, a run's baseline), the CPU
     throughput of each of ``dtypes`` measured on a matrix multiply of ``dims``' MLP shape with ``rows`` token rows
     (default 512: a batch of prompts), the bytes of weights of that shape a pass of few rows reads per CPU second
-    (:func:`weight_bandwidth`) and the load average a core while it measured (:func:`load_per_core`)."""
+    (`weight_bandwidth`) and the load average a core while it measured (`load_per_core`)."""
     rows = rows or 512
     flops = {d: matmul_throughput(rows, dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}
     reads = {d: weight_bandwidth(dims.d_model, dims.d_ff, d) for d in dict.fromkeys(dtypes)}

@@ -2,10 +2,10 @@
 config alone (a few numbers: layers, width, heads, KV heads, MLP width, vocabulary).
 
 The paper's models ship their configs with the package (``mechdiff/data/configs/NAME.json``), so their plan
-needs no download; any other model's config is read from its own metadata (:func:`~.loading.load_config`: a GGUF
+needs no download; any other model's config is read from its own metadata (`load_config`: a GGUF
 file's header, a local ``config.json``, the Hugging Face cache). The counts are those of a LLaMA-style decoder
-(separate Q, K, V and O projections, a gated MLP of three matrices, RMS norms); :func:`forward_flops` counts the
-matrix multiplies a forward pass performs, as :class:`torch.utils.flop_counter.FlopCounterMode` does (the tests
+(separate Q, K, V and O projections, a gated MLP of three matrices, RMS norms); `forward_flops` counts the
+matrix multiplies a forward pass performs, as `torch.utils.flop_counter.FlopCounterMode` does (the tests
 check it against that counter on a real model).
 """
 
@@ -122,7 +122,7 @@ def forward_bytes(dims: Dims, rows: int, tokens: int, dtype: str, context: Optio
 
 
 def held_pair_bytes(n_layers: int, d_model: int, kv_width: int, tokens: int, value_bytes: int) -> int:
-    """What path patching holds of one pair of ``tokens`` tokens (:class:`~mechdiff.patching.path.PairBatch`): the
+    """What path patching holds of one pair of ``tokens`` tokens (`PairBatch`): the
     clean and counterfactual runs' ``z`` at every layer, the clean residual stream after every block but the last,
     and every layer's keys and values (``kv_width``: keys plus values per token and layer)."""
     return tokens * (2 * n_layers * d_model + (n_layers - 1) * d_model + n_layers * kv_width) * value_bytes
@@ -158,8 +158,8 @@ def shipped_configs() -> list[str]:
 
 
 def model_dims(name: str) -> tuple[Dims, str]:
-    """The :class:`Dims` of model ``name`` and where they come from: the shipped config of a paper model, else the
-    model's own config (:func:`~.loading.load_config`; a GGUF file's metadata, a directory, the hub cache)."""
+    """The `Dims` of model ``name`` and where they come from: the shipped config of a paper model, else the
+    model's own config (`load_config`; a GGUF file's metadata, a directory, the hub cache)."""
     shipped = files("mechdiff").joinpath("data", "configs", f"{name}.json")
     if shipped.is_file():
         return Dims.from_config(json.loads(shipped.read_text())), f"mechdiff/data/configs/{name}.json"

@@ -105,7 +105,7 @@ def convert(path: Path, final: Path) -> Path:
 
 def _keep_config(path: Path, as_loaded: dict) -> None:
     """Undo what ``save_pretrained`` adds to the config (``architectures``), so that the converted directory
-    loads the config the GGUF path gives and :func:`~.loading.model_fingerprint` is unchanged."""
+    loads the config the GGUF path gives and `model_fingerprint` is unchanged."""
     saved = json.loads(path.read_text())
     for key in ("architectures",):
         saved[key] = as_loaded.get(key)

@@ -50,7 +50,7 @@ def load_config(spec: ModelSpec, cache_dir: Optional[str] = None) -> Any:
 
 def _source(spec: ModelSpec) -> tuple[str, dict]:
     """Where transformers reads a non-LoRA spec from, with the keyword that names a GGUF file (a GGUF file is
-    read from its one-time conversion, :mod:`.gguf_cache`, unless that cache is off)."""
+    read from its one-time conversion, `.gguf_cache`, unless that cache is off)."""
     src = resolve_source(spec.source)
     return converted(src, spec.gguf_file) if spec.kind == "gguf" else (src, {})
 
@@ -82,7 +82,7 @@ class LoadedModel:
     remote: bool | str = False  # True: NDIF; "local": nnsight's local simulation of the remote path
 
     def __reduce__(self) -> tuple:
-        """Pickled into a remote request (a session body names the model) as a :class:`~.remote.ModelView`:
+        """Pickled into a remote request (a session body names the model) as a `ModelView`:
         the nnsight wrapper (its modules by persistent id: the server's own model), shape and
         architecture; never the weights or the tokenizer."""
         return ModelView, (self.name, self.nn, self.shape, self.arch)
@@ -132,7 +132,7 @@ class LoadedModel:
         return self.nn.trace(**kwargs)
 
     def session(self) -> Any:
-        """A context grouping every trace inside it into one remote request (see :mod:`.remote`);
+        """A context grouping every trace inside it into one remote request (see `.remote`);
         a no-op for a local model."""
         return session(self)
 
@@ -230,10 +230,10 @@ def load_model(
 
     LoRA adapters are merged into their base with peft (``merge_and_unload``) and the
     merge is recorded in ``provenance``. ``attn_implementation="eager"`` keeps attention
-    patterns readable. ``device`` / ``device_map``: see :func:`resolve_device_map`.
+    patterns readable. ``device`` / ``device_map``: see `resolve_device_map`.
     ``remote=True`` runs every trace on NDIF (nnsight; the API key from ``NDIF_API_KEY``):
     only the config and tokenizer are read here, the weights stay on the server (see
-    :mod:`mechdiff.models.remote`). ``remote="local"`` loads the weights here and runs the same
+    `mechdiff.models.remote`). ``remote="local"`` loads the weights here and runs the same
     serialised requests in this process (nnsight's local simulation of the remote path). ``tokenizer``: the
     spec's tokenizer, already loaded (a command that built its prompts before the weights), else loaded here.
     """
@@ -311,7 +311,7 @@ def is_compact(t: torch.Tensor) -> bool:
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with compact strides (:func:`is_compact`)."""
+    """A copy of ``t`` with compact strides (`is_compact`)."""
     return t.clone(memory_format=torch.contiguous_format)
 
 

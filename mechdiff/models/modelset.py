@@ -81,7 +81,7 @@ class ModelSet:
 
     @property
     def loaded(self) -> dict[str, LoadedModel]:
-        """The models loaded so far, by name (a copy: :meth:`release` drops one)."""
+        """The models loaded so far, by name (a copy: `release` drops one)."""
         return dict(self._loaded)
 
     def release(self, name: str) -> Optional[LoadedModel]:

@@ -1,12 +1,12 @@
 """Remote execution on NDIF through nnsight: the same code path as a local run, requests grouped.
 
-A model loaded with ``remote=True`` (:func:`mechdiff.models.loading.load_remote`) keeps only its config
-and tokenizer here; every trace of the one driver (:func:`mechdiff.patching.core.run`) is shipped to NDIF
-(``model.trace(..., remote=True)``), and a :meth:`LoadedModel.session` groups every trace inside it into one
+A model loaded with ``remote=True`` (`mechdiff.models.loading.load_remote`) keeps only its config
+and tokenizer here; every trace of the one driver (`mechdiff.patching.core.run`) is shipped to NDIF
+(``model.trace(..., remote=True)``), and a `LoadedModel.session` groups every trace inside it into one
 request (``model.session(remote=True)``): its body runs on the server,
 values flow between its traces there, and only what the body keeps comes back. Path
 patching runs a whole step (every chunk of senders, the frozen and the receiver runs) in one
-session; :func:`mechdiff.patching.path.prepare` its clean and counterfactual runs in one.
+session; `mechdiff.patching.path.prepare` its clean and counterfactual runs in one.
 
 ``remote="local"`` is nnsight's local simulation of that path (``LocalSimulationBackend``):
 each request is serialised exactly as for NDIF, deserialised with mechdiff's own modules
@@ -82,7 +82,7 @@ def hub_repo(spec: ModelSpec) -> tuple[str, Optional[str], Optional[str]]:
 
 
 class ModelView:
-    """What a remote request carries in place of a :class:`LoadedModel`: the nnsight wrapper, the shape
+    """What a remote request carries in place of a `LoadedModel`: the nnsight wrapper, the shape
     and the architecture, no weights. On the server its traces run in place (``remote`` is False).
 
     (A LoadedModel itself cannot travel: mechdiff's classes are pickled by value and
@@ -122,11 +122,11 @@ def in_trace() -> bool:
 
 
 def session(model: Any) -> Any:
-    """One remote request of ``model`` (a :class:`~mechdiff.models.loading.LoadedModel`) for every trace
+    """One remote request of ``model`` (a `LoadedModel`) for every trace
     inside the ``with`` block; a no-op for a local model.
 
     The returned object must be entered directly by a ``with`` statement (nnsight captures the
-    block's source from that frame). The body must :func:`keep` what it returns.
+    block's source from that frame). The body must `keep` what it returns.
     """
     if not model.remote or in_trace():
         return contextlib.nullcontext()

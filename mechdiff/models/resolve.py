@@ -1,4 +1,4 @@
-"""Turn a model argument into a :class:`~.registry.ModelSpec`: a registry name, a path (model directory,
+"""Turn a model argument into a `ModelSpec`: a registry name, a path (model directory,
 GGUF file, LoRA adapter), ``NAME@STEP`` (a trajectory's or a run directory's checkpoint) or
 ``hub:org/name[@rev]``; and a ``package:NAME/sub`` source into a directory. Nothing is loaded here."""
 

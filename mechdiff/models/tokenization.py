@@ -1,6 +1,6 @@
 """A string's tokens as a model's tokenizer makes them, offline: what every record of a task holds
 (``tokenizer(text)["input_ids"]``, special tokens included), with each token's text and character span
-(``mechdiff tokens TEXT --model M``; from Python :func:`tokens`)."""
+(``mechdiff tokens TEXT --model M``; from Python `tokens`)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def tokens(
     text: str, model: str | ModelSpec = "", tokenizer: Any = None, cache_dir: Optional[str] = None
 ) -> list[Token]:
     """``text``'s tokens under ``model``'s tokenizer (a registry name, path, ``NAME@STEP`` or hub id in the local
-    cache; no weights load, nothing is downloaded: :func:`offline_tokenizer`) or a ``tokenizer`` already loaded: the
+    cache; no weights load, nothing is downloaded: `offline_tokenizer`) or a ``tokenizer`` already loaded: the
     ids a task's record of ``text`` holds, each with its text and span."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")

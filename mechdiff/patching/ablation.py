@@ -3,19 +3,19 @@
 An activation ``"unit batch pos d"`` (a layer's ``z``, a sender's output, ...) is summed over the
 batch and over the positions of each *bucket* in float64, and divided by the bucket's count:
 
-- one bucket per position (:func:`every_position`): circuit scoring's means
-  (:func:`mechdiff.circuits.scoring.position_means`, in memory or through
-  :meth:`mechdiff.patching.store.ActivationStore.means`, which stores the per-batch sums of
-  :func:`position_sums` so that an interrupted run resumes);
-- the first position apart from all later ones (:func:`sink_apart`): knowledge circuits'
-  per-sender means (:func:`mechdiff.methods.knowledge.forward.mean_ablation`), since position 0 (the
+- one bucket per position (`every_position`): circuit scoring's means
+  (`mechdiff.circuits.scoring.position_means`, in memory or through
+  `mechdiff.patching.store.ActivationStore.means`, which stores the per-batch sums of
+  `position_sums` so that an interrupted run resumes);
+- the first position apart from all later ones (`sink_apart`): knowledge circuits'
+  per-sender means (`mechdiff.methods.knowledge.forward.mean_ablation`), since position 0 (the
   attention sink) has far larger outputs and prompts there differ in length.
 
 How the means are *applied* differs, and is written once per kind of ablation: circuit scoring
 replaces a head's ``z`` at a position (one mixing patch per layer,
-:func:`mechdiff.circuits.scoring.ablation_patches`); knowledge circuits ablate single edges, so a
+`mechdiff.circuits.scoring.ablation_patches`); knowledge circuits ablate single edges, so a
 receiver reads a sender's mean in place of its output only on the edges removed
-(:class:`mechdiff.methods.knowledge.forward.Ablation`), not through a patch of the sender.
+(`mechdiff.methods.knowledge.forward.Ablation`), not through a patch of the sender.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def position_sums(x: torch.Tensor, buckets: torch.Tensor, n_buckets: int) -> tor
 
 
 class PositionMeans:
-    """Running means of activations ``"... batch pos d"`` per position bucket: :meth:`add` each batch,
-    then :meth:`mean` (``"... bucket d"``, float32). A bucket no position fell into has mean 0."""
+    """Running means of activations ``"... batch pos d"`` per position bucket: `add` each batch,
+    then `mean` (``"... bucket d"``, float32). A bucket no position fell into has mean 0."""
 
     def __init__(self, buckets: Buckets = every_position, n_buckets: Optional[int] = None):
         self.buckets, self.n_buckets = buckets, n_buckets

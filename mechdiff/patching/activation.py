@@ -1,6 +1,6 @@
 """Activation patching (clean <- counterfactual) of any set of heads and the embeddings.
 
-Components are :class:`~mechdiff.common.components.Head` (its ``z`` slice, the input of the
+Components are `Head` (its ``z`` slice, the input of the
 output projection) or ``"EMB"`` (the token-embedding output). Positions are a LongTensor
 ``[batch]`` (one position per example, from the dataset's position records) or ``None``
 (every position).

@@ -6,7 +6,7 @@ gradient of the step's objective with respect to ``z`` in the *frozen* model: ev
 ``z`` is made a leaf equal to its clean value, so gradients flow through the residual
 stream and the MLPs but not through other heads (exactly what path patching freezes).
 
-- Step A (no receivers): the objective is ``sum_b p_b`` (the task's metric, :meth:`PairBatch.measure`: answer
+- Step A (no receivers): the objective is ``sum_b p_b`` (the task's metric, `PairBatch.measure`: answer
   probability or logit difference) at the logits; an answer of several tokens teacher-forced (each of its rows'
   gradients summed at the prompt's positions, which the rows share).
 - Steps with receivers: first ``g_r = d(sum_b p_b) / d(receiver site at its position)`` in the
@@ -48,7 +48,7 @@ def attribution_scores(
     senders: Optional[Sequence[Head]] = None,
 ) -> dict[Head, float]:
     """Estimated path-patching score of each sender (default: every eligible sender). Over several groups
-    (:class:`~mechdiff.patching.path.PairBatches`; parts: :class:`~mechdiff.patching.path.PairStream`) each
+    (`PairBatches`; parts: `PairStream`) each
     one's sum is taken alone and the sums are normalised by every prompt's clean probability, as path patching's
     ratio of means."""
     senders = list(senders) if senders is not None else eligible_senders(model, receivers)

@@ -1,18 +1,18 @@
 """The one intervention driver: a forward pass with patches written and sites captured, on nnsight.
 
 Sites are ``(kind, layer)`` with kind ``z``/``q``/``k``/``v`` (see
-:mod:`mechdiff.models.architectures`); a site tensor is ``"batch pos columns"``.
-A :class:`Patch` overwrites some columns of one site, at one position per example
+`mechdiff.models.architectures`); a site tensor is ``"batch pos columns"``.
+A `Patch` overwrites some columns of one site, at one position per example
 or at every position. Patches and captures are visited in execution order
 (per layer: q, k, v, then z), as nnsight requires.
 
 Two ways to compute only what an intervention changes, combinable:
 
-- :class:`Resume` skips the blocks below the first patched layer (their residual stream is
+- `Resume` skips the blocks below the first patched layer (their residual stream is
   the clean run's);
 - a *suffix run* (``prefix=``) computes only positions ``>= start``: causal attention leaves
   every earlier position as in the clean run, so their keys and values are read from the
-  clean run's cache (:class:`Prefix`, kept by ``run(..., keep_kv=True)``). ``start`` is derived
+  clean run's cache (`Prefix`, kept by ``run(..., keep_kv=True)``). ``start`` is derived
   from the patches and the read-out positions. Senders stacked along the batch (``"(copy b)"``)
   share one prefix of batch ``b``.
 """
@@ -33,7 +33,7 @@ from ..models.loading import LoadedModel
 
 SITE_ORDER = {"emb": -1, "q": 0, "k": 1, "v": 2, "z": 3, "pattern": 4, "resid": 5}
 EMB_LAYER = -1  # the ("emb", -1) site: the token embedding output "batch pos d_model", before every layer
-# ("resid", L): the residual stream after block L ("batch pos d_model"), what :class:`Resume` starts from.
+# ("resid", L): the residual stream after block L ("batch pos d_model"), what `Resume` starts from.
 
 
 @dataclass
@@ -97,7 +97,7 @@ class Prefix:
     ``"batch kv_head pos d_head"`` as the attention reads them (after rotary embedding).
 
     A suffix run (``run(..., prefix=...)``) reads positions ``< start`` from here. The prefix is
-    never written: each run builds a fresh read-only cache over these tensors (:func:`prefix_cache`),
+    never written: each run builds a fresh read-only cache over these tensors (`prefix_cache`),
     so one prefix serves any number of runs, from any start, for any number of stacked copies.
     """
 
@@ -152,12 +152,12 @@ def run(
     Captured tensors are cloned after this run's patches at that site. With ``grad=True``
     the captured tensors stay in the autograd graph (see the attribution screen).
     ``stop=True`` halts the model after the last patched/captured site (``logits`` is then ``None``).
-    ``resume`` skips the blocks before ``resume.layer`` (see :class:`Resume`); its ``hidden`` may
+    ``resume`` skips the blocks before ``resume.layer`` (see `Resume`); its ``hidden`` may
     cover every position or only the suffix, and batch ``b`` or the stacked ``copies * b``.
-    ``prefix``: the clean run's keys and values (:class:`Prefix`) of the same prompts (batch ``b``;
+    ``prefix``: the clean run's keys and values (`Prefix`) of the same prompts (batch ``b``;
     ``input_ids`` may stack copies of them, ``"(copy b) pos"``): only positions ``>= start`` are
     computed, ``start`` defaulting to the first position any patch writes or the read-out reads
-    (:func:`suffix_start`; an earlier ``start`` is allowed, a later one refused; without ``prefix``
+    (`suffix_start`; an earlier ``start`` is allowed, a later one refused; without ``prefix``
     every position is computed and ``start`` is ignored). Positions in patches and ``readout`` stay absolute; captured
     tensors cover positions ``start ..`` (``Run.start``). ``keep_kv=True`` returns this run's keys and
     values as ``Run.kv`` (a full run: no prefix, resume or stop). ``position_ids`` (``"batch pos"``,
@@ -242,7 +242,7 @@ def answer_logits(
     """Teacher forcing: the logits ``"batch a vocab"`` predicting each of ``answer_tokens`` (``"batch a"``) after
     the prompts ``input_ids`` (``"batch pos"``). One run on the prompt with the answer's tokens but its last
     appended (causal attention: the appended tokens change nothing at the prompt's positions); ``patches`` write
-    the prompt's positions only (:func:`prompt_patch`), so positions the task names (``last`` included) are
+    the prompt's positions only (`prompt_patch`), so positions the task names (``last`` included) are
     the prompt's as before. Position ``pos - 1 + i`` predicts answer token ``i``."""
     length, a = input_ids.shape[1], answer_tokens.shape[1]
     ids = torch.cat([input_ids, answer_tokens[:, :-1].to(input_ids.device)], 1)
@@ -255,9 +255,9 @@ class Continuations:
     """Answers of several tokens teacher-forced in stacked runs: each prompt's answers (its answer, then for a
     ``logit_diff`` metric each of its ``k`` alternatives) stacked along the batch, ``"(c b)"`` rows of ``c`` answers
     of ``b`` prompts, each right-padded to ``w`` tokens. A row runs its prompt with its answer's tokens but the last
-    appended (:func:`answer_logits`); the prompts' positions are every row's first ``prompt_length``.
+    appended (`answer_logits`); the prompts' positions are every row's first ``prompt_length``.
 
-    :meth:`measure` folds a row's teacher-forced logits into each prompt's metric: ``prob``, the answer's
+    `measure` folds a row's teacher-forced logits into each prompt's metric: ``prob``, the answer's
     probability (the product of its tokens', ``exp`` of the summed log-probability, in float64), or ``logit_diff``,
     the answer's summed log-probability minus the mean of its alternatives' (for one token, the logit difference).
     """
@@ -305,7 +305,7 @@ def continuations(
     metric: str,
     prompt_length: int,
 ) -> Optional[Continuations]:
-    """The :class:`Continuations` of prompts whose answers (and, for ``logit_diff``, ``alternatives``: ``k`` token
+    """The `Continuations` of prompts whose answers (and, for ``logit_diff``, ``alternatives``: ``k`` token
     lists per prompt) are token lists; None where every one is one token (read at the prompt's last position)."""
     metric = metric_name(metric)
     if metric not in ("prob", "logit_diff"):
@@ -346,7 +346,7 @@ SUFFIX_LAYER_TYPES = {"full_attention", "sliding_attention"}  # attention layers
 
 
 def suffix_supported(model: LoadedModel) -> bool:
-    """Whether suffix runs are exact on ``model`` (:func:`check_suffix_support` would pass)."""
+    """Whether suffix runs are exact on ``model`` (`check_suffix_support` would pass)."""
     try:
         check_suffix_support(model)
     except ValueError:
@@ -501,7 +501,7 @@ def _site(arch, nn, kind: str, layer: int, fused_seen: dict) -> torch.Tensor:
 
 
 class Sites:
-    """The sites of one traced forward, handed to a :func:`trace_sites` body; read and write them in
+    """The sites of one traced forward, handed to a `trace_sites` body; read and write them in
     execution order (per layer: Q/K/V, z, the attention's residual contribution, the MLP input, the
     MLP's contribution; then the final norm and the logits). Tensors are ``"batch pos columns"``."""
 

@@ -60,7 +60,7 @@ class EvalResult:
     def by_answer_length(
         self, records: Sequence[Record], metric: str = "prob", items: Optional[Sequence] = None
     ) -> list[dict]:
-        """:func:`by_answer_length` of these outcomes on their ``records``, with the task's ``metric``, intervals
+        """`by_answer_length` of these outcomes on their ``records``, with the task's ``metric``, intervals
         over ``items`` (one per record; default: each record its own item)."""
         diff = metric == "logit_diff" and self.logit_diff is not None
         values, column = (self.logit_diff, "logit_diff") if diff else (self.prob, "answer_prob")
@@ -77,7 +77,7 @@ class EvalResult:
         return bootstrap(self.logit_diff)
 
     def to_dict(self) -> dict:
-        """The estimates, and the per-prompt outcomes they came from (:mod:`mechdiff.common.outcomes`), so two
+        """The estimates, and the per-prompt outcomes they came from (`mechdiff.common.outcomes`), so two
         models on the same prompts get a paired interval."""
         out = {"accuracy": self.accuracy.to_dict(), "answer_prob": self.answer_prob.to_dict()}
         if self.logit_diff is not None:
@@ -100,12 +100,12 @@ LENGTH_BINS = ("1", "2", "3+")
 
 
 def length_bin(n_tokens: int) -> str:
-    """The :data:`LENGTH_BINS` entry of an answer of ``n_tokens`` tokens."""
+    """The `LENGTH_BINS` entry of an answer of ``n_tokens`` tokens."""
     return LENGTH_BINS[min(n_tokens, len(LENGTH_BINS)) - 1]
 
 
 def length_bins(records: Sequence[Record]) -> np.ndarray:
-    """Each record's :data:`LENGTH_BINS` entry (its answer's own tokens), in their order."""
+    """Each record's `LENGTH_BINS` entry (its answer's own tokens), in their order."""
     return np.array([length_bin(len(answer_tokens(r))) for r in records])
 
 
@@ -120,10 +120,10 @@ def by_answer_length(
 ) -> list[dict]:
     """Accuracy and the mean of the continuous per-prompt ``values`` (the task's metric, as ``column``), each with
     its interval over ``items`` (one per record; default each record its own: exact binomial and bootstrap; else
-    :func:`~mechdiff.common.inference.proportion` and :func:`~mechdiff.common.inference.mean` clustered by item) per
-    answer length (:data:`LENGTH_BINS`, the answer's own tokens) of ``records``, in their
+    `proportion` and `mean` clustered by item) per
+    answer length (`LENGTH_BINS`, the answer's own tokens) of ``records``, in their
     order; empty where every answer has one length (nothing to split). With ``first`` and ``rest``
-    (:class:`EvalResult`'s), accuracy split by first token against the rest: ``first_token``, the first answer
+    (`EvalResult`'s), accuracy split by first token against the rest: ``first_token``, the first answer
     token the top-1 after the prompt, and ``rest``, every later token the top-1 given the answer's tokens before it
     (teacher forced; None for one-token answers, which have no rest)."""
     lengths = length_bins(records)
@@ -172,12 +172,12 @@ def evaluate(
     A one-token answer is read at the prompt's last token: correct where it is the top-1 over the whole
     vocabulary, its probability the softmax's, the logit difference answer logit - mean alternative logit.
     An answer of several tokens is scored by teacher forcing (one run per answer, the answer's tokens appended
-    to the prompt, :func:`~mechdiff.patching.core.answer_logits`): correct where greedy decoding gives it
+    to the prompt, `answer_logits`): correct where greedy decoding gives it
     (every token the top-1), its probability the product of its tokens' (``exp`` of the summed log-probability),
     the logit difference that summed log-probability minus the mean over alternatives of theirs (for one
     token, the same number as the logits' difference). Patches write the prompt's positions only.
 
-    Records of any token length and template: batched by :func:`~mechdiff.tasks.base.grouped_batches`,
+    Records of any token length and template: batched by `grouped_batches`,
     per-prompt outcomes returned in the records' order. ``patches(batch, rows)`` returns the patches for
     one batch (``rows``: the indices of its records);
     ``targets`` overrides the answers (token ids, one int or a sequence each; e.g. a DCM desideratum's target).

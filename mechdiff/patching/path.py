@@ -12,30 +12,30 @@ Score = ``(mean p_patched - mean p_clean) / mean p_clean`` on the answer token o
 metric (the answer's probability, or for a ``logit_diff`` task the answer's logit minus the mean of its
 alternatives') (``score="ratio_of_means"``, mechdiff's: stable where one prompt's clean probability is tiny), or the
 paper's ``mean over prompts of (p_patched - p_clean) / p_clean`` (``score="mean_of_ratios"``, Prakash et al.'s
-``experiment_1/path_patching.py``); the two can order the senders differently (:func:`sender_score`). Without
+``experiment_1/path_patching.py``); the two can order the senders differently (`sender_score`). Without
 receivers (step A: senders -> logits) the frozen run's own logits are read.
 
 Freezing is applied from the earliest sender position on: positions before it cannot see
 the sender (causal attention), so they equal the clean run already. Both runs compute only what
 the patch can change, from the lowest sender or receiver layer on (resumed from the clean residual
-stream, :class:`~mechdiff.patching.core.Resume`). With every head's z frozen, the frozen run's
+stream, `Resume`). With every head's z frozen, the frozen run's
 residual stream differs from the clean one only at the sender position, so where the receivers
 sit there (or the logits are read there) the frozen run computes that one position per example;
 otherwise positions from the earliest sender on. The receiver run computes the positions from
 the earliest receiver position on. Earlier positions' keys and values come from the clean run's
-cache (a suffix run, :class:`~mechdiff.patching.core.Prefix`).
+cache (a suffix run, `Prefix`).
 Senders are copies of the batch stacked along the batch dimension (``senders_per_pass`` at a
 time), each copy's sender written by one indexed assignment (no per-head loop). Under grouped-query
 attention V (and K) belongs to a KV group: patching a receiver's V patches its whole group
-(all query heads that share it); :func:`receiver_sites` merges receivers of one group.
+(all query heads that share it); `receiver_sites` merges receivers of one group.
 
 By default a sender's counterfactual value is read at the clean prompt's sender index. ``source_position`` names a
 position of the counterfactual prompt to read it at instead; a position class (one index per segment, e.g. entity
-tracking's ``labels``) is drawn from at random, independently for each sender and prompt (:func:`source_indices`).
+tracking's ``labels``) is drawn from at random, independently for each sender and prompt (`source_indices`).
 The paper reads group D's sender, whose query label the counterfactual lacks, at a random box label
 (``pp_utils.patching_sender_heads``: ``random.choice(range(6, 49, 7))``, one draw per sender and prompt).
 
-Answers of several tokens are teacher-forced (:class:`~mechdiff.patching.core.Continuations`): each pair's target
+Answers of several tokens are teacher-forced (`Continuations`): each pair's target
 (and under ``logit_diff`` each alternative of its clean prompt) is a row of the batch running the prompt with the
 answer's tokens but its last appended; ``p`` is the answer's probability (the product of its tokens') or its summed
 log-probability minus the alternatives' mean. Senders and receivers are written at the prompt's positions only;
@@ -44,9 +44,9 @@ definition), so step A's frozen point run gives the first answer token's logits 
 run's. A pair's rows share its sender draws; scores are per pair.
 
 Pairs of several token lengths or templates are prepared group by group
-(:func:`~mechdiff.tasks.base.grouped_batches`, one :class:`PairBatch` each, held by :class:`PairBatches`);
+(`grouped_batches`, one `PairBatch` each, held by `PairBatches`);
 each group is patched on its own and the score is the same ratio of means over every prompt. With a part size
-(``[discovery] pairs_per_part``) each group is split in order into parts held one at a time (:class:`PairStream`):
+(``[discovery] pairs_per_part``) each group is split in order into parts held one at a time (`PairStream`):
 a part's clean and counterfactual runs are computed when it is reached and dropped after it, so memory follows the
 part, not the number of pairs.
 """
@@ -140,7 +140,7 @@ class PairBatch:
 
 @dataclass
 class PairBatches:
-    """The :class:`PairBatch` of each group (template, token length) of a pair set, in group order."""
+    """The `PairBatch` of each group (template, token length) of a pair set, in group order."""
 
     parts: list[PairBatch]
 
@@ -157,7 +157,7 @@ class PairStream:
     """A pair set run in parts of at most ``part_size`` pairs (each group split in order), each part's clean and
     counterfactual runs computed when the part is used and dropped after it: memory holds one part's activations,
     whatever the number of pairs, for two forwards a pair each time the parts are gone through.
-    :func:`prepare` makes one (``part_size``)."""
+    `prepare` makes one (``part_size``)."""
 
     model: LoadedModel
     chunks: list[list[PairRecord]]
@@ -165,7 +165,7 @@ class PairStream:
     p_clean: torch.Tensor  # every pair's clean metric, part by part (read once, at construction)
     shapes: list[tuple[int, int]]  # each part's (rows, tokens): rows stack a pair's answers where they are several
     #: each part's group (its index among the groups), its first pair's offset in the group and the group's pairs:
-    #: a part's random source draws are its columns of the group's (:func:`source_indices`), as if held whole
+    #: a part's random source draws are its columns of the group's (`source_indices`), as if held whole
     places: list[tuple[int, int, int]]
 
     def __iter__(self):
@@ -177,7 +177,7 @@ class PairStream:
 
 
 def parts(batch: Union[PairBatch, PairBatches, PairStream]) -> Iterable[PairBatch]:
-    """The one-length batches of ``batch`` (of a :class:`PairStream`, each prepared as it is reached)."""
+    """The one-length batches of ``batch`` (of a `PairStream`, each prepared as it is reached)."""
     if isinstance(batch, PairStream):
         return iter(batch)
     return batch.parts if isinstance(batch, PairBatches) else [batch]
@@ -187,11 +187,11 @@ def prepare(
     model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "prob", part_size: Optional[int] = None
 ) -> Union[PairBatch, PairBatches, PairStream]:
     """Run clean and counterfactual once, capturing every layer's ``z`` (and the clean residual stream): one
-    :class:`PairBatch` where every pair has one template and length, else :class:`PairBatches` (one per group);
-    with ``part_size``, a :class:`PairStream` of parts of at most that many pairs, each run again when it is used
+    `PairBatch` where every pair has one template and length, else `PairBatches` (one per group);
+    with ``part_size``, a `PairStream` of parts of at most that many pairs, each run again when it is used
     (memory bounded by the part, not by the number of pairs). ``metric``: the task's (``prob``, or ``logit_diff``
     against the clean prompts' alternatives, refused where a pair has none). A target (or alternative) of several
-    tokens is teacher-forced (:class:`~mechdiff.patching.core.Continuations`): each pair's answers are stacked rows
+    tokens is teacher-forced (`Continuations`): each pair's answers are stacked rows
     whose runs append the answer's tokens but its last, the senders and receivers written at the prompt's positions
     only."""
     if metric == "logit_diff" and not all(getattr(p.base, "alternative_ids", ()) for p in pairs):
@@ -205,7 +205,7 @@ def prepare(
 
 
 def _stream(model: LoadedModel, pairs: Sequence[PairRecord], metric: str, part_size: int) -> PairStream:
-    """:class:`PairStream` of ``pairs`` in parts of at most ``part_size``: each group split in order; the clean
+    """`PairStream` of ``pairs`` in parts of at most ``part_size``: each group split in order; the clean
     metric and shape of each part read by a clean run alone, one part at a time."""
     if part_size < 1:
         raise ValueError(f"part_size must be at least 1, not {part_size}")
@@ -222,8 +222,8 @@ def _stream(model: LoadedModel, pairs: Sequence[PairRecord], metric: str, part_s
 
 
 def _prepare(model: LoadedModel, pairs: Sequence[PairRecord], metric: str = "prob", runs: bool = True) -> PairBatch:
-    """The :class:`PairBatch` of pairs of one group; ``runs=False``: the clean run's logits alone (nothing captured,
-    no counterfactual run: what :func:`_stream` reads of each part)."""
+    """The `PairBatch` of pairs of one group; ``runs=False``: the clean run's logits alone (nothing captured,
+    no counterfactual run: what `_stream` reads of each part)."""
     tensors = pair_batch_tensors(pairs)
     sites = [("z", layer) for layer in range(model.shape.n_layers)] if runs else []
     resid = [("resid", layer) for layer in range(model.shape.n_layers - 1)] if runs else []
@@ -331,7 +331,7 @@ def eligible_senders(model: LoadedModel, receivers: Optional[Receivers]) -> list
 
 
 def check_score(score: str) -> None:
-    """Refuse a path-patching score that is not one of :data:`SCORES`."""
+    """Refuse a path-patching score that is not one of `SCORES`."""
     if score not in SCORES:
         raise ValueError(f"unknown path-patching score {score!r}; the scores are {', '.join(SCORES)}")
 
@@ -357,9 +357,9 @@ def path_patch(
     source_position: Optional[str] = None,
     seed: int = 0,
 ) -> dict[Head, float]:
-    """The path-patching score of each sender (see the module docstring; ``score``: one of :data:`SCORES`).
+    """The path-patching score of each sender (see the module docstring; ``score``: one of `SCORES`).
     ``source_position``: where the counterfactual value is read (None: the clean sender index; a position class:
-    a random one of its indices per sender and prompt, drawn from ``seed``, :func:`source_indices`)."""
+    a random one of its indices per sender and prompt, drawn from ``seed``, `source_indices`)."""
     check_score(score)  # before any forward pass
     out: dict[Head, float] = {}
     chunks = [list(senders[i : i + senders_per_pass]) for i in range(0, len(senders), senders_per_pass)]
@@ -395,7 +395,7 @@ def source_indices(
     a position class (``"batch k"``) gives one of its ``k`` indices at random per sender and prompt, drawn from a
     table of every head of the model seeded by ``seed``, so a sender's draw does not depend on which others are
     patched or how many share a pass (the paper: ``random.choice`` per sender and prompt). ``within``: the batch's
-    first pair's offset in its group and the group's pairs, for a part of a group (:class:`PairStream`): its
+    first pair's offset in its group and the group's pairs, for a part of a group (`PairStream`): its
     columns of the group's table, so a pair's draws do not depend on how its group is split."""
     if position is None:
         return None
@@ -420,9 +420,9 @@ def source_indices(
 
 def auto_senders_per_pass(model: LoadedModel, batch: Union[PairBatch, PairBatches, PairStream]) -> int:
     """Sender copies per pass sized by free GPU memory, as ``--batch-size auto`` sizes prompts per pass:
-    the prompts that fit (:func:`~mechdiff.models.memory.auto_batch_size` at this batch's length) over
-    the batch's prompts, at least 1; :data:`SENDERS_PER_PASS` on CPU and for remote models. Of a
-    :class:`PairStream` (no part held while it sizes) the largest part's activations are kept free."""
+    the prompts that fit (`auto_batch_size` at this batch's length) over
+    the batch's prompts, at least 1; `SENDERS_PER_PASS` on CPU and for remote models. Of a
+    `PairStream` (no part held while it sizes) the largest part's activations are kept free."""
     shapes = batch.shapes if isinstance(batch, PairStream) else [tuple(p.clean_ids.shape) for p in parts(batch)]
     n, tokens = max(shapes, key=lambda shape: shape[0] * shape[1])
     reserve = 0
@@ -448,8 +448,8 @@ def _chunk_probs(
     progress: bool,
     sources: Sequence[Optional[torch.Tensor]],
 ) -> list[torch.Tensor]:
-    """:func:`_patched_prob` of every chunk of senders (``"sender batch"`` each; ``sources``: each chunk's
-    :func:`source_indices`), on the model's side."""
+    """`_patched_prob` of every chunk of senders (``"sender batch"`` each; ``sources``: each chunk's
+    `source_indices`), on the model's side."""
     chunked = progress_bar(
         list(zip(chunks, sources)), desc=f"path patching {sender_position}", disable=not progress, leave=False
     )
@@ -464,7 +464,7 @@ def _patched_prob(
     receivers: Optional[Receivers],
     src: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Answer probability after path patching each sender: ``"sender batch"`` (``src``: :func:`source_indices`)."""
+    """Answer probability after path patching each sender: ``"sender batch"`` (``src``: `source_indices`)."""
     n, s = len(batch), len(senders)
     spos = batch_position(batch, sender_position)
     src = repeat(spos, "b -> s b", s=s) if src is None else src
@@ -620,7 +620,7 @@ def _frozen_patches(
     start: int,
 ) -> list[Patch]:
     """Each layer's z for every sender copy: clean from ``start`` on, the copy's sender slice at the clean sender
-    index from the source (``at``: as :func:`_frozen_point_run`)."""
+    index from the source (``at``: as `_frozen_point_run`)."""
     spos, src = at
     n, s = len(batch), len(senders)
     rows = torch.arange(n)

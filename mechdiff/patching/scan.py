@@ -12,7 +12,7 @@ position. Sites:
 - ``resid``: the residual stream entering block ``layer`` (the embedding output at layer 0) at one
   position, every position in turn (or the ints in ``positions``) -> ``[layer, position]``.
 
-Answers of several tokens are teacher-forced (``continuations=``, :class:`~mechdiff.patching.core.Continuations`):
+Answers of several tokens are teacher-forced (``continuations=``, `Continuations`):
 each prompt's answers (and, under ``logit_diff``, its alternatives) are stacked rows that run the prompt with the
 answer's tokens but its last appended; components are patched at the prompt's positions only and the metric is the
 answer's probability (the product of its tokens') or its summed log-probability minus the alternatives' mean.
@@ -151,8 +151,8 @@ def scan_pairs(
     metric: str = "prob",
     per_pass: int = DEFAULT_PER_PASS,
 ) -> ScanResult:
-    """:func:`scan` over counterfactual pairs of any token lengths and templates: each group
-    (:func:`~mechdiff.tasks.base.grouped_batches`) is scanned alone at its prompts' named ``position``
+    """`scan` over counterfactual pairs of any token lengths and templates: each group
+    (`grouped_batches`) is scanned alone at its prompts' named ``position``
     (``None``: every position) and the effects are averaged over every prompt (each group weighted by its
     size), as one scan of all the prompts would. A residual-stream scan's axis is token positions, so it
     needs prompts of one length. Targets (or, under ``logit_diff``, alternatives) of several tokens are

@@ -1,6 +1,6 @@
 """HDF5 activation store: cached activations and position-wise means, keyed by model and dataset.
 
-One file holds many entries. An entry is addressed by a :class:`StoreKey`
+One file holds many entries. An entry is addressed by a `StoreKey`
 ``(model_fingerprint, dataset_hash, kind, positions)``: ``kind`` is a site kind
 (``z``, ``q``, ``k``, ``v``) or ``z_mean`` etc. for position-wise means, ``positions``
 is ``"all"`` or the name of a dataset position record (``last``, ``query_label``...).
@@ -9,7 +9,7 @@ Layout: group ``/<kind>/<positions>/<fingerprint[:16]>-<dataset[:16]>`` with one
 gzip-compressed dataset per layer (``L0``, ``L1``...), a ``done`` mask of completed
 batches, and attributes (full fingerprint, dataset hash, mechdiff version, shapes,
 ``complete``). Reads check the attributes against the asking model and dataset and
-refuse a mismatch (:class:`StoreMismatchError`); nothing is ever silently reused.
+refuse a mismatch (`StoreMismatchError`); nothing is ever silently reused.
 
 Writes are atomic and resumable: a write goes to ``<path>.partial`` (a copy of the
 current file plus the new entry), every finished batch is flushed and marked in
@@ -20,7 +20,7 @@ batches not marked done.
 The store is a cache, so it heals: a file HDF5 cannot open (truncated, garbled), an entry whose
 arrays are shorter than its recorded shape, or a chunk whose checksum fails on read is moved
 aside under a timestamped name (``<path>.unreadable-<time>``) with a warning, and the entry is
-computed again (:func:`mechdiff.common.io.set_aside`). An unreadable ``.partial`` is set aside the same way.
+computed again (`mechdiff.common.io.set_aside`). An unreadable ``.partial`` is set aside the same way.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Entry:
 
     def read(self, layer: int, rows: slice | Sequence[int] = slice(None)) -> torch.Tensor:
         """Rows of one layer (``"row ... cols"``), read without loading the rest of the file.
-        Raises :class:`StoreCorruptError` naming the file when the data cannot be read back."""
+        Raises `StoreCorruptError` naming the file when the data cannot be read back."""
         try:
             with h5py.File(self.path, "r") as f:
                 return torch.from_numpy(np.asarray(f[self.key.group][f"L{layer}"][rows]))
@@ -166,7 +166,7 @@ class ActivationStore:
         return found
 
     def get(self, key: StoreKey) -> Entry:
-        """The complete entry for ``key``; raises :class:`StoreMismatchError` or ``KeyError`` otherwise."""
+        """The complete entry for ``key``; raises `StoreMismatchError` or ``KeyError`` otherwise."""
         self._heal()
         if not self.path.exists():
             raise KeyError(f"{self.path} does not exist; compute the activations with get_or_compute first")
@@ -210,7 +210,7 @@ class ActivationStore:
         """The cached entry, computing (or resuming) the missing batches first.
 
         ``compute_fn(model, batch_records)`` returns ``{layer: "batch ... cols"}``; by default
-        the site ``kind`` of every layer at ``positions`` (see :func:`capture_sites`).
+        the site ``kind`` of every layer at ``positions`` (see `capture_sites`).
         """
         key = StoreKey(model.fingerprint, dataset_hash(records), kind, positions)
         if positions == "all" and len({len(r.input_ids) for r in records}) > 1:
@@ -375,7 +375,7 @@ class RowStore:
     """Per-row tensors of ``n_rows`` rows in a scratch HDF5 file: written a batch at a time, read back by rows, so
     that only the rows asked for are ever in memory. Uncompressed and contiguous (no chunk index to grow); values are
     read back bit for bit in their dtype (bfloat16 too). The file lives in a temporary directory under
-    ``directory`` (default: ``TMPDIR``) and is deleted with the store or by :meth:`close`."""
+    ``directory`` (default: ``TMPDIR``) and is deleted with the store or by `close`."""
 
     def __init__(self, n_rows: int, directory: Optional[str | Path] = None) -> None:
         self.n_rows = n_rows
@@ -414,7 +414,7 @@ class RowStore:
 
 
 class MemoryRows:
-    """:class:`RowStore`'s interface over host memory: each array is allocated whole at its first write (``n_rows``
+    """`RowStore`'s interface over host memory: each array is allocated whole at its first write (``n_rows``
     rows of its row shape and dtype) and read back by rows, bit for bit. For what is small enough to hold (DCM's
     source ``z`` at a group's heads and positions, as the paper holds it)."""
 

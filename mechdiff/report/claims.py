@@ -7,9 +7,9 @@ sentence is written so that each sentence reads its family's Holm-adjusted p.
   against random heads, on the same test pairs; paired exactly where the stage kept per-pair outcomes of the
   floor and the random heads, else the exact McNemar test at the least favourable pairing the counts allow (a
   bound on the paired p);
-- "roles" (a trajectory's roles by DCM, :mod:`mechdiff.report.roles`): the same two tests of each step's
+- "roles" (a trajectory's roles by DCM, `mechdiff.report.roles`): the same two tests of each step's
   selection, every step and role adjusted together;
-- "differences between the models" lives in :mod:`mechdiff.report.paired`.
+- "differences between the models" lives in `mechdiff.report.paired`.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def encodes_family(
 
 
 def encodes(tests: Mapping[tuple, inf.Test], *key: Any) -> bool:
-    """Whether a group is shown to encode a desideratum (``key``: as :func:`encodes_family`'s ``by``, e.g. group
+    """Whether a group is shown to encode a desideratum (``key``: as `encodes_family`'s ``by``, e.g. group
     and desideratum): above the floor and above random heads, each surviving Holm in its family (a group with no
     random control needs the floor alone)."""
     floor, random = tests.get((*key, "floor")), tests.get((*key, "random"))

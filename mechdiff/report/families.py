@@ -80,9 +80,9 @@ def breakdown_rows(
     interval over the set's items (``items``, aligned with ``set_rows``) and the chance level it is read against
     (top-1: one over the distinct answers the slice holds; two-way: 0.5); ``near chance`` where the interval reaches
     chance. On each slice of answers of several
-    tokens, where the record keeps them (:func:`~mechdiff.common.outcomes.read_first_and_rest`), top-1 split by
-    first token against the rest (:data:`FIRST`: the first answer token the top-1, chance one over the slice's
-    distinct first tokens; :data:`REST`: every later token the top-1 given those before it, teacher forced, no
+    tokens, where the record keeps them (`read_first_and_rest`), top-1 split by
+    first token against the rest (`FIRST`: the first answer token the top-1, chance one over the slice's
+    distinct first tokens; `REST`: every later token the top-1 given those before it, teacher forced, no
     chance level): which token a whole-answer failure is at."""
     base = [rows[r]["base"] for r in set_rows]
     items = np.asarray(items)
@@ -120,9 +120,9 @@ def breakdown_rows(
 
 
 def items_by_set(manifest: Mapping[str, Any], rows: list[dict]) -> tuple[dict[str, list], dict[str, list[int]]]:
-    """Each prompt set's items (:func:`~mechdiff.tasks.prompt_sets.set_items`: the recorded item ids, or in an older
+    """Each prompt set's items (`set_items`: the recorded item ids, or in an older
     ``run.json`` its rows' clean prompts) and rows, from ``run.json``'s row lists and the task's rows
-    (:func:`task_rows`). A generated task lists no rows: its sets' recorded item ids, with no row lists; empty where
+    (`task_rows`). A generated task lists no rows: its sets' recorded item ids, with no row lists; empty where
     the record holds neither (a generated task's ``run.json`` from before items: one prompt an item)."""
     record = manifest.get("prompt_sets") or {}
     sets = record.get("rows")
@@ -182,7 +182,7 @@ def encodes_family(semantic: list[Mapping[str, Any]], n_pairs: Mapping[str, int]
 def margins_used(manifest: Mapping[str, Any], margins: Optional[Mapping[str, float]] = None) -> tuple[dict, str]:
     """The equivalence margins a restatement tests sameness against, and where they come from: ``margins`` (a task
     file's ``[inference] margins``) where given, else those ``run.json`` records (runs since the setting), else the
-    defaults (:data:`mechdiff.common.inference.MARGINS`)."""
+    defaults (`mechdiff.common.inference.MARGINS`)."""
     if margins is not None:
         return inf.margins_of(margins), "the task file's [inference] margins"
     recorded = ((manifest.get("spec") or {}).get("inference") or {}).get("margins")
@@ -199,7 +199,7 @@ def margins_sentence(margins: Mapping[str, float], source: str) -> str:
 
 def restate(run_dir: str | Path, root: str | Path = ".", margins: Optional[Mapping[str, float]] = None) -> Path:
     """Write a circuits study's families of tests from its committed files; returns ``inference.md``. ``margins``:
-    the equivalence margins (a task file's ``[inference] margins``; None: :func:`margins_used`)."""
+    the equivalence margins (a task file's ``[inference] margins``; None: `margins_used`)."""
     run_dir, root = Path(run_dir), Path(root)
     manifest = _manifest(run_dir)
     margins, source = margins_used(manifest, margins)

@@ -1,11 +1,11 @@
 """The trajectory report's account of when each component forms, on the change scale
-(:mod:`~mechdiff.methods.formation`): each component's level, its change from step 0 (tested, Holm across
+(`formation`): each component's level, its change from step 0 (tested, Holm across
 components), the steps at which it first reaches and stays at 50% and 90% of its own final change (censoring
 written out), every two components' order as a test in the family "formation order" (Holm-adjusted), and the
 sentences that say only what those adjusted tests carry.
 
 The components come from a study's per-prompt outcomes in the compact format (``outcomes.json``'s stages,
-:func:`trajectory_components`), so the live report and :func:`restate_formation` (a committed run's formation
+`trajectory_components`), so the live report and `restate_formation` (a committed run's formation
 restated from its files, no model run) compute the same tables.
 """
 
@@ -143,8 +143,8 @@ class Formation:
 
 
 def formation(components: dict[str, Component], steps: Sequence[int], levels: Sequence[float] = LEVELS) -> Formation:
-    """The change curves on one set of joint draws, each component's change tested (:data:`CHANGE_FAMILY`) and every
-    two formed components ordered at each level (:data:`ORDER_FAMILY`), both Holm-adjusted."""
+    """The change curves on one set of joint draws, each component's change tested (`CHANGE_FAMILY`) and every
+    two formed components ordered at each level (`ORDER_FAMILY`), both Holm-adjusted."""
     got = change_curves({n: c.change for n, c in components.items()}, steps)
     ratios = curves({n: c.ratio for n, c in components.items() if c.ratio is not None}, steps)
     changes = dict(zip(got, change_family(got).adjusted()))
@@ -461,7 +461,7 @@ def committed_formation(run_dir: str | Path) -> Formation:
 
 def restate_formation(run_dir: str | Path) -> Path:
     """Rewrite a committed trajectory run's formation tables, figure, README section and report section from its
-    committed files (:func:`committed_formation`); returns the README."""
+    committed files (`committed_formation`); returns the README."""
     run_dir = Path(run_dir)
     report, readme, _, _ = write_formation(committed_formation(run_dir), run_dir)
     _replace_section(run_dir / "README.md", "## Findings: when each component forms", readme, RESTATED)

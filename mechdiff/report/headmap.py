@@ -1,8 +1,8 @@
 """The HeadMap study's report: its figures, tables and ``report.md`` text, made from the study's records.
 
-``st`` below is the study's settings (:class:`mechdiff.studies.headmap.HeadMapSettings`, a task file's
-``[headmap]``); a record is one training or evaluation run (its ``correct`` outcomes keyed by :data:`TASK` and
-:data:`VAL`).
+``st`` below is the study's settings (`mechdiff.studies.headmap.HeadMapSettings`, a task file's
+``[headmap]``); a record is one training or evaluation run (its ``correct`` outcomes keyed by `TASK` and
+`VAL`).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def seed_rows(results: dict[str, list[dict]], names: dict[str, str], seeds: tupl
 
 
 def paired_rows(results: dict[str, list[dict]], names: dict[str, str], seeds: tuple) -> list[dict]:
-    """For each comparison of :data:`COMPARISONS` with both runs present: the accuracy difference on the same
+    """For each comparison of `COMPARISONS` with both runs present: the accuracy difference on the same
     held-out prompts seed by seed (paired bootstrap over prompts) and pooled over seeds x prompts (two-stage
     bootstrap of the per-prompt differences, resampling seeds then prompts)."""
     rows = []
@@ -526,7 +526,7 @@ def report_text(
 
 def overlap_rows(located: dict[str, Circuit], path_patching: Sequence[str | Path], shape: Any) -> list[dict]:
     """Each located circuit against each group (and all heads) of each path-patching circuit file: the overlap
-    row of :func:`mechdiff.circuits.overlap.overlap_row` (hypergeometric p over every head of ``shape``)."""
+    row of `mechdiff.circuits.overlap.overlap_row` (hypergeometric p over every head of ``shape``)."""
     rows = []
     for path in path_patching:
         pp = Circuit.load(path)

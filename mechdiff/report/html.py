@@ -204,7 +204,7 @@ class Grid:
         }
 
     def figure(self, title: str) -> Any:
-        """Heatmaps with empty hover text (filled in the page by :data:`GRID_JS`)."""
+        """Heatmaps with empty hover text (filled in the page by `GRID_JS`)."""
         import plotly.graph_objects as go
 
         fig = go.Figure()

@@ -15,7 +15,7 @@ from ..methods.knowledge.evaluate import CURVE_RANKING
 from ..methods.knowledge.graph import EdgeCircuit
 from .tables import to_markdown, write_table
 
-#: The study's settings (:class:`mechdiff.studies.knowledge.KnowledgeSettings`): read, never imported here.
+#: The study's settings (`mechdiff.studies.knowledge.KnowledgeSettings`): read, never imported here.
 KnowledgeSettings = Any
 
 
@@ -238,7 +238,7 @@ def compare_report(cmp: dict, results: dict[str, dict], settings: KnowledgeSetti
 
 
 def edit_report(cmp: dict, edit: str, k: int = 10) -> str:
-    """Markdown of :func:`mechdiff.methods.knowledge.editing.compare_edit`'s result."""
+    """Markdown of `mechdiff.methods.knowledge.editing.compare_edit`'s result."""
     hk = f"hit@{k}"
     f = lambda e: f"{e[hk]['value']:.2f} [{e[hk]['low']:.2f}, {e[hk]['high']:.2f}]"  # noqa: E731
     m, h = cmp["models"], cmp["hit"]

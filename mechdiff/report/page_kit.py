@@ -102,7 +102,7 @@ def table_html(rows: list[dict], caption: str = "", name: str = "") -> str:
 
 
 class Figures:
-    """Plotly figures as HTML divs, drawn once plotly.js is loaded (:data:`LOADER`): the first div carries
+    """Plotly figures as HTML divs, drawn once plotly.js is loaded (`LOADER`): the first div carries
     plotly.js gzipped and base64-encoded (1.9 MB instead of 4.8 MB), which the page decompresses in the browser
     with no network; each figure is its JSON and the call that draws it."""
 
@@ -166,7 +166,7 @@ def hkey(name: str) -> tuple[int, int]:
 
 def stage_rows(manifest: dict, keys: bool = True) -> list[dict]:
     """The stage table: each stage's seconds, with its planned FLOPs and the share of the machine's measured
-    matrix-multiply throughput it reached (:func:`stage_compute`) where ``run.json`` records them, whether this
+    matrix-multiply throughput it reached (`stage_compute`) where ``run.json`` records them, whether this
     invocation reused it and (with ``keys``) its key."""
     stages = manifest.get("stages", {})
     if not isinstance(stages, dict):
@@ -179,7 +179,7 @@ def stage_rows(manifest: dict, keys: bool = True) -> list[dict]:
     return rows
 
 
-#: The stage table's compute columns (:func:`stage_compute`).
+#: The stage table's compute columns (`stage_compute`).
 GFLOP, SHARE = "GFLOP (planned)", "share of mm throughput"
 
 

@@ -1,9 +1,9 @@
 """Differences between models on the same prompts, each with its paired interval, and the per-prompt outcomes
-they come from (``outcomes.json``, :mod:`mechdiff.common.outcomes`).
+they come from (``outcomes.json``, `mechdiff.common.outcomes`).
 
 Every model of a circuits study is scored on the same prompts of each set (accuracy, the circuit x model matrix,
 semantic patching of the DCM selections), so a difference between two models is one paired test on those prompts,
-by the rules of :mod:`mechdiff.common.inference`: 0/1 outcomes by the exact McNemar test (or the sign-flip test
+by the rules of `mechdiff.common.inference`: 0/1 outcomes by the exact McNemar test (or the sign-flip test
 over items where an item has several rows), continuous ones by the sign-flip test, a faithfulness difference (two
 ratios) by the paired cluster bootstrap, stated with its two parts (the circuit's accuracy and the model's accuracy
 on those prompts). Every difference of a study is one test of the family "differences between the models",
@@ -49,7 +49,7 @@ def outcome_stages(accuracy: Mapping[str, Any], matrix: Mapping[str, Any], dcm: 
 
 
 MARGINS = inf.MARGINS
-"""Equivalence margins by the kind of measure (defined in :mod:`mechdiff.common.inference`; a task file's
+"""Equivalence margins by the kind of measure (defined in `mechdiff.common.inference`; a task file's
 ``[inference] margins`` sets others)."""
 
 FAMILY = "differences between the models"

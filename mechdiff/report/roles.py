@@ -1,6 +1,6 @@
 """Role membership over the steps of a trajectory, from its ``roles:<ckpt>`` stage records: per role (group,
 desideratum) which heads hold the role at each step, and which join, leave or take it over
-(:mod:`mechdiff.methods.roles`), as report rows; for roles by DCM over seeds, the "roles" family of paired tests
+(`mechdiff.methods.roles`), as report rows; for roles by DCM over seeds, the "roles" family of paired tests
 that decides where a group holds a role, and the sentences that name what happens."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Role:
 
 
 def roles_of(records: Sequence[dict]) -> list[Role]:
-    """Every role of the ``roles`` stage records of the steps in order (each a :func:`~mechdiff.methods.roles.
+    """Every role of the ``roles`` stage records of the steps in order (each a `
     head_scores` result); the steps must have scored the same heads."""
     keys = [(r["group"], r["desideratum"], r["position"], r["head"]) for r in records[0]["rows"]]
     for rec in records[1:]:
@@ -91,7 +91,7 @@ def membership_rows(roles: Sequence[Role], steps: Sequence[int], threshold: floa
 
 def transition_rows(roles: Sequence[Role], steps: Sequence[int], threshold: float) -> list[dict]:
     """A row per role, step and head that joins, leaves or takes the role over there
-    (:func:`~mechdiff.methods.roles.transitions`): ``others`` the heads it takes over from, or those that take over
+    (`transitions`): ``others`` the heads it takes over from, or those that take over
     from it."""
     rows = []
     for r in roles:
@@ -113,7 +113,7 @@ def transition_rows(roles: Sequence[Role], steps: Sequence[int], threshold: floa
 
 
 def seeded_rows(records: Sequence[Mapping[str, Any]], steps: Sequence[int]) -> list[dict]:
-    """Every (role, step) row of the DCM roles stages (:func:`~mechdiff.methods.roles.dcm_seeds`), with its step
+    """Every (role, step) row of the DCM roles stages (`dcm_seeds`), with its step
     and a label naming it in the "roles" family."""
     return [
         {**x, "step": s, "label": f"{x['group']}/{x['desideratum']} at step {s}"}
@@ -143,8 +143,8 @@ def roles_family(rows: Sequence[Mapping[str, Any]]) -> dict[tuple, inf.Test]:
 
 
 def seeded_roles(rows: Sequence[Mapping[str, Any]], steps: Sequence[int], tests: Mapping) -> list[Role]:
-    """Every role as :class:`Role` membership (1 where a head is in the step's selection and the group holds the
-    role there, :func:`~mechdiff.report.claims.encodes` in the family; else 0: read at any threshold in [0, 1)),
+    """Every role as `Role` membership (1 where a head is in the step's selection and the group holds the
+    role there, `encodes` in the family; else 0: read at any threshold in [0, 1)),
     and each head's selection frequency (the share of seeds) as its value."""
     out = []
     for g, d, p in dict.fromkeys((x["group"], x["desideratum"], x["position"]) for x in rows):

@@ -2,8 +2,8 @@
 standalone commands (``mechdiff dcm``, ``cmap``, ``compare``, ``score``, ``curve``, ``positions``) and the circuits
 study's report (``mechdiff run``) name its columns one way.
 
-Each function reads the records a stage keeps (the ``to_dict`` forms: :meth:`mechdiff.methods.dcm.DCMResult.to_dict`,
-:meth:`mechdiff.methods.cmap.CMAPResult.to_dict`; the scan, curve, matrix and completeness results as JSON), so a
+Each function reads the records a stage keeps (the ``to_dict`` forms: `mechdiff.methods.dcm.DCMResult.to_dict`,
+`mechdiff.methods.cmap.CMAPResult.to_dict`; the scan, curve, matrix and completeness results as JSON), so a
 command passes what it computed and the study what its stage record holds. The columns are the study's (the
 trajectory study keys a stage on ``accuracy_low`` and ``floor_high`` of the DCM table); where the study's table
 holds every model it adds a ``model`` column in front."""
@@ -74,7 +74,7 @@ def cmap_has_gap(result: Mapping[str, Any]) -> bool:
 
 def cmap_rows(result: Mapping[str, Any]) -> list[dict]:
     """One row per (scope, kind), the random controls after: accuracy, the logit difference where the task's metric
-    is it, and, only where the fine-tune is above the base beyond both CIs (:func:`cmap_has_gap`), the recovered
+    is it, and, only where the fine-tune is above the base beyond both CIs (`cmap_has_gap`), the recovered
     share of the gap."""
     gap = cmap_has_gap(result)  # a share of the gap means nothing when there is no gap
     return [
@@ -90,7 +90,7 @@ def cmap_rows(result: Mapping[str, Any]) -> list[dict]:
 
 
 def cmap_caption(result: Mapping[str, Any], finetune: str) -> str:
-    """The caption of :func:`cmap_rows`: both models' accuracy, what ``recovered`` is, the result's own caption."""
+    """The caption of `cmap_rows`: both models' accuracy, what ``recovered`` is, the result's own caption."""
     share = (
         "recovered = (patched - base)/(fine-tune - base)"
         if cmap_has_gap(result)
@@ -111,7 +111,7 @@ def cmap_caption(result: Mapping[str, Any], finetune: str) -> str:
 
 def cmap_paired_rows(result: Mapping[str, Any]) -> list[dict]:
     """Each (scope, kind) against the plain base and against its random control; V - QK and Q - K per scope:
-    paired tests of accuracy on the same prompts (:func:`~mechdiff.common.inference.paired`: exact McNemar for two
+    paired tests of accuracy on the same prompts (`paired`: exact McNemar for two
     0/1 outcomes, the sign-flip test against a random control's per-prompt share of draws), each with its p."""
     outcomes, rows = result.get("outcomes", {}), []
 
@@ -133,7 +133,7 @@ def cmap_paired_rows(result: Mapping[str, Any]) -> list[dict]:
 
 
 def cmap_paired_caption(result: Mapping[str, Any], finetune: str) -> str:
-    """The caption of :func:`cmap_paired_rows`."""
+    """The caption of `cmap_paired_rows`."""
     return (
         f"CMAP {finetune} -> {result['base']}: paired differences of accuracy on the same prompts (exact McNemar "
         "test with its exact-hulled interval; against a random control, the sign-flip test on the per-prompt share "
@@ -197,7 +197,7 @@ def curve_rows(curve: Mapping[str, Any]) -> list[dict]:
     ]
 
 
-#: The columns of :func:`circuit_x_model_rows` (each with its ``_low`` and ``_high``).
+#: The columns of `circuit_x_model_rows` (each with its ``_low`` and ``_high``).
 CIRCUIT_X_MODEL = (
     "circuit",
     "model",
@@ -217,8 +217,8 @@ CIRCUIT_X_MODEL = (
 
 
 def circuit_x_model_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """The circuit x model table from :func:`mechdiff.circuits.scoring.matrix_rows`: the columns of
-    :data:`CIRCUIT_X_MODEL` and, where random circuits were drawn, the range of their accuracies (the circuit's rank
+    """The circuit x model table from `mechdiff.circuits.scoring.matrix_rows`: the columns of
+    `CIRCUIT_X_MODEL` and, where random circuits were drawn, the range of their accuracies (the circuit's rank
     among them, its p and their quantiles are on their ``random_n_prompts`` prompts)."""
     shown = []
     for r in rows:
@@ -230,7 +230,7 @@ def circuit_x_model_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
 
 
 def completeness_rows(completeness: Mapping[str, Optional[Mapping[str, Any]]]) -> list[dict]:
-    """One row per model of :func:`mechdiff.circuits.scoring.completeness` results (``{model: result}``; a model
+    """One row per model of `mechdiff.circuits.scoring.completeness` results (``{model: result}``; a model
     without one is left out): random K's mean and std over the draws (where drawn), then each group's."""
     rows = []
     for name, comp in completeness.items():

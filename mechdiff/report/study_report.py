@@ -43,7 +43,7 @@ from .rows import (
 )
 from .tables import estimate_columns, to_markdown, write_table
 
-#: The circuits study whose records are written (:class:`mechdiff.studies.circuits.CircuitsStudy`).
+#: The circuits study whose records are written (`mechdiff.studies.circuits.CircuitsStudy`).
 Study = Any
 
 

@@ -1,7 +1,7 @@
 """One table, four formats: Markdown, CSV, LaTeX and JSON, from one list of flat dicts.
 
 A figure with a confidence interval is three columns, ``x``, ``x_low``, ``x_high``
-(:func:`estimate_columns`); CSV and JSON keep them apart (so they read back exactly), while
+(`estimate_columns`); CSV and JSON keep them apart (so they read back exactly), while
 Markdown and LaTeX show them as one column ``x [95% CI]`` = ``0.660 [0.610, 0.705]``.
 """
 

@@ -99,7 +99,7 @@ def _beyond_cols(change: dict, runs: bool, margin: Optional[float] = None) -> di
 
 
 def structure_sentence(rows: list[dict], margin: Optional[float], what: str = "consecutive checkpoints") -> str:
-    """What the structure rows (``from_step``, ``to_step``, ``change``: :func:`verdict`) show, in one sentence: the
+    """What the structure rows (``from_step``, ``to_step``, ``change``: `verdict`) show, in one sentence: the
     changes, the pairs shown the same within the margin, and those neither (not shown: no claim either way)."""
 
     def at(v: str) -> list[str]:
@@ -383,7 +383,7 @@ class _Report:
 
     def dcm_roles(self, records: list[dict], steps: list[int]) -> None:
         """Roles from DCM over seeds in each scored checkpoint (``[roles] method = "dcm"``,
-        :func:`~mechdiff.methods.roles.dcm_seeds`): the "roles" family, each step's selection and tests, the heads'
+        `dcm_seeds`): the "roles" family, each step's selection and tests, the heads'
         selection frequencies, membership, and what joins, leaves or takes over, in a table and in sentences."""
         from .claims import family_rows
         from .roles import (
@@ -706,7 +706,7 @@ class _Report:
         return rows
 
     def formation(self) -> tuple[list[dict], list[dict]]:
-        """The formation section on the change scale (:mod:`~mechdiff.report.formation`) from the stages'
+        """The formation section on the change scale (`formation`) from the stages'
         per-prompt outcomes; its rows: formation per component, order per pair."""
         floors: dict[str, list[float]] = {}
         heads: dict[str, str] = {}
@@ -721,12 +721,12 @@ class _Report:
         return rows, orders
 
     def outcomes(self) -> dict[str, dict]:
-        """Every stage's per-prompt outcomes in the compact format (:mod:`mechdiff.common.outcomes`), by stage and
+        """Every stage's per-prompt outcomes in the compact format (`mechdiff.common.outcomes`), by stage and
         label, so each interval the report states can be recomputed from ``outcomes.json``: accuracy (every
         checkpoint, the other runs' too), ``scores:<ckpt>`` (the whole model and each circuit kept alone),
         ``cmap:<ckpt>`` (the first checkpoint, the checkpoint, and the first with each group patched) and
         ``semantic:<ckpt>`` (each DCM selection patched, ``group/desideratum``) and ``roles:<ckpt>`` (roles by DCM:
-        each step's selection, its floor and each random head set on the test pairs, :func:`role_outcomes`)."""
+        each step's selection, its floor and each random head set on the test pairs, `role_outcomes`)."""
         from ..common.outcomes import outcome_record
 
         runs = self.r.get("runs", {}).get("accuracy", {})
@@ -876,7 +876,7 @@ class _Report:
 
 def membership_figure(steps: Sequence[int], circuits: Sequence[Circuit], path: str | Path, title: str = "") -> Path:
     """One panel per step: position classes (rows) by layers (columns), how many of the layer's heads at that class
-    the checkpoint's own circuit keeps (:func:`membership`)."""
+    the checkpoint's own circuit keeps (`membership`)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,7 +1,7 @@
 """Seeds derived by name: every random draw of a study gets its own seed from the study's seed and
 what it is for (``derive(0, "random-heads")``), so draws stay independent of each other and of the
 order stages run in, and a report names a draw instead of restating an offset. Prompt sets are named too:
-:func:`prompt_seed` (``prompt_seed(0, "eval")``), the one way every study seeds a set of prompts."""
+`prompt_seed` (``prompt_seed(0, "eval")``), the one way every study seeds a set of prompts."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ PROMPT_OFFSETS = {
 
 
 def prompt_seed(seed: int, name: str) -> int:
-    """The seed of the prompt set ``name`` (:data:`PROMPT_OFFSETS`) of a study seeded ``seed``. Prompt sets keep
-    offsets rather than :func:`derive` so that the committed studies' prompts stay what they were."""
+    """The seed of the prompt set ``name`` (`PROMPT_OFFSETS`) of a study seeded ``seed``. Prompt sets keep
+    offsets rather than `derive` so that the committed studies' prompts stay what they were."""
     if name not in PROMPT_OFFSETS:
         raise KeyError(f"no prompt set {name!r}; the sets are {', '.join(PROMPT_OFFSETS)} (mechdiff.runs.seeds)")
     return seed + PROMPT_OFFSETS[name]

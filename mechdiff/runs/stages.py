@@ -3,16 +3,16 @@
 A stage is reused only when the hash of everything it depends on (its options, the digests of its
 models, the keys of the stages it reads) matches the saved record's key, so a rerun recomputes only
 what a changed option touches and a killed run resumes at the first unfinished stage. Records are
-read through :func:`mechdiff.common.io.read_record`, which sets an unreadable file aside. Records of the
+read through `mechdiff.common.io.read_record`, which sets an unreadable file aside. Records of the
 first HeadMap study (``{"key": {...inputs...}, "value": ...}``) are read as well: their key is the
 inputs themselves, hashed the same way.
 
-A cache made with ``planning=True`` computes nothing: :meth:`StageCache.run` notes each stage as cached or to
-compute (:class:`PlannedStage`) and hands a stage still to compute a result that raises :class:`Pending` when
-read, so a study walks its stages once to say what a run would do (:meth:`mechdiff.studies.base.Study.plan`).
+A cache made with ``planning=True`` computes nothing: `StageCache.run` notes each stage as cached or to
+compute (`PlannedStage`) and hands a stage still to compute a result that raises `Pending` when
+read, so a study walks its stages once to say what a run would do (`mechdiff.studies.base.Study.plan`).
 
-Each stage that ends (cached or computed) says so in one line (:meth:`StageRecord.line`): written to stderr where
-no progress bar is drawn (a log file, CI; :func:`mechdiff.common.progress.note`), logged at INFO on a terminal;
+Each stage that ends (cached or computed) says so in one line (`StageRecord.line`): written to stderr where
+no progress bar is drawn (a log file, CI; `mechdiff.common.progress.note`), logged at INFO on a terminal;
 once per cache and key: a stage read again from the cache under the same key (a worker of ``mechdiff run`` polling
 the other's stages) says nothing more.
 """
@@ -70,7 +70,7 @@ class Pending(Exception):
 
 
 class Unknown:
-    """The result of a planned stage still to compute: reading it raises :class:`Pending`."""
+    """The result of a planned stage still to compute: reading it raises `Pending`."""
 
     def __init__(self, stage: str):
         self.stage = stage

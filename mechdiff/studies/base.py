@@ -1,11 +1,11 @@
 """What every study shares, whatever its kind: a task file, a run directory, the one stage cache
-(:class:`~mechdiff.runs.stages.StageCache`), the run lock, the manifest (``run.json``), how models load,
+(`StageCache`), the run lock, the manifest (``run.json``), how models load,
 and the plan a run prints before it starts.
 
-A study kind is a subclass of :class:`Study` registered in :data:`KINDS` under the name a task file gives as
-``[study] kind`` (default ``"circuits"``). It says how its task file is read (:meth:`Study.from_file`), runs
-its stages through ``self.cache`` (:meth:`Study.stages`) and writes its report from their records
-(:meth:`Study.write`). :meth:`Study.plan` walks the same stages with the cache in planning mode, so the plan
+A study kind is a subclass of `Study` registered in `KINDS` under the name a task file gives as
+``[study] kind`` (default ``"circuits"``). It says how its task file is read (`Study.from_file`), runs
+its stages through ``self.cache`` (`Study.stages`) and writes its report from their records
+(`Study.write`). `Study.plan` walks the same stages with the cache in planning mode, so the plan
 names exactly the stages, keys and cache hits a run would have; ``mechdiff run TASKFILE`` prints it first.
 """
 
@@ -60,7 +60,7 @@ def study_kind(path: str | Path) -> str:
 
 
 def study_class(kind: str) -> type["Study"]:
-    """The class of study kind ``kind`` (:data:`KINDS`)."""
+    """The class of study kind ``kind`` (`KINDS`)."""
     if kind not in KINDS:
         raise ValueError(f"unknown study kind {kind!r}; the kinds are {', '.join(KINDS)}")
     module, _, name = KINDS[kind].partition(":")
@@ -69,13 +69,13 @@ def study_class(kind: str) -> type["Study"]:
 
 def load_study(path: Optional[str | Path], **options: Any) -> "Study":
     """The study of the task file ``path`` (None: the embedded default circuits study), by its kind; checked
-    before any weights load. ``options``: those of :meth:`Study.from_file`."""
+    before any weights load. ``options``: those of `Study.from_file`."""
     kind = study_kind(path) if path is not None else DEFAULT_KIND
     return study_class(kind).from_file(path, **options)
 
 
 def model_loader(**kwargs: Any) -> Callable[[str], Any]:
-    """How a study loads a model by name: :func:`mechdiff.models.loading.load_model` with ``kwargs`` (dtype,
+    """How a study loads a model by name: `mechdiff.models.loading.load_model` with ``kwargs`` (dtype,
     device, device_map, remote, cache_dir)."""
     from ..models.loading import load_model
 
@@ -116,7 +116,7 @@ def section_study(
 
 
 def vocabulary_digest(task: Any) -> str:
-    """The digest of the objects ``task`` (a :class:`~mechdiff.tasks.base.Task`) holds out for evaluation, its
+    """The digest of the objects ``task`` (a `Task`) holds out for evaluation, its
     ``eval`` split's vocabulary, which every stage's key carries; of None for a task that does not split its
     objects, so no other task's vocabulary re-keys its stages. (Entity tracking's is the digest of
     ``eval_objects()``, as before.)"""
@@ -124,7 +124,7 @@ def vocabulary_digest(task: Any) -> str:
 
 
 def rows_inputs(task: Any, sets: Optional[dict] = None) -> dict:
-    """``{"rows": digest}`` for a task imported from rows (:attr:`~mechdiff.tasks.base.Task.rows_digest`), which
+    """``{"rows": digest}`` for a task imported from rows (`rows_digest`), which
     every stage's key then carries, with a digest of the prompt sets drawn from them (``sets``: name -> rows; each
     set's rows depend on every set's size); empty for a task that generates its prompts, whose keys stay as they
     were."""
@@ -149,7 +149,7 @@ class Study(ABC):
     """One study of one kind: its stages run into ``self.dir`` through ``self.cache``."""
 
     kind: ClassVar[str]
-    #: The manifest's key for :meth:`settings_record`.
+    #: The manifest's key for `settings_record`.
     settings_key: ClassVar[str] = "settings"
 
     def __init__(self, out: str | Path, progress: bool = True):
@@ -174,8 +174,8 @@ class Study(ABC):
 
     @abstractmethod
     def stages(self) -> Any:
-        """Run every stage through ``self.cache`` (or :meth:`caches`) and return what :meth:`write` reads. Writes
-        nothing but stage records (stage computations may write their own files), so :meth:`plan` can walk it."""
+        """Run every stage through ``self.cache`` (or `caches`) and return what `write` reads. Writes
+        nothing but stage records (stage computations may write their own files), so `plan` can walk it."""
 
     @abstractmethod
     def write(self, results: Any) -> Path:
@@ -267,7 +267,7 @@ def committed_stages(run_dir: Path) -> dict[str, dict]:
 
 def detectable_text(sizes: dict[str, int], items: Optional[dict[str, int]] = None, discordance: float = 0.2) -> str:
     """Each prompt set's rows and items beside the smallest difference a test on its items detects with 80% power
-    at 0.05 (:func:`mechdiff.common.inference.detectable_difference`): a paired difference of two models'
+    at 0.05 (`mechdiff.common.inference.detectable_difference`): a paired difference of two models'
     accuracies at the stated discordance, and one proportion against a fixed value near 0.5; so a user sees before
     the run which claims the sizes can carry. Every interval resamples items, so the difference is computed on
     the set's items (``items``: name -> the items the set takes; a set not named there, one row an item): a set
@@ -360,9 +360,9 @@ def check_run_dir(study: Study, force: bool = False) -> None:
 
 def plan_then_run(study: Study, plan_only: bool = False, force: bool = False, **run_options: Any) -> Any:
     """What ``mechdiff run``, ``mechdiff knowledge`` and ``mechdiff headmap compare`` do: print where the study
-    writes and its stage plan (:func:`format_plan`), then, unless ``plan_only``, run it
+    writes and its stage plan (`format_plan`), then, unless ``plan_only``, run it
     (``study.run(**run_options)``) and print each stage's time or ``cached``; a directory that holds another
-    study's results is refused first (:func:`check_run_dir`; ``force`` overrides). Returns what the run returns
+    study's results is refused first (`check_run_dir`; ``force`` overrides). Returns what the run returns
     (None when only planned)."""
     if not plan_only:
         check_run_dir(study, force)

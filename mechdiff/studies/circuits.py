@@ -8,7 +8,7 @@ semantic patching, CMAP per group and per Q/K/V. Each stage's result is written 
 section, the task section, the digests of its models, the keys of the stages it reads), so
 a rerun recomputes only what a changed option touches and a killed run resumes at the first
 unfinished stage. Position-wise means live in the HDF5 activation store. Every prompt set is seeded
-by name (:func:`mechdiff.runs.seeds.prompt_seed`).
+by name (`mechdiff.runs.seeds.prompt_seed`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class CircuitsStudy(Study):
-    """Runs the stages of one :class:`RunSpec` into ``spec.output.dir``."""
+    """Runs the stages of one `RunSpec` into ``spec.output.dir``."""
 
     kind = "circuits"
     settings_key = "spec"  # the reports and `mechdiff view` tell a circuits run.json by it
@@ -130,8 +130,8 @@ class CircuitsStudy(Study):
     @property
     def task(self) -> Task:
         """The task the task file's ``[task]`` section names (registered, or an imported task directory), with the
-        study's prompt sets drawn from its rows where it holds a fixed list of them (:meth:`prompt_sets`), else its
-        generators drawing each named set disjoint by item (:class:`~mechdiff.tasks.prompt_sets.GeneratedSets`)."""
+        study's prompt sets drawn from its rows where it holds a fixed list of them (`prompt_sets`), else its
+        generators drawing each named set disjoint by item (`GeneratedSets`)."""
         if getattr(self, "_task", None) is None or self._task[0] != self.spec.task.name:
             from ..tasks.prompt_sets import GeneratedSets
 
@@ -156,12 +156,12 @@ class CircuitsStudy(Study):
 
     @property
     def generated_sets(self) -> Any:
-        """A generated task's :class:`~mechdiff.tasks.prompt_sets.GeneratedSets` (None for an imported task)."""
+        """A generated task's `GeneratedSets` (None for an imported task)."""
         self.task  # noqa: B018 - draws the sets
         return self._task[3]
 
     def nested_sets(self, task: Optional[Task] = None) -> list[str]:
-        """The sets drawn as first-N of one draw (``[sets] nested = true``: those of :data:`~.spec.NESTED_SETS` the
+        """The sets drawn as first-N of one draw (``[sets] nested = true``: those of `NESTED_SETS` the
         study has), in the order they are dealt; none by default (every set disjoint by item)."""
         from .spec import NESTED_SETS
 
@@ -191,18 +191,18 @@ class CircuitsStudy(Study):
         """The items each prompt set takes (its rows' distinct items: clean prompts, or the task's item field), as
         the study's own set construction draws them before any weights load: an imported task's from its rows, a
         generated task's from its generators' prompts (one row an item where no prompt repeats). What ``--plan``
-        computes each set's detectable difference on (:func:`~mechdiff.studies.base.detectable_text`)."""
+        computes each set's detectable difference on (`detectable_text`)."""
         return {name: int(k) for name, k in self.prompt_sets_record()["items"].items()}
 
     def options(self, held_out: bool = True, prompts: Optional[str] = None) -> dict:
         """Generator options: ``n_boxes``, the objects held out from fine-tuning where the task splits its
-        objects (:meth:`~mechdiff.tasks.base.Task.split_options`), and the prompt set's name (an imported task
+        objects (`split_options`), and the prompt set's name (an imported task
         hands out that set's rows); the task keeps only the options it accepts."""
         split = self.task.split_options("eval") if held_out else {}
         return {"n_boxes": self.spec.task.n_boxes, "prompt_set": prompts, **split}
 
     def seed(self, prompts: str) -> int:
-        """The seed of one of the study's prompt sets (:func:`~mechdiff.runs.seeds.prompt_seed`); nested sets
+        """The seed of one of the study's prompt sets (`prompt_seed`); nested sets
         (``[sets] nested = true``) share the first nested set's, so each is a prefix of one draw."""
         nested = self.nested_sets()
         return prompt_seed(self.spec.task.seed, nested[0] if prompts in nested else prompts)
@@ -234,13 +234,13 @@ class CircuitsStudy(Study):
         return {k: v for k, v in asdict(self.spec.eval).items() if k != "floor"}
 
     def floor(self) -> float:
-        """The accuracy a model's lower bound must exceed for the study to explain its behaviour (:meth:`floor_is`)."""
+        """The accuracy a model's lower bound must exceed for the study to explain its behaviour (`floor_is`)."""
         return self.floor_is()[0]
 
     def floor_is(self) -> tuple[float, str]:
         """The floor and how it was set, in words: ``[eval] floor``, else the task's chance level, else chance
         derived from the accuracy prompts (one over their distinct answers,
-        :func:`~mechdiff.tasks.records.answer_chance`)."""
+        `answer_chance`)."""
         from ..tasks.base import answer_chance
 
         if self.spec.eval.floor is not None:
@@ -254,7 +254,7 @@ class CircuitsStudy(Study):
         return self._chance[1]
 
     def has_behaviour(self, accuracy: StageRecord) -> bool:
-        """Whether a model's accuracy (exact binomial lower bound) is above :meth:`floor`; in a plan, before the
+        """Whether a model's accuracy (exact binomial lower bound) is above `floor`; in a plan, before the
         accuracy is computed, every model is taken to have it (the plan lists every stage that may run)."""
         try:
             return accuracy.result["accuracy"]["low"] > self.floor()
@@ -612,11 +612,11 @@ class CircuitsStudy(Study):
 
     def analysis_groups(self, circuit: Circuit, wanted: list[str], check: bool = True) -> list[str]:
         """The groups DCM and CMAP (``check``: groups at a position the prompts carry) or completeness look at;
-        each patches every token of a group's position class (:meth:`group_choice`)."""
+        each patches every token of a group's position class (`group_choice`)."""
         return self.group_choice(circuit, wanted, check)[0]
 
     def group_choice(self, circuit: Circuit, wanted: list[str], check: bool = True) -> tuple[list, dict]:
-        """The groups a stage looks at and each group left out, with why (:func:`group_choice`)."""
+        """The groups a stage looks at and each group left out, with why (`group_choice`)."""
         return group_choice(self.task, self.probe_records(), circuit, wanted, check)
 
     def probe_records(self) -> list:
@@ -624,7 +624,7 @@ class CircuitsStudy(Study):
         return self.task.records(self.tokenizer, 16, self.seed("eval"), **self.options(prompts="eval"))
 
     def class_groups(self, wanted: list[str]) -> dict[str, list[str]]:
-        """Key inputs naming the classes of several tokens a DCM or CMAP stage may patch (:func:`class_groups`);
+        """Key inputs naming the classes of several tokens a DCM or CMAP stage may patch (`class_groups`);
         a path circuit's groups (a plan's steps) sit at their step's sender position."""
         from ..tasks.plan import task_plan
 
@@ -722,7 +722,7 @@ class CircuitsStudy(Study):
         return self.cache.run(stage, inputs, compute)
 
     def dcm_cache_mode(self) -> tuple[str, str]:
-        """DCM's pair-cache mode and why (:func:`~mechdiff.studies.resources.run_cache_mode`), chosen once a run."""
+        """DCM's pair-cache mode and why (`run_cache_mode`), chosen once a run."""
         if self._dcm_cache_mode is None:
             from .resources import run_cache_mode
 
@@ -938,7 +938,7 @@ class CircuitsStudy(Study):
         return out
 
     def resources_record(self) -> Optional[dict]:
-        """The planner's stage FLOPs and this machine's measured throughput (:func:`~.resources.run_record`),
+        """The planner's stage FLOPs and this machine's measured throughput (`run_record`),
         measured once per study, so ``run.json`` and the report read the same figures."""
         if not hasattr(self, "_resources"):
             from .resources import run_record
@@ -961,7 +961,7 @@ class CircuitsStudy(Study):
 
     def prompt_sets_record(self) -> dict:
         """``run.json``'s account of the prompt sets: each set's rows (an imported task's task rows) and item ids
-        (aligned with the rows its stages score: :func:`~mechdiff.tasks.prompt_sets.set_items` reads them), the sets
+        (aligned with the rows its stages score: `set_items` reads them), the sets
         each stage reads, and what the report states of them (rows and items per set, groups, rows and items shared
         between sets, counterfactuals that are another item's prompt), computed from the lists; declared nested
         sets as a departure."""
@@ -993,7 +993,7 @@ class CircuitsStudy(Study):
 
 
 def analysis_groups(task: Any, records: list, circuit: Circuit, wanted: list[str]) -> list[str]:
-    """The groups DCM and CMAP look at (:func:`group_choice`)."""
+    """The groups DCM and CMAP look at (`group_choice`)."""
     return group_choice(task, records, circuit, wanted)[0]
 
 
@@ -1043,7 +1043,7 @@ def class_groups(records: list, wanted: list[str], at: Optional[dict[str, str]] 
 def unpaired_classes(circuit: Circuit, groups: list[str], desiderata: dict, batch_size: int) -> dict[str, str]:
     """The groups at a position class whose token count differs between a desideratum pair's two prompts, with
     why: DCM writes the source's tokens of the class into the base's token for token
-    (:func:`~mechdiff.methods.dcm.class_widths`)."""
+    (`class_widths`)."""
     from ..methods.dcm import UnequalClass, class_widths
 
     out = {}
@@ -1070,7 +1070,7 @@ def _position_missing(batches: list[dict], name: str) -> str:
 
 
 def dcm_config(spec: RunSpec):
-    """The :class:`~mechdiff.methods.dcm.DCMConfig` a study's ``[dcm]`` section gives (split: its pair counts)."""
+    """The `DCMConfig` a study's ``[dcm]`` section gives (split: its pair counts)."""
     from ..methods.dcm import DCMConfig
 
     c = spec.dcm

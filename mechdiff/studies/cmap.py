@@ -1,5 +1,5 @@
 """CMAP of one fine-tune into its base, as ``mechdiff cmap`` runs it: the task's prompts,
-:func:`mechdiff.methods.cmap.run_cmap` per circuit group, and the tables, bar chart and JSON it writes."""
+`mechdiff.methods.cmap.run_cmap` per circuit group, and the tables, bar chart and JSON it writes."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def cmap_run(
     out: Path,
 ) -> str:
     """CMAP of ``finetune`` into ``base`` on ``n`` prompts of ``task`` (seed ``seed``, generator ``options``) per
-    group of ``circuit`` (see :func:`mechdiff.methods.cmap.run_cmap`); writes ``out/cmap.*`` (and
+    group of ``circuit`` (see `mechdiff.methods.cmap.run_cmap`); writes ``out/cmap.*`` (and
     ``out/cmap_paired.*``); returns the tables and captions."""
     records = task.records(base.tokenizer, n, seed, **options)
     result = run_cmap(

@@ -1,5 +1,5 @@
 """DCM of a circuit's groups and semantic patching, as ``mechdiff dcm`` runs it:
-:func:`mechdiff.methods.dcm.dcm_circuit` on the desiderata given, the selected heads patched into every model of a set,
+`mechdiff.methods.dcm.dcm_circuit` on the desiderata given, the selected heads patched into every model of a set,
 and the tables, bar charts and JSON it writes."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def dcm_run(
     desideratum (``out/dcm.*``, ``out/dcm.png``); with more than one model, semantic patching of each selection
     into every model (``out/semantic.*``); ``out/dcm.json``. Each table goes to ``echo`` (in markdown) as soon as
     it is ready: the DCM table before semantic patching loads the other models, then the semantic table. ``cache``:
-    the pair caches' mode (:data:`~mechdiff.methods.dcm.CACHE_MODES`)."""
+    the pair caches' mode (`CACHE_MODES`)."""
     model = models[models.names[0]]
     results = dcm_circuit(model, circuit, dict(desiderata), config, groups, mode=cache)
     records = [r.to_dict() for r in results]

@@ -1,5 +1,5 @@
 """A task's circuit of one model by path patching, as ``mechdiff circuit`` runs it: the task's plan, its pairs
-(checked before the weights load), :func:`mechdiff.circuits.discovery.discover`, and the circuit, scores, heatmaps
+(checked before the weights load), `mechdiff.circuits.discovery.discover`, and the circuit, scores, heatmaps
 and ``run.log`` it writes."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The knowledge circuit of an edit's prompts before and after it, as ``mechdiff knowledge-edit`` runs it: two
 single-model ``mechdiff knowledge`` studies read, both models' facts,
-:func:`mechdiff.methods.knowledge.editing.compare_edit`, and the tables, figure, JSON and markdown report it writes."""
+`mechdiff.methods.knowledge.editing.compare_edit`, and the tables, figure, JSON and markdown report it writes."""
 
 from __future__ import annotations
 

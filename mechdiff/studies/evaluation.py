@@ -1,5 +1,5 @@
 """Task accuracy of models, as ``mechdiff eval`` runs it: each model's prompts,
-:func:`mechdiff.patching.evaluate.evaluate`, the printed table and the JSON results."""
+`mechdiff.patching.evaluate.evaluate`, the printed table and the JSON results."""
 
 from __future__ import annotations
 

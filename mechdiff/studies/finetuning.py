@@ -1,4 +1,4 @@
-"""A LoRA fine-tune, as ``mechdiff finetune`` runs it: :func:`mechdiff.methods.finetune.finetune`, its history table and
+"""A LoRA fine-tune, as ``mechdiff finetune`` runs it: `mechdiff.methods.finetune.finetune`, its history table and
 ``history.json``."""
 
 from __future__ import annotations

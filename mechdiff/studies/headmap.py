@@ -1,8 +1,8 @@
 """The HeadMap study: locate task heads (layer-conditioned), then HeadMap against LoRA and ablations.
 
-Stages, each cached in ``<out>/stages/`` by :class:`mechdiff.runs.stages.StageCache`:
+Stages, each cached in ``<out>/stages/`` by `mechdiff.runs.stages.StageCache`:
 ``locate-<task>`` (the located circuit of a task, with its figures under ``circuits/<task>/``) and
-``train-<run>-seed<s>[-lr<lr>][-hlr<lr>]`` for each run of :data:`RUNS` chosen and each training seed
+``train-<run>-seed<s>[-lr<lr>][-hlr<lr>]`` for each run of `RUNS` chosen and each training seed
 (``train-base`` and ``train-lora-zoo``: one evaluation). Each key holds what the stage reads (the model's
 name, the locating or training options, the heads trained, the evaluation and validation prompts); a rerun
 recomputes only the stages whose inputs changed, and the tables, figures and ``report.md`` are rewritten
@@ -10,10 +10,10 @@ from the records every time.
 
 Learning rates: with ``lrs`` set, HeadMap (on the located heads) and the small LoRA are each trained at
 every rate on the first seed and each method then trains at the rate with the best accuracy on validation
-prompts of *training* objects (:func:`mechdiff.methods.headmap.choose_lr`); the held-out evaluation prompts are
+prompts of *training* objects (`mechdiff.methods.headmap.choose_lr`); the held-out evaluation prompts are
 never read for the choice. Seeds: run ``r`` at seed ``s`` initialises from ``s``, trains on the batches of
 data seed ``data_seed + s`` and (random, outside) draws its head set from ``derive(s, ...)``
-(:func:`mechdiff.runs.seeds.derive`). Settings: :class:`HeadMapSettings` (a task file's ``[headmap]``
+(`mechdiff.runs.seeds.derive`). Settings: `HeadMapSettings` (a task file's ``[headmap]``
 section, ``tasks/headmap.toml``; the command's flags override it).
 """
 
@@ -186,7 +186,7 @@ def finetune(model: LoadedModel, circuit: Circuit, cfg: TrainConfig, progress: b
 
 
 def train_maps_and_write(model: LoadedModel, circuit: Circuit, cfg: TrainConfig, out: Path) -> str:
-    """:func:`finetune`, its record written to ``out/result.json``; returns the line ``headmap finetune`` prints."""
+    """`finetune`, its record written to ``out/result.json``; returns the line ``headmap finetune`` prints."""
     res = finetune(model, circuit, cfg)
     acc = res["accuracy"]
     write_json(out / "result.json", res)
@@ -237,7 +237,7 @@ class HeadMapStudy(Study):
     """Locating on entity tracking (and the transfer task), the learning-rate sweep, the training runs on every
     seed, the tables, figures and report (kind ``headmap``).
 
-    ``load`` loads a model by name (:func:`~mechdiff.studies.base.model_loader`; a test's tiny models); the
+    ``load`` loads a model by name (`model_loader`; a test's tiny models); the
     study's model is loaded at once, the zoo's LoRA only when its stage is computed."""
 
     kind = "headmap"
@@ -334,8 +334,8 @@ class HeadMapStudy(Study):
         }
 
     def prompts(self) -> dict[str, dict]:
-        """The held-out evaluation prompts (key :data:`TASK`, objects never seen in training) and the validation
-        prompts (key :data:`VAL`, training objects) every training run is scored on."""
+        """The held-out evaluation prompts (key `TASK`, objects never seen in training) and the validation
+        prompts (key `VAL`, training objects) every training run is scored on."""
         st, tok = self.settings, self.model.tokenizer
         cfg = st.train_config()
         return {
@@ -352,7 +352,7 @@ class HeadMapStudy(Study):
         headmap_lr: Optional[float] = None,
     ) -> dict:
         """A training stage at ``seed`` (default the first) and the given rates (default: the chosen ones,
-        :meth:`chosen_lrs`); ``base`` and ``lora-zoo`` are evaluations (stages ``train-base``, ``train-lora-zoo``)."""
+        `chosen_lrs`); ``base`` and ``lora-zoo`` are evaluations (stages ``train-base``, ``train-lora-zoo``)."""
         st = self.settings
         evaluation = {"eval_n": st.eval_n, "eval_seed": st.train_config().eval_seed} | dtype_inputs(self.model.model)
         if run_id == "base":
@@ -434,7 +434,7 @@ class HeadMapStudy(Study):
         lr: Optional[float] = None,
         headmap_lr: Optional[float] = None,
     ) -> dict:
-        """:meth:`train_run`; in a plan, a run whose heads or rates read a stage still to compute is noted as
+        """`train_run`; in a plan, a run whose heads or rates read a stage still to compute is noted as
         pending and its record reads as still to compute."""
         try:
             return self.train_run(run_id, ev, seed, lr, headmap_lr)
@@ -495,7 +495,7 @@ class HeadMapStudy(Study):
 
     def write_report(self, results: dict[str, list[dict]], sweep: dict[str, dict[float, dict]], seconds: float) -> Path:
         """Figures of the located circuits, the overlap with path-patching circuits, tables and the report
-        (:func:`mechdiff.report.headmap.write_report`)."""
+        (`mechdiff.report.headmap.write_report`)."""
         return write_report(
             self.dir,
             self.settings,

@@ -8,13 +8,13 @@ random circuits of the same edge count; the MIB-style faithfulness curve with CP
 logit lens and head roles; figures and tables. With two or more models the facts are those every
 model gets right, and the circuits are compared (edge and node overlap, persisting heads).
 
-Stages, each cached in ``<out>/stages/`` by :class:`mechdiff.runs.stages.StageCache` under a key of
+Stages, each cached in ``<out>/stages/`` by `mechdiff.runs.stages.StageCache` under a key of
 what it reads: ``facts`` (which facts every model gets right), and per model ``discovery`` (edge
 scores), ``scoring`` (the circuit, random circuits, the curve) and ``analysis`` (logit lens, head
 roles). A rerun recomputes only the stages a changed option reaches; tables, figures and reports are
 rewritten from the records every time. Random circuits draw their seeds by name
-(:func:`mechdiff.runs.seeds.derive`). The methods (edge graph, EAP/ACDC, evaluation, logit lens) are the
-library :mod:`mechdiff.methods.knowledge`; this module runs them as stages (:class:`KnowledgeStudy`).
+(`mechdiff.runs.seeds.derive`). The methods (edge graph, EAP/ACDC, evaluation, logit lens) are the
+library `mechdiff.methods.knowledge`; this module runs them as stages (`KnowledgeStudy`).
 """
 
 from __future__ import annotations
@@ -403,7 +403,7 @@ def run_model(
     cache: Optional[StageCache] = None,
 ) -> dict:
     """The circuit of ``facts`` (already filtered) on ``model``; writes ``out`` and returns the results
-    (:func:`model_stages`, then the tables, figures and report)."""
+    (`model_stages`, then the tables, figures and report)."""
     out.mkdir(parents=True, exist_ok=True)
     run = _Run(model, facts, settings, progress)
     return _finish(run, *model_stages(run, cache or StageCache(out)), out)
@@ -568,7 +568,7 @@ class KnowledgeStudy(Study):
     """The knowledge circuits of each relation (``relations``, else ``relation``) on ``settings.models``: per
     relation, the facts every model gets right, one circuit per model, their comparison. One relation: into
     ``out``; several: each into ``out/<relation>`` with its own stage cache (as the committed studies are laid out).
-    ``load`` loads a model by name (:func:`~mechdiff.studies.base.model_loader`; a test's tiny models)."""
+    ``load`` loads a model by name (`model_loader`; a test's tiny models)."""
 
     kind = "knowledge"
 

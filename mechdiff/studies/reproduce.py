@@ -4,7 +4,7 @@ LLaMA-7B circuit with every other head mean-ablated, on LLaMA-7B, Vicuna-7B, Goa
 
     mechdiff run tasks/entity_tracking_llama7b.toml
 
-Weights are checked before anything loads (:func:`check_weights`): a missing checkpoint is named
+Weights are checked before anything loads (`check_weights`): a missing checkpoint is named
 with the ways to provide it.
 """
 
@@ -23,7 +23,7 @@ from ..models.resolve import resolve_source, resolve_spec
 from ..runs.seeds import prompt_seed
 from ..runs.stages import StageRecord
 
-#: The circuits study these functions read (:class:`mechdiff.studies.circuits.CircuitsStudy`: its spec, models,
+#: The circuits study these functions read (`mechdiff.studies.circuits.CircuitsStudy`: its spec, models,
 #: tokenizer, cache, digests and run directory); typed loosely so that this module imports no study.
 Study = Any
 
@@ -99,7 +99,7 @@ def _missing_hub(name: str, repo: str, revision: Optional[str], cache_dir: Optio
 
 
 def check_weights(names: Iterable[str], cache_dir: Optional[str] = None, remote: bool = False) -> None:
-    """Raise :class:`WeightsMissingError` naming every model whose weights cannot be loaded here,
+    """Raise `WeightsMissingError` naming every model whose weights cannot be loaded here,
     before anything expensive. On NDIF (``remote``) only the config and tokenizer are needed."""
     missing: list[str] = []
     for name in names:

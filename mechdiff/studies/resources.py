@@ -1,12 +1,12 @@
 """The resource plan of a circuits study: each stage's peak memory (host and device) and time, predicted from
 the models' configs, the task's token lengths, each stage's ``n`` and batch size and the dtype, on this machine
-or on a named device (:mod:`mechdiff.models.devices`); for a stage that does not fit, what would.
+or on a named device (`mechdiff.models.devices`); for a stage that does not fit, what would.
 
-Nothing loads: the configs are the shipped ones or the models' own metadata (:func:`~mechdiff.models.footprint.
+Nothing loads: the configs are the shipped ones or the models' own metadata (`
 model_dims`), the token lengths come from the task's prompts under the base's tokenizer or, where that is absent
 (the paper's models without their weights), under the embedded SmolLM2 tokenizer (an estimate, said so).
 
-Each stage is counted by its algorithm (:mod:`mechdiff.studies.circuits`), in forward passes of the model:
+Each stage is counted by its algorithm (`mechdiff.studies.circuits`), in forward passes of the model:
 
 - ``accuracy``: one forward per prompt.
 - scorer stages (``positions``, ``prune``, ``matrix``, ``reproduction``; curve discovery): the reference prompts
@@ -19,7 +19,7 @@ Each stage is counted by its algorithm (:mod:`mechdiff.studies.circuits`), in fo
   found circuit's receiving group bounds it where known; before discovery the middle layer is assumed; a step
   into the logits: every head): a one-token frozen run over half the layers and receiver runs of the tokens after
   the receiver position over half the layers, one per distinct receiver position (step D: one per box), a pass.
-- DCM: per desideratum a pair cache, in the mode :func:`dcm_cache_choice` picks (the fastest that fits the
+- DCM: per desideratum a pair cache, in the mode `dcm_cache_choice` picks (the fastest that fits the
   machine's GPU, host memory and disk; ``[dcm] cache`` names one): ``file`` (two forwards a pair; every layer's
   keys and values of every pair written to a scratch HDF5 file under TMPDIR, one desideratum's file at a time, and
   read back by every patched run: disk grows with ``n``, memory holds one batch's rows; the bytes read over the
@@ -30,20 +30,20 @@ Each stage is counted by its algorithm (:mod:`mechdiff.studies.circuits`), in fo
 - CMAP: per prompt the base and the fine-tune once, then one patched base run per scope and part, from the scope's
   lowest layer (a ``z`` patch from its position, other parts over every token); two models.
 
-Where a run has found them (``known``: :func:`found_in`), the circuits, the position scan's steps and the share
+Where a run has found them (``known``: `found_in`), the circuits, the position scan's steps and the share
 of pairs greedy pruning searched are the run's; before it they are assumed (the plan's notes say which).
 
 Memory is the models' weights, what the stage keeps beside them and the transient activations of its largest
-batch (:func:`~mechdiff.models.footprint.forward_bytes`, :func:`~mechdiff.models.footprint.backward_bytes`), and the
+batch (`forward_bytes`, `backward_bytes`), and the
 process's own before its models load (this process's resident memory: Python, torch, transformers, a tokenizer);
 scratch files are counted apart, against the disk free under TMPDIR; beside a GPU, host memory against the
 machine's (a named GPU's: 128 GiB and 64 GiB of disk unless ``--plan-host``/``--plan-disk`` say otherwise).
 Time is FLOPs over the device's throughput (measured here, per CPU second; a named device's stated share of peak)
 plus the weights each pass reads (the blocks it runs and the unembedding) over the device's bandwidth: a pass of few
 rows (pruning's and DCM's short suffix runs) takes the time its weights take to read, whatever its FLOPs
-(:mod:`mechdiff.models.devices`); each pass's fixed cost (Python, the intervention layer's trace: measured here,
-:func:`pass_overhead`; stated for a named GPU, ``GPU_OVERHEAD``); and the scratch files read back over the disk's
-rate (measured here, :func:`scratch_bandwidth`; stated for a named GPU's machine). Passes are counted at each stage's
+(`mechdiff.models.devices`); each pass's fixed cost (Python, the intervention layer's trace: measured here,
+`pass_overhead`; stated for a named GPU, ``GPU_OVERHEAD``); and the scratch files read back over the disk's
+rate (measured here, `scratch_bandwidth`; stated for a named GPU's machine). Passes are counted at each stage's
 batch size. Loading the models (their weights over the disk's rate) and, on this machine, the wall time of the
 processes and threads the run will use are given after the totals, with a warning where the throughput was
 measured under load.
@@ -260,7 +260,7 @@ class Context:
         return Reads(passes * per_pass, passes, passes * layers)
 
     def resumed_runs(self, prompts: int) -> int:
-        """F(C)'s run that pruning resumes from (:meth:`~mechdiff.circuits.scoring.Scorer.keep_without`), kept for
+        """F(C)'s run that pruning resumes from (`keep_without`), kept for
         every prompt: the residual stream after every block and every layer's keys and values (grows with
         ``prompts``)."""
         per_token = self.dims.n_layers * (self.dims.d_model + self.dims.kv_width())
@@ -290,7 +290,7 @@ def accuracy(ctx: Context, name: str) -> StageCost:
 
 
 def _scored(ctx: Context, stage: str, n: int, scored: float, note: str = "") -> StageCost:
-    """A scorer stage on ``n`` prompts: reference means (:func:`_reference_runs`), the full model and ``scored``
+    """A scorer stage on ``n`` prompts: reference means (`_reference_runs`), the full model and ``scored``
     mean-ablated runs a prompt."""
     b, t = ctx.spec.eval.batch_size, ctx.lengths
     reference = _reference_runs(ctx, stage)
@@ -428,7 +428,7 @@ def _held_pairs(ctx: Context, n: int) -> int:
 
 
 def _step_senders(ctx: Context, step: Any, name: Optional[str] = None) -> float:
-    """Senders a path-patching step scores: every head below its deepest receiver (:func:`~mechdiff.patching.path.
+    """Senders a path-patching step scores: every head below its deepest receiver (`
     eligible_senders`), every head of the model for a step into the logits. The deepest receiver is the deepest head of
     the receiving step's group in ``name``'s circuit where the run found it (an upper bound: the circuit keeps
     ``circuit_k`` heads, the receivers are the first ``top_k`` of them), else assumed at the middle layer."""
@@ -459,7 +459,7 @@ def _path_cost(
     """FLOPs, kept bytes, transient bytes and senders a pass of path patching on ``n`` pairs, ``held`` at a time
     (default as ``[discovery] pairs_per_part`` says; held in parts, the clean and counterfactual runs are run once
     more at each step); ``steps``: those of the task's plan to count, default all; ``name``: the model whose found
-    circuit bounds each step's senders (:func:`_step_senders`)."""
+    circuit bounds each step's senders (`_step_senders`)."""
     t, dims = ctx.lengths, ctx.dims
     half = dims.n_layers / 2
     held = _held_pairs(ctx, n) if held is None else held
@@ -544,7 +544,7 @@ def _greedy_prune(ctx: Context, name: str) -> StageCost:
 
 
 def _keep_resumed(ctx: Context, cost: StageCost) -> None:
-    """``cost`` keeps F(C)'s run of every one of its prompts (:meth:`Context.resumed_runs`), and says so."""
+    """``cost`` keeps F(C)'s run of every one of its prompts (`Context.resumed_runs`), and says so."""
     cost.kept = ctx.resumed_runs(cost.n)
     cost.note += f"; keeps F(C)'s run of each of its {cost.n} prompts ({cost.kept / GIB:.1f} GiB, grows with prune_n)"
 
@@ -597,7 +597,7 @@ def _distinct_circuits(ctx: Context) -> int:
 
 def _groups(ctx: Context, name: str, wanted: list[str]) -> list[str]:
     """The groups of ``name``'s circuit a stage looks at, as the study picks them
-    (:func:`~mechdiff.studies.circuits.group_choice`): ``wanted`` where they name groups of the circuit the run
+    (`group_choice`): ``wanted`` where they name groups of the circuit the run
     found (those with heads), else its every non-empty group; before a run, ``wanted``, else a path plan's steps
     or the task's named positions (a curve circuit's groups are position classes)."""
     found = ctx.known.get("circuit", {}).get(name)
@@ -637,8 +637,8 @@ def _group_positions(ctx: Context, count: Optional[int] = None) -> list[str]:
 
 def dcm(ctx: Context, name: str, semantic: int, mode: Optional[str] = None) -> StageCost:
     """DCM of ``name``'s circuit (see the module docstring); ``semantic``: models its selections are patched into.
-    Its pair cache in ``mode`` (one of :data:`~mechdiff.methods.dcm.CACHE_MODES`), by default the one the run uses
-    (:func:`dcm_cache_choice`); its note compares the three."""
+    Its pair cache in ``mode`` (one of `CACHE_MODES`), by default the one the run uses
+    (`dcm_cache_choice`); its note compares the three."""
     costs = {m: _dcm_cost(ctx, name, semantic, m) for m in CACHE_MODES}
     ran = ctx.known.get("dcm_cache", {}).get(name)
     # a run chooses once, for the base's DCM (``CircuitsStudy.dcm_cache_mode``); every DCM stage runs in that mode
@@ -687,7 +687,7 @@ def _seconds(cost: StageCost, ctx: Context) -> float:
 
 def run_cache_mode(spec: RunSpec, lengths: Optional[Lengths] = None) -> tuple[str, str]:
     """The pair-cache mode a run of ``spec`` gives DCM, and why: ``[dcm] cache`` where it names one; else
-    :func:`dcm_cache_choice` on the machine the run's models are on (:func:`run_device`); "file" on NDIF (no plan of
+    `dcm_cache_choice` on the machine the run's models are on (`run_device`); "file" on NDIF (no plan of
     its server)."""
     if spec.dcm.cache != "auto":
         return spec.dcm.cache, "[dcm] cache"
@@ -704,7 +704,7 @@ def run_cache_mode(spec: RunSpec, lengths: Optional[Lengths] = None) -> tuple[st
 
 def run_device(spec: RunSpec, dims: Dims, lengths: Optional[Lengths] = None) -> Optional[Device]:
     """The machine a run of ``spec`` computes on, as a plan's device: this CPU measured (throughput, weight and
-    scratch-file bandwidth), or the first CUDA GPU as the named device of its kind (:func:`gpu_device`) with this
+    scratch-file bandwidth), or the first CUDA GPU as the named device of its kind (`gpu_device`) with this
     machine's host memory and disk; None on NDIF."""
     from ..models.devices import available_memory, scratch_disk, this_machine
 
@@ -821,7 +821,7 @@ def _group_starts(ctx: Context, name: str, groups: list[str]) -> dict[str, tuple
 
 def _cmap_tokens(ctx: Context, part: str, position: str) -> float:
     """Tokens a CMAP run of ``part`` computes: a ``z`` patch from the group's position on; K/V patches (written up to
-    the position) and the isolation of Q/K/V (:func:`~mechdiff.methods.cmap.isolation_patches`, every position)
+    the position) and the isolation of Q/K/V (`isolation_patches`, every position)
     from the first token."""
     c = ctx.spec.cmap
     whole = part != "z" and (c.isolate or c.scope == "paper" or bool(set(part) & {"k", "v"}))
@@ -930,7 +930,7 @@ def resource_plan(
     known: Optional[dict] = None,
 ) -> list[Placement]:
     """Every stage of ``spec`` placed on ``device`` in ``dtype`` (default the spec's); ``known``: what a run found
-    that the plan otherwise assumes (:class:`Context`)."""
+    that the plan otherwise assumes (`Context`)."""
     dtype = dtype or spec.models.dtype
     dims, _ = model_dims(spec.models.base)
     lengths = lengths or task_lengths(spec)
@@ -957,7 +957,7 @@ def with_released(spec: RunSpec, known: dict) -> dict:
 
 
 def found_in(run_dir: str | Path) -> dict:
-    """What a plan assumes and a finished run's stage records know (``known`` of :func:`resource_plan`): each
+    """What a plan assumes and a finished run's stage records know (``known`` of `resource_plan`): each
     circuit (``"NAME"``) and pruned circuit (``"NAME pruned"``), the position scan's steps, the share of pairs
     greedy pruning searched, the share of DCM's masks that selected a head, the mode of DCM's pair cache."""
     out: dict = {"circuit": {}, "scan_steps": {}, "searched": {}, "dcm_selected": {}, "dcm_cache": {}}
@@ -981,13 +981,13 @@ def found_in(run_dir: str | Path) -> dict:
     return out
 
 
-#: Width of the random model :func:`pass_overhead` times: its FLOPs and weight reads are negligible.
+#: Width of the random model `pass_overhead` times: its FLOPs and weight reads are negligible.
 OVERHEAD_WIDTH = 64
 
 
 def pass_overhead(dims: Dims, min_seconds: float = 0.2) -> tuple[float, float]:
     """CPU seconds a pass costs beside its FLOPs and weight reads, and each block it runs: ``run`` (through the
-    intervention layer) of one token on a random LLaMA of ``dims``' depth and :data:`OVERHEAD_WIDTH`, timed in full
+    intervention layer) of one token on a random LLaMA of ``dims``' depth and `OVERHEAD_WIDTH`, timed in full
     and resumed at its last block; the difference is the blocks' share. A departure: the model's own norms,
     attention and rotary code is LLaMA's, not necessarily the planned model's."""
     import time
@@ -1022,7 +1022,7 @@ def pass_overhead(dims: Dims, min_seconds: float = 0.2) -> tuple[float, float]:
 
 
 def with_overhead(device: Device, dims: Dims) -> Device:
-    """This machine (a CPU device) with :func:`pass_overhead` and :func:`scratch_bandwidth` measured; a GPU device as
+    """This machine (a CPU device) with `pass_overhead` and `scratch_bandwidth` measured; a GPU device as
     it is."""
     if device.gpu:
         return device
@@ -1035,12 +1035,12 @@ def with_overhead(device: Device, dims: Dims) -> Device:
     return replace(device, overhead=(each, block), note=note, disk_read=disk)
 
 
-#: What :func:`scratch_bandwidth` writes and reads back: rows of a few MB, as DCM's pair cache holds.
+#: What `scratch_bandwidth` writes and reads back: rows of a few MB, as DCM's pair cache holds.
 SCRATCH_ROWS, SCRATCH_ROW_BYTES = 32, 4 * 2**20
 
 
 def scratch_bandwidth(min_seconds: float = 0.2) -> float:
-    """Bytes a wall-clock second that rows of a scratch file (:class:`~mechdiff.patching.store.RowStore`, read as
+    """Bytes a wall-clock second that rows of a scratch file (`RowStore`, read as
     DCM's pair cache reads them: batches of 8 rows in a shuffled order) come back under TMPDIR just after they were
     written (from the page cache where memory holds them, as a run's are). Wall time, not CPU time: a read that
     waits on the disk costs time but little CPU."""
@@ -1264,7 +1264,7 @@ def print_resources(
 ) -> bool:
     """What ``mechdiff run --plan`` prints first for a circuits study (other kinds: nothing): its resource plan on
     this machine and on the named ``device`` (its machine with ``disk_gib`` GiB free under TMPDIR and ``host_gib``
-    GiB of host memory where given, else :data:`~mechdiff.models.devices.COMMON_GPU_DISK` and ``COMMON_GPU_HOST``).
+    GiB of host memory where given, else `COMMON_GPU_DISK` and ``COMMON_GPU_HOST``).
     Returns True where the models' weights are absent, so that the stage cache (which needs the tokenizer and
     weights checked) cannot be read: the plan then ends here, said so. ``workers``: how a run of the spec would
     proceed here (its processes and threads), for the wall time on this machine."""

@@ -1,5 +1,5 @@
 """An activation-patching scan of a task's pairs, as ``mechdiff scan`` runs it: the position's checks, the pairs,
-:func:`mechdiff.patching.scan.scan_pairs`, the tensor, JSON and heatmap it writes and the largest effects."""
+`mechdiff.patching.scan.scan_pairs`, the tensor, JSON and heatmap it writes and the largest effects."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ EVERY = "all"  # patch every position at once
 
 
 def check_position(task: Task, position: str) -> None:
-    """``position`` is one of ``task``'s named positions, or :data:`EVERY`."""
+    """``position`` is one of ``task``'s named positions, or `EVERY`."""
     known = (*task.positions, EVERY)
     if position not in known:
         raise ValueError(
@@ -64,7 +64,7 @@ def scan_task(
     load_tokenizer: Callable[[], Any],
     load_model: Callable[[Any], LoadedModel],
 ) -> str:
-    """Patch ``site`` of each head (or residual position) alone at ``position`` (:data:`EVERY`: all at once) on
+    """Patch ``site`` of each head (or residual position) alone at ``position`` (`EVERY`: all at once) on
     ``n`` pairs of ``task`` (seed ``seed``, generator ``options``), effects on ``metric``; the position and the
     pairs are checked before the weights load (``load_tokenizer()``, then ``load_model(tokenizer)``). Writes
     ``out/scan_{site}_{position}.pt/.json/.png``; returns the summary the command prints."""

@@ -1,8 +1,8 @@
 """Circuits scored by mean ablation on one model's prompts, as ``mechdiff score``, ``prune``, ``compare``,
-``curve`` and ``positions`` run them: the prompt sets (drawn by name, :func:`mechdiff.runs.seeds.prompt_seed`:
+``curve`` and ``positions`` run them: the prompt sets (drawn by name, `mechdiff.runs.seeds.prompt_seed`:
 ``command-scoring``, ``command-reference``, ``command-ranking``), the computation, and the tables, figures and
 JSON each writes. Each run returns the text the command prints (its tables in markdown), but for the long ones
-(:func:`score_circuit`, :func:`scan_positions`), which hand each table to ``echo`` as soon as it is made."""
+(`score_circuit`, `scan_positions`), which hand each table to ``echo`` as soon as it is made."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class ScoringPrompts:
             raise ValueError(f"unknown reference {self.reference!r}: choose one of {', '.join(REFERENCES)}")
 
     def records(self, tokenizer: Any, n: int, prompts: str, **record_options: Any) -> list:
-        """``n`` prompts of the set named ``prompts`` (:data:`mechdiff.runs.seeds.PROMPT_OFFSETS`)."""
+        """``n`` prompts of the set named ``prompts`` (`mechdiff.runs.seeds.PROMPT_OFFSETS`)."""
         return self.task.records(tokenizer, n, prompt_seed(self.seed, prompts), **self.options, **record_options)
 
     def scorer(self, model: LoadedModel, **record_options: Any) -> Scorer:
@@ -140,8 +140,8 @@ def prune_circuit(
     metric: Metric,
     settings: dict,
 ) -> str:
-    """Minimality of each pair of ``circuit`` by ``rule`` (``paper``: :func:`pairwise_minimality`, else greedy
-    :func:`minimality`) and the circuit pruned at ``threshold``: written to ``out`` (a file), the minimality
+    """Minimality of each pair of ``circuit`` by ``rule`` (``paper``: `pairwise_minimality`, else greedy
+    `minimality`) and the circuit pruned at ``threshold``: written to ``out`` (a file), the minimality
     table beside it (``<stem>.minimality.*``)."""
     scorer = prompts.scorer(model)
     metric = scored_metric(metric, scorer.metric)  # prob: the task's continuous metric

@@ -58,7 +58,7 @@ class StudyEval(EvalSection):
     """A circuits study's ``[eval]``: with ``floor``, the accuracy whose lower bound a model must exceed for the
     stages that explain a behaviour (position scan, circuit, pruning, matrix row, DCM, CMAP into it) to run for
     it (None: the task's chance level (entity tracking: 1 / n_boxes; IOI: 1/2), else derived from the accuracy
-    prompts, :func:`~mechdiff.tasks.records.answer_chance`)."""
+    prompts, `answer_chance`)."""
 
     floor: Optional[float] = None
 
@@ -132,7 +132,7 @@ KEYED_WHEN_SET = {
 #: Options whose default changed after results were committed: unset (the new default), a stage key reads the value
 #: those studies were keyed with. Unset ``top_k`` now means each step's plan ``k``; the committed studies left it at
 #: entity tracking's A-D ``k``, the same numbers its plan gives, and only path patching reads it (a circuit stage
-#: keys it by :func:`discovery_inputs`).
+#: keys it by `discovery_inputs`).
 KEYED_AS = {"discovery": {"top_k": ({}, {"A": 8, "B": 3, "C": 5, "D": 3})}}
 #: ``[scoring]`` options only the matrix's random control reads: pruning, keyed on the section, reads them at the
 #: values the committed studies were keyed with (``random_prompts`` left out), so the control moves the matrix alone.
@@ -144,7 +144,7 @@ PER_MODEL_SCORING = ("seed",)
 
 
 def section_inputs(name: str, section: Any) -> dict:
-    """A section's options as a stage key reads them (:data:`KEYED_WHEN_SET` left out at their old values)."""
+    """A section's options as a stage key reads them (`KEYED_WHEN_SET` left out at their old values)."""
     quiet, keyed_as = KEYED_WHEN_SET.get(name, {}), KEYED_AS.get(name, {})
     out = {k: v for k, v in asdict(section).items() if not (k in quiet and v == quiet[k])}
     for k, (unset, old) in keyed_as.items():
@@ -154,10 +154,10 @@ def section_inputs(name: str, section: Any) -> dict:
 
 
 def discovery_inputs(section: "DiscoverySection", plan_k: Optional[dict[str, int]] = None) -> dict:
-    """``[discovery]`` as a circuit stage's key reads it (:func:`section_inputs`), ``top_k`` as the study uses it:
+    """``[discovery]`` as a circuit stage's key reads it (`section_inputs`), ``top_k`` as the study uses it:
     path patching's each step of the task's plan (``plan_k``: step -> its plan ``k``) at the file's value where it
     names the step, else the plan's; the curve reads none, so its key holds the constant every committed study was
-    keyed with (:data:`KEYED_AS`), whatever the file sets."""
+    keyed with (`KEYED_AS`), whatever the file sets."""
     out = section_inputs("discovery", section)
     if section.method == "path":
         out["top_k"] = {step: section.top_k.get(step, k) for step, k in (plan_k or {}).items()}
@@ -265,7 +265,7 @@ NESTED_SETS = ("eval", "discovery", "prune", "matrix")
 @dataclass
 class SetsSection:
     """How a study's prompt sets relate. Default: every set disjoint from every other by item (a row's clean
-    prompt, or the task's ``--item`` field). ``nested = true``: :data:`NESTED_SETS` are first-N of one draw (the
+    prompt, or the task's ``--item`` field). ``nested = true``: `NESTED_SETS` are first-N of one draw (the
     paper's); a departure from the disjointness rule the report and ``run.json`` state."""
 
     nested: bool = False
@@ -277,7 +277,7 @@ class InferenceSection:
     and never by a stage key, so changing them rewrites the report from cached stages. ``margins``: each kind of
     measure's equivalence margin ("same" is written only where the two one-sided tests pass against it, and the
     sentence names it); a file names those it changes, the others keep their defaults
-    (:data:`mechdiff.common.inference.MARGINS`): ``margins = { accuracy = 0.03, logit_difference = 1.0 }``."""
+    (`mechdiff.common.inference.MARGINS`): ``margins = { accuracy = 0.03, logit_difference = 1.0 }``."""
 
     margins: dict[str, float] = field(default_factory=margins_of)
 
@@ -370,7 +370,7 @@ def bare_spec() -> RunSpec:
 def study_spec(path: Optional[str | Path], task: Optional[str] = None) -> RunSpec:
     """The spec a study runs: the task file ``path``'s, else the embedded default study's, with ``[task] name``
     replaced by ``task`` where given. Without a file, ``task`` gets its own groups, desiderata and ``top_k``
-    (:func:`bare_spec`), never entity tracking's; with one, the groups and desiderata the file names are checked
+    (`bare_spec`), never entity tracking's; with one, the groups and desiderata the file names are checked
     against ``task`` (refused, naming them, before anything loads)."""
     if task is None:
         return load_spec(path) if path is not None else default_spec()
@@ -419,7 +419,7 @@ def output_dir(task: str) -> str:
 
 def load_spec(path: str | Path) -> RunSpec:
     """Parse and check a task file before anything loads; without ``[output] dir`` the results go to the
-    task's own directory (:func:`output_dir`)."""
+    task's own directory (`output_dir`)."""
     built, text = load_sections(path, SECTIONS, REQUIRED, CHOICES)
     built["scoring"].prune_metric = metric_name(built["scoring"].prune_metric)  # one vocabulary: prob
     _check_task(Path(path), text, built["task"].name)
@@ -438,7 +438,7 @@ def load_spec(path: str | Path) -> RunSpec:
 
 
 def _check_margins(path: Path, text: str, section: InferenceSection) -> None:
-    """``[inference] margins`` over the defaults (:func:`~mechdiff.common.inference.margins_of`); an unknown
+    """``[inference] margins`` over the defaults (`margins_of`); an unknown
     measure or a margin not above 0 refused with its line before anything loads."""
     try:
         section.margins = margins_of(section.margins)
@@ -448,7 +448,7 @@ def _check_margins(path: Path, text: str, section: InferenceSection) -> None:
 
 def _check_plan(where: str, method: str, task_name: str) -> None:
     """Path patching (``method = "path"``) reads the task's own plan; a task without one is refused before anything
-    loads (:func:`~mechdiff.tasks.plan.task_plan`)."""
+    loads (`task_plan`)."""
     if method != "path" or is_relation_file(task_name):
         return
     from ..tasks.base import get_task
@@ -485,7 +485,7 @@ def task_group_names(task_name: str) -> Optional[set[str]]:
 
 def _check_groups(path: Path, text: str, raw: dict, task_name: str) -> None:
     """Groups a file names (``[dcm] groups``, ``[cmap] groups`` and ``selection``, ``[scoring]
-    completeness_groups``) must be the task's (:func:`task_group_names`); refused with the line before weights."""
+    completeness_groups``) must be the task's (`task_group_names`); refused with the line before weights."""
     set_here = [(sec, key) for sec, key in GROUP_OPTIONS if key in (raw.get(sec) or {})]
     if not set_here:
         return
@@ -527,7 +527,7 @@ def _check_desiderata(path: Path, text: str, dcm: Optional[dict], task_name: str
 
 def _check_per_model(path: Path, text: str, built: dict[str, Any]) -> None:
     """``[discovery.models.NAME]`` and ``[scoring.models.NAME]`` name a model of ``[models]`` and set only
-    :data:`PER_MODEL_DISCOVERY` (:data:`PER_MODEL_SCORING`), each of its own type (a step -> k table, or an
+    `PER_MODEL_DISCOVERY` (`PER_MODEL_SCORING`), each of its own type (a step -> k table, or an
     integer seed); ``[discovery] source_position`` maps steps to position names."""
     models = built["models"]
     known = [models.base, *models.finetunes]

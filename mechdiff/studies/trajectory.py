@@ -1,5 +1,5 @@
 """The trajectory study: an ordered list of checkpoints of one run (``[models] checkpoints``), measured at every
-checkpoint by function and by structure (:mod:`mechdiff.methods.trajectory`).
+checkpoint by function and by structure (`mechdiff.methods.trajectory`).
 
 Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its inputs:
 
@@ -17,15 +17,15 @@ Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its i
   table another study wrote);
 - ``semantic:<ckpt>``: semantic patching of each DCM selection in the checkpoint;
 - ``roles:<ckpt>`` (only where the task file has a ``[roles]`` section): every head of the chosen groups of any
-  checkpoint's own circuit scored alone on each desideratum in the checkpoint (:func:`~mechdiff.methods.roles.
+  checkpoint's own circuit scored alone on each desideratum in the checkpoint (`
   head_scores`), or with ``method = "dcm"`` DCM over them with one fixed sparsity weight, several seeds
-  (:func:`~mechdiff.methods.roles.dcm_seeds`), from which the report gives role membership over the steps and
+  (`dcm_seeds`), from which the report gives role membership over the steps and
   the heads that join, leave or take over a role.
 
-The base loads once; the adapters are swapped (:class:`~mechdiff.methods.trajectory.Checkpoints`), and nothing loads
+The base loads once; the adapters are swapped (`Checkpoints`), and nothing loads
 when every stage is cached. The report gives each quantity per step with its interval, its paired difference
 against the first checkpoint, each component's normalised measure and formation steps with bootstrap intervals
-(:mod:`~mechdiff.methods.formation`, computed from the stages' per-prompt outcomes, so no stage records more for
+(`formation`, computed from the stages' per-prompt outcomes, so no stage records more for
 them), the pairs of components those intervals order, and the structural changes.
 """
 
@@ -150,7 +150,7 @@ class TrajectoryCmap:
 
 @dataclass
 class RolesSection:
-    """Per-head desideratum scores at every checkpoint (:mod:`~mechdiff.methods.roles`); the stage runs only where
+    """Per-head desideratum scores at every checkpoint (`roles`); the stage runs only where
     the task file has a ``[roles]`` section."""
 
     n: int = 48  # pairs of each desideratum, a draw of their own
@@ -357,13 +357,13 @@ def step_of(name: str, index: int) -> int:
 
 
 def checkpoint_steps(checkpoints: list[str]) -> list[int]:
-    """The training step of each checkpoint in the list (:func:`step_of`)."""
+    """The training step of each checkpoint in the list (`step_of`)."""
     return [step_of(n, i) for i, n in enumerate(checkpoints)]
 
 
 def read_labels(path: str | Path) -> list[dict]:
     """DCM selections from a DCM table (a circuits study's ``tables/dcm.json``: ``selected`` a space-separated
-    string, ``-`` for none) or a list of :meth:`DCMResult.to_dict` records. A row whose table gives the test
+    string, ``-`` for none) or a list of `DCMResult.to_dict` records. A row whose table gives the test
     accuracy and the floor is kept only where the accuracy's interval lies above the floor's (DCM found the
     property there); the others are listed under ``dropped``."""
     rows = json.loads(Path(path).read_text())
@@ -442,7 +442,7 @@ class TrajectoryStudy(Study):
         return self._checkpoints
 
     def seed(self, prompts: str) -> int:
-        """The seed of one of the study's prompt sets (:func:`~mechdiff.runs.seeds.prompt_seed`)."""
+        """The seed of one of the study's prompt sets (`prompt_seed`)."""
         return prompt_seed(self.st.task.seed, prompts)
 
     def options(self) -> dict:
@@ -455,7 +455,7 @@ class TrajectoryStudy(Study):
 
     def groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
         """The circuit's groups a stage patches: ``wanted`` (those with heads), else every group at a position of the
-        task's prompts (:func:`~mechdiff.studies.circuits.analysis_groups`)."""
+        task's prompts (`analysis_groups`)."""
         from .circuits import analysis_groups
 
         return analysis_groups(self.task, self.records("eval", 16), circuit, wanted)
@@ -600,8 +600,8 @@ class TrajectoryStudy(Study):
     def structure(
         self, circuits: dict[str, StageRecord], rankings: Optional[dict[str, StageRecord]] = None
     ) -> StageRecord:
-        """The structural null and changes (:func:`~mechdiff.methods.trajectory.structure`) on the float16
-        attributions the study commits (:meth:`attributions`), every checkpoint on the ranking prompts all share
+        """The structural null and changes (`structure`) on the float16
+        attributions the study commits (`attributions`), every checkpoint on the ranking prompts all share
         (``[discovery] n``), with the between-run null where ``rankings`` holds other runs' checkpoints (``[runs]``);
         and, where those steps have more ranking prompts (``runs_n``), the same at those steps alone on them
         (``dense``)."""
@@ -633,7 +633,7 @@ class TrajectoryStudy(Study):
         self, circuits: dict[str, StageRecord], rankings: Optional[dict[str, StageRecord]] = None
     ) -> dict[str, Any]:
         """Every checkpoint's per-prompt ranking attribution (the other runs' after the trajectory's) as the study
-        commits it, float16 (:func:`~mechdiff.methods.trajectory.to_half`); a ranking of other classes than the
+        commits it, float16 (`to_half`); a ranking of other classes than the
         final circuit's is refused."""
         from ..methods.trajectory import decode_array, to_half
 
@@ -666,7 +666,7 @@ class TrajectoryStudy(Study):
         )
 
     def cmap_circuit(self, final: StageRecord) -> Optional[Circuit]:
-        """The final circuit cut to the groups CMAP patches (:meth:`groups` of ``[cmap] groups``, else of ``[dcm]
+        """The final circuit cut to the groups CMAP patches (`groups` of ``[cmap] groups``, else of ``[dcm]
         groups``; None: none)."""
         c = Circuit.from_dict(final.result["circuit"])
         groups = self.groups(c, self.st.cmap.groups or self.st.dcm.groups)
@@ -712,7 +712,7 @@ class TrajectoryStudy(Study):
         )
 
     def desiderata(self, n: int, seed: Optional[int] = None, names: Optional[list[str]] = None) -> dict[str, list]:
-        """``n`` pairs of every desideratum (``names``, default :meth:`desideratum_names`), drawn with ``seed``
+        """``n`` pairs of every desideratum (``names``, default `desideratum_names`), drawn with ``seed``
         (default: the DCM prompt set's)."""
         from ..tasks.desiderata import desideratum_pairs
 
@@ -746,9 +746,9 @@ class TrajectoryStudy(Study):
         return dcm_config(SimpleNamespace(dcm=self.st.dcm, eval=self.st.eval, task=self.st.task))
 
     def train_dcm(self, name: str, final: StageRecord, groups: list[str], names: list[str]) -> tuple[list, list]:
-        """DCM trained in checkpoint ``name`` over the final circuit's ``groups`` (:meth:`groups` of them) on the
+        """DCM trained in checkpoint ``name`` over the final circuit's ``groups`` (`groups` of them) on the
         desiderata ``names``, with ``[dcm]``'s pairs and training: the results, and the groups left out (a class
-        whose token count differs within a pair, :func:`~mechdiff.studies.circuits.unpaired_classes`)."""
+        whose token count differs within a pair, `unpaired_classes`)."""
         from ..methods.dcm import dcm_circuit
         from .circuits import unpaired_classes
 
@@ -786,7 +786,7 @@ class TrajectoryStudy(Study):
 
     def class_groups(self, wanted: list[str]) -> dict[str, list[str]]:
         """Key inputs naming the classes of several tokens a DCM, CMAP or roles stage may patch
-        (:func:`~mechdiff.studies.circuits.class_groups`; empty, so the keys stay, where every group is one
+        (`class_groups`; empty, so the keys stay, where every group is one
         named token)."""
         from .circuits import class_groups
 
@@ -826,10 +826,10 @@ class TrajectoryStudy(Study):
     def role_sites(
         self, circuits: dict[str, StageRecord], pairs: Optional[dict[str, list]] = None
     ) -> list[tuple[str, str, list]]:
-        """The (group, position, heads) whose heads the roles stage scores: the final circuit's groups (:meth:`groups`
+        """The (group, position, heads) whose heads the roles stage scores: the final circuit's groups (`groups`
         of ``[roles] groups``, else of ``[dcm] groups``), each with the heads any checkpoint's own circuit has in
         it (so that a head holding a role early and losing it is scored too; ``[roles] heads = "final"``: the final
-        circuit's only), in layer then head order. ``pairs``: those the stage patches (default :meth:`role_pairs`),
+        circuit's only), in layer then head order. ``pairs``: those the stage patches (default `role_pairs`),
         whose classes must hold as many tokens in both prompts of a pair."""
         final = Circuit.from_dict(circuits[self.final].result["circuit"])
         scored = circuits.values() if self.st.roles.heads == "any" else [circuits[self.final]]
@@ -882,11 +882,11 @@ class TrajectoryStudy(Study):
 
     def role_dcm(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
         """``[roles] method = "dcm"``: DCM trained in checkpoint ``name`` ``[roles] seeds`` times over the candidate
-        heads of the final circuit's groups (:meth:`role_sites`: every head any checkpoint's own circuit has there)
+        heads of the final circuit's groups (`role_sites`: every head any checkpoint's own circuit has there)
         on ``[roles] desiderata`` (else the task's), with ``[dcm]``'s pairs and training but the fixed sparsity
-        weight ``[roles] lam`` (:func:`roles_dcm_config`); per role the selection, the seeds' frequencies and the
+        weight ``[roles] lam`` (`roles_dcm_config`); per role the selection, the seeds' frequencies and the
         per-pair test outcomes of the selection, the floor and layer-matched random heads
-        (:func:`~mechdiff.methods.roles.dcm_seeds`)."""
+        (`dcm_seeds`)."""
         from ..methods.roles import dcm_seeds
 
         r, d = self.st.roles, self.st.dcm
@@ -996,7 +996,7 @@ class TrajectoryStudy(Study):
     def write_attributions(self, results: dict[str, Any]) -> Path:
         """``attributions.h5``: the per-prompt attributions behind the structure tables, float16, gzip, each
         checkpoint at the pairs some top-n of the structure stage selected
-        (:func:`~mechdiff.methods.trajectory.write_attributions`), so the tables recompute from committed files."""
+        (`write_attributions`), so the tables recompute from committed files."""
         from ..methods.trajectory import ATTRIBUTIONS, write_attributions
 
         st = results["structure"].result

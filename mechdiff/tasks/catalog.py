@@ -60,7 +60,7 @@ class ImportedTaskSummary:
 
 
 def registered_tasks() -> list[RegisteredTask]:
-    """Every registered task (:data:`~mechdiff.tasks.base.TASKS`), in registry order."""
+    """Every registered task (`TASKS`), in registry order."""
     out = []
     for name in TASKS:
         task = get_task(name)
@@ -78,7 +78,7 @@ def relation_tasks() -> list[RelationTask]:
 
 
 def task_directories(root: str | Path) -> list[Path]:
-    """The task directories under ``root`` (each holding :data:`~mechdiff.tasks.jsonl.TASK_FILE`), sorted; ``root``
+    """The task directories under ``root`` (each holding `TASK_FILE`), sorted; ``root``
     itself where it is one."""
     root = Path(root)
     if (root / TASK_FILE).is_file():

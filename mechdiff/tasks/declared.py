@@ -68,7 +68,7 @@ def parse_declaration(text: str) -> Declared:
 
 
 def non_blank_lines(path: Path) -> list[tuple[int, str]]:
-    """``(line number, text)`` of each non-blank line: the rows, as :func:`~mechdiff.tasks.jsonl.read_pairs` counts."""
+    """``(line number, text)`` of each non-blank line: the rows, as `read_pairs` counts."""
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     return [(i, line) for i, line in enumerate(lines, start=1) if line.strip()]
 
@@ -139,7 +139,7 @@ def _json(line: str) -> Any:
     try:
         return json.loads(line)
     except ValueError as e:
-        return e  # reported with its line by :func:`desideratum_pairs`
+        return e  # reported with its line by `desideratum_pairs`
 
 
 def desideratum_pairs(tokenizer: Any, path: Path, pairs: Sequence[Optional[Pair]], d: Declared) -> list[Pair]:
@@ -225,7 +225,7 @@ def declare(
     """Every desideratum of a task (those ``given`` on the command line, those its rows name, else the implicit
     ``counterfactual``): name -> pairs (empty for the implicit one, read from the task's own pairs), and what
     ``task.json`` records of each. ``pairs``: each row's, None for a bad row (skipped, so every desideratum's
-    problems of the other rows are found in the same pass); raises one :class:`ImportErrors` listing every
+    problems of the other rows are found in the same pass); raises one `ImportErrors` listing every
     desideratum's problems."""
     declared = [*given, *inline_declarations(path)]
     check_declarations(declared)

@@ -1,6 +1,6 @@
 """DCM desiderata by name: the aliases a study file may use and the pairs a task generates for one.
 
-A desideratum is a task's own set of counterfactual pairs (:meth:`~mechdiff.tasks.base.Task.desideratum`);
+A desideratum is a task's own set of counterfactual pairs (`desideratum`);
 this module is the one place that reads a name a user wrote (``object_value``) as the task's (``object``).
 """
 
@@ -35,7 +35,7 @@ def desideratum_pairs(
     task: str | Task = "entity-tracking",
     prompt_set: Optional[str] = None,
 ) -> list[PairRecord]:
-    """Pairs of a desideratum the task (a name or a :class:`~mechdiff.tasks.base.Task`) defines (entity
+    """Pairs of a desideratum the task (a name or a `Task`) defines (entity
     tracking: ``positional``, ``object``, ``label``); ``n_boxes``, ``vocabulary`` and ``prompt_set`` (a drawn
     set's name) go to tasks that take them (``None``: the task's own default)."""
     t = task if isinstance(task, Task) else get_task(task)

@@ -1,6 +1,6 @@
 """Fact editing: a LoRA that rewrites a handful of facts of one relation (Yao et al.'s editing analysis).
 
-The edit is an edit file (:mod:`mechdiff.tasks.relation_data`): the edited subjects with their new objects, and
+The edit is an edit file (`mechdiff.tasks.relation_data`): the edited subjects with their new objects, and
 ``"edits_of"``, the relation they rewrite. A training batch mixes edited facts (new objects) with the
 relation's other facts (their own objects, so that the edit stays local), in every template of the relation,
 all of one token length (no padding). Validation: the edited facts with their new objects

@@ -10,7 +10,7 @@ Positions: ``IO`` and ``S1`` (the two names in the first clause), ``S2`` (the re
 (``alternative_ids`` holds S). Every template is used both ways: IO first (ABBA) and S first (BABA).
 
 Templates: Wang et al.'s BABA/ABBA templates (their ``ioi_dataset.py``), cut before the final IO, so
-prompts of different templates have different token lengths (:data:`TEMPLATES`: 14, 15, 17 and 20
+prompts of different templates have different token lengths (`TEMPLATES`: 14, 15, 17 and 20
 tokens in SmolLM2's tokenizer). A record's ``template`` field is its template's text: mean ablation and batching
 group records by (template, token length), so a position-wise mean never mixes templates. ABBA and BABA
 prompts of one template share a group (their reference prompts, ABC corruptions, are the same
@@ -206,7 +206,7 @@ def _pairs(tokenizer: Any, n: int, seed: int, kind: str, templates: Sequence[str
 
 
 def abc_pairs(tokenizer: Any, n: int, seed: int = 0, templates: Sequence[str] = TEMPLATES) -> list[Pair]:
-    """Clean prompts (:func:`generate` with ``seed``) and their ABC corruptions: three new names (the
+    """Clean prompts (`generate` with ``seed``) and their ABC corruptions: three new names (the
     giver is a third person), the same template, place and object; target the clean IO."""
     return _pairs(tokenizer, n, seed, "abc", templates)
 

@@ -16,40 +16,40 @@ record also gets ``last`` (the final token of the prompt) unless a row names it.
 alternative answer (``logit_diff`` = answer - counterfactual answer; refused where it equals the answer on every
 row) and, where a task declares no desideratum, the target of the ``counterfactual`` DCM desideratum. A task
 declares its own desiderata (a column of the rows, a file of its own, or the rows' ``desiderata`` objects:
-:mod:`mechdiff.tasks.declared`).
+`mechdiff.tasks.declared`).
 
 An answer may be several tokens (``" Buenos Aires"``): its tokens are those ``tokenizer(prompt + answer)``
-appends to ``tokenizer(prompt)`` (:func:`answer_ids`; an answer that merges with the prompt's last token is
+appends to ``tokenizer(prompt)`` (`answer_ids`; an answer that merges with the prompt's last token is
 refused). A one-token answer's record is what it always was; a longer one's also carries ``answer_tokens``
 (and ``alternative_tokens``, ``target_tokens``), which evaluation scores by teacher forcing
-(:mod:`mechdiff.patching.evaluate`).
+(`mechdiff.patching.evaluate`).
 
 Optional too: ``template`` (a name for the phrasing the row was written from: mean ablation averages
 over reference prompts of the same template and token length, never across templates) and
 ``classes`` (position classes of the row's own, ``{"name": [[start, end], ...]}`` character spans on
 token boundaries, each class every token its spans cover, no token in two; the same token indices in the
-counterfactual; ``last`` is always the final token, and :data:`REST` the tokens no class covers: :func:`row_classes`).
+counterfactual; ``last`` is always the final token, and `REST` the tokens no class covers: `row_classes`).
 Rows without ``classes`` get classes derived from their named positions
-(:func:`~mechdiff.tasks.records.derived_classes`). Rows may have any token length; clean and counterfactual
+(`derived_classes`). Rows may have any token length; clean and counterfactual
 of one row must have the same.
 
 Every row belongs to an *item*, the unit a study's prompt sets are disjoint by
-(:mod:`mechdiff.tasks.prompt_sets`): by default its clean prompt (rows sharing a clean prompt with other
+(`mechdiff.tasks.prompt_sets`): by default its clean prompt (rows sharing a clean prompt with other
 counterfactuals are one item); ``import_pairs(..., item=FIELD)`` (``mechdiff dataset import --item FIELD``) makes
 each row's value of its key ``FIELD`` (e.g. the country) its item instead, recorded in ``task.json`` (``item``)
-and :data:`ITEMS_FILE`.
+and `ITEMS_FILE`.
 
-:func:`import_pairs` checks every row against the tokenizer before anything is written: answers
+`import_pairs` checks every row against the tokenizer before anything is written: answers
 are tokens appended to their prompt, clean and counterfactual have equal token lengths, spans
 start and end on token boundaries, and every row names the same positions. Every problem of every row
 is reported in one pass, each with its line number (a row's checks that do not need each other all run, so a
 bad span does not hide a bad answer; the ``--item`` field, the metric's and each declared desideratum's checks
 run on the same pass), and where clean and counterfactual differ in token length both token lists are shown;
 a named position on a prompt's last token (the class ``last`` owns it) and a class empty in some prompts are
-warned about with their counts per template (:func:`~mechdiff.tasks.row_checks.class_warnings`). The task
+warned about with their counts per template (`class_warnings`). The task
 directory is written to a temporary directory and renamed into place, so a failed import leaves nothing behind.
-:func:`read_task_directory` reads it back; :func:`mechdiff.tasks.base.get_task` makes it a
-:class:`~mechdiff.tasks.base.Task`.
+`read_task_directory` reads it back; `mechdiff.tasks.base.get_task` makes it a
+`Task`.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ FORMAT = "mechdiff-task/1"
 
 
 def span_tokens(text: str, offsets: Sequence[tuple[int, int]], spans: Any, name: str) -> tuple[int, ...]:
-    """The tokens covered by ``spans`` (``[[start, end], ...]``, each on token boundaries, as :func:`locate`)."""
+    """The tokens covered by ``spans`` (``[[start, end], ...]``, each on token boundaries, as `locate`)."""
     if not isinstance(spans, list) or not spans or not all(isinstance(sp, list) for sp in spans):
         raise ValueError(f"class {name!r}: {spans!r} is not a non-empty list of [start, end] spans")
     out: set[int] = set()
@@ -126,7 +126,7 @@ def span_tokens(text: str, offsets: Sequence[tuple[int, int]], spans: Any, name:
 def row_classes(text: str, offsets: Sequence[tuple[int, int]], spans: Any, n_tokens: int) -> dict[str, tuple[int, ...]]:
     """A row's own classes (``{}`` where it names none): each class the tokens its spans cover, no token in two
     classes; ``last`` is always the final token (taken out of a class that covers it; a class named ``last``
-    must be that token alone). Tokens no class covers are given to :data:`REST` by :func:`with_rest`."""
+    must be that token alone). Tokens no class covers are given to `REST` by `with_rest`."""
     if not isinstance(spans, dict):
         raise ValueError('classes must be an object {"name": [[start, end], ...]}')
     if not spans:
@@ -152,7 +152,7 @@ def row_classes(text: str, offsets: Sequence[tuple[int, int]], spans: Any, n_tok
 
 
 def with_rest(pairs: list[Pair]) -> list[Pair]:
-    """``pairs`` whose rows name their own classes, each given :data:`REST`: the tokens no class covers (every
+    """``pairs`` whose rows name their own classes, each given `REST`: the tokens no class covers (every
     row gets the class, empty where its classes cover every token), where some row leaves tokens uncovered."""
 
     def rest(p: Pair) -> tuple[int, ...]:
@@ -175,7 +175,7 @@ def with_rest(pairs: list[Pair]) -> list[Pair]:
 
 
 def _row_pair(tokenizer: Any, row: Mapping[str, Any], extra: frozenset[str] = frozenset()) -> Pair:
-    """One checked pair from one row; raises :class:`RowErrors` naming every problem of the row (each check that
+    """One checked pair from one row; raises `RowErrors` naming every problem of the row (each check that
     does not need an earlier one's result runs: a bad span does not hide a bad answer). ``extra``: the keys declared
     desiderata add (their columns)."""
     problems: list[str] = []
@@ -246,7 +246,7 @@ def _checked_pair(tokenizer: Any, row: Mapping[str, Any], template: str, problem
 def _located(
     text: str, offsets: Sequence[tuple[int, int]], spans: Any, what: str, problems: list[str]
 ) -> Optional[dict]:
-    """Each named span's token (:func:`locate`); every span that is not on token boundaries appended to
+    """Each named span's token (`locate`); every span that is not on token boundaries appended to
     ``problems``; None where any is bad."""
     if not isinstance(spans, dict):
         problems.append(f"{what}positions must be an object {{name: [start, end]}}")
@@ -307,8 +307,8 @@ def _row_names(row: Optional[Mapping]) -> Optional[tuple[set, set]]:
 
 
 def read_pairs(path: str | os.PathLike, tokenizer: Any, extra: frozenset[str] = frozenset()) -> list[Pair]:
-    """Every row of a pairs file as a checked :class:`~mechdiff.tasks.records.Pair`; raises
-    :class:`ImportErrors` listing every problem of every bad row (``FILE:LINE: ...``) if any is bad. ``extra``: the
+    """Every row of a pairs file as a checked `Pair`; raises
+    `ImportErrors` listing every problem of every bad row (``FILE:LINE: ...``) if any is bad. ``extra``: the
     row keys declared desiderata add."""
     pairs, _, errors = check_rows(path, tokenizer, extra)
     if errors:
@@ -345,9 +345,9 @@ def import_pairs(
     """Check ``path`` against ``tokenizer`` and write the task directory ``out`` (``task.json``,
     ``pairs.jsonl``, each declared desideratum's pairs, the plan if given) atomically: into a temporary
     directory, then renamed. ``desiderata``: ``NAME=COLUMN`` or ``NAME=FILE.jsonl`` each
-    (:mod:`mechdiff.tasks.declared`); ``item``: the row key whose value is a row's item (default: its clean
-    prompt), written to :data:`ITEMS_FILE`. ``warn``: called with each line of
-    :func:`~mechdiff.tasks.row_checks.answer_warnings` (answers that split a word or share their first token with
+    (`mechdiff.tasks.declared`); ``item``: the row key whose value is a row's item (default: its clean
+    prompt), written to `ITEMS_FILE`. ``warn``: called with each line of
+    `answer_warnings` (answers that split a word or share their first token with
     the counterfactual answer); the rows are imported all the same."""
     from .declared import parse_declaration, write_desiderata
 
@@ -409,8 +409,8 @@ def checked_import(
     path: Path, tokenizer: Any, metric: str, given: Sequence[Any], item: Optional[str]
 ) -> tuple[list[Pair], dict[str, list[Pair]], dict[str, dict], Optional[list[str]]]:
     """Every check of an import in one pass: each row's (all its problems), the ``--item`` field's, the metric's and
-    each declared desideratum's; raises one :class:`ImportErrors` listing every problem found, else gives the
-    pairs (:func:`with_rest`), the desiderata built and declared, and the rows' items."""
+    each declared desideratum's; raises one `ImportErrors` listing every problem found, else gives the
+    pairs (`with_rest`), the desiderata built and declared, and the rows' items."""
     from .declared import declare, extra_keys
 
     errors: list[str] = []
@@ -435,7 +435,7 @@ def by_line(path: Path, error: str) -> tuple[int, int]:
 
 
 def gathered(errors: list[str], check: Callable[..., Any], *args: Any) -> Any:
-    """``check(*args)``; None where it raises :class:`ImportErrors`, its problems appended to ``errors``."""
+    """``check(*args)``; None where it raises `ImportErrors`, its problems appended to ``errors``."""
     try:
         return check(*args)
     except ImportErrors as e:
@@ -497,21 +497,21 @@ def _json_or_none(line: str) -> Any:
 
 
 # --------------------------------------------------------------------------------------
-# A task directory's pairs (:func:`mechdiff.tasks.base.directory_task` makes it a Task)
+# A task directory's pairs (`mechdiff.tasks.base.directory_task` makes it a Task)
 # --------------------------------------------------------------------------------------
 
 
 @dataclass
 class ImportedTask:
     """The pairs of a task directory, after checking the asking tokenizer: a named prompt set's rows where the
-    study drew its sets (``sets``: name -> row indices, :func:`~mechdiff.tasks.prompt_sets.draw_sets`), else the
+    study drew its sets (``sets``: name -> row indices, `draw_sets`), else the
     first rows in file order."""
 
     directory: Path
     meta: dict
     pairs: list[Pair]
     sets: Optional[dict[str, list[int]]] = None
-    #: Each declared DCM desideratum's pairs, one a row (:mod:`mechdiff.tasks.declared`).
+    #: Each declared DCM desideratum's pairs, one a row (`mechdiff.tasks.declared`).
     desiderata: dict[str, list[Pair]] = field(default_factory=dict)
 
     def _check(self, tokenizer: Any) -> None:
@@ -536,12 +536,12 @@ class ImportedTask:
         return rows[:n]
 
     def take(self, tokenizer: Any, n: int, prompt_set: Optional[str] = None) -> list[Pair]:
-        """``n`` pairs of the rows :meth:`rows` gives."""
+        """``n`` pairs of the rows `rows` gives."""
         return [self.pairs[i] for i in self.rows(tokenizer, n, prompt_set)]
 
     @property
     def item_keys(self) -> tuple:
-        """Each row's item: its value of the task's ``item`` field (:data:`ITEMS_FILE`), else its clean prompt."""
+        """Each row's item: its value of the task's ``item`` field (`ITEMS_FILE`), else its clean prompt."""
         if self.meta.get("item"):
             keys = tuple((self.directory / ITEMS_FILE).read_text(encoding="utf-8").splitlines())
             if len(keys) != len(self.pairs):
@@ -611,7 +611,7 @@ def load_task_meta(directory: str | os.PathLike) -> dict:
 
 
 def read_task_directory(directory: str | os.PathLike) -> ImportedTask:
-    """The pairs of a directory written by :func:`import_pairs`."""
+    """The pairs of a directory written by `import_pairs`."""
     directory = Path(directory)
     meta = load_task_meta(directory)
     lines = (directory / PAIRS_FILE).read_text(encoding="utf-8").splitlines()

@@ -12,7 +12,7 @@ A prompt states a small word problem, lists four choices and ends just before th
 The answer is the letter (``" B"``, one token). Every number is two digits (SmolLM2 writes
 each digit as its own token), and names and objects are kept only where they are single
 tokens both at the start of a sentence and after a space, so all prompts have the same token
-length and batch without padding; :func:`generate` fails loudly otherwise. Example ``i`` puts
+length and batch without padding; `generate` fails loudly otherwise. Example ``i`` puts
 the correct value under letter ``i % 4``, so every letter is the answer equally often.
 Problems are additions (``a + b``, result 20-98) and subtractions (``a - b``, result 10-89);
 distractors are the result +-1, +-2, +-10 (distinct, two-digit). Names are split like the

@@ -18,7 +18,7 @@ A plan is a TOML file with one table per step, run in file order::
     k = 3
 
 The entity-tracking plan ships as ``mechdiff/tasks/plans/entity_tracking.toml``; a task names its
-plan (:attr:`mechdiff.tasks.base.Task.plan`) and ``mechdiff circuit --plan FILE`` replaces it.
+plan (`mechdiff.tasks.base.Task.plan`) and ``mechdiff circuit --plan FILE`` replaces it.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class Plan:
 
 
 def plan_from_dict(data: Mapping[str, Any], source: str = "plan") -> Plan:
-    """A :class:`Plan` from the TOML's tables (unknown keys rejected with the valid ones)."""
+    """A `Plan` from the TOML's tables (unknown keys rejected with the valid ones)."""
     unknown = set(data) - {"plan", "steps"}
     if unknown:
         raise ValueError(f"{source}: unknown tables {sorted(unknown)}; a plan has [plan] and [steps.NAME]")
@@ -172,7 +172,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
 
 def default_plan() -> Plan:
-    """The plan in :data:`DEFAULT_PLAN`."""
+    """The plan in `DEFAULT_PLAN`."""
     return load_plan(DEFAULT_PLAN)
 
 

@@ -1,13 +1,13 @@
 """A study's prompt sets drawn from a task's rows: disjoint by item by construction, stratified by group.
 
 A task that holds a fixed list of rows (an imported task directory) cannot draw a fresh set by seed, as a
-generator does: every set would be the same first rows. :func:`draw_sets` deals each named set its own rows,
+generator does: every set would be the same first rows. `draw_sets` deals each named set its own rows,
 none of whose *items* another set holds, every (template, token length) group in every set in proportion to its
 size.
 
 An *item* is what a row is a draw of: by default its clean prompt (several rows may share one, each with another
 counterfactual), or a field the task names (``mechdiff dataset import --item FIELD``). A row's counterfactual may
-be another item's clean prompt: it is a source, not a scored prompt (:func:`describe_sets` counts them).
+be another item's clean prompt: it is a source, not a scored prompt (`describe_sets` counts them).
 
 The rule (systematic stratified sampling): each group's rows are shuffled by the study's seed; row ``j`` of a
 group of ``m`` rows gets the key ``(j + 1/2) / m``, and all rows are ordered by key (ties by a seeded order of the
@@ -76,7 +76,7 @@ def clean_key(record: Any) -> tuple[int, ...]:
 
 def items_of(records: Sequence[Any], keys: Optional[Sequence[Hashable]] = None) -> "np.ndarray":
     """An ``int64`` array of item ids aligned with ``records`` (a set's rows, as a stage scores them): rows of one
-    item share an id, numbered by first appearance; an item is a row's clean prompt (:func:`clean_key`), or
+    item share an id, numbered by first appearance; an item is a row's clean prompt (`clean_key`), or
     ``keys[i]`` where given (the task's item field). What a cluster bootstrap over items resamples."""
     import numpy as np
 
@@ -102,7 +102,7 @@ def set_items(record: Mapping[str, Any], name: str, rows: Optional[Sequence[Mapp
 
 
 def _item_order(strata: Sequence[Hashable], items: Sequence[Hashable], seed: int) -> dict[Hashable, list[int]]:
-    """Item -> its rows (in file order), items in the stratified order (:func:`stratified_order` of the items, each
+    """Item -> its rows (in file order), items in the stratified order (`stratified_order` of the items, each
     of its first row's stratum, weighted by its rows)."""
     rows: dict[Hashable, list[int]] = {}
     for r, item in enumerate(items):
@@ -155,12 +155,12 @@ def draw_sets(
     return {name: out[name] for name in sizes}
 
 
-#: The block nested sets share in :func:`draw_sets`.
+#: The block nested sets share in `draw_sets`.
 NESTED = "nested"
 
 
 def _blocks(sizes: Mapping[str, int], nested: Sequence[str]) -> dict[str, int]:
-    """The blocks :func:`draw_sets` deals, in order: each set its own, the nested sets one (at the first's place)."""
+    """The blocks `draw_sets` deals, in order: each set its own, the nested sets one (at the first's place)."""
     out: dict[str, int] = {}
     for name, n in sizes.items():
         if name in nested:
@@ -219,7 +219,7 @@ def describe_sets(
     nested: Sequence[str] = (),
 ) -> dict:
     """What a report states of drawn sets, computed from the lists themselves: each set's size (rows), items and
-    groups, the rows and the items any two sets share (0 for sets drawn by :func:`draw_sets`, nested sets aside),
+    groups, the rows and the items any two sets share (0 for sets drawn by `draw_sets`, nested sets aside),
     each row's item id per set, and (``sources``: each row's clean and counterfactual prompt keys) how many of a
     set's rows take their counterfactual from another item's clean prompt (a source, not a scored prompt) and how
     many of those from an item another set holds. ``nested``: sets declared first-N of one draw, whose sharing with
@@ -252,7 +252,7 @@ def _set_pairs(names: Sequence[str], nested: Sequence[str] = ()) -> list[tuple[s
 
 
 def describe_items(sets: Mapping[str, Sequence[Hashable]], nested: Sequence[str] = ()) -> dict:
-    """:func:`describe_sets` for sets given by each row's item (a generated task's: ``sets``: name -> the item of
+    """`describe_sets` for sets given by each row's item (a generated task's: ``sets``: name -> the item of
     each of its prompts, in order): each set's size and items, the items two sets share, each row's item id."""
     ids = item_ids([key for keys in sets.values() for key in keys])
     flat = iter(ids)
@@ -357,7 +357,7 @@ class GeneratedSets:
     def _draw(
         self, generate: Any, tokenizer: Any, name: str, n: int, seed: int, options: Mapping[str, Any]
     ) -> tuple[list, int]:
-        """:meth:`draw`, and how many of the generator's first ``n`` were left out (an earlier set holds them)."""
+        """`draw`, and how many of the generator's first ``n`` were left out (an earlier set holds them)."""
         excluded = self.excluded(name, tokenizer)
         m = n
         while True:

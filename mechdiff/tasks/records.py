@@ -1,28 +1,28 @@
 """Records and pairs of any task, and how the engine batches and hashes them (the record half of the
-task protocol, :mod:`mechdiff.tasks.base`, which re-exports every name here: import them from there).
+task protocol, `mechdiff.tasks.base`, which re-exports every name here: import them from there).
 
 A *record* is one prompt: its token ids, the answer token, optional alternative answer tokens
 (``alternative_ids``, e.g. the subject name in IOI) and named token positions. A position is a
 single token index (``int``; ``None`` where absent, batched as ``-1``) or a *position class*,
 several indices (a tuple, batched as ``[batch, k]``). Entity tracking's
-:class:`~mechdiff.tasks.entity_tracking.EntityTrackingExample` is such a record;
-:class:`Example` is the generic one (IOI, knowledge relations, tasks imported from JSONL files).
+`EntityTrackingExample` is such a record;
+`Example` is the generic one (IOI, knowledge relations, tasks imported from JSONL files).
 
 A *pair* is a clean record (``base``), a counterfactual record (``source``) of the same token
 length and the answer the patched clean run should give (``target`` / ``target_id``).
-:func:`check_pair` refuses a pair whose two prompts differ in length, naming both lengths.
+`check_pair` refuses a pair whose two prompts differ in length, naming both lengths.
 
 Records of a task may differ in token length and template. The engine batches them through one helper,
-:func:`grouped_batches`: records are grouped by (template, token length) (:func:`group_key`; a record's
+`grouped_batches`: records are grouped by (template, token length) (`group_key`; a record's
 template is its ``template`` field where it has one, else its length alone names the group), each group is
 cut into batches without padding, and every stage puts per-prompt outcomes back in the records' order.
 
 Every batch carries ``position_classes``: the record type's own (``position_masks``, entity tracking),
 the classes a record names itself (``Example.classes``), or else a partition derived from its named
-positions (:func:`derived_classes`).
+positions (`derived_classes`).
 
 This module imports no task and no registry, so that a task's module (and the JSONL importer,
-:mod:`mechdiff.tasks.jsonl`) can build records without importing :mod:`mechdiff.tasks.base`'s registry.
+`mechdiff.tasks.jsonl`) can build records without importing `mechdiff.tasks.base`'s registry.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ class Example:
 
     ``template``: the phrasing the prompt was written from (its mean-ablation group, with its length);
     ``classes``: position classes the prompt names itself, name -> token indices (else they are derived
-    from ``positions``, :func:`derived_classes`). An answer of several tokens: ``answer_tokens`` holds every
+    from ``positions``, `derived_classes`). An answer of several tokens: ``answer_tokens`` holds every
     token (``answer_id`` its first) and ``alternative_tokens`` each alternative's tokens (``alternative_ids``
     their first); both stay empty where every answer is one token, so such a record is what it always was
-    (read them through :func:`answer_tokens` and :func:`alternative_tokens`)."""
+    (read them through `answer_tokens` and `alternative_tokens`)."""
 
     prompt: str
     input_ids: tuple[int, ...]
@@ -136,7 +136,7 @@ class Example:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Example":
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of `to_dict`."""
         return cls(
             d["prompt"],
             tuple(int(i) for i in d["input_ids"]),
@@ -247,7 +247,7 @@ def answer_length(record: Any) -> int:
 
 
 def max_answer_length(records: Sequence[Any]) -> int:
-    """:func:`answer_length` over ``records`` (1 where there are none)."""
+    """`answer_length` over ``records`` (1 where there are none)."""
     return max((answer_length(r) for r in records), default=1)
 
 
@@ -292,7 +292,7 @@ def template_of(record: Any) -> str:
 
 
 def group_key(record: Any) -> GroupKey:
-    """``(template, token length)`` of a record or pair (a pair's prompts share one length, :func:`check_pair`)."""
+    """``(template, token length)`` of a record or pair (a pair's prompts share one length, `check_pair`)."""
     base = record.base if is_pair(record) else record
     return template_of(record), len(base.input_ids)
 
@@ -305,7 +305,7 @@ def group_name(key: GroupKey) -> str:
 
 def grouped_batches(records: Sequence[Any], batch_size: int) -> list[list[int]]:
     """The one batching of every stage: indices into ``records`` (records or pairs), grouped by
-    :func:`group_key` in order of each group's first record, each group cut into consecutive batches
+    `group_key` in order of each group's first record, each group cut into consecutive batches
     of at most ``batch_size``. Every batch is of one token length and one template, so it is batched
     without padding; a stage writes each batch's per-prompt outcomes back at these indices. Records of
     one group (entity tracking, IOI) give exactly the slices ``[0, b), [b, 2b), ...``."""
@@ -318,13 +318,13 @@ def grouped_batches(records: Sequence[Any], batch_size: int) -> list[list[int]]:
 
 
 def group_batches(records: Sequence[Any]) -> list[list[int]]:
-    """:func:`grouped_batches` with one batch per group (every record of a group in one batch)."""
+    """`grouped_batches` with one batch per group (every record of a group in one batch)."""
     return grouped_batches(records, max(len(records), 1))
 
 
 def record_order(batches: Sequence[Sequence[int]]) -> "np.ndarray":
     """The permutation that puts outcomes concatenated batch by batch (``batches``: indices into the
-    records, as :func:`grouped_batches` gives them) back in the records' order."""
+    records, as `grouped_batches` gives them) back in the records' order."""
     import numpy as np
 
     rows = [np.asarray(r, dtype=np.int64) for r in batches]
@@ -351,13 +351,13 @@ def check_reference(records: Sequence[Any], reference: Sequence[Any], what: str 
 
 
 def batch_tensors(records: Sequence[Record]) -> dict[str, Any]:
-    """Tensors for records of one token length (no padding; :func:`grouped_batches` forms such batches).
+    """Tensors for records of one token length (no padding; `grouped_batches` forms such batches).
 
     ``input_ids`` and ``attention_mask`` ``[batch, pos]``, ``answer_ids`` ``[batch]``,
     ``alternative_ids`` ``[batch, n_alt]`` when every record has the same number (> 0) of them,
     ``positions``: name -> ``[batch]`` (``-1`` where absent) or ``[batch, k]`` (a position class);
     ``position_classes``: name -> boolean ``[batch, pos]`` (the record type's ``position_masks``, the
-    records' own ``classes``, else :func:`derived_classes`); ``group``: the records' :func:`group_key`
+    records' own ``classes``, else `derived_classes`); ``group``: the records' `group_key`
     (``None`` where they mix templates).
     """
     import torch
@@ -405,7 +405,7 @@ BEFORE, LAST, AFTER = "before", "last", "after_"
 
 
 def derived_class_names(names: Sequence[str]) -> list[str]:
-    """The classes :func:`derived_classes` gives records naming ``names``: ``before``, each name, ``after_<name>``
+    """The classes `derived_classes` gives records naming ``names``: ``before``, each name, ``after_<name>``
     for each, and ``last``."""
     out = [BEFORE]
     for n in names:
@@ -503,7 +503,7 @@ def _position_tensor(records: Sequence[Record], name: str) -> "torch.Tensor":
 
 def pair_batch_tensors(pairs: Sequence[PairRecord]) -> dict[str, Any]:
     """``{"base": batch_tensors(bases), "source": batch_tensors(sources), "target_ids": [batch]}``; where a
-    target has several tokens, also ``target_tokens`` ``[batch, a]`` and ``target_lengths`` (:func:`token_tensors`)."""
+    target has several tokens, also ``target_tokens`` ``[batch, a]`` and ``target_lengths`` (`token_tensors`)."""
     import torch
 
     pairs = list(pairs)

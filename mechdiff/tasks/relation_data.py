@@ -8,7 +8,7 @@ Hernandez et al.'s LRE data that Yao et al. use). The starter set written for me
 
 An *edit file* is a relation file whose samples give subjects new objects, with ``"edits_of"``: the relation
 they rewrite (``edits/capital_swap``: four capitals swapped, what the committed ``smollm2-capital-edit``
-LoRA learned). :meth:`Relation.unedited` gives the same prompts with their original objects: the facts of
+LoRA learned). `Relation.unedited` gives the same prompts with their original objects: the facts of
 the edit before it.
 
 A prompt is tokenised piece by piece (template prefix, subject, template suffix) so the subject's

@@ -2,11 +2,11 @@
 (``[task] name = "country_capital"``) run on any relation under ``mechdiff/data/knowledge`` (or a relation
 file in the LRE format, ``--task my_relation.json``).
 
-A relation (:class:`~mechdiff.tasks.relation_data.Relation`: subject -> object facts and prompt templates) gives
+A relation (`Relation`: subject -> object facts and prompt templates) gives
 one record per fact and template: the prompt ``template.format(subject)`` tokenised whole, as every task's
 prompts are, and the answer the first token the model should write after it (the first token of
 ``" " + object`` continuing the prompt: first-token accuracy, the rule of the LRE data and of
-:mod:`mechdiff.methods.knowledge`). Each record names three token positions:
+`mechdiff.methods.knowledge`). Each record names three token positions:
 
 - ``subject``: the subject's last token (where factual recall enriches the subject: Meng et al. 2022,
   Geva et al. 2023);
@@ -14,7 +14,7 @@ prompts are, and the answer the first token the model should write after it (the
   (``of`` in "The capital of France is", ``city`` in "France's capital city is");
 - ``last``: the last token (the read-out).
 
-Position classes are derived from them (:func:`~mechdiff.tasks.records.derived_classes`: ``before``,
+Position classes are derived from them (`derived_classes`: ``before``,
 ``subject``, ``after_subject``, ``relation``, ``after_relation``, ``last``): a partition of every prompt by
 its named tokens, so a multi-token subject's earlier tokens fall in ``before`` (templates that open with
 the subject) or in ``after_relation`` (templates that name the relation first). A record's ``template`` is

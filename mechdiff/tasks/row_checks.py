@@ -1,6 +1,6 @@
 """Checks of one row of a pairs file against a tokenizer: its answers' tokens, its character spans located on
-tokens, and the record a prompt and its answers make. :mod:`mechdiff.tasks.jsonl` (the task's own rows) and
-:mod:`mechdiff.tasks.declared` (the desiderata a task declares) both check their rows with them."""
+tokens, and the record a prompt and its answers make. `mechdiff.tasks.jsonl` (the task's own rows) and
+`mechdiff.tasks.declared` (the desiderata a task declares) both check their rows with them."""
 
 from __future__ import annotations
 
@@ -161,8 +161,8 @@ def splits_a_word(tokenizer: Any, answer: str, ids: Sequence[int]) -> bool:
 
 
 def answer_warnings(tokenizer: Any, pairs: Sequence[Any]) -> list[str]:
-    """One line per kind of doubtful answer among imported ``pairs`` (:class:`~mechdiff.tasks.records.Pair`), with
-    its count: answers without a leading space that split a word (:func:`splits_a_word`; the answer and the
+    """One line per kind of doubtful answer among imported ``pairs`` (`Pair`), with
+    its count: answers without a leading space that split a word (`splits_a_word`; the answer and the
     counterfactual answer of each row), and rows whose answer shares its first token with a different
     counterfactual answer (path patching's first step reads the first token only, so it cannot tell them apart)."""
     from .records import alternative_tokens, answer_tokens
@@ -197,7 +197,7 @@ def answer_warnings(tokenizer: Any, pairs: Sequence[Any]) -> list[str]:
 
 def class_sizes(record: Example) -> dict[str, int]:
     """How many tokens each position class holds in ``record``: its own classes, else those derived from its named
-    positions (:func:`~mechdiff.tasks.records.derived_classes`: ``before``, each name, ``after_<name>``, ``last``)."""
+    positions (`derived_classes`: ``before``, each name, ``after_<name>``, ``last``)."""
     if record.classes:
         return {c: len(tokens) for c, tokens in record.classes.items()}
     masks = derived_classes([record], len(record.input_ids))
@@ -264,8 +264,8 @@ def class_warnings(pairs: Sequence[Any]) -> list[str]:
 
 
 def task_empty_classes(task: Any) -> dict[str, dict[str, tuple[int, int]]]:
-    """:func:`empty_classes` of the clean prompts of every row of a task that holds a fixed list of rows (an
-    imported task, :class:`~mechdiff.tasks.base.Task` ``strata``); ``{}`` for a task that generates its prompts."""
+    """`empty_classes` of the clean prompts of every row of a task that holds a fixed list of rows (an
+    imported task, `Task` ``strata``); ``{}`` for a task that generates its prompts."""
     strata = getattr(task, "strata", None)
     if not strata:
         return {}

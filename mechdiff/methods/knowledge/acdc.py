@@ -9,7 +9,7 @@ changes which edges are kept (up to float rounding of the metric):
 - **incremental recomputation** (``incremental``): an edge into a receiver of layer ``l`` changes
   nothing below ``l``, and every edge into a layer below ``l`` is still in the circuit when ACDC tries
   it; so the senders' outputs below ``l`` are the full model's, cached once, and a trial computes only
-  blocks ``l ..`` (:class:`.forward.EdgeResume`, on the engine's block skip).
+  blocks ``l ..`` (`.forward.EdgeResume`, on the engine's block skip).
 - **speculative batching** (``batch``): the next edges of a receiver (at most ``batch``) are tried in one
   forward, copy ``j`` of the prompts carrying the current circuit without edges ``1 .. j``. Walking them in
   order reproduces the sequential decisions as long as each edge is removed (most are); at the first edge
@@ -247,7 +247,7 @@ def acdc(
 ) -> AcdcResult:
     """ACDC pruning of ``graph`` on ``batches`` (see the module docstring).
 
-    ``batch``: candidate edges per forward (0: as many as :func:`memory_batch` allows; 1: one at a time).
+    ``batch``: candidate edges per forward (0: as many as `memory_batch` allows; 1: one at a time).
     ``incremental=False, batch=1, skip_dead=False``: the plain algorithm, one full forward per edge.
     ``prefilter``: try only the top fraction of edges by |``scores``| (EAP scores, computed here when
     ``None``); each other edge is removed, without a forward, when ACDC reaches it. ``max_trials``: stop

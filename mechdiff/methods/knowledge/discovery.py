@@ -1,15 +1,15 @@
 """Edge-level circuit discovery: EAP / EAP-IG attribution over all edges, and ACDC-style pruning.
 
-- :func:`attribution_scores`: ``score_e = d metric / d m_e`` averaged over facts, where ``metric`` is
-  the answer's log-probability and ``m_e`` the edge mask of :mod:`.forward`. ``method="eap"``: one
+- `attribution_scores`: ``score_e = d metric / d m_e`` averaged over facts, where ``metric`` is
+  the answer's log-probability and ``m_e`` the edge mask of `.forward`. ``method="eap"``: one
   forward + backward per batch with every mask at 1 (Syed et al. 2023: ``(a_clean - a_abl) . grad``).
   ``method="eap-ig"``: integrated gradients over the edge masks, the mean of the gradients at
   ``alpha = (k + 0.5) / steps`` for k < steps (the straight path from the empty circuit to the
   full model), times the path length 1; ``steps`` forward + backward passes per batch. The scores
   of all edges then sum to about ``metric(full) - metric(empty)``.
   Removing edge ``e`` changes the metric by about ``-score_e``.
-- ACDC (exact pruning, edge by edge) lives in :mod:`.acdc`.
-- :func:`top_edges`: the circuit of the ``k`` highest-|score| edges, optionally without dangling edges.
+- ACDC (exact pruning, edge by edge) lives in `.acdc`.
+- `top_edges`: the circuit of the ``k`` highest-|score| edges, optionally without dangling edges.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two single-model knowledge studies (``mechdiff knowledge``) found circuits for the same prompts: ``before`` on
 the unedited model with the original objects, ``after`` on the edited model with the new ones (an edit file,
-:mod:`mechdiff.tasks.relation_data`). :func:`compare_edit` reads both, checks that their discovery ran on the same
+`mechdiff.tasks.relation_data`). `compare_edit` reads both, checks that their discovery ran on the same
 prompts, and measures:
 
 - **overlap** of edges, nodes and heads, each with the hypergeometric p (random sets of the same sizes share

@@ -9,7 +9,7 @@ circuit reads
 where ``a_s`` is sender ``s``'s output *in this run* (computed from its own patched inputs),
 ``abl_s`` its ablated value (zero, or its mean over the relation's facts) and ``m_rs`` the
 edge's mask (1: in the circuit). The receivers' inputs are written where the model reads them,
-through the one driver (:func:`mechdiff.patching.core.trace_sites`) on the architecture adapter's
+through the one driver (`mechdiff.patching.core.trace_sites`) on the architecture adapter's
 sites, so every family the adapters resolve is served:
 
 - Q of head ``h``: its columns of the Q projection output <- ``attn_norm(x_r) @ W_q[h].T + b_q[h]``
@@ -24,13 +24,13 @@ passes a post-norm before the residual add (Gemma 2/3, OLMo 2), that RMS norm is
 per-position scale: ``post(o) = F * o`` with ``F`` read from this run, and head ``h`` contributes
 ``F * head_h``; an MLP post-norm's output is the MLP's contribution. In a parallel block (GPT-J,
 GPT-NeoX, Phi, Cohere) the MLP reads the block input, so the graph has no edge from a layer's heads
-into its MLP (:meth:`Graph.for_model`).
+into its MLP (`Graph.for_model`).
 
 The residual stream itself is left alone; only what each receiver reads changes. With every
 mask 1 the pass reproduces the model (up to float rounding); with every mask 0 under zero
 ablation every receiver reads 0.
 
-Attribution (:func:`edge_gradients`): with every mask equal to ``alpha`` all receivers of a layer
+Attribution (`edge_gradients`): with every mask equal to ``alpha`` all receivers of a layer
 read the same ``x``; each gets its own copy so autograd gives ``g_r = d metric / d x_r`` per
 receiver, and ``d metric / d m_rs = g_r . (a_s - abl_s)`` for every edge at once — EAP at
 ``alpha = 1`` (Syed et al. 2023), and integrated gradients over the edge masks when averaged over
@@ -219,7 +219,7 @@ class EdgeResume:
     ``< layer``) output ``outputs[:graph.senders_before_attn(layer)]`` (``"sender batch pos d_model"``, e.g.
     ``keep_outputs`` of an earlier run of the same prompts) and their blocks are skipped. Exact when no mask
     entry of an edge into a receiver below ``layer`` differs from that earlier run's: an edge into layer ``l``
-    changes nothing before ``l``, so trying it recomputes only layers ``l ..`` (ACDC, :mod:`.acdc`)."""
+    changes nothing before ``l``, so trying it recomputes only layers ``l ..`` (ACDC, `.acdc`)."""
 
     layer: int
     outputs: torch.Tensor
@@ -436,7 +436,7 @@ def edge_gradients(
 def mean_ablation(model: LoadedModel, graph: Graph, batches) -> Ablation:
     """Mean ablation from the clean outputs of every sender over ``batches`` (position 0 kept apart).
 
-    The means are :mod:`mechdiff.patching.ablation`'s, as circuit scoring's; they are applied per edge
+    The means are `mechdiff.patching.ablation`'s, as circuit scoring's; they are applied per edge
     (a removed edge carries its sender's mean into one receiver), not as a patch of the sender."""
     means = PositionMeans(sink_apart, n_buckets=2)
     with torch.no_grad():

@@ -18,7 +18,7 @@ Cohere); into ``LOGITS`` from every node. An edge is named ``"L3H5->L7H2.q"``.
 
 The edge order (receiver-major, senders in topological order) makes every receiver's
 incoming edges one contiguous block, so a mask over all edges reshapes per layer into
-``"receiver sender"`` matrices (see :meth:`Graph.blocks`).
+``"receiver sender"`` matrices (see `Graph.blocks`).
 """
 
 from __future__ import annotations

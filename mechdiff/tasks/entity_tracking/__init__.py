@@ -16,20 +16,20 @@ located by searching for a substring (a label ``"B"`` would otherwise be found i
 
 Public API
 ----------
-- :func:`generate` -> list of :class:`EntityTrackingExample`
-- :func:`path_patching_pairs` (mechdiff's counterfactuals, or the paper's: :func:`paper_path_patching_pairs`),
-  :func:`positional_pairs`, :func:`object_value_pairs`, :func:`label_value_pairs` -> list of
-  :class:`CounterfactualPair`
-- :func:`vocabulary_report` -> :class:`VocabularyReport` (which objects/labels survive the
+- `generate` -> list of `EntityTrackingExample`
+- `path_patching_pairs` (mechdiff's counterfactuals, or the paper's: `paper_path_patching_pairs`),
+  `positional_pairs`, `object_value_pairs`, `label_value_pairs` -> list of
+  `CounterfactualPair`
+- `vocabulary_report` -> `VocabularyReport` (which objects/labels survive the
   single-token filter for a tokenizer)
-- :func:`to_hf_dataset`, :func:`write_jsonl`, :func:`read_jsonl`, :func:`dataset_hash`,
-  :func:`batch_tensors`, :func:`pair_batch_tensors`
+- `to_hf_dataset`, `write_jsonl`, `read_jsonl`, `dataset_hash`,
+  `batch_tensors`, `pair_batch_tensors`
 
-Modules (split by concern): :mod:`.records` (the record types and constants), :mod:`.vocabulary`
-(single-token objects and labels), :mod:`.building` (one prompt, :func:`generate`), :mod:`.pairs`
-(counterfactual kinds), :mod:`.export` (JSONL, ``datasets``, hashing, batching), :mod:`.desiderata`
-(``mechdiff dcm --desiderata``: names and ``.jsonl`` files of pairs), :mod:`.task` (the
-:class:`~mechdiff.tasks.base.Task` registered as ``entity-tracking``).
+Modules (split by concern): `.records` (the record types and constants), `.vocabulary`
+(single-token objects and labels), `.building` (one prompt, `generate`), `.pairs`
+(counterfactual kinds), `.export` (JSONL, ``datasets``, hashing, batching), `.desiderata`
+(``mechdiff dcm --desiderata``: names and ``.jsonl`` files of pairs), `.task` (the
+`Task` registered as ``entity-tracking``).
 """
 
 from __future__ import annotations

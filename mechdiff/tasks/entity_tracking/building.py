@@ -1,5 +1,5 @@
 """Building entity-tracking prompts piece by piece, every position from the tokenizer's offsets,
-and the plain datasets (:func:`generate`)."""
+and the plain datasets (`generate`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """DCM desiderata as ``mechdiff dcm --desiderata`` names them: a task's desiderata by name, or ``.jsonl`` files
-of entity-tracking counterfactual pairs (what :func:`~.export.write_jsonl` wrote), read and checked here, beside
+of entity-tracking counterfactual pairs (what `write_jsonl` wrote), read and checked here, beside
 entity tracking's other data code."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def load_desiderata(
 ) -> dict[str, list[PairRecord]]:
     """The desiderata of ``spec`` (comma-separated) by name: the task's desiderata by name generate ``n`` pairs
     each with ``tokenizer`` alone (no weights: a command checks them before any model loads); ``.jsonl`` paths
-    are user-defined entity-tracking desiderata (:func:`read_desideratum`), named by file stem."""
+    are user-defined entity-tracking desiderata (`read_desideratum`), named by file stem."""
     from ..desiderata import desideratum_pairs  # the module imports the task registry: imported when called
 
     out: dict[str, list[PairRecord]] = {}

@@ -1,4 +1,4 @@
-"""Entity-tracking records to and from JSONL and ``datasets``; a dataset directory (:func:`write_dataset`);
+"""Entity-tracking records to and from JSONL and ``datasets``; a dataset directory (`write_dataset`);
 hashing and batching (the task protocol's)."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def write_jsonl(records: Sequence[Record], path: str | os.PathLike) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Record]:
-    """Read what :func:`write_jsonl` wrote; equal to the records written."""
+    """Read what `write_jsonl` wrote; equal to the records written."""
     with Path(path).open(encoding="utf-8") as f:
         return [_record_from_dict(json.loads(line)) for line in f if line.strip()]
 
@@ -148,7 +148,7 @@ def _hf_features(first: Record) -> "datasets.Features":
 
 
 def batch_tensors(records: Sequence[EntityTrackingExample]) -> dict[str, Any]:
-    """:func:`mechdiff.tasks.base.batch_tensors`: ``input_ids``, ``attention_mask``, ``answer_ids`` and
+    """`mechdiff.tasks.base.batch_tensors`: ``input_ids``, ``attention_mask``, ``answer_ids`` and
     ``positions`` (``last``, ``query_label``, ``query_label_context`` as ``[batch]`` with ``-1`` where the
     query label is absent from the context; ``objects`` and ``labels`` as ``[batch, n_boxes]``)."""
     records = list(records)
@@ -158,7 +158,7 @@ def batch_tensors(records: Sequence[EntityTrackingExample]) -> dict[str, Any]:
 
 
 def pair_batch_tensors(pairs: Sequence[CounterfactualPair]) -> dict[str, Any]:
-    """:func:`mechdiff.tasks.base.pair_batch_tensors` (bases and sources share one token length)."""
+    """`mechdiff.tasks.base.pair_batch_tensors` (bases and sources share one token length)."""
     return base.pair_batch_tensors(pairs)
 
 

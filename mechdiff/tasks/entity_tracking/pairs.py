@@ -53,12 +53,12 @@ def _other_objects(rng: random.Random, base: EntityTrackingExample, report: Voca
 
 #: How path patching builds a clean prompt's counterfactual: ``"fresh"`` (mechdiff's, the default: a new context
 #: whose objects are disjoint from the clean prompt's, another box queried at random, a query letter absent from the
-#: context) or ``"paper"`` (the paper's code, :func:`paper_path_patching_pairs`).
+#: context) or ``"paper"`` (the paper's code, `paper_path_patching_pairs`).
 COUNTERFACTUALS = ("fresh", "paper")
 
 
 def check_counterfactual(counterfactual: str) -> None:
-    """Refuse a counterfactual construction that is not one of :data:`COUNTERFACTUALS`."""
+    """Refuse a counterfactual construction that is not one of `COUNTERFACTUALS`."""
     if counterfactual not in COUNTERFACTUALS:
         raise ValueError(
             f"unknown counterfactual construction {counterfactual!r}; choose one of {', '.join(COUNTERFACTUALS)}"
@@ -82,7 +82,7 @@ def path_patching_pairs(
     is a letter ABSENT from the source context and different from the base's query label; so
     ``source.positions["query_label_context"]`` is ``None``. ``source.query_index`` is the segment that would
     have been queried and ``source.answer`` its object (meaningless for the model). ``"paper"``: the paper's
-    construction (:func:`paper_path_patching_pairs`).
+    construction (`paper_path_patching_pairs`).
 
     ``clean_seed`` draws the clean prompts (default: ``seed``), which are then exactly
     ``generate(tokenizer, n, n_boxes, clean_seed, ...)``; ``seed`` draws the counterfactuals. Giving every model
@@ -253,14 +253,14 @@ def counterfactual_pairs(
     vocabulary: Vocabulary = None,
     letters: Sequence[str] | None = None,
 ) -> list[CounterfactualPair]:
-    """Dispatch on ``kind`` (one of :data:`PAIR_KINDS`)."""
+    """Dispatch on ``kind`` (one of `PAIR_KINDS`)."""
     if kind not in PAIR_GENERATORS:
         raise ValueError(f"unknown counterfactual kind {kind!r}; choose one of {', '.join(PAIR_KINDS)}")
     return PAIR_GENERATORS[kind](tokenizer, n, n_boxes=n_boxes, seed=seed, vocabulary=vocabulary, letters=letters)
 
 
 def parse_pair_kinds(text: str) -> list[str]:
-    """``"positional,object_value"`` -> the kinds, each one of :data:`PAIR_KINDS` (empty text: none)."""
+    """``"positional,object_value"`` -> the kinds, each one of `PAIR_KINDS` (empty text: none)."""
     kinds = [k for k in text.split(",") if k]
     unknown = sorted(set(kinds) - set(PAIR_KINDS))
     if unknown:

@@ -1,6 +1,6 @@
-"""Entity-tracking records: one prompt (:class:`EntityTrackingExample`), a counterfactual pair
-(:class:`CounterfactualPair`) and the constants they share. Both implement the task protocol
-(:mod:`mechdiff.tasks.base`): ``input_ids``, ``answer_id``, named ``positions``; pairs ``base``,
+"""Entity-tracking records: one prompt (`EntityTrackingExample`), a counterfactual pair
+(`CounterfactualPair`) and the constants they share. Both implement the task protocol
+(`mechdiff.tasks.base`): ``input_ids``, ``answer_id``, named ``positions``; pairs ``base``,
 ``source``, ``target_id``."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class EntityTrackingExample:
 
     @staticmethod
     def position_masks(records: Sequence["EntityTrackingExample"], n_pos: int) -> dict[str, Any]:
-        """The prompts' position classes as boolean ``"batch pos"`` masks (see :mod:`.positions`)."""
+        """The prompts' position classes as boolean ``"batch pos"`` masks (see `.positions`)."""
         from .positions import position_classes
 
         return position_classes(records, n_pos)
@@ -96,7 +96,7 @@ class EntityTrackingExample:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EntityTrackingExample":
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of `to_dict`."""
         p = d["positions"]
         return cls(
             prompt=d["prompt"],
@@ -121,7 +121,7 @@ class EntityTrackingExample:
 class CounterfactualPair:
     """A base run, a source (counterfactual) run and the answer the patched base run should
     give (``target`` with leading space, ``target_id`` its token id). ``kind`` is one of
-    :data:`PAIR_KINDS`."""
+    `PAIR_KINDS`."""
 
     base: EntityTrackingExample
     source: EntityTrackingExample
@@ -144,7 +144,7 @@ class CounterfactualPair:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CounterfactualPair":
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of `to_dict`."""
         return cls(
             base=EntityTrackingExample.from_dict(d["base"]),
             source=EntityTrackingExample.from_dict(d["source"]),

@@ -24,7 +24,7 @@ def eval_objects(vocabulary: Vocabulary = None) -> list[str]:
 
 
 def train_objects(vocabulary: Vocabulary = None) -> list[str]:
-    """Objects used for fine-tuning (training and validation prompts): the complement of :func:`eval_objects`."""
+    """Objects used for fine-tuning (training and validation prompts): the complement of `eval_objects`."""
     return [w for i, w in enumerate(_sorted(vocabulary)) if i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
 
 
@@ -40,5 +40,5 @@ def split_objects(split: str, vocabulary: Vocabulary = None) -> list[str]:
 
 
 def split_options(split: str) -> dict[str, list[str]]:
-    """The generator options of ``split`` (:attr:`mechdiff.tasks.base.Task.splits`): its objects as the vocabulary."""
+    """The generator options of ``split`` (`mechdiff.tasks.base.Task.splits`): its objects as the vocabulary."""
     return {"vocabulary": split_objects(split)}

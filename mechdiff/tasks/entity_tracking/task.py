@@ -1,4 +1,4 @@
-"""Entity tracking as a :class:`~mechdiff.tasks.base.Task`: records, discovery pairs, the ablation
+"""Entity tracking as a `Task`: records, discovery pairs, the ablation
 reference set, the DCM desiderata and the A-D discovery plan."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def reference_records(
 ) -> list[EntityTrackingExample]:
     """Prompts whose mean activations replace ablated heads: one per context, ``n_boxes`` boxes.
 
-    ``path_patching``: the sources of :func:`path_patching_pairs` (disjoint objects, a query
-    label absent from the context, as the paper's ablation set); ``fresh``: :func:`generate`.
+    ``path_patching``: the sources of `path_patching_pairs` (disjoint objects, a query
+    label absent from the context, as the paper's ablation set); ``fresh``: `generate`.
     """
     if kind == "path_patching":
         return [p.source for p in path_patching_pairs(tokenizer, n, n_boxes=n_boxes, seed=seed, vocabulary=vocabulary)]
