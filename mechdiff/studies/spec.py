@@ -343,7 +343,11 @@ class RunSpec:
     source: str = "<defaults>"
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: asdict(getattr(self, name)) for name in SECTIONS}
+        """Every section as the task file spells it (margins' measures with ``_``: ``logit_difference``), so the
+        dictionary written out as TOML loads back to this spec."""
+        out = {name: asdict(getattr(self, name)) for name in SECTIONS}
+        out["inference"]["margins"] = {m.replace(" ", "_"): v for m, v in out["inference"]["margins"].items()}
+        return out
 
     @property
     def model_names(self) -> list[str]:

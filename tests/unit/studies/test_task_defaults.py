@@ -150,7 +150,8 @@ def test_import_warns_about_answers_that_split_a_word_or_share_a_first_token(smo
     rows = capitals_rows(12, templates=("short",))
     clean: list[str] = []
     import_pairs(write_rows(tmp_path / "ok.jsonl", rows), smollm2_tokenizer, tmp_path / "ok", warn=clean.append)
-    assert clean == []
+    # the conftest rows name an after_country class that the "short" template leaves empty: only that warning
+    assert [w for w in clean if not w.startswith("class 'after_country' is empty")] == []
     rows[0]["answer"] = "Madrid"  # 'Mad' + 'rid'
     rows[1]["counterfactual_answer"] = "Canberra"  # 'Can' + 'berra'
     rows[2]["answer"] = "Paris"  # one token without its space: no word split
@@ -158,6 +159,7 @@ def test_import_warns_about_answers_that_split_a_word_or_share_a_first_token(smo
     rows[4]["answer"], rows[4]["counterfactual_answer"] = " San Jose", " San Salvador"
     said: list[str] = []
     out = import_pairs(write_rows(tmp_path / "bad.jsonl", rows), smollm2_tokenizer, tmp_path / "bad", warn=said.append)
+    said = [w for w in said if not w.startswith("class 'after_country' is empty")]
     assert len(said) == 2 and (out / "pairs.jsonl").is_file()
     assert said[0].startswith("2 answers without a leading space split a word") and "'Madrid'" in said[0]
     assert said[1].startswith("2 of 12 rows have an answer that shares its first token with the counterfactual")
