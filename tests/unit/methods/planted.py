@@ -26,7 +26,13 @@ def planted_case(tokenizer, pairs):
     d = model.shape.d_head
     with torch.no_grad():
         o_proj.weight[:, PLANTED.head * d : (PLANTED.head + 1) * d] *= 40
-    patched = []
+    return model, planted_pairs(model, pairs, kind="planted")
+
+
+def planted_pairs(model, pairs, kind=None):
+    """Those of ``pairs`` whose answer from ``model`` changes when exactly ``PLANTED``'s z at ``last`` comes from the
+    source (a plain patched run, not the pair cache), that answer their target (and ``kind``, where given)."""
+    out = []
     for chunk in range(0, len(pairs), 16):
         part = pairs[chunk : chunk + 16]
         batch = pair_batch_tensors(part)
@@ -35,12 +41,13 @@ def planted_case(tokenizer, pairs):
         with torch.no_grad():
             new = run(model, batch["base"]["input_ids"], patches).logits.argmax(-1)
             old = run(model, batch["base"]["input_ids"]).logits.argmax(-1)
-        patched += [
-            dataclasses.replace(p, target_id=int(t), kind="planted")
+        extra = {} if kind is None else {"kind": kind}
+        out += [
+            dataclasses.replace(p, target_id=int(t), **extra)
             for p, t, o in zip(part, new.tolist(), old.tolist())
             if t != o
         ]
-    return model, patched
+    return out
 
 
 def mixed_pairs(tokenizer) -> list:

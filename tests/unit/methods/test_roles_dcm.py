@@ -41,6 +41,7 @@ from mechdiff.report.roles import (
 )
 from mechdiff.studies.trajectory import RolesSection, roles_dcm_config
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors
+from unit.methods.planted import planted_pairs
 
 PLANTED = Head(2, 1)
 CANDIDATES = [Head(2, h) for h in range(4)] + [Head(1, 0), Head(1, 2)]
@@ -57,22 +58,6 @@ def planted_model(tokenizer, gone: bool = False):
     with torch.no_grad():
         o_proj.weight[:, PLANTED.head * d : (PLANTED.head + 1) * d] *= 0.0 if gone else 40.0
     return model
-
-
-def planted_pairs(model, pairs):
-    """Pairs whose target is the answer ``model`` gives with exactly ``PLANTED``'s z at ``last`` from the source,
-    where that differs from its unpatched answer (a plain patched run, not the pair cache)."""
-    out = []
-    for chunk in range(0, len(pairs), 16):
-        part = pairs[chunk : chunk + 16]
-        batch = pair_batch_tensors(part)
-        values = source_z(model, batch, [PLANTED.layer], "last")
-        patches = masked_z_patches(model, [PLANTED], torch.zeros(1), values, batch["base"]["positions"]["last"])
-        with torch.no_grad():
-            new = run(model, batch["base"]["input_ids"], patches).logits.argmax(-1)
-            old = run(model, batch["base"]["input_ids"]).logits.argmax(-1)
-        out += [dataclasses.replace(p, target_id=int(t)) for p, t, o in zip(part, new.tolist(), old.tolist()) if t != o]
-    return out
 
 
 @pytest.fixture(scope="module")
