@@ -113,4 +113,12 @@ TEMPLATES = {
     "qa": "Q: What is the capital of {c}? A:",
     "seat": "The government of {c} sits in its capital,",
     "travel": "I flew to the capital of {c}, which is",
+    "the_city": "The capital of {c} is the city of",
+    "country": "The capital of the country {c} is",
+    "fact": "Fact: the capital of {c} is",
+    "known": "As everyone knows, the capital of {c} is",
+    "name": "The name of the capital of {c} is",
+    "located": "The capital of {c} is located in",
+    "in": "In {c}, the capital is",
+    "has": "The country of {c} has its capital in",
 }

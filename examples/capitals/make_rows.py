@@ -3,7 +3,10 @@
 Each row asks one template for one country's capital; its counterfactual asks the same template for another
 country whose name is as many tokens long in SmolLM2's tokenizer (so the two prompts have one length). The
 countries of each template are those ``smollm2-135m`` completes correctly under it by greedy decoding
-(``known.json``, written by ``probe.py``). Answers are of one to six tokens (" Kuala Lumpur").
+(``known.json``, written by ``probe.py``); a template is used where it completes at least MIN_KNOWN countries.
+Answers are of one to six tokens (" Kuala Lumpur"). Each (template, country) prompt is one item (the study's sets
+are disjoint by clean prompt) with up to PARTNERS rows: few rows an item, so that the default study's sets find
+enough items (twelve partners over three templates gave 2,038 rows on only 185 items).
 
 Two DCM desiderata:
 
@@ -26,8 +29,13 @@ from pathlib import Path
 from countries import CAPITALS, TEMPLATES
 
 HERE = Path(__file__).parent
-PARTNERS = 12  # counterfactual countries a (template, country): rows enough for the default study's sets
-USED = ("short", "city", "seat")
+PARTNERS = 4  # counterfactual countries a (template, country): ~4 rows an item, items enough for the default sets
+MIN_KNOWN = 16  # a template is used where smollm2-135m completes at least this many countries under it
+
+
+def used(known: dict[str, dict[str, list]]) -> list[str]:
+    """The templates under which the base completes at least MIN_KNOWN countries, in TEMPLATES' order."""
+    return [t for t in TEMPLATES if sum(good for good, _, _ in known[t].values()) >= MIN_KNOWN]
 
 
 def rows(known: dict[str, dict[str, list]], seed: int = 0) -> list[dict]:
@@ -35,7 +43,7 @@ def rows(known: dict[str, dict[str, list]], seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     capital = dict(CAPITALS)
     out = []
-    for name in USED:
+    for name in used(known):
         text, at = TEMPLATES[name], TEMPLATES[name].index("{c}")
         ok = {c: n for c, (good, _, n) in known[name].items() if good}
         for c in sorted(ok):

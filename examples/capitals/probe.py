@@ -2,7 +2,7 @@
 every answer token the top-1), written to ``known.json`` as ``{model: {template: {country: [correct, answer
 tokens, prompt tokens]}}}``. ``make_rows.py`` keeps the countries ``smollm2-135m`` knows.
 
-``python examples/capitals/probe.py`` (about 5 minutes a model on 2 cores)."""
+``python examples/capitals/probe.py`` (about 5 minutes a model on 2 cores; a template already in ``known.json`` is not probed again)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,14 @@ def probe(name: str, templates: list[str]) -> dict[str, dict[str, list]]:
 
 
 def main() -> None:
-    known = {name: probe(name, templates) for name, templates in MODELS.items()}
-    (HERE / "known.json").write_text(json.dumps(known, indent=1) + "\n")
+    """Probe every (model, template) that ``known.json`` does not hold yet, and add it there."""
+    path = HERE / "known.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    for name, templates in MODELS.items():
+        missing = [t for t in templates if t not in known.get(name, {})]
+        if missing:
+            known.setdefault(name, {}).update(probe(name, missing))
+    path.write_text(json.dumps(known, indent=1) + "\n")
 
 
 if __name__ == "__main__":
