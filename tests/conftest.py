@@ -189,6 +189,61 @@ def _gguf_dequantized_once():
     patch.undo()
 
 
+def _files_key(src, kwargs: dict):
+    """A tokenizer's cache key: its source and keywords, with the name, size and change time of every file of its
+    directory (a file rewritten in a test reads afresh); None for a hub name (read as before)."""
+    path = Path(str(src))
+    if not path.is_dir():
+        return None
+    files = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file())
+    return str(path.resolve()), repr(sorted(kwargs.items())), files
+
+
+def cache_tokenizers(patch: pytest.MonkeyPatch) -> None:
+    """Every ``AutoTokenizer.from_pretrained`` of a local directory is read once per process and handed out as a
+    deep copy (0.8 s of CPU a read of SmolLM2's tokenizer.json, 0.16 s a copy; a tiny study reads it seven times)."""
+    from transformers import AutoTokenizer
+
+    original, cache = AutoTokenizer.from_pretrained, {}
+
+    def from_pretrained(src, *args, **kwargs):
+        key = None if args else _files_key(src, kwargs)
+        if key is None:
+            return original(src, *args, **kwargs)
+        if key not in cache:
+            cache[key] = original(src, **kwargs)
+        return copy.deepcopy(cache[key])
+
+    patch.setattr(AutoTokenizer, "from_pretrained", from_pretrained)
+
+
+def measure_machine_once(patch: pytest.MonkeyPatch) -> None:
+    """This machine's matrix-multiply throughput, weight and scratch-file bandwidth and pass overhead, measured once
+    per process for each shape (each measurement runs at least 0.2-0.4 s of CPU; every study run and plan measured
+    them again, twice a run). Still measurements of this machine: only not repeated."""
+    from mechdiff.models import devices
+    from mechdiff.studies import resources
+
+    for module, name in (
+        (devices, "matmul_throughput"),
+        (devices, "weight_bandwidth"),
+        (resources, "scratch_bandwidth"),
+        (resources, "pass_overhead"),
+    ):
+        patch.setattr(module, name, functools.cache(getattr(module, name)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _read_and_measured_once():
+    """Tokenizers read once (`cache_tokenizers`) and the machine measured once (`measure_machine_once`) per
+    test process."""
+    patch = pytest.MonkeyPatch()
+    cache_tokenizers(patch)
+    measure_machine_once(patch)
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The real SmolLM2-135M-Instruct weights (about 5-30 s to load)."""

@@ -3,6 +3,7 @@ plotly.js inlined once (gzipped), a run's sections, captions and stage rows, and
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 from pathlib import Path
@@ -130,6 +131,7 @@ class Figures:
         return out
 
 
+@functools.cache
 def plotly_gz() -> str:
     """plotly.js (the one plotly ships) gzipped (no time stamp: the same bytes on every run) in base64."""
     import base64

@@ -106,14 +106,20 @@ def _check_paired_differences(spec, run_dir, text):
     assert "on the same prompts (paired 95% intervals, Holm within the family)" in text
 
 
-def test_study_end_to_end_and_caching(tiny_family, tmp_path):
+def test_study_end_to_end_and_caching(tiny_family, tiny_study, tmp_path):
+    import shutil
+
     spec = tiny_spec(tiny_family, tmp_path)
     first = Study(spec, progress=False)
     plan = first.plan()  # what the run will do: every stage to compute, each with its key
     assert first.models._loaded == {} and not any(p.cached for p in plan) and all(p.key for p in plan)
-    report = first.run()
-    assert {p.name: p.key for p in plan} == {n: r.key for n, r in first.cache.records.items()}
-    text = report.read_text()
+    # the run of this spec from an empty directory: tiny_study's (the same spec, run once for every test that
+    # reads a finished study; the output paths are in no stage key), copied here before anything changes
+    shutil.copytree(tiny_study, tmp_path, dirs_exist_ok=True)
+    run_dir = tmp_path / "run"
+    records = [json.loads(p.read_text()) for p in (run_dir / "stages").glob("*.json")]
+    assert {p.name: p.key for p in plan} == {r["name"]: r["key"] for r in records}  # the plan's stages, its keys
+    text = (run_dir / "report.md").read_text()
     for section in (
         "## Findings",
         "## Accuracy",
@@ -125,15 +131,15 @@ def test_study_end_to_end_and_caching(tiny_family, tmp_path):
         "## What was run",
     ):
         assert section in text
-    run_dir = tmp_path / "run"
     assert (run_dir / "figures" / "membership.png").is_file()
     assert (run_dir / "tables" / "accuracy.csv").is_file() and (run_dir / "tables" / "accuracy.tex").is_file()
     assert (run_dir / "circuits").is_dir()
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["versions"]["torch"] and all(not s["cached"] for s in manifest["stages"].values())
-    assert manifest["kind"] == "circuits" and manifest["spec"] == json.loads(json.dumps(spec.to_dict()))
+    ran = tiny_spec(tiny_family, tiny_study)  # the spec as it ran: this one but for its output paths
+    assert manifest["kind"] == "circuits" and manifest["spec"] == json.loads(json.dumps(ran.to_dict()))
     assert "settings" not in manifest and set(manifest["model_digests"]) == set(tiny_family)
-    assert set(manifest["loaded_models"]) == set(tiny_family) and manifest["source"] == spec.source
+    assert set(manifest["loaded_models"]) == set(tiny_family) and manifest["source"] == ran.source
     _check_heads_table_and_page(spec, run_dir, text, tmp_path)
     _check_paired_differences(spec, run_dir, text)
 
