@@ -331,10 +331,11 @@ def tiny_family(tmp_path_factory, smollm2_tokenizer) -> list[str]:
     return names
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_run(smollm2_tokenizer, tmp_path_factory) -> tuple[Path, Path]:
     """A tiny llama saved as a base directory, and a 4-step entity-tracking LoRA run over it saving steps 0, 2 and 4
-    (a trajectory of three checkpoints, ``f"{run}@{step}"``)."""
+    (a trajectory of three checkpoints, ``f"{run}@{step}"``). Shared by the whole run (four test files): tests only
+    read it, or copy it."""
     from mechdiff.commands.finetune import _save_spec
     from mechdiff.methods.finetune import FinetuneConfig, finetune
 
