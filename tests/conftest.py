@@ -199,12 +199,19 @@ def _files_key(src, kwargs: dict):
     return str(path.resolve()), repr(sorted(kwargs.items())), files
 
 
+#: Tokenizers `cache_tokenizers` holds at once (about 6 MB each), the most recently read: a study reads its few
+#: models' again and again; most tests read one of their own temporary directory's once.
+TOKENIZERS_HELD = 8
+
+
 def cache_tokenizers(patch: pytest.MonkeyPatch) -> None:
-    """Every ``AutoTokenizer.from_pretrained`` of a local directory is read once per process and handed out as a
-    deep copy (0.8 s of CPU a read of SmolLM2's tokenizer.json, 0.16 s a copy; a tiny study reads it seven times)."""
+    """``AutoTokenizer.from_pretrained`` of a local directory read again is a deep copy of the last read (0.8 s of
+    CPU a read of SmolLM2's tokenizer.json, 0.16 s a copy; a tiny study reads it seven times)."""
+    from collections import OrderedDict
+
     from transformers import AutoTokenizer
 
-    original, cache = AutoTokenizer.from_pretrained, {}
+    original, cache = AutoTokenizer.from_pretrained, OrderedDict()
 
     def from_pretrained(src, *args, **kwargs):
         key = None if args else _files_key(src, kwargs)
@@ -212,6 +219,9 @@ def cache_tokenizers(patch: pytest.MonkeyPatch) -> None:
             return original(src, *args, **kwargs)
         if key not in cache:
             cache[key] = original(src, **kwargs)
+            if len(cache) > TOKENIZERS_HELD:
+                cache.popitem(last=False)
+        cache.move_to_end(key)
         return copy.deepcopy(cache[key])
 
     patch.setattr(AutoTokenizer, "from_pretrained", from_pretrained)
