@@ -854,6 +854,84 @@ def cmap_items_of(study: "Study", cmap: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def _dcm_over_items(study: "Study", dcm: "StageRecord") -> "StageRecord":
+    """``dcm`` with each selection's target and floor accuracies (its DCM row and every model's semantic patching)
+    as intervals over the test pairs' items (`dcm_test_items`), from the per-pair outcomes the stage kept; unchanged
+    where the pairs are items of their own. Random heads keep the stage's interval, which resamples the draws as
+    well as the pairs (the per-pair share over items alone would leave the draws' spread out)."""
+    from dataclasses import replace
+
+    from ..common import inference as inf
+    from ..common.outcomes import from_bits
+
+    items = dcm_test_items(study, dcm)
+    if not items:
+        return dcm
+
+    def arms(rec: dict, on: np.ndarray) -> dict:
+        out = {}
+        if (rec.get("outcomes") or {}).get("correct"):
+            out["accuracy"] = inf.proportion(from_bits(rec["outcomes"]["correct"]), on).to_dict(detail=True)
+        if rec.get("floor_outcomes"):
+            out["floor"] = inf.proportion(from_bits(rec["floor_outcomes"]), on).to_dict(detail=True)
+        return {k: v for k, v in out.items() if v["n"] == on.size}
+
+    semantic = []
+    for x in dcm.result.get("semantic", []):
+        on = items.get(f"{x['group']}/{x['desideratum']}")
+        semantic.append({**x, **arms(x, on)} if on is not None else x)
+    rows = []
+    for r in dcm.result.get("dcm", []):
+        on = items.get(f"{r['group']}/{r['desideratum']}")
+        base = next(
+            (
+                x
+                for x in dcm.result.get("semantic", [])
+                if (x["group"], x["desideratum"]) == (r["group"], r["desideratum"])
+                and x["accuracy"]["value"] == r["test_accuracy"]["value"]
+            ),
+            None,
+        )
+        got = arms(base, on) if base is not None and on is not None else {}
+        if "accuracy" in got:
+            got["test_accuracy"] = got.pop("accuracy")
+        rows.append({**r, **got})
+    return replace(dcm, result={**dcm.result, "dcm": rows, "semantic": semantic})
+
+
+def _cmap_over_items(study: "Study", cmap: dict) -> dict:
+    """``cmap`` with each part's accuracy and both models' as intervals over the CMAP prompts' items
+    (`cmap_items_of`), from the per-prompt outcomes the stage kept; unchanged where prompts are items. The random
+    controls keep the stage's interval (it resamples their draws as well as the prompts)."""
+    from dataclasses import replace
+
+    from ..common import inference as inf
+
+    out = dict(cmap)
+    for ft, items in cmap_items_of(study, cmap).items():
+        r = cmap[ft].result
+        outcomes, on = r["outcomes"], r.get("random_prompts") or []
+
+        def over(key: str) -> Optional[dict]:
+            x = np.asarray(outcomes.get(key, []), dtype=float)
+            if not x.size:
+                return None
+            its = items[np.asarray(on)] if x.size != items.size and len(on) == x.size else items[: x.size]
+            return inf.mean(x, its).to_dict(detail=True)
+
+        def row(x: dict) -> dict:
+            got = over(f"{x['scope']}/{x['kind']}")
+            return {**x, "accuracy": got} if got is not None else x
+
+        result = {**r, "rows": [row(x) for x in r["rows"]]}  # random controls keep their draws-and-prompts interval
+        for m in ("base", "finetune"):
+            got = over(m)
+            if got is not None:
+                result[f"{m}_accuracy"] = got
+        out[ft] = replace(cmap[ft], result=result)
+    return out
+
+
 def dcm_findings(dcm: "StageRecord", tests: Optional[dict] = None) -> str:
     """One sentence per (group, desideratum) whose mask selected heads: "encodes" only where the paired tests
     against the no-intervention floor and against random heads both survive Holm in "what the heads encode"."""
@@ -1190,6 +1268,7 @@ def write_report(
     mat_text, mat_rows = matrix_section(study, matrix)
     paired_text, paired = paired_section(study, accuracy, matrix, dcm)
     gain, encoded = cmap_family(cmap, cmap_items_of(study, cmap)), dcm_tests(dcm, study.spec.models.base, study)
+    dcm_shown, cmap_shown = _dcm_over_items(study, dcm), _cmap_over_items(study, cmap)  # intervals over items
     controls = controls_family(mat_rows)
     ov_text, overlaps = overlap_section(study, found)
     manifest = study.manifest()
@@ -1218,9 +1297,9 @@ def write_report(
         "## Findings\n",
         circuit_findings(study, positions, mat_rows, controls),
         *[f"- **{name}**: {why}." for name, why in without_behaviour.items()],
-        findings(study, acc_rows, mat_rows, overlaps, cmap, paired, gain),
+        findings(study, acc_rows, mat_rows, overlaps, cmap_shown, paired, gain),
         paired_findings(paired),
-        dcm_findings(dcm, encoded),
+        dcm_findings(dcm_shown, encoded),
         "",
         "## Limitations\n",
         limitations(study, positions) + PHRASINGS[_held_out(study)],
@@ -1240,9 +1319,9 @@ def write_report(
         "## Overlap\n",
         ov_text,
         "## What the heads encode (DCM)\n",
-        dcm_section(study, dcm, finetune_dcm),
+        dcm_section(study, dcm_shown, finetune_dcm),
         "## Cross-model activation patching (CMAP)\n",
-        cmap_section(study, cmap),
+        cmap_section(study, cmap_shown),
         "## Families of claims\n",
         families_section(study, paired, gain, encoded, controls),
         "## What was run\n",

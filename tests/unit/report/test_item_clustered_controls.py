@@ -112,3 +112,37 @@ def test_the_accuracy_table_counts_items_where_rows_share_them():
     exact = binomtest(6, 8).proportion_ci()  # 6 of 8 items right, each item's rows alike
     assert got["items"] == 8 and got["low"] <= exact.low + 1e-12 and got["high"] >= exact.high - 1e-12
     assert _accuracy_over_items(result, None)["accuracy"] == stage["accuracy"]  # one row an item: the stage's
+
+
+def test_dcm_arms_are_shown_over_the_test_pairs_items():
+    from mechdiff.report.study_report import _dcm_over_items, dcm_test_items
+    from mechdiff.runs.stages import StageRecord
+
+    ids = np.repeat(np.arange(12), 4)  # the dcm set: 48 pairs in 12 items
+    split, seed = [0.25, 0.125, 0.625], 1
+    test = split_indices(48, split, seed, ids.tolist())[2]
+    patched = (ids[test] % 3 != 0).astype(int)  # right on the pairs of two items in three
+    est = {"value": patched.mean(), "low": 0.0, "high": 1.0, "n": len(test)}
+    floor = np.zeros(len(test), dtype=int)
+    row = {"group": "last", "desideratum": "swapped", "selected": ["L1H0"], "test_accuracy": est, "config": {}}
+    row.update(n_train=48 - len(test) - len(split_indices(48, split, seed, ids.tolist())[1]))
+    row.update(n_val=len(split_indices(48, split, seed, ids.tolist())[1]), n_test=len(test))
+    row["config"] = {"split": split, "seed": seed}
+    sem = {
+        "group": "last",
+        "desideratum": "swapped",
+        "model": "base",
+        "heads": ["L1H0"],
+        "accuracy": est,
+        "floor": {**est, "value": 0.0},
+        "outcomes": {"correct": bits(patched)},
+        "floor_outcomes": bits(floor),
+    }
+    study = SimpleNamespace(task=SimpleNamespace(items=list(range(48))), set_items=lambda name: ids)
+    dcm = StageRecord("dcm", "k", {"dcm": [row], "semantic": [sem]}, 0.0, True)
+    assert np.array_equal(dcm_test_items(study, dcm)["last/swapped"], ids[test])
+    shown = _dcm_over_items(study, dcm).result
+    want = inf.proportion(patched, ids[test])
+    got = shown["dcm"][0]["test_accuracy"]
+    assert (got["low"], got["high"], got["items"]) == (want.low, want.high, len(set(ids[test].tolist())))
+    assert shown["semantic"][0]["accuracy"]["items"] == got["items"]
