@@ -83,7 +83,9 @@ def test_a_field_that_defaults_to_none_is_checked_as_the_type_it_takes(tmp_path,
     path.write_text(HEAD.replace("[models]\n", "[models]\n" + text + "\n") if section == "models" else
                     f"{HEAD}\n[{section}]\n{text}\n")  # fmt: skip
     line = path.read_text().splitlines().index(text.splitlines()[-1]) + 1
-    with pytest.raises(S.SpecError, match=rf"t.toml:{line}: .* in \[{section}\] — give {type_name} \(or leave it out\)"):
+    with pytest.raises(
+        S.SpecError, match=rf"t.toml:{line}: .* in \[{section}\] — give {type_name} \(or leave it out\)"
+    ):
         S.load_spec(path)
 
 
