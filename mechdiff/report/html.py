@@ -7,28 +7,29 @@ records where present; the circuits; DCM; CMAP), a model toggle and the differen
 position scan, curve, selection stability and CMAP as plots with their intervals, every table (sortable) and the
 stage table. Any other results directory (a HeadMap, IOI or knowledge run) gets its summary, every table and a
 grid per circuit file it holds. Charts are Plotly figures; plotly.js is inlined once, gzipped, so the file opens from
-disk with no network.
+disk with no network. The page, its tables, figures and grid are jinja2 templates (``templates/``, `render`).
 """
 
 from __future__ import annotations
 
-import html
 import json
 import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
+
+from markupsafe import Markup
 
 from ..common.io import write_text
 from ..common.metrics import continuous_key
 from .heads import HEADS_TABLE, head_rows
 from .page_kit import (
     HEAD,
-    LOADER,
     Figures,
     caption,
     hkey,
     inline,
     markdown_html,
+    render,
     sections,
     stage_rows,
     table_html,
@@ -266,76 +267,17 @@ class Grid:
         return fig
 
     def html(self, figs: "Figures", title: str, div_id: str = "grid") -> str:
+        """The grid's data block and figure, its hover filled by ``gridText`` (``templates/grid.js``)."""
         data = json.dumps(self.data(), separators=(",", ":")).replace("</", "<\\/")
         fill = (
             "var t = gridText(GRID_DATA); Plotly.restyle('{plot_id}', {text: t}, t.map(function (_, i) { return i; }));"
         )
-        return f"<script>var GRID_DATA = {data};</script>" + figs.div(self.figure(title), div_id, post_script=fill)
+        return render("grid.html.j2", data=Markup(data), figure=figs.div(self.figure(title), div_id, post_script=fill))
 
 
 def _round(v: Any) -> Any:
     """Three significant digits, as the hover shows them (the tables keep every digit)."""
     return float(f"{v:.3g}") if isinstance(v, float) else v
-
-
-#: Fills each grid view's hover text from GRID_DATA before the figure is drawn.
-GRID_JS = """
-function gridText(D) {
-  function name(l, h) { return "L" + l + "H" + h; }
-  function num(v) { return v === null ? "-" : Number(v).toPrecision(3); }
-  var inC = {};
-  Object.keys(D.members).forEach(function (c) {
-    D.members[c].forEach(function (p) { var k = p.join(","); (inC[k] = inC[k] || []).push(c); });
-  });
-  function classes(c, l, h) {
-    return D.members[c].filter(function (p) { return p[0] === l && p[1] === h; })
-      .map(function (p) { return D.classes[p[2]]; });
-  }
-  var out = [];
-  D.views.forEach(function (v) {
-    var text = [];
-    for (var h = 0; h < D.heads; h++) {
-      var row = [];
-      for (var l = 0; l < D.layers; l++) {
-        var lines;
-        if (v.a !== undefined) {
-          var a = classes(v.a, l, h), b = classes(v.b, l, h);
-          lines = ["<b>" + name(l, h) + "</b>: " + v.name, v.a + ": " + (a.join(", ") || "-"),
-                   v.b + ": " + (b.join(", ") || "-"),
-                   "shared: " + (a.filter(function (x) { return b.indexOf(x) >= 0; }).join(", ") || "-")];
-        } else {
-          lines = ["<b>" + name(l, h) + "</b> in " + v.name];
-          var seen = {};
-          v.pairs.forEach(function (p) {
-            if (p[0] !== l || p[1] !== h) return;
-            var parts = [], k = p.slice(0, 3).join(",");
-            seen[p[2]] = 1;
-            if (p[3] != null) parts.push("attribution " + num(p[3]) + " (rank " + p[4] + ")");
-            if (p[5] != null) parts.push("selected " + num(p[5]));
-            if (p[6] != null) parts.push("path patching " + num(p[6]));
-            parts.push("in " + ((inC[k] || []).join(", ") || "no circuit"));
-            lines.push(D.classes[p[2]] + ": " + parts.join("; "));
-          });
-          Object.keys(D.members).forEach(function (c) {
-            D.members[c].forEach(function (p) {
-              if (p[0] === l && p[1] === h && !seen[p[2]]) {
-                seen[p[2]] = 1;
-                lines.push(D.classes[p[2]] + ": in " + inC[p.join(",")].join(", "));
-              }
-            });
-          });
-          (v.notes[name(l, h)] || []).forEach(function (n) { lines.push(D.notes[n]); });
-          if (lines.length === 1) lines.push("no score in this run");
-        }
-        row.push(lines.join("<br>"));
-      }
-      text.push(row);
-    }
-    out.push(text);
-  });
-  return out;
-}
-"""
 
 
 def _shape(heads: Iterable[str]) -> tuple[int, int]:
@@ -719,40 +661,6 @@ def _head_rows_beside(path: Path, loaded: dict[Path, Any]) -> dict[str, list[dic
 
 
 # -- the page ---------------------------------------------------------------------------------------
-STYLE = """
-body{font-family:system-ui,sans-serif;max-width:1200px;margin:1em auto;padding:0 1em;color:#222}
-h1{font-size:1.5em}h2{border-bottom:1px solid #ddd;margin-top:1.6em}
-.note,.lead{color:#555;font-size:.9em}code{background:#f3f3f3;padding:0 .2em}
-table{border-collapse:collapse;margin:1em 0;font-size:.85em;display:block;overflow-x:auto}
-caption{text-align:left;font-size:.9em;color:#444;padding:.3em 0}
-th,td{border:1px solid #ddd;padding:.2em .5em;white-space:nowrap}
-th{background:#f6f6f6;cursor:pointer;position:sticky;top:0}th.asc:after{content:" \\25B2"}
-th.desc:after{content:" \\25BC"}
-"""
-
-SORT = """
-document.querySelectorAll("table.sortable th").forEach(function (th, col) {
-  th.addEventListener("click", function () {
-    var table = th.closest("table"), body = table.tBodies[0], rows = Array.from(body.rows);
-    var index = Array.prototype.indexOf.call(th.parentNode.children, th);
-    var asc = !th.classList.contains("asc");
-    th.parentNode.querySelectorAll("th").forEach(function (h) { h.classList.remove("asc", "desc"); });
-    th.classList.add(asc ? "asc" : "desc");
-    function key(row) {
-      var cell = row.cells[index], v = cell.getAttribute("data-v");
-      return v === null ? cell.textContent : parseFloat(v);
-    }
-    rows.sort(function (a, b) {
-      var x = key(a), y = key(b);
-      var c = (typeof x === "number" && typeof y === "number") ? x - y : String(x).localeCompare(String(y));
-      return asc ? c : -c;
-    });
-    rows.forEach(function (r) { body.appendChild(r); });
-  });
-});
-"""
-
-
 def page(run_dir: str | Path) -> str:
     """The whole page of ``run_dir``."""
     run_dir = Path(run_dir)
@@ -763,11 +671,7 @@ def page(run_dir: str | Path) -> str:
         title, body = trajectory_page(run_dir)
     else:
         title, body = study_page(run_dir) if "spec" in manifest else generic_page(run_dir)
-    return (
-        f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>"
-        f"<style>{STYLE}</style><script>{LOADER}{GRID_JS}</script></head><body><h1>{html.escape(title)}</h1>{body}"
-        f"<script>{SORT}</script></body></html>\n"
-    )
+    return render("page.html.j2", title=title, body=Markup(body)) + "\n"
 
 
 def write_html(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
