@@ -483,107 +483,91 @@ def _ordered_tables(tables: dict[str, Any], report: str) -> list[str]:
     return list(dict.fromkeys(cited + sorted(tables)))
 
 
-def _summary(report: str) -> str:
+def _summary_parts(report: str) -> list[tuple[str, Markup]]:
+    """The report's Findings and Limitations (else its summary): each heading with its Markdown as HTML."""
     parts = sections(report)
-    out = []
-    for name in ("Findings", "Limitations"):
-        if name in parts:
-            out.append(f"<h2>{name}</h2>{markdown_html(parts[name])}")
-    if not out and parts.get(""):
-        out.append(f"<h2>Summary</h2>{markdown_html(parts[''])}")
-    return "".join(out)
+    shown = [(name, Markup(markdown_html(parts[name]))) for name in ("Findings", "Limitations") if name in parts]
+    if not shown and parts.get(""):
+        shown = [("Summary", Markup(markdown_html(parts[""])))]
+    return shown
+
+
+def _summary(report: str) -> str:
+    return render("summary.html.j2", summary=_summary_parts(report))
 
 
 def study_page(run_dir: Path) -> tuple[str, str]:
-    """Title and body of the page of a study run."""
+    """Title and body of the page of a study run (``templates/study.html.j2``)."""
     run = StudyRun(run_dir)
     report = (run_dir / "report.md").read_text() if (run_dir / "report.md").exists() else ""
     figs = Figures()
     spec = run.manifest["spec"]
     title = f"{spec['task']['name']}: {run.base} against {', '.join(run.finetunes)}"
-    body = [f"<p class=lead>{inline(sections(report).get('', ''))}</p>" if report else "", _summary(report)]
-    if "accuracy" in run.tables:
-        body += ["<h2>Accuracy</h2>", table_html(run.tables["accuracy"], caption(run_dir / "tables/accuracy.json"))]
-    body.append("<h2>Heads</h2>")
-    body.append(run.grid().html(figs, "circuit pairs per head (cell: position classes in the circuit)"))
-    source = (
-        f"Scores per (head, position class) from <code>{run.heads_source}</code>."
-        if run.heads_source
-        else "This run predates <code>tables/heads.json</code> and has no stage records here: the hover shows "
-        "circuit membership, DCM and CMAP only (attribution and selection frequency were in the stage "
-        "records, which are not committed)."
-    )
-    body.append(
-        f"<p class=note>Hover a cell for every score the run holds for that head: per position class "
-        f"its attribution and rank in the model's ranking, its selection frequency over the bootstrap "
-        f"resamples, the circuits holding the pair; DCM labels with their intervals; CMAP of its group. "
-        f"The buttons switch model, or show the difference (second minus first, in classes). {source}</p>"
-    )
-    scan = run.tables.get("position_scan")
-    if scan:
-        series = {m: [r for r in scan if r["model"] == m] for m in run.models}
-        body += [
-            "<h2>Position scan</h2>",
-            figs.div(
-                interval_plot(
-                    series,
-                    "step",
-                    ("faithfulness",),
-                    "Position scan: faithfulness with every head kept at the classes chosen so far",
-                    "step",
-                    "faithfulness",
-                    text="added",
-                ),
-                "position_scan",
-            ),
-        ]
-    curve = run.tables.get("curve")
-    if curve:
-        series = {m: [r for r in curve if r["model"] == m] for m in run.models}
-        body += [
-            "<h2>Faithfulness curve</h2>",
-            figs.div(
-                interval_plot(
-                    series,
-                    "fraction",
-                    ("faithfulness", continuous_key(curve[0])),
-                    "Faithfulness of nested circuits (top fraction of the attribution ranking)",
-                    "fraction of pairs",
-                    "faithfulness",
-                    log_x=True,
-                ),
-                "curve",
-            ),
-        ]
-    stab = run.stability()
-    body.append("<h2>Selection stability</h2>")
-    body.append(
-        figs.div(stab, "stability")
-        if stab is not None
-        else "<p class=note>No selection frequencies in this run's committed files (older runs kept them only "
-        "in the stage records).</p>"
-    )
-    cm = run.cmap_figures()
-    if cm:
-        body.append("<h2>CMAP</h2>")
-        body += [figs.div(fig, div_id) for div_id, fig in cm]
-    body.append("<h2>Tables</h2><p class=note>Click a column header to sort.</p>")
-    for stem in _ordered_tables(run.tables, report):
-        if _is_table(run.tables[stem]):
-            body.append(
-                table_html(run.tables[stem], caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv")
-            )
+    accuracy = run.tables.get("accuracy")
+    # the figures in the page's order: the first carries plotly.js
+    grid = run.grid().html(figs, "circuit pairs per head (cell: position classes in the circuit)")
+    scan, curve = _scan_figure(run, figs), _curve_figure(run, figs)
+    stability = run.stability()
+    stability = figs.div(stability, "stability") if stability is not None else None
+    cmap = [figs.div(fig, div_id) for div_id, fig in run.cmap_figures()]
+    tables = [
+        table_html(run.tables[stem], caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv")
+        for stem in _ordered_tables(run.tables, report)
+        if _is_table(run.tables[stem])
+    ]
     stages = stage_rows(run.manifest)
-    if stages:
-        body += [
-            "<h2>Stages</h2>",
-            table_html(
-                stages,
-                "What ran: seconds when computed, and whether this invocation reused the cached record",
-                "run.json",
-            ),
-        ]
-    return title, "".join(body)
+    ran = "What ran: seconds when computed, and whether this invocation reused the cached record"
+    body = render(
+        "study.html.j2",
+        lead=Markup(inline(sections(report).get("", ""))) if report else None,
+        summary=_summary_parts(report),
+        accuracy=table_html(accuracy, caption(run_dir / "tables/accuracy.json")) if accuracy else None,
+        grid=grid,
+        heads_source=run.heads_source,
+        scan=scan,
+        curve=curve,
+        stability=stability,
+        cmap=cmap,
+        tables=tables,
+        stages=table_html(stages, ran, "run.json") if stages else None,
+    )
+    return title, body
+
+
+def _scan_figure(run: StudyRun, figs: Figures) -> Optional[str]:
+    """The position scan's faithfulness per step, each model a line with its interval (None: no scan)."""
+    scan = run.tables.get("position_scan")
+    if not scan:
+        return None
+    series = {m: [r for r in scan if r["model"] == m] for m in run.models}
+    fig = interval_plot(
+        series,
+        "step",
+        ("faithfulness",),
+        "Position scan: faithfulness with every head kept at the classes chosen so far",
+        "step",
+        "faithfulness",
+        text="added",
+    )
+    return figs.div(fig, "position_scan")
+
+
+def _curve_figure(run: StudyRun, figs: Figures) -> Optional[str]:
+    """The faithfulness of the nested circuits against their fraction of pairs (None: no curve)."""
+    curve = run.tables.get("curve")
+    if not curve:
+        return None
+    series = {m: [r for r in curve if r["model"] == m] for m in run.models}
+    fig = interval_plot(
+        series,
+        "fraction",
+        ("faithfulness", continuous_key(curve[0])),
+        "Faithfulness of nested circuits (top fraction of the attribution ranking)",
+        "fraction of pairs",
+        "faithfulness",
+        log_x=True,
+    )
+    return figs.div(fig, "curve")
 
 
 # -- any other results directory ---------------------------------------------------------------------
