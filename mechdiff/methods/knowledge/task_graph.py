@@ -124,7 +124,7 @@ def prompt_edge_scores(
     steps: int = 5,
     progress: bool = True,
 ) -> np.ndarray:
-    """Each prompt's attribution of every edge, ``"prompt edge"`` (rows in the records' order): ``d metric / d m_e``
+    """Each prompt's attribution of every edge, ``"prompt edge"`` (row ``i``: record ``i`` of the batches' rows): ``d metric / d m_e``
     at every mask 1 (``eap``), or its mean over ``alpha = (k + 0.5) / steps`` (``eap-ig``), each prompt's ablation
     its group's (``ablations``, `group_ablations`; a group without reference prompts is refused)."""
     if method not in METHODS:
@@ -133,7 +133,7 @@ def prompt_edge_scores(
     if missing:
         raise ValueError(f"no reference prompts for {', '.join(dict.fromkeys(missing))}: add reference prompts there")
     alphas = [1.0] if method == "eap" else [(k + 0.5) / steps for k in range(steps)]
-    out = np.zeros((sum(len(b) for b in batches), graph.n_edges), dtype=np.float64)
+    out = np.zeros((1 + max((r for b in batches for r in b.rows), default=-1), graph.n_edges), dtype=np.float64)
     jobs = [(b, a) for b in batches for a in alphas]
     for b, alpha in progress_bar(jobs, desc=f"edges {method} ({model.name})", disable=not progress, leave=False):
         scores = edge_gradients(
