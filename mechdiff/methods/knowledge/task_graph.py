@@ -35,11 +35,14 @@ from ...common.progress import progress_bar
 from ...models.loading import LoadedModel
 from ...patching.ablation import PositionMeans
 from ...tasks.base import GroupKey, batch_tensors, group_key, group_name, grouped_batches, max_answer_length, take
+from .discovery import IG_STEPS
 from .forward import Ablation, edge_forward, edge_gradients
 from .graph import Graph
 
 #: Edge attribution methods (`.discovery`): EAP at the full model (one pass), or EAP-IG over the masks.
 METHODS = ("eap", "eap-ig")
+#: Prompts a forward and backward of the edge graph (every receiver reads its own copy of the residual stream).
+EDGE_BATCH = 8
 
 
 @dataclass
@@ -101,7 +104,7 @@ class PositionAblation(Ablation):
 
 
 def group_ablations(
-    model: LoadedModel, graph: Graph, reference: Sequence, batch_size: int = 32
+    model: LoadedModel, graph: Graph, reference: Sequence, batch_size: int = EDGE_BATCH
 ) -> dict[GroupKey, PositionAblation]:
     """Per (template, token length) of ``reference``: every sender's clean output averaged over those reference
     prompts at each position."""
@@ -120,13 +123,13 @@ def prompt_edge_scores(
     graph: Graph,
     batches: Sequence[TaskBatch],
     ablations: dict[GroupKey, Ablation],
-    method: str = "eap",
-    steps: int = 5,
+    method: str = METHODS[0],
+    steps: int = IG_STEPS,
     progress: bool = True,
 ) -> np.ndarray:
-    """Each prompt's attribution of every edge, ``"prompt edge"`` (row ``i``: record ``i`` of the batches' rows): ``d metric / d m_e``
-    at every mask 1 (``eap``), or its mean over ``alpha = (k + 0.5) / steps`` (``eap-ig``), each prompt's ablation
-    its group's (``ablations``, `group_ablations`; a group without reference prompts is refused)."""
+    """Each prompt's attribution of every edge, ``"prompt edge"`` (row ``i``: record ``i`` of the batches' rows):
+    ``d metric / d m_e`` at every mask 1 (``eap``), or its mean over ``alpha = (k + 0.5) / steps`` (``eap-ig``), each
+    prompt's ablation its group's (``ablations``, `group_ablations`; a group without reference prompts is refused)."""
     if method not in METHODS:
         raise ValueError(f"unknown edge attribution method {method!r}; use {' or '.join(METHODS)}")
     missing = [group_name(b.group) for b in batches if b.group not in ablations]

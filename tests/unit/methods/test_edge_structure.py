@@ -60,8 +60,9 @@ def test_planted_rewiring_keeps_the_nodes_and_moves_the_edges_below_the_null():
     a, b = scores(WIRING_A, 1), scores(WIRING_B, 2)
     st = run(a, b)
     step = st["consecutive"][0]
-    assert set(st["top"]["s"]["nodes"]) == set(st["top"]["t"]["nodes"]) == {"L0H0", "L0H1", "L1H0", "L1H1", "L2H0",
-                                                                             "L2H1"}
+    assert (
+        set(st["top"]["s"]["nodes"]) == set(st["top"]["t"]["nodes"]) == {"L0H0", "L0H1", "L1H0", "L1H1", "L2H0", "L2H1"}
+    )
     assert step["nodes"]["cross"]["value"] == 1.0 and step["nodes"]["same"]
     e = step["edges"]
     assert e["cross"]["value"] == 0.0 and st["null"]["s"]["edges"]["value"] == 1.0

@@ -46,9 +46,7 @@ def test_the_adapters_batches_give_the_metric_of_the_tasks_own_scorer(tiny_llama
     assert all(len({group_key(records[r]) for r in b.rows}) == 1 for b in batches)
 
 
-def test_the_ablation_is_the_node_scorers_position_wise_means_through_each_heads_output(
-    tiny_llama, smollm2_tokenizer
-):
+def test_the_ablation_is_the_node_scorers_position_wise_means_through_each_heads_output(tiny_llama, smollm2_tokenizer):
     """Each head's ablated output at each position is its mean ``z`` (the node scorer's group means) through
     ``W_o``: the same mean ablation as the node circuit's, per template and length."""
     records, reference = task_rows(smollm2_tokenizer, "ioi", 10, 20)
