@@ -197,7 +197,7 @@ def edge_structure(
         }
 
     return {
-        "n_edges": n,
+        "top_n": n,
         "graph": graph.to_dict(),
         "draws": draws,
         "seed": seed,

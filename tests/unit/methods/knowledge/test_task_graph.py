@@ -87,3 +87,20 @@ def test_each_prompts_edge_scores_sum_to_the_batchs_and_refusals_come_first(tiny
         task_batches([long], 2)
     with pytest.raises(ValueError, match="alternative answers"):
         task_batches(records, 3, "logit_diff")
+
+
+def test_identical_checkpoints_scored_on_one_prompt_overlap_fully_in_edges_and_nodes(tiny_llama, smollm2_tokenizer):
+    """A tiny model's own edge scores, one prompt repeated (every half's top-n the same), the model twice: edge and
+    node overlap 1 with their intervals at 1, and nothing read as moved."""
+    from mechdiff.methods.edge_structure import NOT_SHOWN, edge_structure
+
+    records, reference = task_rows(smollm2_tokenizer, "entity-tracking", 1, 12)
+    graph = Graph.for_model(tiny_llama)
+    ablations = group_ablations(tiny_llama, graph, reference, 6)
+    x = prompt_edge_scores(tiny_llama, graph, task_batches(records * 8, 4), ablations, progress=False)
+    rec = edge_structure({"a": x, "b": x.copy()}, graph, 10, draws=10, seed=0, resamples=20, resample_splits=2)
+    step = rec["consecutive"][0]
+    for kind in ("edges", "nodes"):
+        for est in (step[kind]["cross"], rec["null"]["a"][kind]):
+            assert est["value"] == est["low"] == est["high"] == 1.0
+    assert step["reading"] == NOT_SHOWN and len(rec["top"]["a"]["edges"]) == 10
