@@ -135,7 +135,7 @@ def edge_rows(record: dict, steps: dict[str, int]) -> list[dict]:
     rows = []
     for s, t, c in pairs:
         row: dict = {"against": "final" if t is None else "next", "from_step": steps[s]}
-        row["to_step"] = steps[t] if t is not None else max(steps[x] for x in record["null"])
+        row["to_step"] = steps[t if t is not None else list(record["null"])[-1]]
         for kind in ("nodes", "edges"):
             d = c[kind]
             row.update(

@@ -1067,7 +1067,9 @@ class TrajectoryStudy(Study):
         activation store): their accuracy and own circuit; once the final and first trained checkpoints'
         circuits are in the cache (written by whichever process has them), their scores, CMAP and semantic
         patching (and, in the process given the final checkpoint, the structure and DCM stages once every
-        circuit is cached). A plain run afterwards finds every stage cached and writes the report."""
+        circuit is cached); with ``[edges]`` on, the edge scores of ``names`` and, in the final checkpoint's process
+        once every edge score is cached, the edge comparison. A plain run afterwards finds every stage cached and
+        writes the report."""
         unknown = [n for n in names if n not in self.names]
         if unknown:
             raise ValueError(f"{unknown} are not checkpoints of this study ({', '.join(self.names)})")
