@@ -109,3 +109,30 @@ def test_off_by_default_with_no_stage_and_bad_settings_refused_with_their_line(r
     path = task_file(tmp_path / "bad.toml", run, tmp_path / "c", 'method = "acdc"\n')
     with pytest.raises(SpecError, match="acdc"):
         load_settings(path)
+
+
+def test_a_whole_study_with_edges_on_writes_node_overlap_beside_edge_overlap(run, tmp_path):
+    """Every stage of a tiny trajectory with ``[edges]`` on (steps 0 and 10: the final always scored), then the
+    report: the edge stages in the manifest, the section and its table, the README paragraph and settings line."""
+    labels = tmp_path / "dcm.json"
+    row = {"group": "last", "desideratum": "positional", "position": "last", "selected": "L1H0"}
+    labels.write_text(json.dumps([row]))
+    out = tmp_path / "whole"
+    path = task_file(tmp_path / "t.toml", run, out, "on = true\nn = 12\nsteps = [0]\n")
+    text = path.read_text().replace(
+        "[structure]",
+        f'[dcm]\nlabels = "{labels}"\ndesiderata = ["positional"]\ngroups = ["last"]\nn_test = 8\n'
+        '[cmap]\nn = 8\ngroups = ["last"]\n[structure]',
+    )
+    text = text.replace("[discovery]\n", "[discovery]\nsizes = [0.2, 1.0]\ncurve_n = 8\nstability_draws = 10\n")
+    text = text.replace("[scoring]\n", "[scoring]\nn = 8\n")
+    path.write_text(text.replace("batch_size = 4\n[discovery]", "n = 8\nbatch_size = 4\n[discovery]", 1))
+    study = TrajectoryStudy(load_settings(path), progress=False)
+    study.run()
+    stages = json.loads((out / "run.json").read_text())["stages"]
+    assert {f"edges:{run}@0", f"edges:{run}@10", "edges"} <= set(stages) and f"edges:{run}@5" not in stages
+    rows = json.loads((out / "tables" / "edges_nodes.json").read_text())
+    assert [(r["against"], r["from_step"], r["to_step"]) for r in rows] == [("next", 0, 10), ("final", 0, 10)]
+    assert "## Edges beside nodes" in (out / "report.md").read_text()
+    readme = (out / "README.md").read_text()
+    assert "## Findings: edges beside nodes" in readme and "edges: steps; top-n edges; method; prompts" in readme
