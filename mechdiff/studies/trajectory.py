@@ -20,7 +20,13 @@ Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its i
   checkpoint's own circuit scored alone on each desideratum in the checkpoint (`
   head_scores`), or with ``method = "dcm"`` DCM over them with one fixed sparsity weight, several seeds
   (`dcm_seeds`), from which the report gives role membership over the steps and
-  the heads that join, leave or take over a role.
+  the heads that join, leave or take over a role;
+- ``edges:<ckpt>`` and ``edges`` (only with ``[edges] on = true``): the EAP edge graph (heads and MLPs,
+  position-free) scored per prompt on the ranking prompts with the node ranking's metric and mean ablation
+  (`task_graph`) at ``[edges] steps`` (default: the steps the between-run null reads), then
+  each checkpoint's top-n edges and their nodes, edge overlap beside node overlap between consecutive steps and
+  against the final one, with the node structure's within-checkpoint null and prompt resamples
+  (`edge_structure`).
 
 The base loads once; the adapters are swapped (`Checkpoints`), and nothing loads
 when every stage is cached. The report gives each quantity per step with its interval, its paired difference
@@ -44,6 +50,8 @@ from ..circuits.circuit import Circuit
 from ..circuits.curve import SELECT, SIZES, TARGET
 from ..common.io import check_writable, run_lock
 from ..methods.dcm import DCMConfig
+from ..methods.edge_structure import EDGES_N
+from ..methods.knowledge.task_graph import EDGE_BATCH, IG_STEPS, METHODS
 from ..methods.roles import SEEDS, THRESHOLD, VOTES
 from ..methods.trajectory import (
     MARGIN,
@@ -197,6 +205,20 @@ class RunsSection:
 
 
 @section
+class EdgesSection:
+    """Edges as well as nodes (`edge_structure`): the EAP graph scored per prompt at ``steps``. Off by
+    default: on SmolLM2 the scores of 256 prompts take 30 to 80 min a checkpoint on one CPU thread, where its node
+    ranking takes about a minute (docs/trajectories.md, "Edges beside nodes")."""
+
+    on: bool = False
+    n: int = EDGES_N  # edges each discovery keeps (its nodes: the heads and MLPs they touch)
+    steps: list[int] = field(default_factory=list)  # empty: the [runs] steps (every step without [runs]); + the final
+    method: str = METHODS[0]  # "eap": at the full model, as the node ranking; "eap-ig": integrated gradients
+    ig_steps: int = IG_STEPS  # EAP-IG's steps (method "eap-ig" only)
+    batch_size: int = EDGE_BATCH  # prompts a forward and backward (every receiver holds its own residual stream)
+
+
+@section
 class TrajectoryOutput(OutputSection):
     dir: str = "results/trajectory"
     store: str = "cache/activations-trajectory.h5"
@@ -214,9 +236,11 @@ SECTIONS = {
     "cmap": TrajectoryCmap,
     "roles": RolesSection,
     "runs": RunsSection,
+    "edges": EdgesSection,
     "output": TrajectoryOutput,
 }
 CHOICES = {
+    ("edges", "method"): METHODS,
     ("discovery", "select"): SELECT,
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
     ("roles", "heads"): ("any", "final"),
@@ -238,6 +262,7 @@ class TrajectorySettings:
     output: TrajectoryOutput
     roles: Optional[RolesSection] = None  # None: the task file has no [roles] section, and no roles stage runs
     runs: RunsSection = field(default_factory=RunsSection)  # no dirs: no between-run null
+    edges: EdgesSection = field(default_factory=EdgesSection)  # off: no edge stage
     source: str = "<defaults>"
 
 
@@ -263,6 +288,7 @@ def load_settings(path: str | Path) -> TrajectorySettings:
         raise SpecError(f"{path}:{line_of(text, 'models', 'checkpoints')}: {err}") from None
     _check_runs(Path(path), text, built["runs"], built["models"].checkpoints)
     _check_structure(Path(path), text, built["discovery"], built["structure"])
+    _check_edges(Path(path), text, built["edges"], built["models"].checkpoints)
     built["roles"] = _check_roles(
         Path(path), text, raw, built["roles"], built["task"].name, built["models"].checkpoints
     )
@@ -318,6 +344,32 @@ def _check_structure(path: Path, text: str, d: TrajectoryDiscovery, s: Structure
             f"{path}:{line_of(text, 'structure', 'margin')}: [structure] margin is a Jaccard difference "
             "in (0, 1), e.g. 0.05"
         )
+
+
+def _check_edges(path: Path, text: str, e: EdgesSection, checkpoints: list[str]) -> None:
+    """``[edges]``: steps of the trajectory, a usable n, batch size and IG steps."""
+    steps = checkpoint_steps(checkpoints)
+    for key, bad, need in (
+        ("steps", [s for s in e.steps if s not in steps], f"steps of the trajectory ({', '.join(map(str, steps))})"),
+        ("n", e.n < 1, "at least 1 edge"),
+        ("ig_steps", e.ig_steps < 1, "at least 1"),
+        ("batch_size", e.batch_size < 1, "at least 1"),
+    ):
+        if bad:
+            raise SpecError(f"{path}:{line_of(text, 'edges', key)}: [edges] {key} must be {need}")
+
+
+def edge_checkpoints(edges: EdgesSection, runs: RunsSection, checkpoints: list[str]) -> list[str]:
+    """The checkpoints the edge stages score, in order: those at ``[edges] steps``, else at the ``[runs]`` steps,
+    else every one; the final one always (each is compared with it). None where ``[edges]`` is off."""
+    if not edges.on:
+        return []
+    wanted = edges.steps or runs.steps
+    return [
+        c
+        for c, s in zip(checkpoints, checkpoint_steps(checkpoints))
+        if not wanted or s in wanted or c == checkpoints[-1]
+    ]
 
 
 def _check_roles(
@@ -922,6 +974,77 @@ class TrajectoryStudy(Study):
             compute,
         )
 
+    def edge_checkpoints(self) -> list[str]:
+        """The checkpoints the edge stages score (`edge_checkpoints`; none with ``[edges]`` off)."""
+        return edge_checkpoints(self.st.edges, self.st.runs, self.names)
+
+    def edge_prompts(self) -> int:
+        """Ranking prompts the edge stages score: those every scored checkpoint's ranking shares (the first rows of
+        the ranking set, as the structure stage reads them)."""
+        return min(self.ranking_n(n) for n in self.edge_checkpoints())
+
+    def edge_scores(self, name: str) -> StageRecord:
+        """Checkpoint ``name``'s per-prompt edge attribution (float16) on the ranking prompts, with the node
+        ranking's metric and position-wise mean ablation (`task_graph`)."""
+        from ..methods.edge_structure import encode_half
+        from ..methods.knowledge.graph import Graph
+        from ..methods.knowledge.task_graph import group_ablations, prompt_edge_scores, task_batches
+
+        e, n = self.st.edges, self.edge_prompts()
+
+        def compute() -> dict:
+            ranker = self.scorer(name, "ranking", n)  # the node ranking's prompts and metric
+            model = self.checkpoints().model(name)
+            graph = Graph.for_model(model)
+            reference = self.task.reference_records(
+                self.tokenizer, self.st.scoring.reference_n, self.seed("reference"), **self.options()
+            )
+            scores = prompt_edge_scores(
+                model,
+                graph,
+                task_batches(ranker.records, e.batch_size, ranker.metric),
+                group_ablations(model, graph, reference, e.batch_size),
+                e.method,
+                e.ig_steps,
+                self.progress,
+            )
+            return {"graph": graph.to_dict(), "prompts": n, "metric": ranker.metric, "scores": encode_half(scores)}
+
+        return self.cache.run(f"edges:{name}", self._edge_inputs(name), compute)
+
+    def _edge_inputs(self, name: str) -> dict:
+        e = self.st.edges
+        return {
+            "model": self.digests[name],
+            "task": self.task_inputs(),
+            "prompts": self.edge_prompts(),
+            "scoring": self._reference(),
+            "edges": {"method": e.method, **({"ig_steps": e.ig_steps} if e.method == "eap-ig" else {})},
+        }
+
+    def edges(self, scored: dict[str, StageRecord]) -> StageRecord:
+        """Edge overlap beside node overlap across the scored checkpoints (`edge_structure`), with
+        ``[structure]``'s splits, resamples and margin and the structure stage's seed."""
+        from ..methods.edge_structure import decode_half, edge_structure
+        from ..methods.knowledge.graph import Graph
+
+        s = self.st.structure
+
+        def compute() -> dict:
+            g = next(iter(scored.values())).result["graph"]
+            graph = Graph(g["n_layers"], g["n_heads"], g["n_kv_heads"], bool(g.get("parallel", False)))
+            scores = {c: decode_half(rec.result["scores"]) for c, rec in scored.items()}
+            return edge_structure(
+                scores, graph, self.st.edges.n, s.draws, self.seed("ranking"), s.resamples, s.resample_splits, s.margin
+            )
+
+        inputs = {
+            "scores": {c: r.key for c, r in scored.items()},
+            "n": self.st.edges.n,
+            "structure": {k: getattr(s, k) for k in ("draws", "resamples", "resample_splits", "margin")},
+        }
+        return self.cache.run("edges", inputs, compute)
+
     # -- the whole study ----------------------------------------------------------------
     def stages(self) -> dict[str, Any]:
         """Every stage in order: one checkpoint at a time where a stage needs one model (fewest swaps)."""
@@ -936,7 +1059,10 @@ class TrajectoryStudy(Study):
         dcm = self.dcm(circuits[self.final])
         semantic = {n: self.semantic(n, dcm) for n in self.names}
         roles = {n: self.roles(n, circuits) for n in self.role_checkpoints()}
+        scored = {n: self.edge_scores(n) for n in self.edge_checkpoints()}
+        edges = {"edges": self.edges(scored)} if scored else {}  # [edges] off: no edge stage, no key
         return {
+            **edges,
             "roles": roles,
             "runs": {"accuracy": others, "ranking": rankings},
             "accuracy": accuracy,
@@ -953,7 +1079,9 @@ class TrajectoryStudy(Study):
         activation store): their accuracy and own circuit; once the final and first trained checkpoints'
         circuits are in the cache (written by whichever process has them), their scores, CMAP and semantic
         patching (and, in the process given the final checkpoint, the structure and DCM stages once every
-        circuit is cached). A plain run afterwards finds every stage cached and writes the report."""
+        circuit is cached); with ``[edges]`` on, the edge scores of ``names`` and, in the final checkpoint's process
+        once every edge score is cached, the edge comparison. A plain run afterwards finds every stage cached and
+        writes the report."""
         unknown = [n for n in names if n not in self.names]
         if unknown:
             raise ValueError(f"{unknown} are not checkpoints of this study ({', '.join(self.names)})")
@@ -984,6 +1112,12 @@ class TrajectoryStudy(Study):
                 self.structure(every, {o: self.ranking(o) for o in self.others})
             for n in (n for n in names if n in self.role_checkpoints()):
                 self.roles(n, every)
+            for n in (n for n in names if n in self.edge_checkpoints()):
+                self.edge_scores(n)
+            if self.final in names and self.edge_checkpoints():
+                for n in self.edge_checkpoints():
+                    self._wait_for(f"edges:{n}", lambda n=n: self.cache.ready(f"edges:{n}", self._edge_inputs(n)))
+                self.edges({n: self.edge_scores(n) for n in self.edge_checkpoints()})
 
     def _wait(self, names: list[str], poll: float = 10.0) -> None:
         for n in names:
