@@ -41,6 +41,28 @@ class CircuitsStudy(Study):
     kind = "circuits"
     settings_key = "spec"  # the reports and `mechdiff view` tell a circuits run.json by it
 
+    @classmethod
+    def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
+        """The task file's spec, the base's dims and the task's token lengths (`circuits_inputs`)."""
+        from .resources import circuits_inputs
+        from .spec import study_spec
+
+        return circuits_inputs(study_spec(path, task), dtype=dtype)
+
+    @classmethod
+    def stage_costs(cls, inputs: Any, device: Any) -> list:
+        """Every stage's cost (`circuits_costs`; still counted in `mechdiff.studies.resources`, beside
+        this class rather than in it)."""
+        from .resources import circuits_costs
+
+        return circuits_costs(inputs, device)
+
+    @classmethod
+    def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:
+        from .resources import _with_batch
+
+        return _with_batch(settings, cost, batch)
+
     def __init__(self, spec: RunSpec, progress: bool = True, out_dir: Optional[str] = None):
         super().__init__(out_dir or spec.output.dir, progress)  # writable before anything loads or computes
         self._dcm_cache_mode: Optional[tuple[str, str]] = None  # DCM's pair-cache mode, chosen at its first stage
