@@ -392,17 +392,17 @@ def read_labels(path: str | Path) -> list[dict]:
 # --------------------------------------------------------------------------------------
 
 
-def _cost(meter: Any, st: TrajectorySettings, stage: str, n: int, passes: dict, note: str = "", models: int = 1) -> Any:
-    """A stage of ``n`` prompts whose passes are ``passes``: rows run -> (passes, FLOP factor: 2 for a forward and
-    a backward to the activations); its largest batch's activations and mean-ablation writes."""
+def _cost(meter: Any, st: TrajectorySettings, stage: str, n: int, passes: list, note: str = "", models: int = 1) -> Any:
+    """A stage of ``n`` prompts whose passes are ``passes``: (rows each run holds, passes, FLOP factor: 2 for a
+    forward and a backward to the activations); its largest batch's activations and mean-ablation writes."""
     from ..models.footprint import backward_bytes, dtype_bytes
     from .resources import StageCost
 
     t, d = meter.lengths, meter.dims
     rows = meter.rows(n, st.eval.batch_size)
-    flops = sum(factor * meter.fwd(run_rows, t.tokens) for run_rows, (_, factor) in passes.items())
-    count = sum(p for p, _ in passes.values())
-    backward = any(f > 1 for _, f in passes.values())
+    flops = sum(factor * meter.fwd(run_rows, t.tokens) for run_rows, _, factor in passes)
+    count = sum(p for _, p, _ in passes)
+    backward = any(f > 1 for _, _, f in passes)
     act = (
         backward_bytes(d, rows, t.longest, d.n_layers, meter.dtype) if backward else meter.act(rows, t.longest)
     ) + d.n_layers * rows * t.longest * d.d_model * dtype_bytes(meter.dtype)
@@ -412,14 +412,22 @@ def _cost(meter: Any, st: TrajectorySettings, stage: str, n: int, passes: dict, 
     )  # fmt: skip
 
 
-def trajectory_costs(meter: Any, st: TrajectorySettings, names: list[str], others: list[str], labels: list) -> list:
+def trajectory_costs(
+    meter: Any,
+    st: TrajectorySettings,
+    names: list[str],
+    others: list[str],
+    labels: list,
+    circuits: Optional[dict[str, Any]] = None,
+) -> list:
     """Every stage in the order `TrajectoryStudy.stages` meets them (see the module docstring), on the
     checkpoints ``names`` and the other runs' ``others``; ``labels``: the DCM table of ``[dcm] labels`` (empty:
-    DCM trained here). Counts as the circuits kind's: accuracy a pass a batch; a circuit the reference means,
-    attribution (a forward and a backward a batch) on its ranking prompts and the curve's full model, empty circuit
-    and sizes on ``curve_n``; a score the full model and the three circuits scored; CMAP both checkpoints and one
-    patched run per scope (each group, the whole circuit) and part; semantic patching two runs a test pair and one
-    per selection."""
+    DCM trained here); ``circuits``: each checkpoint's circuit where a run found it (`trajectory_found`; else
+    each checkpoint's own is assumed distinct). Counts as the circuits kind's: accuracy a pass a batch; a circuit
+    the reference means, attribution (a forward and a backward a batch) on its ranking prompts and the curve's full
+    model, empty circuit and sizes on ``curve_n``; a score the full model, the empty circuit and each distinct one
+    of the three circuits; CMAP both checkpoints and one patched run per scope (each group, the whole circuit) and
+    part; semantic patching two runs a test pair and one per selection."""
     b, d = st.eval.batch_size, st.discovery
     runs = {*others, *other_runs(st.runs, names)}  # ranked on runs_n: the other runs' and this run's at their steps
 
@@ -429,36 +437,53 @@ def trajectory_costs(meter: Any, st: TrajectorySettings, names: list[str], other
     def ranking_n(name: str) -> int:
         return d.runs_n if name in runs else d.n
 
-    def reference() -> tuple[int, int]:
-        return batches(st.scoring.reference_n), 1
+    def reference() -> tuple[int, int, int]:
+        return st.scoring.reference_n, batches(st.scoring.reference_n), 1
 
-    out = [_cost(meter, st, f"accuracy:{n}", st.eval.n, {st.eval.n: (batches(st.eval.n), 1)}) for n in names]
+    out = [_cost(meter, st, f"accuracy:{n}", st.eval.n, [(st.eval.n, batches(st.eval.n), 1)]) for n in names]
     for n in [names[-1], *names[:-1]]:
         r, c = ranking_n(n), d.curve_n
-        passes = {st.scoring.reference_n: reference(), r: (2 * batches(r), 2), c: (batches(c) * (2 + len(d.sizes)), 1)}
+        passes = [reference(), (r, 2 * batches(r), 2), (c, batches(c) * (2 + len(d.sizes)), 1)]
         out.append(_cost(meter, st, f"circuit:{n}", r, passes))
-    out += [_cost(meter, st, f"accuracy:{o}", st.eval.n, {st.eval.n: (batches(st.eval.n), 1)}) for o in others]
+    out += [_cost(meter, st, f"accuracy:{o}", st.eval.n, [(st.eval.n, batches(st.eval.n), 1)]) for o in others]
     for o in others:
-        passes = {st.scoring.reference_n: reference(), d.runs_n: (2 * batches(d.runs_n), 2)}
+        passes = [reference(), (d.runs_n, 2 * batches(d.runs_n), 2)]
         out.append(_cost(meter, st, f"ranking:{o}", d.runs_n, passes))
-    out.append(_cost(meter, st, "structure", 0, {}, "from the circuits' attributions: no pass", models=0))
-    n = st.scoring.n
-    out += [_cost(meter, st, f"score:{c}", n, {n: (4 * batches(n), 1)}) for c in names]
+    out.append(_cost(meter, st, "structure", 0, [], "from the circuits' attributions: no pass", models=0))
+    n, found = st.scoring.n, circuits or {}
+
+    def scored(c: str) -> int:  # the full model, the empty circuit, each distinct circuit (a set of pairs runs once)
+        return 2 + len({found.get(k, k) for k in (names[-1], names[1], c)})
+
+    out += [_cost(meter, st, f"score:{c}", n, [(n, scored(c) * batches(n), 1)]) for c in names]
     scopes = len(st.cmap.groups or st.dcm.groups or ["last", "query_label"]) + 1
     note = "" if st.cmap.groups or st.dcm.groups else "two groups assumed"
-    cmap = {st.cmap.n: ((2 + scopes * len(st.cmap.parts)) * batches(st.cmap.n), 1)}
+    cmap = [(st.cmap.n, (2 + scopes * len(st.cmap.parts)) * batches(st.cmap.n), 1)]
     out += [_cost(meter, st, f"cmap:{c}", st.cmap.n, cmap, note, models=2) for c in names[1:]]
     out.append(_trajectory_dcm(meter, st, labels))
     chosen = [lab for lab in labels if lab.get("selected")]
     desiderata = {lab["desideratum"] for lab in chosen}
-    semantic = {st.dcm.n_test: ((2 * len(desiderata) + len(chosen)) * batches(st.dcm.n_test), 1)}
+    semantic = [(st.dcm.n_test, (2 * len(desiderata) + len(chosen)) * batches(st.dcm.n_test), 1)]
     sem_note = "" if labels else "the selections DCM makes: none counted before it runs"
     out += [_cost(meter, st, f"semantic:{c}", st.dcm.n_test, semantic, sem_note) for c in names]
     if st.roles is not None:
         steps = [c for c, s in zip(names, checkpoint_steps(names)) if not st.roles.steps or s in st.roles.steps]
-        roles = {st.roles.n: (2 * batches(st.roles.n), 1)}
+        roles = [(st.roles.n, 2 * batches(st.roles.n), 1)]
         why = "the pairs' runs; one more a head scored (the heads are the circuits', known after discovery)"
         out += [_cost(meter, st, f"roles:{c}", st.roles.n, roles, why) for c in steps]
+    return out
+
+
+def trajectory_found(run_dir: str | Path) -> dict[str, frozenset]:
+    """Each checkpoint's circuit (its (head, position) pairs) that a run's ``circuit`` stage records hold: what
+    the plan of the ``score`` stages otherwise assumes distinct."""
+    out = {}
+    for path in sorted((Path(run_dir) / "stages").glob("circuit*.json")):
+        rec = json.loads(path.read_text())
+        kind, _, name = rec["name"].partition(":")
+        if kind == "circuit":
+            c = Circuit.from_dict(rec["result"]["circuit"])
+            out[name] = frozenset((str(h), c.positions[g]) for g, hs in c.groups.items() for h in hs)
     return out
 
 
@@ -468,7 +493,7 @@ def _trajectory_dcm(meter: Any, st: TrajectorySettings, labels: list) -> Any:
     validation runs and the test runs of the selection, the floor and ``n_random`` random sets."""
     c = st.dcm
     if c.labels:
-        return _cost(meter, st, "dcm", 0, {}, f"read from {c.labels}: no pass", models=0)
+        return _cost(meter, st, "dcm", 0, [], f"read from {c.labels}: no pass", models=0)
     b = st.eval.batch_size
     k, groups = max(len(c.desiderata), 1), max(len(c.groups), 1)
     pairs = c.n_train + c.n_val + c.n_test
@@ -532,7 +557,10 @@ class TrajectoryStudy(Study):
     def stage_costs(cls, inputs: Any, device: Any) -> list:
         """Every stage (`trajectory_costs`)."""
         k = inputs.known
-        return trajectory_costs(inputs.meter(device), inputs.settings, k["names"], k["others"], k["labels"])
+        costs = trajectory_costs(
+            inputs.meter(device), inputs.settings, k["names"], k["others"], k["labels"], k.get("circuits")
+        )
+        return costs
 
     @classmethod
     def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:

@@ -200,3 +200,46 @@ def _args(path: str):
     sub = parser.add_subparsers()
     run_command.register(sub)
     return parser.parse_args(["run", path, "--plan", "--plan-device", "h100-80gb"])
+
+
+def test_trajectory_stage_costs_count_the_passes_each_stage_runs(tiny_run, tmp_path, monkeypatch):
+    """The tiny trajectory of tests/integration/test_trajectory_study.py (three checkpoints, DCM read from a table),
+    its passes counted by a global hook on every causal LM's forward (not the architecture probe a checkpoint runs
+    once when it loads, which the plan leaves out)."""
+    from test_trajectory_study import positional_labels, task_file
+
+    from mechdiff.studies import trajectory as tr
+
+    base, run = tiny_run
+    labels = positional_labels(tmp_path, "L0H0")
+    path = task_file(tmp_path / "t.toml", run, tmp_path / "out", extra=f'labels = "{labels}"')
+    counter = PassCounter(monkeypatch, [])
+    from mechdiff.models import architectures
+
+    probe, probing = architectures._probe_flow, []
+
+    def probed(*a, **k):  # a checkpoint's architecture probe when it loads (3 tokens): not a stage's pass
+        probing.append(1)
+        try:
+            return probe(*a, **k)
+        finally:
+            probing.pop()
+
+    monkeypatch.setattr(architectures, "_probe_flow", probed)
+
+    def count(module, args):
+        name = type(module).__name__
+        if name.endswith("ForCausalLM") and not name.startswith("Peft") and counter.stack and not probing:
+            counter.passes[counter.stack[-1]] += 1
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        study = tr.TrajectoryStudy.from_file(path, progress=False)
+        study.run()
+    finally:
+        handle.remove()
+    inputs = tr.TrajectoryStudy.plan_inputs(path)
+    inputs = replace(inputs, known={**inputs.known, "circuits": tr.trajectory_found(study.dir)})
+    planned = {c.stage: c.reads.passes for c in tr.TrajectoryStudy.stage_costs(inputs, get_device("h100-80gb"))}
+    assert set(counter.passes) <= set(planned)
+    assert {s: planned[s] for s in counter.passes} == dict(counter.passes)
