@@ -14,6 +14,7 @@ by name (`mechdiff.runs.seeds.prompt_seed`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +34,25 @@ from .base import Study, rows_inputs, vocabulary_digest
 from .spec import MATRIX_ONLY, RunSpec, discovery_inputs, section_inputs
 
 log = logging.getLogger(__name__)
+
+
+def accuracy_cost(ctx: Any, name: str) -> Any:
+    """The cost of `CircuitsStudy.accuracy` of model ``name`` (``ctx``: a `mechdiff.studies.resources.Context`): one
+    forward a prompt of ``[eval] n``, in passes of ``[eval] batch_size``."""
+    from .resources import StageCost
+
+    e, t = ctx.spec.eval, ctx.lengths
+    return StageCost(
+        f"accuracy:{name}",
+        1,
+        e.n,
+        ctx.rows(e.n),
+        ctx.fwd(e.n, t.tokens),
+        ctx.weights,
+        0,
+        ctx.act(ctx.rows(e.n), t.longest),
+        reads=ctx.reads(math.ceil(e.n / e.batch_size)),
+    )
 
 
 class CircuitsStudy(Study):

@@ -328,21 +328,6 @@ class PlanInputs:
 # ---------------------------------------------------------------------------------------------- the stages
 
 
-def accuracy(ctx: Context, name: str) -> StageCost:
-    e, t = ctx.spec.eval, ctx.lengths
-    return StageCost(
-        f"accuracy:{name}",
-        1,
-        e.n,
-        ctx.rows(e.n),
-        ctx.fwd(e.n, t.tokens),
-        ctx.weights,
-        0,
-        ctx.act(ctx.rows(e.n), t.longest),
-        reads=ctx.reads(math.ceil(e.n / e.batch_size)),
-    )
-
-
 def _scored(ctx: Context, stage: str, n: int, scored: float, note: str = "") -> StageCost:
     """A scorer stage on ``n`` prompts: reference means (`_reference_runs`), the full model and ``scored``
     mean-ablated runs a prompt."""
@@ -936,7 +921,9 @@ def stage_costs(ctx: Context) -> list[StageCost]:
     out: list[StageCost] = []
     if spec.reproduce.circuit:
         out += [reproduction(ctx, n) for n in names]
-    rest: list[Optional[StageCost]] = [accuracy(ctx, n) for n in names]
+    from .circuits import accuracy_cost  # the stages counted beside their computation (the others: below, here)
+
+    rest: list[Optional[StageCost]] = [accuracy_cost(ctx, n) for n in names]
     rest += [positions(ctx, n) for n in names] + [circuit(ctx, n) for n in names] + [prune(ctx, n) for n in names]
     rest += [matrix(ctx, n) for n in names] + [dcm(ctx, spec.models.base, len(names))]
     rest += [cmap(ctx, ft) for ft in spec.models.finetunes]
