@@ -307,7 +307,9 @@ class PlanInputs:
     kind's own object: a `RunSpec`, `KnowledgeSettings`, ...), the models' dims and where they came from, the
     prompts' token lengths, the dtype, the models a run loads (their weights checked before the stage table) and
     how many loads it makes, the tokens a batch's matrix multiply holds (this machine's throughput is measured at
-    it), and what a finished run found (``known``, circuits only)."""
+    it), and in ``known`` what the kind's counts read beside its settings (the knowledge kind's facts per token
+    length, HeadMap's tokens per task, the trajectory's checkpoints and DCM table) and what a finished run found
+    (`found_in`, `knowledge_found`, `trajectory_found`; empty: assumed)."""
 
     kind: str
     settings: Any
