@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -447,6 +448,129 @@ def read_labels(path: str | Path) -> list[dict]:
     return out
 
 
+# --------------------------------------------------------------------------------------
+# The cost of each stage of `TrajectoryStudy`, for the resource plan (`mechdiff.studies.resources`): passes of
+# ``[eval] batch_size`` prompts; each checkpoint's reference means are computed by its first scorer (its circuit
+# stage, or an other run's ranking) and read from the activation store by the later ones
+# --------------------------------------------------------------------------------------
+
+
+def _cost(meter: Any, st: TrajectorySettings, stage: str, n: int, passes: list, note: str = "", models: int = 1) -> Any:
+    """A stage of ``n`` prompts whose passes are ``passes``: (rows each run holds, passes, FLOP factor: 2 for a
+    forward and a backward to the activations); its largest batch's activations and mean-ablation writes."""
+    from ..models.footprint import backward_bytes, dtype_bytes
+    from .resources import StageCost
+
+    t, d = meter.lengths, meter.dims
+    rows = meter.rows(n, st.eval.batch_size)
+    flops = sum(factor * meter.fwd(run_rows, t.tokens) for run_rows, _, factor in passes)
+    count = sum(p for _, p, _ in passes)
+    backward = any(f > 1 for _, _, f in passes)
+    act = (
+        backward_bytes(d, rows, t.longest, d.n_layers, meter.dtype) if backward else meter.act(rows, t.longest)
+    ) + d.n_layers * rows * t.longest * d.d_model * dtype_bytes(meter.dtype)
+    return StageCost(
+        stage, models, n, rows, flops, models * meter.weights, 0, act, note=note,
+        batch_option="[eval] batch_size", reads=meter.reads(count),
+    )  # fmt: skip
+
+
+def trajectory_costs(
+    meter: Any,
+    st: TrajectorySettings,
+    names: list[str],
+    others: list[str],
+    labels: list,
+    circuits: Optional[dict[str, Any]] = None,
+) -> list:
+    """Every stage in the order `TrajectoryStudy.stages` meets them (see the module docstring), on the
+    checkpoints ``names`` and the other runs' ``others``; ``labels``: the DCM table of ``[dcm] labels`` (empty:
+    DCM trained here); ``circuits``: each checkpoint's circuit where a run found it (`trajectory_found`; else
+    each checkpoint's own is assumed distinct). Counts as the circuits kind's: accuracy a pass a batch; a circuit
+    the reference means, attribution (a forward and a backward a batch) on its ranking prompts and the curve's full
+    model, empty circuit and sizes on ``curve_n``; a score the full model, the empty circuit and each distinct one
+    of the three circuits; CMAP both checkpoints and one patched run per scope (each group, the whole circuit) and
+    part; semantic patching two runs a test pair and one per selection."""
+    b, d = st.eval.batch_size, st.discovery
+    runs = {*others, *other_runs(st.runs, names)}  # ranked on runs_n: the other runs' and this run's at their steps
+
+    def batches(n: int) -> int:
+        return math.ceil(n / b)
+
+    def ranking_n(name: str) -> int:
+        return d.runs_n if name in runs else d.n
+
+    def reference() -> tuple[int, int, int]:
+        return st.scoring.reference_n, batches(st.scoring.reference_n), 1
+
+    out = [_cost(meter, st, f"accuracy:{n}", st.eval.n, [(st.eval.n, batches(st.eval.n), 1)]) for n in names]
+    for n in [names[-1], *names[:-1]]:
+        r, c = ranking_n(n), d.curve_n
+        passes = [reference(), (r, 2 * batches(r), 2), (c, batches(c) * (2 + len(d.sizes)), 1)]
+        out.append(_cost(meter, st, f"circuit:{n}", r, passes))
+    out += [_cost(meter, st, f"accuracy:{o}", st.eval.n, [(st.eval.n, batches(st.eval.n), 1)]) for o in others]
+    for o in others:
+        passes = [reference(), (d.runs_n, 2 * batches(d.runs_n), 2)]
+        out.append(_cost(meter, st, f"ranking:{o}", d.runs_n, passes))
+    out.append(_cost(meter, st, "structure", 0, [], "from the circuits' attributions: no pass", models=0))
+    n, found = st.scoring.n, circuits or {}
+
+    def scored(c: str) -> int:  # the full model, the empty circuit, each distinct circuit (a set of pairs runs once)
+        return 2 + len({found.get(k, k) for k in (names[-1], names[1], c)})
+
+    out += [_cost(meter, st, f"score:{c}", n, [(n, scored(c) * batches(n), 1)]) for c in names]
+    scopes = len(st.cmap.groups or st.dcm.groups or ["last", "query_label"]) + 1
+    note = "" if st.cmap.groups or st.dcm.groups else "two groups assumed"
+    cmap = [(st.cmap.n, (2 + scopes * len(st.cmap.parts)) * batches(st.cmap.n), 1)]
+    out += [_cost(meter, st, f"cmap:{c}", st.cmap.n, cmap, note, models=2) for c in names[1:]]
+    out.append(_trajectory_dcm(meter, st, labels))
+    chosen = [lab for lab in labels if lab.get("selected")]
+    desiderata = {lab["desideratum"] for lab in chosen}
+    semantic = [(st.dcm.n_test, (2 * len(desiderata) + len(chosen)) * batches(st.dcm.n_test), 1)]
+    sem_note = "" if labels else "the selections DCM makes: none counted before it runs"
+    out += [_cost(meter, st, f"semantic:{c}", st.dcm.n_test, semantic, sem_note) for c in names]
+    if st.roles is not None:
+        steps = [c for c, s in zip(names, checkpoint_steps(names)) if not st.roles.steps or s in st.roles.steps]
+        roles = [(st.roles.n, 2 * batches(st.roles.n), 1)]
+        why = "the pairs' runs; one more a head scored (the heads are the circuits', known after discovery)"
+        out += [_cost(meter, st, f"roles:{c}", st.roles.n, roles, why) for c in steps]
+    return out
+
+
+def trajectory_found(run_dir: str | Path) -> dict[str, frozenset]:
+    """Each checkpoint's circuit (its (head, position) pairs) that a run's ``circuit`` stage records hold: what
+    the plan of the ``score`` stages otherwise assumes distinct."""
+    out = {}
+    for path in sorted((Path(run_dir) / "stages").glob("circuit*.json")):
+        rec = json.loads(path.read_text())
+        kind, _, name = rec["name"].partition(":")
+        if kind == "circuit":
+            c = Circuit.from_dict(rec["result"]["circuit"])
+            out[name] = frozenset((str(h), c.positions[g]) for g, hs in c.groups.items() for h in hs)
+    return out
+
+
+def _trajectory_dcm(meter: Any, st: TrajectorySettings, labels: list) -> Any:
+    """The ``dcm`` stage: reading ``[dcm] labels`` (no pass), else DCM trained in the final checkpoint: per
+    desideratum its pairs' two runs, then per group ``epochs`` of training steps (a forward and a backward), the
+    validation runs and the test runs of the selection, the floor and ``n_random`` random sets."""
+    c = st.dcm
+    if c.labels:
+        return _cost(meter, st, "dcm", 0, [], f"read from {c.labels}: no pass", models=0)
+    b = st.eval.batch_size
+    k, groups = max(len(c.desiderata), 1), max(len(c.groups), 1)
+    pairs = c.n_train + c.n_val + c.n_test
+    steps = c.epochs * math.ceil(c.n_train / c.batch_size)
+    tests = (2 + c.n_random) * math.ceil(c.n_test / b) + math.ceil(c.n_val / b) * (steps // max(c.eval_every, 1) + 1)
+    passes = {
+        pairs: (k * 2 * math.ceil(pairs / b), 1),
+        c.batch_size: (k * groups * steps, 2),
+        c.n_test: (k * groups * tests, 1),
+    }
+    note = "" if c.desiderata and c.groups else "one desideratum and one group assumed where none is named"
+    return _cost(meter, st, "dcm", pairs, passes, note)
+
+
 class TrajectoryStudy(Study):
     """The stages of one trajectory task file into ``out`` (see the module docstring)."""
 
@@ -469,6 +593,41 @@ class TrajectoryStudy(Study):
         self.tokenizer = load_tokenizer(self.base_spec)
         self._checkpoints: Optional[Checkpoints] = None
         self.check_prompts()  # before any weights load
+
+    @classmethod
+    def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
+        """The settings, the base's dims and the task's token lengths (`task_lengths`), the DCM table where
+        ``[dcm] labels`` names one; no checkpoint loads."""
+        from ..models.footprint import model_dims
+        from .resources import PlanInputs, task_lengths
+
+        st = load_settings(path)
+        if task:
+            st.task.name = task
+        names = list(st.models.checkpoints)
+        others = [o for o_names in other_runs(st.runs, names).values() for o in o_names]
+        dims, source = model_dims(names[0])
+        lengths = task_lengths(SimpleNamespace(models=SimpleNamespace(base=names[0]), task=st.task))  # type: ignore[arg-type]
+        labels = read_labels(st.dcm.labels) if st.dcm.labels else []
+        rows = min(2048, st.eval.batch_size * lengths.longest)
+        known = {"names": names, "others": others, "labels": labels}
+        return PlanInputs(
+            "trajectory", st, dims, source, lengths, dtype or st.models.dtype, tuple([*names, *others]), 1, rows,
+            known=known,
+        )  # fmt: skip
+
+    @classmethod
+    def stage_costs(cls, inputs: Any, device: Any) -> list:
+        """Every stage (`trajectory_costs`)."""
+        k = inputs.known
+        costs = trajectory_costs(
+            inputs.meter(device), inputs.settings, k["names"], k["others"], k["labels"], k.get("circuits")
+        )
+        return costs
+
+    @classmethod
+    def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:
+        return replace(settings, eval=replace(settings.eval, batch_size=batch))
 
     @classmethod
     def from_file(
