@@ -1253,6 +1253,20 @@ def _totals(plan: list[Placement]) -> list[str]:
 THIRTY_MINUTES = 30 * 60
 
 
+def machine_plan(spec: RunSpec, dtype: Optional[str] = None) -> tuple[list[Placement], Lengths, str]:
+    """Every stage of ``spec`` placed on this machine in ``dtype`` (default the spec's), with the task's lengths and
+    where the models' dims were read: the first table ``mechdiff run --plan`` prints (`print_resources`), and the
+    figures of `mechdiff.api.Plan`."""
+    from ..models.devices import this_machine
+
+    dtype = dtype or spec.models.dtype
+    dims, source = model_dims(spec.models.base)
+    lengths = task_lengths(spec)
+    rows = min(2048, spec.eval.batch_size * lengths.longest)  # a batch's tokens: the stages' matrix multiplies
+    here = with_overhead(this_machine(dims, (dtype,), rows), dims)
+    return resource_plan(spec, here, lengths, dtype), lengths, source
+
+
 def print_resources(
     path: Optional[str],
     device: Optional[str],
@@ -1268,7 +1282,7 @@ def print_resources(
     Returns True where the models' weights are absent, so that the stage cache (which needs the tokenizer and
     weights checked) cannot be read: the plan then ends here, said so. ``workers``: how a run of the spec would
     proceed here (its processes and threads), for the wall time on this machine."""
-    from ..models.devices import get_device, this_machine
+    from ..models.devices import get_device
     from .base import study_kind
     from .reproduce import check_weights
     from .spec import study_spec
@@ -1281,13 +1295,10 @@ def print_resources(
         named = named.with_host(None if host_gib is None else int(host_gib * GIB))
     spec = study_spec(path, task)
     dtype = dtype or spec.models.dtype
-    dims, source = model_dims(spec.models.base)
-    lengths = task_lengths(spec)
-    rows = min(2048, spec.eval.batch_size * lengths.longest)  # a batch's tokens: the stages' matrix multiplies
+    placed, lengths, source = machine_plan(spec, dtype)
     loads = len(spec.model_names)
-    here = with_overhead(this_machine(dims, (dtype,), rows), dims)
     run = workers(spec) if workers else None
-    print(format_resources(resource_plan(spec, here, lengths, dtype), lengths, source, loads, run))
+    print(format_resources(placed, lengths, source, loads, run))
     print(flush=True)
     if named is not None:
         print(format_resources(resource_plan(spec, named, lengths, dtype), lengths, source, loads), end="\n\n")
