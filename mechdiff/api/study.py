@@ -77,7 +77,7 @@ class Study:
     def from_file(cls, path: str | os.PathLike, progress: bool = True) -> "Study":
         """The study of the task file ``path`` (any kind), checked as ``mechdiff run`` checks it."""
         study = cls.__new__(cls)
-        study._init(read_task_file(path)[1], Path(path), progress)
+        study._init(read_task_file(Path(path))[1], Path(path), progress)
         return study
 
     @property
@@ -103,7 +103,8 @@ class Study:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The sections and fields the study sets (a file's own, or the keywords), as the task file spells them."""
-        return json.loads(json.dumps(self._raw))
+        copied: dict[str, dict[str, Any]] = json.loads(json.dumps(self._raw))
+        return copied
 
     def to_toml(self, path: Optional[str | os.PathLike] = None) -> str:
         """The study as a task file (`to_dict` in TOML); written to ``path`` where given. ``mechdiff run`` on that
