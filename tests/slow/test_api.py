@@ -43,7 +43,7 @@ results = study.run()
 accuracy, faithfulness = results.accuracy(), results.faithfulness()
 print(accuracy.to_string(), faithfulness.to_string(), sep="\\n")
 assert list(accuracy["model"]) == pair.names and "accuracy_low" in accuracy
-assert len(faithfulness) == 4 and "faithfulness_high" in faithfulness
+assert set(faithfulness["model"]) == set(pair.names) and "faithfulness_high" in faithfulness
 fig = results.figure("accuracy")
 fig.savefig({figure!r})
 study.to_toml({toml!r})
@@ -69,7 +69,7 @@ def test_the_done_when_script_then_mechdiff_run_finds_the_same_study(tiny_family
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "circuits study into" in done.stdout and "stages to compute" in done.stdout and "DONE" in done.stdout
     assert figure.stat().st_size > 0
     computed = json.loads((out / "run.json").read_text())["stages"]
