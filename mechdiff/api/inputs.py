@@ -84,7 +84,7 @@ def import_rows(
             force=force,
             desiderata=desiderata,
             item=item,
-            warn=lambda line: warnings.warn(line, UserWarning, stacklevel=3),
+            warn=lambda line: warnings.warn(line, UserWarning, stacklevel=4),
         )
     except ImportErrors as err:
         rows_file.unlink()
