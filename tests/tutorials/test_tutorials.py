@@ -1,13 +1,20 @@
 """The tutorials under docs/tutorials run as written: each page's ```python blocks in order, in one namespace, from
-the repository root (a separate step of `.ci/run`). A block that raises fails its page's test with the block's
-number and text."""
+the repository root. A block that raises fails its page's test with the block's number and text. They load the
+embedded models and run small studies (minutes), so they are a step of their own in `.ci/run`
+(``MECHDIFF_TUTORIALS=1 python -m pytest tests/tutorials``) and the README's test command skips them."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("MECHDIFF_TUTORIALS") != "1",
+    reason="the tutorials are a step of their own: MECHDIFF_TUTORIALS=1 python -m pytest tests/tutorials",
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs" / "tutorials").glob("*.md"))
