@@ -58,7 +58,18 @@ from ..models.loading import load_tokenizer, spec_digest
 from ..runs.seeds import derive, prompt_seed
 from ..runs.stages import StageRecord, key_hash, label
 from .base import Study, rows_inputs, vocabulary_digest
-from .spec import DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, line_of, load_sections
+from .spec import (
+    DcmSection,
+    EvalSection,
+    OutputSection,
+    Real,
+    SpecError,
+    StudySection,
+    TaskSection,
+    line_of,
+    load_sections,
+    section,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,44 +83,44 @@ NULL = (
 RUNS_N = 256
 
 
-@dataclass
+@section
 class CheckpointsSection:
     checkpoints: list[str] = field(default_factory=list)  # in training order; the first is the reference
     dtype: str = "float32"
     device: Optional[str] = None
 
 
-@dataclass
+@section
 class TrajectoryDiscovery:
     """Each checkpoint's own circuit: (head, position class) pairs ranked by attribution on ``n`` prompts, nested
     circuits scored on ``curve_n`` others, the smallest reaching ``target`` (as the circuits study's curve)."""
 
     n: int = 40  # ranking prompts (halved for the within-checkpoint null)
     runs_n: int = RUNS_N  # ranking prompts at the [runs] steps (this run's and the other runs'); n elsewhere
-    sizes: list[float] = field(default_factory=lambda: list(SIZES))
-    target: float = TARGET
+    sizes: list[Real] = field(default_factory=lambda: list(SIZES))
+    target: Real = TARGET
     select: str = SELECT[0]
     curve_n: int = 60
     stability_draws: int = 200
 
 
-@dataclass
+@section
 class TrajectoryScoring:
     n: int = 100  # prompts scoring the circuits in every checkpoint
     reference_n: int = 200  # prompts whose position-wise means ablate
 
 
-@dataclass
+@section
 class StructureSection:
     draws: int = STRUCTURE_DRAWS  # random disjoint splits into halves; bootstrap resamples of the ranking prompts
-    stable: float = STABLE  # selection frequency that makes a pair robustly in (1 - stable: robustly out)
+    stable: Real = STABLE  # selection frequency that makes a pair robustly in (1 - stable: robustly out)
     n_pairs: int = 0  # pairs each discovery keeps (0: the final checkpoint's circuit size)
     resamples: int = STRUCTURE_RESAMPLES  # resamples of the ranking prompts behind each overlap's interval
     resample_splits: int = RESAMPLE_SPLITS  # random splits into halves of each resample
-    margin: float = MARGIN  # equivalence margin (Jaccard): "no change" only where (null - cross) is shown inside it
+    margin: Real = MARGIN  # equivalence margin (Jaccard): "no change" only where (null - cross) is shown inside it
 
 
-@dataclass
+@section
 class TrajectoryDcm(DcmSection):
     labels: str = ""  # a DCM table (JSON rows: group, desideratum, position, selected) to use instead of training
     # DCM's random baseline as the committed trajectories ran it (the circuits study's controls changed after them;
@@ -138,7 +149,7 @@ def dcm_key(d: TrajectoryDcm) -> dict:
     return out
 
 
-@dataclass
+@section
 class TrajectoryCmap:
     n: int = 100
     parts: list[str] = field(default_factory=lambda: ["z"])
@@ -148,13 +159,13 @@ class TrajectoryCmap:
     groups: list[str] = field(default_factory=list)
 
 
-@dataclass
+@section
 class RolesSection:
     """Per-head desideratum scores at every checkpoint (`roles`); the stage runs only where
     the task file has a ``[roles]`` section."""
 
     n: int = 48  # pairs of each desideratum, a draw of their own
-    threshold: float = THRESHOLD  # a head holds a role where its share's lower bound exceeds this
+    threshold: Real = THRESHOLD  # a head holds a role where its share's lower bound exceeds this
     groups: list[str] = field(
         default_factory=list
     )  # empty: as [dcm] groups, else every group of the prompts' positions
@@ -169,13 +180,13 @@ class RolesSection:
     # method "dcm" only: the sparsity weight, absolute and the same at every step (the paper's form; [dcm]'s
     # lam_scale does not apply); DCM trainings per step; the seeds that must select a head; random head sets of the
     # selection's layers the selection is tested against
-    lam: float = DCMConfig.lam
+    lam: Real = DCMConfig.lam
     seeds: int = SEEDS
     votes: int = VOTES
     n_random: int = DCMConfig.n_random
 
 
-@dataclass
+@section
 class RunsSection:
     """The between-run null: other runs of the same recipe (another seed), each a directory of saved steps
     (``DIR@STEP``), read at ``steps`` (steps of the trajectory). Only their ranking attribution and accuracy are
@@ -185,7 +196,7 @@ class RunsSection:
     steps: list[int] = field(default_factory=list)
 
 
-@dataclass
+@section
 class TrajectoryOutput(OutputSection):
     dir: str = "results/trajectory"
     store: str = "cache/activations-trajectory.h5"

@@ -47,9 +47,9 @@ def test_keywords_are_the_task_files_fields(tmp_path):
 @pytest.mark.parametrize(
     "section, fields, message",
     [
-        ("eval", {"nn": 3}, "unknown key 'nn' in [eval]; valid keys: n, batch_size, floor"),
-        ("eval", {"n": "forty"}, "n = 'forty' in [eval] — give a int"),
-        ("discovery", {"method": "paths"}, "method = 'paths' in [discovery]; valid values: curve, path"),
+        ("eval", {"nn": 3}, "unknown key 'nn' in [eval]"),
+        ("eval", {"n": "forty"}, "n = 'forty' in [eval]"),
+        ("discovery", {"method": "paths"}, "method = 'paths' in [discovery]"),
         ("scoring", {"prune": False}, None),  # valid: no error
         ("dcm", {"desiderata": ["nope"]}, "[dcm] desiderata ['nope'] are not task ioi's"),
     ],
