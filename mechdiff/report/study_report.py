@@ -349,6 +349,31 @@ def pruning_section(study: "Study", pruned: dict) -> str:
     return study_table(study, rows, "pruning", caption)
 
 
+def _normalised_over_items(row: dict, kept: dict, items: np.ndarray) -> dict:
+    """A matrix row's normalised faithfulness, (m(C) - m(empty)) / (m(M) - m(empty)) (`normalised_figures`), for
+    accuracy and the task's metric, with its interval over ``items`` from the per-prompt outcomes (``kept``: the
+    ``full``, ``circuit`` and ``empty`` records); a figure the stage left undefined (NaN) stays so."""
+    from ..common.inference import ratio
+    from ..common.outcomes import from_bits
+
+    if "empty" not in kept:
+        return {}
+    out = {}
+    for key in (k for k in row if k.startswith("faithfulness_normalised") and not k.endswith(("_low", "_high"))):
+        metric = key.removeprefix("faithfulness_normalised").lstrip("_") or "correct"
+        per = []
+        for part in ("circuit", "full", "empty"):
+            rec = kept[part]
+            value = rec.get(metric) if metric != "correct" else rec.get("correct")
+            if value is None:
+                break
+            per.append(from_bits(value) if isinstance(value, str) else np.asarray(value, dtype=float))
+        if len(per) == 3 and not np.isnan(row[key]) and per[0].size == items.size:
+            c, f, e = per
+            out.update(estimate_columns(key, ratio(c - e, f - e, items)))
+    return out
+
+
 def _matrix_over_items(study: "Study", matrix: dict) -> Optional[list[dict]]:
     """The circuit x model rows with the model's and each circuit's accuracy and faithfulness intervals over items,
     from the stage's per-prompt outcomes, where the matrix prompts' rows share items (None otherwise: the stage's
@@ -377,6 +402,7 @@ def _matrix_over_items(study: "Study", matrix: dict) -> Optional[list[dict]]:
                     **estimate_columns("full_accuracy", proportion(full, items)),
                     **estimate_columns("accuracy", proportion(circ, items)),
                     **estimate_columns("faithfulness", ratio(circ, full, items)),
+                    **_normalised_over_items(r, o, items),
                     "items": len(set(items.tolist())),
                 }
             )

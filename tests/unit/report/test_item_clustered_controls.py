@@ -146,3 +146,24 @@ def test_dcm_arms_are_shown_over_the_test_pairs_items():
     got = shown["dcm"][0]["test_accuracy"]
     assert (got["low"], got["high"], got["items"]) == (want.low, want.high, len(set(ids[test].tolist())))
     assert shown["semantic"][0]["accuracy"]["items"] == got["items"]
+
+
+def test_normalised_faithfulness_over_items_reads_the_metrics_outcomes():
+    from mechdiff.report.study_report import _normalised_over_items
+
+    rng = np.random.default_rng(0)
+    full, empty = rng.normal(5, 1, 32), rng.normal(1, 1, 32)
+    circ = empty + 0.8 * (full - empty)
+    kept = {
+        "full": {"correct": bits(np.ones(32)), "logit_diff": full.tolist()},
+        "circuit": {"correct": bits(PATCHED), "logit_diff": circ.tolist()},
+        "empty": {"correct": bits(FLOOR), "logit_diff": empty.tolist()},
+    }
+    row = {"faithfulness_normalised": 0.75, "faithfulness_normalised_logit_diff": 0.8}
+    got = _normalised_over_items(row, kept, ITEMS)
+    by_hand = (circ.mean() - empty.mean()) / (full.mean() - empty.mean())
+    assert np.isclose(got["faithfulness_normalised_logit_diff"], by_hand)
+    assert np.isclose(got["faithfulness_normalised"], 0.75)  # accuracy: 24 of 32 kept, none in the empty circuit
+    assert got["faithfulness_normalised_logit_diff_low"] <= by_hand <= got["faithfulness_normalised_logit_diff_high"]
+    undefined = _normalised_over_items({"faithfulness_normalised_logit_diff": float("nan")}, kept, ITEMS)
+    assert undefined == {}  # the stage's NaN (the model not above its empty circuit) stays undefined
