@@ -200,7 +200,7 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     from mechdiff.methods.dcm import PairCache, random_pool, run_dcm
     from mechdiff.patching.evaluate import evaluate
     from mechdiff.studies import resources as r
-    from mechdiff.studies.circuits import dcm_config
+    from mechdiff.studies.circuits import accuracy_cost, dcm_config
     from mechdiff.tasks.base import get_task
     from mechdiff.tasks.entity_tracking import path_patching_pairs, positional_pairs
 
@@ -230,7 +230,7 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
             cache.close()
 
     return {
-        "accuracy": (lambda: evaluate(base, records, sizes.batch, progress=False), r.accuracy(ctx, base.name)),
+        "accuracy": (lambda: evaluate(base, records, sizes.batch, progress=False), accuracy_cost(ctx, base.name)),
         "matrix-cell": (matrix_cell, r._scored(ctx, "matrix-cell", sizes.n, 1)),
         **path_steps(ctx, base, pairs),
         "dcm-epoch": (dcm_epoch, r.dcm(ctx, base.name, 0, "file")),  # the scratch file, as dcm_epoch builds it

@@ -148,7 +148,8 @@ def prompts(n: int, vocab: int) -> list:
 def planned(dims, dtype: str, n: int, batch: int, records: list) -> tuple:
     """The planner's accuracy stage for these prompts: its cost and its placement on this machine."""
     from mechdiff.models.devices import this_machine
-    from mechdiff.studies.resources import Context, Lengths, accuracy, place, with_overhead
+    from mechdiff.studies.circuits import accuracy_cost as accuracy
+    from mechdiff.studies.resources import Context, Lengths, place, with_overhead
     from mechdiff.studies.spec import default_spec
 
     spec = default_spec()

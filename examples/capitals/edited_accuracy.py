@@ -1,6 +1,8 @@
 """The fact edit's accuracy on the prompts of the countries it rewrote and on the others, from the committed study's
-per-prompt outcomes (``results/capitals-smollm2/outcomes.json``) and its eval rows (``run.json``, ``prompt_sets``),
-with exact binomial (Clopper-Pearson) 95% intervals; written to ``tables/edited_accuracy.md`` and ``.csv``.
+per-prompt outcomes (``results/capitals-smollm2/outcomes.json``) and its eval rows and items (``run.json``,
+``prompt_sets``), with 95% intervals over items (`mechdiff.common.inference.proportion`: exact Clopper-Pearson where
+an item has one row, else the cluster bootstrap over items widened to the exact interval of as many items); written
+to ``tables/edited_accuracy.md`` and ``.csv``.
 
 ``python examples/capitals/edited_accuracy.py``"""
 
@@ -10,7 +12,8 @@ import csv
 import json
 from pathlib import Path
 
-from scipy.stats import binomtest
+from mechdiff.common.inference import proportion
+from mechdiff.tasks.prompt_sets import set_items
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "results" / "capitals-smollm2"
@@ -24,26 +27,26 @@ def country(row: dict) -> str:
 
 
 def rows() -> list[dict]:
-    """One row per (model, the edited countries or the others): correct, n, accuracy and its interval."""
+    """One row per (model, the edited countries or the others): correct rows, rows, items, accuracy and its interval
+    over items."""
     run = json.loads((RUN / "run.json").read_text())
     source = [json.loads(line) for line in (ROOT / "examples/capitals/capitals.jsonl").open()]
     edited = {s["subject"] for s in EDITED}
+    listed, items = run["prompt_sets"]["rows"]["eval"], set_items(run["prompt_sets"], "eval")
     out = []
     for model, outcome in json.loads((RUN / "outcomes.json").read_text())["stages"]["accuracy"].items():
         for name, keep in (("edited countries", True), ("other countries", False)):
-            hits = [
-                c == "1"
-                for r, c in zip(run["prompt_sets"]["rows"]["eval"], outcome["correct"])
-                if (country(source[r]) in edited) == keep
-            ]
-            ci = binomtest(sum(hits), len(hits)).proportion_ci()
+            kept = [i for i, r in enumerate(listed) if (country(source[r]) in edited) == keep]
+            hits = [float(outcome["correct"][i] == "1") for i in kept]
+            ci = proportion(hits, [int(items[i]) for i in kept])
             out.append(
                 {
                     "model": model,
                     "prompts": name,
-                    "correct": sum(hits),
-                    "n": len(hits),
-                    "accuracy [95% CI]": f"{sum(hits) / len(hits):.3f} [{ci.low:.3f}, {ci.high:.3f}]",
+                    "correct rows": int(sum(hits)),
+                    "rows": ci.n_rows,
+                    "items": ci.n_items,
+                    "accuracy [95% CI over items]": str(ci),
                 }
             )
     return out

@@ -2,7 +2,8 @@
 every answer token the top-1), written to ``known.json`` as ``{model: {template: {country: [correct, answer
 tokens, prompt tokens]}}}``. ``make_rows.py`` keeps the countries ``smollm2-135m`` knows.
 
-``python examples/capitals/probe.py`` (about 5 minutes a model on 2 cores; a template already in ``known.json`` is not probed again)."""
+``python examples/capitals/probe.py`` (about 5 minutes a model on 2 cores; a template already in ``known.json``
+is not probed again)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--plan",
         action="store_true",
         help="print the stage plan (each stage: cached or not, its cost in the committed run.json) and, for a "
-        "circuits study, each stage's predicted peak memory and time on this machine (and --plan-device), then stop",
+        "study of any kind, each stage's predicted peak memory and time on this machine (and --plan-device), then stop",
     )
     p.add_argument(
         "--plan-device",
@@ -100,9 +100,9 @@ def _workers_option(value: str) -> int:
     return n
 
 
-def _planned_workers(spec, requested: Optional[int], threads: Optional[int]):
-    """The processes and threads a plain run of ``spec`` would use here (`._workers.plan_workers`), as the
-    plan's `Workers`."""
+def _planned_workers(inputs, requested: Optional[int], threads: Optional[int]):
+    """The processes and threads a plain run of the planned study (``inputs``, `PlanInputs`) would use here
+    (`._workers.plan_workers`; a kind other than circuits runs in one process), as the plan's `Workers`."""
     from types import SimpleNamespace
 
     import torch
@@ -110,9 +110,9 @@ def _planned_workers(spec, requested: Optional[int], threads: Optional[int]):
     from ..studies.resources import Workers
     from ._workers import plan_workers
 
-    plan = plan_workers(SimpleNamespace(kind="circuits", spec=spec), requested)
+    plan = plan_workers(SimpleNamespace(kind=inputs.kind, spec=inputs.settings), requested)
     each = plan.threads if plan.workers > 1 else threads or torch.get_num_threads()
-    return Workers(plan.workers, each, plan.reason, spec.models.base)
+    return Workers(plan.workers, each, plan.reason, inputs.models[0])
 
 
 def main(args: argparse.Namespace) -> int:

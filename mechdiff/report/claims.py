@@ -5,8 +5,8 @@ sentence is written so that each sentence reads its family's Holm-adjusted p.
   and V against QK, paired on the same prompts;
 - "what the heads encode" (DCM): each selected group's patched target rate against the unpatched floor and
   against random heads, on the same test pairs; paired exactly where the stage kept per-pair outcomes of the
-  floor and the random heads, else the exact McNemar test at the least favourable pairing the counts allow (a
-  bound on the paired p);
+  floor and the random heads (clustered by item where a row gives its pairs' items, ``test_items``), else the exact
+  McNemar test at the least favourable pairing the counts allow (a bound on the paired p);
 - "roles" (a trajectory's roles by DCM, `mechdiff.report.roles`): the same two tests of each step's
   selection, every step and role adjusted together;
 - "differences between the models" lives in `mechdiff.report.paired`.
@@ -22,6 +22,7 @@ from ..common import inference as inf
 from ..common.outcomes import from_bits
 from ..methods.cmap import paired_outcomes
 from .families import worst_pairing
+from .rows import cmap_items
 
 GAIN = "which parts carry the gain"
 CONTROLS = "circuit against controls"
@@ -43,15 +44,19 @@ def cmap_pairs(result: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(a, b) for a, b in pairs if a in outcomes and b in outcomes]
 
 
-def cmap_family(cmap: Mapping[str, Any]) -> dict[tuple[str, str, str], inf.Test]:
-    """Every CMAP comparison of every fine-tune, adjusted together: ``(fine-tune, a, b) -> test``."""
+def cmap_family(
+    cmap: Mapping[str, Any], items: Optional[Mapping[str, Sequence]] = None
+) -> dict[tuple[str, str, str], inf.Test]:
+    """Every CMAP comparison of every fine-tune, adjusted together: ``(fine-tune, a, b) -> test`` (``items``: a
+    fine-tune's CMAP prompts' items, where several prompts share one; the tests then cluster by item)."""
     fam, keys = inf.Family(GAIN), []
     for ft, rec in cmap.items():
         if rec is None or "skipped" in rec.result:
             continue
         for a, b in cmap_pairs(rec.result):
             x, y = paired_outcomes(rec.result, a, b)  # a random control may run on a subset of the prompts
-            fam.add(inf.paired(x, y, claim=f"CMAP {ft} into the base: {a} - {b}"))
+            on = cmap_items(rec.result, a, b, (items or {}).get(ft))
+            fam.add(inf.paired(x, y, on, claim=f"CMAP {ft} into the base: {a} - {b}"))
             keys.append((ft, a, b))
     return dict(zip(keys, fam.adjusted()))
 
@@ -72,7 +77,8 @@ def _against(row: Mapping[str, Any], kind: str, claim: str) -> Optional[inf.Test
         draws = row.get("random_outcomes")
         other = None if not draws else np.mean([from_bits(d) for d in draws], axis=0)
     if patched is not None and other is not None and other.shape == patched.shape:
-        return inf.paired(patched, other, claim=claim)
+        items = row.get("test_items")
+        return inf.paired(patched, other, None if items is None else list(items), claim=claim)
     est = row.get(kind)
     if not est:
         return None

@@ -7,28 +7,29 @@ records where present; the circuits; DCM; CMAP), a model toggle and the differen
 position scan, curve, selection stability and CMAP as plots with their intervals, every table (sortable) and the
 stage table. Any other results directory (a HeadMap, IOI or knowledge run) gets its summary, every table and a
 grid per circuit file it holds. Charts are Plotly figures; plotly.js is inlined once, gzipped, so the file opens from
-disk with no network.
+disk with no network. The page, its tables, figures and grid are jinja2 templates (``templates/``, `render`).
 """
 
 from __future__ import annotations
 
-import html
 import json
 import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
+
+from markupsafe import Markup
 
 from ..common.io import write_text
 from ..common.metrics import continuous_key
 from .heads import HEADS_TABLE, head_rows
 from .page_kit import (
     HEAD,
-    LOADER,
     Figures,
     caption,
     hkey,
     inline,
     markdown_html,
+    render,
     sections,
     stage_rows,
     table_html,
@@ -266,76 +267,17 @@ class Grid:
         return fig
 
     def html(self, figs: "Figures", title: str, div_id: str = "grid") -> str:
+        """The grid's data block and figure, its hover filled by ``gridText`` (``templates/grid.js``)."""
         data = json.dumps(self.data(), separators=(",", ":")).replace("</", "<\\/")
         fill = (
             "var t = gridText(GRID_DATA); Plotly.restyle('{plot_id}', {text: t}, t.map(function (_, i) { return i; }));"
         )
-        return f"<script>var GRID_DATA = {data};</script>" + figs.div(self.figure(title), div_id, post_script=fill)
+        return render("grid.html.j2", data=Markup(data), figure=figs.div(self.figure(title), div_id, post_script=fill))
 
 
 def _round(v: Any) -> Any:
     """Three significant digits, as the hover shows them (the tables keep every digit)."""
     return float(f"{v:.3g}") if isinstance(v, float) else v
-
-
-#: Fills each grid view's hover text from GRID_DATA before the figure is drawn.
-GRID_JS = """
-function gridText(D) {
-  function name(l, h) { return "L" + l + "H" + h; }
-  function num(v) { return v === null ? "-" : Number(v).toPrecision(3); }
-  var inC = {};
-  Object.keys(D.members).forEach(function (c) {
-    D.members[c].forEach(function (p) { var k = p.join(","); (inC[k] = inC[k] || []).push(c); });
-  });
-  function classes(c, l, h) {
-    return D.members[c].filter(function (p) { return p[0] === l && p[1] === h; })
-      .map(function (p) { return D.classes[p[2]]; });
-  }
-  var out = [];
-  D.views.forEach(function (v) {
-    var text = [];
-    for (var h = 0; h < D.heads; h++) {
-      var row = [];
-      for (var l = 0; l < D.layers; l++) {
-        var lines;
-        if (v.a !== undefined) {
-          var a = classes(v.a, l, h), b = classes(v.b, l, h);
-          lines = ["<b>" + name(l, h) + "</b>: " + v.name, v.a + ": " + (a.join(", ") || "-"),
-                   v.b + ": " + (b.join(", ") || "-"),
-                   "shared: " + (a.filter(function (x) { return b.indexOf(x) >= 0; }).join(", ") || "-")];
-        } else {
-          lines = ["<b>" + name(l, h) + "</b> in " + v.name];
-          var seen = {};
-          v.pairs.forEach(function (p) {
-            if (p[0] !== l || p[1] !== h) return;
-            var parts = [], k = p.slice(0, 3).join(",");
-            seen[p[2]] = 1;
-            if (p[3] != null) parts.push("attribution " + num(p[3]) + " (rank " + p[4] + ")");
-            if (p[5] != null) parts.push("selected " + num(p[5]));
-            if (p[6] != null) parts.push("path patching " + num(p[6]));
-            parts.push("in " + ((inC[k] || []).join(", ") || "no circuit"));
-            lines.push(D.classes[p[2]] + ": " + parts.join("; "));
-          });
-          Object.keys(D.members).forEach(function (c) {
-            D.members[c].forEach(function (p) {
-              if (p[0] === l && p[1] === h && !seen[p[2]]) {
-                seen[p[2]] = 1;
-                lines.push(D.classes[p[2]] + ": in " + inC[p.join(",")].join(", "));
-              }
-            });
-          });
-          (v.notes[name(l, h)] || []).forEach(function (n) { lines.push(D.notes[n]); });
-          if (lines.length === 1) lines.push("no score in this run");
-        }
-        row.push(lines.join("<br>"));
-      }
-      text.push(row);
-    }
-    out.push(text);
-  });
-  return out;
-}
-"""
 
 
 def _shape(heads: Iterable[str]) -> tuple[int, int]:
@@ -541,107 +483,91 @@ def _ordered_tables(tables: dict[str, Any], report: str) -> list[str]:
     return list(dict.fromkeys(cited + sorted(tables)))
 
 
-def _summary(report: str) -> str:
+def _summary_parts(report: str) -> list[tuple[str, Markup]]:
+    """The report's Findings and Limitations (else its summary): each heading with its Markdown as HTML."""
     parts = sections(report)
-    out = []
-    for name in ("Findings", "Limitations"):
-        if name in parts:
-            out.append(f"<h2>{name}</h2>{markdown_html(parts[name])}")
-    if not out and parts.get(""):
-        out.append(f"<h2>Summary</h2>{markdown_html(parts[''])}")
-    return "".join(out)
+    shown = [(name, Markup(markdown_html(parts[name]))) for name in ("Findings", "Limitations") if name in parts]
+    if not shown and parts.get(""):
+        shown = [("Summary", Markup(markdown_html(parts[""])))]
+    return shown
+
+
+def _summary(report: str) -> str:
+    return render("summary.html.j2", summary=_summary_parts(report))
 
 
 def study_page(run_dir: Path) -> tuple[str, str]:
-    """Title and body of the page of a study run."""
+    """Title and body of the page of a study run (``templates/study.html.j2``)."""
     run = StudyRun(run_dir)
     report = (run_dir / "report.md").read_text() if (run_dir / "report.md").exists() else ""
     figs = Figures()
     spec = run.manifest["spec"]
     title = f"{spec['task']['name']}: {run.base} against {', '.join(run.finetunes)}"
-    body = [f"<p class=lead>{inline(sections(report).get('', ''))}</p>" if report else "", _summary(report)]
-    if "accuracy" in run.tables:
-        body += ["<h2>Accuracy</h2>", table_html(run.tables["accuracy"], caption(run_dir / "tables/accuracy.json"))]
-    body.append("<h2>Heads</h2>")
-    body.append(run.grid().html(figs, "circuit pairs per head (cell: position classes in the circuit)"))
-    source = (
-        f"Scores per (head, position class) from <code>{run.heads_source}</code>."
-        if run.heads_source
-        else "This run predates <code>tables/heads.json</code> and has no stage records here: the hover shows "
-        "circuit membership, DCM and CMAP only (attribution and selection frequency were in the stage "
-        "records, which are not committed)."
-    )
-    body.append(
-        f"<p class=note>Hover a cell for every score the run holds for that head: per position class "
-        f"its attribution and rank in the model's ranking, its selection frequency over the bootstrap "
-        f"resamples, the circuits holding the pair; DCM labels with their intervals; CMAP of its group. "
-        f"The buttons switch model, or show the difference (second minus first, in classes). {source}</p>"
-    )
-    scan = run.tables.get("position_scan")
-    if scan:
-        series = {m: [r for r in scan if r["model"] == m] for m in run.models}
-        body += [
-            "<h2>Position scan</h2>",
-            figs.div(
-                interval_plot(
-                    series,
-                    "step",
-                    ("faithfulness",),
-                    "Position scan: faithfulness with every head kept at the classes chosen so far",
-                    "step",
-                    "faithfulness",
-                    text="added",
-                ),
-                "position_scan",
-            ),
-        ]
-    curve = run.tables.get("curve")
-    if curve:
-        series = {m: [r for r in curve if r["model"] == m] for m in run.models}
-        body += [
-            "<h2>Faithfulness curve</h2>",
-            figs.div(
-                interval_plot(
-                    series,
-                    "fraction",
-                    ("faithfulness", continuous_key(curve[0])),
-                    "Faithfulness of nested circuits (top fraction of the attribution ranking)",
-                    "fraction of pairs",
-                    "faithfulness",
-                    log_x=True,
-                ),
-                "curve",
-            ),
-        ]
-    stab = run.stability()
-    body.append("<h2>Selection stability</h2>")
-    body.append(
-        figs.div(stab, "stability")
-        if stab is not None
-        else "<p class=note>No selection frequencies in this run's committed files (older runs kept them only "
-        "in the stage records).</p>"
-    )
-    cm = run.cmap_figures()
-    if cm:
-        body.append("<h2>CMAP</h2>")
-        body += [figs.div(fig, div_id) for div_id, fig in cm]
-    body.append("<h2>Tables</h2><p class=note>Click a column header to sort.</p>")
-    for stem in _ordered_tables(run.tables, report):
-        if _is_table(run.tables[stem]):
-            body.append(
-                table_html(run.tables[stem], caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv")
-            )
+    accuracy = run.tables.get("accuracy")
+    # the figures in the page's order: the first carries plotly.js
+    grid = run.grid().html(figs, "circuit pairs per head (cell: position classes in the circuit)")
+    scan, curve = _scan_figure(run, figs), _curve_figure(run, figs)
+    stability = run.stability()
+    stability = figs.div(stability, "stability") if stability is not None else None
+    cmap = [figs.div(fig, div_id) for div_id, fig in run.cmap_figures()]
+    tables = [
+        table_html(run.tables[stem], caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv")
+        for stem in _ordered_tables(run.tables, report)
+        if _is_table(run.tables[stem])
+    ]
     stages = stage_rows(run.manifest)
-    if stages:
-        body += [
-            "<h2>Stages</h2>",
-            table_html(
-                stages,
-                "What ran: seconds when computed, and whether this invocation reused the cached record",
-                "run.json",
-            ),
-        ]
-    return title, "".join(body)
+    ran = "What ran: seconds when computed, and whether this invocation reused the cached record"
+    body = render(
+        "study.html.j2",
+        lead=Markup(inline(sections(report).get("", ""))) if report else None,
+        summary=_summary_parts(report),
+        accuracy=table_html(accuracy, caption(run_dir / "tables/accuracy.json")) if accuracy else None,
+        grid=grid,
+        heads_source=run.heads_source,
+        scan=scan,
+        curve=curve,
+        stability=stability,
+        cmap=cmap,
+        tables=tables,
+        stages=table_html(stages, ran, "run.json") if stages else None,
+    )
+    return title, body
+
+
+def _scan_figure(run: StudyRun, figs: Figures) -> Optional[str]:
+    """The position scan's faithfulness per step, each model a line with its interval (None: no scan)."""
+    scan = run.tables.get("position_scan")
+    if not scan:
+        return None
+    series = {m: [r for r in scan if r["model"] == m] for m in run.models}
+    fig = interval_plot(
+        series,
+        "step",
+        ("faithfulness",),
+        "Position scan: faithfulness with every head kept at the classes chosen so far",
+        "step",
+        "faithfulness",
+        text="added",
+    )
+    return figs.div(fig, "position_scan")
+
+
+def _curve_figure(run: StudyRun, figs: Figures) -> Optional[str]:
+    """The faithfulness of the nested circuits against their fraction of pairs (None: no curve)."""
+    curve = run.tables.get("curve")
+    if not curve:
+        return None
+    series = {m: [r for r in curve if r["model"] == m] for m in run.models}
+    fig = interval_plot(
+        series,
+        "fraction",
+        ("faithfulness", continuous_key(curve[0])),
+        "Faithfulness of nested circuits (top fraction of the attribution ranking)",
+        "fraction of pairs",
+        "faithfulness",
+        log_x=True,
+    )
+    return figs.div(fig, "curve")
 
 
 # -- any other results directory ---------------------------------------------------------------------
@@ -719,40 +645,6 @@ def _head_rows_beside(path: Path, loaded: dict[Path, Any]) -> dict[str, list[dic
 
 
 # -- the page ---------------------------------------------------------------------------------------
-STYLE = """
-body{font-family:system-ui,sans-serif;max-width:1200px;margin:1em auto;padding:0 1em;color:#222}
-h1{font-size:1.5em}h2{border-bottom:1px solid #ddd;margin-top:1.6em}
-.note,.lead{color:#555;font-size:.9em}code{background:#f3f3f3;padding:0 .2em}
-table{border-collapse:collapse;margin:1em 0;font-size:.85em;display:block;overflow-x:auto}
-caption{text-align:left;font-size:.9em;color:#444;padding:.3em 0}
-th,td{border:1px solid #ddd;padding:.2em .5em;white-space:nowrap}
-th{background:#f6f6f6;cursor:pointer;position:sticky;top:0}th.asc:after{content:" \\25B2"}
-th.desc:after{content:" \\25BC"}
-"""
-
-SORT = """
-document.querySelectorAll("table.sortable th").forEach(function (th, col) {
-  th.addEventListener("click", function () {
-    var table = th.closest("table"), body = table.tBodies[0], rows = Array.from(body.rows);
-    var index = Array.prototype.indexOf.call(th.parentNode.children, th);
-    var asc = !th.classList.contains("asc");
-    th.parentNode.querySelectorAll("th").forEach(function (h) { h.classList.remove("asc", "desc"); });
-    th.classList.add(asc ? "asc" : "desc");
-    function key(row) {
-      var cell = row.cells[index], v = cell.getAttribute("data-v");
-      return v === null ? cell.textContent : parseFloat(v);
-    }
-    rows.sort(function (a, b) {
-      var x = key(a), y = key(b);
-      var c = (typeof x === "number" && typeof y === "number") ? x - y : String(x).localeCompare(String(y));
-      return asc ? c : -c;
-    });
-    rows.forEach(function (r) { body.appendChild(r); });
-  });
-});
-"""
-
-
 def page(run_dir: str | Path) -> str:
     """The whole page of ``run_dir``."""
     run_dir = Path(run_dir)
@@ -763,11 +655,7 @@ def page(run_dir: str | Path) -> str:
         title, body = trajectory_page(run_dir)
     else:
         title, body = study_page(run_dir) if "spec" in manifest else generic_page(run_dir)
-    return (
-        f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>"
-        f"<style>{STYLE}</style><script>{LOADER}{GRID_JS}</script></head><body><h1>{html.escape(title)}</h1>{body}"
-        f"<script>{SORT}</script></body></html>\n"
-    )
+    return render("page.html.j2", title=title, body=Markup(body)) + "\n"
 
 
 def write_html(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:

@@ -1,17 +1,41 @@
 """The pieces every ``report.html`` page is built from: the report's Markdown as HTML, tables, Plotly figures with
-plotly.js inlined once (gzipped), a run's sections, captions and stage rows, and head names (``L14H7``)."""
+plotly.js inlined once (gzipped), a run's sections, captions and stage rows, and head names (``L14H7``). The page,
+its tables and figures are jinja2 templates (``templates/*.j2``, package data), their style and scripts files there
+inlined into the one page (`asset`)."""
 
 from __future__ import annotations
 
-import functools
 import html
 import re
+from functools import cache
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Optional
+
+from jinja2 import Environment, PackageLoader, StrictUndefined
+from markupsafe import Markup
 
 from .tables import format_value
 
 HEAD = re.compile(r"^L(\d+)H(\d+)$")
+
+
+@cache
+def _templates() -> Environment:
+    """The report templates (``mechdiff/report/templates``): every value escaped unless it is `Markup` (HTML the
+    page's own code built), an unknown name an error."""
+    return Environment(loader=PackageLoader("mechdiff.report"), autoescape=True, undefined=StrictUndefined)
+
+
+def render(template: str, **values: Any) -> Markup:
+    """The HTML of ``templates/<template>`` with ``values``."""
+    return Markup(_templates().get_template(template).render(asset=asset, **values))
+
+
+@cache
+def asset(name: str) -> Markup:
+    """A style or script file of ``templates/`` (``page.css``, ``loader.js``, ...), inlined as it is."""
+    return Markup(files("mechdiff.report").joinpath("templates", name).read_text(encoding="utf-8"))
 
 
 def caption(path: Path) -> str:
@@ -85,7 +109,6 @@ def table_html(rows: list[dict], caption: str = "", name: str = "") -> str:
         cols.update(dict.fromkeys(r))
     merged = {c for c in cols if f"{c}_low" in cols and f"{c}_high" in cols}
     shown = [c for c in cols if not any(c in (f"{m}_low", f"{m}_high") for m in merged)]
-    head = "".join(f"<th>{html.escape(c)}{' [95% CI]' if c in merged else ''}</th>" for c in shown)
     body = []
     for r in rows:
         cells = []
@@ -95,15 +118,15 @@ def table_html(rows: list[dict], caption: str = "", name: str = "") -> str:
             if c in merged and v is not None:
                 text += f" [{format_value(r.get(c + '_low'), '.3f')}, {format_value(r.get(c + '_high'), '.3f')}]"
             key = v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-            attr = f' data-v="{key!r}"' if key is not None else ""
-            cells.append(f"<td{attr}>{html.escape(text)}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    cap = f"<caption>{inline(caption)}{f' (<code>{name}</code>)' if name else ''}</caption>" if caption or name else ""
-    return f'<table class="sortable">{cap}<thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+            cells.append((text, None if key is None else repr(key)))
+        body.append(cells)
+    columns = [f"{c}{' [95% CI]' if c in merged else ''}" for c in shown]
+    return render("table.html.j2", caption=Markup(inline(caption)), name=name, columns=columns, rows=body)
 
 
 class Figures:
-    """Plotly figures as HTML divs, drawn once plotly.js is loaded (`LOADER`): the first div carries
+    """Plotly figures as HTML divs (``templates/figure.html.j2``), drawn once plotly.js is loaded
+    (``templates/loader.js``): the first div carries
     plotly.js gzipped and base64-encoded (1.9 MB instead of 4.8 MB), which the page decompresses in the browser
     with no network; each figure is its JSON and the call that draws it."""
 
@@ -119,19 +142,19 @@ class Figures:
         )
         fig.update_xaxes(showgrid=True, gridcolor="#eee", zeroline=False, showline=True, linecolor="#999")
         fig.update_yaxes(showgrid=True, gridcolor="#eee", zeroline=False, showline=True, linecolor="#999")
-        spec = fig.to_json().replace("</", "<\\/")
-        then = (post_script or "").replace("{plot_id}", div_id)
-        config = '{"displaylogo": false, "responsive": true}'
-        out = (
-            (f'<script type="text/plain" id="plotly-gz">{plotly_gz()}</script>' if self.count == 0 else "")
-            + f'<div id="{div_id}" class="plot"></div><script>whenPlotly(function () {{ var f = {spec}; '
-            f'Plotly.newPlot("{div_id}", f.data, f.layout, {config}).then(function () {{ {then} }}); }});</script>'
+        out = render(
+            "figure.html.j2",
+            plotly_gz=plotly_gz() if self.count == 0 else "",
+            div_id=div_id,
+            spec=Markup(fig.to_json().replace("</", "<\\/")),  # JSON in a script: no "</" may close it
+            config=Markup('{"displaylogo": false, "responsive": true}'),
+            then=Markup((post_script or "").replace("{plot_id}", div_id)),
         )
         self.count += 1
         return out
 
 
-@functools.cache
+@cache
 def plotly_gz() -> str:
     """plotly.js (the one plotly ships) gzipped (no time stamp: the same bytes on every run) in base64."""
     import base64
@@ -140,25 +163,6 @@ def plotly_gz() -> str:
     from plotly.offline import get_plotlyjs
 
     return base64.b64encode(gzip.compress(get_plotlyjs().encode(), 9, mtime=0)).decode()
-
-
-#: Queues each figure's drawing until plotly.js is decompressed (DecompressionStream: every current browser) and run.
-LOADER = """
-var plotlyQueue = [];
-function whenPlotly(f) { if (window.Plotly) { f(); } else { plotlyQueue.push(f); } }
-document.addEventListener("DOMContentLoaded", function () {
-  var src = document.getElementById("plotly-gz");
-  if (!src) return;
-  var bytes = Uint8Array.from(atob(src.textContent), function (c) { return c.charCodeAt(0); });
-  var text = new Response(new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"))).text();
-  text.then(function (js) {
-    var s = document.createElement("script");
-    s.textContent = js;
-    document.head.appendChild(s);
-    plotlyQueue.splice(0).forEach(function (f) { f(); });
-  });
-});
-"""
 
 
 def hkey(name: str) -> tuple[int, int]:

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
+
 from ..common import inference as inf
 from ..common.metrics import continuous_key, continuous_label
+from ..common.outcomes import from_bits
 from ..methods.cmap import paired_outcomes
 from .tables import estimate_columns
 
@@ -38,13 +41,34 @@ def dcm_rows(results: Sequence[Mapping[str, Any]]) -> list[dict]:
     return rows
 
 
-def semantic_rows(records: Sequence[Mapping[str, Any]]) -> list[dict]:
+def semantic_test(record: Mapping[str, Any], control: str, items: Sequence) -> Optional[dict]:
+    """The patched heads against ``control`` ("floor" or "random") on the same test pairs, clustered by the pairs'
+    ``items`` (`inf.paired`), as the ``vs_floor``/``vs_random`` record the stage wrote with one pair an item."""
+    outcomes = record.get("outcomes") or {}
+    if "correct" not in outcomes:
+        return None
+    patched = from_bits(outcomes["correct"])
+    if control == "floor" and record.get("floor_outcomes"):
+        other = from_bits(record["floor_outcomes"])
+    elif control == "random" and record.get("random_outcomes"):
+        other = np.mean([from_bits(d) for d in record["random_outcomes"]], axis=0)
+    else:
+        return None
+    if other.shape != patched.shape or len(items) != patched.size:
+        return None
+    test = inf.paired(patched, other, list(items))
+    return {"estimate": test.interval.value, "low": test.interval.low, "high": test.interval.high, "p": test.p}
+
+
+def semantic_rows(records: Sequence[Mapping[str, Any]], items: Optional[Mapping[str, Sequence]] = None) -> list[dict]:
     """One row per (group, desideratum, model) of semantic patching (``{"group", "desideratum", "heads"} |
     SemanticResult.to_dict()``): the heads patched, target accuracy, the unpatched floor and (where drawn) random
     heads of the selection's layers and position, and the paired tests of the patched heads against each
-    (``vs_floor``: exact McNemar; ``vs_random``: the sign-flip test against the per-pair share of draws)."""
+    (``vs_floor``: exact McNemar; ``vs_random``: the sign-flip test against the per-pair share of draws; both
+    clustered by item where ``items`` gives a ``group/desideratum``'s test pairs' items: `semantic_test`)."""
     rows = []
     for s in records:
+        on = (items or {}).get(f"{s['group']}/{s['desideratum']}")
         row = {
             "group": s["group"],
             "desideratum": s["desideratum"],
@@ -56,7 +80,7 @@ def semantic_rows(records: Sequence[Mapping[str, Any]]) -> list[dict]:
         if s.get("random"):
             row.update(estimate_columns("random", s["random"]))
         for control in ("floor", "random"):
-            test = s.get(f"vs_{control}")
+            test = (semantic_test(s, control, on) if on is not None else None) or s.get(f"vs_{control}")
             if test:
                 row[f"minus_{control}"] = test["estimate"]
                 row[f"minus_{control}_low"], row[f"minus_{control}_high"] = test["low"], test["high"]
@@ -109,15 +133,17 @@ def cmap_caption(result: Mapping[str, Any], finetune: str) -> str:
     )
 
 
-def cmap_paired_rows(result: Mapping[str, Any]) -> list[dict]:
+def cmap_paired_rows(result: Mapping[str, Any], items: Optional[Sequence] = None) -> list[dict]:
     """Each (scope, kind) against the plain base and against its random control; V - QK and Q - K per scope:
     paired tests of accuracy on the same prompts (`paired`: exact McNemar for two
-    0/1 outcomes, the sign-flip test against a random control's per-prompt share of draws), each with its p."""
+    0/1 outcomes, the sign-flip test against a random control's per-prompt share of draws; clustered by item where
+    ``items``, one per CMAP prompt, has prompts sharing one), each with its p."""
     outcomes, rows = result.get("outcomes", {}), []
 
     def add(a: str, b: str) -> None:
         if a in outcomes and b in outcomes:
-            test = inf.paired(*paired_outcomes(result, a, b))
+            on = cmap_items(result, a, b, items)
+            test = inf.paired(*paired_outcomes(result, a, b), on)
             iv = test.interval
             row = {"first": a, "second": b, "difference": iv.value, "difference_low": iv.low}
             rows.append({**row, "difference_high": iv.high, "p": test.p, "method": test.method})
@@ -130,6 +156,16 @@ def cmap_paired_rows(result: Mapping[str, Any]) -> list[dict]:
         add(f"{scope}/v", f"{scope}/qk")
         add(f"{scope}/q", f"{scope}/k")
     return rows
+
+
+def cmap_items(result: Mapping[str, Any], a: str, b: str, items: Optional[Sequence]) -> Optional[list]:
+    """The items of the prompts `paired_outcomes` pairs ``a`` and ``b`` on (None: one prompt an item)."""
+    if items is None:
+        return None
+    outcomes, on, listed = result["outcomes"], result.get("random_prompts") or [], list(items)
+    if len(outcomes[a]) != len(outcomes[b]) and on:
+        return [listed[i] for i in on]
+    return listed[: len(outcomes[a])]
 
 
 def cmap_paired_caption(result: Mapping[str, Any], finetune: str) -> str:

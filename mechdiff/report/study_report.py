@@ -59,16 +59,48 @@ def study_table(study: "Study", rows: list[dict], stem: str, caption: str) -> st
     return f"**{caption}** (`tables/{stem}.csv`)\n\n{to_markdown(rows)}\n"
 
 
+def _eval_items(study: "Study", n: int) -> Optional[np.ndarray]:
+    """The eval set's items for its first ``n`` rows where some rows share an item (else None: one row an item)."""
+    try:
+        ids = np.asarray(study.set_items("eval"))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return ids[:n] if ids.size >= n and len(set(ids[:n].tolist())) < n else None
+
+
+def _accuracy_over_items(result: dict, items: Optional[np.ndarray]) -> dict:
+    """The accuracy stage's figures, their intervals over ``items`` where rows share items (`inf.proportion`,
+    `inf.mean`: the cluster bootstrap over items, a proportion hulled with the exact interval of as many items);
+    else the stage's own (exact over rows, one row an item)."""
+    from ..common import inference as inf
+    from ..common.outcomes import read_record
+
+    outcomes = result.get("outcomes")
+    if items is None or outcomes is None or len(outcomes["correct"]) != items.size:
+        return {k: result[k] for k in ("accuracy", "answer_prob", "logit_diff") if k in result}
+    correct, prob = read_record(outcomes)
+    out = {"accuracy": inf.proportion(correct, items).to_dict(detail=True)}
+    if prob is not None:
+        out["answer_prob"] = inf.mean(prob, items).to_dict(detail=True)
+    if "logit_diff" in result and outcomes.get("logit_diff") is not None:
+        out["logit_diff"] = inf.mean(np.asarray(outcomes["logit_diff"], dtype=float), items).to_dict(detail=True)
+    return {**{k: result[k] for k in ("answer_prob", "logit_diff") if k in result}, **out}
+
+
 def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tuple[str, list[dict]]:
-    rows = []
+    rows, clustered = [], False
     for name, rec in accuracy.items():
         r = rec.result
+        items = _eval_items(study, len((r.get("outcomes") or {}).get("correct", "")))
+        figures = _accuracy_over_items(r, items)
+        clustered = clustered or items is not None
         rows.append(
             {
                 "model": name,
-                **estimate_columns("accuracy", r["accuracy"]),
-                **estimate_columns("answer_prob", r["answer_prob"]),
-                **(estimate_columns("logit_diff", r["logit_diff"]) if "logit_diff" in r else {}),
+                **estimate_columns("accuracy", figures["accuracy"]),
+                **estimate_columns("answer_prob", figures["answer_prob"]),
+                **(estimate_columns("logit_diff", figures["logit_diff"]) if "logit_diff" in figures else {}),
+                **({"items": figures["accuracy"].get("items")} if items is not None else {}),
                 "fingerprint": r["fingerprint"],
             }
         )
@@ -82,7 +114,14 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
         study,
         rows,
         "accuracy",
-        f"Accuracy on {what}exact binomial CI for accuracy, bootstrap for probability"
+        f"Accuracy on {what}"
+        + (
+            "intervals over items, since rows of one item share a clean prompt: for accuracy the cluster bootstrap "
+            "over items hulled with the exact interval of as many items; the cluster bootstrap over items for "
+            "probability"
+            if clustered
+            else "exact binomial CI for accuracy, bootstrap for probability"
+        )
         + (" and the logit difference, answer minus the mean alternative)" if "logit_diff" in rows[0] else ")"),
     )
     floor, how = study.floor_is()
@@ -310,15 +349,82 @@ def pruning_section(study: "Study", pruned: dict) -> str:
     return study_table(study, rows, "pruning", caption)
 
 
+def _normalised_over_items(row: dict, kept: dict, items: np.ndarray) -> dict:
+    """A matrix row's normalised faithfulness, (m(C) - m(empty)) / (m(M) - m(empty)) (`normalised_figures`), for
+    accuracy and the task's metric, with its interval over ``items`` from the per-prompt outcomes (``kept``: the
+    ``full``, ``circuit`` and ``empty`` records); a figure the stage left undefined (NaN) stays so."""
+    from ..common.inference import ratio
+    from ..common.outcomes import from_bits
+
+    if "empty" not in kept:
+        return {}
+    out = {}
+    for key in (k for k in row if k.startswith("faithfulness_normalised") and not k.endswith(("_low", "_high"))):
+        metric = key.removeprefix("faithfulness_normalised").lstrip("_") or "correct"
+        per = []
+        for part in ("circuit", "full", "empty"):
+            rec = kept[part]
+            value = rec.get(metric) if metric != "correct" else rec.get("correct")
+            if value is None:
+                break
+            per.append(from_bits(value) if isinstance(value, str) else np.asarray(value, dtype=float))
+        if len(per) == 3 and not np.isnan(row[key]) and per[0].size == items.size:
+            c, f, e = per
+            out.update(estimate_columns(key, ratio(c - e, f - e, items)))
+    return out
+
+
+def _matrix_over_items(study: "Study", matrix: dict) -> Optional[list[dict]]:
+    """The circuit x model rows with the model's and each circuit's accuracy and faithfulness intervals over items,
+    from the stage's per-prompt outcomes, where the matrix prompts' rows share items (None otherwise: the stage's
+    own intervals, one row an item). The random draws' figures stay as the stage made them."""
+    from ..common.inference import proportion, ratio
+    from ..common.outcomes import read_record
+
+    try:
+        ids = np.asarray(study.set_items("matrix"))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    out = []
+    for rec in matrix.values():
+        kept = rec.result.get("outcomes") or {}
+        for r in rec.result["rows"]:
+            o = kept.get(r["circuit"])
+            if o is None:
+                return None
+            full, circ = read_record(o["full"])[0], read_record(o["circuit"])[0]
+            items = ids[: full.size]
+            if ids.size < full.size or len(set(items.tolist())) == full.size:
+                return None
+            out.append(
+                {
+                    **r,
+                    **estimate_columns("full_accuracy", proportion(full, items)),
+                    **estimate_columns("accuracy", proportion(circ, items)),
+                    **estimate_columns("faithfulness", ratio(circ, full, items)),
+                    **_normalised_over_items(r, o, items),
+                    "items": len(set(items.tolist())),
+                }
+            )
+    return out or None
+
+
 def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
-    rows = [r for rec in matrix.values() for r in rec.result["rows"]]
+    clustered = _matrix_over_items(study, matrix)
+    rows = clustered or [r for rec in matrix.values() for r in rec.result["rows"]]
     s = study.spec.scoring
+    how = (
+        "intervals over items, since rows of one item share a clean prompt: accuracy by the cluster bootstrap over "
+        "items hulled with the exact interval of as many items, faithfulness F(C)/F(M) by the cluster bootstrap"
+        if clustered
+        else "exact binomial CI), faithfulness F(C)/F(M) (bootstrap CI"
+    )
     text = study_table(
         study,
         circuit_x_model_rows(rows),
         "circuit_x_model",
         f"Circuit x model on {s.n} {_fresh(study, 'matrix')} per model: accuracy with every other (head, "
-        "position) mean-ablated (exact binomial CI), faithfulness F(C)/F(M) (bootstrap CI), and "
+        f"position) mean-ablated ({how}), and "
         f"{s.random_draws} random circuits drawn layer- and position-matched to each model's own circuit, each on "
         f"{s.random_prompts or s.n} of the prompts (their mean, its interval resampling draws and prompts; the range "
         "of the draws' accuracies; the circuit's rank among the draws, draws at least as accurate, its p = (1 + "
@@ -439,7 +545,7 @@ def dcm_section(study: "Study", dcm: "StageRecord", finetune_dcm: Optional[dict]
         return f"DCM: not run ({dcm.result['skipped']}).{left_out_sentence(dcm.result, 'DCM')}\n"
     text = study_table(study, dcm_rows(dcm.result["dcm"]), "dcm", f"DCM on the base model's circuit: {DCM_CAPTION}")
     text += left_out_sentence(dcm.result, "DCM")
-    sem = semantic_rows(dcm.result["semantic"])
+    sem = semantic_rows(dcm.result["semantic"], dcm_test_items(study, dcm))
     if sem:
         text += "\n" + study_table(
             study,
@@ -481,7 +587,8 @@ def cmap_section(study: "Study", cmap: dict) -> str:
         text.append(study_table(study, cmap_rows(r), f"cmap_{label(ft)}", cmap_caption(r, ft)))
         if "circuit" in r:  # CMAP as the paper: the fine-tune's pruned circuit cut to its DCM selections
             text.append(patched_heads(study, Circuit.from_dict(r["circuit"])))
-        text.append(study_table(study, cmap_paired_rows(r), f"cmap_paired_{label(ft)}", cmap_paired_caption(r, ft)))
+        paired = cmap_paired_rows(r, cmap_items_of(study, {ft: rec}).get(ft))
+        text.append(study_table(study, paired, f"cmap_paired_{label(ft)}", cmap_paired_caption(r, ft)))
         scopes = list(dict.fromkeys(row["scope"] for row in r["rows"]))
         kinds = list(dict.fromkeys(row["kind"] for row in r["rows"]))
         series = {
@@ -703,11 +810,13 @@ def _ordering(gain: dict, ft: str, a: str, b: str) -> str:
     return f"Paired difference {a} - {b} on the same prompts: {ci}, {verdict} ({p})."
 
 
-def dcm_tests(dcm: "StageRecord", base: str) -> dict:
+def dcm_tests(dcm: "StageRecord", base: str, study: Optional["Study"] = None) -> dict:
     """The family "what the heads encode": each selected group against its floor and its random heads, with the
-    base's per-pair outcomes where the stage kept them."""
+    base's per-pair outcomes where the stage kept them, clustered by the test pairs' items where ``study`` knows
+    them (`dcm_test_items`)."""
     if "skipped" in dcm.result:
         return {}
+    items = dcm_test_items(study, dcm) if study is not None else {}
     rows = []
     for r in dcm.result["dcm"]:
         sem = next(
@@ -721,8 +830,132 @@ def dcm_tests(dcm: "StageRecord", base: str) -> dict:
         extra = {k: sem[k] for k in ("floor_outcomes", "random_outcomes") if k in sem}
         if "outcomes" in sem and sem["accuracy"]["value"] == r["test_accuracy"]["value"]:
             extra["test_outcomes"] = sem["outcomes"]
+        key = f"{r['group']}/{r['desideratum']}"
+        if key in items and len(items[key]) == int(r["test_accuracy"]["n"]):
+            extra["test_items"] = items[key]
         rows.append({**r, **extra})
     return encodes_family(rows)
+
+
+def dcm_test_items(study: Optional["Study"], dcm: "StageRecord") -> dict[str, np.ndarray]:
+    """Each DCM (``group/desideratum``)'s test pairs' items, split again as the stage split them (`split_indices`
+    on the ``dcm`` set's item ids with the record's split and seed: the stage kept the outcomes, not the items), for
+    an imported task whose items the stage split by; {} for a generated task (its pairs are items of their own) or
+    where the counts do not align. The semantic patching of a selection runs on the same test pairs."""
+    from ..methods.dcm import split_indices
+
+    task = getattr(study, "task", None)
+    if study is None or getattr(task, "items", None) is None or "skipped" in dcm.result:
+        return {}
+    try:
+        ids = np.asarray(study.set_items("dcm"))
+    except (KeyError, TypeError, ValueError):
+        return {}
+    out = {}
+    for r in dcm.result.get("dcm", []):
+        n = int(r["n_train"]) + int(r["n_val"]) + int(r["n_test"])
+        if ids.size < n or len(set(ids[:n].tolist())) == n:  # one pair an item: the exact tests already hold
+            continue
+        test = split_indices(n, r["config"]["split"], r["config"]["seed"], ids[:n].tolist())[2]
+        if len(test) == int(r["n_test"]):
+            out[f"{r['group']}/{r['desideratum']}"] = ids[:n][test]
+    return out
+
+
+def cmap_items_of(study: "Study", cmap: dict) -> dict[str, np.ndarray]:
+    """Each fine-tune's CMAP prompts' items (the ``cmap`` set's, its first rows as the stage read them), where an
+    imported task's prompts share items; {} otherwise."""
+    if getattr(getattr(study, "task", None), "items", None) is None:
+        return {}
+    try:
+        ids = np.asarray(study.set_items("cmap"))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return {}
+    out = {}
+    for ft, rec in cmap.items():
+        outcomes = (rec.result.get("outcomes") or {}) if rec is not None else {}
+        n = len(outcomes.get("base", ""))
+        if n and ids.size >= n and len(set(ids[:n].tolist())) < n:
+            out[ft] = ids[:n]
+    return out
+
+
+def _dcm_over_items(study: "Study", dcm: "StageRecord") -> "StageRecord":
+    """``dcm`` with each selection's target and floor accuracies (its DCM row and every model's semantic patching)
+    as intervals over the test pairs' items (`dcm_test_items`), from the per-pair outcomes the stage kept; unchanged
+    where the pairs are items of their own. Random heads keep the stage's interval, which resamples the draws as
+    well as the pairs (the per-pair share over items alone would leave the draws' spread out)."""
+    from dataclasses import replace
+
+    from ..common import inference as inf
+    from ..common.outcomes import from_bits
+
+    items = dcm_test_items(study, dcm)
+    if not items:
+        return dcm
+
+    def arms(rec: dict, on: np.ndarray) -> dict:
+        out = {}
+        if (rec.get("outcomes") or {}).get("correct"):
+            out["accuracy"] = inf.proportion(from_bits(rec["outcomes"]["correct"]), on).to_dict(detail=True)
+        if rec.get("floor_outcomes"):
+            out["floor"] = inf.proportion(from_bits(rec["floor_outcomes"]), on).to_dict(detail=True)
+        return {k: v for k, v in out.items() if v["n"] == on.size}
+
+    semantic = []
+    for x in dcm.result.get("semantic", []):
+        on = items.get(f"{x['group']}/{x['desideratum']}")
+        semantic.append({**x, **arms(x, on)} if on is not None else x)
+    rows = []
+    for r in dcm.result.get("dcm", []):
+        on = items.get(f"{r['group']}/{r['desideratum']}")
+        base = next(
+            (
+                x
+                for x in dcm.result.get("semantic", [])
+                if (x["group"], x["desideratum"]) == (r["group"], r["desideratum"])
+                and x["accuracy"]["value"] == r["test_accuracy"]["value"]
+            ),
+            None,
+        )
+        got = arms(base, on) if base is not None and on is not None else {}
+        if "accuracy" in got:
+            got["test_accuracy"] = got.pop("accuracy")
+        rows.append({**r, **got})
+    return replace(dcm, result={**dcm.result, "dcm": rows, "semantic": semantic})
+
+
+def _cmap_over_items(study: "Study", cmap: dict) -> dict:
+    """``cmap`` with each part's accuracy and both models' as intervals over the CMAP prompts' items
+    (`cmap_items_of`), from the per-prompt outcomes the stage kept; unchanged where prompts are items. The random
+    controls keep the stage's interval (it resamples their draws as well as the prompts)."""
+    from dataclasses import replace
+
+    from ..common import inference as inf
+
+    out = dict(cmap)
+    for ft, items in cmap_items_of(study, cmap).items():
+        r = cmap[ft].result
+        outcomes, on = r["outcomes"], r.get("random_prompts") or []
+
+        def over(key: str) -> Optional[dict]:
+            x = np.asarray(outcomes.get(key, []), dtype=float)
+            if not x.size:
+                return None
+            its = items[np.asarray(on)] if x.size != items.size and len(on) == x.size else items[: x.size]
+            return inf.mean(x, its).to_dict(detail=True)
+
+        def row(x: dict) -> dict:
+            got = over(f"{x['scope']}/{x['kind']}")
+            return {**x, "accuracy": got} if got is not None else x
+
+        result = {**r, "rows": [row(x) for x in r["rows"]]}  # random controls keep their draws-and-prompts interval
+        for m in ("base", "finetune"):
+            got = over(m)
+            if got is not None:
+                result[f"{m}_accuracy"] = got
+        out[ft] = replace(cmap[ft], result=result)
+    return out
 
 
 def dcm_findings(dcm: "StageRecord", tests: Optional[dict] = None) -> str:
@@ -902,7 +1135,11 @@ def paired_section(study: "Study", accuracy: dict, matrix: dict, dcm: "StageReco
         )
     write_outcomes(study.dir, stages)
     margins = study.spec.inference.margins  # the task file's [inference] margins: report-only
-    rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes, _items(study, stages), margins)
+    items = _items(study, stages) or {}
+    semantic = dcm_test_items(study, dcm) if dcm is not None else {}
+    if semantic:  # the DCM test pairs' items, where an imported task's pairs share them
+        items["semantic"] = semantic
+    rows = paired_rows(stages, study.spec.models.base, study.spec.models.finetunes, items or None, margins)
     return study_table(study, rows, "paired_differences", CAPTION), rows
 
 
@@ -1056,7 +1293,8 @@ def write_report(
     acc_text, acc_rows = accuracy_section(study, accuracy)
     mat_text, mat_rows = matrix_section(study, matrix)
     paired_text, paired = paired_section(study, accuracy, matrix, dcm)
-    gain, encoded = cmap_family(cmap), dcm_tests(dcm, study.spec.models.base)
+    gain, encoded = cmap_family(cmap, cmap_items_of(study, cmap)), dcm_tests(dcm, study.spec.models.base, study)
+    dcm_shown, cmap_shown = _dcm_over_items(study, dcm), _cmap_over_items(study, cmap)  # intervals over items
     controls = controls_family(mat_rows)
     ov_text, overlaps = overlap_section(study, found)
     manifest = study.manifest()
@@ -1085,9 +1323,9 @@ def write_report(
         "## Findings\n",
         circuit_findings(study, positions, mat_rows, controls),
         *[f"- **{name}**: {why}." for name, why in without_behaviour.items()],
-        findings(study, acc_rows, mat_rows, overlaps, cmap, paired, gain),
+        findings(study, acc_rows, mat_rows, overlaps, cmap_shown, paired, gain),
         paired_findings(paired),
-        dcm_findings(dcm, encoded),
+        dcm_findings(dcm_shown, encoded),
         "",
         "## Limitations\n",
         limitations(study, positions) + PHRASINGS[_held_out(study)],
@@ -1107,9 +1345,9 @@ def write_report(
         "## Overlap\n",
         ov_text,
         "## What the heads encode (DCM)\n",
-        dcm_section(study, dcm, finetune_dcm),
+        dcm_section(study, dcm_shown, finetune_dcm),
         "## Cross-model activation patching (CMAP)\n",
-        cmap_section(study, cmap),
+        cmap_section(study, cmap_shown),
         "## Families of claims\n",
         families_section(study, paired, gain, encoded, controls),
         "## What was run\n",

@@ -125,6 +125,44 @@ def structure_sentence(rows: list[dict], margin: Optional[float], what: str = "c
     return head + "; " + "; ".join(parts) + "."
 
 
+def edge_rows(record: dict, steps: dict[str, int]) -> list[dict]:
+    """The edge stage's comparisons as rows, node overlap beside edge overlap on each: consecutive steps, then each
+    step against the final one; each overlap with its interval over prompts, (null - cross) with its `verdict`,
+    and the `reading` (``nodes stable, edges move`` only where both intervals carry it)."""
+    margin = record["margin"]
+    pairs = [(c["from"], c["to"], c) for c in record["consecutive"]]
+    pairs += [(c["checkpoint"], None, c) for c in record["against_final"]]
+    rows = []
+    for s, t, c in pairs:
+        row: dict = {"against": "final" if t is None else "next", "from_step": steps[s]}
+        row["to_step"] = steps[t if t is not None else list(record["null"])[-1]]
+        for kind in ("nodes", "edges"):
+            d = c[kind]
+            row.update(
+                {
+                    **_cols(f"{kind}_cross", d["cross"]),
+                    **_cols(f"{kind}_null_minus_cross", d["null_minus_cross"]),
+                    f"{kind}_change": verdict(d, margin),
+                }
+            )
+        rows.append({**row, "reading": c["reading"]})
+    return rows
+
+
+def edge_sentence(rows: list[dict]) -> str:
+    """Where "nodes stable, edges move" is shown, and that it is not shown elsewhere."""
+    from ..methods.edge_structure import STABLE_MOVE
+
+    where = [f"{r['from_step']}-{r['to_step']}" for r in rows if r["reading"] == STABLE_MOVE]
+    if not where:
+        return f'"{STABLE_MOVE}" (Wang et al. 2025) is not shown at any of the {len(rows)} comparisons.'
+    return (
+        f'"{STABLE_MOVE}" (Wang et al. 2025) is shown at {", ".join(where)} (the node difference the same within the '
+        "margin, the edge difference above 0, both on intervals over prompts); not shown at the other "
+        f"{len(rows) - len(where)} comparisons."
+    )
+
+
 class _Report:
     def __init__(self, study: Any, results: dict):
         self.s, self.r = study, results
@@ -584,6 +622,55 @@ class _Report:
             + self.figure(matrix, "overlap matrix of every two checkpoints")
         )
 
+    def edges(self) -> None:
+        """Edges beside nodes (``[edges]``): each checkpoint's top-n edges of the EAP graph and their nodes, compared
+        across the scored steps; nothing where the study did not run the edge stages."""
+        rec = self.r.get("edges")
+        if rec is None:
+            self.drop("edges_null", "edges_nodes")
+            return
+        st, steps = rec.result, dict(zip(self.names, self.steps))
+        null_rows = [
+            {
+                "step": steps[c],
+                "nodes_in_top": len(st["top"][c]["nodes"]),
+                **_cols("nodes_null", st["null"][c]["nodes"]),
+                **_cols("edges_null", st["null"][c]["edges"]),
+            }
+            for c in st["null"]
+        ]
+        rows = edge_rows(st, steps)
+        e, how = self.s.st.edges, self.interval_text(st)
+        g = st["graph"]
+        self.edge_readme = edge_sentence(rows)
+        self.sections.append(
+            "## Edges beside nodes\n\n"
+            f"The EAP edge graph ({g['n_edges']} edges among the embeddings, {g['n_layers']} x {g['n_heads']} heads, "
+            f"{g['n_layers']} MLPs and the logits; position-free) scored per prompt by {e.method} on the "
+            f"{st['prompts']} ranking prompts the node circuits rank on, with their metric and their mean ablation "
+            "(each sender's position-wise mean over the reference prompts of the prompt's template and length). On "
+            f"any set of prompts a checkpoint's discovery is its top {st['top_n']} edges by |mean attribution| and "
+            "their nodes (the heads and MLPs they leave or enter). Edges and nodes are compared exactly as the node "
+            f"structure compares pairs: the null from disjoint halves ({st['draws']} splits), the cross overlap on "
+            f"opposite halves, (null - cross) paired by split; intervals: {how}; 'changed' and 'same within "
+            f"{st['margin']:g}' as above.\n\n"
+            + edge_sentence(rows)
+            + "\n\n"
+            + self.table(
+                null_rows,
+                "edges_null",
+                "Within-checkpoint null of the top-n edges and of their nodes, and how many nodes the top-n edges "
+                f"of all the prompts touch ({how})",
+            )
+            + "\n"
+            + self.table(
+                rows,
+                "edges_nodes",
+                "Node overlap beside edge overlap: consecutive steps, then each step against the final one; cross "
+                f"overlap and (null - cross) of each ({how}), their verdicts, and the reading",
+            )
+        )
+
     def dense_section(self, dense: Optional[dict]) -> str:
         """The structure at the steps the between-run null reads, on their own (more) ranking prompts ('' where
         the record has none)."""
@@ -654,6 +741,16 @@ class _Report:
             "larger than two runs of the recipe differ by at that step.\n\n"
             + to_markdown(self.runs_rows(between))
             + "\n\n"
+        )
+
+    def edge_findings(self) -> str:
+        """The README's edges section ('' where the study did not run the edge stages)."""
+        if self.r.get("edges") is None:
+            return ""
+        return (
+            "## Findings: edges beside nodes\n\n"
+            + self.edge_readme
+            + " Node overlap beside edge overlap on each comparison: `tables/edges_nodes.md`.\n\n"
         )
 
     def runs_section(self, between: dict) -> str:
@@ -762,6 +859,7 @@ class _Report:
         self.semantic()
         self.roles()
         self.structure()
+        self.edges()
         formation, ordered = self.formation()
         s = self.s
         head = (
@@ -840,6 +938,11 @@ class _Report:
             settings.append(
                 {"what": "role pairs per desideratum; threshold", "setting": f"{st.roles.n}; {st.roles.threshold}"}
             )
+        if st.edges.on:
+            e = self.r["edges"].result
+            steps = ", ".join(str(dict(zip(self.names, self.steps))[c]) for c in e["null"])
+            what = "edges: steps; top-n edges; method; prompts"
+            settings.append({"what": what, "setting": f"{steps}; {e['top_n']}; {st.edges.method}; {e['prompts']}"})
         if st.runs.dirs:
             runs = f"{', '.join(st.runs.dirs)} at steps {', '.join(map(str, st.runs.steps))}"
             settings.append({"what": "other runs of the recipe (between-run null)", "setting": runs})
@@ -865,6 +968,7 @@ class _Report:
             + to_markdown(final)
             + "\n\n"
             + self.runs_findings()
+            + self.edge_findings()
             + "## Settings\n\n"
             + to_markdown(settings)
             + "\n\n"

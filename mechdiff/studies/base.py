@@ -181,6 +181,25 @@ class Study(ABC):
     def write(self, results: Any) -> Path:
         """Tables, figures and the report from the stage results; returns the report's path."""
 
+    # -- the resource plan: each kind counts its own stages (`mechdiff.studies.resources`) ----------------------
+    @classmethod
+    def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
+        """What this kind's stage costs read (a `mechdiff.studies.resources.PlanInputs`), from the task file
+        ``path`` and the models' configs alone: no weights load."""
+        raise NotImplementedError(f"the {cls.kind} kind has no resource plan")
+
+    @classmethod
+    def stage_costs(cls, inputs: Any, device: Any) -> list:
+        """Every stage a run of ``inputs`` meets, in order, each one's cost on ``device`` (a list of
+        `mechdiff.studies.resources.StageCost`, counted by the functions beside each stage's computation)."""
+        raise NotImplementedError(f"the {cls.kind} kind has no resource plan")
+
+    @classmethod
+    def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:
+        """``settings`` with ``cost``'s batch option (``cost.batch_option``) at ``batch``, for the plan's remedies;
+        unchanged where the kind has no such option."""
+        return settings
+
     def settings_record(self) -> dict:
         """The study's settings as the manifest records them."""
         return {}
@@ -358,6 +377,17 @@ def check_run_dir(study: Study, force: bool = False) -> None:
     )
 
 
+def plan_text(study: Study, plan: list[PlannedStage]) -> str:
+    """What a run prints of its ``plan`` (`Study.plan`) after where it writes: the stage table (`format_plan`) and,
+    for a study that draws prompt sets, what their items can detect (`detectable_text`)."""
+    lines = [format_plan(plan)]
+    sizes = getattr(study, "prompt_set_sizes", None)
+    if sizes is not None:
+        items = getattr(study, "prompt_set_items", None)
+        lines.append(detectable_text(sizes(), items() if items is not None else None))
+    return "\n".join(lines)
+
+
 def plan_then_run(study: Study, plan_only: bool = False, force: bool = False, **run_options: Any) -> Any:
     """What ``mechdiff run``, ``mechdiff knowledge`` and ``mechdiff headmap compare`` do: print where the study
     writes and its stage plan (`format_plan`), then, unless ``plan_only``, run it
@@ -366,12 +396,8 @@ def plan_then_run(study: Study, plan_only: bool = False, force: bool = False, **
     (None when only planned)."""
     if not plan_only:
         check_run_dir(study, force)
-    print(f"{study.kind} study into {study.dir}:")
-    print(format_plan(study.plan()), flush=True)
-    sizes = getattr(study, "prompt_set_sizes", None)
-    if sizes is not None:
-        items = getattr(study, "prompt_set_items", None)
-        print(detectable_text(sizes(), items() if items is not None else None), flush=True)
+    print(f"{study.kind} study into {study.dir}:", flush=True)
+    print(plan_text(study, study.plan()), flush=True)
     if plan_only:
         return None
     result = study.run(**run_options)

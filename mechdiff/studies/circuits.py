@@ -14,6 +14,7 @@ by name (`mechdiff.runs.seeds.prompt_seed`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,11 +36,52 @@ from .spec import MATRIX_ONLY, RunSpec, discovery_inputs, section_inputs
 log = logging.getLogger(__name__)
 
 
+def accuracy_cost(ctx: Any, name: str) -> Any:
+    """The cost of `CircuitsStudy.accuracy` of model ``name`` (``ctx``: a `mechdiff.studies.resources.Context`): one
+    forward a prompt of ``[eval] n``, in passes of ``[eval] batch_size``."""
+    from .resources import StageCost
+
+    e, t = ctx.spec.eval, ctx.lengths
+    return StageCost(
+        f"accuracy:{name}",
+        1,
+        e.n,
+        ctx.rows(e.n),
+        ctx.fwd(e.n, t.tokens),
+        ctx.weights,
+        0,
+        ctx.act(ctx.rows(e.n), t.longest),
+        reads=ctx.reads(math.ceil(e.n / e.batch_size)),
+    )
+
+
 class CircuitsStudy(Study):
     """Runs the stages of one `RunSpec` into ``spec.output.dir``."""
 
     kind = "circuits"
     settings_key = "spec"  # the reports and `mechdiff view` tell a circuits run.json by it
+
+    @classmethod
+    def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
+        """The task file's spec, the base's dims and the task's token lengths (`circuits_inputs`)."""
+        from .resources import circuits_inputs
+        from .spec import study_spec
+
+        return circuits_inputs(study_spec(path, task), dtype=dtype)
+
+    @classmethod
+    def stage_costs(cls, inputs: Any, device: Any) -> list:
+        """Every stage's cost (`circuits_costs`; still counted in `mechdiff.studies.resources`, beside
+        this class rather than in it)."""
+        from .resources import circuits_costs
+
+        return circuits_costs(inputs, device)
+
+    @classmethod
+    def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:
+        from .resources import _with_batch
+
+        return _with_batch(settings, cost, batch)
 
     def __init__(self, spec: RunSpec, progress: bool = True, out_dir: Optional[str] = None):
         super().__init__(out_dir or spec.output.dir, progress)  # writable before anything loads or computes

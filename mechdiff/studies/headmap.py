@@ -20,10 +20,11 @@ section, ``tasks/headmap.toml``; the command's flags override it).
 from __future__ import annotations
 
 import logging
+import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..circuits.circuit import Circuit
 from ..common.io import run_lock, write_json
@@ -41,6 +42,7 @@ from ..methods.headmap import (
     train,
     validation_batch,
 )
+from ..models.footprint import dtype_bytes
 from ..models.loading import LoadedModel, dtype_inputs
 from ..report.headmap import (
     TASK,
@@ -197,6 +199,126 @@ def train_maps_and_write(model: LoadedModel, circuit: Circuit, cfg: TrainConfig,
 
 
 # --------------------------------------------------------------------------------------
+# The cost of each stage above, for the resource plan (`mechdiff.studies.resources`)
+# --------------------------------------------------------------------------------------
+
+#: Rows a pass of `correct` (the held-out and validation evaluations) holds: its default batch size.
+EVAL_BATCH = 50
+
+
+def locate_cost(meter: Any, st: HeadMapSettings, task: str, n: int, tokens: float, stage: str) -> Any:
+    """`locate_and_write` (`locate_task`): the pool's full passes (sample selection); per layer after the first
+    the selections' entry residual carried one block on, ``n`` rows; per layer the ``(heads + 1) x n`` variants'
+    passes from that layer on; the final masked pass of the ``n`` samples."""
+    from .resources import StageCost
+
+    d, b = meter.dims, st.batch_size
+    L, H = d.n_layers, d.n_heads
+    per_n, variants = math.ceil(n / b), math.ceil((H + 1) * n / b)
+    flops = meter.fwd(st.pool, tokens) + meter.fwd(n, tokens) + (L - 1) * meter.fwd(n, tokens, layers=1)
+    reads = meter.reads(math.ceil(st.pool / b) + per_n) + meter.reads((L - 1) * per_n, 1)
+    for layer in range(L):
+        flops += meter.fwd((H + 1) * n, tokens, layers=L - layer)
+        reads += meter.reads(variants, L - layer)
+    rows = min(b, max(st.pool, (H + 1) * n))
+    entry = n * math.ceil(tokens) * d.d_model * dtype_bytes(meter.dtype)  # the residual entering the layer, kept
+    return StageCost(
+        stage, 1, n, rows, flops, meter.weights, entry, meter.act(rows, tokens),
+        batch_option="[headmap] batch_size", reads=reads,
+    )  # fmt: skip
+
+
+def evaluation_cost(meter: Any, st: HeadMapSettings, tokens: float, stage: str, models: int = 1) -> Any:
+    """``train-base`` and ``train-lora-zoo``: `correct` on the ``eval_n`` held-out prompts (``models``: the zoo's
+    LoRA held beside the study's model)."""
+    from .resources import StageCost
+
+    rows = meter.rows(st.eval_n, EVAL_BATCH)
+    return StageCost(
+        stage, models, st.eval_n, rows, meter.fwd(st.eval_n, tokens), models * meter.weights, 0,
+        meter.act(rows, tokens), batch_option="", reads=meter.reads(math.ceil(st.eval_n / EVAL_BATCH)),
+    )  # fmt: skip
+
+
+def train_cost(meter: Any, st: HeadMapSettings, run_id: str, tokens: float, stage: str) -> Any:
+    """A training stage (`train`): ``steps`` forward and backward passes of ``batch`` prompts (the backward to the
+    activations and the few trained parameters: two forwards' FLOPs; training prompts counted as long as the
+    held-out ones, the longest they get), on a copy of the model (two models' weights), then `correct` on the
+    held-out and validation prompts; where maps attach, the copy's architecture probe (`architecture_for`: one
+    forward of three tokens). Kept: the trained parameters, their gradients and AdamW's two moments."""
+    from ..methods.headmap import HeadMap, lora_params
+    from ..models.architectures import ModelShape
+    from ..models.footprint import backward_bytes
+    from .resources import StageCost
+
+    d, rank = meter.dims, {"lora-large": st.lora_large, "lora-small": st.lora_small, "headmap+lora": st.lora_small}
+    shape = ModelShape(d.n_layers, d.n_heads, d.n_kv_heads, d.d_head, d.d_model, d.vocab_size)
+    maps = {layer: list(range(st.k)) for layer in range(d.n_layers)} if run_id in MAP_RUNS else {}
+    trained = (HeadMap.n_params_for(maps, d.d_head, d.d_model, st.rank) if maps else 0) + (
+        lora_params(shape, rank[run_id]) if run_id in rank else 0
+    )
+    evaluated = st.eval_n + st.val_n
+    flops = 2 * meter.fwd(st.steps * st.batch, tokens) + meter.fwd(evaluated, tokens)
+    probe = 1 if maps else 0
+    flops += probe * meter.fwd(1, 3)
+    passes = math.ceil(st.eval_n / EVAL_BATCH) + math.ceil(st.val_n / EVAL_BATCH) + probe
+    transient = backward_bytes(d, st.batch, math.ceil(tokens), d.n_layers, meter.dtype)
+    return StageCost(
+        stage, 2, st.steps * st.batch, st.batch, flops, 2 * meter.weights, 4 * trained * 4, transient,
+        batch_option="[headmap] batch", reads=meter.reads(st.steps + passes),
+    )  # fmt: skip
+
+
+def task_tokens(tokenizer: Any, task: str, seed: int) -> int:
+    """Tokens of ``task``'s locating prompts (a few of its pool) under ``tokenizer``."""
+    return int(get_task(task).pool_batch(tokenizer, 8, seed)["input_ids"].shape[1])
+
+
+def headmap_costs(meter: Any, st: HeadMapSettings, tokens: dict[str, int]) -> list:
+    """Every stage of the study in the order `HeadMapStudy.stages` meets them: the evaluations, the learning-rate
+    sweep on the first seed, each seed's runs (the sweep's run at the chosen rate is the first seed's run of
+    ``located`` and ``lora-small``: not counted twice), each locating stage before the first run that reads it
+    (that of `TASK` at the end where none does)."""
+    runs, first = st.runs, st.seeds[0]
+    maps_swept, lora_swept = bool(st.lrs and set(runs) & set(MAP_RUNS)), bool(st.lrs and set(runs) & set(LORA_RUNS))
+    out, located = [], set()
+
+    def locate(task: str) -> None:
+        if task not in located:
+            located.add(task)
+            n = st.n if task == TASK else st.transfer_n or st.n
+            out.append(locate_cost(meter, st, task, n, tokens[task], f"locate-{task}"))
+
+    if "base" in runs:
+        out.append(evaluation_cost(meter, st, tokens[TASK], "train-base"))
+    if "lora-zoo" in runs:
+        out.append(evaluation_cost(meter, st, tokens[TASK], "train-lora-zoo", 2))
+    for lr in st.lrs if maps_swept else ():
+        locate(TASK)
+        out.append(train_cost(meter, st, "located", tokens[TASK], f"train-located-seed{first}-hlr{lr:g}"))
+    for lr in st.lrs if lora_swept else ():
+        out.append(train_cost(meter, st, "lora-small", tokens[TASK], f"train-lora-small-seed{first}-lr{lr:g}"))
+
+    def name(r: str, seed: int) -> str:
+        if st.lrs:
+            return f"train-{r}-seed{seed} (at the chosen rates)"
+        lora = {"lora-large": st.lora_large, "lora-small": st.lora_small, "headmap+lora": st.lora_small}.get(r, 0)
+        return stage_name(r, st.train_config(TASK, lora, seed), {0: [0]} if r in MAP_RUNS else None)
+
+    for seed in st.seeds:
+        for r in (r for r in runs if r not in UNSEEDED):
+            if seed == first and ((r == "located" and maps_swept) or (r == "lora-small" and lora_swept)):
+                continue  # the sweep's run at the chosen rate
+            if r in ("located", "outside", "headmap+lora"):
+                locate(TASK)
+            if r == "transfer":
+                locate(st.transfer_task)
+            out.append(train_cost(meter, st, r, tokens[TASK], name(r, seed)))
+    locate(TASK)
+    return out
+
+
+# --------------------------------------------------------------------------------------
 # The study
 # --------------------------------------------------------------------------------------
 
@@ -264,6 +386,47 @@ class HeadMapStudy(Study):
     ) -> "HeadMapStudy":
         """The study of a task file with ``[study] kind = "headmap"``; ``models``: how models load (dtype, ...)."""
         return section_study(cls, path, out, progress, models, task, load_file, "HeadMap", "tasks/headmap.toml")
+
+    @classmethod
+    def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
+        """The ``[headmap]`` settings, the model's dims and the tokens of each task it locates on."""
+        from ..models.footprint import model_dims
+        from .resources import Lengths, PlanInputs, planning_tokenizer
+
+        if path is None or task is not None:
+            raise ValueError("a HeadMap study is a task file's [headmap] section; it has no [task] to override")
+        st = load_file(path)[0]
+        check_runs(st)
+        dims, source = model_dims(st.model)
+        tokenizer, used = planning_tokenizer(st.model)
+        tasks = {TASK, *([st.transfer_task] if "transfer" in st.runs else [])}
+        tokens = {t: task_tokens(tokenizer, t, st.seed) for t in tasks}
+        lengths = Lengths(tokens[TASK], tokens[TASK], {}, 0, used)
+        models = (st.model, *([st.lora_zoo] if "lora-zoo" in st.runs else []))
+        rows = min(2048, st.batch_size * tokens[TASK])
+        return PlanInputs(
+            "headmap",
+            st,
+            dims,
+            source,
+            lengths,
+            dtype or "float32",
+            models,
+            len(models),
+            rows,
+            known={"tokens": tokens},
+        )
+
+    @classmethod
+    def stage_costs(cls, inputs: Any, device: Any) -> list:
+        """Every stage (`headmap_costs`)."""
+        return headmap_costs(inputs.meter(device), inputs.settings, inputs.known["tokens"])
+
+    @classmethod
+    def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:
+        if cost.batch_option == "[headmap] batch_size":
+            return replace(settings, batch_size=batch)
+        return replace(settings, batch=batch) if cost.batch_option == "[headmap] batch" else settings
 
     def forget(self) -> None:
         """Drop what was read from stage records (after a plan, whose records may be still to compute)."""

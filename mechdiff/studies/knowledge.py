@@ -20,6 +20,7 @@ library `mechdiff.methods.knowledge`; this module runs them as stages (`Knowledg
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
@@ -564,6 +565,213 @@ def facts_stage(
     return cache.run("facts", inputs, compute)
 
 
+# --------------------------------------------------------------------------------------
+# The cost of each stage above, for the resource plan (`mechdiff.studies.resources`): passes of the edge forward
+# (`edge_forward`: a forward of the model plus every receiver's input mixed from the senders, 2 x edges x d_model
+# FLOPs a token) over the facts' batches (one token length each, `batches`)
+# --------------------------------------------------------------------------------------
+
+
+def fact_lengths(facts: Sequence[Fact]) -> dict[int, int]:
+    """Facts per token length: what `batches` groups them by."""
+    out: dict[int, int] = {}
+    for f in facts:
+        out[len(f.ids)] = out.get(len(f.ids), 0) + 1
+    return dict(sorted(out.items()))
+
+
+class _Facts:
+    """A fact set's cost in edge-forward passes (`Meter` counts) of batches of ``batch``: ``lengths`` facts per
+    token length."""
+
+    def __init__(self, meter: Any, graph: Graph, lengths: dict[int, int], batch: int):
+        self.meter, self.graph, self.lengths, self.batch = meter, graph, lengths, batch
+
+    @property
+    def passes(self) -> int:
+        """Batches `batches` makes: per token length, ``ceil(facts / batch)``."""
+        return sum(-(-n // self.batch) for n in self.lengths.values())
+
+    def flops(self, runs: float = 1.0) -> float:
+        """``runs`` edge forwards of every fact: the model's FLOPs and the receivers' inputs mixed from the
+        senders (2 x edges x d_model a token)."""
+        m, d = self.meter, self.meter.dims.d_model
+        return runs * sum(m.fwd(n, t) + 2 * self.graph.n_edges * d * n * t for t, n in self.lengths.items())
+
+    def transient(self, kept_outputs: bool = False, backward: bool = False) -> int:
+        """A batch's activations: the forward's, the senders' outputs buffer (``senders x rows x tokens x d``) and a
+        block's receivers' inputs; ``kept_outputs``: the buffer copied out; ``backward``: (EAP) every block's
+        receiver inputs, the senders' outputs and their deltas kept for the backward, and the backward's own."""
+        from ..models.footprint import backward_bytes, dtype_bytes
+
+        m, g = self.meter, self.graph
+        t = max(self.lengths, default=1)
+        rows = m.rows(sum(self.lengths.values()), self.batch)
+        row = rows * t * m.dims.d_model * dtype_bytes(m.dtype)
+        if backward:
+            receivers = len(g.receivers)
+            return backward_bytes(m.dims, rows, t, m.dims.n_layers, m.dtype) + (3 * g.n_senders + receivers) * row
+        return m.act(rows, t) + (g.n_senders * (2 if kept_outputs else 1) + g.n_attn_receivers) * row
+
+
+def _ablation_runs(s: KnowledgeSettings) -> int:
+    """Edge forwards a fact set's mean ablation takes (one; none for zero ablation)."""
+    return 1 if s.ablation == "mean" else 0
+
+
+def facts_cost(meter: Any, s: KnowledgeSettings, graph: Graph, every: _Facts, stage: str) -> Any:
+    """`facts_stage`: each model's full forward of every fact of the relation."""
+    from .resources import StageCost
+
+    models = len(s.models)
+    passes = models * every.passes
+    return StageCost(
+        stage, models, sum(every.lengths.values()), every.meter.rows(sum(every.lengths.values()), s.batch_size),
+        every.flops(models), models * meter.weights, 0, every.transient(), batch_option="[knowledge] batch_size",
+        reads=meter.reads(passes),
+    )  # fmt: skip
+
+
+def discovery_runs(s: KnowledgeSettings, edges: int) -> tuple[float, float, str]:
+    """The edge forwards (of every kept fact) `discovery_stage` takes, the share of them with a backward, and a
+    note: the mean ablation, then EAP's one forward and backward (EAP-IG: ``ig_steps``); iterative pruning's, one
+    per step of its schedule; ACDC's full and empty circuits and (an estimate: it skips dead receivers and stops
+    trying none) one run a tried edge, ``acdc_batch`` (else up to 16) edges a run."""
+    ablation = _ablation_runs(s)
+    if s.method in ("eap", "eap-ig"):
+        steps = 1 if s.method == "eap" else s.ig_steps
+        return ablation + steps, steps, ""
+    if s.method == "iterative":
+        sizes, f, schedule = sorted(_wanted_sizes(s), reverse=True), 1.0, 0
+        for t in sizes:
+            while f * s.shrink > t:
+                f, schedule = f * s.shrink, schedule + 1
+            schedule, f = schedule + 1, t
+        return ablation + schedule, schedule, ""
+    tried = math.ceil((s.acdc_prefilter or 1.0) * edges)
+    prefilter = 1 if s.acdc_prefilter else 0  # EAP scores the edges it tries
+    runs = ablation + 2 + prefilter + math.ceil(tried / (s.acdc_batch or 16))
+    return runs, prefilter, f"ACDC: about {tried} edges tried, {s.acdc_batch or 'up to 16'} a run (an estimate)"
+
+
+def discovery_cost(meter: Any, s: KnowledgeSettings, graph: Graph, kept: _Facts, stage: str) -> Any:
+    """`discovery_stage` on the kept facts (`discovery_runs`); a backward counted as two forwards' FLOPs."""
+    from .resources import StageCost
+
+    runs, backward, note = discovery_runs(s, graph.n_edges)
+    on = kept
+    if s.method == "acdc" and s.acdc_facts:  # the trials run on one batch of acdc_facts facts of one length
+        t = max(kept.lengths, key=kept.lengths.__getitem__, default=1)
+        on = _Facts(meter, graph, {t: min(s.acdc_facts, kept.lengths.get(t, 0))}, s.acdc_facts)
+    trials = runs - _ablation_runs(s) - (2 if s.method == "acdc" else 0) - backward
+    full = runs - trials
+    passes = full * kept.passes + trials * on.passes
+    flops = kept.flops(full + 2 * backward) + on.flops(trials)
+    n = sum(kept.lengths.values())
+    return StageCost(
+        stage, len(s.models), n, meter.rows(n, s.batch_size), flops, len(s.models) * meter.weights, 0,
+        kept.transient(kept_outputs=True, backward=backward > 0), note=note, batch_option="[knowledge] batch_size",
+        reads=meter.reads(passes),
+    )  # fmt: skip
+
+
+def scoring_runs(s: KnowledgeSettings, edges: int, tried: Optional[int] = None) -> int:
+    """Evaluations (each an edge forward of every kept fact) `scoring_stage` makes: the full and empty circuits
+    (ACDC's discovery ran them), each size `_select` tries (``tried``: as many as the run tried, else every one:
+    it stops at the first that reaches the target), the circuit, ``n_random`` random circuits and each curve size
+    smaller than the whole graph."""
+    if s.method == "acdc":
+        sizes = 0
+    else:
+        sizes = len(s.sizes) if tried is None else tried
+    curve = sum(max(1, int(round(f * edges))) < edges for f in s.curve_sizes) if s.curve else 0
+    return (0 if s.method == "acdc" else 2) + sizes + 1 + s.n_random + curve
+
+
+def scoring_cost(
+    meter: Any, s: KnowledgeSettings, graph: Graph, kept: _Facts, stage: str, tried: Optional[int] = None
+) -> Any:
+    """`scoring_stage` (`scoring_runs`)."""
+    from .resources import StageCost
+
+    runs = scoring_runs(s, graph.n_edges, tried)
+    note = "" if tried is not None or s.method == "acdc" else "every size tried (the first to reach target ends it)"
+    n = sum(kept.lengths.values())
+    return StageCost(
+        stage, len(s.models), n, meter.rows(n, s.batch_size), kept.flops(runs), len(s.models) * meter.weights, 0,
+        kept.transient(), note=note, batch_option="[knowledge] batch_size", reads=meter.reads(runs * kept.passes),
+    )  # fmt: skip
+
+
+def analysis_cost(meter: Any, s: KnowledgeSettings, graph: Graph, kept: _Facts, stage: str) -> Any:
+    """`analysis_stage`: the logit lens's edge forward of every kept fact (the senders' outputs kept) with the
+    unembedding of the residual stream after every layer at two positions, and `attention_mass`'s plain forward."""
+    from .resources import StageCost
+
+    d, n = meter.dims, sum(kept.lengths.values())
+    lens = 2 * (1 + d.n_layers) * n * 2 * d.d_model * d.vocab_size
+    flops = kept.flops(1) + sum(meter.fwd(c, t) for t, c in kept.lengths.items()) + lens
+    return StageCost(
+        stage, len(s.models), n, meter.rows(n, s.batch_size), flops, len(s.models) * meter.weights, 0,
+        kept.transient(kept_outputs=True), batch_option="[knowledge] batch_size",
+        reads=meter.reads(2 * kept.passes),
+    )  # fmt: skip
+
+
+def relation_costs(meter: Any, s: KnowledgeSettings, lengths: dict[int, int], known: dict, prefix: str) -> list:
+    """The stages of one relation (its facts ``lengths``): facts, then each model's discovery, scoring and
+    analysis. Every fact is assumed right in every model unless ``known["kept"]`` gives the kept facts' lengths;
+    ``known["tried"]``: per model, the sizes scoring tried."""
+    from ..models.architectures import ModelShape
+
+    dims = meter.dims
+    graph = Graph.from_shape(
+        ModelShape(dims.n_layers, dims.n_heads, dims.n_kv_heads, dims.d_head, dims.d_model, dims.vocab_size)
+    )
+    every = _Facts(meter, graph, lengths, s.batch_size)
+    kept = _Facts(meter, graph, known.get("kept") or lengths, s.batch_size)
+    out = [facts_cost(meter, s, graph, every, f"{prefix}facts")]
+    for m in s.models:
+        tried = known.get("tried", {}).get(m)
+        out += [
+            discovery_cost(meter, s, graph, kept, f"{prefix}discovery:{m}"),
+            scoring_cost(meter, s, graph, kept, f"{prefix}scoring:{m}", tried),
+            analysis_cost(meter, s, graph, kept, f"{prefix}analysis:{m}"),
+        ]
+    return out
+
+
+def knowledge_found(run_dir: str | Path, facts: Sequence[Fact]) -> dict:
+    """What a plan assumes and a finished relation's stage records (in ``run_dir``) know: the kept facts' token
+    lengths (``"kept"``, of the relation's ``facts``) and, per model, the sizes scoring tried (``"tried"``)."""
+    import json
+
+    out: dict = {"tried": {}}
+    for path in sorted((Path(run_dir) / "stages").glob("*.json")):
+        rec = json.loads(path.read_text())
+        kind, _, model = rec["name"].partition(":")
+        if kind == "facts":
+            out["kept"] = fact_lengths([facts[i] for i in rec["result"]["kept"]])
+        elif kind == "scoring":
+            out["tried"][model] = len(rec["result"]["sweep"])
+    return out
+
+
+def plan_facts(s: KnowledgeSettings) -> tuple[dict[str, dict[int, int]], str]:
+    """Each relation's facts per token length (`fact_lengths`, after ``max_facts``) under the first model's
+    tokenizer, else the stand-in's (`planning_tokenizer`), and which tokenizer counted them."""
+    from .resources import planning_tokenizer
+
+    tokenizer, used = planning_tokenizer(s.models[0])
+    out = {}
+    for relation in tuple(s.relations) or (s.relation,):
+        rs = replace(s, relation=relation, template=s.templates.get(relation, s.template))
+        rel = Relation.load(relation)
+        facts = build_facts(tokenizer, rel.unedited() if rs.unedited else rel, rs.template)
+        out[relation] = fact_lengths(facts[: s.max_facts] if s.max_facts else facts)
+    return out, used
+
+
 class KnowledgeStudy(Study):
     """The knowledge circuits of each relation (``relations``, else ``relation``) on ``settings.models``: per
     relation, the facts every model gets right, one circuit per model, their comparison. One relation: into
@@ -598,6 +806,42 @@ class KnowledgeStudy(Study):
         return section_study(
             cls, path, out, progress, models, task, load_file, "knowledge", "tasks/knowledge_acdc.toml"
         )
+
+    @classmethod
+    def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
+        """The ``[knowledge]`` settings, the first model's dims (every model is assumed of its shape: checkpoints
+        of one model) and each relation's facts per token length under its tokenizer (`plan_facts`)."""
+        from ..models.footprint import model_dims
+        from .resources import Lengths, PlanInputs
+
+        if path is None or task is not None:
+            raise ValueError("a knowledge study is a task file's [knowledge] section; it has no [task] to override")
+        s = load_file(path)[0]
+        dims, source = model_dims(s.models[0])
+        counts, used = plan_facts(s)
+        every = [t for c in counts.values() for t, n in c.items() for _ in range(n)] or [1]
+        lengths = Lengths(sum(every) / len(every), max(every), {}, 0, used)
+        rows = min(2048, s.batch_size * lengths.longest)
+        return PlanInputs(
+            "knowledge", s, dims, source, lengths, dtype or "float32", tuple(s.models), len(s.models), rows,
+            known={"facts": counts},
+        )  # fmt: skip
+
+    @classmethod
+    def stage_costs(cls, inputs: Any, device: Any) -> list:
+        """Per relation: facts, then each model's discovery, scoring and analysis (`relation_costs`)."""
+        s, counts = inputs.settings, inputs.known["facts"]
+        meter = inputs.meter(device)
+        several = len(counts) > 1
+        out = []
+        for relation, lengths in counts.items():
+            known = inputs.known.get("found", {}).get(relation, {})
+            out += relation_costs(meter, s, lengths, known, f"{relation}/" if several else "")
+        return out
+
+    @classmethod
+    def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:
+        return replace(settings, batch_size=batch)
 
     def relations(self) -> tuple[str, ...]:
         return tuple(self.settings.relations) or (self.settings.relation,)

@@ -54,6 +54,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from statistics import mean
 from typing import Any, Callable, Optional
@@ -95,18 +96,24 @@ class Lengths:
         return self.suffix.get(position or "", self.tokens)
 
 
-def task_lengths(spec: RunSpec) -> Lengths:
-    """Token lengths of ``LENGTH_SAMPLE`` of the study's prompts under the base's tokenizer, else the stand-in's."""
+def planning_tokenizer(model: str) -> tuple[Any, str]:
+    """``model``'s tokenizer, else the stand-in's (`STAND_IN_TOKENIZER`), and the name the plan gives it."""
     from ..models.loading import load_tokenizer
     from ..models.resolve import resolve_spec
+
+    try:
+        return load_tokenizer(resolve_spec(model)), model
+    except (OSError, ValueError):
+        used = f"{STAND_IN_TOKENIZER}'s (an estimate: {model}'s tokenizer is absent)"
+        return load_tokenizer(resolve_spec(STAND_IN_TOKENIZER)), used
+
+
+def task_lengths(spec: RunSpec) -> Lengths:
+    """Token lengths of ``LENGTH_SAMPLE`` of the study's prompts under the base's tokenizer, else the stand-in's."""
     from ..runs.seeds import prompt_seed
     from ..tasks.base import get_task
 
-    try:
-        tokenizer, used = load_tokenizer(resolve_spec(spec.models.base)), spec.models.base
-    except (OSError, ValueError):
-        tokenizer = load_tokenizer(resolve_spec(STAND_IN_TOKENIZER))
-        used = f"{STAND_IN_TOKENIZER}'s (an estimate: {spec.models.base}'s tokenizer is absent)"
+    tokenizer, used = planning_tokenizer(spec.models.base)
     task = get_task(spec.task.name)
     n = min(LENGTH_SAMPLE, len(task.strata)) if task.strata else LENGTH_SAMPLE
     # an imported task's rows in file order may be one template: sample them stratified, as its prompt sets are
@@ -223,17 +230,12 @@ class Placement:
     remedies: list[str] = field(default_factory=list)
 
 
-@dataclass
-class Context:
-    """What every stage's count reads: the spec, the models' dims, the task's lengths, the dtype, the device."""
+class Counting:
+    """The counts every kind's stage costs are written in (`Context` of the circuits kind, `Meter` of the
+    others): a model's weight bytes, a pass's FLOPs (rows x tokens x layers), its activations and its reads."""
 
-    spec: RunSpec
     dims: Dims
-    lengths: Lengths
     dtype: str
-    device: Device
-    #: What a run found that a plan cannot know before it (``mechdiff.studies.resources.KNOWN``); empty: assumed.
-    known: dict = field(default_factory=dict)
 
     @property
     def weights(self) -> int:
@@ -241,11 +243,6 @@ class Context:
 
     def fwd(self, rows: float, tokens: float, context: Optional[float] = None, layers: Optional[float] = None) -> float:
         return forward_flops(self.dims, 1, tokens, context, layers) * rows
-
-    def rows(self, n: float) -> int:
-        """Prompts a pass holds where a stage runs ``n`` prompts in batches of ``[eval] batch_size``: fewer prompts
-        than a batch make a smaller one."""
-        return max(1, min(self.spec.eval.batch_size, math.ceil(n)))
 
     def act(self, rows: int, tokens: float, context: Optional[float] = None) -> int:
         c = None if context is None else math.ceil(context)
@@ -259,6 +256,24 @@ class Context:
         per_pass = (layers * (dims.layer_linear + 2 * dims.d_model) + dims.vocab_size * dims.d_model) * b
         return Reads(passes * per_pass, passes, passes * layers)
 
+
+@dataclass
+class Context(Counting):
+    """What every stage's count reads: the spec, the models' dims, the task's lengths, the dtype, the device."""
+
+    spec: RunSpec
+    dims: Dims
+    lengths: Lengths
+    dtype: str
+    device: Device
+    #: What a run found that a plan cannot know before it (``mechdiff.studies.resources.KNOWN``); empty: assumed.
+    known: dict = field(default_factory=dict)
+
+    def rows(self, n: float) -> int:
+        """Prompts a pass holds where a stage runs ``n`` prompts in batches of ``[eval] batch_size``: fewer prompts
+        than a batch make a smaller one."""
+        return max(1, min(self.spec.eval.batch_size, math.ceil(n)))
+
     def resumed_runs(self, prompts: int) -> int:
         """F(C)'s run that pruning resumes from (`keep_without`), kept for
         every prompt: the residual stream after every block and every layer's keys and values (grows with
@@ -271,22 +286,48 @@ class Context:
         return self.dims.n_layers * rows * self.lengths.longest * self.dims.d_model * dtype_bytes(self.dtype)
 
 
+@dataclass
+class Meter(Counting):
+    """What the stage costs of the kinds other than circuits read beside their own settings: the models' dims, the
+    prompts' token lengths, the dtype and the device."""
+
+    dims: Dims
+    lengths: Lengths
+    dtype: str
+    device: Device
+
+    def rows(self, n: float, batch: int) -> int:
+        """Rows a pass holds where a stage runs ``n`` rows in batches of ``batch``."""
+        return max(1, min(batch, math.ceil(n)))
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a study kind's stage costs read, from its task file alone (no weights): the kind, its settings (the
+    kind's own object: a `RunSpec`, `KnowledgeSettings`, ...), the models' dims and where they came from, the
+    prompts' token lengths, the dtype, the models a run loads (their weights checked before the stage table) and
+    how many loads it makes, the tokens a batch's matrix multiply holds (this machine's throughput is measured at
+    it), and in ``known`` what the kind's counts read beside its settings (the knowledge kind's facts per token
+    length, HeadMap's tokens per task, the trajectory's checkpoints and DCM table) and what a finished run found
+    (`found_in`, `knowledge_found`, `trajectory_found`; empty: assumed)."""
+
+    kind: str
+    settings: Any
+    dims: Dims
+    source: str
+    lengths: Lengths
+    dtype: str
+    models: tuple[str, ...]
+    loads: int
+    batch_tokens: int
+    remote: bool = False
+    known: dict = field(default_factory=dict)
+
+    def meter(self, device: Device) -> Meter:
+        return Meter(self.dims, self.lengths, self.dtype, device)
+
+
 # ---------------------------------------------------------------------------------------------- the stages
-
-
-def accuracy(ctx: Context, name: str) -> StageCost:
-    e, t = ctx.spec.eval, ctx.lengths
-    return StageCost(
-        f"accuracy:{name}",
-        1,
-        e.n,
-        ctx.rows(e.n),
-        ctx.fwd(e.n, t.tokens),
-        ctx.weights,
-        0,
-        ctx.act(ctx.rows(e.n), t.longest),
-        reads=ctx.reads(math.ceil(e.n / e.batch_size)),
-    )
 
 
 def _scored(ctx: Context, stage: str, n: int, scored: float, note: str = "") -> StageCost:
@@ -882,7 +923,9 @@ def stage_costs(ctx: Context) -> list[StageCost]:
     out: list[StageCost] = []
     if spec.reproduce.circuit:
         out += [reproduction(ctx, n) for n in names]
-    rest: list[Optional[StageCost]] = [accuracy(ctx, n) for n in names]
+    from .circuits import accuracy_cost  # the stages counted beside their computation (the others: below, here)
+
+    rest: list[Optional[StageCost]] = [accuracy_cost(ctx, n) for n in names]
     rest += [positions(ctx, n) for n in names] + [circuit(ctx, n) for n in names] + [prune(ctx, n) for n in names]
     rest += [matrix(ctx, n) for n in names] + [dcm(ctx, spec.models.base, len(names))]
     rest += [cmap(ctx, ft) for ft in spec.models.finetunes]
@@ -922,6 +965,28 @@ def remedies(cost: StageCost, device: Device, dtype: str, recount: Callable[[str
     return out
 
 
+def circuits_inputs(
+    spec: RunSpec, lengths: Optional[Lengths] = None, dtype: Optional[str] = None, known: Optional[dict] = None
+) -> PlanInputs:
+    """A circuits study's `PlanInputs`: the base's dims, the task's lengths (`task_lengths`), ``dtype`` (default
+    the spec's), ``known`` (what a run found, `found_in`)."""
+    dims, source = model_dims(spec.models.base)
+    lengths = lengths or task_lengths(spec)
+    rows = min(2048, spec.eval.batch_size * lengths.longest)  # a batch's tokens: the stages' matrix multiplies
+    names = tuple(spec.model_names)
+    return PlanInputs(
+        "circuits", spec, dims, source, lengths, dtype or spec.models.dtype, names, len(names), rows,
+        spec.models.remote, known or {},
+    )  # fmt: skip
+
+
+def circuits_costs(inputs: PlanInputs, device: Device) -> list[StageCost]:
+    """Every stage of a circuits study (`stage_costs`) on ``device``."""
+    spec = inputs.settings
+    ctx = Context(spec, inputs.dims, inputs.lengths, inputs.dtype, device, with_released(spec, inputs.known))
+    return stage_costs(ctx)
+
+
 def resource_plan(
     spec: RunSpec,
     device: Device,
@@ -929,16 +994,38 @@ def resource_plan(
     dtype: Optional[str] = None,
     known: Optional[dict] = None,
 ) -> list[Placement]:
-    """Every stage of ``spec`` placed on ``device`` in ``dtype`` (default the spec's); ``known``: what a run found
-    that the plan otherwise assumes (`Context`)."""
-    dtype = dtype or spec.models.dtype
-    dims, _ = model_dims(spec.models.base)
-    lengths = lengths or task_lengths(spec)
-    ctx = Context(spec, dims, lengths, dtype, device, with_released(spec, known or {}))
-    out = []
-    for i, cost in enumerate(stage_costs(ctx)):
-        out.append(place(cost, device, dtype, lambda dt, b, i=i: _recount(ctx, i, dt, b)))
-    return out
+    """Every stage of the circuits study ``spec`` placed on ``device`` in ``dtype`` (default the spec's);
+    ``known``: what a run found that the plan otherwise assumes (`Context`)."""
+    return placements(circuits_inputs(spec, lengths, dtype, known), device)
+
+
+def placements(inputs: PlanInputs, device: Device) -> list[Placement]:
+    """Every stage of a study of any kind placed on ``device``: its kind's ``stage_costs`` (`Study.stage_costs`),
+    each recounted under another dtype or batch size for the remedies of a stage that does not fit."""
+    from .base import study_class
+
+    kind = study_class(inputs.kind)
+    costs = kind.stage_costs(inputs, device)
+
+    def recount(i: int, cost: StageCost, dtype: str, batch: int) -> StageCost:
+        again = replace(inputs, dtype=dtype, settings=kind.with_batch(inputs.settings, cost, batch))
+        return kind.stage_costs(again, device)[i]
+
+    return [place(c, device, inputs.dtype, partial(recount, i, c)) for i, c in enumerate(costs)]
+
+
+@dataclass
+class ResourcePlan:
+    """A study's resource plan on one device, as data: its inputs, each stage placed, and on this machine the
+    processes and threads a run would use (`format` prints it)."""
+
+    inputs: PlanInputs
+    placements: list[Placement]
+    workers: Optional[Workers] = None
+
+    def format(self) -> str:
+        i = self.inputs
+        return format_resources(self.placements, i.lengths, i.source, i.loads, self.workers)
 
 
 def with_released(spec: RunSpec, known: dict) -> dict:
@@ -1087,12 +1174,6 @@ def run_record(spec: RunSpec) -> Optional[dict]:
         "bandwidth": device.bandwidth[m.dtype],
         "stage_flops": {p.cost.stage: p.cost.flops for p in plan},
     }
-
-
-def _recount(ctx: Context, index: int, dtype: str, batch: int) -> StageCost:
-    """Stage ``index`` counted again in ``dtype`` with batch size ``batch`` in its batch option."""
-    spec = _with_batch(ctx.spec, stage_costs(ctx)[index], batch)
-    return stage_costs(replace(ctx, spec=spec, dtype=dtype))[index]
 
 
 def _with_batch(spec: RunSpec, cost: StageCost, batch: int) -> RunSpec:
@@ -1253,6 +1334,42 @@ def _totals(plan: list[Placement]) -> list[str]:
 THIRTY_MINUTES = 30 * 60
 
 
+def plan_inputs(path: Optional[str], task: Optional[str] = None, dtype: Optional[str] = None) -> PlanInputs:
+    """The `PlanInputs` of the task file ``path`` (None: the embedded default circuits study), of any kind: its
+    kind's ``plan_inputs`` (`Study.plan_inputs`), which reads the file and the models' configs, no weights."""
+    from .base import DEFAULT_KIND, study_class, study_kind
+
+    kind = study_kind(path) if path is not None else DEFAULT_KIND
+    return study_class(kind).plan_inputs(path, task, dtype)
+
+
+def study_resources(
+    path: Optional[str],
+    device: Optional[str] = None,
+    dtype: Optional[str] = None,
+    task: Optional[str] = None,
+    disk_gib: Optional[float] = None,
+    host_gib: Optional[float] = None,
+    workers: Optional[Callable[[PlanInputs], Optional[Workers]]] = None,
+) -> list[ResourcePlan]:
+    """The resource plan of the study of the task file ``path``, of any kind, as data: on this machine (measured)
+    and, where ``device`` names one, on that device (its machine with ``disk_gib`` GiB free under TMPDIR and
+    ``host_gib`` GiB of host memory where given, else `COMMON_GPU_DISK` and ``COMMON_GPU_HOST``). ``workers``: how
+    a run would proceed here (its processes and threads), for the wall time on this machine."""
+    from ..models.devices import get_device, this_machine
+
+    named = get_device(device) if device else None  # an unknown name is refused before anything is measured
+    if named is not None:
+        named = named.with_disk(None if disk_gib is None else int(disk_gib * GIB)).with_baseline()
+        named = named.with_host(None if host_gib is None else int(host_gib * GIB))
+    inputs = plan_inputs(path, task, dtype)
+    here = with_overhead(this_machine(inputs.dims, (inputs.dtype,), inputs.batch_tokens), inputs.dims)
+    out = [ResourcePlan(inputs, placements(inputs, here), workers(inputs) if workers else None)]
+    if named is not None:
+        out.append(ResourcePlan(inputs, placements(inputs, named)))
+    return out
+
+
 def print_resources(
     path: Optional[str],
     device: Optional[str],
@@ -1260,39 +1377,21 @@ def print_resources(
     task: Optional[str] = None,
     disk_gib: Optional[float] = None,
     host_gib: Optional[float] = None,
-    workers: Optional[Callable[[RunSpec], Workers]] = None,
+    workers: Optional[Callable[[PlanInputs], Optional[Workers]]] = None,
 ) -> bool:
-    """What ``mechdiff run --plan`` prints first for a circuits study (other kinds: nothing): its resource plan on
-    this machine and on the named ``device`` (its machine with ``disk_gib`` GiB free under TMPDIR and ``host_gib``
-    GiB of host memory where given, else `COMMON_GPU_DISK` and ``COMMON_GPU_HOST``).
-    Returns True where the models' weights are absent, so that the stage cache (which needs the tokenizer and
-    weights checked) cannot be read: the plan then ends here, said so. ``workers``: how a run of the spec would
-    proceed here (its processes and threads), for the wall time on this machine."""
-    from ..models.devices import get_device, this_machine
-    from .base import study_kind
+    """What ``mechdiff run --plan`` prints first, for a study of any kind: its resource plan (`study_resources`)
+    on this machine and on the named ``device``. Returns True where the models' weights are absent, so that the
+    stage cache (which needs the tokenizer and weights checked) cannot be read: the plan then ends here, said so."""
     from .reproduce import check_weights
-    from .spec import study_spec
 
-    if path is not None and study_kind(path) != "circuits":
-        return False
-    named = get_device(device) if device else None  # an unknown name is refused before anything is measured
-    if named is not None:
-        named = named.with_disk(None if disk_gib is None else int(disk_gib * GIB)).with_baseline()
-        named = named.with_host(None if host_gib is None else int(host_gib * GIB))
-    spec = study_spec(path, task)
-    dtype = dtype or spec.models.dtype
-    dims, source = model_dims(spec.models.base)
-    lengths = task_lengths(spec)
-    rows = min(2048, spec.eval.batch_size * lengths.longest)  # a batch's tokens: the stages' matrix multiplies
-    loads = len(spec.model_names)
-    here = with_overhead(this_machine(dims, (dtype,), rows), dims)
-    run = workers(spec) if workers else None
-    print(format_resources(resource_plan(spec, here, lengths, dtype), lengths, source, loads, run))
+    plans = study_resources(path, device, dtype, task, disk_gib, host_gib, workers)
+    print(plans[0].format())
     print(flush=True)
-    if named is not None:
-        print(format_resources(resource_plan(spec, named, lengths, dtype), lengths, source, loads), end="\n\n")
+    for plan in plans[1:]:
+        print(plan.format(), end="\n\n")
+    inputs = plans[0].inputs
     try:
-        check_weights(spec.model_names, remote=spec.models.remote)
+        check_weights(inputs.models, remote=inputs.remote)
     except FileNotFoundError as err:
         print(f"stage cache not read (the resource plan above needs only configs): {err}")
         return True

@@ -1,13 +1,18 @@
-"""Task specs (``tasks/*.toml``): parsed into dataclasses, unknown keys rejected with their line."""
+"""Task specs (``tasks/*.toml``): each section a pydantic dataclass (`section`), so a file's unknown keys and
+values of the wrong type are refused with their line, and a section built in Python is checked the same way."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union, get_args, get_origin
 
 import tomllib
+from pydantic import ConfigDict, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic.dataclasses import is_pydantic_dataclass
 
 from ..circuits.curve import SELECT, SIZES, TARGET
 from ..common.inference import margins_of
@@ -23,21 +28,33 @@ class SpecError(ValueError):
     """A task file that cannot be run; the message names the line and the valid keys."""
 
 
-@dataclass
+#: How a section is checked (docs/your-own-task.md, "The schema"): a key that no field names is refused, and each
+#: value must have its field's type as TOML writes it, never converted (``"7"`` is no integer, ``1`` no boolean, a
+#: value of a field that defaults to None is checked against the type it takes when set).
+SCHEMA = ConfigDict(extra="forbid", strict=True)
+#: The decorator of a task file's section: a dataclass (attribute access, `dataclasses.asdict`, `dataclasses.replace`
+#: as before) that pydantic checks when built, from a file or in Python.
+section = pydantic_dataclass(config=SCHEMA)
+#: A number as the file writes it: an integer stays an integer (a ``float`` field would turn ``1`` into ``1.0``, and
+#: a stage key that reads the section would move).
+Real = Union[int, float]
+
+
+@section
 class StudySection:
     """A task file's ``[study]`` section: which kind of study the file is (``mechdiff.studies.base.KINDS``)."""
 
     kind: str = "circuits"
 
 
-@dataclass
+@section
 class TaskSection:
     name: str = "entity-tracking"
     n_boxes: int = 7
     seed: int = 0
 
 
-@dataclass
+@section
 class ModelsSection:
     base: str = "smollm2-et-early"
     finetunes: list[str] = field(default_factory=lambda: ["smollm2-et"])
@@ -47,32 +64,32 @@ class ModelsSection:
     remote: bool = False  # every forward pass on NDIF (nnsight; API key from $NDIF_API_KEY)
 
 
-@dataclass
+@section
 class EvalSection:
     n: int = 300
     batch_size: int = 50
 
 
-@dataclass
+@section
 class StudyEval(EvalSection):
     """A circuits study's ``[eval]``: with ``floor``, the accuracy whose lower bound a model must exceed for the
     stages that explain a behaviour (position scan, circuit, pruning, matrix row, DCM, CMAP into it) to run for
     it (None: the task's chance level (entity tracking: 1 / n_boxes; IOI: 1/2), else derived from the accuracy
     prompts, `answer_chance`)."""
 
-    floor: Optional[float] = None
+    floor: Optional[Real] = None
 
 
-@dataclass
+@section
 class PositionsSection:
     """The position scan: greedy over the task's position classes, every head kept at the chosen ones."""
 
     n: int = 40  # prompts (0: no scan)
-    stop_at: float = 0.95  # stop once the chosen classes keep this faithfulness (accuracy)
+    stop_at: Real = 0.95  # stop once the chosen classes keep this faithfulness (accuracy)
     max_steps: int = 5
 
 
-@dataclass
+@section
 class DiscoverySection:
     # "curve": every (head, position class) pair ranked by mean-ablation attribution on n prompts, nested
     # circuits scored on curve_n others, the smallest reaching `target` faithfulness is the circuit: its interval's
@@ -80,15 +97,15 @@ class DiscoverySection:
     # "path": path patching as the paper (steps of the task's plan, top_k heads each) on n pairs.
     method: str = "curve"
     n: int = 160
-    sizes: list[float] = field(default_factory=lambda: list(SIZES))  # fractions of all (head, class) pairs
-    target: float = TARGET
+    sizes: list[Real] = field(default_factory=lambda: list(SIZES))  # fractions of all (head, class) pairs
+    target: Real = TARGET
     select: str = SELECT[0]
     curve_n: int = 200  # prompts scoring the nested circuits (disjoint from those ranking and reporting)
     stability_draws: int = 200  # bootstrap resamples of the ranking prompts (selection frequency)
     # path: receivers each step keeps for the next; a step not named keeps its plan's own k (never overridden)
     top_k: dict[str, int] = field(default_factory=dict)
     screen: bool = False  # path: exact path patching of every sender (suffix runs make it cheap)
-    screen_multiple: float = 2.0
+    screen_multiple: Real = 2.0
     # path: a sender's score over the prompts, "ratio_of_means" (mechdiff) or "mean_of_ratios" (the paper's)
     score: str = SCORES[0]
     # path: heads each step puts in the circuit, cut from its scores (default: top_k, the receivers the next step
@@ -166,7 +183,7 @@ def discovery_inputs(section: "DiscoverySection", plan_k: Optional[dict[str, int
     return out
 
 
-@dataclass
+@section
 class ScoringSection:
     n: int = 200  # fresh held-out prompts per cell of the circuit x model matrix
     reference_n: int = 500  # held-out-object prompts whose position-wise means ablate
@@ -180,13 +197,13 @@ class ScoringSection:
     # "greedy" (mechdiff): a pair stays if |F(C\(K+v)) - F(C\K)| / F(C) > prune_threshold, K grown greedily over
     # the whole circuit; "paper": per group, K from pairwise removals, v stays iff F(C\K)/F(C\(K+v)) - 1 >= threshold
     prune_rule: str = "greedy"
-    prune_threshold: float = 0.01
+    prune_threshold: Real = 0.01
     # "prob" (the task's continuous metric: answer probability, or the logit difference on a logit_diff task) or
     # "accuracy" (the paper's); the continuous one resolves small sets
     prune_metric: str = "prob"
     prune_steps: int = 1  # greedy: steps growing K in the minimality search (0: K = {})
     prune_candidates: int = 1  # greedy: pairs tried per step (drawn at random)
-    prune_share: float = 0.3  # paper: K is at most ceil(prune_share |group|) heads
+    prune_share: Real = 0.3  # paper: K is at most ceil(prune_share |group|) heads
     prune: bool = True
     # true (the paper's): a head in two groups at one position is pruned with the later group only (A minus B)
     prune_disjoint: bool = False
@@ -196,7 +213,7 @@ class ScoringSection:
     models: dict[str, dict] = field(default_factory=dict)
 
 
-@dataclass
+@section
 class DcmSection:
     desiderata: list[str] = field(default_factory=list)  # empty: every desideratum the task declares
     n_train: int = 32
@@ -207,9 +224,9 @@ class DcmSection:
     # training: each default is DCMConfig's (defined once, in mechdiff.methods.dcm)
     epochs: int = DCMConfig.epochs
     batch_size: int = DCMConfig.batch_size  # pairs per optimiser step: 32 training pairs x 4 epochs = 16 mask updates
-    lam: float = DCMConfig.lam
+    lam: Real = DCMConfig.lam
     lam_scale: str = DCMConfig.lam_scale  # "loss": lam x the unpatched mean |logit(target)|; "absolute": the paper's
-    lr: float = DCMConfig.lr
+    lr: Real = DCMConfig.lr
     eval_every: int = (
         DCMConfig.eval_every
     )  # steps ("steps") or batches of an epoch ("epoch_batches") between validations
@@ -227,7 +244,7 @@ class DcmSection:
     cache: str = "auto"
 
 
-@dataclass
+@section
 class CmapSection:
     n: int = 200
     parts: list[str] = field(default_factory=lambda: ["z", "q", "k", "v", "qk"])
@@ -246,7 +263,7 @@ class CmapSection:
     random_prompts: int = 30
 
 
-@dataclass
+@section
 class ReproduceSection:
     """Score a released circuit on every model, beside the published figures (empty circuit: off)."""
 
@@ -262,7 +279,7 @@ class ReproduceSection:
 NESTED_SETS = ("eval", "discovery", "prune", "matrix")
 
 
-@dataclass
+@section
 class SetsSection:
     """How a study's prompt sets relate. Default: every set disjoint from every other by item (a row's clean
     prompt, or the task's ``--item`` field). ``nested = true``: `NESTED_SETS` are first-N of one draw (the
@@ -271,7 +288,7 @@ class SetsSection:
     nested: bool = False
 
 
-@dataclass
+@section
 class InferenceSection:
     """Report-only settings of the inference layer (docs/inference.md), read by the report and ``mechdiff restate``
     and never by a stage key, so changing them rewrites the report from cached stages. ``margins``: each kind of
@@ -279,10 +296,10 @@ class InferenceSection:
     sentence names it); a file names those it changes, the others keep their defaults
     (`mechdiff.common.inference.MARGINS`): ``margins = { accuracy = 0.03, logit_difference = 1.0 }``."""
 
-    margins: dict[str, float] = field(default_factory=margins_of)
+    margins: dict[str, Real] = field(default_factory=margins_of)
 
 
-@dataclass
+@section
 class OutputSection:
     dir: str = "results/entity-tracking-smollm2"  # the embedded default study's; a task file without it: output_dir
     store: str = "cache/activations.h5"
@@ -532,7 +549,7 @@ def _check_desiderata(path: Path, text: str, dcm: Optional[dict], task_name: str
 def _check_per_model(path: Path, text: str, built: dict[str, Any]) -> None:
     """``[discovery.models.NAME]`` and ``[scoring.models.NAME]`` name a model of ``[models]`` and set only
     `PER_MODEL_DISCOVERY` (`PER_MODEL_SCORING`), each of its own type (a step -> k table, or an
-    integer seed); ``[discovery] source_position`` maps steps to position names."""
+    integer seed)."""
     models = built["models"]
     known = [models.base, *models.finetunes]
     for section, allowed in (("discovery", PER_MODEL_DISCOVERY), ("scoring", PER_MODEL_SCORING)):
@@ -542,16 +559,10 @@ def _check_per_model(path: Path, text: str, built: dict[str, Any]) -> None:
             where = f"{path}:{line}: [{section}.models.{name}]"
             if name not in known:
                 raise SpecError(f"{where} names no model of [models] ({', '.join(known)})")
-            if not isinstance(own, dict) or set(own) - set(allowed):
+            if set(own) - set(allowed):
                 raise SpecError(f"{where} may set {', '.join(allowed)}; got {own!r}")
             for key, value in own.items():
                 _check_per_model_value(where, key, value)
-    positions = built["discovery"].source_position
-    if not all(isinstance(v, str) for v in positions.values()):
-        raise SpecError(
-            f"{path}:{line_of(text, 'discovery', 'source_position')}: [discovery] source_position = {positions!r}: "
-            'give a step -> position name table, e.g. { D = "labels" }'
-        )
 
 
 def _check_per_model_value(where: str, key: str, value: Any) -> None:
@@ -562,14 +573,14 @@ def _check_per_model_value(where: str, key: str, value: Any) -> None:
 
 
 def _check_parts(path: Path, text: str, discovery: "DiscoverySection") -> None:
-    """``[discovery] pairs_per_part``, where set, is for path discovery and a whole number of pairs, at least 1."""
+    """``[discovery] pairs_per_part``, where set, is for path discovery and at least 1 (an integer: `SCHEMA`)."""
     size = discovery.pairs_per_part
     if size is not None and discovery.method != "path":
         raise SpecError(
             f"{path}:{line_of(text, 'discovery', 'pairs_per_part')}: [discovery] pairs_per_part holds path "
             f"patching's pairs in parts; method = {discovery.method!r} reads no pairs: remove it (or use path)"
         )
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+    if size is not None and size < 1:
         raise SpecError(
             f"{path}:{line_of(text, 'discovery', 'pairs_per_part')}: [discovery] pairs_per_part = {size!r}: give a "
             "number of pairs of at least 1 (or leave it out to hold every pair's activations)"
@@ -640,16 +651,17 @@ def load_sections(
     example: str = "tasks/entity_tracking.toml",
 ) -> tuple[dict[str, Any], str]:
     """The one task-file loader: every ``[section]`` of the TOML file ``path`` built into its dataclass in
-    ``sections`` (absent sections: defaults), and the file's text. Unknown sections and keys, values of
-    the wrong type (lists where the default is a tuple become tuples) and values outside ``choices`` are
-    refused with the file and line; ``required`` names fields a file must give."""
+    ``sections`` (absent sections: defaults), and the file's text. Unknown sections and keys (with the nearest
+    valid one), values of the wrong type (checked by pydantic, `SCHEMA`; lists where the default is a tuple become
+    tuples) and values outside ``choices`` are refused with the file and line; ``required`` names fields a file
+    must give."""
     path = Path(path)
     text, data = read_task_file(path, example)
     for section in data:
         if section not in sections:
             raise SpecError(
                 f"{path}:{line_of(text, None, section)}: unknown section [{section}]; "
-                f"valid sections: {', '.join(sections)}"
+                f"{_nearest(section, sections, '[{}]')}valid sections: {', '.join(sections)}"
             )
     for section, keys in (required or {}).items():
         for key in keys:
@@ -660,38 +672,99 @@ def load_sections(
     }, text
 
 
+def _nearest(word: str, valid: Any, form: str = "{!r}") -> str:
+    """``"did you mean X? "`` for the valid name nearest ``word`` (difflib), or nothing where none is near."""
+    near = difflib.get_close_matches(word, list(valid), n=1)
+    return f"did you mean {form.format(near[0])}? " if near else ""
+
+
 def _section(path: Path, text: str, name: str, cls: type, values: dict, choices: dict) -> Any:
     """One section's dataclass from its values, each checked (key, type, choices) with its line."""
     valid = [f.name for f in fields(cls)]
-    defaults = cls()
     for key in values:
         if key not in valid:
             raise SpecError(
-                f"{path}:{line_of(text, name, key)}: unknown key {key!r} in [{name}]; valid keys: {', '.join(valid)}"
+                f"{path}:{line_of(text, name, key)}: unknown key {key!r} in [{name}]; "
+                f"{_nearest(key, valid)}valid keys: {', '.join(valid)}"
             )
-        _check_type(path, text, name, key, values[key], getattr(defaults, key))
+    defaults = cls()
+    own = {
+        k: tuple(v) if isinstance(getattr(defaults, k), tuple) and isinstance(v, list) else v for k, v in values.items()
+    }
+    try:
+        built = checked(cls)(**own)
+    except ValidationError as err:
+        raise SpecError(_type_error(path, text, name, cls, values, defaults, err.errors()[0])) from None
+    for key, value in values.items():
         allowed = choices.get((name, key))
-        items = values[key] if isinstance(values[key], list) else [values[key]]
-        if allowed and any(item not in allowed for item in items):
+        if allowed and any(item not in allowed for item in (value if isinstance(value, list) else [value])):
             raise SpecError(
-                f"{path}:{line_of(text, name, key)}: {key} = {values[key]!r} in [{name}]; "
+                f"{path}:{line_of(text, name, key)}: {key} = {value!r} in [{name}]; "
                 f"valid values: {', '.join(map(str, allowed))}"
             )
-    return cls(**{k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in values.items()})
+    return built if type(built) is cls else cls(**own)
 
 
-def _check_type(path: Path, text: str, section: str, key: str, value: Any, default: Any) -> None:
-    """Refuse a value whose type differs from the field's default (``n_boxes = "seven"``) with its line."""
-    if default is None:
-        return
-    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), tuple: (list,), dict: (dict,)}
-    want = kinds.get(type(default))
-    ok = want is None or (isinstance(value, want) and not (isinstance(value, bool) and bool not in want))
-    if not ok:
-        raise SpecError(
-            f"{path}:{line_of(text, section, key)}: {key} = {value!r} in [{section}] — "
-            f"give a {type(default).__name__} (the default is {default!r})"
-        )
+#: Plain dataclasses read from a file (a kind whose settings are also built from command-line flags) -> the pydantic
+#: dataclass that checks them (`checked`).
+_CHECKED: dict[type, type] = {}
+
+
+def checked(cls: type) -> type:
+    """The class pydantic checks ``cls`` with: itself where it is a `section`, else a pydantic subclass of the plain
+    dataclass ``cls`` under `SCHEMA` (`load_sections` then builds ``cls`` itself from the values it checked, as the
+    file gives them)."""
+    if is_pydantic_dataclass(cls):
+        return cls
+    if cls not in _CHECKED:
+        _CHECKED[cls] = pydantic_dataclass(cls, config=SCHEMA)
+    return _CHECKED[cls]
+
+
+def _type_error(path: Path, text: str, section: str, cls: type, values: dict, defaults: Any, error: dict) -> str:
+    """The message of pydantic's first ``error`` on a section: the file's line, the value, the type its field
+    takes, and the default (or, for a field that defaults to None, that it may be left out)."""
+    key, *inner = error["loc"]
+    default = getattr(defaults, key)
+    value = values[key]
+    at = inner[0] if inner else None  # an item of a list or table (else a tag of pydantic's, e.g. Real's "int")
+    if isinstance(value, list) and isinstance(at, int):
+        where = f"; item {at} is {value[at]!r}"
+    else:
+        where = f"; {at} is {value[at]!r}" if isinstance(value, dict) and at in value else ""
+    unset = "or leave it out" if default is None else f"the default is {default!r}"
+    return (
+        f"{path}:{line_of(text, section, key)}: {key} = {value!r} in [{section}] — "
+        f"give {type_name(checked(cls).__pydantic_fields__[key].annotation)} ({unset}){where}"
+    )
+
+
+#: How an error names a type: (one, several).
+TYPE_NAMES = {
+    bool: ("a bool", "bools"),
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    Real: ("a number", "numbers"),
+    str: ("a string", "strings"),
+    list: ("a list", "lists"),
+    tuple: ("a list", "lists"),
+    dict: ("a table", "tables"),
+}
+
+
+def type_name(annotation: Any, several: bool = False) -> str:
+    """A field's type as a task file's author reads it: ``a list of numbers``, ``a table of integers``,
+    ``an integer`` (for ``Optional[int]``: the type it takes when set)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if annotation in TYPE_NAMES:
+        return TYPE_NAMES[annotation][several]
+    if origin is Union:  # Optional[X]: X; Optional[Real]: Real
+        rest = tuple(a for a in args if a is not type(None))
+        return type_name(Union[rest] if len(rest) > 1 else rest[0], several)
+    if origin in (list, tuple, dict) and args:
+        outer = TYPE_NAMES[origin][several]
+        return f"{outer} of {type_name(args[-1] if origin is dict else args[0], True)}"
+    return TYPE_NAMES.get(origin, ("a value", "values"))[several]
 
 
 def line_of(text: str, section: Optional[str], key: str) -> int:

@@ -20,7 +20,13 @@ Stages, each a record of the one stage cache (``<out>/stages/``), keyed by its i
   checkpoint's own circuit scored alone on each desideratum in the checkpoint (`
   head_scores`), or with ``method = "dcm"`` DCM over them with one fixed sparsity weight, several seeds
   (`dcm_seeds`), from which the report gives role membership over the steps and
-  the heads that join, leave or take over a role.
+  the heads that join, leave or take over a role;
+- ``edges:<ckpt>`` and ``edges`` (only with ``[edges] on = true``): the EAP edge graph (heads and MLPs,
+  position-free) scored per prompt on the ranking prompts with the node ranking's metric and mean ablation
+  (`task_graph`) at ``[edges] steps`` (default: the steps the between-run null reads), then
+  each checkpoint's top-n edges and their nodes, edge overlap beside node overlap between consecutive steps and
+  against the final one, with the node structure's within-checkpoint null and prompt resamples
+  (`edge_structure`).
 
 The base loads once; the adapters are swapped (`Checkpoints`), and nothing loads
 when every stage is cached. The report gives each quantity per step with its interval, its paired difference
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -44,6 +51,8 @@ from ..circuits.circuit import Circuit
 from ..circuits.curve import SELECT, SIZES, TARGET
 from ..common.io import check_writable, run_lock
 from ..methods.dcm import DCMConfig
+from ..methods.edge_structure import EDGES_N
+from ..methods.knowledge.task_graph import EDGE_BATCH, IG_STEPS, METHODS
 from ..methods.roles import SEEDS, THRESHOLD, VOTES
 from ..methods.trajectory import (
     MARGIN,
@@ -58,7 +67,18 @@ from ..models.loading import load_tokenizer, spec_digest
 from ..runs.seeds import derive, prompt_seed
 from ..runs.stages import StageRecord, key_hash, label
 from .base import Study, rows_inputs, vocabulary_digest
-from .spec import DcmSection, EvalSection, OutputSection, SpecError, StudySection, TaskSection, line_of, load_sections
+from .spec import (
+    DcmSection,
+    EvalSection,
+    OutputSection,
+    Real,
+    SpecError,
+    StudySection,
+    TaskSection,
+    line_of,
+    load_sections,
+    section,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,44 +92,44 @@ NULL = (
 RUNS_N = 256
 
 
-@dataclass
+@section
 class CheckpointsSection:
     checkpoints: list[str] = field(default_factory=list)  # in training order; the first is the reference
     dtype: str = "float32"
     device: Optional[str] = None
 
 
-@dataclass
+@section
 class TrajectoryDiscovery:
     """Each checkpoint's own circuit: (head, position class) pairs ranked by attribution on ``n`` prompts, nested
     circuits scored on ``curve_n`` others, the smallest reaching ``target`` (as the circuits study's curve)."""
 
     n: int = 40  # ranking prompts (halved for the within-checkpoint null)
     runs_n: int = RUNS_N  # ranking prompts at the [runs] steps (this run's and the other runs'); n elsewhere
-    sizes: list[float] = field(default_factory=lambda: list(SIZES))
-    target: float = TARGET
+    sizes: list[Real] = field(default_factory=lambda: list(SIZES))
+    target: Real = TARGET
     select: str = SELECT[0]
     curve_n: int = 60
     stability_draws: int = 200
 
 
-@dataclass
+@section
 class TrajectoryScoring:
     n: int = 100  # prompts scoring the circuits in every checkpoint
     reference_n: int = 200  # prompts whose position-wise means ablate
 
 
-@dataclass
+@section
 class StructureSection:
     draws: int = STRUCTURE_DRAWS  # random disjoint splits into halves; bootstrap resamples of the ranking prompts
-    stable: float = STABLE  # selection frequency that makes a pair robustly in (1 - stable: robustly out)
+    stable: Real = STABLE  # selection frequency that makes a pair robustly in (1 - stable: robustly out)
     n_pairs: int = 0  # pairs each discovery keeps (0: the final checkpoint's circuit size)
     resamples: int = STRUCTURE_RESAMPLES  # resamples of the ranking prompts behind each overlap's interval
     resample_splits: int = RESAMPLE_SPLITS  # random splits into halves of each resample
-    margin: float = MARGIN  # equivalence margin (Jaccard): "no change" only where (null - cross) is shown inside it
+    margin: Real = MARGIN  # equivalence margin (Jaccard): "no change" only where (null - cross) is shown inside it
 
 
-@dataclass
+@section
 class TrajectoryDcm(DcmSection):
     labels: str = ""  # a DCM table (JSON rows: group, desideratum, position, selected) to use instead of training
     # DCM's random baseline as the committed trajectories ran it (the circuits study's controls changed after them;
@@ -138,7 +158,7 @@ def dcm_key(d: TrajectoryDcm) -> dict:
     return out
 
 
-@dataclass
+@section
 class TrajectoryCmap:
     n: int = 100
     parts: list[str] = field(default_factory=lambda: ["z"])
@@ -148,13 +168,13 @@ class TrajectoryCmap:
     groups: list[str] = field(default_factory=list)
 
 
-@dataclass
+@section
 class RolesSection:
     """Per-head desideratum scores at every checkpoint (`roles`); the stage runs only where
     the task file has a ``[roles]`` section."""
 
     n: int = 48  # pairs of each desideratum, a draw of their own
-    threshold: float = THRESHOLD  # a head holds a role where its share's lower bound exceeds this
+    threshold: Real = THRESHOLD  # a head holds a role where its share's lower bound exceeds this
     groups: list[str] = field(
         default_factory=list
     )  # empty: as [dcm] groups, else every group of the prompts' positions
@@ -169,13 +189,13 @@ class RolesSection:
     # method "dcm" only: the sparsity weight, absolute and the same at every step (the paper's form; [dcm]'s
     # lam_scale does not apply); DCM trainings per step; the seeds that must select a head; random head sets of the
     # selection's layers the selection is tested against
-    lam: float = DCMConfig.lam
+    lam: Real = DCMConfig.lam
     seeds: int = SEEDS
     votes: int = VOTES
     n_random: int = DCMConfig.n_random
 
 
-@dataclass
+@section
 class RunsSection:
     """The between-run null: other runs of the same recipe (another seed), each a directory of saved steps
     (``DIR@STEP``), read at ``steps`` (steps of the trajectory). Only their ranking attribution and accuracy are
@@ -185,7 +205,21 @@ class RunsSection:
     steps: list[int] = field(default_factory=list)
 
 
-@dataclass
+@section
+class EdgesSection:
+    """Edges as well as nodes (`edge_structure`): the EAP graph scored per prompt at ``steps``. Off by
+    default: on SmolLM2 the scores of 256 prompts take 30 to 80 min a checkpoint on one CPU thread, where its node
+    ranking takes about a minute (docs/trajectories.md, "Edges beside nodes")."""
+
+    on: bool = False
+    n: int = EDGES_N  # edges each discovery keeps (its nodes: the heads and MLPs they touch)
+    steps: list[int] = field(default_factory=list)  # empty: the [runs] steps (every step without [runs]); + the final
+    method: str = METHODS[0]  # "eap": at the full model, as the node ranking; "eap-ig": integrated gradients
+    ig_steps: int = IG_STEPS  # EAP-IG's steps (method "eap-ig" only)
+    batch_size: int = EDGE_BATCH  # prompts a forward and backward (every receiver holds its own residual stream)
+
+
+@section
 class TrajectoryOutput(OutputSection):
     dir: str = "results/trajectory"
     store: str = "cache/activations-trajectory.h5"
@@ -203,9 +237,11 @@ SECTIONS = {
     "cmap": TrajectoryCmap,
     "roles": RolesSection,
     "runs": RunsSection,
+    "edges": EdgesSection,
     "output": TrajectoryOutput,
 }
 CHOICES = {
+    ("edges", "method"): METHODS,
     ("discovery", "select"): SELECT,
     ("cmap", "parts"): ("z", "q", "k", "v", "qk", "qkv"),
     ("roles", "heads"): ("any", "final"),
@@ -227,6 +263,7 @@ class TrajectorySettings:
     output: TrajectoryOutput
     roles: Optional[RolesSection] = None  # None: the task file has no [roles] section, and no roles stage runs
     runs: RunsSection = field(default_factory=RunsSection)  # no dirs: no between-run null
+    edges: EdgesSection = field(default_factory=EdgesSection)  # off: no edge stage
     source: str = "<defaults>"
 
 
@@ -252,6 +289,7 @@ def load_settings(path: str | Path) -> TrajectorySettings:
         raise SpecError(f"{path}:{line_of(text, 'models', 'checkpoints')}: {err}") from None
     _check_runs(Path(path), text, built["runs"], built["models"].checkpoints)
     _check_structure(Path(path), text, built["discovery"], built["structure"])
+    _check_edges(Path(path), text, built["edges"], built["models"].checkpoints)
     built["roles"] = _check_roles(
         Path(path), text, raw, built["roles"], built["task"].name, built["models"].checkpoints
     )
@@ -307,6 +345,32 @@ def _check_structure(path: Path, text: str, d: TrajectoryDiscovery, s: Structure
             f"{path}:{line_of(text, 'structure', 'margin')}: [structure] margin is a Jaccard difference "
             "in (0, 1), e.g. 0.05"
         )
+
+
+def _check_edges(path: Path, text: str, e: EdgesSection, checkpoints: list[str]) -> None:
+    """``[edges]``: steps of the trajectory, a usable n, batch size and IG steps."""
+    steps = checkpoint_steps(checkpoints)
+    for key, bad, need in (
+        ("steps", [s for s in e.steps if s not in steps], f"steps of the trajectory ({', '.join(map(str, steps))})"),
+        ("n", e.n < 1, "at least 1 edge"),
+        ("ig_steps", e.ig_steps < 1, "at least 1"),
+        ("batch_size", e.batch_size < 1, "at least 1"),
+    ):
+        if bad:
+            raise SpecError(f"{path}:{line_of(text, 'edges', key)}: [edges] {key} must be {need}")
+
+
+def edge_checkpoints(edges: EdgesSection, runs: RunsSection, checkpoints: list[str]) -> list[str]:
+    """The checkpoints the edge stages score, in order: those at ``[edges] steps``, else at the ``[runs]`` steps,
+    else every one; the final one always (each is compared with it). None where ``[edges]`` is off."""
+    if not edges.on:
+        return []
+    wanted = edges.steps or runs.steps
+    return [
+        c
+        for c, s in zip(checkpoints, checkpoint_steps(checkpoints))
+        if not wanted or s in wanted or c == checkpoints[-1]
+    ]
 
 
 def _check_roles(
@@ -384,6 +448,129 @@ def read_labels(path: str | Path) -> list[dict]:
     return out
 
 
+# --------------------------------------------------------------------------------------
+# The cost of each stage of `TrajectoryStudy`, for the resource plan (`mechdiff.studies.resources`): passes of
+# ``[eval] batch_size`` prompts; each checkpoint's reference means are computed by its first scorer (its circuit
+# stage, or an other run's ranking) and read from the activation store by the later ones
+# --------------------------------------------------------------------------------------
+
+
+def _cost(meter: Any, st: TrajectorySettings, stage: str, n: int, passes: list, note: str = "", models: int = 1) -> Any:
+    """A stage of ``n`` prompts whose passes are ``passes``: (rows each run holds, passes, FLOP factor: 2 for a
+    forward and a backward to the activations); its largest batch's activations and mean-ablation writes."""
+    from ..models.footprint import backward_bytes, dtype_bytes
+    from .resources import StageCost
+
+    t, d = meter.lengths, meter.dims
+    rows = meter.rows(n, st.eval.batch_size)
+    flops = sum(factor * meter.fwd(run_rows, t.tokens) for run_rows, _, factor in passes)
+    count = sum(p for _, p, _ in passes)
+    backward = any(f > 1 for _, _, f in passes)
+    act = (
+        backward_bytes(d, rows, t.longest, d.n_layers, meter.dtype) if backward else meter.act(rows, t.longest)
+    ) + d.n_layers * rows * t.longest * d.d_model * dtype_bytes(meter.dtype)
+    return StageCost(
+        stage, models, n, rows, flops, models * meter.weights, 0, act, note=note,
+        batch_option="[eval] batch_size", reads=meter.reads(count),
+    )  # fmt: skip
+
+
+def trajectory_costs(
+    meter: Any,
+    st: TrajectorySettings,
+    names: list[str],
+    others: list[str],
+    labels: list,
+    circuits: Optional[dict[str, Any]] = None,
+) -> list:
+    """Every stage in the order `TrajectoryStudy.stages` meets them (see the module docstring), on the
+    checkpoints ``names`` and the other runs' ``others``; ``labels``: the DCM table of ``[dcm] labels`` (empty:
+    DCM trained here); ``circuits``: each checkpoint's circuit where a run found it (`trajectory_found`; else
+    each checkpoint's own is assumed distinct). Counts as the circuits kind's: accuracy a pass a batch; a circuit
+    the reference means, attribution (a forward and a backward a batch) on its ranking prompts and the curve's full
+    model, empty circuit and sizes on ``curve_n``; a score the full model, the empty circuit and each distinct one
+    of the three circuits; CMAP both checkpoints and one patched run per scope (each group, the whole circuit) and
+    part; semantic patching two runs a test pair and one per selection."""
+    b, d = st.eval.batch_size, st.discovery
+    runs = {*others, *other_runs(st.runs, names)}  # ranked on runs_n: the other runs' and this run's at their steps
+
+    def batches(n: int) -> int:
+        return math.ceil(n / b)
+
+    def ranking_n(name: str) -> int:
+        return d.runs_n if name in runs else d.n
+
+    def reference() -> tuple[int, int, int]:
+        return st.scoring.reference_n, batches(st.scoring.reference_n), 1
+
+    out = [_cost(meter, st, f"accuracy:{n}", st.eval.n, [(st.eval.n, batches(st.eval.n), 1)]) for n in names]
+    for n in [names[-1], *names[:-1]]:
+        r, c = ranking_n(n), d.curve_n
+        passes = [reference(), (r, 2 * batches(r), 2), (c, batches(c) * (2 + len(d.sizes)), 1)]
+        out.append(_cost(meter, st, f"circuit:{n}", r, passes))
+    out += [_cost(meter, st, f"accuracy:{o}", st.eval.n, [(st.eval.n, batches(st.eval.n), 1)]) for o in others]
+    for o in others:
+        passes = [reference(), (d.runs_n, 2 * batches(d.runs_n), 2)]
+        out.append(_cost(meter, st, f"ranking:{o}", d.runs_n, passes))
+    out.append(_cost(meter, st, "structure", 0, [], "from the circuits' attributions: no pass", models=0))
+    n, found = st.scoring.n, circuits or {}
+
+    def scored(c: str) -> int:  # the full model, the empty circuit, each distinct circuit (a set of pairs runs once)
+        return 2 + len({found.get(k, k) for k in (names[-1], names[1], c)})
+
+    out += [_cost(meter, st, f"score:{c}", n, [(n, scored(c) * batches(n), 1)]) for c in names]
+    scopes = len(st.cmap.groups or st.dcm.groups or ["last", "query_label"]) + 1
+    note = "" if st.cmap.groups or st.dcm.groups else "two groups assumed"
+    cmap = [(st.cmap.n, (2 + scopes * len(st.cmap.parts)) * batches(st.cmap.n), 1)]
+    out += [_cost(meter, st, f"cmap:{c}", st.cmap.n, cmap, note, models=2) for c in names[1:]]
+    out.append(_trajectory_dcm(meter, st, labels))
+    chosen = [lab for lab in labels if lab.get("selected")]
+    desiderata = {lab["desideratum"] for lab in chosen}
+    semantic = [(st.dcm.n_test, (2 * len(desiderata) + len(chosen)) * batches(st.dcm.n_test), 1)]
+    sem_note = "" if labels else "the selections DCM makes: none counted before it runs"
+    out += [_cost(meter, st, f"semantic:{c}", st.dcm.n_test, semantic, sem_note) for c in names]
+    if st.roles is not None:
+        steps = [c for c, s in zip(names, checkpoint_steps(names)) if not st.roles.steps or s in st.roles.steps]
+        roles = [(st.roles.n, 2 * batches(st.roles.n), 1)]
+        why = "the pairs' runs; one more a head scored (the heads are the circuits', known after discovery)"
+        out += [_cost(meter, st, f"roles:{c}", st.roles.n, roles, why) for c in steps]
+    return out
+
+
+def trajectory_found(run_dir: str | Path) -> dict[str, frozenset]:
+    """Each checkpoint's circuit (its (head, position) pairs) that a run's ``circuit`` stage records hold: what
+    the plan of the ``score`` stages otherwise assumes distinct."""
+    out = {}
+    for path in sorted((Path(run_dir) / "stages").glob("circuit*.json")):
+        rec = json.loads(path.read_text())
+        kind, _, name = rec["name"].partition(":")
+        if kind == "circuit":
+            c = Circuit.from_dict(rec["result"]["circuit"])
+            out[name] = frozenset((str(h), c.positions[g]) for g, hs in c.groups.items() for h in hs)
+    return out
+
+
+def _trajectory_dcm(meter: Any, st: TrajectorySettings, labels: list) -> Any:
+    """The ``dcm`` stage: reading ``[dcm] labels`` (no pass), else DCM trained in the final checkpoint: per
+    desideratum its pairs' two runs, then per group ``epochs`` of training steps (a forward and a backward), the
+    validation runs and the test runs of the selection, the floor and ``n_random`` random sets."""
+    c = st.dcm
+    if c.labels:
+        return _cost(meter, st, "dcm", 0, [], f"read from {c.labels}: no pass", models=0)
+    b = st.eval.batch_size
+    k, groups = max(len(c.desiderata), 1), max(len(c.groups), 1)
+    pairs = c.n_train + c.n_val + c.n_test
+    steps = c.epochs * math.ceil(c.n_train / c.batch_size)
+    tests = (2 + c.n_random) * math.ceil(c.n_test / b) + math.ceil(c.n_val / b) * (steps // max(c.eval_every, 1) + 1)
+    passes = {
+        pairs: (k * 2 * math.ceil(pairs / b), 1),
+        c.batch_size: (k * groups * steps, 2),
+        c.n_test: (k * groups * tests, 1),
+    }
+    note = "" if c.desiderata and c.groups else "one desideratum and one group assumed where none is named"
+    return _cost(meter, st, "dcm", pairs, passes, note)
+
+
 class TrajectoryStudy(Study):
     """The stages of one trajectory task file into ``out`` (see the module docstring)."""
 
@@ -406,6 +593,41 @@ class TrajectoryStudy(Study):
         self.tokenizer = load_tokenizer(self.base_spec)
         self._checkpoints: Optional[Checkpoints] = None
         self.check_prompts()  # before any weights load
+
+    @classmethod
+    def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
+        """The settings, the base's dims and the task's token lengths (`task_lengths`), the DCM table where
+        ``[dcm] labels`` names one; no checkpoint loads."""
+        from ..models.footprint import model_dims
+        from .resources import PlanInputs, task_lengths
+
+        st = load_settings(path)
+        if task:
+            st.task.name = task
+        names = list(st.models.checkpoints)
+        others = [o for o_names in other_runs(st.runs, names).values() for o in o_names]
+        dims, source = model_dims(names[0])
+        lengths = task_lengths(SimpleNamespace(models=SimpleNamespace(base=names[0]), task=st.task))  # type: ignore[arg-type]
+        labels = read_labels(st.dcm.labels) if st.dcm.labels else []
+        rows = min(2048, st.eval.batch_size * lengths.longest)
+        known = {"names": names, "others": others, "labels": labels}
+        return PlanInputs(
+            "trajectory", st, dims, source, lengths, dtype or st.models.dtype, tuple([*names, *others]), 1, rows,
+            known=known,
+        )  # fmt: skip
+
+    @classmethod
+    def stage_costs(cls, inputs: Any, device: Any) -> list:
+        """Every stage (`trajectory_costs`)."""
+        k = inputs.known
+        costs = trajectory_costs(
+            inputs.meter(device), inputs.settings, k["names"], k["others"], k["labels"], k.get("circuits")
+        )
+        return costs
+
+    @classmethod
+    def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:
+        return replace(settings, eval=replace(settings.eval, batch_size=batch))
 
     @classmethod
     def from_file(
@@ -911,6 +1133,77 @@ class TrajectoryStudy(Study):
             compute,
         )
 
+    def edge_checkpoints(self) -> list[str]:
+        """The checkpoints the edge stages score (`edge_checkpoints`; none with ``[edges]`` off)."""
+        return edge_checkpoints(self.st.edges, self.st.runs, self.names)
+
+    def edge_prompts(self) -> int:
+        """Ranking prompts the edge stages score: those every scored checkpoint's ranking shares (the first rows of
+        the ranking set, as the structure stage reads them)."""
+        return min(self.ranking_n(n) for n in self.edge_checkpoints())
+
+    def edge_scores(self, name: str) -> StageRecord:
+        """Checkpoint ``name``'s per-prompt edge attribution (float16) on the ranking prompts, with the node
+        ranking's metric and position-wise mean ablation (`task_graph`)."""
+        from ..methods.edge_structure import encode_half
+        from ..methods.knowledge.graph import Graph
+        from ..methods.knowledge.task_graph import group_ablations, prompt_edge_scores, task_batches
+
+        e, n = self.st.edges, self.edge_prompts()
+
+        def compute() -> dict:
+            ranker = self.scorer(name, "ranking", n)  # the node ranking's prompts and metric
+            model = self.checkpoints().model(name)
+            graph = Graph.for_model(model)
+            reference = self.task.reference_records(
+                self.tokenizer, self.st.scoring.reference_n, self.seed("reference"), **self.options()
+            )
+            scores = prompt_edge_scores(
+                model,
+                graph,
+                task_batches(ranker.records, e.batch_size, ranker.metric),
+                group_ablations(model, graph, reference, e.batch_size),
+                e.method,
+                e.ig_steps,
+                self.progress,
+            )
+            return {"graph": graph.to_dict(), "prompts": n, "metric": ranker.metric, "scores": encode_half(scores)}
+
+        return self.cache.run(f"edges:{name}", self._edge_inputs(name), compute)
+
+    def _edge_inputs(self, name: str) -> dict:
+        e = self.st.edges
+        return {
+            "model": self.digests[name],
+            "task": self.task_inputs(),
+            "prompts": self.edge_prompts(),
+            "scoring": self._reference(),
+            "edges": {"method": e.method, **({"ig_steps": e.ig_steps} if e.method == "eap-ig" else {})},
+        }
+
+    def edges(self, scored: dict[str, StageRecord]) -> StageRecord:
+        """Edge overlap beside node overlap across the scored checkpoints (`edge_structure`), with
+        ``[structure]``'s splits, resamples and margin and the structure stage's seed."""
+        from ..methods.edge_structure import decode_half, edge_structure
+        from ..methods.knowledge.graph import Graph
+
+        s = self.st.structure
+
+        def compute() -> dict:
+            g = next(iter(scored.values())).result["graph"]
+            graph = Graph(g["n_layers"], g["n_heads"], g["n_kv_heads"], bool(g.get("parallel", False)))
+            scores = {c: decode_half(rec.result["scores"]) for c, rec in scored.items()}
+            return edge_structure(
+                scores, graph, self.st.edges.n, s.draws, self.seed("ranking"), s.resamples, s.resample_splits, s.margin
+            )
+
+        inputs = {
+            "scores": {c: r.key for c, r in scored.items()},
+            "n": self.st.edges.n,
+            "structure": {k: getattr(s, k) for k in ("draws", "resamples", "resample_splits", "margin")},
+        }
+        return self.cache.run("edges", inputs, compute)
+
     # -- the whole study ----------------------------------------------------------------
     def stages(self) -> dict[str, Any]:
         """Every stage in order: one checkpoint at a time where a stage needs one model (fewest swaps)."""
@@ -925,7 +1218,10 @@ class TrajectoryStudy(Study):
         dcm = self.dcm(circuits[self.final])
         semantic = {n: self.semantic(n, dcm) for n in self.names}
         roles = {n: self.roles(n, circuits) for n in self.role_checkpoints()}
+        scored = {n: self.edge_scores(n) for n in self.edge_checkpoints()}
+        edges = {"edges": self.edges(scored)} if scored else {}  # [edges] off: no edge stage, no key
         return {
+            **edges,
             "roles": roles,
             "runs": {"accuracy": others, "ranking": rankings},
             "accuracy": accuracy,
@@ -942,7 +1238,9 @@ class TrajectoryStudy(Study):
         activation store): their accuracy and own circuit; once the final and first trained checkpoints'
         circuits are in the cache (written by whichever process has them), their scores, CMAP and semantic
         patching (and, in the process given the final checkpoint, the structure and DCM stages once every
-        circuit is cached). A plain run afterwards finds every stage cached and writes the report."""
+        circuit is cached); with ``[edges]`` on, the edge scores of ``names`` and, in the final checkpoint's process
+        once every edge score is cached, the edge comparison. A plain run afterwards finds every stage cached and
+        writes the report."""
         unknown = [n for n in names if n not in self.names]
         if unknown:
             raise ValueError(f"{unknown} are not checkpoints of this study ({', '.join(self.names)})")
@@ -973,6 +1271,12 @@ class TrajectoryStudy(Study):
                 self.structure(every, {o: self.ranking(o) for o in self.others})
             for n in (n for n in names if n in self.role_checkpoints()):
                 self.roles(n, every)
+            for n in (n for n in names if n in self.edge_checkpoints()):
+                self.edge_scores(n)
+            if self.final in names and self.edge_checkpoints():
+                for n in self.edge_checkpoints():
+                    self._wait_for(f"edges:{n}", lambda n=n: self.cache.ready(f"edges:{n}", self._edge_inputs(n)))
+                self.edges({n: self.edge_scores(n) for n in self.edge_checkpoints()})
 
     def _wait(self, names: list[str], poll: float = 10.0) -> None:
         for n in names:

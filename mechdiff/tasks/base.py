@@ -130,6 +130,8 @@ class Task:
     chance: Optional[Callable[..., float]] = None
     #: The most tokens an answer of the task has (an imported task's answers may have several; 1 otherwise).
     answer_tokens: int = 1
+    #: What a task file's ``[task] name`` gives for this task where it is not ``name``: an imported task's directory.
+    source: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.metric not in TASK_METRICS:
@@ -284,4 +286,5 @@ def imported_task(imported: ImportedTask) -> Task:
         sources=tuple((clean_key(p.base), clean_key(p.source)) for p in imported.pairs),
         with_sets=lambda sets: imported_task(replace(imported, sets=dict(sets))),
         answer_tokens=max_answer_length([*imported.pairs, *(p for d in imported.desiderata.values() for p in d)]),
+        source=str(imported.directory),
     )

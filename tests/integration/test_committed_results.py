@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 #: The circuits studies regenerated under the inference rules (results/capitals-smollm2 awaits its regeneration from
 #: rows with distinct items: branch capitals-rows).
-STUDIES = ["entity-tracking-smollm2", "ioi-smollm2"]
+STUDIES = ["entity-tracking-smollm2", "ioi-smollm2", "capitals-smollm2"]
 
 
 def _run(study: str) -> dict:

@@ -28,13 +28,16 @@ from .graph import Graph, prune_dangling
 
 log = logging.getLogger(__name__)
 
+#: EAP-IG's steps along the masks' path.
+IG_STEPS = 5
+
 
 def attribution_scores(
     model: LoadedModel,
     graph: Graph,
     batches: Sequence[FactBatch],
     method: str = "eap-ig",
-    steps: int = 5,
+    steps: int = IG_STEPS,
     ablation: Ablation = Ablation(),
     progress: bool = True,
 ) -> np.ndarray:

@@ -405,11 +405,13 @@ def edge_gradients(
     alpha: float = 1.0,
     ablation: Ablation = Ablation(),
     mask: Optional[np.ndarray] = None,
+    per_prompt: bool = False,
 ) -> np.ndarray:
     """``d metric / d m_e`` for every edge ``e`` (one forward + backward).
 
     At every mask equal to ``alpha``, or (``mask`` given) at that mask: the gradient of a partial
-    circuit, for iterative pruning."""
+    circuit, for iterative pruning. ``per_prompt``: ``"batch edge"``, each prompt's own term (for a ``metric``
+    that sums the prompts' values, each prompt's run depends on its own tokens only: the rows sum to the total)."""
     grad_inputs: list[torch.Tensor] = []
     deltas: list[torch.Tensor] = []
     run = edge_forward(
@@ -424,12 +426,17 @@ def edge_gradients(
     )
     value = metric(run.logits.float())
     grads = torch.autograd.grad(value, grad_inputs)
-    out = np.empty(graph.n_edges, dtype=np.float64)
+    B = ids.shape[0]
+    out = np.empty((B, graph.n_edges) if per_prompt else graph.n_edges, dtype=np.float64)
     with torch.no_grad():
         D = torch.stack(deltas).float()  # "sender batch pos d"
         for (_kind, _layer, off, r, s), g in zip(graph.blocks, grads):
-            sc = torch.einsum("rbpd,sbpd->rs", g.float(), D[:s])
-            out[off : off + r * s] = sc.reshape(-1).cpu().numpy()
+            if per_prompt:
+                sc = torch.einsum("rbpd,sbpd->brs", g.float(), D[:s])
+                out[:, off : off + r * s] = sc.reshape(B, -1).cpu().numpy()
+            else:
+                sc = torch.einsum("rbpd,sbpd->rs", g.float(), D[:s])
+                out[off : off + r * s] = sc.reshape(-1).cpu().numpy()
     return out
 
 

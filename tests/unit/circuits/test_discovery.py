@@ -83,5 +83,7 @@ def test_a_study_hands_path_patching_its_source_position(tiny_family, tmp_path):
     extra = 'source_position = { D = "labels", Z = "labels" }\n'
     study = CircuitsStudy.from_file(_spec_file(tmp_path, tiny_family, extra), out=str(tmp_path / "run"))
     assert study.path_settings(base, default_plan()).source_position == {"D": "labels"}
-    with pytest.raises(SpecError, match=r"paper.toml:11: \[discovery\] source_position"):
+    with pytest.raises(
+        SpecError, match=r"paper.toml:11: source_position = .* in \[discovery\] — give a table of strings"
+    ):
         CircuitsStudy.from_file(_spec_file(tmp_path, tiny_family, "source_position = { D = 3 }\n"))

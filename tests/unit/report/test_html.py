@@ -193,3 +193,16 @@ def seeded_pages(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("run", SEEDED_RUNS)
 def test_the_page_is_the_same_bytes_whatever_the_hash_seed(seeded_pages: Path, run: str) -> None:
     assert (seeded_pages / f"{run}-1.html").read_bytes() == (seeded_pages / f"{run}-2.html").read_bytes()
+
+
+def test_the_templates_escape_what_a_run_holds_and_inline_their_assets() -> None:
+    """A table's cells, column names and file name are text, never markup; the page's style and scripts come from
+    the package's template folder, inlined whole."""
+    from importlib.resources import files
+
+    t = table_html([{"<i>col</i>": "<b>x</b>"}], "", "tables/a&b.csv")
+    assert "<th>&lt;i&gt;col&lt;/i&gt;</th>" in t and "<td>&lt;b&gt;x&lt;/b&gt;</td>" in t
+    assert "<code>tables/a&amp;b.csv</code>" in t and "<b>" not in t
+    html = page(RESULTS / "headmap-smollm2")
+    for name in ("page.css", "loader.js", "grid.js", "sort.js"):
+        assert files("mechdiff.report").joinpath("templates", name).read_text() in html

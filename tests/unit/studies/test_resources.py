@@ -10,12 +10,12 @@ import pytest
 
 from mechdiff.models.devices import Device, get_device
 from mechdiff.models.footprint import model_dims
+from mechdiff.studies.circuits import accuracy_cost as accuracy
 from mechdiff.studies.resources import (
     Context,
     Lengths,
     _desiderata,
     _groups,
-    accuracy,
     circuit,
     cmap,
     dcm,
