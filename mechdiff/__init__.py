@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
 #: Each public name -> the module of `mechdiff.api` that defines (or re-exports) it.
 _EXPORTS = {

@@ -196,7 +196,7 @@ def versions() -> dict[str, str]:
     import peft
     import transformers
 
-    from .. import __version__ as mechdiff_version
+    from ..version import __version__ as mechdiff_version
 
     return {
         "torch": torch.__version__,

@@ -39,7 +39,7 @@ import h5py
 import numpy as np
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..common.io import atomic_open, set_aside
 from ..common.progress import progress_bar
 from ..models.loading import LoadedModel

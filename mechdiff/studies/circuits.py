@@ -71,11 +71,11 @@ class CircuitsStudy(Study):
 
     @classmethod
     def stage_costs(cls, inputs: Any, device: Any) -> list:
-        """Every stage's cost (`circuits_costs`; still counted in `mechdiff.studies.resources`, beside
-        this class rather than in it)."""
+        """Every stage's cost (`circuits_costs`: the accuracy stage's counted here, `accuracy_cost`; the others still
+        in `mechdiff.studies.resources`, beside this class rather than in it)."""
         from .resources import circuits_costs
 
-        return circuits_costs(inputs, device)
+        return circuits_costs(inputs, device, accuracy_cost)
 
     @classmethod
     def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:
@@ -140,7 +140,7 @@ class CircuitsStudy(Study):
     def task_inputs(self) -> dict:
         """What every stage depends on besides its own section: the task, how models load, the
         held-out vocabulary, the tokenizer (the base's) and the code version."""
-        from .. import __version__
+        from ..version import __version__
 
         return {
             "task": asdict(self.spec.task),

@@ -172,7 +172,7 @@ class _Run:
     def inputs(self) -> dict:
         """What every stage of this model depends on: weights, facts, how removed edges are ablated, the code
         version."""
-        from .. import __version__
+        from ..version import __version__
 
         s = self.settings
         return {

@@ -916,16 +916,20 @@ def reproduction(ctx: Context, name: str) -> StageCost:
 # ---------------------------------------------------------------------------------------------- the plan
 
 
-def stage_costs(ctx: Context) -> list[StageCost]:
+#: A stage's cost counted beside its computation in the study's own module (``(ctx, model) -> StageCost``), handed
+#: in by the study (`CircuitsStudy.stage_costs`), so this module imports no study.
+Counted = Callable[[Context, str], StageCost]
+
+
+def stage_costs(ctx: Context, accuracy: Counted) -> list[StageCost]:
     """Every stage of the study, in the order a run meets them; those the file does not run (``[reproduce] only``)
-    marked so."""
+    marked so. ``accuracy``: the accuracy stage's cost, counted beside it (`mechdiff.studies.circuits.accuracy_cost`;
+    the others: below, here)."""
     spec, names = ctx.spec, ctx.spec.model_names
     out: list[StageCost] = []
     if spec.reproduce.circuit:
         out += [reproduction(ctx, n) for n in names]
-    from .circuits import accuracy_cost  # the stages counted beside their computation (the others: below, here)
-
-    rest: list[Optional[StageCost]] = [accuracy_cost(ctx, n) for n in names]
+    rest: list[Optional[StageCost]] = [accuracy(ctx, n) for n in names]
     rest += [positions(ctx, n) for n in names] + [circuit(ctx, n) for n in names] + [prune(ctx, n) for n in names]
     rest += [matrix(ctx, n) for n in names] + [dcm(ctx, spec.models.base, len(names))]
     rest += [cmap(ctx, ft) for ft in spec.models.finetunes]
@@ -980,11 +984,11 @@ def circuits_inputs(
     )  # fmt: skip
 
 
-def circuits_costs(inputs: PlanInputs, device: Device) -> list[StageCost]:
+def circuits_costs(inputs: PlanInputs, device: Device, accuracy: Counted) -> list[StageCost]:
     """Every stage of a circuits study (`stage_costs`) on ``device``."""
     spec = inputs.settings
     ctx = Context(spec, inputs.dims, inputs.lengths, inputs.dtype, device, with_released(spec, inputs.known))
-    return stage_costs(ctx)
+    return stage_costs(ctx, accuracy)
 
 
 def resource_plan(

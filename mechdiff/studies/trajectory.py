@@ -723,7 +723,7 @@ class TrajectoryStudy(Study):
         )
 
     def task_inputs(self) -> dict:
-        from .. import __version__
+        from ..version import __version__
 
         return {
             "task": asdict(self.st.task),

@@ -234,7 +234,8 @@ def test_mechdiff_run_prints_the_plan_and_plan_stops_there(tiny_family, tmp_path
     )
     assert main(["run", str(task), "--plan", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"knowledge study into {tmp_path / 'out'}:\n")
+    resources, _, stages = out.partition(f"\nknowledge study into {tmp_path / 'out'}:\n")
+    assert stages and "host GiB" in resources  # every kind's plan: its resources first, then its stages
     assert "facts " in out and f"discovery:{tiny_family[0]}" in out and "4 of 4 stages to compute" in out
     assert not (tmp_path / "out" / "stages").exists() and not (tmp_path / "out" / "run.json").exists()
     # Then the run (studies.base.plan_then_run): the plan, each stage's time, the report; a rerun: all cached.
