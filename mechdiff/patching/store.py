@@ -39,11 +39,11 @@ import h5py
 import numpy as np
 import torch
 
-from ..version import __version__
 from ..common.io import atomic_open, set_aside
 from ..common.progress import progress_bar
 from ..models.loading import LoadedModel
 from ..tasks.base import batch_tensors, dataset_hash, group_key, group_name, grouped_batches, take
+from ..version import __version__
 from .evaluate import batches
 
 log = logging.getLogger(__name__)
