@@ -22,7 +22,7 @@ from ..common import inference as inf
 from ..common.outcomes import from_bits
 from ..methods.cmap import paired_outcomes
 from .families import worst_pairing
-from .rows import cmap_items
+from .rows import cmap_items, control_outcomes
 
 GAIN = "which parts carry the gain"
 CONTROLS = "circuit against controls"
@@ -70,12 +70,7 @@ def _bits(row: Mapping[str, Any], key: str) -> Optional[np.ndarray]:
 
 def _against(row: Mapping[str, Any], kind: str, claim: str) -> Optional[inf.Test]:
     """Patched against ``kind`` ("floor" or "random") on the same test pairs."""
-    patched = _bits(row, "test_outcomes")
-    if kind == "floor":
-        other = _bits(row, "floor_outcomes")
-    else:
-        draws = row.get("random_outcomes")
-        other = None if not draws else np.mean([from_bits(d) for d in draws], axis=0)
+    patched, other = _bits(row, "test_outcomes"), control_outcomes(row, kind)
     if patched is not None and other is not None and other.shape == patched.shape:
         items = row.get("test_items")
         return inf.paired(patched, other, None if items is None else list(items), claim=claim)

@@ -41,19 +41,25 @@ def dcm_rows(results: Sequence[Mapping[str, Any]]) -> list[dict]:
     return rows
 
 
+def control_outcomes(record: Mapping[str, Any], control: str) -> Optional[np.ndarray]:
+    """A DCM selection's per-pair outcome under ``control``: the unpatched floor's 0/1 (``"floor"``) or the random
+    draws' per-pair share (``"random"``), from the ``floor_outcomes``/``random_outcomes`` the stage kept (None:
+    not kept)."""
+    if control == "floor" and record.get("floor_outcomes"):
+        return from_bits(record["floor_outcomes"])
+    if control == "random" and record.get("random_outcomes"):
+        return np.mean([from_bits(d) for d in record["random_outcomes"]], axis=0)
+    return None
+
+
 def semantic_test(record: Mapping[str, Any], control: str, items: Sequence) -> Optional[dict]:
     """The patched heads against ``control`` ("floor" or "random") on the same test pairs, clustered by the pairs'
     ``items`` (`inf.paired`), as the ``vs_floor``/``vs_random`` record the stage wrote with one pair an item."""
     outcomes = record.get("outcomes") or {}
-    if "correct" not in outcomes:
+    other = control_outcomes(record, control)
+    if "correct" not in outcomes or other is None:
         return None
     patched = from_bits(outcomes["correct"])
-    if control == "floor" and record.get("floor_outcomes"):
-        other = from_bits(record["floor_outcomes"])
-    elif control == "random" and record.get("random_outcomes"):
-        other = np.mean([from_bits(d) for d in record["random_outcomes"]], axis=0)
-    else:
-        return None
     if other.shape != patched.shape or len(items) != patched.size:
         return None
     test = inf.paired(patched, other, list(items))

@@ -59,13 +59,15 @@ def study_table(study: "Study", rows: list[dict], stem: str, caption: str) -> st
     return f"**{caption}** (`tables/{stem}.csv`)\n\n{to_markdown(rows)}\n"
 
 
-def _eval_items(study: "Study", n: int) -> Optional[np.ndarray]:
-    """The eval set's items for its first ``n`` rows where some rows share an item (else None: one row an item)."""
+def shared_items(study: Any, name: str, n: int) -> Optional[np.ndarray]:
+    """The item ids of the first ``n`` rows of the prompt set ``name`` (`set_items`), where some of them share an
+    item; None where each is an item of its own, or the study records no items for the set (or fewer rows): the
+    stage's own row-level figures then hold."""
     try:
-        ids = np.asarray(study.set_items("eval"))
+        ids = np.asarray(study.set_items(name))
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
-    return ids[:n] if ids.size >= n and len(set(ids[:n].tolist())) < n else None
+    return ids[:n] if 0 < n <= ids.size and len(set(ids[:n].tolist())) < n else None
 
 
 def _accuracy_over_items(result: dict, items: Optional[np.ndarray]) -> dict:
@@ -91,7 +93,7 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
     rows, clustered = [], False
     for name, rec in accuracy.items():
         r = rec.result
-        items = _eval_items(study, len((r.get("outcomes") or {}).get("correct", "")))
+        items = shared_items(study, "eval", len((r.get("outcomes") or {}).get("correct", "")))
         figures = _accuracy_over_items(r, items)
         clustered = clustered or items is not None
         rows.append(
@@ -381,10 +383,6 @@ def _matrix_over_items(study: "Study", matrix: dict) -> Optional[list[dict]]:
     from ..common.inference import proportion, ratio
     from ..common.outcomes import read_record
 
-    try:
-        ids = np.asarray(study.set_items("matrix"))
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
     out = []
     for rec in matrix.values():
         kept = rec.result.get("outcomes") or {}
@@ -393,8 +391,8 @@ def _matrix_over_items(study: "Study", matrix: dict) -> Optional[list[dict]]:
             if o is None:
                 return None
             full, circ = read_record(o["full"])[0], read_record(o["circuit"])[0]
-            items = ids[: full.size]
-            if ids.size < full.size or len(set(items.tolist())) == full.size:
+            items = shared_items(study, "matrix", full.size)
+            if items is None:
                 return None
             out.append(
                 {
@@ -810,6 +808,18 @@ def _ordering(gain: dict, ft: str, a: str, b: str) -> str:
     return f"Paired difference {a} - {b} on the same prompts: {ci}, {verdict} ({p})."
 
 
+def _base_semantic(dcm: "StageRecord", row: dict, base: str) -> dict:
+    """The base's semantic patching record of a DCM row's selection (same group and desideratum); {} where none."""
+    return next(
+        (
+            x
+            for x in dcm.result.get("semantic", [])
+            if (x["group"], x["desideratum"], x["model"]) == (row["group"], row["desideratum"], base)
+        ),
+        {},
+    )
+
+
 def dcm_tests(dcm: "StageRecord", base: str, study: Optional["Study"] = None) -> dict:
     """The family "what the heads encode": each selected group against its floor and its random heads, with the
     base's per-pair outcomes where the stage kept them, clustered by the test pairs' items where ``study`` knows
@@ -819,14 +829,7 @@ def dcm_tests(dcm: "StageRecord", base: str, study: Optional["Study"] = None) ->
     items = dcm_test_items(study, dcm) if study is not None else {}
     rows = []
     for r in dcm.result["dcm"]:
-        sem = next(
-            (
-                x
-                for x in dcm.result.get("semantic", [])
-                if (x["group"], x["desideratum"], x["model"]) == (r["group"], r["desideratum"], base)
-            ),
-            {},
-        )
+        sem = _base_semantic(dcm, r, base)
         extra = {k: sem[k] for k in ("floor_outcomes", "random_outcomes") if k in sem}
         if "outcomes" in sem and sem["accuracy"]["value"] == r["test_accuracy"]["value"]:
             extra["test_outcomes"] = sem["outcomes"]
@@ -847,18 +850,15 @@ def dcm_test_items(study: Optional["Study"], dcm: "StageRecord") -> dict[str, np
     task = getattr(study, "task", None)
     if study is None or getattr(task, "items", None) is None or "skipped" in dcm.result:
         return {}
-    try:
-        ids = np.asarray(study.set_items("dcm"))
-    except (KeyError, TypeError, ValueError):
-        return {}
     out = {}
     for r in dcm.result.get("dcm", []):
         n = int(r["n_train"]) + int(r["n_val"]) + int(r["n_test"])
-        if ids.size < n or len(set(ids[:n].tolist())) == n:  # one pair an item: the exact tests already hold
+        ids = shared_items(study, "dcm", n)
+        if ids is None:  # one pair an item: the exact tests already hold
             continue
-        test = split_indices(n, r["config"]["split"], r["config"]["seed"], ids[:n].tolist())[2]
+        test = split_indices(n, r["config"]["split"], r["config"]["seed"], ids.tolist())[2]
         if len(test) == int(r["n_test"]):
-            out[f"{r['group']}/{r['desideratum']}"] = ids[:n][test]
+            out[f"{r['group']}/{r['desideratum']}"] = ids[test]
     return out
 
 
@@ -867,20 +867,16 @@ def cmap_items_of(study: "Study", cmap: dict) -> dict[str, np.ndarray]:
     imported task's prompts share items; {} otherwise."""
     if getattr(getattr(study, "task", None), "items", None) is None:
         return {}
-    try:
-        ids = np.asarray(study.set_items("cmap"))
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return {}
     out = {}
     for ft, rec in cmap.items():
         outcomes = (rec.result.get("outcomes") or {}) if rec is not None else {}
-        n = len(outcomes.get("base", ""))
-        if n and ids.size >= n and len(set(ids[:n].tolist())) < n:
-            out[ft] = ids[:n]
+        ids = shared_items(study, "cmap", len(outcomes.get("base", "")))
+        if ids is not None:
+            out[ft] = ids
     return out
 
 
-def _dcm_over_items(study: "Study", dcm: "StageRecord") -> "StageRecord":
+def _dcm_over_items(study: "Study", dcm: "StageRecord", base: str) -> "StageRecord":
     """``dcm`` with each selection's target and floor accuracies (its DCM row and every model's semantic patching)
     as intervals over the test pairs' items (`dcm_test_items`), from the per-pair outcomes the stage kept; unchanged
     where the pairs are items of their own. Random heads keep the stage's interval, which resamples the draws as
@@ -909,16 +905,9 @@ def _dcm_over_items(study: "Study", dcm: "StageRecord") -> "StageRecord":
     rows = []
     for r in dcm.result.get("dcm", []):
         on = items.get(f"{r['group']}/{r['desideratum']}")
-        base = next(
-            (
-                x
-                for x in dcm.result.get("semantic", [])
-                if (x["group"], x["desideratum"]) == (r["group"], r["desideratum"])
-                and x["accuracy"]["value"] == r["test_accuracy"]["value"]
-            ),
-            None,
-        )
-        got = arms(base, on) if base is not None and on is not None else {}
+        sem = _base_semantic(dcm, r, base)
+        same = sem and sem["accuracy"]["value"] == r["test_accuracy"]["value"]  # the mask's own test pairs
+        got = arms(sem, on) if same and on is not None else {}
         if "accuracy" in got:
             got["test_accuracy"] = got.pop("accuracy")
         rows.append({**r, **got})
@@ -1293,8 +1282,9 @@ def write_report(
     acc_text, acc_rows = accuracy_section(study, accuracy)
     mat_text, mat_rows = matrix_section(study, matrix)
     paired_text, paired = paired_section(study, accuracy, matrix, dcm)
-    gain, encoded = cmap_family(cmap, cmap_items_of(study, cmap)), dcm_tests(dcm, study.spec.models.base, study)
-    dcm_shown, cmap_shown = _dcm_over_items(study, dcm), _cmap_over_items(study, cmap)  # intervals over items
+    base = study.spec.models.base
+    gain, encoded = cmap_family(cmap, cmap_items_of(study, cmap)), dcm_tests(dcm, base, study)
+    dcm_shown, cmap_shown = _dcm_over_items(study, dcm, base), _cmap_over_items(study, cmap)  # intervals over items
     controls = controls_family(mat_rows)
     ov_text, overlaps = overlap_section(study, found)
     manifest = study.manifest()

@@ -141,7 +141,7 @@ def test_dcm_arms_are_shown_over_the_test_pairs_items():
     study = SimpleNamespace(task=SimpleNamespace(items=list(range(48))), set_items=lambda name: ids)
     dcm = StageRecord("dcm", "k", {"dcm": [row], "semantic": [sem]}, 0.0, True)
     assert np.array_equal(dcm_test_items(study, dcm)["last/swapped"], ids[test])
-    shown = _dcm_over_items(study, dcm).result
+    shown = _dcm_over_items(study, dcm, "base").result
     want = inf.proportion(patched, ids[test])
     got = shown["dcm"][0]["test_accuracy"]
     assert (got["low"], got["high"], got["items"]) == (want.low, want.high, len(set(ids[test].tolist())))
