@@ -14,7 +14,7 @@ import argparse
 from mechdiff.circuits.curve import ranked_circuit
 from mechdiff.circuits.scoring import faithfulness
 from mechdiff.common.components import parse
-from mechdiff.studies.circuits import CircuitsStudy as Study
+from mechdiff.studies.circuits.study import CircuitsStudy as Study
 from mechdiff.studies.spec import load_spec
 
 

@@ -200,7 +200,7 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     from mechdiff.methods.dcm import PairCache, random_pool, run_dcm
     from mechdiff.patching.evaluate import evaluate
     from mechdiff.studies import resources as r
-    from mechdiff.studies.circuits import accuracy_cost, dcm_config
+    from mechdiff.studies.circuits.study import accuracy_cost, dcm_config
     from mechdiff.tasks.base import get_task
     from mechdiff.tasks.entity_tracking import path_patching_pairs, positional_pairs
 

@@ -148,7 +148,7 @@ def prompts(n: int, vocab: int) -> list:
 def planned(dims, dtype: str, n: int, batch: int, records: list) -> tuple:
     """The planner's accuracy stage for these prompts: its cost and its placement on this machine."""
     from mechdiff.models.devices import this_machine
-    from mechdiff.studies.circuits import accuracy_cost as accuracy
+    from mechdiff.studies.circuits.study import accuracy_cost as accuracy
     from mechdiff.studies.resources import Context, Lengths, place, with_overhead
     from mechdiff.studies.spec import default_spec
 
@@ -234,7 +234,7 @@ def run_stages(count: bool, save: Optional[Path] = None, memory: bool = False) -
 
     from mechdiff.models.footprint import model_dims
     from mechdiff.runs import stages as stage_module
-    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.circuits.study import CircuitsStudy
     from mechdiff.studies.resources import found_in, pass_overhead, scratch_bandwidth
 
     measured: dict[str, dict] = {}

@@ -16,7 +16,7 @@ import numpy as np
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.scoring import Scorer
-from mechdiff.studies.circuits import CircuitsStudy as Study
+from mechdiff.studies.circuits.study import CircuitsStudy as Study
 from mechdiff.studies.spec import load_spec
 
 

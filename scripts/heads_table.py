@@ -26,7 +26,7 @@ def main() -> int:
     from mechdiff.circuits.pruning import pair_name
     from mechdiff.report.heads import head_rows, write_heads_table
     from mechdiff.runs.stages import label
-    from mechdiff.studies.circuits import CircuitsStudy as Study
+    from mechdiff.studies.circuits.study import CircuitsStudy as Study
     from mechdiff.studies.spec import SECTIONS, RunSpec
 
     manifest = json.loads((run / "run.json").read_text())

@@ -21,9 +21,9 @@ from pathlib import Path
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.report.html import write_html
 from mechdiff.report.rows import dcm_rows
-from mechdiff.report.study_report import DCM_CAPTION, patched_heads, study_table
 from mechdiff.runs.stages import StageRecord, key_hash
-from mechdiff.studies.circuits import CircuitsStudy
+from mechdiff.studies.circuits.report import DCM_CAPTION, patched_heads, study_table
+from mechdiff.studies.circuits.study import CircuitsStudy
 
 RESULTS = Path("results/entity-tracking-smollm2-paper-form")
 TASK_FILE = "tasks/entity_tracking_paper_form.toml"

@@ -17,7 +17,7 @@ import torch
 from mechdiff.common.metrics import answer_logit
 from mechdiff.methods.dcm import split_pairs
 from mechdiff.patching.core import run
-from mechdiff.studies.trajectory import TrajectoryStudy
+from mechdiff.studies.trajectory.study import TrajectoryStudy
 
 
 def main(path: str) -> None:

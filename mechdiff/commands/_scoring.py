@@ -1,5 +1,5 @@
 """Options and set-up shared by ``score``, ``prune``, ``compare``, ``curve`` and ``positions``: the prompts and
-reference set (`mechdiff.studies.scoring.ScoringPrompts`), circuit files."""
+reference set (`mechdiff.studies.circuits.scoring.ScoringPrompts`), circuit files."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ..circuits.circuit import Circuit, load_circuit_file
 from ..models.architectures import ModelShape
 from ..models.loading import load_config
 from ..models.resolve import resolve_spec
-from ..studies.scoring import REFERENCES, ScoringPrompts
+from ..studies.circuits.scoring import REFERENCES, ScoringPrompts
 from ._options import task_from_args, task_options
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..circuits.discovery import DiscoverySettings
 from ..patching.path import SCORES
-from ..studies.discovery import discover_circuit, task_plan
+from ..studies.circuits.discovery import discover_circuit, task_plan
 from ..tasks.base import Task
 from ..tasks.entity_tracking.pairs import COUNTERFACTUALS
 from ..tasks.plan import Plan, default_plan

@@ -9,7 +9,7 @@ from ..circuits.circuit import load_circuit_file
 from ..common.io import check_writable
 from ..methods.cmap import CMAP_KINDS, CMAP_RULES, parse_kinds
 from ..models.modelset import ModelSet
-from ..studies.cmap import cmap_run
+from ..studies.circuits.cmap import cmap_run
 from ._options import (
     add_dataset_options,
     add_model_options,

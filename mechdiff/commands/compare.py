@@ -7,7 +7,7 @@ import argparse
 from ..circuits.circuit import CircuitFileError, load_circuits
 from ..common.io import check_writable
 from ..models.modelset import ModelSet
-from ..studies.scoring import compare_circuits
+from ..studies.circuits.scoring import compare_circuits
 from ._options import add_dataset_options, add_model_options, model_kwargs, resolve_batch_size
 from ._scoring import add_scoring_options, scoring_prompts, settings
 

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..circuits.curve import SIZES, TARGET
-from ..studies.scoring import size_curve
+from ..studies.circuits.scoring import size_curve
 from ..tasks.base import SPLITS
 from ._options import add_dataset_options, add_model_options, load_from_args, task_from_args
 from ._scoring import add_scoring_options, scoring_prompts, settings

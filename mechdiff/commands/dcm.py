@@ -9,7 +9,7 @@ from ..circuits.circuit import load_circuit_file
 from ..common.io import check_writable
 from ..methods.dcm import CACHE_MODES, LAM_SCALES, PARAMETERISATIONS, RANDOM_POOLS, DCMConfig
 from ..models.modelset import ModelSet
-from ..studies.dcm import dcm_run
+from ..studies.circuits.dcm import dcm_run
 from ..tasks.entity_tracking.desiderata import load_desiderata
 from ._options import add_model_options, add_task_option, model_kwargs, task_from_args, tokenizer_from_args
 

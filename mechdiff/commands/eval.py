@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..models.modelset import ModelSet
-from ..studies.evaluation import eval_models
+from ..studies.circuits.evaluation import eval_models
 from ..tasks.base import SPLITS
 from ._options import add_dataset_options, add_model_options, model_kwargs, task_from_args, task_options
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..studies.editing import edit_comparison
+from ..studies.knowledge.editing import edit_comparison
 from ..tasks.relation_data import Relation
 from ._options import add_model_options, load_from_args
 

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..common.metrics import metric_name
-from ..studies.scoring import scan_positions
+from ..studies.circuits.scoring import scan_positions
 from ._options import METRIC_HELP, add_dataset_options, add_model_options, load_from_args
 from ._scoring import add_scoring_options, scoring_prompts, settings
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..circuits.pruning import PAPER_SHARE, PRUNE_RULES
 from ..common.io import check_writable
 from ..common.metrics import metric_name
-from ..studies.scoring import prune_circuit
+from ..studies.circuits.scoring import prune_circuit
 from ._options import METRIC_HELP, add_dataset_options, add_model_options, load_from_args
 from ._scoring import add_scoring_options, load_circuit, model_shape, scoring_prompts, settings
 

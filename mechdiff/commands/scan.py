@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..common.metrics import metric_name
 from ..patching.scan import DEFAULT_PER_PASS, METRICS, SITES
-from ..studies.scan import scan_task
+from ..studies.circuits.scan import scan_task
 from ._options import (
     add_model_options,
     add_task_option,

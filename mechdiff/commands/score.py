@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..common.io import check_writable
 from ..common.metrics import metric_name
-from ..studies.scoring import score_circuit
+from ..studies.circuits.scoring import score_circuit
 from ._options import METRIC_HELP, add_dataset_options, add_model_options, load_from_args
 from ._scoring import add_scoring_options, load_circuit, model_shape, scoring_prompts, settings
 

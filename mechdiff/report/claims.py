@@ -7,7 +7,7 @@ sentence is written so that each sentence reads its family's Holm-adjusted p.
   against random heads, on the same test pairs; paired exactly where the stage kept per-pair outcomes of the
   floor and the random heads (clustered by item where a row gives its pairs' items, ``test_items``), else the exact
   McNemar test at the least favourable pairing the counts allow (a bound on the paired p);
-- "roles" (a trajectory's roles by DCM, `mechdiff.report.roles`): the same two tests of each step's
+- "roles" (a trajectory's roles by DCM, `mechdiff.studies.trajectory.roles`): the same two tests of each step's
   selection, every step and role adjusted together;
 - "differences between the models" lives in `mechdiff.report.paired`.
 """

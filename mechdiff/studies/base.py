@@ -29,10 +29,10 @@ from .spec import SpecError, StudySection, line_of, load_sections, read_task_fil
 #: Study kinds by the name a task file's ``[study] kind`` gives: the class, as ``module:Class`` (imported when
 #: asked for, so this module imports no kind).
 KINDS = {
-    "circuits": "mechdiff.studies.circuits:CircuitsStudy",
-    "knowledge": "mechdiff.studies.knowledge:KnowledgeStudy",
-    "headmap": "mechdiff.studies.headmap:HeadMapStudy",
-    "trajectory": "mechdiff.studies.trajectory:TrajectoryStudy",
+    "circuits": "mechdiff.studies.circuits.study:CircuitsStudy",
+    "knowledge": "mechdiff.studies.knowledge.study:KnowledgeStudy",
+    "headmap": "mechdiff.studies.headmap.study:HeadMapStudy",
+    "trajectory": "mechdiff.studies.trajectory.study:TrajectoryStudy",
 }
 DEFAULT_KIND = StudySection.kind
 #: Packages whose versions a manifest records.

@@ -6,7 +6,7 @@ Nothing loads: the configs are the shipped ones or the models' own metadata (`
 model_dims`), the token lengths come from the task's prompts under the base's tokenizer or, where that is absent
 (the paper's models without their weights), under the embedded SmolLM2 tokenizer (an estimate, said so).
 
-Each stage is counted by its algorithm (`mechdiff.studies.circuits`), in forward passes of the model:
+Each stage is counted by its algorithm (`mechdiff.studies.circuits.study`), in forward passes of the model:
 
 - ``accuracy``: one forward per prompt.
 - scorer stages (``positions``, ``prune``, ``matrix``, ``reproduction``; curve discovery): the reference prompts
@@ -923,7 +923,7 @@ Counted = Callable[[Context, str], StageCost]
 
 def stage_costs(ctx: Context, accuracy: Counted) -> list[StageCost]:
     """Every stage of the study, in the order a run meets them; those the file does not run (``[reproduce] only``)
-    marked so. ``accuracy``: the accuracy stage's cost, counted beside it (`mechdiff.studies.circuits.accuracy_cost`;
+    marked so. ``accuracy``: the accuracy stage's cost, counted beside it (`circuits.study.accuracy_cost`;
     the others: below, here)."""
     spec, names = ctx.spec, ctx.spec.model_names
     out: list[StageCost] = []
@@ -1386,7 +1386,7 @@ def print_resources(
     """What ``mechdiff run --plan`` prints first, for a study of any kind: its resource plan (`study_resources`)
     on this machine and on the named ``device``. Returns True where the models' weights are absent, so that the
     stage cache (which needs the tokenizer and weights checked) cannot be read: the plan then ends here, said so."""
-    from .reproduce import check_weights
+    from .circuits.reproduce import check_weights
 
     plans = study_resources(path, device, dtype, task, disk_gib, host_gib, workers)
     print(plans[0].format())

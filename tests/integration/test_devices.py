@@ -279,8 +279,8 @@ def test_remote_names_hub_checkpoints_and_refuses_local_ones(monkeypatch):
 
 
 def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_path):
-    from mechdiff.studies.circuits import CircuitsStudy as Study
-    from mechdiff.studies.reproduce import WeightsMissingError
+    from mechdiff.studies.circuits.reproduce import WeightsMissingError
+    from mechdiff.studies.circuits.study import CircuitsStudy as Study
     from mechdiff.studies.spec import load_spec
 
     spec = load_spec("tasks/entity_tracking_llama7b.toml")
@@ -288,7 +288,7 @@ def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_p
     assert spec.model_names == ["llama-7b", "vicuna-7b", "goat-7b", "float-7b"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing is there
-    import mechdiff.studies.reproduce as reproduce
+    import mechdiff.studies.circuits.reproduce as reproduce
 
     monkeypatch.setattr(reproduce, "_hub_cached", lambda repo, rev, cache_dir: (False, False))
     with pytest.raises(WeightsMissingError) as err:
@@ -301,7 +301,7 @@ def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_p
 
 def test_reproduction_rows_sit_beside_the_published_figures(tiny_llama, smollm2_tokenizer, tmp_path):
     from mechdiff.circuits.circuit import Circuit
-    from mechdiff.studies.reproduce import published_figures, reproduction_rows
+    from mechdiff.studies.circuits.reproduce import published_figures, reproduction_rows
     from mechdiff.studies.spec import default_spec
 
     paper = published_figures()
@@ -333,7 +333,7 @@ def test_mechdiff_run_prints_the_reproduction_table(tiny_dir, tmp_path, smollm2_
     import shutil
 
     from mechdiff.circuits.circuit import Circuit
-    from mechdiff.studies.reproduce import published_figures
+    from mechdiff.studies.circuits.reproduce import published_figures
 
     other = tmp_path / "tiny-ft"
     shutil.copytree(tiny_dir, other)

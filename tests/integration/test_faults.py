@@ -23,7 +23,7 @@ from mechdiff.cli import main
 from mechdiff.common.io import LOCK_NAME, OutputError, RunLockedError, atomic_open, run_lock, write_json
 from mechdiff.patching.store import ActivationStore, capture_sites
 from mechdiff.runs.stages import StageCache
-from mechdiff.studies.circuits import CircuitsStudy as Study
+from mechdiff.studies.circuits.study import CircuitsStudy as Study
 from mechdiff.tasks.entity_tracking import generate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -455,7 +455,7 @@ def test_unwritable_output_named_before_any_work(family, tmp_path, capsys, monke
     """As root chmod does not stop writes, so the directory lies under a regular file (always unwritable)."""
     _no_weights(monkeypatch)
     monkeypatch.setattr(
-        "mechdiff.studies.reproduce.check_weights",
+        "mechdiff.studies.circuits.reproduce.check_weights",
         lambda *a, **k: pytest.fail("work began before the output was checked"),
     )
     blocker = tmp_path / "a-file"
@@ -502,7 +502,7 @@ def test_a_sigterm_swallowed_in_a_destructor_still_stops_the_run(family, tmp_pat
 
     from mechdiff.cli import main
     from mechdiff.common import io as mio
-    from mechdiff.studies.circuits import CircuitsStudy as RealStudy
+    from mechdiff.studies.circuits.study import CircuitsStudy as RealStudy
 
     task = _task_file(family, tmp_path)
     seen = []

@@ -7,7 +7,7 @@ import json
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.methods.cmap import dcm_cut
-from mechdiff.studies.circuits import CircuitsStudy as Study
+from mechdiff.studies.circuits.study import CircuitsStudy as Study
 from mechdiff.studies.spec import default_spec
 
 

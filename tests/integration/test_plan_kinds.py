@@ -16,8 +16,8 @@ from conftest import make_tiny
 from mechdiff.models.devices import get_device
 from mechdiff.models.footprint import Dims
 from mechdiff.runs import stages as stage_module
-from mechdiff.studies import headmap as hm
-from mechdiff.studies import knowledge as kp
+from mechdiff.studies.headmap import study as hm
+from mechdiff.studies.knowledge import study as kp
 from mechdiff.studies.resources import Lengths, PlanInputs
 
 
@@ -208,7 +208,7 @@ def test_trajectory_stage_costs_count_the_passes_each_stage_runs(tiny_run, tmp_p
     once when it loads, which the plan leaves out)."""
     from test_trajectory_study import positional_labels, task_file
 
-    from mechdiff.studies import trajectory as tr
+    from mechdiff.studies.trajectory import study as tr
 
     base, run = tiny_run
     labels = positional_labels(tmp_path, "L0H0")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from mechdiff.studies import knowledge as kp
+from mechdiff.studies.knowledge import study as kp
 from mechdiff.studies.spec import SpecError
 
 
@@ -191,8 +191,8 @@ def test_the_committed_knowledge_task_file_loads():
 # HeadMap
 # --------------------------------------------------------------------------------------
 
-import mechdiff.studies.headmap as hm  # noqa: E402
-from mechdiff.report.headmap import validation_accuracy  # noqa: E402
+import mechdiff.studies.headmap.study as hm  # noqa: E402
+from mechdiff.studies.headmap.report import validation_accuracy  # noqa: E402
 
 
 def _headmap_setup(tmp_path, tokenizer):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import count_forwards
 
-from mechdiff.studies.circuits import CircuitsStudy as Study
+from mechdiff.studies.circuits.study import CircuitsStudy as Study
 from mechdiff.studies.spec import default_spec
 
 
@@ -460,7 +460,7 @@ def test_one_process_per_model_computes_the_same_study(tiny_family, tiny_study, 
 def test_a_process_waits_for_records_of_this_study_not_stale_ones(tiny_family, tmp_path, monkeypatch):
     """run_model waits for the other models' circuits and prunings: a record saved under other inputs (an
     earlier run's, with other settings) does not count, one under this study's inputs does."""
-    import mechdiff.studies.circuits as study_module
+    import mechdiff.studies.circuits.study as study_module
     from mechdiff.common.io import write_json
     from mechdiff.runs.stages import key_hash
 
@@ -570,7 +570,7 @@ def test_a_model_without_the_behaviour_gets_no_circuit(tiny_family, tmp_path, mo
     chance level, 1/3 with 3 boxes, and random tiny models answer nothing) gets its accuracy and nothing that
     explains a behaviour: no position scan, circuit, pruning, matrix row or CMAP into it; the report says why
     in words and shows no nan for it. The base (let through as if above the floor) runs every stage."""
-    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.circuits.study import CircuitsStudy
 
     spec = tiny_spec(tiny_family, tmp_path)
     spec.eval.floor = None

@@ -12,9 +12,9 @@ import pytest
 from conftest import count_forwards, make_tiny
 
 from mechdiff.runs.seeds import PROMPT_OFFSETS, prompt_seed
-from mechdiff.studies import headmap as hm
-from mechdiff.studies import knowledge as kn
 from mechdiff.studies.base import KINDS, format_plan, load_study, study_class, study_kind
+from mechdiff.studies.headmap import study as hm
+from mechdiff.studies.knowledge import study as kn
 from mechdiff.studies.spec import SpecError
 
 #: study.SEED_OFFSETS before the one study system (copied from it), and reproduce.py's ``seed + 7`` and ``+ 8``:

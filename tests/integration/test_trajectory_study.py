@@ -19,7 +19,7 @@ from mechdiff.methods.trajectory import against_first
 from mechdiff.runs.stages import label
 from mechdiff.studies.base import load_study
 from mechdiff.studies.spec import SpecError
-from mechdiff.studies.trajectory import TrajectoryStudy, load_settings, read_labels
+from mechdiff.studies.trajectory.study import TrajectoryStudy, load_settings, read_labels
 
 
 def task_file(path, run, out, extra: str = "", sections: str = "") -> str:
@@ -76,7 +76,7 @@ store = "{out}/activations.h5"
 
 
 PART = (
-    "import sys\nfrom mechdiff.studies.trajectory import TrajectoryStudy\n"
+    "import sys\nfrom mechdiff.studies.trajectory.study import TrajectoryStudy\n"
     "TrajectoryStudy.from_file(sys.argv[1], progress=False).run_checkpoints(sys.argv[2].split(','))\n"
 )
 
@@ -466,7 +466,7 @@ def test_roles_by_dcm_in_each_scored_checkpoint(tiny_run, tmp_path):
     from mechdiff.common.components import parse_heads
     from mechdiff.methods.roles import dcm_seeds
     from mechdiff.models.loading import load_model
-    from mechdiff.studies.trajectory import roles_dcm_config
+    from mechdiff.studies.trajectory.study import roles_dcm_config
 
     _, run = tiny_run
     out = tmp_path / "out"
@@ -509,7 +509,7 @@ def test_roles_by_dcm_in_each_scored_checkpoint(tiny_run, tmp_path):
     assert {t["family"] for t in tests} == {"roles"}
     assert len(tests) == 2 * sum(r["selected"] != "-" for r in per_step)
     # the family recomputes from the committed files alone: outcomes.json's bits, role_dcm's steps
-    from mechdiff.report.roles import roles_family
+    from mechdiff.studies.trajectory.roles import roles_family
 
     recomputed = []
     for step, name in ((0, names[0]), (4, names[2])):

@@ -93,7 +93,7 @@ def test_workers_one_keeps_the_serial_run_and_too_few_are_refused(tiny_family, t
     """--workers 1 keeps one process; by default one per model where there are 2 cores and the predicted memory,
     else one; fewer workers than models (2 of 3) is refused."""
     from mechdiff.commands._workers import plan_workers
-    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.circuits.study import CircuitsStudy
 
     spec = tiny_spec(tiny_family, tmp_path)
     study = CircuitsStudy(spec, progress=False)

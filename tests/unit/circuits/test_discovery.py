@@ -38,7 +38,7 @@ def _spec_file(tmp_path, names, extra: str):
 def test_each_model_gets_its_own_k_and_seed(tiny_family, tmp_path):
     """[discovery.models.NAME] sets top_k, circuit_k and the seed of one model's path patching; a model not named
     takes the section's; a name outside [models] or another key is refused with its line."""
-    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.circuits.study import CircuitsStudy
     from mechdiff.studies.spec import SpecError
     from mechdiff.tasks.plan import default_plan
 
@@ -75,7 +75,7 @@ def test_step_d_reads_its_counterfactual_senders_where_the_settings_say(smollm2_
 def test_a_study_hands_path_patching_its_source_position(tiny_family, tmp_path):
     """[discovery] source_position reaches each model's path-patching settings (cut to the plan's steps); a value
     that is not a position name is refused with its line."""
-    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.circuits.study import CircuitsStudy
     from mechdiff.studies.spec import SpecError
     from mechdiff.tasks.plan import default_plan
 

@@ -392,7 +392,7 @@ def test_each_model_prunes_with_its_own_seed(tiny_family, tmp_path, monkeypatch)
     stays what it was without the option. The paper's task file selects the paper's seeds."""
     from mechdiff.runs.seeds import prompt_seed
     from mechdiff.runs.stages import StageRecord
-    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.circuits.study import CircuitsStudy
     from mechdiff.studies.spec import SpecError, load_spec
 
     base, ft = tiny_family

@@ -272,7 +272,7 @@ def _fails(*args, **kwargs):
 def test_score_prints_faithfulness_before_completeness_runs(tiny_dirs, tmp_path, capsys, monkeypatch):
     """A run that fails in completeness has already shown (and written) its faithfulness table."""
     from mechdiff.cli import main
-    from mechdiff.studies import scoring
+    from mechdiff.studies.circuits.study import scoring
 
     (model, _), first, _ = tiny_dirs
     monkeypatch.setattr(scoring, "completeness", _fails)
@@ -285,7 +285,7 @@ def test_score_prints_faithfulness_before_completeness_runs(tiny_dirs, tmp_path,
 
 def test_positions_prints_the_scan_before_leave_one_out_runs(tiny_dirs, tmp_path, capsys, monkeypatch):
     from mechdiff.cli import main
-    from mechdiff.studies import scoring
+    from mechdiff.studies.circuits.study import scoring
 
     (model, _), _, _ = tiny_dirs
     monkeypatch.setattr(scoring, "leave_one_out", _fails)
@@ -302,7 +302,7 @@ def test_score_and_positions_hand_each_table_to_echo_as_the_command_prints_them(
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.cli import main
     from mechdiff.models.loading import load_model
-    from mechdiff.studies.scoring import ScoringPrompts, scan_positions, score_circuit
+    from mechdiff.studies.circuits.scoring import ScoringPrompts, scan_positions, score_circuit
     from mechdiff.tasks.base import get_task
 
     (model, _), first, _ = tiny_dirs
@@ -343,7 +343,7 @@ def test_score_and_positions_hand_each_table_to_echo_as_the_command_prints_them(
 
 
 def test_scoring_prompts_refuse_an_unknown_reference_naming_the_choices():
-    from mechdiff.studies.scoring import REFERENCES, ScoringPrompts
+    from mechdiff.studies.circuits.scoring import REFERENCES, ScoringPrompts
     from mechdiff.tasks.base import get_task
 
     task = get_task("entity-tracking")
@@ -377,7 +377,7 @@ def test_commands_write_the_study_tables_for_the_same_records(tiny_dirs, tmp_pat
     from types import SimpleNamespace
 
     from mechdiff.cli import main
-    from mechdiff.report.study_report import matrix_section, positions_section
+    from mechdiff.studies.circuits.report import matrix_section, positions_section
     from mechdiff.studies.spec import default_spec
 
     dirs, first, second = tiny_dirs

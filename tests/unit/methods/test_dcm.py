@@ -458,7 +458,7 @@ def test_load_desiderata_reads_and_generates_the_pairs(tmp_path, smollm2_tokeniz
 def test_cli_dcm_prints_the_dcm_table_before_semantic_patching(tmp_path, tiny_family, monkeypatch, capsys):
     """The DCM table reaches stdout as soon as it is ready, before semantic patching (which loads the other
     models); a full run prints each table once."""
-    import mechdiff.studies.dcm as study
+    import mechdiff.studies.circuits.dcm as study
 
     Circuit("tiny", "entity-tracking", {"A": [Head(1, 0), Head(1, 1)]}, {"A": "last"}).save(tmp_path / "c.json")
     argv = [

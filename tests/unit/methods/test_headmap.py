@@ -284,7 +284,7 @@ def test_the_study_chooses_each_rate_on_validation_prompts_only(tiny_llama, tmp_
     trains its seeds at the rate the validation prompts favour, HeadMap and LoRA each by their own sweep."""
     import numpy as np
 
-    import mechdiff.studies.headmap as study_mod
+    import mechdiff.studies.headmap.study as study_mod
 
     best_val = {0: 3e-3, 4: 1e-2}  # lora rank -> the rate its validation outcomes favour
     calls = []
@@ -330,7 +330,7 @@ def test_the_study_chooses_each_rate_on_validation_prompts_only(tiny_llama, tmp_
     )
     assert [r["config"]["headmap_lr"] for r in results["located"] + results["random"]] == [3e-3] * 4
     assert [r["config"]["lr"] for r in results["lora-small"]] == [1e-2] * 2
-    from mechdiff.report.headmap import sweep_rows
+    from mechdiff.studies.headmap.report import sweep_rows
 
     rows = sweep_rows(study.sweep({}), study.names(), study.chosen_lrs({}))
     chosen = {r["method"]: r["lr"] for r in rows if r["chosen"]}

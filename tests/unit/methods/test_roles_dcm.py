@@ -31,7 +31,7 @@ from mechdiff.methods.dcm import (
 )
 from mechdiff.methods.roles import dcm_seeds, frequency, redraw, transitions
 from mechdiff.patching.core import run
-from mechdiff.report.roles import (
+from mechdiff.studies.trajectory.roles import (
     role_sentences,
     roles_family,
     seeded_roles,
@@ -39,7 +39,7 @@ from mechdiff.report.roles import (
     seeded_step_rows,
     transition_rows,
 )
-from mechdiff.studies.trajectory import RolesSection, roles_dcm_config
+from mechdiff.studies.trajectory.study import RolesSection, roles_dcm_config
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors
 from unit.methods.planted import planted_pairs
 

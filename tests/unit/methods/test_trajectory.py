@@ -37,7 +37,7 @@ from mechdiff.methods.trajectory import (
 )
 from mechdiff.models.loading import load_model
 from mechdiff.patching.evaluate import evaluate
-from mechdiff.report.trajectory import band_figure, membership_figure, overlap_figure
+from mechdiff.studies.trajectory.report import band_figure, membership_figure, overlap_figure
 from mechdiff.tasks.base import get_task
 from mechdiff.tasks.desiderata import desideratum_pairs
 

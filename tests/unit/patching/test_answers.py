@@ -287,7 +287,7 @@ def test_training_batches_refuse_longer_answers_and_path_patching_takes_them(smo
 def test_a_study_of_longer_answers_takes_path_patching(smollm2_tokenizer, tmp_path, monkeypatch):
     """A study of method = "path" on a task of longer answers (and a plan of its own) is no longer refused: it goes
     on to load weights. Without a plan the task is refused before anything loads (never given entity tracking's)."""
-    from mechdiff.studies import circuits
+    from mechdiff.studies.circuits import study as circuits
     from mechdiff.studies.spec import SpecError, load_spec
 
     plan = tmp_path / "plan.toml"

@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import mechdiff.studies.dcm as dcm_study
+import mechdiff.studies.circuits.dcm as dcm_study
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.common.components import Head
 from mechdiff.common.inference import Interval
 from mechdiff.methods.cmap import CMAPResult, CMAPRow
 from mechdiff.methods.dcm import DCMConfig, DCMResult, SemanticResult
-from mechdiff.report.study_report import cmap_section, dcm_section
-from mechdiff.studies.cmap import write_outputs
+from mechdiff.studies.circuits.cmap import write_outputs
+from mechdiff.studies.circuits.report import cmap_section, dcm_section
 
 
 def _est(v: float, n: int = 10) -> Interval:

@@ -4,8 +4,8 @@ claims no sameness."""
 
 from __future__ import annotations
 
-from mechdiff.report.trajectory import structure_sentence, verdict
 from mechdiff.report.trajectory_page import structure_band
+from mechdiff.studies.trajectory.report import structure_sentence, verdict
 
 
 def test_verdicts_and_the_sentence_say_changed_same_or_not_shown():

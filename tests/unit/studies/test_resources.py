@@ -10,7 +10,7 @@ import pytest
 
 from mechdiff.models.devices import Device, get_device
 from mechdiff.models.footprint import model_dims
-from mechdiff.studies.circuits import accuracy_cost as accuracy
+from mechdiff.studies.circuits.study import accuracy_cost as accuracy
 from mechdiff.studies.resources import (
     Context,
     Lengths,

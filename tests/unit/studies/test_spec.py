@@ -12,7 +12,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize("name", ["entity_tracking_llama7b.toml", "entity_tracking_paper_form.toml"])
 def test_task_file_resolves_to_the_paper_rules(name):
     from mechdiff.methods.dcm import PAPER_DCM
-    from mechdiff.studies.circuits import dcm_config
+    from mechdiff.studies.circuits.study import dcm_config
     from mechdiff.studies.spec import load_spec
     from mechdiff.tasks.plan import default_plan
 
@@ -134,7 +134,7 @@ def test_defaults_come_from_the_task_never_from_entity_tracking(smollm2_tokenize
     entity tracking's, and a study that leaves top_k unset is keyed as the committed ones were."""
     from conftest import capitals_rows, write_rows
 
-    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.circuits.study import CircuitsStudy
     from mechdiff.studies.spec import SpecError, default_spec, load_spec, section_inputs
     from mechdiff.tasks.base import get_task
     from mechdiff.tasks.jsonl import import_pairs
@@ -178,8 +178,8 @@ def test_the_papers_counterfactuals_and_seeds_are_selected_by_the_paper_files_an
     position scan); the study hands them to the task's pairs, so every model sees the study's clean prompts. Unset,
     neither enters a stage key (the committed studies' keys do not move); set where they cannot act, each is refused
     with its line."""
-    from mechdiff.report.study_report import _counterfactuals
-    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.circuits.report import _counterfactuals
+    from mechdiff.studies.circuits.study import CircuitsStudy
     from mechdiff.studies.spec import SpecError, default_spec, load_spec, section_inputs
     from mechdiff.tasks.plan import default_plan
 

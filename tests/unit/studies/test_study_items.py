@@ -9,7 +9,7 @@ from mechdiff.tasks.prompt_sets import clean_key
 
 
 def _study(tmp_path, monkeypatch, nested: bool):
-    from mechdiff.studies import circuits
+    from mechdiff.studies.circuits import study as circuits
     from mechdiff.studies.spec import load_spec
 
     tmp_path.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ def capitals_dir(tmp_path_factory, smollm2_tokenizer):
 def _study(spec, tokenizer, eval_n: int = 0):
     """A circuits study of ``spec`` without its models (enough for its task, prompt sets and floor); ``eval_n``:
     an imported task's accuracy prompts, every other set cut to a few rows."""
-    from mechdiff.studies.circuits import CircuitsStudy
+    from mechdiff.studies.circuits.study import CircuitsStudy
 
     if eval_n:
         spec.eval.n, spec.positions.n, spec.scoring.prune, spec.models.finetunes = eval_n, 0, False, []
@@ -41,7 +41,7 @@ def test_run_task_alone_gets_the_tasks_own_groups_and_desiderata(capitals_dir, t
     refused, naming them; path patching on a task without a plan is refused, never given entity tracking's."""
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.common.components import Head
-    from mechdiff.studies.circuits import group_choice
+    from mechdiff.studies.circuits.study import group_choice
     from mechdiff.studies.spec import SpecError, default_spec, study_spec
     from mechdiff.tasks.base import get_task
 
@@ -173,7 +173,7 @@ def test_mechdiff_eval_prints_and_writes_accuracy_by_answer_length(smollm2_token
 
     from conftest import capitals_rows, make_tiny, write_rows
 
-    from mechdiff.studies.evaluation import eval_models
+    from mechdiff.studies.circuits.evaluation import eval_models
     from mechdiff.tasks.base import answer_tokens, get_task
     from mechdiff.tasks.jsonl import import_pairs
 

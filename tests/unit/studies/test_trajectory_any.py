@@ -17,7 +17,7 @@ from conftest import make_tiny
 from mechdiff.methods.trajectory import Checkpoints, TrajectoryError, trajectory_specs
 from mechdiff.models.resolve import trajectory_steps
 from mechdiff.studies.spec import SpecError
-from mechdiff.studies.trajectory import load_settings, step_of
+from mechdiff.studies.trajectory.study import load_settings, step_of
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -138,7 +138,7 @@ def test_hub_revisions_of_one_repository_are_a_trajectory(full_run, tmp_path) ->
 def test_the_steps_the_between_run_null_reads_take_their_own_ranking_prompts(tmp_path) -> None:
     """``[discovery] runs_n`` ranking prompts at the ``[runs]`` steps (this run's checkpoint and the other runs'),
     ``n`` elsewhere, the plan's sizes counting the larger; fewer than ``n`` is refused with its line."""
-    from mechdiff.studies.trajectory import TrajectoryStudy
+    from mechdiff.studies.trajectory.study import TrajectoryStudy
 
     text = (ROOT / "tasks" / "entity_tracking_trajectory.toml").read_text()
     committed = load_settings(ROOT / "tasks" / "entity_tracking_trajectory.toml")

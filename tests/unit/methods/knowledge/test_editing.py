@@ -15,7 +15,7 @@ from mechdiff.methods.knowledge.editing import compare_edit
 from mechdiff.methods.knowledge.evaluate import evaluate
 from mechdiff.methods.knowledge.forward import Ablation, edge_forward
 from mechdiff.methods.knowledge.graph import EdgeCircuit, Graph
-from mechdiff.report.knowledge import edit_report
+from mechdiff.studies.knowledge.report import edit_report
 from mechdiff.tasks import fact_edit
 from mechdiff.tasks.relation_data import Relation, available_relations, batches, build_facts
 
@@ -108,7 +108,7 @@ def _top1_facts(model, facts):
 
 
 def test_circuits_before_and_after_an_edit(tmp_path, smollm2_tokenizer):
-    from mechdiff.studies.knowledge import KnowledgeSettings, run_model
+    from mechdiff.studies.knowledge.study import KnowledgeSettings, run_model
 
     tok = smollm2_tokenizer
     models = {

@@ -7,12 +7,12 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..circuits.circuit import Circuit
-from ..common.io import write_text
-from ..methods.trajectory import against_first, jaccard, membership
-from .figures import band_figure  # noqa: F401  (the trajectory report draws its bands with it)
-from .formation import formation, trajectory_components, write_formation
-from .tables import estimate_columns, to_markdown, write_table
+from ...circuits.circuit import Circuit
+from ...common.io import write_text
+from ...methods.trajectory import against_first, jaccard, membership
+from ...report.figures import band_figure  # noqa: F401  (the trajectory report draws its bands with it)
+from ...report.formation import formation, trajectory_components, write_formation
+from ...report.tables import estimate_columns, to_markdown, write_table
 
 
 def _cols(name: str, d: Optional[dict]) -> dict:
@@ -63,7 +63,7 @@ def accuracy_sentence(rows: list[dict]) -> str:
 
 def _record(values: Sequence[float]) -> dict:
     """The compact record of per-prompt outcomes: 0/1, or (a random scope's share of right draws) ``share``."""
-    from ..common.outcomes import outcome_record, rounded
+    from ...common.outcomes import outcome_record, rounded
 
     if set(values) <= {0, 1}:
         return outcome_record(values)
@@ -151,7 +151,7 @@ def edge_rows(record: dict, steps: dict[str, int]) -> list[dict]:
 
 def edge_sentence(rows: list[dict]) -> str:
     """Where "nodes stable, edges move" is shown, and that it is not shown elsewhere."""
-    from ..methods.edge_structure import STABLE_MOVE
+    from ...methods.edge_structure import STABLE_MOVE
 
     where = [f"{r['from_step']}-{r['to_step']}" for r in rows if r["reading"] == STABLE_MOVE]
     if not where:
@@ -367,7 +367,7 @@ class _Report:
 
     def roles(self) -> None:
         """Role membership over the steps, where the study ran the roles stage (``[roles]``)."""
-        from ..common.outcomes import read_record
+        from ...common.outcomes import read_record
         from .roles import membership_rows, roles_of, score_rows, transition_rows
 
         got = self.r.get("roles") or {}
@@ -423,7 +423,7 @@ class _Report:
         """Roles from DCM over seeds in each scored checkpoint (``[roles] method = "dcm"``,
         `dcm_seeds`): the "roles" family, each step's selection and tests, the heads'
         selection frequencies, membership, and what joins, leaves or takes over, in a table and in sentences."""
-        from .claims import family_rows
+        from ...report.claims import family_rows
         from .roles import (
             frequency_rows,
             membership_rows,
@@ -824,7 +824,7 @@ class _Report:
         ``cmap:<ckpt>`` (the first checkpoint, the checkpoint, and the first with each group patched) and
         ``semantic:<ckpt>`` (each DCM selection patched, ``group/desideratum``) and ``roles:<ckpt>`` (roles by DCM:
         each step's selection, its floor and each random head set on the test pairs, `role_outcomes`)."""
-        from ..common.outcomes import outcome_record
+        from ...common.outcomes import outcome_record
 
         runs = self.r.get("runs", {}).get("accuracy", {})
         out: dict[str, dict] = {
@@ -850,7 +850,7 @@ class _Report:
         return out
 
     def write(self) -> Path:
-        from ..common.outcomes import write_outcomes
+        from ...common.outcomes import write_outcomes
 
         write_outcomes(self.dir, self.outcomes())
         self.accuracy()
@@ -986,7 +986,7 @@ def membership_figure(steps: Sequence[int], circuits: Sequence[Circuit], path: s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..common.io import save_figure
+    from ...common.io import save_figure
 
     cells = membership(circuits)
     classes = list(dict.fromkeys(pos for pos, _ in cells))
@@ -1017,7 +1017,7 @@ def overlap_figure(steps: Sequence[int], overlap: Sequence[Sequence[float]], pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..common.io import save_figure
+    from ...common.io import save_figure
 
     grid = np.asarray(overlap, dtype=float)
     size = 0.55 * len(steps) + 2

@@ -1,6 +1,6 @@
 """The HeadMap study's report: its figures, tables and ``report.md`` text, made from the study's records.
 
-``st`` below is the study's settings (`mechdiff.studies.headmap.HeadMapSettings`, a task file's
+``st`` below is the study's settings (`mechdiff.studies.headmap.study.HeadMapSettings`, a task file's
 ``[headmap]``); a record is one training or evaluation run (its ``correct`` outcomes keyed by `TASK` and
 `VAL`).
 """
@@ -14,13 +14,13 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..circuits.circuit import Circuit
-from ..circuits.overlap import overlap_row
-from ..common.io import save_figure, write_text
-from ..common.stats import bootstrap, paired_difference, pooled_mean, pooled_proportion
-from ..methods.headmap import HeadMap, heads_by_layer, lora_params
-from .bars import grouped_bars
-from .tables import to_markdown, write_table
+from ...circuits.circuit import Circuit
+from ...circuits.overlap import overlap_row
+from ...common.io import save_figure, write_text
+from ...common.stats import bootstrap, paired_difference, pooled_mean, pooled_proportion
+from ...methods.headmap import HeadMap, heads_by_layer, lora_params
+from ...report.bars import grouped_bars
+from ...report.tables import to_markdown, write_table
 
 TASK = "entity-tracking"  # the task HeadMap and LoRA train on
 UNSEEDED = ("base", "lora-zoo")  # evaluations of fixed models: one record, not one per seed
@@ -62,8 +62,8 @@ def heatmap_figure(
 ) -> Path:
     """Per head: the loss with it masked (and earlier selections) minus the layer's loss with only the earlier
     selections masked (``curve[layer]``), so every layer's candidates are comparable; selected heads boxed."""
-    from ..common.components import parse_heads
-    from .figures import head_heatmap
+    from ...common.components import parse_heads
+    from ...report.figures import head_heatmap
 
     scores = {
         h: v - (curve[h.layer] if curve else 0.0) for h, v in zip(parse_heads(list(meta_scores)), meta_scores.values())

@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..circuits.circuit import Circuit
-from ..common.io import run_lock, write_json
-from ..common.stats import bootstrap
-from ..methods.headmap import (
+from ...circuits.circuit import Circuit
+from ...common.io import run_lock, write_json
+from ...common.stats import bootstrap
+from ...methods.headmap import (
     LocateConfig,
     TrainConfig,
     choose_lr,
@@ -42,9 +42,12 @@ from ..methods.headmap import (
     train,
     validation_batch,
 )
-from ..models.footprint import dtype_bytes
-from ..models.loading import LoadedModel, dtype_inputs
-from ..report.headmap import (
+from ...models.footprint import dtype_bytes
+from ...models.loading import LoadedModel, dtype_inputs
+from ...runs.seeds import derive
+from ...runs.stages import Pending, Unknown
+from ..base import Study, load_section_file, section_study
+from .report import (
     TASK,
     UNSEEDED,
     VAL,
@@ -53,9 +56,6 @@ from ..report.headmap import (
     validation_accuracy,
     write_report,
 )
-from ..runs.seeds import derive
-from ..runs.stages import Pending, Unknown
-from .base import Study, load_section_file, section_study
 
 log = logging.getLogger(__name__)
 RUNS = ("base", "located", "random", "lora-large", "lora-small", "outside", "headmap+lora", "transfer", "lora-zoo")
@@ -128,7 +128,7 @@ def load_settings(path: str | Path) -> HeadMapSettings:
 
 def load_file(path: str | Path) -> tuple[HeadMapSettings, str]:
     """The ``[headmap]`` settings and the ``[output] dir`` of the task file ``path`` (checked with their line)."""
-    from ..tasks.base import trainable_tasks
+    from ...tasks.base import trainable_tasks
 
     choices = {("headmap", "runs"): RUNS, ("headmap", "transfer_task"): tuple(trainable_tasks())}
     return load_section_file(path, "headmap", HeadMapSettings, choices, "tasks/headmap.toml")
@@ -210,7 +210,7 @@ def locate_cost(meter: Any, st: HeadMapSettings, task: str, n: int, tokens: floa
     """`locate_and_write` (`locate_task`): the pool's full passes (sample selection); per layer after the first
     the selections' entry residual carried one block on, ``n`` rows; per layer the ``(heads + 1) x n`` variants'
     passes from that layer on; the final masked pass of the ``n`` samples."""
-    from .resources import StageCost
+    from ..resources import StageCost
 
     d, b = meter.dims, st.batch_size
     L, H = d.n_layers, d.n_heads
@@ -231,7 +231,7 @@ def locate_cost(meter: Any, st: HeadMapSettings, task: str, n: int, tokens: floa
 def evaluation_cost(meter: Any, st: HeadMapSettings, tokens: float, stage: str, models: int = 1) -> Any:
     """``train-base`` and ``train-lora-zoo``: `correct` on the ``eval_n`` held-out prompts (``models``: the zoo's
     LoRA held beside the study's model)."""
-    from .resources import StageCost
+    from ..resources import StageCost
 
     rows = meter.rows(st.eval_n, EVAL_BATCH)
     return StageCost(
@@ -246,10 +246,10 @@ def train_cost(meter: Any, st: HeadMapSettings, run_id: str, tokens: float, stag
     held-out ones, the longest they get), on a copy of the model (two models' weights), then `correct` on the
     held-out and validation prompts; where maps attach, the copy's architecture probe (`architecture_for`: one
     forward of three tokens). Kept: the trained parameters, their gradients and AdamW's two moments."""
-    from ..methods.headmap import HeadMap, lora_params
-    from ..models.architectures import ModelShape
-    from ..models.footprint import backward_bytes
-    from .resources import StageCost
+    from ...methods.headmap import HeadMap, lora_params
+    from ...models.architectures import ModelShape
+    from ...models.footprint import backward_bytes
+    from ..resources import StageCost
 
     d, rank = meter.dims, {"lora-large": st.lora_large, "lora-small": st.lora_small, "headmap+lora": st.lora_small}
     shape = ModelShape(d.n_layers, d.n_heads, d.n_kv_heads, d.d_head, d.d_model, d.vocab_size)
@@ -390,8 +390,8 @@ class HeadMapStudy(Study):
     @classmethod
     def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
         """The ``[headmap]`` settings, the model's dims and the tokens of each task it locates on."""
-        from ..models.footprint import model_dims
-        from .resources import Lengths, PlanInputs, planning_tokenizer
+        from ...models.footprint import model_dims
+        from ..resources import Lengths, PlanInputs, planning_tokenizer
 
         if path is None or task is not None:
             raise ValueError("a HeadMap study is a task file's [headmap] section; it has no [task] to override")
@@ -649,7 +649,7 @@ class HeadMapStudy(Study):
     def write(self, outcome: tuple[dict[str, list[dict]], dict[str, dict[float, dict]]]) -> Path:  # type: ignore[override]
         """Figures of the located circuits, the overlap with path-patching circuits, tables, the report and
         ``report.html`` (``run.json`` is written before)."""
-        from ..report.html import write_html
+        from ...report.html import write_html
 
         results, sweep = outcome
         report = self.write_report(results, sweep, time.time() - self.stages_started)
@@ -658,7 +658,7 @@ class HeadMapStudy(Study):
 
     def write_report(self, results: dict[str, list[dict]], sweep: dict[str, dict[float, dict]], seconds: float) -> Path:
         """Figures of the located circuits, the overlap with path-patching circuits, tables and the report
-        (`mechdiff.report.headmap.write_report`)."""
+        (`mechdiff.studies.headmap.report.write_report`)."""
         return write_report(
             self.dir,
             self.settings,

@@ -8,13 +8,13 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..common.io import write_json, write_text
-from ..methods.knowledge import figures
-from ..methods.knowledge.editing import compare_edit, load_study
-from ..models.loading import LoadedModel
-from ..report.knowledge import edit_report
-from ..report.tables import write_table
-from ..tasks.relation_data import Relation, build_facts
+from ...common.io import write_json, write_text
+from ...methods.knowledge import figures
+from ...methods.knowledge.editing import compare_edit, load_study
+from ...models.loading import LoadedModel
+from ...report.tables import write_table
+from ...tasks.relation_data import Relation, build_facts
+from .report import edit_report
 
 
 def edit_comparison(

@@ -20,18 +20,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from ..circuits.circuit import Circuit
-from ..common.io import check_writable, run_lock
-from ..common.metrics import metric_label, scored_metric
-from ..models.loading import LoadedModel, spec_digest
-from ..models.modelset import ModelSet
-from ..models.resolve import resolve_spec
-from ..runs.seeds import prompt_seed
-from ..runs.stages import Pending, StageRecord, label
-from ..runs.stages import key_hash as _hash
-from ..tasks.base import Task, get_task
-from .base import Study, rows_inputs, vocabulary_digest
-from .spec import MATRIX_ONLY, RunSpec, discovery_inputs, section_inputs
+from ...circuits.circuit import Circuit
+from ...common.io import check_writable, run_lock
+from ...common.metrics import metric_label, scored_metric
+from ...models.loading import LoadedModel, spec_digest
+from ...models.modelset import ModelSet
+from ...models.resolve import resolve_spec
+from ...runs.seeds import prompt_seed
+from ...runs.stages import Pending, StageRecord, label
+from ...runs.stages import key_hash as _hash
+from ...tasks.base import Task, get_task
+from ..base import Study, rows_inputs, vocabulary_digest
+from ..spec import MATRIX_ONLY, RunSpec, discovery_inputs, section_inputs
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 def accuracy_cost(ctx: Any, name: str) -> Any:
     """The cost of `CircuitsStudy.accuracy` of model ``name`` (``ctx``: a `mechdiff.studies.resources.Context`): one
     forward a prompt of ``[eval] n``, in passes of ``[eval] batch_size``."""
-    from .resources import StageCost
+    from ..resources import StageCost
 
     e, t = ctx.spec.eval, ctx.lengths
     return StageCost(
@@ -64,8 +64,8 @@ class CircuitsStudy(Study):
     @classmethod
     def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
         """The task file's spec, the base's dims and the task's token lengths (`circuits_inputs`)."""
-        from .resources import circuits_inputs
-        from .spec import study_spec
+        from ..resources import circuits_inputs
+        from ..spec import study_spec
 
         return circuits_inputs(study_spec(path, task), dtype=dtype)
 
@@ -73,13 +73,13 @@ class CircuitsStudy(Study):
     def stage_costs(cls, inputs: Any, device: Any) -> list:
         """Every stage's cost (`circuits_costs`: the accuracy stage's counted here, `accuracy_cost`; the others still
         in `mechdiff.studies.resources`, beside this class rather than in it)."""
-        from .resources import circuits_costs
+        from ..resources import circuits_costs
 
         return circuits_costs(inputs, device, accuracy_cost)
 
     @classmethod
     def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:
-        from .resources import _with_batch
+        from ..resources import _with_batch
 
         return _with_batch(settings, cost, batch)
 
@@ -91,7 +91,7 @@ class CircuitsStudy(Study):
         check_writable(Path(self.store).parent, "activation store directory")
         self.task  # noqa: B018 - an imported task's prompt sets are drawn (or refused, short of rows) before weights
         # Check the set before any weights load: weights present (or --remote set up), shapes, vocabularies, names.
-        from ..models.remote import check_remote
+        from ...models.remote import check_remote
         from .reproduce import check_weights
 
         check_remote(spec.models.remote, [resolve_spec(n) for n in spec.model_names])
@@ -104,7 +104,7 @@ class CircuitsStudy(Study):
             remote=spec.models.remote,
         )
         if spec.reproduce.circuit:  # the released circuit is read and checked against the models' shape now
-            from ..circuits.circuit import load_circuit_file
+            from ...circuits.circuit import load_circuit_file
 
             load_circuit_file(spec.reproduce.circuit, self.models.shape.n_layers, self.models.shape.n_heads)
         self.digests = {name: spec_digest(resolve_spec(name)) for name in spec.model_names}
@@ -121,7 +121,7 @@ class CircuitsStudy(Study):
     ) -> "CircuitsStudy":
         """The study of a task file (None: the embedded default study, ``tasks/entity_tracking.toml``); ``task``
         replaces its ``[task] name``, ``models`` its ``[models]`` dtype, device, device_map and remote."""
-        from .spec import output_dir, study_spec
+        from ..spec import output_dir, study_spec
 
         spec = study_spec(path, task)  # checked before anything loads; --task alone: that task's own groups
         if task is not None:
@@ -140,7 +140,7 @@ class CircuitsStudy(Study):
     def task_inputs(self) -> dict:
         """What every stage depends on besides its own section: the task, how models load, the
         held-out vocabulary, the tokenizer (the base's) and the code version."""
-        from ..version import __version__
+        from ...version import __version__
 
         return {
             "task": asdict(self.spec.task),
@@ -175,7 +175,7 @@ class CircuitsStudy(Study):
         study's prompt sets drawn from its rows where it holds a fixed list of them (`prompt_sets`), else its
         generators drawing each named set disjoint by item (`GeneratedSets`)."""
         if getattr(self, "_task", None) is None or self._task[0] != self.spec.task.name:
-            from ..tasks.prompt_sets import GeneratedSets
+            from ...tasks.prompt_sets import GeneratedSets
 
             base = get_task(self.spec.task.name)
             sizes, nested = self.prompt_set_sizes(base), self.nested_sets(base)
@@ -205,7 +205,7 @@ class CircuitsStudy(Study):
     def nested_sets(self, task: Optional[Task] = None) -> list[str]:
         """The sets drawn as first-N of one draw (``[sets] nested = true``: those of `NESTED_SETS` the
         study has), in the order they are dealt; none by default (every set disjoint by item)."""
-        from .spec import NESTED_SETS
+        from ..spec import NESTED_SETS
 
         if not self.spec.sets.nested:
             return []
@@ -257,7 +257,7 @@ class CircuitsStudy(Study):
 
     # -- stages -------------------------------------------------------------------------
     def accuracy(self, name: str) -> StageRecord:
-        from ..patching.evaluate import evaluate
+        from ...patching.evaluate import evaluate
 
         def compute() -> dict:
             lm = self.model(name)
@@ -283,7 +283,7 @@ class CircuitsStudy(Study):
         """The floor and how it was set, in words: ``[eval] floor``, else the task's chance level, else chance
         derived from the accuracy prompts (one over their distinct answers,
         `answer_chance`)."""
-        from ..tasks.base import answer_chance
+        from ...tasks.base import answer_chance
 
         if self.spec.eval.floor is not None:
             return self.spec.eval.floor, "set by the task file's [eval] floor"
@@ -320,8 +320,8 @@ class CircuitsStudy(Study):
 
     def positions(self, name: str) -> Optional[StageRecord]:
         """The position scan of ``name``: which position classes must keep every head (None: ``n = 0``)."""
-        from ..circuits.positions import position_scan, task_classes
-        from ..report.positions import position_scan_figure
+        from ...circuits.positions import position_scan, task_classes
+        from ...report.positions import position_scan_figure
 
         p = self.spec.positions
         if p.n < 1:
@@ -352,7 +352,7 @@ class CircuitsStudy(Study):
         return self.cache.run(f"circuit:{name}", self._circuit_inputs(name), lambda: compute(name))
 
     def _circuit_inputs(self, name: str) -> dict:
-        from ..tasks.plan import task_plan
+        from ...tasks.plan import task_plan
 
         d = self.spec.discovery
         plan_k = task_plan(self.task).k if d.method == "path" else None
@@ -365,10 +365,10 @@ class CircuitsStudy(Study):
     def _curve_circuit(self, name: str) -> dict:
         """Rank every (head, position class) pair by attribution, score nested circuits, keep the smallest
         reaching the target; the ranking's stability over bootstrap resamples of its prompts."""
-        from ..circuits.curve import curve_circuit
-        from ..circuits.positions import task_classes
-        from ..circuits.pruning import pair_name
-        from ..report.positions import curve_figure, stability_figure
+        from ...circuits.curve import curve_circuit
+        from ...circuits.positions import task_classes
+        from ...circuits.pruning import pair_name
+        from ...report.positions import curve_figure, stability_figure
 
         d = self.spec.discovery
         ranker = self.scorer(name, "ranking", d.n)
@@ -424,7 +424,7 @@ class CircuitsStudy(Study):
     def path_settings(self, name: str, plan: Any) -> Any:
         """Model ``name``'s path-patching settings: the section's, with what ``[discovery.models.NAME]`` sets for it
         (top_k, circuit_k, seed), each step table cut to the steps of ``plan``."""
-        from ..circuits.discovery import DiscoverySettings
+        from ...circuits.discovery import DiscoverySettings
 
         d, t = self.spec.discovery, self.spec.task
         own = d.models.get(name, {})
@@ -446,7 +446,7 @@ class CircuitsStudy(Study):
         """The path-patching pairs' options ``[discovery]`` sets off their defaults: the paper's counterfactual
         construction, and the study's clean prompts where a model's seed redraws only the counterfactuals (none at the
         defaults, so every other task's generator is called as before)."""
-        from .spec import KEYED_WHEN_SET
+        from ..spec import KEYED_WHEN_SET
 
         d, defaults = self.spec.discovery, KEYED_WHEN_SET["discovery"]
         out = {}
@@ -459,9 +459,9 @@ class CircuitsStudy(Study):
     def _path_circuit(self, name: str) -> dict:
         """The paper's path patching: each step of the task's plan keeps its top-k heads as the next step's
         receivers and puts its top circuit_k heads (default: the same) in the circuit."""
-        from ..circuits.discovery import discover
-        from ..report.figures import head_heatmap
-        from ..tasks.plan import task_plan
+        from ...circuits.discovery import discover
+        from ...report.figures import head_heatmap
+        from ...tasks.plan import task_plan
 
         d = self.spec.discovery
         lm = self.model(name)
@@ -512,7 +512,7 @@ class CircuitsStudy(Study):
     def check_prompts(self) -> None:
         """Before any weights load: every scored prompt's group (template, token length) has reference prompts
         (mean ablation never averages across templates or lengths), and the task's rows are readable."""
-        from ..tasks.base import check_reference
+        from ...tasks.base import check_reference
 
         reference = self.reference_records()
         for prompts, n in self.scored_sets().items():
@@ -534,7 +534,7 @@ class CircuitsStudy(Study):
         """A scorer of ``name`` on ``n`` prompts of the named set; every scorer ablates with the means of the
         same ``reference_n`` reference prompts (held-out objects, like every other prompt set), or of those a
         seed of its own draws (``seed``: a model's pruning seed)."""
-        from ..circuits.scoring import Scorer
+        from ...circuits.scoring import Scorer
 
         records = self.prompt_records(prompts, n or self.spec.scoring.n)
         return Scorer.build(
@@ -550,7 +550,7 @@ class CircuitsStudy(Study):
     def pruned(self, name: str, circuit_rec: StageRecord) -> StageRecord:
         """The circuit of ``circuit_rec`` pruned on ``name``; ``[scoring.models.NAME] seed`` (the paper: one per
         model) draws this model's pruning reference and greedy candidates in place of the study's seed."""
-        from ..circuits.pruning import disjoint_groups, minimality, pairwise_minimality, prune
+        from ...circuits.pruning import disjoint_groups, minimality, pairwise_minimality, prune
 
         s = self.spec.scoring
         own = s.models.get(name, {}).get("seed")
@@ -606,7 +606,7 @@ class CircuitsStudy(Study):
 
     def matrix(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
         """Every circuit of ``circuits`` scored on ``name``; random circuits and completeness for its own."""
-        from ..circuits.scoring import completeness, matrix_rows
+        from ...circuits.scoring import completeness, matrix_rows
 
         s = self.spec.scoring
 
@@ -668,7 +668,7 @@ class CircuitsStudy(Study):
     def class_groups(self, wanted: list[str]) -> dict[str, list[str]]:
         """Key inputs naming the classes of several tokens a DCM or CMAP stage may patch (`class_groups`);
         a path circuit's groups (a plan's steps) sit at their step's sender position."""
-        from ..tasks.plan import task_plan
+        from ...tasks.plan import task_plan
 
         path = self.spec.discovery.method == "path"
         at = {s.name: s.sender for s in task_plan(self.task).steps} if path else {}
@@ -677,8 +677,8 @@ class CircuitsStudy(Study):
     def dcm(self, circuit_rec: StageRecord, name: Optional[str] = None) -> StageRecord:
         """DCM masks over the groups of ``circuit_rec``'s circuit in model ``name`` (default: the base); semantic
         patching of the selections into every model for the base's."""
-        from ..methods.dcm import dcm_circuit, semantic_patching, split_pairs
-        from ..tasks.desiderata import chosen_desiderata, desideratum_pairs
+        from ...methods.dcm import dcm_circuit, semantic_patching, split_pairs
+        from ...tasks.desiderata import chosen_desiderata, desideratum_pairs
 
         c, t = self.spec.dcm, self.spec.task
         base = self.spec.models.base
@@ -766,7 +766,7 @@ class CircuitsStudy(Study):
     def dcm_cache_mode(self) -> tuple[str, str]:
         """DCM's pair-cache mode and why (`run_cache_mode`), chosen once a run."""
         if self._dcm_cache_mode is None:
-            from .resources import run_cache_mode
+            from ..resources import run_cache_mode
 
             self._dcm_cache_mode = run_cache_mode(self.spec)
         return self._dcm_cache_mode
@@ -792,8 +792,8 @@ class CircuitsStudy(Study):
         return self.cmap(finetune, own, self.dcm(own, finetune))
 
     def cmap(self, finetune: str, circuit_rec: StageRecord, dcm_rec: Optional[StageRecord] = None) -> StageRecord:
-        from ..circuits.scoring import control_prompts
-        from ..methods.cmap import dcm_cut, run_cmap
+        from ...circuits.scoring import control_prompts
+        from ...methods.cmap import dcm_cut, run_cmap
 
         c = self.spec.cmap
         base = self.spec.models.base
@@ -940,8 +940,8 @@ class CircuitsStudy(Study):
     def write(self, results: dict[str, Any]) -> Path:
         """``reproduction.md`` (with ``[reproduce] circuit``), ``report.md`` with its tables and figures and
         ``report.html`` from the stage records (``run.json`` is written before)."""
-        from ..report.html import write_html
-        from ..report.study_report import write_report
+        from ...report.html import write_html
+        from .report import write_report
 
         if "reproduction" in results:
             from .reproduce import write_reproduction
@@ -983,7 +983,7 @@ class CircuitsStudy(Study):
         """The planner's stage FLOPs and this machine's measured throughput (`run_record`),
         measured once per study, so ``run.json`` and the report read the same figures."""
         if not hasattr(self, "_resources"):
-            from .resources import run_record
+            from ..resources import run_record
 
             try:
                 self._resources = run_record(self.spec)
@@ -997,7 +997,7 @@ class CircuitsStudy(Study):
         study's (one item, one id in every set), as ``run.json``'s ``prompt_sets.item_ids`` records them. What an
         interval clustered by item resamples. A model's own discovery or pruning seed (``[discovery.models.NAME]``)
         draws other prompts than these."""
-        from ..tasks.prompt_sets import set_items
+        from ...tasks.prompt_sets import set_items
 
         return set_items(self.prompt_sets_record(), prompts)
 
@@ -1007,7 +1007,7 @@ class CircuitsStudy(Study):
         each stage reads, and what the report states of them (rows and items per set, groups, rows and items shared
         between sets, counterfactuals that are another item's prompt), computed from the lists; declared nested
         sets as a departure."""
-        from ..tasks.prompt_sets import describe_items, describe_sets, nested_departure
+        from ...tasks.prompt_sets import describe_items, describe_sets, nested_departure
 
         sets, ranked = self.prompt_sets, "discovery" if self.spec.discovery.method == "path" else "ranking"
         sizes, nested = self.prompt_set_sizes(), self.nested_sets()
@@ -1053,7 +1053,7 @@ def group_choice(
         groups = [g for g, heads in circuit.groups.items() if heads]
     if not check:
         return groups, {}
-    from ..tasks.base import batch_tensors, grouped_batches, take
+    from ...tasks.base import batch_tensors, grouped_batches, take
 
     batches = [batch_tensors(take(records, rows)) for rows in grouped_batches(records, 4)]
     left_out = {g: why for g in groups if (why := _position_missing(batches, circuit.positions[g]))}
@@ -1067,8 +1067,8 @@ def class_groups(records: list, wanted: list[str], at: Optional[dict[str, str]] 
     such groups were left out). Empty where every such position is one named token, so the keys of studies
     without class groups stay what they were. Read from the prompts, not a circuit, so that a plan knows the key
     before the circuit is computed."""
-    from ..circuits.scoring import is_one_token
-    from ..tasks.base import batch_tensors, grouped_batches, take
+    from ...circuits.scoring import is_one_token
+    from ...tasks.base import batch_tensors, grouped_batches, take
 
     at = at or {}
     batches = [batch_tensors(take(records, rows)) for rows in grouped_batches(records, 4)]
@@ -1086,7 +1086,7 @@ def unpaired_classes(circuit: Circuit, groups: list[str], desiderata: dict, batc
     """The groups at a position class whose token count differs between a desideratum pair's two prompts, with
     why: DCM writes the source's tokens of the class into the base's token for token
     (`class_widths`)."""
-    from ..methods.dcm import UnequalClass, class_widths
+    from ...methods.dcm import UnequalClass, class_widths
 
     out = {}
     for g in groups:
@@ -1113,7 +1113,7 @@ def _position_missing(batches: list[dict], name: str) -> str:
 
 def dcm_config(spec: RunSpec):
     """The `DCMConfig` a study's ``[dcm]`` section gives (split: its pair counts)."""
-    from ..methods.dcm import DCMConfig
+    from ...methods.dcm import DCMConfig
 
     c = spec.dcm
     n = c.n_train + c.n_val + c.n_test
@@ -1136,6 +1136,6 @@ def dcm_config(spec: RunSpec):
 
 
 def _tokenizer(name: str):
-    from ..models.loading import load_tokenizer
+    from ...models.loading import load_tokenizer
 
     return load_tokenizer(resolve_spec(name))

@@ -29,22 +29,22 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..circuits.overlap import hypergeom_p
-from ..common.io import write_json, write_text
-from ..methods.knowledge.acdc import METRICS, acdc, discovery_batch
-from ..methods.knowledge.analysis import attention_mass, head_roles, logit_lens
-from ..methods.knowledge.discovery import attribution_scores, greedy_edges, iterative_pruning, top_edges
-from ..methods.knowledge.evaluate import CURVE_RANKING, SIZES, CircuitEval, evaluate, faithfulness_curve, random_mask
-from ..methods.knowledge.forward import Ablation, check_supported, mean_ablation
-from ..methods.knowledge.graph import EdgeCircuit, Graph
-from ..models.loading import LoadedModel
-from ..models.modelset import check_vocabularies
-from ..report.knowledge import compare_report, write_model_report
-from ..report.tables import write_table
-from ..runs.seeds import derive
-from ..runs.stages import Pending, StageCache, StageRecord, key_hash
-from ..tasks.relation_data import Fact, Relation, batches, build_facts
-from .base import Study, load_section_file, section_study
+from ...circuits.overlap import hypergeom_p
+from ...common.io import write_json, write_text
+from ...methods.knowledge.acdc import METRICS, acdc, discovery_batch
+from ...methods.knowledge.analysis import attention_mass, head_roles, logit_lens
+from ...methods.knowledge.discovery import attribution_scores, greedy_edges, iterative_pruning, top_edges
+from ...methods.knowledge.evaluate import CURVE_RANKING, SIZES, CircuitEval, evaluate, faithfulness_curve, random_mask
+from ...methods.knowledge.forward import Ablation, check_supported, mean_ablation
+from ...methods.knowledge.graph import EdgeCircuit, Graph
+from ...models.loading import LoadedModel
+from ...models.modelset import check_vocabularies
+from ...report.tables import write_table
+from ...runs.seeds import derive
+from ...runs.stages import Pending, StageCache, StageRecord, key_hash
+from ...tasks.relation_data import Fact, Relation, batches, build_facts
+from ..base import Study, load_section_file, section_study
+from .report import compare_report, write_model_report
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class _Run:
     def inputs(self) -> dict:
         """What every stage of this model depends on: weights, facts, how removed edges are ablated, the code
         version."""
-        from ..version import __version__
+        from ...version import __version__
 
         s = self.settings
         return {
@@ -602,7 +602,7 @@ class _Facts:
         """A batch's activations: the forward's, the senders' outputs buffer (``senders x rows x tokens x d``) and a
         block's receivers' inputs; ``kept_outputs``: the buffer copied out; ``backward``: (EAP) every block's
         receiver inputs, the senders' outputs and their deltas kept for the backward, and the backward's own."""
-        from ..models.footprint import backward_bytes, dtype_bytes
+        from ...models.footprint import backward_bytes, dtype_bytes
 
         m, g = self.meter, self.graph
         t = max(self.lengths, default=1)
@@ -621,7 +621,7 @@ def _ablation_runs(s: KnowledgeSettings) -> int:
 
 def facts_cost(meter: Any, s: KnowledgeSettings, graph: Graph, every: _Facts, stage: str) -> Any:
     """`facts_stage`: each model's full forward of every fact of the relation."""
-    from .resources import StageCost
+    from ..resources import StageCost
 
     models = len(s.models)
     passes = models * every.passes
@@ -656,7 +656,7 @@ def discovery_runs(s: KnowledgeSettings, edges: int) -> tuple[float, float, str]
 
 def discovery_cost(meter: Any, s: KnowledgeSettings, graph: Graph, kept: _Facts, stage: str) -> Any:
     """`discovery_stage` on the kept facts (`discovery_runs`); a backward counted as two forwards' FLOPs."""
-    from .resources import StageCost
+    from ..resources import StageCost
 
     runs, backward, note = discovery_runs(s, graph.n_edges)
     on = kept
@@ -692,7 +692,7 @@ def scoring_cost(
     meter: Any, s: KnowledgeSettings, graph: Graph, kept: _Facts, stage: str, tried: Optional[int] = None
 ) -> Any:
     """`scoring_stage` (`scoring_runs`)."""
-    from .resources import StageCost
+    from ..resources import StageCost
 
     runs = scoring_runs(s, graph.n_edges, tried)
     note = "" if tried is not None or s.method == "acdc" else "every size tried (the first to reach target ends it)"
@@ -706,7 +706,7 @@ def scoring_cost(
 def analysis_cost(meter: Any, s: KnowledgeSettings, graph: Graph, kept: _Facts, stage: str) -> Any:
     """`analysis_stage`: the logit lens's edge forward of every kept fact (the senders' outputs kept) with the
     unembedding of the residual stream after every layer at two positions, and `attention_mass`'s plain forward."""
-    from .resources import StageCost
+    from ..resources import StageCost
 
     d, n = meter.dims, sum(kept.lengths.values())
     lens = 2 * (1 + d.n_layers) * n * 2 * d.d_model * d.vocab_size
@@ -722,7 +722,7 @@ def relation_costs(meter: Any, s: KnowledgeSettings, lengths: dict[int, int], kn
     """The stages of one relation (its facts ``lengths``): facts, then each model's discovery, scoring and
     analysis. Every fact is assumed right in every model unless ``known["kept"]`` gives the kept facts' lengths;
     ``known["tried"]``: per model, the sizes scoring tried."""
-    from ..models.architectures import ModelShape
+    from ...models.architectures import ModelShape
 
     dims = meter.dims
     graph = Graph.from_shape(
@@ -760,7 +760,7 @@ def knowledge_found(run_dir: str | Path, facts: Sequence[Fact]) -> dict:
 def plan_facts(s: KnowledgeSettings) -> tuple[dict[str, dict[int, int]], str]:
     """Each relation's facts per token length (`fact_lengths`, after ``max_facts``) under the first model's
     tokenizer, else the stand-in's (`planning_tokenizer`), and which tokenizer counted them."""
-    from .resources import planning_tokenizer
+    from ..resources import planning_tokenizer
 
     tokenizer, used = planning_tokenizer(s.models[0])
     out = {}
@@ -811,8 +811,8 @@ class KnowledgeStudy(Study):
     def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
         """The ``[knowledge]`` settings, the first model's dims (every model is assumed of its shape: checkpoints
         of one model) and each relation's facts per token length under its tokenizer (`plan_facts`)."""
-        from ..models.footprint import model_dims
-        from .resources import Lengths, PlanInputs
+        from ...models.footprint import model_dims
+        from ..resources import Lengths, PlanInputs
 
         if path is None or task is not None:
             raise ValueError("a knowledge study is a task file's [knowledge] section; it has no [task] to override")
@@ -894,7 +894,7 @@ class KnowledgeStudy(Study):
     def write(self, results: dict[str, dict]) -> Path:
         """Per relation: each model's results, tables, figures, report and ``report.html``, the comparison and
         ``study.json``; the study directory's ``report.html`` where it holds several relations."""
-        from ..report.html import write_html
+        from ...report.html import write_html
 
         reports = []
         for relation, res in results.items():

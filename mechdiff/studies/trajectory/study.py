@@ -47,14 +47,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from ..circuits.circuit import Circuit
-from ..circuits.curve import SELECT, SIZES, TARGET
-from ..common.io import check_writable, run_lock
-from ..methods.dcm import DCMConfig
-from ..methods.edge_structure import EDGES_N
-from ..methods.knowledge.task_graph import EDGE_BATCH, IG_STEPS, METHODS
-from ..methods.roles import SEEDS, THRESHOLD, VOTES
-from ..methods.trajectory import (
+from ...circuits.circuit import Circuit
+from ...circuits.curve import SELECT, SIZES, TARGET
+from ...common.io import check_writable, run_lock
+from ...methods.dcm import DCMConfig
+from ...methods.edge_structure import EDGES_N
+from ...methods.knowledge.task_graph import EDGE_BATCH, IG_STEPS, METHODS
+from ...methods.roles import SEEDS, THRESHOLD, VOTES
+from ...methods.trajectory import (
     MARGIN,
     RESAMPLE_SPLITS,
     STABLE,
@@ -63,11 +63,11 @@ from ..methods.trajectory import (
     Checkpoints,
     trajectory_specs,
 )
-from ..models.loading import load_tokenizer, spec_digest
-from ..runs.seeds import derive, prompt_seed
-from ..runs.stages import StageRecord, key_hash, label
-from .base import Study, rows_inputs, vocabulary_digest
-from .spec import (
+from ...models.loading import load_tokenizer, spec_digest
+from ...runs.seeds import derive, prompt_seed
+from ...runs.stages import StageRecord, key_hash, label
+from ..base import Study, rows_inputs, vocabulary_digest
+from ..spec import (
     DcmSection,
     EvalSection,
     OutputSection,
@@ -272,7 +272,7 @@ def load_settings(path: str | Path) -> TrajectorySettings:
     desiderata as the task's, the DCM labels file) before anything loads."""
     import tomllib
 
-    from .spec import _check_desiderata, _check_groups, check_task
+    from ..spec import _check_desiderata, _check_groups, check_task
 
     built, text = load_sections(
         path, SECTIONS, {"models": ("checkpoints",)}, CHOICES, example="tasks/entity_tracking_trajectory.toml"
@@ -377,7 +377,7 @@ def _check_roles(
     path: Path, text: str, raw: dict, roles: RolesSection, task: str, checkpoints: list[str]
 ) -> Optional[RolesSection]:
     """The ``[roles]`` section checked (None where the file has none)."""
-    from ..tasks.base import get_task
+    from ...tasks.base import get_task
 
     if "roles" not in raw:
         return None
@@ -399,7 +399,7 @@ def _check_roles(
     ):
         if bad and roles.method == "dcm":
             raise SpecError(f"{path}:{line_of(text, 'roles', key)}: [roles] {key} must be {need}")
-    from ..tasks.desiderata import desideratum_name
+    from ...tasks.desiderata import desideratum_name
 
     own = get_task(task).desiderata
     unknown = [d for d in roles.desiderata if d not in own and desideratum_name(d) not in own]
@@ -458,8 +458,8 @@ def read_labels(path: str | Path) -> list[dict]:
 def _cost(meter: Any, st: TrajectorySettings, stage: str, n: int, passes: list, note: str = "", models: int = 1) -> Any:
     """A stage of ``n`` prompts whose passes are ``passes``: (rows each run holds, passes, FLOP factor: 2 for a
     forward and a backward to the activations); its largest batch's activations and mean-ablation writes."""
-    from ..models.footprint import backward_bytes, dtype_bytes
-    from .resources import StageCost
+    from ...models.footprint import backward_bytes, dtype_bytes
+    from ..resources import StageCost
 
     t, d = meter.lengths, meter.dims
     rows = meter.rows(n, st.eval.batch_size)
@@ -577,7 +577,7 @@ class TrajectoryStudy(Study):
     kind = "trajectory"
 
     def __init__(self, settings: TrajectorySettings, out: Optional[str | Path] = None, progress: bool = True):
-        from ..tasks.base import get_task
+        from ...tasks.base import get_task
 
         super().__init__(out or settings.output.dir, progress)
         self.st = settings
@@ -598,8 +598,8 @@ class TrajectoryStudy(Study):
     def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
         """The settings, the base's dims and the task's token lengths (`task_lengths`), the DCM table where
         ``[dcm] labels`` names one; no checkpoint loads."""
-        from ..models.footprint import model_dims
-        from .resources import PlanInputs, task_lengths
+        from ...models.footprint import model_dims
+        from ..resources import PlanInputs, task_lengths
 
         st = load_settings(path)
         if task:
@@ -678,13 +678,13 @@ class TrajectoryStudy(Study):
     def groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
         """The circuit's groups a stage patches: ``wanted`` (those with heads), else every group at a position of the
         task's prompts (`analysis_groups`)."""
-        from .circuits import analysis_groups
+        from ..circuits.study import analysis_groups
 
         return analysis_groups(self.task, self.records("eval", 16), circuit, wanted)
 
     def desideratum_names(self) -> list[str]:
         """``[dcm] desiderata`` (those the task declares; empty: every desideratum the task declares)."""
-        from ..tasks.desiderata import chosen_desiderata
+        from ...tasks.desiderata import chosen_desiderata
 
         return chosen_desiderata(self.st.dcm.desiderata, self.task.desiderata)
 
@@ -708,7 +708,7 @@ class TrajectoryStudy(Study):
         }
 
     def scorer(self, name: str, prompts: str, n: int):
-        from ..circuits.scoring import Scorer
+        from ...circuits.scoring import Scorer
 
         reference = self.task.reference_records(
             self.tokenizer, self.st.scoring.reference_n, self.seed("reference"), **self.options()
@@ -723,7 +723,7 @@ class TrajectoryStudy(Study):
         )
 
     def task_inputs(self) -> dict:
-        from ..version import __version__
+        from ...version import __version__
 
         return {
             "task": asdict(self.st.task),
@@ -739,7 +739,7 @@ class TrajectoryStudy(Study):
 
     def check_prompts(self) -> None:
         """Before any weights load: every scored prompt's group (template, token length) has reference prompts."""
-        from ..tasks.base import check_reference
+        from ...tasks.base import check_reference
 
         reference = self.task.reference_records(
             self.tokenizer, self.st.scoring.reference_n, self.seed("reference"), **self.options()
@@ -751,7 +751,7 @@ class TrajectoryStudy(Study):
 
     # -- stages -------------------------------------------------------------------------
     def accuracy(self, name: str) -> StageRecord:
-        from ..methods.trajectory import checkpoint_accuracy
+        from ...methods.trajectory import checkpoint_accuracy
 
         e = self.st.eval
         return self.cache.run(
@@ -763,8 +763,8 @@ class TrajectoryStudy(Study):
         )
 
     def circuit(self, name: str) -> StageRecord:
-        from ..circuits.positions import task_classes
-        from ..methods.trajectory import own_circuit
+        from ...circuits.positions import task_classes
+        from ...methods.trajectory import own_circuit
 
         d = self.st.discovery
 
@@ -799,9 +799,9 @@ class TrajectoryStudy(Study):
     def ranking(self, name: str) -> StageRecord:
         """A checkpoint of another run (``[runs]``): its per-prompt attribution on the ranking prompts only (what
         the structure stage compares), as the circuit stage ranks."""
-        from ..circuits.curve import prompt_attribution
-        from ..circuits.positions import task_classes
-        from ..methods.trajectory import encode_array
+        from ...circuits.curve import prompt_attribution
+        from ...circuits.positions import task_classes
+        from ...methods.trajectory import encode_array
 
         def compute() -> dict:
             ranker = self.scorer(name, "ranking", self.ranking_n(name))
@@ -827,7 +827,7 @@ class TrajectoryStudy(Study):
         (``[discovery] n``), with the between-run null where ``rankings`` holds other runs' checkpoints (``[runs]``);
         and, where those steps have more ranking prompts (``runs_n``), the same at those steps alone on them
         (``dense``)."""
-        from ..methods.trajectory import structure_record
+        from ...methods.trajectory import structure_record
 
         s, rankings = self.st.structure, rankings or {}
 
@@ -857,7 +857,7 @@ class TrajectoryStudy(Study):
         """Every checkpoint's per-prompt ranking attribution (the other runs' after the trajectory's) as the study
         commits it, float16 (`to_half`); a ranking of other classes than the
         final circuit's is refused."""
-        from ..methods.trajectory import decode_array, to_half
+        from ...methods.trajectory import decode_array, to_half
 
         rankings = rankings or {}
         classes = circuits[self.final].result["classes"]
@@ -868,7 +868,7 @@ class TrajectoryStudy(Study):
         return {c: to_half(decode_array(rec.result["attribution"])) for c, rec in every.items()}
 
     def score(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
-        from ..methods.trajectory import circuits_scored
+        from ...methods.trajectory import circuits_scored
 
         scored = {"final": circuits[self.final], "first trained": circuits[self.first_trained], "own": circuits[name]}
 
@@ -899,7 +899,7 @@ class TrajectoryStudy(Study):
         )
 
     def cmap(self, name: str, final: StageRecord) -> StageRecord:
-        from ..methods.trajectory import cmap_gain
+        from ...methods.trajectory import cmap_gain
 
         c = self.st.cmap
 
@@ -936,7 +936,7 @@ class TrajectoryStudy(Study):
     def desiderata(self, n: int, seed: Optional[int] = None, names: Optional[list[str]] = None) -> dict[str, list]:
         """``n`` pairs of every desideratum (``names``, default `desideratum_names`), drawn with ``seed``
         (default: the DCM prompt set's)."""
-        from ..tasks.desiderata import desideratum_pairs
+        from ...tasks.desiderata import desideratum_pairs
 
         opts = self.options()
         seed = self.seed("dcm") if seed is None else seed
@@ -951,7 +951,7 @@ class TrajectoryStudy(Study):
         """The test pairs of every desideratum: those DCM held out, or ``n_test`` pairs for labels read. Labels
         read were trained on a circuits study's DCM pairs (its ``dcm`` prompt set, whose first pairs any shorter
         draw of that set repeats), so their test pairs are a draw of their own."""
-        from ..methods.dcm import split_pairs
+        from ...methods.dcm import split_pairs
 
         d = self.st.dcm
         if d.labels:
@@ -963,7 +963,7 @@ class TrajectoryStudy(Study):
         }
 
     def dcm_config(self):
-        from .circuits import dcm_config
+        from ..circuits.study import dcm_config
 
         return dcm_config(SimpleNamespace(dcm=self.st.dcm, eval=self.st.eval, task=self.st.task))
 
@@ -971,8 +971,8 @@ class TrajectoryStudy(Study):
         """DCM trained in checkpoint ``name`` over the final circuit's ``groups`` (`groups` of them) on the
         desiderata ``names``, with ``[dcm]``'s pairs and training: the results, and the groups left out (a class
         whose token count differs within a pair, `unpaired_classes`)."""
-        from ..methods.dcm import dcm_circuit
-        from .circuits import unpaired_classes
+        from ...methods.dcm import dcm_circuit
+        from ..circuits.study import unpaired_classes
 
         d = self.st.dcm
         circuit = Circuit.from_dict(final.result["circuit"])
@@ -1010,12 +1010,12 @@ class TrajectoryStudy(Study):
         """Key inputs naming the classes of several tokens a DCM, CMAP or roles stage may patch
         (`class_groups`; empty, so the keys stay, where every group is one
         named token)."""
-        from .circuits import class_groups
+        from ..circuits.study import class_groups
 
         return class_groups(self.records("eval", 16), wanted)
 
     def semantic(self, name: str, dcm: StageRecord) -> StageRecord:
-        from ..methods.trajectory import semantic
+        from ...methods.trajectory import semantic
 
         return self.cache.run(
             f"semantic:{name}",
@@ -1056,7 +1056,7 @@ class TrajectoryStudy(Study):
         final = Circuit.from_dict(circuits[self.final].result["circuit"])
         scored = circuits.values() if self.st.roles.heads == "any" else [circuits[self.final]]
         own = [Circuit.from_dict(rec.result["circuit"]) for rec in scored]
-        from .circuits import unpaired_classes
+        from ..circuits.study import unpaired_classes
 
         groups = self.groups(final, self.st.roles.groups or self.st.dcm.groups)
         # a class whose token count differs between a pair's two prompts is patched token for token nowhere: left
@@ -1078,7 +1078,7 @@ class TrajectoryStudy(Study):
     def roles(self, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
         if self.st.roles.method == "dcm":
             return self.role_dcm(name, circuits)
-        from ..methods.roles import head_scores
+        from ...methods.roles import head_scores
 
         def compute() -> dict:
             sites = self.role_sites(circuits)
@@ -1109,7 +1109,7 @@ class TrajectoryStudy(Study):
         weight ``[roles] lam`` (`roles_dcm_config`); per role the selection, the seeds' frequencies and the
         per-pair test outcomes of the selection, the floor and layer-matched random heads
         (`dcm_seeds`)."""
-        from ..methods.roles import dcm_seeds
+        from ...methods.roles import dcm_seeds
 
         r, d = self.st.roles, self.st.dcm
 
@@ -1145,9 +1145,9 @@ class TrajectoryStudy(Study):
     def edge_scores(self, name: str) -> StageRecord:
         """Checkpoint ``name``'s per-prompt edge attribution (float16) on the ranking prompts, with the node
         ranking's metric and position-wise mean ablation (`task_graph`)."""
-        from ..methods.edge_structure import encode_half
-        from ..methods.knowledge.graph import Graph
-        from ..methods.knowledge.task_graph import group_ablations, prompt_edge_scores, task_batches
+        from ...methods.edge_structure import encode_half
+        from ...methods.knowledge.graph import Graph
+        from ...methods.knowledge.task_graph import group_ablations, prompt_edge_scores, task_batches
 
         e, n = self.st.edges, self.edge_prompts()
 
@@ -1184,8 +1184,8 @@ class TrajectoryStudy(Study):
     def edges(self, scored: dict[str, StageRecord]) -> StageRecord:
         """Edge overlap beside node overlap across the scored checkpoints (`edge_structure`), with
         ``[structure]``'s splits, resamples and margin and the structure stage's seed."""
-        from ..methods.edge_structure import decode_half, edge_structure
-        from ..methods.knowledge.graph import Graph
+        from ...methods.edge_structure import decode_half, edge_structure
+        from ...methods.knowledge.graph import Graph
 
         s = self.st.structure
 
@@ -1289,8 +1289,8 @@ class TrajectoryStudy(Study):
             time.sleep(poll)
 
     def write(self, results: dict[str, Any]) -> Path:
-        from ..report.html import write_html
-        from ..report.trajectory import write_trajectory_report
+        from ...report.html import write_html
+        from .report import write_trajectory_report
 
         self.write_attributions(results)
         report = write_trajectory_report(self, results)
@@ -1301,7 +1301,7 @@ class TrajectoryStudy(Study):
         """``attributions.h5``: the per-prompt attributions behind the structure tables, float16, gzip, each
         checkpoint at the pairs some top-n of the structure stage selected
         (`write_attributions`), so the tables recompute from committed files."""
-        from ..methods.trajectory import ATTRIBUTIONS, write_attributions
+        from ...methods.trajectory import ATTRIBUTIONS, write_attributions
 
         st = results["structure"].result
         rankings = results.get("runs", {}).get("ranking", {})

@@ -17,13 +17,13 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from ..models.loading import offline
-from ..models.registry import ModelSpec
-from ..models.resolve import resolve_source, resolve_spec
-from ..runs.seeds import prompt_seed
-from ..runs.stages import StageRecord
+from ...models.loading import offline
+from ...models.registry import ModelSpec
+from ...models.resolve import resolve_source, resolve_spec
+from ...runs.seeds import prompt_seed
+from ...runs.stages import StageRecord
 
-#: The circuits study these functions read (`mechdiff.studies.circuits.CircuitsStudy`: its spec, models,
+#: The circuits study these functions read (`mechdiff.studies.circuits.study.CircuitsStudy`: its spec, models,
 #: tokenizer, cache, digests and run directory); typed loosely so that this module imports no study.
 Study = Any
 
@@ -125,10 +125,10 @@ def reproduction_rows(
 ) -> list[dict]:
     """One row per model: full-model and circuit accuracy (95% CIs) and faithfulness, measured here,
     beside the published accuracies (NaN where the paper has no figure for the model)."""
-    from ..circuits.circuit import Circuit
-    from ..circuits.scoring import Scorer, faithfulness
-    from ..report.tables import estimate_columns
-    from ..tasks.entity_tracking import generate, reference_records
+    from ...circuits.circuit import Circuit
+    from ...circuits.scoring import Scorer, faithfulness
+    from ...report.tables import estimate_columns
+    from ...tasks.entity_tracking import generate, reference_records
 
     circuit = Circuit.load(circuit_path)
     reported = published.get("reported", {})
@@ -200,7 +200,7 @@ def reproduction_records(study: Study) -> list[StageRecord]:
 
 def write_reproduction(study: Study, records: list[StageRecord]) -> Path:
     """``reproduction.{md,csv,tex,json}`` from the stage records; prints the table."""
-    from ..report.tables import to_markdown, write_table
+    from ...report.tables import to_markdown, write_table
 
     published = published_figures(study.spec.reproduce.published)
     rows = [rec.result["row"] for rec in records]

@@ -8,12 +8,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..common.components import Head
-from ..common.io import write_json
-from ..models.loading import LoadedModel
-from ..patching.scan import ScanResult, scan_pairs
-from ..report.figures import grid_heatmap, head_heatmap
-from ..tasks.base import Task, pair_batch_tensors
+from ...common.components import Head
+from ...common.io import write_json
+from ...models.loading import LoadedModel
+from ...patching.scan import ScanResult, scan_pairs
+from ...report.figures import grid_heatmap, head_heatmap
+from ...tasks.base import Task, pair_batch_tensors
 
 EVERY = "all"  # patch every position at once
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from ..circuits.circuit import Circuit
-from ..common.io import write_json
-from ..methods.cmap import CMAPResult, run_cmap
-from ..models.loading import LoadedModel
-from ..report.bars import grouped_bars
-from ..report.rows import cmap_caption, cmap_paired_caption, cmap_paired_rows, cmap_rows
-from ..report.tables import to_markdown, write_table
-from ..tasks.base import Task
+from ...circuits.circuit import Circuit
+from ...common.io import write_json
+from ...methods.cmap import CMAPResult, run_cmap
+from ...models.loading import LoadedModel
+from ...report.bars import grouped_bars
+from ...report.rows import cmap_caption, cmap_paired_caption, cmap_paired_rows, cmap_rows
+from ...report.tables import to_markdown, write_table
+from ...tasks.base import Task
 
 
 def write_outputs(result: CMAPResult, out: Path) -> str:

@@ -8,11 +8,11 @@ from typing import Any, Iterable, Mapping, Optional
 
 from tabulate import tabulate
 
-from ..common.io import write_json
-from ..models.loading import LoadedModel
-from ..models.memory import auto_batch_size
-from ..patching.evaluate import evaluate
-from ..tasks.base import Task
+from ...common.io import write_json
+from ...models.loading import LoadedModel
+from ...models.memory import auto_batch_size
+from ...patching.evaluate import evaluate
+from ...tasks.base import Task
 
 
 def eval_models(

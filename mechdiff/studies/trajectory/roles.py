@@ -10,10 +10,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..common import inference as inf
-from ..common.outcomes import from_bits
-from ..methods.roles import held, transitions
-from .claims import ROLES, encodes, encodes_family
+from ...common import inference as inf
+from ...common.outcomes import from_bits
+from ...methods.roles import held, transitions
+from ...report.claims import ROLES, encodes, encodes_family
 
 
 @dataclass(frozen=True)

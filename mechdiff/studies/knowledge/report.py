@@ -9,13 +9,13 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..common.io import write_text
-from ..methods.knowledge import figures
-from ..methods.knowledge.evaluate import CURVE_RANKING
-from ..methods.knowledge.graph import EdgeCircuit
-from .tables import to_markdown, write_table
+from ...common.io import write_text
+from ...methods.knowledge import figures
+from ...methods.knowledge.evaluate import CURVE_RANKING
+from ...methods.knowledge.graph import EdgeCircuit
+from ...report.tables import to_markdown, write_table
 
-#: The study's settings (`mechdiff.studies.knowledge.KnowledgeSettings`): read, never imported here.
+#: The study's settings (`mechdiff.studies.knowledge.study.KnowledgeSettings`): read, never imported here.
 KnowledgeSettings = Any
 
 

@@ -11,22 +11,22 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from ..circuits.circuit import Circuit
-from ..circuits.curve import ablation_attribution, faithfulness_curve, ranking
-from ..circuits.overlap import overlap_table
-from ..circuits.positions import leave_one_out, position_scan, task_classes
-from ..circuits.pruning import minimality, pair_name, pairwise_minimality, prune
-from ..circuits.scoring import Metric, Scorer, completeness, continuous_key, faithfulness, matrix_rows
-from ..common.io import write_json
-from ..common.metrics import metric_label, scored_metric
-from ..models.loading import LoadedModel
-from ..models.modelset import ModelSet
-from ..report.membership import membership_heatmap
-from ..report.positions import curve_figure, position_scan_figure
-from ..report.rows import circuit_x_model_rows, completeness_rows, curve_caption, curve_rows, scan_rows
-from ..report.tables import estimate_columns, to_markdown, write_table
-from ..runs.seeds import prompt_seed
-from ..tasks.base import Task
+from ...circuits.circuit import Circuit
+from ...circuits.curve import ablation_attribution, faithfulness_curve, ranking
+from ...circuits.overlap import overlap_table
+from ...circuits.positions import leave_one_out, position_scan, task_classes
+from ...circuits.pruning import minimality, pair_name, pairwise_minimality, prune
+from ...circuits.scoring import Metric, Scorer, completeness, continuous_key, faithfulness, matrix_rows
+from ...common.io import write_json
+from ...common.metrics import metric_label, scored_metric
+from ...models.loading import LoadedModel
+from ...models.modelset import ModelSet
+from ...report.membership import membership_heatmap
+from ...report.positions import curve_figure, position_scan_figure
+from ...report.rows import circuit_x_model_rows, completeness_rows, curve_caption, curve_rows, scan_rows
+from ...report.tables import estimate_columns, to_markdown, write_table
+from ...runs.seeds import prompt_seed
+from ...tasks.base import Task
 
 #: Where the means that replace an ablated head come from: ``path_patching``, the task's reference prompts
 #: (entity tracking: the path-patching sources); ``fresh``, new prompts of the task. The first is the default.

@@ -10,24 +10,20 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..circuits.circuit import Circuit
-from ..circuits.curve import ATTRIBUTED
-from ..circuits.overlap import overlap_table
-from ..common.inference import Interval
-from ..common.io import write_text
-from ..common.metrics import continuous_key, metric_label, scored_metric
-from ..models.resolve import resolve_spec
-from ..runs.seeds import PROMPT_OFFSETS
-from ..runs.stages import StageRecord, label
-from ..tasks.jsonl import REST
-from ..tasks.row_checks import per_template, task_empty_classes
-from .bars import grouped_bars
-from .claims import CONTROLS, cmap_family, controls_family, encodes, encodes_family, family_rows
-from .heads import head_rows, write_heads_table
-from .membership import membership_heatmap
-from .page_kit import stage_rows as stage_table
-from .paired import difference_sentence, paired_family_rows
-from .rows import (
+from ...circuits.circuit import Circuit
+from ...circuits.curve import ATTRIBUTED
+from ...circuits.overlap import overlap_table
+from ...common.inference import Interval
+from ...common.io import write_text
+from ...common.metrics import continuous_key, metric_label, scored_metric
+from ...models.resolve import resolve_spec
+from ...report.bars import grouped_bars
+from ...report.claims import CONTROLS, cmap_family, controls_family, encodes, encodes_family, family_rows
+from ...report.heads import head_rows, write_heads_table
+from ...report.membership import membership_heatmap
+from ...report.page_kit import stage_rows as stage_table
+from ...report.paired import difference_sentence, paired_family_rows
+from ...report.rows import (
     circuit_x_model_rows,
     cmap_caption,
     cmap_has_gap,
@@ -41,9 +37,13 @@ from .rows import (
     scan_rows,
     semantic_rows,
 )
-from .tables import estimate_columns, to_markdown, write_table
+from ...report.tables import estimate_columns, to_markdown, write_table
+from ...runs.seeds import PROMPT_OFFSETS
+from ...runs.stages import StageRecord, label
+from ...tasks.jsonl import REST
+from ...tasks.row_checks import per_template, task_empty_classes
 
-#: The circuits study whose records are written (`mechdiff.studies.circuits.CircuitsStudy`).
+#: The circuits study whose records are written (`mechdiff.studies.circuits.study.CircuitsStudy`).
 Study = Any
 
 
@@ -74,8 +74,8 @@ def _accuracy_over_items(result: dict, items: Optional[np.ndarray]) -> dict:
     """The accuracy stage's figures, their intervals over ``items`` where rows share items (`inf.proportion`,
     `inf.mean`: the cluster bootstrap over items, a proportion hulled with the exact interval of as many items);
     else the stage's own (exact over rows, one row an item)."""
-    from ..common import inference as inf
-    from ..common.outcomes import read_record
+    from ...common import inference as inf
+    from ...common.outcomes import read_record
 
     outcomes = result.get("outcomes")
     if items is None or outcomes is None or len(outcomes["correct"]) != items.size:
@@ -137,9 +137,9 @@ def accuracy_section(study: "Study", accuracy: dict[str, "StageRecord"]) -> tupl
 def _by_answer_length(study: "Study", accuracy: dict[str, "StageRecord"]) -> str:
     """Each model's accuracy (and the task's metric) per answer length on the accuracy prompts, from the stage's
     per-prompt outcomes; empty where every answer has one length."""
-    from ..common.metrics import CONTINUOUS_LABELS
-    from ..common.outcomes import read_first_and_rest, read_record
-    from ..patching.evaluate import EvalResult
+    from ...common.metrics import CONTINUOUS_LABELS
+    from ...common.outcomes import read_first_and_rest, read_record
+    from ...patching.evaluate import EvalResult
 
     if study.task.answer_tokens < 2 or not all("outcomes" in rec.result for rec in accuracy.values()):
         return ""
@@ -355,8 +355,8 @@ def _normalised_over_items(row: dict, kept: dict, items: np.ndarray) -> dict:
     """A matrix row's normalised faithfulness, (m(C) - m(empty)) / (m(M) - m(empty)) (`normalised_figures`), for
     accuracy and the task's metric, with its interval over ``items`` from the per-prompt outcomes (``kept``: the
     ``full``, ``circuit`` and ``empty`` records); a figure the stage left undefined (NaN) stays so."""
-    from ..common.inference import ratio
-    from ..common.outcomes import from_bits
+    from ...common.inference import ratio
+    from ...common.outcomes import from_bits
 
     if "empty" not in kept:
         return {}
@@ -380,8 +380,8 @@ def _matrix_over_items(study: "Study", matrix: dict) -> Optional[list[dict]]:
     """The circuit x model rows with the model's and each circuit's accuracy and faithfulness intervals over items,
     from the stage's per-prompt outcomes, where the matrix prompts' rows share items (None otherwise: the stage's
     own intervals, one row an item). The random draws' figures stay as the stage made them."""
-    from ..common.inference import proportion, ratio
-    from ..common.outcomes import read_record
+    from ...common.inference import proportion, ratio
+    from ...common.outcomes import read_record
 
     out = []
     for rec in matrix.values():
@@ -444,9 +444,9 @@ def matrix_section(study: "Study", matrix: dict) -> tuple[str, list[dict]]:
 def _matrix_by_answer_length(study: "Study", matrix: dict) -> str:
     """Each circuit's accuracy and faithfulness (accuracy) per answer length on each model's matrix prompts, from the
     stage's per-prompt outcomes; empty where every answer has one length."""
-    from ..common.inference import proportion, ratio
-    from ..common.outcomes import read_first_and_rest, read_record
-    from ..patching.evaluate import LENGTH_BINS, length_bins
+    from ...common.inference import proportion, ratio
+    from ...common.outcomes import read_first_and_rest, read_record
+    from ...patching.evaluate import LENGTH_BINS, length_bins
 
     if study.task.answer_tokens < 2:
         return ""
@@ -493,7 +493,7 @@ def _first_and_rest_columns(split: dict, at: np.ndarray, items: np.ndarray, one_
     """The model's and the circuit's first-token accuracy and their ratio on the prompts ``at``, and (answers of
     several tokens) the same of the rest; empty where the records kept no split (``split``: ``full`` and
     ``circuit`` -> ``(first, rest)`` or ``(None, None)``)."""
-    from ..common.inference import proportion, ratio
+    from ...common.inference import proportion, ratio
 
     (full_first, full_rest), (circ_first, circ_rest) = split["full"], split["circuit"]
     if full_first is None or circ_first is None:
@@ -845,7 +845,7 @@ def dcm_test_items(study: Optional["Study"], dcm: "StageRecord") -> dict[str, np
     on the ``dcm`` set's item ids with the record's split and seed: the stage kept the outcomes, not the items), for
     an imported task whose items the stage split by; {} for a generated task (its pairs are items of their own) or
     where the counts do not align. The semantic patching of a selection runs on the same test pairs."""
-    from ..methods.dcm import split_indices
+    from ...methods.dcm import split_indices
 
     task = getattr(study, "task", None)
     if study is None or getattr(task, "items", None) is None or "skipped" in dcm.result:
@@ -883,8 +883,8 @@ def _dcm_over_items(study: "Study", dcm: "StageRecord", base: str) -> "StageReco
     well as the pairs (the per-pair share over items alone would leave the draws' spread out)."""
     from dataclasses import replace
 
-    from ..common import inference as inf
-    from ..common.outcomes import from_bits
+    from ...common import inference as inf
+    from ...common.outcomes import from_bits
 
     items = dcm_test_items(study, dcm)
     if not items:
@@ -920,7 +920,7 @@ def _cmap_over_items(study: "Study", cmap: dict) -> dict:
     controls keep the stage's interval (it resamples their draws as well as the prompts)."""
     from dataclasses import replace
 
-    from ..common import inference as inf
+    from ...common import inference as inf
 
     out = dict(cmap)
     for ft, items in cmap_items_of(study, cmap).items():
@@ -1062,7 +1062,7 @@ def limitations(study: "Study", positions: dict) -> str:
         )
     nested = study.nested_sets() if hasattr(study, "nested_sets") else []
     if nested:
-        from ..tasks.prompt_sets import nested_departure
+        from ...tasks.prompt_sets import nested_departure
 
         lines.append(f"- Departure from disjoint sets: {nested_departure(nested)}.")
     if study.task.answer_tokens > 1:
@@ -1112,8 +1112,8 @@ def _source(name: str, provenance: dict) -> str:
 def paired_section(study: "Study", accuracy: dict, matrix: dict, dcm: "StageRecord") -> tuple[str, list[dict]]:
     """Every difference of a fine-tune from the base on the same prompts with its paired interval; the per-prompt
     outcomes behind them written to ``outcomes.json`` (committed with the results)."""
-    from ..common.outcomes import write_outcomes
-    from .paired import CAPTION, outcome_stages, paired_rows
+    from ...common.outcomes import write_outcomes
+    from ...report.paired import CAPTION, outcome_stages, paired_rows
 
     stages = outcome_stages(accuracy, matrix, dcm)
     if not stages:
@@ -1170,7 +1170,7 @@ def _items(study: "Study", stages: dict) -> Optional[dict]:
 
 def paired_findings(rows: list[dict]) -> str:
     """The paired differences in words (accuracy and each model's own circuit), each as far as its interval goes."""
-    from .paired import difference_sentence
+    from ...report.paired import difference_sentence
 
     lines = []
     for comparison in dict.fromkeys(r["comparison"] for r in rows):

@@ -7,15 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from ..circuits.circuit import Circuit
-from ..common.inference import Interval
-from ..common.io import write_json
-from ..methods.dcm import DCMConfig, DCMResult, dcm_circuit, semantic_patching, split_pairs
-from ..models.modelset import ModelSet
-from ..report.bars import grouped_bars
-from ..report.rows import dcm_rows, semantic_rows
-from ..report.tables import to_markdown, write_table
-from ..tasks.base import PairRecord
+from ...circuits.circuit import Circuit
+from ...common.inference import Interval
+from ...common.io import write_json
+from ...methods.dcm import DCMConfig, DCMResult, dcm_circuit, semantic_patching, split_pairs
+from ...models.modelset import ModelSet
+from ...report.bars import grouped_bars
+from ...report.rows import dcm_rows, semantic_rows
+from ...report.tables import to_markdown, write_table
+from ...tasks.base import PairRecord
 
 
 def dcm_run(

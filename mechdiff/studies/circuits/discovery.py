@@ -13,13 +13,13 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from tabulate import tabulate
 
-from ..circuits.discovery import DiscoverySettings, StepResult, discover
-from ..common.io import write_json
-from ..common.metrics import metric_label
-from ..models.loading import LoadedModel
-from ..report.figures import head_heatmap
-from ..tasks.base import Task
-from ..tasks.plan import Plan, load_plan
+from ...circuits.discovery import DiscoverySettings, StepResult, discover
+from ...common.io import write_json
+from ...common.metrics import metric_label
+from ...models.loading import LoadedModel
+from ...report.figures import head_heatmap
+from ...tasks.base import Task
+from ...tasks.plan import Plan, load_plan
 
 log = logging.getLogger("mechdiff.circuit")  # the name run.log has always shown
 

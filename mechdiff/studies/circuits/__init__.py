@@ -1,0 +1,1 @@
+"""The circuits study kind: its study, its stages and its report."""

@@ -1,0 +1,1 @@
+"""The headmap study kind: its study, its stages and its report."""

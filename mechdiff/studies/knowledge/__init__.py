@@ -1,0 +1,1 @@
+"""The knowledge study kind: its study, its stages and its report."""

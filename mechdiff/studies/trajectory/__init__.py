@@ -1,0 +1,1 @@
+"""The trajectory study kind: its study, its stages and its report."""
