@@ -68,36 +68,36 @@ def compare(
     overlap per group. The tables are written to ``out`` as the command writes them (``matrix.*``, ``overlap.*``,
     ``membership.png``, ``compare.json``), by the same function.
 
-    Args:
-        models: `pair` (or a `ModelSet`), or the models' names, base first; checked as one set (shapes,
-            vocabularies) before any weights load.
-        circuits: a circuit file, a `Circuit` (e.g. ``md.Results.load(d).circuit("smollm2-et")``), a list of
-            them, or a dict label -> circuit. Each is checked against the models' shape before any weights load.
-        task: a registered task name, a task directory, or a `Task` (`task`).
-        n: prompts scored in each model.
-        out: the directory the tables go to (``--out``).
-        labels: one label per circuit of a list (default: a file's stem, a `Circuit`'s model).
-        n_random: random circuits of the same group sizes drawn per cell, the baseline (``--n-random``).
-        seed: the prompts' seed (``--seed``).
-        reference: where the ablation means come from (``--reference``: ``path_patching`` or ``fresh``).
-        n_reference: reference prompts (default: ``n``).
-        reference_seed: the reference prompts' seed (default: set ``command-reference`` of ``seed``).
-        batch_size: prompts per forward pass, or ``"auto"`` (from the first model's free memory).
-        store: an HDF5 activation store caching the means (``--store``).
-        options: the task's generator options (entity tracking: ``{"n_boxes": 3}``; default: the task's).
-        progress: progress bars.
-        **load: how the models named by ``models`` load (`load_model`'s ``dtype``, ``device``, ``device_map``,
-            ``remote``, ``cache_dir``); a `pair` carries its own.
+    Arguments:
 
-    Returns:
-        The `Comparison` read back from ``out``.
+    - ``models``: `pair` (or a `ModelSet`), or the models' names, base first; checked as one set (shapes,
+      vocabularies) before any weights load.
+    - ``circuits``: a circuit file, a `Circuit` (e.g. ``md.Results.load(d).circuit("smollm2-et")``), a list of
+      them, or a dict label -> circuit. Each is checked against the models' shape before any weights load.
+    - ``task``: a registered task name, a task directory, or a `Task` (`task`).
+    - ``n``: prompts scored in each model.
+    - ``out``: the directory the tables go to (``--out``).
+    - ``labels``: one label per circuit of a list (default: a file's stem, a `Circuit`'s model).
+    - ``n_random``: random circuits of the same group sizes drawn per cell, the baseline (``--n-random``).
+    - ``seed``: the prompts' seed (``--seed``).
+    - ``reference``: where the ablation means come from (``--reference``: ``path_patching`` or ``fresh``).
+    - ``n_reference``: reference prompts (default: ``n``).
+    - ``reference_seed``: the reference prompts' seed (default: set ``command-reference`` of ``seed``).
+    - ``batch_size``: prompts per forward pass, or ``"auto"`` (from the first model's free memory).
+    - ``store``: an HDF5 activation store caching the means (``--store``).
+    - ``options``: the task's generator options (entity tracking: ``{"n_boxes": 3}``; default: the task's).
+    - ``progress``: progress bars.
+    - ``load``: how the models named by ``models`` load (`load_model`'s ``dtype``, ``device``, ``device_map``,
+      ``remote``, ``cache_dir``); a `pair` carries its own.
 
-    Example:
-        ```python
-        cmp = md.compare(md.pair("smollm2-135m", "smollm2-et"), "tasks/circuits/et.json", "entity-tracking", n=40)
-        cmp.to_frame()[["circuit", "model", "faithfulness", "faithfulness_low", "faithfulness_high"]]
-        print(cmp.estimate("smollm2-et"))  # faithfulness [95% interval]
-        ```
+    Returns the `Comparison` read back from ``out``:
+
+    ```python
+    pair = md.pair("smollm2-et-early", "smollm2-et")
+    cmp = md.compare(pair, "results/entity-tracking-smollm2/circuits/smollm2-et.json", "entity-tracking", n=40)
+    cmp.to_frame()[["circuit", "model", "faithfulness", "faithfulness_low", "faithfulness_high"]]
+    print(cmp.estimate("smollm2-et-early"))  # the circuit's faithfulness there, with its 95% interval
+    ```
     """
     models = _model_set(models, load)
     prompts_task = task if isinstance(task, Task) else get_task(task)

@@ -25,13 +25,9 @@ def view(results: Union[str, os.PathLike, Results], out: Optional[Union[str, os.
     (``mechdiff run`` or `Study.run` wrote the directory), a trajectory's, or any other results directory's tables
     and circuits.
 
-    Args:
-        results: a results directory, or its `Results`.
-        out: where the page goes (default: ``report.html`` in the directory), as ``mechdiff view --out``.
-
-    Returns:
-        The page as a `Report`: its absolute path (``report.path``, ``os.fspath(report)``), which a notebook shows
-        inline.
+    ``results``: a results directory, or its `Results`; ``out``: where the page goes (default: ``report.html`` in
+    the directory), as ``mechdiff view --out``. Returns the page as a `Report`: its absolute path (``report.path``,
+    ``os.fspath(report)``), which a notebook shows inline.
     """
     directory = results.dir if isinstance(results, Results) else Path(results)
     return Report(write_html(directory, None if out is None else Path(out)).absolute())
