@@ -23,10 +23,19 @@ _EXPORTS = {
     "Estimate": "results",
     "Circuit": "results",
     "interval_figure": "results",
+    "compare": "compare",
+    "Comparison": "compare",
+    "view": "view",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # the names as type checkers and the docs see them (redundant aliases: re-exported)
+    from .api.compare import (
+        Comparison as Comparison,
+    )
+    from .api.compare import (
+        compare as compare,
+    )
     from .api.inputs import (
         import_rows as import_rows,
     )
@@ -59,6 +68,9 @@ if TYPE_CHECKING:  # the names as type checkers and the docs see them (redundant
     )
     from .api.study import (
         Study as Study,
+    )
+    from .api.view import (
+        view as view,
     )
 
 

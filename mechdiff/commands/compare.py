@@ -7,7 +7,7 @@ import argparse
 from ..circuits.circuit import CircuitFileError, load_circuits
 from ..common.io import check_writable
 from ..models.modelset import ModelSet
-from ..studies.circuits.scoring import compare_circuits
+from ..studies.circuits.scoring import COMPARE_N, COMPARE_OUT, compare_circuits
 from ._options import add_dataset_options, add_model_options, model_kwargs, resolve_batch_size
 from ._scoring import add_scoring_options, scoring_prompts, settings
 
@@ -18,8 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--circuits", required=True, help="comma-separated circuit JSON files")
     p.add_argument("--labels", default=None, help="comma-separated circuit labels (default: file stems)")
     p.add_argument("--n-random", type=int, default=0, help="random circuits per cell (baseline; costs passes)")
-    p.add_argument("--out", default="results/compare", help="output directory")
-    add_dataset_options(p, n=100)
+    p.add_argument("--out", default=COMPARE_OUT, help="output directory")
+    add_dataset_options(p, n=COMPARE_N)
     add_scoring_options(p)
     add_model_options(p)
     p.set_defaults(func=main)

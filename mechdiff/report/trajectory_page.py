@@ -1,7 +1,8 @@
 """The trajectory study's ``report.html``: each measure over the steps with its 95% band, each component's
 formation steps with their intervals, the overlap matrix of every two checkpoints, role membership over the
 steps (or a note that the study did not measure it per checkpoint), and every table; read from the committed
-files of a trajectory run (``run.json`` of kind ``trajectory``, ``tables/``, ``circuits/``), no model loaded."""
+files of a trajectory run (``run.json`` of kind ``trajectory``, ``tables/``, ``circuits/``), no model loaded. The
+page's text is ``templates/trajectory.html.j2``; this module makes its figures and tables."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .page_kit import HEAD, Figures, caption, hkey, inline, markdown_html, sections, stage_rows, table_html
+from markupsafe import Markup
+
+from .page_kit import HEAD, Figures, caption, hkey, inline, markdown_html, render, sections, stage_rows, table_html
 
 #: The measures plotted over the steps: (table stem, x column, series column (None: one series), title, y title).
 MEASURES = (
@@ -259,6 +262,7 @@ class TrajectoryRun:
         self.circuit_files = {s: run_dir / "circuits" / f"{label(n)}.json" for s, n in zip(self.steps, self.names)}
 
     def measures(self, figs: Figures) -> list[str]:
+        """A figure per measure of `MEASURES` the run has a banded table of."""
         body = []
         for stem, x, by, title, ytitle in MEASURES:
             rows = self.tables.get(stem)
@@ -267,74 +271,64 @@ class TrajectoryRun:
                 body.append(figs.div(measure_figure(rows, x, by, title, ytitle), f"measure-{stem}"))
         return body
 
-    def formation(self, figs: Figures) -> list[str]:
+    def formation(self, figs: Figures) -> dict[str, Any]:
+        """``figure``: the formation steps with their intervals (None: no component formed); ``undated``: the
+        formation table predates intervals (each step shown alone)."""
         rows = self.tables.get("formation") or []
         points = formation_points(rows, max(self.steps))
         if not points:
-            return ["<p class=note>No component formed in this run (<code>tables/formation.json</code>).</p>"]
-        note = (
-            ""
-            if any(p["low"] != p["high"] for p in points) or any("_low" in k for r in rows for k in r)
-            else "<p class=note>This run's formation table predates intervals: each step is shown alone.</p>"
-        )
-        return [figs.div(formation_figure(points, self.steps), "formation"), note]
+            return {"figure": None, "undated": False}
+        dated = any(p["low"] != p["high"] for p in points) or any("_low" in k for r in rows for k in r)
+        return {"figure": figs.div(formation_figure(points, self.steps), "formation"), "undated": not dated}
 
-    def matrix(self, figs: Figures) -> list[str]:
+    def matrix(self, figs: Figures) -> Optional[str]:
+        """The overlap matrix of every two checkpoints; None where the run has none."""
         rows = self.tables.get("structure_matrix")
-        if not rows:
-            return [
-                "<p class=note>Overlap matrix: not in this run's committed files (<code>tables/structure_matrix"
-                ".json</code> is written by runs since the matrix was added; rerun the study to get it).</p>"
-            ]
-        return [figs.div(matrix_figure(rows), "overlap_matrix")]
+        return figs.div(matrix_figure(rows), "overlap_matrix") if rows else None
 
-    def held_roles(self, figs: Figures) -> list[str]:
-        """A heads x steps chart per role (group, desideratum) of the heads holding it (``tables/roles.json``, the
-        study's ``[roles]`` stage); none where the run has no such table."""
+    def held_roles(self, figs: Figures) -> list[dict[str, Any]]:
+        """Per role (group, desideratum) of ``tables/roles.json`` (the study's ``[roles]`` stage): ``figure``, a
+        heads x steps chart of the heads holding it (None where no scored head holds it), and its ``group`` and
+        ``desideratum`` (as the page writes them); none where the run has no such table."""
         rows = self.tables.get("roles") or []
-        body = []
+        held = []
         for i, (g, d) in enumerate(dict.fromkeys((r["group"], r["desideratum"]) for r in rows)):
             sets = {r["step"]: _heads(r["holding"]) for r in rows if (r["group"], r["desideratum"]) == (g, d)}
             title = f"Heads holding {g} / {d} at each checkpoint scored (tables/roles.md: how a head holds a role)"
-            if any(sets.values()):
-                body.append(figs.div(membership_figure(self.steps, sets, title, "holds"), f"held-role-{i}"))
-            else:
-                body.append(f"<p class=note>No scored head holds {inline(g)} / {inline(d)} at any step.</p>")
-        return body
+            figure = (
+                figs.div(membership_figure(self.steps, sets, title, "holds"), f"held-role-{i}")
+                if any(sets.values())
+                else None
+            )
+            held.append({"figure": figure, "group": Markup(inline(g)), "desideratum": Markup(inline(d))})
+        return held
 
-    def roles(self, figs: Figures) -> list[str]:
-        """The heads holding each role at each step where the study scored them (``[roles]``); DCM head sets per
-        checkpoint where ``tables/dcm_labels.json`` has a ``step`` column, a figure per role; else the note that
-        roles were labelled once; and the circuits' membership over the steps."""
+    def roles(self, figs: Figures) -> dict[str, Any]:
+        """``held``: the heads holding each role at each step where the study scored them (``[roles]``), with
+        ``moves``, the table of heads joining and leaving a role; else ``by_step``, DCM head sets per checkpoint
+        where ``tables/dcm_labels.json`` has a ``step`` column, a figure per role; else ``labels``, the table of
+        the roles labelled once (None: none); and ``membership``, the circuits' heads over the steps."""
+        out: dict[str, Any] = {"held": self.held_roles(figs), "moves": None, "by_step": [], "labels": None}
         labels = self.tables.get("dcm_labels") or []
-        body = self.held_roles(figs)
-        if body:
+        if out["held"]:
             for name in ("role_transitions", "role_takeovers"):  # the second: runs before joins and leaves were named
                 moves = self.tables.get(name)
                 if moves:
-                    body.append(table_html(moves, caption(self.dir / f"tables/{name}.json"), f"tables/{name}.csv"))
+                    out["moves"] = table_html(moves, caption(self.dir / f"tables/{name}.json"), f"tables/{name}.csv")
                     break
         elif labels and "step" in labels[0]:
             roles = dict.fromkeys((r["group"], r["desideratum"]) for r in labels)
             for i, (g, d) in enumerate(roles):
                 sets = {r["step"]: _heads(r["selected"]) for r in labels if (r["group"], r["desideratum"]) == (g, d)}
                 fig = membership_figure(self.steps, sets, f"DCM heads of {g} / {d} at each checkpoint", "selected")
-                body.append(figs.div(fig, f"role-{i}"))
-        else:
-            body.append(
-                "<p class=note><b>Role membership per checkpoint: not measured.</b> This study labels roles once "
-                "(the DCM selections below, "
-                + ("from the table its task file names" if labels else "none")
-                + ") and patches that one set into every checkpoint; which heads hold a role at each step was not "
-                "measured.</p>"
-            )
-            if labels:
-                body.append(table_html(labels, caption(self.dir / "tables/dcm_labels.json"), "tables/dcm_labels.csv"))
+                out["by_step"].append(figs.div(fig, f"role-{i}"))
+        elif labels:
+            out["labels"] = table_html(labels, caption(self.dir / "tables/dcm_labels.json"), "tables/dcm_labels.csv")
         sets = {s: circuit_heads(p) for s, p in self.circuit_files.items() if p.exists()}
-        if sets:
-            title = "Heads of each checkpoint's own circuit (any position class)"
-            body.append(figs.div(membership_figure(self.steps, sets, title, "in circuit"), "circuit_membership"))
-        return body
+        title = "Heads of each checkpoint's own circuit (any position class)"
+        membership = membership_figure(self.steps, sets, title, "in circuit") if sets else None
+        out["membership"] = figs.div(membership, "circuit_membership") if membership is not None else None
+        return out
 
 
 def _heads(selected: Any) -> set[str]:
@@ -342,34 +336,37 @@ def _heads(selected: Any) -> set[str]:
     return {h for h in items if h != "-"}
 
 
-def findings(readme: str) -> str:
-    """The README's findings sections (``## Findings...``), as the study wrote them."""
+def findings(readme: str) -> list[tuple[Markup, Markup]]:
+    """The README's findings sections (``## Findings...``), as the study wrote them: (heading, its Markdown as
+    HTML)."""
     parts = sections(readme)
-    return "".join(f"<h2>{inline(n)}</h2>{markdown_html(t)}" for n, t in parts.items() if n.startswith("Findings"))
+    return [(Markup(inline(n)), Markup(markdown_html(t))) for n, t in parts.items() if n.startswith("Findings")]
 
 
 def trajectory_page(run_dir: Path) -> tuple[str, str]:
-    """Title and body of the page of a trajectory run."""
+    """Title and body of the page of a trajectory run (``templates/trajectory.html.j2``)."""
     run = TrajectoryRun(run_dir)
     report = (run_dir / "report.md").read_text() if (run_dir / "report.md").exists() else ""
     readme = (run_dir / "README.md").read_text() if (run_dir / "README.md").exists() else ""
     figs = Figures()
     title = f"{run.task}: trajectory over {len(run.names)} checkpoints ({run.names[0]} to {run.names[-1]})"
-    body = [f"<p class=lead>{inline(sections(report).get('', ''))}</p>" if report else "", findings(readme)]
-    body += ["<h2>When each component forms</h2>", *run.formation(figs)]
-    body += [
-        "<h2>Measures over the steps</h2>",
-        "<p class=note>Click a legend entry to hide a series and its "
-        "band; hover a point for its value and interval.</p>",
-        *run.measures(figs),
+    # the figures in the page's order: the first carries plotly.js
+    formation, measures, matrix, roles = run.formation(figs), run.measures(figs), run.matrix(figs), run.roles(figs)
+    tables = [
+        table_html(rows, caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv")
+        for stem, rows in run.tables.items()
+        if rows and isinstance(rows, list) and isinstance(rows[0], dict)
     ]
-    body += ["<h2>Overlap matrix</h2>", *run.matrix(figs)]
-    body += ["<h2>Role membership</h2>", *run.roles(figs)]
-    body.append("<h2>Tables</h2><p class=note>Click a column header to sort.</p>")
-    for stem, rows in run.tables.items():
-        if rows and isinstance(rows, list) and isinstance(rows[0], dict):
-            body.append(table_html(rows, caption(run_dir / "tables" / f"{stem}.json"), f"tables/{stem}.csv"))
     stages = stage_rows(run.manifest)
-    if stages:
-        body += ["<h2>Stages</h2>", table_html(stages, "What ran", "run.json")]
-    return title, "".join(body)
+    body = render(
+        "trajectory.html.j2",
+        lead=Markup(inline(sections(report).get("", ""))) if report else None,
+        findings=findings(readme),
+        formation=formation,
+        measures=measures,
+        matrix=matrix,
+        roles=roles,
+        tables=tables,
+        stages=table_html(stages, "What ran", "run.json") if stages else None,
+    )
+    return title, body

@@ -28,6 +28,8 @@ from ...report.tables import estimate_columns, to_markdown, write_table
 from ...runs.seeds import prompt_seed
 from ...tasks.base import Task
 
+#: ``mechdiff compare`` and `mechdiff.api.compare.compare`: prompts scored per model, and where the tables go.
+COMPARE_N, COMPARE_OUT = 100, "results/compare"
 #: Where the means that replace an ablated head come from: ``path_patching``, the task's reference prompts
 #: (entity tracking: the path-patching sources); ``fresh``, new prompts of the task. The first is the default.
 REFERENCES = ("path_patching", "fresh")

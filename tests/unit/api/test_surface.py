@@ -23,16 +23,18 @@ def test_import_mechdiff_loads_neither_torch_nor_pandas():
 
 
 def test_every_public_name_is_the_api_modules_own():
+    import mechdiff.api.compare as compare
     import mechdiff.api.inputs as inputs
     import mechdiff.api.results as results
     import mechdiff.api.study as study
+    import mechdiff.api.view as view
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.models.loading import load_model
     from mechdiff.models.tokenization import tokens
 
     names = [n for n in md.__all__ if n != "__version__"]
-    assert len(names) == len(set(names)) == 11
-    where = {n: next(m for m in (inputs, results, study) if hasattr(m, n)) for n in names}
+    assert len(names) == len(set(names)) == 14
+    where = {n: next(m for m in (inputs, results, study, compare, view) if n in m.__all__) for n in names}
     assert all(getattr(md, n) is getattr(where[n], n) for n in names)
     assert md.load_model is load_model and md.tokens is tokens and md.Circuit is Circuit  # the commands' own
     assert set(names) <= set(dir(md))

@@ -152,3 +152,28 @@ def test_roles_scored_per_checkpoint_give_a_chart_per_role_and_no_not_measured_n
     )
     html = page(run)
     assert html.count("tables/role_transitions.csv") == 2 and html.count("tables/role_takeovers.csv") == 1
+
+
+def test_a_run_lacking_a_part_says_so_where_the_part_would_be(run: Path) -> None:
+    """The page's notes (templates/trajectory.html.j2): no component formed, no overlap matrix, roles labelled once
+    (the labels' table under the note, or none), a formation table older than intervals (drawn, with its note)."""
+    (run / "tables" / "structure_matrix.json").unlink()
+    _write(run / "tables" / "formation.json", [{"component": "never", "step_50%": None}])
+    _write(run / "tables" / "dcm_labels.json", [{"group": "S2", "desideratum": "io_name", "selected": "L1H0"}])
+    html = page(run)
+    figs = figures(html)
+    assert "<h2>When each component forms</h2><p class=note>No component formed in this run" in html
+    assert "<h2>Overlap matrix</h2><p class=note>Overlap matrix: not in this run's committed files" in html
+    assert "formation" not in figs and "overlap_matrix" not in figs and "role-0" not in figs
+    once = (
+        "<p class=note><b>Role membership per checkpoint: not measured.</b> This study labels roles once (the DCM "
+        "selections below, {}) and patches that one set into every checkpoint; which heads hold a role at each "
+        "step was not measured.</p>"
+    )
+    assert once.format("from the table its task file names") in html and html.count("tables/dcm_labels.csv") == 2
+    assert "predates intervals" not in html
+    (run / "tables" / "dcm_labels.json").unlink()
+    _write(run / "tables" / "formation.json", [{"component": "the model", "formed_at_step": 5}])
+    html = page(run)
+    assert once.format("none") in html and "formation" in figures(html)
+    assert "This run's formation table predates intervals: each step is shown alone.</p>" in html
