@@ -17,7 +17,8 @@ from mechdiff.methods.edge_structure import checkpoint_top, edge_structure
 from mechdiff.methods.knowledge.graph import Graph
 from mechdiff.methods.knowledge.task_graph import group_ablations, prompt_edge_scores, task_batches
 from mechdiff.models.loading import load_model
-from mechdiff.studies.trajectory.study import TrajectoryStudy, load_settings
+from mechdiff.studies.trajectory.settings import load_settings
+from mechdiff.studies.trajectory.study import TrajectoryStudy
 
 PROMPTS = 16
 

@@ -209,6 +209,7 @@ def test_trajectory_stage_costs_count_the_passes_each_stage_runs(tiny_run, tmp_p
     from test_trajectory_study import positional_labels, task_file
 
     from mechdiff.studies.trajectory import study as tr
+    from mechdiff.studies.trajectory.stages.circuit import trajectory_found
 
     base, run = tiny_run
     labels = positional_labels(tmp_path, "L0H0")
@@ -239,7 +240,7 @@ def test_trajectory_stage_costs_count_the_passes_each_stage_runs(tiny_run, tmp_p
     finally:
         handle.remove()
     inputs = tr.TrajectoryStudy.plan_inputs(path)
-    inputs = replace(inputs, known={**inputs.known, "circuits": tr.trajectory_found(study.dir)})
+    inputs = replace(inputs, known={**inputs.known, "circuits": trajectory_found(study.dir)})
     planned = {c.stage: c.reads.passes for c in tr.TrajectoryStudy.stage_costs(inputs, get_device("h100-80gb"))}
     assert set(counter.passes) <= set(planned)
     assert {s: planned[s] for s in counter.passes} == dict(counter.passes)

@@ -19,7 +19,9 @@ from mechdiff.methods.trajectory import against_first
 from mechdiff.runs.stages import label
 from mechdiff.studies.base import load_study
 from mechdiff.studies.spec import SpecError
-from mechdiff.studies.trajectory.study import TrajectoryStudy, load_settings, read_labels
+from mechdiff.studies.trajectory.settings import load_settings, read_labels
+from mechdiff.studies.trajectory.stages.roles import RolesStage
+from mechdiff.studies.trajectory.study import TrajectoryStudy
 
 
 def task_file(path, run, out, extra: str = "", sections: str = "") -> str:
@@ -381,7 +383,7 @@ def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp
     )
     assert own[-1]["groups"].get("last") and records[0]["sites"] == [["last", "last", heads]]
     study.st.roles.heads = "final"  # the final circuit's heads only (the circuits are cached: nothing loads)
-    ((_, _, final),) = study.role_sites({n: study.circuit(n) for n in names})
+    ((_, _, final),) = RolesStage(study).sites({n: study.circuit(n) for n in names})
     assert [h.name for h in final] == sorted(
         own[-1]["groups"]["last"], key=lambda h: [int(x) for x in h[1:].split("H")]
     )
@@ -466,7 +468,7 @@ def test_roles_by_dcm_in_each_scored_checkpoint(tiny_run, tmp_path):
     from mechdiff.common.components import parse_heads
     from mechdiff.methods.roles import dcm_seeds
     from mechdiff.models.loading import load_model
-    from mechdiff.studies.trajectory.study import roles_dcm_config
+    from mechdiff.studies.trajectory.settings import roles_dcm_config
 
     _, run = tiny_run
     out = tmp_path / "out"

@@ -39,7 +39,7 @@ from mechdiff.studies.trajectory.roles import (
     seeded_step_rows,
     transition_rows,
 )
-from mechdiff.studies.trajectory.study import RolesSection, roles_dcm_config
+from mechdiff.studies.trajectory.settings import RolesSection, roles_dcm_config
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors
 from unit.methods.planted import planted_pairs
 

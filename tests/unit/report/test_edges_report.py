@@ -11,7 +11,7 @@ import numpy as np
 from mechdiff.methods.edge_structure import STABLE_MOVE, edge_structure
 from mechdiff.methods.knowledge.graph import Graph
 from mechdiff.studies.trajectory.report import _Report, edge_rows, edge_sentence
-from mechdiff.studies.trajectory.study import EdgesSection
+from mechdiff.studies.trajectory.settings import EdgesSection
 
 GRAPH = Graph(n_layers=3, n_heads=2, n_kv_heads=2)
 A = ["L0H0->L1H0.q", "L0H1->L1H1.q", "L1H0->L2H0.q", "L1H1->L2H1.q"]

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from mechdiff.studies import spec as S
-from mechdiff.studies.trajectory import study as T
+from mechdiff.studies.trajectory import settings as T
 
 HEAD = '[task]\nname = "entity-tracking"\n\n[models]\nbase = "smollm2-et-early"\nfinetunes = ["smollm2-et"]\n'
 

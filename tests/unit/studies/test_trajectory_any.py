@@ -17,7 +17,7 @@ from conftest import make_tiny
 from mechdiff.methods.trajectory import Checkpoints, TrajectoryError, trajectory_specs
 from mechdiff.models.resolve import trajectory_steps
 from mechdiff.studies.spec import SpecError
-from mechdiff.studies.trajectory.study import load_settings, step_of
+from mechdiff.studies.trajectory.settings import load_settings, step_of
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -138,6 +138,7 @@ def test_hub_revisions_of_one_repository_are_a_trajectory(full_run, tmp_path) ->
 def test_the_steps_the_between_run_null_reads_take_their_own_ranking_prompts(tmp_path) -> None:
     """``[discovery] runs_n`` ranking prompts at the ``[runs]`` steps (this run's checkpoint and the other runs'),
     ``n`` elsewhere, the plan's sizes counting the larger; fewer than ``n`` is refused with its line."""
+    from mechdiff.studies.trajectory.stages.circuit import CircuitStage
     from mechdiff.studies.trajectory.study import TrajectoryStudy
 
     text = (ROOT / "tasks" / "entity_tracking_trajectory.toml").read_text()
@@ -149,10 +150,10 @@ def test_the_steps_the_between_run_null_reads_take_their_own_ranking_prompts(tmp
     assert {study.ranking_n(o) for o in study.others} == {256} and len(study.others) == 10
     assert study.prompt_set_sizes()["ranking"] == 256
     # a step ranked on n keeps the key it had before runs_n existed
-    assert study._circuit_inputs("smollm2-et@3")["discovery"] == {
+    assert CircuitStage(study).inputs("smollm2-et@3")["discovery"] == {
         k: v for k, v in asdict_discovery(committed).items() if k != "runs_n"
     }
-    assert study._circuit_inputs("smollm2-et@5")["discovery"]["n"] == 256
+    assert CircuitStage(study).inputs("smollm2-et@5")["discovery"]["n"] == 256
     bad = tmp_path / "bad.toml"
     bad.write_text(text.replace("runs_n = 256 ", "runs_n = 16  "))
     line = next(i for i, x in enumerate(bad.read_text().splitlines(), 1) if x.startswith("runs_n = 16"))

@@ -15,7 +15,8 @@ from conftest import make_tiny
 
 from mechdiff.methods.edge_structure import decode_half
 from mechdiff.studies.spec import SpecError
-from mechdiff.studies.trajectory.study import TrajectoryStudy, load_settings
+from mechdiff.studies.trajectory.settings import load_settings
+from mechdiff.studies.trajectory.study import TrajectoryStudy
 
 
 @pytest.fixture(scope="module")
