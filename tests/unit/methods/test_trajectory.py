@@ -37,7 +37,9 @@ from mechdiff.methods.trajectory import (
 )
 from mechdiff.models.loading import load_model
 from mechdiff.patching.evaluate import evaluate
-from mechdiff.studies.trajectory.report import band_figure, membership_figure, overlap_figure
+from mechdiff.report.figures import band_figure
+from mechdiff.studies.trajectory.report_function import membership_figure
+from mechdiff.studies.trajectory.report_structure import overlap_figure
 from mechdiff.tasks.base import get_task
 from mechdiff.tasks.desiderata import desideratum_pairs
 

@@ -3,7 +3,7 @@ and the step from which every later checkpoint stays on one side."""
 
 from __future__ import annotations
 
-from mechdiff.studies.trajectory.report import accuracy_sentence
+from mechdiff.studies.trajectory.report_function import accuracy_sentence
 
 
 def row(step: int, acc: float, diff: tuple | None = None) -> dict:

@@ -10,7 +10,7 @@ import numpy as np
 
 from mechdiff.methods.edge_structure import STABLE_MOVE, edge_structure
 from mechdiff.methods.knowledge.graph import Graph
-from mechdiff.studies.trajectory.report import _Report, edge_rows, edge_sentence
+from mechdiff.studies.trajectory.report_edges import EdgesReport, edge_rows, edge_sentence
 from mechdiff.studies.trajectory.settings import EdgesSection
 
 GRAPH = Graph(n_layers=3, n_heads=2, n_kv_heads=2)
@@ -48,7 +48,7 @@ def test_rows_put_node_overlap_beside_edge_overlap_and_read_only_what_the_interv
     assert "is shown at 5-10, 0-10, 5-10" in text and "not shown at the other 1" in text
     assert edge_sentence(rows[:1]).endswith("is not shown at any of the 1 comparisons.")
     # the report section and its tables
-    rep = _Report.__new__(_Report)
+    rep = EdgesReport.__new__(EdgesReport)
     rep.s = SimpleNamespace(st=SimpleNamespace(edges=EdgesSection(on=True)))
     rep.r = {"edges": SimpleNamespace(result=rec)}
     rep.names, rep.steps, rep.dir, rep.sections = list(steps), list(steps.values()), tmp_path, []

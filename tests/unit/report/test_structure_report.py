@@ -5,7 +5,8 @@ claims no sameness."""
 from __future__ import annotations
 
 from mechdiff.report.trajectory_page import structure_band
-from mechdiff.studies.trajectory.report import structure_sentence, verdict
+from mechdiff.studies.trajectory.report_parts import verdict
+from mechdiff.studies.trajectory.report_structure import structure_sentence
 
 
 def test_verdicts_and_the_sentence_say_changed_same_or_not_shown():
