@@ -178,7 +178,7 @@ def test_the_papers_counterfactuals_and_seeds_are_selected_by_the_paper_files_an
     position scan); the study hands them to the task's pairs, so every model sees the study's clean prompts. Unset,
     neither enters a stage key (the committed studies' keys do not move); set where they cannot act, each is refused
     with its line."""
-    from mechdiff.studies.circuits.report import _counterfactuals
+    from mechdiff.studies.circuits.report.circuits import _counterfactuals
     from mechdiff.studies.circuits.study import CircuitsStudy
     from mechdiff.studies.spec import SpecError, default_spec, load_spec, section_inputs
     from mechdiff.tasks.plan import default_plan
