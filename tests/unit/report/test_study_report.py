@@ -9,7 +9,7 @@ import pytest
 
 from mechdiff.studies.circuits.report.claims import circuit_findings
 from mechdiff.studies.circuits.report.run import limitations
-from mechdiff.studies.spec import RunSpec, default_spec
+from mechdiff.studies.circuits.spec import RunSpec, default_spec
 
 
 def _spec(**changes) -> RunSpec:
