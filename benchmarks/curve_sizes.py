@@ -14,8 +14,8 @@ import argparse
 from mechdiff.circuits.curve import ranked_circuit
 from mechdiff.circuits.scoring import faithfulness
 from mechdiff.common.components import parse
+from mechdiff.studies.circuits.spec import load_spec
 from mechdiff.studies.circuits.study import CircuitsStudy as Study
-from mechdiff.studies.spec import load_spec
 
 
 def main() -> None:

@@ -112,7 +112,7 @@ def make_model(
 
 def spec_for(sizes: Sizes, dtype: str) -> Any:
     """The study's spec at these sizes: what the planner counts."""
-    from mechdiff.studies.spec import default_spec
+    from mechdiff.studies.circuits.spec import default_spec
 
     spec = default_spec()
     spec.models.dtype = dtype

@@ -148,9 +148,9 @@ def prompts(n: int, vocab: int) -> list:
 def planned(dims, dtype: str, n: int, batch: int, records: list) -> tuple:
     """The planner's accuracy stage for these prompts: its cost and its placement on this machine."""
     from mechdiff.models.devices import this_machine
+    from mechdiff.studies.circuits.spec import default_spec
     from mechdiff.studies.circuits.study import accuracy_cost as accuracy
     from mechdiff.studies.resources import Context, Lengths, place, with_overhead
-    from mechdiff.studies.spec import default_spec
 
     spec = default_spec()
     spec = replace(spec, eval=replace(spec.eval, n=n, batch_size=batch))
@@ -210,7 +210,7 @@ def small_spec(out: Path):
     """The default study (``tasks/entity_tracking.toml``: SmolLM2 early checkpoint against the fine-tune) with every
     stage's prompt counts cut so the whole study takes a few CPU minutes; every stage runs as ``mechdiff run`` runs
     it."""
-    from mechdiff.studies.spec import load_spec
+    from mechdiff.studies.circuits.spec import load_spec
 
     spec = load_spec("tasks/entity_tracking.toml")
     spec.eval.n, spec.eval.batch_size = 40, 20
@@ -402,7 +402,7 @@ def main() -> None:
     if args.committed:
         from mechdiff.models.devices import this_machine
         from mechdiff.models.footprint import model_dims
-        from mechdiff.studies.spec import load_spec
+        from mechdiff.studies.circuits.spec import load_spec
 
         run = committed(Path(args.committed))
         spec = load_spec("tasks/entity_tracking.toml")

@@ -16,8 +16,8 @@ import numpy as np
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.scoring import Scorer
+from mechdiff.studies.circuits.spec import load_spec
 from mechdiff.studies.circuits.study import CircuitsStudy as Study
-from mechdiff.studies.spec import load_spec
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from mechdiff.common.components import Head
 from mechdiff.patching.core import run
 from mechdiff.patching.path import path_patch, prepare
 from mechdiff.runs.stages import StageCache
+from mechdiff.studies.circuits.spec import default_spec, load_spec
 from mechdiff.studies.circuits.study import CircuitsStudy as Study
-from mechdiff.studies.spec import default_spec, load_spec
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 
 

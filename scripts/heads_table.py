@@ -26,8 +26,8 @@ def main() -> int:
     from mechdiff.circuits.pruning import pair_name
     from mechdiff.report.heads import head_rows, write_heads_table
     from mechdiff.runs.stages import label
+    from mechdiff.studies.circuits.spec import SECTIONS, RunSpec
     from mechdiff.studies.circuits.study import CircuitsStudy as Study
-    from mechdiff.studies.spec import SECTIONS, RunSpec
 
     manifest = json.loads((run / "run.json").read_text())
     spec = RunSpec(

@@ -22,7 +22,9 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.report.html import write_html
 from mechdiff.report.rows import dcm_rows
 from mechdiff.runs.stages import StageRecord, key_hash
-from mechdiff.studies.circuits.report import DCM_CAPTION, patched_heads, study_table
+from mechdiff.studies.circuits.report.cmap import patched_heads
+from mechdiff.studies.circuits.report.dcm import DCM_CAPTION
+from mechdiff.studies.circuits.report.kit import study_table
 from mechdiff.studies.circuits.study import CircuitsStudy
 
 RESULTS = Path("results/entity-tracking-smollm2-paper-form")

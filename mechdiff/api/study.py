@@ -1,7 +1,7 @@
 """A study as an object (`Study`): built from keyword sections or a task file, planned (`Plan`), run, serialised
 back to a task file. A task file and a `Study` are two spellings of one thing: keyword ``eval={"n": 40}`` is
-the file's ``[eval] n = 40``, checked by the same loader (`mechdiff.studies.spec.load_spec`, or the kind's own)
-with the same messages, and `Study.run` is ``mechdiff run``'s study (`mechdiff.studies.base.load_study` and
+the file's ``[eval] n = 40``, checked by the same loader (`mechdiff.studies.circuits.spec.load_spec`, or the kind's
+own) with the same messages, and `Study.run` is ``mechdiff run``'s study (`mechdiff.studies.base.load_study` and
 `mechdiff.studies.base.plan_then_run`): the same stages, keys, cache and files."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from ..models.modelset import ModelSet
 from ..runs.stages import PlannedStage
 from ..studies.base import Study as StudyKind
 from ..studies.base import load_study, plan_text, plan_then_run, study_kind
+from ..studies.circuits.spec import RunSpec, load_spec
 from ..studies.resources import Placement, study_resources
-from ..studies.spec import RunSpec, load_spec, read_task_file
+from ..studies.spec import read_task_file
 from ..tasks.base import Task
 from .results import Results
 

@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     kind = json.loads(manifest.read_text(encoding="utf-8")).get("kind")
     margins = None
     if args.task_file is not None:
-        from ..studies.spec import load_spec
+        from ..studies.circuits.spec import load_spec
 
         margins = load_spec(args.task_file).inference.margins  # checked before anything is read or written
     path = restate_formation(args.run_dir) if kind == "trajectory" else restate(args.run_dir, args.root, margins)

@@ -70,7 +70,7 @@ from ..models.footprint import (
     held_pair_bytes,
     model_dims,
 )
-from .spec import RunSpec
+from .circuits.spec import RunSpec
 
 #: The tokenizer that estimates token lengths where a model's own is absent.
 STAND_IN_TOKENIZER = "smollm2-135m"

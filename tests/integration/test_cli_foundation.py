@@ -7,7 +7,8 @@ import json
 import pytest
 
 from mechdiff.cli import main
-from mechdiff.studies.spec import SpecError, default_spec, load_spec
+from mechdiff.studies.circuits.spec import default_spec, load_spec
+from mechdiff.studies.spec import SpecError
 
 
 def test_dataset_command_writes_jsonl_and_pairs(tmp_path, capsys):

@@ -280,8 +280,8 @@ def test_remote_names_hub_checkpoints_and_refuses_local_ones(monkeypatch):
 
 def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_path):
     from mechdiff.studies.circuits.reproduce import WeightsMissingError
+    from mechdiff.studies.circuits.spec import load_spec
     from mechdiff.studies.circuits.study import CircuitsStudy as Study
-    from mechdiff.studies.spec import load_spec
 
     spec = load_spec("tasks/entity_tracking_llama7b.toml")
     assert spec.reproduce.circuit.endswith("llama-7b-entity-tracking.json") and spec.reproduce.only
@@ -302,7 +302,7 @@ def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_p
 def test_reproduction_rows_sit_beside_the_published_figures(tiny_llama, smollm2_tokenizer, tmp_path):
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.studies.circuits.reproduce import published_figures, reproduction_rows
-    from mechdiff.studies.spec import default_spec
+    from mechdiff.studies.circuits.spec import default_spec
 
     paper = published_figures()
     assert paper["reported"]["accuracy_full"]["goat-7b"] == 0.82

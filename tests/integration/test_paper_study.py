@@ -7,8 +7,8 @@ import json
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.methods.cmap import dcm_cut
+from mechdiff.studies.circuits.spec import default_spec
 from mechdiff.studies.circuits.study import CircuitsStudy as Study
-from mechdiff.studies.spec import default_spec
 
 
 def paper_spec(names, out):

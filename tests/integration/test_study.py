@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import count_forwards
 
+from mechdiff.studies.circuits.spec import default_spec
 from mechdiff.studies.circuits.study import CircuitsStudy as Study
-from mechdiff.studies.spec import default_spec
 
 
 def tiny_spec(names, out):
@@ -175,7 +175,8 @@ def test_study_end_to_end_and_caching(tiny_family, tiny_study, tmp_path):
 def test_study_on_another_task(tiny_family, tmp_path):
     """`[task] name = "ioi"`: the same pipeline on IOI's prompts, plan and desideratum; an unknown task name
     is refused at load with the line and the way to import one."""
-    from mechdiff.studies.spec import SpecError, load_spec
+    from mechdiff.studies.circuits.spec import load_spec
+    from mechdiff.studies.spec import SpecError
 
     spec = tiny_spec(tiny_family, tmp_path)
     spec.task.name = "ioi"
@@ -321,7 +322,7 @@ def test_stage_keys_know_an_imported_tasks_rows(tiny_family, tmp_path):
     from conftest import capitals_rows, write_rows
 
     from mechdiff.cli import main
-    from mechdiff.studies.spec import output_dir
+    from mechdiff.studies.circuits.spec import output_dir
     from mechdiff.tasks.base import get_task
 
     def imported(rows: list[dict], matrix_n: int = 8) -> dict[str, str]:

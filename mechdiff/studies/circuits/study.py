@@ -31,7 +31,7 @@ from ...runs.stages import Pending, StageRecord, label
 from ...runs.stages import key_hash as _hash
 from ...tasks.base import Task, get_task
 from ..base import Study, rows_inputs, vocabulary_digest
-from ..spec import MATRIX_ONLY, RunSpec, discovery_inputs, section_inputs
+from .spec import MATRIX_ONLY, RunSpec, discovery_inputs, section_inputs
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class CircuitsStudy(Study):
     def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
         """The task file's spec, the base's dims and the task's token lengths (`circuits_inputs`)."""
         from ..resources import circuits_inputs
-        from ..spec import study_spec
+        from .spec import study_spec
 
         return circuits_inputs(study_spec(path, task), dtype=dtype)
 
@@ -121,7 +121,7 @@ class CircuitsStudy(Study):
     ) -> "CircuitsStudy":
         """The study of a task file (None: the embedded default study, ``tasks/entity_tracking.toml``); ``task``
         replaces its ``[task] name``, ``models`` its ``[models]`` dtype, device, device_map and remote."""
-        from ..spec import output_dir, study_spec
+        from .spec import output_dir, study_spec
 
         spec = study_spec(path, task)  # checked before anything loads; --task alone: that task's own groups
         if task is not None:
@@ -205,7 +205,7 @@ class CircuitsStudy(Study):
     def nested_sets(self, task: Optional[Task] = None) -> list[str]:
         """The sets drawn as first-N of one draw (``[sets] nested = true``: those of `NESTED_SETS` the
         study has), in the order they are dealt; none by default (every set disjoint by item)."""
-        from ..spec import NESTED_SETS
+        from .spec import NESTED_SETS
 
         if not self.spec.sets.nested:
             return []
@@ -446,7 +446,7 @@ class CircuitsStudy(Study):
         """The path-patching pairs' options ``[discovery]`` sets off their defaults: the paper's counterfactual
         construction, and the study's clean prompts where a model's seed redraws only the counterfactuals (none at the
         defaults, so every other task's generator is called as before)."""
-        from ..spec import KEYED_WHEN_SET
+        from .spec import KEYED_WHEN_SET
 
         d, defaults = self.spec.discovery, KEYED_WHEN_SET["discovery"]
         out = {}

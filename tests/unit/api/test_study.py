@@ -11,7 +11,8 @@ import tomllib
 
 import mechdiff as md
 from mechdiff.api.study import toml_text
-from mechdiff.studies.spec import SpecError, load_spec
+from mechdiff.studies.circuits.spec import load_spec
+from mechdiff.studies.spec import SpecError
 
 ROOT = Path(__file__).resolve().parents[3]
 MODELS = ["smollm2-135m", "smollm2-et"]

@@ -362,7 +362,7 @@ def test_the_papers_disjoint_groups_take_a_shared_head_out_of_the_earlier_group(
     once (without the rule, pairwise_minimality scores the shared pair in A and again in B, the second overwriting
     the first). A head shared across positions is two pairs and stays in both groups."""
     from mechdiff.circuits.pruning import disjoint_groups
-    from mechdiff.studies.spec import ScoringSection, load_spec, section_inputs
+    from mechdiff.studies.circuits.spec import ScoringSection, load_spec, section_inputs
 
     shared, a, b, c = Head(2, 1), Head(1, 0), Head(3, 0), Head(0, 2)
     circuit = Circuit(
@@ -392,8 +392,9 @@ def test_each_model_prunes_with_its_own_seed(tiny_family, tmp_path, monkeypatch)
     stays what it was without the option. The paper's task file selects the paper's seeds."""
     from mechdiff.runs.seeds import prompt_seed
     from mechdiff.runs.stages import StageRecord
+    from mechdiff.studies.circuits.spec import load_spec
     from mechdiff.studies.circuits.study import CircuitsStudy
-    from mechdiff.studies.spec import SpecError, load_spec
+    from mechdiff.studies.spec import SpecError
 
     base, ft = tiny_family
     head = f'[models]\nbase = "{base}"\nfinetunes = ["{ft}"]\n\n[task]\nname = "entity-tracking"\nn_boxes = 3\n'

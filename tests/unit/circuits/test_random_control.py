@@ -122,7 +122,7 @@ def test_random_prompts_must_index_the_scored_prompts():
 
 
 def test_the_findings_sentence_gives_the_rank_among_the_draws():
-    from mechdiff.studies.circuits.report import _rank_clause
+    from mechdiff.studies.circuits.report.claims import _rank_clause
 
     rows = matrix_rows("m", {"m": CIRCUIT}, DrawScorer(list(range(24))), n_random=9, seed=1)
     row = rows[0]

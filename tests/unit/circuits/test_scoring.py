@@ -377,8 +377,9 @@ def test_commands_write_the_study_tables_for_the_same_records(tiny_dirs, tmp_pat
     from types import SimpleNamespace
 
     from mechdiff.cli import main
-    from mechdiff.studies.circuits.report import matrix_section, positions_section
-    from mechdiff.studies.spec import default_spec
+    from mechdiff.studies.circuits.report.circuits import positions_section
+    from mechdiff.studies.circuits.report.matrix import matrix_section
+    from mechdiff.studies.circuits.spec import default_spec
 
     dirs, first, second = tiny_dirs
     out = tmp_path / "command"

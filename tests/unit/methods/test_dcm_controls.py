@@ -91,7 +91,7 @@ def test_encodes_rests_on_the_paired_tests_of_the_dcm_models_semantic_row():
     is "not shown"."""
     from mechdiff.common.inference import proportion
     from mechdiff.methods.dcm import SemanticResult
-    from mechdiff.studies.circuits.report import dcm_findings, dcm_tests
+    from mechdiff.studies.circuits.report.dcm import dcm_findings, dcm_tests
 
     def record(n_up: int) -> SimpleNamespace:
         patched, floor = [1] * n_up + [0] * 36, [0] * (n_up + 36)

@@ -288,7 +288,8 @@ def test_a_study_of_longer_answers_takes_path_patching(smollm2_tokenizer, tmp_pa
     """A study of method = "path" on a task of longer answers (and a plan of its own) is no longer refused: it goes
     on to load weights. Without a plan the task is refused before anything loads (never given entity tracking's)."""
     from mechdiff.studies.circuits import study as circuits
-    from mechdiff.studies.spec import SpecError, load_spec
+    from mechdiff.studies.circuits.spec import load_spec
+    from mechdiff.studies.spec import SpecError
 
     plan = tmp_path / "plan.toml"
     plan.write_text('[plan]\nname = "capitals"\n\n[steps.A]\nsender = "last"\nk = 2\n')

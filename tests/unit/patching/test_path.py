@@ -212,7 +212,7 @@ def test_discovery_is_exact_by_default(tiny_llama, pairs):
     """Without options every eligible sender is path patched exactly (no attribution screen), in the
     library, the command and the study's task file."""
     from mechdiff.cli import build_parser
-    from mechdiff.studies.spec import default_spec, load_spec
+    from mechdiff.studies.circuits.spec import default_spec, load_spec
 
     assert DiscoverySettings().screen is False
     assert build_parser().parse_args(["circuit"]).screen is False
@@ -388,7 +388,7 @@ def test_the_two_scores_can_order_senders_differently():
 def test_the_llama7b_task_file_scores_senders_as_the_paper_and_old_keys_stay():
     """The paper's task file selects the paper's score; a section at the old default keys as before the option
     existed (so the committed studies' circuit keys do not move), and a changed score re-keys the stage."""
-    from mechdiff.studies.spec import DiscoverySection, load_spec, section_inputs
+    from mechdiff.studies.circuits.spec import DiscoverySection, load_spec, section_inputs
 
     assert load_spec("tasks/entity_tracking_llama7b.toml").discovery.score == "mean_of_ratios"
     default = section_inputs("discovery", DiscoverySection())
@@ -504,7 +504,7 @@ def test_a_senders_draw_depends_on_the_seed_only(tiny_llama, pairs):
 def test_the_llama7b_task_file_reads_d_at_a_random_label_and_old_keys_stay():
     """The paper's task file reads D's sender at a random label and hands it to path patching; unset, the option
     stays out of the circuit stage's key (the committed studies' keys do not move)."""
-    from mechdiff.studies.spec import DiscoverySection, load_spec, section_inputs
+    from mechdiff.studies.circuits.spec import DiscoverySection, load_spec, section_inputs
 
     assert load_spec("tasks/entity_tracking_llama7b.toml").discovery.source_position == {"D": "labels"}
     assert "source_position" not in section_inputs("discovery", DiscoverySection())

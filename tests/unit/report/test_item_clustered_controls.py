@@ -104,7 +104,7 @@ def test_the_reconstructed_test_split_is_the_stages():
 def test_the_accuracy_table_counts_items_where_rows_share_them():
     from scipy.stats import binomtest
 
-    from mechdiff.studies.circuits.report import _accuracy_over_items
+    from mechdiff.studies.circuits.report.accuracy import _accuracy_over_items
 
     stage = {"accuracy": {"value": 0.75, "low": 0.6, "high": 0.86, "n": 32}, "answer_prob": {}}
     result = {**stage, "outcomes": {"correct": bits(PATCHED), "prob": list(PATCHED * 0.5 + 0.2)}}
@@ -116,7 +116,7 @@ def test_the_accuracy_table_counts_items_where_rows_share_them():
 
 def test_dcm_arms_are_shown_over_the_test_pairs_items():
     from mechdiff.runs.stages import StageRecord
-    from mechdiff.studies.circuits.report import _dcm_over_items, dcm_test_items
+    from mechdiff.studies.circuits.report.dcm import _dcm_over_items, dcm_test_items
 
     ids = np.repeat(np.arange(12), 4)  # the dcm set: 48 pairs in 12 items
     split, seed = [0.25, 0.125, 0.625], 1
@@ -149,7 +149,7 @@ def test_dcm_arms_are_shown_over_the_test_pairs_items():
 
 
 def test_normalised_faithfulness_over_items_reads_the_metrics_outcomes():
-    from mechdiff.studies.circuits.report import _normalised_over_items
+    from mechdiff.studies.circuits.report.matrix import _normalised_over_items
 
     rng = np.random.default_rng(0)
     full, empty = rng.normal(5, 1, 32), rng.normal(1, 1, 32)

@@ -30,7 +30,7 @@ def test_a_task_file_margin_changes_the_equivalence_verdict(tmp_path):
     normal approximation, sqrt(20) / 1000 x 1.645) lies inside the default +-0.05, so the sentence says "the same
     within +-0.05"; a task file's margin of 0.002 lies inside that interval, so the same rows are "not shown to
     differ nor the same within +-0.002". The file's other measures keep their defaults."""
-    from mechdiff.studies.spec import load_spec
+    from mechdiff.studies.circuits.spec import load_spec
 
     half = 1.645 * np.sqrt(20) / 1000
     assert 0.002 < half < 0.05  # the case is built to fall between the two margins
@@ -64,7 +64,8 @@ def test_a_task_file_margin_changes_the_equivalence_verdict(tmp_path):
     ],
 )  # fmt: skip
 def test_an_unknown_measure_or_a_bad_margin_is_refused_with_its_line(tmp_path, table, message):
-    from mechdiff.studies.spec import SpecError, load_spec
+    from mechdiff.studies.circuits.spec import load_spec
+    from mechdiff.studies.spec import SpecError
 
     path = tmp_path / "t.toml"
     path.write_text(HEAD + f"[inference]\nmargins = {table}\n")

@@ -14,7 +14,8 @@ from mechdiff.common.inference import Interval
 from mechdiff.methods.cmap import CMAPResult, CMAPRow
 from mechdiff.methods.dcm import DCMConfig, DCMResult, SemanticResult
 from mechdiff.studies.circuits.cmap import write_outputs
-from mechdiff.studies.circuits.report import cmap_section, dcm_section
+from mechdiff.studies.circuits.report.cmap import cmap_section
+from mechdiff.studies.circuits.report.dcm import dcm_section
 
 
 def _est(v: float, n: int = 10) -> Interval:

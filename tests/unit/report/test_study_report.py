@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from mechdiff.studies.circuits.report import circuit_findings, limitations
-from mechdiff.studies.spec import RunSpec, default_spec
+from mechdiff.studies.circuits.report.claims import circuit_findings
+from mechdiff.studies.circuits.report.run import limitations
+from mechdiff.studies.circuits.spec import RunSpec, default_spec
 
 
 def _spec(**changes) -> RunSpec:
@@ -86,7 +87,7 @@ def test_report_states_an_ordering_only_where_the_holm_adjusted_paired_test_reje
     from scipy import stats as sps
 
     from mechdiff.report.claims import cmap_family
-    from mechdiff.studies.circuits.report import _ordering
+    from mechdiff.studies.circuits.report.claims import _ordering
 
     clear = {"rows": [], "outcomes": {"circuit/v": [1] * 30 + [0] * 10, "circuit/qk": [1] * 20 + [0] * 20}}
     close = {"rows": [], "outcomes": {"circuit/v": [1] * 21 + [0] * 19, "circuit/qk": [1] * 20 + [0] * 20}}
@@ -123,7 +124,7 @@ def test_dcm_encodes_only_where_both_paired_tests_survive_holm():
 
 def test_a_skipped_dcm_states_no_finding():
     """A task without a desideratum: the report says DCM was not run and why, never that it selected no head."""
-    from mechdiff.studies.circuits.report import dcm_findings, dcm_section
+    from mechdiff.studies.circuits.report.dcm import dcm_findings, dcm_section
 
     why = "the task declares no desideratum: capitals defines none"
     skipped = SimpleNamespace(result={"dcm": [], "semantic": [], "skipped": why})
@@ -156,7 +157,7 @@ def test_captions_name_the_metric_the_code_used(tmp_path):
     """On a logit_diff task the attribution caption names the logit difference it differentiates, pruning's caption
     the logit difference it decided on (never "prob metric"), and path patching the measure its scores are
     relative changes of; on a prob task, the answer's (log-)probability as before."""
-    from mechdiff.studies.circuits.report import _method, pruning_section
+    from mechdiff.studies.circuits.report.circuits import _method, pruning_section
 
     pruned = {
         "base": SimpleNamespace(
@@ -191,7 +192,8 @@ def test_report_gives_accuracy_and_faithfulness_by_answer_length(tmp_path):
     import numpy as np
 
     from mechdiff.common.outcomes import bits, outcome_record
-    from mechdiff.studies.circuits.report import _by_answer_length, _matrix_by_answer_length
+    from mechdiff.studies.circuits.report.accuracy import _by_answer_length
+    from mechdiff.studies.circuits.report.matrix import _matrix_by_answer_length
     from mechdiff.tasks.base import Example
 
     lengths = [1, 2, 3, 1, 2, 4, 1, 1]
@@ -258,7 +260,7 @@ def test_circuit_x_model_by_answer_length_splits_first_token_from_the_rest():
     records without the split add no column."""
     import numpy as np
 
-    from mechdiff.studies.circuits.report import _first_and_rest_columns
+    from mechdiff.studies.circuits.report.matrix import _first_and_rest_columns
 
     rng = np.random.default_rng(4)
     full_first, full_rest, circ_first, circ_rest = (rng.random(60) < p for p in (0.9, 0.8, 0.6, 0.7))

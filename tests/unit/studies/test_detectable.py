@@ -32,8 +32,8 @@ def test_a_set_of_few_items_is_marked_beyond_what_a_difference_can_be():
 def _study(task_dir: str, tokenizer):
     """A circuits study of the imported task ``task_dir`` with 24 accuracy rows and one row in each other set (no
     models: the sets are drawn before any weights load)."""
+    from mechdiff.studies.circuits.spec import study_spec
     from mechdiff.studies.circuits.study import CircuitsStudy
-    from mechdiff.studies.spec import study_spec
 
     spec = study_spec(None, task_dir)
     spec.eval.n, spec.positions.n, spec.scoring.prune, spec.models.finetunes = 24, 0, False, []

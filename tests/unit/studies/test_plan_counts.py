@@ -12,8 +12,8 @@ from mechdiff.common.components import Head
 from mechdiff.models.devices import Device
 from mechdiff.models.footprint import Dims
 from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
+from mechdiff.studies.circuits.spec import default_spec, load_spec
 from mechdiff.studies.resources import Context, Lengths, _plan_steps, _reference_runs, _step_runs, _step_senders
-from mechdiff.studies.spec import default_spec, load_spec
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 
 CPU = Device("test cpu", 64 * 2**30, {"float32": 1e11}, gpu=False)

@@ -10,6 +10,7 @@ import pytest
 
 from mechdiff.models.devices import Device, get_device
 from mechdiff.models.footprint import model_dims
+from mechdiff.studies.circuits.spec import load_spec
 from mechdiff.studies.circuits.study import accuracy_cost as accuracy
 from mechdiff.studies.resources import (
     Context,
@@ -24,7 +25,6 @@ from mechdiff.studies.resources import (
     resource_plan,
     task_lengths,
 )
-from mechdiff.studies.spec import load_spec
 
 LENGTHS = Lengths(53.0, 53, {"last": 1.0, "query_label": 3.0, "query_label_context": 27.0}, 13, "given")
 CPU = Device("test cpu", 64 * 2**30, {"float32": 1e11, "bfloat16": 1e11}, gpu=False)
@@ -157,8 +157,8 @@ def test_the_memory_mode_holds_what_the_cache_holds(tiny_llama, smollm2_tokenize
     from mechdiff.common.components import all_heads
     from mechdiff.methods.dcm import PairCache
     from mechdiff.models.footprint import Dims
+    from mechdiff.studies.circuits.spec import default_spec
     from mechdiff.studies.resources import _dcm_cost
-    from mechdiff.studies.spec import default_spec
     from mechdiff.tasks.entity_tracking import object_value_pairs
 
     spec = default_spec()

@@ -1,4 +1,4 @@
-"""The paper's study as a task file: the spec's rules and its checks (mechdiff.studies.spec)."""
+"""The paper's study as a task file: the spec's rules and its checks (mechdiff.studies.circuits.spec)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize("name", ["entity_tracking_llama7b.toml", "entity_tracking_paper_form.toml"])
 def test_task_file_resolves_to_the_paper_rules(name):
     from mechdiff.methods.dcm import PAPER_DCM
+    from mechdiff.studies.circuits.spec import load_spec
     from mechdiff.studies.circuits.study import dcm_config
-    from mechdiff.studies.spec import load_spec
     from mechdiff.tasks.plan import default_plan
 
     spec = load_spec(ROOT / "tasks" / name)
@@ -63,7 +63,8 @@ def test_task_file_resolves_to_the_paper_rules(name):
 
 
 def test_task_file_paper_stages_need_pruning(tmp_path):
-    from mechdiff.studies.spec import SpecError, load_spec
+    from mechdiff.studies.circuits.spec import load_spec
+    from mechdiff.studies.spec import SpecError
 
     text = (ROOT / "tasks" / "entity_tracking_llama7b.toml").read_text()
     bad = tmp_path / "bad.toml"
@@ -86,7 +87,8 @@ def test_task_file_paper_stages_need_pruning(tmp_path):
 )
 def test_pairs_per_part_is_refused_with_its_line_where_it_cannot_hold(tmp_path, method, size, message):
     """A part of no pairs, of a fraction of one, or of a study that discovers no circuit by path patching."""
-    from mechdiff.studies.spec import SpecError, load_spec
+    from mechdiff.studies.circuits.spec import load_spec
+    from mechdiff.studies.spec import SpecError
 
     text = (ROOT / "tasks" / "entity_tracking_llama7b.toml").read_text()
     assert text.count('method = "path"') == 1
@@ -106,7 +108,8 @@ def test_a_file_asking_for_dcm_needs_the_tasks_own_desiderata(smollm2_tokenizer,
     not run)."""
     from conftest import capitals_rows, write_rows
 
-    from mechdiff.studies.spec import SpecError, load_spec
+    from mechdiff.studies.circuits.spec import load_spec
+    from mechdiff.studies.spec import SpecError
     from mechdiff.tasks.jsonl import import_pairs
 
     rows = capitals_rows(8)
@@ -134,8 +137,9 @@ def test_defaults_come_from_the_task_never_from_entity_tracking(smollm2_tokenize
     entity tracking's, and a study that leaves top_k unset is keyed as the committed ones were."""
     from conftest import capitals_rows, write_rows
 
+    from mechdiff.studies.circuits.spec import default_spec, load_spec, section_inputs
     from mechdiff.studies.circuits.study import CircuitsStudy
-    from mechdiff.studies.spec import SpecError, default_spec, load_spec, section_inputs
+    from mechdiff.studies.spec import SpecError
     from mechdiff.tasks.base import get_task
     from mechdiff.tasks.jsonl import import_pairs
     from mechdiff.tasks.plan import load_plan
@@ -178,9 +182,10 @@ def test_the_papers_counterfactuals_and_seeds_are_selected_by_the_paper_files_an
     position scan); the study hands them to the task's pairs, so every model sees the study's clean prompts. Unset,
     neither enters a stage key (the committed studies' keys do not move); set where they cannot act, each is refused
     with its line."""
-    from mechdiff.studies.circuits.report import _counterfactuals
+    from mechdiff.studies.circuits.report.circuits import _counterfactuals
+    from mechdiff.studies.circuits.spec import default_spec, load_spec, section_inputs
     from mechdiff.studies.circuits.study import CircuitsStudy
-    from mechdiff.studies.spec import SpecError, default_spec, load_spec, section_inputs
+    from mechdiff.studies.spec import SpecError
     from mechdiff.tasks.plan import default_plan
 
     spec = load_spec(ROOT / "tasks" / "entity_tracking_llama7b.toml")

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from mechdiff.studies import spec as S
+from mechdiff.studies.circuits import spec as C
 from mechdiff.studies.trajectory import settings as T
 
 HEAD = '[task]\nname = "entity-tracking"\n\n[models]\nbase = "smollm2-et-early"\nfinetunes = ["smollm2-et"]\n'
@@ -48,12 +49,12 @@ def _refused_at_its_line(tmp_path, load, head: str, section: str, key: str, valu
     return str(err.value)
 
 
-@pytest.mark.parametrize(("section", "key", "default"), _cases(S.SECTIONS))
+@pytest.mark.parametrize(("section", "key", "default"), _cases(C.SECTIONS))
 def test_every_field_of_a_circuits_task_file_is_checked_with_its_line(tmp_path, section, key, default):
     """Each field given a value of another type is refused with its line: the fields that default to None too
     (eval floor, models device and device_map, discovery pairs_per_part), which a check against the default's
     type never saw; those say they may be left out."""
-    message = _refused_at_its_line(tmp_path, S.load_spec, HEAD, section, key, _wrong(default))
+    message = _refused_at_its_line(tmp_path, C.load_spec, HEAD, section, key, _wrong(default))
     assert ("(or leave it out)" in message) == (default is None)
 
 
@@ -86,7 +87,7 @@ def test_a_field_that_defaults_to_none_is_checked_as_the_type_it_takes(tmp_path,
     with pytest.raises(
         S.SpecError, match=rf"t.toml:{line}: .* in \[{section}\] — give {type_name} \(or leave it out\)"
     ):
-        S.load_spec(path)
+        C.load_spec(path)
 
 
 def test_the_same_fields_given_their_type_load_as_written(tmp_path):
@@ -95,7 +96,7 @@ def test_the_same_fields_given_their_type_load_as_written(tmp_path):
         HEAD.replace("[models]\n", '[models]\ndevice = "cpu"\n')
         + '\n[eval]\nfloor = 0.4\n\n[discovery]\nmethod = "path"\npairs_per_part = 50\n'
     )
-    spec = S.load_spec(path)
+    spec = C.load_spec(path)
     assert (spec.eval.floor, spec.models.device, spec.discovery.pairs_per_part) == (0.4, "cpu", 50)
 
 
@@ -105,23 +106,23 @@ def test_a_number_is_kept_as_the_file_writes_it_so_stage_keys_do_not_move(tmp_pa
     for text, kept in (("1", 1), ("1.0", 1.0)):
         path = tmp_path / "t.toml"
         path.write_text(f"{HEAD}\n[dcm]\nlam = {text}\n\n[discovery]\nsizes = [0.5, {text}]\n")
-        spec = S.load_spec(path)
+        spec = C.load_spec(path)
         assert type(spec.dcm.lam) is type(kept) and spec.dcm.lam == kept
-        assert json.dumps(S.section_inputs("dcm", spec.dcm)["lam"]) == text
-        assert json.dumps(S.section_inputs("discovery", spec.discovery)["sizes"]) == f"[0.5, {text}]"
+        assert json.dumps(C.section_inputs("dcm", spec.dcm)["lam"]) == text
+        assert json.dumps(C.section_inputs("discovery", spec.discovery)["sizes"]) == f"[0.5, {text}]"
 
 
 def test_an_unknown_key_or_section_names_the_nearest_valid_one(tmp_path):
     path = tmp_path / "t.toml"
     path.write_text(f"{HEAD}\n[dcm]\nlamb = 0.1\n")
     with pytest.raises(S.SpecError, match=r"t.toml:9: unknown key 'lamb' in \[dcm\]; did you mean 'lam'\? valid keys"):
-        S.load_spec(path)
+        C.load_spec(path)
     path.write_text(f"{HEAD}\n[dcmm]\nlam = 0.1\n")
     with pytest.raises(S.SpecError, match=r"t.toml:8: unknown section \[dcmm\]; did you mean \[dcm\]\? valid sec"):
-        S.load_spec(path)
+        C.load_spec(path)
     path.write_text(f"{HEAD}\n[dcm]\nzzzz = 0.1\n")  # nothing near: the valid keys only
     with pytest.raises(S.SpecError, match=r"unknown key 'zzzz' in \[dcm\]; valid keys: desiderata"):
-        S.load_spec(path)
+        C.load_spec(path)
 
 
 def test_an_item_of_a_list_or_table_is_named(tmp_path):
@@ -129,13 +130,13 @@ def test_an_item_of_a_list_or_table_is_named(tmp_path):
     for text, where in (('sizes = [0.1, "x"]', "item 1 is 'x'"), ('top_k = { A = "x" }', "A is 'x'")):
         path.write_text(f"{HEAD}\n[discovery]\n{text}\n")
         with pytest.raises(S.SpecError, match=rf"t.toml:9: .*; {where}$"):
-            S.load_spec(path)
+            C.load_spec(path)
 
 
 def test_a_section_built_in_python_is_checked_as_a_file_is():
     """The same schema holds for a study built in Python: a wrong type or an unknown field is refused."""
     with pytest.raises(ValidationError, match="pairs_per_part"):
-        S.DiscoverySection(pairs_per_part="many")
+        C.DiscoverySection(pairs_per_part="many")
     with pytest.raises(ValidationError, match="lamb"):
         S.DcmSection(lamb=0.1)
     assert S.DcmSection(lam=1).lam == 1 and dataclasses.asdict(S.DcmSection()) == dataclasses.asdict(S.DcmSection())

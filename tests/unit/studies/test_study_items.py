@@ -10,7 +10,7 @@ from mechdiff.tasks.prompt_sets import clean_key
 
 def _study(tmp_path, monkeypatch, nested: bool):
     from mechdiff.studies.circuits import study as circuits
-    from mechdiff.studies.spec import load_spec
+    from mechdiff.studies.circuits.spec import load_spec
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     spec_file = tmp_path / "study.toml"
@@ -63,7 +63,8 @@ def test_nested_sets_are_prefixes_of_one_draw_and_the_record_says_so(tmp_path, m
 
 @pytest.mark.parametrize("value", ["yes", 1])
 def test_sets_nested_is_a_boolean(tmp_path, value):
-    from mechdiff.studies.spec import SpecError, load_spec
+    from mechdiff.studies.circuits.spec import load_spec
+    from mechdiff.studies.spec import SpecError
 
     path = tmp_path / "t.toml"
     path.write_text(

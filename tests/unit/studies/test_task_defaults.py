@@ -41,8 +41,9 @@ def test_run_task_alone_gets_the_tasks_own_groups_and_desiderata(capitals_dir, t
     refused, naming them; path patching on a task without a plan is refused, never given entity tracking's."""
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.common.components import Head
+    from mechdiff.studies.circuits.spec import default_spec, study_spec
     from mechdiff.studies.circuits.study import group_choice
-    from mechdiff.studies.spec import SpecError, default_spec, study_spec
+    from mechdiff.studies.spec import SpecError
     from mechdiff.tasks.base import get_task
 
     spec = study_spec(None, capitals_dir)
@@ -71,7 +72,7 @@ def test_circuit_keys_carry_the_top_k_the_study_uses():
     """A path study keys each step's top_k as it runs (the file's where it names the step, else the plan's): IOI
     with top_k unset keys IOI's plan k, not entity tracking's A-D; entity tracking unset keys its plan's A-D, the
     committed value; a curve study, which reads none, keys the committed constant whatever the file sets."""
-    from mechdiff.studies.spec import DiscoverySection, discovery_inputs, section_inputs
+    from mechdiff.studies.circuits.spec import DiscoverySection, discovery_inputs, section_inputs
     from mechdiff.tasks.base import get_task
     from mechdiff.tasks.plan import task_plan
 
@@ -91,7 +92,7 @@ def test_an_imported_tasks_floor_is_chance_among_its_answers(capitals_dir, tmp_p
     own chance level is used as before."""
     from conftest import capitals_rows, write_rows
 
-    from mechdiff.studies.spec import study_spec
+    from mechdiff.studies.circuits.spec import study_spec
     from mechdiff.tasks.base import answer_chance
     from mechdiff.tasks.jsonl import import_pairs
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from mechdiff.cli import main
-from mechdiff.studies.circuits.report import limitations
+from mechdiff.studies.circuits.report.run import limitations
 from mechdiff.tasks.base import get_task
 from mechdiff.tasks.jsonl import ImportErrors, import_pairs
 from mechdiff.tasks.row_checks import task_empty_classes
