@@ -45,33 +45,18 @@ def command_line(st: Any, out: str) -> str:
     return " ".join(["mechdiff headmap compare", f"--out {out}", *flags])
 
 
-def report_text(
-    st: Any,
-    out: str,
-    shape: Any,
-    located: dict[str, Circuit],
-    rows: list[dict],
-    overlap_rows: list[dict],
-    loc_rows: list[dict],
-    seconds: float,
-    seed_table: list[dict],
-    paired: list[dict],
-    sweep_table: list[dict],
-    lrs: Optional[tuple[float, float]],
-    cold_seconds: float,
-) -> str:
-    names = {"located": "HeadMap (located)", "random": "HeadMap, random heads per layer"}
-    et_c = located[TASK]
-    tr_c = located.get(st.transfer_task)
-    shared = sorted(set(et_c.heads()) & set(tr_c.heads())) if tr_c else []
-    lora_ref = lora_params(shape, st.lora_large)
-    hm_formula = HeadMap.n_params_for(heads_by_layer(et_c.heads()), shape.d_head, shape.d_model, st.rank)
-    pick = lambda rs, keys: [{k: r[k] for k in keys if k in r} for r in rs]  # noqa: E731
-    ratio_col = f"ratio_to_lora_r{st.lora_large}"
-    lora_lr, headmap_lr = lrs if lrs else (st.lr, st.headmap_lr)
-    main = verdict(paired, f"{names['located']} - {names['random']}")
-    et_meta = et_c.meta
-    lines = [
+#: The two runs the report's main question compares, by their table names.
+MAIN_PAIR = {"located": "HeadMap (located)", "random": "HeadMap, random heads per layer"}
+
+
+def _pick(rows: list[dict], keys: list[str]) -> list[dict]:
+    """Each row's ``keys`` (those it has), in that order."""
+    return [{k: r[k] for k in keys if k in r} for r in rows]
+
+
+def _header(st: Any, out: str, seconds: float, cold_seconds: float) -> list[str]:
+    """The title, the command that makes the study, the time it took and the study's notes."""
+    return [
         f"# HeadMap on {st.model}",
         "",
         f"Made by `{command_line(st, out)}` (the settings of `tasks/headmap.toml`: `mechdiff run "
@@ -80,6 +65,15 @@ def report_text(
         "computed it, on 2 shared CPU cores; stages cached under `stages/`).",
         "",
         *([st.notes, ""] if st.notes else []),
+    ]
+
+
+def _locating(st: Any, located: dict[str, Circuit], loc_rows: list[dict]) -> list[str]:
+    """How the heads were located, their cost and figures, and the heads both tasks share."""
+    et_c = located[TASK]
+    tr_c = located.get(st.transfer_task)
+    shared = sorted(set(et_c.heads()) & set(tr_c.heads())) if tr_c else []
+    return [
         "## Locating (layer-conditioned, zero masks)",
         "",
         f"Samples: the {st.n} lowest-loss prompts of a pool of {st.pool}; k = {st.k} heads kept per layer. "
@@ -99,6 +93,14 @@ def report_text(
             else ""
         ),
         "",
+    ]
+
+
+def _training(st: Any, shape: Any, located: dict[str, Circuit]) -> list[str]:
+    """How every run trains and is evaluated, and the parameter counts."""
+    lora_ref = lora_params(shape, st.lora_large)
+    hm_formula = HeadMap.n_params_for(heads_by_layer(located[TASK].heads()), shape.d_head, shape.d_model, st.rank)
+    return [
         "## HeadMap vs LoRA on entity tracking",
         "",
         f"Training: {st.steps} steps of {st.batch} prompts (2-7 boxes, training objects), AdamW; "
@@ -110,52 +112,57 @@ def report_text(
         f"HeadMap rank r = {st.rank}; its parameter count by the formula sum_l r (k_l d_head + d_model) = "
         f"{hm_formula}. LoRA: alpha = 2r on q, k, v, o; LoRA r={st.lora_large} has {lora_ref} parameters.",
         "",
-        "### Learning rates",
-        "",
     ]
-    if sweep_table:
-        lines += [
-            f"Both methods are swept over the same rates ({', '.join(f'{x:g}' for x in st.lrs)}) on seed "
-            f"{st.seeds[0]}: HeadMap on the located heads, LoRA at r={st.lora_small}. Each rate is scored on "
-            f"{st.val_n} validation prompts of *training* objects (7 boxes, seed {st.val_seed}; never the held-out "
-            "evaluation prompts), and each method then trains at its own best rate (ties: the smaller rate): "
-            f"LoRA at {lora_lr:g}, HeadMap at {headmap_lr:g}; the random, outside and transferred head sets train "
-            "at HeadMap's rate (chosen on the located heads, which can only favour the located row), "
-            "HeadMap + LoRA at both.",
-            "",
-            to_markdown(sweep_table),
-            "",
-            *edge_notes(st.lrs, {"LoRA": lora_lr, "HeadMap": headmap_lr}),
-        ]
-    else:
-        lines += [f"No sweep: LoRA at {lora_lr:g}, HeadMap at {headmap_lr:g}.", ""]
-    lines += [
+
+
+def _rates(st: Any, sweep_table: list[dict], lora_lr: float, headmap_lr: float) -> list[str]:
+    """The learning-rate sweep and the rates chosen (or the settings' rates without a sweep)."""
+    lines = ["### Learning rates", ""]
+    if not sweep_table:
+        return lines + [f"No sweep: LoRA at {lora_lr:g}, HeadMap at {headmap_lr:g}.", ""]
+    return lines + [
+        f"Both methods are swept over the same rates ({', '.join(f'{x:g}' for x in st.lrs)}) on seed "
+        f"{st.seeds[0]}: HeadMap on the located heads, LoRA at r={st.lora_small}. Each rate is scored on "
+        f"{st.val_n} validation prompts of *training* objects (7 boxes, seed {st.val_seed}; never the held-out "
+        "evaluation prompts), and each method then trains at its own best rate (ties: the smaller rate): "
+        f"LoRA at {lora_lr:g}, HeadMap at {headmap_lr:g}; the random, outside and transferred head sets train "
+        "at HeadMap's rate (chosen on the located heads, which can only favour the located row), "
+        "HeadMap + LoRA at both.",
+        "",
+        to_markdown(sweep_table),
+        "",
+        *edge_notes(st.lrs, {"LoRA": lora_lr, "HeadMap": headmap_lr}),
+    ]
+
+
+#: The columns of the report's accuracy table (``ratio_to_lora_r<rank>`` third).
+ACCURACY_COLUMNS = [
+    "method",
+    "trainable_params",
+    "seeds",
+    "per_seed",
+    "accuracy",
+    "sd",
+    "min",
+    "max",
+    "ci_low",
+    "ci_high",
+    "final_train_loss",
+    "train_seconds",
+]
+
+
+def _accuracy(st: Any, rows: list[dict], seed_table: list[dict]) -> list[str]:
+    """Accuracy per method (seeds pooled) and per seed, with the figures."""
+    columns = [*ACCURACY_COLUMNS[:2], f"ratio_to_lora_r{st.lora_large}", *ACCURACY_COLUMNS[2:]]
+    return [
         "### Accuracy (seeds pooled)",
         "",
         "accuracy: mean over seeds and prompts; per_seed: each seed's accuracy in seed order; sd, min, max: over "
         "the seeds; ci: 95% two-stage bootstrap (seeds, then prompts, resampled), an interval for the mean. "
         "`base` and the zoo's LoRA are fixed models, evaluated once.",
         "",
-        to_markdown(
-            pick(
-                rows,
-                [
-                    "method",
-                    "trainable_params",
-                    ratio_col,
-                    "seeds",
-                    "per_seed",
-                    "accuracy",
-                    "sd",
-                    "min",
-                    "max",
-                    "ci_low",
-                    "ci_high",
-                    "final_train_loss",
-                    "train_seconds",
-                ],
-            )
-        ),
+        to_markdown(_pick(rows, columns)),
         "",
         (
             f"The `lora-zoo` row is not retrained here: `{st.lora_zoo}` is step 15 of the zoo's LoRA run (r=8, "
@@ -174,24 +181,35 @@ def report_text(
         "accuracy, the rates it trained at):",
         "",
         to_markdown(
-            pick(seed_table, ["method", "seed", "accuracy", "ci_low", "ci_high", "val_accuracy", "lr", "headmap_lr"])
+            _pick(seed_table, ["method", "seed", "accuracy", "ci_low", "ci_high", "val_accuracy", "lr", "headmap_lr"])
         ),
         "",
     ]
-    if paired:
-        lines += [
-            "### Paired comparisons",
-            "",
-            "Accuracy difference (first minus second) on the same held-out prompts: per seed a paired bootstrap "
-            "over prompts; pooled, a two-stage bootstrap of the per-prompt differences (seeds, then prompts). "
-            "Seed s of both runs shares its training batches.",
-            "",
-            to_markdown(paired),
-            "",
-            f"**Do located heads beat random ones here?** {main or 'not measured (no located and random runs).'}",
-            "",
-        ]
-    lines += [
+
+
+def _paired(paired: list[dict], main: str) -> list[str]:
+    """The paired differences and the answer to the main question (none without paired runs)."""
+    if not paired:
+        return []
+    return [
+        "### Paired comparisons",
+        "",
+        "Accuracy difference (first minus second) on the same held-out prompts: per seed a paired bootstrap "
+        "over prompts; pooled, a two-stage bootstrap of the per-prompt differences (seeds, then prompts). "
+        "Seed s of both runs shares its training batches.",
+        "",
+        to_markdown(paired),
+        "",
+        f"**Do located heads beat random ones here?** {main or 'not measured (no located and random runs).'}",
+        "",
+    ]
+
+
+def _paper(st: Any, located: dict[str, Circuit], main: str) -> list[str]:
+    """What the paper states qualitatively beside what is measured here, and its settings beside these."""
+    et_c = located[TASK]
+    et_meta = et_c.meta
+    return [
         "## Beside the paper (Wang et al., HeadMap, ICLR 2025)",
         "",
         "No paper figure is set beside a measured one: the references this study could read hold the paper's "
@@ -209,37 +227,71 @@ def report_text(
         to_markdown(settings_rows(st)),
         "",
     ]
-    if overlap_rows:
-        lines += [
-            "## Located heads vs the path-patching circuit",
-            "",
-            "The path-patching circuits are those of `smollm2-et-early` (SmolLM2-135M after 15 LoRA steps on entity "
-            "tracking, the base of the committed study `results/entity-tracking-smollm2`): the repository has no "
-            "path-patching circuit of the raw `smollm2-135m`, which solves 7-box entity tracking too rarely "
-            "(0.09-0.16) for path patching to find a mechanism. The located heads are those of `smollm2-135m`, "
-            "whose weights `smollm2-et-early` shares but for a small LoRA.",
-            "",
-            "p: hypergeometric probability that a random head set of the located size shares at least this many "
-            f"heads with the path-patching group ({shape.n_layers * shape.n_heads} heads in all).",
-            "",
-            to_markdown(
-                pick(
-                    overlap_rows,
-                    [
-                        "path_patching",
-                        "located_on",
-                        "group",
-                        "name",
-                        "size_first",
-                        "size_second",
-                        "intersection",
-                        "frac_first",
-                        "p_value",
-                    ],
-                )
-            ),
-            "",
-        ]
+
+
+#: The columns of the report's overlap table.
+OVERLAP_COLUMNS = [
+    "path_patching",
+    "located_on",
+    "group",
+    "name",
+    "size_first",
+    "size_second",
+    "intersection",
+    "frac_first",
+    "p_value",
+]
+
+
+def _overlap(shape: Any, overlaps: list[dict]) -> list[str]:
+    """The located heads against the path-patching circuits (none without such circuits)."""
+    if not overlaps:
+        return []
+    return [
+        "## Located heads vs the path-patching circuit",
+        "",
+        "The path-patching circuits are those of `smollm2-et-early` (SmolLM2-135M after 15 LoRA steps on entity "
+        "tracking, the base of the committed study `results/entity-tracking-smollm2`): the repository has no "
+        "path-patching circuit of the raw `smollm2-135m`, which solves 7-box entity tracking too rarely "
+        "(0.09-0.16) for path patching to find a mechanism. The located heads are those of `smollm2-135m`, "
+        "whose weights `smollm2-et-early` shares but for a small LoRA.",
+        "",
+        "p: hypergeometric probability that a random head set of the located size shares at least this many "
+        f"heads with the path-patching group ({shape.n_layers * shape.n_heads} heads in all).",
+        "",
+        to_markdown(_pick(overlaps, OVERLAP_COLUMNS)),
+        "",
+    ]
+
+
+def report_text(
+    st: Any,
+    out: str,
+    shape: Any,
+    located: dict[str, Circuit],
+    rows: list[dict],
+    overlap_rows: list[dict],
+    loc_rows: list[dict],
+    seconds: float,
+    seed_table: list[dict],
+    paired: list[dict],
+    sweep_table: list[dict],
+    lrs: Optional[tuple[float, float]],
+    cold_seconds: float,
+) -> str:
+    """``report.md``'s text, section by section, from the tables `write_report` wrote."""
+    lora_lr, headmap_lr = lrs if lrs else (st.lr, st.headmap_lr)
+    main = verdict(paired, f"{MAIN_PAIR['located']} - {MAIN_PAIR['random']}")
+    lines = [
+        *_header(st, out, seconds, cold_seconds),
+        *_locating(st, located, loc_rows),
+        *_training(st, shape, located),
+        *_rates(st, sweep_table, lora_lr, headmap_lr),
+        *_accuracy(st, rows, seed_table),
+        *_paired(paired, main),
+        *_paper(st, located, main),
+        *_overlap(shape, overlap_rows),
+    ]
     return "\n".join(lines) + "\n"
 
 
