@@ -1,6 +1,6 @@
 """``mechdiff headmap``: HeadMap locating (``locate``), fine-tuning (``finetune``) and the study (``compare``).
 
-Argument parsing only: every option is a field of `mechdiff.studies.headmap.study.HeadMapSettings`
+Argument parsing only: every option is a field of `mechdiff.studies.headmap.settings.HeadMapSettings`
 (defaults there; ``compare --task FILE`` reads a task file's ``[headmap]`` section, flags override it),
 and each action calls `mechdiff.studies.headmap.study`.
 """
@@ -12,7 +12,7 @@ import logging
 from dataclasses import fields, replace
 
 from ..methods.headmap import TrainConfig
-from ..studies.headmap.study import RUNS, HeadMapSettings
+from ..studies.headmap.settings import RUNS, HeadMapSettings
 from ._options import add_model_options, load_from_args
 
 D = HeadMapSettings()
@@ -135,7 +135,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def settings_from(args: argparse.Namespace, task_file: bool = False) -> HeadMapSettings:
     """The task file's ``[headmap]`` section (``compare --task``) or the defaults, then every flag given."""
-    from ..studies.headmap.study import check_runs, load_settings
+    from ..studies.headmap.settings import check_runs, load_settings
 
     settings = load_settings(args.task) if task_file and args.task else HeadMapSettings()
     flags = {f.name: getattr(args, f.name) for f in fields(HeadMapSettings) if getattr(args, f.name, None) is not None}
@@ -157,7 +157,7 @@ def _setup(args: argparse.Namespace) -> None:
 
 def main_locate(args: argparse.Namespace) -> int:
     from ..common.io import check_writable
-    from ..studies.headmap.study import locate_and_write
+    from ..studies.headmap.locate import locate_and_write
 
     _setup(args)
     settings = settings_from(args)
@@ -170,7 +170,7 @@ def main_locate(args: argparse.Namespace) -> int:
 
 def main_finetune(args: argparse.Namespace) -> int:
     from ..common.io import check_writable
-    from ..studies.headmap.study import train_maps_and_write
+    from ..studies.headmap.training import train_maps_and_write
     from ._scoring import load_circuit, model_shape
 
     _setup(args)

@@ -1,6 +1,6 @@
 """``mechdiff knowledge``: knowledge circuits (Yao et al. 2024) of one relation, on one or more checkpoints.
 
-Argument parsing only: the settings are `mechdiff.studies.knowledge.study.KnowledgeSettings` (a task
+Argument parsing only: the settings are `mechdiff.studies.knowledge.settings.KnowledgeSettings` (a task
 file's ``[knowledge]`` section, then the flags given), the study is `mechdiff.studies.knowledge.study.KnowledgeStudy`
 (the kind ``mechdiff run`` runs for a task file with ``[study] kind = "knowledge"``), here on the one relation given.
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ..methods.knowledge.acdc import METRICS
 from ..studies.knowledge.report import relation_summary
-from ..studies.knowledge.study import ABLATIONS, METHODS, SELECTIONS, KnowledgeSettings, KnowledgeStudy, load_settings
+from ..studies.knowledge.settings import ABLATIONS, METHODS, SELECTIONS, KnowledgeSettings, load_settings
+from ..studies.knowledge.study import KnowledgeStudy
 from ..tasks.relation_data import available_relations
 from ._options import add_model_options, load_from_args
 

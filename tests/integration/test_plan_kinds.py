@@ -16,9 +16,14 @@ from conftest import make_tiny
 from mechdiff.models.devices import get_device
 from mechdiff.models.footprint import Dims
 from mechdiff.runs import stages as stage_module
-from mechdiff.studies.headmap import study as hm
-from mechdiff.studies.knowledge import study as kp
+from mechdiff.studies.headmap.settings import TASK, HeadMapSettings
+from mechdiff.studies.headmap.study import HeadMapStudy
+from mechdiff.studies.knowledge.facts import fact_lengths, load_facts
+from mechdiff.studies.knowledge.plan import knowledge_found
+from mechdiff.studies.knowledge.settings import KnowledgeSettings
+from mechdiff.studies.knowledge.study import KnowledgeStudy
 from mechdiff.studies.resources import Lengths, PlanInputs
+from mechdiff.tasks.relation_data import batches
 
 
 class PassCounter:
@@ -65,7 +70,7 @@ def _inputs(kind: str, settings, model, known: dict) -> PlanInputs:
 @pytest.mark.parametrize("method", ["eap", "eap-ig", "iterative"])
 def test_knowledge_stage_costs_count_the_passes_each_stage_runs(tmp_path, smollm2_tokenizer, monkeypatch, method):
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
-    settings = kp.KnowledgeSettings(
+    settings = KnowledgeSettings(
         method=method,
         ig_steps=3,
         shrink=0.5,
@@ -80,12 +85,12 @@ def test_knowledge_stage_costs_count_the_passes_each_stage_runs(tmp_path, smollm
     )
     _warm(model)
     counter = PassCounter(monkeypatch, [model])
-    study = kp.KnowledgeStudy(settings, tmp_path / "k", {model.name: model}.__getitem__, progress=False)
+    study = KnowledgeStudy(settings, tmp_path / "k", {model.name: model}.__getitem__, progress=False)
     study.run()
-    facts = kp.load_facts(model, settings)
+    facts = load_facts(model, settings)
     relation = settings.relation
-    known = {"facts": {relation: kp.fact_lengths(facts)}, "found": {relation: kp.knowledge_found(study.dir, facts)}}
-    costs = kp.KnowledgeStudy.stage_costs(_inputs("knowledge", settings, model, known), get_device("h100-80gb"))
+    known = {"facts": {relation: fact_lengths(facts)}, "found": {relation: knowledge_found(study.dir, facts)}}
+    costs = KnowledgeStudy.stage_costs(_inputs("knowledge", settings, model, known), get_device("h100-80gb"))
     assert {c.stage: c.reads.passes for c in costs} == dict(counter.passes)
     assert len(costs) == 4 and all(c.flops > 0 and c.transient > 0 for c in costs)
 
@@ -93,22 +98,20 @@ def test_knowledge_stage_costs_count_the_passes_each_stage_runs(tmp_path, smollm
 def test_knowledge_plan_before_the_run_assumes_every_size_tried(smollm2_tokenizer):
     """Before a run the plan counts every size of the sweep: at least the passes of the run that stopped early."""
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
-    settings = kp.KnowledgeSettings(sizes=(0.01, 0.05, 0.3), max_facts=6, models=(model.name,))
-    facts = kp.load_facts(model, settings)
-    counts = {settings.relation: kp.fact_lengths(facts)}
+    settings = KnowledgeSettings(sizes=(0.01, 0.05, 0.3), max_facts=6, models=(model.name,))
+    facts = load_facts(model, settings)
+    counts = {settings.relation: fact_lengths(facts)}
     device = get_device("h100-80gb")
-    before = kp.KnowledgeStudy.stage_costs(_inputs("knowledge", settings, model, {"facts": counts}), device)
+    before = KnowledgeStudy.stage_costs(_inputs("knowledge", settings, model, {"facts": counts}), device)
     found = {settings.relation: {"tried": {model.name: 1}}}
-    after = kp.KnowledgeStudy.stage_costs(
-        _inputs("knowledge", settings, model, {"facts": counts, "found": found}), device
-    )
-    batches = len(kp.batches(facts, settings.batch_size))
+    after = KnowledgeStudy.stage_costs(_inputs("knowledge", settings, model, {"facts": counts, "found": found}), device)
+    n_batches = len(batches(facts, settings.batch_size))
     scoring = [(b.reads.passes, a.reads.passes) for b, a in zip(before, after) if b.stage.startswith("scoring")]
-    assert scoring == [(scoring[0][1] + 2 * batches, scoring[0][1])]  # two sizes more, each every batch once
+    assert scoring == [(scoring[0][1] + 2 * n_batches, scoring[0][1])]  # two sizes more, each every batch once
 
 
-def _headmap_settings() -> hm.HeadMapSettings:
-    return hm.HeadMapSettings(
+def _headmap_settings() -> HeadMapSettings:
+    return HeadMapSettings(
         model="tiny-base",
         lora_zoo="tiny-zoo",
         path_patching=(),
@@ -142,15 +145,15 @@ def test_headmap_stage_costs_count_the_passes_each_stage_runs(tmp_path, smollm2_
         _warm(m)
     counter = PassCounter(monkeypatch, models.values())
     settings = _headmap_settings()
-    hm.HeadMapStudy(settings, tmp_path / "hm", models.__getitem__, progress=False).run()
-    tokens = {hm.TASK: 40, settings.transfer_task: 30}
-    costs = hm.HeadMapStudy.stage_costs(
+    HeadMapStudy(settings, tmp_path / "hm", models.__getitem__, progress=False).run()
+    tokens = {TASK: 40, settings.transfer_task: 30}
+    costs = HeadMapStudy.stage_costs(
         _inputs("headmap", settings, models["tiny-base"], {"tokens": tokens}), get_device("h100-80gb")
     )
     planned = {c.stage: c.reads.passes for c in costs}
     assert _headmap_names(planned) == _headmap_names(dict(counter.passes))
     assert len(costs) == len(counter.passes)
-    located = next(c for c in costs if c.stage == f"locate-{hm.TASK}")
+    located = next(c for c in costs if c.stage == f"locate-{TASK}")
     assert located.reads.blocks < located.reads.passes * models["tiny-base"].shape.n_layers  # resumed passes
 
 

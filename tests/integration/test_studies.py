@@ -12,7 +12,14 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from mechdiff.studies.knowledge import study as kp
+from mechdiff.methods.knowledge.graph import EdgeCircuit
+from mechdiff.studies.knowledge import analysis as k_analysis
+from mechdiff.studies.knowledge import discovery as k_discovery
+from mechdiff.studies.knowledge import facts as k_facts
+from mechdiff.studies.knowledge import model_run as k_model_run
+from mechdiff.studies.knowledge import scoring as k_scoring
+from mechdiff.studies.knowledge.settings import KnowledgeSettings, load_settings
+from mechdiff.studies.knowledge.study import KnowledgeStudy
 from mechdiff.studies.spec import SpecError
 
 
@@ -29,7 +36,7 @@ def _forbid(monkeypatch, module, *names):
 def _knowledge_setup(tmp_path, tokenizer):
     model = make_tiny("llama", tokenizer, seed=3, n_layers=2)
     # A random model ranks few answers in its top 10: a wide k keeps facts in the study.
-    settings = kp.KnowledgeSettings(
+    settings = KnowledgeSettings(
         method="eap",
         k=30000,
         target=0.0,
@@ -42,11 +49,9 @@ def _knowledge_setup(tmp_path, tokenizer):
     return model, settings, tmp_path / "k"
 
 
-def _knowledge_study(model, settings, out) -> "kp.KnowledgeStudy":
+def _knowledge_study(model, settings, out) -> "KnowledgeStudy":
     """The knowledge study of ``settings`` on the loaded ``model`` (a test's tiny one), by its class."""
-    return kp.KnowledgeStudy(
-        replace(settings, models=(model.name,)), out, {model.name: model}.__getitem__, progress=False
-    )
+    return KnowledgeStudy(replace(settings, models=(model.name,)), out, {model.name: model}.__getitem__, progress=False)
 
 
 def _run_knowledge(model, settings, out) -> dict:
@@ -102,24 +107,21 @@ def test_knowledge_rerun_recomputes_nothing(knowledge_first, tmp_path, monkeypat
     out = shutil.copytree(shared, tmp_path / "k")
     before = json.loads((out / "results.json").read_text())
     with monkeypatch.context() as m:
-        _forbid(
-            m,
-            kp,
-            "evaluate",
-            "attribution_scores",
-            "mean_ablation",
-            "logit_lens",
-            "attention_mass",
-            "faithfulness_curve",
-            "full_model_hits",
-        )
+        for module, names in (
+            (k_facts, ("evaluate", "full_model_hits")),
+            (k_model_run, ("evaluate", "mean_ablation")),
+            (k_discovery, ("attribution_scores",)),
+            (k_scoring, ("faithfulness_curve",)),
+            (k_analysis, ("logit_lens", "attention_mass")),
+        ):
+            _forbid(m, module, *names)
         second = _run_knowledge(model, settings, out)
     assert all(_cached(second).values())
     after = json.loads((out / "results.json").read_text())
     for key in ("circuit_edges", "full", "circuit", "random", "sweep", "curve", "roles", "logit_lens"):
         assert after[key] == before[key], key
     # The circuit file rewritten from the records is the same circuit.
-    assert len(kp.EdgeCircuit.load(out / "circuit.json").edges) == before["circuit_edges"]
+    assert len(EdgeCircuit.load(out / "circuit.json").edges) == before["circuit_edges"]
 
 
 def test_knowledge_changed_option_recomputes_only_its_stages(knowledge_first, tmp_path):
@@ -153,9 +155,7 @@ def test_knowledge_study_refuses_models_of_different_vocabularies_before_any_sta
 
     vocabs = {"a": {"x": 0, "y": 1}, "b": {"x": 0, "y": 2}}
     models = {n: SimpleNamespace(name=n, tokenizer=SimpleNamespace(get_vocab=v.copy)) for n, v in vocabs.items()}
-    study = kp.KnowledgeStudy(
-        kp.KnowledgeSettings(models=("a", "b")), tmp_path / "k", models.__getitem__, progress=False
-    )
+    study = KnowledgeStudy(KnowledgeSettings(models=("a", "b")), tmp_path / "k", models.__getitem__, progress=False)
     with pytest.raises(IncompatibleModels, match=r"vocabularies differ \(a: 2 tokens, b: 2 tokens, 2 differing"):
         study.stages()
     assert not (tmp_path / "k" / "stages").exists()
@@ -164,26 +164,26 @@ def test_knowledge_study_refuses_models_of_different_vocabularies_before_any_sta
 def test_knowledge_task_file_through_the_one_loader(tmp_path):
     good = tmp_path / "k.toml"
     good.write_text('[knowledge]\nrelation = "antonym"\nmodels = ["a", "b"]\nsizes = [0.1, 0.2]\nk = 5\n')
-    s = kp.load_settings(good)
+    s = load_settings(good)
     assert (s.relation, s.models, s.sizes, s.k) == ("antonym", ("a", "b"), (0.1, 0.2), 5)
-    assert s.tau == kp.KnowledgeSettings().tau  # the rest: the dataclass defaults
+    assert s.tau == KnowledgeSettings().tau  # the rest: the dataclass defaults
     bad = tmp_path / "bad.toml"
     bad.write_text('[knowledge]\nk = 5\n\nmethod = "eap-xx"\n')
     with pytest.raises(SpecError, match=r"bad.toml:4: method = 'eap-xx'.*valid values: eap, iterative"):
-        kp.load_settings(bad)
+        load_settings(bad)
     bad.write_text("[knowledge]\nk = 5\ntemplatez = 1\n")
     with pytest.raises(SpecError, match=r"bad.toml:3: unknown key 'templatez' in \[knowledge\]"):
-        kp.load_settings(bad)
+        load_settings(bad)
     bad.write_text('[knowledge]\nk = "ten"\n')
     with pytest.raises(SpecError, match=r"bad.toml:2: k = 'ten'"):
-        kp.load_settings(bad)
+        load_settings(bad)
     bad.write_text('[task]\nname = "ioi"\n')
     with pytest.raises(SpecError, match=r"bad.toml:1: unknown section \[task\]; valid sections: knowledge"):
-        kp.load_settings(bad)
+        load_settings(bad)
 
 
 def test_the_committed_knowledge_task_file_loads():
-    s = kp.load_settings("tasks/knowledge.toml")
+    s = load_settings("tasks/knowledge.toml")
     assert s.models == ("smollm2-135m", "smollm2-et") and s.sizes[0] == 0.001 and isinstance(s.sizes, tuple)
 
 
@@ -192,7 +192,11 @@ def test_the_committed_knowledge_task_file_loads():
 # --------------------------------------------------------------------------------------
 
 import mechdiff.studies.headmap.study as hm  # noqa: E402
-from mechdiff.studies.headmap.report import validation_accuracy  # noqa: E402
+from mechdiff.methods.headmap import choose_lr, correct, get_task, random_heads  # noqa: E402
+from mechdiff.studies.headmap import locate as hm_locate  # noqa: E402
+from mechdiff.studies.headmap import settings as hm_settings  # noqa: E402
+from mechdiff.studies.headmap import training as hm_training  # noqa: E402
+from mechdiff.studies.headmap.tables import validation_accuracy  # noqa: E402
 
 
 def _headmap_setup(tmp_path, tokenizer):
@@ -206,7 +210,7 @@ def _headmap_setup(tmp_path, tokenizer):
         loaded.append(name)
         return models[name]
 
-    settings = hm.HeadMapSettings(
+    settings = hm_settings.HeadMapSettings(
         model="tiny-base",
         lora_zoo="tiny-zoo",
         path_patching=(),
@@ -264,7 +268,9 @@ def test_headmap_rerun_recomputes_nothing(headmap_first, headmap_setup, monkeypa
     assert loaded_first.count("tiny-zoo") == 1  # the zoo's model loaded once, for its stage
     shutil.copytree(shared, out)
     with monkeypatch.context() as m:
-        _forbid(m, hm, "train", "locate_task", "correct")
+        _forbid(m, hm, "train")
+        _forbid(m, hm_locate, "locate_task")
+        _forbid(m, hm_training, "correct")
         again = hm.HeadMapStudy(settings, out, load, progress=False)
         again.run()
     assert all(r["cached"] for r in again.cache.summary().values())
@@ -277,9 +283,9 @@ def test_headmap_rerun_recomputes_nothing(headmap_first, headmap_setup, monkeypa
     base = next(r for r in rows if r["method"] == "base (no training)")
     want = float(
         np.mean(
-            hm.correct(
+            correct(
                 study.model.model,
-                hm.get_task("entity-tracking").eval_batch(
+                get_task("entity-tracking").eval_batch(
                     study.model.tokenizer, settings.eval_n, settings.train_config().eval_seed
                 ),
             )
@@ -335,9 +341,9 @@ def test_random_head_sets_draw_seeds_by_name(headmap_setup):
 
     located = study.locate("entity-tracking", settings.n).heads()
     for seed in (0, 1):  # every seed draws its own sets
-        assert study.heads("random", seed) == hm.random_heads(shape, per_layer, seed=derive(seed, "random-heads"))
+        assert study.heads("random", seed) == random_heads(shape, per_layer, seed=derive(seed, "random-heads"))
         outside = study.heads("outside", seed)
-        assert outside == hm.random_heads(shape, per_layer, seed=derive(seed, "outside-heads"), exclude=located)
+        assert outside == random_heads(shape, per_layer, seed=derive(seed, "outside-heads"), exclude=located)
         assert all((layer, h) not in {(x.layer, x.head) for x in located} for layer, hs in outside.items() for h in hs)
     assert study.heads("random") == study.heads("random", 0)
 
@@ -347,7 +353,7 @@ def test_headmap_task_file_and_committed_records(tmp_path, smollm2_tokenizer):
     records are reused as they are (the rates chosen from the committed validation outcomes)."""
     import shutil
 
-    settings = hm.load_settings("tasks/headmap.toml")
+    settings = hm_settings.load_settings("tasks/headmap.toml")
     assert (settings.n, settings.pool, settings.k, settings.batch_size, settings.steps, settings.eval_n) == (
         64,
         256,
@@ -366,17 +372,17 @@ def test_headmap_task_file_and_committed_records(tmp_path, smollm2_tokenizer):
     assert len(circuit.heads()) == 30 * settings.k and circuit.meta["n_samples"] == 64
     lora_lr, hm_lr = study.chosen_lrs({})
     sweep = study.sweep({})
-    assert hm_lr == hm.choose_lr(validation_accuracy(sweep["headmap"]))
-    assert lora_lr == hm.choose_lr(validation_accuracy(sweep["lora"]))
+    assert hm_lr == choose_lr(validation_accuracy(sweep["headmap"]))
+    assert lora_lr == choose_lr(validation_accuracy(sweep["lora"]))
     for run_id in ("base", "located", "lora-zoo"):
         assert len(study.train_run(run_id, {})["correct"]["entity-tracking"]) == settings.eval_n
     bad = tmp_path / "bad.toml"
     bad.write_text('[headmap]\nn = 8\nruns = ["base", "lorra"]\n')
     with pytest.raises(SpecError, match=r"bad.toml:3: runs = .*valid values: base, located"):
-        hm.load_settings(bad)
+        hm_settings.load_settings(bad)
     bad.write_text('[headmap]\n\ntransfer_task = "nonesuch"\n')
     with pytest.raises(SpecError, match=r"bad.toml:3: transfer_task = 'nonesuch'.*entity-tracking"):
-        hm.load_settings(bad)
+        hm_settings.load_settings(bad)
 
 
 def _parse(*argv):
@@ -402,13 +408,13 @@ def test_commands_read_the_task_file_and_flags_override_it():
     args = _parse("headmap", "compare", "--task", "tasks/headmap.toml", "--seeds", "0,5", "--lrs", "0.002,0.02")
     s = hm_cmd.settings_from(args, task_file=True)
     assert (s.seeds, s.lrs, s.val_n) == ((0, 5), (0.002, 0.02), 100)
-    assert hm_cmd.settings_from(_parse("headmap", "locate", "--out", "x")) == hm.HeadMapSettings()
+    assert hm_cmd.settings_from(_parse("headmap", "locate", "--out", "x")) == hm_settings.HeadMapSettings()
     with pytest.raises(ValueError, match="unknown runs"):
         hm_cmd.settings_from(_parse("headmap", "compare", "--runs", "base,lorra"), task_file=True)
     args = _parse("knowledge", "--task", "tasks/knowledge.toml", "--models", "m1", "--sizes", "1,10", "--no-curve")
     s = k_cmd.settings_from(args)
     assert (s.models, s.sizes, s.curve, s.relation) == (("m1",), (0.01, 0.1), False, "country_language")
-    assert k_cmd.settings_from(_parse("knowledge")) == kp.KnowledgeSettings()
+    assert k_cmd.settings_from(_parse("knowledge")) == KnowledgeSettings()
 
 
 def test_studies_hold_their_directory_lock(knowledge_run, headmap_setup):

@@ -13,8 +13,10 @@ from conftest import count_forwards, make_tiny
 
 from mechdiff.runs.seeds import PROMPT_OFFSETS, prompt_seed
 from mechdiff.studies.base import KINDS, format_plan, load_study, study_class, study_kind
-from mechdiff.studies.headmap import study as hm
-from mechdiff.studies.knowledge import study as kn
+from mechdiff.studies.headmap import settings as hm_settings
+from mechdiff.studies.headmap.study import HeadMapStudy
+from mechdiff.studies.knowledge import settings as kn_settings
+from mechdiff.studies.knowledge.study import KnowledgeStudy
 from mechdiff.studies.spec import SpecError
 
 #: study.SEED_OFFSETS before the one study system (copied from it), and reproduce.py's ``seed + 7`` and ``+ 8``:
@@ -78,7 +80,7 @@ def _states(plan) -> dict[str, str]:
 
 def test_knowledge_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
-    settings = kn.KnowledgeSettings(
+    settings = kn_settings.KnowledgeSettings(
         method="eap",
         k=30000,
         target=0.0,
@@ -95,7 +97,7 @@ def test_knowledge_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
         loads.append(name)
         return model
 
-    study = kn.KnowledgeStudy(settings, tmp_path / "k", load, progress=False)
+    study = KnowledgeStudy(settings, tmp_path / "k", load, progress=False)
     n = model.name
     per_relation = {
         "facts": "compute",
@@ -113,7 +115,7 @@ def test_knowledge_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
         assert (tmp_path / "k" / r / "report.md").is_file()
     manifest = json.loads((tmp_path / "k" / "run.json").read_text())
     assert manifest["kind"] == "knowledge" and set(manifest["stages"]) == set(want)
-    again = kn.KnowledgeStudy(settings, tmp_path / "k", load, progress=False)
+    again = KnowledgeStudy(settings, tmp_path / "k", load, progress=False)
     replan = again.plan()
     assert all(p.cached for p in replan) and {p.name: p.key for p in replan} == {
         n: s["key"] for n, s in manifest["stages"].items()
@@ -123,7 +125,7 @@ def test_knowledge_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
     assert calls == []
     assert all(r.cached for c in again.caches() for r in c.records.values())
     # one changed option: the plan says which stages recompute, before anything does
-    changed = kn.KnowledgeStudy(replace(settings, n_random=2), tmp_path / "k", load, progress=False)
+    changed = KnowledgeStudy(replace(settings, n_random=2), tmp_path / "k", load, progress=False)
     assert {name: state for name, state in _states(changed.plan()).items() if state != "cached"} == {
         **{f"{r}/scoring:{n}": "compute" for r in settings.relations},
         **{f"{r}/analysis:{n}": f"after scoring:{n}" for r in settings.relations},
@@ -137,7 +139,7 @@ def test_knowledge_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
 
 def test_headmap_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
     tiny = make_tiny("llama", smollm2_tokenizer, seed=1, n_layers=2)
-    settings = hm.HeadMapSettings(
+    settings = hm_settings.HeadMapSettings(
         model="tiny-base",
         path_patching=(),
         n=4,
@@ -151,7 +153,7 @@ def test_headmap_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
         seeds=(0,),
         runs=("base", "located", "random"),
     )
-    study = hm.HeadMapStudy(settings, tmp_path / "hm", lambda name: tiny, progress=False)
+    study = HeadMapStudy(settings, tmp_path / "hm", lambda name: tiny, progress=False)
     hlr = f"{settings.headmap_lr:g}"
     assert _states(study.plan()) == {
         "train-base": "compute",
@@ -161,7 +163,7 @@ def test_headmap_study_plan_run_and_rerun(tmp_path, smollm2_tokenizer):
     }
     study.run()
     ran = {n: r.key for n, r in study.cache.records.items()}
-    again = hm.HeadMapStudy(settings, tmp_path / "hm", lambda name: tiny, progress=False)
+    again = HeadMapStudy(settings, tmp_path / "hm", lambda name: tiny, progress=False)
     replan = again.plan()
     assert all(p.cached for p in replan) and {p.name: p.key for p in replan} == ran
     assert "0 of 4 stages to compute" in format_plan(replan)
@@ -177,12 +179,12 @@ def test_committed_headmap_study_resolves_to_its_committed_stages(smollm2, tmp_p
 
     committed = json.loads(Path("results/headmap-smollm2/run.json").read_text())
     shutil.copytree("results/headmap-smollm2/stages", tmp_path / "stages")
-    settings, directory = hm.load_file("tasks/headmap.toml")
+    settings, directory = hm_settings.load_file("tasks/headmap.toml")
     assert directory == "results/headmap-smollm2"
     assert {k: v for k, v in json.loads(json.dumps(settings.__dict__)).items() if k != "notes"} == {
         k: v for k, v in committed["settings"].items() if k != "notes"
     }
-    study = hm.HeadMapStudy(settings, tmp_path, lambda name: smollm2, progress=False)
+    study = HeadMapStudy(settings, tmp_path, lambda name: smollm2, progress=False)
     plan = study.plan()
     assert {p.name: p.key for p in plan} == {n: s["key"] for n, s in committed["stages"].items()}
     assert all(p.cached for p in plan)
@@ -191,9 +193,9 @@ def test_committed_headmap_study_resolves_to_its_committed_stages(smollm2, tmp_p
 def test_committed_knowledge_study_resolves_to_its_committed_facts(smollm2, tmp_path):
     """`mechdiff run tasks/knowledge_acdc.toml` plans the three committed relations with their settings; the first
     stage of each (which facts the model gets right) has the committed key, so the same facts are read."""
-    settings, directory = kn.load_file("tasks/knowledge_acdc.toml")
+    settings, directory = kn_settings.load_file("tasks/knowledge_acdc.toml")
     assert directory == "results/knowledge-smollm2/acdc"
-    study = kn.KnowledgeStudy(settings, tmp_path, lambda name: smollm2, progress=False)
+    study = KnowledgeStudy(settings, tmp_path, lambda name: smollm2, progress=False)
     plan = {p.name: p for p in study.plan()}
     for relation in settings.relations:
         root = Path(directory) / relation

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -14,9 +14,7 @@ from ...methods.knowledge import figures
 from ...methods.knowledge.evaluate import CURVE_RANKING
 from ...methods.knowledge.graph import EdgeCircuit
 from ...report.tables import to_markdown, write_table
-
-#: The study's settings (`mechdiff.studies.knowledge.study.KnowledgeSettings`): read, never imported here.
-KnowledgeSettings = Any
+from .settings import KnowledgeSettings
 
 
 def relation_summary(result: dict, k: int) -> str:

@@ -285,6 +285,7 @@ def test_the_study_chooses_each_rate_on_validation_prompts_only(tiny_llama, tmp_
     import numpy as np
 
     import mechdiff.studies.headmap.study as study_mod
+    from mechdiff.studies.headmap.settings import TASK, VAL, HeadMapSettings
 
     best_val = {0: 3e-3, 4: 1e-2}  # lora rank -> the rate its validation outcomes favour
     calls = []
@@ -292,8 +293,8 @@ def test_the_study_chooses_each_rate_on_validation_prompts_only(tiny_llama, tmp_
     def fake_train(model, cfg, heads, ev, progress=True):
         lr = cfg.lr if cfg.lora_rank else cfg.headmap_lr
         calls.append((cfg.lora_rank, lr, cfg.seed))
-        val = [1.0 if lr == best_val[cfg.lora_rank] else 0.0] * len(ev[study_mod.VAL]["answer_ids"])
-        held_out = [1.0 if lr == 1e-3 else 0.0] * len(ev[study_mod.TASK]["answer_ids"])  # favours another rate
+        val = [1.0 if lr == best_val[cfg.lora_rank] else 0.0] * len(ev[VAL]["answer_ids"])
+        held_out = [1.0 if lr == 1e-3 else 0.0] * len(ev[TASK]["answer_ids"])  # favours another rate
         return {
             "config": {"lr": cfg.lr, "headmap_lr": cfg.headmap_lr, "lora_rank": cfg.lora_rank},
             "heads": {str(k): v for k, v in (heads or {}).items()},
@@ -301,11 +302,11 @@ def test_the_study_chooses_each_rate_on_validation_prompts_only(tiny_llama, tmp_
             "headmap_params": 0,
             "losses": [1.0],
             "train_seconds": 0.0,
-            "correct": {study_mod.TASK: held_out, study_mod.VAL: val},
+            "correct": {TASK: held_out, VAL: val},
         }
 
     monkeypatch.setattr(study_mod, "train", fake_train)
-    settings = study_mod.HeadMapSettings(
+    settings = HeadMapSettings(
         model="tiny",
         path_patching=(),
         n=4,
@@ -330,10 +331,10 @@ def test_the_study_chooses_each_rate_on_validation_prompts_only(tiny_llama, tmp_
     )
     assert [r["config"]["headmap_lr"] for r in results["located"] + results["random"]] == [3e-3] * 4
     assert [r["config"]["lr"] for r in results["lora-small"]] == [1e-2] * 2
-    from mechdiff.studies.headmap.report import sweep_rows
+    from mechdiff.studies.headmap.tables import sweep_rows
 
     rows = sweep_rows(study.sweep({}), study.names(), study.chosen_lrs({}))
     chosen = {r["method"]: r["lr"] for r in rows if r["chosen"]}
     assert chosen == {"HeadMap (located)": 3e-3, "LoRA r=4 (q,k,v,o)": 1e-2}
     assert all(r["val_accuracy"] == (1.0 if r["chosen"] else 0.0) for r in rows)
-    assert np.mean(results["located"][0]["correct"][study_mod.TASK]) == 0.0  # the held-out outcomes were not used
+    assert np.mean(results["located"][0]["correct"][TASK]) == 0.0  # the held-out outcomes were not used

@@ -1,4 +1,4 @@
-"""The HeadMap study's report (mechdiff.studies.headmap.report): the per-method rows over seeds, the paired differences
+"""The HeadMap study's report (mechdiff.studies.headmap.tables): the per-method rows over seeds, the paired differences
 and their verdict, and the notes on rates chosen at an end of the grid."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _records(acc_by_seed, n=200, seed=0):
 def test_seed_aggregation_reports_each_seed_their_spread_and_an_interval_for_the_mean():
     import numpy as np
 
-    from mechdiff.studies.headmap.report import method_rows
+    from mechdiff.studies.headmap.tables import method_rows
 
     names = {"located": "L", "random": "R"}
     results = {"located": _records([0.5, 0.6, 0.7]), "random": _records([0.6, 0.6, 0.6])}
@@ -49,7 +49,7 @@ def test_seed_aggregation_reports_each_seed_their_spread_and_an_interval_for_the
 def test_paired_rows_difference_per_seed_and_pooled_and_the_verdict():
     import numpy as np
 
-    from mechdiff.studies.headmap.report import paired_rows, verdict
+    from mechdiff.studies.headmap.tables import paired_rows, verdict
 
     names = {"located": "L", "random": "R", "outside": "O"}
     better = _records([0.9, 0.8, 0.85])
@@ -71,7 +71,7 @@ def test_paired_rows_difference_per_seed_and_pooled_and_the_verdict():
 
 
 def test_edge_notes_warn_only_for_rates_at_an_end_of_the_grid():
-    from mechdiff.studies.headmap.report import edge_notes
+    from mechdiff.studies.headmap.tables import edge_notes
 
     notes = edge_notes((1e-3, 3e-3, 1e-2), {"LoRA": 1e-2, "HeadMap": 3e-3, "Other": 1e-3})
     text = " ".join(notes)

@@ -146,7 +146,7 @@ def test_a_plain_settings_dataclass_is_checked_and_kept(tmp_path):
     """A kind whose settings are a plain dataclass (knowledge: also built from flags) is checked by the same schema
     when read from a file, and built as its own class from the values as the file gives them (a list where a
     tuple is the default becomes a tuple)."""
-    from mechdiff.studies.knowledge.study import KnowledgeSettings, load_settings
+    from mechdiff.studies.knowledge.settings import KnowledgeSettings, load_settings
 
     path = tmp_path / "k.toml"
     path.write_text('[knowledge]\nk = "ten"\n')

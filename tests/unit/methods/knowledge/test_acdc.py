@@ -143,7 +143,8 @@ def test_metrics_against_the_model():
 
 
 def test_pipeline_runs_prefiltered_acdc(tmp_path, smollm2_tokenizer):
-    from mechdiff.studies.knowledge.study import KnowledgeSettings, run_model
+    from mechdiff.studies.knowledge.results import run_model
+    from mechdiff.studies.knowledge.settings import KnowledgeSettings
     from mechdiff.tasks.relation_data import Relation, batches, build_facts
 
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)

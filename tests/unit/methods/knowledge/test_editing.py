@@ -108,7 +108,8 @@ def _top1_facts(model, facts):
 
 
 def test_circuits_before_and_after_an_edit(tmp_path, smollm2_tokenizer):
-    from mechdiff.studies.knowledge.study import KnowledgeSettings, run_model
+    from mechdiff.studies.knowledge.results import run_model
+    from mechdiff.studies.knowledge.settings import KnowledgeSettings
 
     tok = smollm2_tokenizer
     models = {

@@ -188,7 +188,8 @@ def test_relations_and_facts(smollm2_tokenizer):
 
 @pytest.mark.parametrize("method", ["eap", "iterative"])
 def test_pipeline_on_a_tiny_model(tmp_path, smollm2_tokenizer, method):
-    from mechdiff.studies.knowledge.study import KnowledgeSettings, compare, run_model
+    from mechdiff.studies.knowledge.results import compare, run_model
+    from mechdiff.studies.knowledge.settings import KnowledgeSettings
 
     model = make_tiny("llama", smollm2_tokenizer, seed=3, n_layers=2)
     facts = build_facts(smollm2_tokenizer, Relation.load("country_language"))[:4]
@@ -218,7 +219,8 @@ def test_pipeline_on_a_tiny_model(tmp_path, smollm2_tokenizer, method):
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gemma3_text"])
 def test_pipeline_on_other_families(tmp_path, smollm2_tokenizer, family):
     """The knowledge pipeline on a fused-QKV (GPT-2), interleaved parallel (NeoX) and post-norm (Gemma 3) model."""
-    from mechdiff.studies.knowledge.study import KnowledgeSettings, run_model
+    from mechdiff.studies.knowledge.results import run_model
+    from mechdiff.studies.knowledge.settings import KnowledgeSettings
     from unit.models.test_architectures import build_family
 
     model = build_family(family, seed=3, tokenizer=smollm2_tokenizer)
