@@ -199,8 +199,9 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     from mechdiff.methods.cmap import run_cmap
     from mechdiff.methods.dcm import PairCache, random_pool, run_dcm
     from mechdiff.patching.evaluate import evaluate
-    from mechdiff.studies import resources as r
-    from mechdiff.studies.circuits.study import accuracy_cost, dcm_config
+    from mechdiff.studies.circuits.stages import cmap, counting, dcm
+    from mechdiff.studies.circuits.stages.accuracy import cost as accuracy_cost
+    from mechdiff.studies.circuits.stages.dcm import dcm_config
     from mechdiff.tasks.base import get_task
     from mechdiff.tasks.entity_tracking import path_patching_pairs, positional_pairs
 
@@ -209,7 +210,7 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     task = get_task("entity-tracking")
     records = task.records(tok, sizes.n, 0, n_boxes=7)
     reference = task.records(tok, sizes.reference, 1, n_boxes=7)
-    step = r._plan_steps(ctx)[0]
+    step = counting.plan_steps(ctx)[0]
     heads = [Head(layer, h) for layer in range(shape.n_layers) for h in range(0, shape.n_heads, 4)]
     circuit = Circuit(base.name, "entity-tracking", {"A": heads}, {"A": step.sender})
     pairs = path_patching_pairs(tok, sizes.pairs, n_boxes=7, seed=0)
@@ -231,12 +232,12 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
 
     return {
         "accuracy": (lambda: evaluate(base, records, sizes.batch, progress=False), accuracy_cost(ctx, base.name)),
-        "matrix-cell": (matrix_cell, r._scored(ctx, "matrix-cell", sizes.n, 1)),
+        "matrix-cell": (matrix_cell, counting.scored(ctx, "matrix-cell", sizes.n, 1)),
         **path_steps(ctx, base, pairs),
-        "dcm-epoch": (dcm_epoch, r.dcm(ctx, base.name, 0, "file")),  # the scratch file, as dcm_epoch builds it
+        "dcm-epoch": (dcm_epoch, dcm.cost(ctx, base.name, 0, "file")),  # the scratch file, as dcm_epoch builds it
         "cmap-pass": (
             lambda: run_cmap(base, other, circuit, records, ["z"], sizes.batch, ["A"], progress=False),
-            r.cmap(ctx, other.name),
+            cmap.cost(ctx, other.name),
         ),
     }
 
@@ -253,10 +254,11 @@ def path_steps(ctx: Any, base: Any, pairs: list) -> dict[str, tuple[Callable[[],
     from mechdiff.common.components import Head
     from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
     from mechdiff.studies import resources as r
+    from mechdiff.studies.circuits.stages import circuit, counting
 
     shape, n, out = base.shape, len(pairs), {}
     deepest = [Head(layer, h) for layer in reversed(range(shape.n_layers)) for h in range(shape.n_heads)]
-    plan = {step.name: step for step in r._plan_steps(ctx)}
+    plan = {step.name: step for step in counting.plan_steps(ctx)}
 
     def run(step: Any, held: int, per_pass: int) -> Callable[[], None]:
         receivers = None
@@ -271,9 +273,9 @@ def path_steps(ctx: Any, base: Any, pairs: list) -> dict[str, tuple[Callable[[],
         return go
 
     def cost(name: str, step: Any, held: int) -> tuple[int, Any]:
-        flops, kept, transient, per_pass = r._path_cost(ctx, n, [step], held=held)
+        flops, kept, transient, per_pass = circuit.path_cost(ctx, n, [step], held=held)
         parts, senders = math.ceil(n / held), ctx.dims.n_layers * ctx.dims.n_heads
-        reads = ctx.reads(parts * r._prepared_runs(ctx, n, held, 1))
+        reads = ctx.reads(parts * circuit.prepared_runs(ctx, n, held, 1))
         reads += ctx.reads(2 * parts * math.ceil(senders / per_pass), ctx.dims.n_layers / 2)
         return per_pass, r.StageCost(name, 1, n, per_pass * held, flops, ctx.weights, kept, transient, reads=reads)
 
@@ -306,7 +308,8 @@ def run_case(
     print the plan on ``plan_device`` (default H100) and run nothing (the models on the meta device)."""
     from mechdiff.models.devices import get_device, this_machine
     from mechdiff.models.footprint import Dims
-    from mechdiff.studies.resources import Context, place
+    from mechdiff.studies.circuits.stages.counting import Context
+    from mechdiff.studies.resources import place
     from mechdiff.tasks.base import get_task
 
     config = json.loads(Path(config_path).read_text())

@@ -148,8 +148,9 @@ def prompts(n: int, vocab: int) -> list:
 def planned(dims, dtype: str, n: int, batch: int, records: list) -> tuple:
     """The planner's accuracy stage for these prompts: its cost and its placement on this machine."""
     from mechdiff.models.devices import this_machine
-    from mechdiff.studies.circuits.study import accuracy_cost as accuracy
-    from mechdiff.studies.resources import Context, Lengths, place, with_overhead
+    from mechdiff.studies.circuits.stages.accuracy import cost as accuracy
+    from mechdiff.studies.circuits.stages.counting import Context
+    from mechdiff.studies.resources import Lengths, place, with_overhead
     from mechdiff.studies.spec import default_spec
 
     spec = default_spec()
@@ -234,8 +235,9 @@ def run_stages(count: bool, save: Optional[Path] = None, memory: bool = False) -
 
     from mechdiff.models.footprint import model_dims
     from mechdiff.runs import stages as stage_module
+    from mechdiff.studies.circuits.stages.plan import found_in
     from mechdiff.studies.circuits.study import CircuitsStudy
-    from mechdiff.studies.resources import found_in, pass_overhead, scratch_bandwidth
+    from mechdiff.studies.resources import pass_overhead, scratch_bandwidth
 
     measured: dict[str, dict] = {}
     original = stage_module.StageCache.run
@@ -323,7 +325,7 @@ def planned_stages(
     ``overhead`` and scratch files read back at ``disk_read`` bytes a second (0: not counted), told what the run
     ``known`` found."""
     from mechdiff.models.devices import Device
-    from mechdiff.studies.resources import resource_plan
+    from mechdiff.studies.circuits.stages.plan import resource_plan
 
     dtype = spec.models.dtype
     reads = {dtype: bandwidth} if bandwidth else {}

@@ -87,7 +87,7 @@ def _serial_reason(study: Any, requested: Optional[int]) -> str:
 def _memory(study: Any) -> tuple[int, int]:
     """The predicted peak bytes of every model's worker at once (each: its heaviest stage) and the bytes free."""
     from ..models.devices import Device, available_memory, process_memory
-    from ..studies.resources import resource_plan
+    from ..studies.circuits.stages.plan import resource_plan
 
     free = available_memory()
     # each worker: a process of its own, holding what this one holds before its models load

@@ -8,8 +8,8 @@ import torch.utils.flop_counter
 
 from mechdiff.models.devices import Device
 from mechdiff.runs import stages as stage_module
+from mechdiff.studies.circuits.stages.plan import found_in, resource_plan
 from mechdiff.studies.circuits.study import CircuitsStudy
-from mechdiff.studies.resources import found_in, resource_plan
 
 #: How far a stage's planned FLOPs may lie from those counted: the plan counts every prompt at the mean token
 #: length and a suffix run from a class's mean first position (the run: each batch from its own), so it is not exact.

@@ -678,7 +678,7 @@ class TrajectoryStudy(Study):
     def groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
         """The circuit's groups a stage patches: ``wanted`` (those with heads), else every group at a position of the
         task's prompts (`analysis_groups`)."""
-        from ..circuits.study import analysis_groups
+        from ..circuits.stages.groups import analysis_groups
 
         return analysis_groups(self.task, self.records("eval", 16), circuit, wanted)
 
@@ -963,7 +963,7 @@ class TrajectoryStudy(Study):
         }
 
     def dcm_config(self):
-        from ..circuits.study import dcm_config
+        from ..circuits.stages.dcm import dcm_config
 
         return dcm_config(SimpleNamespace(dcm=self.st.dcm, eval=self.st.eval, task=self.st.task))
 
@@ -972,7 +972,7 @@ class TrajectoryStudy(Study):
         desiderata ``names``, with ``[dcm]``'s pairs and training: the results, and the groups left out (a class
         whose token count differs within a pair, `unpaired_classes`)."""
         from ...methods.dcm import dcm_circuit
-        from ..circuits.study import unpaired_classes
+        from ..circuits.stages.dcm import unpaired_classes
 
         d = self.st.dcm
         circuit = Circuit.from_dict(final.result["circuit"])
@@ -1010,7 +1010,7 @@ class TrajectoryStudy(Study):
         """Key inputs naming the classes of several tokens a DCM, CMAP or roles stage may patch
         (`class_groups`; empty, so the keys stay, where every group is one
         named token)."""
-        from ..circuits.study import class_groups
+        from ..circuits.stages.groups import class_groups
 
         return class_groups(self.records("eval", 16), wanted)
 
@@ -1056,7 +1056,7 @@ class TrajectoryStudy(Study):
         final = Circuit.from_dict(circuits[self.final].result["circuit"])
         scored = circuits.values() if self.st.roles.heads == "any" else [circuits[self.final]]
         own = [Circuit.from_dict(rec.result["circuit"]) for rec in scored]
-        from ..circuits.study import unpaired_classes
+        from ..circuits.stages.dcm import unpaired_classes
 
         groups = self.groups(final, self.st.roles.groups or self.st.dcm.groups)
         # a class whose token count differs between a pair's two prompts is patched token for token nowhere: left

@@ -12,7 +12,12 @@ from mechdiff.common.components import Head
 from mechdiff.models.devices import Device
 from mechdiff.models.footprint import Dims
 from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
-from mechdiff.studies.resources import Context, Lengths, _plan_steps, _reference_runs, _step_runs, _step_senders
+from mechdiff.studies.circuits.stages.circuit import step_runs as _step_runs
+from mechdiff.studies.circuits.stages.circuit import step_senders as _step_senders
+from mechdiff.studies.circuits.stages.counting import Context
+from mechdiff.studies.circuits.stages.counting import plan_steps as _plan_steps
+from mechdiff.studies.circuits.stages.counting import reference_runs as _reference_runs
+from mechdiff.studies.resources import Lengths
 from mechdiff.studies.spec import default_spec, load_spec
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 
@@ -128,7 +133,9 @@ def test_the_released_circuit_stands_in_for_the_bases_pruned_circuit_before_a_ru
 
     from mechdiff.models.devices import get_device
     from mechdiff.models.footprint import model_dims
-    from mechdiff.studies.resources import _group_starts, dcm, with_released
+    from mechdiff.studies.circuits.stages.counting import group_starts as _group_starts
+    from mechdiff.studies.circuits.stages.dcm import cost as dcm
+    from mechdiff.studies.circuits.stages.plan import with_released
 
     spec = load_spec("tasks/entity_tracking_llama7b.toml")
     released = json.loads(open(spec.reproduce.circuit).read())

@@ -10,20 +10,16 @@ import pytest
 
 from mechdiff.models.devices import Device, get_device
 from mechdiff.models.footprint import model_dims
-from mechdiff.studies.circuits.study import accuracy_cost as accuracy
-from mechdiff.studies.resources import (
-    Context,
-    Lengths,
-    _desiderata,
-    _groups,
-    circuit,
-    cmap,
-    dcm,
-    place,
-    prune,
-    resource_plan,
-    task_lengths,
-)
+from mechdiff.studies.circuits.stages.accuracy import cost as accuracy
+from mechdiff.studies.circuits.stages.circuit import cost as circuit
+from mechdiff.studies.circuits.stages.cmap import cost as cmap
+from mechdiff.studies.circuits.stages.counting import Context
+from mechdiff.studies.circuits.stages.counting import circuit_groups as _groups
+from mechdiff.studies.circuits.stages.dcm import cost as dcm
+from mechdiff.studies.circuits.stages.dcm import desiderata as _desiderata
+from mechdiff.studies.circuits.stages.plan import resource_plan
+from mechdiff.studies.circuits.stages.prune import cost as prune
+from mechdiff.studies.resources import Lengths, place, task_lengths
 from mechdiff.studies.spec import load_spec
 
 LENGTHS = Lengths(53.0, 53, {"last": 1.0, "query_label": 3.0, "query_label_context": 27.0}, 13, "given")
@@ -141,7 +137,7 @@ def test_the_papers_study_fits_one_h100_machine(paper_spec, dtype):
 def test_the_cache_mode_is_the_fastest_that_fits_else_the_smallest(paper_spec):
     """With a disk as fast as memory the file (suffix runs) is fastest; a disk too small rules it out; a host too
     small for anything leaves recompute, which holds least; a mode named in [dcm] cache is kept."""
-    from mechdiff.studies.resources import dcm_cache_choice
+    from mechdiff.studies.circuits.stages.dcm import dcm_cache_choice
 
     fast = replace(get_device("h100-80gb"), disk=10**13, disk_read=1e12)
     assert dcm_cache_choice(context(paper_spec, "bfloat16", fast))[0] == "file"
@@ -157,7 +153,7 @@ def test_the_memory_mode_holds_what_the_cache_holds(tiny_llama, smollm2_tokenize
     from mechdiff.common.components import all_heads
     from mechdiff.methods.dcm import PairCache
     from mechdiff.models.footprint import Dims
-    from mechdiff.studies.resources import _dcm_cost
+    from mechdiff.studies.circuits.stages.dcm import mode_cost as _dcm_cost
     from mechdiff.studies.spec import default_spec
     from mechdiff.tasks.entity_tracking import object_value_pairs
 

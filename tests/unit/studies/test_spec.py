@@ -12,7 +12,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize("name", ["entity_tracking_llama7b.toml", "entity_tracking_paper_form.toml"])
 def test_task_file_resolves_to_the_paper_rules(name):
     from mechdiff.methods.dcm import PAPER_DCM
-    from mechdiff.studies.circuits.study import dcm_config
+    from mechdiff.studies.circuits.stages.dcm import dcm_config
     from mechdiff.studies.spec import load_spec
     from mechdiff.tasks.plan import default_plan
 

@@ -41,7 +41,7 @@ def test_run_task_alone_gets_the_tasks_own_groups_and_desiderata(capitals_dir, t
     refused, naming them; path patching on a task without a plan is refused, never given entity tracking's."""
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.common.components import Head
-    from mechdiff.studies.circuits.study import group_choice
+    from mechdiff.studies.circuits.stages.groups import group_choice
     from mechdiff.studies.spec import SpecError, default_spec, study_spec
     from mechdiff.tasks.base import get_task
 
