@@ -4,7 +4,7 @@ No weights and no network: models are made from the shipped LLaMA-7B config (``m
 to ``--layers`` (the vocabulary is SmolLM2's tokenizer's, whose prompts they read), randomly initialised on the
 device (``--tokenizer``: a saved SmolLM2 tokenizer, as ``benchmarks/gpu_bundle.py`` exports it, in place of the GGUF's).
 Each stage runs as the study runs it, on the entity-tracking prompts, and is counted by the planner
-(:mod:`mechdiff.studies.resources`) for the same sizes:
+(:mod:`mechdiff.studies.planner`) for the same sizes:
 
 - ``accuracy``: one forward a prompt (:func:`mechdiff.patching.evaluate.evaluate`);
 - ``matrix-cell``: reference means, the full model and one circuit mean-ablated (a matrix cell;
@@ -192,7 +192,7 @@ def gpu_matmul_throughput(dims: Any, dtype: str, rows: int) -> float:
 
 
 def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[Callable[[], Any], Any]]:
-    """Each stage: (its run, the planner's :class:`~mechdiff.studies.resources.StageCost` of it)."""
+    """Each stage: (its run, the planner's :class:`~mechdiff.studies.planner.StageCost` of it)."""
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.circuits.scoring import Scorer
     from mechdiff.common.components import Head
@@ -245,15 +245,15 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
 def path_steps(ctx: Any, base: Any, pairs: list) -> dict[str, tuple[Callable[[], Any], Any]]:
     """Path patching as discovery runs each step of the task's plan (A-D), every eligible head an exact sender,
     and step A again with its pairs held in two parts: each run and the planner's cost of it (its FLOPs, memory
-    and weight reads, as ``resources._path_circuit`` counts one step). A step's receivers are its receiver step's
-    ``k`` heads in the deepest layers (every head below them a sender: the most a step can have; a study's are
+    and weight reads, as ``stages.circuit.path_circuit_cost`` counts one step). A step's receivers are its receiver
+    step's ``k`` heads in the deepest layers (every head below them a sender: the most a step can have; a study's are
     wherever the step before selected), read at the step's site and position: step D's receiver runs go from its
     position to the end (suffix runs)."""
     import math
 
     from mechdiff.common.components import Head
     from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
-    from mechdiff.studies import resources as r
+    from mechdiff.studies import planner as r
     from mechdiff.studies.circuits.stages import circuit, counting
 
     shape, n, out = base.shape, len(pairs), {}
@@ -309,7 +309,7 @@ def run_case(
     from mechdiff.models.devices import get_device, this_machine
     from mechdiff.models.footprint import Dims
     from mechdiff.studies.circuits.stages.counting import Context
-    from mechdiff.studies.resources import place
+    from mechdiff.studies.planner import place
     from mechdiff.tasks.base import get_task
 
     config = json.loads(Path(config_path).read_text())
@@ -375,7 +375,7 @@ def run_case(
 def _lengths(records: list) -> Any:
     from statistics import mean
 
-    from mechdiff.studies.resources import Lengths
+    from mechdiff.studies.planner import Lengths
 
     sizes = [len(r.input_ids) for r in records]
     suffix = {

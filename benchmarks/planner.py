@@ -1,4 +1,4 @@
-"""The resource planner (``mechdiff.studies.resources``) against measurement, on this machine.
+"""The resource planner (``mechdiff.studies.planner``) against measurement, on this machine.
 
 Each case runs in a fresh process: a model is made (SmolLM2-135M from its weights; LLaMA-7B's config at full width
 with its depth cut to 2 or 4 layers, randomly initialised; LLaMA-7B's full config in bfloat16 where this machine has
@@ -150,7 +150,8 @@ def planned(dims, dtype: str, n: int, batch: int, records: list) -> tuple:
     from mechdiff.models.devices import this_machine
     from mechdiff.studies.circuits.stages.accuracy import cost as accuracy
     from mechdiff.studies.circuits.stages.counting import Context
-    from mechdiff.studies.resources import Lengths, place, with_overhead
+    from mechdiff.studies.machine import with_overhead
+    from mechdiff.studies.planner import Lengths, place
     from mechdiff.studies.spec import default_spec
 
     spec = default_spec()
@@ -237,7 +238,7 @@ def run_stages(count: bool, save: Optional[Path] = None, memory: bool = False) -
     from mechdiff.runs import stages as stage_module
     from mechdiff.studies.circuits.stages.plan import found_in
     from mechdiff.studies.circuits.study import CircuitsStudy
-    from mechdiff.studies.resources import pass_overhead, scratch_bandwidth
+    from mechdiff.studies.machine import pass_overhead, scratch_bandwidth
 
     measured: dict[str, dict] = {}
     original = stage_module.StageCache.run

@@ -4,7 +4,7 @@ Each worker is ``mechdiff run ... --model NAME`` (`run_model`): its
 model's stages, waiting on the others' through the stage cache. Every model runs at once (a model's matrix row
 waits for every model's circuit, so fewer workers than models could wait forever), each with its share of the cores
 as torch threads, when the machine has at least two cores and the memory the resource plan
-(`mechdiff.studies.resources`) predicts for all of them. The parent then writes the report from the cache.
+(`mechdiff.studies.planner`) predicts for all of them. The parent then writes the report from the cache.
 Each worker's output reaches the terminal line by line under its model's name; a worker that fails ends the others
 and the run, with its last lines.
 """

@@ -1,4 +1,4 @@
-"""The resource planner's per-stage FLOPs (mechdiff.studies.resources) against torch's FLOP counter over each stage
+"""The resource planner's per-stage FLOPs (mechdiff.studies.planner) against torch's FLOP counter over each stage
 of a real tiny study, the planner told what the run found (its circuits, scan steps, pruning's searches)."""
 
 from __future__ import annotations

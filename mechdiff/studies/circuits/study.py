@@ -219,8 +219,8 @@ class CircuitsStudy(CircuitsData):
         inputs (written by the other processes; a record of other inputs does not count)."""
 
         def ready(n: str) -> bool:
-            accuracy = self.cache.ready(f"accuracy:{n}", accuracy.inputs(self, n))
-            if accuracy and not self.has_behaviour(self.accuracy(n)):
+            measured = self.cache.ready(f"accuracy:{n}", accuracy.inputs(self, n))
+            if measured and not self.has_behaviour(self.accuracy(n)):
                 return True  # no circuit will come: the model does not do the task
             inputs = self._circuit_inputs(n)
             if not self.cache.ready(f"circuit:{n}", inputs):

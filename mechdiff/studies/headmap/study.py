@@ -199,7 +199,7 @@ def train_maps_and_write(model: LoadedModel, circuit: Circuit, cfg: TrainConfig,
 
 
 # --------------------------------------------------------------------------------------
-# The cost of each stage above, for the resource plan (`mechdiff.studies.resources`)
+# The cost of each stage above, for the resource plan (`mechdiff.studies.planner`)
 # --------------------------------------------------------------------------------------
 
 #: Rows a pass of `correct` (the held-out and validation evaluations) holds: its default batch size.
@@ -210,7 +210,7 @@ def locate_cost(meter: Any, st: HeadMapSettings, task: str, n: int, tokens: floa
     """`locate_and_write` (`locate_task`): the pool's full passes (sample selection); per layer after the first
     the selections' entry residual carried one block on, ``n`` rows; per layer the ``(heads + 1) x n`` variants'
     passes from that layer on; the final masked pass of the ``n`` samples."""
-    from ..resources import StageCost
+    from ..planner import StageCost
 
     d, b = meter.dims, st.batch_size
     L, H = d.n_layers, d.n_heads
@@ -231,7 +231,7 @@ def locate_cost(meter: Any, st: HeadMapSettings, task: str, n: int, tokens: floa
 def evaluation_cost(meter: Any, st: HeadMapSettings, tokens: float, stage: str, models: int = 1) -> Any:
     """``train-base`` and ``train-lora-zoo``: `correct` on the ``eval_n`` held-out prompts (``models``: the zoo's
     LoRA held beside the study's model)."""
-    from ..resources import StageCost
+    from ..planner import StageCost
 
     rows = meter.rows(st.eval_n, EVAL_BATCH)
     return StageCost(
@@ -249,7 +249,7 @@ def train_cost(meter: Any, st: HeadMapSettings, run_id: str, tokens: float, stag
     from ...methods.headmap import HeadMap, lora_params
     from ...models.architectures import ModelShape
     from ...models.footprint import backward_bytes
-    from ..resources import StageCost
+    from ..planner import StageCost
 
     d, rank = meter.dims, {"lora-large": st.lora_large, "lora-small": st.lora_small, "headmap+lora": st.lora_small}
     shape = ModelShape(d.n_layers, d.n_heads, d.n_kv_heads, d.d_head, d.d_model, d.vocab_size)
@@ -391,7 +391,7 @@ class HeadMapStudy(Study):
     def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
         """The ``[headmap]`` settings, the model's dims and the tokens of each task it locates on."""
         from ...models.footprint import model_dims
-        from ..resources import Lengths, PlanInputs, planning_tokenizer
+        from ..planner import Lengths, PlanInputs, planning_tokenizer
 
         if path is None or task is not None:
             raise ValueError("a HeadMap study is a task file's [headmap] section; it has no [task] to override")

@@ -566,7 +566,7 @@ def facts_stage(
 
 
 # --------------------------------------------------------------------------------------
-# The cost of each stage above, for the resource plan (`mechdiff.studies.resources`): passes of the edge forward
+# The cost of each stage above, for the resource plan (`mechdiff.studies.planner`): passes of the edge forward
 # (`edge_forward`: a forward of the model plus every receiver's input mixed from the senders, 2 x edges x d_model
 # FLOPs a token) over the facts' batches (one token length each, `batches`)
 # --------------------------------------------------------------------------------------
@@ -621,7 +621,7 @@ def _ablation_runs(s: KnowledgeSettings) -> int:
 
 def facts_cost(meter: Any, s: KnowledgeSettings, graph: Graph, every: _Facts, stage: str) -> Any:
     """`facts_stage`: each model's full forward of every fact of the relation."""
-    from ..resources import StageCost
+    from ..planner import StageCost
 
     models = len(s.models)
     passes = models * every.passes
@@ -656,7 +656,7 @@ def discovery_runs(s: KnowledgeSettings, edges: int) -> tuple[float, float, str]
 
 def discovery_cost(meter: Any, s: KnowledgeSettings, graph: Graph, kept: _Facts, stage: str) -> Any:
     """`discovery_stage` on the kept facts (`discovery_runs`); a backward counted as two forwards' FLOPs."""
-    from ..resources import StageCost
+    from ..planner import StageCost
 
     runs, backward, note = discovery_runs(s, graph.n_edges)
     on = kept
@@ -692,7 +692,7 @@ def scoring_cost(
     meter: Any, s: KnowledgeSettings, graph: Graph, kept: _Facts, stage: str, tried: Optional[int] = None
 ) -> Any:
     """`scoring_stage` (`scoring_runs`)."""
-    from ..resources import StageCost
+    from ..planner import StageCost
 
     runs = scoring_runs(s, graph.n_edges, tried)
     note = "" if tried is not None or s.method == "acdc" else "every size tried (the first to reach target ends it)"
@@ -706,7 +706,7 @@ def scoring_cost(
 def analysis_cost(meter: Any, s: KnowledgeSettings, graph: Graph, kept: _Facts, stage: str) -> Any:
     """`analysis_stage`: the logit lens's edge forward of every kept fact (the senders' outputs kept) with the
     unembedding of the residual stream after every layer at two positions, and `attention_mass`'s plain forward."""
-    from ..resources import StageCost
+    from ..planner import StageCost
 
     d, n = meter.dims, sum(kept.lengths.values())
     lens = 2 * (1 + d.n_layers) * n * 2 * d.d_model * d.vocab_size
@@ -760,7 +760,7 @@ def knowledge_found(run_dir: str | Path, facts: Sequence[Fact]) -> dict:
 def plan_facts(s: KnowledgeSettings) -> tuple[dict[str, dict[int, int]], str]:
     """Each relation's facts per token length (`fact_lengths`, after ``max_facts``) under the first model's
     tokenizer, else the stand-in's (`planning_tokenizer`), and which tokenizer counted them."""
-    from ..resources import planning_tokenizer
+    from ..planner import planning_tokenizer
 
     tokenizer, used = planning_tokenizer(s.models[0])
     out = {}
@@ -812,7 +812,7 @@ class KnowledgeStudy(Study):
         """The ``[knowledge]`` settings, the first model's dims (every model is assumed of its shape: checkpoints
         of one model) and each relation's facts per token length under its tokenizer (`plan_facts`)."""
         from ...models.footprint import model_dims
-        from ..resources import Lengths, PlanInputs
+        from ..planner import Lengths, PlanInputs
 
         if path is None or task is not None:
             raise ValueError("a knowledge study is a task file's [knowledge] section; it has no [task] to override")

@@ -449,7 +449,7 @@ def read_labels(path: str | Path) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------
-# The cost of each stage of `TrajectoryStudy`, for the resource plan (`mechdiff.studies.resources`): passes of
+# The cost of each stage of `TrajectoryStudy`, for the resource plan (`mechdiff.studies.planner`): passes of
 # ``[eval] batch_size`` prompts; each checkpoint's reference means are computed by its first scorer (its circuit
 # stage, or an other run's ranking) and read from the activation store by the later ones
 # --------------------------------------------------------------------------------------
@@ -459,7 +459,7 @@ def _cost(meter: Any, st: TrajectorySettings, stage: str, n: int, passes: list, 
     """A stage of ``n`` prompts whose passes are ``passes``: (rows each run holds, passes, FLOP factor: 2 for a
     forward and a backward to the activations); its largest batch's activations and mean-ablation writes."""
     from ...models.footprint import backward_bytes, dtype_bytes
-    from ..resources import StageCost
+    from ..planner import StageCost
 
     t, d = meter.lengths, meter.dims
     rows = meter.rows(n, st.eval.batch_size)
@@ -599,7 +599,7 @@ class TrajectoryStudy(Study):
         """The settings, the base's dims and the task's token lengths (`task_lengths`), the DCM table where
         ``[dcm] labels`` names one; no checkpoint loads."""
         from ...models.footprint import model_dims
-        from ..resources import PlanInputs, task_lengths
+        from ..planner import PlanInputs, task_lengths
 
         st = load_settings(path)
         if task:

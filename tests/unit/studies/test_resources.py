@@ -1,4 +1,4 @@
-"""The resource plan (mechdiff.studies.resources): memory bounded by the batch, fit and remedies on a named device,
+"""The resource plan (mechdiff.studies.planner): memory bounded by the batch, fit and remedies on a named device,
 and ``mechdiff run --plan`` on the paper's task file without its weights."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mechdiff.studies.circuits.stages.dcm import cost as dcm
 from mechdiff.studies.circuits.stages.dcm import desiderata as _desiderata
 from mechdiff.studies.circuits.stages.plan import resource_plan
 from mechdiff.studies.circuits.stages.prune import cost as prune
-from mechdiff.studies.resources import Lengths, place, task_lengths
+from mechdiff.studies.planner import Lengths, place, task_lengths
 from mechdiff.studies.spec import load_spec
 
 LENGTHS = Lengths(53.0, 53, {"last": 1.0, "query_label": 3.0, "query_label_context": 27.0}, 13, "given")
@@ -237,7 +237,7 @@ def test_plan_device_without_plan_is_refused():
 def test_totals_name_the_stage_that_keeps_a_study_over_30_minutes():
     """The plan names the stage without which a study would fit 30 minutes, and says where no one stage does."""
     from mechdiff.models.devices import get_device
-    from mechdiff.studies.resources import Placement, StageCost, _totals
+    from mechdiff.studies.planner import Placement, StageCost, _totals
 
     def placed(stage: str, minutes: float) -> Placement:
         cost = StageCost(stage, 1, 10, 10, 1e12, 0, 0, 0)
@@ -292,7 +292,7 @@ def test_a_prompt_counts_the_tokens_its_teacher_forced_runs_append():
     """An answer of several tokens is scored by one run per answer with its tokens but the last appended: the
     plan counts 2 extra tokens for a 3-token answer, and under ``logit_diff`` the counterfactual's run too; a task
     whose answers are one token computes the prompt alone (its plan is what it was)."""
-    from mechdiff.studies.resources import _appended
+    from mechdiff.studies.planner import _appended
     from mechdiff.tasks.records import Example
 
     one = Example("a b", (1, 2), " c", 3, alternatives=(" d",), alternative_ids=(4,))

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ....runs.stages import Pending, StageRecord
-from ...resources import StageCost
+from ...planner import StageCost
 from .counting import Context
 
 

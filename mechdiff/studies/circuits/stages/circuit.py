@@ -11,7 +11,7 @@ from typing import Any, Optional
 from ....models.devices import GIB
 from ....models.footprint import backward_bytes, dtype_bytes, held_pair_bytes
 from ....runs.stages import StageRecord, label
-from ...resources import StageCost
+from ...planner import StageCost
 from ...spec import discovery_inputs
 from .counting import Context, plan_steps, reference_runs
 

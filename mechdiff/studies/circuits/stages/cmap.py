@@ -11,7 +11,7 @@ from typing import Any, Optional
 from ....circuits.circuit import Circuit
 from ....models.footprint import dtype_bytes
 from ....runs.stages import StageRecord
-from ...resources import StageCost
+from ...planner import StageCost
 from .counting import Context, circuit_groups, group_starts
 
 

@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 from ....models.devices import Device
 from ....models.footprint import Dims, dtype_bytes
-from ...resources import Counting, Lengths, StageCost, gpu_device, task_lengths
+from ...machine import gpu_device
+from ...planner import Counting, Lengths, StageCost, task_lengths
 from ...spec import RunSpec
 
 
@@ -122,7 +123,7 @@ def run_device(spec: RunSpec, dims: Dims, lengths: Optional[Lengths] = None) -> 
     scratch-file bandwidth), or the first CUDA GPU as the named device of its kind (`gpu_device`) with this
     machine's host memory and disk; None on NDIF."""
     from ....models.devices import available_memory, scratch_disk, this_machine
-    from ...resources import scratch_bandwidth  # at call time: measured once a test process (tests/conftest.py)
+    from ...machine import scratch_bandwidth  # at call time: measured once a test process (tests/conftest.py)
 
     m = spec.models
     if m.remote:

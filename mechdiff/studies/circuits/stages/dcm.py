@@ -15,7 +15,7 @@ from ....methods.dcm import CACHE_MODES
 from ....models.devices import GIB
 from ....models.footprint import backward_bytes, dtype_bytes, model_dims
 from ....runs.stages import StageRecord
-from ...resources import Lengths, StageCost, duration, task_lengths
+from ...planner import Lengths, StageCost, duration, task_lengths
 from ...spec import RunSpec
 from .counting import Context, circuit_groups, group_starts, run_device
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from ....circuits.circuit import Circuit
 from ....runs.stages import StageRecord
-from ...resources import StageCost
+from ...planner import StageCost
 from ...spec import section_inputs
 from .counting import Context, circuit_groups, scored
 

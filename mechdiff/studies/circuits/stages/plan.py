@@ -1,7 +1,7 @@
 """The circuits study's resource plan, asked of its stages: every stage's cost in the order a run meets them
 (`stage_costs`, each counted in its stage's module beside its computation), the plan's inputs from a task file
 (`circuits_inputs`), what a finished run found that a plan otherwise assumes (`found_in`, `with_released`), and
-what ``run.json`` records of the plan (`run_record`). The generic planner (`mechdiff.studies.resources`) places
+what ``run.json`` records of the plan (`run_record`). The generic planner (`mechdiff.studies.planner`) places
 them on a device and prints them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Optional
 
 from ....models.devices import Device
 from ....models.footprint import model_dims
-from ...resources import Lengths, Placement, PlanInputs, StageCost, placements, task_lengths
+from ...planner import Lengths, Placement, PlanInputs, StageCost, placements, task_lengths
 from ...spec import RunSpec
 from . import accuracy, circuit, cmap, dcm, matrix, positions, prune, reproduction
 from .counting import Context

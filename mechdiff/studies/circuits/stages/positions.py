@@ -7,7 +7,7 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 from ....runs.stages import StageRecord, label
-from ...resources import StageCost
+from ...planner import StageCost
 from .counting import Context, scored
 
 

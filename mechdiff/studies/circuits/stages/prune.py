@@ -11,7 +11,7 @@ from ....common.metrics import scored_metric
 from ....models.devices import GIB
 from ....runs.seeds import prompt_seed
 from ....runs.stages import StageRecord, label
-from ...resources import StageCost
+from ...planner import StageCost
 from ...spec import MATRIX_ONLY, section_inputs
 from .counting import Context, plan_steps, scored
 

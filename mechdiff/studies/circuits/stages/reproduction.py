@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ....runs.stages import StageRecord
-from ...resources import StageCost
+from ...planner import StageCost
 from .counting import Context, scored
 
 

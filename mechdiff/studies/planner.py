@@ -1,37 +1,15 @@
-"""The resource plan of a circuits study: each stage's peak memory (host and device) and time, predicted from
-the models' configs, the task's token lengths, each stage's ``n`` and batch size and the dtype, on this machine
-or on a named device (`mechdiff.models.devices`); for a stage that does not fit, what would.
+"""The resource planner, one for every study kind: each stage's peak memory (host and device) and time, predicted
+from the models' configs, the task's token lengths, each stage's settings and the dtype, on this machine or on a
+named device (`mechdiff.models.devices`); for a stage that does not fit, what would.
 
-Nothing loads: the configs are the shipped ones or the models' own metadata (`
-model_dims`), the token lengths come from the task's prompts under the base's tokenizer or, where that is absent
-(the paper's models without their weights), under the embedded SmolLM2 tokenizer (an estimate, said so).
+Nothing loads: the configs are the shipped ones or the models' own metadata (`model_dims`), the token lengths come
+from the task's prompts under the base's tokenizer or, where that is absent (the paper's models without their
+weights), under the embedded SmolLM2 tokenizer (an estimate, said so).
 
-Each stage is counted by its algorithm (`mechdiff.studies.circuits.study`), in forward passes of the model:
-
-- ``accuracy``: one forward per prompt.
-- scorer stages (``positions``, ``prune``, ``matrix``, ``reproduction``; curve discovery): the reference prompts
-  whose means ablate, the full model, and one mean-ablated forward per prompt for every circuit scored (the
-  position scan: every remaining class at each step; pairwise pruning: each head and each pair of a group).
-  Pruning resumes each removal from F(C)'s run, which it keeps for every prompt (every layer's residual stream,
-  keys and values: this grows with ``prune_n``).
-- path discovery: clean and counterfactual runs of every pair, kept (every layer's ``z``, the residual stream,
-  keys and values: this grows with ``n``), then per step every head below the deepest receiver as a sender (the
-  found circuit's receiving group bounds it where known; before discovery the middle layer is assumed; a step
-  into the logits: every head): a one-token frozen run over half the layers and receiver runs of the tokens after
-  the receiver position over half the layers, one per distinct receiver position (step D: one per box), a pass.
-- DCM: per desideratum a pair cache, in the mode `dcm_cache_choice` picks (the fastest that fits the
-  machine's GPU, host memory and disk; ``[dcm] cache`` names one): ``file`` (two forwards a pair; every layer's
-  keys and values of every pair written to a scratch HDF5 file under TMPDIR, one desideratum's file at a time, and
-  read back by every patched run: disk grows with ``n``, memory holds one batch's rows; the bytes read over the
-  disk's rate), ``memory`` (the sources' ``z`` at each group's position in host memory; patched runs in full) or
-  ``recompute`` (nothing held; each patched batch's sources run again); then per group training (forward and
-  backward to the activations, the weights frozen: two forwards' FLOPs), validation and test runs (``file``: from
-  the group's position and lowest layer) and semantic patching's; it holds two models.
-- CMAP: per prompt the base and the fine-tune once, then one patched base run per scope and part, from the scope's
-  lowest layer (a ``z`` patch from its position, other parts over every token); two models.
-
-Where a run has found them (``known``: `found_in`), the circuits, the position scan's steps and the share
-of pairs greedy pruning searched are the run's; before it they are assumed (the plan's notes say which).
+This module restates no stage: it asks the study's kind (`Study.plan_inputs`, `Study.stage_costs`) for every
+stage's `StageCost`, which each kind counts beside the stage's computation (the circuits kind in
+`mechdiff.studies.circuits.stages`, one module a stage; the others after their stages in their ``study.py``), in
+the units of `Counting`: a pass's FLOPs, its activations and the weights it reads.
 
 Memory is the models' weights, what the stage keeps beside them and the transient activations of its largest
 batch (`forward_bytes`, `backward_bytes`), and the
@@ -42,11 +20,11 @@ Time is FLOPs over the device's throughput (measured here, per CPU second; a nam
 plus the weights each pass reads (the blocks it runs and the unembedding) over the device's bandwidth: a pass of few
 rows (pruning's and DCM's short suffix runs) takes the time its weights take to read, whatever its FLOPs
 (`mechdiff.models.devices`); each pass's fixed cost (Python, the intervention layer's trace: measured here,
-`pass_overhead`; stated for a named GPU, ``GPU_OVERHEAD``); and the scratch files read back over the disk's
-rate (measured here, `scratch_bandwidth`; stated for a named GPU's machine). Passes are counted at each stage's
-batch size. Loading the models (their weights over the disk's rate) and, on this machine, the wall time of the
-processes and threads the run will use are given after the totals, with a warning where the throughput was
-measured under load.
+`mechdiff.studies.machine.pass_overhead`; stated for a named GPU, ``GPU_OVERHEAD``); and the scratch files read back
+over the disk's rate (measured here, `mechdiff.studies.machine.scratch_bandwidth`; stated for a named GPU's
+machine). Passes are counted at each stage's batch size. Loading the models (their weights over the disk's rate)
+and, on this machine, the wall time of the processes and threads the run will use are given after the totals, with a
+warning where the throughput was measured under load.
 """
 
 from __future__ import annotations
@@ -64,6 +42,7 @@ from ..models.footprint import (
     forward_bytes,
     forward_flops,
 )
+from .machine import with_overhead
 from .spec import RunSpec
 
 #: The tokenizer that estimates token lengths where a model's own is absent.
@@ -292,22 +271,6 @@ class PlanInputs:
         return Meter(self.dims, self.lengths, self.dtype, device)
 
 
-def gpu_device() -> Device:
-    """The first CUDA GPU as a named device: the one of its name (H100, H200, A100 of its memory), else an H100's
-    figures with its own memory."""
-    import torch
-
-    from ..models.devices import DEVICES
-
-    props = torch.cuda.get_device_properties(0)
-    name = props.name.upper()
-    for key, device in DEVICES.items():
-        kind, size = key.split("-")
-        if kind.upper() in name and abs(int(size[:-2]) * 1e9 - props.total_memory) < 16e9:
-            return replace(device, memory=props.total_memory)
-    return replace(DEVICES["h100-80gb"], name=props.name, memory=props.total_memory)
-
-
 # ---------------------------------------------------------------------------------------------- the plan
 
 
@@ -368,91 +331,6 @@ class ResourcePlan:
     def format(self) -> str:
         i = self.inputs
         return format_resources(self.placements, i.lengths, i.source, i.loads, self.workers)
-
-
-#: Width of the random model `pass_overhead` times: its FLOPs and weight reads are negligible.
-OVERHEAD_WIDTH = 64
-
-
-def pass_overhead(dims: Dims, min_seconds: float = 0.2) -> tuple[float, float]:
-    """CPU seconds a pass costs beside its FLOPs and weight reads, and each block it runs: ``run`` (through the
-    intervention layer) of one token on a random LLaMA of ``dims``' depth and `OVERHEAD_WIDTH`, timed in full
-    and resumed at its last block; the difference is the blocks' share. A departure: the model's own norms,
-    attention and rotary code is LLaMA's, not necessarily the planned model's."""
-    import time
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ..models.loading import LoadedModel
-    from ..models.registry import ModelSpec
-    from ..patching.core import Resume, run
-
-    w, layers = OVERHEAD_WIDTH, dims.n_layers
-    config = LlamaConfig(
-        num_hidden_layers=layers, hidden_size=w, intermediate_size=2 * w, num_attention_heads=4, vocab_size=w
-    )
-    config._attn_implementation = "eager"
-    model = LoadedModel("overhead", ModelSpec("overhead", "local", ""), LlamaForCausalLM(config).eval(), None)
-    ids, hidden = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, w)
-
-    def seconds(resume: Optional[Resume]) -> float:
-        run(model, ids, resume=resume)
-        reps, start = 0, time.process_time()
-        while (spent := time.process_time() - start) < min_seconds or reps < 3:
-            run(model, ids, resume=resume)
-            reps += 1
-        return spent / reps
-
-    with torch.no_grad():
-        full, last = seconds(None), seconds(Resume(layers - 1, hidden))
-    block = max(full - last, 0.0) / max(layers - 1, 1)
-    return max(last - block, 0.0), block
-
-
-def with_overhead(device: Device, dims: Dims) -> Device:
-    """This machine (a CPU device) with `pass_overhead` and `scratch_bandwidth` measured; a GPU device as
-    it is."""
-    if device.gpu:
-        return device
-    each, block = pass_overhead(dims)
-    disk = scratch_bandwidth()
-    note = (
-        f"{device.note}; {each * 1e3:.1f} ms a pass and {block * 1e3:.2f} ms a block beside them; scratch files "
-        f"read back at {disk / 1e9:.1f} GB/s (wall)"
-    )
-    return replace(device, overhead=(each, block), note=note, disk_read=disk)
-
-
-#: What `scratch_bandwidth` writes and reads back: rows of a few MB, as DCM's pair cache holds.
-SCRATCH_ROWS, SCRATCH_ROW_BYTES = 32, 4 * 2**20
-
-
-def scratch_bandwidth(min_seconds: float = 0.2) -> float:
-    """Bytes a wall-clock second that rows of a scratch file (`RowStore`, read as
-    DCM's pair cache reads them: batches of 8 rows in a shuffled order) come back under TMPDIR just after they were
-    written (from the page cache where memory holds them, as a run's are). Wall time, not CPU time: a read that
-    waits on the disk costs time but little CPU."""
-    import time
-
-    import numpy as np
-    import torch
-
-    from ..patching.store import RowStore
-
-    store = RowStore(SCRATCH_ROWS)
-    try:
-        store.write("rows", range(SCRATCH_ROWS), torch.ones(SCRATCH_ROWS, SCRATCH_ROW_BYTES // 4))
-        order = np.random.default_rng(0).permutation(SCRATCH_ROWS)
-        batches = [sorted(order[i : i + 8].tolist()) for i in range(0, SCRATCH_ROWS, 8)]
-        reps, start = 0, time.perf_counter()
-        while (spent := time.perf_counter() - start) < min_seconds or reps < 2:
-            for batch in batches:
-                store.read("rows", batch)
-            reps += 1
-        return SCRATCH_ROWS * SCRATCH_ROW_BYTES * reps / spent
-    finally:
-        store.close()
 
 
 def _gb(x: int) -> str:
