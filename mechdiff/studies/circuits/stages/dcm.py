@@ -93,31 +93,46 @@ def _masks(
     study: Any, name: str, circuit: Circuit, desiderata: dict, config: Any, groups: list, left_out: dict, mode: str
 ) -> dict:
     """The masks of ``groups`` trained per desideratum, then the base's selections patched into every model."""
-    from ....methods.dcm import dcm_circuit, semantic_patching, split_pairs
+    from ....methods.dcm import dcm_circuit
 
     c = study.spec.dcm
     items = dcm_items(study, c.n_train + c.n_val + c.n_test)
     lm = study.model(name)
     results = dcm_circuit(lm, circuit, desiderata, config, groups, study.progress, items=items, mode=mode)
-    semantic = []
-    for r in results if name == study.spec.models.base else ():
+    base = name == study.spec.models.base
+    semantic = semantic_records(study.models, results, desiderata, config, mode, items) if base else []
+    records = [r.to_dict() for r in results]
+    return {"model": name, "dcm": records, "semantic": semantic, "left_out": left_out, "cache": mode}
+
+
+def semantic_records(
+    models: Any, results: list, desiderata: dict, config: Any, mode: str, items: Optional[list] = None
+) -> list[dict]:
+    """Semantic patching: each non-empty selection of ``results`` patched source -> base within every model of
+    ``models`` (a `ModelSet`: its ``names``, each loaded as it is reached) on its desideratum's test pairs (split
+    as DCM split them, by ``items`` where given), with ``config.n_random`` random head sets of its layers; one
+    record per selection and model. What the stage and ``mechdiff dcm`` both compute
+    (`mechdiff.studies.circuits.dcm.dcm_run`)."""
+    from ....methods.dcm import semantic_patching, split_pairs
+
+    out = []
+    for r in results:
         if not r.selected:
             continue
-        test = split_pairs(desiderata[r.desideratum], config.split, config.seed, items)[2]
+        test = split_pairs(list(desiderata[r.desideratum]), config.split, config.seed, items)[2]
+        heads = [h.name for h in r.selected]
         for sem in semantic_patching(
-            study.models,
+            (models[n] for n in models.names),
             r.selected,
             r.position,
             test,
-            study.spec.eval.batch_size,
-            n_random=c.n_random,
+            config.eval_batch,
+            n_random=config.n_random,
             seed=config.seed + 1,
             mode=mode,
         ):
-            head_names = [h.name for h in r.selected]
-            semantic.append({"group": r.group, "desideratum": r.desideratum, "heads": head_names, **sem.to_dict()})
-    records = [r.to_dict() for r in results]
-    return {"model": name, "dcm": records, "semantic": semantic, "left_out": left_out, "cache": mode}
+            out.append({"group": r.group, "desideratum": r.desideratum, "heads": heads, **sem.to_dict()})
+    return out
 
 
 def dcm_items(study: Any, n: int) -> Optional[list]:
