@@ -272,7 +272,7 @@ def _fails(*args, **kwargs):
 def test_score_prints_faithfulness_before_completeness_runs(tiny_dirs, tmp_path, capsys, monkeypatch):
     """A run that fails in completeness has already shown (and written) its faithfulness table."""
     from mechdiff.cli import main
-    from mechdiff.studies.circuits.study import scoring
+    from mechdiff.studies.circuits import scoring
 
     (model, _), first, _ = tiny_dirs
     monkeypatch.setattr(scoring, "completeness", _fails)
@@ -285,7 +285,7 @@ def test_score_prints_faithfulness_before_completeness_runs(tiny_dirs, tmp_path,
 
 def test_positions_prints_the_scan_before_leave_one_out_runs(tiny_dirs, tmp_path, capsys, monkeypatch):
     from mechdiff.cli import main
-    from mechdiff.studies.circuits.study import scoring
+    from mechdiff.studies.circuits import scoring
 
     (model, _), _, _ = tiny_dirs
     monkeypatch.setattr(scoring, "leave_one_out", _fails)
