@@ -4,7 +4,7 @@ No weights and no network: models are made from the shipped LLaMA-7B config (``m
 to ``--layers`` (the vocabulary is SmolLM2's tokenizer's, whose prompts they read), randomly initialised on the
 device (``--tokenizer``: a saved SmolLM2 tokenizer, as ``benchmarks/gpu_bundle.py`` exports it, in place of the GGUF's).
 Each stage runs as the study runs it, on the entity-tracking prompts, and is counted by the planner
-(:mod:`mechdiff.studies.resources`) for the same sizes:
+(:mod:`mechdiff.studies.planner`) for the same sizes:
 
 - ``accuracy``: one forward a prompt (:func:`mechdiff.patching.evaluate.evaluate`);
 - ``matrix-cell``: reference means, the full model and one circuit mean-ablated (a matrix cell;
@@ -192,15 +192,16 @@ def gpu_matmul_throughput(dims: Any, dtype: str, rows: int) -> float:
 
 
 def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[Callable[[], Any], Any]]:
-    """Each stage: (its run, the planner's :class:`~mechdiff.studies.resources.StageCost` of it)."""
+    """Each stage: (its run, the planner's :class:`~mechdiff.studies.planner.StageCost` of it)."""
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.circuits.scoring import Scorer
     from mechdiff.common.components import Head
     from mechdiff.methods.cmap import run_cmap
     from mechdiff.methods.dcm import PairCache, random_pool, run_dcm
     from mechdiff.patching.evaluate import evaluate
-    from mechdiff.studies import resources as r
-    from mechdiff.studies.circuits.study import accuracy_cost, dcm_config
+    from mechdiff.studies.circuits.stages import cmap, counting, dcm
+    from mechdiff.studies.circuits.stages.accuracy import cost as accuracy_cost
+    from mechdiff.studies.circuits.stages.dcm import dcm_config
     from mechdiff.tasks.base import get_task
     from mechdiff.tasks.entity_tracking import path_patching_pairs, positional_pairs
 
@@ -209,7 +210,7 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     task = get_task("entity-tracking")
     records = task.records(tok, sizes.n, 0, n_boxes=7)
     reference = task.records(tok, sizes.reference, 1, n_boxes=7)
-    step = r._plan_steps(ctx)[0]
+    step = counting.plan_steps(ctx)[0]
     heads = [Head(layer, h) for layer in range(shape.n_layers) for h in range(0, shape.n_heads, 4)]
     circuit = Circuit(base.name, "entity-tracking", {"A": heads}, {"A": step.sender})
     pairs = path_patching_pairs(tok, sizes.pairs, n_boxes=7, seed=0)
@@ -231,12 +232,12 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
 
     return {
         "accuracy": (lambda: evaluate(base, records, sizes.batch, progress=False), accuracy_cost(ctx, base.name)),
-        "matrix-cell": (matrix_cell, r._scored(ctx, "matrix-cell", sizes.n, 1)),
+        "matrix-cell": (matrix_cell, counting.scored(ctx, "matrix-cell", sizes.n, 1)),
         **path_steps(ctx, base, pairs),
-        "dcm-epoch": (dcm_epoch, r.dcm(ctx, base.name, 0, "file")),  # the scratch file, as dcm_epoch builds it
+        "dcm-epoch": (dcm_epoch, dcm.cost(ctx, base.name, 0, "file")),  # the scratch file, as dcm_epoch builds it
         "cmap-pass": (
             lambda: run_cmap(base, other, circuit, records, ["z"], sizes.batch, ["A"], progress=False),
-            r.cmap(ctx, other.name),
+            cmap.cost(ctx, other.name),
         ),
     }
 
@@ -244,19 +245,20 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
 def path_steps(ctx: Any, base: Any, pairs: list) -> dict[str, tuple[Callable[[], Any], Any]]:
     """Path patching as discovery runs each step of the task's plan (A-D), every eligible head an exact sender,
     and step A again with its pairs held in two parts: each run and the planner's cost of it (its FLOPs, memory
-    and weight reads, as ``resources._path_circuit`` counts one step). A step's receivers are its receiver step's
-    ``k`` heads in the deepest layers (every head below them a sender: the most a step can have; a study's are
+    and weight reads, as ``stages.circuit.path_circuit_cost`` counts one step). A step's receivers are its receiver
+    step's ``k`` heads in the deepest layers (every head below them a sender: the most a step can have; a study's are
     wherever the step before selected), read at the step's site and position: step D's receiver runs go from its
     position to the end (suffix runs)."""
     import math
 
     from mechdiff.common.components import Head
     from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
-    from mechdiff.studies import resources as r
+    from mechdiff.studies import planner as r
+    from mechdiff.studies.circuits.stages import circuit, counting
 
     shape, n, out = base.shape, len(pairs), {}
     deepest = [Head(layer, h) for layer in reversed(range(shape.n_layers)) for h in range(shape.n_heads)]
-    plan = {step.name: step for step in r._plan_steps(ctx)}
+    plan = {step.name: step for step in counting.plan_steps(ctx)}
 
     def run(step: Any, held: int, per_pass: int) -> Callable[[], None]:
         receivers = None
@@ -271,9 +273,9 @@ def path_steps(ctx: Any, base: Any, pairs: list) -> dict[str, tuple[Callable[[],
         return go
 
     def cost(name: str, step: Any, held: int) -> tuple[int, Any]:
-        flops, kept, transient, per_pass = r._path_cost(ctx, n, [step], held=held)
+        flops, kept, transient, per_pass = circuit.path_cost(ctx, n, [step], held=held)
         parts, senders = math.ceil(n / held), ctx.dims.n_layers * ctx.dims.n_heads
-        reads = ctx.reads(parts * r._prepared_runs(ctx, n, held, 1))
+        reads = ctx.reads(parts * circuit.prepared_runs(ctx, n, held, 1))
         reads += ctx.reads(2 * parts * math.ceil(senders / per_pass), ctx.dims.n_layers / 2)
         return per_pass, r.StageCost(name, 1, n, per_pass * held, flops, ctx.weights, kept, transient, reads=reads)
 
@@ -306,7 +308,8 @@ def run_case(
     print the plan on ``plan_device`` (default H100) and run nothing (the models on the meta device)."""
     from mechdiff.models.devices import get_device, this_machine
     from mechdiff.models.footprint import Dims
-    from mechdiff.studies.resources import Context, place
+    from mechdiff.studies.circuits.stages.counting import Context
+    from mechdiff.studies.planner import place
     from mechdiff.tasks.base import get_task
 
     config = json.loads(Path(config_path).read_text())
@@ -372,7 +375,7 @@ def run_case(
 def _lengths(records: list) -> Any:
     from statistics import mean
 
-    from mechdiff.studies.resources import Lengths
+    from mechdiff.studies.planner import Lengths
 
     sizes = [len(r.input_ids) for r in records]
     suffix = {

@@ -1,4 +1,4 @@
-"""The resource planner (``mechdiff.studies.resources``) against measurement, on this machine.
+"""The resource planner (``mechdiff.studies.planner``) against measurement, on this machine.
 
 Each case runs in a fresh process: a model is made (SmolLM2-135M from its weights; LLaMA-7B's config at full width
 with its depth cut to 2 or 4 layers, randomly initialised; LLaMA-7B's full config in bfloat16 where this machine has
@@ -149,8 +149,10 @@ def planned(dims, dtype: str, n: int, batch: int, records: list) -> tuple:
     """The planner's accuracy stage for these prompts: its cost and its placement on this machine."""
     from mechdiff.models.devices import this_machine
     from mechdiff.studies.circuits.spec import default_spec
-    from mechdiff.studies.circuits.study import accuracy_cost as accuracy
-    from mechdiff.studies.resources import Context, Lengths, place, with_overhead
+    from mechdiff.studies.circuits.stages.accuracy import cost as accuracy
+    from mechdiff.studies.circuits.stages.counting import Context
+    from mechdiff.studies.machine import with_overhead
+    from mechdiff.studies.planner import Lengths, place
 
     spec = default_spec()
     spec = replace(spec, eval=replace(spec.eval, n=n, batch_size=batch))
@@ -234,8 +236,9 @@ def run_stages(count: bool, save: Optional[Path] = None, memory: bool = False) -
 
     from mechdiff.models.footprint import model_dims
     from mechdiff.runs import stages as stage_module
+    from mechdiff.studies.circuits.stages.plan import found_in
     from mechdiff.studies.circuits.study import CircuitsStudy
-    from mechdiff.studies.resources import found_in, pass_overhead, scratch_bandwidth
+    from mechdiff.studies.machine import pass_overhead, scratch_bandwidth
 
     measured: dict[str, dict] = {}
     original = stage_module.StageCache.run
@@ -323,7 +326,7 @@ def planned_stages(
     ``overhead`` and scratch files read back at ``disk_read`` bytes a second (0: not counted), told what the run
     ``known`` found."""
     from mechdiff.models.devices import Device
-    from mechdiff.studies.resources import resource_plan
+    from mechdiff.studies.circuits.stages.plan import resource_plan
 
     dtype = spec.models.dtype
     reads = {dtype: bandwidth} if bandwidth else {}

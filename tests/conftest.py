@@ -232,13 +232,13 @@ def measure_machine_once(patch: pytest.MonkeyPatch) -> None:
     per process for each shape (each measurement runs at least 0.2-0.4 s of CPU; every study run and plan measured
     them again, twice a run). Still measurements of this machine: only not repeated."""
     from mechdiff.models import devices
-    from mechdiff.studies import resources
+    from mechdiff.studies import machine
 
     for module, name in (
         (devices, "matmul_throughput"),
         (devices, "weight_bandwidth"),
-        (resources, "scratch_bandwidth"),
-        (resources, "pass_overhead"),
+        (machine, "scratch_bandwidth"),
+        (machine, "pass_overhead"),
     ):
         patch.setattr(module, name, functools.cache(getattr(module, name)))
 

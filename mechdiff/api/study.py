@@ -23,7 +23,7 @@ from ..runs.stages import PlannedStage
 from ..studies.base import Study as StudyKind
 from ..studies.base import load_study, plan_text, plan_then_run, study_kind
 from ..studies.circuits.spec import RunSpec, load_spec
-from ..studies.resources import Placement, study_resources
+from ..studies.planner import Placement, study_resources
 from ..studies.spec import read_task_file
 from ..tasks.base import Task
 from .results import Results
@@ -179,7 +179,7 @@ class Study:
 class Plan:
     """A study's plan (`Study.plan`): ``stages``, each a `mechdiff.runs.stages.PlannedStage` (key, cached, the
     committed run's seconds and key), and ``resources``, each stage's predicted
-    `mechdiff.studies.resources.Placement` on this machine. ``str(plan)`` is the text ``mechdiff run --plan``
+    `mechdiff.studies.planner.Placement` on this machine. ``str(plan)`` is the text ``mechdiff run --plan``
     prints."""
 
     kind: str

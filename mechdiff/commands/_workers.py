@@ -4,7 +4,7 @@ Each worker is ``mechdiff run ... --model NAME`` (`run_model`): its
 model's stages, waiting on the others' through the stage cache. Every model runs at once (a model's matrix row
 waits for every model's circuit, so fewer workers than models could wait forever), each with its share of the cores
 as torch threads, when the machine has at least two cores and the memory the resource plan
-(`mechdiff.studies.resources`) predicts for all of them. The parent then writes the report from the cache.
+(`mechdiff.studies.planner`) predicts for all of them. The parent then writes the report from the cache.
 Each worker's output reaches the terminal line by line under its model's name; a worker that fails ends the others
 and the run, with its last lines.
 """
@@ -87,7 +87,7 @@ def _serial_reason(study: Any, requested: Optional[int]) -> str:
 def _memory(study: Any) -> tuple[int, int]:
     """The predicted peak bytes of every model's worker at once (each: its heaviest stage) and the bytes free."""
     from ..models.devices import Device, available_memory, process_memory
-    from ..studies.resources import resource_plan
+    from ..studies.circuits.stages.plan import resource_plan
 
     free = available_memory()
     # each worker: a process of its own, holding what this one holds before its models load

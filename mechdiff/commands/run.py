@@ -107,7 +107,7 @@ def _planned_workers(inputs, requested: Optional[int], threads: Optional[int]):
 
     import torch
 
-    from ..studies.resources import Workers
+    from ..studies.planner import Workers
     from ._workers import plan_workers
 
     plan = plan_workers(SimpleNamespace(kind=inputs.kind, spec=inputs.settings), requested)
@@ -131,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
     if args.plan_host is not None and not args.plan_device:
         raise ValueError("--plan-host is the named device's host memory: give it with --plan-device")
     if args.plan:
-        from ..studies.resources import print_resources
+        from ..studies.planner import print_resources
 
         requested = args.workers if args.workers is not None else default_workers()
         workers = partial(_planned_workers, requested=requested, threads=args.threads)

@@ -36,7 +36,7 @@ COMMON_GPU_HOST = 128 * 2**30
 #: Bytes a second a named device's machine reads a scratch file (DCM's pair cache) or a model's weights from its
 #: disk: 2 GB/s, an assumption (a data-centre NVMe SSD reads 3-7 GB/s sequentially, a cloud machine's local or
 #: network disk less; h5py's reads of DCM's rows of tens of MB each are near-sequential). This machine's is measured
-#: (`mechdiff.studies.resources.scratch_bandwidth`).
+#: (`mechdiff.studies.machine.scratch_bandwidth`).
 COMMON_GPU_DISK_READ = 2e9
 #: Seconds a pass and a block cost on a GPU beside their FLOPs and weight reads: the host's Python (the intervention
 #: layer, the model's forward) and kernel launches, which a small pass waits on. An assumption from launch latency:
@@ -58,7 +58,7 @@ class Device:
     disk: Optional[int] = None  # bytes free for scratch files under TMPDIR; None: not known
     bandwidth: dict[str, float] = field(default_factory=dict)  # weight bytes a pass reads per second, per dtype
     # seconds each pass and each block a pass runs cost beside FLOPs and reads (Python, the intervention layer's
-    # trace): measured on this machine (``mechdiff.studies.resources.pass_overhead``); GPU_OVERHEAD on a named GPU
+    # trace): measured on this machine (``mechdiff.studies.machine.pass_overhead``); GPU_OVERHEAD on a named GPU
     overhead: tuple[float, float] = (0.0, 0.0)
     host: Optional[int] = None  # a GPU machine's host memory in bytes (None: not known; a CPU device's is ``memory``)
     disk_read: float = 0.0  # bytes a second read back from scratch files and weights on disk (0: not counted)

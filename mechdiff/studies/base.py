@@ -181,17 +181,17 @@ class Study(ABC):
     def write(self, results: Any) -> Path:
         """Tables, figures and the report from the stage results; returns the report's path."""
 
-    # -- the resource plan: each kind counts its own stages (`mechdiff.studies.resources`) ----------------------
+    # -- the resource plan: each kind counts its own stages (`mechdiff.studies.planner`) ----------------------
     @classmethod
     def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
-        """What this kind's stage costs read (a `mechdiff.studies.resources.PlanInputs`), from the task file
+        """What this kind's stage costs read (a `mechdiff.studies.planner.PlanInputs`), from the task file
         ``path`` and the models' configs alone: no weights load."""
         raise NotImplementedError(f"the {cls.kind} kind has no resource plan")
 
     @classmethod
     def stage_costs(cls, inputs: Any, device: Any) -> list:
         """Every stage a run of ``inputs`` meets, in order, each one's cost on ``device`` (a list of
-        `mechdiff.studies.resources.StageCost`, counted by the functions beside each stage's computation)."""
+        `mechdiff.studies.planner.StageCost`, counted by the functions beside each stage's computation)."""
         raise NotImplementedError(f"the {cls.kind} kind has no resource plan")
 
     @classmethod

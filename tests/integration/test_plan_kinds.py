@@ -22,7 +22,7 @@ from mechdiff.studies.knowledge.facts import fact_lengths, load_facts
 from mechdiff.studies.knowledge.plan import knowledge_found
 from mechdiff.studies.knowledge.settings import KnowledgeSettings
 from mechdiff.studies.knowledge.study import KnowledgeStudy
-from mechdiff.studies.resources import Lengths, PlanInputs
+from mechdiff.studies.planner import Lengths, PlanInputs
 from mechdiff.tasks.relation_data import batches
 
 
@@ -163,13 +163,13 @@ def test_plan_prints_memory_and_time_for_every_stage_of_each_kind(capsys, monkey
     throughput is a stand-in (measuring it is `mechdiff.models.devices`' own test)."""
     import mechdiff.models.devices as devices
     from mechdiff.commands import run as run_command
-    from mechdiff.studies import resources
+    from mechdiff.studies import planner
 
     cpu = devices.Device("this machine", 16 * 2**30, {"float32": 5e10, "bfloat16": 5e10}, False, bandwidth={})
     monkeypatch.setattr(
         devices, "this_machine", lambda dims, dtypes, rows=None: replace(cpu, bandwidth={"float32": 4e9})
     )
-    monkeypatch.setattr(resources, "with_overhead", lambda device, dims: device)
+    monkeypatch.setattr(planner, "with_overhead", lambda device, dims: device)
     printed = {}
 
     def stop(*a, **k):  # the stage table loads the models: the resource plan is what this test reads

@@ -1,4 +1,4 @@
-"""The resource planner's per-stage FLOPs (mechdiff.studies.resources) against torch's FLOP counter over each stage
+"""The resource planner's per-stage FLOPs (mechdiff.studies.planner) against torch's FLOP counter over each stage
 of a real tiny study, the planner told what the run found (its circuits, scan steps, pruning's searches)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch.utils.flop_counter
 
 from mechdiff.models.devices import Device
 from mechdiff.runs import stages as stage_module
+from mechdiff.studies.circuits.stages.plan import found_in, resource_plan
 from mechdiff.studies.circuits.study import CircuitsStudy
-from mechdiff.studies.resources import found_in, resource_plan
 
 #: How far a stage's planned FLOPs may lie from those counted: the plan counts every prompt at the mean token
 #: length and a suffix run from a class's mean first position (the run: each batch from its own), so it is not exact.

@@ -597,7 +597,7 @@ def test_the_stage_table_gives_each_stages_planned_flops_and_share_of_throughput
     throughput run.json records), counted here again by the planner from the spec alone."""
     from mechdiff.models.devices import Device
     from mechdiff.report.tables import format_value
-    from mechdiff.studies.resources import resource_plan
+    from mechdiff.studies.circuits.stages.plan import resource_plan
 
     manifest = json.loads((tiny_study / "run" / "run.json").read_text())
     throughput = manifest["resources"]["throughput"]

@@ -10,12 +10,13 @@ from typing import Callable, Mapping, Optional, Sequence
 from ...circuits.circuit import Circuit
 from ...common.inference import Interval
 from ...common.io import write_json
-from ...methods.dcm import DCMConfig, DCMResult, dcm_circuit, semantic_patching, split_pairs
+from ...methods.dcm import DCMConfig, DCMResult, dcm_circuit
 from ...models.modelset import ModelSet
 from ...report.bars import grouped_bars
 from ...report.rows import dcm_rows, semantic_rows
 from ...report.tables import to_markdown, write_table
 from ...tasks.base import PairRecord
+from .stages.dcm import semantic_records
 
 
 def dcm_run(
@@ -82,25 +83,8 @@ def _semantic(
     cache: str = "file",
 ) -> tuple[list[dict], str]:
     """Patch each selection into every model of the set, on that desideratum's test pairs (pair caches in
-    ``cache`` mode)."""
-    records = []
-    for r in results:
-        if not r.selected:
-            continue
-        test = split_pairs(list(desiderata[r.desideratum]), config.split, config.seed)[2]
-        for sem in semantic_patching(
-            (models[n] for n in models.names),
-            r.selected,
-            r.position,
-            test,
-            config.eval_batch,
-            n_random=config.n_random,
-            seed=config.seed + 1,
-            mode=cache,
-        ):
-            records.append(
-                {"group": r.group, "desideratum": r.desideratum, "heads": [h.name for h in r.selected], **sem.to_dict()}
-            )
+    ``cache`` mode; the study's DCM stage computes the same, `semantic_records`)."""
+    records = semantic_records(models, results, desiderata, config, cache)
     rows = semantic_rows(records)
     if not rows:
         return records, "semantic patching skipped: no DCM mask selected any head"

@@ -154,48 +154,11 @@ def reproduction_rows(
     return rows
 
 
-def _release(study: Study, name: str) -> None:
-    """Drop a scored model so the next one fits (four 7B models in float32 do not fit one 80 GB GPU)."""
-    import torch
-
-    lm = study.models.release(name)
-    if lm is not None and lm.device.type == "cuda":
-        del lm
-        torch.cuda.empty_cache()
-
-
 CAPTION = (
     "The released LLaMA-7B entity-tracking circuit (Prakash et al. 2024, 72 heads in groups A-D) scored "
     "on each model: accuracy of the full model and of the circuit (every other head mean-ablated), "
     "measured here with 95% bootstrap CIs, beside the published figures (Table 1)."
 )
-
-
-def reproduction_records(study: Study) -> list[StageRecord]:
-    """The reproduction as cached study stages, one per model (``reproduction:<model>``, so a stage's time
-    is one model's load and scoring)."""
-    from dataclasses import asdict
-
-    r = study.spec.reproduce
-    published = published_figures(r.published)
-    circuit_text = Path(r.circuit).read_text()
-    records = []
-    for name in study.spec.model_names:
-
-        def compute(name: str = name) -> dict:
-            row = reproduction_rows(study, r.circuit, published, r.n, [name])[0]
-            _release(study, name)
-            return {"row": row}
-
-        inputs = {
-            "model": study.digests[name],
-            "task": study.task_inputs(),
-            "reproduce": asdict(r),
-            "circuit": circuit_text,
-            "published": published.get("reported", {}),
-        }
-        records.append(study.cache.run(f"reproduction:{name}", inputs, compute))
-    return records
 
 
 def write_reproduction(study: Study, records: list[StageRecord]) -> Path:

@@ -12,7 +12,7 @@ from typing import Any
 from ...methods.headmap import LocateConfig, get_task, locate_task
 from ...models.footprint import dtype_bytes
 from ...models.loading import LoadedModel, dtype_inputs
-from ..resources import StageCost
+from ..planner import StageCost
 from .figures import curve_figure, heatmap_figure
 from .settings import HeadMapSettings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..resources import StageCost
+from ..planner import StageCost
 from .locate import locate_cost
 from .settings import LORA_RUNS, MAP_RUNS, TASK, UNSEEDED, HeadMapSettings
 from .training import evaluation_cost, stage_name, train_cost

@@ -75,7 +75,7 @@ class HeadMapStudy(Study):
     def plan_inputs(cls, path: Optional[str | Path], task: Optional[str] = None, dtype: Optional[str] = None) -> Any:
         """The ``[headmap]`` settings, the model's dims and the tokens of each task it locates on."""
         from ...models.footprint import model_dims
-        from ..resources import Lengths, PlanInputs, planning_tokenizer
+        from ..planner import Lengths, PlanInputs, planning_tokenizer
 
         if path is None or task is not None:
             raise ValueError("a HeadMap study is a task file's [headmap] section; it has no [task] to override")

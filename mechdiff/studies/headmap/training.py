@@ -17,7 +17,7 @@ from ...methods.headmap import HeadMap, TrainConfig, correct, get_task, heads_by
 from ...models.architectures import ModelShape
 from ...models.footprint import backward_bytes
 from ...models.loading import LoadedModel, dtype_inputs
-from ..resources import StageCost
+from ..planner import StageCost
 from .settings import MAP_RUNS, TASK, HeadMapSettings
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ...methods.knowledge.analysis import attention_mass, head_roles, logit_lens
 from ...methods.knowledge.graph import EdgeCircuit, Graph
-from ..resources import StageCost
+from ..planner import StageCost
 from .facts import FactSet
 from .model_run import ModelRun
 from .settings import KnowledgeSettings

@@ -13,7 +13,7 @@ import numpy as np
 from ...methods.knowledge.acdc import acdc, discovery_batch
 from ...methods.knowledge.discovery import attribution_scores, iterative_pruning
 from ...methods.knowledge.graph import Graph
-from ..resources import StageCost
+from ..planner import StageCost
 from .facts import FactSet
 from .model_run import ModelRun, edge_indices
 from .settings import KnowledgeSettings

@@ -16,7 +16,7 @@ from ...models.footprint import backward_bytes, dtype_bytes
 from ...models.loading import LoadedModel
 from ...runs.stages import StageCache, StageRecord, key_hash
 from ...tasks.relation_data import Fact, Relation, batches, build_facts
-from ..resources import StageCost
+from ..planner import StageCost
 from .settings import KnowledgeSettings
 
 

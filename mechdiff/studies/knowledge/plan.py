@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from ...methods.knowledge.graph import Graph
 from ...models.architectures import ModelShape
 from ...tasks.relation_data import Fact, Relation, build_facts
-from ..resources import StageCost, planning_tokenizer
+from ..planner import StageCost, planning_tokenizer
 from .analysis import analysis_cost
 from .discovery import discovery_cost
 from .facts import FactSet, fact_lengths, facts_cost

@@ -15,7 +15,7 @@ from ...methods.knowledge.discovery import greedy_edges, top_edges
 from ...methods.knowledge.evaluate import CURVE_RANKING, faithfulness_curve, random_mask
 from ...methods.knowledge.graph import Graph
 from ...runs.seeds import derive
-from ..resources import StageCost
+from ..planner import StageCost
 from .facts import FactSet
 from .model_run import ModelRun, edge_indices, edge_mask
 from .settings import KnowledgeSettings

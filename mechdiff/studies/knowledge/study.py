@@ -81,7 +81,7 @@ class KnowledgeStudy(Study):
         """The ``[knowledge]`` settings, the first model's dims (every model is assumed of its shape: checkpoints
         of one model) and each relation's facts per token length under its tokenizer (`plan_facts`)."""
         from ...models.footprint import model_dims
-        from ..resources import Lengths, PlanInputs
+        from ..planner import Lengths, PlanInputs
 
         if path is None or task is not None:
             raise ValueError("a knowledge study is a task file's [knowledge] section; it has no [task] to override")

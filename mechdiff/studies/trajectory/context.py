@@ -72,7 +72,7 @@ class TrajectoryContext(Study):
     def groups(self, circuit: Circuit, wanted: list[str]) -> list[str]:
         """The circuit's groups a stage patches: ``wanted`` (those with heads), else every group at a position of the
         task's prompts (`analysis_groups`)."""
-        from ..circuits.study import analysis_groups
+        from ..circuits.stages.groups import analysis_groups
 
         return analysis_groups(self.task, self.records("eval", 16), circuit, wanted)
 
@@ -173,7 +173,7 @@ class TrajectoryContext(Study):
         }
 
     def dcm_config(self):
-        from ..circuits.study import dcm_config
+        from ..circuits.stages.dcm import dcm_config
 
         return dcm_config(SimpleNamespace(dcm=self.st.dcm, eval=self.st.eval, task=self.st.task))
 
@@ -181,7 +181,7 @@ class TrajectoryContext(Study):
         """Key inputs naming the classes of several tokens a DCM, CMAP or roles stage may patch
         (`class_groups`; empty, so the keys stay, where every group is one
         named token)."""
-        from ..circuits.study import class_groups
+        from ..circuits.stages.groups import class_groups
 
         return class_groups(self.records("eval", 16), wanted)
 

@@ -82,7 +82,7 @@ class TrajectoryStudy(TrajectoryContext):
         """The settings, the base's dims and the task's token lengths (`task_lengths`), the DCM table where
         ``[dcm] labels`` names one; no checkpoint loads."""
         from ...models.footprint import model_dims
-        from ..resources import PlanInputs, task_lengths
+        from ..planner import PlanInputs, task_lengths
 
         st = load_settings(path)
         if task:

@@ -277,7 +277,8 @@ def test_group_choice_keeps_class_groups_and_says_why_it_leaves_one_out(smollm2_
     from types import SimpleNamespace
 
     from mechdiff.circuits.circuit import Circuit
-    from mechdiff.studies.circuits.study import group_choice, unpaired_classes
+    from mechdiff.studies.circuits.stages.dcm import unpaired_classes
+    from mechdiff.studies.circuits.stages.groups import group_choice
 
     records = generate(smollm2_tokenizer, 8, n_boxes=3, seed=0)
     positions = {"a": "last", "b": CLASS, "c": "query_segment_after", "d": "nowhere"}

@@ -1,4 +1,4 @@
-"""What the plan counts against what the code does (mechdiff.studies.resources): path patching's runs per pass of
+"""What the plan counts against what the code does (mechdiff.studies.planner): path patching's runs per pass of
 senders and the senders below the deepest receiver, counted on a tiny model; each stage's reference runs."""
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ from mechdiff.models.devices import Device
 from mechdiff.models.footprint import Dims
 from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
 from mechdiff.studies.circuits.spec import default_spec, load_spec
-from mechdiff.studies.resources import Context, Lengths, _plan_steps, _reference_runs, _step_runs, _step_senders
+from mechdiff.studies.circuits.stages.circuit import step_runs as _step_runs
+from mechdiff.studies.circuits.stages.circuit import step_senders as _step_senders
+from mechdiff.studies.circuits.stages.counting import Context
+from mechdiff.studies.circuits.stages.counting import plan_steps as _plan_steps
+from mechdiff.studies.circuits.stages.counting import reference_runs as _reference_runs
+from mechdiff.studies.planner import Lengths
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 
 CPU = Device("test cpu", 64 * 2**30, {"float32": 1e11}, gpu=False)
@@ -84,7 +89,7 @@ def test_reference_runs_fall_to_the_first_stage_that_ablates_with_the_studys_set
 
 def _placed(stages: dict[str, float], device: Device) -> list:
     """Placements of stages of the given names and seconds (7B-like weights: 1 GiB a model)."""
-    from mechdiff.studies.resources import Placement, StageCost
+    from mechdiff.studies.planner import Placement, StageCost
 
     costs = [StageCost(s, 1, 1, 1, 0.0, 2**30, 0, 0) for s in stages]
     return [Placement(c, device, "float32", seconds, True) for c, seconds in zip(costs, stages.values())]
@@ -94,7 +99,7 @@ def test_wall_time_is_the_longest_process_over_its_threads_and_load_is_warned():
     """With one process per model the wall time is the longest model's CPU seconds over its threads (the base's DCM
     in the base's process); in one process, the whole over its threads; a throughput measured under load is
     warned of; loading counts each model's weights at the disk's rate."""
-    from mechdiff.studies.resources import Workers, _loading, _wall
+    from mechdiff.studies.planner import Workers, _loading, _wall
 
     stages = {"accuracy:b": 60.0, "accuracy:f": 60.0, "dcm": 600.0, "cmap:f": 300.0}
     idle = replace(CPU, load=0.1, disk_read=2**30)
@@ -112,7 +117,7 @@ def test_wall_time_is_the_longest_process_over_its_threads_and_load_is_warned():
 
 
 def test_a_cpu_stage_holds_the_process_baseline_and_a_gpu_stage_holds_it_on_the_host():
-    from mechdiff.studies.resources import StageCost
+    from mechdiff.studies.planner import StageCost
 
     cost = StageCost("accuracy:m", 1, 1, 1, 0.0, 100, 10, 5, host_kept=7)
     cpu = replace(CPU, baseline=1000)
@@ -128,7 +133,9 @@ def test_the_released_circuit_stands_in_for_the_bases_pruned_circuit_before_a_ru
 
     from mechdiff.models.devices import get_device
     from mechdiff.models.footprint import model_dims
-    from mechdiff.studies.resources import _group_starts, dcm, with_released
+    from mechdiff.studies.circuits.stages.counting import group_starts as _group_starts
+    from mechdiff.studies.circuits.stages.dcm import cost as dcm
+    from mechdiff.studies.circuits.stages.plan import with_released
 
     spec = load_spec("tasks/entity_tracking_llama7b.toml")
     released = json.loads(open(spec.reproduce.circuit).read())

@@ -1,4 +1,4 @@
-"""The resource plan (mechdiff.studies.resources): memory bounded by the batch, fit and remedies on a named device,
+"""The resource plan (mechdiff.studies.planner): memory bounded by the batch, fit and remedies on a named device,
 and ``mechdiff run --plan`` on the paper's task file without its weights."""
 
 from __future__ import annotations
@@ -11,20 +11,16 @@ import pytest
 from mechdiff.models.devices import Device, get_device
 from mechdiff.models.footprint import model_dims
 from mechdiff.studies.circuits.spec import load_spec
-from mechdiff.studies.circuits.study import accuracy_cost as accuracy
-from mechdiff.studies.resources import (
-    Context,
-    Lengths,
-    _desiderata,
-    _groups,
-    circuit,
-    cmap,
-    dcm,
-    place,
-    prune,
-    resource_plan,
-    task_lengths,
-)
+from mechdiff.studies.circuits.stages.accuracy import cost as accuracy
+from mechdiff.studies.circuits.stages.circuit import cost as circuit
+from mechdiff.studies.circuits.stages.cmap import cost as cmap
+from mechdiff.studies.circuits.stages.counting import Context
+from mechdiff.studies.circuits.stages.counting import circuit_groups as _groups
+from mechdiff.studies.circuits.stages.dcm import cost as dcm
+from mechdiff.studies.circuits.stages.dcm import desiderata as _desiderata
+from mechdiff.studies.circuits.stages.plan import resource_plan
+from mechdiff.studies.circuits.stages.prune import cost as prune
+from mechdiff.studies.planner import Lengths, place, task_lengths
 
 LENGTHS = Lengths(53.0, 53, {"last": 1.0, "query_label": 3.0, "query_label_context": 27.0}, 13, "given")
 CPU = Device("test cpu", 64 * 2**30, {"float32": 1e11, "bfloat16": 1e11}, gpu=False)
@@ -141,7 +137,7 @@ def test_the_papers_study_fits_one_h100_machine(paper_spec, dtype):
 def test_the_cache_mode_is_the_fastest_that_fits_else_the_smallest(paper_spec):
     """With a disk as fast as memory the file (suffix runs) is fastest; a disk too small rules it out; a host too
     small for anything leaves recompute, which holds least; a mode named in [dcm] cache is kept."""
-    from mechdiff.studies.resources import dcm_cache_choice
+    from mechdiff.studies.circuits.stages.dcm import dcm_cache_choice
 
     fast = replace(get_device("h100-80gb"), disk=10**13, disk_read=1e12)
     assert dcm_cache_choice(context(paper_spec, "bfloat16", fast))[0] == "file"
@@ -158,7 +154,7 @@ def test_the_memory_mode_holds_what_the_cache_holds(tiny_llama, smollm2_tokenize
     from mechdiff.methods.dcm import PairCache
     from mechdiff.models.footprint import Dims
     from mechdiff.studies.circuits.spec import default_spec
-    from mechdiff.studies.resources import _dcm_cost
+    from mechdiff.studies.circuits.stages.dcm import mode_cost as _dcm_cost
     from mechdiff.tasks.entity_tracking import object_value_pairs
 
     spec = default_spec()
@@ -241,7 +237,7 @@ def test_plan_device_without_plan_is_refused():
 def test_totals_name_the_stage_that_keeps_a_study_over_30_minutes():
     """The plan names the stage without which a study would fit 30 minutes, and says where no one stage does."""
     from mechdiff.models.devices import get_device
-    from mechdiff.studies.resources import Placement, StageCost, _totals
+    from mechdiff.studies.planner import Placement, StageCost, _totals
 
     def placed(stage: str, minutes: float) -> Placement:
         cost = StageCost(stage, 1, 10, 10, 1e12, 0, 0, 0)
@@ -296,7 +292,7 @@ def test_a_prompt_counts_the_tokens_its_teacher_forced_runs_append():
     """An answer of several tokens is scored by one run per answer with its tokens but the last appended: the
     plan counts 2 extra tokens for a 3-token answer, and under ``logit_diff`` the counterfactual's run too; a task
     whose answers are one token computes the prompt alone (its plan is what it was)."""
-    from mechdiff.studies.resources import _appended
+    from mechdiff.studies.planner import _appended
     from mechdiff.tasks.records import Example
 
     one = Example("a b", (1, 2), " c", 3, alternatives=(" d",), alternative_ids=(4,))

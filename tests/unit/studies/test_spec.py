@@ -13,7 +13,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 def test_task_file_resolves_to_the_paper_rules(name):
     from mechdiff.methods.dcm import PAPER_DCM
     from mechdiff.studies.circuits.spec import load_spec
-    from mechdiff.studies.circuits.study import dcm_config
+    from mechdiff.studies.circuits.stages.dcm import dcm_config
     from mechdiff.tasks.plan import default_plan
 
     spec = load_spec(ROOT / "tasks" / name)

@@ -42,7 +42,7 @@ def test_run_task_alone_gets_the_tasks_own_groups_and_desiderata(capitals_dir, t
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.common.components import Head
     from mechdiff.studies.circuits.spec import default_spec, study_spec
-    from mechdiff.studies.circuits.study import group_choice
+    from mechdiff.studies.circuits.stages.groups import group_choice
     from mechdiff.studies.spec import SpecError
     from mechdiff.tasks.base import get_task
 

@@ -69,7 +69,7 @@ class PlanCounts:
         """A stage of ``n`` prompts whose passes are ``passes``: (rows each run holds, passes, FLOP factor: 2 for a
         forward and a backward to the activations); its largest batch's activations and mean-ablation writes."""
         from ....models.footprint import backward_bytes, dtype_bytes
-        from ...resources import StageCost
+        from ...planner import StageCost
 
         meter, st = self.meter, self.st
         t, d = meter.lengths, meter.dims

@@ -40,7 +40,7 @@ class DcmStage(Stage):
         desiderata ``names``, with ``[dcm]``'s pairs and training: the results, and the groups left out (a class
         whose token count differs within a pair, `unpaired_classes`)."""
         from ....methods.dcm import dcm_circuit
-        from ...circuits.study import unpaired_classes
+        from ...circuits.stages.dcm import unpaired_classes
 
         s, d = self.s, self.s.st.dcm
         circuit = Circuit.from_dict(final.result["circuit"])

@@ -25,7 +25,7 @@ class RolesStage(Stage):
         it (so that a head holding a role early and losing it is scored too; ``[roles] heads = "final"``: the final
         circuit's only), in layer then head order. ``pairs``: those the stage patches (default `role_pairs`),
         whose classes must hold as many tokens in both prompts of a pair."""
-        from ...circuits.study import unpaired_classes
+        from ...circuits.stages.dcm import unpaired_classes
 
         s = self.s
         final = Circuit.from_dict(circuits[s.final].result["circuit"])
