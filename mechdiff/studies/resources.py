@@ -19,6 +19,9 @@ Each stage is counted by its algorithm (`mechdiff.studies.circuits.study`), in f
   found circuit's receiving group bounds it where known; before discovery the middle layer is assumed; a step
   into the logits: every head): a one-token frozen run over half the layers and receiver runs of the tokens after
   the receiver position over half the layers, one per distinct receiver position (step D: one per box), a pass.
+  With ``[discovery] screen`` each step's attribution screen first runs every held pair at once with gradients
+  (step A's through every layer: what autograd saves of it grows with ``n``, like the kept runs, and is most of the
+  stage's peak).
 - DCM: per desideratum a pair cache, in the mode `dcm_cache_choice` picks (the fastest that fits the
   machine's GPU, host memory and disk; ``[dcm] cache`` names one): ``file`` (two forwards a pair; every layer's
   keys and values of every pair written to a scratch HDF5 file under TMPDIR, one desideratum's file at a time, and
@@ -437,6 +440,8 @@ def _path_circuit(ctx: Context, name: str) -> StageCost:
         fit = f"n up to {most} fits {ctx.device.name}" if most else f"no n fits {ctx.device.name}"
         note = f"keeps every pair's activations ({kept / GIB:.1f} GiB, grows with n: {fit})"
     remedy = f"[discovery] pairs_per_part = {most} (holds {most} pairs at a time)" if 0 < most < held else ""
+    if d.screen:
+        note += f"; the attribution screen's pass with gradients holds {_screen_bytes(ctx, held) / GIB:.1f} GiB of them"
     return StageCost(
         f"circuit:{name}",
         1,
@@ -509,12 +514,23 @@ def _path_cost(
     flops = ctx.fwd(n * _prepared_runs(ctx, n, held, len(plan)), t.tokens)
     s = senders_per_pass(ctx, held, kept)
     transient = ctx.act(held, t.longest)  # the clean and counterfactual runs, a part's pairs at once
+    if ctx.spec.discovery.screen:
+        transient = max(transient, _screen_bytes(ctx, held))
     for step in plan:
         senders = _step_senders(ctx, step, name)
         after = t.after(step.receiver_position) if step.receiver else 0.0
         flops += senders * n * (ctx.fwd(1, 1, 1, half) + (ctx.fwd(1, after, t.tokens, half) if after else 0.0))
         transient = max(transient, ctx.act(s * held, max(after, 1), t.longest))
     return flops, kept, transient, s
+
+
+def _screen_bytes(ctx: Context, rows: int) -> int:
+    """The attribution screen's peak (`mechdiff.patching.attribution`): one pass with gradients of a part's ``rows``
+    pairs at once (every pair where held whole), what autograd saves of it over every layer (`backward_bytes`; step
+    A's, the largest: a step with receivers differentiates a pass to its deepest receiver, then one from there on),
+    and the read-out's float32 probabilities and their gradient."""
+    dims = ctx.dims
+    return backward_bytes(dims, rows, ctx.lengths.longest, dims.n_layers, ctx.dtype) + 2 * rows * dims.vocab_size * 4
 
 
 def _path_most_pairs(ctx: Context) -> int:
