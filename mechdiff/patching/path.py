@@ -530,7 +530,9 @@ def _receiver_logits(
         groups = [torch.arange(n)]
     else:
         groups = [torch.nonzero(rpos == p).flatten() for p in torch.unique(rpos)]
-    outs, order = [], []
+    out = (
+        None  # every row's read-out, filled group by group: one copy of the logits held, not each group's and two more
+    )
     for g in groups:
         stacked = (torch.arange(s)[:, None] * n + g[None]).flatten()  # rows of group g in every copy, "(s g)"
         at = repeat(rpos[g], "g -> (s g)", s=s)
@@ -541,11 +543,13 @@ def _receiver_logits(
         if resume is not None:
             resume = Resume(resume.layer, resume.hidden[g])
         read = {} if batch.forced is None else {"readout": batch.forced.readout(s)[stacked]}
-        outs.append(run(model, ids, writes, resume=resume, prefix=prefix, **read).logits)
-        order.append(stacked)
-    if len(outs) == 1:
-        return outs[0]
-    return torch.cat(outs)[torch.argsort(torch.cat(order))]
+        logits = run(model, ids, writes, resume=resume, prefix=prefix, **read).logits
+        if len(groups) == 1:
+            return logits
+        out = logits.new_empty((n * s, *logits.shape[1:])) if out is None else out
+        out[stacked] = logits
+        del logits
+    return out
 
 
 def _with_clean_answer(batch: PairBatch, logits: torch.Tensor, s: int) -> torch.Tensor:

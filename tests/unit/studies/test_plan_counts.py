@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from conftest import spy_runs
 
 from mechdiff.common.components import Head
@@ -147,3 +148,82 @@ def test_the_released_circuit_stands_in_for_the_bases_pruned_circuit_before_a_ru
     assert "the released circuit, assumed" in dcm(replace(ctx, known=known), "llama-7b", 4).note
     found = {"circuit": {"llama-7b pruned": {"groups": {"A": ["L3H0"]}, "positions": {"A": "last"}}}}
     assert with_released(spec, found) == found
+
+
+PATH_K = {"A": 2, "B": 1, "C": 1, "D": 1}
+
+
+@pytest.fixture(scope="module")
+def small_llama(smollm2_tokenizer):
+    """A random llama whose layers outweigh its read-out (8 layers of width 256), hashed (`fingerprint`: a float64
+    copy of each weight) before anything is measured, as a study hashes its models before a stage; 16 path-patching
+    pairs of 7 boxes and their token lengths."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from mechdiff.models.loading import LoadedModel, ModelSpec
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=256,
+        intermediate_size=1024,
+        vocab_size=49152,
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval().requires_grad_(False)
+    lm = LoadedModel("small", ModelSpec("small", "local", "<memory>"), model, smollm2_tokenizer, {"kind": "memory"})
+    _ = lm.fingerprint
+    pairs = path_patching_pairs(smollm2_tokenizer, 16, n_boxes=7, seed=0)
+    (tokens,) = {len(p.base.input_ids) for p in pairs}
+    names = ("last", "query_label", "query_label_context")
+    lengths = Lengths(
+        tokens,
+        tokens,
+        {n: sum(tokens - p.base.positions[n] for p in pairs) / len(pairs) for n in names},
+        1,
+        "t",
+        {n: len({p.base.positions[n] for p in pairs}) for n in names},
+    )
+    return lm, pairs, lengths
+
+
+def _path_spec(screen: bool):
+    spec = default_spec()
+    return replace(spec, discovery=replace(spec.discovery, method="path", n=16, screen=screen, top_k=PATH_K))
+
+
+@pytest.mark.parametrize("screen", [False, True])
+def test_path_patchings_planned_memory_is_what_torch_allocates(small_llama, screen):
+    """The circuit stage's planned bytes beside the weights (every pair's runs kept, and the largest transient: with
+    the attribution screen, its pass with gradients over every pair at once) within 25% of the most torch allocated
+    at once over `discover` of steps A-D (the paper form's OOM: its screen was not counted, 3.4x low)."""
+    from mechdiff.circuits.discovery import DiscoverySettings, discover
+    from mechdiff.models.memory import torch_peak
+    from mechdiff.studies.circuits.stages.circuit import cost as circuit
+
+    lm, pairs, lengths = small_llama
+    cost = circuit(_ctx(_path_spec(screen), lm, lengths), "small")
+    settings = DiscoverySettings(k=PATH_K, screen=screen, n_prompts=16, n_boxes=7)
+    measured = torch_peak(lambda: discover(lm, pairs, settings, progress=False))
+    assert measured == pytest.approx(cost.kept + cost.transient, rel=0.25)
+
+
+def test_step_ds_receiver_runs_hold_what_the_plan_counts(small_llama):
+    """Step D's receivers sit at the queried box's label (7 positions among the pairs): one suffix run per position,
+    each run's read-out logits written into one tensor of every row's. Its peak above the held pairs is the plan's
+    transient of a pass of 8 sender copies, within 25% (`discover` on a random model above stops before D: its C
+    receivers lie in layer 0)."""
+    from mechdiff.models.memory import torch_peak
+    from mechdiff.studies.circuits.stages.circuit import path_cost as _path_cost
+
+    lm, pairs, lengths = small_llama
+    assert lengths.distinct["query_label_context"] == 7
+    ctx = _ctx(_path_spec(False), lm, lengths)
+    step = {s.name: s for s in _plan_steps(ctx)}["D"]
+    _, _, transient, per_pass = _path_cost(ctx, 16, [step])
+    batch = prepare(lm, pairs)
+    receivers = Receivers((Head(4, 1), Head(5, 0)), step.site, step.receiver_position)
+    senders = eligible_senders(lm, receivers)[:per_pass]
+    measured = torch_peak(lambda: path_patch(lm, batch, senders, step.sender, receivers, per_pass, progress=False))
+    assert measured == pytest.approx(transient, rel=0.25)

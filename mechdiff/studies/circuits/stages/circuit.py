@@ -213,7 +213,9 @@ def path_circuit_cost(ctx: Context, name: str) -> StageCost:
     ``z``, the residual stream, keys and values: this grows with ``n``), then per step every head below the deepest
     receiver as a sender (`step_senders`): a one-token frozen run over half the layers and receiver runs of the
     tokens after the receiver position over half the layers, one per distinct receiver position (`step_runs`),
-    a pass of `senders_per_pass` senders."""
+    a pass of `senders_per_pass` senders. With ``[discovery] screen`` each step's attribution screen first runs
+    every held pair at once with gradients (step A's through every layer: what autograd saves of it grows with
+    ``n``, like the kept runs, and is most of the stage's peak: `screen_bytes`)."""
     d = ctx.spec.discovery
     flops, kept, transient, s = path_cost(ctx, d.n, name=name)
     held, plan = held_pairs(ctx, d.n), plan_steps(ctx)
@@ -230,6 +232,8 @@ def path_circuit_cost(ctx: Context, name: str) -> StageCost:
         fit = f"n up to {most} fits {ctx.device.name}" if most else f"no n fits {ctx.device.name}"
         note = f"keeps every pair's activations ({kept / GIB:.1f} GiB, grows with n: {fit})"
     remedy = f"[discovery] pairs_per_part = {most} (holds {most} pairs at a time)" if 0 < most < held else ""
+    if d.screen:
+        note += f"; the attribution screen's pass with gradients holds {screen_bytes(ctx, held) / GIB:.1f} GiB of them"
     return StageCost(
         f"circuit:{name}",
         1,
@@ -302,12 +306,23 @@ def path_cost(
     flops = ctx.fwd(n * prepared_runs(ctx, n, held, len(plan)), t.tokens)
     s = senders_per_pass(ctx, held, kept)
     transient = ctx.act(held, t.longest)  # the clean and counterfactual runs, a part's pairs at once
+    if ctx.spec.discovery.screen:
+        transient = max(transient, screen_bytes(ctx, held))
     for step in plan:
         senders = step_senders(ctx, step, name)
         after = t.after(step.receiver_position) if step.receiver else 0.0
         flops += senders * n * (ctx.fwd(1, 1, 1, half) + (ctx.fwd(1, after, t.tokens, half) if after else 0.0))
         transient = max(transient, ctx.act(s * held, max(after, 1), t.longest))
     return flops, kept, transient, s
+
+
+def screen_bytes(ctx: Context, rows: int) -> int:
+    """The attribution screen's peak (`mechdiff.patching.attribution`): one pass with gradients of a part's ``rows``
+    pairs at once (every pair where held whole), what autograd saves of it over every layer (`backward_bytes`; step
+    A's, the largest: a step with receivers differentiates a pass to its deepest receiver, then one from there on),
+    and the read-out's float32 probabilities and their gradient."""
+    dims = ctx.dims
+    return backward_bytes(dims, rows, ctx.lengths.longest, dims.n_layers, ctx.dtype) + 2 * rows * dims.vocab_size * 4
 
 
 def path_most_pairs(ctx: Context) -> int:
