@@ -54,7 +54,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from statistics import mean
 from typing import Any, Callable, Optional
@@ -284,6 +284,12 @@ class Context(Counting):
     def ablation_patches(self, rows: int) -> int:
         """Mean-ablation writes of one batch: every layer's ``z`` at every position."""
         return self.dims.n_layers * rows * self.lengths.longest * self.dims.d_model * dtype_bytes(self.dtype)
+
+    @cached_property
+    def desiderata(self) -> list[str]:
+        """`_desiderata`, read once per context: it reads the task's whole directory, and a plan counts DCM a dozen
+        times (each model, each pair-cache mode)."""
+        return _desiderata(self)
 
 
 @dataclass
@@ -780,7 +786,7 @@ def _dcm_cost(ctx: Context, name: str, semantic: int, mode: str) -> StageCost:
     ``z`` (every layer's at each group's position: random heads are drawn from every layer) and runs patched runs in
     full; ``"recompute"`` holds nothing and runs each patched batch's sources again, in full."""
     c, t, dims, b = ctx.spec.dcm, ctx.lengths, ctx.dims, dtype_bytes(ctx.dtype)
-    n, k = c.n_train + c.n_val + c.n_test, len(_desiderata(ctx))
+    n, k = c.n_train + c.n_val + c.n_test, len(ctx.desiderata)
     file, full = mode == "file", mode != "file"
     # pairs a cache write (and an evaluation) and a training step hold
     built, trained = ctx.rows(n), min(c.batch_size, c.n_train)
