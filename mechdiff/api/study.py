@@ -146,7 +146,7 @@ class Study:
         """What ``mechdiff run --plan`` prints (without ``--plan-device``), as an object: each stage with its key,
         whether it is cached and what it cost in the committed ``run.json``, and its predicted memory and time on
         this machine (a one-process run; every study kind: `study_resources`). Computes nothing."""
-        from ..studies.circuits.reproduce import check_weights
+        from ..models.weights import check_weights
 
         with self._file() as file:
             here = study_resources(str(file))[0]  # every kind's stages, predicted on this machine

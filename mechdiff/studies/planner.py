@@ -42,7 +42,6 @@ from ..models.footprint import (
     forward_bytes,
     forward_flops,
 )
-from .circuits.spec import RunSpec
 from .machine import with_overhead
 
 #: The tokenizer that estimates token lengths where a model's own is absent.
@@ -81,8 +80,10 @@ def planning_tokenizer(model: str) -> tuple[Any, str]:
         return load_tokenizer(resolve_spec(STAND_IN_TOKENIZER)), used
 
 
-def task_lengths(spec: RunSpec) -> Lengths:
-    """Token lengths of ``LENGTH_SAMPLE`` of the study's prompts under the base's tokenizer, else the stand-in's."""
+def task_lengths(spec: Any) -> Lengths:
+    """Token lengths of ``LENGTH_SAMPLE`` of the study's prompts under the base's tokenizer, else the stand-in's.
+    ``spec``: any kind's spec with ``models.base`` and ``[task]`` (the circuits kind's `RunSpec`, a trajectory's);
+    untyped so the generic planner imports no kind."""
     from ..runs.seeds import prompt_seed
     from ..tasks.base import get_task
 
@@ -531,7 +532,7 @@ def print_resources(
     """What ``mechdiff run --plan`` prints first, for a study of any kind: its resource plan (`study_resources`)
     on this machine and on the named ``device``. Returns True where the models' weights are absent, so that the
     stage cache (which needs the tokenizer and weights checked) cannot be read: the plan then ends here, said so."""
-    from .circuits.reproduce import check_weights
+    from ..models.weights import check_weights
 
     plans = study_resources(path, device, dtype, task, disk_gib, host_gib, workers)
     print(plans[0].format())

@@ -23,6 +23,7 @@ plan (`mechdiff.tasks.base.Task.plan`) and ``mechdiff circuit --plan FILE`` repl
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,15 +161,23 @@ def plan_from_dict(data: Mapping[str, Any], source: str = "plan") -> Plan:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    """Read and check a plan file."""
+    """Read and check a plan file (parsed once for each version of the file: a resource plan reads it for every
+    count of every stage, thousands of times)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"plan file {path} does not exist")
+    stat = path.stat()
+    return _read_plan(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_plan(path: str, mtime_ns: int, size: int) -> Plan:
+    """The checked `Plan` of ``path`` as it is at ``mtime_ns`` and ``size`` (a `Plan` is frozen: shared safely)."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
-    return plan_from_dict(data, str(path))
+    return plan_from_dict(data, path)
 
 
 def default_plan() -> Plan:

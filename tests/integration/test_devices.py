@@ -279,7 +279,7 @@ def test_remote_names_hub_checkpoints_and_refuses_local_ones(monkeypatch):
 
 
 def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_path):
-    from mechdiff.studies.circuits.reproduce import WeightsMissingError
+    from mechdiff.models.weights import WeightsMissingError
     from mechdiff.studies.circuits.spec import load_spec
     from mechdiff.studies.circuits.study import CircuitsStudy as Study
 
@@ -288,9 +288,9 @@ def test_llama7b_task_file_fails_early_naming_missing_weights(monkeypatch, tmp_p
     assert spec.model_names == ["llama-7b", "vicuna-7b", "goat-7b", "float-7b"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing is there
-    import mechdiff.studies.circuits.reproduce as reproduce
+    import mechdiff.models.weights as weights
 
-    monkeypatch.setattr(reproduce, "_hub_cached", lambda repo, rev, cache_dir: (False, False))
+    monkeypatch.setattr(weights, "_hub_cached", lambda repo, rev, cache_dir: (False, False))
     with pytest.raises(WeightsMissingError) as err:
         Study(spec, progress=False, out_dir=str(tmp_path / "out"))
     text = str(err.value)

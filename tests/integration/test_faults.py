@@ -455,7 +455,7 @@ def test_unwritable_output_named_before_any_work(family, tmp_path, capsys, monke
     """As root chmod does not stop writes, so the directory lies under a regular file (always unwritable)."""
     _no_weights(monkeypatch)
     monkeypatch.setattr(
-        "mechdiff.studies.circuits.reproduce.check_weights",
+        "mechdiff.models.weights.check_weights",
         lambda *a, **k: pytest.fail("work began before the output was checked"),
     )
     blocker = tmp_path / "a-file"

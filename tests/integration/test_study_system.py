@@ -226,61 +226,63 @@ def test_library_warnings_a_user_cannot_act_on_are_filtered_precisely():
     assert [(str(w.message), w.lineno) for w in seen] == [("another deprecation", 2), (peft_alias, 3), (peft_alias, 4)]
 
 
-def test_mechdiff_run_prints_the_plan_and_plan_stops_there(tiny_family, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def antonym_runs(tiny_family, tmp_path_factory) -> tuple[Path, dict[str, tuple[int, str, str]]]:
+    """`mechdiff run` of one knowledge task file (antonym, 4 facts, the base of `tiny_family`), progress on, its
+    stdout and stderr each a file as in a study's log: ``--plan``, the run, a rerun, each in this process (cli.main,
+    as the entry point calls it). Returns the task file and, for ``plan``, ``computed`` and ``cached``, the exit
+    code, stdout and stderr (bytes decoded as written: a bar's "\\r" stays); ``plan`` also says whether the plan
+    left a stage record or run.json behind. Read by the two tests below (one study run, not two, and no process)."""
+    import contextlib
+
     from mechdiff.cli import main
 
-    task = tmp_path / "k.toml"
+    root = tmp_path_factory.mktemp("antonym")
+    task = root / "k.toml"
     task.write_text(
-        f'[study]\nkind = "knowledge"\n\n[output]\ndir = "{tmp_path / "out"}"\n\n[knowledge]\n'
+        f'[study]\nkind = "knowledge"\n\n[output]\ndir = "{root / "out"}"\n\n[knowledge]\n'
         f'relation = "antonym"\nmodels = ["{tiny_family[0]}"]\nmax_facts = 4\nk = 30000\n'
     )
-    assert main(["run", str(task), "--plan", "--no-progress"]) == 0
-    out = capsys.readouterr().out
-    resources, _, stages = out.partition(f"\nknowledge study into {tmp_path / 'out'}:\n")
+    runs = {}
+    for state, options in (("plan", ["--plan"]), ("computed", []), ("cached", [])):
+        out, err = root / f"{state}.out", root / f"{state}.err"
+        with open(out, "w") as o, open(err, "w") as e, contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+            code = main(["run", str(task), *options])
+        runs[state] = (code, out.read_bytes().decode(), err.read_bytes().decode())
+        if state == "plan":
+            runs["plan left"] = ((root / "out" / "stages").exists(), (root / "out" / "run.json").exists())
+    return task, runs
+
+
+def test_mechdiff_run_prints_the_plan_and_plan_stops_there(tiny_family, antonym_runs):
+    task, runs = antonym_runs
+    out_dir = task.parent / "out"
+    code, out, _ = runs["plan"]
+    assert code == 0
+    resources, _, stages = out.partition(f"\nknowledge study into {out_dir}:\n")
     assert stages and "host GiB" in resources  # every kind's plan: its resources first, then its stages
     assert "facts " in out and f"discovery:{tiny_family[0]}" in out and "4 of 4 stages to compute" in out
-    assert not (tmp_path / "out" / "stages").exists() and not (tmp_path / "out" / "run.json").exists()
+    assert runs["plan left"] == (False, False)  # no stage record, no run.json
     # Then the run (studies.base.plan_then_run): the plan, each stage's time, the report; a rerun: all cached.
     stages = ["facts", f"discovery:{tiny_family[0]}", f"scoring:{tiny_family[0]}", f"analysis:{tiny_family[0]}"]
-    for cached in (False, True):
-        assert main(["run", str(task), "--no-progress"]) == 0
-        out = capsys.readouterr().out
-        assert out.startswith(f"knowledge study into {tmp_path / 'out'}:\n")
+    for state, cached in (("computed", False), ("cached", True)):
+        code, out, _ = runs[state]
+        assert code == 0
+        assert out.startswith(f"knowledge study into {out_dir}:\n")
         assert f"{4 * (not cached)} of 4 stages to compute" in out and out.rstrip().endswith("report.md")
         lines = [line.split() for line in out.splitlines() if line.startswith("  ")]
         assert [w[0] for w in lines] == stages
         assert all((w[1:] == ["cached"]) if cached else (w[2] == "s" and float(w[1]) >= 0) for w in lines)
 
 
-def test_a_run_logged_to_a_file_has_no_bars_and_one_line_per_stage(tiny_family, tmp_path):
+def test_a_run_logged_to_a_file_has_no_bars_and_one_line_per_stage(tiny_family, antonym_runs):
     """``mechdiff run`` with stderr a file (a study's log, CI), progress on: no bar's carriage return or cursor
     escape in the log, one plain line per stage as it ends, computed and then, on a rerun, cached."""
-    import os
-    import subprocess
-    import sys
-
-    task = tmp_path / "k.toml"
-    task.write_text(
-        f'[study]\nkind = "knowledge"\n\n[output]\ndir = "{tmp_path / "out"}"\n\n[knowledge]\n'
-        f'relation = "antonym"\nmodels = ["{tiny_family[0]}"]\nmax_facts = 4\nk = 30000\n'
-    )
+    _, runs = antonym_runs
     stages = ["facts", f"discovery:{tiny_family[0]}", f"scoring:{tiny_family[0]}", f"analysis:{tiny_family[0]}"]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
-    }
     for state in ("computed", "cached"):
-        log = tmp_path / f"{state}.log"
-        with open(log, "w") as err:
-            subprocess.run(
-                [sys.executable, "-m", "mechdiff.cli", "run", str(task)],
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                env=env,
-                check=True,
-                timeout=600,
-            )
-        text = log.read_bytes().decode()  # read_text would turn a bar's "\r" into "\n"
+        code, _, text = runs[state]
+        assert code == 0, text
         assert "\r" not in text and "\x1b[" not in text, text
         lines = [line for line in text.splitlines() if line.startswith("stage ")]
         assert [line.split()[1].rstrip(":") for line in lines] == stages, text

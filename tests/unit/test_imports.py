@@ -5,6 +5,7 @@ functions, under ``TYPE_CHECKING``), holds no circle: no module, and no sub-pack
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ def imported(name: str, path: Path, known: set[str]) -> set[str]:
     return {m for m in out if m in known and m != name}
 
 
+@functools.cache  # the source is parsed once per process for each form (a second or more each); tests only read it
 def graph(collapse: bool = False) -> dict[str, set[str]]:
     """Module -> modules it imports; ``collapse``: every module of a sub-package (``mechdiff.a.b.*``, ``b`` a
     package) is the sub-package."""

@@ -65,7 +65,7 @@ class CircuitsStudy(CircuitsData):
         self.task  # noqa: B018 - an imported task's prompt sets are drawn (or refused, short of rows) before weights
         # Check the set before any weights load: weights present (or --remote set up), shapes, vocabularies, names.
         from ...models.remote import check_remote
-        from .reproduce import check_weights
+        from ...models.weights import check_weights
 
         check_remote(spec.models.remote, [resolve_spec(n) for n in spec.model_names])
         check_weights(spec.model_names, remote=spec.models.remote)

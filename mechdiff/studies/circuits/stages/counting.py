@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Optional
 
 from ....models.devices import Device
@@ -28,6 +29,16 @@ class Context(Counting):
     #: What a run found that a plan cannot know before it (`mechdiff.studies.circuits.stages.plan.found_in`);
     #: empty: assumed.
     known: dict = field(default_factory=dict)
+
+    @cached_property
+    def desiderata(self) -> list[str]:
+        """The desiderata DCM trains, as the study picks them: those of ``[dcm] desiderata`` the task declares, else
+        every one the task declares; read once per context (it reads the task's whole directory, and a plan counts
+        DCM a dozen times: each model, each pair-cache mode)."""
+        from ....tasks.base import get_task
+        from ....tasks.desiderata import chosen_desiderata
+
+        return chosen_desiderata(self.spec.dcm.desiderata, get_task(self.spec.task.name).desiderata)
 
     def rows(self, n: float) -> int:
         """Prompts a pass holds where a stage runs ``n`` prompts in batches of ``[eval] batch_size``: fewer prompts

@@ -328,9 +328,5 @@ def mode_cost(ctx: Context, name: str, semantic: int, mode: str) -> StageCost:
 
 
 def desiderata(ctx: Context) -> list[str]:
-    """The desiderata DCM trains, as the study picks them: those of ``[dcm] desiderata`` the task declares, else
-    every one the task declares."""
-    from ....tasks.base import get_task
-    from ....tasks.desiderata import chosen_desiderata
-
-    return chosen_desiderata(ctx.spec.dcm.desiderata, get_task(ctx.spec.task.name).desiderata)
+    """The desiderata DCM trains, as the study picks them (`Context.desiderata`, read once per context)."""
+    return ctx.desiderata
