@@ -142,8 +142,8 @@ def test_a_whole_study_with_edges_on_writes_node_overlap_beside_edge_overlap(run
 
 @pytest.fixture(scope="module")
 def wide_run(smollm2_tokenizer, tmp_path_factory) -> Path:
-    """Full-weight random llamas at steps 0, 5 (step 0's weights) and 10 whose blocks outweigh the read-out (4 layers of width 128), so
-    that the edge graph's passes, not the unembedding, decide what the edge stage costs."""
+    """Full-weight random llamas at steps 0, 5 (step 0's weights) and 10 whose blocks outweigh the read-out (4
+    layers of width 128), so that the edge graph's passes, not the unembedding, decide what the edge stage costs."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     root = tmp_path_factory.mktemp("wide") / "run"
