@@ -249,8 +249,6 @@ def path_steps(ctx: Any, base: Any, pairs: list) -> dict[str, tuple[Callable[[],
     step's ``k`` heads in the deepest layers (every head below them a sender: the most a step can have; a study's are
     wherever the step before selected), read at the step's site and position: step D's receiver runs go from its
     position to the end (suffix runs)."""
-    import math
-
     from mechdiff.common.components import Head
     from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
     from mechdiff.studies import planner as r
@@ -274,9 +272,7 @@ def path_steps(ctx: Any, base: Any, pairs: list) -> dict[str, tuple[Callable[[],
 
     def cost(name: str, step: Any, held: int) -> tuple[int, Any]:
         flops, kept, transient, per_pass = circuit.path_cost(ctx, n, [step], held=held)
-        parts, senders = math.ceil(n / held), ctx.dims.n_layers * ctx.dims.n_heads
-        reads = ctx.reads(parts * circuit.prepared_runs(ctx, n, held, 1))
-        reads += ctx.reads(2 * parts * math.ceil(senders / per_pass), ctx.dims.n_layers / 2)
+        reads = circuit.path_reads(ctx, n, [step], held, per_pass)
         return per_pass, r.StageCost(name, 1, n, per_pass * held, flops, ctx.weights, kept, transient, reads=reads)
 
     for name, step in plan.items():

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import make_tiny
+from torch.utils.flop_counter import FlopCounterMode
 
 from mechdiff.models.devices import get_device
 from mechdiff.models.footprint import Dims
@@ -28,10 +29,11 @@ from mechdiff.tasks.relation_data import batches
 
 class PassCounter:
     """Forward passes per stage: a pre-hook on each model's forward counts a pass into the innermost stage
-    `StageCache.run` is computing."""
+    `StageCache.run` is computing; with ``flops``, also each stage's matrix-multiply FLOPs (torch's FLOP counter)."""
 
-    def __init__(self, monkeypatch, models):
+    def __init__(self, monkeypatch, models, flops: bool = False):
         self.passes: Counter = Counter()
+        self.flops: Counter = Counter()
         self.stack: list[str] = []
 
         def count(module, args, kwargs):  # a function, not a bound method: a deep copy of the model keeps it
@@ -46,7 +48,12 @@ class PassCounter:
             def wrapped():
                 self.stack.append(name)
                 try:
-                    return compute()
+                    if not flops:
+                        return compute()
+                    with FlopCounterMode(display=False) as counter:
+                        result = compute()
+                    self.flops[name] += counter.get_total_flops()
+                    return result
                 finally:
                     self.stack.pop()
 
@@ -84,7 +91,7 @@ def test_knowledge_stage_costs_count_the_passes_each_stage_runs(tmp_path, smollm
         models=(model.name,),
     )
     _warm(model)
-    counter = PassCounter(monkeypatch, [model])
+    counter = PassCounter(monkeypatch, [model], flops=True)
     study = KnowledgeStudy(settings, tmp_path / "k", {model.name: model}.__getitem__, progress=False)
     study.run()
     facts = load_facts(model, settings)
@@ -93,6 +100,10 @@ def test_knowledge_stage_costs_count_the_passes_each_stage_runs(tmp_path, smollm
     costs = KnowledgeStudy.stage_costs(_inputs("knowledge", settings, model, known), get_device("h100-80gb"))
     assert {c.stage: c.reads.passes for c in costs} == dict(counter.passes)
     assert len(costs) == 4 and all(c.flops > 0 and c.transient > 0 for c in costs)
+    # the passes with gradients (`FactSet.gradient_flops`: a backward to the activations one forward's FLOPs, as
+    # every kind counts it; they were counted as two) and the edge forwards: torch's FLOP counter, within 25%
+    ratios = {c.stage: c.flops / counter.flops[c.stage] for c in costs if not c.stage.startswith("analysis")}
+    assert all(1 / 1.25 <= r <= 1.25 for r in ratios.values()), ratios
 
 
 def test_knowledge_plan_before_the_run_assumes_every_size_tried(smollm2_tokenizer):

@@ -99,7 +99,8 @@ def discovery_runs(s: KnowledgeSettings, edges: int) -> tuple[float, float, str]
 
 
 def discovery_cost(meter: Any, s: KnowledgeSettings, graph: Graph, kept: FactSet, stage: str) -> StageCost:
-    """`discovery_stage` on the kept facts (`discovery_runs`); a backward counted as two forwards' FLOPs."""
+    """`discovery_stage` on the kept facts (`discovery_runs`): its passes with gradients as `FactSet.gradient_flops`
+    counts them (at a partial circuit's mask for iterative pruning), the others as edge forwards."""
     runs, backward, note = discovery_runs(s, graph.n_edges)
     on = kept
     if s.method == "acdc" and s.acdc_facts:  # the trials run on one batch of acdc_facts facts of one length
@@ -108,7 +109,7 @@ def discovery_cost(meter: Any, s: KnowledgeSettings, graph: Graph, kept: FactSet
     trials = runs - ablation_runs(s) - (2 if s.method == "acdc" else 0) - backward
     full = runs - trials
     passes = full * kept.passes + trials * on.passes
-    flops = kept.flops(full + 2 * backward) + on.flops(trials)
+    flops = kept.flops(full - backward) + kept.gradient_flops(backward, s.method == "iterative") + on.flops(trials)
     n = sum(kept.lengths.values())
     return StageCost(
         stage, len(s.models), n, meter.rows(n, s.batch_size), flops, len(s.models) * meter.weights, 0,

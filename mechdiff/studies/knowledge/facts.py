@@ -1,7 +1,8 @@
 """The ``facts`` stage of the knowledge kind: which facts of a relation every model gets right (Hit@k of the
-full model), its key, and the counting every stage's cost shares: a fact set in passes of the edge forward
-(`edge_forward`: a forward of the model plus every receiver's input mixed from the senders, 2 x edges x d_model
-FLOPs a token) over the facts' batches (one token length each, `batches`)."""
+full model), its key, and the counting every edge-graph stage's cost shares (this kind's and the trajectory's
+``edges:<ckpt>``): a prompt set in passes of the edge forward (`edge_forward`: a forward of the model, each
+receiver's Q, K and V projected again from its own input, and every receiver's input mixed from the senders,
+2 x edges x d_model FLOPs a token) or of `edge_gradients` over its batches (one token length each, `batches`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 from ...methods.knowledge.evaluate import evaluate
 from ...methods.knowledge.forward import Ablation
 from ...methods.knowledge.graph import Graph
-from ...models.footprint import backward_bytes, dtype_bytes
+from ...models.footprint import Dims, backward_bytes, dtype_bytes
 from ...models.loading import LoadedModel
 from ...runs.stages import StageCache, StageRecord, key_hash
 from ...tasks.relation_data import Fact, Relation, batches, build_facts
@@ -71,11 +72,16 @@ def fact_lengths(facts: Sequence[Fact]) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
-class FactSet:
-    """A fact set's cost in edge-forward passes (`Meter` counts) of batches of ``batch``: ``lengths`` facts per
-    token length."""
+def plan_graph(dims: Dims) -> Graph:
+    """The edge graph of a model of ``dims`` (its config alone: sequential blocks assumed)."""
+    return Graph(dims.n_layers, dims.n_heads, dims.n_kv_heads)
 
-    def __init__(self, meter: Any, graph: Graph, lengths: dict[int, int], batch: int):
+
+class FactSet:
+    """A prompt set's cost in edge-forward passes (`Meter` counts) of batches of ``batch``: ``lengths`` prompts per
+    token length (the knowledge kind's facts; a task's prompts at their mean or longest length)."""
+
+    def __init__(self, meter: Any, graph: Graph, lengths: dict, batch: int):
         self.meter, self.graph, self.lengths, self.batch = meter, graph, lengths, batch
 
     @property
@@ -83,24 +89,48 @@ class FactSet:
         """Batches `batches` makes: per token length, ``ceil(facts / batch)``."""
         return sum(-(-n // self.batch) for n in self.lengths.values())
 
+    def _tokens(self, per_token: float, model: bool = True) -> float:
+        """``per_token`` FLOPs at every token of every prompt, and the model's forward beside them (``model``)."""
+        m = self.meter
+        return sum((m.fwd(n, t) if model else 0.0) + per_token * n * t for t, n in self.lengths.items())
+
+    def mix(self) -> float:
+        """2 x edges x d_model FLOPs a token: every receiver's input mixed from the senders (a forward), or every
+        edge's attribution from its receiver's gradient and its sender's delta (`edge_gradients`)."""
+        return 2.0 * self.graph.n_edges * self.meter.dims.d_model
+
+    def projections(self) -> float:
+        """FLOPs a token of each receiver's Q, K and V projected from its own input (`edge_forward`'s ``write_qkv``;
+        the model's own projections, which they replace, are its forward's)."""
+        d = self.meter.dims
+        return 2.0 * d.n_layers * d.d_model * (d.n_heads + 2 * d.n_kv_heads) * d.d_head
+
     def flops(self, runs: float = 1.0) -> float:
-        """``runs`` edge forwards of every fact: the model's FLOPs and the receivers' inputs mixed from the
-        senders (2 x edges x d_model a token)."""
-        m, d = self.meter, self.meter.dims.d_model
-        return runs * sum(m.fwd(n, t) + 2 * self.graph.n_edges * d * n * t for t, n in self.lengths.items())
+        """``runs`` edge forwards of every prompt: the model's FLOPs, the receivers' projections and their inputs
+        mixed from the senders."""
+        return runs * self._tokens(self.projections() + self.mix())
+
+    def gradient_flops(self, runs: float = 1.0, masked: bool = False) -> float:
+        """``runs`` passes of `edge_gradients` over every prompt: the forward (every mask alike, EAP's and EAP-IG's:
+        the receivers read one sum, no mix) and its backward to the activations (the weights frozen: one forward's
+        FLOPs again, as every kind counts a backward), then every edge's attribution (one mix); ``masked`` (a partial
+        circuit's mask, iterative pruning): the forward's mix and its backward's as well."""
+        forward = 2 * self._tokens(self.projections())
+        return runs * (forward + (3 if masked else 1) * self._tokens(self.mix(), model=False))
 
     def transient(self, kept_outputs: bool = False, backward: bool = False) -> int:
         """A batch's activations: the forward's, the senders' outputs buffer (``senders x rows x tokens x d``) and a
-        block's receivers' inputs; ``kept_outputs``: the buffer copied out; ``backward``: (EAP) every block's
-        receiver inputs, the senders' outputs and their deltas kept for the backward, and the backward's own."""
+        block's receivers' inputs; ``kept_outputs``: the buffer copied out; ``backward`` (`edge_gradients`, at the
+        end of its forward): what the forward keeps for the backward (`backward_bytes`), each receiver's input and
+        its gradient leaf, each sender's output and its delta, and a block's forward transient."""
         m, g = self.meter, self.graph
         t = max(self.lengths, default=1)
         rows = m.rows(sum(self.lengths.values()), self.batch)
         row = rows * t * m.dims.d_model * dtype_bytes(m.dtype)
         if backward:
-            receivers = len(g.receivers)
-            return backward_bytes(m.dims, rows, t, m.dims.n_layers, m.dtype) + (3 * g.n_senders + receivers) * row
-        return m.act(rows, t) + (g.n_senders * (2 if kept_outputs else 1) + g.n_attn_receivers) * row
+            kept = backward_bytes(m.dims, rows, t, m.dims.n_layers, m.dtype) + m.act(rows, t)
+            return int(kept + 2 * (g.n_senders + len(g.receivers)) * row)
+        return int(m.act(rows, t) + (g.n_senders * (2 if kept_outputs else 1) + g.n_attn_receivers) * row)
 
 
 def facts_cost(meter: Any, s: KnowledgeSettings, graph: Graph, every: FactSet, stage: str) -> StageCost:

@@ -9,13 +9,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...methods.knowledge.graph import Graph
-from ...models.architectures import ModelShape
 from ...tasks.relation_data import Fact, Relation, build_facts
 from ..planner import StageCost, planning_tokenizer
 from .analysis import analysis_cost
 from .discovery import discovery_cost
-from .facts import FactSet, fact_lengths, facts_cost
+from .facts import FactSet, fact_lengths, facts_cost, plan_graph
 from .scoring import scoring_cost
 from .settings import KnowledgeSettings
 
@@ -26,10 +24,7 @@ def relation_costs(
     """The stages of one relation (its facts ``lengths``): facts, then each model's discovery, scoring and
     analysis. Every fact is assumed right in every model unless ``known["kept"]`` gives the kept facts' lengths;
     ``known["tried"]``: per model, the sizes scoring tried."""
-    dims = meter.dims
-    graph = Graph.from_shape(
-        ModelShape(dims.n_layers, dims.n_heads, dims.n_kv_heads, dims.d_head, dims.d_model, dims.vocab_size)
-    )
+    graph = plan_graph(meter.dims)
     every = FactSet(meter, graph, lengths, s.batch_size)
     kept = FactSet(meter, graph, known.get("kept") or lengths, s.batch_size)
     out = [facts_cost(meter, s, graph, every, f"{prefix}facts")]

@@ -156,8 +156,9 @@ class RunsSection:
 @section
 class EdgesSection:
     """Edges as well as nodes (`edge_structure`): the EAP graph scored per prompt at ``steps``. Off by
-    default: on SmolLM2 the scores of 256 prompts take 30 to 80 min a checkpoint on one CPU thread, where its node
-    ranking takes about a minute (docs/trajectories.md, "Edges beside nodes")."""
+    default: on SmolLM2 the scores of 256 prompts took 30 to 80 min a checkpoint on one CPU thread beside a study on
+    two cores, where its node ranking takes about a minute (docs/trajectories.md, "Edges beside nodes"; ``--plan``
+    counts both edge stages, `stages.edges`)."""
 
     on: bool = False
     n: int = EDGES_N  # edges each discovery keeps (its nodes: the heads and MLPs they touch)

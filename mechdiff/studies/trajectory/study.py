@@ -69,6 +69,8 @@ def trajectory_costs(
         *DcmStage.costs(p),
         *SemanticStage.costs(p),
         *RolesStage.costs(p),
+        *EdgeScoresStage.costs(p),
+        *EdgesStage.costs(p),
     ]
 
 
@@ -110,6 +112,8 @@ class TrajectoryStudy(TrajectoryContext):
 
     @classmethod
     def with_batch(cls, settings: Any, cost: Any, batch: int) -> Any:
+        if cost.batch_option == "[edges] batch_size":
+            return replace(settings, edges=replace(settings.edges, batch_size=batch))
         return replace(settings, eval=replace(settings.eval, batch_size=batch))
 
     @classmethod

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import make_tiny
 
 from mechdiff.methods.edge_structure import decode_half
@@ -137,3 +138,61 @@ def test_a_whole_study_with_edges_on_writes_node_overlap_beside_edge_overlap(run
     assert "## Edges beside nodes" in (out / "report.md").read_text()
     readme = (out / "README.md").read_text()
     assert "## Findings: edges beside nodes" in readme and "edges: steps; top-n edges; method; prompts" in readme
+
+
+@pytest.fixture(scope="module")
+def wide_run(smollm2_tokenizer, tmp_path_factory) -> Path:
+    """Full-weight random llamas at steps 0, 5 (step 0's weights) and 10 whose blocks outweigh the read-out (4
+    layers of width 128), so that the edge graph's passes, not the unembedding, decide what the edge stage costs."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = tmp_path_factory.mktemp("wide") / "run"
+    for seed, step in ((0, 0), (1, 10)):
+        torch.manual_seed(seed)
+        config = LlamaConfig(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_size=128,
+            intermediate_size=512,
+            vocab_size=49152,
+        )
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / f"step-{step:04d}")
+        smollm2_tokenizer.save_pretrained(root / f"step-{step:04d}")
+    shutil.copytree(root / "step-0000", root / "step-0005")
+    return root
+
+
+def test_the_edge_stages_planned_flops_memory_and_passes_are_what_its_run_performs(wide_run, tmp_path, monkeypatch):
+    """``edges:<ckpt>`` (the reference means' edge forwards, then EAP's forward and backward a batch over the ranking
+    prompts) planned from the task file alone against one run of it in the checkpoint: its FLOPs within 25% of
+    torch's FLOP counter, its models' passes exactly (a hook on the model's forward), and its bytes beside the
+    weights (kept and its largest batch's) within 25% of the most torch allocated at once. The ranking scorer's
+    means are read from the store, as the circuit stage leaves them there."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mechdiff.models.devices import Device
+    from mechdiff.models.memory import torch_peak
+    from mechdiff.studies.trajectory.stages.edges import EdgeScoresStage
+
+    on = "on = true\nsteps = [0]\nbatch_size = 4\n"
+    path = task_file(tmp_path / "t.toml", wide_run, tmp_path / "out", on)
+    study = TrajectoryStudy(load_settings(path), progress=False)
+    name = study.final
+    model = study.checkpoints().model(name)
+    study.scorer(name, "ranking", EdgeScoresStage(study).prompts())  # the circuit stage's means, in the store
+    passes = []
+    handle = model.model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    try:
+        with FlopCounterMode(display=False) as counter:
+            EdgeScoresStage(study).compute(name)
+    finally:
+        handle.remove()
+    measured = torch_peak(lambda: EdgeScoresStage(study).compute(name))
+    inputs = TrajectoryStudy.plan_inputs(path)
+    costs = {c.stage: c for c in TrajectoryStudy.stage_costs(inputs, Device("given", 1 << 40, {"float32": 1e9}))}
+    cost = costs[f"edges:{name}"]
+    assert {f"edges:{c}" for c in study.edge_checkpoints()} | {"edges"} <= set(costs)
+    assert 1 / 1.25 <= cost.flops / counter.get_total_flops() <= 1.25, cost.flops / counter.get_total_flops()
+    assert cost.reads.passes == len(passes) == 12 / 4 + 8 / 4  # reference_n, then discovery n, in batches of 4
+    assert measured == pytest.approx(cost.kept + cost.transient, rel=0.25)

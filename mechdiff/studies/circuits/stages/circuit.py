@@ -11,7 +11,7 @@ from typing import Any, Optional
 from ....models.devices import GIB
 from ....models.footprint import backward_bytes, dtype_bytes, held_pair_bytes
 from ....runs.stages import StageRecord, label
-from ...planner import StageCost
+from ...planner import Reads, StageCost
 from ..spec import discovery_inputs
 from .counting import Context, plan_steps, reference_runs
 
@@ -218,13 +218,8 @@ def path_circuit_cost(ctx: Context, name: str) -> StageCost:
     ``n``, like the kept runs, and is most of the stage's peak: `screen_bytes`)."""
     d = ctx.spec.discovery
     flops, kept, transient, s = path_cost(ctx, d.n, name=name)
-    held, plan = held_pairs(ctx, d.n), plan_steps(ctx)
-    parts = math.ceil(d.n / held)
-    # the clean and counterfactual runs, then per step, part and pass of s senders a frozen run and the receiver runs
-    reads = ctx.reads(parts * prepared_runs(ctx, d.n, held, len(plan)))
-    for step in plan:
-        chunks = math.ceil(step_senders(ctx, step, name) / s)
-        reads += ctx.reads(parts * chunks * step_runs(ctx, step), ctx.dims.n_layers / 2)
+    held = held_pairs(ctx, d.n)
+    reads = path_reads(ctx, d.n, plan_steps(ctx), held, s, name)
     most = path_most_pairs(ctx)
     if held < d.n:
         note = f"holds {held} pairs' activations at a time ({kept / GIB:.1f} GiB; [discovery] pairs_per_part)"
@@ -248,6 +243,18 @@ def path_circuit_cost(ctx: Context, name: str) -> StageCost:
         reads=reads,
         remedy=remedy,
     )
+
+
+def path_reads(ctx: Context, n: int, steps: list[Any], held: int, per_pass: int, name: Optional[str] = None) -> Reads:
+    """What path patching's passes over ``steps`` read, ``held`` of ``n`` pairs at a time and ``per_pass`` senders a
+    pass: the clean and counterfactual runs (`prepared_runs`), then per step, part and pass of senders (`step_senders`
+    of ``name``'s circuit) a frozen run and the receiver runs (`step_runs`) over half the layers."""
+    parts = math.ceil(n / held)
+    reads = ctx.reads(parts * prepared_runs(ctx, n, held, len(steps)))
+    for step in steps:
+        chunks = math.ceil(step_senders(ctx, step, name) / per_pass)
+        reads += ctx.reads(parts * chunks * step_runs(ctx, step), ctx.dims.n_layers / 2)
+    return reads
 
 
 def prepared_runs(ctx: Context, n: int, held: int, steps: int) -> int:

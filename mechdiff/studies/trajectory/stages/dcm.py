@@ -65,11 +65,11 @@ class DcmStage(Stage):
         steps = c.epochs * math.ceil(c.n_train / c.batch_size)
         every = steps // max(c.eval_every, 1) + 1
         tests = (2 + c.n_random) * math.ceil(c.n_test / b) + math.ceil(c.n_val / b) * every
-        passes = {
-            pairs: (k * 2 * math.ceil(pairs / b), 1),
-            c.batch_size: (k * groups * steps, 2),
-            c.n_test: (k * groups * tests, 1),
-        }
+        passes = [
+            (pairs, k * 2 * math.ceil(pairs / b), 1),
+            (c.batch_size, k * groups * steps, 2),
+            (c.n_test, k * groups * tests, 1),
+        ]
         note = "" if c.desiderata and c.groups else "one desideratum and one group assumed where none is named"
         return [p.cost("dcm", pairs, passes, note)]
 
