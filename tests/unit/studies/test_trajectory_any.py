@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from mechdiff.methods.trajectory import Checkpoints, TrajectoryError, trajectory_specs
+from mechdiff.methods.checkpoints import Checkpoints, TrajectoryError, trajectory_specs
 from mechdiff.models.resolve import trajectory_steps
 from mechdiff.studies.spec import SpecError
 from mechdiff.studies.trajectory.settings import load_settings, step_of
