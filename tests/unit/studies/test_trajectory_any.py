@@ -104,7 +104,7 @@ def test_full_weight_checkpoints_of_another_architecture_are_refused(full_run, s
 
 HUB = """
 import json, sys
-from mechdiff.methods.trajectory import Checkpoints
+from mechdiff.methods.checkpoints import Checkpoints
 names = sys.argv[1:]
 cp = Checkpoints(names)
 print(json.dumps({n: cp.model(n).model.lm_head.weight[0, :4].tolist() for n in names[::-1]}))
