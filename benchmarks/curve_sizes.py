@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from mechdiff.circuits.curve import ranked_circuit
-from mechdiff.circuits.scoring import faithfulness
+from mechdiff.circuits.measures import faithfulness
 from mechdiff.common.components import parse
 from mechdiff.studies.circuits.spec import load_spec
 from mechdiff.studies.circuits.study import CircuitsStudy as Study

@@ -13,7 +13,7 @@ Each stage runs as the study runs it, on the entity-tracking prompts, and is cou
   sender (:func:`mechdiff.patching.path.path_patch`), a step's receivers its receiver step's ``k`` heads in the
   deepest layers (:func:`path_steps`); step D's receiver runs are suffix runs from its position;
 - ``path-step-A-parts``: step A with its pairs held in two parts (``[discovery] pairs_per_part``,
-  :class:`mechdiff.patching.path.PairStream`);
+  :class:`mechdiff.patching.path_pairs.PairStream`);
 - ``dcm-epoch``: DCM of one group for one epoch: the pair cache, training, validation, test and the random baseline
   (:func:`mechdiff.methods.dcm.run_dcm`), two models held;
 - ``cmap-pass``: CMAP of one group and the circuit from a second model into the first
@@ -197,7 +197,8 @@ def stages(models: list, sizes: Sizes, spec: Any, ctx: Any) -> dict[str, tuple[C
     from mechdiff.circuits.scoring import Scorer
     from mechdiff.common.components import Head
     from mechdiff.methods.cmap import run_cmap
-    from mechdiff.methods.dcm import PairCache, random_pool, run_dcm
+    from mechdiff.methods.dcm import random_pool, run_dcm
+    from mechdiff.methods.dcm_cache import PairCache
     from mechdiff.patching.evaluate import evaluate
     from mechdiff.studies.circuits.stages import cmap, counting, dcm
     from mechdiff.studies.circuits.stages.accuracy import cost as accuracy_cost
@@ -250,7 +251,8 @@ def path_steps(ctx: Any, base: Any, pairs: list) -> dict[str, tuple[Callable[[],
     wherever the step before selected), read at the step's site and position: step D's receiver runs go from its
     position to the end (suffix runs)."""
     from mechdiff.common.components import Head
-    from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
+    from mechdiff.patching.path import Receivers, eligible_senders, path_patch
+    from mechdiff.patching.path_pairs import prepare
     from mechdiff.studies import planner as r
     from mechdiff.studies.circuits.stages import circuit, counting
 

@@ -45,6 +45,7 @@ U = "tests/unit/"
 # mutant-name prefix -> the fast tests that exercise it, quickest and most specific first (longest prefix wins)
 TESTS = {
     "mechdiff.methods.cmap.": [U + "methods/test_cmap.py"],
+    "mechdiff.methods.cmap_patches.": [U + "methods/test_cmap.py", U + "methods/test_class_patching.py"],
     "mechdiff.methods.knowledge.forward.": [
         U + "methods/knowledge/test_forward.py",
         *FAMILIES_EDGE,
@@ -61,6 +62,12 @@ TESTS = {
     ],
     "mechdiff.patching.path.": [
         U + "patching/test_path.py",
+        U + "patching/test_activation.py",
+        U + "patching/test_core.py",
+    ],
+    "mechdiff.patching.path_pairs.": [
+        U + "patching/test_path.py",
+        U + "patching/test_path_stream.py",
         U + "patching/test_activation.py",
         U + "patching/test_core.py",
     ],
@@ -87,8 +94,16 @@ TESTS = {
         U + "circuits/test_curve.py",
     ],
     "mechdiff.methods.dcm.": [U + "methods/test_dcm.py", U + "common/test_metrics.py"],
+    "mechdiff.methods.dcm_cache.": [U + "methods/test_dcm.py", U + "methods/test_dcm_modes.py"],
     "mechdiff.circuits.scoring.": [
         U + "circuits/test_scoring.py",
+        U + "patching/test_ablation.py",
+        U + "circuits/test_curve.py",
+        U + "circuits/test_positions.py",
+    ],
+    "mechdiff.circuits.measures.": [
+        U + "circuits/test_scoring.py",
+        U + "circuits/test_random_control.py",
         U + "patching/test_ablation.py",
         U + "circuits/test_curve.py",
         U + "circuits/test_positions.py",

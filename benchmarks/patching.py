@@ -42,7 +42,8 @@ from mechdiff.common.components import Head
 from mechdiff.models.loading import load_model
 from mechdiff.patching.attribution import attribution_scores
 from mechdiff.patching.core import run
-from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
+from mechdiff.patching.path import Receivers, eligible_senders, path_patch
+from mechdiff.patching.path_pairs import prepare
 from mechdiff.patching.scan import scan, scan_pairs
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 
@@ -381,7 +382,8 @@ def mixed_scan(model, n: int, per_pass: int, line, repeats: int = 3) -> dict:
 
 def dcm_epochs(model, n_pairs: int, line) -> dict:
     """One DCM training epoch (DCMConfig defaults, validation included) on suffix runs vs full-length runs."""
-    from mechdiff.methods.dcm import DCMConfig, PairCache, train_mask
+    from mechdiff.methods.dcm import DCMConfig, train_mask
+    from mechdiff.methods.dcm_cache import PairCache
 
     pairs = path_patching_pairs(model.tokenizer, n_pairs + 8, seed=1)
     shape = model.shape

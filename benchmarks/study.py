@@ -24,7 +24,8 @@ from tabulate import tabulate
 
 from mechdiff.common.components import Head
 from mechdiff.patching.core import run
-from mechdiff.patching.path import path_patch, prepare
+from mechdiff.patching.path import path_patch
+from mechdiff.patching.path_pairs import prepare
 from mechdiff.runs.stages import StageCache
 from mechdiff.studies.circuits.spec import default_spec, load_spec
 from mechdiff.studies.circuits.study import CircuitsStudy as Study

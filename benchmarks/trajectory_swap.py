@@ -1,5 +1,5 @@
 """Cost of reaching each checkpoint of a trajectory: a swap of LoRA adapters in one peft model over the base loaded
-once (mechdiff.methods.trajectory.Checkpoints) against loading each checkpoint by itself (load_model: the base loaded
+once (mechdiff.methods.checkpoints.Checkpoints) against loading each checkpoint by itself (load_model: the base loaded
 and the adapter merged). Checks that both give the same fingerprint.
 
     python benchmarks/trajectory_swap.py smollm2-et@0 smollm2-et@5 smollm2-et@100
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from mechdiff.methods.trajectory import Checkpoints
+from mechdiff.methods.checkpoints import Checkpoints
 from mechdiff.models.loading import load_model
 
 

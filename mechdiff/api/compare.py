@@ -140,7 +140,7 @@ def compare(
 @dataclass(frozen=True)
 class Comparison:
     """What `compare` (or ``mechdiff compare``) wrote to ``out``, read back: ``rows``, one per circuit and model
-    with every figure `mechdiff.circuits.scoring.matrix_rows` makes (each estimate three keys, ``x``, ``x_low``,
+    with every figure `mechdiff.circuits.measures.matrix_rows` makes (each estimate three keys, ``x``, ``x_low``,
     ``x_high``); ``overlap``, the overlap of each pair of circuits per group (empty for one circuit);
     ``settings``, what the run was asked; ``fingerprints``, each model's weights' digest."""
 
@@ -200,7 +200,7 @@ class Comparison:
         ``answer_prob``, ``faithfulness_prob``, ``random_accuracy``...). Its ``rows`` and ``items`` are the
         prompts it was scored on (each prompt its own item); its ``method`` is empty, as the table keeps none
         (accuracy: exact binomial; the rest: a bootstrap over prompts; see
-        `mechdiff.circuits.scoring.faithfulness`)."""
+        `mechdiff.circuits.measures.faithfulness`)."""
         row = self._row(model, circuit)
         if f"{figure}_low" not in row:
             known = sorted(k[: -len("_low")] for k in row if k.endswith("_low"))

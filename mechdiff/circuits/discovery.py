@@ -31,15 +31,8 @@ import torch
 from ..common.components import Head
 from ..models.loading import LoadedModel
 from ..patching.attribution import attribution_scores
-from ..patching.path import (
-    SCORES,
-    PairBatch,
-    Receivers,
-    auto_senders_per_pass,
-    eligible_senders,
-    path_patch,
-    prepare,
-)
+from ..patching.path import SCORES, Receivers, auto_senders_per_pass, eligible_senders, path_patch
+from ..patching.path_pairs import PairBatch, prepare
 from ..tasks.base import PairRecord
 from ..tasks.plan import Plan, PlanStep, default_plan
 from .circuit import Circuit

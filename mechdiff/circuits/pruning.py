@@ -15,7 +15,8 @@ from typing import Iterable, Optional
 
 from ..common.progress import progress_bar
 from .circuit import Circuit
-from .scoring import Metric, Pair, Scorer, group_pairs, per_prompt
+from .measures import group_pairs
+from .scoring import Metric, Pair, Scorer, per_prompt
 
 
 def pair_name(pair: Pair) -> str:

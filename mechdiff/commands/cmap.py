@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
 from ..common.io import check_writable
-from ..methods.cmap import CMAP_KINDS, CMAP_RULES, parse_kinds
+from ..methods.cmap import CMAP_RULES
+from ..methods.cmap_patches import CMAP_KINDS, parse_kinds
 from ..models.modelset import ModelSet
 from ..studies.circuits.cmap import cmap_run
 from ._options import (

@@ -13,7 +13,8 @@ from ..models.resolve import resolve_spec
 from ..tasks.entity_tracking import PAIR_KINDS
 from ..tasks.entity_tracking.export import write_dataset
 from ..tasks.entity_tracking.pairs import parse_pair_kinds
-from ..tasks.jsonl import import_pairs, load_task_meta, read_task_directory
+from ..tasks.jsonl import import_pairs
+from ..tasks.task_directory import load_task_meta, read_task_directory
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..circuits.circuit import load_circuit_file
 from ..common.io import check_writable
-from ..methods.dcm import CACHE_MODES, LAM_SCALES, PARAMETERISATIONS, RANDOM_POOLS, DCMConfig
+from ..methods.dcm import LAM_SCALES, PARAMETERISATIONS, RANDOM_POOLS, DCMConfig
+from ..methods.dcm_cache import CACHE_MODES
 from ..models.modelset import ModelSet
 from ..studies.circuits.dcm import dcm_run
 from ..tasks.entity_tracking.desiderata import load_desiderata

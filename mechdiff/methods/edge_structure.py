@@ -5,7 +5,7 @@ each checkpoint's edges are scored per prompt on the task's ranking prompts (`me
 the graph of heads and MLPs, position-free), and on any set of prompts the checkpoint's discovery is the top ``n``
 edges by |mean attribution| with **their nodes** (every head or MLP an edge leaves or enters; ``EMB`` and ``LOGITS``,
 in nearly every circuit, are left out). The edge overlap and the node overlap (Jaccard) are then compared exactly as
-the node structure compares (head, position class) pairs (`mechdiff.methods.trajectory.structure`): the
+the node structure compares (head, position class) pairs (`mechdiff.methods.structure.structure`): the
 within-checkpoint null from two discoveries on disjoint random halves of the prompts, the cross overlap of two
 checkpoints on opposite halves, the paired difference ``(null_s + null_t) / 2 - cross``, and each one's interval
 over prompts from the node structure's resamples (the same cluster resamples of the prompts, the same seeds, halves
@@ -26,7 +26,7 @@ import numpy as np
 from ..common.inference import cluster_resamples
 from ..runs.seeds import derive
 from .knowledge.graph import Graph
-from .trajectory import (
+from .structure import (
     INTERVAL,
     MARGIN,
     RESAMPLE_SPLITS,

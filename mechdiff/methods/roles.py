@@ -58,7 +58,7 @@ def head_scores(
     {share, outcomes}}}``, the outcomes in the compact format (`outcome_record`).
     One `PairCache` per desideratum serves every head: two forward passes a pair,
     then one suffix run a pair per head."""
-    from .dcm import PairCache
+    from .dcm_cache import PairCache
 
     sites = [(g, p, list(hs)) for g, p, hs in sites if hs]
     rows, floor = [], {}
@@ -156,7 +156,8 @@ def dcm_seeds(
     """DCM (`dcm`, ``config`` its training) over every site's heads, on every desideratum's
     ``pairs`` in ``lm``, trained ``seeds`` times; one row per (site, desideratum), see the module docstring. The
     sparsity weight must be absolute (``config.lam_scale == "absolute"``): one weight at every checkpoint."""
-    from .dcm import PairCache, pair_items, split_indices
+    from .dcm import pair_items, split_indices
+    from .dcm_cache import PairCache
 
     if config.lam_scale != "absolute":
         raise ValueError(

@@ -6,7 +6,7 @@ and tokenizer here; every trace of the one driver (`mechdiff.patching.core.run`)
 request (``model.session(remote=True)``): its body runs on the server,
 values flow between its traces there, and only what the body keeps comes back. Path
 patching runs a whole step (every chunk of senders, the frozen and the receiver runs) in one
-session; `mechdiff.patching.path.prepare` its clean and counterfactual runs in one.
+session; `mechdiff.patching.path_pairs.prepare` its clean and counterfactual runs in one.
 
 ``remote="local"`` is nnsight's local simulation of that path (``LocalSimulationBackend``):
 each request is serialised exactly as for NDIF, deserialised with mechdiff's own modules

@@ -28,16 +28,8 @@ from ..common.components import Head
 from ..models.loading import LoadedModel
 from ..models.remote import keep
 from .core import Patch, run
-from .path import (
-    PairBatch,
-    PairBatches,
-    PairStream,
-    Receivers,
-    batch_position,
-    eligible_senders,
-    parts,
-    receiver_sites,
-)
+from .path import Receivers, batch_position, eligible_senders, receiver_sites
+from .path_pairs import PairBatch, PairBatches, PairStream, parts
 
 
 def attribution_scores(

@@ -259,7 +259,7 @@ CIRCUIT_X_MODEL = (
 
 
 def circuit_x_model_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """The circuit x model table from `mechdiff.circuits.scoring.matrix_rows`: the columns of
+    """The circuit x model table from `mechdiff.circuits.measures.matrix_rows`: the columns of
     `CIRCUIT_X_MODEL` and, where random circuits were drawn, the range of their accuracies (the circuit's rank
     among them, its p and their quantiles are on their ``random_n_prompts`` prompts)."""
     shown = []
@@ -272,7 +272,7 @@ def circuit_x_model_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
 
 
 def completeness_rows(completeness: Mapping[str, Optional[Mapping[str, Any]]]) -> list[dict]:
-    """One row per model of `mechdiff.circuits.scoring.completeness` results (``{model: result}``; a model
+    """One row per model of `mechdiff.circuits.measures.completeness` results (``{model: result}``; a model
     without one is left out): random K's mean and std over the draws (where drawn), then each group's."""
     rows = []
     for name, comp in completeness.items():

@@ -84,10 +84,10 @@ class DcmSection:
     )  # random baseline: heads of the selected count from each selected head's "layer", "all" heads or the "group"
     n_random: int = DCMConfig.n_random  # random head sets, in DCM's baseline and in semantic patching of each model
     circuit: str = "found"  # the circuit whose groups DCM masks: "found" (as discovered) or "pruned" (the paper)
-    # how the pair cache holds what patched runs read (mechdiff.methods.dcm.CACHE_MODES): "file" (a scratch file under
-    # TMPDIR, suffix runs), "memory" (the sources' z in host memory, as the paper; full runs), "recompute" (sources
-    # run again per batch), or "auto": the fastest that fits the machine, as `mechdiff run --plan` shows. Not in the
-    # stage's key: the modes give the same results but for float rounding
+    # how the pair cache holds what patched runs read (mechdiff.methods.dcm_cache.CACHE_MODES): "file" (a scratch
+    # file under TMPDIR, suffix runs), "memory" (the sources' z in host memory, as the paper; full runs), "recompute"
+    # (sources run again per batch), or "auto": the fastest that fits the machine, as `mechdiff run --plan` shows.
+    # Not in the stage's key: the modes give the same results but for float rounding
     cache: str = "auto"
 
 
@@ -112,7 +112,7 @@ def task_group_names(task_name: str) -> Optional[set[str]]:
     task = get_task(task_name)
     names = {*task.positions, *derived_class_names(task.positions)}
     if Path(task_name).is_dir():
-        from ..tasks.jsonl import load_task_meta
+        from ..tasks.task_directory import load_task_meta
 
         names |= set(load_task_meta(task_name).get("classes", []))
     if task.plan is not None:

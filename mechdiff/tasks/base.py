@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..common.metrics import TASK_METRICS
-from .jsonl import ImportedTask, read_task_directory
 from .prompt_sets import clean_key, draw_sets
 from .records import (  # noqa: F401
     AFTER,
@@ -67,6 +66,7 @@ from .records import (  # noqa: F401
     token_tensors,
 )
 from .relation_data import available_relations
+from .task_directory import ImportedTask, read_task_directory
 
 
 def step_seed(data_seed: int, step: int) -> int:

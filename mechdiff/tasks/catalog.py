@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Optional
 
 from .base import TASKS, get_task
-from .jsonl import TASK_FILE, read_task_directory
+from .jsonl import TASK_FILE
 from .relation_data import Relation, available_relations
 from .row_checks import empty_classes
+from .task_directory import read_task_directory
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ def tiny_dir(tmp_path_factory, smollm2_tokenizer):
 
 
 def test_device_map_loads_and_gives_the_plain_logits(tiny_dir, smollm2_tokenizer):
-    from mechdiff.patching.path import path_patch, prepare
+    from mechdiff.patching.path import path_patch
+    from mechdiff.patching.path_pairs import prepare
     from mechdiff.tasks.entity_tracking import path_patching_pairs
 
     ids = torch.randint(0, 2000, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -181,7 +182,8 @@ def test_remote_path_gives_the_local_logits_for_an_activation_patch(pair, monkey
 
 def test_remote_path_patching_step_is_one_request_with_the_local_scores(pair, monkeypatch, smollm2_tokenizer):
     from mechdiff.patching.attribution import attribution_scores
-    from mechdiff.patching.path import Receivers, path_patch, prepare
+    from mechdiff.patching.path import Receivers, path_patch
+    from mechdiff.patching.path_pairs import prepare
     from mechdiff.tasks.entity_tracking import path_patching_pairs
 
     local, remote = pair
@@ -401,7 +403,7 @@ def test_remote_true_loads_no_weights_and_ships_small_requests(tiny_dir, monkeyp
     from nnsight.schema.request import RequestModel
 
     from mechdiff.models.registry import ModelSpec
-    from mechdiff.patching.path import prepare
+    from mechdiff.patching.path_pairs import prepare
     from mechdiff.tasks.entity_tracking import path_patching_pairs
 
     monkeypatch.setenv("NDIF_API_KEY", "test-key")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.methods.cmap import dcm_cut
+from mechdiff.methods.cmap_patches import dcm_cut
 from mechdiff.studies.circuits.spec import default_spec
 from mechdiff.studies.circuits.study import CircuitsStudy as Study
 

@@ -216,7 +216,7 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     )
     # the attributions behind the structure tables, committed: float16 (gzip), and the structure recomputed from them
     # alone is the stage's record, the steps read on their own prompts included
-    from mechdiff.methods.trajectory import ATTRIBUTIONS, committed_structure, read_attributions
+    from mechdiff.methods.structure import ATTRIBUTIONS, committed_structure, read_attributions
 
     back, _, meta = read_attributions(out / ATTRIBUTIONS)
     assert set(back) == {*names, f"{other}@4"} and meta["steps"][names[-1]] == 4

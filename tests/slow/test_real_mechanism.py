@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.circuits.scoring import Scorer, faithfulness
+from mechdiff.circuits.measures import faithfulness
+from mechdiff.circuits.scoring import Scorer
 from mechdiff.tasks.entity_tracking import generate, reference_records
 from mechdiff.tasks.entity_tracking.splits import eval_objects
 

@@ -13,9 +13,10 @@ from conftest import capitals_rows, make_tiny, write_rows
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.curve import faithfulness_curve, pair_scores, prompt_attribution, ranking
+from mechdiff.circuits.measures import faithfulness, matrix_rows
 from mechdiff.circuits.positions import position_scan, task_classes
 from mechdiff.circuits.pruning import minimality
-from mechdiff.circuits.scoring import Scorer, faithfulness, matrix_rows
+from mechdiff.circuits.scoring import Scorer
 from mechdiff.common.components import Head
 from mechdiff.common.metrics import answer_prob
 from mechdiff.patching.ablation import site_means
@@ -152,7 +153,8 @@ def test_scoring_stages_on_mixed_lengths(tiny_llama, pairs):
 
 def test_path_patching_and_attribution_pool_groups_as_one_ratio_of_means(tiny_llama, pairs):
     from mechdiff.patching.attribution import attribution_scores
-    from mechdiff.patching.path import PairBatches, Receivers, path_patch, prepare
+    from mechdiff.patching.path import Receivers, path_patch
+    from mechdiff.patching.path_pairs import PairBatches, prepare
 
     senders = [Head(0, 0), Head(0, 3), Head(1, 1)]
     receivers = Receivers((Head(2, 1),), "q", "last")
@@ -197,7 +199,7 @@ def test_scan_averages_each_group_by_its_size(tiny_llama, pairs):
 
 
 def test_dcm_cache_on_mixed_lengths_equals_each_pair_alone(tiny_llama, task, smollm2_tokenizer):
-    from mechdiff.methods.dcm import PairCache, masked_z_patches, source_z
+    from mechdiff.methods.dcm_cache import PairCache, masked_z_patches, source_z
 
     pairs = task.desideratum("counterfactual", smollm2_tokenizer, N)
     heads = [Head(1, 0), Head(2, 3)]

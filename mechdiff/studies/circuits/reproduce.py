@@ -44,7 +44,8 @@ def reproduction_rows(
     """One row per model: full-model and circuit accuracy (95% CIs) and faithfulness, measured here,
     beside the published accuracies (NaN where the paper has no figure for the model)."""
     from ...circuits.circuit import Circuit
-    from ...circuits.scoring import Scorer, faithfulness
+    from ...circuits.measures import faithfulness
+    from ...circuits.scoring import Scorer
     from ...report.tables import estimate_columns
     from ...tasks.entity_tracking import generate, reference_records
 

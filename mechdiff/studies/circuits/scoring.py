@@ -13,10 +13,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ...circuits.circuit import Circuit
 from ...circuits.curve import ablation_attribution, faithfulness_curve, ranking
+from ...circuits.measures import completeness, faithfulness, matrix_rows
 from ...circuits.overlap import overlap_table
 from ...circuits.positions import leave_one_out, position_scan, task_classes
 from ...circuits.pruning import minimality, pair_name, pairwise_minimality, prune
-from ...circuits.scoring import Metric, Scorer, completeness, continuous_key, faithfulness, matrix_rows
+from ...circuits.scoring import Metric, Scorer, continuous_key
 from ...common.io import write_json
 from ...common.metrics import metric_label, scored_metric
 from ...models.loading import LoadedModel

@@ -375,7 +375,7 @@ def output_dir(task: str) -> str:
     """The results directory of a study of ``task`` whose task file names none: ``results/<task's name>`` (an
     imported task's directory by its recorded name), never another task's directory."""
     from ...runs.stages import label
-    from ...tasks.jsonl import load_task_meta
+    from ...tasks.task_directory import load_task_meta
 
     name = load_task_meta(task)["name"] if Path(task).is_dir() else task
     return f"results/{label(name)}"

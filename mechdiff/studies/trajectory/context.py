@@ -11,7 +11,7 @@ from typing import Optional
 
 from ...circuits.circuit import Circuit
 from ...common.io import check_writable
-from ...methods.trajectory import Checkpoints, trajectory_specs
+from ...methods.checkpoints import Checkpoints, trajectory_specs
 from ...models.loading import load_tokenizer, spec_digest
 from ...runs.seeds import derive, prompt_seed
 from ..base import Study, rows_inputs, vocabulary_digest

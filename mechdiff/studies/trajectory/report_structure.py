@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ...circuits.circuit import Circuit
-from ...methods.trajectory import jaccard
+from ...methods.structure import jaccard
 from ...report.figures import band_figure
 from ...report.tables import to_markdown
 from .report_parts import ReportPart, beyond_cols, cols, interval_text, spread_cols, verdict

@@ -11,18 +11,12 @@ from pathlib import Path
 from typing import Optional
 
 from ...circuits.curve import SELECT, SIZES, TARGET
+from ...methods.checkpoints import trajectory_specs
 from ...methods.dcm import DCMConfig
 from ...methods.edge_structure import EDGES_N
 from ...methods.knowledge.task_graph import EDGE_BATCH, IG_STEPS, METHODS
 from ...methods.roles import SEEDS, THRESHOLD, VOTES
-from ...methods.trajectory import (
-    MARGIN,
-    RESAMPLE_SPLITS,
-    STABLE,
-    STRUCTURE_DRAWS,
-    STRUCTURE_RESAMPLES,
-    trajectory_specs,
-)
+from ...methods.structure import MARGIN, RESAMPLE_SPLITS, STABLE, STRUCTURE_DRAWS, STRUCTURE_RESAMPLES
 from ..spec import (
     DcmSection,
     EvalSection,

@@ -266,7 +266,7 @@ class TrajectoryStudy(TrajectoryContext):
         """``attributions.h5``: the per-prompt attributions behind the structure tables, float16, gzip, each
         checkpoint at the pairs some top-n of the structure stage selected
         (`write_attributions`), so the tables recompute from committed files."""
-        from ...methods.trajectory import ATTRIBUTIONS, write_attributions
+        from ...methods.structure import ATTRIBUTIONS, write_attributions
 
         st = results["structure"].result
         rankings = results.get("runs", {}).get("ranking", {})

@@ -14,7 +14,8 @@ from tolerances import assert_close32
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.curve import faithfulness_curve, prompt_attribution
-from mechdiff.circuits.scoring import EVERY_POSITION, Scorer, faithfulness
+from mechdiff.circuits.measures import faithfulness
+from mechdiff.circuits.scoring import EVERY_POSITION, Scorer
 from mechdiff.common.components import Head
 from mechdiff.tasks.base import Example
 

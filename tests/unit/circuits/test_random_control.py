@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mechdiff.circuits.circuit import Circuit
-from mechdiff.circuits.scoring import control_prompts, faithfulness, matrix_rows, random_circuit
+from mechdiff.circuits.measures import control_prompts, faithfulness, matrix_rows, random_circuit
 from mechdiff.common import inference as inf
 from mechdiff.common.components import Head
 from mechdiff.common.outcomes import from_bits, read_outcomes, write_outcomes

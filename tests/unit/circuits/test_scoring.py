@@ -11,18 +11,9 @@ import torch
 from tolerances import EPS32, approx32, assert_close32, tol32
 
 from mechdiff.circuits.circuit import Circuit
+from mechdiff.circuits.measures import completeness, faithfulness, full_circuit, matrix_rows, random_circuit
 from mechdiff.circuits.pruning import pair_name
-from mechdiff.circuits.scoring import (
-    EVERY_POSITION,
-    Scorer,
-    ablation_patches,
-    completeness,
-    faithfulness,
-    full_circuit,
-    matrix_rows,
-    position_means,
-    random_circuit,
-)
+from mechdiff.circuits.scoring import EVERY_POSITION, Scorer, ablation_patches, position_means
 from mechdiff.common.components import Head, parse_heads
 from mechdiff.patching.core import Patch, run
 from mechdiff.patching.evaluate import EvalResult, evaluate
@@ -577,7 +568,7 @@ def test_per_prompt_metrics():
 
 
 def test_random_circuit_keeps_group_sizes_and_positions():
-    from mechdiff.circuits.scoring import random_circuit
+    from mechdiff.circuits.measures import random_circuit
 
     c = Circuit(
         "m",
@@ -598,7 +589,8 @@ def test_random_circuit_keeps_group_sizes_and_positions():
 
 
 def test_full_circuit_has_every_head_at_every_position():
-    from mechdiff.circuits.scoring import EVERY_POSITION, full_circuit
+    from mechdiff.circuits.measures import full_circuit
+    from mechdiff.circuits.scoring import EVERY_POSITION
 
     c = full_circuit(3, 4, model="m")
     assert sorted(c.heads()) == [Head(l, h) for l in range(3) for h in range(4)]
@@ -655,7 +647,7 @@ def _or_circuit():
 
 
 def test_faithfulness_against_direct_means():
-    from mechdiff.circuits.scoring import faithfulness, random_circuit
+    from mechdiff.circuits.measures import faithfulness, random_circuit
 
     circuit, scorer, (a, b, c) = _or_circuit()
     only_c = Circuit("m", "t", {"B": [c[0]]}, {"B": "query_label"})
@@ -683,7 +675,7 @@ def test_faithfulness_against_direct_means():
 def test_normalised_faithfulness_subtracts_the_empty_circuit():
     """(m(C) - m(empty)) / (m(M) - m(empty)) from the fake scorer's direct per-prompt values, beside the paper's
     m(C) / m(M); a circuit that does no more than the empty one scores 0 whatever the paper's ratio says."""
-    from mechdiff.circuits.scoring import faithfulness
+    from mechdiff.circuits.measures import faithfulness
 
     circuit, scorer, (a, b, c) = _or_circuit()
     res = faithfulness(scorer, circuit)
@@ -698,7 +690,7 @@ def test_normalised_faithfulness_subtracts_the_empty_circuit():
 
 
 def test_completeness_against_direct_differences():
-    from mechdiff.circuits.scoring import completeness
+    from mechdiff.circuits.measures import completeness
 
     circuit, scorer, (a, b, c) = _or_circuit()
     pairs = circuit.pairs()
@@ -726,7 +718,7 @@ def test_completeness_against_direct_differences():
 
 
 def test_matrix_rows_columns_from_faithfulness():
-    from mechdiff.circuits.scoring import faithfulness, matrix_rows
+    from mechdiff.circuits.measures import faithfulness, matrix_rows
 
     circuit, scorer, _ = _or_circuit()
     rows = matrix_rows("model-x", {"or": circuit}, scorer, n_random=2, seed=1)
@@ -803,7 +795,7 @@ def test_per_prompt_rejects_unknown_metric():
 
 
 def test_group_pairs():
-    from mechdiff.circuits.scoring import group_pairs
+    from mechdiff.circuits.measures import group_pairs
 
     circuit, _, (a, b, c) = _or_circuit()
     assert group_pairs(circuit, "A") == [a, b] and group_pairs(circuit, "B") == [c]
@@ -825,7 +817,7 @@ def _completeness_scorer():
 
 
 def test_completeness_draws_k_with_its_seed():
-    from mechdiff.circuits.scoring import completeness
+    from mechdiff.circuits.measures import completeness
     from mechdiff.common.stats import bootstrap
 
     circuit, scorer, (a, b, c, d) = _completeness_scorer()
@@ -855,7 +847,7 @@ def test_completeness_draws_k_with_its_seed():
 
 
 def test_full_circuit_default_model_name():
-    from mechdiff.circuits.scoring import full_circuit
+    from mechdiff.circuits.measures import full_circuit
 
     assert full_circuit(1, 2).model == ""
 
@@ -863,7 +855,7 @@ def test_full_circuit_default_model_name():
 def test_random_baseline_averages_draws_per_prompt():
     """The random baseline's figures are means over draws and prompts; every interval resamples draws and prompts
     both (the spread between draws counts)."""
-    from mechdiff.circuits.scoring import faithfulness, random_circuit
+    from mechdiff.circuits.measures import faithfulness, random_circuit
     from mechdiff.common.inference import control_ratio
 
     circuit, scorer, (a, b, c) = _or_circuit()
@@ -885,8 +877,9 @@ def test_random_baseline_averages_draws_per_prompt():
 
 def test_quiet_scoring_prints_nothing(capsys):
     """``progress=False`` means no progress bar on stderr from any scoring loop."""
+    from mechdiff.circuits.measures import completeness, faithfulness
     from mechdiff.circuits.pruning import minimality
-    from mechdiff.circuits.scoring import completeness, faithfulness, per_prompt
+    from mechdiff.circuits.scoring import per_prompt
 
     circuit, scorer, _ = _or_circuit()
     faithfulness(scorer, circuit, n_random=2)

@@ -138,7 +138,8 @@ def test_headmap_and_finetune_accuracy(tiny, records):
 
 def test_dcm_floor_and_target_logit(tiny, smollm2_tokenizer):
     from mechdiff.common.components import Head
-    from mechdiff.methods.dcm import DCMConfig, PairCache, loss_scale
+    from mechdiff.methods.dcm import DCMConfig, loss_scale
+    from mechdiff.methods.dcm_cache import PairCache
 
     pairs = object_value_pairs(smollm2_tokenizer, 6, n_boxes=3, seed=0)
     t = pair_batch_tensors(pairs)
@@ -153,7 +154,7 @@ def test_dcm_floor_and_target_logit(tiny, smollm2_tokenizer):
 
 
 def test_path_patching_clean_probability(tiny, smollm2_tokenizer):
-    from mechdiff.patching.path import prepare
+    from mechdiff.patching.path_pairs import prepare
 
     pairs = object_value_pairs(smollm2_tokenizer, 4, n_boxes=3, seed=1)
     batch = prepare(tiny, pairs)

@@ -10,7 +10,7 @@ import torch
 from conftest import make_tiny
 
 from mechdiff.common.components import Head
-from mechdiff.methods.dcm import masked_z_patches, source_z
+from mechdiff.methods.dcm_cache import masked_z_patches, source_z
 from mechdiff.patching.core import run
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors
 

@@ -11,10 +11,12 @@ import torch
 from conftest import make_tiny
 from tolerances import assert_close32, tol32
 
-import mechdiff.methods.dcm as dcm
+import mechdiff.methods.dcm_cache as dcm  # the pair cache and its runs
 from mechdiff.common.components import Head
-from mechdiff.methods.cmap import _base_scores, cmap_patches, isolation_patches, scope_positions
-from mechdiff.methods.dcm import DCMConfig, PairCache, class_widths, class_z_patches, masked_z_patches, run_dcm
+from mechdiff.methods.cmap import _base_scores
+from mechdiff.methods.cmap_patches import cmap_patches, isolation_patches, scope_positions
+from mechdiff.methods.dcm import DCMConfig, run_dcm
+from mechdiff.methods.dcm_cache import PairCache, class_widths, class_z_patches, masked_z_patches
 from mechdiff.patching.core import run
 from mechdiff.tasks.entity_tracking import batch_tensors, generate, object_value_pairs, pair_batch_tensors
 

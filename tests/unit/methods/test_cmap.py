@@ -22,18 +22,13 @@ from mechdiff.common.inference import Interval
 from mechdiff.common.metrics import answer_is_top1, answer_prob
 from mechdiff.common.outcomes import from_bits
 from mechdiff.common.stats import bootstrap, mean_estimate
-from mechdiff.methods.cmap import (
-    CAPTION,
-    CAPTION_UNISOLATED,
-    CMAPResult,
-    CMAPRow,
-    _result,
+from mechdiff.methods.cmap import CAPTION, CAPTION_UNISOLATED, CMAPResult, CMAPRow, _result, run_cmap
+from mechdiff.methods.cmap_patches import (
     capture_sites,
     cmap_patches,
     isolation_patches,
     parse_kinds,
     random_scope,
-    run_cmap,
     scopes,
 )
 from mechdiff.patching import core
@@ -196,7 +191,7 @@ def test_cli_cmap_writes_tables_and_figure(tmp_path, smollm2_tokenizer):
 
 
 def _isolated_logits(base, donor, scope, kind, ids, positions):
-    from mechdiff.methods.cmap import isolation_patches
+    from mechdiff.methods.cmap_patches import isolation_patches
 
     shape = base.shape
     sites = [(k, l) for l in range(shape.n_layers) for k in ("q", "k", "v", "z")]
@@ -234,7 +229,7 @@ def test_isolated_cmap_leaves_other_positions_at_the_base(tiny_llama, prompts):
     residual stream in every layer."""
     donor = make_tiny("llama", seed=5)
     ids, positions = prompts["input_ids"], prompts["positions"]
-    from mechdiff.methods.cmap import isolation_patches
+    from mechdiff.methods.cmap_patches import isolation_patches
 
     shape = tiny_llama.shape
     scope = [(Head(LAYER, 1), "query_label")]
@@ -680,7 +675,7 @@ def test_paper_cmap_patches_and_restores_the_paper_sites(tiny_llama, smollm2_tok
     import torch
     from conftest import make_tiny
 
-    from mechdiff.methods.cmap import cmap_patches, paper_isolation_patches
+    from mechdiff.methods.cmap_patches import cmap_patches, paper_isolation_patches
     from mechdiff.patching.core import run
     from mechdiff.tasks.entity_tracking import batch_tensors
 
@@ -710,7 +705,8 @@ def test_paper_cmap_runs_qkv_only_for_last_token_groups(tiny_llama, smollm2_toke
     from conftest import make_tiny
 
     from mechdiff.common.metrics import answer_prob
-    from mechdiff.methods.cmap import CMAP_KINDS, run_cmap
+    from mechdiff.methods.cmap import run_cmap
+    from mechdiff.methods.cmap_patches import CMAP_KINDS
     from mechdiff.tasks.entity_tracking import batch_tensors
 
     donor = make_tiny("llama", seed=5)
@@ -735,7 +731,7 @@ def test_paper_cmap_runs_qkv_only_for_last_token_groups(tiny_llama, smollm2_toke
 
 
 def test_dcm_cut_keeps_each_groups_selected_heads():
-    from mechdiff.methods.cmap import dcm_cut
+    from mechdiff.methods.cmap_patches import dcm_cut
 
     circuit = Circuit(
         "ft",

@@ -16,7 +16,7 @@ import torch
 from conftest import make_tiny
 from tolerances import TINY_FORWARD, assert_close32
 
-import mechdiff.methods.dcm as dcm
+import mechdiff.methods.dcm_cache as dcm  # the pair cache and its runs
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.cli import main as cli_main
 from mechdiff.common.components import Head, all_heads
@@ -25,21 +25,17 @@ from mechdiff.common.metrics import answer_is_top1, answer_logit
 from mechdiff.methods.dcm import (
     DCMConfig,
     DCMResult,
-    PairCache,
-    SemanticResult,
     _Mask,
     dcm_circuit,
     loss_scale,
-    masked_z_patches,
     random_pool,
     run_dcm,
-    semantic_patching,
-    source_z,
     split_indices,
     split_pairs,
-    target_accuracy,
     train_mask,
 )
+from mechdiff.methods.dcm_cache import PairCache, masked_z_patches, source_z, target_accuracy
+from mechdiff.methods.semantic import SemanticResult, semantic_patching
 from mechdiff.patching.core import Patch, head_patch, run
 from mechdiff.tasks.base import group_batches, record_order, take
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors, write_jsonl
@@ -163,7 +159,8 @@ def test_random_baseline_from_all_heads_equals_direct_patching(planted):
     scores them as a plain patched run would; one group of a circuit is enough to need the whole cache."""
     import random as stdlib_random
 
-    from mechdiff.methods.dcm import split_indices, target_accuracy
+    from mechdiff.methods.dcm import split_indices
+    from mechdiff.methods.dcm_cache import target_accuracy
 
     model, pairs = planted
     config = DCMConfig(epochs=3, batch_size=8, eval_every=3, n_random=2, random_pool="all", seed=0)
@@ -306,7 +303,7 @@ def test_dcm_circuit_rejects_unknown_group(tiny_llama, pairs):
 def test_pair_cache_matches_uncached_patching(tiny_llama, pairs):
     """The cache's resumed, precomputed-source evaluation equals patching the heads in a plain run,
     and its floor is the unpatched base's accuracy."""
-    from mechdiff.methods.dcm import PairCache
+    from mechdiff.methods.dcm_cache import PairCache
 
     subset = pairs[:10]
     heads = [Head(1, 0), Head(2, 3)]
@@ -332,7 +329,7 @@ def test_pair_cache_matches_uncached_patching(tiny_llama, pairs):
 def test_pair_cache_runs_each_source_once_for_every_position(tiny_llama, pairs, monkeypatch):
     """Groups at two positions cost two forwards a batch (one source run for both, one base run), and each
     position's stored z is what a source run of that position alone gives."""
-    from mechdiff.methods.dcm import PairCache
+    from mechdiff.methods.dcm_cache import PairCache
 
     subset, groups = pairs[:6], [([Head(1, 0)], "last"), ([Head(2, 3)], "query_label")]
     calls = []
@@ -355,7 +352,7 @@ def test_pair_cache_runs_each_source_once_for_every_position(tiny_llama, pairs, 
 def test_pair_cache_suffix_gradients_equal_full_runs(tiny_llama, pairs):
     """DCM's training pass on the cache (resumed, only the positions from the patched one on, over the base
     run's keys/values) gives the full run's logits and the same gradient on the mask."""
-    from mechdiff.methods.dcm import PairCache
+    from mechdiff.methods.dcm_cache import PairCache
 
     subset, heads = pairs[:6], [Head(1, 0), Head(2, 3)]
     cache = PairCache.build(tiny_llama, subset, [(heads, "query_label")], batch_size=3)
@@ -933,7 +930,8 @@ def test_hard_concrete_values_are_clipped_to_the_unit_interval(log_alpha, expect
 def test_dcm_loss_at_an_explicit_mask_with_absolute_lambda(tiny_llama, smollm2_tokenizer):
     import torch
 
-    from mechdiff.methods.dcm import DCMConfig, PairCache, _Mask, _step, loss_scale
+    from mechdiff.methods.dcm import DCMConfig, _Mask, _step, loss_scale
+    from mechdiff.methods.dcm_cache import PairCache
     from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors
 
     model, pairs = tiny_llama, object_value_pairs(smollm2_tokenizer, 6, n_boxes=3, seed=0)
@@ -994,7 +992,8 @@ def test_dcm_loss_at_an_explicit_mask_with_absolute_lambda(tiny_llama, smollm2_t
 
 
 def test_dcm_paper_preset_and_validation_schedule(tiny_llama, smollm2_tokenizer):
-    from mechdiff.methods.dcm import DCMConfig, PairCache, train_mask, validates
+    from mechdiff.methods.dcm import DCMConfig, train_mask, validates
+    from mechdiff.methods.dcm_cache import PairCache
     from mechdiff.tasks.entity_tracking import object_value_pairs
 
     paper = DCMConfig.paper()

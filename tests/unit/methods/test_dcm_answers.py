@@ -12,7 +12,8 @@ from conftest import make_tiny
 from tolerances import assert_close32
 
 from mechdiff.common.components import Head
-from mechdiff.methods.dcm import PairCache, semantic_patching, target_score
+from mechdiff.methods.dcm_cache import PairCache, target_score
+from mechdiff.methods.semantic import semantic_patching
 from mechdiff.tasks.base import Example, Pair
 
 HEADS = [Head(1, 0), Head(2, 3)]

@@ -12,7 +12,9 @@ from scipy import stats as sps
 
 from mechdiff.common.components import Head
 from mechdiff.common.outcomes import from_bits, read_outcomes, write_outcomes
-from mechdiff.methods.dcm import DCMConfig, random_heads, run_dcm, semantic_patching, split_pairs, target_accuracy
+from mechdiff.methods.dcm import DCMConfig, random_heads, run_dcm, split_pairs
+from mechdiff.methods.dcm_cache import target_accuracy
+from mechdiff.methods.semantic import semantic_patching
 from mechdiff.report.paired import outcome_stages
 from mechdiff.report.rows import semantic_rows
 from mechdiff.tasks.entity_tracking import object_value_pairs
@@ -90,7 +92,7 @@ def test_encodes_rests_on_the_paired_tests_of_the_dcm_models_semantic_row():
     intervals: 6 discordant pairs all one way (p = 0.031) is "encodes" where the intervals overlap; 4 (p = 0.125)
     is "not shown"."""
     from mechdiff.common.inference import proportion
-    from mechdiff.methods.dcm import SemanticResult
+    from mechdiff.methods.semantic import SemanticResult
     from mechdiff.studies.circuits.report.dcm import dcm_findings, dcm_tests
 
     def record(n_up: int) -> SimpleNamespace:

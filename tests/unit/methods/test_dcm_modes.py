@@ -1,4 +1,4 @@
-"""DCM's three pair-cache modes (``mechdiff.methods.dcm.CACHE_MODES``): a scratch file read by suffix runs, the
+"""DCM's three pair-cache modes (``mechdiff.methods.dcm_cache.CACHE_MODES``): a scratch file read by suffix runs, the
 sources' ``z`` alone in host memory, and sources run again for every batch give the same masks and outcomes, and
 each holds what it says."""
 
@@ -11,19 +11,10 @@ import pytest
 import torch
 from tolerances import TINY_FORWARD, assert_close32
 
-import mechdiff.methods.dcm as dcm
+import mechdiff.methods.dcm_cache as dcm  # the pair cache and its runs
 from mechdiff.common.components import Head
-from mechdiff.methods.dcm import (
-    CACHE_MODES,
-    DCMConfig,
-    PairCache,
-    masked_z_patches,
-    random_pool,
-    run_dcm,
-    source_z,
-    split_indices,
-    train_mask,
-)
+from mechdiff.methods.dcm import DCMConfig, random_pool, run_dcm, split_indices, train_mask
+from mechdiff.methods.dcm_cache import CACHE_MODES, PairCache, masked_z_patches, source_z
 from mechdiff.patching.core import run
 from mechdiff.tasks.entity_tracking import object_value_pairs, pair_batch_tensors
 from unit.methods.planted import CANDIDATES, PLANTED, mixed_pairs, planted_case

@@ -13,8 +13,8 @@ from scipy import stats
 
 from mechdiff.common.components import parse_heads
 from mechdiff.common.outcomes import from_bits
+from mechdiff.methods.checkpoints import Checkpoints
 from mechdiff.methods.roles import THRESHOLD, head_scores, held, transitions
-from mechdiff.methods.trajectory import Checkpoints
 from mechdiff.models.loading import load_model
 from mechdiff.tasks.desiderata import desideratum_pairs
 

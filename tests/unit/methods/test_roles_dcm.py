@@ -18,17 +18,8 @@ import mechdiff.methods.dcm as dcm
 from mechdiff.common import inference as inf
 from mechdiff.common.components import Head
 from mechdiff.common.outcomes import bits, from_bits
-from mechdiff.methods.dcm import (
-    DCMConfig,
-    PairCache,
-    loss_scale,
-    masked_z_patches,
-    pair_items,
-    run_dcm,
-    source_z,
-    split_indices,
-    train_mask,
-)
+from mechdiff.methods.dcm import DCMConfig, loss_scale, pair_items, run_dcm, split_indices, train_mask
+from mechdiff.methods.dcm_cache import PairCache, masked_z_patches, source_z
 from mechdiff.methods.roles import dcm_seeds, frequency, redraw, transitions
 from mechdiff.patching.core import run
 from mechdiff.studies.trajectory.roles import (

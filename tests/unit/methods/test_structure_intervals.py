@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mechdiff.methods.trajectory import (
-    read_attributions,
-    structure,
-    to_half,
-    write_attributions,
-)
+from mechdiff.methods.structure import read_attributions, structure, to_half, write_attributions
 
 CLASSES = ["a", "b"]
 SHAPE = (2, 10, 15)  # class layer head: 300 pairs

@@ -19,10 +19,10 @@ from mechdiff.circuits.scoring import Scorer
 from mechdiff.common import inference
 from mechdiff.common.components import Head, parse_heads
 from mechdiff.common.stats import bootstrap_ratio
-from mechdiff.methods.dcm import semantic_patching
+from mechdiff.methods.checkpoints import Checkpoints, TrajectoryError, trajectory_specs
+from mechdiff.methods.semantic import semantic_patching
+from mechdiff.methods.structure import splits, structure
 from mechdiff.methods.trajectory import (
-    Checkpoints,
-    TrajectoryError,
     against_first,
     checkpoint_accuracy,
     circuits_scored,
@@ -31,9 +31,6 @@ from mechdiff.methods.trajectory import (
     membership,
     own_circuit,
     semantic,
-    splits,
-    structure,
-    trajectory_specs,
 )
 from mechdiff.models.loading import load_model
 from mechdiff.patching.evaluate import evaluate

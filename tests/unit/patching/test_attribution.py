@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mechdiff.common.components import Head
-from mechdiff.patching.path import Receivers, path_patch, prepare
+from mechdiff.patching.path import Receivers, path_patch
+from mechdiff.patching.path_pairs import prepare
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 
 

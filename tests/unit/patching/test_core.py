@@ -213,7 +213,8 @@ def test_cmap_base_scores_on_suffix_runs_equal_full_runs(smollm2_tokenizer):
 
     from mechdiff.circuits.circuit import Circuit
     from mechdiff.common.components import Head
-    from mechdiff.methods.cmap import CMAP_KINDS, _base_scores, capture_sites, cmap_patches, scopes
+    from mechdiff.methods.cmap import _base_scores
+    from mechdiff.methods.cmap_patches import CMAP_KINDS, capture_sites, cmap_patches, scopes
     from mechdiff.tasks.entity_tracking import batch_tensors, generate
 
     base, ft = make_tiny("llama", smollm2_tokenizer, seed=1), make_tiny("llama", smollm2_tokenizer, seed=2)
@@ -224,7 +225,7 @@ def test_cmap_base_scores_on_suffix_runs_equal_full_runs(smollm2_tokenizer):
     ids, answer = batch["input_ids"], batch["answer_ids"]
     captured = run(ft, ids, capture=capture_sites(circuit.heads())).captured
     kinds = list(CMAP_KINDS)
-    from mechdiff.methods.cmap import isolation_patches
+    from mechdiff.methods.cmap_patches import isolation_patches
 
     base_z = {
         l: t for (k, l), t in run(base, ids, capture=[("z", l) for l in range(base.shape.n_layers)]).captured.items()

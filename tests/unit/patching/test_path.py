@@ -16,7 +16,8 @@ from tolerances import relative_change_approx, tol32
 from mechdiff.circuits.discovery import DiscoverySettings, discover
 from mechdiff.common.components import Head
 from mechdiff.patching.attribution import attribution_scores
-from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare, source_indices
+from mechdiff.patching.path import Receivers, eligible_senders, path_patch, source_indices
+from mechdiff.patching.path_pairs import prepare
 from mechdiff.tasks.base import Example, Pair
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 

@@ -16,7 +16,8 @@ from mechdiff.common.components import Head
 from mechdiff.common.metrics import logit_diff
 from mechdiff.patching.attribution import attribution_scores
 from mechdiff.patching.core import run
-from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
+from mechdiff.patching.path import Receivers, eligible_senders, path_patch
+from mechdiff.patching.path_pairs import prepare
 from mechdiff.patching.scan import scan_pairs
 from mechdiff.tasks.base import Pair
 

@@ -1,5 +1,5 @@
 """Path patching over pairs held a part at a time (``[discovery] pairs_per_part``,
-:class:`~mechdiff.patching.path.PairStream`): the scores of the held batch, and memory that does not grow with the
+:class:`~mechdiff.patching.path_pairs.PairStream`): the scores of the held batch, and memory that does not grow with the
 number of pairs."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from conftest import capitals_rows, write_rows
 
 from mechdiff.common.components import Head
 from mechdiff.patching.attribution import attribution_scores
-from mechdiff.patching.path import PairBatches, PairStream, Receivers, path_patch, prepare
+from mechdiff.patching.path import Receivers, path_patch
+from mechdiff.patching.path_pairs import PairBatches, PairStream, prepare
 from mechdiff.tasks.base import get_task
 from mechdiff.tasks.entity_tracking import path_patching_pairs
 from mechdiff.tasks.jsonl import import_pairs
@@ -99,7 +100,8 @@ def test_a_parts_random_source_draws_are_its_columns_of_the_groups(tiny_llama, s
     whole group draws, so path patching's scores do not depend on the part size."""
     import torch
 
-    from mechdiff.patching.path import parts, source_indices
+    from mechdiff.patching.path import source_indices
+    from mechdiff.patching.path_pairs import parts
 
     pairs = path_patching_pairs(smollm2_tokenizer, 5, n_boxes=3, seed=3)
     held, streamed = prepare(tiny_llama, pairs), prepare(tiny_llama, pairs, part_size=2)
@@ -124,7 +126,7 @@ def test_one_part_is_alive_at_a_time(tiny_llama, mixed_pairs, monkeypatch):
     import gc
     import weakref
 
-    from mechdiff.patching import path
+    from mechdiff.patching import path_pairs as path  # the parts are prepared there
 
     made, alive = [], []
     original = path._prepare

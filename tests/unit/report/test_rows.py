@@ -12,7 +12,8 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.common.components import Head
 from mechdiff.common.inference import Interval
 from mechdiff.methods.cmap import CMAPResult, CMAPRow
-from mechdiff.methods.dcm import DCMConfig, DCMResult, SemanticResult
+from mechdiff.methods.dcm import DCMConfig, DCMResult
+from mechdiff.methods.semantic import SemanticResult
 from mechdiff.studies.circuits.cmap import write_outputs
 from mechdiff.studies.circuits.report.cmap import cmap_section
 from mechdiff.studies.circuits.report.dcm import dcm_section
@@ -93,7 +94,7 @@ def test_dcm_command_writes_the_study_dcm_and_semantic_tables(tmp_path, monkeypa
     results = _dcm_results()
     monkeypatch.setattr(dcm_study, "dcm_circuit", lambda *args, **kwargs: results)
     monkeypatch.setattr(  # the semantic records: the DCM stage's computation, which the command runs
-        "mechdiff.methods.dcm.semantic_patching",
+        "mechdiff.methods.semantic.semantic_patching",
         lambda models, heads, *args, **kwargs: [
             SemanticResult(m.name, _est(0.7 if m.name == "base" else 0.4), _est(0.2)) for m in models
         ],

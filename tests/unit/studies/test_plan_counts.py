@@ -12,7 +12,8 @@ from conftest import spy_runs
 from mechdiff.common.components import Head
 from mechdiff.models.devices import Device
 from mechdiff.models.footprint import Dims
-from mechdiff.patching.path import Receivers, eligible_senders, path_patch, prepare
+from mechdiff.patching.path import Receivers, eligible_senders, path_patch
+from mechdiff.patching.path_pairs import prepare
 from mechdiff.studies.circuits.spec import default_spec, load_spec
 from mechdiff.studies.circuits.stages.circuit import step_runs as _step_runs
 from mechdiff.studies.circuits.stages.circuit import step_senders as _step_senders

@@ -151,7 +151,7 @@ def test_the_memory_mode_holds_what_the_cache_holds(tiny_llama, smollm2_tokenize
     """The plan's host memory for the memory mode is the bytes a PairCache in that mode holds: the sources' z of
     every layer (random heads are drawn from all) at each group's position, for every pair."""
     from mechdiff.common.components import all_heads
-    from mechdiff.methods.dcm import PairCache
+    from mechdiff.methods.dcm_cache import PairCache
     from mechdiff.models.footprint import Dims
     from mechdiff.studies.circuits.spec import default_spec
     from mechdiff.studies.circuits.stages.dcm import mode_cost as _dcm_cost

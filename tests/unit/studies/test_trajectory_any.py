@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from mechdiff.methods.trajectory import Checkpoints, TrajectoryError, trajectory_specs
+from mechdiff.methods.checkpoints import Checkpoints, TrajectoryError, trajectory_specs
 from mechdiff.models.resolve import trajectory_steps
 from mechdiff.studies.spec import SpecError
 from mechdiff.studies.trajectory.settings import load_settings, step_of
@@ -104,7 +104,7 @@ def test_full_weight_checkpoints_of_another_architecture_are_refused(full_run, s
 
 HUB = """
 import json, sys
-from mechdiff.methods.trajectory import Checkpoints
+from mechdiff.methods.checkpoints import Checkpoints
 names = sys.argv[1:]
 cp = Checkpoints(names)
 print(json.dumps({n: cp.model(n).model.lm_head.weight[0, :4].tolist() for n in names[::-1]}))

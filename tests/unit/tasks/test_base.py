@@ -13,7 +13,8 @@ from mechdiff.circuits.circuit import Circuit
 from mechdiff.circuits.discovery import DiscoverySettings, discover
 from mechdiff.common.components import Head
 from mechdiff.common.metrics import task_metric
-from mechdiff.patching.path import path_patch, prepare
+from mechdiff.patching.path import path_patch
+from mechdiff.patching.path_pairs import prepare
 from mechdiff.tasks import base, ioi
 from mechdiff.tasks.base import get_task
 from mechdiff.tasks.jsonl import ImportErrors, import_pairs

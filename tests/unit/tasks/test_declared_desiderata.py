@@ -10,8 +10,9 @@ from conftest import capitals_rows, write_rows
 
 from mechdiff.tasks.base import get_task
 from mechdiff.tasks.declared import parse_declaration
-from mechdiff.tasks.jsonl import ImportErrors, import_pairs, read_task_directory
+from mechdiff.tasks.jsonl import ImportErrors, import_pairs
 from mechdiff.tasks.records import answer_tokens, target_tokens
+from mechdiff.tasks.task_directory import read_task_directory
 
 
 def two_desiderata(tmp_path, n: int = 24) -> tuple[list[dict], list[str]]:

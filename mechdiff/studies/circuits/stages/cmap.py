@@ -41,8 +41,9 @@ def run(study: Any, finetune: str, circuit_rec: StageRecord, dcm_rec: Optional[S
 
 def compute(study: Any, finetune: str, circuit_rec: StageRecord, dcm_rec: Optional[StageRecord]) -> dict:
     """What `run` caches: the groups the prompts carry, then `run_cmap` over them."""
-    from ....circuits.scoring import control_prompts
-    from ....methods.cmap import dcm_cut, run_cmap
+    from ....circuits.measures import control_prompts
+    from ....methods.cmap import run_cmap
+    from ....methods.cmap_patches import dcm_cut
 
     c, base = study.spec.cmap, study.spec.models.base
     owner = finetune if c.scope == "paper" else base

@@ -11,7 +11,7 @@ from dataclasses import asdict, replace
 from typing import Any, Optional
 
 from ....circuits.circuit import Circuit
-from ....methods.dcm import CACHE_MODES
+from ....methods.dcm_cache import CACHE_MODES
 from ....models.devices import GIB
 from ....models.footprint import backward_bytes, dtype_bytes, model_dims
 from ....runs.stages import StageRecord
@@ -113,7 +113,8 @@ def semantic_records(
     as DCM split them, by ``items`` where given), with ``config.n_random`` random head sets of its layers; one
     record per selection and model. What the stage and ``mechdiff dcm`` both compute
     (`mechdiff.studies.circuits.dcm.dcm_run`)."""
-    from ....methods.dcm import semantic_patching, split_pairs
+    from ....methods.dcm import split_pairs
+    from ....methods.semantic import semantic_patching
 
     out = []
     for r in results:
@@ -172,7 +173,7 @@ def unpaired_classes(circuit: Circuit, groups: list[str], desiderata: dict, batc
     """The groups at a position class whose token count differs between a desideratum pair's two prompts, with
     why: DCM writes the source's tokens of the class into the base's token for token
     (`class_widths`)."""
-    from ....methods.dcm import UnequalClass, class_widths
+    from ....methods.dcm_cache import UnequalClass, class_widths
 
     out = {}
     for g in groups:

@@ -27,7 +27,7 @@ def inputs(study: Any, name: str, circuits: dict[str, StageRecord]) -> dict:
 
 def run(study: Any, name: str, circuits: dict[str, StageRecord]) -> StageRecord:
     """Every circuit of ``circuits`` scored on ``name``; random circuits and completeness for its own."""
-    from ....circuits.scoring import completeness, matrix_rows
+    from ....circuits.measures import completeness, matrix_rows
 
     s = study.spec.scoring
 

@@ -37,7 +37,7 @@ class StructureStage(Stage):
         return inputs
 
     def compute(self, circuits: Records, rankings: Optional[Records] = None) -> dict:
-        from ....methods.trajectory import structure_record
+        from ....methods.structure import structure_record
 
         s, st = self.s, self.s.st.structure
         n_pairs = st.n_pairs or circuits[s.final].result["n_pairs"]
@@ -50,7 +50,8 @@ class StructureStage(Stage):
     def attributions(self, circuits: Records, rankings: Optional[Records] = None) -> dict[str, Any]:
         """Every checkpoint's per-prompt ranking attribution (the other runs' after the trajectory's) as the study
         commits it, float16 (`to_half`); a ranking of other classes than the final circuit's is refused."""
-        from ....methods.trajectory import decode_array, to_half
+        from ....methods.structure import to_half
+        from ....methods.trajectory import decode_array
 
         rankings, final = rankings or {}, self.s.final
         classes = circuits[final].result["classes"]

@@ -1,0 +1,436 @@
+"""Structure against function along a trajectory (`mechdiff.methods.trajectory`): the within-checkpoint null of a
+circuit's top pairs (two discoveries of one model on disjoint halves of the ranking prompts), the spread-corrected
+overlap of two checkpoints with its interval and decision, the structure record the tables are written from, and the
+compact store of the attributions behind it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..circuits.curve import selection_stability
+from ..circuits.pruning import pair_name
+from ..common.inference import ALPHA, cluster_resamples, recentred
+from ..runs.seeds import derive
+
+#: A pair is robustly in a checkpoint's top-n where its bootstrap selection frequency is at least this, robustly
+#: out where it is at most ``1 - STABLE``; only a move from one to the other is a change of the pair.
+STABLE = 0.95
+#: Random disjoint splits of the structural comparison, and bootstrap resamples of the selection frequencies.
+STRUCTURE_DRAWS = 200
+#: Resamples of the ranking prompts behind each structure interval, and random splits of each resample into halves.
+STRUCTURE_RESAMPLES = 1000
+RESAMPLE_SPLITS = 5
+#: Equivalence margin (Jaccard): "no change" between two checkpoints is written only where the 90% interval of
+#: (null - cross overlap) lies inside (-MARGIN, MARGIN); neither that nor a change: "not shown".
+MARGIN = 0.05
+
+
+def splits(n: int, draws: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``draws`` random splits of ``range(n)`` into two disjoint halves (sizes ``n // 2`` and ``n - n // 2``),
+    each a fresh seeded permutation: no prompt is drawn twice, inside a half or across the two (the halves
+    `half_weights` gives the sample itself with the same seed)."""
+    _check_split(n, draws)
+    perm = _orders(draws, n, seed)
+    return [(np.sort(p[: n // 2]), np.sort(p[n // 2 :])) for p in perm]
+
+
+def _orders(rows: int, n: int, seed: int) -> np.ndarray:
+    """A fresh random order of ``range(n)`` per row, seeded."""
+    return np.argsort(np.random.default_rng(seed).random((rows, n)), axis=1)
+
+
+def _check_split(n: int, draws: int) -> None:
+    if n < 4:
+        raise ValueError(f"the within-checkpoint null needs at least 4 ranking prompts, got {n}")
+    if draws < 1:
+        raise ValueError(f"the within-checkpoint null needs at least one split, got {draws}")
+
+
+def half_weights(counts: np.ndarray, draws: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``draws`` random splits of each resample (a row of item counts, `cluster_resamples`) into two
+    halves, as weights ``(resample * draw, item)``: the items in a fresh random order, half A those whose copies
+    fit in the first ``n // 2`` draws, half B the rest, so every copy of a prompt lies in one half and the halves
+    share none. A row of ones is the sample itself: its halves are those of `splits` with the same seed."""
+    counts = np.atleast_2d(np.asarray(counts, dtype=float))
+    n_res, n = counts.shape
+    _check_split(n, draws)
+    order = _orders(n_res * draws, n, seed)
+    drawn = np.take_along_axis(np.repeat(counts, draws, axis=0), order, axis=1)
+    in_a = np.cumsum(drawn, axis=1) <= n // 2
+    wa, wb = np.zeros(order.shape), np.zeros(order.shape)
+    np.put_along_axis(wa, order, np.where(in_a, drawn, 0.0), axis=1)
+    np.put_along_axis(wb, order, np.where(in_a, 0.0, drawn), axis=1)
+    return wa, wb
+
+
+def top_pairs(attribution: np.ndarray, rows: np.ndarray, n: int) -> frozenset[int]:
+    """The ``n`` pairs (flat ``class layer head`` indices) of largest |mean attribution| over ``rows``
+    (as `selection_stability` selects)."""
+    mean = torch.from_numpy(attribution.reshape(attribution.shape[0], -1)[rows].astype(np.float64)).mean(0)
+    return frozenset(mean.abs().topk(n).indices.tolist())
+
+
+def jaccard(a: frozenset, b: frozenset) -> float:
+    """|a & b| / |a | b| (1 for two empty sets)."""
+    return len(a & b) / len(a | b) if a | b else 1.0
+
+
+def top_masks(flat: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    """Per weight row, the top ``n`` pairs by |weighted sum of the prompts' attribution| (the top-n of the
+    weighted mean) as a bit mask ``(row, pair)``."""
+    h = np.abs(weights @ flat)
+    idx = np.argpartition(-h, n - 1, axis=1)[:, :n]
+    mask = np.zeros(h.shape, dtype=bool)
+    np.put_along_axis(mask, idx, True, axis=1)
+    return mask
+
+
+def _overlap(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
+    """Row by row Jaccard of two top-n masks (both of size ``n``)."""
+    inter = np.count_nonzero(a & b, axis=1).astype(float)
+    return inter / (2 * n - inter)
+
+
+#: Rows (splits) of top-n masks held at once.
+CHUNK = 500
+
+
+@dataclass
+class _Overlaps:
+    """Per split (row), the null of every checkpoint and the cross overlap of every pair asked for; ``kept``: per
+    checkpoint, every pair some row selected."""
+
+    null: dict[str, np.ndarray]
+    cross: dict[tuple[str, str], np.ndarray]
+    kept: dict[str, np.ndarray]
+
+    def between(self, runs: Sequence[str]) -> np.ndarray:
+        """Per row, the mean cross overlap of every two of ``runs`` (one step of several runs of one recipe)."""
+        return np.mean([self.cross[(s, t)] for i, s in enumerate(runs) for t in runs[i + 1 :]], axis=0)
+
+
+def overlaps(
+    attribution: Mapping[str, np.ndarray], wa: np.ndarray, wb: np.ndarray, n: int, pairs: Sequence[tuple[str, str]]
+) -> _Overlaps:
+    """The overlaps of `_Overlaps` on the halves ``wa``/``wb`` (`half_weights`): a checkpoint's null is
+    the Jaccard of its top-n on half A and on half B; the cross overlap of ``(s, t)`` is that of ``s`` on one half
+    and ``t`` on the other, both ways, averaged."""
+    flat = {c: a.reshape(a.shape[0], -1).astype(np.float64) for c, a in attribution.items()}
+    null: dict[str, list] = {c: [] for c in flat}
+    cross: dict[tuple[str, str], list] = {p: [] for p in pairs}
+    kept = {c: np.zeros(x.shape[1], dtype=bool) for c, x in flat.items()}
+    for lo in range(0, wa.shape[0], CHUNK):
+        a = {c: top_masks(x, wa[lo : lo + CHUNK], n) for c, x in flat.items()}
+        b = {c: top_masks(x, wb[lo : lo + CHUNK], n) for c, x in flat.items()}
+        for c in flat:
+            null[c].append(_overlap(a[c], b[c], n))
+            kept[c] |= a[c].any(0) | b[c].any(0)
+        for s, t in pairs:
+            cross[(s, t)].append((_overlap(a[s], b[t], n) + _overlap(a[t], b[s], n)) / 2)
+    return _Overlaps(
+        {c: np.concatenate(v) for c, v in null.items()}, {p: np.concatenate(v) for p, v in cross.items()}, kept
+    )
+
+
+def spread(values: Sequence[float], confidence: float = 0.95) -> dict:
+    """The mean over splits with the percentile range of the splits' values (a spread of one sample's splits,
+    not an interval over prompts)."""
+    arr = np.asarray(values, dtype=float)
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(arr, [alpha, 1 - alpha])
+    return {"value": float(arr.mean()), "low": float(low), "high": float(high), "n": int(arr.size)}
+
+
+def estimate(split_values: np.ndarray, resampled: np.ndarray, n_prompts: int, confidence: float = 0.95) -> dict:
+    """An overlap (or difference of overlaps): the mean over the sample's splits, its interval over prompts (the
+    statistic recomputed on each resample of the prompts, halves drawn inside it: `recentred`), the 90%
+    interval an equivalence test reads, and the spread of the sample's splits (``spread_low``/``spread_high``)."""
+    sp = spread(split_values, confidence)
+    value = sp["value"]
+    low, high = recentred(resampled, value, confidence)
+    low90, high90 = recentred(resampled, value, 1 - 2 * ALPHA)
+    return {
+        "value": value,
+        "low": low,
+        "high": high,
+        "n": sp["n"],
+        "prompts": n_prompts,
+        "resamples": int(np.size(resampled)),
+        "low90": low90,
+        "high90": high90,
+        "spread_low": sp["low"],
+        "spread_high": sp["high"],
+    }
+
+
+def decided(diff: dict, margin: float) -> dict:
+    """What a difference of overlaps shows: ``changed`` where its interval over prompts lies above 0; ``same``
+    where its 90% interval lies inside (-margin, margin) (two one-sided tests at 0.05: no change beyond the margin
+    shown); neither: not shown."""
+    return {"changed": diff["low"] > 0, "same": -margin < diff["low90"] and diff["high90"] < margin}
+
+
+def structure(
+    attribution: dict[str, np.ndarray],
+    classes: Sequence[str],
+    n: int,
+    draws: int = STRUCTURE_DRAWS,
+    seed: int = 0,
+    stable: float = STABLE,
+    runs: Optional[Mapping[str, Mapping[str, np.ndarray]]] = None,
+    resamples: int = STRUCTURE_RESAMPLES,
+    resample_splits: int = RESAMPLE_SPLITS,
+    margin: float = MARGIN,
+) -> dict:
+    """The within-checkpoint null and the structural changes between checkpoints (module docstring).
+
+    ``attribution``: checkpoint (in order) -> per-prompt attribution ``"prompt class layer head"`` on the same
+    ranking prompts; ``n``: the number of pairs each discovery keeps. Each of ``draws`` splits cuts the ranking
+    prompts into two disjoint random halves (`splits`); every overlap is the mean over splits. Its interval
+    resamples the prompts: ``resamples`` cluster resamples (`cluster_resamples`), each cut ``resample_splits``
+    times into halves that keep every copy of a prompt together (`half_weights`), the statistic the mean
+    over those; `estimate` gives it with the splits' own spread beside it. Returns per checkpoint the null
+    overlap and the selection frequency of every pair ever robustly in; per consecutive pair of checkpoints and
+    per checkpoint against the final one the cross overlap, the difference ``(null_s + null_t) / 2 - cross`` with
+    ``changed`` and ``same`` (`decided`, equivalence within ``margin``); the pairs that changed between
+    consecutive checkpoints (robustly in at one, out at the other); the matrix of mean overlaps of every two
+    checkpoints (the null on its diagonal, no interval); and ``kept``: per checkpoint, the flat pairs any top-n
+    of the stage selected (a split, a resample's half, a selection-frequency resample), all a recomputation needs.
+
+    ``runs``: the between-run null, checkpoint -> {a checkpoint of another run of the same recipe at the same step ->
+    its attribution on the same prompts}. Each such step gets the mean cross overlap of every two runs (the
+    ``between_runs`` rows); a consecutive change into such a step, and each checkpoint against the final one where
+    the final step has other runs, get ``beyond_runs``: (between-run overlap - cross), decided as above (the two
+    checkpoints differ more than two runs of the recipe do at that step, or as little within the margin)."""
+    names = list(attribution)
+    runs = {c: dict(r) for c, r in (runs or {}).items() if r}
+    unknown = [c for c in runs if c not in attribution]
+    if unknown:
+        raise ValueError(f"other runs given at {unknown}, which are not checkpoints of the trajectory")
+    every = {**attribution, **{o: a for r in runs.values() for o, a in r.items()}}
+    n_prompts = {a.shape[0] for a in every.values()}
+    if len(n_prompts) != 1:
+        raise ValueError(f"every checkpoint must be ranked on the same prompts; got prompt counts {n_prompts}")
+    k = n_prompts.pop()
+    groups = {c: [c, *r] for c, r in runs.items()}
+    wanted = list(zip(names, names[1:])) + [(c, names[-1]) for c in names[:-1]]
+    wanted += [(s, t) for g in groups.values() for i, s in enumerate(g) for t in g[i + 1 :]]
+    wanted = list(dict.fromkeys(wanted))
+    matrix_pairs = [(s, t) for i, s in enumerate(names) for t in names[i + 1 :]]
+    point = overlaps(every, *half_weights(np.ones((1, k)), draws, seed), n, list(dict.fromkeys(wanted + matrix_pairs)))
+    counts = cluster_resamples(k, resamples, derive(seed, "structure-resamples"))
+    boot = overlaps(every, *half_weights(counts, resample_splits, derive(seed, "structure-halves")), n, wanted)
+
+    def est(stat: Any) -> dict:
+        return estimate(stat(point), stat(boot).reshape(resamples, resample_splits).mean(1), k)
+
+    freq = {
+        c: selection_stability(torch.from_numpy(a.astype(np.float64)), classes, n, draws, seed)
+        for c, a in attribution.items()
+    }
+    steps = []
+    for s, t in zip(names, names[1:]):
+        entered = sorted(pair_name(p) for p, f in freq[t].items() if f >= stable and freq[s][p] <= 1 - stable)
+        left = sorted(pair_name(p) for p, f in freq[s].items() if f >= stable and freq[t][p] <= 1 - stable)
+        beyond = _beyond(est, groups, s, t, t if t in groups else s, margin)
+        steps.append({"from": s, "to": t, **_against(est, s, t, margin), **beyond, "entered": entered, "left": left})
+    final = [
+        {
+            "checkpoint": c,
+            **_against(est, c, names[-1], margin),
+            **_beyond(est, groups, c, names[-1], names[-1], margin),
+        }
+        for c in names[:-1]
+    ]
+    robust = sorted(
+        {p for f in freq.values() for p, v in f.items() if v >= stable}, key=lambda p: (p[1], p[0].layer, p[0].head)
+    )
+    return {
+        "n_pairs": n,
+        "draws": draws,
+        "seed": seed,
+        "stable": stable,
+        "prompts": k,
+        "resamples": resamples,
+        "resample_splits": resample_splits,
+        "margin": margin,
+        "interval": INTERVAL,
+        "null": {c: est(lambda o, c=c: o.null[c]) for c in names},
+        "consecutive": steps,
+        "against_final": final,
+        "matrix": {"checkpoints": names, "overlap": _matrix(point, names)},
+        "between_runs": [
+            {
+                "checkpoint": c,
+                "runs": g,
+                "overlap": est(lambda o, g=g: o.between(g)),
+                "null": est(lambda o, g=g: np.mean([o.null[r] for r in g], axis=0)),
+            }
+            for c, g in groups.items()
+        ],
+        "frequency": {c: {pair_name(p): freq[c][p] for p in robust} for c in names},
+        "kept": _kept(point, boot, freq, classes, every),
+    }
+
+
+#: How the structure intervals are made, as the stage record states it.
+INTERVAL = (
+    "cluster bootstrap over the ranking prompts: the overlap recomputed on each resample (mean over its random "
+    "halves, each prompt's copies in one half), percentile interval re-centred on the estimate"
+)
+
+
+def _cross(o: _Overlaps, s: str, t: str) -> np.ndarray:
+    return o.cross[(s, t)] if (s, t) in o.cross else o.cross[(t, s)]
+
+
+def _against(est: Any, s: str, t: str, margin: float) -> dict:
+    """Cross overlap of ``s`` and ``t`` and the difference ``(null_s + null_t) / 2 - cross`` (per split, paired:
+    the same split for both), decided by its interval over prompts (`decided`)."""
+    diff = est(lambda o: (o.null[s] + o.null[t]) / 2 - _cross(o, s, t))
+    return {"cross": est(lambda o: _cross(o, s, t)), "null_minus_cross": diff, **decided(diff, margin)}
+
+
+def _beyond(est: Any, groups: Mapping[str, list[str]], s: str, t: str, at: str, margin: float) -> dict:
+    """``beyond_runs`` of checkpoints ``s`` and ``t`` against the between-run overlap at ``at`` (``{}`` where ``at``
+    has no other run): (between - cross) per split, decided by its interval over prompts."""
+    if at not in groups:
+        return {}
+    diff = est(lambda o: o.between(groups[at]) - _cross(o, s, t))
+    return {"beyond_runs": {"at": at, "runs_minus_cross": diff, **decided(diff, margin)}}
+
+
+def _matrix(point: _Overlaps, names: Sequence[str]) -> list[list[float]]:
+    """Mean overlap over splits of every two checkpoints on opposite halves; the diagonal is the null."""
+    return [[float(np.mean(point.null[s] if s == t else _cross(point, s, t))) for t in names] for s in names]
+
+
+def _kept(point: _Overlaps, boot: _Overlaps, freq: Mapping, classes: Sequence[str], every: Mapping) -> dict:
+    """Per checkpoint, the flat pairs some top-n of the stage selected: a split's, a resample's half's, or (those
+    with a frequency above 0) a selection-frequency resample's."""
+    out = {}
+    for c, a in every.items():
+        keep = point.kept[c] | boot.kept[c]
+        if c in freq:
+            _, n_layers, n_heads = a.shape[1:]
+            for (head, cls), f in freq[c].items():
+                if f > 0:
+                    keep[(classes.index(cls) * n_layers + head.layer) * n_heads + head.head] = True
+        out[c] = np.flatnonzero(keep).tolist()
+    return out
+
+
+def structure_record(
+    attribution: Mapping[str, np.ndarray],
+    names: Sequence[str],
+    runs: Mapping[str, Sequence[str]],
+    classes: Sequence[str],
+    n_pairs: int,
+    ranking_n: int,
+    settings: Mapping[str, Any],
+    seed: int,
+) -> dict:
+    """The structure stage's record: `structure` of the trajectory's checkpoints ``names`` (with the other
+    runs ``runs``: checkpoint -> other runs' checkpoints at its step) on the first ``ranking_n`` prompts, which every
+    checkpoint has; and, where the steps read by the between-run null have more (``runs_n``), the same at those steps
+    alone on all they share (``dense``). ``settings``: ``[structure]`` (draws, stable, resamples, resample_splits,
+    margin)."""
+    keys = ("draws", "stable", "resamples", "resample_splits", "margin")
+    opts = dict(zip(keys, (settings[k] for k in keys)))
+
+    def run(mine: Sequence[str], rows: int) -> dict:
+        other = {c: {o: attribution[o][:rows] for o in os} for c, os in runs.items()}
+        cut = {c: attribution[c][:rows] for c in mine}
+        return structure(cut, classes, n_pairs, opts["draws"], seed, opts["stable"], other, *list(opts.values())[2:])
+
+    out = run(names, ranking_n)
+    read = [c for c in names if c in runs]
+    rows = min((attribution[c].shape[0] for c in [*read, *(o for os in runs.values() for o in os)]), default=0)
+    if rows > ranking_n:
+        out["dense"] = run(read, rows)
+    return out
+
+
+def committed_structure(run_dir: str | Path) -> dict:
+    """A trajectory run's structure record recomputed from its committed ``attributions.h5`` alone
+    (`read_attributions`, the settings in its meta): what the structure stage recorded."""
+    attribution, classes, meta = read_attributions(Path(run_dir) / ATTRIBUTIONS)
+    return structure_record(
+        attribution,
+        list(meta["steps"]),
+        meta["runs"],
+        classes,
+        meta["n_pairs"],
+        meta["ranking_n"],
+        meta["structure"],
+        meta["seed"],
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The attributions behind the structure tables, compact
+# --------------------------------------------------------------------------------------
+
+#: The committed per-prompt attributions of a trajectory run (float16, gzip), beside its tables.
+ATTRIBUTIONS = "attributions.h5"
+
+
+def to_half(a: np.ndarray) -> np.ndarray:
+    """An attribution as the store keeps it (float16), back in float64: what the structure stage computes on, so
+    the tables recompute exactly from the store."""
+    return np.asarray(a, dtype=np.float16).astype(np.float64)
+
+
+def write_attributions(
+    path: str | Path,
+    attribution: Mapping[str, np.ndarray],
+    kept: Mapping[str, Sequence[int]],
+    classes: Sequence[str],
+    meta: Mapping[str, Any],
+) -> Path:
+    """Each checkpoint's per-prompt attribution (``"prompt class layer head"``) at the pairs ``kept`` (the only ones
+    any top-n of the structure stage selected; every other pair's column is left out and reads back as 0, never in a
+    top-n), float16, gzip with byte shuffling; ``meta`` (the structure settings) as JSON in the file's attributes."""
+    import h5py
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.h5")
+    with h5py.File(tmp, "w") as f:
+        f.attrs["classes"] = json.dumps(list(classes))
+        f.attrs["meta"] = json.dumps(dict(meta))
+        f.attrs["order"] = json.dumps(list(attribution))
+        for i, (c, a) in enumerate(attribution.items()):
+            g = f.create_group(f"c{i}")
+            cols = np.asarray(kept[c], dtype=np.int32)
+            g.attrs["checkpoint"] = c
+            g.attrs["shape"] = list(a.shape)
+            g.create_dataset("pairs", data=cols, compression="gzip", shuffle=True)
+            flat = np.asarray(a, dtype=np.float16).reshape(a.shape[0], -1)[:, cols]
+            g.create_dataset("attribution", data=flat, compression="gzip", compression_opts=9, shuffle=True)
+    tmp.replace(path)
+    return path
+
+
+def read_attributions(path: str | Path) -> tuple[dict[str, np.ndarray], list[str], dict]:
+    """The store `write_attributions` wrote: checkpoint -> attribution (float64, the pairs left out at 0),
+    the classes, and the meta."""
+    import h5py
+
+    out = {}
+    with h5py.File(path, "r") as f:
+        classes, meta = json.loads(f.attrs["classes"]), json.loads(f.attrs["meta"])
+        for i, _ in enumerate(json.loads(f.attrs["order"])):
+            g = f[f"c{i}"]
+            shape = [int(x) for x in g.attrs["shape"]]
+            full = np.zeros((shape[0], int(np.prod(shape[1:]))), dtype=np.float64)
+            full[:, g["pairs"][()]] = g["attribution"][()].astype(np.float64)
+            out[str(g.attrs["checkpoint"])] = full.reshape(shape)
+    return out, classes, meta
