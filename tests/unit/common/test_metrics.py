@@ -12,7 +12,6 @@ from mechdiff.common.metrics import accuracy, answer_prob, kl_divergence, logit_
 from mechdiff.tasks import ioi
 from mechdiff.tasks.base import answer_batch, batch_tensors
 from mechdiff.tasks.entity_tracking import generate, object_value_pairs, pair_batch_tensors
-from unit.conftest import make_tiny_ids
 
 
 def _last(model, ids: torch.Tensor) -> np.ndarray:
@@ -167,7 +166,7 @@ def test_knowledge_evaluation_hits_ranks_and_logprob(smollm2_tokenizer):
     from mechdiff.methods.knowledge.graph import Graph
     from mechdiff.tasks.relation_data import FactBatch
 
-    model = make_tiny_ids("llama", seed=1)
+    model = make_tiny("llama", None, seed=1)
     ids = torch.randint(0, 2000, (5, 6), generator=torch.Generator().manual_seed(0))
     x = _last(model, ids)
     order = np.argsort(-x, -1)

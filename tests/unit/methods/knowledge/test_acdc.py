@@ -17,7 +17,6 @@ from mechdiff.methods.knowledge.acdc import acdc
 from mechdiff.methods.knowledge.discovery import attribution_scores
 from mechdiff.methods.knowledge.forward import Ablation, EdgeResume, edge_forward, mean_ablation
 from mechdiff.methods.knowledge.graph import EdgeCircuit, Graph
-from unit.conftest import make_tiny_ids
 
 
 class _FB:
@@ -32,7 +31,7 @@ class _FB:
 
 @pytest.fixture(scope="module")
 def setup():
-    model = make_tiny_ids("llama", seed=3)
+    model = make_tiny("llama", None, seed=3)
     g = Graph.for_model(model)
     gen = torch.Generator().manual_seed(4)
     bs = []
@@ -118,7 +117,7 @@ def test_prefilter_equals_full_acdc_when_it_keeps_acdc_edges(setup):
 
 
 def test_metrics_against_the_model():
-    model = make_tiny_ids("llama", seed=5, n_layers=1)
+    model = make_tiny("llama", None, seed=5, n_layers=1)
     g = Graph.for_model(model)
     ids = torch.randint(0, 2000, (6, 5), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():

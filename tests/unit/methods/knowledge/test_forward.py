@@ -29,12 +29,11 @@ from mechdiff.methods.knowledge.forward import (
 )
 from mechdiff.methods.knowledge.graph import EdgeCircuit, Graph, expected_edge_count, prune_dangling
 from mechdiff.tasks.relation_data import Relation, available_relations, batches, build_facts
-from unit.conftest import make_tiny_ids
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return make_tiny_ids("llama", seed=1)
+    return make_tiny("llama", None, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +133,7 @@ def test_eap_ig_scores_sum_to_the_full_minus_empty_gap(tiny, ids):
 
 
 def test_acdc_keeps_a_planted_path():
-    model = make_tiny_ids("llama", seed=2, n_layers=1)
+    model = make_tiny("llama", None, seed=2, n_layers=1)
     with torch.no_grad():
         model.model.model.layers[0].mlp.down_proj.weight.mul_(30.0)  # MLP0 dominates the logits
     g = Graph.from_shape(model.shape)
@@ -401,7 +400,7 @@ def test_rows_is_a_view_of_contiguous_ranges_and_a_copy_in_order_otherwise():
 
 def test_edge_gradients_under_mean_ablation_are_the_derivative_of_the_mask():
     """``d metric / d m_e`` with the removed share carrying the sender's mean: a finite difference of the mask."""
-    model = make_tiny_ids("llama", seed=6)
+    model = make_tiny("llama", None, seed=6)
     graph = Graph.from_shape(model.shape)
     ids = torch.randint(0, 2000, (3, 5), generator=torch.Generator().manual_seed(3))
     abl = mean_ablation(model, graph, [type("B", (), {"ids": ids})()])
@@ -425,7 +424,7 @@ def test_edge_gradients_under_mean_ablation_are_the_derivative_of_the_mask():
 
 def test_mean_ablation_from_prompts_of_different_lengths():
     """A batch of one-token prompts adds to the sink mean only; the later positions' mean is the longer batch's."""
-    model = make_tiny_ids("llama", seed=7)
+    model = make_tiny("llama", None, seed=7)
     graph = Graph.from_shape(model.shape)
     gen = torch.Generator().manual_seed(4)
     one, four = torch.randint(0, 2000, (2, 1), generator=gen), torch.randint(0, 2000, (3, 4), generator=gen)
@@ -462,7 +461,7 @@ def test_mean_ablation_from_prompts_of_different_lengths():
     ids=["no-flow", "mlp", "additive-unknown", "not-additive"],
 )
 def test_check_supported_refuses_with_the_model_and_the_reason(change, reason):
-    model = make_tiny_ids("llama", seed=8)
+    model = make_tiny("llama", None, seed=8)
     check_supported(model)  # the model itself is supported
     model.__dict__["arch"] = dataclasses.replace(model.arch, **change)  # as an adapter would describe another model
     with pytest.raises(ValueError) as err:
@@ -482,7 +481,7 @@ def test_mean_ablation_without_means_says_how_to_build_them():
 def test_edge_forward_refusals_say_what_is_wrong():
     from mechdiff.methods.knowledge.forward import EdgeResume
 
-    model = make_tiny_ids("llama", seed=9)
+    model = make_tiny("llama", None, seed=9)
     graph = Graph.from_shape(model.shape)
     ids = torch.randint(0, 2000, (2, 4), generator=torch.Generator().manual_seed(6))
     with pytest.raises(ValueError) as err:
@@ -490,7 +489,7 @@ def test_edge_forward_refusals_say_what_is_wrong():
     assert str(err.value) == (
         "the graph has parallel blocks but tiny-llama-9 (llama) has not; build it with Graph.for_model(model)"
     )
-    neox = make_tiny_ids("gpt_neox", seed=9)  # parallel attention and MLP
+    neox = make_tiny("gpt_neox", None, seed=9)  # parallel attention and MLP
     with pytest.raises(ValueError) as err:
         edge_forward(neox, Graph.from_shape(neox.shape), ids, None)
     assert str(err.value) == (
@@ -524,7 +523,7 @@ def test_eap_ig_point_equals_the_gradient_at_that_mask(keep_first):
     sink position kept."""
     from mechdiff.methods.knowledge.forward import Ablation
 
-    model = make_tiny_ids("llama", seed=10)
+    model = make_tiny("llama", None, seed=10)
     graph = Graph.from_shape(model.shape)
     ids = torch.randint(0, 2000, (2, 5), generator=torch.Generator().manual_seed(7))
     means = mean_ablation(model, graph, [type("B", (), {"ids": ids})()]).means
@@ -544,7 +543,7 @@ def test_eap_ig_point_equals_the_gradient_at_that_mask(keep_first):
 def tiny_graph():
     from mechdiff.methods.knowledge.graph import Graph
 
-    model = make_tiny_ids("llama", seed=3)
+    model = make_tiny("llama", None, seed=3)
     ids = torch.randint(0, 2000, (4, 7), generator=torch.Generator().manual_seed(5))
     return model, Graph.from_shape(model.shape), ids
 
