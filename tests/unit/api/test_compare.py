@@ -22,17 +22,9 @@ KEYWORDS = {"batch_size": N, "options": {"n_boxes": N_BOXES}, "progress": False}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, smollm2_tokenizer):
-    """Two tiny llamas saved as checkpoints, and two entity-tracking circuits' files."""
-    from conftest import make_tiny
-
-    root = tmp_path_factory.mktemp("compare")
-    dirs = []
-    for seed in (0, 1):
-        path = root / f"tiny-{seed}"
-        make_tiny("llama", smollm2_tokenizer, seed=seed).model.save_pretrained(path)
-        smollm2_tokenizer.save_pretrained(path)
-        dirs.append(str(path))
+def tiny(tmp_path_factory, tiny_pair_dirs):
+    """The two tiny checkpoints (`tiny_pair_dirs`), and two entity-tracking circuits' files."""
+    root, dirs = tmp_path_factory.mktemp("compare"), tiny_pair_dirs
     groups = {"A": [Head(2, 0), Head(1, 1)], "C": [Head(0, 3)]}
     first = md.Circuit("tiny-0", "entity-tracking", groups, {"A": "last", "C": "query_label"})
     second = md.Circuit("tiny-1", "entity-tracking", {"A": [Head(2, 0), Head(2, 3)]}, {"A": "last"})

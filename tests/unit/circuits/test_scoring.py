@@ -172,16 +172,9 @@ def test_completeness_of_a_partial_circuit(tiny_llama, records, smollm2_tokenize
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory, smollm2_tokenizer):
-    from conftest import make_tiny
-
-    root = tmp_path_factory.mktemp("tiny-models")
-    dirs = []
-    for seed in (0, 1):
-        path = root / f"tiny-{seed}"
-        make_tiny("llama", smollm2_tokenizer, seed=seed).model.save_pretrained(path)
-        smollm2_tokenizer.save_pretrained(path)
-        dirs.append(str(path))
+def tiny_dirs(tmp_path_factory, tiny_pair_dirs):
+    """The two tiny checkpoints (`tiny_pair_dirs`) and two circuits' files."""
+    root = tmp_path_factory.mktemp("tiny-circuits")
     first = Circuit(
         "tiny-0",
         "entity-tracking",
@@ -194,7 +187,7 @@ def tiny_dirs(tmp_path_factory, smollm2_tokenizer):
         {"A": [Head(2, 0), Head(2, 3)], "C": [Head(0, 1)]},
         {"A": "last", "C": "query_label"},
     ).save(root / "second.json")
-    return dirs, str(first), str(second)
+    return tiny_pair_dirs, str(first), str(second)
 
 
 DATA = ["--n", "6", "--n-boxes", str(N_BOXES), "--batch-size", "6", "--no-progress"]

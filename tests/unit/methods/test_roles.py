@@ -116,7 +116,7 @@ def patched_top1(hf, pairs, layer: int, head: int, position: str) -> list[int]:
     return out
 
 
-def test_each_heads_score_is_a_plain_forward_with_its_output_replaced(tiny_run, smollm2_tokenizer):
+def test_each_heads_score_is_a_plain_forward_with_its_output_replaced(tiny_run):
     """Two checkpoints served by swapped adapters. A random model seldom gives a desideratum's target, so each
     head is scored on pairs whose even ones have as target the top-1 token of the checkpoint loaded by itself with
     that head's output at its group's position replaced by the source run's (a plain forward pass): those must
@@ -125,9 +125,10 @@ def test_each_heads_score_is_a_plain_forward_with_its_output_replaced(tiny_run, 
     _, run = tiny_run
     names = [f"{run}@0", f"{run}@4"]
     cp = Checkpoints(names)
+    tokenizer = cp.first().tokenizer  # the run's own (whatever vocabulary its tiny base was given)
     drawn = {
-        "positional": desideratum_pairs("positional", smollm2_tokenizer, 10, n_boxes=3, seed=4),
-        "object_value": desideratum_pairs("object_value", smollm2_tokenizer, 10, n_boxes=3, seed=5),
+        "positional": desideratum_pairs("positional", tokenizer, 10, n_boxes=3, seed=4),
+        "object_value": desideratum_pairs("object_value", tokenizer, 10, n_boxes=3, seed=5),
     }
     sites = [("last", "last", ["L2H1", "L0H2"]), ("query_label", "query_label", ["L1H3"])]
     moved = 0
