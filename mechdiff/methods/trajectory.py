@@ -800,10 +800,22 @@ def write_attributions(
     float16, gzip with byte shuffling, at `store_layout`: each checkpoint's rows on the prompts every checkpoint
     shares at the pairs some top-n there selected, and the further rows of the steps read on their own prompts
     only at the pairs some top-n of that comparison selected (far fewer: more prompts, less noise at the top-n's
-    edge). Every other value is left out: it reads back as 0 (`read_attributions`), below every pair a top-n took,
-    so every top-n, and so every table, is the same. ``meta`` (the structure settings) as JSON in the attributes."""
+    edge). Every other value is left out: it reads back as 0 (`read_attributions`), so its weighted sum over any
+    half is 0, no larger than that of a pair the top-n took there, and every top-n, and so every table, is the same
+    (an exact tie at 0 aside). ``meta`` (the structure settings) as JSON in the attributes."""
     import h5py
 
+    layout = store_layout(record)
+    held = {
+        c: (attribution[c].shape[0] if c in attribution else 0, lay.get("dense_rows", lay["rows"]))
+        for c, lay in layout.items()
+    }
+    short = {c: rows for c, rows in held.items() if rows[0] < rows[1]}
+    if short:
+        raise ValueError(
+            f"the structure record reads more prompts than the attributions given hold (checkpoint: (held, read)): "
+            f"{short}; pass the attributions the structure stage computed on"
+        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.h5")
@@ -811,7 +823,7 @@ def write_attributions(
         f.attrs["classes"] = json.dumps(list(classes))
         f.attrs["meta"] = json.dumps(dict(meta))
         f.attrs["order"] = json.dumps(list(record["kept"]))
-        for i, (c, lay) in enumerate(store_layout(record).items()):
+        for i, (c, lay) in enumerate(layout.items()):
             flat = np.asarray(attribution[c], dtype=np.float16).reshape(attribution[c].shape[0], -1)
             g = f.create_group(f"c{i}")
             g.attrs["checkpoint"] = c

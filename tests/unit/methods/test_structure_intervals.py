@@ -5,6 +5,7 @@ attributions behind the structure tables (float16, gzip) gives those tables back
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from mechdiff.methods.trajectory import (
     read_attributions,
@@ -180,3 +181,12 @@ def test_the_store_keeps_the_further_prompts_of_the_steps_read_only_where_their_
             assert len(inner) < 0.75 * len(stage["kept"][c])
     again = structure_record(store.attribution, names, runs, classes, top, PROMPTS, settings, 2, store.dense)
     assert again == stage
+
+
+def test_the_store_refuses_attributions_shorter_than_the_record_reads(tmp_path):
+    """A record that compared 64 prompts of ``a`` and 32 of ``b`` against attributions of 32 prompts of ``a`` and
+    none of ``b``: refused before anything is written, naming both, since the store would not give the tables back."""
+    record = {"prompts": 32, "kept": {"a": [1, 2], "b": [0]}, "dense": {"prompts": 64, "kept": {"a": [1]}}}
+    with pytest.raises(ValueError, match=r"'a': \(32, 64\), 'b': \(0, 32\)"):
+        write_attributions(tmp_path / "s.h5", {"a": np.zeros((32, 2, 3, 4))}, record, ["x", "y"], {})
+    assert not list(tmp_path.iterdir())
