@@ -336,41 +336,46 @@ def structure_record(
     ranking_n: int,
     settings: Mapping[str, Any],
     seed: int,
+    dense: Optional[Mapping[str, np.ndarray]] = None,
 ) -> dict:
     """The structure stage's record: `structure` of the trajectory's checkpoints ``names`` (with the other
     runs ``runs``: checkpoint -> other runs' checkpoints at its step) on the first ``ranking_n`` prompts, which every
     checkpoint has; and, where the steps read by the between-run null have more (``runs_n``), the same at those steps
     alone on all they share (``dense``). ``settings``: ``[structure]`` (draws, stable, resamples, resample_splits,
-    margin)."""
+    margin). ``dense``: the attributions that second comparison reads, where they are not ``attribution`` (the
+    store keeps the two apart: `read_attributions`)."""
     keys = ("draws", "stable", "resamples", "resample_splits", "margin")
     opts = dict(zip(keys, (settings[k] for k in keys)))
+    dense = dense or attribution
 
-    def run(mine: Sequence[str], rows: int) -> dict:
-        other = {c: {o: attribution[o][:rows] for o in os} for c, os in runs.items()}
-        cut = {c: attribution[c][:rows] for c in mine}
+    def run(source: Mapping[str, np.ndarray], mine: Sequence[str], rows: int) -> dict:
+        other = {c: {o: source[o][:rows] for o in os} for c, os in runs.items()}
+        cut = {c: source[c][:rows] for c in mine}
         return structure(cut, classes, n_pairs, opts["draws"], seed, opts["stable"], other, *list(opts.values())[2:])
 
-    out = run(names, ranking_n)
+    out = run(attribution, names, ranking_n)
     read = [c for c in names if c in runs]
-    rows = min((attribution[c].shape[0] for c in [*read, *(o for os in runs.values() for o in os)]), default=0)
+    rows = min((dense[c].shape[0] for c in [*read, *(o for os in runs.values() for o in os)]), default=0)
     if rows > ranking_n:
-        out["dense"] = run(read, rows)
+        out["dense"] = run(dense, read, rows)
     return out
 
 
 def committed_structure(run_dir: str | Path) -> dict:
     """A trajectory run's structure record recomputed from its committed ``attributions.h5`` alone
     (`read_attributions`, the settings in its meta): what the structure stage recorded."""
-    attribution, classes, meta = read_attributions(Path(run_dir) / ATTRIBUTIONS)
+    store = read_attributions(Path(run_dir) / ATTRIBUTIONS)
+    meta = store.meta
     return structure_record(
-        attribution,
+        store.attribution,
         list(meta["steps"]),
         meta["runs"],
-        classes,
+        store.classes,
         meta["n_pairs"],
         meta["ranking_n"],
         meta["structure"],
         meta["seed"],
+        store.dense,
     )
 
 
@@ -380,6 +385,8 @@ def committed_structure(run_dir: str | Path) -> dict:
 
 #: The committed per-prompt attributions of a trajectory run (float16, gzip), beside its tables.
 ATTRIBUTIONS = "attributions.h5"
+#: Bytes the committed attributions of both trajectories may take together (#51 item 3).
+ATTRIBUTIONS_BOUND = 20_000_000
 
 
 def to_half(a: np.ndarray) -> np.ndarray:
@@ -388,49 +395,108 @@ def to_half(a: np.ndarray) -> np.ndarray:
     return np.asarray(a, dtype=np.float16).astype(np.float64)
 
 
+def store_layout(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """What the store keeps of each checkpoint, read off the structure stage's ``record``: the first
+    ``record["prompts"]`` rows (the comparison of every checkpoint) at ``pairs``, the pairs some top-n of either
+    comparison selected there; where the checkpoint is in the comparison of the steps read on their own prompts
+    (``record["dense"]``), its rows up to ``dense_rows`` at ``dense_pairs``, the pairs some top-n of that
+    comparison selected. No other value enters a top-n the tables count (`write_attributions`)."""
+    dense = record.get("dense", {})
+    out = {}
+    for c, kept in record["kept"].items():
+        inner = dense.get("kept", {}).get(c)
+        pairs = sorted(set(kept) | set(inner or ()))
+        out[c] = {"rows": record["prompts"], "pairs": pairs}
+        if inner is not None:
+            out[c] |= {"dense_rows": dense["prompts"], "dense_pairs": sorted(inner)}
+    return out
+
+
 def write_attributions(
     path: str | Path,
     attribution: Mapping[str, np.ndarray],
-    kept: Mapping[str, Sequence[int]],
+    record: Mapping[str, Any],
     classes: Sequence[str],
     meta: Mapping[str, Any],
 ) -> Path:
-    """Each checkpoint's per-prompt attribution (``"prompt class layer head"``) at the pairs ``kept`` (the only ones
-    any top-n of the structure stage selected; every other pair's column is left out and reads back as 0, never in a
-    top-n), float16, gzip with byte shuffling; ``meta`` (the structure settings) as JSON in the file's attributes."""
+    """The per-prompt attributions (``"prompt class layer head"``) behind the structure stage's ``record``,
+    float16, gzip with byte shuffling, at `store_layout`: each checkpoint's rows on the prompts every checkpoint
+    shares at the pairs some top-n there selected, and the further rows of the steps read on their own prompts
+    only at the pairs some top-n of that comparison selected (far fewer: more prompts, less noise at the top-n's
+    edge). Every other value is left out: it reads back as 0 (`read_attributions`), so its weighted sum over any
+    half is 0, no larger than that of a pair the top-n took there, and every top-n, and so every table, is the same
+    (an exact tie at 0 aside). ``meta`` (the structure settings) as JSON in the attributes."""
     import h5py
 
+    layout = store_layout(record)
+    held = {
+        c: (attribution[c].shape[0] if c in attribution else 0, lay.get("dense_rows", lay["rows"]))
+        for c, lay in layout.items()
+    }
+    short = {c: rows for c, rows in held.items() if rows[0] < rows[1]}
+    if short:
+        raise ValueError(
+            f"the structure record reads more prompts than the attributions given hold (checkpoint: (held, read)): "
+            f"{short}; pass the attributions the structure stage computed on"
+        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.h5")
     with h5py.File(tmp, "w") as f:
         f.attrs["classes"] = json.dumps(list(classes))
         f.attrs["meta"] = json.dumps(dict(meta))
-        f.attrs["order"] = json.dumps(list(attribution))
-        for i, (c, a) in enumerate(attribution.items()):
+        f.attrs["order"] = json.dumps(list(record["kept"]))
+        for i, (c, lay) in enumerate(layout.items()):
+            flat = np.asarray(attribution[c], dtype=np.float16).reshape(attribution[c].shape[0], -1)
             g = f.create_group(f"c{i}")
-            cols = np.asarray(kept[c], dtype=np.int32)
             g.attrs["checkpoint"] = c
-            g.attrs["shape"] = list(a.shape)
-            g.create_dataset("pairs", data=cols, compression="gzip", shuffle=True)
-            flat = np.asarray(a, dtype=np.float16).reshape(a.shape[0], -1)[:, cols]
-            g.create_dataset("attribution", data=flat, compression="gzip", compression_opts=9, shuffle=True)
+            g.attrs["pair_shape"] = list(attribution[c].shape[1:])
+            _block(g, "", flat[: lay["rows"]], lay["pairs"])
+            if "dense_rows" in lay:
+                _block(g, "dense_", flat[lay["rows"] : lay["dense_rows"]], lay["dense_pairs"])
     tmp.replace(path)
     return path
 
 
-def read_attributions(path: str | Path) -> tuple[dict[str, np.ndarray], list[str], dict]:
-    """The store `write_attributions` wrote: checkpoint -> attribution (float64, the pairs left out at 0),
-    the classes, and the meta."""
+def _block(g: Any, prefix: str, rows: np.ndarray, pairs: Sequence[int]) -> None:
+    cols = np.asarray(pairs, dtype=np.int32)
+    g.create_dataset(f"{prefix}pairs", data=cols, compression="gzip", shuffle=True)
+    g.create_dataset(f"{prefix}attribution", data=rows[:, cols], compression="gzip", compression_opts=9, shuffle=True)
+
+
+@dataclass
+class StoredAttributions:
+    """The store `write_attributions` wrote, float64, every value left out at 0: ``attribution``, each checkpoint
+    on the prompts every checkpoint shares (what the comparison of all checkpoints reads); ``dense``, the steps
+    read on their own prompts (what their comparison reads); the classes and the meta."""
+
+    attribution: dict[str, np.ndarray]
+    dense: dict[str, np.ndarray]
+    classes: list[str]
+    meta: dict
+
+
+def read_attributions(path: str | Path) -> StoredAttributions:
+    """The store `write_attributions` wrote (`StoredAttributions`)."""
     import h5py
 
-    out = {}
+    main, dense = {}, {}
     with h5py.File(path, "r") as f:
         classes, meta = json.loads(f.attrs["classes"]), json.loads(f.attrs["meta"])
         for i, _ in enumerate(json.loads(f.attrs["order"])):
             g = f[f"c{i}"]
-            shape = [int(x) for x in g.attrs["shape"]]
-            full = np.zeros((shape[0], int(np.prod(shape[1:]))), dtype=np.float64)
-            full[:, g["pairs"][()]] = g["attribution"][()].astype(np.float64)
-            out[str(g.attrs["checkpoint"])] = full.reshape(shape)
-    return out, classes, meta
+            c, shape = str(g.attrs["checkpoint"]), [int(x) for x in g.attrs["pair_shape"]]
+            pairs, head = g["pairs"][()], g["attribution"][()].astype(np.float64)
+            main[c] = _spread(head, pairs, shape)
+            if "dense_pairs" in g:
+                inner = g["dense_pairs"][()]
+                rest = g["dense_attribution"][()].astype(np.float64)
+                dense[c] = _spread(np.vstack([head[:, np.searchsorted(pairs, inner)], rest]), inner, shape)
+    return StoredAttributions(main, dense, classes, meta)
+
+
+def _spread(values: np.ndarray, pairs: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    """``values`` (``prompt stored-pair``) back at their flat ``pairs``, 0 elsewhere: ``"prompt class layer head"``."""
+    full = np.zeros((values.shape[0], int(np.prod(shape))), dtype=np.float64)
+    full[:, pairs] = values
+    return full.reshape(values.shape[0], *shape)

@@ -218,9 +218,10 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     # alone is the stage's record, the steps read on their own prompts included
     from mechdiff.methods.structure import ATTRIBUTIONS, committed_structure, read_attributions
 
-    back, _, meta = read_attributions(out / ATTRIBUTIONS)
-    assert set(back) == {*names, f"{other}@4"} and meta["steps"][names[-1]] == 4
-    assert [back[n].shape[0] for n in names] == [12, 12, 16]
+    store = read_attributions(out / ATTRIBUTIONS)
+    assert set(store.attribution) == {*names, f"{other}@4"} and store.meta["steps"][names[-1]] == 4
+    assert [store.attribution[n].shape[0] for n in names] == [12, 12, 12]
+    assert set(store.dense) == {names[-1], f"{other}@4"} and store.dense[names[-1]].shape[0] == 16
     assert committed_structure(out) == st
     # outcomes.json: every stage's per-prompt outcomes, the other run's accuracy among them
     kept = json.loads((out / "outcomes.json").read_text())["stages"]

@@ -264,16 +264,14 @@ class TrajectoryStudy(TrajectoryContext):
 
     def write_attributions(self, results: dict[str, Any]) -> Path:
         """``attributions.h5``: the per-prompt attributions behind the structure tables, float16, gzip, each
-        checkpoint at the pairs some top-n of the structure stage selected
-        (`write_attributions`), so the tables recompute from committed files."""
-        from ...methods.structure import ATTRIBUTIONS, write_attributions
+        checkpoint at the pairs some top-n of the structure stage selected, the rows only the steps read on their
+        own prompts have at the pairs that comparison selected (`write_attributions`), so the tables recompute from
+        committed files."""
+        from ...methods.structure import ATTRIBUTIONS, ATTRIBUTIONS_BOUND, write_attributions
 
         st = results["structure"].result
         rankings = results.get("runs", {}).get("ranking", {})
         attribution = StructureStage(self).attributions(results["circuits"], rankings)
-        kept = {
-            c: sorted(set(st["kept"][c]) | set(st.get("dense", {}).get("kept", {}).get(c, []))) for c in attribution
-        }
         meta = {
             "structure": asdict(self.st.structure),
             "n_pairs": st["n_pairs"],
@@ -283,7 +281,18 @@ class TrajectoryStudy(TrajectoryContext):
             "runs": self.runs,
         }
         classes = results["circuits"][self.final].result["classes"]
-        return write_attributions(self.dir / ATTRIBUTIONS, attribution, kept, classes, meta)
+        path = write_attributions(self.dir / ATTRIBUTIONS, attribution, st, classes, meta)
+        size = path.stat().st_size
+        log.info("%s: %.1f MB", path, size / 1e6)
+        if size > ATTRIBUTIONS_BOUND:
+            log.warning(
+                "%s takes %.1f MB, more than the %.0f MB both trajectories' attributions may take together: lower "
+                "[discovery] runs_n or [structure] resamples",
+                path,
+                size / 1e6,
+                ATTRIBUTIONS_BOUND / 1e6,
+            )
+        return path
 
     def settings_record(self) -> dict:
         return {

@@ -5,8 +5,15 @@ attributions behind the structure tables (float16, gzip) gives those tables back
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from mechdiff.methods.structure import read_attributions, structure, to_half, write_attributions
+from mechdiff.methods.structure import (
+    read_attributions,
+    structure,
+    structure_record,
+    to_half,
+    write_attributions,
+)
 
 CLASSES = ["a", "b"]
 SHAPE = (2, 10, 15)  # class layer head: 300 pairs
@@ -108,9 +115,10 @@ def test_the_store_round_trips_within_float16_and_gives_the_tables_back(tmp_path
         **settings,
     )
     every = {**attribution, **other["c3"]}
-    path = write_attributions(tmp_path / "attributions.h5", every, stage["kept"], classes, {"seed": 2})
-    back, names, meta = read_attributions(path)
-    assert names == classes and meta == {"seed": 2} and list(back) == list(every)
+    path = write_attributions(tmp_path / "attributions.h5", every, stage, classes, {"seed": 2})
+    store = read_attributions(path)
+    back = store.attribution
+    assert store.classes == classes and store.meta == {"seed": 2} and list(back) == list(every) and not store.dense
     for c, a in every.items():
         flat, got = a.reshape(PROMPTS, -1), back[c].reshape(PROMPTS, -1)
         kept = np.asarray(stage["kept"][c])
@@ -135,3 +143,50 @@ def test_the_store_round_trips_within_float16_and_gives_the_tables_back(tmp_path
     # the moved pairs are seen: every earlier checkpoint differs from the final one; the first two (one population)
     # are not shown to differ
     assert all(r["changed"] for r in stage["against_final"]) and not stage["consecutive"][0]["changed"]
+
+
+def test_the_store_keeps_the_further_prompts_of_the_steps_read_only_where_their_comparison_looks(tmp_path):
+    """Steps 1 and 3 are read by the between-run null, ranked (theirs and the other run's) on 128 prompts, the rest
+    on 32: the store keeps the first 32 rows of each at the pairs some top-n of the comparison of every checkpoint
+    selected, and rows 32-127 only at the (fewer) pairs the comparison of the steps read selected. Read back, each
+    comparison's view is float16 at its own pairs and 0 elsewhere, and the stage record recomputes exactly."""
+    shape, top, wide = (13, 30, 9), 351, 128
+    mu, sig = population(5, int(np.prod(shape)))
+    rng = np.random.default_rng(6)
+
+    def checkpoint(rows: int) -> np.ndarray:
+        return to_half(draw(rows, rng, mu, sig, 0.5).reshape(rows, *shape))
+
+    names = ["c0", "c1", "c2", "c3"]
+    runs = {"c1": ["r@1"], "c3": ["r@3"]}
+    attribution = {c: checkpoint(wide if c in runs else PROMPTS) for c in names}
+    attribution |= {o: checkpoint(wide) for os in runs.values() for o in os}
+    settings = dict(draws=40, stable=0.95, resamples=150, resample_splits=2, margin=0.05)
+    classes = [f"class{i}" for i in range(shape[0])]
+    stage = structure_record(attribution, names, runs, classes, top, PROMPTS, settings, 2)
+    assert stage["prompts"] == PROMPTS and stage["dense"]["prompts"] == wide
+    path = write_attributions(tmp_path / "attributions.h5", attribution, stage, classes, {})
+    store = read_attributions(path)
+    assert list(store.attribution) == list(attribution) and set(store.dense) == {"c1", "c3", "r@1", "r@3"}
+    for c, a in attribution.items():
+        flat = a.reshape(a.shape[0], -1)
+        pairs = sorted(set(stage["kept"][c]) | set(stage["dense"]["kept"].get(c, [])))
+        got = store.attribution[c].reshape(PROMPTS, -1)
+        assert np.array_equal(got[:, pairs], flat[:PROMPTS, pairs]) and not np.delete(got, pairs, axis=1).any()
+        if c in store.dense:
+            inner = stage["dense"]["kept"][c]
+            got = store.dense[c].reshape(wide, -1)
+            assert np.array_equal(got[:, inner], flat[:, inner]) and not np.delete(got, inner, axis=1).any()
+            # the further rows cost a fraction of the pairs the first ones keep (more prompts, a narrower edge)
+            assert len(inner) < 0.75 * len(stage["kept"][c])
+    again = structure_record(store.attribution, names, runs, classes, top, PROMPTS, settings, 2, store.dense)
+    assert again == stage
+
+
+def test_the_store_refuses_attributions_shorter_than_the_record_reads(tmp_path):
+    """A record that compared 64 prompts of ``a`` and 32 of ``b`` against attributions of 32 prompts of ``a`` and
+    none of ``b``: refused before anything is written, naming both, since the store would not give the tables back."""
+    record = {"prompts": 32, "kept": {"a": [1, 2], "b": [0]}, "dense": {"prompts": 64, "kept": {"a": [1]}}}
+    with pytest.raises(ValueError, match=r"'a': \(32, 64\), 'b': \(0, 32\)"):
+        write_attributions(tmp_path / "s.h5", {"a": np.zeros((32, 2, 3, 4))}, record, ["x", "y"], {})
+    assert not list(tmp_path.iterdir())
