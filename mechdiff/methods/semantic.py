@@ -76,26 +76,47 @@ def semantic_patching(
     that many random head sets of the selection's layers at ``position`` (`random_heads`, drawn once by
     ``seed`` and patched into every model), each draw's per-pair outcomes kept; ``mode``: each
     `PairCache`'s."""
-    if not heads:
+    return semantic_selections(models, [(heads, position)], pairs, batch_size, progress, n_random, seed, mode)[0]
+
+
+def semantic_selections(
+    models: Iterable[LoadedModel],
+    selections: Sequence[tuple[Sequence[Head], str]],
+    pairs: Sequence[PairRecord],
+    batch_size: int = 32,
+    progress: bool = True,
+    n_random: int = 0,
+    seed: int = 0,
+    mode: str = "file",
+) -> list[list[SemanticResult]]:
+    """`semantic_patching` of each ``(heads, position)`` of ``selections`` (the selections of one desideratum, on its
+    ``pairs``): per selection, one `SemanticResult` per model. One `PairCache` per model serves every selection (two
+    forward passes a pair, then the patched runs of each): each selection's patched runs resume at its own lowest
+    layer from the same base run as a cache of its own, so its outcomes are the same, for a third of the forwards
+    where a desideratum's three groups select heads."""
+    selections = [(list(heads), position) for heads, position in selections]
+    if not selections or not all(heads for heads, _ in selections):
         raise ValueError("semantic patching needs at least one head (the DCM selection was empty)")
     models = list(models)
-    drawn = random_heads(models[0], heads, heads, DCMConfig(random_pool="layer"), n_random, seed) if models else []
-    out = []
+    config = DCMConfig(random_pool="layer")
+    drawn = [random_heads(models[0], h, h, config, n_random, seed) if models else [] for h, _ in selections]
+    out: list[list[SemanticResult]] = [[] for _ in selections]
     for model in models:
-        cache = PairCache.build(model, pairs, [(list(heads), position)], batch_size, progress, mode)
-        acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress)
-        draws = [cache.accuracy(model, range(len(pairs)), hs, position, batch_size) for hs in drawn]
-        out.append(
-            SemanticResult(
-                model.name,
-                inf.proportion(acc),
-                inf.proportion(cache.floor),
-                np.asarray(acc).astype(int).tolist(),
-                np.asarray(cache.floor).astype(int).tolist(),
-                drawn,
-                [np.asarray(d).astype(int).tolist() for d in draws],
-                pooled_proportion(draws) if draws else None,
+        cache = PairCache.build(model, pairs, selections, batch_size, progress, mode)
+        for (heads, position), draws_heads, results in zip(selections, drawn, out):
+            acc = cache.accuracy(model, range(len(pairs)), heads, position, batch_size, progress)
+            draws = [cache.accuracy(model, range(len(pairs)), hs, position, batch_size) for hs in draws_heads]
+            results.append(
+                SemanticResult(
+                    model.name,
+                    inf.proportion(acc),
+                    inf.proportion(cache.floor),
+                    np.asarray(acc).astype(int).tolist(),
+                    np.asarray(cache.floor).astype(int).tolist(),
+                    draws_heads,
+                    [np.asarray(d).astype(int).tolist() for d in draws],
+                    pooled_proportion(draws) if draws else None,
+                )
             )
-        )
         cache.close()
     return out

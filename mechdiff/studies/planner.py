@@ -62,10 +62,22 @@ class Lengths:
     tokenizer: str
     #: Distinct token indices of each named position among the prompts (receiver runs of path patching: one each).
     distinct: dict[str, int] = field(default_factory=dict)
+    #: Each sampled prompt's tokens from each named position to the end (inclusive), as ``suffix`` averages them.
+    spread: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def after(self, position: Optional[str]) -> float:
         """Tokens computed by a suffix run from ``position`` (the whole prompt where it is not a named position)."""
         return self.suffix.get(position or "", self.tokens)
+
+    def batch_after(self, position: Optional[str], rows: int) -> float:
+        """Tokens a suffix run of ``rows`` prompts computes for each prompt: a batch runs from its earliest
+        position on (``patching.core``'s start), so the expected most of ``rows`` prompts' tokens after ``position``
+        drawn from the sample (`after` where the sample is not kept, or the position does not move)."""
+        values = sorted(self.spread.get(position or "", ()))
+        if not values:
+            return self.after(position)
+        m = len(values)
+        return sum(v * (((i + 1) / m) ** rows - (i / m) ** rows) for i, v in enumerate(values))
 
 
 def planning_tokenizer(model: str) -> tuple[Any, str]:
@@ -96,15 +108,16 @@ def task_lengths(spec: Any) -> Lengths:
     records = task.records(tokenizer, n, prompt_seed(spec.task.seed, "eval"), **options)
     extra = [_appended(r, task.metric) for r in records]  # answers of several tokens: teacher-forced runs
     sizes = [len(r.input_ids) * len(e) + sum(e) for r, e in zip(records, extra)]
-    suffix = {
-        name: mean((len(r.input_ids) - r.positions[name]) * len(e) + sum(e) for r, e in zip(records, extra))
+    spread = {
+        name: tuple(float((len(r.input_ids) - r.positions[name]) * len(e) + sum(e)) for r, e in zip(records, extra))
         for name, pos in records[0].positions.items()
         if isinstance(pos, int)
     }
+    suffix = {name: mean(values) for name, values in spread.items()}
     masks = getattr(type(records[0]), "position_masks", None)
     classes = len(masks(records[:1], len(records[0].input_ids))) if masks else len(records[0].positions)
     distinct = {name: len({r.positions[name] for r in records}) for name in suffix}
-    return Lengths(mean(sizes), max(sizes), suffix, classes, used, distinct)
+    return Lengths(mean(sizes), max(sizes), suffix, classes, used, distinct, spread)
 
 
 def _appended(record: Any, metric: str) -> list[int]:

@@ -262,6 +262,40 @@ def test_semantic_patching_per_model(planted):
     assert res[1].accuracy.value == pytest.approx(expected)
 
 
+def test_a_desideratums_selections_share_one_pair_cache_per_model(planted, monkeypatch):
+    """The DCM stage's semantic patching builds one pair cache per desideratum and model (two forwards a test pair),
+    not one per selection; each selection's records are what `semantic_patching` gives it alone, bit for bit."""
+    from types import SimpleNamespace
+
+    from mechdiff.studies.circuits.stages.dcm import semantic_records
+
+    model, planted = planted
+    other = dataclasses.replace(model, name="other", model=copy.deepcopy(model.model))
+    other.arch.module(other.model, "z", PLANTED.layer).weight.mul_(0.5)
+
+    class Models(dict):
+        names = property(lambda self: list(self))
+
+    models = Models({model.name: model, "other": other})
+    desiderata = {"planted": planted[:24], "again": planted[8:32]}
+    chosen = [("A", "planted", [PLANTED, Head(1, 2)]), ("B", "planted", [Head(0, 1)]), ("C", "planted", [])]
+    chosen.append(("A", "again", [Head(2, 0), Head(1, 3)]))
+    results = [SimpleNamespace(group=g, desideratum=d, position="last", selected=hs) for g, d, hs in chosen]
+    config = DCMConfig(split=(0.5, 0.25, 0.25), n_random=2, eval_batch=8, seed=0)
+    builds = []
+    build = PairCache.build.__func__
+    monkeypatch.setattr(PairCache, "build", classmethod(lambda cls, *a, **k: builds.append(1) or build(cls, *a, **k)))
+    got = semantic_records(models, results, desiderata, config, "file")
+    assert len(builds) == 2 * 2  # two desiderata in two models (one a selection: 3 * 2)
+    want = []
+    for r in results[:2] + results[3:]:
+        test = split_pairs(desiderata[r.desideratum], config.split, config.seed)[2]
+        sems = semantic_patching([model, other], r.selected, "last", test, 8, False, n_random=2, seed=1)
+        heads = [h.name for h in r.selected]
+        want += [{"group": r.group, "desideratum": r.desideratum, "heads": heads, **s.to_dict()} for s in sems]
+    assert got == want and [g["model"] for g in got] == [model.name, "other"] * 3
+
+
 def test_cli_dcm_with_user_desideratum(tmp_path, smollm2_tokenizer, pairs):
     model, planted = planted_case(smollm2_tokenizer, pairs[:32])
     model.model.save_pretrained(tmp_path / "m")

@@ -228,3 +228,67 @@ def test_step_ds_receiver_runs_hold_what_the_plan_counts(small_llama):
     senders = eligible_senders(lm, receivers)[:per_pass]
     measured = torch_peak(lambda: path_patch(lm, batch, senders, step.sender, receivers, per_pass, progress=False))
     assert measured == pytest.approx(transient, rel=0.25)
+
+
+def test_dcms_suffix_runs_compute_each_batch_from_its_earliest_position(tiny_llama, smollm2_tokenizer, monkeypatch):
+    """A DCM group at a position that moves between prompts (group D at the queried box's label) runs each patched
+    batch from the batch's earliest position: the tokens its runs compute per pair are the plan's `batch_after`,
+    not the mean tokens after the position (`after`, the count before: 0.6 of these)."""
+    import mechdiff.methods.dcm as dcm
+    from mechdiff.tasks.desiderata import desideratum_pairs
+
+    position, batch = "query_label_context", 16
+    pairs = desideratum_pairs("positional", smollm2_tokenizer, 64, 7, 0)
+    tokens = len(pairs[0].base.input_ids)
+    spread = tuple(float(tokens - p.base.positions[position]) for p in pairs)
+    lengths = Lengths(tokens, tokens, {position: sum(spread) / len(spread)}, 1, "t", {}, {position: spread})
+    heads = [Head(2, 0), Head(2, 3)]
+    cache = dcm.PairCache.build(tiny_llama, pairs, [(heads, position)], batch)
+    computed, original = [], dcm.run  # per patched run: its rows and the positions it computes (from its start on)
+
+    def run(model, ids, *args, **kwargs):
+        out = original(model, ids, *args, **kwargs)
+        computed.append((ids.shape[0], ids.shape[1] - out.start))
+        return out
+
+    monkeypatch.setattr(dcm, "run", run)
+    cache.accuracy(tiny_llama, range(len(pairs)), heads, position, batch)
+    cache.close()
+    assert len(computed) == len(pairs) // batch
+    per_pair = sum(rows * n for rows, n in computed) / sum(rows for rows, _ in computed)
+    assert per_pair == pytest.approx(lengths.batch_after(position, batch), rel=0.1)
+    assert lengths.after(position) < 0.75 * per_pair
+
+
+def test_batch_after_is_the_expected_most_of_a_batchs_tokens_after_a_position():
+    """`Lengths.batch_after` against every batch of two and three prompts drawn from the sample, enumerated."""
+    from itertools import product
+
+    spread = (6.0, 13.0, 13.0, 41.0, 48.0)
+    lengths = Lengths(53, 53, {"p": sum(spread) / 5}, 1, "t", {}, {"p": spread})
+    for rows in (1, 2, 3):
+        draws = list(product(spread, repeat=rows))
+        assert lengths.batch_after("p", rows) == pytest.approx(sum(max(d) for d in draws) / len(draws))
+    assert lengths.batch_after("last", 8) == lengths.after("last") == 53  # not a kept position: the whole prompt
+
+
+def test_path_patchings_planned_flops_with_the_screen_are_those_discover_performs(small_llama):
+    """With the attribution screen each step path-patches the `screen_multiple x k` senders the screen keeps, after
+    the screen's passes with gradients over every pair: the plan's FLOPs of the steps `discover` ran (told the circuit
+    it found) within 1.25 of torch's count (the count before: every eligible sender and no screen, 0.42 here: the
+    screen's passes outweigh the senders it skips)."""
+    import torch.utils.flop_counter
+
+    from mechdiff.circuits.discovery import DiscoverySettings, discover
+    from mechdiff.studies.circuits.stages.circuit import path_cost as _path_cost
+
+    lm, pairs, lengths = small_llama
+    settings = DiscoverySettings(k=PATH_K, screen=True, n_prompts=16, n_boxes=7)
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+        circuit, results = discover(lm, pairs, settings, progress=False)
+    known = {"circuit": {"small": circuit.to_dict()}}
+    ctx = _ctx(_path_spec(True), lm, lengths, known)
+    ran = [s for s in _plan_steps(ctx) if s.name in results]
+    assert [s.name for s in ran] == ["A", "B", "C"]  # D's receivers (C's heads) lie in layer 0 of this model
+    planned = _path_cost(ctx, len(pairs), ran, name="small")[0]
+    assert planned == pytest.approx(counter.get_total_flops(), rel=0.25)

@@ -247,13 +247,16 @@ def path_circuit_cost(ctx: Context, name: str) -> StageCost:
 
 def path_reads(ctx: Context, n: int, steps: list[Any], held: int, per_pass: int, name: Optional[str] = None) -> Reads:
     """What path patching's passes over ``steps`` read, ``held`` of ``n`` pairs at a time and ``per_pass`` senders a
-    pass: the clean and counterfactual runs (`prepared_runs`), then per step, part and pass of senders (`step_senders`
-    of ``name``'s circuit) a frozen run and the receiver runs (`step_runs`) over half the layers."""
+    pass: the clean and counterfactual runs (`prepared_runs`), then per step, part and pass of the senders it
+    path-patches (`scored_senders` of ``name``'s circuit) a frozen run and the receiver runs (`step_runs`) over half
+    the layers, and the attribution screen's runs (`screen_runs`) once a part."""
     parts = math.ceil(n / held)
     reads = ctx.reads(parts * prepared_runs(ctx, n, held, len(steps)))
     for step in steps:
-        chunks = math.ceil(step_senders(ctx, step, name) / per_pass)
+        chunks = math.ceil(scored_senders(ctx, step, name) / per_pass)
         reads += ctx.reads(parts * chunks * step_runs(ctx, step), ctx.dims.n_layers / 2)
+        for layers in screen_runs(ctx, step, name):
+            reads += ctx.reads(parts, layers)
     return reads
 
 
@@ -289,6 +292,43 @@ def step_senders(ctx: Context, step: Any, name: Optional[str] = None) -> float:
     return dims.n_layers / 2 * dims.n_heads
 
 
+def scored_senders(ctx: Context, step: Any, name: Optional[str] = None) -> float:
+    """Senders a step path-patches: every one it scores (`step_senders`), or with ``[discovery] screen`` the
+    ``screen_multiple x k`` the attribution screen keeps of them (``circuits.discovery.run_step``; ``k``: the step's
+    ``top_k`` for ``name``, else the plan's)."""
+    senders = step_senders(ctx, step, name)
+    d = ctx.spec.discovery
+    if not d.screen:
+        return senders
+    k = d.models.get(name or "", {}).get("top_k", d.top_k).get(step.name, step.k)
+    return min(senders, math.ceil(d.screen_multiple * k))
+
+
+def screen_runs(ctx: Context, step: Any, name: Optional[str] = None) -> list[float]:
+    """The blocks each pass of a step's attribution screen runs over every pair (none without ``[discovery]
+    screen``; `mechdiff.patching.attribution`), a backward counted as a forward of its blocks (the weights are
+    frozen: gradients reach the activations only): step A a forward with gradients through every layer and its
+    backward; a step with receivers a clean run capturing the receivers' sites, a forward with gradients to them
+    and its backward down to the lowest receiver, and the frozen run stopped at the deepest receiver and its
+    backward. The receivers' layers are those of the receiving group in ``name``'s found circuit, else assumed at
+    the middle layer."""
+    if not ctx.spec.discovery.screen:
+        return []
+    n = ctx.dims.n_layers
+    if not step.receiver:
+        return [n, n]
+    found = ctx.known.get("circuit", {}).get(name or "")
+    heads = found["groups"].get(step.receiver, []) if found else []
+    if heads:
+        from ....common.components import parse_heads
+
+        layers = [h.layer for h in parse_heads(heads)]
+        low, high = min(layers), max(layers)
+    else:
+        low = high = n / 2
+    return [n, n, n - low, high, high]
+
+
 def step_runs(ctx: Context, step: Any) -> int:
     """Runs a path-patching step makes per pass of senders: the frozen run, and for a step with receivers one
     receiver run per distinct receiver position among a part's prompts (each a suffix run from its own position:
@@ -316,9 +356,10 @@ def path_cost(
     if ctx.spec.discovery.screen:
         transient = max(transient, screen_bytes(ctx, held))
     for step in plan:
-        senders = step_senders(ctx, step, name)
+        senders = scored_senders(ctx, step, name)
         after = t.after(step.receiver_position) if step.receiver else 0.0
         flops += senders * n * (ctx.fwd(1, 1, 1, half) + (ctx.fwd(1, after, t.tokens, half) if after else 0.0))
+        flops += sum(ctx.fwd(n, t.tokens, None, layers) for layers in screen_runs(ctx, step, name))
         transient = max(transient, ctx.act(s * held, max(after, 1), t.longest))
     return flops, kept, transient, s
 

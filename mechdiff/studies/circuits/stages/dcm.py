@@ -111,28 +111,33 @@ def semantic_records(
     """Semantic patching: each non-empty selection of ``results`` patched source -> base within every model of
     ``models`` (a `ModelSet`: its ``names``, each loaded as it is reached) on its desideratum's test pairs (split
     as DCM split them, by ``items`` where given), with ``config.n_random`` random head sets of its layers; one
-    record per selection and model. What the stage and ``mechdiff dcm`` both compute
+    record per selection and model, in the order of ``results``. A desideratum's selections share one pair cache
+    per model (`semantic_selections`). What the stage and ``mechdiff dcm`` both compute
     (`mechdiff.studies.circuits.dcm.dcm_run`)."""
     from ....methods.dcm import split_pairs
-    from ....methods.semantic import semantic_patching
+    from ....methods.semantic import semantic_selections
 
-    out = []
-    for r in results:
-        if not r.selected:
-            continue
-        test = split_pairs(list(desiderata[r.desideratum]), config.split, config.seed, items)[2]
-        heads = [h.name for h in r.selected]
-        for sem in semantic_patching(
+    chosen = [r for r in results if r.selected]
+    found: dict[int, list] = {}
+    for d in dict.fromkeys(r.desideratum for r in chosen):
+        mine = [r for r in chosen if r.desideratum == d]
+        test = split_pairs(list(desiderata[d]), config.split, config.seed, items)[2]
+        sems = semantic_selections(
             (models[n] for n in models.names),
-            r.selected,
-            r.position,
+            [(r.selected, r.position) for r in mine],
             test,
             config.eval_batch,
             n_random=config.n_random,
             seed=config.seed + 1,
             mode=mode,
-        ):
-            out.append({"group": r.group, "desideratum": r.desideratum, "heads": heads, **sem.to_dict()})
+        )
+        found.update({id(r): sem for r, sem in zip(mine, sems)})
+    out = []
+    for r in chosen:
+        heads = [h.name for h in r.selected]
+        out.extend(
+            {"group": r.group, "desideratum": r.desideratum, "heads": heads, **s.to_dict()} for s in found[id(r)]
+        )
     return out
 
 
@@ -283,10 +288,14 @@ def mode_cost(ctx: Context, name: str, semantic: int, mode: str) -> StageCost:
     per_run = t.longest * (dims.n_layers * dims.kv_width() + dims.d_model) * b + source
     scratch = k * n * per_pair if file else 0.0  # written once, as the cache is built
     for layer, pos in starts.values():
-        runs = 2 * c.epochs * c.n_train + checks * c.n_val + (2 + c.n_random * chose) * c.n_test
-        rows_read = c.epochs * c.n_train + checks * c.n_val + (2 + c.n_random * chose) * c.n_test
-        tokens, layers = (t.tokens, dims.n_layers) if full else (t.after(pos), dims.n_layers - layer)
-        flops += k * ctx.fwd(runs, tokens, t.tokens, layers)
+        # a suffix run computes every prompt of its batch from the batch's earliest position (`Lengths.batch_after`)
+        tokens, layers = (t.tokens, dims.n_layers) if full else (t.batch_after(pos, built), dims.n_layers - layer)
+        steps = t.tokens if full else t.batch_after(pos, trained)
+        evaluated = checks * c.n_val + (2 + c.n_random * chose) * c.n_test
+        rows_read = c.epochs * c.n_train + evaluated
+        flops += k * (
+            ctx.fwd(2 * c.epochs * c.n_train, steps, t.tokens, layers) + ctx.fwd(evaluated, tokens, t.tokens, layers)
+        )
         passes = 2 * c.epochs * math.ceil(c.n_train / trained) + checks * math.ceil(c.n_val / built)
         passes += (2 + c.n_random * chose) * math.ceil(c.n_test / built)
         reads += k * ctx.reads(passes, layers)
@@ -294,15 +303,19 @@ def mode_cost(ctx: Context, name: str, semantic: int, mode: str) -> StageCost:
             flops += k * ctx.fwd(rows_read, t.tokens)
             reads += k * ctx.reads(passes - c.epochs * math.ceil(c.n_train / trained))
         scratch += k * rows_read * per_run if file else 0.0
-        # semantic patching: per model a cache of the test pairs and one patched evaluation
-        flops += k * chose * semantic * (ctx.fwd(2 * c.n_test, t.tokens) + ctx.fwd(c.n_test, tokens, t.tokens, layers))
-        reads += k * chose * semantic * (ctx.reads(2 * math.ceil(c.n_test / built)))
-        reads += k * chose * semantic * ctx.reads(math.ceil(c.n_test / built), layers)
-        scratch += k * chose * semantic * c.n_test * (per_pair + per_run) if file else 0.0
-        # semantic patching's random heads: n_random patched runs of the test pairs in every model
-        flops += k * chose * semantic * ctx.fwd(c.n_random * c.n_test, tokens, t.tokens, layers)
-        reads += k * chose * semantic * ctx.reads(c.n_random * math.ceil(c.n_test / built), layers)
-    longest_after = max((t.after(p) for _, p in starts.values()), default=t.tokens) if file else t.tokens
+        # semantic patching in every model: the selection's patched evaluation and n_random random head sets of its
+        # layers, each a patched run of the test pairs, read from the desideratum's cache (below)
+        tested = (1 + c.n_random) * c.n_test
+        flops += k * chose * semantic * ctx.fwd(tested, tokens, t.tokens, layers)
+        reads += k * chose * semantic * ctx.reads((1 + c.n_random) * math.ceil(c.n_test / built), layers)
+        scratch += k * chose * semantic * tested * per_run if file else 0.0
+    # semantic patching's caches: one a model for each desideratum with a selection (`semantic_selections`), two
+    # forwards a test pair; a desideratum selects in at least one of its groups unless every group chose none
+    cached = k * semantic * (1 - (1 - chose) ** len(starts))
+    flops += cached * ctx.fwd(2 * c.n_test, t.tokens)
+    reads += cached * ctx.reads(2 * math.ceil(c.n_test / built))
+    scratch += cached * c.n_test * per_pair if file else 0.0
+    longest_after = max((t.batch_after(p, trained) for _, p in starts.values()), default=t.tokens) if file else t.tokens
     depth = dims.n_layers / 2 if file else dims.n_layers
     # a training step: its backward's activations and (file) the rows it read back (its keys and values prefix)
     step = backward_bytes(dims, trained, math.ceil(longest_after), depth, ctx.dtype, t.longest)
