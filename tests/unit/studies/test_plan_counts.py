@@ -234,7 +234,7 @@ def test_dcms_suffix_runs_compute_each_batch_from_its_earliest_position(tiny_lla
     """A DCM group at a position that moves between prompts (group D at the queried box's label) runs each patched
     batch from the batch's earliest position: the tokens its runs compute per pair are the plan's `batch_after`,
     not the mean tokens after the position (`after`, the count before: 0.6 of these)."""
-    import mechdiff.methods.dcm as dcm
+    import mechdiff.methods.dcm_cache as dcm
     from mechdiff.tasks.desiderata import desideratum_pairs
 
     position, batch = "query_label_context", 16
