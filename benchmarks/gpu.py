@@ -376,12 +376,12 @@ def _lengths(records: list) -> Any:
     from mechdiff.studies.planner import Lengths
 
     sizes = [len(r.input_ids) for r in records]
-    suffix = {
-        k: mean(len(r.input_ids) - r.positions[k] for r in records)
-        for k, v in records[0].positions.items()
-        if isinstance(v, int)
-    }
-    return Lengths(mean(sizes), max(sizes), suffix, len(records[0].positions), "smollm2-135m")
+    named = [k for k, v in records[0].positions.items() if isinstance(v, int)]
+    # as planner.task_lengths: each position's suffix lengths (group D's batch-earliest count) and distinct positions
+    spread = {k: tuple(float(len(r.input_ids) - r.positions[k]) for r in records) for k in named}
+    suffix = {k: mean(v) for k, v in spread.items()}
+    distinct = {k: len({r.positions[k] for r in records}) for k in named}
+    return Lengths(mean(sizes), max(sizes), suffix, len(records[0].positions), "smollm2-135m", distinct, spread)
 
 
 def table(rows: list[dict]) -> str:

@@ -95,6 +95,7 @@ TESTS = {
     ],
     "mechdiff.methods.dcm.": [U + "methods/test_dcm.py", U + "common/test_metrics.py"],
     "mechdiff.methods.dcm_cache.": [U + "methods/test_dcm.py", U + "methods/test_dcm_modes.py"],
+    "mechdiff.methods.semantic.": [U + "methods/test_dcm.py", U + "report/test_rows.py"],
     "mechdiff.circuits.scoring.": [
         U + "circuits/test_scoring.py",
         U + "patching/test_ablation.py",

@@ -389,6 +389,18 @@ ATTRIBUTIONS = "attributions.h5"
 ATTRIBUTIONS_BOUND = 20_000_000
 
 
+def attributions_over_bound(results: str | Path, bound: int = ATTRIBUTIONS_BOUND) -> Optional[str]:
+    """Where the `ATTRIBUTIONS` stores of every study under ``results`` (each trajectory's directory) take more
+    than ``bound`` bytes together, what they take, each named; else None."""
+    stores = sorted(Path(results).glob(f"*/{ATTRIBUTIONS}"))
+    sizes = {p.parent.name: p.stat().st_size for p in stores}
+    if sum(sizes.values()) <= bound:
+        return None
+    each = ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in sizes.items())
+    total = sum(sizes.values()) / 1e6
+    return f"the attributions under {results} take {total:.1f} MB ({each}), more than {bound / 1e6:.0f} MB"
+
+
 def to_half(a: np.ndarray) -> np.ndarray:
     """An attribution as the store keeps it (float16), back in float64: what the structure stage computes on, so
     the tables recompute exactly from the store."""

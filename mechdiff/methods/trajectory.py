@@ -132,19 +132,16 @@ def semantic(
     """Semantic patching in ``lm`` of each non-empty DCM selection of ``labels`` (`DCMResult.to_dict`
     records: group, desideratum, position, selected) on its desideratum's test pairs: the target accuracy with the
     selected heads patched from source to base (exact binomial), the unpatched floor and each pair's outcome, as
-    `semantic_patching` gives them; one `PairCache` per
-    desideratum serves all its selections (two forward passes a pair, then one suffix run a pair per selection)."""
-    from ..common.inference import proportion
-    from .dcm_cache import PairCache
+    `semantic_selections` gives them (one `PairCache` per desideratum serves all its selections)."""
+    from .semantic import semantic_selections
 
     chosen = [lab for lab in labels if lab["selected"]]
     out = []
     for desideratum in dict.fromkeys(lab["desideratum"] for lab in chosen):
-        mine = [(lab, parse_heads(lab["selected"])) for lab in chosen if lab["desideratum"] == desideratum]
-        pairs = tests[desideratum]
-        cache = PairCache.build(lm, pairs, [(heads, lab["position"]) for lab, heads in mine], batch_size, progress)
-        for lab, heads in mine:
-            acc = cache.accuracy(lm, range(len(pairs)), heads, lab["position"], batch_size, progress)
+        mine = [lab for lab in chosen if lab["desideratum"] == desideratum]
+        selections = [(parse_heads(lab["selected"]), lab["position"]) for lab in mine]
+        found = semantic_selections([lm], selections, tests[desideratum], batch_size, progress)
+        for lab, [result] in zip(mine, found):
             out.append(
                 {
                     "group": lab["group"],
@@ -152,9 +149,9 @@ def semantic(
                     "position": lab["position"],
                     "heads": lab["selected"],
                     "model": lm.name,
-                    "accuracy": proportion(acc).to_dict(),
-                    "floor": proportion(cache.floor).to_dict(),
-                    "outcomes": np.asarray(acc).astype(int).tolist(),
+                    "accuracy": result.accuracy.to_dict(),
+                    "floor": result.floor.to_dict(),
+                    "outcomes": result.outcomes,
                 }
             )
     return out

@@ -167,12 +167,13 @@ def load_plan(path: str | os.PathLike) -> Plan:
     if not path.is_file():
         raise FileNotFoundError(f"plan file {path} does not exist")
     stat = path.stat()
-    return _read_plan(str(path), stat.st_mtime_ns, stat.st_size)
+    return _read_plan(str(path), str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=32)
-def _read_plan(path: str, mtime_ns: int, size: int) -> Plan:
-    """The checked `Plan` of ``path`` as it is at ``mtime_ns`` and ``size`` (a `Plan` is frozen: shared safely)."""
+def _read_plan(path: str, resolved: str, mtime_ns: int, size: int) -> Plan:
+    """The checked `Plan` of ``path`` as it is at ``mtime_ns`` and ``size`` (a `Plan` is frozen: shared safely).
+    ``resolved`` keys the cache only: a relative ``path`` names another file after a change of directory."""
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:

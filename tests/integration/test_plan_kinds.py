@@ -219,7 +219,7 @@ def _args(path: str):
 def test_trajectory_stage_costs_count_the_passes_each_stage_runs(tiny_run, tmp_path, monkeypatch):
     """The tiny trajectory of tests/integration/test_trajectory_study.py (three checkpoints, DCM read from a table),
     its passes counted by a global hook on every causal LM's forward (not the architecture probe a checkpoint runs
-    once when it loads, which the plan leaves out)."""
+    once when it loads, which the plan leaves out), and each stage's FLOPs by torch's counter."""
     from test_trajectory_study import positional_labels, task_file
 
     from mechdiff.studies.trajectory import study as tr
@@ -228,17 +228,20 @@ def test_trajectory_stage_costs_count_the_passes_each_stage_runs(tiny_run, tmp_p
     base, run = tiny_run
     labels = positional_labels(tmp_path, "L0H0")
     path = task_file(tmp_path / "t.toml", run, tmp_path / "out", extra=f'labels = "{labels}"')
-    counter = PassCounter(monkeypatch, [])
+    counter = PassCounter(monkeypatch, [], flops=True)
     from mechdiff.models import architectures
 
-    probe, probing = architectures._probe_flow, []
+    probe, probing, probe_flops = architectures._probe_flow, [], Counter()
 
-    def probed(*a, **k):  # a checkpoint's architecture probe when it loads (3 tokens): not a stage's pass
+    def probed(*a, **k):  # a checkpoint's architecture probe when it loads (3 tokens): not a stage's pass or FLOPs
         probing.append(1)
         try:
-            return probe(*a, **k)
+            with FlopCounterMode(display=False) as inner:  # counted by the stage's counter too: taken off below
+                return probe(*a, **k)
         finally:
             probing.pop()
+            if counter.stack:
+                probe_flops[counter.stack[-1]] += inner.get_total_flops()
 
     monkeypatch.setattr(architectures, "_probe_flow", probed)
 
@@ -255,6 +258,9 @@ def test_trajectory_stage_costs_count_the_passes_each_stage_runs(tiny_run, tmp_p
         handle.remove()
     inputs = tr.TrajectoryStudy.plan_inputs(path)
     inputs = replace(inputs, known={**inputs.known, "circuits": trajectory_found(study.dir)})
-    planned = {c.stage: c.reads.passes for c in tr.TrajectoryStudy.stage_costs(inputs, get_device("h100-80gb"))}
-    assert set(counter.passes) <= set(planned)
-    assert {s: planned[s] for s in counter.passes} == dict(counter.passes)
+    costs = {c.stage: c for c in tr.TrajectoryStudy.stage_costs(inputs, get_device("h100-80gb"))}
+    assert set(counter.passes) <= set(costs)
+    assert {s: costs[s].reads.passes for s in counter.passes} == dict(counter.passes)
+    # FLOPs within 25% of torch's counter (each pass's sweep of rows, not one sweep a stage: 0.25-0.52 before)
+    ratios = {s: costs[s].flops / (counter.flops[s] - probe_flops[s]) for s in counter.passes}
+    assert all(0.8 <= r <= 1.25 for r in ratios.values()), ratios

@@ -267,7 +267,7 @@ class TrajectoryStudy(TrajectoryContext):
         checkpoint at the pairs some top-n of the structure stage selected, the rows only the steps read on their
         own prompts have at the pairs that comparison selected (`write_attributions`), so the tables recompute from
         committed files."""
-        from ...methods.structure import ATTRIBUTIONS, ATTRIBUTIONS_BOUND, write_attributions
+        from ...methods.structure import ATTRIBUTIONS, attributions_over_bound, write_attributions
 
         st = results["structure"].result
         rankings = results.get("runs", {}).get("ranking", {})
@@ -284,14 +284,9 @@ class TrajectoryStudy(TrajectoryContext):
         path = write_attributions(self.dir / ATTRIBUTIONS, attribution, st, classes, meta)
         size = path.stat().st_size
         log.info("%s: %.1f MB", path, size / 1e6)
-        if size > ATTRIBUTIONS_BOUND:
-            log.warning(
-                "%s takes %.1f MB, more than the %.0f MB both trajectories' attributions may take together: lower "
-                "[discovery] runs_n or [structure] resamples",
-                path,
-                size / 1e6,
-                ATTRIBUTIONS_BOUND / 1e6,
-            )
+        over = attributions_over_bound(self.dir.parent)  # this and the sibling trajectories' stores together
+        if over:
+            log.warning("%s: lower [discovery] runs_n or [structure] resamples", over)
         return path
 
     def settings_record(self) -> dict:

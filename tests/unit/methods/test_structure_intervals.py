@@ -190,3 +190,17 @@ def test_the_store_refuses_attributions_shorter_than_the_record_reads(tmp_path):
     with pytest.raises(ValueError, match=r"'a': \(32, 64\), 'b': \(0, 32\)"):
         write_attributions(tmp_path / "s.h5", {"a": np.zeros((32, 2, 3, 4))}, record, ["x", "y"], {})
     assert not list(tmp_path.iterdir())
+
+
+def test_the_bound_holds_for_the_trajectories_stores_together(tmp_path):
+    """Two stores each under the bound but over it together are named with their sizes; under it, nothing."""
+    from mechdiff.methods.structure import ATTRIBUTIONS, attributions_over_bound
+
+    for name, size in (("trajectory-a", 600), ("trajectory-b", 500)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ATTRIBUTIONS).write_bytes(b"\0" * size)
+    (tmp_path / "circuits-c").mkdir()  # a study without a store counts nothing
+    assert attributions_over_bound(tmp_path, bound=1100) is None
+    over = attributions_over_bound(tmp_path, bound=1000)
+    assert over is not None and "trajectory-a 0.0 MB" in over and "trajectory-b" in over and "0.0 MB" in over
+    assert attributions_over_bound(tmp_path / "trajectory-a", bound=0) is None  # no study directories under it

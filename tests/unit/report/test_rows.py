@@ -95,10 +95,12 @@ def test_dcm_command_writes_the_study_dcm_and_semantic_tables(tmp_path, monkeypa
     monkeypatch.setattr(dcm_study, "dcm_circuit", lambda *args, **kwargs: results)
     monkeypatch.setattr(  # the semantic records: the DCM stage's computation, which the command runs
         "mechdiff.methods.semantic.semantic_selections",
-        lambda models, selections, *args, **kwargs: [
-            [SemanticResult(m.name, _est(0.7 if m.name == "base" else 0.4), _est(0.2)) for m in models]
-            for _ in selections
-        ],
+        lambda models, selections, *args, **kwargs: (
+            lambda models: [
+                [SemanticResult(m.name, _est(0.7 if m.name == "base" else 0.4), _est(0.2)) for m in models]
+                for _ in selections
+            ]
+        )(list(models)),
     )
     circuit = Circuit(
         "tiny",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,20 @@ def test_shipped_plans_and_bad_plans(tmp_path):
     bad.write_text('[steps.X]\nsender = "END"\nk = 2\nwhere = 1\n')
     with pytest.raises(ValueError, match="unknown keys \\['where'\\]"):
         load_plan(bad)
+
+
+def test_a_relative_plan_path_reads_the_file_of_the_current_directory(tmp_path, monkeypatch):
+    """Two plan files of the same name, size and modification time in two directories: ``load_plan("plan.toml")``
+    after a change of directory reads the second, not the first one's cached parse."""
+    for name, k in (("a", 2), ("b", 3)):
+        (tmp_path / name).mkdir()
+        plan = tmp_path / name / "plan.toml"
+        plan.write_text(f'[steps.X]\nsender = "last"\nk = {k}\n')
+        os.utime(plan, ns=(10**18, 10**18))
+    monkeypatch.chdir(tmp_path / "a")
+    assert load_plan("plan.toml").steps[0].k == 2
+    monkeypatch.chdir(tmp_path / "b")
+    assert load_plan("plan.toml").steps[0].k == 3
 
 
 def test_user_plan_discovers_on_an_imported_task(tiny_llama, smollm2_tokenizer, pairs_file, tmp_path):

@@ -66,15 +66,20 @@ class PlanCounts:
         return n, self.batches(n), 1
 
     def cost(self, stage: str, n: int, passes: list, note: str = "", models: int = 1) -> Any:
-        """A stage of ``n`` prompts whose passes are ``passes``: (rows each run holds, passes, FLOP factor: 2 for a
-        forward and a backward to the activations); its largest batch's activations and mean-ablation writes."""
+        """A stage of ``n`` prompts whose passes are ``passes``: (rows of one sweep, passes, FLOP factor: 2 for a
+        forward and a backward to the activations), each pass a batch of a sweep (a sweep of ``rows`` runs in
+        ``batches(rows)`` passes, so ``passes`` of them are ``passes / batches(rows)`` sweeps); its largest batch's
+        activations and mean-ablation writes."""
         from ....models.footprint import backward_bytes, dtype_bytes
         from ...planner import StageCost
 
         meter, st = self.meter, self.st
         t, d = meter.lengths, meter.dims
         rows = meter.rows(n, st.eval.batch_size)
-        flops = sum(factor * meter.fwd(run_rows, t.tokens) for run_rows, _, factor in passes)
+        flops = sum(
+            factor * meter.fwd(run_rows, t.tokens) * count / max(self.batches(run_rows), 1)
+            for run_rows, count, factor in passes
+        )
         count = sum(p for _, p, _ in passes)
         backward = any(f > 1 for _, _, f in passes)
         act = (

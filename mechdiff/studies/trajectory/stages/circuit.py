@@ -48,12 +48,12 @@ class CircuitStage(Stage):
 
     @staticmethod
     def costs(p: PlanCounts) -> list:
-        """The final checkpoint first, then the others in order: the reference means, attribution (a forward and a
-        backward a batch) on its ranking prompts and the curve's full model, empty circuit and sizes on ``curve_n``."""
+        """The final checkpoint first, then the others in order: the reference means, attribution (`attribution`)
+        on its ranking prompts and the curve's full model, empty circuit and sizes on ``curve_n``."""
         d, out = p.st.discovery, []
         for n in [p.names[-1], *p.names[:-1]]:
             r, c = p.ranking_n(n), d.curve_n
-            passes = [p.reference(), (r, 2 * p.batches(r), 2), (c, p.batches(c) * (2 + len(d.sizes)), 1)]
+            passes = [p.reference(), *attribution(p, r), (c, p.batches(c) * (2 + len(d.sizes)), 1)]
             out.append(p.cost(f"circuit:{n}", r, passes))
         return out
 
@@ -88,7 +88,13 @@ class RankingStage(Stage):
     def costs(p: PlanCounts) -> list:
         """The reference means and attribution on ``runs_n`` ranking prompts, in each other run's checkpoint."""
         n = p.st.discovery.runs_n
-        return [p.cost(f"ranking:{o}", n, [p.reference(), (n, 2 * p.batches(n), 2)]) for o in p.others]
+        return [p.cost(f"ranking:{o}", n, [p.reference(), *attribution(p, n)]) for o in p.others]
+
+
+def attribution(p: PlanCounts, n: int) -> list:
+    """`prompt_attribution`'s passes on ``n`` prompts: a batch's run to the embedding (stopped there: its reads,
+    no FLOPs counted), then its forward and backward to the activations."""
+    return [(n, p.batches(n), 2), (0, p.batches(n), 1)]
 
 
 def trajectory_found(run_dir: str | Path) -> dict[str, frozenset]:
