@@ -110,7 +110,9 @@ def dcm_cost(p: PlanCounts, name: str) -> Any:
     cache in a scratch file, as `dcm_seeds` builds it): per desideratum of ``[roles] desiderata`` the pair cache
     of ``[dcm]``'s pairs, then per group (`candidate_starts`) ``[roles] seeds`` masks trained (``epochs`` of
     training steps, a forward and a backward a micro-batch, and the validation runs), and on the test pairs the
-    selection and ``[roles] n_random`` layer-matched random head sets (the floor is the cache's: no run)."""
+    selection and ``[roles] n_random`` layer-matched random head sets (the floor is the cache's: no run). Every
+    mask is assumed to select heads from its first step on: a validation or a test with none selected runs
+    nothing, so a run where masks select late or nothing costs less."""
     from ...circuits.stages.dcm import DcmWork, work_cost
 
     st, r = p.st, p.st.roles
