@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 from ....circuits.circuit import Circuit
@@ -262,28 +262,68 @@ def run_cache_mode(spec: RunSpec, lengths: Optional[Lengths] = None) -> tuple[st
 
 
 def mode_cost(ctx: Context, name: str, semantic: int, mode: str) -> StageCost:
-    """DCM's cost with its pair cache in ``mode``: ``"file"`` writes every pair's row to a scratch file and reads it
-    back for every patched run (suffix runs from the group's layer and position); ``"memory"`` holds the sources'
-    ``z`` (every layer's at each group's position: random heads are drawn from every layer) and runs patched runs in
-    full; ``"recompute"`` holds nothing and runs each patched batch's sources again, in full."""
-    c, t, dims, b = ctx.spec.dcm, ctx.lengths, ctx.dims, dtype_bytes(ctx.dtype)
-    n, k = c.n_train + c.n_val + c.n_test, len(desiderata(ctx))
+    """DCM's cost with its pair cache in ``mode`` (`work_cost`): ``[dcm]``'s pairs and training over the groups of
+    ``name``'s circuit, one mask a group and desideratum, the selection, the whole group and ``n_random`` random
+    head sets on the test pairs, and the selections patched into ``semantic`` models."""
+    c = ctx.spec.dcm
+    masked = name if c.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
+    groups = circuit_groups(ctx, masked, c.groups)
+    work = DcmWork(
+        c,
+        len(desiderata(ctx)),
+        len(groups),
+        group_starts(ctx, masked, groups),
+        c.n_random,
+        # the random baseline and semantic patching run for a selection of heads: every one, unless the run chose none
+        chose=ctx.known.get("dcm_selected", {}).get(name, 1.0),
+        semantic=semantic,
+    )
+    stage = "dcm" if name == ctx.spec.models.base else f"dcm:{name}"
+    return work_cost(ctx, ctx.spec.eval.batch_size, work, mode, stage)
+
+
+@dataclass(frozen=True)
+class DcmWork:
+    """What a DCM stage trains and tests, as `work_cost` counts it: ``section`` (``[dcm]``: its pairs, epochs,
+    batch and validation schedule), ``k`` desiderata (a pair cache each), ``groups`` and each one's lowest layer
+    and position (``starts``), ``seeds`` masks trained per group and desideratum, the test runs of the whole group
+    beside the selection's (``whole``: 1, or 0 where only the selection is tested), ``n_random`` random head sets,
+    the share of groups that select heads (``chose``), the models the selections are patched into
+    (``semantic``) and the models the stage holds (``models``)."""
+
+    section: Any
+    k: int
+    groups: int
+    starts: dict[str, tuple[float, str]]
+    n_random: int
+    seeds: int = 1
+    whole: int = 1
+    chose: float = 1.0
+    semantic: int = 0
+    models: int = 2
+
+
+def work_cost(m: Any, batch: int, w: DcmWork, mode: str, stage: str) -> StageCost:
+    """DCM's cost with its pair cache in ``mode``, on a `Counting` ``m`` (with the task's ``lengths``) in batches
+    of ``batch`` pairs (the evaluation's): ``"file"`` writes every pair's row to a scratch file and reads it back
+    for every patched run (suffix runs from the group's layer and position); ``"memory"`` holds the sources' ``z``
+    (every layer's at each group's position: random heads are drawn from every layer) and runs patched runs in
+    full; ``"recompute"`` holds nothing and runs each patched batch's sources again, in full. What the circuits
+    study's DCM (`mode_cost`) and the trajectory's roles by DCM (``roles:<ckpt>``) count."""
+    c, t, dims, b = w.section, m.lengths, m.dims, dtype_bytes(m.dtype)
+    n, k, chose = c.n_train + c.n_val + c.n_test, w.k, w.chose
     file, full = mode == "file", mode != "file"
     # pairs a cache write (and an evaluation) and a training step hold
-    built, trained = ctx.rows(n), min(c.batch_size, c.n_train)
-    flops = k * ctx.fwd((2 if mode != "recompute" else 1) * n, t.tokens)
-    reads = k * ctx.reads((2 if mode != "recompute" else 1) * math.ceil(n / built))
-    checks = c.epochs * math.ceil(c.n_train / c.batch_size) / max(c.eval_every, 1) + 1
-    masked = name if c.circuit != "pruned" or not ctx.spec.scoring.prune else f"{name} pruned"
-    # the random baseline and semantic patching run for a selection of heads: every one, unless the run chose none
-    chose = ctx.known.get("dcm_selected", {}).get(name, 1.0)
-    groups = circuit_groups(ctx, masked, c.groups)
-    starts = group_starts(ctx, masked, groups)
+    built, trained = max(1, min(batch, n)), min(c.batch_size, c.n_train)
+    flops = k * m.fwd((2 if mode != "recompute" else 1) * n, t.tokens)
+    reads = k * m.reads((2 if mode != "recompute" else 1) * math.ceil(n / built))
+    checks = validations(c)
+    starts = w.starts
     positions = {pos for _, pos in starts.values()} or {""}
     # a pair's row of the file: every layer's keys and values and a group's entering residual stream per token, and
     # the sources' z at each position; a patched run reads the keys and values, one stream and one position's z
     source = dims.n_layers * dims.d_model * b
-    per_pair = int(t.longest * (dims.n_layers * dims.kv_width() + len(groups) * dims.d_model) * b)
+    per_pair = int(t.longest * (dims.n_layers * dims.kv_width() + w.groups * dims.d_model) * b)
     per_pair += len(positions) * source
     per_run = t.longest * (dims.n_layers * dims.kv_width() + dims.d_model) * b + source
     scratch = k * n * per_pair if file else 0.0  # written once, as the cache is built
@@ -291,47 +331,47 @@ def mode_cost(ctx: Context, name: str, semantic: int, mode: str) -> StageCost:
         # a suffix run computes every prompt of its batch from the batch's earliest position (`Lengths.batch_after`)
         tokens, layers = (t.tokens, dims.n_layers) if full else (t.batch_after(pos, built), dims.n_layers - layer)
         steps = t.tokens if full else t.batch_after(pos, trained)
-        evaluated = checks * c.n_val + (2 + c.n_random * chose) * c.n_test
-        rows_read = c.epochs * c.n_train + evaluated
-        flops += k * (
-            ctx.fwd(2 * c.epochs * c.n_train, steps, t.tokens, layers) + ctx.fwd(evaluated, tokens, t.tokens, layers)
-        )
-        passes = 2 * c.epochs * math.ceil(c.n_train / trained) + checks * math.ceil(c.n_val / built)
-        passes += (2 + c.n_random * chose) * math.ceil(c.n_test / built)
-        reads += k * ctx.reads(passes, layers)
+        # each seed's training and validation; the test pairs once: the selection, the whole group, random sets
+        trains, tested = w.seeds * c.epochs * c.n_train, (1 + w.whole + w.n_random * chose) * c.n_test
+        evaluated = w.seeds * checks * c.n_val + tested
+        rows_read = trains + evaluated
+        flops += k * (m.fwd(2 * trains, steps, t.tokens, layers) + m.fwd(evaluated, tokens, t.tokens, layers))
+        training = w.seeds * 2 * c.epochs * math.ceil(c.n_train / trained)
+        passes = training + w.seeds * checks * math.ceil(c.n_val / built)
+        passes += (1 + w.whole + w.n_random * chose) * math.ceil(c.n_test / built)
+        reads += k * m.reads(passes, layers)
         if mode == "recompute":  # every patched batch's sources again (forward only)
-            flops += k * ctx.fwd(rows_read, t.tokens)
-            reads += k * ctx.reads(passes - c.epochs * math.ceil(c.n_train / trained))
+            flops += k * m.fwd(rows_read, t.tokens)
+            reads += k * m.reads(passes - training // 2)
         scratch += k * rows_read * per_run if file else 0.0
         # semantic patching in every model: the selection's patched evaluation and n_random random head sets of its
         # layers, each a patched run of the test pairs, read from the desideratum's cache (below)
-        tested = (1 + c.n_random) * c.n_test
-        flops += k * chose * semantic * ctx.fwd(tested, tokens, t.tokens, layers)
-        reads += k * chose * semantic * ctx.reads((1 + c.n_random) * math.ceil(c.n_test / built), layers)
-        scratch += k * chose * semantic * tested * per_run if file else 0.0
+        patched = (1 + w.n_random) * c.n_test
+        flops += k * chose * w.semantic * m.fwd(patched, tokens, t.tokens, layers)
+        reads += k * chose * w.semantic * m.reads((1 + w.n_random) * math.ceil(c.n_test / built), layers)
+        scratch += k * chose * w.semantic * patched * per_run if file else 0.0
     # semantic patching's caches: one a model for each desideratum with a selection (`semantic_selections`), two
     # forwards a test pair; a desideratum selects in at least one of its groups unless every group chose none
-    cached = k * semantic * (1 - (1 - chose) ** len(starts))
-    flops += cached * ctx.fwd(2 * c.n_test, t.tokens)
-    reads += cached * ctx.reads(2 * math.ceil(c.n_test / built))
+    cached = k * w.semantic * (1 - (1 - chose) ** len(starts))
+    flops += cached * m.fwd(2 * c.n_test, t.tokens)
+    reads += cached * m.reads(2 * math.ceil(c.n_test / built))
     scratch += cached * c.n_test * per_pair if file else 0.0
     longest_after = max((t.batch_after(p, trained) for _, p in starts.values()), default=t.tokens) if file else t.tokens
     depth = dims.n_layers / 2 if file else dims.n_layers
     # a training step: its backward's activations and (file) the rows it read back (its keys and values prefix)
-    step = backward_bytes(dims, trained, math.ceil(longest_after), depth, ctx.dtype, t.longest)
+    step = backward_bytes(dims, trained, math.ceil(longest_after), depth, m.dtype, t.longest)
     step += trained * per_pair if file else 0
     # a cache write: a forward keeping (file) every layer's keys and values, and their stacked copy
-    write = ctx.act(built, t.longest) + (2 * built * per_pair if file else 0)
+    write = m.act(built, t.longest) + (2 * built * per_pair if file else 0)
     host = {"file": max(built, trained) * per_pair, "memory": n * len(positions) * source, "recompute": 0}[mode]
     disk = n * per_pair if file else 0  # the scratch file: every pair's row, one desideratum's file at a time
-    stage = "dcm" if name == ctx.spec.models.base else f"dcm:{name}"
     return StageCost(
         stage,
-        2,
+        w.models,
         n,
         trained,
         flops,
-        2 * ctx.weights,
+        w.models * m.weights,
         0,
         max(step, write),
         host,
@@ -339,6 +379,17 @@ def mode_cost(ctx: Context, name: str, semantic: int, mode: str) -> StageCost:
         batch_option="[dcm] batch_size",
         reads=replace(reads, scratch=scratch),
     )
+
+
+def validations(c: Any) -> int:
+    """The validation runs that patch heads in one mask's training under ``[dcm]`` ``c``: every step that
+    `validates` picks; the one before training (schedule ``"steps"``) patches nothing, the mask starting at 1
+    (`DCMConfig.init`), so it runs no pass."""
+    from ....methods.dcm import validates
+
+    per_epoch = math.ceil(c.n_train / c.batch_size)
+    total = c.epochs * per_epoch
+    return sum(validates(c, e * per_epoch + b + 1, b, total) for e in range(c.epochs) for b in range(per_epoch))
 
 
 def desiderata(ctx: Context) -> list[str]:

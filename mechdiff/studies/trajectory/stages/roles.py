@@ -6,7 +6,7 @@ membership over the steps and the heads that join, leave or take over a role."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Optional
+from typing import Any, Optional
 
 from ....circuits.circuit import Circuit
 from ....runs.stages import StageRecord
@@ -91,12 +91,63 @@ class RolesStage(Stage):
 
     @staticmethod
     def costs(p: PlanCounts) -> list:
-        """The pairs' runs at each step scored; one more a head scored is not counted (the heads are the circuits',
-        known after discovery)."""
+        """At each step scored: with ``method = "heads"`` the pairs' runs (one more a head scored is not counted: the
+        heads are the circuits', known after discovery); with ``method = "dcm"`` what `dcm_seeds` runs
+        (`dcm_cost`)."""
         st = p.st
         if st.roles is None:
             return []
         steps = [c for c, s in zip(p.names, checkpoint_steps(p.names)) if not st.roles.steps or s in st.roles.steps]
+        if st.roles.method == "dcm":
+            return [dcm_cost(p, c) for c in steps]
         roles = [(st.roles.n, 2 * p.batches(st.roles.n), 1)]
         why = "the pairs' runs; one more a head scored (the heads are the circuits', known after discovery)"
         return [p.cost(f"roles:{c}", st.roles.n, roles, why) for c in steps]
+
+
+def dcm_cost(p: PlanCounts, name: str) -> Any:
+    """``roles:<name>`` by DCM (`RolesStage.dcm`), counted as the circuits study's DCM is (`work_cost`, its pair
+    cache in a scratch file, as `dcm_seeds` builds it): per desideratum of ``[roles] desiderata`` the pair cache
+    of ``[dcm]``'s pairs, then per group (`candidate_starts`) ``[roles] seeds`` masks trained (``epochs`` of
+    training steps, a forward and a backward a micro-batch, and the validation runs), and on the test pairs the
+    selection and ``[roles] n_random`` layer-matched random head sets (the floor is the cache's: no run). Every
+    mask is assumed to select heads from its first step on: a validation or a test with none selected runs
+    nothing, so a run where masks select late or nothing costs less."""
+    from ...circuits.stages.dcm import DcmWork, work_cost
+
+    st, r = p.st, p.st.roles
+    starts, note = candidate_starts(p)
+    k = len(r.desiderata or _task_desiderata(st.task.name))
+    work = DcmWork(st.dcm, k, len(starts), starts, r.n_random, seeds=r.seeds, whole=0, models=1)
+    cost = work_cost(p.meter, st.eval.batch_size, work, "file", f"roles:{name}")
+    cost.note = f"DCM: {r.seeds} seeds x {k} desiderata x {len(starts)} groups; {note}"
+    return cost
+
+
+def candidate_starts(p: PlanCounts) -> tuple[dict[str, tuple[float, str]], str]:
+    """Each group the roles stage trains DCM over (`RolesStage.sites`) with the lowest layer of its candidate heads
+    and its position, and how it is known: from the circuits a run found (`PlanCounts.circuits`: a curve circuit's
+    group is its position class; every checkpoint's heads there, or the final's with ``[roles] heads = "final"``);
+    before discovery assumed as the circuits study's DCM assumes a curve circuit's groups (`group_starts`): the
+    named groups (else the task's named positions), each from the first layer."""
+    from ....common.components import parse_heads
+
+    st = p.st
+    wanted = st.roles.groups or st.dcm.groups
+    final = p.circuits.get(p.names[-1])
+    if final is None:
+        groups = list(wanted) or list(p.meter.lengths.suffix)
+        return {g: (0, g) for g in groups}, "candidates from the first layer, assumed (known after discovery)"
+    scored = p.circuits.values() if st.roles.heads == "any" else [final]
+    present = {pos for _, pos in final}
+    groups = [g for g in wanted if g in present] if set(wanted) & present else sorted(present)
+    heads = {g: parse_heads(sorted({h for c in scored for h, pos in c if pos == g})) for g in groups}
+    starts = {g: (min(h.layer for h in hs), g) for g, hs in heads.items() if hs}
+    return starts, "candidates from the run's circuits"
+
+
+def _task_desiderata(task: str) -> list[str]:
+    """Every desideratum task ``task`` declares (what the stage trains where ``[roles] desiderata`` is empty)."""
+    from ....tasks.base import get_task
+
+    return list(get_task(task).desiderata)
