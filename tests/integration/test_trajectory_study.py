@@ -83,6 +83,28 @@ PART = (
 )
 
 
+@pytest.fixture(scope="module")
+def float32_run(tiny_run, tmp_path_factory) -> Path:
+    """The plain task file (``task_file`` with nothing added: no labels table, no ``[roles]``, no ``[runs]``) run
+    once in float32 from an empty directory: the float32 side of the bfloat16 test, and the finished stages the roles
+    tests start from (a copy of its directory: the accuracy, circuit, score, CMAP and structure stages read
+    neither the labels table nor ``[roles]``, so their keys are those of the roles tests' runs, which then compute
+    their own DCM, semantic and roles stages)."""
+    _, run = tiny_run
+    root = tmp_path_factory.mktemp("float32")
+    path = task_file(root / "float32.toml", run, root / "float32")
+    study = TrajectoryStudy.from_file(path, progress=False, models={"dtype": "float32"})
+    assert study.st.models.dtype == "float32"
+    study.run()
+    return root / "float32"
+
+
+def seeded(float32_run: Path, out: Path) -> Path:
+    """``out``, a copy of ``float32_run``'s directory: a run directory whose earlier run (of the plain task file)
+    finished its stages, their records and the circuit files they wrote."""
+    return shutil.copytree(float32_run, out)
+
+
 def positional_labels(tmp_path: Path, selected: str) -> Path:
     """A DCM labels table (``[dcm] labels``) giving the ``last`` group's ``selected`` heads the positional role (a
     tiny model's own DCM may select nothing)."""
@@ -305,7 +327,7 @@ def test_dcm_labels_read_from_a_circuits_study_table(tmp_path):
     ]
 
 
-def test_trajectory_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32(tiny_run, tmp_path):
+def test_trajectory_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32(tiny_run, float32_run, tmp_path):
     """Every per-checkpoint stage (accuracy, circuit with its curve, score, semantic, CMAP into each later
     checkpoint), the structure across checkpoints and DCM (trained here on the final checkpoint's circuit) with the
     checkpoints loaded in bfloat16 (``--dtype``; the task file's float32 the default) against float32. Stated
@@ -319,12 +341,11 @@ def test_trajectory_study_runs_in_bfloat16_within_a_stated_tolerance_of_float32(
         return (2**-7, 0.0) if ".loss" in path else tolerance(path)
 
     _, run = tiny_run
-    for dtype in ("float32", "bfloat16"):
-        path = task_file(tmp_path / f"{dtype}.toml", run, tmp_path / dtype)
-        study = TrajectoryStudy.from_file(path, progress=False, models={"dtype": dtype})
-        assert study.st.models.dtype == dtype
-        study.run()
-    ours, theirs = tmp_path / "bfloat16" / "stages", tmp_path / "float32" / "stages"
+    path = task_file(tmp_path / "bfloat16.toml", run, tmp_path / "bfloat16")
+    study = TrajectoryStudy.from_file(path, progress=False, models={"dtype": "bfloat16"})
+    assert study.st.models.dtype == "bfloat16"
+    study.run()
+    ours, theirs = tmp_path / "bfloat16" / "stages", float32_run / "stages"  # the same task file, run in float32
     assert {p.name for p in theirs.glob("*.json")} >= {"dcm.json", "structure.json", "cmap__run_4.json"}
     assert (
         json.loads((ours / "accuracy__run_4.json").read_text())["key"]
@@ -350,7 +371,7 @@ def own_answers(name: str, pairs: list, every: int = 1) -> list:
     return [replace(p, target_id=t) if i % every == 0 else p for i, (p, t) in enumerate(zip(pairs, top))]
 
 
-def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp_path):
+def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, float32_run, tmp_path):
     """A tiny trajectory run with ``[roles]``: a ``roles:<ckpt>`` stage per checkpoint (none without the section),
     every head any checkpoint's own circuit has in the ``last`` group scored on two desiderata (targets set to the
     last checkpoint's own answers, so that heads hold a role there); ``tables/roles.json`` is the membership
@@ -360,7 +381,7 @@ def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp
     from mechdiff.common.outcomes import from_bits
 
     _, run = tiny_run
-    out = tmp_path / "out"
+    out = seeded(float32_run, tmp_path / "out")  # its roles stages computed here, the rest found
     labels = positional_labels(tmp_path, "L2H1")
     plain = task_file(tmp_path / "plain.toml", run, out, extra=f'labels = "{labels}"\n')
     assert not [p for p in load_study(plain, progress=False).plan() if p.name.startswith("roles")]
@@ -377,6 +398,7 @@ def test_roles_stage_writes_membership_tables_and_a_chart_per_role(tiny_run, tmp
         "object": own_answers(names[-1], drawn["object"]),
     }
     study.run()
+    assert not any(study.cache.records[f"roles:{n}"].cached for n in names)  # computed by this run
     records = [json.loads(study.cache.path(f"roles:{n}").read_text())["result"] for n in names]
     own = [json.loads((out / "circuits" / f"{label(n)}.json").read_text()) for n in names]
     heads = sorted(
@@ -459,7 +481,7 @@ def test_other_runs_are_checked_when_the_task_file_loads(tiny_run, tmp_path):
         load_settings(path)
 
 
-def test_roles_by_dcm_in_each_scored_checkpoint(tiny_run, tmp_path):
+def test_roles_by_dcm_in_each_scored_checkpoint(tiny_run, float32_run, tmp_path):
     """``[roles] method = "dcm"`` at steps 0 and 4: a roles stage at those steps only, each DCM over seeds trained in
     that checkpoint over every head any checkpoint's own circuit has in ``last``, with the fixed sparsity weight,
     equal to :func:`dcm_seeds` run here on the checkpoint loaded on its own; ``tables/roles.json`` holds a head at a
@@ -472,7 +494,7 @@ def test_roles_by_dcm_in_each_scored_checkpoint(tiny_run, tmp_path):
     from mechdiff.studies.trajectory.settings import roles_dcm_config
 
     _, run = tiny_run
-    out = tmp_path / "out"
+    out = seeded(float32_run, tmp_path / "out")  # its roles stages computed here, the rest found
     labels = positional_labels(tmp_path, "L2H1")
     roles = (
         '\n[roles]\nmethod = "dcm"\nsteps = [0, 4]\ngroups = ["last"]\ndesiderata = ["positional"]\n'
@@ -485,6 +507,7 @@ def test_roles_by_dcm_in_each_scored_checkpoint(tiny_run, tmp_path):
     study.st.dcm.epochs = 10  # 20 mask updates at lr 0.1 (1 epoch, 2 updates, cannot move a mask below 0.5)
     n = study.st.dcm.n_train + study.st.dcm.n_val + study.st.dcm.n_test
     study.run()
+    assert not any(study.cache.records[f"roles:{n}"].cached for n in (names[0], names[2]))  # computed by this run
     own = [json.loads((out / "circuits" / f"{label(n)}.json").read_text()) for n in names]
     order = lambda h: [int(x) for x in h[1:].split("H")]  # noqa: E731
     heads = sorted({h for c in own for h in c["groups"].get("last", [])}, key=order)

@@ -4,10 +4,6 @@ served with its own weights."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -102,18 +98,15 @@ def test_full_weight_checkpoints_of_another_architecture_are_refused(full_run, s
         trajectory_specs([str(full_run / "step-0000"), other])
 
 
-HUB = """
-import json, sys
-from mechdiff.methods.checkpoints import Checkpoints
-names = sys.argv[1:]
-cp = Checkpoints(names)
-print(json.dumps({n: cp.model(n).model.lm_head.weight[0, :4].tolist() for n in names[::-1]}))
-"""
-
-
-def test_hub_revisions_of_one_repository_are_a_trajectory(full_run, tmp_path) -> None:
+def test_hub_revisions_of_one_repository_are_a_trajectory(full_run, tmp_path, monkeypatch) -> None:
     """A hub cache holding one repository at two revisions (refs ``step0`` and ``step5``, offline): each revision
-    loads its own weights."""
+    loads its own weights. The cache is this test's directory (``HF_HUB_CACHE``, and the location huggingface_hub
+    read from it at import, which its cache lookups and transformers' read on every call), in this process: no
+    other process to import torch for two tiny checkpoints."""
+    from huggingface_hub import constants
+
+    from mechdiff.models.loading import load_model
+
     repo = tmp_path / "hub" / "models--org--tiny"
     for step, sha in ((0, "a" * 40), (5, "b" * 40)):
         snap = repo / "snapshots" / sha
@@ -123,15 +116,15 @@ def test_hub_revisions_of_one_repository_are_a_trajectory(full_run, tmp_path) ->
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / f"step{step}").write_text(sha)
     names = ["hub:org/tiny@step0", "hub:org/tiny@step5"]
-    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", HUB, *names], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    from mechdiff.models.loading import load_model
-
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert constants.HF_HUB_OFFLINE
+    cp = Checkpoints(names)
+    got = {n: cp.model(n).model.lm_head.weight[0, :4].tolist() for n in names[::-1]}
     for name, step in zip(names, (0, 5)):
         want = load_model(str(full_run / f"step-{step:04d}")).model.lm_head.weight[0, :4].tolist()
         assert got[name] == pytest.approx(want, abs=0), name
+    assert got[names[0]] != got[names[1]]  # the check above can tell the revisions apart
     assert [step_of(n, 0) for n in names] == [0, 5]
 
 
