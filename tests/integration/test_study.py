@@ -566,13 +566,18 @@ def test_every_stage_runs_in_bfloat16_within_a_stated_tolerance_of_float32(tiny_
     assert outside == [] and checked > 500, outside[:40]
 
 
-def test_a_model_without_the_behaviour_gets_no_circuit(tiny_family, tmp_path, monkeypatch):
+def test_a_model_without_the_behaviour_gets_no_circuit(tiny_family, tiny_study, tmp_path, monkeypatch):
     """A model whose accuracy's lower bound is not above the floor (here the fine-tune: the floor is the task's
     chance level, 1/3 with 3 boxes, and random tiny models answer nothing) gets its accuracy and nothing that
     explains a behaviour: no position scan, circuit, pruning, matrix row or CMAP into it; the report says why
-    in words and shows no nan for it. The base (let through as if above the floor) runs every stage."""
+    in words and shows no nan for it. The base (let through as if above the floor) runs every stage. The run
+    directory holds the stage records of tiny_study (the floor is in no stage key): the base's stages that do not
+    read the fine-tune's are found there, the fine-tune's circuit and pruning lie there unused."""
+    import shutil
+
     from mechdiff.studies.circuits.study import CircuitsStudy
 
+    shutil.copytree(tiny_study / "run" / "stages", tmp_path / "run" / "stages")
     spec = tiny_spec(tiny_family, tmp_path)
     spec.eval.floor = None
     base, ft = spec.models.base, spec.models.finetunes[0]
