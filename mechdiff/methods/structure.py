@@ -73,8 +73,8 @@ def half_weights(counts: np.ndarray, draws: int, seed: int) -> tuple[np.ndarray,
 def top_pairs(attribution: np.ndarray, rows: np.ndarray, n: int) -> frozenset[int]:
     """The ``n`` pairs (flat ``class layer head`` indices) of largest |mean attribution| over ``rows``
     (as `selection_stability` selects)."""
-    mean = torch.from_numpy(attribution.reshape(attribution.shape[0], -1)[rows].astype(np.float64)).mean(0)
-    return frozenset(mean.abs().topk(n).indices.tolist())
+    mean = attribution.reshape(attribution.shape[0], -1)[rows].astype(np.float64).mean(0)
+    return frozenset(np.flatnonzero(_top_n(np.abs(mean)[None], n)[0]).tolist())
 
 
 def jaccard(a: frozenset, b: frozenset) -> float:
@@ -85,11 +85,19 @@ def jaccard(a: frozenset, b: frozenset) -> float:
 def top_masks(flat: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
     """Per weight row, the top ``n`` pairs by |weighted sum of the prompts' attribution| (the top-n of the
     weighted mean) as a bit mask ``(row, pair)``."""
-    h = np.abs(weights @ flat)
-    idx = np.argpartition(-h, n - 1, axis=1)[:, :n]
-    mask = np.zeros(h.shape, dtype=bool)
-    np.put_along_axis(mask, idx, True, axis=1)
-    return mask
+    return _top_n(np.abs(weights @ flat), n)
+
+
+def _top_n(h: np.ndarray, n: int) -> np.ndarray:
+    """Per row of ``h``, a mask of its ``n`` largest values, ties at the n-th value broken by the lower index: the
+    selection depends on the values alone. (``argpartition`` breaks ties by the other values of the row, so a row
+    whose unselected values were zeroed, as the committed store keeps them, could select another of two equal
+    float16 sums.)"""
+    kth = -np.partition(-h, n - 1, axis=1)[:, n - 1 : n]
+    above = h > kth
+    tied = h == kth
+    need = n - np.count_nonzero(above, axis=1, keepdims=True)
+    return above | (tied & (np.cumsum(tied, axis=1) <= need))
 
 
 def _overlap(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
