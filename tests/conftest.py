@@ -24,12 +24,23 @@ from mechdiff.tasks.base import Example
 SLOW = Path(__file__).resolve().parent / "slow"
 
 
+INTEGRATION = SLOW.parent / "integration"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Every test under ``tests/slow`` carries the ``slow`` marker."""
+    """Every test under ``tests/slow`` carries the ``slow`` marker. The ``slow`` tests run first, then those under
+    ``tests/integration`` (each file's tests in their order): the longest tests start early, so that pytest-xdist's
+    work stealing (``--dist worksteal``, pyproject.toml) ends the run on short ones rather than one worker waiting
+    on the other's last long test."""
     for item in items:
         if SLOW in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.slow)
+
+    def rank(item) -> int:
+        return 0 if item.get_closest_marker("slow") else 1 if INTEGRATION in Path(str(item.path)).parents else 2
+
+    items.sort(key=rank)  # stable: the collection's order within each rank
 
 
 #: Whether the caller chose the thread count (``OMP_NUM_THREADS=2 python -m pytest`` tests two threads).

@@ -178,6 +178,11 @@ def _holder(path: Path) -> int | None:
         return None
 
 
+#: Seconds between two looks at the stage cache while one process waits on a record another process writes (a
+#: look reads one record's key; a run waits on a few records, so a short poll costs nothing and wastes no core).
+WAIT_POLL = 1.0
+
+
 @contextmanager
 def run_lock(directory: str | Path) -> Iterator[Path]:
     """Hold ``<directory>/.mechdiff.lock`` (with this process's PID) for the duration of a run.

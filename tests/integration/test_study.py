@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import count_forwards
 
 from mechdiff.studies.circuits.spec import default_spec
@@ -396,66 +395,12 @@ def test_run_command_refuses_an_unknown_task_before_loading(capsys):
 
 #: `mechdiff run` (python -m mechdiff.cli) with run_model polling the cache for the other process's records every
 #: 1 s instead of 5 s: the processes wait on each other's work, not on the poll.
-POLLING_CLI = (
-    f"import functools, sys; from {Study.__module__} import {Study.__name__} as S; "
-    "S.run_model = functools.partialmethod(S.run_model, poll=1.0); "
-    "from mechdiff.cli import main; sys.exit(main(sys.argv[1:]))"
-)
-
-
-def test_one_process_per_model_computes_the_same_study(tiny_family, tiny_study, tmp_path):
-    """`mechdiff run TASK --model NAME` for every model at once (real processes), then a plain run: every stage
-    is found in the cache, and the results equal those of a plain sequential run."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from test_faults import _task_file
-
-    root = Path(__file__).resolve().parents[2]
-    (tmp_path / "parallel").mkdir()
-    task = _task_file(tiny_family, tmp_path / "parallel")
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(root),
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "MPLBACKEND": "Agg",
-        "OMP_NUM_THREADS": str(torch.get_num_threads()),
-    }  # the same kernels as here
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", POLLING_CLI, "run", str(task), "--model", name, "--no-progress"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name in tiny_family
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err
-    spec = tiny_spec(tiny_family, tmp_path / "parallel")
-    assembled = Study(spec, progress=False)
-    assembled.run()
-    assert all(r.cached for r in assembled.cache.records.values()) and assembled.models._loaded == {}
-    # the plain sequential run: the shared tiny study's records (same spec, same inputs)
-    reference = {
-        n: json.loads((tiny_study / "run" / "stages" / assembled.cache.path(n).name).read_text())
-        for n in assembled.cache.records
-    }
-    assert len(reference) == len(list((tiny_study / "run" / "stages").glob("*.json")))
-    for name, rec in reference.items():
-        assert assembled.cache.records[name].key == rec["key"]
-        got = assembled.cache.records[name].result
-        if name.startswith(("circuit", "prune")):
-            assert got["circuit"]["groups"] == rec["result"]["circuit"]["groups"], name
-        if name.startswith(("circuit", "prune", "matrix")):
-            _assert_close(got, rec["result"], name)
+def test_run_model_refuses_a_model_outside_the_study(tiny_family, tmp_path):
+    """``mechdiff run TASK --model NAME`` runs one of the study's models; another name is refused before any work.
+    (One process per model computing the serial run's records, the plain run after them finding every stage cached
+    and loading no model: tests/integration/test_workers.py, whose workers are these processes.)"""
     with pytest.raises(ValueError, match="not a model of this study"):
-        Study(spec, progress=False).run_model("other")
+        Study(tiny_spec(tiny_family, tmp_path), progress=False).run_model("other")
 
 
 def test_a_process_waits_for_records_of_this_study_not_stale_ones(tiny_family, tmp_path, monkeypatch):
@@ -491,25 +436,6 @@ def test_a_process_waits_for_records_of_this_study_not_stale_ones(tiny_family, t
         study._wait([other], "prune", "me", poll=0)  # a stale pruning: the old code took it as ready
     save("prune", study._prune_inputs(other, key_hash(circuit)))
     study._wait([other], "prune", "me", poll=0)
-
-
-def _assert_close(a, b, where: str) -> None:
-    """Equal structure and values; floats to a relative 1e-5 (another process may sum in another order)."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _assert_close(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_close(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and isinstance(b, float):
-        # relative (probabilities of the tiny models are ~2e-5: no absolute floor fits every stage's floats);
-        # values within 1e-9 of 0 are exact zeros in both runs: the same code on the same inputs, with the
-        # thread count pinned above (the same kernels)
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-9, nan_ok=True), where
-    else:
-        assert a == b, where
 
 
 def _check_heads_table_and_page(spec, run_dir, report_md, tmp_path):

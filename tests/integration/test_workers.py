@@ -11,6 +11,7 @@ from test_study import tiny_spec
 
 from mechdiff.cli import main
 from mechdiff.runs.stages import label
+from mechdiff.studies.circuits.study import CircuitsStudy
 
 
 def _toml(value) -> str:
@@ -63,6 +64,9 @@ def test_a_plain_run_starts_one_process_per_model_and_writes_the_serial_runs_rec
     assert stages and not any(s["cached"] for s in stages.values())  # computed by this run's workers, not reused
     assert main(["run", str(task), "--workers", "2", "--no-progress"]) == 0  # again: every stage reused
     assert all(s["cached"] for s in json.loads((tmp_path / "run" / "run.json").read_text())["stages"].values())
+    assembled = CircuitsStudy(tiny_spec(tiny_family, tmp_path), progress=False)  # a plain run loads no model
+    assembled.run()
+    assert all(r.cached for r in assembled.cache.records.values()) and assembled.models._loaded == {}
 
 
 def _findings(run: Path) -> list[str]:
@@ -93,7 +97,6 @@ def test_workers_one_keeps_the_serial_run_and_too_few_are_refused(tiny_family, t
     """--workers 1 keeps one process; by default one per model where there are 2 cores and the predicted memory,
     else one; fewer workers than models (2 of 3) is refused."""
     from mechdiff.commands._workers import plan_workers
-    from mechdiff.studies.circuits.study import CircuitsStudy
 
     spec = tiny_spec(tiny_family, tmp_path)
     study = CircuitsStudy(spec, progress=False)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ...common.io import check_writable, run_lock
+from ...common.io import WAIT_POLL, check_writable, run_lock
 from ...models.loading import load_tokenizer, spec_digest
 from ...models.modelset import ModelSet
 from ...models.resolve import resolve_spec
@@ -178,7 +178,7 @@ class CircuitsStudy(CircuitsData):
         return self.cmap(finetune, own, self.dcm(own, finetune))
 
     # -- the whole study ----------------------------------------------------------------
-    def run_model(self, name: str, poll: float = 5.0) -> None:
+    def run_model(self, name: str, poll: float = WAIT_POLL) -> None:
         """The stages of one model, so that one process per model can share the cores: its accuracy, position
         scan, circuit and pruning; DCM (the base) or, once the base's circuit is in the cache (written by the
         base's process), its CMAP (a fine-tune); then, once every model's circuit is in the cache, its row of

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from ...common.io import run_lock
+from ...common.io import WAIT_POLL, run_lock
 from ...runs.stages import StageRecord, label
 from .context import TrajectoryContext
 from .settings import SECTIONS, TrajectorySettings, load_settings, other_runs, read_labels
@@ -196,7 +196,7 @@ class TrajectoryStudy(TrajectoryContext):
             "semantic": semantic,
         }
 
-    def run_checkpoints(self, names: list[str], poll: float = 10.0) -> None:
+    def run_checkpoints(self, names: list[str], poll: float = WAIT_POLL) -> None:
         """The stages of ``names`` only, so that several processes can share the cores (each with its own
         activation store): their accuracy and own circuit; once the final and first trained checkpoints'
         circuits are in the cache (written by whichever process has them), their scores, CMAP and semantic
@@ -243,14 +243,15 @@ class TrajectoryStudy(TrajectoryContext):
                     )
                 self.edges({n: self.edge_scores(n) for n in self.edge_checkpoints()})
 
-    def _wait(self, names: list[str], poll: float = 10.0) -> None:
+    def _wait(self, names: list[str], poll: float = WAIT_POLL) -> None:
         for n in names:
             self._wait_for(f"circuit:{n}", lambda: self.cache.ready(f"circuit:{n}", CircuitStage(self).inputs(n)), poll)
 
     @staticmethod
-    def _wait_for(what: str, ready: Any, poll: float = 10.0) -> None:
+    def _wait_for(what: str, ready: Any, poll: float = WAIT_POLL) -> None:
+        if not ready():
+            log.info("waiting for %s (another process computes it)", what)  # once, not at every poll
         while not ready():
-            log.info("waiting for %s (another process computes it)", what)
             time.sleep(poll)
 
     def write(self, results: dict[str, Any]) -> Path:
