@@ -178,11 +178,14 @@ class StageCost:
     batch_option: str = "[eval] batch_size"
     reads: Reads = field(default_factory=Reads)  # what its passes read and run
     remedy: str = ""  # the stage's own way to fit, listed first where it does not
+    #: ``host_kept`` is a batch's rows staged on the host on their way to a GPU (DCM's rows read back from its
+    #: scratch file): on a CPU they are the batch's own tensors, which ``transient`` counts, so not again
+    staged: bool = False
 
     def device_peak(self, device: Device) -> int:
         """Peak bytes on the device (on a CPU device: everything, the process's baseline included)."""
         peak = self.weights + self.kept + self.transient
-        return peak if device.gpu else peak + self.host_kept + device.baseline
+        return peak if device.gpu else peak + (0 if self.staged else self.host_kept) + device.baseline
 
     def host_peak(self, device: Device) -> int:
         """Peak bytes on the host: everything on a CPU; beside a GPU, the process's baseline and one model's weights

@@ -361,8 +361,14 @@ def work_cost(m: Any, batch: int, w: DcmWork, mode: str, stage: str) -> StageCos
     # a training step: its backward's activations and (file) the rows it read back (its keys and values prefix)
     step = backward_bytes(dims, trained, math.ceil(longest_after), depth, m.dtype, t.longest)
     step += trained * per_pair if file else 0
-    # a cache write: a forward keeping (file) every layer's keys and values, and their stacked copy
-    write = m.act(built, t.longest) + (2 * built * per_pair if file else 0)
+    # a cache write: a forward keeping (file) every layer's keys and values as it goes, its read-out holding a third
+    # vocabulary-wide float32 row a pair beside the two `forward_bytes` counts (the answer positions' logits, cut
+    # from those the run kept; measured on a tiny model, whose peak is its read-out); after it (file), beside the
+    # keys and values and those logits, the keys' (then the values') stacked copy and the row-ordered copy the
+    # scratch file is written from (`RowStore.write`), a second row's worth
+    logits = built * dims.vocab_size * 4  # one answer token a row (an answer of several tokens: one a token)
+    write = m.act(built, t.longest) + logits
+    write = max(write + built * per_pair, 2 * built * per_pair + logits) if file else write
     host = {"file": max(built, trained) * per_pair, "memory": n * len(positions) * source, "recompute": 0}[mode]
     disk = n * per_pair if file else 0  # the scratch file: every pair's row, one desideratum's file at a time
     return StageCost(
@@ -378,6 +384,7 @@ def work_cost(m: Any, batch: int, w: DcmWork, mode: str, stage: str) -> StageCos
         disk,
         batch_option="[dcm] batch_size",
         reads=replace(reads, scratch=scratch),
+        staged=file,  # the rows read back: on a GPU machine in host memory first; on a CPU the step's own
     )
 
 
