@@ -393,8 +393,6 @@ def test_run_command_refuses_an_unknown_task_before_loading(capsys):
     assert "neither a registered task" in capsys.readouterr().err
 
 
-#: `mechdiff run` (python -m mechdiff.cli) with run_model polling the cache for the other process's records every
-#: 1 s instead of 5 s: the processes wait on each other's work, not on the poll.
 def test_run_model_refuses_a_model_outside_the_study(tiny_family, tmp_path):
     """``mechdiff run TASK --model NAME`` runs one of the study's models; another name is refused before any work.
     (One process per model computing the serial run's records, the plain run after them finding every stage cached
