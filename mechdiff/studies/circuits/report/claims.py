@@ -54,7 +54,11 @@ def circuit_findings(study: "Study", positions: dict, matrix_rows: list[dict], c
             ("  Its" if scanned else f"- **{name}**: its")
             + f" own circuit ({own['n_pairs']} (head, position) pairs) keeps faithfulness "
             f"{_interval(own, 'faithfulness')} (accuracy {_interval(own, 'accuracy')}) on {own['n_prompts']} "
-            f"fresh prompts"
+            + (
+                "prompts that include those it was found on ([sets] nested)"
+                if study.spec.sets.nested
+                else "fresh prompts"
+            )
             + (f", {what} {_interval(own, key)}" if key != "faithfulness" else "")
             + f": the target (at least {target}, lower bound at least {target - 0.1:.1f}, on {what}) is "
             + ("met." if met else "not met.")
