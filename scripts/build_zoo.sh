@@ -28,9 +28,9 @@ $MECHDIFF finetune --base smollm2-135m --task entity-tracking --out /tmp/mechdif
   --save "$TRAJECTORY_STEPS" --steps 100 $TRAINING --seed 0 --data-seed 0 --stop-accuracy 0.96
 python scripts/zoo_trajectory.py /tmp/mechdiff-zoo-trajectory --out results/zoo/trajectory.json
 
-# 1c. The between-run null of the trajectory study: the recipe with three other seeds (LoRA initialisation and data
+# 1c. The between-run null of the trajectory study: the recipe with four other seeds (LoRA initialisation and data
 #     order); only the steps the study reads are kept, in checkpoints/ (outside the installed package).
-for SEED in 1 2 3; do
+for SEED in 1 2 3 4; do
   rm -rf /tmp/mechdiff-seed$SEED
   $MECHDIFF finetune --base smollm2-135m --task entity-tracking --out /tmp/mechdiff-seed$SEED \
     --save "$TRAJECTORY_STEPS" --steps 100 $TRAINING --seed $SEED --data-seed $SEED --stop-accuracy 0.96
