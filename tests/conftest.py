@@ -439,3 +439,26 @@ def answer_records(tokenizer, answers: list[list[int]], alternatives: list[list[
             )
         )
     return out
+
+
+def save_wide_run(root: Path, tokenizer) -> Path:
+    """Full-weight random llamas saved as a run at ``root``: steps 0, 5 (step 0's weights) and 10, whose blocks
+    outweigh the read-out (4 layers of width 128), for tests whose planned cost must be decided by the blocks."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    for seed, step in ((0, 0), (1, 10)):
+        torch.manual_seed(seed)
+        config = LlamaConfig(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_size=128,
+            intermediate_size=512,
+            vocab_size=49152,
+        )
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / f"step-{step:04d}")
+        tokenizer.save_pretrained(root / f"step-{step:04d}")
+    shutil.copytree(root / "step-0000", root / "step-0005")
+    return root

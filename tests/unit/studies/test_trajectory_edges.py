@@ -11,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from conftest import make_tiny
+from conftest import make_tiny, save_wide_run
 
 from mechdiff.methods.edge_structure import decode_half
 from mechdiff.studies.spec import SpecError
@@ -144,23 +143,7 @@ def test_a_whole_study_with_edges_on_writes_node_overlap_beside_edge_overlap(run
 def wide_run(smollm2_tokenizer, tmp_path_factory) -> Path:
     """Full-weight random llamas at steps 0, 5 (step 0's weights) and 10 whose blocks outweigh the read-out (4
     layers of width 128), so that the edge graph's passes, not the unembedding, decide what the edge stage costs."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    root = tmp_path_factory.mktemp("wide") / "run"
-    for seed, step in ((0, 0), (1, 10)):
-        torch.manual_seed(seed)
-        config = LlamaConfig(
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            hidden_size=128,
-            intermediate_size=512,
-            vocab_size=49152,
-        )
-        AutoModelForCausalLM.from_config(config).save_pretrained(root / f"step-{step:04d}")
-        smollm2_tokenizer.save_pretrained(root / f"step-{step:04d}")
-    shutil.copytree(root / "step-0000", root / "step-0005")
-    return root
+    return save_wide_run(tmp_path_factory.mktemp("wide") / "run", smollm2_tokenizer)
 
 
 def test_the_edge_stages_planned_flops_memory_and_passes_are_what_its_run_performs(wide_run, tmp_path, monkeypatch):

@@ -6,11 +6,10 @@ against the most torch allocated at once."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import save_wide_run
 
 from mechdiff.circuits.circuit import Circuit
 from mechdiff.common.components import parse_heads
@@ -34,23 +33,7 @@ CIRCUITS = {
 def wide_run(smollm2_tokenizer, tmp_path_factory) -> Path:
     """Full-weight random llamas at steps 0, 5 (step 0's weights) and 10 whose blocks outweigh a tiny model's (4
     layers of width 128), so that the blocks DCM's suffix runs skip or compute weigh beside the read-out."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    root = tmp_path_factory.mktemp("wide-roles") / "run"
-    for seed, step in ((0, 0), (1, 10)):
-        torch.manual_seed(seed)
-        config = LlamaConfig(
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            hidden_size=128,
-            intermediate_size=512,
-            vocab_size=49152,
-        )
-        AutoModelForCausalLM.from_config(config).save_pretrained(root / f"step-{step:04d}")
-        smollm2_tokenizer.save_pretrained(root / f"step-{step:04d}")
-    shutil.copytree(root / "step-0000", root / "step-0005")
-    return root
+    return save_wide_run(tmp_path_factory.mktemp("wide-roles") / "run", smollm2_tokenizer)
 
 
 def task_file(path: Path, run: Path, out: Path) -> Path:
