@@ -16,6 +16,9 @@ rows of one item move together), never rows that repeat one prompt. The rules:
   recomputed on each cluster resample (`cluster_resamples`), its percentile interval moved to the estimate;
 - an intervention against random draws of its kind: the rank among the draws with its +1-corrected empirical p,
   the draws' interval resampling draws and items both;
+- a statistic of a few independent units (runs of one recipe, each another seed) that no unit's rows carry alone (a
+  mean over every two runs): the leave-one-unit-out jackknife (Efron and Stein 1981) with Student's t on units - 1
+  degrees of freedom (`jackknife`);
 - sameness: two one-sided tests (Schuirmann 1987) against a stated margin;
 - a family of claims: Holm's step-down (Holm 1979) within the family.
 """
@@ -157,6 +160,24 @@ def recentred(draws: np.ndarray, value: float, confidence: float = 0.95) -> tupl
     if d.size == 0:
         return float("nan"), float("nan")
     return _percentile(d - float(np.median(d)) + value, confidence)
+
+
+def jackknife(stat: Any, units: Sequence[Any], confidence: float = 0.95, min_units: int = 3) -> dict[str, Any]:
+    """``stat(units)`` with its interval over the units: the leave-one-out jackknife's standard error
+    (``sqrt((k - 1) / k * sum((stat_-i - mean)^2))``) and Student's t on k - 1 degrees of freedom, with a two-sided
+    t test of 0 (``p``). For a statistic of several independent units, such as a mean overlap over every two runs
+    of a recipe, where resampling units with replacement would pair a run with itself. With fewer than
+    ``min_units`` units (a statistic of two runs has no leave-one-out value) the interval and p are None."""
+    units = list(units)
+    k, value = len(units), float(stat(units))
+    out: dict[str, Any] = {"value": value, "low": None, "high": None, "se": None, "p": None, "units": k}
+    if k < min_units:
+        return out
+    loo = np.array([float(stat(units[:i] + units[i + 1 :])) for i in range(k)])
+    se = float(np.sqrt((k - 1) / k * np.sum((loo - loo.mean()) ** 2)))
+    t = float(sps.t.ppf(0.5 + confidence / 2, k - 1))
+    p = float(2 * sps.t.sf(abs(value) / se, k - 1)) if se > 0 else float(value == 0)
+    return out | {"low": value - t * se, "high": value + t * se, "se": se, "p": p}
 
 
 def _percentile(draws: np.ndarray, confidence: float) -> tuple[float, float]:

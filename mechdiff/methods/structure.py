@@ -16,7 +16,7 @@ import torch
 
 from ..circuits.curve import selection_stability
 from ..circuits.pruning import pair_name
-from ..common.inference import ALPHA, cluster_resamples, recentred
+from ..common.inference import ALPHA, cluster_resamples, jackknife, recentred
 from ..runs.seeds import derive
 
 #: A pair is robustly in a checkpoint's top-n where its bootstrap selection frequency is at least this, robustly
@@ -30,6 +30,8 @@ RESAMPLE_SPLITS = 5
 #: Equivalence margin (Jaccard): "no change" between two checkpoints is written only where the 90% interval of
 #: (null - cross overlap) lies inside (-MARGIN, MARGIN); neither that nor a change: "not shown".
 MARGIN = 0.05
+#: Accuracies at which runs of one recipe are compared, each run at its first step read at or above it.
+MATCHED_LEVELS = (0.5, 0.8)
 
 
 def splits(n: int, draws: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -196,6 +198,7 @@ def structure(
     resamples: int = STRUCTURE_RESAMPLES,
     resample_splits: int = RESAMPLE_SPLITS,
     margin: float = MARGIN,
+    matched: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> dict:
     """The within-checkpoint null and the structural changes between checkpoints (module docstring).
 
@@ -216,7 +219,10 @@ def structure(
     its attribution on the same prompts}. Each such step gets the mean cross overlap of every two runs (the
     ``between_runs`` rows); a consecutive change into such a step, and each checkpoint against the final one where
     the final step has other runs, get ``beyond_runs``: (between-run overlap - cross), decided as above (the two
-    checkpoints differ more than two runs of the recipe do at that step, or as little within the margin)."""
+    checkpoints differ more than two runs of the recipe do at that step, or as little within the margin). Each
+    ``between_runs`` row (and each ``matched`` row: a label -> one checkpoint of each run, e.g. each run's first step
+    at an accuracy, rows of ``matched_runs``) also tests "within a run minus between runs" split by split
+    (`_between`)."""
     names = list(attribution)
     runs = {c: dict(r) for c, r in (runs or {}).items() if r}
     unknown = [c for c in runs if c not in attribution]
@@ -228,8 +234,12 @@ def structure(
         raise ValueError(f"every checkpoint must be ranked on the same prompts; got prompt counts {n_prompts}")
     k = n_prompts.pop()
     groups = {c: [c, *r] for c, r in runs.items()}
+    matched = {label: list(g) for label, g in (matched or {}).items() if len(g) >= 2}
+    stray = sorted({c for g in matched.values() for c in g} - set(every))
+    if stray:
+        raise ValueError(f"matched runs name {stray}, which are neither checkpoints nor other runs' checkpoints")
     wanted = list(zip(names, names[1:])) + [(c, names[-1]) for c in names[:-1]]
-    wanted += [(s, t) for g in groups.values() for i, s in enumerate(g) for t in g[i + 1 :]]
+    wanted += [(s, t) for g in [*groups.values(), *matched.values()] for i, s in enumerate(g) for t in g[i + 1 :]]
     wanted = list(dict.fromkeys(wanted))
     matrix_pairs = [(s, t) for i, s in enumerate(names) for t in names[i + 1 :]]
     point = overlaps(every, *half_weights(np.ones((1, k)), draws, seed), n, list(dict.fromkeys(wanted + matrix_pairs)))
@@ -274,15 +284,8 @@ def structure(
         "consecutive": steps,
         "against_final": final,
         "matrix": {"checkpoints": names, "overlap": _matrix(point, names)},
-        "between_runs": [
-            {
-                "checkpoint": c,
-                "runs": g,
-                "overlap": est(lambda o, g=g: o.between(g)),
-                "null": est(lambda o, g=g: np.mean([o.null[r] for r in g], axis=0)),
-            }
-            for c, g in groups.items()
-        ],
+        "between_runs": [{"checkpoint": c, **_between(est, point, g, margin)} for c, g in groups.items()],
+        "matched_runs": [{"level": label, **_between(est, point, g, margin)} for label, g in matched.items()],
         "frequency": {c: {pair_name(p): freq[c][p] for p in robust} for c in names},
         "kept": _kept(point, boot, freq, classes, every),
     }
@@ -315,6 +318,37 @@ def _beyond(est: Any, groups: Mapping[str, list[str]], s: str, t: str, at: str, 
     return {"beyond_runs": {"at": at, "runs_minus_cross": diff, **decided(diff, margin)}}
 
 
+def _between(est: Any, point: _Overlaps, g: Sequence[str], margin: float) -> dict:
+    """One checkpoint of each of several runs of a recipe (``g``): their mean overlap on opposite halves
+    (``overlap``), their mean null (``null``) and "within a run minus between runs" (``null_minus_between``: the
+    runs' mean null less their mean cross overlap, paired by split), decided over prompts (`decided`: ``changed``,
+    the runs differ beyond what one run's halves differ by; ``same``, within the margin). Those intervals hold the
+    runs fixed; ``over_runs`` treats them as a sample of seeds: the leave-one-run-out jackknife of the same two
+    statistics on the splits' means (`jackknife`, t on runs - 1 degrees of freedom; none for two runs), and each
+    run's own null less its mean cross overlap with the others (``per_run``)."""
+    g = list(g)
+
+    def null(o: _Overlaps, runs: Sequence[str]) -> np.ndarray:
+        return np.mean([o.null[r] for r in runs], axis=0)
+
+    diff = est(lambda o: null(o, g) - o.between(g))
+    per_run = {
+        r: float(np.mean(point.null[r] - np.mean([_cross(point, r, x) for x in g if x != r], axis=0))) for r in g
+    }
+    return {
+        "runs": g,
+        "overlap": est(lambda o: o.between(g)),
+        "null": est(lambda o: null(o, g)),
+        "null_minus_between": diff,
+        **decided(diff, margin),
+        "over_runs": {
+            "null_minus_between": jackknife(lambda rs: float(np.mean(null(point, rs) - point.between(rs))), g),
+            "overlap": jackknife(lambda rs: float(np.mean(point.between(rs))), g),
+            "per_run": per_run,
+        },
+    }
+
+
 def _matrix(point: _Overlaps, names: Sequence[str]) -> list[list[float]]:
     """Mean overlap over splits of every two checkpoints on opposite halves; the diagonal is the null."""
     return [[float(np.mean(point.null[s] if s == t else _cross(point, s, t))) for t in names] for s in names]
@@ -345,13 +379,15 @@ def structure_record(
     settings: Mapping[str, Any],
     seed: int,
     dense: Optional[Mapping[str, np.ndarray]] = None,
+    matched: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> dict:
     """The structure stage's record: `structure` of the trajectory's checkpoints ``names`` (with the other
     runs ``runs``: checkpoint -> other runs' checkpoints at its step) on the first ``ranking_n`` prompts, which every
     checkpoint has; and, where the steps read by the between-run null have more (``runs_n``), the same at those steps
     alone on all they share (``dense``). ``settings``: ``[structure]`` (draws, stable, resamples, resample_splits,
     margin). ``dense``: the attributions that second comparison reads, where they are not ``attribution`` (the
-    store keeps the two apart: `read_attributions`)."""
+    store keeps the two apart: `read_attributions`). ``matched``: a label -> one checkpoint of each run (the runs
+    compared at a matched accuracy, `matched_runs`), compared in both."""
     keys = ("draws", "stable", "resamples", "resample_splits", "margin")
     opts = dict(zip(keys, (settings[k] for k in keys)))
     dense = dense or attribution
@@ -359,7 +395,9 @@ def structure_record(
     def run(source: Mapping[str, np.ndarray], mine: Sequence[str], rows: int) -> dict:
         other = {c: {o: source[o][:rows] for o in os} for c, os in runs.items()}
         cut = {c: source[c][:rows] for c in mine}
-        return structure(cut, classes, n_pairs, opts["draws"], seed, opts["stable"], other, *list(opts.values())[2:])
+        return structure(
+            cut, classes, n_pairs, opts["draws"], seed, opts["stable"], other, *list(opts.values())[2:], matched=matched
+        )
 
     out = run(attribution, names, ranking_n)
     read = [c for c in names if c in runs]
@@ -384,6 +422,7 @@ def committed_structure(run_dir: str | Path) -> dict:
         meta["structure"],
         meta["seed"],
         store.dense,
+        matched=meta.get("matched"),
     )
 
 

@@ -46,13 +46,15 @@ def key_hash(data: Any) -> str:
 
 @dataclass
 class StageRecord:
-    """One stage's outcome: its key, result, wall time and whether it came from the cache."""
+    """One stage's outcome: its key, result, wall time, whether it came from the cache, and the CPU seconds of
+    this process while it computed (every thread's; None in a record written before they were kept)."""
 
     name: str
     key: str
     result: Any
     seconds: float
     cached: bool
+    cpu_seconds: Optional[float] = None
 
     def line(self) -> str:
         """``stage NAME: cached (key K; computed in S s)`` or ``stage NAME: computed in S s (key K)``."""
@@ -141,13 +143,15 @@ class StageCache:
         if saved is not None:
             if saved["key"] == key:
                 reused = self.computed_since is None or path.stat().st_mtime < self.computed_since
-                return self._keep(StageRecord(name, key, saved["result"], saved["seconds"], reused))
+                cpu = saved.get("cpu_seconds")
+                return self._keep(StageRecord(name, key, saved["result"], saved["seconds"], reused, cpu))
             log.info("stage %s: inputs changed, recomputing", name)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = compute()
-        seconds = time.perf_counter() - t0
-        write_json(path, {"name": name, "key": key, "inputs": inputs, "seconds": seconds, "result": result})
-        return self._keep(StageRecord(name, key, result, seconds, False))
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        record = {"name": name, "key": key, "inputs": inputs, "seconds": seconds, "cpu_seconds": cpu}
+        write_json(path, {**record, "result": result})
+        return self._keep(StageRecord(name, key, result, seconds, False, cpu))
 
     def ready(self, name: str, inputs: dict) -> bool:
         """Whether stage ``name`` is saved under the key of ``inputs`` (e.g. by another process); a record
@@ -177,8 +181,12 @@ class StageCache:
         return rec
 
     def summary(self) -> dict[str, dict]:
-        """Per stage run so far: key, seconds and whether it came from the cache (for a run manifest)."""
-        return {n: {"key": r.key, "seconds": r.seconds, "cached": r.cached} for n, r in self.records.items()}
+        """Per stage run so far: key, wall and CPU seconds, and whether it came from the cache (for a run
+        manifest)."""
+        return {
+            n: {"key": r.key, "seconds": r.seconds, "cpu_seconds": r.cpu_seconds, "cached": r.cached}
+            for n, r in self.records.items()
+        }
 
 
 def _saved(path: Path, name: str) -> dict | None:

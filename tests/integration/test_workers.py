@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from test_study import tiny_spec
 
 from mechdiff.cli import main
+from mechdiff.commands import _workers
 from mechdiff.runs.stages import label
 from mechdiff.studies.circuits.study import CircuitsStudy
+
+SLEEPER = "import time; time.sleep(120)"
 
 
 def _toml(value) -> str:
@@ -62,11 +68,22 @@ def test_a_plain_run_starts_one_process_per_model_and_writes_the_serial_runs_rec
     assert _findings(tmp_path / "run") == _findings(tiny_study / "run")
     stages = json.loads((tmp_path / "run" / "run.json").read_text())["stages"]
     assert stages and not any(s["cached"] for s in stages.values())  # computed by this run's workers, not reused
-    assert main(["run", str(task), "--workers", "2", "--no-progress"]) == 0  # again: every stage reused
+    with pytest.MonkeyPatch.context() as mp:  # again, every stage reused: each worker's run_model in this process
+        # (the children's command line is the first run's; a child would only import, find its records and end)
+        mp.setattr(_workers, "run_workers", lambda args, study, plan: _in_process(tiny_family, tmp_path))
+        assert main(["run", str(task), "--workers", "2", "--no-progress"]) == 0
     assert all(s["cached"] for s in json.loads((tmp_path / "run" / "run.json").read_text())["stages"].values())
     assembled = CircuitsStudy(tiny_spec(tiny_family, tmp_path), progress=False)  # a plain run loads no model
     assembled.run()
     assert all(r.cached for r in assembled.cache.records.values()) and assembled.models._loaded == {}
+
+
+def _in_process(tiny_family, tmp_path) -> None:
+    """What the workers of a rerun do (``mechdiff run --model NAME``), each model's stages in this process."""
+    for name in tiny_family:
+        study = CircuitsStudy(tiny_spec(tiny_family, tmp_path), progress=False)
+        study.run_model(name)
+        assert all(r.cached for r in study.cache.records.values()) and study.models._loaded == {}
 
 
 def _findings(run: Path) -> list[str]:
@@ -78,15 +95,28 @@ def _findings(run: Path) -> list[str]:
     return [line for line in lines if not (line.startswith(own) or timing.match(line))]
 
 
-def test_a_failing_worker_fails_the_run_with_its_error(tiny_family, tmp_path, capsys):
-    """The fine-tune's lock directory cannot be made (a file sits at its path): its worker fails, the base's
-    (waiting for the fine-tune's circuit) is ended, and the run fails with the worker's error."""
+def test_a_failing_worker_fails_the_run_with_its_error(tiny_family, tmp_path, capsys, monkeypatch):
+    """The fine-tune's lock directory cannot be made (a file sits at its path): its worker fails, the other
+    (a process that would wait long: the base's worker would be waiting for the fine-tune's circuit) is ended,
+    and the run fails with the worker's error."""
     spec = tiny_spec(tiny_family, tmp_path)
     task = write_task_file(spec, tmp_path / "tiny.toml")
     locks = Path(spec.output.dir) / "stages" / "locks"
     locks.mkdir(parents=True)
     (locks / label(tiny_family[1])).write_text("not a directory")
+    real, real_popen, started = _workers.worker_command, subprocess.Popen, []
+
+    def command(args, study, name, threads):  # the fine-tune's real worker; in the base's place, a sleeper
+        return real(args, study, name, threads) if name == tiny_family[1] else [sys.executable, "-c", SLEEPER]
+
+    def popen(cmd, **kwargs):
+        started.append(real_popen(cmd, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(_workers, "worker_command", command)
+    monkeypatch.setattr(_workers.subprocess, "Popen", popen)
     assert main(["run", str(task), "--workers", "2", "--no-progress"]) == 1
+    assert started[0].returncode == -signal.SIGTERM and started[1].returncode == 2  # the sleeper ended, by the run
     err = capsys.readouterr().err
     assert f"mechdiff run: error: the process of {tiny_family[1]} failed (exit 2)" in err
     assert "mechdiff run: error:" in err.split("its last lines:")[1]  # the worker's own error, repeated

@@ -135,7 +135,10 @@ class TrajectoryReport:
             for r in self.structure_part.against_final_rows()
         ]
         stages = self.s.cache.summary()
-        cost = [{"stage": k, "seconds": round(v["seconds"], 1)} for k, v in stages.items()]
+        cost = [
+            {"stage": k, "wall_s": round(v["seconds"], 1), "cpu_s": _round(v.get("cpu_seconds"))}
+            for k, v in stages.items()
+        ]
         st = self.s.st
         settings = [
             {"what": w, "setting": v}
@@ -209,10 +212,34 @@ class TrajectoryReport:
             + "## Settings\n\n"
             + to_markdown(settings)
             + "\n\n"
-            "## Stage costs\n\nSeconds each stage took when it was computed (from `run.json`; "
-            f"{sum(v['seconds'] for v in stages.values()):.0f} s in all).\n\n" + to_markdown(cost) + "\n"
+            "## Stage costs\n\n" + cost_sentence(stages) + "\n\n" + to_markdown(cost) + "\n"
         )
         write_text(self.dir / "README.md", text)
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def cost_sentence(stages: dict[str, dict]) -> str:
+    """What each stage cost when it was computed: wall seconds (which grow with whatever else shared the cores)
+    and the computing process's CPU seconds (every thread's; what the stage itself needs), with their sums."""
+    wall = sum(v["seconds"] for v in stages.values())
+    cpu = [v.get("cpu_seconds") for v in stages.values()]
+    known = [c for c in cpu if c is not None]
+    text = (
+        f"Wall seconds each stage took when it was computed, and the CPU seconds of the process that computed it "
+        f"(from `run.json`; {wall:.0f} s of wall time"
+    )
+    if known:
+        text += f" and {sum(known):.0f} s of CPU time in all"
+        if len(known) < len(cpu):
+            text += f" over the {len(known)} of {len(cpu)} stages whose records keep it"
+    text += (
+        "). Stages computed side by side in several processes add their wall seconds here, so the sum exceeds "
+        "the run's elapsed time; CPU seconds do not depend on what else ran."
+    )
+    return text
 
 
 def write_trajectory_report(study: Any, results: dict) -> Path:

@@ -42,6 +42,50 @@ def structure_sentence(rows: list[dict], margin: Optional[float], what: str = "c
     return head + "; " + "; ".join(parts) + "."
 
 
+def between_cols(b: dict, margin: Optional[float]) -> dict:
+    """ "Within a run minus between runs" of a between-run row: over prompts (the runs fixed) with its verdict,
+    and over seeds (the jackknife over runs, t on runs - 1 df, with its p)."""
+    if "null_minus_between" not in b:  # a record made before the paired test
+        return {}
+    seeds = b["over_runs"]["null_minus_between"]
+    return {
+        **cols("within_minus_between", b["null_minus_between"]),
+        "runs_differ": {"changed": "differ"}.get(verdict(b, margin), verdict(b, margin)),
+        **cols("over_seeds", seeds if seeds["low"] is not None else None),
+        "p_over_seeds": seeds["p"],
+    }
+
+
+def runs_sentence(same: list[dict], matched: list[dict], margin: Optional[float], tests: list[dict]) -> str:
+    """What the between-run comparisons show: over prompts (the runs fixed), where the runs differ beyond one
+    run's halves, are the same within the margin, or neither; over seeds, where the Holm-adjusted t test rejects."""
+
+    def where(rows: list[dict], v: str) -> list[str]:
+        return [str(r.get("step", r.get("level"))) for r in rows if r.get("runs_differ") == v]
+
+    rows = same + matched
+    if not rows or "runs_differ" not in rows[0]:
+        return ""
+    parts = []
+    for v, text in (
+        ("differ", "the runs differ by more than one run's two halves do (within minus between above 0)"),
+        (f"same within {margin:g}" if margin is not None else "-", f"they are the same within {margin}"),
+        ("not shown", "neither is shown"),
+    ):
+        at = where(rows, v)
+        if at:
+            parts.append(f"{text} at {', '.join(at)}")
+    head = "Over prompts, with these runs fixed (95% interval, each comparison on its own): " + "; ".join(parts) + "."
+    if not tests:
+        return head + " Over seeds: no interval (fewer than three runs)."
+    shown = [str(r.get("step", r.get("level"))) for r in tests if r["p_holm_over_seeds"] < 0.05]
+    return (
+        head + f" Over seeds (the {tests[0]['runs']} runs a sample of seeds: jackknife over runs, t on "
+        f"{tests[0]['runs'] - 1} df; family 'between runs (over seeds)', Holm over {len(tests)}): "
+        + (f"within minus between lies above 0 at {', '.join(shown)}." if shown else "no difference is shown.")
+    )
+
+
 class StructureReport(ReportPart):
     """The structure section, and the rows the README's structure findings read."""
 
@@ -189,44 +233,101 @@ class StructureReport(ReportPart):
             )
         )
 
+    def accuracy_of(self, c: str) -> float:
+        """Held-out accuracy of a checkpoint of this run or of another run."""
+        rec = self.r["accuracy"].get(c) or self.r["runs"]["accuracy"][c]
+        return rec.result["accuracy"]["value"]
+
     def runs_rows(self, between: dict) -> list[dict]:
-        """The between-run null at each step read: the runs' accuracy and the overlap of their circuits."""
+        """The between-run null at each step read: the runs' accuracy, the overlap of their circuits, and "within a
+        run minus between runs" over prompts and over seeds."""
+        margin = self.between_record().get("margin")
         rows = []
         for s, n in zip(self.steps, self.names):
             if n not in between:
                 continue
             b = between[n]
-            acc = {o: self.r["runs"]["accuracy"][o].result["accuracy"] for o in b["runs"][1:]}
             rows.append(
                 {
                     "step": s,
                     "runs": len(b["runs"]),
-                    "accuracy_this_run": self.r["accuracy"][n].result["accuracy"]["value"],
-                    "accuracy_other_runs": " ".join(f"{a['value']:.3f}" for a in acc.values()),
+                    "accuracy_this_run": self.accuracy_of(n),
+                    "accuracy_other_runs": " ".join(f"{self.accuracy_of(o):.3f}" for o in b["runs"][1:]),
                     **cols("between_runs_overlap", b["overlap"]),
                     **spread_cols("between_runs", b["overlap"]),
                     **cols("within_run_null", b["null"]),
+                    **between_cols(b, margin),
                 }
             )
         return rows
 
+    def matched_rows(self, rec: dict) -> list[dict]:
+        """The runs compared at matched accuracy: per level, each run's first step read at or above it."""
+        margin = rec.get("margin")
+        rows = []
+        for m in rec.get("matched_runs", []):
+            rows.append(
+                {
+                    "level": m["level"],
+                    "runs": len(m["runs"]),
+                    "steps": " ".join(c.rsplit("@", 1)[1] for c in m["runs"]),
+                    "accuracies": " ".join(f"{self.accuracy_of(c):.3f}" for c in m["runs"]),
+                    **cols("between_runs_overlap", m["overlap"]),
+                    **cols("within_run_null", m["null"]),
+                    **between_cols(m, margin),
+                }
+            )
+        return rows
+
+    def between_record(self) -> dict:
+        """The structure record the between-run comparisons are read from: the steps read on their own (more)
+        ranking prompts where the record has them (`dense`), else the prompts every checkpoint shares."""
+        st = self.r["structure"].result
+        return st.get("dense") or st
+
     def runs_findings(self) -> str:
         """The README's between-run section ('' where the study read no other run)."""
-        between = {b["checkpoint"]: b for b in self.r["structure"].result.get("between_runs", [])}
-        if not between:
+        rec = self.between_record()
+        same, matched, tests = self.between_tables()
+        if not same:
             return ""
         return (
             "## Findings: the between-run null\n\n"
-            "Other runs of the recipe at the same step (`tables/structure_runs.md`); `beyond_runs` above: a change "
-            "larger than two runs of the recipe differ by at that step.\n\n"
-            + to_markdown(self.runs_rows(between))
+            f"Other runs of the recipe ({len(self.s.st.runs.dirs)} more seeds), on the {rec['prompts']} ranking "
+            "prompts of the steps read (`tables/structure_runs.md`, `tables/structure_matched.md`); `beyond_runs` "
+            "above: a change larger than the runs of the recipe differ by at that step. "
+            + runs_sentence(same, matched, rec.get("margin"), tests)
             + "\n\n"
+            + to_markdown(same)
+            + "\n\n"
+            + (to_markdown(matched) + "\n\n" if matched else "")
         )
 
+    def between_tables(self) -> tuple[list[dict], list[dict], list[dict]]:
+        """The between-run rows at the same step and at matched accuracy (`between_record`), and those of them
+        with an over-seeds test, its p Holm-adjusted across both (`seeds_tests`)."""
+        rec = self.between_record()
+        between = {b["checkpoint"]: b for b in rec.get("between_runs", [])}
+        same, matched = self.runs_rows(between), self.matched_rows(rec)
+        return same, matched, self.seeds_tests(same + matched)
+
+    @staticmethod
+    def seeds_tests(rows: list[dict]) -> list[dict]:
+        """The over-seeds t tests of "within a run minus between runs" (jackknife over runs), one per row that
+        has one, Holm-adjusted together: the family 'between runs (over seeds)'."""
+        from ...common.inference import holm
+
+        tested = [r for r in rows if r.get("p_over_seeds") is not None]
+        for r, p in zip(tested, holm([r["p_over_seeds"] for r in tested]) if tested else []):
+            r["p_holm_over_seeds"] = float(p)
+        return tested
+
     def runs_section(self, between: dict) -> str:
-        """The between-run null's table and what it says ('' where the study read no other run)."""
+        """The between-run null's tables and what they say ('' where the study read no other run)."""
         if not between:
             return ""
+        same, matched, tests = self.between_tables()
+        rec = self.between_record()
         dirs = ", ".join(f"`{d}`" for d in self.s.st.runs.dirs)
         return (
             "\n### Between-run null\n\n"
@@ -237,15 +338,35 @@ class StructureReport(ReportPart):
             "overlap - cross), paired by split, has its interval above 0, and 'same within' the margin where its 90% "
             "interval lies inside it (a consecutive change is held against the runs at its later step, or its "
             "earlier where only that was read; a checkpoint against the final one, against the runs at the final "
-            "step).\n\n"
+            "step). Within a run minus between runs (the runs' mean null less their mean overlap, paired by "
+            "split) is read two ways: over prompts with these runs fixed (`runs_differ`: 'differ' where its 95% "
+            "interval lies above 0, 'same within' the margin where its 90% interval lies inside it), and over "
+            "seeds, the runs a sample of the recipe's seeds (`over_seeds`: the leave-one-run-out jackknife, t on "
+            "runs - 1 degrees of freedom, its p Holm-adjusted across the rows of both tables, family 'between "
+            "runs (over seeds)'). Runs that learn at other speeds are compared at matched accuracy too: each "
+            "run's first step read at or above an accuracy (`[runs] levels`). "
+            + runs_sentence(same, matched, rec.get("margin"), tests)
+            + "\n\n"
             + self.table(
-                self.runs_rows(between),
+                same,
                 "structure_runs",
-                "Between-run null: held-out accuracy of this run and of the others (their intervals: "
-                "`tables/accuracy.md`, `outcomes.json`), and the overlap of top-n pair sets between runs at the same "
-                "step beside the runs' mean within-checkpoint null (" + interval_text(self.r["structure"].result) + ")",
+                "Between-run null at the same step: held-out accuracy of this run and of the others (their "
+                "intervals: `tables/accuracy.md`, `outcomes.json`), the overlap of top-n pair sets between runs "
+                "beside the runs' mean within-checkpoint null, and within minus between over prompts and over "
+                f"seeds (on the {rec['prompts']} ranking prompts of the steps read; " + interval_text(rec) + ")",
             )
             + "\n"
+            + (
+                self.table(
+                    matched,
+                    "structure_matched",
+                    "Between-run null at matched accuracy: each run at its first step read at or above the level "
+                    "(steps and accuracies in run order: this run, then `[runs] dirs`), as at the same step",
+                )
+                + "\n"
+                if matched
+                else ""
+            )
         )
 
     def against_final_rows(self) -> list[dict]:

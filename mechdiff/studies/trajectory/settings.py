@@ -16,7 +16,14 @@ from ...methods.dcm import DCMConfig
 from ...methods.edge_structure import EDGES_N
 from ...methods.knowledge.task_graph import EDGE_BATCH, IG_STEPS, METHODS
 from ...methods.roles import SEEDS, THRESHOLD, VOTES
-from ...methods.structure import MARGIN, RESAMPLE_SPLITS, STABLE, STRUCTURE_DRAWS, STRUCTURE_RESAMPLES
+from ...methods.structure import (
+    MARGIN,
+    MATCHED_LEVELS,
+    RESAMPLE_SPLITS,
+    STABLE,
+    STRUCTURE_DRAWS,
+    STRUCTURE_RESAMPLES,
+)
 from ..spec import (
     DcmSection,
     EvalSection,
@@ -141,10 +148,13 @@ class RolesSection:
 class RunsSection:
     """The between-run null: other runs of the same recipe (another seed), each a directory of saved steps
     (``DIR@STEP``), read at ``steps`` (steps of the trajectory). Only their ranking attribution and accuracy are
-    computed; the structure stage compares their circuits with the trajectory's at the same step."""
+    computed; the structure stage compares their circuits with the trajectory's at the same step, and at each
+    accuracy of ``levels`` each run's first step read at or above it (runs that learn at other speeds compared at
+    matched accuracy)."""
 
     dirs: list[str] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    levels: list[float] = field(default_factory=lambda: list(MATCHED_LEVELS))
 
 
 @section

@@ -280,6 +280,7 @@ class TrajectoryStudy(TrajectoryContext):
             "ranking_n": self.st.discovery.n,
             "steps": dict(zip(self.names, self.steps)),
             "runs": self.runs,
+            "matched": {r["level"]: r["runs"] for r in st.get("matched_runs", [])},
         }
         classes = results["circuits"][self.final].result["classes"]
         path = write_attributions(self.dir / ATTRIBUTIONS, attribution, st, classes, meta)

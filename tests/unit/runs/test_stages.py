@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 
 import pytest
 
@@ -36,6 +37,28 @@ def test_stage_cache_reuses_only_matching_keys(tmp_path):
     assert again.cached and again.result == {"v": 1} and again.key == key_hash({"x": 1})
     changed = StageCache(tmp_path).run("score:org/model-a", {"x": 2}, compute(3))
     assert not changed.cached and changed.result == {"v": 3} and calls == [1, 3]
+
+
+def test_a_stage_keeps_its_cpu_seconds_apart_from_its_wall_time(tmp_path):
+    """A stage that waits costs wall time and no CPU; one that computes costs CPU: both are kept in the record,
+    read back from the cache and listed in the manifest's summary."""
+
+    def spin() -> dict:
+        end = time.process_time() + 0.2
+        while time.process_time() < end:
+            pass
+        return {}
+
+    cache = StageCache(tmp_path)
+    waited = cache.run("wait", {}, lambda: time.sleep(0.3) or {})
+    spun = cache.run("spin", {}, spin)
+    assert waited.seconds >= 0.3 and waited.cpu_seconds < 0.1
+    assert spun.cpu_seconds >= 0.2
+    again = StageCache(tmp_path).run("spin", {}, lambda: pytest.fail("recomputed"))
+    assert again.cached and again.cpu_seconds == spun.cpu_seconds
+    assert cache.summary()["wait"]["cpu_seconds"] == waited.cpu_seconds
+    (tmp_path / "stages" / "old.json").write_text(json.dumps({"key": key_hash({}), "seconds": 1, "result": {}}))
+    assert StageCache(tmp_path).run("old", {}, lambda: pytest.fail("recomputed")).cpu_seconds is None
 
 
 def test_key_hash_is_canonical_json():

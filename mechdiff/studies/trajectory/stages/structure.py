@@ -34,7 +34,26 @@ class StructureStage(Stage):
         inputs["null"] = NULL
         if rankings:  # a study without other runs keeps its key
             inputs["runs"] = {o: r.key for o, r in rankings.items()}
+            matched = self.matched()
+            if matched:  # as do runs compared at the same step only
+                inputs["matched"] = matched
         return inputs
+
+    def matched(self) -> dict[str, list[str]]:
+        """Each ``[runs] levels`` accuracy (``"accuracy 0.5"``) -> each run's first step read (``[runs] steps``)
+        whose held-out accuracy is at or above it: this run's checkpoint, then each other run's in ``[runs] dirs``
+        order; a run that reaches it at no step read is left out (a level fewer than two runs reach: no row)."""
+        s = self.s
+        step = dict(zip(s.names, s.steps))
+        read = sorted(s.runs, key=step.__getitem__)
+        per_run = [read] + [[s.runs[c][i] for c in read] for i in range(len(s.st.runs.dirs))]
+        acc = {c: s.accuracy(c).result["accuracy"]["value"] for run in per_run for c in run}
+        out = {}
+        for level in s.st.runs.levels:
+            first = [next((c for c in run if acc[c] >= level), None) for run in per_run]
+            if sum(c is not None for c in first) >= 2:
+                out[f"accuracy {level:g}"] = [c for c in first if c is not None]
+        return out
 
     def compute(self, circuits: Records, rankings: Optional[Records] = None) -> dict:
         from ....methods.structure import structure_record
@@ -43,8 +62,17 @@ class StructureStage(Stage):
         n_pairs = st.n_pairs or circuits[s.final].result["n_pairs"]
         classes = circuits[s.final].result["classes"]
         attribution = self.attributions(circuits, rankings or {})
+        matched = self.matched() if rankings else {}
         return structure_record(
-            attribution, s.names, s.runs, classes, n_pairs, s.st.discovery.n, asdict(st), s.seed("ranking")
+            attribution,
+            s.names,
+            s.runs,
+            classes,
+            n_pairs,
+            s.st.discovery.n,
+            asdict(st),
+            s.seed("ranking"),
+            matched=matched,
         )
 
     def attributions(self, circuits: Records, rankings: Optional[Records] = None) -> dict[str, Any]:
