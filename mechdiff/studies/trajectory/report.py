@@ -208,6 +208,7 @@ class TrajectoryReport:
             + to_markdown(final)
             + "\n\n"
             + self.structure_part.runs_findings()
+            + self.roles_part.readme
             + self.edges_part.edge_findings()
             + "## Settings\n\n"
             + to_markdown(settings)

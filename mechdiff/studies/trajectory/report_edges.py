@@ -34,13 +34,25 @@ def edge_sentence(rows: list[dict]) -> str:
     """Where "nodes stable, edges move" is shown, and that it is not shown elsewhere."""
     from ...methods.edge_structure import STABLE_MOVE
 
-    where = [f"{r['from_step']}-{r['to_step']}" for r in rows if r["reading"] == STABLE_MOVE]
+    pairs = {(r["from_step"], r["to_step"]): r for r in rows}  # a step against the final one may be consecutive
+    where = [f"{a}-{b}" for (a, b), r in pairs.items() if r["reading"] == STABLE_MOVE]
     if not where:
-        return f'"{STABLE_MOVE}" (Wang et al. 2025) is not shown at any of the {len(rows)} comparisons.'
+        return f'"{STABLE_MOVE}" (Wang et al. 2025) is not shown at any of the {len(pairs)} comparisons.'
+    moved = [
+        f"{a}-{b}"
+        for (a, b), r in pairs.items()
+        if r["reading"] == STABLE_MOVE and str(r["nodes_change"]).startswith("changed")
+    ]
     return (
         f'"{STABLE_MOVE}" (Wang et al. 2025) is shown at {", ".join(where)} (the node difference the same within the '
         "margin, the edge difference above 0, both on intervals over prompts); not shown at the other "
-        f"{len(rows) - len(where)} comparisons."
+        f"{len(pairs) - len(where)} of {len(pairs)} distinct comparisons."
+        + (
+            f" At {', '.join(moved)} the node difference is also above 0 (a change of the nodes shown, smaller "
+            "than the margin): stable only within the margin."
+            if moved
+            else ""
+        )
     )
 
 

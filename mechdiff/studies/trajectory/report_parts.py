@@ -19,11 +19,12 @@ def row_est(row: dict, name: str) -> dict:
 
 
 def verdict(d: dict, margin: Optional[float]) -> str:
-    """A structural difference's verdict: "changed" (its interval over prompts above 0), "same within M" (its 90%
+    """A structural difference's verdict: "changed" (its interval over prompts above 0; "changed, within M" where
+    its 90% interval also lies inside the margin: a change shown, smaller than M), "same within M" (its 90%
     interval inside the equivalence margin M), else "not shown"; a record made before the margin: "changed" or
     "-" (no equivalence was tested)."""
-    if d["changed"]:
-        return "changed"
+    if d["changed"]:  # shown above 0, and where also inside the margin, said: a change smaller than the margin
+        return f"changed, within {margin:g}" if margin is not None and d.get("same") else "changed"
     if margin is None or "same" not in d:
         return "-"
     return f"same within {margin:g}" if d["same"] else "not shown"

@@ -9,6 +9,9 @@ from .report_parts import ReportPart
 
 
 class RolesReport(ReportPart):
+    #: The README's roles section (roles by DCM only: '' until `dcm_roles` writes it).
+    readme = ""
+
     def roles(self) -> None:
         """Role membership over the steps, where the study ran the roles stage (``[roles]``)."""
         from ...common.outcomes import read_record
@@ -109,6 +112,15 @@ class RolesReport(ReportPart):
             "target accuracy",
         )
         r, d = self.s.st.roles, self.s.st.dcm
+        self.readme = (
+            "## Findings: roles over the steps\n\n"
+            f"DCM trained {r.seeds} times in each of steps {', '.join(map(str, steps))} at one absolute sparsity "
+            f"weight ({r.lam}); a head is selected where {r.votes} of the {r.seeds} masks select it, and a group holds "
+            f"a role where its selection beats the unpatched floor and {r.n_random} layer-matched random head sets, "
+            "both paired and Holm-adjusted in the family 'roles' (`tables/role_dcm.md`, `tables/role_tests.md`).\n\n"
+            + "\n".join(role_sentences(steps, per_step, moves))
+            + "\n\n"
+        )
         self.sections.append(
             "## Roles over the steps (DCM over seeds in each checkpoint)\n\n"
             f"DCM trained in each of steps {', '.join(map(str, steps))} over every head any checkpoint's own circuit "

@@ -20,7 +20,7 @@ def structure_sentence(rows: list[dict], margin: Optional[float], what: str = "c
     changes, the pairs shown the same within the margin, and those neither (not shown: no claim either way)."""
 
     def at(v: str) -> list[str]:
-        return [f"{r['from_step']}-{r['to_step']}" for r in rows if r["change"] == v]
+        return [f"{r['from_step']}-{r['to_step']}" for r in rows if r["change"].split(",")[0] == v]
 
     if not rows:
         return f"No {what} to compare."
@@ -28,6 +28,14 @@ def structure_sentence(rows: list[dict], margin: Optional[float], what: str = "c
     head = f"Of {len(rows)} {what}: " + (
         f"changed beyond the within-checkpoint null at {', '.join(changed)}" if changed else "no change shown"
     )
+    sizes = [
+        (r.get("null_minus_cross"), r.get("null_minus_cross_high")) for r in rows if r["change"].startswith("changed")
+    ]
+    if sizes and margin is not None and all(v is not None and h is not None and h < margin for v, h in sizes):
+        head += (
+            f" (by {min(v for v, _ in sizes):.3f} to {max(v for v, _ in sizes):.3f} Jaccard, each 95% interval "
+            f"below the {margin:g} margin: changes shown, and smaller than the margin)"
+        )
     if margin is None:
         return head + " (no equivalence margin in this record, so no sameness is claimed)."
     same = at(f"same within {margin:g}")
@@ -50,7 +58,7 @@ def between_cols(b: dict, margin: Optional[float]) -> dict:
     seeds = b["over_runs"]["null_minus_between"]
     return {
         **cols("within_minus_between", b["null_minus_between"]),
-        "runs_differ": {"changed": "differ"}.get(verdict(b, margin), verdict(b, margin)),
+        "runs_differ": verdict(b, margin).replace("changed", "differ", 1),
         **cols("over_seeds", seeds if seeds["low"] is not None else None),
         "p_over_seeds": seeds["p"],
     }
@@ -60,8 +68,11 @@ def runs_sentence(same: list[dict], matched: list[dict], margin: Optional[float]
     """What the between-run comparisons show: over prompts (the runs fixed), where the runs differ beyond one
     run's halves, are the same within the margin, or neither; over seeds, where the Holm-adjusted t test rejects."""
 
+    def name(r: dict) -> str:
+        return f"step {r['step']}" if "step" in r else r["level"]
+
     def where(rows: list[dict], v: str) -> list[str]:
-        return [str(r.get("step", r.get("level"))) for r in rows if r.get("runs_differ") == v]
+        return [name(r) for r in rows if str(r.get("runs_differ")).split(",")[0] == v]
 
     rows = same + matched
     if not rows or "runs_differ" not in rows[0]:
@@ -78,7 +89,7 @@ def runs_sentence(same: list[dict], matched: list[dict], margin: Optional[float]
     head = "Over prompts, with these runs fixed (95% interval, each comparison on its own): " + "; ".join(parts) + "."
     if not tests:
         return head + " Over seeds: no interval (fewer than three runs)."
-    shown = [str(r.get("step", r.get("level"))) for r in tests if r["p_holm_over_seeds"] < 0.05]
+    shown = [name(r) for r in tests if r["p_holm_over_seeds"] < 0.05]
     return (
         head + f" Over seeds (the {tests[0]['runs']} runs a sample of seeds: jackknife over runs, t on "
         f"{tests[0]['runs'] - 1} df; family 'between runs (over seeds)', Holm over {len(tests)}): "

@@ -32,6 +32,19 @@ def test_verdicts_and_the_sentence_say_changed_same_or_not_shown():
         "claimed)."
     )
     assert structure_sentence([], 0.05) == "No consecutive checkpoints to compare."
+    # a change shown whose 90% interval also lies inside the margin: said as both, with its size
+    small = {"changed": True, "same": True}
+    assert verdict(small, 0.05) == "changed, within 0.05" and verdict(small, None) == "changed"
+    rows = [
+        {"from_step": 0, "to_step": 1, "change": verdict(small, 0.05), "null_minus_cross": 0.011,
+         "null_minus_cross_high": 0.017},
+        {"from_step": 1, "to_step": 2, "change": verdict(changed, 0.05), "null_minus_cross": 0.02,
+         "null_minus_cross_high": 0.03},
+    ]  # fmt: skip
+    text = structure_sentence(rows, 0.05)
+    assert "changed beyond the within-checkpoint null at 0-1, 1-2 (by 0.011 to 0.020 Jaccard, each 95% interval" in text
+    rows[1]["null_minus_cross_high"] = 0.06  # one change may exceed the margin: no such clause
+    assert "Jaccard, each" not in structure_sentence(rows, 0.05)
 
 
 def test_the_page_names_a_structure_band_by_what_it_resamples():
