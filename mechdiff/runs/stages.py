@@ -55,6 +55,7 @@ class StageRecord:
     seconds: float
     cached: bool
     cpu_seconds: Optional[float] = None
+    finished: Optional[float] = None  # when the record was written (seconds since the epoch)
 
     def line(self) -> str:
         """``stage NAME: cached (key K; computed in S s)`` or ``stage NAME: computed in S s (key K)``."""
@@ -143,15 +144,15 @@ class StageCache:
         if saved is not None:
             if saved["key"] == key:
                 reused = self.computed_since is None or path.stat().st_mtime < self.computed_since
-                cpu = saved.get("cpu_seconds")
-                return self._keep(StageRecord(name, key, saved["result"], saved["seconds"], reused, cpu))
+                cpu, finished = saved.get("cpu_seconds"), saved.get("finished")
+                return self._keep(StageRecord(name, key, saved["result"], saved["seconds"], reused, cpu, finished))
             log.info("stage %s: inputs changed, recomputing", name)
         t0, c0 = time.perf_counter(), time.process_time()
         result = compute()
-        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        seconds, cpu, finished = time.perf_counter() - t0, time.process_time() - c0, time.time()
         record = {"name": name, "key": key, "inputs": inputs, "seconds": seconds, "cpu_seconds": cpu}
-        write_json(path, {**record, "result": result})
-        return self._keep(StageRecord(name, key, result, seconds, False, cpu))
+        write_json(path, {**record, "finished": finished, "result": result})
+        return self._keep(StageRecord(name, key, result, seconds, False, cpu, finished))
 
     def ready(self, name: str, inputs: dict) -> bool:
         """Whether stage ``name`` is saved under the key of ``inputs`` (e.g. by another process); a record
@@ -181,10 +182,16 @@ class StageCache:
         return rec
 
     def summary(self) -> dict[str, dict]:
-        """Per stage run so far: key, wall and CPU seconds, and whether it came from the cache (for a run
-        manifest)."""
+        """Per stage run so far: key, wall and CPU seconds, when it was written, and whether it came from the
+        cache (for a run manifest)."""
         return {
-            n: {"key": r.key, "seconds": r.seconds, "cpu_seconds": r.cpu_seconds, "cached": r.cached}
+            n: {
+                "key": r.key,
+                "seconds": r.seconds,
+                "cpu_seconds": r.cpu_seconds,
+                "finished": r.finished,
+                "cached": r.cached,
+            }
             for n, r in self.records.items()
         }
 

@@ -169,7 +169,10 @@ def test_trajectory_study_end_to_end_then_all_cached(tiny_run, tmp_path):
     computed = [json.loads(p.read_text()) for p in (out / "stages").glob("*.json")]
     assert len(computed) == len(stages) and all(r["seconds"] > 0 and r["cpu_seconds"] > 0 for r in computed)
     cpu = sum(r["cpu_seconds"] for r in computed)  # the README's cost: each record's CPU seconds, summed
-    assert f"and {cpu:.0f} s of CPU time in all)" in (out / "README.md").read_text()
+    readme = (out / "README.md").read_text()
+    assert f"and {cpu:.0f} s of CPU time in all)" in readme
+    start = min(r["finished"] - r["seconds"] for r in computed)  # the elapsed time, from the records' own times
+    assert f"UTC: {(max(r['finished'] for r in computed) - start) / 60:.1f} min elapsed." in readme
 
     # the report's tables are the stage records: the accuracy and the formed-at rule recomputed from them
     acc = json.loads((out / "tables" / "accuracy.json").read_text())

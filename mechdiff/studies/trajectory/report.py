@@ -4,6 +4,7 @@ formation section, ``outcomes.json`` and the README here."""
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -240,6 +241,12 @@ def cost_sentence(stages: dict[str, dict]) -> str:
         "). Stages computed side by side in several processes add their wall seconds here, so the sum exceeds "
         "the run's elapsed time; CPU seconds do not depend on what else ran."
     )
+    ends = [(v.get("finished"), v["seconds"]) for v in stages.values()]
+    if ends and all(f is not None for f, _ in ends):
+        first = min(f - s for f, s in ends)
+        last = max(f for f, _ in ends)
+        when = [datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M") for t in (first, last)]
+        text += f" The stages were computed from {when[0]} to {when[1]} UTC: {(last - first) / 60:.1f} min elapsed."
     return text
 
 

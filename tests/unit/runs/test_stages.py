@@ -40,8 +40,8 @@ def test_stage_cache_reuses_only_matching_keys(tmp_path):
 
 
 def test_a_stage_keeps_its_cpu_seconds_apart_from_its_wall_time(tmp_path):
-    """A stage that waits costs wall time and no CPU; one that computes costs CPU: both are kept in the record,
-    read back from the cache and listed in the manifest's summary."""
+    """A stage that waits costs wall time and no CPU; one that computes costs CPU: both are kept in the record
+    with the time it was written, read back from the cache and listed in the manifest's summary."""
 
     def spin() -> dict:
         end = time.process_time() + 0.2
@@ -50,12 +50,14 @@ def test_a_stage_keeps_its_cpu_seconds_apart_from_its_wall_time(tmp_path):
         return {}
 
     cache = StageCache(tmp_path)
+    before = time.time()
     waited = cache.run("wait", {}, lambda: time.sleep(0.3) or {})
     spun = cache.run("spin", {}, spin)
+    assert before + 0.3 <= waited.finished <= spun.finished <= time.time()  # when each record was written
     assert waited.seconds >= 0.3 and waited.cpu_seconds < 0.1
     assert spun.cpu_seconds >= 0.2
     again = StageCache(tmp_path).run("spin", {}, lambda: pytest.fail("recomputed"))
-    assert again.cached and again.cpu_seconds == spun.cpu_seconds
+    assert again.cached and again.cpu_seconds == spun.cpu_seconds and again.finished == spun.finished
     assert cache.summary()["wait"]["cpu_seconds"] == waited.cpu_seconds
     (tmp_path / "stages" / "old.json").write_text(json.dumps({"key": key_hash({}), "seconds": 1, "result": {}}))
     assert StageCache(tmp_path).run("old", {}, lambda: pytest.fail("recomputed")).cpu_seconds is None
