@@ -95,11 +95,16 @@ def _top_n(h: np.ndarray, n: int) -> np.ndarray:
     selection depends on the values alone. (``argpartition`` breaks ties by the other values of the row, so a row
     whose unselected values were zeroed, as the committed store keeps them, could select another of two equal
     float16 sums.)"""
-    kth = -np.partition(-h, n - 1, axis=1)[:, n - 1 : n]
+    last = h.shape[1] - n  # the n-th largest is the (size - n)-th smallest: no negated copies
+    kth = np.partition(h, last, axis=1)[:, last : last + 1]
     above = h > kth
     tied = h == kth
     need = n - np.count_nonzero(above, axis=1, keepdims=True)
-    return above | (tied & (np.cumsum(tied, axis=1) <= need))
+    mask = above | tied
+    over = np.flatnonzero(np.count_nonzero(tied, axis=1) > need[:, 0])  # rows with more ties than places
+    if over.size:
+        mask[over] = above[over] | (tied[over] & (np.cumsum(tied[over], axis=1) <= need[over]))
+    return mask
 
 
 def _overlap(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
