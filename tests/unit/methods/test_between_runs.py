@@ -114,19 +114,3 @@ def test_each_run_is_matched_at_its_first_step_read_at_or_above_the_level():
         "accuracy 0.5": ["et@15", "b@100", "c@2"],
         "accuracy 0.8": ["et@100", "b@100", "c@15"],
     }  # 0.93: only run b reaches it; 0.99: none
-
-
-def test_the_top_n_mask_is_the_n_largest_with_ties_to_the_lower_index():
-    """`_top_n` against a stable sort (value descending, then index ascending), on rows full of ties and rows
-    without: the same n pairs in every row, so a selection depends on the values alone."""
-    from mechdiff.methods.structure import _top_n
-
-    rng = np.random.default_rng(0)
-    for trial in range(200):
-        rows, cols = int(rng.integers(1, 20)), int(rng.integers(2, 200))
-        n = int(rng.integers(1, cols + 1))
-        h = rng.integers(0, 4, (rows, cols)).astype(float) if trial % 2 else rng.standard_normal((rows, cols))
-        want = np.zeros_like(h, dtype=bool)
-        for i, row in enumerate(h):
-            want[i, np.lexsort((np.arange(cols), -row))[:n]] = True
-        assert np.array_equal(_top_n(h, n), want), trial

@@ -204,3 +204,19 @@ def test_the_bound_holds_for_the_trajectories_stores_together(tmp_path):
     over = attributions_over_bound(tmp_path, bound=1000)
     assert over is not None and "trajectory-a 0.0 MB" in over and "trajectory-b" in over and "0.0 MB" in over
     assert attributions_over_bound(tmp_path / "trajectory-a", bound=0) is None  # no study directories under it
+
+
+def test_the_top_n_mask_is_the_n_largest_with_ties_to_the_lower_index():
+    """`_top_n` against a stable sort (value descending, then index ascending), on rows full of ties and rows
+    without: the same n pairs in every row, so a selection depends on the values alone."""
+    from mechdiff.methods.structure import _top_n
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        rows, cols = int(rng.integers(1, 20)), int(rng.integers(2, 200))
+        n = int(rng.integers(1, cols + 1))
+        h = rng.integers(0, 4, (rows, cols)).astype(float) if trial % 2 else rng.standard_normal((rows, cols))
+        want = np.zeros_like(h, dtype=bool)
+        for i, row in enumerate(h):
+            want[i, np.lexsort((np.arange(cols), -row))[:n]] = True
+        assert np.array_equal(_top_n(h, n), want), trial
