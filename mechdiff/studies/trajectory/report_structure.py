@@ -86,6 +86,9 @@ def runs_sentence(same: list[dict], matched: list[dict], margin: Optional[float]
         at = where(rows, v)
         if at:
             parts.append(f"{text} at {', '.join(at)}")
+    small = [name(r) for r in rows if str(r.get("runs_differ")).startswith("differ, within")]
+    if small:  # a difference shown whose 90% interval also lies inside the margin
+        parts.append(f"at {', '.join(small)} by less than the margin (90% interval inside it)")
     head = "Over prompts, with these runs fixed (95% interval, each comparison on its own): " + "; ".join(parts) + "."
     if not tests:
         return head + " Over seeds: no interval (fewer than three runs)."
