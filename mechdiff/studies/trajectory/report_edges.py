@@ -35,14 +35,11 @@ def edge_sentence(rows: list[dict]) -> str:
     from ...methods.edge_structure import STABLE_MOVE
 
     pairs = {(r["from_step"], r["to_step"]): r for r in rows}  # a step against the final one may be consecutive
-    where = [f"{a}-{b}" for (a, b), r in pairs.items() if r["reading"] == STABLE_MOVE]
-    if not where:
+    shown = {f"{a}-{b}": r for (a, b), r in pairs.items() if r["reading"] == STABLE_MOVE}
+    if not shown:
         return f'"{STABLE_MOVE}" (Wang et al. 2025) is not shown at any of the {len(pairs)} comparisons.'
-    moved = [
-        f"{a}-{b}"
-        for (a, b), r in pairs.items()
-        if r["reading"] == STABLE_MOVE and str(r["nodes_change"]).startswith("changed")
-    ]
+    where = list(shown)
+    moved = [w for w, r in shown.items() if str(r["nodes_change"]).startswith("changed")]
     return (
         f'"{STABLE_MOVE}" (Wang et al. 2025) is shown at {", ".join(where)} (the node difference the same within the '
         "margin, the edge difference above 0, both on intervals over prompts); not shown at the other "

@@ -77,12 +77,11 @@ def runs_sentence(same: list[dict], matched: list[dict], margin: Optional[float]
     rows = same + matched
     if not rows or "runs_differ" not in rows[0]:
         return ""
+    verdicts = [("differ", "the runs differ by more than one run's two halves do (within minus between above 0)")]
+    if margin is not None:  # sameness only against a stated margin
+        verdicts.append((f"same within {margin:g}", f"they are the same within {margin:g}"))
     parts = []
-    for v, text in (
-        ("differ", "the runs differ by more than one run's two halves do (within minus between above 0)"),
-        (f"same within {margin:g}" if margin is not None else "-", f"they are the same within {margin}"),
-        ("not shown", "neither is shown"),
-    ):
+    for v, text in [*verdicts, ("not shown", "neither is shown")]:
         at = where(rows, v)
         if at:
             parts.append(f"{text} at {', '.join(at)}")
@@ -202,7 +201,7 @@ class StructureReport(ReportPart):
                 "two checkpoints (row step against column step; diagonal: the within-checkpoint null; no interval)",
             )
             + "\n"
-            + self.runs_section(between)
+            + self.runs_section()
             + self.dense_section(st.get("dense"))
             + self.figure(fig, "structural null and cross overlaps against the step")
             + "\n"
@@ -336,11 +335,11 @@ class StructureReport(ReportPart):
             r["p_holm_over_seeds"] = float(p)
         return tested
 
-    def runs_section(self, between: dict) -> str:
+    def runs_section(self) -> str:
         """The between-run null's tables and what they say ('' where the study read no other run)."""
-        if not between:
-            return ""
         same, matched, tests = self.between_tables()
+        if not same:
+            return ""
         rec = self.between_record()
         dirs = ", ".join(f"`{d}`" for d in self.s.st.runs.dirs)
         return (
