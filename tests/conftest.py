@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -201,13 +202,29 @@ def _gguf_dequantized_once():
 
 
 def _files_key(src, kwargs: dict):
-    """A tokenizer's cache key: its source and keywords, with the name, size and change time of every file of its
-    directory (a file rewritten in a test reads afresh); None for a hub name (read as before)."""
+    """A tokenizer's cache key: its keywords and the name and `_file_key` of every file of its directory (the same
+    files in another directory, as every test's saved copy of SmolLM2's, read once; a file rewritten in a test
+    reads afresh); None for a hub name (read as before)."""
     path = Path(str(src))
     if not path.is_dir():
         return None
-    files = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file())
-    return str(path.resolve()), repr(sorted(kwargs.items())), files
+    files = tuple((p.name, _file_key(p)) for p in sorted(path.iterdir()) if p.is_file())
+    return repr(sorted(kwargs.items())), files
+
+
+def _file_key(path: Path):
+    """A file's content digest (taken once per path, size and change time), or for one over 16 MB (weights beside
+    the tokenizer) its path, size and change time."""
+    stat = path.stat()
+    seen = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if stat.st_size > 16 << 20:
+        return seen
+    return _digest(*seen)
+
+
+@functools.lru_cache(maxsize=4096)
+def _digest(path: str, size: int, mtime_ns: int) -> tuple[int, str]:
+    return size, hashlib.blake2b(Path(path).read_bytes(), digest_size=16).hexdigest()
 
 
 #: Tokenizers `cache_tokenizers` holds at once (about 6 MB each), the most recently read: a study reads its few
@@ -215,9 +232,30 @@ def _files_key(src, kwargs: dict):
 TOKENIZERS_HELD = 8
 
 
+def _tokenizer_copy(tokenizer):
+    """A copy of a transformers tokenizer whose own settings (attributes, and the dicts and lists they hold) are its
+    own, sharing the compiled vocabulary and merges (the ``tokenizers`` backend, which neither mechdiff nor a test
+    changes: each call sets the backend's padding and truncation for itself). A deep copy serialises and parses the
+    backend: 0.1-0.16 s of CPU a copy, 120 s of a whole run where every read was one."""
+    out = copy.copy(tokenizer)
+    for name, value in vars(tokenizer).items():
+        if isinstance(value, (dict, list, set)):
+            setattr(out, name, copy.deepcopy(value))
+    return out
+
+
+def _read_from(tokenizer, src):
+    """`_tokenizer_copy` of ``tokenizer`` as read from ``src`` (its path, as a read of ``src`` records it)."""
+    out = _tokenizer_copy(tokenizer)
+    out.name_or_path = str(src)
+    if "name_or_path" in out.init_kwargs:
+        out.init_kwargs["name_or_path"] = str(src)
+    return out
+
+
 def cache_tokenizers(patch: pytest.MonkeyPatch) -> None:
-    """``AutoTokenizer.from_pretrained`` of a local directory read again is a deep copy of the last read (0.8 s of
-    CPU a read of SmolLM2's tokenizer.json, 0.16 s a copy; a tiny study reads it seven times)."""
+    """``AutoTokenizer.from_pretrained`` of a local directory read again is a copy of the last read
+    (`_tokenizer_copy`; 0.8-2 s of CPU a read of SmolLM2's tokenizer.json; a tiny study reads it seven times)."""
     from collections import OrderedDict
 
     from transformers import AutoTokenizer
@@ -233,7 +271,7 @@ def cache_tokenizers(patch: pytest.MonkeyPatch) -> None:
             if len(cache) > TOKENIZERS_HELD:
                 cache.popitem(last=False)
         cache.move_to_end(key)
-        return copy.deepcopy(cache[key])
+        return _read_from(cache[key], src)
 
     patch.setattr(AutoTokenizer, "from_pretrained", from_pretrained)
 

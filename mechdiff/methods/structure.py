@@ -95,8 +95,7 @@ def _top_n(h: np.ndarray, n: int) -> np.ndarray:
     selection depends on the values alone. (``argpartition`` breaks ties by the other values of the row, so a row
     whose unselected values were zeroed, as the committed store keeps them, could select another of two equal
     float16 sums.)"""
-    last = h.shape[1] - n  # the n-th largest is the (size - n)-th smallest: no negated copies
-    kth = np.partition(h, last, axis=1)[:, last : last + 1]
+    kth = _nth_largest(h, n)
     above = h > kth
     tied = h == kth
     need = n - np.count_nonzero(above, axis=1, keepdims=True)
@@ -105,6 +104,29 @@ def _top_n(h: np.ndarray, n: int) -> np.ndarray:
     if over.size:
         mask[over] = above[over] | (tied[over] & (np.cumsum(tied[over], axis=1) <= need[over]))
     return mask
+
+
+def _nth_largest(h: np.ndarray, n: int, rows: int = 64) -> np.ndarray:
+    """Per row of ``h``, its ``n``-th largest value ``(row, 1)``, exactly; partitioning, ``rows`` rows at a time,
+    only the columns that can hold it. A row's n-th largest within any ``n`` or more of its columns is at most its
+    own, so every value at or above its own lies at or above that bound: the n-th largest over the columns where
+    some row reaches its bound is each row's own. The bound's columns: the ``n + n // 2`` of largest sum over the
+    rows (rows drawn from one checkpoint rank its pairs alike, so few other columns reach it). Three times
+    faster than partitioning every column on the structure stage's shapes; the same values."""
+    width, many = h.shape[1], n + n // 2
+    if h.shape[0] < 2 or 4 * n >= width:
+        return np.partition(h, width - n, axis=1)[:, width - n : width - n + 1]
+    out = np.empty((h.shape[0], 1), dtype=h.dtype)
+    for lo in range(0, h.shape[0], rows):
+        x = h[lo : lo + rows]
+        top = np.argpartition(x.sum(0), width - many)[width - many :]
+        bound = np.partition(x[:, top], many - n, axis=1)[:, many - n : many - n + 1]
+        cols = np.flatnonzero((x >= bound).any(0))
+        if cols.size < width // 2:
+            x = x[:, cols]
+        last = x.shape[1] - n  # the n-th largest is the (size - n)-th smallest: no negated copies
+        out[lo : lo + rows] = np.partition(x, last, axis=1)[:, last : last + 1]
+    return out
 
 
 def _overlap(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
