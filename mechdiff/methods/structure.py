@@ -122,7 +122,7 @@ def _nth_largest(h: np.ndarray, n: int, rows: int = 64) -> np.ndarray:
         top = np.argpartition(x.sum(0), width - many)[width - many :]
         bound = np.partition(x[:, top], many - n, axis=1)[:, many - n : many - n + 1]
         cols = np.flatnonzero((x >= bound).any(0))
-        if cols.size < width // 2:
+        if cols.size < width // 2 and not np.isnan(x).any():  # (a NaN: every column, as before)
             x = x[:, cols]
         last = x.shape[1] - n  # the n-th largest is the (size - n)-th smallest: no negated copies
         out[lo : lo + rows] = np.partition(x, last, axis=1)[:, last : last + 1]

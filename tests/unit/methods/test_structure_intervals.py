@@ -225,7 +225,7 @@ def test_the_top_n_mask_is_the_n_largest_with_ties_to_the_lower_index():
 def test_the_n_th_largest_of_columns_that_can_hold_it_is_each_rows_own():
     """`_nth_largest` partitions, a block of rows at a time, only the columns where some row reaches a bound
     below its n-th largest: on rows that rank their columns alike (the structure stage's, where it narrows to a
-    few columns) and rows that do not (where it keeps them all), with ties, it is every row's n-th largest."""
+    few columns) and rows that do not (where it keeps them all), with ties and NaN, it is every row's n-th largest."""
     from mechdiff.methods.structure import _nth_largest
 
     rng = np.random.default_rng(1)
@@ -237,8 +237,10 @@ def test_the_n_th_largest_of_columns_that_can_hold_it_is_each_rows_own():
         h = np.abs(profile * (1 + rng.standard_normal((rows, cols))))
         if trial % 4 == 0:
             h = np.round(h, 1)  # ties at the n-th value
+        if trial % 5 == 0:
+            h.flat[rng.integers(0, h.size, 3)] = np.nan  # as a full partition takes them: above every number
         want = np.sort(h, axis=1)[:, cols - n : cols - n + 1]
-        assert np.array_equal(_nth_largest(h, n), want), trial
+        assert np.array_equal(_nth_largest(h, n), want, equal_nan=True), trial
         top = np.argpartition(h[:64].sum(0), cols - n - n // 2)[cols - n - n // 2 :]
         bound = np.sort(h[:64, top], axis=1)[:, n // 2 : n // 2 + 1]
         narrowed += (h[:64] >= bound).any(0).sum() < cols // 2
