@@ -249,21 +249,16 @@ def _digest(path: str, size: int, mtime_ns: int) -> tuple[int, str]:
 TOKENIZERS_HELD = 8
 
 
-def _tokenizer_copy(tokenizer):
-    """A copy of a transformers tokenizer whose own settings (attributes, and the dicts and lists they hold) are its
-    own, sharing the compiled vocabulary and merges (the ``tokenizers`` backend, which neither mechdiff nor a test
-    changes: each call sets the backend's padding and truncation for itself). A deep copy serialises and parses the
-    backend: 0.1-0.16 s of CPU a copy, 120 s of a whole run where every read was one."""
+def _read_from(tokenizer, src):
+    """A copy of a transformers tokenizer as read from ``src`` (its path recorded as such a read records it) whose
+    own settings (attributes, and the dicts and lists they hold) are its own, sharing the compiled vocabulary and
+    merges (the ``tokenizers`` backend, which neither mechdiff nor a test changes: each call sets the backend's
+    padding and truncation for itself). A deep copy serialises and parses the backend: 0.1-0.16 s of CPU a copy,
+    120 s of a whole run where every read was one."""
     out = copy.copy(tokenizer)
     for name, value in vars(tokenizer).items():
         if isinstance(value, (dict, list, set)):
             setattr(out, name, copy.deepcopy(value))
-    return out
-
-
-def _read_from(tokenizer, src):
-    """`_tokenizer_copy` of ``tokenizer`` as read from ``src`` (its path, as a read of ``src`` records it)."""
-    out = _tokenizer_copy(tokenizer)
     out.name_or_path = str(src)
     if "name_or_path" in out.init_kwargs:
         out.init_kwargs["name_or_path"] = str(src)
@@ -272,7 +267,7 @@ def _read_from(tokenizer, src):
 
 def cache_tokenizers(patch: pytest.MonkeyPatch) -> None:
     """``AutoTokenizer.from_pretrained`` of a local directory read again is a copy of the last read
-    (`_tokenizer_copy`; 0.8-2 s of CPU a read of SmolLM2's tokenizer.json; a tiny study reads it seven times)."""
+    (`_read_from`; 0.8-2 s of CPU a read of SmolLM2's tokenizer.json; a tiny study reads it seven times)."""
     from collections import OrderedDict
 
     from transformers import AutoTokenizer

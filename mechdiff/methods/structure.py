@@ -108,25 +108,31 @@ def _top_n(h: np.ndarray, n: int) -> np.ndarray:
 
 def _nth_largest(h: np.ndarray, n: int, rows: int = 64) -> np.ndarray:
     """Per row of ``h``, its ``n``-th largest value ``(row, 1)``, exactly; partitioning, ``rows`` rows at a time,
-    only the columns that can hold it. A row's n-th largest within any ``n`` or more of its columns is at most its
-    own, so every value at or above its own lies at or above that bound: the n-th largest over the columns where
-    some row reaches its bound is each row's own. The bound's columns: the ``n + n // 2`` of largest sum over the
-    rows (rows drawn from one checkpoint rank its pairs alike, so few other columns reach it). Three times
-    faster than partitioning every column on the structure stage's shapes; the same values."""
-    width, many = h.shape[1], n + n // 2
-    if h.shape[0] < 2 or 4 * n >= width:
-        return np.partition(h, width - n, axis=1)[:, width - n : width - n + 1]
-    out = np.empty((h.shape[0], 1), dtype=h.dtype)
-    for lo in range(0, h.shape[0], rows):
-        x = h[lo : lo + rows]
-        top = np.argpartition(x.sum(0), width - many)[width - many :]
-        bound = np.partition(x[:, top], many - n, axis=1)[:, many - n : many - n + 1]
-        cols = np.flatnonzero((x >= bound).any(0))
-        if cols.size < width // 2 and not np.isnan(x).any():  # (a NaN: every column, as before)
-            x = x[:, cols]
-        last = x.shape[1] - n  # the n-th largest is the (size - n)-th smallest: no negated copies
-        out[lo : lo + rows] = np.partition(x, last, axis=1)[:, last : last + 1]
-    return out
+    only the columns that can hold it (`_narrowed`). Three times faster than partitioning every column on the
+    structure stage's shapes; the same values."""
+    if h.shape[0] < 2 or 4 * n >= h.shape[1]:  # no rows to share a bound, or too few columns to leave out
+        return _partitioned(h, n)
+    return np.vstack([_partitioned(_narrowed(h[lo : lo + rows], n), n) for lo in range(0, h.shape[0], rows)])
+
+
+def _partitioned(x: np.ndarray, n: int) -> np.ndarray:
+    """Per row of ``x``, its ``n``-th largest value ``(row, 1)`` by a partition of every column."""
+    last = x.shape[1] - n  # the n-th largest is the (size - n)-th smallest: no negated copies
+    return np.partition(x, last, axis=1)[:, last : last + 1]
+
+
+def _narrowed(x: np.ndarray, n: int) -> np.ndarray:
+    """The columns of ``x`` that can hold a row's ``n``-th largest, or ``x`` itself where they are half or more of
+    them or a value is NaN (a partition takes NaN above every number). A row's n-th largest within any ``n`` or
+    more of its columns is at most its own, so every value at or above its own lies at or above that bound: the
+    n-th largest over the columns where some row reaches its bound is each row's own. The bound's columns: the
+    ``n + n // 2`` of largest sum over the rows (rows drawn from one checkpoint rank its pairs alike, so few other
+    columns reach it)."""
+    width, many = x.shape[1], n + n // 2
+    top = np.argpartition(x.sum(0), width - many)[width - many :]
+    bound = _partitioned(x[:, top], n)
+    cols = np.flatnonzero((x >= bound).any(0))
+    return x[:, cols] if cols.size < width // 2 and not np.isnan(x).any() else x
 
 
 def _overlap(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
