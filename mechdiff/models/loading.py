@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
@@ -373,16 +373,27 @@ def spec_digest(spec: ModelSpec) -> str:
     """A cheap digest of where a checkpoint comes from, without loading it (keys stage caches).
 
     Files are hashed when small (adapters, configs); large weight files by name, size and their
-    first and last 8 MiB, so that the digest is the same wherever the file is installed.
+    first and last 8 MiB, so that the digest is the same wherever the file is installed. Taken once per
+    process for each set of files (names, sizes and change times): a study keys many stages by it.
     """
-    h = hashlib.sha256(json.dumps([spec.kind, spec.source, spec.revision, spec.gguf_file]).encode())
     src = Path(resolve_source(spec.source))
-    if src.is_dir():
-        for f in sorted(src.iterdir()):
-            if f.is_file():
-                stat = f.stat()
-                h.update(f.name.encode())
-                h.update(f.read_bytes() if stat.st_size < 64 << 20 else _ends(f, stat.st_size))
-    if spec.kind == "lora":
-        h.update(spec_digest(resolve_spec(spec.base)).encode())
+    files = tuple(_stat(f) for f in sorted(src.iterdir()) if f.is_file()) if src.is_dir() else ()
+    base = spec_digest(resolve_spec(spec.base)) if spec.kind == "lora" else ""
+    return _digest(spec.kind, spec.source, spec.revision, spec.gguf_file, str(src), files, base)
+
+
+def _stat(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return path.name, stat.st_size, stat.st_mtime_ns
+
+
+@lru_cache(maxsize=256)
+def _digest(kind: str, source: str, revision: Any, gguf_file: Any, src: str, files: tuple, base: str) -> str:
+    """`spec_digest` of the files ``files`` (name, size, change time) of the directory ``src``."""
+    h = hashlib.sha256(json.dumps([kind, source, revision, gguf_file]).encode())
+    for name, size, _ in files:
+        h.update(name.encode())
+        h.update((Path(src) / name).read_bytes() if size < 64 << 20 else _ends(Path(src) / name, size))
+    if kind == "lora":
+        h.update(base.encode())
     return h.hexdigest()[:16]

@@ -59,7 +59,9 @@ class ModelSet:
         self.load_kwargs = load_kwargs
         self.shapes = {s.name: ModelShape.from_config(load_config(s, cache_dir)) for s in self.specs}
         check_shapes(self.shapes)
-        check_vocabularies({s.name: load_tokenizer(s, cache_dir) for s in self.specs})
+        #: Each model's tokenizer, read once: the vocabulary check's, then each load's and the study's.
+        self.tokenizers = {s.name: load_tokenizer(s, cache_dir) for s in self.specs}
+        check_vocabularies(self.tokenizers)
         self._loaded: dict[str, LoadedModel] = {}
 
     @property
@@ -76,7 +78,8 @@ class ModelSet:
             spec = next((s for s in self.specs if s.name == name), None)
             if spec is None:
                 raise KeyError(f"{name!r} is not in this set: {self.names}")
-            self._loaded[name] = load_model(spec, cache_dir=self.cache_dir, **self.load_kwargs)
+            tokenizer = self.tokenizers[name]
+            self._loaded[name] = load_model(spec, cache_dir=self.cache_dir, tokenizer=tokenizer, **self.load_kwargs)
         return self._loaded[name]
 
     @property

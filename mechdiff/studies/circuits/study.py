@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ...common.io import WAIT_POLL, check_writable, run_lock
-from ...models.loading import load_tokenizer, spec_digest
+from ...models.loading import spec_digest
 from ...models.modelset import ModelSet
 from ...models.resolve import resolve_spec
 from ...runs.stages import StageRecord, label
@@ -81,7 +81,7 @@ class CircuitsStudy(CircuitsData):
 
             load_circuit_file(spec.reproduce.circuit, self.models.shape.n_layers, self.models.shape.n_heads)
         self.digests = {name: spec_digest(resolve_spec(name)) for name in spec.model_names}
-        self.tokenizer = load_tokenizer(resolve_spec(spec.models.base))
+        self.tokenizer = self.models.tokenizers[resolve_spec(spec.models.base).name]
 
     @classmethod
     def from_file(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from .records import ALL_LETTERS, DEFAULT_VOCABULARY_PATH, MAX_BOXES, MIN_BOXES, Vocabulary
 
@@ -108,13 +109,32 @@ def vocabulary_report(
     letters: Sequence[str] | None = None,
 ) -> VocabularyReport:
     """Filter objects and box labels to those that are a single token (preceded by a space)
-    for ``tokenizer``. ``letters`` restricts the candidate labels (default A-Z)."""
+    for ``tokenizer``. ``letters`` restricts the candidate labels (default A-Z). Taken once per tokenizer
+    object, vocabulary and letters (again where the tokenizer's vocabulary grew): every prompt set a study
+    draws asks for it."""
     _check_tokenizer(tokenizer)
     objects = load_vocabulary(vocabulary)
     cand_letters = ALL_LETTERS if letters is None else tuple(dict.fromkeys(letters))
     for L in cand_letters:
         if L not in ALL_LETTERS:
             raise ValueError(f"box labels must be single capital letters A-Z, got {L!r}")
+    try:
+        held, key = _REPORTS.setdefault(tokenizer, {}), (len(tokenizer), tuple(objects), cand_letters)
+    except TypeError:  # a stand-in tokenizer without a size, or one that cannot be weakly referenced
+        return _report(tokenizer, objects, cand_letters)
+    if key not in held:
+        held[key] = _report(tokenizer, objects, cand_letters)
+    return held[key]
+
+
+#: `vocabulary_report`'s reports by tokenizer object, then by vocabulary size, objects and letters.
+_REPORTS: "weakref.WeakKeyDictionary[Any, dict[tuple, VocabularyReport]]" = weakref.WeakKeyDictionary()
+
+
+def _report(
+    tokenizer: "PreTrainedTokenizerBase", objects: Sequence[str], cand_letters: Sequence[str]
+) -> VocabularyReport:
+    """`vocabulary_report` computed."""
     token_ids: dict[str, int] = {}
     kept, dropped = [], []
     for w in objects:

@@ -132,6 +132,20 @@ def test_modelset_loads_lazily(tmp_path, smollm2_tokenizer):
     assert [m.name for m in ms] == [str(a), str(b)]
 
 
+def test_a_sets_tokenizers_are_read_once_and_each_load_is_given_its_own(tmp_path, smollm2_tokenizer, monkeypatch):
+    """The vocabulary check reads each model's tokenizer; loading the models reads none again: each loaded model
+    holds the one its set read."""
+    from transformers import AutoTokenizer
+
+    a = _save(make_tiny("llama", smollm2_tokenizer, seed=0), tmp_path / "a", smollm2_tokenizer)
+    b = _save(make_tiny("llama", smollm2_tokenizer, seed=1), tmp_path / "b", smollm2_tokenizer)
+    reads, read = [], AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda src, **kw: reads.append(str(src)) or read(src, **kw))
+    ms = ModelSet([str(a), str(b)])
+    assert reads == [str(a), str(b)]
+    assert all(ms[name].tokenizer is ms.tokenizers[name] for name in ms.names) and len(reads) == 2
+
+
 @pytest.mark.slow
 def test_gguf_smollm2(smollm2):
     assert smollm2.provenance["kind"] == "gguf"
@@ -198,3 +212,36 @@ def test_the_fingerprint_tells_bfloat16_weights_from_float32_weights_of_the_same
     assert model_fingerprint(lm.model) != f32
     lm.model.float()  # back to float32, the same values: the same digest
     assert model_fingerprint(lm.model) == f32
+
+
+def test_a_checkpoints_digest_is_read_once_and_anew_when_a_file_changes(tmp_path, monkeypatch):
+    """`spec_digest` is the sha256 of the spec and each file's name and bytes (computed here); a second call reads
+    no file; a file rewritten (size or change time) gives the digest of its new bytes."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    from mechdiff.models import loading
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (d / "weights.bin").write_bytes(bytes(range(256)) * 9)
+    spec = resolve_spec(str(d))
+
+    def by_hand() -> str:
+        h = hashlib.sha256(json.dumps([spec.kind, spec.source, spec.revision, spec.gguf_file]).encode())
+        for f in sorted(d.iterdir()):
+            h.update(f.name.encode() + f.read_bytes())
+        return h.hexdigest()[:16]
+
+    first = loading.spec_digest(spec)
+    assert first == by_hand()
+    reads = []
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or b"")
+    assert loading.spec_digest(spec) == first and reads == []
+    monkeypatch.undo()
+    stat = (d / "config.json").stat()
+    (d / "config.json").write_text(json.dumps({"model_type": "LLAMA"}))  # the same size
+    os.utime(d / "config.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert loading.spec_digest(spec) == by_hand() != first

@@ -21,8 +21,18 @@ def _study(tmp_path, monkeypatch, nested: bool):
         "[scoring]\nn = 20\nreference_n = 16\nprune_n = 8\n[dcm]\nn_train = 4\nn_val = 2\nn_test = 4\n[cmap]\nn = 8\n"
         + ("[sets]\nnested = true\n" if nested else "")
     )
-    monkeypatch.setattr(circuits, "ModelSet", lambda *a, **k: None)  # no weights: the sets are drawn before
+    monkeypatch.setattr(circuits, "ModelSet", _tokenizers_only)  # no weights: the sets are drawn before
     return circuits.CircuitsStudy(load_spec(spec_file), progress=False)
+
+
+def _tokenizers_only(names, **_):
+    """A model set that reads each model's tokenizer and no weights."""
+    from types import SimpleNamespace
+
+    from mechdiff.models.loading import load_tokenizer
+    from mechdiff.models.resolve import resolve_spec
+
+    return SimpleNamespace(tokenizers={resolve_spec(n).name: load_tokenizer(resolve_spec(n)) for n in names})
 
 
 def _clean(study, name: str, n: int) -> list:

@@ -110,6 +110,35 @@ def test_vocabulary_file_and_report(tok):
     assert f"dropped {len(r.dropped)}" in r.summary() or not r.dropped
 
 
+def test_a_vocabulary_report_is_taken_once_per_tokenizer_and_again_after_its_vocabulary_grows(tok):
+    """A second report of one tokenizer object calls it no more; a grown vocabulary reports afresh; another
+    tokenizer object (or another set of letters) gets its own report, equal where its tokens are."""
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.calls, self.grown = inner, 0, 0
+
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            return self.inner(*args, **kwargs)
+
+        def __len__(self):
+            return len(self.inner) + self.grown
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    counting = Counting(tok)
+    first = vocabulary_report(counting)
+    assert counting.calls >= len(load_vocabulary()) + 26
+    calls = counting.calls
+    assert vocabulary_report(counting) is first and counting.calls == calls
+    assert vocabulary_report(counting, letters="AB").labels_kept == ("A", "B") and counting.calls > calls
+    counting.grown, calls = 1, counting.calls
+    assert vocabulary_report(counting) == first and counting.calls > calls
+    assert vocabulary_report(Counting(tok)) == first and first.token_ids == vocabulary_report(tok).token_ids
+
+
 def test_too_few_single_token_objects_raises(tok):
     vocab = ["apple", "xqzvbnmkwj", "qwzxplkjhgf", "zzqxvbnrtyw"]
     with pytest.raises(
