@@ -92,14 +92,14 @@ def planning_tokenizer(model: str) -> tuple[Any, str]:
         return load_tokenizer(resolve_spec(STAND_IN_TOKENIZER)), used
 
 
-def task_lengths(spec: Any) -> Lengths:
-    """Token lengths of ``LENGTH_SAMPLE`` of the study's prompts under the base's tokenizer, else the stand-in's.
-    ``spec``: any kind's spec with ``models.base`` and ``[task]`` (the circuits kind's `RunSpec`, a trajectory's);
-    untyped so the generic planner imports no kind."""
+def task_lengths(spec: Any, tokenizer: Any = None) -> Lengths:
+    """Token lengths of ``LENGTH_SAMPLE`` of the study's prompts under the base's tokenizer (``tokenizer`` where the
+    study holds it, else read), else the stand-in's. ``spec``: any kind's spec with ``models.base`` and ``[task]``
+    (the circuits kind's `RunSpec`, a trajectory's); untyped so the generic planner imports no kind."""
     from ..runs.seeds import prompt_seed
     from ..tasks.base import get_task
 
-    tokenizer, used = planning_tokenizer(spec.models.base)
+    tokenizer, used = (tokenizer, spec.models.base) if tokenizer is not None else planning_tokenizer(spec.models.base)
     task = get_task(spec.task.name)
     n = min(LENGTH_SAMPLE, len(task.strata)) if task.strata else LENGTH_SAMPLE
     # an imported task's rows in file order may be one template: sample them stratified, as its prompt sets are

@@ -543,3 +543,16 @@ def test_the_stage_table_gives_each_stages_planned_flops_and_share_of_throughput
         flops, seconds = planned[r["stage"]], manifest["stages"][r["stage"]]["seconds"]
         assert r["GFLOP (planned)"] == format_value(flops / 1e9, ".3f")
         assert r["share of mm throughput"] == format_value(flops / (seconds * throughput), ".3f")
+
+
+def test_the_plans_lengths_are_taken_once_on_the_studys_own_tokenizer(tiny_family, tmp_path, monkeypatch):
+    """run.json's plan record and DCM's cache mode read the task's lengths the study took once, on the tokenizer
+    its model set read: no tokenizer is read for them, and the lengths are those a plan reads afresh."""
+    from mechdiff.studies import planner
+
+    spec = tiny_spec(tiny_family, tmp_path)
+    study = Study(spec, progress=False)
+    fresh = planner.task_lengths(spec)
+    monkeypatch.setattr(planner, "planning_tokenizer", lambda model: pytest.fail(f"{model}'s tokenizer read again"))
+    assert study.resources_record()["stage_flops"] and study.dcm_cache_mode()[0] in ("file", "memory", "recompute")
+    assert study.lengths() is study.lengths() and study.lengths() == fresh

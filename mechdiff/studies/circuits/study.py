@@ -25,6 +25,7 @@ from ...models.modelset import ModelSet
 from ...models.resolve import resolve_spec
 from ...runs.stages import StageRecord, label
 from ...runs.stages import key_hash as _hash
+from ..planner import Lengths, task_lengths
 from .data import CircuitsData
 from .spec import RunSpec
 from .stages import accuracy, circuit, cmap, dcm, matrix, plan, positions, prune, reproduction
@@ -159,7 +160,7 @@ class CircuitsStudy(CircuitsData):
     def dcm_cache_mode(self) -> tuple[str, str]:
         """DCM's pair-cache mode and why (`run_cache_mode`), chosen once a run."""
         if self._dcm_cache_mode is None:
-            self._dcm_cache_mode = dcm.run_cache_mode(self.spec)
+            self._dcm_cache_mode = dcm.run_cache_mode(self.spec, self.lengths())
         return self._dcm_cache_mode
 
     def dcm_circuit(self, found: dict[str, StageRecord], pruned: dict[str, StageRecord], name: str) -> StageRecord:
@@ -303,12 +304,22 @@ class CircuitsStudy(CircuitsData):
         out["prompt_sets"] = self.prompt_sets_record()
         return out
 
+    def lengths(self) -> Optional[Lengths]:
+        """The task's token lengths the plan reads (`task_lengths`), on the study's own tokenizer, taken once; None
+        where they cannot be (the record and DCM's cache mode then take them, or say why not, as a plan does)."""
+        if not hasattr(self, "_lengths"):
+            try:
+                self._lengths: Optional[Lengths] = task_lengths(self.spec, self.tokenizer)
+            except (OSError, ValueError):
+                self._lengths = None
+        return self._lengths
+
     def resources_record(self) -> Optional[dict]:
         """The planner's stage FLOPs and this machine's measured throughput (`run_record`),
         measured once per study, so ``run.json`` and the report read the same figures."""
         if not hasattr(self, "_resources"):
             try:
-                self._resources = plan.run_record(self.spec)
+                self._resources = plan.run_record(self.spec, self.lengths())
             except (OSError, ValueError) as err:  # no config or tokenizer to plan from: the run's results stand
                 self._resources = {"not_planned": str(err)}
         return self._resources

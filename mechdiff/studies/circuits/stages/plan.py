@@ -121,7 +121,7 @@ def found_in(run_dir: str | Path) -> dict:
     return out
 
 
-def run_record(spec: RunSpec) -> Optional[dict]:
+def run_record(spec: RunSpec, lengths: Optional[Lengths] = None) -> Optional[dict]:
     """What ``run.json`` records of the plan, so the report's stage table reads it from committed files: this
     machine's matrix-multiply throughput and weight bandwidth measured now (FLOP and bytes per CPU second in the
     run's dtype, as ``--plan`` measures them) and each stage's planned FLOPs. None for a run on a GPU or NDIF (the
@@ -132,7 +132,7 @@ def run_record(spec: RunSpec) -> Optional[dict]:
     if m.remote or m.device_map or m.device not in (None, "cpu"):
         return None
     dims, _ = model_dims(m.base)
-    lengths = task_lengths(spec)
+    lengths = lengths or task_lengths(spec)
     rows = min(2048, spec.eval.batch_size * lengths.longest)
     device = this_machine(dims, (m.dtype,), rows)  # no pass_overhead: it runs a model, and a cached run runs none
     plan = resource_plan(spec, device, lengths, m.dtype)
