@@ -78,8 +78,8 @@ class ModelSet:
             spec = next((s for s in self.specs if s.name == name), None)
             if spec is None:
                 raise KeyError(f"{name!r} is not in this set: {self.names}")
-            tokenizer = self.tokenizers[name]
-            self._loaded[name] = load_model(spec, cache_dir=self.cache_dir, tokenizer=tokenizer, **self.load_kwargs)
+            kwargs = {"tokenizer": self.tokenizers[name], **self.load_kwargs}  # a tokenizer the caller gave stands
+            self._loaded[name] = load_model(spec, cache_dir=self.cache_dir, **kwargs)
         return self._loaded[name]
 
     @property
