@@ -60,13 +60,12 @@ import os
 import re
 import shutil
 import tempfile
-import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..common.metrics import TASK_METRICS
-from .records import Pair, alternative_tokens, answer_tokens, canonical_json, record_dict
+from .records import Pair, alternative_tokens, answer_tokens, canonical_json, per_tokenizer, record_dict
 from .row_checks import (
     LAST,
     ImportErrors,
@@ -320,20 +319,16 @@ def bad_rows_message(path: str | os.PathLike, errors: Sequence[str]) -> str:
     return f"{len(errors)} problem(s) in {path}; nothing was written:\n" + "\n".join(errors)
 
 
-#: Each tokenizer object's digest with its vocabulary's size then: a study checks its task against one tokenizer
-#: at every set it draws (0.1-0.2 s of CPU a digest of SmolLM2's); one grown since is digested again.
-_DIGESTS: "weakref.WeakKeyDictionary[Any, tuple[int, str]]" = weakref.WeakKeyDictionary()
-
-
 def tokenizer_digest(tokenizer: Any) -> str:
-    """A digest of the tokenizer's vocabulary (which ids the records hold)."""
-    size, held = len(tokenizer), _DIGESTS.get(tokenizer)
-    if held is not None and held[0] == size:
-        return held[1]
+    """A digest of the tokenizer's vocabulary (which ids the records hold), taken once per tokenizer object
+    (`per_tokenizer`: a study checks its task against one tokenizer at every set it draws, 0.1-0.2 s of CPU a
+    digest of SmolLM2's)."""
+    return per_tokenizer(tokenizer, "digest", lambda: _digest(tokenizer))
+
+
+def _digest(tokenizer: Any) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
-    digest = hashlib.sha256(canonical_json(vocab).encode("utf-8")).hexdigest()
-    _DIGESTS[tokenizer] = (size, digest)
-    return digest
+    return hashlib.sha256(canonical_json(vocab).encode("utf-8")).hexdigest()
 
 
 def import_pairs(

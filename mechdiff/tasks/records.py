@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar, Union, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -524,6 +525,24 @@ def record_dict(record: Any) -> dict[str, Any]:
 
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+#: `per_tokenizer`'s values: by tokenizer object, then by key and vocabulary size.
+_PER_TOKENIZER: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+_T = TypeVar("_T")
+
+
+def per_tokenizer(tokenizer: Any, key: Any, compute: Callable[[], _T]) -> _T:
+    """``compute()`` taken once per tokenizer object and ``key``, and again where the tokenizer's vocabulary grew
+    (``len(tokenizer)``): what a task asks of one tokenizer at every prompt set a study draws. Computed at every
+    call for a stand-in tokenizer without a size or one that cannot be weakly referenced."""
+    try:
+        held, full = _PER_TOKENIZER.setdefault(tokenizer, {}), (key, len(tokenizer))
+    except TypeError:
+        return compute()
+    if full not in held:
+        held[full] = compute()
+    return held[full]
 
 
 def dataset_hash(records: Sequence[Any]) -> str:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
+from ..records import per_tokenizer
 from .records import ALL_LETTERS, DEFAULT_VOCABULARY_PATH, MAX_BOXES, MIN_BOXES, Vocabulary
 
 if TYPE_CHECKING:  # heavy imports only for type checkers
@@ -118,17 +118,9 @@ def vocabulary_report(
     for L in cand_letters:
         if L not in ALL_LETTERS:
             raise ValueError(f"box labels must be single capital letters A-Z, got {L!r}")
-    try:
-        held, key = _REPORTS.setdefault(tokenizer, {}), (len(tokenizer), tuple(objects), cand_letters)
-    except TypeError:  # a stand-in tokenizer without a size, or one that cannot be weakly referenced
-        return _report(tokenizer, objects, cand_letters)
-    if key not in held:
-        held[key] = _report(tokenizer, objects, cand_letters)
-    return held[key]
-
-
-#: `vocabulary_report`'s reports by tokenizer object, then by vocabulary size, objects and letters.
-_REPORTS: "weakref.WeakKeyDictionary[Any, dict[tuple, VocabularyReport]]" = weakref.WeakKeyDictionary()
+    return per_tokenizer(
+        tokenizer, ("vocabulary", tuple(objects), cand_letters), lambda: _report(tokenizer, objects, cand_letters)
+    )
 
 
 def _report(
