@@ -171,18 +171,33 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+#: Token rows of a throughput measurement's warm-up multiply (`matmul_throughput`).
+WARM_ROWS = 8
+#: CPU seconds a throughput measurement may take at the most: on a dtype this CPU multiplies slowly (float16 here:
+#: 0.3 GFLOP/s, one LLaMA-7B MLP multiply of 512 rows 150 s) it measures fewer rows (`matmul_throughput`).
+MEASURE_SECONDS = 4.0
+
+
 def matmul_throughput(rows: int, inner: int, outer: int, dtype: str, min_seconds: float = 0.4) -> float:
     """FLOP per CPU second (``time.process_time``) of ``(rows, inner) @ (inner, outer)`` in ``dtype`` on the CPU,
-    repeated for at least ``min_seconds`` after one warm-up."""
+    repeated for at least ``min_seconds`` after a warm-up of `WARM_ROWS` rows (a multiply that takes longer is timed
+    once). Where the warm-up shows one multiply would take over `MEASURE_SECONDS`, fewer rows are measured (at
+    least `WARM_ROWS`), so that it takes about that."""
     import torch
 
     from .loading import DTYPES
 
     a = torch.randn(rows, inner, dtype=DTYPES[dtype])
     b = torch.randn(inner, outer, dtype=DTYPES[dtype])
-    torch.mm(a, b)
+    warm = min(rows, WARM_ROWS)
+    start = time.process_time()
+    torch.mm(a[:warm], b)
+    expected = (time.process_time() - start) * rows / warm
+    if expected > MEASURE_SECONDS:
+        rows = max(warm, int(rows * MEASURE_SECONDS / expected))
+        a = a[:rows]
     reps, start = 0, time.process_time()
-    while (spent := time.process_time() - start) < min_seconds or reps < 2:
+    while (spent := time.process_time() - start) < min_seconds or reps < 1:
         torch.mm(a, b)
         reps += 1
     return 2 * rows * inner * outer * reps / spent
@@ -206,7 +221,8 @@ def weight_bandwidth(inner: int, outer: int, dtype: str, min_seconds: float = 0.
 
     x = torch.randn(STREAM_ROWS, inner, dtype=DTYPES[dtype])
     count = min(STREAM_MATRICES, max(2, -(-STREAM_BYTES // (inner * outer * dtype_bytes(dtype)))))
-    weights = [torch.randn(inner, outer, dtype=DTYPES[dtype]) for _ in range(count)]
+    # constant weights: a multiply reads them at the same rate as random ones, and they are made 2.5 times faster
+    weights = [torch.full((inner, outer), 0.5, dtype=DTYPES[dtype]) for _ in range(count)]
     for w in weights:
         torch.mm(x, w)
     reps, start = 0, time.process_time()
