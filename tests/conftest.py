@@ -7,8 +7,10 @@ import copy
 import functools
 import hashlib
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: never wait on the network in tests
 # a plain `mechdiff run` in a test stays in one process (monkeypatches and spies reach it); the tests of the
@@ -388,49 +390,76 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+#: The file a directory of `built_once` holds once it is complete.
+BUILT = ".built"
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """``<this run's temporary directory>/<name>``, filled by ``build(directory)`` once per test run: under
+    pytest-xdist the first worker to ask builds it while the others wait on its lock, then every worker reads the
+    same directory (a session fixture is otherwise built once in each worker: the tiny study twice on 2 cores).
+    A build that fails leaves no directory a worker would read. Tests only read it, or copy it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's directory, above each worker's own
+    target = base / name
+    with FileLock(f"{target}.lock"):
+        if not (target / BUILT).is_file():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            build(target)
+            (target / BUILT).touch()
+    return target
+
+
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory, smollm2_tokenizer) -> list[str]:
     """Two tiny llama models (seeds 0 and 1) saved with the SmolLM2 tokenizer: a base and a fine-tune by path.
-    Shared by the whole run: tests only read them."""
-    root = tmp_path_factory.mktemp("family")
-    names = []
-    for seed in (0, 1):
-        lm = make_tiny("llama", smollm2_tokenizer, seed=seed, n_layers=2)
-        lm.model.save_pretrained(root / f"m{seed}")
-        smollm2_tokenizer.save_pretrained(root / f"m{seed}")
-        names.append(str(root / f"m{seed}"))
-    return names
+    Built once for the whole run (`built_once`): tests only read them."""
+
+    def build(root: Path) -> None:
+        for seed in (0, 1):
+            lm = make_tiny("llama", smollm2_tokenizer, seed=seed, n_layers=2)
+            lm.model.save_pretrained(root / f"m{seed}")
+            smollm2_tokenizer.save_pretrained(root / f"m{seed}")
+
+    root = built_once(tmp_path_factory, "family", build)
+    return [str(root / f"m{seed}") for seed in (0, 1)]
 
 
 @pytest.fixture(scope="session")
 def tiny_run(smollm2_tokenizer, tmp_path_factory) -> tuple[Path, Path]:
     """A tiny llama saved as a base directory, and a 4-step entity-tracking LoRA run over it saving steps 0, 2 and 4
-    (a trajectory of three checkpoints, ``f"{run}@{step}"``). Shared by the whole run (four test files): tests only
-    read it, or copy it."""
+    (a trajectory of three checkpoints, ``f"{run}@{step}"``). Built once for the whole run (`built_once`; four test
+    files): tests only read it, or copy it."""
     from mechdiff.commands.finetune import _save_spec
     from mechdiff.methods.finetune import FinetuneConfig, finetune
 
-    tmp_path = tmp_path_factory.mktemp("trajectory")
-    lm, base = make_tiny("llama", smollm2_tokenizer), tmp_path / "base"
-    lm.model.save_pretrained(base)
-    lm.tokenizer.save_pretrained(base)
-    with torch.no_grad():
-        lm.model.lm_head.weight.mul_(30)  # a learnable head, so the adapter moves (the base on disk is unscaled)
-    cfg = FinetuneConfig(
-        base=str(base),
-        rank=4,
-        alpha=8,
-        lr=1e-2,
-        steps=4,
-        batch_size=4,
-        eval_n=8,
-        eval_every=2,
-        min_boxes=2,
-        max_boxes=3,
-        save_steps=_save_spec("0,2,4"),
-    )
-    finetune(lm, cfg, tmp_path / "run", progress=False)
-    return base, tmp_path / "run"
+    def build(root: Path) -> None:
+        lm, base = make_tiny("llama", smollm2_tokenizer), root / "base"
+        lm.model.save_pretrained(base)
+        lm.tokenizer.save_pretrained(base)
+        with torch.no_grad():
+            lm.model.lm_head.weight.mul_(30)  # a learnable head, so the adapter moves (the base on disk is unscaled)
+        cfg = FinetuneConfig(
+            base=str(base),
+            rank=4,
+            alpha=8,
+            lr=1e-2,
+            steps=4,
+            batch_size=4,
+            eval_n=8,
+            eval_every=2,
+            min_boxes=2,
+            max_boxes=3,
+            save_steps=_save_spec("0,2,4"),
+        )
+        finetune(lm, cfg, root / "run", progress=False)
+
+    root = built_once(tmp_path_factory, "trajectory", build)
+    return root / "base", root / "run"
 
 
 def circuit_pairs(path: Path) -> dict[str, set[str]]:
@@ -449,12 +478,14 @@ def circuit_pairs(path: Path) -> dict[str, set[str]]:
 def tiny_study(tiny_family, tmp_path_factory) -> Path:
     """The whole ``tiny_spec`` study run once, uninterrupted, from an empty directory: ``<root>/run`` and
     ``<root>/store.h5``. The reference run of every test that needs a finished study or its results (its stage
-    records, report and manifest are those of that one run); tests copy it before changing anything."""
+    records, report and manifest are those of that one run), built once for the whole run (`built_once`); tests copy it
+    before changing anything."""
     from test_study import Study, tiny_spec  # tests/integration: only tests there ask for this fixture
 
-    root = tmp_path_factory.mktemp("tiny-study")
-    Study(tiny_spec(tiny_family, root), progress=False).run()
-    return root
+    def build(root: Path) -> None:
+        Study(tiny_spec(tiny_family, root), progress=False).run()
+
+    return built_once(tmp_path_factory, "tiny-study", build)
 
 
 def spy_runs(module, monkeypatch) -> list[tuple[tuple, dict]]:
@@ -494,8 +525,6 @@ def answer_records(tokenizer, answers: list[list[int]], alternatives: list[list[
 def save_wide_run(root: Path, tokenizer) -> Path:
     """Full-weight random llamas saved as a run at ``root``: steps 0, 5 (step 0's weights) and 10, whose blocks
     outweigh the read-out (4 layers of width 128), for tests whose planned cost must be decided by the blocks."""
-    import shutil
-
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     for seed, step in ((0, 0), (1, 10)):
