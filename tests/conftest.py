@@ -429,13 +429,33 @@ def tiny_family(tmp_path_factory, smollm2_tokenizer) -> list[str]:
     return [str(root / f"m{seed}") for seed in (0, 1)]
 
 
+def tiny_cfg(root: Path, **kw):
+    """A 4-step entity-tracking LoRA recipe (rank 4) over the tiny model saved at ``root / "base"``; ``kw`` override."""
+    from mechdiff.methods.finetune import FinetuneConfig
+
+    opts = dict(
+        base=str(root / "base"),
+        rank=4,
+        alpha=8,
+        lr=1e-2,
+        steps=4,
+        batch_size=4,
+        eval_n=8,
+        eval_every=2,
+        min_boxes=2,
+        max_boxes=3,
+        save_steps={"last": 4},
+    )
+    return FinetuneConfig(**{**opts, **kw})
+
+
 @pytest.fixture(scope="session")
 def tiny_run(smollm2_tokenizer, tmp_path_factory) -> tuple[Path, Path]:
     """A tiny llama saved as a base directory, and a 4-step entity-tracking LoRA run over it saving steps 0, 2 and 4
     (a trajectory of three checkpoints, ``f"{run}@{step}"``). Built once for the whole run (`built_once`; four test
     files): tests only read it, or copy it."""
     from mechdiff.commands.finetune import _save_spec
-    from mechdiff.methods.finetune import FinetuneConfig, finetune
+    from mechdiff.methods.finetune import finetune
 
     def build(root: Path) -> None:
         lm, base = make_tiny("llama", smollm2_tokenizer), root / "base"
@@ -443,20 +463,7 @@ def tiny_run(smollm2_tokenizer, tmp_path_factory) -> tuple[Path, Path]:
         lm.tokenizer.save_pretrained(base)
         with torch.no_grad():
             lm.model.lm_head.weight.mul_(30)  # a learnable head, so the adapter moves (the base on disk is unscaled)
-        cfg = FinetuneConfig(
-            base=str(base),
-            rank=4,
-            alpha=8,
-            lr=1e-2,
-            steps=4,
-            batch_size=4,
-            eval_n=8,
-            eval_every=2,
-            min_boxes=2,
-            max_boxes=3,
-            save_steps=_save_spec("0,2,4"),
-        )
-        finetune(lm, cfg, root / "run", progress=False)
+        finetune(lm, tiny_cfg(root, save_steps=_save_spec("0,2,4")), root / "run", progress=False)
 
     root = built_once(tmp_path_factory, "trajectory", build)
     return root / "base", root / "run"

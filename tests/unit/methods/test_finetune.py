@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_cfg
 
 from mechdiff.methods.finetune import (
     FinetuneConfig,
@@ -25,23 +26,6 @@ from mechdiff.tasks.entity_tracking import generate, load_vocabulary, vocabulary
 from mechdiff.tasks.entity_tracking.splits import eval_objects, split_objects, train_objects
 
 ZOO_RESULTS = Path(__file__).resolve().parents[3] / "results" / "zoo" / "eval-500.json"
-
-
-def tiny_cfg(tmp_path: Path, **kw) -> FinetuneConfig:
-    opts = dict(
-        base=str(tmp_path / "base"),
-        rank=4,
-        alpha=8,
-        lr=1e-2,
-        steps=4,
-        batch_size=4,
-        eval_n=8,
-        eval_every=2,
-        min_boxes=2,
-        max_boxes=3,
-        save_steps={"last": 4},
-    )
-    return FinetuneConfig(**{**opts, **kw})
 
 
 def save_base(lm, tmp_path: Path) -> Path:
